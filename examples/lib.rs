@@ -1,0 +1,1 @@
+//! Shared bits of the runnable examples (see the files in this folder).

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Installs torch==2.11.0 (the libtorch that tch 0.24 binds) from PyPI into a cached venv outside the clone,
+# and writes an env file the build sources. Idempotent: a second run finds the venv and says so.
+#
+#   TROUPE_CACHE   where the venv lives (default ~/.cache/troupe)
+#
+# Prints the path of the env file on its last line.
+set -euo pipefail
+
+TORCH_VERSION=2.11.0
+cache="${TROUPE_CACHE:-$HOME/.cache/troupe}"
+venv="$cache/venv-torch-$TORCH_VERSION"
+stamp="$venv/.troupe-provisioned"
+envfile="$cache/libtorch-$TORCH_VERSION.env"
+
+write_env() {
+  local torch_lib
+  torch_lib="$("$venv/bin/python" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')"
+  cat >"$envfile" <<ENV
+# written by scripts/provision-libtorch.sh; source before cargo build
+export LIBTORCH_USE_PYTORCH=1
+export PATH="$venv/bin:\$PATH"
+export TROUPE_TORCH_LIB="$torch_lib"
+ENV
+}
+
+if [[ -f "$stamp" ]] && "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  echo "libtorch: torch==$TORCH_VERSION already provisioned in $venv; nothing to do." >&2
+  [[ -f "$envfile" ]] || write_env
+  echo "$envfile"
+  exit 0
+fi
+
+command -v python3 >/dev/null || { echo "libtorch: python3 not found; install python3 (with venv and pip) first" >&2; exit 1; }
+mkdir -p "$cache"
+if ! python3 -m venv "$venv" 2>/dev/null; then
+  echo "libtorch: python3 -m venv failed; installing python3-venv" >&2
+  apt-get update -qq && apt-get install -y -qq python3-venv >/dev/null
+  python3 -m venv "$venv"
+fi
+echo "libtorch: installing torch==$TORCH_VERSION into $venv (about 80 s and 4.6 GB the first time)" >&2
+"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir "torch==$TORCH_VERSION" >&2
+write_env
+touch "$stamp"
+echo "libtorch: provisioned torch==$TORCH_VERSION in $venv" >&2
+echo "$envfile"
