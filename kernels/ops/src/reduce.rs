@@ -1,10 +1,17 @@
 //! Element-wise reduction of a received chunk into an f32 accumulator, as the collectives use it.
+//!
+//! CPU: plain loops over slices that LLVM vectorizes (f32 and bf16 directly; f16 is widened in
+//! L1-sized blocks with `half`'s slice conversion, which uses F16C when the CPU has it), split across
+//! threads for buffers of [`crate::cpu_parallel::PARALLEL_MIN_ELEMS`] elements or more.
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
+
+use crate::cpu_parallel::{chunk_elems, for_each_part};
 
 /// How two values combine in a reduction. `Avg` accumulates like `Sum`; the caller divides once with
 /// [`finish_avg`] after the last contribution.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum ReduceOp {
     Sum,
     Avg,
@@ -12,9 +19,31 @@ pub enum ReduceOp {
     Min,
 }
 
+/// Elements widened per block when an input type has no direct f32 path (f16).
+const WIDEN_BLOCK_ELEMS: usize = 1024;
+
 /// An element type the reduction reads; accumulation is always f32.
-pub trait ReduceInput: Copy {
+pub trait ReduceInput: Copy + Send + Sync {
     fn to_f32(self) -> f32;
+
+    /// `acc[i] = op(acc[i], src[i])` on one thread. The default reads element by element; types with a
+    /// faster slice conversion override it.
+    #[inline]
+    fn reduce_block(acc: &mut [f32], src: &[Self], op: ReduceOp) {
+        match op {
+            ReduceOp::Sum | ReduceOp::Avg => {
+                acc.iter_mut().zip(src).for_each(|(a, s)| *a += s.to_f32())
+            }
+            ReduceOp::Max => acc
+                .iter_mut()
+                .zip(src)
+                .for_each(|(a, s)| *a = nan_max(*a, s.to_f32())),
+            ReduceOp::Min => acc
+                .iter_mut()
+                .zip(src)
+                .for_each(|(a, s)| *a = nan_min(*a, s.to_f32())),
+        }
+    }
 }
 
 impl ReduceInput for f32 {
@@ -27,7 +56,8 @@ impl ReduceInput for f32 {
 impl ReduceInput for bf16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
-        bf16::to_f32(self)
+        // Exact: a bf16 is the upper half of an f32.
+        f32::from_bits(u32::from(self.to_bits()) << 16)
     }
 }
 
@@ -36,6 +66,18 @@ impl ReduceInput for f16 {
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
     }
+
+    fn reduce_block(acc: &mut [f32], src: &[Self], op: ReduceOp) {
+        let mut widened = [0.0f32; WIDEN_BLOCK_ELEMS];
+        for (acc, src) in acc
+            .chunks_mut(WIDEN_BLOCK_ELEMS)
+            .zip(src.chunks(WIDEN_BLOCK_ELEMS))
+        {
+            let widened = &mut widened[..src.len()];
+            src.convert_to_f32_slice(widened);
+            f32::reduce_block(acc, widened, op);
+        }
+    }
 }
 
 /// `acc[i] = op(acc[i], src[i])`. Max and min propagate NaN (like torch.maximum).
@@ -43,63 +85,209 @@ impl ReduceInput for f16 {
 /// # Panics
 /// If the lengths differ: that is a broken plan, not a peer's fault.
 pub fn reduce_into<T: ReduceInput>(acc: &mut [f32], src: &[T], op: ReduceOp) {
-    assert_eq!(acc.len(), src.len(), "reduce_into: accumulator and source lengths differ");
-    match op {
-        ReduceOp::Sum | ReduceOp::Avg => acc.iter_mut().zip(src).for_each(|(a, s)| *a += s.to_f32()),
-        ReduceOp::Max => acc.iter_mut().zip(src).for_each(|(a, s)| *a = nan_max(*a, s.to_f32())),
-        ReduceOp::Min => acc.iter_mut().zip(src).for_each(|(a, s)| *a = nan_min(*a, s.to_f32())),
-    }
+    assert_eq!(
+        acc.len(),
+        src.len(),
+        "reduce_into: accumulator and source lengths differ"
+    );
+    let chunk = chunk_elems(acc.len());
+    for_each_part(
+        acc.chunks_mut(chunk).zip(src.chunks(chunk)),
+        |(acc, src)| T::reduce_block(acc, src, op),
+    );
 }
 
-/// Divides an `Avg` accumulator by the number of contributions.
+/// Divides an `Avg` accumulator by the number of contributions (multiplies by its f32 reciprocal).
 pub fn finish_avg(acc: &mut [f32], contributions: usize) {
     let inv = 1.0 / contributions as f32;
-    acc.iter_mut().for_each(|a| *a *= inv);
+    let chunk = chunk_elems(acc.len());
+    for_each_part(acc.chunks_mut(chunk), |acc| {
+        acc.iter_mut().for_each(|a| *a *= inv)
+    });
 }
 
+/// The larger of two values, NaN if either is NaN. Written as one unordered compare and a select so
+/// that it vectorizes (`b > a` is false when either is NaN; then `b` is taken only if it is the NaN).
 #[inline(always)]
-fn nan_max(a: f32, b: f32) -> f32 {
-    if a.is_nan() || b.is_nan() {
-        f32::NAN
+pub(crate) fn nan_max(a: f32, b: f32) -> f32 {
+    if b > a || b.is_nan() {
+        b
     } else {
-        a.max(b)
+        a
     }
 }
 
+/// The smaller of two values, NaN if either is NaN.
 #[inline(always)]
-fn nan_min(a: f32, b: f32) -> f32 {
-    if a.is_nan() || b.is_nan() {
-        f32::NAN
+pub(crate) fn nan_min(a: f32, b: f32) -> f32 {
+    if b < a || b.is_nan() {
+        b
     } else {
-        a.min(b)
+        a
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu_parallel::PARALLEL_MIN_ELEMS;
+    use proptest::prelude::*;
 
-    fn check(op: ReduceOp, acc: &[f32], src: &[f32], expected: &[f32]) {
-        let mut acc = acc.to_vec();
-        reduce_into(&mut acc, src, op);
-        for (got, want) in acc.iter().zip(expected) {
-            assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{op:?}: {got} != {want}");
+    /// The scalar reference: what one element of a reduction must give.
+    fn reference(op: ReduceOp, a: f32, s: f32) -> f32 {
+        match op {
+            ReduceOp::Sum | ReduceOp::Avg => a + s,
+            ReduceOp::Max if a.is_nan() || s.is_nan() => f32::NAN,
+            ReduceOp::Min if a.is_nan() || s.is_nan() => f32::NAN,
+            ReduceOp::Max => a.max(s),
+            ReduceOp::Min => a.min(s),
+        }
+    }
+
+    fn same(got: f32, want: f32) -> bool {
+        got == want || (got.is_nan() && want.is_nan())
+    }
+
+    fn check<T: ReduceInput + std::fmt::Debug>(op: ReduceOp, acc: &[f32], src: &[T]) {
+        let mut got = acc.to_vec();
+        reduce_into(&mut got, src, op);
+        for (i, ((g, a), s)) in got.iter().zip(acc).zip(src).enumerate() {
+            let want = reference(op, *a, s.to_f32());
+            assert!(
+                same(*g, want),
+                "{op:?} at {i}: op({a}, {s:?}) gave {g}, want {want}"
+            );
+        }
+    }
+
+    const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
+    const EDGES: [f32; 10] = [
+        0.0,
+        -0.0,
+        1.0,
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        1e-45,
+        -1e-40,
+        f32::MAX,
+        f32::MIN_POSITIVE,
+    ];
+
+    #[test]
+    fn ops_combine_elementwise() {
+        let mut acc = vec![1.0, 2.0];
+        reduce_into(&mut acc, &[0.5f32, -2.0], ReduceOp::Sum);
+        assert_eq!(acc, vec![1.5, 0.0]);
+        let mut acc = vec![1.0, 2.0];
+        reduce_into(&mut acc, &[0.5f32, 3.0], ReduceOp::Max);
+        assert_eq!(acc, vec![1.0, 3.0]);
+        let mut acc = vec![1.0, 2.0];
+        reduce_into(&mut acc, &[0.5f32, 3.0], ReduceOp::Min);
+        assert_eq!(acc, vec![0.5, 2.0]);
+    }
+
+    #[test]
+    fn nan_propagates_from_either_side_in_max_and_min() {
+        for op in [ReduceOp::Max, ReduceOp::Min] {
+            let mut acc = vec![f32::NAN, 1.0, f32::NAN];
+            reduce_into(&mut acc, &[1.0f32, f32::NAN, f32::NAN], op);
+            assert!(acc.iter().all(|x| x.is_nan()), "{op:?}: {acc:?}");
         }
     }
 
     #[test]
-    fn ops_combine_elementwise() {
-        check(ReduceOp::Sum, &[1.0, 2.0], &[0.5, -2.0], &[1.5, 0.0]);
-        check(ReduceOp::Max, &[1.0, 2.0], &[0.5, 3.0], &[1.0, 3.0]);
-        check(ReduceOp::Min, &[1.0, 2.0], &[0.5, 3.0], &[0.5, 2.0]);
-        check(ReduceOp::Max, &[1.0], &[f32::NAN], &[f32::NAN]);
+    fn every_pair_of_edge_values_matches_the_reference() {
+        let acc: Vec<f32> = EDGES
+            .iter()
+            .flat_map(|a| EDGES.iter().map(move |_| *a))
+            .collect();
+        let src: Vec<f32> = EDGES.iter().flat_map(|_| EDGES.iter().copied()).collect();
+        for op in OPS {
+            check(op, &acc, &src);
+            check(
+                op,
+                &acc,
+                &src.iter().map(|x| bf16::from_f32(*x)).collect::<Vec<_>>(),
+            );
+            check(
+                op,
+                &acc,
+                &src.iter().map(|x| f16::from_f32(*x)).collect::<Vec<_>>(),
+            );
+        }
+    }
+
+    #[test]
+    fn empty_buffers_are_a_no_op() {
+        let mut acc: Vec<f32> = vec![];
+        reduce_into(&mut acc, &[] as &[f16], ReduceOp::Sum);
+        finish_avg(&mut acc, 3);
+        assert!(acc.is_empty());
     }
 
     #[test]
     fn avg_divides_once() {
         let mut acc = vec![1.0f32, 3.0];
-        reduce_into(&mut acc, &[bf16::from_f32(3.0), bf16::from_f32(5.0)], ReduceOp::Avg);
+        reduce_into(
+            &mut acc,
+            &[bf16::from_f32(3.0), bf16::from_f32(5.0)],
+            ReduceOp::Avg,
+        );
         finish_avg(&mut acc, 2);
         assert_eq!(acc, vec![2.0, 4.0]);
+    }
+
+    #[test]
+    fn large_buffers_split_across_threads_match_the_reference() {
+        let len = PARALLEL_MIN_ELEMS * 2 + 1001;
+        let acc: Vec<f32> = (0..len).map(|i| (i % 97) as f32 - 48.0).collect();
+        let src: Vec<f32> = (0..len).map(|i| ((i * 31) % 89) as f32 * 0.25).collect();
+        for op in OPS {
+            check(op, &acc, &src);
+            check(
+                op,
+                &acc,
+                &src.iter().map(|x| f16::from_f32(*x)).collect::<Vec<_>>(),
+            );
+        }
+        let mut avg = acc.clone();
+        finish_avg(&mut avg, 4);
+        assert!(avg.iter().zip(&acc).all(|(g, a)| *g == a * 0.25));
+    }
+
+    #[test]
+    #[should_panic(expected = "lengths differ")]
+    fn mismatched_lengths_are_a_broken_plan() {
+        reduce_into(&mut [0.0f32; 3], &[0.0f32; 2], ReduceOp::Sum);
+    }
+
+    fn any_op() -> impl Strategy<Value = ReduceOp> {
+        prop_oneof![
+            Just(ReduceOp::Sum),
+            Just(ReduceOp::Avg),
+            Just(ReduceOp::Max),
+            Just(ReduceOp::Min)
+        ]
+    }
+
+    /// Any f32 bit pattern: NaNs, infinities and subnormals included.
+    fn any_bits_f32() -> impl Strategy<Value = f32> {
+        any::<u32>().prop_map(f32::from_bits)
+    }
+
+    proptest! {
+        #[test]
+        fn random_f32_inputs_match_the_reference(op in any_op(), pairs in prop::collection::vec((any_bits_f32(), any_bits_f32()), 0..3000)) {
+            let (acc, src): (Vec<f32>, Vec<f32>) = pairs.into_iter().unzip();
+            check(op, &acc, &src);
+        }
+
+        #[test]
+        fn random_half_inputs_match_the_reference(op in any_op(), pairs in prop::collection::vec((any_bits_f32(), any::<u16>()), 0..3000)) {
+            let (acc, bits): (Vec<f32>, Vec<u16>) = pairs.into_iter().unzip();
+            check(op, &acc, &bits.iter().map(|b| bf16::from_bits(*b)).collect::<Vec<_>>());
+            check(op, &acc, &bits.iter().map(|b| f16::from_bits(*b)).collect::<Vec<_>>());
+        }
     }
 }
