@@ -1,0 +1,459 @@
+//! The collective API over a transport. Every call is stamped with (group, epoch, sequence number):
+//! ranks issue collectives in the same order, so the n-th call of an epoch has the same tag
+//! everywhere, and a message of another call or a stale epoch can never be mistaken for this one's.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use troupe_kernels::reduce::ReduceOp;
+
+use super::exec::{execute, ExecContext};
+use super::plan::{self, Plan};
+use super::{chunk_range, Dtype, Element};
+use crate::error::Rank;
+use crate::transport::{LossScope, Transport};
+use crate::wire::Tag;
+use crate::{ClusterError, TransportConfig};
+
+/// The collective operations, whatever moves the bytes (a transport here, NCCL for CUDA buffers).
+pub trait Collective {
+    type Buffer<E: Element>: ?Sized;
+    fn rank(&self) -> Rank;
+    fn world(&self) -> usize;
+    fn all_reduce<E: Element>(
+        &mut self,
+        buf: &mut Self::Buffer<E>,
+        op: ReduceOp,
+    ) -> impl Future<Output = Result<(), ClusterError>>;
+    fn broadcast<E: Element>(
+        &mut self,
+        buf: &mut Self::Buffer<E>,
+        root: Rank,
+    ) -> impl Future<Output = Result<(), ClusterError>>;
+    fn barrier(&mut self) -> impl Future<Output = Result<(), ClusterError>>;
+}
+
+/// Algorithm choices and the wait bound. Every rank of a group must use the same values (they decide
+/// how many messages a call exchanges).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CollectiveConfig {
+    pub small_message_bytes_max: usize,
+    pub pipeline_slice_bytes: usize,
+    pub collective_timeout_ms: u64,
+}
+
+impl From<&TransportConfig> for CollectiveConfig {
+    fn from(c: &TransportConfig) -> Self {
+        CollectiveConfig {
+            small_message_bytes_max: c.small_message_bytes_max,
+            pipeline_slice_bytes: c.pipeline_slice_bytes,
+            collective_timeout_ms: c.collective_timeout_ms,
+        }
+    }
+}
+
+/// Tag step used by point-to-point messages (collective steps count up from 0).
+const P2P_STEP: u32 = u32::MAX;
+
+pub struct Communicator<T: Transport> {
+    transport: Arc<T>,
+    group: u32,
+    epoch: u64,
+    seq: u64,
+    p2p_sent: Vec<u64>,
+    p2p_received: Vec<u64>,
+    config: CollectiveConfig,
+}
+
+fn to_f32<E: Element>(data: &[E]) -> Vec<f32> {
+    data.iter().map(|v| v.to_f32()).collect()
+}
+
+fn write_back<E: Element>(acc: &[f32], out: &mut [E]) {
+    out.iter_mut()
+        .zip(acc)
+        .for_each(|(o, a)| *o = E::from_f32(*a));
+}
+
+impl<T: Transport> Communicator<T> {
+    pub fn new(transport: Arc<T>, group: u32, epoch: u64, config: CollectiveConfig) -> Self {
+        let n = transport.world();
+        transport.fence(epoch);
+        Communicator {
+            transport,
+            group,
+            epoch,
+            seq: 0,
+            p2p_sent: vec![0; n],
+            p2p_received: vec![0; n],
+            config,
+        }
+    }
+
+    pub fn transport(&self) -> &Arc<T> {
+        &self.transport
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Moves to a new epoch: sequence numbers restart and every message of an older epoch — buffered
+    /// or still in flight — is dropped.
+    pub fn set_epoch(&mut self, epoch: u64) {
+        assert!(
+            epoch > self.epoch,
+            "epochs only grow ({} -> {epoch})",
+            self.epoch
+        );
+        self.epoch = epoch;
+        self.seq = 0;
+        self.p2p_sent.iter_mut().for_each(|c| *c = 0);
+        self.p2p_received.iter_mut().for_each(|c| *c = 0);
+        self.transport.fence(epoch);
+    }
+
+    fn next_tag(&mut self) -> Tag {
+        let tag = Tag {
+            group: self.group,
+            epoch: self.epoch,
+            seq: self.seq,
+            step: 0,
+        };
+        self.seq += 1;
+        tag
+    }
+
+    fn ctx(&self, tag: Tag, op: ReduceOp, op_name: &'static str) -> ExecContext {
+        ExecContext {
+            op,
+            contributions: self.transport.world(),
+            tag,
+            timeout_ms: self.config.collective_timeout_ms,
+            op_name,
+        }
+    }
+
+    /// Runs one plan per slice of `acc`, all slices concurrently (a pipeline): slice i uses tag steps
+    /// from `i * steps_per_plan`.
+    async fn run_sliced<E: Element>(
+        &self,
+        acc: &mut [f32],
+        ctx: ExecContext,
+        elems_per_slice: usize,
+        make: impl Fn(usize) -> Plan,
+    ) -> Result<(), ClusterError> {
+        if acc.is_empty() {
+            return execute::<T, E>(&self.transport, &make(0), acc, ctx).await;
+        }
+        let steps = make(1).steps.len() as u32;
+        let slices = acc
+            .chunks_mut(elems_per_slice.max(1))
+            .enumerate()
+            .map(|(i, slice)| {
+                let plan = make(slice.len());
+                let ctx = ExecContext {
+                    tag: Tag {
+                        step: i as u32 * steps,
+                        ..ctx.tag
+                    },
+                    ..ctx
+                };
+                async move { execute::<T, E>(&self.transport, &plan, slice, ctx).await }
+            });
+        futures::future::try_join_all(slices).await.map(|_| ())
+    }
+
+    fn slice_elems<E: Element>(&self) -> usize {
+        (self.config.pipeline_slice_bytes / E::BYTES).max(1)
+    }
+
+    async fn all_reduce_f32<E: Element>(
+        &mut self,
+        acc: &mut [f32],
+        op: ReduceOp,
+    ) -> Result<(), ClusterError> {
+        let tag = self.next_tag();
+        let ctx = self.ctx(tag, op, "all_reduce");
+        let (rank, n) = (self.transport.rank(), self.transport.world());
+        if acc.len() * E::BYTES < self.config.small_message_bytes_max {
+            execute::<T, E>(
+                &self.transport,
+                &plan::plan_recursive_doubling_all_reduce(rank, n, acc.len()),
+                acc,
+                ctx,
+            )
+            .await
+        } else {
+            let per = self.slice_elems::<E>();
+            self.run_sliced::<E>(acc, ctx, per, |len| {
+                plan::plan_ring_all_reduce(rank, n, len)
+            })
+            .await
+        }
+    }
+
+    /// Runs `body` on an f32 view of `data`: in place for f32, through a converted copy otherwise.
+    async fn with_acc<E: Element>(
+        &mut self,
+        data: &mut [E],
+        op: ReduceOp,
+        kind: Kind,
+    ) -> Result<(), ClusterError> {
+        if E::DTYPE == Dtype::F32 {
+            let acc: &mut [f32] = bytemuck::cast_slice_mut(data);
+            return self.dispatch::<E>(acc, op, kind).await;
+        }
+        let mut acc = to_f32(data);
+        self.dispatch::<E>(&mut acc, op, kind).await?;
+        write_back(&acc, data);
+        Ok(())
+    }
+
+    async fn dispatch<E: Element>(
+        &mut self,
+        acc: &mut [f32],
+        op: ReduceOp,
+        kind: Kind,
+    ) -> Result<(), ClusterError> {
+        let (rank, n) = (self.transport.rank(), self.transport.world());
+        let per = self.slice_elems::<E>();
+        match kind {
+            Kind::AllReduce => self.all_reduce_f32::<E>(acc, op).await,
+            Kind::Broadcast(root) => {
+                let tag = self.next_tag();
+                let ctx = self.ctx(tag, op, "broadcast");
+                self.run_sliced::<E>(acc, ctx, per, |len| {
+                    plan::plan_tree_broadcast(rank, n, len, root)
+                })
+                .await
+            }
+            Kind::Reduce(root) => {
+                let tag = self.next_tag();
+                let ctx = self.ctx(tag, op, "reduce");
+                self.run_sliced::<E>(acc, ctx, per, |len| {
+                    plan::plan_tree_reduce(rank, n, len, root)
+                })
+                .await
+            }
+        }
+    }
+
+    fn check_root(&self, root: Rank, op: &'static str) -> Result<(), ClusterError> {
+        if root >= self.transport.world() {
+            return Err(ClusterError::InvalidArgument {
+                rank: self.transport.rank(),
+                op,
+                reason: format!("root {root} outside world of {}", self.transport.world()),
+            });
+        }
+        Ok(())
+    }
+
+    /// Every rank ends with `op` over all ranks' `data`.
+    pub async fn all_reduce<E: Element>(
+        &mut self,
+        data: &mut [E],
+        op: ReduceOp,
+    ) -> Result<(), ClusterError> {
+        self.with_acc(data, op, Kind::AllReduce).await
+    }
+
+    /// Every rank ends with `root`'s `data`.
+    pub async fn broadcast<E: Element>(
+        &mut self,
+        data: &mut [E],
+        root: Rank,
+    ) -> Result<(), ClusterError> {
+        self.check_root(root, "broadcast")?;
+        self.with_acc(data, ReduceOp::Sum, Kind::Broadcast(root))
+            .await
+    }
+
+    /// `root` ends with `op` over all ranks' `data`; other ranks' buffers hold partial results.
+    pub async fn reduce<E: Element>(
+        &mut self,
+        data: &mut [E],
+        op: ReduceOp,
+        root: Rank,
+    ) -> Result<(), ClusterError> {
+        self.check_root(root, "reduce")?;
+        self.with_acc(data, op, Kind::Reduce(root)).await
+    }
+
+    /// `input` is this rank's chunk `chunk_range(output.len(), world, rank)`; every rank ends with the
+    /// concatenation of all chunks in `output`.
+    pub async fn all_gather<E: Element>(
+        &mut self,
+        input: &[E],
+        output: &mut [E],
+    ) -> Result<(), ClusterError> {
+        let (rank, n) = (self.transport.rank(), self.transport.world());
+        let own = chunk_range(output.len(), n, rank);
+        if input.len() != own.len() {
+            return Err(ClusterError::InvalidArgument {
+                rank,
+                op: "all_gather",
+                reason: format!(
+                    "input has {} elements, chunk {rank} of {} has {}",
+                    input.len(),
+                    output.len(),
+                    own.len()
+                ),
+            });
+        }
+        let mut acc = vec![0f32; output.len()];
+        acc[own]
+            .iter_mut()
+            .zip(input)
+            .for_each(|(a, v)| *a = v.to_f32());
+        let tag = self.next_tag();
+        let ctx = self.ctx(tag, ReduceOp::Sum, "all_gather");
+        execute::<T, E>(
+            &self.transport,
+            &plan::plan_ring_all_gather(rank, n, output.len()),
+            &mut acc,
+            ctx,
+        )
+        .await?;
+        write_back(&acc, output);
+        Ok(())
+    }
+
+    /// Reduces `input` over all ranks; this rank gets chunk `chunk_range(input.len(), world, rank)` of
+    /// the result in `output`.
+    pub async fn reduce_scatter<E: Element>(
+        &mut self,
+        input: &[E],
+        output: &mut [E],
+        op: ReduceOp,
+    ) -> Result<(), ClusterError> {
+        let (rank, n) = (self.transport.rank(), self.transport.world());
+        let own = chunk_range(input.len(), n, rank);
+        if output.len() != own.len() {
+            return Err(ClusterError::InvalidArgument {
+                rank,
+                op: "reduce_scatter",
+                reason: format!(
+                    "output has {} elements, chunk {rank} of {} has {}",
+                    output.len(),
+                    input.len(),
+                    own.len()
+                ),
+            });
+        }
+        let mut acc = to_f32(input);
+        let tag = self.next_tag();
+        let ctx = self.ctx(tag, op, "reduce_scatter");
+        execute::<T, E>(
+            &self.transport,
+            &plan::plan_ring_reduce_scatter(rank, n, input.len()),
+            &mut acc,
+            ctx,
+        )
+        .await?;
+        write_back(&acc[own], output);
+        Ok(())
+    }
+
+    /// Returns once every rank has entered the barrier.
+    pub async fn barrier(&mut self) -> Result<(), ClusterError> {
+        let (rank, n) = (self.transport.rank(), self.transport.world());
+        let tag = self.next_tag();
+        let ctx = self.ctx(tag, ReduceOp::Sum, "barrier");
+        execute::<T, f32>(&self.transport, &plan::plan_barrier(rank, n), &mut [], ctx).await
+    }
+
+    /// Point-to-point: the k-th `send` to a peer matches that peer's k-th `recv` from us (per epoch).
+    pub async fn send<E: Element>(&mut self, to: Rank, data: &[E]) -> Result<(), ClusterError> {
+        let tag = Tag {
+            group: self.group,
+            epoch: self.epoch,
+            seq: self.p2p_sent[to],
+            step: P2P_STEP,
+        };
+        self.p2p_sent[to] += 1;
+        self.transport
+            .send(
+                to,
+                tag,
+                bytes::Bytes::copy_from_slice(bytemuck::cast_slice(data)),
+            )
+            .await
+    }
+
+    pub async fn recv<E: Element>(
+        &mut self,
+        from: Rank,
+        out: &mut [E],
+    ) -> Result<(), ClusterError> {
+        let tag = Tag {
+            group: self.group,
+            epoch: self.epoch,
+            seq: self.p2p_received[from],
+            step: P2P_STEP,
+        };
+        self.p2p_received[from] += 1;
+        let payload = self
+            .transport
+            .recv(
+                from,
+                tag,
+                LossScope::Peer,
+                self.config.collective_timeout_ms,
+            )
+            .await?;
+        let bytes = payload.to_vec();
+        let expected = std::mem::size_of_val(out);
+        if bytes.len() != expected {
+            return Err(ClusterError::LengthMismatch {
+                rank: self.transport.rank(),
+                op: "recv",
+                peer: from,
+                got: bytes.len(),
+                expected,
+            });
+        }
+        bytemuck::cast_slice_mut::<E, u8>(out).copy_from_slice(&bytes);
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    AllReduce,
+    Broadcast(Rank),
+    Reduce(Rank),
+}
+
+impl<T: Transport> Collective for Communicator<T> {
+    type Buffer<E: Element> = [E];
+
+    fn rank(&self) -> Rank {
+        self.transport.rank()
+    }
+
+    fn world(&self) -> usize {
+        self.transport.world()
+    }
+
+    async fn all_reduce<E: Element>(
+        &mut self,
+        buf: &mut [E],
+        op: ReduceOp,
+    ) -> Result<(), ClusterError> {
+        Communicator::all_reduce(self, buf, op).await
+    }
+
+    async fn broadcast<E: Element>(
+        &mut self,
+        buf: &mut [E],
+        root: Rank,
+    ) -> Result<(), ClusterError> {
+        Communicator::broadcast(self, buf, root).await
+    }
+
+    async fn barrier(&mut self) -> Result<(), ClusterError> {
+        Communicator::barrier(self).await
+    }
+}

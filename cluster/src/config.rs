@@ -1,0 +1,71 @@
+//! Every limit and timeout of the transport and the collectives, each with its unit in its name.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TransportConfig {
+    /// Largest payload one frame may carry; a larger announced length closes the connection.
+    /// Bigger messages are split into frames of at most this size.
+    pub frame_bytes_max: u32,
+    /// Most frames one message may be split into (bounds reassembly state per message).
+    pub message_frames_max: u16,
+    /// Messages buffered per peer that no receive has asked for yet; more closes the connection.
+    pub unmatched_messages_max: usize,
+    /// No packet from a peer for this long: the connection is dead and the peer is lost.
+    pub idle_timeout_ms: u64,
+    /// Keep-alive ping interval; must be well under `idle_timeout_ms`.
+    pub keep_alive_interval_ms: u64,
+    /// How long establishing the mesh may take before it fails.
+    pub connect_timeout_ms: u64,
+    /// Backstop for any single receive inside a collective (peer loss normally surfaces sooner).
+    pub collective_timeout_ms: u64,
+    /// QUIC per-stream receive window. Keep ≤ 2 MiB (quinn issue 2809).
+    pub stream_receive_window_bytes: u32,
+    /// QUIC connection-wide receive window.
+    pub connection_receive_window_bytes: u32,
+    /// QUIC send window per connection.
+    pub send_window_bytes: u64,
+    /// Concurrent unidirectional streams a peer may open (one per in-flight message).
+    pub concurrent_streams_max: u32,
+    /// Upper bound for QUIC path-MTU discovery (1452 is quinn's default; loopback allows ~65 000).
+    pub mtu_upper_bound_bytes: u16,
+    /// Kernel UDP socket buffer sizes requested (capped by net.core.{r,w}mem_max).
+    pub socket_buffer_bytes: usize,
+    /// All-reduce below this size uses recursive doubling (latency-optimal); at or above, the ring.
+    pub small_message_bytes_max: usize,
+    /// Large collectives are cut into slices of about this many bytes, run as a pipeline.
+    pub pipeline_slice_bytes: usize,
+}
+
+impl Default for TransportConfig {
+    fn default() -> Self {
+        TransportConfig {
+            frame_bytes_max: 16 << 20,
+            message_frames_max: 4096,
+            unmatched_messages_max: 4096,
+            idle_timeout_ms: 2_000,
+            keep_alive_interval_ms: 400,
+            connect_timeout_ms: 10_000,
+            collective_timeout_ms: 60_000,
+            stream_receive_window_bytes: 2 << 20,
+            connection_receive_window_bytes: 64 << 20,
+            send_window_bytes: 64 << 20,
+            concurrent_streams_max: 1024,
+            mtu_upper_bound_bytes: 1452,
+            socket_buffer_bytes: 4 << 20,
+            small_message_bytes_max: 64 << 10,
+            pipeline_slice_bytes: 4 << 20,
+        }
+    }
+}
+
+impl TransportConfig {
+    /// Tuned for ranks on one machine talking over the loopback interface (MTU 65 536).
+    pub fn loopback() -> Self {
+        TransportConfig {
+            mtu_upper_bound_bytes: 65_000,
+            ..Self::default()
+        }
+    }
+}

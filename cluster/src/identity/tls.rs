@@ -1,0 +1,74 @@
+//! rustls configurations (ring provider, TLS 1.3 only) for mutual authentication inside one cluster.
+
+use std::sync::Arc;
+
+use rustls::client::WebPkiServerVerifier;
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::{CertificateDer, ServerName};
+use rustls::server::WebPkiClientVerifier;
+use rustls::RootCertStore;
+
+use super::NodeIdentity;
+use crate::ClusterError;
+
+/// ALPN protocol id; a peer speaking anything else fails the handshake.
+pub const ALPN: &[u8] = b"troupe/1";
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn roots(id: &NodeIdentity) -> Result<Arc<RootCertStore>, ClusterError> {
+    let mut roots = RootCertStore::empty();
+    roots
+        .add(id.ca.clone())
+        .map_err(|e| ClusterError::Tls(format!("cluster CA: {e}")))?;
+    Ok(Arc::new(roots))
+}
+
+/// Server side: requires a client certificate chaining to the cluster CA.
+pub fn server_config(id: &NodeIdentity) -> Result<rustls::ServerConfig, ClusterError> {
+    let tls = |e: rustls::Error| ClusterError::Tls(e.to_string());
+    let verifier = WebPkiClientVerifier::builder_with_provider(roots(id)?, provider())
+        .build()
+        .map_err(|e| ClusterError::Tls(e.to_string()))?;
+    let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls)?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(vec![id.cert.clone()], id.key.clone_key())
+        .map_err(tls)?;
+    cfg.alpn_protocols = vec![ALPN.to_vec()];
+    cfg.max_early_data_size = 0;
+    Ok(cfg)
+}
+
+/// Client side: presents this node's certificate, and checks the server's against the cluster CA and
+/// the server name dialed.
+pub fn client_config(id: &NodeIdentity) -> Result<rustls::ClientConfig, ClusterError> {
+    let tls = |e: rustls::Error| ClusterError::Tls(e.to_string());
+    let verifier = WebPkiServerVerifier::builder_with_provider(roots(id)?, provider())
+        .build()
+        .map_err(|e| ClusterError::Tls(e.to_string()))?;
+    let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls)?
+        .with_webpki_verifier(verifier)
+        .with_client_auth_cert(vec![id.cert.clone()], id.key.clone_key())
+        .map_err(tls)?;
+    cfg.alpn_protocols = vec![ALPN.to_vec()];
+    Ok(cfg)
+}
+
+/// Checks that `certs` (as `Connection::peer_identity()` returns them, already verified against the CA
+/// during the handshake) name `name`.
+pub fn verify_peer_name(certs: &[CertificateDer<'static>], name: &str) -> Result<(), String> {
+    let leaf = certs.first().ok_or("peer presented no certificate")?;
+    let cert = webpki::EndEntityCert::try_from(leaf)
+        .map_err(|e| format!("unparsable peer certificate: {e}"))?;
+    let server_name =
+        ServerName::try_from(name.to_string()).map_err(|e| format!("bad name {name:?}: {e}"))?;
+    cert.verify_is_valid_for_subject_name(&server_name)
+        .map_err(|e| format!("certificate is not for {name:?}: {e}"))?;
+    Ok(())
+}

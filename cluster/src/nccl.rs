@@ -1,0 +1,1 @@
+//! NCCL backend (placeholder until written).

@@ -1,0 +1,245 @@
+//! Where received messages meet the receives that want them. Shared by every transport.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+
+use super::Payload;
+use crate::error::Rank;
+use crate::wire::{Tag, WireError};
+use crate::ClusterError;
+
+/// Which peer losses fail a receive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LossScope {
+    /// Only the loss of the peer received from (point-to-point).
+    Peer,
+    /// The loss of any peer: a collective cannot complete once a member is gone.
+    Group,
+}
+
+type Key = (Rank, Tag);
+type Waiter = oneshot::Sender<Result<Payload, ClusterError>>;
+
+#[derive(Default)]
+struct State {
+    arrived: HashMap<Key, Payload>,
+    arrived_per_peer: HashMap<Rank, usize>,
+    waiting: HashMap<Key, (LossScope, Waiter)>,
+    fenced_epoch: u64,
+    /// Peers whose connection failed (not a goodbye), with the reason.
+    lost: HashMap<Rank, String>,
+    /// Peers that said goodbye.
+    departed: HashMap<Rank, ()>,
+    closed: bool,
+}
+
+pub struct Mailbox {
+    rank: Rank,
+    unmatched_messages_max: usize,
+    state: Mutex<State>,
+}
+
+impl Mailbox {
+    pub fn new(rank: Rank, unmatched_messages_max: usize) -> Self {
+        Mailbox {
+            rank,
+            unmatched_messages_max,
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A complete message arrived. An error means the peer broke the protocol; close its connection.
+    pub fn deliver(&self, from: Rank, tag: Tag, payload: Payload) -> Result<(), WireError> {
+        let mut s = self.lock();
+        if tag.epoch < s.fenced_epoch {
+            tracing::debug!(
+                rank = self.rank,
+                from,
+                ?tag,
+                fenced = s.fenced_epoch,
+                "dropping stale-epoch message"
+            );
+            return Ok(());
+        }
+        let key = (from, tag);
+        if let Some((_, waiter)) = s.waiting.remove(&key) {
+            let _ = waiter.send(Ok(payload));
+            return Ok(());
+        }
+        if s.arrived.contains_key(&key) {
+            return Err(WireError::Protocol(format!("duplicate message {tag:?}")));
+        }
+        let count = s.arrived_per_peer.entry(from).or_default();
+        if *count >= self.unmatched_messages_max {
+            return Err(WireError::Protocol(format!(
+                "more than unmatched_messages_max = {} unreceived messages",
+                self.unmatched_messages_max
+            )));
+        }
+        *count += 1;
+        s.arrived.insert(key, payload);
+        Ok(())
+    }
+
+    fn lost_error(&self, peer: Rank, epoch: u64, reason: &str) -> ClusterError {
+        ClusterError::PeerLost {
+            rank: self.rank,
+            peer,
+            epoch,
+            reason: reason.to_string(),
+        }
+    }
+
+    /// The connection to `peer` failed. Fails every receive that this loss affects.
+    pub fn peer_lost(&self, peer: Rank, reason: String) {
+        let mut s = self.lock();
+        if s.departed.contains_key(&peer) || s.lost.contains_key(&peer) {
+            return;
+        }
+        tracing::warn!(rank = self.rank, peer, %reason, "peer lost");
+        s.lost.insert(peer, reason.clone());
+        let keys: Vec<Key> = s
+            .waiting
+            .iter()
+            .filter(|((from, _), (scope, _))| *from == peer || *scope == LossScope::Group)
+            .map(|(k, _)| *k)
+            .collect();
+        for key in keys {
+            if let Some((_, w)) = s.waiting.remove(&key) {
+                let _ = w.send(Err(self.lost_error(peer, key.1.epoch, &reason)));
+            }
+        }
+    }
+
+    /// `peer` said goodbye: only receives from it fail from now on.
+    pub fn peer_departed(&self, peer: Rank) {
+        let mut s = self.lock();
+        s.departed.insert(peer, ());
+        let keys: Vec<Key> = s
+            .waiting
+            .keys()
+            .filter(|(from, _)| *from == peer)
+            .copied()
+            .collect();
+        for key in keys {
+            if let Some((_, w)) = s.waiting.remove(&key) {
+                let _ = w.send(Err(self.lost_error(peer, key.1.epoch, "peer departed")));
+            }
+        }
+    }
+
+    pub fn is_lost(&self, peer: Rank) -> bool {
+        self.lock().lost.contains_key(&peer)
+    }
+
+    pub fn fence(&self, epoch: u64) {
+        let mut s = self.lock();
+        if epoch <= s.fenced_epoch {
+            return;
+        }
+        s.fenced_epoch = epoch;
+        let stale: Vec<Key> = s
+            .arrived
+            .keys()
+            .filter(|(_, t)| t.epoch < epoch)
+            .copied()
+            .collect();
+        for key in stale {
+            s.arrived.remove(&key);
+            if let Some(c) = s.arrived_per_peer.get_mut(&key.0) {
+                *c = c.saturating_sub(1);
+            }
+        }
+        let stale: Vec<Key> = s
+            .waiting
+            .keys()
+            .filter(|(_, t)| t.epoch < epoch)
+            .copied()
+            .collect();
+        for key in stale {
+            if let Some((_, w)) = s.waiting.remove(&key) {
+                let _ = w.send(Err(ClusterError::StaleEpoch {
+                    rank: self.rank,
+                    op: "recv",
+                    epoch: key.1.epoch,
+                    fenced_at: epoch,
+                }));
+            }
+        }
+    }
+
+    pub fn close(&self) {
+        let mut s = self.lock();
+        s.closed = true;
+        for (_, (_, w)) in s.waiting.drain() {
+            let _ = w.send(Err(ClusterError::Closed { rank: self.rank }));
+        }
+    }
+
+    pub async fn recv(
+        &self,
+        from: Rank,
+        tag: Tag,
+        scope: LossScope,
+        timeout_ms: u64,
+    ) -> Result<Payload, ClusterError> {
+        let rx = {
+            let mut s = self.lock();
+            if s.closed {
+                return Err(ClusterError::Closed { rank: self.rank });
+            }
+            if tag.epoch < s.fenced_epoch {
+                return Err(ClusterError::StaleEpoch {
+                    rank: self.rank,
+                    op: "recv",
+                    epoch: tag.epoch,
+                    fenced_at: s.fenced_epoch,
+                });
+            }
+            let key = (from, tag);
+            if let Some(p) = s.arrived.remove(&key) {
+                if let Some(c) = s.arrived_per_peer.get_mut(&from) {
+                    *c = c.saturating_sub(1);
+                }
+                return Ok(p);
+            }
+            if let Some(reason) = s.lost.get(&from) {
+                return Err(self.lost_error(from, tag.epoch, reason));
+            }
+            if s.departed.contains_key(&from) {
+                return Err(self.lost_error(from, tag.epoch, "peer departed"));
+            }
+            if scope == LossScope::Group {
+                if let Some((peer, reason)) = s.lost.iter().next() {
+                    return Err(self.lost_error(*peer, tag.epoch, reason));
+                }
+            }
+            let (tx, rx) = oneshot::channel();
+            s.waiting.insert(key, (scope, tx));
+            rx
+        };
+        match tokio::time::timeout(Duration::from_millis(timeout_ms), rx).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(ClusterError::Closed { rank: self.rank }),
+            Err(_) => {
+                self.lock().waiting.remove(&(from, tag));
+                Err(ClusterError::Timeout {
+                    rank: self.rank,
+                    op: "recv",
+                    group: tag.group,
+                    epoch: tag.epoch,
+                    seq: tag.seq,
+                    peer: from,
+                    waited_ms: timeout_ms,
+                })
+            }
+        }
+    }
+}

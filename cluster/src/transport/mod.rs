@@ -1,0 +1,86 @@
+//! Moving tagged messages between ranks. One trait, three implementations: QUIC between hosts
+//! ([`quic`]), Unix sockets between processes on one host ([`same_host`]), and in-memory channels for
+//! tests and simulation ([`memory`]).
+//!
+//! A message is addressed by (peer, [`Tag`]); receives match exactly. Messages may arrive before the
+//! receive that wants them (they wait in the [`Mailbox`], bounded) and are dropped if their epoch is
+//! below the fence.
+
+mod frame_io;
+mod mailbox;
+pub mod memory;
+pub mod quic;
+pub mod same_host;
+
+use std::future::Future;
+
+use bytes::Bytes;
+
+pub use frame_io::{
+    frame_control, frame_message, read_message, write_chunks, FrameLimits, ReadOutcome,
+};
+pub use mailbox::{LossScope, Mailbox};
+
+use crate::error::Rank;
+use crate::wire::Tag;
+use crate::ClusterError;
+
+/// A received message: its bytes, possibly in several segments (each a multiple of 8 bytes long except
+/// the last), in order.
+#[derive(Debug, Default, Clone)]
+pub struct Payload {
+    pub segments: Vec<Bytes>,
+}
+
+impl Payload {
+    pub fn len(&self) -> usize {
+        self.segments.iter().map(|s| s.len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn to_vec(&self) -> Vec<u8> {
+        self.segments
+            .iter()
+            .flat_map(|s| s.iter().copied())
+            .collect()
+    }
+}
+
+impl From<Bytes> for Payload {
+    fn from(b: Bytes) -> Self {
+        Payload { segments: vec![b] }
+    }
+}
+
+pub trait Transport: Send + Sync + 'static {
+    fn rank(&self) -> Rank;
+    fn world(&self) -> usize;
+
+    /// Queues `payload` for `to`. Returns once the transport owns it (not once it is delivered).
+    fn send(
+        &self,
+        to: Rank,
+        tag: Tag,
+        payload: Bytes,
+    ) -> impl Future<Output = Result<(), ClusterError>> + Send;
+
+    /// Waits for the message `tag` from `from`. Fails with `PeerLost` when `from` is lost — or, with
+    /// [`LossScope::Group`], when any peer is lost — and with `Timeout` after `timeout_ms`.
+    fn recv(
+        &self,
+        from: Rank,
+        tag: Tag,
+        scope: LossScope,
+        timeout_ms: u64,
+    ) -> impl Future<Output = Result<Payload, ClusterError>> + Send;
+
+    /// Refuses messages of epochs below `epoch` from now on and drops any already buffered.
+    fn fence(&self, epoch: u64);
+
+    /// Graceful shutdown: waits (bounded) until what was sent is delivered, then says goodbye to every
+    /// peer, so they see a departure rather than a loss.
+    fn shutdown(&self) -> impl Future<Output = ()> + Send;
+}

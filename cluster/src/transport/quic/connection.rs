@@ -1,0 +1,92 @@
+//! Serving one established connection: every incoming stream is read as messages into the mailbox.
+//! A malformed frame closes this connection (with the reason, logged) and nothing else.
+
+use std::sync::Arc;
+
+use quinn::{ConnectionError, VarInt};
+
+use crate::error::Rank;
+use crate::transport::{read_message, FrameLimits, Mailbox, ReadOutcome};
+use crate::wire::{ControlMessage, WireError};
+
+/// Application close code for a graceful departure.
+pub const CLOSE_GOODBYE: VarInt = VarInt::from_u32(0);
+/// Application close code for a protocol violation by the peer.
+pub const CLOSE_PROTOCOL: VarInt = VarInt::from_u32(1);
+
+fn refuse(conn: &quinn::Connection, mailbox: &Mailbox, peer: Rank, err: &WireError) {
+    tracing::warn!(peer, reason = %err, "closing connection: bad frame");
+    let reason = err.to_string();
+    mailbox.peer_lost(peer, format!("closed by us: {reason}"));
+    conn.close(CLOSE_PROTOCOL, &reason.as_bytes()[..reason.len().min(512)]);
+}
+
+async fn read_stream(
+    conn: quinn::Connection,
+    mut stream: quinn::RecvStream,
+    peer: Rank,
+    mailbox: Arc<Mailbox>,
+    limits: FrameLimits,
+) {
+    loop {
+        match read_message(&mut stream, limits).await {
+            Ok(ReadOutcome::End) => return,
+            Ok(ReadOutcome::Data { tag, payload }) => {
+                if let Err(e) = mailbox.deliver(peer, tag, payload) {
+                    refuse(&conn, &mailbox, peer, &e);
+                    return;
+                }
+            }
+            Ok(ReadOutcome::Control {
+                message: ControlMessage::Abort { epoch, seq, reason },
+                ..
+            }) => {
+                tracing::info!(peer, epoch, seq, %reason, "peer aborted a collective");
+            }
+            Ok(ReadOutcome::Control { message, .. }) => {
+                refuse(
+                    &conn,
+                    &mailbox,
+                    peer,
+                    &WireError::Protocol(format!("unexpected control message {message:?}")),
+                );
+                return;
+            }
+            Err(e) => {
+                refuse(&conn, &mailbox, peer, &e);
+                return;
+            }
+        }
+    }
+}
+
+/// Reads every stream the peer opens until the connection ends, then reports the peer departed
+/// (goodbye) or lost (anything else) to the mailbox.
+pub async fn serve_connection(
+    conn: quinn::Connection,
+    peer: Rank,
+    mailbox: Arc<Mailbox>,
+    limits: FrameLimits,
+) {
+    let err = loop {
+        match conn.accept_uni().await {
+            Ok(stream) => {
+                tokio::spawn(read_stream(
+                    conn.clone(),
+                    stream,
+                    peer,
+                    mailbox.clone(),
+                    limits,
+                ));
+            }
+            Err(e) => break e,
+        }
+    };
+    match err {
+        ConnectionError::ApplicationClosed(close) if close.error_code == CLOSE_GOODBYE => {
+            mailbox.peer_departed(peer)
+        }
+        ConnectionError::LocallyClosed => mailbox.peer_departed(peer),
+        other => mailbox.peer_lost(peer, other.to_string()),
+    }
+}
