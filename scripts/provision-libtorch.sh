@@ -24,7 +24,7 @@ export TROUPE_TORCH_LIB="$torch_lib"
 ENV
 }
 
-if [[ -f "$stamp" ]] && "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+if [[ -f "$stamp" ]] && "$venv/bin/python" -c "import numpy, torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   echo "libtorch: torch==$TORCH_VERSION already provisioned in $venv; nothing to do." >&2
   [[ -f "$envfile" ]] || write_env
   echo "$envfile"
@@ -39,7 +39,7 @@ if ! python3 -m venv "$venv" 2>/dev/null; then
   python3 -m venv "$venv"
 fi
 echo "libtorch: installing torch==$TORCH_VERSION into $venv (about 80 s and 4.6 GB the first time)" >&2
-"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir "torch==$TORCH_VERSION" >&2
+"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir "torch==$TORCH_VERSION" numpy >&2
 write_env
 touch "$stamp"
 echo "libtorch: provisioned torch==$TORCH_VERSION in $venv" >&2

@@ -1,1 +1,5 @@
-fn main() {}
+//! The `troupe` command line (DESIGN.md §3).
+
+fn main() -> std::process::ExitCode {
+    troupe_actors::cli::main()
+}

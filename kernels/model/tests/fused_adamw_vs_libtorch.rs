@@ -25,10 +25,7 @@ impl SplitMix64 {
 /// Runs both optimizers on parameters of the given shapes and returns the worst relative difference.
 fn worst_relative_difference(shapes: &[&[i64]], config: &AdamWConfig, seed: u64) -> f64 {
     let mut rng = SplitMix64(seed);
-    let sizes: Vec<usize> = shapes
-        .iter()
-        .map(|s| s.iter().product::<i64>() as usize)
-        .collect();
+    let sizes: Vec<usize> = shapes.iter().map(|s| s.iter().product::<i64>() as usize).collect();
     let total: usize = sizes.iter().sum();
     // Params in ±[0.5, 1.5) so that "relative" is meaningful for every element.
     let init: Vec<f32> = (0..total)
@@ -38,13 +35,8 @@ fn worst_relative_difference(shapes: &[&[i64]], config: &AdamWConfig, seed: u64)
         })
         .collect();
     // Gradients spanning four orders of magnitude, different at every step.
-    let grads: Vec<Vec<f32>> = (0..STEPS)
-        .map(|_| {
-            (0..total)
-                .map(|i| rng.next_unit() * 10f32.powi((i % 4) as i32 - 2))
-                .collect()
-        })
-        .collect();
+    let grads: Vec<Vec<f32>> =
+        (0..STEPS).map(|_| (0..total).map(|i| rng.next_unit() * 10f32.powi((i % 4) as i32 - 2)).collect()).collect();
 
     // libtorch: one tensor per shape, gradients set through backward of <p, g>.
     let vs = nn::VarStore::new(Device::Cpu);
@@ -68,37 +60,26 @@ fn worst_relative_difference(shapes: &[&[i64]], config: &AdamWConfig, seed: u64)
         opt.zero_grad();
         let loss = vars
             .iter()
-            .map(|(p, off, size)| {
-                (p * Tensor::from_slice(&g[*off..off + size]).reshape(p.size())).sum(Kind::Float)
-            })
+            .map(|(p, off, size)| (p * Tensor::from_slice(&g[*off..off + size]).reshape(p.size())).sum(Kind::Float))
             .fold(Tensor::from(0f32), |acc, x| acc + x);
         loss.backward();
         opt.step();
     }
     let torch_params: Vec<f32> = vars
         .iter()
-        .flat_map(|(p, _, _)| {
-            Vec::<f32>::try_from(p.detach().flatten(0, -1)).expect("read libtorch params")
-        })
+        .flat_map(|(p, _, _)| Vec::<f32>::try_from(p.detach().flatten(0, -1)).expect("read libtorch params"))
         .collect();
 
     // troupe: the same parameters as one flat shard.
     let (mut p, mut m, mut v) = (init.clone(), vec![0.0f32; total], vec![0.0f32; total]);
     for (t, g) in grads.iter().enumerate() {
-        let shard = AdamWShard {
-            params: &mut p,
-            exp_avg: &mut m,
-            exp_avg_sq: &mut v,
-        };
+        let shard = AdamWShard { params: &mut p, exp_avg: &mut m, exp_avg_sq: &mut v };
         adamw_step(shard, g, config, t as u64 + 1, None);
     }
 
     assert_eq!(p.len(), torch_params.len());
     let moved = p.iter().zip(&init).filter(|(a, b)| a != b).count();
-    assert!(
-        moved > total / 2,
-        "the optimizer must actually move the params ({moved} of {total} moved)"
-    );
+    assert!(moved > total / 2, "the optimizer must actually move the params ({moved} of {total} moved)");
     p.iter()
         .zip(&torch_params)
         .map(|(ours, theirs)| ((f64::from(*ours) - f64::from(*theirs)) / f64::from(*theirs)).abs())
@@ -116,20 +97,11 @@ fn check(shapes: &[&[i64]], config: AdamWConfig) {
 
 #[test]
 fn fused_adamw_equals_libtorch_adamw_with_default_hyper_parameters() {
-    check(
-        &[&[17, 33], &[257], &[5], &[4, 4, 4]],
-        AdamWConfig::default(),
-    );
+    check(&[&[17, 33], &[257], &[5], &[4, 4, 4]], AdamWConfig::default());
 }
 
 #[test]
 fn fused_adamw_equals_libtorch_adamw_with_large_lr_and_weight_decay() {
-    let config = AdamWConfig {
-        lr: 3e-2,
-        beta1: 0.8,
-        beta2: 0.95,
-        eps: 1e-6,
-        weight_decay: 0.1,
-    };
+    let config = AdamWConfig { lr: 3e-2, beta1: 0.8, beta2: 0.95, eps: 1e-6, weight_decay: 0.1 };
     check(&[&[64, 65], &[1000]], config);
 }

@@ -1,0 +1,46 @@
+# troupe — the two commands of the README, and the steps they are made of.
+#
+#   make demo   provision libtorch (once), build, train gpt-tiny for 200 steps: the loss falls
+#   make test   provision libtorch (once), build, run the whole test suite
+#
+# libtorch (torch==2.11.0 from PyPI) lives in a venv under $(TROUPE_CACHE), and cargo builds into
+# $(TROUPE_CACHE)/target unless CARGO_TARGET_DIR is set, so a fresh clone reuses both. `make build`
+# also copies the binary to target/release/troupe in the clone.
+
+SHELL := /bin/bash
+TROUPE_CACHE ?= $(HOME)/.cache/troupe
+export TROUPE_CACHE
+CARGO_TARGET_DIR ?= $(TROUPE_CACHE)/target
+export CARGO_TARGET_DIR
+TORCH_ENV := $(TROUPE_CACHE)/libtorch-2.11.0.env
+CARGO := source $(TORCH_ENV) && cargo
+DEMO_STEPS ?= 200
+
+.PHONY: all provision build demo test bench-train fmt clippy
+
+all: build
+
+provision:
+	@scripts/provision-host.sh
+	@scripts/provision-libtorch.sh >/dev/null
+
+build: provision
+	$(CARGO) build --release --locked --bin troupe
+	@if [ "$(realpath $(CARGO_TARGET_DIR))" != "$(realpath $(CURDIR)/target)" ]; then \
+		mkdir -p target/release && cp -f $(CARGO_TARGET_DIR)/release/troupe target/release/troupe; fi
+	@echo "built target/release/troupe"
+
+demo: build
+	target/release/troupe train --steps $(DEMO_STEPS)
+
+test: provision
+	$(CARGO) test --release --locked --workspace --no-fail-fast
+
+bench-train: build
+	target/release/troupe bench train --world 1 --steps 20 --peer --json
+
+fmt:
+	cargo fmt --all
+
+clippy: provision
+	$(CARGO) clippy --release --workspace --all-targets

@@ -1,0 +1,173 @@
+//! `troupe bench train`: training throughput of gpt-tiny (micro-batch 8, context 128), and with `--peer`
+//! the identical model trained by PyTorch eager (bench/peers/train_gpt_tiny.py) in the same run,
+//! alternating the two so machine drift hits both alike. The figure that counts is the ratio.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use serde_json::{json, Value};
+use troupe_model::config::JobConfig;
+use troupe_model::trainer::configure_torch_threads;
+use troupe_model::Trainer;
+
+#[derive(Debug, clap::Args)]
+pub struct BenchTrainArgs {
+    /// Data-parallel ranks.
+    #[arg(long, default_value_t = 1)]
+    pub world: usize,
+    /// Timed steps per repetition (after 2 untimed warm-up steps).
+    #[arg(long, default_value_t = 20)]
+    pub steps: u64,
+    #[arg(long, value_parser = ["none", "zero1", "zero2", "zero3"], default_value = "none")]
+    pub shard: String,
+    /// Repetitions (each of troupe and, with --peer, of the peer); medians are reported.
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    /// libtorch threads (0: all cores).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Also run the PyTorch peer script and report the ratio.
+    #[arg(long)]
+    pub peer: bool,
+    /// Python with torch for the peer (default: $TROUPE_PYTHON, else the provisioned venv).
+    #[arg(long)]
+    pub python: Option<PathBuf>,
+    /// JSON output (one object).
+    #[arg(long)]
+    pub json: bool,
+}
+
+const MICRO_BATCH: usize = 8;
+const WARMUP_STEPS: u64 = 2;
+
+pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
+    if args.world != 1 {
+        bail!("--world {}: multi-rank training is not available yet in this build (it lands with data parallelism); use --world 1", args.world);
+    }
+    if args.shard != "none" {
+        bail!("--shard {}: sharded training is not available yet in this build; use --shard none", args.shard);
+    }
+    let threads = configure_torch_threads(args.threads, 1);
+    let mut ours = Vec::new();
+    let mut peers = Vec::new();
+    for _ in 0..args.repeats.max(1) {
+        ours.push(measure_troupe(args.steps)?);
+        if args.peer {
+            peers.push(measure_peer(&args, threads)?);
+        }
+    }
+    let ours_tps = median(ours.iter().map(|r| r.0).collect());
+    let peak_mem = peak_rss_bytes();
+    let mut report = json!({
+        "bench": "train", "world": args.world, "shard": args.shard, "steps": args.steps,
+        "micro_batch": MICRO_BATCH, "context": 128, "torch_threads": threads, "repeats": ours.len(),
+        "tokens_per_s": ours_tps, "tokens_per_s_runs": ours.iter().map(|r| r.0).collect::<Vec<_>>(),
+        "peak_mem_bytes": peak_mem,
+    });
+    if args.peer {
+        let peer_tps = median(peers.iter().map(|p| p["tokens_per_s"].as_f64().unwrap_or(f64::NAN)).collect());
+        let extra = json!({
+            "peer": "pytorch-eager", "peer_tokens_per_s": peer_tps,
+            "peer_tokens_per_s_runs": peers.iter().map(|p| p["tokens_per_s"].clone()).collect::<Vec<_>>(),
+            "peer_peak_mem_bytes": peers.last().map(|p| p["peak_mem_bytes"].clone()),
+            "ratio_vs_peer": ours_tps / peer_tps,
+        });
+        report.as_object_mut().expect("object").extend(extra.as_object().expect("object").clone());
+    }
+    if args.json {
+        println!("{report}");
+    } else {
+        println!(
+            "troupe   {ours_tps:>9.0} tokens/s  (world 1, {threads} threads, peak RSS {:.0} MiB)",
+            peak_mem as f64 / 1048576.0
+        );
+        if let Some(peer) = report.get("peer_tokens_per_s").and_then(Value::as_f64) {
+            println!("pytorch  {peer:>9.0} tokens/s  (eager, same model and batch)");
+            println!("ratio    {:>9.3}", ours_tps / peer);
+        }
+    }
+    Ok(())
+}
+
+/// (tokens/s, final loss) of one timed run.
+fn measure_troupe(steps: u64) -> anyhow::Result<(f64, f64)> {
+    let mut config = JobConfig::default();
+    config.train.steps = steps + WARMUP_STEPS;
+    config.train.global_batch = MICRO_BATCH;
+    config.train.micro_batch = MICRO_BATCH;
+    let mut trainer = Trainer::new(config)?;
+    for _ in 0..WARMUP_STEPS {
+        trainer.train_step();
+    }
+    let started = Instant::now();
+    let mut tokens = 0;
+    let mut loss = 0.0;
+    for _ in 0..steps {
+        let report = trainer.train_step();
+        tokens += report.tokens;
+        loss = report.loss;
+    }
+    Ok((tokens as f64 / started.elapsed().as_secs_f64(), loss))
+}
+
+fn measure_peer(args: &BenchTrainArgs, threads: usize) -> anyhow::Result<Value> {
+    let python = match &args.python {
+        Some(p) => p.clone(),
+        None => std::env::var_os("TROUPE_PYTHON").map(PathBuf::from).unwrap_or_else(default_python),
+    };
+    let script = peer_script("train_gpt_tiny.py")?;
+    let output = Command::new(&python)
+        .arg(&script)
+        .args(["--steps", &args.steps.to_string(), "--warmup", &WARMUP_STEPS.to_string()])
+        .args(["--micro-batch", &MICRO_BATCH.to_string(), "--threads", &threads.to_string()])
+        .output()
+        .with_context(|| {
+            format!(
+                "running the peer {} {}; pass --python with a torch-enabled python",
+                python.display(),
+                script.display()
+            )
+        })?;
+    if !output.status.success() {
+        bail!("peer {} failed: {}", script.display(), String::from_utf8_lossy(&output.stderr));
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let line = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(line).with_context(|| format!("peer printed {line:?}, not JSON"))
+}
+
+fn default_python() -> PathBuf {
+    let cache = std::env::var_os("TROUPE_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/troupe"));
+    cache.join("venv-torch-2.11.0/bin/python")
+}
+
+/// bench/peers/NAME, found from the working directory or from the source tree this binary was built in.
+pub(crate) fn peer_script(name: &str) -> anyhow::Result<PathBuf> {
+    let candidates = [
+        PathBuf::from("bench/peers").join(name),
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/peers").join(name),
+    ];
+    candidates
+        .iter()
+        .find(|p| p.exists())
+        .cloned()
+        .with_context(|| format!("peer script bench/peers/{name} not found; run from the repository root"))
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Peak resident set size of this process (VmHWM), in bytes.
+pub(crate) fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).map(str::to_owned))
+        .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
+        .map_or(0, |kb| kb * 1024)
+}

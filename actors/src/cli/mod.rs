@@ -1,0 +1,49 @@
+//! `troupe` subcommands. Each lives in its own file with a clap `Args`/`Subcommand` type and a `run`.
+
+mod bench_train;
+mod train;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "troupe", version, about = "An actor-based elastic cluster runtime for distributed training")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Train a model (gpt-tiny on the built-in synthetic corpus by default).
+    Train(train::TrainArgs),
+    /// Benchmarks that print figures beside a peer measured in the same run.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// Training throughput (tokens/s) and peak memory, optionally beside PyTorch (--peer).
+    Train(bench_train::BenchTrainArgs),
+}
+
+/// Parses the command line and runs it; errors print as `troupe: error: ...` with their causes.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Train(args) => train::run(args),
+        Command::Bench(BenchCommand::Train(args)) => bench_train::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("troupe: error: {error}");
+            for cause in error.chain().skip(1) {
+                eprintln!("  caused by: {cause}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}

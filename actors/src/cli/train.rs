@@ -1,0 +1,214 @@
+//! `troupe train`: runs a training job and reports every committed step.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use serde_json::json;
+use troupe_model::checkpoint;
+use troupe_model::config::JobConfig;
+use troupe_model::trainer::configure_torch_threads;
+use troupe_model::Trainer;
+
+use crate::progress::{Reporter, StepEvent};
+
+#[derive(Debug, clap::Args)]
+pub struct TrainArgs {
+    /// Job config (TOML). Without it: gpt-tiny on the built-in synthetic corpus.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Optimizer steps to run (train.steps).
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Seed of initialisation and sampling (train.seed).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Daemons of the embedded local cluster.
+    #[arg(long)]
+    pub nodes: Option<usize>,
+    /// Data-parallel degree.
+    #[arg(long)]
+    pub dp: Option<usize>,
+    /// Pipeline-parallel degree.
+    #[arg(long)]
+    pub pp: Option<usize>,
+    /// Pipeline schedule.
+    #[arg(long, value_parser = ["gpipe", "1f1b", "interleaved", "zb-h1"])]
+    pub schedule: Option<String>,
+    /// Pipeline micro-batches per step.
+    #[arg(long)]
+    pub microbatches: Option<usize>,
+    /// Sharding of optimizer state, gradients and parameters.
+    #[arg(long, value_parser = ["none", "zero1", "zero2", "zero3"])]
+    pub shard: Option<String>,
+    /// Compute precision.
+    #[arg(long, value_parser = ["fp32", "bf16", "fp16"])]
+    pub precision: Option<String>,
+    /// Recompute activations in backward instead of keeping them.
+    #[arg(long)]
+    pub recompute: bool,
+    /// Write the final parameters to this safetensors file.
+    #[arg(long, value_name = "PATH.safetensors")]
+    pub save_final: Option<PathBuf>,
+    /// Address of a running cluster (without it: an embedded local cluster).
+    #[arg(long, value_name = "ADDR")]
+    pub cluster: Option<String>,
+    /// One JSON object per line on stdout instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Save resumable checkpoints under this directory (checkpoint.dir).
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Save a checkpoint every N steps (checkpoint.every_steps; 0 = only at the end).
+    #[arg(long, value_name = "N")]
+    pub checkpoint_every: Option<u64>,
+    /// Continue from a checkpoint directory, or the newest valid one under a checkpoint root.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
+    /// Print a plain progress line every N steps (default: about 20 lines per run).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub log_every: u64,
+}
+
+impl TrainArgs {
+    /// The job config: the file (or defaults) with the command-line flags applied, validated.
+    pub fn job_config(&self) -> anyhow::Result<JobConfig> {
+        let mut config = match &self.config {
+            Some(path) => JobConfig::from_file(path)?,
+            None => JobConfig::default(),
+        };
+        let train = &mut config.train;
+        train.steps = self.steps.unwrap_or(train.steps);
+        train.seed = self.seed.unwrap_or(train.seed);
+        let parallel = &mut config.parallel;
+        parallel.nodes = self.nodes.unwrap_or(parallel.nodes);
+        parallel.dp = self.dp.unwrap_or(parallel.dp);
+        parallel.pp = self.pp.unwrap_or(parallel.pp);
+        parallel.microbatches = self.microbatches.unwrap_or(parallel.microbatches);
+        parallel.recompute |= self.recompute;
+        for (flag, value) in [
+            (&mut parallel.schedule, &self.schedule),
+            (&mut parallel.shard, &self.shard),
+            (&mut parallel.precision, &self.precision),
+        ] {
+            if let Some(v) = value {
+                flag.clone_from(v);
+            }
+        }
+        let checkpoint = &mut config.checkpoint;
+        if self.checkpoint_dir.is_some() {
+            checkpoint.dir.clone_from(&self.checkpoint_dir);
+        }
+        checkpoint.every_steps = self.checkpoint_every.unwrap_or(checkpoint.every_steps);
+        config.validate()?;
+        if self.cluster.is_some() {
+            bail!("--cluster: submitting to a running cluster is not available yet in this build of troupe (it lands with the actor runtime); run without --cluster to train locally");
+        }
+        Ok(config)
+    }
+}
+
+pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+    let config = args.job_config()?;
+    let threads = configure_torch_threads(config.train.torch_threads, 1);
+    let mut trainer = match &args.resume {
+        Some(path) => Trainer::resume(config.clone(), &resolve_resume(path)?)?,
+        None => Trainer::new(config.clone())?,
+    };
+    let total = config.train.steps;
+    if trainer.step >= total {
+        bail!("--resume: the checkpoint has {} steps committed, not fewer than train.steps = {total}; raise --steps to train further", trainer.step);
+    }
+    let reporter = Reporter::new(args.json, trainer.step, total, args.log_every);
+    let (params, corpus) = (trainer.model.param_count(), trainer.sampler.corpus().origin.clone());
+    let batch = config.train.global_batch;
+    reporter.event(
+        "start",
+        json!({ "params": params, "steps": total, "from_step": trainer.step, "global_batch": batch,
+                "micro_batch": config.train.micro_batch, "context": config.model.context, "data": corpus,
+                "world": 1, "torch_threads": threads }),
+        &format!(
+            "troupe: training gpt ({params} parameters) on {corpus}, steps {}..{total}, batch {batch} × {} tokens, {threads} torch thread(s)",
+            trainer.step + 1,
+            config.model.context
+        ),
+    );
+
+    let started = Instant::now();
+    let (mut first_loss, mut last_losses, mut tokens) = (None, Vec::new(), 0u64);
+    while trainer.step < total {
+        let t0 = Instant::now();
+        let report = trainer.train_step();
+        let seconds = t0.elapsed().as_secs_f64();
+        tokens += report.tokens;
+        first_loss.get_or_insert(report.loss);
+        last_losses.push(report.loss);
+        if last_losses.len() > 10 {
+            last_losses.remove(0);
+        }
+        reporter.step(&StepEvent {
+            step: trainer.step,
+            loss: report.loss,
+            lr: report.lr,
+            grad_norm: report.grad_norm,
+            tokens_per_s: report.tokens as f64 / seconds,
+            epoch: 0,
+            world: 1,
+        });
+        let every = config.checkpoint.every_steps;
+        let due = trainer.step == total || (every > 0 && trainer.step % every == 0);
+        if let (Some(dir), true) = (&config.checkpoint.dir, due) {
+            save_checkpoint(&trainer, dir, config.checkpoint.keep_last, &reporter)?;
+        }
+    }
+    if let Some(path) = &args.save_final {
+        trainer.save_params(path).with_context(|| format!("--save-final {}", path.display()))?;
+        reporter.event("saved", json!({ "path": path }), &format!("saved final parameters to {}", path.display()));
+    }
+    let wall = started.elapsed().as_secs_f64();
+    let final_mean = last_losses.iter().sum::<f64>() / last_losses.len() as f64;
+    let first = first_loss.unwrap_or(f64::NAN);
+    reporter.finish(
+        json!({ "steps": trainer.step, "first_loss": first, "final_loss": last_losses.last(),
+                "final_loss_mean10": final_mean, "tokens_per_s": tokens as f64 / wall, "wall_s": wall,
+                "params": params, "world": 1 }),
+        &format!(
+            "done: {} steps in {wall:.1} s; loss {first:.4} → {final_mean:.4} (mean of the last {}); {:.0} tokens/s",
+            trainer.step,
+            last_losses.len(),
+            tokens as f64 / wall
+        ),
+    );
+    Ok(())
+}
+
+fn save_checkpoint(trainer: &Trainer, dir: &Path, keep_last: usize, reporter: &Reporter) -> anyhow::Result<()> {
+    let t0 = Instant::now();
+    let path = checkpoint::save(trainer, dir)?;
+    checkpoint::retain_last(dir, keep_last)?;
+    let seconds = t0.elapsed().as_secs_f64();
+    reporter.event(
+        "checkpoint",
+        json!({ "step": trainer.step, "path": path, "seconds": seconds }),
+        &format!("checkpoint: step {} saved to {} in {seconds:.2} s", trainer.step, path.display()),
+    );
+    Ok(())
+}
+
+/// A checkpoint directory as given, or the newest valid one under a root (corrupt ones skipped, said).
+fn resolve_resume(path: &Path) -> anyhow::Result<PathBuf> {
+    if path.join(checkpoint::MANIFEST).exists() {
+        return Ok(path.to_owned());
+    }
+    let (latest, skipped) = checkpoint::latest_valid(path);
+    for (dir, why) in &skipped {
+        eprintln!("troupe: skipping checkpoint {}: {why}", dir.display());
+    }
+    latest.with_context(|| {
+        format!(
+            "--resume {}: no valid checkpoint there (expected a step-NNNNNNNN directory with {})",
+            path.display(),
+            checkpoint::MANIFEST
+        )
+    })
+}

@@ -1,0 +1,106 @@
+//! How a run reports itself: JSON lines on stdout with `--json` (one object per event, DESIGN.md §3),
+//! otherwise a progress bar on an interactive terminal plus periodic plain lines that also read well in
+//! a CI log.
+
+use std::io::{IsTerminal, Write};
+use std::time::Duration;
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde_json::{json, Value};
+
+/// One committed step, as reported.
+#[derive(Clone, Debug)]
+pub struct StepEvent {
+    /// Committed steps after this one (1-based).
+    pub step: u64,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    pub tokens_per_s: f64,
+    pub epoch: u64,
+    pub world: usize,
+}
+
+#[derive(Debug)]
+pub struct Reporter {
+    json: bool,
+    total_steps: u64,
+    log_every: u64,
+    bar: Option<ProgressBar>,
+}
+
+impl Reporter {
+    /// `log_every`: plain-line interval in steps (0 picks about 20 lines per run).
+    pub fn new(json: bool, first_step: u64, total_steps: u64, log_every: u64) -> Self {
+        let log_every = if log_every > 0 { log_every } else { (total_steps / 20).max(1) };
+        let bar = (!json && std::io::stderr().is_terminal()).then(|| {
+            let bar = ProgressBar::with_draw_target(Some(total_steps), ProgressDrawTarget::stderr());
+            bar.set_style(
+                ProgressStyle::with_template("{spinner} step {pos}/{len} {wide_bar} {msg} [{elapsed_precise} < {eta}]")
+                    .expect("valid template"),
+            );
+            bar.set_position(first_step);
+            bar.enable_steady_tick(Duration::from_millis(200));
+            bar
+        });
+        Self { json, total_steps, log_every, bar }
+    }
+
+    /// A line for people (ignored in JSON mode, which gets `event` objects instead).
+    pub fn say(&self, line: &str) {
+        if self.json {
+            return;
+        }
+        match &self.bar {
+            Some(bar) => bar.println(line),
+            None => println!("{line}"),
+        }
+    }
+
+    /// A non-step event (`{"event": name, ...fields}`); people get `line`.
+    pub fn event(&self, name: &str, fields: Value, line: &str) {
+        if self.json {
+            let mut object = json!({ "event": name });
+            if let (Some(o), Value::Object(f)) = (object.as_object_mut(), fields) {
+                o.extend(f);
+            }
+            emit(&object);
+        } else {
+            self.say(line);
+        }
+    }
+
+    pub fn step(&self, e: &StepEvent) {
+        if self.json {
+            emit(&json!({
+                "event": "step", "step": e.step, "loss": e.loss, "tokens_per_s": e.tokens_per_s,
+                "epoch": e.epoch, "world": e.world, "lr": e.lr, "grad_norm": e.grad_norm,
+            }));
+            return;
+        }
+        if let Some(bar) = &self.bar {
+            bar.set_position(e.step);
+            bar.set_message(format!("loss {:.4}  {:.0} tok/s", e.loss, e.tokens_per_s));
+        }
+        if e.step % self.log_every == 0 || e.step == self.total_steps || e.step == 1 {
+            self.say(&format!(
+                "step {:>6}/{}  loss {:.4}  lr {:.2e}  grad-norm {:.3}  {:.0} tokens/s",
+                e.step, self.total_steps, e.loss, e.lr, e.grad_norm, e.tokens_per_s
+            ));
+        }
+    }
+
+    /// Ends the bar and prints the summary (`{"event":"summary", ...}` or `line`).
+    pub fn finish(self, summary: Value, line: &str) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+        self.event("summary", summary, line);
+    }
+}
+
+fn emit(value: &Value) {
+    let mut out = std::io::stdout().lock();
+    // A closed stdout (e.g. `| head`) must not kill a training run: drop the line.
+    let _ = writeln!(out, "{value}").and_then(|()| out.flush());
+}

@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""The PyTorch peer of `troupe bench train --world 1`: the identical gpt-tiny (DESIGN.md §4), batch and
+optimizer, trained eagerly, printing one JSON object with tokens_per_s.
+
+Same model: pre-LN blocks, fused qkv linear, F.scaled_dot_product_attention(is_causal=True), exact GeLU,
+untied head without bias, GPT-2 init; AdamW(betas 0.9/0.95, eps 1e-8, wd 0.1 on matrices), grad-norm
+clipping at 1.0; micro-batch 8 of context 128 on random byte windows of a synthetic text.
+"""
+import argparse, json, math, os, resource, time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(d)
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+        self.ln_2 = nn.LayerNorm(d)
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.mlp_proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, d))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class Gpt(nn.Module):
+    def __init__(self, vocab=256, context=128, d=256, layers=4, heads=4):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(context, d)
+        self.h = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("c_proj.weight", "mlp_proj.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx, targets):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = Gpt(context=args.context)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    text = (b"the cat sees the red house in the morning.\n" * 30000)
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    gen = torch.Generator().manual_seed(0)
+
+    def step():
+        starts = torch.randint(0, len(data) - args.context - 1, (args.micro_batch,), generator=gen)
+        x = torch.stack([data[s:s + args.context] for s in starts])
+        y = torch.stack([data[s + 1:s + 1 + args.context] for s in starts])
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss.item()
+
+    for _ in range(args.warmup):
+        step()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    elapsed = time.perf_counter() - start
+    tokens = args.steps * args.micro_batch * args.context
+    print(json.dumps({
+        "peer": "pytorch-eager", "torch": torch.__version__, "world": 1, "steps": args.steps,
+        "micro_batch": args.micro_batch, "context": args.context, "torch_threads": args.threads,
+        "params": sum(p.numel() for p in model.parameters()),
+        "tokens_per_s": tokens / elapsed, "final_loss": loss,
+        "peak_mem_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,331 @@
+//! The job configuration: one TOML file with `[model]`, `[data]`, `[train]`, `[checkpoint]` and
+//! `[parallel]` sections. Every key has a default (gpt-tiny on the synthetic corpus), an unknown key is
+//! an error naming it, and every value is validated with a message that says what is allowed.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::gpt::GptConfig;
+
+/// What a bad config gets: the file or key, what was wrong, and what to do instead.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("config {origin}: {message}")]
+    Parse { origin: String, message: String },
+    #[error("config key `{key}` = {value}: {allowed}")]
+    Invalid { key: &'static str, value: String, allowed: String },
+    #[error("`{what}` is not available yet in this build of troupe ({tracking}); leave it at its default ({default})")]
+    NotYetAvailable { what: &'static str, default: &'static str, tracking: &'static str },
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct JobConfig {
+    pub model: GptConfig,
+    pub data: DataConfig,
+    pub train: TrainConfig,
+    pub checkpoint: CheckpointConfig,
+    pub parallel: ParallelConfig,
+}
+
+/// Where the training tokens come from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// `synthetic` (built in, no files), `text` (raw bytes of `path`) or `bin` (nanoGPT-style
+    /// little-endian uint16 tokens in `path`).
+    pub kind: DataKind,
+    pub path: Option<PathBuf>,
+    /// Size of the generated synthetic corpus.
+    pub synthetic_bytes: usize,
+    /// Seed of the synthetic corpus generator (independent of the training seed, so the data stays the
+    /// same when the training seed changes).
+    pub synthetic_seed: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataKind {
+    Synthetic,
+    Text,
+    Bin,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self { kind: DataKind::Synthetic, path: None, synthetic_bytes: 1 << 20, synthetic_seed: 0x7207 }
+    }
+}
+
+/// The optimisation: batch, AdamW, schedule, clipping.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    pub steps: u64,
+    pub seed: u64,
+    /// Samples (sequences of `model.context` tokens) per optimizer step, over all ranks.
+    pub global_batch: usize,
+    /// Samples per forward/backward pass; gradients accumulate over the micro-batches of a step.
+    pub micro_batch: usize,
+    /// Peak learning rate, reached after `warmup_steps`.
+    pub lr: f64,
+    /// Learning rate at the end of the cosine decay.
+    pub min_lr: f64,
+    pub warmup_steps: u64,
+    /// Steps over which the rate decays from `lr` to `min_lr`; 0 means `steps`.
+    pub decay_steps: u64,
+    /// AdamW decoupled weight decay, applied to matrices and embeddings (not to biases or LayerNorm).
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Clip the global gradient L2 norm to this; 0 disables clipping.
+    pub grad_clip: f64,
+    /// libtorch intra-op threads per rank; 0 means the machine's cores divided by the ranks on it.
+    pub torch_threads: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            steps: 200,
+            seed: 1,
+            global_batch: 8,
+            micro_batch: 8,
+            lr: 1e-3,
+            min_lr: 1e-4,
+            warmup_steps: 10,
+            decay_steps: 0,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            grad_clip: 1.0,
+            torch_threads: 0,
+        }
+    }
+}
+
+/// Periodic checkpoints of the whole training state (resumable).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointConfig {
+    /// Directory that receives one `step-NNNNNNNN` directory per checkpoint.
+    pub dir: Option<PathBuf>,
+    /// Save every N committed steps; 0 saves only at the end (when `dir` is set).
+    pub every_steps: u64,
+    /// Keep the last K checkpoints; 0 keeps all.
+    pub keep_last: usize,
+}
+
+/// The parallel layout. Only the single-process layout is available in this build; the other values
+/// are parsed so that a config written for a later build fails with a clear message, not silently.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ParallelConfig {
+    pub nodes: usize,
+    pub dp: usize,
+    pub pp: usize,
+    pub shard: String,
+    pub schedule: String,
+    pub microbatches: usize,
+    pub precision: String,
+    pub recompute: bool,
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        Self {
+            nodes: 1,
+            dp: 1,
+            pp: 1,
+            shard: "none".into(),
+            schedule: "1f1b".into(),
+            microbatches: 0,
+            precision: "fp32".into(),
+            recompute: false,
+        }
+    }
+}
+
+impl JobConfig {
+    /// Reads and validates a TOML job config.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text =
+            std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        Self::from_toml(&text, &path.display().to_string())
+    }
+
+    /// Parses a TOML job config; `origin` names it in errors.
+    pub fn from_toml(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        let config: Self = toml::from_str(text)
+            .map_err(|e| ConfigError::Parse { origin: origin.to_owned(), message: e.to_string() })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks every value; the first problem is returned.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.model.validate()?;
+        let t = &self.train;
+        positive("train.global_batch", t.global_batch)?;
+        positive("train.micro_batch", t.micro_batch)?;
+        if t.micro_batch > t.global_batch {
+            return Err(invalid(
+                "train.micro_batch",
+                t.micro_batch,
+                format!("must be at most train.global_batch ({})", t.global_batch),
+            ));
+        }
+        if !(t.lr.is_finite() && t.lr > 0.0) {
+            return Err(invalid("train.lr", t.lr, "must be a finite number > 0, e.g. 1e-3"));
+        }
+        if !(t.min_lr.is_finite() && (0.0..=t.lr).contains(&t.min_lr)) {
+            return Err(invalid("train.min_lr", t.min_lr, format!("must be in [0, train.lr = {}]", t.lr)));
+        }
+        for (key, beta) in [("train.beta1", t.beta1), ("train.beta2", t.beta2)] {
+            if !(0.0..1.0).contains(&beta) {
+                return Err(invalid(key, beta, "must be in [0, 1), e.g. 0.9 or 0.95"));
+            }
+        }
+        if !(t.eps.is_finite() && t.eps > 0.0) {
+            return Err(invalid("train.eps", t.eps, "must be a finite number > 0, e.g. 1e-8"));
+        }
+        if !(t.weight_decay.is_finite() && t.weight_decay >= 0.0) {
+            return Err(invalid("train.weight_decay", t.weight_decay, "must be ≥ 0, e.g. 0.1"));
+        }
+        if !(t.grad_clip.is_finite() && t.grad_clip >= 0.0) {
+            return Err(invalid("train.grad_clip", t.grad_clip, "must be ≥ 0 (0 disables clipping)"));
+        }
+        match self.data.kind {
+            DataKind::Synthetic => {
+                let needed = self.model.context + 1;
+                if self.data.synthetic_bytes < needed {
+                    return Err(invalid(
+                        "data.synthetic_bytes",
+                        self.data.synthetic_bytes,
+                        format!("must be at least model.context + 1 = {needed}"),
+                    ));
+                }
+            }
+            DataKind::Text | DataKind::Bin => {
+                if self.data.path.is_none() {
+                    return Err(invalid(
+                        "data.path",
+                        "(missing)",
+                        "must name the file to train on when data.kind is \"text\" or \"bin\"",
+                    ));
+                }
+            }
+        }
+        self.parallel.validate()
+    }
+}
+
+impl ParallelConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        const TRACKING: &str = "distributed training lands with the actor runtime, DP/FSDP and pipeline issues";
+        let not_yet = |what, default| Err(ConfigError::NotYetAvailable { what, default, tracking: TRACKING });
+        if self.nodes != 1 {
+            return not_yet("--nodes / parallel.nodes > 1", "1");
+        }
+        if self.dp != 1 {
+            return not_yet("--dp / parallel.dp > 1", "1");
+        }
+        if self.pp != 1 {
+            return not_yet("--pp / parallel.pp > 1", "1");
+        }
+        if self.microbatches != 0 {
+            return not_yet("--microbatches / parallel.microbatches (pipeline micro-batches)", "0");
+        }
+        if self.recompute {
+            return not_yet("--recompute / parallel.recompute", "false");
+        }
+        one_of("parallel.shard", &self.shard, &["none", "zero1", "zero2", "zero3"])?;
+        if self.shard != "none" {
+            return not_yet("--shard zero1|zero2|zero3 / parallel.shard", "\"none\"");
+        }
+        one_of("parallel.schedule", &self.schedule, &["gpipe", "1f1b", "interleaved", "zb-h1"])?;
+        one_of("parallel.precision", &self.precision, &["fp32", "bf16", "fp16"])?;
+        if self.precision != "fp32" {
+            return not_yet("--precision bf16|fp16 / parallel.precision", "\"fp32\"");
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn invalid(key: &'static str, value: impl fmt::Display, allowed: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { key, value: value.to_string(), allowed: allowed.into() }
+}
+
+pub(crate) fn positive(key: &'static str, value: usize) -> Result<(), ConfigError> {
+    if value == 0 {
+        return Err(invalid(key, value, "must be at least 1"));
+    }
+    Ok(())
+}
+
+fn one_of(key: &'static str, value: &str, allowed: &[&str]) -> Result<(), ConfigError> {
+    if allowed.contains(&value) {
+        return Ok(());
+    }
+    Err(invalid(key, format!("{value:?}"), format!("must be one of {}", allowed.join(", "))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn error_of(toml: &str) -> String {
+        JobConfig::from_toml(toml, "test.toml").unwrap_err().to_string()
+    }
+
+    #[test]
+    fn empty_config_is_gpt_tiny_on_synthetic_data() {
+        let config = JobConfig::from_toml("", "empty").unwrap();
+        assert_eq!(config, JobConfig::default());
+        assert_eq!(config.model, GptConfig::gpt_tiny());
+        assert_eq!(config.data.kind, DataKind::Synthetic);
+    }
+
+    #[test]
+    fn bigger_model_is_one_line() {
+        let config = JobConfig::from_toml("[model]\nn_layers = 8\n", "t").unwrap();
+        assert_eq!(config.model.n_layers, 8);
+        assert_eq!(config.model.d_model, 256);
+    }
+
+    #[test]
+    fn errors_name_the_key_and_what_is_allowed() {
+        let cases: &[(&str, &[&str])] = &[
+            ("[train]\nlearning_rate = 0.1\n", &["unknown field `learning_rate`", "expected one of", "`lr`"]),
+            ("[modle]\n", &["unknown field `modle`"]),
+            ("[train]\nlr = -1.0\n", &["train.lr", "> 0"]),
+            ("[train]\nmicro_batch = 16\n", &["train.micro_batch", "at most train.global_batch (8)"]),
+            ("[train]\nbeta2 = 1.0\n", &["train.beta2", "[0, 1)"]),
+            ("[model]\nn_heads = 3\n", &["model.n_heads", "divide model.d_model (256)"]),
+            ("[model]\nvocab_size = 0\n", &["model.vocab_size", "at least 1"]),
+            ("[data]\nkind = \"text\"\n", &["data.path", "must name the file"]),
+            ("[data]\nkind = \"parquet\"\n", &["unknown variant `parquet`", "synthetic"]),
+            ("[parallel]\nshard = \"zero4\"\n", &["parallel.shard", "none, zero1, zero2, zero3"]),
+            ("[parallel]\ndp = 2\n", &["not available yet", "--dp"]),
+            ("[train]\nsteps = \"many\"\n", &["invalid type", "steps"]),
+        ];
+        for (toml, needles) in cases {
+            let message = error_of(toml);
+            for needle in *needles {
+                assert!(message.contains(needle), "error for {toml:?} lacks {needle:?}: {message}");
+            }
+        }
+    }
+
+    #[test]
+    fn missing_config_file_is_named() {
+        let err = JobConfig::from_file(Path::new("/nonexistent/job.toml")).unwrap_err().to_string();
+        assert!(err.contains("/nonexistent/job.toml"), "{err}");
+    }
+}

@@ -1,0 +1,42 @@
+//! Training data: the byte tokenizer, corpora (synthetic, raw text, nanoGPT `.bin`), and the
+//! deterministic global sampler.
+
+mod corpus;
+mod sampler;
+mod synthetic;
+
+pub use corpus::{load_corpus, Corpus, DataError};
+pub use sampler::{micro_batch_ranges, rank_slice, GlobalSampler, SamplerState};
+pub use synthetic::synthetic_text;
+
+/// Byte-level tokenizer: token = byte value, vocabulary 256.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ByteTokenizer;
+
+impl ByteTokenizer {
+    pub const VOCAB: usize = 256;
+
+    pub fn encode(&self, text: &[u8]) -> Vec<u16> {
+        text.iter().map(|&b| u16::from(b)).collect()
+    }
+
+    /// Bytes back to text; tokens above 255 (never produced by `encode`) become U+FFFD.
+    pub fn decode(&self, tokens: &[u16]) -> String {
+        let bytes: Vec<u8> = tokens.iter().map(|&t| u8::try_from(t).unwrap_or(b'?')).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_round_trip() {
+        let text = "héllo, wörld\n".as_bytes();
+        let tokens = ByteTokenizer.encode(text);
+        assert_eq!(tokens.len(), text.len());
+        assert!(tokens.iter().all(|&t| (t as usize) < ByteTokenizer::VOCAB));
+        assert_eq!(ByteTokenizer.decode(&tokens), "héllo, wörld\n");
+    }
+}

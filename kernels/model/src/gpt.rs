@@ -1,0 +1,265 @@
+//! gpt-tiny, the reference model (DESIGN.md §4): a GPT-2 style decoder written as a pure function of an
+//! explicit, ordered parameter list, so that data-parallel replicas, FSDP shards and pipeline stages can
+//! run any range of it on parameters they own or have gathered.
+//!
+//! Per block: pre-LayerNorm → causal multi-head self-attention → residual → LayerNorm → MLP d→4d→d with
+//! exact GeLU → residual. Token + learned position embeddings, a final LayerNorm, an untied linear head
+//! without bias, no dropout. Linear weights are stored as PyTorch does, `[out, in]`.
+
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+
+use crate::config::{invalid, positive, ConfigError};
+use crate::rng::{hash_words, SplitMix64};
+
+const LAYER_NORM_EPS: f64 = 1e-5;
+const INIT_STD: f64 = 0.02;
+/// Parameters per transformer block (see [`param_specs`]).
+pub const PARAMS_PER_BLOCK: usize = 12;
+/// Parameters before the first block: token and position embeddings.
+pub const PARAMS_BEFORE_BLOCKS: usize = 2;
+
+/// The model's shape. `[model]` in the job config.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GptConfig {
+    pub vocab_size: usize,
+    /// Tokens per sample (sequence length).
+    pub context: usize,
+    pub d_model: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+}
+
+impl Default for GptConfig {
+    fn default() -> Self {
+        Self::gpt_tiny()
+    }
+}
+
+impl GptConfig {
+    /// vocab 256 (bytes), context 128, d_model 256, 4 blocks, 4 heads: 3,323,392 parameters.
+    pub fn gpt_tiny() -> Self {
+        Self { vocab_size: 256, context: 128, d_model: 256, n_layers: 4, n_heads: 4 }
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.n_heads
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        positive("model.vocab_size", self.vocab_size)?;
+        positive("model.context", self.context)?;
+        positive("model.d_model", self.d_model)?;
+        positive("model.n_layers", self.n_layers)?;
+        positive("model.n_heads", self.n_heads)?;
+        if self.d_model % self.n_heads != 0 {
+            return Err(invalid(
+                "model.n_heads",
+                self.n_heads,
+                format!("must divide model.d_model ({})", self.d_model),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Total parameter count.
+    pub fn param_count(&self) -> usize {
+        param_specs(self).iter().map(|s| s.numel()).sum()
+    }
+
+    /// Forward FLOPs per token (2 per multiply-accumulate of the matmuls, attention included), the
+    /// figure MFU estimates use (training ≈ 3× this).
+    pub fn forward_flops_per_token(&self) -> f64 {
+        let (d, l, t, v) = (self.d_model as f64, self.n_layers as f64, self.context as f64, self.vocab_size as f64);
+        let matmuls = l * (2.0 * 3.0 * d * d + 2.0 * d * d + 2.0 * 2.0 * 4.0 * d * d) + 2.0 * d * v;
+        let attention = l * 2.0 * 2.0 * t * d;
+        matmuls + attention
+    }
+}
+
+/// How a parameter is initialised.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    Normal { std: f64 },
+    Zeros,
+    Ones,
+}
+
+/// One parameter's name, shape and initialisation, in the model's canonical order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamSpec {
+    pub name: String,
+    pub shape: Vec<i64>,
+    pub init: Init,
+}
+
+impl ParamSpec {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product::<i64>() as usize
+    }
+
+    /// Whether AdamW's weight decay applies (matrices and embeddings; not biases or LayerNorm gains).
+    pub fn decays(&self) -> bool {
+        self.shape.len() >= 2
+    }
+}
+
+/// The canonical, ordered parameter list (HF GPT-2 names).
+pub fn param_specs(cfg: &GptConfig) -> Vec<ParamSpec> {
+    let (v, t, d) = (cfg.vocab_size as i64, cfg.context as i64, cfg.d_model as i64);
+    let residual_std = INIT_STD / (2.0 * cfg.n_layers as f64).sqrt();
+    let spec = |name: String, shape: Vec<i64>, init| ParamSpec { name, shape, init };
+    let normal = Init::Normal { std: INIT_STD };
+    let mut specs = vec![spec("wte.weight".into(), vec![v, d], normal), spec("wpe.weight".into(), vec![t, d], normal)];
+    for i in 0..cfg.n_layers {
+        let p = |suffix: &str| format!("h.{i}.{suffix}");
+        specs.extend([
+            spec(p("ln_1.weight"), vec![d], Init::Ones),
+            spec(p("ln_1.bias"), vec![d], Init::Zeros),
+            spec(p("attn.c_attn.weight"), vec![3 * d, d], normal),
+            spec(p("attn.c_attn.bias"), vec![3 * d], Init::Zeros),
+            spec(p("attn.c_proj.weight"), vec![d, d], Init::Normal { std: residual_std }),
+            spec(p("attn.c_proj.bias"), vec![d], Init::Zeros),
+            spec(p("ln_2.weight"), vec![d], Init::Ones),
+            spec(p("ln_2.bias"), vec![d], Init::Zeros),
+            spec(p("mlp.c_fc.weight"), vec![4 * d, d], normal),
+            spec(p("mlp.c_fc.bias"), vec![4 * d], Init::Zeros),
+            spec(p("mlp.c_proj.weight"), vec![d, 4 * d], Init::Normal { std: residual_std }),
+            spec(p("mlp.c_proj.bias"), vec![d], Init::Zeros),
+        ]);
+    }
+    specs.extend([
+        spec("ln_f.weight".into(), vec![d], Init::Ones),
+        spec("ln_f.bias".into(), vec![d], Init::Zeros),
+        spec("lm_head.weight".into(), vec![v, d], normal),
+    ]);
+    specs
+}
+
+/// The initial values of parameter `index`: a pure function of (seed, index), computed in Rust so every
+/// rank and every device gets the same bits whatever libtorch's global RNG has done.
+pub fn init_values(spec: &ParamSpec, seed: u64, index: usize) -> Vec<f32> {
+    let n = spec.numel();
+    match spec.init {
+        Init::Zeros => vec![0.0; n],
+        Init::Ones => vec![1.0; n],
+        Init::Normal { std } => {
+            let mut rng = SplitMix64::new(hash_words(&[seed, index as u64, 0x1417]));
+            (0..n).map(|_| (rng.next_normal() * std) as f32).collect()
+        }
+    }
+}
+
+/// The model: its config and its parameters (fp32 leaves requiring grad, in [`param_specs`] order).
+#[derive(Debug)]
+pub struct Gpt {
+    pub config: GptConfig,
+    specs: Vec<ParamSpec>,
+    params: Vec<Tensor>,
+}
+
+impl Gpt {
+    /// A freshly initialised model on the CPU.
+    pub fn new(config: GptConfig, seed: u64) -> Self {
+        let specs = param_specs(&config);
+        let params = specs
+            .iter()
+            .enumerate()
+            .map(|(i, spec)| {
+                Tensor::from_slice(&init_values(spec, seed, i)).view(spec.shape.as_slice()).set_requires_grad(true)
+            })
+            .collect();
+        Self { config, specs, params }
+    }
+
+    pub fn specs(&self) -> &[ParamSpec] {
+        &self.specs
+    }
+
+    pub fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+
+    pub fn params_mut(&mut self) -> &mut [Tensor] {
+        &mut self.params
+    }
+
+    pub fn named_params(&self) -> impl Iterator<Item = (&str, &Tensor)> {
+        self.specs.iter().map(|s| s.name.as_str()).zip(&self.params)
+    }
+
+    pub fn param_count(&self) -> usize {
+        self.params.iter().map(Tensor::numel).sum()
+    }
+
+    /// Token ids `[batch, time]` (int64) → logits `[batch, time, vocab]`.
+    pub fn forward(&self, tokens: &Tensor) -> Tensor {
+        let mut x = self.embed(tokens);
+        for block in 0..self.config.n_layers {
+            x = self.block(block, &x);
+        }
+        self.head(&x)
+    }
+
+    /// Mean next-token cross-entropy of `tokens` against `targets` (both `[batch, time]`).
+    pub fn loss(&self, tokens: &Tensor, targets: &Tensor) -> Tensor {
+        let logits = self.forward(tokens);
+        cross_entropy(&logits, targets)
+    }
+
+    /// Token + position embeddings: `[batch, time]` → `[batch, time, d_model]`.
+    pub fn embed(&self, tokens: &Tensor) -> Tensor {
+        let time = tokens.size()[1];
+        assert!(time as usize <= self.config.context, "sequence of {time} tokens exceeds the context");
+        let positions = Tensor::arange(time, (Kind::Int64, tokens.device()));
+        let wte = &self.params[0];
+        let wpe = &self.params[1];
+        Tensor::embedding(wte, tokens, -1, false, false) + Tensor::embedding(wpe, &positions, -1, false, false)
+    }
+
+    /// Transformer block `index`: `[batch, time, d_model]` → same shape.
+    pub fn block(&self, index: usize, x: &Tensor) -> Tensor {
+        let p = &self.params[PARAMS_BEFORE_BLOCKS + index * PARAMS_PER_BLOCK..][..PARAMS_PER_BLOCK];
+        let (batch, time, d) = x.size3().expect("block input is [batch, time, d_model]");
+        let (heads, head_dim) = (self.config.n_heads as i64, self.config.head_dim() as i64);
+
+        let h = x.layer_norm([d], Some(&p[0]), Some(&p[1]), LAYER_NORM_EPS, false);
+        let qkv = h.linear(&p[2], Some(&p[3]));
+        let split = |t: &Tensor| t.view([batch, time, heads, head_dim]).transpose(1, 2);
+        let parts = qkv.split(d, 2);
+        let (q, k, v) = (split(&parts[0]), split(&parts[1]), split(&parts[2]));
+        // Scores scaled by 1/sqrt(head_dim); future positions masked to -inf before the softmax.
+        let attended = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false);
+        let attended = attended.transpose(1, 2).contiguous().view([batch, time, d]);
+        let x = x + attended.linear(&p[4], Some(&p[5]));
+
+        let h = x.layer_norm([d], Some(&p[6]), Some(&p[7]), LAYER_NORM_EPS, false);
+        let h = h.linear(&p[8], Some(&p[9])).gelu("none");
+        x + h.linear(&p[10], Some(&p[11]))
+    }
+
+    /// Final LayerNorm and the untied head: `[batch, time, d_model]` → logits `[batch, time, vocab]`.
+    pub fn head(&self, x: &Tensor) -> Tensor {
+        let n = self.params.len();
+        let d = self.config.d_model as i64;
+        x.layer_norm([d], Some(&self.params[n - 3]), Some(&self.params[n - 2]), LAYER_NORM_EPS, false)
+            .linear(&self.params[n - 1], None::<Tensor>)
+    }
+
+    /// Copies parameter values in from another list in canonical order (shapes must match).
+    pub fn load_values(&mut self, values: &[Tensor]) {
+        assert_eq!(values.len(), self.params.len(), "parameter list length");
+        tch::no_grad(|| {
+            for (p, v) in self.params.iter_mut().zip(values) {
+                p.copy_(v);
+            }
+        });
+    }
+}
+
+/// Mean cross-entropy of `[batch, time, vocab]` logits against `[batch, time]` targets.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Tensor {
+    let vocab = logits.size()[2];
+    logits.view([-1, vocab]).cross_entropy_for_logits(&targets.view([-1]))
+}

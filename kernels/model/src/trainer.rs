@@ -1,0 +1,139 @@
+//! The single-process reference trainer — the oracle every distributed mode must reproduce
+//! (DESIGN.md §4): one global batch per step, cut into micro-batches whose gradients accumulate, clipped
+//! by global norm, applied by AdamW with warmup + cosine decay.
+
+use std::path::Path;
+
+use tch::Tensor;
+
+use crate::checkpoint::{self, CheckpointError};
+use crate::config::{ConfigError, JobConfig};
+use crate::data::{load_corpus, micro_batch_ranges, Corpus, DataError, GlobalSampler};
+use crate::gpt::Gpt;
+use crate::optim::{clip_grad_norm, grad_norm, learning_rate, AdamW, AdamWConfig};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+}
+
+/// What one committed step did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepReport {
+    /// The step's index (0-based); after it, `step + 1` steps are committed.
+    pub step: u64,
+    /// Mean next-token cross-entropy over the step's global batch, before the update.
+    pub loss: f64,
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Tokens the step trained on (global batch × context).
+    pub tokens: u64,
+}
+
+/// The reference trainer's whole state.
+#[derive(Debug)]
+pub struct Trainer {
+    pub config: JobConfig,
+    pub model: Gpt,
+    pub optimizer: AdamW,
+    pub sampler: GlobalSampler,
+    /// Committed steps so far; the next step to run.
+    pub step: u64,
+}
+
+impl Trainer {
+    /// A fresh run: loads the corpus the config names and initialises the model from `train.seed`.
+    pub fn new(config: JobConfig) -> Result<Self, TrainError> {
+        config.validate()?;
+        let corpus = load_corpus(&config.data, &config.model)?;
+        Ok(Self::with_corpus(config, corpus))
+    }
+
+    /// A fresh run on an already loaded corpus.
+    pub fn with_corpus(config: JobConfig, corpus: Corpus) -> Self {
+        let model = Gpt::new(config.model.clone(), config.train.seed);
+        let decays = model.specs().iter().map(|s| s.decays()).collect();
+        let optimizer = AdamW::new(AdamWConfig::from(&config.train), model.params(), decays);
+        let sampler = GlobalSampler::new(config.train.seed, corpus, config.model.context);
+        Self { config, model, optimizer, sampler, step: 0 }
+    }
+
+    /// Continues the run saved in checkpoint directory `dir`. `config` must describe the same model, data
+    /// and batch; `train.steps` (and so the schedule's end) may differ.
+    pub fn resume(config: JobConfig, dir: &Path) -> Result<Self, TrainError> {
+        let mut trainer = Self::new(config)?;
+        checkpoint::restore(&mut trainer, dir)?;
+        Ok(trainer)
+    }
+
+    /// Runs one step: forward and backward over every micro-batch of the global batch, clip, AdamW.
+    pub fn train_step(&mut self) -> StepReport {
+        let step = self.step;
+        let loss = self.accumulate_gradients(step);
+        let train = &self.config.train;
+        let params = self.model.params_mut();
+        let norm = if train.grad_clip > 0.0 { clip_grad_norm(params, train.grad_clip) } else { grad_norm(params) };
+        let lr = learning_rate(train, step);
+        self.optimizer.apply(params, lr);
+        self.step += 1;
+        let tokens = (train.global_batch * self.config.model.context) as u64;
+        StepReport { step, loss, lr, grad_norm: norm, tokens }
+    }
+
+    /// Zeroes the gradients, then accumulates those of `step`'s global batch over its micro-batches, each
+    /// weighted by its share of the batch, so the result is the gradient of the batch's mean loss whatever
+    /// the split. Returns that mean loss.
+    pub fn accumulate_gradients(&mut self, step: u64) -> f64 {
+        for p in self.model.params_mut() {
+            p.zero_grad();
+        }
+        let train = &self.config.train;
+        let global_batch = train.global_batch;
+        let mut loss = 0.0;
+        for micro in micro_batch_ranges(0..global_batch, train.micro_batch) {
+            let weight = micro.len() as f64 / global_batch as f64;
+            let (inputs, targets) = self.sampler.batch(step, micro);
+            let micro_loss = self.model.loss(&inputs, &targets);
+            (&micro_loss * weight).backward();
+            loss += micro_loss.double_value(&[]) * weight;
+        }
+        loss
+    }
+
+    /// Mean loss of `batches` fixed evaluation batches (no gradients, no state change).
+    pub fn eval_loss(&self, batches: u64) -> f64 {
+        tch::no_grad(|| {
+            let total: f64 = (0..batches)
+                .map(|b| {
+                    let (inputs, targets) = self.sampler.batch(u64::MAX - b, 0..self.config.train.global_batch);
+                    self.model.loss(&inputs, &targets).double_value(&[])
+                })
+                .sum();
+            total / batches as f64
+        })
+    }
+
+    /// Writes the model parameters alone (HF GPT-2 names) to one safetensors file.
+    pub fn save_params(&self, path: &Path) -> Result<(), CheckpointError> {
+        checkpoint::write_tensors(path, self.model.named_params().map(|(n, t)| (n.to_owned(), t.detach())).collect())
+    }
+
+    /// Detached copies of the parameters, for comparisons.
+    pub fn param_values(&self) -> Vec<Tensor> {
+        self.model.params().iter().map(|p| p.detach().copy()).collect()
+    }
+}
+
+/// Sets libtorch's intra-op threads: `configured`, or the machine's cores shared by `ranks_on_host`.
+pub fn configure_torch_threads(configured: usize, ranks_on_host: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = if configured > 0 { configured } else { (cores / ranks_on_host.max(1)).max(1) };
+    tch::set_num_threads(threads as i32);
+    threads
+}

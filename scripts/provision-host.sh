@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Checks the host tools the build needs (a Rust toolchain, a C++ compiler for torch-sys, python3 with
+# venv) and installs the missing Debian packages when run as root. Quiet when everything is present.
+set -euo pipefail
+
+missing=()
+command -v c++ >/dev/null || missing+=(g++)
+command -v python3 >/dev/null || missing+=(python3)
+python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
+command -v pkg-config >/dev/null || missing+=(pkg-config)
+if ((${#missing[@]})); then
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+    echo "host: installing ${missing[*]}" >&2
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    echo "host: missing ${missing[*]}; install them (e.g. sudo apt-get install ${missing[*]})" >&2
+    exit 1
+  fi
+fi
+if ! command -v cargo >/dev/null; then
+  echo "host: cargo not found; install Rust from rustup (https://rustup.rs) and rerun" >&2
+  exit 1
+fi
