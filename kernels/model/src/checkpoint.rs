@@ -1,8 +1,8 @@
 //! Checkpoints of the reference trainer: one directory per committed step holding `model.safetensors`,
-//! `optimizer.safetensors` and `manifest.json` (step, config, sampler state, optimizer step, a checksum
-//! per file). The commit is atomic: files written and fsynced in a temporary directory → manifest written
-//! and fsynced → directory renamed into place → parent fsynced. A directory whose files do not match
-//! its manifest's checksums is refused on load.
+//! `optimizer.safetensors` and `manifest.json` (step, config, sampler state, optimizer step, and an XXH3-64
+//! checksum per file from `troupe_kernels::checksum64`). The commit is atomic: files written and fsynced in
+//! a temporary directory → manifest written and fsynced → directory renamed into place → parent fsynced. A
+//! directory whose files do not match its manifest's checksums is refused on load.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -11,10 +11,10 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
+use troupe_kernels::checksum64;
 
 use crate::config::JobConfig;
 use crate::data::SamplerState;
-use crate::rng::hash_words;
 use crate::trainer::Trainer;
 
 pub const MANIFEST: &str = "manifest.json";
@@ -84,7 +84,7 @@ pub fn save(trainer: &Trainer, parent: &Path) -> Result<PathBuf, CheckpointError
         let path = tmp.join(file);
         write_tensors(&path, tensors)?;
         let bytes = std::fs::read(&path).map_err(io(&path, "read back"))?;
-        files.push(FileEntry { name: file.to_owned(), bytes: bytes.len() as u64, checksum: file_checksum(&bytes) });
+        files.push(FileEntry { name: file.to_owned(), bytes: bytes.len() as u64, checksum: checksum64(&bytes) });
     }
     let manifest = Manifest {
         format: FORMAT.to_owned(),
@@ -125,7 +125,7 @@ pub fn load(dir: &Path) -> Result<(Manifest, HashMap<String, Tensor>), Checkpoin
         let path = dir.join(&entry.name);
         let bytes =
             std::fs::read(&path).map_err(|source| CheckpointError::Io { path: path.clone(), op: "read", source })?;
-        let found = file_checksum(&bytes);
+        let found = checksum64(&bytes);
         if found != entry.checksum || bytes.len() as u64 != entry.bytes {
             return Err(CheckpointError::Checksum {
                 path: dir.to_owned(),
@@ -239,11 +239,4 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
         op: "write",
         source,
     })
-}
-
-/// Checksum of a checkpoint file's bytes.
-fn file_checksum(bytes: &[u8]) -> u64 {
-    let words: Vec<u64> =
-        bytes.chunks(8).map(|c| c.iter().rev().fold(0u64, |acc, &b| (acc << 8) | u64::from(b))).collect();
-    hash_words(&[hash_words(&words), bytes.len() as u64])
 }

@@ -1,0 +1,132 @@
+//! `troupe train` as a user runs it: the JSON event contract, checkpoints and resume through the CLI,
+//! --save-final, and the errors for flags and configs this build cannot honour.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+/// A small model so each run takes a second or two; the trainer is the same.
+const SMALL_JOB: &str = "[model]\nn_layers = 1\nd_model = 64\nn_heads = 2\ncontext = 32\n[train]\nglobal_batch = 4\nmicro_batch = 2\ntorch_threads = 1\n";
+
+fn troupe(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_troupe")).args(args).env_clear().output().expect("troupe runs")
+}
+
+fn small_job(dir: &Path) -> String {
+    let path = dir.join("job.toml");
+    std::fs::write(&path, SMALL_JOB).unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+fn events(output: &Output) -> Vec<Value> {
+    assert!(output.status.success(), "troupe failed: {}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8(output.stdout.clone())
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect()
+}
+
+fn step_losses(events: &[Value]) -> Vec<(u64, f64)> {
+    events
+        .iter()
+        .filter(|e| e["event"] == "step")
+        .map(|e| (e["step"].as_u64().unwrap(), e["loss"].as_f64().unwrap()))
+        .collect()
+}
+
+#[test]
+fn json_mode_prints_one_object_per_event_with_the_documented_fields() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path());
+    let events = events(&troupe(&["train", "--config", &job, "--steps", "3", "--json"]));
+    assert_eq!(events.first().unwrap()["event"], "start");
+    let steps: Vec<&Value> = events.iter().filter(|e| e["event"] == "step").collect();
+    assert_eq!(steps.len(), 3);
+    for (i, step) in steps.iter().enumerate() {
+        assert_eq!(step["step"], i as u64 + 1);
+        for key in ["loss", "tokens_per_s", "epoch", "world"] {
+            assert!(step.get(key).is_some_and(|v| v.is_number()), "step event lacks {key}: {step}");
+        }
+    }
+    let summary = events.last().unwrap();
+    assert_eq!(summary["event"], "summary");
+    assert_eq!(summary["steps"], 3);
+}
+
+#[test]
+fn human_mode_shows_the_loss_and_a_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path());
+    let output = troupe(&["train", "--config", &job, "--steps", "4", "--log-every", "2"]);
+    assert!(output.status.success());
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    assert!(stdout.contains("step      2/4  loss "), "{stdout}");
+    assert!(stdout.contains("done: 4 steps"), "{stdout}");
+}
+
+#[test]
+fn checkpoint_and_resume_through_the_cli_continue_the_same_trajectory() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path());
+    let ckpt = dir.path().join("ckpt");
+    let ckpt = ckpt.to_str().unwrap();
+    let straight = step_losses(&events(&troupe(&["train", "--config", &job, "--steps", "6", "--json"])));
+
+    let first = events(&troupe(&[
+        "train",
+        "--config",
+        &job,
+        "--steps",
+        "6",
+        "--json",
+        "--checkpoint-dir",
+        ckpt,
+        "--checkpoint-every",
+        "2",
+    ]));
+    assert_eq!(first.iter().filter(|e| e["event"] == "checkpoint").count(), 3);
+    // Pretend the run died after step 4: resume from the step-4 checkpoint.
+    std::fs::remove_dir_all(Path::new(ckpt).join("step-00000006")).unwrap();
+    let resumed =
+        step_losses(&events(&troupe(&["train", "--config", &job, "--steps", "6", "--json", "--resume", ckpt])));
+    assert_eq!(resumed, straight[4..].to_vec(), "resumed steps must equal the uninterrupted run bit for bit");
+}
+
+#[test]
+fn save_final_writes_a_safetensors_file_of_all_parameters() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path());
+    let out = dir.path().join("final.safetensors");
+    events(&troupe(&["train", "--config", &job, "--steps", "1", "--json", "--save-final", out.to_str().unwrap()]));
+    let tensors = tch::Tensor::read_safetensors(&out).unwrap();
+    assert_eq!(tensors.len(), 2 + 12 + 3);
+    let wte = tensors.iter().find(|(n, _)| n == "wte.weight").expect("wte.weight saved");
+    assert_eq!(wte.1.size(), vec![256, 64]);
+}
+
+#[test]
+fn unavailable_flags_and_bad_configs_fail_with_a_clear_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[train]\nlearning_rate = 0.1\n").unwrap();
+    let bad = bad.to_str().unwrap();
+    let cases: &[(&[&str], &str)] = &[
+        (&["train", "--dp", "2"], "--dp"),
+        (&["train", "--pp", "2"], "--pp"),
+        (&["train", "--shard", "zero3"], "--shard"),
+        (&["train", "--nodes", "3"], "--nodes"),
+        (&["train", "--cluster", "127.0.0.1:7000"], "--cluster"),
+        (&["train", "--config", bad], "unknown field `learning_rate`"),
+        (&["train", "--config", "/nonexistent/job.toml"], "/nonexistent/job.toml"),
+        (&["train", "--resume", "/nonexistent/ckpt"], "no valid checkpoint"),
+    ];
+    for (args, needle) in cases {
+        let output = troupe(args);
+        assert!(!output.status.success(), "{args:?} should fail");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains(needle), "{args:?}: stderr lacks {needle:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
+    }
+}
