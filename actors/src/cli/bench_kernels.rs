@@ -1,12 +1,14 @@
 //! `troupe bench kernels`: troupe's CPU kernels beside a plain memcpy of the same bytes, and the fused
 //! AdamW beside libtorch's AdamW on the same shard, all measured in this one run.
 //!
-//! With `--json`, one JSON object per line: a `KernelFigure` per kernel (see `troupe_kernels::bench`), then
+//! Every kernel is timed interleaved with a plain memcpy of the working buffer's size (see
+//! `troupe_kernels::bench`), so each ratio compares two figures taken in the same seconds.
+//! With `--json`, one JSON object per line: a `KernelFigure` per kernel, then
 //! `{"event":"summary", ...}` with the two target ratios and the CUDA status.
 
 use anyhow::Context;
 use tch::nn::{self, OptimizerConfig};
-use troupe_kernels::bench::{measure, run_cpu, with_memcpy_ratio, KernelFigure};
+use troupe_kernels::bench::{run_cpu, KernelFigure, MemcpyBaseline};
 use troupe_kernels::{AdamWConfig, Backend};
 
 #[derive(Debug, clap::Args)]
@@ -40,28 +42,16 @@ const STREAMING_KERNELS: [&str; 10] = [
 ];
 
 pub fn run(args: KernelsArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        args.mib > 0 && args.iters > 0,
-        "--mib and --iters must be at least 1"
-    );
-    let threads = args
-        .threads
-        .unwrap_or_else(troupe_kernels::cpu_threads)
-        .max(1);
+    anyhow::ensure!(args.mib > 0 && args.iters > 0, "--mib and --iters must be at least 1");
+    let threads = args.threads.unwrap_or_else(troupe_kernels::cpu_threads).max(1);
     troupe_kernels::set_cpu_threads(threads);
     tch::set_num_threads(i32::try_from(threads).context("--threads is too large")?);
 
     let bytes = args.mib << 20;
     let mut figures = run_cpu(bytes, args.iters);
-    figures.push(measure_libtorch_adamw(bytes / 4, args.iters, threads)?);
-    let figures = with_memcpy_ratio(figures);
+    figures.push(measure_libtorch_adamw(bytes, args.iters, threads)?);
 
-    let gb_per_s = |kernel: &str| {
-        figures
-            .iter()
-            .find(|f| f.kernel == kernel)
-            .map_or(f64::NAN, |f| f.gb_per_s)
-    };
+    let gb_per_s = |kernel: &str| figures.iter().find(|f| f.kernel == kernel).map_or(f64::NAN, |f| f.gb_per_s);
     let adamw_speedup = gb_per_s("adamw_fused") / gb_per_s("adamw_libtorch");
     let (worst_streaming, worst_ratio) = figures
         .iter()
@@ -98,15 +88,14 @@ pub fn run(args: KernelsArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// libtorch's AdamW (`torch::optim::AdamW` through tch) stepping one f32 tensor of `n` elements whose
-/// gradient is already set: the same shard size, traffic count and hyper-parameters as `adamw_fused`.
-fn measure_libtorch_adamw(n: usize, iters: usize, threads: usize) -> anyhow::Result<KernelFigure> {
+/// libtorch's AdamW (`torch::optim::AdamW` through tch) stepping one f32 tensor of `bytes / 4` elements
+/// whose gradient is already set: the same shard size, traffic count and hyper-parameters as
+/// `adamw_fused`, timed interleaved with a memcpy of `bytes` bytes like every other kernel.
+fn measure_libtorch_adamw(bytes: usize, iters: usize, threads: usize) -> anyhow::Result<KernelFigure> {
+    let n = bytes / 4;
     let config = AdamWConfig::default();
     let vs = nn::VarStore::new(tch::Device::Cpu);
-    let p = vs.root().var_copy(
-        "p",
-        &tch::Tensor::full([n as i64], 0.1, (tch::Kind::Float, tch::Device::Cpu)),
-    );
+    let p = vs.root().var_copy("p", &tch::Tensor::full([n as i64], 0.1, (tch::Kind::Float, tch::Device::Cpu)));
     let grads: Vec<f32> = (0..n).map(|i| ((i % 777) as f32 - 388.0) * 1e-4).collect();
     let mut opt = nn::AdamW {
         beta1: config.beta1,
@@ -117,33 +106,25 @@ fn measure_libtorch_adamw(n: usize, iters: usize, threads: usize) -> anyhow::Res
     }
     .build(&vs, config.lr)
     .context("building libtorch's AdamW")?;
-    (&p * tch::Tensor::from_slice(&grads))
-        .sum(tch::Kind::Float)
-        .backward();
-    Ok(measure(
-        "adamw_libtorch",
-        "libtorch-cpu",
-        n,
-        28 * n as u64,
-        threads,
-        iters,
-        || opt.step(),
-    ))
+    (&p * tch::Tensor::from_slice(&grads)).sum(tch::Kind::Float).backward();
+    let mut memcpy = MemcpyBaseline::new(bytes);
+    Ok(memcpy.measure_beside("adamw_libtorch", "libtorch-cpu", n, 28 * n as u64, threads, iters, || opt.step()))
 }
 
 fn print_table(figures: &[KernelFigure]) {
     println!(
-        "{:<28} {:>13} {:>8} {:>10} {:>10} {:>10}",
-        "kernel", "backend", "threads", "ms", "GB/s", "vs memcpy"
+        "{:<28} {:>13} {:>8} {:>10} {:>10} {:>12} {:>10}",
+        "kernel", "backend", "threads", "ms", "GB/s", "memcpy GB/s", "vs memcpy"
     );
     for f in figures {
         println!(
-            "{:<28} {:>13} {:>8} {:>10.3} {:>10.2} {:>10.2}",
+            "{:<28} {:>13} {:>8} {:>10.3} {:>10.2} {:>12.2} {:>10.2}",
             f.kernel,
             f.backend,
             f.threads,
             f.seconds_median * 1e3,
             f.gb_per_s,
+            f.memcpy_gb_per_s,
             f.vs_memcpy
         );
     }

@@ -35,13 +35,7 @@ pub struct AdamWConfig {
 
 impl Default for AdamWConfig {
     fn default() -> Self {
-        Self {
-            lr: 1e-3,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 1e-2,
-        }
+        Self { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 1e-2 }
     }
 }
 
@@ -98,29 +92,19 @@ pub fn adamw_step(
     step: u64,
     params_bf16: Option<&mut [bf16]>,
 ) {
-    let AdamWShard {
-        params,
-        exp_avg,
-        exp_avg_sq,
-    } = shard;
+    let AdamWShard { params, exp_avg, exp_avg_sq } = shard;
     let len = params.len();
     assert!(
         grads.len() == len && exp_avg.len() == len && exp_avg_sq.len() == len,
         "adamw_step: params, grads and moments lengths differ"
     );
     if let Some(out) = &params_bf16 {
-        assert_eq!(
-            out.len(),
-            len,
-            "adamw_step: bf16 copy-out length differs from params"
-        );
+        assert_eq!(out.len(), len, "adamw_step: bf16 copy-out length differs from params");
     }
     let scalars = AdamWStepScalars::new(config, step);
     let chunk = chunk_elems(len);
-    let out_chunks = params_bf16
-        .into_iter()
-        .flat_map(|out| out.chunks_mut(chunk).map(Some))
-        .chain(std::iter::repeat_with(|| None));
+    let out_chunks =
+        params_bf16.into_iter().flat_map(|out| out.chunks_mut(chunk).map(Some)).chain(std::iter::repeat_with(|| None));
     let parts = params
         .chunks_mut(chunk)
         .zip(grads.chunks(chunk))
@@ -158,13 +142,7 @@ fn adamw_block_with_copy_out(
     out: &mut [bf16],
     s: &AdamWStepScalars,
 ) {
-    for ((((p, g), m), v), out) in p
-        .iter_mut()
-        .zip(g)
-        .zip(m.iter_mut())
-        .zip(v.iter_mut())
-        .zip(out.iter_mut())
-    {
+    for ((((p, g), m), v), out) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()).zip(out.iter_mut()) {
         (*p, *m, *v) = adamw_element(*p, *g, *m, *v, s);
         *out = bf16_from_f32_rne(*p);
     }
@@ -178,14 +156,7 @@ mod tests {
 
     /// torch's formula written out per element, one tensor operation per line, in f32 with f64
     /// scalars rounded at use — the reference the fused kernel must match bit for bit.
-    fn reference_step(
-        p: &mut [f32],
-        g: &[f32],
-        m: &mut [f32],
-        v: &mut [f32],
-        c: &AdamWConfig,
-        t: u64,
-    ) {
+    fn reference_step(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: &AdamWConfig, t: u64) {
         let step_size = c.lr / (1.0 - c.beta1.powf(t as f64));
         let bc2_sqrt = (1.0 - c.beta2.powf(t as f64)).sqrt();
         for i in 0..p.len() {
@@ -207,11 +178,7 @@ mod tests {
         let (mut rp, mut rm, mut rv) = (params.to_vec(), vec![0.0; n], vec![0.0; n]);
         let mut out = vec![bf16::ZERO; n];
         for t in 1..=steps {
-            let shard = AdamWShard {
-                params: &mut p,
-                exp_avg: &mut m,
-                exp_avg_sq: &mut v,
-            };
+            let shard = AdamWShard { params: &mut p, exp_avg: &mut m, exp_avg_sq: &mut v };
             adamw_step(shard, grads, config, t, Some(&mut out));
             reference_step(&mut rp, grads, &mut rm, &mut rv, config, t);
         }
@@ -222,41 +189,14 @@ mod tests {
                 p[i],
                 rp[i]
             );
-            assert!(
-                same(out[i].to_f32(), bf16::from_f32(p[i]).to_f32()),
-                "bf16 copy-out at {i}"
-            );
+            assert!(same(out[i].to_f32(), bf16::from_f32(p[i]).to_f32()), "bf16 copy-out at {i}");
         }
     }
 
     #[test]
     fn matches_the_torch_formula_on_edge_values() {
-        let params = [
-            0.0,
-            -0.0,
-            1.0,
-            -3.5,
-            1e-40,
-            f32::MAX,
-            f32::NAN,
-            f32::INFINITY,
-            2.0,
-            7.0,
-            0.5,
-        ];
-        let grads = [
-            0.0,
-            1.0,
-            -1.0,
-            1e-45,
-            1e30,
-            -2.0,
-            0.1,
-            0.1,
-            f32::NAN,
-            f32::INFINITY,
-            1e-20,
-        ];
+        let params = [0.0, -0.0, 1.0, -3.5, 1e-40, f32::MAX, f32::NAN, f32::INFINITY, 2.0, 7.0, 0.5];
+        let grads = [0.0, 1.0, -1.0, 1e-45, 1e30, -2.0, 0.1, 0.1, f32::NAN, f32::INFINITY, 1e-20];
         check(&params, &grads, &AdamWConfig::default(), 3);
     }
 
@@ -270,42 +210,16 @@ mod tests {
         let n = PARALLEL_MIN_ELEMS * 2 + 13;
         let params: Vec<f32> = (0..n).map(|i| (i as f32 * 0.01).sin()).collect();
         let grads: Vec<f32> = (0..n).map(|i| (i as f32 * 0.07).cos() * 1e-2).collect();
-        check(
-            &params,
-            &grads,
-            &AdamWConfig {
-                lr: 3e-4,
-                weight_decay: 0.1,
-                ..AdamWConfig::default()
-            },
-            2,
-        );
+        check(&params, &grads, &AdamWConfig { lr: 3e-4, weight_decay: 0.1, ..AdamWConfig::default() }, 2);
     }
 
     #[test]
     fn first_step_moves_each_param_by_about_lr_against_its_gradient() {
         let mut p = vec![1.0f32, 1.0];
         let (mut m, mut v) = (vec![0.0; 2], vec![0.0; 2]);
-        let config = AdamWConfig {
-            lr: 0.1,
-            weight_decay: 0.0,
-            ..AdamWConfig::default()
-        };
-        adamw_step(
-            AdamWShard {
-                params: &mut p,
-                exp_avg: &mut m,
-                exp_avg_sq: &mut v,
-            },
-            &[2.0, -0.5],
-            &config,
-            1,
-            None,
-        );
-        assert!(
-            (p[0] - 0.9).abs() < 1e-6 && (p[1] - 1.1).abs() < 1e-6,
-            "{p:?}"
-        );
+        let config = AdamWConfig { lr: 0.1, weight_decay: 0.0, ..AdamWConfig::default() };
+        adamw_step(AdamWShard { params: &mut p, exp_avg: &mut m, exp_avg_sq: &mut v }, &[2.0, -0.5], &config, 1, None);
+        assert!((p[0] - 0.9).abs() < 1e-6 && (p[1] - 1.1).abs() < 1e-6, "{p:?}");
     }
 
     #[test]

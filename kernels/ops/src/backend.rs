@@ -69,22 +69,14 @@ impl Buffer {
 fn host_f32<'a>(op: &'static str, b: &'a HostBuffer) -> Result<&'a [f32], KernelError> {
     match b {
         HostBuffer::F32(v) => Ok(v),
-        other => Err(KernelError::DTypeMismatch {
-            op,
-            expected: "f32",
-            got: other.dtype_name(),
-        }),
+        other => Err(KernelError::DTypeMismatch { op, expected: "f32", got: other.dtype_name() }),
     }
 }
 
 fn host_f32_mut<'a>(op: &'static str, b: &'a mut HostBuffer) -> Result<&'a mut [f32], KernelError> {
     match b {
         HostBuffer::F32(v) => Ok(v),
-        other => Err(KernelError::DTypeMismatch {
-            op,
-            expected: "f32",
-            got: other.dtype_name(),
-        }),
+        other => Err(KernelError::DTypeMismatch { op, expected: "f32", got: other.dtype_name() }),
     }
 }
 
@@ -97,11 +89,7 @@ fn same_len(op: &'static str, left: usize, right: usize) -> Result<(), KernelErr
 }
 
 fn mismatch(op: &'static str, left: &Buffer, right: &Buffer) -> KernelError {
-    KernelError::BackendMismatch {
-        op,
-        left: left.backend_name(),
-        right: right.backend_name(),
-    }
+    KernelError::BackendMismatch { op, left: left.backend_name(), right: right.backend_name() }
 }
 
 impl Backend {
@@ -139,34 +127,21 @@ impl Backend {
             (_, Buffer::Cpu(host)) => Ok(host.clone()),
             (Backend::Cuda(cuda), Buffer::Cuda(device)) => Ok(match device {
                 DeviceBuffer::F32(_) => HostBuffer::F32(cuda.download_f32(device)?),
-                DeviceBuffer::Bf16(_) => HostBuffer::Bf16(
-                    cuda.download_bits16(device)?
-                        .into_iter()
-                        .map(bf16::from_bits)
-                        .collect(),
-                ),
-                DeviceBuffer::F16(_) => HostBuffer::F16(
-                    cuda.download_bits16(device)?
-                        .into_iter()
-                        .map(f16::from_bits)
-                        .collect(),
-                ),
+                DeviceBuffer::Bf16(_) => {
+                    HostBuffer::Bf16(cuda.download_bits16(device)?.into_iter().map(bf16::from_bits).collect())
+                }
+                DeviceBuffer::F16(_) => {
+                    HostBuffer::F16(cuda.download_bits16(device)?.into_iter().map(f16::from_bits).collect())
+                }
             }),
-            (Backend::Cpu, Buffer::Cuda(_)) => Err(KernelError::BackendMismatch {
-                op: "download",
-                left: "cpu",
-                right: "cuda",
-            }),
+            (Backend::Cpu, Buffer::Cuda(_)) => {
+                Err(KernelError::BackendMismatch { op: "download", left: "cpu", right: "cuda" })
+            }
         }
     }
 
     /// `acc[i] = op(acc[i], src[i])` with an f32 accumulator and an f32, bf16 or f16 source.
-    pub fn reduce_into(
-        &self,
-        acc: &mut Buffer,
-        src: &Buffer,
-        op: ReduceOp,
-    ) -> Result<(), KernelError> {
+    pub fn reduce_into(&self, acc: &mut Buffer, src: &Buffer, op: ReduceOp) -> Result<(), KernelError> {
         match (self, &mut *acc, src) {
             (Backend::Cpu, Buffer::Cpu(acc), Buffer::Cpu(src)) => {
                 let acc = host_f32_mut("reduce_into (accumulator)", acc)?;
@@ -178,9 +153,7 @@ impl Backend {
                 }
                 Ok(())
             }
-            (Backend::Cuda(cuda), Buffer::Cuda(acc), Buffer::Cuda(src)) => {
-                cuda.reduce_into(acc, src, op)
-            }
+            (Backend::Cuda(cuda), Buffer::Cuda(acc), Buffer::Cuda(src)) => cuda.reduce_into(acc, src, op),
             _ => Err(mismatch("reduce_into", acc, src)),
         }
     }
@@ -192,11 +165,9 @@ impl Backend {
                 Ok(())
             }
             (Backend::Cuda(cuda), Buffer::Cuda(acc)) => cuda.finish_avg(acc, contributions),
-            (_, acc) => Err(KernelError::BackendMismatch {
-                op: "finish_avg",
-                left: self.name(),
-                right: acc.backend_name(),
-            }),
+            (_, acc) => {
+                Err(KernelError::BackendMismatch { op: "finish_avg", left: self.name(), right: acc.backend_name() })
+            }
         }
     }
 
@@ -240,10 +211,7 @@ impl Backend {
         match (self, params, grads, exp_avg, exp_avg_sq) {
             (Backend::Cpu, Buffer::Cpu(p), Buffer::Cpu(g), Buffer::Cpu(m), Buffer::Cpu(v)) => {
                 let (p, g) = (host_f32_mut("adamw_step", p)?, host_f32("adamw_step", g)?);
-                let (m, v) = (
-                    host_f32_mut("adamw_step", m)?,
-                    host_f32_mut("adamw_step", v)?,
-                );
+                let (m, v) = (host_f32_mut("adamw_step", m)?, host_f32_mut("adamw_step", v)?);
                 for other in [g.len(), m.len(), v.len()] {
                     same_len("adamw_step", p.len(), other)?;
                 }
@@ -255,49 +223,21 @@ impl Backend {
                     }
                     Some(Buffer::Cpu(other)) => {
                         let got = other.dtype_name();
-                        return Err(KernelError::DTypeMismatch {
-                            op: "adamw_step (copy-out)",
-                            expected: "bf16",
-                            got,
-                        });
+                        return Err(KernelError::DTypeMismatch { op: "adamw_step (copy-out)", expected: "bf16", got });
                     }
                     Some(Buffer::Cuda(_)) => {
-                        return Err(KernelError::BackendMismatch {
-                            op: "adamw_step",
-                            left: "cpu",
-                            right: "cuda",
-                        })
+                        return Err(KernelError::BackendMismatch { op: "adamw_step", left: "cpu", right: "cuda" })
                     }
                 };
-                adamw_step(
-                    AdamWShard {
-                        params: p,
-                        exp_avg: m,
-                        exp_avg_sq: v,
-                    },
-                    g,
-                    config,
-                    step,
-                    out,
-                );
+                adamw_step(AdamWShard { params: p, exp_avg: m, exp_avg_sq: v }, g, config, step, out);
                 Ok(())
             }
-            (
-                Backend::Cuda(cuda),
-                Buffer::Cuda(p),
-                Buffer::Cuda(g),
-                Buffer::Cuda(m),
-                Buffer::Cuda(v),
-            ) => {
+            (Backend::Cuda(cuda), Buffer::Cuda(p), Buffer::Cuda(g), Buffer::Cuda(m), Buffer::Cuda(v)) => {
                 let out = match params_bf16 {
                     None => None,
                     Some(Buffer::Cuda(out)) => Some(out),
                     Some(Buffer::Cpu(_)) => {
-                        return Err(KernelError::BackendMismatch {
-                            op: "adamw_step",
-                            left: "cuda",
-                            right: "cpu",
-                        })
+                        return Err(KernelError::BackendMismatch { op: "adamw_step", left: "cuda", right: "cpu" })
                     }
                 };
                 cuda.adamw_step(p, g, m, v, out, config, step)
@@ -313,16 +253,11 @@ impl Backend {
     /// Multiplies by `inv_scale`; returns whether any input was inf or NaN.
     pub fn unscale_grads(&self, grads: &mut Buffer, inv_scale: f32) -> Result<bool, KernelError> {
         match (self, grads) {
-            (Backend::Cpu, Buffer::Cpu(g)) => Ok(unscale::unscale_grads(
-                host_f32_mut("unscale_grads", g)?,
-                inv_scale,
-            )),
+            (Backend::Cpu, Buffer::Cpu(g)) => Ok(unscale::unscale_grads(host_f32_mut("unscale_grads", g)?, inv_scale)),
             (Backend::Cuda(cuda), Buffer::Cuda(g)) => cuda.unscale_grads(g, inv_scale),
-            (_, g) => Err(KernelError::BackendMismatch {
-                op: "unscale_grads",
-                left: self.name(),
-                right: g.backend_name(),
-            }),
+            (_, g) => {
+                Err(KernelError::BackendMismatch { op: "unscale_grads", left: self.name(), right: g.backend_name() })
+            }
         }
     }
 

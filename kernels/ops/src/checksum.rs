@@ -53,9 +53,7 @@ mod tests {
 
     #[test]
     fn golden_values_pin_the_output_across_versions() {
-        let pattern: Vec<u8> = (0..100_000u32)
-            .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
-            .collect();
+        let pattern: Vec<u8> = (0..100_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
         assert_eq!(checksum64(b"troupe"), GOLDEN_TROUPE);
         assert_eq!(checksum64(&pattern), GOLDEN_PATTERN);
     }

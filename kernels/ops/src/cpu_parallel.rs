@@ -64,13 +64,8 @@ where
                 handles.push(scope.spawn(move || work(part)));
             }
         }
-        let mut results: Vec<R> = handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-            })
-            .collect();
+        let mut results: Vec<R> =
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))).collect();
         results.extend(last);
         results
     })

@@ -15,23 +15,11 @@ pub enum KernelError {
     CudaCompile { message: String },
     /// Two buffers given to one kernel live on different backends (e.g. one on the CPU, one on CUDA).
     #[error("{op}: buffers live on different backends ({left} and {right}); move them to one backend first")]
-    BackendMismatch {
-        op: &'static str,
-        left: &'static str,
-        right: &'static str,
-    },
+    BackendMismatch { op: &'static str, left: &'static str, right: &'static str },
     /// A buffer has a different element type than the kernel needs.
     #[error("{op}: expected a {expected} buffer, got {got}")]
-    DTypeMismatch {
-        op: &'static str,
-        expected: &'static str,
-        got: &'static str,
-    },
+    DTypeMismatch { op: &'static str, expected: &'static str, got: &'static str },
     /// Two buffers given to one kernel have different lengths.
     #[error("{op}: buffer lengths differ ({left} and {right} elements)")]
-    LengthMismatch {
-        op: &'static str,
-        left: usize,
-        right: usize,
-    },
+    LengthMismatch { op: &'static str, left: usize, right: usize },
 }

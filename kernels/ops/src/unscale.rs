@@ -8,11 +8,7 @@ use crate::cpu_parallel::{chunk_elems, map_parts};
 /// `true` skips the optimizer step and lowers the loss scale.
 pub fn unscale_grads(grads: &mut [f32], inv_scale: f32) -> bool {
     let chunk = chunk_elems(grads.len());
-    map_parts(grads.chunks_mut(chunk), |grads| {
-        unscale_block(grads, inv_scale)
-    })
-    .into_iter()
-    .any(|found| found)
+    map_parts(grads.chunks_mut(chunk), |grads| unscale_block(grads, inv_scale)).into_iter().any(|found| found)
 }
 
 /// Branch-free so it vectorizes: an f32 is inf or NaN exactly when its exponent bits are all ones.
@@ -35,11 +31,7 @@ mod tests {
     fn check(grads: &[f32], inv_scale: f32) {
         let mut got = grads.to_vec();
         let found = unscale_grads(&mut got, inv_scale);
-        assert_eq!(
-            found,
-            grads.iter().any(|g| !g.is_finite()),
-            "non-finite flag for {grads:?}"
-        );
+        assert_eq!(found, grads.iter().any(|g| !g.is_finite()), "non-finite flag for {grads:?}");
         for (g, x) in got.iter().zip(grads) {
             let want = x * inv_scale;
             assert!(g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()));
@@ -49,10 +41,7 @@ mod tests {
     #[test]
     fn finds_inf_and_nan_anywhere_and_nothing_else() {
         check(&[], 0.5);
-        check(
-            &[1.0, -2.0, 1e-45, f32::MAX, f32::MIN_POSITIVE, -0.0],
-            1.0 / 65536.0,
-        );
+        check(&[1.0, -2.0, 1e-45, f32::MAX, f32::MIN_POSITIVE, -0.0], 1.0 / 65536.0);
         check(&[1.0, f32::NAN], 0.5);
         check(&[f32::NEG_INFINITY, 1.0, 2.0], 0.5);
         check(&[f32::INFINITY], 0.5);

@@ -18,34 +18,10 @@ fn cuda_or_skip(test: &str) -> Option<Backend> {
 
 /// Inputs with every kind of edge value, and deterministic filler for the rest.
 fn inputs(len: usize) -> (Vec<f32>, Vec<f32>) {
-    let edges = [
-        0.0,
-        -0.0,
-        1.0,
-        f32::NAN,
-        f32::INFINITY,
-        f32::NEG_INFINITY,
-        1e-45,
-        -1e-40,
-        f32::MAX,
-        65520.0,
-    ];
-    let a: Vec<f32> = (0..len)
-        .map(|i| {
-            edges
-                .get(i)
-                .copied()
-                .unwrap_or(((i * 37) % 101) as f32 * 0.37 - 18.0)
-        })
-        .collect();
-    let b: Vec<f32> = (0..len)
-        .map(|i| {
-            edges
-                .get(len - 1 - i)
-                .copied()
-                .unwrap_or((i as f32 * 0.11).sin())
-        })
-        .collect();
+    let edges = [0.0, -0.0, 1.0, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e-45, -1e-40, f32::MAX, 65520.0];
+    let a: Vec<f32> =
+        (0..len).map(|i| edges.get(i).copied().unwrap_or(((i * 37) % 101) as f32 * 0.37 - 18.0)).collect();
+    let b: Vec<f32> = (0..len).map(|i| edges.get(len - 1 - i).copied().unwrap_or((i as f32 * 0.11).sin())).collect();
     (a, b)
 }
 
@@ -62,9 +38,7 @@ fn all_outputs(backend: &Backend, len: usize) -> Vec<HostBuffer> {
     for src in &sources {
         for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
             let mut acc = up(HostBuffer::F32(a.clone()));
-            backend
-                .reduce_into(&mut acc, &up(src.clone()), op)
-                .expect("reduce_into");
+            backend.reduce_into(&mut acc, &up(src.clone()), op).expect("reduce_into");
             if op == ReduceOp::Avg {
                 backend.finish_avg(&mut acc, 2).expect("finish_avg");
             }
@@ -72,13 +46,9 @@ fn all_outputs(backend: &Backend, len: usize) -> Vec<HostBuffer> {
         }
     }
     let mut to_bf16 = up(HostBuffer::Bf16(vec![bf16::ZERO; len]));
-    backend
-        .cast(&up(HostBuffer::F32(a.clone())), &mut to_bf16)
-        .expect("cast");
+    backend.cast(&up(HostBuffer::F32(a.clone())), &mut to_bf16).expect("cast");
     let mut to_f16 = up(HostBuffer::F16(vec![f16::ZERO; len]));
-    backend
-        .cast(&up(HostBuffer::F32(a.clone())), &mut to_f16)
-        .expect("cast");
+    backend.cast(&up(HostBuffer::F32(a.clone())), &mut to_f16).expect("cast");
     for narrow in [&to_bf16, &to_f16] {
         let mut wide = up(HostBuffer::F32(vec![0.0; len]));
         backend.cast(narrow, &mut wide).expect("cast");
@@ -87,33 +57,13 @@ fn all_outputs(backend: &Backend, len: usize) -> Vec<HostBuffer> {
     outputs.push(backend.download(&to_bf16).expect("download"));
     outputs.push(backend.download(&to_f16).expect("download"));
 
-    let finite_b: Vec<f32> = b
-        .iter()
-        .map(|x| if x.is_finite() { x * 1e-3 } else { 0.5 })
-        .collect();
-    let (mut p, g) = (
-        up(HostBuffer::F32(
-            a.iter().map(|x| x.clamp(-5.0, 5.0)).collect(),
-        )),
-        up(HostBuffer::F32(finite_b)),
-    );
-    let (mut m, mut v) = (
-        up(HostBuffer::F32(vec![0.0; len])),
-        up(HostBuffer::F32(vec![0.0; len])),
-    );
+    let finite_b: Vec<f32> = b.iter().map(|x| if x.is_finite() { x * 1e-3 } else { 0.5 }).collect();
+    let (mut p, g) =
+        (up(HostBuffer::F32(a.iter().map(|x| x.clamp(-5.0, 5.0)).collect())), up(HostBuffer::F32(finite_b)));
+    let (mut m, mut v) = (up(HostBuffer::F32(vec![0.0; len])), up(HostBuffer::F32(vec![0.0; len])));
     let mut out = up(HostBuffer::Bf16(vec![bf16::ZERO; len]));
     for step in 1..=3 {
-        backend
-            .adamw_step(
-                &mut p,
-                &g,
-                &mut m,
-                &mut v,
-                Some(&mut out),
-                &AdamWConfig::default(),
-                step,
-            )
-            .expect("adamw");
+        backend.adamw_step(&mut p, &g, &mut m, &mut v, Some(&mut out), &AdamWConfig::default(), step).expect("adamw");
     }
     for buffer in [&p, &m, &v, &out] {
         outputs.push(backend.download(buffer).expect("download"));
@@ -123,13 +73,8 @@ fn all_outputs(backend: &Backend, len: usize) -> Vec<HostBuffer> {
     let found = backend.unscale_grads(&mut grads, 0.25).expect("unscale");
     assert_eq!(found, a.iter().any(|x| !x.is_finite()));
     outputs.push(backend.download(&grads).expect("download"));
-    let finite_a: Vec<f32> = a
-        .iter()
-        .map(|x| if x.is_finite() { *x } else { 3.0 })
-        .collect();
-    let norm = backend
-        .l2_norm(&[&up(HostBuffer::F32(finite_a)), &g])
-        .expect("norm");
+    let finite_a: Vec<f32> = a.iter().map(|x| if x.is_finite() { *x } else { 3.0 }).collect();
+    let norm = backend.l2_norm(&[&up(HostBuffer::F32(finite_a)), &g]).expect("norm");
     outputs.push(HostBuffer::F32(vec![norm as f32]));
     outputs
 }
@@ -145,14 +90,10 @@ fn assert_same_outputs(got: &[HostBuffer], want: &[HostBuffer]) {
             (HostBuffer::F32(g), HostBuffer::F32(w)) => {
                 g.len() == w.len() && g.iter().zip(w).all(|(a, b)| same_f32(*a, *b))
             }
-            (HostBuffer::Bf16(g), HostBuffer::Bf16(w)) => g
-                .iter()
-                .zip(w)
-                .all(|(a, b)| same_f32(a.to_f32(), b.to_f32())),
-            (HostBuffer::F16(g), HostBuffer::F16(w)) => g
-                .iter()
-                .zip(w)
-                .all(|(a, b)| same_f32(a.to_f32(), b.to_f32())),
+            (HostBuffer::Bf16(g), HostBuffer::Bf16(w)) => {
+                g.iter().zip(w).all(|(a, b)| same_f32(a.to_f32(), b.to_f32()))
+            }
+            (HostBuffer::F16(g), HostBuffer::F16(w)) => g.iter().zip(w).all(|(a, b)| same_f32(a.to_f32(), b.to_f32())),
             _ => false,
         };
         assert!(ok, "output {k} differs:\n got {g:?}\nwant {w:?}");
@@ -197,30 +138,10 @@ fn mismatched_inputs_are_errors_that_name_the_op() {
     let mut acc = Buffer::Cpu(HostBuffer::Bf16(vec![bf16::ZERO; 2]));
     let src = Buffer::Cpu(HostBuffer::F32(vec![0.0; 2]));
     let err = cpu.reduce_into(&mut acc, &src, ReduceOp::Sum).unwrap_err();
-    assert!(
-        matches!(
-            err,
-            KernelError::DTypeMismatch {
-                expected: "f32",
-                got: "bf16",
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert!(matches!(err, KernelError::DTypeMismatch { expected: "f32", got: "bf16", .. }), "{err}");
     let mut acc = Buffer::Cpu(HostBuffer::F32(vec![0.0; 3]));
     let err = cpu.reduce_into(&mut acc, &src, ReduceOp::Sum).unwrap_err();
-    assert!(
-        matches!(
-            err,
-            KernelError::LengthMismatch {
-                left: 3,
-                right: 2,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert!(matches!(err, KernelError::LengthMismatch { left: 3, right: 2, .. }), "{err}");
     let mut dst = Buffer::Cpu(HostBuffer::F32(vec![0.0; 2]));
     let err = cpu.cast(&src, &mut dst).unwrap_err();
     assert!(err.to_string().starts_with("cast"), "{err}");

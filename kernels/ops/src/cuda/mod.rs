@@ -5,16 +5,19 @@
 //! are present before cudarc's first call, and kernel launches).
 //!
 //! The CUDA C in `kernels.cu` is compiled with NVRTC on the first use on a device and the loaded module is
-//! cached per device ordinal for the life of the process. Every kernel runs on the backend's stream
-//! (the context's default stream); methods that return a host value (`unscale`'s flag, the norm)
-//! synchronise that stream before returning, the others only enqueue.
+//! cached per device ordinal for the life of the process. Every kernel runs on the backend's stream,
+//! the context's default (legacy NULL) stream; methods that return a host value (`unscale`'s flag, the
+//! norm) synchronise that stream before returning, the others only enqueue.
+//!
+//! Ordering with libtorch: libtorch's current stream is also the legacy default stream unless the caller
+//! installed another one, and the legacy default stream orders itself against every blocking stream of
+//! the context, so kernels enqueued here run after libtorch's queued work and before its later work.
+//! A caller that runs libtorch on a non-default, non-blocking stream must synchronise that stream first.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::{
-    CudaContext, CudaModule, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use crate::adamw::{AdamWConfig, AdamWStepScalars};
@@ -67,9 +70,7 @@ pub fn cuda_device_count() -> Result<usize, KernelError> {
     // is missing, so this check must come before any other cudarc call.
     let driver_present = unsafe { cudarc::driver::sys::is_culib_present() };
     if !driver_present {
-        return Err(no_device(
-            "the CUDA driver library (libcuda) is not installed",
-        ));
+        return Err(no_device("the CUDA driver library (libcuda) is not installed"));
     }
     // SAFETY: as above.
     let nvrtc_present = unsafe { cudarc::nvrtc::sys::is_culib_present() };
@@ -84,65 +85,41 @@ pub fn cuda_device_count() -> Result<usize, KernelError> {
 }
 
 fn no_device(reason: &str) -> KernelError {
-    KernelError::NoCudaDevice {
-        reason: reason.to_owned(),
-    }
+    KernelError::NoCudaDevice { reason: reason.to_owned() }
 }
 
 fn driver(op: &'static str) -> impl FnOnce(DriverError) -> KernelError {
-    move |e| KernelError::CudaDriver {
-        op,
-        message: e.to_string(),
-    }
+    move |e| KernelError::CudaDriver { op, message: e.to_string() }
 }
 
 /// NVRTC output, compiled once per process (the PTX is device-independent).
 fn compiled_ptx() -> Result<Ptx, KernelError> {
     static PTX: OnceLock<Result<String, String>> = OnceLock::new();
     let source = PTX.get_or_init(|| {
-        let options = CompileOptions {
-            fmad: Some(false),
-            arch: Some(PTX_ARCH),
-            ..Default::default()
-        };
-        cudarc::nvrtc::compile_ptx_with_opts(KERNELS_SOURCE, options)
-            .map(|ptx| ptx.to_src())
-            .map_err(|e| e.to_string())
+        let options = CompileOptions { fmad: Some(false), arch: Some(PTX_ARCH), ..Default::default() };
+        cudarc::nvrtc::compile_ptx_with_opts(KERNELS_SOURCE, options).map(|ptx| ptx.to_src()).map_err(|e| e.to_string())
     });
     match source {
         Ok(src) => Ok(Ptx::from_src(src.clone())),
-        Err(message) => Err(KernelError::CudaCompile {
-            message: message.clone(),
-        }),
+        Err(message) => Err(KernelError::CudaCompile { message: message.clone() }),
     }
 }
 
 /// The loaded module for a device, loaded at first use on that device and cached.
 fn module_for(ctx: &Arc<CudaContext>) -> Result<Arc<CudaModule>, KernelError> {
     static MODULES: OnceLock<Mutex<HashMap<usize, Arc<CudaModule>>>> = OnceLock::new();
-    let mut modules = MODULES
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let mut modules = MODULES.get_or_init(Default::default).lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     if let Some(module) = modules.get(&ctx.ordinal()) {
         return Ok(module.clone());
     }
-    let module = ctx
-        .load_module(compiled_ptx()?)
-        .map_err(driver("load troupe kernels module"))?;
+    let module = ctx.load_module(compiled_ptx()?).map_err(driver("load troupe kernels module"))?;
     modules.insert(ctx.ordinal(), module.clone());
     Ok(module)
 }
 
 fn launch_config(n: usize) -> LaunchConfig {
-    let blocks = (n as u64)
-        .div_ceil(u64::from(THREADS_PER_BLOCK))
-        .clamp(1, BLOCKS_MAX) as u32;
-    LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (THREADS_PER_BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    }
+    let blocks = (n as u64).div_ceil(u64::from(THREADS_PER_BLOCK)).clamp(1, BLOCKS_MAX) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS_PER_BLOCK, 1, 1), shared_mem_bytes: 0 }
 }
 
 fn reduce_op_code(op: ReduceOp) -> i32 {
@@ -167,17 +144,11 @@ impl CudaBackend {
     pub fn new(ordinal: usize) -> Result<Self, KernelError> {
         let count = cuda_device_count()?;
         if ordinal >= count {
-            return Err(no_device(&format!(
-                "device {ordinal} requested, {count} present"
-            )));
+            return Err(no_device(&format!("device {ordinal} requested, {count} present")));
         }
         let ctx = CudaContext::new(ordinal).map_err(driver("create context"))?;
         let module = module_for(&ctx)?;
-        Ok(Self {
-            ordinal,
-            stream: ctx.default_stream(),
-            module,
-        })
+        Ok(Self { ordinal, stream: ctx.default_stream(), module })
     }
 
     pub fn ordinal(&self) -> usize {
@@ -194,26 +165,17 @@ impl CudaBackend {
     }
 
     pub fn upload_f32(&self, host: &[f32]) -> Result<DeviceBuffer, KernelError> {
-        self.stream
-            .clone_htod(host)
-            .map(DeviceBuffer::F32)
-            .map_err(driver("copy to device"))
+        self.stream.clone_htod(host).map(DeviceBuffer::F32).map_err(driver("copy to device"))
     }
 
     pub fn upload_bf16(&self, host: &[half::bf16]) -> Result<DeviceBuffer, KernelError> {
         let bits: Vec<u16> = host.iter().map(|x| x.to_bits()).collect();
-        self.stream
-            .clone_htod(&bits)
-            .map(DeviceBuffer::Bf16)
-            .map_err(driver("copy to device"))
+        self.stream.clone_htod(&bits).map(DeviceBuffer::Bf16).map_err(driver("copy to device"))
     }
 
     pub fn upload_f16(&self, host: &[half::f16]) -> Result<DeviceBuffer, KernelError> {
         let bits: Vec<u16> = host.iter().map(|x| x.to_bits()).collect();
-        self.stream
-            .clone_htod(&bits)
-            .map(DeviceBuffer::F16)
-            .map_err(driver("copy to device"))
+        self.stream.clone_htod(&bits).map(DeviceBuffer::F16).map_err(driver("copy to device"))
     }
 
     pub fn download_f32(&self, buffer: &DeviceBuffer) -> Result<Vec<f32>, KernelError> {
@@ -226,9 +188,7 @@ impl CudaBackend {
     /// The 16-bit bit patterns of a bf16 or f16 buffer.
     pub fn download_bits16(&self, buffer: &DeviceBuffer) -> Result<Vec<u16>, KernelError> {
         match buffer {
-            DeviceBuffer::Bf16(s) | DeviceBuffer::F16(s) => {
-                self.stream.clone_dtoh(s).map_err(driver("copy to host"))
-            }
+            DeviceBuffer::Bf16(s) | DeviceBuffer::F16(s) => self.stream.clone_dtoh(s).map_err(driver("copy to host")),
             other => Err(dtype_mismatch("download_bits16", "bf16 or f16", other)),
         }
     }
@@ -238,26 +198,17 @@ impl CudaBackend {
         let alloc = driver("allocate");
         Ok(match like {
             DeviceBuffer::F32(_) => DeviceBuffer::F32(self.stream.alloc_zeros(len).map_err(alloc)?),
-            DeviceBuffer::Bf16(_) => {
-                DeviceBuffer::Bf16(self.stream.alloc_zeros(len).map_err(alloc)?)
-            }
+            DeviceBuffer::Bf16(_) => DeviceBuffer::Bf16(self.stream.alloc_zeros(len).map_err(alloc)?),
             DeviceBuffer::F16(_) => DeviceBuffer::F16(self.stream.alloc_zeros(len).map_err(alloc)?),
         })
     }
 
     fn function(&self, name: &'static str) -> Result<cudarc::driver::CudaFunction, KernelError> {
-        self.module
-            .load_function(name)
-            .map_err(driver("load kernel function"))
+        self.module.load_function(name).map_err(driver("load kernel function"))
     }
 
     /// `acc[i] = op(acc[i], src[i])`, as [`crate::reduce_into`].
-    pub fn reduce_into(
-        &self,
-        acc: &mut DeviceBuffer,
-        src: &DeviceBuffer,
-        op: ReduceOp,
-    ) -> Result<(), KernelError> {
+    pub fn reduce_into(&self, acc: &mut DeviceBuffer, src: &DeviceBuffer, op: ReduceOp) -> Result<(), KernelError> {
         let DeviceBuffer::F32(acc) = acc else {
             return Err(dtype_mismatch("reduce_into (accumulator)", "f32", acc));
         };
@@ -285,11 +236,7 @@ impl CudaBackend {
     }
 
     /// Multiplies an `Avg` accumulator by `1/contributions`, as [`crate::finish_avg`].
-    pub fn finish_avg(
-        &self,
-        acc: &mut DeviceBuffer,
-        contributions: usize,
-    ) -> Result<(), KernelError> {
+    pub fn finish_avg(&self, acc: &mut DeviceBuffer, contributions: usize) -> Result<(), KernelError> {
         let DeviceBuffer::F32(acc) = acc else {
             return Err(dtype_mismatch("finish_avg", "f32", acc));
         };
@@ -302,9 +249,7 @@ impl CudaBackend {
         let mut args = self.stream.launch_builder(&f);
         args.arg(&mut *acc).arg(&n).arg(&factor);
         // SAFETY: the kernel reads and writes n elements of acc, which holds n.
-        unsafe { args.launch(cfg) }
-            .map(drop)
-            .map_err(driver("scale_f32"))
+        unsafe { args.launch(cfg) }.map(drop).map_err(driver("scale_f32"))
     }
 
     /// Casts between f32 and bf16/f16 (either direction), round to nearest even.
@@ -329,11 +274,7 @@ impl CudaBackend {
             (DeviceBuffer::F32(s), DeviceBuffer::F16(d)) => launch!("cast_f32_to_f16", s, d),
             (DeviceBuffer::Bf16(s), DeviceBuffer::F32(d)) => launch!("cast_bf16_to_f32", s, d),
             (DeviceBuffer::F16(s), DeviceBuffer::F32(d)) => launch!("cast_f16_to_f32", s, d),
-            (src, _) => Err(dtype_mismatch(
-                "cast (one side must be f32, the other bf16 or f16)",
-                "f32",
-                src,
-            )),
+            (src, _) => Err(dtype_mismatch("cast (one side must be f32, the other bf16 or f16)", "f32", src)),
         }
     }
 
@@ -349,18 +290,10 @@ impl CudaBackend {
         config: &AdamWConfig,
         step: u64,
     ) -> Result<(), KernelError> {
-        let (
-            DeviceBuffer::F32(p),
-            DeviceBuffer::F32(g),
-            DeviceBuffer::F32(m),
-            DeviceBuffer::F32(v),
-        ) = (params, grads, exp_avg, exp_avg_sq)
+        let (DeviceBuffer::F32(p), DeviceBuffer::F32(g), DeviceBuffer::F32(m), DeviceBuffer::F32(v)) =
+            (params, grads, exp_avg, exp_avg_sq)
         else {
-            return Err(KernelError::DTypeMismatch {
-                op: "adamw_step",
-                expected: "f32",
-                got: "a 16-bit float",
-            });
+            return Err(KernelError::DTypeMismatch { op: "adamw_step", expected: "f32", got: "a 16-bit float" });
         };
         for other in [g.len(), m.len(), v.len()] {
             same_len("adamw_step", p.len(), other)?;
@@ -372,11 +305,7 @@ impl CudaBackend {
             return Ok(());
         }
         let cfg = launch_config(len);
-        let name = if params_bf16.is_some() {
-            "adamw_f32_copy_out_bf16"
-        } else {
-            "adamw_f32"
-        };
+        let name = if params_bf16.is_some() { "adamw_f32_copy_out_bf16" } else { "adamw_f32" };
         let f = self.function(name)?;
         let mut args = self.stream.launch_builder(&f);
         args.arg(&mut *p).arg(g).arg(&mut *m).arg(&mut *v);
@@ -397,17 +326,11 @@ impl CudaBackend {
             .arg(&s.bias_correction2_sqrt)
             .arg(&s.eps);
         // SAFETY: the kernel touches n elements of each buffer; all hold n (checked above).
-        unsafe { args.launch(cfg) }
-            .map(drop)
-            .map_err(driver("adamw"))
+        unsafe { args.launch(cfg) }.map(drop).map_err(driver("adamw"))
     }
 
     /// Unscales gradients and reports whether any input was inf or NaN; synchronises the stream.
-    pub fn unscale_grads(
-        &self,
-        grads: &mut DeviceBuffer,
-        inv_scale: f32,
-    ) -> Result<bool, KernelError> {
+    pub fn unscale_grads(&self, grads: &mut DeviceBuffer, inv_scale: f32) -> Result<bool, KernelError> {
         let DeviceBuffer::F32(g) = grads else {
             return Err(dtype_mismatch("unscale_grads", "f32", grads));
         };
@@ -422,10 +345,7 @@ impl CudaBackend {
         args.arg(&mut *g).arg(&n).arg(&inv_scale).arg(&mut found);
         // SAFETY: the kernel touches n elements of g and the one element of found.
         unsafe { args.launch(cfg) }.map_err(driver("unscale_f32"))?;
-        let found = self
-            .stream
-            .clone_dtoh(&found)
-            .map_err(driver("copy to host"))?;
+        let found = self.stream.clone_dtoh(&found).map_err(driver("copy to host"))?;
         Ok(found[0] != 0)
     }
 
@@ -446,10 +366,7 @@ impl CudaBackend {
         // SAFETY: the kernel reads n elements of x and adds into the one element of out; blocks are
         // THREADS_PER_BLOCK threads, the size of the kernel's shared array.
         unsafe { args.launch(cfg) }.map_err(driver("sum_of_squares_f32"))?;
-        Ok(self
-            .stream
-            .clone_dtoh(&out)
-            .map_err(driver("copy to host"))?[0])
+        Ok(self.stream.clone_dtoh(&out).map_err(driver("copy to host"))?[0])
     }
 }
 
@@ -462,9 +379,5 @@ fn dtype_name(buffer: &DeviceBuffer) -> &'static str {
 }
 
 fn dtype_mismatch(op: &'static str, expected: &'static str, got: &DeviceBuffer) -> KernelError {
-    KernelError::DTypeMismatch {
-        op,
-        expected,
-        got: dtype_name(got),
-    }
+    KernelError::DTypeMismatch { op, expected, got: dtype_name(got) }
 }
