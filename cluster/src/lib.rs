@@ -9,6 +9,7 @@ pub mod collective;
 pub mod config;
 pub mod error;
 pub mod identity;
+pub mod membership;
 pub mod nccl;
 pub mod transport;
 pub mod wire;

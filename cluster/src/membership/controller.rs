@@ -1,0 +1,268 @@
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Duration;
+
+use super::{Epoch, MembershipConfig, NodeId, View};
+
+/// What the controller's membership machine is told.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MembershipEvent {
+    /// A node says it is alive and acting on the view of `epoch`.
+    Heartbeat { from: NodeId, epoch: Epoch },
+    /// A node asks to become a member (first start, restart, or after being fenced).
+    JoinRequest { from: NodeId },
+    /// A member leaves cleanly (SIGTERM drain): removed without a failure.
+    Leave { from: NodeId },
+    /// The transport lost its connection to the node.
+    ConnectionLost { peer: NodeId },
+    /// The job is between steps: pending joiners may be admitted now.
+    StepBoundary,
+}
+
+/// Why a view changed, per node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Change {
+    Joined(NodeId),
+    Left(NodeId),
+    /// Silent for `silent_ms`, at least the failure timeout.
+    Failed {
+        node: NodeId,
+        silent_ms: u64,
+    },
+    ConnectionLost(NodeId),
+    /// A member asked to join again: the incarnation in the view is gone (its state with it).
+    Restarted(NodeId),
+}
+
+/// What the controller must do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MembershipAction {
+    /// Tell every member of `view` about it (and abort work of older epochs).
+    ViewChanged { view: View, changes: Vec<Change> },
+    /// `node` acted on `stale_epoch` but is not a member: refuse its message and tell it to rejoin.
+    Fence { node: NodeId, stale_epoch: Epoch, current: Epoch },
+    /// Member `node` is still on an older epoch (the view message was lost or is late): send it the view.
+    SendView { node: NodeId, view: View },
+}
+
+/// The authoritative membership, held by the job controller.
+#[derive(Debug)]
+pub struct Membership {
+    config: MembershipConfig,
+    view: View,
+    last_seen: BTreeMap<NodeId, Duration>,
+    /// Nodes asking to join, with when they last asked.
+    joining: BTreeMap<NodeId, Duration>,
+    changes: Vec<Change>,
+    admitted: BTreeSet<NodeId>,
+    actions: VecDeque<MembershipAction>,
+}
+
+impl Membership {
+    /// The first view (epoch 1) of `members`, all considered alive at `now`.
+    pub fn new(config: MembershipConfig, now: Duration, members: Vec<NodeId>) -> Self {
+        let view = View::new(Epoch(1), members);
+        let last_seen = view.members().iter().map(|m| (m.clone(), now)).collect();
+        Self {
+            config,
+            view,
+            last_seen,
+            joining: BTreeMap::new(),
+            changes: Vec::new(),
+            admitted: BTreeSet::new(),
+            actions: VecDeque::new(),
+        }
+    }
+
+    pub fn view(&self) -> &View {
+        &self.view
+    }
+
+    pub fn epoch(&self) -> Epoch {
+        self.view.epoch
+    }
+
+    /// Nodes waiting for the next step boundary to be admitted.
+    pub fn joining(&self) -> impl Iterator<Item = &NodeId> {
+        self.joining.keys()
+    }
+
+    pub fn handle(&mut self, now: Duration, event: MembershipEvent) {
+        match event {
+            MembershipEvent::Heartbeat { from, epoch } => {
+                if self.view.contains(&from) {
+                    // A member lagging behind is alive; the view it missed is sent again.
+                    if epoch < self.view.epoch {
+                        self.actions
+                            .push_back(MembershipAction::SendView { node: from.clone(), view: self.view.clone() });
+                    }
+                    self.last_seen.insert(from, now);
+                } else if let Some(asked) = self.joining.get_mut(&from) {
+                    *asked = now;
+                } else {
+                    let current = self.view.epoch;
+                    self.actions.push_back(MembershipAction::Fence { node: from, stale_epoch: epoch, current });
+                }
+            }
+            MembershipEvent::JoinRequest { from } => {
+                if self.view.contains(&from) {
+                    self.remove(&from, Change::Restarted(from.clone()));
+                }
+                self.joining.insert(from, now);
+            }
+            MembershipEvent::Leave { from } => {
+                self.joining.remove(&from);
+                if self.view.contains(&from) {
+                    self.remove(&from, Change::Left(from.clone()));
+                }
+            }
+            MembershipEvent::ConnectionLost { peer } => {
+                self.joining.remove(&peer);
+                if self.view.contains(&peer) {
+                    self.remove(&peer, Change::ConnectionLost(peer.clone()));
+                }
+            }
+            MembershipEvent::StepBoundary => self.admit_joiners(now),
+        }
+        self.commit();
+    }
+
+    /// Declares dead every member silent for the failure timeout, all in one view change.
+    pub fn handle_timeout(&mut self, now: Duration) {
+        let timeout = self.config.failure_timeout();
+        let silent: Vec<(NodeId, Duration)> = self
+            .last_seen
+            .iter()
+            .filter(|(_, &seen)| now.saturating_sub(seen) >= timeout)
+            .map(|(n, &seen)| (n.clone(), now - seen))
+            .collect();
+        for (node, silence) in silent {
+            self.remove(&node, Change::Failed { node: node.clone(), silent_ms: silence.as_millis() as u64 });
+        }
+        self.joining.retain(|_, asked| now.saturating_sub(*asked) < timeout);
+        self.commit();
+    }
+
+    /// When [`Self::handle_timeout`] next has work: the earliest instant a member would time out.
+    pub fn poll_timeout(&self) -> Option<Duration> {
+        self.last_seen.values().min().map(|&seen| seen + self.config.failure_timeout())
+    }
+
+    pub fn poll_action(&mut self) -> Option<MembershipAction> {
+        self.actions.pop_front()
+    }
+
+    fn remove(&mut self, node: &NodeId, change: Change) {
+        self.last_seen.remove(node);
+        self.changes.push(change);
+    }
+
+    fn admit_joiners(&mut self, now: Duration) {
+        for (node, _) in std::mem::take(&mut self.joining) {
+            self.last_seen.insert(node.clone(), now);
+            self.admitted.insert(node.clone());
+            self.changes.push(Change::Joined(node));
+        }
+    }
+
+    /// Turns the changes of one call into exactly one new view.
+    fn commit(&mut self) {
+        if self.changes.is_empty() {
+            return;
+        }
+        let members = self.last_seen.keys().cloned().collect();
+        self.view = View::new(Epoch(self.view.epoch.0 + 1), members);
+        self.admitted.clear();
+        let changes = std::mem::take(&mut self.changes);
+        self.actions.push_back(MembershipAction::ViewChanged { view: self.view.clone(), changes });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: fn(u64) -> Duration = Duration::from_millis;
+
+    fn three() -> Membership {
+        Membership::new(MembershipConfig::default(), MS(0), vec!["a".into(), "b".into(), "c".into()])
+    }
+
+    fn view_change(m: &mut Membership) -> (View, Vec<Change>) {
+        match m.poll_action() {
+            Some(MembershipAction::ViewChanged { view, changes }) => (view, changes),
+            other => panic!("expected a view change, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn silent_members_fail_together_in_one_epoch() {
+        let mut m = three();
+        m.handle(MS(1000), MembershipEvent::Heartbeat { from: "a".into(), epoch: Epoch(1) });
+        m.handle_timeout(MS(1499));
+        assert_eq!(m.poll_action(), None);
+        assert_eq!(m.poll_timeout(), Some(MS(1500)));
+        m.handle_timeout(MS(1500));
+        let (view, changes) = view_change(&mut m);
+        assert_eq!(view, View::new(Epoch(2), vec!["a".into()]));
+        assert_eq!(changes.len(), 2);
+        assert_eq!(m.poll_action(), None);
+    }
+
+    #[test]
+    fn leave_is_not_a_failure_and_joiners_wait_for_a_step_boundary() {
+        let mut m = three();
+        m.handle(MS(10), MembershipEvent::Leave { from: "b".into() });
+        assert_eq!(
+            view_change(&mut m),
+            (View::new(Epoch(2), vec!["a".into(), "c".into()]), vec![Change::Left("b".into())])
+        );
+        m.handle(MS(20), MembershipEvent::JoinRequest { from: "d".into() });
+        assert_eq!(m.poll_action(), None, "a joiner is not admitted mid-step");
+        m.handle(MS(30), MembershipEvent::StepBoundary);
+        let (view, changes) = view_change(&mut m);
+        assert_eq!(view.epoch, Epoch(3));
+        assert_eq!(view.rank_of(&"d".into()), Some(2));
+        assert_eq!(changes, vec![Change::Joined("d".into())]);
+    }
+
+    #[test]
+    fn non_members_are_fenced_and_a_restart_replaces_the_old_incarnation() {
+        let mut m = three();
+        m.handle(MS(10), MembershipEvent::Heartbeat { from: "zombie".into(), epoch: Epoch(1) });
+        assert_eq!(
+            m.poll_action(),
+            Some(MembershipAction::Fence { node: "zombie".into(), stale_epoch: Epoch(1), current: Epoch(1) })
+        );
+        m.handle(MS(20), MembershipEvent::JoinRequest { from: "c".into() });
+        assert_eq!(view_change(&mut m).1, vec![Change::Restarted("c".into())]);
+        m.handle(MS(30), MembershipEvent::StepBoundary);
+        let (view, _) = view_change(&mut m);
+        assert_eq!((view.epoch, view.len()), (Epoch(3), 3));
+    }
+
+    #[test]
+    fn a_member_on_an_old_epoch_is_sent_the_current_view() {
+        let mut m = three();
+        m.handle(MS(10), MembershipEvent::Leave { from: "c".into() });
+        let (view, _) = view_change(&mut m);
+        m.handle(MS(20), MembershipEvent::Heartbeat { from: "a".into(), epoch: Epoch(1) });
+        assert_eq!(m.poll_action(), Some(MembershipAction::SendView { node: "a".into(), view }));
+        m.handle(MS(30), MembershipEvent::Heartbeat { from: "b".into(), epoch: Epoch(2) });
+        assert_eq!(m.poll_action(), None);
+    }
+
+    #[test]
+    fn a_joiner_that_goes_silent_is_forgotten() {
+        let mut m = three();
+        for t in [0, 500, 1000] {
+            for n in ["a", "b", "c"] {
+                m.handle(MS(t), MembershipEvent::Heartbeat { from: n.into(), epoch: Epoch(1) });
+            }
+        }
+        m.handle(MS(100), MembershipEvent::JoinRequest { from: "d".into() });
+        m.handle_timeout(MS(1700));
+        m.handle(MS(1700), MembershipEvent::StepBoundary);
+        assert_eq!(m.poll_action(), None);
+        assert_eq!(m.epoch(), Epoch(1));
+    }
+}

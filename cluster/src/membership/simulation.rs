@@ -1,0 +1,285 @@
+//! Deterministic simulation of membership: a controller and N nodes on virtual time (1 ms ticks) over an
+//! in-memory network that delays (and optionally drops) every message, with nodes crashing and pausing
+//! (SIGSTOP-like: nothing processed, messages wait) at seeded times. Every run is a pure function of its
+//! seed; a failing seed is printed by proptest and replays exactly.
+//!
+//! Invariants checked:
+//! - every view change increments the epoch by exactly one;
+//! - a crashed node is removed within `failure_timeout + max_delay + tick` of its crash (detection bound);
+//! - with no drops and `interval + max_delay < timeout`, no live, unpaused node is ever removed;
+//! - a node paused beyond the timeout is fenced on resume and is a member again, in a newer epoch, within
+//!   `2 × timeout` of resuming;
+//! - once the network is quiet, every live node holds the controller's view, and views rank by node id.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use proptest::prelude::*;
+
+use super::*;
+
+const TICK: Duration = Duration::from_millis(1);
+
+/// A small seeded generator for the simulation's choices (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) % n.max(1)
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Message {
+    ToController(MembershipEvent),
+    View(View),
+    Fence(Epoch),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Fault {
+    Crash { at_ms: u64 },
+    Pause { at_ms: u64, for_ms: u64 },
+}
+
+struct Node {
+    id: NodeId,
+    state: MemberState,
+    fault: Option<Fault>,
+    inbox: Vec<(Duration, Message)>,
+}
+
+impl Node {
+    fn crashed(&self, now: Duration) -> bool {
+        matches!(self.fault, Some(Fault::Crash { at_ms }) if now >= Duration::from_millis(at_ms))
+    }
+    fn paused(&self, now: Duration) -> bool {
+        matches!(self.fault, Some(Fault::Pause { at_ms, for_ms })
+            if now >= Duration::from_millis(at_ms) && now < Duration::from_millis(at_ms + for_ms))
+    }
+}
+
+struct Outcome {
+    /// (when, view) for every view change.
+    views: Vec<(Duration, View, Vec<Change>)>,
+    final_views: Vec<(NodeId, Option<View>, bool)>,
+    controller_view: View,
+}
+
+struct Sim {
+    config: MembershipConfig,
+    max_delay_ms: u64,
+    drop_per_mille: u64,
+    step_ms: u64,
+}
+
+impl Sim {
+    fn run(&self, seed: u64, nodes: usize, faults: &[Option<Fault>], end: Duration) -> Outcome {
+        let mut rng = Rng::new(seed);
+        let ids: Vec<NodeId> = (0..nodes).map(|i| NodeId(format!("node-{i:02}"))).collect();
+        let start = View::new(Epoch(1), ids.clone());
+        let mut controller = Membership::new(self.config.clone(), Duration::ZERO, ids.clone());
+        let mut controller_inbox: Vec<(Duration, Message)> = Vec::new();
+        let mut nodes: Vec<Node> = ids
+            .iter()
+            .zip(faults)
+            .map(|(id, &fault)| Node {
+                id: id.clone(),
+                state: MemberState::member(id.clone(), self.config.clone(), Duration::ZERO, start.clone()),
+                fault,
+                inbox: Vec::new(),
+            })
+            .collect();
+        let index: BTreeMap<NodeId, usize> = ids.iter().cloned().enumerate().map(|(i, n)| (n, i)).collect();
+        let mut views = Vec::new();
+        let mut now = Duration::ZERO;
+        let quiet_from = end.saturating_sub(Duration::from_millis(3 * self.config.failure_timeout_ms));
+        while now <= end {
+            // Deliver due messages to the controller.
+            let (due, later): (Vec<_>, Vec<_>) = controller_inbox.drain(..).partition(|(t, _)| *t <= now);
+            controller_inbox = later;
+            for (_, message) in due {
+                if let Message::ToController(event) = message {
+                    controller.handle(now, event);
+                }
+            }
+            if now.as_millis() as u64 % self.step_ms == 0 {
+                controller.handle(now, MembershipEvent::StepBoundary);
+            }
+            if controller.poll_timeout().is_some_and(|t| t <= now) {
+                controller.handle_timeout(now);
+            }
+            while let Some(action) = controller.poll_action() {
+                match action {
+                    MembershipAction::ViewChanged { view, changes } => {
+                        for member in view.members() {
+                            let delay = self.delay(&mut rng, now >= quiet_from);
+                            if let Some(delay) = delay {
+                                nodes[index[member]].inbox.push((now + delay, Message::View(view.clone())));
+                            }
+                        }
+                        views.push((now, view, changes));
+                    }
+                    MembershipAction::SendView { node, view } => {
+                        if let Some(delay) = self.delay(&mut rng, now >= quiet_from) {
+                            nodes[index[&node]].inbox.push((now + delay, Message::View(view)));
+                        }
+                    }
+                    MembershipAction::Fence { node, current, .. } => {
+                        if let Some(delay) = self.delay(&mut rng, now >= quiet_from) {
+                            nodes[index[&node]].inbox.push((now + delay, Message::Fence(current)));
+                        }
+                    }
+                }
+            }
+            // Nodes.
+            for node in &mut nodes {
+                if node.crashed(now) || node.paused(now) {
+                    continue;
+                }
+                let (due, later): (Vec<_>, Vec<_>) = node.inbox.drain(..).partition(|(t, _)| *t <= now);
+                node.inbox = later;
+                for (_, message) in due {
+                    match message {
+                        Message::View(view) => node.state.handle_view(now, view),
+                        Message::Fence(current) => node.state.handle_fence(now, current),
+                        Message::ToController(_) => unreachable!("nodes receive no controller events"),
+                    }
+                }
+                if node.state.poll_timeout() <= now {
+                    node.state.handle_timeout(now);
+                }
+                while let Some(action) = node.state.poll_action() {
+                    let event = match action {
+                        MemberAction::SendHeartbeat { epoch } => {
+                            MembershipEvent::Heartbeat { from: node.id.clone(), epoch }
+                        }
+                        MemberAction::SendJoinRequest => MembershipEvent::JoinRequest { from: node.id.clone() },
+                        MemberAction::AdoptView(_)
+                        | MemberAction::Fenced { .. }
+                        | MemberAction::ControllerLost { .. } => continue,
+                    };
+                    if let Some(delay) = self.delay(&mut rng, now >= quiet_from) {
+                        controller_inbox.push((now + delay, Message::ToController(event)));
+                    }
+                }
+            }
+            now += TICK;
+        }
+        let final_views = nodes.iter().map(|n| (n.id.clone(), n.state.view().cloned(), n.crashed(end))).collect();
+        Outcome { views, final_views, controller_view: controller.view().clone() }
+    }
+
+    /// A message's delay, or None if the network drops it (never in the quiet tail of a run).
+    fn delay(&self, rng: &mut Rng, quiet: bool) -> Option<Duration> {
+        if !quiet && rng.below(1000) < self.drop_per_mille {
+            return None;
+        }
+        Some(Duration::from_millis(rng.below(self.max_delay_ms + 1)))
+    }
+}
+
+fn removal_time(outcome: &Outcome, node: &NodeId, after: Duration) -> Option<Duration> {
+    outcome.views.iter().find(|(t, view, _)| *t >= after && !view.contains(node)).map(|(t, _, _)| *t)
+}
+
+fn check_epochs_step_by_one(outcome: &Outcome, seed: u64) {
+    let mut epoch = 1;
+    for (t, view, changes) in &outcome.views {
+        assert_eq!(view.epoch.0, epoch + 1, "seed {seed}: view at {t:?} skipped an epoch ({changes:?})");
+        assert!(view.members().windows(2).all(|w| w[0] < w[1]), "seed {seed}: members not in node-id order");
+        epoch = view.epoch.0;
+    }
+}
+
+fn reliable() -> Sim {
+    Sim { config: MembershipConfig::default(), max_delay_ms: 100, drop_per_mille: 0, step_ms: 100 }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// Crashes are detected within the bound; nothing else is ever removed; epochs step by one.
+    #[test]
+    fn crashes_are_detected_in_time_and_nothing_else_is_removed(seed in any::<u64>(), nodes in 2usize..7) {
+        let sim = reliable();
+        let mut rng = Rng::new(seed ^ 0xC4A5);
+        let faults: Vec<Option<Fault>> = (0..nodes)
+            .map(|_| (rng.below(3) == 0).then(|| Fault::Crash { at_ms: 200 + rng.below(3000) }))
+            .collect();
+        let outcome = sim.run(seed, nodes, &faults, Duration::from_secs(8));
+        check_epochs_step_by_one(&outcome, seed);
+        let bound = Duration::from_millis(sim.config.failure_timeout_ms + sim.max_delay_ms) + TICK;
+        for (i, fault) in faults.iter().enumerate() {
+            let id = NodeId(format!("node-{i:02}"));
+            match fault {
+                Some(Fault::Crash { at_ms }) => {
+                    let crash = Duration::from_millis(*at_ms);
+                    let removed = removal_time(&outcome, &id, crash)
+                        .unwrap_or_else(|| panic!("seed {seed}: crashed {id} never removed"));
+                    prop_assert!(removed <= crash + bound, "seed {seed}: {id} crashed at {crash:?}, removed at {removed:?}");
+                }
+                _ => {
+                    prop_assert!(removal_time(&outcome, &id, Duration::ZERO).is_none(), "seed {seed}: live {id} was removed");
+                    let (_, view, _) = &outcome.final_views[i];
+                    prop_assert_eq!(view.as_ref(), Some(&outcome.controller_view), "seed {}: {} lags", seed, id);
+                }
+            }
+        }
+    }
+
+    /// A node paused past the timeout is removed, fenced on resume, and readmitted in a newer epoch.
+    #[test]
+    fn paused_nodes_are_fenced_and_rejoin(seed in any::<u64>(), nodes in 2usize..6, pause_ms in 1700u64..4000) {
+        let sim = reliable();
+        let mut faults = vec![None; nodes];
+        let victim = (seed % nodes as u64) as usize;
+        faults[victim] = Some(Fault::Pause { at_ms: 500, for_ms: pause_ms });
+        let outcome = sim.run(seed, nodes, &faults, Duration::from_millis(500 + pause_ms + 6000));
+        check_epochs_step_by_one(&outcome, seed);
+        let id = NodeId(format!("node-{victim:02}"));
+        let removed = removal_time(&outcome, &id, Duration::ZERO).expect("paused node removed");
+        let resumed = Duration::from_millis(500 + pause_ms);
+        prop_assert!(removed < resumed, "seed {seed}: removal must happen during the pause");
+        let (rejoined_at, rejoined) = outcome
+            .views
+            .iter()
+            .find(|(t, view, _)| *t > removed && view.contains(&id))
+            .map(|(t, v, _)| (*t, v.clone()))
+            .unwrap_or_else(|| panic!("seed {seed}: {id} never rejoined"));
+        prop_assert!(rejoined_at <= resumed + 2 * sim.config.failure_timeout(), "seed {seed}: rejoined late at {rejoined_at:?}");
+        prop_assert!(rejoined.epoch.0 >= 3);
+        for (node, view, _) in &outcome.final_views {
+            prop_assert_eq!(view.as_ref(), Some(&outcome.controller_view), "seed {}: {} lags", seed, node);
+        }
+    }
+
+    /// On a very lossy network (30% drops, up to 300 ms delay) live nodes are removed spuriously, fenced
+    /// and readmitted; epochs still step by one and, once the network is quiet, every node is a member
+    /// again and holds the controller's view.
+    #[test]
+    fn lossy_networks_converge(seed in any::<u64>(), nodes in 2usize..6) {
+        let sim = Sim { drop_per_mille: 300, max_delay_ms: 300, ..reliable() };
+        let outcome = sim.run(seed, nodes, &vec![None; nodes], Duration::from_secs(12));
+        check_epochs_step_by_one(&outcome, seed);
+        prop_assert_eq!(outcome.controller_view.len(), nodes, "seed {}: not everyone is back", seed);
+        for (node, view, _) in &outcome.final_views {
+            prop_assert_eq!(view.as_ref(), Some(&outcome.controller_view), "seed {}: {} lags", seed, node);
+        }
+    }
+}
+
+/// The lossy scenario must actually exercise removal, fencing and readmission, or it proves little.
+#[test]
+fn lossy_networks_do_cause_view_changes_in_some_seeds() {
+    let sim = Sim { drop_per_mille: 300, max_delay_ms: 300, ..reliable() };
+    let changed =
+        (0..50u64).filter(|&seed| !sim.run(seed, 4, &[None; 4], Duration::from_secs(12)).views.is_empty()).count();
+    assert!(changed >= 5, "only {changed} of 50 lossy runs changed a view");
+}
