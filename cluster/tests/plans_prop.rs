@@ -40,12 +40,7 @@ fn reference(inputs: &[Vec<f32>], op: ReduceOp) -> Vec<f32> {
 }
 
 fn op_strategy() -> impl Strategy<Value = ReduceOp> {
-    prop_oneof![
-        Just(ReduceOp::Sum),
-        Just(ReduceOp::Avg),
-        Just(ReduceOp::Max),
-        Just(ReduceOp::Min)
-    ]
+    prop_oneof![Just(ReduceOp::Sum), Just(ReduceOp::Avg), Just(ReduceOp::Max), Just(ReduceOp::Min)]
 }
 
 fn run(plans: Vec<Plan>, bufs: &mut [Vec<f32>], op: ReduceOp) {

@@ -1,1 +1,90 @@
-//! Benchmarks.
+//! `troupe bench allreduce`: launches N rank processes on this machine (by re-executing the current
+//! executable with a hidden subcommand), times all-reduce over QUIC on loopback or the same-host
+//! transport, and reports bus bandwidth as nccl-tests define it: algbw × 2(n−1)/n. Optionally runs the
+//! PyTorch Gloo peer script the same way, so one command prints both figures.
+
+pub mod launch;
+mod peer;
+mod rank;
+mod spec;
+
+pub use launch::{launch_ranks, LaunchedRanks, RANK_SPEC_ENV};
+pub use peer::{run_gloo_peer, PeerReport};
+pub use rank::{run_rank, run_rank_from_env};
+pub use spec::{AllreduceReport, BenchTransport, RankMode, RankReport, RankSpec};
+
+use std::path::PathBuf;
+
+/// What `troupe bench allreduce` takes.
+#[derive(Clone, Debug)]
+pub struct AllreduceBench {
+    pub world: usize,
+    pub mib: usize,
+    pub iters: usize,
+    pub warmup_iters: usize,
+    pub transport: BenchTransport,
+    /// Run the Gloo peer script too and report both.
+    pub peer: bool,
+    pub python: PathBuf,
+    pub peer_script: PathBuf,
+    pub rank_timeout_ms: u64,
+}
+
+/// Where the torch venv lives when `TROUPE_TORCH_PYTHON` is not set.
+pub const DEFAULT_TORCH_PYTHON: &str = "/root/.cache/troupe/venv-torch-2.11.0/bin/python";
+
+pub fn default_peer_script() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/peers/gloo_allreduce.py"))
+}
+
+pub fn default_python() -> PathBuf {
+    std::env::var_os("TROUPE_TORCH_PYTHON").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(DEFAULT_TORCH_PYTHON))
+}
+
+/// Bus bandwidth of an all-reduce of `bytes` taking `seconds` on `n` ranks, in GB/s.
+pub fn busbw_gbps(bytes: usize, seconds: f64, n: usize) -> f64 {
+    if n < 2 || seconds <= 0.0 {
+        return 0.0;
+    }
+    bytes as f64 / seconds / 1e9 * 2.0 * (n as f64 - 1.0) / n as f64
+}
+
+/// Runs the benchmark. `rank_args` are the arguments that make `exe` run [`run_rank_from_env`].
+pub fn run_allreduce_bench(
+    bench: &AllreduceBench,
+    exe: &std::path::Path,
+    rank_args: &[&str],
+) -> anyhow::Result<AllreduceReport> {
+    let elems = bench.mib * (1 << 20) / 4;
+    let mode = RankMode::Bench { elems, iters: bench.iters, warmup_iters: bench.warmup_iters };
+    let launched =
+        launch_ranks(exe, rank_args, bench.world, bench.transport, mode, crate::TransportConfig::loopback())?;
+    let reports = launched.wait_all(bench.rank_timeout_ms)?;
+    let mut seconds = 0f64;
+    for r in &reports {
+        if let Some(e) = &r.error {
+            anyhow::bail!("rank {} failed: {e}", r.rank);
+        }
+        seconds = seconds.max(r.seconds_per_iter);
+    }
+    let bytes = elems * 4;
+    let busbw = busbw_gbps(bytes, seconds, bench.world);
+    let peer = if bench.peer {
+        Some(run_gloo_peer(&bench.python, &bench.peer_script, bench.world, bench.mib, bench.iters, bench.warmup_iters)?)
+    } else {
+        None
+    };
+    let ratio = peer.as_ref().map(|p| if p.busbw_gbps > 0.0 { busbw / p.busbw_gbps } else { 0.0 });
+    Ok(AllreduceReport {
+        bench: "allreduce".into(),
+        transport: bench.transport,
+        world: bench.world,
+        mib: bench.mib,
+        iters: bench.iters,
+        seconds_per_iter: seconds,
+        algbw_gbps: if seconds > 0.0 { bytes as f64 / seconds / 1e9 } else { 0.0 },
+        busbw_gbps: busbw,
+        peer,
+        ratio_vs_peer: ratio,
+    })
+}

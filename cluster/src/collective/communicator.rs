@@ -70,24 +70,14 @@ fn to_f32<E: Element>(data: &[E]) -> Vec<f32> {
 }
 
 fn write_back<E: Element>(acc: &[f32], out: &mut [E]) {
-    out.iter_mut()
-        .zip(acc)
-        .for_each(|(o, a)| *o = E::from_f32(*a));
+    out.iter_mut().zip(acc).for_each(|(o, a)| *o = E::from_f32(*a));
 }
 
 impl<T: Transport> Communicator<T> {
     pub fn new(transport: Arc<T>, group: u32, epoch: u64, config: CollectiveConfig) -> Self {
         let n = transport.world();
         transport.fence(epoch);
-        Communicator {
-            transport,
-            group,
-            epoch,
-            seq: 0,
-            p2p_sent: vec![0; n],
-            p2p_received: vec![0; n],
-            config,
-        }
+        Communicator { transport, group, epoch, seq: 0, p2p_sent: vec![0; n], p2p_received: vec![0; n], config }
     }
 
     pub fn transport(&self) -> &Arc<T> {
@@ -101,11 +91,7 @@ impl<T: Transport> Communicator<T> {
     /// Moves to a new epoch: sequence numbers restart and every message of an older epoch — buffered
     /// or still in flight — is dropped.
     pub fn set_epoch(&mut self, epoch: u64) {
-        assert!(
-            epoch > self.epoch,
-            "epochs only grow ({} -> {epoch})",
-            self.epoch
-        );
+        assert!(epoch > self.epoch, "epochs only grow ({} -> {epoch})", self.epoch);
         self.epoch = epoch;
         self.seq = 0;
         self.p2p_sent.iter_mut().for_each(|c| *c = 0);
@@ -114,12 +100,7 @@ impl<T: Transport> Communicator<T> {
     }
 
     fn next_tag(&mut self) -> Tag {
-        let tag = Tag {
-            group: self.group,
-            epoch: self.epoch,
-            seq: self.seq,
-            step: 0,
-        };
+        let tag = Tag { group: self.group, epoch: self.epoch, seq: self.seq, step: 0 };
         self.seq += 1;
         tag
     }
@@ -147,20 +128,11 @@ impl<T: Transport> Communicator<T> {
             return execute::<T, E>(&self.transport, &make(0), acc, ctx).await;
         }
         let steps = make(1).steps.len() as u32;
-        let slices = acc
-            .chunks_mut(elems_per_slice.max(1))
-            .enumerate()
-            .map(|(i, slice)| {
-                let plan = make(slice.len());
-                let ctx = ExecContext {
-                    tag: Tag {
-                        step: i as u32 * steps,
-                        ..ctx.tag
-                    },
-                    ..ctx
-                };
-                async move { execute::<T, E>(&self.transport, &plan, slice, ctx).await }
-            });
+        let slices = acc.chunks_mut(elems_per_slice.max(1)).enumerate().map(|(i, slice)| {
+            let plan = make(slice.len());
+            let ctx = ExecContext { tag: Tag { step: i as u32 * steps, ..ctx.tag }, ..ctx };
+            async move { execute::<T, E>(&self.transport, &plan, slice, ctx).await }
+        });
         futures::future::try_join_all(slices).await.map(|_| ())
     }
 
@@ -168,38 +140,21 @@ impl<T: Transport> Communicator<T> {
         (self.config.pipeline_slice_bytes / E::BYTES).max(1)
     }
 
-    async fn all_reduce_f32<E: Element>(
-        &mut self,
-        acc: &mut [f32],
-        op: ReduceOp,
-    ) -> Result<(), ClusterError> {
+    async fn all_reduce_f32<E: Element>(&mut self, acc: &mut [f32], op: ReduceOp) -> Result<(), ClusterError> {
         let tag = self.next_tag();
         let ctx = self.ctx(tag, op, "all_reduce");
         let (rank, n) = (self.transport.rank(), self.transport.world());
         if acc.len() * E::BYTES < self.config.small_message_bytes_max {
-            execute::<T, E>(
-                &self.transport,
-                &plan::plan_recursive_doubling_all_reduce(rank, n, acc.len()),
-                acc,
-                ctx,
-            )
-            .await
+            execute::<T, E>(&self.transport, &plan::plan_recursive_doubling_all_reduce(rank, n, acc.len()), acc, ctx)
+                .await
         } else {
             let per = self.slice_elems::<E>();
-            self.run_sliced::<E>(acc, ctx, per, |len| {
-                plan::plan_ring_all_reduce(rank, n, len)
-            })
-            .await
+            self.run_sliced::<E>(acc, ctx, per, |len| plan::plan_ring_all_reduce(rank, n, len)).await
         }
     }
 
     /// Runs `body` on an f32 view of `data`: in place for f32, through a converted copy otherwise.
-    async fn with_acc<E: Element>(
-        &mut self,
-        data: &mut [E],
-        op: ReduceOp,
-        kind: Kind,
-    ) -> Result<(), ClusterError> {
+    async fn with_acc<E: Element>(&mut self, data: &mut [E], op: ReduceOp, kind: Kind) -> Result<(), ClusterError> {
         if E::DTYPE == Dtype::F32 {
             let acc: &mut [f32] = bytemuck::cast_slice_mut(data);
             return self.dispatch::<E>(acc, op, kind).await;
@@ -210,12 +165,7 @@ impl<T: Transport> Communicator<T> {
         Ok(())
     }
 
-    async fn dispatch<E: Element>(
-        &mut self,
-        acc: &mut [f32],
-        op: ReduceOp,
-        kind: Kind,
-    ) -> Result<(), ClusterError> {
+    async fn dispatch<E: Element>(&mut self, acc: &mut [f32], op: ReduceOp, kind: Kind) -> Result<(), ClusterError> {
         let (rank, n) = (self.transport.rank(), self.transport.world());
         let per = self.slice_elems::<E>();
         match kind {
@@ -223,18 +173,12 @@ impl<T: Transport> Communicator<T> {
             Kind::Broadcast(root) => {
                 let tag = self.next_tag();
                 let ctx = self.ctx(tag, op, "broadcast");
-                self.run_sliced::<E>(acc, ctx, per, |len| {
-                    plan::plan_tree_broadcast(rank, n, len, root)
-                })
-                .await
+                self.run_sliced::<E>(acc, ctx, per, |len| plan::plan_tree_broadcast(rank, n, len, root)).await
             }
             Kind::Reduce(root) => {
                 let tag = self.next_tag();
                 let ctx = self.ctx(tag, op, "reduce");
-                self.run_sliced::<E>(acc, ctx, per, |len| {
-                    plan::plan_tree_reduce(rank, n, len, root)
-                })
-                .await
+                self.run_sliced::<E>(acc, ctx, per, |len| plan::plan_tree_reduce(rank, n, len, root)).await
             }
         }
     }
@@ -251,43 +195,25 @@ impl<T: Transport> Communicator<T> {
     }
 
     /// Every rank ends with `op` over all ranks' `data`.
-    pub async fn all_reduce<E: Element>(
-        &mut self,
-        data: &mut [E],
-        op: ReduceOp,
-    ) -> Result<(), ClusterError> {
+    pub async fn all_reduce<E: Element>(&mut self, data: &mut [E], op: ReduceOp) -> Result<(), ClusterError> {
         self.with_acc(data, op, Kind::AllReduce).await
     }
 
     /// Every rank ends with `root`'s `data`.
-    pub async fn broadcast<E: Element>(
-        &mut self,
-        data: &mut [E],
-        root: Rank,
-    ) -> Result<(), ClusterError> {
+    pub async fn broadcast<E: Element>(&mut self, data: &mut [E], root: Rank) -> Result<(), ClusterError> {
         self.check_root(root, "broadcast")?;
-        self.with_acc(data, ReduceOp::Sum, Kind::Broadcast(root))
-            .await
+        self.with_acc(data, ReduceOp::Sum, Kind::Broadcast(root)).await
     }
 
     /// `root` ends with `op` over all ranks' `data`; other ranks' buffers hold partial results.
-    pub async fn reduce<E: Element>(
-        &mut self,
-        data: &mut [E],
-        op: ReduceOp,
-        root: Rank,
-    ) -> Result<(), ClusterError> {
+    pub async fn reduce<E: Element>(&mut self, data: &mut [E], op: ReduceOp, root: Rank) -> Result<(), ClusterError> {
         self.check_root(root, "reduce")?;
         self.with_acc(data, op, Kind::Reduce(root)).await
     }
 
     /// `input` is this rank's chunk `chunk_range(output.len(), world, rank)`; every rank ends with the
     /// concatenation of all chunks in `output`.
-    pub async fn all_gather<E: Element>(
-        &mut self,
-        input: &[E],
-        output: &mut [E],
-    ) -> Result<(), ClusterError> {
+    pub async fn all_gather<E: Element>(&mut self, input: &[E], output: &mut [E]) -> Result<(), ClusterError> {
         let (rank, n) = (self.transport.rank(), self.transport.world());
         let own = chunk_range(output.len(), n, rank);
         if input.len() != own.len() {
@@ -303,19 +229,10 @@ impl<T: Transport> Communicator<T> {
             });
         }
         let mut acc = vec![0f32; output.len()];
-        acc[own]
-            .iter_mut()
-            .zip(input)
-            .for_each(|(a, v)| *a = v.to_f32());
+        acc[own].iter_mut().zip(input).for_each(|(a, v)| *a = v.to_f32());
         let tag = self.next_tag();
         let ctx = self.ctx(tag, ReduceOp::Sum, "all_gather");
-        execute::<T, E>(
-            &self.transport,
-            &plan::plan_ring_all_gather(rank, n, output.len()),
-            &mut acc,
-            ctx,
-        )
-        .await?;
+        execute::<T, E>(&self.transport, &plan::plan_ring_all_gather(rank, n, output.len()), &mut acc, ctx).await?;
         write_back(&acc, output);
         Ok(())
     }
@@ -345,13 +262,7 @@ impl<T: Transport> Communicator<T> {
         let mut acc = to_f32(input);
         let tag = self.next_tag();
         let ctx = self.ctx(tag, op, "reduce_scatter");
-        execute::<T, E>(
-            &self.transport,
-            &plan::plan_ring_reduce_scatter(rank, n, input.len()),
-            &mut acc,
-            ctx,
-        )
-        .await?;
+        execute::<T, E>(&self.transport, &plan::plan_ring_reduce_scatter(rank, n, input.len()), &mut acc, ctx).await?;
         write_back(&acc[own], output);
         Ok(())
     }
@@ -366,43 +277,15 @@ impl<T: Transport> Communicator<T> {
 
     /// Point-to-point: the k-th `send` to a peer matches that peer's k-th `recv` from us (per epoch).
     pub async fn send<E: Element>(&mut self, to: Rank, data: &[E]) -> Result<(), ClusterError> {
-        let tag = Tag {
-            group: self.group,
-            epoch: self.epoch,
-            seq: self.p2p_sent[to],
-            step: P2P_STEP,
-        };
+        let tag = Tag { group: self.group, epoch: self.epoch, seq: self.p2p_sent[to], step: P2P_STEP };
         self.p2p_sent[to] += 1;
-        self.transport
-            .send(
-                to,
-                tag,
-                bytes::Bytes::copy_from_slice(bytemuck::cast_slice(data)),
-            )
-            .await
+        self.transport.send(to, tag, bytes::Bytes::copy_from_slice(bytemuck::cast_slice(data))).await
     }
 
-    pub async fn recv<E: Element>(
-        &mut self,
-        from: Rank,
-        out: &mut [E],
-    ) -> Result<(), ClusterError> {
-        let tag = Tag {
-            group: self.group,
-            epoch: self.epoch,
-            seq: self.p2p_received[from],
-            step: P2P_STEP,
-        };
+    pub async fn recv<E: Element>(&mut self, from: Rank, out: &mut [E]) -> Result<(), ClusterError> {
+        let tag = Tag { group: self.group, epoch: self.epoch, seq: self.p2p_received[from], step: P2P_STEP };
         self.p2p_received[from] += 1;
-        let payload = self
-            .transport
-            .recv(
-                from,
-                tag,
-                LossScope::Peer,
-                self.config.collective_timeout_ms,
-            )
-            .await?;
+        let payload = self.transport.recv(from, tag, LossScope::Peer, self.config.collective_timeout_ms).await?;
         let bytes = payload.to_vec();
         let expected = std::mem::size_of_val(out);
         if bytes.len() != expected {
@@ -437,19 +320,11 @@ impl<T: Transport> Collective for Communicator<T> {
         self.transport.world()
     }
 
-    async fn all_reduce<E: Element>(
-        &mut self,
-        buf: &mut [E],
-        op: ReduceOp,
-    ) -> Result<(), ClusterError> {
+    async fn all_reduce<E: Element>(&mut self, buf: &mut [E], op: ReduceOp) -> Result<(), ClusterError> {
         Communicator::all_reduce(self, buf, op).await
     }
 
-    async fn broadcast<E: Element>(
-        &mut self,
-        buf: &mut [E],
-        root: Rank,
-    ) -> Result<(), ClusterError> {
+    async fn broadcast<E: Element>(&mut self, buf: &mut [E], root: Rank) -> Result<(), ClusterError> {
         Communicator::broadcast(self, buf, root).await
     }
 

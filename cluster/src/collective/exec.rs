@@ -28,16 +28,20 @@ pub struct ExecContext {
 
 fn apply<E: Element>(dst: &mut [f32], src: &[E], combine: Combine, op: ReduceOp) {
     match combine {
-        Combine::Reduce => reduce_into(dst, src, op),
+        Combine::Reduce => {
+            reduce_into(dst, src, op);
+            // Partial results are stored as E, as they travel: both partners of an exchange then
+            // combine identical values and every rank ends bit-identical.
+            if E::DTYPE != super::Dtype::F32 {
+                dst.iter_mut().for_each(|d| *d = E::from_f32(*d).to_f32());
+            }
+        }
         Combine::Copy => dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32()),
     }
 }
 
 fn read_unaligned<E: Element>(bytes: &[u8]) -> Vec<E> {
-    bytes
-        .chunks_exact(E::BYTES)
-        .map(bytemuck::pod_read_unaligned::<E>)
-        .collect()
+    bytes.chunks_exact(E::BYTES).map(bytemuck::pod_read_unaligned::<E>).collect()
 }
 
 /// Applies a received payload to `dst`, segment by segment, without copying aligned segments.
@@ -52,13 +56,7 @@ fn apply_payload<E: Element>(
     let expected = dst.len() * E::BYTES;
     let got = payload.len();
     if got != expected {
-        return Err(ClusterError::LengthMismatch {
-            rank,
-            op: ctx.op_name,
-            peer: from,
-            got,
-            expected,
-        });
+        return Err(ClusterError::LengthMismatch { rank, op: ctx.op_name, peer: from, got, expected });
     }
     if payload.segments.iter().any(|s| s.len() % E::BYTES != 0) {
         let joined = payload.to_vec();
@@ -88,10 +86,7 @@ pub async fn execute<T: Transport, E: Element>(
 ) -> Result<(), ClusterError> {
     let rank = transport.rank();
     for (i, step) in plan.steps.iter().enumerate() {
-        let tag = Tag {
-            step: ctx.tag.step + i as u32,
-            ..ctx.tag
-        };
+        let tag = Tag { step: ctx.tag.step + i as u32, ..ctx.tag };
         let sends: Vec<(Rank, Bytes)> = step
             .actions
             .iter()
@@ -104,34 +99,16 @@ pub async fn execute<T: Transport, E: Element>(
             .actions
             .iter()
             .filter_map(|a| match a {
-                Action::Recv {
-                    from,
-                    range,
-                    combine,
-                } => Some((*from, range.clone(), *combine)),
+                Action::Recv { from, range, combine } => Some((*from, range.clone(), *combine)),
                 _ => None,
             })
             .collect();
-        let send_all = try_join_all(
-            sends
-                .into_iter()
-                .map(|(to, bytes)| transport.send(to, tag, bytes)),
-        );
-        let recv_all = try_join_all(
-            recvs
-                .iter()
-                .map(|(from, _, _)| transport.recv(*from, tag, LossScope::Group, ctx.timeout_ms)),
-        );
+        let send_all = try_join_all(sends.into_iter().map(|(to, bytes)| transport.send(to, tag, bytes)));
+        let recv_all =
+            try_join_all(recvs.iter().map(|(from, _, _)| transport.recv(*from, tag, LossScope::Group, ctx.timeout_ms)));
         let (_, payloads) = try_join(send_all, recv_all).await?;
         for ((from, range, combine), payload) in recvs.iter().zip(&payloads) {
-            apply_payload::<E>(
-                rank,
-                *from,
-                &ctx,
-                &mut buf[range.clone()],
-                payload,
-                *combine,
-            )?;
+            apply_payload::<E>(rank, *from, &ctx, &mut buf[range.clone()], payload, *combine)?;
         }
         for a in &step.actions {
             if let Action::Finish { range } = a {

@@ -18,17 +18,9 @@ pub struct HierarchicalAllReduce<L: Transport, G: Transport> {
 }
 
 impl<L: Transport, G: Transport> HierarchicalAllReduce<L, G> {
-    pub async fn all_reduce<E: Element>(
-        &mut self,
-        data: &mut [E],
-        op: ReduceOp,
-    ) -> Result<(), ClusterError> {
+    pub async fn all_reduce<E: Element>(&mut self, data: &mut [E], op: ReduceOp) -> Result<(), ClusterError> {
         // An average sums at every level and divides once, by the global count, at the end.
-        let inner = if op == ReduceOp::Avg {
-            ReduceOp::Sum
-        } else {
-            op
-        };
+        let inner = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
         self.local.reduce(data, inner, 0).await?;
         if let Some(leaders) = &mut self.leaders {
             leaders.all_reduce(data, inner).await?;
@@ -36,8 +28,7 @@ impl<L: Transport, G: Transport> HierarchicalAllReduce<L, G> {
         self.local.broadcast(data, 0).await?;
         if op == ReduceOp::Avg {
             let inv = 1.0 / self.world_total as f32;
-            data.iter_mut()
-                .for_each(|v| *v = E::from_f32(v.to_f32() * inv));
+            data.iter_mut().for_each(|v| *v = E::from_f32(v.to_f32() * inv));
         }
         Ok(())
     }

@@ -19,18 +19,9 @@ pub enum Combine {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
-    Send {
-        to: Rank,
-        range: Range<usize>,
-    },
-    Recv {
-        from: Rank,
-        range: Range<usize>,
-        combine: Combine,
-    },
-    Finish {
-        range: Range<usize>,
-    },
+    Send { to: Rank, range: Range<usize> },
+    Recv { from: Rank, range: Range<usize>, combine: Combine },
+    Finish { range: Range<usize> },
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -45,9 +36,7 @@ pub struct Plan {
 
 impl Plan {
     fn with_steps(count: usize) -> Self {
-        Plan {
-            steps: vec![Step::default(); count],
-        }
+        Plan { steps: vec![Step::default(); count] }
     }
 
     fn push(&mut self, step: usize, action: Action) {
@@ -61,72 +50,33 @@ fn ceil_log2(n: usize) -> usize {
 
 /// Ring reduce-scatter phase over chunks of `len`: after it, rank r holds chunk `(r + 1 + shift) % n`
 /// fully reduced (and finished).
-fn ring_reduce_scatter_into(
-    plan: &mut Plan,
-    first_step: usize,
-    rank: Rank,
-    n: usize,
-    len: usize,
-    shift: usize,
-) {
+fn ring_reduce_scatter_into(plan: &mut Plan, first_step: usize, rank: Rank, n: usize, len: usize, shift: usize) {
     let next = (rank + 1) % n;
     let prev = (rank + n - 1) % n;
     for s in 0..n - 1 {
         let send = (rank + shift + n - s) % n;
         let recv = (rank + shift + 2 * n - s - 1) % n;
+        plan.push(first_step + s, Action::Send { to: next, range: chunk_range(len, n, send) });
         plan.push(
             first_step + s,
-            Action::Send {
-                to: next,
-                range: chunk_range(len, n, send),
-            },
-        );
-        plan.push(
-            first_step + s,
-            Action::Recv {
-                from: prev,
-                range: chunk_range(len, n, recv),
-                combine: Combine::Reduce,
-            },
+            Action::Recv { from: prev, range: chunk_range(len, n, recv), combine: Combine::Reduce },
         );
     }
     let owned = (rank + 1 + shift) % n;
-    plan.push(
-        first_step + n - 2,
-        Action::Finish {
-            range: chunk_range(len, n, owned),
-        },
-    );
+    plan.push(first_step + n - 2, Action::Finish { range: chunk_range(len, n, owned) });
 }
 
 /// Ring all-gather phase: rank r starts owning chunk `(r + shift) % n`.
-fn ring_all_gather_into(
-    plan: &mut Plan,
-    first_step: usize,
-    rank: Rank,
-    n: usize,
-    len: usize,
-    shift: usize,
-) {
+fn ring_all_gather_into(plan: &mut Plan, first_step: usize, rank: Rank, n: usize, len: usize, shift: usize) {
     let next = (rank + 1) % n;
     let prev = (rank + n - 1) % n;
     for s in 0..n - 1 {
         let send = (rank + shift + n - s) % n;
         let recv = (rank + shift + 2 * n - s - 1) % n;
+        plan.push(first_step + s, Action::Send { to: next, range: chunk_range(len, n, send) });
         plan.push(
             first_step + s,
-            Action::Send {
-                to: next,
-                range: chunk_range(len, n, send),
-            },
-        );
-        plan.push(
-            first_step + s,
-            Action::Recv {
-                from: prev,
-                range: chunk_range(len, n, recv),
-                combine: Combine::Copy,
-            },
+            Action::Recv { from: prev, range: chunk_range(len, n, recv), combine: Combine::Copy },
         );
     }
 }
@@ -163,60 +113,21 @@ pub fn plan_recursive_doubling_all_reduce(rank: Rank, n: usize, len: usize) -> P
     let mut plan = Plan::with_steps(rounds + 2);
     let all = 0..len;
     if rank >= p {
-        plan.push(
-            0,
-            Action::Send {
-                to: rank - p,
-                range: all.clone(),
-            },
-        );
-        plan.push(
-            rounds + 1,
-            Action::Recv {
-                from: rank - p,
-                range: all,
-                combine: Combine::Copy,
-            },
-        );
+        plan.push(0, Action::Send { to: rank - p, range: all.clone() });
+        plan.push(rounds + 1, Action::Recv { from: rank - p, range: all, combine: Combine::Copy });
         return plan;
     }
     if rank < rem {
-        plan.push(
-            0,
-            Action::Recv {
-                from: rank + p,
-                range: all.clone(),
-                combine: Combine::Reduce,
-            },
-        );
+        plan.push(0, Action::Recv { from: rank + p, range: all.clone(), combine: Combine::Reduce });
     }
     for k in 0..rounds {
         let partner = rank ^ (1 << k);
-        plan.push(
-            1 + k,
-            Action::Send {
-                to: partner,
-                range: all.clone(),
-            },
-        );
-        plan.push(
-            1 + k,
-            Action::Recv {
-                from: partner,
-                range: all.clone(),
-                combine: Combine::Reduce,
-            },
-        );
+        plan.push(1 + k, Action::Send { to: partner, range: all.clone() });
+        plan.push(1 + k, Action::Recv { from: partner, range: all.clone(), combine: Combine::Reduce });
     }
     plan.push(rounds, Action::Finish { range: all.clone() });
     if rank < rem {
-        plan.push(
-            rounds + 1,
-            Action::Send {
-                to: rank + p,
-                range: all,
-            },
-        );
+        plan.push(rounds + 1, Action::Send { to: rank + p, range: all });
     }
     plan
 }
@@ -250,22 +161,9 @@ pub fn plan_tree_broadcast(rank: Rank, n: usize, len: usize, root: Rank) -> Plan
     for k in 0..rounds {
         let bit = 1 << k;
         if v < bit && v + bit < n {
-            plan.push(
-                k,
-                Action::Send {
-                    to: real(v + bit),
-                    range: 0..len,
-                },
-            );
+            plan.push(k, Action::Send { to: real(v + bit), range: 0..len });
         } else if v >= bit && v < 2 * bit {
-            plan.push(
-                k,
-                Action::Recv {
-                    from: real(v - bit),
-                    range: 0..len,
-                    combine: Combine::Copy,
-                },
-            );
+            plan.push(k, Action::Recv { from: real(v - bit), range: 0..len, combine: Combine::Copy });
         }
     }
     plan
@@ -280,22 +178,9 @@ pub fn plan_tree_reduce(rank: Rank, n: usize, len: usize, root: Rank) -> Plan {
     for k in 0..rounds {
         let bit = 1 << k;
         if v % (2 * bit) == bit {
-            plan.push(
-                k,
-                Action::Send {
-                    to: real(v - bit),
-                    range: 0..len,
-                },
-            );
+            plan.push(k, Action::Send { to: real(v - bit), range: 0..len });
         } else if v % (2 * bit) == 0 && v + bit < n {
-            plan.push(
-                k,
-                Action::Recv {
-                    from: real(v + bit),
-                    range: 0..len,
-                    combine: Combine::Reduce,
-                },
-            );
+            plan.push(k, Action::Recv { from: real(v + bit), range: 0..len, combine: Combine::Reduce });
         }
     }
     if v == 0 {
@@ -311,21 +196,8 @@ pub fn plan_barrier(rank: Rank, n: usize) -> Plan {
     let mut plan = Plan::with_steps(rounds.max(1));
     for k in 0..rounds {
         let d = 1 << k;
-        plan.push(
-            k,
-            Action::Send {
-                to: (rank + d) % n,
-                range: 0..0,
-            },
-        );
-        plan.push(
-            k,
-            Action::Recv {
-                from: (rank + n - d) % n,
-                range: 0..0,
-                combine: Combine::Copy,
-            },
-        );
+        plan.push(k, Action::Send { to: (rank + d) % n, range: 0..0 });
+        plan.push(k, Action::Recv { from: (rank + n - d) % n, range: 0..0, combine: Combine::Copy });
     }
     plan
 }
@@ -343,13 +215,7 @@ mod tests {
             .steps
             .iter()
             .flat_map(|s| &s.actions)
-            .map(|a| {
-                if let Action::Send { range, .. } = a {
-                    range.len()
-                } else {
-                    0
-                }
-            })
+            .map(|a| if let Action::Send { range, .. } = a { range.len() } else { 0 })
             .sum();
         assert_eq!(sent, 2 * (n - 1) * len / n);
     }

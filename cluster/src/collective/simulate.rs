@@ -15,38 +15,21 @@ pub fn simulate(plans: &[Plan], buffers: &mut [Vec<f32>], op: ReduceOp) -> Resul
     for s in 0..steps {
         let mut wire: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
         for (rank, plan) in plans.iter().enumerate() {
-            for action in plan
-                .steps
-                .get(s)
-                .map(|st| st.actions.as_slice())
-                .unwrap_or(&[])
-            {
+            for action in plan.steps.get(s).map(|st| st.actions.as_slice()).unwrap_or(&[]) {
                 if let Action::Send { to, range } = action {
-                    if wire
-                        .insert((rank, *to), buffers[rank][range.clone()].to_vec())
-                        .is_some()
-                    {
+                    if wire.insert((rank, *to), buffers[rank][range.clone()].to_vec()).is_some() {
                         return Err(format!("step {s}: two sends {rank}->{to}"));
                     }
                 }
             }
         }
         for (rank, plan) in plans.iter().enumerate() {
-            for action in plan
-                .steps
-                .get(s)
-                .map(|st| st.actions.as_slice())
-                .unwrap_or(&[])
-            {
+            for action in plan.steps.get(s).map(|st| st.actions.as_slice()).unwrap_or(&[]) {
                 match action {
-                    Action::Recv {
-                        from,
-                        range,
-                        combine,
-                    } => {
-                        let msg = wire.remove(&(*from, rank)).ok_or(format!(
-                            "step {s}: rank {rank} waits for {from}, nothing sent"
-                        ))?;
+                    Action::Recv { from, range, combine } => {
+                        let msg = wire
+                            .remove(&(*from, rank))
+                            .ok_or(format!("step {s}: rank {rank} waits for {from}, nothing sent"))?;
                         if msg.len() != range.len() {
                             return Err(format!(
                                 "step {s}: {from}->{rank} sent {} elements, {} expected",
@@ -60,9 +43,7 @@ pub fn simulate(plans: &[Plan], buffers: &mut [Vec<f32>], op: ReduceOp) -> Resul
                             Combine::Copy => dst.copy_from_slice(&msg),
                         }
                     }
-                    Action::Finish { range } if op == ReduceOp::Avg => {
-                        finish_avg(&mut buffers[rank][range.clone()], n)
-                    }
+                    Action::Finish { range } if op == ReduceOp::Avg => finish_avg(&mut buffers[rank][range.clone()], n),
                     _ => {}
                 }
             }

@@ -20,9 +20,7 @@ fn provider() -> Arc<CryptoProvider> {
 
 fn roots(id: &NodeIdentity) -> Result<Arc<RootCertStore>, ClusterError> {
     let mut roots = RootCertStore::empty();
-    roots
-        .add(id.ca.clone())
-        .map_err(|e| ClusterError::Tls(format!("cluster CA: {e}")))?;
+    roots.add(id.ca.clone()).map_err(|e| ClusterError::Tls(format!("cluster CA: {e}")))?;
     Ok(Arc::new(roots))
 }
 
@@ -64,11 +62,8 @@ pub fn client_config(id: &NodeIdentity) -> Result<rustls::ClientConfig, ClusterE
 /// during the handshake) name `name`.
 pub fn verify_peer_name(certs: &[CertificateDer<'static>], name: &str) -> Result<(), String> {
     let leaf = certs.first().ok_or("peer presented no certificate")?;
-    let cert = webpki::EndEntityCert::try_from(leaf)
-        .map_err(|e| format!("unparsable peer certificate: {e}"))?;
-    let server_name =
-        ServerName::try_from(name.to_string()).map_err(|e| format!("bad name {name:?}: {e}"))?;
-    cert.verify_is_valid_for_subject_name(&server_name)
-        .map_err(|e| format!("certificate is not for {name:?}: {e}"))?;
+    let cert = webpki::EndEntityCert::try_from(leaf).map_err(|e| format!("unparsable peer certificate: {e}"))?;
+    let server_name = ServerName::try_from(name.to_string()).map_err(|e| format!("bad name {name:?}: {e}"))?;
+    cert.verify_is_valid_for_subject_name(&server_name).map_err(|e| format!("certificate is not for {name:?}: {e}"))?;
     Ok(())
 }

@@ -44,11 +44,7 @@ pub struct Mailbox {
 
 impl Mailbox {
     pub fn new(rank: Rank, unmatched_messages_max: usize) -> Self {
-        Mailbox {
-            rank,
-            unmatched_messages_max,
-            state: Mutex::new(State::default()),
-        }
+        Mailbox { rank, unmatched_messages_max, state: Mutex::new(State::default()) }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -59,13 +55,7 @@ impl Mailbox {
     pub fn deliver(&self, from: Rank, tag: Tag, payload: Payload) -> Result<(), WireError> {
         let mut s = self.lock();
         if tag.epoch < s.fenced_epoch {
-            tracing::debug!(
-                rank = self.rank,
-                from,
-                ?tag,
-                fenced = s.fenced_epoch,
-                "dropping stale-epoch message"
-            );
+            tracing::debug!(rank = self.rank, from, ?tag, fenced = s.fenced_epoch, "dropping stale-epoch message");
             return Ok(());
         }
         let key = (from, tag);
@@ -89,12 +79,7 @@ impl Mailbox {
     }
 
     fn lost_error(&self, peer: Rank, epoch: u64, reason: &str) -> ClusterError {
-        ClusterError::PeerLost {
-            rank: self.rank,
-            peer,
-            epoch,
-            reason: reason.to_string(),
-        }
+        ClusterError::PeerLost { rank: self.rank, peer, epoch, reason: reason.to_string() }
     }
 
     /// The connection to `peer` failed. Fails every receive that this loss affects.
@@ -122,12 +107,7 @@ impl Mailbox {
     pub fn peer_departed(&self, peer: Rank) {
         let mut s = self.lock();
         s.departed.insert(peer, ());
-        let keys: Vec<Key> = s
-            .waiting
-            .keys()
-            .filter(|(from, _)| *from == peer)
-            .copied()
-            .collect();
+        let keys: Vec<Key> = s.waiting.keys().filter(|(from, _)| *from == peer).copied().collect();
         for key in keys {
             if let Some((_, w)) = s.waiting.remove(&key) {
                 let _ = w.send(Err(self.lost_error(peer, key.1.epoch, "peer departed")));
@@ -135,8 +115,9 @@ impl Mailbox {
         }
     }
 
-    pub fn is_lost(&self, peer: Rank) -> bool {
-        self.lock().lost.contains_key(&peer)
+    /// Why `peer` was lost, if it was.
+    pub fn lost_reason(&self, peer: Rank) -> Option<String> {
+        self.lock().lost.get(&peer).cloned()
     }
 
     pub fn fence(&self, epoch: u64) {
@@ -145,24 +126,14 @@ impl Mailbox {
             return;
         }
         s.fenced_epoch = epoch;
-        let stale: Vec<Key> = s
-            .arrived
-            .keys()
-            .filter(|(_, t)| t.epoch < epoch)
-            .copied()
-            .collect();
+        let stale: Vec<Key> = s.arrived.keys().filter(|(_, t)| t.epoch < epoch).copied().collect();
         for key in stale {
             s.arrived.remove(&key);
             if let Some(c) = s.arrived_per_peer.get_mut(&key.0) {
                 *c = c.saturating_sub(1);
             }
         }
-        let stale: Vec<Key> = s
-            .waiting
-            .keys()
-            .filter(|(_, t)| t.epoch < epoch)
-            .copied()
-            .collect();
+        let stale: Vec<Key> = s.waiting.keys().filter(|(_, t)| t.epoch < epoch).copied().collect();
         for key in stale {
             if let Some((_, w)) = s.waiting.remove(&key) {
                 let _ = w.send(Err(ClusterError::StaleEpoch {
@@ -183,13 +154,7 @@ impl Mailbox {
         }
     }
 
-    pub async fn recv(
-        &self,
-        from: Rank,
-        tag: Tag,
-        scope: LossScope,
-        timeout_ms: u64,
-    ) -> Result<Payload, ClusterError> {
+    pub async fn recv(&self, from: Rank, tag: Tag, scope: LossScope, timeout_ms: u64) -> Result<Payload, ClusterError> {
         let rx = {
             let mut s = self.lock();
             if s.closed {

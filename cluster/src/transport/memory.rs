@@ -26,17 +26,10 @@ impl MemoryTransport {
     /// One transport per rank, all connected.
     pub fn mesh(world: usize, unmatched_messages_max: usize) -> Vec<MemoryTransport> {
         let shared = Arc::new(Shared {
-            mailboxes: (0..world)
-                .map(|r| Mailbox::new(r, unmatched_messages_max))
-                .collect(),
+            mailboxes: (0..world).map(|r| Mailbox::new(r, unmatched_messages_max)).collect(),
             dead: (0..world).map(|_| AtomicBool::new(false)).collect(),
         });
-        (0..world)
-            .map(|rank| MemoryTransport {
-                rank,
-                shared: shared.clone(),
-            })
-            .collect()
+        (0..world).map(|rank| MemoryTransport { rank, shared: shared.clone() }).collect()
     }
 
     /// Simulates a crash of this rank: every other rank sees it lost.
@@ -72,25 +65,15 @@ impl Transport for MemoryTransport {
                 reason: "killed".into(),
             });
         }
-        self.shared.mailboxes[to]
-            .deliver(self.rank, tag, Payload::from(payload))
-            .map_err(|source| ClusterError::Wire {
-                rank: to,
-                peer: self.rank,
-                source,
-            })
+        self.shared.mailboxes[to].deliver(self.rank, tag, Payload::from(payload)).map_err(|source| ClusterError::Wire {
+            rank: to,
+            peer: self.rank,
+            source,
+        })
     }
 
-    async fn recv(
-        &self,
-        from: Rank,
-        tag: Tag,
-        scope: LossScope,
-        timeout_ms: u64,
-    ) -> Result<Payload, ClusterError> {
-        self.shared.mailboxes[self.rank]
-            .recv(from, tag, scope, timeout_ms)
-            .await
+    async fn recv(&self, from: Rank, tag: Tag, scope: LossScope, timeout_ms: u64) -> Result<Payload, ClusterError> {
+        self.shared.mailboxes[self.rank].recv(from, tag, scope, timeout_ms).await
     }
 
     fn fence(&self, epoch: u64) {

@@ -16,9 +16,7 @@ use std::future::Future;
 
 use bytes::Bytes;
 
-pub use frame_io::{
-    frame_control, frame_message, read_message, write_chunks, FrameLimits, ReadOutcome,
-};
+pub use frame_io::{frame_control, frame_message, read_message, write_chunks, FrameLimits, ReadOutcome};
 pub use mailbox::{LossScope, Mailbox};
 
 use crate::error::Rank;
@@ -42,10 +40,7 @@ impl Payload {
     }
 
     pub fn to_vec(&self) -> Vec<u8> {
-        self.segments
-            .iter()
-            .flat_map(|s| s.iter().copied())
-            .collect()
+        self.segments.iter().flat_map(|s| s.iter().copied()).collect()
     }
 }
 
@@ -60,12 +55,7 @@ pub trait Transport: Send + Sync + 'static {
     fn world(&self) -> usize;
 
     /// Queues `payload` for `to`. Returns once the transport owns it (not once it is delivered).
-    fn send(
-        &self,
-        to: Rank,
-        tag: Tag,
-        payload: Bytes,
-    ) -> impl Future<Output = Result<(), ClusterError>> + Send;
+    fn send(&self, to: Rank, tag: Tag, payload: Bytes) -> impl Future<Output = Result<(), ClusterError>> + Send;
 
     /// Waits for the message `tag` from `from`. Fails with `PeerLost` when `from` is lost — or, with
     /// [`LossScope::Group`], when any peer is lost — and with `Timeout` after `timeout_ms`.

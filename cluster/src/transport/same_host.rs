@@ -12,9 +12,7 @@ use tokio::net::unix::OwnedWriteHalf;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Mutex as AsyncMutex;
 
-use super::frame_io::{
-    frame_control, frame_message, read_message, write_chunks, FrameLimits, ReadOutcome,
-};
+use super::frame_io::{frame_control, frame_message, read_message, write_chunks, FrameLimits, ReadOutcome};
 use super::{LossScope, Mailbox, Payload, Transport};
 use crate::error::Rank;
 use crate::wire::{ControlMessage, FrameKind, Tag, WireError};
@@ -42,12 +40,7 @@ fn tune(stream: &UnixStream) {
     let _ = sock.set_recv_buffer_size(SOCKET_BUFFER_BYTES);
 }
 
-async fn serve(
-    mut reader: tokio::net::unix::OwnedReadHalf,
-    peer: Rank,
-    mailbox: Arc<Mailbox>,
-    limits: FrameLimits,
-) {
+async fn serve(mut reader: tokio::net::unix::OwnedReadHalf, peer: Rank, mailbox: Arc<Mailbox>, limits: FrameLimits) {
     loop {
         let outcome = read_message(&mut reader, limits).await;
         let err = match outcome {
@@ -55,20 +48,12 @@ async fn serve(
                 Ok(()) => continue,
                 Err(e) => e,
             },
-            Ok(ReadOutcome::Control {
-                message: ControlMessage::Abort { .. },
-                ..
-            }) => continue,
-            Ok(ReadOutcome::Control {
-                message: ControlMessage::Goodbye { .. },
-                ..
-            }) => {
+            Ok(ReadOutcome::Control { message: ControlMessage::Abort { .. }, .. }) => continue,
+            Ok(ReadOutcome::Control { message: ControlMessage::Goodbye { .. }, .. }) => {
                 mailbox.peer_departed(peer);
                 return;
             }
-            Ok(ReadOutcome::Control { message, .. }) => {
-                WireError::Protocol(format!("unexpected {message:?}"))
-            }
+            Ok(ReadOutcome::Control { message, .. }) => WireError::Protocol(format!("unexpected {message:?}")),
             Ok(ReadOutcome::End) => {
                 mailbox.peer_lost(peer, "socket closed without goodbye".into());
                 return;
@@ -82,21 +67,15 @@ async fn serve(
 }
 
 impl SameHostTransport {
-    pub async fn connect(
-        dir: &Path,
-        rank: Rank,
-        world: usize,
-        config: TransportConfig,
-    ) -> Result<Self, ClusterError> {
+    pub async fn connect(dir: &Path, rank: Rank, world: usize, config: TransportConfig) -> Result<Self, ClusterError> {
         let limits = FrameLimits::from(&config);
         let mailbox = Arc::new(Mailbox::new(rank, config.unmatched_messages_max));
         let path = socket_path(dir, rank);
         let _ = std::fs::remove_file(&path);
-        let listener = UnixListener::bind(&path)
-            .map_err(|e| ClusterError::io(format!("binding {}", path.display()), e))?;
+        let listener =
+            UnixListener::bind(&path).map_err(|e| ClusterError::io(format!("binding {}", path.display()), e))?;
         let deadline = Instant::now() + Duration::from_millis(config.connect_timeout_ms);
-        let mut writers: Vec<Option<AsyncMutex<OwnedWriteHalf>>> =
-            (0..world).map(|_| None).collect();
+        let mut writers: Vec<Option<AsyncMutex<OwnedWriteHalf>>> = (0..world).map(|_| None).collect();
         let connect_err = |peer: Rank, reason: String| ClusterError::Connect {
             rank,
             peer,
@@ -118,16 +97,9 @@ impl SameHostTransport {
             let (reader, mut writer) = stream.into_split();
             let hello = frame_control(
                 FrameKind::Hello,
-                &ControlMessage::Hello {
-                    node: String::new(),
-                    rank: rank as u32,
-                    world: world as u32,
-                },
+                &ControlMessage::Hello { node: String::new(), rank: rank as u32, world: world as u32 },
             );
-            writer
-                .write_all(&hello)
-                .await
-                .map_err(|e| connect_err(peer, e.to_string()))?;
+            writer.write_all(&hello).await.map_err(|e| connect_err(peer, e.to_string()))?;
             tokio::spawn(serve(reader, peer, mailbox.clone(), limits));
             writers[peer] = Some(AsyncMutex::new(writer));
         }
@@ -135,12 +107,7 @@ impl SameHostTransport {
             let left = deadline.saturating_duration_since(Instant::now());
             let (stream, _) = tokio::time::timeout(left, listener.accept())
                 .await
-                .map_err(|_| {
-                    connect_err(
-                        rank + 1,
-                        "peers did not connect within connect_timeout_ms".into(),
-                    )
-                })?
+                .map_err(|_| connect_err(rank + 1, "peers did not connect within connect_timeout_ms".into()))?
                 .map_err(|e| connect_err(rank + 1, e.to_string()))?;
             tune(&stream);
             let (mut reader, writer) = stream.into_split();
@@ -150,10 +117,7 @@ impl SameHostTransport {
             let peer = match hello {
                 Ok(ReadOutcome::Control {
                     kind: FrameKind::Hello,
-                    message:
-                        ControlMessage::Hello {
-                            rank: r, world: w, ..
-                        },
+                    message: ControlMessage::Hello { rank: r, world: w, .. },
                 }) if (r as usize) > rank
                     && (r as usize) < world
                     && w as usize == world
@@ -167,13 +131,7 @@ impl SameHostTransport {
             writers[peer] = Some(AsyncMutex::new(writer));
         }
         let _ = std::fs::remove_file(&path);
-        Ok(SameHostTransport {
-            rank,
-            world,
-            writers,
-            mailbox,
-            config,
-        })
+        Ok(SameHostTransport { rank, world, writers, mailbox, config })
     }
 }
 
@@ -187,38 +145,18 @@ impl Transport for SameHostTransport {
     }
 
     async fn send(&self, to: Rank, tag: Tag, payload: Bytes) -> Result<(), ClusterError> {
-        let lost = |e: String| ClusterError::PeerLost {
+        let lost = |e: String| ClusterError::PeerLost { rank: self.rank, peer: to, epoch: tag.epoch, reason: e };
+        let writer = self.writers.get(to).and_then(|w| w.as_ref()).ok_or_else(|| lost("not connected".into()))?;
+        let chunks = frame_message(tag, payload, self.config.frame_bytes_max).map_err(|source| ClusterError::Wire {
             rank: self.rank,
             peer: to,
-            epoch: tag.epoch,
-            reason: e,
-        };
-        let writer = self
-            .writers
-            .get(to)
-            .and_then(|w| w.as_ref())
-            .ok_or_else(|| lost("not connected".into()))?;
-        let chunks =
-            frame_message(tag, payload, self.config.frame_bytes_max).map_err(|source| {
-                ClusterError::Wire {
-                    rank: self.rank,
-                    peer: to,
-                    source,
-                }
-            })?;
+            source,
+        })?;
         let mut w = writer.lock().await;
-        write_chunks(&mut *w, &chunks)
-            .await
-            .map_err(|e| lost(e.to_string()))
+        write_chunks(&mut *w, &chunks).await.map_err(|e| lost(e.to_string()))
     }
 
-    async fn recv(
-        &self,
-        from: Rank,
-        tag: Tag,
-        scope: LossScope,
-        timeout_ms: u64,
-    ) -> Result<Payload, ClusterError> {
+    async fn recv(&self, from: Rank, tag: Tag, scope: LossScope, timeout_ms: u64) -> Result<Payload, ClusterError> {
         self.mailbox.recv(from, tag, scope, timeout_ms).await
     }
 
@@ -227,12 +165,7 @@ impl Transport for SameHostTransport {
     }
 
     async fn shutdown(&self) {
-        let goodbye = frame_control(
-            FrameKind::Control,
-            &ControlMessage::Goodbye {
-                rank: self.rank as u32,
-            },
-        );
+        let goodbye = frame_control(FrameKind::Control, &ControlMessage::Goodbye { rank: self.rank as u32 });
         for w in self.writers.iter().flatten() {
             let mut w = w.lock().await;
             let _ = w.write_all(&goodbye).await;

@@ -21,29 +21,19 @@ pub fn decode_frames(
     let mut rest = bytes;
     while !rest.is_empty() {
         let Some((head, body)) = rest.split_first_chunk::<HEADER_BYTES>() else {
-            return Err(WireError::Truncated {
-                needed: HEADER_BYTES,
-                available: rest.len(),
-            });
+            return Err(WireError::Truncated { needed: HEADER_BYTES, available: rest.len() });
         };
         let header = FrameHeader::decode(head, frame_bytes_max, message_frames_max)?;
         let length = header.length as usize;
         if body.len() < length {
-            return Err(WireError::Truncated {
-                needed: length,
-                available: body.len(),
-            });
+            return Err(WireError::Truncated { needed: length, available: body.len() });
         }
         let (payload, after) = body.split_at(length);
         let control = match header.kind {
             FrameKind::Hello | FrameKind::Control => Some(ControlMessage::decode(payload)?),
             FrameKind::Data => None,
         };
-        frames.push(DecodedFrame {
-            header,
-            payload,
-            control,
-        });
+        frames.push(DecodedFrame { header, payload, control });
         rest = after;
     }
     Ok(frames)
@@ -55,13 +45,7 @@ mod tests {
     use crate::wire::Tag;
 
     fn frame(kind: FrameKind, payload: &[u8]) -> Vec<u8> {
-        let h = FrameHeader {
-            kind,
-            tag: Tag::default(),
-            part_index: 0,
-            part_count: 1,
-            length: payload.len() as u32,
-        };
+        let h = FrameHeader { kind, tag: Tag::default(), part_index: 0, part_count: 1, length: payload.len() as u32 };
         let mut v = h.encode().to_vec();
         v.extend_from_slice(payload);
         v
@@ -69,11 +53,7 @@ mod tests {
 
     #[test]
     fn decodes_a_sequence() {
-        let hello = ControlMessage::Hello {
-            node: "a".into(),
-            rank: 0,
-            world: 2,
-        };
+        let hello = ControlMessage::Hello { node: "a".into(), rank: 0, world: 2 };
         let mut bytes = frame(FrameKind::Hello, &hello.encode());
         bytes.extend(frame(FrameKind::Data, &[1, 2, 3]));
         let frames = decode_frames(&bytes, 1024, 4).unwrap();
@@ -85,28 +65,13 @@ mod tests {
     #[test]
     fn truncation_is_reported() {
         let bytes = frame(FrameKind::Data, &[1, 2, 3]);
-        assert_eq!(
-            decode_frames(&bytes[..10], 1024, 4),
-            Err(WireError::Truncated {
-                needed: 44,
-                available: 10
-            })
-        );
-        assert_eq!(
-            decode_frames(&bytes[..45], 1024, 4),
-            Err(WireError::Truncated {
-                needed: 3,
-                available: 1
-            })
-        );
+        assert_eq!(decode_frames(&bytes[..10], 1024, 4), Err(WireError::Truncated { needed: 44, available: 10 }));
+        assert_eq!(decode_frames(&bytes[..45], 1024, 4), Err(WireError::Truncated { needed: 3, available: 1 }));
     }
 
     #[test]
     fn bad_control_json_is_refused() {
         let bytes = frame(FrameKind::Control, b"{not json");
-        assert!(matches!(
-            decode_frames(&bytes, 1024, 4),
-            Err(WireError::BadControl(_))
-        ));
+        assert!(matches!(decode_frames(&bytes, 1024, 4), Err(WireError::BadControl(_))));
     }
 }

@@ -70,11 +70,7 @@ impl FrameHeader {
     }
 
     /// Checks, in order: magic, version, checksum, kind, part numbering, length against the limits.
-    pub fn decode(
-        b: &[u8; HEADER_BYTES],
-        frame_bytes_max: u32,
-        message_frames_max: u16,
-    ) -> Result<Self, WireError> {
+    pub fn decode(b: &[u8; HEADER_BYTES], frame_bytes_max: u32, message_frames_max: u16) -> Result<Self, WireError> {
         let magic = [b[0], b[1], b[2], b[3]];
         if magic != MAGIC {
             return Err(WireError::BadMagic(magic));
@@ -94,37 +90,17 @@ impl FrameHeader {
         let part_index = u16_at(6);
         let part_count = u16_at(8);
         if part_count > message_frames_max {
-            return Err(WireError::TooManyParts {
-                count: part_count,
-                max: message_frames_max,
-            });
+            return Err(WireError::TooManyParts { count: part_count, max: message_frames_max });
         }
         if part_count == 0 || part_index >= part_count {
-            return Err(WireError::BadPart {
-                index: part_index,
-                count: part_count,
-            });
+            return Err(WireError::BadPart { index: part_index, count: part_count });
         }
         let length = u32_at(36);
         if length > frame_bytes_max {
-            return Err(WireError::Oversized {
-                length,
-                max: frame_bytes_max,
-            });
+            return Err(WireError::Oversized { length, max: frame_bytes_max });
         }
-        let tag = Tag {
-            group: u32_at(28),
-            epoch: u64_at(12),
-            seq: u64_at(20),
-            step: u32_at(32),
-        };
-        Ok(FrameHeader {
-            kind,
-            tag,
-            part_index,
-            part_count,
-            length,
-        })
+        let tag = Tag { group: u32_at(28), epoch: u64_at(12), seq: u64_at(20), step: u32_at(32) };
+        Ok(FrameHeader { kind, tag, part_index, part_count, length })
     }
 }
 
@@ -135,12 +111,7 @@ mod tests {
     fn header() -> FrameHeader {
         FrameHeader {
             kind: FrameKind::Data,
-            tag: Tag {
-                group: 7,
-                epoch: 3,
-                seq: 99,
-                step: 5,
-            },
+            tag: Tag { group: 7, epoch: 3, seq: 99, step: 5 },
             part_index: 1,
             part_count: 2,
             length: 1000,
@@ -160,10 +131,7 @@ mod tests {
 
     #[test]
     fn round_trips() {
-        assert_eq!(
-            FrameHeader::decode(&header().encode(), 4096, 16),
-            Ok(header())
-        );
+        assert_eq!(FrameHeader::decode(&header().encode(), 4096, 16), Ok(header()));
     }
 
     #[test]
@@ -188,10 +156,7 @@ mod tests {
                 b[36..40].copy_from_slice(&5000u32.to_le_bytes());
                 reseal(b)
             },
-            WireError::Oversized {
-                length: 5000,
-                max: 4096,
-            },
+            WireError::Oversized { length: 5000, max: 4096 },
         );
         check(
             |b| {

@@ -16,11 +16,7 @@ pub enum ControlMessage {
     /// closed connection as a loss.
     Goodbye { rank: u32 },
     /// A rank abandons the collective `seq` of `epoch` (e.g. it lost another peer).
-    Abort {
-        epoch: u64,
-        seq: u64,
-        reason: String,
-    },
+    Abort { epoch: u64, seq: u64, reason: String },
 }
 
 impl ControlMessage {
@@ -30,10 +26,7 @@ impl ControlMessage {
 
     pub fn decode(bytes: &[u8]) -> Result<Self, WireError> {
         if bytes.len() > MESSAGE_BYTES_MAX as usize {
-            return Err(WireError::BadControl(format!(
-                "{} bytes exceeds {MESSAGE_BYTES_MAX}",
-                bytes.len()
-            )));
+            return Err(WireError::BadControl(format!("{} bytes exceeds {MESSAGE_BYTES_MAX}", bytes.len())));
         }
         serde_json::from_slice(bytes).map_err(|e| WireError::BadControl(e.to_string()))
     }

@@ -37,19 +37,11 @@ async fn read_stream(
                     return;
                 }
             }
-            Ok(ReadOutcome::Control {
-                message: ControlMessage::Abort { epoch, seq, reason },
-                ..
-            }) => {
+            Ok(ReadOutcome::Control { message: ControlMessage::Abort { epoch, seq, reason }, .. }) => {
                 tracing::info!(peer, epoch, seq, %reason, "peer aborted a collective");
             }
             Ok(ReadOutcome::Control { message, .. }) => {
-                refuse(
-                    &conn,
-                    &mailbox,
-                    peer,
-                    &WireError::Protocol(format!("unexpected control message {message:?}")),
-                );
+                refuse(&conn, &mailbox, peer, &WireError::Protocol(format!("unexpected control message {message:?}")));
                 return;
             }
             Err(e) => {
@@ -62,30 +54,17 @@ async fn read_stream(
 
 /// Reads every stream the peer opens until the connection ends, then reports the peer departed
 /// (goodbye) or lost (anything else) to the mailbox.
-pub async fn serve_connection(
-    conn: quinn::Connection,
-    peer: Rank,
-    mailbox: Arc<Mailbox>,
-    limits: FrameLimits,
-) {
+pub async fn serve_connection(conn: quinn::Connection, peer: Rank, mailbox: Arc<Mailbox>, limits: FrameLimits) {
     let err = loop {
         match conn.accept_uni().await {
             Ok(stream) => {
-                tokio::spawn(read_stream(
-                    conn.clone(),
-                    stream,
-                    peer,
-                    mailbox.clone(),
-                    limits,
-                ));
+                tokio::spawn(read_stream(conn.clone(), stream, peer, mailbox.clone(), limits));
             }
             Err(e) => break e,
         }
     };
     match err {
-        ConnectionError::ApplicationClosed(close) if close.error_code == CLOSE_GOODBYE => {
-            mailbox.peer_departed(peer)
-        }
+        ConnectionError::ApplicationClosed(close) if close.error_code == CLOSE_GOODBYE => mailbox.peer_departed(peer),
         ConnectionError::LocallyClosed => mailbox.peer_departed(peer),
         other => mailbox.peer_lost(peer, other.to_string()),
     }

@@ -10,9 +10,7 @@ use quinn::{EndpointConfig, IdleTimeout, MtuDiscoveryConfig, VarInt};
 use crate::identity::{client_config, server_config, NodeIdentity};
 use crate::{ClusterError, TransportConfig};
 
-pub fn quinn_transport_config(
-    cfg: &TransportConfig,
-) -> Result<quinn::TransportConfig, ClusterError> {
+pub fn quinn_transport_config(cfg: &TransportConfig) -> Result<quinn::TransportConfig, ClusterError> {
     let mut t = quinn::TransportConfig::default();
     let idle = IdleTimeout::try_from(Duration::from_millis(cfg.idle_timeout_ms))
         .map_err(|e| ClusterError::Tls(format!("idle_timeout_ms: {e}")))?;
@@ -33,8 +31,8 @@ pub fn quinn_transport_config(
 fn udp_socket(addr: SocketAddr, buffer_bytes: usize) -> Result<std::net::UdpSocket, ClusterError> {
     use socket2::{Domain, Protocol, Socket, Type};
     let io = |what: &str, e| ClusterError::io(format!("{what} UDP socket {addr}"), e);
-    let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))
-        .map_err(|e| io("creating", e))?;
+    let socket =
+        Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP)).map_err(|e| io("creating", e))?;
     // Best effort: the kernel caps these at net.core.{r,w}mem_max.
     let _ = socket.set_recv_buffer_size(buffer_bytes);
     let _ = socket.set_send_buffer_size(buffer_bytes);
@@ -50,12 +48,10 @@ pub fn bind_endpoint(
     cfg: &TransportConfig,
 ) -> Result<quinn::Endpoint, ClusterError> {
     let transport = Arc::new(quinn_transport_config(cfg)?);
-    let server_crypto = QuicServerConfig::try_from(server_config(id)?)
-        .map_err(|e| ClusterError::Tls(e.to_string()))?;
+    let server_crypto = QuicServerConfig::try_from(server_config(id)?).map_err(|e| ClusterError::Tls(e.to_string()))?;
     let mut server = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
     server.transport_config(transport.clone());
-    let client_crypto = QuicClientConfig::try_from(client_config(id)?)
-        .map_err(|e| ClusterError::Tls(e.to_string()))?;
+    let client_crypto = QuicClientConfig::try_from(client_config(id)?).map_err(|e| ClusterError::Tls(e.to_string()))?;
     let mut client = quinn::ClientConfig::new(Arc::new(client_crypto));
     client.transport_config(transport);
 
@@ -64,13 +60,8 @@ pub fn bind_endpoint(
         .max_udp_payload_size(cfg.mtu_upper_bound_bytes.max(1200))
         .map_err(|e| ClusterError::Tls(format!("mtu_upper_bound_bytes: {e}")))?;
     let socket = udp_socket(addr, cfg.socket_buffer_bytes)?;
-    let mut endpoint = quinn::Endpoint::new(
-        endpoint_cfg,
-        Some(server),
-        socket,
-        Arc::new(quinn::TokioRuntime),
-    )
-    .map_err(|e| ClusterError::io(format!("starting QUIC endpoint on {addr}"), e))?;
+    let mut endpoint = quinn::Endpoint::new(endpoint_cfg, Some(server), socket, Arc::new(quinn::TokioRuntime))
+        .map_err(|e| ClusterError::io(format!("starting QUIC endpoint on {addr}"), e))?;
     endpoint.set_default_client_config(client);
     Ok(endpoint)
 }

@@ -57,12 +57,7 @@ impl Shared {
             conns[peer] = Some(conn.clone());
         }
         self.connected.notify_waiters();
-        tokio::spawn(serve_connection(
-            conn,
-            peer,
-            self.mailbox.clone(),
-            self.limits,
-        ));
+        tokio::spawn(serve_connection(conn, peer, self.mailbox.clone(), self.limits));
         Ok(())
     }
 
@@ -93,21 +88,14 @@ impl Shared {
             .map(|b| *b)
             .ok_or("peer presented no certificate")?;
         let first = async {
-            let mut stream = conn
-                .accept_uni()
-                .await
-                .map_err(|e| format!("no hello stream: {e}"))?;
-            read_message(&mut stream, self.limits)
-                .await
-                .map_err(|e| format!("bad hello frame: {e}"))
+            let mut stream = conn.accept_uni().await.map_err(|e| format!("no hello stream: {e}"))?;
+            read_message(&mut stream, self.limits).await.map_err(|e| format!("bad hello frame: {e}"))
         };
         let hello = tokio::time::timeout(Duration::from_millis(self.hello_timeout_ms), first)
             .await
             .map_err(|_| "no hello in time".to_string())??;
-        let ReadOutcome::Control {
-            kind: FrameKind::Hello,
-            message: ControlMessage::Hello { node, rank, world },
-        } = hello
+        let ReadOutcome::Control { kind: FrameKind::Hello, message: ControlMessage::Hello { node, rank, world } } =
+            hello
         else {
             return Err(format!("first message is not a hello: {hello:?}"));
         };
@@ -119,10 +107,7 @@ impl Shared {
             ));
         }
         if self.roster[rank].name != node {
-            return Err(format!(
-                "hello claims rank {rank} as {node:?}, the roster says {:?}",
-                self.roster[rank].name
-            ));
+            return Err(format!("hello claims rank {rank} as {node:?}, the roster says {:?}", self.roster[rank].name));
         }
         verify_peer_name(&certs, &node)?;
         Ok(rank)
@@ -170,23 +155,11 @@ impl QuicListener {
     }
 
     pub fn refusals(&self) -> Vec<Refusal> {
-        self.shared
-            .refusals
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .cloned()
-            .collect()
+        self.shared.refusals.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned().collect()
     }
 
     pub fn connection(&self, peer: Rank) -> Option<quinn::Connection> {
-        self.shared
-            .conns
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(peer)
-            .cloned()
-            .flatten()
+        self.shared.conns.lock().unwrap_or_else(|p| p.into_inner()).get(peer).cloned().flatten()
     }
 
     pub fn local_addr(&self) -> std::io::Result<SocketAddr> {

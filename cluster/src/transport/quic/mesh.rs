@@ -14,9 +14,7 @@ use super::endpoint::bind_endpoint;
 use super::listener::QuicListener;
 use crate::error::Rank;
 use crate::identity::NodeIdentity;
-use crate::transport::{
-    frame_control, frame_message, FrameLimits, LossScope, Mailbox, Payload, Transport,
-};
+use crate::transport::{frame_control, frame_message, FrameLimits, LossScope, Mailbox, Payload, Transport};
 use crate::wire::{ControlMessage, FrameKind, Tag};
 use crate::{ClusterError, TransportConfig};
 
@@ -62,25 +60,12 @@ impl QuicTransport {
             let conn = dial(&endpoint, rank, peer, info, deadline).await?;
             let hello = frame_control(
                 FrameKind::Hello,
-                &ControlMessage::Hello {
-                    node: id.name.clone(),
-                    rank: rank as u32,
-                    world,
-                },
+                &ControlMessage::Hello { node: id.name.clone(), rank: rank as u32, world },
             );
-            let connect_err = |reason: String| ClusterError::Connect {
-                rank,
-                peer,
-                addr: info.addr.to_string(),
-                reason,
-            };
-            let mut s = conn
-                .open_uni()
-                .await
-                .map_err(|e| connect_err(e.to_string()))?;
-            s.write_all(&hello)
-                .await
-                .map_err(|e| connect_err(e.to_string()))?;
+            let connect_err =
+                |reason: String| ClusterError::Connect { rank, peer, addr: info.addr.to_string(), reason };
+            let mut s = conn.open_uni().await.map_err(|e| connect_err(e.to_string()))?;
+            s.write_all(&hello).await.map_err(|e| connect_err(e.to_string()))?;
             s.finish().map_err(|e| connect_err(e.to_string()))?;
             listener.shared.register(peer, conn).map_err(connect_err)?;
         }
@@ -89,16 +74,10 @@ impl QuicTransport {
             let notified = listener.shared.connected.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let missing: Vec<Rank> = (rank + 1..roster.len())
-                .filter(|&p| listener.connection(p).is_none())
-                .collect();
+            let missing: Vec<Rank> = (rank + 1..roster.len()).filter(|&p| listener.connection(p).is_none()).collect();
             let Some(&peer) = missing.first() else { break };
             let now = Instant::now();
-            if now >= deadline
-                || tokio::time::timeout(deadline - now, notified)
-                    .await
-                    .is_err()
-            {
+            if now >= deadline || tokio::time::timeout(deadline - now, notified).await.is_err() {
                 return Err(ClusterError::Connect {
                     rank,
                     peer,
@@ -110,12 +89,7 @@ impl QuicTransport {
                 });
             }
         }
-        Ok(QuicTransport {
-            rank,
-            listener,
-            config,
-            unacked: Mutex::new(JoinSet::new()),
-        })
+        Ok(QuicTransport { rank, listener, config, unacked: Mutex::new(JoinSet::new()) })
     }
 
     pub fn listener(&self) -> &QuicListener {
@@ -123,14 +97,12 @@ impl QuicTransport {
     }
 
     fn conn(&self, peer: Rank, epoch: u64) -> Result<quinn::Connection, ClusterError> {
-        self.listener
-            .connection(peer)
-            .ok_or(ClusterError::PeerLost {
-                rank: self.rank,
-                peer,
-                epoch,
-                reason: "not connected".into(),
-            })
+        self.listener.connection(peer).ok_or(ClusterError::PeerLost {
+            rank: self.rank,
+            peer,
+            epoch,
+            reason: "not connected".into(),
+        })
     }
 }
 
@@ -141,16 +113,9 @@ async fn dial(
     info: &PeerInfo,
     deadline: Instant,
 ) -> Result<quinn::Connection, ClusterError> {
-    let err = |reason: String| ClusterError::Connect {
-        rank,
-        peer,
-        addr: info.addr.to_string(),
-        reason,
-    };
+    let err = |reason: String| ClusterError::Connect { rank, peer, addr: info.addr.to_string(), reason };
     loop {
-        let attempt = endpoint
-            .connect(info.addr, &info.name)
-            .map_err(|e| err(e.to_string()))?;
+        let attempt = endpoint.connect(info.addr, &info.name).map_err(|e| err(e.to_string()))?;
         let left = deadline.saturating_duration_since(Instant::now());
         match tokio::time::timeout(left, attempt).await {
             Ok(Ok(conn)) => return Ok(conn),
@@ -175,47 +140,21 @@ impl Transport for QuicTransport {
 
     async fn send(&self, to: Rank, tag: Tag, payload: Bytes) -> Result<(), ClusterError> {
         let conn = self.conn(to, tag.epoch)?;
-        let lost = |e: String| ClusterError::PeerLost {
-            rank: self.rank,
-            peer: to,
-            epoch: tag.epoch,
-            reason: e,
-        };
-        let mut chunks =
-            frame_message(tag, payload, self.config.frame_bytes_max).map_err(|source| {
-                ClusterError::Wire {
-                    rank: self.rank,
-                    peer: to,
-                    source,
-                }
-            })?;
+        let lost = |e: String| ClusterError::PeerLost { rank: self.rank, peer: to, epoch: tag.epoch, reason: e };
+        let mut chunks = frame_message(tag, payload, self.config.frame_bytes_max)
+            .map_err(|source| ClusterError::Wire { rank: self.rank, peer: to, source })?;
         let mut stream = conn.open_uni().await.map_err(|e| lost(e.to_string()))?;
-        stream
-            .write_all_chunks(&mut chunks)
-            .await
-            .map_err(|e| lost(e.to_string()))?;
+        stream.write_all_chunks(&mut chunks).await.map_err(|e| lost(e.to_string()))?;
         stream.finish().map_err(|e| lost(e.to_string()))?;
         let acked = stream.stopped();
-        self.unacked
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .spawn(async move {
-                let _ = acked.await;
-            });
+        self.unacked.lock().unwrap_or_else(|p| p.into_inner()).spawn(async move {
+            let _ = acked.await;
+        });
         Ok(())
     }
 
-    async fn recv(
-        &self,
-        from: Rank,
-        tag: Tag,
-        scope: LossScope,
-        timeout_ms: u64,
-    ) -> Result<Payload, ClusterError> {
-        self.listener
-            .mailbox()
-            .recv(from, tag, scope, timeout_ms)
-            .await
+    async fn recv(&self, from: Rank, tag: Tag, scope: LossScope, timeout_ms: u64) -> Result<Payload, ClusterError> {
+        self.listener.mailbox().recv(from, tag, scope, timeout_ms).await
     }
 
     fn fence(&self, epoch: u64) {
@@ -223,11 +162,9 @@ impl Transport for QuicTransport {
     }
 
     async fn shutdown(&self) {
-        let mut unacked =
-            std::mem::take(&mut *self.unacked.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut unacked = std::mem::take(&mut *self.unacked.lock().unwrap_or_else(|p| p.into_inner()));
         let drain = async { while unacked.join_next().await.is_some() {} };
-        let _ = tokio::time::timeout(Duration::from_millis(self.config.connect_timeout_ms), drain)
-            .await;
+        let _ = tokio::time::timeout(Duration::from_millis(self.config.connect_timeout_ms), drain).await;
         for peer in 0..self.world() {
             if let Some(c) = self.listener.connection(peer) {
                 c.close(CLOSE_GOODBYE, b"goodbye");

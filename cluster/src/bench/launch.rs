@@ -1,0 +1,122 @@
+//! Starting rank processes on this machine and collecting their reports, every wait bounded.
+
+use std::io::Read;
+use std::net::{SocketAddr, UdpSocket};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+use super::{BenchTransport, RankMode, RankReport, RankSpec};
+use crate::TransportConfig;
+
+/// Environment variable carrying a rank's [`RankSpec`] as JSON.
+pub const RANK_SPEC_ENV: &str = "TROUPE_RANK_SPEC";
+
+pub struct LaunchedRanks {
+    pub children: Vec<Child>,
+    /// Keeps certificates and sockets alive until the ranks are done.
+    pub dir: tempfile::TempDir,
+    pub specs: Vec<RankSpec>,
+}
+
+/// Free loopback UDP ports (bound and released; a small race the ranks' own binds would reveal).
+fn free_udp_addrs(n: usize) -> anyhow::Result<Vec<SocketAddr>> {
+    let sockets: Vec<UdpSocket> = (0..n).map(|_| UdpSocket::bind("127.0.0.1:0")).collect::<Result<_, _>>()?;
+    Ok(sockets.iter().map(|s| s.local_addr()).collect::<Result<_, _>>()?)
+}
+
+pub fn node_name(rank: usize) -> String {
+    format!("rank-{rank}")
+}
+
+/// Creates a cluster (CA + one certificate per rank) in a temporary directory and starts `world`
+/// processes `exe rank_args...`, each with its spec in [`RANK_SPEC_ENV`].
+pub fn launch_ranks(
+    exe: &Path,
+    rank_args: &[&str],
+    world: usize,
+    transport: BenchTransport,
+    mode: RankMode,
+    config: TransportConfig,
+) -> anyhow::Result<LaunchedRanks> {
+    let dir = tempfile::tempdir()?;
+    let addrs = match transport {
+        BenchTransport::Quic => {
+            crate::init_cluster(dir.path())?;
+            for r in 0..world {
+                crate::add_node(&node_name(r), dir.path())?;
+            }
+            free_udp_addrs(world)?
+        }
+        BenchTransport::Local => Vec::new(),
+    };
+    let specs: Vec<RankSpec> = (0..world)
+        .map(|rank| RankSpec {
+            rank,
+            world,
+            transport,
+            dir: dir.path().to_path_buf(),
+            addrs: addrs.clone(),
+            config: config.clone(),
+            mode: mode.clone(),
+        })
+        .collect();
+    let mut children = Vec::new();
+    for spec in &specs {
+        let child = Command::new(exe)
+            .args(rank_args)
+            .env(RANK_SPEC_ENV, serde_json::to_string(spec)?)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| format!("starting rank {} as {}", spec.rank, exe.display()))?;
+        children.push(child);
+    }
+    Ok(LaunchedRanks { children, dir, specs })
+}
+
+impl LaunchedRanks {
+    /// Waits for every rank to exit (killing all after `timeout_ms`) and parses their reports.
+    pub fn wait_all(mut self, timeout_ms: u64) -> anyhow::Result<Vec<RankReport>> {
+        let deadline = Instant::now() + Duration::from_millis(timeout_ms);
+        let mut reports = Vec::new();
+        for (rank, child) in self.children.iter_mut().enumerate() {
+            reports.push(wait_one(rank, child, deadline));
+        }
+        let hung: Vec<usize> = reports.iter().enumerate().filter(|(_, r)| r.is_none()).map(|(i, _)| i).collect();
+        if !hung.is_empty() {
+            for c in &mut self.children {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            anyhow::bail!("ranks {hung:?} did not finish within {timeout_ms} ms");
+        }
+        Ok(reports.into_iter().flatten().collect())
+    }
+}
+
+/// Waits for `child` until `deadline`; `None` if it is still running. A rank that died without a
+/// report yields a report carrying the exit status as its error.
+pub fn wait_one(rank: usize, child: &mut Child, deadline: Instant) -> Option<RankReport> {
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => {
+                let mut out = String::new();
+                if let Some(mut s) = child.stdout.take() {
+                    let _ = s.read_to_string(&mut out);
+                }
+                let parsed = out.lines().rev().find_map(|l| serde_json::from_str::<RankReport>(l).ok());
+                return Some(parsed.unwrap_or(RankReport {
+                    rank,
+                    error: Some(format!("exited with {status} without a report")),
+                    error_kind: Some("Exited".into()),
+                    ..Default::default()
+                }));
+            }
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+            _ => return None,
+        }
+    }
+}

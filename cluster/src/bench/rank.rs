@@ -1,0 +1,182 @@
+//! The body of one launched rank process: connect, run the mode, report one JSON line.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use half::bf16;
+
+use super::launch::node_name;
+use super::{BenchTransport, RankMode, RankReport, RankSpec, RANK_SPEC_ENV};
+use crate::collective::{chunk_range, CollectiveConfig, Communicator, ReduceOp};
+use crate::identity::NodeIdentity;
+use crate::transport::quic::{PeerInfo, QuicTransport};
+use crate::transport::same_host::SameHostTransport;
+use crate::transport::Transport;
+use crate::ClusterError;
+
+/// Reads the spec from [`RANK_SPEC_ENV`], runs it, prints the report as one JSON line.
+pub fn run_rank_from_env() -> anyhow::Result<()> {
+    let spec: RankSpec = serde_json::from_str(&std::env::var(RANK_SPEC_ENV)?)?;
+    let report = run_rank(&spec);
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(())
+}
+
+pub fn run_rank(spec: &RankSpec) -> RankReport {
+    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => return failed(spec.rank, &ClusterError::io("starting runtime", e), 0),
+    };
+    rt.block_on(async {
+        match spec.transport {
+            BenchTransport::Quic => {
+                let id = match NodeIdentity::load(&spec.dir, &node_name(spec.rank)) {
+                    Ok(id) => id,
+                    Err(e) => return failed(spec.rank, &e, 0),
+                };
+                let roster =
+                    spec.addrs.iter().enumerate().map(|(r, a)| PeerInfo { name: node_name(r), addr: *a }).collect();
+                match QuicTransport::connect(&id, spec.rank, roster, spec.config.clone()).await {
+                    Ok(t) => run_mode(Arc::new(t), spec).await,
+                    Err(e) => failed(spec.rank, &e, 0),
+                }
+            }
+            BenchTransport::Local => {
+                match SameHostTransport::connect(&spec.dir, spec.rank, spec.world, spec.config.clone()).await {
+                    Ok(t) => run_mode(Arc::new(t), spec).await,
+                    Err(e) => failed(spec.rank, &e, 0),
+                }
+            }
+        }
+    })
+}
+
+fn failed(rank: usize, e: &ClusterError, after_ms: u64) -> RankReport {
+    RankReport {
+        rank,
+        error: Some(e.to_string()),
+        error_kind: Some(e.kind().into()),
+        failed_after_ms: Some(after_ms),
+        ..Default::default()
+    }
+}
+
+async fn run_mode<T: Transport>(t: Arc<T>, spec: &RankSpec) -> RankReport {
+    let mut c = Communicator::new(t.clone(), 0, 1, CollectiveConfig::from(&spec.config));
+    let rank = spec.rank;
+    let report = match &spec.mode {
+        RankMode::Bench { elems, iters, warmup_iters } => bench(&mut c, rank, *elems, *iters, *warmup_iters).await,
+        RankMode::Check => check(&mut c, rank, spec.world).await,
+        RankMode::Loop { elems, seconds } => run_loop(&mut c, rank, *elems, *seconds).await,
+    };
+    if report.error.is_none() {
+        t.shutdown().await;
+    }
+    report
+}
+
+async fn bench<T: Transport>(
+    c: &mut Communicator<T>,
+    rank: usize,
+    elems: usize,
+    iters: usize,
+    warmup: usize,
+) -> RankReport {
+    let mut data = vec![1f32; elems];
+    let started = Instant::now();
+    let result = async {
+        for _ in 0..warmup {
+            c.all_reduce(&mut data, ReduceOp::Sum).await?;
+        }
+        c.barrier().await?;
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            c.all_reduce(&mut data, ReduceOp::Sum).await?;
+        }
+        Ok::<_, ClusterError>(t0.elapsed().as_secs_f64() / iters.max(1) as f64)
+    }
+    .await;
+    match result {
+        Ok(s) => RankReport { rank, seconds_per_iter: s, iterations: iters, ..Default::default() },
+        Err(e) => failed(rank, &e, started.elapsed().as_millis() as u64),
+    }
+}
+
+/// Small integers: f32 sums of them are exact, so results compare bit for bit.
+fn value(rank: usize, i: usize) -> f32 {
+    ((rank * 31 + i * 7) % 19) as f32 - 9.0
+}
+
+fn expected(n: usize, len: usize, op: ReduceOp) -> Vec<f32> {
+    (0..len)
+        .map(|i| {
+            let col = (0..n).map(|r| value(r, i));
+            match op {
+                ReduceOp::Sum => col.sum(),
+                ReduceOp::Avg => col.sum::<f32>() * (1.0 / n as f32),
+                ReduceOp::Max => col.fold(f32::MIN, f32::max),
+                ReduceOp::Min => col.fold(f32::MAX, f32::min),
+            }
+        })
+        .collect()
+}
+
+async fn check<T: Transport>(c: &mut Communicator<T>, rank: usize, n: usize) -> RankReport {
+    let mut passed = 0;
+    let started = Instant::now();
+    let result: Result<(), ClusterError> = async {
+        let fail = |what: String| ClusterError::InvalidArgument { rank, op: "check", reason: what };
+        for len in [0, 1, n.saturating_sub(1), 37, 300_001] {
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+                let mut data: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
+                c.all_reduce(&mut data, op).await?;
+                if data != expected(n, len, op) {
+                    return Err(fail(format!("all_reduce len {len} {op:?} differs")));
+                }
+                passed += 1;
+            }
+            let mut half: Vec<bf16> = (0..len).map(|i| bf16::from_f32(value(rank, i))).collect();
+            c.all_reduce(&mut half, ReduceOp::Max).await?;
+            if half.iter().map(|v| v.to_f32()).collect::<Vec<_>>() != expected(n, len, ReduceOp::Max) {
+                return Err(fail(format!("bf16 all_reduce len {len} differs")));
+            }
+            let mut b: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
+            c.broadcast(&mut b, n - 1).await?;
+            if b != (0..len).map(|i| value(n - 1, i)).collect::<Vec<_>>() {
+                return Err(fail(format!("broadcast len {len} differs")));
+            }
+            let full = expected(n, len, ReduceOp::Sum);
+            let input: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
+            let mut mine = vec![0f32; chunk_range(len, n, rank).len()];
+            c.reduce_scatter(&input, &mut mine, ReduceOp::Sum).await?;
+            let mut all = vec![0f32; len];
+            c.all_gather(&mine, &mut all).await?;
+            if all != full {
+                return Err(fail(format!("reduce_scatter + all_gather len {len} differs")));
+            }
+            c.barrier().await?;
+            passed += 3;
+        }
+        Ok(())
+    }
+    .await;
+    match result {
+        Ok(()) => RankReport { rank, checks_passed: passed, ..Default::default() },
+        Err(e) => RankReport { checks_passed: passed, ..failed(rank, &e, started.elapsed().as_millis() as u64) },
+    }
+}
+
+async fn run_loop<T: Transport>(c: &mut Communicator<T>, rank: usize, elems: usize, seconds: u64) -> RankReport {
+    let mut data = vec![1f32; elems];
+    let end = Instant::now() + Duration::from_secs(seconds);
+    let mut iterations = 0;
+    while Instant::now() < end {
+        let call = Instant::now();
+        if let Err(e) = c.all_reduce(&mut data, ReduceOp::Sum).await {
+            return RankReport { iterations, ..failed(rank, &e, call.elapsed().as_millis() as u64) };
+        }
+        data.iter_mut().for_each(|v| *v = 1.0);
+        iterations += 1;
+    }
+    RankReport { rank, iterations, ..Default::default() }
+}

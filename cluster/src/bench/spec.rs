@@ -1,0 +1,80 @@
+//! What a launched rank process is told to do (JSON in an environment variable) and what it reports
+//! (one JSON line on stdout).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use super::PeerReport;
+use crate::TransportConfig;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BenchTransport {
+    Quic,
+    Local,
+}
+
+impl std::str::FromStr for BenchTransport {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "quic" => Ok(BenchTransport::Quic),
+            "local" => Ok(BenchTransport::Local),
+            other => Err(format!("unknown transport {other:?}: use quic or local")),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum RankMode {
+    /// Time `iters` all-reduces of `elems` f32 after `warmup_iters`.
+    Bench { elems: usize, iters: usize, warmup_iters: usize },
+    /// Run every collective on known data and check the results.
+    Check,
+    /// All-reduce `elems` repeatedly for up to `seconds` (for kill tests).
+    Loop { elems: usize, seconds: u64 },
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RankSpec {
+    pub rank: usize,
+    pub world: usize,
+    pub transport: BenchTransport,
+    /// Cluster directory (certificates) for QUIC; socket directory for the same-host transport.
+    pub dir: PathBuf,
+    /// Node names are `rank-<i>`.
+    pub addrs: Vec<SocketAddr>,
+    pub config: TransportConfig,
+    pub mode: RankMode,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct RankReport {
+    pub rank: usize,
+    pub seconds_per_iter: f64,
+    pub iterations: usize,
+    /// The error, if the rank failed, and its variant name (e.g. `PeerLost`).
+    pub error: Option<String>,
+    pub error_kind: Option<String>,
+    /// Milliseconds from the start of the failing call to its error.
+    pub failed_after_ms: Option<u64>,
+    pub checks_passed: usize,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct AllreduceReport {
+    pub bench: String,
+    pub transport: BenchTransport,
+    pub world: usize,
+    pub mib: usize,
+    pub iters: usize,
+    pub seconds_per_iter: f64,
+    #[serde(rename = "algbw_GBps")]
+    pub algbw_gbps: f64,
+    #[serde(rename = "busbw_GBps")]
+    pub busbw_gbps: f64,
+    pub peer: Option<PeerReport>,
+    pub ratio_vs_peer: Option<f64>,
+}

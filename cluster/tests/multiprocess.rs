@@ -1,0 +1,80 @@
+//! Separate rank processes (the `troupe-cluster-rank` binary) over real QUIC on loopback and over the
+//! same-host transport: every collective checked against the reference; a SIGKILLed rank makes every
+//! other rank fail with a typed error within the detection timeout, and nobody hangs.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use troupe_cluster::bench::{launch_ranks, BenchTransport, RankMode};
+use troupe_cluster::TransportConfig;
+
+fn exe() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_troupe-cluster-rank"))
+}
+
+fn check(world: usize, transport: BenchTransport) {
+    let launched = launch_ranks(exe(), &[], world, transport, RankMode::Check, TransportConfig::loopback()).unwrap();
+    let reports = launched.wait_all(180_000).unwrap();
+    for r in reports {
+        assert!(r.error.is_none(), "{transport:?} world {world} rank {}: {:?}", r.rank, r.error);
+        assert!(r.checks_passed > 0);
+    }
+}
+
+#[test]
+fn four_ranks_over_quic_run_every_collective_correctly() {
+    check(4, BenchTransport::Quic);
+}
+
+#[test]
+fn two_and_three_ranks_over_quic() {
+    check(2, BenchTransport::Quic);
+    check(3, BenchTransport::Quic);
+}
+
+#[test]
+fn three_ranks_over_the_same_host_transport() {
+    check(3, BenchTransport::Local);
+}
+
+fn sigkill_during_all_reduce(transport: BenchTransport) {
+    let config = TransportConfig::loopback();
+    let detect_ms = config.idle_timeout_ms;
+    let mode = RankMode::Loop { elems: 1 << 18, seconds: 60 };
+    let mut launched = launch_ranks(exe(), &[], 4, transport, mode, config).unwrap();
+    // Let the ranks connect and start all-reducing.
+    std::thread::sleep(Duration::from_millis(3_000));
+    for (r, c) in launched.children.iter_mut().enumerate() {
+        assert!(c.try_wait().unwrap().is_none(), "rank {r} exited before the kill");
+    }
+    launched.children[2].kill().unwrap();
+    let killed_at = Instant::now();
+    // Detection timeout + time for a loaded 2-core machine to schedule the survivors.
+    let deadline = killed_at + Duration::from_millis(detect_ms + 4_000);
+    let mut failures = Vec::new();
+    for (r, c) in launched.children.iter_mut().enumerate() {
+        let report = troupe_cluster::bench::launch::wait_one(r, c, deadline);
+        if r == 2 {
+            continue;
+        }
+        let report = report.unwrap_or_else(|| {
+            let _ = c.kill();
+            panic!("{transport:?}: rank {r} still running {} ms after the kill", killed_at.elapsed().as_millis())
+        });
+        failures.push((r, report.error_kind.clone(), report.error.clone(), killed_at.elapsed()));
+    }
+    for (r, kind, error, after) in failures {
+        assert_eq!(kind.as_deref(), Some("PeerLost"), "{transport:?} rank {r}: {error:?}");
+        eprintln!("{transport:?} rank {r}: {error:?} after {} ms", after.as_millis());
+    }
+}
+
+#[test]
+fn sigkilled_rank_fails_the_others_over_quic_within_the_timeout() {
+    sigkill_during_all_reduce(BenchTransport::Quic);
+}
+
+#[test]
+fn sigkilled_rank_fails_the_others_over_the_same_host_transport() {
+    sigkill_during_all_reduce(BenchTransport::Local);
+}
