@@ -1,8 +1,8 @@
 //! Casts between f32 and the 16-bit float formats, rounding to nearest, ties to even.
 //!
-//! bf16 both ways and f16 → f32 are done here with branch-free integer arithmetic that LLVM vectorizes;
-//! f32 → f16 goes through `half`'s slice conversion, which uses the F16C instructions when the CPU has
-//! them (detected at run time) and a software path otherwise. Both agree bit for bit with `half::bf16::from_f32` / `half::f16::from_f32`
+//! bf16 is done here with integer arithmetic that LLVM vectorizes; f16 goes through `half`'s slice
+//! conversions, which use the F16C instructions when the CPU has them (detected at run time) and a
+//! software path otherwise. Both agree bit for bit with `half::bf16::from_f32` / `half::f16::from_f32`
 //! (tested), and NaNs stay NaN (quieted).
 
 use half::slice::HalfFloatSliceExt;
@@ -22,7 +22,11 @@ fn f32_to_bf16_block(src: &[f32], dst: &mut [bf16]) {
             d[i] = bf16_from_f32_rne(s[i]);
         }
     }
-    for (d, s) in dst_blocks.into_remainder().iter_mut().zip(src_blocks.remainder()) {
+    for (d, s) in dst_blocks
+        .into_remainder()
+        .iter_mut()
+        .zip(src_blocks.remainder())
+    {
         *d = bf16_from_f32_rne(*s);
     }
 }
@@ -35,21 +39,12 @@ fn bf16_to_f32_block(src: &[bf16], dst: &mut [f32]) {
             d[i] = bf16_to_f32_exact(s[i]);
         }
     }
-    for (d, s) in dst_blocks.into_remainder().iter_mut().zip(src_blocks.remainder()) {
+    for (d, s) in dst_blocks
+        .into_remainder()
+        .iter_mut()
+        .zip(src_blocks.remainder())
+    {
         *d = bf16_to_f32_exact(*s);
-    }
-}
-
-fn f16_to_f32_block(src: &[f16], dst: &mut [f32]) {
-    let mut dst_blocks = dst.chunks_exact_mut(UNROLL_ELEMS);
-    let mut src_blocks = src.chunks_exact(UNROLL_ELEMS);
-    for (d, s) in (&mut dst_blocks).zip(&mut src_blocks) {
-        for i in 0..UNROLL_ELEMS {
-            d[i] = f16_to_f32_exact(s[i]);
-        }
-    }
-    for (d, s) in dst_blocks.into_remainder().iter_mut().zip(src_blocks.remainder()) {
-        *d = f16_to_f32_exact(*s);
     }
 }
 
@@ -71,38 +66,21 @@ pub fn bf16_to_f32_exact(x: bf16) -> f32 {
     f32::from_bits(u32::from(x.to_bits()) << 16)
 }
 
-/// The f32 equal to `x`, branch-free so that loops over it vectorize without F16C (every f16 is exactly
-/// an f32; tested against `half` on all 65,536 patterns). After F. Giesen's `half_to_float_fast`:
-/// move exponent and mantissa into place and rebias; inf/NaN get the rest of the f32 exponent range;
-/// subnormals are renormalised by one float subtraction.
-#[inline(always)]
-pub fn f16_to_f32_exact(x: f16) -> f32 {
-    const SHIFTED_EXPONENT: u32 = 0x7c00 << 13;
-    const SUBNORMAL_MAGIC: f32 = f32::from_bits(113 << 23);
-    let h = u32::from(x.to_bits());
-    let magnitude = (h & 0x7fff) << 13;
-    let exponent = magnitude & SHIFTED_EXPONENT;
-    let rebiased = magnitude + ((127 - 15) << 23);
-    let inf_or_nan = rebiased + ((128 - 16) << 23);
-    let subnormal = (f32::from_bits(rebiased + (1 << 23)) - SUBNORMAL_MAGIC).to_bits();
-    let bits = if exponent == SHIFTED_EXPONENT {
-        inf_or_nan
-    } else if exponent == 0 {
-        subnormal
-    } else {
-        rebiased
-    };
-    f32::from_bits(bits | ((h & 0x8000) << 16))
-}
-
 /// `dst[i] = bf16(src[i])`, round to nearest even.
 ///
 /// # Panics
 /// If the lengths differ.
 pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) {
-    assert_eq!(src.len(), dst.len(), "f32_to_bf16: source and destination lengths differ");
+    assert_eq!(
+        src.len(),
+        dst.len(),
+        "f32_to_bf16: source and destination lengths differ"
+    );
     let chunk = chunk_elems(src.len());
-    for_each_part(src.chunks(chunk).zip(dst.chunks_mut(chunk)), |(src, dst)| f32_to_bf16_block(src, dst));
+    for_each_part(
+        src.chunks(chunk).zip(dst.chunks_mut(chunk)),
+        |(src, dst)| f32_to_bf16_block(src, dst),
+    );
 }
 
 /// `dst[i] = f32(src[i])`, exact.
@@ -110,9 +88,16 @@ pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) {
 /// # Panics
 /// If the lengths differ.
 pub fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
-    assert_eq!(src.len(), dst.len(), "bf16_to_f32: source and destination lengths differ");
+    assert_eq!(
+        src.len(),
+        dst.len(),
+        "bf16_to_f32: source and destination lengths differ"
+    );
     let chunk = chunk_elems(src.len());
-    for_each_part(src.chunks(chunk).zip(dst.chunks_mut(chunk)), |(src, dst)| bf16_to_f32_block(src, dst));
+    for_each_part(
+        src.chunks(chunk).zip(dst.chunks_mut(chunk)),
+        |(src, dst)| bf16_to_f32_block(src, dst),
+    );
 }
 
 /// `dst[i] = f16(src[i])`, round to nearest even (overflow gives ±inf, tiny values f16 subnormals).
@@ -120,9 +105,16 @@ pub fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
 /// # Panics
 /// If the lengths differ.
 pub fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
-    assert_eq!(src.len(), dst.len(), "f32_to_f16: source and destination lengths differ");
+    assert_eq!(
+        src.len(),
+        dst.len(),
+        "f32_to_f16: source and destination lengths differ"
+    );
     let chunk = chunk_elems(src.len());
-    for_each_part(src.chunks(chunk).zip(dst.chunks_mut(chunk)), |(src, dst)| dst.convert_from_f32_slice(src));
+    for_each_part(
+        src.chunks(chunk).zip(dst.chunks_mut(chunk)),
+        |(src, dst)| dst.convert_from_f32_slice(src),
+    );
 }
 
 /// `dst[i] = f32(src[i])`, exact.
@@ -130,9 +122,16 @@ pub fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
 /// # Panics
 /// If the lengths differ.
 pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
-    assert_eq!(src.len(), dst.len(), "f16_to_f32: source and destination lengths differ");
+    assert_eq!(
+        src.len(),
+        dst.len(),
+        "f16_to_f32: source and destination lengths differ"
+    );
     let chunk = chunk_elems(src.len());
-    for_each_part(src.chunks(chunk).zip(dst.chunks_mut(chunk)), |(src, dst)| f16_to_f32_block(src, dst));
+    for_each_part(
+        src.chunks(chunk).zip(dst.chunks_mut(chunk)),
+        |(src, dst)| src.convert_to_f32_slice(dst),
+    );
 }
 
 #[cfg(test)]
@@ -143,7 +142,9 @@ mod tests {
 
     /// Every 65,537th f32 bit pattern (65,537 patterns, all exponents, both signs) plus the edges.
     fn sampled_f32_patterns() -> Vec<f32> {
-        let mut xs: Vec<f32> = (0..=u32::MAX / 65_537).map(|i| f32::from_bits(i * 65_537)).collect();
+        let mut xs: Vec<f32> = (0..=u32::MAX / 65_537)
+            .map(|i| f32::from_bits(i * 65_537))
+            .collect();
         xs.extend([
             0.0,
             -0.0,
@@ -182,10 +183,17 @@ mod tests {
         let mut back_h = vec![0.0f32; xs.len()];
         f16_to_f32(&h, &mut back_h);
         for (i, x) in xs.iter().enumerate() {
-            assert!(same_bits_or_both_nan_bf16(b[i], bf16::from_f32(*x)), "bf16({x:e}) = {:#06x}", b[i].to_bits());
+            assert!(
+                same_bits_or_both_nan_bf16(b[i], bf16::from_f32(*x)),
+                "bf16({x:e}) = {:#06x}",
+                b[i].to_bits()
+            );
             assert!(b[i].is_nan() == x.is_nan());
             let want_h = f16::from_f32(*x);
-            assert!(h[i].to_bits() == want_h.to_bits() || (h[i].is_nan() && want_h.is_nan()), "f16({x:e})");
+            assert!(
+                h[i].to_bits() == want_h.to_bits() || (h[i].is_nan() && want_h.is_nan()),
+                "f16({x:e})"
+            );
             assert!(back_b[i].to_bits() == b[i].to_f32().to_bits() || back_b[i].is_nan());
             assert!(back_h[i].to_bits() == h[i].to_f32().to_bits() || back_h[i].is_nan());
         }
@@ -201,7 +209,10 @@ mod tests {
         // 1 + 2^-8 is exactly halfway between bf16 1.0 and 1.0078125: even mantissa is 1.0.
         assert_eq!(bf16_from_f32_rne(1.0 + 2f32.powi(-8)).to_f32(), 1.0);
         // 1.0078125 + 2^-8 is halfway between odd 1.0078125 and even 1.015625: rounds up.
-        assert_eq!(bf16_from_f32_rne(1.0078125 + 2f32.powi(-8)).to_f32(), 1.015625);
+        assert_eq!(
+            bf16_from_f32_rne(1.0078125 + 2f32.powi(-8)).to_f32(),
+            1.015625
+        );
         assert_eq!(bf16_from_f32_rne(f32::MAX).to_f32(), f32::INFINITY);
     }
 
@@ -212,14 +223,22 @@ mod tests {
         let h: Vec<f16> = bits.iter().map(|x| f16::from_bits(*x)).collect();
         let mut wide = vec![0.0f32; bits.len()];
         bf16_to_f32(&b, &mut wide);
-        assert!(wide.iter().zip(&b).all(|(w, x)| w.to_bits() == x.to_f32().to_bits() || (w.is_nan() && x.is_nan())));
+        assert!(wide
+            .iter()
+            .zip(&b)
+            .all(|(w, x)| w.to_bits() == x.to_f32().to_bits() || (w.is_nan() && x.is_nan())));
         f16_to_f32(&h, &mut wide);
-        assert!(wide.iter().zip(&h).all(|(w, x)| w.to_bits() == x.to_f32().to_bits() || (w.is_nan() && x.is_nan())));
+        assert!(wide
+            .iter()
+            .zip(&h)
+            .all(|(w, x)| w.to_bits() == x.to_f32().to_bits() || (w.is_nan() && x.is_nan())));
     }
 
     #[test]
     fn large_buffers_split_across_threads_round_the_same() {
-        let xs: Vec<f32> = (0..PARALLEL_MIN_ELEMS * 2 + 3).map(|i| (i as f32 * 0.37).sin() * 1e3).collect();
+        let xs: Vec<f32> = (0..PARALLEL_MIN_ELEMS * 2 + 3)
+            .map(|i| (i as f32 * 0.37).sin() * 1e3)
+            .collect();
         check_all(&xs);
     }
 
