@@ -22,11 +22,7 @@ fn f32_to_bf16_block(src: &[f32], dst: &mut [bf16]) {
             d[i] = bf16_from_f32_rne(s[i]);
         }
     }
-    for (d, s) in dst_blocks
-        .into_remainder()
-        .iter_mut()
-        .zip(src_blocks.remainder())
-    {
+    for (d, s) in dst_blocks.into_remainder().iter_mut().zip(src_blocks.remainder()) {
         *d = bf16_from_f32_rne(*s);
     }
 }
@@ -39,11 +35,7 @@ fn bf16_to_f32_block(src: &[bf16], dst: &mut [f32]) {
             d[i] = bf16_to_f32_exact(s[i]);
         }
     }
-    for (d, s) in dst_blocks
-        .into_remainder()
-        .iter_mut()
-        .zip(src_blocks.remainder())
-    {
+    for (d, s) in dst_blocks.into_remainder().iter_mut().zip(src_blocks.remainder()) {
         *d = bf16_to_f32_exact(*s);
     }
 }
@@ -66,21 +58,19 @@ pub fn bf16_to_f32_exact(x: bf16) -> f32 {
     f32::from_bits(u32::from(x.to_bits()) << 16)
 }
 
+/// Runs a one-thread cast `block` over the whole buffer, split across threads where it pays.
+fn cast_split<S: Sync, D: Send>(op: &str, src: &[S], dst: &mut [D], block: impl Fn(&[S], &mut [D]) + Sync) {
+    assert_eq!(src.len(), dst.len(), "{op}: source and destination lengths differ");
+    let chunk = chunk_elems(src.len());
+    for_each_part(src.chunks(chunk).zip(dst.chunks_mut(chunk)), |(src, dst)| block(src, dst));
+}
+
 /// `dst[i] = bf16(src[i])`, round to nearest even.
 ///
 /// # Panics
 /// If the lengths differ.
 pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) {
-    assert_eq!(
-        src.len(),
-        dst.len(),
-        "f32_to_bf16: source and destination lengths differ"
-    );
-    let chunk = chunk_elems(src.len());
-    for_each_part(
-        src.chunks(chunk).zip(dst.chunks_mut(chunk)),
-        |(src, dst)| f32_to_bf16_block(src, dst),
-    );
+    cast_split("f32_to_bf16", src, dst, f32_to_bf16_block);
 }
 
 /// `dst[i] = f32(src[i])`, exact.
@@ -88,16 +78,7 @@ pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) {
 /// # Panics
 /// If the lengths differ.
 pub fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
-    assert_eq!(
-        src.len(),
-        dst.len(),
-        "bf16_to_f32: source and destination lengths differ"
-    );
-    let chunk = chunk_elems(src.len());
-    for_each_part(
-        src.chunks(chunk).zip(dst.chunks_mut(chunk)),
-        |(src, dst)| bf16_to_f32_block(src, dst),
-    );
+    cast_split("bf16_to_f32", src, dst, bf16_to_f32_block);
 }
 
 /// `dst[i] = f16(src[i])`, round to nearest even (overflow gives ±inf, tiny values f16 subnormals).
@@ -105,16 +86,7 @@ pub fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
 /// # Panics
 /// If the lengths differ.
 pub fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
-    assert_eq!(
-        src.len(),
-        dst.len(),
-        "f32_to_f16: source and destination lengths differ"
-    );
-    let chunk = chunk_elems(src.len());
-    for_each_part(
-        src.chunks(chunk).zip(dst.chunks_mut(chunk)),
-        |(src, dst)| dst.convert_from_f32_slice(src),
-    );
+    cast_split("f32_to_f16", src, dst, |src, dst| dst.convert_from_f32_slice(src));
 }
 
 /// `dst[i] = f32(src[i])`, exact.
@@ -122,16 +94,7 @@ pub fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
 /// # Panics
 /// If the lengths differ.
 pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
-    assert_eq!(
-        src.len(),
-        dst.len(),
-        "f16_to_f32: source and destination lengths differ"
-    );
-    let chunk = chunk_elems(src.len());
-    for_each_part(
-        src.chunks(chunk).zip(dst.chunks_mut(chunk)),
-        |(src, dst)| src.convert_to_f32_slice(dst),
-    );
+    cast_split("f16_to_f32", src, dst, |src, dst| src.convert_to_f32_slice(dst));
 }
 
 #[cfg(test)]
@@ -142,9 +105,7 @@ mod tests {
 
     /// Every 65,537th f32 bit pattern (65,537 patterns, all exponents, both signs) plus the edges.
     fn sampled_f32_patterns() -> Vec<f32> {
-        let mut xs: Vec<f32> = (0..=u32::MAX / 65_537)
-            .map(|i| f32::from_bits(i * 65_537))
-            .collect();
+        let mut xs: Vec<f32> = (0..=u32::MAX / 65_537).map(|i| f32::from_bits(i * 65_537)).collect();
         xs.extend([
             0.0,
             -0.0,
@@ -183,17 +144,10 @@ mod tests {
         let mut back_h = vec![0.0f32; xs.len()];
         f16_to_f32(&h, &mut back_h);
         for (i, x) in xs.iter().enumerate() {
-            assert!(
-                same_bits_or_both_nan_bf16(b[i], bf16::from_f32(*x)),
-                "bf16({x:e}) = {:#06x}",
-                b[i].to_bits()
-            );
+            assert!(same_bits_or_both_nan_bf16(b[i], bf16::from_f32(*x)), "bf16({x:e}) = {:#06x}", b[i].to_bits());
             assert!(b[i].is_nan() == x.is_nan());
             let want_h = f16::from_f32(*x);
-            assert!(
-                h[i].to_bits() == want_h.to_bits() || (h[i].is_nan() && want_h.is_nan()),
-                "f16({x:e})"
-            );
+            assert!(h[i].to_bits() == want_h.to_bits() || (h[i].is_nan() && want_h.is_nan()), "f16({x:e})");
             assert!(back_b[i].to_bits() == b[i].to_f32().to_bits() || back_b[i].is_nan());
             assert!(back_h[i].to_bits() == h[i].to_f32().to_bits() || back_h[i].is_nan());
         }
@@ -209,10 +163,7 @@ mod tests {
         // 1 + 2^-8 is exactly halfway between bf16 1.0 and 1.0078125: even mantissa is 1.0.
         assert_eq!(bf16_from_f32_rne(1.0 + 2f32.powi(-8)).to_f32(), 1.0);
         // 1.0078125 + 2^-8 is halfway between odd 1.0078125 and even 1.015625: rounds up.
-        assert_eq!(
-            bf16_from_f32_rne(1.0078125 + 2f32.powi(-8)).to_f32(),
-            1.015625
-        );
+        assert_eq!(bf16_from_f32_rne(1.0078125 + 2f32.powi(-8)).to_f32(), 1.015625);
         assert_eq!(bf16_from_f32_rne(f32::MAX).to_f32(), f32::INFINITY);
     }
 
@@ -223,22 +174,14 @@ mod tests {
         let h: Vec<f16> = bits.iter().map(|x| f16::from_bits(*x)).collect();
         let mut wide = vec![0.0f32; bits.len()];
         bf16_to_f32(&b, &mut wide);
-        assert!(wide
-            .iter()
-            .zip(&b)
-            .all(|(w, x)| w.to_bits() == x.to_f32().to_bits() || (w.is_nan() && x.is_nan())));
+        assert!(wide.iter().zip(&b).all(|(w, x)| w.to_bits() == x.to_f32().to_bits() || (w.is_nan() && x.is_nan())));
         f16_to_f32(&h, &mut wide);
-        assert!(wide
-            .iter()
-            .zip(&h)
-            .all(|(w, x)| w.to_bits() == x.to_f32().to_bits() || (w.is_nan() && x.is_nan())));
+        assert!(wide.iter().zip(&h).all(|(w, x)| w.to_bits() == x.to_f32().to_bits() || (w.is_nan() && x.is_nan())));
     }
 
     #[test]
     fn large_buffers_split_across_threads_round_the_same() {
-        let xs: Vec<f32> = (0..PARALLEL_MIN_ELEMS * 2 + 3)
-            .map(|i| (i as f32 * 0.37).sin() * 1e3)
-            .collect();
+        let xs: Vec<f32> = (0..PARALLEL_MIN_ELEMS * 2 + 3).map(|i| (i as f32 * 0.37).sin() * 1e3).collect();
         check_all(&xs);
     }
 

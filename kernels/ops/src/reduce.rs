@@ -31,17 +31,9 @@ pub trait ReduceInput: Copy + Send + Sync {
     #[inline]
     fn reduce_block(acc: &mut [f32], src: &[Self], op: ReduceOp) {
         match op {
-            ReduceOp::Sum | ReduceOp::Avg => {
-                acc.iter_mut().zip(src).for_each(|(a, s)| *a += s.to_f32())
-            }
-            ReduceOp::Max => acc
-                .iter_mut()
-                .zip(src)
-                .for_each(|(a, s)| *a = nan_max(*a, s.to_f32())),
-            ReduceOp::Min => acc
-                .iter_mut()
-                .zip(src)
-                .for_each(|(a, s)| *a = nan_min(*a, s.to_f32())),
+            ReduceOp::Sum | ReduceOp::Avg => acc.iter_mut().zip(src).for_each(|(a, s)| *a += s.to_f32()),
+            ReduceOp::Max => acc.iter_mut().zip(src).for_each(|(a, s)| *a = nan_max(*a, s.to_f32())),
+            ReduceOp::Min => acc.iter_mut().zip(src).for_each(|(a, s)| *a = nan_min(*a, s.to_f32())),
         }
     }
 }
@@ -69,10 +61,7 @@ impl ReduceInput for f16 {
 
     fn reduce_block(acc: &mut [f32], src: &[Self], op: ReduceOp) {
         let mut widened = [0.0f32; WIDEN_BLOCK_ELEMS];
-        for (acc, src) in acc
-            .chunks_mut(WIDEN_BLOCK_ELEMS)
-            .zip(src.chunks(WIDEN_BLOCK_ELEMS))
-        {
+        for (acc, src) in acc.chunks_mut(WIDEN_BLOCK_ELEMS).zip(src.chunks(WIDEN_BLOCK_ELEMS)) {
             let widened = &mut widened[..src.len()];
             src.convert_to_f32_slice(widened);
             f32::reduce_block(acc, widened, op);
@@ -85,25 +74,16 @@ impl ReduceInput for f16 {
 /// # Panics
 /// If the lengths differ: that is a broken plan, not a peer's fault.
 pub fn reduce_into<T: ReduceInput>(acc: &mut [f32], src: &[T], op: ReduceOp) {
-    assert_eq!(
-        acc.len(),
-        src.len(),
-        "reduce_into: accumulator and source lengths differ"
-    );
+    assert_eq!(acc.len(), src.len(), "reduce_into: accumulator and source lengths differ");
     let chunk = chunk_elems(acc.len());
-    for_each_part(
-        acc.chunks_mut(chunk).zip(src.chunks(chunk)),
-        |(acc, src)| T::reduce_block(acc, src, op),
-    );
+    for_each_part(acc.chunks_mut(chunk).zip(src.chunks(chunk)), |(acc, src)| T::reduce_block(acc, src, op));
 }
 
 /// Divides an `Avg` accumulator by the number of contributions (multiplies by its f32 reciprocal).
 pub fn finish_avg(acc: &mut [f32], contributions: usize) {
     let inv = 1.0 / contributions as f32;
     let chunk = chunk_elems(acc.len());
-    for_each_part(acc.chunks_mut(chunk), |acc| {
-        acc.iter_mut().for_each(|a| *a *= inv)
-    });
+    for_each_part(acc.chunks_mut(chunk), |acc| acc.iter_mut().for_each(|a| *a *= inv));
 }
 
 /// The larger of two values, NaN if either is NaN. Written as one unordered compare and a select so
@@ -153,26 +133,13 @@ mod tests {
         reduce_into(&mut got, src, op);
         for (i, ((g, a), s)) in got.iter().zip(acc).zip(src).enumerate() {
             let want = reference(op, *a, s.to_f32());
-            assert!(
-                same(*g, want),
-                "{op:?} at {i}: op({a}, {s:?}) gave {g}, want {want}"
-            );
+            assert!(same(*g, want), "{op:?} at {i}: op({a}, {s:?}) gave {g}, want {want}");
         }
     }
 
     const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
-    const EDGES: [f32; 10] = [
-        0.0,
-        -0.0,
-        1.0,
-        f32::NAN,
-        f32::INFINITY,
-        f32::NEG_INFINITY,
-        1e-45,
-        -1e-40,
-        f32::MAX,
-        f32::MIN_POSITIVE,
-    ];
+    const EDGES: [f32; 10] =
+        [0.0, -0.0, 1.0, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e-45, -1e-40, f32::MAX, f32::MIN_POSITIVE];
 
     #[test]
     fn ops_combine_elementwise() {
@@ -198,23 +165,12 @@ mod tests {
 
     #[test]
     fn every_pair_of_edge_values_matches_the_reference() {
-        let acc: Vec<f32> = EDGES
-            .iter()
-            .flat_map(|a| EDGES.iter().map(move |_| *a))
-            .collect();
+        let acc: Vec<f32> = EDGES.iter().flat_map(|a| EDGES.iter().map(move |_| *a)).collect();
         let src: Vec<f32> = EDGES.iter().flat_map(|_| EDGES.iter().copied()).collect();
         for op in OPS {
             check(op, &acc, &src);
-            check(
-                op,
-                &acc,
-                &src.iter().map(|x| bf16::from_f32(*x)).collect::<Vec<_>>(),
-            );
-            check(
-                op,
-                &acc,
-                &src.iter().map(|x| f16::from_f32(*x)).collect::<Vec<_>>(),
-            );
+            check(op, &acc, &src.iter().map(|x| bf16::from_f32(*x)).collect::<Vec<_>>());
+            check(op, &acc, &src.iter().map(|x| f16::from_f32(*x)).collect::<Vec<_>>());
         }
     }
 
@@ -229,11 +185,7 @@ mod tests {
     #[test]
     fn avg_divides_once() {
         let mut acc = vec![1.0f32, 3.0];
-        reduce_into(
-            &mut acc,
-            &[bf16::from_f32(3.0), bf16::from_f32(5.0)],
-            ReduceOp::Avg,
-        );
+        reduce_into(&mut acc, &[bf16::from_f32(3.0), bf16::from_f32(5.0)], ReduceOp::Avg);
         finish_avg(&mut acc, 2);
         assert_eq!(acc, vec![2.0, 4.0]);
     }
@@ -245,11 +197,7 @@ mod tests {
         let src: Vec<f32> = (0..len).map(|i| ((i * 31) % 89) as f32 * 0.25).collect();
         for op in OPS {
             check(op, &acc, &src);
-            check(
-                op,
-                &acc,
-                &src.iter().map(|x| f16::from_f32(*x)).collect::<Vec<_>>(),
-            );
+            check(op, &acc, &src.iter().map(|x| f16::from_f32(*x)).collect::<Vec<_>>());
         }
         let mut avg = acc.clone();
         finish_avg(&mut avg, 4);
@@ -263,12 +211,7 @@ mod tests {
     }
 
     fn any_op() -> impl Strategy<Value = ReduceOp> {
-        prop_oneof![
-            Just(ReduceOp::Sum),
-            Just(ReduceOp::Avg),
-            Just(ReduceOp::Max),
-            Just(ReduceOp::Min)
-        ]
+        prop_oneof![Just(ReduceOp::Sum), Just(ReduceOp::Avg), Just(ReduceOp::Max), Just(ReduceOp::Min)]
     }
 
     /// Any f32 bit pattern: NaNs, infinities and subnormals included.
