@@ -6,7 +6,7 @@
 //!
 //! Code map: one concept per file — [`reduce`], [`cast`], [`adamw`], [`unscale`], [`norm`],
 //! [`checksum`] are the CPU kernels (plain functions on slices); [`cuda`] is the CUDA backend;
-//! [`backend`] is the enum dispatch over both; [`bench`] measures the CPU kernels against memcpy.
+//! [`backend`] is the enum dispatch over both; [`bench`](mod@bench) measures the CPU kernels against memcpy.
 //!
 //! Invariant: this crate never links libtorch; it builds and tests without it.
 //! Invariant: `unsafe` appears only in [`cuda`].
