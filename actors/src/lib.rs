@@ -1,8 +1,10 @@
 //! troupe-actors: the supervised actors (node, worker, stage, shard owner, job controller), the training
 //! engine, the job API, and the `troupe` command line.
 //!
-//! In this build the engine is the single-process reference trainer of troupe-model; the actor runtime,
-//! remote messaging and the distributed modes land here next (see docs/ARCHITECTURE.md).
+//! In this build: the CLI over the single-process reference trainer, and the data-parallel engine
+//! ([`engine::DataParallelReplica`]) over troupe's collectives; the actor runtime, remote messaging and
+//! the other distributed modes land here next (see docs/ARCHITECTURE.md).
 
 pub mod cli;
+pub mod engine;
 pub mod progress;

@@ -2,6 +2,7 @@
 //! (DESIGN.md §4): one global batch per step, cut into micro-batches whose gradients accumulate, clipped
 //! by global norm, applied by AdamW with warmup + cosine decay.
 
+use std::ops::Range;
 use std::path::Path;
 
 use tch::Tensor;
@@ -76,6 +77,40 @@ impl Trainer {
     pub fn train_step(&mut self) -> StepReport {
         let step = self.step;
         let loss = self.accumulate_gradients(step);
+        self.apply_update(loss)
+    }
+
+    /// Zeroes the gradients, then accumulates those of `step`'s whole global batch. Returns its mean loss.
+    pub fn accumulate_gradients(&mut self, step: u64) -> f64 {
+        self.accumulate_slice(step, 0..self.config.train.global_batch)
+    }
+
+    /// Zeroes the gradients, then accumulates those of samples `slice` of `step`'s global batch, cut into
+    /// micro-batches, each micro-batch's mean loss weighted by its share of the *global* batch. Summing
+    /// the results of slices that partition the batch — over ranks, over micro-batches — gives the
+    /// gradient of the batch's mean loss, whatever the partition. Returns the slice's weighted loss (the
+    /// batch's mean loss when summed likewise).
+    pub fn accumulate_slice(&mut self, step: u64, slice: Range<usize>) -> f64 {
+        for p in self.model.params_mut() {
+            p.zero_grad();
+        }
+        let train = &self.config.train;
+        let global_batch = train.global_batch;
+        let mut loss = 0.0;
+        for micro in micro_batch_ranges(slice, train.micro_batch) {
+            let weight = micro.len() as f64 / global_batch as f64;
+            let (inputs, targets) = self.sampler.batch(step, micro);
+            let micro_loss = self.model.loss(&inputs, &targets);
+            (&micro_loss * weight).backward();
+            loss += micro_loss.double_value(&[]) * weight;
+        }
+        loss
+    }
+
+    /// Finishes the step whose gradients (of the whole global batch) are in place: clip by global norm,
+    /// AdamW at the scheduled rate, advance the step counter.
+    pub fn apply_update(&mut self, loss: f64) -> StepReport {
+        let step = self.step;
         let train = &self.config.train;
         let params = self.model.params_mut();
         let norm = if train.grad_clip > 0.0 { clip_grad_norm(params, train.grad_clip) } else { grad_norm(params) };
@@ -84,26 +119,6 @@ impl Trainer {
         self.step += 1;
         let tokens = (train.global_batch * self.config.model.context) as u64;
         StepReport { step, loss, lr, grad_norm: norm, tokens }
-    }
-
-    /// Zeroes the gradients, then accumulates those of `step`'s global batch over its micro-batches, each
-    /// weighted by its share of the batch, so the result is the gradient of the batch's mean loss whatever
-    /// the split. Returns that mean loss.
-    pub fn accumulate_gradients(&mut self, step: u64) -> f64 {
-        for p in self.model.params_mut() {
-            p.zero_grad();
-        }
-        let train = &self.config.train;
-        let global_batch = train.global_batch;
-        let mut loss = 0.0;
-        for micro in micro_batch_ranges(0..global_batch, train.micro_batch) {
-            let weight = micro.len() as f64 / global_batch as f64;
-            let (inputs, targets) = self.sampler.batch(step, micro);
-            let micro_loss = self.model.loss(&inputs, &targets);
-            (&micro_loss * weight).backward();
-            loss += micro_loss.double_value(&[]) * weight;
-        }
-        loss
     }
 
     /// Mean loss of `batches` fixed evaluation batches (no gradients, no state change).

@@ -1,0 +1,147 @@
+//! DDP as a message flow: each rank computes the gradient of its slice of the global batch (weighted by
+//! the slice's share, so the sum over ranks is the whole batch's gradient), the gradients are summed in
+//! flat buckets with all-reduce, and every rank applies the identical update. Because the all-reduce
+//! gives every rank the same bits, replicas stay bit-identical; and because sampling, weighting and the
+//! update are the reference trainer's own, the run equals the single-process reference within summation
+//! order (the oracle, DESIGN.md §4).
+//!
+//! Not yet: overlapping the all-reduce of a bucket with the rest of backward (tch exposes no per-tensor
+//! hooks; the plan is to run backward block by block) and `no_sync` accumulation across micro-batches —
+//! today each rank accumulates all its micro-batches locally and all-reduces once per step, which is
+//! what `no_sync` achieves.
+
+use std::ops::Range;
+
+use tch::{Kind, Tensor};
+use troupe_cluster::collective::{Collective, Communicator, ReduceOp};
+use troupe_cluster::transport::Transport;
+use troupe_cluster::ClusterError;
+use troupe_model::data::rank_slice;
+use troupe_model::{StepReport, Trainer};
+
+/// DDP's default bucket size (PyTorch uses 25 MB too).
+pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
+
+/// Groups parameters into buckets of at most `bucket_bytes_max` bytes of f32 gradients (a parameter
+/// larger than that gets a bucket of its own), in reverse order — the order backward produces them.
+/// Each bucket is a range of parameter indices.
+pub fn plan_buckets(numels: &[usize], bucket_bytes_max: usize) -> Vec<Range<usize>> {
+    let mut buckets = Vec::new();
+    let mut end = numels.len();
+    while end > 0 {
+        let mut start = end - 1;
+        let mut bytes = numels[start] * 4;
+        while start > 0 && bytes + numels[start - 1] * 4 <= bucket_bytes_max {
+            start -= 1;
+            bytes += numels[start] * 4;
+        }
+        buckets.push(start..end);
+        end = start;
+    }
+    buckets
+}
+
+/// One data-parallel rank: a full replica of the model and optimizer, and a communicator.
+pub struct DataParallelReplica<T: Transport> {
+    trainer: Trainer,
+    comm: Communicator<T>,
+    buckets: Vec<Range<usize>>,
+    flat: Vec<f32>,
+}
+
+impl<T: Transport> DataParallelReplica<T> {
+    /// Wraps a freshly built trainer; rank 0's parameters are broadcast so every replica starts from the
+    /// same bits even if their initialisation differed.
+    pub async fn new(trainer: Trainer, comm: Communicator<T>, bucket_bytes_max: usize) -> Result<Self, ClusterError> {
+        let numels: Vec<usize> = trainer.model.params().iter().map(Tensor::numel).collect();
+        let buckets = plan_buckets(&numels, bucket_bytes_max);
+        let largest = buckets.iter().map(|b| numels[b.clone()].iter().sum::<usize>()).max().unwrap_or(0);
+        let mut replica = Self { trainer, comm, buckets, flat: Vec::with_capacity(largest) };
+        replica.materialise_grads();
+        for i in 0..replica.trainer.model.params().len() {
+            let param = replica.trainer.model.params()[i].detach();
+            replica.flat.clear();
+            replica.flat.resize(param.numel(), 0.0);
+            param.copy_data(&mut replica.flat, param.numel());
+            replica.comm.broadcast(&mut replica.flat, 0).await?;
+            tch::no_grad(|| {
+                replica.trainer.model.params_mut()[i].copy_(&Tensor::from_slice(&replica.flat).view_as(&param))
+            });
+        }
+        Ok(replica)
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    pub fn world(&self) -> usize {
+        self.comm.world()
+    }
+
+    pub fn trainer(&self) -> &Trainer {
+        &self.trainer
+    }
+
+    pub fn buckets(&self) -> &[Range<usize>] {
+        &self.buckets
+    }
+
+    /// One synchronous step: this rank's slice forward/backward, bucketed all-reduce, identical update.
+    pub async fn train_step(&mut self) -> Result<StepReport, ClusterError> {
+        let step = self.trainer.step;
+        let slice = rank_slice(self.trainer.config.train.global_batch, self.rank(), self.world());
+        let local_loss = self.trainer.accumulate_slice(step, slice);
+        for b in 0..self.buckets.len() {
+            self.all_reduce_bucket(self.buckets[b].clone()).await?;
+        }
+        let mut loss = [local_loss as f32];
+        self.comm.all_reduce(&mut loss[..], ReduceOp::Sum).await?;
+        Ok(self.trainer.apply_update(f64::from(loss[0])))
+    }
+
+    async fn all_reduce_bucket(&mut self, bucket: Range<usize>) -> Result<(), ClusterError> {
+        let grads: Vec<Tensor> = self.trainer.model.params()[bucket].iter().map(Tensor::grad).collect();
+        self.flat.clear();
+        for g in &grads {
+            let offset = self.flat.len();
+            self.flat.resize(offset + g.numel(), 0.0);
+            g.copy_data(&mut self.flat[offset..], g.numel());
+        }
+        self.comm.all_reduce(&mut self.flat[..], ReduceOp::Sum).await?;
+        let mut offset = 0;
+        tch::no_grad(|| {
+            for g in &grads {
+                let n = g.numel();
+                let _ = g.shallow_clone().copy_(&Tensor::from_slice(&self.flat[offset..offset + n]).view_as(g));
+                offset += n;
+            }
+        });
+        Ok(())
+    }
+
+    /// Gives every parameter a (zero) gradient tensor, so ranks whose slice of a batch is empty still take
+    /// part in every all-reduce with zeros.
+    fn materialise_grads(&mut self) {
+        let params = self.trainer.model.params();
+        let zero: Tensor = params.iter().map(|p| p.sum(Kind::Float) * 0.0).sum();
+        zero.backward();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_cover_every_parameter_once_in_reverse_order_within_the_limit() {
+        let numels = [10, 300, 5, 5, 1000, 20];
+        let buckets = plan_buckets(&numels, 1200);
+        assert_eq!(buckets, vec![5..6, 4..5, 0..4]);
+        let mut covered: Vec<usize> = buckets.iter().flat_map(|b| b.clone()).collect();
+        covered.sort();
+        assert_eq!(covered, (0..numels.len()).collect::<Vec<_>>());
+        assert_eq!(plan_buckets(&numels, usize::MAX), vec![0..6]);
+        assert_eq!(plan_buckets(&[], 100), Vec::<Range<usize>>::new());
+    }
+}
