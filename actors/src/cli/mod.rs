@@ -1,5 +1,6 @@
 //! `troupe` subcommands. Each lives in its own file with a clap `Args`/`Subcommand` type and a `run`.
 
+mod bench_kernels;
 mod bench_train;
 mod train;
 
@@ -27,6 +28,8 @@ enum Command {
 enum BenchCommand {
     /// Training throughput (tokens/s) and peak memory, optionally beside PyTorch (--peer).
     Train(bench_train::BenchTrainArgs),
+    /// Kernel throughput beside memcpy, and the fused AdamW beside libtorch's.
+    Kernels(bench_kernels::KernelsArgs),
 }
 
 /// Parses the command line and runs it; errors print as `troupe: error: ...` with their causes.
@@ -35,6 +38,7 @@ pub fn main() -> ExitCode {
     let result = match cli.command {
         Command::Train(args) => train::run(args),
         Command::Bench(BenchCommand::Train(args)) => bench_train::run(args),
+        Command::Bench(BenchCommand::Kernels(args)) => bench_kernels::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
