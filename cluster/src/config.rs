@@ -63,6 +63,6 @@ impl Default for TransportConfig {
 impl TransportConfig {
     /// Tuned for ranks on one machine talking over the loopback interface (MTU 65 536).
     pub fn loopback() -> Self {
-        TransportConfig { mtu_upper_bound_bytes: 65_000, ..Self::default() }
+        TransportConfig { mtu_upper_bound_bytes: 32_768, ..Self::default() }
     }
 }

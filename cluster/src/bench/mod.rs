@@ -30,6 +30,9 @@ pub struct AllreduceBench {
     pub rank_timeout_ms: u64,
 }
 
+/// Optional JSON overriding [`crate::TransportConfig`] fields for the benchmark (default: loopback).
+pub const TRANSPORT_CONFIG_ENV: &str = "TROUPE_TRANSPORT_CONFIG";
+
 /// Where the torch venv lives when `TROUPE_TORCH_PYTHON` is not set.
 pub const DEFAULT_TORCH_PYTHON: &str = "/root/.cache/troupe/venv-torch-2.11.0/bin/python";
 
@@ -60,13 +63,12 @@ pub fn run_allreduce_bench(
     let launched =
         launch_ranks(exe, rank_args, bench.world, bench.transport, mode, crate::TransportConfig::loopback())?;
     let reports = launched.wait_all(bench.rank_timeout_ms)?;
-    let mut seconds = 0f64;
-    for r in &reports {
-        if let Some(e) = &r.error {
-            anyhow::bail!("rank {} failed: {e}", r.rank);
-        }
-        seconds = seconds.max(r.seconds_per_iter);
+    let errors: Vec<String> =
+        reports.iter().filter_map(|r| r.error.as_ref().map(|e| format!("rank {}: {e}", r.rank))).collect();
+    if !errors.is_empty() {
+        anyhow::bail!("benchmark failed: {}", errors.join("; "));
     }
+    let seconds = reports.iter().map(|r| r.seconds_per_iter).fold(0f64, f64::max);
     let bytes = elems * 4;
     let busbw = busbw_gbps(bytes, seconds, bench.world);
     let peer = if bench.peer {

@@ -37,7 +37,14 @@ pub fn run_rank(spec: &RankSpec) -> RankReport {
                 let roster =
                     spec.addrs.iter().enumerate().map(|(r, a)| PeerInfo { name: node_name(r), addr: *a }).collect();
                 match QuicTransport::connect(&id, spec.rank, roster, spec.config.clone()).await {
-                    Ok(t) => run_mode(Arc::new(t), spec).await,
+                    Ok(t) => {
+                        let t = Arc::new(t);
+                        let report = run_mode(t.clone(), spec).await;
+                        if let Some(stats) = t.path_stats((spec.rank + 1) % spec.world) {
+                            tracing::info!(rank = spec.rank, %stats, "path to next rank");
+                        }
+                        report
+                    }
                     Err(e) => failed(spec.rank, &e, 0),
                 }
             }

@@ -33,6 +33,8 @@ struct State {
     lost: HashMap<Rank, String>,
     /// Peers that said goodbye.
     departed: HashMap<Rank, ()>,
+    /// Peers that announced they finished (their connection may still carry unread data).
+    finished: std::collections::HashSet<Rank>,
     closed: bool,
 }
 
@@ -113,6 +115,17 @@ impl Mailbox {
                 let _ = w.send(Err(self.lost_error(peer, key.1.epoch, "peer departed")));
             }
         }
+    }
+
+    /// `peer` announced it has finished all its collectives: closing our side is now safe for it.
+    pub fn peer_finished(&self, peer: Rank) {
+        self.lock().finished.insert(peer);
+    }
+
+    /// Whether every peer in `peers` has finished or is gone.
+    pub fn all_finished_or_gone(&self, peers: impl IntoIterator<Item = Rank>) -> bool {
+        let s = self.lock();
+        peers.into_iter().all(|p| s.finished.contains(&p) || s.lost.contains_key(&p) || s.departed.contains_key(&p))
     }
 
     /// Why `peer` was lost, if it was.

@@ -37,6 +37,7 @@ async fn read_stream(
                     return;
                 }
             }
+            Ok(ReadOutcome::Control { message: ControlMessage::Goodbye { .. }, .. }) => mailbox.peer_finished(peer),
             Ok(ReadOutcome::Control { message: ControlMessage::Abort { epoch, seq, reason }, .. }) => {
                 tracing::info!(peer, epoch, seq, %reason, "peer aborted a collective");
             }

@@ -33,6 +33,9 @@ pub struct QuicTransport {
     unacked: Mutex<JoinSet<()>>,
 }
 
+/// How often shutdown checks whether every peer has said goodbye.
+const GOODBYE_POLL_MS: u64 = 5;
+
 /// Pause between dial attempts while a peer is not up yet.
 const DIAL_RETRY_MS: u64 = 50;
 
@@ -90,6 +93,11 @@ impl QuicTransport {
             }
         }
         Ok(QuicTransport { rank, listener, config, unacked: Mutex::new(JoinSet::new()) })
+    }
+
+    /// quinn's path statistics for the connection to `peer` (current MTU, RTT, congestion events).
+    pub fn path_stats(&self, peer: Rank) -> Option<String> {
+        self.listener.connection(peer).map(|c| format!("{:?}", c.stats().path))
     }
 
     pub fn listener(&self) -> &QuicListener {
@@ -164,7 +172,29 @@ impl Transport for QuicTransport {
     async fn shutdown(&self) {
         let mut unacked = std::mem::take(&mut *self.unacked.lock().unwrap_or_else(|p| p.into_inner()));
         let drain = async { while unacked.join_next().await.is_some() {} };
-        let _ = tokio::time::timeout(Duration::from_millis(self.config.connect_timeout_ms), drain).await;
+        let bound = Duration::from_millis(self.config.connect_timeout_ms);
+        let _ = tokio::time::timeout(bound, drain).await;
+        // Closing while a peer still reads our last messages would discard them: announce that we
+        // are finished, and close only once every peer has announced the same (or is gone).
+        let goodbye = frame_control(FrameKind::Control, &ControlMessage::Goodbye { rank: self.rank as u32 });
+        let peers: Vec<Rank> = (0..self.world()).filter(|&p| p != self.rank).collect();
+        for &peer in &peers {
+            if let Some(c) = self.listener.connection(peer) {
+                if let Ok(mut s) = c.open_uni().await {
+                    let _ = s.write_all(&goodbye).await;
+                    let _ = s.finish();
+                }
+            }
+        }
+        let mailbox = self.listener.mailbox().clone();
+        let wait = async {
+            while !mailbox.all_finished_or_gone(peers.iter().copied()) {
+                tokio::time::sleep(Duration::from_millis(GOODBYE_POLL_MS)).await;
+            }
+        };
+        if tokio::time::timeout(bound, wait).await.is_err() {
+            tracing::warn!(rank = self.rank, "peers did not finish within connect_timeout_ms; closing anyway");
+        }
         for peer in 0..self.world() {
             if let Some(c) = self.listener.connection(peer) {
                 c.close(CLOSE_GOODBYE, b"goodbye");

@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""PyTorch Gloo all-reduce, measured the way `troupe bench allreduce` measures itself.
+
+N processes on loopback, an f32 tensor of --mib MiB, --warmup untimed iterations, a barrier, then
+--iters timed all-reduces (sum). Per rank: seconds per iteration; reported: the slowest rank.
+busbw_GBps = bytes / seconds / 1e9 * 2 (n - 1) / n (nccl-tests' definition).
+
+Run with the provisioned torch: /root/.cache/troupe/venv-torch-2.11.0/bin/python gloo_allreduce.py --world 2
+"""
+import argparse
+import json
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_main(rank, world, port, mib, iters, warmup, threads, results):
+    torch.set_num_threads(threads)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    t = torch.ones(mib * (1 << 20) // 4, dtype=torch.float32)
+    for _ in range(warmup):
+        dist.all_reduce(t)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(t)
+    results[rank] = (time.perf_counter() - t0) / max(iters, 1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--mib", type=int, default=64)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.spawn(rank_main, args=(a.world, free_port(), a.mib, a.iters, a.warmup, a.threads, results), nprocs=a.world, join=True)
+    seconds = max(results.values())
+    nbytes = a.mib * (1 << 20)
+    busbw = nbytes / seconds / 1e9 * 2 * (a.world - 1) / a.world if a.world > 1 else 0.0
+    report = {"name": "gloo", "world": a.world, "mib": a.mib, "busbw_GBps": busbw, "seconds_per_iter": seconds}
+    print(json.dumps(report) if a.json else f"gloo world={a.world} {a.mib} MiB: busbw {busbw:.3f} GB/s ({seconds*1e3:.1f} ms/iter)")
+
+
+if __name__ == "__main__":
+    main()
