@@ -19,6 +19,8 @@ use troupe_cluster::ClusterError;
 use troupe_model::data::rank_slice;
 use troupe_model::{StepReport, Trainer};
 
+use super::flat::{append_flat, copy_from_flat};
+
 /// DDP's default bucket size (PyTorch uses 25 MB too).
 pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
 
@@ -57,17 +59,8 @@ impl<T: Transport> DataParallelReplica<T> {
         let buckets = plan_buckets(&numels, bucket_bytes_max);
         let largest = buckets.iter().map(|b| numels[b.clone()].iter().sum::<usize>()).max().unwrap_or(0);
         let mut replica = Self { trainer, comm, buckets, flat: Vec::with_capacity(largest) };
-        replica.materialise_grads();
-        for i in 0..replica.trainer.model.params().len() {
-            let param = replica.trainer.model.params()[i].detach();
-            replica.flat.clear();
-            replica.flat.resize(param.numel(), 0.0);
-            param.copy_data(&mut replica.flat, param.numel());
-            replica.comm.broadcast(&mut replica.flat, 0).await?;
-            tch::no_grad(|| {
-                replica.trainer.model.params_mut()[i].copy_(&Tensor::from_slice(&replica.flat).view_as(&param))
-            });
-        }
+        materialise_grads(&replica.trainer);
+        broadcast_params(&replica.trainer, &mut replica.comm, &mut replica.flat).await?;
         Ok(replica)
     }
 
@@ -103,30 +96,33 @@ impl<T: Transport> DataParallelReplica<T> {
     async fn all_reduce_bucket(&mut self, bucket: Range<usize>) -> Result<(), ClusterError> {
         let grads: Vec<Tensor> = self.trainer.model.params()[bucket].iter().map(Tensor::grad).collect();
         self.flat.clear();
-        for g in &grads {
-            let offset = self.flat.len();
-            self.flat.resize(offset + g.numel(), 0.0);
-            g.copy_data(&mut self.flat[offset..], g.numel());
-        }
+        append_flat(&grads, &mut self.flat);
         self.comm.all_reduce(&mut self.flat[..], ReduceOp::Sum).await?;
-        let mut offset = 0;
-        tch::no_grad(|| {
-            for g in &grads {
-                let n = g.numel();
-                let _ = g.shallow_clone().copy_(&Tensor::from_slice(&self.flat[offset..offset + n]).view_as(g));
-                offset += n;
-            }
-        });
+        copy_from_flat(&grads, &self.flat);
         Ok(())
     }
+}
 
-    /// Gives every parameter a (zero) gradient tensor, so ranks whose slice of a batch is empty still take
-    /// part in every all-reduce with zeros.
-    fn materialise_grads(&mut self) {
-        let params = self.trainer.model.params();
-        let zero: Tensor = params.iter().map(|p| p.sum(Kind::Float) * 0.0).sum();
-        zero.backward();
+/// Overwrites every rank's parameters with rank 0's, one tensor at a time.
+pub(crate) async fn broadcast_params<T: Transport>(
+    trainer: &Trainer,
+    comm: &mut Communicator<T>,
+    flat: &mut Vec<f32>,
+) -> Result<(), ClusterError> {
+    for param in trainer.model.params() {
+        flat.clear();
+        append_flat(std::slice::from_ref(&param.detach()), flat);
+        comm.broadcast(&mut flat[..], 0).await?;
+        copy_from_flat(std::slice::from_ref(param), flat);
     }
+    Ok(())
+}
+
+/// Gives every parameter a (zero) gradient tensor, so ranks whose slice of a batch is empty still take
+/// part in every collective with zeros.
+pub(crate) fn materialise_grads(trainer: &Trainer) {
+    let zero: Tensor = trainer.model.params().iter().map(|p| p.sum(Kind::Float) * 0.0).sum();
+    zero.backward();
 }
 
 #[cfg(test)]

@@ -1,8 +1,12 @@
 //! The training engines: how one rank's share of a step is computed and combined with the others'.
 //!
 //! In this build: [`DataParallelReplica`] (DDP: every rank holds the model, gradients are all-reduced in
-//! buckets through troupe's own collectives). FSDP/ZeRO and pipeline stages land beside it.
+//! buckets through troupe's own collectives) and [`ShardedReplica`] (ZeRO-1/2: optimizer state, and for
+//! ZeRO-2 gradients, sharded across ranks). ZeRO-3 and pipeline stages land beside them.
 
 mod data_parallel;
+mod flat;
+mod sharded;
 
 pub use data_parallel::{plan_buckets, DataParallelReplica, DEFAULT_BUCKET_BYTES};
+pub use sharded::{plan_shard, ShardMode, ShardSegment, ShardedReplica};
