@@ -1,7 +1,9 @@
 //! `troupe` subcommands. Each lives in its own file with a clap `Args`/`Subcommand` type and a `run`.
 
+mod bench_allreduce;
 mod bench_kernels;
 mod bench_train;
+mod cluster;
 mod train;
 
 use std::process::ExitCode;
@@ -22,6 +24,9 @@ enum Command {
     /// Benchmarks that print figures beside a peer measured in the same run.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Cluster identity: a certificate authority and node certificates.
+    #[command(subcommand)]
+    Cluster(cluster::ClusterCommand),
 }
 
 #[derive(Debug, Subcommand)]
@@ -30,6 +35,11 @@ enum BenchCommand {
     Train(bench_train::BenchTrainArgs),
     /// Kernel throughput beside memcpy, and the fused AdamW beside libtorch's.
     Kernels(bench_kernels::KernelsArgs),
+    /// All-reduce bus bandwidth over QUIC or the same-host transport, optionally beside Gloo (--peer).
+    Allreduce(bench_allreduce::AllreduceArgs),
+    /// One rank of `bench allreduce` (started by it).
+    #[command(hide = true)]
+    AllreduceRank,
 }
 
 /// Parses the command line and runs it; errors print as `troupe: error: ...` with their causes.
@@ -39,6 +49,9 @@ pub fn main() -> ExitCode {
         Command::Train(args) => train::run(args),
         Command::Bench(BenchCommand::Train(args)) => bench_train::run(args),
         Command::Bench(BenchCommand::Kernels(args)) => bench_kernels::run(args),
+        Command::Bench(BenchCommand::Allreduce(args)) => bench_allreduce::run(args),
+        Command::Bench(BenchCommand::AllreduceRank) => bench_allreduce::run_rank(),
+        Command::Cluster(command) => cluster::run(command),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
