@@ -30,6 +30,9 @@ pub struct AllreduceBench {
     pub rank_timeout_ms: u64,
 }
 
+/// QUIC idle timeout used by the benchmark unless overridden.
+pub const BENCH_IDLE_TIMEOUT_MS: u64 = 10_000;
+
 /// Optional JSON overriding [`crate::TransportConfig`] fields for the benchmark (default: loopback).
 pub const TRANSPORT_CONFIG_ENV: &str = "TROUPE_TRANSPORT_CONFIG";
 

@@ -13,7 +13,10 @@ pub enum Dtype {
     F16,
 }
 
-pub trait Element: ReduceInput + bytemuck::Pod + Send + Sync + std::fmt::Debug + 'static {
+/// `NcclType` lets the NCCL backend move the same element types on the GPU.
+pub trait Element:
+    ReduceInput + bytemuck::Pod + cudarc::nccl::NcclType + Send + Sync + std::fmt::Debug + 'static
+{
     const DTYPE: Dtype;
     const BYTES: usize = std::mem::size_of::<Self>();
     fn from_f32(v: f32) -> Self;

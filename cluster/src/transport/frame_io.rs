@@ -39,7 +39,7 @@ async fn read_header<R: AsyncRead + Unpin>(r: &mut R, first: bool) -> Result<Opt
     let mut buf = [0u8; HEADER_BYTES];
     let mut filled = 0;
     while filled < HEADER_BYTES {
-        let n = r.read(&mut buf[filled..]).await.map_err(|e| WireError::Protocol(format!("read: {e}")))?;
+        let n = r.read(&mut buf[filled..]).await.map_err(|e| WireError::Stream(format!("{e} ({e:?})")))?;
         if n == 0 {
             if filled == 0 && first {
                 return Ok(None);
@@ -57,7 +57,7 @@ async fn read_payload<R: AsyncRead + Unpin>(r: &mut R, length: u32) -> Result<By
     let length = length as usize;
     let mut buf = Vec::with_capacity(length.min(INITIAL_PAYLOAD_CAPACITY_BYTES));
     let got =
-        r.take(length as u64).read_to_end(&mut buf).await.map_err(|e| WireError::Protocol(format!("read: {e}")))?;
+        r.take(length as u64).read_to_end(&mut buf).await.map_err(|e| WireError::Stream(format!("{e} ({e:?})")))?;
     if got < length {
         return Err(WireError::Truncated { needed: length, available: got });
     }

@@ -58,6 +58,10 @@ async fn serve(mut reader: tokio::net::unix::OwnedReadHalf, peer: Rank, mailbox:
                 mailbox.peer_lost(peer, "socket closed without goodbye".into());
                 return;
             }
+            Err(WireError::Stream(reason)) => {
+                mailbox.peer_lost(peer, reason);
+                return;
+            }
             Err(e) => e,
         };
         tracing::warn!(peer, reason = %err, "closing same-host connection: bad frame");

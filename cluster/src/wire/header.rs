@@ -84,6 +84,9 @@ impl FrameHeader {
             return Err(WireError::BadChecksum { stated, computed });
         }
         let kind = FrameKind::from_u8(b[5])?;
+        if b[10] != 0 || b[11] != 0 {
+            return Err(WireError::Protocol("reserved header bytes are not zero".into()));
+        }
         let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
         let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));

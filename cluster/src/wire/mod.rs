@@ -33,6 +33,9 @@ pub enum WireError {
     Truncated { needed: usize, available: usize },
     #[error("bad control message: {0}")]
     BadControl(String),
+    /// The stream or connection failed underneath (not the peer's frame's fault).
+    #[error("stream failed: {0}")]
+    Stream(String),
     #[error("protocol violation: {0}")]
     Protocol(String),
 }

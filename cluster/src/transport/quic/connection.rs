@@ -45,6 +45,8 @@ async fn read_stream(
                 refuse(&conn, &mailbox, peer, &WireError::Protocol(format!("unexpected control message {message:?}")));
                 return;
             }
+            // The connection itself failed: `serve_connection` reports the loss.
+            Err(WireError::Stream(_)) => return,
             Err(e) => {
                 refuse(&conn, &mailbox, peer, &e);
                 return;

@@ -14,13 +14,6 @@ use crate::{ClusterError, TransportConfig};
 /// loaded host), how soon discovery may try large packets again (quinn's default is a minute).
 const MTU_BLACK_HOLE_COOLDOWN_MS: u64 = 2_000;
 
-/// A packet is declared lost this many RTTs after a later one was acknowledged (quinn: 9/8). On a
-/// loaded host the loopback RTT is ~1 ms and scheduling jitter alone exceeds 9/8 of it, so the
-/// default declares spurious losses that collapse the congestion window.
-const LOSS_TIME_THRESHOLD_RTTS: f32 = 4.0;
-/// Reordering tolerated before a packet is declared lost (quinn: 3).
-const LOSS_PACKET_THRESHOLD: u32 = 32;
-
 pub fn quinn_transport_config(cfg: &TransportConfig) -> Result<quinn::TransportConfig, ClusterError> {
     let mut t = quinn::TransportConfig::default();
     let idle = IdleTimeout::try_from(Duration::from_millis(cfg.idle_timeout_ms))
@@ -32,9 +25,7 @@ pub fn quinn_transport_config(cfg: &TransportConfig) -> Result<quinn::TransportC
         .send_window(cfg.send_window_bytes)
         .max_concurrent_uni_streams(VarInt::from_u32(cfg.concurrent_streams_max))
         .max_concurrent_bidi_streams(VarInt::from_u32(0))
-        .enable_segmentation_offload(true)
-        .time_threshold(LOSS_TIME_THRESHOLD_RTTS)
-        .packet_threshold(LOSS_PACKET_THRESHOLD);
+        .enable_segmentation_offload(true);
     let mut mtu = MtuDiscoveryConfig::default();
     mtu.upper_bound(cfg.mtu_upper_bound_bytes).black_hole_cooldown(Duration::from_millis(MTU_BLACK_HOLE_COOLDOWN_MS));
     t.mtu_discovery_config(Some(mtu));

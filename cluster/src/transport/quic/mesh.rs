@@ -152,7 +152,7 @@ impl Transport for QuicTransport {
         let mut chunks = frame_message(tag, payload, self.config.frame_bytes_max)
             .map_err(|source| ClusterError::Wire { rank: self.rank, peer: to, source })?;
         let mut stream = conn.open_uni().await.map_err(|e| lost(e.to_string()))?;
-        stream.write_all_chunks(&mut chunks).await.map_err(|e| lost(e.to_string()))?;
+        stream.write_all_chunks(&mut chunks).await.map_err(|e| lost(format!("{e}: {e:?}")))?;
         stream.finish().map_err(|e| lost(e.to_string()))?;
         let acked = stream.stopped();
         self.unacked.lock().unwrap_or_else(|p| p.into_inner()).spawn(async move {
