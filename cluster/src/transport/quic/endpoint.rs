@@ -7,6 +7,7 @@ use std::time::Duration;
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{EndpointConfig, IdleTimeout, MtuDiscoveryConfig, VarInt};
 
+use super::gso::GsoSplitSocket;
 use crate::identity::{client_config, server_config, NodeIdentity};
 use crate::{ClusterError, TransportConfig};
 
@@ -64,8 +65,11 @@ pub fn bind_endpoint(
         .max_udp_payload_size(cfg.mtu_upper_bound_bytes.max(1200))
         .map_err(|e| ClusterError::Tls(format!("mtu_upper_bound_bytes: {e}")))?;
     let socket = udp_socket(addr, cfg.socket_buffer_bytes)?;
-    let mut endpoint = quinn::Endpoint::new(endpoint_cfg, Some(server), socket, Arc::new(quinn::TokioRuntime))
-        .map_err(|e| ClusterError::io(format!("starting QUIC endpoint on {addr}"), e))?;
+    let runtime: Arc<dyn quinn::Runtime> = Arc::new(quinn::TokioRuntime);
+    let start_err = |e| ClusterError::io(format!("starting QUIC endpoint on {addr}"), e);
+    let socket = GsoSplitSocket::new(runtime.wrap_udp_socket(socket).map_err(start_err)?);
+    let mut endpoint =
+        quinn::Endpoint::new_with_abstract_socket(endpoint_cfg, Some(server), socket, runtime).map_err(start_err)?;
     endpoint.set_default_client_config(client);
     Ok(endpoint)
 }

@@ -4,6 +4,7 @@
 
 mod connection;
 mod endpoint;
+mod gso;
 mod listener;
 mod mesh;
 
