@@ -131,9 +131,12 @@ mod tests {
 
     #[test]
     fn buckets_cover_every_parameter_once_in_reverse_order_within_the_limit() {
+        // Gradient bytes: 40, 1200, 20, 20, 4000, 80.
         let numels = [10, 300, 5, 5, 1000, 20];
+        assert_eq!(plan_buckets(&numels, 4800), vec![2..6, 0..2]);
+        // A parameter over the limit gets a bucket of its own; one exactly at the limit fits alone.
         let buckets = plan_buckets(&numels, 1200);
-        assert_eq!(buckets, vec![5..6, 4..5, 0..4]);
+        assert_eq!(buckets, vec![5..6, 4..5, 2..4, 1..2, 0..1]);
         let mut covered: Vec<usize> = buckets.iter().flat_map(|b| b.clone()).collect();
         covered.sort();
         assert_eq!(covered, (0..numels.len()).collect::<Vec<_>>());
