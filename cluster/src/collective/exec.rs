@@ -40,11 +40,9 @@ fn apply<E: Element>(dst: &mut [f32], src: &[E], combine: Combine, op: ReduceOp)
     }
 }
 
-fn read_unaligned<E: Element>(bytes: &[u8]) -> Vec<E> {
-    bytes.chunks_exact(E::BYTES).map(bytemuck::pod_read_unaligned::<E>).collect()
-}
-
 /// Applies a received payload to `dst`, segment by segment, without copying aligned segments.
+/// Segments may end mid-element (QUIC delivers the chunks it received): the split element is
+/// carried over, and a misaligned segment goes through a small reused scratch buffer.
 fn apply_payload<E: Element>(
     rank: Rank,
     from: Rank,
@@ -58,22 +56,40 @@ fn apply_payload<E: Element>(
     if got != expected {
         return Err(ClusterError::LengthMismatch { rank, op: ctx.op_name, peer: from, got, expected });
     }
-    if payload.segments.iter().any(|s| s.len() % E::BYTES != 0) {
-        let joined = payload.to_vec();
-        let src = read_unaligned::<E>(&joined);
-        apply(dst, &src, combine, ctx.op);
-        return Ok(());
-    }
     let mut at = 0;
+    let mut carry = [0u8; 16];
+    let mut carried = 0;
+    let mut scratch: Vec<E> = Vec::new();
     for seg in &payload.segments {
-        let k = seg.len() / E::BYTES;
+        let mut s: &[u8] = seg;
+        if carried > 0 {
+            let take = (E::BYTES - carried).min(s.len());
+            carry[carried..carried + take].copy_from_slice(&s[..take]);
+            carried += take;
+            s = &s[take..];
+            if carried < E::BYTES {
+                continue;
+            }
+            let v = bytemuck::pod_read_unaligned::<E>(&carry[..E::BYTES]);
+            apply(&mut dst[at..at + 1], std::slice::from_ref(&v), combine, ctx.op);
+            at += 1;
+        }
+        let k = s.len() / E::BYTES;
+        let (body, rest) = s.split_at(k * E::BYTES);
         let out = &mut dst[at..at + k];
-        match bytemuck::try_cast_slice::<u8, E>(seg) {
+        match bytemuck::try_cast_slice::<u8, E>(body) {
             Ok(src) => apply(out, src, combine, ctx.op),
-            Err(_) => apply(out, &read_unaligned::<E>(seg), combine, ctx.op),
+            Err(_) => {
+                scratch.clear();
+                scratch.extend(body.chunks_exact(E::BYTES).map(bytemuck::pod_read_unaligned::<E>));
+                apply(out, &scratch, combine, ctx.op);
+            }
         }
         at += k;
+        carry[..rest.len()].copy_from_slice(rest);
+        carried = rest.len();
     }
+    debug_assert!(at == dst.len() && carried == 0);
     Ok(())
 }
 
@@ -119,4 +135,46 @@ pub async fn execute<T: Transport, E: Element>(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use half::bf16;
+
+    use super::*;
+
+    fn ctx(op: ReduceOp) -> ExecContext {
+        ExecContext { op, contributions: 2, tag: Tag::default(), timeout_ms: 1, op_name: "test" }
+    }
+
+    /// Cuts `bytes` at the given offsets (into segments that split elements, some empty).
+    fn cut(bytes: &[u8], at: &[usize]) -> Payload {
+        let b = Bytes::copy_from_slice(bytes);
+        let mut bounds = vec![0];
+        bounds.extend(at.iter().copied());
+        bounds.push(bytes.len());
+        Payload { segments: bounds.windows(2).map(|w| b.slice(w[0]..w[1])).collect() }
+    }
+
+    #[test]
+    fn segments_that_split_elements_reduce_like_one_segment() {
+        let src: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 - 7.0).collect();
+        let bytes: Vec<u8> = bytemuck::cast_slice(&src).to_vec();
+        let base: Vec<f32> = (0..1000).map(|i| (i % 13) as f32).collect();
+        let want: Vec<f32> = base.iter().zip(&src).map(|(a, b)| a + b).collect();
+        for at in [vec![1], vec![3, 5, 5, 6], vec![1001, 2002, 3999], vec![7, 13, 2049, 2050, 3998]] {
+            let mut dst = base.clone();
+            apply_payload::<f32>(0, 1, &ctx(ReduceOp::Sum), &mut dst, &cut(&bytes, &at), Combine::Reduce).unwrap();
+            assert_eq!(dst, want, "cut at {at:?}");
+            let mut dst = vec![0f32; 1000];
+            apply_payload::<f32>(0, 1, &ctx(ReduceOp::Sum), &mut dst, &cut(&bytes, &at), Combine::Copy).unwrap();
+            assert_eq!(dst, src, "copy cut at {at:?}");
+        }
+        let half: Vec<bf16> = src.iter().map(|&v| bf16::from_f32(v)).collect();
+        let bytes: Vec<u8> = bytemuck::cast_slice(&half).to_vec();
+        let mut dst = vec![0f32; 1000];
+        apply_payload::<bf16>(0, 1, &ctx(ReduceOp::Max), &mut dst, &cut(&bytes, &[1, 2, 999, 1001]), Combine::Copy)
+            .unwrap();
+        assert_eq!(dst, half.iter().map(|v| v.to_f32()).collect::<Vec<_>>());
+    }
 }

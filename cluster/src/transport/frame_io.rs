@@ -3,6 +3,7 @@
 //! by `frame_bytes_max`; a stated length alone never sizes an allocation.
 
 use bytes::Bytes;
+use futures::future::BoxFuture;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::Payload;
@@ -64,8 +65,30 @@ async fn read_payload<R: AsyncRead + Unpin>(r: &mut R, length: u32) -> Result<By
     Ok(Bytes::from(buf))
 }
 
+/// Reads exactly `length` payload bytes as one or more segments.
+pub type SegmentReader<R> = for<'a> fn(&'a mut R, u32) -> BoxFuture<'a, Result<Vec<Bytes>, WireError>>;
+
+fn read_one_segment<R: AsyncRead + Unpin + Send>(
+    r: &mut R,
+    length: u32,
+) -> BoxFuture<'_, Result<Vec<Bytes>, WireError>> {
+    Box::pin(async move { Ok(vec![read_payload(r, length).await?]) })
+}
+
 /// Reads the next message. Control messages are single-frame and at most `MESSAGE_BYTES_MAX`.
-pub async fn read_message<R: AsyncRead + Unpin>(r: &mut R, limits: FrameLimits) -> Result<ReadOutcome, WireError> {
+pub async fn read_message<R: AsyncRead + Unpin + Send>(
+    r: &mut R,
+    limits: FrameLimits,
+) -> Result<ReadOutcome, WireError> {
+    read_message_with(r, limits, read_one_segment::<R>).await
+}
+
+/// [`read_message`] with the payload bytes read by `segments` (e.g. zero-copy chunks of a QUIC stream).
+pub async fn read_message_with<R: AsyncRead + Unpin>(
+    r: &mut R,
+    limits: FrameLimits,
+    segments: SegmentReader<R>,
+) -> Result<ReadOutcome, WireError> {
     let Some(head) = read_header(r, true).await? else {
         return Ok(ReadOutcome::End);
     };
@@ -80,11 +103,10 @@ pub async fn read_message<R: AsyncRead + Unpin>(r: &mut R, limits: FrameLimits) 
                 first.length, first.part_count
             )));
         }
-        let body = read_payload(r, first.length).await?;
+        let body = segments(r, first.length).await?.concat();
         return Ok(ReadOutcome::Control { kind: first.kind, message: ControlMessage::decode(&body)? });
     }
-    let mut segments = Vec::with_capacity(first.part_count as usize);
-    segments.push(read_payload(r, first.length).await?);
+    let mut parts = segments(r, first.length).await?;
     for index in 1..first.part_count {
         let head = read_header(r, false).await?.expect("not first");
         let h = FrameHeader::decode(&head, limits.frame_bytes_max, limits.message_frames_max)?;
@@ -92,9 +114,9 @@ pub async fn read_message<R: AsyncRead + Unpin>(r: &mut R, limits: FrameLimits) 
         {
             return Err(WireError::Protocol(format!("frame {h:?} interrupts message {:?} at part {index}", first.tag)));
         }
-        segments.push(read_payload(r, h.length).await?);
+        parts.extend(segments(r, h.length).await?);
     }
-    Ok(ReadOutcome::Data { tag: first.tag, payload: Payload { segments } })
+    Ok(ReadOutcome::Data { tag: first.tag, payload: Payload { segments: parts } })
 }
 
 /// Splits a message into frames of at most `frame_bytes_max` bytes (rounded down to a multiple of 8 so

@@ -16,7 +16,10 @@ use std::future::Future;
 
 use bytes::Bytes;
 
-pub use frame_io::{frame_control, frame_message, read_message, write_chunks, FrameLimits, ReadOutcome};
+pub use frame_io::{
+    frame_control, frame_message, read_message, read_message_with, write_chunks, FrameLimits, ReadOutcome,
+    SegmentReader,
+};
 pub use mailbox::{LossScope, Mailbox};
 
 use crate::error::Rank;

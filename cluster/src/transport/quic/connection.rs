@@ -3,10 +3,12 @@
 
 use std::sync::Arc;
 
+use bytes::Bytes;
+use futures::future::BoxFuture;
 use quinn::{ConnectionError, VarInt};
 
 use crate::error::Rank;
-use crate::transport::{read_message, FrameLimits, Mailbox, ReadOutcome};
+use crate::transport::{read_message_with, FrameLimits, Mailbox, ReadOutcome};
 use crate::wire::{ControlMessage, WireError};
 
 /// Application close code for a graceful departure.
@@ -21,6 +23,26 @@ fn refuse(conn: &quinn::Connection, mailbox: &Mailbox, peer: Rank, err: &WireErr
     conn.close(CLOSE_PROTOCOL, &reason.as_bytes()[..reason.len().min(512)]);
 }
 
+/// Payload bytes as the chunks quinn already holds (no copy, no reassembly buffer).
+pub(super) fn read_chunks(stream: &mut quinn::RecvStream, length: u32) -> BoxFuture<'_, Result<Vec<Bytes>, WireError>> {
+    Box::pin(async move {
+        let length = length as usize;
+        let mut left = length;
+        let mut out = Vec::new();
+        while left > 0 {
+            match stream.read_chunk(left, true).await {
+                Ok(Some(chunk)) => {
+                    left -= chunk.bytes.len();
+                    out.push(chunk.bytes);
+                }
+                Ok(None) => return Err(WireError::Truncated { needed: length, available: length - left }),
+                Err(e) => return Err(WireError::Stream(format!("{e} ({e:?})"))),
+            }
+        }
+        Ok(out)
+    })
+}
+
 async fn read_stream(
     conn: quinn::Connection,
     mut stream: quinn::RecvStream,
@@ -29,7 +51,7 @@ async fn read_stream(
     limits: FrameLimits,
 ) {
     loop {
-        match read_message(&mut stream, limits).await {
+        match read_message_with(&mut stream, limits, read_chunks).await {
             Ok(ReadOutcome::End) => return,
             Ok(ReadOutcome::Data { tag, payload }) => {
                 if let Err(e) = mailbox.deliver(peer, tag, payload) {
