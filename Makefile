@@ -33,8 +33,11 @@ build: provision
 demo: build
 	target/release/troupe train --steps $(DEMO_STEPS)
 
+TEST_LOG := $(TROUPE_CACHE)/last-test.log
+
 test: provision
-	$(CARGO) test --release --locked --workspace --no-fail-fast
+	@set -o pipefail; ( $(CARGO) test --release --locked --workspace --no-fail-fast ) 2>&1 | tee $(TEST_LOG); \
+		status=$$?; scripts/test-summary.sh $(TEST_LOG); exit $$status
 
 bench-train: build
 	target/release/troupe bench train --world 1 --steps 20 --peer --json
