@@ -61,8 +61,10 @@ impl Default for TransportConfig {
 }
 
 impl TransportConfig {
-    /// Tuned for ranks on one machine talking over the loopback interface (MTU 65 536).
+    /// Tuned for ranks on one machine talking over the loopback interface (MTU 65 536): QUIC packets
+    /// of up to 65 000 bytes (under the 65 507-byte UDP payload limit of IPv4), so that per-packet
+    /// costs (crypto setup, headers, syscalls) are paid ~45× less often than at 1 452.
     pub fn loopback() -> Self {
-        TransportConfig { mtu_upper_bound_bytes: 32_768, ..Self::default() }
+        TransportConfig { mtu_upper_bound_bytes: 65_000, ..Self::default() }
     }
 }
