@@ -23,7 +23,11 @@ pub fn run_rank_from_env() -> anyhow::Result<()> {
 }
 
 pub fn run_rank(spec: &RankSpec) -> RankReport {
-    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+    // One runtime worker per core this rank can have to itself: with more ranks than cores, extra
+    // workers only add cross-thread wake-ups (measured on 2 cores, n=2 and 4: ~20 % more busbw with 1).
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let workers = (cores / spec.world.max(1)).clamp(1, 4);
+    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => return failed(spec.rank, &ClusterError::io("starting runtime", e), 0),
     };
