@@ -61,7 +61,14 @@ pub fn run(args: AllreduceArgs) -> anyhow::Result<()> {
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        println!("all-reduce {} MiB f32, {} ranks over {:?}: busbw {:.3} GB/s ({:.1} ms/iter)", report.mib, report.world, report.transport, report.busbw_gbps, report.seconds_per_iter * 1e3);
+        println!(
+            "all-reduce {} MiB f32, {} ranks over {:?}: busbw {:.3} GB/s ({:.1} ms/iter)",
+            report.mib,
+            report.world,
+            report.transport,
+            report.busbw_gbps,
+            report.seconds_per_iter * 1e3
+        );
         if let (Some(p), Some(r)) = (&report.peer, report.ratio_vs_peer) {
             println!("  {} busbw {:.3} GB/s -> ratio {:.2}x", p.name, p.busbw_gbps, r);
         }

@@ -26,11 +26,13 @@ pub enum ClusterCommand {
 pub fn run(cmd: ClusterCommand) -> anyhow::Result<()> {
     match cmd {
         ClusterCommand::Init { dir } => {
-            troupe_cluster::init_cluster(&dir).with_context(|| format!("creating a cluster CA in {}", dir.display()))?;
+            troupe_cluster::init_cluster(&dir)
+                .with_context(|| format!("creating a cluster CA in {}", dir.display()))?;
             println!("cluster CA created in {} (keep ca.key.pem private)", dir.display());
         }
         ClusterCommand::AddNode { name, dir } => {
-            troupe_cluster::add_node(&name, &dir).with_context(|| format!("issuing a certificate for {name:?} from {}", dir.display()))?;
+            troupe_cluster::add_node(&name, &dir)
+                .with_context(|| format!("issuing a certificate for {name:?} from {}", dir.display()))?;
             println!("node {name} certificate written to {}", dir.join("nodes").display());
         }
     }
