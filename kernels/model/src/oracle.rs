@@ -88,7 +88,7 @@ mod tests {
             specs.iter().map(|s| Tensor::ones(s.shape.as_slice(), (Kind::Float, tch::Device::Cpu))).collect();
         let bias = specs.iter().position(|s| s.name.ends_with("c_attn.bias")).unwrap();
 
-        let mut actual: Vec<Tensor> = reference.iter().map(Tensor::copy).collect();
+        let actual: Vec<Tensor> = reference.iter().map(Tensor::copy).collect();
         let _ = actual[bias].narrow(0, 256, 256).fill_(7.0); // the key third
         let same = compare_params(&specs, &actual, &reference);
         assert_eq!(same.worst, 0.0);

@@ -23,6 +23,7 @@ pub mod cpu_parallel;
 pub mod cuda;
 pub mod error;
 pub mod norm;
+pub mod partition;
 pub mod reduce;
 pub mod unscale;
 
@@ -33,5 +34,6 @@ pub use checksum::{checksum64, Checksum64Stream};
 pub use cpu_parallel::{cpu_threads, set_cpu_threads};
 pub use error::KernelError;
 pub use norm::l2_norm;
+pub use partition::balanced_range;
 pub use reduce::{finish_avg, reduce_into, ReduceInput, ReduceOp};
 pub use unscale::unscale_grads;

@@ -86,10 +86,7 @@ impl GlobalSampler {
 /// The contiguous slice of a global batch that data-parallel rank `rank` of `ranks` takes: sizes differ by
 /// at most one, the first `global_batch % ranks` ranks taking the larger share.
 pub fn rank_slice(global_batch: usize, rank: usize, ranks: usize) -> Range<usize> {
-    assert!(rank < ranks, "rank {rank} of {ranks}");
-    let (base, extra) = (global_batch / ranks, global_batch % ranks);
-    let start = rank * base + rank.min(extra);
-    start..start + base + usize::from(rank < extra)
+    troupe_kernels::balanced_range(global_batch, ranks, rank)
 }
 
 /// Cuts a rank's slice into micro-batches of `micro_batch` samples (the last may be smaller).
