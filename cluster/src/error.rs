@@ -18,6 +18,12 @@ pub enum ClusterError {
     #[error("rank {rank}: connecting to peer {peer} at {addr}: {reason}")]
     Connect { rank: Rank, peer: Rank, addr: String, reason: String },
 
+    #[error("node {node}: dialing {addr}: {reason}")]
+    Dial { node: String, addr: String, reason: String },
+
+    #[error("node {node}: sending to peer {peer}: {reason}")]
+    SendTo { node: String, peer: String, reason: String },
+
     #[error("rank {rank}: peer {peer} lost (epoch {epoch}): {reason}")]
     PeerLost { rank: Rank, peer: Rank, epoch: u64, reason: String },
 
@@ -56,6 +62,8 @@ impl ClusterError {
             ClusterError::Identity { .. } => "Identity",
             ClusterError::Tls(_) => "Tls",
             ClusterError::Connect { .. } => "Connect",
+            ClusterError::Dial { .. } => "Dial",
+            ClusterError::SendTo { .. } => "SendTo",
             ClusterError::PeerLost { .. } => "PeerLost",
             ClusterError::Timeout { .. } => "Timeout",
             ClusterError::Wire { .. } => "Wire",

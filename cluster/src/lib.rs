@@ -7,6 +7,7 @@
 pub mod bench;
 pub mod collective;
 pub mod config;
+pub mod control;
 pub mod error;
 pub mod identity;
 pub mod membership;

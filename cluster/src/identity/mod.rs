@@ -6,4 +6,4 @@ mod files;
 mod tls;
 
 pub use files::{add_node, init_cluster, validate_node_name, NodeIdentity};
-pub use tls::{client_config, server_config, verify_peer_name};
+pub use tls::{client_config, server_config, server_verifier, verify_peer_name};

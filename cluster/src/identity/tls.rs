@@ -41,13 +41,18 @@ pub fn server_config(id: &NodeIdentity) -> Result<rustls::ServerConfig, ClusterE
     Ok(cfg)
 }
 
+/// Checks a server's certificate chain against the cluster CA and its name against the name dialed.
+pub fn server_verifier(id: &NodeIdentity) -> Result<Arc<WebPkiServerVerifier>, ClusterError> {
+    WebPkiServerVerifier::builder_with_provider(roots(id)?, provider())
+        .build()
+        .map_err(|e| ClusterError::Tls(e.to_string()))
+}
+
 /// Client side: presents this node's certificate, and checks the server's against the cluster CA and
 /// the server name dialed.
 pub fn client_config(id: &NodeIdentity) -> Result<rustls::ClientConfig, ClusterError> {
     let tls = |e: rustls::Error| ClusterError::Tls(e.to_string());
-    let verifier = WebPkiServerVerifier::builder_with_provider(roots(id)?, provider())
-        .build()
-        .map_err(|e| ClusterError::Tls(e.to_string()))?;
+    let verifier = server_verifier(id)?;
     let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls)?

@@ -17,6 +17,18 @@ pub enum ControlMessage {
     Goodbye { rank: u32 },
     /// A rank abandons the collective `seq` of `epoch` (e.g. it lost another peer).
     Abort { epoch: u64, seq: u64, reason: String },
+    /// The control plane's first frame on each side's stream: the sender's node name and role. As
+    /// with `Hello`, the name is checked against the sender's certificate, never trusted alone.
+    Introduce { node: String, role: PeerRole },
+}
+
+/// What kind of process speaks on a control-plane connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum PeerRole {
+    /// A daemon: a member of the cluster.
+    Node,
+    /// A command-line client talking to a daemon; never a member.
+    Client,
 }
 
 impl ControlMessage {

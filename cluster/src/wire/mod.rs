@@ -10,7 +10,7 @@ mod message;
 pub use checksum::crc32;
 pub use decode::{decode_frames, DecodedFrame};
 pub use header::{FrameHeader, FrameKind, Tag, HEADER_BYTES, MAGIC, VERSION};
-pub use message::{ControlMessage, MESSAGE_BYTES_MAX};
+pub use message::{ControlMessage, PeerRole, MESSAGE_BYTES_MAX};
 
 /// Why a frame was refused. Any of these closes the connection it arrived on.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

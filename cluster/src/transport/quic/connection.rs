@@ -6,6 +6,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use quinn::{ConnectionError, VarInt};
+use rustls::pki_types::CertificateDer;
 
 use crate::error::Rank;
 use crate::transport::{read_message_with, FrameLimits, Mailbox, ReadOutcome};
@@ -15,6 +16,11 @@ use crate::wire::{ControlMessage, WireError};
 pub const CLOSE_GOODBYE: VarInt = VarInt::from_u32(0);
 /// Application close code for a protocol violation by the peer.
 pub const CLOSE_PROTOCOL: VarInt = VarInt::from_u32(1);
+
+/// The certificate chain the peer presented (verified against the cluster CA during the handshake).
+pub fn peer_certificates(conn: &quinn::Connection) -> Option<Vec<CertificateDer<'static>>> {
+    conn.peer_identity().and_then(|any| any.downcast::<Vec<CertificateDer<'static>>>().ok()).map(|b| *b)
+}
 
 fn refuse(conn: &quinn::Connection, mailbox: &Mailbox, peer: Rank, err: &WireError) {
     tracing::warn!(peer, reason = %err, "closing connection: bad frame");

@@ -2,29 +2,19 @@
 //! ones); then the first stream must carry a `Hello` whose claimed rank's roster name matches the name
 //! in the certificate. Every refusal is logged with its reason and kept (bounded) for inspection.
 
-use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use rustls::pki_types::CertificateDer;
 use tokio::sync::Notify;
 
-use super::connection::{serve_connection, CLOSE_PROTOCOL};
+use super::connection::{peer_certificates, serve_connection, CLOSE_PROTOCOL};
 use super::mesh::PeerInfo;
+use super::refusal::RefusalLog;
 use crate::error::Rank;
 use crate::identity::verify_peer_name;
 use crate::transport::{read_message, FrameLimits, Mailbox, ReadOutcome};
 use crate::wire::{ControlMessage, FrameKind};
-
-/// Refusals remembered for inspection (older ones are dropped; all are logged).
-const REFUSALS_KEPT_MAX: usize = 256;
-
-#[derive(Clone, Debug)]
-pub struct Refusal {
-    pub remote: SocketAddr,
-    pub reason: String,
-}
 
 pub(super) struct Shared {
     pub rank: Rank,
@@ -34,17 +24,13 @@ pub(super) struct Shared {
     pub hello_timeout_ms: u64,
     pub conns: Mutex<Vec<Option<quinn::Connection>>>,
     pub connected: Notify,
-    pub refusals: Mutex<VecDeque<Refusal>>,
+    pub refusals: RefusalLog,
 }
 
 impl Shared {
     fn refuse(&self, remote: SocketAddr, reason: String) {
         tracing::warn!(rank = self.rank, %remote, %reason, "refused connection");
-        let mut r = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
-        if r.len() == REFUSALS_KEPT_MAX {
-            r.pop_front();
-        }
-        r.push_back(Refusal { remote, reason });
+        self.refusals.record(remote, reason);
     }
 
     /// Records `conn` as the connection to `peer` and starts serving it. Refuses a second one.
@@ -82,11 +68,7 @@ impl Shared {
     }
 
     async fn check_hello(&self, conn: &quinn::Connection) -> Result<Rank, String> {
-        let certs: Vec<CertificateDer<'static>> = conn
-            .peer_identity()
-            .and_then(|any| any.downcast::<Vec<CertificateDer<'static>>>().ok())
-            .map(|b| *b)
-            .ok_or("peer presented no certificate")?;
+        let certs = peer_certificates(conn).ok_or("peer presented no certificate")?;
         let first = async {
             let mut stream = conn.accept_uni().await.map_err(|e| format!("no hello stream: {e}"))?;
             read_message(&mut stream, self.limits).await.map_err(|e| format!("bad hello frame: {e}"))
@@ -138,7 +120,7 @@ impl QuicListener {
             hello_timeout_ms,
             conns: Mutex::new(vec![None; world]),
             connected: Notify::new(),
-            refusals: Mutex::new(VecDeque::new()),
+            refusals: RefusalLog::default(),
         });
         let accept = shared.clone();
         let ep = endpoint.clone();
@@ -154,8 +136,8 @@ impl QuicListener {
         &self.shared.mailbox
     }
 
-    pub fn refusals(&self) -> Vec<Refusal> {
-        self.shared.refusals.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned().collect()
+    pub fn refusals(&self) -> Vec<super::Refusal> {
+        self.shared.refusals.list()
     }
 
     pub fn connection(&self, peer: Rank) -> Option<quinn::Connection> {

@@ -7,8 +7,10 @@ mod endpoint;
 mod gso;
 mod listener;
 mod mesh;
+mod refusal;
 
-pub use connection::{serve_connection, CLOSE_GOODBYE, CLOSE_PROTOCOL};
+pub use connection::{peer_certificates, serve_connection, CLOSE_GOODBYE, CLOSE_PROTOCOL};
 pub use endpoint::{bind_endpoint, quinn_transport_config};
-pub use listener::{QuicListener, Refusal};
+pub use listener::QuicListener;
 pub use mesh::{PeerInfo, QuicTransport};
+pub use refusal::{Refusal, RefusalLog, REFUSALS_KEPT_MAX};
