@@ -5,6 +5,9 @@
 //! ([`engine::DataParallelReplica`]) over troupe's collectives; the actor runtime, remote messaging and
 //! the other distributed modes land here next (see docs/ARCHITECTURE.md).
 
+pub mod api;
 pub mod cli;
+pub mod daemon;
 pub mod engine;
 pub mod progress;
+pub mod runtime;

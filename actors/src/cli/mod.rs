@@ -3,8 +3,11 @@
 mod bench_allreduce;
 mod bench_kernels;
 mod bench_train;
+mod client;
 mod cluster;
+mod daemon;
 mod train;
+mod train_cluster;
 
 use std::process::ExitCode;
 
@@ -27,6 +30,13 @@ enum Command {
     /// Cluster identity: a certificate authority and node certificates.
     #[command(subcommand)]
     Cluster(cluster::ClusterCommand),
+    /// Run this machine's node of a cluster.
+    Daemon(daemon::DaemonArgs),
+    /// Members, epoch, slots and jobs of a running cluster.
+    Status(client::StatusArgs),
+    /// Submit, inspect and cancel jobs on a running cluster.
+    #[command(subcommand)]
+    Job(client::JobCommand),
 }
 
 #[derive(Debug, Subcommand)]
@@ -52,6 +62,9 @@ pub fn main() -> ExitCode {
         Command::Bench(BenchCommand::Allreduce(args)) => bench_allreduce::run(args),
         Command::Bench(BenchCommand::AllreduceRank) => bench_allreduce::run_rank(),
         Command::Cluster(command) => cluster::run(command),
+        Command::Daemon(args) => daemon::run(args),
+        Command::Status(args) => client::status(args),
+        Command::Job(command) => client::job(command),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -53,6 +53,12 @@ pub struct TrainArgs {
     /// Address of a running cluster (without it: an embedded local cluster).
     #[arg(long, value_name = "ADDR")]
     pub cluster: Option<String>,
+    /// With --cluster: the cluster directory holding the certificate to present.
+    #[arg(long, value_name = "DIR")]
+    pub certs: Option<PathBuf>,
+    /// With --cluster: the name of that certificate (`troupe cluster add-node NAME`).
+    #[arg(long = "as", value_name = "NAME")]
+    pub name: Option<String>,
     /// One JSON object per line on stdout instead of text.
     #[arg(long)]
     pub json: bool,
@@ -101,8 +107,13 @@ impl TrainArgs {
         }
         checkpoint.every_steps = self.checkpoint_every.unwrap_or(checkpoint.every_steps);
         config.validate()?;
-        if self.cluster.is_some() {
-            bail!("--cluster: submitting to a running cluster is not available yet in this build of troupe (it lands with the actor runtime); run without --cluster to train locally");
+        let (nodes, dp) = (config.parallel.nodes, config.parallel.dp);
+        if self.cluster.is_none() && dp > nodes {
+            bail!("--dp {dp} needs at least {dp} ranks, and --nodes {nodes} gives {nodes} (one slot each); raise --nodes or lower --dp");
+        }
+        let distributed = self.cluster.is_some() || nodes > 1;
+        if distributed && (self.resume.is_some() || config.checkpoint.dir.is_some()) {
+            bail!("--resume / --checkpoint-dir are not available on a cluster yet in this build of troupe (they land with the checkpoint issue); train with --nodes 1 to use them");
         }
         Ok(config)
     }
@@ -110,6 +121,9 @@ impl TrainArgs {
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let config = args.job_config()?;
+    if args.cluster.is_some() || config.parallel.nodes > 1 {
+        return super::train_cluster::run(args, config);
+    }
     let threads = configure_torch_threads(config.train.torch_threads, 1);
     let mut trainer = match &args.resume {
         Some(path) => Trainer::resume(config.clone(), &resolve_resume(path)?)?,

@@ -55,13 +55,53 @@ impl<T: Transport> DataParallelReplica<T> {
     /// Wraps a freshly built trainer; rank 0's parameters are broadcast so every replica starts from the
     /// same bits even if their initialisation differed.
     pub async fn new(trainer: Trainer, comm: Communicator<T>, bucket_bytes_max: usize) -> Result<Self, ClusterError> {
+        let mut replica = Self::without_sync(trainer, comm, bucket_bytes_max);
+        broadcast_params(&replica.trainer, &mut replica.comm, &mut replica.flat).await?;
+        Ok(replica)
+    }
+
+    /// Wraps a trainer whose state the caller knows to equal every other rank's (or will make equal with
+    /// [`Self::sync_state_from`]).
+    pub fn without_sync(trainer: Trainer, comm: Communicator<T>, bucket_bytes_max: usize) -> Self {
         let numels: Vec<usize> = trainer.model.params().iter().map(Tensor::numel).collect();
         let buckets = plan_buckets(&numels, bucket_bytes_max);
         let largest = buckets.iter().map(|b| numels[b.clone()].iter().sum::<usize>()).max().unwrap_or(0);
-        let mut replica = Self { trainer, comm, buckets, flat: Vec::with_capacity(largest) };
+        let replica = Self { trainer, comm, buckets, flat: Vec::with_capacity(largest) };
         materialise_grads(&replica.trainer);
-        broadcast_params(&replica.trainer, &mut replica.comm, &mut replica.flat).await?;
-        Ok(replica)
+        replica
+    }
+
+    /// Makes every rank's whole training state — parameters, AdamW moments and step counters — equal to
+    /// rank `source`'s: how a joiner or a replacement catches up with the survivors.
+    pub async fn sync_state_from(&mut self, source: usize) -> Result<(), ClusterError> {
+        // Counters travel as 24-bit halves, each exact in an f32.
+        let split = |v: u64| [(v >> 24) as f32, (v & 0xFF_FFFF) as f32];
+        let join = |hi: f32, lo: f32| ((hi as u64) << 24) | lo as u64;
+        let (step, opt) = (split(self.trainer.step), split(self.trainer.optimizer.step));
+        let mut counters = [step[0], step[1], opt[0], opt[1]];
+        self.comm.broadcast(&mut counters[..], source).await?;
+        let (model, optimizer) = (&self.trainer.model, &self.trainer.optimizer);
+        let tensors: Vec<Tensor> = model
+            .params()
+            .iter()
+            .chain(&optimizer.exp_avg)
+            .chain(&optimizer.exp_avg_sq)
+            .map(Tensor::shallow_clone)
+            .collect();
+        for tensor in tensors {
+            self.flat.clear();
+            append_flat(std::slice::from_ref(&tensor.detach()), &mut self.flat);
+            self.comm.broadcast(&mut self.flat[..], source).await?;
+            copy_from_flat(std::slice::from_ref(&tensor), &self.flat);
+        }
+        self.trainer.step = join(counters[0], counters[1]);
+        self.trainer.optimizer.step = join(counters[2], counters[3]);
+        Ok(())
+    }
+
+    /// Gives the trainer back (its state is the last committed step's).
+    pub fn into_trainer(self) -> Trainer {
+        self.trainer
     }
 
     pub fn rank(&self) -> usize {
@@ -82,6 +122,13 @@ impl<T: Transport> DataParallelReplica<T> {
 
     /// One synchronous step: this rank's slice forward/backward, bucketed all-reduce, identical update.
     pub async fn train_step(&mut self) -> Result<StepReport, ClusterError> {
+        let loss = self.reduce_gradients().await?;
+        Ok(self.apply_update(loss))
+    }
+
+    /// The first half of a step: this rank's slice forward/backward and the bucketed all-reduce. Returns
+    /// the batch's mean loss. Nothing is applied: dropping the gradients now abandons the step cleanly.
+    pub async fn reduce_gradients(&mut self) -> Result<f64, ClusterError> {
         let step = self.trainer.step;
         let slice = rank_slice(self.trainer.config.train.global_batch, self.rank(), self.world());
         let local_loss = self.trainer.accumulate_slice(step, slice);
@@ -90,7 +137,12 @@ impl<T: Transport> DataParallelReplica<T> {
         }
         let mut loss = [local_loss as f32];
         self.comm.all_reduce(&mut loss[..], ReduceOp::Sum).await?;
-        Ok(self.trainer.apply_update(f64::from(loss[0])))
+        Ok(f64::from(loss[0]))
+    }
+
+    /// The second half, once the step is committed: the identical update on every rank.
+    pub fn apply_update(&mut self, loss: f64) -> StepReport {
+        self.trainer.apply_update(loss)
     }
 
     async fn all_reduce_bucket(&mut self, bucket: Range<usize>) -> Result<(), ClusterError> {

@@ -122,8 +122,14 @@ pub struct CheckpointConfig {
     pub keep_last: usize,
 }
 
-/// The parallel layout. Only the single-process layout is available in this build; the other values
-/// are parsed so that a config written for a later build fails with a clear message, not silently.
+/// Most daemons of an embedded local cluster (`--nodes`).
+pub const NODES_MAX: usize = 64;
+/// Most data-parallel ranks.
+pub const RANKS_MAX: usize = 4096;
+
+/// The parallel layout. Data parallelism (DDP) over `nodes` daemons is available in this build; the
+/// other values are parsed so that a config written for a later build fails with a clear message, not
+/// silently. `dp = 0` (the default) means every slot the cluster offers.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ParallelConfig {
@@ -141,7 +147,7 @@ impl Default for ParallelConfig {
     fn default() -> Self {
         Self {
             nodes: 1,
-            dp: 1,
+            dp: 0,
             pp: 1,
             shard: "none".into(),
             schedule: "1f1b".into(),
@@ -230,11 +236,11 @@ impl ParallelConfig {
     fn validate(&self) -> Result<(), ConfigError> {
         const TRACKING: &str = "distributed training lands with the actor runtime, DP/FSDP and pipeline issues";
         let not_yet = |what, default| Err(ConfigError::NotYetAvailable { what, default, tracking: TRACKING });
-        if self.nodes != 1 {
-            return not_yet("--nodes / parallel.nodes > 1", "1");
+        if !(1..=NODES_MAX).contains(&self.nodes) {
+            return Err(invalid("parallel.nodes", self.nodes, format!("must be in 1..={NODES_MAX}")));
         }
-        if self.dp != 1 {
-            return not_yet("--dp / parallel.dp > 1", "1");
+        if self.dp > RANKS_MAX {
+            return Err(invalid("parallel.dp", self.dp, format!("must be 0 (every slot) or at most {RANKS_MAX}")));
         }
         if self.pp != 1 {
             return not_yet("--pp / parallel.pp > 1", "1");
@@ -312,7 +318,8 @@ mod tests {
             ("[data]\nkind = \"text\"\n", &["data.path", "must name the file"]),
             ("[data]\nkind = \"parquet\"\n", &["unknown variant `parquet`", "synthetic"]),
             ("[parallel]\nshard = \"zero4\"\n", &["parallel.shard", "none, zero1, zero2, zero3"]),
-            ("[parallel]\ndp = 2\n", &["not available yet", "--dp"]),
+            ("[parallel]\npp = 2\n", &["not available yet", "--pp"]),
+            ("[parallel]\nnodes = 0\n", &["parallel.nodes", "1..=64"]),
             ("[train]\nsteps = \"many\"\n", &["invalid type", "steps"]),
         ];
         for (toml, needles) in cases {

@@ -48,6 +48,18 @@ impl QuicTransport {
         config: TransportConfig,
     ) -> Result<Self, ClusterError> {
         let endpoint = bind_endpoint(id, roster[rank].addr, &config)?;
+        Self::connect_on(id, endpoint, rank, roster, config).await
+    }
+
+    /// Like [`Self::connect`], on an endpoint already bound (with [`bind_endpoint`]) at `roster[rank].addr`
+    /// — how a rank that bound port 0 and announced the port it got joins the mesh.
+    pub async fn connect_on(
+        id: &NodeIdentity,
+        endpoint: quinn::Endpoint,
+        rank: Rank,
+        roster: Vec<PeerInfo>,
+        config: TransportConfig,
+    ) -> Result<Self, ClusterError> {
         let mailbox = Arc::new(Mailbox::new(rank, config.unmatched_messages_max));
         let listener = QuicListener::start(
             endpoint.clone(),

@@ -1,0 +1,197 @@
+//! Talking to a cluster as a client: requests and their replies, and a job's event stream.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context};
+use tokio::sync::mpsc::UnboundedReceiver;
+use troupe_cluster::control::{ControlEndpoint, ControlEvent, PeerRole};
+use troupe_cluster::{NodeIdentity, TransportConfig};
+
+use super::Job;
+use crate::runtime::protocol::{ClusterStatus, JobEvent, JobId, JobInfo, Wire};
+
+/// How long a request waits for its reply.
+const REPLY_TIMEOUT_MS: u64 = 30_000;
+/// Redirects followed before giving up (a node names the controller; the controller answers).
+const REDIRECTS_MAX: usize = 3;
+
+/// A connection to one daemon of a cluster, authenticated with a certificate from the cluster CA.
+pub struct Client {
+    endpoint: ControlEndpoint,
+    events: UnboundedReceiver<ControlEvent>,
+    identity: NodeIdentity,
+    peer: String,
+    addr: SocketAddr,
+    /// Job events that arrived while waiting for a reply.
+    pending: VecDeque<(JobId, JobEvent)>,
+}
+
+impl Client {
+    /// Connects to the daemon at `addr` with `identity` (any certificate issued by the cluster CA, e.g.
+    /// `troupe cluster add-node admin`).
+    pub async fn connect(addr: SocketAddr, identity: &NodeIdentity) -> anyhow::Result<Client> {
+        let local: SocketAddr = if addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().expect("valid");
+        let config =
+            TransportConfig { idle_timeout_ms: 10_000, keep_alive_interval_ms: 1_000, ..TransportConfig::default() };
+        let (endpoint, events) = ControlEndpoint::bind(identity, local, PeerRole::Client, &config)?;
+        let peer = endpoint.connect(addr).await.with_context(|| {
+            format!("connecting to the troupe daemon at {addr} (is it running? is the address right?)")
+        })?;
+        Ok(Client { endpoint, events, identity: identity.clone(), peer, addr, pending: VecDeque::new() })
+    }
+
+    /// The daemon this client talks to.
+    pub fn peer(&self) -> (&str, SocketAddr) {
+        (&self.peer, self.addr)
+    }
+
+    async fn request(&mut self, msg: Wire) -> anyhow::Result<Wire> {
+        self.endpoint.send(&self.peer, 0, msg.encode()).await.with_context(|| format!("sending to {}", self.addr))?;
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(REPLY_TIMEOUT_MS);
+        loop {
+            let event = tokio::time::timeout_at(deadline, self.events.recv())
+                .await
+                .map_err(|_| anyhow!("no reply from {} within {REPLY_TIMEOUT_MS} ms", self.addr))?;
+            match event {
+                Some(ControlEvent::Message { body, .. }) => match Wire::decode(&body).map_err(|e| anyhow!(e))? {
+                    Wire::Event { job, event } => self.pending.push_back((job, event)),
+                    Wire::Error { message } => bail!("{message}"),
+                    reply => return Ok(reply),
+                },
+                Some(ControlEvent::Lost { reason, .. }) => bail!("lost the connection to {}: {reason}", self.addr),
+                Some(ControlEvent::Departed { .. }) => bail!("{} closed the connection", self.addr),
+                Some(ControlEvent::Connected { .. }) => {}
+                None => bail!("the client endpoint closed"),
+            }
+        }
+    }
+
+    /// Sends `msg`; if the daemon is not the controller, reconnects to the controller and asks again.
+    async fn request_controller(&mut self, msg: Wire) -> anyhow::Result<Wire> {
+        for _ in 0..REDIRECTS_MAX {
+            match self.request(msg.clone()).await? {
+                Wire::Redirect { leader } => {
+                    let next = Client::connect(leader, &self.identity).await?;
+                    self.endpoint.close().await;
+                    *self = next;
+                }
+                reply => return Ok(reply),
+            }
+        }
+        bail!("too many redirects from {}", self.addr)
+    }
+
+    pub async fn status(&mut self) -> anyhow::Result<ClusterStatus> {
+        match self.request(Wire::StatusRequest).await? {
+            Wire::Status(s) => Ok(*s),
+            other => bail!("unexpected reply {other:?}"),
+        }
+    }
+
+    /// Submits `job`; the handle streams its events from now on.
+    pub async fn submit(mut self, job: Job) -> anyhow::Result<JobHandle> {
+        let spec = Box::new(job.into_spec());
+        match self.request_controller(Wire::Submit { spec }).await? {
+            Wire::Submitted { job } => Ok(JobHandle { id: job, client: self, done: false }),
+            other => bail!("unexpected reply {other:?}"),
+        }
+    }
+
+    pub async fn job_status(&mut self, job: JobId) -> anyhow::Result<JobInfo> {
+        match self.request_controller(Wire::JobStatusRequest { job }).await? {
+            Wire::JobStatus(info) => Ok(*info),
+            other => bail!("unexpected reply {other:?}"),
+        }
+    }
+
+    pub async fn cancel(&mut self, job: JobId) -> anyhow::Result<JobInfo> {
+        match self.request_controller(Wire::Cancel { job }).await? {
+            Wire::JobStatus(info) => Ok(*info),
+            other => bail!("unexpected reply {other:?}"),
+        }
+    }
+
+    /// Follows a job submitted elsewhere (events from now on).
+    pub async fn watch(mut self, job: JobId) -> anyhow::Result<JobHandle> {
+        match self.request_controller(Wire::Watch { job }).await? {
+            Wire::JobStatus(info) => {
+                let done = info.state.is_terminal();
+                Ok(JobHandle { id: job, client: self, done })
+            }
+            other => bail!("unexpected reply {other:?}"),
+        }
+    }
+
+    pub async fn close(self) {
+        self.endpoint.close().await;
+    }
+}
+
+/// A submitted job: its events, and cancellation.
+pub struct JobHandle {
+    id: JobId,
+    client: Client,
+    done: bool,
+}
+
+impl JobHandle {
+    pub fn id(&self) -> JobId {
+        self.id
+    }
+
+    /// The next event; `Ok(None)` after the terminal one (finished, failed, cancelled).
+    pub async fn next_event(&mut self) -> anyhow::Result<Option<JobEvent>> {
+        if self.done {
+            return Ok(None);
+        }
+        let id = self.id;
+        let event = loop {
+            if let Some(pos) = self.client.pending.iter().position(|(job, _)| *job == id) {
+                break self.client.pending.remove(pos).expect("found").1;
+            }
+            match self.client.events.recv().await {
+                Some(ControlEvent::Message { body, .. }) => {
+                    if let Ok(Wire::Event { job, event }) = Wire::decode(&body) {
+                        self.client.pending.push_back((job, event));
+                    }
+                }
+                Some(ControlEvent::Lost { reason, .. }) => {
+                    bail!("lost the connection to the controller {}: {reason}", self.client.addr)
+                }
+                Some(ControlEvent::Departed { .. }) => bail!("the controller {} went away", self.client.addr),
+                Some(ControlEvent::Connected { .. }) => {}
+                None => bail!("the client endpoint closed"),
+            }
+        };
+        self.done = event.is_terminal();
+        Ok(Some(event))
+    }
+
+    /// Asks the controller to cancel the job; a `Cancelled` event follows.
+    pub async fn cancel(&mut self) -> anyhow::Result<()> {
+        self.client.cancel(self.id).await.map(|_| ())
+    }
+
+    pub async fn status(&mut self) -> anyhow::Result<JobInfo> {
+        self.client.job_status(self.id).await
+    }
+
+    /// Consumes events until the terminal one and returns it with the step events seen.
+    pub async fn wait(mut self) -> anyhow::Result<(JobEvent, Vec<JobEvent>)> {
+        let mut seen = Vec::new();
+        while let Some(event) = self.next_event().await? {
+            if event.is_terminal() {
+                self.client.close().await;
+                return Ok((event, seen));
+            }
+            seen.push(event);
+        }
+        bail!("job {} was already over when watched", self.id)
+    }
+
+    pub async fn close(self) {
+        self.client.close().await;
+    }
+}

@@ -1,0 +1,74 @@
+//! Building a job.
+
+use std::path::PathBuf;
+
+use troupe_model::config::JobConfig;
+
+use crate::runtime::protocol::JobSpec;
+
+/// A job under construction. Every setter returns the job, so they chain.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Job {
+    spec: JobSpec,
+}
+
+impl Job {
+    /// A job training `config` (see `troupe_model::config::JobConfig`; its `[parallel]` section is the
+    /// layout).
+    pub fn new(config: JobConfig) -> Self {
+        Job { spec: JobSpec { config, name: "job".into(), min_ranks: 1, max_ranks: 0, save_final: None } }
+    }
+
+    /// gpt-tiny on the built-in synthetic corpus.
+    pub fn gpt_tiny() -> Self {
+        Self::new(JobConfig::default())
+    }
+
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.spec.name = name.into();
+        self
+    }
+
+    pub fn steps(mut self, steps: u64) -> Self {
+        self.spec.config.train.steps = steps;
+        self
+    }
+
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.spec.config.train.seed = seed;
+        self
+    }
+
+    /// Data-parallel layout: `dp` ranks (0: every slot the cluster offers), sharding mode.
+    pub fn data_parallel(mut self, dp: usize, shard: &str) -> Self {
+        self.spec.config.parallel.dp = dp;
+        self.spec.config.parallel.shard = shard.into();
+        self
+    }
+
+    /// Elasticity: run while at least `min` ranks are available (pause below), use at most `max`
+    /// (0: all).
+    pub fn elastic(mut self, min: usize, max: usize) -> Self {
+        self.spec.min_ranks = min;
+        self.spec.max_ranks = max;
+        self
+    }
+
+    /// Rank 0 writes the final parameters to `path` (on its machine).
+    pub fn save_final(mut self, path: impl Into<PathBuf>) -> Self {
+        self.spec.save_final = Some(path.into());
+        self
+    }
+
+    pub fn config_mut(&mut self) -> &mut JobConfig {
+        &mut self.spec.config
+    }
+
+    pub fn spec(&self) -> &JobSpec {
+        &self.spec
+    }
+
+    pub fn into_spec(self) -> JobSpec {
+        self.spec
+    }
+}

@@ -1,0 +1,302 @@
+//! A local cluster on loopback with a throwaway cluster CA: N daemons, either in this process (the job
+//! API's tests and examples) or as child processes of the `troupe` binary (`troupe train --nodes N`).
+//! Dropping it stops every daemon; child daemons also exit on their own when their parent dies.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use troupe_cluster::membership::MembershipConfig;
+use troupe_cluster::{add_node, init_cluster, NodeIdentity, TransportConfig};
+
+use super::Client;
+use crate::daemon::{Daemon, NodeConfig};
+use crate::runtime::protocol::ClusterStatus;
+use crate::runtime::restart::RestartPolicy;
+
+/// The certificate the local cluster's clients present.
+const CLIENT_NAME: &str = "client";
+/// How long the daemons may take to start and form the cluster.
+const FORM_TIMEOUT_MS: u64 = 30_000;
+
+#[derive(Clone, Debug)]
+pub struct LocalClusterOptions {
+    pub nodes: usize,
+    pub slots_per_node: u32,
+    pub membership: MembershipConfig,
+    /// libtorch threads per daemon (0: the machine's cores shared by the daemons).
+    pub torch_threads: usize,
+    /// Log filter for child daemons' stderr (RUST_LOG syntax); None: warnings only.
+    pub log: Option<String>,
+}
+
+impl LocalClusterOptions {
+    pub fn new(nodes: usize) -> Self {
+        LocalClusterOptions {
+            nodes,
+            slots_per_node: 1,
+            membership: MembershipConfig::default(),
+            torch_threads: 0,
+            log: None,
+        }
+    }
+}
+
+enum Node {
+    InProcess(Daemon),
+    Child(Child),
+}
+
+pub struct LocalCluster {
+    dir: tempfile::TempDir,
+    controller: SocketAddr,
+    nodes: Vec<(String, SocketAddr, Node)>,
+    client_identity: NodeIdentity,
+    options: LocalClusterOptions,
+    binary: Option<PathBuf>,
+}
+
+fn node_name(i: usize) -> String {
+    format!("node-{i}")
+}
+
+impl LocalCluster {
+    /// N daemons in this process (tokio tasks and actors; one QUIC endpoint each).
+    pub async fn in_process(nodes: usize) -> anyhow::Result<Self> {
+        Self::in_process_with(LocalClusterOptions::new(nodes)).await
+    }
+
+    pub async fn in_process_with(options: LocalClusterOptions) -> anyhow::Result<Self> {
+        let (dir, client_identity) = Self::certificates(options.nodes)?;
+        let mut cluster = LocalCluster {
+            dir,
+            controller: "127.0.0.1:0".parse()?,
+            nodes: Vec::new(),
+            client_identity,
+            options: options.clone(),
+            binary: None,
+        };
+        for i in 0..options.nodes {
+            let config = cluster.node_config(i, &options);
+            let daemon = Daemon::start(config).await?;
+            if i == 0 {
+                cluster.controller = daemon.addr();
+            }
+            cluster.nodes.push((node_name(i), daemon.addr(), Node::InProcess(daemon)));
+        }
+        cluster.wait_for_members(options.nodes).await?;
+        Ok(cluster)
+    }
+
+    /// N `troupe daemon` child processes of `binary`.
+    pub async fn processes(binary: &Path, options: LocalClusterOptions) -> anyhow::Result<Self> {
+        let (dir, client_identity) = Self::certificates(options.nodes)?;
+        let mut cluster = LocalCluster {
+            dir,
+            controller: "127.0.0.1:0".parse()?,
+            nodes: Vec::new(),
+            client_identity,
+            options: options.clone(),
+            binary: Some(binary.to_owned()),
+        };
+        for i in 0..options.nodes {
+            cluster.spawn_child(i)?;
+        }
+        cluster.wait_for_members(options.nodes).await?;
+        Ok(cluster)
+    }
+
+    fn spawn_child(&mut self, i: usize) -> anyhow::Result<()> {
+        let binary = self.binary.clone().context("not a cluster of processes")?;
+        let config = self.node_config(i, &self.options);
+        let path = self.dir.path().join(format!("{}.toml", node_name(i)));
+        std::fs::write(&path, toml::to_string(&config)?)?;
+        let (child, addr) = spawn_daemon(&binary, &path, self.options.log.as_deref())?;
+        if i == 0 {
+            self.controller = addr;
+        }
+        self.nodes.push((node_name(i), addr, Node::Child(child)));
+        Ok(())
+    }
+
+    /// Starts one more daemon process (a node joining); returns its index. It is admitted at the next
+    /// step boundary.
+    pub fn add_node(&mut self) -> anyhow::Result<usize> {
+        let i = self.nodes.len();
+        add_node(&node_name(i), &self.certs_dir())?;
+        self.spawn_child(i)?;
+        Ok(i)
+    }
+
+    /// The process id of daemon `i` (None for in-process daemons): for fault injection.
+    pub fn pid(&self, i: usize) -> Option<u32> {
+        match self.nodes.get(i) {
+            Some((_, _, Node::Child(c))) => Some(c.id()),
+            _ => None,
+        }
+    }
+
+    /// The name of daemon `i`.
+    pub fn node_name(&self, i: usize) -> String {
+        node_name(i)
+    }
+
+    /// Waits for daemon process `i` to exit; its exit status.
+    pub fn wait_exit(&mut self, i: usize, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let Some((_, _, Node::Child(child))) = self.nodes.get_mut(i) else { return None };
+        let deadline = std::time::Instant::now() + timeout;
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    fn certificates(nodes: usize) -> anyhow::Result<(tempfile::TempDir, NodeIdentity)> {
+        let dir =
+            tempfile::Builder::new().prefix("troupe-local-").tempdir().context("creating a temporary directory")?;
+        let certs = dir.path().join("certs");
+        init_cluster(&certs)?;
+        for i in 0..nodes {
+            add_node(&node_name(i), &certs)?;
+        }
+        add_node(CLIENT_NAME, &certs)?;
+        let client = NodeIdentity::load(&certs, CLIENT_NAME)?;
+        Ok((dir, client))
+    }
+
+    fn node_config(&self, i: usize, options: &LocalClusterOptions) -> NodeConfig {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let ranks = options.nodes * options.slots_per_node as usize;
+        NodeConfig {
+            name: node_name(i),
+            listen: "127.0.0.1:0".parse().expect("valid"),
+            join: (i > 0).then_some(self.controller),
+            data_dir: self.dir.path().join(node_name(i)),
+            certs: self.dir.path().join("certs"),
+            slots: options.slots_per_node,
+            torch_threads: if options.torch_threads > 0 { options.torch_threads } else { (cores / ranks).max(1) },
+            membership: options.membership.clone(),
+            restart: RestartPolicy::default(),
+            transport: TransportConfig::loopback(),
+        }
+    }
+
+    /// Waits until the controller's view has at least `n` members.
+    pub async fn wait_for_members(&self, n: usize) -> anyhow::Result<ClusterStatus> {
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(FORM_TIMEOUT_MS);
+        let mut client = self.client().await?;
+        loop {
+            let status = client.status().await?;
+            if status.members.len() >= n {
+                client.close().await;
+                return Ok(status);
+            }
+            if tokio::time::Instant::now() > deadline {
+                bail!(
+                    "the local cluster did not form within {FORM_TIMEOUT_MS} ms: {} of {n} members",
+                    status.members.len()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The controller's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.controller
+    }
+
+    /// The cluster directory (CA and certificates).
+    pub fn certs_dir(&self) -> PathBuf {
+        self.dir.path().join("certs")
+    }
+
+    /// A new client connection to daemon `i`.
+    pub async fn client_to(&self, i: usize) -> anyhow::Result<Client> {
+        let (_, addr, _) = self.nodes.get(i).context("no such node")?;
+        Client::connect(*addr, &self.client_identity).await
+    }
+
+    /// A new client connection to the controller.
+    pub async fn client(&self) -> anyhow::Result<Client> {
+        Client::connect(self.controller, &self.client_identity).await
+    }
+
+    /// The in-process daemon `i` (None for child processes).
+    pub fn daemon(&self, i: usize) -> Option<&Daemon> {
+        match self.nodes.get(i) {
+            Some((_, _, Node::InProcess(d))) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// Stops every daemon: in-process ones drain; children get SIGTERM (drain) and are waited for.
+    pub async fn shutdown(mut self) {
+        for (_, _, node) in self.nodes.drain(..).rev() {
+            match node {
+                Node::InProcess(d) => {
+                    let _ = d.drain().await;
+                }
+                Node::Child(mut child) => terminate(&mut child),
+            }
+        }
+    }
+}
+
+impl Drop for LocalCluster {
+    fn drop(&mut self) {
+        for (_, _, node) in &mut self.nodes {
+            if let Node::Child(child) = node {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+}
+
+/// SIGTERM, a bounded wait for the drain, then SIGKILL.
+fn terminate(child: &mut Child) {
+    let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
+    for _ in 0..100 {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// Starts `binary daemon --config path` and reads the address it prints once listening.
+fn spawn_daemon(binary: &Path, config: &Path, log: Option<&str>) -> anyhow::Result<(Child, SocketAddr)> {
+    let mut command = Command::new(binary);
+    command
+        .arg("daemon")
+        .arg("--config")
+        .arg(config)
+        .arg("--exit-with-parent")
+        .env("RUST_LOG", log.unwrap_or("warn"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let mut child = command.spawn().with_context(|| format!("starting {} daemon", binary.display()))?;
+    let stdout = child.stdout.take().expect("piped");
+    let mut line = String::new();
+    let mut reader = BufReader::new(stdout);
+    reader.read_line(&mut line).context("reading the daemon's address")?;
+    let addr = line.trim().rsplit(' ').next().and_then(|a| a.parse().ok());
+    let Some(addr) = addr else {
+        let _ = child.kill();
+        let status = child.wait();
+        bail!("daemon {} did not start (said {line:?}, exit {status:?}); its error is above", config.display());
+    };
+    // Keep draining its stdout so the daemon never blocks on a full pipe.
+    std::thread::spawn(move || for _ in reader.lines() {});
+    Ok((child, addr))
+}

@@ -1,0 +1,138 @@
+//! `troupe train` on a cluster: an embedded local cluster of `--nodes` daemons (child processes on
+//! loopback, torn down at the end, also on Ctrl-C), or a running cluster with `--cluster ADDR`.
+
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use serde_json::json;
+use troupe_cluster::NodeIdentity;
+use troupe_model::config::JobConfig;
+
+use super::train::TrainArgs;
+use crate::api::{Client, Job, JobEvent, LocalCluster, LocalClusterOptions};
+use crate::progress::{Reporter, StepEvent};
+
+pub fn run(args: TrainArgs, config: JobConfig) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    runtime.block_on(train(args, config))
+}
+
+async fn train(args: TrainArgs, config: JobConfig) -> anyhow::Result<()> {
+    let nodes = config.parallel.nodes;
+    let (cluster, client) = match &args.cluster {
+        Some(addr) => {
+            let addr = addr.parse().with_context(|| format!("--cluster {addr}: not an address like 10.0.0.5:7400"))?;
+            let (Some(certs), Some(name)) = (&args.certs, &args.name) else {
+                bail!(
+                    "--cluster {addr}: which certificate? pass --certs DIR --as NAME (see `troupe cluster add-node`)"
+                );
+            };
+            let identity = NodeIdentity::load(certs, name)?;
+            (None, Client::connect(addr, &identity).await?)
+        }
+        None => {
+            let binary = std::env::current_exe().context("locating the troupe binary")?;
+            let started = Instant::now();
+            let mut options = LocalClusterOptions::new(nodes);
+            options.torch_threads = config.train.torch_threads;
+            let cluster = LocalCluster::processes(&binary, options).await?;
+            if !args.json {
+                println!(
+                    "troupe: local cluster of {nodes} daemons on loopback up in {:.1} s (controller {})",
+                    started.elapsed().as_secs_f64(),
+                    cluster.addr()
+                );
+            }
+            let client = cluster.client().await?;
+            (Some(cluster), client)
+        }
+    };
+    let dp = config.parallel.dp;
+    let total = config.train.steps;
+    let mut job = Job::new(config).name("train").elastic(1, dp);
+    if let Some(path) = &args.save_final {
+        let path = std::path::absolute(path).with_context(|| format!("--save-final {}", path.display()))?;
+        job = job.save_final(path);
+    }
+    let mut handle = client.submit(job).await?;
+    let reporter = Reporter::new(args.json, 0, total, args.log_every);
+    let started = Instant::now();
+    let (mut first_loss, mut last, mut tokens_per_s, mut world) = (None, Vec::new(), Vec::new(), 0);
+    let outcome = loop {
+        let event = tokio::select! {
+            e = handle.next_event() => e?,
+            _ = tokio::signal::ctrl_c() => {
+                reporter.say("troupe: interrupted; cancelling the job");
+                let _ = handle.cancel().await;
+                break Err(anyhow::anyhow!("interrupted"));
+            }
+        };
+        let Some(event) = event else { break Err(anyhow::anyhow!("the job's event stream ended early")) };
+        match event {
+            JobEvent::Started { world: w, epoch, from_step, attempt } => {
+                world = w;
+                reporter.event(
+                    "start",
+                    json!({ "world": w, "epoch": epoch, "from_step": from_step, "attempt": attempt, "steps": total,
+                            "nodes": nodes, "job": handle.id() }),
+                    &format!("troupe: job {} running data-parallel on {w} rank(s), epoch {epoch}", handle.id()),
+                );
+            }
+            JobEvent::Step { step, loss, lr, grad_norm, tokens_per_s: tps, epoch, world: w } => {
+                world = w;
+                first_loss.get_or_insert(loss);
+                last.push(loss);
+                tokens_per_s.push(tps);
+                if last.len() > 10 {
+                    last.remove(0);
+                }
+                reporter.step(&StepEvent { step, loss, lr, grad_norm, tokens_per_s: tps, epoch, world: w });
+            }
+            JobEvent::Membership { epoch, world: w, changes } => reporter.event(
+                "membership",
+                json!({ "epoch": epoch, "world": w, "changes": changes }),
+                &format!("membership changed (epoch {epoch}, {w} ranks): {}", changes.join("; ")),
+            ),
+            JobEvent::Recovered { step, epoch, world: w } => {
+                world = w;
+                reporter.event(
+                    "recovery",
+                    json!({ "step": step, "epoch": epoch, "world": w }),
+                    &format!("recovered: continuing after step {step} on {w} ranks (epoch {epoch})"),
+                );
+            }
+            JobEvent::Saved { path } => reporter.event(
+                "saved",
+                json!({ "path": path }),
+                &format!("saved final parameters to {}", path.display()),
+            ),
+            JobEvent::Finished { steps, .. } => break Ok(steps),
+            JobEvent::Failed { reason } => break Err(anyhow::anyhow!("the job failed: {reason}")),
+            JobEvent::Cancelled => break Err(anyhow::anyhow!("the job was cancelled")),
+        }
+    };
+    handle.close().await;
+    if let Some(cluster) = cluster {
+        cluster.shutdown().await;
+    }
+    let steps = outcome?;
+    let wall = started.elapsed().as_secs_f64();
+    let mean = last.iter().sum::<f64>() / last.len().max(1) as f64;
+    let first = first_loss.unwrap_or(f64::NAN);
+    // Steady-state throughput: the median step (the first steps include start-up).
+    tokens_per_s.sort_by(f64::total_cmp);
+    let median = tokens_per_s.get(tokens_per_s.len() / 2).copied().unwrap_or(0.0);
+    reporter.finish(
+        json!({ "steps": steps, "first_loss": first, "final_loss": last.last(), "final_loss_mean10": mean,
+                "tokens_per_s": median, "wall_s": wall, "world": world, "nodes": nodes }),
+        &format!(
+            "done: {steps} steps on {world} ranks in {wall:.1} s; loss {first:.4} → {mean:.4} (mean of the last {}); {median:.0} tokens/s",
+            last.len()
+        ),
+    );
+    Ok(())
+}

@@ -1,0 +1,109 @@
+//! `node.toml`: what `troupe daemon --config` reads. Every key is checked; an error names the key and
+//! the fix.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use troupe_cluster::identity::validate_node_name;
+use troupe_cluster::membership::MembershipConfig;
+use troupe_cluster::TransportConfig;
+
+use crate::runtime::restart::RestartPolicy;
+
+/// Most device slots one node may offer.
+pub const SLOTS_MAX: u32 = 64;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeConfig {
+    /// This node's name: a certificate `certs/nodes/NAME.pem` must exist for it.
+    pub name: String,
+    /// Where the daemon listens (UDP, QUIC), e.g. "10.0.0.5:7400".
+    pub listen: SocketAddr,
+    /// The controller's address. Absent: this node is the controller (the first node of a cluster).
+    #[serde(default)]
+    pub join: Option<SocketAddr>,
+    /// Where the daemon keeps its metadata (sled).
+    pub data_dir: PathBuf,
+    /// The cluster directory made by `troupe cluster init` / `add-node` (ca.pem, nodes/NAME.pem).
+    pub certs: PathBuf,
+    /// Device slots this node offers (one worker each): CPU slots on a machine without GPUs.
+    #[serde(default = "one")]
+    pub slots: u32,
+    /// libtorch threads of this daemon (0: the machine's cores shared by its slots).
+    #[serde(default)]
+    pub torch_threads: usize,
+    #[serde(default)]
+    pub membership: MembershipConfig,
+    #[serde(default)]
+    pub restart: RestartPolicy,
+    #[serde(default = "TransportConfig::loopback")]
+    pub transport: TransportConfig,
+}
+
+fn one() -> u32 {
+    1
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NodeConfigError {
+    #[error("cannot read node config {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("node config {path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("node config {path}: `{key}`: {message}")]
+    Invalid { path: String, key: &'static str, message: String },
+}
+
+impl NodeConfig {
+    pub fn load(path: &Path) -> Result<Self, NodeConfigError> {
+        let text =
+            std::fs::read_to_string(path).map_err(|source| NodeConfigError::Read { path: path.to_owned(), source })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    pub fn parse(text: &str, origin: &str) -> Result<Self, NodeConfigError> {
+        let config: Self =
+            toml::from_str(text).map_err(|e| NodeConfigError::Parse { path: origin.into(), message: e.to_string() })?;
+        config.validate(origin)?;
+        Ok(config)
+    }
+
+    pub fn validate(&self, origin: &str) -> Result<(), NodeConfigError> {
+        let bad = |key, message: String| NodeConfigError::Invalid { path: origin.into(), key, message };
+        validate_node_name(&self.name).map_err(|m| bad("name", m))?;
+        if self.slots == 0 || self.slots > SLOTS_MAX {
+            return Err(bad("slots", format!("{} is not in 1..={SLOTS_MAX}", self.slots)));
+        }
+        if self.join == Some(self.listen) {
+            return Err(bad("join", "is this node's own `listen` address; leave `join` out on the controller".into()));
+        }
+        self.membership.validate().map_err(|m| bad("membership", m))?;
+        let ca = self.certs.join("ca.pem");
+        if !ca.exists() {
+            return Err(bad(
+                "certs",
+                format!(
+                    "{} has no ca.pem; run `troupe cluster init --dir {}` first",
+                    self.certs.display(),
+                    self.certs.display()
+                ),
+            ));
+        }
+        let cert = self.certs.join("nodes").join(format!("{}.pem", self.name));
+        if !cert.exists() {
+            return Err(bad(
+                "certs",
+                format!(
+                    "no certificate for node {:?} ({} is missing); run `troupe cluster add-node {} --dir {}`",
+                    self.name,
+                    cert.display(),
+                    self.name,
+                    self.certs.display()
+                ),
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,151 @@
+//! `troupe daemon`: a node of a cluster. [`Daemon::start`] runs one in the current tokio runtime (the
+//! binary, the in-process local cluster and the tests all use it); [`run`] is the command, with signal
+//! handling: SIGTERM or Ctrl-C drain the node and leave the cluster cleanly.
+
+mod catalog;
+mod config;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use ractor::{Actor, ActorRef};
+use troupe_cluster::control::{ControlEndpoint, PeerRole};
+use troupe_cluster::NodeIdentity;
+
+pub use catalog::Catalog;
+pub use config::{NodeConfig, NodeConfigError, SLOTS_MAX};
+
+use crate::runtime::node::{NodeActor, NodeArgs, NodeMsg};
+use crate::runtime::protocol::ClusterStatus;
+use crate::runtime::worker::WorkerMsg;
+
+/// How long a drain may take before the daemon exits anyway.
+const DRAIN_TIMEOUT_MS: u64 = 5_000;
+
+/// A running daemon.
+pub struct Daemon {
+    node: ActorRef<NodeMsg>,
+    handle: tokio::task::JoinHandle<()>,
+    addr: SocketAddr,
+    name: String,
+}
+
+impl Daemon {
+    /// Loads the certificates, opens the metadata catalog, binds the listen address and starts the
+    /// node actor (and its workers).
+    pub async fn start(config: NodeConfig) -> anyhow::Result<Daemon> {
+        config.validate("node config")?;
+        let identity = NodeIdentity::load(&config.certs, &config.name).with_context(|| {
+            format!("loading the certificates of node {:?} from {}", config.name, config.certs.display())
+        })?;
+        let catalog = Catalog::open(&config.data_dir)?;
+        troupe_model::trainer::configure_torch_threads(config.torch_threads, config.slots as usize);
+        let incarnation = catalog.next_incarnation()?;
+        tracing::info!(node = %config.name, incarnation, "starting");
+        let (endpoint, events) = ControlEndpoint::bind(&identity, config.listen, PeerRole::Node, &config.transport)
+            .map_err(|e| address_error(&config.listen, e))?;
+        let addr = endpoint.local_addr();
+        let name = config.name.clone();
+        let args = NodeArgs { config, identity: Arc::new(identity), endpoint, events };
+        let (node, handle) = Actor::spawn(Some(format!("troupe/{name}/node")), NodeActor, args)
+            .await
+            .map_err(|e| anyhow::anyhow!("starting node {name}: {e}"))?;
+        Ok(Daemon { node, handle, addr, name })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub async fn status(&self) -> anyhow::Result<ClusterStatus> {
+        ractor::call!(self.node, NodeMsg::Status).map_err(|e| anyhow::anyhow!("node {} is not running: {e}", self.name))
+    }
+
+    /// The worker actor of `slot` (fault injection in tests).
+    pub async fn worker(&self, slot: u32) -> Option<ActorRef<WorkerMsg>> {
+        ractor::call!(self.node, NodeMsg::Worker, slot).ok().flatten()
+    }
+
+    /// Leaves the cluster cleanly and stops.
+    pub async fn drain(self) -> anyhow::Result<()> {
+        let drained = ractor::call!(self.node, NodeMsg::Drain);
+        let _ = tokio::time::timeout(Duration::from_millis(DRAIN_TIMEOUT_MS), self.handle).await;
+        drained.map_err(|e| anyhow::anyhow!("draining node {}: {e}", self.name))
+    }
+
+    /// Waits until the node stops; an error if it stopped because a child kept failing (escalation).
+    pub async fn wait(self) -> anyhow::Result<()> {
+        let _ = self.handle.await;
+        Ok(())
+    }
+
+    pub fn is_running(&self) -> bool {
+        !self.handle.is_finished()
+    }
+}
+
+fn address_error(addr: &SocketAddr, e: troupe_cluster::ClusterError) -> anyhow::Error {
+    let text = e.to_string();
+    if text.contains("in use") {
+        anyhow::anyhow!("listen = {addr}: the address is in use (another daemon?); pick a free port in node.toml")
+    } else {
+        anyhow::anyhow!("listen = {addr}: {text}")
+    }
+}
+
+/// `troupe daemon --config node.toml`. With `exit_with_parent` (set by the local cluster), the daemon
+/// also drains and exits when the process that started it dies.
+pub fn run(config_path: &Path, exit_with_parent: bool) -> anyhow::Result<()> {
+    init_logging();
+    let config = NodeConfig::load(config_path)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(3)
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    runtime.block_on(async move {
+        let daemon = Daemon::start(config).await?;
+        println!("troupe daemon {} listening on {}", daemon.name(), daemon.addr());
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .context("installing the SIGTERM handler")?;
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+            _ = wait_stopped(&daemon) => anyhow::bail!("node {} stopped: a worker kept failing (see the log)", daemon.name()),
+            _ = parent_gone(exit_with_parent) => tracing::warn!(node = daemon.name(), "the parent process died"),
+        }
+        tracing::info!(node = daemon.name(), "draining");
+        daemon.drain().await
+    })
+}
+
+async fn parent_gone(enabled: bool) {
+    if !enabled {
+        return std::future::pending().await;
+    }
+    let parent = std::os::unix::process::parent_id();
+    while std::os::unix::process::parent_id() == parent {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn wait_stopped(daemon: &Daemon) {
+    while daemon.is_running() {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Logs to stderr; `RUST_LOG` filters (default: info for troupe, warn for the rest).
+pub fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("warn,troupe_actors=info,troupe_cluster=info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}

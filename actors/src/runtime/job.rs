@@ -1,0 +1,313 @@
+//! The job controller's logic, sans-IO: the attempt and commit protocol of one job. The
+//! [`super::controller::JobController`] actor feeds it and carries out its actions.
+//!
+//! An *attempt* is one run of the job on a fixed set of ranks at one membership epoch:
+//! `Prepare` → every rank answers `Ready` (data-plane address, committed step) → `Start` (the roster,
+//! and the rank whose state the others copy) → per step, every rank votes after its all-reduce → the
+//! controller sends `Commit` → ranks apply the update. A membership change that touches the ranks aborts
+//! the attempt and starts a new one on the new ranks from the last committed step: nothing is applied
+//! half-way, so the run continues on the fault-free trajectory.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+
+use troupe_cluster::membership::{NodeId, View};
+use troupe_cluster::transport::quic::PeerInfo;
+use troupe_model::optim::learning_rate;
+
+use super::protocol::{AttemptOutcome, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, RankSlot, Wire};
+
+/// Attempts in a row that fail without committing a step before the job is declared failed.
+pub const FAILED_ATTEMPTS_MAX: u32 = 5;
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum DriverAction {
+    Send {
+        node: NodeId,
+        msg: Wire,
+    },
+    Event(JobEvent),
+    /// A step committed: pending joiners may be admitted now.
+    StepBoundary,
+}
+
+#[derive(Debug)]
+enum Phase {
+    /// Not enough ranks (or not started).
+    Idle,
+    Preparing {
+        ranks: Vec<RankSlot>,
+        ready: Vec<Option<(SocketAddr, Option<u64>)>>,
+    },
+    Running {
+        ranks: Vec<RankSlot>,
+        votes: Vec<Option<(f64, f64, f64)>>,
+        ended: Vec<Option<AttemptOutcome>>,
+    },
+    Done,
+}
+
+#[derive(Debug)]
+pub struct JobDriver {
+    id: JobId,
+    spec: JobSpec,
+    state: JobState,
+    committed: u64,
+    attempt: u64,
+    epoch: u64,
+    phase: Phase,
+    last_loss: Option<f64>,
+    failed_attempts: u32,
+    reason: Option<String>,
+    actions: VecDeque<DriverAction>,
+}
+
+/// The ranks a view offers a job: each member's slots, members in node-id order, capped at `max_ranks`.
+pub fn plan_ranks(view: &View, members: &[MemberInfo], max_ranks: usize) -> Vec<RankSlot> {
+    let mut ranks = Vec::new();
+    for node in view.members() {
+        let slots = members.iter().find(|m| m.name == node.0).map_or(1, |m| m.slots);
+        ranks.extend((0..slots).map(|slot| RankSlot { node: node.clone(), slot }));
+    }
+    if max_ranks > 0 {
+        ranks.truncate(max_ranks);
+    }
+    ranks
+}
+
+impl JobDriver {
+    pub fn new(id: JobId, spec: JobSpec) -> Self {
+        JobDriver {
+            id,
+            spec,
+            state: JobState::Waiting,
+            committed: 0,
+            attempt: 0,
+            epoch: 0,
+            phase: Phase::Idle,
+            last_loss: None,
+            failed_attempts: 0,
+            reason: None,
+            actions: VecDeque::new(),
+        }
+    }
+
+    pub fn info(&self) -> JobInfo {
+        JobInfo {
+            id: self.id,
+            name: self.spec.name.clone(),
+            state: self.state,
+            step: self.committed,
+            total_steps: self.spec.config.train.steps,
+            epoch: self.epoch,
+            world: self.ranks().len(),
+            attempts: self.attempt,
+            last_loss: self.last_loss,
+            reason: self.reason.clone(),
+        }
+    }
+
+    pub fn poll_action(&mut self) -> Option<DriverAction> {
+        self.actions.pop_front()
+    }
+
+    fn ranks(&self) -> &[RankSlot] {
+        match &self.phase {
+            Phase::Preparing { ranks, .. } | Phase::Running { ranks, .. } => ranks,
+            Phase::Idle | Phase::Done => &[],
+        }
+    }
+
+    fn nodes(ranks: &[RankSlot]) -> Vec<NodeId> {
+        let mut nodes: Vec<NodeId> = ranks.iter().map(|r| r.node.clone()).collect();
+        nodes.dedup();
+        nodes
+    }
+
+    fn send_all(&mut self, ranks: &[RankSlot], msg: &Wire) {
+        for node in Self::nodes(ranks) {
+            self.actions.push_back(DriverAction::Send { node, msg: msg.clone() });
+        }
+    }
+
+    /// A new view. Re-plans when the ranks it offers differ from the running attempt's.
+    pub fn on_view(&mut self, view: &View, members: &[MemberInfo], changes: Vec<String>) {
+        if self.state.is_terminal() {
+            return;
+        }
+        self.epoch = view.epoch.0;
+        let wanted = plan_ranks(view, members, self.spec.max_ranks);
+        if !matches!(self.phase, Phase::Idle) && wanted == self.ranks() {
+            return;
+        }
+        if !matches!(self.phase, Phase::Idle) {
+            self.actions.push_back(DriverAction::Event(JobEvent::Membership {
+                epoch: self.epoch,
+                world: wanted.len(),
+                changes,
+            }));
+            let survivors: Vec<RankSlot> = self.ranks().iter().filter(|r| view.contains(&r.node)).cloned().collect();
+            self.abort(&survivors, "membership changed");
+        }
+        self.start_attempt(wanted);
+    }
+
+    fn abort(&mut self, ranks: &[RankSlot], reason: &str) {
+        let msg = Wire::Abort { job: self.id, attempt: self.attempt, reason: reason.into() };
+        self.send_all(ranks, &msg);
+        self.phase = Phase::Idle;
+    }
+
+    fn start_attempt(&mut self, ranks: Vec<RankSlot>) {
+        if ranks.len() < self.spec.min_ranks.max(1) {
+            self.state = JobState::Waiting;
+            self.phase = Phase::Idle;
+            return;
+        }
+        self.attempt += 1;
+        let msg = Wire::Prepare {
+            job: self.id,
+            attempt: self.attempt,
+            spec: Box::new(self.spec.clone()),
+            ranks: ranks.clone(),
+        };
+        self.send_all(&ranks, &msg);
+        self.phase = Phase::Preparing { ready: vec![None; ranks.len()], ranks };
+    }
+
+    fn rank_of(&self, node: &NodeId, slot: u32) -> Option<usize> {
+        self.ranks().iter().position(|r| &r.node == node && r.slot == slot)
+    }
+
+    pub fn on_ready(&mut self, node: &NodeId, attempt: u64, slot: u32, addr: SocketAddr, committed: Option<u64>) {
+        if attempt != self.attempt {
+            return;
+        }
+        let Some(rank) = self.rank_of(node, slot) else { return };
+        let Phase::Preparing { ranks, ready } = &mut self.phase else { return };
+        ready[rank] = Some((addr, committed));
+        if ready.iter().any(Option::is_none) {
+            return;
+        }
+        let ranks = std::mem::take(ranks);
+        let ready: Vec<(SocketAddr, Option<u64>)> = ready.iter().map(|r| r.expect("all ready")).collect();
+        let best = ready.iter().map(|r| r.1.unwrap_or(0)).max().unwrap_or(0);
+        if best < self.committed {
+            return self.fail(format!(
+                "the state of step {} was lost with the nodes that held it (the ranks left have step {best}); restart from a checkpoint",
+                self.committed
+            ));
+        }
+        let all_equal = ready.iter().all(|r| r.1 == Some(best));
+        let source = (!all_equal).then(|| ready.iter().position(|r| r.1.unwrap_or(0) == best).unwrap_or(0));
+        let roster =
+            ranks.iter().zip(&ready).map(|(r, (addr, _))| PeerInfo { name: r.node.0.clone(), addr: *addr }).collect();
+        let msg = Wire::Start { job: self.id, attempt: self.attempt, roster, source };
+        self.send_all(&ranks, &msg);
+        self.committed = best;
+        self.state = JobState::Running;
+        let (world, epoch, step) = (ranks.len(), self.epoch, self.committed);
+        let event = if self.attempt == 1 {
+            JobEvent::Started { world, epoch, from_step: step, attempt: self.attempt }
+        } else {
+            JobEvent::Recovered { step, epoch, world }
+        };
+        self.actions.push_back(DriverAction::Event(event));
+        self.phase = Phase::Running { votes: vec![None; world], ended: vec![None; world], ranks };
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn on_vote(&mut self, node: &NodeId, attempt: u64, slot: u32, step: u64, loss: f64, norm: f64, seconds: f64) {
+        if attempt != self.attempt || step != self.committed {
+            return;
+        }
+        let Some(rank) = self.rank_of(node, slot) else { return };
+        let Phase::Running { ranks, votes, .. } = &mut self.phase else { return };
+        votes[rank] = Some((loss, norm, seconds));
+        if votes.iter().any(Option::is_none) {
+            return;
+        }
+        let (loss, norm) = votes[0].map(|v| (v.0, v.1)).expect("all voted");
+        let seconds = votes.iter().map(|v| v.expect("all voted").2).fold(0.0, f64::max);
+        votes.iter_mut().for_each(|v| *v = None);
+        let ranks = ranks.clone();
+        let train = &self.spec.config.train;
+        let lr = learning_rate(train, step);
+        let tokens = (train.global_batch * self.spec.config.model.context) as f64;
+        self.send_all(&ranks, &Wire::Commit { job: self.id, attempt, step, lr_hint: lr });
+        self.committed = step + 1;
+        self.last_loss = Some(loss);
+        self.failed_attempts = 0;
+        self.actions.push_back(DriverAction::Event(JobEvent::Step {
+            step: step + 1,
+            loss,
+            lr,
+            grad_norm: norm,
+            tokens_per_s: tokens / seconds.max(1e-9),
+            epoch: self.epoch,
+            world: ranks.len(),
+        }));
+        if self.committed < self.spec.config.train.steps {
+            self.actions.push_back(DriverAction::StepBoundary);
+        }
+    }
+
+    pub fn on_ended(&mut self, node: &NodeId, attempt: u64, slot: u32, outcome: AttemptOutcome) {
+        if attempt != self.attempt || self.state.is_terminal() {
+            return;
+        }
+        let Some(rank) = self.rank_of(node, slot) else { return };
+        match outcome {
+            AttemptOutcome::Aborted { .. } => {}
+            AttemptOutcome::Failed { reason, .. } => {
+                self.failed_attempts += 1;
+                if self.failed_attempts >= FAILED_ATTEMPTS_MAX {
+                    return self.fail(format!("{FAILED_ATTEMPTS_MAX} attempts in a row failed; last: {reason}"));
+                }
+                let ranks = self.ranks().to_vec();
+                self.abort(&ranks, &format!("rank {rank} failed: {reason}"));
+                self.start_attempt(ranks);
+            }
+            done @ AttemptOutcome::Completed { .. } => {
+                let Phase::Running { ended, .. } = &mut self.phase else { return };
+                ended[rank] = Some(done);
+                if ended.iter().any(Option::is_none) {
+                    return;
+                }
+                let saved: Vec<_> = ended
+                    .iter()
+                    .filter_map(|e| match e {
+                        Some(AttemptOutcome::Completed { saved: Some(path), .. }) => Some(path.clone()),
+                        _ => None,
+                    })
+                    .collect();
+                for path in saved {
+                    self.actions.push_back(DriverAction::Event(JobEvent::Saved { path }));
+                }
+                self.finish(
+                    JobState::Finished,
+                    JobEvent::Finished { steps: self.committed, final_loss: self.last_loss },
+                );
+            }
+        }
+    }
+
+    pub fn cancel(&mut self) {
+        if !self.state.is_terminal() {
+            self.finish(JobState::Cancelled, JobEvent::Cancelled);
+        }
+    }
+
+    fn fail(&mut self, reason: String) {
+        self.reason = Some(reason.clone());
+        self.finish(JobState::Failed, JobEvent::Failed { reason });
+    }
+
+    fn finish(&mut self, state: JobState, event: JobEvent) {
+        let ranks = self.ranks().to_vec();
+        self.send_all(&ranks, &Wire::Release { job: self.id });
+        self.state = state;
+        self.phase = Phase::Done;
+        self.actions.push_back(DriverAction::Event(event));
+    }
+}

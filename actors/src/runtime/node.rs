@@ -1,0 +1,711 @@
+//! NodeActor: the daemon. Supervises one [`WorkerActor`] per device slot, speaks the control protocol
+//! over QUIC, runs the node's side of membership ([`MemberState`]) and — on the controller (the node
+//! started without `join`) — the authoritative [`Membership`] and one [`JobController`] per job.
+//!
+//! Fencing: every control message carries its sender's epoch. The controller refuses job messages from
+//! a node that is not in its view, or that acts on an older epoch, and answers a non-member with
+//! `Fenced`; the fenced node drops all job state and rejoins as a new member.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
+use troupe_cluster::control::{ControlEndpoint, ControlEvent, PeerRole};
+use troupe_cluster::membership::{
+    Epoch, MemberAction, MemberState, Membership, MembershipAction, MembershipEvent, NodeId, View,
+};
+use troupe_cluster::NodeIdentity;
+
+use super::controller::{JobArgs, JobController, JobMsg};
+use super::protocol::{AttemptOutcome, ClusterStatus, JobEvent, JobId, JobInfo, JobSpec, MemberInfo, Wire};
+use super::restart::{Decision, RestartTracker};
+use super::worker::{WorkerActor, WorkerArgs, WorkerMsg};
+use crate::daemon::NodeConfig;
+
+/// How often the node drives its timers (heartbeats, failure detection, reconnection).
+const TICK_MS: u64 = 50;
+/// Membership changes kept for `troupe status`.
+const CHANGES_KEPT: usize = 64;
+/// Bound on sending one control message (a peer that stopped reading must not stall the node).
+const SEND_TIMEOUT_MS: u64 = 2_000;
+
+pub enum NodeMsg {
+    Control(ControlEvent),
+    Tick,
+    /// A local worker's message for the controller.
+    FromWorker(Wire),
+    /// A job controller's message for a node.
+    Outgoing {
+        node: NodeId,
+        msg: Wire,
+    },
+    JobEvent {
+        job: JobId,
+        event: JobEvent,
+        info: JobInfo,
+    },
+    JobInfo(JobInfo),
+    StepBoundary,
+    Connected(Result<String, String>),
+    Status(RpcReplyPort<ClusterStatus>),
+    /// SIGTERM: leave the cluster cleanly, then stop.
+    Drain(RpcReplyPort<()>),
+    Worker(u32, RpcReplyPort<Option<ActorRef<WorkerMsg>>>),
+}
+
+pub struct NodeArgs {
+    pub config: NodeConfig,
+    pub identity: Arc<NodeIdentity>,
+    pub endpoint: ControlEndpoint,
+    pub events: tokio::sync::mpsc::UnboundedReceiver<ControlEvent>,
+}
+
+struct WorkerSlot {
+    actor: ActorRef<WorkerMsg>,
+    restarts: RestartTracker,
+    /// Attempts this worker was asked to prepare, per job (reported failed if it restarts).
+    attempts: BTreeMap<JobId, u64>,
+}
+
+struct JobEntry {
+    actor: Option<ActorRef<JobMsg>>,
+    info: JobInfo,
+    watchers: Vec<String>,
+}
+
+/// What only the controller holds.
+struct Leader {
+    membership: Membership,
+    members: BTreeMap<NodeId, MemberInfo>,
+    jobs: BTreeMap<JobId, JobEntry>,
+    next_job: JobId,
+}
+
+pub struct NodeState {
+    config: NodeConfig,
+    id: NodeId,
+    identity: Arc<NodeIdentity>,
+    endpoint: ControlEndpoint,
+    started: Instant,
+    member: MemberState,
+    leader: Option<Leader>,
+    /// The controller's name once connected (non-controllers).
+    leader_peer: Option<String>,
+    connecting: bool,
+    members: Vec<MemberInfo>,
+    workers: Vec<WorkerSlot>,
+    refused_stale: u64,
+    changes: VecDeque<String>,
+    draining: bool,
+}
+
+pub struct NodeActor;
+
+fn worker_name(node: &str, slot: u32) -> String {
+    format!("troupe/{node}/worker/{slot}")
+}
+
+impl NodeState {
+    fn now(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    fn epoch(&self) -> u64 {
+        self.member.epoch().map_or(0, |e| e.0)
+    }
+
+    fn leader_addr(&self) -> SocketAddr {
+        self.config.join.unwrap_or(self.config.listen)
+    }
+
+    async fn send(&self, me: &ActorRef<NodeMsg>, peer: &str, msg: Wire) {
+        if peer == self.id.0 {
+            let event = ControlEvent::Message {
+                from: peer.to_owned(),
+                role: PeerRole::Node,
+                epoch: self.epoch(),
+                body: msg.encode(),
+            };
+            let _ = me.cast(NodeMsg::Control(event));
+            return;
+        }
+        let send = self.endpoint.send(peer, self.epoch(), msg.encode());
+        match tokio::time::timeout(Duration::from_millis(SEND_TIMEOUT_MS), send).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::debug!(node = %self.id, peer, error = %e, "control send failed"),
+            Err(_) => tracing::warn!(node = %self.id, peer, "control send timed out"),
+        }
+    }
+
+    async fn send_to_leader(&self, me: &ActorRef<NodeMsg>, msg: Wire) {
+        if self.leader.is_some() {
+            self.send(me, &self.id.0, msg).await;
+        } else if let Some(peer) = &self.leader_peer {
+            self.send(me, peer, msg).await;
+        }
+    }
+
+    fn record_change(&mut self, change: String) {
+        tracing::info!(node = %self.id, "{change}");
+        if self.changes.len() == CHANGES_KEPT {
+            self.changes.pop_front();
+        }
+        self.changes.push_back(change);
+    }
+
+    fn status(&self) -> ClusterStatus {
+        let (members, joining, jobs) = match &self.leader {
+            Some(l) => (
+                l.membership.view().members().iter().filter_map(|m| l.members.get(m).cloned()).collect(),
+                l.membership.joining().map(|n| n.0.clone()).collect(),
+                l.jobs.values().map(|j| j.info.clone()).collect(),
+            ),
+            None => (self.members.clone(), Vec::new(), Vec::new()),
+        };
+        ClusterStatus {
+            node: self.id.0.clone(),
+            leader: self.leader.is_some(),
+            leader_addr: Some(self.leader_addr()),
+            epoch: self.leader.as_ref().map_or(self.epoch(), |l| l.membership.epoch().0),
+            members,
+            joining,
+            jobs,
+            refused_stale: self.refused_stale,
+            changes: self.changes.iter().cloned().collect(),
+        }
+    }
+
+    async fn spawn_worker(&self, me: &ActorRef<NodeMsg>, slot: u32) -> Result<ActorRef<WorkerMsg>, ActorProcessingErr> {
+        let args = WorkerArgs {
+            slot,
+            node: me.clone(),
+            identity: self.identity.clone(),
+            host: self.config.listen.ip(),
+            transport: self.config.transport.clone(),
+        };
+        let (actor, _) =
+            Actor::spawn_linked(Some(worker_name(&self.id.0, slot)), WorkerActor, args, me.get_cell()).await?;
+        Ok(actor)
+    }
+
+    fn any_job_running(&self) -> bool {
+        self.leader
+            .as_ref()
+            .is_some_and(|l| l.jobs.values().any(|j| j.info.state == super::protocol::JobState::Running))
+    }
+
+    // ---- the node's side of membership ----
+
+    async fn drive_member(&mut self, me: &ActorRef<NodeMsg>) {
+        while let Some(action) = self.member.poll_action() {
+            match action {
+                MemberAction::SendHeartbeat { .. } => self.send_to_leader(me, Wire::Heartbeat).await,
+                MemberAction::SendJoinRequest => {
+                    let join = Wire::Join { slots: self.config.slots, addr: self.config.listen };
+                    self.send_to_leader(me, join).await;
+                }
+                MemberAction::AdoptView(view) => {
+                    tracing::info!(node = %self.id, epoch = view.epoch.0, members = view.len(), "adopted view");
+                }
+                MemberAction::Fenced { current } => {
+                    self.record_change(format!(
+                        "{} was fenced at epoch {current}; dropping job state and rejoining",
+                        self.id
+                    ));
+                    for w in &mut self.workers {
+                        let _ = w.actor.cast(WorkerMsg::DropAll);
+                        w.attempts.clear();
+                    }
+                }
+                MemberAction::ControllerLost { silent_ms } => {
+                    tracing::warn!(node = %self.id, silent_ms, "nothing heard from the controller; reconnecting");
+                    self.leader_peer = None;
+                }
+            }
+        }
+    }
+
+    // ---- the controller ----
+
+    async fn drive_membership(&mut self, me: &ActorRef<NodeMsg>) {
+        let Some(leader) = self.leader.as_mut() else { return };
+        let mut actions = Vec::new();
+        while let Some(a) = leader.membership.poll_action() {
+            actions.push(a);
+        }
+        for action in actions {
+            match action {
+                MembershipAction::ViewChanged { view, changes } => {
+                    let changes: Vec<String> = changes.iter().map(|c| format!("{c:?}")).collect();
+                    for c in &changes {
+                        self.record_change(format!("epoch {}: {c}", view.epoch));
+                    }
+                    let leader = self.leader.as_ref().expect("controller");
+                    let members: Vec<MemberInfo> =
+                        view.members().iter().filter_map(|m| leader.members.get(m).cloned()).collect();
+                    for job in leader.jobs.values() {
+                        if let Some(actor) = &job.actor {
+                            let msg =
+                                JobMsg::View { view: view.clone(), members: members.clone(), changes: changes.clone() };
+                            let _ = actor.cast(msg);
+                        }
+                    }
+                    let msg = Wire::View { view: view.clone(), members: members.clone() };
+                    for node in view.members() {
+                        self.send(me, &node.0, msg.clone()).await;
+                    }
+                }
+                MembershipAction::Fence { node, stale_epoch, current } => {
+                    self.refused_stale += 1;
+                    tracing::warn!(%node, %stale_epoch, %current, "refused a message from a non-member; fencing it");
+                    self.send(me, &node.0, Wire::Fenced { current }).await;
+                }
+                MembershipAction::SendView { node, view } => {
+                    let leader = self.leader.as_ref().expect("controller");
+                    let members = view.members().iter().filter_map(|m| leader.members.get(m).cloned()).collect();
+                    self.send(me, &node.0, Wire::View { view, members }).await;
+                }
+            }
+        }
+    }
+
+    fn membership_event(&mut self, event: MembershipEvent) {
+        let now = self.now();
+        if let Some(l) = self.leader.as_mut() {
+            l.membership.handle(now, event);
+        }
+    }
+
+    /// A job message from `from` at `epoch`: accepted only from a member acting on the current epoch.
+    /// A non-member's message counts as refused-stale (it is fenced); a member that lags behind the
+    /// view is merely ignored (its attempt is over anyway, and the view is on its way to it).
+    fn admit_job_message(&mut self, from: &NodeId, epoch: u64) -> Result<(), Epoch> {
+        let view = self.leader.as_ref().expect("controller").membership.view();
+        let current = view.epoch;
+        if !view.contains(from) {
+            self.refused_stale += 1;
+            tracing::warn!(%from, epoch, %current, "refused a job message from a non-member; fencing it");
+            return Err(current);
+        }
+        if epoch < current.0 {
+            tracing::debug!(%from, epoch, %current, "ignored a job message of an older epoch");
+            return Err(current);
+        }
+        Ok(())
+    }
+
+    async fn leader_message(&mut self, me: &ActorRef<NodeMsg>, from: NodeId, epoch: u64, msg: Wire) {
+        let job_msg = match msg {
+            Wire::Join { slots, addr } => {
+                let info = MemberInfo { name: from.0.clone(), addr, slots };
+                self.leader.as_mut().expect("controller").members.insert(from.clone(), info);
+                self.membership_event(MembershipEvent::JoinRequest { from });
+                return;
+            }
+            Wire::Heartbeat => return self.membership_event(MembershipEvent::Heartbeat { from, epoch: Epoch(epoch) }),
+            Wire::Leave => return self.membership_event(MembershipEvent::Leave { from }),
+            Wire::Ready { job, attempt, slot, data_addr, committed } => {
+                (job, JobMsg::Ready { node: from.clone(), attempt, slot, addr: data_addr, committed })
+            }
+            Wire::Vote { job, attempt, slot, step, loss, grad_norm, seconds } => {
+                (job, JobMsg::Vote { node: from.clone(), attempt, slot, step, loss, grad_norm, seconds })
+            }
+            Wire::Ended { job, attempt, slot, outcome } => {
+                (job, JobMsg::Ended { node: from.clone(), attempt, slot, outcome })
+            }
+            other => return tracing::warn!(%from, "unexpected message for the controller: {other:?}"),
+        };
+        if let Err(current) = self.admit_job_message(&from, epoch) {
+            if !self.leader.as_ref().expect("controller").membership.view().contains(&from) {
+                self.send(me, &from.0, Wire::Fenced { current }).await;
+            }
+            return;
+        }
+        let (job, msg) = job_msg;
+        if let Some(actor) = self.leader.as_ref().and_then(|l| l.jobs.get(&job)).and_then(|j| j.actor.as_ref()) {
+            let _ = actor.cast(msg);
+        }
+    }
+
+    async fn submit(&mut self, me: &ActorRef<NodeMsg>, client: &str, spec: JobSpec) -> Wire {
+        if let Err(e) = spec.config.validate() {
+            return Wire::Error { message: format!("job config: {e}") };
+        }
+        let leader = self.leader.as_mut().expect("controller");
+        let id = leader.next_job;
+        leader.next_job += 1;
+        let view = leader.membership.view().clone();
+        let members = view.members().iter().filter_map(|m| leader.members.get(m).cloned()).collect();
+        let info = super::job::JobDriver::new(id, spec.clone()).info();
+        let args = JobArgs { id, spec, node: me.clone(), view, members };
+        let name = format!("troupe/{}/job/{id}", self.id);
+        match Actor::spawn_linked(Some(name), JobController, args, me.get_cell()).await {
+            Ok((actor, _)) => {
+                let entry = JobEntry { actor: Some(actor), info, watchers: vec![client.to_owned()] };
+                self.leader.as_mut().expect("controller").jobs.insert(id, entry);
+                tracing::info!(node = %self.id, job = id, "job submitted");
+                Wire::Submitted { job: id }
+            }
+            Err(e) => Wire::Error { message: format!("starting the job controller: {e}") },
+        }
+    }
+
+    async fn client_message(&mut self, me: &ActorRef<NodeMsg>, from: &str, msg: Wire) {
+        let not_leader = || Wire::Redirect { leader: self.leader_addr() };
+        let reply = match msg {
+            Wire::StatusRequest => Wire::Status(Box::new(self.status())),
+            Wire::Submit { spec } if self.leader.is_some() => self.submit(me, from, *spec).await,
+            Wire::JobStatusRequest { job } | Wire::Watch { job } | Wire::Cancel { job } if self.leader.is_none() => {
+                let _ = job;
+                not_leader()
+            }
+            Wire::Submit { .. } => not_leader(),
+            Wire::JobStatusRequest { job } => self.job_reply(job, |_| {}),
+            Wire::Watch { job } => {
+                let from = from.to_owned();
+                self.job_reply(job, move |entry| entry.watchers.push(from))
+            }
+            Wire::Cancel { job } => self.job_reply(job, |entry| {
+                if let Some(actor) = &entry.actor {
+                    let _ = actor.cast(JobMsg::Cancel);
+                }
+            }),
+            other => Wire::Error { message: format!("not a client request: {other:?}") },
+        };
+        self.send(me, from, reply).await;
+    }
+
+    fn job_reply(&mut self, job: JobId, f: impl FnOnce(&mut JobEntry)) -> Wire {
+        match self.leader.as_mut().and_then(|l| l.jobs.get_mut(&job)) {
+            Some(entry) => {
+                f(entry);
+                Wire::JobStatus(Box::new(entry.info.clone()))
+            }
+            None => Wire::Error { message: format!("no job {job} on this cluster (see `troupe status`)") },
+        }
+    }
+
+    // ---- messages from the controller to this node ----
+
+    async fn node_message(&mut self, me: &ActorRef<NodeMsg>, epoch: u64, msg: Wire) {
+        let now = self.now();
+        self.member.heard_from_controller(now);
+        match msg {
+            Wire::View { view, members } => {
+                self.members = members;
+                self.member.handle_view(now, view);
+                self.drive_member(me).await;
+            }
+            Wire::Fenced { current } => {
+                self.member.handle_fence(now, current);
+                self.drive_member(me).await;
+            }
+            Wire::Prepare { job, attempt, spec, ranks } => {
+                for (rank, r) in ranks.iter().enumerate().filter(|(_, r)| r.node == self.id) {
+                    if let Some(w) = self.workers.get_mut(r.slot as usize) {
+                        w.attempts.insert(job, attempt);
+                        let msg = WorkerMsg::Prepare { job, attempt, spec: spec.clone(), rank, epoch };
+                        let _ = w.actor.cast(msg);
+                    }
+                }
+            }
+            Wire::Start { job, attempt, roster, source } => {
+                self.each_worker(|| WorkerMsg::Start { job, attempt, roster: roster.clone(), source })
+            }
+            Wire::Commit { job, attempt, step, .. } => self.each_worker(|| WorkerMsg::Commit { job, attempt, step }),
+            Wire::Abort { job, attempt, .. } => self.each_worker(|| WorkerMsg::Abort { job, attempt }),
+            Wire::Release { job } => {
+                self.each_worker(|| WorkerMsg::Release { job });
+                self.workers.iter_mut().for_each(|w| {
+                    w.attempts.remove(&job);
+                });
+            }
+            other => tracing::warn!(node = %self.id, "unexpected message from the controller: {other:?}"),
+        }
+    }
+
+    fn each_worker(&self, msg: impl Fn() -> WorkerMsg) {
+        for w in &self.workers {
+            let _ = w.actor.cast(msg());
+        }
+    }
+
+    async fn on_control(&mut self, me: &ActorRef<NodeMsg>, event: ControlEvent) {
+        match event {
+            ControlEvent::Message { from, role, epoch, body } => {
+                let msg = match Wire::decode(&body) {
+                    Ok(m) => m,
+                    Err(e) => return tracing::warn!(node = %self.id, %from, "{e}"),
+                };
+                let is_client_request = matches!(
+                    msg,
+                    Wire::StatusRequest
+                        | Wire::Submit { .. }
+                        | Wire::JobStatusRequest { .. }
+                        | Wire::Watch { .. }
+                        | Wire::Cancel { .. }
+                );
+                if is_client_request {
+                    return self.client_message(me, &from, msg).await;
+                }
+                if role != PeerRole::Node {
+                    return;
+                }
+                let for_leader = matches!(
+                    msg,
+                    Wire::Join { .. }
+                        | Wire::Heartbeat
+                        | Wire::Leave
+                        | Wire::Ready { .. }
+                        | Wire::Vote { .. }
+                        | Wire::Ended { .. }
+                );
+                if for_leader {
+                    if self.leader.is_some() {
+                        self.leader_message(me, NodeId(from), epoch, msg).await;
+                        self.drive_membership(me).await;
+                    } else {
+                        self.send(me, &from, Wire::Redirect { leader: self.leader_addr() }).await;
+                    }
+                } else if self.leader.is_some() && from == self.id.0 || self.leader_peer.as_deref() == Some(&from) {
+                    if from != self.id.0 && epoch < self.epoch() {
+                        self.refused_stale += 1;
+                        return tracing::warn!(node = %self.id, epoch, "refused a controller message of a stale epoch");
+                    }
+                    self.node_message(me, epoch, msg).await;
+                }
+            }
+            ControlEvent::Connected { peer, role, addr } => {
+                tracing::debug!(node = %self.id, %peer, ?role, %addr, "connected");
+            }
+            ControlEvent::Lost { peer, reason } => {
+                tracing::info!(node = %self.id, %peer, %reason, "connection lost");
+                if self.leader_peer.as_deref() == Some(&peer) {
+                    self.leader_peer = None;
+                }
+                let is_member =
+                    self.leader.as_ref().is_some_and(|l| l.membership.view().contains(&NodeId(peer.clone())));
+                if is_member {
+                    self.membership_event(MembershipEvent::ConnectionLost { peer: NodeId(peer) });
+                    self.drive_membership(me).await;
+                }
+            }
+            ControlEvent::Departed { peer } => {
+                if self.leader_peer.as_deref() == Some(&peer) {
+                    self.leader_peer = None;
+                }
+            }
+        }
+    }
+
+    async fn on_tick(&mut self, me: &ActorRef<NodeMsg>) {
+        let now = self.now();
+        if self.leader.is_none() && self.leader_peer.is_none() && !self.connecting && !self.draining {
+            self.connecting = true;
+            let (endpoint, addr, me2) = (self.endpoint.clone(), self.leader_addr(), me.clone());
+            tokio::spawn(async move {
+                let result = endpoint.connect(addr).await.map_err(|e| e.to_string());
+                let _ = me2.cast(NodeMsg::Connected(result));
+            });
+        }
+        self.member.handle_timeout(now);
+        self.drive_member(me).await;
+        if self.leader.is_some() {
+            let idle = !self.any_job_running();
+            let l = self.leader.as_mut().expect("controller");
+            l.membership.handle_timeout(now);
+            if idle && l.membership.joining().next().is_some() {
+                l.membership.handle(now, MembershipEvent::StepBoundary);
+            }
+            self.drive_membership(me).await;
+        }
+    }
+
+    async fn on_worker_failed(
+        &mut self,
+        me: &ActorRef<NodeMsg>,
+        slot: usize,
+        error: String,
+    ) -> Result<(), ActorProcessingErr> {
+        let now = self.now();
+        let decision = self.workers[slot].restarts.on_failure(now);
+        let attempts = std::mem::take(&mut self.workers[slot].attempts);
+        for (job, attempt) in attempts {
+            let outcome =
+                AttemptOutcome::Failed { step: 0, reason: format!("worker {slot} of {} failed: {error}", self.id) };
+            self.send_to_leader(me, Wire::Ended { job, attempt, slot: slot as u32, outcome }).await;
+        }
+        match decision {
+            Decision::Restart { attempt } => {
+                self.record_change(format!("{}: worker {slot} failed ({error}); restart {attempt}", self.id));
+                self.workers[slot].actor = self.spawn_worker(me, slot as u32).await?;
+                Ok(())
+            }
+            Decision::Escalate { failures } => {
+                let why = format!(
+                    "worker {slot} failed {failures} times within {} ms (restart.max_restarts = {}); last: {error}",
+                    self.config.restart.window_ms, self.config.restart.max_restarts
+                );
+                tracing::error!(node = %self.id, "{why}; stopping this node");
+                Err(why.into())
+            }
+        }
+    }
+}
+
+impl Actor for NodeActor {
+    type Msg = NodeMsg;
+    type State = NodeState;
+    type Arguments = NodeArgs;
+
+    async fn pre_start(&self, me: ActorRef<NodeMsg>, args: NodeArgs) -> Result<NodeState, ActorProcessingErr> {
+        let NodeArgs { config, identity, endpoint, mut events } = args;
+        let id = NodeId(config.name.clone());
+        let started = Instant::now();
+        let (member, leader) = if config.join.is_none() {
+            let membership = Membership::new(config.membership.clone(), Duration::ZERO, vec![id.clone()]);
+            let view = membership.view().clone();
+            let info = MemberInfo { name: id.0.clone(), addr: config.listen, slots: config.slots };
+            let leader = Leader {
+                membership,
+                members: BTreeMap::from([(id.clone(), info)]),
+                jobs: BTreeMap::new(),
+                next_job: 1,
+            };
+            (MemberState::member(id.clone(), config.membership.clone(), Duration::ZERO, view), Some(leader))
+        } else {
+            (MemberState::joining(id.clone(), config.membership.clone(), Duration::ZERO), None)
+        };
+        let pump = me.clone();
+        tokio::spawn(async move {
+            while let Some(event) = events.recv().await {
+                if pump.cast(NodeMsg::Control(event)).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut state = NodeState {
+            members: leader.as_ref().map(|l| l.members.values().cloned().collect()).unwrap_or_default(),
+            config,
+            id,
+            identity,
+            endpoint,
+            started,
+            member,
+            leader,
+            leader_peer: None,
+            connecting: false,
+            workers: Vec::new(),
+            refused_stale: 0,
+            changes: VecDeque::new(),
+            draining: false,
+        };
+        for slot in 0..state.config.slots {
+            let actor = state.spawn_worker(&me, slot).await?;
+            state.workers.push(WorkerSlot {
+                actor,
+                restarts: RestartTracker::new(state.config.restart),
+                attempts: BTreeMap::new(),
+            });
+        }
+        me.send_interval(Duration::from_millis(TICK_MS), || NodeMsg::Tick);
+        Ok(state)
+    }
+
+    async fn handle(
+        &self,
+        me: ActorRef<NodeMsg>,
+        msg: NodeMsg,
+        state: &mut NodeState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            NodeMsg::Control(event) => state.on_control(&me, event).await,
+            NodeMsg::Tick => state.on_tick(&me).await,
+            NodeMsg::FromWorker(wire) => state.send_to_leader(&me, wire).await,
+            NodeMsg::Outgoing { node, msg } => state.send(&me, &node.0, msg).await,
+            NodeMsg::JobEvent { job, event, info } => {
+                let watchers = match state.leader.as_mut().and_then(|l| l.jobs.get_mut(&job)) {
+                    Some(entry) => {
+                        entry.info = info;
+                        entry.watchers.clone()
+                    }
+                    None => return Ok(()),
+                };
+                if let JobEvent::Membership { changes, .. } = &event {
+                    tracing::info!(node = %state.id, job, ?changes, "job re-planned after a membership change");
+                }
+                for w in watchers {
+                    state.send(&me, &w, Wire::Event { job, event: event.clone() }).await;
+                }
+            }
+            NodeMsg::JobInfo(info) => {
+                if let Some(entry) = state.leader.as_mut().and_then(|l| l.jobs.get_mut(&info.id)) {
+                    entry.info = info;
+                }
+            }
+            NodeMsg::StepBoundary => {
+                state.membership_event(MembershipEvent::StepBoundary);
+                state.drive_membership(&me).await;
+            }
+            NodeMsg::Connected(result) => {
+                state.connecting = false;
+                match result {
+                    Ok(peer) => {
+                        tracing::info!(node = %state.id, %peer, "connected to the controller");
+                        state.leader_peer = Some(peer);
+                        state.member.handle_timeout(state.now());
+                        state.drive_member(&me).await;
+                    }
+                    Err(e) => tracing::debug!(node = %state.id, error = %e, "controller not reachable yet"),
+                }
+            }
+            NodeMsg::Status(reply) => {
+                let _ = reply.send(state.status());
+            }
+            NodeMsg::Drain(reply) => {
+                state.draining = true;
+                state.each_worker(|| WorkerMsg::DropAll);
+                if state.leader.is_none() {
+                    state.send_to_leader(&me, Wire::Leave).await;
+                }
+                state.endpoint.close().await;
+                let _ = reply.send(());
+                me.stop(Some("drained".into()));
+            }
+            NodeMsg::Worker(slot, reply) => {
+                let _ = reply.send(state.workers.get(slot as usize).map(|w| w.actor.clone()));
+            }
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        me: ActorRef<NodeMsg>,
+        event: SupervisionEvent,
+        state: &mut NodeState,
+    ) -> Result<(), ActorProcessingErr> {
+        let SupervisionEvent::ActorFailed(cell, error) = event else { return Ok(()) };
+        if let Some(slot) = state.workers.iter().position(|w| w.actor.get_id() == cell.get_id()) {
+            return state.on_worker_failed(&me, slot, error.to_string()).await;
+        }
+        if let Some(leader) = state.leader.as_mut() {
+            for (id, job) in leader.jobs.iter_mut() {
+                if job.actor.as_ref().is_some_and(|a| a.get_id() == cell.get_id()) {
+                    tracing::error!(job = id, %error, "job controller failed");
+                    job.actor = None;
+                    job.info.state = super::protocol::JobState::Failed;
+                    job.info.reason = Some(format!("the job controller failed: {error}"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Helper for tests and the daemon: the view a status reply describes.
+pub fn status_view(status: &ClusterStatus) -> View {
+    View::new(Epoch(status.epoch), status.members.iter().map(|m| NodeId(m.name.clone())).collect())
+}

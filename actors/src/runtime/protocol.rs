@@ -1,0 +1,283 @@
+//! What daemons and clients say to each other: one serde enum, JSON in the body of a control-plane
+//! message whose frame header carries the sender's membership epoch (`troupe_cluster::control`).
+//!
+//! Directions: node → controller (the leader daemon), controller → node, client ↔ any daemon.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use troupe_cluster::membership::{Epoch, NodeId, View};
+use troupe_cluster::transport::quic::PeerInfo;
+use troupe_model::config::JobConfig;
+
+pub type JobId = u64;
+
+/// A job as submitted: the training config plus how it runs on the cluster.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobSpec {
+    pub config: JobConfig,
+    /// A human name shown by `troupe status`.
+    pub name: String,
+    /// The job runs only while at least this many ranks are available (it pauses below).
+    pub min_ranks: usize,
+    /// Ranks to use at most (0: every slot of every member).
+    pub max_ranks: usize,
+    /// Rank 0 writes the final parameters here (a path on its machine).
+    pub save_final: Option<PathBuf>,
+}
+
+/// One rank of an attempt: a slot of a node.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RankSlot {
+    pub node: NodeId,
+    pub slot: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    /// Waiting for enough ranks.
+    Waiting,
+    Running,
+    Finished,
+    Failed,
+    Cancelled,
+}
+
+impl JobState {
+    pub fn is_terminal(self) -> bool {
+        matches!(self, JobState::Finished | JobState::Failed | JobState::Cancelled)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JobInfo {
+    pub id: JobId,
+    pub name: String,
+    pub state: JobState,
+    /// Committed steps.
+    pub step: u64,
+    pub total_steps: u64,
+    pub epoch: u64,
+    pub world: usize,
+    pub attempts: u64,
+    pub last_loss: Option<f64>,
+    pub reason: Option<String>,
+}
+
+/// The typed events a job streams (`troupe train --json` prints them, the job API yields them).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum JobEvent {
+    /// An attempt started on `world` ranks at `epoch`, continuing after `from_step` committed steps.
+    Started {
+        world: usize,
+        epoch: u64,
+        from_step: u64,
+        attempt: u64,
+    },
+    /// A step committed on every rank.
+    Step {
+        step: u64,
+        loss: f64,
+        lr: f64,
+        grad_norm: f64,
+        tokens_per_s: f64,
+        epoch: u64,
+        world: usize,
+    },
+    /// The cluster's membership changed under the job; the running attempt (if any) was aborted.
+    Membership {
+        epoch: u64,
+        world: usize,
+        changes: Vec<String>,
+    },
+    /// Training resumed after a membership change, from the last committed step.
+    Recovered {
+        step: u64,
+        epoch: u64,
+        world: usize,
+    },
+    /// Rank 0 saved the final parameters.
+    Saved {
+        path: PathBuf,
+    },
+    Finished {
+        steps: u64,
+        final_loss: Option<f64>,
+    },
+    Failed {
+        reason: String,
+    },
+    Cancelled,
+}
+
+impl JobEvent {
+    pub fn is_terminal(&self) -> bool {
+        matches!(self, JobEvent::Finished { .. } | JobEvent::Failed { .. } | JobEvent::Cancelled)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberInfo {
+    pub name: String,
+    pub addr: SocketAddr,
+    pub slots: u32,
+}
+
+/// `troupe status`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClusterStatus {
+    /// The daemon that answered.
+    pub node: String,
+    /// Whether it is the controller (leader).
+    pub leader: bool,
+    pub leader_addr: Option<SocketAddr>,
+    pub epoch: u64,
+    pub members: Vec<MemberInfo>,
+    /// Nodes waiting for a step boundary to be admitted.
+    pub joining: Vec<String>,
+    pub jobs: Vec<JobInfo>,
+    /// Messages refused because they carried a stale epoch (fencing).
+    pub refused_stale: u64,
+    /// Membership changes so far, newest last (bounded).
+    pub changes: Vec<String>,
+}
+
+/// Outcome of one rank's part in an attempt.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum AttemptOutcome {
+    /// Ran every step of the job; `saved` if this rank wrote the final parameters.
+    Completed { step: u64, saved: Option<PathBuf> },
+    /// Stopped by an abort from the controller (normal during recovery).
+    Aborted { step: u64 },
+    /// Failed on its own (a lost peer, a panic, a bad config on this machine).
+    Failed { step: u64, reason: String },
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Wire {
+    // node → controller
+    /// Ask to become a member (first start, restart, or after a fence).
+    Join {
+        slots: u32,
+        addr: SocketAddr,
+    },
+    Heartbeat,
+    /// Clean departure (SIGTERM drain).
+    Leave,
+    /// A worker is ready for `attempt`: its data-plane address and the step its state has committed
+    /// (None: no state for this job yet).
+    Ready {
+        job: JobId,
+        attempt: u64,
+        slot: u32,
+        data_addr: SocketAddr,
+        committed: Option<u64>,
+    },
+    /// A rank finished the compute and all-reduce of `step` and votes to commit it.
+    Vote {
+        job: JobId,
+        attempt: u64,
+        slot: u32,
+        step: u64,
+        loss: f64,
+        grad_norm: f64,
+        seconds: f64,
+    },
+    /// A rank's part of an attempt ended.
+    Ended {
+        job: JobId,
+        attempt: u64,
+        slot: u32,
+        outcome: AttemptOutcome,
+    },
+
+    // controller → node
+    /// The current view and where its members listen.
+    View {
+        view: View,
+        members: Vec<MemberInfo>,
+    },
+    /// You are not a member of the view of epoch `current`: drop job state and rejoin.
+    Fenced {
+        current: Epoch,
+    },
+    /// Get ready for an attempt of `job` on `ranks` (this node's workers find their own slots).
+    Prepare {
+        job: JobId,
+        attempt: u64,
+        spec: Box<JobSpec>,
+        ranks: Vec<RankSlot>,
+    },
+    /// Every rank is ready: connect the data plane over `roster`, make state equal to rank `source`'s
+    /// (None: every rank already holds the same committed step), train.
+    Start {
+        job: JobId,
+        attempt: u64,
+        roster: Vec<PeerInfo>,
+        source: Option<usize>,
+    },
+    /// Apply step `step`: every rank voted.
+    Commit {
+        job: JobId,
+        attempt: u64,
+        step: u64,
+        lr_hint: f64,
+    },
+    /// Abandon the attempt; keep the committed state.
+    Abort {
+        job: JobId,
+        attempt: u64,
+        reason: String,
+    },
+    /// The job is over (finished, failed or cancelled): drop its state.
+    Release {
+        job: JobId,
+    },
+
+    // client ↔ daemon
+    StatusRequest,
+    Status(Box<ClusterStatus>),
+    Submit {
+        spec: Box<JobSpec>,
+    },
+    Submitted {
+        job: JobId,
+    },
+    JobStatusRequest {
+        job: JobId,
+    },
+    JobStatus(Box<JobInfo>),
+    Cancel {
+        job: JobId,
+    },
+    /// Stream the events of `job` to this client (past step events are not replayed).
+    Watch {
+        job: JobId,
+    },
+    Event {
+        job: JobId,
+        event: JobEvent,
+    },
+    /// This daemon is not the controller; ask it instead.
+    Redirect {
+        leader: SocketAddr,
+    },
+    Error {
+        message: String,
+    },
+}
+
+impl Wire {
+    pub fn encode(&self) -> bytes::Bytes {
+        bytes::Bytes::from(serde_json::to_vec(self).expect("wire messages always serialize"))
+    }
+
+    pub fn decode(body: &[u8]) -> Result<Self, String> {
+        serde_json::from_slice(body).map_err(|e| format!("undecodable control message: {e}"))
+    }
+}

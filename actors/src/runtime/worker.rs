@@ -1,0 +1,353 @@
+//! WorkerActor: one per device slot (a GPU ordinal, or a CPU slot). Holds, per job, the committed
+//! training state of its rank, and runs attempts of the job's step protocol as a task it can abort.
+//!
+//! What a restart loses and keeps: a restarted worker starts empty — the committed state of its jobs is
+//! gone, and the next attempt copies it from another rank (`Start.source`). Nothing else is lost: the
+//! controller holds the job, and the attempt that was running is reported failed by the node.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::FutureExt;
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tokio::sync::mpsc;
+use troupe_cluster::collective::{CollectiveConfig, Communicator};
+use troupe_cluster::transport::quic::{bind_endpoint, PeerInfo, QuicTransport};
+use troupe_cluster::transport::Transport;
+use troupe_cluster::{NodeIdentity, TransportConfig};
+use troupe_model::optim::grad_norm;
+use troupe_model::Trainer;
+
+use super::node::NodeMsg;
+use super::protocol::{AttemptOutcome, JobId, JobSpec, Wire};
+use crate::engine::{DataParallelReplica, DEFAULT_BUCKET_BYTES};
+
+pub enum WorkerMsg {
+    Prepare {
+        job: JobId,
+        attempt: u64,
+        spec: Box<JobSpec>,
+        rank: usize,
+        epoch: u64,
+    },
+    Start {
+        job: JobId,
+        attempt: u64,
+        roster: Vec<PeerInfo>,
+        source: Option<usize>,
+    },
+    Commit {
+        job: JobId,
+        attempt: u64,
+        step: u64,
+    },
+    Abort {
+        job: JobId,
+        attempt: u64,
+    },
+    /// The job is over: drop its state.
+    Release {
+        job: JobId,
+    },
+    /// This node was fenced: abort everything and drop all job state.
+    DropAll,
+    /// An attempt task ended and gives the committed state back (None if it was lost to a panic).
+    Returned {
+        job: JobId,
+        attempt: u64,
+        trainer: Option<Box<Trainer>>,
+        outcome: AttemptOutcome,
+    },
+    /// Fault injection: the handler panics (tests, the chaos harness).
+    Panic(String),
+}
+
+pub struct WorkerArgs {
+    pub slot: u32,
+    pub node: ActorRef<NodeMsg>,
+    pub identity: Arc<NodeIdentity>,
+    pub host: IpAddr,
+    pub transport: TransportConfig,
+}
+
+enum Ctl {
+    Commit(u64),
+    Abort,
+}
+
+struct Prepared {
+    attempt: u64,
+    rank: usize,
+    epoch: u64,
+    spec: Box<JobSpec>,
+    endpoint: quinn::Endpoint,
+}
+
+#[derive(Default)]
+struct JobSlot {
+    trainer: Option<Box<Trainer>>,
+    prepared: Option<Prepared>,
+    /// The running attempt's number and control channel.
+    running: Option<(u64, mpsc::UnboundedSender<Ctl>)>,
+    /// A Prepare that arrived while the previous attempt was still handing its state back.
+    deferred: Option<WorkerMsg>,
+}
+
+pub struct WorkerState {
+    args: WorkerArgs,
+    jobs: HashMap<JobId, JobSlot>,
+}
+
+pub struct WorkerActor;
+
+impl Actor for WorkerActor {
+    type Msg = WorkerMsg;
+    type State = WorkerState;
+    type Arguments = WorkerArgs;
+
+    async fn pre_start(&self, _me: ActorRef<WorkerMsg>, args: WorkerArgs) -> Result<WorkerState, ActorProcessingErr> {
+        Ok(WorkerState { args, jobs: HashMap::new() })
+    }
+
+    async fn handle(
+        &self,
+        me: ActorRef<WorkerMsg>,
+        msg: WorkerMsg,
+        state: &mut WorkerState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            WorkerMsg::Prepare { job, attempt, spec, rank, epoch } => {
+                let slot = state.jobs.entry(job).or_default();
+                if slot.running.is_some() {
+                    slot.deferred = Some(WorkerMsg::Prepare { job, attempt, spec, rank, epoch });
+                    return Ok(());
+                }
+                state.prepare(job, attempt, spec, rank, epoch);
+            }
+            WorkerMsg::Start { job, attempt, roster, source } => state.start(&me, job, attempt, roster, source),
+            WorkerMsg::Commit { job, attempt, step } => state.control(job, attempt, Ctl::Commit(step)),
+            WorkerMsg::Abort { job, attempt } => {
+                state.control(job, attempt, Ctl::Abort);
+                if let Some(slot) = state.jobs.get_mut(&job) {
+                    slot.prepared.take_if(|p| p.attempt == attempt);
+                }
+            }
+            WorkerMsg::Release { job } => {
+                if let Some(slot) = state.jobs.remove(&job) {
+                    if let Some((_, ctl)) = slot.running {
+                        let _ = ctl.send(Ctl::Abort);
+                    }
+                }
+            }
+            WorkerMsg::DropAll => {
+                for (_, slot) in state.jobs.drain() {
+                    if let Some((_, ctl)) = slot.running {
+                        let _ = ctl.send(Ctl::Abort);
+                    }
+                }
+            }
+            WorkerMsg::Returned { job, attempt, trainer, outcome } => {
+                let me_slot = state.args.slot;
+                if let Some(slot) = state.jobs.get_mut(&job) {
+                    if slot.running.as_ref().is_some_and(|r| r.0 == attempt) {
+                        slot.running = None;
+                    }
+                    slot.trainer = trainer;
+                    let deferred = slot.deferred.take();
+                    state.report(Wire::Ended { job, attempt, slot: me_slot, outcome });
+                    if let Some(WorkerMsg::Prepare { job, attempt, spec, rank, epoch }) = deferred {
+                        state.prepare(job, attempt, spec, rank, epoch);
+                    }
+                }
+            }
+            WorkerMsg::Panic(why) => panic!("injected worker fault: {why}"),
+        }
+        Ok(())
+    }
+}
+
+impl WorkerState {
+    fn report(&self, msg: Wire) {
+        let _ = self.args.node.cast(NodeMsg::FromWorker(msg));
+    }
+
+    fn prepare(&mut self, job: JobId, attempt: u64, spec: Box<JobSpec>, rank: usize, epoch: u64) {
+        let (me, host) = (self.args.slot, self.args.host);
+        let fail = |state: &Self, reason: String| {
+            let outcome = AttemptOutcome::Failed { step: 0, reason };
+            state.report(Wire::Ended { job, attempt, slot: me, outcome });
+        };
+        let slot = self.jobs.entry(job).or_default();
+        if slot.trainer.is_none() {
+            match Trainer::new(spec.config.clone()) {
+                Ok(t) => slot.trainer = Some(Box::new(t)),
+                Err(e) => return fail(self, format!("building the model on this node: {e}")),
+            }
+        }
+        let committed = slot.trainer.as_ref().map(|t| t.step);
+        let endpoint = match bind_endpoint(&self.args.identity, SocketAddr::new(host, 0), &self.args.transport) {
+            Ok(e) => e,
+            Err(e) => return fail(self, format!("binding the data-plane endpoint: {e}")),
+        };
+        let data_addr = match endpoint.local_addr() {
+            Ok(a) => a,
+            Err(e) => return fail(self, format!("data-plane address: {e}")),
+        };
+        let slot = self.jobs.get_mut(&job).expect("inserted above");
+        slot.prepared = Some(Prepared { attempt, rank, epoch, spec, endpoint });
+        self.report(Wire::Ready { job, attempt, slot: me, data_addr, committed });
+    }
+
+    fn start(
+        &mut self,
+        me: &ActorRef<WorkerMsg>,
+        job: JobId,
+        attempt: u64,
+        roster: Vec<PeerInfo>,
+        source: Option<usize>,
+    ) {
+        let Some(slot) = self.jobs.get_mut(&job) else { return };
+        let Some(prepared) = slot.prepared.take_if(|p| p.attempt == attempt) else { return };
+        let Some(trainer) = slot.trainer.take() else { return };
+        let (tx, rx) = mpsc::unbounded_channel();
+        slot.running = Some((attempt, tx));
+        let ctx = AttemptCtx {
+            job,
+            attempt,
+            slot: self.args.slot,
+            node: self.args.node.clone(),
+            identity: self.args.identity.clone(),
+            transport: self.args.transport.clone(),
+            roster,
+            source,
+        };
+        let me = me.clone();
+        tokio::spawn(async move {
+            let run = std::panic::AssertUnwindSafe(run_attempt(ctx, prepared, trainer, rx)).catch_unwind();
+            let (trainer, outcome) = match run.await {
+                Ok(result) => result,
+                Err(panic) => {
+                    let reason = panic_message(&panic);
+                    (None, AttemptOutcome::Failed { step: 0, reason: format!("the attempt panicked: {reason}") })
+                }
+            };
+            let _ = me.cast(WorkerMsg::Returned { job, attempt, trainer, outcome });
+        });
+    }
+
+    fn control(&mut self, job: JobId, attempt: u64, ctl: Ctl) {
+        if let Some((running, tx)) = self.jobs.get(&job).and_then(|s| s.running.as_ref()) {
+            if *running == attempt {
+                let _ = tx.send(ctl);
+            }
+        }
+    }
+}
+
+pub(crate) fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+struct AttemptCtx {
+    job: JobId,
+    attempt: u64,
+    slot: u32,
+    node: ActorRef<NodeMsg>,
+    identity: Arc<NodeIdentity>,
+    transport: TransportConfig,
+    roster: Vec<PeerInfo>,
+    source: Option<usize>,
+}
+
+/// One rank's part of an attempt. Always gives the trainer back in its last committed state.
+async fn run_attempt(
+    ctx: AttemptCtx,
+    prepared: Prepared,
+    trainer: Box<Trainer>,
+    mut ctl: mpsc::UnboundedReceiver<Ctl>,
+) -> (Option<Box<Trainer>>, AttemptOutcome) {
+    let Prepared { rank, epoch, spec, endpoint, .. } = prepared;
+    let step = trainer.step;
+    let connect = QuicTransport::connect_on(&ctx.identity, endpoint, rank, ctx.roster.clone(), ctx.transport.clone());
+    let transport = tokio::select! {
+        t = connect => match t {
+            Ok(t) => Arc::new(t),
+            Err(e) => return (Some(trainer), AttemptOutcome::Failed { step, reason: e.to_string() }),
+        },
+        _ = wait_abort(&mut ctl) => return (Some(trainer), AttemptOutcome::Aborted { step }),
+    };
+    let comm = Communicator::new(transport.clone(), 0, epoch, CollectiveConfig::from(&ctx.transport));
+    let mut replica = DataParallelReplica::without_sync(*trainer, comm, DEFAULT_BUCKET_BYTES);
+    let outcome = drive(&ctx, &spec, &mut replica, &mut ctl).await;
+    if matches!(outcome, AttemptOutcome::Completed { .. }) {
+        transport.shutdown().await;
+    }
+    (Some(Box::new(replica.into_trainer())), outcome)
+}
+
+async fn wait_abort(ctl: &mut mpsc::UnboundedReceiver<Ctl>) {
+    while let Some(c) = ctl.recv().await {
+        if matches!(c, Ctl::Abort) {
+            return;
+        }
+    }
+    // The worker dropped the channel (released or restarted): same as an abort.
+}
+
+async fn drive<T: Transport>(
+    ctx: &AttemptCtx,
+    spec: &JobSpec,
+    replica: &mut DataParallelReplica<T>,
+    ctl: &mut mpsc::UnboundedReceiver<Ctl>,
+) -> AttemptOutcome {
+    let failed = |step, reason: String| AttemptOutcome::Failed { step, reason };
+    let step = replica.trainer().step;
+    if let Some(source) = ctx.source {
+        tokio::select! {
+            r = replica.sync_state_from(source) => if let Err(e) = r {
+                return failed(step, format!("copying the state of rank {source}: {e}"));
+            },
+            _ = wait_abort(ctl) => return AttemptOutcome::Aborted { step },
+        }
+    }
+    let total = spec.config.train.steps;
+    while replica.trainer().step < total {
+        let step = replica.trainer().step;
+        let t0 = Instant::now();
+        let loss = tokio::select! {
+            r = replica.reduce_gradients() => match r {
+                Ok(loss) => loss,
+                Err(e) => return failed(step, e.to_string()),
+            },
+            _ = wait_abort(ctl) => return AttemptOutcome::Aborted { step },
+        };
+        let norm = grad_norm(replica.trainer().model.params());
+        let seconds = t0.elapsed().as_secs_f64();
+        let vote =
+            Wire::Vote { job: ctx.job, attempt: ctx.attempt, slot: ctx.slot, step, loss, grad_norm: norm, seconds };
+        let _ = ctx.node.cast(NodeMsg::FromWorker(vote));
+        loop {
+            match ctl.recv().await {
+                Some(Ctl::Commit(s)) if s == step => break,
+                Some(Ctl::Commit(_)) => continue,
+                Some(Ctl::Abort) | None => return AttemptOutcome::Aborted { step },
+            }
+        }
+        replica.apply_update(loss);
+    }
+    let step = replica.trainer().step;
+    let mut saved = None;
+    if let (0, Some(path)) = (replica.rank(), &spec.save_final) {
+        if let Err(e) = replica.trainer().save_params(path) {
+            return failed(step, format!("saving the final parameters to {}: {e}", path.display()));
+        }
+        saved = Some(path.clone());
+    }
+    AttemptOutcome::Completed { step, saved }
+}

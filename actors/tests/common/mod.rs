@@ -1,0 +1,70 @@
+//! Helpers for the tests that run daemons as real processes on loopback.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use troupe_actors::api::{ClusterStatus, LocalCluster, LocalClusterOptions};
+
+pub fn binary() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_troupe"))
+}
+
+/// A cluster of `n` daemon processes with one slot and one torch thread each.
+pub async fn processes(n: usize) -> LocalCluster {
+    let mut options = LocalClusterOptions::new(n);
+    options.torch_threads = 1;
+    LocalCluster::processes(binary(), options).await.expect("local cluster starts")
+}
+
+pub fn signal(pid: u32, sig: &str) {
+    let status = Command::new("kill").arg(format!("-{sig}")).arg(pid.to_string()).status().expect("kill runs");
+    assert!(status.success(), "kill -{sig} {pid} failed");
+}
+
+/// Status of daemon `i` as it sees the cluster.
+pub async fn status(cluster: &LocalCluster, i: usize) -> ClusterStatus {
+    let mut client = cluster.client_to(i).await.expect("connects");
+    let status = client.status().await.expect("status");
+    client.close().await;
+    status
+}
+
+pub fn names(status: &ClusterStatus) -> Vec<String> {
+    status.members.iter().map(|m| m.name.clone()).collect()
+}
+
+/// Polls `check` until it returns Some, or panics after `timeout` with `what`.
+pub async fn wait_for<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> (T, Duration)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let t0 = Instant::now();
+    loop {
+        if let Some(v) = check().await {
+            return (v, t0.elapsed());
+        }
+        assert!(t0.elapsed() < timeout, "timed out after {timeout:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// Waits until every daemon in `nodes` sees exactly the members `expected`, all at one epoch; returns it.
+pub async fn converged(cluster: &LocalCluster, nodes: &[usize], expected: &[&str], timeout: Duration) -> u64 {
+    let (epoch, _) = wait_for(timeout, &format!("nodes {nodes:?} to see members {expected:?}"), || async {
+        let mut epochs = Vec::new();
+        for &i in nodes {
+            let s = status(cluster, i).await;
+            if names(&s) != expected {
+                return None;
+            }
+            epochs.push(s.epoch);
+        }
+        epochs.windows(2).all(|w| w[0] == w[1]).then(|| epochs[0])
+    })
+    .await;
+    epoch
+}

@@ -1,0 +1,155 @@
+//! Daemons as real processes over QUIC on loopback: failure detection, epoch fencing, clean leave and
+//! join, `troupe status --json`, and the errors of `troupe daemon` for bad configs.
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{converged, names, processes, signal, status, wait_for};
+
+const ALL: &[&str] = &["node-0", "node-1", "node-2"];
+const SURVIVORS: &[&str] = &["node-0", "node-1"];
+/// Failure timeout (1.5 s) plus one heartbeat, a tick and scheduling slack on a loaded 2-core machine.
+const DETECTION_BOUND: Duration = Duration::from_millis(3_000);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_is_seen_by_every_survivor_within_the_timeout_and_bumps_the_epoch_once() {
+    let cluster = processes(3).await;
+    let before = converged(&cluster, &[0, 1, 2], ALL, Duration::from_secs(10)).await;
+    signal(cluster.pid(2).unwrap(), "KILL");
+    let killed = Instant::now();
+    for survivor in [0, 1] {
+        let (epoch, _) = wait_for(DETECTION_BOUND * 2, "the survivor to drop node-2", || async {
+            let s = status(&cluster, survivor).await;
+            (names(&s) == SURVIVORS).then_some(s.epoch)
+        })
+        .await;
+        let seen = killed.elapsed();
+        eprintln!("node-{survivor} saw node-2 dead {:.2} s after SIGKILL", seen.as_secs_f64());
+        assert!(seen <= DETECTION_BOUND, "node-{survivor} took {seen:?} to see the kill");
+        assert_eq!(epoch, before + 1, "node-{survivor}: one membership change, one epoch");
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = status(&cluster, 0).await;
+    assert_eq!(after.epoch, before + 1, "no further epoch bumps: {:?}", after.changes);
+    let about_node_2: Vec<_> = after.changes.iter().filter(|c| c.contains("node-2")).collect();
+    assert!(about_node_2.iter().any(|c| c.contains("Failed")), "{about_node_2:?}");
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_node_is_fenced_its_stale_messages_refused_and_it_rejoins_with_a_new_epoch() {
+    let cluster = processes(3).await;
+    let before = converged(&cluster, &[0, 1, 2], ALL, Duration::from_secs(10)).await;
+    let pid = cluster.pid(2).unwrap();
+    signal(pid, "STOP");
+    let removed = converged(&cluster, &[0, 1], SURVIVORS, DETECTION_BOUND * 2).await;
+    assert_eq!(removed, before + 1);
+    // Stay paused well past the failure timeout (and the transport's idle timeout).
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    signal(pid, "CONT");
+    let rejoined = converged(&cluster, &[0, 1, 2], ALL, Duration::from_secs(15)).await;
+    assert_eq!(rejoined, before + 2, "removed once, admitted again once");
+    let controller = status(&cluster, 0).await;
+    assert!(controller.refused_stale >= 1, "the resumed node's stale-epoch messages were refused: {controller:?}");
+    let failed = controller.changes.iter().position(|c| c.contains("Failed") && c.contains("node-2"));
+    let joined = controller.changes.iter().rposition(|c| c.contains("Joined") && c.contains("node-2"));
+    assert!(failed.is_some() && joined > failed, "failed, then joined as a new member: {:?}", controller.changes);
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_leaves_cleanly_and_a_new_node_joins_while_idle() {
+    let mut cluster = processes(3).await;
+    let before = converged(&cluster, &[0, 1, 2], ALL, Duration::from_secs(10)).await;
+    signal(cluster.pid(1).unwrap(), "TERM");
+    let exit = cluster.wait_exit(1, Duration::from_secs(10)).expect("node-1 exits after SIGTERM");
+    assert!(exit.success(), "a drained daemon exits 0: {exit:?}");
+    let left = converged(&cluster, &[0, 2], &["node-0", "node-2"], Duration::from_secs(5)).await;
+    assert_eq!(left, before + 1);
+    let s = status(&cluster, 0).await;
+    let about_node_1: Vec<_> = s.changes.iter().filter(|c| c.contains("node-1")).collect();
+    assert!(about_node_1.iter().any(|c| c.contains("Left")), "a clean leave: {about_node_1:?}");
+    let failures = about_node_1.iter().filter(|c| c.contains("Failed") || c.contains("ConnectionLost")).count();
+    assert_eq!(failures, 0, "no failure reported: {about_node_1:?}");
+
+    let new = cluster.add_node().unwrap();
+    let joined = converged(&cluster, &[0, 2, new], &["node-0", "node-2", "node-3"], Duration::from_secs(10)).await;
+    assert_eq!(joined, before + 2);
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_json_lists_members_epoch_slots_and_jobs() {
+    let cluster = processes(2).await;
+    converged(&cluster, &[0, 1], &["node-0", "node-1"], Duration::from_secs(10)).await;
+    let certs = cluster.certs_dir();
+    let output = Command::new(common::binary())
+        .args(["status", "--json", "--cluster", &cluster.addr().to_string(), "--as", "client"])
+        .arg("--certs")
+        .arg(&certs)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let line = String::from_utf8(output.stdout).unwrap();
+    let status: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+    assert_eq!(status["node"], "node-0");
+    assert_eq!(status["leader"], true);
+    assert!(status["epoch"].as_u64().unwrap() >= 2);
+    let members = status["members"].as_array().unwrap();
+    assert_eq!(members.len(), 2);
+    assert_eq!(members[1]["name"], "node-1");
+    assert_eq!(members[1]["slots"], 1);
+    assert!(members[1]["addr"].as_str().unwrap().starts_with("127.0.0.1:"));
+    assert!(status["jobs"].as_array().unwrap().is_empty());
+    cluster.shutdown().await;
+}
+
+fn daemon_with(config: &str) -> (bool, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config.replace("DIR", dir.path().to_str().unwrap());
+    let path = dir.path().join("node.toml");
+    std::fs::write(&path, config).unwrap();
+    let certs = dir.path().join("certs");
+    troupe_cluster::init_cluster(&certs).unwrap();
+    troupe_cluster::add_node("node-a", &certs).unwrap();
+    let out = Command::new(common::binary()).args(["daemon", "--config"]).arg(&path).output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn daemon_config_errors_name_the_key_and_the_fix() {
+    let base = "name = \"node-a\"\nlisten = \"127.0.0.1:0\"\ndata_dir = \"DIR/data\"\ncerts = \"DIR/certs\"\n";
+    let cases: Vec<(String, &[&str])> = vec![
+        (format!("{base}slotz = 2\n"), &["unknown field `slotz`", "slots"]),
+        (format!("{base}slots = 0\n"), &["`slots`", "1..=64"]),
+        (base.replace("node-a", "Node_A"), &["`name`", "a-z, 0-9"]),
+        (base.replace("node-a", "node-b"), &["no certificate for node \"node-b\"", "troupe cluster add-node node-b"]),
+        (base.replace("DIR/certs", "DIR/nowhere"), &["no ca.pem", "troupe cluster init"]),
+        (
+            format!("{base}[membership]\nfailure_timeout_ms = 100\n"),
+            &["failure_timeout_ms", "twice heartbeat_interval_ms"],
+        ),
+        (base.replace("127.0.0.1:0", "not-an-address"), &["listen", "invalid socket address"]),
+    ];
+    for (config, needles) in &cases {
+        let (ok, stderr) = daemon_with(config);
+        assert!(!ok, "{config:?} should fail");
+        for needle in *needles {
+            assert!(stderr.contains(needle), "error for {config:?} lacks {needle:?}: {stderr}");
+        }
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
+
+#[test]
+fn a_daemon_refuses_an_address_in_use() {
+    let taken = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let config =
+        format!("name = \"node-a\"\nlisten = \"127.0.0.1:{port}\"\ndata_dir = \"DIR/data\"\ncerts = \"DIR/certs\"\n");
+    let (ok, stderr) = daemon_with(&config);
+    assert!(!ok);
+    assert!(stderr.contains(&format!("listen = 127.0.0.1:{port}")) && stderr.contains("in use"), "{stderr}");
+}
