@@ -1,6 +1,7 @@
 # troupe — the two commands of the README, and the steps they are made of.
 #
-#   make demo   provision libtorch (once), build, train gpt-tiny for 200 steps: the loss falls
+#   make demo   provision libtorch (once), build, train gpt-tiny for 200 steps on an embedded local cluster
+#               of two daemons (DDP over QUIC on loopback): the loss falls
 #   make test   provision libtorch (once), build, run the whole test suite
 #
 # libtorch (torch==2.11.0 from PyPI) lives in a venv under $(TROUPE_CACHE), and cargo builds into
@@ -31,7 +32,7 @@ build: provision
 	@echo "built target/release/troupe"
 
 demo: build
-	target/release/troupe train --steps $(DEMO_STEPS)
+	target/release/troupe train --nodes 2 --steps $(DEMO_STEPS)
 
 TEST_LOG := $(TROUPE_CACHE)/last-test.log
 

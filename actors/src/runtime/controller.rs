@@ -27,6 +27,7 @@ pub struct JobArgs {
 
 pub struct JobControllerState {
     id: JobId,
+    started: std::time::Instant,
     driver: JobDriver,
     node: ActorRef<NodeMsg>,
 }
@@ -53,7 +54,12 @@ impl Actor for JobController {
     type Arguments = JobArgs;
 
     async fn pre_start(&self, _me: ActorRef<JobMsg>, args: JobArgs) -> Result<JobControllerState, ActorProcessingErr> {
-        let mut state = JobControllerState { id: args.id, driver: JobDriver::new(args.id, args.spec), node: args.node };
+        let mut state = JobControllerState {
+            id: args.id,
+            started: std::time::Instant::now(),
+            driver: JobDriver::new(args.id, args.spec),
+            node: args.node,
+        };
         state.driver.on_view(&args.view, &args.members, Vec::new());
         state.flush();
         Ok(state)
@@ -65,12 +71,15 @@ impl Actor for JobController {
         msg: JobMsg,
         state: &mut JobControllerState,
     ) -> Result<(), ActorProcessingErr> {
+        let now = state.started.elapsed();
         let d = &mut state.driver;
         match msg {
             JobMsg::View { view, members, changes } => d.on_view(&view, &members, changes),
-            JobMsg::Ready { node, attempt, slot, addr, committed } => d.on_ready(&node, attempt, slot, addr, committed),
-            JobMsg::Vote { node, attempt, slot, step, loss, grad_norm, seconds } => {
-                d.on_vote(&node, attempt, slot, step, loss, grad_norm, seconds)
+            JobMsg::Ready { node, attempt, slot, addr, committed } => {
+                d.on_ready(now, &node, attempt, slot, addr, committed)
+            }
+            JobMsg::Vote { node, attempt, slot, step, loss, grad_norm, .. } => {
+                d.on_vote(now, &node, attempt, slot, step, loss, grad_norm)
             }
             JobMsg::Ended { node, attempt, slot, outcome } => d.on_ended(&node, attempt, slot, outcome),
             JobMsg::Cancel => d.cancel(),

@@ -10,6 +10,7 @@
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use troupe_cluster::membership::{NodeId, View};
 use troupe_cluster::transport::quic::PeerInfo;
@@ -41,7 +42,7 @@ enum Phase {
     },
     Running {
         ranks: Vec<RankSlot>,
-        votes: Vec<Option<(f64, f64, f64)>>,
+        votes: Vec<Option<(f64, f64)>>,
         ended: Vec<Option<AttemptOutcome>>,
     },
     Done,
@@ -59,6 +60,8 @@ pub struct JobDriver {
     last_loss: Option<f64>,
     failed_attempts: u32,
     reason: Option<String>,
+    /// When the last step committed (or the attempt started): step time is wall time between commits.
+    last_commit_at: Duration,
     actions: VecDeque<DriverAction>,
 }
 
@@ -88,6 +91,7 @@ impl JobDriver {
             last_loss: None,
             failed_attempts: 0,
             reason: None,
+            last_commit_at: Duration::ZERO,
             actions: VecDeque::new(),
         }
     }
@@ -179,7 +183,15 @@ impl JobDriver {
         self.ranks().iter().position(|r| &r.node == node && r.slot == slot)
     }
 
-    pub fn on_ready(&mut self, node: &NodeId, attempt: u64, slot: u32, addr: SocketAddr, committed: Option<u64>) {
+    pub fn on_ready(
+        &mut self,
+        now: Duration,
+        node: &NodeId,
+        attempt: u64,
+        slot: u32,
+        addr: SocketAddr,
+        committed: Option<u64>,
+    ) {
         if attempt != self.attempt {
             return;
         }
@@ -206,6 +218,7 @@ impl JobDriver {
         self.send_all(&ranks, &msg);
         self.committed = best;
         self.state = JobState::Running;
+        self.last_commit_at = now;
         let (world, epoch, step) = (ranks.len(), self.epoch, self.committed);
         let event = if self.attempt == 1 {
             JobEvent::Started { world, epoch, from_step: step, attempt: self.attempt }
@@ -216,20 +229,22 @@ impl JobDriver {
         self.phase = Phase::Running { votes: vec![None; world], ended: vec![None; world], ranks };
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub fn on_vote(&mut self, node: &NodeId, attempt: u64, slot: u32, step: u64, loss: f64, norm: f64, seconds: f64) {
+    /// A rank's vote for `step`: its loss and gradient norm (identical on every rank after the
+    /// all-reduce; rank 0's are reported).
+    pub fn on_vote(&mut self, now: Duration, node: &NodeId, attempt: u64, slot: u32, step: u64, loss: f64, norm: f64) {
         if attempt != self.attempt || step != self.committed {
             return;
         }
         let Some(rank) = self.rank_of(node, slot) else { return };
         let Phase::Running { ranks, votes, .. } = &mut self.phase else { return };
-        votes[rank] = Some((loss, norm, seconds));
+        votes[rank] = Some((loss, norm));
         if votes.iter().any(Option::is_none) {
             return;
         }
-        let (loss, norm) = votes[0].map(|v| (v.0, v.1)).expect("all voted");
-        let seconds = votes.iter().map(|v| v.expect("all voted").2).fold(0.0, f64::max);
+        let (loss, norm) = votes[0].expect("all voted");
         votes.iter_mut().for_each(|v| *v = None);
+        let seconds = now.saturating_sub(self.last_commit_at).as_secs_f64();
+        self.last_commit_at = now;
         let ranks = ranks.clone();
         let train = &self.spec.config.train;
         let lr = learning_rate(train, step);
