@@ -18,7 +18,7 @@ use troupe_cluster::NodeIdentity;
 pub use catalog::Catalog;
 pub use config::{NodeConfig, NodeConfigError, SLOTS_MAX};
 
-use crate::runtime::node::{NodeActor, NodeArgs, NodeMsg};
+use crate::runtime::node::{actor_scope, NodeActor, NodeArgs, NodeMsg};
 use crate::runtime::protocol::ClusterStatus;
 use crate::runtime::worker::WorkerMsg;
 
@@ -50,7 +50,7 @@ impl Daemon {
         let addr = endpoint.local_addr();
         let name = config.name.clone();
         let args = NodeArgs { config, identity: Arc::new(identity), endpoint, events };
-        let (node, handle) = Actor::spawn(Some(format!("troupe/{name}/node")), NodeActor, args)
+        let (node, handle) = Actor::spawn(Some(format!("{}/node", actor_scope(&name, addr))), NodeActor, args)
             .await
             .map_err(|e| anyhow::anyhow!("starting node {name}: {e}"))?;
         Ok(Daemon { node, handle, addr, name })

@@ -103,13 +103,19 @@ pub struct NodeState {
 
 pub struct NodeActor;
 
-fn worker_name(node: &str, slot: u32) -> String {
-    format!("troupe/{node}/worker/{slot}")
+/// Actor names are process-global in ractor: scope them by node name and listen address, so several
+/// nodes (even of different clusters, as in tests) can share a process.
+pub fn actor_scope(node: &str, addr: SocketAddr) -> String {
+    format!("troupe/{node}@{addr}")
 }
 
 impl NodeState {
     fn now(&self) -> Duration {
         self.started.elapsed()
+    }
+
+    fn scope(&self) -> String {
+        actor_scope(&self.id.0, self.endpoint.local_addr())
     }
 
     fn epoch(&self) -> u64 {
@@ -186,7 +192,8 @@ impl NodeState {
             transport: self.config.transport.clone(),
         };
         let (actor, _) =
-            Actor::spawn_linked(Some(worker_name(&self.id.0, slot)), WorkerActor, args, me.get_cell()).await?;
+            Actor::spawn_linked(Some(format!("{}/worker/{slot}", self.scope())), WorkerActor, args, me.get_cell())
+                .await?;
         Ok(actor)
     }
 
@@ -340,7 +347,7 @@ impl NodeState {
         let members = view.members().iter().filter_map(|m| leader.members.get(m).cloned()).collect();
         let info = super::job::JobDriver::new(id, spec.clone()).info();
         let args = JobArgs { id, spec, node: me.clone(), view, members };
-        let name = format!("troupe/{}/job/{id}", self.id);
+        let name = format!("{}/job/{id}", self.scope());
         match Actor::spawn_linked(Some(name), JobController, args, me.get_cell()).await {
             Ok((actor, _)) => {
                 let entry = JobEntry { actor: Some(actor), info, watchers: vec![client.to_owned()] };
