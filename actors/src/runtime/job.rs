@@ -326,3 +326,201 @@ impl JobDriver {
         self.actions.push_back(DriverAction::Event(event));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use troupe_cluster::membership::Epoch;
+
+    use super::*;
+
+    const T: Duration = Duration::from_millis(100);
+
+    fn spec(steps: u64) -> JobSpec {
+        let mut config = troupe_model::config::JobConfig::default();
+        config.train.steps = steps;
+        JobSpec { config, name: "t".into(), min_ranks: 1, max_ranks: 0, save_final: None }
+    }
+
+    fn view(epoch: u64, nodes: &[&str]) -> (View, Vec<MemberInfo>) {
+        let members = nodes
+            .iter()
+            .map(|n| MemberInfo { name: (*n).into(), addr: "127.0.0.1:1".parse().unwrap(), slots: 1 })
+            .collect();
+        (View::new(Epoch(epoch), nodes.iter().map(|n| NodeId::from(*n)).collect()), members)
+    }
+
+    fn drain(d: &mut JobDriver) -> Vec<DriverAction> {
+        std::iter::from_fn(|| d.poll_action()).collect()
+    }
+
+    fn sent(actions: &[DriverAction]) -> Vec<(String, &Wire)> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                DriverAction::Send { node, msg } => Some((node.0.clone(), msg)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn events(actions: &[DriverAction]) -> Vec<&JobEvent> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                DriverAction::Event(e) => Some(e),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn addr(port: u16) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    /// Starts a job on `nodes`, every rank ready at `committed`; returns the attempt number.
+    fn started(d: &mut JobDriver, epoch: u64, nodes: &[&str], committed: &[u64]) -> u64 {
+        let (v, m) = view(epoch, nodes);
+        d.on_view(&v, &m, vec![]);
+        drain(d);
+        let attempt = d.info().attempts;
+        for (i, (n, c)) in nodes.iter().zip(committed).enumerate() {
+            d.on_ready(T, &NodeId::from(*n), attempt, 0, addr(1000 + i as u16), Some(*c));
+        }
+        attempt
+    }
+
+    #[test]
+    fn ranks_are_slots_of_members_in_node_id_order_capped() {
+        let (v, mut m) = view(1, &["b", "a"]);
+        m[0].slots = 2; // "b"
+        let ranks = plan_ranks(&v, &m, 0);
+        let names: Vec<_> = ranks.iter().map(|r| (r.node.0.as_str(), r.slot)).collect();
+        assert_eq!(names, vec![("a", 0), ("b", 0), ("b", 1)]);
+        assert_eq!(plan_ranks(&v, &m, 2).len(), 2);
+    }
+
+    #[test]
+    fn a_step_commits_only_when_every_rank_voted_and_the_job_finishes_when_every_rank_completed() {
+        let mut d = JobDriver::new(7, spec(2));
+        let (v, m) = view(3, &["a", "b"]);
+        d.on_view(&v, &m, vec![]);
+        let prepares = drain(&mut d);
+        assert_eq!(sent(&prepares).len(), 2);
+        assert!(sent(&prepares).iter().all(|(_, w)| matches!(w, Wire::Prepare { attempt: 1, .. })));
+        d.on_ready(T, &"a".into(), 1, 0, addr(1), Some(0));
+        assert!(drain(&mut d).is_empty(), "waits for every rank");
+        d.on_ready(T, &"b".into(), 1, 0, addr(2), Some(0));
+        let start = drain(&mut d);
+        let starts = sent(&start);
+        let Wire::Start { roster, source, .. } = starts[0].1 else { panic!("{start:?}") };
+        assert_eq!(roster.iter().map(|p| p.addr).collect::<Vec<_>>(), vec![addr(1), addr(2)]);
+        assert_eq!(*source, None, "every rank holds step 0: nothing to copy");
+        assert!(matches!(events(&start)[0], JobEvent::Started { world: 2, epoch: 3, from_step: 0, attempt: 1 }));
+
+        d.on_vote(T * 2, &"a".into(), 1, 0, 0, 4.0, 1.0);
+        assert!(drain(&mut d).is_empty());
+        d.on_vote(T * 2, &"a".into(), 1, 0, 0, 4.0, 1.0); // a duplicate changes nothing
+        assert!(drain(&mut d).is_empty());
+        d.on_vote(T * 3, &"b".into(), 1, 0, 0, 4.0, 1.0);
+        let commit = drain(&mut d);
+        assert_eq!(sent(&commit).len(), 2);
+        assert!(matches!(sent(&commit)[0].1, Wire::Commit { step: 0, .. }));
+        let JobEvent::Step { step: 1, loss, tokens_per_s, world: 2, .. } = events(&commit)[0] else { panic!() };
+        assert_eq!(*loss, 4.0);
+        // 8 samples × 128 tokens over the 200 ms since the attempt started.
+        assert!((tokens_per_s - 1024.0 / 0.2).abs() < 1e-6, "{tokens_per_s}");
+        assert!(commit.contains(&DriverAction::StepBoundary));
+
+        d.on_vote(T * 4, &"a".into(), 1, 0, 1, 3.0, 1.0);
+        d.on_vote(T * 4, &"b".into(), 1, 0, 1, 3.0, 1.0);
+        assert!(!drain(&mut d).contains(&DriverAction::StepBoundary), "no boundary after the last step");
+        d.on_ended(&"a".into(), 1, 0, AttemptOutcome::Completed { step: 2, saved: None });
+        assert_eq!(d.info().state, JobState::Running);
+        d.on_ended(&"b".into(), 1, 0, AttemptOutcome::Completed { step: 2, saved: None });
+        let end = drain(&mut d);
+        assert!(matches!(events(&end).last(), Some(JobEvent::Finished { steps: 2, final_loss: Some(3.0) })));
+        assert!(sent(&end).iter().all(|(_, w)| matches!(w, Wire::Release { job: 7 })));
+        assert_eq!(d.info().state, JobState::Finished);
+    }
+
+    #[test]
+    fn a_membership_change_aborts_the_attempt_and_the_next_copies_state_from_the_most_advanced_rank() {
+        let mut d = JobDriver::new(1, spec(10));
+        started(&mut d, 1, &["a", "b", "c"], &[0, 0, 0]);
+        drain(&mut d);
+        for n in ["a", "b", "c"] {
+            d.on_vote(T, &n.into(), 1, 0, 0, 5.0, 1.0);
+        }
+        drain(&mut d);
+        d.on_vote(T, &"a".into(), 1, 0, 1, 4.0, 1.0); // step 1 in flight when c dies
+        let (v, m) = view(2, &["a", "b"]);
+        d.on_view(&v, &m, vec!["c failed".into()]);
+        let actions = drain(&mut d);
+        let aborts: Vec<_> = sent(&actions).into_iter().filter(|(_, w)| matches!(w, Wire::Abort { .. })).collect();
+        assert_eq!(aborts.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), vec!["a", "b"], "survivors only");
+        assert!(matches!(events(&actions)[0], JobEvent::Membership { epoch: 2, world: 2, .. }));
+        assert!(sent(&actions).iter().any(|(_, w)| matches!(w, Wire::Prepare { attempt: 2, .. })));
+        // A late vote of the aborted attempt is ignored.
+        d.on_vote(T, &"b".into(), 1, 0, 1, 4.0, 1.0);
+        assert!(drain(&mut d).is_empty());
+
+        // A joiner "d" arrives with no progress; "a" and "b" committed step 1.
+        let (v, m) = view(3, &["a", "b", "d"]);
+        d.on_view(&v, &m, vec!["d joined".into()]);
+        drain(&mut d);
+        for (i, (n, c)) in [("a", 1), ("b", 1), ("d", 0)].into_iter().enumerate() {
+            d.on_ready(T, &n.into(), 3, 0, addr(i as u16), Some(c));
+        }
+        let start = drain(&mut d);
+        assert!(matches!(sent(&start)[0].1, Wire::Start { source: Some(0), attempt: 3, .. }));
+        assert!(matches!(events(&start)[0], JobEvent::Recovered { step: 1, epoch: 3, world: 3 }));
+    }
+
+    #[test]
+    fn state_lost_with_every_node_that_held_it_fails_the_job_with_the_reason() {
+        let mut d = JobDriver::new(1, spec(10));
+        started(&mut d, 1, &["a", "b"], &[0, 0]);
+        for n in ["a", "b"] {
+            d.on_vote(T, &n.into(), 1, 0, 0, 5.0, 1.0);
+        }
+        drain(&mut d);
+        let (v, m) = view(2, &["c"]);
+        d.on_view(&v, &m, vec![]);
+        drain(&mut d);
+        d.on_ready(T, &"c".into(), 2, 0, addr(1), Some(0));
+        let actions = drain(&mut d);
+        let JobEvent::Failed { reason } = events(&actions)[0] else { panic!("{actions:?}") };
+        assert!(reason.contains("state of step 1 was lost"), "{reason}");
+        assert_eq!(d.info().state, JobState::Failed);
+    }
+
+    #[test]
+    fn a_failing_rank_retries_the_attempt_until_the_limit() {
+        let mut d = JobDriver::new(1, spec(10));
+        for i in 0..FAILED_ATTEMPTS_MAX {
+            let attempt = started(&mut d, 1 + u64::from(i), &["a", "b"], &[0, 0]);
+            drain(&mut d);
+            d.on_ended(&"b".into(), attempt, 0, AttemptOutcome::Failed { step: 0, reason: "boom".into() });
+            let actions = drain(&mut d);
+            if i + 1 < FAILED_ATTEMPTS_MAX {
+                assert!(sent(&actions).iter().any(|(_, w)| matches!(w, Wire::Prepare { .. })), "retried");
+            } else {
+                assert!(matches!(events(&actions).last(), Some(JobEvent::Failed { .. })));
+            }
+        }
+    }
+
+    #[test]
+    fn too_few_ranks_waits_and_cancel_releases() {
+        let mut s = spec(10);
+        s.min_ranks = 3;
+        let mut d = JobDriver::new(1, s);
+        let (v, m) = view(1, &["a", "b"]);
+        d.on_view(&v, &m, vec![]);
+        assert!(drain(&mut d).is_empty());
+        assert_eq!(d.info().state, JobState::Waiting);
+        d.cancel();
+        assert!(matches!(events(&drain(&mut d))[..], [JobEvent::Cancelled]));
+        assert_eq!(d.info().state, JobState::Cancelled);
+    }
+}
