@@ -1,0 +1,147 @@
+//! The cluster commands as a user runs them: `troupe train --nodes N` (an embedded local cluster that
+//! leaves no process behind, also when interrupted or killed), and `troupe job submit|status|cancel`.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const SMALL_JOB: &str = "[model]\nn_layers = 1\nd_model = 64\nn_heads = 2\ncontext = 32\n[train]\nglobal_batch = 4\nmicro_batch = 2\ntorch_threads = 1\n";
+
+fn children(pid: u32) -> Vec<u32> {
+    let out = Command::new("pgrep").arg("-P").arg(pid.to_string()).output().expect("pgrep runs");
+    String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| l.trim().parse().ok()).collect()
+}
+
+fn alive(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default().contains(") Z ")
+}
+
+fn wait_gone(pids: &[u32], timeout: Duration) {
+    let t0 = Instant::now();
+    while pids.iter().any(|&p| alive(p)) {
+        assert!(t0.elapsed() < timeout, "daemons {pids:?} still running after {timeout:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Starts `troupe train --json` with `args` and reads events until the first step.
+fn train_until_first_step(dir: &std::path::Path, args: &[&str]) -> (Child, BufReader<std::process::ChildStdout>) {
+    let job = dir.join("job.toml");
+    std::fs::write(&job, SMALL_JOB).unwrap();
+    let mut child = Command::new(common::binary())
+        .args(["train", "--json", "--config"])
+        .arg(&job)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "train ended before its first step");
+        let event: Value = serde_json::from_str(&line).unwrap();
+        if event["event"] == "step" {
+            return (child, out);
+        }
+    }
+}
+
+#[test]
+fn train_on_an_embedded_cluster_reports_world_and_epoch_and_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut child, out) = train_until_first_step(dir.path(), &["--nodes", "2", "--steps", "6"]);
+    let daemons = children(child.id());
+    assert_eq!(daemons.len(), 2, "two daemon processes: {daemons:?}");
+    let events: Vec<Value> = out.lines().map(|l| serde_json::from_str(&l.unwrap()).unwrap()).collect();
+    assert!(child.wait().unwrap().success());
+    let steps: Vec<&Value> = events.iter().filter(|e| e["event"] == "step").collect();
+    assert_eq!(steps.len(), 5, "steps 2..=6 after the first: {events:?}");
+    for s in &steps {
+        assert_eq!(s["world"], 2);
+        assert!(s["epoch"].as_u64().unwrap() >= 2);
+        assert!(s["tokens_per_s"].as_f64().unwrap() > 0.0);
+    }
+    let summary = events.last().unwrap();
+    assert_eq!(summary["event"], "summary");
+    assert_eq!(summary["steps"], 6);
+    assert_eq!(summary["world"], 2);
+    wait_gone(&daemons, Duration::from_secs(5));
+}
+
+#[test]
+fn interrupting_train_cancels_the_job_and_stops_every_daemon() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut child, _out) = train_until_first_step(dir.path(), &["--nodes", "2", "--steps", "100000"]);
+    let daemons = children(child.id());
+    assert_eq!(daemons.len(), 2);
+    common::signal(child.id(), "INT");
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "an interrupted run says so");
+    wait_gone(&daemons, Duration::from_secs(5));
+}
+
+#[test]
+fn killing_train_takes_its_daemons_down_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut child, _out) = train_until_first_step(dir.path(), &["--nodes", "2", "--steps", "100000"]);
+    let daemons = children(child.id());
+    common::signal(child.id(), "KILL");
+    child.wait().unwrap();
+    wait_gone(&daemons, Duration::from_secs(5));
+}
+
+fn troupe_json(args: &[&str], cluster: &troupe_actors::api::LocalCluster) -> Value {
+    let out = Command::new(common::binary())
+        .args(args)
+        .args(["--json", "--cluster", &cluster.addr().to_string(), "--as", "client", "--certs"])
+        .arg(cluster.certs_dir())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    serde_json::from_str(stdout.lines().next().unwrap()).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_submit_status_and_cancel_from_the_command_line() {
+    let cluster = common::processes(2).await;
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("long.toml");
+    std::fs::write(&job, format!("{SMALL_JOB}steps = 100000\n")).unwrap();
+    let submitted = troupe_json(&["job", "submit", job.to_str().unwrap(), "--detach"], &cluster);
+    assert_eq!(submitted["event"], "submitted");
+    let id = submitted["job"].as_u64().unwrap().to_string();
+    let (info, _) = common::wait_for(Duration::from_secs(30), "the job to commit a step", || async {
+        let info = troupe_json(&["job", "status", &id], &cluster);
+        (info["step"].as_u64().unwrap() > 0).then_some(info)
+    })
+    .await;
+    assert_eq!(info["state"], "running");
+    assert_eq!(info["name"], "long");
+    assert_eq!(info["world"], 2);
+    troupe_json(&["job", "cancel", &id], &cluster);
+    let (info, _) = common::wait_for(Duration::from_secs(10), "the job to be cancelled", || async {
+        let info = troupe_json(&["job", "status", &id], &cluster);
+        (info["state"] == "cancelled").then_some(info)
+    })
+    .await;
+    assert!(info["step"].as_u64().unwrap() < 100000);
+    let status = common::status(&cluster, 0).await;
+    assert_eq!(status.jobs.len(), 1);
+
+    let out = Command::new(common::binary())
+        .args(["job", "status", "99", "--cluster", &cluster.addr().to_string(), "--as", "client", "--certs"])
+        .arg(cluster.certs_dir())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no job 99"));
+    cluster.shutdown().await;
+}
