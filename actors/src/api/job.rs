@@ -60,6 +60,31 @@ impl Job {
         self
     }
 
+    /// Pipeline layout: `pp` stages, `schedule` (gpipe, 1f1b, interleaved, zb-h1), `microbatches`.
+    /// Submitting a layout this build cannot run fails with a message saying so.
+    pub fn pipeline(mut self, pp: usize, schedule: &str, microbatches: usize) -> Self {
+        let parallel = &mut self.spec.config.parallel;
+        parallel.pp = pp;
+        parallel.schedule = schedule.into();
+        parallel.microbatches = microbatches;
+        self
+    }
+
+    /// Compute precision: fp32, bf16 or fp16.
+    pub fn precision(mut self, precision: &str) -> Self {
+        self.spec.config.parallel.precision = precision.into();
+        self
+    }
+
+    /// Durable checkpoints every `every_steps` steps under `dir`, keeping the last `keep_last`.
+    pub fn checkpoints(mut self, dir: impl Into<PathBuf>, every_steps: u64, keep_last: usize) -> Self {
+        let checkpoint = &mut self.spec.config.checkpoint;
+        checkpoint.dir = Some(dir.into());
+        checkpoint.every_steps = every_steps;
+        checkpoint.keep_last = keep_last;
+        self
+    }
+
     pub fn config_mut(&mut self) -> &mut JobConfig {
         &mut self.spec.config
     }

@@ -111,6 +111,16 @@ impl JobDriver {
         }
     }
 
+    /// The cap on ranks: the spec's `max_ranks` and the config's `parallel.dp`, whichever is tighter
+    /// (0 is no cap).
+    fn max_ranks(&self) -> usize {
+        match (self.spec.max_ranks, self.spec.config.parallel.dp) {
+            (0, dp) => dp,
+            (max, 0) => max,
+            (max, dp) => max.min(dp),
+        }
+    }
+
     pub fn poll_action(&mut self) -> Option<DriverAction> {
         self.actions.pop_front()
     }
@@ -140,7 +150,7 @@ impl JobDriver {
             return;
         }
         self.epoch = view.epoch.0;
-        let wanted = plan_ranks(view, members, self.spec.max_ranks);
+        let wanted = plan_ranks(view, members, self.max_ranks());
         if !matches!(self.phase, Phase::Idle) && wanted == self.ranks() {
             return;
         }
