@@ -118,7 +118,7 @@ fn unavailable_flags_and_bad_configs_fail_with_a_clear_message() {
         (&["train", "--shard", "zero3"], "--shard"),
         (&["train", "--nodes", "0"], "parallel.nodes"),
         (&["train", "--nodes", "2", "--dp", "3"], "raise --nodes or lower --dp"),
-        (&["train", "--nodes", "2", "--resume", "/tmp"], "--resume"),
+        (&["train", "--nodes", "2", "--resume", "/tmp"], "pass --checkpoint-dir instead"),
         (&["train", "--cluster", "127.0.0.1:7000"], "--cluster"),
         (&["train", "--config", bad], "unknown field `learning_rate`"),
         (&["train", "--config", "/nonexistent/job.toml"], "/nonexistent/job.toml"),

@@ -112,8 +112,8 @@ impl TrainArgs {
             bail!("--dp {dp} needs at least {dp} ranks, and --nodes {nodes} gives {nodes} (one slot each); raise --nodes or lower --dp");
         }
         let distributed = self.cluster.is_some() || nodes > 1;
-        if distributed && (self.resume.is_some() || config.checkpoint.dir.is_some()) {
-            bail!("--resume / --checkpoint-dir are not available on a cluster yet in this build of troupe (they land with the checkpoint issue); train with --nodes 1 to use them");
+        if distributed && self.resume.is_some() {
+            bail!("--resume: on a cluster, pass --checkpoint-dir instead: a job whose checkpoint directory holds a valid checkpoint continues from the newest one");
         }
         Ok(config)
     }

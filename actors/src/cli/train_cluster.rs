@@ -21,7 +21,12 @@ pub fn run(args: TrainArgs, config: JobConfig) -> anyhow::Result<()> {
     runtime.block_on(train(args, config))
 }
 
-async fn train(args: TrainArgs, config: JobConfig) -> anyhow::Result<()> {
+async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
+    if let Some(dir) = &config.checkpoint.dir {
+        // The daemons may run elsewhere (or in another directory): make it absolute.
+        let absolute = std::path::absolute(dir).with_context(|| format!("--checkpoint-dir {}", dir.display()))?;
+        config.checkpoint.dir = Some(absolute);
+    }
     let nodes = config.parallel.nodes;
     let (cluster, client) = match &args.cluster {
         Some(addr) => {
@@ -105,6 +110,18 @@ async fn train(args: TrainArgs, config: JobConfig) -> anyhow::Result<()> {
                     &format!("recovered: continuing after step {step} on {w} ranks (epoch {epoch})"),
                 );
             }
+            JobEvent::Checkpoint { step, path, seconds } => reporter.event(
+                "checkpoint",
+                json!({ "step": step, "path": path, "seconds": seconds }),
+                &format!("checkpoint: step {step} saved to {} in {seconds:.2} s", path.display()),
+            ),
+            JobEvent::RolledBack { from_step, to_step } => reporter.event(
+                "rollback",
+                json!({ "from_step": from_step, "to_step": to_step }),
+                &format!(
+                    "every node holding step {from_step} was lost: continuing from the checkpoint of step {to_step}"
+                ),
+            ),
             JobEvent::Saved { path } => reporter.event(
                 "saved",
                 json!({ "path": path }),

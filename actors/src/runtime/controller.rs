@@ -14,6 +14,7 @@ pub enum JobMsg {
     Ready { node: NodeId, attempt: u64, slot: u32, addr: std::net::SocketAddr, committed: Option<u64> },
     Vote { node: NodeId, attempt: u64, slot: u32, step: u64, loss: f64, grad_norm: f64, seconds: f64 },
     Ended { node: NodeId, attempt: u64, slot: u32, outcome: AttemptOutcome },
+    Checkpointed { attempt: u64, step: u64, path: std::path::PathBuf, seconds: f64 },
     Cancel,
 }
 
@@ -82,6 +83,7 @@ impl Actor for JobController {
                 d.on_vote(now, &node, attempt, slot, step, loss, grad_norm)
             }
             JobMsg::Ended { node, attempt, slot, outcome } => d.on_ended(&node, attempt, slot, outcome),
+            JobMsg::Checkpointed { attempt, step, path, seconds } => d.on_checkpoint(attempt, step, path, seconds),
             JobMsg::Cancel => d.cancel(),
         }
         state.flush();

@@ -215,10 +215,14 @@ impl JobDriver {
         let ready: Vec<(SocketAddr, Option<u64>)> = ready.iter().map(|r| r.expect("all ready")).collect();
         let best = ready.iter().map(|r| r.1.unwrap_or(0)).max().unwrap_or(0);
         if best < self.committed {
-            return self.fail(format!(
-                "the state of step {} was lost with the nodes that held it (the ranks left have step {best}); restart from a checkpoint",
-                self.committed
-            ));
+            if self.spec.config.checkpoint.dir.is_none() {
+                return self.fail(format!(
+                    "the state of step {} was lost with the nodes that held it (the ranks left have step {best}) and the job has no checkpoint.dir to fall back on",
+                    self.committed
+                ));
+            }
+            let event = JobEvent::RolledBack { from_step: self.committed, to_step: best };
+            self.actions.push_back(DriverAction::Event(event));
         }
         let all_equal = ready.iter().all(|r| r.1 == Some(best));
         let source = (!all_equal).then(|| ready.iter().position(|r| r.1.unwrap_or(0) == best).unwrap_or(0));
@@ -314,6 +318,13 @@ impl JobDriver {
                     JobEvent::Finished { steps: self.committed, final_loss: self.last_loss },
                 );
             }
+        }
+    }
+
+    /// Rank 0 committed a durable checkpoint.
+    pub fn on_checkpoint(&mut self, attempt: u64, step: u64, path: std::path::PathBuf, seconds: f64) {
+        if attempt == self.attempt && !self.state.is_terminal() {
+            self.actions.push_back(DriverAction::Event(JobEvent::Checkpoint { step, path, seconds }));
         }
     }
 

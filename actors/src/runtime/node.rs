@@ -322,6 +322,9 @@ impl NodeState {
             Wire::Ended { job, attempt, slot, outcome } => {
                 (job, JobMsg::Ended { node: from.clone(), attempt, slot, outcome })
             }
+            Wire::Checkpointed { job, attempt, step, path, seconds } => {
+                (job, JobMsg::Checkpointed { attempt, step, path, seconds })
+            }
             other => return tracing::warn!(%from, "unexpected message for the controller: {other:?}"),
         };
         if let Err(current) = self.admit_job_message(&from, epoch) {
@@ -468,6 +471,7 @@ impl NodeState {
                         | Wire::Ready { .. }
                         | Wire::Vote { .. }
                         | Wire::Ended { .. }
+                        | Wire::Checkpointed { .. }
                 );
                 if for_leader {
                     if self.leader.is_some() {

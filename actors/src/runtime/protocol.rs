@@ -100,6 +100,18 @@ pub enum JobEvent {
         epoch: u64,
         world: usize,
     },
+    /// Rank 0 committed a durable checkpoint of step `step` (all state: parameters, optimizer, counters).
+    Checkpoint {
+        step: u64,
+        path: PathBuf,
+        seconds: f64,
+    },
+    /// Every rank that held the last committed state is gone: the job continues from the latest durable
+    /// checkpoint, redoing the steps after it (same samples, same trajectory).
+    RolledBack {
+        from_step: u64,
+        to_step: u64,
+    },
     /// Rank 0 saved the final parameters.
     Saved {
         path: PathBuf,
@@ -194,6 +206,14 @@ pub enum Wire {
         attempt: u64,
         slot: u32,
         outcome: AttemptOutcome,
+    },
+    /// Rank 0 committed a durable checkpoint.
+    Checkpointed {
+        job: JobId,
+        attempt: u64,
+        step: u64,
+        path: PathBuf,
+        seconds: f64,
     },
 
     // controller → node

@@ -18,7 +18,7 @@ use troupe_cluster::transport::quic::{bind_endpoint, PeerInfo, QuicTransport};
 use troupe_cluster::transport::Transport;
 use troupe_cluster::{NodeIdentity, TransportConfig};
 use troupe_model::optim::grad_norm;
-use troupe_model::Trainer;
+use troupe_model::{checkpoint, Trainer};
 
 use super::node::NodeMsg;
 use super::protocol::{AttemptOutcome, JobId, JobSpec, Wire};
@@ -181,9 +181,9 @@ impl WorkerState {
         };
         let slot = self.jobs.entry(job).or_default();
         if slot.trainer.is_none() {
-            match Trainer::new(spec.config.clone()) {
+            match fresh_trainer(&spec) {
                 Ok(t) => slot.trainer = Some(Box::new(t)),
-                Err(e) => return fail(self, format!("building the model on this node: {e}")),
+                Err(e) => return fail(self, e),
             }
         }
         let committed = slot.trainer.as_ref().map(|t| t.step);
@@ -246,6 +246,22 @@ impl WorkerState {
     }
 }
 
+/// A rank with no state for a job: the latest valid durable checkpoint if the job has one, else step 0.
+fn fresh_trainer(spec: &JobSpec) -> Result<Trainer, String> {
+    let config = spec.config.clone();
+    if let Some(dir) = &config.checkpoint.dir {
+        let (latest, skipped) = checkpoint::latest_valid(dir);
+        for (bad, why) in skipped {
+            tracing::warn!(checkpoint = %bad.display(), "skipping checkpoint: {why}");
+        }
+        if let Some(latest) = latest {
+            return Trainer::resume(config, &latest)
+                .map_err(|e| format!("restoring checkpoint {}: {e}", latest.display()));
+        }
+    }
+    Trainer::new(config).map_err(|e| format!("building the model on this node: {e}"))
+}
+
 pub(crate) fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
     panic
         .downcast_ref::<String>()
@@ -300,6 +316,20 @@ async fn wait_abort(ctl: &mut mpsc::UnboundedReceiver<Ctl>) {
     // The worker dropped the channel (released or restarted): same as an abort.
 }
 
+/// Rank 0's durable checkpoint after a committed step. A failed save (a full disk, say) is logged and
+/// training goes on; the previous checkpoint stays valid (the commit is atomic).
+fn save_checkpoint(ctx: &AttemptCtx, trainer: &Trainer, dir: &std::path::Path, keep_last: usize) {
+    let t0 = Instant::now();
+    match checkpoint::save(trainer, dir).and_then(|path| checkpoint::retain_last(dir, keep_last).map(|()| path)) {
+        Ok(path) => {
+            let (job, attempt, step) = (ctx.job, ctx.attempt, trainer.step);
+            let seconds = t0.elapsed().as_secs_f64();
+            let _ = ctx.node.cast(NodeMsg::FromWorker(Wire::Checkpointed { job, attempt, step, path, seconds }));
+        }
+        Err(e) => tracing::error!(job = ctx.job, step = trainer.step, "checkpoint failed, training goes on: {e}"),
+    }
+}
+
 async fn drive<T: Transport>(
     ctx: &AttemptCtx,
     spec: &JobSpec,
@@ -340,6 +370,12 @@ async fn drive<T: Transport>(
             }
         }
         replica.apply_update(loss);
+        let every = spec.config.checkpoint.every_steps;
+        let step = replica.trainer().step;
+        let due = step == total || (every > 0 && step % every == 0);
+        if let (0, Some(dir), true) = (replica.rank(), &spec.config.checkpoint.dir, due) {
+            save_checkpoint(ctx, replica.trainer(), dir, spec.config.checkpoint.keep_last);
+        }
     }
     let step = replica.trainer().step;
     let mut saved = None;

@@ -1,0 +1,218 @@
+//! `troupe bench train --world N` (N ≥ 2): gpt-tiny data-parallel on a local cluster of N `troupe daemon`
+//! processes (one slot, one rank each), beside PyTorch DDP over Gloo (bench/peers/ddp_gpt_tiny.py) with the
+//! same per-rank micro-batch, context, torch threads and steps.
+//!
+//! Throughput is what a client of the cluster sees: the wall time between committed step events as they
+//! arrive, from the last warm-up commit to the last timed one, so cluster start-up, job placement and the
+//! first steps are not counted. Memory is each daemon's VmHWM (the rank's model, gradients, optimizer
+//! state and transport buffers live there), read once the job has finished, before the cluster shuts down.
+//! Each repetition starts a fresh cluster, and with `--peer` the peer runs between repetitions, on a
+//! machine where no daemon is left.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde_json::{json, Value};
+use troupe_model::config::{JobConfig, NODES_MAX};
+
+use super::{extend_report, median, run_peer, vm_hwm_bytes, BenchTrainArgs, MICRO_BATCH, WARMUP_STEPS};
+use crate::api::{Job, JobEvent, LocalCluster, LocalClusterOptions};
+
+const MIB: f64 = 1048576.0;
+
+/// One repetition on the cluster.
+struct ClusterRun {
+    tokens_per_s: f64,
+    final_loss: f64,
+    /// VmHWM of each daemon, by rank.
+    peak_rss_bytes: Vec<u64>,
+}
+
+pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
+    let world = args.world;
+    if world > NODES_MAX {
+        bail!("--world {world}: a local cluster has at most {NODES_MAX} daemons");
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = if args.threads > 0 { args.threads } else { (cores / world).max(1) };
+    let context = JobConfig::default().model.context;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    let mut ours = Vec::new();
+    let mut peers = Vec::new();
+    for _ in 0..args.repeats.max(1) {
+        ours.push(runtime.block_on(measure_cluster(world, args.steps, threads))?);
+        if args.peer {
+            let flags = [
+                ("--world", world.to_string()),
+                ("--micro-batch", MICRO_BATCH.to_string()),
+                ("--context", context.to_string()),
+                ("--threads", threads.to_string()),
+            ];
+            peers.push(run_peer(&args, "ddp_gpt_tiny.py", &flags)?);
+        }
+    }
+    let runs: Vec<f64> = ours.iter().map(|r| r.tokens_per_s).collect();
+    let tokens_per_s = median(runs.clone());
+    let peak_mib = per_rank_max_mib(ours.iter().map(|r| r.peak_rss_bytes.clone()));
+    let mut report = json!({
+        "bench": "train", "world": world, "shard": args.shard, "steps": args.steps, "warmup_steps": WARMUP_STEPS,
+        "micro_batch": MICRO_BATCH, "global_batch": MICRO_BATCH * world, "context": context,
+        "torch_threads": threads, "repeats": ours.len(),
+        "tokens_per_s": tokens_per_s, "tokens_per_s_runs": runs,
+        "final_loss": ours.last().map(|r| r.final_loss),
+        "peak_rss_mib_per_rank": peak_mib,
+    });
+    let peer_tokens_per_s =
+        args.peer.then(|| median(peers.iter().map(|p| p["tokens_per_s"].as_f64().unwrap_or(f64::NAN)).collect()));
+    if let Some(peer_tps) = peer_tokens_per_s {
+        let peer_peak_mib = per_rank_max_mib(peers.iter().map(peer_peak_bytes));
+        let extra = json!({
+            "peer": "pytorch-ddp-gloo", "peer_tokens_per_s": peer_tps,
+            "peer_tokens_per_s_runs": peers.iter().map(|p| p["tokens_per_s"].clone()).collect::<Vec<_>>(),
+            "peer_peak_rss_mib_per_rank": peer_peak_mib,
+            "ratio": tokens_per_s / peer_tps,
+        });
+        extend_report(&mut report, extra);
+    }
+    if args.json {
+        println!("{report}");
+        return Ok(());
+    }
+    println!(
+        "troupe   {tokens_per_s:>9.0} tokens/s  (world {world}, DDP over QUIC, {threads} thread(s) per rank, peak RSS per rank {} MiB)",
+        mib_list(&report["peak_rss_mib_per_rank"])
+    );
+    if let Some(peer_tps) = peer_tokens_per_s {
+        println!(
+            "pytorch  {peer_tps:>9.0} tokens/s  (DDP over Gloo, same model and batch, peak RSS per rank {} MiB)",
+            mib_list(&report["peer_peak_rss_mib_per_rank"])
+        );
+        println!("ratio    {:>9.3}", tokens_per_s / peer_tps);
+    }
+    Ok(())
+}
+
+/// One repetition: a fresh cluster of `world` daemons, one job of `steps` timed steps after the warm-up.
+async fn measure_cluster(world: usize, steps: u64, threads: usize) -> anyhow::Result<ClusterRun> {
+    let binary = std::env::current_exe().context("locating the troupe binary")?;
+    let mut options = LocalClusterOptions::new(world);
+    options.torch_threads = threads;
+    let cluster = LocalCluster::processes(&binary, options).await?;
+    let outcome = run_job(&cluster, world, steps, threads).await;
+    let peaks: anyhow::Result<Vec<u64>> = (0..world)
+        .map(|i| {
+            let pid = cluster.pid(i).context("the local cluster's daemons are not processes")?;
+            vm_hwm_bytes(&format!("/proc/{pid}/status"))
+                .with_context(|| format!("reading VmHWM of daemon {} (pid {pid})", cluster.node_name(i)))
+        })
+        .collect();
+    cluster.shutdown().await;
+    let (tokens_per_s, final_loss) = outcome?;
+    Ok(ClusterRun { tokens_per_s, final_loss, peak_rss_bytes: peaks? })
+}
+
+/// Submits the job and follows it to the end; (steady tokens/s, last loss).
+async fn run_job(cluster: &LocalCluster, world: usize, steps: u64, threads: usize) -> anyhow::Result<(f64, f64)> {
+    let mut config = JobConfig::default();
+    config.train.steps = steps + WARMUP_STEPS;
+    config.train.global_batch = MICRO_BATCH * world;
+    config.train.micro_batch = MICRO_BATCH;
+    config.train.torch_threads = threads;
+    config.parallel.nodes = world;
+    let tokens_per_step = (config.train.global_batch * config.model.context) as u64;
+    let job = Job::new(config).name("bench-train").data_parallel(world, "none").elastic(world, world);
+    let mut handle = cluster.client().await?.submit(job).await?;
+    let started = Instant::now();
+    let mut commits = Vec::new();
+    let mut loss = f64::NAN;
+    let outcome = loop {
+        let Some(event) = handle.next_event().await? else {
+            break Err(anyhow::anyhow!("the job's events ended early"));
+        };
+        match event {
+            JobEvent::Started { world: w, .. } | JobEvent::Step { world: w, .. } if w != world => {
+                break Err(anyhow::anyhow!("the job ran on {w} ranks, not {world}"));
+            }
+            JobEvent::Step { step, loss: l, .. } => {
+                commits.push((step, started.elapsed()));
+                loss = l;
+            }
+            JobEvent::Membership { changes, .. } => {
+                break Err(anyhow::anyhow!("membership changed during the benchmark: {}", changes.join("; ")));
+            }
+            JobEvent::Recovered { step, .. } => {
+                break Err(anyhow::anyhow!("the job recovered after step {step}: a rank failed during the benchmark"));
+            }
+            JobEvent::Started { .. } | JobEvent::Saved { .. } | JobEvent::Checkpoint { .. } => {}
+            JobEvent::RolledBack { .. } => break Err(anyhow::anyhow!("the job rolled back during the benchmark")),
+            JobEvent::Finished { .. } => break Ok(()),
+            JobEvent::Failed { reason } => break Err(anyhow::anyhow!("the job failed: {reason}")),
+            JobEvent::Cancelled => break Err(anyhow::anyhow!("the job was cancelled")),
+        }
+    };
+    handle.close().await;
+    outcome?;
+    let tokens_per_s = steady_tokens_per_s(&commits, WARMUP_STEPS, steps + WARMUP_STEPS, tokens_per_step)
+        .with_context(|| {
+            format!("the commits of steps {WARMUP_STEPS} and {} were not both seen", steps + WARMUP_STEPS)
+        })?;
+    Ok((tokens_per_s, loss))
+}
+
+/// Tokens per second from the commit of step `from` to the commit of step `to`, given each committed
+/// step's arrival time; None when either commit is missing or no time passed.
+fn steady_tokens_per_s(commits: &[(u64, Duration)], from: u64, to: u64, tokens_per_step: u64) -> Option<f64> {
+    let at = |step| commits.iter().find(|(s, _)| *s == step).map(|(_, t)| *t);
+    let seconds = at(to)?.checked_sub(at(from)?)?.as_secs_f64();
+    (to > from && seconds > 0.0).then(|| (to - from) as f64 * tokens_per_step as f64 / seconds)
+}
+
+/// The peak per rank over repetitions, in MiB (one decimal).
+fn per_rank_max_mib(runs: impl Iterator<Item = Vec<u64>>) -> Vec<f64> {
+    let mut peak: Vec<u64> = Vec::new();
+    for run in runs {
+        peak.resize(peak.len().max(run.len()), 0);
+        for (p, r) in peak.iter_mut().zip(run) {
+            *p = (*p).max(r);
+        }
+    }
+    peak.iter().map(|&b| (b as f64 / MIB * 10.0).round() / 10.0).collect()
+}
+
+fn peer_peak_bytes(peer: &Value) -> Vec<u64> {
+    peer["peak_mem_bytes_per_rank"].as_array().map_or_else(Vec::new, |a| a.iter().filter_map(Value::as_u64).collect())
+}
+
+fn mib_list(values: &Value) -> String {
+    let values = values.as_array().map_or_else(Vec::new, |a| a.iter().filter_map(Value::as_f64).collect());
+    values.iter().map(|v| format!("{v:.0}")).collect::<Vec<_>>().join(" / ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(commits: &[(u64, u64)], from: u64, to: u64, expected: Option<f64>) {
+        let commits: Vec<(u64, Duration)> = commits.iter().map(|&(s, ms)| (s, Duration::from_millis(ms))).collect();
+        assert_eq!(steady_tokens_per_s(&commits, from, to, 1024), expected, "{commits:?} {from}..{to}");
+    }
+
+    #[test]
+    fn steady_throughput_counts_only_the_steps_after_the_warm_up() {
+        // Step 1 took 5 s (start-up), step 2 one; steps 3 and 4 half a second each.
+        check(&[(1, 5000), (2, 6000), (3, 6500), (4, 7000)], 2, 4, Some(2.0 * 1024.0 / 1.0));
+        check(&[(1, 5000), (2, 6000), (3, 6500), (4, 7000)], 0, 4, None);
+        check(&[(1, 5000), (2, 6000)], 2, 4, None);
+        check(&[(2, 6000), (4, 6000)], 2, 4, None);
+    }
+
+    #[test]
+    fn peak_memory_is_the_largest_of_each_rank_over_repetitions() {
+        let runs = vec![vec![100 << 20, 300 << 20], vec![200 << 20, 250 << 20]];
+        assert_eq!(per_rank_max_mib(runs.into_iter()), vec![200.0, 300.0]);
+    }
+}
