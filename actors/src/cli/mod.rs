@@ -2,6 +2,7 @@
 
 mod bench_allreduce;
 mod bench_kernels;
+mod bench_recovery;
 mod bench_train;
 mod client;
 mod cluster;
@@ -47,6 +48,9 @@ enum BenchCommand {
     Kernels(bench_kernels::KernelsArgs),
     /// All-reduce bus bandwidth over QUIC or the same-host transport, optionally beside Gloo (--peer).
     Allreduce(bench_allreduce::AllreduceArgs),
+    /// Time to detect a SIGKILLed daemon and to commit the next step without it, checked against the
+    /// reference.
+    Recovery(bench_recovery::RecoveryArgs),
     /// One rank of `bench allreduce` (started by it).
     #[command(hide = true)]
     AllreduceRank,
@@ -61,6 +65,7 @@ pub fn main() -> ExitCode {
         Command::Bench(BenchCommand::Kernels(args)) => bench_kernels::run(args),
         Command::Bench(BenchCommand::Allreduce(args)) => bench_allreduce::run(args),
         Command::Bench(BenchCommand::AllreduceRank) => bench_allreduce::run_rank(),
+        Command::Bench(BenchCommand::Recovery(args)) => bench_recovery::run(args),
         Command::Cluster(command) => cluster::run(command),
         Command::Daemon(args) => daemon::run(args),
         Command::Status(args) => client::status(args),

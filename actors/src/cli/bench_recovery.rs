@@ -1,0 +1,112 @@
+//! `troupe bench recovery`: SIGKILL one daemon of a local cluster at a chosen step of a DDP job and
+//! measure how long until the controller notices (detect_s) and until the next step commits on the
+//! survivors (recovery_s); then check the run against the single-process reference.
+
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use serde_json::json;
+use tch::Tensor;
+use troupe_model::config::JobConfig;
+use troupe_model::oracle::compare_params;
+use troupe_model::Trainer;
+
+use crate::api::{Job, JobEvent, LocalCluster, LocalClusterOptions};
+
+#[derive(Debug, clap::Args)]
+pub struct RecoveryArgs {
+    /// Daemons (one rank each); the last one is killed.
+    #[arg(long, default_value_t = 3)]
+    pub nodes: usize,
+    /// The step after whose commit the daemon is killed.
+    #[arg(long, default_value_t = 5)]
+    pub kill_at_step: u64,
+    /// Steps after the kill.
+    #[arg(long, default_value_t = 5)]
+    pub steps_after: u64,
+    /// Skip the reference run (and max_param_rel_diff).
+    #[arg(long)]
+    pub no_check: bool,
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(args: RecoveryArgs) -> anyhow::Result<()> {
+    if args.nodes < 2 {
+        bail!("--nodes {}: recovery needs at least 2 daemons (one is killed)", args.nodes);
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    runtime.block_on(measure(args))
+}
+
+async fn measure(args: RecoveryArgs) -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let out = dir.path().join("final.safetensors");
+    let mut config = JobConfig::default();
+    config.train.steps = args.kill_at_step + args.steps_after;
+    config.train.torch_threads = 1;
+    let mut options = LocalClusterOptions::new(args.nodes);
+    options.torch_threads = 1;
+    let binary = std::env::current_exe().context("locating the troupe binary")?;
+    let cluster = LocalCluster::processes(&binary, options).await?;
+    let victim = cluster.pid(args.nodes - 1).context("daemon pid")?;
+    let mut handle = cluster.client().await?.submit(Job::new(config.clone()).save_final(&out)).await?;
+    let (mut killed, mut detect, mut recovery, mut steps) = (None::<Instant>, None, None, Vec::new());
+    let mut step_s = Vec::new();
+    let mut last = Instant::now();
+    while let Some(event) = handle.next_event().await? {
+        match event {
+            JobEvent::Step { step, .. } => {
+                steps.push(step);
+                if let (Some(t), None) = (killed, recovery) {
+                    recovery = Some(t.elapsed().as_secs_f64());
+                } else if step > 2 {
+                    step_s.push(last.elapsed().as_secs_f64());
+                }
+                last = Instant::now();
+                if step == args.kill_at_step {
+                    std::process::Command::new("kill").arg("-KILL").arg(victim.to_string()).status()?;
+                    killed = Some(Instant::now());
+                }
+            }
+            JobEvent::Membership { .. } => detect = killed.map(|t| t.elapsed().as_secs_f64()),
+            JobEvent::Failed { reason } => bail!("the job failed: {reason}"),
+            _ => {}
+        }
+    }
+    cluster.shutdown().await;
+    let steps_redone = steps.len() as u64 - steps.iter().collect::<std::collections::BTreeSet<_>>().len() as u64;
+    let diff = if args.no_check { None } else { Some(reference_diff(&config, &out)?) };
+    step_s.sort_by(f64::total_cmp);
+    let step_median = step_s.get(step_s.len() / 2).copied();
+    let report = json!({
+        "bench": "recovery", "nodes": args.nodes, "kill_at_step": args.kill_at_step,
+        "detect_s": detect, "recovery_s": recovery, "steps_redone": steps_redone,
+        "steps_committed": steps.len(), "step_s_median": step_median, "max_param_rel_diff": diff,
+        "failure_timeout_ms": troupe_cluster::membership::MembershipConfig::default().failure_timeout_ms,
+    });
+    if args.json {
+        println!("{report}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    }
+    Ok(())
+}
+
+fn reference_diff(config: &JobConfig, saved: &std::path::Path) -> anyhow::Result<f64> {
+    tch::set_num_threads(1);
+    let mut trainer = Trainer::new(config.clone())?;
+    while trainer.step < config.train.steps {
+        trainer.train_step();
+    }
+    let mut tensors = Tensor::read_safetensors(saved)?;
+    let actual: Vec<Tensor> = trainer
+        .model
+        .named_params()
+        .map(|(name, _)| {
+            let i = tensors.iter().position(|(n, _)| n == name).expect("every parameter saved");
+            tensors.swap_remove(i).1
+        })
+        .collect();
+    Ok(compare_params(trainer.model.specs(), &actual, &trainer.param_values()).worst)
+}
