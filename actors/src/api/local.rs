@@ -31,6 +31,8 @@ pub struct LocalClusterOptions {
     pub torch_threads: usize,
     /// Log filter for child daemons' stderr (RUST_LOG syntax); None: warnings only.
     pub log: Option<String>,
+    /// How each daemon restarts a failing worker before it escalates (stops).
+    pub restart: RestartPolicy,
 }
 
 impl LocalClusterOptions {
@@ -41,6 +43,7 @@ impl LocalClusterOptions {
             membership: MembershipConfig::default(),
             torch_threads: 0,
             log: None,
+            restart: RestartPolicy::default(),
         }
     }
 }
@@ -182,7 +185,7 @@ impl LocalCluster {
             slots: options.slots_per_node,
             torch_threads: if options.torch_threads > 0 { options.torch_threads } else { (cores / ranks).max(1) },
             membership: options.membership.clone(),
-            restart: RestartPolicy::default(),
+            restart: options.restart,
             transport: TransportConfig::loopback(),
         }
     }
