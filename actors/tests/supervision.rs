@@ -101,6 +101,8 @@ async fn a_worker_failing_more_than_max_restarts_within_the_window_stops_the_nod
             .await;
     eprintln!("node-1 stopped {:.0} ms after the failure that escalated", took.as_secs_f64() * 1e3);
     assert!(node_1.status().await.is_err(), "a stopped node answers nothing");
+    let reason = node_1.stop_reason().expect("the escalation is recorded");
+    assert!(reason.contains(&format!("failed {} times", policy.max_restarts + 1)), "{reason}");
     assert!(node_1.worker(0).await.is_none());
 
     let controller = cluster.daemon(0).unwrap();

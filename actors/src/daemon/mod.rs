@@ -31,6 +31,7 @@ pub struct Daemon {
     handle: tokio::task::JoinHandle<()>,
     addr: SocketAddr,
     name: String,
+    stop_reason: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 impl Daemon {
@@ -49,11 +50,13 @@ impl Daemon {
             .map_err(|e| address_error(&config.listen, e))?;
         let addr = endpoint.local_addr();
         let name = config.name.clone();
-        let args = NodeArgs { config, identity: Arc::new(identity), endpoint, events };
+        let stop_reason = Arc::new(std::sync::Mutex::new(None));
+        let args =
+            NodeArgs { config, identity: Arc::new(identity), endpoint, events, stop_reason: stop_reason.clone() };
         let (node, handle) = Actor::spawn(Some(format!("{}/node", actor_scope(&name, addr))), NodeActor, args)
             .await
             .map_err(|e| anyhow::anyhow!("starting node {name}: {e}"))?;
-        Ok(Daemon { node, handle, addr, name })
+        Ok(Daemon { node, handle, addr, name, stop_reason })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -81,9 +84,21 @@ impl Daemon {
     }
 
     /// Waits until the node stops; an error if it stopped because a child kept failing (escalation).
-    pub async fn wait(self) -> anyhow::Result<()> {
-        let _ = self.handle.await;
-        Ok(())
+    pub async fn wait(mut self) -> anyhow::Result<()> {
+        let _ = (&mut self.handle).await;
+        self.stop_error()
+    }
+
+    /// Why the node stopped on its own (escalation), if it did.
+    pub fn stop_reason(&self) -> Option<String> {
+        self.stop_reason.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn stop_error(&self) -> anyhow::Result<()> {
+        match self.stop_reason.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            Some(why) => Err(anyhow::anyhow!("node {} stopped: {why}", self.name)),
+            None => Ok(()),
+        }
     }
 
     pub fn is_running(&self) -> bool {
@@ -118,7 +133,7 @@ pub fn run(config_path: &Path, exit_with_parent: bool) -> anyhow::Result<()> {
         tokio::select! {
             _ = term.recv() => {}
             _ = tokio::signal::ctrl_c() => {}
-            _ = wait_stopped(&daemon) => anyhow::bail!("node {} stopped: a worker kept failing (see the log)", daemon.name()),
+            _ = wait_stopped(&daemon) => return daemon.stop_error(),
             _ = parent_gone(exit_with_parent) => tracing::warn!(node = daemon.name(), "the parent process died"),
         }
         tracing::info!(node = daemon.name(), "draining");

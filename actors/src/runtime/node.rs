@@ -60,6 +60,8 @@ pub struct NodeArgs {
     pub identity: Arc<NodeIdentity>,
     pub endpoint: ControlEndpoint,
     pub events: tokio::sync::mpsc::UnboundedReceiver<ControlEvent>,
+    /// Set to the reason when the node stops because a child kept failing (escalation).
+    pub stop_reason: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 struct WorkerSlot {
@@ -99,6 +101,7 @@ pub struct NodeState {
     refused_stale: u64,
     changes: VecDeque<String>,
     draining: bool,
+    stop_reason: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 pub struct NodeActor;
@@ -560,6 +563,7 @@ impl NodeState {
                     self.config.restart.window_ms, self.config.restart.max_restarts
                 );
                 tracing::error!(node = %self.id, "{why}; stopping this node");
+                *self.stop_reason.lock().unwrap_or_else(|p| p.into_inner()) = Some(why.clone());
                 Err(why.into())
             }
         }
@@ -572,7 +576,7 @@ impl Actor for NodeActor {
     type Arguments = NodeArgs;
 
     async fn pre_start(&self, me: ActorRef<NodeMsg>, args: NodeArgs) -> Result<NodeState, ActorProcessingErr> {
-        let NodeArgs { config, identity, endpoint, mut events } = args;
+        let NodeArgs { config, identity, endpoint, mut events, stop_reason } = args;
         let id = NodeId(config.name.clone());
         let started = Instant::now();
         let (member, leader) = if config.join.is_none() {
@@ -612,6 +616,7 @@ impl Actor for NodeActor {
             refused_stale: 0,
             changes: VecDeque::new(),
             draining: false,
+            stop_reason,
         };
         for slot in 0..state.config.slots {
             let actor = state.spawn_worker(&me, slot).await?;
