@@ -5,6 +5,8 @@ optimizer, trained eagerly, printing one JSON object with tokens_per_s.
 Same model: pre-LN blocks, fused qkv linear, F.scaled_dot_product_attention(is_causal=True), exact GeLU,
 untied head without bias, GPT-2 init; AdamW(betas 0.9/0.95, eps 1e-8, wd 0.1 on matrices), grad-norm
 clipping at 1.0; micro-batch 8 of context 128 on random byte windows of a synthetic text.
+
+The model, optimizer, data and step are also the ones bench/peers/ddp_gpt_tiny.py trains under DDP.
 """
 import argparse, json, math, os, resource, time
 
@@ -57,6 +59,38 @@ class Gpt(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
+def make_optimizer(model):
+    """AdamW(betas 0.9/0.95, eps 1e-8), weight decay 0.1 on matrices and embeddings only."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+
+
+def corpus():
+    """The synthetic text as a 1-D tensor of byte values."""
+    text = (b"the cat sees the red house in the morning.\n" * 30000)
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+
+
+def sample_batch(data, gen, micro_batch, context):
+    """`micro_batch` random windows of `context` tokens and their next-token targets."""
+    starts = torch.randint(0, len(data) - context - 1, (micro_batch,), generator=gen)
+    x = torch.stack([data[s:s + context] for s in starts])
+    y = torch.stack([data[s + 1:s + 1 + context] for s in starts])
+    return x, y
+
+
+def train_step(model, opt, x, y):
+    """One optimizer step (forward, backward, grad-norm clipping at 1.0, AdamW); the loss."""
+    opt.zero_grad(set_to_none=True)
+    loss = model(x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
@@ -68,24 +102,12 @@ def main():
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = Gpt(context=args.context)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
-    text = (b"the cat sees the red house in the morning.\n" * 30000)
-    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    opt = make_optimizer(model)
+    data = corpus()
     gen = torch.Generator().manual_seed(0)
 
     def step():
-        starts = torch.randint(0, len(data) - args.context - 1, (args.micro_batch,), generator=gen)
-        x = torch.stack([data[s:s + args.context] for s in starts])
-        y = torch.stack([data[s + 1:s + 1 + args.context] for s in starts])
-        opt.zero_grad(set_to_none=True)
-        loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return loss.item()
+        return train_step(model, opt, *sample_batch(data, gen, args.micro_batch, args.context))
 
     for _ in range(args.warmup):
         step()

@@ -1,6 +1,12 @@
-//! `troupe bench train`: training throughput of gpt-tiny (micro-batch 8, context 128), and with `--peer`
-//! the identical model trained by PyTorch eager (bench/peers/train_gpt_tiny.py) in the same run,
-//! alternating the two so machine drift hits both alike. The figure that counts is the ratio.
+//! `troupe bench train`: training throughput of gpt-tiny (micro-batch 8 per rank, context 128), and with
+//! `--peer` the identical model trained by PyTorch in the same run, alternating the two so machine drift
+//! hits both alike. The figure that counts is the ratio.
+//!
+//! `--world 1` trains in this process beside PyTorch eager (bench/peers/train_gpt_tiny.py); `--world N`
+//! (N ≥ 2) runs a job on a local cluster of N daemon processes beside PyTorch DDP over Gloo
+//! (bench/peers/ddp_gpt_tiny.py), see `data_parallel`.
+
+mod data_parallel;
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -14,7 +20,7 @@ use troupe_model::Trainer;
 
 #[derive(Debug, clap::Args)]
 pub struct BenchTrainArgs {
-    /// Data-parallel ranks.
+    /// Data-parallel ranks: 1 trains in this process; N ≥ 2 starts a local cluster of N daemons.
     #[arg(long, default_value_t = 1)]
     pub world: usize,
     /// Timed steps per repetition (after 2 untimed warm-up steps).
@@ -25,7 +31,7 @@ pub struct BenchTrainArgs {
     /// Repetitions (each of troupe and, with --peer, of the peer); medians are reported.
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
-    /// libtorch threads (0: all cores).
+    /// libtorch threads per rank (0: the cores divided by the ranks, at least 1).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
     /// Also run the PyTorch peer script and report the ratio.
@@ -39,23 +45,34 @@ pub struct BenchTrainArgs {
     pub json: bool,
 }
 
+/// Samples per rank per step (one micro-batch: no gradient accumulation).
 const MICRO_BATCH: usize = 8;
 const WARMUP_STEPS: u64 = 2;
 
 pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
-    if args.world != 1 {
-        bail!("--world {}: multi-rank training is not available yet in this build (it lands with data parallelism); use --world 1", args.world);
-    }
     if args.shard != "none" {
-        bail!("--shard {}: sharded training is not available yet in this build; use --shard none", args.shard);
+        bail!(
+            "--shard {}: sharded data parallelism is not available yet in `troupe bench train` (it measures --shard none only); use --shard none",
+            args.shard
+        );
     }
+    match args.world {
+        0 => bail!("--world 0: a benchmark needs at least one rank"),
+        1 => run_single(args),
+        _ => data_parallel::run(args),
+    }
+}
+
+/// `--world 1`: the trainer in this process.
+fn run_single(args: BenchTrainArgs) -> anyhow::Result<()> {
     let threads = configure_torch_threads(args.threads, 1);
     let mut ours = Vec::new();
     let mut peers = Vec::new();
     for _ in 0..args.repeats.max(1) {
         ours.push(measure_troupe(args.steps)?);
         if args.peer {
-            peers.push(measure_peer(&args, threads)?);
+            let flags = [("--micro-batch", MICRO_BATCH.to_string()), ("--threads", threads.to_string())];
+            peers.push(run_peer(&args, "train_gpt_tiny.py", &flags)?);
         }
     }
     let ours_tps = median(ours.iter().map(|r| r.0).collect());
@@ -74,7 +91,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
             "peer_peak_mem_bytes": peers.last().map(|p| p["peak_mem_bytes"].clone()),
             "ratio_vs_peer": ours_tps / peer_tps,
         });
-        report.as_object_mut().expect("object").extend(extra.as_object().expect("object").clone());
+        extend_report(&mut report, extra);
     }
     if args.json {
         println!("{report}");
@@ -112,24 +129,21 @@ fn measure_troupe(steps: u64) -> anyhow::Result<(f64, f64)> {
     Ok((tokens as f64 / started.elapsed().as_secs_f64(), loss))
 }
 
-fn measure_peer(args: &BenchTrainArgs, threads: usize) -> anyhow::Result<Value> {
+/// Runs bench/peers/SCRIPT with the common flags (steps, warm-up) and `flags`; its last stdout line, parsed.
+fn run_peer(args: &BenchTrainArgs, script: &str, flags: &[(&str, String)]) -> anyhow::Result<Value> {
     let python = match &args.python {
         Some(p) => p.clone(),
         None => std::env::var_os("TROUPE_PYTHON").map(PathBuf::from).unwrap_or_else(default_python),
     };
-    let script = peer_script("train_gpt_tiny.py")?;
-    let output = Command::new(&python)
-        .arg(&script)
-        .args(["--steps", &args.steps.to_string(), "--warmup", &WARMUP_STEPS.to_string()])
-        .args(["--micro-batch", &MICRO_BATCH.to_string(), "--threads", &threads.to_string()])
-        .output()
-        .with_context(|| {
-            format!(
-                "running the peer {} {}; pass --python with a torch-enabled python",
-                python.display(),
-                script.display()
-            )
-        })?;
+    let script = peer_script(script)?;
+    let mut command = Command::new(&python);
+    command.arg(&script).args(["--steps", &args.steps.to_string(), "--warmup", &WARMUP_STEPS.to_string()]);
+    for (flag, value) in flags {
+        command.args([flag, value.as_str()]);
+    }
+    let output = command.output().with_context(|| {
+        format!("running the peer {} {}; pass --python with a torch-enabled python", python.display(), script.display())
+    })?;
     if !output.status.success() {
         bail!("peer {} failed: {}", script.display(), String::from_utf8_lossy(&output.stderr));
     }
@@ -158,6 +172,13 @@ pub(crate) fn peer_script(name: &str) -> anyhow::Result<PathBuf> {
         .with_context(|| format!("peer script bench/peers/{name} not found; run from the repository root"))
 }
 
+/// Adds `extra`'s fields to `report` (both JSON objects).
+fn extend_report(report: &mut Value, extra: Value) {
+    if let (Some(report), Value::Object(extra)) = (report.as_object_mut(), extra) {
+        report.extend(extra);
+    }
+}
+
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
@@ -165,9 +186,16 @@ fn median(mut values: Vec<f64>) -> f64 {
 
 /// Peak resident set size of this process (VmHWM), in bytes.
 pub(crate) fn peak_rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).map(str::to_owned))
-        .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
-        .map_or(0, |kb| kb * 1024)
+    vm_hwm_bytes("/proc/self/status").unwrap_or(0)
+}
+
+/// VmHWM (peak resident set size) from a /proc/PID/status file, in bytes; None if unreadable.
+fn vm_hwm_bytes(status_path: &str) -> Option<u64> {
+    std::fs::read_to_string(status_path)
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|kb| kb.parse::<u64>().ok())
+        .map(|kb| kb * 1024)
 }

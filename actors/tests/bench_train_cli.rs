@@ -1,0 +1,59 @@
+//! `troupe bench train --world N` as a user runs it: the JSON report of a data-parallel run on a local
+//! cluster of daemon processes, and the error for sharding this benchmark does not measure yet. Speed is
+//! not asserted (the machine is shared); only that every figure is there and positive.
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn troupe(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_troupe")).args(args).env_clear().output().expect("troupe runs")
+}
+
+fn positive(report: &Value, key: &str) -> f64 {
+    let value = report[key].as_f64().unwrap_or_else(|| panic!("{key} is not a number in {report}"));
+    assert!(value > 0.0 && value.is_finite(), "{key} = {value} in {report}");
+    value
+}
+
+#[test]
+fn world_two_reports_throughput_and_peak_memory_of_each_rank() {
+    let output = troupe(&["bench", "train", "--world", "2", "--steps", "2", "--repeats", "1", "--json"]);
+    assert!(output.status.success(), "troupe failed: {}", String::from_utf8_lossy(&output.stderr));
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    let line = stdout.lines().last().unwrap_or_default();
+    let report: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {stdout}"));
+    assert_eq!(report["bench"], "train");
+    assert_eq!(report["world"], 2);
+    assert_eq!(report["steps"], 2);
+    assert_eq!(report["micro_batch"], 8);
+    assert_eq!(report["global_batch"], 16);
+    assert_eq!(report["context"], 128);
+    positive(&report, "tokens_per_s");
+    positive(&report, "torch_threads");
+    positive(&report, "final_loss");
+    assert_eq!(report["tokens_per_s_runs"].as_array().map(Vec::len), Some(1), "{report}");
+    let peaks = report["peak_rss_mib_per_rank"].as_array().unwrap_or_else(|| panic!("no peaks in {report}"));
+    assert_eq!(peaks.len(), 2, "{report}");
+    for peak in peaks {
+        // A rank holds at least gpt-tiny's parameters, gradients and AdamW moments (4 × 13.3 MB).
+        assert!(peak.as_f64().is_some_and(|mib| mib > 50.0), "peak RSS {peak} MiB in {report}");
+    }
+    assert!(report.get("peer_tokens_per_s").is_none(), "no peer was asked for: {report}");
+}
+
+#[test]
+fn sharding_is_refused_with_a_clear_message() {
+    let output = troupe(&["bench", "train", "--world", "2", "--shard", "zero3", "--json"]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("--shard zero3") && stderr.contains("not available yet"), "{stderr}");
+    assert!(stderr.contains("--shard none"), "the error should say what works: {stderr}");
+}
+
+#[test]
+fn world_zero_is_refused() {
+    let output = troupe(&["bench", "train", "--world", "0"]);
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("--world 0"));
+}

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""The PyTorch peer of `troupe bench train --world N` (N >= 2): the gpt-tiny of train_gpt_tiny.py (model,
+AdamW, grad-norm clipping, data: imported from it, not copied) trained data-parallel with
+DistributedDataParallel over Gloo, N processes on loopback (torch.multiprocessing spawn).
+
+Each rank: --micro-batch samples of --context tokens per step from its own generator, --threads torch
+threads, --warmup untimed steps, a barrier, then --steps timed steps. Printed (one JSON line): tokens_per_s,
+the global tokens (all ranks) of the timed steps over rank 0's wall time, and each rank's peak RSS
+(getrusage ru_maxrss).
+
+Run with the provisioned torch:
+/root/.cache/troupe/venv-torch-2.11.0/bin/python bench/peers/ddp_gpt_tiny.py --world 2 --threads 1
+"""
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gloo_allreduce import free_port  # noqa: E402
+from train_gpt_tiny import Gpt, corpus, make_optimizer, sample_batch, train_step  # noqa: E402
+
+
+def rank_main(rank, args, port, results):
+    torch.set_num_threads(args.threads)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=args.world)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(Gpt(context=args.context))
+    opt = make_optimizer(model)
+    data = corpus()
+    gen = torch.Generator().manual_seed(rank)
+
+    def step():
+        return train_step(model, opt, *sample_batch(data, gen, args.micro_batch, args.context))
+
+    for _ in range(args.warmup):
+        step()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    elapsed = time.perf_counter() - start
+    results[rank] = {
+        "seconds": elapsed,
+        "loss": loss,
+        "peak_mem_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--micro-batch", type=int, default=8, help="samples per rank per step")
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    args = ap.parse_args()
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.spawn(rank_main, args=(args, free_port(), results), nprocs=args.world, join=True)
+    ranks = [results[r] for r in range(args.world)]
+    tokens = args.steps * args.micro_batch * args.context * args.world
+    print(json.dumps({
+        "peer": "pytorch-ddp-gloo", "torch": torch.__version__, "world": args.world, "steps": args.steps,
+        "micro_batch": args.micro_batch, "global_batch": args.micro_batch * args.world, "context": args.context,
+        "torch_threads": args.threads, "params": ranks[0]["params"],
+        "tokens_per_s": tokens / ranks[0]["seconds"], "final_loss": ranks[0]["loss"],
+        "peak_mem_bytes_per_rank": [r["peak_mem_bytes"] for r in ranks],
+    }))
+
+
+if __name__ == "__main__":
+    main()
