@@ -1,5 +1,5 @@
-//! The oracle (DESIGN.md §4) over real processes: DDP jobs on an embedded local cluster of daemons,
-//! talking QUIC on loopback, equal the single-process reference — per-step losses and final parameters
+//! The oracle (DESIGN.md §4) over real processes: DDP jobs on an embedded local cluster of daemons —
+//! gradients over the QUIC mesh, and over the same-host sockets — equal the single-process reference — per-step losses and final parameters
 //! within 1e-5 relative — also when nodes are killed, leave and join while the job runs.
 
 mod common;
@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use tch::Tensor;
-use troupe_actors::api::{Job, JobEvent};
+use troupe_actors::api::{DataPlane, Job, JobEvent};
 use troupe_model::config::JobConfig;
 use troupe_model::oracle::{compare_params, worst_loss_diff};
 use troupe_model::Trainer;
@@ -67,12 +67,12 @@ fn step_loss(event: &JobEvent) -> Option<f64> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ddp_on_three_daemon_processes_equals_the_reference() {
+async fn ddp_over_quic_on_three_daemon_processes_equals_the_reference() {
     let dir = tempfile::tempdir().unwrap();
     let config = config(8);
     let cluster = common::processes(3).await;
     let out = dir.path().join("final.safetensors");
-    let job = Job::new(config.clone()).save_final(&out);
+    let job = Job::new(config.clone()).save_final(&out).data_plane(DataPlane::Quic);
     let (end, events) = cluster.client().await.unwrap().submit(job).await.unwrap().wait().await.unwrap();
     assert!(matches!(end, JobEvent::Finished { steps: 8, .. }), "{end:?}");
     assert!(events.iter().any(|e| matches!(e, JobEvent::Started { world: 3, .. })), "{events:?}");

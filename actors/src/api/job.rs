@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use troupe_model::config::JobConfig;
 
-use crate::runtime::protocol::JobSpec;
+use crate::runtime::protocol::{DataPlane, JobSpec};
 
 /// A job under construction. Every setter returns the job, so they chain.
 #[derive(Clone, Debug, PartialEq)]
@@ -16,7 +16,16 @@ impl Job {
     /// A job training `config` (see `troupe_model::config::JobConfig`; its `[parallel]` section is the
     /// layout).
     pub fn new(config: JobConfig) -> Self {
-        Job { spec: JobSpec { config, name: "job".into(), min_ranks: 1, max_ranks: 0, save_final: None } }
+        Job {
+            spec: JobSpec {
+                config,
+                name: "job".into(),
+                min_ranks: 1,
+                max_ranks: 0,
+                save_final: None,
+                data_plane: DataPlane::Auto,
+            },
+        }
     }
 
     /// gpt-tiny on the built-in synthetic corpus.
@@ -82,6 +91,13 @@ impl Job {
         checkpoint.dir = Some(dir.into());
         checkpoint.every_steps = every_steps;
         checkpoint.keep_last = keep_last;
+        self
+    }
+
+    /// The transport of the collectives: `Auto` (same-host sockets when every rank shares a host) or
+    /// `Quic` always.
+    pub fn data_plane(mut self, plane: DataPlane) -> Self {
+        self.spec.data_plane = plane;
         self
     }
 

@@ -9,7 +9,7 @@ use troupe_cluster::NodeIdentity;
 use troupe_model::config::JobConfig;
 
 use super::train::TrainArgs;
-use crate::api::{Client, Job, JobEvent, LocalCluster, LocalClusterOptions};
+use crate::api::{Client, DataPlane, Job, JobEvent, LocalCluster, LocalClusterOptions};
 use crate::progress::{Reporter, StepEvent};
 
 pub fn run(args: TrainArgs, config: JobConfig) -> anyhow::Result<()> {
@@ -58,7 +58,8 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
     };
     let dp = config.parallel.dp;
     let total = config.train.steps;
-    let mut job = Job::new(config).name("train").elastic(1, dp);
+    let plane = if args.data_plane == "quic" { DataPlane::Quic } else { DataPlane::Auto };
+    let mut job = Job::new(config).name("train").elastic(1, dp).data_plane(plane);
     if let Some(path) = &args.save_final {
         let path = std::path::absolute(path).with_context(|| format!("--save-final {}", path.display()))?;
         job = job.save_final(path);

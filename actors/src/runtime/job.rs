@@ -8,7 +8,7 @@
 //! the attempt and starts a new one on the new ranks from the last committed step: nothing is applied
 //! half-way, so the run continues on the fault-free trajectory.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -62,19 +62,28 @@ pub struct JobDriver {
     reason: Option<String>,
     /// When the last step committed (or the attempt started): step time is wall time between commits.
     last_commit_at: Duration,
+    /// Every node ever asked to prepare an attempt: each may hold the job's state (a rank that became a
+    /// spare keeps it), so each is told to release it when the job ends.
+    prepared_nodes: BTreeSet<NodeId>,
     actions: VecDeque<DriverAction>,
 }
 
 /// The ranks a view offers a job: each member's slots, members in node-id order, capped at `max_ranks`.
-pub fn plan_ranks(view: &View, members: &[MemberInfo], max_ranks: usize) -> Vec<RankSlot> {
-    let mut ranks = Vec::new();
+/// Under the cap, slots that are ranks `now` keep their place and only the rest is filled in node-id
+/// order: spare slots wait, and a joiner never displaces a running rank (which may hold the only copy of
+/// the committed state). Ranks are numbered in node-id order either way.
+pub fn plan_ranks(view: &View, members: &[MemberInfo], max_ranks: usize, now: &[RankSlot]) -> Vec<RankSlot> {
+    let mut slots = Vec::new();
     for node in view.members() {
-        let slots = members.iter().find(|m| m.name == node.0).map_or(1, |m| m.slots);
-        ranks.extend((0..slots).map(|slot| RankSlot { node: node.clone(), slot }));
+        let count = members.iter().find(|m| m.name == node.0).map_or(1, |m| m.slots);
+        slots.extend((0..count).map(|slot| RankSlot { node: node.clone(), slot }));
     }
-    if max_ranks > 0 {
-        ranks.truncate(max_ranks);
+    if max_ranks == 0 || slots.len() <= max_ranks {
+        return slots;
     }
+    let (kept, spare): (Vec<RankSlot>, Vec<RankSlot>) = slots.into_iter().partition(|s| now.contains(s));
+    let mut ranks: Vec<RankSlot> = kept.into_iter().chain(spare).take(max_ranks).collect();
+    ranks.sort();
     ranks
 }
 
@@ -92,6 +101,7 @@ impl JobDriver {
             failed_attempts: 0,
             reason: None,
             last_commit_at: Duration::ZERO,
+            prepared_nodes: BTreeSet::new(),
             actions: VecDeque::new(),
         }
     }
@@ -150,7 +160,7 @@ impl JobDriver {
             return;
         }
         self.epoch = view.epoch.0;
-        let wanted = plan_ranks(view, members, self.max_ranks());
+        let wanted = plan_ranks(view, members, self.max_ranks(), self.ranks());
         if !matches!(self.phase, Phase::Idle) && wanted == self.ranks() {
             return;
         }
@@ -186,6 +196,7 @@ impl JobDriver {
             ranks: ranks.clone(),
         };
         self.send_all(&ranks, &msg);
+        self.prepared_nodes.extend(Self::nodes(&ranks));
         self.phase = Phase::Preparing { ready: vec![None; ranks.len()], ranks };
     }
 
@@ -340,8 +351,9 @@ impl JobDriver {
     }
 
     fn finish(&mut self, state: JobState, event: JobEvent) {
-        let ranks = self.ranks().to_vec();
-        self.send_all(&ranks, &Wire::Release { job: self.id });
+        for node in std::mem::take(&mut self.prepared_nodes) {
+            self.actions.push_back(DriverAction::Send { node, msg: Wire::Release { job: self.id } });
+        }
         self.state = state;
         self.phase = Phase::Done;
         self.actions.push_back(DriverAction::Event(event));
@@ -359,7 +371,14 @@ mod tests {
     fn spec(steps: u64) -> JobSpec {
         let mut config = troupe_model::config::JobConfig::default();
         config.train.steps = steps;
-        JobSpec { config, name: "t".into(), min_ranks: 1, max_ranks: 0, save_final: None }
+        JobSpec {
+            config,
+            name: "t".into(),
+            min_ranks: 1,
+            max_ranks: 0,
+            save_final: None,
+            data_plane: Default::default(),
+        }
     }
 
     fn view(epoch: u64, nodes: &[&str]) -> (View, Vec<MemberInfo>) {
@@ -414,10 +433,61 @@ mod tests {
     fn ranks_are_slots_of_members_in_node_id_order_capped() {
         let (v, mut m) = view(1, &["b", "a"]);
         m[0].slots = 2; // "b"
-        let ranks = plan_ranks(&v, &m, 0);
+        let ranks = plan_ranks(&v, &m, 0, &[]);
         let names: Vec<_> = ranks.iter().map(|r| (r.node.0.as_str(), r.slot)).collect();
         assert_eq!(names, vec![("a", 0), ("b", 0), ("b", 1)]);
-        assert_eq!(plan_ranks(&v, &m, 2).len(), 2);
+        assert_eq!(plan_ranks(&v, &m, 2, &[]).len(), 2);
+        // Under the cap, the ranks of now keep their place (in node-id order): "a" waits as a spare.
+        let now = [RankSlot { node: "b".into(), slot: 1 }];
+        let kept: Vec<_> = plan_ranks(&v, &m, 2, &now).into_iter().map(|r| (r.node.0, r.slot)).collect();
+        assert_eq!(kept, vec![("a".to_string(), 0), ("b".to_string(), 1)]);
+        let kept: Vec<_> = plan_ranks(&v, &m, 1, &now).into_iter().map(|r| (r.node.0, r.slot)).collect();
+        assert_eq!(kept, vec![("b".to_string(), 1)]);
+    }
+
+    /// Found by the deterministic simulation (troupe-chaos): with `max_ranks` 1, a restarted
+    /// node with a lower id displaced the only rank, which held every committed step, and the job failed
+    /// with "state lost" though a member held it.
+    #[test]
+    fn under_the_cap_a_joiner_waits_as_a_spare_instead_of_displacing_a_rank() {
+        let mut s = spec(10);
+        s.max_ranks = 1;
+        let mut d = JobDriver::new(1, s);
+        started(&mut d, 1, &["b"], &[0]);
+        d.on_vote(T, &"b".into(), 1, 0, 0, 5.0, 1.0);
+        drain(&mut d);
+        let (v, m) = view(2, &["a", "b"]);
+        d.on_view(&v, &m, vec!["a joined".into()]);
+        assert!(sent(&drain(&mut d)).is_empty(), "the attempt on b goes on");
+        d.on_vote(T, &"b".into(), 1, 0, 1, 4.0, 1.0);
+        assert_eq!(d.info().step, 2);
+        let (v, m) = view(3, &["a"]);
+        d.on_view(&v, &m, vec!["b failed".into()]);
+        let actions = drain(&mut d);
+        assert!(sent(&actions).iter().any(|(n, w)| n == "a" && matches!(w, Wire::Prepare { attempt: 2, .. })));
+    }
+
+    /// Found by the deterministic simulation (troupe-chaos): the job's end released only the ranks of
+    /// the last attempt — none at all when it failed while preparing — so former ranks kept its state.
+    #[test]
+    fn the_end_of_a_job_releases_every_node_it_ever_prepared() {
+        let mut d = JobDriver::new(1, spec(10));
+        started(&mut d, 1, &["a", "b"], &[0, 0]);
+        for n in ["a", "b"] {
+            d.on_vote(T, &n.into(), 1, 0, 0, 5.0, 1.0);
+        }
+        let (v, m) = view(2, &["b", "c"]);
+        d.on_view(&v, &m, vec![]);
+        drain(&mut d);
+        let (v, m) = view(3, &["c"]);
+        d.on_view(&v, &m, vec![]);
+        drain(&mut d);
+        d.on_ready(T, &"c".into(), 3, 0, addr(1), Some(0));
+        let actions = drain(&mut d);
+        assert!(matches!(events(&actions)[..], [JobEvent::Failed { .. }]), "{actions:?}");
+        let released: Vec<_> =
+            sent(&actions).into_iter().filter(|(_, w)| matches!(w, Wire::Release { .. })).map(|(n, _)| n).collect();
+        assert_eq!(released, vec!["a", "b", "c"]);
     }
 
     #[test]

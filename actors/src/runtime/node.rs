@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use troupe_cluster::control::{ControlEndpoint, ControlEvent, PeerRole};
 use troupe_cluster::membership::{
-    Epoch, MemberAction, MemberState, Membership, MembershipAction, MembershipEvent, NodeId, View,
+    Epoch, MemberAction, MemberState, Membership, MembershipAction, MembershipEvent, NodeId,
 };
 use troupe_cluster::NodeIdentity;
 
@@ -121,12 +121,16 @@ impl NodeState {
         actor_scope(&self.id.0, self.endpoint.local_addr())
     }
 
+    /// The epoch this node acts on: the authoritative one on the controller, else its adopted view's.
     fn epoch(&self) -> u64 {
-        self.member.epoch().map_or(0, |e| e.0)
+        match &self.leader {
+            Some(l) => l.membership.epoch().0,
+            None => self.member.epoch().map_or(0, |e| e.0),
+        }
     }
 
     fn leader_addr(&self) -> SocketAddr {
-        self.config.join.unwrap_or(self.config.listen)
+        self.config.join.unwrap_or_else(|| self.endpoint.local_addr())
     }
 
     async fn send(&self, me: &ActorRef<NodeMsg>, peer: &str, msg: Wire) {
@@ -213,7 +217,7 @@ impl NodeState {
             match action {
                 MemberAction::SendHeartbeat { .. } => self.send_to_leader(me, Wire::Heartbeat).await,
                 MemberAction::SendJoinRequest => {
-                    let join = Wire::Join { slots: self.config.slots, addr: self.config.listen };
+                    let join = Wire::Join { slots: self.config.slots, addr: self.endpoint.local_addr() };
                     self.send_to_leader(me, join).await;
                 }
                 MemberAction::AdoptView(view) => {
@@ -529,6 +533,10 @@ impl NodeState {
         if self.leader.is_some() {
             let idle = !self.any_job_running();
             let l = self.leader.as_mut().expect("controller");
+            // The controller is alive by definition while it ticks: it never times itself out, however
+            // late a tick runs on a loaded machine.
+            let epoch = l.membership.epoch();
+            l.membership.handle(now, MembershipEvent::Heartbeat { from: self.id.clone(), epoch });
             l.membership.handle_timeout(now);
             if idle && l.membership.joining().next().is_some() {
                 l.membership.handle(now, MembershipEvent::StepBoundary);
@@ -582,7 +590,7 @@ impl Actor for NodeActor {
         let (member, leader) = if config.join.is_none() {
             let membership = Membership::new(config.membership.clone(), Duration::ZERO, vec![id.clone()]);
             let view = membership.view().clone();
-            let info = MemberInfo { name: id.0.clone(), addr: config.listen, slots: config.slots };
+            let info = MemberInfo { name: id.0.clone(), addr: endpoint.local_addr(), slots: config.slots };
             let leader = Leader {
                 membership,
                 members: BTreeMap::from([(id.clone(), info)]),
@@ -719,9 +727,4 @@ impl Actor for NodeActor {
         }
         Ok(())
     }
-}
-
-/// Helper for tests and the daemon: the view a status reply describes.
-pub fn status_view(status: &ClusterStatus) -> View {
-    View::new(Epoch(status.epoch), status.members.iter().map(|m| NodeId(m.name.clone())).collect())
 }

@@ -26,6 +26,20 @@ pub struct JobSpec {
     pub max_ranks: usize,
     /// Rank 0 writes the final parameters here (a path on its machine).
     pub save_final: Option<PathBuf>,
+    /// How ranks exchange gradients.
+    #[serde(default)]
+    pub data_plane: DataPlane,
+}
+
+/// The transport of an attempt's collectives.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DataPlane {
+    /// Unix sockets when every rank is on one host, QUIC otherwise.
+    #[default]
+    Auto,
+    /// Always the mutually-authenticated QUIC mesh.
+    Quic,
 }
 
 /// One rank of an attempt: a slot of a node.

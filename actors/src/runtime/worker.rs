@@ -15,13 +15,14 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::mpsc;
 use troupe_cluster::collective::{CollectiveConfig, Communicator};
 use troupe_cluster::transport::quic::{bind_endpoint, PeerInfo, QuicTransport};
+use troupe_cluster::transport::same_host::{socket_path, SameHostTransport};
 use troupe_cluster::transport::Transport;
 use troupe_cluster::{NodeIdentity, TransportConfig};
 use troupe_model::optim::grad_norm;
 use troupe_model::{checkpoint, Trainer};
 
 use super::node::NodeMsg;
-use super::protocol::{AttemptOutcome, JobId, JobSpec, Wire};
+use super::protocol::{AttemptOutcome, DataPlane, JobId, JobSpec, Wire};
 use crate::engine::{DataParallelReplica, DEFAULT_BUCKET_BYTES};
 
 pub enum WorkerMsg {
@@ -224,7 +225,7 @@ impl WorkerState {
             source,
         };
         let me = me.clone();
-        tokio::spawn(async move {
+        let attempt_task = async move {
             let run = std::panic::AssertUnwindSafe(run_attempt(ctx, prepared, trainer, rx)).catch_unwind();
             let (trainer, outcome) = match run.await {
                 Ok(result) => result,
@@ -234,7 +235,18 @@ impl WorkerState {
                 }
             };
             let _ = me.cast(WorkerMsg::Returned { job, attempt, trainer, outcome });
+        };
+        // Training computes for hundreds of milliseconds at a time without yielding: it gets a thread and
+        // a runtime of its own, so the node's heartbeats and control messages never wait behind it.
+        let spawned = std::thread::Builder::new().name(format!("troupe-attempt-{job}-{attempt}")).spawn(move || {
+            match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(runtime) => runtime.block_on(attempt_task),
+                Err(e) => tracing::error!("cannot start the attempt's runtime: {e}"),
+            }
         });
+        if let Err(e) = spawned {
+            tracing::error!(job, attempt, "cannot start the attempt's thread: {e}");
+        }
     }
 
     fn control(&mut self, job: JobId, attempt: u64, ctl: Ctl) {
@@ -282,6 +294,9 @@ struct AttemptCtx {
 }
 
 /// One rank's part of an attempt. Always gives the trainer back in its last committed state.
+///
+/// The data plane: when every rank of the attempt is on this host (their data addresses share one IP),
+/// the same-host transport (Unix sockets in a private directory); otherwise the QUIC mesh.
 async fn run_attempt(
     ctx: AttemptCtx,
     prepared: Prepared,
@@ -290,6 +305,27 @@ async fn run_attempt(
 ) -> (Option<Box<Trainer>>, AttemptOutcome) {
     let Prepared { rank, epoch, spec, endpoint, .. } = prepared;
     let step = trainer.step;
+    let one_host =
+        spec.data_plane == DataPlane::Auto && ctx.roster.iter().all(|p| p.addr.ip() == ctx.roster[rank].addr.ip());
+    if one_host {
+        drop(endpoint);
+        let dir = socket_dir(&ctx);
+        let connect = async {
+            make_private_dir(&dir)?;
+            SameHostTransport::connect(&dir, rank, ctx.roster.len(), ctx.transport.clone()).await
+        };
+        let result = tokio::select! {
+            t = connect => t,
+            _ = wait_abort(&mut ctl) => return (Some(trainer), AttemptOutcome::Aborted { step }),
+        };
+        let outcome = match result {
+            Ok(t) => train_over(&ctx, &spec, Arc::new(t), epoch, trainer, &mut ctl).await,
+            Err(e) => (Some(trainer), AttemptOutcome::Failed { step, reason: e.to_string() }),
+        };
+        let _ = std::fs::remove_file(socket_path(&dir, rank));
+        let _ = std::fs::remove_dir(&dir); // the last rank out removes it
+        return outcome;
+    }
     let connect = QuicTransport::connect_on(&ctx.identity, endpoint, rank, ctx.roster.clone(), ctx.transport.clone());
     let transport = tokio::select! {
         t = connect => match t {
@@ -298,13 +334,45 @@ async fn run_attempt(
         },
         _ = wait_abort(&mut ctl) => return (Some(trainer), AttemptOutcome::Aborted { step }),
     };
+    train_over(&ctx, &spec, transport, epoch, trainer, &mut ctl).await
+}
+
+async fn train_over<T: Transport>(
+    ctx: &AttemptCtx,
+    spec: &JobSpec,
+    transport: Arc<T>,
+    epoch: u64,
+    trainer: Box<Trainer>,
+    ctl: &mut mpsc::UnboundedReceiver<Ctl>,
+) -> (Option<Box<Trainer>>, AttemptOutcome) {
     let comm = Communicator::new(transport.clone(), 0, epoch, CollectiveConfig::from(&ctx.transport));
     let mut replica = DataParallelReplica::without_sync(*trainer, comm, DEFAULT_BUCKET_BYTES);
-    let outcome = drive(&ctx, &spec, &mut replica, &mut ctl).await;
+    let outcome = drive(ctx, spec, &mut replica, ctl).await;
     if matches!(outcome, AttemptOutcome::Completed { .. }) {
         transport.shutdown().await;
     }
     (Some(Box::new(replica.into_trainer())), outcome)
+}
+
+/// A directory private to this attempt's ranks: named by a hash of the job, the attempt and the roster
+/// (the same on every rank), under the temporary directory.
+fn socket_dir(ctx: &AttemptCtx) -> std::path::PathBuf {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (ctx.job, ctx.attempt).hash(&mut h);
+    for peer in &ctx.roster {
+        (&peer.name, peer.addr).hash(&mut h);
+    }
+    std::env::temp_dir().join(format!("troupe-{:016x}", h.finish()))
+}
+
+fn make_private_dir(dir: &std::path::Path) -> Result<(), troupe_cluster::ClusterError> {
+    use std::os::unix::fs::DirBuilderExt;
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(troupe_cluster::ClusterError::io(format!("creating {}", dir.display()), e)),
+    }
 }
 
 async fn wait_abort(ctl: &mut mpsc::UnboundedReceiver<Ctl>) {
