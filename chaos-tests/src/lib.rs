@@ -1,3 +1,9 @@
 //! troupe-chaos: the chaos-testing harness (nemeses, deterministic simulation, invariant checker,
 //! scenarios). It sits on top of the runtime and drives it from outside; see docs/ARCHITECTURE.md for
 //! what lands here.
+//!
+//! - [`sim`]: the deterministic simulation of a whole cluster running one job — the controller's
+//!   membership and job driver, every node's membership and workers — on virtual time over an
+//!   adversarial in-memory network, all from one seed, with the invariant checker of the step protocol.
+
+pub mod sim;

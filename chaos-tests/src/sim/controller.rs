@@ -1,0 +1,317 @@
+//! The controller, modelled: node.rs's leader part (membership, fencing of job messages, routing) and
+//! the JobController actor around the real [`JobDriver`](troupe_actors::runtime::job::JobDriver). The
+//! driver and `Membership` are the runtime's own code; only the plumbing around them is modelled.
+
+use troupe_actors::runtime::job::{DriverAction, FAILED_ATTEMPTS_MAX};
+use troupe_actors::runtime::protocol::{JobEvent, MemberInfo, Wire};
+use troupe_cluster::membership::{Change, Epoch, MembershipAction, MembershipEvent, NodeId};
+
+use super::check::Checker;
+use super::config::PlantedBug;
+use super::node::{dur, kind};
+use super::world::{addr, trace, Envelope, Ev, FromJob, JobEnd, JobInput, Local, World, JOB};
+
+impl World<'_> {
+    /// A node's message reaching the controller over the network.
+    pub(super) fn deliver_up(&mut self, conn: usize, env: Envelope) {
+        if !self.conns[conn].open_ctrl {
+            self.stats.lost_messages += 1;
+            return;
+        }
+        self.leader_message(env);
+        self.drive_membership();
+    }
+
+    /// node.rs `leader_message`: membership messages go to `Membership`; job messages are accepted only
+    /// from a member acting on the current epoch (a non-member is fenced).
+    pub(super) fn leader_message(&mut self, env: Envelope) {
+        let from = env.from;
+        let id = self.nodes[from].id.clone();
+        let now = dur(self.now);
+        let input = match env.msg {
+            Wire::Join { slots, addr } => {
+                self.ctl.members.insert(id.clone(), MemberInfo { name: id.0.clone(), addr, slots });
+                self.check.join_requested(from, env.generation);
+                trace!(self, "controller <- Join from {id}");
+                return self.ctl.membership.handle(now, MembershipEvent::JoinRequest { from: id });
+            }
+            Wire::Heartbeat => {
+                let event = MembershipEvent::Heartbeat { from: id, epoch: Epoch(env.epoch) };
+                return self.ctl.membership.handle(now, event);
+            }
+            Wire::Leave => {
+                trace!(self, "controller <- Leave from {id}");
+                return self.ctl.membership.handle(now, MembershipEvent::Leave { from: id });
+            }
+            Wire::Ready { attempt, slot, committed, .. } => JobInput::Ready { node: from, attempt, slot, committed },
+            Wire::Vote { attempt, slot, step, .. } => JobInput::Vote { node: from, attempt, slot, step },
+            Wire::Ended { attempt, slot, outcome, .. } => JobInput::Ended { node: from, attempt, slot, outcome },
+            Wire::Checkpointed { attempt, step, .. } => JobInput::Checkpointed { attempt, step },
+            other => return trace!(self, "controller got an unexpected {other:?}"),
+        };
+        let current = self.ctl.membership.epoch();
+        if !self.ctl.membership.view().contains(&id) {
+            self.stats.refused_stale += 1;
+            trace!(self, "controller refuses a job message of non-member {id} (epoch {}); fences it", env.epoch);
+            return self.ctl_send(&id, Wire::Fenced { current });
+        }
+        if env.epoch < current.0 && !self.cfg.node_model.accept_lagging_members {
+            self.stats.ignored_lagging += 1;
+            trace!(self, "controller ignores {input:?} of {id}: epoch {} < {current}", env.epoch);
+            return;
+        }
+        self.check.accepted_job_message(self.now, from, env.generation, input_kind(&input));
+        self.local(Local::NodeToJob, Ev::ToJob(input));
+    }
+
+    /// node.rs `drive_membership`.
+    pub(super) fn drive_membership(&mut self) {
+        while let Some(action) = self.ctl.membership.poll_action() {
+            match action {
+                MembershipAction::ViewChanged { view, changes } => {
+                    self.stats.view_changes += 1;
+                    self.check.view_changed(self.now, view.epoch.0);
+                    for change in &changes {
+                        if let Change::Joined(node) = change {
+                            let n = self.index[node];
+                            self.check.admitted(n, self.nodes[n].generation);
+                        }
+                    }
+                    trace!(self, "VIEW epoch {} {:?} after {changes:?}", view.epoch, view.members());
+                    let members = self.members_of(&view);
+                    let changes = changes.iter().map(|c| format!("{c:?}")).collect();
+                    let input = JobInput::View { view: view.clone(), members: members.clone(), changes };
+                    self.local(Local::NodeToJob, Ev::ToJob(input));
+                    for node in view.members() {
+                        self.ctl_send(node, Wire::View { view: view.clone(), members: members.clone() });
+                    }
+                }
+                MembershipAction::Fence { node, stale_epoch, current } => {
+                    self.stats.refused_stale += 1;
+                    trace!(self, "controller fences {node} (it acted on epoch {stale_epoch})");
+                    self.ctl_send(&node, Wire::Fenced { current });
+                }
+                MembershipAction::SendView { node, view } => {
+                    let members = self.members_of(&view);
+                    self.ctl_send(&node, Wire::View { view, members });
+                }
+            }
+        }
+    }
+
+    /// node.rs `send` from the controller: to itself through its mailbox, to others on their connection.
+    pub(super) fn ctl_send(&mut self, to: &NodeId, msg: Wire) {
+        let n = self.index[to];
+        let env = Envelope { from: 0, epoch: self.stamp(0), generation: self.nodes[0].generation, msg };
+        if n == 0 {
+            return self.local(Local::ToSelf, Ev::SelfMsg(env));
+        }
+        match self.ctl.conns[n] {
+            Some(conn) if self.conns[conn].open_ctrl => self.net_send(conn, false, env),
+            _ => {
+                self.stats.lost_messages += 1;
+                trace!(self, "controller drops {} for {to} (not connected)", kind(&env.msg));
+            }
+        }
+    }
+
+    /// The JobController actor handles one message and flushes the driver's actions to its node.
+    pub(super) fn job_handle(&mut self, input: JobInput) {
+        let now = dur(self.now);
+        trace!(self, "job <- {input:?}");
+        let name = |w: &Self, n: usize| w.nodes[n].id.clone();
+        match input {
+            JobInput::View { view, members, changes } => self.ctl.driver.on_view(&view, &members, changes),
+            JobInput::Ready { node, attempt, slot, committed } => {
+                let id = name(self, node);
+                self.ctl.driver.on_ready(now, &id, attempt, slot, addr(node, slot), committed);
+            }
+            JobInput::Vote { node, attempt, slot, step } => {
+                if self.cfg.planted == PlantedBug::CommitOnFirstVote {
+                    self.commit_on_first_vote(attempt, step);
+                }
+                let id = name(self, node);
+                let loss = 4.0 / (step as f64 + 1.0);
+                self.ctl.driver.on_vote(now, &id, attempt, slot, step, loss, 1.0);
+            }
+            JobInput::Ended { node, attempt, slot, outcome } => {
+                let id = name(self, node);
+                self.ctl.driver.on_ended(&id, attempt, slot, outcome);
+            }
+            JobInput::Checkpointed { attempt, step } => {
+                self.ctl.driver.on_checkpoint(attempt, step, format!("/shared/checkpoints/step-{step:08}").into(), 0.0)
+            }
+        }
+        self.job_flush();
+    }
+
+    /// The planted bug: commit a step to every rank on its first vote (the driver is not changed; this
+    /// wraps its actions).
+    fn commit_on_first_vote(&mut self, attempt: u64, step: u64) {
+        let info = self.ctl.driver.info();
+        if attempt != info.attempts || step != info.step || !self.ctl.early.insert((attempt, step)) {
+            return;
+        }
+        let mut nodes: Vec<NodeId> = self
+            .ctl
+            .attempt_ranks
+            .get(&attempt)
+            .map(|r| r.iter().map(|r| r.node.clone()).collect())
+            .unwrap_or_default();
+        nodes.dedup();
+        trace!(self, "PLANTED BUG: commit step {step} of attempt {attempt} on its first vote");
+        for node in nodes {
+            let msg = Wire::Commit { job: JOB, attempt, step, lr_hint: 0.0 };
+            self.local(Local::JobToNode, Ev::FromJob(FromJob::Send { node, msg }));
+        }
+    }
+
+    fn job_flush(&mut self) {
+        while let Some(action) = self.ctl.driver.poll_action() {
+            match action {
+                DriverAction::Send { node, msg } => {
+                    match &msg {
+                        Wire::Prepare { attempt, ranks, .. } => {
+                            self.stats.attempts = *attempt;
+                            self.ctl.attempt_ranks.insert(*attempt, ranks.clone());
+                        }
+                        Wire::Commit { attempt, step, .. } => self.check.commit_sent(self.now, *attempt, *step),
+                        _ => {}
+                    }
+                    trace!(self, "driver -> {node}: {}", kind(&msg));
+                    self.local(Local::JobToNode, Ev::FromJob(FromJob::Send { node, msg }));
+                }
+                DriverAction::Event(event) => self.job_event(event),
+                DriverAction::StepBoundary => self.local(Local::JobToNode, Ev::FromJob(FromJob::StepBoundary)),
+            }
+        }
+    }
+
+    /// The job controller's actions reach the controller's node actor.
+    pub(super) fn job_output(&mut self, out: FromJob) {
+        match out {
+            FromJob::Send { node, msg } => self.ctl_send(&node, msg),
+            FromJob::StepBoundary => {
+                self.ctl.membership.handle(dur(self.now), MembershipEvent::StepBoundary);
+                self.drive_membership();
+            }
+        }
+    }
+
+    fn job_event(&mut self, event: JobEvent) {
+        trace!(self, "JOB {event:?}");
+        match event {
+            JobEvent::Step { step, .. } => {
+                self.stats.committed_steps = step;
+                self.check.step_reported(self.now, step);
+            }
+            JobEvent::Finished { steps, .. } => {
+                self.end = JobEnd::Finished { at_ms: self.now };
+                if steps != self.sc.steps {
+                    self.check.fail(self.now, format!("the job finished after {steps} of {} steps", self.sc.steps));
+                }
+                self.check_final_ranks();
+            }
+            JobEvent::Failed { reason } => {
+                self.check_failure_allowed(&reason);
+                self.end = JobEnd::Failed { at_ms: self.now, reason };
+            }
+            JobEvent::RolledBack { from_step, to_step } => {
+                if let Some(holders) = self.holders_of(from_step) {
+                    let what =
+                        format!("rolled back from step {from_step} to {to_step} although members {holders:?} hold it");
+                    self.check.fail(self.now, what);
+                }
+                self.check.rolled_back(to_step);
+                self.stats.rollbacks += 1;
+            }
+            JobEvent::Cancelled => self.check.fail(self.now, "the job was cancelled; nobody cancelled it".into()),
+            _ => {}
+        }
+    }
+
+    /// Every rank of the attempt that finished the job completed it holding every step.
+    fn check_final_ranks(&mut self) {
+        let attempt = self.ctl.driver.info().attempts;
+        let ranks = self.ctl.attempt_ranks.get(&attempt).cloned().unwrap_or_default();
+        for r in ranks {
+            let node = self.index[&r.node];
+            match self.check.completed.get(&(attempt, node, r.slot)) {
+                Some(state) if Checker::is_prefix(state, self.sc.steps) => {}
+                other => {
+                    let what =
+                        format!("rank {}/{} of the final attempt {attempt} ended holding {other:?}", r.node, r.slot);
+                    self.check.fail(self.now, what);
+                }
+            }
+        }
+    }
+
+    /// A job may fail only when the scenario made it unavoidable.
+    fn check_failure_allowed(&mut self, reason: &str) {
+        if reason.contains("was lost") {
+            let step = self.ctl.driver.info().step;
+            if let Some(holders) = self.holders_of(step) {
+                let what = format!("the job failed ({reason}) although members {holders:?} hold step {step}");
+                self.check.fail(self.now, what);
+            }
+        } else if reason.contains("attempts in a row failed") {
+            if self.sc.harmful_faults() < FAILED_ATTEMPTS_MAX as usize {
+                let what = format!("the job failed ({reason}) with only {} faults", self.sc.harmful_faults());
+                self.check.fail(self.now, what);
+            }
+        } else {
+            self.check.fail(self.now, format!("the job failed for a reason no fault explains: {reason}"));
+        }
+    }
+
+    /// The live members' workers that hold at least `step` committed steps, if any.
+    fn holders_of(&self, step: u64) -> Option<Vec<String>> {
+        let view = self.ctl.membership.view();
+        let mut holders = Vec::new();
+        for node in self.nodes.iter().filter(|n| n.up && view.contains(&n.id)) {
+            for (slot, w) in node.workers.iter().enumerate() {
+                let held = w
+                    .job
+                    .as_ref()
+                    .and_then(|j| j.trainer.as_ref().or(j.running.as_ref().map(|t| &t.state)).map(|s| s.len() as u64));
+                if held.is_some_and(|h| h >= step) {
+                    holders.push(format!("{}/{slot}", node.id));
+                }
+            }
+        }
+        (!holders.is_empty()).then_some(holders)
+    }
+
+    /// After the job ended and the tail passed: every member released the job's state.
+    pub(super) fn check_released(&mut self) {
+        let view = self.ctl.membership.view().clone();
+        for n in 0..self.nodes.len() {
+            let node = &self.nodes[n];
+            if !node.up || !view.contains(&node.id) {
+                continue;
+            }
+            for (slot, w) in node.workers.iter().enumerate() {
+                if let Some(job) = &w.job {
+                    let held = job.trainer.as_ref().map(Vec::len);
+                    let what = format!(
+                        "{}/{slot} still holds the job's state ({held:?} steps, running: {}) after the job ended",
+                        node.id,
+                        job.running.is_some()
+                    );
+                    self.check.fail(self.now, what);
+                }
+            }
+        }
+    }
+}
+
+fn input_kind(input: &JobInput) -> &'static str {
+    match input {
+        JobInput::View { .. } => "a view",
+        JobInput::Ready { .. } => "Ready",
+        JobInput::Vote { .. } => "Vote",
+        JobInput::Ended { .. } => "Ended",
+        JobInput::Checkpointed { .. } => "Checkpointed",
+    }
+}

@@ -1,0 +1,577 @@
+//! The simulated world: every node, the controller, the network and the data-plane meshes, driven by one
+//! event queue on virtual time. Events at the same instant run in the order they were scheduled, and
+//! every random choice comes from the run's one generator, so a run replays exactly from its seed.
+
+use std::cmp::{Ordering, Reverse};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+use std::net::SocketAddr;
+
+use troupe_actors::runtime::job::JobDriver;
+use troupe_actors::runtime::protocol::{AttemptOutcome, JobId, MemberInfo, RankSlot, Wire};
+use troupe_cluster::membership::{MemberState, Membership, NodeId, View};
+
+use super::check::Checker;
+use super::config::SimConfig;
+use super::rng::Rng;
+use super::scenario::Scenario;
+use super::trace::Trace;
+
+/// The one job of a run.
+pub(super) const JOB: JobId = 1;
+
+/// A control-plane message with its frame header: the sender's epoch. `generation` is not on the wire:
+/// it names the sender's incarnation and membership for the checker.
+#[derive(Clone, Debug)]
+pub(super) struct Envelope {
+    pub from: usize,
+    pub epoch: u64,
+    pub generation: u32,
+    pub msg: Wire,
+}
+
+/// What the controller's node actor hands its job controller actor (`JobMsg`).
+#[derive(Debug)]
+pub(super) enum JobInput {
+    View { view: View, members: Vec<MemberInfo>, changes: Vec<String> },
+    Ready { node: usize, attempt: u64, slot: u32, committed: Option<u64> },
+    Vote { node: usize, attempt: u64, slot: u32, step: u64 },
+    Ended { node: usize, attempt: u64, slot: u32, outcome: AttemptOutcome },
+    Checkpointed { attempt: u64, step: u64 },
+}
+
+/// What the job controller actor hands back to its node actor (`NodeMsg::Outgoing`, `StepBoundary`).
+#[derive(Debug)]
+pub(super) enum FromJob {
+    Send { node: NodeId, msg: Wire },
+    StepBoundary,
+}
+
+/// A collective of an attempt's data-plane mesh, in the order every rank runs them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Op {
+    Connect,
+    Sync,
+    Step(u64),
+}
+
+/// One rank's attempt task: which node incarnation, worker incarnation and attempt it belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct RankAt {
+    pub node: usize,
+    pub inc: u32,
+    pub slot: u32,
+    pub winc: u32,
+    pub attempt: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Stall {
+    Pause,
+    Isolate,
+}
+
+#[derive(Debug)]
+pub(super) enum Ev {
+    Tick {
+        node: usize,
+        inc: u32,
+    },
+    /// A control message reaching the controller over connection `conn`.
+    Up {
+        conn: usize,
+        env: Envelope,
+    },
+    /// A control message reaching the connection's node.
+    Down {
+        conn: usize,
+        env: Envelope,
+    },
+    /// The controller's node sending to itself (through its own mailbox).
+    SelfMsg(Envelope),
+    ToJob(JobInput),
+    FromJob(FromJob),
+    ConnLost {
+        conn: usize,
+        at_ctrl: bool,
+    },
+    /// The node said goodbye: the controller's side closes without a `Lost`.
+    ConnDeparted {
+        conn: usize,
+    },
+    DialDone {
+        node: usize,
+        inc: u32,
+        ok: bool,
+    },
+    Computed {
+        at: RankAt,
+        step: u64,
+    },
+    OpDone {
+        at: RankAt,
+        op: Op,
+    },
+    OpTimeout {
+        at: RankAt,
+        op: Op,
+        since: u64,
+    },
+    MeshBreak {
+        attempt: u64,
+    },
+    Fault(usize),
+    Restart {
+        node: usize,
+    },
+    Resume {
+        node: usize,
+        inc: u32,
+    },
+    StallCheck {
+        node: usize,
+        inc: u32,
+        stall: Stall,
+        since: u64,
+    },
+}
+
+#[derive(Debug)]
+pub(super) struct Item {
+    pub at: u64,
+    seq: u64,
+    pub ev: Ev,
+}
+
+impl PartialEq for Item {
+    fn eq(&self, other: &Self) -> bool {
+        (self.at, self.seq) == (other.at, other.seq)
+    }
+}
+impl Eq for Item {}
+impl PartialOrd for Item {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Item {
+    fn cmp(&self, other: &Self) -> Ordering {
+        (self.at, self.seq).cmp(&(other.at, other.seq))
+    }
+}
+
+/// One control connection between a node (one incarnation) and the controller.
+#[derive(Debug)]
+pub(super) struct Conn {
+    pub node: usize,
+    pub inc: u32,
+    pub open_node: bool,
+    pub open_ctrl: bool,
+    /// FIFO: the latest delivery time scheduled in each direction.
+    pub last_up: u64,
+    last_down: u64,
+}
+
+/// What an attempt's task holds while it runs (the worker's trainer moved into it).
+#[derive(Debug)]
+pub(super) struct Task {
+    pub attempt: u64,
+    pub rank: usize,
+    pub state: Vec<u64>,
+    pub phase: Phase,
+    /// When the current collective was entered (to tell a stale timeout).
+    pub since: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Phase {
+    Connecting,
+    Syncing,
+    Computing(u64),
+    Reducing(u64),
+    AwaitCommit(u64),
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Prepared {
+    pub attempt: u64,
+    pub rank: usize,
+}
+
+/// A worker's slot for the job (worker.rs `JobSlot`); the model's trainer is the list of steps applied.
+#[derive(Debug, Default)]
+pub(super) struct JobSlot {
+    pub trainer: Option<Vec<u64>>,
+    pub prepared: Option<Prepared>,
+    pub running: Option<Task>,
+    pub deferred: Option<Prepared>,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Worker {
+    /// Incarnation: bumped when the node restarts the worker.
+    pub winc: u32,
+    pub job: Option<JobSlot>,
+    /// The attempt the node last asked this worker to prepare (node.rs `WorkerSlot::attempts`).
+    pub attempt: Option<u64>,
+}
+
+#[derive(Debug)]
+pub(super) struct Node {
+    pub id: NodeId,
+    pub slots: u32,
+    pub up: bool,
+    pub inc: u32,
+    /// Bumped on every fence and every new incarnation (the checker's name for "this membership").
+    pub generation: u32,
+    pub paused_until: Option<u64>,
+    /// The pause outlasted the idle timeout: its connections are gone when it resumes.
+    pub pause_broke: bool,
+    pub held: Vec<Item>,
+    pub member: MemberState,
+    /// node.rs `leader_peer.is_some()` (non-controller nodes).
+    pub leader_peer: bool,
+    pub conn: Option<usize>,
+    pub connecting: bool,
+    pub workers: Vec<Worker>,
+}
+
+impl Node {
+    pub fn epoch(&self) -> u64 {
+        self.member.epoch().map_or(0, |e| e.0)
+    }
+}
+
+/// What only the controller holds (node.rs `Leader`) plus its one job controller.
+#[derive(Debug)]
+pub(super) struct Controller {
+    pub membership: Membership,
+    pub members: BTreeMap<NodeId, MemberInfo>,
+    pub driver: JobDriver,
+    /// The controller's side of each node's current connection.
+    pub conns: Vec<Option<usize>>,
+    /// The ranks each attempt was prepared on (read off the driver's `Prepare`s).
+    pub attempt_ranks: BTreeMap<u64, Vec<RankSlot>>,
+    /// Steps the planted bug committed early, per attempt.
+    pub early: BTreeSet<(u64, u64)>,
+}
+
+/// An attempt's data plane: the ranks that started, and the collective each waits in.
+#[derive(Debug)]
+pub(super) struct Mesh {
+    pub ranks: Vec<Option<MeshRank>>,
+    pub source: Option<usize>,
+    pub broken_at: Option<u64>,
+    /// What the source rank held when the state copy completed.
+    pub synced: Option<Vec<u64>>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(super) struct MeshRank {
+    pub at: RankAt,
+    pub entered: Option<Op>,
+    pub gone: bool,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub view_changes: u64,
+    pub attempts: u64,
+    pub committed_steps: u64,
+    pub applied: u64,
+    /// Job messages refused from non-members (answered with `Fenced`).
+    pub refused_stale: u64,
+    /// Job messages of members on an older epoch, ignored.
+    pub ignored_lagging: u64,
+    /// Controller messages a node refused for carrying an older epoch than its own.
+    pub node_refused_stale: u64,
+    pub fences: u64,
+    /// Messages lost: sent while not connected, or in flight on a connection that closed.
+    pub lost_messages: u64,
+    pub dials: u64,
+    pub failed_attempts_seen: u64,
+    /// Attempts that copied the state of one rank to the others before training.
+    pub state_copies: u64,
+    pub rollbacks: u64,
+    pub checkpoints: u64,
+}
+
+/// How the job ended.
+#[derive(Clone, Debug, PartialEq)]
+pub enum JobEnd {
+    Finished { at_ms: u64 },
+    Failed { at_ms: u64, reason: String },
+    Unfinished,
+}
+
+pub(super) struct World<'a> {
+    pub cfg: &'a SimConfig,
+    pub sc: &'a Scenario,
+    pub now: u64,
+    queue: BinaryHeap<Reverse<Item>>,
+    seq: u64,
+    pub rng: Rng,
+    pub nodes: Vec<Node>,
+    pub index: BTreeMap<NodeId, usize>,
+    pub conns: Vec<Conn>,
+    /// FIFO clocks of the in-process hops: node→job, job→node, controller node→itself.
+    local_last: [u64; 3],
+    pub ctl: Controller,
+    pub meshes: BTreeMap<u64, Mesh>,
+    /// Durable checkpoints on storage every node shares, oldest first (the state each holds).
+    pub checkpoints: Vec<Vec<u64>>,
+    pub check: Checker,
+    pub trace: Trace,
+    pub stats: Stats,
+    pub end: JobEnd,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Local {
+    NodeToJob = 0,
+    JobToNode = 1,
+    ToSelf = 2,
+}
+
+/// A fake address: the model has no sockets, but `MemberInfo` and `Ready` carry one.
+pub(super) fn addr(node: usize, slot: u32) -> SocketAddr {
+    SocketAddr::from(([10, 0, 0, node as u8 + 1], 7000 + slot as u16))
+}
+
+/// Formats a trace line only when it is kept or hashed (always: the hash covers every line).
+macro_rules! trace {
+    ($w:expr, $($arg:tt)*) => {
+        $w.trace.log($w.now, format_args!($($arg)*))
+    };
+}
+pub(super) use trace;
+
+impl<'a> World<'a> {
+    pub fn new(seed: u64, sc: &'a Scenario, cfg: &'a SimConfig, keep_lines: usize) -> Self {
+        let ids: Vec<NodeId> = sc.nodes.iter().map(|n| n.name.clone()).collect();
+        let index = ids.iter().cloned().enumerate().map(|(i, n)| (n, i)).collect();
+        let membership = Membership::new(cfg.membership.clone(), std::time::Duration::ZERO, ids.clone());
+        let view = membership.view().clone();
+        let members = sc
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.name.clone(), MemberInfo { name: n.name.0.clone(), addr: addr(i, 0), slots: n.slots }))
+            .collect();
+        let nodes = sc
+            .nodes
+            .iter()
+            .map(|n| Node {
+                id: n.name.clone(),
+                slots: n.slots,
+                up: true,
+                inc: 0,
+                generation: 0,
+                paused_until: None,
+                pause_broke: false,
+                held: Vec::new(),
+                member: MemberState::member(
+                    n.name.clone(),
+                    cfg.membership.clone(),
+                    std::time::Duration::ZERO,
+                    view.clone(),
+                ),
+                leader_peer: true,
+                conn: None,
+                connecting: false,
+                workers: (0..n.slots).map(|_| Worker::default()).collect(),
+            })
+            .collect();
+        let spec = super::job_spec(sc);
+        let check = Checker::new(view.epoch.0, sc.nodes.len());
+        World {
+            cfg,
+            sc,
+            now: 0,
+            queue: BinaryHeap::new(),
+            seq: 0,
+            rng: Rng::new(seed),
+            nodes,
+            index,
+            conns: Vec::new(),
+            local_last: [0; 3],
+            ctl: Controller {
+                membership,
+                members,
+                driver: JobDriver::new(JOB, spec),
+                conns: vec![None; sc.nodes.len()],
+                attempt_ranks: BTreeMap::new(),
+                early: BTreeSet::new(),
+            },
+            meshes: BTreeMap::new(),
+            checkpoints: Vec::new(),
+            check,
+            trace: Trace::new(keep_lines),
+            stats: Stats::default(),
+            end: JobEnd::Unfinished,
+        }
+    }
+
+    pub fn push(&mut self, at: u64, ev: Ev) {
+        self.seq += 1;
+        self.queue.push(Reverse(Item { at, seq: self.seq, ev }));
+    }
+
+    /// The cluster at t=0: every node a member of epoch 1 and connected, the job submitted.
+    pub fn start(&mut self) {
+        for n in 0..self.nodes.len() {
+            if n != 0 {
+                let conn = self.open_conn(n);
+                self.nodes[n].conn = Some(conn);
+            }
+            let phase = self.rng.below(self.cfg.tick_ms);
+            self.push(phase, Ev::Tick { node: n, inc: 0 });
+        }
+        for (i, f) in self.sc.faults.iter().enumerate() {
+            self.push(f.at_ms(), Ev::Fault(i));
+        }
+        let view = self.ctl.membership.view().clone();
+        let members = self.members_of(&view);
+        trace!(self, "job submitted on {:?}", view.members());
+        self.local(Local::NodeToJob, Ev::ToJob(JobInput::View { view, members, changes: Vec::new() }));
+    }
+
+    /// Runs until the job ended and the tail passed, or the scenario's bound.
+    pub fn run(&mut self) {
+        let bound = self.sc.finish_bound_ms();
+        while let Some(Reverse(item)) = self.queue.pop() {
+            let ended_at = match self.end {
+                JobEnd::Finished { at_ms } | JobEnd::Failed { at_ms, .. } => Some(at_ms),
+                JobEnd::Unfinished => None,
+            };
+            let stop = match ended_at {
+                Some(t) => (t + self.cfg.tail_ms).max(self.sc.heal_ms() + self.cfg.tail_ms),
+                None => bound,
+            };
+            if item.at > stop {
+                self.now = stop;
+                break;
+            }
+            self.now = item.at;
+            self.dispatch(item);
+        }
+    }
+
+    /// The node whose process must be running for the event to happen (paused: it waits; crashed or
+    /// replaced: it is gone).
+    fn target(&self, ev: &Ev) -> Option<(usize, u32)> {
+        match ev {
+            Ev::Tick { node, inc } | Ev::DialDone { node, inc, .. } => Some((*node, *inc)),
+            Ev::Down { conn, .. } | Ev::ConnLost { conn, at_ctrl: false } => {
+                Some((self.conns[*conn].node, self.conns[*conn].inc))
+            }
+            Ev::Computed { at, .. } | Ev::OpDone { at, .. } | Ev::OpTimeout { at, .. } => Some((at.node, at.inc)),
+            _ => None,
+        }
+    }
+
+    fn dispatch(&mut self, item: Item) {
+        if let Some((n, inc)) = self.target(&item.ev) {
+            let node = &mut self.nodes[n];
+            if !node.up || node.inc != inc {
+                if matches!(item.ev, Ev::Down { .. }) {
+                    self.stats.lost_messages += 1;
+                }
+                return;
+            }
+            if node.paused_until.is_some() {
+                node.held.push(item);
+                return;
+            }
+        }
+        match item.ev {
+            Ev::Tick { node, .. } => self.tick(node),
+            Ev::Up { conn, env } => self.deliver_up(conn, env),
+            Ev::Down { conn, env } => self.deliver_down(conn, env),
+            Ev::SelfMsg(env) => self.deliver_self(env),
+            Ev::ToJob(input) => self.job_handle(input),
+            Ev::FromJob(out) => self.job_output(out),
+            Ev::ConnLost { conn, at_ctrl } => self.conn_lost(conn, at_ctrl),
+            Ev::ConnDeparted { conn } => {
+                let c = &mut self.conns[conn];
+                c.open_ctrl = false;
+                if self.ctl.conns[c.node] == Some(conn) {
+                    self.ctl.conns[c.node] = None;
+                }
+            }
+            Ev::DialDone { node, ok, .. } => self.dial_done(node, ok),
+            Ev::Computed { at, step } => self.computed(at, step),
+            Ev::OpDone { at, op } => self.op_done(at, op),
+            Ev::OpTimeout { at, op, since } => self.op_timeout(at, op, since),
+            Ev::MeshBreak { attempt } => self.mesh_break(attempt),
+            Ev::Fault(i) => self.fault(i),
+            Ev::Restart { node } => self.restart(node),
+            Ev::Resume { node, inc } => self.resume(node, inc),
+            Ev::StallCheck { node, inc, stall, since } => self.stall_check(node, inc, stall, since),
+        }
+    }
+
+    // ---- the network ----
+
+    /// A new control connection of node `n`'s current incarnation, open on both sides.
+    pub fn open_conn(&mut self, n: usize) -> usize {
+        let conn = self.conns.len();
+        self.conns.push(Conn {
+            node: n,
+            inc: self.nodes[n].inc,
+            open_node: true,
+            open_ctrl: true,
+            last_up: self.now,
+            last_down: self.now,
+        });
+        self.ctl.conns[n] = Some(conn);
+        conn
+    }
+
+    fn net_delay(&mut self) -> u64 {
+        self.rng.range(self.cfg.net_delay_ms_min, self.cfg.net_delay_ms_max)
+    }
+
+    /// Sends on a connection: in order, once, unless the connection closes first. A message sent while
+    /// the node is cut off waits for the partition to heal (QUIC retransmits).
+    pub fn net_send(&mut self, conn: usize, up: bool, env: Envelope) {
+        let c = &self.conns[conn];
+        if !(if up { c.open_node } else { c.open_ctrl }) {
+            self.stats.lost_messages += 1;
+            return;
+        }
+        let node = c.node;
+        let start = self.sc.isolated_until(node, self.now).unwrap_or(self.now);
+        let at = start + self.net_delay() + self.sc.slow_link_ms(node, self.now);
+        let c = &mut self.conns[conn];
+        let last = if up { &mut c.last_up } else { &mut c.last_down };
+        let at = at.max(*last);
+        *last = at;
+        self.push(at, if up { Ev::Up { conn, env } } else { Ev::Down { conn, env } });
+    }
+
+    /// A hop between actors of one process: FIFO per hop, a small delay.
+    pub fn local(&mut self, link: Local, ev: Ev) {
+        let at = (self.now + self.rng.range(0, self.cfg.local_delay_ms_max)).max(self.local_last[link as usize]);
+        self.local_last[link as usize] = at;
+        self.push(at, ev);
+    }
+
+    /// Data-plane latency between ranks, after any partition between them heals.
+    pub fn data_latency(&mut self, nodes: &[usize]) -> u64 {
+        let mut start = self.now;
+        for &n in nodes {
+            if let Some(until) = self.sc.isolated_until(n, self.now) {
+                start = start.max(until);
+            }
+            if let Some(until) = self.nodes[n].paused_until {
+                start = start.max(until);
+            }
+        }
+        start + self.net_delay()
+    }
+
+    /// The members of `view` as the controller knows them.
+    pub fn members_of(&self, view: &View) -> Vec<MemberInfo> {
+        view.members().iter().filter_map(|m| self.ctl.members.get(m).cloned()).collect()
+    }
+}
