@@ -234,8 +234,10 @@ impl NodeState {
                     }
                 }
                 MemberAction::ControllerLost { silent_ms } => {
-                    tracing::warn!(node = %self.id, silent_ms, "nothing heard from the controller; reconnecting");
-                    self.leader_peer = None;
+                    // The controller answers every heartbeat, so this is a slow or dead controller or link.
+                    // The connection itself is kept: QUIC's idle timeout says whether it is dead, and a
+                    // new connection would silently lose what is in flight on this one.
+                    tracing::warn!(node = %self.id, silent_ms, "nothing heard from the controller");
                 }
             }
         }
@@ -292,9 +294,10 @@ impl NodeState {
         }
     }
 
-    /// A job message from `from` at `epoch`: accepted only from a member acting on the current epoch.
-    /// A non-member's message counts as refused-stale (it is fenced); a member that lags behind the
-    /// view is merely ignored (its attempt is over anyway, and the view is on its way to it).
+    /// A job message from `from` at `epoch`: accepted only from a member of the current view. A
+    /// non-member's message counts as refused-stale (it is fenced). A member that lags behind the view is
+    /// accepted: the driver matches messages to attempts, and an attempt may outlive a view change that
+    /// did not touch its ranks.
     fn admit_job_message(&mut self, from: &NodeId, epoch: u64) -> Result<(), Epoch> {
         let view = self.leader.as_ref().expect("controller").membership.view();
         let current = view.epoch;
@@ -304,8 +307,9 @@ impl NodeState {
             return Err(current);
         }
         if epoch < current.0 {
-            tracing::debug!(%from, epoch, %current, "ignored a job message of an older epoch");
-            return Err(current);
+            // A member whose view lags: its message still belongs to an attempt the driver knows (or
+            // is ignored by attempt number), so it is accepted.
+            tracing::debug!(%from, epoch, %current, "job message from a member behind the current epoch");
         }
         Ok(())
     }
@@ -318,7 +322,13 @@ impl NodeState {
                 self.membership_event(MembershipEvent::JoinRequest { from });
                 return;
             }
-            Wire::Heartbeat => return self.membership_event(MembershipEvent::Heartbeat { from, epoch: Epoch(epoch) }),
+            Wire::Heartbeat => {
+                let member = self.leader.as_ref().expect("controller").membership.view().contains(&from);
+                if member && from != self.id {
+                    self.send(me, &from.0, Wire::Alive).await;
+                }
+                return self.membership_event(MembershipEvent::Heartbeat { from, epoch: Epoch(epoch) });
+            }
             Wire::Leave => return self.membership_event(MembershipEvent::Leave { from }),
             Wire::Ready { job, attempt, slot, data_addr, committed } => {
                 (job, JobMsg::Ready { node: from.clone(), attempt, slot, addr: data_addr, committed })
@@ -439,6 +449,7 @@ impl NodeState {
                     w.attempts.remove(&job);
                 });
             }
+            Wire::Alive => {}
             other => tracing::warn!(node = %self.id, "unexpected message from the controller: {other:?}"),
         }
     }
@@ -497,6 +508,15 @@ impl NodeState {
             }
             ControlEvent::Connected { peer, role, addr } => {
                 tracing::debug!(node = %self.id, %peer, ?role, %addr, "connected");
+                // A member that connects again lost its previous connection (it crashed and restarted, or
+                // its link broke) and with it whatever was in flight: it leaves the view and rejoins,
+                // rather than carry on with messages silently missing.
+                let id = NodeId(peer.clone());
+                let is_member = self.leader.as_ref().is_some_and(|l| l.membership.view().contains(&id));
+                if is_member && role == PeerRole::Node && id != self.id {
+                    self.membership_event(MembershipEvent::ConnectionLost { peer: id });
+                    self.drive_membership(me).await;
+                }
             }
             ControlEvent::Lost { peer, reason } => {
                 tracing::info!(node = %self.id, %peer, %reason, "connection lost");

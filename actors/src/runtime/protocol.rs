@@ -231,6 +231,8 @@ pub enum Wire {
     },
 
     // controller → node
+    /// The answer to a member's heartbeat: the controller is alive.
+    Alive,
     /// The current view and where its members listen.
     View {
         view: View,
