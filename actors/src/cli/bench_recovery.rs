@@ -1,16 +1,20 @@
 //! `troupe bench recovery`: SIGKILL one daemon of a local cluster at a chosen step of a DDP job and
 //! measure how long until the controller notices (detect_s) and until the next step commits on the
-//! survivors (recovery_s); then check the run against the single-process reference.
+//! survivors (recovery_s); then check the run against the single-process reference. With --peer, then
+//! the same loss under torchrun (bench/peers/torchrun_recovery.py: restart the worker group from the last
+//! checkpoint), with the same ranks and kill step, and ratio = peer_recovery_s / recovery_s.
 
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use serde_json::json;
+use serde_json::{json, Value};
 use tch::Tensor;
 use troupe_model::config::JobConfig;
 use troupe_model::oracle::compare_params;
 use troupe_model::Trainer;
 
+use super::bench_train::{peer_python, peer_script};
 use crate::api::{Job, JobEvent, LocalCluster, LocalClusterOptions};
 
 #[derive(Debug, clap::Args)]
@@ -27,6 +31,12 @@ pub struct RecoveryArgs {
     /// Skip the reference run (and max_param_rel_diff).
     #[arg(long)]
     pub no_check: bool,
+    /// Also run the torchrun peer (bench/peers/torchrun_recovery.py) after troupe's measurement.
+    #[arg(long)]
+    pub peer: bool,
+    /// Python with torch for the peer (default: $TROUPE_PYTHON, else the provisioned venv).
+    #[arg(long)]
+    pub python: Option<PathBuf>,
     #[arg(long)]
     pub json: bool,
 }
@@ -79,18 +89,48 @@ async fn measure(args: RecoveryArgs) -> anyhow::Result<()> {
     let diff = if args.no_check { None } else { Some(reference_diff(&config, &out)?) };
     step_s.sort_by(f64::total_cmp);
     let step_median = step_s.get(step_s.len() / 2).copied();
-    let report = json!({
+    let mut report = json!({
         "bench": "recovery", "nodes": args.nodes, "kill_at_step": args.kill_at_step,
         "detect_s": detect, "recovery_s": recovery, "steps_redone": steps_redone,
         "steps_committed": steps.len(), "step_s_median": step_median, "max_param_rel_diff": diff,
         "failure_timeout_ms": troupe_cluster::membership::MembershipConfig::default().failure_timeout_ms,
     });
+    if args.peer {
+        let peer = run_peer(&args)?;
+        let peer_recovery = peer["recovery_s"].as_f64();
+        report["peer"] = peer["peer"].clone();
+        report["peer_recovery_s"] = json!(peer_recovery);
+        report["peer_detect_s"] = peer["detect_s"].clone();
+        report["peer_restart_s"] = peer["restart_s"].clone();
+        report["peer_steps_redone"] = peer["steps_redone"].clone();
+        report["peer_step_s_median"] = peer["step_s_median"].clone();
+        report["ratio"] = json!(peer_recovery.zip(recovery).map(|(p, t)| p / t));
+    }
     if args.json {
         println!("{report}");
     } else {
         println!("{}", serde_json::to_string_pretty(&report)?);
     }
     Ok(())
+}
+
+/// bench/peers/torchrun_recovery.py with the same ranks, kill step and steps after; its last stdout line.
+fn run_peer(args: &RecoveryArgs) -> anyhow::Result<Value> {
+    let python = peer_python(args.python.as_ref());
+    let script = peer_script("torchrun_recovery.py")?;
+    let output = std::process::Command::new(&python)
+        .arg(&script)
+        .args(["--nodes", &args.nodes.to_string()])
+        .args(["--kill-at-step", &args.kill_at_step.to_string()])
+        .args(["--steps-after", &args.steps_after.to_string()])
+        .output()
+        .with_context(|| format!("running the peer {} {}; pass --python", python.display(), script.display()))?;
+    if !output.status.success() {
+        bail!("peer {} failed: {}", script.display(), String::from_utf8_lossy(&output.stderr));
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let line = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(line).with_context(|| format!("peer printed {line:?}, not JSON"))
 }
 
 fn reference_diff(config: &JobConfig, saved: &std::path::Path) -> anyhow::Result<f64> {

@@ -131,10 +131,7 @@ fn measure_troupe(steps: u64) -> anyhow::Result<(f64, f64)> {
 
 /// Runs bench/peers/SCRIPT with the common flags (steps, warm-up) and `flags`; its last stdout line, parsed.
 fn run_peer(args: &BenchTrainArgs, script: &str, flags: &[(&str, String)]) -> anyhow::Result<Value> {
-    let python = match &args.python {
-        Some(p) => p.clone(),
-        None => std::env::var_os("TROUPE_PYTHON").map(PathBuf::from).unwrap_or_else(default_python),
-    };
+    let python = peer_python(args.python.as_ref());
     let script = peer_script(script)?;
     let mut command = Command::new(&python);
     command.arg(&script).args(["--steps", &args.steps.to_string(), "--warmup", &WARMUP_STEPS.to_string()]);
@@ -150,6 +147,14 @@ fn run_peer(args: &BenchTrainArgs, script: &str, flags: &[(&str, String)]) -> an
     let stdout = String::from_utf8_lossy(&output.stdout);
     let line = stdout.lines().last().unwrap_or_default();
     serde_json::from_str(line).with_context(|| format!("peer printed {line:?}, not JSON"))
+}
+
+/// The python that runs the peers: `explicit` (a --python flag), else $TROUPE_PYTHON, else the provisioned venv.
+pub(crate) fn peer_python(explicit: Option<&PathBuf>) -> PathBuf {
+    match explicit {
+        Some(p) => p.clone(),
+        None => std::env::var_os("TROUPE_PYTHON").map(PathBuf::from).unwrap_or_else(default_python),
+    }
 }
 
 fn default_python() -> PathBuf {
