@@ -82,7 +82,7 @@ impl Reporter {
             bar.set_position(e.step);
             bar.set_message(format!("loss {:.4}  {:.0} tok/s", e.loss, e.tokens_per_s));
         }
-        if e.step % self.log_every == 0 || e.step == self.total_steps || e.step == 1 {
+        if e.step.is_multiple_of(self.log_every) || e.step == self.total_steps || e.step == 1 {
             self.say(&format!(
                 "step {:>6}/{}  loss {:.4}  lr {:.2e}  grad-norm {:.3}  {:.0} tokens/s",
                 e.step, self.total_steps, e.loss, e.lr, e.grad_norm, e.tokens_per_s

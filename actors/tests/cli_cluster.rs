@@ -30,6 +30,7 @@ fn wait_gone(pids: &[u32], timeout: Duration) {
 }
 
 /// Starts `troupe train --json` with `args` and reads events until the first step.
+#[allow(clippy::zombie_processes)] // the caller waits for it
 fn train_until_first_step(dir: &std::path::Path, args: &[&str]) -> (Child, BufReader<std::process::ChildStdout>) {
     let job = dir.join("job.toml");
     std::fs::write(&job, SMALL_JOB).unwrap();

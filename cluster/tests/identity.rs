@@ -104,8 +104,8 @@ fn init_and_add_node_write_files_and_refuse_overwrites() {
     assert!(troupe_cluster::add_node("worker-1", dir.path()).is_err());
     assert!(troupe_cluster::add_node("Bad_Name", dir.path()).is_err());
     let id = NodeIdentity::load(dir.path(), "worker-1").unwrap();
-    troupe_cluster::identity::verify_peer_name(&[id.cert.clone()], "worker-1").unwrap();
-    assert!(troupe_cluster::identity::verify_peer_name(&[id.cert.clone()], "worker-2").is_err());
+    troupe_cluster::identity::verify_peer_name(std::slice::from_ref(&id.cert), "worker-1").unwrap();
+    assert!(troupe_cluster::identity::verify_peer_name(std::slice::from_ref(&id.cert), "worker-2").is_err());
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;

@@ -21,6 +21,8 @@ struct Cli {
     command: Command,
 }
 
+/// Parsed once per process: the size of the largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Train a model (gpt-tiny on the built-in synthetic corpus by default).

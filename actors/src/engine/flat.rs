@@ -21,7 +21,7 @@ pub fn copy_from_flat(tensors: &[Tensor], flat: &[f32]) {
     tch::no_grad(|| {
         for t in tensors {
             let n = t.numel();
-            let _ = t.shallow_clone().copy_(&Tensor::from_slice(&flat[offset..offset + n]).view_as(t));
+            t.shallow_clone().copy_(&Tensor::from_slice(&flat[offset..offset + n]).view_as(t));
             offset += n;
         }
     });

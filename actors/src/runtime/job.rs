@@ -256,6 +256,7 @@ impl JobDriver {
 
     /// A rank's vote for `step`: its loss and gradient norm (identical on every rank after the
     /// all-reduce; rank 0's are reported).
+    #[allow(clippy::too_many_arguments)]
     pub fn on_vote(&mut self, now: Duration, node: &NodeId, attempt: u64, slot: u32, step: u64, loss: f64, norm: f64) {
         if attempt != self.attempt || step != self.committed {
             return;

@@ -440,7 +440,7 @@ async fn drive<T: Transport>(
         replica.apply_update(loss);
         let every = spec.config.checkpoint.every_steps;
         let step = replica.trainer().step;
-        let due = step == total || (every > 0 && step % every == 0);
+        let due = step == total || (every > 0 && step.is_multiple_of(every));
         if let (0, Some(dir), true) = (replica.rank(), &spec.config.checkpoint.dir, due) {
             save_checkpoint(ctx, replica.trainer(), dir, spec.config.checkpoint.keep_last);
         }

@@ -179,7 +179,7 @@ pub fn plan_tree_reduce(rank: Rank, n: usize, len: usize, root: Rank) -> Plan {
         let bit = 1 << k;
         if v % (2 * bit) == bit {
             plan.push(k, Action::Send { to: real(v - bit), range: 0..len });
-        } else if v % (2 * bit) == 0 && v + bit < n {
+        } else if v.is_multiple_of(2 * bit) && v + bit < n {
             plan.push(k, Action::Recv { from: real(v + bit), range: 0..len, combine: Combine::Reduce });
         }
     }

@@ -109,7 +109,7 @@ impl Sim {
                     controller.handle(now, event);
                 }
             }
-            if now.as_millis() as u64 % self.step_ms == 0 {
+            if (now.as_millis() as u64).is_multiple_of(self.step_ms) {
                 controller.handle(now, MembershipEvent::StepBoundary);
             }
             if controller.poll_timeout().is_some_and(|t| t <= now) {

@@ -86,6 +86,7 @@ impl SameHostTransport {
             addr: socket_path(dir, peer).display().to_string(),
             reason,
         };
+        #[allow(clippy::needless_range_loop)] // `peer` names the socket to dial as well as the slot
         for peer in 0..rank {
             let stream = loop {
                 match UnixStream::connect(socket_path(dir, peer)).await {

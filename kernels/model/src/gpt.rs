@@ -53,7 +53,7 @@ impl GptConfig {
         positive("model.d_model", self.d_model)?;
         positive("model.n_layers", self.n_layers)?;
         positive("model.n_heads", self.n_heads)?;
-        if self.d_model % self.n_heads != 0 {
+        if !self.d_model.is_multiple_of(self.n_heads) {
             return Err(invalid(
                 "model.n_heads",
                 self.n_heads,

@@ -40,7 +40,7 @@ fn compared_ranges(spec: &ParamSpec) -> Vec<Range<i64>> {
         let d = n / 3;
         return vec![0..d, 2 * d..n];
     }
-    vec![0..n]
+    std::iter::once(0..n).collect()
 }
 
 fn compared(spec: &ParamSpec, t: &Tensor) -> Tensor {

@@ -77,7 +77,7 @@ pub fn load_corpus(data: &DataConfig, model: &GptConfig) -> Result<Corpus, DataE
 }
 
 fn decode_bin(path: &Path, bytes: &[u8]) -> Result<Vec<u16>, DataError> {
-    if bytes.len() % 2 != 0 {
+    if !bytes.len().is_multiple_of(2) {
         return Err(DataError::OddLength { path: path.to_owned(), bytes: bytes.len() });
     }
     Ok(bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect())
@@ -114,6 +114,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::type_complexity)]
     fn file_errors_name_the_file_and_the_fix() {
         let cases: Vec<(DataKind, Option<Vec<u8>>, &[&str])> = vec![
             (DataKind::Text, None, &["data.bin", "cannot read", "data.path"]),
