@@ -106,10 +106,10 @@ fn the_checker_catches_a_controller_that_commits_before_every_vote() {
 
 // ---- bugs the simulation found in actors/src/runtime/node.rs ----
 //
-// `NodeModel::AS_IS` is node.rs as it is; each test below turns off one fix and shows that a seed among
-// the first 2000 breaks an invariant (the job hangs, or the controller accepts messages of an incarnation
-// it never admitted), while the fix keeps that seed clean. The first is fixed in node.rs (856e3b4) and
-// stays as a regression test; the others are not fixed there yet.
+// `NodeModel::AS_IS` is node.rs before these fixes; each test below turns off one fix and shows that a
+// seed among the first 2000 breaks an invariant (the job hangs, or the controller accepts messages of an
+// incarnation it never admitted), while the fix keeps that seed clean. All are fixed in node.rs (856e3b4,
+// ae88e14); the tests stay as regression tests of why.
 
 fn without(fix: impl Fn(&mut NodeModel)) -> SimConfig {
     let mut config = SimConfig::default();

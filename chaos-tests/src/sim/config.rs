@@ -5,8 +5,8 @@ use troupe_cluster::membership::MembershipConfig;
 
 /// How the node actor (actors/src/runtime/node.rs) behaves. [`NodeModel::AS_IS`] is the code as of
 /// commit 856e3b4; each switch turned on models one fix the simulation showed to be needed (each is
-/// pinned by a test in tests/simulation.rs that turns it off). [`NodeModel::PROPOSED`] has them all and
-/// is what the main properties run; turn a switch on in `AS_IS` once node.rs does the same.
+/// pinned by a regression test in tests/simulation.rs that turns it off). [`NodeModel::PROPOSED`] has
+/// them all and is what the main properties run — and, since commit ae88e14, what node.rs does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct NodeModel {
     /// The controller stamps what it sends with its membership epoch (node.rs does since 856e3b4).
@@ -31,14 +31,14 @@ pub struct NodeModel {
 }
 
 impl NodeModel {
-    /// node.rs as it is.
+    /// node.rs as of 856e3b4, before the fixes the simulation found.
     pub const AS_IS: NodeModel = NodeModel {
         stamp_membership_epoch: true,
         accept_lagging_members: false,
         keep_connection_on_silence: false,
         replacement_is_loss: false,
     };
-    /// node.rs with every proposed fix.
+    /// node.rs with every fix (node.rs since ae88e14).
     pub const PROPOSED: NodeModel = NodeModel {
         stamp_membership_epoch: true,
         accept_lagging_members: true,
@@ -105,7 +105,7 @@ impl Default for SimConfig {
 }
 
 impl SimConfig {
-    /// The runtime as it is today (node.rs unchanged).
+    /// The runtime as of 856e3b4, before the node.rs fixes.
     pub fn as_is() -> Self {
         Self { node_model: NodeModel::AS_IS, ..Self::default() }
     }
