@@ -16,6 +16,7 @@ use tch::{Kind, Tensor};
 use troupe_cluster::collective::{Collective, Communicator, ReduceOp};
 use troupe_cluster::transport::Transport;
 use troupe_cluster::ClusterError;
+use troupe_kernels::norm::sum_of_squares;
 use troupe_model::data::rank_slice;
 use troupe_model::{StepReport, Trainer};
 
@@ -49,6 +50,18 @@ pub struct DataParallelReplica<T: Transport> {
     comm: Communicator<T>,
     buckets: Vec<Range<usize>>,
     flat: Vec<f32>,
+    /// Sum of squares of the reduced gradients of the step in flight, gathered bucket by bucket while
+    /// they are flat (saves a pass over every gradient for the norm).
+    grad_sum_sq: f64,
+}
+
+/// A step whose gradients are reduced on every rank, ready to commit.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ReducedStep {
+    /// The global batch's mean loss.
+    pub loss: f64,
+    /// The global L2 norm of the batch's gradient (before clipping).
+    pub grad_norm: f64,
 }
 
 impl<T: Transport> DataParallelReplica<T> {
@@ -66,7 +79,7 @@ impl<T: Transport> DataParallelReplica<T> {
         let numels: Vec<usize> = trainer.model.params().iter().map(Tensor::numel).collect();
         let buckets = plan_buckets(&numels, bucket_bytes_max);
         let largest = buckets.iter().map(|b| numels[b.clone()].iter().sum::<usize>()).max().unwrap_or(0);
-        let replica = Self { trainer, comm, buckets, flat: Vec::with_capacity(largest) };
+        let replica = Self { trainer, comm, buckets, flat: Vec::with_capacity(largest), grad_sum_sq: 0.0 };
         materialise_grads(&replica.trainer);
         replica
     }
@@ -122,27 +135,29 @@ impl<T: Transport> DataParallelReplica<T> {
 
     /// One synchronous step: this rank's slice forward/backward, bucketed all-reduce, identical update.
     pub async fn train_step(&mut self) -> Result<StepReport, ClusterError> {
-        let loss = self.reduce_gradients().await?;
-        Ok(self.apply_update(loss))
+        let reduced = self.reduce_gradients().await?;
+        Ok(self.apply_update(reduced))
     }
 
     /// The first half of a step: this rank's slice forward/backward and the bucketed all-reduce. Returns
-    /// the batch's mean loss. Nothing is applied: dropping the gradients now abandons the step cleanly.
-    pub async fn reduce_gradients(&mut self) -> Result<f64, ClusterError> {
+    /// the batch's mean loss and gradient norm. Nothing is applied: dropping the gradients now abandons the
+    /// step cleanly.
+    pub async fn reduce_gradients(&mut self) -> Result<ReducedStep, ClusterError> {
         let step = self.trainer.step;
         let slice = rank_slice(self.trainer.config.train.global_batch, self.rank(), self.world());
         let local_loss = self.trainer.accumulate_slice(step, slice);
+        self.grad_sum_sq = 0.0;
         for b in 0..self.buckets.len() {
             self.all_reduce_bucket(self.buckets[b].clone()).await?;
         }
         let mut loss = [local_loss as f32];
         self.comm.all_reduce(&mut loss[..], ReduceOp::Sum).await?;
-        Ok(f64::from(loss[0]))
+        Ok(ReducedStep { loss: f64::from(loss[0]), grad_norm: self.grad_sum_sq.sqrt() })
     }
 
     /// The second half, once the step is committed: the identical update on every rank.
-    pub fn apply_update(&mut self, loss: f64) -> StepReport {
-        self.trainer.apply_update(loss)
+    pub fn apply_update(&mut self, reduced: ReducedStep) -> StepReport {
+        self.trainer.apply_update_with_norm(reduced.loss, Some(reduced.grad_norm))
     }
 
     async fn all_reduce_bucket(&mut self, bucket: Range<usize>) -> Result<(), ClusterError> {
@@ -150,6 +165,7 @@ impl<T: Transport> DataParallelReplica<T> {
         self.flat.clear();
         append_flat(&grads, &mut self.flat);
         self.comm.all_reduce(&mut self.flat[..], ReduceOp::Sum).await?;
+        self.grad_sum_sq += sum_of_squares(&self.flat);
         copy_from_flat(&grads, &self.flat);
         Ok(())
     }

@@ -8,5 +8,5 @@ mod data_parallel;
 mod flat;
 mod sharded;
 
-pub use data_parallel::{plan_buckets, DataParallelReplica, DEFAULT_BUCKET_BYTES};
+pub use data_parallel::{plan_buckets, DataParallelReplica, ReducedStep, DEFAULT_BUCKET_BYTES};
 pub use sharded::{plan_shard, ShardMode, ShardSegment, ShardedReplica};

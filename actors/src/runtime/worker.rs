@@ -18,7 +18,6 @@ use troupe_cluster::transport::quic::{bind_endpoint, PeerInfo, QuicTransport};
 use troupe_cluster::transport::same_host::{socket_path, SameHostTransport};
 use troupe_cluster::transport::Transport;
 use troupe_cluster::{NodeIdentity, TransportConfig};
-use troupe_model::optim::grad_norm;
 use troupe_model::{checkpoint, Trainer};
 
 use super::node::NodeMsg;
@@ -418,17 +417,16 @@ async fn drive<T: Transport>(
     while replica.trainer().step < total {
         let step = replica.trainer().step;
         let t0 = Instant::now();
-        let loss = tokio::select! {
+        let reduced = tokio::select! {
             r = replica.reduce_gradients() => match r {
-                Ok(loss) => loss,
+                Ok(reduced) => reduced,
                 Err(e) => return failed(step, e.to_string()),
             },
             _ = wait_abort(ctl) => return AttemptOutcome::Aborted { step },
         };
-        let norm = grad_norm(replica.trainer().model.params());
         let seconds = t0.elapsed().as_secs_f64();
-        let vote =
-            Wire::Vote { job: ctx.job, attempt: ctx.attempt, slot: ctx.slot, step, loss, grad_norm: norm, seconds };
+        let (loss, grad_norm) = (reduced.loss, reduced.grad_norm);
+        let vote = Wire::Vote { job: ctx.job, attempt: ctx.attempt, slot: ctx.slot, step, loss, grad_norm, seconds };
         let _ = ctx.node.cast(NodeMsg::FromWorker(vote));
         loop {
             match ctl.recv().await {
@@ -437,7 +435,7 @@ async fn drive<T: Transport>(
                 Some(Ctl::Abort) | None => return AttemptOutcome::Aborted { step },
             }
         }
-        replica.apply_update(loss);
+        replica.apply_update(reduced);
         let every = spec.config.checkpoint.every_steps;
         let step = replica.trainer().step;
         let due = step == total || (every > 0 && step.is_multiple_of(every));

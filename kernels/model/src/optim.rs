@@ -94,7 +94,12 @@ pub fn grad_norm(params: &[Tensor]) -> f64 {
 /// Scales every gradient so the global norm is at most `max_norm` (torch's clip_grad_norm_: the factor
 /// is `max_norm / (norm + 1e-6)` clamped to 1). Returns the norm before clipping.
 pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
-    let norm = grad_norm(params);
+    clip_grad_norm_known(params, max_norm, grad_norm(params))
+}
+
+/// [`clip_grad_norm`] when the caller already knows the global norm (e.g. summed while the gradients
+/// were flat for an all-reduce), saving a pass over every gradient.
+pub fn clip_grad_norm_known(params: &[Tensor], max_norm: f64, norm: f64) -> f64 {
     let coef = (max_norm / (norm + 1e-6)).min(1.0);
     if coef < 1.0 {
         tch::no_grad(|| {

@@ -11,7 +11,7 @@ use crate::checkpoint::{self, CheckpointError};
 use crate::config::{ConfigError, JobConfig};
 use crate::data::{load_corpus, micro_batch_ranges, Corpus, DataError, GlobalSampler};
 use crate::gpt::Gpt;
-use crate::optim::{clip_grad_norm, grad_norm, learning_rate, AdamW, AdamWConfig};
+use crate::optim::{clip_grad_norm, clip_grad_norm_known, grad_norm, learning_rate, AdamW, AdamWConfig};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -110,10 +110,20 @@ impl Trainer {
     /// Finishes the step whose gradients (of the whole global batch) are in place: clip by global norm,
     /// AdamW at the scheduled rate, advance the step counter.
     pub fn apply_update(&mut self, loss: f64) -> StepReport {
+        self.apply_update_with_norm(loss, None)
+    }
+
+    /// [`Self::apply_update`] with the gradients' global norm already known (`None`: compute it).
+    pub fn apply_update_with_norm(&mut self, loss: f64, known_norm: Option<f64>) -> StepReport {
         let step = self.step;
         let train = &self.config.train;
         let params = self.model.params_mut();
-        let norm = if train.grad_clip > 0.0 { clip_grad_norm(params, train.grad_clip) } else { grad_norm(params) };
+        let norm = match (known_norm, train.grad_clip > 0.0) {
+            (Some(norm), true) => clip_grad_norm_known(params, train.grad_clip, norm),
+            (Some(norm), false) => norm,
+            (None, true) => clip_grad_norm(params, train.grad_clip),
+            (None, false) => grad_norm(params),
+        };
         let lr = learning_rate(train, step);
         self.optimizer.apply(params, lr);
         self.step += 1;
