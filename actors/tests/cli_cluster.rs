@@ -93,9 +93,14 @@ fn killing_train_takes_its_daemons_down_too() {
     let dir = tempfile::tempdir().unwrap();
     let (mut child, _out) = train_until_first_step(dir.path(), &["--nodes", "2", "--steps", "100000"]);
     let daemons = children(child.id());
+    // A SIGKILLed CLI cannot remove its temporary cluster directory: find it to clean up after the test.
+    let cmdline = std::fs::read(format!("/proc/{}/cmdline", daemons[0])).unwrap();
+    let config = cmdline.split(|&b| b == 0).map(String::from_utf8_lossy).find(|a| a.ends_with(".toml")).unwrap();
+    let cluster_dir = std::path::Path::new(config.as_ref()).parent().unwrap().to_owned();
     common::signal(child.id(), "KILL");
     child.wait().unwrap();
     wait_gone(&daemons, Duration::from_secs(5));
+    std::fs::remove_dir_all(&cluster_dir).unwrap();
 }
 
 fn troupe_json(args: &[&str], cluster: &troupe_actors::api::LocalCluster) -> Value {
