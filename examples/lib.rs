@@ -12,17 +12,7 @@ pub const DEMO_NODES: usize = 2;
 
 /// A model small enough to train a few steps in a second on two shared CPU cores.
 pub fn small_config(steps: u64) -> JobConfig {
-    let mut config = JobConfig::default();
-    config.model.n_layers = 1;
-    config.model.d_model = 64;
-    config.model.n_heads = 2;
-    config.model.context = 32;
-    config.train.steps = steps;
-    config.train.global_batch = 4;
-    config.train.micro_batch = 2;
-    config.train.warmup_steps = 2;
-    config.train.torch_threads = 1;
-    config
+    JobConfig::small(steps)
 }
 
 /// One line per event, as the demo prints them.

@@ -16,15 +16,10 @@ use troupe_model::Trainer;
 const TOLERANCE: f64 = 1e-5;
 
 fn config(steps: u64, dir: &std::path::Path) -> JobConfig {
-    let mut config = JobConfig::default();
-    config.model.n_layers = 1;
-    config.model.d_model = 64;
-    config.model.n_heads = 2;
-    config.model.context = 32;
-    config.train.steps = steps;
-    config.train.global_batch = 4;
-    config.train.micro_batch = 2;
-    config.train.torch_threads = 1;
+    let mut config = JobConfig::small(steps);
+    // A schedule that does not depend on `steps`, so a run extended from 6 to 10 steps follows the same
+    // learning rates as one of 10 (decay_steps = 0 would end the cosine at each run's own `steps`).
+    config.train.decay_steps = 10;
     config.checkpoint.dir = Some(dir.to_owned());
     config.checkpoint.every_steps = 3;
     config.checkpoint.keep_last = 2;

@@ -27,17 +27,7 @@ const TOLERANCE: f64 = 1e-5;
 static ONE_CLUSTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn small_config(steps: u64) -> JobConfig {
-    let mut config = JobConfig::default();
-    config.model.n_layers = 1;
-    config.model.d_model = 64;
-    config.model.n_heads = 2;
-    config.model.context = 32;
-    config.train.steps = steps;
-    config.train.global_batch = 4;
-    config.train.micro_batch = 2;
-    config.train.warmup_steps = 2;
-    config.train.torch_threads = 1;
-    config
+    JobConfig::small(steps)
 }
 
 async fn in_process(nodes: usize, restart: RestartPolicy) -> LocalCluster {

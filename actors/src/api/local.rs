@@ -73,15 +73,7 @@ impl LocalCluster {
     }
 
     pub async fn in_process_with(options: LocalClusterOptions) -> anyhow::Result<Self> {
-        let (dir, client_identity) = Self::certificates(options.nodes)?;
-        let mut cluster = LocalCluster {
-            dir,
-            controller: "127.0.0.1:0".parse()?,
-            nodes: Vec::new(),
-            client_identity,
-            options: options.clone(),
-            binary: None,
-        };
+        let mut cluster = Self::without_nodes(&options, None)?;
         for i in 0..options.nodes {
             let config = cluster.node_config(i, &options);
             let daemon = Daemon::start(config).await?;
@@ -96,15 +88,7 @@ impl LocalCluster {
 
     /// N `troupe daemon` child processes of `binary`.
     pub async fn processes(binary: &Path, options: LocalClusterOptions) -> anyhow::Result<Self> {
-        let (dir, client_identity) = Self::certificates(options.nodes)?;
-        let mut cluster = LocalCluster {
-            dir,
-            controller: "127.0.0.1:0".parse()?,
-            nodes: Vec::new(),
-            client_identity,
-            options: options.clone(),
-            binary: Some(binary.to_owned()),
-        };
+        let mut cluster = Self::without_nodes(&options, Some(binary))?;
         for i in 0..options.nodes {
             cluster.spawn_child(i)?;
         }
@@ -158,6 +142,19 @@ impl LocalCluster {
             std::thread::sleep(Duration::from_millis(20));
         }
         None
+    }
+
+    /// The certificates of `options.nodes` daemons and a client, in a new temporary directory.
+    fn without_nodes(options: &LocalClusterOptions, binary: Option<&Path>) -> anyhow::Result<Self> {
+        let (dir, client_identity) = Self::certificates(options.nodes)?;
+        Ok(LocalCluster {
+            dir,
+            controller: "127.0.0.1:0".parse()?,
+            nodes: Vec::new(),
+            client_identity,
+            options: options.clone(),
+            binary: binary.map(Path::to_owned),
+        })
     }
 
     fn certificates(nodes: usize) -> anyhow::Result<(tempfile::TempDir, NodeIdentity)> {

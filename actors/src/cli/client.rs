@@ -20,15 +20,22 @@ pub struct ClusterArgs {
     /// Use this node's config for the address and certificate (default: ./node.toml if it exists).
     #[arg(long, value_name = "node.toml")]
     pub node_config: Option<PathBuf>,
-    /// Cluster directory holding the client certificate (with --as).
+    #[command(flatten)]
+    pub identity: IdentityArgs,
+    /// One JSON object per line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The certificate a client presents: any certificate issued by the cluster CA.
+#[derive(Debug, clap::Args)]
+pub struct IdentityArgs {
+    /// Cluster directory holding the certificate to present (with --as).
     #[arg(long, value_name = "DIR")]
     pub certs: Option<PathBuf>,
     /// Name of the certificate to present (made with `troupe cluster add-node NAME`).
     #[arg(long = "as", value_name = "NAME")]
     pub name: Option<String>,
-    /// One JSON object per line.
-    #[arg(long)]
-    pub json: bool,
 }
 
 impl ClusterArgs {
@@ -42,7 +49,7 @@ impl ClusterArgs {
             .cluster
             .or(node.as_ref().map(|n| n.listen))
             .context("which cluster? pass --cluster ADDR (a daemon's address) or --node-config node.toml")?;
-        let (certs, name) = match (&self.certs, &self.name, &node) {
+        let (certs, name) = match (&self.identity.certs, &self.identity.name, &node) {
             (Some(dir), Some(name), _) => (dir.clone(), name.clone()),
             (None, None, Some(n)) => (n.certs.clone(), n.name.clone()),
             (Some(dir), None, Some(n)) => (dir.clone(), n.name.clone()),

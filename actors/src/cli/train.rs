@@ -57,12 +57,9 @@ pub struct TrainArgs {
     /// else QUIC) or quic.
     #[arg(long, value_parser = ["auto", "quic"], default_value = "auto")]
     pub data_plane: String,
-    /// With --cluster: the cluster directory holding the certificate to present.
-    #[arg(long, value_name = "DIR")]
-    pub certs: Option<PathBuf>,
-    /// With --cluster: the name of that certificate (`troupe cluster add-node NAME`).
-    #[arg(long = "as", value_name = "NAME")]
-    pub name: Option<String>,
+    /// With --cluster: the certificate to present.
+    #[command(flatten)]
+    pub identity: super::client::IdentityArgs,
     /// One JSON object per line on stdout instead of text.
     #[arg(long)]
     pub json: bool,

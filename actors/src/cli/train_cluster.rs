@@ -31,7 +31,7 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
     let (cluster, client) = match &args.cluster {
         Some(addr) => {
             let addr = addr.parse().with_context(|| format!("--cluster {addr}: not an address like 10.0.0.5:7400"))?;
-            let (Some(certs), Some(name)) = (&args.certs, &args.name) else {
+            let (Some(certs), Some(name)) = (&args.identity.certs, &args.identity.name) else {
                 bail!(
                     "--cluster {addr}: which certificate? pass --certs DIR --as NAME (see `troupe cluster add-node`)"
                 );

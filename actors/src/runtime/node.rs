@@ -467,31 +467,13 @@ impl NodeState {
                     Ok(m) => m,
                     Err(e) => return tracing::warn!(node = %self.id, %from, "{e}"),
                 };
-                let is_client_request = matches!(
-                    msg,
-                    Wire::StatusRequest
-                        | Wire::Submit { .. }
-                        | Wire::JobStatusRequest { .. }
-                        | Wire::Watch { .. }
-                        | Wire::Cancel { .. }
-                );
-                if is_client_request {
+                if msg.is_client_request() {
                     return self.client_message(me, &from, msg).await;
                 }
                 if role != PeerRole::Node {
                     return;
                 }
-                let for_leader = matches!(
-                    msg,
-                    Wire::Join { .. }
-                        | Wire::Heartbeat
-                        | Wire::Leave
-                        | Wire::Ready { .. }
-                        | Wire::Vote { .. }
-                        | Wire::Ended { .. }
-                        | Wire::Checkpointed { .. }
-                );
-                if for_leader {
+                if msg.is_for_controller() {
                     if self.leader.is_some() {
                         self.leader_message(me, NodeId(from), epoch, msg).await;
                         self.drive_membership(me).await;

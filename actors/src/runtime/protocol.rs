@@ -309,6 +309,32 @@ pub enum Wire {
 }
 
 impl Wire {
+    /// A node's message for the controller (membership and job votes).
+    pub fn is_for_controller(&self) -> bool {
+        matches!(
+            self,
+            Wire::Join { .. }
+                | Wire::Heartbeat
+                | Wire::Leave
+                | Wire::Ready { .. }
+                | Wire::Vote { .. }
+                | Wire::Ended { .. }
+                | Wire::Checkpointed { .. }
+        )
+    }
+
+    /// A client's request (any daemon answers, or redirects to the controller).
+    pub fn is_client_request(&self) -> bool {
+        matches!(
+            self,
+            Wire::StatusRequest
+                | Wire::Submit { .. }
+                | Wire::JobStatusRequest { .. }
+                | Wire::Watch { .. }
+                | Wire::Cancel { .. }
+        )
+    }
+
     pub fn encode(&self) -> bytes::Bytes {
         bytes::Bytes::from(serde_json::to_vec(self).expect("wire messages always serialize"))
     }

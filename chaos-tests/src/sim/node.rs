@@ -210,7 +210,7 @@ impl World<'_> {
 
     /// The controller node's message to itself: for its controller part, or for its node part.
     pub(super) fn deliver_self(&mut self, env: Envelope) {
-        if is_for_leader(&env.msg) {
+        if env.msg.is_for_controller() {
             self.leader_message(env);
             self.drive_membership();
         } else {
@@ -446,19 +446,6 @@ impl World<'_> {
         self.worker_vanish(n, slot, 0);
         self.nodes[n].workers[slot].winc += 1;
     }
-}
-
-pub(super) fn is_for_leader(msg: &Wire) -> bool {
-    matches!(
-        msg,
-        Wire::Join { .. }
-            | Wire::Heartbeat
-            | Wire::Leave
-            | Wire::Ready { .. }
-            | Wire::Vote { .. }
-            | Wire::Ended { .. }
-            | Wire::Checkpointed { .. }
-    )
 }
 
 /// A short name of a message for the trace.

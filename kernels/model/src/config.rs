@@ -159,6 +159,23 @@ impl Default for ParallelConfig {
 }
 
 impl JobConfig {
+    /// A model small enough to train a few steps in about a second on two shared CPU cores — for tests
+    /// and examples: 1 block, d_model 64, 2 heads, context 32; batch 4 in micro-batches of 2; warm-up 2
+    /// steps; 1 torch thread. The data and optimizer are gpt-tiny's.
+    pub fn small(steps: u64) -> Self {
+        let mut config = JobConfig::default();
+        config.model.n_layers = 1;
+        config.model.d_model = 64;
+        config.model.n_heads = 2;
+        config.model.context = 32;
+        config.train.steps = steps;
+        config.train.global_batch = 4;
+        config.train.micro_batch = 2;
+        config.train.warmup_steps = 2;
+        config.train.torch_threads = 1;
+        config
+    }
+
     /// Reads and validates a TOML job config.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
         let text =
