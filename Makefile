@@ -26,9 +26,9 @@ provision:
 	@scripts/provision-libtorch.sh >/dev/null
 
 build: provision
-	$(CARGO) build --release --locked --bin troupe
+	$(CARGO) build --release --locked --bin troupe --bin troupe-chaos
 	@if [ "$(realpath $(CARGO_TARGET_DIR))" != "$(realpath $(CURDIR)/target)" ]; then \
-		mkdir -p target/release && cp -f $(CARGO_TARGET_DIR)/release/troupe target/release/troupe; fi
+		mkdir -p target/release && cp -f $(CARGO_TARGET_DIR)/release/troupe $(CARGO_TARGET_DIR)/release/troupe-chaos target/release/; fi
 	@echo "built target/release/troupe"
 
 demo: build

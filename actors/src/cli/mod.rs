@@ -4,6 +4,7 @@ mod bench_allreduce;
 mod bench_kernels;
 mod bench_recovery;
 mod bench_train;
+mod chaos;
 mod client;
 mod cluster;
 mod daemon;
@@ -40,6 +41,8 @@ enum Command {
     /// Submit, inspect and cancel jobs on a running cluster.
     #[command(subcommand)]
     Job(client::JobCommand),
+    /// Crash, pause and restart a running job's nodes and check that nothing was lost (`troupe chaos list`).
+    Chaos(chaos::ChaosArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -72,6 +75,7 @@ pub fn main() -> ExitCode {
         Command::Daemon(args) => daemon::run(args),
         Command::Status(args) => client::status(args),
         Command::Job(command) => client::job(command),
+        Command::Chaos(args) => chaos::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
