@@ -8,6 +8,9 @@ command -v c++ >/dev/null || missing+=(g++)
 command -v python3 >/dev/null || missing+=(python3)
 python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
 command -v pkg-config >/dev/null || missing+=(pkg-config)
+# The chaos harness's network faults: namespaces (iproute2) and link cuts and losses (iptables).
+command -v ip >/dev/null || missing+=(iproute2)
+command -v iptables >/dev/null || missing+=(iptables)
 if ((${#missing[@]})); then
   if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
     echo "host: installing ${missing[*]}" >&2

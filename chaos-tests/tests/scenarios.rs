@@ -125,3 +125,28 @@ fn a_bad_scenario_is_refused_with_the_key_and_the_fix() {
     let out = Command::new(troupe()).args(["chaos", "run", "--scenario", "no-such"]).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("kill-worker"), "lists the shipped scenarios");
 }
+
+#[test]
+fn partition_minority() {
+    let r = run("partition-minority", 18);
+    if !skipped(&r) {
+        assert_eq!(faults(&r, "partition"), 1);
+        assert_eq!(r["detection_s"]["samples"], 1, "the cut-off node was detected: {r}");
+    }
+}
+
+#[test]
+fn partition_one_way() {
+    let r = run("partition-one-way", 19);
+    if !skipped(&r) {
+        assert_eq!(faults(&r, "partition"), 1);
+    }
+}
+
+#[test]
+fn flaky_link() {
+    let r = run("flaky-link", 20);
+    if !skipped(&r) {
+        assert_eq!(faults(&r, "flaky-link"), 1);
+    }
+}

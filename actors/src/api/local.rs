@@ -34,6 +34,9 @@ pub struct LocalClusterOptions {
     pub torch_threads: usize,
     /// Log filter for child daemons' stderr (RUST_LOG syntax); None: warnings only.
     pub log: Option<String>,
+    /// Where each child daemon runs, by node index (nodes past the end: this host, on loopback). The
+    /// chaos harness puts daemons in network namespaces this way, to cut and degrade their links.
+    pub hosts: Vec<NodeHost>,
     /// Where child daemons' stderr goes: `DIR/NAME.log` (appended across restarts); None: this
     /// process's stderr.
     pub log_dir: Option<PathBuf>,
@@ -51,9 +54,18 @@ impl LocalClusterOptions {
             torch_threads: 0,
             log: None,
             log_dir: None,
+            hosts: Vec::new(),
             restart: RestartPolicy::default(),
         }
     }
+}
+
+/// How one child daemon is started: a command prefix (e.g. `ip netns exec NS`) and the address it
+/// listens on.
+#[derive(Clone, Debug)]
+pub struct NodeHost {
+    pub prefix: Vec<String>,
+    pub ip: std::net::IpAddr,
 }
 
 enum Node {
@@ -122,7 +134,8 @@ impl LocalCluster {
             }
             None => Stdio::inherit(),
         };
-        let (child, addr) = spawn_daemon(&binary, &path, self.options.log.as_deref(), stderr)?;
+        let prefix = self.options.hosts.get(i).map_or(&[][..], |h| &h.prefix[..]);
+        let (child, addr) = spawn_daemon(prefix, &binary, &path, self.options.log.as_deref(), stderr)?;
         if i == 0 {
             self.controller = addr;
         }
@@ -137,7 +150,9 @@ impl LocalCluster {
 
     /// Starts daemon `i` again after its process ended (a node returning after a crash): same name,
     /// certificate and data directory, a new incarnation. It rejoins at the next step boundary. The
-    /// controller (node 0) cannot be restarted: the other daemons know it by its address.
+    /// controller (node 0) cannot be restarted: the other daemons know it by its address. Like
+    /// `add_node`, it blocks until the daemon listens (about a second): from async code call it inside
+    /// `tokio::task::block_in_place` or `spawn_blocking`, so the runtime's other tasks keep running.
     pub fn restart_node(&mut self, i: usize) -> anyhow::Result<()> {
         if i == 0 {
             bail!("node-0 runs the controller and cannot be restarted in place");
@@ -225,7 +240,7 @@ impl LocalCluster {
         let ranks = options.nodes * options.slots_per_node as usize;
         NodeConfig {
             name: node_name(i),
-            listen: "127.0.0.1:0".parse().expect("valid"),
+            listen: SocketAddr::new(options.hosts.get(i).map_or([127, 0, 0, 1].into(), |h| h.ip), 0),
             join: (i > 0).then_some(self.controller),
             data_dir: self.dir.path().join(node_name(i)),
             certs: self.dir.path().join("certs"),
@@ -328,8 +343,22 @@ fn terminate(child: &mut Child) {
 }
 
 /// Starts `binary daemon --config path` and reads the address it prints once listening.
-fn spawn_daemon(binary: &Path, config: &Path, log: Option<&str>, stderr: Stdio) -> anyhow::Result<(Child, SocketAddr)> {
-    let mut command = Command::new(binary);
+fn spawn_daemon(
+    prefix: &[String],
+    binary: &Path,
+    config: &Path,
+    log: Option<&str>,
+    stderr: Stdio,
+) -> anyhow::Result<(Child, SocketAddr)> {
+    // The prefix must exec the daemon (as `ip netns exec` does), so that the child is the daemon.
+    let mut command = match prefix.split_first() {
+        Some((program, args)) => {
+            let mut c = Command::new(program);
+            c.args(args).arg(binary);
+            c
+        }
+        None => Command::new(binary),
+    };
     command
         .arg("daemon")
         .arg("--config")

@@ -19,6 +19,6 @@ mod local;
 
 pub use client::{Client, JobHandle};
 pub use job::Job;
-pub use local::{LocalCluster, LocalClusterOptions};
+pub use local::{LocalCluster, LocalClusterOptions, NodeHost};
 
 pub use crate::runtime::protocol::{ClusterStatus, DataPlane, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo};

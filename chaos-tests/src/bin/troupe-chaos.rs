@@ -31,9 +31,12 @@ enum Command {
         /// The troupe binary the daemons run (default: $TROUPE_BIN, else `troupe` next to this binary).
         #[arg(long)]
         troupe: Option<PathBuf>,
-        /// Log filter for the daemons' stderr (RUST_LOG syntax; default: errors only).
+        /// Log filter for the daemons (RUST_LOG syntax; default: info), written to node-N.log in the run directory.
         #[arg(long)]
         log: Option<String>,
+        /// Keep the run directory (daemon logs, events.jsonl, checkpoints) even when the run passes.
+        #[arg(long)]
+        keep: bool,
     },
     /// The shipped scenarios and what each does.
     List,
@@ -62,7 +65,7 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
             }
             Ok(true)
         }
-        Command::Run { scenario, seed, json, troupe, log } => {
+        Command::Run { scenario, seed, json, troupe, log, keep } => {
             let scenario = Scenario::load(&scenario)?;
             let troupe = match troupe.or_else(|| std::env::var_os("TROUPE_BIN").map(PathBuf::from)) {
                 Some(t) => t,
@@ -79,7 +82,7 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
                 .enable_all()
                 .build()
                 .context("starting the tokio runtime")?;
-            let report = runtime.block_on(harness::run(&scenario, &RunOptions { seed, troupe, log }))?;
+            let report = runtime.block_on(harness::run(&scenario, &RunOptions { seed, troupe, log, keep }))?;
             if json {
                 println!("{}", serde_json::to_string(&report)?);
             } else {

@@ -86,9 +86,9 @@ pub fn trajectory(events: &[(Instant, JobEvent)], steps: u64, reference: &[f64])
 /// committed after a `Recovered` that followed it) of every fault that takes nodes away.
 pub fn timings(events: &[(Instant, JobEvent)], injected: &[Injected]) -> (Summary, Summary) {
     let (mut detection, mut recovery) = (Vec::new(), Vec::new());
-    for fault in
-        injected.iter().filter(|f| matches!(f.kind, FaultKind::Kill | FaultKind::Pause | FaultKind::RollingRestart))
-    {
+    for fault in injected.iter().filter(|f| {
+        matches!(f.kind, FaultKind::Kill | FaultKind::Pause | FaultKind::Partition | FaultKind::RollingRestart)
+    }) {
         let after: Vec<&(Instant, JobEvent)> = events.iter().filter(|(t, _)| *t >= fault.at).collect();
         let named = |changes: &[String]| {
             changes
@@ -215,7 +215,9 @@ fn step_of(path: &Path) -> Option<u64> {
 pub fn faults_applied(injected: &[Injected]) -> Check {
     let errors: Vec<String> =
         injected.iter().filter_map(|f| f.error.as_ref().map(|e| format!("{}: {e}", f.kind.as_str()))).collect();
-    let detail = if errors.is_empty() { format!("{} fault(s) injected", injected.len()) } else { errors.join("; ") };
+    let notes: String = injected.iter().filter_map(|f| f.note.as_ref().map(|n| format!("; {n}"))).collect();
+    let detail =
+        if errors.is_empty() { format!("{} fault(s) injected{notes}", injected.len()) } else { errors.join("; ") };
     check("every fault applied", errors.is_empty(), detail)
 }
 
@@ -346,6 +348,7 @@ mod tests {
             healed: None,
             corrupted: None,
             error: None,
+            note: None,
         };
         let membership = JobEvent::Membership {
             epoch: 3,

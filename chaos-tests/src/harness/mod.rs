@@ -1,12 +1,13 @@
 //! The chaos harness on real processes: scenarios (a job, a cluster, a nemesis schedule), the nemesis
-//! (SIGKILL, SIGSTOP/SIGCONT, graceful restarts, corrupt checkpoints, a full disk), the invariant checker
+//! (SIGKILL, SIGSTOP/SIGCONT, graceful restarts, partitions and lossy links between network namespaces,
+//! corrupt checkpoints, a full disk), the invariant checker
 //! and the report. `troupe chaos run` drives it; Rust tests can too:
 //!
 //! ```no_run
 //! # async fn demo() -> anyhow::Result<()> {
 //! use troupe_chaos::harness::{run, RunOptions, Scenario};
 //! let scenario = Scenario::load("kill-worker")?;
-//! let options = RunOptions { seed: 7, troupe: "target/release/troupe".into(), log: None };
+//! let options = RunOptions { seed: 7, troupe: "target/release/troupe".into(), log: None, keep: false };
 //! let report = run(&scenario, &options).await?;
 //! assert!(report.passed, "{report}");
 //! # Ok(()) }
@@ -14,10 +15,11 @@
 
 mod checker;
 mod nemesis;
+mod netns;
 mod report;
 mod run;
 mod scenario;
 
 pub use report::{Check, Report, Summary};
 pub use run::{job_config, run, RunOptions};
-pub use scenario::{Fault, FaultKind, Scenario, Target, SHIPPED};
+pub use scenario::{Expect, Fault, FaultKind, NetworkKind, Scenario, Target, SHIPPED};

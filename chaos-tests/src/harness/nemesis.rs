@@ -10,6 +10,7 @@ use anyhow::{bail, Context};
 use tokio::sync::{watch, Mutex};
 use troupe_actors::api::LocalCluster;
 
+use super::netns::Network;
 use super::scenario::{Fault, FaultKind};
 
 /// What the job looks like from the client: the last committed step and its world size.
@@ -32,6 +33,8 @@ pub struct Injected {
     pub corrupted: Option<PathBuf>,
     /// Set when the fault could not be applied as asked (the reason); the checker reports it.
     pub error: Option<String>,
+    /// Part of the fault this machine could not apply, said in the report (e.g. no tc netem).
+    pub note: Option<String>,
 }
 
 pub struct Nemesis {
@@ -44,6 +47,8 @@ pub struct Nemesis {
     /// The world size with every node up.
     pub full_world: usize,
     pub bound: Duration,
+    /// The daemons' network namespaces, for link faults.
+    pub network: Option<Arc<Network>>,
 }
 
 impl Nemesis {
@@ -53,8 +58,15 @@ impl Nemesis {
             let cluster = self.cluster.lock().await;
             nodes.iter().map(|&i| cluster.node_name(i)).collect()
         };
-        let mut injected =
-            Injected { kind: fault.kind, nodes: names, at: Instant::now(), healed: None, corrupted: None, error: None };
+        let mut injected = Injected {
+            kind: fault.kind,
+            nodes: names,
+            at: Instant::now(),
+            healed: None,
+            corrupted: None,
+            error: None,
+            note: None,
+        };
         if let Err(e) = self.apply_inner(fault, nodes, &mut injected).await {
             injected.error = Some(format!("{e:#}"));
         }
@@ -74,7 +86,9 @@ impl Nemesis {
                     tokio::time::sleep(Duration::from_secs_f64(after)).await;
                     let mut cluster = self.cluster.lock().await;
                     for &i in nodes {
-                        cluster.restart_node(i)?;
+                        // Blocks until the daemon listens (~1 s): off the async workers, whose queued tasks
+                        // (the client's QUIC connection among them) must keep running.
+                        tokio::task::block_in_place(|| cluster.restart_node(i))?;
                     }
                     injected.healed = Some(Instant::now());
                 }
@@ -102,12 +116,31 @@ impl Nemesis {
                 std::fs::remove_file(&filler).with_context(|| format!("removing {}", filler.display()))?;
                 injected.healed = Some(Instant::now());
             }
+            FaultKind::Partition | FaultKind::FlakyLink => {
+                let network = self.network.as_ref().context("link faults need the daemons in network namespaces")?;
+                for &i in nodes {
+                    if fault.kind == FaultKind::Partition {
+                        network.partition(i, fault.one_way)?;
+                    } else if let Some(missing) = network.degrade(i, fault.loss_percent, fault.delay_ms)? {
+                        injected.note = Some(missing);
+                    }
+                }
+                if fault.duration_s > 0.0 {
+                    tokio::time::sleep(Duration::from_secs_f64(fault.duration_s)).await;
+                    for &i in nodes {
+                        network.heal(i)?;
+                    }
+                    injected.healed = Some(Instant::now());
+                }
+            }
             FaultKind::RollingRestart => {
                 for &i in nodes {
                     let before = self.progress.borrow().step;
                     self.signal(i, "TERM").await?;
                     self.wait_exit(i).await?;
-                    self.cluster.lock().await.restart_node(i)?;
+                    let mut cluster = self.cluster.lock().await;
+                    tokio::task::block_in_place(|| cluster.restart_node(i))?;
+                    drop(cluster);
                     // The next node goes once the job committed a step on the whole cluster again.
                     self.wait_progress(|p| p.step > before && p.world == self.full_world)
                         .await

@@ -117,7 +117,7 @@ impl fmt::Display for Report {
             }
         }
         if let Some(dir) = &self.kept {
-            writeln!(f, "\n  the daemons' logs and the checkpoints are kept in {}", dir.display())?;
+            writeln!(f, "\n  the daemons' logs, the job's events and the checkpoints are in {}", dir.display())?;
         }
         Ok(())
     }

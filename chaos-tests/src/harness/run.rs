@@ -15,8 +15,9 @@ use troupe_model::Trainer;
 
 use super::checker;
 use super::nemesis::{Injected, Nemesis, Progress};
+use super::netns::Network;
 use super::report::{Check, Report, Summary};
-use super::scenario::{Fault, Scenario, Target};
+use super::scenario::{Fault, NetworkKind, Scenario, Target};
 use crate::sim::rng::Rng;
 
 /// How a run is started.
@@ -26,8 +27,11 @@ pub struct RunOptions {
     pub seed: u64,
     /// The `troupe` binary the daemons run.
     pub troupe: PathBuf,
-    /// RUST_LOG filter of the daemons (None: warnings).
+    /// RUST_LOG filter of the daemons (None: info, into the run directory's node-N.log).
     pub log: Option<String>,
+    /// Keep the run directory (daemon logs, events.jsonl, checkpoints) also when the run passes; a
+    /// failed run always keeps it.
+    pub keep: bool,
 }
 
 /// The job a scenario trains: the small test model, so that runs take seconds.
@@ -50,7 +54,17 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
         },
     };
 
+    let network = match scenario.network {
+        NetworkKind::Loopback => None,
+        NetworkKind::Namespaces => match Network::create(scenario.nodes) {
+            Ok(n) => Some(Arc::new(n)),
+            Err(why) => return Ok(skipped(scenario, options, why)),
+        },
+    };
     let mut cluster_options = LocalClusterOptions::new(scenario.nodes);
+    if let Some(network) = &network {
+        cluster_options.hosts = network.hosts();
+    }
     cluster_options.controller_slots = scenario.controller_slots;
     cluster_options.torch_threads = 1;
     cluster_options.log = Some(options.log.clone().unwrap_or_else(|| "info".into()));
@@ -79,6 +93,7 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
         tmpfs: (scenario.checkpoint_tmpfs_mib > 0).then(|| ckpt_dir.clone()),
         full_world,
         bound,
+        network: network.clone(),
     });
 
     let mut rng = Rng::new(options.seed);
@@ -184,8 +199,9 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
         *faults.entry(i.kind.as_str().to_owned()).or_insert(0) += 1;
     }
     let passed = checks.iter().chain(&bad_inputs).all(|c| c.passed);
-    // A failed run keeps its directory: the daemons' logs (node-N.log) and checkpoints.
-    let kept = (!passed).then(|| work.keep());
+    write_events(&work.path().join("events.jsonl"), started, &events);
+    // A failed run keeps its directory: the daemons' logs (node-N.log), the events and checkpoints.
+    let kept = (!passed || options.keep).then(|| work.keep());
     Ok(Report {
         kept,
         scenario: scenario.name.clone(),
@@ -205,6 +221,21 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
         bad_inputs,
         checks,
     })
+}
+
+/// The job's events as the client saw them, one JSON object per line with `t_s` since the run started.
+fn write_events(path: &Path, started: Instant, events: &[(Instant, JobEvent)]) {
+    let lines: String = events
+        .iter()
+        .filter_map(|(t, e)| {
+            let mut v = serde_json::to_value(e).ok()?;
+            v["t_s"] = serde_json::json!(t.duration_since(started).as_secs_f64());
+            Some(format!("{v}\n"))
+        })
+        .collect();
+    if let Err(e) = std::fs::write(path, lines) {
+        eprintln!("troupe chaos: writing {}: {e}", path.display());
+    }
 }
 
 /// The daemons a fault hits. Random workers are drawn without replacement while any are left, so two

@@ -8,14 +8,19 @@
 //! steps = 30                # training steps of the small test model (JobConfig::small)
 //! checkpoint_every = 0      # durable checkpoints every N steps (0: none)
 //! progress_bound_s = 30     # after each fault heals, a step commits within this bound
+//! network = "loopback"      # or "namespaces": a network namespace per daemon (link faults; root)
 //!
 //! [[faults]]
-//! kind = "kill"             # kill | pause | corrupt-checkpoint | fill-disk | rolling-restart
+//! kind = "kill"             # kill | pause | partition | flaky-link | corrupt-checkpoint | fill-disk |
+//!                           # rolling-restart
 //! node = "random-worker"    # an index, "random-worker", or "all-workers"
 //! at_step = 8               # when the job has committed this step ...
 //! jitter_ms = 300           # ... plus a delay drawn from the seed in [0, jitter_ms] (mid-step)
 //! duration_s = 4.0          # pause: stopped this long; fill-disk: full this long
 //! return_after_s = 3.0      # kill: the node's daemon starts again after this long (shrink, then grow)
+//! one_way = false           # partition: drop only what the node receives
+//! loss_percent = 5.0        # flaky-link: packets lost each way
+//! delay_ms = 20             # flaky-link: delay each way (tc netem, where the kernel has it)
 //!
 //! [expect]                  # effects the faults must visibly have
 //! regrown = true            # after the last fault heals, steps commit on every node again
@@ -37,6 +42,9 @@ pub const SHIPPED: &[(&str, &str)] = &[
     ("rolling-restart", include_str!("../../scenarios/rolling-restart.toml")),
     ("corrupt-latest-checkpoint", include_str!("../../scenarios/corrupt-latest-checkpoint.toml")),
     ("disk-full-during-checkpoint", include_str!("../../scenarios/disk-full-during-checkpoint.toml")),
+    ("partition-minority", include_str!("../../scenarios/partition-minority.toml")),
+    ("partition-one-way", include_str!("../../scenarios/partition-one-way.toml")),
+    ("flaky-link", include_str!("../../scenarios/flaky-link.toml")),
 ];
 
 #[derive(Clone, Debug, Deserialize)]
@@ -58,11 +66,23 @@ pub struct Scenario {
     pub checkpoint_tmpfs_mib: u64,
     #[serde(default = "thirty_s")]
     pub progress_bound_s: f64,
+    /// `loopback` (default), or `namespaces`: every daemon in its own network namespace behind a
+    /// bridge, so that partition and flaky-link faults can cut and degrade its links (needs root).
+    #[serde(default)]
+    pub network: NetworkKind,
     #[serde(default)]
     pub faults: Vec<Fault>,
     /// What the faults must visibly cause, beyond the invariants every run checks.
     #[serde(default)]
     pub expect: Expect,
+}
+
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum NetworkKind {
+    #[default]
+    Loopback,
+    Namespaces,
 }
 
 /// Effects a scenario expects of its faults (all default to false).
@@ -103,6 +123,15 @@ pub struct Fault {
     pub duration_s: f64,
     #[serde(default)]
     pub return_after_s: Option<f64>,
+    /// partition: drop only what the node receives (it can still send).
+    #[serde(default)]
+    pub one_way: bool,
+    /// flaky-link: the share of packets lost each way, in percent.
+    #[serde(default)]
+    pub loss_percent: f64,
+    /// flaky-link: delay added each way (needs tc netem in the kernel; reported when missing).
+    #[serde(default)]
+    pub delay_ms: u64,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
@@ -117,6 +146,12 @@ pub enum FaultKind {
     CorruptCheckpoint,
     /// Fill the checkpoint disk (a tmpfs) for `duration_s`: checkpoints fail cleanly, training goes on.
     FillDisk,
+    /// Cut the node off from the others for `duration_s` (iptables DROP; both ways, or inbound only with
+    /// `one_way`): it is dropped from the view, and when the link heals it is fenced and rejoins.
+    Partition,
+    /// Lose `loss_percent` of the node's packets (and delay them `delay_ms`) for `duration_s`, or for
+    /// the rest of the run when 0: the job runs on, slower, and still lands on the reference.
+    FlakyLink,
     /// SIGTERM every worker node in turn (a graceful leave), start it again, and wait for the job to be
     /// back on the full world before the next.
     RollingRestart,
@@ -130,6 +165,8 @@ impl FaultKind {
             FaultKind::CorruptCheckpoint => "corrupt-checkpoint",
             FaultKind::FillDisk => "fill-disk",
             FaultKind::RollingRestart => "rolling-restart",
+            FaultKind::Partition => "partition",
+            FaultKind::FlakyLink => "flaky-link",
         }
     }
 }
@@ -203,7 +240,7 @@ impl Scenario {
                 bail!("{which}: at_step = {} is not below steps = {}", fault.at_step, self.steps);
             }
             if let Target::Index(n) = fault.node {
-                if n == 0 && matches!(fault.kind, FaultKind::Kill | FaultKind::Pause) {
+                if n == 0 && matches!(fault.kind, FaultKind::Kill | FaultKind::Pause | FaultKind::Partition) {
                     bail!("{which}: node 0 runs the controller, which has no failover yet; target a worker node");
                 }
                 if n >= self.nodes {
@@ -216,6 +253,13 @@ impl Scenario {
                 }
                 FaultKind::CorruptCheckpoint | FaultKind::FillDisk if self.checkpoint_every == 0 => {
                     bail!("{which}: the job takes no checkpoints; set checkpoint_every")
+                }
+                FaultKind::Partition | FaultKind::FlakyLink if self.network != NetworkKind::Namespaces => {
+                    bail!("{which}: link faults need network = \"namespaces\"")
+                }
+                FaultKind::Partition if fault.duration_s <= 0.0 => bail!("{which}: needs duration_s > 0"),
+                FaultKind::FlakyLink if !(fault.loss_percent > 0.0 && fault.loss_percent < 100.0) => {
+                    bail!("{which}: loss_percent = {} is not in (0, 100)", fault.loss_percent)
                 }
                 FaultKind::FillDisk if self.checkpoint_tmpfs_mib == 0 => {
                     bail!("{which}: needs the checkpoints on a tmpfs; set checkpoint_tmpfs_mib")
@@ -260,6 +304,7 @@ mod tests {
             ("description = \"x\"\n[[faults]]\nkind = \"pause\"\nat_step = 3\n", "duration_s"),
             ("description = \"x\"\n[[faults]]\nkind = \"corrupt-checkpoint\"\nat_step = 3\n", "checkpoint_every"),
             ("description = \"x\"\nstepz = 3\n", "stepz"),
+            ("description = \"x\"\n[[faults]]\nkind = \"partition\"\nat_step = 3\nduration_s = 1\n", "namespaces"),
         ];
         for (text, needle) in cases {
             let err = format!("{:#}", Scenario::parse(text, "t").unwrap_err());
