@@ -7,6 +7,8 @@ mod bench_train;
 mod client;
 mod cluster;
 mod daemon;
+mod plot;
+mod trace;
 mod train;
 mod train_cluster;
 
@@ -40,6 +42,10 @@ enum Command {
     /// Submit, inspect and cancel jobs on a running cluster.
     #[command(subcommand)]
     Job(client::JobCommand),
+    /// Draw a run's step phases (or any Chrome trace-event file) as an SVG timeline per rank or stage.
+    Trace(trace::TraceArgs),
+    /// Plot a run's loss and throughput against step as SVG.
+    Plot(plot::PlotArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -72,6 +78,8 @@ pub fn main() -> ExitCode {
         Command::Daemon(args) => daemon::run(args),
         Command::Status(args) => client::status(args),
         Command::Job(command) => client::job(command),
+        Command::Trace(args) => trace::run(args),
+        Command::Plot(args) => plot::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -11,6 +11,7 @@ use troupe_model::config::JobConfig;
 use super::train::TrainArgs;
 use crate::api::{Client, DataPlane, Job, JobEvent, LocalCluster, LocalClusterOptions};
 use crate::progress::{Reporter, StepEvent};
+use crate::telemetry::RunDir;
 
 pub fn run(args: TrainArgs, config: JobConfig) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -28,6 +29,7 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
         config.checkpoint.dir = Some(absolute);
     }
     let nodes = config.parallel.nodes;
+    let run_dir = args.run_dir.as_deref().map(RunDir::create).transpose()?;
     let (cluster, client) = match &args.cluster {
         Some(addr) => {
             let addr = addr.parse().with_context(|| format!("--cluster {addr}: not an address like 10.0.0.5:7400"))?;
@@ -59,13 +61,13 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
     let dp = config.parallel.dp;
     let total = config.train.steps;
     let plane = if args.data_plane == "quic" { DataPlane::Quic } else { DataPlane::Auto };
-    let mut job = Job::new(config).name("train").elastic(1, dp).data_plane(plane);
+    let mut job = Job::new(config).name("train").elastic(1, dp).data_plane(plane).trace(run_dir.is_some());
     if let Some(path) = &args.save_final {
         let path = std::path::absolute(path).with_context(|| format!("--save-final {}", path.display()))?;
         job = job.save_final(path);
     }
     let mut handle = client.submit(job).await?;
-    let reporter = Reporter::new(args.json, 0, total, args.log_every);
+    let reporter = Reporter::new(args.json, 0, total, args.log_every).with_run_dir(run_dir);
     let started = Instant::now();
     let (mut first_loss, mut last, mut tokens_per_s, mut world) = (None, Vec::new(), Vec::new(), 0);
     let outcome = loop {
@@ -127,6 +129,10 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
                 "saved",
                 json!({ "path": path }),
                 &format!("saved final parameters to {}", path.display()),
+            ),
+            JobEvent::Phases { rank, node, attempt, step, spans } => reporter.record_only(
+                "phases",
+                json!({ "rank": rank, "node": node, "attempt": attempt, "step": step, "spans": spans }),
             ),
             JobEvent::Finished { steps, .. } => break Ok(steps),
             JobEvent::Failed { reason } => break Err(anyhow::anyhow!("the job failed: {reason}")),

@@ -23,6 +23,7 @@ use troupe_model::{checkpoint, Trainer};
 use super::node::NodeMsg;
 use super::protocol::{AttemptOutcome, DataPlane, JobId, JobSpec, Wire};
 use crate::engine::{DataParallelReplica, DEFAULT_BUCKET_BYTES};
+use crate::telemetry::PhaseRecorder;
 
 pub enum WorkerMsg {
     Prepare {
@@ -214,6 +215,7 @@ impl WorkerState {
         let (tx, rx) = mpsc::unbounded_channel();
         slot.running = Some((attempt, tx));
         let ctx = AttemptCtx {
+            started: Instant::now(),
             job,
             attempt,
             slot: self.args.slot,
@@ -282,6 +284,8 @@ pub(crate) fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
 }
 
 struct AttemptCtx {
+    /// When the worker was told to start (set-up and state copy count from here).
+    started: Instant,
     job: JobId,
     attempt: u64,
     slot: u32,
@@ -397,6 +401,14 @@ fn save_checkpoint(ctx: &AttemptCtx, trainer: &Trainer, dir: &std::path::Path, k
     }
 }
 
+/// Sends the spans recorded since the last report (nothing when the job does not trace).
+fn report_phases(ctx: &AttemptCtx, rank: usize, step: u64, phases: &mut PhaseRecorder) {
+    if let Some(spans) = phases.take() {
+        let (job, attempt, slot) = (ctx.job, ctx.attempt, ctx.slot);
+        let _ = ctx.node.cast(NodeMsg::FromWorker(Wire::Phases { job, attempt, slot, rank, step, spans }));
+    }
+}
+
 async fn drive<T: Transport>(
     ctx: &AttemptCtx,
     spec: &JobSpec,
@@ -405,6 +417,7 @@ async fn drive<T: Transport>(
 ) -> AttemptOutcome {
     let failed = |step, reason: String| AttemptOutcome::Failed { step, reason };
     let step = replica.trainer().step;
+    let mut phases = PhaseRecorder::new(spec.trace);
     if let Some(source) = ctx.source {
         tokio::select! {
             r = replica.sync_state_from(source) => if let Err(e) = r {
@@ -413,6 +426,8 @@ async fn drive<T: Transport>(
             _ = wait_abort(ctl) => return AttemptOutcome::Aborted { step },
         }
     }
+    let setup = if ctx.attempt > 1 { ("recovery", "recovery") } else { ("setup", "idle") };
+    phases.span(setup.0, setup.1, ctx.started, Instant::now());
     let total = spec.config.train.steps;
     while replica.trainer().step < total {
         let step = replica.trainer().step;
@@ -420,11 +435,22 @@ async fn drive<T: Transport>(
         let reduced = tokio::select! {
             r = replica.reduce_gradients() => match r {
                 Ok(reduced) => reduced,
-                Err(e) => return failed(step, e.to_string()),
+                Err(e) => {
+                    phases.span("failed step", "comm", t0, Instant::now());
+                    report_phases(ctx, replica.rank(), step, &mut phases);
+                    return failed(step, e.to_string());
+                }
             },
-            _ = wait_abort(ctl) => return AttemptOutcome::Aborted { step },
+            _ = wait_abort(ctl) => {
+                phases.span("aborted step", "comm", t0, Instant::now());
+                report_phases(ctx, replica.rank(), step, &mut phases);
+                return AttemptOutcome::Aborted { step };
+            }
         };
-        let seconds = t0.elapsed().as_secs_f64();
+        let (voted, seconds) = (Instant::now(), t0.elapsed().as_secs_f64());
+        let computed = t0 + std::time::Duration::from_secs_f64(reduced.compute_seconds);
+        phases.span("forward+backward", "compute", t0, computed);
+        phases.span("all-reduce", "comm", computed, voted);
         let (loss, grad_norm) = (reduced.loss, reduced.grad_norm);
         let vote = Wire::Vote { job: ctx.job, attempt: ctx.attempt, slot: ctx.slot, step, loss, grad_norm, seconds };
         let _ = ctx.node.cast(NodeMsg::FromWorker(vote));
@@ -432,16 +458,26 @@ async fn drive<T: Transport>(
             match ctl.recv().await {
                 Some(Ctl::Commit(s)) if s == step => break,
                 Some(Ctl::Commit(_)) => continue,
-                Some(Ctl::Abort) | None => return AttemptOutcome::Aborted { step },
+                Some(Ctl::Abort) | None => {
+                    phases.span("commit wait (aborted)", "idle", voted, Instant::now());
+                    report_phases(ctx, replica.rank(), step, &mut phases);
+                    return AttemptOutcome::Aborted { step };
+                }
             }
         }
+        let committed = Instant::now();
+        phases.span("commit wait", "idle", voted, committed);
         replica.apply_update(reduced);
+        phases.span("optimizer", "optimizer", committed, Instant::now());
         let every = spec.config.checkpoint.every_steps;
         let step = replica.trainer().step;
         let due = step == total || (every > 0 && step.is_multiple_of(every));
         if let (0, Some(dir), true) = (replica.rank(), &spec.config.checkpoint.dir, due) {
+            let saving = Instant::now();
             save_checkpoint(ctx, replica.trainer(), dir, spec.config.checkpoint.keep_last);
+            phases.span("checkpoint", "checkpoint", saving, Instant::now());
         }
+        report_phases(ctx, replica.rank(), step, &mut phases);
     }
     let step = replica.trainer().step;
     let mut saved = None;

@@ -1,0 +1,305 @@
+//! What a daemon counts for `/metrics`. The node actor updates a [`NodeMetrics`] as job events, view
+//! changes and worker failures pass through it; the HTTP endpoint renders it together with the node's
+//! [`ClusterStatus`] (epoch, members, jobs) at scrape time. Updating is a short lock and a few additions:
+//! cheap enough to do on every event whether or not anyone scrapes.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use troupe_cluster::membership::Change;
+
+use super::prometheus::{Exposition, Histogram, Kind};
+use crate::runtime::protocol::{ClusterStatus, JobEvent, JobId, JobSpec, JobState};
+
+/// Per-job figures the controller daemon sees pass.
+#[derive(Clone, Debug)]
+struct JobMetrics {
+    /// Tokens of one global batch (step time = tokens / tokens_per_s, as the controller measured it).
+    tokens_per_step: f64,
+    /// Training FLOPs per token: 3 × the forward's (backward ≈ 2 × forward).
+    train_flops_per_token: f64,
+    commits: u64,
+    step_seconds: Histogram,
+    tokens_per_s: Option<f64>,
+    world: usize,
+    checkpoint_seconds: Histogram,
+    recovery_seconds: Histogram,
+    recoveries: u64,
+    rollbacks: u64,
+    /// When the running attempt was aborted by a view change, until the next committed step.
+    interrupted_at: Option<Instant>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    jobs: BTreeMap<JobId, JobMetrics>,
+    worker_restarts: u64,
+    membership_changes: BTreeMap<&'static str, u64>,
+    detection_seconds: Option<Histogram>,
+}
+
+/// A daemon's counters (shared by the node actor and the HTTP endpoint).
+#[derive(Debug, Default)]
+pub struct NodeMetrics {
+    state: Mutex<State>,
+    /// Peak FLOP/s of one slot (from `telemetry.peak_tflops_per_slot`).
+    peak_flops_per_slot: Option<f64>,
+}
+
+impl NodeMetrics {
+    pub fn new(peak_tflops_per_slot: Option<f64>) -> Self {
+        NodeMetrics { state: Mutex::default(), peak_flops_per_slot: peak_tflops_per_slot.map(|t| t * 1e12) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A job was submitted to this (controller) daemon.
+    pub fn on_submit(&self, job: JobId, spec: &JobSpec) {
+        let config = &spec.config;
+        let metrics = JobMetrics {
+            tokens_per_step: (config.train.global_batch * config.model.context) as f64,
+            train_flops_per_token: 3.0 * config.model.forward_flops_per_token(),
+            commits: 0,
+            step_seconds: Histogram::seconds(),
+            tokens_per_s: None,
+            world: 0,
+            checkpoint_seconds: Histogram::seconds(),
+            recovery_seconds: Histogram::seconds(),
+            recoveries: 0,
+            rollbacks: 0,
+            interrupted_at: None,
+        };
+        self.lock().jobs.insert(job, metrics);
+    }
+
+    pub fn on_job_event(&self, job: JobId, event: &JobEvent, now: Instant) {
+        let mut state = self.lock();
+        let Some(m) = state.jobs.get_mut(&job) else { return };
+        match event {
+            JobEvent::Step { tokens_per_s, world, .. } => {
+                m.commits += 1;
+                m.world = *world;
+                m.tokens_per_s = Some(*tokens_per_s);
+                if *tokens_per_s > 0.0 {
+                    m.step_seconds.observe(m.tokens_per_step / tokens_per_s);
+                }
+                if let Some(at) = m.interrupted_at.take() {
+                    m.recovery_seconds.observe(now.duration_since(at).as_secs_f64());
+                }
+            }
+            JobEvent::Started { world, .. } => m.world = *world,
+            JobEvent::Membership { world, .. } => {
+                m.world = *world;
+                m.interrupted_at.get_or_insert(now);
+            }
+            JobEvent::Recovered { world, .. } => {
+                m.world = *world;
+                m.recoveries += 1;
+            }
+            JobEvent::Checkpoint { seconds, .. } => m.checkpoint_seconds.observe(*seconds),
+            JobEvent::RolledBack { .. } => m.rollbacks += 1,
+            _ => {}
+        }
+    }
+
+    /// The controller changed the view. A `Failed` member was silent for `silent_ms` when declared dead:
+    /// that is the failure detection time (a crash to its detection, at most). Losses the transport
+    /// reported (`ConnectionLost`) are counted but not timed.
+    pub fn on_view_change(&self, changes: &[Change]) {
+        let mut state = self.lock();
+        for change in changes {
+            let kind = match change {
+                Change::Joined(_) => "joined",
+                Change::Left(_) => "left",
+                Change::Failed { silent_ms, .. } => {
+                    let detection = state.detection_seconds.get_or_insert_with(Histogram::seconds);
+                    detection.observe(*silent_ms as f64 / 1e3);
+                    "failed"
+                }
+                Change::ConnectionLost(_) => "connection_lost",
+                Change::Restarted(_) => "restarted",
+            };
+            *state.membership_changes.entry(kind).or_default() += 1;
+        }
+    }
+
+    pub fn on_worker_failure(&self) {
+        self.lock().worker_restarts += 1;
+    }
+
+    /// The Prometheus exposition of this daemon: its view of the cluster and its counters.
+    pub fn render(&self, status: &ClusterStatus) -> String {
+        let state = self.lock();
+        let mut e = Exposition::default();
+        let role = if status.leader { "controller" } else { "member" };
+        e.single(
+            "troupe_node_info",
+            Kind::Gauge,
+            "This daemon (always 1).",
+            &[("node", &status.node), ("role", role)],
+            1.0,
+        );
+        e.single(
+            "troupe_membership_epoch",
+            Kind::Gauge,
+            "Epoch of the membership view this daemon acts on.",
+            &[],
+            status.epoch as f64,
+        );
+        e.single("troupe_membership_members", Kind::Gauge, "Members in the view.", &[], status.members.len() as f64);
+        e.family("troupe_membership_slots", Kind::Gauge, "Device slots each member offers.");
+        for m in &status.members {
+            e.sample("troupe_membership_slots", &[("member", &m.name)], f64::from(m.slots));
+        }
+        e.single(
+            "troupe_membership_joining",
+            Kind::Gauge,
+            "Nodes waiting for a step boundary to join.",
+            &[],
+            status.joining.len() as f64,
+        );
+        e.single(
+            "troupe_refused_stale_total",
+            Kind::Counter,
+            "Messages refused for a stale epoch (fencing).",
+            &[],
+            status.refused_stale as f64,
+        );
+        e.family("troupe_membership_changes_total", Kind::Counter, "View changes made by this controller, by kind.");
+        for kind in ["joined", "left", "failed", "connection_lost", "restarted"] {
+            let n = state.membership_changes.get(kind).copied().unwrap_or(0);
+            e.sample("troupe_membership_changes_total", &[("kind", kind)], n as f64);
+        }
+        if let Some(h) = &state.detection_seconds {
+            e.family(
+                "troupe_failure_detection_seconds",
+                Kind::Histogram,
+                "Silence of a member when it was declared failed.",
+            )
+            .histogram("troupe_failure_detection_seconds", &[], h);
+        }
+        e.single(
+            "troupe_worker_restarts_total",
+            Kind::Counter,
+            "Worker actors of this daemon that failed and were restarted.",
+            &[],
+            state.worker_restarts as f64,
+        );
+        self.render_jobs(&state, status, &mut e);
+        e.finish()
+    }
+
+    fn render_jobs(&self, state: &State, status: &ClusterStatus, e: &mut Exposition) {
+        if status.jobs.is_empty() {
+            return;
+        }
+        let ids: Vec<String> = status.jobs.iter().map(|j| j.id.to_string()).collect();
+        let labels = |i: usize| [("job", ids[i].as_str()), ("name", status.jobs[i].name.as_str())];
+        let each = |e: &mut Exposition, name: &str, kind: Kind, help: &str, value: &dyn Fn(usize) -> Option<f64>| {
+            e.family(name, kind, help);
+            for i in 0..status.jobs.len() {
+                if let Some(v) = value(i) {
+                    e.sample(name, &labels(i), v);
+                }
+            }
+        };
+        let job = |i: usize| state.jobs.get(&status.jobs[i].id);
+        each(e, "troupe_job_step", Kind::Gauge, "Committed steps of the job (its position in training).", &|i| {
+            Some(status.jobs[i].step as f64)
+        });
+        each(e, "troupe_job_steps_total", Kind::Gauge, "Steps the job trains for.", &|i| {
+            Some(status.jobs[i].total_steps as f64)
+        });
+        each(
+            e,
+            "troupe_job_steps_committed_total",
+            Kind::Counter,
+            "Step commits (a step redone after a rollback counts again).",
+            &|i| job(i).map(|m| m.commits as f64),
+        );
+        each(e, "troupe_job_world", Kind::Gauge, "Ranks of the job's current attempt.", &|i| {
+            Some(status.jobs[i].world as f64)
+        });
+        each(
+            e,
+            "troupe_job_attempts_total",
+            Kind::Counter,
+            "Attempts started (the first, then one per recovery or retry).",
+            &|i| Some(status.jobs[i].attempts as f64),
+        );
+        each(e, "troupe_job_loss", Kind::Gauge, "Loss of the last committed step.", &|i| status.jobs[i].last_loss);
+        each(e, "troupe_job_tokens_per_second", Kind::Gauge, "Tokens per second of the last committed step.", &|i| {
+            job(i).and_then(|m| m.tokens_per_s)
+        });
+        each(
+            e,
+            "troupe_job_model_flops_per_second",
+            Kind::Gauge,
+            "Achieved model FLOP/s: 3 x forward FLOPs per token x tokens/s.",
+            &|i| job(i).and_then(|m| m.tokens_per_s.map(|t| t * m.train_flops_per_token)),
+        );
+        if let Some(peak) = self.peak_flops_per_slot {
+            each(
+                e,
+                "troupe_job_mfu",
+                Kind::Gauge,
+                "Model FLOPs utilisation: achieved FLOP/s over world x peak_tflops_per_slot.",
+                &|i| {
+                    job(i)
+                        .filter(|m| m.world > 0)
+                        .and_then(|m| m.tokens_per_s.map(|t| t * m.train_flops_per_token / (peak * m.world as f64)))
+                },
+            );
+        }
+        each(e, "troupe_job_recoveries_total", Kind::Counter, "Attempts resumed after a membership change.", &|i| {
+            job(i).map(|m| m.recoveries as f64)
+        });
+        each(
+            e,
+            "troupe_job_rollbacks_total",
+            Kind::Counter,
+            "Continuations from a durable checkpoint after the committed state was lost.",
+            &|i| job(i).map(|m| m.rollbacks as f64),
+        );
+        e.family("troupe_job_state", Kind::Gauge, "1 for the job's state.");
+        for (i, j) in status.jobs.iter().enumerate() {
+            let [job, name] = labels(i);
+            e.sample("troupe_job_state", &[job, name, ("state", state_name(j.state))], 1.0);
+        }
+        for (metric, help, pick) in [
+            (
+                "troupe_job_step_seconds",
+                "Wall time between step commits at the controller.",
+                (|m: &JobMetrics| &m.step_seconds) as fn(&JobMetrics) -> &Histogram,
+            ),
+            ("troupe_job_checkpoint_seconds", "Time rank 0 took to write and commit a durable checkpoint.", |m| {
+                &m.checkpoint_seconds
+            }),
+            (
+                "troupe_job_recovery_seconds",
+                "From the view change that aborted an attempt to the next committed step.",
+                |m| &m.recovery_seconds,
+            ),
+        ] {
+            e.family(metric, Kind::Histogram, help);
+            for i in 0..status.jobs.len() {
+                if let Some(m) = job(i) {
+                    e.histogram(metric, &labels(i), pick(m));
+                }
+            }
+        }
+    }
+}
+
+fn state_name(state: JobState) -> &'static str {
+    match state {
+        JobState::Waiting => "waiting",
+        JobState::Running => "running",
+        JobState::Finished => "finished",
+        JobState::Failed => "failed",
+        JobState::Cancelled => "cancelled",
+    }
+}
