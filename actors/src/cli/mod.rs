@@ -8,6 +8,7 @@ mod client;
 mod cluster;
 mod daemon;
 mod plot;
+mod table;
 mod trace;
 mod train;
 mod train_cluster;

@@ -45,7 +45,8 @@ pub fn series(events: &[Value]) -> Series {
         match e.get("event").and_then(Value::as_str).unwrap_or("") {
             "step" => {
                 let (Some(step), Some(loss)) = (num(e, "step"), num(e, "loss")) else { continue };
-                if step <= last_step && !current.is_empty() {
+                // A step committed again (after a rollback) starts a new segment.
+                if current.last().is_some_and(|p| step <= p.0) {
                     s.segments.push(std::mem::take(&mut current));
                 }
                 current.push((step, loss, num(e, "tokens_per_s").unwrap_or(0.0)));

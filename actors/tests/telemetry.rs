@@ -1,0 +1,323 @@
+//! Observability as a user meets it: a real `troupe daemon` serving `/metrics` (parsed as Prometheus
+//! text, carrying the committed-step counter of a job it ran) and `/status` (the same JSON as `troupe
+//! status --json`); `troupe train --run-dir` on two daemons, then `troupe trace` and `troupe plot` (the
+//! SVG and the Perfetto JSON read back, every rank and phase present); a pipeline-style trace file drawn
+//! per stage; and the daemon's errors for a bad `[telemetry]`.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use troupe_actors::api::{Client, Job, JobEvent};
+use troupe_actors::daemon::NodeConfig;
+use troupe_actors::telemetry::http::get;
+use troupe_actors::telemetry::prometheus::{parse, Sample};
+use troupe_cluster::NodeIdentity;
+use troupe_model::config::JobConfig;
+
+const SMALL_JOB: &str = "[model]\nn_layers = 1\nd_model = 64\nn_heads = 2\ncontext = 32\n[train]\nglobal_batch = 4\nmicro_batch = 2\ntorch_threads = 1\n";
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Runs `troupe ARGS` to completion within `timeout` (killed and failed otherwise).
+fn troupe(args: &[&str], timeout: Duration) -> Output {
+    let mut child = Command::new(common::binary())
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("troupe starts");
+    let t0 = Instant::now();
+    while child.try_wait().expect("wait").is_none() {
+        if t0.elapsed() > timeout {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("`troupe {}` did not finish within {timeout:?}", args.join(" "));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("output")
+}
+
+fn ok(output: &Output, what: &str) -> String {
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{what} failed: {stderr}");
+    String::from_utf8(output.stdout.clone()).expect("utf-8")
+}
+
+/// A daemon child process, killed (and reaped) when dropped.
+struct DaemonProcess(Child);
+
+impl Drop for DaemonProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `troupe daemon --config node.toml`; its control and metrics addresses, from what it prints.
+fn start_daemon(config: &Path) -> (DaemonProcess, SocketAddr, SocketAddr) {
+    let mut child = Command::new(common::binary())
+        .args(["daemon", "--exit-with-parent", "--config"])
+        .arg(config)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("daemon starts");
+    let stdout = child.stdout.take().expect("piped");
+    let daemon = DaemonProcess(child);
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let line = || rx.recv_timeout(Duration::from_secs(30)).expect("the daemon prints its addresses within 30 s");
+    let listen = line();
+    let metrics = line();
+    let addr = |l: &str| {
+        l.rsplit(' ').next().unwrap().trim_start_matches("http://").trim_end_matches("/metrics").parse().unwrap()
+    };
+    assert!(listen.contains("listening on"), "{listen}");
+    assert!(metrics.contains("metrics on http://"), "{metrics}");
+    (daemon, addr(&listen), addr(&metrics))
+}
+
+fn sample<'a>(samples: &'a [Sample], name: &str, labels: &[(&str, &str)]) -> &'a Sample {
+    samples
+        .iter()
+        .find(|s| s.name == name && labels.iter().all(|(k, v)| s.label(k) == Some(v)))
+        .unwrap_or_else(|| panic!("no sample {name}{labels:?} in /metrics"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_serves_prometheus_metrics_and_the_status_json_of_troupe_status() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    let certs_arg = certs.to_str().unwrap();
+    for args in [
+        vec!["cluster", "init", "--dir", certs_arg],
+        vec!["cluster", "add-node", "node-a", "--dir", certs_arg],
+        vec!["cluster", "add-node", "client", "--dir", certs_arg],
+    ] {
+        ok(&troupe(&args, WAIT), &args.join(" "));
+    }
+    let config = dir.path().join("node.toml");
+    let text = format!(
+        "name = \"node-a\"\nlisten = \"127.0.0.1:0\"\ndata_dir = \"{}\"\ncerts = \"{certs_arg}\"\ntorch_threads = 1\n[telemetry]\nmetrics_listen = \"127.0.0.1:0\"\npeak_tflops_per_slot = 0.5\n",
+        dir.path().join("data").display()
+    );
+    std::fs::write(&config, text).unwrap();
+    let (_daemon, addr, metrics) = start_daemon(&config);
+
+    let identity = NodeIdentity::load(&certs, "client").unwrap();
+    let client = Client::connect(addr, &identity).await.unwrap();
+    let mut job = client.submit(Job::new(JobConfig::small(3)).name("scraped")).await.unwrap();
+    let finished = tokio::time::timeout(WAIT, async {
+        while let Some(event) = job.next_event().await.unwrap() {
+            if event.is_terminal() {
+                return event;
+            }
+        }
+        panic!("the job's events ended early");
+    })
+    .await
+    .expect("the job ends within a minute");
+    assert!(matches!(finished, JobEvent::Finished { steps: 3, .. }), "{finished:?}");
+    job.close().await;
+
+    let (status, text) = get(metrics, "/metrics", Duration::from_secs(10)).await.unwrap();
+    assert_eq!(status, 200, "{text}");
+    let samples = parse(&text).unwrap_or_else(|e| panic!("/metrics is not Prometheus text: {e}\n{text}"));
+    let job = [("job", "1"), ("name", "scraped")];
+    assert_eq!(sample(&samples, "troupe_job_steps_committed_total", &job).value, 3.0);
+    assert_eq!(sample(&samples, "troupe_job_step", &job).value, 3.0);
+    assert_eq!(sample(&samples, "troupe_job_step_seconds_count", &job).value, 3.0);
+    assert_eq!(sample(&samples, "troupe_job_state", &[("job", "1"), ("state", "finished")]).value, 1.0);
+    assert_eq!(sample(&samples, "troupe_membership_members", &[]).value, 1.0);
+    assert!(sample(&samples, "troupe_membership_epoch", &[]).value >= 1.0);
+    let tokens = sample(&samples, "troupe_job_tokens_per_second", &job).value;
+    let mfu = sample(&samples, "troupe_job_mfu", &job).value;
+    let flops = sample(&samples, "troupe_job_model_flops_per_second", &job).value;
+    assert!(tokens > 0.0 && flops > tokens, "tokens/s {tokens}, FLOP/s {flops}");
+    assert!((mfu - flops / 0.5e12).abs() <= 1e-9 * flops, "MFU {mfu} = FLOP/s / (1 slot × 0.5 TFLOP/s)");
+
+    let (status, body) = get(metrics, "/status", Duration::from_secs(10)).await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    let served: Value = serde_json::from_str(&body).unwrap();
+    let addr_arg = addr.to_string();
+    let cli = ok(
+        &troupe(&["status", "--json", "--cluster", &addr_arg, "--certs", certs_arg, "--as", "client"], WAIT),
+        "status",
+    );
+    let printed: Value = serde_json::from_str(cli.trim()).unwrap();
+    assert_eq!(served, printed, "/status and `troupe status --json` differ");
+    assert_eq!(served["jobs"][0]["step"], json!(3));
+    assert_eq!(get(metrics, "/nothing", Duration::from_secs(10)).await.unwrap().0, 404);
+
+    let table =
+        ok(&troupe(&["status", "--cluster", &addr_arg, "--certs", certs_arg, "--as", "client"], WAIT), "status");
+    assert!(table.lines().any(|l| l.starts_with("NODE") && l.contains("ADDRESS")), "{table}");
+    assert!(table.lines().any(|l| l.contains("scraped") && l.contains("finished") && l.contains("3/3")), "{table}");
+}
+
+#[test]
+fn bad_telemetry_settings_are_refused_with_the_key_and_the_fix() {
+    let base = "name = \"a\"\nlisten = \"127.0.0.1:0\"\ndata_dir = \"/tmp/x\"\ncerts = \"/nonexistent\"\n";
+    let parse = |extra: &str| NodeConfig::parse(&format!("{base}{extra}"), "node.toml").unwrap_err().to_string();
+    let bad_addr = parse("[telemetry]\nmetrics_listen = \"localhost\"\n");
+    assert!(bad_addr.contains("metrics_listen"), "{bad_addr}");
+    let bad_peak = parse("[telemetry]\npeak_tflops_per_slot = -1.0\n");
+    assert!(bad_peak.contains("telemetry.peak_tflops_per_slot") && bad_peak.contains("TFLOP/s"), "{bad_peak}");
+    let bad_otlp = parse("[telemetry]\notlp_endpoint = \"grpc://x:4317\"\n");
+    assert!(bad_otlp.contains("telemetry.otlp_endpoint") && bad_otlp.contains("http://"), "{bad_otlp}");
+    let unknown = parse("[telemetry]\nmetrics_port = 9400\n");
+    assert!(unknown.contains("metrics_port"), "{unknown}");
+
+    // A port already taken stops the daemon at start, naming the key.
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    troupe_cluster::init_cluster(&certs).unwrap();
+    troupe_cluster::add_node("a", &certs).unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let config = dir.path().join("node.toml");
+    let text = format!(
+        "name = \"a\"\nlisten = \"127.0.0.1:0\"\ndata_dir = \"{}\"\ncerts = \"{}\"\n[telemetry]\nmetrics_listen = \"{}\"\n",
+        dir.path().join("data").display(),
+        certs.display(),
+        taken.local_addr().unwrap()
+    );
+    std::fs::write(&config, text).unwrap();
+    let out = troupe(&["daemon", "--config", config.to_str().unwrap()], WAIT);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("telemetry.metrics_listen") && stderr.contains("free port"), "{stderr}");
+}
+
+/// The `<g>` groups of `class` in an SVG document, each as its `data-*` attributes and the categories
+/// of the rectangles inside.
+fn groups(svg: &str, class: &str) -> Vec<(Vec<(String, String)>, Vec<String>)> {
+    let doc = roxmltree::Document::parse(svg).expect("the SVG is well-formed XML");
+    assert_eq!(doc.root_element().tag_name().name(), "svg");
+    doc.descendants()
+        .filter(|n| n.has_tag_name("g") && n.attribute("class") == Some(class))
+        .map(|g| {
+            let data = g
+                .attributes()
+                .filter(|a| a.name().starts_with("data-"))
+                .map(|a| (a.name()[5..].to_owned(), a.value().to_owned()))
+                .collect();
+            let cats = g.descendants().filter_map(|r| r.attribute("data-cat")).map(str::to_owned).collect();
+            (data, cats)
+        })
+        .collect()
+}
+
+fn data<'a>(attrs: &'a [(String, String)], key: &str) -> &'a str {
+    attrs.iter().find(|(k, _)| k == key).map_or("", |(_, v)| v.as_str())
+}
+
+#[test]
+fn a_two_node_run_dir_gives_a_timeline_per_rank_a_perfetto_trace_and_a_loss_plot() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("job.toml");
+    std::fs::write(&job, SMALL_JOB).unwrap();
+    let run = dir.path().join("run");
+    let (job_arg, run_arg) = (job.to_str().unwrap(), run.to_str().unwrap());
+    let train = ok(
+        &troupe(&["train", "--json", "--nodes", "2", "--steps", "6", "--config", job_arg, "--run-dir", run_arg], WAIT),
+        "train",
+    );
+    let printed_steps = train.lines().filter(|l| l.contains("\"event\":\"step\"")).count();
+    assert_eq!(printed_steps, 6, "{train}");
+    assert!(!train.contains("\"phases\""), "phase reports go to the run directory only");
+
+    // events.jsonl holds every printed event (and the ranks' phases) with a time.
+    let events: Vec<Value> = std::fs::read_to_string(run.join("events.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let kinds: Vec<&str> = events.iter().map(|e| e["event"].as_str().unwrap()).collect();
+    assert_eq!(kinds.iter().filter(|k| **k == "step").count(), 6);
+    assert!(kinds.contains(&"start") && kinds.last() == Some(&"summary"), "{kinds:?}");
+    assert!(events.iter().all(|e| e["time_us"].as_u64().is_some()));
+    let again = troupe(&["train", "--nodes", "2", "--steps", "1", "--run-dir", run_arg], WAIT);
+    assert!(!again.status.success() && String::from_utf8_lossy(&again.stderr).contains("already holds a run"));
+
+    let out: Value = serde_json::from_str(ok(&troupe(&["trace", run_arg, "--json"], WAIT), "trace").trim()).unwrap();
+    assert_eq!(out["rows"], json!(2), "{out}");
+    // The Perfetto trace: complete spans of every phase on both ranks, named by metadata.
+    let trace: Value = serde_json::from_str(&std::fs::read_to_string(run.join("trace.json")).unwrap()).unwrap();
+    let spans: Vec<&Value> = trace["traceEvents"].as_array().unwrap().iter().filter(|e| e["ph"] == "X").collect();
+    for rank in [0, 1] {
+        let cats: Vec<&str> =
+            spans.iter().filter(|e| e["pid"] == json!(rank)).map(|e| e["cat"].as_str().unwrap()).collect();
+        for cat in ["compute", "comm", "idle", "optimizer"] {
+            assert!(cats.contains(&cat), "rank {rank} has no {cat} span: {cats:?}");
+        }
+        let steps = spans.iter().filter(|e| e["pid"] == json!(rank) && e["name"] == "forward+backward").count();
+        assert_eq!(steps, 6, "one forward+backward per step on rank {rank}");
+    }
+    assert!(spans.iter().all(|e| e["dur"].as_f64().unwrap() > 0.0 && e["ts"].as_f64().unwrap() >= 0.0));
+    let names = trace["traceEvents"].as_array().unwrap().iter().filter(|e| e["ph"] == "M").count();
+    assert_eq!(names, 2, "a process_name per rank");
+
+    // The SVG timeline: a row per rank with bars of each phase, and a legend of exactly those phases.
+    let svg = std::fs::read_to_string(run.join("timeline.svg")).unwrap();
+    let rows = groups(&svg, "row");
+    let labels: Vec<&str> = rows.iter().map(|(d, _)| data(d, "label")).collect();
+    assert_eq!(labels, ["rank 0", "rank 1"]);
+    for (_, cats) in &rows {
+        assert!(cats.iter().filter(|c| *c == "compute").count() == 6 && cats.contains(&"comm".to_owned()), "{cats:?}");
+    }
+    let legend: Vec<String> = groups(&svg, "legend-item").iter().map(|(d, _)| data(d, "cat").to_owned()).collect();
+    assert_eq!(legend, ["compute", "comm", "optimizer", "idle"]);
+
+    let out: Value = serde_json::from_str(ok(&troupe(&["plot", run_arg, "--json"], WAIT), "plot").trim()).unwrap();
+    assert_eq!(out["steps"], json!(6));
+    let plot = std::fs::read_to_string(run.join("plot.svg")).unwrap();
+    let doc = roxmltree::Document::parse(&plot).unwrap();
+    let panels: Vec<(&str, usize)> = doc
+        .descendants()
+        .filter(|n| n.attribute("class") == Some("panel"))
+        .map(|p| {
+            let line = p.descendants().find(|n| n.attribute("class") == Some("series")).expect("a series line");
+            (p.attribute("data-metric").unwrap(), line.attribute("points").unwrap().split(' ').count())
+        })
+        .collect();
+    assert_eq!(panels, [("loss", 6), ("tokens_per_s", 6)]);
+}
+
+#[test]
+fn a_pipeline_schedule_trace_file_is_drawn_per_stage_with_its_own_categories() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("schedule.json");
+    let mut events =
+        vec![json!({ "name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": { "name": "stage 1" } })];
+    for (stage, start) in [(0, 0), (1, 10)] {
+        for (i, cat) in ["forward", "backward", "weight", "idle"].iter().enumerate() {
+            events.push(json!({ "name": format!("{cat} mb0"), "cat": cat, "ph": "X", "ts": start + 10 * i, "dur": 9, "pid": stage, "tid": 0 }));
+        }
+    }
+    std::fs::write(&file, json!({ "traceEvents": events }).to_string()).unwrap();
+    let out = ok(&troupe(&["trace", file.to_str().unwrap()], WAIT), "trace");
+    assert!(out.contains("8 spans in 2 rows"), "{out}");
+    let svg = std::fs::read_to_string(dir.path().join("schedule.svg")).unwrap();
+    let rows = groups(&svg, "row");
+    let labels: Vec<&str> = rows.iter().map(|(d, _)| data(d, "label")).collect();
+    assert_eq!(labels, ["pid 0", "stage 1"]);
+    assert!(rows.iter().all(|(_, cats)| cats == &["forward", "backward", "weight", "idle"]));
+    let legend: Vec<String> = groups(&svg, "legend-item").iter().map(|(d, _)| data(d, "cat").to_owned()).collect();
+    assert_eq!(legend, ["forward", "backward", "weight", "idle"]);
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, "{\"events\": []}").unwrap();
+    let refused = troupe(&["trace", bad.to_str().unwrap()], WAIT);
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("not a Chrome trace-event JSON file"));
+}
