@@ -21,7 +21,7 @@ pub use config::{NodeConfig, NodeConfigError, SLOTS_MAX};
 use crate::runtime::node::{actor_scope, NodeActor, NodeArgs, NodeMsg};
 use crate::runtime::protocol::ClusterStatus;
 use crate::runtime::worker::WorkerMsg;
-use crate::telemetry::{endpoint, http, NodeMetrics};
+use crate::telemetry::{endpoint, http, otel, NodeMetrics};
 
 /// How long a drain may take before the daemon exits anyway.
 const DRAIN_TIMEOUT_MS: u64 = 5_000;
@@ -155,6 +155,14 @@ fn address_error(addr: &SocketAddr, e: troupe_cluster::ClusterError) -> anyhow::
 pub fn run(config_path: &Path, exit_with_parent: bool) -> anyhow::Result<()> {
     init_logging();
     let config = NodeConfig::load(config_path)?;
+    // Flushes the last spans when the daemon exits (dropped after the runtime below).
+    let _otlp = match config.telemetry.otlp_endpoint() {
+        Some(endpoint) => Some(
+            otel::install(&endpoint, &config.name)
+                .with_context(|| format!("telemetry.otlp_endpoint (or OTEL_EXPORTER_OTLP_ENDPOINT) = {endpoint}"))?,
+        ),
+        None => None,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(3)
         .enable_all()

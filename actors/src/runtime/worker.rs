@@ -23,7 +23,7 @@ use troupe_model::{checkpoint, Trainer};
 use super::node::NodeMsg;
 use super::protocol::{AttemptOutcome, DataPlane, JobId, JobSpec, Wire};
 use crate::engine::{DataParallelReplica, DEFAULT_BUCKET_BYTES};
-use crate::telemetry::PhaseRecorder;
+use crate::telemetry::{otel, PhaseRecorder};
 
 pub enum WorkerMsg {
     Prepare {
@@ -216,6 +216,7 @@ impl WorkerState {
         slot.running = Some((attempt, tx));
         let ctx = AttemptCtx {
             started: Instant::now(),
+            epoch: prepared.epoch,
             job,
             attempt,
             slot: self.args.slot,
@@ -286,6 +287,7 @@ pub(crate) fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
 struct AttemptCtx {
     /// When the worker was told to start (set-up and state copy count from here).
     started: Instant,
+    epoch: u64,
     job: JobId,
     attempt: u64,
     slot: u32,
@@ -401,10 +403,14 @@ fn save_checkpoint(ctx: &AttemptCtx, trainer: &Trainer, dir: &std::path::Path, k
     }
 }
 
-/// Sends the spans recorded since the last report (nothing when the job does not trace).
-fn report_phases(ctx: &AttemptCtx, rank: usize, step: u64, phases: &mut PhaseRecorder) {
-    if let Some(spans) = phases.take() {
-        let (job, attempt, slot) = (ctx.job, ctx.attempt, ctx.slot);
+/// Exports the spans recorded since the last report over OTLP (when installed) and sends them to the
+/// job's watchers (when the job traces).
+fn report_phases(ctx: &AttemptCtx, spec: &JobSpec, rank: usize, step: u64, phases: &mut PhaseRecorder) {
+    let Some(spans) = phases.take() else { return };
+    let (job, attempt, slot) = (ctx.job, ctx.attempt, ctx.slot);
+    let attrs = otel::RankAttrs { job, attempt, rank, epoch: ctx.epoch, node: &ctx.identity.name };
+    otel::export_step(&attrs, step, &spans);
+    if spec.trace {
         let _ = ctx.node.cast(NodeMsg::FromWorker(Wire::Phases { job, attempt, slot, rank, step, spans }));
     }
 }
@@ -417,7 +423,7 @@ async fn drive<T: Transport>(
 ) -> AttemptOutcome {
     let failed = |step, reason: String| AttemptOutcome::Failed { step, reason };
     let step = replica.trainer().step;
-    let mut phases = PhaseRecorder::new(spec.trace);
+    let mut phases = PhaseRecorder::new(spec.trace || otel::enabled());
     if let Some(source) = ctx.source {
         tokio::select! {
             r = replica.sync_state_from(source) => if let Err(e) = r {
@@ -437,13 +443,13 @@ async fn drive<T: Transport>(
                 Ok(reduced) => reduced,
                 Err(e) => {
                     phases.span("failed step", "comm", t0, Instant::now());
-                    report_phases(ctx, replica.rank(), step, &mut phases);
+                    report_phases(ctx, spec, replica.rank(), step + 1, &mut phases);
                     return failed(step, e.to_string());
                 }
             },
             _ = wait_abort(ctl) => {
                 phases.span("aborted step", "comm", t0, Instant::now());
-                report_phases(ctx, replica.rank(), step, &mut phases);
+                report_phases(ctx, spec, replica.rank(), step + 1, &mut phases);
                 return AttemptOutcome::Aborted { step };
             }
         };
@@ -460,7 +466,7 @@ async fn drive<T: Transport>(
                 Some(Ctl::Commit(_)) => continue,
                 Some(Ctl::Abort) | None => {
                     phases.span("commit wait (aborted)", "idle", voted, Instant::now());
-                    report_phases(ctx, replica.rank(), step, &mut phases);
+                    report_phases(ctx, spec, replica.rank(), step + 1, &mut phases);
                     return AttemptOutcome::Aborted { step };
                 }
             }
@@ -477,7 +483,7 @@ async fn drive<T: Transport>(
             save_checkpoint(ctx, replica.trainer(), dir, spec.config.checkpoint.keep_last);
             phases.span("checkpoint", "checkpoint", saving, Instant::now());
         }
-        report_phases(ctx, replica.rank(), step, &mut phases);
+        report_phases(ctx, spec, replica.rank(), step, &mut phases);
     }
     let step = replica.trainer().step;
     let mut saved = None;

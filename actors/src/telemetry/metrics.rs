@@ -1,14 +1,18 @@
 //! What a daemon counts for `/metrics`. The node actor updates a [`NodeMetrics`] as job events, view
 //! changes and worker failures pass through it; the HTTP endpoint renders it together with the node's
 //! [`ClusterStatus`] (epoch, members, jobs) at scrape time. Updating is a short lock and a few additions:
-//! cheap enough to do on every event whether or not anyone scrapes.
+//! cheap enough to do on every event whether or not anyone scrapes. When OTLP export is installed, the
+//! same hooks export the controller's spans: a job's life, each recovery, each failure detection.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant, SystemTime};
+
+use opentelemetry::KeyValue;
 
 use troupe_cluster::membership::Change;
 
+use super::otel;
 use super::prometheus::{Exposition, Histogram, Kind};
 use crate::runtime::protocol::{ClusterStatus, JobEvent, JobId, JobSpec, JobState};
 
@@ -29,6 +33,11 @@ struct JobMetrics {
     rollbacks: u64,
     /// When the running attempt was aborted by a view change, until the next committed step.
     interrupted_at: Option<Instant>,
+    /// For the OTLP spans: the job's name, when it was submitted, and the wall time and changes of the
+    /// interruption in progress.
+    name: String,
+    submitted: SystemTime,
+    interrupted: Option<(SystemTime, Vec<String>)>,
 }
 
 #[derive(Debug, Default)]
@@ -71,6 +80,9 @@ impl NodeMetrics {
             recoveries: 0,
             rollbacks: 0,
             interrupted_at: None,
+            name: spec.name.clone(),
+            submitted: SystemTime::now(),
+            interrupted: None,
         };
         self.lock().jobs.insert(job, metrics);
     }
@@ -89,11 +101,20 @@ impl NodeMetrics {
                 if let Some(at) = m.interrupted_at.take() {
                     m.recovery_seconds.observe(now.duration_since(at).as_secs_f64());
                 }
+                if let Some((from, changes)) = m.interrupted.take() {
+                    let attributes = vec![
+                        KeyValue::new("troupe.job", job as i64),
+                        KeyValue::new("troupe.world", *world as i64),
+                        KeyValue::new("troupe.changes", changes.join("; ")),
+                    ];
+                    otel::export_job_span("recovery", from, SystemTime::now(), attributes);
+                }
             }
             JobEvent::Started { world, .. } => m.world = *world,
-            JobEvent::Membership { world, .. } => {
+            JobEvent::Membership { world, changes, .. } => {
                 m.world = *world;
                 m.interrupted_at.get_or_insert(now);
+                m.interrupted.get_or_insert_with(|| (SystemTime::now(), changes.clone()));
             }
             JobEvent::Recovered { world, .. } => {
                 m.world = *world;
@@ -101,6 +122,22 @@ impl NodeMetrics {
             }
             JobEvent::Checkpoint { seconds, .. } => m.checkpoint_seconds.observe(*seconds),
             JobEvent::RolledBack { .. } => m.rollbacks += 1,
+            JobEvent::Finished { .. } | JobEvent::Failed { .. } | JobEvent::Cancelled => {
+                let outcome = if let JobEvent::Failed { .. } = event {
+                    "failed"
+                } else if let JobEvent::Cancelled = event {
+                    "cancelled"
+                } else {
+                    "finished"
+                };
+                let attributes = vec![
+                    KeyValue::new("troupe.job", job as i64),
+                    KeyValue::new("troupe.job.name", m.name.clone()),
+                    KeyValue::new("troupe.outcome", outcome),
+                    KeyValue::new("troupe.steps_committed", m.commits as i64),
+                ];
+                otel::export_job_span("job", m.submitted, SystemTime::now(), attributes);
+            }
             _ => {}
         }
     }
@@ -114,9 +151,13 @@ impl NodeMetrics {
             let kind = match change {
                 Change::Joined(_) => "joined",
                 Change::Left(_) => "left",
-                Change::Failed { silent_ms, .. } => {
+                Change::Failed { node, silent_ms } => {
                     let detection = state.detection_seconds.get_or_insert_with(Histogram::seconds);
                     detection.observe(*silent_ms as f64 / 1e3);
+                    let end = SystemTime::now();
+                    let attributes = vec![KeyValue::new("troupe.failed_node", node.0.clone())];
+                    let start = end.checked_sub(Duration::from_millis(*silent_ms)).unwrap_or(end);
+                    otel::export_job_span("failure_detection", start, end, attributes);
                     "failed"
                 }
                 Change::ConnectionLost(_) => "connection_lost",
