@@ -200,9 +200,11 @@ fn bad_telemetry_settings_are_refused_with_the_key_and_the_fix() {
     assert!(stderr.contains("telemetry.metrics_listen") && stderr.contains("free port"), "{stderr}");
 }
 
-/// The `<g>` groups of `class` in an SVG document, each as its `data-*` attributes and the categories
-/// of the rectangles inside.
-fn groups(svg: &str, class: &str) -> Vec<(Vec<(String, String)>, Vec<String>)> {
+/// A `<g>` group: its `data-*` attributes and the categories of the rectangles inside.
+type Group = (Vec<(String, String)>, Vec<String>);
+
+/// The `<g>` groups of `class` in an SVG document.
+fn groups(svg: &str, class: &str) -> Vec<Group> {
     let doc = roxmltree::Document::parse(svg).expect("the SVG is well-formed XML");
     assert_eq!(doc.root_element().tag_name().name(), "svg");
     doc.descendants()

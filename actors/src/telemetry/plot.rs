@@ -22,6 +22,11 @@ const MARKERS: &[(&str, &str, &str)] = &[
     ("checkpoint", "#7f7f7f", "checkpoint"),
 ];
 
+/// (step, loss, tokens/s).
+type Point = (f64, f64, f64);
+/// A panel: its metric, axis label, colour and value.
+type Panel = (&'static str, &'static str, &'static str, fn(&Point) -> f64);
+
 /// What a plot is drawn from.
 #[derive(Debug, Default, PartialEq)]
 pub struct Series {
@@ -89,8 +94,7 @@ pub fn render(series: &Series, title: &str) -> Result<String, String> {
     let mut svg = Svg::new(WIDTH, height, title);
     svg.text((LEFT, 24.0), title, 15.0, "start", "#222");
     legend(&mut svg, series);
-    let panels: [(&str, &str, &str, fn(&(f64, f64, f64)) -> f64); 2] =
-        [("loss", "loss", "#1f77b4", |p| p.1), ("tokens_per_s", "tokens / s", "#2ca02c", |p| p.2)];
+    let panels: [Panel; 2] = [("loss", "loss", "#1f77b4", |p| p.1), ("tokens_per_s", "tokens / s", "#2ca02c", |p| p.2)];
     for (i, (metric, axis_label, colour, pick)) in panels.iter().enumerate() {
         let top = TOP + i as f64 * (PANEL_H + PANEL_GAP);
         let values: Vec<f64> = points.iter().map(|p| pick(p)).filter(|v| v.is_finite()).collect();
@@ -99,7 +103,7 @@ pub fn render(series: &Series, title: &str) -> Result<String, String> {
         if *metric == "tokens_per_s" {
             lo = 0.0;
         }
-        if !(hi > lo) {
+        if hi.partial_cmp(&lo) != Some(std::cmp::Ordering::Greater) {
             hi = lo + 1.0;
         }
         let pad = (hi - lo) * 0.05;
