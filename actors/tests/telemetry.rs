@@ -104,19 +104,33 @@ async fn a_daemon_serves_prometheus_metrics_and_the_status_json_of_troupe_status
     for args in [
         vec!["cluster", "init", "--dir", certs_arg],
         vec!["cluster", "add-node", "node-a", "--dir", certs_arg],
+        vec!["cluster", "add-node", "node-b", "--dir", certs_arg],
         vec!["cluster", "add-node", "client", "--dir", certs_arg],
     ] {
         ok(&troupe(&args, WAIT), &args.join(" "));
     }
-    let config = dir.path().join("node.toml");
-    let text = format!(
-        "name = \"node-a\"\nlisten = \"127.0.0.1:0\"\ndata_dir = \"{}\"\ncerts = \"{certs_arg}\"\ntorch_threads = 1\n[telemetry]\nmetrics_listen = \"127.0.0.1:0\"\npeak_tflops_per_slot = 0.5\n",
-        dir.path().join("data").display()
-    );
-    std::fs::write(&config, text).unwrap();
-    let (_daemon, addr, metrics) = start_daemon(&config);
+    let node_toml = |name: &str, join: Option<SocketAddr>| {
+        let config = dir.path().join(format!("{name}.toml"));
+        let join = join.map(|a| format!("join = \"{a}\"\n")).unwrap_or_default();
+        let text = format!(
+            "name = \"{name}\"\nlisten = \"127.0.0.1:0\"\n{join}data_dir = \"{}\"\ncerts = \"{certs_arg}\"\ntorch_threads = 1\n[telemetry]\nmetrics_listen = \"127.0.0.1:0\"\npeak_tflops_per_slot = 0.5\n",
+            dir.path().join(name).display()
+        );
+        std::fs::write(&config, text).unwrap();
+        config
+    };
+    let (_a, addr, metrics) = start_daemon(&node_toml("node-a", None));
+    let (_b, _, _) = start_daemon(&node_toml("node-b", Some(addr)));
 
     let identity = NodeIdentity::load(&certs, "client").unwrap();
+    common::wait_for(Duration::from_secs(20), "node-b to join", || async {
+        let mut c = Client::connect(addr, &identity).await.ok()?;
+        let members = c.status().await.ok()?.members.len();
+        c.close().await;
+        (members == 2).then_some(())
+    })
+    .await;
+    // One connection per certificate name at a time: the submitting client connects after the polls.
     let client = Client::connect(addr, &identity).await.unwrap();
     let mut job = client.submit(Job::new(JobConfig::small(3)).name("scraped")).await.unwrap();
     let finished = tokio::time::timeout(WAIT, async {
@@ -140,13 +154,17 @@ async fn a_daemon_serves_prometheus_metrics_and_the_status_json_of_troupe_status
     assert_eq!(sample(&samples, "troupe_job_step", &job).value, 3.0);
     assert_eq!(sample(&samples, "troupe_job_step_seconds_count", &job).value, 3.0);
     assert_eq!(sample(&samples, "troupe_job_state", &[("job", "1"), ("state", "finished")]).value, 1.0);
-    assert_eq!(sample(&samples, "troupe_membership_members", &[]).value, 1.0);
+    assert_eq!(sample(&samples, "troupe_membership_members", &[]).value, 2.0);
+    for direction in ["sent", "received"] {
+        let bytes = sample(&samples, "troupe_link_bytes_total", &[("peer", "node-b"), ("direction", direction)]).value;
+        assert!(bytes > 0.0, "node-a's rank {direction} gradients to/from node-b: {bytes}");
+    }
     assert!(sample(&samples, "troupe_membership_epoch", &[]).value >= 1.0);
     let tokens = sample(&samples, "troupe_job_tokens_per_second", &job).value;
     let mfu = sample(&samples, "troupe_job_mfu", &job).value;
     let flops = sample(&samples, "troupe_job_model_flops_per_second", &job).value;
     assert!(tokens > 0.0 && flops > tokens, "tokens/s {tokens}, FLOP/s {flops}");
-    assert!((mfu - flops / 0.5e12).abs() <= 1e-9 * flops, "MFU {mfu} = FLOP/s / (1 slot × 0.5 TFLOP/s)");
+    assert!((mfu - flops / 1e12).abs() <= 1e-9 * flops, "MFU {mfu} = FLOP/s / (2 slots × 0.5 TFLOP/s)");
 
     let (status, body) = get(metrics, "/status", Duration::from_secs(10)).await.unwrap();
     assert_eq!(status, 200, "{body}");

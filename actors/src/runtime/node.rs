@@ -201,6 +201,7 @@ impl NodeState {
             identity: self.identity.clone(),
             host: self.config.listen.ip(),
             transport: self.config.transport.clone(),
+            metrics: self.metrics.clone(),
         };
         let (actor, _) =
             Actor::spawn_linked(Some(format!("{}/worker/{slot}", self.scope())), WorkerActor, args, me.get_cell())

@@ -23,7 +23,8 @@ use troupe_model::{checkpoint, Trainer};
 use super::node::NodeMsg;
 use super::protocol::{AttemptOutcome, DataPlane, JobId, JobSpec, Wire};
 use crate::engine::{DataParallelReplica, DEFAULT_BUCKET_BYTES};
-use crate::telemetry::{otel, PhaseRecorder};
+use crate::telemetry::link_bytes::Counted;
+use crate::telemetry::{otel, NodeMetrics, PhaseRecorder};
 
 pub enum WorkerMsg {
     Prepare {
@@ -71,6 +72,8 @@ pub struct WorkerArgs {
     pub identity: Arc<NodeIdentity>,
     pub host: IpAddr,
     pub transport: TransportConfig,
+    /// Where the data plane's bytes per peer are counted.
+    pub metrics: Arc<NodeMetrics>,
 }
 
 enum Ctl {
@@ -223,6 +226,7 @@ impl WorkerState {
             node: self.args.node.clone(),
             identity: self.args.identity.clone(),
             transport: self.args.transport.clone(),
+            metrics: self.args.metrics.clone(),
             roster,
             source,
         };
@@ -294,6 +298,7 @@ struct AttemptCtx {
     node: ActorRef<NodeMsg>,
     identity: Arc<NodeIdentity>,
     transport: TransportConfig,
+    metrics: Arc<NodeMetrics>,
     roster: Vec<PeerInfo>,
     source: Option<usize>,
 }
@@ -350,7 +355,9 @@ async fn train_over<T: Transport>(
     trainer: Box<Trainer>,
     ctl: &mut mpsc::UnboundedReceiver<Ctl>,
 ) -> (Option<Box<Trainer>>, AttemptOutcome) {
-    let comm = Communicator::new(transport.clone(), 0, epoch, CollectiveConfig::from(&ctx.transport));
+    let peers: Vec<String> = ctx.roster.iter().map(|p| p.name.clone()).collect();
+    let counted = Arc::new(Counted::new(transport.clone(), &peers, &ctx.metrics.links));
+    let comm = Communicator::new(counted, 0, epoch, CollectiveConfig::from(&ctx.transport));
     let mut replica = DataParallelReplica::without_sync(*trainer, comm, DEFAULT_BUCKET_BYTES);
     let outcome = drive(ctx, spec, &mut replica, ctl).await;
     if matches!(outcome, AttemptOutcome::Completed { .. }) {

@@ -12,6 +12,7 @@ use opentelemetry::KeyValue;
 
 use troupe_cluster::membership::Change;
 
+use super::link_bytes::LinkBytes;
 use super::otel;
 use super::prometheus::{Exposition, Histogram, Kind};
 use crate::runtime::protocol::{ClusterStatus, JobEvent, JobId, JobSpec, JobState};
@@ -54,11 +55,17 @@ pub struct NodeMetrics {
     state: Mutex<State>,
     /// Peak FLOP/s of one slot (from `telemetry.peak_tflops_per_slot`).
     peak_flops_per_slot: Option<f64>,
+    /// Data-plane bytes per peer node, counted by this daemon's ranks.
+    pub links: LinkBytes,
 }
 
 impl NodeMetrics {
     pub fn new(peak_tflops_per_slot: Option<f64>) -> Self {
-        NodeMetrics { state: Mutex::default(), peak_flops_per_slot: peak_tflops_per_slot.map(|t| t * 1e12) }
+        NodeMetrics {
+            state: Mutex::default(),
+            peak_flops_per_slot: peak_tflops_per_slot.map(|t| t * 1e12),
+            links: LinkBytes::default(),
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -221,6 +228,15 @@ impl NodeMetrics {
                 "Silence of a member when it was declared failed.",
             )
             .histogram("troupe_failure_detection_seconds", &[], h);
+        }
+        e.family(
+            "troupe_link_bytes_total",
+            Kind::Counter,
+            "Data-plane payload bytes this daemon's ranks exchanged with each peer node.",
+        );
+        for (peer, sent, received) in self.links.snapshot() {
+            e.sample("troupe_link_bytes_total", &[("peer", &peer), ("direction", "sent")], sent as f64);
+            e.sample("troupe_link_bytes_total", &[("peer", &peer), ("direction", "received")], received as f64);
         }
         e.single(
             "troupe_worker_restarts_total",

@@ -5,6 +5,7 @@
 pub mod config;
 pub mod endpoint;
 pub mod http;
+pub mod link_bytes;
 pub mod metrics;
 pub mod otel;
 pub mod phases;
