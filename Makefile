@@ -26,9 +26,9 @@ provision:
 	@scripts/provision-libtorch.sh >/dev/null
 
 build: provision
-	$(CARGO) build --release --locked --bin troupe
+	$(CARGO) build --release --locked --bin troupe --bin troupe-chaos
 	@if [ "$(realpath $(CARGO_TARGET_DIR))" != "$(realpath $(CURDIR)/target)" ]; then \
-		mkdir -p target/release && cp -f $(CARGO_TARGET_DIR)/release/troupe target/release/troupe; fi
+		mkdir -p target/release && cp -f $(CARGO_TARGET_DIR)/release/troupe $(CARGO_TARGET_DIR)/release/troupe-chaos target/release/; fi
 	@echo "built target/release/troupe"
 
 demo: build
@@ -36,8 +36,11 @@ demo: build
 
 TEST_LOG := $(TROUPE_CACHE)/last-test.log
 
+# cargo-nextest runs every test in its own process with a time limit (.config/nextest.toml); the doc
+# tests, which nextest does not run, follow.
 test: provision
-	@set -o pipefail; ( $(CARGO) test --release --locked --workspace --no-fail-fast ) 2>&1 | tee $(TEST_LOG); \
+	@set -o pipefail; ( $(CARGO) nextest run --release --locked --workspace --no-fail-fast \
+		&& $(CARGO) test --release --locked --workspace --doc ) 2>&1 | tee $(TEST_LOG); \
 		status=$$?; scripts/test-summary.sh $(TEST_LOG); exit $$status
 
 bench-train: build

@@ -21,3 +21,7 @@ if ! command -v cargo >/dev/null; then
   echo "host: cargo not found; install Rust from rustup (https://rustup.rs) and rerun" >&2
   exit 1
 fi
+if ! cargo nextest --version >/dev/null 2>&1; then
+  echo "host: installing cargo-nextest (the test runner of make test; once, a few minutes)" >&2
+  cargo install cargo-nextest --locked --quiet
+fi

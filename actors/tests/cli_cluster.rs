@@ -61,7 +61,7 @@ fn train_on_an_embedded_cluster_reports_world_and_epoch_and_leaves_nothing_behin
     let daemons = children(child.id());
     assert_eq!(daemons.len(), 2, "two daemon processes: {daemons:?}");
     let events: Vec<Value> = out.lines().map(|l| serde_json::from_str(&l.unwrap()).unwrap()).collect();
-    assert!(child.wait().unwrap().success());
+    assert!(common::wait_child(&mut child, Duration::from_secs(30), "troupe train").success());
     let steps: Vec<&Value> = events.iter().filter(|e| e["event"] == "step").collect();
     assert_eq!(steps.len(), 5, "steps 2..=6 after the first: {events:?}");
     for s in &steps {
@@ -76,16 +76,30 @@ fn train_on_an_embedded_cluster_reports_world_and_epoch_and_leaves_nothing_behin
     wait_gone(&daemons, Duration::from_secs(5));
 }
 
-#[test]
-fn interrupting_train_cancels_the_job_and_stops_every_daemon() {
+/// `troupe train --nodes 2` stopped by `sig` after its first step: it exits unsuccessfully, promptly, and
+/// takes its daemons with it.
+fn stop_train_with(sig: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let (mut child, _out) = train_until_first_step(dir.path(), &["--nodes", "2", "--steps", "100000"]);
+    let (mut child, out) = train_until_first_step(dir.path(), &["--nodes", "2", "--steps", "100000"]);
+    // Keep reading its output, as a terminal would: a full pipe would block the CLI mid-print.
+    let drain = std::thread::spawn(move || out.lines().map_while(Result::ok).count());
     let daemons = children(child.id());
     assert_eq!(daemons.len(), 2);
-    common::signal(child.id(), "INT");
-    let status = child.wait().unwrap();
+    common::signal(child.id(), sig);
+    let status = common::wait_child(&mut child, Duration::from_secs(30), &format!("troupe train after SIG{sig}"));
+    drain.join().unwrap();
     assert!(!status.success(), "an interrupted run says so");
     wait_gone(&daemons, Duration::from_secs(5));
+}
+
+#[test]
+fn interrupting_train_cancels_the_job_and_stops_every_daemon() {
+    stop_train_with("INT");
+}
+
+#[test]
+fn terminating_train_cancels_the_job_and_stops_every_daemon() {
+    stop_train_with("TERM");
 }
 
 #[test]
@@ -98,7 +112,7 @@ fn killing_train_takes_its_daemons_down_too() {
     let config = cmdline.split(|&b| b == 0).map(String::from_utf8_lossy).find(|a| a.ends_with(".toml")).unwrap();
     let cluster_dir = std::path::Path::new(config.as_ref()).parent().unwrap().to_owned();
     common::signal(child.id(), "KILL");
-    child.wait().unwrap();
+    common::wait_child(&mut child, Duration::from_secs(10), "troupe train after SIGKILL");
     wait_gone(&daemons, Duration::from_secs(5));
     std::fs::remove_dir_all(&cluster_dir).unwrap();
 }

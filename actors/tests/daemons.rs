@@ -123,7 +123,7 @@ fn daemon_config_errors_name_the_key_and_the_fix() {
     let base = "name = \"node-a\"\nlisten = \"127.0.0.1:0\"\ndata_dir = \"DIR/data\"\ncerts = \"DIR/certs\"\n";
     let cases: Vec<(String, &[&str])> = vec![
         (format!("{base}slotz = 2\n"), &["unknown field `slotz`", "slots"]),
-        (format!("{base}slots = 0\n"), &["`slots`", "1..=64"]),
+        (format!("{base}slots = 65\n"), &["`slots`", "0..=64"]),
         (base.replace("node-a", "Node_A"), &["`name`", "a-z, 0-9"]),
         (base.replace("node-a", "node-b"), &["no certificate for node \"node-b\"", "troupe cluster add-node node-b"]),
         (base.replace("DIR/certs", "DIR/nowhere"), &["no ca.pem", "troupe cluster init"]),

@@ -319,23 +319,42 @@ fn a_two_node_run_dir_gives_a_timeline_per_rank_a_perfetto_trace_and_a_loss_plot
 fn a_pipeline_schedule_trace_file_is_drawn_per_stage_with_its_own_categories() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("schedule.json");
-    let mut events =
-        vec![json!({ "name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": { "name": "stage 1" } })];
-    for (stage, start) in [(0, 0), (1, 10)] {
-        for (i, cat) in ["forward", "backward", "weight", "idle"].iter().enumerate() {
-            events.push(json!({ "name": format!("{cat} mb0"), "cat": cat, "ph": "X", "ts": start + 10 * i, "dur": 9, "pid": stage, "tid": 0 }));
+    // As `troupe bench pipeline --trace-out` writes it: one process, a thread per stage named by
+    // metadata, fractional microseconds.
+    let mut events: Vec<Value> = (0..2)
+        .map(|s| json!({ "name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": { "name": format!("stage {s}") } }))
+        .collect();
+    for (stage, start) in [(0, 0.0), (1, 10.5)] {
+        for (i, cat) in ["forward", "comm", "backward", "weight"].iter().enumerate() {
+            let ts = start + 10.0 * i as f64;
+            events.push(json!({ "name": format!("{cat} mb0"), "cat": cat, "ph": "X", "ts": ts, "dur": 9.25, "pid": 0, "tid": stage }));
         }
     }
-    std::fs::write(&file, json!({ "traceEvents": events }).to_string()).unwrap();
+    // And a second file: one process per stage, the second named, the first not.
+    let other = dir.path().join("per-process.json");
+    let mut per_process = vec![json!({ "name": "process_name", "ph": "M", "pid": 1, "args": { "name": "stage B" } })];
+    for pid in [0, 1] {
+        per_process
+            .push(json!({ "name": "F", "cat": "forward", "ph": "X", "ts": pid, "dur": 1, "pid": pid, "tid": 0 }));
+    }
+    std::fs::write(&file, json!({ "traceEvents": events, "displayTimeUnit": "ms" }).to_string()).unwrap();
+    std::fs::write(&other, json!({ "traceEvents": per_process }).to_string()).unwrap();
     let out = ok(&troupe(&["trace", file.to_str().unwrap()], WAIT), "trace");
     assert!(out.contains("8 spans in 2 rows"), "{out}");
     let svg = std::fs::read_to_string(dir.path().join("schedule.svg")).unwrap();
     let rows = groups(&svg, "row");
     let labels: Vec<&str> = rows.iter().map(|(d, _)| data(d, "label")).collect();
-    assert_eq!(labels, ["pid 0", "stage 1"]);
-    assert!(rows.iter().all(|(_, cats)| cats == &["forward", "backward", "weight", "idle"]));
+    assert_eq!(labels, ["stage 0", "stage 1"]);
+    assert!(rows.iter().all(|(_, cats)| cats == &["forward", "comm", "backward", "weight"]));
     let legend: Vec<String> = groups(&svg, "legend-item").iter().map(|(d, _)| data(d, "cat").to_owned()).collect();
-    assert_eq!(legend, ["forward", "backward", "weight", "idle"]);
+    assert_eq!(legend, ["forward", "backward", "weight", "comm"]);
+    ok(
+        &troupe(&["trace", other.to_str().unwrap(), "--svg", dir.path().join("p.svg").to_str().unwrap()], WAIT),
+        "trace",
+    );
+    let rows = groups(&std::fs::read_to_string(dir.path().join("p.svg")).unwrap(), "row");
+    let labels: Vec<&str> = rows.iter().map(|(d, _)| data(d, "label")).collect();
+    assert_eq!(labels, ["pid 0", "stage B"]);
     let bad = dir.path().join("bad.json");
     std::fs::write(&bad, "{\"events\": []}").unwrap();
     let refused = troupe(&["trace", bad.to_str().unwrap()], WAIT);

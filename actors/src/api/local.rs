@@ -27,11 +27,17 @@ const FORM_TIMEOUT_MS: u64 = 30_000;
 pub struct LocalClusterOptions {
     pub nodes: usize,
     pub slots_per_node: u32,
+    /// Slots of node 0, the controller, when it differs from `slots_per_node`; `Some(0)` gives a
+    /// dedicated controller that runs no worker (so losing every worker does not lose the controller).
+    pub controller_slots: Option<u32>,
     pub membership: MembershipConfig,
     /// libtorch threads per daemon (0: the machine's cores shared by the daemons).
     pub torch_threads: usize,
     /// Log filter for child daemons' stderr (RUST_LOG syntax); None: warnings only.
     pub log: Option<String>,
+    /// Where child daemons' stderr goes: `DIR/NAME.log` (appended across restarts); None: this
+    /// process's stderr.
+    pub log_dir: Option<PathBuf>,
     /// How each daemon restarts a failing worker before it escalates (stops).
     pub restart: RestartPolicy,
     /// Every daemon's `[telemetry]` (e.g. `metrics_listen` on port 0, `otlp_endpoint`).
@@ -43,9 +49,11 @@ impl LocalClusterOptions {
         LocalClusterOptions {
             nodes,
             slots_per_node: 1,
+            controller_slots: None,
             membership: MembershipConfig::default(),
             torch_threads: 0,
             log: None,
+            log_dir: None,
             restart: RestartPolicy::default(),
             telemetry: TelemetryConfig::default(),
         }
@@ -64,6 +72,7 @@ pub struct LocalCluster {
     client_identity: NodeIdentity,
     options: LocalClusterOptions,
     binary: Option<PathBuf>,
+    spawned: Vec<u32>,
 }
 
 fn node_name(i: usize) -> String {
@@ -105,12 +114,52 @@ impl LocalCluster {
         let config = self.node_config(i, &self.options);
         let path = self.dir.path().join(format!("{}.toml", node_name(i)));
         std::fs::write(&path, toml::to_string(&config)?)?;
-        let (child, addr) = spawn_daemon(&binary, &path, self.options.log.as_deref())?;
+        let stderr = match &self.options.log_dir {
+            Some(dir) => {
+                let log = dir.join(format!("{}.log", node_name(i)));
+                let file = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&log)
+                    .with_context(|| format!("opening the daemon log {}", log.display()))?;
+                Stdio::from(file)
+            }
+            None => Stdio::inherit(),
+        };
+        let (child, addr) = spawn_daemon(&binary, &path, self.options.log.as_deref(), stderr)?;
         if i == 0 {
             self.controller = addr;
         }
-        self.nodes.push((node_name(i), addr, Node::Child(child)));
+        self.spawned.push(child.id());
+        let node = (node_name(i), addr, Node::Child(child));
+        match self.nodes.get_mut(i) {
+            Some(slot) => *slot = node,
+            None => self.nodes.push(node),
+        }
         Ok(())
+    }
+
+    /// Starts daemon `i` again after its process ended (a node returning after a crash): same name,
+    /// certificate and data directory, a new incarnation. It rejoins at the next step boundary. The
+    /// controller (node 0) cannot be restarted: the other daemons know it by its address.
+    pub fn restart_node(&mut self, i: usize) -> anyhow::Result<()> {
+        if i == 0 {
+            bail!("node-0 runs the controller and cannot be restarted in place");
+        }
+        match self.nodes.get_mut(i) {
+            Some((name, _, Node::Child(child))) => {
+                if child.try_wait()?.is_none() {
+                    bail!("{name} is still running; stop it before restarting it");
+                }
+            }
+            _ => bail!("no daemon process {i}"),
+        }
+        self.spawn_child(i)
+    }
+
+    /// Every daemon process this cluster ever started (restarts included), to check none is left.
+    pub fn spawned_pids(&self) -> &[u32] {
+        &self.spawned
     }
 
     /// Starts one more daemon process (a node joining); returns its index. It is admitted at the next
@@ -158,6 +207,7 @@ impl LocalCluster {
             client_identity,
             options: options.clone(),
             binary: binary.map(Path::to_owned),
+            spawned: Vec::new(),
         })
     }
 
@@ -183,7 +233,11 @@ impl LocalCluster {
             join: (i > 0).then_some(self.controller),
             data_dir: self.dir.path().join(node_name(i)),
             certs: self.dir.path().join("certs"),
-            slots: options.slots_per_node,
+            slots: if i == 0 {
+                options.controller_slots.unwrap_or(options.slots_per_node)
+            } else {
+                options.slots_per_node
+            },
             torch_threads: if options.torch_threads > 0 { options.torch_threads } else { (cores / ranks).max(1) },
             membership: options.membership.clone(),
             restart: options.restart,
@@ -279,7 +333,7 @@ fn terminate(child: &mut Child) {
 }
 
 /// Starts `binary daemon --config path` and reads the address it prints once listening.
-fn spawn_daemon(binary: &Path, config: &Path, log: Option<&str>) -> anyhow::Result<(Child, SocketAddr)> {
+fn spawn_daemon(binary: &Path, config: &Path, log: Option<&str>, stderr: Stdio) -> anyhow::Result<(Child, SocketAddr)> {
     let mut command = Command::new(binary);
     command
         .arg("daemon")
@@ -289,7 +343,7 @@ fn spawn_daemon(binary: &Path, config: &Path, log: Option<&str>) -> anyhow::Resu
         .env("RUST_LOG", log.unwrap_or("warn"))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+        .stderr(stderr);
     let mut child = command.spawn().with_context(|| format!("starting {} daemon", binary.display()))?;
     let stdout = child.stdout.take().expect("piped");
     let mut line = String::new();
@@ -299,7 +353,7 @@ fn spawn_daemon(binary: &Path, config: &Path, log: Option<&str>) -> anyhow::Resu
     let Some(addr) = addr else {
         let _ = child.kill();
         let status = child.wait();
-        bail!("daemon {} did not start (said {line:?}, exit {status:?}); its error is above", config.display());
+        bail!("daemon {} did not start (said {line:?}, exit {status:?}); see its log for the error", config.display());
     };
     // Keep draining its stdout so the daemon never blocks on a full pipe.
     std::thread::spawn(move || for _ in reader.lines() {});

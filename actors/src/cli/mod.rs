@@ -4,6 +4,7 @@ mod bench_allreduce;
 mod bench_kernels;
 mod bench_recovery;
 mod bench_train;
+mod chaos;
 mod client;
 mod cluster;
 mod daemon;
@@ -47,6 +48,8 @@ enum Command {
     Trace(trace::TraceArgs),
     /// Plot a run's loss and throughput against step as SVG.
     Plot(plot::PlotArgs),
+    /// Crash, pause and restart a running job's nodes and check that nothing was lost (`troupe chaos list`).
+    Chaos(chaos::ChaosArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -81,6 +84,7 @@ pub fn main() -> ExitCode {
         Command::Job(command) => client::job(command),
         Command::Trace(args) => trace::run(args),
         Command::Plot(args) => plot::run(args),
+        Command::Chaos(args) => chaos::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

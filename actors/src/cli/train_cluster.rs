@@ -1,17 +1,22 @@
 //! `troupe train` on a cluster: an embedded local cluster of `--nodes` daemons (child processes on
 //! loopback, torn down at the end, also on Ctrl-C), or a running cluster with `--cluster ADDR`.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde_json::json;
+use tokio::signal::unix::{signal, SignalKind};
 use troupe_cluster::NodeIdentity;
 use troupe_model::config::JobConfig;
 
 use super::train::TrainArgs;
-use crate::api::{Client, DataPlane, Job, JobEvent, LocalCluster, LocalClusterOptions};
+use crate::api::{Client, DataPlane, Job, JobEvent, JobHandle, LocalCluster, LocalClusterOptions};
 use crate::progress::{Reporter, StepEvent};
 use crate::telemetry::RunDir;
+
+/// How long an interrupted run waits for the controller to confirm the cancellation, and for the
+/// client connection to close, before it tears the local cluster down regardless.
+const GOODBYE: Duration = Duration::from_secs(5);
 
 pub fn run(args: TrainArgs, config: JobConfig) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -66,6 +71,10 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
         let path = std::path::absolute(path).with_context(|| format!("--save-final {}", path.display()))?;
         job = job.save_final(path);
     }
+    // Listen for Ctrl-C and SIGTERM before the loop: a signal that arrives while an event is being
+    // printed is kept for the next poll (a fresh `ctrl_c()` future per iteration would miss it).
+    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut handle = client.submit(job).await?;
     let reporter = Reporter::new(args.json, 0, total, args.log_every).with_run_dir(run_dir);
     let started = Instant::now();
@@ -73,11 +82,8 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
     let outcome = loop {
         let event = tokio::select! {
             e = handle.next_event() => e?,
-            _ = tokio::signal::ctrl_c() => {
-                reporter.say("troupe: interrupted; cancelling the job");
-                let _ = handle.cancel().await;
-                break Err(anyhow::anyhow!("interrupted"));
-            }
+            _ = interrupt.recv() => break Err(interrupted(&mut handle, &reporter).await),
+            _ = terminate.recv() => break Err(interrupted(&mut handle, &reporter).await),
         };
         let Some(event) = event else { break Err(anyhow::anyhow!("the job's event stream ended early")) };
         match event {
@@ -139,7 +145,7 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
             JobEvent::Cancelled => break Err(anyhow::anyhow!("the job was cancelled")),
         }
     };
-    handle.close().await;
+    let _ = tokio::time::timeout(GOODBYE, handle.close()).await;
     if let Some(cluster) = cluster {
         cluster.shutdown().await;
     }
@@ -159,4 +165,17 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
         ),
     );
     Ok(())
+}
+
+/// Ctrl-C or SIGTERM: ask the controller to cancel the job (bounded), then report the interruption.
+async fn interrupted(handle: &mut JobHandle, reporter: &Reporter) -> anyhow::Error {
+    reporter.say("troupe: interrupted; cancelling the job");
+    match tokio::time::timeout(GOODBYE, handle.cancel()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => reporter.say(&format!("troupe: cancelling job {} failed: {e:#}", handle.id())),
+        Err(_) => {
+            reporter.say(&format!("troupe: no answer to the cancellation of job {} within {GOODBYE:?}", handle.id()))
+        }
+    }
+    anyhow::anyhow!("interrupted")
 }

@@ -77,8 +77,8 @@ impl NodeConfig {
     pub fn validate(&self, origin: &str) -> Result<(), NodeConfigError> {
         let bad = |key, message: String| NodeConfigError::Invalid { path: origin.into(), key, message };
         validate_node_name(&self.name).map_err(|m| bad("name", m))?;
-        if self.slots == 0 || self.slots > SLOTS_MAX {
-            return Err(bad("slots", format!("{} is not in 1..={SLOTS_MAX}", self.slots)));
+        if self.slots > SLOTS_MAX {
+            return Err(bad("slots", format!("{} is not in 0..={SLOTS_MAX}", self.slots)));
         }
         if self.join == Some(self.listen) {
             return Err(bad("join", "is this node's own `listen` address; leave `join` out on the controller".into()));

@@ -88,13 +88,17 @@ fn rows(trace: &TraceFile, spans: &[&TraceEvent]) -> Vec<Row> {
     keys.iter()
         .map(|(pid, tid)| {
             let threads = keys.iter().filter(|(p, _)| p == pid).count();
-            let process = trace.label("process_name", pid, None).unwrap_or_else(|| format!("pid {}", id_text(pid)));
-            let label = if threads > 1 {
-                let thread =
-                    trace.label("thread_name", pid, Some(tid)).unwrap_or_else(|| format!("tid {}", id_text(tid)));
-                format!("{process} / {thread}")
-            } else {
-                process
+            let process = trace.label("process_name", pid, None);
+            let thread = trace.label("thread_name", pid, Some(tid));
+            let (pid_text, tid_text) = (format!("pid {}", id_text(pid)), format!("tid {}", id_text(tid)));
+            // A named thread alone (one process of stages, say) is named by itself.
+            let label = match (process, thread, threads > 1) {
+                (Some(p), Some(t), _) => format!("{p} / {t}"),
+                (None, Some(t), _) => t,
+                (Some(p), None, false) => p,
+                (Some(p), None, true) => format!("{p} / {tid_text}"),
+                (None, None, false) => pid_text,
+                (None, None, true) => format!("{pid_text} / {tid_text}"),
             };
             Row { pid: pid.clone(), tid: tid.clone(), label }
         })

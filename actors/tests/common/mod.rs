@@ -19,6 +19,22 @@ pub async fn processes(n: usize) -> LocalCluster {
     LocalCluster::processes(binary(), options).await.expect("local cluster starts")
 }
 
+/// Waits for `child` to exit; after `timeout` it is killed and the test fails, naming `what`.
+pub fn wait_child(child: &mut std::process::Child, timeout: Duration, what: &str) -> std::process::ExitStatus {
+    let t0 = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            return status;
+        }
+        if t0.elapsed() > timeout {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what} (pid {}) still running after {timeout:?}; killed it", child.id());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 pub fn signal(pid: u32, sig: &str) {
     let status = Command::new("kill").arg(format!("-{sig}")).arg(pid.to_string()).status().expect("kill runs");
     assert!(status.success(), "kill -{sig} {pid} failed");

@@ -1,0 +1,365 @@
+//! The invariant checker of a chaos run, over what the client saw (timed job events), what the nemesis
+//! did, and what the run left on disk and in the process table.
+//!
+//! - the job finished with every step committed;
+//! - committed steps are contiguous and each applied once (a rollback to a checkpoint may redo steps, and
+//!   those are counted, never a gap or an unexplained repeat);
+//! - every committed step's loss equals the reference's loss at that step (each step trained on its own
+//!   samples: none lost, none repeated), and the final parameters equal the reference;
+//! - every checkpoint the job reported loads, except one the nemesis corrupted, which must be refused;
+//! - after each fault heals, a step commits within the scenario's bound;
+//! - no daemon process is left behind.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use tch::Tensor;
+use troupe_actors::api::JobEvent;
+use troupe_model::oracle::compare_params;
+use troupe_model::{checkpoint, Trainer};
+
+use super::nemesis::Injected;
+use super::report::{Check, Summary};
+use super::scenario::{Expect, FaultKind};
+
+pub const TOLERANCE: f64 = 1e-5;
+
+/// What the trajectory checks found.
+#[derive(Debug, Default)]
+pub struct Trajectory {
+    pub checks: Vec<Check>,
+    pub steps_redone: u64,
+    pub data_lost: u64,
+    pub recoveries: usize,
+}
+
+fn check(name: &str, passed: bool, detail: impl Into<String>) -> Check {
+    Check { name: name.into(), passed, detail: detail.into() }
+}
+
+/// Steps, rollbacks and losses against the reference's per-step losses.
+pub fn trajectory(events: &[(Instant, JobEvent)], steps: u64, reference: &[f64]) -> Trajectory {
+    let mut t = Trajectory::default();
+    let end = events.iter().rev().find(|(_, e)| e.is_terminal()).map(|(_, e)| e);
+    let finished = matches!(end, Some(JobEvent::Finished { steps: s, .. }) if *s == steps);
+    t.checks.push(check("the job finished", finished, format!("{end:?}")));
+
+    let (mut next, mut anomalies, mut worst) = (1u64, Vec::new(), 0f64);
+    for (_, event) in events {
+        match event {
+            JobEvent::Step { step, loss, .. } => {
+                if *step != next {
+                    anomalies.push(format!("step {step} committed where {next} was due"));
+                    t.data_lost += step.abs_diff(next);
+                }
+                next = step + 1;
+                if let Some(r) = reference.get(*step as usize - 1) {
+                    worst = worst.max((loss - r).abs() / r.abs().max(f64::MIN_POSITIVE));
+                }
+            }
+            JobEvent::RolledBack { from_step, to_step } => {
+                t.steps_redone += from_step.saturating_sub(*to_step);
+                next = to_step + 1;
+            }
+            JobEvent::Recovered { .. } => t.recoveries += 1,
+            _ => {}
+        }
+    }
+    if finished && next != steps + 1 {
+        anomalies.push(format!("the last committed step is {} of {steps}", next - 1));
+    }
+    let detail = if anomalies.is_empty() {
+        format!("steps 1..={} in order; {} redone after rollbacks", next - 1, t.steps_redone)
+    } else {
+        anomalies.join("; ")
+    };
+    t.checks.push(check("committed steps contiguous, each once", anomalies.is_empty(), detail));
+    t.checks.push(check(
+        "every step's loss equals the reference",
+        worst <= TOLERANCE,
+        format!("worst relative difference {worst:.1e} (tolerance {TOLERANCE:.0e})"),
+    ));
+    t
+}
+
+/// Detection (fault → a membership change naming a node it hit) and recovery (fault → the first step
+/// committed after a `Recovered` that followed it) of every fault that takes nodes away.
+pub fn timings(events: &[(Instant, JobEvent)], injected: &[Injected]) -> (Summary, Summary) {
+    let (mut detection, mut recovery) = (Vec::new(), Vec::new());
+    for fault in
+        injected.iter().filter(|f| matches!(f.kind, FaultKind::Kill | FaultKind::Pause | FaultKind::RollingRestart))
+    {
+        let after: Vec<&(Instant, JobEvent)> = events.iter().filter(|(t, _)| *t >= fault.at).collect();
+        let named = |changes: &[String]| {
+            changes
+                .iter()
+                .any(|c| !c.starts_with("Joined") && fault.nodes.iter().any(|n| c.contains(&format!("\"{n}\""))))
+        };
+        if let Some((t, _)) =
+            after.iter().find(|(_, e)| matches!(e, JobEvent::Membership { changes, .. } if named(changes)))
+        {
+            detection.push(t.duration_since(fault.at).as_secs_f64());
+        }
+        let recovered = after.iter().position(|(_, e)| matches!(e, JobEvent::Recovered { .. }));
+        if let Some((t, _)) =
+            recovered.and_then(|i| after[i..].iter().find(|(_, e)| matches!(e, JobEvent::Step { .. })))
+        {
+            recovery.push(t.duration_since(fault.at).as_secs_f64());
+        }
+    }
+    (Summary::of(detection), Summary::of(recovery))
+}
+
+/// After each fault heals (or is injected, for permanent ones), a step commits within `bound` — unless the
+/// job had already finished.
+pub fn progress_after_faults(events: &[(Instant, JobEvent)], injected: &[Injected], bound: Duration) -> Check {
+    let mut late = Vec::new();
+    let finished_at = events.iter().find(|(_, e)| e.is_terminal()).map(|(t, _)| *t);
+    for fault in injected {
+        let from = fault.healed.unwrap_or(fault.at);
+        if finished_at.is_some_and(|f| f <= from) {
+            continue;
+        }
+        let next =
+            events.iter().find(|(t, e)| *t >= from && matches!(e, JobEvent::Step { .. } | JobEvent::Finished { .. }));
+        match next {
+            Some((t, _)) if t.duration_since(from) <= bound => {}
+            Some((t, _)) => late.push(format!(
+                "{} on {:?}: next step after {:.1} s",
+                fault.kind.as_str(),
+                fault.nodes,
+                t.duration_since(from).as_secs_f64()
+            )),
+            None => late.push(format!("{} on {:?}: no step after it", fault.kind.as_str(), fault.nodes)),
+        }
+    }
+    let detail =
+        if late.is_empty() { format!("every fault followed by a step within {bound:?}") } else { late.join("; ") };
+    check("progress resumes after faults heal", late.is_empty(), detail)
+}
+
+/// The effects the scenario expects of its faults.
+pub fn expected(
+    expect: &Expect,
+    events: &[(Instant, JobEvent)],
+    injected: &[Injected],
+    full_world: usize,
+    checkpoint_every: u64,
+) -> Vec<Check> {
+    let mut checks = Vec::new();
+    if expect.regrown {
+        let healed = injected.iter().filter_map(|f| f.healed).max();
+        let regrown = healed.and_then(|h| {
+            events.iter().find(|(t, e)| *t >= h && matches!(e, JobEvent::Step { world, .. } if *world == full_world))
+        });
+        let detail = match (healed, regrown) {
+            (None, _) => "no fault healed".into(),
+            (Some(_), None) => format!("no step committed on {full_world} ranks after the last fault healed"),
+            (Some(h), Some((t, e))) => {
+                let step = if let JobEvent::Step { step, .. } = e { *step } else { 0 };
+                format!(
+                    "step {step} committed on {full_world} ranks {:.1} s after the fault healed",
+                    t.duration_since(h).as_secs_f64()
+                )
+            }
+        };
+        checks.push(check("the job grew back to every node", regrown.is_some(), detail));
+    }
+    if expect.rolled_back {
+        let corrupted_steps: Vec<u64> =
+            injected.iter().filter_map(|f| f.corrupted.as_deref()).filter_map(step_of).collect();
+        let rollback = events.iter().find_map(|(_, e)| match e {
+            JobEvent::RolledBack { from_step, to_step } => Some((*from_step, *to_step)),
+            _ => None,
+        });
+        let (passed, detail) = match rollback {
+            None => (false, "no rollback to a checkpoint".to_owned()),
+            Some((from, to)) if corrupted_steps.contains(&to) => {
+                (false, format!("rolled back from step {from} to the corrupted checkpoint of step {to}"))
+            }
+            Some((from, to)) => {
+                let skipped =
+                    corrupted_steps.iter().map(|s| format!(" (skipping the corrupted step {s})")).collect::<String>();
+                (true, format!("rolled back from step {from} to the checkpoint of step {to}{skipped}"))
+            }
+        };
+        checks.push(check("the job rolled back to a valid checkpoint", passed, detail));
+    }
+    if expect.checkpoints_failed {
+        let saved: Vec<u64> = events
+            .iter()
+            .filter_map(|(_, e)| if let JobEvent::Checkpoint { step, .. } = e { Some(*step) } else { None })
+            .collect();
+        let last =
+            events.iter().rev().find_map(|(_, e)| if let JobEvent::Step { step, .. } = e { Some(*step) } else { None });
+        let due: Vec<u64> =
+            (1..=last.unwrap_or(0)).filter(|s| checkpoint_every > 0 && s % checkpoint_every == 0).collect();
+        let missing: Vec<u64> = due.iter().copied().filter(|s| !saved.contains(s)).collect();
+        let later = missing.first().is_some_and(|m| saved.iter().any(|s| s > m));
+        let detail = format!("{} of {} checkpoints due written; missing {missing:?}", saved.len(), due.len());
+        checks.push(check(
+            "checkpoints failed on the full disk, later ones succeeded",
+            !missing.is_empty() && later,
+            detail,
+        ));
+    }
+    checks
+}
+
+/// The step of a checkpoint path (`.../step-00000009/...`).
+fn step_of(path: &Path) -> Option<u64> {
+    path.ancestors().find_map(|p| p.file_name()?.to_str()?.strip_prefix("step-")?.parse().ok())
+}
+
+/// Every fault was applied as the scenario asked.
+pub fn faults_applied(injected: &[Injected]) -> Check {
+    let errors: Vec<String> =
+        injected.iter().filter_map(|f| f.error.as_ref().map(|e| format!("{}: {e}", f.kind.as_str()))).collect();
+    let detail = if errors.is_empty() { format!("{} fault(s) injected", injected.len()) } else { errors.join("; ") };
+    check("every fault applied", errors.is_empty(), detail)
+}
+
+/// The final parameters rank 0 saved against the reference trainer's.
+pub fn final_parameters(saved: &Path, reference: &Trainer) -> Check {
+    let name = "final parameters equal the reference";
+    let mut tensors = match Tensor::read_safetensors(saved) {
+        Ok(t) => t,
+        Err(e) => return check(name, false, format!("reading {}: {e}", saved.display())),
+    };
+    let mut params = Vec::new();
+    for (n, _) in reference.model.named_params() {
+        match tensors.iter().position(|(m, _)| m == n) {
+            Some(i) => params.push(tensors.swap_remove(i).1),
+            None => return check(name, false, format!("{n} missing from {}", saved.display())),
+        }
+    }
+    let c = compare_params(reference.model.specs(), &params, &reference.param_values());
+    check(name, c.within(TOLERANCE), format!("worst {:.1e} ({}), global {:.1e}", c.worst, c.worst_name, c.global))
+}
+
+/// Every checkpoint the job reported that retention kept loads; one the nemesis corrupted is refused —
+/// unless the job wrote it again after the corruption (a rollback redoes its step).
+pub fn checkpoints_load(events: &[(Instant, JobEvent)], injected: &[Injected]) -> Check {
+    let mut last_report: Vec<(PathBuf, Instant)> = Vec::new();
+    for (t, e) in events {
+        if let JobEvent::Checkpoint { path, .. } = e {
+            last_report.retain(|(p, _)| p != path);
+            last_report.push((path.clone(), *t));
+        }
+    }
+    let mut problems = Vec::new();
+    let (mut loaded, mut refused) = (0, 0);
+    for (dir, reported) in last_report.iter().filter(|(d, _)| d.exists()) {
+        let corrupt =
+            injected.iter().any(|f| f.corrupted.as_ref().is_some_and(|c| c.starts_with(dir)) && f.at > *reported);
+        match (checkpoint::load(dir), corrupt) {
+            (Ok(_), false) => loaded += 1,
+            (Err(_), true) => refused += 1,
+            (Ok(_), true) => problems.push(format!("{} was corrupted but loads", dir.display())),
+            (Err(e), false) => problems.push(format!("{e}")),
+        }
+    }
+    let detail = if problems.is_empty() {
+        format!("{loaded} load, {refused} corrupted one(s) refused")
+    } else {
+        problems.join("; ")
+    };
+    check("every committed checkpoint loads", problems.is_empty(), detail)
+}
+
+/// No daemon process outlives the run.
+pub fn no_process_left(pids: &[u32]) -> Check {
+    let alive: Vec<u32> = pids
+        .iter()
+        .copied()
+        .filter(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| !s.contains(") Z ")))
+        .collect();
+    check(
+        "no process left behind",
+        alive.is_empty(),
+        format!("{} daemon process(es) started, {alive:?} alive", pids.len()),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(t0: Instant, ms: u64, step: u64, loss: f64) -> (Instant, JobEvent) {
+        let e = JobEvent::Step { step, loss, lr: 0.0, grad_norm: 0.0, tokens_per_s: 0.0, epoch: 1, world: 2 };
+        (t0 + Duration::from_millis(ms), e)
+    }
+
+    fn finished(t0: Instant, ms: u64, steps: u64) -> (Instant, JobEvent) {
+        (t0 + Duration::from_millis(ms), JobEvent::Finished { steps, final_loss: Some(1.0) })
+    }
+
+    #[test]
+    fn a_clean_trajectory_passes_and_a_gap_or_repeat_is_data_lost() {
+        let t0 = Instant::now();
+        let reference = [3.0, 2.0, 1.0];
+        let clean = vec![step(t0, 1, 1, 3.0), step(t0, 2, 2, 2.0), step(t0, 3, 3, 1.0), finished(t0, 4, 3)];
+        let t = trajectory(&clean, 3, &reference);
+        assert!(t.checks.iter().all(|c| c.passed), "{:?}", t.checks);
+        assert_eq!(t.data_lost, 0);
+
+        let gap = vec![step(t0, 1, 1, 3.0), step(t0, 3, 3, 1.0), finished(t0, 4, 3)];
+        let t = trajectory(&gap, 3, &reference);
+        assert!(!t.checks[1].passed);
+        assert_eq!(t.data_lost, 1);
+
+        let repeat = vec![
+            step(t0, 1, 1, 3.0),
+            step(t0, 2, 2, 2.0),
+            step(t0, 2, 2, 2.0),
+            step(t0, 3, 3, 1.0),
+            finished(t0, 4, 3),
+        ];
+        assert!(!trajectory(&repeat, 3, &reference).checks[1].passed);
+    }
+
+    #[test]
+    fn a_rollback_explains_redone_steps_and_a_wrong_loss_fails() {
+        let t0 = Instant::now();
+        let reference = [3.0, 2.0, 1.0];
+        let events = vec![
+            step(t0, 1, 1, 3.0),
+            step(t0, 2, 2, 2.0),
+            (t0, JobEvent::RolledBack { from_step: 2, to_step: 1 }),
+            step(t0, 3, 2, 2.0),
+            step(t0, 4, 3, 1.0 + 1e-3),
+            finished(t0, 5, 3),
+        ];
+        let t = trajectory(&events, 3, &reference);
+        assert!(t.checks[1].passed, "{:?}", t.checks[1]);
+        assert_eq!((t.steps_redone, t.data_lost), (1, 0));
+        assert!(!t.checks[2].passed, "a loss off by 1e-3 relative is caught");
+    }
+
+    #[test]
+    fn detection_and_recovery_are_measured_from_the_fault() {
+        let t0 = Instant::now();
+        let fault = Injected {
+            kind: FaultKind::Kill,
+            nodes: vec!["node-2".into()],
+            at: t0,
+            healed: None,
+            corrupted: None,
+            error: None,
+        };
+        let membership = JobEvent::Membership {
+            epoch: 3,
+            world: 2,
+            changes: vec!["Failed { node: NodeId(\"node-2\"), silent_ms: 1500 }".into()],
+        };
+        let events = vec![
+            (t0 + Duration::from_millis(1500), membership),
+            (t0 + Duration::from_millis(1600), JobEvent::Recovered { step: 4, epoch: 3, world: 2 }),
+            step(t0, 1700, 5, 1.0),
+        ];
+        let (d, r) = timings(&events, std::slice::from_ref(&fault));
+        assert_eq!((d.p50, r.p50), (Some(1.5), Some(1.7)));
+        assert!(progress_after_faults(&events, std::slice::from_ref(&fault), Duration::from_secs(2)).passed);
+        assert!(!progress_after_faults(&events, &[fault], Duration::from_secs(1)).passed);
+    }
+}

@@ -1,0 +1,313 @@
+//! One chaos run: a local cluster of daemon processes, a training job, the scenario's faults injected as
+//! the job reaches their steps, then the checker and the report.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tokio::sync::{watch, Mutex};
+use troupe_actors::api::{Client, Job, JobEvent, LocalCluster, LocalClusterOptions};
+use troupe_cluster::{add_node, init_cluster, NodeIdentity};
+use troupe_model::config::JobConfig;
+use troupe_model::Trainer;
+
+use super::checker;
+use super::nemesis::{Injected, Nemesis, Progress};
+use super::report::{Check, Report, Summary};
+use super::scenario::{Fault, Scenario, Target};
+use crate::sim::rng::Rng;
+
+/// How a run is started.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// Drives every random choice of the run: which node a fault hits, how far into a step it lands.
+    pub seed: u64,
+    /// The `troupe` binary the daemons run.
+    pub troupe: PathBuf,
+    /// RUST_LOG filter of the daemons (None: warnings).
+    pub log: Option<String>,
+}
+
+/// The job a scenario trains: the small test model, so that runs take seconds.
+pub fn job_config(scenario: &Scenario) -> JobConfig {
+    JobConfig::small(scenario.steps)
+}
+
+/// Runs `scenario` and checks it. Errors are reserved for the harness failing to run at all (no binary,
+/// no cluster); everything the job or the faults get wrong is in the report.
+pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Report> {
+    let started = Instant::now();
+    let work = tempfile::Builder::new().prefix("troupe-chaos-").tempdir().context("creating a work directory")?;
+    let ckpt_dir = work.path().join("checkpoints");
+    std::fs::create_dir_all(&ckpt_dir)?;
+    let _tmpfs = match scenario.checkpoint_tmpfs_mib {
+        0 => None,
+        mib => match Tmpfs::mount(&ckpt_dir, mib) {
+            Ok(t) => Some(t),
+            Err(why) => return Ok(skipped(scenario, options, why)),
+        },
+    };
+
+    let mut cluster_options = LocalClusterOptions::new(scenario.nodes);
+    cluster_options.controller_slots = scenario.controller_slots;
+    cluster_options.torch_threads = 1;
+    cluster_options.log = Some(options.log.clone().unwrap_or_else(|| "info".into()));
+    cluster_options.log_dir = Some(work.path().to_owned());
+    let cluster = LocalCluster::processes(&options.troupe, cluster_options).await?;
+    let full_world = scenario.nodes - usize::from(scenario.controller_slots == Some(0));
+    let bad_inputs = bad_inputs(&cluster).await;
+
+    let config = job_config(scenario);
+    let final_params = work.path().join("final.safetensors");
+    let mut job = Job::new(config.clone()).name(&scenario.name).elastic(1, 0).save_final(&final_params);
+    if scenario.checkpoint_every > 0 {
+        let keep = if scenario.checkpoint_tmpfs_mib > 0 { 3 } else { 0 };
+        job = job.checkpoints(&ckpt_dir, scenario.checkpoint_every, keep);
+    }
+    let mut handle = cluster.client().await?.submit(job).await?;
+
+    let (progress_tx, progress_rx) = watch::channel(Progress::default());
+    let (ckpt_tx, ckpt_rx) = watch::channel(None);
+    let cluster = Arc::new(Mutex::new(cluster));
+    let bound = Duration::from_secs_f64(scenario.progress_bound_s);
+    let nemesis = Arc::new(Nemesis {
+        cluster: cluster.clone(),
+        progress: progress_rx,
+        latest_checkpoint: ckpt_rx,
+        tmpfs: (scenario.checkpoint_tmpfs_mib > 0).then(|| ckpt_dir.clone()),
+        full_world,
+        bound,
+    });
+
+    let mut rng = Rng::new(options.seed);
+    let mut pending: VecDeque<Fault> = {
+        let mut f = scenario.faults.clone();
+        f.sort_by_key(|f| f.at_step); // stable: file order within a step
+        f.into()
+    };
+    let mut victims_left: Vec<usize> = scenario.victims();
+    let longest = scenario.faults.iter().map(|f| f.duration_s + f.return_after_s.unwrap_or(0.0)).fold(0.0, f64::max);
+    let event_timeout = bound + Duration::from_secs_f64(longest);
+    let (mut events, mut tasks) = (Vec::new(), Vec::new());
+    let mut stalled = None;
+    loop {
+        let event = match tokio::time::timeout(event_timeout, handle.next_event()).await {
+            Ok(Ok(Some(e))) => e,
+            Ok(Ok(None)) => break,
+            Ok(Err(e)) => {
+                stalled = Some(format!("the job's event stream failed: {e:#}"));
+                break;
+            }
+            Err(_) => {
+                stalled = Some(format!("no job event for {event_timeout:?}; cancelled the job"));
+                let _ = tokio::time::timeout(Duration::from_secs(5), handle.cancel()).await;
+                break;
+            }
+        };
+        let now = Instant::now();
+        match &event {
+            JobEvent::Step { step, world, .. } => {
+                progress_tx.send_replace(Progress { step: *step, world: *world });
+                while pending.front().is_some_and(|f| f.at_step <= *step) {
+                    let fault = pending.pop_front().expect("checked");
+                    let nodes = choose(&fault.node, &mut victims_left, &scenario.victims(), &mut rng);
+                    let delay = Duration::from_millis(rng.range(0, fault.jitter_ms + 1));
+                    let nemesis = nemesis.clone();
+                    tasks.push(tokio::spawn(async move {
+                        tokio::time::sleep(delay).await;
+                        nemesis.apply(&fault, &nodes).await
+                    }));
+                }
+            }
+            JobEvent::Checkpoint { path, .. } => {
+                ckpt_tx.send_replace(Some(path.clone()));
+            }
+            _ => {}
+        }
+        let terminal = event.is_terminal();
+        events.push((now, event));
+        if terminal {
+            break;
+        }
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(5), handle.close()).await;
+    // Faults waiting for progress learn that none will come.
+    drop(progress_tx);
+
+    let mut injected: Vec<Injected> = Vec::new();
+    for task in tasks {
+        match tokio::time::timeout(bound * 2, task).await {
+            Ok(Ok(i)) => injected.push(i),
+            Ok(Err(e)) => anyhow::bail!("a fault task panicked: {e}"),
+            Err(_) => anyhow::bail!("a fault did not finish within {:?}", bound * 2),
+        }
+    }
+    drop(nemesis);
+    let cluster = Arc::try_unwrap(cluster).ok().context("a fault task still holds the cluster")?.into_inner();
+    let pids = cluster.spawned_pids().to_vec();
+    cluster.shutdown().await;
+
+    // The reference: the same job in this process, one rank, no faults.
+    let reference = tokio::task::spawn_blocking(move || {
+        tch::set_num_threads(1);
+        let mut trainer = Trainer::new(config)?;
+        let losses: Vec<f64> = (0..trainer.config.train.steps).map(|_| trainer.train_step().loss).collect();
+        anyhow::Ok((losses, trainer))
+    })
+    .await??;
+
+    let mut trajectory = checker::trajectory(&events, scenario.steps, &reference.0);
+    let mut checks = std::mem::take(&mut trajectory.checks);
+    if let Some(why) = stalled {
+        checks.insert(0, Check { name: "the job kept reporting".into(), passed: false, detail: why });
+    }
+    let scheduled = scenario.faults.len();
+    checks.push(checker::faults_applied(&injected));
+    if injected.len() < scheduled {
+        checks.push(Check {
+            name: "every scheduled fault happened".into(),
+            passed: false,
+            detail: format!("{} of {scheduled} faults injected: the job ended first", injected.len()),
+        });
+    }
+    checks.push(checker::final_parameters(&final_params, &reference.1));
+    checks.push(checker::checkpoints_load(&events, &injected));
+    checks.push(checker::progress_after_faults(&events, &injected, bound));
+    checks.push(checker::no_process_left(&pids));
+    checks.extend(checker::expected(&scenario.expect, &events, &injected, full_world, scenario.checkpoint_every));
+    let (detection_s, recovery_s) = checker::timings(&events, &injected);
+
+    let mut faults = BTreeMap::new();
+    for i in &injected {
+        *faults.entry(i.kind.as_str().to_owned()).or_insert(0) += 1;
+    }
+    let passed = checks.iter().chain(&bad_inputs).all(|c| c.passed);
+    // A failed run keeps its directory: the daemons' logs (node-N.log) and checkpoints.
+    let kept = (!passed).then(|| work.keep());
+    Ok(Report {
+        kept,
+        scenario: scenario.name.clone(),
+        description: scenario.description.clone(),
+        seed: options.seed,
+        passed,
+        skipped: None,
+        nodes: scenario.nodes,
+        steps: scenario.steps,
+        wall_s: started.elapsed().as_secs_f64(),
+        faults,
+        recoveries: trajectory.recoveries,
+        detection_s,
+        recovery_s,
+        steps_redone: trajectory.steps_redone,
+        data_lost: trajectory.data_lost,
+        bad_inputs,
+        checks,
+    })
+}
+
+/// The daemons a fault hits. Random workers are drawn without replacement while any are left, so two
+/// faults of one run hit different nodes.
+fn choose(target: &Target, left: &mut Vec<usize>, victims: &[usize], rng: &mut Rng) -> Vec<usize> {
+    match target {
+        Target::Index(i) => vec![*i],
+        Target::AllWorkers => victims.to_vec(),
+        Target::RandomWorker => {
+            if left.is_empty() {
+                left.extend_from_slice(victims);
+            }
+            vec![left.swap_remove(rng.below(left.len() as u64) as usize)]
+        }
+    }
+}
+
+fn skipped(scenario: &Scenario, options: &RunOptions, why: String) -> Report {
+    Report {
+        kept: None,
+        scenario: scenario.name.clone(),
+        description: scenario.description.clone(),
+        seed: options.seed,
+        passed: true,
+        skipped: Some(why),
+        nodes: scenario.nodes,
+        steps: scenario.steps,
+        wall_s: 0.0,
+        faults: BTreeMap::new(),
+        recoveries: 0,
+        detection_s: Summary::default(),
+        recovery_s: Summary::default(),
+        steps_redone: 0,
+        data_lost: 0,
+        bad_inputs: Vec::new(),
+        checks: Vec::new(),
+    }
+}
+
+/// Inputs a running cluster must refuse without harm: a client whose certificate another CA signed, and
+/// a job whose config cannot train.
+async fn bad_inputs(cluster: &LocalCluster) -> Vec<Check> {
+    let mut checks = Vec::new();
+    let stranger = async {
+        let dir = tempfile::tempdir()?;
+        init_cluster(dir.path())?;
+        add_node("client", dir.path())?;
+        let identity = NodeIdentity::load(dir.path(), "client")?;
+        let mut client = Client::connect(cluster.addr(), &identity).await?;
+        client.status().await.map(|_| ())
+    };
+    let refused = tokio::time::timeout(Duration::from_secs(10), stranger).await;
+    checks.push(Check {
+        name: "a certificate from another CA is refused".into(),
+        passed: matches!(refused, Ok(Err(_))),
+        detail: match refused {
+            Ok(Err(e)) => format!("refused: {}", first_line(&format!("{e:#}"))),
+            Ok(Ok(())) => "the stranger was served".into(),
+            Err(_) => "no answer within 10 s".into(),
+        },
+    });
+    let mut config = JobConfig::small(1);
+    config.model.n_heads = 3; // 64 is not divisible by 3
+    let submitted = async { cluster.client().await?.submit(Job::new(config)).await.map(|_| ()) };
+    let refused = tokio::time::timeout(Duration::from_secs(10), submitted).await;
+    checks.push(Check {
+        name: "a job that cannot train is refused".into(),
+        passed: matches!(refused, Ok(Err(_))),
+        detail: match refused {
+            Ok(Err(e)) => format!("refused: {}", first_line(&format!("{e:#}"))),
+            Ok(Ok(())) => "the controller accepted it".into(),
+            Err(_) => "no answer within 10 s".into(),
+        },
+    });
+    checks
+}
+
+fn first_line(s: &str) -> &str {
+    s.lines().next().unwrap_or(s)
+}
+
+/// A tmpfs mounted for the run's checkpoints, unmounted when dropped.
+struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: &Path, mib: u64) -> Result<Self, String> {
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
+            .arg(dir)
+            .output()
+            .map_err(|e| format!("cannot run mount ({e}); the scenario needs a tmpfs for its checkpoints"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "mounting a {mib} MiB tmpfs needs root (CAP_SYS_ADMIN): {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        Ok(Tmpfs(dir.to_owned()))
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+    }
+}
