@@ -6,12 +6,12 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{json, Value};
 use troupe_actors::api::{Client, Job, JobEvent};
@@ -24,7 +24,8 @@ use troupe_model::config::JobConfig;
 const SMALL_JOB: &str = "[model]\nn_layers = 1\nd_model = 64\nn_heads = 2\ncontext = 32\n[train]\nglobal_batch = 4\nmicro_batch = 2\ntorch_threads = 1\n";
 const WAIT: Duration = Duration::from_secs(60);
 
-/// Runs `troupe ARGS` to completion within `timeout` (killed and failed otherwise).
+/// Runs `troupe ARGS` to completion within `timeout` (killed and failed otherwise), its output drained
+/// as it comes so a full pipe never blocks it.
 fn troupe(args: &[&str], timeout: Duration) -> Output {
     let mut child = Command::new(common::binary())
         .args(args)
@@ -32,16 +33,17 @@ fn troupe(args: &[&str], timeout: Duration) -> Output {
         .stderr(Stdio::piped())
         .spawn()
         .expect("troupe starts");
-    let t0 = Instant::now();
-    while child.try_wait().expect("wait").is_none() {
-        if t0.elapsed() > timeout {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("`troupe {}` did not finish within {timeout:?}", args.join(" "));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().expect("output")
+    let drain = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            let _ = pipe.read_to_end(&mut bytes);
+            bytes
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().expect("piped")));
+    let stderr = drain(Box::new(child.stderr.take().expect("piped")));
+    let status = common::wait_child(&mut child, timeout, &format!("`troupe {}`", args.join(" ")));
+    Output { status, stdout: stdout.join().expect("stdout"), stderr: stderr.join().expect("stderr") }
 }
 
 fn ok(output: &Output, what: &str) -> String {
