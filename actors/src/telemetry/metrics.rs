@@ -360,3 +360,96 @@ fn state_name(state: JobState) -> &'static str {
         JobState::Cancelled => "cancelled",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use troupe_cluster::membership::NodeId;
+    use troupe_model::config::JobConfig;
+
+    use super::*;
+    use crate::api::Job;
+    use crate::runtime::protocol::{JobInfo, MemberInfo};
+    use crate::telemetry::prometheus::{parse, Sample};
+
+    fn status(step: u64) -> ClusterStatus {
+        let member = |name: &str| MemberInfo { name: name.into(), addr: "127.0.0.1:1".parse().unwrap(), slots: 1 };
+        ClusterStatus {
+            node: "a".into(),
+            leader: true,
+            leader_addr: None,
+            epoch: 3,
+            members: vec![member("a"), member("b")],
+            joining: vec![],
+            jobs: vec![JobInfo {
+                id: 7,
+                name: "t".into(),
+                state: JobState::Running,
+                step,
+                total_steps: 10,
+                epoch: 3,
+                world: 1,
+                attempts: 2,
+                last_loss: Some(2.5),
+                reason: None,
+            }],
+            refused_stale: 1,
+            changes: vec![],
+        }
+    }
+
+    fn value(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> f64 {
+        samples
+            .iter()
+            .find(|s| s.name == name && labels.iter().all(|(k, v)| s.label(k) == Some(v)))
+            .unwrap_or_else(|| panic!("no {name}{labels:?}"))
+            .value
+    }
+
+    #[test]
+    fn steps_recoveries_detections_and_mfu_are_counted_and_rendered() {
+        let metrics = NodeMetrics::new(Some(1.0));
+        let spec = Job::new(JobConfig::small(10)).into_spec();
+        metrics.on_submit(7, &spec);
+        let tokens = (spec.config.train.global_batch * spec.config.model.context) as f64;
+        let step = |step, tokens_per_s, world| JobEvent::Step {
+            step,
+            loss: 2.5,
+            lr: 1e-3,
+            grad_norm: 1.0,
+            tokens_per_s,
+            epoch: 3,
+            world,
+        };
+        let t0 = Instant::now();
+        metrics.on_job_event(7, &step(1, tokens / 0.2, 2), t0);
+        metrics.on_job_event(7, &JobEvent::Membership { epoch: 3, world: 1, changes: vec!["b failed".into()] }, t0);
+        metrics.on_view_change(&[Change::Failed { node: NodeId::from("b"), silent_ms: 1_600 }]);
+        metrics.on_job_event(7, &JobEvent::Recovered { step: 1, epoch: 3, world: 1 }, t0 + Duration::from_millis(100));
+        metrics.on_job_event(7, &step(2, tokens / 0.05, 1), t0 + Duration::from_millis(400));
+        metrics.on_job_event(7, &JobEvent::Checkpoint { step: 2, path: "/c".into(), seconds: 0.03 }, t0);
+        metrics.on_worker_failure();
+        metrics.links.link("b").sent.fetch_add(10, std::sync::atomic::Ordering::Relaxed);
+
+        let samples = parse(&metrics.render(&status(2))).unwrap();
+        let job = [("job", "7"), ("name", "t")];
+        assert_eq!(value(&samples, "troupe_job_steps_committed_total", &job), 2.0);
+        assert_eq!(value(&samples, "troupe_job_step_seconds_count", &job), 2.0);
+        assert!((value(&samples, "troupe_job_step_seconds_sum", &job) - 0.25).abs() < 1e-9);
+        assert_eq!(value(&samples, "troupe_job_step_seconds_bucket", &[("job", "7"), ("le", "0.1")]), 1.0);
+        assert_eq!(value(&samples, "troupe_job_recovery_seconds_count", &job), 1.0);
+        assert!((value(&samples, "troupe_job_recovery_seconds_sum", &job) - 0.4).abs() < 1e-9);
+        assert_eq!(value(&samples, "troupe_job_recoveries_total", &job), 1.0);
+        assert_eq!(value(&samples, "troupe_job_checkpoint_seconds_count", &job), 1.0);
+        assert_eq!(value(&samples, "troupe_failure_detection_seconds_sum", &[]), 1.6);
+        assert_eq!(value(&samples, "troupe_membership_changes_total", &[("kind", "failed")]), 1.0);
+        assert_eq!(value(&samples, "troupe_membership_members", &[]), 2.0);
+        assert_eq!(value(&samples, "troupe_worker_restarts_total", &[]), 1.0);
+        assert_eq!(value(&samples, "troupe_link_bytes_total", &[("peer", "b"), ("direction", "sent")]), 10.0);
+        let flops = value(&samples, "troupe_job_model_flops_per_second", &job);
+        assert!((flops - tokens / 0.05 * 3.0 * spec.config.model.forward_flops_per_token()).abs() < 1e-6 * flops);
+        assert!((value(&samples, "troupe_job_mfu", &job) - flops / 1e12).abs() < 1e-12, "one rank × 1 TFLOP/s");
+        assert_eq!(value(&samples, "troupe_job_state", &[("state", "running")]), 1.0);
+    }
+}
