@@ -11,3 +11,4 @@ pub mod daemon;
 pub mod engine;
 pub mod progress;
 pub mod runtime;
+pub mod telemetry;

@@ -1,12 +1,15 @@
 //! How a run reports itself: JSON lines on stdout with `--json` (one object per event, DESIGN.md §3),
 //! otherwise a progress bar on an interactive terminal plus periodic plain lines that also read well in
-//! a CI log.
+//! a CI log. With a run directory every event is also appended to its `events.jsonl`.
 
 use std::io::{IsTerminal, Write};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{json, Value};
+
+use crate::telemetry::RunDir;
 
 /// One committed step, as reported.
 #[derive(Clone, Debug)]
@@ -27,6 +30,7 @@ pub struct Reporter {
     total_steps: u64,
     log_every: u64,
     bar: Option<ProgressBar>,
+    run_dir: Option<Mutex<RunDir>>,
 }
 
 impl Reporter {
@@ -43,7 +47,26 @@ impl Reporter {
             bar.enable_steady_tick(Duration::from_millis(200));
             bar
         });
-        Self { json, total_steps, log_every, bar }
+        Self { json, total_steps, log_every, bar, run_dir: None }
+    }
+
+    /// Also records every event in `run_dir` (`--run-dir`).
+    pub fn with_run_dir(mut self, run_dir: Option<RunDir>) -> Self {
+        self.run_dir = run_dir.map(Mutex::new);
+        self
+    }
+
+    fn record(&self, event: &Value) {
+        if let Some(dir) = &self.run_dir {
+            dir.lock().unwrap_or_else(|p| p.into_inner()).record(event.clone());
+        }
+    }
+
+    /// An event for the run directory only (a rank's step phases): never printed.
+    pub fn record_only(&self, name: &str, fields: Value) {
+        if self.run_dir.is_some() {
+            self.record(&with_name(name, fields));
+        }
     }
 
     /// A line for people (ignored in JSON mode, which gets `event` objects instead).
@@ -59,11 +82,9 @@ impl Reporter {
 
     /// A non-step event (`{"event": name, ...fields}`); people get `line`.
     pub fn event(&self, name: &str, fields: Value, line: &str) {
+        let object = with_name(name, fields);
+        self.record(&object);
         if self.json {
-            let mut object = json!({ "event": name });
-            if let (Some(o), Value::Object(f)) = (object.as_object_mut(), fields) {
-                o.extend(f);
-            }
             emit(&object);
         } else {
             self.say(line);
@@ -71,11 +92,13 @@ impl Reporter {
     }
 
     pub fn step(&self, e: &StepEvent) {
+        let object = json!({
+            "event": "step", "step": e.step, "loss": e.loss, "tokens_per_s": e.tokens_per_s,
+            "epoch": e.epoch, "world": e.world, "lr": e.lr, "grad_norm": e.grad_norm,
+        });
+        self.record(&object);
         if self.json {
-            emit(&json!({
-                "event": "step", "step": e.step, "loss": e.loss, "tokens_per_s": e.tokens_per_s,
-                "epoch": e.epoch, "world": e.world, "lr": e.lr, "grad_norm": e.grad_norm,
-            }));
+            emit(&object);
             return;
         }
         if let Some(bar) = &self.bar {
@@ -91,12 +114,31 @@ impl Reporter {
     }
 
     /// Ends the bar and prints the summary (`{"event":"summary", ...}` or `line`).
-    pub fn finish(self, summary: Value, line: &str) {
+    /// With a run directory, then writes its trace and says where the run was recorded.
+    pub fn finish(mut self, summary: Value, line: &str) {
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
         }
         self.event("summary", summary, line);
+        let Some(dir) = self.run_dir.take().map(|d| d.into_inner().unwrap_or_else(|p| p.into_inner())) else {
+            return;
+        };
+        let path = dir.path().display().to_string();
+        match dir.finish() {
+            Ok(_) => self.say(&format!(
+                "run recorded in {path} (events.jsonl, trace.json): `troupe trace {path}` draws its timeline, `troupe plot {path}` its loss"
+            )),
+            Err(e) => eprintln!("troupe: writing the trace of {path}: {e:#}"),
+        }
     }
+}
+
+fn with_name(name: &str, fields: Value) -> Value {
+    let mut object = json!({ "event": name });
+    if let (Some(o), Value::Object(f)) = (object.as_object_mut(), fields) {
+        o.extend(f);
+    }
+    object
 }
 
 fn emit(value: &Value) {

@@ -24,6 +24,7 @@ impl Job {
                 max_ranks: 0,
                 save_final: None,
                 data_plane: DataPlane::Auto,
+                trace: false,
             },
         }
     }
@@ -98,6 +99,12 @@ impl Job {
     /// `Quic` always.
     pub fn data_plane(mut self, plane: DataPlane) -> Self {
         self.spec.data_plane = plane;
+        self
+    }
+
+    /// Every rank reports the phases of each step (`JobEvent::Phases`), for a timeline of the run.
+    pub fn trace(mut self, on: bool) -> Self {
+        self.spec.trace = on;
         self
     }
 

@@ -16,6 +16,7 @@ use super::Client;
 use crate::daemon::{Daemon, NodeConfig};
 use crate::runtime::protocol::ClusterStatus;
 use crate::runtime::restart::RestartPolicy;
+use crate::telemetry::TelemetryConfig;
 
 /// The certificate the local cluster's clients present.
 const CLIENT_NAME: &str = "client";
@@ -42,6 +43,8 @@ pub struct LocalClusterOptions {
     pub log_dir: Option<PathBuf>,
     /// How each daemon restarts a failing worker before it escalates (stops).
     pub restart: RestartPolicy,
+    /// Every daemon's `[telemetry]` (e.g. `metrics_listen` on port 0, `otlp_endpoint`).
+    pub telemetry: TelemetryConfig,
 }
 
 impl LocalClusterOptions {
@@ -56,6 +59,7 @@ impl LocalClusterOptions {
             log_dir: None,
             hosts: Vec::new(),
             restart: RestartPolicy::default(),
+            telemetry: TelemetryConfig::default(),
         }
     }
 }
@@ -253,6 +257,7 @@ impl LocalCluster {
             membership: options.membership.clone(),
             restart: options.restart,
             transport: TransportConfig::loopback(),
+            telemetry: options.telemetry.clone(),
         }
     }
 

@@ -8,6 +8,7 @@ use serde_json::json;
 use troupe_cluster::NodeIdentity;
 use troupe_model::config::JobConfig;
 
+use super::table::Table;
 use crate::api::{Client, ClusterStatus, Job, JobInfo};
 use crate::daemon::NodeConfig;
 
@@ -86,35 +87,49 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
 }
 
 fn print_status(s: &ClusterStatus) {
-    let role = if s.leader { "controller" } else { "member" };
-    println!("node {} ({role}); epoch {}; {} member(s)", s.node, s.epoch, s.members.len());
+    let role = if s.leader { "the controller" } else { "a member" };
+    println!("cluster at epoch {}: {} member(s); answered by {} ({role})", s.epoch, s.members.len(), s.node);
+    println!();
+    let mut members = Table::new(&["NODE", "ADDRESS", "SLOTS", "ROLE"]);
+    let controller = s.leader_addr;
     for m in &s.members {
-        println!("  {:<20} {:<22} {} slot(s)", m.name, m.addr.to_string(), m.slots);
+        let role = if Some(m.addr) == controller { "controller" } else { "member" };
+        members.row(vec![m.name.clone(), m.addr.to_string(), m.slots.to_string(), role.into()]);
     }
-    if !s.joining.is_empty() {
-        println!("joining: {}", s.joining.join(", "));
+    for name in &s.joining {
+        members.row(vec![name.clone(), "-".into(), "-".into(), "joining".into()]);
     }
-    for j in &s.jobs {
-        print_job(j);
+    print!("{}", members.render());
+    if !s.jobs.is_empty() {
+        println!();
+        print_jobs(&s.jobs);
+    } else if !s.leader {
+        println!("\n(jobs are listed by the controller{})", controller.map(|a| format!(" at {a}")).unwrap_or_default());
     }
     if s.refused_stale > 0 {
-        println!("refused stale-epoch messages: {}", s.refused_stale);
+        println!("\nrefused stale-epoch messages: {}", s.refused_stale);
     }
 }
 
-fn print_job(j: &JobInfo) {
-    let loss = j.last_loss.map_or("-".into(), |l| format!("{l:.4}"));
-    println!(
-        "job {} {:?}: {:?}, step {}/{}, world {}, epoch {}, loss {loss}{}",
-        j.id,
-        j.name,
-        j.state,
-        j.step,
-        j.total_steps,
-        j.world,
-        j.epoch,
-        j.reason.as_ref().map(|r| format!(" ({r})")).unwrap_or_default()
-    );
+fn print_jobs(jobs: &[JobInfo]) {
+    let mut table = Table::new(&["JOB", "NAME", "STATE", "STEP", "WORLD", "EPOCH", "ATTEMPTS", "LOSS"]);
+    for j in jobs {
+        let state = serde_json::to_value(j.state).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
+        table.row(vec![
+            j.id.to_string(),
+            j.name.clone(),
+            state,
+            format!("{}/{}", j.step, j.total_steps),
+            j.world.to_string(),
+            j.epoch.to_string(),
+            j.attempts.to_string(),
+            j.last_loss.map_or("-".into(), |l| format!("{l:.4}")),
+        ]);
+    }
+    print!("{}", table.render());
+    for j in jobs.iter().filter(|j| j.reason.is_some()) {
+        println!("job {}: {}", j.id, j.reason.as_deref().unwrap_or_default());
+    }
 }
 
 #[derive(Debug, clap::Subcommand)]
@@ -174,7 +189,7 @@ pub fn job(command: JobCommand) -> anyhow::Result<()> {
                 if cluster.json {
                     println!("{}", serde_json::to_string(&info)?);
                 } else {
-                    print_job(&info);
+                    print_jobs(std::slice::from_ref(&info));
                 }
                 Ok(())
             }

@@ -8,6 +8,9 @@ mod chaos;
 mod client;
 mod cluster;
 mod daemon;
+mod plot;
+mod table;
+mod trace;
 mod train;
 mod train_cluster;
 
@@ -41,6 +44,10 @@ enum Command {
     /// Submit, inspect and cancel jobs on a running cluster.
     #[command(subcommand)]
     Job(client::JobCommand),
+    /// Draw a run's step phases (or any Chrome trace-event file) as an SVG timeline per rank or stage.
+    Trace(trace::TraceArgs),
+    /// Plot a run's loss and throughput against step as SVG.
+    Plot(plot::PlotArgs),
     /// Crash, pause and restart a running job's nodes and check that nothing was lost (`troupe chaos list`).
     Chaos(chaos::ChaosArgs),
 }
@@ -75,6 +82,8 @@ pub fn main() -> ExitCode {
         Command::Daemon(args) => daemon::run(args),
         Command::Status(args) => client::status(args),
         Command::Job(command) => client::job(command),
+        Command::Trace(args) => trace::run(args),
+        Command::Plot(args) => plot::run(args),
         Command::Chaos(args) => chaos::run(args),
     };
     match result {

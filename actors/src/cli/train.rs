@@ -11,6 +11,7 @@ use troupe_model::trainer::configure_torch_threads;
 use troupe_model::Trainer;
 
 use crate::progress::{Reporter, StepEvent};
+use crate::telemetry::{PhaseRecorder, RunDir};
 
 #[derive(Debug, clap::Args)]
 pub struct TrainArgs {
@@ -72,6 +73,10 @@ pub struct TrainArgs {
     /// Continue from a checkpoint directory, or the newest valid one under a checkpoint root.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    /// Record the run here: every event (events.jsonl) and each rank's step phases as a Perfetto trace
+    /// (trace.json); `troupe trace DIR` and `troupe plot DIR` draw them. Default: not recorded.
+    #[arg(long, value_name = "DIR")]
+    pub run_dir: Option<PathBuf>,
     /// Print a plain progress line every N steps (default: about 20 lines per run).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub log_every: u64,
@@ -134,7 +139,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     if trainer.step >= total {
         bail!("--resume: the checkpoint has {} steps committed, not fewer than train.steps = {total}; raise --steps to train further", trainer.step);
     }
-    let reporter = Reporter::new(args.json, trainer.step, total, args.log_every);
+    let run_dir = args.run_dir.as_deref().map(RunDir::create).transpose()?;
+    let mut phases = PhaseRecorder::new(run_dir.is_some());
+    let reporter = Reporter::new(args.json, trainer.step, total, args.log_every).with_run_dir(run_dir);
     let (params, corpus) = (trainer.model.param_count(), trainer.sampler.corpus().origin.clone());
     let batch = config.train.global_batch;
     reporter.event(
@@ -153,7 +160,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let (mut first_loss, mut last_losses, mut tokens) = (None, Vec::new(), 0u64);
     while trainer.step < total {
         let t0 = Instant::now();
-        let report = trainer.train_step();
+        let loss = trainer.accumulate_gradients(trainer.step);
+        let computed = Instant::now();
+        let report = trainer.apply_update(loss);
+        phases.span("forward+backward", "compute", t0, computed);
+        phases.span("optimizer", "optimizer", computed, Instant::now());
         let seconds = t0.elapsed().as_secs_f64();
         tokens += report.tokens;
         first_loss.get_or_insert(report.loss);
@@ -173,7 +184,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         let every = config.checkpoint.every_steps;
         let due = trainer.step == total || (every > 0 && trainer.step % every == 0);
         if let (Some(dir), true) = (&config.checkpoint.dir, due) {
+            let saving = Instant::now();
             save_checkpoint(&trainer, dir, config.checkpoint.keep_last, &reporter)?;
+            phases.span("checkpoint", "checkpoint", saving, Instant::now());
+        }
+        if let Some(spans) = phases.take() {
+            let fields = json!({ "rank": 0, "node": "local", "attempt": 1, "step": trainer.step, "spans": spans });
+            reporter.record_only("phases", fields);
         }
     }
     if let Some(path) = &args.save_final {

@@ -12,6 +12,7 @@ use troupe_model::config::JobConfig;
 use super::train::TrainArgs;
 use crate::api::{Client, DataPlane, Job, JobEvent, JobHandle, LocalCluster, LocalClusterOptions};
 use crate::progress::{Reporter, StepEvent};
+use crate::telemetry::RunDir;
 
 /// How long an interrupted run waits for the controller to confirm the cancellation, and for the
 /// client connection to close, before it tears the local cluster down regardless.
@@ -33,6 +34,7 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
         config.checkpoint.dir = Some(absolute);
     }
     let nodes = config.parallel.nodes;
+    let run_dir = args.run_dir.as_deref().map(RunDir::create).transpose()?;
     let (cluster, client) = match &args.cluster {
         Some(addr) => {
             let addr = addr.parse().with_context(|| format!("--cluster {addr}: not an address like 10.0.0.5:7400"))?;
@@ -64,7 +66,7 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
     let dp = config.parallel.dp;
     let total = config.train.steps;
     let plane = if args.data_plane == "quic" { DataPlane::Quic } else { DataPlane::Auto };
-    let mut job = Job::new(config).name("train").elastic(1, dp).data_plane(plane);
+    let mut job = Job::new(config).name("train").elastic(1, dp).data_plane(plane).trace(run_dir.is_some());
     if let Some(path) = &args.save_final {
         let path = std::path::absolute(path).with_context(|| format!("--save-final {}", path.display()))?;
         job = job.save_final(path);
@@ -74,7 +76,7 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
     let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut handle = client.submit(job).await?;
-    let reporter = Reporter::new(args.json, 0, total, args.log_every);
+    let reporter = Reporter::new(args.json, 0, total, args.log_every).with_run_dir(run_dir);
     let started = Instant::now();
     let (mut first_loss, mut last, mut tokens_per_s, mut world) = (None, Vec::new(), Vec::new(), 0);
     let outcome = loop {
@@ -134,6 +136,10 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
                 json!({ "path": path }),
                 &format!("saved final parameters to {}", path.display()),
             ),
+            JobEvent::Phases { rank, node, attempt, step, spans } => reporter.record_only(
+                "phases",
+                json!({ "rank": rank, "node": node, "attempt": attempt, "step": step, "spans": spans }),
+            ),
             JobEvent::Finished { steps, .. } => break Ok(steps),
             JobEvent::Failed { reason } => break Err(anyhow::anyhow!("the job failed: {reason}")),
             JobEvent::Cancelled => break Err(anyhow::anyhow!("the job was cancelled")),
@@ -167,7 +173,9 @@ async fn interrupted(handle: &mut JobHandle, reporter: &Reporter) -> anyhow::Err
     match tokio::time::timeout(GOODBYE, handle.cancel()).await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => reporter.say(&format!("troupe: cancelling job {} failed: {e:#}", handle.id())),
-        Err(_) => reporter.say(&format!("troupe: no answer to the cancellation of job {} within {GOODBYE:?}", handle.id())),
+        Err(_) => {
+            reporter.say(&format!("troupe: no answer to the cancellation of job {} within {GOODBYE:?}", handle.id()))
+        }
     }
     anyhow::anyhow!("interrupted")
 }

@@ -10,6 +10,7 @@ use troupe_cluster::membership::MembershipConfig;
 use troupe_cluster::TransportConfig;
 
 use crate::runtime::restart::RestartPolicy;
+use crate::telemetry::TelemetryConfig;
 
 /// Most device slots one node may offer.
 pub const SLOTS_MAX: u32 = 64;
@@ -40,6 +41,9 @@ pub struct NodeConfig {
     pub restart: RestartPolicy,
     #[serde(default = "TransportConfig::loopback")]
     pub transport: TransportConfig,
+    /// `/metrics` and `/status` over HTTP, the MFU peak, OTLP export (all off when absent).
+    #[serde(default)]
+    pub telemetry: TelemetryConfig,
 }
 
 fn one() -> u32 {
@@ -80,6 +84,7 @@ impl NodeConfig {
             return Err(bad("join", "is this node's own `listen` address; leave `join` out on the controller".into()));
         }
         self.membership.validate().map_err(|m| bad("membership", m))?;
+        self.telemetry.validate().map_err(|(key, m)| bad(key, m))?;
         let ca = self.certs.join("ca.pem");
         if !ca.exists() {
             return Err(bad(

@@ -21,6 +21,7 @@ pub use config::{NodeConfig, NodeConfigError, SLOTS_MAX};
 use crate::runtime::node::{actor_scope, NodeActor, NodeArgs, NodeMsg};
 use crate::runtime::protocol::ClusterStatus;
 use crate::runtime::worker::WorkerMsg;
+use crate::telemetry::{endpoint, http, otel, NodeMetrics};
 
 /// How long a drain may take before the daemon exits anyway.
 const DRAIN_TIMEOUT_MS: u64 = 5_000;
@@ -32,6 +33,8 @@ pub struct Daemon {
     addr: SocketAddr,
     name: String,
     stop_reason: Arc<std::sync::Mutex<Option<String>>>,
+    /// The `/metrics` and `/status` endpoint, when `telemetry.metrics_listen` is set.
+    http: Option<(SocketAddr, tokio::task::JoinHandle<()>)>,
 }
 
 impl Daemon {
@@ -49,14 +52,33 @@ impl Daemon {
         let (endpoint, events) = ControlEndpoint::bind(&identity, config.listen, PeerRole::Node, &config.transport)
             .map_err(|e| address_error(&config.listen, e))?;
         let addr = endpoint.local_addr();
+        let listener = match config.telemetry.metrics_listen {
+            Some(at) => Some(http::bind(at).map_err(|e| {
+                anyhow::anyhow!(
+                    "telemetry.metrics_listen = {at}: {e}; pick a free port in node.toml (or leave the key out)"
+                )
+            })?),
+            None => None,
+        };
         let name = config.name.clone();
         let stop_reason = Arc::new(std::sync::Mutex::new(None));
-        let args =
-            NodeArgs { config, identity: Arc::new(identity), endpoint, events, stop_reason: stop_reason.clone() };
+        let metrics = Arc::new(NodeMetrics::new(config.telemetry.peak_tflops_per_slot));
+        let args = NodeArgs {
+            config,
+            identity: Arc::new(identity),
+            endpoint,
+            events,
+            stop_reason: stop_reason.clone(),
+            metrics: metrics.clone(),
+        };
         let (node, handle) = Actor::spawn(Some(format!("{}/node", actor_scope(&name, addr))), NodeActor, args)
             .await
             .map_err(|e| anyhow::anyhow!("starting node {name}: {e}"))?;
-        Ok(Daemon { node, handle, addr, name, stop_reason })
+        let http = match listener {
+            Some(l) => Some((l.local_addr()?, endpoint::spawn(l, node.clone(), metrics))),
+            None => None,
+        };
+        Ok(Daemon { node, handle, addr, name, stop_reason, http })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -65,6 +87,17 @@ impl Daemon {
 
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Where `/metrics` and `/status` are served (None without `telemetry.metrics_listen`).
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.http.as_ref().map(|(a, _)| *a)
+    }
+
+    fn stop_http(&mut self) {
+        if let Some((_, task)) = self.http.take() {
+            task.abort();
+        }
     }
 
     pub async fn status(&self) -> anyhow::Result<ClusterStatus> {
@@ -77,7 +110,8 @@ impl Daemon {
     }
 
     /// Leaves the cluster cleanly and stops.
-    pub async fn drain(self) -> anyhow::Result<()> {
+    pub async fn drain(mut self) -> anyhow::Result<()> {
+        self.stop_http();
         let drained = ractor::call!(self.node, NodeMsg::Drain);
         let _ = tokio::time::timeout(Duration::from_millis(DRAIN_TIMEOUT_MS), self.handle).await;
         drained.map_err(|e| anyhow::anyhow!("draining node {}: {e}", self.name))
@@ -86,6 +120,7 @@ impl Daemon {
     /// Waits until the node stops; an error if it stopped because a child kept failing (escalation).
     pub async fn wait(mut self) -> anyhow::Result<()> {
         let _ = (&mut self.handle).await;
+        self.stop_http();
         self.stop_error()
     }
 
@@ -120,6 +155,14 @@ fn address_error(addr: &SocketAddr, e: troupe_cluster::ClusterError) -> anyhow::
 pub fn run(config_path: &Path, exit_with_parent: bool) -> anyhow::Result<()> {
     init_logging();
     let config = NodeConfig::load(config_path)?;
+    // Flushes the last spans when the daemon exits (dropped after the runtime below).
+    let _otlp = match config.telemetry.otlp_endpoint() {
+        Some(endpoint) => Some(
+            otel::install(&endpoint, &config.name)
+                .with_context(|| format!("telemetry.otlp_endpoint (or OTEL_EXPORTER_OTLP_ENDPOINT) = {endpoint}"))?,
+        ),
+        None => None,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(3)
         .enable_all()
@@ -128,6 +171,9 @@ pub fn run(config_path: &Path, exit_with_parent: bool) -> anyhow::Result<()> {
     runtime.block_on(async move {
         let daemon = Daemon::start(config).await?;
         println!("troupe daemon {} listening on {}", daemon.name(), daemon.addr());
+        if let Some(at) = daemon.metrics_addr() {
+            println!("troupe daemon {} metrics on http://{at}/metrics", daemon.name());
+        }
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
             .context("installing the SIGTERM handler")?;
         tokio::select! {

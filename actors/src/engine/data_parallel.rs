@@ -62,6 +62,8 @@ pub struct ReducedStep {
     pub loss: f64,
     /// The global L2 norm of the batch's gradient (before clipping).
     pub grad_norm: f64,
+    /// Seconds of this rank's forward and backward; the rest of `reduce_gradients` was all-reduce.
+    pub compute_seconds: f64,
 }
 
 impl<T: Transport> DataParallelReplica<T> {
@@ -145,14 +147,16 @@ impl<T: Transport> DataParallelReplica<T> {
     pub async fn reduce_gradients(&mut self) -> Result<ReducedStep, ClusterError> {
         let step = self.trainer.step;
         let slice = rank_slice(self.trainer.config.train.global_batch, self.rank(), self.world());
+        let started = std::time::Instant::now();
         let local_loss = self.trainer.accumulate_slice(step, slice);
+        let compute_seconds = started.elapsed().as_secs_f64();
         self.grad_sum_sq = 0.0;
         for b in 0..self.buckets.len() {
             self.all_reduce_bucket(self.buckets[b].clone()).await?;
         }
         let mut loss = [local_loss as f32];
         self.comm.all_reduce(&mut loss[..], ReduceOp::Sum).await?;
-        Ok(ReducedStep { loss: f64::from(loss[0]), grad_norm: self.grad_sum_sq.sqrt() })
+        Ok(ReducedStep { loss: f64::from(loss[0]), grad_norm: self.grad_sum_sq.sqrt(), compute_seconds })
     }
 
     /// The second half, once the step is committed: the identical update on every rank.

@@ -7,14 +7,51 @@ use troupe_cluster::membership::{NodeId, View};
 
 use super::job::{DriverAction, JobDriver};
 use super::node::NodeMsg;
-use super::protocol::{AttemptOutcome, JobId, JobSpec, MemberInfo};
+use super::protocol::{AttemptOutcome, JobEvent, JobId, JobSpec, MemberInfo};
+use crate::telemetry::PhaseSpan;
 
 pub enum JobMsg {
-    View { view: View, members: Vec<MemberInfo>, changes: Vec<String> },
-    Ready { node: NodeId, attempt: u64, slot: u32, addr: std::net::SocketAddr, committed: Option<u64> },
-    Vote { node: NodeId, attempt: u64, slot: u32, step: u64, loss: f64, grad_norm: f64, seconds: f64 },
-    Ended { node: NodeId, attempt: u64, slot: u32, outcome: AttemptOutcome },
-    Checkpointed { attempt: u64, step: u64, path: std::path::PathBuf, seconds: f64 },
+    View {
+        view: View,
+        members: Vec<MemberInfo>,
+        changes: Vec<String>,
+    },
+    Ready {
+        node: NodeId,
+        attempt: u64,
+        slot: u32,
+        addr: std::net::SocketAddr,
+        committed: Option<u64>,
+    },
+    Vote {
+        node: NodeId,
+        attempt: u64,
+        slot: u32,
+        step: u64,
+        loss: f64,
+        grad_norm: f64,
+        seconds: f64,
+    },
+    Ended {
+        node: NodeId,
+        attempt: u64,
+        slot: u32,
+        outcome: AttemptOutcome,
+    },
+    Checkpointed {
+        attempt: u64,
+        step: u64,
+        path: std::path::PathBuf,
+        seconds: f64,
+    },
+    /// A rank's step phases: passed straight to the job's watchers.
+    Phases {
+        node: NodeId,
+        attempt: u64,
+        rank: usize,
+        step: u64,
+        spans: Vec<PhaseSpan>,
+    },
     Cancel,
 }
 
@@ -85,6 +122,11 @@ impl Actor for JobController {
             JobMsg::Ended { node, attempt, slot, outcome } => d.on_ended(&node, attempt, slot, outcome),
             JobMsg::Checkpointed { attempt, step, path, seconds } => d.on_checkpoint(attempt, step, path, seconds),
             JobMsg::Cancel => d.cancel(),
+            JobMsg::Phases { node, attempt, rank, step, spans } => {
+                let event = JobEvent::Phases { rank, node: node.0, attempt, step, spans };
+                let _ = state.node.cast(NodeMsg::JobEvent { job: state.id, event, info: d.info() });
+                return Ok(());
+            }
         }
         state.flush();
         Ok(())

@@ -379,6 +379,7 @@ mod tests {
             max_ranks: 0,
             save_final: None,
             data_plane: Default::default(),
+            trace: false,
         }
     }
 

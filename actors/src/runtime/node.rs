@@ -23,6 +23,7 @@ use super::protocol::{AttemptOutcome, ClusterStatus, JobEvent, JobId, JobInfo, J
 use super::restart::{Decision, RestartTracker};
 use super::worker::{WorkerActor, WorkerArgs, WorkerMsg};
 use crate::daemon::NodeConfig;
+use crate::telemetry::NodeMetrics;
 
 /// How often the node drives its timers (heartbeats, failure detection, reconnection).
 const TICK_MS: u64 = 50;
@@ -62,6 +63,8 @@ pub struct NodeArgs {
     pub events: tokio::sync::mpsc::UnboundedReceiver<ControlEvent>,
     /// Set to the reason when the node stops because a child kept failing (escalation).
     pub stop_reason: Arc<std::sync::Mutex<Option<String>>>,
+    /// What `/metrics` reports; updated as events pass.
+    pub metrics: Arc<NodeMetrics>,
 }
 
 struct WorkerSlot {
@@ -102,6 +105,7 @@ pub struct NodeState {
     changes: VecDeque<String>,
     draining: bool,
     stop_reason: Arc<std::sync::Mutex<Option<String>>>,
+    metrics: Arc<NodeMetrics>,
 }
 
 pub struct NodeActor;
@@ -197,6 +201,7 @@ impl NodeState {
             identity: self.identity.clone(),
             host: self.config.listen.ip(),
             transport: self.config.transport.clone(),
+            metrics: self.metrics.clone(),
         };
         let (actor, _) =
             Actor::spawn_linked(Some(format!("{}/worker/{slot}", self.scope())), WorkerActor, args, me.get_cell())
@@ -254,6 +259,7 @@ impl NodeState {
         for action in actions {
             match action {
                 MembershipAction::ViewChanged { view, changes } => {
+                    self.metrics.on_view_change(&changes);
                     let changes: Vec<String> = changes.iter().map(|c| format!("{c:?}")).collect();
                     for c in &changes {
                         self.record_change(format!("epoch {}: {c}", view.epoch));
@@ -342,6 +348,9 @@ impl NodeState {
             Wire::Checkpointed { job, attempt, step, path, seconds } => {
                 (job, JobMsg::Checkpointed { attempt, step, path, seconds })
             }
+            Wire::Phases { job, attempt, rank, step, spans, .. } => {
+                (job, JobMsg::Phases { node: from.clone(), attempt, rank, step, spans })
+            }
             other => return tracing::warn!(%from, "unexpected message for the controller: {other:?}"),
         };
         if let Err(current) = self.admit_job_message(&from, epoch) {
@@ -366,6 +375,7 @@ impl NodeState {
         let view = leader.membership.view().clone();
         let members = view.members().iter().filter_map(|m| leader.members.get(m).cloned()).collect();
         let info = super::job::JobDriver::new(id, spec.clone()).info();
+        self.metrics.on_submit(id, &spec);
         let args = JobArgs { id, spec, node: me.clone(), view, members };
         let name = format!("{}/job/{id}", self.scope());
         match Actor::spawn_linked(Some(name), JobController, args, me.get_cell()).await {
@@ -555,6 +565,7 @@ impl NodeState {
     ) -> Result<(), ActorProcessingErr> {
         let now = self.now();
         let decision = self.workers[slot].restarts.on_failure(now);
+        self.metrics.on_worker_failure();
         let attempts = std::mem::take(&mut self.workers[slot].attempts);
         for (job, attempt) in attempts {
             let outcome =
@@ -586,7 +597,7 @@ impl Actor for NodeActor {
     type Arguments = NodeArgs;
 
     async fn pre_start(&self, me: ActorRef<NodeMsg>, args: NodeArgs) -> Result<NodeState, ActorProcessingErr> {
-        let NodeArgs { config, identity, endpoint, mut events, stop_reason } = args;
+        let NodeArgs { config, identity, endpoint, mut events, stop_reason, metrics } = args;
         let id = NodeId(config.name.clone());
         let started = Instant::now();
         let (member, leader) = if config.join.is_none() {
@@ -627,6 +638,7 @@ impl Actor for NodeActor {
             changes: VecDeque::new(),
             draining: false,
             stop_reason,
+            metrics,
         };
         for slot in 0..state.config.slots {
             let actor = state.spawn_worker(&me, slot).await?;
@@ -659,6 +671,7 @@ impl Actor for NodeActor {
                     }
                     None => return Ok(()),
                 };
+                state.metrics.on_job_event(job, &event, Instant::now());
                 if let JobEvent::Membership { changes, .. } = &event {
                     tracing::info!(node = %state.id, job, ?changes, "job re-planned after a membership change");
                 }

@@ -11,6 +11,8 @@ use troupe_cluster::membership::{Epoch, NodeId, View};
 use troupe_cluster::transport::quic::PeerInfo;
 use troupe_model::config::JobConfig;
 
+use crate::telemetry::PhaseSpan;
+
 pub type JobId = u64;
 
 /// A job as submitted: the training config plus how it runs on the cluster.
@@ -29,6 +31,9 @@ pub struct JobSpec {
     /// How ranks exchange gradients.
     #[serde(default)]
     pub data_plane: DataPlane,
+    /// Every rank reports where the time of each step went (`JobEvent::Phases`): for `--run-dir`.
+    #[serde(default)]
+    pub trace: bool,
 }
 
 /// The transport of an attempt's collectives.
@@ -138,6 +143,14 @@ pub enum JobEvent {
         reason: String,
     },
     Cancelled,
+    /// Where rank `rank`'s time went up to and including `step` (only for jobs with `trace`).
+    Phases {
+        rank: usize,
+        node: String,
+        attempt: u64,
+        step: u64,
+        spans: Vec<PhaseSpan>,
+    },
 }
 
 impl JobEvent {
@@ -228,6 +241,15 @@ pub enum Wire {
         step: u64,
         path: PathBuf,
         seconds: f64,
+    },
+    /// Where a rank's time went in `step` (jobs with `trace` only).
+    Phases {
+        job: JobId,
+        attempt: u64,
+        slot: u32,
+        rank: usize,
+        step: u64,
+        spans: Vec<PhaseSpan>,
     },
 
     // controller → node
@@ -320,6 +342,7 @@ impl Wire {
                 | Wire::Vote { .. }
                 | Wire::Ended { .. }
                 | Wire::Checkpointed { .. }
+                | Wire::Phases { .. }
         )
     }
 

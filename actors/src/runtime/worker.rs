@@ -23,6 +23,8 @@ use troupe_model::{checkpoint, Trainer};
 use super::node::NodeMsg;
 use super::protocol::{AttemptOutcome, DataPlane, JobId, JobSpec, Wire};
 use crate::engine::{DataParallelReplica, DEFAULT_BUCKET_BYTES};
+use crate::telemetry::link_bytes::Counted;
+use crate::telemetry::{otel, NodeMetrics, PhaseRecorder};
 
 pub enum WorkerMsg {
     Prepare {
@@ -70,6 +72,8 @@ pub struct WorkerArgs {
     pub identity: Arc<NodeIdentity>,
     pub host: IpAddr,
     pub transport: TransportConfig,
+    /// Where the data plane's bytes per peer are counted.
+    pub metrics: Arc<NodeMetrics>,
 }
 
 enum Ctl {
@@ -214,12 +218,15 @@ impl WorkerState {
         let (tx, rx) = mpsc::unbounded_channel();
         slot.running = Some((attempt, tx));
         let ctx = AttemptCtx {
+            started: Instant::now(),
+            epoch: prepared.epoch,
             job,
             attempt,
             slot: self.args.slot,
             node: self.args.node.clone(),
             identity: self.args.identity.clone(),
             transport: self.args.transport.clone(),
+            metrics: self.args.metrics.clone(),
             roster,
             source,
         };
@@ -282,12 +289,16 @@ pub(crate) fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
 }
 
 struct AttemptCtx {
+    /// When the worker was told to start (set-up and state copy count from here).
+    started: Instant,
+    epoch: u64,
     job: JobId,
     attempt: u64,
     slot: u32,
     node: ActorRef<NodeMsg>,
     identity: Arc<NodeIdentity>,
     transport: TransportConfig,
+    metrics: Arc<NodeMetrics>,
     roster: Vec<PeerInfo>,
     source: Option<usize>,
 }
@@ -344,7 +355,9 @@ async fn train_over<T: Transport>(
     trainer: Box<Trainer>,
     ctl: &mut mpsc::UnboundedReceiver<Ctl>,
 ) -> (Option<Box<Trainer>>, AttemptOutcome) {
-    let comm = Communicator::new(transport.clone(), 0, epoch, CollectiveConfig::from(&ctx.transport));
+    let peers: Vec<String> = ctx.roster.iter().map(|p| p.name.clone()).collect();
+    let counted = Arc::new(Counted::new(transport.clone(), &peers, &ctx.metrics.links));
+    let comm = Communicator::new(counted, 0, epoch, CollectiveConfig::from(&ctx.transport));
     let mut replica = DataParallelReplica::without_sync(*trainer, comm, DEFAULT_BUCKET_BYTES);
     let outcome = drive(ctx, spec, &mut replica, ctl).await;
     if matches!(outcome, AttemptOutcome::Completed { .. }) {
@@ -397,6 +410,18 @@ fn save_checkpoint(ctx: &AttemptCtx, trainer: &Trainer, dir: &std::path::Path, k
     }
 }
 
+/// Exports the spans recorded since the last report over OTLP (when installed) and sends them to the
+/// job's watchers (when the job traces).
+fn report_phases(ctx: &AttemptCtx, spec: &JobSpec, rank: usize, step: u64, phases: &mut PhaseRecorder) {
+    let Some(spans) = phases.take() else { return };
+    let (job, attempt, slot) = (ctx.job, ctx.attempt, ctx.slot);
+    let attrs = otel::RankAttrs { job, attempt, rank, epoch: ctx.epoch, node: &ctx.identity.name };
+    otel::export_step(&attrs, step, &spans);
+    if spec.trace {
+        let _ = ctx.node.cast(NodeMsg::FromWorker(Wire::Phases { job, attempt, slot, rank, step, spans }));
+    }
+}
+
 async fn drive<T: Transport>(
     ctx: &AttemptCtx,
     spec: &JobSpec,
@@ -405,6 +430,7 @@ async fn drive<T: Transport>(
 ) -> AttemptOutcome {
     let failed = |step, reason: String| AttemptOutcome::Failed { step, reason };
     let step = replica.trainer().step;
+    let mut phases = PhaseRecorder::new(spec.trace || otel::enabled());
     if let Some(source) = ctx.source {
         tokio::select! {
             r = replica.sync_state_from(source) => if let Err(e) = r {
@@ -413,6 +439,8 @@ async fn drive<T: Transport>(
             _ = wait_abort(ctl) => return AttemptOutcome::Aborted { step },
         }
     }
+    let setup = if ctx.attempt > 1 { ("recovery", "recovery") } else { ("setup", "idle") };
+    phases.span(setup.0, setup.1, ctx.started, Instant::now());
     let total = spec.config.train.steps;
     while replica.trainer().step < total {
         let step = replica.trainer().step;
@@ -420,11 +448,22 @@ async fn drive<T: Transport>(
         let reduced = tokio::select! {
             r = replica.reduce_gradients() => match r {
                 Ok(reduced) => reduced,
-                Err(e) => return failed(step, e.to_string()),
+                Err(e) => {
+                    phases.span("failed step", "comm", t0, Instant::now());
+                    report_phases(ctx, spec, replica.rank(), step + 1, &mut phases);
+                    return failed(step, e.to_string());
+                }
             },
-            _ = wait_abort(ctl) => return AttemptOutcome::Aborted { step },
+            _ = wait_abort(ctl) => {
+                phases.span("aborted step", "comm", t0, Instant::now());
+                report_phases(ctx, spec, replica.rank(), step + 1, &mut phases);
+                return AttemptOutcome::Aborted { step };
+            }
         };
-        let seconds = t0.elapsed().as_secs_f64();
+        let (voted, seconds) = (Instant::now(), t0.elapsed().as_secs_f64());
+        let computed = t0 + std::time::Duration::from_secs_f64(reduced.compute_seconds);
+        phases.span("forward+backward", "compute", t0, computed);
+        phases.span("all-reduce", "comm", computed, voted);
         let (loss, grad_norm) = (reduced.loss, reduced.grad_norm);
         let vote = Wire::Vote { job: ctx.job, attempt: ctx.attempt, slot: ctx.slot, step, loss, grad_norm, seconds };
         let _ = ctx.node.cast(NodeMsg::FromWorker(vote));
@@ -432,16 +471,26 @@ async fn drive<T: Transport>(
             match ctl.recv().await {
                 Some(Ctl::Commit(s)) if s == step => break,
                 Some(Ctl::Commit(_)) => continue,
-                Some(Ctl::Abort) | None => return AttemptOutcome::Aborted { step },
+                Some(Ctl::Abort) | None => {
+                    phases.span("commit wait (aborted)", "idle", voted, Instant::now());
+                    report_phases(ctx, spec, replica.rank(), step + 1, &mut phases);
+                    return AttemptOutcome::Aborted { step };
+                }
             }
         }
+        let committed = Instant::now();
+        phases.span("commit wait", "idle", voted, committed);
         replica.apply_update(reduced);
+        phases.span("optimizer", "optimizer", committed, Instant::now());
         let every = spec.config.checkpoint.every_steps;
         let step = replica.trainer().step;
         let due = step == total || (every > 0 && step.is_multiple_of(every));
         if let (0, Some(dir), true) = (replica.rank(), &spec.config.checkpoint.dir, due) {
+            let saving = Instant::now();
             save_checkpoint(ctx, replica.trainer(), dir, spec.config.checkpoint.keep_last);
+            phases.span("checkpoint", "checkpoint", saving, Instant::now());
         }
+        report_phases(ctx, spec, replica.rank(), step, &mut phases);
     }
     let step = replica.trainer().step;
     let mut saved = None;

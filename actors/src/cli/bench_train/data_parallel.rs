@@ -160,7 +160,10 @@ async fn run_job(cluster: &LocalCluster, world: usize, steps: u64, threads: usiz
             JobEvent::Recovered { step, .. } => {
                 break Err(anyhow::anyhow!("the job recovered after step {step}: a rank failed during the benchmark"));
             }
-            JobEvent::Started { .. } | JobEvent::Saved { .. } | JobEvent::Checkpoint { .. } => {}
+            JobEvent::Started { .. }
+            | JobEvent::Saved { .. }
+            | JobEvent::Checkpoint { .. }
+            | JobEvent::Phases { .. } => {}
             JobEvent::RolledBack { .. } => break Err(anyhow::anyhow!("the job rolled back during the benchmark")),
             JobEvent::Finished { .. } => break Ok(()),
             JobEvent::Failed { reason } => break Err(anyhow::anyhow!("the job failed: {reason}")),

@@ -1,0 +1,455 @@
+//! What a daemon counts for `/metrics`. The node actor updates a [`NodeMetrics`] as job events, view
+//! changes and worker failures pass through it; the HTTP endpoint renders it together with the node's
+//! [`ClusterStatus`] (epoch, members, jobs) at scrape time. Updating is a short lock and a few additions:
+//! cheap enough to do on every event whether or not anyone scrapes. When OTLP export is installed, the
+//! same hooks export the controller's spans: a job's life, each recovery, each failure detection.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime};
+
+use opentelemetry::KeyValue;
+
+use troupe_cluster::membership::Change;
+
+use super::link_bytes::LinkBytes;
+use super::otel;
+use super::prometheus::{Exposition, Histogram, Kind};
+use crate::runtime::protocol::{ClusterStatus, JobEvent, JobId, JobSpec, JobState};
+
+/// Per-job figures the controller daemon sees pass.
+#[derive(Clone, Debug)]
+struct JobMetrics {
+    /// Tokens of one global batch (step time = tokens / tokens_per_s, as the controller measured it).
+    tokens_per_step: f64,
+    /// Training FLOPs per token: 3 × the forward's (backward ≈ 2 × forward).
+    train_flops_per_token: f64,
+    commits: u64,
+    step_seconds: Histogram,
+    tokens_per_s: Option<f64>,
+    world: usize,
+    checkpoint_seconds: Histogram,
+    recovery_seconds: Histogram,
+    recoveries: u64,
+    rollbacks: u64,
+    /// When the running attempt was aborted by a view change, until the next committed step.
+    interrupted_at: Option<Instant>,
+    /// For the OTLP spans: the job's name, when it was submitted, and the wall time and changes of the
+    /// interruption in progress.
+    name: String,
+    submitted: SystemTime,
+    interrupted: Option<(SystemTime, Vec<String>)>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    jobs: BTreeMap<JobId, JobMetrics>,
+    worker_restarts: u64,
+    membership_changes: BTreeMap<&'static str, u64>,
+    detection_seconds: Option<Histogram>,
+}
+
+/// A daemon's counters (shared by the node actor and the HTTP endpoint).
+#[derive(Debug, Default)]
+pub struct NodeMetrics {
+    state: Mutex<State>,
+    /// Peak FLOP/s of one slot (from `telemetry.peak_tflops_per_slot`).
+    peak_flops_per_slot: Option<f64>,
+    /// Data-plane bytes per peer node, counted by this daemon's ranks.
+    pub links: LinkBytes,
+}
+
+impl NodeMetrics {
+    pub fn new(peak_tflops_per_slot: Option<f64>) -> Self {
+        NodeMetrics {
+            state: Mutex::default(),
+            peak_flops_per_slot: peak_tflops_per_slot.map(|t| t * 1e12),
+            links: LinkBytes::default(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A job was submitted to this (controller) daemon.
+    pub fn on_submit(&self, job: JobId, spec: &JobSpec) {
+        let config = &spec.config;
+        let metrics = JobMetrics {
+            tokens_per_step: (config.train.global_batch * config.model.context) as f64,
+            train_flops_per_token: 3.0 * config.model.forward_flops_per_token(),
+            commits: 0,
+            step_seconds: Histogram::seconds(),
+            tokens_per_s: None,
+            world: 0,
+            checkpoint_seconds: Histogram::seconds(),
+            recovery_seconds: Histogram::seconds(),
+            recoveries: 0,
+            rollbacks: 0,
+            interrupted_at: None,
+            name: spec.name.clone(),
+            submitted: SystemTime::now(),
+            interrupted: None,
+        };
+        self.lock().jobs.insert(job, metrics);
+    }
+
+    pub fn on_job_event(&self, job: JobId, event: &JobEvent, now: Instant) {
+        let mut state = self.lock();
+        let Some(m) = state.jobs.get_mut(&job) else { return };
+        match event {
+            JobEvent::Step { tokens_per_s, world, .. } => {
+                m.commits += 1;
+                m.world = *world;
+                m.tokens_per_s = Some(*tokens_per_s);
+                if *tokens_per_s > 0.0 {
+                    m.step_seconds.observe(m.tokens_per_step / tokens_per_s);
+                }
+                if let Some(at) = m.interrupted_at.take() {
+                    m.recovery_seconds.observe(now.duration_since(at).as_secs_f64());
+                }
+                if let Some((from, changes)) = m.interrupted.take() {
+                    let attributes = vec![
+                        KeyValue::new("troupe.job", job as i64),
+                        KeyValue::new("troupe.world", *world as i64),
+                        KeyValue::new("troupe.changes", changes.join("; ")),
+                    ];
+                    otel::export_job_span("recovery", from, SystemTime::now(), attributes);
+                }
+            }
+            JobEvent::Started { world, .. } => m.world = *world,
+            JobEvent::Membership { world, changes, .. } => {
+                m.world = *world;
+                m.interrupted_at.get_or_insert(now);
+                m.interrupted.get_or_insert_with(|| (SystemTime::now(), changes.clone()));
+            }
+            JobEvent::Recovered { world, .. } => {
+                m.world = *world;
+                m.recoveries += 1;
+            }
+            JobEvent::Checkpoint { seconds, .. } => m.checkpoint_seconds.observe(*seconds),
+            JobEvent::RolledBack { .. } => m.rollbacks += 1,
+            JobEvent::Finished { .. } | JobEvent::Failed { .. } | JobEvent::Cancelled => {
+                let outcome = if let JobEvent::Failed { .. } = event {
+                    "failed"
+                } else if let JobEvent::Cancelled = event {
+                    "cancelled"
+                } else {
+                    "finished"
+                };
+                let attributes = vec![
+                    KeyValue::new("troupe.job", job as i64),
+                    KeyValue::new("troupe.job.name", m.name.clone()),
+                    KeyValue::new("troupe.outcome", outcome),
+                    KeyValue::new("troupe.steps_committed", m.commits as i64),
+                ];
+                otel::export_job_span("job", m.submitted, SystemTime::now(), attributes);
+            }
+            _ => {}
+        }
+    }
+
+    /// The controller changed the view. A `Failed` member was silent for `silent_ms` when declared dead:
+    /// that is the failure detection time (a crash to its detection, at most). Losses the transport
+    /// reported (`ConnectionLost`) are counted but not timed.
+    pub fn on_view_change(&self, changes: &[Change]) {
+        let mut state = self.lock();
+        for change in changes {
+            let kind = match change {
+                Change::Joined(_) => "joined",
+                Change::Left(_) => "left",
+                Change::Failed { node, silent_ms } => {
+                    let detection = state.detection_seconds.get_or_insert_with(Histogram::seconds);
+                    detection.observe(*silent_ms as f64 / 1e3);
+                    let end = SystemTime::now();
+                    let attributes = vec![KeyValue::new("troupe.failed_node", node.0.clone())];
+                    let start = end.checked_sub(Duration::from_millis(*silent_ms)).unwrap_or(end);
+                    otel::export_job_span("failure_detection", start, end, attributes);
+                    "failed"
+                }
+                Change::ConnectionLost(_) => "connection_lost",
+                Change::Restarted(_) => "restarted",
+            };
+            *state.membership_changes.entry(kind).or_default() += 1;
+        }
+    }
+
+    pub fn on_worker_failure(&self) {
+        self.lock().worker_restarts += 1;
+    }
+
+    /// The Prometheus exposition of this daemon: its view of the cluster and its counters.
+    pub fn render(&self, status: &ClusterStatus) -> String {
+        let state = self.lock();
+        let mut e = Exposition::default();
+        let role = if status.leader { "controller" } else { "member" };
+        e.single(
+            "troupe_node_info",
+            Kind::Gauge,
+            "This daemon (always 1).",
+            &[("node", &status.node), ("role", role)],
+            1.0,
+        );
+        e.single(
+            "troupe_membership_epoch",
+            Kind::Gauge,
+            "Epoch of the membership view this daemon acts on.",
+            &[],
+            status.epoch as f64,
+        );
+        e.single("troupe_membership_members", Kind::Gauge, "Members in the view.", &[], status.members.len() as f64);
+        e.family("troupe_membership_slots", Kind::Gauge, "Device slots each member offers.");
+        for m in &status.members {
+            e.sample("troupe_membership_slots", &[("member", &m.name)], f64::from(m.slots));
+        }
+        e.single(
+            "troupe_membership_joining",
+            Kind::Gauge,
+            "Nodes waiting for a step boundary to join.",
+            &[],
+            status.joining.len() as f64,
+        );
+        e.single(
+            "troupe_refused_stale_total",
+            Kind::Counter,
+            "Messages refused for a stale epoch (fencing).",
+            &[],
+            status.refused_stale as f64,
+        );
+        e.family("troupe_membership_changes_total", Kind::Counter, "View changes made by this controller, by kind.");
+        for kind in ["joined", "left", "failed", "connection_lost", "restarted"] {
+            let n = state.membership_changes.get(kind).copied().unwrap_or(0);
+            e.sample("troupe_membership_changes_total", &[("kind", kind)], n as f64);
+        }
+        if let Some(h) = &state.detection_seconds {
+            e.family(
+                "troupe_failure_detection_seconds",
+                Kind::Histogram,
+                "Silence of a member when it was declared failed.",
+            )
+            .histogram("troupe_failure_detection_seconds", &[], h);
+        }
+        e.family(
+            "troupe_link_bytes_total",
+            Kind::Counter,
+            "Data-plane payload bytes this daemon's ranks exchanged with each peer node.",
+        );
+        for (peer, sent, received) in self.links.snapshot() {
+            e.sample("troupe_link_bytes_total", &[("peer", &peer), ("direction", "sent")], sent as f64);
+            e.sample("troupe_link_bytes_total", &[("peer", &peer), ("direction", "received")], received as f64);
+        }
+        e.single(
+            "troupe_worker_restarts_total",
+            Kind::Counter,
+            "Worker actors of this daemon that failed and were restarted.",
+            &[],
+            state.worker_restarts as f64,
+        );
+        self.render_jobs(&state, status, &mut e);
+        e.finish()
+    }
+
+    fn render_jobs(&self, state: &State, status: &ClusterStatus, e: &mut Exposition) {
+        if status.jobs.is_empty() {
+            return;
+        }
+        let ids: Vec<String> = status.jobs.iter().map(|j| j.id.to_string()).collect();
+        let labels = |i: usize| [("job", ids[i].as_str()), ("name", status.jobs[i].name.as_str())];
+        let each = |e: &mut Exposition, name: &str, kind: Kind, help: &str, value: &dyn Fn(usize) -> Option<f64>| {
+            e.family(name, kind, help);
+            for i in 0..status.jobs.len() {
+                if let Some(v) = value(i) {
+                    e.sample(name, &labels(i), v);
+                }
+            }
+        };
+        let job = |i: usize| state.jobs.get(&status.jobs[i].id);
+        each(e, "troupe_job_step", Kind::Gauge, "Committed steps of the job (its position in training).", &|i| {
+            Some(status.jobs[i].step as f64)
+        });
+        each(e, "troupe_job_steps_total", Kind::Gauge, "Steps the job trains for.", &|i| {
+            Some(status.jobs[i].total_steps as f64)
+        });
+        each(
+            e,
+            "troupe_job_steps_committed_total",
+            Kind::Counter,
+            "Step commits (a step redone after a rollback counts again).",
+            &|i| job(i).map(|m| m.commits as f64),
+        );
+        each(e, "troupe_job_world", Kind::Gauge, "Ranks of the job's current attempt.", &|i| {
+            Some(status.jobs[i].world as f64)
+        });
+        each(
+            e,
+            "troupe_job_attempts_total",
+            Kind::Counter,
+            "Attempts started (the first, then one per recovery or retry).",
+            &|i| Some(status.jobs[i].attempts as f64),
+        );
+        each(e, "troupe_job_loss", Kind::Gauge, "Loss of the last committed step.", &|i| status.jobs[i].last_loss);
+        each(e, "troupe_job_tokens_per_second", Kind::Gauge, "Tokens per second of the last committed step.", &|i| {
+            job(i).and_then(|m| m.tokens_per_s)
+        });
+        each(
+            e,
+            "troupe_job_model_flops_per_second",
+            Kind::Gauge,
+            "Achieved model FLOP/s: 3 x forward FLOPs per token x tokens/s.",
+            &|i| job(i).and_then(|m| m.tokens_per_s.map(|t| t * m.train_flops_per_token)),
+        );
+        if let Some(peak) = self.peak_flops_per_slot {
+            each(
+                e,
+                "troupe_job_mfu",
+                Kind::Gauge,
+                "Model FLOPs utilisation: achieved FLOP/s over world x peak_tflops_per_slot.",
+                &|i| {
+                    job(i)
+                        .filter(|m| m.world > 0)
+                        .and_then(|m| m.tokens_per_s.map(|t| t * m.train_flops_per_token / (peak * m.world as f64)))
+                },
+            );
+        }
+        each(e, "troupe_job_recoveries_total", Kind::Counter, "Attempts resumed after a membership change.", &|i| {
+            job(i).map(|m| m.recoveries as f64)
+        });
+        each(
+            e,
+            "troupe_job_rollbacks_total",
+            Kind::Counter,
+            "Continuations from a durable checkpoint after the committed state was lost.",
+            &|i| job(i).map(|m| m.rollbacks as f64),
+        );
+        e.family("troupe_job_state", Kind::Gauge, "1 for the job's state.");
+        for (i, j) in status.jobs.iter().enumerate() {
+            let [job, name] = labels(i);
+            e.sample("troupe_job_state", &[job, name, ("state", state_name(j.state))], 1.0);
+        }
+        for (metric, help, pick) in [
+            (
+                "troupe_job_step_seconds",
+                "Wall time between step commits at the controller.",
+                (|m: &JobMetrics| &m.step_seconds) as fn(&JobMetrics) -> &Histogram,
+            ),
+            ("troupe_job_checkpoint_seconds", "Time rank 0 took to write and commit a durable checkpoint.", |m| {
+                &m.checkpoint_seconds
+            }),
+            (
+                "troupe_job_recovery_seconds",
+                "From the view change that aborted an attempt to the next committed step.",
+                |m| &m.recovery_seconds,
+            ),
+        ] {
+            e.family(metric, Kind::Histogram, help);
+            for i in 0..status.jobs.len() {
+                if let Some(m) = job(i) {
+                    e.histogram(metric, &labels(i), pick(m));
+                }
+            }
+        }
+    }
+}
+
+fn state_name(state: JobState) -> &'static str {
+    match state {
+        JobState::Waiting => "waiting",
+        JobState::Running => "running",
+        JobState::Finished => "finished",
+        JobState::Failed => "failed",
+        JobState::Cancelled => "cancelled",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use troupe_cluster::membership::NodeId;
+    use troupe_model::config::JobConfig;
+
+    use super::*;
+    use crate::api::Job;
+    use crate::runtime::protocol::{JobInfo, MemberInfo};
+    use crate::telemetry::prometheus::{parse, Sample};
+
+    fn status(step: u64) -> ClusterStatus {
+        let member = |name: &str| MemberInfo { name: name.into(), addr: "127.0.0.1:1".parse().unwrap(), slots: 1 };
+        ClusterStatus {
+            node: "a".into(),
+            leader: true,
+            leader_addr: None,
+            epoch: 3,
+            members: vec![member("a"), member("b")],
+            joining: vec![],
+            jobs: vec![JobInfo {
+                id: 7,
+                name: "t".into(),
+                state: JobState::Running,
+                step,
+                total_steps: 10,
+                epoch: 3,
+                world: 1,
+                attempts: 2,
+                last_loss: Some(2.5),
+                reason: None,
+            }],
+            refused_stale: 1,
+            changes: vec![],
+        }
+    }
+
+    fn value(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> f64 {
+        samples
+            .iter()
+            .find(|s| s.name == name && labels.iter().all(|(k, v)| s.label(k) == Some(v)))
+            .unwrap_or_else(|| panic!("no {name}{labels:?}"))
+            .value
+    }
+
+    #[test]
+    fn steps_recoveries_detections_and_mfu_are_counted_and_rendered() {
+        let metrics = NodeMetrics::new(Some(1.0));
+        let spec = Job::new(JobConfig::small(10)).into_spec();
+        metrics.on_submit(7, &spec);
+        let tokens = (spec.config.train.global_batch * spec.config.model.context) as f64;
+        let step = |step, tokens_per_s, world| JobEvent::Step {
+            step,
+            loss: 2.5,
+            lr: 1e-3,
+            grad_norm: 1.0,
+            tokens_per_s,
+            epoch: 3,
+            world,
+        };
+        let t0 = Instant::now();
+        metrics.on_job_event(7, &step(1, tokens / 0.2, 2), t0);
+        metrics.on_job_event(7, &JobEvent::Membership { epoch: 3, world: 1, changes: vec!["b failed".into()] }, t0);
+        metrics.on_view_change(&[Change::Failed { node: NodeId::from("b"), silent_ms: 1_600 }]);
+        metrics.on_job_event(7, &JobEvent::Recovered { step: 1, epoch: 3, world: 1 }, t0 + Duration::from_millis(100));
+        metrics.on_job_event(7, &step(2, tokens / 0.05, 1), t0 + Duration::from_millis(400));
+        metrics.on_job_event(7, &JobEvent::Checkpoint { step: 2, path: "/c".into(), seconds: 0.03 }, t0);
+        metrics.on_worker_failure();
+        metrics.links.link("b").sent.fetch_add(10, std::sync::atomic::Ordering::Relaxed);
+
+        let samples = parse(&metrics.render(&status(2))).unwrap();
+        let job = [("job", "7"), ("name", "t")];
+        assert_eq!(value(&samples, "troupe_job_steps_committed_total", &job), 2.0);
+        assert_eq!(value(&samples, "troupe_job_step_seconds_count", &job), 2.0);
+        assert!((value(&samples, "troupe_job_step_seconds_sum", &job) - 0.25).abs() < 1e-9);
+        assert_eq!(value(&samples, "troupe_job_step_seconds_bucket", &[("job", "7"), ("le", "0.1")]), 1.0);
+        assert_eq!(value(&samples, "troupe_job_recovery_seconds_count", &job), 1.0);
+        assert!((value(&samples, "troupe_job_recovery_seconds_sum", &job) - 0.4).abs() < 1e-9);
+        assert_eq!(value(&samples, "troupe_job_recoveries_total", &job), 1.0);
+        assert_eq!(value(&samples, "troupe_job_checkpoint_seconds_count", &job), 1.0);
+        assert_eq!(value(&samples, "troupe_failure_detection_seconds_sum", &[]), 1.6);
+        assert_eq!(value(&samples, "troupe_membership_changes_total", &[("kind", "failed")]), 1.0);
+        assert_eq!(value(&samples, "troupe_membership_members", &[]), 2.0);
+        assert_eq!(value(&samples, "troupe_worker_restarts_total", &[]), 1.0);
+        assert_eq!(value(&samples, "troupe_link_bytes_total", &[("peer", "b"), ("direction", "sent")]), 10.0);
+        let flops = value(&samples, "troupe_job_model_flops_per_second", &job);
+        assert!((flops - tokens / 0.05 * 3.0 * spec.config.model.forward_flops_per_token()).abs() < 1e-6 * flops);
+        assert!((value(&samples, "troupe_job_mfu", &job) - flops / 1e12).abs() < 1e-12, "one rank × 1 TFLOP/s");
+        assert_eq!(value(&samples, "troupe_job_state", &[("state", "running")]), 1.0);
+    }
+}

@@ -1,0 +1,22 @@
+//! Observability: what a daemon exposes (`/metrics` and `/status` over HTTP, OpenTelemetry spans), what
+//! a run records (`--run-dir`: events and per-rank step phases) and the pictures made from it
+//! (`troupe trace`: an SVG timeline and a Perfetto trace; `troupe plot`: loss and throughput).
+
+pub mod config;
+pub mod endpoint;
+pub mod http;
+pub mod link_bytes;
+pub mod metrics;
+pub mod otel;
+pub mod phases;
+pub mod plot;
+pub mod prometheus;
+pub mod run_dir;
+pub mod svg;
+pub mod timeline;
+pub mod trace_event;
+
+pub use config::TelemetryConfig;
+pub use metrics::NodeMetrics;
+pub use phases::{PhaseRecorder, PhaseSpan};
+pub use run_dir::RunDir;

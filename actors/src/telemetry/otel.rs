@@ -1,0 +1,243 @@
+//! OpenTelemetry export of the daemon's tracing spans over OTLP/HTTP (protobuf), when an endpoint is
+//! configured (`telemetry.otlp_endpoint` or `OTEL_EXPORTER_OTLP_ENDPOINT`). Without one nothing is
+//! installed: the spans stay plain `tracing` spans, filtered like the logs.
+
+/// Checks an OTLP/HTTP endpoint: `http://HOST:PORT` with an optional path (`/v1/traces` is appended
+/// to a bare base URL, as the OTLP exporter specification says).
+pub fn parse_endpoint(endpoint: &str) -> Result<String, String> {
+    let Some(rest) = endpoint.strip_prefix("http://") else {
+        return Err(format!(
+            "{endpoint:?} is not an OTLP/HTTP endpoint like \"http://127.0.0.1:4318\" (https is not supported; put a collector on the host)"
+        ));
+    };
+    let (authority, path) = rest.split_once('/').map_or((rest, ""), |(a, p)| (a, p));
+    let port_ok =
+        authority.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+    if !port_ok {
+        return Err(format!("{endpoint:?}: give host and port, like \"http://127.0.0.1:4318\""));
+    }
+    let path = path.trim_end_matches('/');
+    Ok(if path.is_empty() { format!("http://{authority}/v1/traces") } else { format!("http://{authority}/{path}") })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints() {
+        assert_eq!(parse_endpoint("http://127.0.0.1:4318").unwrap(), "http://127.0.0.1:4318/v1/traces");
+        assert_eq!(parse_endpoint("http://c:4318/v1/traces").unwrap(), "http://c:4318/v1/traces");
+        assert!(parse_endpoint("https://c:4318").is_err());
+        assert!(parse_endpoint("http://c").is_err());
+    }
+}
+
+use std::io::{Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::OnceLock;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use opentelemetry::trace::{Span as _, SpanKind, TraceContextExt, Tracer as _, TracerProvider as _};
+use opentelemetry::{Context, KeyValue};
+use opentelemetry_http::{Bytes, HttpClient, HttpError, Request, Response};
+use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
+use opentelemetry_sdk::trace::{BatchConfigBuilder, BatchSpanProcessor, SdkTracer, SdkTracerProvider};
+
+use super::phases::PhaseSpan;
+
+/// How long one export may take to connect, and to be answered.
+const EXPORT_CONNECT_TIMEOUT_MS: u64 = 2_000;
+const EXPORT_ANSWER_TIMEOUT_MS: u64 = 5_000;
+/// Largest collector answer read.
+const ANSWER_BYTES_MAX: u64 = 1 << 20;
+/// How often batched spans go out.
+const EXPORT_DELAY_MS: u64 = 1_000;
+/// How long the daemon waits at exit for its last spans to go out.
+const FLUSH_TIMEOUT_MS: u64 = 2_000;
+
+/// The installed tracer (once per process: the daemon's).
+static TRACER: OnceLock<SdkTracer> = OnceLock::new();
+
+/// Whether spans are exported from this process.
+pub fn enabled() -> bool {
+    TRACER.get().is_some()
+}
+
+/// Keeps the exporter alive; flushes the last spans when dropped (bounded).
+#[derive(Debug)]
+pub struct OtelGuard {
+    provider: SdkTracerProvider,
+}
+
+impl Drop for OtelGuard {
+    fn drop(&mut self) {
+        if let Err(e) = self.provider.shutdown_with_timeout(Duration::from_millis(FLUSH_TIMEOUT_MS)) {
+            tracing::warn!("OTLP export: the last spans may be lost: {e}");
+        }
+    }
+}
+
+/// Installs OTLP/HTTP (protobuf) export of this process's spans to `endpoint`, as service `troupe`,
+/// instance `node`. Spans are batched and sent from the SDK's own thread.
+pub fn install(endpoint: &str, node: &str) -> anyhow::Result<OtelGuard> {
+    let url = parse_endpoint(endpoint).map_err(anyhow::Error::msg)?;
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .with_http_client(PlainHttpClient)
+        .with_endpoint(url.clone())
+        .with_timeout(Duration::from_millis(EXPORT_ANSWER_TIMEOUT_MS))
+        .build()
+        .map_err(|e| anyhow::anyhow!("OTLP exporter to {url}: {e}"))?;
+    let batch = BatchConfigBuilder::default().with_scheduled_delay(Duration::from_millis(EXPORT_DELAY_MS)).build();
+    let processor = BatchSpanProcessor::builder(exporter).with_batch_config(batch).build();
+    let resource = opentelemetry_sdk::Resource::builder()
+        .with_service_name("troupe")
+        .with_attribute(KeyValue::new("service.instance.id", node.to_owned()))
+        .build();
+    let provider = SdkTracerProvider::builder().with_span_processor(processor).with_resource(resource).build();
+    if TRACER.set(provider.tracer("troupe")).is_err() {
+        anyhow::bail!("OTLP export is already installed in this process");
+    }
+    tracing::info!(endpoint = %url, "exporting spans over OTLP/HTTP");
+    Ok(OtelGuard { provider })
+}
+
+fn unix_time(us: u64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_micros(us)
+}
+
+/// Who a rank's spans belong to.
+#[derive(Debug)]
+pub struct RankAttrs<'a> {
+    pub job: u64,
+    pub attempt: u64,
+    pub rank: usize,
+    pub epoch: u64,
+    pub node: &'a str,
+}
+
+impl RankAttrs<'_> {
+    fn key_values(&self, step: u64) -> Vec<KeyValue> {
+        vec![
+            KeyValue::new("troupe.job", self.job as i64),
+            KeyValue::new("troupe.attempt", self.attempt as i64),
+            KeyValue::new("troupe.rank", self.rank as i64),
+            KeyValue::new("troupe.epoch", self.epoch as i64),
+            KeyValue::new("troupe.node", self.node.to_owned()),
+            KeyValue::new("troupe.step", step as i64),
+        ]
+    }
+}
+
+/// Exports a rank's phases of one step: a `step` span around its `compute`, `collective` (all-reduce),
+/// `commit_wait`, `optimizer` and `checkpoint` children, with `troupe.step_outcome` committed, aborted
+/// (by a view change) or failed (a lost peer); a set-up or recovery phase is a span of its own.
+/// Nothing happens unless export is installed.
+pub fn export_step(attrs: &RankAttrs, step: u64, spans: &[PhaseSpan]) {
+    let Some(tracer) = TRACER.get() else { return };
+    let (setup, phases): (Vec<&PhaseSpan>, Vec<&PhaseSpan>) =
+        spans.iter().partition(|s| s.cat == "recovery" || s.name == "setup");
+    for s in setup {
+        let name = if s.cat == "recovery" { "recovery" } else { "setup" };
+        export_span(tracer, name, s.start_us, s.start_us + s.dur_us, attrs.key_values(step), &Context::new());
+    }
+    let (Some(start), Some(end)) =
+        (phases.iter().map(|s| s.start_us).min(), phases.iter().map(|s| s.start_us + s.dur_us).max())
+    else {
+        return;
+    };
+    let outcome = if phases.iter().any(|s| s.name.starts_with("failed")) {
+        "failed"
+    } else if phases.iter().any(|s| s.name.contains("aborted")) {
+        "aborted"
+    } else {
+        "committed"
+    };
+    let mut kv = attrs.key_values(step);
+    kv.push(KeyValue::new("troupe.step_outcome", outcome));
+    let parent = tracer
+        .span_builder("step")
+        .with_kind(SpanKind::Internal)
+        .with_start_time(unix_time(start))
+        .with_attributes(kv)
+        .start(tracer);
+    let cx = Context::new().with_span(parent);
+    for s in phases {
+        let name = match s.cat.as_str() {
+            "comm" => "collective",
+            "idle" => "commit_wait",
+            "compute" | "optimizer" | "checkpoint" => s.cat.as_str(),
+            _ => s.name.as_str(),
+        };
+        let mut kv = attrs.key_values(step);
+        kv.push(KeyValue::new("troupe.phase", s.name.clone()));
+        if s.cat == "comm" {
+            kv.push(KeyValue::new("troupe.collective", "all_reduce"));
+        }
+        export_span(tracer, name, s.start_us, s.start_us + s.dur_us, kv, &cx);
+    }
+    cx.span().end_with_timestamp(unix_time(end));
+}
+
+/// Exports one finished span (times in µs since the Unix epoch).
+pub fn export_span(
+    tracer: &SdkTracer,
+    name: &str,
+    start_us: u64,
+    end_us: u64,
+    attributes: Vec<KeyValue>,
+    parent: &Context,
+) {
+    let mut span = tracer
+        .span_builder(name.to_owned())
+        .with_start_time(unix_time(start_us))
+        .with_attributes(attributes)
+        .start_with_context(tracer, parent);
+    span.end_with_timestamp(unix_time(end_us));
+}
+
+/// A job-level span seen by the controller daemon (the job's life, a recovery, a failure detection).
+pub fn export_job_span(name: &str, start: SystemTime, end: SystemTime, attributes: Vec<KeyValue>) {
+    let Some(tracer) = TRACER.get() else { return };
+    let mut span =
+        tracer.span_builder(name.to_owned()).with_start_time(start).with_attributes(attributes).start(tracer);
+    span.end_with_timestamp(end);
+}
+
+/// OTLP over plain HTTP/1.1 with std sockets: the SDK's batch processor runs exports on its own thread
+/// (`block_on`), so a blocking request with bounded connect and answer times is all it needs — and no
+/// HTTP client dependency.
+#[derive(Debug)]
+struct PlainHttpClient;
+
+#[async_trait::async_trait]
+impl HttpClient for PlainHttpClient {
+    async fn send_bytes(&self, request: Request<Bytes>) -> Result<Response<Bytes>, HttpError> {
+        let uri = request.uri().clone();
+        let host = uri.host().ok_or("OTLP endpoint without a host")?;
+        let port = uri.port_u16().unwrap_or(80);
+        let addr = (host, port).to_socket_addrs()?.next().ok_or("OTLP endpoint does not resolve")?;
+        let mut stream = TcpStream::connect_timeout(&addr, Duration::from_millis(EXPORT_CONNECT_TIMEOUT_MS))?;
+        stream.set_read_timeout(Some(Duration::from_millis(EXPORT_ANSWER_TIMEOUT_MS)))?;
+        stream.set_write_timeout(Some(Duration::from_millis(EXPORT_ANSWER_TIMEOUT_MS)))?;
+        let mut head =
+            format!("{} {} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n", request.method(), uri.path());
+        for (name, value) in request.headers() {
+            head.push_str(&format!("{name}: {}\r\n", value.to_str().unwrap_or_default()));
+        }
+        head.push_str(&format!("Content-Length: {}\r\n\r\n", request.body().len()));
+        stream.write_all(head.as_bytes())?;
+        stream.write_all(request.body())?;
+        let mut answer = Vec::new();
+        stream.take(ANSWER_BYTES_MAX).read_to_end(&mut answer)?;
+        let split = answer.windows(4).position(|w| w == b"\r\n\r\n").ok_or("OTLP collector: malformed answer")?;
+        let status: u16 = String::from_utf8_lossy(&answer[..split])
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or("OTLP collector: no status code")?;
+        let body = Bytes::copy_from_slice(&answer[split + 4..]);
+        Ok(Response::builder().status(status).body(body)?)
+    }
+}

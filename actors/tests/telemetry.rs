@@ -1,0 +1,364 @@
+//! Observability as a user meets it: a real `troupe daemon` serving `/metrics` (parsed as Prometheus
+//! text, carrying the committed-step counter of a job it ran) and `/status` (the same JSON as `troupe
+//! status --json`); `troupe train --run-dir` on two daemons, then `troupe trace` and `troupe plot` (the
+//! SVG and the Perfetto JSON read back, every rank and phase present); a pipeline-style trace file drawn
+//! per stage; and the daemon's errors for a bad `[telemetry]`.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use troupe_actors::api::{Client, Job, JobEvent};
+use troupe_actors::daemon::NodeConfig;
+use troupe_actors::telemetry::http::get;
+use troupe_actors::telemetry::prometheus::{parse, Sample};
+use troupe_cluster::NodeIdentity;
+use troupe_model::config::JobConfig;
+
+const SMALL_JOB: &str = "[model]\nn_layers = 1\nd_model = 64\nn_heads = 2\ncontext = 32\n[train]\nglobal_batch = 4\nmicro_batch = 2\ntorch_threads = 1\n";
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Runs `troupe ARGS` to completion within `timeout` (killed and failed otherwise), its output drained
+/// as it comes so a full pipe never blocks it.
+fn troupe(args: &[&str], timeout: Duration) -> Output {
+    let mut child = Command::new(common::binary())
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("troupe starts");
+    let drain = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            let _ = pipe.read_to_end(&mut bytes);
+            bytes
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().expect("piped")));
+    let stderr = drain(Box::new(child.stderr.take().expect("piped")));
+    let status = common::wait_child(&mut child, timeout, &format!("`troupe {}`", args.join(" ")));
+    Output { status, stdout: stdout.join().expect("stdout"), stderr: stderr.join().expect("stderr") }
+}
+
+fn ok(output: &Output, what: &str) -> String {
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{what} failed: {stderr}");
+    String::from_utf8(output.stdout.clone()).expect("utf-8")
+}
+
+/// A daemon child process, killed (and reaped) when dropped.
+struct DaemonProcess(Child);
+
+impl Drop for DaemonProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `troupe daemon --config node.toml`; its control and metrics addresses, from what it prints.
+fn start_daemon(config: &Path) -> (DaemonProcess, SocketAddr, SocketAddr) {
+    let mut child = Command::new(common::binary())
+        .args(["daemon", "--exit-with-parent", "--config"])
+        .arg(config)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("daemon starts");
+    let stdout = child.stdout.take().expect("piped");
+    let daemon = DaemonProcess(child);
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let line = || rx.recv_timeout(Duration::from_secs(30)).expect("the daemon prints its addresses within 30 s");
+    let listen = line();
+    let metrics = line();
+    let addr = |l: &str| {
+        l.rsplit(' ').next().unwrap().trim_start_matches("http://").trim_end_matches("/metrics").parse().unwrap()
+    };
+    assert!(listen.contains("listening on"), "{listen}");
+    assert!(metrics.contains("metrics on http://"), "{metrics}");
+    (daemon, addr(&listen), addr(&metrics))
+}
+
+fn sample<'a>(samples: &'a [Sample], name: &str, labels: &[(&str, &str)]) -> &'a Sample {
+    samples
+        .iter()
+        .find(|s| s.name == name && labels.iter().all(|(k, v)| s.label(k) == Some(v)))
+        .unwrap_or_else(|| panic!("no sample {name}{labels:?} in /metrics"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_serves_prometheus_metrics_and_the_status_json_of_troupe_status() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    let certs_arg = certs.to_str().unwrap();
+    for args in [
+        vec!["cluster", "init", "--dir", certs_arg],
+        vec!["cluster", "add-node", "node-a", "--dir", certs_arg],
+        vec!["cluster", "add-node", "node-b", "--dir", certs_arg],
+        vec!["cluster", "add-node", "client", "--dir", certs_arg],
+    ] {
+        ok(&troupe(&args, WAIT), &args.join(" "));
+    }
+    let node_toml = |name: &str, join: Option<SocketAddr>| {
+        let config = dir.path().join(format!("{name}.toml"));
+        let join = join.map(|a| format!("join = \"{a}\"\n")).unwrap_or_default();
+        let text = format!(
+            "name = \"{name}\"\nlisten = \"127.0.0.1:0\"\n{join}data_dir = \"{}\"\ncerts = \"{certs_arg}\"\ntorch_threads = 1\n[telemetry]\nmetrics_listen = \"127.0.0.1:0\"\npeak_tflops_per_slot = 0.5\n",
+            dir.path().join(name).display()
+        );
+        std::fs::write(&config, text).unwrap();
+        config
+    };
+    let (_a, addr, metrics) = start_daemon(&node_toml("node-a", None));
+    let (_b, _, _) = start_daemon(&node_toml("node-b", Some(addr)));
+
+    let identity = NodeIdentity::load(&certs, "client").unwrap();
+    common::wait_for(Duration::from_secs(20), "node-b to join", || async {
+        let mut c = Client::connect(addr, &identity).await.ok()?;
+        let members = c.status().await.ok()?.members.len();
+        c.close().await;
+        (members == 2).then_some(())
+    })
+    .await;
+    // One connection per certificate name at a time: the submitting client connects after the polls.
+    let client = Client::connect(addr, &identity).await.unwrap();
+    let mut job = client.submit(Job::new(JobConfig::small(3)).name("scraped")).await.unwrap();
+    let finished = tokio::time::timeout(WAIT, async {
+        while let Some(event) = job.next_event().await.unwrap() {
+            if event.is_terminal() {
+                return event;
+            }
+        }
+        panic!("the job's events ended early");
+    })
+    .await
+    .expect("the job ends within a minute");
+    assert!(matches!(finished, JobEvent::Finished { steps: 3, .. }), "{finished:?}");
+    job.close().await;
+
+    let (status, text) = get(metrics, "/metrics", Duration::from_secs(10)).await.unwrap();
+    assert_eq!(status, 200, "{text}");
+    let samples = parse(&text).unwrap_or_else(|e| panic!("/metrics is not Prometheus text: {e}\n{text}"));
+    let job = [("job", "1"), ("name", "scraped")];
+    assert_eq!(sample(&samples, "troupe_job_steps_committed_total", &job).value, 3.0);
+    assert_eq!(sample(&samples, "troupe_job_step", &job).value, 3.0);
+    assert_eq!(sample(&samples, "troupe_job_step_seconds_count", &job).value, 3.0);
+    assert_eq!(sample(&samples, "troupe_job_state", &[("job", "1"), ("state", "finished")]).value, 1.0);
+    assert_eq!(sample(&samples, "troupe_membership_members", &[]).value, 2.0);
+    for direction in ["sent", "received"] {
+        let bytes = sample(&samples, "troupe_link_bytes_total", &[("peer", "node-b"), ("direction", direction)]).value;
+        assert!(bytes > 0.0, "node-a's rank {direction} gradients to/from node-b: {bytes}");
+    }
+    assert!(sample(&samples, "troupe_membership_epoch", &[]).value >= 1.0);
+    let tokens = sample(&samples, "troupe_job_tokens_per_second", &job).value;
+    let mfu = sample(&samples, "troupe_job_mfu", &job).value;
+    let flops = sample(&samples, "troupe_job_model_flops_per_second", &job).value;
+    assert!(tokens > 0.0 && flops > tokens, "tokens/s {tokens}, FLOP/s {flops}");
+    assert!((mfu - flops / 1e12).abs() <= 1e-9 * flops, "MFU {mfu} = FLOP/s / (2 slots × 0.5 TFLOP/s)");
+
+    let (status, body) = get(metrics, "/status", Duration::from_secs(10)).await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    let served: Value = serde_json::from_str(&body).unwrap();
+    let addr_arg = addr.to_string();
+    let cli = ok(
+        &troupe(&["status", "--json", "--cluster", &addr_arg, "--certs", certs_arg, "--as", "client"], WAIT),
+        "status",
+    );
+    let printed: Value = serde_json::from_str(cli.trim()).unwrap();
+    assert_eq!(served, printed, "/status and `troupe status --json` differ");
+    assert_eq!(served["jobs"][0]["step"], json!(3));
+    assert_eq!(get(metrics, "/nothing", Duration::from_secs(10)).await.unwrap().0, 404);
+
+    let table =
+        ok(&troupe(&["status", "--cluster", &addr_arg, "--certs", certs_arg, "--as", "client"], WAIT), "status");
+    assert!(table.lines().any(|l| l.starts_with("NODE") && l.contains("ADDRESS")), "{table}");
+    assert!(table.lines().any(|l| l.contains("scraped") && l.contains("finished") && l.contains("3/3")), "{table}");
+}
+
+#[test]
+fn bad_telemetry_settings_are_refused_with_the_key_and_the_fix() {
+    let base = "name = \"a\"\nlisten = \"127.0.0.1:0\"\ndata_dir = \"/tmp/x\"\ncerts = \"/nonexistent\"\n";
+    let parse = |extra: &str| NodeConfig::parse(&format!("{base}{extra}"), "node.toml").unwrap_err().to_string();
+    let bad_addr = parse("[telemetry]\nmetrics_listen = \"localhost\"\n");
+    assert!(bad_addr.contains("metrics_listen"), "{bad_addr}");
+    let bad_peak = parse("[telemetry]\npeak_tflops_per_slot = -1.0\n");
+    assert!(bad_peak.contains("telemetry.peak_tflops_per_slot") && bad_peak.contains("TFLOP/s"), "{bad_peak}");
+    let bad_otlp = parse("[telemetry]\notlp_endpoint = \"grpc://x:4317\"\n");
+    assert!(bad_otlp.contains("telemetry.otlp_endpoint") && bad_otlp.contains("http://"), "{bad_otlp}");
+    let unknown = parse("[telemetry]\nmetrics_port = 9400\n");
+    assert!(unknown.contains("metrics_port"), "{unknown}");
+
+    // A port already taken stops the daemon at start, naming the key.
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    troupe_cluster::init_cluster(&certs).unwrap();
+    troupe_cluster::add_node("a", &certs).unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let config = dir.path().join("node.toml");
+    let text = format!(
+        "name = \"a\"\nlisten = \"127.0.0.1:0\"\ndata_dir = \"{}\"\ncerts = \"{}\"\n[telemetry]\nmetrics_listen = \"{}\"\n",
+        dir.path().join("data").display(),
+        certs.display(),
+        taken.local_addr().unwrap()
+    );
+    std::fs::write(&config, text).unwrap();
+    let out = troupe(&["daemon", "--config", config.to_str().unwrap()], WAIT);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("telemetry.metrics_listen") && stderr.contains("free port"), "{stderr}");
+}
+
+/// A `<g>` group: its `data-*` attributes and the categories of the rectangles inside.
+type Group = (Vec<(String, String)>, Vec<String>);
+
+/// The `<g>` groups of `class` in an SVG document.
+fn groups(svg: &str, class: &str) -> Vec<Group> {
+    let doc = roxmltree::Document::parse(svg).expect("the SVG is well-formed XML");
+    assert_eq!(doc.root_element().tag_name().name(), "svg");
+    doc.descendants()
+        .filter(|n| n.has_tag_name("g") && n.attribute("class") == Some(class))
+        .map(|g| {
+            let data = g
+                .attributes()
+                .filter(|a| a.name().starts_with("data-"))
+                .map(|a| (a.name()[5..].to_owned(), a.value().to_owned()))
+                .collect();
+            let cats = g.descendants().filter_map(|r| r.attribute("data-cat")).map(str::to_owned).collect();
+            (data, cats)
+        })
+        .collect()
+}
+
+fn data<'a>(attrs: &'a [(String, String)], key: &str) -> &'a str {
+    attrs.iter().find(|(k, _)| k == key).map_or("", |(_, v)| v.as_str())
+}
+
+#[test]
+fn a_two_node_run_dir_gives_a_timeline_per_rank_a_perfetto_trace_and_a_loss_plot() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("job.toml");
+    std::fs::write(&job, SMALL_JOB).unwrap();
+    let run = dir.path().join("run");
+    let (job_arg, run_arg) = (job.to_str().unwrap(), run.to_str().unwrap());
+    let train = ok(
+        &troupe(&["train", "--json", "--nodes", "2", "--steps", "6", "--config", job_arg, "--run-dir", run_arg], WAIT),
+        "train",
+    );
+    let printed_steps = train.lines().filter(|l| l.contains("\"event\":\"step\"")).count();
+    assert_eq!(printed_steps, 6, "{train}");
+    assert!(!train.contains("\"phases\""), "phase reports go to the run directory only");
+
+    // events.jsonl holds every printed event (and the ranks' phases) with a time.
+    let events: Vec<Value> = std::fs::read_to_string(run.join("events.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let kinds: Vec<&str> = events.iter().map(|e| e["event"].as_str().unwrap()).collect();
+    assert_eq!(kinds.iter().filter(|k| **k == "step").count(), 6);
+    assert!(kinds.contains(&"start") && kinds.last() == Some(&"summary"), "{kinds:?}");
+    assert!(events.iter().all(|e| e["time_us"].as_u64().is_some()));
+    let again = troupe(&["train", "--nodes", "2", "--steps", "1", "--run-dir", run_arg], WAIT);
+    assert!(!again.status.success() && String::from_utf8_lossy(&again.stderr).contains("already holds a run"));
+
+    let out: Value = serde_json::from_str(ok(&troupe(&["trace", run_arg, "--json"], WAIT), "trace").trim()).unwrap();
+    assert_eq!(out["rows"], json!(2), "{out}");
+    // The Perfetto trace: complete spans of every phase on both ranks, named by metadata.
+    let trace: Value = serde_json::from_str(&std::fs::read_to_string(run.join("trace.json")).unwrap()).unwrap();
+    let spans: Vec<&Value> = trace["traceEvents"].as_array().unwrap().iter().filter(|e| e["ph"] == "X").collect();
+    for rank in [0, 1] {
+        let cats: Vec<&str> =
+            spans.iter().filter(|e| e["pid"] == json!(rank)).map(|e| e["cat"].as_str().unwrap()).collect();
+        for cat in ["compute", "comm", "idle", "optimizer"] {
+            assert!(cats.contains(&cat), "rank {rank} has no {cat} span: {cats:?}");
+        }
+        let steps = spans.iter().filter(|e| e["pid"] == json!(rank) && e["name"] == "forward+backward").count();
+        assert_eq!(steps, 6, "one forward+backward per step on rank {rank}");
+    }
+    assert!(spans.iter().all(|e| e["dur"].as_f64().unwrap() > 0.0 && e["ts"].as_f64().unwrap() >= 0.0));
+    let names = trace["traceEvents"].as_array().unwrap().iter().filter(|e| e["ph"] == "M").count();
+    assert_eq!(names, 2, "a process_name per rank");
+
+    // The SVG timeline: a row per rank with bars of each phase, and a legend of exactly those phases.
+    let svg = std::fs::read_to_string(run.join("timeline.svg")).unwrap();
+    let rows = groups(&svg, "row");
+    let labels: Vec<&str> = rows.iter().map(|(d, _)| data(d, "label")).collect();
+    assert_eq!(labels, ["rank 0", "rank 1"]);
+    for (_, cats) in &rows {
+        assert!(cats.iter().filter(|c| *c == "compute").count() == 6 && cats.contains(&"comm".to_owned()), "{cats:?}");
+    }
+    let legend: Vec<String> = groups(&svg, "legend-item").iter().map(|(d, _)| data(d, "cat").to_owned()).collect();
+    assert_eq!(legend, ["compute", "comm", "optimizer", "idle"]);
+
+    let out: Value = serde_json::from_str(ok(&troupe(&["plot", run_arg, "--json"], WAIT), "plot").trim()).unwrap();
+    assert_eq!(out["steps"], json!(6));
+    let plot = std::fs::read_to_string(run.join("plot.svg")).unwrap();
+    let doc = roxmltree::Document::parse(&plot).unwrap();
+    let panels: Vec<(&str, usize)> = doc
+        .descendants()
+        .filter(|n| n.attribute("class") == Some("panel"))
+        .map(|p| {
+            let line = p.descendants().find(|n| n.attribute("class") == Some("series")).expect("a series line");
+            (p.attribute("data-metric").unwrap(), line.attribute("points").unwrap().split(' ').count())
+        })
+        .collect();
+    assert_eq!(panels, [("loss", 6), ("tokens_per_s", 6)]);
+}
+
+#[test]
+fn a_pipeline_schedule_trace_file_is_drawn_per_stage_with_its_own_categories() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("schedule.json");
+    // As `troupe bench pipeline --trace-out` writes it: one process, a thread per stage named by
+    // metadata, fractional microseconds.
+    let mut events: Vec<Value> = (0..2)
+        .map(|s| json!({ "name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": { "name": format!("stage {s}") } }))
+        .collect();
+    for (stage, start) in [(0, 0.0), (1, 10.5)] {
+        for (i, cat) in ["forward", "comm", "backward", "weight"].iter().enumerate() {
+            let ts = start + 10.0 * i as f64;
+            events.push(json!({ "name": format!("{cat} mb0"), "cat": cat, "ph": "X", "ts": ts, "dur": 9.25, "pid": 0, "tid": stage }));
+        }
+    }
+    // And a second file: one process per stage, the second named, the first not.
+    let other = dir.path().join("per-process.json");
+    let mut per_process = vec![json!({ "name": "process_name", "ph": "M", "pid": 1, "args": { "name": "stage B" } })];
+    for pid in [0, 1] {
+        per_process
+            .push(json!({ "name": "F", "cat": "forward", "ph": "X", "ts": pid, "dur": 1, "pid": pid, "tid": 0 }));
+    }
+    std::fs::write(&file, json!({ "traceEvents": events, "displayTimeUnit": "ms" }).to_string()).unwrap();
+    std::fs::write(&other, json!({ "traceEvents": per_process }).to_string()).unwrap();
+    let out = ok(&troupe(&["trace", file.to_str().unwrap()], WAIT), "trace");
+    assert!(out.contains("8 spans in 2 rows"), "{out}");
+    let svg = std::fs::read_to_string(dir.path().join("schedule.svg")).unwrap();
+    let rows = groups(&svg, "row");
+    let labels: Vec<&str> = rows.iter().map(|(d, _)| data(d, "label")).collect();
+    assert_eq!(labels, ["stage 0", "stage 1"]);
+    assert!(rows.iter().all(|(_, cats)| cats == &["forward", "comm", "backward", "weight"]));
+    let legend: Vec<String> = groups(&svg, "legend-item").iter().map(|(d, _)| data(d, "cat").to_owned()).collect();
+    assert_eq!(legend, ["forward", "backward", "weight", "comm"]);
+    ok(
+        &troupe(&["trace", other.to_str().unwrap(), "--svg", dir.path().join("p.svg").to_str().unwrap()], WAIT),
+        "trace",
+    );
+    let rows = groups(&std::fs::read_to_string(dir.path().join("p.svg")).unwrap(), "row");
+    let labels: Vec<&str> = rows.iter().map(|(d, _)| data(d, "label")).collect();
+    assert_eq!(labels, ["pid 0", "stage B"]);
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, "{\"events\": []}").unwrap();
+    let refused = troupe(&["trace", bad.to_str().unwrap()], WAIT);
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("not a Chrome trace-event JSON file"));
+}
