@@ -1,0 +1,138 @@
+//! The whole training state as plain host memory: what a checkpoint holds, what a snapshot copies out
+//! of a trainer at a step boundary, and what a load reassembles from any layout's shards.
+//!
+//! Each of the three per-parameter states (parameters, AdamW `exp_avg`, `exp_avg_sq`) is one flat `f32`
+//! vector in the model's canonical parameter order, so a shard is a slice and resharding is slicing.
+
+use std::path::Path;
+
+use tch::Tensor;
+
+use super::manifest::StateKind;
+use super::CheckpointError;
+use crate::config::JobConfig;
+use crate::data::SamplerState;
+use crate::trainer::Trainer;
+
+/// A tensor of the flat order: its name and shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+}
+
+impl TensorSpec {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainingState {
+    pub config: JobConfig,
+    /// Committed steps (the next step to run).
+    pub step: u64,
+    pub optimizer_step: u64,
+    pub sampler: SamplerState,
+    /// The parameters in canonical order; the flat vectors concatenate them in this order.
+    pub tensors: Vec<TensorSpec>,
+    /// Indexed by [`StateKind::index`]: parameters, `exp_avg`, `exp_avg_sq`.
+    pub values: [Vec<f32>; 3],
+}
+
+impl TrainingState {
+    /// Copies the trainer's state to host memory (the only part of an asynchronous save the step loop
+    /// waits for).
+    pub fn snapshot(trainer: &Trainer) -> Self {
+        let tensors: Vec<TensorSpec> = trainer
+            .model
+            .specs()
+            .iter()
+            .map(|s| TensorSpec { name: s.name.clone(), shape: s.shape.iter().map(|&d| d as usize).collect() })
+            .collect();
+        let total = tensors.iter().map(TensorSpec::numel).sum();
+        let sources: [&[Tensor]; 3] =
+            [trainer.model.params(), &trainer.optimizer.exp_avg, &trainer.optimizer.exp_avg_sq];
+        let values = sources.map(|list| {
+            let mut flat = vec![0f32; total];
+            let mut at = 0;
+            for (tensor, spec) in list.iter().zip(&tensors) {
+                let n = spec.numel();
+                tensor.detach().copy_data(&mut flat[at..at + n], n);
+                at += n;
+            }
+            flat
+        });
+        Self {
+            config: trainer.config.clone(),
+            step: trainer.step,
+            optimizer_step: trainer.optimizer.step,
+            sampler: trainer.sampler.state(trainer.step, trainer.config.train.global_batch),
+            tensors,
+            values,
+        }
+    }
+
+    /// Elements of one state (all three have the same length).
+    pub fn flat_len(&self) -> usize {
+        self.values[0].len()
+    }
+
+    pub fn values(&self, kind: StateKind) -> &[f32] {
+        &self.values[kind.index()]
+    }
+
+    /// Bytes of state (all three vectors).
+    pub fn bytes(&self) -> u64 {
+        (3 * self.flat_len() * std::mem::size_of::<f32>()) as u64
+    }
+
+    /// Offsets of each tensor in the flat order: tensor `i` is `offsets[i]..offsets[i + 1]`.
+    pub fn offsets(&self) -> Vec<usize> {
+        let mut offsets = vec![0];
+        for spec in &self.tensors {
+            offsets.push(offsets.last().copied().unwrap_or(0) + spec.numel());
+        }
+        offsets
+    }
+
+    /// Loads this state into `trainer` (freshly built from the config to continue with). `dir` names the
+    /// checkpoint in errors. The model must be the same, and so must the data, seed and batch (the sampler
+    /// state); `train.steps` may differ.
+    pub fn restore_into(&self, trainer: &mut Trainer, dir: &Path) -> Result<(), CheckpointError> {
+        let mismatch = |what, detail: String| CheckpointError::Mismatch { path: dir.to_owned(), what, detail };
+        if self.config.model != trainer.config.model {
+            return Err(mismatch("model", format!("checkpoint has {:?}", self.config.model)));
+        }
+        let expected = trainer.sampler.state(self.step, trainer.config.train.global_batch);
+        if self.sampler != expected {
+            return Err(mismatch(
+                "data, seed or batch",
+                format!("checkpoint sampler {:?}, this run {:?}", self.sampler, expected),
+            ));
+        }
+        let specs = trainer.model.specs();
+        let same_tensors = specs.len() == self.tensors.len()
+            && specs.iter().zip(&self.tensors).all(|(s, t)| {
+                s.name == t.name && s.shape.iter().map(|&d| d as usize).eq(t.shape.iter().copied())
+            });
+        if !same_tensors {
+            return Err(mismatch("parameter list", "names or shapes differ from this model's".into()));
+        }
+        let offsets = self.offsets();
+        let tensor = |kind: StateKind, i: usize, like: &Tensor| {
+            let shape: Vec<i64> = self.tensors[i].shape.iter().map(|&d| d as i64).collect();
+            Tensor::from_slice(&self.values(kind)[offsets[i]..offsets[i + 1]]).view(shape.as_slice()).to_device(like.device())
+        };
+        let params = trainer.model.params();
+        let values: Vec<Tensor> = (0..params.len()).map(|i| tensor(StateKind::Param, i, &params[i])).collect();
+        for i in 0..values.len() {
+            trainer.optimizer.exp_avg[i] = tensor(StateKind::ExpAvg, i, &values[i]);
+            trainer.optimizer.exp_avg_sq[i] = tensor(StateKind::ExpAvgSq, i, &values[i]);
+        }
+        trainer.model.load_values(&values);
+        trainer.optimizer.step = self.optimizer_step;
+        trainer.step = self.step;
+        Ok(())
+    }
+}
