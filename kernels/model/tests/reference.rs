@@ -161,7 +161,10 @@ fn corrupt_checkpoint_is_refused_and_the_previous_one_is_used() {
     std::fs::write(&file, bytes).unwrap();
 
     let error = Trainer::resume(config.clone(), &newer).unwrap_err().to_string();
-    assert!(error.contains("does not match its checksum") && error.contains("shard-00000-of-00001.safetensors"), "{error}");
+    assert!(
+        error.contains("does not match its checksum") && error.contains("shard-00000-of-00001.safetensors"),
+        "{error}"
+    );
     let (latest, skipped) = troupe_model::checkpoint::latest_valid(dir.path());
     assert_eq!(latest.as_deref(), Some(older.as_path()));
     assert_eq!(skipped.len(), 1);

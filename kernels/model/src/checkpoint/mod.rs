@@ -10,7 +10,7 @@
 //!
 //! The commit ([`write`], [`store`]): shards written and fsynced in a temporary directory → manifest
 //! written and fsynced → directory renamed into place and the root fsynced → recorded in the catalog
-//! ([`catalog`], sled) and flushed. **The directory is authoritative**: a checkpoint exists iff its
+//! ([`catalog`], redb — sled failed the crash test) and committed. **The directory is authoritative**: a checkpoint exists iff its
 //! `step-*` directory exists and verifies against its manifest; the catalog is an index written after the
 //! rename and cleared before a removal, so it may lag the directories by the commit in flight at a crash,
 //! never lead them (the store reconciles it when opened).
@@ -18,7 +18,7 @@
 //! Files, one idea each: `manifest` (the format), `state` (the host-memory snapshot of a trainer),
 //! `shards` (which flat ranges a layout cuts), `tensor_file` (safetensors write + fsync + checksum),
 //! `write` (the atomic directory commit), `read` (verify, load, reshard), `v1` (the previous format,
-//! still loadable), `catalog` (the `Catalog` trait, sled and in-memory), `store` (a checkpoint root:
+//! still loadable), `catalog` (the `Catalog` trait, redb and in-memory), `store` (a checkpoint root:
 //! save, retention, latest valid, reconcile), `writer` (the asynchronous writer thread).
 
 pub mod catalog;
@@ -34,10 +34,10 @@ pub mod writer;
 
 use std::path::{Path, PathBuf};
 
-pub use catalog::{Catalog, CatalogEntry, MemoryCatalog, SledCatalog};
+pub use catalog::{Catalog, CatalogEntry, MemoryCatalog, RedbCatalog};
 pub use manifest::{Layout, Manifest, ShardMode, StateKind, FORMAT, FORMAT_VERSION, MANIFEST};
 pub use read::{load_shard, load_state, verify};
-pub use state::TrainingState;
+pub use state::{crash_state, TrainingState};
 pub use store::{CheckpointStore, Saved};
 pub use writer::{CheckpointWriter, SaveRequest, WriteReport};
 
@@ -88,7 +88,7 @@ pub fn step_dirs(root: &Path) -> Vec<(u64, PathBuf)> {
 }
 
 /// Saves the trainer's whole state under `root/step-NNNNNNNN` as one shard, synchronously, recording it
-/// in the root's sled catalog; returns that directory. (The cluster runtime snapshots and saves in the
+/// in the root's redb catalog; returns that directory. (The cluster runtime snapshots and saves in the
 /// background with [`CheckpointWriter`] instead.)
 pub fn save(trainer: &Trainer, root: &Path) -> Result<PathBuf, CheckpointError> {
     let store = CheckpointStore::open(root, 0)?;

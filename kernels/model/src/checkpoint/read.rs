@@ -142,9 +142,10 @@ fn check_consistent(dir: &Path, manifest: &Manifest) -> Result<(), CheckpointErr
     }
     let model = crate::gpt::param_specs(&manifest.config.model);
     let matches_model = model.len() == params.len()
-        && model.iter().zip(&params).all(|(m, p)| {
-            m.name == p.param && m.shape.iter().map(|&d| d as usize).eq(p.shape.iter().copied())
-        });
+        && model
+            .iter()
+            .zip(&params)
+            .all(|(m, p)| m.name == p.param && m.shape.iter().map(|&d| d as usize).eq(p.shape.iter().copied()));
     if !matches_model {
         return Err(bad("the tensors are not those of the model in the manifest's config".into()));
     }
@@ -153,7 +154,10 @@ fn check_consistent(dir: &Path, manifest: &Manifest) -> Result<(), CheckpointErr
     }
     for entry in &manifest.tensors {
         if entry.dtype != "F32" {
-            return Err(bad(format!("{} {:?}: dtype {} (this build reads F32)", entry.param, entry.state, entry.dtype)));
+            return Err(bad(format!(
+                "{} {:?}: dtype {} (this build reads F32)",
+                entry.param, entry.state, entry.dtype
+            )));
         }
         let mut pieces: Vec<&Range<usize>> = entry.pieces.iter().map(|p| &p.elements).collect();
         pieces.sort_by_key(|r| r.start);
@@ -165,7 +169,12 @@ fn check_consistent(dir: &Path, manifest: &Manifest) -> Result<(), CheckpointErr
             next = r.end;
         }
         if next != entry.numel() {
-            return Err(bad(format!("the pieces of {} {:?} cover {next} of {} elements", entry.param, entry.state, entry.numel())));
+            return Err(bad(format!(
+                "the pieces of {} {:?} cover {next} of {} elements",
+                entry.param,
+                entry.state,
+                entry.numel()
+            )));
         }
         if let Some(p) = entry.pieces.iter().find(|p| !manifest.files.iter().any(|f| f.name == p.file)) {
             return Err(bad(format!("{} names file {}, which is not listed", entry.param, p.file)));

@@ -113,16 +113,19 @@ impl TrainingState {
         }
         let specs = trainer.model.specs();
         let same_tensors = specs.len() == self.tensors.len()
-            && specs.iter().zip(&self.tensors).all(|(s, t)| {
-                s.name == t.name && s.shape.iter().map(|&d| d as usize).eq(t.shape.iter().copied())
-            });
+            && specs
+                .iter()
+                .zip(&self.tensors)
+                .all(|(s, t)| s.name == t.name && s.shape.iter().map(|&d| d as usize).eq(t.shape.iter().copied()));
         if !same_tensors {
             return Err(mismatch("parameter list", "names or shapes differ from this model's".into()));
         }
         let offsets = self.offsets();
         let tensor = |kind: StateKind, i: usize, like: &Tensor| {
             let shape: Vec<i64> = self.tensors[i].shape.iter().map(|&d| d as i64).collect();
-            Tensor::from_slice(&self.values(kind)[offsets[i]..offsets[i + 1]]).view(shape.as_slice()).to_device(like.device())
+            Tensor::from_slice(&self.values(kind)[offsets[i]..offsets[i + 1]])
+                .view(shape.as_slice())
+                .to_device(like.device())
         };
         let params = trainer.model.params();
         let values: Vec<Tensor> = (0..params.len()).map(|i| tensor(StateKind::Param, i, &params[i])).collect();
@@ -135,4 +138,27 @@ impl TrainingState {
         trainer.step = self.step;
         Ok(())
     }
+}
+
+/// A synthetic state for step `step` whose every value is a function of (step, position): what the
+/// crash-consistency writer saves, so a reader can check a loaded checkpoint bit for bit without a
+/// trainer. About 1 MB of values (a small model's shapes: `JobConfig::small`).
+pub fn crash_state(step: u64) -> TrainingState {
+    let config = JobConfig::small(1_000_000);
+    let tensors: Vec<TensorSpec> = crate::gpt::param_specs(&config.model)
+        .iter()
+        .map(|s| TensorSpec { name: s.name.clone(), shape: s.shape.iter().map(|&d| d as usize).collect() })
+        .collect();
+    let total: usize = tensors.iter().map(TensorSpec::numel).sum();
+    let values = [0u64, 1, 2]
+        .map(|k| (0..total).map(|i| (crate::rng::hash_words(&[step, k, i as u64]) >> 40) as f32).collect::<Vec<f32>>());
+    let sampler = SamplerState {
+        seed: config.train.seed,
+        next_step: step,
+        global_batch: config.train.global_batch,
+        context: config.model.context,
+        corpus_fingerprint: 0,
+        corpus_tokens: 0,
+    };
+    TrainingState { config, step, optimizer_step: step, sampler, tensors, values }
 }

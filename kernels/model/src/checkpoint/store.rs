@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::catalog::{Catalog, CatalogEntry, SledCatalog};
+use super::catalog::{Catalog, CatalogEntry, RedbCatalog};
 use super::manifest::Layout;
 use super::state::TrainingState;
 use super::write::{private_name, write_checkpoint};
@@ -46,10 +46,10 @@ impl std::fmt::Debug for CheckpointStore {
 }
 
 impl CheckpointStore {
-    /// The root `root` with its sled catalog (`ROOT/catalog.sled`), keeping the newest `keep_last`
+    /// The root `root` with its redb catalog (`ROOT/catalog.redb`), keeping the newest `keep_last`
     /// checkpoints (0 keeps all).
     pub fn open(root: &Path, keep_last: usize) -> Result<Self, CheckpointError> {
-        Self::with_catalog(root, keep_last, Arc::new(SledCatalog::at_root(root)))
+        Self::with_catalog(root, keep_last, Arc::new(RedbCatalog::at_root(root)))
     }
 
     /// The root with any catalog; creates it, removes what crashed writers left, reconciles the catalog.
@@ -136,10 +136,13 @@ impl CheckpointStore {
             match read::verify(dir) {
                 Ok(manifest) => {
                     let bytes = manifest.files.iter().map(|f| f.bytes).sum();
-                    let entry = CatalogEntry { step: *step, dir: step_dir_name(*step), bytes, files: manifest.files.len() };
+                    let entry =
+                        CatalogEntry { step: *step, dir: step_dir_name(*step), bytes, files: manifest.files.len() };
                     self.catalog.record(&entry)?;
                 }
-                Err(why) => tracing::warn!(checkpoint = %dir.display(), "not recording a checkpoint that does not verify: {why}"),
+                Err(why) => {
+                    tracing::warn!(checkpoint = %dir.display(), "not recording a checkpoint that does not verify: {why}")
+                }
             }
         }
         Ok(())
@@ -196,6 +199,6 @@ mod tests {
         assert_eq!(leftover_pid(".tmp-step-00000012-4242-7"), Some(4242));
         assert_eq!(leftover_pid(".old-step-00000012-17-0"), Some(17));
         assert_eq!(leftover_pid("step-00000012"), None);
-        assert_eq!(leftover_pid("catalog.sled"), None);
+        assert_eq!(leftover_pid("catalog.redb"), None);
     }
 }

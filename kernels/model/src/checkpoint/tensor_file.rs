@@ -111,15 +111,22 @@ pub fn read_verified(dir: &Path, name: &str, bytes: u64, checksum: u64) -> Resul
     }
     let found = checksum64(&data);
     if found != checksum {
-        return Err(CheckpointError::Checksum { path: dir.to_owned(), file: name.to_owned(), expected: checksum, found });
+        return Err(CheckpointError::Checksum {
+            path: dir.to_owned(),
+            file: name.to_owned(),
+            expected: checksum,
+            found,
+        });
     }
     Ok(data)
 }
 
 /// Parses a verified safetensors buffer (the crate validates the header and every offset).
 pub fn parse<'a>(path: &Path, buffer: &'a [u8]) -> Result<safetensors::SafeTensors<'a>, CheckpointError> {
-    safetensors::SafeTensors::deserialize(buffer)
-        .map_err(|e| CheckpointError::Tensors { path: path.to_owned(), message: format!("not a safetensors file: {e}") })
+    safetensors::SafeTensors::deserialize(buffer).map_err(|e| CheckpointError::Tensors {
+        path: path.to_owned(),
+        message: format!("not a safetensors file: {e}"),
+    })
 }
 
 /// Copies the `f32` values of tensor `key` of `file`, elements `elements` (of its flattened form), into `out`.

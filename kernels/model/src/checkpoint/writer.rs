@@ -26,10 +26,21 @@ pub struct SaveRequest {
 #[derive(Debug)]
 pub enum WriteReport {
     /// Committed and recorded: durable.
-    Durable { tag: u64, saved: Saved },
-    Failed { tag: u64, step: u64, error: CheckpointError },
+    Durable {
+        tag: u64,
+        saved: Saved,
+    },
+    Failed {
+        tag: u64,
+        step: u64,
+        error: CheckpointError,
+    },
     /// Replaced in the queue by the snapshot of step `by` before it was written.
-    Superseded { tag: u64, step: u64, by: u64 },
+    Superseded {
+        tag: u64,
+        step: u64,
+        by: u64,
+    },
 }
 
 type OnReport = Arc<dyn Fn(WriteReport) + Send + Sync>;
