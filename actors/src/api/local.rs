@@ -31,6 +31,8 @@ pub struct LocalClusterOptions {
     pub torch_threads: usize,
     /// Log filter for child daemons' stderr (RUST_LOG syntax); None: warnings only.
     pub log: Option<String>,
+    /// Where child daemons' stderr goes: `DIR/NAME.log` (appended); None: this process's stderr.
+    pub log_dir: Option<PathBuf>,
     /// How each daemon restarts a failing worker before it escalates (stops).
     pub restart: RestartPolicy,
 }
@@ -43,6 +45,7 @@ impl LocalClusterOptions {
             membership: MembershipConfig::default(),
             torch_threads: 0,
             log: None,
+            log_dir: None,
             restart: RestartPolicy::default(),
         }
     }
@@ -101,7 +104,8 @@ impl LocalCluster {
         let config = self.node_config(i, &self.options);
         let path = self.dir.path().join(format!("{}.toml", node_name(i)));
         std::fs::write(&path, toml::to_string(&config)?)?;
-        let (child, addr) = spawn_daemon(&binary, &path, self.options.log.as_deref())?;
+        let log_file = self.options.log_dir.as_ref().map(|dir| dir.join(format!("{}.log", node_name(i))));
+        let (child, addr) = spawn_daemon(&binary, &path, self.options.log.as_deref(), log_file.as_deref())?;
         if i == 0 {
             self.controller = addr;
         }
@@ -273,8 +277,24 @@ fn terminate(child: &mut Child) {
     let _ = child.wait();
 }
 
-/// Starts `binary daemon --config path` and reads the address it prints once listening.
-fn spawn_daemon(binary: &Path, config: &Path, log: Option<&str>) -> anyhow::Result<(Child, SocketAddr)> {
+/// Starts `binary daemon --config path` and reads the address it prints once listening. Its stderr goes
+/// to `log_file` (appended) if given.
+fn spawn_daemon(
+    binary: &Path,
+    config: &Path,
+    log: Option<&str>,
+    log_file: Option<&Path>,
+) -> anyhow::Result<(Child, SocketAddr)> {
+    let stderr = match log_file {
+        Some(path) => Stdio::from(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .with_context(|| format!("opening the daemon log {}", path.display()))?,
+        ),
+        None => Stdio::inherit(),
+    };
     let mut command = Command::new(binary);
     command
         .arg("daemon")
@@ -284,7 +304,7 @@ fn spawn_daemon(binary: &Path, config: &Path, log: Option<&str>) -> anyhow::Resu
         .env("RUST_LOG", log.unwrap_or("warn"))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+        .stderr(stderr);
     let mut child = command.spawn().with_context(|| format!("starting {} daemon", binary.display()))?;
     let stdout = child.stdout.take().expect("piped");
     let mut line = String::new();
@@ -294,7 +314,11 @@ fn spawn_daemon(binary: &Path, config: &Path, log: Option<&str>) -> anyhow::Resu
     let Some(addr) = addr else {
         let _ = child.kill();
         let status = child.wait();
-        bail!("daemon {} did not start (said {line:?}, exit {status:?}); its error is above", config.display());
+        bail!(
+            "daemon {} did not start (said {line:?}, exit {status:?}); its error is in {}",
+            config.display(),
+            log_file.map_or("the output above".into(), |p| p.display().to_string())
+        );
     };
     // Keep draining its stdout so the daemon never blocks on a full pipe.
     std::thread::spawn(move || for _ in reader.lines() {});
