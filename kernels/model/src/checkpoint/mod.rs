@@ -37,7 +37,7 @@ use std::path::{Path, PathBuf};
 pub use catalog::{Catalog, CatalogEntry, MemoryCatalog, RedbCatalog};
 pub use manifest::{Layout, Manifest, ShardMode, StateKind, FORMAT, FORMAT_VERSION, MANIFEST};
 pub use read::{load_shard, load_state, verify};
-pub use state::{crash_state, TrainingState};
+pub use state::{crash_state, synthetic_state, TrainingState};
 pub use store::{CheckpointStore, Saved};
 pub use writer::{CheckpointWriter, SaveRequest, WriteReport};
 

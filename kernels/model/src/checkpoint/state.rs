@@ -140,11 +140,10 @@ impl TrainingState {
     }
 }
 
-/// A synthetic state for step `step` whose every value is a function of (step, position): what the
-/// crash-consistency writer saves, so a reader can check a loaded checkpoint bit for bit without a
-/// trainer. About 1 MB of values (a small model's shapes: `JobConfig::small`).
-pub fn crash_state(step: u64) -> TrainingState {
-    let config = JobConfig::small(1_000_000);
+/// A synthetic state of `config`'s model at step `step` whose every value is a function of (step,
+/// position): what the crash-consistency writer saves (so a reader can check a loaded checkpoint bit for
+/// bit without a trainer) and what `troupe bench checkpoint` writes for models too large to train here.
+pub fn synthetic_state(config: &JobConfig, step: u64) -> TrainingState {
     let tensors: Vec<TensorSpec> = crate::gpt::param_specs(&config.model)
         .iter()
         .map(|s| TensorSpec { name: s.name.clone(), shape: s.shape.iter().map(|&d| d as usize).collect() })
@@ -160,5 +159,11 @@ pub fn crash_state(step: u64) -> TrainingState {
         corpus_fingerprint: 0,
         corpus_tokens: 0,
     };
-    TrainingState { config, step, optimizer_step: step, sampler, tensors, values }
+    TrainingState { config: config.clone(), step, optimizer_step: step, sampler, tensors, values }
+}
+
+/// The crash-consistency writer's state of step `step`: [`synthetic_state`] of `JobConfig::small`
+/// (about 1 MB).
+pub fn crash_state(step: u64) -> TrainingState {
+    synthetic_state(&JobConfig::small(1_000_000), step)
 }

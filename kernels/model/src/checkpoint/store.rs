@@ -27,8 +27,10 @@ pub struct Saved {
     pub step: u64,
     /// Bytes of the shard files.
     pub bytes: u64,
-    /// Write and commit, from the first byte to the catalog flush.
+    /// Write and commit, from the first byte to the catalog commit.
     pub seconds: f64,
+    /// Of which recording it in the catalog.
+    pub catalog_seconds: f64,
     /// The step's directory already existed and verified, and was kept.
     pub kept_existing: bool,
 }
@@ -82,11 +84,12 @@ impl CheckpointStore {
             bytes: committed.bytes,
             files: committed.manifest.files.len(),
         };
+        let catalog_t0 = Instant::now();
         if let Err(e) = self.catalog.record(&entry) {
             // Committed all the same (the directory is authoritative); the next store reconciles it.
             tracing::warn!(checkpoint = %committed.path.display(), "checkpoint committed but not recorded in the catalog: {e}");
         }
-        let seconds = t0.elapsed().as_secs_f64();
+        let (seconds, catalog_seconds) = (t0.elapsed().as_secs_f64(), catalog_t0.elapsed().as_secs_f64());
         if let Err(e) = self.retain() {
             tracing::warn!(root = %self.root.display(), "removing old checkpoints failed: {e}");
         }
@@ -95,6 +98,7 @@ impl CheckpointStore {
             step: state.step,
             bytes: committed.bytes,
             seconds,
+            catalog_seconds,
             kept_existing: committed.kept_existing,
         })
     }

@@ -8,9 +8,12 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Write;
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use tch::Tensor;
+use troupe_kernels::partition::balanced_range;
 use troupe_kernels::{checksum64, Checksum64Stream};
 
 use super::{io, CheckpointError};
@@ -35,45 +38,61 @@ pub struct Written {
 
 /// Bytes per `write` call: large enough that the disk, not the syscalls, sets the pace.
 const WRITE_CHUNK_BYTES: usize = 8 << 20;
+/// Below this many bytes per thread a file is written by one thread.
+const BYTES_PER_THREAD_MIN: u64 = 8 << 20;
 
-/// Writes `tensors` (in order) to a new file at `path` and fsyncs it.
+/// Writes `tensors` (in order) to a new file at `path` and fsyncs it, with up to `threads` threads each
+/// writing a contiguous part at its offset (copying into the page cache runs on several cores, as the
+/// disk drains it) while this thread computes the checksum of the whole file in order.
 pub fn write_f32_file(
     path: &Path,
     tensors: &[FileTensor<'_>],
     metadata: &BTreeMap<String, String>,
+    threads: usize,
 ) -> Result<Written, CheckpointError> {
     let header = header_bytes(tensors, metadata);
-    let mut file = File::create(path).map_err(io(path, "create"))?;
-    let mut checksum = Checksum64Stream::new();
-    let mut put = |bytes: &[u8]| -> Result<(), CheckpointError> {
-        checksum.update(bytes);
-        file.write_all(bytes).map_err(io(path, "write"))
-    };
-    put(&(header.len() as u64).to_le_bytes())?;
-    put(&header)?;
-    let mut bytes = 8 + header.len() as u64;
-    // Small tensors are gathered into one buffer; large ones go straight from memory.
-    let mut small = Vec::with_capacity(1 << 20);
-    for tensor in tensors {
-        let data: &[u8] = bytemuck_f32(tensor.data);
-        bytes += data.len() as u64;
-        if data.len() < (1 << 20) {
-            small.extend_from_slice(data);
-            if small.len() >= (1 << 20) {
-                put(&small)?;
-                small.clear();
-            }
-            continue;
+    let prefix = (header.len() as u64).to_le_bytes();
+    let mut segments: Vec<&[u8]> = vec![&prefix, &header];
+    segments.extend(tensors.iter().map(|t| bytemuck_f32(t.data)));
+    let bytes: u64 = segments.iter().map(|s| s.len() as u64).sum();
+    let threads = threads.clamp(1, (bytes / BYTES_PER_THREAD_MIN).max(1) as usize);
+    let file = File::create(path).map_err(io(path, "create"))?;
+    let checksum = std::thread::scope(|scope| {
+        let writers: Vec<_> = (0..threads)
+            .map(|t| {
+                let range = balanced_range(bytes as usize, threads, t);
+                let (file, segments) = (&file, &segments);
+                scope.spawn(move || write_range(file, segments, range))
+            })
+            .collect();
+        let mut checksum = Checksum64Stream::new();
+        for segment in &segments {
+            checksum.update(segment);
         }
-        put(&small)?;
-        small.clear();
-        for chunk in data.chunks(WRITE_CHUNK_BYTES) {
-            put(chunk)?;
+        for writer in writers {
+            writer.join().expect("a file writer does not panic").map_err(io(path, "write"))?;
         }
-    }
-    put(&small)?;
+        Ok::<u64, CheckpointError>(checksum.finish())
+    })?;
     file.sync_all().map_err(io(path, "fsync"))?;
-    Ok(Written { bytes, checksum: checksum.finish() })
+    Ok(Written { bytes, checksum })
+}
+
+/// Writes bytes `range` of the file made of `segments` (in order) at their offsets.
+fn write_range(file: &File, segments: &[&[u8]], range: Range<usize>) -> std::io::Result<()> {
+    let mut at = 0;
+    for segment in segments {
+        let start = range.start.max(at);
+        let end = range.end.min(at + segment.len());
+        let mut offset = start;
+        while offset < end {
+            let chunk_end = (offset + WRITE_CHUNK_BYTES).min(end);
+            file.write_all_at(&segment[offset - at..chunk_end - at], offset as u64)?;
+            offset = chunk_end;
+        }
+        at += segment.len();
+    }
+    Ok(())
 }
 
 /// The JSON header: every tensor `F32` at consecutive offsets, padded with spaces to a multiple of 8.

@@ -1,7 +1,8 @@
 //! The atomic commit of one checkpoint directory.
 //!
 //! 1. Every shard is written to a fresh temporary directory (`.tmp-step-N-PID-K`) and fsynced; shards
-//!    are written by parallel threads (one per shard, at most [`WRITE_THREADS_MAX`]).
+//!    are written by parallel threads (one per shard, at most [`WRITE_THREADS_MAX`], the rest of that
+//!    budget splitting each file).
 //! 2. The manifest is written and fsynced, then the temporary directory itself.
 //! 3. The directory is renamed to `step-N` and the root fsynced. From here on the checkpoint exists.
 //!
@@ -24,8 +25,9 @@ use super::state::TrainingState;
 use super::tensor_file::{write_f32_file, write_synced, FileTensor};
 use super::{io, read, step_dir_name, sync_dir, CheckpointError};
 
-/// Most threads writing the shards of one checkpoint.
-pub const WRITE_THREADS_MAX: usize = 8;
+/// Most threads writing one checkpoint: shards are written in parallel, and a file gets several
+/// threads when there are fewer shards than this.
+pub const WRITE_THREADS_MAX: usize = 4;
 
 /// A committed checkpoint.
 #[derive(Clone, Debug)]
@@ -125,6 +127,7 @@ fn write_shards(
 ) -> Result<Vec<FileEntry>, CheckpointError> {
     let shards = plans.len();
     let threads = shards.min(WRITE_THREADS_MAX);
+    let per_file = (WRITE_THREADS_MAX / threads).max(1);
     let write_one = |index: usize| -> Result<FileEntry, CheckpointError> {
         let name = shard_file_name(index, shards);
         let (range, pieces) = &plans[index];
@@ -146,7 +149,7 @@ fn write_shards(
             ("shard".to_owned(), format!("{index} of {shards}")),
             ("flat_range".to_owned(), format!("{}..{}", range.start, range.end)),
         ]);
-        let written = write_f32_file(&tmp.join(&name), &tensors, &metadata)?;
+        let written = write_f32_file(&tmp.join(&name), &tensors, &metadata, per_file)?;
         Ok(FileEntry { name, shard: index, stage: 0, bytes: written.bytes, checksum: written.checksum })
     };
     if threads <= 1 {
