@@ -46,9 +46,10 @@ pub struct CheckpointArgs {
 /// A state of about 200 MB (16.2M parameters × 3 f32 states): gpt-tiny's shape scaled to d_model 384 and
 /// 9 blocks.
 fn large_config() -> JobConfig {
-    let mut config = JobConfig::default();
-    config.model = GptConfig { d_model: 384, n_layers: 9, n_heads: 6, ..GptConfig::gpt_tiny() };
-    config
+    JobConfig {
+        model: GptConfig { d_model: 384, n_layers: 9, n_heads: 6, ..GptConfig::gpt_tiny() },
+        ..JobConfig::default()
+    }
 }
 
 pub fn run(args: CheckpointArgs) -> anyhow::Result<()> {
@@ -74,7 +75,15 @@ pub fn run(args: CheckpointArgs) -> anyhow::Result<()> {
     let threads = troupe_model::trainer::configure_torch_threads(0, 1);
     let mut trainer = Trainer::new(JobConfig::default())?;
     trainer.train_step(); // warm-up (allocations, first-touch)
-    let step_s = median((0..args.steps).map(|_| timed(|| drop(trainer.train_step()))).collect());
+    let step_s = median(
+        (0..args.steps)
+            .map(|_| {
+                timed(|| {
+                    trainer.train_step();
+                })
+            })
+            .collect(),
+    );
     let snapshot_s = median((0..args.steps).map(|_| timed(|| drop(TrainingState::snapshot(&trainer)))).collect());
     let fraction = snapshot_s / step_s;
     print(

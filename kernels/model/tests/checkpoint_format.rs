@@ -60,8 +60,8 @@ fn resharding_round_trips_between_one_and_four_shards_are_bit_exact() {
                     j.extend(v);
                 }
             }
-            for k in 0..3 {
-                assert!(bits(&joined[k]) == bits(&original.values[k]), "{saved_as} → {loaded_as} shards: state {k}");
+            for (k, joined) in joined.iter().enumerate() {
+                assert!(bits(joined) == bits(&original.values[k]), "{saved_as} → {loaded_as} shards: state {k}");
             }
             // And saved again in the other layout, then loaded whole.
             let again = dir.path().join(format!("again-{saved_as}-{loaded_as}"));

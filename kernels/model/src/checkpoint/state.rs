@@ -129,9 +129,9 @@ impl TrainingState {
         };
         let params = trainer.model.params();
         let values: Vec<Tensor> = (0..params.len()).map(|i| tensor(StateKind::Param, i, &params[i])).collect();
-        for i in 0..values.len() {
-            trainer.optimizer.exp_avg[i] = tensor(StateKind::ExpAvg, i, &values[i]);
-            trainer.optimizer.exp_avg_sq[i] = tensor(StateKind::ExpAvgSq, i, &values[i]);
+        for (i, value) in values.iter().enumerate() {
+            trainer.optimizer.exp_avg[i] = tensor(StateKind::ExpAvg, i, value);
+            trainer.optimizer.exp_avg_sq[i] = tensor(StateKind::ExpAvgSq, i, value);
         }
         trainer.model.load_values(&values);
         trainer.optimizer.step = self.optimizer_step;
