@@ -217,7 +217,10 @@ impl WorkerState {
         let Some(slot) = self.jobs.get_mut(&job) else { return };
         let Some(prepared) = slot.prepared.take_if(|p| p.attempt == attempt) else { return };
         let Some(trainer) = slot.trainer.take() else { return };
-        if prepared.rank == 0 && slot.writer.is_none() {
+        if prepared.rank != 0 {
+            // Another rank writes now: this worker's writer finishes what it has and lets the catalog go.
+            slot.writer = None;
+        } else if slot.writer.is_none() {
             slot.writer = spawn_writer(&prepared.spec, job, &self.args.node);
         }
         let writer = if prepared.rank == 0 { slot.writer.clone() } else { None };
@@ -442,7 +445,13 @@ const FINAL_CHECKPOINT_WAIT: Duration = Duration::from_secs(300);
 /// the step loop waits for) and written by the job's writer thread in the background.
 fn submit_checkpoint<T: Transport>(ctx: &AttemptCtx, writer: &CheckpointWriter, replica: &DataParallelReplica<T>) {
     let t0 = Instant::now();
-    let state = Box::new(TrainingState::snapshot(replica.trainer()));
+    let state = match writer.take_spare() {
+        Some(mut spare) => {
+            spare.refresh(replica.trainer());
+            spare
+        }
+        None => Box::new(TrainingState::snapshot(replica.trainer())),
+    };
     let step = state.step;
     tracing::debug!(job = ctx.job, step, seconds = t0.elapsed().as_secs_f64(), "checkpoint snapshot taken");
     writer.submit(SaveRequest { state, layout: Layout::ddp(replica.world()), tag: ctx.attempt });

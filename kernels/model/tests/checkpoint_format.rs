@@ -233,3 +233,15 @@ fn the_async_writer_writes_one_at_a_time_and_a_newer_snapshot_replaces_a_queued_
     let steps: Vec<u64> = catalog.entries().unwrap().iter().map(|e| e.step).collect();
     assert_eq!(steps, vec![1, 3]);
 }
+
+#[test]
+fn refreshing_a_recycled_snapshot_equals_a_fresh_one() {
+    tch::set_num_threads(1);
+    let mut trainer = Trainer::new(JobConfig::small(4)).unwrap();
+    trainer.train_step();
+    let mut recycled = TrainingState::snapshot(&trainer);
+    trainer.train_step();
+    recycled.refresh(&trainer);
+    assert_same(&recycled, &TrainingState::snapshot(&trainer), "refreshed");
+    assert_eq!(recycled.step, 2);
+}

@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -64,16 +64,25 @@ impl Catalog for MemoryCatalog {
 /// (kernels/model/tests/checkpoint_crash.rs): after a SIGKILL during its snapshot write it refused to open
 /// (`Read corrupted data at file offset None`, sled issues #1527 and #1533), losing every commit it held.
 ///
-/// The database is opened for each operation and closed after it: several writers of one root (rank 0
-/// moving between daemons of one process) and readers then never hold its exclusive lock for longer than
-/// an operation; a contended open is retried for up to [`LOCK_WAIT`].
-#[derive(Debug)]
+/// The database is opened at the first operation and held until the catalog is dropped (a store, and so
+/// a job's writer thread, owns one): opening and closing a redb file costs several fsyncs, as much as the
+/// commit itself. redb allows one open handle per file; a second writer of the same root (rank 0 moved to
+/// another daemon while the old one still runs) retries its open for up to [`LOCK_WAIT`], then gives up
+/// for that operation — the checkpoint is committed all the same (the directories are authoritative) and
+/// the next store on the root records it.
 pub struct RedbCatalog {
     path: PathBuf,
+    db: Mutex<Option<redb::Database>>,
 }
 
-/// Longest wait for another process's or writer's operation on the same catalog.
-pub const LOCK_WAIT: Duration = Duration::from_secs(10);
+impl std::fmt::Debug for RedbCatalog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedbCatalog").field("path", &self.path).finish_non_exhaustive()
+    }
+}
+
+/// Longest wait for another handle on the same catalog to close.
+pub const LOCK_WAIT: Duration = Duration::from_secs(2);
 
 /// The catalog's file name under a checkpoint root.
 pub const CATALOG_FILE: &str = "catalog.redb";
@@ -82,7 +91,7 @@ const TABLE: redb::TableDefinition<u64, &[u8]> = redb::TableDefinition::new("che
 
 impl RedbCatalog {
     pub fn at_root(root: &Path) -> Self {
-        Self { path: root.join(CATALOG_FILE) }
+        Self { path: root.join(CATALOG_FILE), db: Mutex::new(None) }
     }
 
     pub fn path(&self) -> &Path {
@@ -93,17 +102,20 @@ impl RedbCatalog {
         CheckpointError::Catalog { path: self.path.clone(), message: message.to_string() }
     }
 
-    fn open(&self) -> Result<redb::Database, CheckpointError> {
+    /// The held database, opened first if this handle has not yet.
+    fn open(&self) -> Result<MutexGuard<'_, Option<redb::Database>>, CheckpointError> {
+        let mut held = self.db.lock().expect("not poisoned");
         let t0 = Instant::now();
-        loop {
+        while held.is_none() {
             match redb::Database::create(&self.path) {
-                Ok(db) => return Ok(db),
+                Ok(db) => *held = Some(db),
                 Err(redb::DatabaseError::DatabaseAlreadyOpen) if t0.elapsed() < LOCK_WAIT => {
                     std::thread::sleep(Duration::from_millis(5));
                 }
                 Err(e) => return Err(self.error(format!("cannot open it: {e}"))),
             }
         }
+        Ok(held)
     }
 
     /// One write transaction, committed durably.
@@ -111,7 +123,8 @@ impl RedbCatalog {
         &self,
         op: impl FnOnce(&mut redb::Table<'_, u64, &[u8]>) -> Result<(), redb::StorageError>,
     ) -> Result<(), CheckpointError> {
-        let db = self.open()?;
+        let held = self.open()?;
+        let db = held.as_ref().expect("open() holds a database");
         let txn = db.begin_write().map_err(|e| self.error(e))?;
         {
             let mut table = txn.open_table(TABLE).map_err(|e| self.error(e))?;
@@ -133,7 +146,8 @@ impl Catalog for RedbCatalog {
 
     fn entries(&self) -> Result<Vec<CatalogEntry>, CheckpointError> {
         use redb::ReadableTable;
-        let db = self.open()?;
+        let held = self.open()?;
+        let db = held.as_ref().expect("open() holds a database");
         let txn = db.begin_read().map_err(|e| self.error(e))?;
         let table = match txn.open_table(TABLE) {
             Ok(t) => t,

@@ -73,6 +73,36 @@ impl TrainingState {
         }
     }
 
+    /// [`Self::snapshot`] into this state's buffers, when it holds a state of the same model (a recycled
+    /// snapshot): copying into memory already mapped saves the page faults of fresh buffers, which cost
+    /// as much as the copy itself.
+    pub fn refresh(&mut self, trainer: &Trainer) {
+        let same_shapes = self.tensors.len() == trainer.model.specs().len()
+            && self
+                .tensors
+                .iter()
+                .zip(trainer.model.specs())
+                .all(|(t, s)| t.name == s.name && t.shape.iter().copied().eq(s.shape.iter().map(|&d| d as usize)));
+        if !same_shapes {
+            *self = Self::snapshot(trainer);
+            return;
+        }
+        let sources: [&[Tensor]; 3] =
+            [trainer.model.params(), &trainer.optimizer.exp_avg, &trainer.optimizer.exp_avg_sq];
+        for (flat, list) in self.values.iter_mut().zip(sources) {
+            let mut at = 0;
+            for (tensor, spec) in list.iter().zip(&self.tensors) {
+                let n = spec.numel();
+                tensor.detach().copy_data(&mut flat[at..at + n], n);
+                at += n;
+            }
+        }
+        self.config.clone_from(&trainer.config);
+        self.step = trainer.step;
+        self.optimizer_step = trainer.optimizer.step;
+        self.sampler = trainer.sampler.state(trainer.step, trainer.config.train.global_batch);
+    }
+
     /// Elements of one state (all three have the same length).
     pub fn flat_len(&self) -> usize {
         self.values[0].len()

@@ -51,6 +51,8 @@ struct Slot {
     /// The step being written.
     writing: Option<u64>,
     closed: bool,
+    /// The last snapshot written, handed back for the next one to copy into (`TrainingState::refresh`).
+    spare: Option<Box<TrainingState>>,
 }
 
 struct Shared {
@@ -98,6 +100,11 @@ impl CheckpointWriter {
         if let Some(old) = replaced {
             (self.on_report)(WriteReport::Superseded { tag: old.tag, step: old.state.step, by });
         }
+    }
+
+    /// A snapshot already written, to refresh rather than allocate a new one.
+    pub fn take_spare(&self) -> Option<Box<TrainingState>> {
+        self.shared.slot.lock().expect("not poisoned").spare.take()
     }
 
     /// Nothing queued and nothing being written.
@@ -162,9 +169,12 @@ fn write_loop(store: &CheckpointStore, shared: &Shared, on_report: &(dyn Fn(Writ
             Ok(saved) => WriteReport::Durable { tag, saved },
             Err(error) => WriteReport::Failed { tag, step, error },
         };
-        drop(request);
         on_report(report);
-        shared.slot.lock().expect("not poisoned").writing = None;
+        {
+            let mut slot = shared.slot.lock().expect("not poisoned");
+            slot.writing = None;
+            slot.spare = Some(request.state);
+        }
         shared.changed.notify_all();
     }
 }
