@@ -51,18 +51,8 @@ impl TrainingState {
             .map(|s| TensorSpec { name: s.name.clone(), shape: s.shape.iter().map(|&d| d as usize).collect() })
             .collect();
         let total = tensors.iter().map(TensorSpec::numel).sum();
-        let sources: [&[Tensor]; 3] =
-            [trainer.model.params(), &trainer.optimizer.exp_avg, &trainer.optimizer.exp_avg_sq];
-        let values = sources.map(|list| {
-            let mut flat = vec![0f32; total];
-            let mut at = 0;
-            for (tensor, spec) in list.iter().zip(&tensors) {
-                let n = spec.numel();
-                tensor.detach().copy_data(&mut flat[at..at + n], n);
-                at += n;
-            }
-            flat
-        });
+        let mut values = [0, 1, 2].map(|_| vec![0f32; total]);
+        copy_values(trainer, &tensors, &mut values);
         Self {
             config: trainer.config.clone(),
             step: trainer.step,
@@ -87,16 +77,7 @@ impl TrainingState {
             *self = Self::snapshot(trainer);
             return;
         }
-        let sources: [&[Tensor]; 3] =
-            [trainer.model.params(), &trainer.optimizer.exp_avg, &trainer.optimizer.exp_avg_sq];
-        for (flat, list) in self.values.iter_mut().zip(sources) {
-            let mut at = 0;
-            for (tensor, spec) in list.iter().zip(&self.tensors) {
-                let n = spec.numel();
-                tensor.detach().copy_data(&mut flat[at..at + n], n);
-                at += n;
-            }
-        }
+        copy_values(trainer, &self.tensors, &mut self.values);
         self.config.clone_from(&trainer.config);
         self.step = trainer.step;
         self.optimizer_step = trainer.optimizer.step;
@@ -167,6 +148,19 @@ impl TrainingState {
         trainer.optimizer.step = self.optimizer_step;
         trainer.step = self.step;
         Ok(())
+    }
+}
+
+/// Copies the trainer's parameters and moments into the three flat vectors (sized for `tensors`).
+fn copy_values(trainer: &Trainer, tensors: &[TensorSpec], values: &mut [Vec<f32>; 3]) {
+    let sources: [&[Tensor]; 3] = [trainer.model.params(), &trainer.optimizer.exp_avg, &trainer.optimizer.exp_avg_sq];
+    for (flat, list) in values.iter_mut().zip(sources) {
+        let mut at = 0;
+        for (tensor, spec) in list.iter().zip(tensors) {
+            let n = spec.numel();
+            tensor.detach().copy_data(&mut flat[at..at + n], n);
+            at += n;
+        }
     }
 }
 
