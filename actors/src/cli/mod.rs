@@ -1,6 +1,7 @@
 //! `troupe` subcommands. Each lives in its own file with a clap `Args`/`Subcommand` type and a `run`.
 
 mod bench_allreduce;
+mod bench_checkpoint;
 mod bench_kernels;
 mod bench_recovery;
 mod bench_train;
@@ -63,6 +64,8 @@ enum BenchCommand {
     /// Time to detect a SIGKILLed daemon and to commit the next step without it, checked against the
     /// reference.
     Recovery(bench_recovery::RecoveryArgs),
+    /// Checkpoint write throughput beside dd to the same disk, and the snapshot's share of a step.
+    Checkpoint(bench_checkpoint::CheckpointArgs),
     /// One rank of `bench allreduce` (started by it).
     #[command(hide = true)]
     AllreduceRank,
@@ -78,6 +81,7 @@ pub fn main() -> ExitCode {
         Command::Bench(BenchCommand::Allreduce(args)) => bench_allreduce::run(args),
         Command::Bench(BenchCommand::AllreduceRank) => bench_allreduce::run_rank(),
         Command::Bench(BenchCommand::Recovery(args)) => bench_recovery::run(args),
+        Command::Bench(BenchCommand::Checkpoint(args)) => bench_checkpoint::run(args),
         Command::Cluster(command) => cluster::run(command),
         Command::Daemon(args) => daemon::run(args),
         Command::Status(args) => client::status(args),

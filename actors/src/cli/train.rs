@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use serde_json::json;
-use troupe_model::checkpoint;
+use troupe_model::checkpoint::{self, CheckpointStore, Layout, TrainingState};
 use troupe_model::config::JobConfig;
 use troupe_model::trainer::configure_torch_threads;
 use troupe_model::Trainer;
@@ -156,6 +156,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         ),
     );
 
+    let store = match &config.checkpoint.dir {
+        Some(dir) => Some(
+            CheckpointStore::open(dir, config.checkpoint.keep_last)
+                .with_context(|| format!("--checkpoint-dir {}", dir.display()))?,
+        ),
+        None => None,
+    };
     let started = Instant::now();
     let (mut first_loss, mut last_losses, mut tokens) = (None, Vec::new(), 0u64);
     while trainer.step < total {
@@ -183,9 +190,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         });
         let every = config.checkpoint.every_steps;
         let due = trainer.step == total || (every > 0 && trainer.step % every == 0);
-        if let (Some(dir), true) = (&config.checkpoint.dir, due) {
+        if let (Some(store), true) = (&store, due) {
             let saving = Instant::now();
-            save_checkpoint(&trainer, dir, config.checkpoint.keep_last, &reporter)?;
+            save_checkpoint(&trainer, store, &reporter)?;
             phases.span("checkpoint", "checkpoint", saving, Instant::now());
         }
         if let Some(spans) = phases.take() {
@@ -214,10 +221,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn save_checkpoint(trainer: &Trainer, dir: &Path, keep_last: usize, reporter: &Reporter) -> anyhow::Result<()> {
+/// A synchronous save (the single process has nothing to overlap it with but its next step).
+fn save_checkpoint(trainer: &Trainer, store: &CheckpointStore, reporter: &Reporter) -> anyhow::Result<()> {
     let t0 = Instant::now();
-    let path = checkpoint::save(trainer, dir)?;
-    checkpoint::retain_last(dir, keep_last)?;
+    let path = store.save(&TrainingState::snapshot(trainer), &Layout::ddp(1))?.path;
     let seconds = t0.elapsed().as_secs_f64();
     reporter.event(
         "checkpoint",

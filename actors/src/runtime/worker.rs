@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
@@ -18,7 +18,10 @@ use troupe_cluster::transport::quic::{bind_endpoint, PeerInfo, QuicTransport};
 use troupe_cluster::transport::same_host::{socket_path, SameHostTransport};
 use troupe_cluster::transport::Transport;
 use troupe_cluster::{NodeIdentity, TransportConfig};
-use troupe_model::{checkpoint, Trainer};
+use troupe_model::checkpoint::{
+    self, CheckpointStore, CheckpointWriter, Layout, SaveRequest, TrainingState, WriteReport,
+};
+use troupe_model::Trainer;
 
 use super::node::NodeMsg;
 use super::protocol::{AttemptOutcome, DataPlane, JobId, JobSpec, Wire};
@@ -97,6 +100,9 @@ struct JobSlot {
     running: Option<(u64, mpsc::UnboundedSender<Ctl>)>,
     /// A Prepare that arrived while the previous attempt was still handing its state back.
     deferred: Option<WorkerMsg>,
+    /// The job's checkpoint writer, once this worker has been rank 0 of an attempt; it outlives
+    /// attempts, so a save in flight is never abandoned or doubled by the next attempt.
+    writer: Option<Arc<CheckpointWriter>>,
 }
 
 pub struct WorkerState {
@@ -215,6 +221,13 @@ impl WorkerState {
         let Some(slot) = self.jobs.get_mut(&job) else { return };
         let Some(prepared) = slot.prepared.take_if(|p| p.attempt == attempt) else { return };
         let Some(trainer) = slot.trainer.take() else { return };
+        if prepared.rank != 0 {
+            // Another rank writes now: this worker's writer finishes what it has and lets the catalog go.
+            slot.writer = None;
+        } else if slot.writer.is_none() {
+            slot.writer = spawn_writer(&prepared.spec, job, &self.args.node);
+        }
+        let writer = if prepared.rank == 0 { slot.writer.clone() } else { None };
         let (tx, rx) = mpsc::unbounded_channel();
         slot.running = Some((attempt, tx));
         let ctx = AttemptCtx {
@@ -229,6 +242,7 @@ impl WorkerState {
             metrics: self.args.metrics.clone(),
             roster,
             source,
+            writer,
         };
         let me = me.clone();
         let attempt_task = async move {
@@ -265,12 +279,13 @@ impl WorkerState {
 }
 
 /// A rank with no state for a job: the latest valid durable checkpoint if the job has one, else step 0.
+/// Checkpoints that do not verify are skipped for the previous one (`latest_valid` logs each, with why).
 fn fresh_trainer(spec: &JobSpec) -> Result<Trainer, String> {
     let config = spec.config.clone();
     if let Some(dir) = &config.checkpoint.dir {
         let (latest, skipped) = checkpoint::latest_valid(dir);
-        for (bad, why) in skipped {
-            tracing::warn!(checkpoint = %bad.display(), "skipping checkpoint: {why}");
+        if let (Some(latest), false) = (&latest, skipped.is_empty()) {
+            tracing::warn!(checkpoint = %latest.display(), skipped = skipped.len(), "restoring from an older checkpoint: the newer ones do not verify");
         }
         if let Some(latest) = latest {
             return Trainer::resume(config, &latest)
@@ -301,6 +316,46 @@ struct AttemptCtx {
     metrics: Arc<NodeMetrics>,
     roster: Vec<PeerInfo>,
     source: Option<usize>,
+    /// Rank 0's checkpoint writer (with `checkpoint.dir`).
+    writer: Option<Arc<CheckpointWriter>>,
+}
+
+/// Rank 0's asynchronous checkpoint writer for `spec`'s `checkpoint.dir`, reporting each durable save to
+/// the controller (as the attempt that took the snapshot) and logging failures; None without a
+/// directory, or if the writer cannot start (logged; training goes on without checkpoints).
+fn spawn_writer(spec: &JobSpec, job: JobId, node: &ActorRef<NodeMsg>) -> Option<Arc<CheckpointWriter>> {
+    let dir = spec.config.checkpoint.dir.as_ref()?;
+    let store = match CheckpointStore::open(dir, spec.config.checkpoint.keep_last) {
+        Ok(store) => store,
+        Err(e) => {
+            tracing::error!(job, "checkpoints disabled, training goes on: {e}");
+            return None;
+        }
+    };
+    let node = node.clone();
+    let on_report = move |report| match report {
+        WriteReport::Durable { tag: attempt, saved } => {
+            let (step, path, seconds) = (saved.step, saved.path, saved.seconds);
+            let _ = node.cast(NodeMsg::FromWorker(Wire::Checkpointed { job, attempt, step, path, seconds }));
+        }
+        WriteReport::Failed { step, error, .. } => {
+            tracing::error!(
+                job,
+                step,
+                "checkpoint failed, training goes on (the previous checkpoint stays valid): {error}"
+            );
+        }
+        WriteReport::Superseded { step, by, .. } => {
+            tracing::warn!(job, step, by, "checkpoint of step {step} skipped: the disk is slower than checkpoints are due; step {by} is written instead");
+        }
+    };
+    match CheckpointWriter::spawn(store, on_report) {
+        Ok(writer) => Some(Arc::new(writer)),
+        Err(e) => {
+            tracing::error!(job, "cannot start the checkpoint writer, training goes on without checkpoints: {e}");
+            None
+        }
+    }
 }
 
 /// One rank's part of an attempt. Always gives the trainer back in its last committed state.
@@ -396,17 +451,35 @@ async fn wait_abort(ctl: &mut mpsc::UnboundedReceiver<Ctl>) {
     // The worker dropped the channel (released or restarted): same as an abort.
 }
 
-/// Rank 0's durable checkpoint after a committed step. A failed save (a full disk, say) is logged and
-/// training goes on; the previous checkpoint stays valid (the commit is atomic).
-fn save_checkpoint(ctx: &AttemptCtx, trainer: &Trainer, dir: &std::path::Path, keep_last: usize) {
+/// Longest the end of a job waits for its last checkpoint to become durable.
+const FINAL_CHECKPOINT_WAIT: Duration = Duration::from_secs(300);
+
+/// Rank 0's checkpoint after a committed step: the state is copied to host memory here (the only part
+/// the step loop waits for) and written by the job's writer thread in the background.
+fn submit_checkpoint<T: Transport>(ctx: &AttemptCtx, writer: &CheckpointWriter, replica: &DataParallelReplica<T>) {
     let t0 = Instant::now();
-    match checkpoint::save(trainer, dir).and_then(|path| checkpoint::retain_last(dir, keep_last).map(|()| path)) {
-        Ok(path) => {
-            let (job, attempt, step) = (ctx.job, ctx.attempt, trainer.step);
-            let seconds = t0.elapsed().as_secs_f64();
-            let _ = ctx.node.cast(NodeMsg::FromWorker(Wire::Checkpointed { job, attempt, step, path, seconds }));
+    let state = match writer.take_spare() {
+        Some(mut spare) => {
+            spare.refresh(replica.trainer());
+            spare
         }
-        Err(e) => tracing::error!(job = ctx.job, step = trainer.step, "checkpoint failed, training goes on: {e}"),
+        None => Box::new(TrainingState::snapshot(replica.trainer())),
+    };
+    let step = state.step;
+    tracing::debug!(job = ctx.job, step, seconds = t0.elapsed().as_secs_f64(), "checkpoint snapshot taken");
+    writer.submit(SaveRequest { state, layout: Layout::ddp(replica.world()), tag: ctx.attempt });
+}
+
+/// Waits (without blocking the attempt's runtime) until the writer has made every submitted checkpoint
+/// durable or failed it, at most `limit`.
+async fn wait_writer_idle(job: JobId, writer: &CheckpointWriter, limit: Duration) {
+    let t0 = Instant::now();
+    while !writer.is_idle() {
+        if t0.elapsed() > limit {
+            tracing::warn!(job, "the last checkpoint is not durable after {limit:?}; finishing without waiting for it");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
@@ -485,12 +558,17 @@ async fn drive<T: Transport>(
         let every = spec.config.checkpoint.every_steps;
         let step = replica.trainer().step;
         let due = step == total || (every > 0 && step.is_multiple_of(every));
-        if let (0, Some(dir), true) = (replica.rank(), &spec.config.checkpoint.dir, due) {
+        if let (Some(writer), true) = (&ctx.writer, due) {
+            // The step loop waits only for the snapshot; the write runs on the writer's thread.
             let saving = Instant::now();
-            save_checkpoint(ctx, replica.trainer(), dir, spec.config.checkpoint.keep_last);
+            submit_checkpoint(ctx, writer, replica);
             phases.span("checkpoint", "checkpoint", saving, Instant::now());
         }
         report_phases(ctx, spec, replica.rank(), step, &mut phases);
+    }
+    if let Some(writer) = &ctx.writer {
+        // The job's last checkpoint is durable before the job reports its end.
+        wait_writer_idle(ctx.job, writer, FINAL_CHECKPOINT_WAIT).await;
     }
     let step = replica.trainer().step;
     let mut saved = None;

@@ -208,7 +208,7 @@ pub fn expected(
 
 /// The step of a checkpoint path (`.../step-00000009/...`).
 fn step_of(path: &Path) -> Option<u64> {
-    path.ancestors().find_map(|p| p.file_name()?.to_str()?.strip_prefix("step-")?.parse().ok())
+    path.ancestors().find_map(|p| checkpoint::parse_step_dir_name(p.file_name()?.to_str()?))
 }
 
 /// Every fault was applied as the scenario asked.
@@ -254,7 +254,7 @@ pub fn checkpoints_load(events: &[(Instant, JobEvent)], injected: &[Injected]) -
     for (dir, reported) in last_report.iter().filter(|(d, _)| d.exists()) {
         let corrupt =
             injected.iter().any(|f| f.corrupted.as_ref().is_some_and(|c| c.starts_with(dir)) && f.at > *reported);
-        match (checkpoint::load(dir), corrupt) {
+        match (checkpoint::load_state(dir), corrupt) {
             (Ok(_), false) => loaded += 1,
             (Err(_), true) => refused += 1,
             (Ok(_), true) => problems.push(format!("{} was corrupted but loads", dir.display())),

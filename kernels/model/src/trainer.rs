@@ -146,7 +146,10 @@ impl Trainer {
 
     /// Writes the model parameters alone (HF GPT-2 names) to one safetensors file.
     pub fn save_params(&self, path: &Path) -> Result<(), CheckpointError> {
-        checkpoint::write_tensors(path, self.model.named_params().map(|(n, t)| (n.to_owned(), t.detach())).collect())
+        checkpoint::tensor_file::write_tensors(
+            path,
+            self.model.named_params().map(|(n, t)| (n.to_owned(), t.detach())).collect(),
+        )
     }
 
     /// Detached copies of the parameters, for comparisons.

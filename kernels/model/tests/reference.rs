@@ -153,15 +153,18 @@ fn corrupt_checkpoint_is_refused_and_the_previous_one_is_used() {
     let older = troupe_model::checkpoint::save(&trainer, dir.path()).unwrap();
     trainer.train_step();
     let newer = troupe_model::checkpoint::save(&trainer, dir.path()).unwrap();
-    // Flip a byte in the newest checkpoint's model file.
-    let file = newer.join("model.safetensors");
+    // Flip a byte in the newest checkpoint's (only) shard.
+    let file = newer.join("shard-00000-of-00001.safetensors");
     let mut bytes = std::fs::read(&file).unwrap();
     let last = bytes.len() - 1;
     bytes[last] ^= 0xff;
     std::fs::write(&file, bytes).unwrap();
 
     let error = Trainer::resume(config.clone(), &newer).unwrap_err().to_string();
-    assert!(error.contains("does not match its checksum") && error.contains("model.safetensors"), "{error}");
+    assert!(
+        error.contains("does not match its checksum") && error.contains("shard-00000-of-00001.safetensors"),
+        "{error}"
+    );
     let (latest, skipped) = troupe_model::checkpoint::latest_valid(dir.path());
     assert_eq!(latest.as_deref(), Some(older.as_path()));
     assert_eq!(skipped.len(), 1);

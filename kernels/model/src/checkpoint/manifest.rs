@@ -1,0 +1,157 @@
+//! `manifest.json` of a version-2 checkpoint: what was saved, under which layout, and where every piece
+//! of every tensor lies.
+//!
+//! The layout is recorded for information and for planning a reload; loading never relies on it: each
+//! tensor lists its pieces (file, key in the file, element range of the flattened tensor), and the pieces
+//! of a tensor must tile it exactly. So a ZeRO-3 save (per-rank ranges of the flat order) or a pipeline
+//! save (per-stage tensor subsets) is described by the same fields as today's DDP save.
+
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::JobConfig;
+use crate::data::SamplerState;
+
+pub const MANIFEST: &str = "manifest.json";
+pub const FORMAT: &str = "troupe-checkpoint";
+/// Version 1: `model.safetensors` + `optimizer.safetensors` (still loaded, see `v1`). Version 2: shards.
+pub const FORMAT_VERSION: u32 = 2;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    pub format: String,
+    pub version: u32,
+    /// Committed steps when saved (the next step to run).
+    pub step: u64,
+    /// AdamW updates applied (the `t` of bias correction).
+    pub optimizer_step: u64,
+    pub config: JobConfig,
+    pub sampler: SamplerState,
+    pub rng: RngState,
+    pub layout: Layout,
+    /// Every tensor of the state, in the model's canonical order, parameters first, then `exp_avg`,
+    /// then `exp_avg_sq`.
+    pub tensors: Vec<TensorEntry>,
+    pub files: Vec<FileEntry>,
+}
+
+/// The random state of training. troupe draws every random number from a counter-based generator
+/// (`crate::rng`: a pure function of the seed and a position — parameter index, step, sample index), so
+/// there is no hidden generator state to save: the seed and the next step reproduce every later draw.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RngState {
+    /// `counter-splitmix64`: the only generator troupe-model uses.
+    pub generator: String,
+    pub seed: u64,
+    pub next_step: u64,
+}
+
+/// How the state was distributed when saved.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Layout {
+    /// Data-parallel degree.
+    pub dp: usize,
+    /// Pipeline stages.
+    pub pp: usize,
+    pub shard_mode: ShardMode,
+    /// Shard files per pipeline stage: contiguous balanced ranges (`troupe_kernels::partition`) of the
+    /// stage's flat parameter order.
+    pub shards: usize,
+}
+
+/// How optimizer state and parameters were split across data-parallel ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ShardMode {
+    /// DDP: every rank holds the whole state; the files cut it into `shards` ranges so it can be written
+    /// (and read) in parallel and loaded by any other layout.
+    Ddp,
+    Zero1,
+    Zero2,
+    Zero3,
+}
+
+impl Layout {
+    /// Data parallelism over `world` ranks, one shard file per rank.
+    pub fn ddp(world: usize) -> Self {
+        Self { dp: world.max(1), pp: 1, shard_mode: ShardMode::Ddp, shards: world.max(1) }
+    }
+}
+
+/// Which of the three per-parameter states a tensor is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StateKind {
+    Param,
+    ExpAvg,
+    ExpAvgSq,
+}
+
+impl StateKind {
+    pub const ALL: [StateKind; 3] = [StateKind::Param, StateKind::ExpAvg, StateKind::ExpAvgSq];
+
+    /// The tensor's name in a safetensors file: parameters keep their HF GPT-2 names (so a one-shard
+    /// checkpoint's parameters load as a model directly); moments are prefixed as in version 1.
+    pub fn key(self, param: &str) -> String {
+        match self {
+            StateKind::Param => param.to_owned(),
+            StateKind::ExpAvg => format!("exp_avg.{param}"),
+            StateKind::ExpAvgSq => format!("exp_avg_sq.{param}"),
+        }
+    }
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// One tensor of the state and where its elements are.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorEntry {
+    /// The parameter's name (HF GPT-2); with `state` it names the tensor.
+    pub param: String,
+    pub state: StateKind,
+    /// `F32` (the only dtype of the fp32 state today; bf16 masters would say `BF16`).
+    pub dtype: String,
+    pub shape: Vec<usize>,
+    /// Pieces in element order; together they tile `0..numel` exactly.
+    pub pieces: Vec<Piece>,
+}
+
+impl TensorEntry {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// Elements `elements` of a tensor (flattened, row-major) stored in `file` under `key`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Piece {
+    pub file: String,
+    pub key: String,
+    pub elements: Range<usize>,
+}
+
+/// One file of the checkpoint and what verifies it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileEntry {
+    pub name: String,
+    /// The shard index within its stage, and the stage.
+    pub shard: usize,
+    pub stage: usize,
+    pub bytes: u64,
+    /// XXH3-64 of the whole file (`troupe_kernels::checksum64`).
+    pub checksum: u64,
+}
+
+/// The file name of shard `index` of `count`.
+pub fn shard_file_name(index: usize, count: usize) -> String {
+    format!("shard-{index:05}-of-{count:05}.safetensors")
+}
