@@ -6,6 +6,7 @@
 
 mod data_parallel;
 mod flat;
+pub mod pipeline;
 mod sharded;
 
 pub use data_parallel::{plan_buckets, DataParallelReplica, ReducedStep, DEFAULT_BUCKET_BYTES};
