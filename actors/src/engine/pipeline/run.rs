@@ -1,0 +1,165 @@
+//! Running a pipeline: the plan checked, the model partitioned, one [`StageActor`] per device over a
+//! transport mesh, and one `Step` message to every actor per global batch. [`run_in_process`] puts every
+//! device in this process over the in-memory transport (tests, `troupe train --pp`, the benchmark); the
+//! stage actors only need a [`Transport`], so devices in separate processes need nothing else from them.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::future::join_all;
+use ractor::Actor;
+use tch::Tensor;
+use troupe_cluster::collective::{CollectiveConfig, Communicator};
+use troupe_cluster::transport::memory::MemoryTransport;
+use troupe_cluster::transport::Transport;
+use troupe_cluster::TransportConfig;
+use troupe_model::config::JobConfig;
+
+use super::actor::{StageActor, StageMsg};
+use super::{check, partition, plan, OpSpan, PipelineError, PipelineStage, PlanShape, ScheduleKind};
+
+/// Tag group of the flush's collectives (the activations use [`super::PIPELINE_TAG_GROUP`]).
+const FLUSH_GROUP: u32 = 1;
+
+/// How to run a pipeline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PipelineOptions {
+    pub kind: ScheduleKind,
+    pub shape: PlanShape,
+    /// The longest a device waits for one activation or gradient.
+    pub recv_timeout_ms: u64,
+    /// The longest the driver waits for a device to finish a step.
+    pub step_timeout_ms: u64,
+}
+
+impl PipelineOptions {
+    pub fn new(kind: ScheduleKind, stages: usize, microbatches: usize, virtual_stages: usize) -> Self {
+        Self {
+            kind,
+            shape: PlanShape::new(stages, microbatches, virtual_stages),
+            recv_timeout_ms: 60_000,
+            step_timeout_ms: 120_000,
+        }
+    }
+}
+
+/// One committed step of the whole pipeline.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PipelineStep {
+    pub step: u64,
+    pub loss: f64,
+    pub grad_norm: f64,
+    pub lr: f64,
+    /// Per device, its ops with their times (seconds since the run started).
+    pub spans: Vec<Vec<OpSpan>>,
+}
+
+/// A finished run.
+pub struct PipelineRun {
+    pub steps: Vec<PipelineStep>,
+    /// The final parameters in the model's canonical order.
+    pub params: Vec<Tensor>,
+}
+
+/// Runs `steps` steps of `config` as a pipeline of in-process devices over the in-memory transport.
+/// `on_step` sees each step as it commits.
+pub fn run_in_process(
+    config: &JobConfig,
+    options: &PipelineOptions,
+    steps: u64,
+    on_step: impl FnMut(&PipelineStep),
+) -> Result<PipelineRun, PipelineError> {
+    let devices = options.shape.stages;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(devices.max(1))
+        .enable_all()
+        .build()
+        .map_err(|e| PipelineError::Actor { device: 0, reason: format!("starting the runtime: {e}") })?;
+    let transports: Vec<Arc<MemoryTransport>> =
+        MemoryTransport::mesh(devices, unmatched_messages_max(options.shape)).into_iter().map(Arc::new).collect();
+    runtime.block_on(run_stages(config, options, transports, steps, on_step))
+}
+
+/// Every message a device may have waiting: at most one activation and one gradient per (chunk,
+/// micro-batch), plus the flush's.
+fn unmatched_messages_max(shape: PlanShape) -> usize {
+    2 * shape.chunks() * shape.microbatches + 64
+}
+
+/// Runs the pipeline over `transports` (one per device, connected as a mesh) in the current runtime.
+pub async fn run_stages<T: Transport>(
+    config: &JobConfig,
+    options: &PipelineOptions,
+    transports: Vec<Arc<T>>,
+    steps: u64,
+    mut on_step: impl FnMut(&PipelineStep),
+) -> Result<PipelineRun, PipelineError> {
+    let plan = Arc::new(plan(options.kind, options.shape)?);
+    check(&plan).unwrap_or_else(|e| panic!("generated plan {} {:?} is invalid: {e}", options.kind, options.shape));
+    let layouts = partition(&config.model, options.shape.chunks())?;
+    let origin = Instant::now();
+    let mut actors = Vec::new();
+    for (device, transport) in transports.into_iter().enumerate() {
+        let comm =
+            Communicator::new(transport.clone(), FLUSH_GROUP, 1, CollectiveConfig::from(&TransportConfig::default()));
+        let stage = PipelineStage::new(
+            config.clone(),
+            plan.clone(),
+            &layouts,
+            device,
+            transport,
+            comm,
+            options.recv_timeout_ms,
+            origin,
+        )?;
+        let (actor, handle) = Actor::spawn(None, StageActor::<T>::default(), stage)
+            .await
+            .map_err(|e| PipelineError::Actor { device, reason: format!("spawning: {e}") })?;
+        actors.push((actor, handle));
+    }
+    let result = drive(&actors, options, steps, &mut on_step).await;
+    for (actor, _) in &actors {
+        actor.stop(None);
+    }
+    for (_, handle) in actors {
+        let _ = handle.await;
+    }
+    result
+}
+
+async fn drive(
+    actors: &[(ractor::ActorRef<StageMsg>, tokio::task::JoinHandle<()>)],
+    options: &PipelineOptions,
+    steps: u64,
+    on_step: &mut impl FnMut(&PipelineStep),
+) -> Result<PipelineRun, PipelineError> {
+    let actor_error = |device: usize, reason: String| PipelineError::Actor { device, reason };
+    let mut reports = Vec::new();
+    for _ in 0..steps {
+        let timeout_ms = options.step_timeout_ms;
+        let calls = actors.iter().map(|(actor, _)| async move { ractor::call_t!(actor, StageMsg::Step, timeout_ms) });
+        let mut per_device = Vec::with_capacity(actors.len());
+        for (device, reply) in join_all(calls).await.into_iter().enumerate() {
+            let step = reply.map_err(|e| actor_error(device, e.to_string()))?.map_err(|e| actor_error(device, e))?;
+            per_device.push(step);
+        }
+        let first = &per_device[0];
+        let report = PipelineStep {
+            step: first.step,
+            loss: first.loss,
+            grad_norm: first.grad_norm,
+            lr: first.lr,
+            spans: per_device.iter().map(|s| s.spans.clone()).collect(),
+        };
+        on_step(&report);
+        reports.push(report);
+    }
+    let mut chunks: Vec<(usize, Vec<Tensor>)> = Vec::new();
+    for (device, (actor, _)) in actors.iter().enumerate() {
+        let params = ractor::call_t!(actor, StageMsg::Params, options.step_timeout_ms)
+            .map_err(|e| actor_error(device, e.to_string()))?;
+        chunks.extend(params);
+    }
+    chunks.sort_by_key(|(chunk, _)| *chunk);
+    Ok(PipelineRun { steps: reports, params: chunks.into_iter().flat_map(|(_, p)| p).collect() })
+}
