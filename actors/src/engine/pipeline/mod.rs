@@ -7,17 +7,21 @@
 mod actor;
 mod check;
 mod error;
+mod measure;
 mod partition;
 mod plan;
 mod run;
 mod schedules;
 mod stage;
+mod trace;
 
 pub use actor::{StageActor, StageMsg};
 pub use check::{check, simulate, textbook_bubble, Costs, PlanError, PlanReport, Timeline};
 pub use error::PipelineError;
+pub use measure::{measure_bubble, BubbleFigures};
 pub use partition::{partition, ChunkLayout, PartitionError};
 pub use plan::{Op, OpKind, Plan, PlanShape, ScheduleKind};
 pub use run::{run_in_process, run_stages, PipelineOptions, PipelineRun, PipelineStep};
 pub use schedules::{plan, with_messages, ScheduleError, MICROBATCHES_MAX, STAGES_MAX, VIRTUAL_STAGES_MAX};
 pub use stage::{microbatch_ranges, OpSpan, PipelineStage, StageStep, PIPELINE_TAG_GROUP};
+pub use trace::{category, chrome_trace};

@@ -1,5 +1,6 @@
 //! Running a pipeline: the plan checked, the model partitioned, one [`StageActor`] per device over a
-//! transport mesh, and one `Step` message to every actor per global batch. [`run_in_process`] puts every
+//! transport mesh, each on a thread and runtime of its own, and one `Step` message to every actor per
+//! global batch. [`run_in_process`] puts every
 //! device in this process over the in-memory transport (tests, `troupe train --pp`, the benchmark); the
 //! stage actors only need a [`Transport`], so devices in separate processes need nothing else from them.
 
@@ -7,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::future::join_all;
-use ractor::Actor;
+use ractor::{Actor, ActorRef};
 use tch::Tensor;
 use troupe_cluster::collective::{CollectiveConfig, Communicator};
 use troupe_cluster::transport::memory::MemoryTransport;
@@ -70,8 +71,7 @@ pub fn run_in_process(
     on_step: impl FnMut(&PipelineStep),
 ) -> Result<PipelineRun, PipelineError> {
     let devices = options.shape.stages;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(devices.max(1))
+    let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| PipelineError::Actor { device: 0, reason: format!("starting the runtime: {e}") })?;
@@ -98,37 +98,86 @@ pub async fn run_stages<T: Transport>(
     check(&plan).unwrap_or_else(|e| panic!("generated plan {} {:?} is invalid: {e}", options.kind, options.shape));
     let layouts = partition(&config.model, options.shape.chunks())?;
     let origin = Instant::now();
-    let mut actors = Vec::new();
+    let mut stages = Vec::new();
     for (device, transport) in transports.into_iter().enumerate() {
         let comm =
             Communicator::new(transport.clone(), FLUSH_GROUP, 1, CollectiveConfig::from(&TransportConfig::default()));
-        let stage = PipelineStage::new(
+        let recv_timeout_ms = options.recv_timeout_ms;
+        stages.push(PipelineStage::new(
             config.clone(),
             plan.clone(),
             &layouts,
             device,
             transport,
             comm,
-            options.recv_timeout_ms,
+            recv_timeout_ms,
             origin,
-        )?;
-        let (actor, handle) = Actor::spawn(None, StageActor::<T>::default(), stage)
-            .await
-            .map_err(|e| PipelineError::Actor { device, reason: format!("spawning: {e}") })?;
-        actors.push((actor, handle));
+        )?);
+    }
+    let mut actors = Vec::new();
+    for stage in stages {
+        match spawn_stage_thread(stage) {
+            Ok(started) => actors.push(started),
+            Err(e) => {
+                for (actor, _) in &actors {
+                    actor.stop(None);
+                }
+                return Err(e);
+            }
+        }
     }
     let result = drive(&actors, options, steps, &mut on_step).await;
     for (actor, _) in &actors {
         actor.stop(None);
     }
-    for (_, handle) in actors {
-        let _ = handle.await;
+    for (device, (_, thread)) in actors.into_iter().enumerate() {
+        let joined = tokio::task::spawn_blocking(move || thread.join()).await;
+        if !matches!(joined, Ok(Ok(()))) {
+            return Err(PipelineError::Actor { device, reason: "its thread panicked".into() });
+        }
     }
     result
 }
 
+/// Starts a device's actor on a thread and runtime of its own, so devices compute in parallel (on one
+/// shared runtime a woken receiver can wait behind the sender's computation) and the driver's runtime
+/// only waits.
+fn spawn_stage_thread<T: Transport>(
+    stage: PipelineStage<T>,
+) -> Result<(ActorRef<StageMsg>, std::thread::JoinHandle<()>), PipelineError> {
+    let device = stage.device();
+    let failed = |reason: String| PipelineError::Actor { device, reason };
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let thread = std::thread::Builder::new()
+        .name(format!("stage-{device}"))
+        .spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(runtime) => runtime,
+                Err(e) => {
+                    let _ = started_tx.send(Err(format!("starting its runtime: {e}")));
+                    return;
+                }
+            };
+            runtime.block_on(async move {
+                match Actor::spawn(None, StageActor::<T>::default(), stage).await {
+                    Ok((actor, handle)) => {
+                        let _ = started_tx.send(Ok(actor));
+                        let _ = handle.await;
+                    }
+                    Err(e) => {
+                        let _ = started_tx.send(Err(format!("spawning: {e}")));
+                    }
+                }
+            });
+        })
+        .map_err(|e| failed(format!("starting its thread: {e}")))?;
+    let actor =
+        started_rx.recv().map_err(|_| failed("its thread ended before the actor started".into()))?.map_err(failed)?;
+    Ok((actor, thread))
+}
+
 async fn drive(
-    actors: &[(ractor::ActorRef<StageMsg>, tokio::task::JoinHandle<()>)],
+    actors: &[(ActorRef<StageMsg>, std::thread::JoinHandle<()>)],
     options: &PipelineOptions,
     steps: u64,
     on_step: &mut impl FnMut(&PipelineStep),
