@@ -6,8 +6,9 @@
 //! Gradients accumulate over the step's micro-batches, each micro-batch's loss weighted by its share of
 //! the global batch, exactly as the reference trainer does, so the pipeline computes the reference's
 //! update (within summation order). A backward with a gradient from the next chunk is the backward of the
-//! scalar Σ(output · gradient), whose derivative is that gradient; B and W of zero-bubble schedules are
-//! two autograd passes over the retained graph: one for the input gradient, one for the weights.
+//! scalar Σ(output · gradient), whose derivative is that gradient. B and W of zero-bubble schedules split
+//! one backward: B asks autograd for the gradients of the input and of every parameter operation's
+//! output over the retained graph, W turns each operation's output gradient into its weight gradients.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -21,7 +22,10 @@ use troupe_cluster::transport::{LossScope, Transport};
 use troupe_cluster::wire::Tag;
 use troupe_model::config::JobConfig;
 use troupe_model::data::{load_corpus, GlobalSampler};
-use troupe_model::gpt::{block, cross_entropy, embed, head, init_values, param_specs, ParamSpec, PARAMS_PER_BLOCK};
+use troupe_model::gpt::{
+    block_recorded, cross_entropy, embed_recorded, head_recorded, init_values, param_specs, ParamOp, ParamSpec,
+    PARAMS_PER_BLOCK,
+};
 use troupe_model::optim::{clip_grad_norm_known, learning_rate, AdamW, AdamWConfig};
 use troupe_model::TrainError;
 
@@ -66,6 +70,8 @@ struct Saved {
     input: Option<Tensor>,
     /// The chunk's output: an activation, or for the last chunk the weighted loss.
     output: Tensor,
+    /// The outputs of its parameter operations (parameter positions local to the chunk), for B/W.
+    ops: Vec<ParamOp>,
 }
 
 /// One device of a pipeline.
@@ -237,8 +243,8 @@ impl<T: Transport> PipelineStage<T> {
             OpKind::Backward => self.backward(c, mb, run, false),
             OpKind::BackwardInput => self.backward(c, mb, run, true),
             OpKind::BackwardWeight => {
-                let scalar = run.pending_weights.remove(&(c, mb)).expect("checked plan: W after its B");
-                self.weight_pass(c, &scalar);
+                let pending = run.pending_weights.remove(&(c, mb)).expect("checked plan: W after its B");
+                self.weight_pass(c, pending);
             }
             OpKind::SendActivation => {
                 let output = &run.saved.get(&(c, mb)).expect("checked plan: send after forward").output;
@@ -270,21 +276,34 @@ impl<T: Transport> PipelineStage<T> {
         let model = &self.config.model;
         let batch = (layout.embed || layout.head)
             .then(|| self.sampler.as_ref().expect("end chunks load the corpus").batch(step, range));
+        let mut ops = Vec::new();
         let (input, mut x, mut used) = if layout.embed {
             let (tokens, _) = batch.as_ref().expect("first chunk has its batch");
-            (None, embed(model, &p[..2], tokens), 2)
+            (None, embed_recorded(model, &p[..2], tokens, &mut ops), 2)
         } else {
             let received = run.activations.remove(&(c, mb)).expect("checked plan: input before forward");
             let leaf = received.set_requires_grad(true);
             (Some(leaf.shallow_clone()), leaf, 0)
         };
+        let record_at = |offset: usize, ops: &mut Vec<ParamOp>, recorded: Vec<ParamOp>| {
+            ops.extend(
+                recorded
+                    .into_iter()
+                    .map(|op| ParamOp { params: op.params.start + offset..op.params.end + offset, ..op }),
+            );
+        };
         for _ in layout.blocks.clone() {
-            x = block(model, &p[used..used + PARAMS_PER_BLOCK], &x);
+            let mut recorded = Vec::new();
+            x = block_recorded(model, &p[used..used + PARAMS_PER_BLOCK], &x, &mut recorded);
+            record_at(used, &mut ops, recorded);
             used += PARAMS_PER_BLOCK;
         }
         let output = if layout.head {
             let (_, targets) = batch.as_ref().expect("last chunk has its batch");
-            let loss = cross_entropy(&head(model, &p[used..], &x), targets);
+            let mut recorded = Vec::new();
+            let logits = head_recorded(model, &p[used..], &x, &mut recorded);
+            record_at(used, &mut ops, recorded);
+            let loss = cross_entropy(&logits, targets);
             run.loss += loss.double_value(&[]) * weight;
             loss * weight
         } else {
@@ -293,32 +312,37 @@ impl<T: Transport> PipelineStage<T> {
         if c + 1 < self.plan.shape.chunks() && self.is_local(c + 1) {
             run.activations.insert((c + 1, mb), output.detach());
         }
-        run.saved.insert((c, mb), Saved { input, output });
+        run.saved.insert((c, mb), Saved { input, output, ops });
     }
 
     /// The full backward (`split` false: weight and input gradients in one autograd pass) or its
-    /// input-gradient half B (`split` true; the graph is kept for W). Routes the input gradient to the
-    /// previous chunk: kept if it is local, queued for sending otherwise.
+    /// input-gradient half B (`split` true): autograd is asked for the gradients of the input and of every
+    /// parameter operation's output — not of the weights, so the weight-gradient products are skipped —
+    /// and keeps the graph for W. Routes the input gradient to the previous chunk: kept if it is local,
+    /// queued for sending otherwise.
     fn backward(&mut self, c: usize, mb: usize, run: &mut StepRun, split: bool) {
-        let Saved { input, output } = run.saved.remove(&(c, mb)).expect("checked plan: backward after forward");
+        let Saved { input, output, ops } = run.saved.remove(&(c, mb)).expect("checked plan: backward after forward");
         let scalar = if self.local_chunk(c).layout.head {
             output
         } else {
             let grad = run.gradients.remove(&(c, mb)).expect("checked plan: gradient before backward");
             (&output * grad).sum(Kind::Float)
         };
+        let mut wrt: Vec<Tensor> = input.iter().map(Tensor::shallow_clone).collect();
         let input_grad = if split {
-            let grad = input.as_ref().map(|leaf| Tensor::run_backward(&[&scalar], &[leaf], true, false).remove(0));
-            run.pending_weights.insert((c, mb), scalar);
-            grad
+            wrt.extend(ops.iter().map(|op| op.output.shallow_clone()));
+            let mut grads = Tensor::run_backward(&[&scalar], &wrt, true, false);
+            let op_grads = grads.split_off(input.iter().count());
+            let pending = ops.into_iter().zip(op_grads).collect();
+            run.pending_weights.insert((c, mb), pending);
+            grads.pop()
         } else {
             let local = self.local_chunk(c).local.clone();
-            let mut wrt: Vec<Tensor> = self.params[local].iter().map(Tensor::shallow_clone).collect();
-            wrt.extend(input.iter().map(Tensor::shallow_clone));
+            wrt.extend(self.params[local].iter().map(Tensor::shallow_clone));
             let mut grads = Tensor::run_backward(&[&scalar], &wrt, false, false);
-            let grad = input.as_ref().map(|_| grads.pop().expect("input gradient"));
-            self.accumulate(c, &grads);
-            grad
+            let weight_grads = grads.split_off(input.iter().count());
+            self.accumulate(c, 0, &weight_grads);
+            grads.pop()
         };
         if let Some(grad) = input_grad {
             if self.is_local(c - 1) {
@@ -329,18 +353,27 @@ impl<T: Transport> PipelineStage<T> {
         }
     }
 
-    /// W: the weight gradients of chunk c from the graph B kept.
-    fn weight_pass(&mut self, c: usize, scalar: &Tensor) {
+    /// W: each parameter operation's weight gradients from its output's gradient that B computed — one
+    /// autograd pass per operation, each reaching only that operation's parameters.
+    fn weight_pass(&mut self, c: usize, pending: Vec<(ParamOp, Tensor)>) {
         let local = self.local_chunk(c).local.clone();
-        let grads = Tensor::run_backward(&[scalar], &self.params[local], false, false);
-        self.accumulate(c, &grads);
+        for (op, output_grad) in pending {
+            if !output_grad.defined() {
+                continue;
+            }
+            let scalar = (&op.output * &output_grad).sum(Kind::Float);
+            let params = &self.params[local.start + op.params.start..local.start + op.params.end];
+            let grads = Tensor::run_backward(&[&scalar], params, false, false);
+            self.accumulate(c, op.params.start, &grads);
+        }
     }
 
-    /// Adds one micro-batch's weight gradients of chunk c to the step's (as autograd's accumulation would).
-    fn accumulate(&mut self, c: usize, grads: &[Tensor]) {
+    /// Adds one micro-batch's gradients of chunk c's parameters `first..` to the step's (as autograd's
+    /// accumulation would).
+    fn accumulate(&mut self, c: usize, first: usize, grads: &[Tensor]) {
         let local = self.local_chunk(c).local.clone();
         tch::no_grad(|| {
-            for (param, grad) in self.params[local].iter().zip(grads) {
+            for (param, grad) in self.params[local.start + first..local.end].iter().zip(grads) {
                 if grad.defined() {
                     let _ = param.grad().g_add_(grad);
                 }
@@ -395,8 +428,9 @@ struct StepRun {
     gradients: HashMap<(usize, usize), Tensor>,
     /// Input gradients waiting to be sent, by (producing chunk, micro-batch).
     outgoing: HashMap<(usize, usize), Tensor>,
-    /// Zero-bubble: the scalar whose graph W still has to walk, by (chunk, micro-batch).
-    pending_weights: HashMap<(usize, usize), Tensor>,
+    /// Zero-bubble: each parameter operation's output and its gradient, waiting for W, by (chunk,
+    /// micro-batch).
+    pending_weights: HashMap<(usize, usize), Vec<(ParamOp, Tensor)>>,
     /// Σ micro-batch loss × its share of the global batch (last chunk only).
     loss: f64,
     spans: Vec<OpSpan>,
