@@ -10,6 +10,7 @@ mod cluster;
 mod daemon;
 mod train;
 mod train_cluster;
+mod train_pipeline;
 
 use std::process::ExitCode;
 
