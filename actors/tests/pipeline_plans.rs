@@ -104,12 +104,15 @@ fn position(plan: &Plan, device: usize, op: Op) -> usize {
     plan.devices[device].iter().position(|&o| o == op).unwrap_or_else(|| panic!("{op} not on device {device}"))
 }
 
+/// Whether a refusal is the expected one.
+type Expect<'a> = Box<dyn Fn(&PlanError) -> bool + 'a>;
+
 /// Table of hand-broken plans: (what was broken, the plan, the expected refusal).
 #[test]
 fn broken_plans_are_refused_with_the_reason() {
     let f = |c, mb| Op::new(OpKind::Forward, c, mb);
     let b = |c, mb| Op::new(OpKind::Backward, c, mb);
-    let mut cases: Vec<(&str, Plan, Box<dyn Fn(&PlanError) -> bool>)> = Vec::new();
+    let mut cases: Vec<(&str, Plan, Expect)> = Vec::new();
 
     let mut missing = one_f_one_b(2, 4);
     let at = position(&missing, 1, b(1, 2));

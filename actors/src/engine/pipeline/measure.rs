@@ -44,7 +44,7 @@ pub fn measure_bubble(steps: &[PipelineStep]) -> BubbleFigures {
         let all = || step.spans.iter().flatten();
         let start = all().map(|s| s.start_s).fold(f64::INFINITY, f64::min);
         let end = all().map(|s| s.end_s).fold(f64::NEG_INFINITY, f64::max);
-        if !(end > start) {
+        if end.partial_cmp(&start) != Some(std::cmp::Ordering::Greater) {
             continue;
         }
         let window = end - start;

@@ -56,8 +56,8 @@ pub fn partition(config: &GptConfig, chunks: usize) -> Result<Vec<ChunkLayout>, 
     // start of chunk c in that split.
     let mut best = vec![vec![usize::MAX; layers + 1]; chunks];
     let mut cut = vec![vec![0usize; layers + 1]; chunks];
-    for b in 1..=layers {
-        best[0][b] = weight(0, 0, b);
+    for (b, best) in best[0].iter_mut().enumerate().skip(1) {
+        *best = weight(0, 0, b);
     }
     for c in 1..chunks {
         for b in c + 1..=layers {
