@@ -1,4 +1,4 @@
-//! `troupe train --pp` as a user runs it: a pipeline of in-process stage actors reports the same JSON
+//! `troupe train --pp [--dp]` as a user runs it: pipelines of in-process stage actors report the same JSON
 //! events as the single-process trainer, and its losses and --save-final parameters equal the reference's
 //! (the oracle, DESIGN.md §4, through the command line).
 
@@ -45,15 +45,18 @@ fn pipelines_through_the_cli_equal_the_single_process_run() {
     for args in [
         &["--pp", "2", "--schedule", "zb-h1", "--microbatches", "4"][..],
         &["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2"][..],
+        &["--pp", "2", "--dp", "2", "--microbatches", "2"][..],
     ] {
         let (events, params) = run(args);
         let start = &events[0];
         assert_eq!(start["event"], "start");
         assert_eq!(start["pp"], 2, "{start}");
+        let world = if args.contains(&"--dp") { 4 } else { 2 };
+        assert_eq!(start["world"], world, "{start}");
         let steps: Vec<&Value> = events.iter().filter(|e| e["event"] == "step").collect();
         for (i, step) in steps.iter().enumerate() {
             assert_eq!(step["step"], i as u64 + 1, "{step}");
-            assert_eq!(step["world"], 2, "{step}");
+            assert_eq!(step["world"], world, "{step}");
             assert!(step["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0), "{step}");
         }
         for (got, want) in losses(&events).iter().zip(&reference) {

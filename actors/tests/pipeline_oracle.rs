@@ -74,3 +74,24 @@ fn interleaved_with_two_virtual_stages_equals_the_reference() {
 fn zb_h1_equals_the_reference() {
     check(ScheduleKind::ZbH1, 1);
 }
+
+#[test]
+fn pp2_by_dp2_equals_the_reference() {
+    // Two 1F1B pipelines of 2 stages, each on half of the batch in 2 micro-batches; every stage's
+    // gradients all-reduced with its replica.
+    tch::set_num_threads(1);
+    let config = job(4);
+    let (ref_losses, ref_params) = reference(&config);
+    let mut options = PipelineOptions::new(ScheduleKind::OneFOneB, 2, 2, 1);
+    options.data_parallel = 2;
+    let run = run_in_process(&config, &options, STEPS, |_| {}).unwrap();
+    let losses: Vec<f64> = run.steps.iter().map(|s| s.loss).collect();
+    let loss_diff = worst_loss_diff(&losses, &ref_losses);
+    assert!(loss_diff <= TOLERANCE, "pp=2 × dp=2: losses differ by {loss_diff:e}");
+    let comparison = compare_params(&troupe_model::gpt::param_specs(&config.model), &run.params, &ref_params);
+    assert!(comparison.within(TOLERANCE), "pp=2 × dp=2: {comparison:?}");
+    println!(
+        "pp=2 × dp=2: loss diff {loss_diff:.1e}, params worst {:.1e} ({})",
+        comparison.worst, comparison.worst_name
+    );
+}

@@ -113,7 +113,7 @@ impl TrainArgs {
         checkpoint.every_steps = self.checkpoint_every.unwrap_or(checkpoint.every_steps);
         config.validate()?;
         let (nodes, dp) = (config.parallel.nodes, config.parallel.dp);
-        if self.cluster.is_none() && dp > nodes {
+        if self.cluster.is_none() && config.parallel.pp == 1 && dp > nodes {
             bail!("--dp {dp} needs at least {dp} ranks, and --nodes {nodes} gives {nodes} (one slot each); raise --nodes or lower --dp");
         }
         let distributed = self.cluster.is_some() || nodes > 1;

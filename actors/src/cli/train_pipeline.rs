@@ -1,5 +1,6 @@
-//! `troupe train --pp P`: the job as a pipeline of P stage actors in this process (threads over the
-//! in-memory transport), reporting each committed step like the single-process trainer.
+//! `troupe train --pp P [--dp D]`: the job as D pipelines of P stage actors in this process (threads over
+//! the in-memory transport; each stage's gradients all-reduced among its D replicas), reporting each
+//! committed step like the single-process trainer.
 
 use std::time::Instant;
 
@@ -20,7 +21,9 @@ pub fn run(args: TrainArgs, config: JobConfig) -> anyhow::Result<()> {
     let parallel = &config.parallel;
     let kind = ScheduleKind::parse(&parallel.schedule).map_err(|e| anyhow::anyhow!("--schedule: {e}"))?;
     let microbatches = parallel.pipeline_microbatches(&config.train);
-    let options = PipelineOptions::new(kind, parallel.pp, microbatches, parallel.virtual_stages);
+    let mut options = PipelineOptions::new(kind, parallel.pp, microbatches, parallel.virtual_stages);
+    options.data_parallel = parallel.dp.max(1);
+    let world = parallel.pp * options.data_parallel;
     // One torch thread per stage unless the config says otherwise: the stages compute concurrently.
     let threads = if config.train.torch_threads > 0 { config.train.torch_threads } else { 1 };
     tch::set_num_threads(i32::try_from(threads).context("train.torch_threads is too large")?);
@@ -32,11 +35,11 @@ pub fn run(args: TrainArgs, config: JobConfig) -> anyhow::Result<()> {
     reporter.event(
         "start",
         json!({ "params": params, "steps": total, "from_step": 0, "global_batch": batch, "context": config.model.context,
-                "world": parallel.pp, "pp": parallel.pp, "schedule": kind.name(), "microbatches": microbatches,
+                "world": world, "pp": parallel.pp, "dp": options.data_parallel, "schedule": kind.name(), "microbatches": microbatches,
                 "virtual_stages": parallel.virtual_stages, "torch_threads": threads }),
         &format!(
-            "troupe: training gpt ({params} parameters) as a {kind} pipeline of {} stages, {microbatches} micro-batches of batch {batch} × {} tokens",
-            parallel.pp, config.model.context
+            "troupe: training gpt ({params} parameters) as {} {kind} pipeline(s) of {} stages, {microbatches} micro-batches per pipeline of batch {batch} × {} tokens",
+            options.data_parallel, parallel.pp, config.model.context
         ),
     );
     let started = Instant::now();
@@ -55,7 +58,7 @@ pub fn run(args: TrainArgs, config: JobConfig) -> anyhow::Result<()> {
             grad_norm: step.grad_norm,
             tokens_per_s: tokens_per_step as f64 / seconds,
             epoch: 0,
-            world: options.shape.stages,
+            world,
         });
     })?;
     if let Some(path) = &args.save_final {
@@ -71,7 +74,7 @@ pub fn run(args: TrainArgs, config: JobConfig) -> anyhow::Result<()> {
     reporter.finish(
         json!({ "steps": run.steps.len(), "first_loss": first, "final_loss": losses.last(),
                 "final_loss_mean10": final_mean, "tokens_per_s": tokens as f64 / wall, "wall_s": wall,
-                "params": params, "world": parallel.pp, "pp": parallel.pp, "schedule": kind.name() }),
+                "params": params, "world": world, "pp": parallel.pp, "dp": options.data_parallel, "schedule": kind.name() }),
         &format!(
             "done: {} steps in {wall:.1} s; loss {first:.4} → {final_mean:.4} (mean of the last {}); {:.0} tokens/s",
             run.steps.len(),

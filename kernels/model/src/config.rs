@@ -264,12 +264,22 @@ impl JobConfig {
                 ),
             ));
         }
-        if p.microbatches > t.global_batch {
+        let replicas = if p.pp > 1 { p.dp.max(1) } else { 1 };
+        if replicas > t.global_batch {
             return Err(invalid(
-                "parallel.microbatches",
-                p.microbatches,
+                "parallel.dp",
+                p.dp,
                 format!("must be at most train.global_batch ({})", t.global_batch),
             ));
+        }
+        let samples = t.global_batch / replicas;
+        if p.microbatches > samples {
+            let allowed = if replicas == 1 {
+                format!("must be at most train.global_batch ({samples})")
+            } else {
+                format!("must be at most the samples of one pipeline, train.global_batch / parallel.dp = {samples}")
+            };
+            return Err(invalid("parallel.microbatches", p.microbatches, allowed));
         }
         Ok(())
     }
@@ -277,12 +287,14 @@ impl JobConfig {
 
 impl ParallelConfig {
     /// Pipeline micro-batches per step: `microbatches`, or by default the number of `train.micro_batch`
-    /// samples the global batch holds, at least `pp` (fewer leave stages idle) and at most the batch.
+    /// samples the global batch holds, at least `pp` (fewer leave stages idle) and at most the samples of
+    /// one pipeline (the global batch over `dp` replicas).
     pub fn pipeline_microbatches(&self, train: &TrainConfig) -> usize {
         if self.microbatches > 0 {
             return self.microbatches;
         }
-        train.global_batch.div_ceil(train.micro_batch).max(self.pp).min(train.global_batch)
+        let samples = train.global_batch / self.dp.max(1);
+        train.global_batch.div_ceil(train.micro_batch).max(self.pp).min(samples.max(1))
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
@@ -299,9 +311,6 @@ impl ParallelConfig {
         }
         if self.pp > 1 && self.nodes > 1 {
             return not_yet("--pp > 1 with --nodes > 1 / parallel.nodes (pipeline stages across daemons)", "1 node");
-        }
-        if self.pp > 1 && self.dp > 1 {
-            return not_yet("--pp > 1 with --dp > 1 (pipeline × data parallelism)", "dp 0 or 1");
         }
         if self.microbatches != 0 && self.pp == 1 {
             return Err(invalid(

@@ -14,10 +14,10 @@ pub enum PipelineError {
     #[error(transparent)]
     Train(#[from] TrainError),
     #[error(
-        "--microbatches {microbatches} is more than train.global_batch = {global_batch} samples: use at most \
-         {global_batch} micro-batches, or a larger global batch"
+        "--microbatches {microbatches} is more than the {samples} samples a pipeline gets per step (train.global_batch \
+         divided by --dp): use at most {samples} micro-batches, or a larger global batch"
     )]
-    TooManyMicrobatches { microbatches: usize, global_batch: usize },
+    TooManyMicrobatches { microbatches: usize, samples: usize },
     #[error("device {device}, step {step}, {op}: {source}")]
     Message { device: usize, step: u64, op: Op, source: ClusterError },
     #[error("device {device}, step {step}, {op}: message of {got} bytes, expected {expected}")]

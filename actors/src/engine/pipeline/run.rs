@@ -17,16 +17,20 @@ use troupe_cluster::TransportConfig;
 use troupe_model::config::JobConfig;
 
 use super::actor::{StageActor, StageMsg};
-use super::{check, partition, plan, OpSpan, PipelineError, PipelineStage, PlanShape, ScheduleKind};
+use super::{check, partition, plan, DataParallelGroup, OpSpan, PipelineError, PipelineStage, PlanShape, ScheduleKind};
 
 /// Tag group of the flush's collectives (the activations use [`super::PIPELINE_TAG_GROUP`]).
 const FLUSH_GROUP: u32 = 1;
+/// Tag group of the all-reduce among a stage's data-parallel replicas.
+const DATA_PARALLEL_GROUP: u32 = 2;
 
 /// How to run a pipeline.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PipelineOptions {
     pub kind: ScheduleKind,
     pub shape: PlanShape,
+    /// Data-parallel replicas of the whole pipeline (each stage's gradients all-reduced among them).
+    pub data_parallel: usize,
     /// The longest a device waits for one activation or gradient.
     pub recv_timeout_ms: u64,
     /// The longest the driver waits for a device to finish a step.
@@ -38,6 +42,7 @@ impl PipelineOptions {
         Self {
             kind,
             shape: PlanShape::new(stages, microbatches, virtual_stages),
+            data_parallel: 1,
             recv_timeout_ms: 60_000,
             step_timeout_ms: 120_000,
         }
@@ -51,7 +56,7 @@ pub struct PipelineStep {
     pub loss: f64,
     pub grad_norm: f64,
     pub lr: f64,
-    /// Per device, its ops with their times (seconds since the run started).
+    /// Per device of data-parallel replica 0, its ops with their times (seconds since the run started).
     pub spans: Vec<Vec<OpSpan>>,
 }
 
@@ -62,7 +67,8 @@ pub struct PipelineRun {
     pub params: Vec<Tensor>,
 }
 
-/// Runs `steps` steps of `config` as a pipeline of in-process devices over the in-memory transport.
+/// Runs `steps` steps of `config` as a pipeline of in-process devices over the in-memory transport (with
+/// `data_parallel` > 1, that many pipelines, each stage's replicas joined by a mesh of their own).
 /// `on_step` sees each step as it commits.
 pub fn run_in_process(
     config: &JobConfig,
@@ -70,14 +76,34 @@ pub fn run_in_process(
     steps: u64,
     on_step: impl FnMut(&PipelineStep),
 ) -> Result<PipelineRun, PipelineError> {
-    let devices = options.shape.stages;
+    let (stages, replicas) = (options.shape.stages, options.data_parallel.max(1));
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| PipelineError::Actor { device: 0, reason: format!("starting the runtime: {e}") })?;
-    let transports: Vec<Arc<MemoryTransport>> =
-        MemoryTransport::mesh(devices, unmatched_messages_max(options.shape)).into_iter().map(Arc::new).collect();
-    runtime.block_on(run_stages(config, options, transports, steps, on_step))
+    let mesh = |n: usize| -> Vec<Arc<MemoryTransport>> {
+        MemoryTransport::mesh(n, unmatched_messages_max(options.shape)).into_iter().map(Arc::new).collect()
+    };
+    let pipelines: Vec<Vec<Arc<MemoryTransport>>> = (0..replicas).map(|_| mesh(stages)).collect();
+    let mut stage_groups: Vec<Vec<Arc<MemoryTransport>>> = (0..stages).map(|_| mesh(replicas)).collect();
+    let devices = pipelines
+        .into_iter()
+        .enumerate()
+        .flat_map(|(replica, pipeline)| {
+            let groups: Vec<Arc<MemoryTransport>> = stage_groups.iter_mut().map(|g| g[replica].clone()).collect();
+            pipeline.into_iter().zip(groups).map(move |(pipeline, group)| DeviceTransports {
+                pipeline,
+                data_parallel: (replicas > 1).then_some(group),
+            })
+        })
+        .collect();
+    runtime.block_on(run_stages(config, options, devices, steps, on_step))
+}
+
+/// A device's transports: to the other stages of its pipeline, and to the replicas of its stage.
+pub struct DeviceTransports<T: Transport> {
+    pub pipeline: Arc<T>,
+    pub data_parallel: Option<Arc<T>>,
 }
 
 /// Every message a device may have waiting: at most one activation and one gradient per (chunk,
@@ -86,11 +112,12 @@ fn unmatched_messages_max(shape: PlanShape) -> usize {
     2 * shape.chunks() * shape.microbatches + 64
 }
 
-/// Runs the pipeline over `transports` (one per device, connected as a mesh) in the current runtime.
+/// Runs the pipeline over `devices` (replica-major: replica r's stage s is `r × P + s`) in the current
+/// runtime.
 pub async fn run_stages<T: Transport>(
     config: &JobConfig,
     options: &PipelineOptions,
-    transports: Vec<Arc<T>>,
+    devices: Vec<DeviceTransports<T>>,
     steps: u64,
     mut on_step: impl FnMut(&PipelineStep),
 ) -> Result<PipelineRun, PipelineError> {
@@ -98,18 +125,23 @@ pub async fn run_stages<T: Transport>(
     check(&plan).unwrap_or_else(|e| panic!("generated plan {} {:?} is invalid: {e}", options.kind, options.shape));
     let layouts = partition(&config.model, options.shape.chunks())?;
     let origin = Instant::now();
+    let collective = CollectiveConfig::from(&TransportConfig::default());
     let mut stages = Vec::new();
-    for (device, transport) in transports.into_iter().enumerate() {
-        let comm =
-            Communicator::new(transport.clone(), FLUSH_GROUP, 1, CollectiveConfig::from(&TransportConfig::default()));
+    for (index, transports) in devices.into_iter().enumerate() {
+        let device = index % options.shape.stages;
+        let comm = Communicator::new(transports.pipeline.clone(), FLUSH_GROUP, 1, collective.clone());
+        let data_parallel = transports
+            .data_parallel
+            .map(|t| DataParallelGroup { comm: Communicator::new(t, DATA_PARALLEL_GROUP, 1, collective.clone()) });
         let recv_timeout_ms = options.recv_timeout_ms;
         stages.push(PipelineStage::new(
             config.clone(),
             plan.clone(),
             &layouts,
             device,
-            transport,
+            transports.pipeline,
             comm,
+            data_parallel,
             recv_timeout_ms,
             origin,
         )?);
@@ -198,13 +230,13 @@ async fn drive(
             loss: first.loss,
             grad_norm: first.grad_norm,
             lr: first.lr,
-            spans: per_device.iter().map(|s| s.spans.clone()).collect(),
+            spans: per_device[..options.shape.stages].iter().map(|s| s.spans.clone()).collect(),
         };
         on_step(&report);
         reports.push(report);
     }
     let mut chunks: Vec<(usize, Vec<Tensor>)> = Vec::new();
-    for (device, (actor, _)) in actors.iter().enumerate() {
+    for (device, (actor, _)) in actors.iter().enumerate().take(options.shape.stages) {
         let params = ractor::call_t!(actor, StageMsg::Params, options.step_timeout_ms)
             .map_err(|e| actor_error(device, e.to_string()))?;
         chunks.extend(params);

@@ -21,7 +21,7 @@ use troupe_cluster::collective::{Communicator, ReduceOp};
 use troupe_cluster::transport::{LossScope, Transport};
 use troupe_cluster::wire::Tag;
 use troupe_model::config::JobConfig;
-use troupe_model::data::{load_corpus, GlobalSampler};
+use troupe_model::data::{load_corpus, rank_slice, GlobalSampler};
 use troupe_model::gpt::{
     block_recorded, cross_entropy, embed_recorded, head_recorded, init_values, param_specs, ParamOp, ParamSpec,
     PARAMS_PER_BLOCK,
@@ -29,6 +29,7 @@ use troupe_model::gpt::{
 use troupe_model::optim::{clip_grad_norm_known, learning_rate, AdamW, AdamWConfig};
 use troupe_model::TrainError;
 
+use super::super::flat::{append_flat, copy_from_flat};
 use super::error::PipelineError;
 use super::{ChunkLayout, Op, OpKind, Plan};
 
@@ -81,6 +82,7 @@ pub struct PipelineStage<T: Transport> {
     device: usize,
     transport: Arc<T>,
     comm: Communicator<T>,
+    data_parallel: Option<DataParallelGroup<T>>,
     recv_timeout_ms: u64,
     chunks: Vec<LocalChunk>,
     params: Vec<Tensor>,
@@ -92,9 +94,21 @@ pub struct PipelineStage<T: Transport> {
     origin: Instant,
 }
 
-/// Micro-batch `i` of `m`: a balanced contiguous share of the global batch.
-pub fn microbatch_ranges(global_batch: usize, microbatches: usize) -> Vec<Range<usize>> {
-    (0..microbatches).map(|i| troupe_kernels::balanced_range(global_batch, microbatches, i)).collect()
+/// The `microbatches` balanced contiguous micro-batches of `slice` (a data-parallel rank's share of the
+/// global batch, or all of it), as sample ranges of the global batch.
+pub fn microbatch_ranges(slice: Range<usize>, microbatches: usize) -> Vec<Range<usize>> {
+    (0..microbatches)
+        .map(|i| {
+            let r = troupe_kernels::balanced_range(slice.len(), microbatches, i);
+            slice.start + r.start..slice.start + r.end
+        })
+        .collect()
+}
+
+/// A device's data-parallel group: the devices that hold the same chunks for other slices of the batch.
+/// Their gradients are summed before the norm, so each replica applies the whole batch's update.
+pub struct DataParallelGroup<T: Transport> {
+    pub comm: Communicator<T>,
 }
 
 impl<T: Transport> PipelineStage<T> {
@@ -109,13 +123,18 @@ impl<T: Transport> PipelineStage<T> {
         device: usize,
         transport: Arc<T>,
         comm: Communicator<T>,
+        data_parallel: Option<DataParallelGroup<T>>,
         recv_timeout_ms: u64,
         origin: Instant,
     ) -> Result<Self, PipelineError> {
         let shape = plan.shape;
         let global_batch = config.train.global_batch;
-        if shape.microbatches > global_batch {
-            return Err(PipelineError::TooManyMicrobatches { microbatches: shape.microbatches, global_batch });
+        let slice = match &data_parallel {
+            Some(group) => rank_slice(global_batch, group.comm.transport().rank(), group.comm.transport().world()),
+            None => 0..global_batch,
+        };
+        if shape.microbatches > slice.len() {
+            return Err(PipelineError::TooManyMicrobatches { microbatches: shape.microbatches, samples: slice.len() });
         }
         let all_specs = param_specs(&config.model);
         let (mut chunks, mut specs, mut params) = (Vec::new(), Vec::new(), Vec::new());
@@ -143,13 +162,14 @@ impl<T: Transport> PipelineStage<T> {
         // Every parameter gets a gradient tensor, accumulated into in place.
         let zero: Tensor = params.iter().map(|p| p.sum(Kind::Float) * 0.0).sum();
         zero.backward();
-        let microbatches = microbatch_ranges(global_batch, shape.microbatches);
+        let microbatches = microbatch_ranges(slice, shape.microbatches);
         Ok(Self {
             config,
             plan,
             device,
             transport,
             comm,
+            data_parallel,
             recv_timeout_ms,
             chunks,
             params,
@@ -194,8 +214,23 @@ impl<T: Transport> PipelineStage<T> {
         }
         debug_assert!(run.saved.is_empty() && run.pending_weights.is_empty(), "plan left work undone");
 
+        let mut loss = run.loss;
+        if let Some(group) = &mut self.data_parallel {
+            // The replicas' weighted gradients (and losses) sum to the whole batch's.
+            let grads: Vec<Tensor> = self.params.iter().map(Tensor::grad).collect();
+            let mut flat = Vec::new();
+            append_flat(&grads, &mut flat);
+            flat.push(loss as f32);
+            group.comm.all_reduce(&mut flat[..], ReduceOp::Sum).await.map_err(|source| PipelineError::Flush {
+                device: self.device,
+                step,
+                source,
+            })?;
+            loss = f64::from(flat.pop().expect("loss"));
+            copy_from_flat(&grads, &flat);
+        }
         let sum_sq: f64 = self.params.iter().map(|p| p.grad().square().sum(Kind::Double).double_value(&[])).sum();
-        let mut totals = [sum_sq as f32, run.loss as f32];
+        let mut totals = [sum_sq as f32, loss as f32];
         self.comm.all_reduce(&mut totals[..], ReduceOp::Sum).await.map_err(|source| PipelineError::Flush {
             device: self.device,
             step,
