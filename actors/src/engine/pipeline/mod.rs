@@ -23,5 +23,7 @@ pub use partition::{partition, ChunkLayout, PartitionError};
 pub use plan::{Op, OpKind, Plan, PlanShape, ScheduleKind};
 pub use run::{run_in_process, run_stages, DeviceTransports, PipelineOptions, PipelineRun, PipelineStep};
 pub use schedules::{plan, with_messages, ScheduleError, MICROBATCHES_MAX, STAGES_MAX, VIRTUAL_STAGES_MAX};
-pub use stage::{microbatch_ranges, DataParallelGroup, OpSpan, PipelineStage, StageStep, PIPELINE_TAG_GROUP};
+pub use stage::{
+    microbatch_ranges, DataParallelGroup, OpSpan, PipelineStage, ReducedStage, StageStep, PIPELINE_TAG_GROUP,
+};
 pub use trace::{category, chrome_trace};

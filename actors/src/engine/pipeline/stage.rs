@@ -57,6 +57,14 @@ pub struct StageStep {
     pub spans: Vec<OpSpan>,
 }
 
+/// A step whose reductions are done on this device, ready to commit.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReducedStage {
+    pub loss: f64,
+    pub grad_norm: f64,
+    pub spans: Vec<OpSpan>,
+}
+
 /// A chunk held by this device.
 struct LocalChunk {
     chunk: usize,
@@ -201,6 +209,14 @@ impl<T: Transport> PipelineStage<T> {
 
     /// Runs one step: this device's ops, then the flush (norm and loss across devices, clip, AdamW).
     pub async fn train_step(&mut self) -> Result<StageStep, PipelineError> {
+        let reduced = self.reduce_gradients().await?;
+        Ok(self.apply_update(reduced))
+    }
+
+    /// The first half of a step: this device's ops and the reductions (gradients among the stage's
+    /// replicas, norm and loss across devices). Nothing is applied: dropping the gradients now abandons
+    /// the step cleanly — what a commit vote needs, as with `DataParallelReplica::reduce_gradients`.
+    pub async fn reduce_gradients(&mut self) -> Result<ReducedStage, PipelineError> {
         let step = self.step;
         for p in &mut self.params {
             p.zero_grad();
@@ -237,14 +253,21 @@ impl<T: Transport> PipelineStage<T> {
             source,
         })?;
         let (grad_norm, loss) = (f64::from(totals[0]).sqrt(), f64::from(totals[1]));
+        Ok(ReducedStage { loss, grad_norm, spans: run.spans })
+    }
+
+    /// The second half, once the step is committed: clip by the global norm, AdamW on the local
+    /// parameters, advance the step counter.
+    pub fn apply_update(&mut self, reduced: ReducedStage) -> StageStep {
+        let step = self.step;
         let train = &self.config.train;
         if train.grad_clip > 0.0 {
-            clip_grad_norm_known(&self.params, train.grad_clip, grad_norm);
+            clip_grad_norm_known(&self.params, train.grad_clip, reduced.grad_norm);
         }
         let lr = learning_rate(train, step);
         self.optimizer.apply(&mut self.params, lr);
         self.step += 1;
-        Ok(StageStep { step, loss, grad_norm, lr, spans: run.spans })
+        StageStep { step, loss: reduced.loss, grad_norm: reduced.grad_norm, lr, spans: reduced.spans }
     }
 
     fn local_chunk(&self, chunk: usize) -> &LocalChunk {
