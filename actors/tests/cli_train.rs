@@ -114,7 +114,11 @@ fn unavailable_flags_and_bad_configs_fail_with_a_clear_message() {
     let bad = bad.to_str().unwrap();
     let cases: &[(&[&str], &str)] = &[
         (&["train", "--dp", "2"], "--dp"),
-        (&["train", "--pp", "2"], "--pp"),
+        (&["train", "--pp", "2", "--nodes", "2"], "--pp > 1 with --nodes > 1"),
+        (&["train", "--pp", "8"], "at most model.n_layers (4)"),
+        (&["train", "--pp", "2", "--virtual-stages", "2"], "--schedule interleaved"),
+        (&["train", "--pp", "2", "--microbatches", "9"], "at most train.global_batch (8)"),
+        (&["train", "--pp", "2", "--dp", "2", "--microbatches", "5"], "train.global_batch / parallel.dp = 4"),
         (&["train", "--shard", "zero3"], "--shard"),
         (&["train", "--nodes", "0"], "parallel.nodes"),
         (&["train", "--nodes", "2", "--dp", "3"], "raise --nodes or lower --dp"),

@@ -3,6 +3,7 @@
 mod bench_allreduce;
 mod bench_checkpoint;
 mod bench_kernels;
+mod bench_pipeline;
 mod bench_recovery;
 mod bench_train;
 mod chaos;
@@ -14,6 +15,7 @@ mod table;
 mod trace;
 mod train;
 mod train_cluster;
+mod train_pipeline;
 
 use std::process::ExitCode;
 
@@ -61,6 +63,8 @@ enum BenchCommand {
     Kernels(bench_kernels::KernelsArgs),
     /// All-reduce bus bandwidth over QUIC or the same-host transport, optionally beside Gloo (--peer).
     Allreduce(bench_allreduce::AllreduceArgs),
+    /// Pipeline bubble (measured beside the schedule's theory), tokens/s, and a trace of the spans.
+    Pipeline(bench_pipeline::BenchPipelineArgs),
     /// Time to detect a SIGKILLed daemon and to commit the next step without it, checked against the
     /// reference.
     Recovery(bench_recovery::RecoveryArgs),
@@ -82,6 +86,7 @@ pub fn main() -> ExitCode {
         Command::Bench(BenchCommand::AllreduceRank) => bench_allreduce::run_rank(),
         Command::Bench(BenchCommand::Recovery(args)) => bench_recovery::run(args),
         Command::Bench(BenchCommand::Checkpoint(args)) => bench_checkpoint::run(args),
+        Command::Bench(BenchCommand::Pipeline(args)) => bench_pipeline::run(args),
         Command::Cluster(command) => cluster::run(command),
         Command::Daemon(args) => daemon::run(args),
         Command::Status(args) => client::status(args),

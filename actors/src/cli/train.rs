@@ -36,9 +36,12 @@ pub struct TrainArgs {
     /// Pipeline schedule.
     #[arg(long, value_parser = ["gpipe", "1f1b", "interleaved", "zb-h1"])]
     pub schedule: Option<String>,
-    /// Pipeline micro-batches per step.
+    /// Pipeline micro-batches per step (default: the global batch's micro-batches, at least --pp).
     #[arg(long)]
     pub microbatches: Option<usize>,
+    /// Model chunks per pipeline stage (--schedule interleaved).
+    #[arg(long)]
+    pub virtual_stages: Option<usize>,
     /// Sharding of optimizer state, gradients and parameters.
     #[arg(long, value_parser = ["none", "zero1", "zero2", "zero3"])]
     pub shard: Option<String>,
@@ -97,6 +100,7 @@ impl TrainArgs {
         parallel.dp = self.dp.unwrap_or(parallel.dp);
         parallel.pp = self.pp.unwrap_or(parallel.pp);
         parallel.microbatches = self.microbatches.unwrap_or(parallel.microbatches);
+        parallel.virtual_stages = self.virtual_stages.unwrap_or(parallel.virtual_stages);
         parallel.recompute |= self.recompute;
         for (flag, value) in [
             (&mut parallel.schedule, &self.schedule),
@@ -114,7 +118,7 @@ impl TrainArgs {
         checkpoint.every_steps = self.checkpoint_every.unwrap_or(checkpoint.every_steps);
         config.validate()?;
         let (nodes, dp) = (config.parallel.nodes, config.parallel.dp);
-        if self.cluster.is_none() && dp > nodes {
+        if self.cluster.is_none() && config.parallel.pp == 1 && dp > nodes {
             bail!("--dp {dp} needs at least {dp} ranks, and --nodes {nodes} gives {nodes} (one slot each); raise --nodes or lower --dp");
         }
         let distributed = self.cluster.is_some() || nodes > 1;
@@ -127,6 +131,12 @@ impl TrainArgs {
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let config = args.job_config()?;
+    if config.parallel.pp > 1 {
+        if args.cluster.is_some() {
+            bail!("--pp > 1 with --cluster: pipeline stages run in this process for now; drop --cluster");
+        }
+        return super::train_pipeline::run(args, config);
+    }
     if args.cluster.is_some() || config.parallel.nodes > 1 {
         return super::train_cluster::run(args, config);
     }

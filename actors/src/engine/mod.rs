@@ -2,10 +2,12 @@
 //!
 //! In this build: [`DataParallelReplica`] (DDP: every rank holds the model, gradients are all-reduced in
 //! buckets through troupe's own collectives) and [`ShardedReplica`] (ZeRO-1/2: optimizer state, and for
-//! ZeRO-2 gradients, sharded across ranks). ZeRO-3 and pipeline stages land beside them.
+//! ZeRO-2 gradients, sharded across ranks), and [`pipeline`] (the model cut into stages run by stage
+//! actors: schedules as checked plans, activations and gradients as messages). ZeRO-3 lands beside them.
 
 mod data_parallel;
 mod flat;
+pub mod pipeline;
 mod sharded;
 
 pub use data_parallel::{plan_buckets, DataParallelReplica, ReducedStep, DEFAULT_BUCKET_BYTES};

@@ -126,6 +126,8 @@ pub struct CheckpointConfig {
 pub const NODES_MAX: usize = 64;
 /// Most data-parallel ranks.
 pub const RANKS_MAX: usize = 4096;
+/// Most pipeline stages.
+pub const PIPELINE_STAGES_MAX: usize = 256;
 
 /// The parallel layout. Data parallelism (DDP) over `nodes` daemons is available in this build; the
 /// other values are parsed so that a config written for a later build fails with a clear message, not
@@ -138,7 +140,10 @@ pub struct ParallelConfig {
     pub pp: usize,
     pub shard: String,
     pub schedule: String,
+    /// Pipeline micro-batches per step; 0 means [`ParallelConfig::pipeline_microbatches`]' default.
     pub microbatches: usize,
+    /// Model chunks per pipeline stage (interleaved schedule only).
+    pub virtual_stages: usize,
     pub precision: String,
     pub recompute: bool,
 }
@@ -152,6 +157,7 @@ impl Default for ParallelConfig {
             shard: "none".into(),
             schedule: "1f1b".into(),
             microbatches: 0,
+            virtual_stages: 1,
             precision: "fp32".into(),
             recompute: false,
         }
@@ -245,11 +251,52 @@ impl JobConfig {
                 }
             }
         }
-        self.parallel.validate()
+        self.parallel.validate()?;
+        let p = &self.parallel;
+        if p.pp > 1 && p.pp * p.virtual_stages > self.model.n_layers {
+            return Err(invalid(
+                "parallel.pp",
+                p.pp,
+                format!(
+                    "pp × virtual_stages = {} chunks must be at most model.n_layers ({}): every chunk runs at least one block",
+                    p.pp * p.virtual_stages,
+                    self.model.n_layers
+                ),
+            ));
+        }
+        let replicas = if p.pp > 1 { p.dp.max(1) } else { 1 };
+        if replicas > t.global_batch {
+            return Err(invalid(
+                "parallel.dp",
+                p.dp,
+                format!("must be at most train.global_batch ({})", t.global_batch),
+            ));
+        }
+        let samples = t.global_batch / replicas;
+        if p.microbatches > samples {
+            let allowed = if replicas == 1 {
+                format!("must be at most train.global_batch ({samples})")
+            } else {
+                format!("must be at most the samples of one pipeline, train.global_batch / parallel.dp = {samples}")
+            };
+            return Err(invalid("parallel.microbatches", p.microbatches, allowed));
+        }
+        Ok(())
     }
 }
 
 impl ParallelConfig {
+    /// Pipeline micro-batches per step: `microbatches`, or by default the number of `train.micro_batch`
+    /// samples the global batch holds, at least `pp` (fewer leave stages idle) and at most the samples of
+    /// one pipeline (the global batch over `dp` replicas).
+    pub fn pipeline_microbatches(&self, train: &TrainConfig) -> usize {
+        if self.microbatches > 0 {
+            return self.microbatches;
+        }
+        let samples = train.global_batch / self.dp.max(1);
+        train.global_batch.div_ceil(train.micro_batch).max(self.pp).min(samples.max(1))
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
         const TRACKING: &str = "distributed training lands with the actor runtime, DP/FSDP and pipeline issues";
         let not_yet = |what, default| Err(ConfigError::NotYetAvailable { what, default, tracking: TRACKING });
@@ -259,11 +306,26 @@ impl ParallelConfig {
         if self.dp > RANKS_MAX {
             return Err(invalid("parallel.dp", self.dp, format!("must be 0 (every slot) or at most {RANKS_MAX}")));
         }
-        if self.pp != 1 {
-            return not_yet("--pp / parallel.pp > 1", "1");
+        if !(1..=PIPELINE_STAGES_MAX).contains(&self.pp) {
+            return Err(invalid("parallel.pp", self.pp, format!("must be in 1..={PIPELINE_STAGES_MAX}")));
         }
-        if self.microbatches != 0 {
-            return not_yet("--microbatches / parallel.microbatches (pipeline micro-batches)", "0");
+        if self.pp > 1 && self.nodes > 1 {
+            return not_yet("--pp > 1 with --nodes > 1 / parallel.nodes (pipeline stages across daemons)", "1 node");
+        }
+        if self.microbatches != 0 && self.pp == 1 {
+            return Err(invalid(
+                "parallel.microbatches",
+                self.microbatches,
+                "pipeline micro-batches need --pp / parallel.pp > 1",
+            ));
+        }
+        positive("parallel.virtual_stages", self.virtual_stages)?;
+        if self.virtual_stages > 1 && self.schedule != "interleaved" {
+            return Err(invalid(
+                "parallel.virtual_stages",
+                self.virtual_stages,
+                "more than 1 needs --schedule interleaved / parallel.schedule = \"interleaved\"",
+            ));
         }
         if self.recompute {
             return not_yet("--recompute / parallel.recompute", "false");
@@ -335,7 +397,10 @@ mod tests {
             ("[data]\nkind = \"text\"\n", &["data.path", "must name the file"]),
             ("[data]\nkind = \"parquet\"\n", &["unknown variant `parquet`", "synthetic"]),
             ("[parallel]\nshard = \"zero4\"\n", &["parallel.shard", "none, zero1, zero2, zero3"]),
-            ("[parallel]\npp = 2\n", &["not available yet", "--pp"]),
+            ("[parallel]\npp = 8\n", &["parallel.pp", "at most model.n_layers (4)"]),
+            ("[parallel]\npp = 2\nnodes = 2\n", &["not available yet", "--pp > 1 with --nodes > 1"]),
+            ("[parallel]\nmicrobatches = 4\n", &["parallel.microbatches", "--pp"]),
+            ("[parallel]\npp = 2\nvirtual_stages = 2\n", &["parallel.virtual_stages", "interleaved"]),
             ("[parallel]\nnodes = 0\n", &["parallel.nodes", "1..=64"]),
             ("[train]\nsteps = \"many\"\n", &["invalid type", "steps"]),
         ];

@@ -18,6 +18,8 @@ const INIT_STD: f64 = 0.02;
 pub const PARAMS_PER_BLOCK: usize = 12;
 /// Parameters before the first block: token and position embeddings.
 pub const PARAMS_BEFORE_BLOCKS: usize = 2;
+/// Parameters after the last block: final LayerNorm gain and bias, the head.
+pub const PARAMS_AFTER_BLOCKS: usize = 3;
 
 /// The model's shape. `[model]` in the job config.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -210,41 +212,17 @@ impl Gpt {
 
     /// Token + position embeddings: `[batch, time]` → `[batch, time, d_model]`.
     pub fn embed(&self, tokens: &Tensor) -> Tensor {
-        let time = tokens.size()[1];
-        assert!(time as usize <= self.config.context, "sequence of {time} tokens exceeds the context");
-        let positions = Tensor::arange(time, (Kind::Int64, tokens.device()));
-        let wte = &self.params[0];
-        let wpe = &self.params[1];
-        Tensor::embedding(wte, tokens, -1, false, false) + Tensor::embedding(wpe, &positions, -1, false, false)
+        embed(&self.config, &self.params[..PARAMS_BEFORE_BLOCKS], tokens)
     }
 
     /// Transformer block `index`: `[batch, time, d_model]` → same shape.
     pub fn block(&self, index: usize, x: &Tensor) -> Tensor {
-        let p = &self.params[PARAMS_BEFORE_BLOCKS + index * PARAMS_PER_BLOCK..][..PARAMS_PER_BLOCK];
-        let (batch, time, d) = x.size3().expect("block input is [batch, time, d_model]");
-        let (heads, head_dim) = (self.config.n_heads as i64, self.config.head_dim() as i64);
-
-        let h = x.layer_norm([d], Some(&p[0]), Some(&p[1]), LAYER_NORM_EPS, false);
-        let qkv = h.linear(&p[2], Some(&p[3]));
-        let split = |t: &Tensor| t.view([batch, time, heads, head_dim]).transpose(1, 2);
-        let parts = qkv.split(d, 2);
-        let (q, k, v) = (split(&parts[0]), split(&parts[1]), split(&parts[2]));
-        // Scores scaled by 1/sqrt(head_dim); future positions masked to -inf before the softmax.
-        let attended = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false);
-        let attended = attended.transpose(1, 2).contiguous().view([batch, time, d]);
-        let x = x + attended.linear(&p[4], Some(&p[5]));
-
-        let h = x.layer_norm([d], Some(&p[6]), Some(&p[7]), LAYER_NORM_EPS, false);
-        let h = h.linear(&p[8], Some(&p[9])).gelu("none");
-        x + h.linear(&p[10], Some(&p[11]))
+        block(&self.config, &self.params[PARAMS_BEFORE_BLOCKS + index * PARAMS_PER_BLOCK..][..PARAMS_PER_BLOCK], x)
     }
 
     /// Final LayerNorm and the untied head: `[batch, time, d_model]` → logits `[batch, time, vocab]`.
     pub fn head(&self, x: &Tensor) -> Tensor {
-        let n = self.params.len();
-        let d = self.config.d_model as i64;
-        x.layer_norm([d], Some(&self.params[n - 3]), Some(&self.params[n - 2]), LAYER_NORM_EPS, false)
-            .linear(&self.params[n - 1], None::<Tensor>)
+        head(&self.config, &self.params[self.params.len() - PARAMS_AFTER_BLOCKS..], x)
     }
 
     /// Copies parameter values in from another list in canonical order (shapes must match).
@@ -256,6 +234,90 @@ impl Gpt {
             }
         });
     }
+}
+
+/// The output of one operation that uses parameters, and which of the parameters handed to the forward
+/// it uses (positions in that slice). A forward that records these lets a zero-bubble backward compute
+/// the input gradient first — asking autograd for the gradients of these outputs instead of the
+/// weights, so the weight-gradient products are skipped — and each operation's weight gradient later
+/// from its output's gradient alone.
+#[derive(Debug)]
+pub struct ParamOp {
+    pub output: Tensor,
+    pub params: std::ops::Range<usize>,
+}
+
+fn record(ops: &mut Vec<ParamOp>, output: &Tensor, params: std::ops::Range<usize>) {
+    ops.push(ParamOp { output: output.shallow_clone(), params });
+}
+
+/// Token + position embeddings on `params` = `[wte, wpe]`: `[batch, time]` → `[batch, time, d_model]`.
+/// The free functions take exactly the parameters they use, so a pipeline stage can run its range of
+/// the model on the tensors it owns.
+pub fn embed(config: &GptConfig, params: &[Tensor], tokens: &Tensor) -> Tensor {
+    embed_recorded(config, params, tokens, &mut Vec::new())
+}
+
+/// [`embed`], recording its parameter operations.
+pub fn embed_recorded(config: &GptConfig, params: &[Tensor], tokens: &Tensor, ops: &mut Vec<ParamOp>) -> Tensor {
+    let time = tokens.size()[1];
+    assert!(time as usize <= config.context, "sequence of {time} tokens exceeds the context");
+    let positions = Tensor::arange(time, (Kind::Int64, tokens.device()));
+    let (wte, wpe) = (&params[0], &params[1]);
+    let token_embedding = Tensor::embedding(wte, tokens, -1, false, false);
+    let position_embedding = Tensor::embedding(wpe, &positions, -1, false, false);
+    record(ops, &token_embedding, 0..1);
+    record(ops, &position_embedding, 1..2);
+    token_embedding + position_embedding
+}
+
+/// One transformer block on its [`PARAMS_PER_BLOCK`] parameters: `[batch, time, d_model]` → same shape.
+pub fn block(config: &GptConfig, p: &[Tensor], x: &Tensor) -> Tensor {
+    block_recorded(config, p, x, &mut Vec::new())
+}
+
+/// [`block`], recording its parameter operations.
+pub fn block_recorded(config: &GptConfig, p: &[Tensor], x: &Tensor, ops: &mut Vec<ParamOp>) -> Tensor {
+    let (batch, time, d) = x.size3().expect("block input is [batch, time, d_model]");
+    let (heads, head_dim) = (config.n_heads as i64, config.head_dim() as i64);
+
+    let h = x.layer_norm([d], Some(&p[0]), Some(&p[1]), LAYER_NORM_EPS, false);
+    record(ops, &h, 0..2);
+    let qkv = h.linear(&p[2], Some(&p[3]));
+    record(ops, &qkv, 2..4);
+    let split = |t: &Tensor| t.view([batch, time, heads, head_dim]).transpose(1, 2);
+    let parts = qkv.split(d, 2);
+    let (q, k, v) = (split(&parts[0]), split(&parts[1]), split(&parts[2]));
+    // Scores scaled by 1/sqrt(head_dim); future positions masked to -inf before the softmax.
+    let attended = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false);
+    let attended = attended.transpose(1, 2).contiguous().view([batch, time, d]);
+    let projected = attended.linear(&p[4], Some(&p[5]));
+    record(ops, &projected, 4..6);
+    let x = x + projected;
+
+    let h = x.layer_norm([d], Some(&p[6]), Some(&p[7]), LAYER_NORM_EPS, false);
+    record(ops, &h, 6..8);
+    let h = h.linear(&p[8], Some(&p[9]));
+    record(ops, &h, 8..10);
+    let out = h.gelu("none").linear(&p[10], Some(&p[11]));
+    record(ops, &out, 10..12);
+    x + out
+}
+
+/// Final LayerNorm and the untied head on `[ln_f.weight, ln_f.bias, lm_head.weight]`:
+/// `[batch, time, d_model]` → logits `[batch, time, vocab]`.
+pub fn head(config: &GptConfig, params: &[Tensor], x: &Tensor) -> Tensor {
+    head_recorded(config, params, x, &mut Vec::new())
+}
+
+/// [`head`], recording its parameter operations.
+pub fn head_recorded(config: &GptConfig, params: &[Tensor], x: &Tensor, ops: &mut Vec<ParamOp>) -> Tensor {
+    let d = config.d_model as i64;
+    let h = x.layer_norm([d], Some(&params[0]), Some(&params[1]), LAYER_NORM_EPS, false);
+    record(ops, &h, 0..2);
+    let logits = h.linear(&params[2], None::<Tensor>);
+    record(ops, &logits, 2..3);
+    logits
 }
 
 /// Mean cross-entropy of `[batch, time, vocab]` logits against `[batch, time]` targets.

@@ -1,0 +1,129 @@
+//! `troupe bench pipeline`: a pipeline of in-process stage actors training gpt-tiny, measured. Prints the
+//! measured bubble (stage idle time over total stage time, steady steps only) beside the plan's
+//! theoretical bubble under unit costs — for GPipe and 1F1B the textbook (P − 1)/(M + P − 1) — and beside
+//! the bubble the same plan has at the op costs this run measured; tokens/s; and with `--trace-out` the
+//! measured F/B/W/send/recv spans as a Chrome/Perfetto trace.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use crate::engine::pipeline::{
+    check, chrome_trace, measure_bubble, plan, run_in_process, simulate, textbook_bubble, PipelineOptions,
+    PipelineStep, PlanShape, ScheduleKind,
+};
+use anyhow::Context;
+use troupe_model::config::JobConfig;
+
+#[derive(Debug, clap::Args)]
+pub struct BenchPipelineArgs {
+    /// Pipeline stages (devices), each a stage actor with one torch thread.
+    #[arg(long, default_value_t = 2)]
+    pub stages: usize,
+    /// Micro-batches per global batch.
+    #[arg(long, default_value_t = 4)]
+    pub microbatches: usize,
+    /// gpipe, 1f1b, interleaved or zb-h1.
+    #[arg(long, default_value = "1f1b")]
+    pub schedule: String,
+    /// Chunks per stage (interleaved only).
+    #[arg(long, default_value_t = 1)]
+    pub virtual_stages: usize,
+    /// Steps to run; the first is not measured.
+    #[arg(long, default_value_t = 5)]
+    pub steps: u64,
+    /// Samples per micro-batch (the global batch is this × --microbatches).
+    #[arg(long, default_value_t = 4)]
+    pub micro_batch_size: usize,
+    /// Transformer blocks (default gpt-tiny's 4, or stages × virtual stages if more).
+    #[arg(long)]
+    pub layers: Option<usize>,
+    /// Write the measured spans of the steady steps here as Chrome/Perfetto trace-event JSON.
+    #[arg(long)]
+    pub trace_out: Option<PathBuf>,
+    /// One JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(args: BenchPipelineArgs) -> anyhow::Result<()> {
+    let kind = ScheduleKind::parse(&args.schedule).map_err(|e| anyhow::anyhow!("--schedule: {e}"))?;
+    anyhow::ensure!(args.steps >= 2, "--steps {} leaves no steady step to measure: use at least 2", args.steps);
+    anyhow::ensure!(args.micro_batch_size > 0, "--micro-batch-size must be at least 1");
+    let shape = PlanShape::new(args.stages, args.microbatches, args.virtual_stages);
+    let plan = plan(kind, shape).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let unit = check(&plan).with_context(|| format!("the generated {kind} plan is invalid"))?;
+
+    let mut config = JobConfig::default();
+    config.model.n_layers = args.layers.unwrap_or_else(|| config.model.n_layers.max(shape.chunks()));
+    config.train.steps = args.steps;
+    config.train.global_batch = args.micro_batch_size * args.microbatches;
+    config.train.micro_batch = args.micro_batch_size;
+    config.train.torch_threads = 1;
+    config.validate().context("the benchmark's job config")?;
+    tch::set_num_threads(1);
+
+    let options = PipelineOptions::new(kind, args.stages, args.microbatches, args.virtual_stages);
+    let mut step_walls = Vec::new();
+    let mut last = Instant::now();
+    let run = run_in_process(&config, &options, args.steps, |_| {
+        let now = Instant::now();
+        step_walls.push((now - last).as_secs_f64());
+        last = now;
+    })?;
+    let steady: &[PipelineStep] = &run.steps[1..];
+    let steady_wall = step_walls[1..].iter().sum::<f64>() / steady.len() as f64;
+    let figures = measure_bubble(steady);
+    let at_measured_costs = simulate(&plan, &figures.costs(args.virtual_stages))?.bubble_fraction();
+    let theory = unit.timeline.bubble_fraction();
+    let tokens_per_step = (config.train.global_batch * config.model.context) as f64;
+
+    if let Some(path) = &args.trace_out {
+        let trace = chrome_trace(steady, args.stages, std::process::id(), 1);
+        std::fs::write(path, serde_json::to_vec(&trace)?)
+            .with_context(|| format!("writing the trace to {}", path.display()))?;
+    }
+    let ms = |s: f64| if s.is_finite() { serde_json::json!(s * 1e3) } else { serde_json::Value::Null };
+    let report = serde_json::json!({
+        "bench": "pipeline",
+        "schedule": kind.name(),
+        "stages": args.stages,
+        "microbatches": args.microbatches,
+        "virtual_stages": args.virtual_stages,
+        "layers": config.model.n_layers,
+        "micro_batch_size": args.micro_batch_size,
+        "steps": args.steps,
+        "steady_steps": steady.len(),
+        "bubble": figures.bubble,
+        "bubble_theory": theory,
+        "bubble_vs_theory": figures.bubble / theory,
+        "bubble_textbook": textbook_bubble(args.stages, args.microbatches),
+        "bubble_at_measured_costs": at_measured_costs,
+        "idle_s_per_step": figures.idle_s / steady.len() as f64,
+        "step_span_s": figures.step_span_s,
+        "step_s": steady_wall,
+        "tokens_per_s": tokens_per_step / steady_wall,
+        "forward_ms": ms(figures.forward_s),
+        "backward_ms": ms(figures.backward_s),
+        "backward_input_ms": ms(figures.backward_input_s),
+        "backward_weight_ms": ms(figures.backward_weight_s),
+        "final_loss": run.steps.last().map(|s| s.loss),
+        "trace": args.trace_out.as_ref().map(|p| p.display().to_string()),
+    });
+    if args.json {
+        println!("{report}");
+    } else {
+        println!(
+            "{kind} P={} M={} V={}: bubble {:.3} measured, {:.3} in theory ({:.2}×), {:.3} at the measured op costs; \
+             {:.0} tokens/s",
+            args.stages,
+            args.microbatches,
+            args.virtual_stages,
+            figures.bubble,
+            theory,
+            figures.bubble / theory,
+            at_measured_costs,
+            tokens_per_step / steady_wall
+        );
+    }
+    Ok(())
+}

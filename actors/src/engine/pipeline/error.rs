@@ -1,0 +1,29 @@
+//! What can stop a pipeline step, with the device, step and operation it happened at.
+
+use troupe_cluster::ClusterError;
+use troupe_model::TrainError;
+
+use super::{Op, PartitionError, ScheduleError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error(transparent)]
+    Schedule(#[from] ScheduleError),
+    #[error(transparent)]
+    Partition(#[from] PartitionError),
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    #[error(
+        "--microbatches {microbatches} is more than the {samples} samples a pipeline gets per step (train.global_batch \
+         divided by --dp): use at most {samples} micro-batches, or a larger global batch"
+    )]
+    TooManyMicrobatches { microbatches: usize, samples: usize },
+    #[error("device {device}, step {step}, {op}: {source}")]
+    Message { device: usize, step: u64, op: Op, source: ClusterError },
+    #[error("device {device}, step {step}, {op}: message of {got} bytes, expected {expected}")]
+    BadMessage { device: usize, step: u64, op: Op, got: usize, expected: usize },
+    #[error("device {device}, step {step}: reducing the gradient norm and loss across stages: {source}")]
+    Flush { device: usize, step: u64, source: ClusterError },
+    #[error("stage actor of device {device}: {reason}")]
+    Actor { device: usize, reason: String },
+}

@@ -1,0 +1,495 @@
+//! One pipeline device's share of training: the parameters of its chunks (one per virtual stage), their
+//! AdamW state, and the execution of its ops of a [`Plan`] over a [`Transport`] — activations out to the
+//! next chunk's device, gradients back to the previous one — followed by the synchronous flush: the
+//! gradient norm and the loss summed across devices, clipping and AdamW on the local parameters.
+//!
+//! Gradients accumulate over the step's micro-batches, each micro-batch's loss weighted by its share of
+//! the global batch, exactly as the reference trainer does, so the pipeline computes the reference's
+//! update (within summation order). A backward with a gradient from the next chunk is the backward of the
+//! scalar Σ(output · gradient), whose derivative is that gradient. B and W of zero-bubble schedules split
+//! one backward: B asks autograd for the gradients of the input and of every parameter operation's
+//! output over the retained graph, W turns each operation's output gradient into its weight gradients.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use tch::{Kind, Tensor};
+use troupe_cluster::collective::{Communicator, ReduceOp};
+use troupe_cluster::transport::{LossScope, Transport};
+use troupe_cluster::wire::Tag;
+use troupe_model::config::JobConfig;
+use troupe_model::data::{load_corpus, rank_slice, GlobalSampler};
+use troupe_model::gpt::{
+    block_recorded, cross_entropy, embed_recorded, head_recorded, init_values, param_specs, ParamOp, ParamSpec,
+    PARAMS_PER_BLOCK,
+};
+use troupe_model::optim::{clip_grad_norm_known, learning_rate, AdamW, AdamWConfig};
+use troupe_model::TrainError;
+
+use super::super::flat::{append_flat, copy_from_flat};
+use super::error::PipelineError;
+use super::{ChunkLayout, Op, OpKind, Plan};
+
+/// The transport tag group of activations and gradients (collectives of the flush use their own).
+pub const PIPELINE_TAG_GROUP: u32 = 0x5049_5045;
+
+/// One executed op: what, and when relative to the run's origin (seconds).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OpSpan {
+    pub op: Op,
+    pub start_s: f64,
+    pub end_s: f64,
+}
+
+/// What a device reports after a step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StageStep {
+    pub step: u64,
+    /// The global batch's mean loss (the same on every device after the flush).
+    pub loss: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    pub lr: f64,
+    /// Every op this device ran, in order.
+    pub spans: Vec<OpSpan>,
+}
+
+/// A step whose reductions are done on this device, ready to commit.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReducedStage {
+    pub loss: f64,
+    pub grad_norm: f64,
+    pub spans: Vec<OpSpan>,
+}
+
+/// A chunk held by this device.
+struct LocalChunk {
+    chunk: usize,
+    layout: ChunkLayout,
+    /// Its parameters' positions in the device's parameter list.
+    local: Range<usize>,
+}
+
+/// What the forward of (chunk, micro-batch) leaves for its backward.
+struct Saved {
+    /// The input as a leaf requiring grad (none for the first chunk, whose input is token ids).
+    input: Option<Tensor>,
+    /// The chunk's output: an activation, or for the last chunk the weighted loss.
+    output: Tensor,
+    /// The outputs of its parameter operations (parameter positions local to the chunk), for B/W.
+    ops: Vec<ParamOp>,
+}
+
+/// One device of a pipeline.
+pub struct PipelineStage<T: Transport> {
+    config: JobConfig,
+    plan: Arc<Plan>,
+    device: usize,
+    transport: Arc<T>,
+    comm: Communicator<T>,
+    data_parallel: Option<DataParallelGroup<T>>,
+    recv_timeout_ms: u64,
+    chunks: Vec<LocalChunk>,
+    params: Vec<Tensor>,
+    optimizer: AdamW,
+    sampler: Option<GlobalSampler>,
+    microbatches: Vec<Range<usize>>,
+    /// Committed steps; the next step to run.
+    pub step: u64,
+    origin: Instant,
+}
+
+/// The `microbatches` balanced contiguous micro-batches of `slice` (a data-parallel rank's share of the
+/// global batch, or all of it), as sample ranges of the global batch.
+pub fn microbatch_ranges(slice: Range<usize>, microbatches: usize) -> Vec<Range<usize>> {
+    (0..microbatches)
+        .map(|i| {
+            let r = troupe_kernels::balanced_range(slice.len(), microbatches, i);
+            slice.start + r.start..slice.start + r.end
+        })
+        .collect()
+}
+
+/// A device's data-parallel group: the devices that hold the same chunks for other slices of the batch.
+/// Their gradients are summed before the norm, so each replica applies the whole batch's update.
+pub struct DataParallelGroup<T: Transport> {
+    pub comm: Communicator<T>,
+}
+
+impl<T: Transport> PipelineStage<T> {
+    /// Device `device` of `plan`: initialises the parameters of its chunks from `train.seed` (the same
+    /// values the reference initialises them to) and loads the corpus if it holds the first or last chunk.
+    /// `comm` spans the pipeline's devices (its collectives carry the flush).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        config: JobConfig,
+        plan: Arc<Plan>,
+        layouts: &[ChunkLayout],
+        device: usize,
+        transport: Arc<T>,
+        comm: Communicator<T>,
+        data_parallel: Option<DataParallelGroup<T>>,
+        recv_timeout_ms: u64,
+        origin: Instant,
+    ) -> Result<Self, PipelineError> {
+        let shape = plan.shape;
+        let global_batch = config.train.global_batch;
+        let slice = match &data_parallel {
+            Some(group) => rank_slice(global_batch, group.comm.transport().rank(), group.comm.transport().world()),
+            None => 0..global_batch,
+        };
+        if shape.microbatches > slice.len() {
+            return Err(PipelineError::TooManyMicrobatches { microbatches: shape.microbatches, samples: slice.len() });
+        }
+        let all_specs = param_specs(&config.model);
+        let (mut chunks, mut specs, mut params) = (Vec::new(), Vec::new(), Vec::new());
+        for v in 0..shape.virtual_stages {
+            let chunk = shape.chunk_at(device, v);
+            let layout = layouts[chunk].clone();
+            let start = params.len();
+            for index in layout.params.clone() {
+                let spec = &all_specs[index];
+                let values = init_values(spec, config.train.seed, index);
+                params.push(Tensor::from_slice(&values).view(spec.shape.as_slice()).set_requires_grad(true));
+                specs.push(spec.clone());
+            }
+            chunks.push(LocalChunk { chunk, layout, local: start..params.len() });
+        }
+        let decays = specs.iter().map(ParamSpec::decays).collect();
+        let optimizer = AdamW::new(AdamWConfig::from(&config.train), &params, decays);
+        let ends = chunks.iter().any(|c| c.layout.embed || c.layout.head);
+        let sampler = if ends {
+            let corpus = load_corpus(&config.data, &config.model).map_err(TrainError::from)?;
+            Some(GlobalSampler::new(config.train.seed, corpus, config.model.context))
+        } else {
+            None
+        };
+        // Every parameter gets a gradient tensor, accumulated into in place.
+        let zero: Tensor = params.iter().map(|p| p.sum(Kind::Float) * 0.0).sum();
+        zero.backward();
+        let microbatches = microbatch_ranges(slice, shape.microbatches);
+        Ok(Self {
+            config,
+            plan,
+            device,
+            transport,
+            comm,
+            data_parallel,
+            recv_timeout_ms,
+            chunks,
+            params,
+            optimizer,
+            sampler,
+            microbatches,
+            step: 0,
+            origin,
+        })
+    }
+
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    /// The chunks this device holds, in virtual-stage order, with their parameter ranges in the model's
+    /// canonical order.
+    pub fn layouts(&self) -> impl Iterator<Item = &ChunkLayout> {
+        self.chunks.iter().map(|c| &c.layout)
+    }
+
+    /// Detached copies of the local parameters by chunk: (chunk index, its parameters in canonical order).
+    pub fn chunk_param_values(&self) -> Vec<(usize, Vec<Tensor>)> {
+        self.chunks
+            .iter()
+            .map(|c| (c.chunk, self.params[c.local.clone()].iter().map(|p| p.detach().copy()).collect()))
+            .collect()
+    }
+
+    /// Runs one step: this device's ops, then the flush (norm and loss across devices, clip, AdamW).
+    pub async fn train_step(&mut self) -> Result<StageStep, PipelineError> {
+        let reduced = self.reduce_gradients().await?;
+        Ok(self.apply_update(reduced))
+    }
+
+    /// The first half of a step: this device's ops and the reductions (gradients among the stage's
+    /// replicas, norm and loss across devices). Nothing is applied: dropping the gradients now abandons
+    /// the step cleanly — what a commit vote needs, as with `DataParallelReplica::reduce_gradients`.
+    pub async fn reduce_gradients(&mut self) -> Result<ReducedStage, PipelineError> {
+        let step = self.step;
+        for p in &mut self.params {
+            p.zero_grad();
+        }
+        let mut run = StepRun::default();
+        let plan = self.plan.clone();
+        for &op in &plan.devices[self.device] {
+            let start_s = self.origin.elapsed().as_secs_f64();
+            self.run_op(op, step, &mut run).await?;
+            run.spans.push(OpSpan { op, start_s, end_s: self.origin.elapsed().as_secs_f64() });
+        }
+        debug_assert!(run.saved.is_empty() && run.pending_weights.is_empty(), "plan left work undone");
+
+        let mut loss = run.loss;
+        if let Some(group) = &mut self.data_parallel {
+            // The replicas' weighted gradients (and losses) sum to the whole batch's.
+            let grads: Vec<Tensor> = self.params.iter().map(Tensor::grad).collect();
+            let mut flat = Vec::new();
+            append_flat(&grads, &mut flat);
+            flat.push(loss as f32);
+            group.comm.all_reduce(&mut flat[..], ReduceOp::Sum).await.map_err(|source| PipelineError::Flush {
+                device: self.device,
+                step,
+                source,
+            })?;
+            loss = f64::from(flat.pop().expect("loss"));
+            copy_from_flat(&grads, &flat);
+        }
+        let sum_sq: f64 = self.params.iter().map(|p| p.grad().square().sum(Kind::Double).double_value(&[])).sum();
+        let mut totals = [sum_sq as f32, loss as f32];
+        self.comm.all_reduce(&mut totals[..], ReduceOp::Sum).await.map_err(|source| PipelineError::Flush {
+            device: self.device,
+            step,
+            source,
+        })?;
+        let (grad_norm, loss) = (f64::from(totals[0]).sqrt(), f64::from(totals[1]));
+        Ok(ReducedStage { loss, grad_norm, spans: run.spans })
+    }
+
+    /// The second half, once the step is committed: clip by the global norm, AdamW on the local
+    /// parameters, advance the step counter.
+    pub fn apply_update(&mut self, reduced: ReducedStage) -> StageStep {
+        let step = self.step;
+        let train = &self.config.train;
+        if train.grad_clip > 0.0 {
+            clip_grad_norm_known(&self.params, train.grad_clip, reduced.grad_norm);
+        }
+        let lr = learning_rate(train, step);
+        self.optimizer.apply(&mut self.params, lr);
+        self.step += 1;
+        StageStep { step, loss: reduced.loss, grad_norm: reduced.grad_norm, lr, spans: reduced.spans }
+    }
+
+    fn local_chunk(&self, chunk: usize) -> &LocalChunk {
+        &self.chunks[self.plan.shape.virtual_of(chunk)]
+    }
+
+    fn is_local(&self, chunk: usize) -> bool {
+        self.plan.shape.device_of(chunk) == self.device
+    }
+
+    fn tag(&self, kind: OpKind, chunk: usize, microbatch: usize, step: u64) -> Tag {
+        let kind_bits: u64 = if kind == OpKind::SendActivation || kind == OpKind::RecvActivation { 1 } else { 2 };
+        Tag {
+            group: PIPELINE_TAG_GROUP,
+            epoch: self.comm.epoch(),
+            seq: (kind_bits << 48) | ((chunk as u64) << 24) | microbatch as u64,
+            step: step as u32,
+        }
+    }
+
+    /// The shape of an activation (or its gradient) for micro-batch `mb`.
+    fn activation_shape(&self, mb: usize) -> [i64; 3] {
+        let model = &self.config.model;
+        [self.microbatches[mb].len() as i64, model.context as i64, model.d_model as i64]
+    }
+
+    async fn run_op(&mut self, op: Op, step: u64, run: &mut StepRun) -> Result<(), PipelineError> {
+        let (c, mb) = (op.chunk, op.microbatch);
+        match op.kind {
+            OpKind::Forward => self.forward(c, mb, step, run),
+            OpKind::Backward => self.backward(c, mb, run, false),
+            OpKind::BackwardInput => self.backward(c, mb, run, true),
+            OpKind::BackwardWeight => {
+                let pending = run.pending_weights.remove(&(c, mb)).expect("checked plan: W after its B");
+                self.weight_pass(c, pending);
+            }
+            OpKind::SendActivation => {
+                let output = &run.saved.get(&(c, mb)).expect("checked plan: send after forward").output;
+                let bytes = tensor_bytes(output);
+                self.send(op, self.plan.shape.device_of(c + 1), bytes, step).await?;
+            }
+            OpKind::SendGradient => {
+                let grad = run.outgoing.remove(&(c, mb)).expect("checked plan: send after backward");
+                let bytes = tensor_bytes(&grad);
+                self.send(op, self.plan.shape.device_of(c - 1), bytes, step).await?;
+            }
+            OpKind::RecvActivation => {
+                let tensor = self.recv(op, self.plan.shape.device_of(c), step).await?;
+                run.activations.insert((c + 1, mb), tensor);
+            }
+            OpKind::RecvGradient => {
+                let tensor = self.recv(op, self.plan.shape.device_of(c), step).await?;
+                run.gradients.insert((c - 1, mb), tensor);
+            }
+        }
+        Ok(())
+    }
+
+    fn forward(&mut self, c: usize, mb: usize, step: u64, run: &mut StepRun) {
+        let range = self.microbatches[mb].clone();
+        let weight = range.len() as f64 / self.config.train.global_batch as f64;
+        let chunk = self.local_chunk(c);
+        let (layout, p) = (&chunk.layout, &self.params[chunk.local.clone()]);
+        let model = &self.config.model;
+        let batch = (layout.embed || layout.head)
+            .then(|| self.sampler.as_ref().expect("end chunks load the corpus").batch(step, range));
+        let mut ops = Vec::new();
+        let (input, mut x, mut used) = if layout.embed {
+            let (tokens, _) = batch.as_ref().expect("first chunk has its batch");
+            (None, embed_recorded(model, &p[..2], tokens, &mut ops), 2)
+        } else {
+            let received = run.activations.remove(&(c, mb)).expect("checked plan: input before forward");
+            let leaf = received.set_requires_grad(true);
+            (Some(leaf.shallow_clone()), leaf, 0)
+        };
+        let record_at = |offset: usize, ops: &mut Vec<ParamOp>, recorded: Vec<ParamOp>| {
+            ops.extend(
+                recorded
+                    .into_iter()
+                    .map(|op| ParamOp { params: op.params.start + offset..op.params.end + offset, ..op }),
+            );
+        };
+        for _ in layout.blocks.clone() {
+            let mut recorded = Vec::new();
+            x = block_recorded(model, &p[used..used + PARAMS_PER_BLOCK], &x, &mut recorded);
+            record_at(used, &mut ops, recorded);
+            used += PARAMS_PER_BLOCK;
+        }
+        let output = if layout.head {
+            let (_, targets) = batch.as_ref().expect("last chunk has its batch");
+            let mut recorded = Vec::new();
+            let logits = head_recorded(model, &p[used..], &x, &mut recorded);
+            record_at(used, &mut ops, recorded);
+            let loss = cross_entropy(&logits, targets);
+            run.loss += loss.double_value(&[]) * weight;
+            loss * weight
+        } else {
+            x
+        };
+        if c + 1 < self.plan.shape.chunks() && self.is_local(c + 1) {
+            run.activations.insert((c + 1, mb), output.detach());
+        }
+        run.saved.insert((c, mb), Saved { input, output, ops });
+    }
+
+    /// The full backward (`split` false: weight and input gradients in one autograd pass) or its
+    /// input-gradient half B (`split` true): autograd is asked for the gradients of the input and of every
+    /// parameter operation's output — not of the weights, so the weight-gradient products are skipped —
+    /// and keeps the graph for W. Routes the input gradient to the previous chunk: kept if it is local,
+    /// queued for sending otherwise.
+    fn backward(&mut self, c: usize, mb: usize, run: &mut StepRun, split: bool) {
+        let Saved { input, output, ops } = run.saved.remove(&(c, mb)).expect("checked plan: backward after forward");
+        let scalar = if self.local_chunk(c).layout.head {
+            output
+        } else {
+            let grad = run.gradients.remove(&(c, mb)).expect("checked plan: gradient before backward");
+            (&output * grad).sum(Kind::Float)
+        };
+        let mut wrt: Vec<Tensor> = input.iter().map(Tensor::shallow_clone).collect();
+        let input_grad = if split {
+            wrt.extend(ops.iter().map(|op| op.output.shallow_clone()));
+            let mut grads = Tensor::run_backward(&[&scalar], &wrt, true, false);
+            let op_grads = grads.split_off(input.iter().count());
+            let pending = ops.into_iter().zip(op_grads).collect();
+            run.pending_weights.insert((c, mb), pending);
+            grads.pop()
+        } else {
+            let local = self.local_chunk(c).local.clone();
+            wrt.extend(self.params[local].iter().map(Tensor::shallow_clone));
+            let mut grads = Tensor::run_backward(&[&scalar], &wrt, false, false);
+            let weight_grads = grads.split_off(input.iter().count());
+            self.accumulate(c, 0, &weight_grads);
+            grads.pop()
+        };
+        if let Some(grad) = input_grad {
+            if self.is_local(c - 1) {
+                run.gradients.insert((c - 1, mb), grad);
+            } else {
+                run.outgoing.insert((c, mb), grad);
+            }
+        }
+    }
+
+    /// W: each parameter operation's weight gradients from its output's gradient that B computed — one
+    /// autograd pass per operation, each reaching only that operation's parameters.
+    fn weight_pass(&mut self, c: usize, pending: Vec<(ParamOp, Tensor)>) {
+        let local = self.local_chunk(c).local.clone();
+        for (op, output_grad) in pending {
+            if !output_grad.defined() {
+                continue;
+            }
+            let scalar = (&op.output * &output_grad).sum(Kind::Float);
+            let params = &self.params[local.start + op.params.start..local.start + op.params.end];
+            let grads = Tensor::run_backward(&[&scalar], params, false, false);
+            self.accumulate(c, op.params.start, &grads);
+        }
+    }
+
+    /// Adds one micro-batch's gradients of chunk c's parameters `first..` to the step's (as autograd's
+    /// accumulation would).
+    fn accumulate(&mut self, c: usize, first: usize, grads: &[Tensor]) {
+        let local = self.local_chunk(c).local.clone();
+        tch::no_grad(|| {
+            for (param, grad) in self.params[local.start + first..local.end].iter().zip(grads) {
+                if grad.defined() {
+                    let _ = param.grad().g_add_(grad);
+                }
+            }
+        });
+    }
+
+    async fn send(&mut self, op: Op, to: usize, bytes: Bytes, step: u64) -> Result<(), PipelineError> {
+        let (transport, tag) = (self.transport.clone(), self.tag(op.kind, op.chunk, op.microbatch, step));
+        transport.send(to, tag, bytes).await.map_err(|source| PipelineError::Message {
+            device: self.device,
+            step,
+            op,
+            source,
+        })
+    }
+
+    async fn recv(&mut self, op: Op, from: usize, step: u64) -> Result<Tensor, PipelineError> {
+        let send_kind = if op.kind == OpKind::RecvActivation { OpKind::SendActivation } else { OpKind::SendGradient };
+        let (transport, tag) = (self.transport.clone(), self.tag(send_kind, op.chunk, op.microbatch, step));
+        let payload = transport
+            .recv(from, tag, LossScope::Peer, self.recv_timeout_ms)
+            .await
+            .map_err(|source| PipelineError::Message { device: self.device, step, op, source })?;
+        let shape = self.activation_shape(op.microbatch);
+        let expected = shape.iter().product::<i64>() as usize * 4;
+        let bytes = payload.to_vec();
+        if bytes.len() != expected {
+            return Err(PipelineError::BadMessage { device: self.device, step, op, got: bytes.len(), expected });
+        }
+        let values: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        Ok(Tensor::from_slice(&values).view(shape))
+    }
+}
+
+/// An f32 tensor's values, little endian, as one message body.
+fn tensor_bytes(tensor: &Tensor) -> Bytes {
+    let tensor = tensor.detach().contiguous();
+    let mut values = vec![0f32; tensor.numel()];
+    let numel = values.len();
+    tensor.copy_data(&mut values, numel);
+    Bytes::from(values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())
+}
+
+/// The state of one step in flight on a device.
+#[derive(Default)]
+struct StepRun {
+    saved: HashMap<(usize, usize), Saved>,
+    /// Inputs waiting for their forward, by (consuming chunk, micro-batch).
+    activations: HashMap<(usize, usize), Tensor>,
+    /// Output gradients waiting for their backward, by (chunk, micro-batch).
+    gradients: HashMap<(usize, usize), Tensor>,
+    /// Input gradients waiting to be sent, by (producing chunk, micro-batch).
+    outgoing: HashMap<(usize, usize), Tensor>,
+    /// Zero-bubble: each parameter operation's output and its gradient, waiting for W, by (chunk,
+    /// micro-batch).
+    pending_weights: HashMap<(usize, usize), Vec<(ParamOp, Tensor)>>,
+    /// Σ micro-batch loss × its share of the global batch (last chunk only).
+    loss: f64,
+    spans: Vec<OpSpan>,
+}
