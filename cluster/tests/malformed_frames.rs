@@ -79,8 +79,10 @@ async fn every_malformed_frame_closes_its_connection_and_the_listener_keeps_serv
             .unwrap_or_else(|_| panic!("{what}: connection not closed"));
         match &end {
             quinn::ConnectionError::ApplicationClosed(c) => assert_eq!(c.error_code, CLOSE_PROTOCOL, "{what}: {end}"),
-            // The close frame can be overtaken by a stateless reset once the server has drained.
-            quinn::ConnectionError::Reset => {}
+            // The close frame can be overtaken by a stateless reset once the server has drained, or (on
+            // an overloaded machine) lost until the client gives up: the server's own record, checked
+            // next, says it closed the connection and why.
+            quinn::ConnectionError::Reset | quinn::ConnectionError::TimedOut => {}
             other => panic!("{what}: expected the server to close, got {other}"),
         }
         let logged = l.mailbox().lost_reason(rank).unwrap_or_else(|| panic!("{what}: no reason recorded"));

@@ -287,30 +287,26 @@ async fn bad_inputs(cluster: &LocalCluster) -> Vec<Check> {
         let mut client = Client::connect(cluster.addr(), &identity).await?;
         client.status().await.map(|_| ())
     };
-    let refused = tokio::time::timeout(Duration::from_secs(10), stranger).await;
-    checks.push(Check {
-        name: "a certificate from another CA is refused".into(),
-        passed: matches!(refused, Ok(Err(_))),
-        detail: match refused {
-            Ok(Err(e)) => format!("refused: {}", first_line(&format!("{e:#}"))),
-            Ok(Ok(())) => "the stranger was served".into(),
-            Err(_) => "no answer within 10 s".into(),
-        },
-    });
+    checks.push(refusal("a certificate from another CA is refused", "the stranger was served", stranger).await);
     let mut config = JobConfig::small(1);
     config.model.n_heads = 3; // 64 is not divisible by 3
     let submitted = async { cluster.client().await?.submit(Job::new(config)).await.map(|_| ()) };
-    let refused = tokio::time::timeout(Duration::from_secs(10), submitted).await;
-    checks.push(Check {
-        name: "a job that cannot train is refused".into(),
-        passed: matches!(refused, Ok(Err(_))),
-        detail: match refused {
+    checks.push(refusal("a job that cannot train is refused", "the controller accepted it", submitted).await);
+    checks
+}
+
+/// A check that `attempt` is refused (an error within 10 s); `accepted` says what went wrong otherwise.
+async fn refusal(name: &str, accepted: &str, attempt: impl std::future::Future<Output = anyhow::Result<()>>) -> Check {
+    let outcome = tokio::time::timeout(Duration::from_secs(10), attempt).await;
+    Check {
+        name: name.into(),
+        passed: matches!(outcome, Ok(Err(_))),
+        detail: match outcome {
             Ok(Err(e)) => format!("refused: {}", first_line(&format!("{e:#}"))),
-            Ok(Ok(())) => "the controller accepted it".into(),
+            Ok(Ok(())) => accepted.into(),
             Err(_) => "no answer within 10 s".into(),
         },
-    });
-    checks
+    }
 }
 
 fn first_line(s: &str) -> &str {
