@@ -17,15 +17,7 @@ impl Job {
     /// layout).
     pub fn new(config: JobConfig) -> Self {
         Job {
-            spec: JobSpec {
-                config,
-                name: "job".into(),
-                min_ranks: 1,
-                max_ranks: 0,
-                save_final: None,
-                data_plane: DataPlane::Auto,
-                trace: false,
-            },
+            spec: JobSpec { config, name: "job".into(), save_final: None, data_plane: DataPlane::Auto, trace: false },
         }
     }
 
@@ -56,11 +48,14 @@ impl Job {
         self
     }
 
-    /// Elasticity: run while at least `min` ranks are available (pause below), use at most `max`
-    /// (0: all).
-    pub fn elastic(mut self, min: usize, max: usize) -> Self {
-        self.spec.min_ranks = min;
-        self.spec.max_ranks = max;
+    /// Elasticity (`[elastic]`): train while at least `min_nodes` members offer ranks, on at most
+    /// `max_nodes` of them (0: all); below `min_nodes` wait at most `wait_s` seconds (0: forever) for
+    /// members to come back, then fail.
+    pub fn elastic(mut self, min_nodes: usize, max_nodes: usize, wait_s: u64) -> Self {
+        let elastic = &mut self.spec.config.elastic;
+        elastic.min_nodes = min_nodes;
+        elastic.max_nodes = max_nodes;
+        elastic.wait_s = wait_s;
         self
     }
 

@@ -164,8 +164,7 @@ pub fn job(command: JobCommand) -> anyhow::Result<()> {
             JobCommand::Submit { config, detach, cluster } => {
                 let job_config = JobConfig::from_file(&config)?;
                 let name = config.file_stem().map_or("job".into(), |s| s.to_string_lossy().into_owned());
-                let dp = job_config.parallel.dp;
-                let job = Job::new(job_config).name(name).elastic(1, dp);
+                let job = Job::new(job_config).name(name);
                 let client = cluster.connect().await?;
                 let mut handle = client.submit(job).await?;
                 if cluster.json {

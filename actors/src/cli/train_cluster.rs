@@ -63,10 +63,9 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
             (Some(cluster), client)
         }
     };
-    let dp = config.parallel.dp;
     let total = config.train.steps;
     let plane = if args.data_plane == "quic" { DataPlane::Quic } else { DataPlane::Auto };
-    let mut job = Job::new(config).name("train").elastic(1, dp).data_plane(plane).trace(run_dir.is_some());
+    let mut job = Job::new(config).name("train").data_plane(plane).trace(run_dir.is_some());
     if let Some(path) = &args.save_final {
         let path = std::path::absolute(path).with_context(|| format!("--save-final {}", path.display()))?;
         job = job.save_final(path);
@@ -118,6 +117,17 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
                     json!({ "step": step, "epoch": epoch, "world": w }),
                     &format!("recovered: continuing after step {step} on {w} ranks (epoch {epoch})"),
                 );
+            }
+            JobEvent::Waiting { nodes: have, min_nodes, wait_s } => {
+                let limit =
+                    if wait_s == 0 { "for as long as it takes".to_string() } else { format!("at most {wait_s} s") };
+                reporter.event(
+                    "waiting",
+                    json!({ "nodes": have, "min_nodes": min_nodes, "wait_s": wait_s }),
+                    &format!(
+                        "waiting: {have} node(s) offer ranks, elastic.min_nodes is {min_nodes}; holding the last committed step {limit}"
+                    ),
+                )
             }
             JobEvent::Checkpoint { step, path, seconds } => reporter.event(
                 "checkpoint",

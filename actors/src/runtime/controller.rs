@@ -53,6 +53,8 @@ pub enum JobMsg {
         spans: Vec<PhaseSpan>,
     },
     Cancel,
+    /// Once a second: bounds the wait below `elastic.min_nodes`.
+    Tick,
 }
 
 pub struct JobArgs {
@@ -91,7 +93,7 @@ impl Actor for JobController {
     type State = JobControllerState;
     type Arguments = JobArgs;
 
-    async fn pre_start(&self, _me: ActorRef<JobMsg>, args: JobArgs) -> Result<JobControllerState, ActorProcessingErr> {
+    async fn pre_start(&self, me: ActorRef<JobMsg>, args: JobArgs) -> Result<JobControllerState, ActorProcessingErr> {
         let mut state = JobControllerState {
             id: args.id,
             started: std::time::Instant::now(),
@@ -100,6 +102,7 @@ impl Actor for JobController {
         };
         state.driver.on_view(&args.view, &args.members, Vec::new());
         state.flush();
+        me.send_interval(std::time::Duration::from_secs(1), || JobMsg::Tick);
         Ok(state)
     }
 
@@ -122,6 +125,7 @@ impl Actor for JobController {
             JobMsg::Ended { node, attempt, slot, outcome } => d.on_ended(&node, attempt, slot, outcome),
             JobMsg::Checkpointed { attempt, step, path, seconds } => d.on_checkpoint(attempt, step, path, seconds),
             JobMsg::Cancel => d.cancel(),
+            JobMsg::Tick => d.on_tick(now),
             JobMsg::Phases { node, attempt, rank, step, spans } => {
                 let event = JobEvent::Phases { rank, node: node.0, attempt, step, spans };
                 let _ = state.node.cast(NodeMsg::JobEvent { job: state.id, event, info: d.info() });

@@ -62,19 +62,35 @@ pub struct JobDriver {
     reason: Option<String>,
     /// When the last step committed (or the attempt started): step time is wall time between commits.
     last_commit_at: Duration,
+    /// Below `elastic.min_nodes`: since when (first seen by [`JobDriver::on_tick`]; None until then).
+    waiting: Option<Option<Duration>>,
     /// Every node ever asked to prepare an attempt: each may hold the job's state (a rank that became a
     /// spare keeps it), so each is told to release it when the job ends.
     prepared_nodes: BTreeSet<NodeId>,
     actions: VecDeque<DriverAction>,
 }
 
-/// The ranks a view offers a job: each member's slots, members in node-id order, capped at `max_ranks`.
-/// Under the cap, slots that are ranks `now` keep their place and only the rest is filled in node-id
-/// order: spare slots wait, and a joiner never displaces a running rank (which may hold the only copy of
-/// the committed state). Ranks are numbered in node-id order either way.
-pub fn plan_ranks(view: &View, members: &[MemberInfo], max_ranks: usize, now: &[RankSlot]) -> Vec<RankSlot> {
+/// The ranks a view offers a job: each member's slots, members in node-id order, at most `max_nodes`
+/// members (0: all) and at most `max_ranks` slots (0: all). Under either cap, members and slots that are
+/// ranks `now` keep their place and only the rest is filled in node-id order: spares wait, and a joiner
+/// never displaces a running rank (which may hold the only copy of the committed state). Ranks are
+/// numbered in node-id order either way.
+pub fn plan_ranks(
+    view: &View,
+    members: &[MemberInfo],
+    max_nodes: usize,
+    max_ranks: usize,
+    now: &[RankSlot],
+) -> Vec<RankSlot> {
+    let mut nodes: Vec<&NodeId> = view.members().iter().collect();
+    if max_nodes != 0 && nodes.len() > max_nodes {
+        let (kept, spare): (Vec<&NodeId>, Vec<&NodeId>) =
+            nodes.into_iter().partition(|n| now.iter().any(|r| &r.node == *n));
+        nodes = kept.into_iter().chain(spare).take(max_nodes).collect();
+        nodes.sort();
+    }
     let mut slots = Vec::new();
-    for node in view.members() {
+    for node in nodes {
         let count = members.iter().find(|m| m.name == node.0).map_or(1, |m| m.slots);
         slots.extend((0..count).map(|slot| RankSlot { node: node.clone(), slot }));
     }
@@ -101,6 +117,7 @@ impl JobDriver {
             failed_attempts: 0,
             reason: None,
             last_commit_at: Duration::ZERO,
+            waiting: None,
             prepared_nodes: BTreeSet::new(),
             actions: VecDeque::new(),
         }
@@ -121,14 +138,9 @@ impl JobDriver {
         }
     }
 
-    /// The cap on ranks: the spec's `max_ranks` and the config's `parallel.dp`, whichever is tighter
-    /// (0 is no cap).
+    /// The cap on ranks: `parallel.dp` (0 is no cap).
     fn max_ranks(&self) -> usize {
-        match (self.spec.max_ranks, self.spec.config.parallel.dp) {
-            (0, dp) => dp,
-            (max, 0) => max,
-            (max, dp) => max.min(dp),
-        }
+        self.spec.config.parallel.dp
     }
 
     pub fn poll_action(&mut self) -> Option<DriverAction> {
@@ -160,7 +172,8 @@ impl JobDriver {
             return;
         }
         self.epoch = view.epoch.0;
-        let wanted = plan_ranks(view, members, self.max_ranks(), self.ranks());
+        let max_nodes = self.spec.config.elastic.max_nodes;
+        let wanted = plan_ranks(view, members, max_nodes, self.max_ranks(), self.ranks());
         if !matches!(self.phase, Phase::Idle) && wanted == self.ranks() {
             return;
         }
@@ -183,11 +196,18 @@ impl JobDriver {
     }
 
     fn start_attempt(&mut self, ranks: Vec<RankSlot>) {
-        if ranks.len() < self.spec.min_ranks.max(1) {
+        let (nodes, elastic) = (Self::nodes(&ranks).len(), &self.spec.config.elastic);
+        if ranks.is_empty() || nodes < elastic.min_nodes {
+            if self.waiting.is_none() {
+                self.waiting = Some(None);
+                let event = JobEvent::Waiting { nodes, min_nodes: elastic.min_nodes, wait_s: elastic.wait_s };
+                self.actions.push_back(DriverAction::Event(event));
+            }
             self.state = JobState::Waiting;
             self.phase = Phase::Idle;
             return;
         }
+        self.waiting = None;
         self.attempt += 1;
         let msg = Wire::Prepare {
             job: self.id,
@@ -198,6 +218,23 @@ impl JobDriver {
         self.send_all(&ranks, &msg);
         self.prepared_nodes.extend(Self::nodes(&ranks));
         self.phase = Phase::Preparing { ready: vec![None; ranks.len()], ranks };
+    }
+
+    /// The passage of time: a job below `elastic.min_nodes` for longer than `elastic.wait_s` fails.
+    pub fn on_tick(&mut self, now: Duration) {
+        let Some(since) = &mut self.waiting else { return };
+        if self.state.is_terminal() {
+            return;
+        }
+        let since = *since.get_or_insert(now);
+        let elastic = &self.spec.config.elastic;
+        if elastic.wait_s > 0 && now.saturating_sub(since) >= Duration::from_secs(elastic.wait_s) {
+            let (need, waited) = (elastic.min_nodes, elastic.wait_s);
+            self.fail(format!(
+                "fewer than elastic.min_nodes = {need} nodes offered ranks for elastic.wait_s = {waited} s; \
+                 add nodes, lower elastic.min_nodes, or raise elastic.wait_s (0 waits forever)"
+            ));
+        }
     }
 
     fn rank_of(&self, node: &NodeId, slot: u32) -> Option<usize> {
@@ -372,15 +409,7 @@ mod tests {
     fn spec(steps: u64) -> JobSpec {
         let mut config = troupe_model::config::JobConfig::default();
         config.train.steps = steps;
-        JobSpec {
-            config,
-            name: "t".into(),
-            min_ranks: 1,
-            max_ranks: 0,
-            save_final: None,
-            data_plane: Default::default(),
-            trace: false,
-        }
+        JobSpec { config, name: "t".into(), save_final: None, data_plane: Default::default(), trace: false }
     }
 
     fn view(epoch: u64, nodes: &[&str]) -> (View, Vec<MemberInfo>) {
@@ -435,15 +464,15 @@ mod tests {
     fn ranks_are_slots_of_members_in_node_id_order_capped() {
         let (v, mut m) = view(1, &["b", "a"]);
         m[0].slots = 2; // "b"
-        let ranks = plan_ranks(&v, &m, 0, &[]);
+        let ranks = plan_ranks(&v, &m, 0, 0, &[]);
         let names: Vec<_> = ranks.iter().map(|r| (r.node.0.as_str(), r.slot)).collect();
         assert_eq!(names, vec![("a", 0), ("b", 0), ("b", 1)]);
-        assert_eq!(plan_ranks(&v, &m, 2, &[]).len(), 2);
+        assert_eq!(plan_ranks(&v, &m, 0, 2, &[]).len(), 2);
         // Under the cap, the ranks of now keep their place (in node-id order): "a" waits as a spare.
         let now = [RankSlot { node: "b".into(), slot: 1 }];
-        let kept: Vec<_> = plan_ranks(&v, &m, 2, &now).into_iter().map(|r| (r.node.0, r.slot)).collect();
+        let kept: Vec<_> = plan_ranks(&v, &m, 0, 2, &now).into_iter().map(|r| (r.node.0, r.slot)).collect();
         assert_eq!(kept, vec![("a".to_string(), 0), ("b".to_string(), 1)]);
-        let kept: Vec<_> = plan_ranks(&v, &m, 1, &now).into_iter().map(|r| (r.node.0, r.slot)).collect();
+        let kept: Vec<_> = plan_ranks(&v, &m, 0, 1, &now).into_iter().map(|r| (r.node.0, r.slot)).collect();
         assert_eq!(kept, vec![("b".to_string(), 1)]);
     }
 
@@ -453,7 +482,7 @@ mod tests {
     #[test]
     fn under_the_cap_a_joiner_waits_as_a_spare_instead_of_displacing_a_rank() {
         let mut s = spec(10);
-        s.max_ranks = 1;
+        s.config.parallel.dp = 1;
         let mut d = JobDriver::new(1, s);
         started(&mut d, 1, &["b"], &[0]);
         d.on_vote(T, &"b".into(), 1, 0, 0, 5.0, 1.0);
@@ -604,16 +633,90 @@ mod tests {
     }
 
     #[test]
-    fn too_few_ranks_waits_and_cancel_releases() {
+    fn at_most_max_nodes_members_and_the_running_ones_keep_their_place() {
+        let (v, mut m) = view(1, &["a", "b", "c"]);
+        m[1].slots = 2; // "b"
+        let nodes = |ranks: Vec<RankSlot>| ranks.into_iter().map(|r| (r.node.0, r.slot)).collect::<Vec<_>>();
+        let two = nodes(plan_ranks(&v, &m, 2, 0, &[]));
+        assert_eq!(two, vec![("a".into(), 0), ("b".into(), 0), ("b".into(), 1)], "the first two members, every slot");
+        let now = [RankSlot { node: "c".into(), slot: 0 }];
+        let kept = nodes(plan_ranks(&v, &m, 2, 0, &now));
+        assert_eq!(kept, vec![("a".into(), 0), ("c".into(), 0)], "c runs and keeps its place; b waits as a spare");
+    }
+
+    #[test]
+    fn too_few_nodes_waits_and_cancel_releases() {
         let mut s = spec(10);
-        s.min_ranks = 3;
+        s.config.elastic.min_nodes = 3;
         let mut d = JobDriver::new(1, s);
         let (v, m) = view(1, &["a", "b"]);
         d.on_view(&v, &m, vec![]);
-        assert!(drain(&mut d).is_empty());
+        let actions = drain(&mut d);
+        assert!(sent(&actions).is_empty(), "nothing starts below min_nodes: {actions:?}");
+        assert_eq!(events(&actions), vec![&JobEvent::Waiting { nodes: 2, min_nodes: 3, wait_s: 600 }]);
         assert_eq!(d.info().state, JobState::Waiting);
         d.cancel();
         assert!(matches!(events(&drain(&mut d))[..], [JobEvent::Cancelled]));
         assert_eq!(d.info().state, JobState::Cancelled);
+    }
+
+    /// A job that lost nodes below `min_nodes` holds its committed step, resumes when members come back
+    /// within `wait_s`, and fails with a reason naming the keys once it has waited longer.
+    #[test]
+    fn below_min_nodes_the_job_waits_a_bounded_time_then_fails() {
+        let mut s = spec(10);
+        s.config.elastic.min_nodes = 2;
+        s.config.elastic.wait_s = 30;
+        let mut d = JobDriver::new(1, s);
+        started(&mut d, 1, &["a", "b"], &[0, 0]);
+        for n in ["a", "b"] {
+            d.on_vote(T, &n.into(), 1, 0, 0, 5.0, 1.0);
+        }
+        drain(&mut d);
+        // b is lost: one node left, below min_nodes. The attempt is aborted and the job waits.
+        let (v, m) = view(2, &["a"]);
+        d.on_view(&v, &m, vec!["b failed".into()]);
+        let actions = drain(&mut d);
+        assert!(sent(&actions).iter().all(|(_, w)| matches!(w, Wire::Abort { .. })), "{actions:?}");
+        assert!(events(&actions).contains(&&JobEvent::Waiting { nodes: 1, min_nodes: 2, wait_s: 30 }));
+        let secs = Duration::from_secs;
+        d.on_tick(secs(100));
+        d.on_tick(secs(129));
+        assert_eq!(d.info().state, JobState::Waiting, "29 s of 30");
+        // b comes back within the wait: a new attempt from the committed step.
+        let (v, m) = view(3, &["a", "b"]);
+        d.on_view(&v, &m, vec!["b joined".into()]);
+        let actions = drain(&mut d);
+        assert!(sent(&actions).iter().any(|(_, w)| matches!(w, Wire::Prepare { .. })), "{actions:?}");
+        d.on_tick(secs(1000));
+        assert_ne!(d.info().state, JobState::Failed, "the wait ended when b came back");
+
+        // Lost again, and this time nobody comes back: the job fails after wait_s, naming the keys.
+        let (v, m) = view(4, &["a"]);
+        d.on_view(&v, &m, vec!["b failed".into()]);
+        drain(&mut d);
+        d.on_tick(secs(2000));
+        d.on_tick(secs(2029));
+        assert!(drain(&mut d).is_empty());
+        d.on_tick(secs(2030));
+        let actions = drain(&mut d);
+        let Some(JobEvent::Failed { reason }) = events(&actions).last().copied() else { panic!("{actions:?}") };
+        for needle in ["elastic.min_nodes = 2", "elastic.wait_s = 30 s", "add nodes"] {
+            assert!(reason.contains(needle), "{needle:?} in {reason}");
+        }
+        assert_eq!(d.info().state, JobState::Failed);
+    }
+
+    #[test]
+    fn wait_s_zero_waits_forever() {
+        let mut s = spec(10);
+        s.config.elastic.min_nodes = 2;
+        s.config.elastic.wait_s = 0;
+        let mut d = JobDriver::new(1, s);
+        let (v, m) = view(1, &["a"]);
+        d.on_view(&v, &m, vec![]);
+        d.on_tick(Duration::ZERO);
+        d.on_tick(Duration::from_secs(1 << 30));
+        assert_eq!(d.info().state, JobState::Waiting);
     }
 }

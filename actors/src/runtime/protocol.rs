@@ -22,10 +22,6 @@ pub struct JobSpec {
     pub config: JobConfig,
     /// A human name shown by `troupe status`.
     pub name: String,
-    /// The job runs only while at least this many ranks are available (it pauses below).
-    pub min_ranks: usize,
-    /// Ranks to use at most (0: every slot of every member).
-    pub max_ranks: usize,
     /// Rank 0 writes the final parameters here (a path on its machine).
     pub save_final: Option<PathBuf>,
     /// How ranks exchange gradients.
@@ -96,6 +92,13 @@ pub enum JobEvent {
         epoch: u64,
         from_step: u64,
         attempt: u64,
+    },
+    /// Fewer than `min_nodes` members offer the job ranks: it holds its last committed step and waits
+    /// for members, at most `wait_s` seconds (0: forever) before it fails.
+    Waiting {
+        nodes: usize,
+        min_nodes: usize,
+        wait_s: u64,
     },
     /// A step committed on every rank.
     Step {

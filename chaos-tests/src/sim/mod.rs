@@ -95,7 +95,7 @@ impl Outcome {
 
 /// The job every run trains: gpt-tiny with the scenario's steps, rank cap and checkpoints.
 pub fn job_spec(sc: &Scenario) -> JobSpec {
-    let mut job = Job::gpt_tiny().name("sim").steps(sc.steps).elastic(1, sc.max_ranks);
+    let mut job = Job::gpt_tiny().name("sim").steps(sc.steps).data_parallel(sc.max_ranks, "none");
     if let Some(every) = sc.checkpoint_every {
         job = job.checkpoints("/shared/checkpoints", every, 0);
     }

@@ -1,5 +1,5 @@
-//! The job configuration: one TOML file with `[model]`, `[data]`, `[train]`, `[checkpoint]` and
-//! `[parallel]` sections. Every key has a default (gpt-tiny on the synthetic corpus), an unknown key is
+//! The job configuration: one TOML file with `[model]`, `[data]`, `[train]`, `[checkpoint]`,
+//! `[parallel]` and `[elastic]` sections. Every key has a default (gpt-tiny on the synthetic corpus), an unknown key is
 //! an error naming it, and every value is validated with a message that says what is allowed.
 
 use std::fmt;
@@ -30,6 +30,7 @@ pub struct JobConfig {
     pub train: TrainConfig,
     pub checkpoint: CheckpointConfig,
     pub parallel: ParallelConfig,
+    pub elastic: ElasticConfig,
 }
 
 /// Where the training tokens come from.
@@ -120,6 +121,52 @@ pub struct CheckpointConfig {
     pub every_steps: u64,
     /// Keep the last K checkpoints; 0 keeps all.
     pub keep_last: usize,
+}
+
+/// How the job rides membership changes: it runs while at least `min_nodes` members offer it ranks,
+/// uses at most `max_nodes` of them, and below `min_nodes` waits `wait_s` for members to come (back)
+/// before it fails.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ElasticConfig {
+    /// Fewest nodes the job trains on; below, it pauses at its last committed step.
+    pub min_nodes: usize,
+    /// Most nodes the job trains on (0: every member). Members over the cap wait as spares.
+    pub max_nodes: usize,
+    /// Longest the job waits below `min_nodes` before it fails (0: forever).
+    pub wait_s: u64,
+}
+
+impl Default for ElasticConfig {
+    fn default() -> Self {
+        Self { min_nodes: 1, max_nodes: 0, wait_s: 600 }
+    }
+}
+
+/// Most nodes `[elastic]` may name.
+pub const ELASTIC_NODES_MAX: usize = 4096;
+
+impl ElasticConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if !(1..=ELASTIC_NODES_MAX).contains(&self.min_nodes) {
+            return Err(invalid("elastic.min_nodes", self.min_nodes, format!("must be in 1..={ELASTIC_NODES_MAX}")));
+        }
+        if self.max_nodes > ELASTIC_NODES_MAX {
+            return Err(invalid(
+                "elastic.max_nodes",
+                self.max_nodes,
+                format!("must be 0 (every member) or at most {ELASTIC_NODES_MAX}"),
+            ));
+        }
+        if self.max_nodes != 0 && self.max_nodes < self.min_nodes {
+            return Err(invalid(
+                "elastic.max_nodes",
+                self.max_nodes,
+                format!("must be 0 (every member) or at least elastic.min_nodes ({})", self.min_nodes),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Most daemons of an embedded local cluster (`--nodes`).
@@ -252,6 +299,7 @@ impl JobConfig {
             }
         }
         self.parallel.validate()?;
+        self.elastic.validate()?;
         let p = &self.parallel;
         if p.pp > 1 && p.pp * p.virtual_stages > self.model.n_layers {
             return Err(invalid(
@@ -403,6 +451,9 @@ mod tests {
             ("[parallel]\npp = 2\nvirtual_stages = 2\n", &["parallel.virtual_stages", "interleaved"]),
             ("[parallel]\nnodes = 0\n", &["parallel.nodes", "1..=64"]),
             ("[train]\nsteps = \"many\"\n", &["invalid type", "steps"]),
+            ("[elastic]\nmin_nodes = 0\n", &["elastic.min_nodes", "1..=4096"]),
+            ("[elastic]\nmin_nodes = 3\nmax_nodes = 2\n", &["elastic.max_nodes", "at least elastic.min_nodes (3)"]),
+            ("[elastic]\nmin_ranks = 2\n", &["unknown field `min_ranks`", "min_nodes"]),
         ];
         for (toml, needles) in cases {
             let message = error_of(toml);

@@ -132,7 +132,7 @@ async fn run_job(cluster: &LocalCluster, world: usize, steps: u64, threads: usiz
     config.train.torch_threads = threads;
     config.parallel.nodes = world;
     let tokens_per_step = (config.train.global_batch * config.model.context) as u64;
-    let job = Job::new(config).name("bench-train").data_parallel(world, "none").elastic(world, world);
+    let job = Job::new(config).name("bench-train").data_parallel(world, "none").elastic(world, world, 0);
     let mut handle = cluster.client().await?.submit(job).await?;
     let started = Instant::now();
     let mut commits = Vec::new();
@@ -161,6 +161,7 @@ async fn run_job(cluster: &LocalCluster, world: usize, steps: u64, threads: usiz
                 break Err(anyhow::anyhow!("the job recovered after step {step}: a rank failed during the benchmark"));
             }
             JobEvent::Started { .. }
+            | JobEvent::Waiting { .. }
             | JobEvent::Saved { .. }
             | JobEvent::Checkpoint { .. }
             | JobEvent::Phases { .. } => {}
