@@ -165,3 +165,22 @@ async fn job_submit_status_and_cancel_from_the_command_line() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("no job 99"));
     cluster.shutdown().await;
 }
+
+#[test]
+fn cluster_init_and_add_node_print_what_they_wrote_as_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_troupe")).args(args).output().expect("troupe runs");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<Value>(&out.stdout).expect("one JSON object")
+    };
+    let certs_arg = certs.to_str().unwrap();
+    let init = run(&["cluster", "init", "--dir", certs_arg, "--json"]);
+    assert!(std::path::Path::new(init["ca"].as_str().unwrap()).exists(), "{init}");
+    let node = run(&["cluster", "add-node", "node-a", "--dir", certs_arg, "--json"]);
+    assert_eq!(node["node"], "node-a");
+    for key in ["cert", "key"] {
+        assert!(std::path::Path::new(node[key].as_str().unwrap()).exists(), "{node}");
+    }
+}

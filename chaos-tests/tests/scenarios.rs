@@ -150,3 +150,21 @@ fn flaky_link() {
         assert_eq!(faults(&r, "flaky-link"), 1);
     }
 }
+
+#[test]
+fn chaos_list_names_every_shipped_scenario_as_json() {
+    let out = Command::new(troupe()).args(["chaos", "list", "--json"]).output().expect("troupe chaos list runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let listed: Vec<Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let names: Vec<&str> = listed.iter().map(|l| l["name"].as_str().unwrap()).collect();
+    assert_eq!(names.len(), troupe_chaos::harness::SHIPPED.len(), "{names:?}");
+    assert!(names.contains(&"kill-worker"), "{names:?}");
+    for line in &listed {
+        assert!(line["nodes"].as_u64().unwrap() >= 2 && !line["faults"].as_array().unwrap().is_empty(), "{line}");
+        assert!(!line["description"].as_str().unwrap().is_empty(), "{line}");
+    }
+}

@@ -12,6 +12,9 @@ pub enum ClusterCommand {
         /// Directory for the cluster's certificates (created if missing; an existing CA is kept).
         #[arg(long)]
         dir: PathBuf,
+        /// Print what was written as one JSON object.
+        #[arg(long)]
+        json: bool,
     },
     /// Issue a certificate for node NAME, signed by the CA in DIR (nodes/NAME.pem, nodes/NAME.key.pem).
     AddNode {
@@ -20,20 +23,37 @@ pub enum ClusterCommand {
         /// The directory `troupe cluster init` wrote.
         #[arg(long)]
         dir: PathBuf,
+        /// Print what was written as one JSON object.
+        #[arg(long)]
+        json: bool,
     },
 }
 
 pub fn run(cmd: ClusterCommand) -> anyhow::Result<()> {
     match cmd {
-        ClusterCommand::Init { dir } => {
+        ClusterCommand::Init { dir, json } => {
             troupe_cluster::init_cluster(&dir)
                 .with_context(|| format!("creating a cluster CA in {}", dir.display()))?;
-            println!("cluster CA created in {} (keep ca.key.pem private)", dir.display());
+            if json {
+                let (ca, key) = (dir.join("ca.pem"), dir.join("ca.key.pem"));
+                println!("{}", serde_json::json!({ "event": "cluster_ca", "dir": dir, "ca": ca, "ca_key": key }));
+            } else {
+                println!("cluster CA created in {} (keep ca.key.pem private)", dir.display());
+            }
         }
-        ClusterCommand::AddNode { name, dir } => {
+        ClusterCommand::AddNode { name, dir, json } => {
             troupe_cluster::add_node(&name, &dir)
                 .with_context(|| format!("issuing a certificate for {name:?} from {}", dir.display()))?;
-            println!("node {name} certificate written to {}", dir.join("nodes").display());
+            let nodes = dir.join("nodes");
+            if json {
+                let (cert, key) = (nodes.join(format!("{name}.pem")), nodes.join(format!("{name}.key.pem")));
+                println!(
+                    "{}",
+                    serde_json::json!({ "event": "node_certificate", "node": name, "cert": cert, "key": key })
+                );
+            } else {
+                println!("node {name} certificate written to {}", nodes.display());
+            }
         }
     }
     Ok(())

@@ -7,6 +7,7 @@ mod bench_pipeline;
 mod bench_recovery;
 mod bench_train;
 mod chaos;
+mod checkpoint;
 mod client;
 mod cluster;
 mod daemon;
@@ -42,6 +43,9 @@ enum Command {
     Cluster(cluster::ClusterCommand),
     /// Run this machine's node of a cluster.
     Daemon(daemon::DaemonArgs),
+    /// List, verify, reshard and export checkpoints.
+    #[command(subcommand)]
+    Checkpoint(checkpoint::CheckpointCommand),
     /// Members, epoch, slots and jobs of a running cluster.
     Status(client::StatusArgs),
     /// Submit, inspect and cancel jobs on a running cluster.
@@ -89,6 +93,7 @@ pub fn main() -> ExitCode {
         Command::Bench(BenchCommand::Pipeline(args)) => bench_pipeline::run(args),
         Command::Cluster(command) => cluster::run(command),
         Command::Daemon(args) => daemon::run(args),
+        Command::Checkpoint(command) => checkpoint::run(command),
         Command::Status(args) => client::status(args),
         Command::Job(command) => client::job(command),
         Command::Trace(args) => trace::run(args),

@@ -39,7 +39,11 @@ enum Command {
         keep: bool,
     },
     /// The shipped scenarios and what each does.
-    List,
+    List {
+        /// One JSON object per scenario: name, description, nodes, steps, fault kinds.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -58,10 +62,17 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<bool> {
     match cli.command {
-        Command::List => {
+        Command::List { json } => {
             for (name, text) in SHIPPED {
                 let s = Scenario::parse(text, name)?;
-                println!("{name:<30} {}", s.description);
+                if json {
+                    let faults: Vec<&str> = s.faults.iter().map(|f| f.kind.as_str()).collect();
+                    let line = serde_json::json!({ "name": name, "description": s.description, "nodes": s.nodes,
+                                                   "steps": s.steps, "faults": faults });
+                    println!("{line}");
+                } else {
+                    println!("{name:<30} {}", s.description);
+                }
             }
             Ok(true)
         }

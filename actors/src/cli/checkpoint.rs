@@ -1,0 +1,327 @@
+//! `troupe checkpoint list|verify|reshard|export`: inspect the checkpoints of a job, check them byte by
+//! byte, rewrite one under another shard count, and take the trained parameters out as one plain
+//! safetensors file (HF GPT-2 names) for inference or another framework.
+//!
+//! A checkpoint path may name one `step-NNNNNNNN` directory or a checkpoint root (`checkpoint.dir`); for
+//! `reshard` and `export` a root means its newest valid checkpoint — the one a job would continue from.
+
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde_json::json;
+use troupe_model::checkpoint::manifest::{Layout, Manifest, ShardMode};
+use troupe_model::checkpoint::read::read_manifest;
+use troupe_model::checkpoint::tensor_file::{read_verified, write_f32_file, FileTensor};
+use troupe_model::checkpoint::{latest_valid, load_state, step_dirs, CheckpointStore, StateKind, MANIFEST};
+
+use super::table::Table;
+
+#[derive(Debug, clap::Subcommand)]
+pub enum CheckpointCommand {
+    /// Every checkpoint under a root: step, layout, size, and whether it is valid (`--verify` reads
+    /// every byte; without it only the manifests are checked).
+    List {
+        /// A checkpoint root (`checkpoint.dir`).
+        root: PathBuf,
+        /// Check every file's checksum, not only the manifests.
+        #[arg(long)]
+        verify: bool,
+        /// One JSON object per checkpoint on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check a checkpoint (or every checkpoint under a root) byte by byte against its manifest; exits
+    /// non-zero if any is torn or corrupt, naming the file.
+    Verify {
+        /// A `step-NNNNNNNN` directory or a checkpoint root.
+        path: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Rewrite a checkpoint as SHARDS files under another root (any layout loads into any other at
+    /// restore time; this writes it out, e.g. to ship one file per host).
+    Reshard {
+        /// A `step-NNNNNNNN` directory, or a root (its newest valid checkpoint).
+        src: PathBuf,
+        /// Shard files (data-parallel ranks) of the new layout.
+        #[arg(long)]
+        shards: usize,
+        /// The checkpoint root to write into (created if missing).
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write the parameters of a checkpoint as one safetensors file with HF GPT-2 names (no optimizer
+    /// state): what PyTorch's `safetensors.torch.load_file` or `troupe train --save-final` give.
+    Export {
+        /// A `step-NNNNNNNN` directory, or a root (its newest valid checkpoint).
+        src: PathBuf,
+        /// The file to write (`.safetensors`); written to a temporary name and renamed into place.
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+pub fn run(command: CheckpointCommand) -> anyhow::Result<()> {
+    match command {
+        CheckpointCommand::List { root, verify, json } => list(&root, verify, json),
+        CheckpointCommand::Verify { path, json } => verify_all(&path, json),
+        CheckpointCommand::Reshard { src, shards, out, json } => reshard(&src, shards, &out, json),
+        CheckpointCommand::Export { src, out, json } => export(&src, &out, json),
+    }
+}
+
+/// The checkpoint directories `path` names: itself if it holds a manifest, else every `step-*` under it.
+fn checkpoints_at(path: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    if !path.exists() {
+        bail!("{}: no such file or directory; pass a checkpoint root (checkpoint.dir) or a step-NNNNNNNN directory inside one", path.display());
+    }
+    if path.join(MANIFEST).exists() {
+        return Ok(vec![path.to_owned()]);
+    }
+    let dirs: Vec<PathBuf> = step_dirs(path).into_iter().map(|(_, dir)| dir).collect();
+    if dirs.is_empty() {
+        bail!("{}: no checkpoints here (neither a {MANIFEST} nor step-NNNNNNNN directories); pass a checkpoint root (checkpoint.dir) or a step directory", path.display());
+    }
+    Ok(dirs)
+}
+
+/// The one checkpoint `src` names: a step directory, or the newest valid one under a root.
+fn source(src: &Path) -> anyhow::Result<PathBuf> {
+    if src.join(MANIFEST).exists() {
+        return Ok(src.to_owned());
+    }
+    checkpoints_at(src)?;
+    let (latest, skipped) = latest_valid(src);
+    for (dir, why) in &skipped {
+        eprintln!("troupe: skipping {}: {why}", dir.display());
+    }
+    latest.with_context(|| format!("{}: no valid checkpoint (every one is torn or corrupt)", src.display()))
+}
+
+fn layout_text(layout: &Layout) -> String {
+    let mode = match layout.shard_mode {
+        ShardMode::Ddp => "ddp",
+        ShardMode::Zero1 => "zero1",
+        ShardMode::Zero2 => "zero2",
+        ShardMode::Zero3 => "zero3",
+    };
+    format!("dp={} pp={} {mode}, {} shard(s)", layout.dp, layout.pp, layout.shards)
+}
+
+/// A bar over `total` bytes on an interactive stderr (none with `--json` or in a log).
+fn bytes_bar(json: bool, total: u64, what: &str) -> Option<ProgressBar> {
+    (!json && std::io::stderr().is_terminal()).then(|| {
+        let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+        let template = format!("{what} {{wide_bar}} {{bytes}}/{{total_bytes}} {{bytes_per_sec}} [{{eta}}]");
+        bar.set_style(ProgressStyle::with_template(&template).expect("valid template"));
+        bar
+    })
+}
+
+/// A spinner with a message on an interactive stderr, for work that reports no progress of its own.
+fn spinner(json: bool, message: String) -> Option<ProgressBar> {
+    (!json && std::io::stderr().is_terminal()).then(|| {
+        let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
+        bar.set_style(ProgressStyle::with_template("{spinner} {msg} [{elapsed}]").expect("valid template"));
+        bar.set_message(message);
+        bar.enable_steady_tick(std::time::Duration::from_millis(120));
+        bar
+    })
+}
+
+/// Checks every file of `dir` against its manifest, advancing `bar` by each file's bytes.
+fn verify_dir(dir: &Path, bar: Option<&ProgressBar>) -> Result<Manifest, String> {
+    let manifest = read_manifest(dir).map_err(|e| e.to_string())?;
+    for file in &manifest.files {
+        read_verified(dir, &file.name, file.bytes, file.checksum).map_err(|e| e.to_string())?;
+        if let Some(bar) = bar {
+            bar.inc(file.bytes);
+        }
+    }
+    Ok(manifest)
+}
+
+fn manifest_bytes(manifest: &Manifest) -> u64 {
+    manifest.files.iter().map(|f| f.bytes).sum()
+}
+
+fn list(root: &Path, verify: bool, json: bool) -> anyhow::Result<()> {
+    let dirs = checkpoints_at(root)?;
+    let resume = latest_valid(root).0;
+    let mut table = Table::new(&["step", "layout", "files", "size", "state", ""]);
+    for dir in &dirs {
+        let checked = if verify { verify_dir(dir, None) } else { read_manifest(dir).map_err(|e| e.to_string()) };
+        let resumes = resume.as_deref() == Some(dir.as_path());
+        if json {
+            let mut line = json!({ "path": dir, "valid": checked.is_ok(), "resume_from": resumes, "verified": verify });
+            match &checked {
+                Ok(m) => {
+                    line["step"] = json!(m.step);
+                    line["layout"] = json!(m.layout);
+                    line["files"] = json!(m.files.len());
+                    line["bytes"] = json!(manifest_bytes(m));
+                }
+                Err(why) => line["error"] = json!(why),
+            }
+            println!("{line}");
+            continue;
+        }
+        let name = dir.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+        let mark = if resumes { "← a job continues from here".to_string() } else { String::new() };
+        match &checked {
+            Ok(m) => table.row(vec![
+                m.step.to_string(),
+                layout_text(&m.layout),
+                m.files.len().to_string(),
+                format!("{:.1} MiB", manifest_bytes(m) as f64 / (1 << 20) as f64),
+                if verify { "verified" } else { "manifest ok" }.into(),
+                mark,
+            ]),
+            Err(why) => table.row(vec![name, "-".into(), "-".into(), "-".into(), format!("INVALID: {why}"), mark]),
+        }
+    }
+    if !json {
+        print!("{}", table.render());
+    }
+    Ok(())
+}
+
+fn verify_all(path: &Path, json: bool) -> anyhow::Result<()> {
+    let dirs = checkpoints_at(path)?;
+    let total: u64 = dirs.iter().filter_map(|d| read_manifest(d).ok()).map(|m| manifest_bytes(&m)).sum();
+    let bar = bytes_bar(json, total, "verifying");
+    let mut bad = Vec::new();
+    for dir in &dirs {
+        let t0 = Instant::now();
+        let result = verify_dir(dir, bar.as_ref());
+        let seconds = t0.elapsed().as_secs_f64();
+        if json {
+            let line = match &result {
+                Ok(m) => {
+                    json!({ "path": dir, "valid": true, "step": m.step, "bytes": manifest_bytes(m), "seconds": seconds })
+                }
+                Err(why) => json!({ "path": dir, "valid": false, "error": why }),
+            };
+            println!("{line}");
+        } else {
+            let line = match &result {
+                Ok(m) => format!("ok       {} (step {}, {} files)", dir.display(), m.step, m.files.len()),
+                Err(why) => format!("INVALID  {why}"),
+            };
+            match &bar {
+                Some(bar) => bar.println(line),
+                None => println!("{line}"),
+            }
+        }
+        if let Err(why) = result {
+            bad.push(why);
+        }
+    }
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    if !bad.is_empty() {
+        bail!(
+            "{} of {} checkpoint(s) do not verify; a job skips them for the newest valid one (remove them, or restore the files from a copy)",
+            bad.len(),
+            dirs.len()
+        );
+    }
+    Ok(())
+}
+
+fn reshard(src: &Path, shards: usize, out: &Path, json: bool) -> anyhow::Result<()> {
+    if !(1..=troupe_model::config::RANKS_MAX).contains(&shards) {
+        bail!("--shards {shards}: must be in 1..={}", troupe_model::config::RANKS_MAX);
+    }
+    let dir = source(src)?;
+    let t0 = Instant::now();
+    let state = load_state(&dir).with_context(|| format!("loading {}", dir.display()))?;
+    let loaded = t0.elapsed().as_secs_f64();
+    let store = CheckpointStore::open(out, 0).with_context(|| format!("--out {}", out.display()))?;
+    let mib = state.bytes() as f64 / (1 << 20) as f64;
+    let bar = spinner(json, format!("writing {mib:.1} MiB as {shards} shard(s) into {}", out.display()));
+    let layout = Layout { dp: shards, pp: 1, shard_mode: ShardMode::Ddp, shards };
+    let saved = store.save(&state, &layout).with_context(|| format!("writing into {}", out.display()))?;
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    troupe_model::checkpoint::verify(&saved.path).with_context(|| format!("re-reading {}", saved.path.display()))?;
+    if json {
+        println!(
+            "{}",
+            json!({ "event": "resharded", "from": dir, "to": saved.path, "step": saved.step, "shards": shards,
+                    "bytes": saved.bytes, "load_seconds": loaded, "write_seconds": saved.seconds,
+                    "kept_existing": saved.kept_existing })
+        );
+    } else if saved.kept_existing {
+        println!("{} already holds a valid checkpoint of step {}; kept it", saved.path.display(), saved.step);
+    } else {
+        println!(
+            "resharded step {} from {} into {} shard(s) at {} ({:.1} MiB; loaded in {loaded:.2} s, written and verified in {:.2} s)",
+            saved.step,
+            dir.display(),
+            shards,
+            saved.path.display(),
+            saved.bytes as f64 / (1 << 20) as f64,
+            t0.elapsed().as_secs_f64() - loaded
+        );
+    }
+    Ok(())
+}
+
+fn export(src: &Path, out: &Path, json: bool) -> anyhow::Result<()> {
+    let dir = source(src)?;
+    let state = load_state(&dir).with_context(|| format!("loading {}", dir.display()))?;
+    let offsets = state.offsets();
+    let params = state.values(StateKind::Param);
+    let tensors: Vec<FileTensor<'_>> = state
+        .tensors
+        .iter()
+        .enumerate()
+        .map(|(i, spec)| FileTensor {
+            key: spec.name.clone(),
+            shape: spec.shape.clone(),
+            data: &params[offsets[i]..offsets[i + 1]],
+        })
+        .collect();
+    let mut metadata = BTreeMap::new();
+    metadata.insert("format".to_string(), "pt".to_string());
+    metadata.insert("troupe_step".to_string(), state.step.to_string());
+    let file_name = out.file_name().with_context(|| format!("--out {}: name a file", out.display()))?;
+    let partial = out.with_file_name(format!(".{}.partial", file_name.to_string_lossy()));
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let written = match write_f32_file(&partial, &tensors, &metadata, threads) {
+        Ok(written) => written,
+        Err(e) => {
+            let _ = std::fs::remove_file(&partial);
+            return Err(e).with_context(|| format!("writing {}", partial.display()));
+        }
+    };
+    std::fs::rename(&partial, out).with_context(|| format!("renaming {} to {}", partial.display(), out.display()))?;
+    if json {
+        println!(
+            "{}",
+            json!({ "event": "exported", "from": dir, "to": out, "step": state.step, "tensors": tensors.len(),
+                    "bytes": written.bytes })
+        );
+    } else {
+        println!(
+            "exported the parameters of step {} ({} tensors, {:.1} MiB) from {} to {}",
+            state.step,
+            tensors.len(),
+            written.bytes as f64 / (1 << 20) as f64,
+            dir.display(),
+            out.display()
+        );
+    }
+    Ok(())
+}
