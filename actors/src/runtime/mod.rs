@@ -13,6 +13,7 @@
 pub mod controller;
 pub mod job;
 pub mod node;
+mod outbox;
 pub mod protocol;
 pub mod restart;
 pub mod worker;

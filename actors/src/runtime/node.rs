@@ -19,6 +19,7 @@ use troupe_cluster::membership::{
 use troupe_cluster::NodeIdentity;
 
 use super::controller::{JobArgs, JobController, JobMsg};
+use super::outbox::Outboxes;
 use super::protocol::{AttemptOutcome, ClusterStatus, JobEvent, JobId, JobInfo, JobSpec, MemberInfo, Wire};
 use super::restart::{Decision, RestartTracker};
 use super::worker::{WorkerActor, WorkerArgs, WorkerMsg};
@@ -29,8 +30,6 @@ use crate::telemetry::NodeMetrics;
 const TICK_MS: u64 = 50;
 /// Membership changes kept for `troupe status`.
 const CHANGES_KEPT: usize = 64;
-/// Bound on sending one control message (a peer that stopped reading must not stall the node).
-const SEND_TIMEOUT_MS: u64 = 2_000;
 
 pub enum NodeMsg {
     Control(ControlEvent),
@@ -93,6 +92,8 @@ pub struct NodeState {
     id: NodeId,
     identity: Arc<NodeIdentity>,
     endpoint: ControlEndpoint,
+    /// Control messages to peers, queued per peer and written by a task each: sends never wait here.
+    outboxes: std::sync::Mutex<Outboxes>,
     started: Instant,
     member: MemberState,
     leader: Option<Leader>,
@@ -137,7 +138,9 @@ impl NodeState {
         self.config.join.unwrap_or_else(|| self.endpoint.local_addr())
     }
 
-    async fn send(&self, me: &ActorRef<NodeMsg>, peer: &str, msg: Wire) {
+    /// Sends `msg` to `peer` (to this node's own handler if `peer` is itself). Never waits: the message
+    /// joins the peer's outbox, written in order by its own task.
+    fn send(&self, me: &ActorRef<NodeMsg>, peer: &str, msg: Wire) {
         if peer == self.id.0 {
             let event = ControlEvent::Message {
                 from: peer.to_owned(),
@@ -148,19 +151,15 @@ impl NodeState {
             let _ = me.cast(NodeMsg::Control(event));
             return;
         }
-        let send = self.endpoint.send(peer, self.epoch(), msg.encode());
-        match tokio::time::timeout(Duration::from_millis(SEND_TIMEOUT_MS), send).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::debug!(node = %self.id, peer, error = %e, "control send failed"),
-            Err(_) => tracing::warn!(node = %self.id, peer, "control send timed out"),
-        }
+        let mut outboxes = self.outboxes.lock().expect("the outboxes' lock is never poisoned");
+        outboxes.send(peer, self.epoch(), msg.encode());
     }
 
-    async fn send_to_leader(&self, me: &ActorRef<NodeMsg>, msg: Wire) {
+    fn send_to_leader(&self, me: &ActorRef<NodeMsg>, msg: Wire) {
         if self.leader.is_some() {
-            self.send(me, &self.id.0, msg).await;
+            self.send(me, &self.id.0, msg);
         } else if let Some(peer) = &self.leader_peer {
-            self.send(me, peer, msg).await;
+            self.send(me, peer, msg);
         }
     }
 
@@ -220,10 +219,10 @@ impl NodeState {
     async fn drive_member(&mut self, me: &ActorRef<NodeMsg>) {
         while let Some(action) = self.member.poll_action() {
             match action {
-                MemberAction::SendHeartbeat { .. } => self.send_to_leader(me, Wire::Heartbeat).await,
+                MemberAction::SendHeartbeat { .. } => self.send_to_leader(me, Wire::Heartbeat),
                 MemberAction::SendJoinRequest => {
                     let join = Wire::Join { slots: self.config.slots, addr: self.endpoint.local_addr() };
-                    self.send_to_leader(me, join).await;
+                    self.send_to_leader(me, join);
                 }
                 MemberAction::AdoptView(view) => {
                     tracing::info!(node = %self.id, epoch = view.epoch.0, members = view.len(), "adopted view");
@@ -276,18 +275,18 @@ impl NodeState {
                     }
                     let msg = Wire::View { view: view.clone(), members: members.clone() };
                     for node in view.members() {
-                        self.send(me, &node.0, msg.clone()).await;
+                        self.send(me, &node.0, msg.clone());
                     }
                 }
                 MembershipAction::Fence { node, stale_epoch, current } => {
                     self.refused_stale += 1;
                     tracing::warn!(%node, %stale_epoch, %current, "refused a message from a non-member; fencing it");
-                    self.send(me, &node.0, Wire::Fenced { current }).await;
+                    self.send(me, &node.0, Wire::Fenced { current });
                 }
                 MembershipAction::SendView { node, view } => {
                     let leader = self.leader.as_ref().expect("controller");
                     let members = view.members().iter().filter_map(|m| leader.members.get(m).cloned()).collect();
-                    self.send(me, &node.0, Wire::View { view, members }).await;
+                    self.send(me, &node.0, Wire::View { view, members });
                 }
             }
         }
@@ -331,7 +330,7 @@ impl NodeState {
             Wire::Heartbeat => {
                 let member = self.leader.as_ref().expect("controller").membership.view().contains(&from);
                 if member && from != self.id {
-                    self.send(me, &from.0, Wire::Alive).await;
+                    self.send(me, &from.0, Wire::Alive);
                 }
                 return self.membership_event(MembershipEvent::Heartbeat { from, epoch: Epoch(epoch) });
             }
@@ -355,7 +354,7 @@ impl NodeState {
         };
         if let Err(current) = self.admit_job_message(&from, epoch) {
             if !self.leader.as_ref().expect("controller").membership.view().contains(&from) {
-                self.send(me, &from.0, Wire::Fenced { current }).await;
+                self.send(me, &from.0, Wire::Fenced { current });
             }
             return;
         }
@@ -411,7 +410,7 @@ impl NodeState {
             }),
             other => Wire::Error { message: format!("not a client request: {other:?}") },
         };
-        self.send(me, from, reply).await;
+        self.send(me, from, reply);
     }
 
     fn job_reply(&mut self, job: JobId, f: impl FnOnce(&mut JobEntry)) -> Wire {
@@ -488,7 +487,7 @@ impl NodeState {
                         self.leader_message(me, NodeId(from), epoch, msg).await;
                         self.drive_membership(me).await;
                     } else {
-                        self.send(me, &from, Wire::Redirect { leader: self.leader_addr() }).await;
+                        self.send(me, &from, Wire::Redirect { leader: self.leader_addr() });
                     }
                 } else if self.leader.is_some() && from == self.id.0 || self.leader_peer.as_deref() == Some(&from) {
                     if from != self.id.0 && epoch < self.epoch() {
@@ -570,7 +569,7 @@ impl NodeState {
         for (job, attempt) in attempts {
             let outcome =
                 AttemptOutcome::Failed { step: 0, reason: format!("worker {slot} of {} failed: {error}", self.id) };
-            self.send_to_leader(me, Wire::Ended { job, attempt, slot: slot as u32, outcome }).await;
+            self.send_to_leader(me, Wire::Ended { job, attempt, slot: slot as u32, outcome });
         }
         match decision {
             Decision::Restart { attempt } => {
@@ -625,6 +624,7 @@ impl Actor for NodeActor {
         let mut state = NodeState {
             members: leader.as_ref().map(|l| l.members.values().cloned().collect()).unwrap_or_default(),
             config,
+            outboxes: std::sync::Mutex::new(Outboxes::new(endpoint.clone(), id.0.clone())),
             id,
             identity,
             endpoint,
@@ -661,8 +661,8 @@ impl Actor for NodeActor {
         match msg {
             NodeMsg::Control(event) => state.on_control(&me, event).await,
             NodeMsg::Tick => state.on_tick(&me).await,
-            NodeMsg::FromWorker(wire) => state.send_to_leader(&me, wire).await,
-            NodeMsg::Outgoing { node, msg } => state.send(&me, &node.0, msg).await,
+            NodeMsg::FromWorker(wire) => state.send_to_leader(&me, wire),
+            NodeMsg::Outgoing { node, msg } => state.send(&me, &node.0, msg),
             NodeMsg::JobEvent { job, event, info } => {
                 let watchers = match state.leader.as_mut().and_then(|l| l.jobs.get_mut(&job)) {
                     Some(entry) => {
@@ -676,7 +676,7 @@ impl Actor for NodeActor {
                     tracing::info!(node = %state.id, job, ?changes, "job re-planned after a membership change");
                 }
                 for w in watchers {
-                    state.send(&me, &w, Wire::Event { job, event: event.clone() }).await;
+                    state.send(&me, &w, Wire::Event { job, event: event.clone() });
                 }
             }
             NodeMsg::JobInfo(info) => {
@@ -707,8 +707,11 @@ impl Actor for NodeActor {
                 state.draining = true;
                 state.each_worker(|| WorkerMsg::DropAll);
                 if state.leader.is_none() {
-                    state.send_to_leader(&me, Wire::Leave).await;
+                    state.send_to_leader(&me, Wire::Leave);
                 }
+                // Everything queued (the `Leave` above, answers, events) is written before the goodbye.
+                let writers = state.outboxes.lock().expect("the outboxes' lock is never poisoned").close();
+                super::outbox::written(writers, super::outbox::SEND_TIMEOUT).await;
                 state.endpoint.close().await;
                 let _ = reply.send(());
                 me.stop(Some("drained".into()));
