@@ -145,6 +145,8 @@ pub struct ParallelConfig {
     /// Model chunks per pipeline stage (interleaved schedule only).
     pub virtual_stages: usize,
     pub precision: String,
+    /// Activation recomputation: keep only each block's input in the forward and re-run the block in the
+    /// backward (less activation memory, one more forward of the blocks).
     pub recompute: bool,
 }
 
@@ -327,8 +329,8 @@ impl ParallelConfig {
                 "more than 1 needs --schedule interleaved / parallel.schedule = \"interleaved\"",
             ));
         }
-        if self.recompute {
-            return not_yet("--recompute / parallel.recompute", "false");
+        if self.recompute && self.pp > 1 {
+            return not_yet("--recompute with --pp > 1 (recomputation inside pipeline stages)", "false");
         }
         one_of("parallel.shard", &self.shard, &["none", "zero1", "zero2", "zero3"])?;
         if self.shard != "none" {
@@ -402,6 +404,7 @@ mod tests {
             ("[parallel]\nmicrobatches = 4\n", &["parallel.microbatches", "--pp"]),
             ("[parallel]\npp = 2\nvirtual_stages = 2\n", &["parallel.virtual_stages", "interleaved"]),
             ("[parallel]\nnodes = 0\n", &["parallel.nodes", "1..=64"]),
+            ("[parallel]\npp = 2\nrecompute = true\n", &["not available yet", "--recompute with --pp > 1"]),
             ("[train]\nsteps = \"many\"\n", &["invalid type", "steps"]),
         ];
         for (toml, needles) in cases {
@@ -410,6 +413,12 @@ mod tests {
                 assert!(message.contains(needle), "error for {toml:?} lacks {needle:?}: {message}");
             }
         }
+    }
+
+    #[test]
+    fn recompute_is_accepted_for_data_parallel_jobs() {
+        let config = JobConfig::from_toml("[parallel]\nrecompute = true\nnodes = 2\n", "t").unwrap();
+        assert!(config.parallel.recompute);
     }
 
     #[test]
