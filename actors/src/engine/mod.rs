@@ -7,8 +7,9 @@
 
 mod data_parallel;
 mod flat;
+mod overlap;
 pub mod pipeline;
 mod sharded;
 
-pub use data_parallel::{plan_buckets, DataParallelReplica, ReducedStep, DEFAULT_BUCKET_BYTES};
+pub use data_parallel::{plan_buckets, CommTiming, DataParallelReplica, ReducedStep, DEFAULT_BUCKET_BYTES};
 pub use sharded::{plan_shard, ShardMode, ShardSegment, ShardedReplica};
