@@ -48,10 +48,10 @@ impl Activations {
 /// every parameter once, each range below the previous one.
 pub fn backward_stages(config: &GptConfig) -> Vec<Range<usize>> {
     let total = PARAMS_BEFORE_BLOCKS + config.n_layers * PARAMS_PER_BLOCK + PARAMS_AFTER_BLOCKS;
-    let mut stages = vec![total - PARAMS_AFTER_BLOCKS..total];
-    stages.extend((0..config.n_layers).rev().map(block_range));
-    stages.push(0..PARAMS_BEFORE_BLOCKS);
-    stages
+    std::iter::once(total - PARAMS_AFTER_BLOCKS..total)
+        .chain((0..config.n_layers).rev().map(block_range))
+        .chain(std::iter::once(0..PARAMS_BEFORE_BLOCKS))
+        .collect()
 }
 
 fn block_range(index: usize) -> Range<usize> {
