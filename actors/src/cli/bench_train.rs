@@ -4,7 +4,8 @@
 //!
 //! `--world 1` trains in this process beside PyTorch eager (bench/peers/train_gpt_tiny.py); `--world N`
 //! (N ≥ 2) runs a job on a local cluster of N daemon processes beside PyTorch DDP over Gloo
-//! (bench/peers/ddp_gpt_tiny.py), see `data_parallel`.
+//! (bench/peers/ddp_gpt_tiny.py), twice per repetition — bucket all-reduce overlapped with the backward
+//! (the default) and after it — see `data_parallel`.
 
 mod data_parallel;
 
@@ -14,7 +15,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
-use troupe_model::config::JobConfig;
+use troupe_model::config::{JobConfig, BUCKET_MIB_MAX};
 use troupe_model::trainer::configure_torch_threads;
 use troupe_model::Trainer;
 
@@ -37,6 +38,10 @@ pub struct BenchTrainArgs {
     /// Also run the PyTorch peer script and report the ratio.
     #[arg(long)]
     pub peer: bool,
+    /// DDP gradient bucket size in MiB for `--world N ≥ 2` (0: the default, 25). Both the overlapped and
+    /// the sequential all-reduce are measured with it.
+    #[arg(long, default_value_t = 0)]
+    pub bucket_mib: usize,
     /// Python with torch for the peer (default: $TROUPE_PYTHON, else the provisioned venv).
     #[arg(long)]
     pub python: Option<PathBuf>,
@@ -55,6 +60,9 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
             "--shard {}: sharded data parallelism is not available yet in `troupe bench train` (it measures --shard none only); use --shard none",
             args.shard
         );
+    }
+    if args.bucket_mib > BUCKET_MIB_MAX {
+        bail!("--bucket-mib {}: must be 0 (the default, 25) or at most {BUCKET_MIB_MAX}", args.bucket_mib);
     }
     match args.world {
         0 => bail!("--world 0: a benchmark needs at least one rank"),

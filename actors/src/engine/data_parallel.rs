@@ -5,22 +5,27 @@
 //! update are the reference trainer's own, the run equals the single-process reference within summation
 //! order (the oracle, DESIGN.md §4).
 //!
-//! Not yet: overlapping the all-reduce of a bucket with the rest of backward (tch exposes no per-tensor
-//! hooks; the plan is to run backward block by block) and `no_sync` accumulation across micro-batches —
-//! today each rank accumulates all its micro-batches locally and all-reduces once per step, which is
-//! what `no_sync` achieves.
+//! Overlap (`parallel.overlap_comm`, the default): the rank's backward runs block by block on a thread of
+//! its own ([`super::overlap`]); its first micro-batches only accumulate (`no_sync`), and during the last
+//! one each bucket is all-reduced as soon as the backward has finished its parameters, on the attempt's
+//! runtime, while the remaining blocks' backward computes. Without overlap the whole backward runs first,
+//! then the buckets are all-reduced one after the other. Both give the same bits.
 
 use std::ops::Range;
+
+use std::time::Instant;
 
 use tch::{Kind, Tensor};
 use troupe_cluster::collective::{Collective, Communicator, ReduceOp};
 use troupe_cluster::transport::Transport;
 use troupe_cluster::ClusterError;
 use troupe_kernels::norm::sum_of_squares;
-use troupe_model::data::rank_slice;
+use troupe_model::blockwise::Activations;
+use troupe_model::data::{micro_batch_ranges, rank_slice};
 use troupe_model::{StepReport, Trainer};
 
 use super::flat::{append_flat, copy_from_flat};
+use super::overlap::{BackwardJob, BackwardWork, MicroBatch, Progress};
 
 /// DDP's default bucket size (PyTorch uses 25 MB too).
 pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
@@ -53,6 +58,31 @@ pub struct DataParallelReplica<T: Transport> {
     /// Sum of squares of the reduced gradients of the step in flight, gathered bucket by bucket while
     /// they are flat (saves a pass over every gradient for the norm).
     grad_sum_sq: f64,
+    /// All-reduce buckets while the backward computes (`parallel.overlap_comm`).
+    overlap: bool,
+    /// One flat buffer per bucket, reused from step to step by the overlapped path.
+    bucket_buffers: Vec<Vec<f32>>,
+    /// How the last step's gradient all-reduce and compute overlapped.
+    comm_timing: CommTiming,
+}
+
+/// How much of a step's gradient all-reduce the backward hid.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CommTiming {
+    /// Seconds spent in bucket all-reduces (summed over buckets).
+    pub comm_seconds: f64,
+    /// The part of those seconds after the rank's compute had finished (what the step waited for).
+    pub exposed_seconds: f64,
+}
+
+impl CommTiming {
+    /// The fraction of all-reduce time hidden behind the backward (0 without overlap).
+    pub fn hidden_fraction(&self) -> f64 {
+        if self.comm_seconds <= 0.0 {
+            return 0.0;
+        }
+        (1.0 - self.exposed_seconds / self.comm_seconds).clamp(0.0, 1.0)
+    }
 }
 
 /// A step whose gradients are reduced on every rank, ready to commit.
@@ -77,13 +107,37 @@ impl<T: Transport> DataParallelReplica<T> {
 
     /// Wraps a trainer whose state the caller knows to equal every other rank's (or will make equal with
     /// [`Self::sync_state_from`]).
+    /// `bucket_bytes_max` applies unless the job sets `parallel.bucket_mib`.
     pub fn without_sync(trainer: Trainer, comm: Communicator<T>, bucket_bytes_max: usize) -> Self {
+        let parallel = &trainer.config.parallel;
+        let bucket_bytes_max = if parallel.bucket_mib > 0 { parallel.bucket_mib << 20 } else { bucket_bytes_max };
+        let overlap = parallel.overlap_comm;
         let numels: Vec<usize> = trainer.model.params().iter().map(Tensor::numel).collect();
         let buckets = plan_buckets(&numels, bucket_bytes_max);
         let largest = buckets.iter().map(|b| numels[b.clone()].iter().sum::<usize>()).max().unwrap_or(0);
-        let replica = Self { trainer, comm, buckets, flat: Vec::with_capacity(largest), grad_sum_sq: 0.0 };
+        let bucket_buffers = vec![Vec::new(); buckets.len()];
+        let replica = Self {
+            trainer,
+            comm,
+            buckets,
+            flat: Vec::with_capacity(largest),
+            grad_sum_sq: 0.0,
+            overlap,
+            bucket_buffers,
+            comm_timing: CommTiming::default(),
+        };
         materialise_grads(&replica.trainer);
         replica
+    }
+
+    /// Chooses the overlapped (`true`) or sequential path for the next steps, whatever the job said.
+    pub fn set_overlap(&mut self, overlap: bool) {
+        self.overlap = overlap;
+    }
+
+    /// How the last step's all-reduce overlapped its backward.
+    pub fn comm_timing(&self) -> CommTiming {
+        self.comm_timing
     }
 
     /// Makes every rank's whole training state — parameters, AdamW moments and step counters — equal to
@@ -145,18 +199,86 @@ impl<T: Transport> DataParallelReplica<T> {
     /// the batch's mean loss and gradient norm. Nothing is applied: dropping the gradients now abandons the
     /// step cleanly.
     pub async fn reduce_gradients(&mut self) -> Result<ReducedStep, ClusterError> {
-        let step = self.trainer.step;
-        let slice = rank_slice(self.trainer.config.train.global_batch, self.rank(), self.world());
-        let started = std::time::Instant::now();
-        let local_loss = self.trainer.accumulate_slice(step, slice);
-        let compute_seconds = started.elapsed().as_secs_f64();
+        let started = Instant::now();
         self.grad_sum_sq = 0.0;
-        for b in 0..self.buckets.len() {
-            self.all_reduce_bucket(self.buckets[b].clone()).await?;
-        }
+        let (local_loss, compute_seconds) = if self.overlap {
+            self.overlapped_backward(started).await?
+        } else {
+            self.sequential_backward(started).await?
+        };
         let mut loss = [local_loss as f32];
         self.comm.all_reduce(&mut loss[..], ReduceOp::Sum).await?;
         Ok(ReducedStep { loss: f64::from(loss[0]), grad_norm: self.grad_sum_sq.sqrt(), compute_seconds })
+    }
+
+    /// The whole backward, then every bucket's all-reduce. (local loss, compute seconds)
+    async fn sequential_backward(&mut self, started: Instant) -> Result<(f64, f64), ClusterError> {
+        let step = self.trainer.step;
+        let slice = rank_slice(self.trainer.config.train.global_batch, self.rank(), self.world());
+        let local_loss = self.trainer.accumulate_slice(step, slice);
+        let compute_seconds = started.elapsed().as_secs_f64();
+        let comm_started = Instant::now();
+        for b in 0..self.buckets.len() {
+            self.all_reduce_bucket(self.buckets[b].clone()).await?;
+        }
+        let comm_seconds = comm_started.elapsed().as_secs_f64();
+        self.comm_timing = CommTiming { comm_seconds, exposed_seconds: comm_seconds };
+        Ok((local_loss, compute_seconds))
+    }
+
+    /// The backward on its own thread, each bucket all-reduced here as soon as it is final there.
+    async fn overlapped_backward(&mut self, started: Instant) -> Result<(f64, f64), ClusterError> {
+        let step = self.trainer.step;
+        let train = &self.trainer.config.train;
+        let slice = rank_slice(train.global_batch, self.rank(), self.world());
+        let micro_batches = micro_batch_ranges(slice, train.micro_batch)
+            .into_iter()
+            .map(|range| {
+                let weight = range.len() as f64 / train.global_batch as f64;
+                let (tokens, targets) = self.trainer.sampler.batch(step, range);
+                MicroBatch { tokens, targets, weight }
+            })
+            .collect();
+        for p in self.trainer.model.params_mut() {
+            p.zero_grad();
+        }
+        let model = &self.trainer.model;
+        let work = BackwardWork {
+            model: model.config.clone(),
+            params: model.params().iter().map(Tensor::shallow_clone).collect(),
+            micro_batches,
+            activations: Activations::from_recompute(self.trainer.config.parallel.recompute),
+            buckets: self.buckets.clone(),
+            buffers: std::mem::take(&mut self.bucket_buffers),
+        };
+        let mut job =
+            BackwardJob::spawn(work).map_err(|e| ClusterError::io("starting the backward thread".to_string(), e))?;
+        let mut reduced = vec![Vec::new(); self.buckets.len()];
+        let mut intervals = Vec::with_capacity(self.buckets.len());
+        let (loss, finished) = loop {
+            match job.next().await {
+                Progress::Bucket { index, mut flat } => {
+                    let t0 = Instant::now();
+                    self.comm.all_reduce(&mut flat[..], ReduceOp::Sum).await?;
+                    intervals.push((t0, Instant::now()));
+                    self.grad_sum_sq += sum_of_squares(&flat);
+                    reduced[index] = flat;
+                }
+                Progress::Done { loss, finished } => break (loss, finished),
+            }
+        };
+        drop(job); // joins the thread: the gradients are no longer written
+        for (bucket, flat) in self.buckets.iter().zip(&reduced) {
+            let grads: Vec<Tensor> = self.trainer.model.params()[bucket.clone()].iter().map(Tensor::grad).collect();
+            copy_from_flat(&grads, flat);
+        }
+        self.bucket_buffers = reduced;
+        let exposed = |(s, e): &(Instant, Instant)| e.saturating_duration_since(finished.max(*s)).as_secs_f64();
+        self.comm_timing = CommTiming {
+            comm_seconds: intervals.iter().map(|(s, e)| e.duration_since(*s).as_secs_f64()).sum(),
+            exposed_seconds: intervals.iter().map(exposed).sum(),
+        };
+        Ok((loss, finished.duration_since(started).as_secs_f64()))
     }
 
     /// The second half, once the step is committed: the identical update on every rank.

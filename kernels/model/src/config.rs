@@ -176,6 +176,9 @@ pub const RANKS_MAX: usize = 4096;
 /// Most pipeline stages.
 pub const PIPELINE_STAGES_MAX: usize = 256;
 
+/// Largest DDP gradient bucket (`parallel.bucket_mib`).
+pub const BUCKET_MIB_MAX: usize = 1024;
+
 /// The parallel layout. Data parallelism (DDP) over `nodes` daemons is available in this build; the
 /// other values are parsed so that a config written for a later build fails with a clear message, not
 /// silently. `dp = 0` (the default) means every slot the cluster offers.
@@ -192,7 +195,15 @@ pub struct ParallelConfig {
     /// Model chunks per pipeline stage (interleaved schedule only).
     pub virtual_stages: usize,
     pub precision: String,
+    /// Activation recomputation: keep only each block's input in the forward and re-run the block in the
+    /// backward (less activation memory, one more forward of the blocks).
     pub recompute: bool,
+    /// DDP: all-reduce each gradient bucket as soon as the backward has finished its parameters, while
+    /// the rest of the backward computes (`false`: after the whole backward, for comparison).
+    pub overlap_comm: bool,
+    /// DDP gradient bucket size in MiB; 0 means the engine's default (25 MiB, PyTorch's). Smaller buckets
+    /// start their all-reduce earlier in the backward.
+    pub bucket_mib: usize,
 }
 
 impl Default for ParallelConfig {
@@ -207,6 +218,8 @@ impl Default for ParallelConfig {
             virtual_stages: 1,
             precision: "fp32".into(),
             recompute: false,
+            overlap_comm: true,
+            bucket_mib: 0,
         }
     }
 }
@@ -375,8 +388,15 @@ impl ParallelConfig {
                 "more than 1 needs --schedule interleaved / parallel.schedule = \"interleaved\"",
             ));
         }
-        if self.recompute {
-            return not_yet("--recompute / parallel.recompute", "false");
+        if self.bucket_mib > BUCKET_MIB_MAX {
+            return Err(invalid(
+                "parallel.bucket_mib",
+                self.bucket_mib,
+                format!("must be 0 (the default, 25) or at most {BUCKET_MIB_MAX}"),
+            ));
+        }
+        if self.recompute && self.pp > 1 {
+            return not_yet("--recompute with --pp > 1 (recomputation inside pipeline stages)", "false");
         }
         one_of("parallel.shard", &self.shard, &["none", "zero1", "zero2", "zero3"])?;
         if self.shard != "none" {
@@ -450,6 +470,8 @@ mod tests {
             ("[parallel]\nmicrobatches = 4\n", &["parallel.microbatches", "--pp"]),
             ("[parallel]\npp = 2\nvirtual_stages = 2\n", &["parallel.virtual_stages", "interleaved"]),
             ("[parallel]\nnodes = 0\n", &["parallel.nodes", "1..=64"]),
+            ("[parallel]\nbucket_mib = 4096\n", &["parallel.bucket_mib", "at most 1024"]),
+            ("[parallel]\npp = 2\nrecompute = true\n", &["not available yet", "--recompute with --pp > 1"]),
             ("[train]\nsteps = \"many\"\n", &["invalid type", "steps"]),
             ("[elastic]\nmin_nodes = 0\n", &["elastic.min_nodes", "1..=4096"]),
             ("[elastic]\nmin_nodes = 3\nmax_nodes = 2\n", &["elastic.max_nodes", "at least elastic.min_nodes (3)"]),
@@ -461,6 +483,12 @@ mod tests {
                 assert!(message.contains(needle), "error for {toml:?} lacks {needle:?}: {message}");
             }
         }
+    }
+
+    #[test]
+    fn recompute_is_accepted_for_data_parallel_jobs() {
+        let config = JobConfig::from_toml("[parallel]\nrecompute = true\nnodes = 2\n", "t").unwrap();
+        assert!(config.parallel.recompute);
     }
 
     #[test]

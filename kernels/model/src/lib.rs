@@ -4,6 +4,7 @@
 //!
 //! Invariant: only this crate and those above it link libtorch.
 
+pub mod blockwise;
 pub mod checkpoint;
 pub mod config;
 pub mod data;

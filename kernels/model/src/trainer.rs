@@ -7,6 +7,7 @@ use std::path::Path;
 
 use tch::Tensor;
 
+use crate::blockwise::{micro_batch_backward, Activations};
 use crate::checkpoint::{self, CheckpointError};
 use crate::config::{ConfigError, JobConfig};
 use crate::data::{load_corpus, micro_batch_ranges, Corpus, DataError, GlobalSampler};
@@ -96,13 +97,21 @@ impl Trainer {
         }
         let train = &self.config.train;
         let global_batch = train.global_batch;
+        let recompute = self.config.parallel.recompute;
         let mut loss = 0.0;
         for micro in micro_batch_ranges(slice, train.micro_batch) {
             let weight = micro.len() as f64 / global_batch as f64;
             let (inputs, targets) = self.sampler.batch(step, micro);
-            let micro_loss = self.model.loss(&inputs, &targets);
-            (&micro_loss * weight).backward();
-            loss += micro_loss.double_value(&[]) * weight;
+            let micro_loss = if recompute {
+                let model = &self.model;
+                let (config, params) = (&model.config, model.params());
+                micro_batch_backward(config, params, &inputs, &targets, weight, Activations::Recompute, &mut |_| {})
+            } else {
+                let micro_loss = self.model.loss(&inputs, &targets);
+                (&micro_loss * weight).backward();
+                micro_loss.double_value(&[])
+            };
+            loss += micro_loss * weight;
         }
         loss
     }

@@ -49,9 +49,13 @@ pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the tokio runtime")?;
     let mut ours = Vec::new();
+    let mut sequential = Vec::new();
     let mut peers = Vec::new();
     for _ in 0..args.repeats.max(1) {
-        ours.push(runtime.block_on(measure_cluster(world, args.steps, threads))?);
+        let overlapped = Variant { overlap: true, bucket_mib: args.bucket_mib };
+        ours.push(runtime.block_on(measure_cluster(world, args.steps, threads, overlapped))?);
+        let after = Variant { overlap: false, bucket_mib: args.bucket_mib };
+        sequential.push(runtime.block_on(measure_cluster(world, args.steps, threads, after))?);
         if args.peer {
             let flags = [
                 ("--world", world.to_string()),
@@ -65,6 +69,8 @@ pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     let runs: Vec<f64> = ours.iter().map(|r| r.tokens_per_s).collect();
     let tokens_per_s = median(runs.clone());
     let peak_mib = per_rank_max_mib(ours.iter().map(|r| r.peak_rss_bytes.clone()));
+    let sequential_runs: Vec<f64> = sequential.iter().map(|r| r.tokens_per_s).collect();
+    let sequential_tps = median(sequential_runs.clone());
     let mut report = json!({
         "bench": "train", "world": world, "shard": args.shard, "steps": args.steps, "warmup_steps": WARMUP_STEPS,
         "micro_batch": MICRO_BATCH, "global_batch": MICRO_BATCH * world, "context": context,
@@ -72,6 +78,9 @@ pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         "tokens_per_s": tokens_per_s, "tokens_per_s_runs": runs,
         "final_loss": ours.last().map(|r| r.final_loss),
         "peak_rss_mib_per_rank": peak_mib,
+        "overlap_comm": true, "bucket_mib": if args.bucket_mib > 0 { args.bucket_mib } else { 25 },
+        "tokens_per_s_no_overlap": sequential_tps, "tokens_per_s_no_overlap_runs": sequential_runs,
+        "overlap_speedup": tokens_per_s / sequential_tps,
     });
     let peer_tokens_per_s =
         args.peer.then(|| median(peers.iter().map(|p| p["tokens_per_s"].as_f64().unwrap_or(f64::NAN)).collect()));
@@ -82,6 +91,7 @@ pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
             "peer_tokens_per_s_runs": peers.iter().map(|p| p["tokens_per_s"].clone()).collect::<Vec<_>>(),
             "peer_peak_rss_mib_per_rank": peer_peak_mib,
             "ratio": tokens_per_s / peer_tps,
+            "ratio_no_overlap": sequential_tps / peer_tps,
         });
         extend_report(&mut report, extra);
     }
@@ -90,9 +100,10 @@ pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "troupe   {tokens_per_s:>9.0} tokens/s  (world {world}, DDP on {world} daemons, {threads} thread(s) per rank, peak RSS per rank {} MiB)",
+        "troupe   {tokens_per_s:>9.0} tokens/s  (world {world}, DDP on {world} daemons, all-reduce overlapped with backward, {threads} thread(s) per rank, peak RSS per rank {} MiB)",
         mib_list(&report["peak_rss_mib_per_rank"])
     );
+    println!("troupe   {sequential_tps:>9.0} tokens/s  (the same, all-reduce after the whole backward)");
     if let Some(peer_tps) = peer_tokens_per_s {
         println!(
             "pytorch  {peer_tps:>9.0} tokens/s  (DDP over Gloo, same model and batch, peak RSS per rank {} MiB)",
@@ -103,14 +114,23 @@ pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How the job all-reduces its gradients.
+#[derive(Clone, Copy, Debug)]
+struct Variant {
+    /// `parallel.overlap_comm`.
+    overlap: bool,
+    /// `parallel.bucket_mib` (0: the default).
+    bucket_mib: usize,
+}
+
 /// One repetition: a fresh cluster of `world` daemons, one job of `steps` timed steps after the warm-up.
-async fn measure_cluster(world: usize, steps: u64, threads: usize) -> anyhow::Result<ClusterRun> {
+async fn measure_cluster(world: usize, steps: u64, threads: usize, variant: Variant) -> anyhow::Result<ClusterRun> {
     let binary = std::env::current_exe().context("locating the troupe binary")?;
     let mut options = LocalClusterOptions::new(world);
     options.torch_threads = threads;
     options.membership.failure_timeout_ms = FAILURE_TIMEOUT_MS;
     let cluster = LocalCluster::processes(&binary, options).await?;
-    let outcome = run_job(&cluster, world, steps, threads).await;
+    let outcome = run_job(&cluster, world, steps, threads, variant).await;
     let peaks: anyhow::Result<Vec<u64>> = (0..world)
         .map(|i| {
             let pid = cluster.pid(i).context("the local cluster's daemons are not processes")?;
@@ -124,13 +144,21 @@ async fn measure_cluster(world: usize, steps: u64, threads: usize) -> anyhow::Re
 }
 
 /// Submits the job and follows it to the end; (steady tokens/s, last loss).
-async fn run_job(cluster: &LocalCluster, world: usize, steps: u64, threads: usize) -> anyhow::Result<(f64, f64)> {
+async fn run_job(
+    cluster: &LocalCluster,
+    world: usize,
+    steps: u64,
+    threads: usize,
+    variant: Variant,
+) -> anyhow::Result<(f64, f64)> {
     let mut config = JobConfig::default();
     config.train.steps = steps + WARMUP_STEPS;
     config.train.global_batch = MICRO_BATCH * world;
     config.train.micro_batch = MICRO_BATCH;
     config.train.torch_threads = threads;
     config.parallel.nodes = world;
+    config.parallel.overlap_comm = variant.overlap;
+    config.parallel.bucket_mib = variant.bucket_mib;
     let tokens_per_step = (config.train.global_batch * config.model.context) as u64;
     let job = Job::new(config).name("bench-train").data_parallel(world, "none").elastic(world, world, 0);
     let mut handle = cluster.client().await?.submit(job).await?;
