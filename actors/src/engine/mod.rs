@@ -2,13 +2,20 @@
 //!
 //! In this build: [`DataParallelReplica`] (DDP: every rank holds the model, gradients are all-reduced in
 //! buckets through troupe's own collectives) and [`ShardedReplica`] (ZeRO-1/2: optimizer state, and for
-//! ZeRO-2 gradients, sharded across ranks), and [`pipeline`] (the model cut into stages run by stage
-//! actors: schedules as checked plans, activations and gradients as messages). ZeRO-3 lands beside them.
+//! ZeRO-2 gradients, sharded across ranks, each shard also shadowed by a buddy rank — [`shard_plan`]),
+//! both driven by the worker through [`StepEngine`]; and [`pipeline`] (the model cut into stages run by
+//! stage actors: schedules as checked plans, activations and gradients as messages). ZeRO-3 lands beside
+//! them.
 
+mod committed;
 mod data_parallel;
 mod flat;
 pub mod pipeline;
+pub mod shard_plan;
 mod sharded;
+mod step_engine;
 
+pub use committed::{CommittedState, ShardPiece};
 pub use data_parallel::{plan_buckets, DataParallelReplica, ReducedStep, DEFAULT_BUCKET_BYTES};
-pub use sharded::{plan_shard, ShardMode, ShardSegment, ShardedReplica};
+pub use sharded::{plan_segments, plan_shard, ShardMode, ShardSegment, ShardedReplica};
+pub use step_engine::{EngineError, StepEngine};
