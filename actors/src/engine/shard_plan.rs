@@ -190,7 +190,7 @@ mod tests {
     #[test]
     fn only_the_most_advanced_step_counts_and_a_full_copy_covers_everything() {
         let total = 9;
-        let full_old = Holding { step: 3, optimizer_step: 3, ranges: vec![0..total] };
+        let full_old = Holding { step: 3, optimizer_step: 3, ranges: std::iter::once(0..total).collect() };
         let holdings = vec![full_old.clone(), sharded(5, total, 0, 2, 1), sharded(5, total, 1, 2, 1)];
         let plan = plan_restore(total, &holdings).unwrap();
         assert_eq!(plan.step, 5);
