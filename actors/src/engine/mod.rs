@@ -1,15 +1,22 @@
 //! The training engines: how one rank's share of a step is computed and combined with the others'.
 //!
 //! In this build: [`DataParallelReplica`] (DDP: every rank holds the model, gradients are all-reduced in
-//! buckets through troupe's own collectives, overlapped with a block-wise backward — `overlap`) and [`ShardedReplica`] (ZeRO-1/2: optimizer state, and for
-//! ZeRO-2 gradients, sharded across ranks), and [`pipeline`] (the model cut into stages run by stage
-//! actors: schedules as checked plans, activations and gradients as messages). ZeRO-3 lands beside them.
+//! buckets through troupe's own collectives, overlapped with a block-wise backward — `overlap`) and
+//! [`ShardedReplica`] (ZeRO-1/2: optimizer state, and for ZeRO-2 gradients, sharded across ranks, each
+//! shard also shadowed by a buddy rank — [`shard_plan`]), both driven by the worker through
+//! [`StepEngine`]; and [`pipeline`] (the model cut into stages run by stage actors: schedules as checked
+//! plans, activations and gradients as messages). ZeRO-3 lands beside them.
 
+mod committed;
 mod data_parallel;
 mod flat;
 mod overlap;
 pub mod pipeline;
+pub mod shard_plan;
 mod sharded;
+mod step_engine;
 
+pub use committed::{CommittedState, ShardPiece};
 pub use data_parallel::{plan_buckets, CommTiming, DataParallelReplica, ReducedStep, DEFAULT_BUCKET_BYTES};
-pub use sharded::{plan_shard, ShardMode, ShardSegment, ShardedReplica};
+pub use sharded::{plan_segments, plan_shard, ShardMode, ShardSegment, ShardedReplica};
+pub use step_engine::{EngineError, StepEngine};

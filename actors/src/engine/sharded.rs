@@ -2,11 +2,13 @@
 //! parameters and AdamW moments are split into contiguous shards of the flat parameter vector, one per
 //! rank (the shard-owner's state), updated by the fused AdamW kernel of troupe-kernels.
 //!
-//! A step: each rank accumulates the gradient of its slice of the batch (as in DDP); the flat gradient is
-//! summed — all-reduced (ZeRO-1) or reduce-scattered so each rank receives only its shard (ZeRO-2); the
-//! global gradient norm is the sum of the shards' squared norms; each rank clips and updates its shard;
-//! an all-gather returns the updated parameters to every replica. Same samples, weights, clipping and
-//! AdamW as the reference, so the oracle holds (DESIGN.md §4).
+//! A step: an all-gather of the masters refreshes every replica's parameters (when an update was applied
+//! since); each rank accumulates the gradient of its slice of the batch (as in DDP); the flat gradient is
+//! summed — all-reduced (ZeRO-1) or reduce-scattered so each rank receives only its shard (ZeRO-2, whose
+//! owners then send that shard to the ranks that shadow it); the global gradient norm is the sum of the
+//! shards' squared norms — then the rank votes. Once the step is committed each rank clips and updates its
+//! shard and its buddy copies, locally. Same samples, weights, clipping and AdamW as the reference, so the
+//! oracle holds (DESIGN.md §4); and every shard's state lives on 1 + `replicas` ranks.
 
 use std::ops::Range;
 
@@ -15,12 +17,20 @@ use troupe_cluster::collective::{chunk_range, Collective, Communicator, ReduceOp
 use troupe_cluster::transport::Transport;
 use troupe_cluster::ClusterError;
 use troupe_kernels::adamw::{adamw_step, AdamWConfig, AdamWShard};
+use troupe_model::checkpoint::state::TensorSpec;
+use troupe_model::checkpoint::TrainingState;
 use troupe_model::data::rank_slice;
 use troupe_model::optim::learning_rate;
 use troupe_model::{StepReport, Trainer};
 
-use super::data_parallel::{broadcast_params, materialise_grads};
+use super::committed::{CommittedState, ShardPiece};
+use super::data_parallel::{broadcast_params, materialise_grads, ReducedStep};
 use super::flat::{append_flat, copy_from_flat};
+use super::shard_plan::{
+    all_local, buddies, decode_holding, encode_holding, held_ranges, plan_restore, shadow_holders, Holding,
+    HOLDING_WORDS, REPLICAS_MAX,
+};
+use super::step_engine::EngineError;
 
 /// What is sharded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,6 +39,25 @@ pub enum ShardMode {
     Zero1,
     /// Optimizer state and gradients sharded (gradients reduce-scattered).
     Zero2,
+}
+
+impl ShardMode {
+    /// The mode of a `parallel.shard` value; None for `none` (DDP) and modes this engine does not run.
+    pub fn of_config(shard: &str) -> Option<Self> {
+        match shard {
+            "zero1" => Some(Self::Zero1),
+            "zero2" => Some(Self::Zero2),
+            _ => None,
+        }
+    }
+
+    /// How a checkpoint's manifest names it.
+    pub fn layout(self) -> troupe_model::checkpoint::ShardMode {
+        match self {
+            Self::Zero1 => troupe_model::checkpoint::ShardMode::Zero1,
+            Self::Zero2 => troupe_model::checkpoint::ShardMode::Zero2,
+        }
+    }
 }
 
 /// The part of one parameter that falls in this rank's shard.
@@ -44,73 +73,230 @@ pub struct ShardSegment {
 pub fn plan_shard(numels: &[usize], decays: &[bool], rank: usize, world: usize) -> (Range<usize>, Vec<ShardSegment>) {
     let total = numels.iter().sum();
     let own = chunk_range(total, world, rank);
-    let mut segments = Vec::new();
-    let mut offset = 0;
-    for (param, (&n, &decays)) in numels.iter().zip(decays).enumerate() {
-        let (start, end) = (offset.max(own.start), (offset + n).min(own.end));
-        if start < end {
-            segments.push(ShardSegment { param, in_shard: start - own.start..end - own.start, decays });
-        }
-        offset += n;
-    }
+    let segments = plan_segments(numels, decays, &own);
     (own, segments)
 }
 
-/// One rank of a ZeRO-1/2 job.
+/// The parameter pieces a flat range covers, positions relative to the range's start.
+pub fn plan_segments(numels: &[usize], decays: &[bool], range: &Range<usize>) -> Vec<ShardSegment> {
+    let mut segments = Vec::new();
+    let mut offset = 0;
+    for (param, (&n, &decays)) in numels.iter().zip(decays).enumerate() {
+        let (start, end) = (offset.max(range.start), (offset + n).min(range.end));
+        if start < end {
+            segments.push(ShardSegment { param, in_shard: start - range.start..end - range.start, decays });
+        }
+        offset += n;
+    }
+    segments
+}
+
+/// One rank of a ZeRO-1/2 job: its own shard of the masters and moments, its copies of its buddies'
+/// shards (`replicas` of them, see [`super::shard_plan`]), and a replica of the model for compute whose
+/// parameters are refreshed from the masters (all-gather) before each step's forward.
+///
+/// Life of an attempt: [`Self::adopt`] the committed state (no communication) → [`Self::sync`] (every
+/// rank describes what it holds; the state of the most advanced step is resharded to this world) → per
+/// step [`Self::reduce_gradients`] (vote) and, once committed, [`Self::apply_update`] → [`Self::into_state`].
 pub struct ShardedReplica<T: Transport> {
     trainer: Trainer,
     comm: Communicator<T>,
     mode: ShardMode,
-    own: Range<usize>,
-    segments: Vec<ShardSegment>,
-    master: Vec<f32>,
-    exp_avg: Vec<f32>,
-    exp_avg_sq: Vec<f32>,
-    grad_shard: Vec<f32>,
+    replicas: usize,
+    numels: Vec<usize>,
+    decays: Vec<bool>,
+    total: usize,
+    /// Before `sync`: what the rank held when the attempt began. After: its own shard, then its buddies'
+    /// in [`held_ranges`] order.
+    pieces: Vec<ShardPiece>,
+    /// Per piece: the parameter segments it covers (decay or not).
+    segments: Vec<Vec<ShardSegment>>,
+    /// Per piece: the reduced gradient of the step in flight.
+    grads: Vec<Vec<f32>>,
     flat: Vec<f32>,
+    /// The replica's parameters lag the masters (an update was applied since the last all-gather).
+    params_stale: bool,
+    synced: bool,
+    /// `sync` found the state of the most advanced step incomplete: this rank's state is dropped.
+    lost: bool,
 }
 
 impl<T: Transport> ShardedReplica<T> {
-    pub async fn new(trainer: Trainer, comm: Communicator<T>, mode: ShardMode) -> Result<Self, ClusterError> {
-        let numels: Vec<usize> = trainer.model.params().iter().map(Tensor::numel).collect();
-        let decays: Vec<bool> = trainer.model.specs().iter().map(|s| s.decays()).collect();
-        let (own, segments) = plan_shard(&numels, &decays, comm.rank(), comm.world());
-        let total: usize = numels.iter().sum();
-        let mut replica = Self {
-            trainer,
-            comm,
-            mode,
-            master: Vec::new(),
-            exp_avg: vec![0.0; own.len()],
-            exp_avg_sq: vec![0.0; own.len()],
-            grad_shard: vec![0.0; own.len()],
-            flat: Vec::with_capacity(total),
-            own,
-            segments,
-        };
-        materialise_grads(&replica.trainer);
-        broadcast_params(&replica.trainer, &mut replica.comm, &mut replica.flat).await?;
-        replica.flat.clear();
-        let params: Vec<Tensor> = replica.trainer.model.params().iter().map(Tensor::detach).collect();
-        append_flat(&params, &mut replica.flat);
-        replica.master = replica.flat[replica.own.clone()].to_vec();
+    /// A fresh job in one call (in-process tests): rank 0's parameters are broadcast, every rank takes its
+    /// shard, no buddy copies.
+    pub async fn new(trainer: Trainer, mut comm: Communicator<T>, mode: ShardMode) -> Result<Self, EngineError> {
+        let mut flat = Vec::new();
+        materialise_grads(&trainer);
+        broadcast_params(&trainer, &mut comm, &mut flat).await?;
+        let mut replica = Self::adopt(CommittedState::Full(Box::new(trainer)), comm, mode, 0);
+        replica.sync().await?;
         Ok(replica)
     }
 
+    /// Takes a rank's committed state for a new attempt. Nothing is sent: call [`Self::sync`] next.
+    pub fn adopt(state: CommittedState, comm: Communicator<T>, mode: ShardMode, replicas: usize) -> Self {
+        let (mut trainer, pieces) = match state {
+            CommittedState::Sharded { trainer, pieces } => (*trainer, pieces),
+            CommittedState::Full(trainer) => {
+                let mut trainer = *trainer;
+                let piece = full_piece(&trainer);
+                // The moments live in the pieces from now on.
+                trainer.optimizer.exp_avg.clear();
+                trainer.optimizer.exp_avg_sq.clear();
+                (trainer, vec![piece])
+            }
+        };
+        trainer.optimizer.exp_avg.clear();
+        trainer.optimizer.exp_avg_sq.clear();
+        let numels: Vec<usize> = trainer.model.params().iter().map(Tensor::numel).collect();
+        let decays: Vec<bool> = trainer.model.specs().iter().map(|s| s.decays()).collect();
+        materialise_grads(&trainer);
+        Self {
+            total: numels.iter().sum(),
+            trainer,
+            comm,
+            mode,
+            replicas: replicas.min(REPLICAS_MAX),
+            numels,
+            decays,
+            pieces,
+            segments: Vec::new(),
+            grads: Vec::new(),
+            flat: Vec::new(),
+            params_stale: true,
+            synced: false,
+            lost: false,
+        }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    pub fn world(&self) -> usize {
+        self.comm.world()
+    }
+
+    pub fn mode(&self) -> ShardMode {
+        self.mode
+    }
+
+    /// The trainer: step counters, config, sampler, and the replica's parameters (current after
+    /// [`Self::refresh_params`] or [`Self::train_step`]).
     pub fn trainer(&self) -> &Trainer {
         &self.trainer
     }
 
-    /// Elements of optimizer state (master params + two moments) this rank holds.
+    /// Elements of optimizer state (master params + two moments) this rank holds, buddy copies included.
     pub fn optimizer_state_elements(&self) -> usize {
-        self.master.len() + self.exp_avg.len() + self.exp_avg_sq.len()
+        self.pieces.iter().map(|p| p.master.len() + p.exp_avg.len() + p.exp_avg_sq.len()).sum()
     }
 
+    /// The flat ranges this rank holds (own shard first).
+    pub fn held(&self) -> Vec<Range<usize>> {
+        self.pieces.iter().map(|p| p.range.clone()).collect()
+    }
+
+    /// Reshards the committed state to this attempt's world. Every rank all-gathers what every other
+    /// holds; the most advanced step wins. When every rank already holds what it needs at that step,
+    /// nothing else moves; otherwise every piece of the flat state is broadcast once from the lowest rank
+    /// that holds it, and each rank keeps its own shard and its buddies'. A failure leaves the state
+    /// this rank held untouched; a piece held by no rank fails with [`EngineError::StateLost`] and marks
+    /// this rank's state lost (so the next attempt restores from the checkpoint).
+    pub async fn sync(&mut self) -> Result<(), EngineError> {
+        let (rank, world, total) = (self.rank(), self.world(), self.total);
+        let mine =
+            Holding { step: self.trainer.step, optimizer_step: self.trainer.optimizer.step, ranges: self.held() };
+        let mut words = vec![0f32; world * HOLDING_WORDS];
+        self.comm.all_gather(&encode_holding(&mine), &mut words).await?;
+        let holdings: Vec<Holding> = words.chunks(HOLDING_WORDS).map(decode_holding).collect();
+        let plan = match plan_restore(total, &holdings) {
+            Ok(plan) => plan,
+            Err(missing) => {
+                self.lost = true;
+                return Err(EngineError::StateLost { step: missing.step, range: missing.range });
+            }
+        };
+        let needed = held_ranges(total, rank, world, self.replicas);
+        let mut pieces: Vec<ShardPiece> = needed.iter().cloned().map(ShardPiece::zeros).collect();
+        if all_local(total, &holdings, plan.step, self.replicas) {
+            for piece in &mut pieces {
+                let source =
+                    self.pieces.iter().find(|p| p.range.start <= piece.range.start && piece.range.end <= p.range.end);
+                let source = source.expect("all_local: every needed range is held here");
+                let ShardPiece { range, master, exp_avg, exp_avg_sq } = piece;
+                source.read(range, [master, exp_avg, exp_avg_sq]);
+            }
+        } else {
+            let mut buf = Vec::new();
+            for (range, provider) in &plan.sources {
+                let n = range.len();
+                buf.clear();
+                buf.resize(3 * n, 0.0);
+                if *provider == rank {
+                    let source = self.pieces.iter().find(|p| p.range.start <= range.start && range.end <= p.range.end);
+                    let source = source.expect("plan_restore: the provider holds its range");
+                    let (m, rest) = buf.split_at_mut(n);
+                    let (v1, v2) = rest.split_at_mut(n);
+                    source.read(range, [m, v1, v2]);
+                }
+                self.comm.broadcast(&mut buf[..], *provider).await?;
+                for piece in &mut pieces {
+                    let (start, end) = (range.start.max(piece.range.start), range.end.min(piece.range.end));
+                    if start >= end {
+                        continue;
+                    }
+                    let (at, from) = (start - piece.range.start..end - piece.range.start, start - range.start);
+                    let dsts = [&mut piece.master, &mut piece.exp_avg, &mut piece.exp_avg_sq];
+                    for (k, dst) in dsts.into_iter().enumerate() {
+                        dst[at.clone()].copy_from_slice(&buf[k * n + from..k * n + from + (end - start)]);
+                    }
+                }
+            }
+        }
+        self.segments = needed.iter().map(|r| plan_segments(&self.numels, &self.decays, r)).collect();
+        self.grads = needed.iter().map(|r| vec![0.0; r.len()]).collect();
+        self.pieces = pieces;
+        self.trainer.step = plan.step;
+        self.trainer.optimizer.step = plan.optimizer_step;
+        self.params_stale = true;
+        self.synced = true;
+        Ok(())
+    }
+
+    /// Overwrites the replica's parameters with the masters of every rank (all-gather).
+    pub async fn refresh_params(&mut self) -> Result<(), ClusterError> {
+        self.flat.clear();
+        self.flat.resize(self.total, 0.0);
+        self.comm.all_gather(&self.pieces[0].master, &mut self.flat).await?;
+        copy_from_flat(self.trainer.model.params(), &self.flat);
+        self.params_stale = false;
+        Ok(())
+    }
+
+    /// One whole step (in-process use): reduce, apply, refresh the parameters.
     pub async fn train_step(&mut self) -> Result<StepReport, ClusterError> {
+        let reduced = self.reduce_gradients().await?;
+        let report = self.apply_update(reduced);
+        self.refresh_params().await?;
+        Ok(report)
+    }
+
+    /// The first half of a step, everything before the vote: refresh the parameters if an update was
+    /// applied since, this rank's slice forward/backward, the gradient reduced (all-reduce for ZeRO-1,
+    /// reduce-scatter for ZeRO-2, whose owners then send their gradient shard to the ranks that shadow
+    /// it), the loss and global norm. Nothing is applied: dropping it now abandons the step cleanly.
+    pub async fn reduce_gradients(&mut self) -> Result<ReducedStep, ClusterError> {
+        assert!(self.synced, "ShardedReplica::sync before the first step");
+        if self.params_stale {
+            self.refresh_params().await?;
+        }
         let step = self.trainer.step;
-        let train = self.trainer.config.train.clone();
-        let slice = rank_slice(train.global_batch, self.comm.rank(), self.comm.world());
+        let (rank, world) = (self.rank(), self.world());
+        let slice = rank_slice(self.trainer.config.train.global_batch, rank, world);
+        let started = std::time::Instant::now();
         let local_loss = self.trainer.accumulate_slice(step, slice);
+        let compute_seconds = started.elapsed().as_secs_f64();
 
         let grads: Vec<Tensor> = self.trainer.model.params().iter().map(Tensor::grad).collect();
         self.flat.clear();
@@ -118,45 +304,146 @@ impl<T: Transport> ShardedReplica<T> {
         match self.mode {
             ShardMode::Zero1 => {
                 self.comm.all_reduce(&mut self.flat[..], ReduceOp::Sum).await?;
-                self.grad_shard.copy_from_slice(&self.flat[self.own.clone()]);
+                for (piece, grad) in self.pieces.iter().zip(&mut self.grads) {
+                    grad.copy_from_slice(&self.flat[piece.range.clone()]);
+                }
             }
-            ShardMode::Zero2 => self.comm.reduce_scatter(&self.flat, &mut self.grad_shard, ReduceOp::Sum).await?,
+            ShardMode::Zero2 => {
+                self.comm.reduce_scatter(&self.flat, &mut self.grads[0], ReduceOp::Sum).await?;
+                for holder in shadow_holders(rank, world, self.replicas) {
+                    self.comm.send(holder, &self.grads[0]).await?;
+                }
+                for (k, buddy) in buddies(rank, world, self.replicas).into_iter().enumerate() {
+                    self.comm.recv(buddy, &mut self.grads[1 + k]).await?;
+                }
+            }
         }
-        let local_sum_sq: f64 = self.grad_shard.iter().map(|&g| f64::from(g) * f64::from(g)).sum();
+        let local_sum_sq: f64 = self.grads[0].iter().map(|&g| f64::from(g) * f64::from(g)).sum();
         let mut totals = [local_loss as f32, local_sum_sq as f32];
         self.comm.all_reduce(&mut totals[..], ReduceOp::Sum).await?;
-        let (loss, norm) = (f64::from(totals[0]), f64::from(totals[1]).sqrt());
+        Ok(ReducedStep { loss: f64::from(totals[0]), grad_norm: f64::from(totals[1]).sqrt(), compute_seconds })
+    }
 
+    /// The second half, once the step is committed: clip by the global norm and apply AdamW to the own
+    /// shard and to every buddy copy — the same bits the buddy applies to its own. Local only, so it cannot
+    /// fail half-way; the replica's parameters are refreshed at the next step.
+    pub fn apply_update(&mut self, reduced: ReducedStep) -> StepReport {
+        let step = self.trainer.step;
+        let train = self.trainer.config.train.clone();
+        let norm = reduced.grad_norm;
         if train.grad_clip > 0.0 {
             let coef = (train.grad_clip / (norm + 1e-6)).min(1.0);
             if coef < 1.0 {
                 let coef = coef as f32;
-                self.grad_shard.iter_mut().for_each(|g| *g *= coef);
+                self.grads.iter_mut().flatten().for_each(|g| *g *= coef);
             }
         }
         let lr = learning_rate(&train, step);
-        for segment in &self.segments {
-            let r = segment.in_shard.clone();
-            let config = AdamWConfig {
-                lr,
-                beta1: train.beta1,
-                beta2: train.beta2,
-                eps: train.eps,
-                weight_decay: if segment.decays { train.weight_decay } else { 0.0 },
-            };
-            let shard = AdamWShard {
-                params: &mut self.master[r.clone()],
-                exp_avg: &mut self.exp_avg[r.clone()],
-                exp_avg_sq: &mut self.exp_avg_sq[r.clone()],
-            };
-            adamw_step(shard, &self.grad_shard[r], &config, step + 1, None);
+        let t = self.trainer.optimizer.step + 1;
+        for ((piece, segments), grad) in self.pieces.iter_mut().zip(&self.segments).zip(&self.grads) {
+            for segment in segments {
+                let r = segment.in_shard.clone();
+                let config = AdamWConfig {
+                    lr,
+                    beta1: train.beta1,
+                    beta2: train.beta2,
+                    eps: train.eps,
+                    weight_decay: if segment.decays { train.weight_decay } else { 0.0 },
+                };
+                let shard = AdamWShard {
+                    params: &mut piece.master[r.clone()],
+                    exp_avg: &mut piece.exp_avg[r.clone()],
+                    exp_avg_sq: &mut piece.exp_avg_sq[r.clone()],
+                };
+                adamw_step(shard, &grad[r], &config, t, None);
+            }
         }
-        self.comm.all_gather(&self.master, &mut self.flat).await?;
-        copy_from_flat(self.trainer.model.params(), &self.flat);
+        self.trainer.optimizer.step = t;
         self.trainer.step += 1;
+        self.params_stale = true;
         let tokens = (train.global_batch * self.trainer.config.model.context) as u64;
-        Ok(StepReport { step, loss, lr, grad_norm: norm, tokens })
+        StepReport { step, loss: reduced.loss, lr, grad_norm: norm, tokens }
     }
+
+    /// The whole committed state on rank 0, for a checkpoint: every rank sends its own shard (masters and
+    /// moments) to rank 0, which assembles them into `spare` (a recycled snapshot) or a new state. A
+    /// collective: every rank calls it; the others get `None`. `keep` false on rank 0 (no writer) still
+    /// drains what the others send.
+    pub async fn gather_state(
+        &mut self,
+        spare: Option<Box<TrainingState>>,
+        keep: bool,
+    ) -> Result<Option<Box<TrainingState>>, ClusterError> {
+        let (rank, world) = (self.rank(), self.world());
+        let own = &self.pieces[0];
+        if rank != 0 {
+            let mut buf = Vec::with_capacity(3 * own.master.len());
+            for v in [&own.master, &own.exp_avg, &own.exp_avg_sq] {
+                buf.extend_from_slice(v);
+            }
+            self.comm.send(0, &buf).await?;
+            return Ok(None);
+        }
+        let mut state = spare.filter(|s| s.flat_len() == self.total).unwrap_or_else(|| {
+            Box::new(TrainingState {
+                config: self.trainer.config.clone(),
+                step: 0,
+                optimizer_step: 0,
+                sampler: self.trainer.sampler.state(0, self.trainer.config.train.global_batch),
+                tensors: tensor_specs(&self.trainer),
+                values: [0, 1, 2].map(|_| vec![0f32; self.total]),
+            })
+        });
+        for (k, v) in [&own.master, &own.exp_avg, &own.exp_avg_sq].into_iter().enumerate() {
+            state.values[k][own.range.clone()].copy_from_slice(v);
+        }
+        let mut buf = Vec::new();
+        for from in 1..world {
+            let range = chunk_range(self.total, world, from);
+            let n = range.len();
+            buf.clear();
+            buf.resize(3 * n, 0.0);
+            self.comm.recv(from, &mut buf[..]).await?;
+            for k in 0..3 {
+                state.values[k][range.clone()].copy_from_slice(&buf[k * n..(k + 1) * n]);
+            }
+        }
+        if !keep {
+            return Ok(None);
+        }
+        let trainer = &self.trainer;
+        state.config.clone_from(&trainer.config);
+        state.tensors = tensor_specs(trainer);
+        state.step = trainer.step;
+        state.optimizer_step = trainer.optimizer.step;
+        state.sampler = trainer.sampler.state(trainer.step, trainer.config.train.global_batch);
+        Ok(Some(state))
+    }
+
+    /// The committed state to keep for the next attempt; None if `sync` found it lost.
+    pub fn into_state(self) -> Option<CommittedState> {
+        (!self.lost).then(|| CommittedState::Sharded { trainer: Box::new(self.trainer), pieces: self.pieces })
+    }
+}
+
+/// The whole state of a trainer as one piece covering the flat order.
+fn full_piece(trainer: &Trainer) -> ShardPiece {
+    let params: Vec<Tensor> = trainer.model.params().iter().map(Tensor::detach).collect();
+    let mut piece = ShardPiece { range: 0..0, master: Vec::new(), exp_avg: Vec::new(), exp_avg_sq: Vec::new() };
+    append_flat(&params, &mut piece.master);
+    append_flat(&trainer.optimizer.exp_avg, &mut piece.exp_avg);
+    append_flat(&trainer.optimizer.exp_avg_sq, &mut piece.exp_avg_sq);
+    piece.range = 0..piece.master.len();
+    piece
+}
+
+fn tensor_specs(trainer: &Trainer) -> Vec<TensorSpec> {
+    trainer
+        .model
+        .specs()
+        .iter()
+        .map(|s| TensorSpec { name: s.name.clone(), shape: s.shape.iter().map(|&d| d as usize).collect() })
+        .collect()
 }
 
 #[cfg(test)]

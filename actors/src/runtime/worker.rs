@@ -18,14 +18,14 @@ use troupe_cluster::transport::quic::{bind_endpoint, PeerInfo, QuicTransport};
 use troupe_cluster::transport::same_host::{socket_path, SameHostTransport};
 use troupe_cluster::transport::Transport;
 use troupe_cluster::{NodeIdentity, TransportConfig};
-use troupe_model::checkpoint::{
-    self, CheckpointStore, CheckpointWriter, Layout, SaveRequest, TrainingState, WriteReport,
-};
+use troupe_model::checkpoint::{self, CheckpointStore, CheckpointWriter, WriteReport};
 use troupe_model::Trainer;
 
 use super::node::NodeMsg;
 use super::protocol::{AttemptOutcome, DataPlane, JobId, JobSpec, Wire};
-use crate::engine::{DataParallelReplica, DEFAULT_BUCKET_BYTES};
+use crate::engine::{
+    CommittedState, DataParallelReplica, EngineError, ShardMode, ShardedReplica, StepEngine, DEFAULT_BUCKET_BYTES,
+};
 use crate::telemetry::link_bytes::Counted;
 use crate::telemetry::{otel, NodeMetrics, PhaseRecorder};
 
@@ -58,11 +58,12 @@ pub enum WorkerMsg {
     },
     /// This node was fenced: abort everything and drop all job state.
     DropAll,
-    /// An attempt task ended and gives the committed state back (None if it was lost to a panic).
+    /// An attempt task ended and gives the committed state back (None if it was lost to a panic, or
+    /// found incomplete).
     Returned {
         job: JobId,
         attempt: u64,
-        trainer: Option<Box<Trainer>>,
+        state: Option<CommittedState>,
         outcome: AttemptOutcome,
     },
     /// Fault injection: the handler panics (tests, the chaos harness).
@@ -94,7 +95,8 @@ struct Prepared {
 
 #[derive(Default)]
 struct JobSlot {
-    trainer: Option<Box<Trainer>>,
+    /// The rank's committed state (see `CommittedState`); taken by a running attempt.
+    state: Option<CommittedState>,
     prepared: Option<Prepared>,
     /// The running attempt's number and control channel.
     running: Option<(u64, mpsc::UnboundedSender<Ctl>)>,
@@ -158,13 +160,13 @@ impl Actor for WorkerActor {
                     }
                 }
             }
-            WorkerMsg::Returned { job, attempt, trainer, outcome } => {
+            WorkerMsg::Returned { job, attempt, state: committed, outcome } => {
                 let me_slot = state.args.slot;
                 if let Some(slot) = state.jobs.get_mut(&job) {
                     if slot.running.as_ref().is_some_and(|r| r.0 == attempt) {
                         slot.running = None;
                     }
-                    slot.trainer = trainer;
+                    slot.state = committed;
                     let deferred = slot.deferred.take();
                     state.report(Wire::Ended { job, attempt, slot: me_slot, outcome });
                     if let Some(WorkerMsg::Prepare { job, attempt, spec, rank, epoch }) = deferred {
@@ -190,13 +192,13 @@ impl WorkerState {
             state.report(Wire::Ended { job, attempt, slot: me, outcome });
         };
         let slot = self.jobs.entry(job).or_default();
-        if slot.trainer.is_none() {
+        if slot.state.is_none() {
             match fresh_trainer(&spec) {
-                Ok(t) => slot.trainer = Some(Box::new(t)),
+                Ok(t) => slot.state = Some(CommittedState::Full(Box::new(t))),
                 Err(e) => return fail(self, e),
             }
         }
-        let committed = slot.trainer.as_ref().map(|t| t.step);
+        let committed = slot.state.as_ref().map(CommittedState::step);
         let endpoint = match bind_endpoint(&self.args.identity, SocketAddr::new(host, 0), &self.args.transport) {
             Ok(e) => e,
             Err(e) => return fail(self, format!("binding the data-plane endpoint: {e}")),
@@ -220,7 +222,7 @@ impl WorkerState {
     ) {
         let Some(slot) = self.jobs.get_mut(&job) else { return };
         let Some(prepared) = slot.prepared.take_if(|p| p.attempt == attempt) else { return };
-        let Some(trainer) = slot.trainer.take() else { return };
+        let Some(state) = slot.state.take() else { return };
         if prepared.rank != 0 {
             // Another rank writes now: this worker's writer finishes what it has and lets the catalog go.
             slot.writer = None;
@@ -246,15 +248,15 @@ impl WorkerState {
         };
         let me = me.clone();
         let attempt_task = async move {
-            let run = std::panic::AssertUnwindSafe(run_attempt(ctx, prepared, trainer, rx)).catch_unwind();
-            let (trainer, outcome) = match run.await {
+            let run = std::panic::AssertUnwindSafe(run_attempt(ctx, prepared, state, rx)).catch_unwind();
+            let (state, outcome) = match run.await {
                 Ok(result) => result,
                 Err(panic) => {
                     let reason = panic_message(&panic);
                     (None, AttemptOutcome::Failed { step: 0, reason: format!("the attempt panicked: {reason}") })
                 }
             };
-            let _ = me.cast(WorkerMsg::Returned { job, attempt, trainer, outcome });
+            let _ = me.cast(WorkerMsg::Returned { job, attempt, state, outcome });
         };
         // Training computes for hundreds of milliseconds at a time without yielding: it gets a thread and
         // a runtime of its own, so the node's heartbeats and control messages never wait behind it.
@@ -358,18 +360,19 @@ fn spawn_writer(spec: &JobSpec, job: JobId, node: &ActorRef<NodeMsg>) -> Option<
     }
 }
 
-/// One rank's part of an attempt. Always gives the trainer back in its last committed state.
+/// One rank's part of an attempt. Gives the rank's last committed state back (None only when the
+/// engine found it incomplete).
 ///
 /// The data plane: when every rank of the attempt is on this host (their data addresses share one IP),
 /// the same-host transport (Unix sockets in a private directory); otherwise the QUIC mesh.
 async fn run_attempt(
     ctx: AttemptCtx,
     prepared: Prepared,
-    trainer: Box<Trainer>,
+    state: CommittedState,
     mut ctl: mpsc::UnboundedReceiver<Ctl>,
-) -> (Option<Box<Trainer>>, AttemptOutcome) {
+) -> (Option<CommittedState>, AttemptOutcome) {
     let Prepared { rank, epoch, spec, endpoint, .. } = prepared;
-    let step = trainer.step;
+    let step = state.step();
     let one_host =
         spec.data_plane == DataPlane::Auto && ctx.roster.iter().all(|p| p.addr.ip() == ctx.roster[rank].addr.ip());
     if one_host {
@@ -381,11 +384,11 @@ async fn run_attempt(
         };
         let result = tokio::select! {
             t = connect => t,
-            _ = wait_abort(&mut ctl) => return (Some(trainer), AttemptOutcome::Aborted { step }),
+            _ = wait_abort(&mut ctl) => return (Some(state), AttemptOutcome::Aborted { step }),
         };
         let outcome = match result {
-            Ok(t) => train_over(&ctx, &spec, Arc::new(t), epoch, trainer, &mut ctl).await,
-            Err(e) => (Some(trainer), AttemptOutcome::Failed { step, reason: e.to_string() }),
+            Ok(t) => train_over(&ctx, &spec, Arc::new(t), epoch, state, &mut ctl).await,
+            Err(e) => (Some(state), AttemptOutcome::Failed { step, reason: e.to_string() }),
         };
         let _ = std::fs::remove_file(socket_path(&dir, rank));
         let _ = std::fs::remove_dir(&dir); // the last rank out removes it
@@ -395,30 +398,50 @@ async fn run_attempt(
     let transport = tokio::select! {
         t = connect => match t {
             Ok(t) => Arc::new(t),
-            Err(e) => return (Some(trainer), AttemptOutcome::Failed { step, reason: e.to_string() }),
+            Err(e) => return (Some(state), AttemptOutcome::Failed { step, reason: e.to_string() }),
         },
-        _ = wait_abort(&mut ctl) => return (Some(trainer), AttemptOutcome::Aborted { step }),
+        _ = wait_abort(&mut ctl) => return (Some(state), AttemptOutcome::Aborted { step }),
     };
-    train_over(&ctx, &spec, transport, epoch, trainer, &mut ctl).await
+    train_over(&ctx, &spec, transport, epoch, state, &mut ctl).await
 }
 
+/// Runs the attempt over `transport` with the job's engine: DDP (`parallel.shard = "none"`) or
+/// ZeRO-1/2 with `checkpoint.replicas` buddy copies of each shard.
 async fn train_over<T: Transport>(
     ctx: &AttemptCtx,
     spec: &JobSpec,
     transport: Arc<T>,
     epoch: u64,
-    trainer: Box<Trainer>,
+    state: CommittedState,
     ctl: &mut mpsc::UnboundedReceiver<Ctl>,
-) -> (Option<Box<Trainer>>, AttemptOutcome) {
+) -> (Option<CommittedState>, AttemptOutcome) {
     let peers: Vec<String> = ctx.roster.iter().map(|p| p.name.clone()).collect();
     let counted = Arc::new(Counted::new(transport.clone(), &peers, &ctx.metrics.links));
     let comm = Communicator::new(counted, 0, epoch, CollectiveConfig::from(&ctx.transport));
-    let mut replica = DataParallelReplica::without_sync(*trainer, comm, DEFAULT_BUCKET_BYTES);
-    let outcome = drive(ctx, spec, &mut replica, ctl).await;
+    let (state, outcome) = match (ShardMode::of_config(&spec.config.parallel.shard), state) {
+        (Some(mode), state) => {
+            let replicas = spec.config.checkpoint.replicas;
+            let mut engine = ShardedReplica::adopt(state, comm, mode, replicas);
+            let outcome = drive(ctx, spec, &mut engine, ctl).await;
+            (engine.into_state(), outcome)
+        }
+        (None, CommittedState::Full(trainer)) => {
+            let mut engine = DataParallelReplica::without_sync(*trainer, comm, DEFAULT_BUCKET_BYTES);
+            let outcome = drive(ctx, spec, &mut engine, ctl).await;
+            (engine.into_state(), outcome)
+        }
+        (None, state @ CommittedState::Sharded { .. }) => {
+            // A job's shard mode never changes, so this is a broken invariant; the next attempt restores
+            // the rank from its peers or the checkpoint rather than train on a partial state.
+            drop(state);
+            let reason = "a DDP job was handed a sharded state; dropped".to_string();
+            return (None, AttemptOutcome::Failed { step: 0, reason });
+        }
+    };
     if matches!(outcome, AttemptOutcome::Completed { .. }) {
         transport.shutdown().await;
     }
-    (Some(Box::new(replica.into_trainer())), outcome)
+    (state, outcome)
 }
 
 /// A directory private to this attempt's ranks: named by a hash of the job, the attempt and the roster
@@ -454,22 +477,6 @@ async fn wait_abort(ctl: &mut mpsc::UnboundedReceiver<Ctl>) {
 /// Longest the end of a job waits for its last checkpoint to become durable.
 const FINAL_CHECKPOINT_WAIT: Duration = Duration::from_secs(300);
 
-/// Rank 0's checkpoint after a committed step: the state is copied to host memory here (the only part
-/// the step loop waits for) and written by the job's writer thread in the background.
-fn submit_checkpoint<T: Transport>(ctx: &AttemptCtx, writer: &CheckpointWriter, replica: &DataParallelReplica<T>) {
-    let t0 = Instant::now();
-    let state = match writer.take_spare() {
-        Some(mut spare) => {
-            spare.refresh(replica.trainer());
-            spare
-        }
-        None => Box::new(TrainingState::snapshot(replica.trainer())),
-    };
-    let step = state.step;
-    tracing::debug!(job = ctx.job, step, seconds = t0.elapsed().as_secs_f64(), "checkpoint snapshot taken");
-    writer.submit(SaveRequest { state, layout: Layout::ddp(replica.world()), tag: ctx.attempt });
-}
-
 /// Waits (without blocking the attempt's runtime) until the writer has made every submitted checkpoint
 /// durable or failed it, at most `limit`.
 async fn wait_writer_idle(job: JobId, writer: &CheckpointWriter, limit: Duration) {
@@ -495,41 +502,48 @@ fn report_phases(ctx: &AttemptCtx, spec: &JobSpec, rank: usize, step: u64, phase
     }
 }
 
-async fn drive<T: Transport>(
+/// The step loop of one attempt, for any engine: sync, then per step reduce → vote → wait for the
+/// commit → apply → (checkpoint when due) until the job's last step; then `--save-final` on rank 0.
+async fn drive<E: StepEngine>(
     ctx: &AttemptCtx,
     spec: &JobSpec,
-    replica: &mut DataParallelReplica<T>,
+    engine: &mut E,
     ctl: &mut mpsc::UnboundedReceiver<Ctl>,
 ) -> AttemptOutcome {
     let failed = |step, reason: String| AttemptOutcome::Failed { step, reason };
-    let step = replica.trainer().step;
+    let step = engine.trainer().step;
+    let rank = engine.rank();
     let mut phases = PhaseRecorder::new(spec.trace || otel::enabled());
-    if let Some(source) = ctx.source {
-        tokio::select! {
-            r = replica.sync_state_from(source) => if let Err(e) = r {
-                return failed(step, format!("copying the state of rank {source}: {e}"));
-            },
-            _ = wait_abort(ctl) => return AttemptOutcome::Aborted { step },
-        }
+    tokio::select! {
+        r = engine.sync(ctx.source) => match r {
+            Ok(()) => {}
+            Err(e @ EngineError::StateLost { .. }) => return failed(step, e.to_string()),
+            Err(e) => {
+                let what = ctx.source.map_or("resharding the committed state".to_string(), |s| format!("copying the state of rank {s}"));
+                return failed(step, format!("{what}: {e}"));
+            }
+        },
+        _ = wait_abort(ctl) => return AttemptOutcome::Aborted { step },
     }
     let setup = if ctx.attempt > 1 { ("recovery", "recovery") } else { ("setup", "idle") };
     phases.span(setup.0, setup.1, ctx.started, Instant::now());
     let total = spec.config.train.steps;
-    while replica.trainer().step < total {
-        let step = replica.trainer().step;
+    let checkpoints = spec.config.checkpoint.dir.is_some();
+    while engine.trainer().step < total {
+        let step = engine.trainer().step;
         let t0 = Instant::now();
         let reduced = tokio::select! {
-            r = replica.reduce_gradients() => match r {
+            r = engine.reduce() => match r {
                 Ok(reduced) => reduced,
                 Err(e) => {
                     phases.span("failed step", "comm", t0, Instant::now());
-                    report_phases(ctx, spec, replica.rank(), step + 1, &mut phases);
+                    report_phases(ctx, spec, rank, step + 1, &mut phases);
                     return failed(step, e.to_string());
                 }
             },
             _ = wait_abort(ctl) => {
                 phases.span("aborted step", "comm", t0, Instant::now());
-                report_phases(ctx, spec, replica.rank(), step + 1, &mut phases);
+                report_phases(ctx, spec, rank, step + 1, &mut phases);
                 return AttemptOutcome::Aborted { step };
             }
         };
@@ -546,37 +560,54 @@ async fn drive<T: Transport>(
                 Some(Ctl::Commit(_)) => continue,
                 Some(Ctl::Abort) | None => {
                     phases.span("commit wait (aborted)", "idle", voted, Instant::now());
-                    report_phases(ctx, spec, replica.rank(), step + 1, &mut phases);
+                    report_phases(ctx, spec, rank, step + 1, &mut phases);
                     return AttemptOutcome::Aborted { step };
                 }
             }
         }
         let committed = Instant::now();
         phases.span("commit wait", "idle", voted, committed);
-        replica.apply_update(reduced);
+        engine.apply(reduced);
         phases.span("optimizer", "optimizer", committed, Instant::now());
         let every = spec.config.checkpoint.every_steps;
-        let step = replica.trainer().step;
+        let step = engine.trainer().step;
         let due = step == total || (every > 0 && step.is_multiple_of(every));
-        if let (Some(writer), true) = (&ctx.writer, due) {
-            // The step loop waits only for the snapshot; the write runs on the writer's thread.
+        if checkpoints && due {
+            // The step loop waits only for the snapshot (for sharded engines: the gather of the shards to
+            // rank 0); the write runs on rank 0's writer thread.
             let saving = Instant::now();
-            submit_checkpoint(ctx, writer, replica);
+            let snapshot = tokio::select! {
+                r = engine.checkpoint(ctx.writer.as_deref(), ctx.attempt) => r,
+                _ = wait_abort(ctl) => return AttemptOutcome::Aborted { step },
+            };
+            if let Err(e) = snapshot {
+                return failed(step, format!("gathering the checkpoint of step {step}: {e}"));
+            }
+            tracing::debug!(job = ctx.job, step, seconds = saving.elapsed().as_secs_f64(), "checkpoint snapshot taken");
             phases.span("checkpoint", "checkpoint", saving, Instant::now());
         }
-        report_phases(ctx, spec, replica.rank(), step, &mut phases);
+        report_phases(ctx, spec, rank, step, &mut phases);
     }
     if let Some(writer) = &ctx.writer {
         // The job's last checkpoint is durable before the job reports its end.
         wait_writer_idle(ctx.job, writer, FINAL_CHECKPOINT_WAIT).await;
     }
-    let step = replica.trainer().step;
+    let step = engine.trainer().step;
     let mut saved = None;
-    if let (0, Some(path)) = (replica.rank(), &spec.save_final) {
-        if let Err(e) = replica.trainer().save_params(path) {
-            return failed(step, format!("saving the final parameters to {}: {e}", path.display()));
+    if let Some(path) = &spec.save_final {
+        let finished = tokio::select! {
+            r = engine.finish() => r,
+            _ = wait_abort(ctl) => return AttemptOutcome::Aborted { step },
+        };
+        if let Err(e) = finished {
+            return failed(step, format!("gathering the final parameters: {e}"));
         }
-        saved = Some(path.clone());
+        if rank == 0 {
+            if let Err(e) = engine.trainer().save_params(path) {
+                return failed(step, format!("saving the final parameters to {}: {e}", path.display()));
+            }
+            saved = Some(path.clone());
+        }
     }
     AttemptOutcome::Completed { step, saved }
 }

@@ -111,8 +111,9 @@ impl Default for TrainConfig {
     }
 }
 
-/// Periodic checkpoints of the whole training state (resumable).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
+/// Periodic checkpoints of the whole training state (resumable), and the in-memory copies that spare a
+/// sharded job a trip to them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CheckpointConfig {
     /// Directory that receives one `step-NNNNNNNN` directory per checkpoint.
@@ -121,6 +122,19 @@ pub struct CheckpointConfig {
     pub every_steps: u64,
     /// Keep the last K checkpoints; 0 keeps all.
     pub keep_last: usize,
+    /// Sharded jobs (`parallel.shard = "zero1" | "zero2"`): how many other ranks keep a last-committed
+    /// copy of each rank's shard in memory (0..=3), so that losing that many neighbouring ranks loses no
+    /// state. DDP ranks all hold the whole state and ignore it.
+    pub replicas: usize,
+}
+
+/// Most in-memory copies of a shard (`checkpoint.replicas`).
+pub const SHARD_REPLICAS_MAX: usize = 3;
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self { dir: None, every_steps: 0, keep_last: 0, replicas: 1 }
+    }
 }
 
 /// How the job rides membership changes: it runs while at least `min_nodes` members offer it ranks,
@@ -290,6 +304,13 @@ impl JobConfig {
         if !(t.grad_clip.is_finite() && t.grad_clip >= 0.0) {
             return Err(invalid("train.grad_clip", t.grad_clip, "must be ≥ 0 (0 disables clipping)"));
         }
+        if self.checkpoint.replicas > SHARD_REPLICAS_MAX {
+            return Err(invalid(
+                "checkpoint.replicas",
+                self.checkpoint.replicas,
+                format!("must be in 0..={SHARD_REPLICAS_MAX} (1, the default, survives the loss of any one rank)"),
+            ));
+        }
         match self.data.kind {
             DataKind::Synthetic => {
                 let needed = self.model.context + 1;
@@ -399,8 +420,11 @@ impl ParallelConfig {
             return not_yet("--recompute with --pp > 1 (recomputation inside pipeline stages)", "false");
         }
         one_of("parallel.shard", &self.shard, &["none", "zero1", "zero2", "zero3"])?;
-        if self.shard != "none" {
-            return not_yet("--shard zero1|zero2|zero3 / parallel.shard", "\"none\"");
+        if self.shard == "zero3" {
+            return not_yet("--shard zero3 / parallel.shard = \"zero3\"", "\"none\", \"zero1\" or \"zero2\"");
+        }
+        if self.shard != "none" && self.pp > 1 {
+            return not_yet("--shard zero1|zero2 with --pp > 1 (ZeRO inside a pipeline stage's group)", "\"none\"");
         }
         one_of("parallel.schedule", &self.schedule, &["gpipe", "1f1b", "interleaved", "zb-h1"])?;
         one_of("parallel.precision", &self.precision, &["fp32", "bf16", "fp16"])?;
@@ -465,6 +489,9 @@ mod tests {
             ("[data]\nkind = \"text\"\n", &["data.path", "must name the file"]),
             ("[data]\nkind = \"parquet\"\n", &["unknown variant `parquet`", "synthetic"]),
             ("[parallel]\nshard = \"zero4\"\n", &["parallel.shard", "none, zero1, zero2, zero3"]),
+            ("[parallel]\nshard = \"zero3\"\n", &["not available yet", "--shard zero3", "zero2"]),
+            ("[parallel]\nshard = \"zero2\"\npp = 2\n", &["not available yet", "--pp > 1"]),
+            ("[checkpoint]\nreplicas = 4\n", &["checkpoint.replicas", "0..=3"]),
             ("[parallel]\npp = 8\n", &["parallel.pp", "at most model.n_layers (4)"]),
             ("[parallel]\npp = 2\nnodes = 2\n", &["not available yet", "--pp > 1 with --nodes > 1"]),
             ("[parallel]\nmicrobatches = 4\n", &["parallel.microbatches", "--pp"]),
@@ -489,6 +516,17 @@ mod tests {
     fn recompute_is_accepted_for_data_parallel_jobs() {
         let config = JobConfig::from_toml("[parallel]\nrecompute = true\nnodes = 2\n", "t").unwrap();
         assert!(config.parallel.recompute);
+    }
+
+    #[test]
+    fn zero1_and_zero2_are_accepted_with_buddy_copies_by_default() {
+        for mode in ["zero1", "zero2"] {
+            let config = JobConfig::from_toml(&format!("[parallel]\nshard = \"{mode}\"\nnodes = 3\n"), "t").unwrap();
+            assert_eq!(config.parallel.shard, mode);
+            assert_eq!(config.checkpoint.replicas, 1);
+        }
+        let config = JobConfig::from_toml("[checkpoint]\nreplicas = 0\n", "t").unwrap();
+        assert_eq!(config.checkpoint.replicas, 0);
     }
 
     #[test]

@@ -1,0 +1,147 @@
+//! The one seam between the worker's step protocol and a training engine: whatever the engine (DDP,
+//! ZeRO-1/2), an attempt is sync → per step reduce (vote) → apply (after commit) → checkpoint snapshot
+//! when due → finish → the committed state back.
+
+use troupe_cluster::transport::Transport;
+use troupe_cluster::ClusterError;
+use troupe_model::checkpoint::{CheckpointWriter, Layout, SaveRequest, TrainingState};
+use troupe_model::Trainer;
+
+use super::committed::CommittedState;
+use super::data_parallel::{DataParallelReplica, ReducedStep};
+use super::sharded::ShardedReplica;
+
+/// Why an engine could not go on.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Comm(#[from] ClusterError),
+    /// No rank of the attempt holds this piece of the flat state at the most advanced committed step
+    /// (a rank and every rank that shadowed it were lost).
+    #[error(
+        "the state of step {step} is incomplete: elements {range:?} of the flat parameter order were held only by ranks that are gone (a rank and its buddy copies); the ranks drop their partial state and restore from the newest checkpoint"
+    )]
+    StateLost { step: u64, range: std::ops::Range<usize> },
+}
+
+/// One rank's engine for an attempt. Every method that communicates is a collective: every rank calls
+/// it at the same point of the step loop.
+#[allow(async_fn_in_trait)]
+pub trait StepEngine {
+    fn rank(&self) -> usize;
+    fn world(&self) -> usize;
+    /// The trainer: committed step, config, sampler; parameters current after [`Self::finish`].
+    fn trainer(&self) -> &Trainer;
+    /// Makes the ranks' states one state at the start of an attempt (`source`: the rank the controller
+    /// named as the most advanced, when the ranks' committed steps differ).
+    async fn sync(&mut self, source: Option<usize>) -> Result<(), EngineError>;
+    /// Everything of the step before the vote; nothing applied.
+    async fn reduce(&mut self) -> Result<ReducedStep, ClusterError>;
+    /// The update of a committed step: local, cannot fail half-way.
+    fn apply(&mut self, reduced: ReducedStep);
+    /// A checkpoint of the committed state: the state copied to host memory on rank 0 and submitted to
+    /// `writer` (rank 0's, when the job has one) tagged `tag`.
+    async fn checkpoint(&mut self, writer: Option<&CheckpointWriter>, tag: u64) -> Result<(), ClusterError>;
+    /// Brings the trainer's parameters up to date (before `--save-final`).
+    async fn finish(&mut self) -> Result<(), ClusterError>;
+    /// The committed state to keep; None if this rank's state must not be used again.
+    fn into_state(self) -> Option<CommittedState>;
+}
+
+impl<T: Transport> StepEngine for DataParallelReplica<T> {
+    fn rank(&self) -> usize {
+        DataParallelReplica::rank(self)
+    }
+
+    fn world(&self) -> usize {
+        DataParallelReplica::world(self)
+    }
+
+    fn trainer(&self) -> &Trainer {
+        DataParallelReplica::trainer(self)
+    }
+
+    async fn sync(&mut self, source: Option<usize>) -> Result<(), EngineError> {
+        if let Some(source) = source {
+            self.sync_state_from(source).await?;
+        }
+        Ok(())
+    }
+
+    async fn reduce(&mut self) -> Result<ReducedStep, ClusterError> {
+        self.reduce_gradients().await
+    }
+
+    fn apply(&mut self, reduced: ReducedStep) {
+        self.apply_update(reduced);
+    }
+
+    /// Every rank holds the whole state: rank 0 copies its own, nothing travels.
+    async fn checkpoint(&mut self, writer: Option<&CheckpointWriter>, tag: u64) -> Result<(), ClusterError> {
+        let Some(writer) = writer else { return Ok(()) };
+        let state = match writer.take_spare() {
+            Some(mut spare) => {
+                spare.refresh(self.trainer());
+                spare
+            }
+            None => Box::new(TrainingState::snapshot(self.trainer())),
+        };
+        writer.submit(SaveRequest { state, layout: Layout::ddp(self.world()), tag });
+        Ok(())
+    }
+
+    async fn finish(&mut self) -> Result<(), ClusterError> {
+        Ok(())
+    }
+
+    fn into_state(self) -> Option<CommittedState> {
+        Some(CommittedState::Full(Box::new(self.into_trainer())))
+    }
+}
+
+impl<T: Transport> StepEngine for ShardedReplica<T> {
+    fn rank(&self) -> usize {
+        ShardedReplica::rank(self)
+    }
+
+    fn world(&self) -> usize {
+        ShardedReplica::world(self)
+    }
+
+    fn trainer(&self) -> &Trainer {
+        ShardedReplica::trainer(self)
+    }
+
+    /// Every rank takes part whatever `source` says: the shards are put together from whoever holds them.
+    async fn sync(&mut self, _source: Option<usize>) -> Result<(), EngineError> {
+        ShardedReplica::sync(self).await
+    }
+
+    async fn reduce(&mut self) -> Result<ReducedStep, ClusterError> {
+        self.reduce_gradients().await
+    }
+
+    fn apply(&mut self, reduced: ReducedStep) {
+        self.apply_update(reduced);
+    }
+
+    /// The shards are gathered to rank 0 (the step loop waits for the transfer and the copy); rank 0
+    /// writes the whole state from that one snapshot, as for DDP.
+    async fn checkpoint(&mut self, writer: Option<&CheckpointWriter>, tag: u64) -> Result<(), ClusterError> {
+        let spare = writer.and_then(CheckpointWriter::take_spare);
+        if let (Some(state), Some(writer)) = (self.gather_state(spare, writer.is_some()).await?, writer) {
+            let world = self.world();
+            let layout = Layout { dp: world, pp: 1, shard_mode: self.mode().layout(), shards: world };
+            writer.submit(SaveRequest { state, layout, tag });
+        }
+        Ok(())
+    }
+
+    async fn finish(&mut self) -> Result<(), ClusterError> {
+        self.refresh_params().await
+    }
+
+    fn into_state(self) -> Option<CommittedState> {
+        ShardedReplica::into_state(self)
+    }
+}
