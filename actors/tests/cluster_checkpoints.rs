@@ -9,7 +9,6 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use tch::Tensor;
 use troupe_actors::api::{Job, JobEvent, LocalCluster, LocalClusterOptions};
 use troupe_actors::runtime::worker::WorkerMsg;
 use troupe_model::config::JobConfig;
@@ -38,15 +37,6 @@ fn reference_params(config: &JobConfig) -> Trainer {
         trainer.train_step();
     }
     trainer
-}
-
-fn saved(path: &std::path::Path, reference: &Trainer) -> Vec<Tensor> {
-    let mut saved = Tensor::read_safetensors(path).unwrap();
-    reference
-        .model
-        .named_params()
-        .map(|(name, _)| saved.swap_remove(saved.iter().position(|(n, _)| n == name).unwrap()).1)
-        .collect()
 }
 
 async fn run_to_end(cluster: &LocalCluster, job: Job) -> Vec<JobEvent> {
@@ -79,7 +69,8 @@ async fn a_job_continues_from_the_checkpoints_of_an_earlier_run() {
     let second = run_to_end(&cluster, Job::new(config10.clone()).save_final(&out)).await;
     assert!(matches!(second[0], JobEvent::Started { from_step: 6, world: 2, .. }), "{second:?}");
     let reference = reference_params(&config10);
-    let comparison = compare_params(reference.model.specs(), &saved(&out, &reference), &reference.param_values());
+    let comparison =
+        compare_params(reference.model.specs(), &common::saved_params(&out, &reference), &reference.param_values());
     assert!(comparison.within(TOLERANCE), "{comparison:?}");
     cluster.shutdown().await;
 }
@@ -135,7 +126,8 @@ async fn losing_every_copy_of_the_state_rolls_back_to_the_checkpoint_and_keeps_t
         }
     }
     let reference = reference_params(&config);
-    let comparison = compare_params(reference.model.specs(), &saved(&out, &reference), &reference.param_values());
+    let comparison =
+        compare_params(reference.model.specs(), &common::saved_params(&out, &reference), &reference.param_values());
     assert!(comparison.within(TOLERANCE), "{comparison:?}");
     cluster.shutdown().await;
 }
@@ -171,7 +163,8 @@ fn checkpoint_steps(events: &[JobEvent]) -> Vec<u64> {
 
 fn final_params_match_the_reference(config: &JobConfig, out: &Path) {
     let reference = reference_params(config);
-    let comparison = compare_params(reference.model.specs(), &saved(out, &reference), &reference.param_values());
+    let comparison =
+        compare_params(reference.model.specs(), &common::saved_params(out, &reference), &reference.param_values());
     assert!(comparison.within(TOLERANCE), "{comparison:?}");
 }
 

@@ -4,10 +4,8 @@
 
 mod common;
 
-use std::path::Path;
 use std::time::Duration;
 
-use tch::Tensor;
 use troupe_actors::api::{Job, JobEvent, JobHandle};
 use troupe_model::config::JobConfig;
 use troupe_model::oracle::{compare_params, worst_loss_diff};
@@ -25,15 +23,6 @@ fn config(steps: u64, min_nodes: usize, wait_s: u64) -> JobConfig {
 async fn next(job: &mut JobHandle) -> JobEvent {
     let event = tokio::time::timeout(Duration::from_secs(60), job.next_event()).await;
     event.expect("an event within 60 s").expect("the event stream").expect("the job ends with a terminal event")
-}
-
-fn saved_params(path: &Path, reference: &Trainer) -> Vec<Tensor> {
-    let mut saved = Tensor::read_safetensors(path).unwrap();
-    reference
-        .model
-        .named_params()
-        .map(|(name, _)| saved.swap_remove(saved.iter().position(|(n, _)| n == name).unwrap()).1)
-        .collect()
 }
 
 /// Three daemons, `min_nodes = 3`: SIGKILL one mid-run. The job reports that it waits, commits nothing
@@ -81,7 +70,7 @@ async fn below_min_nodes_a_job_waits_and_resumes_when_a_node_returns() {
     let diff = worst_loss_diff(&losses, &ref_losses);
     assert!(diff <= TOLERANCE, "losses differ from the reference by {diff:e}");
     let comparison =
-        compare_params(reference.model.specs(), &saved_params(&out, &reference), &reference.param_values());
+        compare_params(reference.model.specs(), &common::saved_params(&out, &reference), &reference.param_values());
     assert!(comparison.within(TOLERANCE), "{comparison:?}");
     cluster.shutdown().await;
 }

@@ -7,7 +7,6 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use tch::Tensor;
 use troupe_actors::api::{DataPlane, Job, JobEvent};
 use troupe_model::config::JobConfig;
 use troupe_model::oracle::{compare_params, worst_loss_diff};
@@ -35,24 +34,11 @@ fn reference(config: &JobConfig) -> (Vec<f64>, Trainer) {
     (losses, trainer)
 }
 
-/// Final parameters saved by rank 0, in the reference's order.
-fn saved_params(path: &Path, reference: &Trainer) -> Vec<Tensor> {
-    let mut saved = Tensor::read_safetensors(path).unwrap();
-    reference
-        .model
-        .named_params()
-        .map(|(name, _)| {
-            let i = saved.iter().position(|(n, _)| n == name).unwrap_or_else(|| panic!("{name} not saved"));
-            saved.swap_remove(i).1
-        })
-        .collect()
-}
-
 fn check(config: &JobConfig, losses: &[f64], final_params: &Path, what: &str) {
     let (ref_losses, ref_trainer) = reference(config);
     assert_eq!(losses.len(), ref_losses.len(), "{what}: one committed loss per step");
     let loss_diff = worst_loss_diff(losses, &ref_losses);
-    let params = saved_params(final_params, &ref_trainer);
+    let params = common::saved_params(final_params, &ref_trainer);
     let comparison = compare_params(ref_trainer.model.specs(), &params, &ref_trainer.param_values());
     eprintln!("{what}: loss diff {loss_diff:.1e}, params {comparison:?}");
     assert!(loss_diff <= TOLERANCE, "{what}: losses differ by {loss_diff:e}");

@@ -8,7 +8,6 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use tch::Tensor;
 use troupe_actors::api::{Job, JobEvent, JobHandle, LocalCluster};
 use troupe_actors::runtime::worker::WorkerMsg;
 use troupe_model::checkpoint::{Manifest, ShardMode};
@@ -36,19 +35,6 @@ fn reference(config: &JobConfig) -> (Vec<f64>, Trainer) {
     (losses, trainer)
 }
 
-/// Final parameters saved by rank 0, in the reference's order.
-fn saved_params(path: &Path, reference: &Trainer) -> Vec<Tensor> {
-    let mut saved = Tensor::read_safetensors(path).unwrap();
-    reference
-        .model
-        .named_params()
-        .map(|(name, _)| {
-            let i = saved.iter().position(|(n, _)| n == name).unwrap_or_else(|| panic!("{name} not saved"));
-            saved.swap_remove(i).1
-        })
-        .collect()
-}
-
 /// Per-step losses (one per committed step, in order) and the saved final parameters equal the reference.
 fn check(config: &JobConfig, losses: Option<&[f64]>, final_params: &Path, what: &str) {
     let (ref_losses, ref_trainer) = reference(config);
@@ -57,7 +43,7 @@ fn check(config: &JobConfig, losses: Option<&[f64]>, final_params: &Path, what: 
         let diff = worst_loss_diff(losses, &ref_losses);
         assert!(diff <= TOLERANCE, "{what}: losses differ by {diff:e}");
     }
-    let params = saved_params(final_params, &ref_trainer);
+    let params = common::saved_params(final_params, &ref_trainer);
     let comparison = compare_params(ref_trainer.model.specs(), &params, &ref_trainer.param_values());
     eprintln!("{what}: params {comparison:?}");
     assert!(comparison.within(TOLERANCE), "{what}: {comparison:?}");

@@ -8,6 +8,19 @@ use std::time::{Duration, Instant};
 
 use troupe_actors::api::{ClusterStatus, LocalCluster, LocalClusterOptions};
 
+/// The final parameters rank 0 saved at `path` (`--save-final`), in `reference`'s parameter order.
+pub fn saved_params(path: &Path, reference: &troupe_model::Trainer) -> Vec<tch::Tensor> {
+    let mut saved = tch::Tensor::read_safetensors(path).unwrap();
+    reference
+        .model
+        .named_params()
+        .map(|(name, _)| {
+            let i = saved.iter().position(|(n, _)| n == name).unwrap_or_else(|| panic!("{name} not saved"));
+            saved.swap_remove(i).1
+        })
+        .collect()
+}
+
 pub fn binary() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_troupe"))
 }
