@@ -1,4 +1,5 @@
-//! `troupe bench recovery`: SIGKILL one daemon of a local cluster at a chosen step of a DDP job and
+//! `troupe bench recovery`: SIGKILL one daemon of a local cluster at a chosen step of a DDP (or ZeRO-1/2,
+//! `--shard`) job and
 //! measure how long until the controller notices (detect_s) and until the next step commits on the
 //! survivors (recovery_s); then check the run against the single-process reference. With --peer, then
 //! the same loss under torchrun (bench/peers/torchrun_recovery.py: restart the worker group from the last
@@ -28,6 +29,10 @@ pub struct RecoveryArgs {
     /// Steps after the kill.
     #[arg(long, default_value_t = 5)]
     pub steps_after: u64,
+    /// Sharding of the job: none (DDP: every rank holds the state), zero1 or zero2 (each shard also
+    /// held by a buddy rank, so the killed rank's shard is restored from memory).
+    #[arg(long, value_parser = ["none", "zero1", "zero2"], default_value = "none")]
+    pub shard: String,
     /// Skip the reference run (and max_param_rel_diff).
     #[arg(long)]
     pub no_check: bool,
@@ -55,6 +60,7 @@ async fn measure(args: RecoveryArgs) -> anyhow::Result<()> {
     let mut config = JobConfig::default();
     config.train.steps = args.kill_at_step + args.steps_after;
     config.train.torch_threads = 1;
+    config.parallel.shard.clone_from(&args.shard);
     let mut options = LocalClusterOptions::new(args.nodes);
     options.torch_threads = 1;
     let binary = std::env::current_exe().context("locating the troupe binary")?;
@@ -62,6 +68,7 @@ async fn measure(args: RecoveryArgs) -> anyhow::Result<()> {
     let victim = cluster.pid(args.nodes - 1).context("daemon pid")?;
     let mut handle = cluster.client().await?.submit(Job::new(config.clone()).save_final(&out)).await?;
     let (mut killed, mut detect, mut recovery, mut steps) = (None::<Instant>, None, None, Vec::new());
+    let mut rolled_back = None;
     let mut step_s = Vec::new();
     let mut last = Instant::now();
     while let Some(event) = handle.next_event().await? {
@@ -80,6 +87,7 @@ async fn measure(args: RecoveryArgs) -> anyhow::Result<()> {
                 }
             }
             JobEvent::Membership { .. } => detect = killed.map(|t| t.elapsed().as_secs_f64()),
+            JobEvent::RolledBack { from_step, to_step } => rolled_back = Some((from_step, to_step)),
             JobEvent::Failed { reason } => bail!("the job failed: {reason}"),
             _ => {}
         }
@@ -90,7 +98,8 @@ async fn measure(args: RecoveryArgs) -> anyhow::Result<()> {
     step_s.sort_by(f64::total_cmp);
     let step_median = step_s.get(step_s.len() / 2).copied();
     let mut report = json!({
-        "bench": "recovery", "nodes": args.nodes, "kill_at_step": args.kill_at_step,
+        "bench": "recovery", "nodes": args.nodes, "kill_at_step": args.kill_at_step, "shard": args.shard,
+        "rolled_back": rolled_back,
         "detect_s": detect, "recovery_s": recovery, "steps_redone": steps_redone,
         "steps_committed": steps.len(), "step_s_median": step_median, "max_param_rel_diff": diff,
         "failure_timeout_ms": troupe_cluster::membership::MembershipConfig::default().failure_timeout_ms,
@@ -135,6 +144,8 @@ fn run_peer(args: &RecoveryArgs) -> anyhow::Result<Value> {
 
 fn reference_diff(config: &JobConfig, saved: &std::path::Path) -> anyhow::Result<f64> {
     tch::set_num_threads(1);
+    let mut config = config.clone();
+    config.parallel.shard = "none".into(); // the single-process reference
     let mut trainer = Trainer::new(config.clone())?;
     while trainer.step < config.train.steps {
         trainer.train_step();
