@@ -48,14 +48,23 @@ pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the tokio runtime")?;
+    let shard: &'static str = match args.shard.as_str() {
+        "zero1" => "zero1",
+        "zero2" => "zero2",
+        _ => "none",
+    };
     let mut ours = Vec::new();
+    // The same-run baseline: DDP with the all-reduce after the backward, or, for a sharded run, DDP.
     let mut sequential = Vec::new();
     let mut peers = Vec::new();
     for _ in 0..args.repeats.max(1) {
-        let overlapped = Variant { overlap: true, bucket_mib: args.bucket_mib };
-        ours.push(runtime.block_on(measure_cluster(world, args.steps, threads, overlapped))?);
-        let after = Variant { overlap: false, bucket_mib: args.bucket_mib };
-        sequential.push(runtime.block_on(measure_cluster(world, args.steps, threads, after))?);
+        let measured = Variant { overlap: true, bucket_mib: args.bucket_mib, shard };
+        ours.push(runtime.block_on(measure_cluster(world, args.steps, threads, measured))?);
+        let baseline = match shard {
+            "none" => Variant { overlap: false, bucket_mib: args.bucket_mib, shard },
+            _ => Variant { overlap: true, bucket_mib: args.bucket_mib, shard: "none" },
+        };
+        sequential.push(runtime.block_on(measure_cluster(world, args.steps, threads, baseline))?);
         if args.peer {
             let flags = [
                 ("--world", world.to_string()),
@@ -79,9 +88,21 @@ pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         "final_loss": ours.last().map(|r| r.final_loss),
         "peak_rss_mib_per_rank": peak_mib,
         "overlap_comm": true, "bucket_mib": if args.bucket_mib > 0 { args.bucket_mib } else { 25 },
-        "tokens_per_s_no_overlap": sequential_tps, "tokens_per_s_no_overlap_runs": sequential_runs,
-        "overlap_speedup": tokens_per_s / sequential_tps,
     });
+    if shard == "none" {
+        let extra = json!({
+            "tokens_per_s_no_overlap": sequential_tps, "tokens_per_s_no_overlap_runs": sequential_runs,
+            "overlap_speedup": tokens_per_s / sequential_tps,
+        });
+        extend_report(&mut report, extra);
+    } else {
+        let ddp_peak_mib = per_rank_max_mib(sequential.iter().map(|r| r.peak_rss_bytes.clone()));
+        let extra = json!({
+            "ddp_tokens_per_s": sequential_tps, "ddp_tokens_per_s_runs": sequential_runs,
+            "ddp_peak_rss_mib_per_rank": ddp_peak_mib, "ratio_vs_ddp": tokens_per_s / sequential_tps,
+        });
+        extend_report(&mut report, extra);
+    }
     let peer_tokens_per_s =
         args.peer.then(|| median(peers.iter().map(|p| p["tokens_per_s"].as_f64().unwrap_or(f64::NAN)).collect()));
     if let Some(peer_tps) = peer_tokens_per_s {
@@ -91,7 +112,7 @@ pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
             "peer_tokens_per_s_runs": peers.iter().map(|p| p["tokens_per_s"].clone()).collect::<Vec<_>>(),
             "peer_peak_rss_mib_per_rank": peer_peak_mib,
             "ratio": tokens_per_s / peer_tps,
-            "ratio_no_overlap": sequential_tps / peer_tps,
+            (if shard == "none" { "ratio_no_overlap" } else { "ratio_ddp_vs_peer" }): sequential_tps / peer_tps,
         });
         extend_report(&mut report, extra);
     }
@@ -99,11 +120,25 @@ pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         println!("{report}");
         return Ok(());
     }
+    let mode = if shard == "none" { "DDP".to_string() } else { shard.to_uppercase().replace("ZERO", "ZeRO-") };
+    let reduce = match shard {
+        "none" => "all-reduce overlapped with backward",
+        "zero1" => "all-reduce after the backward, AdamW on each rank's shard + its buddy copy",
+        _ => "reduce-scatter after the backward, AdamW on each rank's shard + its buddy copy",
+    };
     println!(
-        "troupe   {tokens_per_s:>9.0} tokens/s  (world {world}, DDP on {world} daemons, all-reduce overlapped with backward, {threads} thread(s) per rank, peak RSS per rank {} MiB)",
+        "troupe   {tokens_per_s:>9.0} tokens/s  (world {world}, {mode} on {world} daemons, {reduce}, {threads} thread(s) per rank, peak RSS per rank {} MiB)",
         mib_list(&report["peak_rss_mib_per_rank"])
     );
-    println!("troupe   {sequential_tps:>9.0} tokens/s  (the same, all-reduce after the whole backward)");
+    if shard == "none" {
+        println!("troupe   {sequential_tps:>9.0} tokens/s  (the same, all-reduce after the whole backward)");
+    } else {
+        println!(
+            "troupe   {sequential_tps:>9.0} tokens/s  (DDP, same run, peak RSS per rank {} MiB); {mode} / DDP = {:.3}",
+            mib_list(&report["ddp_peak_rss_mib_per_rank"]),
+            tokens_per_s / sequential_tps
+        );
+    }
     if let Some(peer_tps) = peer_tokens_per_s {
         println!(
             "pytorch  {peer_tps:>9.0} tokens/s  (DDP over Gloo, same model and batch, peak RSS per rank {} MiB)",
@@ -121,6 +156,8 @@ struct Variant {
     overlap: bool,
     /// `parallel.bucket_mib` (0: the default).
     bucket_mib: usize,
+    /// `parallel.shard`: none, zero1 or zero2.
+    shard: &'static str,
 }
 
 /// One repetition: a fresh cluster of `world` daemons, one job of `steps` timed steps after the warm-up.
@@ -160,7 +197,7 @@ async fn run_job(
     config.parallel.overlap_comm = variant.overlap;
     config.parallel.bucket_mib = variant.bucket_mib;
     let tokens_per_step = (config.train.global_batch * config.model.context) as u64;
-    let job = Job::new(config).name("bench-train").data_parallel(world, "none").elastic(world, world, 0);
+    let job = Job::new(config).name("bench-train").data_parallel(world, variant.shard).elastic(world, world, 0);
     let mut handle = cluster.client().await?.submit(job).await?;
     let started = Instant::now();
     let mut commits = Vec::new();
