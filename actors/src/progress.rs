@@ -11,6 +11,10 @@ use serde_json::{json, Value};
 
 use crate::telemetry::RunDir;
 
+fn mib(bytes: u64) -> f64 {
+    (bytes as f64 / 1048576.0 * 10.0).round() / 10.0
+}
+
 /// One committed step, as reported.
 #[derive(Clone, Debug)]
 pub struct StepEvent {
@@ -22,6 +26,9 @@ pub struct StepEvent {
     pub tokens_per_s: f64,
     pub epoch: u64,
     pub world: usize,
+    /// Peak resident memory of each rank's process so far, in bytes, by rank (one entry when the ranks
+    /// share this process).
+    pub peak_rss_bytes: Vec<u64>,
 }
 
 #[derive(Debug)]
@@ -95,6 +102,7 @@ impl Reporter {
         let object = json!({
             "event": "step", "step": e.step, "loss": e.loss, "tokens_per_s": e.tokens_per_s,
             "epoch": e.epoch, "world": e.world, "lr": e.lr, "grad_norm": e.grad_norm,
+            "peak_rss_mib_per_rank": e.peak_rss_bytes.iter().map(|&b| mib(b)).collect::<Vec<f64>>(),
         });
         self.record(&object);
         if self.json {
@@ -106,8 +114,10 @@ impl Reporter {
             bar.set_message(format!("loss {:.4}  {:.0} tok/s", e.loss, e.tokens_per_s));
         }
         if e.step.is_multiple_of(self.log_every) || e.step == self.total_steps || e.step == 1 {
+            let peak =
+                e.peak_rss_bytes.iter().copied().max().map_or(String::new(), |b| format!("  peak {:.0} MiB", mib(b)));
             self.say(&format!(
-                "step {:>6}/{}  loss {:.4}  lr {:.2e}  grad-norm {:.3}  {:.0} tokens/s",
+                "step {:>6}/{}  loss {:.4}  lr {:.2e}  grad-norm {:.3}  {:.0} tokens/s{peak}",
                 e.step, self.total_steps, e.loss, e.lr, e.grad_norm, e.tokens_per_s
             ));
         }

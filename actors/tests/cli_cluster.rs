@@ -68,6 +68,10 @@ fn train_on_an_embedded_cluster_reports_world_and_epoch_and_leaves_nothing_behin
         assert_eq!(s["world"], 2);
         assert!(s["epoch"].as_u64().unwrap() >= 2);
         assert!(s["tokens_per_s"].as_f64().unwrap() > 0.0);
+        // Each daemon's peak memory (a rank holds libtorch, the model and its optimizer: > 50 MiB).
+        let peaks = s["peak_rss_mib_per_rank"].as_array().unwrap_or_else(|| panic!("peak memory per rank: {s}"));
+        assert_eq!(peaks.len(), 2, "{s}");
+        assert!(peaks.iter().all(|p| p.as_f64().is_some_and(|mib| mib > 50.0)), "{s}");
     }
     let summary = events.last().unwrap();
     assert_eq!(summary["event"], "summary");

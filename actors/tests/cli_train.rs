@@ -49,6 +49,8 @@ fn json_mode_prints_one_object_per_event_with_the_documented_fields() {
         for key in ["loss", "tokens_per_s", "epoch", "world"] {
             assert!(step.get(key).is_some_and(|v| v.is_number()), "step event lacks {key}: {step}");
         }
+        let peak = &step["peak_rss_mib_per_rank"];
+        assert!(peak[0].as_f64().is_some_and(|mib| mib > 50.0) && peak.as_array().unwrap().len() == 1, "{step}");
     }
     let summary = events.last().unwrap();
     assert_eq!(summary["event"], "summary");

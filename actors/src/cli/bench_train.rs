@@ -199,18 +199,4 @@ fn median(mut values: Vec<f64>) -> f64 {
     values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
-/// Peak resident set size of this process (VmHWM), in bytes.
-pub(crate) fn peak_rss_bytes() -> u64 {
-    vm_hwm_bytes("/proc/self/status").unwrap_or(0)
-}
-
-/// VmHWM (peak resident set size) from a /proc/PID/status file, in bytes; None if unreadable.
-fn vm_hwm_bytes(status_path: &str) -> Option<u64> {
-    std::fs::read_to_string(status_path)
-        .ok()?
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|kb| kb.parse::<u64>().ok())
-        .map(|kb| kb * 1024)
-}
+pub(crate) use crate::telemetry::memory::{peak_rss_bytes, vm_hwm_bytes};

@@ -197,6 +197,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             tokens_per_s: report.tokens as f64 / seconds,
             epoch: 0,
             world: 1,
+            peak_rss_bytes: vec![crate::telemetry::memory::peak_rss_bytes()],
         });
         let every = config.checkpoint.every_steps;
         let due = trainer.step == total || (every > 0 && trainer.step % every == 0);

@@ -95,7 +95,7 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
                     &format!("troupe: job {} running data-parallel on {w} rank(s), epoch {epoch}", handle.id()),
                 );
             }
-            JobEvent::Step { step, loss, lr, grad_norm, tokens_per_s: tps, epoch, world: w } => {
+            JobEvent::Step { step, loss, lr, grad_norm, tokens_per_s: tps, epoch, world: w, peak_rss_bytes } => {
                 world = w;
                 first_loss.get_or_insert(loss);
                 last.push(loss);
@@ -103,7 +103,8 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
                 if last.len() > 10 {
                     last.remove(0);
                 }
-                reporter.step(&StepEvent { step, loss, lr, grad_norm, tokens_per_s: tps, epoch, world: w });
+                let event = StepEvent { step, loss, lr, grad_norm, tokens_per_s: tps, epoch, world: w, peak_rss_bytes };
+                reporter.step(&event);
             }
             JobEvent::Membership { epoch, world: w, changes } => reporter.event(
                 "membership",

@@ -59,6 +59,7 @@ pub fn run(args: TrainArgs, config: JobConfig) -> anyhow::Result<()> {
             tokens_per_s: tokens_per_step as f64 / seconds,
             epoch: 0,
             world,
+            peak_rss_bytes: vec![crate::telemetry::memory::peak_rss_bytes()],
         });
     })?;
     if let Some(path) = &args.save_final {

@@ -31,6 +31,7 @@ pub enum JobMsg {
         loss: f64,
         grad_norm: f64,
         seconds: f64,
+        peak_rss_bytes: u64,
     },
     Ended {
         node: NodeId,
@@ -119,8 +120,8 @@ impl Actor for JobController {
             JobMsg::Ready { node, attempt, slot, addr, committed } => {
                 d.on_ready(now, &node, attempt, slot, addr, committed)
             }
-            JobMsg::Vote { node, attempt, slot, step, loss, grad_norm, .. } => {
-                d.on_vote(now, &node, attempt, slot, step, loss, grad_norm)
+            JobMsg::Vote { node, attempt, slot, step, loss, grad_norm, peak_rss_bytes, .. } => {
+                d.on_vote(now, &node, attempt, slot, step, (loss, grad_norm, peak_rss_bytes))
             }
             JobMsg::Ended { node, attempt, slot, outcome } => d.on_ended(&node, attempt, slot, outcome),
             JobMsg::Checkpointed { attempt, step, path, seconds } => d.on_checkpoint(attempt, step, path, seconds),

@@ -42,7 +42,8 @@ enum Phase {
     },
     Running {
         ranks: Vec<RankSlot>,
-        votes: Vec<Option<(f64, f64)>>,
+        /// Each rank's (loss, gradient norm, peak RSS bytes) for the step in flight.
+        votes: Vec<Option<(f64, f64, u64)>>,
         ended: Vec<Option<AttemptOutcome>>,
     },
     Done,
@@ -294,18 +295,19 @@ impl JobDriver {
     /// A rank's vote for `step`: its loss and gradient norm (identical on every rank after the
     /// all-reduce; rank 0's are reported).
     #[allow(clippy::too_many_arguments)]
-    pub fn on_vote(&mut self, now: Duration, node: &NodeId, attempt: u64, slot: u32, step: u64, loss: f64, norm: f64) {
+    /// A rank's vote for `step`: (loss, gradient norm, peak RSS bytes of its process).
+    pub fn on_vote(&mut self, now: Duration, node: &NodeId, attempt: u64, slot: u32, step: u64, vote: (f64, f64, u64)) {
         if attempt != self.attempt || step != self.committed {
             return;
         }
         let Some(rank) = self.rank_of(node, slot) else { return };
         let Phase::Running { ranks, votes, .. } = &mut self.phase else { return };
-        votes[rank] = Some((loss, norm));
+        votes[rank] = Some(vote);
         if votes.iter().any(Option::is_none) {
             return;
         }
-        let (loss, norm) = votes[0].expect("all voted");
-        votes.iter_mut().for_each(|v| *v = None);
+        let (loss, norm, _) = votes[0].expect("all voted");
+        let peak_rss_bytes: Vec<u64> = votes.iter_mut().map(|v| v.take().map_or(0, |v| v.2)).collect();
         let seconds = now.saturating_sub(self.last_commit_at).as_secs_f64();
         self.last_commit_at = now;
         let ranks = ranks.clone();
@@ -324,6 +326,7 @@ impl JobDriver {
             tokens_per_s: tokens / seconds.max(1e-9),
             epoch: self.epoch,
             world: ranks.len(),
+            peak_rss_bytes,
         }));
         if self.committed < self.spec.config.train.steps {
             self.actions.push_back(DriverAction::StepBoundary);
@@ -485,12 +488,12 @@ mod tests {
         s.config.parallel.dp = 1;
         let mut d = JobDriver::new(1, s);
         started(&mut d, 1, &["b"], &[0]);
-        d.on_vote(T, &"b".into(), 1, 0, 0, 5.0, 1.0);
+        d.on_vote(T, &"b".into(), 1, 0, 0, (5.0, 1.0, 0));
         drain(&mut d);
         let (v, m) = view(2, &["a", "b"]);
         d.on_view(&v, &m, vec!["a joined".into()]);
         assert!(sent(&drain(&mut d)).is_empty(), "the attempt on b goes on");
-        d.on_vote(T, &"b".into(), 1, 0, 1, 4.0, 1.0);
+        d.on_vote(T, &"b".into(), 1, 0, 1, (4.0, 1.0, 0));
         assert_eq!(d.info().step, 2);
         let (v, m) = view(3, &["a"]);
         d.on_view(&v, &m, vec!["b failed".into()]);
@@ -505,7 +508,7 @@ mod tests {
         let mut d = JobDriver::new(1, spec(10));
         started(&mut d, 1, &["a", "b"], &[0, 0]);
         for n in ["a", "b"] {
-            d.on_vote(T, &n.into(), 1, 0, 0, 5.0, 1.0);
+            d.on_vote(T, &n.into(), 1, 0, 0, (5.0, 1.0, 0));
         }
         let (v, m) = view(2, &["b", "c"]);
         d.on_view(&v, &m, vec![]);
@@ -539,22 +542,25 @@ mod tests {
         assert_eq!(*source, None, "every rank holds step 0: nothing to copy");
         assert!(matches!(events(&start)[0], JobEvent::Started { world: 2, epoch: 3, from_step: 0, attempt: 1 }));
 
-        d.on_vote(T * 2, &"a".into(), 1, 0, 0, 4.0, 1.0);
+        d.on_vote(T * 2, &"a".into(), 1, 0, 0, (4.0, 1.0, 100));
         assert!(drain(&mut d).is_empty());
-        d.on_vote(T * 2, &"a".into(), 1, 0, 0, 4.0, 1.0); // a duplicate changes nothing
+        d.on_vote(T * 2, &"a".into(), 1, 0, 0, (4.0, 1.0, 100)); // a duplicate changes nothing
         assert!(drain(&mut d).is_empty());
-        d.on_vote(T * 3, &"b".into(), 1, 0, 0, 4.0, 1.0);
+        d.on_vote(T * 3, &"b".into(), 1, 0, 0, (4.0, 1.0, 200));
         let commit = drain(&mut d);
         assert_eq!(sent(&commit).len(), 2);
         assert!(matches!(sent(&commit)[0].1, Wire::Commit { step: 0, .. }));
-        let JobEvent::Step { step: 1, loss, tokens_per_s, world: 2, .. } = events(&commit)[0] else { panic!() };
+        let JobEvent::Step { step: 1, loss, tokens_per_s, world: 2, peak_rss_bytes, .. } = events(&commit)[0] else {
+            panic!()
+        };
         assert_eq!(*loss, 4.0);
+        assert_eq!(peak_rss_bytes, &vec![100, 200], "each rank's peak memory, by rank");
         // 8 samples × 128 tokens over the 200 ms since the attempt started.
         assert!((tokens_per_s - 1024.0 / 0.2).abs() < 1e-6, "{tokens_per_s}");
         assert!(commit.contains(&DriverAction::StepBoundary));
 
-        d.on_vote(T * 4, &"a".into(), 1, 0, 1, 3.0, 1.0);
-        d.on_vote(T * 4, &"b".into(), 1, 0, 1, 3.0, 1.0);
+        d.on_vote(T * 4, &"a".into(), 1, 0, 1, (3.0, 1.0, 0));
+        d.on_vote(T * 4, &"b".into(), 1, 0, 1, (3.0, 1.0, 0));
         assert!(!drain(&mut d).contains(&DriverAction::StepBoundary), "no boundary after the last step");
         d.on_ended(&"a".into(), 1, 0, AttemptOutcome::Completed { step: 2, saved: None });
         assert_eq!(d.info().state, JobState::Running);
@@ -571,10 +577,10 @@ mod tests {
         started(&mut d, 1, &["a", "b", "c"], &[0, 0, 0]);
         drain(&mut d);
         for n in ["a", "b", "c"] {
-            d.on_vote(T, &n.into(), 1, 0, 0, 5.0, 1.0);
+            d.on_vote(T, &n.into(), 1, 0, 0, (5.0, 1.0, 0));
         }
         drain(&mut d);
-        d.on_vote(T, &"a".into(), 1, 0, 1, 4.0, 1.0); // step 1 in flight when c dies
+        d.on_vote(T, &"a".into(), 1, 0, 1, (4.0, 1.0, 0)); // step 1 in flight when c dies
         let (v, m) = view(2, &["a", "b"]);
         d.on_view(&v, &m, vec!["c failed".into()]);
         let actions = drain(&mut d);
@@ -583,7 +589,7 @@ mod tests {
         assert!(matches!(events(&actions)[0], JobEvent::Membership { epoch: 2, world: 2, .. }));
         assert!(sent(&actions).iter().any(|(_, w)| matches!(w, Wire::Prepare { attempt: 2, .. })));
         // A late vote of the aborted attempt is ignored.
-        d.on_vote(T, &"b".into(), 1, 0, 1, 4.0, 1.0);
+        d.on_vote(T, &"b".into(), 1, 0, 1, (4.0, 1.0, 0));
         assert!(drain(&mut d).is_empty());
 
         // A joiner "d" arrives with no progress; "a" and "b" committed step 1.
@@ -603,7 +609,7 @@ mod tests {
         let mut d = JobDriver::new(1, spec(10));
         started(&mut d, 1, &["a", "b"], &[0, 0]);
         for n in ["a", "b"] {
-            d.on_vote(T, &n.into(), 1, 0, 0, 5.0, 1.0);
+            d.on_vote(T, &n.into(), 1, 0, 0, (5.0, 1.0, 0));
         }
         drain(&mut d);
         let (v, m) = view(2, &["c"]);
@@ -670,7 +676,7 @@ mod tests {
         let mut d = JobDriver::new(1, s);
         started(&mut d, 1, &["a", "b"], &[0, 0]);
         for n in ["a", "b"] {
-            d.on_vote(T, &n.into(), 1, 0, 0, 5.0, 1.0);
+            d.on_vote(T, &n.into(), 1, 0, 0, (5.0, 1.0, 0));
         }
         drain(&mut d);
         // b is lost: one node left, below min_nodes. The attempt is aborted and the job waits.

@@ -109,6 +109,10 @@ pub enum JobEvent {
         tokens_per_s: f64,
         epoch: u64,
         world: usize,
+        /// Peak resident memory of each rank's process (VmHWM) when it voted for this step, in bytes,
+        /// by rank.
+        #[serde(default)]
+        peak_rss_bytes: Vec<u64>,
     },
     /// The cluster's membership changed under the job; the running attempt (if any) was aborted.
     Membership {
@@ -229,6 +233,9 @@ pub enum Wire {
         loss: f64,
         grad_norm: f64,
         seconds: f64,
+        /// Peak resident memory of the rank's process so far (VmHWM), in bytes.
+        #[serde(default)]
+        peak_rss_bytes: u64,
     },
     /// A rank's part of an attempt ended.
     Ended {

@@ -552,7 +552,9 @@ async fn drive<E: StepEngine>(
         phases.span("forward+backward", "compute", t0, computed);
         phases.span("all-reduce", "comm", computed, voted);
         let (loss, grad_norm) = (reduced.loss, reduced.grad_norm);
-        let vote = Wire::Vote { job: ctx.job, attempt: ctx.attempt, slot: ctx.slot, step, loss, grad_norm, seconds };
+        let peak_rss_bytes = crate::telemetry::memory::peak_rss_bytes();
+        let (job, attempt, slot) = (ctx.job, ctx.attempt, ctx.slot);
+        let vote = Wire::Vote { job, attempt, slot, step, loss, grad_norm, seconds, peak_rss_bytes };
         let _ = ctx.node.cast(NodeMsg::FromWorker(vote));
         loop {
             match ctl.recv().await {

@@ -414,6 +414,7 @@ mod tests {
         metrics.on_submit(7, &spec);
         let tokens = (spec.config.train.global_batch * spec.config.model.context) as f64;
         let step = |step, tokens_per_s, world| JobEvent::Step {
+            peak_rss_bytes: vec![],
             step,
             loss: 2.5,
             lr: 1e-3,

@@ -6,6 +6,7 @@ pub mod config;
 pub mod endpoint;
 pub mod http;
 pub mod link_bytes;
+pub mod memory;
 pub mod metrics;
 pub mod otel;
 pub mod phases;

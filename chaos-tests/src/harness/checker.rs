@@ -288,7 +288,16 @@ mod tests {
     use super::*;
 
     fn step(t0: Instant, ms: u64, step: u64, loss: f64) -> (Instant, JobEvent) {
-        let e = JobEvent::Step { step, loss, lr: 0.0, grad_norm: 0.0, tokens_per_s: 0.0, epoch: 1, world: 2 };
+        let e = JobEvent::Step {
+            step,
+            loss,
+            lr: 0.0,
+            grad_norm: 0.0,
+            tokens_per_s: 0.0,
+            epoch: 1,
+            world: 2,
+            peak_rss_bytes: vec![],
+        };
         (t0 + Duration::from_millis(ms), e)
     }
 

@@ -132,7 +132,7 @@ impl World<'_> {
                 }
                 let id = name(self, node);
                 let loss = 4.0 / (step as f64 + 1.0);
-                self.ctl.driver.on_vote(now, &id, attempt, slot, step, loss, 1.0);
+                self.ctl.driver.on_vote(now, &id, attempt, slot, step, (loss, 1.0, 0));
             }
             JobInput::Ended { node, attempt, slot, outcome } => {
                 let id = name(self, node);

@@ -179,6 +179,7 @@ impl World<'_> {
                     loss: 4.0 / (step as f64 + 1.0),
                     grad_norm: 1.0,
                     seconds: 0.0,
+                    peak_rss_bytes: 0,
                 };
                 trace!(
                     self,
