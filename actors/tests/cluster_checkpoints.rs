@@ -276,7 +276,7 @@ async fn a_full_disk_fails_that_checkpoint_cleanly_and_training_goes_on() {
             let log = logs_of(&logs);
             let failure = log.lines().find(|l| l.contains("checkpoint failed")).unwrap();
             let failed: u64 = failure.rsplit("step=").next().unwrap().trim().parse().unwrap();
-            let before = troupe_model::checkpoint::step_dirs(&ckpt).into_iter().filter(|(s, _)| *s < failed).last();
+            let before = troupe_model::checkpoint::step_dirs(&ckpt).into_iter().rev().find(|(s, _)| *s < failed);
             let latest = troupe_model::checkpoint::latest_valid(&ckpt).0;
             assert!(before.as_ref().is_some_and(|(s, _)| *s >= 3), "logs:\n{log}");
             assert_eq!(latest, before.map(|(_, dir)| dir), "logs:\n{log}");
