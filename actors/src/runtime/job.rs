@@ -60,6 +60,9 @@ pub struct JobDriver {
     phase: Phase,
     last_loss: Option<f64>,
     failed_attempts: u32,
+    /// Set by a rank's `StateLost`: states of this step or later are incomplete; told to every rank of
+    /// the next attempts until a step commits.
+    discard_from: Option<u64>,
     reason: Option<String>,
     /// When the last step committed (or the attempt started): step time is wall time between commits.
     last_commit_at: Duration,
@@ -116,6 +119,7 @@ impl JobDriver {
             phase: Phase::Idle,
             last_loss: None,
             failed_attempts: 0,
+            discard_from: None,
             reason: None,
             last_commit_at: Duration::ZERO,
             waiting: None,
@@ -215,6 +219,7 @@ impl JobDriver {
             attempt: self.attempt,
             spec: Box::new(self.spec.clone()),
             ranks: ranks.clone(),
+            discard_from: self.discard_from,
         };
         self.send_all(&ranks, &msg);
         self.prepared_nodes.extend(Self::nodes(&ranks));
@@ -318,6 +323,7 @@ impl JobDriver {
         self.committed = step + 1;
         self.last_loss = Some(loss);
         self.failed_attempts = 0;
+        self.discard_from = None;
         self.actions.push_back(DriverAction::Event(JobEvent::Step {
             step: step + 1,
             loss,
@@ -333,6 +339,17 @@ impl JobDriver {
         }
     }
 
+    /// A rank failed the attempt: abort it everywhere and start the next, up to the limit.
+    fn retry(&mut self, rank: usize, reason: &str) {
+        self.failed_attempts += 1;
+        if self.failed_attempts >= FAILED_ATTEMPTS_MAX {
+            return self.fail(format!("{FAILED_ATTEMPTS_MAX} attempts in a row failed; last: {reason}"));
+        }
+        let ranks = self.ranks().to_vec();
+        self.abort(&ranks, &format!("rank {rank} failed: {reason}"));
+        self.start_attempt(ranks);
+    }
+
     pub fn on_ended(&mut self, node: &NodeId, attempt: u64, slot: u32, outcome: AttemptOutcome) {
         if attempt != self.attempt || self.state.is_terminal() {
             return;
@@ -340,14 +357,12 @@ impl JobDriver {
         let Some(rank) = self.rank_of(node, slot) else { return };
         match outcome {
             AttemptOutcome::Aborted { .. } => {}
-            AttemptOutcome::Failed { reason, .. } => {
-                self.failed_attempts += 1;
-                if self.failed_attempts >= FAILED_ATTEMPTS_MAX {
-                    return self.fail(format!("{FAILED_ATTEMPTS_MAX} attempts in a row failed; last: {reason}"));
-                }
-                let ranks = self.ranks().to_vec();
-                self.abort(&ranks, &format!("rank {rank} failed: {reason}"));
-                self.start_attempt(ranks);
+            AttemptOutcome::Failed { reason, .. } => self.retry(rank, &reason),
+            AttemptOutcome::StateLost { step, reason } => {
+                // Every rank reaches the same verdict, but a rank aborted before it would keep its
+                // partial state: the next attempts tell every rank to drop it.
+                self.discard_from = Some(self.discard_from.map_or(step, |d| d.min(step)));
+                self.retry(rank, &reason);
             }
             done @ AttemptOutcome::Completed { .. } => {
                 let Phase::Running { ended, .. } = &mut self.phase else { return };
@@ -620,6 +635,42 @@ mod tests {
         let JobEvent::Failed { reason } = events(&actions)[0] else { panic!("{actions:?}") };
         assert!(reason.contains("state of step 1 was lost"), "{reason}");
         assert_eq!(d.info().state, JobState::Failed);
+    }
+
+    #[test]
+    fn a_lost_state_is_dropped_by_every_rank_of_the_next_attempts_until_a_step_commits() {
+        let mut spec = spec(10);
+        spec.config.checkpoint.dir = Some("ckpt".into());
+        let mut d = JobDriver::new(1, spec);
+        let attempt = started(&mut d, 1, &["a", "b"], &[7, 7]);
+        drain(&mut d);
+        let reason = "the state of step 7 is incomplete".to_string();
+        d.on_ended(&"a".into(), attempt, 0, AttemptOutcome::StateLost { step: 7, reason });
+        let actions = drain(&mut d);
+        let prepares: Vec<_> = sent(&actions).into_iter().filter(|(_, w)| matches!(w, Wire::Prepare { .. })).collect();
+        assert_eq!(prepares.len(), 2, "{actions:?}");
+        assert!(prepares.iter().all(|(_, w)| matches!(w, Wire::Prepare { discard_from: Some(7), .. })), "{prepares:?}");
+        // "b" was aborted before it saw the verdict and still offers step 7; the next attempt fails too and
+        // the order stands, then the ranks come back with the checkpoint's step 5.
+        let attempt = d.info().attempts;
+        d.on_ready(T, &"a".into(), attempt, 0, addr(1), Some(5));
+        d.on_ready(T, &"b".into(), attempt, 0, addr(2), Some(7));
+        d.on_ended(&"b".into(), attempt, 0, AttemptOutcome::Failed { step: 7, reason: "boom".into() });
+        let actions = drain(&mut d);
+        assert!(sent(&actions).iter().any(|(_, w)| matches!(w, Wire::Prepare { discard_from: Some(7), .. })));
+        let attempt = d.info().attempts;
+        for (i, n) in ["a", "b"].into_iter().enumerate() {
+            d.on_ready(T, &n.into(), attempt, 0, addr(i as u16), Some(5));
+        }
+        let actions = drain(&mut d);
+        assert!(events(&actions).contains(&&JobEvent::RolledBack { from_step: 7, to_step: 5 }), "{actions:?}");
+        for n in ["a", "b"] {
+            d.on_vote(T, &n.into(), attempt, 0, 5, (5.0, 1.0, 0));
+        }
+        drain(&mut d);
+        d.on_ended(&"a".into(), attempt, 0, AttemptOutcome::Failed { step: 6, reason: "boom".into() });
+        let actions = drain(&mut d);
+        assert!(sent(&actions).iter().any(|(_, w)| matches!(w, Wire::Prepare { discard_from: None, .. })), "{actions:?}");
     }
 
     #[test]

@@ -440,11 +440,11 @@ impl NodeState {
                 self.member.handle_fence(now, current);
                 self.drive_member(me).await;
             }
-            Wire::Prepare { job, attempt, spec, ranks } => {
+            Wire::Prepare { job, attempt, spec, ranks, discard_from } => {
                 for (rank, r) in ranks.iter().enumerate().filter(|(_, r)| r.node == self.id) {
                     if let Some(w) = self.workers.get_mut(r.slot as usize) {
                         w.attempts.insert(job, attempt);
-                        let msg = WorkerMsg::Prepare { job, attempt, spec: spec.clone(), rank, epoch };
+                        let msg = WorkerMsg::Prepare { job, attempt, spec: spec.clone(), rank, epoch, discard_from };
                         let _ = w.actor.cast(msg);
                     }
                 }

@@ -201,6 +201,9 @@ pub enum AttemptOutcome {
     Aborted { step: u64 },
     /// Failed on its own (a lost peer, a panic, a bad config on this machine).
     Failed { step: u64, reason: String },
+    /// The ranks together no longer hold the state of step `step` whole (a rank and every buddy copy of
+    /// its shard were lost): no rank may offer a state of `step` or later again.
+    StateLost { step: u64, reason: String },
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -280,6 +283,10 @@ pub enum Wire {
         attempt: u64,
         spec: Box<JobSpec>,
         ranks: Vec<RankSlot>,
+        /// Drop a committed state of this step or later (incomplete: see `AttemptOutcome::StateLost`)
+        /// and restore from the checkpoint instead.
+        #[serde(default)]
+        discard_from: Option<u64>,
     },
     /// Every rank is ready: connect the data plane over `roster`, make state equal to rank `source`'s
     /// (None: every rank already holds the same committed step), train.

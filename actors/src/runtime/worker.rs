@@ -36,6 +36,8 @@ pub enum WorkerMsg {
         spec: Box<JobSpec>,
         rank: usize,
         epoch: u64,
+        /// Drop a committed state of this step or later first (see `Wire::Prepare`).
+        discard_from: Option<u64>,
     },
     Start {
         job: JobId,
@@ -130,13 +132,14 @@ impl Actor for WorkerActor {
         state: &mut WorkerState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            WorkerMsg::Prepare { job, attempt, spec, rank, epoch } => {
-                let slot = state.jobs.entry(job).or_default();
+            msg @ WorkerMsg::Prepare { .. } => {
+                let WorkerMsg::Prepare { job, .. } = &msg else { unreachable!() };
+                let slot = state.jobs.entry(*job).or_default();
                 if slot.running.is_some() {
-                    slot.deferred = Some(WorkerMsg::Prepare { job, attempt, spec, rank, epoch });
+                    slot.deferred = Some(msg);
                     return Ok(());
                 }
-                state.prepare(job, attempt, spec, rank, epoch);
+                state.prepare(msg);
             }
             WorkerMsg::Start { job, attempt, roster, source } => state.start(&me, job, attempt, roster, source),
             WorkerMsg::Commit { job, attempt, step } => state.control(job, attempt, Ctl::Commit(step)),
@@ -169,8 +172,8 @@ impl Actor for WorkerActor {
                     slot.state = committed;
                     let deferred = slot.deferred.take();
                     state.report(Wire::Ended { job, attempt, slot: me_slot, outcome });
-                    if let Some(WorkerMsg::Prepare { job, attempt, spec, rank, epoch }) = deferred {
-                        state.prepare(job, attempt, spec, rank, epoch);
+                    if let Some(prepare) = deferred {
+                        state.prepare(prepare);
                     }
                 }
             }
@@ -185,13 +188,20 @@ impl WorkerState {
         let _ = self.args.node.cast(NodeMsg::FromWorker(msg));
     }
 
-    fn prepare(&mut self, job: JobId, attempt: u64, spec: Box<JobSpec>, rank: usize, epoch: u64) {
+    fn prepare(&mut self, msg: WorkerMsg) {
+        let WorkerMsg::Prepare { job, attempt, spec, rank, epoch, discard_from } = msg else { return };
         let (me, host) = (self.args.slot, self.args.host);
         let fail = |state: &Self, reason: String| {
             let outcome = AttemptOutcome::Failed { step: 0, reason };
             state.report(Wire::Ended { job, attempt, slot: me, outcome });
         };
         let slot = self.jobs.entry(job).or_default();
+        if let (Some(from), Some(step)) = (discard_from, slot.state.as_ref().map(CommittedState::step)) {
+            if step >= from {
+                tracing::warn!(job, step, "dropping this rank's state: the state of step {from} is incomplete");
+                slot.state = None;
+            }
+        }
         if slot.state.is_none() {
             match fresh_trainer(&spec) {
                 Ok(t) => slot.state = Some(CommittedState::Full(Box::new(t))),
@@ -438,7 +448,10 @@ async fn train_over<T: Transport>(
             return (None, AttemptOutcome::Failed { step: 0, reason });
         }
     };
-    if matches!(outcome, AttemptOutcome::Completed { .. }) {
+    // Ends every rank reaches together close gracefully: a rank that found the state lost says goodbye,
+    // so a peer still finishing the same collective fails only a receive from it, not the whole
+    // collective — every rank then drops its partial state, rather than some keeping it.
+    if matches!(outcome, AttemptOutcome::Completed { .. }) || state.is_none() {
         transport.shutdown().await;
     }
     (state, outcome)
@@ -517,7 +530,9 @@ async fn drive<E: StepEngine>(
     tokio::select! {
         r = engine.sync(ctx.source) => match r {
             Ok(()) => {}
-            Err(e @ EngineError::StateLost { .. }) => return failed(step, e.to_string()),
+            Err(e @ EngineError::StateLost { step: lost, .. }) => {
+                return AttemptOutcome::StateLost { step: lost, reason: e.to_string() };
+            }
             Err(e) => {
                 let what = ctx.source.map_or("resharding the committed state".to_string(), |s| format!("copying the state of rank {s}"));
                 return failed(step, format!("{what}: {e}"));
