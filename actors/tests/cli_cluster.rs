@@ -170,6 +170,54 @@ async fn job_submit_status_and_cancel_from_the_command_line() {
     cluster.shutdown().await;
 }
 
+/// A watcher starved for longer than the QUIC idle timeout (here: SIGSTOPped, as a loaded laptop might
+/// starve it) loses its connection to the controller; it reconnects and the controller replays the events
+/// it missed, so it prints every step exactly once, in order, and exits 0 with the job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watcher_that_loses_its_connection_reconnects_and_misses_no_event() {
+    const STEPS: u64 = 200;
+    let cluster = common::processes(2).await;
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("watched.toml");
+    std::fs::write(&job, format!("{SMALL_JOB}steps = {STEPS}\n")).unwrap();
+    let mut child = Command::new(common::binary())
+        .args(["job", "submit", job.to_str().unwrap(), "--cluster", &cluster.addr().to_string(), "--as", "client"])
+        .arg("--certs")
+        .arg(cluster.certs_dir())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stdout = BufReader::new(child.stdout.take().unwrap());
+    let reader = std::thread::spawn(move || {
+        let mut lines = Vec::new();
+        for line in stdout.lines().map_while(Result::ok) {
+            if line.contains("\"event\":\"step\"") {
+                let _ = tx.send(());
+            }
+            lines.push(line);
+        }
+        lines
+    });
+    rx.recv_timeout(Duration::from_secs(60)).expect("the first step within 60 s");
+    common::signal(child.id(), "STOP");
+    std::thread::sleep(Duration::from_millis(3_500)); // past the 2 s idle timeout
+    common::signal(child.id(), "CONT");
+    let status = common::wait_child(&mut child, Duration::from_secs(120), "troupe job submit after SIGCONT");
+    let lines = reader.join().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(status.success(), "{status:?}: {stderr}");
+    assert!(stderr.contains("reconnected to the controller"), "the connection was lost and re-made: {stderr}");
+    let events: Vec<Value> = lines.iter().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let steps: Vec<u64> =
+        events.iter().filter(|e| e["event"] == "step").map(|e| e["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, (1..=STEPS).collect::<Vec<_>>(), "every step once, in order");
+    assert_eq!(events.last().unwrap()["event"], "finished", "{lines:?}");
+    cluster.shutdown().await;
+}
+
 #[test]
 fn cluster_init_and_add_node_print_what_they_wrote_as_json() {
     let dir = tempfile::tempdir().unwrap();

@@ -16,6 +16,10 @@ use crate::runtime::protocol::{ClusterStatus, JobEvent, JobId, JobInfo, Wire};
 const REPLY_TIMEOUT_MS: u64 = 30_000;
 /// Redirects followed before giving up (a node names the controller; the controller answers).
 const REDIRECTS_MAX: usize = 3;
+/// How long a job's watcher keeps trying to reach the controller again after losing its connection.
+const RECONNECT_FOR: Duration = Duration::from_secs(60);
+/// Pause between reconnection tries.
+const RECONNECT_PAUSE: Duration = Duration::from_millis(500);
 
 /// A connection to one daemon of a cluster, authenticated with a certificate from the cluster CA.
 pub struct Client {
@@ -94,7 +98,7 @@ impl Client {
     pub async fn submit(mut self, job: Job) -> anyhow::Result<JobHandle> {
         let spec = Box::new(job.into_spec());
         match self.request_controller(Wire::Submit { spec }).await? {
-            Wire::Submitted { job } => Ok(JobHandle { id: job, client: self, done: false }),
+            Wire::Submitted { job } => Ok(JobHandle { id: job, client: self, done: false, next: 0 }),
             other => bail!("unexpected reply {other:?}"),
         }
     }
@@ -115,11 +119,15 @@ impl Client {
 
     /// Follows a job submitted elsewhere (events from now on).
     pub async fn watch(mut self, job: JobId) -> anyhow::Result<JobHandle> {
-        match self.request_controller(Wire::Watch { job }).await? {
-            Wire::JobStatus(info) => {
-                let done = info.state.is_terminal();
-                Ok(JobHandle { id: job, client: self, done })
-            }
+        let info = self.watch_since(job, None).await?;
+        Ok(JobHandle { id: job, client: self, done: info.state.is_terminal(), next: info.events })
+    }
+
+    /// Asks for the events of `job` numbered `since` and later (None: from now on); those already
+    /// streamed arrive before the reply.
+    async fn watch_since(&mut self, job: JobId, since: Option<u64>) -> anyhow::Result<JobInfo> {
+        match self.request_controller(Wire::Watch { job, since }).await? {
+            Wire::JobStatus(info) => Ok(*info),
             other => bail!("unexpected reply {other:?}"),
         }
     }
@@ -129,11 +137,14 @@ impl Client {
     }
 }
 
-/// A submitted job: its events, and cancellation.
+/// A submitted job: its events, and cancellation. A lost connection to the controller is re-made
+/// (for up to a minute) and the events missed meanwhile are replayed, so the stream has no gap.
 pub struct JobHandle {
     id: JobId,
     client: Client,
     done: bool,
+    /// The number of the next event of the job this handle yields (events are numbered from 0).
+    next: u64,
 }
 
 impl JobHandle {
@@ -157,16 +168,52 @@ impl JobHandle {
                         self.client.pending.push_back((job, event));
                     }
                 }
-                Some(ControlEvent::Lost { reason, .. }) => {
-                    bail!("lost the connection to the controller {}: {reason}", self.client.addr)
-                }
-                Some(ControlEvent::Departed { .. }) => bail!("the controller {} went away", self.client.addr),
+                Some(ControlEvent::Lost { reason, .. }) => self.reconnect(&reason).await?,
+                Some(ControlEvent::Departed { .. }) => self.reconnect("the controller closed the connection").await?,
                 Some(ControlEvent::Connected { .. }) => {}
                 None => bail!("the client endpoint closed"),
             }
         };
         self.done = event.is_terminal();
+        self.next += 1;
         Ok(Some(event))
+    }
+
+    /// Connects to the controller again and asks for the events from `self.next` on: the events of this
+    /// job not yet yielded are dropped here and come again, in order, from the controller's log.
+    async fn reconnect(&mut self, reason: &str) -> anyhow::Result<()> {
+        let (id, addr) = (self.id, self.client.addr);
+        tracing::warn!(job = id, controller = %addr, %reason, "lost the connection to the controller; reconnecting");
+        let started = tokio::time::Instant::now();
+        let deadline = started + RECONNECT_FOR;
+        loop {
+            let tried = async {
+                let mut client = Client::connect(addr, &self.client.identity).await?;
+                client.watch_since(id, Some(self.next)).await?;
+                anyhow::Ok(client)
+            };
+            let last = match tried.await {
+                Ok(mut client) => {
+                    let others = self.client.pending.iter().filter(|(job, _)| *job != id).cloned();
+                    let mut pending: VecDeque<_> = others.collect();
+                    pending.append(&mut client.pending);
+                    client.pending = pending;
+                    let old = std::mem::replace(&mut self.client, client);
+                    old.endpoint.close().await;
+                    let ms = started.elapsed().as_millis();
+                    tracing::warn!(job = id, controller = %addr, "reconnected to the controller after {ms} ms; the events missed meanwhile follow");
+                    return Ok(());
+                }
+                Err(e) => e,
+            };
+            if tokio::time::Instant::now() + RECONNECT_PAUSE > deadline {
+                bail!(
+                    "lost the connection to the controller {addr}: {reason}; reconnecting for {} s failed: {last:#}",
+                    RECONNECT_FOR.as_secs()
+                );
+            }
+            tokio::time::sleep(RECONNECT_PAUSE).await;
+        }
     }
 
     /// Asks the controller to cancel the job; a `Cancelled` event follows.

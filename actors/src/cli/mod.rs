@@ -79,9 +79,21 @@ enum BenchCommand {
     AllreduceRank,
 }
 
+/// Warnings to stderr; `RUST_LOG` overrides.
+fn client_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
 /// Parses the command line and runs it; errors print as `troupe: error: ...` with their causes.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
+    if matches!(cli.command, Command::Train(_) | Command::Job(_)) {
+        // Commands that watch a job say on stderr when their connection to the controller is lost and
+        // re-made; the daemon sets up its own, more verbose logging.
+        client_logging();
+    }
     let result = match cli.command {
         Command::Train(args) => train::run(args),
         Command::Bench(BenchCommand::Train(args)) => bench_train::run(args),

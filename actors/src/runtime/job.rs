@@ -138,6 +138,7 @@ impl JobDriver {
             epoch: self.epoch,
             world: self.ranks().len(),
             attempts: self.attempt,
+            events: 0,
             last_loss: self.last_loss,
             reason: self.reason.clone(),
         }

@@ -11,6 +11,7 @@
 //! docs/runtime-semantics.md is the contract: ordering, timeouts, restarts, epochs.
 
 pub mod controller;
+pub mod event_log;
 pub mod job;
 pub mod node;
 mod outbox;

@@ -19,6 +19,7 @@ use troupe_cluster::membership::{
 use troupe_cluster::NodeIdentity;
 
 use super::controller::{JobArgs, JobController, JobMsg};
+use super::event_log::EventLog;
 use super::outbox::Outboxes;
 use super::protocol::{AttemptOutcome, ClusterStatus, JobEvent, JobId, JobInfo, JobSpec, MemberInfo, Wire};
 use super::restart::{Decision, RestartTracker};
@@ -77,6 +78,7 @@ struct JobEntry {
     actor: Option<ActorRef<JobMsg>>,
     info: JobInfo,
     watchers: Vec<String>,
+    log: EventLog,
 }
 
 /// What only the controller holds.
@@ -381,7 +383,8 @@ impl NodeState {
         let name = format!("{}/job/{id}", self.scope());
         match Actor::spawn_linked(Some(name), JobController, args, me.get_cell()).await {
             Ok((actor, _)) => {
-                let entry = JobEntry { actor: Some(actor), info, watchers: vec![client.to_owned()] };
+                let entry =
+                    JobEntry { actor: Some(actor), info, watchers: vec![client.to_owned()], log: EventLog::default() };
                 self.leader.as_mut().expect("controller").jobs.insert(id, entry);
                 tracing::info!(node = %self.id, job = id, "job submitted");
                 Wire::Submitted { job: id }
@@ -395,15 +398,33 @@ impl NodeState {
         let reply = match msg {
             Wire::StatusRequest => Wire::Status(Box::new(self.status())),
             Wire::Submit { spec } if self.leader.is_some() => self.submit(me, from, *spec).await,
-            Wire::JobStatusRequest { job } | Wire::Watch { job } | Wire::Cancel { job } if self.leader.is_none() => {
+            Wire::JobStatusRequest { job } | Wire::Watch { job, .. } | Wire::Cancel { job } if self.leader.is_none() => {
                 let _ = job;
                 not_leader()
             }
             Wire::Submit { .. } => not_leader(),
             Wire::JobStatusRequest { job } => self.job_reply(job, |_| {}),
-            Wire::Watch { job } => {
-                let from = from.to_owned();
-                self.job_reply(job, move |entry| entry.watchers.push(from))
+            Wire::Watch { job, since } => {
+                // The missed events go out before the reply, on the same ordered stream, so the watcher
+                // sees them first and in order; a watcher that reconnects replaces its old entry.
+                let missed: Vec<JobEvent> = match (since, self.leader.as_ref().and_then(|l| l.jobs.get(&job))) {
+                    (Some(since), Some(entry)) => {
+                        let (events, lost) = entry.log.since(since);
+                        if lost > 0 {
+                            tracing::warn!(job, watcher = from, lost, "a reconnecting watcher missed more events than are kept");
+                        }
+                        events.cloned().collect()
+                    }
+                    _ => Vec::new(),
+                };
+                for event in missed {
+                    self.send(me, from, Wire::Event { job, event });
+                }
+                let watcher = from.to_owned();
+                self.job_reply(job, move |entry| {
+                    entry.watchers.retain(|w| *w != watcher);
+                    entry.watchers.push(watcher);
+                })
             }
             Wire::Cancel { job } => self.job_reply(job, |entry| {
                 if let Some(actor) = &entry.actor {
@@ -419,7 +440,7 @@ impl NodeState {
         match self.leader.as_mut().and_then(|l| l.jobs.get_mut(&job)) {
             Some(entry) => {
                 f(entry);
-                Wire::JobStatus(Box::new(entry.info.clone()))
+                Wire::JobStatus(Box::new(JobInfo { events: entry.log.end(), ..entry.info.clone() }))
             }
             None => Wire::Error { message: format!("no job {job} on this cluster (see `troupe status`)") },
         }
@@ -669,6 +690,7 @@ impl Actor for NodeActor {
                 let watchers = match state.leader.as_mut().and_then(|l| l.jobs.get_mut(&job)) {
                     Some(entry) => {
                         entry.info = info;
+                        entry.log.push(event.clone());
                         entry.watchers.clone()
                     }
                     None => return Ok(()),

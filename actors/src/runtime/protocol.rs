@@ -80,6 +80,10 @@ pub struct JobInfo {
     pub attempts: u64,
     pub last_loss: Option<f64>,
     pub reason: Option<String>,
+    /// Events the job has streamed so far (set by the controller's node): a watcher that reconnects asks
+    /// for those after the ones it saw.
+    #[serde(default)]
+    pub events: u64,
 }
 
 /// The typed events a job streams (`troupe train --json` prints them, the job API yields them).
@@ -330,9 +334,12 @@ pub enum Wire {
     Cancel {
         job: JobId,
     },
-    /// Stream the events of `job` to this client (past step events are not replayed).
+    /// Stream the events of `job` to this client: those numbered `since` and later first (replayed
+    /// from the controller's log, see `event_log`), or with `since: None` only those from now on.
     Watch {
         job: JobId,
+        #[serde(default)]
+        since: Option<u64>,
     },
     Event {
         job: JobId,

@@ -393,6 +393,7 @@ mod tests {
                 attempts: 2,
                 last_loss: Some(2.5),
                 reason: None,
+                events: 0,
             }],
             refused_stale: 1,
             changes: vec![],
