@@ -562,6 +562,10 @@ impl NodeState {
                 let _ = me2.cast(NodeMsg::Connected(result));
             });
         }
+        if self.leader.is_some() {
+            // This node is the controller: it cannot lose itself, however late a tick runs.
+            self.member.heard_from_controller(now);
+        }
         self.member.handle_timeout(now);
         self.drive_member(me).await;
         if self.leader.is_some() {
