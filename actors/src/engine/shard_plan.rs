@@ -1,4 +1,4 @@
-//! Where the shards of a ZeRO-1/2 job live and how a new attempt finds them — pure (no tch, no IO).
+//! Where the shards of a ZeRO-1/2/3 job live and how a new attempt finds them — pure (no tch, no IO).
 //!
 //! Rank `r` of `N` owns shard `r` (`balanced_range(P, N, r)` of the flat parameter order) and, with
 //! `replicas = k`, also shadows the shards of its next `k` ranks, `(r + 1) mod N … (r + k) mod N` (its
