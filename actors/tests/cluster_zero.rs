@@ -1,4 +1,4 @@
-//! ZeRO-1/2 jobs on the daemon runtime: the oracle (DESIGN.md §4) on daemon processes; a SIGKILLed daemon
+//! ZeRO-1/2/3 jobs on the daemon runtime: the oracle (DESIGN.md §4) on daemon processes; a SIGKILLed daemon
 //! costs no state because every shard has a buddy copy in memory (no rollback, same trajectory); losing a
 //! rank and its buddy rolls back to the checkpoint (or fails, naming the cause, without one); checkpoints
 //! of sharded jobs hold the whole state and load in DDP jobs and back.
@@ -67,10 +67,10 @@ fn losses(events: &[JobEvent]) -> Vec<f64> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn zero1_and_zero2_on_two_daemon_processes_equal_the_reference() {
+async fn zero1_zero2_and_zero3_on_two_daemon_processes_equal_the_reference() {
     let dir = tempfile::tempdir().unwrap();
     let cluster = common::processes(2).await;
-    for shard in ["zero1", "zero2"] {
+    for shard in ["zero1", "zero2", "zero3"] {
         let config = config(6, shard);
         let out = dir.path().join(format!("{shard}.safetensors"));
         let events = run_to_end(&cluster, Job::new(config.clone()).save_final(&out)).await;
@@ -81,13 +81,20 @@ async fn zero1_and_zero2_on_two_daemon_processes_equal_the_reference() {
     cluster.shutdown().await;
 }
 
-/// Issue 7's in-memory replicas: a zero2 job on 3 daemons loses one to SIGKILL mid-run. Its shard lives on
-/// in its buddy's copy, so the survivors reshard to a world of 2 and go on from the last committed step —
-/// no rollback (the job has no checkpoint directory to roll back to) — on the fault-free trajectory.
+/// Issue 7's in-memory replicas: a zero2 (then a zero3) job on 3 daemons loses one to SIGKILL mid-run.
+/// Its shard lives on in its buddy's copy, so the survivors reshard to a world of 2 and go on from the last
+/// committed step — no rollback (the job has no checkpoint directory to roll back to) — on the fault-free
+/// trajectory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sigkilled_daemon_of_a_zero2_job_costs_no_state_and_no_rollback() {
+async fn a_sigkilled_daemon_of_a_zero2_or_zero3_job_costs_no_state_and_no_rollback() {
+    for shard in ["zero2", "zero3"] {
+        sigkill_costs_no_rollback(shard).await;
+    }
+}
+
+async fn sigkill_costs_no_rollback(shard: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let config = config(12, "zero2");
+    let config = config(12, shard);
     let cluster = common::processes(3).await;
     let out = dir.path().join("final.safetensors");
     let mut handle = cluster.client().await.unwrap().submit(Job::new(config.clone()).save_final(&out)).await.unwrap();
@@ -103,7 +110,7 @@ async fn a_sigkilled_daemon_of_a_zero2_job_costs_no_state_and_no_rollback() {
     assert!(matches!(events.last(), Some(JobEvent::Finished { steps: 12, .. })), "{events:#?}");
     assert!(!events.iter().any(|e| matches!(e, JobEvent::RolledBack { .. })), "no rollback: {events:#?}");
     assert!(events.iter().any(|e| matches!(e, JobEvent::Recovered { world: 2, .. })), "{events:#?}");
-    check(&config, Some(&losses(&events)), &out, "zero2, 3 ranks, one SIGKILLed");
+    check(&config, Some(&losses(&events)), &out, &format!("{shard}, 3 ranks, one SIGKILLed"));
     cluster.shutdown().await;
 }
 
@@ -167,19 +174,21 @@ async fn losing_a_rank_and_its_buddy_rolls_back_to_the_checkpoint_or_fails_witho
 }
 
 /// A checkpoint of a sharded job holds the whole state (gathered to rank 0): a DDP job continues from a
-/// zero2 job's checkpoint, and a zero1 job from that DDP job's, landing where one uninterrupted run lands.
+/// zero2 job's checkpoint, a zero3 job from that DDP job's, a DDP job from the zero3 job's and a zero1
+/// job from that one's, landing where one uninterrupted run lands.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checkpoints_of_zero_and_ddp_jobs_load_in_each_other() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
     let cluster = LocalCluster::in_process(2).await.unwrap();
     let mut last = None;
-    for (steps, shard, from) in [(4, "zero2", 0), (8, "none", 4), (12, "zero1", 8)] {
+    let phases = [(4, "zero2", 0), (8, "none", 4), (12, "zero3", 8), (16, "none", 12), (20, "zero1", 16)];
+    for (steps, shard, from) in phases {
         let mut config = config(steps, shard);
-        // A schedule that does not depend on `steps`, so the three runs follow one run's learning rates.
-        config.train.decay_steps = 12;
+        // A schedule that does not depend on `steps`, so the runs follow one run's learning rates.
+        config.train.decay_steps = 20;
         config.checkpoint.dir = Some(ckpt.clone());
-        let out = dir.path().join(format!("{shard}.safetensors"));
+        let out = dir.path().join(format!("{shard}-{steps}.safetensors"));
         let events = run_to_end(&cluster, Job::new(config.clone()).save_final(&out)).await;
         assert!(
             matches!(events.first(), Some(JobEvent::Started { from_step, .. }) if *from_step == from),
@@ -192,12 +201,13 @@ async fn checkpoints_of_zero_and_ddp_jobs_load_in_each_other() {
         let mode = match shard {
             "zero1" => ShardMode::Zero1,
             "zero2" => ShardMode::Zero2,
+            "zero3" => ShardMode::Zero3,
             _ => ShardMode::Ddp,
         };
         assert_eq!((step, manifest.layout.shard_mode, manifest.layout.dp), (steps, mode, 2), "{shard}");
         last = Some((config, out));
     }
     let (config, out) = last.unwrap();
-    check(&config, None, &out, "zero2 → ddp → zero1 through checkpoints");
+    check(&config, None, &out, "zero2 → ddp → zero3 → ddp → zero1 through checkpoints");
     cluster.shutdown().await;
 }

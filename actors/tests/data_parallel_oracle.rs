@@ -1,13 +1,14 @@
-//! The oracle for data parallelism (DESIGN.md §4): DDP and ZeRO-1/2 over troupe's collectives, with 2, 3
+//! The oracle for data parallelism (DESIGN.md §4): DDP and ZeRO-1/2/3 over troupe's collectives, with 2, 3
 //! and 4 ranks (threads of this process over the in-memory transport; over QUIC between processes once the
 //! actor runtime lands), with and without gradient accumulation, equal the single-process reference on
 //! the same global batch — per-step losses and final parameters within 1e-5 relative, fp32, 20 steps — and
-//! keep every replica bit-identical.
+//! keep every replica bit-identical. ZeRO-3 runs the small model (`JobConfig::small`) with and without
+//! recomputation, and holds about a quarter of DDP's persistent state at 4 ranks.
 
 use std::sync::Arc;
 
 use tch::Tensor;
-use troupe_actors::engine::{DataParallelReplica, ShardMode, ShardedReplica};
+use troupe_actors::engine::{DataParallelReplica, PersistentState, ShardMode, ShardedReplica};
 use troupe_cluster::collective::{CollectiveConfig, Communicator};
 use troupe_cluster::transport::memory::MemoryTransport;
 use troupe_cluster::TransportConfig;
@@ -26,10 +27,19 @@ fn job(micro_batch: usize) -> JobConfig {
     config
 }
 
+/// The small model (one block, d_model 64) with a global batch of 8.
+fn small_job(micro_batch: usize, recompute: bool) -> JobConfig {
+    let mut config = JobConfig::small(STEPS);
+    config.train.global_batch = 8;
+    config.train.micro_batch = micro_batch;
+    config.parallel.recompute = recompute;
+    config
+}
+
 fn reference(config: &JobConfig) -> (Vec<f64>, Vec<Tensor>) {
     tch::set_num_threads(1);
     let mut trainer = Trainer::new(config.clone()).unwrap();
-    let losses = (0..STEPS).map(|_| trainer.train_step().loss).collect();
+    let losses = (0..config.train.steps).map(|_| trainer.train_step().loss).collect();
     (losses, trainer.param_values())
 }
 
@@ -39,8 +49,15 @@ enum Engine {
     Sharded(ShardMode),
 }
 
-/// Runs `engine` with `world` ranks; returns each rank's losses and final parameters.
-fn distributed(config: &JobConfig, world: usize, engine: Engine) -> Vec<(Vec<f64>, Vec<Tensor>)> {
+/// One rank's run: its losses, final parameters, and what it kept between steps at the end.
+struct RankRun {
+    losses: Vec<f64>,
+    params: Vec<Tensor>,
+    persistent: PersistentState,
+}
+
+/// Runs `engine` with `world` ranks; returns each rank's run.
+fn distributed(config: &JobConfig, world: usize, engine: Engine) -> Vec<RankRun> {
     let transports = MemoryTransport::mesh(world, 4096);
     let handles: Vec<_> = transports
         .into_iter()
@@ -56,25 +73,30 @@ fn distributed(config: &JobConfig, world: usize, engine: Engine) -> Vec<(Vec<f64
                         1,
                         CollectiveConfig::from(&TransportConfig::default()),
                     );
+                    let steps = config.train.steps;
                     let trainer = Trainer::new(config).unwrap();
                     let mut losses = Vec::new();
                     match engine {
                         Engine::Ddp { bucket_bytes } => {
                             let mut replica = DataParallelReplica::new(trainer, comm, bucket_bytes).await.unwrap();
-                            for _ in 0..STEPS {
+                            for _ in 0..steps {
                                 losses.push(replica.train_step().await.unwrap().loss);
                             }
-                            (losses, replica.trainer().param_values())
+                            let persistent = PersistentState::of_model(replica.trainer());
+                            RankRun { losses, params: replica.trainer().param_values(), persistent }
                         }
                         Engine::Sharded(mode) => {
                             let mut replica = ShardedReplica::new(trainer, comm, mode).await.unwrap();
                             let total: usize = replica.trainer().model.param_count();
                             // Each rank holds about 1/world of the optimizer state (params + 2 moments).
                             assert!(replica.optimizer_state_elements() <= 3 * total.div_ceil(world));
-                            for _ in 0..STEPS {
+                            for _ in 0..steps {
                                 losses.push(replica.train_step().await.unwrap().loss);
                             }
-                            (losses, replica.trainer().param_values())
+                            let persistent = replica.persistent_state();
+                            // ZeRO-3 keeps no parameters between steps: gather them to compare.
+                            replica.refresh_params().await.unwrap();
+                            RankRun { losses, params: replica.trainer().param_values(), persistent }
                         }
                     }
                 })
@@ -90,11 +112,15 @@ fn bits(t: &Tensor) -> Vec<u32> {
 }
 
 fn check(world: usize, micro_batch: usize, engine: Engine) {
-    let config = job(micro_batch);
-    let (ref_losses, ref_params) = reference(&config);
-    let ranks = distributed(&config, world, engine);
+    check_config(&job(micro_batch), world, engine);
+}
+
+fn check_config(config: &JobConfig, world: usize, engine: Engine) -> Vec<RankRun> {
+    let micro_batch = config.train.micro_batch;
+    let (ref_losses, ref_params) = reference(config);
+    let ranks = distributed(config, world, engine);
     let specs = troupe_model::gpt::param_specs(&config.model);
-    let (losses, params) = &ranks[0];
+    let (losses, params) = (&ranks[0].losses, &ranks[0].params);
     let loss_diff = worst_loss_diff(losses, &ref_losses);
     assert!(
         loss_diff <= TOLERANCE,
@@ -106,12 +132,13 @@ fn check(world: usize, micro_batch: usize, engine: Engine) {
         "{engine:?} dp={world} micro={micro_batch}: loss diff {loss_diff:.1e}, params worst {:.1e} ({}), global {:.1e}",
         comparison.worst, comparison.worst_name, comparison.global
     );
-    for (rank, (other_losses, other_params)) in ranks.iter().enumerate().skip(1) {
-        assert_eq!(other_losses, losses, "rank {rank} reported different losses");
-        for (a, b) in other_params.iter().zip(params) {
+    for (rank, other) in ranks.iter().enumerate().skip(1) {
+        assert_eq!(&other.losses, losses, "rank {rank} reported different losses");
+        for (a, b) in other.params.iter().zip(params) {
             assert_eq!(bits(a), bits(b), "rank {rank}'s replica diverged from rank 0's");
         }
     }
+    ranks
 }
 
 #[test]
@@ -143,4 +170,43 @@ fn zero2_dp3_with_accumulation_equals_the_reference() {
 #[test]
 fn zero2_dp4_equals_the_reference() {
     check(4, 2, Engine::Sharded(ShardMode::Zero2));
+}
+
+#[test]
+fn zero3_dp2_without_accumulation_equals_the_reference() {
+    check_config(&small_job(4, false), 2, Engine::Sharded(ShardMode::Zero3));
+}
+
+#[test]
+fn zero3_dp2_with_accumulation_and_recompute_equals_the_reference() {
+    check_config(&small_job(1, true), 2, Engine::Sharded(ShardMode::Zero3));
+}
+
+#[test]
+fn zero3_dp3_with_uneven_slices_equals_the_reference() {
+    // Slices of 3, 3, 2 in micro-batches of 2: rank 2 takes part in the second round with nothing to
+    // compute.
+    check_config(&small_job(2, false), 3, Engine::Sharded(ShardMode::Zero3));
+}
+
+/// ZeRO-3 at 4 ranks, with accumulation and with recomputation, equals the reference; and a rank keeps
+/// between steps about a quarter of what a DDP rank keeps (parameters, gradients, moments): its shard's
+/// masters, moments and gradient, no parameters.
+#[test]
+fn zero3_dp4_equals_the_reference_and_keeps_a_quarter_of_ddps_state() {
+    check_config(&small_job(1, true), 4, Engine::Sharded(ShardMode::Zero3));
+    let config = small_job(1, false);
+    let zero3 = check_config(&config, 4, Engine::Sharded(ShardMode::Zero3));
+    let mut ddp_config = config.clone();
+    ddp_config.train.steps = 1;
+    let ddp = distributed(&ddp_config, 4, Engine::Ddp { bucket_bytes: troupe_actors::engine::DEFAULT_BUCKET_BYTES });
+    let ddp_total = ddp[0].persistent.total();
+    assert_eq!(ddp_total, 4 * config.model.param_count(), "DDP: parameters, gradients, two moments");
+    for (rank, run) in zero3.iter().enumerate() {
+        let p = run.persistent;
+        assert_eq!(p.params, 0, "rank {rank} kept parameters between steps: {p:?}");
+        let ratio = p.total() as f64 / ddp_total as f64;
+        println!("zero3 rank {rank} of 4: {p:?} = {ratio:.3} x DDP's {ddp_total}");
+        assert!(ratio <= 0.3, "rank {rank} keeps {ratio:.3} x DDP's persistent state: {p:?}");
+    }
 }

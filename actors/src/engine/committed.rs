@@ -34,10 +34,10 @@ impl ShardPiece {
 pub enum CommittedState {
     /// The whole state in a trainer: a DDP rank, or any rank fresh from step 0 or a checkpoint.
     Full(Box<Trainer>),
-    /// A ZeRO-1/2 rank: its own shard and its buddies' shards (masters and moments) are the state; the
+    /// A ZeRO-1/2/3 rank: its own shard and its buddies' shards (masters and moments) are the state; the
     /// trainer carries the step counters, the config and the sampler, and its parameters are only a cache
-    /// of the masters (refreshed by an all-gather before they are used) — its own AdamW moments are
-    /// emptied.
+    /// of the masters (ZeRO-1/2: refreshed by an all-gather before they are used; ZeRO-3: empty tensors)
+    /// — its own AdamW moments are emptied.
     Sharded { trainer: Box<Trainer>, pieces: Vec<ShardPiece> },
 }
 

@@ -2,21 +2,25 @@
 //!
 //! In this build: [`DataParallelReplica`] (DDP: every rank holds the model, gradients are all-reduced in
 //! buckets through troupe's own collectives, overlapped with a block-wise backward — `overlap`) and
-//! [`ShardedReplica`] (ZeRO-1/2: optimizer state, and for ZeRO-2 gradients, sharded across ranks, each
-//! shard also shadowed by a buddy rank — [`shard_plan`]), both driven by the worker through
-//! [`StepEngine`]; and [`pipeline`] (the model cut into stages run by stage actors: schedules as checked
-//! plans, activations and gradients as messages). ZeRO-3 lands beside them.
+//! [`ShardedReplica`] (ZeRO-1/2/3: optimizer state, for ZeRO-2 gradients too, for ZeRO-3 parameters
+//! too — gathered per unit just in time, [`zero3`] — sharded across ranks, each shard also shadowed by
+//! a buddy rank — [`shard_plan`]), both driven by the worker through [`StepEngine`]; and [`pipeline`]
+//! (the model cut into stages run by stage actors: schedules as checked plans, activations and
+//! gradients as messages). [`PersistentState`] counts what a rank keeps between steps.
 
 mod committed;
 mod data_parallel;
 mod flat;
+mod memory;
 mod overlap;
 pub mod pipeline;
 pub mod shard_plan;
 mod sharded;
 mod step_engine;
+pub mod zero3;
 
 pub use committed::{CommittedState, ShardPiece};
 pub use data_parallel::{plan_buckets, CommTiming, DataParallelReplica, ReducedStep, DEFAULT_BUCKET_BYTES};
+pub use memory::PersistentState;
 pub use sharded::{plan_segments, plan_shard, ShardMode, ShardSegment, ShardedReplica};
 pub use step_engine::{EngineError, StepEngine};

@@ -1,4 +1,4 @@
-//! Where the shards of a ZeRO-1/2 job live and how a new attempt finds them — pure (no tch, no IO).
+//! Where the shards of a ZeRO-1/2/3 job live and how a new attempt finds them — pure (no tch, no IO).
 //!
 //! Rank `r` of `N` owns shard `r` (`balanced_range(P, N, r)` of the flat parameter order) and, with
 //! `replicas = k`, also shadows the shards of its next `k` ranks, `(r + 1) mod N … (r + k) mod N` (its
@@ -29,6 +29,19 @@ pub fn shadow_holders(rank: usize, world: usize, replicas: usize) -> Vec<usize> 
 /// The flat ranges rank `rank` holds in a layout: its own shard first, then its buddies' shards.
 pub fn held_ranges(total: usize, rank: usize, world: usize, replicas: usize) -> Vec<Range<usize>> {
     std::iter::once(rank).chain(buddies(rank, world, replicas)).map(|r| balanced_range(total, world, r)).collect()
+}
+
+/// The owners of a flat range and each one's part of it: `(rank, intersection of the range with the
+/// rank's own shard)` in rank order, empty intersections left out. A ZeRO-3 unit's parameters are
+/// gathered from, and its gradient reduced to, exactly these ranks.
+pub fn owner_pieces(total: usize, world: usize, range: &Range<usize>) -> Vec<(usize, Range<usize>)> {
+    (0..world)
+        .filter_map(|rank| {
+            let own = balanced_range(total, world, rank);
+            let (start, end) = (own.start.max(range.start), own.end.min(range.end));
+            (start < end).then_some((rank, start..end))
+        })
+        .collect()
 }
 
 /// What one rank holds when an attempt starts.
@@ -142,6 +155,19 @@ pub fn decode_holding(words: &[f32]) -> Holding {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn owner_pieces_tile_a_range_with_its_owners_parts() {
+        // 10 elements over 3 ranks: 0..4, 4..7, 7..10.
+        let check = |range: Range<usize>, expected: &[(usize, Range<usize>)]| {
+            assert_eq!(owner_pieces(10, 3, &range), expected, "range {range:?}");
+        };
+        check(0..10, &[(0, 0..4), (1, 4..7), (2, 7..10)]);
+        check(3..5, &[(0, 3..4), (1, 4..5)]);
+        check(4..7, &[(1, 4..7)]);
+        check(9..10, &[(2, 9..10)]);
+        check(5..5, &[]);
+    }
 
     fn sharded(step: u64, total: usize, rank: usize, world: usize, replicas: usize) -> Holding {
         Holding { step, optimizer_step: step, ranges: held_ranges(total, rank, world, replicas) }

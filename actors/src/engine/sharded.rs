@@ -1,6 +1,7 @@
-//! ZeRO-1 and ZeRO-2 as message flows: every rank holds the model for compute, but the fp32 master
-//! parameters and AdamW moments are split into contiguous shards of the flat parameter vector, one per
-//! rank (the shard-owner's state), updated by the fused AdamW kernel of troupe-kernels.
+//! ZeRO-1, ZeRO-2 and ZeRO-3 as message flows: the fp32 master parameters and AdamW moments are split
+//! into contiguous shards of the flat parameter vector, one per rank (the shard-owner's state), updated by
+//! the fused AdamW kernel of troupe-kernels. ZeRO-1/2 ranks hold the model for compute; ZeRO-3 ranks
+//! hold none of it between steps and gather each unit's parameters just in time ([`super::zero3`]).
 //!
 //! A step: an all-gather of the masters refreshes every replica's parameters (when an update was applied
 //! since); each rank accumulates the gradient of its slice of the batch (as in DDP); the flat gradient is
@@ -8,7 +9,9 @@
 //! owners then send that shard to the ranks that shadow it); the global gradient norm is the sum of the
 //! shards' squared norms — then the rank votes. Once the step is committed each rank clips and updates its
 //! shard and its buddy copies, locally. Same samples, weights, clipping and AdamW as the reference, so the
-//! oracle holds (DESIGN.md §4); and every shard's state lives on 1 + `replicas` ranks.
+//! oracle holds (DESIGN.md §4); and every shard's state lives on 1 + `replicas` ranks. ZeRO-3 differs
+//! only in how the step's gradient shard is computed; sync, buddies, the update and checkpoints are
+//! these.
 
 use std::ops::Range;
 
@@ -26,11 +29,13 @@ use troupe_model::{StepReport, Trainer};
 use super::committed::{CommittedState, ShardPiece};
 use super::data_parallel::{broadcast_params, materialise_grads, ReducedStep};
 use super::flat::{append_flat, copy_from_flat};
+use super::memory::PersistentState;
 use super::shard_plan::{
     all_local, buddies, decode_holding, encode_holding, held_ranges, plan_restore, shadow_holders, Holding,
     HOLDING_WORDS, REPLICAS_MAX,
 };
 use super::step_engine::EngineError;
+use super::zero3;
 
 /// What is sharded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,6 +44,9 @@ pub enum ShardMode {
     Zero1,
     /// Optimizer state and gradients sharded (gradients reduce-scattered).
     Zero2,
+    /// Parameters sharded too: gathered per unit just in time, gradients reduced to their owners per
+    /// unit (FSDP).
+    Zero3,
 }
 
 impl ShardMode {
@@ -47,6 +55,7 @@ impl ShardMode {
         match shard {
             "zero1" => Some(Self::Zero1),
             "zero2" => Some(Self::Zero2),
+            "zero3" => Some(Self::Zero3),
             _ => None,
         }
     }
@@ -56,6 +65,7 @@ impl ShardMode {
         match self {
             Self::Zero1 => troupe_model::checkpoint::ShardMode::Zero1,
             Self::Zero2 => troupe_model::checkpoint::ShardMode::Zero2,
+            Self::Zero3 => troupe_model::checkpoint::ShardMode::Zero3,
         }
     }
 }
@@ -91,9 +101,10 @@ pub fn plan_segments(numels: &[usize], decays: &[bool], range: &Range<usize>) ->
     segments
 }
 
-/// One rank of a ZeRO-1/2 job: its own shard of the masters and moments, its copies of its buddies'
-/// shards (`replicas` of them, see [`super::shard_plan`]), and a replica of the model for compute whose
-/// parameters are refreshed from the masters (all-gather) before each step's forward.
+/// One rank of a ZeRO-1/2/3 job: its own shard of the masters and moments, its copies of its buddies'
+/// shards (`replicas` of them, see [`super::shard_plan`]), and — ZeRO-1/2 only — a replica of the model
+/// for compute whose parameters are refreshed from the masters (all-gather) before each step's forward.
+/// A ZeRO-3 rank's model tensors are empty except after [`Self::refresh_params`] (`--save-final`).
 ///
 /// Life of an attempt: [`Self::adopt`] the committed state (no communication) → [`Self::sync`] (every
 /// rank describes what it holds; the state of the most advanced step is resharded to this world) → per
@@ -148,9 +159,13 @@ impl<T: Transport> ShardedReplica<T> {
         };
         trainer.optimizer.exp_avg.clear();
         trainer.optimizer.exp_avg_sq.clear();
-        let numels: Vec<usize> = trainer.model.params().iter().map(Tensor::numel).collect();
+        let numels: Vec<usize> = trainer.model.specs().iter().map(|s| s.numel()).collect();
         let decays: Vec<bool> = trainer.model.specs().iter().map(|s| s.decays()).collect();
-        materialise_grads(&trainer);
+        if mode == ShardMode::Zero3 {
+            zero3::release_params(&mut trainer);
+        } else {
+            materialise_grads(&trainer);
+        }
         Self {
             total: numels.iter().sum(),
             trainer,
@@ -185,6 +200,16 @@ impl<T: Transport> ShardedReplica<T> {
     /// [`Self::refresh_params`] or [`Self::train_step`]).
     pub fn trainer(&self) -> &Trainer {
         &self.trainer
+    }
+
+    /// What this rank keeps between steps, in elements (see [`PersistentState`]).
+    pub fn persistent_state(&self) -> PersistentState {
+        let mut state = PersistentState::of_model(&self.trainer);
+        state.masters = self.pieces.iter().map(|p| p.master.len()).sum();
+        state.moments = self.pieces.iter().map(|p| p.exp_avg.len() + p.exp_avg_sq.len()).sum();
+        state.grads += self.grads.iter().map(Vec::len).sum::<usize>();
+        state.buffers = self.flat.capacity();
+        state
     }
 
     /// Elements of optimizer state (master params + two moments) this rank holds, buddy copies included.
@@ -264,30 +289,53 @@ impl<T: Transport> ShardedReplica<T> {
         Ok(())
     }
 
-    /// Overwrites the replica's parameters with the masters of every rank (all-gather).
+    /// Overwrites the replica's parameters with the masters of every rank (all-gather). A ZeRO-3 rank's
+    /// parameters are rebuilt whole (until [`Self::into_state`] or the next step drops them again).
     pub async fn refresh_params(&mut self) -> Result<(), ClusterError> {
         self.flat.clear();
         self.flat.resize(self.total, 0.0);
         self.comm.all_gather(&self.pieces[0].master, &mut self.flat).await?;
-        copy_from_flat(self.trainer.model.params(), &self.flat);
+        if self.mode == ShardMode::Zero3 {
+            zero3::restore_params(&mut self.trainer, &self.flat);
+            self.flat = Vec::new();
+        } else {
+            copy_from_flat(self.trainer.model.params(), &self.flat);
+        }
         self.params_stale = false;
         Ok(())
     }
 
-    /// One whole step (in-process use): reduce, apply, refresh the parameters.
+    /// One whole step (in-process use): reduce, apply, refresh the parameters (ZeRO-1/2; a ZeRO-3 rank
+    /// keeps none: call [`Self::refresh_params`] to see them).
     pub async fn train_step(&mut self) -> Result<StepReport, ClusterError> {
         let reduced = self.reduce_gradients().await?;
         let report = self.apply_update(reduced);
-        self.refresh_params().await?;
+        if self.mode != ShardMode::Zero3 {
+            self.refresh_params().await?;
+        }
         Ok(report)
     }
 
     /// The first half of a step, everything before the vote: refresh the parameters if an update was
     /// applied since, this rank's slice forward/backward, the gradient reduced (all-reduce for ZeRO-1,
     /// reduce-scatter for ZeRO-2, whose owners then send their gradient shard to the ranks that shadow
-    /// it), the loss and global norm. Nothing is applied: dropping it now abandons the step cleanly.
+    /// it), the loss and global norm. ZeRO-3: the unit-by-unit flow of [`zero3::accumulate`] (its
+    /// `compute_seconds` include the gathers and reductions interleaved with the compute), then the own
+    /// gradient shard to the shadowing ranks as ZeRO-2. Nothing is applied: dropping it now abandons the
+    /// step cleanly.
     pub async fn reduce_gradients(&mut self) -> Result<ReducedStep, ClusterError> {
         assert!(self.synced, "ShardedReplica::sync before the first step");
+        if self.mode == ShardMode::Zero3 {
+            if !self.trainer.model.params().iter().all(|p| p.numel() == 0) {
+                zero3::release_params(&mut self.trainer); // after `refresh_params`
+            }
+            let started = std::time::Instant::now();
+            let local_loss =
+                zero3::accumulate(&mut self.comm, &mut self.trainer, &self.pieces[0], &mut self.grads[0]).await?;
+            let compute_seconds = started.elapsed().as_secs_f64();
+            self.share_grad_shard().await?;
+            return self.reduce_totals(local_loss, compute_seconds).await;
+        }
         if self.params_stale {
             self.refresh_params().await?;
         }
@@ -310,14 +358,27 @@ impl<T: Transport> ShardedReplica<T> {
             }
             ShardMode::Zero2 => {
                 self.comm.reduce_scatter(&self.flat, &mut self.grads[0], ReduceOp::Sum).await?;
-                for holder in shadow_holders(rank, world, self.replicas) {
-                    self.comm.send(holder, &self.grads[0]).await?;
-                }
-                for (k, buddy) in buddies(rank, world, self.replicas).into_iter().enumerate() {
-                    self.comm.recv(buddy, &mut self.grads[1 + k]).await?;
-                }
+                self.share_grad_shard().await?;
             }
+            ShardMode::Zero3 => unreachable!("ZeRO-3 returned above"),
         }
+        self.reduce_totals(local_loss, compute_seconds).await
+    }
+
+    /// ZeRO-2/3: the owner's gradient shard to the ranks that shadow it; the buddies' shards from them.
+    async fn share_grad_shard(&mut self) -> Result<(), ClusterError> {
+        let (rank, world) = (self.rank(), self.world());
+        for holder in shadow_holders(rank, world, self.replicas) {
+            self.comm.send(holder, &self.grads[0]).await?;
+        }
+        for (k, buddy) in buddies(rank, world, self.replicas).into_iter().enumerate() {
+            self.comm.recv(buddy, &mut self.grads[1 + k]).await?;
+        }
+        Ok(())
+    }
+
+    /// The batch's loss and the global gradient norm (sum of the own shards' squared norms) over ranks.
+    async fn reduce_totals(&mut self, local_loss: f64, compute_seconds: f64) -> Result<ReducedStep, ClusterError> {
         let local_sum_sq: f64 = self.grads[0].iter().map(|&g| f64::from(g) * f64::from(g)).sum();
         let mut totals = [local_loss as f32, local_sum_sq as f32];
         self.comm.all_reduce(&mut totals[..], ReduceOp::Sum).await?;
@@ -420,8 +481,12 @@ impl<T: Transport> ShardedReplica<T> {
         Ok(Some(state))
     }
 
-    /// The committed state to keep for the next attempt; None if `sync` found it lost.
-    pub fn into_state(self) -> Option<CommittedState> {
+    /// The committed state to keep for the next attempt; None if `sync` found it lost. A ZeRO-3 rank's
+    /// parameters (rebuilt for `--save-final`) are dropped again.
+    pub fn into_state(mut self) -> Option<CommittedState> {
+        if self.mode == ShardMode::Zero3 {
+            zero3::release_params(&mut self.trainer);
+        }
         (!self.lost).then(|| CommittedState::Sharded { trainer: Box::new(self.trainer), pieces: self.pieces })
     }
 }

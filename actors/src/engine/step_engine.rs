@@ -1,5 +1,5 @@
 //! The one seam between the worker's step protocol and a training engine: whatever the engine (DDP,
-//! ZeRO-1/2), an attempt is sync → per step reduce (vote) → apply (after commit) → checkpoint snapshot
+//! ZeRO-1/2/3), an attempt is sync → per step reduce (vote) → apply (after commit) → checkpoint snapshot
 //! when due → finish → the committed state back.
 
 use troupe_cluster::transport::Transport;

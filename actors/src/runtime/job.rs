@@ -671,7 +671,10 @@ mod tests {
         drain(&mut d);
         d.on_ended(&"a".into(), attempt, 0, AttemptOutcome::Failed { step: 6, reason: "boom".into() });
         let actions = drain(&mut d);
-        assert!(sent(&actions).iter().any(|(_, w)| matches!(w, Wire::Prepare { discard_from: None, .. })), "{actions:?}");
+        assert!(
+            sent(&actions).iter().any(|(_, w)| matches!(w, Wire::Prepare { discard_from: None, .. })),
+            "{actions:?}"
+        );
     }
 
     #[test]

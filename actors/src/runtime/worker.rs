@@ -416,7 +416,7 @@ async fn run_attempt(
 }
 
 /// Runs the attempt over `transport` with the job's engine: DDP (`parallel.shard = "none"`) or
-/// ZeRO-1/2 with `checkpoint.replicas` buddy copies of each shard.
+/// ZeRO-1/2/3 with `checkpoint.replicas` buddy copies of each shard.
 async fn train_over<T: Transport>(
     ctx: &AttemptCtx,
     spec: &JobSpec,

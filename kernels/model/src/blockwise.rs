@@ -54,18 +54,19 @@ pub fn backward_stages(config: &GptConfig) -> Vec<Range<usize>> {
         .collect()
 }
 
-fn block_range(index: usize) -> Range<usize> {
+/// Block `index`'s parameters (positions in [`gpt::param_specs`] order).
+pub fn block_range(index: usize) -> Range<usize> {
     let start = PARAMS_BEFORE_BLOCKS + index * PARAMS_PER_BLOCK;
     start..start + PARAMS_PER_BLOCK
 }
 
 /// A block boundary as a leaf of its own: the same values, no history, requiring grad.
-fn leaf(x: &Tensor) -> Tensor {
+pub fn leaf(x: &Tensor) -> Tensor {
     x.detach().set_requires_grad(true)
 }
 
 /// Backward of `output` from its gradient `grad`: the backward of Σ(output · grad).
-fn backward_from(output: &Tensor, grad: &Tensor) {
+pub fn backward_from(output: &Tensor, grad: &Tensor) {
     (output * grad).sum(Kind::Float).backward();
 }
 

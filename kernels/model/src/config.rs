@@ -122,7 +122,7 @@ pub struct CheckpointConfig {
     pub every_steps: u64,
     /// Keep the last K checkpoints; 0 keeps all.
     pub keep_last: usize,
-    /// Sharded jobs (`parallel.shard = "zero1" | "zero2"`): how many other ranks keep a last-committed
+    /// Sharded jobs (`parallel.shard = "zero1" | "zero2" | "zero3"`): how many other ranks keep a last-committed
     /// copy of each rank's shard in memory (0..=3), so that losing that many neighbouring ranks loses no
     /// state. DDP ranks all hold the whole state and ignore it.
     pub replicas: usize,
@@ -420,11 +420,11 @@ impl ParallelConfig {
             return not_yet("--recompute with --pp > 1 (recomputation inside pipeline stages)", "false");
         }
         one_of("parallel.shard", &self.shard, &["none", "zero1", "zero2", "zero3"])?;
-        if self.shard == "zero3" {
-            return not_yet("--shard zero3 / parallel.shard = \"zero3\"", "\"none\", \"zero1\" or \"zero2\"");
-        }
         if self.shard != "none" && self.pp > 1 {
-            return not_yet("--shard zero1|zero2 with --pp > 1 (ZeRO inside a pipeline stage's group)", "\"none\"");
+            return not_yet(
+                "--shard zero1|zero2|zero3 with --pp > 1 (ZeRO inside a pipeline stage's group)",
+                "\"none\"",
+            );
         }
         one_of("parallel.schedule", &self.schedule, &["gpipe", "1f1b", "interleaved", "zb-h1"])?;
         one_of("parallel.precision", &self.precision, &["fp32", "bf16", "fp16"])?;
@@ -489,7 +489,7 @@ mod tests {
             ("[data]\nkind = \"text\"\n", &["data.path", "must name the file"]),
             ("[data]\nkind = \"parquet\"\n", &["unknown variant `parquet`", "synthetic"]),
             ("[parallel]\nshard = \"zero4\"\n", &["parallel.shard", "none, zero1, zero2, zero3"]),
-            ("[parallel]\nshard = \"zero3\"\n", &["not available yet", "--shard zero3", "zero2"]),
+            ("[parallel]\nshard = \"zero3\"\npp = 2\n", &["not available yet", "--pp > 1"]),
             ("[parallel]\nshard = \"zero2\"\npp = 2\n", &["not available yet", "--pp > 1"]),
             ("[checkpoint]\nreplicas = 4\n", &["checkpoint.replicas", "0..=3"]),
             ("[parallel]\npp = 8\n", &["parallel.pp", "at most model.n_layers (4)"]),
@@ -519,8 +519,8 @@ mod tests {
     }
 
     #[test]
-    fn zero1_and_zero2_are_accepted_with_buddy_copies_by_default() {
-        for mode in ["zero1", "zero2"] {
+    fn zero_modes_are_accepted_with_buddy_copies_by_default() {
+        for mode in ["zero1", "zero2", "zero3"] {
             let config = JobConfig::from_toml(&format!("[parallel]\nshard = \"{mode}\"\nnodes = 3\n"), "t").unwrap();
             assert_eq!(config.parallel.shard, mode);
             assert_eq!(config.checkpoint.replicas, 1);

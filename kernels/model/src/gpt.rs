@@ -191,8 +191,10 @@ impl Gpt {
         self.specs.iter().map(|s| s.name.as_str()).zip(&self.params)
     }
 
+    /// Parameters of the model's shape (from the specs, so a ZeRO-3 rank whose tensors are released
+    /// between steps still counts them).
     pub fn param_count(&self) -> usize {
-        self.params.iter().map(Tensor::numel).sum()
+        self.specs.iter().map(ParamSpec::numel).sum()
     }
 
     /// Token ids `[batch, time]` (int64) → logits `[batch, time, vocab]`.

@@ -51,6 +51,7 @@ pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     let shard: &'static str = match args.shard.as_str() {
         "zero1" => "zero1",
         "zero2" => "zero2",
+        "zero3" => "zero3",
         _ => "none",
     };
     let mut ours = Vec::new();
@@ -124,6 +125,7 @@ pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     let reduce = match shard {
         "none" => "all-reduce overlapped with backward",
         "zero1" => "all-reduce after the backward, AdamW on each rank's shard + its buddy copy",
+        "zero3" => "parameters gathered per unit just in time, gradients reduced per unit to their owners, AdamW on each rank's shard + its buddy copy",
         _ => "reduce-scatter after the backward, AdamW on each rank's shard + its buddy copy",
     };
     println!(
@@ -156,7 +158,7 @@ struct Variant {
     overlap: bool,
     /// `parallel.bucket_mib` (0: the default).
     bucket_mib: usize,
-    /// `parallel.shard`: none, zero1 or zero2.
+    /// `parallel.shard`: none, zero1, zero2 or zero3.
     shard: &'static str,
 }
 

@@ -1,0 +1,300 @@
+//! ZeRO-3 (FSDP): the parameters are sharded too. A rank keeps only its shards (masters, moments,
+//! gradient accumulators — the state of [`super::ShardedReplica`], same ownership as ZeRO-1/2); the
+//! model's parameter tensors are empty between steps. Each micro-batch runs unit by unit (embeddings,
+//! each block, the head): the unit's full parameters are gathered from the owners of the ranges it spans
+//! just before its forward, and dropped after it; before its backward they are gathered again (with
+//! `parallel.recompute`: the forward kept only the unit's input and recomputes it) or still held by the
+//! autograd graph (without); after the backward the unit's gradient is reduced to its owners, who add it
+//! to their gradient shard, and the parameters are dropped.
+//!
+//! Every rank runs the same sequence of collectives — units in the same order, one broadcast (gather) or
+//! reduce per owner piece, as many micro-batch rounds as the rank with the most micro-batches — so a rank
+//! whose slice has fewer (or no) micro-batches takes part with nothing to compute and zero gradients.
+
+use std::ops::Range;
+
+use tch::{Kind, Tensor};
+use troupe_cluster::collective::{Collective, Communicator, ReduceOp};
+use troupe_cluster::transport::Transport;
+use troupe_cluster::ClusterError;
+use troupe_model::blockwise::{backward_from, backward_stages, leaf, Activations};
+use troupe_model::data::{micro_batch_ranges, rank_slice};
+use troupe_model::gpt::{self, GptConfig, ParamSpec};
+use troupe_model::Trainer;
+
+use super::committed::ShardPiece;
+use super::shard_plan::owner_pieces;
+
+/// One unit of the model that is gathered, computed and released as a whole.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unit {
+    /// Its parameters (positions in [`gpt::param_specs`] order).
+    pub params: Range<usize>,
+    /// Their elements in the flat parameter order.
+    pub flat: Range<usize>,
+}
+
+/// The units in forward order: the embeddings, every block, the head (final LayerNorm and head).
+pub fn plan_units(config: &GptConfig, specs: &[ParamSpec]) -> Vec<Unit> {
+    let mut offsets = vec![0];
+    offsets.extend(specs.iter().scan(0, |sum, s| {
+        *sum += s.numel();
+        Some(*sum)
+    }));
+    backward_stages(config)
+        .into_iter()
+        .rev()
+        .map(|params| Unit { flat: offsets[params.start]..offsets[params.end], params })
+        .collect()
+}
+
+/// The parameters of the whole model are dropped: each becomes an empty leaf (its values and gradient
+/// freed), so a ZeRO-3 rank keeps none between steps.
+pub fn release_params(trainer: &mut Trainer) {
+    for p in trainer.model.params_mut() {
+        *p = Tensor::zeros([0], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+    }
+}
+
+/// Rebuilds every parameter of the model from `flat` (the whole flat order), whatever its shape was.
+pub fn restore_params(trainer: &mut Trainer, flat: &[f32]) {
+    let specs = trainer.model.specs().to_vec();
+    let tensors = unit_tensors(&specs, flat);
+    for (p, t) in trainer.model.params_mut().iter_mut().zip(tensors) {
+        *p = t;
+    }
+}
+
+/// Fresh leaves requiring grad, shaped by `specs`, from consecutive values of `flat`.
+fn unit_tensors(specs: &[ParamSpec], flat: &[f32]) -> Vec<Tensor> {
+    let mut offset = 0;
+    specs
+        .iter()
+        .map(|spec| {
+            let n = spec.numel();
+            let t = Tensor::from_slice(&flat[offset..offset + n]).view(spec.shape.as_slice()).set_requires_grad(true);
+            offset += n;
+            t
+        })
+        .collect()
+}
+
+/// One rank's side of a ZeRO-3 step's gathers and reductions.
+struct Exchange<'a, T: Transport> {
+    comm: &'a mut Communicator<T>,
+    specs: Vec<ParamSpec>,
+    total: usize,
+    /// This rank's own shard (masters).
+    own: &'a ShardPiece,
+    /// The gradient of the own shard, accumulated over micro-batches.
+    grad: &'a mut [f32],
+    buf: Vec<f32>,
+}
+
+impl<T: Transport> Exchange<'_, T> {
+    /// The full parameters of `unit`: each owner broadcasts its part, in rank order.
+    async fn gather(&mut self, unit: &Unit) -> Result<Vec<Tensor>, ClusterError> {
+        let (rank, world) = (self.comm.rank(), self.comm.world());
+        self.buf.clear();
+        self.buf.resize(unit.flat.len(), 0.0);
+        for (owner, piece) in owner_pieces(self.total, world, &unit.flat) {
+            let dst = &mut self.buf[piece.start - unit.flat.start..piece.end - unit.flat.start];
+            if owner == rank {
+                dst.copy_from_slice(
+                    &self.own.master[piece.start - self.own.range.start..piece.end - self.own.range.start],
+                );
+            }
+            self.comm.broadcast(dst, owner).await?;
+        }
+        Ok(unit_tensors(&self.specs[unit.params.clone()], &self.buf))
+    }
+
+    /// Sums `params`' gradients (zeros for `None`: nothing computed this round) over the ranks onto
+    /// their owners, who add their part to the gradient shard.
+    async fn reduce(&mut self, unit: &Unit, params: Option<Vec<Tensor>>) -> Result<(), ClusterError> {
+        self.load_grads(unit, params);
+        let (rank, world) = (self.comm.rank(), self.comm.world());
+        for (owner, piece) in owner_pieces(self.total, world, &unit.flat) {
+            let part = &mut self.buf[piece.start - unit.flat.start..piece.end - unit.flat.start];
+            self.comm.reduce(part, ReduceOp::Sum, owner).await?;
+            if owner == rank {
+                let acc = &mut self.grad[piece.start - self.own.range.start..piece.end - self.own.range.start];
+                acc.iter_mut().zip(part.iter()).for_each(|(a, g)| *a += g);
+            }
+        }
+        Ok(())
+    }
+
+    /// `params`' gradients, flat, into the buffer (zeros for `None`); the parameters are dropped.
+    fn load_grads(&mut self, unit: &Unit, params: Option<Vec<Tensor>>) {
+        self.buf.clear();
+        self.buf.resize(unit.flat.len(), 0.0);
+        if let Some(params) = params {
+            let mut offset = 0;
+            for p in &params {
+                let n = p.numel();
+                let g = p.grad();
+                if g.defined() {
+                    g.copy_data(&mut self.buf[offset..offset + n], n);
+                }
+                offset += n;
+            }
+        }
+    }
+}
+
+/// One micro-batch of this rank: tokens, targets and its weight (its share of the global batch).
+struct Batch {
+    tokens: Tensor,
+    targets: Tensor,
+    weight: f64,
+}
+
+/// The forward and backward of `step`'s slice of this rank, unit by unit: zeroes `grad` (the own
+/// shard's gradient), then accumulates into it the global batch's gradient of the own range (every
+/// rank's slice, reduced). Returns this rank's weighted loss (the batch's mean loss when summed over
+/// ranks). `own` must be this rank's own shard.
+pub(super) async fn accumulate<T: Transport>(
+    comm: &mut Communicator<T>,
+    trainer: &mut Trainer,
+    own: &ShardPiece,
+    grad: &mut [f32],
+) -> Result<f64, ClusterError> {
+    grad.fill(0.0);
+    let (rank, world) = (comm.rank(), comm.world());
+    let config = trainer.config.clone();
+    let train = &config.train;
+    let specs = trainer.model.specs().to_vec();
+    let units = plan_units(&config.model, &specs);
+    let total = units.last().map_or(0, |u| u.flat.end);
+    let rounds = (0..world)
+        .map(|r| micro_batch_ranges(rank_slice(train.global_batch, r, world), train.micro_batch).len())
+        .max()
+        .unwrap_or(0);
+    let mine = micro_batch_ranges(rank_slice(train.global_batch, rank, world), train.micro_batch);
+    let activations = Activations::from_recompute(config.parallel.recompute);
+    let mut exchange = Exchange { comm, specs, total, own, grad, buf: Vec::new() };
+    let mut loss = 0.0;
+    for round in 0..rounds {
+        let batch = mine.get(round).map(|micro| {
+            let weight = micro.len() as f64 / train.global_batch as f64;
+            let (tokens, targets) = trainer.sampler.batch(trainer.step, micro.clone());
+            Batch { tokens, targets, weight }
+        });
+        let weight = batch.as_ref().map_or(0.0, |b| b.weight);
+        loss += weight * micro_batch(&mut exchange, &config.model, &units, batch, activations).await?;
+    }
+    Ok(loss)
+}
+
+/// What the forward keeps of a unit for its backward.
+enum Kept {
+    /// The unit's parameters and output with its graph (and, for a block, its input leaf).
+    Graph { params: Vec<Tensor>, input: Option<Tensor>, output: Tensor },
+    /// Only the unit's input (none for the embeddings: the tokens), to recompute from.
+    Input(Option<Tensor>),
+}
+
+/// One micro-batch round (`batch` None: this rank has no micro-batch left and only takes part in the
+/// collectives). Returns the micro-batch's mean loss (0 without one).
+async fn micro_batch<T: Transport>(
+    ex: &mut Exchange<'_, T>,
+    config: &GptConfig,
+    units: &[Unit],
+    batch: Option<Batch>,
+    activations: Activations,
+) -> Result<f64, ClusterError> {
+    let (head, body) = units.split_last().expect("the model has a head");
+    // Forward through the embeddings and blocks. `x` is the activation flowing forward.
+    let mut kept: Vec<Kept> = Vec::with_capacity(body.len());
+    let mut x: Option<Tensor> = None;
+    for (u, unit) in body.iter().enumerate() {
+        let params = ex.gather(unit).await?;
+        let Some(batch) = &batch else { continue };
+        let run = |input: Option<&Tensor>| match input {
+            None => gpt::embed(config, &params, &batch.tokens),
+            Some(input) => gpt::block(config, &params, input),
+        };
+        match activations {
+            Activations::Keep => {
+                let input = (u > 0).then(|| leaf(&x.take().expect("a block's input")));
+                let output = run(input.as_ref());
+                x = Some(output.shallow_clone());
+                kept.push(Kept::Graph { params, input, output });
+            }
+            Activations::Recompute => {
+                let input = x.take();
+                x = Some(tch::no_grad(|| run(input.as_ref())));
+                kept.push(Kept::Input(input));
+            }
+        }
+        // Recompute: `params` dropped here — released until the backward gathers them again.
+    }
+
+    // The head and the loss, gathered once.
+    let params = ex.gather(head).await?;
+    let mut loss = 0.0;
+    let mut grad = None;
+    let computed = batch.is_some();
+    if let Some(batch) = &batch {
+        let input = leaf(&x.take().expect("the head's input"));
+        let micro_loss = gpt::cross_entropy(&gpt::head(config, &params, &input), &batch.targets);
+        (&micro_loss * batch.weight).backward();
+        loss = micro_loss.double_value(&[]);
+        grad = Some(input.grad());
+    }
+    ex.reduce(head, computed.then_some(params)).await?;
+
+    // Backward through the blocks and the embeddings, last first.
+    for unit in body.iter().rev() {
+        let (params, input, output) = match kept.pop() {
+            Some(Kept::Graph { params, input, output }) => (params, input, Some(output)),
+            Some(Kept::Input(saved)) => {
+                let params = ex.gather(unit).await?;
+                let input = saved.map(|s| leaf(&s));
+                let tokens = &batch.as_ref().expect("kept only with a micro-batch").tokens;
+                let output = match &input {
+                    None => gpt::embed(config, &params, tokens),
+                    Some(input) => gpt::block(config, &params, input),
+                };
+                (params, input, Some(output))
+            }
+            None => {
+                if activations == Activations::Recompute {
+                    ex.gather(unit).await?; // the owners broadcast whether or not this rank computes
+                }
+                ex.reduce(unit, None).await?;
+                continue;
+            }
+        };
+        if let (Some(output), Some(g)) = (output, grad.take()) {
+            backward_from(&output, &g);
+            grad = input.map(|i| i.grad());
+        }
+        ex.reduce(unit, Some(params)).await?;
+    }
+    Ok(loss)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn units_cover_the_flat_order_in_forward_order() {
+        let config = GptConfig::gpt_tiny();
+        let specs = gpt::param_specs(&config);
+        let units = plan_units(&config, &specs);
+        assert_eq!(units.len(), config.n_layers + 2, "embeddings, blocks, head");
+        assert_eq!(units[0].params, 0..2);
+        assert_eq!(units.last().map(|u| u.params.clone()), Some(50..53));
+        let mut at = 0;
+        for unit in &units {
+            assert_eq!(unit.flat.start, at, "contiguous");
+            let numel: usize = specs[unit.params.clone()].iter().map(ParamSpec::numel).sum();
+            assert_eq!(unit.flat.len(), numel);
+            at = unit.flat.end;
+        }
+        assert_eq!(at, config.param_count());
+    }
+}
