@@ -211,8 +211,7 @@ async fn a_watcher_that_loses_its_connection_reconnects_and_misses_no_event() {
     assert!(status.success(), "{status:?}: {stderr}");
     assert!(stderr.contains("reconnected to the controller"), "the connection was lost and re-made: {stderr}");
     let events: Vec<Value> = lines.iter().filter_map(|l| serde_json::from_str(l).ok()).collect();
-    let steps: Vec<u64> =
-        events.iter().filter(|e| e["event"] == "step").map(|e| e["step"].as_u64().unwrap()).collect();
+    let steps: Vec<u64> = events.iter().filter(|e| e["event"] == "step").map(|e| e["step"].as_u64().unwrap()).collect();
     assert_eq!(steps, (1..=STEPS).collect::<Vec<_>>(), "every step once, in order");
     assert_eq!(events.last().unwrap()["event"], "finished", "{lines:?}");
     cluster.shutdown().await;

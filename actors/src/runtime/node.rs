@@ -398,7 +398,9 @@ impl NodeState {
         let reply = match msg {
             Wire::StatusRequest => Wire::Status(Box::new(self.status())),
             Wire::Submit { spec } if self.leader.is_some() => self.submit(me, from, *spec).await,
-            Wire::JobStatusRequest { job } | Wire::Watch { job, .. } | Wire::Cancel { job } if self.leader.is_none() => {
+            Wire::JobStatusRequest { job } | Wire::Watch { job, .. } | Wire::Cancel { job }
+                if self.leader.is_none() =>
+            {
                 let _ = job;
                 not_leader()
             }
@@ -411,7 +413,12 @@ impl NodeState {
                     (Some(since), Some(entry)) => {
                         let (events, lost) = entry.log.since(since);
                         if lost > 0 {
-                            tracing::warn!(job, watcher = from, lost, "a reconnecting watcher missed more events than are kept");
+                            tracing::warn!(
+                                job,
+                                watcher = from,
+                                lost,
+                                "a reconnecting watcher missed more events than are kept"
+                            );
                         }
                         events.cloned().collect()
                     }
