@@ -12,6 +12,7 @@ pub mod gpt;
 pub mod optim;
 pub mod oracle;
 pub mod rng;
+pub mod storage;
 pub mod trainer;
 
 pub use config::{ConfigError, JobConfig};

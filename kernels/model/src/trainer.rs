@@ -167,10 +167,13 @@ impl Trainer {
     }
 }
 
-/// Sets libtorch's intra-op threads: `configured`, or the machine's cores shared by `ranks_on_host`.
+/// Sets the CPU threads one rank's compute may use — libtorch's intra-op threads and troupe-kernels'
+/// (the fused AdamW, reductions) alike: `configured`, or the machine's cores shared by `ranks_on_host`,
+/// so ranks sharing a machine do not oversubscribe it.
 pub fn configure_torch_threads(configured: usize, ranks_on_host: usize) -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = if configured > 0 { configured } else { (cores / ranks_on_host.max(1)).max(1) };
     tch::set_num_threads(threads as i32);
+    troupe_kernels::set_cpu_threads(threads);
     threads
 }
