@@ -99,6 +99,9 @@ fn region(operand: &str, tensor: &Tensor) -> Result<Region, StorageError> {
     Ok(Region { ptr: tensor.data_ptr().cast::<f32>(), len })
 }
 
+/// The slices of one lend: the mutable ones, then the shared ones, in the order asked for.
+pub type Lent<'a, const M: usize, const S: usize> = ([&'a mut [f32]; M], [&'a [f32]; S]);
+
 /// Lends the storage of `mutable` tensors as `&mut [f32]` and of `shared` tensors as `&[f32]`, each
 /// labelled for error messages, for as long as the tensor borrows last. Each slice has the tensor's
 /// `numel` elements in its (row-major, contiguous) order.
@@ -109,7 +112,7 @@ fn region(operand: &str, tensor: &Tensor) -> Result<Region, StorageError> {
 pub fn lend_f32<'a, const M: usize, const S: usize>(
     mutable: [(&str, &'a mut Tensor); M],
     shared: [(&str, &'a Tensor); S],
-) -> Result<([&'a mut [f32]; M], [&'a [f32]; S]), StorageError> {
+) -> Result<Lent<'a, M, S>, StorageError> {
     let mut mutable_regions = [Region { ptr: std::ptr::null_mut(), len: 0 }; M];
     for (slot, (operand, tensor)) in mutable_regions.iter_mut().zip(&mutable) {
         *slot = region(operand, tensor)?;
