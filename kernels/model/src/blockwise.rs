@@ -20,6 +20,7 @@ use std::ops::Range;
 use tch::{Kind, Tensor};
 
 use crate::gpt::{self, GptConfig, PARAMS_AFTER_BLOCKS, PARAMS_BEFORE_BLOCKS, PARAMS_PER_BLOCK};
+use crate::precision::Precision;
 
 /// What the forward keeps for the backward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,9 +75,12 @@ pub fn backward_from(output: &Tensor, grad: &Tensor) {
 /// model in canonical order, fp32 leaves requiring grad): adds `weight` × the gradient of the
 /// micro-batch's mean loss to every parameter's `.grad`, exactly as `(loss · weight).backward()` on the
 /// monolithic model would, and calls `on_final(range)` after each of [`backward_stages`]' ranges has its
-/// gradient for this micro-batch complete. Returns the micro-batch's mean loss (unweighted).
+/// gradient for this micro-batch complete. The products compute in `precision`; a loss scale is part of
+/// `weight`. Returns the micro-batch's mean loss (unweighted).
+#[allow(clippy::too_many_arguments)]
 pub fn micro_batch_backward(
     config: &GptConfig,
+    precision: Precision,
     params: &[Tensor],
     tokens: &Tensor,
     targets: &Tensor,
@@ -99,7 +103,7 @@ pub fn micro_batch_backward(
             let mut inputs = vec![leaf(&embedded)];
             let mut outputs = Vec::with_capacity(n);
             for i in 0..n {
-                let output = gpt::block(config, block_params(i), &inputs[i]);
+                let output = gpt::block(config, precision, block_params(i), &inputs[i]);
                 inputs.push(leaf(&output));
                 outputs.push(output);
             }
@@ -109,7 +113,7 @@ pub fn micro_batch_backward(
             let inputs = tch::no_grad(|| {
                 let mut inputs = vec![gpt::embed(config, embed_params, tokens)];
                 for i in 0..n {
-                    let output = gpt::block(config, block_params(i), &inputs[i]);
+                    let output = gpt::block(config, precision, block_params(i), &inputs[i]);
                     inputs.push(output);
                 }
                 inputs
@@ -120,7 +124,7 @@ pub fn micro_batch_backward(
 
     // The head and the loss: the only monolithic part.
     let head_input = leaf(&inputs.pop().expect("the head's input"));
-    let loss = gpt::cross_entropy(&gpt::head(config, head_params, &head_input), targets);
+    let loss = gpt::cross_entropy(&gpt::head(config, precision, head_params, &head_input), targets);
     (&loss * weight).backward();
     on_final(expected - PARAMS_AFTER_BLOCKS..expected);
     let mut grad = head_input.grad();
@@ -131,7 +135,7 @@ pub fn micro_batch_backward(
             Activations::Keep => (saved, outputs.pop().expect("block output")),
             Activations::Recompute => {
                 let input = leaf(&saved);
-                let output = gpt::block(config, block_params(i), &input);
+                let output = gpt::block(config, precision, block_params(i), &input);
                 (input, output)
             }
         };
@@ -219,6 +223,7 @@ mod tests {
                 let mut on_final = |r: Range<usize>| reported.push(r);
                 losses.push(micro_batch_backward(
                     &config.model,
+                    Precision::Fp32,
                     params,
                     &tokens,
                     &targets,
@@ -253,7 +258,16 @@ mod tests {
             let copies = params[r.clone()].iter().map(|p| p.grad().copy()).collect();
             snapshots.push((r, copies));
         };
-        micro_batch_backward(&config.model, &params, &tokens, &targets, 1.0, Activations::Recompute, &mut on_final);
+        micro_batch_backward(
+            &config.model,
+            Precision::Fp32,
+            &params,
+            &tokens,
+            &targets,
+            1.0,
+            Activations::Recompute,
+            &mut on_final,
+        );
         for (range, copies) in snapshots {
             let now: Vec<Tensor> = model.params()[range.clone()].iter().map(|p| p.grad().copy()).collect();
             assert_eq!(worst_relative(&now, &copies), 0.0, "stage {range:?} changed after it was reported final");

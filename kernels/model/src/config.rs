@@ -88,6 +88,10 @@ pub struct TrainConfig {
     pub grad_clip: f64,
     /// libtorch intra-op threads per rank; 0 means the machine's cores divided by the ranks on it.
     pub torch_threads: usize,
+    /// Fault injection (tests, chaos scenarios): rank 0's gradient of each of these steps is made
+    /// non-finite, as an fp16 overflow would make it. Needs `parallel.precision = "fp16"`, whose loss
+    /// scaler must skip exactly those steps and lower the scale.
+    pub inject_overflow_at: Vec<u64>,
 }
 
 impl Default for TrainConfig {
@@ -107,6 +111,7 @@ impl Default for TrainConfig {
             eps: 1e-8,
             grad_clip: 1.0,
             torch_threads: 0,
+            inject_overflow_at: Vec::new(),
         }
     }
 }
@@ -208,7 +213,13 @@ pub struct ParallelConfig {
     pub microbatches: usize,
     /// Model chunks per pipeline stage (interleaved schedule only).
     pub virtual_stages: usize,
+    /// Compute precision of the matrix products: `fp32`, `bf16` or `fp16`; the master weights, gradients
+    /// and optimizer state are fp32 in every case (see `precision.rs`).
     pub precision: String,
+    /// fp16: the initial loss scale, a power of two (PyTorch's GradScaler default, 2¹⁶).
+    pub loss_scale_init: f64,
+    /// fp16: clean steps in a row after which the loss scale doubles (GradScaler's growth_interval).
+    pub loss_scale_window: u64,
     /// Activation recomputation: keep only each block's input in the forward and re-run the block in the
     /// backward (less activation memory, one more forward of the blocks).
     pub recompute: bool,
@@ -231,6 +242,8 @@ impl Default for ParallelConfig {
             microbatches: 0,
             virtual_stages: 1,
             precision: "fp32".into(),
+            loss_scale_init: 65536.0,
+            loss_scale_window: 2000,
             recompute: false,
             overlap_comm: true,
             bucket_mib: 0,
@@ -335,6 +348,13 @@ impl JobConfig {
         self.parallel.validate()?;
         self.elastic.validate()?;
         let p = &self.parallel;
+        if !t.inject_overflow_at.is_empty() && p.precision != "fp16" {
+            return Err(invalid(
+                "train.inject_overflow_at",
+                format!("{:?} with parallel.precision = {:?}", t.inject_overflow_at, p.precision),
+                "an injected overflow tests fp16's loss scaler: set parallel.precision = \"fp16\" or leave it empty",
+            ));
+        }
         if p.pp > 1 && p.pp * p.virtual_stages > self.model.n_layers {
             return Err(invalid(
                 "parallel.pp",
@@ -428,9 +448,15 @@ impl ParallelConfig {
         }
         one_of("parallel.schedule", &self.schedule, &["gpipe", "1f1b", "interleaved", "zb-h1"])?;
         one_of("parallel.precision", &self.precision, &["fp32", "bf16", "fp16"])?;
-        if self.precision != "fp32" {
-            return not_yet("--precision bf16|fp16 / parallel.precision", "\"fp32\"");
+        let init = self.loss_scale_init;
+        if !(init.is_finite() && init >= 1.0 && init.log2().fract() == 0.0 && init <= 2f64.powi(64)) {
+            return Err(invalid(
+                "parallel.loss_scale_init",
+                init,
+                "must be a power of two from 1 to 2^64 (unscaling is then exact), e.g. 65536",
+            ));
         }
+        positive("parallel.loss_scale_window", self.loss_scale_window as usize)?;
         Ok(())
     }
 }

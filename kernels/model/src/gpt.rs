@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::config::{invalid, positive, ConfigError};
+use crate::precision::Precision;
 use crate::rng::{hash_words, SplitMix64};
 
 const LAYER_NORM_EPS: f64 = 1e-5;
@@ -153,16 +154,18 @@ pub fn init_values(spec: &ParamSpec, seed: u64, index: usize) -> Vec<f32> {
     }
 }
 
-/// The model: its config and its parameters (fp32 leaves requiring grad, in [`param_specs`] order).
+/// The model: its config, its parameters (fp32 leaves requiring grad, in [`param_specs`] order) and
+/// the precision its matrix products compute in.
 #[derive(Debug)]
 pub struct Gpt {
     pub config: GptConfig,
+    pub precision: Precision,
     specs: Vec<ParamSpec>,
     params: Vec<Tensor>,
 }
 
 impl Gpt {
-    /// A freshly initialised model on the CPU.
+    /// A freshly initialised model on the CPU, computing in fp32 (see [`Self::with_precision`]).
     pub fn new(config: GptConfig, seed: u64) -> Self {
         let specs = param_specs(&config);
         let params = specs
@@ -172,7 +175,13 @@ impl Gpt {
                 Tensor::from_slice(&init_values(spec, seed, i)).view(spec.shape.as_slice()).set_requires_grad(true)
             })
             .collect();
-        Self { config, specs, params }
+        Self { config, precision: Precision::Fp32, specs, params }
+    }
+
+    /// The same model computing its matrix products in `precision` (the parameters stay fp32).
+    pub fn with_precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
+        self
     }
 
     pub fn specs(&self) -> &[ParamSpec] {
@@ -219,12 +228,13 @@ impl Gpt {
 
     /// Transformer block `index`: `[batch, time, d_model]` → same shape.
     pub fn block(&self, index: usize, x: &Tensor) -> Tensor {
-        block(&self.config, &self.params[PARAMS_BEFORE_BLOCKS + index * PARAMS_PER_BLOCK..][..PARAMS_PER_BLOCK], x)
+        let params = &self.params[PARAMS_BEFORE_BLOCKS + index * PARAMS_PER_BLOCK..][..PARAMS_PER_BLOCK];
+        block(&self.config, self.precision, params, x)
     }
 
     /// Final LayerNorm and the untied head: `[batch, time, d_model]` → logits `[batch, time, vocab]`.
     pub fn head(&self, x: &Tensor) -> Tensor {
-        head(&self.config, &self.params[self.params.len() - PARAMS_AFTER_BLOCKS..], x)
+        head(&self.config, self.precision, &self.params[self.params.len() - PARAMS_AFTER_BLOCKS..], x)
     }
 
     /// Copies parameter values in from another list in canonical order (shapes must match).
@@ -274,18 +284,26 @@ pub fn embed_recorded(config: &GptConfig, params: &[Tensor], tokens: &Tensor, op
 }
 
 /// One transformer block on its [`PARAMS_PER_BLOCK`] parameters: `[batch, time, d_model]` → same shape.
-pub fn block(config: &GptConfig, p: &[Tensor], x: &Tensor) -> Tensor {
-    block_recorded(config, p, x, &mut Vec::new())
+/// The linear layers and attention compute in `precision`; the LayerNorms and the residual stream stay
+/// fp32 (autocast's policy, see [`crate::precision`]).
+pub fn block(config: &GptConfig, precision: Precision, p: &[Tensor], x: &Tensor) -> Tensor {
+    block_recorded(config, precision, p, x, &mut Vec::new())
 }
 
 /// [`block`], recording its parameter operations.
-pub fn block_recorded(config: &GptConfig, p: &[Tensor], x: &Tensor, ops: &mut Vec<ParamOp>) -> Tensor {
+pub fn block_recorded(
+    config: &GptConfig,
+    precision: Precision,
+    p: &[Tensor],
+    x: &Tensor,
+    ops: &mut Vec<ParamOp>,
+) -> Tensor {
     let (batch, time, d) = x.size3().expect("block input is [batch, time, d_model]");
     let (heads, head_dim) = (config.n_heads as i64, config.head_dim() as i64);
 
     let h = x.layer_norm([d], Some(&p[0]), Some(&p[1]), LAYER_NORM_EPS, false);
     record(ops, &h, 0..2);
-    let qkv = h.linear(&p[2], Some(&p[3]));
+    let qkv = precision.linear(&h, &p[2], Some(&p[3]));
     record(ops, &qkv, 2..4);
     let split = |t: &Tensor| t.view([batch, time, heads, head_dim]).transpose(1, 2);
     let parts = qkv.split(d, 2);
@@ -293,37 +311,44 @@ pub fn block_recorded(config: &GptConfig, p: &[Tensor], x: &Tensor, ops: &mut Ve
     // Scores scaled by 1/sqrt(head_dim); future positions masked to -inf before the softmax.
     let attended = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false);
     let attended = attended.transpose(1, 2).contiguous().view([batch, time, d]);
-    let projected = attended.linear(&p[4], Some(&p[5]));
+    let projected = precision.linear(&attended, &p[4], Some(&p[5]));
     record(ops, &projected, 4..6);
     let x = x + projected;
 
     let h = x.layer_norm([d], Some(&p[6]), Some(&p[7]), LAYER_NORM_EPS, false);
     record(ops, &h, 6..8);
-    let h = h.linear(&p[8], Some(&p[9]));
+    let h = precision.linear(&h, &p[8], Some(&p[9]));
     record(ops, &h, 8..10);
-    let out = h.gelu("none").linear(&p[10], Some(&p[11]));
+    let out = precision.linear(&h.gelu("none"), &p[10], Some(&p[11]));
     record(ops, &out, 10..12);
     x + out
 }
 
 /// Final LayerNorm and the untied head on `[ln_f.weight, ln_f.bias, lm_head.weight]`:
-/// `[batch, time, d_model]` → logits `[batch, time, vocab]`.
-pub fn head(config: &GptConfig, params: &[Tensor], x: &Tensor) -> Tensor {
-    head_recorded(config, params, x, &mut Vec::new())
+/// `[batch, time, d_model]` → logits `[batch, time, vocab]` (in `precision`'s kind).
+pub fn head(config: &GptConfig, precision: Precision, params: &[Tensor], x: &Tensor) -> Tensor {
+    head_recorded(config, precision, params, x, &mut Vec::new())
 }
 
 /// [`head`], recording its parameter operations.
-pub fn head_recorded(config: &GptConfig, params: &[Tensor], x: &Tensor, ops: &mut Vec<ParamOp>) -> Tensor {
+pub fn head_recorded(
+    config: &GptConfig,
+    precision: Precision,
+    params: &[Tensor],
+    x: &Tensor,
+    ops: &mut Vec<ParamOp>,
+) -> Tensor {
     let d = config.d_model as i64;
     let h = x.layer_norm([d], Some(&params[0]), Some(&params[1]), LAYER_NORM_EPS, false);
     record(ops, &h, 0..2);
-    let logits = h.linear(&params[2], None::<Tensor>);
+    let logits = precision.linear(&h, &params[2], None);
     record(ops, &logits, 2..3);
     logits
 }
 
-/// Mean cross-entropy of `[batch, time, vocab]` logits against `[batch, time]` targets.
+/// Mean cross-entropy of `[batch, time, vocab]` logits against `[batch, time]` targets, in fp32 whatever
+/// the logits' kind.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Tensor {
     let vocab = logits.size()[2];
-    logits.view([-1, vocab]).cross_entropy_for_logits(&targets.view([-1]))
+    logits.to_kind(Kind::Float).view([-1, vocab]).cross_entropy_for_logits(&targets.view([-1]))
 }

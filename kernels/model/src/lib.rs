@@ -11,6 +11,7 @@ pub mod data;
 pub mod gpt;
 pub mod optim;
 pub mod oracle;
+pub mod precision;
 pub mod rng;
 pub mod storage;
 pub mod trainer;

@@ -146,6 +146,22 @@ pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
     clip_grad_norm_known(params, max_norm, grad_norm(params))
 }
 
+/// Multiplies every gradient by `factor` (unscale and clip in one, see
+/// [`crate::precision::Update::Apply`]); a factor of exactly 1 leaves them alone.
+pub fn scale_grads(params: &[Tensor], factor: f64) {
+    if factor == 1.0 {
+        return;
+    }
+    tch::no_grad(|| {
+        for p in params {
+            let mut g = p.grad();
+            if g.defined() {
+                let _ = g.g_mul_scalar_(factor);
+            }
+        }
+    });
+}
+
 /// [`clip_grad_norm`] when the caller already knows the global norm (e.g. summed while the gradients
 /// were flat for an all-reduce), saving a pass over every gradient.
 pub fn clip_grad_norm_known(params: &[Tensor], max_norm: f64, norm: f64) -> f64 {

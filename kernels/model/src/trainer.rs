@@ -12,7 +12,8 @@ use crate::checkpoint::{self, CheckpointError};
 use crate::config::{ConfigError, JobConfig};
 use crate::data::{load_corpus, micro_batch_ranges, Corpus, DataError, GlobalSampler};
 use crate::gpt::Gpt;
-use crate::optim::{clip_grad_norm, clip_grad_norm_known, grad_norm, learning_rate, AdamW, AdamWConfig};
+use crate::optim::{grad_norm, learning_rate, scale_grads, AdamW, AdamWConfig};
+use crate::precision::{backward_weight, LossScale, Precision, Update};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -32,10 +33,14 @@ pub struct StepReport {
     /// Mean next-token cross-entropy over the step's global batch, before the update.
     pub loss: f64,
     pub lr: f64,
-    /// Global gradient norm before clipping.
+    /// Global gradient norm before clipping (not finite when the step overflowed).
     pub grad_norm: f64,
     /// Tokens the step trained on (global batch × context).
     pub tokens: u64,
+    /// fp16: the step's gradients overflowed, so no update was applied (the batch is consumed).
+    pub skipped: bool,
+    /// The loss scale the step's backward ran at (1 unless fp16).
+    pub loss_scale: f64,
 }
 
 /// The reference trainer's whole state.
@@ -47,6 +52,8 @@ pub struct Trainer {
     pub sampler: GlobalSampler,
     /// Committed steps so far; the next step to run.
     pub step: u64,
+    /// fp16's dynamic loss scale (constant 1 in the other precisions).
+    pub loss_scale: LossScale,
 }
 
 impl Trainer {
@@ -59,11 +66,13 @@ impl Trainer {
 
     /// A fresh run on an already loaded corpus.
     pub fn with_corpus(config: JobConfig, corpus: Corpus) -> Self {
-        let model = Gpt::new(config.model.clone(), config.train.seed);
+        let precision = Precision::of_config(&config.parallel);
+        let model = Gpt::new(config.model.clone(), config.train.seed).with_precision(precision);
         let decays = model.specs().iter().map(|s| s.decays()).collect();
         let optimizer = AdamW::new(AdamWConfig::from(&config.train), model.params(), decays);
         let sampler = GlobalSampler::new(config.train.seed, corpus, config.model.context);
-        Self { config, model, optimizer, sampler, step: 0 }
+        let loss_scale = LossScale::initial(&config.parallel);
+        Self { config, model, optimizer, sampler, step: 0, loss_scale }
     }
 
     /// Continues the run saved in checkpoint directory `dir`. `config` must describe the same model, data
@@ -101,14 +110,16 @@ impl Trainer {
         let mut loss = 0.0;
         for micro in micro_batch_ranges(slice, train.micro_batch) {
             let weight = micro.len() as f64 / global_batch as f64;
+            let scaled = backward_weight(train, &self.loss_scale, step, &micro);
             let (inputs, targets) = self.sampler.batch(step, micro);
             let micro_loss = if recompute {
                 let model = &self.model;
                 let (config, params) = (&model.config, model.params());
-                micro_batch_backward(config, params, &inputs, &targets, weight, Activations::Recompute, &mut |_| {})
+                let recompute = Activations::Recompute;
+                micro_batch_backward(config, model.precision, params, &inputs, &targets, scaled, recompute, &mut |_| {})
             } else {
                 let micro_loss = self.model.loss(&inputs, &targets);
-                (&micro_loss * weight).backward();
+                (&micro_loss * scaled).backward();
                 micro_loss.double_value(&[])
             };
             loss += micro_loss * weight;
@@ -116,28 +127,40 @@ impl Trainer {
         loss
     }
 
-    /// Finishes the step whose gradients (of the whole global batch) are in place: clip by global norm,
-    /// AdamW at the scheduled rate, advance the step counter.
+    /// Finishes the step whose gradients (of the whole global batch) are in place: unscale and clip by
+    /// global norm, AdamW at the scheduled rate — or, when fp16 overflowed, skip the update — and
+    /// advance the step counter.
     pub fn apply_update(&mut self, loss: f64) -> StepReport {
         self.apply_update_with_norm(loss, None)
     }
 
-    /// [`Self::apply_update`] with the gradients' global norm already known (`None`: compute it).
+    /// [`Self::apply_update`] with the (scaled) gradients' global norm already known (`None`: compute it).
     pub fn apply_update_with_norm(&mut self, loss: f64, known_norm: Option<f64>) -> StepReport {
         let step = self.step;
-        let train = &self.config.train;
-        let params = self.model.params_mut();
-        let norm = match (known_norm, train.grad_clip > 0.0) {
-            (Some(norm), true) => clip_grad_norm_known(params, train.grad_clip, norm),
-            (Some(norm), false) => norm,
-            (None, true) => clip_grad_norm(params, train.grad_clip),
-            (None, false) => grad_norm(params),
-        };
-        let lr = learning_rate(train, step);
-        self.optimizer.apply(params, lr);
+        let loss_scale = self.loss_scale.scale;
+        let update = self.conclude_step(known_norm.unwrap_or_else(|| grad_norm(self.model.params())));
+        let lr = learning_rate(&self.config.train, step);
+        if let Update::Apply { grad_factor, .. } = update {
+            let params = self.model.params_mut();
+            scale_grads(params, grad_factor);
+            self.optimizer.apply(params, lr);
+        }
         self.step += 1;
-        let tokens = (train.global_batch * self.config.model.context) as u64;
-        StepReport { step, loss, lr, grad_norm: norm, tokens }
+        self.report(step, loss, lr, &update, loss_scale)
+    }
+
+    /// The verdict on the step in flight from its scaled gradients' global norm (see
+    /// [`LossScale::conclude`]); the loss scale moves on.
+    pub fn conclude_step(&mut self, scaled_norm: f64) -> Update {
+        let (precision, parallel) = (self.model.precision, &self.config.parallel);
+        self.loss_scale.conclude(precision, scaled_norm, self.config.train.grad_clip, parallel.loss_scale_window)
+    }
+
+    /// The report of committed step `step` whose backward ran at `loss_scale`.
+    pub fn report(&self, step: u64, loss: f64, lr: f64, update: &Update, loss_scale: f64) -> StepReport {
+        let tokens = (self.config.train.global_batch * self.config.model.context) as u64;
+        let (grad_norm, skipped) = (update.grad_norm(), update.skipped());
+        StepReport { step, loss, lr, grad_norm, tokens, skipped, loss_scale }
     }
 
     /// Mean loss of `batches` fixed evaluation batches (no gradients, no state change).

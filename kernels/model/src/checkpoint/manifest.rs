@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::JobConfig;
 use crate::data::SamplerState;
+use crate::precision::LossScale;
 
 pub const MANIFEST: &str = "manifest.json";
 pub const FORMAT: &str = "troupe-checkpoint";
@@ -35,6 +36,9 @@ pub struct Manifest {
     /// then `exp_avg_sq`.
     pub tensors: Vec<TensorEntry>,
     pub files: Vec<FileEntry>,
+    /// fp16's dynamic loss scaler when saved (absent for the other precisions and older checkpoints).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<LossScale>,
 }
 
 /// The random state of training. troupe draws every random number from a counter-based generator

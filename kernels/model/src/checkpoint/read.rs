@@ -61,6 +61,7 @@ pub fn load_state(dir: &Path) -> Result<TrainingState, CheckpointError> {
         sampler: manifest.sampler,
         tensors,
         values,
+        loss_scale: manifest.loss_scale,
     })
 }
 

@@ -12,6 +12,7 @@ use super::manifest::StateKind;
 use super::CheckpointError;
 use crate::config::JobConfig;
 use crate::data::SamplerState;
+use crate::precision::LossScale;
 use crate::trainer::Trainer;
 
 /// A tensor of the flat order: its name and shape.
@@ -38,6 +39,8 @@ pub struct TrainingState {
     pub tensors: Vec<TensorSpec>,
     /// Indexed by [`StateKind::index`]: parameters, `exp_avg`, `exp_avg_sq`.
     pub values: [Vec<f32>; 3],
+    /// fp16's loss scaler (None: saved by a build without one, or by a run that did not scale).
+    pub loss_scale: Option<LossScale>,
 }
 
 impl TrainingState {
@@ -60,6 +63,7 @@ impl TrainingState {
             sampler: trainer.sampler.state(trainer.step, trainer.config.train.global_batch),
             tensors,
             values,
+            loss_scale: scaler_of(trainer),
         }
     }
 
@@ -82,6 +86,7 @@ impl TrainingState {
         self.step = trainer.step;
         self.optimizer_step = trainer.optimizer.step;
         self.sampler = trainer.sampler.state(trainer.step, trainer.config.train.global_batch);
+        self.loss_scale = scaler_of(trainer);
     }
 
     /// Elements of one state (all three have the same length).
@@ -147,8 +152,15 @@ impl TrainingState {
         trainer.model.load_values(&values);
         trainer.optimizer.step = self.optimizer_step;
         trainer.step = self.step;
+        let saved_precision = &self.config.parallel.precision;
+        trainer.loss_scale = LossScale::resumed(&trainer.config.parallel, saved_precision, self.loss_scale);
         Ok(())
     }
+}
+
+/// The loss scaler state worth saving: fp16's (the other precisions' is the constant 1).
+pub fn scaler_of(trainer: &Trainer) -> Option<LossScale> {
+    trainer.model.precision.scales_loss().then_some(trainer.loss_scale)
 }
 
 /// Copies the trainer's parameters and moments into the three flat vectors (sized for `tensors`).
@@ -183,7 +195,7 @@ pub fn synthetic_state(config: &JobConfig, step: u64) -> TrainingState {
         corpus_fingerprint: 0,
         corpus_tokens: 0,
     };
-    TrainingState { config: config.clone(), step, optimizer_step: step, sampler, tensors, values }
+    TrainingState { config: config.clone(), step, optimizer_step: step, sampler, tensors, values, loss_scale: None }
 }
 
 /// The crash-consistency writer's state of step `step`: [`synthetic_state`] of `JobConfig::small`

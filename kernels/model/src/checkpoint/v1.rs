@@ -64,5 +64,6 @@ pub fn upgrade(dir: &Path, value: serde_json::Value) -> Result<Manifest, Checkpo
         layout: Layout::ddp(1),
         tensors,
         files,
+        loss_scale: None,
     })
 }

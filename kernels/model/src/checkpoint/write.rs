@@ -112,6 +112,7 @@ fn write_into(state: &TrainingState, tmp: &Path, layout: &Layout) -> Result<(Man
         layout: Layout { shards, ..layout.clone() },
         tensors,
         files,
+        loss_scale: state.loss_scale,
     };
     let json = serde_json::to_vec_pretty(&manifest).expect("the manifest serialises");
     write_synced(&tmp.join(MANIFEST), &json)?;
