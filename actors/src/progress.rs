@@ -3,6 +3,7 @@
 //! a CI log. With a run directory every event is also appended to its `events.jsonl`.
 
 use std::io::{IsTerminal, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -29,6 +30,10 @@ pub struct StepEvent {
     /// Peak resident memory of each rank's process so far, in bytes, by rank (one entry when the ranks
     /// share this process).
     pub peak_rss_bytes: Vec<u64>,
+    /// fp16: the gradients overflowed and the step applied no update.
+    pub skipped: bool,
+    /// The loss scale the step's backward ran at (1 unless fp16).
+    pub loss_scale: f64,
 }
 
 #[derive(Debug)]
@@ -38,6 +43,8 @@ pub struct Reporter {
     log_every: u64,
     bar: Option<ProgressBar>,
     run_dir: Option<Mutex<RunDir>>,
+    /// Steps reported skipped (fp16 overflow), for the summary.
+    skipped: AtomicU64,
 }
 
 impl Reporter {
@@ -54,7 +61,7 @@ impl Reporter {
             bar.enable_steady_tick(Duration::from_millis(200));
             bar
         });
-        Self { json, total_steps, log_every, bar, run_dir: None }
+        Self { json, total_steps, log_every, bar, run_dir: None, skipped: AtomicU64::new(0) }
     }
 
     /// Also records every event in `run_dir` (`--run-dir`).
@@ -103,7 +110,11 @@ impl Reporter {
             "event": "step", "step": e.step, "loss": e.loss, "tokens_per_s": e.tokens_per_s,
             "epoch": e.epoch, "world": e.world, "lr": e.lr, "grad_norm": e.grad_norm,
             "peak_rss_mib_per_rank": e.peak_rss_bytes.iter().map(|&b| mib(b)).collect::<Vec<f64>>(),
+            "skipped": e.skipped, "loss_scale": e.loss_scale,
         });
+        if e.skipped {
+            self.skipped.fetch_add(1, Ordering::Relaxed);
+        }
         self.record(&object);
         if self.json {
             emit(&object);
@@ -113,11 +124,17 @@ impl Reporter {
             bar.set_position(e.step);
             bar.set_message(format!("loss {:.4}  {:.0} tok/s", e.loss, e.tokens_per_s));
         }
-        if e.step.is_multiple_of(self.log_every) || e.step == self.total_steps || e.step == 1 {
+        if e.skipped {
+            self.say(&format!(
+                "step {:>6}/{}  loss {:.4}  skipped: the fp16 gradients overflowed at loss scale {}; no update, the scale halves",
+                e.step, self.total_steps, e.loss, e.loss_scale
+            ));
+        } else if e.step.is_multiple_of(self.log_every) || e.step == self.total_steps || e.step == 1 {
             let peak =
                 e.peak_rss_bytes.iter().copied().max().map_or(String::new(), |b| format!("  peak {:.0} MiB", mib(b)));
+            let scale = if e.loss_scale != 1.0 { format!("  loss-scale {}", e.loss_scale) } else { String::new() };
             self.say(&format!(
-                "step {:>6}/{}  loss {:.4}  lr {:.2e}  grad-norm {:.3}  {:.0} tokens/s{peak}",
+                "step {:>6}/{}  loss {:.4}  lr {:.2e}  grad-norm {:.3}  {:.0} tokens/s{peak}{scale}",
                 e.step, self.total_steps, e.loss, e.lr, e.grad_norm, e.tokens_per_s
             ));
         }
@@ -125,11 +142,20 @@ impl Reporter {
 
     /// Ends the bar and prints the summary (`{"event":"summary", ...}` or `line`).
     /// With a run directory, then writes its trace and says where the run was recorded.
-    pub fn finish(mut self, summary: Value, line: &str) {
+    /// Steps skipped for an fp16 overflow are added to both (`skipped_steps`).
+    pub fn finish(mut self, mut summary: Value, line: &str) {
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
         }
-        self.event("summary", summary, line);
+        let skipped = self.skipped.load(Ordering::Relaxed);
+        let mut line = line.to_owned();
+        if skipped > 0 {
+            if let Some(fields) = summary.as_object_mut() {
+                fields.insert("skipped_steps".into(), json!(skipped));
+            }
+            line.push_str(&format!(" ({skipped} step(s) skipped for an fp16 overflow)"));
+        }
+        self.event("summary", summary, &line);
         let Some(dir) = self.run_dir.take().map(|d| d.into_inner().unwrap_or_else(|p| p.into_inner())) else {
             return;
         };

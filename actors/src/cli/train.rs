@@ -198,6 +198,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             epoch: 0,
             world: 1,
             peak_rss_bytes: vec![crate::telemetry::memory::peak_rss_bytes()],
+            skipped: report.skipped,
+            loss_scale: report.loss_scale,
         });
         let every = config.checkpoint.every_steps;
         let due = trainer.step == total || (every > 0 && trainer.step % every == 0);

@@ -95,7 +95,18 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
                     &format!("troupe: job {} running data-parallel on {w} rank(s), epoch {epoch}", handle.id()),
                 );
             }
-            JobEvent::Step { step, loss, lr, grad_norm, tokens_per_s: tps, epoch, world: w, peak_rss_bytes } => {
+            JobEvent::Step {
+                step,
+                loss,
+                lr,
+                grad_norm,
+                skipped,
+                loss_scale,
+                tokens_per_s: tps,
+                epoch,
+                world: w,
+                peak_rss_bytes,
+            } => {
                 world = w;
                 first_loss.get_or_insert(loss);
                 last.push(loss);
@@ -103,7 +114,19 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
                 if last.len() > 10 {
                     last.remove(0);
                 }
-                let event = StepEvent { step, loss, lr, grad_norm, tokens_per_s: tps, epoch, world: w, peak_rss_bytes };
+                let tokens_per_s = tps;
+                let event = StepEvent {
+                    step,
+                    loss,
+                    lr,
+                    grad_norm,
+                    tokens_per_s,
+                    epoch,
+                    world: w,
+                    peak_rss_bytes,
+                    skipped,
+                    loss_scale,
+                };
                 reporter.step(&event);
             }
             JobEvent::Membership { epoch, world: w, changes } => reporter.event(

@@ -60,6 +60,8 @@ pub fn run(args: TrainArgs, config: JobConfig) -> anyhow::Result<()> {
             epoch: 0,
             world,
             peak_rss_bytes: vec![crate::telemetry::memory::peak_rss_bytes()],
+            skipped: step.skipped,
+            loss_scale: step.loss_scale,
         });
     })?;
     if let Some(path) = &args.save_final {

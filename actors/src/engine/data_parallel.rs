@@ -22,6 +22,7 @@ use troupe_cluster::ClusterError;
 use troupe_kernels::norm::sum_of_squares;
 use troupe_model::blockwise::Activations;
 use troupe_model::data::{micro_batch_ranges, rank_slice};
+use troupe_model::precision::{backward_weight, LossScale};
 use troupe_model::{StepReport, Trainer};
 
 use super::flat::{append_flat, copy_from_flat};
@@ -140,14 +141,15 @@ impl<T: Transport> DataParallelReplica<T> {
         self.comm_timing
     }
 
-    /// Makes every rank's whole training state — parameters, AdamW moments and step counters — equal to
-    /// rank `source`'s: how a joiner or a replacement catches up with the survivors.
+    /// Makes every rank's whole training state — parameters, AdamW moments, step counters and the loss
+    /// scaler — equal to rank `source`'s: how a joiner or a replacement catches up with the survivors.
     pub async fn sync_state_from(&mut self, source: usize) -> Result<(), ClusterError> {
         // Counters travel as 24-bit halves, each exact in an f32.
         let split = |v: u64| [(v >> 24) as f32, (v & 0xFF_FFFF) as f32];
         let join = |hi: f32, lo: f32| ((hi as u64) << 24) | lo as u64;
         let (step, opt) = (split(self.trainer.step), split(self.trainer.optimizer.step));
-        let mut counters = [step[0], step[1], opt[0], opt[1]];
+        let scaler = self.trainer.loss_scale.to_words();
+        let mut counters = [step[0], step[1], opt[0], opt[1], scaler[0], scaler[1], scaler[2], scaler[3], scaler[4]];
         self.comm.broadcast(&mut counters[..], source).await?;
         let (model, optimizer) = (&self.trainer.model, &self.trainer.optimizer);
         let tensors: Vec<Tensor> = model
@@ -165,6 +167,8 @@ impl<T: Transport> DataParallelReplica<T> {
         }
         self.trainer.step = join(counters[0], counters[1]);
         self.trainer.optimizer.step = join(counters[2], counters[3]);
+        let [_, _, _, _, scaler @ ..] = counters;
+        self.trainer.loss_scale = LossScale::from_words(scaler);
         Ok(())
     }
 
@@ -235,8 +239,9 @@ impl<T: Transport> DataParallelReplica<T> {
             .into_iter()
             .map(|range| {
                 let weight = range.len() as f64 / train.global_batch as f64;
+                let backward_weight = backward_weight(train, &self.trainer.loss_scale, step, &range);
                 let (tokens, targets) = self.trainer.sampler.batch(step, range);
-                MicroBatch { tokens, targets, weight }
+                MicroBatch { tokens, targets, weight, backward_weight }
             })
             .collect();
         for p in self.trainer.model.params_mut() {
@@ -245,6 +250,7 @@ impl<T: Transport> DataParallelReplica<T> {
         let model = &self.trainer.model;
         let work = BackwardWork {
             model: model.config.clone(),
+            precision: model.precision,
             params: model.params().iter().map(Tensor::shallow_clone).collect(),
             micro_batches,
             activations: Activations::from_recompute(self.trainer.config.parallel.recompute),

@@ -25,15 +25,18 @@ use std::time::Instant;
 use tch::Tensor;
 use tokio::sync::mpsc;
 use troupe_model::blockwise::{micro_batch_backward, Activations};
+use troupe_model::precision::Precision;
 use troupe_model::GptConfig;
 
 use super::flat::append_flat;
 
-/// One micro-batch of the rank's slice, sampled, with its share of the global batch.
+/// One micro-batch of the rank's slice, sampled, with its share of the global batch (`weight`, for the
+/// loss) and the factor its backward multiplies the loss by (the share times fp16's loss scale).
 pub(crate) struct MicroBatch {
     pub tokens: Tensor,
     pub targets: Tensor,
     pub weight: f64,
+    pub backward_weight: f64,
 }
 
 /// What the backward thread reports, in this order: every bucket once, in plan order, then `Done`.
@@ -48,6 +51,7 @@ pub(crate) enum Progress {
 /// gradients with the trainer's), the batch, the bucket plan, and a buffer per bucket to fill.
 pub(crate) struct BackwardWork {
     pub model: GptConfig,
+    pub precision: Precision,
     pub params: Vec<Tensor>,
     pub micro_batches: Vec<MicroBatch>,
     pub activations: Activations,
@@ -99,7 +103,7 @@ impl Drop for BackwardJob {
 }
 
 fn run(work: BackwardWork, tx: &mpsc::UnboundedSender<Progress>, stop: &AtomicBool) {
-    let BackwardWork { model, params, micro_batches, activations, buckets, mut buffers } = work;
+    let BackwardWork { model, precision, params, micro_batches, activations, buckets, mut buffers } = work;
     let mut next = 0;
     let mut send_ready = |lowest_final: usize, buffers: &mut Vec<Vec<f32>>| {
         while next < buckets.len() && buckets[next].start >= lowest_final {
@@ -125,10 +129,11 @@ fn run(work: BackwardWork, tx: &mpsc::UnboundedSender<Progress>, stop: &AtomicBo
         };
         let micro_loss = micro_batch_backward(
             &model,
+            precision,
             &params,
             &micro.tokens,
             &micro.targets,
-            micro.weight,
+            micro.backward_weight,
             activations,
             &mut on_final,
         );

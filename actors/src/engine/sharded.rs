@@ -20,10 +20,12 @@ use troupe_cluster::collective::{chunk_range, Collective, Communicator, ReduceOp
 use troupe_cluster::transport::Transport;
 use troupe_cluster::ClusterError;
 use troupe_kernels::adamw::{adamw_step, AdamWConfig, AdamWShard};
+use troupe_model::checkpoint::state::scaler_of;
 use troupe_model::checkpoint::state::TensorSpec;
 use troupe_model::checkpoint::TrainingState;
 use troupe_model::data::rank_slice;
 use troupe_model::optim::learning_rate;
+use troupe_model::precision::{LossScale, Update};
 use troupe_model::{StepReport, Trainer};
 
 use super::committed::{CommittedState, ShardPiece};
@@ -279,6 +281,11 @@ impl<T: Transport> ShardedReplica<T> {
                 }
             }
         }
+        // The loss scaler (fp16) from the lowest rank at that step: every rank there holds the same.
+        let provider = holdings.iter().position(|h| h.step == plan.step).expect("plan_restore: a rank holds the step");
+        let mut scaler = self.trainer.loss_scale.to_words();
+        self.comm.broadcast(&mut scaler[..], provider).await?;
+        self.trainer.loss_scale = LossScale::from_words(scaler);
         self.segments = needed.iter().map(|r| plan_segments(&self.numels, &self.decays, r)).collect();
         self.grads = needed.iter().map(|r| vec![0.0; r.len()]).collect();
         self.pieces = pieces;
@@ -385,21 +392,24 @@ impl<T: Transport> ShardedReplica<T> {
         Ok(ReducedStep { loss: f64::from(totals[0]), grad_norm: f64::from(totals[1]).sqrt(), compute_seconds })
     }
 
-    /// The second half, once the step is committed: clip by the global norm and apply AdamW to the own
-    /// shard and to every buddy copy — the same bits the buddy applies to its own. Local only, so it cannot
-    /// fail half-way; the replica's parameters are refreshed at the next step.
+    /// The second half, once the step is committed: unscale and clip by the global norm and apply AdamW
+    /// to the own shard and to every buddy copy — the same bits the buddy applies to its own — or skip
+    /// the update when fp16 overflowed (every rank sees the same global norm, so every rank skips). Local
+    /// only, so it cannot fail half-way; the replica's parameters are refreshed at the next step.
     pub fn apply_update(&mut self, reduced: ReducedStep) -> StepReport {
         let step = self.trainer.step;
         let train = self.trainer.config.train.clone();
-        let norm = reduced.grad_norm;
-        if train.grad_clip > 0.0 {
-            let coef = (train.grad_clip / (norm + 1e-6)).min(1.0);
-            if coef < 1.0 {
-                let coef = coef as f32;
-                self.grads.iter_mut().flatten().for_each(|g| *g *= coef);
-            }
-        }
+        let loss_scale = self.trainer.loss_scale.scale;
+        let update = self.trainer.conclude_step(reduced.grad_norm);
         let lr = learning_rate(&train, step);
+        let Update::Apply { grad_factor, .. } = update else {
+            self.trainer.step += 1;
+            return self.trainer.report(step, reduced.loss, lr, &update, loss_scale);
+        };
+        if grad_factor != 1.0 {
+            let factor = grad_factor as f32;
+            self.grads.iter_mut().flatten().for_each(|g| *g *= factor);
+        }
         let t = self.trainer.optimizer.step + 1;
         for ((piece, segments), grad) in self.pieces.iter_mut().zip(&self.segments).zip(&self.grads) {
             for segment in segments {
@@ -422,8 +432,7 @@ impl<T: Transport> ShardedReplica<T> {
         self.trainer.optimizer.step = t;
         self.trainer.step += 1;
         self.params_stale = true;
-        let tokens = (train.global_batch * self.trainer.config.model.context) as u64;
-        StepReport { step, loss: reduced.loss, lr, grad_norm: norm, tokens }
+        self.trainer.report(step, reduced.loss, lr, &update, loss_scale)
     }
 
     /// The whole committed state on rank 0, for a checkpoint: every rank sends its own shard (masters and
@@ -453,6 +462,7 @@ impl<T: Transport> ShardedReplica<T> {
                 sampler: self.trainer.sampler.state(0, self.trainer.config.train.global_batch),
                 tensors: tensor_specs(&self.trainer),
                 values: [0, 1, 2].map(|_| vec![0f32; self.total]),
+                loss_scale: None,
             })
         });
         for (k, v) in [&own.master, &own.exp_avg, &own.exp_avg_sq].into_iter().enumerate() {
@@ -478,6 +488,7 @@ impl<T: Transport> ShardedReplica<T> {
         state.step = trainer.step;
         state.optimizer_step = trainer.optimizer.step;
         state.sampler = trainer.sampler.state(trainer.step, trainer.config.train.global_batch);
+        state.loss_scale = scaler_of(trainer);
         Ok(Some(state))
     }
 

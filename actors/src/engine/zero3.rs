@@ -20,6 +20,7 @@ use troupe_cluster::ClusterError;
 use troupe_model::blockwise::{backward_from, backward_stages, leaf, Activations};
 use troupe_model::data::{micro_batch_ranges, rank_slice};
 use troupe_model::gpt::{self, GptConfig, ParamSpec};
+use troupe_model::precision::{backward_weight, Precision};
 use troupe_model::Trainer;
 
 use super::committed::ShardPiece;
@@ -143,11 +144,13 @@ impl<T: Transport> Exchange<'_, T> {
     }
 }
 
-/// One micro-batch of this rank: tokens, targets and its weight (its share of the global batch).
+/// One micro-batch of this rank: tokens, targets, its weight (its share of the global batch) and the
+/// factor its backward multiplies the loss by (the share times fp16's loss scale).
 struct Batch {
     tokens: Tensor,
     targets: Tensor,
     weight: f64,
+    backward_weight: f64,
 }
 
 /// The forward and backward of `step`'s slice of this rank, unit by unit: zeroes `grad` (the own
@@ -178,11 +181,13 @@ pub(super) async fn accumulate<T: Transport>(
     for round in 0..rounds {
         let batch = mine.get(round).map(|micro| {
             let weight = micro.len() as f64 / train.global_batch as f64;
+            let backward_weight = backward_weight(train, &trainer.loss_scale, trainer.step, micro);
             let (tokens, targets) = trainer.sampler.batch(trainer.step, micro.clone());
-            Batch { tokens, targets, weight }
+            Batch { tokens, targets, weight, backward_weight }
         });
         let weight = batch.as_ref().map_or(0.0, |b| b.weight);
-        loss += weight * micro_batch(&mut exchange, &config.model, &units, batch, activations).await?;
+        let model = (&config.model, trainer.model.precision);
+        loss += weight * micro_batch(&mut exchange, model, &units, batch, activations).await?;
     }
     Ok(loss)
 }
@@ -199,7 +204,7 @@ enum Kept {
 /// collectives). Returns the micro-batch's mean loss (0 without one).
 async fn micro_batch<T: Transport>(
     ex: &mut Exchange<'_, T>,
-    config: &GptConfig,
+    (config, precision): (&GptConfig, Precision),
     units: &[Unit],
     batch: Option<Batch>,
     activations: Activations,
@@ -213,7 +218,7 @@ async fn micro_batch<T: Transport>(
         let Some(batch) = &batch else { continue };
         let run = |input: Option<&Tensor>| match input {
             None => gpt::embed(config, &params, &batch.tokens),
-            Some(input) => gpt::block(config, &params, input),
+            Some(input) => gpt::block(config, precision, &params, input),
         };
         match activations {
             Activations::Keep => {
@@ -238,8 +243,8 @@ async fn micro_batch<T: Transport>(
     let computed = batch.is_some();
     if let Some(batch) = &batch {
         let input = leaf(&x.take().expect("the head's input"));
-        let micro_loss = gpt::cross_entropy(&gpt::head(config, &params, &input), &batch.targets);
-        (&micro_loss * batch.weight).backward();
+        let micro_loss = gpt::cross_entropy(&gpt::head(config, precision, &params, &input), &batch.targets);
+        (&micro_loss * batch.backward_weight).backward();
         loss = micro_loss.double_value(&[]);
         grad = Some(input.grad());
     }
@@ -255,7 +260,7 @@ async fn micro_batch<T: Transport>(
                 let tokens = &batch.as_ref().expect("kept only with a micro-batch").tokens;
                 let output = match &input {
                     None => gpt::embed(config, &params, tokens),
-                    Some(input) => gpt::block(config, &params, input),
+                    Some(input) => gpt::block(config, precision, &params, input),
                 };
                 (params, input, Some(output))
             }

@@ -7,7 +7,7 @@ use troupe_cluster::membership::{NodeId, View};
 
 use super::job::{DriverAction, JobDriver};
 use super::node::NodeMsg;
-use super::protocol::{AttemptOutcome, JobEvent, JobId, JobSpec, MemberInfo};
+use super::protocol::{AttemptOutcome, JobEvent, JobId, JobSpec, MemberInfo, StepFigures};
 use crate::telemetry::PhaseSpan;
 
 pub enum JobMsg {
@@ -28,10 +28,8 @@ pub enum JobMsg {
         attempt: u64,
         slot: u32,
         step: u64,
-        loss: f64,
-        grad_norm: f64,
+        figures: StepFigures,
         seconds: f64,
-        peak_rss_bytes: u64,
     },
     Ended {
         node: NodeId,
@@ -120,8 +118,8 @@ impl Actor for JobController {
             JobMsg::Ready { node, attempt, slot, addr, committed } => {
                 d.on_ready(now, &node, attempt, slot, addr, committed)
             }
-            JobMsg::Vote { node, attempt, slot, step, loss, grad_norm, peak_rss_bytes, .. } => {
-                d.on_vote(now, &node, attempt, slot, step, (loss, grad_norm, peak_rss_bytes))
+            JobMsg::Vote { node, attempt, slot, step, figures, .. } => {
+                d.on_vote(now, &node, attempt, slot, step, figures)
             }
             JobMsg::Ended { node, attempt, slot, outcome } => d.on_ended(&node, attempt, slot, outcome),
             JobMsg::Checkpointed { attempt, step, path, seconds } => d.on_checkpoint(attempt, step, path, seconds),

@@ -16,7 +16,9 @@ use troupe_cluster::membership::{NodeId, View};
 use troupe_cluster::transport::quic::PeerInfo;
 use troupe_model::optim::learning_rate;
 
-use super::protocol::{AttemptOutcome, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, RankSlot, Wire};
+use super::protocol::{
+    AttemptOutcome, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, RankSlot, StepFigures, Wire,
+};
 
 /// Attempts in a row that fail without committing a step before the job is declared failed.
 pub const FAILED_ATTEMPTS_MAX: u32 = 5;
@@ -42,8 +44,8 @@ enum Phase {
     },
     Running {
         ranks: Vec<RankSlot>,
-        /// Each rank's (loss, gradient norm, peak RSS bytes) for the step in flight.
-        votes: Vec<Option<(f64, f64, u64)>>,
+        /// Each rank's figures of the step in flight.
+        votes: Vec<Option<StepFigures>>,
         ended: Vec<Option<AttemptOutcome>>,
     },
     Done,
@@ -302,7 +304,7 @@ impl JobDriver {
     /// all-reduce; rank 0's are reported).
     #[allow(clippy::too_many_arguments)]
     /// A rank's vote for `step`: (loss, gradient norm, peak RSS bytes of its process).
-    pub fn on_vote(&mut self, now: Duration, node: &NodeId, attempt: u64, slot: u32, step: u64, vote: (f64, f64, u64)) {
+    pub fn on_vote(&mut self, now: Duration, node: &NodeId, attempt: u64, slot: u32, step: u64, vote: StepFigures) {
         if attempt != self.attempt || step != self.committed {
             return;
         }
@@ -312,8 +314,8 @@ impl JobDriver {
         if votes.iter().any(Option::is_none) {
             return;
         }
-        let (loss, norm, _) = votes[0].expect("all voted");
-        let peak_rss_bytes: Vec<u64> = votes.iter_mut().map(|v| v.take().map_or(0, |v| v.2)).collect();
+        let StepFigures { loss, grad_norm, skipped, loss_scale, .. } = votes[0].expect("all voted");
+        let peak_rss_bytes: Vec<u64> = votes.iter_mut().map(|v| v.take().map_or(0, |v| v.peak_rss_bytes)).collect();
         let seconds = now.saturating_sub(self.last_commit_at).as_secs_f64();
         self.last_commit_at = now;
         let ranks = ranks.clone();
@@ -329,7 +331,9 @@ impl JobDriver {
             step: step + 1,
             loss,
             lr,
-            grad_norm: norm,
+            grad_norm,
+            skipped,
+            loss_scale,
             tokens_per_s: tokens / seconds.max(1e-9),
             epoch: self.epoch,
             world: ranks.len(),
@@ -421,6 +425,10 @@ impl JobDriver {
 mod tests {
     use troupe_cluster::membership::Epoch;
 
+    fn figures(loss: f64, grad_norm: f64, peak_rss_bytes: u64) -> StepFigures {
+        StepFigures { peak_rss_bytes, ..StepFigures::new(loss, grad_norm) }
+    }
+
     use super::*;
 
     const T: Duration = Duration::from_millis(100);
@@ -504,12 +512,12 @@ mod tests {
         s.config.parallel.dp = 1;
         let mut d = JobDriver::new(1, s);
         started(&mut d, 1, &["b"], &[0]);
-        d.on_vote(T, &"b".into(), 1, 0, 0, (5.0, 1.0, 0));
+        d.on_vote(T, &"b".into(), 1, 0, 0, figures(5.0, 1.0, 0));
         drain(&mut d);
         let (v, m) = view(2, &["a", "b"]);
         d.on_view(&v, &m, vec!["a joined".into()]);
         assert!(sent(&drain(&mut d)).is_empty(), "the attempt on b goes on");
-        d.on_vote(T, &"b".into(), 1, 0, 1, (4.0, 1.0, 0));
+        d.on_vote(T, &"b".into(), 1, 0, 1, figures(4.0, 1.0, 0));
         assert_eq!(d.info().step, 2);
         let (v, m) = view(3, &["a"]);
         d.on_view(&v, &m, vec!["b failed".into()]);
@@ -524,7 +532,7 @@ mod tests {
         let mut d = JobDriver::new(1, spec(10));
         started(&mut d, 1, &["a", "b"], &[0, 0]);
         for n in ["a", "b"] {
-            d.on_vote(T, &n.into(), 1, 0, 0, (5.0, 1.0, 0));
+            d.on_vote(T, &n.into(), 1, 0, 0, figures(5.0, 1.0, 0));
         }
         let (v, m) = view(2, &["b", "c"]);
         d.on_view(&v, &m, vec![]);
@@ -558,11 +566,11 @@ mod tests {
         assert_eq!(*source, None, "every rank holds step 0: nothing to copy");
         assert!(matches!(events(&start)[0], JobEvent::Started { world: 2, epoch: 3, from_step: 0, attempt: 1 }));
 
-        d.on_vote(T * 2, &"a".into(), 1, 0, 0, (4.0, 1.0, 100));
+        d.on_vote(T * 2, &"a".into(), 1, 0, 0, figures(4.0, 1.0, 100));
         assert!(drain(&mut d).is_empty());
-        d.on_vote(T * 2, &"a".into(), 1, 0, 0, (4.0, 1.0, 100)); // a duplicate changes nothing
+        d.on_vote(T * 2, &"a".into(), 1, 0, 0, figures(4.0, 1.0, 100)); // a duplicate changes nothing
         assert!(drain(&mut d).is_empty());
-        d.on_vote(T * 3, &"b".into(), 1, 0, 0, (4.0, 1.0, 200));
+        d.on_vote(T * 3, &"b".into(), 1, 0, 0, figures(4.0, 1.0, 200));
         let commit = drain(&mut d);
         assert_eq!(sent(&commit).len(), 2);
         assert!(matches!(sent(&commit)[0].1, Wire::Commit { step: 0, .. }));
@@ -575,8 +583,8 @@ mod tests {
         assert!((tokens_per_s - 1024.0 / 0.2).abs() < 1e-6, "{tokens_per_s}");
         assert!(commit.contains(&DriverAction::StepBoundary));
 
-        d.on_vote(T * 4, &"a".into(), 1, 0, 1, (3.0, 1.0, 0));
-        d.on_vote(T * 4, &"b".into(), 1, 0, 1, (3.0, 1.0, 0));
+        d.on_vote(T * 4, &"a".into(), 1, 0, 1, figures(3.0, 1.0, 0));
+        d.on_vote(T * 4, &"b".into(), 1, 0, 1, figures(3.0, 1.0, 0));
         assert!(!drain(&mut d).contains(&DriverAction::StepBoundary), "no boundary after the last step");
         d.on_ended(&"a".into(), 1, 0, AttemptOutcome::Completed { step: 2, saved: None });
         assert_eq!(d.info().state, JobState::Running);
@@ -593,10 +601,10 @@ mod tests {
         started(&mut d, 1, &["a", "b", "c"], &[0, 0, 0]);
         drain(&mut d);
         for n in ["a", "b", "c"] {
-            d.on_vote(T, &n.into(), 1, 0, 0, (5.0, 1.0, 0));
+            d.on_vote(T, &n.into(), 1, 0, 0, figures(5.0, 1.0, 0));
         }
         drain(&mut d);
-        d.on_vote(T, &"a".into(), 1, 0, 1, (4.0, 1.0, 0)); // step 1 in flight when c dies
+        d.on_vote(T, &"a".into(), 1, 0, 1, figures(4.0, 1.0, 0)); // step 1 in flight when c dies
         let (v, m) = view(2, &["a", "b"]);
         d.on_view(&v, &m, vec!["c failed".into()]);
         let actions = drain(&mut d);
@@ -605,7 +613,7 @@ mod tests {
         assert!(matches!(events(&actions)[0], JobEvent::Membership { epoch: 2, world: 2, .. }));
         assert!(sent(&actions).iter().any(|(_, w)| matches!(w, Wire::Prepare { attempt: 2, .. })));
         // A late vote of the aborted attempt is ignored.
-        d.on_vote(T, &"b".into(), 1, 0, 1, (4.0, 1.0, 0));
+        d.on_vote(T, &"b".into(), 1, 0, 1, figures(4.0, 1.0, 0));
         assert!(drain(&mut d).is_empty());
 
         // A joiner "d" arrives with no progress; "a" and "b" committed step 1.
@@ -625,7 +633,7 @@ mod tests {
         let mut d = JobDriver::new(1, spec(10));
         started(&mut d, 1, &["a", "b"], &[0, 0]);
         for n in ["a", "b"] {
-            d.on_vote(T, &n.into(), 1, 0, 0, (5.0, 1.0, 0));
+            d.on_vote(T, &n.into(), 1, 0, 0, figures(5.0, 1.0, 0));
         }
         drain(&mut d);
         let (v, m) = view(2, &["c"]);
@@ -666,7 +674,7 @@ mod tests {
         let actions = drain(&mut d);
         assert!(events(&actions).contains(&&JobEvent::RolledBack { from_step: 7, to_step: 5 }), "{actions:?}");
         for n in ["a", "b"] {
-            d.on_vote(T, &n.into(), attempt, 0, 5, (5.0, 1.0, 0));
+            d.on_vote(T, &n.into(), attempt, 0, 5, figures(5.0, 1.0, 0));
         }
         drain(&mut d);
         d.on_ended(&"a".into(), attempt, 0, AttemptOutcome::Failed { step: 6, reason: "boom".into() });
@@ -731,7 +739,7 @@ mod tests {
         let mut d = JobDriver::new(1, s);
         started(&mut d, 1, &["a", "b"], &[0, 0]);
         for n in ["a", "b"] {
-            d.on_vote(T, &n.into(), 1, 0, 0, (5.0, 1.0, 0));
+            d.on_vote(T, &n.into(), 1, 0, 0, figures(5.0, 1.0, 0));
         }
         drain(&mut d);
         // b is lost: one node left, below min_nodes. The attempt is aborted and the job waits.

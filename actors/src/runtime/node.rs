@@ -340,10 +340,8 @@ impl NodeState {
             Wire::Ready { job, attempt, slot, data_addr, committed } => {
                 (job, JobMsg::Ready { node: from.clone(), attempt, slot, addr: data_addr, committed })
             }
-            Wire::Vote { job, attempt, slot, step, loss, grad_norm, seconds, peak_rss_bytes } => {
-                let vote =
-                    JobMsg::Vote { node: from.clone(), attempt, slot, step, loss, grad_norm, seconds, peak_rss_bytes };
-                (job, vote)
+            Wire::Vote { job, attempt, slot, step, figures, seconds } => {
+                (job, JobMsg::Vote { node: from.clone(), attempt, slot, step, figures, seconds })
             }
             Wire::Ended { job, attempt, slot, outcome } => {
                 (job, JobMsg::Ended { node: from.clone(), attempt, slot, outcome })

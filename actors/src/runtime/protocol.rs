@@ -13,6 +13,51 @@ use troupe_model::config::JobConfig;
 
 use crate::telemetry::PhaseSpan;
 
+/// What a rank reports of a reduced step when it votes (every rank reduced the same loss and norm).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepFigures {
+    /// The global batch's mean loss.
+    #[serde(with = "non_finite_as_null")]
+    pub loss: f64,
+    /// The global gradient norm before clipping, unscaled; not finite when fp16 overflowed.
+    #[serde(with = "non_finite_as_null")]
+    pub grad_norm: f64,
+    /// fp16 overflowed: the step will be committed without an update.
+    #[serde(default)]
+    pub skipped: bool,
+    /// The loss scale the backward ran at.
+    #[serde(default = "unit_scale")]
+    pub loss_scale: f64,
+    /// Peak resident memory of the rank's process so far (VmHWM), in bytes.
+    #[serde(default)]
+    pub peak_rss_bytes: u64,
+}
+
+impl StepFigures {
+    /// An fp32 step's figures (no loss scale, not skipped, no memory figure).
+    pub fn new(loss: f64, grad_norm: f64) -> Self {
+        Self { loss, grad_norm, skipped: false, loss_scale: 1.0, peak_rss_bytes: 0 }
+    }
+}
+
+fn unit_scale() -> f64 {
+    1.0
+}
+
+/// JSON has no NaN or infinity: a non-finite f64 (a diverged loss, an fp16 overflow's norm) travels as
+/// `null` and comes back as NaN, instead of failing the whole message.
+mod non_finite_as_null {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<S: Serializer>(value: &f64, s: S) -> Result<S::Ok, S::Error> {
+        value.is_finite().then_some(*value).serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+    }
+}
+
 pub type JobId = u64;
 
 /// A job as submitted: the training config plus how it runs on the cluster.
@@ -107,9 +152,18 @@ pub enum JobEvent {
     /// A step committed on every rank.
     Step {
         step: u64,
+        #[serde(with = "non_finite_as_null")]
         loss: f64,
         lr: f64,
+        /// Before clipping; NaN (null in JSON) or infinite when the step overflowed.
+        #[serde(with = "non_finite_as_null")]
         grad_norm: f64,
+        /// fp16: the gradients overflowed, so the step applied no update (its batch is consumed).
+        #[serde(default)]
+        skipped: bool,
+        /// The loss scale the step's backward ran at (1 unless fp16).
+        #[serde(default = "unit_scale")]
+        loss_scale: f64,
         tokens_per_s: f64,
         epoch: u64,
         world: usize,
@@ -237,12 +291,8 @@ pub enum Wire {
         attempt: u64,
         slot: u32,
         step: u64,
-        loss: f64,
-        grad_norm: f64,
+        figures: StepFigures,
         seconds: f64,
-        /// Peak resident memory of the rank's process so far (VmHWM), in bytes.
-        #[serde(default)]
-        peak_rss_bytes: u64,
     },
     /// A rank's part of an attempt ended.
     Ended {

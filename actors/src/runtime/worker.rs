@@ -22,7 +22,7 @@ use troupe_model::checkpoint::{self, CheckpointStore, CheckpointWriter, WriteRep
 use troupe_model::Trainer;
 
 use super::node::NodeMsg;
-use super::protocol::{AttemptOutcome, DataPlane, JobId, JobSpec, Wire};
+use super::protocol::{AttemptOutcome, DataPlane, JobId, JobSpec, StepFigures, Wire};
 use crate::engine::{
     CommittedState, DataParallelReplica, EngineError, ShardMode, ShardedReplica, StepEngine, DEFAULT_BUCKET_BYTES,
 };
@@ -566,10 +566,14 @@ async fn drive<E: StepEngine>(
         let computed = t0 + std::time::Duration::from_secs_f64(reduced.compute_seconds);
         phases.span("forward+backward", "compute", t0, computed);
         phases.span("all-reduce", "comm", computed, voted);
-        let (loss, grad_norm) = (reduced.loss, reduced.grad_norm);
+        let trainer = engine.trainer();
+        let loss_scale = trainer.loss_scale;
+        let (grad_norm, skipped) = loss_scale.preview(trainer.model.precision, reduced.grad_norm);
         let peak_rss_bytes = crate::telemetry::memory::peak_rss_bytes();
+        let (loss, loss_scale) = (reduced.loss, loss_scale.scale);
+        let figures = StepFigures { loss, grad_norm, skipped, loss_scale, peak_rss_bytes };
         let (job, attempt, slot) = (ctx.job, ctx.attempt, ctx.slot);
-        let vote = Wire::Vote { job, attempt, slot, step, loss, grad_norm, seconds, peak_rss_bytes };
+        let vote = Wire::Vote { job, attempt, slot, step, figures, seconds };
         let _ = ctx.node.cast(NodeMsg::FromWorker(vote));
         loop {
             match ctl.recv().await {

@@ -32,6 +32,10 @@ struct JobMetrics {
     recovery_seconds: Histogram,
     recoveries: u64,
     rollbacks: u64,
+    /// Steps committed without an update because fp16 overflowed.
+    skipped_steps: u64,
+    /// The loss scale of the last committed step (1 unless fp16).
+    loss_scale: Option<f64>,
     /// When the running attempt was aborted by a view change, until the next committed step.
     interrupted_at: Option<Instant>,
     /// For the OTLP spans: the job's name, when it was submitted, and the wall time and changes of the
@@ -86,6 +90,8 @@ impl NodeMetrics {
             recovery_seconds: Histogram::seconds(),
             recoveries: 0,
             rollbacks: 0,
+            skipped_steps: 0,
+            loss_scale: None,
             interrupted_at: None,
             name: spec.name.clone(),
             submitted: SystemTime::now(),
@@ -98,8 +104,10 @@ impl NodeMetrics {
         let mut state = self.lock();
         let Some(m) = state.jobs.get_mut(&job) else { return };
         match event {
-            JobEvent::Step { tokens_per_s, world, .. } => {
+            JobEvent::Step { tokens_per_s, world, skipped, loss_scale, .. } => {
                 m.commits += 1;
+                m.skipped_steps += u64::from(*skipped);
+                m.loss_scale = Some(*loss_scale);
                 m.world = *world;
                 m.tokens_per_s = Some(*tokens_per_s);
                 if *tokens_per_s > 0.0 {
@@ -321,6 +329,20 @@ impl NodeMetrics {
             "Continuations from a durable checkpoint after the committed state was lost.",
             &|i| job(i).map(|m| m.rollbacks as f64),
         );
+        each(
+            e,
+            "troupe_job_skipped_steps_total",
+            Kind::Counter,
+            "Steps committed without an update because the fp16 gradients overflowed.",
+            &|i| job(i).map(|m| m.skipped_steps as f64),
+        );
+        each(
+            e,
+            "troupe_job_loss_scale",
+            Kind::Gauge,
+            "The loss scale of the last committed step (1 unless fp16).",
+            &|i| job(i).and_then(|m| m.loss_scale),
+        );
         e.family("troupe_job_state", Kind::Gauge, "1 for the job's state.");
         for (i, j) in status.jobs.iter().enumerate() {
             let [job, name] = labels(i);
@@ -420,6 +442,8 @@ mod tests {
             loss: 2.5,
             lr: 1e-3,
             grad_norm: 1.0,
+            skipped: step == 2,
+            loss_scale: 65536.0 / step as f64,
             tokens_per_s,
             epoch: 3,
             world,
@@ -443,6 +467,8 @@ mod tests {
         assert_eq!(value(&samples, "troupe_job_recovery_seconds_count", &job), 1.0);
         assert!((value(&samples, "troupe_job_recovery_seconds_sum", &job) - 0.4).abs() < 1e-9);
         assert_eq!(value(&samples, "troupe_job_recoveries_total", &job), 1.0);
+        assert_eq!(value(&samples, "troupe_job_skipped_steps_total", &job), 1.0);
+        assert_eq!(value(&samples, "troupe_job_loss_scale", &job), 32768.0);
         assert_eq!(value(&samples, "troupe_job_checkpoint_seconds_count", &job), 1.0);
         assert_eq!(value(&samples, "troupe_failure_detection_seconds_sum", &[]), 1.6);
         assert_eq!(value(&samples, "troupe_membership_changes_total", &[("kind", "failed")]), 1.0);

@@ -293,6 +293,8 @@ mod tests {
             loss,
             lr: 0.0,
             grad_norm: 0.0,
+            skipped: false,
+            loss_scale: 1.0,
             tokens_per_s: 0.0,
             epoch: 1,
             world: 2,

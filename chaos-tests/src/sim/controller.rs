@@ -3,7 +3,7 @@
 //! driver and `Membership` are the runtime's own code; only the plumbing around them is modelled.
 
 use troupe_actors::runtime::job::{DriverAction, FAILED_ATTEMPTS_MAX};
-use troupe_actors::runtime::protocol::{JobEvent, MemberInfo, Wire};
+use troupe_actors::runtime::protocol::{JobEvent, MemberInfo, StepFigures, Wire};
 use troupe_cluster::membership::{Change, Epoch, MembershipAction, MembershipEvent, NodeId};
 
 use super::check::Checker;
@@ -132,7 +132,7 @@ impl World<'_> {
                 }
                 let id = name(self, node);
                 let loss = 4.0 / (step as f64 + 1.0);
-                self.ctl.driver.on_vote(now, &id, attempt, slot, step, (loss, 1.0, 0));
+                self.ctl.driver.on_vote(now, &id, attempt, slot, step, StepFigures::new(loss, 1.0));
             }
             JobInput::Ended { node, attempt, slot, outcome } => {
                 let id = name(self, node);

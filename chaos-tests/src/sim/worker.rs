@@ -3,7 +3,7 @@
 //! copy, each step's all-reduce) completes when every rank entered it, and fails for everyone once a rank
 //! left the mesh or stayed unreachable for the idle timeout.
 
-use troupe_actors::runtime::protocol::{AttemptOutcome, Wire};
+use troupe_actors::runtime::protocol::{AttemptOutcome, StepFigures, Wire};
 
 use super::world::{addr, trace, Ev, JobSlot, Mesh, MeshRank, Op, Phase, Prepared, RankAt, Task, World, JOB};
 
@@ -176,10 +176,8 @@ impl World<'_> {
                     attempt: at.attempt,
                     slot: at.slot,
                     step,
-                    loss: 4.0 / (step as f64 + 1.0),
-                    grad_norm: 1.0,
+                    figures: StepFigures::new(4.0 / (step as f64 + 1.0), 1.0),
                     seconds: 0.0,
-                    peak_rss_bytes: 0,
                 };
                 trace!(
                     self,

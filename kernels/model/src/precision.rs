@@ -108,9 +108,9 @@ impl LossScale {
     /// scale), and advances the scaler: the norm is non-finite only where an fp16 backward overflowed.
     /// `grad_clip` is `train.grad_clip` (0: no clipping); `window` is `parallel.loss_scale_window`.
     pub fn conclude(&mut self, precision: Precision, scaled_norm: f64, grad_clip: f64, window: u64) -> Update {
-        let grad_norm = scaled_norm / self.scale;
+        let (grad_norm, skips) = self.preview(precision, scaled_norm);
         if precision.scales_loss() {
-            if !scaled_norm.is_finite() {
+            if skips {
                 self.scale = (self.scale * 0.5).max(f64::MIN_POSITIVE);
                 self.clean_steps = 0;
                 self.skipped_steps += 1;
@@ -125,6 +125,13 @@ impl LossScale {
             self.clean_steps = 0;
         }
         Update::Apply { grad_norm, grad_factor: factor }
+    }
+
+    /// What [`Self::conclude`] will make of a step whose scaled gradients have global norm
+    /// `scaled_norm`, without changing anything: (the true norm, whether the step is skipped) — what a
+    /// rank reports in its vote.
+    pub fn preview(&self, precision: Precision, scaled_norm: f64) -> (f64, bool) {
+        (scaled_norm / self.scale, precision.scales_loss() && !scaled_norm.is_finite())
     }
 
     /// The five f32 words a broadcast carries this state in (scale exact: a power of two; counters in

@@ -56,6 +56,10 @@ pub struct PipelineStep {
     pub loss: f64,
     pub grad_norm: f64,
     pub lr: f64,
+    /// fp16: the gradients overflowed and no device applied an update.
+    pub skipped: bool,
+    /// The loss scale the step's backward ran at (1 unless fp16).
+    pub loss_scale: f64,
     /// Per device of data-parallel replica 0, its ops with their times (seconds since the run started).
     pub spans: Vec<Vec<OpSpan>>,
 }
@@ -230,6 +234,8 @@ async fn drive(
             loss: first.loss,
             grad_norm: first.grad_norm,
             lr: first.lr,
+            skipped: first.skipped,
+            loss_scale: first.loss_scale,
             spans: per_device[..options.shape.stages].iter().map(|s| s.spans.clone()).collect(),
         };
         on_step(&report);

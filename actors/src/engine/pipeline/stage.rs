@@ -26,7 +26,8 @@ use troupe_model::gpt::{
     block_recorded, cross_entropy, embed_recorded, head_recorded, init_values, param_specs, ParamOp, ParamSpec,
     PARAMS_PER_BLOCK,
 };
-use troupe_model::optim::{clip_grad_norm_known, learning_rate, AdamW, AdamWConfig};
+use troupe_model::optim::{learning_rate, scale_grads, AdamW, AdamWConfig};
+use troupe_model::precision::{backward_weight, LossScale, Precision, Update};
 use troupe_model::TrainError;
 
 use super::super::flat::{append_flat, copy_from_flat};
@@ -50,9 +51,13 @@ pub struct StageStep {
     pub step: u64,
     /// The global batch's mean loss (the same on every device after the flush).
     pub loss: f64,
-    /// Global gradient norm before clipping.
+    /// Global gradient norm before clipping (not finite when the step overflowed).
     pub grad_norm: f64,
     pub lr: f64,
+    /// fp16: the gradients overflowed and no update was applied.
+    pub skipped: bool,
+    /// The loss scale the step's backward ran at (1 unless fp16).
+    pub loss_scale: f64,
     /// Every op this device ran, in order.
     pub spans: Vec<OpSpan>,
 }
@@ -95,6 +100,9 @@ pub struct PipelineStage<T: Transport> {
     chunks: Vec<LocalChunk>,
     params: Vec<Tensor>,
     optimizer: AdamW,
+    precision: Precision,
+    /// fp16's loss scaler; every device holds the same (each sees the same global norm).
+    loss_scale: LossScale,
     sampler: Option<GlobalSampler>,
     microbatches: Vec<Range<usize>>,
     /// Committed steps; the next step to run.
@@ -171,6 +179,7 @@ impl<T: Transport> PipelineStage<T> {
         let zero: Tensor = params.iter().map(|p| p.sum(Kind::Float) * 0.0).sum();
         zero.backward();
         let microbatches = microbatch_ranges(slice, shape.microbatches);
+        let (precision, loss_scale) = (Precision::of_config(&config.parallel), LossScale::initial(&config.parallel));
         Ok(Self {
             config,
             plan,
@@ -182,6 +191,8 @@ impl<T: Transport> PipelineStage<T> {
             chunks,
             params,
             optimizer,
+            precision,
+            loss_scale,
             sampler,
             microbatches,
             step: 0,
@@ -256,18 +267,22 @@ impl<T: Transport> PipelineStage<T> {
         Ok(ReducedStage { loss, grad_norm, spans: run.spans })
     }
 
-    /// The second half, once the step is committed: clip by the global norm, AdamW on the local
-    /// parameters, advance the step counter.
+    /// The second half, once the step is committed: unscale and clip by the global norm, AdamW on the
+    /// local parameters (or, when fp16 overflowed, no update), advance the step counter.
     pub fn apply_update(&mut self, reduced: ReducedStage) -> StageStep {
         let step = self.step;
-        let train = &self.config.train;
-        if train.grad_clip > 0.0 {
-            clip_grad_norm_known(&self.params, train.grad_clip, reduced.grad_norm);
-        }
+        let (train, parallel) = (&self.config.train, &self.config.parallel);
+        let loss_scale = self.loss_scale.scale;
+        let update =
+            self.loss_scale.conclude(self.precision, reduced.grad_norm, train.grad_clip, parallel.loss_scale_window);
         let lr = learning_rate(train, step);
-        self.optimizer.apply(&mut self.params, lr);
+        if let Update::Apply { grad_factor, .. } = update {
+            scale_grads(&self.params, grad_factor);
+            self.optimizer.apply(&mut self.params, lr);
+        }
         self.step += 1;
-        StageStep { step, loss: reduced.loss, grad_norm: reduced.grad_norm, lr, spans: reduced.spans }
+        let (grad_norm, skipped) = (update.grad_norm(), update.skipped());
+        StageStep { step, loss: reduced.loss, grad_norm, lr, skipped, loss_scale, spans: reduced.spans }
     }
 
     fn local_chunk(&self, chunk: usize) -> &LocalChunk {
@@ -331,7 +346,8 @@ impl<T: Transport> PipelineStage<T> {
         let weight = range.len() as f64 / self.config.train.global_batch as f64;
         let chunk = self.local_chunk(c);
         let (layout, p) = (&chunk.layout, &self.params[chunk.local.clone()]);
-        let model = &self.config.model;
+        let (model, precision) = (&self.config.model, self.precision);
+        let scaled = backward_weight(&self.config.train, &self.loss_scale, step, &range);
         let batch = (layout.embed || layout.head)
             .then(|| self.sampler.as_ref().expect("end chunks load the corpus").batch(step, range));
         let mut ops = Vec::new();
@@ -352,18 +368,18 @@ impl<T: Transport> PipelineStage<T> {
         };
         for _ in layout.blocks.clone() {
             let mut recorded = Vec::new();
-            x = block_recorded(model, &p[used..used + PARAMS_PER_BLOCK], &x, &mut recorded);
+            x = block_recorded(model, precision, &p[used..used + PARAMS_PER_BLOCK], &x, &mut recorded);
             record_at(used, &mut ops, recorded);
             used += PARAMS_PER_BLOCK;
         }
         let output = if layout.head {
             let (_, targets) = batch.as_ref().expect("last chunk has its batch");
             let mut recorded = Vec::new();
-            let logits = head_recorded(model, &p[used..], &x, &mut recorded);
+            let logits = head_recorded(model, precision, &p[used..], &x, &mut recorded);
             record_at(used, &mut ops, recorded);
             let loss = cross_entropy(&logits, targets);
             run.loss += loss.double_value(&[]) * weight;
-            loss * weight
+            loss * scaled
         } else {
             x
         };
