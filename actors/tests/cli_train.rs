@@ -57,6 +57,33 @@ fn json_mode_prints_one_object_per_event_with_the_documented_fields() {
     assert_eq!(summary["steps"], 3);
 }
 
+/// `--precision fp16` with an overflow injected into the second step: the step events carry the loss
+/// scale and say which step was skipped, the summary counts it, and a person reading the log sees why.
+#[test]
+fn fp16_reports_the_loss_scale_and_the_skipped_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("job.toml");
+    std::fs::write(&path, format!("{SMALL_JOB}inject_overflow_at = [1]\n")).unwrap();
+    let job = path.to_str().unwrap();
+    let events = events(&troupe(&["train", "--config", job, "--precision", "fp16", "--steps", "3", "--json"]));
+    let steps: Vec<&Value> = events.iter().filter(|e| e["event"] == "step").collect();
+    let skipped: Vec<bool> = steps.iter().map(|s| s["skipped"].as_bool().unwrap()).collect();
+    let scales: Vec<f64> = steps.iter().map(|s| s["loss_scale"].as_f64().unwrap()).collect();
+    assert_eq!(skipped, [false, true, false]);
+    assert_eq!(scales, [65536.0, 65536.0, 32768.0]);
+    assert!(steps[1]["grad_norm"].is_null(), "an overflowed norm is null in JSON: {}", steps[1]);
+    assert_eq!(events.last().unwrap()["skipped_steps"], 1);
+
+    let output = troupe(&["train", "--config", job, "--precision", "fp16", "--steps", "3"]);
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    assert!(output.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("step      2/3  loss") && stdout.contains("skipped: the fp16 gradients overflowed"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("1 step(s) skipped for an fp16 overflow"), "{stdout}");
+}
+
 #[test]
 fn human_mode_shows_the_loss_and_a_summary() {
     let dir = tempfile::tempdir().unwrap();
@@ -114,6 +141,12 @@ fn unavailable_flags_and_bad_configs_fail_with_a_clear_message() {
     let bad = dir.path().join("bad.toml");
     std::fs::write(&bad, "[train]\nlearning_rate = 0.1\n").unwrap();
     let bad = bad.to_str().unwrap();
+    let inject = dir.path().join("inject.toml");
+    std::fs::write(&inject, "[train]\ninject_overflow_at = [3]\n").unwrap();
+    let inject = inject.to_str().unwrap();
+    let scale = dir.path().join("scale.toml");
+    std::fs::write(&scale, "[parallel]\nloss_scale_init = 1000.0\n").unwrap();
+    let scale = scale.to_str().unwrap();
     let cases: &[(&[&str], &str)] = &[
         (&["train", "--dp", "2"], "--dp"),
         (&["train", "--pp", "2", "--nodes", "2"], "--pp > 1 with --nodes > 1"),
@@ -129,6 +162,8 @@ fn unavailable_flags_and_bad_configs_fail_with_a_clear_message() {
         (&["train", "--config", bad], "unknown field `learning_rate`"),
         (&["train", "--config", "/nonexistent/job.toml"], "/nonexistent/job.toml"),
         (&["train", "--resume", "/nonexistent/ckpt"], "no valid checkpoint"),
+        (&["train", "--config", inject], "set parallel.precision = \"fp16\""),
+        (&["train", "--precision", "fp16", "--config", scale], "must be a power of two"),
     ];
     for (args, needle) in cases {
         let output = troupe(args);

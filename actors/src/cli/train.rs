@@ -89,7 +89,8 @@ impl TrainArgs {
     /// The job config: the file (or defaults) with the command-line flags applied, validated.
     pub fn job_config(&self) -> anyhow::Result<JobConfig> {
         let mut config = match &self.config {
-            Some(path) => JobConfig::from_file(path)?,
+            // Validated below, once the flags are applied: a flag may fix what the file alone gets wrong.
+            Some(path) => JobConfig::parse_file(path)?,
             None => JobConfig::default(),
         };
         let train = &mut config.train;

@@ -271,9 +271,18 @@ impl JobConfig {
 
     /// Reads and validates a TOML job config.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let config = Self::parse_file(path)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Reads a TOML job config without validating its values — for a caller that changes some (command
+    /// line flags) and validates the result.
+    pub fn parse_file(path: &Path) -> Result<Self, ConfigError> {
         let text =
             std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
-        Self::from_toml(&text, &path.display().to_string())
+        toml::from_str(&text)
+            .map_err(|e| ConfigError::Parse { origin: path.display().to_string(), message: e.to_string() })
     }
 
     /// Parses a TOML job config; `origin` names it in errors.
