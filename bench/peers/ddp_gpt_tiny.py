@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gloo_allreduce import free_port  # noqa: E402
-from train_gpt_tiny import Gpt, corpus, make_optimizer, sample_batch, train_step  # noqa: E402
+from train_gpt_tiny import Gpt, corpus, make_optimizer, make_scaler, sample_batch, train_step  # noqa: E402
 
 
 def rank_main(rank, args, port, results):
@@ -38,9 +38,11 @@ def rank_main(rank, args, port, results):
     opt = make_optimizer(model)
     data = corpus()
     gen = torch.Generator().manual_seed(rank)
+    scaler = make_scaler(args.precision)
 
     def step():
-        return train_step(model, opt, *sample_batch(data, gen, args.micro_batch, args.context))
+        batch = sample_batch(data, gen, args.micro_batch, args.context)
+        return train_step(model, opt, *batch, precision=args.precision, scaler=scaler)
 
     for _ in range(args.warmup):
         step()
@@ -67,6 +69,8 @@ def main():
     ap.add_argument("--micro-batch", type=int, default=8, help="samples per rank per step")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                    help="torch.autocast compute precision (fp16 with GradScaler)")
     args = ap.parse_args()
     manager = mp.Manager()
     results = manager.dict()
@@ -75,6 +79,7 @@ def main():
     tokens = args.steps * args.micro_batch * args.context * args.world
     print(json.dumps({
         "peer": "pytorch-ddp-gloo", "torch": torch.__version__, "world": args.world, "steps": args.steps,
+        "precision": args.precision,
         "micro_batch": args.micro_batch, "global_batch": args.micro_batch * args.world, "context": args.context,
         "torch_threads": args.threads, "params": ranks[0]["params"],
         "tokens_per_s": tokens / ranks[0]["seconds"], "final_loss": ranks[0]["loss"],

@@ -81,13 +81,32 @@ def sample_batch(data, gen, micro_batch, context):
     return x, y
 
 
-def train_step(model, opt, x, y):
-    """One optimizer step (forward, backward, grad-norm clipping at 1.0, AdamW); the loss."""
+def make_scaler(precision):
+    """fp16's dynamic loss scaler (GradScaler defaults: 2^16, x2 per 2000 clean steps); None otherwise."""
+    return torch.amp.GradScaler("cpu") if precision == "fp16" else None
+
+
+def train_step(model, opt, x, y, precision="fp32", scaler=None):
+    """One optimizer step (forward, backward, grad-norm clipping at 1.0, AdamW); the loss. bf16/fp16: the
+    forward under torch.autocast (fp32 master weights, 16-bit matrix products) — what troupe's
+    --precision does; fp16 scales the loss with `scaler`."""
     opt.zero_grad(set_to_none=True)
-    loss = model(x, y)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
+    if precision == "fp32":
+        loss = model(x, y)
+    else:
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        with torch.autocast("cpu", dtype=dtype):
+            loss = model(x, y)
+    if scaler is None:
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
     return loss.item()
 
 
@@ -98,6 +117,7 @@ def main():
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -105,9 +125,11 @@ def main():
     opt = make_optimizer(model)
     data = corpus()
     gen = torch.Generator().manual_seed(0)
+    scaler = make_scaler(args.precision)
 
     def step():
-        return train_step(model, opt, *sample_batch(data, gen, args.micro_batch, args.context))
+        batch = sample_batch(data, gen, args.micro_batch, args.context)
+        return train_step(model, opt, *batch, precision=args.precision, scaler=scaler)
 
     for _ in range(args.warmup):
         step()
@@ -118,6 +140,7 @@ def main():
     tokens = args.steps * args.micro_batch * args.context
     print(json.dumps({
         "peer": "pytorch-eager", "torch": torch.__version__, "world": 1, "steps": args.steps,
+        "precision": args.precision,
         "micro_batch": args.micro_batch, "context": args.context, "torch_threads": args.threads,
         "params": sum(p.numel() for p in model.parameters()),
         "tokens_per_s": tokens / elapsed, "final_loss": loss,

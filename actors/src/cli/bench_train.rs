@@ -44,6 +44,9 @@ pub struct BenchTrainArgs {
     /// the sequential all-reduce are measured with it.
     #[arg(long, default_value_t = 0)]
     pub bucket_mib: usize,
+    /// Compute precision of troupe and of the peer (PyTorch autocast; fp16 with its GradScaler).
+    #[arg(long, value_parser = ["fp32", "bf16", "fp16"], default_value = "fp32")]
+    pub precision: String,
     /// Python with torch for the peer (default: $TROUPE_PYTHON, else the provisioned venv).
     #[arg(long)]
     pub python: Option<PathBuf>,
@@ -76,16 +79,20 @@ fn run_single(args: BenchTrainArgs) -> anyhow::Result<()> {
     let mut ours = Vec::new();
     let mut peers = Vec::new();
     for _ in 0..args.repeats.max(1) {
-        ours.push(measure_troupe(args.steps)?);
+        ours.push(measure_troupe(args.steps, &args.precision)?);
         if args.peer {
-            let flags = [("--micro-batch", MICRO_BATCH.to_string()), ("--threads", threads.to_string())];
+            let flags = [
+                ("--micro-batch", MICRO_BATCH.to_string()),
+                ("--threads", threads.to_string()),
+                ("--precision", args.precision.clone()),
+            ];
             peers.push(run_peer(&args, "train_gpt_tiny.py", &flags)?);
         }
     }
     let ours_tps = median(ours.iter().map(|r| r.0).collect());
     let peak_mem = peak_rss_bytes();
     let mut report = json!({
-        "bench": "train", "world": args.world, "shard": args.shard, "steps": args.steps,
+        "bench": "train", "world": args.world, "shard": args.shard, "steps": args.steps, "precision": args.precision,
         "micro_batch": MICRO_BATCH, "context": 128, "torch_threads": threads, "repeats": ours.len(),
         "tokens_per_s": ours_tps, "tokens_per_s_runs": ours.iter().map(|r| r.0).collect::<Vec<_>>(),
         "peak_mem_bytes": peak_mem,
@@ -116,8 +123,9 @@ fn run_single(args: BenchTrainArgs) -> anyhow::Result<()> {
 }
 
 /// (tokens/s, final loss) of one timed run.
-fn measure_troupe(steps: u64) -> anyhow::Result<(f64, f64)> {
+fn measure_troupe(steps: u64, precision: &str) -> anyhow::Result<(f64, f64)> {
     let mut config = JobConfig::default();
+    config.parallel.precision = precision.into();
     config.train.steps = steps + WARMUP_STEPS;
     config.train.global_batch = MICRO_BATCH;
     config.train.micro_batch = MICRO_BATCH;

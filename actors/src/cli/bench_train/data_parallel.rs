@@ -54,16 +54,21 @@ pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         "zero3" => "zero3",
         _ => "none",
     };
+    let precision: &'static str = match args.precision.as_str() {
+        "bf16" => "bf16",
+        "fp16" => "fp16",
+        _ => "fp32",
+    };
     let mut ours = Vec::new();
     // The same-run baseline: DDP with the all-reduce after the backward, or, for a sharded run, DDP.
     let mut sequential = Vec::new();
     let mut peers = Vec::new();
     for _ in 0..args.repeats.max(1) {
-        let measured = Variant { overlap: true, bucket_mib: args.bucket_mib, shard };
+        let measured = Variant { overlap: true, bucket_mib: args.bucket_mib, shard, precision };
         ours.push(runtime.block_on(measure_cluster(world, args.steps, threads, measured))?);
         let baseline = match shard {
-            "none" => Variant { overlap: false, bucket_mib: args.bucket_mib, shard },
-            _ => Variant { overlap: true, bucket_mib: args.bucket_mib, shard: "none" },
+            "none" => Variant { overlap: false, shard, ..measured },
+            _ => Variant { shard: "none", ..measured },
         };
         sequential.push(runtime.block_on(measure_cluster(world, args.steps, threads, baseline))?);
         if args.peer {
@@ -72,6 +77,7 @@ pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
                 ("--micro-batch", MICRO_BATCH.to_string()),
                 ("--context", context.to_string()),
                 ("--threads", threads.to_string()),
+                ("--precision", args.precision.clone()),
             ];
             peers.push(run_peer(&args, "ddp_gpt_tiny.py", &flags)?);
         }
@@ -82,7 +88,8 @@ pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     let sequential_runs: Vec<f64> = sequential.iter().map(|r| r.tokens_per_s).collect();
     let sequential_tps = median(sequential_runs.clone());
     let mut report = json!({
-        "bench": "train", "world": world, "shard": args.shard, "steps": args.steps, "warmup_steps": WARMUP_STEPS,
+        "bench": "train", "world": world, "shard": args.shard, "precision": args.precision, "steps": args.steps,
+        "warmup_steps": WARMUP_STEPS,
         "micro_batch": MICRO_BATCH, "global_batch": MICRO_BATCH * world, "context": context,
         "torch_threads": threads, "repeats": ours.len(),
         "tokens_per_s": tokens_per_s, "tokens_per_s_runs": runs,
@@ -160,6 +167,8 @@ struct Variant {
     bucket_mib: usize,
     /// `parallel.shard`: none, zero1, zero2 or zero3.
     shard: &'static str,
+    /// `parallel.precision`.
+    precision: &'static str,
 }
 
 /// One repetition: a fresh cluster of `world` daemons, one job of `steps` timed steps after the warm-up.
@@ -198,6 +207,7 @@ async fn run_job(
     config.parallel.nodes = world;
     config.parallel.overlap_comm = variant.overlap;
     config.parallel.bucket_mib = variant.bucket_mib;
+    config.parallel.precision = variant.precision.into();
     let tokens_per_step = (config.train.global_batch * config.model.context) as u64;
     let job = Job::new(config).name("bench-train").data_parallel(world, variant.shard).elastic(world, world, 0);
     let mut handle = cluster.client().await?.submit(job).await?;
