@@ -8,8 +8,9 @@
 //! Overlap (`parallel.overlap_comm`, the default): the rank's backward runs block by block on a thread of
 //! its own ([`super::overlap`]); its first micro-batches only accumulate (`no_sync`), and during the last
 //! one each bucket is all-reduced as soon as the backward has finished its parameters, on the attempt's
-//! runtime, while the remaining blocks' backward computes. Without overlap the whole backward runs first,
-//! then the buckets are all-reduced one after the other. Both give the same bits.
+//! runtime, while the remaining blocks' backward computes. Without overlap — or with a single bucket,
+//! which is complete only when the backward is — the whole backward runs first, then the buckets are
+//! all-reduced one after the other. Both give the same bits.
 
 use std::ops::Range;
 
@@ -205,7 +206,10 @@ impl<T: Transport> DataParallelReplica<T> {
     pub async fn reduce_gradients(&mut self) -> Result<ReducedStep, ClusterError> {
         let started = Instant::now();
         self.grad_sum_sq = 0.0;
-        let (local_loss, compute_seconds) = if self.overlap {
+        // One bucket is complete only when the whole backward is: nothing could overlap, and the
+        // block-wise backward and its thread would cost ~5% of a step for nothing (measured on gpt-tiny,
+        // one 13 MB bucket at the default 25 MiB: docs/benchmarks.md).
+        let (local_loss, compute_seconds) = if self.overlap && self.buckets.len() > 1 {
             self.overlapped_backward(started).await?
         } else {
             self.sequential_backward(started).await?

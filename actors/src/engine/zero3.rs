@@ -10,6 +10,9 @@
 //! Every rank runs the same sequence of collectives — units in the same order, one broadcast (gather) or
 //! reduce per owner piece, as many micro-batch rounds as the rank with the most micro-batches — so a rank
 //! whose slice has fewer (or no) micro-batches takes part with nothing to compute and zero gradients.
+//!
+//! The compute of each unit runs on a blocking-pool thread while the attempt's runtime prefetches the next
+//! unit's parameters and reduces the previous unit's gradient (see [`micro_batch`]).
 
 use std::ops::Range;
 
@@ -200,8 +203,41 @@ enum Kept {
     Input(Option<Tensor>),
 }
 
+/// The model's shape and compute precision, what every unit's compute needs.
+#[derive(Clone)]
+struct Model {
+    config: GptConfig,
+    precision: Precision,
+}
+
+impl Model {
+    /// Unit forward: the embeddings of `tokens` when `input` is None, else a block on `input`.
+    fn run(&self, params: &[Tensor], input: Option<&Tensor>, tokens: &Tensor) -> Tensor {
+        match input {
+            None => gpt::embed(&self.config, params, tokens),
+            Some(input) => gpt::block(&self.config, self.precision, params, input),
+        }
+    }
+}
+
+/// Runs `f` on a thread of the runtime's blocking pool, so the attempt's (current-thread) runtime goes on
+/// moving the collectives meanwhile. A panic in `f` continues here.
+async fn on_thread<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
+}
+
 /// One micro-batch round (`batch` None: this rank has no micro-batch left and only takes part in the
 /// collectives). Returns the micro-batch's mean loss (0 without one).
+///
+/// Communication overlaps compute: each unit's forward (and backward) runs on a blocking-pool thread
+/// while the attempt's runtime gathers the next unit's parameters — and, in the backward, reduces the
+/// previous unit's gradient to its owners. So at most two units' gathered parameters are alive at once
+/// (FSDP's prefetch of one). Every rank issues the same collectives in the same order, computing or not:
+/// forward: gather 0, 1, …, head; head: (recompute) gather the last block; backward of unit i: reduce
+/// unit i + 1 (the head first), then (recompute) gather unit i − 1; after the loop: reduce unit 0.
 async fn micro_batch<T: Transport>(
     ex: &mut Exchange<'_, T>,
     (config, precision): (&GptConfig, Precision),
@@ -209,75 +245,120 @@ async fn micro_batch<T: Transport>(
     batch: Option<Batch>,
     activations: Activations,
 ) -> Result<f64, ClusterError> {
+    let model = Model { config: config.clone(), precision };
+    let recompute = activations == Activations::Recompute;
     let (head, body) = units.split_last().expect("the model has a head");
-    // Forward through the embeddings and blocks. `x` is the activation flowing forward.
+    let first = body.first().expect("the model has embeddings");
+
+    // Forward through the embeddings and blocks, each unit's compute beside the next unit's gather.
     let mut kept: Vec<Kept> = Vec::with_capacity(body.len());
     let mut x: Option<Tensor> = None;
-    for (u, unit) in body.iter().enumerate() {
-        let params = ex.gather(unit).await?;
-        let Some(batch) = &batch else { continue };
-        let run = |input: Option<&Tensor>| match input {
-            None => gpt::embed(config, &params, &batch.tokens),
-            Some(input) => gpt::block(config, precision, &params, input),
+    let mut params = ex.gather(first).await?;
+    for u in 0..body.len() {
+        let next = body.get(u + 1).unwrap_or(head);
+        let Some(batch) = &batch else {
+            params = ex.gather(next).await?;
+            continue;
         };
-        match activations {
+        let (model, tokens, input) = (model.clone(), batch.tokens.shallow_clone(), x.take());
+        let compute = on_thread(move || match activations {
             Activations::Keep => {
-                let input = (u > 0).then(|| leaf(&x.take().expect("a block's input")));
-                let output = run(input.as_ref());
-                x = Some(output.shallow_clone());
-                kept.push(Kept::Graph { params, input, output });
+                let input = input.map(|x| leaf(&x));
+                let output = model.run(&params, input.as_ref(), &tokens);
+                (output.shallow_clone(), Kept::Graph { params, input, output })
             }
+            // `params` dropped here — released until the backward gathers them again.
             Activations::Recompute => {
-                let input = x.take();
-                x = Some(tch::no_grad(|| run(input.as_ref())));
-                kept.push(Kept::Input(input));
+                (tch::no_grad(|| model.run(&params, input.as_ref(), &tokens)), Kept::Input(input))
             }
+        });
+        let ((output, keep), gathered) = tokio::join!(compute, ex.gather(next));
+        x = Some(output);
+        kept.push(keep);
+        params = gathered?;
+    }
+
+    // The head and the loss, beside (recompute) the gather of the last block for its backward.
+    let head_params = params;
+    let head_compute = batch.as_ref().map(|batch| {
+        let (model, targets) = (model.clone(), batch.targets.shallow_clone());
+        let (input, scale) = (x.take().expect("the head's input"), batch.backward_weight);
+        on_thread(move || {
+            let input = leaf(&input);
+            let logits = gpt::head(&model.config, model.precision, &head_params, &input);
+            let micro_loss = gpt::cross_entropy(&logits, &targets);
+            (&micro_loss * scale).backward();
+            (micro_loss.double_value(&[]), input.grad(), head_params)
+        })
+    });
+    let last = body.last().expect("the model has embeddings");
+    let prefetch_last = async {
+        match recompute {
+            true => ex.gather(last).await.map(Some),
+            false => Ok(None),
         }
-        // Recompute: `params` dropped here — released until the backward gathers them again.
-    }
+    };
+    let (head_done, prefetched) = match head_compute {
+        Some(compute) => {
+            let (done, prefetched) = tokio::join!(compute, prefetch_last);
+            (Some(done), prefetched?)
+        }
+        None => (None, prefetch_last.await?),
+    };
+    let (loss, mut grad, head_params) = match head_done {
+        Some((loss, grad, params)) => (loss, Some(grad), Some(params)),
+        None => (0.0, None, None),
+    };
 
-    // The head and the loss, gathered once.
-    let params = ex.gather(head).await?;
-    let mut loss = 0.0;
-    let mut grad = None;
-    let computed = batch.is_some();
-    if let Some(batch) = &batch {
-        let input = leaf(&x.take().expect("the head's input"));
-        let micro_loss = gpt::cross_entropy(&gpt::head(config, precision, &params, &input), &batch.targets);
-        (&micro_loss * batch.backward_weight).backward();
-        loss = micro_loss.double_value(&[]);
-        grad = Some(input.grad());
-    }
-    ex.reduce(head, computed.then_some(params)).await?;
-
-    // Backward through the blocks and the embeddings, last first.
-    for unit in body.iter().rev() {
-        let (params, input, output) = match kept.pop() {
-            Some(Kept::Graph { params, input, output }) => (params, input, Some(output)),
-            Some(Kept::Input(saved)) => {
-                let params = ex.gather(unit).await?;
-                let input = saved.map(|s| leaf(&s));
-                let tokens = &batch.as_ref().expect("kept only with a micro-batch").tokens;
-                let output = match &input {
-                    None => gpt::embed(config, &params, tokens),
-                    Some(input) => gpt::block(config, precision, &params, input),
-                };
-                (params, input, Some(output))
+    // Backward through the blocks and the embeddings, last first: each unit's backward beside the
+    // reduce of the unit after it and (recompute) the gather of the unit before it.
+    let mut pending: (&Unit, Option<Vec<Tensor>>) = (head, head_params);
+    let mut prefetched = prefetched;
+    for (i, unit) in body.iter().enumerate().rev() {
+        let gathered = prefetched.take();
+        let compute = match (kept.pop(), grad.take(), &batch) {
+            (Some(keep), Some(g), Some(batch)) => {
+                let (model, tokens) = (model.clone(), batch.tokens.shallow_clone());
+                Some(on_thread(move || {
+                    let (params, input, output) = match keep {
+                        Kept::Graph { params, input, output } => (params, input, output),
+                        Kept::Input(saved) => {
+                            let params = gathered.expect("recompute gathers the unit before its backward");
+                            let input = saved.map(|s| leaf(&s));
+                            let output = model.run(&params, input.as_ref(), &tokens);
+                            (params, input, output)
+                        }
+                    };
+                    backward_from(&output, &g);
+                    (params, input.map(|i| i.grad()))
+                }))
             }
-            None => {
-                if activations == Activations::Recompute {
-                    ex.gather(unit).await?; // the owners broadcast whether or not this rank computes
-                }
-                ex.reduce(unit, None).await?;
-                continue;
+            _ => None,
+        };
+        let (reduce_unit, reduce_params) = std::mem::replace(&mut pending, (unit, None));
+        let before = i.checked_sub(1).map(|k| &body[k]);
+        let comm = async {
+            ex.reduce(reduce_unit, reduce_params).await?;
+            match (recompute, before) {
+                (true, Some(before)) => ex.gather(before).await.map(Some),
+                _ => Ok(None),
             }
         };
-        if let (Some(output), Some(g)) = (output, grad.take()) {
-            backward_from(&output, &g);
-            grad = input.map(|i| i.grad());
+        let (done, next) = match compute {
+            Some(compute) => {
+                let (done, next) = tokio::join!(compute, comm);
+                (Some(done), next?)
+            }
+            None => (None, comm.await?),
+        };
+        if let Some((params, input_grad)) = done {
+            pending.1 = Some(params);
+            grad = input_grad;
         }
-        ex.reduce(unit, Some(params)).await?;
+        prefetched = next;
     }
+    let (unit, params) = pending;
+    ex.reduce(unit, params).await?;
     Ok(loss)
 }
 
