@@ -229,6 +229,21 @@ async fn on_thread<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) ->
     }
 }
 
+/// Runs `comm` and, when there is one, `compute` concurrently; both results, or `comm`'s error (after
+/// `compute` finished: a compute thread is never left running).
+async fn alongside<C, R>(
+    compute: Option<impl std::future::Future<Output = C>>,
+    comm: impl std::future::Future<Output = Result<R, ClusterError>>,
+) -> Result<(Option<C>, R), ClusterError> {
+    match compute {
+        Some(compute) => {
+            let (done, comm) = tokio::join!(compute, comm);
+            Ok((Some(done), comm?))
+        }
+        None => Ok((None, comm.await?)),
+    }
+}
+
 /// One micro-batch round (`batch` None: this rank has no micro-batch left and only takes part in the
 /// collectives). Returns the micro-batch's mean loss (0 without one).
 ///
@@ -298,13 +313,7 @@ async fn micro_batch<T: Transport>(
             false => Ok(None),
         }
     };
-    let (head_done, prefetched) = match head_compute {
-        Some(compute) => {
-            let (done, prefetched) = tokio::join!(compute, prefetch_last);
-            (Some(done), prefetched?)
-        }
-        None => (None, prefetch_last.await?),
-    };
+    let (head_done, prefetched) = alongside(head_compute, prefetch_last).await?;
     let (loss, mut grad, head_params) = match head_done {
         Some((loss, grad, params)) => (loss, Some(grad), Some(params)),
         None => (0.0, None, None),
@@ -344,13 +353,7 @@ async fn micro_batch<T: Transport>(
                 _ => Ok(None),
             }
         };
-        let (done, next) = match compute {
-            Some(compute) => {
-                let (done, next) = tokio::join!(compute, comm);
-                (Some(done), next?)
-            }
-            None => (None, comm.await?),
-        };
+        let (done, next) = alongside(compute, comm).await?;
         if let Some((params, input_grad)) = done {
             pending.1 = Some(params);
             grad = input_grad;
