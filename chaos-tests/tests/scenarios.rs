@@ -80,6 +80,17 @@ fn kill_two_workers() {
     assert!(r["recoveries"].as_u64().unwrap() >= 1);
 }
 
+/// fp16 with an injected overflow and a SIGKILL: the overflowing step is skipped on every rank (one
+/// global verdict), and the run lands on the fp16 reference within the 16-bit tolerance.
+#[test]
+fn fp16_overflow_and_kill() {
+    let r = run("fp16-overflow-and-kill", 21);
+    assert_eq!(faults(&r, "kill"), 1);
+    let checks = r["checks"].as_array().unwrap();
+    let skipped = checks.iter().find(|c| c["name"] == "exactly the overflowing steps skipped");
+    assert!(skipped.is_some_and(|c| c["passed"] == true), "{r}");
+}
+
 #[test]
 fn kill_and_return() {
     let r = run("kill-and-return", 13);

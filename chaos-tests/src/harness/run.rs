@@ -34,9 +34,13 @@ pub struct RunOptions {
     pub keep: bool,
 }
 
-/// The job a scenario trains: the small test model, so that runs take seconds.
+/// The job a scenario trains: the small test model, so that runs take seconds, in the scenario's
+/// precision with its injected overflows.
 pub fn job_config(scenario: &Scenario) -> JobConfig {
-    JobConfig::small(scenario.steps)
+    let mut config = JobConfig::small(scenario.steps);
+    config.parallel.precision.clone_from(&scenario.precision);
+    config.train.inject_overflow_at.clone_from(&scenario.inject_overflow_at);
+    config
 }
 
 /// Runs `scenario` and checks it. Errors are reserved for the harness failing to run at all (no binary,
@@ -173,7 +177,8 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
     })
     .await??;
 
-    let mut trajectory = checker::trajectory(&events, scenario.steps, &reference.0);
+    let tolerance = checker::tolerance(&scenario.precision);
+    let mut trajectory = checker::trajectory(&events, scenario.steps, &reference.0, tolerance);
     let mut checks = std::mem::take(&mut trajectory.checks);
     if let Some(why) = stalled {
         checks.insert(0, Check { name: "the job kept reporting".into(), passed: false, detail: why });
@@ -187,7 +192,10 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
             detail: format!("{} of {scheduled} faults injected: the job ended first", injected.len()),
         });
     }
-    checks.push(checker::final_parameters(&final_params, &reference.1));
+    checks.push(checker::final_parameters(&final_params, &reference.1, tolerance));
+    if !scenario.inject_overflow_at.is_empty() {
+        checks.push(checker::overflows_skipped(&events, &scenario.inject_overflow_at));
+    }
     checks.push(checker::checkpoints_load(&events, &injected));
     checks.push(checker::progress_after_faults(&events, &injected, bound));
     checks.push(checker::no_process_left(&pids));

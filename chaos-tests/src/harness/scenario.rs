@@ -9,6 +9,10 @@
 //! checkpoint_every = 0      # durable checkpoints every N steps (0: none)
 //! progress_bound_s = 30     # after each fault heals, a step commits within this bound
 //! network = "loopback"      # or "namespaces": a network namespace per daemon (link faults; root)
+//! precision = "fp32"        # or "bf16" / "fp16": the job's compute precision (the checks then allow
+//!                           # the 16-bit tolerance, docs/runtime-semantics.md "Mixed precision")
+//! inject_overflow_at = []   # fp16: steps whose gradient overflows (train.inject_overflow_at); each must
+//!                           # be committed as skipped, every time it is committed
 //!
 //! [[faults]]
 //! kind = "kill"             # kill | pause | partition | flaky-link | corrupt-checkpoint | fill-disk |
@@ -45,6 +49,7 @@ pub const SHIPPED: &[(&str, &str)] = &[
     ("partition-minority", include_str!("../../scenarios/partition-minority.toml")),
     ("partition-one-way", include_str!("../../scenarios/partition-one-way.toml")),
     ("flaky-link", include_str!("../../scenarios/flaky-link.toml")),
+    ("fp16-overflow-and-kill", include_str!("../../scenarios/fp16-overflow-and-kill.toml")),
 ];
 
 #[derive(Clone, Debug, Deserialize)]
@@ -70,6 +75,10 @@ pub struct Scenario {
     /// bridge, so that partition and flaky-link faults can cut and degrade its links (needs root).
     #[serde(default)]
     pub network: NetworkKind,
+    #[serde(default = "fp32")]
+    pub precision: String,
+    #[serde(default)]
+    pub inject_overflow_at: Vec<u64>,
     #[serde(default)]
     pub faults: Vec<Fault>,
     /// What the faults must visibly cause, beyond the invariants every run checks.
@@ -98,6 +107,10 @@ pub struct Expect {
     /// Some checkpoint due was not written, and a later one was.
     #[serde(default)]
     pub checkpoints_failed: bool,
+}
+
+fn fp32() -> String {
+    "fp32".into()
 }
 
 fn three() -> usize {
@@ -230,6 +243,7 @@ impl Scenario {
         if self.steps == 0 {
             bail!("scenario {name}: steps = 0; train at least one step");
         }
+        super::run::job_config(self).validate().with_context(|| format!("scenario {name}: the job"))?;
         let workers: Vec<usize> = self.worker_nodes();
         if workers.is_empty() {
             bail!("scenario {name}: no node runs a worker; raise controller_slots or nodes");
