@@ -140,10 +140,22 @@ pub fn grad_norm(params: &[Tensor]) -> f64 {
     sum_sq.sqrt()
 }
 
-/// Scales every gradient so the global norm is at most `max_norm` (torch's clip_grad_norm_: the factor
-/// is `max_norm / (norm + 1e-6)` clamped to 1). Returns the norm before clipping.
+/// Scales every gradient so the global norm is at most `max_norm` (torch's clip_grad_norm_). Returns the
+/// norm before clipping.
 pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
-    clip_grad_norm_known(params, max_norm, grad_norm(params))
+    let norm = grad_norm(params);
+    scale_grads(params, clip_coefficient(max_norm, norm));
+    norm
+}
+
+/// The factor that clips gradients of global norm `norm` to `max_norm` (0: no clipping): torch's
+/// `max_norm / (norm + 1e-6)`, clamped to 1.
+pub fn clip_coefficient(max_norm: f64, norm: f64) -> f64 {
+    if max_norm > 0.0 {
+        (max_norm / (norm + 1e-6)).min(1.0)
+    } else {
+        1.0
+    }
 }
 
 /// Multiplies every gradient by `factor` (unscale and clip in one, see
@@ -160,23 +172,6 @@ pub fn scale_grads(params: &[Tensor], factor: f64) {
             }
         }
     });
-}
-
-/// [`clip_grad_norm`] when the caller already knows the global norm (e.g. summed while the gradients
-/// were flat for an all-reduce), saving a pass over every gradient.
-pub fn clip_grad_norm_known(params: &[Tensor], max_norm: f64, norm: f64) -> f64 {
-    let coef = (max_norm / (norm + 1e-6)).min(1.0);
-    if coef < 1.0 {
-        tch::no_grad(|| {
-            for p in params {
-                let mut g = p.grad();
-                if g.defined() {
-                    let _ = g.g_mul_scalar_(coef);
-                }
-            }
-        });
-    }
-    norm
 }
 
 #[cfg(test)]

@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::config::{ParallelConfig, TrainConfig};
+use crate::optim::clip_coefficient;
 
 /// The kind the matrix products compute in (`parallel.precision`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -118,8 +119,7 @@ impl LossScale {
             }
             self.clean_steps += 1;
         }
-        let clip = if grad_clip > 0.0 { (grad_clip / (grad_norm + 1e-6)).min(1.0) } else { 1.0 };
-        let factor = clip / self.scale;
+        let factor = clip_coefficient(grad_clip, grad_norm) / self.scale;
         if precision.scales_loss() && self.clean_steps >= window.max(1) {
             self.scale *= 2.0;
             self.clean_steps = 0;
