@@ -1,5 +1,5 @@
-//! `troupe train --pp [--dp]` as a user runs it: pipelines of in-process stage actors report the same JSON
-//! events as the single-process trainer, and its losses and --save-final parameters equal the reference's
+//! `troupe train --pp [--dp] [--nodes]` as a user runs it: pipelines of in-process stage actors, and of
+//! stages on the daemons of a local cluster, report the same JSON events as the single-process trainer, and its losses and --save-final parameters equal the reference's
 //! (the oracle, DESIGN.md §4, through the command line).
 
 use std::process::{Command, Output};
@@ -46,6 +46,8 @@ fn pipelines_through_the_cli_equal_the_single_process_run() {
         &["--pp", "2", "--schedule", "zb-h1", "--microbatches", "4"][..],
         &["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2"][..],
         &["--pp", "2", "--dp", "2", "--microbatches", "2"][..],
+        // Across two daemon processes: each stage's chunks on its own daemon.
+        &["--pp", "2", "--nodes", "2", "--schedule", "interleaved", "--virtual-stages", "2"][..],
     ] {
         let (events, params) = run(args);
         let start = &events[0];
@@ -72,5 +74,15 @@ fn pipelines_through_the_cli_equal_the_single_process_run() {
                 assert!(diff <= TOLERANCE, "{args:?}: {name} differs by {diff:e}");
             }
         }
+    }
+}
+
+#[test]
+fn too_few_daemons_for_the_pipelines_is_refused_with_the_fix() {
+    let output = troupe(&["train", "--pp", "2", "--dp", "2", "--nodes", "3", "--steps", "1"]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    for needle in ["--pp 2 --dp 2 on --nodes 3", "pp × dp = 4 ranks", "raise --nodes"] {
+        assert!(stderr.contains(needle), "{needle:?} in {stderr}");
     }
 }

@@ -27,7 +27,7 @@ pub struct TrainArgs {
     /// Daemons of the embedded local cluster.
     #[arg(long)]
     pub nodes: Option<usize>,
-    /// Data-parallel degree.
+    /// Data-parallel degree (with --pp: replicas of the whole pipeline).
     #[arg(long)]
     pub dp: Option<usize>,
     /// Pipeline-parallel degree.
@@ -122,6 +122,11 @@ impl TrainArgs {
         if self.cluster.is_none() && config.parallel.pp == 1 && dp > nodes {
             bail!("--dp {dp} needs at least {dp} ranks, and --nodes {nodes} gives {nodes} (one slot each); raise --nodes or lower --dp");
         }
+        let pp = config.parallel.pp;
+        if self.cluster.is_none() && pp > 1 && nodes > 1 && pp * dp.max(1) > nodes {
+            let ranks = pp * dp.max(1);
+            bail!("--pp {pp} --dp {} on --nodes {nodes}: the pipelines need pp × dp = {ranks} ranks (one stage per daemon), and --nodes {nodes} gives {nodes}; raise --nodes or lower --pp / --dp", dp.max(1));
+        }
         let distributed = self.cluster.is_some() || nodes > 1;
         if distributed && self.resume.is_some() {
             bail!("--resume: on a cluster, pass --checkpoint-dir instead: a job whose checkpoint directory holds a valid checkpoint continues from the newest one");
@@ -132,14 +137,11 @@ impl TrainArgs {
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let config = args.job_config()?;
-    if config.parallel.pp > 1 {
-        if args.cluster.is_some() {
-            bail!("--pp > 1 with --cluster: pipeline stages run in this process for now; drop --cluster");
-        }
-        return super::train_pipeline::run(args, config);
-    }
     if args.cluster.is_some() || config.parallel.nodes > 1 {
         return super::train_cluster::run(args, config);
+    }
+    if config.parallel.pp > 1 {
+        return super::train_pipeline::run(args, config);
     }
     let threads = configure_torch_threads(config.train.torch_threads, 1);
     let mut trainer = match &args.resume {

@@ -65,6 +65,7 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
     };
     let total = config.train.steps;
     let plane = if args.data_plane == "quic" { DataPlane::Quic } else { DataPlane::Auto };
+    let mode = Mode::of(&config);
     let mut job = Job::new(config).name("train").data_plane(plane).trace(run_dir.is_some());
     if let Some(path) = &args.save_final {
         let path = std::path::absolute(path).with_context(|| format!("--save-final {}", path.display()))?;
@@ -90,9 +91,9 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
                 world = w;
                 reporter.event(
                     "start",
-                    json!({ "world": w, "epoch": epoch, "from_step": from_step, "attempt": attempt, "steps": total,
+                    json!({ "world": w, "pp": mode.pp, "epoch": epoch, "from_step": from_step, "attempt": attempt, "steps": total,
                             "nodes": nodes, "job": handle.id() }),
-                    &format!("troupe: job {} running data-parallel on {w} rank(s), epoch {epoch}", handle.id()),
+                    &format!("troupe: job {} running {} on {w} rank(s), epoch {epoch}", handle.id(), mode.describe(w)),
                 );
             }
             JobEvent::Step {
@@ -212,4 +213,26 @@ async fn interrupted(handle: &mut JobHandle, reporter: &Reporter) -> anyhow::Err
         }
     }
     anyhow::anyhow!("interrupted")
+}
+
+/// How the job splits the work, for the human start line.
+struct Mode {
+    pp: usize,
+    schedule: String,
+    shard: String,
+}
+
+impl Mode {
+    fn of(config: &JobConfig) -> Self {
+        let parallel = &config.parallel;
+        Self { pp: parallel.pp, schedule: parallel.schedule.clone(), shard: parallel.shard.clone() }
+    }
+
+    fn describe(&self, world: usize) -> String {
+        match (self.pp, self.shard.as_str()) {
+            (1, "none") => "data-parallel".into(),
+            (1, shard) => format!("data-parallel with {shard}"),
+            (pp, _) => format!("{} {} pipeline(s) of {pp} stages", world / pp, self.schedule),
+        }
+    }
 }

@@ -14,6 +14,7 @@ mod flat;
 mod memory;
 mod overlap;
 pub mod pipeline;
+mod reshard;
 pub mod shard_plan;
 mod sharded;
 mod step_engine;

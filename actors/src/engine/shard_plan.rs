@@ -105,13 +105,10 @@ pub fn plan_restore(total: usize, holdings: &[Holding]) -> Result<RestorePlan, M
     Ok(RestorePlan { step, optimizer_step, sources })
 }
 
-/// Whether every rank of a `world`-rank layout already holds, at the plan's step, every range it needs:
+/// Whether every rank already holds, at the plan's step, every range it needs (`needed_of(rank)`):
 /// then no state moves at the start of the attempt.
-pub fn all_local(total: usize, holdings: &[Holding], step: u64, replicas: usize) -> bool {
-    let world = holdings.len();
-    holdings.iter().enumerate().all(|(rank, h)| {
-        h.step == step && held_ranges(total, rank, world, replicas).iter().all(|need| h.contains(need))
-    })
+pub fn all_local(holdings: &[Holding], step: u64, needed_of: impl Fn(usize) -> Vec<Range<usize>>) -> bool {
+    holdings.iter().enumerate().all(|(rank, h)| h.step == step && needed_of(rank).iter().all(|need| h.contains(need)))
 }
 
 /// Counters and ranges travel through an f32 collective as 24-bit halves, each exact in an f32.
@@ -123,12 +120,16 @@ fn join(hi: f32, lo: f32) -> u64 {
     ((hi as u64) << 24) | lo as u64
 }
 
-/// f32 words of one encoded [`Holding`].
-pub const HOLDING_WORDS: usize = 5 + 4 * (1 + REPLICAS_MAX);
+/// Most ranges one [`Holding`] describes: a ZeRO rank's own shard and `REPLICAS_MAX` buddies', or a
+/// pipeline device's chunks (one per virtual stage; `VIRTUAL_STAGES_MAX` is 16 too).
+pub const HOLDING_RANGES_MAX: usize = 16;
 
-/// Encodes a holding for an all-gather. At most `1 + REPLICAS_MAX` ranges.
+/// f32 words of one encoded [`Holding`].
+pub const HOLDING_WORDS: usize = 5 + 4 * HOLDING_RANGES_MAX;
+
+/// Encodes a holding for an all-gather. At most [`HOLDING_RANGES_MAX`] ranges.
 pub fn encode_holding(h: &Holding) -> [f32; HOLDING_WORDS] {
-    assert!(h.ranges.len() <= 1 + REPLICAS_MAX, "{} pieces", h.ranges.len());
+    assert!(h.ranges.len() <= HOLDING_RANGES_MAX, "{} pieces", h.ranges.len());
     let mut out = [0f32; HOLDING_WORDS];
     out[..2].copy_from_slice(&split(h.step));
     out[2..4].copy_from_slice(&split(h.optimizer_step));
@@ -142,7 +143,7 @@ pub fn encode_holding(h: &Holding) -> [f32; HOLDING_WORDS] {
 }
 
 pub fn decode_holding(words: &[f32]) -> Holding {
-    let count = (words[4] as usize).min(1 + REPLICAS_MAX);
+    let count = (words[4] as usize).min(HOLDING_RANGES_MAX);
     let ranges = (0..count)
         .map(|i| {
             let at = 5 + 4 * i;
@@ -225,12 +226,18 @@ mod tests {
             vec![(0..5, 1), (5..9, 1)],
             "in a world of 2 a rank and its buddy copy hold everything"
         );
-        assert!(!all_local(total, &holdings, 5, 1), "rank 0 is behind");
+        assert!(!all_local(&holdings, 5, |r| held_ranges(total, r, holdings.len(), 1)), "rank 0 is behind");
         let fresh = vec![full_old.clone(), full_old];
-        assert!(all_local(total, &fresh, 3, 1), "full copies at one step: nothing moves");
+        assert!(
+            all_local(&fresh, 3, |r| held_ranges(total, r, fresh.len(), 1)),
+            "full copies at one step: nothing moves"
+        );
         let same = vec![sharded(5, total, 0, 3, 1), sharded(5, total, 1, 3, 1), sharded(5, total, 2, 3, 1)];
-        assert!(all_local(total, &same, 5, 1));
-        assert!(!all_local(total, &same[..2], 5, 1), "a world of 2 needs bigger shards");
+        assert!(all_local(&same, 5, |r| held_ranges(total, r, same.len(), 1)));
+        assert!(
+            !all_local(&same[..2], 5, |r| held_ranges(total, r, same[..2].len(), 1)),
+            "a world of 2 needs bigger shards"
+        );
     }
 
     #[test]

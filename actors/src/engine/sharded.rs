@@ -25,17 +25,15 @@ use troupe_model::checkpoint::state::TensorSpec;
 use troupe_model::checkpoint::TrainingState;
 use troupe_model::data::rank_slice;
 use troupe_model::optim::learning_rate;
-use troupe_model::precision::{LossScale, Update};
+use troupe_model::precision::Update;
 use troupe_model::{StepReport, Trainer};
 
 use super::committed::{CommittedState, ShardPiece};
 use super::data_parallel::{broadcast_params, materialise_grads, ReducedStep};
 use super::flat::{append_flat, copy_from_flat};
 use super::memory::PersistentState;
-use super::shard_plan::{
-    all_local, buddies, decode_holding, encode_holding, held_ranges, plan_restore, shadow_holders, Holding,
-    HOLDING_WORDS, REPLICAS_MAX,
-};
+use super::reshard::{reshard, Held};
+use super::shard_plan::{buddies, held_ranges, shadow_holders, REPLICAS_MAX};
 use super::step_engine::EngineError;
 use super::zero3;
 
@@ -231,66 +229,28 @@ impl<T: Transport> ShardedReplica<T> {
     /// this rank held untouched; a piece held by no rank fails with [`EngineError::StateLost`] and marks
     /// this rank's state lost (so the next attempt restores from the checkpoint).
     pub async fn sync(&mut self) -> Result<(), EngineError> {
-        let (rank, world, total) = (self.rank(), self.world(), self.total);
-        let mine =
-            Holding { step: self.trainer.step, optimizer_step: self.trainer.optimizer.step, ranges: self.held() };
-        let mut words = vec![0f32; world * HOLDING_WORDS];
-        self.comm.all_gather(&encode_holding(&mine), &mut words).await?;
-        let holdings: Vec<Holding> = words.chunks(HOLDING_WORDS).map(decode_holding).collect();
-        let plan = match plan_restore(total, &holdings) {
-            Ok(plan) => plan,
-            Err(missing) => {
-                self.lost = true;
-                return Err(EngineError::StateLost { step: missing.step, range: missing.range });
+        let (rank, world, total, replicas) = (self.rank(), self.world(), self.total, self.replicas);
+        let trainer = &self.trainer;
+        let held = Held {
+            step: trainer.step,
+            optimizer_step: trainer.optimizer.step,
+            loss_scale: trainer.loss_scale,
+            pieces: &self.pieces,
+        };
+        let resharded = match reshard(&mut self.comm, total, held, |r| held_ranges(total, r, world, replicas)).await {
+            Ok(resharded) => resharded,
+            Err(e) => {
+                self.lost = matches!(e, EngineError::StateLost { .. });
+                return Err(e);
             }
         };
-        let needed = held_ranges(total, rank, world, self.replicas);
-        let mut pieces: Vec<ShardPiece> = needed.iter().cloned().map(ShardPiece::zeros).collect();
-        if all_local(total, &holdings, plan.step, self.replicas) {
-            for piece in &mut pieces {
-                let source =
-                    self.pieces.iter().find(|p| p.range.start <= piece.range.start && piece.range.end <= p.range.end);
-                let source = source.expect("all_local: every needed range is held here");
-                let ShardPiece { range, master, exp_avg, exp_avg_sq } = piece;
-                source.read(range, [master, exp_avg, exp_avg_sq]);
-            }
-        } else {
-            let mut buf = Vec::new();
-            for (range, provider) in &plan.sources {
-                let n = range.len();
-                buf.clear();
-                buf.resize(3 * n, 0.0);
-                if *provider == rank {
-                    let source = self.pieces.iter().find(|p| p.range.start <= range.start && range.end <= p.range.end);
-                    let source = source.expect("plan_restore: the provider holds its range");
-                    let (m, rest) = buf.split_at_mut(n);
-                    let (v1, v2) = rest.split_at_mut(n);
-                    source.read(range, [m, v1, v2]);
-                }
-                self.comm.broadcast(&mut buf[..], *provider).await?;
-                for piece in &mut pieces {
-                    let (start, end) = (range.start.max(piece.range.start), range.end.min(piece.range.end));
-                    if start >= end {
-                        continue;
-                    }
-                    let (at, from) = (start - piece.range.start..end - piece.range.start, start - range.start);
-                    let dsts = [&mut piece.master, &mut piece.exp_avg, &mut piece.exp_avg_sq];
-                    for (k, dst) in dsts.into_iter().enumerate() {
-                        dst[at.clone()].copy_from_slice(&buf[k * n + from..k * n + from + (end - start)]);
-                    }
-                }
-            }
-        }
-        // The loss scaler (fp16) from the lowest rank at that step: every rank there holds the same.
-        let provider = holdings.iter().position(|h| h.step == plan.step).expect("plan_restore: a rank holds the step");
-        let mut scaler = self.trainer.loss_scale.to_words();
-        self.comm.broadcast(&mut scaler[..], provider).await?;
-        self.trainer.loss_scale = LossScale::from_words(scaler);
+        let needed = held_ranges(total, rank, world, replicas);
         self.segments = needed.iter().map(|r| plan_segments(&self.numels, &self.decays, r)).collect();
         self.grads = needed.iter().map(|r| vec![0.0; r.len()]).collect();
-        self.pieces = pieces;
-        self.trainer.step = plan.step;
-        self.trainer.optimizer.step = plan.optimizer_step;
+        self.pieces = resharded.pieces;
+        self.trainer.loss_scale = resharded.loss_scale;
+        self.trainer.step = resharded.step;
+        self.trainer.optimizer.step = resharded.optimizer_step;
         self.params_stale = true;
         self.synced = true;
         Ok(())
@@ -503,7 +463,7 @@ impl<T: Transport> ShardedReplica<T> {
 }
 
 /// The whole state of a trainer as one piece covering the flat order.
-fn full_piece(trainer: &Trainer) -> ShardPiece {
+pub(crate) fn full_piece(trainer: &Trainer) -> ShardPiece {
     let params: Vec<Tensor> = trainer.model.params().iter().map(Tensor::detach).collect();
     let mut piece = ShardPiece { range: 0..0, master: Vec::new(), exp_avg: Vec::new(), exp_avg_sq: Vec::new() };
     append_flat(&params, &mut piece.master);

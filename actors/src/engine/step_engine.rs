@@ -1,5 +1,5 @@
 //! The one seam between the worker's step protocol and a training engine: whatever the engine (DDP,
-//! ZeRO-1/2/3), an attempt is sync → per step reduce (vote) → apply (after commit) → checkpoint snapshot
+//! ZeRO-1/2/3, pipelines), an attempt is sync → per step reduce (vote) → apply (after commit) → checkpoint snapshot
 //! when due → finish → the committed state back.
 
 use troupe_cluster::transport::Transport;
@@ -22,6 +22,11 @@ pub enum EngineError {
         "the state of step {step} is incomplete: elements {range:?} of the flat parameter order were held only by ranks that are gone (a rank and its buddy copies); the ranks drop their partial state and restore from the newest checkpoint"
     )]
     StateLost { step: u64, range: std::ops::Range<usize> },
+    #[error(transparent)]
+    Pipeline(#[from] super::pipeline::PipelineError),
+    /// The attempt's layout cannot run this job (set-up, before any state moved).
+    #[error("setting up the attempt: {0}")]
+    Setup(String),
 }
 
 /// One rank's engine for an attempt. Every method that communicates is a collective: every rank calls
@@ -36,14 +41,14 @@ pub trait StepEngine {
     /// named as the most advanced, when the ranks' committed steps differ).
     async fn sync(&mut self, source: Option<usize>) -> Result<(), EngineError>;
     /// Everything of the step before the vote; nothing applied.
-    async fn reduce(&mut self) -> Result<ReducedStep, ClusterError>;
+    async fn reduce(&mut self) -> Result<ReducedStep, EngineError>;
     /// The update of a committed step: local, cannot fail half-way.
     fn apply(&mut self, reduced: ReducedStep);
     /// A checkpoint of the committed state: the state copied to host memory on rank 0 and submitted to
     /// `writer` (rank 0's, when the job has one) tagged `tag`.
-    async fn checkpoint(&mut self, writer: Option<&CheckpointWriter>, tag: u64) -> Result<(), ClusterError>;
+    async fn checkpoint(&mut self, writer: Option<&CheckpointWriter>, tag: u64) -> Result<(), EngineError>;
     /// Brings the trainer's parameters up to date (before `--save-final`).
-    async fn finish(&mut self) -> Result<(), ClusterError>;
+    async fn finish(&mut self) -> Result<(), EngineError>;
     /// The committed state to keep; None if this rank's state must not be used again.
     fn into_state(self) -> Option<CommittedState>;
 }
@@ -68,8 +73,8 @@ impl<T: Transport> StepEngine for DataParallelReplica<T> {
         Ok(())
     }
 
-    async fn reduce(&mut self) -> Result<ReducedStep, ClusterError> {
-        self.reduce_gradients().await
+    async fn reduce(&mut self) -> Result<ReducedStep, EngineError> {
+        Ok(self.reduce_gradients().await?)
     }
 
     fn apply(&mut self, reduced: ReducedStep) {
@@ -77,7 +82,7 @@ impl<T: Transport> StepEngine for DataParallelReplica<T> {
     }
 
     /// Every rank holds the whole state: rank 0 copies its own, nothing travels.
-    async fn checkpoint(&mut self, writer: Option<&CheckpointWriter>, tag: u64) -> Result<(), ClusterError> {
+    async fn checkpoint(&mut self, writer: Option<&CheckpointWriter>, tag: u64) -> Result<(), EngineError> {
         let Some(writer) = writer else { return Ok(()) };
         let state = match writer.take_spare() {
             Some(mut spare) => {
@@ -90,7 +95,7 @@ impl<T: Transport> StepEngine for DataParallelReplica<T> {
         Ok(())
     }
 
-    async fn finish(&mut self) -> Result<(), ClusterError> {
+    async fn finish(&mut self) -> Result<(), EngineError> {
         Ok(())
     }
 
@@ -117,8 +122,8 @@ impl<T: Transport> StepEngine for ShardedReplica<T> {
         ShardedReplica::sync(self).await
     }
 
-    async fn reduce(&mut self) -> Result<ReducedStep, ClusterError> {
-        self.reduce_gradients().await
+    async fn reduce(&mut self) -> Result<ReducedStep, EngineError> {
+        Ok(self.reduce_gradients().await?)
     }
 
     fn apply(&mut self, reduced: ReducedStep) {
@@ -127,7 +132,7 @@ impl<T: Transport> StepEngine for ShardedReplica<T> {
 
     /// The shards are gathered to rank 0 (the step loop waits for the transfer and the copy); rank 0
     /// writes the whole state from that one snapshot, as for DDP.
-    async fn checkpoint(&mut self, writer: Option<&CheckpointWriter>, tag: u64) -> Result<(), ClusterError> {
+    async fn checkpoint(&mut self, writer: Option<&CheckpointWriter>, tag: u64) -> Result<(), EngineError> {
         let spare = writer.and_then(CheckpointWriter::take_spare);
         if let (Some(state), Some(writer)) = (self.gather_state(spare, writer.is_some()).await?, writer) {
             let world = self.world();
@@ -137,8 +142,8 @@ impl<T: Transport> StepEngine for ShardedReplica<T> {
         Ok(())
     }
 
-    async fn finish(&mut self) -> Result<(), ClusterError> {
-        self.refresh_params().await
+    async fn finish(&mut self) -> Result<(), EngineError> {
+        Ok(self.refresh_params().await?)
     }
 
     fn into_state(self) -> Option<CommittedState> {

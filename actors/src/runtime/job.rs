@@ -77,15 +77,18 @@ pub struct JobDriver {
 }
 
 /// The ranks a view offers a job: each member's slots, members in node-id order, at most `max_nodes`
-/// members (0: all) and at most `max_ranks` slots (0: all). Under either cap, members and slots that are
-/// ranks `now` keep their place and only the rest is filled in node-id order: spares wait, and a joiner
-/// never displaces a running rank (which may hold the only copy of the committed state). Ranks are
-/// numbered in node-id order either way.
+/// members (0: all) and at most `max_ranks` slots (0: all), their number a multiple of `stages` (a
+/// pipeline job's world is whole pipelines; none when fewer slots than stages). Under any cap, members
+/// and slots that are ranks `now` keep their place and only the rest is filled in node-id order: spares
+/// wait, and a joiner never displaces a running rank (which may hold the only copy of the committed
+/// state); a pipeline job keeps a running rank of every stage before a second of any. Ranks are numbered
+/// in node-id order either way.
 pub fn plan_ranks(
     view: &View,
     members: &[MemberInfo],
     max_nodes: usize,
     max_ranks: usize,
+    stages: usize,
     now: &[RankSlot],
 ) -> Vec<RankSlot> {
     let mut nodes: Vec<&NodeId> = view.members().iter().collect();
@@ -100,11 +103,27 @@ pub fn plan_ranks(
         let count = members.iter().find(|m| m.name == node.0).map_or(1, |m| m.slots);
         slots.extend((0..count).map(|slot| RankSlot { node: node.clone(), slot }));
     }
-    if max_ranks == 0 || slots.len() <= max_ranks {
+    let capped = if max_ranks == 0 { slots.len() } else { max_ranks.min(slots.len()) };
+    let take = capped / stages.max(1) * stages.max(1);
+    if slots.len() == take {
         return slots;
     }
-    let (kept, spare): (Vec<RankSlot>, Vec<RankSlot>) = slots.into_iter().partition(|s| now.contains(s));
-    let mut ranks: Vec<RankSlot> = kept.into_iter().chain(spare).take(max_ranks).collect();
+    let (mut kept, spare): (Vec<RankSlot>, Vec<RankSlot>) = slots.into_iter().partition(|s| now.contains(s));
+    if stages > 1 {
+        // Rank r of a pipeline job runs stage r mod `stages` and holds that stage's state: keep one
+        // running rank of every stage first, so no stage's only surviving copy becomes a spare.
+        let stage_of = |s: &RankSlot| now.iter().position(|n| n == s).map(|i| i % stages);
+        let mut covered = vec![false; stages];
+        let (first, rest): (Vec<RankSlot>, Vec<RankSlot>) = kept.into_iter().partition(|s| match stage_of(s) {
+            Some(stage) if !covered[stage] => {
+                covered[stage] = true;
+                true
+            }
+            _ => false,
+        });
+        kept = first.into_iter().chain(rest).collect();
+    }
+    let mut ranks: Vec<RankSlot> = kept.into_iter().chain(spare).take(take).collect();
     ranks.sort();
     ranks
 }
@@ -146,9 +165,10 @@ impl JobDriver {
         }
     }
 
-    /// The cap on ranks: `parallel.dp` (0 is no cap).
+    /// The cap on ranks: `parallel.dp` (0 is no cap) replicas of `parallel.pp` stages.
     fn max_ranks(&self) -> usize {
-        self.spec.config.parallel.dp
+        let parallel = &self.spec.config.parallel;
+        parallel.dp * parallel.pp
     }
 
     pub fn poll_action(&mut self) -> Option<DriverAction> {
@@ -181,7 +201,8 @@ impl JobDriver {
         }
         self.epoch = view.epoch.0;
         let max_nodes = self.spec.config.elastic.max_nodes;
-        let wanted = plan_ranks(view, members, max_nodes, self.max_ranks(), self.ranks());
+        let (max_ranks, stages) = (self.max_ranks(), self.spec.config.parallel.pp);
+        let wanted = plan_ranks(view, members, max_nodes, max_ranks, stages, self.ranks());
         if !matches!(self.phase, Phase::Idle) && wanted == self.ranks() {
             return;
         }
@@ -491,16 +512,41 @@ mod tests {
     fn ranks_are_slots_of_members_in_node_id_order_capped() {
         let (v, mut m) = view(1, &["b", "a"]);
         m[0].slots = 2; // "b"
-        let ranks = plan_ranks(&v, &m, 0, 0, &[]);
+        let ranks = plan_ranks(&v, &m, 0, 0, 1, &[]);
         let names: Vec<_> = ranks.iter().map(|r| (r.node.0.as_str(), r.slot)).collect();
         assert_eq!(names, vec![("a", 0), ("b", 0), ("b", 1)]);
-        assert_eq!(plan_ranks(&v, &m, 0, 2, &[]).len(), 2);
+        assert_eq!(plan_ranks(&v, &m, 0, 2, 1, &[]).len(), 2);
         // Under the cap, the ranks of now keep their place (in node-id order): "a" waits as a spare.
         let now = [RankSlot { node: "b".into(), slot: 1 }];
-        let kept: Vec<_> = plan_ranks(&v, &m, 0, 2, &now).into_iter().map(|r| (r.node.0, r.slot)).collect();
+        let kept: Vec<_> = plan_ranks(&v, &m, 0, 2, 1, &now).into_iter().map(|r| (r.node.0, r.slot)).collect();
         assert_eq!(kept, vec![("a".to_string(), 0), ("b".to_string(), 1)]);
-        let kept: Vec<_> = plan_ranks(&v, &m, 0, 1, &now).into_iter().map(|r| (r.node.0, r.slot)).collect();
+        let kept: Vec<_> = plan_ranks(&v, &m, 0, 1, 1, &now).into_iter().map(|r| (r.node.0, r.slot)).collect();
         assert_eq!(kept, vec![("b".to_string(), 1)]);
+    }
+
+    /// A pipeline job of 2 stages gets whole pipelines: 5 members give 4 ranks (the running ones kept,
+    /// one spare), 1 member gives none, and the dp cap counts pipelines.
+    #[test]
+    fn a_pipeline_job_gets_whole_pipelines_and_keeps_its_running_ranks() {
+        let (v, m) = view(1, &["a", "b", "c", "d", "e"]);
+        let nodes = |ranks: Vec<RankSlot>| ranks.into_iter().map(|r| r.node.0).collect::<Vec<_>>();
+        assert_eq!(nodes(plan_ranks(&v, &m, 0, 0, 2, &[])), ["a", "b", "c", "d"]);
+        let now: Vec<RankSlot> = ["b", "c", "d", "e"].iter().map(|n| RankSlot { node: (*n).into(), slot: 0 }).collect();
+        assert_eq!(nodes(plan_ranks(&v, &m, 0, 0, 2, &now)), ["b", "c", "d", "e"]);
+        assert_eq!(nodes(plan_ranks(&v, &m, 0, 2, 2, &now)), ["b", "c"]);
+        assert_eq!(nodes(plan_ranks(&v, &m, 0, 0, 3, &[])), ["a", "b", "c"]);
+        // Running as a(0) b(1) c(0) d(1), b lost: a and c hold stage 0, only d holds stage 1 — d stays.
+        let (lost_b, m3) = view(2, &["a", "c", "d"]);
+        let now: Vec<RankSlot> = ["a", "b", "c", "d"].iter().map(|n| RankSlot { node: (*n).into(), slot: 0 }).collect();
+        assert_eq!(nodes(plan_ranks(&lost_b, &m3, 0, 0, 2, &now)), ["a", "d"]);
+        let (one, m1) = view(1, &["a"]);
+        assert!(plan_ranks(&one, &m1, 0, 0, 2, &[]).is_empty(), "fewer slots than stages: no ranks");
+        let mut s = spec(10);
+        s.config.parallel.pp = 2;
+        s.config.parallel.dp = 1;
+        let mut d = JobDriver::new(1, s);
+        d.on_view(&v, &m, vec![]);
+        assert_eq!(d.info().world, 2, "dp = 1 replica of 2 stages");
     }
 
     /// Found by the deterministic simulation (troupe-chaos): with `max_ranks` 1, a restarted
@@ -706,10 +752,10 @@ mod tests {
         let (v, mut m) = view(1, &["a", "b", "c"]);
         m[1].slots = 2; // "b"
         let nodes = |ranks: Vec<RankSlot>| ranks.into_iter().map(|r| (r.node.0, r.slot)).collect::<Vec<_>>();
-        let two = nodes(plan_ranks(&v, &m, 2, 0, &[]));
+        let two = nodes(plan_ranks(&v, &m, 2, 0, 1, &[]));
         assert_eq!(two, vec![("a".into(), 0), ("b".into(), 0), ("b".into(), 1)], "the first two members, every slot");
         let now = [RankSlot { node: "c".into(), slot: 0 }];
-        let kept = nodes(plan_ranks(&v, &m, 2, 0, &now));
+        let kept = nodes(plan_ranks(&v, &m, 2, 0, 1, &now));
         assert_eq!(kept, vec![("a".into(), 0), ("c".into(), 0)], "c runs and keeps its place; b waits as a spare");
     }
 

@@ -23,6 +23,7 @@ use troupe_model::Trainer;
 
 use super::node::NodeMsg;
 use super::protocol::{AttemptOutcome, DataPlane, JobId, JobSpec, StepFigures, Wire};
+use crate::engine::pipeline::PipelineReplica;
 use crate::engine::{
     CommittedState, DataParallelReplica, EngineError, ShardMode, ShardedReplica, StepEngine, DEFAULT_BUCKET_BYTES,
 };
@@ -415,8 +416,8 @@ async fn run_attempt(
     train_over(&ctx, &spec, transport, epoch, state, &mut ctl).await
 }
 
-/// Runs the attempt over `transport` with the job's engine: DDP (`parallel.shard = "none"`) or
-/// ZeRO-1/2/3 with `checkpoint.replicas` buddy copies of each shard.
+/// Runs the attempt over `transport` with the job's engine: a pipeline device (`parallel.pp` > 1), DDP
+/// (`parallel.shard = "none"`) or ZeRO-1/2/3 with `checkpoint.replicas` buddy copies of each shard.
 async fn train_over<T: Transport>(
     ctx: &AttemptCtx,
     spec: &JobSpec,
@@ -428,7 +429,13 @@ async fn train_over<T: Transport>(
     let peers: Vec<String> = ctx.roster.iter().map(|p| p.name.clone()).collect();
     let counted = Arc::new(Counted::new(transport.clone(), &peers, &ctx.metrics.links));
     let comm = Communicator::new(counted, 0, epoch, CollectiveConfig::from(&ctx.transport));
+    let collective = CollectiveConfig::from(&ctx.transport);
     let (state, outcome) = match (ShardMode::of_config(&spec.config.parallel.shard), state) {
+        (_, state) if spec.config.parallel.pp > 1 => {
+            let mut engine = PipelineReplica::adopt(state, comm, collective);
+            let outcome = drive(ctx, spec, &mut engine, ctl).await;
+            (engine.into_state(), outcome)
+        }
         (Some(mode), state) => {
             let replicas = spec.config.checkpoint.replicas;
             let mut engine = ShardedReplica::adopt(state, comm, mode, replicas);

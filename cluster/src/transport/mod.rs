@@ -11,6 +11,7 @@ mod mailbox;
 pub mod memory;
 pub mod quic;
 pub mod same_host;
+pub mod subgroup;
 
 use std::future::Future;
 

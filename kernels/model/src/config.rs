@@ -420,9 +420,6 @@ impl ParallelConfig {
         if !(1..=PIPELINE_STAGES_MAX).contains(&self.pp) {
             return Err(invalid("parallel.pp", self.pp, format!("must be in 1..={PIPELINE_STAGES_MAX}")));
         }
-        if self.pp > 1 && self.nodes > 1 {
-            return not_yet("--pp > 1 with --nodes > 1 / parallel.nodes (pipeline stages across daemons)", "1 node");
-        }
         if self.microbatches != 0 && self.pp == 1 {
             return Err(invalid(
                 "parallel.microbatches",
@@ -528,7 +525,6 @@ mod tests {
             ("[parallel]\nshard = \"zero2\"\npp = 2\n", &["not available yet", "--pp > 1"]),
             ("[checkpoint]\nreplicas = 4\n", &["checkpoint.replicas", "0..=3"]),
             ("[parallel]\npp = 8\n", &["parallel.pp", "at most model.n_layers (4)"]),
-            ("[parallel]\npp = 2\nnodes = 2\n", &["not available yet", "--pp > 1 with --nodes > 1"]),
             ("[parallel]\nmicrobatches = 4\n", &["parallel.microbatches", "--pp"]),
             ("[parallel]\npp = 2\nvirtual_stages = 2\n", &["parallel.virtual_stages", "interleaved"]),
             ("[parallel]\nnodes = 0\n", &["parallel.nodes", "1..=64"]),

@@ -10,6 +10,7 @@ mod error;
 mod measure;
 mod partition;
 mod plan;
+mod replica;
 mod run;
 mod schedules;
 mod stage;
@@ -21,9 +22,11 @@ pub use error::PipelineError;
 pub use measure::{measure_bubble, BubbleFigures};
 pub use partition::{partition, ChunkLayout, PartitionError};
 pub use plan::{Op, OpKind, Plan, PlanShape, ScheduleKind};
+pub use replica::PipelineReplica;
 pub use run::{run_in_process, run_stages, DeviceTransports, PipelineOptions, PipelineRun, PipelineStep};
 pub use schedules::{plan, with_messages, ScheduleError, MICROBATCHES_MAX, STAGES_MAX, VIRTUAL_STAGES_MAX};
 pub use stage::{
-    microbatch_ranges, DataParallelGroup, OpSpan, PipelineStage, ReducedStage, StageStep, PIPELINE_TAG_GROUP,
+    chunk_ranges, microbatch_ranges, DataParallelGroup, OpSpan, PipelineStage, ReducedStage, StageStep,
+    PIPELINE_TAG_GROUP,
 };
 pub use trace::{category, chrome_trace};

@@ -30,9 +30,10 @@ use troupe_model::optim::{learning_rate, scale_grads, AdamW, AdamWConfig};
 use troupe_model::precision::{backward_weight, LossScale, Precision, Update};
 use troupe_model::TrainError;
 
+use super::super::committed::ShardPiece;
 use super::super::flat::{append_flat, copy_from_flat};
 use super::error::PipelineError;
-use super::{ChunkLayout, Op, OpKind, Plan};
+use super::{ChunkLayout, Op, OpKind, Plan, PlanShape};
 
 /// The transport tag group of activations and gradients (collectives of the flush use their own).
 pub const PIPELINE_TAG_GROUP: u32 = 0x5049_5045;
@@ -98,6 +99,8 @@ pub struct PipelineStage<T: Transport> {
     data_parallel: Option<DataParallelGroup<T>>,
     recv_timeout_ms: u64,
     chunks: Vec<LocalChunk>,
+    /// Per chunk: its flat element range in the canonical parameter order ([`chunk_ranges`]).
+    ranges: Vec<Range<usize>>,
     params: Vec<Tensor>,
     optimizer: AdamW,
     precision: Precision,
@@ -117,6 +120,25 @@ pub fn microbatch_ranges(slice: Range<usize>, microbatches: usize) -> Vec<Range<
         .map(|i| {
             let r = troupe_kernels::balanced_range(slice.len(), microbatches, i);
             slice.start + r.start..slice.start + r.end
+        })
+        .collect()
+}
+
+/// The flat element ranges (in the model's canonical parameter order) of `device`'s chunks, in
+/// virtual-stage order: chunks are contiguous in that order, chunk `c` after chunks `0..c`.
+pub fn chunk_ranges(shape: PlanShape, layouts: &[ChunkLayout], device: usize) -> Vec<Range<usize>> {
+    let starts: Vec<usize> = layouts
+        .iter()
+        .scan(0, |offset, layout| {
+            let start = *offset;
+            *offset += layout.numel;
+            Some(start)
+        })
+        .collect();
+    (0..shape.virtual_stages)
+        .map(|v| {
+            let chunk = shape.chunk_at(device, v);
+            starts[chunk]..starts[chunk] + layouts[chunk].numel
         })
         .collect()
 }
@@ -189,6 +211,7 @@ impl<T: Transport> PipelineStage<T> {
             data_parallel,
             recv_timeout_ms,
             chunks,
+            ranges: chunk_ranges(shape, layouts, device),
             params,
             optimizer,
             precision,
@@ -216,6 +239,57 @@ impl<T: Transport> PipelineStage<T> {
             .iter()
             .map(|c| (c.chunk, self.params[c.local.clone()].iter().map(|p| p.detach().copy()).collect()))
             .collect()
+    }
+
+    /// This device's state as pieces of the flat parameter order, one per chunk (in virtual-stage order):
+    /// what a rank keeps between attempts of a cluster job.
+    pub fn export_state(&self) -> Vec<ShardPiece> {
+        self.chunks
+            .iter()
+            .zip(self.ranges.iter().cloned())
+            .map(|(chunk, range)| {
+                let mut piece = ShardPiece::zeros(0..0);
+                let local = chunk.local.clone();
+                let params: Vec<Tensor> = self.params[local.clone()].iter().map(Tensor::detach).collect();
+                append_flat(&params, &mut piece.master);
+                append_flat(&self.optimizer.exp_avg[local.clone()], &mut piece.exp_avg);
+                append_flat(&self.optimizer.exp_avg_sq[local], &mut piece.exp_avg_sq);
+                debug_assert_eq!(piece.master.len(), range.len());
+                piece.range = range;
+                piece
+            })
+            .collect()
+    }
+
+    /// Takes a committed state: the masters and moments of this device's chunks from `pieces` (each chunk's
+    /// range inside one piece), the step counters and the loss scaler.
+    pub fn load_state(&mut self, pieces: &[ShardPiece], step: u64, optimizer_step: u64, loss_scale: LossScale) {
+        for (chunk, range) in self.chunks.iter().zip(self.ranges.iter().cloned()) {
+            let piece = pieces
+                .iter()
+                .find(|p| p.range.start <= range.start && range.end <= p.range.end)
+                .expect("load_state: a piece holds each chunk");
+            let n = range.len();
+            let (mut master, mut exp_avg, mut exp_avg_sq) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+            piece.read(&range, [&mut master, &mut exp_avg, &mut exp_avg_sq]);
+            let local = chunk.local.clone();
+            copy_from_flat(&self.params[local.clone()], &master);
+            copy_from_flat(&self.optimizer.exp_avg[local.clone()], &exp_avg);
+            copy_from_flat(&self.optimizer.exp_avg_sq[local], &exp_avg_sq);
+        }
+        self.step = step;
+        self.optimizer.step = optimizer_step;
+        self.loss_scale = loss_scale;
+    }
+
+    /// AdamW updates applied so far.
+    pub fn optimizer_step(&self) -> u64 {
+        self.optimizer.step
+    }
+
+    /// fp16's loss scaler (every device holds the same).
+    pub fn loss_scale(&self) -> LossScale {
+        self.loss_scale
     }
 
     /// Runs one step: this device's ops, then the flush (norm and loss across devices, clip, AdamW).

@@ -1,0 +1,318 @@
+//! A pipeline job on the cluster: each rank of the attempt is one device of one pipeline replica, driven
+//! by the worker's step protocol through [`StepEngine`] like the DDP and ZeRO engines.
+//!
+//! Rank `r` of a world of `P × D` ranks is device `r mod P` of replica `r div P`: a replica's stages are
+//! consecutive ranks (pipeline neighbours next to each other, in node-id order) and a stage's `D`
+//! replicas are the ranks `P` apart. Both groups are [`Subgroup`]s of the attempt's one mesh (QUIC between
+//! hosts, Unix sockets on one): activations and gradients travel between a replica's devices, the
+//! stage's gradient all-reduce among its replicas, the flush (norm and loss) along each replica's chain.
+//!
+//! State between attempts is [`CommittedState::Sharded`]: the masters and AdamW moments of the device's
+//! chunks as pieces of the flat parameter order, with the trainer carrying only the counters, the config
+//! and the sampler. At the start of an attempt [`reshard`] gives every rank its device's chunks at the
+//! most advanced committed step, from whichever rank holds them — a stage's other replicas, a rank of
+//! another layout, or a checkpoint — so the world may shrink and grow by whole pipelines (`pp` kept,
+//! `dp` recomputed) with nothing lost while one replica of every stage survives.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use troupe_cluster::collective::{Collective, CollectiveConfig, Communicator};
+use troupe_cluster::transport::subgroup::Subgroup;
+use troupe_cluster::transport::Transport;
+use troupe_cluster::ClusterError;
+use troupe_model::checkpoint::state::{scaler_of, TensorSpec};
+use troupe_model::checkpoint::{CheckpointWriter, Layout, SaveRequest, ShardMode, TrainingState};
+use troupe_model::Trainer;
+
+use super::super::committed::{CommittedState, ShardPiece};
+use super::super::data_parallel::ReducedStep;
+use super::super::reshard::{reshard, Held};
+use super::super::step_engine::{EngineError, StepEngine};
+use super::super::zero3;
+use super::{
+    check, chunk_ranges, partition, plan, ChunkLayout, DataParallelGroup, PipelineStage, Plan, PlanShape, ReducedStage,
+    ScheduleKind,
+};
+
+/// Tag group of the flush's collectives along a replica's chain.
+const FLUSH_GROUP: u32 = 0x5049_5001;
+/// Tag group of a stage's gradient all-reduce among its replicas.
+const STAGE_REPLICAS_GROUP: u32 = 0x5049_5002;
+
+/// The pipeline geometry of an attempt of `world` ranks.
+#[derive(Clone, Debug)]
+struct Geometry {
+    kind: ScheduleKind,
+    shape: PlanShape,
+    replicas: usize,
+    layouts: Vec<ChunkLayout>,
+    total: usize,
+}
+
+impl Geometry {
+    fn of(trainer: &Trainer, world: usize) -> Result<Self, String> {
+        let config = &trainer.config;
+        let parallel = &config.parallel;
+        let stages = parallel.pp;
+        if world == 0 || !world.is_multiple_of(stages) {
+            return Err(format!("{world} ranks do not make whole pipelines of parallel.pp = {stages} stages"));
+        }
+        let replicas = world / stages;
+        let kind = ScheduleKind::parse(&parallel.schedule).map_err(|e| format!("parallel.schedule: {e}"))?;
+        let samples = config.train.global_batch / replicas;
+        let mut sized = parallel.clone();
+        sized.dp = replicas;
+        // The smallest replica's samples bound the micro-batches (an explicit count too: the world may
+        // have grown since the config was checked).
+        let microbatches = sized.pipeline_microbatches(&config.train).min(samples).max(1);
+        let shape = PlanShape::new(stages, microbatches, parallel.virtual_stages);
+        let layouts = partition(&config.model, shape.chunks()).map_err(|e| e.to_string())?;
+        let total = layouts.iter().map(|l| l.numel).sum();
+        Ok(Self { kind, shape, replicas, layouts, total })
+    }
+
+    fn device_of(&self, rank: usize) -> usize {
+        rank % self.shape.stages
+    }
+
+    fn needed(&self, rank: usize) -> Vec<Range<usize>> {
+        chunk_ranges(self.shape, &self.layouts, self.device_of(rank))
+    }
+}
+
+/// One rank of a pipeline job on the cluster.
+pub struct PipelineReplica<T: Transport> {
+    /// Step counters, config, sampler; its parameters are empty tensors (the stage holds the chunks),
+    /// except after [`StepEngine::finish`] on rank 0.
+    trainer: Trainer,
+    comm: Communicator<T>,
+    collective: CollectiveConfig,
+    /// Before `sync`: what the rank held when the attempt began; after, empty (the stage holds it).
+    pieces: Vec<ShardPiece>,
+    stage: Option<PipelineStage<Subgroup<T>>>,
+    geometry: Option<Geometry>,
+    origin: Instant,
+    /// `sync` found the state of the most advanced step incomplete: this rank's state is dropped.
+    lost: bool,
+}
+
+impl<T: Transport> PipelineReplica<T> {
+    /// Takes a rank's committed state for a new attempt over `comm` (the attempt's whole world). Nothing
+    /// is sent: [`StepEngine::sync`] builds the stage.
+    pub fn adopt(state: CommittedState, comm: Communicator<T>, collective: CollectiveConfig) -> Self {
+        let (mut trainer, pieces) = match state {
+            CommittedState::Sharded { trainer, pieces } => (*trainer, pieces),
+            CommittedState::Full(trainer) => {
+                let trainer = *trainer;
+                let piece = super::super::sharded::full_piece(&trainer);
+                (trainer, vec![piece])
+            }
+        };
+        trainer.optimizer.exp_avg.clear();
+        trainer.optimizer.exp_avg_sq.clear();
+        zero3::release_params(&mut trainer);
+        Self { trainer, comm, collective, pieces, stage: None, geometry: None, origin: Instant::now(), lost: false }
+    }
+
+    /// The device this rank runs, once synced.
+    pub fn device(&self) -> Option<usize> {
+        self.stage.as_ref().map(PipelineStage::device)
+    }
+
+    fn stage(&mut self) -> &mut PipelineStage<Subgroup<T>> {
+        self.stage.as_mut().expect("PipelineReplica::sync before the first step")
+    }
+
+    /// Builds this rank's stage over subgroups of the attempt's mesh.
+    fn build_stage(&self, geometry: &Geometry) -> Result<PipelineStage<Subgroup<T>>, String> {
+        let (rank, stages) = (self.comm.rank(), geometry.shape.stages);
+        let (replica, device) = (rank / stages, rank % stages);
+        let transport = self.comm.transport().clone();
+        let chain: Vec<usize> = (0..stages).map(|s| replica * stages + s).collect();
+        let group = |members| Subgroup::new(transport.clone(), members).map(Arc::new).map_err(|e| e.to_string());
+        let pipeline = group(chain)?;
+        let epoch = self.comm.epoch();
+        let flush = Communicator::new(pipeline.clone(), FLUSH_GROUP, epoch, self.collective.clone());
+        let data_parallel = if geometry.replicas > 1 {
+            let peers = group((0..geometry.replicas).map(|d| d * stages + device).collect())?;
+            let comm = Communicator::new(peers, STAGE_REPLICAS_GROUP, epoch, self.collective.clone());
+            Some(DataParallelGroup { comm })
+        } else {
+            None
+        };
+        let plan: Arc<Plan> = Arc::new(plan(geometry.kind, geometry.shape).map_err(|e| e.to_string())?);
+        check(&plan).map_err(|e| format!("generated plan {} {:?} is invalid: {e}", geometry.kind, geometry.shape))?;
+        let timeout_ms = self.collective.collective_timeout_ms;
+        let config = self.trainer.config.clone();
+        PipelineStage::new(
+            config,
+            plan,
+            &geometry.layouts,
+            device,
+            pipeline,
+            flush,
+            data_parallel,
+            timeout_ms,
+            self.origin,
+        )
+        .map_err(|e| e.to_string())
+    }
+
+    /// The whole committed state on rank 0 (from replica 0's devices, each sending its chunks): masters,
+    /// moments, counters. A collective; the other ranks get None.
+    async fn gather_state(&mut self) -> Result<Option<TrainingState>, ClusterError> {
+        let geometry = self.geometry.clone().expect("synced");
+        let rank = self.comm.rank();
+        let stages = geometry.shape.stages;
+        if rank >= stages {
+            return Ok(None); // another replica of the stages: replica 0 holds the same
+        }
+        let pieces = self.stage().export_state();
+        if rank != 0 {
+            let mut buf = Vec::new();
+            for piece in &pieces {
+                for v in [&piece.master, &piece.exp_avg, &piece.exp_avg_sq] {
+                    buf.extend_from_slice(v);
+                }
+            }
+            self.comm.send(0, &buf).await?;
+            return Ok(None);
+        }
+        let mut values = [0, 1, 2].map(|_| vec![0f32; geometry.total]);
+        let mut place = |range: &Range<usize>, parts: [&[f32]; 3]| {
+            for (k, part) in parts.into_iter().enumerate() {
+                values[k][range.clone()].copy_from_slice(part);
+            }
+        };
+        for piece in &pieces {
+            place(&piece.range, [&piece.master, &piece.exp_avg, &piece.exp_avg_sq]);
+        }
+        let mut buf = Vec::new();
+        for device in 1..stages {
+            let ranges = geometry.needed(device);
+            let n: usize = ranges.iter().map(Range::len).sum();
+            buf.clear();
+            buf.resize(3 * n, 0.0);
+            self.comm.recv(device, &mut buf[..]).await?;
+            let mut at = 0;
+            for range in &ranges {
+                let len = range.len();
+                let part = |k: usize| &buf[at + k * len..at + (k + 1) * len];
+                place(range, [part(0), part(1), part(2)]);
+                at += 3 * len;
+            }
+        }
+        let trainer = &self.trainer;
+        let specs = trainer.model.specs();
+        Ok(Some(TrainingState {
+            config: trainer.config.clone(),
+            step: trainer.step,
+            optimizer_step: trainer.optimizer.step,
+            sampler: trainer.sampler.state(trainer.step, trainer.config.train.global_batch),
+            tensors: specs
+                .iter()
+                .map(|s| TensorSpec { name: s.name.clone(), shape: s.shape.iter().map(|&d| d as usize).collect() })
+                .collect(),
+            values,
+            loss_scale: scaler_of(trainer),
+        }))
+    }
+
+    /// The stage's counters into the trainer (what the worker reads and the committed state keeps).
+    fn mirror_counters(&mut self) {
+        let stage = self.stage.as_ref().expect("synced");
+        self.trainer.step = stage.step;
+        self.trainer.optimizer.step = stage.optimizer_step();
+        self.trainer.loss_scale = stage.loss_scale();
+    }
+}
+
+impl<T: Transport> StepEngine for PipelineReplica<T> {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn world(&self) -> usize {
+        self.comm.world()
+    }
+
+    fn trainer(&self) -> &Trainer {
+        &self.trainer
+    }
+
+    /// Every rank takes part whatever `source` says: the chunks are put together from whoever holds them.
+    async fn sync(&mut self, _source: Option<usize>) -> Result<(), EngineError> {
+        let geometry = Geometry::of(&self.trainer, self.comm.world()).map_err(EngineError::Setup)?;
+        let trainer = &self.trainer;
+        let held = Held {
+            step: trainer.step,
+            optimizer_step: trainer.optimizer.step,
+            loss_scale: trainer.loss_scale,
+            pieces: &self.pieces,
+        };
+        let resharded = match reshard(&mut self.comm, geometry.total, held, |r| geometry.needed(r)).await {
+            Ok(resharded) => resharded,
+            Err(e) => {
+                self.lost = matches!(e, EngineError::StateLost { .. });
+                return Err(e);
+            }
+        };
+        self.origin = Instant::now();
+        let mut stage = self.build_stage(&geometry).map_err(EngineError::Setup)?;
+        stage.load_state(&resharded.pieces, resharded.step, resharded.optimizer_step, resharded.loss_scale);
+        self.pieces = Vec::new();
+        self.stage = Some(stage);
+        self.geometry = Some(geometry);
+        self.mirror_counters();
+        Ok(())
+    }
+
+    /// The device's ops of the plan, the gradient all-reduce among the stage's replicas and the flush.
+    /// `compute_seconds` runs until the device's last op ended; the rest was the reductions.
+    async fn reduce(&mut self) -> Result<ReducedStep, EngineError> {
+        let origin = self.origin;
+        let started = origin.elapsed().as_secs_f64();
+        let reduced = self.stage().reduce_gradients().await?;
+        let ops_end = reduced.spans.last().map_or(started, |s| s.end_s);
+        Ok(ReducedStep { loss: reduced.loss, grad_norm: reduced.grad_norm, compute_seconds: ops_end - started })
+    }
+
+    fn apply(&mut self, reduced: ReducedStep) {
+        let reduced = ReducedStage { loss: reduced.loss, grad_norm: reduced.grad_norm, spans: Vec::new() };
+        self.stage().apply_update(reduced);
+        self.mirror_counters();
+    }
+
+    /// Replica 0's devices send their chunks to rank 0, which writes the whole state (any layout loads it).
+    async fn checkpoint(&mut self, writer: Option<&CheckpointWriter>, tag: u64) -> Result<(), EngineError> {
+        let Some(state) = self.gather_state().await? else { return Ok(()) };
+        let Some(writer) = writer else { return Ok(()) };
+        let geometry = self.geometry.as_ref().expect("synced");
+        let (pp, dp) = (geometry.shape.stages, geometry.replicas);
+        let layout = Layout { dp, pp, shard_mode: ShardMode::Ddp, shards: pp };
+        writer.submit(SaveRequest { state: Box::new(state), layout, tag });
+        Ok(())
+    }
+
+    /// The whole parameters on rank 0 (for `--save-final`).
+    async fn finish(&mut self) -> Result<(), EngineError> {
+        if let Some(state) = self.gather_state().await? {
+            zero3::restore_params(&mut self.trainer, &state.values[0]);
+        }
+        Ok(())
+    }
+
+    fn into_state(mut self) -> Option<CommittedState> {
+        if self.lost {
+            return None;
+        }
+        let pieces = match &self.stage {
+            Some(stage) => stage.export_state(),
+            None => std::mem::take(&mut self.pieces),
+        };
+        zero3::release_params(&mut self.trainer);
+        Some(CommittedState::Sharded { trainer: Box::new(self.trainer), pieces })
+    }
+}

@@ -1,0 +1,174 @@
+//! Pipelines across daemon processes (issue 6 item 1, issue 7's elasticity for `pp` > 1): each rank of
+//! the job is one stage of one pipeline replica, activations and gradients cross between the daemons
+//! over the attempt's mesh, and the result equals the single-process reference (DESIGN.md §4) —
+//! per-step losses and final parameters within 1e-5 relative — also when a daemon is killed (the world
+//! shrinks by whole pipelines, its stage restored from another replica or from the checkpoint) and when
+//! one joins (the world grows back).
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use troupe_actors::api::{DataPlane, Job, JobEvent, JobHandle};
+use troupe_model::checkpoint;
+use troupe_model::config::JobConfig;
+use troupe_model::oracle::{compare_params, worst_loss_diff};
+use troupe_model::Trainer;
+
+const TOLERANCE: f64 = 1e-5;
+const EVENT_TIMEOUT: Duration = Duration::from_secs(90);
+
+fn config(steps: u64, schedule: &str) -> JobConfig {
+    let mut config = JobConfig::default();
+    config.model.n_layers = 2;
+    config.model.d_model = 64;
+    config.model.context = 32;
+    config.train.steps = steps;
+    config.train.global_batch = 8;
+    config.train.micro_batch = 2;
+    config.train.warmup_steps = 2;
+    config.train.torch_threads = 1;
+    config.parallel.pp = 2;
+    config.parallel.schedule = schedule.into();
+    config
+}
+
+fn check(config: &JobConfig, losses: Option<&[f64]>, final_params: &Path, what: &str) {
+    tch::set_num_threads(1);
+    let mut reference = Trainer::new(config.clone()).unwrap();
+    let ref_losses: Vec<f64> = (0..config.train.steps).map(|_| reference.train_step().loss).collect();
+    if let Some(losses) = losses {
+        assert_eq!(losses.len(), ref_losses.len(), "{what}: one committed loss per step");
+        let diff = worst_loss_diff(losses, &ref_losses);
+        eprintln!("{what}: loss diff {diff:.1e}");
+        assert!(diff <= TOLERANCE, "{what}: losses differ by {diff:e}");
+    }
+    let params = common::saved_params(final_params, &reference);
+    let comparison = compare_params(reference.model.specs(), &params, &reference.param_values());
+    eprintln!("{what}: params {comparison:?}");
+    assert!(comparison.within(TOLERANCE), "{what}: {comparison:?}");
+}
+
+async fn next(handle: &mut JobHandle) -> Option<JobEvent> {
+    tokio::time::timeout(EVENT_TIMEOUT, handle.next_event()).await.expect("an event within the timeout").unwrap()
+}
+
+fn losses(events: &[JobEvent]) -> Vec<f64> {
+    events.iter().filter_map(|e| if let JobEvent::Step { loss, .. } = e { Some(*loss) } else { None }).collect()
+}
+
+fn worlds(events: &[JobEvent]) -> Vec<usize> {
+    events.iter().filter_map(|e| if let JobEvent::Step { world, .. } = e { Some(*world) } else { None }).collect()
+}
+
+/// 1F1B with two stages on two daemons over QUIC, then ZB-H1 over the same-host sockets on the same
+/// daemons: both equal the reference, and the job's checkpoint — gathered from the stages — holds the
+/// whole state, with the pipeline's layout in its manifest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_across_two_daemons_equals_the_reference_over_quic_and_sockets() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = common::processes(2).await;
+    for (schedule, plane) in [("1f1b", DataPlane::Quic), ("zb-h1", DataPlane::Auto)] {
+        let mut config = config(6, schedule);
+        config.checkpoint.dir = Some(dir.path().join(format!("ckpt-{schedule}")));
+        config.checkpoint.every_steps = 3;
+        let out = dir.path().join(format!("{schedule}.safetensors"));
+        let job = Job::new(config.clone()).save_final(&out).data_plane(plane);
+        let mut handle = cluster.client().await.unwrap().submit(job).await.unwrap();
+        let mut events = Vec::new();
+        while let Some(e) = next(&mut handle).await {
+            events.push(e);
+        }
+        assert!(matches!(events.first(), Some(JobEvent::Started { world: 2, .. })), "{schedule}: {events:?}");
+        assert!(matches!(events.last(), Some(JobEvent::Finished { steps: 6, .. })), "{schedule}: {events:#?}");
+        check(&config, Some(&losses(&events)), &out, &format!("pp=2 {schedule}"));
+
+        let root = config.checkpoint.dir.as_ref().unwrap();
+        let (latest, skipped) = checkpoint::latest_valid(root);
+        assert!(skipped.is_empty(), "{skipped:?}");
+        let latest = latest.expect("a checkpoint of step 6");
+        let manifest = checkpoint::verify(&latest).unwrap();
+        assert_eq!((manifest.step, manifest.layout.pp, manifest.layout.dp), (6, 2, 1), "{manifest:?}");
+        // The checkpoint is the reference's state after 6 steps, loadable by the single-process trainer.
+        let resumed = Trainer::resume(config.clone(), &latest).unwrap();
+        let saved = common::saved_params(&out, &resumed);
+        let comparison = compare_params(resumed.model.specs(), &saved, &resumed.param_values());
+        assert!(comparison.within(0.0), "checkpoint = final parameters: {comparison:?}");
+    }
+    cluster.shutdown().await;
+}
+
+/// Two pipelines of two stages on four daemons (pp=2 × dp=2). One daemon is SIGKILLed mid-run: the
+/// world shrinks to one pipeline on the survivors, the lost stage's state comes from its other replica
+/// (no rollback: the job has no checkpoint directory), and a daemon that joins grows it back to two —
+/// all on the fault-free trajectory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_pipelines_lose_a_daemon_and_regrow_without_rollback() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cluster = common::processes(4).await;
+    let config = config(60, "1f1b");
+    let out = dir.path().join("final.safetensors");
+    let mut handle = cluster.client().await.unwrap().submit(Job::new(config.clone()).save_final(&out)).await.unwrap();
+    let (mut events, mut phase) = (Vec::new(), 0);
+    while let Some(event) = next(&mut handle).await {
+        match (&event, phase) {
+            (JobEvent::Step { step, world: 4, .. }, 0) if *step >= 4 => {
+                common::signal(cluster.pid(1).unwrap(), "KILL");
+                phase = 1;
+            }
+            (JobEvent::Recovered { world: 2, .. }, 1) => {
+                cluster.add_node().unwrap();
+                phase = 2;
+            }
+            (JobEvent::Recovered { world: 4, .. }, 2) => phase = 3,
+            _ => {}
+        }
+        events.push(event);
+    }
+    let worlds = worlds(&events);
+    eprintln!("worlds per step: {worlds:?}");
+    assert_eq!(phase, 3, "kill, shrink and regrow all happened before the end: {events:#?}");
+    assert!(matches!(events.last(), Some(JobEvent::Finished { steps: 60, .. })), "{events:#?}");
+    assert!(!events.iter().any(|e| matches!(e, JobEvent::RolledBack { .. })), "no rollback: {events:#?}");
+    assert!(worlds.contains(&2) && worlds.last() == Some(&4), "{worlds:?}");
+    check(&config, Some(&losses(&events)), &out, "pp=2 × dp=2, one SIGKILLed, one joined");
+    cluster.shutdown().await;
+}
+
+/// One pipeline of two stages on three daemons (one spare). The daemon of a stage is SIGKILLed: its
+/// chunks lived nowhere else, so the spare takes the stage and the job rolls back to the last checkpoint
+/// — and still lands where the fault-free run lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_stage_with_no_other_replica_restores_from_the_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = common::processes(3).await;
+    let mut config = config(40, "gpipe");
+    config.checkpoint.dir = Some(dir.path().join("ckpt"));
+    config.checkpoint.every_steps = 5;
+    let out = dir.path().join("final.safetensors");
+    let mut handle = cluster.client().await.unwrap().submit(Job::new(config.clone()).save_final(&out)).await.unwrap();
+    let (mut events, mut durable, mut killed) = (Vec::new(), 0, false);
+    while let Some(event) = next(&mut handle).await {
+        match &event {
+            JobEvent::Checkpoint { step, .. } => durable = durable.max(*step),
+            JobEvent::Step { step, .. } if !killed && durable >= 5 && step % 5 != 0 => {
+                // Rank 1 (the second stage) is the second daemon in node-id order: kill it.
+                common::signal(cluster.pid(1).unwrap(), "KILL");
+                killed = true;
+            }
+            _ => {}
+        }
+        events.push(event);
+    }
+    assert!(killed, "{events:#?}");
+    assert!(matches!(events.last(), Some(JobEvent::Finished { steps: 40, .. })), "{events:#?}");
+    let rolled_back = events.iter().find_map(|e| match e {
+        JobEvent::RolledBack { from_step, to_step } => Some((*from_step, *to_step)),
+        _ => None,
+    });
+    let Some((from, to)) = rolled_back else { panic!("a rollback to the checkpoint: {events:#?}") };
+    assert!(to % 5 == 0 && from > to, "rolled back from {from} to a checkpoint: {to}");
+    check(&config, None, &out, "pp=2 on 3 daemons, a stage lost, restored from the checkpoint");
+    cluster.shutdown().await;
+}
