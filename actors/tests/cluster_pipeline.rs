@@ -172,3 +172,48 @@ async fn a_lost_stage_with_no_other_replica_restores_from_the_checkpoint() {
     check(&config, None, &out, "pp=2 on 3 daemons, a stage lost, restored from the checkpoint");
     cluster.shutdown().await;
 }
+
+/// Issue 7's resharding across `pp`: one checkpoint directory continued by a pp=2 job, a DDP job, a ZB-H1
+/// pp=2 job and a ZeRO-2 job in turn, each starting where the previous one stopped, lands where one
+/// uninterrupted run lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkpoints_of_pipeline_ddp_and_zero_jobs_load_in_each_other() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let cluster = troupe_actors::api::LocalCluster::in_process(2).await.unwrap();
+    let mut last = None;
+    let phases = [
+        (4, 2, "1f1b", "none", 0),
+        (8, 1, "1f1b", "none", 4),
+        (12, 2, "zb-h1", "none", 8),
+        (16, 1, "1f1b", "zero2", 12),
+    ];
+    for (steps, pp, schedule, shard, from) in phases {
+        let mut config = config(steps, schedule);
+        config.parallel.pp = pp;
+        config.parallel.shard = shard.into();
+        // A schedule that does not depend on `steps`, so the runs follow one run's learning rates.
+        config.train.decay_steps = 16;
+        config.checkpoint.dir = Some(ckpt.clone());
+        let out = dir.path().join(format!("{steps}.safetensors"));
+        let mut handle =
+            cluster.client().await.unwrap().submit(Job::new(config.clone()).save_final(&out)).await.unwrap();
+        let mut events = Vec::new();
+        while let Some(e) = next(&mut handle).await {
+            events.push(e);
+        }
+        let what = format!("pp={pp} {schedule} shard={shard}");
+        assert!(
+            matches!(events.first(), Some(JobEvent::Started { from_step, world: 2, .. }) if *from_step == from),
+            "{what} starts from step {from}: {events:?}"
+        );
+        assert!(matches!(events.last(), Some(JobEvent::Finished { .. })), "{what}: {events:?}");
+        let (step, newest) = checkpoint::step_dirs(&ckpt).pop().unwrap();
+        let manifest = checkpoint::verify(&newest).unwrap();
+        assert_eq!((step, manifest.layout.pp), (steps, pp), "{what}");
+        last = Some((config, out));
+    }
+    let (config, out) = last.unwrap();
+    check(&config, None, &out, "pp=2 → DDP → pp=2 → zero2 through checkpoints");
+    cluster.shutdown().await;
+}

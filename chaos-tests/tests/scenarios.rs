@@ -91,6 +91,16 @@ fn fp16_overflow_and_kill() {
     assert!(skipped.is_some_and(|c| c["passed"] == true), "{r}");
 }
 
+/// pp = 2 × dp = 2 loses a stage's daemon: the survivors form one pipeline from the other replica's
+/// state — nothing redone — and land on the reference.
+#[test]
+fn pipeline_kill_stage() {
+    let r = run("pipeline-kill-stage", 22);
+    assert_eq!(faults(&r, "kill"), 1);
+    assert!(r["recoveries"].as_u64().unwrap() >= 1, "{r}");
+    assert_eq!(r["steps_redone"], 0, "restored from the other replica, not a checkpoint: {r}");
+}
+
 #[test]
 fn kill_and_return() {
     let r = run("kill-and-return", 13);

@@ -35,11 +35,15 @@ pub struct RunOptions {
 }
 
 /// The job a scenario trains: the small test model, so that runs take seconds, in the scenario's
-/// precision with its injected overflows.
+/// precision with its injected overflows, as pipelines of `pp` stages when it says so.
 pub fn job_config(scenario: &Scenario) -> JobConfig {
     let mut config = JobConfig::small(scenario.steps);
     config.parallel.precision.clone_from(&scenario.precision);
     config.train.inject_overflow_at.clone_from(&scenario.inject_overflow_at);
+    config.parallel.pp = scenario.pp;
+    config.parallel.schedule.clone_from(&scenario.schedule);
+    // Every stage runs at least one block.
+    config.model.n_layers = config.model.n_layers.max(scenario.pp);
     config
 }
 

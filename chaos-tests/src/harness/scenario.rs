@@ -13,6 +13,8 @@
 //!                           # the 16-bit tolerance, docs/runtime-semantics.md "Mixed precision")
 //! inject_overflow_at = []   # fp16: steps whose gradient overflows (train.inject_overflow_at); each must
 //!                           # be committed as skipped, every time it is committed
+//! pp = 1                    # pipeline stages (one rank each; the world is whole pipelines)
+//! schedule = "1f1b"         # pipeline schedule with pp > 1: gpipe | 1f1b | interleaved | zb-h1
 //!
 //! [[faults]]
 //! kind = "kill"             # kill | pause | partition | flaky-link | corrupt-checkpoint | fill-disk |
@@ -50,6 +52,7 @@ pub const SHIPPED: &[(&str, &str)] = &[
     ("partition-one-way", include_str!("../../scenarios/partition-one-way.toml")),
     ("flaky-link", include_str!("../../scenarios/flaky-link.toml")),
     ("fp16-overflow-and-kill", include_str!("../../scenarios/fp16-overflow-and-kill.toml")),
+    ("pipeline-kill-stage", include_str!("../../scenarios/pipeline-kill-stage.toml")),
 ];
 
 #[derive(Clone, Debug, Deserialize)]
@@ -79,6 +82,11 @@ pub struct Scenario {
     pub precision: String,
     #[serde(default)]
     pub inject_overflow_at: Vec<u64>,
+    /// Pipeline stages (`parallel.pp`): each rank one stage, the world whole pipelines.
+    #[serde(default = "one")]
+    pub pp: usize,
+    #[serde(default = "one_f_one_b")]
+    pub schedule: String,
     #[serde(default)]
     pub faults: Vec<Fault>,
     /// What the faults must visibly cause, beyond the invariants every run checks.
@@ -111,6 +119,14 @@ pub struct Expect {
 
 fn fp32() -> String {
     "fp32".into()
+}
+
+fn one() -> usize {
+    1
+}
+
+fn one_f_one_b() -> String {
+    "1f1b".into()
 }
 
 fn three() -> usize {
