@@ -317,6 +317,38 @@ fn a_two_node_run_dir_gives_a_timeline_per_rank_a_perfetto_trace_and_a_loss_plot
     assert_eq!(panels, [("loss", 6), ("tokens_per_s", 6)]);
 }
 
+/// A pipeline across two daemons records every op of every step as a span: each rank's forwards and
+/// backwards of its own chunk for every micro-batch, its sends and receives, then the flush.
+#[test]
+fn a_pipeline_run_on_two_daemons_records_each_stages_ops() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("job.toml");
+    std::fs::write(&job, SMALL_JOB.replace("n_layers = 1", "n_layers = 2")).unwrap();
+    let run = dir.path().join("run");
+    let (job_arg, run_arg) = (job.to_str().unwrap(), run.to_str().unwrap());
+    let args = ["train", "--nodes", "2", "--pp", "2", "--microbatches", "2", "--steps", "3", "--config", job_arg];
+    ok(&troupe(&[&args[..], &["--run-dir", run_arg]].concat(), WAIT), "train");
+    ok(&troupe(&["trace", run_arg], WAIT), "trace");
+    let trace: Value = serde_json::from_str(&std::fs::read_to_string(run.join("trace.json")).unwrap()).unwrap();
+    let spans: Vec<&Value> = trace["traceEvents"].as_array().unwrap().iter().filter(|e| e["ph"] == "X").collect();
+    for (rank, peer_op) in [(0, "recv gradient"), (1, "recv activation")] {
+        let of_rank: Vec<&&Value> = spans.iter().filter(|e| e["pid"] == json!(rank)).collect();
+        let named = |name: &str| of_rank.iter().filter(|e| e["name"] == name).count();
+        for mb in 0..2 {
+            // 3 steps, chunk = stage on a 2-stage pipeline.
+            assert_eq!(named(&format!("F c{rank} mb{mb}")), 3, "rank {rank}: {of_rank:?}");
+            assert_eq!(named(&format!("B c{rank} mb{mb}")), 3, "rank {rank}");
+        }
+        let recvs = of_rank.iter().filter(|e| e["name"].as_str().unwrap().starts_with(peer_op)).count();
+        assert_eq!(recvs, 6, "rank {rank} receives from its neighbour once per micro-batch and step");
+        assert_eq!(named("flush"), 3, "rank {rank}");
+        let cats: Vec<&str> = of_rank.iter().map(|e| e["cat"].as_str().unwrap()).collect();
+        for cat in ["forward", "backward", "comm", "optimizer"] {
+            assert!(cats.contains(&cat), "rank {rank} has no {cat} span: {cats:?}");
+        }
+    }
+}
+
 #[test]
 fn a_pipeline_schedule_trace_file_is_drawn_per_stage_with_its_own_categories() {
     let dir = tempfile::tempdir().unwrap();

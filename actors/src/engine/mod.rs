@@ -24,4 +24,4 @@ pub use committed::{CommittedState, ShardPiece};
 pub use data_parallel::{plan_buckets, CommTiming, DataParallelReplica, ReducedStep, DEFAULT_BUCKET_BYTES};
 pub use memory::PersistentState;
 pub use sharded::{plan_segments, plan_shard, ShardMode, ShardSegment, ShardedReplica};
-pub use step_engine::{EngineError, StepEngine};
+pub use step_engine::{EngineError, OpTiming, StepEngine};

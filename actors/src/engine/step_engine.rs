@@ -29,6 +29,9 @@ pub enum EngineError {
     Setup(String),
 }
 
+/// One timed op of a step: (name, timeline category, start, end).
+pub type OpTiming = (String, &'static str, std::time::Instant, std::time::Instant);
+
 /// One rank's engine for an attempt. Every method that communicates is a collective: every rank calls
 /// it at the same point of the step loop.
 #[allow(async_fn_in_trait)]
@@ -42,6 +45,13 @@ pub trait StepEngine {
     async fn sync(&mut self, source: Option<usize>) -> Result<(), EngineError>;
     /// Everything of the step before the vote; nothing applied.
     async fn reduce(&mut self) -> Result<ReducedStep, EngineError>;
+    /// The timed parts of the last [`Self::reduce`]'s compute, for the rank's timeline: (name, category,
+    /// start, end). None (the default): the compute was one span, `ReducedStep::compute_seconds` long. A
+    /// pipeline device gives each of its ops — F, B, W and the sends and receives — with its chunk and
+    /// micro-batch in the name.
+    fn op_spans(&mut self) -> Option<Vec<OpTiming>> {
+        None
+    }
     /// The update of a committed step: local, cannot fail half-way.
     fn apply(&mut self, reduced: ReducedStep);
     /// A checkpoint of the committed state: the state copied to host memory on rank 0 and submitted to

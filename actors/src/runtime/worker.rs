@@ -571,8 +571,19 @@ async fn drive<E: StepEngine>(
         };
         let (voted, seconds) = (Instant::now(), t0.elapsed().as_secs_f64());
         let computed = t0 + std::time::Duration::from_secs_f64(reduced.compute_seconds);
-        phases.span("forward+backward", "compute", t0, computed);
-        phases.span("all-reduce", "comm", computed, voted);
+        match engine.op_spans() {
+            // A pipeline device: its ops, then the flush (the stage's all-reduce, the norm and loss).
+            Some(ops) => {
+                for (name, cat, from, to) in ops {
+                    phases.span(&name, cat, from, to);
+                }
+                phases.span("flush", "comm", computed, voted);
+            }
+            None => {
+                phases.span("forward+backward", "compute", t0, computed);
+                phases.span("all-reduce", "comm", computed, voted);
+            }
+        }
         let trainer = engine.trainer();
         let loss_scale = trainer.loss_scale;
         let (grad_norm, skipped) = loss_scale.preview(trainer.model.precision, reduced.grad_norm);

@@ -29,4 +29,4 @@ pub use stage::{
     chunk_ranges, microbatch_ranges, DataParallelGroup, OpSpan, PipelineStage, ReducedStage, StageStep,
     PIPELINE_TAG_GROUP,
 };
-pub use trace::{category, chrome_trace};
+pub use trace::{category, chrome_trace, op_name};

@@ -16,7 +16,7 @@
 
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use troupe_cluster::collective::{Collective, CollectiveConfig, Communicator};
 use troupe_cluster::transport::subgroup::Subgroup;
@@ -29,11 +29,11 @@ use troupe_model::Trainer;
 use super::super::committed::{CommittedState, ShardPiece};
 use super::super::data_parallel::ReducedStep;
 use super::super::reshard::{reshard, Held};
-use super::super::step_engine::{EngineError, StepEngine};
+use super::super::step_engine::{EngineError, OpTiming, StepEngine};
 use super::super::zero3;
 use super::{
-    check, chunk_ranges, partition, plan, ChunkLayout, DataParallelGroup, PipelineStage, Plan, PlanShape, ReducedStage,
-    ScheduleKind,
+    category, check, chunk_ranges, op_name, partition, plan, ChunkLayout, DataParallelGroup, OpSpan, PipelineStage,
+    Plan, PlanShape, ReducedStage, ScheduleKind,
 };
 
 /// Tag group of the flush's collectives along a replica's chain.
@@ -94,6 +94,8 @@ pub struct PipelineReplica<T: Transport> {
     stage: Option<PipelineStage<Subgroup<T>>>,
     geometry: Option<Geometry>,
     origin: Instant,
+    /// The ops of the last `reduce`, for [`StepEngine::op_spans`].
+    last_ops: Vec<OpSpan>,
     /// `sync` found the state of the most advanced step incomplete: this rank's state is dropped.
     lost: bool,
 }
@@ -113,7 +115,17 @@ impl<T: Transport> PipelineReplica<T> {
         trainer.optimizer.exp_avg.clear();
         trainer.optimizer.exp_avg_sq.clear();
         zero3::release_params(&mut trainer);
-        Self { trainer, comm, collective, pieces, stage: None, geometry: None, origin: Instant::now(), lost: false }
+        Self {
+            trainer,
+            comm,
+            collective,
+            pieces,
+            stage: None,
+            geometry: None,
+            origin: Instant::now(),
+            last_ops: Vec::new(),
+            lost: false,
+        }
     }
 
     /// The device this rank runs, once synced.
@@ -276,7 +288,19 @@ impl<T: Transport> StepEngine for PipelineReplica<T> {
         let started = origin.elapsed().as_secs_f64();
         let reduced = self.stage().reduce_gradients().await?;
         let ops_end = reduced.spans.last().map_or(started, |s| s.end_s);
+        self.last_ops = reduced.spans;
         Ok(ReducedStep { loss: reduced.loss, grad_norm: reduced.grad_norm, compute_seconds: ops_end - started })
+    }
+
+    fn op_spans(&mut self) -> Option<Vec<OpTiming>> {
+        let at = |s: f64| self.origin + Duration::from_secs_f64(s.max(0.0));
+        let spans = std::mem::take(&mut self.last_ops);
+        let timed = spans.iter().map(|span| {
+            let op = span.op;
+            let name = format!("{} c{} mb{}", op_name(op.kind), op.chunk, op.microbatch);
+            (name, category(op.kind), at(span.start_s), at(span.end_s))
+        });
+        Some(timed.collect())
     }
 
     fn apply(&mut self, reduced: ReducedStep) {

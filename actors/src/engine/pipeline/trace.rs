@@ -17,7 +17,8 @@ pub fn category(kind: OpKind) -> &'static str {
     }
 }
 
-fn name(kind: OpKind) -> &'static str {
+/// The short name of an op kind (F, B, W, send/recv activation/gradient).
+pub fn op_name(kind: OpKind) -> &'static str {
     match kind {
         OpKind::Forward => "F",
         OpKind::Backward => "B",
@@ -40,7 +41,7 @@ pub fn chrome_trace(steps: &[PipelineStep], stages: usize, pid: u32, epoch: u64)
             for span in spans {
                 let op = span.op;
                 events.push(json!({
-                    "name": name(op.kind),
+                    "name": op_name(op.kind),
                     "cat": category(op.kind),
                     "ph": "X",
                     "ts": span.start_s * 1e6,
