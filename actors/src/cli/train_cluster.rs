@@ -150,7 +150,8 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
                     "waiting",
                     json!({ "nodes": have, "min_nodes": min_nodes, "wait_s": wait_s }),
                     &format!(
-                        "waiting: {have} node(s) offer ranks, elastic.min_nodes is {min_nodes}; holding the last committed step {limit}"
+                        "waiting: {have} node(s) offer ranks, elastic.min_nodes is {min_nodes}{}; holding the last committed step {limit}",
+                        mode.needs()
                     ),
                 )
             }
@@ -226,6 +227,15 @@ impl Mode {
     fn of(config: &JobConfig) -> Self {
         let parallel = &config.parallel;
         Self { pp: parallel.pp, schedule: parallel.schedule.clone(), shard: parallel.shard.clone() }
+    }
+
+    /// What else a job needs to run, for the waiting line.
+    fn needs(&self) -> String {
+        if self.pp > 1 {
+            format!(" and one pipeline needs {} slots", self.pp)
+        } else {
+            String::new()
+        }
     }
 
     fn describe(&self, world: usize) -> String {

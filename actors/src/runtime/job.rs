@@ -259,9 +259,14 @@ impl JobDriver {
         let since = *since.get_or_insert(now);
         let elastic = &self.spec.config.elastic;
         if elastic.wait_s > 0 && now.saturating_sub(since) >= Duration::from_secs(elastic.wait_s) {
-            let (need, waited) = (elastic.min_nodes, elastic.wait_s);
+            let (need, waited, pp) = (elastic.min_nodes, elastic.wait_s, self.spec.config.parallel.pp);
+            let pipelines = if pp > 1 {
+                format!(" (or fewer than the parallel.pp = {pp} slots of one pipeline)")
+            } else {
+                String::new()
+            };
             self.fail(format!(
-                "fewer than elastic.min_nodes = {need} nodes offered ranks for elastic.wait_s = {waited} s; \
+                "fewer than elastic.min_nodes = {need} nodes offered ranks{pipelines} for elastic.wait_s = {waited} s; \
                  add nodes, lower elastic.min_nodes, or raise elastic.wait_s (0 waits forever)"
             ));
         }
@@ -547,6 +552,21 @@ mod tests {
         let mut d = JobDriver::new(1, s);
         d.on_view(&v, &m, vec![]);
         assert_eq!(d.info().world, 2, "dp = 1 replica of 2 stages");
+
+        // One member cannot hold a pipeline of 2: the job waits, then fails saying what it lacked.
+        let mut s = spec(10);
+        s.config.parallel.pp = 2;
+        s.config.elastic.wait_s = 30;
+        let mut d = JobDriver::new(1, s);
+        d.on_view(&one, &m1, vec![]);
+        let actions = drain(&mut d);
+        assert!(sent(&actions).is_empty(), "nothing prepared: {actions:?}");
+        assert!(events(&actions).contains(&&JobEvent::Waiting { nodes: 0, min_nodes: 1, wait_s: 30 }), "{actions:?}");
+        d.on_tick(Duration::from_secs(0));
+        d.on_tick(Duration::from_secs(30));
+        let actions = drain(&mut d);
+        let Some(JobEvent::Failed { reason }) = events(&actions).last().copied() else { panic!("{actions:?}") };
+        assert!(reason.contains("parallel.pp = 2 slots of one pipeline"), "{reason}");
     }
 
     /// Found by the deterministic simulation (troupe-chaos): with `max_ranks` 1, a restarted
