@@ -20,15 +20,8 @@ const TOLERANCE: f64 = 1e-5;
 const EVENT_TIMEOUT: Duration = Duration::from_secs(90);
 
 fn config(steps: u64, schedule: &str) -> JobConfig {
-    let mut config = JobConfig::default();
+    let mut config = JobConfig::small(steps);
     config.model.n_layers = 2;
-    config.model.d_model = 64;
-    config.model.context = 32;
-    config.train.steps = steps;
-    config.train.global_batch = 8;
-    config.train.micro_batch = 2;
-    config.train.warmup_steps = 2;
-    config.train.torch_threads = 1;
     config.parallel.pp = 2;
     config.parallel.schedule = schedule.into();
     config
@@ -107,7 +100,8 @@ async fn a_pipeline_across_two_daemons_equals_the_reference_over_quic_and_socket
 async fn two_pipelines_lose_a_daemon_and_regrow_without_rollback() {
     let dir = tempfile::tempdir().unwrap();
     let mut cluster = common::processes(4).await;
-    let config = config(60, "1f1b");
+    // Enough steps (milliseconds each) that a daemon started after the shrink joins before the end.
+    let config = config(600, "1f1b");
     let out = dir.path().join("final.safetensors");
     let mut handle = cluster.client().await.unwrap().submit(Job::new(config.clone()).save_final(&out)).await.unwrap();
     let (mut events, mut phase) = (Vec::new(), 0);
@@ -129,7 +123,7 @@ async fn two_pipelines_lose_a_daemon_and_regrow_without_rollback() {
     let worlds = worlds(&events);
     eprintln!("worlds per step: {worlds:?}");
     assert_eq!(phase, 3, "kill, shrink and regrow all happened before the end: {events:#?}");
-    assert!(matches!(events.last(), Some(JobEvent::Finished { steps: 60, .. })), "{events:#?}");
+    assert!(matches!(events.last(), Some(JobEvent::Finished { steps: 600, .. })), "{events:#?}");
     assert!(!events.iter().any(|e| matches!(e, JobEvent::RolledBack { .. })), "no rollback: {events:#?}");
     assert!(worlds.contains(&2) && worlds.last() == Some(&4), "{worlds:?}");
     check(&config, Some(&losses(&events)), &out, "pp=2 × dp=2, one SIGKILLed, one joined");

@@ -8,6 +8,7 @@ use std::ops::Range;
 use troupe_cluster::collective::{Collective, Communicator};
 use troupe_cluster::transport::Transport;
 use troupe_model::precision::LossScale;
+use troupe_model::Trainer;
 
 use super::committed::ShardPiece;
 use super::shard_plan::{all_local, decode_holding, encode_holding, plan_restore, Holding, HOLDING_WORDS};
@@ -22,6 +23,13 @@ pub struct Held<'a> {
     /// fp16's loss scaler at that step.
     pub loss_scale: LossScale,
     pub pieces: &'a [ShardPiece],
+}
+
+impl<'a> Held<'a> {
+    /// What a rank holds: `pieces` at its trainer's committed step.
+    pub fn of(trainer: &Trainer, pieces: &'a [ShardPiece]) -> Self {
+        Self { step: trainer.step, optimizer_step: trainer.optimizer.step, loss_scale: trainer.loss_scale, pieces }
+    }
 }
 
 /// A rank's state after [`reshard`]: the pieces it needs, at the most advanced committed step.

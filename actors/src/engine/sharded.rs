@@ -230,13 +230,7 @@ impl<T: Transport> ShardedReplica<T> {
     /// this rank's state lost (so the next attempt restores from the checkpoint).
     pub async fn sync(&mut self) -> Result<(), EngineError> {
         let (rank, world, total, replicas) = (self.rank(), self.world(), self.total, self.replicas);
-        let trainer = &self.trainer;
-        let held = Held {
-            step: trainer.step,
-            optimizer_step: trainer.optimizer.step,
-            loss_scale: trainer.loss_scale,
-            pieces: &self.pieces,
-        };
+        let held = Held::of(&self.trainer, &self.pieces);
         let resharded = match reshard(&mut self.comm, total, held, |r| held_ranges(total, r, world, replicas)).await {
             Ok(resharded) => resharded,
             Err(e) => {
@@ -473,7 +467,7 @@ pub(crate) fn full_piece(trainer: &Trainer) -> ShardPiece {
     piece
 }
 
-fn tensor_specs(trainer: &Trainer) -> Vec<TensorSpec> {
+pub(crate) fn tensor_specs(trainer: &Trainer) -> Vec<TensorSpec> {
     trainer
         .model
         .specs()

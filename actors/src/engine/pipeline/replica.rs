@@ -22,7 +22,7 @@ use troupe_cluster::collective::{Collective, CollectiveConfig, Communicator};
 use troupe_cluster::transport::subgroup::Subgroup;
 use troupe_cluster::transport::Transport;
 use troupe_cluster::ClusterError;
-use troupe_model::checkpoint::state::{scaler_of, TensorSpec};
+use troupe_model::checkpoint::state::scaler_of;
 use troupe_model::checkpoint::{CheckpointWriter, Layout, SaveRequest, ShardMode, TrainingState};
 use troupe_model::Trainer;
 
@@ -217,16 +217,12 @@ impl<T: Transport> PipelineReplica<T> {
             }
         }
         let trainer = &self.trainer;
-        let specs = trainer.model.specs();
         Ok(Some(TrainingState {
             config: trainer.config.clone(),
             step: trainer.step,
             optimizer_step: trainer.optimizer.step,
             sampler: trainer.sampler.state(trainer.step, trainer.config.train.global_batch),
-            tensors: specs
-                .iter()
-                .map(|s| TensorSpec { name: s.name.clone(), shape: s.shape.iter().map(|&d| d as usize).collect() })
-                .collect(),
+            tensors: super::super::sharded::tensor_specs(trainer),
             values,
             loss_scale: scaler_of(trainer),
         }))
@@ -257,13 +253,7 @@ impl<T: Transport> StepEngine for PipelineReplica<T> {
     /// Every rank takes part whatever `source` says: the chunks are put together from whoever holds them.
     async fn sync(&mut self, _source: Option<usize>) -> Result<(), EngineError> {
         let geometry = Geometry::of(&self.trainer, self.comm.world()).map_err(EngineError::Setup)?;
-        let trainer = &self.trainer;
-        let held = Held {
-            step: trainer.step,
-            optimizer_step: trainer.optimizer.step,
-            loss_scale: trainer.loss_scale,
-            pieces: &self.pieces,
-        };
+        let held = Held::of(&self.trainer, &self.pieces);
         let resharded = match reshard(&mut self.comm, geometry.total, held, |r| geometry.needed(r)).await {
             Ok(resharded) => resharded,
             Err(e) => {
