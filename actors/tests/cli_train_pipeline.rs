@@ -46,8 +46,8 @@ fn pipelines_through_the_cli_equal_the_single_process_run() {
         &["--pp", "2", "--schedule", "zb-h1", "--microbatches", "4"][..],
         &["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2"][..],
         &["--pp", "2", "--dp", "2", "--microbatches", "2"][..],
-        // Across two daemon processes: each stage's chunks on its own daemon.
-        &["--pp", "2", "--nodes", "2", "--schedule", "interleaved", "--virtual-stages", "2"][..],
+        // Across two daemon processes: each stage's chunks on its own daemon, recomputing activations.
+        &["--pp", "2", "--nodes", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--recompute"][..],
     ] {
         let (events, params) = run(args);
         let start = &events[0];

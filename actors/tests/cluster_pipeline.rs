@@ -10,7 +10,7 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use troupe_actors::api::{DataPlane, Job, JobEvent, JobHandle};
+use troupe_actors::api::{DataPlane, Job, JobEvent, JobHandle, LocalCluster};
 use troupe_model::checkpoint;
 use troupe_model::config::JobConfig;
 use troupe_model::oracle::{compare_params, worst_loss_diff};
@@ -130,6 +130,44 @@ async fn two_pipelines_lose_a_daemon_and_regrow_without_rollback() {
     cluster.shutdown().await;
 }
 
+/// Runs `config` (checkpoints every 5 steps) on `cluster`, SIGKILLs daemon `victim` at the first step
+/// past a durable checkpoint, and returns the events to the end — checking the job finished after rolling
+/// back to a checkpoint — and the layout of the first checkpoint.
+async fn kill_after_a_checkpoint(
+    cluster: &LocalCluster,
+    config: &JobConfig,
+    out: &Path,
+    victim: usize,
+) -> (Vec<JobEvent>, checkpoint::Layout) {
+    let job = Job::new(config.clone()).save_final(out);
+    let mut handle = cluster.client().await.unwrap().submit(job).await.unwrap();
+    let (mut events, mut durable, mut killed, mut first_layout) = (Vec::new(), 0, false, None);
+    while let Some(event) = next(&mut handle).await {
+        match &event {
+            JobEvent::Checkpoint { step, path, .. } => {
+                durable = durable.max(*step);
+                first_layout.get_or_insert_with(|| checkpoint::verify(path).unwrap().layout);
+            }
+            JobEvent::Step { step, .. } if !killed && durable >= 5 && step % 5 != 0 => {
+                common::signal(cluster.pid(victim).unwrap(), "KILL");
+                killed = true;
+            }
+            _ => {}
+        }
+        events.push(event);
+    }
+    assert!(killed, "{events:#?}");
+    let steps = config.train.steps;
+    assert!(matches!(events.last(), Some(JobEvent::Finished { steps: s, .. }) if *s == steps), "{events:#?}");
+    let rolled_back = events.iter().find_map(|e| match e {
+        JobEvent::RolledBack { from_step, to_step } => Some((*from_step, *to_step)),
+        _ => None,
+    });
+    let Some((from, to)) = rolled_back else { panic!("a rollback to the checkpoint: {events:#?}") };
+    assert!(to % 5 == 0 && from > to, "rolled back from {from} to a checkpoint: {to}");
+    (events, first_layout.expect("a checkpoint before the kill"))
+}
+
 /// One pipeline of two stages on three daemons (one spare). The daemon of a stage is SIGKILLed: its
 /// chunks lived nowhere else, so the spare takes the stage and the job rolls back to the last checkpoint
 /// — and still lands where the fault-free run lands.
@@ -141,28 +179,8 @@ async fn a_lost_stage_with_no_other_replica_restores_from_the_checkpoint() {
     config.checkpoint.dir = Some(dir.path().join("ckpt"));
     config.checkpoint.every_steps = 5;
     let out = dir.path().join("final.safetensors");
-    let mut handle = cluster.client().await.unwrap().submit(Job::new(config.clone()).save_final(&out)).await.unwrap();
-    let (mut events, mut durable, mut killed) = (Vec::new(), 0, false);
-    while let Some(event) = next(&mut handle).await {
-        match &event {
-            JobEvent::Checkpoint { step, .. } => durable = durable.max(*step),
-            JobEvent::Step { step, .. } if !killed && durable >= 5 && step % 5 != 0 => {
-                // Rank 1 (the second stage) is the second daemon in node-id order: kill it.
-                common::signal(cluster.pid(1).unwrap(), "KILL");
-                killed = true;
-            }
-            _ => {}
-        }
-        events.push(event);
-    }
-    assert!(killed, "{events:#?}");
-    assert!(matches!(events.last(), Some(JobEvent::Finished { steps: 40, .. })), "{events:#?}");
-    let rolled_back = events.iter().find_map(|e| match e {
-        JobEvent::RolledBack { from_step, to_step } => Some((*from_step, *to_step)),
-        _ => None,
-    });
-    let Some((from, to)) = rolled_back else { panic!("a rollback to the checkpoint: {events:#?}") };
-    assert!(to % 5 == 0 && from > to, "rolled back from {from} to a checkpoint: {to}");
+    // Rank 1 (the second stage) is the second daemon in node-id order.
+    kill_after_a_checkpoint(&cluster, &config, &out, 1).await;
     check(&config, None, &out, "pp=2 on 3 daemons, a stage lost, restored from the checkpoint");
     cluster.shutdown().await;
 }
@@ -209,5 +227,23 @@ async fn checkpoints_of_pipeline_ddp_and_zero_jobs_load_in_each_other() {
     }
     let (config, out) = last.unwrap();
     check(&config, None, &out, "pp=2 → DDP → pp=2 → zero2 through checkpoints");
+    cluster.shutdown().await;
+}
+
+/// ZeRO-2 inside the stages' groups on 4 daemons (pp=2 × dp=2): each rank owns half of its stage's
+/// optimizer state, so a SIGKILLed daemon takes its half with it — the job rolls back to the checkpoint
+/// (gathered from all four owners) and goes on as one unsharded pipeline, on the reference's trajectory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero2_inside_the_stages_loses_an_owner_and_rolls_back_to_the_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = common::processes(4).await;
+    let mut config = config(60, "1f1b");
+    config.parallel.shard = "zero2".into();
+    config.checkpoint.dir = Some(dir.path().join("ckpt"));
+    config.checkpoint.every_steps = 5;
+    let out = dir.path().join("final.safetensors");
+    let (_, layout) = kill_after_a_checkpoint(&cluster, &config, &out, 3).await;
+    assert_eq!((layout.pp, layout.dp, layout.shard_mode), (2, 2, checkpoint::ShardMode::Zero2), "{layout:?}");
+    check(&config, None, &out, "pp=2 × dp=2 zero2, an owner lost, rolled back");
     cluster.shutdown().await;
 }

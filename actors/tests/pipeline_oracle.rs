@@ -81,6 +81,61 @@ fn zb_h1_equals_the_reference() {
     check(ScheduleKind::ZbH1, 1);
 }
 
+/// `--recompute` in pipeline stages: each chunk's forward runs without a graph and again, with one, just
+/// before its backward (for ZB-H1 before B, whose graph W then uses). Every schedule computes exactly
+/// the bits it computes without recomputation — so the oracle holds as before.
+#[test]
+fn recomputation_in_every_schedule_gives_the_same_bits() {
+    tch::set_num_threads(1);
+    for (kind, virtual_stages) in
+        [(ScheduleKind::GPipe, 1), (ScheduleKind::OneFOneB, 1), (ScheduleKind::Interleaved, 2), (ScheduleKind::ZbH1, 1)]
+    {
+        let mut config = job(4);
+        config.train.steps = 6;
+        let options = PipelineOptions::new(kind, 2, 4, virtual_stages);
+        let kept = run_in_process(&config, &options, 6, |_| {}).unwrap();
+        config.parallel.recompute = true;
+        let recomputed = run_in_process(&config, &options, 6, |_| {}).unwrap();
+        let losses = |run: &troupe_actors::engine::pipeline::PipelineRun| -> Vec<f64> {
+            run.steps.iter().map(|s| s.loss).collect()
+        };
+        assert_eq!(losses(&kept), losses(&recomputed), "{kind}: losses");
+        for (spec, (a, b)) in
+            troupe_model::gpt::param_specs(&config.model).iter().zip(kept.params.iter().zip(&recomputed.params))
+        {
+            assert!(a.equal(b), "{kind}: {} differs with recomputation", spec.name);
+        }
+    }
+}
+
+/// ZeRO-1 and ZeRO-2 inside each stage's group of replicas: a replica owns part of its stage's masters
+/// and moments, reduces (or reduce-scatters) the gradients, updates its part, and the group all-gathers
+/// the parameters before the next forward — the reference's trajectory, at 2 and 3 replicas.
+#[test]
+fn zero_inside_the_stage_groups_equals_the_reference() {
+    tch::set_num_threads(1);
+    let mut config = job(4);
+    config.train.global_batch = 12;
+    let (ref_losses, ref_params) = reference(&config);
+    let specs = troupe_model::gpt::param_specs(&config.model);
+    for (shard, replicas) in [("zero1", 2), ("zero2", 2), ("zero2", 3)] {
+        config.parallel.shard = shard.into();
+        let mut options = PipelineOptions::new(ScheduleKind::OneFOneB, 2, 2, 1);
+        options.data_parallel = replicas;
+        let run = run_in_process(&config, &options, STEPS, |_| {}).unwrap();
+        let losses: Vec<f64> = run.steps.iter().map(|s| s.loss).collect();
+        let what = format!("pp=2 × dp={replicas} {shard}");
+        let loss_diff = worst_loss_diff(&losses, &ref_losses);
+        assert!(loss_diff <= TOLERANCE, "{what}: losses differ by {loss_diff:e}");
+        let comparison = compare_params(&specs, &run.params, &ref_params);
+        assert!(comparison.within(TOLERANCE), "{what}: {comparison:?}");
+        println!(
+            "{what}: loss diff {loss_diff:.1e}, params worst {:.1e} ({})",
+            comparison.worst, comparison.worst_name
+        );
+    }
+}
+
 #[test]
 fn pp2_by_dp2_equals_the_reference() {
     // Two 1F1B pipelines of 2 stages, each on half of the batch in 2 micro-batches; every stage's

@@ -23,6 +23,7 @@ use troupe_kernels::adamw::{adamw_step, AdamWConfig, AdamWShard};
 use troupe_model::checkpoint::state::scaler_of;
 use troupe_model::checkpoint::state::TensorSpec;
 use troupe_model::checkpoint::TrainingState;
+use troupe_model::config::TrainConfig;
 use troupe_model::data::rank_slice;
 use troupe_model::optim::learning_rate;
 use troupe_model::precision::Update;
@@ -366,22 +367,8 @@ impl<T: Transport> ShardedReplica<T> {
         }
         let t = self.trainer.optimizer.step + 1;
         for ((piece, segments), grad) in self.pieces.iter_mut().zip(&self.segments).zip(&self.grads) {
-            for segment in segments {
-                let r = segment.in_shard.clone();
-                let config = AdamWConfig {
-                    lr,
-                    beta1: train.beta1,
-                    beta2: train.beta2,
-                    eps: train.eps,
-                    weight_decay: if segment.decays { train.weight_decay } else { 0.0 },
-                };
-                let shard = AdamWShard {
-                    params: &mut piece.master[r.clone()],
-                    exp_avg: &mut piece.exp_avg[r.clone()],
-                    exp_avg_sq: &mut piece.exp_avg_sq[r.clone()],
-                };
-                adamw_step(shard, &grad[r], &config, t, None);
-            }
+            let ShardPiece { master, exp_avg, exp_avg_sq, .. } = piece;
+            adamw_on_segments([master, exp_avg, exp_avg_sq], segments, grad, &train, lr, t);
         }
         self.trainer.optimizer.step = t;
         self.trainer.step += 1;
@@ -453,6 +440,35 @@ impl<T: Transport> ShardedReplica<T> {
             zero3::release_params(&mut self.trainer);
         }
         (!self.lost).then(|| CommittedState::Sharded { trainer: Box::new(self.trainer), pieces: self.pieces })
+    }
+}
+
+/// AdamW update `t` at learning rate `lr` on a flat range's masters and moments (`state`), parameter
+/// piece by parameter piece (`segments`: weight decay or not), with the fused kernel.
+pub(crate) fn adamw_on_segments(
+    state: [&mut Vec<f32>; 3],
+    segments: &[ShardSegment],
+    grad: &[f32],
+    train: &TrainConfig,
+    lr: f64,
+    t: u64,
+) {
+    let [master, exp_avg, exp_avg_sq] = state;
+    for segment in segments {
+        let r = segment.in_shard.clone();
+        let config = AdamWConfig {
+            lr,
+            beta1: train.beta1,
+            beta2: train.beta2,
+            eps: train.eps,
+            weight_decay: if segment.decays { train.weight_decay } else { 0.0 },
+        };
+        let shard = AdamWShard {
+            params: &mut master[r.clone()],
+            exp_avg: &mut exp_avg[r.clone()],
+            exp_avg_sq: &mut exp_avg_sq[r.clone()],
+        };
+        adamw_step(shard, &grad[r], &config, t, None);
     }
 }
 

@@ -32,7 +32,7 @@ use super::super::reshard::{reshard, Held};
 use super::super::step_engine::{EngineError, OpTiming, StepEngine};
 use super::super::zero3;
 use super::{
-    category, check, chunk_ranges, op_name, partition, plan, ChunkLayout, DataParallelGroup, OpSpan, PipelineStage,
+    category, check, held_ranges, op_name, partition, plan, ChunkLayout, DataParallelGroup, OpSpan, PipelineStage,
     Plan, PlanShape, ReducedStage, ScheduleKind,
 };
 
@@ -47,6 +47,8 @@ struct Geometry {
     kind: ScheduleKind,
     shape: PlanShape,
     replicas: usize,
+    /// ZeRO-1/2 inside each stage's group of replicas (`parallel.shard`, with more than one replica).
+    sharded: bool,
     layouts: Vec<ChunkLayout>,
     total: usize,
 }
@@ -70,15 +72,27 @@ impl Geometry {
         let shape = PlanShape::new(stages, microbatches, parallel.virtual_stages);
         let layouts = partition(&config.model, shape.chunks()).map_err(|e| e.to_string())?;
         let total = layouts.iter().map(|l| l.numel).sum();
-        Ok(Self { kind, shape, replicas, layouts, total })
+        let sharded = replicas > 1 && matches!(parallel.shard.as_str(), "zero1" | "zero2");
+        Ok(Self { kind, shape, replicas, sharded, layouts, total })
     }
 
     fn device_of(&self, rank: usize) -> usize {
         rank % self.shape.stages
     }
 
+    /// The flat ranges rank `rank` holds: its device's chunks, or its owned part of them (sharded).
     fn needed(&self, rank: usize) -> Vec<Range<usize>> {
-        chunk_ranges(self.shape, &self.layouts, self.device_of(rank))
+        let sharded_among = self.sharded.then_some((rank / self.shape.stages, self.replicas));
+        held_ranges(self.shape, &self.layouts, self.device_of(rank), sharded_among)
+    }
+
+    /// The ranks whose pieces make up the whole state: replica 0's devices, or every rank when sharded.
+    fn holders(&self) -> usize {
+        if self.sharded {
+            self.shape.stages * self.replicas
+        } else {
+            self.shape.stages
+        }
     }
 }
 
@@ -172,13 +186,14 @@ impl<T: Transport> PipelineReplica<T> {
         .map_err(|e| e.to_string())
     }
 
-    /// The whole committed state on rank 0 (from replica 0's devices, each sending its chunks): masters,
-    /// moments, counters. A collective; the other ranks get None.
+    /// The whole committed state on rank 0 (replica 0's devices each send their chunks; with ZeRO inside
+    /// the stages' groups every rank sends its owned part): masters, moments, counters. A collective; the
+    /// other ranks get None.
     async fn gather_state(&mut self) -> Result<Option<TrainingState>, ClusterError> {
         let geometry = self.geometry.clone().expect("synced");
         let rank = self.comm.rank();
-        let stages = geometry.shape.stages;
-        if rank >= stages {
+        let holders = geometry.holders();
+        if rank >= holders {
             return Ok(None); // another replica of the stages: replica 0 holds the same
         }
         let pieces = self.stage().export_state();
@@ -202,12 +217,12 @@ impl<T: Transport> PipelineReplica<T> {
             place(&piece.range, [&piece.master, &piece.exp_avg, &piece.exp_avg_sq]);
         }
         let mut buf = Vec::new();
-        for device in 1..stages {
-            let ranges = geometry.needed(device);
+        for holder in 1..holders {
+            let ranges = geometry.needed(holder);
             let n: usize = ranges.iter().map(Range::len).sum();
             buf.clear();
             buf.resize(3 * n, 0.0);
-            self.comm.recv(device, &mut buf[..]).await?;
+            self.comm.recv(holder, &mut buf[..]).await?;
             let mut at = 0;
             for range in &ranges {
                 let len = range.len();
@@ -305,7 +320,12 @@ impl<T: Transport> StepEngine for PipelineReplica<T> {
         let Some(writer) = writer else { return Ok(()) };
         let geometry = self.geometry.as_ref().expect("synced");
         let (pp, dp) = (geometry.shape.stages, geometry.replicas);
-        let layout = Layout { dp, pp, shard_mode: ShardMode::Ddp, shards: pp };
+        let shard_mode = match (geometry.sharded, self.trainer.config.parallel.shard.as_str()) {
+            (true, "zero1") => ShardMode::Zero1,
+            (true, _) => ShardMode::Zero2,
+            (false, _) => ShardMode::Ddp,
+        };
+        let layout = Layout { dp, pp, shard_mode, shards: pp };
         writer.submit(SaveRequest { state: Box::new(state), layout, tag });
         Ok(())
     }

@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use tch::{Kind, Tensor};
-use troupe_cluster::collective::{Communicator, ReduceOp};
+use troupe_cluster::collective::{chunk_range, Collective, Communicator, ReduceOp};
 use troupe_cluster::transport::{LossScope, Transport};
 use troupe_cluster::wire::Tag;
 use troupe_model::config::JobConfig;
@@ -32,6 +32,7 @@ use troupe_model::TrainError;
 
 use super::super::committed::ShardPiece;
 use super::super::flat::{append_flat, copy_from_flat};
+use super::super::sharded::{adamw_on_segments, plan_segments, ShardMode, ShardSegment};
 use super::error::PipelineError;
 use super::{ChunkLayout, Op, OpKind, Plan, PlanShape};
 
@@ -87,6 +88,9 @@ struct Saved {
     output: Tensor,
     /// The outputs of its parameter operations (parameter positions local to the chunk), for B/W.
     ops: Vec<ParamOp>,
+    /// `parallel.recompute`: the forward ran without a graph (`output` is only a value, `ops` empty;
+    /// `input` is the received activation as it came); the backward runs it again first.
+    recompute: bool,
 }
 
 /// One device of a pipeline.
@@ -103,6 +107,10 @@ pub struct PipelineStage<T: Transport> {
     ranges: Vec<Range<usize>>,
     params: Vec<Tensor>,
     optimizer: AdamW,
+    /// ZeRO-1/2 within the stage's group; None: every replica holds the whole state of its chunks.
+    shard: Option<StageShard>,
+    /// Scratch: the device's flat gradients (or parameters).
+    flat: Vec<f32>,
     precision: Precision,
     /// fp16's loss scaler; every device holds the same (each sees the same global norm).
     loss_scale: LossScale,
@@ -143,10 +151,65 @@ pub fn chunk_ranges(shape: PlanShape, layouts: &[ChunkLayout], device: usize) ->
         .collect()
 }
 
+/// `own` (a range of a device's flat order: its chunks, flat-order `ranges`, one after the other) as
+/// (range within `own`, range of the model's flat order) pieces, one per chunk it touches.
+fn owned_pieces(ranges: &[Range<usize>], own: &Range<usize>) -> Vec<(Range<usize>, Range<usize>)> {
+    let mut pieces = Vec::new();
+    let mut at = 0;
+    for range in ranges {
+        let span = at..at + range.len();
+        let (start, end) = (own.start.max(span.start), own.end.min(span.end));
+        if start < end {
+            let global = range.start + (start - span.start)..range.start + (end - span.start);
+            pieces.push((start - own.start..end - own.start, global));
+        }
+        at = span.end;
+    }
+    pieces
+}
+
+/// The flat-order ranges device `device` keeps between steps ([`PipelineStage::held_ranges`]): its
+/// chunks' ranges, or with ZeRO inside the stage's group (`sharded_among` = (replica, replicas)) the
+/// replica's owned part of them.
+pub fn held_ranges(
+    shape: PlanShape,
+    layouts: &[ChunkLayout],
+    device: usize,
+    sharded_among: Option<(usize, usize)>,
+) -> Vec<Range<usize>> {
+    let ranges = chunk_ranges(shape, layouts, device);
+    match sharded_among {
+        Some((replica, replicas)) if replicas > 1 => {
+            let own = chunk_range(ranges.iter().map(Range::len).sum(), replicas, replica);
+            owned_pieces(&ranges, &own).into_iter().map(|(_, range)| range).collect()
+        }
+        _ => ranges,
+    }
+}
+
 /// A device's data-parallel group: the devices that hold the same chunks for other slices of the batch.
 /// Their gradients are summed before the norm, so each replica applies the whole batch's update.
 pub struct DataParallelGroup<T: Transport> {
     pub comm: Communicator<T>,
+}
+
+/// ZeRO-1/2 inside a stage's data-parallel group (`parallel.shard`, with `dp` > 1): replica `d` of `D` owns
+/// `chunk_range(n, D, d)` of the device's flat parameters (its chunks in virtual-stage order, `n`
+/// elements) — the fp32 masters and both AdamW moments of that range — and its parameters are only a
+/// cache of the group's masters, refreshed by an all-gather in the group before the step after an update.
+struct StageShard {
+    mode: ShardMode,
+    /// The owned range, in the device's flat order.
+    own: Range<usize>,
+    /// The parameter pieces it covers (decay or not).
+    segments: Vec<ShardSegment>,
+    master: Vec<f32>,
+    exp_avg: Vec<f32>,
+    exp_avg_sq: Vec<f32>,
+    /// The step's reduced gradient of the owned range.
+    grad: Vec<f32>,
+    /// The parameters lag the masters (an update was applied, or a state loaded, since the last gather).
+    params_stale: bool,
 }
 
 impl<T: Transport> PipelineStage<T> {
@@ -189,7 +252,32 @@ impl<T: Transport> PipelineStage<T> {
             chunks.push(LocalChunk { chunk, layout, local: start..params.len() });
         }
         let decays = specs.iter().map(ParamSpec::decays).collect();
-        let optimizer = AdamW::new(AdamWConfig::from(&config.train), &params, decays);
+        let mut optimizer = AdamW::new(AdamWConfig::from(&config.train), &params, decays);
+        let shard = match (ShardMode::of_config(&config.parallel.shard), &data_parallel) {
+            (Some(mode @ (ShardMode::Zero1 | ShardMode::Zero2)), Some(group)) if group.comm.world() > 1 => {
+                let (numels, decays): (Vec<usize>, Vec<bool>) = specs.iter().map(|s| (s.numel(), s.decays())).unzip();
+                let total = numels.iter().sum();
+                let own = chunk_range(total, group.comm.world(), group.comm.rank());
+                let mut master = Vec::with_capacity(total);
+                append_flat(&params, &mut master);
+                let master = master[own.clone()].to_vec();
+                let n = own.len();
+                // The moments live in the shard: the optimizer's per-parameter ones are dropped.
+                optimizer.exp_avg.clear();
+                optimizer.exp_avg_sq.clear();
+                Some(StageShard {
+                    mode,
+                    segments: plan_segments(&numels, &decays, &own),
+                    own,
+                    master,
+                    exp_avg: vec![0.0; n],
+                    exp_avg_sq: vec![0.0; n],
+                    grad: vec![0.0; n],
+                    params_stale: false,
+                })
+            }
+            _ => None,
+        };
         let ends = chunks.iter().any(|c| c.layout.embed || c.layout.head);
         let sampler = if ends {
             let corpus = load_corpus(&config.data, &config.model).map_err(TrainError::from)?;
@@ -214,6 +302,8 @@ impl<T: Transport> PipelineStage<T> {
             ranges: chunk_ranges(shape, layouts, device),
             params,
             optimizer,
+            shard,
+            flat: Vec::new(),
             precision,
             loss_scale,
             sampler,
@@ -244,6 +334,19 @@ impl<T: Transport> PipelineStage<T> {
     /// This device's state as pieces of the flat parameter order, one per chunk (in virtual-stage order):
     /// what a rank keeps between attempts of a cluster job.
     pub fn export_state(&self) -> Vec<ShardPiece> {
+        if let Some(shard) = &self.shard {
+            // The owned range of the device's flat order, cut at chunk boundaries into flat-order ranges.
+            return self
+                .owned_pieces(&shard.own)
+                .into_iter()
+                .map(|(local, range)| ShardPiece {
+                    range,
+                    master: shard.master[local.clone()].to_vec(),
+                    exp_avg: shard.exp_avg[local.clone()].to_vec(),
+                    exp_avg_sq: shard.exp_avg_sq[local].to_vec(),
+                })
+                .collect();
+        }
         self.chunks
             .iter()
             .zip(self.ranges.iter().cloned())
@@ -264,11 +367,27 @@ impl<T: Transport> PipelineStage<T> {
     /// Takes a committed state: the masters and moments of this device's chunks from `pieces` (each chunk's
     /// range inside one piece), the step counters and the loss scaler.
     pub fn load_state(&mut self, pieces: &[ShardPiece], step: u64, optimizer_step: u64, loss_scale: LossScale) {
-        for (chunk, range) in self.chunks.iter().zip(self.ranges.iter().cloned()) {
-            let piece = pieces
+        self.step = step;
+        self.optimizer.step = optimizer_step;
+        self.loss_scale = loss_scale;
+        let containing = |range: &Range<usize>| {
+            pieces
                 .iter()
                 .find(|p| p.range.start <= range.start && range.end <= p.range.end)
-                .expect("load_state: a piece holds each chunk");
+                .expect("load_state: a piece holds each range this device needs")
+        };
+        if let Some(own) = self.shard.as_ref().map(|s| s.own.clone()) {
+            for (local, range) in self.owned_pieces(&own) {
+                let shard = self.shard.as_mut().expect("sharded");
+                let out =
+                    [&mut shard.master[local.clone()], &mut shard.exp_avg[local.clone()], &mut shard.exp_avg_sq[local]];
+                containing(&range).read(&range, out);
+            }
+            self.shard.as_mut().expect("sharded").params_stale = true; // the group's masters, at the next step
+            return;
+        }
+        for (chunk, range) in self.chunks.iter().zip(self.ranges.iter().cloned()) {
+            let piece = containing(&range);
             let n = range.len();
             let (mut master, mut exp_avg, mut exp_avg_sq) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
             piece.read(&range, [&mut master, &mut exp_avg, &mut exp_avg_sq]);
@@ -277,9 +396,41 @@ impl<T: Transport> PipelineStage<T> {
             copy_from_flat(&self.optimizer.exp_avg[local.clone()], &exp_avg);
             copy_from_flat(&self.optimizer.exp_avg_sq[local], &exp_avg_sq);
         }
-        self.step = step;
-        self.optimizer.step = optimizer_step;
-        self.loss_scale = loss_scale;
+    }
+
+    /// The flat-order ranges this device keeps between steps: its chunks' ranges, or with ZeRO inside the
+    /// stage's group the owned range of the device's flat order cut at chunk boundaries (what
+    /// [`Self::export_state`] gives and [`Self::load_state`] takes).
+    pub fn held_ranges(&self) -> Vec<Range<usize>> {
+        match &self.shard {
+            Some(shard) => self.owned_pieces(&shard.own).into_iter().map(|(_, range)| range).collect(),
+            None => self.ranges.clone(),
+        }
+    }
+
+    fn owned_pieces(&self, own: &Range<usize>) -> Vec<(Range<usize>, Range<usize>)> {
+        owned_pieces(&self.ranges, own)
+    }
+
+    /// With ZeRO inside the stage's group, after an update or a loaded state: the group's owned masters
+    /// all-gathered into the parameters. A collective of the stage's group.
+    async fn refresh_params(&mut self, step: u64) -> Result<(), PipelineError> {
+        let (Some(group), Some(shard)) = (&mut self.data_parallel, &mut self.shard) else { return Ok(()) };
+        if !shard.params_stale {
+            return Ok(());
+        }
+        let total: usize = self.ranges.iter().map(Range::len).sum();
+        self.flat.clear();
+        self.flat.resize(total, 0.0);
+        let device = self.device;
+        group.comm.all_gather(&shard.master, &mut self.flat).await.map_err(|source| PipelineError::Flush {
+            device,
+            step,
+            source,
+        })?;
+        copy_from_flat(&self.params, &self.flat);
+        shard.params_stale = false;
+        Ok(())
     }
 
     /// AdamW updates applied so far.
@@ -293,9 +444,13 @@ impl<T: Transport> PipelineStage<T> {
     }
 
     /// Runs one step: this device's ops, then the flush (norm and loss across devices, clip, AdamW).
+    /// With ZeRO inside the stage's group the parameters are then gathered at once (in-process runs read
+    /// them between steps).
     pub async fn train_step(&mut self) -> Result<StageStep, PipelineError> {
         let reduced = self.reduce_gradients().await?;
-        Ok(self.apply_update(reduced))
+        let step = self.apply_update(reduced);
+        self.refresh_params(step.step).await?;
+        Ok(step)
     }
 
     /// The first half of a step: this device's ops and the reductions (gradients among the stage's
@@ -303,6 +458,7 @@ impl<T: Transport> PipelineStage<T> {
     /// the step cleanly — what a commit vote needs, as with `DataParallelReplica::reduce_gradients`.
     pub async fn reduce_gradients(&mut self) -> Result<ReducedStage, PipelineError> {
         let step = self.step;
+        self.refresh_params(step).await?;
         for p in &mut self.params {
             p.zero_grad();
         }
@@ -316,27 +472,41 @@ impl<T: Transport> PipelineStage<T> {
         debug_assert!(run.saved.is_empty() && run.pending_weights.is_empty(), "plan left work undone");
 
         let mut loss = run.loss;
-        if let Some(group) = &mut self.data_parallel {
-            // The replicas' weighted gradients (and losses) sum to the whole batch's.
-            let grads: Vec<Tensor> = self.params.iter().map(Tensor::grad).collect();
-            let mut flat = Vec::new();
-            append_flat(&grads, &mut flat);
-            flat.push(loss as f32);
-            group.comm.all_reduce(&mut flat[..], ReduceOp::Sum).await.map_err(|source| PipelineError::Flush {
-                device: self.device,
-                step,
-                source,
-            })?;
-            loss = f64::from(flat.pop().expect("loss"));
-            copy_from_flat(&grads, &flat);
-        }
-        let sum_sq: f64 = self.params.iter().map(|p| p.grad().square().sum(Kind::Double).double_value(&[])).sum();
+        let device = self.device;
+        let flush = |source| PipelineError::Flush { device, step, source };
+        let grads: Vec<Tensor> = self.params.iter().map(Tensor::grad).collect();
+        let sum_sq = match (&mut self.data_parallel, &mut self.shard) {
+            (Some(group), Some(shard)) => {
+                // ZeRO-1: all-reduce, keep the owned range; ZeRO-2: reduce-scatter, only the owned range
+                // arrives. The stage's squared norm and loss are summed over the owners.
+                self.flat.clear();
+                append_flat(&grads, &mut self.flat);
+                if shard.mode == ShardMode::Zero2 {
+                    group.comm.reduce_scatter(&self.flat, &mut shard.grad, ReduceOp::Sum).await.map_err(flush)?;
+                } else {
+                    group.comm.all_reduce(&mut self.flat[..], ReduceOp::Sum).await.map_err(flush)?;
+                    shard.grad.copy_from_slice(&self.flat[shard.own.clone()]);
+                }
+                let own_sq: f64 = shard.grad.iter().map(|&g| f64::from(g) * f64::from(g)).sum();
+                let mut pair = [own_sq as f32, loss as f32];
+                group.comm.all_reduce(&mut pair[..], ReduceOp::Sum).await.map_err(flush)?;
+                loss = f64::from(pair[1]);
+                f64::from(pair[0])
+            }
+            (Some(group), None) => {
+                // The replicas' weighted gradients (and losses) sum to the whole batch's.
+                self.flat.clear();
+                append_flat(&grads, &mut self.flat);
+                self.flat.push(loss as f32);
+                group.comm.all_reduce(&mut self.flat[..], ReduceOp::Sum).await.map_err(flush)?;
+                loss = f64::from(self.flat.pop().expect("loss"));
+                copy_from_flat(&grads, &self.flat);
+                grads.iter().map(|g| g.square().sum(Kind::Double).double_value(&[])).sum()
+            }
+            (None, _) => grads.iter().map(|g| g.square().sum(Kind::Double).double_value(&[])).sum(),
+        };
         let mut totals = [sum_sq as f32, loss as f32];
-        self.comm.all_reduce(&mut totals[..], ReduceOp::Sum).await.map_err(|source| PipelineError::Flush {
-            device: self.device,
-            step,
-            source,
-        })?;
+        self.comm.all_reduce(&mut totals[..], ReduceOp::Sum).await.map_err(flush)?;
         let (grad_norm, loss) = (f64::from(totals[0]).sqrt(), f64::from(totals[1]));
         Ok(ReducedStage { loss, grad_norm, spans: run.spans })
     }
@@ -350,9 +520,23 @@ impl<T: Transport> PipelineStage<T> {
         let update =
             self.loss_scale.conclude(self.precision, reduced.grad_norm, train.grad_clip, parallel.loss_scale_window);
         let lr = learning_rate(train, step);
-        if let Update::Apply { grad_factor, .. } = update {
-            scale_grads(&self.params, grad_factor);
-            self.optimizer.apply(&mut self.params, lr);
+        match (update, &mut self.shard) {
+            (Update::Apply { grad_factor, .. }, Some(shard)) => {
+                if grad_factor != 1.0 {
+                    let factor = grad_factor as f32;
+                    shard.grad.iter_mut().for_each(|g| *g *= factor);
+                }
+                let t = self.optimizer.step + 1;
+                let state = [&mut shard.master, &mut shard.exp_avg, &mut shard.exp_avg_sq];
+                adamw_on_segments(state, &shard.segments, &shard.grad, train, lr, t);
+                self.optimizer.step = t;
+                shard.params_stale = true; // gathered before the next step's forward
+            }
+            (Update::Apply { grad_factor, .. }, None) => {
+                scale_grads(&self.params, grad_factor);
+                self.optimizer.apply(&mut self.params, lr);
+            }
+            (Update::Skip { .. }, _) => {}
         }
         self.step += 1;
         let (grad_norm, skipped) = (update.grad_norm(), update.skipped());
@@ -387,8 +571,8 @@ impl<T: Transport> PipelineStage<T> {
         let (c, mb) = (op.chunk, op.microbatch);
         match op.kind {
             OpKind::Forward => self.forward(c, mb, step, run),
-            OpKind::Backward => self.backward(c, mb, run, false),
-            OpKind::BackwardInput => self.backward(c, mb, run, true),
+            OpKind::Backward => self.backward(c, mb, step, run, false),
+            OpKind::BackwardInput => self.backward(c, mb, step, run, true),
             OpKind::BackwardWeight => {
                 let pending = run.pending_weights.remove(&(c, mb)).expect("checked plan: W after its B");
                 self.weight_pass(c, pending);
@@ -415,7 +599,33 @@ impl<T: Transport> PipelineStage<T> {
         Ok(())
     }
 
+    /// F: the chunk's forward of micro-batch `mb`. The last chunk adds its share of the loss. With
+    /// `parallel.recompute` it runs without a graph and keeps only its input (and its output, to send):
+    /// the backward runs it again with one ([`Self::chunk_forward`] is a pure function of the parameters,
+    /// the input and the step's batch — gpt-tiny has no dropout — so both passes compute the same bits).
     fn forward(&mut self, c: usize, mb: usize, step: u64, run: &mut StepRun) {
+        let received = (!self.local_chunk(c).layout.embed)
+            .then(|| run.activations.remove(&(c, mb)).expect("checked plan: input before forward"));
+        let recompute = self.config.parallel.recompute;
+        let (saved, loss) = if recompute {
+            let (mut saved, loss) = tch::no_grad(|| self.chunk_forward(c, mb, step, received.as_ref()));
+            saved.ops.clear();
+            saved.input = received;
+            (saved, loss)
+        } else {
+            self.chunk_forward(c, mb, step, received.as_ref())
+        };
+        run.loss += loss;
+        if c + 1 < self.plan.shape.chunks() && self.is_local(c + 1) {
+            run.activations.insert((c + 1, mb), saved.output.detach());
+        }
+        run.saved.insert((c, mb), Saved { recompute, ..saved });
+    }
+
+    /// The chunk's forward from `received` (its input activation; None for the first chunk, whose input
+    /// is the step's token ids), recording the parameter operations for B/W. Returns what the backward
+    /// needs and the micro-batch's loss × its share of the global batch (0 but for the last chunk).
+    fn chunk_forward(&self, c: usize, mb: usize, step: u64, received: Option<&Tensor>) -> (Saved, f64) {
         let range = self.microbatches[mb].clone();
         let weight = range.len() as f64 / self.config.train.global_batch as f64;
         let chunk = self.local_chunk(c);
@@ -425,13 +635,15 @@ impl<T: Transport> PipelineStage<T> {
         let batch = (layout.embed || layout.head)
             .then(|| self.sampler.as_ref().expect("end chunks load the corpus").batch(step, range));
         let mut ops = Vec::new();
-        let (input, mut x, mut used) = if layout.embed {
-            let (tokens, _) = batch.as_ref().expect("first chunk has its batch");
-            (None, embed_recorded(model, &p[..2], tokens, &mut ops), 2)
-        } else {
-            let received = run.activations.remove(&(c, mb)).expect("checked plan: input before forward");
-            let leaf = received.set_requires_grad(true);
-            (Some(leaf.shallow_clone()), leaf, 0)
+        let (input, mut x, mut used) = match received {
+            None => {
+                let (tokens, _) = batch.as_ref().expect("first chunk has its batch");
+                (None, embed_recorded(model, &p[..2], tokens, &mut ops), 2)
+            }
+            Some(received) => {
+                let leaf = received.detach().set_requires_grad(true);
+                (Some(leaf.shallow_clone()), leaf, 0)
+            }
         };
         let record_at = |offset: usize, ops: &mut Vec<ParamOp>, recorded: Vec<ParamOp>| {
             ops.extend(
@@ -446,21 +658,18 @@ impl<T: Transport> PipelineStage<T> {
             record_at(used, &mut ops, recorded);
             used += PARAMS_PER_BLOCK;
         }
-        let output = if layout.head {
+        let (output, loss) = if layout.head {
             let (_, targets) = batch.as_ref().expect("last chunk has its batch");
             let mut recorded = Vec::new();
             let logits = head_recorded(model, precision, &p[used..], &x, &mut recorded);
             record_at(used, &mut ops, recorded);
             let loss = cross_entropy(&logits, targets);
-            run.loss += loss.double_value(&[]) * weight;
-            loss * scaled
+            let weighted = loss.double_value(&[]) * weight;
+            (loss * scaled, weighted)
         } else {
-            x
+            (x, 0.0)
         };
-        if c + 1 < self.plan.shape.chunks() && self.is_local(c + 1) {
-            run.activations.insert((c + 1, mb), output.detach());
-        }
-        run.saved.insert((c, mb), Saved { input, output, ops });
+        (Saved { input, output, ops, recompute: false }, loss)
     }
 
     /// The full backward (`split` false: weight and input gradients in one autograd pass) or its
@@ -468,8 +677,13 @@ impl<T: Transport> PipelineStage<T> {
     /// parameter operation's output — not of the weights, so the weight-gradient products are skipped —
     /// and keeps the graph for W. Routes the input gradient to the previous chunk: kept if it is local,
     /// queued for sending otherwise.
-    fn backward(&mut self, c: usize, mb: usize, run: &mut StepRun, split: bool) {
-        let Saved { input, output, ops } = run.saved.remove(&(c, mb)).expect("checked plan: backward after forward");
+    fn backward(&mut self, c: usize, mb: usize, step: u64, run: &mut StepRun, split: bool) {
+        let mut saved = run.saved.remove(&(c, mb)).expect("checked plan: backward after forward");
+        if saved.recompute {
+            // The forward again, now with a graph, from the kept input.
+            saved = self.chunk_forward(c, mb, step, saved.input.as_ref()).0;
+        }
+        let Saved { input, output, ops, .. } = saved;
         let scalar = if self.local_chunk(c).layout.head {
             output
         } else {
