@@ -149,7 +149,6 @@ fn unavailable_flags_and_bad_configs_fail_with_a_clear_message() {
     let scale = scale.to_str().unwrap();
     let cases: &[(&[&str], &str)] = &[
         (&["train", "--dp", "2"], "--dp"),
-        (&["train", "--pp", "2", "--shard", "zero3"], "--shard zero3 with --pp > 1"),
         (&["train", "--pp", "8"], "at most model.n_layers (4)"),
         (&["train", "--pp", "2", "--virtual-stages", "2"], "--schedule interleaved"),
         (&["train", "--pp", "2", "--microbatches", "9"], "at most train.global_batch (8)"),

@@ -230,20 +230,20 @@ async fn checkpoints_of_pipeline_ddp_and_zero_jobs_load_in_each_other() {
     cluster.shutdown().await;
 }
 
-/// ZeRO-2 inside the stages' groups on 4 daemons (pp=2 × dp=2): each rank owns half of its stage's
-/// optimizer state, so a SIGKILLed daemon takes its half with it — the job rolls back to the checkpoint
+/// ZeRO-3 inside the stages' groups on 4 daemons (pp=2 × dp=2): each rank owns half of its stage's
+/// parameters and optimizer state, so a SIGKILLed daemon takes its half with it — the job rolls back to the checkpoint
 /// (gathered from all four owners) and goes on as one unsharded pipeline, on the reference's trajectory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn zero2_inside_the_stages_loses_an_owner_and_rolls_back_to_the_checkpoint() {
+async fn zero3_inside_the_stages_loses_an_owner_and_rolls_back_to_the_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let cluster = common::processes(4).await;
     let mut config = config(60, "1f1b");
-    config.parallel.shard = "zero2".into();
+    config.parallel.shard = "zero3".into();
     config.checkpoint.dir = Some(dir.path().join("ckpt"));
     config.checkpoint.every_steps = 5;
     let out = dir.path().join("final.safetensors");
     let (_, layout) = kill_after_a_checkpoint(&cluster, &config, &out, 3).await;
-    assert_eq!((layout.pp, layout.dp, layout.shard_mode), (2, 2, checkpoint::ShardMode::Zero2), "{layout:?}");
-    check(&config, None, &out, "pp=2 × dp=2 zero2, an owner lost, rolled back");
+    assert_eq!((layout.pp, layout.dp, layout.shard_mode), (2, 2, checkpoint::ShardMode::Zero3), "{layout:?}");
+    check(&config, None, &out, "pp=2 × dp=2 zero3, an owner lost, rolled back");
     cluster.shutdown().await;
 }

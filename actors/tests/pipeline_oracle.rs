@@ -108,9 +108,10 @@ fn recomputation_in_every_schedule_gives_the_same_bits() {
     }
 }
 
-/// ZeRO-1 and ZeRO-2 inside each stage's group of replicas: a replica owns part of its stage's masters
-/// and moments, reduces (or reduce-scatters) the gradients, updates its part, and the group all-gathers
-/// the parameters before the next forward — the reference's trajectory, at 2 and 3 replicas.
+/// ZeRO-1, ZeRO-2 and ZeRO-3 inside each stage's group of replicas: a replica owns part of its stage's
+/// masters and moments, reduces (or reduce-scatters) the gradients, updates its part, and the group
+/// all-gathers the parameters before the next forward (ZeRO-3: into tensors dropped after every step's
+/// flush) — the reference's trajectory, at 2 and 3 replicas.
 #[test]
 fn zero_inside_the_stage_groups_equals_the_reference() {
     tch::set_num_threads(1);
@@ -118,13 +119,18 @@ fn zero_inside_the_stage_groups_equals_the_reference() {
     config.train.global_batch = 12;
     let (ref_losses, ref_params) = reference(&config);
     let specs = troupe_model::gpt::param_specs(&config.model);
-    for (shard, replicas) in [("zero1", 2), ("zero2", 2), ("zero2", 3)] {
+    for (shard, replicas) in [("zero1", 2), ("zero2", 2), ("zero2", 3), ("zero3", 2), ("zero3", 3)] {
         config.parallel.shard = shard.into();
         let mut options = PipelineOptions::new(ScheduleKind::OneFOneB, 2, 2, 1);
         options.data_parallel = replicas;
         let run = run_in_process(&config, &options, STEPS, |_| {}).unwrap();
         let losses: Vec<f64> = run.steps.iter().map(|s| s.loss).collect();
         let what = format!("pp=2 × dp={replicas} {shard}");
+        // ZeRO-3 drops each stage's parameters between steps; ZeRO-1/2 keep them for the next forward.
+        for step in &run.steps {
+            let held = step.param_elements.iter().sum::<usize>();
+            assert_eq!(held == 0, shard == "zero3", "{what}: {:?} parameter elements held", step.param_elements);
+        }
         let loss_diff = worst_loss_diff(&losses, &ref_losses);
         assert!(loss_diff <= TOLERANCE, "{what}: losses differ by {loss_diff:e}");
         let comparison = compare_params(&specs, &run.params, &ref_params);

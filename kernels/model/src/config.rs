@@ -18,8 +18,6 @@ pub enum ConfigError {
     Parse { origin: String, message: String },
     #[error("config key `{key}` = {value}: {allowed}")]
     Invalid { key: &'static str, value: String, allowed: String },
-    #[error("`{what}` is not available yet in this build of troupe ({tracking}); leave it at its default ({default})")]
-    NotYetAvailable { what: &'static str, default: &'static str, tracking: &'static str },
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
@@ -409,8 +407,6 @@ impl ParallelConfig {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        const TRACKING: &str = "distributed training lands with the actor runtime, DP/FSDP and pipeline issues";
-        let not_yet = |what, default| Err(ConfigError::NotYetAvailable { what, default, tracking: TRACKING });
         if !(1..=NODES_MAX).contains(&self.nodes) {
             return Err(invalid("parallel.nodes", self.nodes, format!("must be in 1..={NODES_MAX}")));
         }
@@ -443,12 +439,6 @@ impl ParallelConfig {
             ));
         }
         one_of("parallel.shard", &self.shard, &["none", "zero1", "zero2", "zero3"])?;
-        if self.shard == "zero3" && self.pp > 1 {
-            return not_yet(
-                "--shard zero3 with --pp > 1 (parameters sharded inside a pipeline stage's group; zero1 and zero2 are)",
-                "\"zero2\"",
-            );
-        }
         one_of("parallel.schedule", &self.schedule, &["gpipe", "1f1b", "interleaved", "zb-h1"])?;
         one_of("parallel.precision", &self.precision, &["fp32", "bf16", "fp16"])?;
         let init = self.loss_scale_init;
@@ -518,7 +508,6 @@ mod tests {
             ("[data]\nkind = \"text\"\n", &["data.path", "must name the file"]),
             ("[data]\nkind = \"parquet\"\n", &["unknown variant `parquet`", "synthetic"]),
             ("[parallel]\nshard = \"zero4\"\n", &["parallel.shard", "none, zero1, zero2, zero3"]),
-            ("[parallel]\nshard = \"zero3\"\npp = 2\n", &["not available yet", "--pp > 1"]),
             ("[checkpoint]\nreplicas = 4\n", &["checkpoint.replicas", "0..=3"]),
             ("[parallel]\npp = 8\n", &["parallel.pp", "at most model.n_layers (4)"]),
             ("[parallel]\nmicrobatches = 4\n", &["parallel.microbatches", "--pp"]),

@@ -13,8 +13,9 @@ use super::{PipelineError, PipelineStage, StageStep};
 pub enum StageMsg {
     /// Run the next step; the reply carries what it did or why it failed.
     Step(RpcReplyPort<Result<StageStep, String>>),
-    /// The current parameters by chunk: (chunk index, values in canonical order).
-    Params(RpcReplyPort<Vec<(usize, Vec<Tensor>)>>),
+    /// The current parameters by chunk: (chunk index, values in canonical order). Every device of the
+    /// run is asked (with ZeRO inside the stages' groups, the replicas gather them together).
+    Params(RpcReplyPort<Result<Vec<(usize, Vec<Tensor>)>, String>>),
 }
 
 pub struct StageActor<T: Transport>(std::marker::PhantomData<fn() -> T>);
@@ -50,7 +51,8 @@ impl<T: Transport> Actor for StageActor<T> {
                 let _ = reply.send(result);
             }
             StageMsg::Params(reply) => {
-                let _ = reply.send(stage.chunk_param_values());
+                let result = stage.current_param_values().await.map_err(|e: PipelineError| e.to_string());
+                let _ = reply.send(result);
             }
         }
         Ok(())

@@ -47,7 +47,7 @@ struct Geometry {
     kind: ScheduleKind,
     shape: PlanShape,
     replicas: usize,
-    /// ZeRO-1/2 inside each stage's group of replicas (`parallel.shard`, with more than one replica).
+    /// ZeRO-1/2/3 inside each stage's group of replicas (`parallel.shard`, with more than one replica).
     sharded: bool,
     layouts: Vec<ChunkLayout>,
     total: usize,
@@ -72,7 +72,7 @@ impl Geometry {
         let shape = PlanShape::new(stages, microbatches, parallel.virtual_stages);
         let layouts = partition(&config.model, shape.chunks()).map_err(|e| e.to_string())?;
         let total = layouts.iter().map(|l| l.numel).sum();
-        let sharded = replicas > 1 && matches!(parallel.shard.as_str(), "zero1" | "zero2");
+        let sharded = replicas > 1 && parallel.shard != "none";
         Ok(Self { kind, shape, replicas, sharded, layouts, total })
     }
 
@@ -322,7 +322,8 @@ impl<T: Transport> StepEngine for PipelineReplica<T> {
         let (pp, dp) = (geometry.shape.stages, geometry.replicas);
         let shard_mode = match (geometry.sharded, self.trainer.config.parallel.shard.as_str()) {
             (true, "zero1") => ShardMode::Zero1,
-            (true, _) => ShardMode::Zero2,
+            (true, "zero2") => ShardMode::Zero2,
+            (true, _) => ShardMode::Zero3,
             (false, _) => ShardMode::Ddp,
         };
         let layout = Layout { dp, pp, shard_mode, shards: pp };

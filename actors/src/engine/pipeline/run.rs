@@ -62,6 +62,8 @@ pub struct PipelineStep {
     pub loss_scale: f64,
     /// Per device of data-parallel replica 0, its ops with their times (seconds since the run started).
     pub spans: Vec<Vec<OpSpan>>,
+    /// Per device of data-parallel replica 0, the parameter elements it holds after the step.
+    pub param_elements: Vec<usize>,
 }
 
 /// A finished run.
@@ -237,14 +239,16 @@ async fn drive(
             skipped: first.skipped,
             loss_scale: first.loss_scale,
             spans: per_device[..options.shape.stages].iter().map(|s| s.spans.clone()).collect(),
+            param_elements: per_device[..options.shape.stages].iter().map(|s| s.param_elements).collect(),
         };
         on_step(&report);
         reports.push(report);
     }
+    let timeout_ms = options.step_timeout_ms;
+    let calls = actors.iter().map(|(actor, _)| async move { ractor::call_t!(actor, StageMsg::Params, timeout_ms) });
     let mut chunks: Vec<(usize, Vec<Tensor>)> = Vec::new();
-    for (device, (actor, _)) in actors.iter().enumerate().take(options.shape.stages) {
-        let params = ractor::call_t!(actor, StageMsg::Params, options.step_timeout_ms)
-            .map_err(|e| actor_error(device, e.to_string()))?;
+    for (device, reply) in join_all(calls).await.into_iter().enumerate().take(options.shape.stages) {
+        let params = reply.map_err(|e| actor_error(device, e.to_string()))?.map_err(|e| actor_error(device, e))?;
         chunks.extend(params);
     }
     chunks.sort_by_key(|(chunk, _)| *chunk);

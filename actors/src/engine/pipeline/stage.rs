@@ -62,6 +62,9 @@ pub struct StageStep {
     pub loss_scale: f64,
     /// Every op this device ran, in order.
     pub spans: Vec<OpSpan>,
+    /// Parameter elements the device holds after the step (0 with ZeRO-3 inside the stage's group:
+    /// dropped until the next step gathers them).
+    pub param_elements: usize,
 }
 
 /// A step whose reductions are done on this device, ready to commit.
@@ -151,6 +154,12 @@ pub fn chunk_ranges(shape: PlanShape, layouts: &[ChunkLayout], device: usize) ->
         .collect()
 }
 
+/// Gives every parameter a gradient tensor (zeros), accumulated into in place from then on.
+fn materialise_grads(params: &[Tensor]) {
+    let zero: Tensor = params.iter().map(|p| p.sum(Kind::Float) * 0.0).sum();
+    zero.backward();
+}
+
 /// `own` (a range of a device's flat order: its chunks, flat-order `ranges`, one after the other) as
 /// (range within `own`, range of the model's flat order) pieces, one per chunk it touches.
 fn owned_pieces(ranges: &[Range<usize>], own: &Range<usize>) -> Vec<(Range<usize>, Range<usize>)> {
@@ -193,10 +202,12 @@ pub struct DataParallelGroup<T: Transport> {
     pub comm: Communicator<T>,
 }
 
-/// ZeRO-1/2 inside a stage's data-parallel group (`parallel.shard`, with `dp` > 1): replica `d` of `D` owns
+/// ZeRO inside a stage's data-parallel group (`parallel.shard`, with `dp` > 1): replica `d` of `D` owns
 /// `chunk_range(n, D, d)` of the device's flat parameters (its chunks in virtual-stage order, `n`
 /// elements) — the fp32 masters and both AdamW moments of that range — and its parameters are only a
 /// cache of the group's masters, refreshed by an all-gather in the group before the step after an update.
+/// ZeRO-1 all-reduces the gradients, ZeRO-2 reduce-scatters them; ZeRO-3 also drops the parameters after
+/// each step's flush (the device's chunks are its one unit: gathered for the step's ops, none between).
 struct StageShard {
     mode: ShardMode,
     /// The owned range, in the device's flat order.
@@ -210,6 +221,9 @@ struct StageShard {
     grad: Vec<f32>,
     /// The parameters lag the masters (an update was applied, or a state loaded, since the last gather).
     params_stale: bool,
+    /// ZeRO-3: the shapes of the device's parameters, which are empty tensors between steps (dropped
+    /// after the flush, rebuilt by the next gather).
+    released_shapes: Option<Vec<Vec<i64>>>,
 }
 
 impl<T: Transport> PipelineStage<T> {
@@ -254,7 +268,7 @@ impl<T: Transport> PipelineStage<T> {
         let decays = specs.iter().map(ParamSpec::decays).collect();
         let mut optimizer = AdamW::new(AdamWConfig::from(&config.train), &params, decays);
         let shard = match (ShardMode::of_config(&config.parallel.shard), &data_parallel) {
-            (Some(mode @ (ShardMode::Zero1 | ShardMode::Zero2)), Some(group)) if group.comm.world() > 1 => {
+            (Some(mode), Some(group)) if group.comm.world() > 1 => {
                 let (numels, decays): (Vec<usize>, Vec<bool>) = specs.iter().map(|s| (s.numel(), s.decays())).unzip();
                 let total = numels.iter().sum();
                 let own = chunk_range(total, group.comm.world(), group.comm.rank());
@@ -274,6 +288,8 @@ impl<T: Transport> PipelineStage<T> {
                     exp_avg_sq: vec![0.0; n],
                     grad: vec![0.0; n],
                     params_stale: false,
+                    released_shapes: (mode == ShardMode::Zero3)
+                        .then(|| specs.iter().map(|s| s.shape.clone()).collect()),
                 })
             }
             _ => None,
@@ -286,8 +302,7 @@ impl<T: Transport> PipelineStage<T> {
             None
         };
         // Every parameter gets a gradient tensor, accumulated into in place.
-        let zero: Tensor = params.iter().map(|p| p.sum(Kind::Float) * 0.0).sum();
-        zero.backward();
+        materialise_grads(&params);
         let microbatches = microbatch_ranges(slice, shape.microbatches);
         let (precision, loss_scale) = (Precision::of_config(&config.parallel), LossScale::initial(&config.parallel));
         Ok(Self {
@@ -428,9 +443,30 @@ impl<T: Transport> PipelineStage<T> {
             step,
             source,
         })?;
-        copy_from_flat(&self.params, &self.flat);
+        match &shard.released_shapes {
+            // ZeRO-3: fresh leaves of the right shapes (the released ones are empty), with gradients.
+            Some(shapes) => {
+                let mut at = 0;
+                for (param, shape) in self.params.iter_mut().zip(shapes) {
+                    let n: usize = shape.iter().product::<i64>() as usize;
+                    *param = Tensor::from_slice(&self.flat[at..at + n]).view(shape.as_slice()).set_requires_grad(true);
+                    at += n;
+                }
+                materialise_grads(&self.params);
+            }
+            None => copy_from_flat(&self.params, &self.flat),
+        }
         shard.params_stale = false;
         Ok(())
+    }
+
+    /// ZeRO-3, after the flush: the parameters (and their gradients) dropped until the next gather.
+    fn release_params(&mut self) {
+        let Some(shard) = self.shard.as_mut().filter(|s| s.released_shapes.is_some()) else { return };
+        for param in &mut self.params {
+            *param = Tensor::zeros([0], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+        }
+        shard.params_stale = true;
     }
 
     /// AdamW updates applied so far.
@@ -444,13 +480,17 @@ impl<T: Transport> PipelineStage<T> {
     }
 
     /// Runs one step: this device's ops, then the flush (norm and loss across devices, clip, AdamW).
-    /// With ZeRO inside the stage's group the parameters are then gathered at once (in-process runs read
-    /// them between steps).
     pub async fn train_step(&mut self) -> Result<StageStep, PipelineError> {
         let reduced = self.reduce_gradients().await?;
-        let step = self.apply_update(reduced);
-        self.refresh_params(step.step).await?;
-        Ok(step)
+        Ok(self.apply_update(reduced))
+    }
+
+    /// Detached copies of the current parameters by chunk, as [`Self::chunk_param_values`] — after
+    /// gathering them when ZeRO inside the stage's group left them behind the masters (a collective of
+    /// the group: every replica of the stage calls it).
+    pub async fn current_param_values(&mut self) -> Result<Vec<(usize, Vec<Tensor>)>, PipelineError> {
+        self.refresh_params(self.step).await?;
+        Ok(self.chunk_param_values())
     }
 
     /// The first half of a step: this device's ops and the reductions (gradients among the stage's
@@ -481,7 +521,7 @@ impl<T: Transport> PipelineStage<T> {
                 // arrives. The stage's squared norm and loss are summed over the owners.
                 self.flat.clear();
                 append_flat(&grads, &mut self.flat);
-                if shard.mode == ShardMode::Zero2 {
+                if shard.mode != ShardMode::Zero1 {
                     group.comm.reduce_scatter(&self.flat, &mut shard.grad, ReduceOp::Sum).await.map_err(flush)?;
                 } else {
                     group.comm.all_reduce(&mut self.flat[..], ReduceOp::Sum).await.map_err(flush)?;
@@ -508,6 +548,7 @@ impl<T: Transport> PipelineStage<T> {
         let mut totals = [sum_sq as f32, loss as f32];
         self.comm.all_reduce(&mut totals[..], ReduceOp::Sum).await.map_err(flush)?;
         let (grad_norm, loss) = (f64::from(totals[0]).sqrt(), f64::from(totals[1]));
+        self.release_params();
         Ok(ReducedStage { loss, grad_norm, spans: run.spans })
     }
 
@@ -540,7 +581,8 @@ impl<T: Transport> PipelineStage<T> {
         }
         self.step += 1;
         let (grad_norm, skipped) = (update.grad_norm(), update.skipped());
-        StageStep { step, loss: reduced.loss, grad_norm, lr, skipped, loss_scale, spans: reduced.spans }
+        let param_elements = self.params.iter().map(Tensor::numel).sum();
+        StageStep { step, loss: reduced.loss, grad_norm, lr, skipped, loss_scale, spans: reduced.spans, param_elements }
     }
 
     fn local_chunk(&self, chunk: usize) -> &LocalChunk {
