@@ -10,12 +10,15 @@ use troupe_cluster::transport::Transport;
 
 use super::{PipelineError, PipelineStage, StageStep};
 
+/// A device's parameters by chunk: (chunk index, values in canonical order).
+pub type ChunkParams = Vec<(usize, Vec<Tensor>)>;
+
 pub enum StageMsg {
     /// Run the next step; the reply carries what it did or why it failed.
     Step(RpcReplyPort<Result<StageStep, String>>),
     /// The current parameters by chunk: (chunk index, values in canonical order). Every device of the
     /// run is asked (with ZeRO inside the stages' groups, the replicas gather them together).
-    Params(RpcReplyPort<Result<Vec<(usize, Vec<Tensor>)>, String>>),
+    Params(RpcReplyPort<Result<ChunkParams, String>>),
 }
 
 pub struct StageActor<T: Transport>(std::marker::PhantomData<fn() -> T>);
