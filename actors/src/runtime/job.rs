@@ -110,9 +110,11 @@ pub fn plan_ranks(
     }
     let (mut kept, spare): (Vec<RankSlot>, Vec<RankSlot>) = slots.into_iter().partition(|s| now.contains(s));
     if stages > 1 {
-        // Rank r of a pipeline job runs stage r mod `stages` and holds that stage's state: keep one
-        // running rank of every stage first, so no stage's only surviving copy becomes a spare.
-        let stage_of = |s: &RankSlot| now.iter().position(|n| n == s).map(|i| i % stages);
+        // Rank r of a pipeline job of D = |now| / stages replicas runs stage r div D and holds that
+        // stage's state: keep one running rank of every stage first, so no stage's only surviving copy
+        // becomes a spare.
+        let replicas = (now.len() / stages).max(1);
+        let stage_of = |s: &RankSlot| now.iter().position(|n| n == s).map(|i| (i / replicas).min(stages - 1));
         let mut covered = vec![false; stages];
         let (first, rest): (Vec<RankSlot>, Vec<RankSlot>) = kept.into_iter().partition(|s| match stage_of(s) {
             Some(stage) if !covered[stage] => {
@@ -538,12 +540,14 @@ mod tests {
         assert_eq!(nodes(plan_ranks(&v, &m, 0, 0, 2, &[])), ["a", "b", "c", "d"]);
         let now: Vec<RankSlot> = ["b", "c", "d", "e"].iter().map(|n| RankSlot { node: (*n).into(), slot: 0 }).collect();
         assert_eq!(nodes(plan_ranks(&v, &m, 0, 0, 2, &now)), ["b", "c", "d", "e"]);
-        assert_eq!(nodes(plan_ranks(&v, &m, 0, 2, 2, &now)), ["b", "c"]);
+        // Capped to one pipeline: one running rank of each stage (b, c run stage 0; d, e stage 1).
+        assert_eq!(nodes(plan_ranks(&v, &m, 0, 2, 2, &now)), ["b", "d"]);
         assert_eq!(nodes(plan_ranks(&v, &m, 0, 0, 3, &[])), ["a", "b", "c"]);
-        // Running as a(0) b(1) c(0) d(1), b lost: a and c hold stage 0, only d holds stage 1 — d stays.
-        let (lost_b, m3) = view(2, &["a", "c", "d"]);
+        // Running as stage 0 on a, b and stage 1 on c, d; c lost: a and b hold stage 0, only d holds
+        // stage 1 — d stays, b waits as a spare.
+        let (lost_c, m3) = view(2, &["a", "b", "d"]);
         let now: Vec<RankSlot> = ["a", "b", "c", "d"].iter().map(|n| RankSlot { node: (*n).into(), slot: 0 }).collect();
-        assert_eq!(nodes(plan_ranks(&lost_b, &m3, 0, 0, 2, &now)), ["a", "d"]);
+        assert_eq!(nodes(plan_ranks(&lost_c, &m3, 0, 0, 2, &now)), ["a", "d"]);
         let (one, m1) = view(1, &["a"]);
         assert!(plan_ranks(&one, &m1, 0, 0, 2, &[]).is_empty(), "fewer slots than stages: no ranks");
         let mut s = spec(10);

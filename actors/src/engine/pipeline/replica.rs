@@ -1,9 +1,10 @@
 //! A pipeline job on the cluster: each rank of the attempt is one device of one pipeline replica, driven
 //! by the worker's step protocol through [`StepEngine`] like the DDP and ZeRO engines.
 //!
-//! Rank `r` of a world of `P × D` ranks is device `r mod P` of replica `r div P`: a replica's stages are
-//! consecutive ranks (pipeline neighbours next to each other, in node-id order) and a stage's `D`
-//! replicas are the ranks `P` apart. Both groups are [`Subgroup`]s of the attempt's one mesh (QUIC between
+//! Rank `r` of a world of `P × D` ranks is replica `r mod D` of device (stage) `r div D`, Megatron's
+//! order: a stage's `D` replicas are consecutive ranks — on as few hosts as possible, since ranks are
+//! numbered slot by slot in node-id order and the stage's gradient all-reduce is the heavy traffic — and
+//! pipeline neighbours are `D` ranks apart, the next block of slots. Both groups are [`Subgroup`]s of the attempt's one mesh (QUIC between
 //! hosts, Unix sockets on one): activations and gradients travel between a replica's devices, the
 //! stage's gradient all-reduce among its replicas, the flush (norm and loss) along each replica's chain.
 //!
@@ -77,22 +78,23 @@ impl Geometry {
     }
 
     fn device_of(&self, rank: usize) -> usize {
-        rank % self.shape.stages
+        rank / self.replicas
+    }
+
+    fn replica_of(&self, rank: usize) -> usize {
+        rank % self.replicas
     }
 
     /// The flat ranges rank `rank` holds: its device's chunks, or its owned part of them (sharded).
     fn needed(&self, rank: usize) -> Vec<Range<usize>> {
-        let sharded_among = self.sharded.then_some((rank / self.shape.stages, self.replicas));
+        let sharded_among = self.sharded.then_some((self.replica_of(rank), self.replicas));
         held_ranges(self.shape, &self.layouts, self.device_of(rank), sharded_among)
     }
 
-    /// The ranks whose pieces make up the whole state: replica 0's devices, or every rank when sharded.
-    fn holders(&self) -> usize {
-        if self.sharded {
-            self.shape.stages * self.replicas
-        } else {
-            self.shape.stages
-        }
+    /// Whether rank `rank`'s pieces are part of the whole state gathered for a checkpoint: replica 0 of
+    /// every device, or every rank when sharded.
+    fn is_holder(&self, rank: usize) -> bool {
+        self.sharded || self.replica_of(rank) == 0
     }
 }
 
@@ -153,16 +155,16 @@ impl<T: Transport> PipelineReplica<T> {
 
     /// Builds this rank's stage over subgroups of the attempt's mesh.
     fn build_stage(&self, geometry: &Geometry) -> Result<PipelineStage<Subgroup<T>>, String> {
-        let (rank, stages) = (self.comm.rank(), geometry.shape.stages);
-        let (replica, device) = (rank / stages, rank % stages);
+        let (rank, stages, replicas) = (self.comm.rank(), geometry.shape.stages, geometry.replicas);
+        let (replica, device) = (geometry.replica_of(rank), geometry.device_of(rank));
         let transport = self.comm.transport().clone();
-        let chain: Vec<usize> = (0..stages).map(|s| replica * stages + s).collect();
+        let chain: Vec<usize> = (0..stages).map(|s| s * replicas + replica).collect();
         let group = |members| Subgroup::new(transport.clone(), members).map(Arc::new).map_err(|e| e.to_string());
         let pipeline = group(chain)?;
         let epoch = self.comm.epoch();
         let flush = Communicator::new(pipeline.clone(), FLUSH_GROUP, epoch, self.collective.clone());
         let data_parallel = if geometry.replicas > 1 {
-            let peers = group((0..geometry.replicas).map(|d| d * stages + device).collect())?;
+            let peers = group((0..replicas).map(|d| device * replicas + d).collect())?;
             let comm = Communicator::new(peers, STAGE_REPLICAS_GROUP, epoch, self.collective.clone());
             Some(DataParallelGroup { comm })
         } else {
@@ -192,9 +194,8 @@ impl<T: Transport> PipelineReplica<T> {
     async fn gather_state(&mut self) -> Result<Option<TrainingState>, ClusterError> {
         let geometry = self.geometry.clone().expect("synced");
         let rank = self.comm.rank();
-        let holders = geometry.holders();
-        if rank >= holders {
-            return Ok(None); // another replica of the stages: replica 0 holds the same
+        if !geometry.is_holder(rank) {
+            return Ok(None); // another replica of the stage: replica 0 holds the same
         }
         let pieces = self.stage().export_state();
         if rank != 0 {
@@ -217,7 +218,7 @@ impl<T: Transport> PipelineReplica<T> {
             place(&piece.range, [&piece.master, &piece.exp_avg, &piece.exp_avg_sq]);
         }
         let mut buf = Vec::new();
-        for holder in 1..holders {
+        for holder in (1..self.comm.world()).filter(|&r| geometry.is_holder(r)) {
             let ranges = geometry.needed(holder);
             let n: usize = ranges.iter().map(Range::len).sum();
             buf.clear();
