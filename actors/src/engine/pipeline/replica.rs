@@ -4,9 +4,10 @@
 //! Rank `r` of a world of `P × D` ranks is replica `r mod D` of device (stage) `r div D`, Megatron's
 //! order: a stage's `D` replicas are consecutive ranks — on as few hosts as possible, since ranks are
 //! numbered slot by slot in node-id order and the stage's gradient all-reduce is the heavy traffic — and
-//! pipeline neighbours are `D` ranks apart, the next block of slots. Both groups are [`Subgroup`]s of the attempt's one mesh (QUIC between
-//! hosts, Unix sockets on one): activations and gradients travel between a replica's devices, the
-//! stage's gradient all-reduce among its replicas, the flush (norm and loss) along each replica's chain.
+//! pipeline neighbours are `D` ranks apart, the next block of slots. Both groups are [`Subgroup`]s of
+//! the attempt's one mesh (QUIC between hosts, Unix sockets on one): activations and gradients travel
+//! between a replica's devices, the stage's gradient all-reduce among its replicas, the flush (norm and
+//! loss) along each replica's chain.
 //!
 //! State between attempts is [`CommittedState::Sharded`]: the masters and AdamW moments of the device's
 //! chunks as pieces of the flat parameter order, with the trainer carrying only the counters, the config
