@@ -128,7 +128,7 @@ impl<T: Transport> DataParallelReplica<T> {
             bucket_buffers,
             comm_timing: CommTiming::default(),
         };
-        materialise_grads(&replica.trainer);
+        materialise_grads(replica.trainer.model.params());
         replica
     }
 
@@ -324,8 +324,8 @@ pub(crate) async fn broadcast_params<T: Transport>(
 
 /// Gives every parameter a (zero) gradient tensor, so ranks whose slice of a batch is empty still take
 /// part in every collective with zeros.
-pub(crate) fn materialise_grads(trainer: &Trainer) {
-    let zero: Tensor = trainer.model.params().iter().map(|p| p.sum(Kind::Float) * 0.0).sum();
+pub(crate) fn materialise_grads(params: &[Tensor]) {
+    let zero: Tensor = params.iter().map(|p| p.sum(Kind::Float) * 0.0).sum();
     zero.backward();
 }
 

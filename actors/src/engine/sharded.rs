@@ -138,7 +138,7 @@ impl<T: Transport> ShardedReplica<T> {
     /// shard, no buddy copies.
     pub async fn new(trainer: Trainer, mut comm: Communicator<T>, mode: ShardMode) -> Result<Self, EngineError> {
         let mut flat = Vec::new();
-        materialise_grads(&trainer);
+        materialise_grads(trainer.model.params());
         broadcast_params(&trainer, &mut comm, &mut flat).await?;
         let mut replica = Self::adopt(CommittedState::Full(Box::new(trainer)), comm, mode, 0);
         replica.sync().await?;
@@ -165,7 +165,7 @@ impl<T: Transport> ShardedReplica<T> {
         if mode == ShardMode::Zero3 {
             zero3::release_params(&mut trainer);
         } else {
-            materialise_grads(&trainer);
+            materialise_grads(trainer.model.params());
         }
         Self {
             total: numels.iter().sum(),

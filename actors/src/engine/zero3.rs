@@ -70,7 +70,7 @@ pub fn restore_params(trainer: &mut Trainer, flat: &[f32]) {
 }
 
 /// Fresh leaves requiring grad, shaped by `specs`, from consecutive values of `flat`.
-fn unit_tensors(specs: &[ParamSpec], flat: &[f32]) -> Vec<Tensor> {
+pub(crate) fn unit_tensors(specs: &[ParamSpec], flat: &[f32]) -> Vec<Tensor> {
     let mut offset = 0;
     specs
         .iter()

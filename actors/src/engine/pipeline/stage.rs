@@ -31,8 +31,10 @@ use troupe_model::precision::{backward_weight, LossScale, Precision, Update};
 use troupe_model::TrainError;
 
 use super::super::committed::ShardPiece;
+use super::super::data_parallel::materialise_grads;
 use super::super::flat::{append_flat, copy_from_flat};
 use super::super::sharded::{adamw_on_segments, plan_segments, ShardMode, ShardSegment};
+use super::super::zero3::unit_tensors;
 use super::error::PipelineError;
 use super::{ChunkLayout, Op, OpKind, Plan, PlanShape};
 
@@ -110,7 +112,7 @@ pub struct PipelineStage<T: Transport> {
     ranges: Vec<Range<usize>>,
     params: Vec<Tensor>,
     optimizer: AdamW,
-    /// ZeRO-1/2 within the stage's group; None: every replica holds the whole state of its chunks.
+    /// ZeRO-1/2/3 within the stage's group; None: every replica holds the whole state of its chunks.
     shard: Option<StageShard>,
     /// Scratch: the device's flat gradients (or parameters).
     flat: Vec<f32>,
@@ -154,12 +156,6 @@ pub fn chunk_ranges(shape: PlanShape, layouts: &[ChunkLayout], device: usize) ->
         .collect()
 }
 
-/// Gives every parameter a gradient tensor (zeros), accumulated into in place from then on.
-fn materialise_grads(params: &[Tensor]) {
-    let zero: Tensor = params.iter().map(|p| p.sum(Kind::Float) * 0.0).sum();
-    zero.backward();
-}
-
 /// `own` (a range of a device's flat order: its chunks, flat-order `ranges`, one after the other) as
 /// (range within `own`, range of the model's flat order) pieces, one per chunk it touches.
 fn owned_pieces(ranges: &[Range<usize>], own: &Range<usize>) -> Vec<(Range<usize>, Range<usize>)> {
@@ -177,8 +173,8 @@ fn owned_pieces(ranges: &[Range<usize>], own: &Range<usize>) -> Vec<(Range<usize
     pieces
 }
 
-/// The flat-order ranges device `device` keeps between steps ([`PipelineStage::held_ranges`]): its
-/// chunks' ranges, or with ZeRO inside the stage's group (`sharded_among` = (replica, replicas)) the
+/// The flat-order ranges device `device` keeps between steps (what [`PipelineStage::export_state`]
+/// gives and [`PipelineStage::load_state`] takes): its chunks' ranges, or with ZeRO inside the stage's group (`sharded_among` = (replica, replicas)) the
 /// replica's owned part of them.
 pub fn held_ranges(
     shape: PlanShape,
@@ -221,9 +217,9 @@ struct StageShard {
     grad: Vec<f32>,
     /// The parameters lag the masters (an update was applied, or a state loaded, since the last gather).
     params_stale: bool,
-    /// ZeRO-3: the shapes of the device's parameters, which are empty tensors between steps (dropped
+    /// ZeRO-3: the specs of the device's parameters, which are empty tensors between steps (dropped
     /// after the flush, rebuilt by the next gather).
-    released_shapes: Option<Vec<Vec<i64>>>,
+    released_specs: Option<Vec<ParamSpec>>,
 }
 
 impl<T: Transport> PipelineStage<T> {
@@ -288,8 +284,7 @@ impl<T: Transport> PipelineStage<T> {
                     exp_avg_sq: vec![0.0; n],
                     grad: vec![0.0; n],
                     params_stale: false,
-                    released_shapes: (mode == ShardMode::Zero3)
-                        .then(|| specs.iter().map(|s| s.shape.clone()).collect()),
+                    released_specs: (mode == ShardMode::Zero3).then(|| specs.clone()),
                 })
             }
             _ => None,
@@ -413,16 +408,6 @@ impl<T: Transport> PipelineStage<T> {
         }
     }
 
-    /// The flat-order ranges this device keeps between steps: its chunks' ranges, or with ZeRO inside the
-    /// stage's group the owned range of the device's flat order cut at chunk boundaries (what
-    /// [`Self::export_state`] gives and [`Self::load_state`] takes).
-    pub fn held_ranges(&self) -> Vec<Range<usize>> {
-        match &self.shard {
-            Some(shard) => self.owned_pieces(&shard.own).into_iter().map(|(_, range)| range).collect(),
-            None => self.ranges.clone(),
-        }
-    }
-
     fn owned_pieces(&self, own: &Range<usize>) -> Vec<(Range<usize>, Range<usize>)> {
         owned_pieces(&self.ranges, own)
     }
@@ -443,15 +428,10 @@ impl<T: Transport> PipelineStage<T> {
             step,
             source,
         })?;
-        match &shard.released_shapes {
+        match &shard.released_specs {
             // ZeRO-3: fresh leaves of the right shapes (the released ones are empty), with gradients.
-            Some(shapes) => {
-                let mut at = 0;
-                for (param, shape) in self.params.iter_mut().zip(shapes) {
-                    let n: usize = shape.iter().product::<i64>() as usize;
-                    *param = Tensor::from_slice(&self.flat[at..at + n]).view(shape.as_slice()).set_requires_grad(true);
-                    at += n;
-                }
+            Some(specs) => {
+                self.params = unit_tensors(specs, &self.flat);
                 materialise_grads(&self.params);
             }
             None => copy_from_flat(&self.params, &self.flat),
@@ -462,7 +442,7 @@ impl<T: Transport> PipelineStage<T> {
 
     /// ZeRO-3, after the flush: the parameters (and their gradients) dropped until the next gather.
     fn release_params(&mut self) {
-        let Some(shard) = self.shard.as_mut().filter(|s| s.released_shapes.is_some()) else { return };
+        let Some(shard) = self.shard.as_mut().filter(|s| s.released_specs.is_some()) else { return };
         for param in &mut self.params {
             *param = Tensor::zeros([0], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
         }
