@@ -107,6 +107,17 @@ fn kill_and_return() {
     assert!(r["recoveries"].as_u64().unwrap() >= 2, "shrink, then grow: {r}");
 }
 
+/// The controller's daemon dies mid-step and comes back: it restarts from its catalog (epoch, job, events)
+/// and resumes from the step the workers hold in memory — no rollback, no step redone — while the
+/// client's watcher reconnects and misses no event.
+#[test]
+fn kill_controller_node() {
+    let r = run("kill-controller-node", 23);
+    assert_eq!(faults(&r, "kill"), 1);
+    assert!(r["recoveries"].as_u64().unwrap() >= 1, "{r}");
+    assert_eq!(r["steps_redone"], 0, "resumed from the workers' memory, not a checkpoint: {r}");
+}
+
 #[test]
 fn pause_beyond_timeout() {
     let r = run("pause-beyond-timeout", 14);

@@ -123,7 +123,11 @@ impl LocalCluster {
 
     fn spawn_child(&mut self, i: usize) -> anyhow::Result<()> {
         let binary = self.binary.clone().context("not a cluster of processes")?;
-        let config = self.node_config(i, &self.options);
+        let mut config = self.node_config(i, &self.options);
+        if i == 0 && !self.nodes.is_empty() {
+            // The controller comes back where the others dial it.
+            config.listen = self.controller;
+        }
         let path = self.dir.path().join(format!("{}.toml", node_name(i)));
         std::fs::write(&path, toml::to_string(&config)?)?;
         let stderr = match &self.options.log_dir {
@@ -154,13 +158,10 @@ impl LocalCluster {
 
     /// Starts daemon `i` again after its process ended (a node returning after a crash): same name,
     /// certificate and data directory, a new incarnation. It rejoins at the next step boundary. The
-    /// controller (node 0) cannot be restarted: the other daemons know it by its address. Like
+    /// controller (node 0) comes back on its address and resumes its jobs from its catalog. Like
     /// `add_node`, it blocks until the daemon listens (about a second): from async code call it inside
     /// `tokio::task::block_in_place` or `spawn_blocking`, so the runtime's other tasks keep running.
     pub fn restart_node(&mut self, i: usize) -> anyhow::Result<()> {
-        if i == 0 {
-            bail!("node-0 runs the controller and cannot be restarted in place");
-        }
         match self.nodes.get_mut(i) {
             Some((name, _, Node::Child(child))) => {
                 if child.try_wait()?.is_none() {

@@ -1,12 +1,53 @@
-//! The daemon's metadata catalog (sled, DESIGN.md §2), behind a small interface so the store can be
-//! replaced. Flushed at every commit point.
+//! The daemon's metadata catalog, behind a small interface so the store can be replaced: the node's
+//! incarnation counter and, on the controller, what it needs to come back after a crash — the last view
+//! (epoch and members), every job's spec and state, and the events each job streamed.
+//!
+//! redb, like the checkpoint catalog (`troupe_model::checkpoint::RedbCatalog`): sled 0.34.7, the version
+//! DESIGN.md pinned, did not survive a SIGKILL during its snapshot write in the checkpoint crash test, and
+//! surviving a SIGKILL is this catalog's whole purpose. Every write is one transaction, durable (fsynced)
+//! when the call returns.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::Context;
+use redb::{ReadableTable, TableDefinition};
+use serde::{Deserialize, Serialize};
 
+use crate::runtime::event_log::EVENTS_KEPT;
+use crate::runtime::protocol::{JobEvent, JobInfo, JobSpec};
+
+const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
+const JOBS: TableDefinition<u64, &[u8]> = TableDefinition::new("jobs");
+/// (job, event number) → the event's JSON; the newest [`EVENTS_KEPT`] of each job.
+const EVENTS: TableDefinition<(u64, u64), &[u8]> = TableDefinition::new("events");
+
+/// The file under `data_dir`.
+pub const CATALOG_FILE: &str = "daemon.redb";
+
+#[derive(Clone)]
 pub struct Catalog {
-    db: sled::Db,
+    db: Arc<redb::Database>,
+    path: PathBuf,
+}
+
+/// The controller's last view, written before the view is sent to anyone.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StoredView {
+    pub epoch: u64,
+    pub members: Vec<String>,
+}
+
+/// A job as the controller last recorded it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StoredJob {
+    pub spec: JobSpec,
+    pub info: JobInfo,
+    /// The number of the first of `events`.
+    #[serde(skip)]
+    pub first_event: u64,
+    #[serde(skip)]
+    pub events: Vec<JobEvent>,
 }
 
 impl Catalog {
@@ -14,24 +55,197 @@ impl Catalog {
         std::fs::create_dir_all(data_dir).with_context(|| {
             format!("data_dir = {}: cannot create it; pick a writable directory", data_dir.display())
         })?;
-        let path = data_dir.join("catalog.sled");
-        let db = sled::open(&path).with_context(|| {
-            format!("opening the catalog {} (is another daemon using data_dir {}?)", path.display(), data_dir.display())
+        let path = data_dir.join(CATALOG_FILE);
+        let db = redb::Database::create(&path).map_err(|e| match e {
+            redb::DatabaseError::DatabaseAlreadyOpen => anyhow::anyhow!(
+                "the catalog {} is open in another daemon: data_dir = {} is in use; give each daemon its own",
+                path.display(),
+                data_dir.display()
+            ),
+            e => anyhow::anyhow!("opening the catalog {}: {e}", path.display()),
         })?;
-        Ok(Catalog { db })
+        Ok(Catalog { db: Arc::new(db), path })
+    }
+
+    fn error(&self, e: impl std::fmt::Display) -> anyhow::Error {
+        anyhow::anyhow!("the catalog {}: {e}", self.path.display())
+    }
+
+    /// One durable write transaction.
+    fn write(&self, op: impl FnOnce(&redb::WriteTransaction) -> anyhow::Result<()>) -> anyhow::Result<()> {
+        let txn = self.db.begin_write().map_err(|e| self.error(e))?;
+        op(&txn).map_err(|e| self.error(e))?;
+        txn.commit().map_err(|e| self.error(e))
+    }
+
+    fn meta<T: for<'de> Deserialize<'de>>(&self, key: &str) -> anyhow::Result<Option<T>> {
+        let txn = self.db.begin_read().map_err(|e| self.error(e))?;
+        let table = match txn.open_table(META) {
+            Ok(t) => t,
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
+            Err(e) => return Err(self.error(e)),
+        };
+        let Some(value) = table.get(key).map_err(|e| self.error(e))? else { return Ok(None) };
+        serde_json::from_slice(value.value()).map(Some).map_err(|e| self.error(format!("{key}: {e}")))
+    }
+
+    fn put_meta(&self, key: &str, value: &impl Serialize) -> anyhow::Result<()> {
+        let bytes = serde_json::to_vec(value).expect("metadata serialises");
+        self.write(|txn| {
+            txn.open_table(META)?.insert(key, bytes.as_slice())?;
+            Ok(())
+        })
     }
 
     /// Counts daemon starts on this data dir: each start is a new incarnation of the node.
     pub fn next_incarnation(&self) -> anyhow::Result<u64> {
-        let next = self
-            .db
-            .update_and_fetch("incarnation", |old| {
-                let n = old.map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])));
-                Some((n + 1).to_le_bytes().to_vec())
-            })
-            .context("updating the catalog")?
-            .map_or(1, |b| u64::from_le_bytes(b.as_ref().try_into().unwrap_or([0; 8])));
-        self.db.flush().context("flushing the catalog")?;
+        let next = self.meta::<u64>("incarnation")?.unwrap_or(0) + 1;
+        self.put_meta("incarnation", &next)?;
         Ok(next)
+    }
+
+    pub fn view(&self) -> anyhow::Result<Option<StoredView>> {
+        self.meta("view")
+    }
+
+    pub fn save_view(&self, view: &StoredView) -> anyhow::Result<()> {
+        self.put_meta("view", view)
+    }
+
+    /// Records a job's spec and state, and `events` numbered from `first` (older ones past
+    /// [`EVENTS_KEPT`] are dropped), in one transaction.
+    pub fn save_job(&self, spec: &JobSpec, info: &JobInfo, first: u64, events: &[JobEvent]) -> anyhow::Result<()> {
+        #[derive(Serialize)]
+        struct Record<'a> {
+            spec: &'a JobSpec,
+            info: &'a JobInfo,
+        }
+        let record = serde_json::to_vec(&Record { spec, info }).expect("a job serialises");
+        let encoded: Vec<Vec<u8>> =
+            events.iter().map(|e| serde_json::to_vec(e).expect("an event serialises")).collect();
+        self.write(|txn| {
+            txn.open_table(JOBS)?.insert(info.id, record.as_slice())?;
+            let mut table = txn.open_table(EVENTS)?;
+            for (i, event) in encoded.iter().enumerate() {
+                table.insert((info.id, first + i as u64), event.as_slice())?;
+            }
+            let end = first + events.len() as u64;
+            if !events.is_empty() && end > EVENTS_KEPT as u64 {
+                let drop_below = end - EVENTS_KEPT as u64;
+                table.retain_in((info.id, 0)..(info.id, drop_below), |_, _| false)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Every job recorded, lowest id first, with its kept events.
+    pub fn jobs(&self) -> anyhow::Result<Vec<StoredJob>> {
+        let txn = self.db.begin_read().map_err(|e| self.error(e))?;
+        let jobs = match txn.open_table(JOBS) {
+            Ok(t) => t,
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
+            Err(e) => return Err(self.error(e)),
+        };
+        let events = match txn.open_table(EVENTS) {
+            Ok(t) => Some(t),
+            Err(redb::TableError::TableDoesNotExist(_)) => None,
+            Err(e) => return Err(self.error(e)),
+        };
+        let mut out = Vec::new();
+        for entry in jobs.iter().map_err(|e| self.error(e))? {
+            let (id, value) = entry.map_err(|e| self.error(e))?;
+            let mut job: StoredJob =
+                serde_json::from_slice(value.value()).map_err(|e| self.error(format!("job {}: {e}", id.value())))?;
+            if let Some(table) = &events {
+                let range = table.range((id.value(), 0)..=(id.value(), u64::MAX)).map_err(|e| self.error(e))?;
+                for (i, entry) in range.enumerate() {
+                    let (key, value) = entry.map_err(|e| self.error(e))?;
+                    if i == 0 {
+                        job.first_event = key.value().1;
+                    }
+                    let event = serde_json::from_slice(value.value())
+                        .map_err(|e| self.error(format!("job {} event {}: {e}", id.value(), key.value().1)))?;
+                    job.events.push(event);
+                }
+            }
+            out.push(job);
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::protocol::{JobId, JobState};
+    use troupe_model::config::JobConfig;
+
+    fn spec() -> JobSpec {
+        JobSpec {
+            config: JobConfig::small(3),
+            name: "t".into(),
+            save_final: None,
+            data_plane: Default::default(),
+            trace: false,
+        }
+    }
+
+    fn info(id: JobId, step: u64) -> JobInfo {
+        JobInfo {
+            id,
+            name: "t".into(),
+            state: JobState::Running,
+            step,
+            total_steps: 3,
+            epoch: 4,
+            world: 2,
+            attempts: 2,
+            last_loss: Some(1.5),
+            reason: None,
+            events: 0,
+        }
+    }
+
+    fn event(step: u64) -> JobEvent {
+        JobEvent::Checkpoint { step, path: format!("step-{step}").into(), seconds: 0.0 }
+    }
+
+    #[test]
+    fn what_the_controller_records_is_there_after_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let c = Catalog::open(dir.path()).unwrap();
+            assert_eq!(c.next_incarnation().unwrap(), 1);
+            assert_eq!(c.view().unwrap(), None);
+            assert!(c.jobs().unwrap().is_empty());
+            c.save_view(&StoredView { epoch: 7, members: vec!["a".into(), "b".into()] }).unwrap();
+            c.save_job(&spec(), &info(1, 0), 0, &[event(0), event(1)]).unwrap();
+            c.save_job(&spec(), &info(1, 2), 2, &[event(2)]).unwrap();
+            c.save_job(&spec(), &info(2, 0), 0, &[]).unwrap();
+            let err = Catalog::open(dir.path()).err().expect("one daemon per data dir");
+            assert!(format!("{err:#}").contains("in use"), "{err:#}");
+        }
+        let c = Catalog::open(dir.path()).unwrap();
+        assert_eq!(c.next_incarnation().unwrap(), 2);
+        assert_eq!(c.view().unwrap(), Some(StoredView { epoch: 7, members: vec!["a".into(), "b".into()] }));
+        let jobs = c.jobs().unwrap();
+        assert_eq!(jobs.len(), 2);
+        assert_eq!((jobs[0].info.step, jobs[0].spec.name.as_str()), (2, "t"));
+        assert_eq!(jobs[0].events, vec![event(0), event(1), event(2)]);
+        assert_eq!(jobs[0].first_event, 0);
+        assert!(jobs[1].events.is_empty());
+    }
+
+    #[test]
+    fn keeps_the_newest_events_of_each_job() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Catalog::open(dir.path()).unwrap();
+        let events: Vec<JobEvent> = (0..EVENTS_KEPT as u64 + 5).map(event).collect();
+        c.save_job(&spec(), &info(1, 0), 0, &events).unwrap();
+        c.save_job(&spec(), &info(2, 0), 0, &events[..3]).unwrap();
+        let jobs = c.jobs().unwrap();
+        assert_eq!((jobs[0].first_event, jobs[0].events.len()), (5, EVENTS_KEPT));
+        assert_eq!(jobs[0].events[0], event(5));
+        assert_eq!(jobs[1].events.len(), 3, "another job's events are its own");
     }
 }

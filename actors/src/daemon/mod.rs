@@ -15,7 +15,7 @@ use ractor::{Actor, ActorRef};
 use troupe_cluster::control::{ControlEndpoint, PeerRole};
 use troupe_cluster::NodeIdentity;
 
-pub use catalog::Catalog;
+pub use catalog::{Catalog, StoredJob, StoredView};
 pub use config::{NodeConfig, NodeConfigError, SLOTS_MAX};
 
 use crate::runtime::node::{actor_scope, NodeActor, NodeArgs, NodeMsg};
@@ -70,6 +70,7 @@ impl Daemon {
             events,
             stop_reason: stop_reason.clone(),
             metrics: metrics.clone(),
+            catalog,
         };
         let (node, handle) = Actor::spawn(Some(format!("{}/node", actor_scope(&name, addr))), NodeActor, args)
             .await

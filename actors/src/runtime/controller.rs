@@ -1,13 +1,20 @@
 //! JobController: one actor per job, on the controller (leader) daemon. It owns the job's
 //! [`JobDriver`] and carries out its actions through its node: messages to the ranks' nodes, events to
 //! the job's watchers, step boundaries to membership.
+//!
+//! It records the job in the daemon's catalog *before* it announces anything: the spec and state, and
+//! the events of each batch of actions, in one durable transaction, and only then the batch's messages
+//! and events go out. So a `Commit` leaves only once its step's event is on disk, an attempt's `Prepare`
+//! only once its number is, and a watcher never sees an event a restarted controller would not have —
+//! which is what lets the controller restart from its catalog (see [`JobDriver::restore`]).
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use troupe_cluster::membership::{NodeId, View};
 
 use super::job::{DriverAction, JobDriver};
 use super::node::NodeMsg;
-use super::protocol::{AttemptOutcome, JobEvent, JobId, JobSpec, MemberInfo, StepFigures};
+use super::protocol::{AttemptOutcome, JobEvent, JobId, JobInfo, JobSpec, MemberInfo, StepFigures};
+use crate::daemon::Catalog;
 use crate::telemetry::PhaseSpan;
 
 pub enum JobMsg {
@@ -62,28 +69,73 @@ pub struct JobArgs {
     pub node: ActorRef<NodeMsg>,
     pub view: View,
     pub members: Vec<MemberInfo>,
+    pub catalog: Catalog,
+    /// A job the controller recorded before it restarted: its last recorded state, the number its next
+    /// event gets, and the nodes of the last view (see [`JobDriver::restore`]).
+    pub restored: Option<(JobInfo, u64, Vec<NodeId>)>,
 }
 
 pub struct JobControllerState {
     id: JobId,
+    spec: JobSpec,
     started: std::time::Instant,
     driver: JobDriver,
     node: ActorRef<NodeMsg>,
+    catalog: Catalog,
+    /// The number the next recorded event gets.
+    next_event: u64,
+    /// The state last recorded.
+    recorded: Option<JobInfo>,
+    /// Events not yet recorded (phase reports wait for the next batch that must be durable anyway).
+    pending: Vec<DriverAction>,
 }
 
 pub struct JobController;
 
 impl JobControllerState {
-    fn flush(&mut self) {
+    /// Records this batch of actions (with any waiting phase reports) in the catalog, then carries them
+    /// out. A batch of phase reports alone waits for the next batch, or the next tick: an fsync per
+    /// report would cost traced jobs a disk flush per rank per step.
+    async fn flush(&mut self, force: bool) {
+        let mut batch = std::mem::take(&mut self.pending);
         while let Some(action) = self.driver.poll_action() {
+            batch.push(action);
+        }
+        let info = self.driver.info();
+        let phases_only = batch.iter().all(|a| matches!(a, DriverAction::Event(JobEvent::Phases { .. })));
+        if phases_only && !batch.is_empty() && !force && self.recorded.as_ref() == Some(&info) {
+            self.pending = batch;
+            return;
+        }
+        let events: Vec<JobEvent> = batch
+            .iter()
+            .filter_map(|a| match a {
+                DriverAction::Event(e) => Some(e.clone()),
+                _ => None,
+            })
+            .collect();
+        if !events.is_empty() || self.recorded.as_ref() != Some(&info) {
+            let (catalog, spec, recorded, first) =
+                (self.catalog.clone(), self.spec.clone(), info.clone(), self.next_event);
+            let count = events.len() as u64;
+            let saved = tokio::task::spawn_blocking(move || catalog.save_job(&spec, &recorded, first, &events)).await;
+            match saved {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::error!(job = self.id, "{e:#}; a controller restart would not find this"),
+                Err(e) => tracing::error!(job = self.id, "recording the job: {e}"),
+            }
+            self.next_event += count;
+            self.recorded = Some(info.clone());
+        }
+        for action in batch {
             let msg = match action {
                 DriverAction::Send { node, msg } => NodeMsg::Outgoing { node, msg },
-                DriverAction::Event(event) => NodeMsg::JobEvent { job: self.id, event, info: self.driver.info() },
+                DriverAction::Event(event) => NodeMsg::JobEvent { job: self.id, event, info: info.clone() },
                 DriverAction::StepBoundary => NodeMsg::StepBoundary,
             };
             let _ = self.node.cast(msg);
         }
-        let _ = self.node.cast(NodeMsg::JobInfo(self.driver.info()));
+        let _ = self.node.cast(NodeMsg::JobInfo(info));
     }
 }
 
@@ -93,14 +145,25 @@ impl Actor for JobController {
     type Arguments = JobArgs;
 
     async fn pre_start(&self, me: ActorRef<JobMsg>, args: JobArgs) -> Result<JobControllerState, ActorProcessingErr> {
+        let (driver, next_event) = match args.restored {
+            Some((info, next_event, expect)) => {
+                (JobDriver::restore(args.id, args.spec.clone(), &info, expect), next_event)
+            }
+            None => (JobDriver::new(args.id, args.spec.clone()), 0),
+        };
         let mut state = JobControllerState {
             id: args.id,
+            spec: args.spec,
             started: std::time::Instant::now(),
-            driver: JobDriver::new(args.id, args.spec),
+            driver,
             node: args.node,
+            catalog: args.catalog,
+            next_event,
+            recorded: None,
+            pending: Vec::new(),
         };
         state.driver.on_view(&args.view, &args.members, Vec::new());
-        state.flush();
+        state.flush(true).await;
         me.send_interval(std::time::Duration::from_secs(1), || JobMsg::Tick);
         Ok(state)
     }
@@ -124,14 +187,17 @@ impl Actor for JobController {
             JobMsg::Ended { node, attempt, slot, outcome } => d.on_ended(&node, attempt, slot, outcome),
             JobMsg::Checkpointed { attempt, step, path, seconds } => d.on_checkpoint(attempt, step, path, seconds),
             JobMsg::Cancel => d.cancel(),
-            JobMsg::Tick => d.on_tick(now),
-            JobMsg::Phases { node, attempt, rank, step, spans } => {
-                let event = JobEvent::Phases { rank, node: node.0, attempt, step, spans };
-                let _ = state.node.cast(NodeMsg::JobEvent { job: state.id, event, info: d.info() });
+            JobMsg::Tick => {
+                d.on_tick(now);
+                state.flush(true).await;
                 return Ok(());
             }
+            JobMsg::Phases { node, attempt, rank, step, spans } => {
+                let event = JobEvent::Phases { rank, node: node.0, attempt, step, spans };
+                state.pending.push(DriverAction::Event(event));
+            }
         }
-        state.flush();
+        state.flush(false).await;
         Ok(())
     }
 }

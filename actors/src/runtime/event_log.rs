@@ -19,6 +19,17 @@ pub struct EventLog {
 }
 
 impl EventLog {
+    /// A log whose kept events are `events`, the first of them numbered `first` (a restarted controller's,
+    /// from its catalog).
+    pub fn restore(first: u64, events: Vec<JobEvent>) -> Self {
+        let mut log = EventLog { events: events.into(), first };
+        while log.events.len() > EVENTS_KEPT {
+            log.events.pop_front();
+            log.first += 1;
+        }
+        log
+    }
+
     pub fn push(&mut self, event: JobEvent) {
         if self.events.len() == EVENTS_KEPT {
             self.events.pop_front();

@@ -23,6 +23,11 @@ use super::protocol::{
 /// Attempts in a row that fail without committing a step before the job is declared failed.
 pub const FAILED_ATTEMPTS_MAX: u32 = 5;
 
+/// How long a restarted controller's job waits for the nodes of the last view to rejoin before it resumes
+/// without the missing ones. Members notice the old controller's death by QUIC's idle timeout (2 s by
+/// default), dial the new one and rejoin within a heartbeat or two of reaching it.
+pub const RESUME_GRACE: Duration = Duration::from_secs(10);
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum DriverAction {
     Send {
@@ -73,7 +78,21 @@ pub struct JobDriver {
     /// Every node ever asked to prepare an attempt: each may hold the job's state (a rank that became a
     /// spare keeps it), so each is told to release it when the job ends.
     prepared_nodes: BTreeSet<NodeId>,
+    /// A restarted controller's job, until it resumes.
+    resume: Option<Resume>,
     actions: VecDeque<DriverAction>,
+}
+
+/// What a restarted controller's job waits for: the nodes of the last view before the restart (their
+/// workers hold the committed state; resuming without one would leave its part of a sharded state behind,
+/// or have it re-join a step later and abort the first attempt).
+#[derive(Debug)]
+struct Resume {
+    expect: Vec<NodeId>,
+    /// When the wait began (the first tick).
+    since: Option<Duration>,
+    /// The newest view.
+    view: Option<(View, Vec<MemberInfo>)>,
 }
 
 /// The ranks a view offers a job: each member's slots, members in node-id order, at most `max_nodes`
@@ -147,8 +166,31 @@ impl JobDriver {
             last_commit_at: Duration::ZERO,
             waiting: None,
             prepared_nodes: BTreeSet::new(),
+            resume: None,
             actions: VecDeque::new(),
         }
+    }
+
+    /// A job the controller recorded before it restarted, as last recorded (`info`; written before any
+    /// step commit or attempt it announced, so no rank is ahead of it by more than a commit's delivery).
+    /// It waits — at most [`RESUME_GRACE`] — for `expect`, the nodes of the last view, to rejoin, then
+    /// resumes from the most advanced step its ranks hold, on attempt numbers past any the old controller
+    /// used. A terminal job stays as it ended.
+    pub fn restore(id: JobId, spec: JobSpec, info: &JobInfo, expect: Vec<NodeId>) -> Self {
+        let mut d = Self::new(id, spec);
+        d.committed = info.step;
+        d.attempt = info.attempts;
+        d.epoch = info.epoch;
+        d.last_loss = info.last_loss;
+        d.reason.clone_from(&info.reason);
+        if info.state.is_terminal() {
+            d.state = info.state;
+            d.phase = Phase::Done;
+        } else {
+            d.prepared_nodes = expect.iter().cloned().collect();
+            d.resume = Some(Resume { expect, since: None, view: None });
+        }
+        d
     }
 
     pub fn info(&self) -> JobInfo {
@@ -202,6 +244,13 @@ impl JobDriver {
             return;
         }
         self.epoch = view.epoch.0;
+        if let Some(resume) = &mut self.resume {
+            resume.view = Some((view.clone(), members.to_vec()));
+            if resume.expect.iter().all(|n| view.contains(n)) {
+                self.resume_now();
+            }
+            return;
+        }
         let max_nodes = self.spec.config.elastic.max_nodes;
         let (max_ranks, stages) = (self.max_ranks(), self.spec.config.parallel.pp);
         let wanted = plan_ranks(view, members, max_nodes, max_ranks, stages, self.ranks());
@@ -218,6 +267,21 @@ impl JobDriver {
             self.abort(&survivors, "membership changed");
         }
         self.start_attempt(wanted);
+    }
+
+    /// A restored job resumes on the newest view: every expected node rejoined, or the grace is over.
+    fn resume_now(&mut self) {
+        let Some(Resume { expect, view: Some((view, members)), .. }) = self.resume.take() else { return };
+        let mut changes = vec![format!("the controller restarted; resuming after step {}", self.committed)];
+        let missing: Vec<&str> = expect.iter().filter(|n| !view.contains(n)).map(|n| n.0.as_str()).collect();
+        if !missing.is_empty() {
+            changes.push(format!("{} did not rejoin within {} s", missing.join(", "), RESUME_GRACE.as_secs()));
+        }
+        let parallel = &self.spec.config.parallel;
+        let (max_nodes, stages) = (self.spec.config.elastic.max_nodes, parallel.pp);
+        let world = plan_ranks(&view, &members, max_nodes, self.max_ranks(), stages, &[]).len();
+        self.actions.push_back(DriverAction::Event(JobEvent::Membership { epoch: view.epoch.0, world, changes }));
+        self.on_view(&view, &members, Vec::new());
     }
 
     fn abort(&mut self, ranks: &[RankSlot], reason: &str) {
@@ -253,7 +317,15 @@ impl JobDriver {
     }
 
     /// The passage of time: a job below `elastic.min_nodes` for longer than `elastic.wait_s` fails.
+    /// A restored job resumes once [`RESUME_GRACE`] has passed, whoever rejoined.
     pub fn on_tick(&mut self, now: Duration) {
+        if let Some(resume) = &mut self.resume {
+            let since = *resume.since.get_or_insert(now);
+            if now.saturating_sub(since) >= RESUME_GRACE {
+                self.resume_now();
+            }
+            return;
+        }
         let Some(since) = &mut self.waiting else { return };
         if self.state.is_terminal() {
             return;
@@ -513,6 +585,93 @@ mod tests {
             d.on_ready(T, &NodeId::from(*n), attempt, 0, addr(1000 + i as u16), Some(*c));
         }
         attempt
+    }
+
+    /// What a controller recorded before it died, to restore from.
+    fn recorded(d: &mut JobDriver) -> JobInfo {
+        drain(d);
+        d.info()
+    }
+
+    #[test]
+    fn a_restored_job_waits_for_the_last_views_nodes_and_resumes_from_the_most_advanced_rank() {
+        let mut before = JobDriver::new(1, spec(10));
+        started(&mut before, 3, &["a", "b", "c"], &[0, 0, 0]);
+        for step in 0..5 {
+            for n in ["a", "b", "c"] {
+                before.on_vote(T, &n.into(), 1, 0, step, figures(5.0, 1.0, 0));
+            }
+        }
+        let info = recorded(&mut before);
+        assert_eq!((info.step, info.attempts, info.state), (5, 1, JobState::Running));
+
+        // The restarted controller: epoch 4, only itself ("a") at first, then b; c is still on its way.
+        let expect: Vec<NodeId> = ["a", "b", "c"].map(NodeId::from).to_vec();
+        let mut d = JobDriver::restore(1, spec(10), &info, expect);
+        assert_eq!(d.info().state, JobState::Waiting);
+        for nodes in [&["a"][..], &["a", "b"]] {
+            let (v, m) = view(4 + nodes.len() as u64, nodes);
+            d.on_view(&v, &m, vec![]);
+            assert!(drain(&mut d).is_empty(), "an attempt on {nodes:?} would leave c's state behind");
+        }
+        let (v, m) = view(7, &["a", "b", "c"]);
+        d.on_view(&v, &m, vec![]);
+        let actions = drain(&mut d);
+        let JobEvent::Membership { epoch: 7, world: 3, changes } = events(&actions)[0] else { panic!("{actions:?}") };
+        assert!(changes[0].contains("controller restarted"), "{changes:?}");
+        let prepares = sent(&actions);
+        assert_eq!(prepares.len(), 3);
+        assert!(prepares.iter().all(|(_, w)| matches!(w, Wire::Prepare { attempt: 2, .. })), "past the old attempts");
+
+        // b applied step 5's commit before the old controller died; a and c did not hear it.
+        for (i, (n, c)) in [("a", 5), ("b", 6), ("c", 5)].into_iter().enumerate() {
+            d.on_ready(T, &n.into(), 2, 0, addr(i as u16), Some(c));
+        }
+        let actions = drain(&mut d);
+        assert!(matches!(sent(&actions)[0].1, Wire::Start { source: Some(1), attempt: 2, .. }), "{actions:?}");
+        assert_eq!(events(&actions), vec![&JobEvent::Recovered { step: 6, epoch: 7, world: 3 }], "no rollback");
+        d.on_vote(T, &"a".into(), 2, 0, 6, figures(4.0, 1.0, 0));
+        d.on_vote(T, &"b".into(), 2, 0, 6, figures(4.0, 1.0, 0));
+        d.on_vote(T, &"c".into(), 2, 0, 6, figures(4.0, 1.0, 0));
+        assert_eq!(d.info().step, 7);
+    }
+
+    #[test]
+    fn a_restored_job_resumes_without_a_node_that_does_not_come_back_within_the_grace() {
+        let mut before = JobDriver::new(1, spec(10));
+        started(&mut before, 2, &["a", "b"], &[0, 0]);
+        let info = recorded(&mut before);
+        let mut d = JobDriver::restore(1, spec(10), &info, vec!["a".into(), "b".into()]);
+        let (v, m) = view(3, &["a"]);
+        d.on_view(&v, &m, vec![]);
+        let t0 = Duration::from_secs(100);
+        d.on_tick(t0);
+        d.on_tick(t0 + RESUME_GRACE - Duration::from_millis(1));
+        assert!(drain(&mut d).is_empty());
+        d.on_tick(t0 + RESUME_GRACE);
+        let actions = drain(&mut d);
+        let JobEvent::Membership { world: 1, changes, .. } = events(&actions)[0] else { panic!("{actions:?}") };
+        assert!(changes[1].contains("b did not rejoin within 10 s"), "{changes:?}");
+        assert_eq!(sent(&actions).len(), 1);
+        let (node, msg) = &sent(&actions)[0];
+        assert!(node == "a" && matches!(msg, Wire::Prepare { attempt: 2, .. }), "{actions:?}");
+        // Its end releases b too, should b come back holding the job's state.
+        d.cancel();
+        let released: Vec<String> = sent(&drain(&mut d)).into_iter().map(|(n, _)| n).collect();
+        assert_eq!(released, vec!["a", "b"]);
+    }
+
+    #[test]
+    fn a_restored_job_that_had_ended_stays_ended() {
+        let mut before = JobDriver::new(1, spec(10));
+        before.cancel();
+        let info = recorded(&mut before);
+        let mut d = JobDriver::restore(1, spec(10), &info, vec!["a".into()]);
+        let (v, m) = view(3, &["a"]);
+        d.on_view(&v, &m, vec![]);
+        d.on_tick(Duration::from_secs(1000));
+        assert!(drain(&mut d).is_empty());
+        assert_eq!(d.info().state, JobState::Cancelled);
     }
 
     #[test]

@@ -25,6 +25,7 @@ use super::protocol::{AttemptOutcome, ClusterStatus, JobEvent, JobId, JobInfo, J
 use super::restart::{Decision, RestartTracker};
 use super::worker::{WorkerActor, WorkerArgs, WorkerMsg};
 use crate::daemon::NodeConfig;
+use crate::daemon::{Catalog, StoredJob, StoredView};
 use crate::telemetry::NodeMetrics;
 
 /// How often the node drives its timers (heartbeats, failure detection, reconnection).
@@ -65,6 +66,8 @@ pub struct NodeArgs {
     pub stop_reason: Arc<std::sync::Mutex<Option<String>>>,
     /// What `/metrics` reports; updated as events pass.
     pub metrics: Arc<NodeMetrics>,
+    /// The daemon's catalog: the controller records its views and jobs there, and restarts from it.
+    pub catalog: Catalog,
 }
 
 struct WorkerSlot {
@@ -109,6 +112,9 @@ pub struct NodeState {
     draining: bool,
     stop_reason: Arc<std::sync::Mutex<Option<String>>>,
     metrics: Arc<NodeMetrics>,
+    catalog: Catalog,
+    /// The jobs whose state a `Fenced` just received says to keep.
+    keep_on_fence: Vec<JobId>,
 }
 
 pub struct NodeActor;
@@ -210,6 +216,12 @@ impl NodeState {
         Ok(actor)
     }
 
+    /// The controller's jobs that have not ended.
+    fn live_jobs(&self) -> Vec<JobId> {
+        let Some(leader) = &self.leader else { return Vec::new() };
+        leader.jobs.iter().filter(|(_, j)| !j.info.state.is_terminal()).map(|(id, _)| *id).collect()
+    }
+
     fn any_job_running(&self) -> bool {
         self.leader
             .as_ref()
@@ -231,11 +243,13 @@ impl NodeState {
                 }
                 MemberAction::Fenced { current } => {
                     self.record_change(format!(
-                        "{} was fenced at epoch {current}; dropping job state and rejoining",
+                        "{} was fenced at epoch {current}; aborting its attempts and rejoining",
                         self.id
                     ));
+                    // Removed from a view without a `Fenced` (a view that left it out): nothing is kept.
+                    let keep = std::mem::take(&mut self.keep_on_fence);
                     for w in &mut self.workers {
-                        let _ = w.actor.cast(WorkerMsg::DropAll);
+                        let _ = w.actor.cast(WorkerMsg::AbortAll { keep: keep.clone() });
                         w.attempts.clear();
                     }
                 }
@@ -260,6 +274,19 @@ impl NodeState {
         for action in actions {
             match action {
                 MembershipAction::ViewChanged { view, changes } => {
+                    // Recorded before anyone hears of it: a restarted controller starts past this epoch.
+                    let stored = StoredView {
+                        epoch: view.epoch.0,
+                        members: view.members().iter().map(|m| m.0.clone()).collect(),
+                    };
+                    let catalog = self.catalog.clone();
+                    match tokio::task::spawn_blocking(move || catalog.save_view(&stored)).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => {
+                            tracing::error!(node = %self.id, "{e:#}; a controller restart would reuse epochs")
+                        }
+                        Err(e) => tracing::error!(node = %self.id, "recording the view: {e}"),
+                    }
                     self.metrics.on_view_change(&changes);
                     let changes: Vec<String> = changes.iter().map(|c| format!("{c:?}")).collect();
                     for c in &changes {
@@ -283,7 +310,8 @@ impl NodeState {
                 MembershipAction::Fence { node, stale_epoch, current } => {
                     self.refused_stale += 1;
                     tracing::warn!(%node, %stale_epoch, %current, "refused a message from a non-member; fencing it");
-                    self.send(me, &node.0, Wire::Fenced { current });
+                    let jobs = self.live_jobs();
+                    self.send(me, &node.0, Wire::Fenced { current, jobs });
                 }
                 MembershipAction::SendView { node, view } => {
                     let leader = self.leader.as_ref().expect("controller");
@@ -356,7 +384,8 @@ impl NodeState {
         };
         if let Err(current) = self.admit_job_message(&from, epoch) {
             if !self.leader.as_ref().expect("controller").membership.view().contains(&from) {
-                self.send(me, &from.0, Wire::Fenced { current });
+                let jobs = self.live_jobs();
+                self.send(me, &from.0, Wire::Fenced { current, jobs });
             }
             return;
         }
@@ -377,7 +406,8 @@ impl NodeState {
         let members = view.members().iter().filter_map(|m| leader.members.get(m).cloned()).collect();
         let info = super::job::JobDriver::new(id, spec.clone()).info();
         self.metrics.on_submit(id, &spec);
-        let args = JobArgs { id, spec, node: me.clone(), view, members };
+        let catalog = self.catalog.clone();
+        let args = JobArgs { id, spec, node: me.clone(), view, members, catalog, restored: None };
         let name = format!("{}/job/{id}", self.scope());
         match Actor::spawn_linked(Some(name), JobController, args, me.get_cell()).await {
             Ok((actor, _)) => {
@@ -441,6 +471,36 @@ impl NodeState {
         self.send(me, from, reply);
     }
 
+    /// A job of the catalog, after a restart: its events are replayed to watchers that reconnect, and
+    /// unless it had ended a job controller resumes it once the nodes of the last view (`expect`) rejoined.
+    async fn restore_job(&mut self, me: &ActorRef<NodeMsg>, job: StoredJob, expect: &[NodeId]) {
+        let StoredJob { spec, info, first_event, events } = job;
+        let log = EventLog::restore(first_event, events);
+        let id = info.id;
+        let actor = if info.state.is_terminal() {
+            None
+        } else {
+            let leader = self.leader.as_ref().expect("controller");
+            let view = leader.membership.view().clone();
+            let members = view.members().iter().filter_map(|m| leader.members.get(m).cloned()).collect();
+            self.metrics.on_submit(id, &spec);
+            let restored = Some((info.clone(), log.end(), expect.to_vec()));
+            let args = JobArgs { id, spec, node: me.clone(), view, members, catalog: self.catalog.clone(), restored };
+            match Actor::spawn_linked(Some(format!("{}/job/{id}", self.scope())), JobController, args, me.get_cell())
+                .await
+            {
+                Ok((actor, _)) => Some(actor),
+                Err(e) => {
+                    tracing::error!(job = id, "restarting the job controller: {e}");
+                    None
+                }
+            }
+        };
+        tracing::info!(node = %self.id, job = id, state = ?info.state, step = info.step, "job restored from the catalog");
+        let entry = JobEntry { actor, info, watchers: Vec::new(), log };
+        self.leader.as_mut().expect("controller").jobs.insert(id, entry);
+    }
+
     fn job_reply(&mut self, job: JobId, f: impl FnOnce(&mut JobEntry)) -> Wire {
         match self.leader.as_mut().and_then(|l| l.jobs.get_mut(&job)) {
             Some(entry) => {
@@ -462,7 +522,8 @@ impl NodeState {
                 self.member.handle_view(now, view);
                 self.drive_member(me).await;
             }
-            Wire::Fenced { current } => {
+            Wire::Fenced { current, jobs } => {
+                self.keep_on_fence = jobs;
                 self.member.handle_fence(now, current);
                 self.drive_member(me).await;
             }
@@ -628,18 +689,23 @@ impl Actor for NodeActor {
     type Arguments = NodeArgs;
 
     async fn pre_start(&self, me: ActorRef<NodeMsg>, args: NodeArgs) -> Result<NodeState, ActorProcessingErr> {
-        let NodeArgs { config, identity, endpoint, mut events, stop_reason, metrics } = args;
+        let NodeArgs { config, identity, endpoint, mut events, stop_reason, metrics, catalog } = args;
         let id = NodeId(config.name.clone());
         let started = Instant::now();
+        // A controller that ran before on this data dir starts past its last epoch and resumes its jobs.
+        let (stored_view, stored_jobs) =
+            if config.join.is_none() { (catalog.view()?, catalog.jobs()?) } else { (None, Vec::new()) };
         let (member, leader) = if config.join.is_none() {
-            let membership = Membership::new(config.membership.clone(), Duration::ZERO, vec![id.clone()]);
+            let epoch = Epoch(stored_view.as_ref().map_or(1, |v| v.epoch + 1));
+            let membership =
+                Membership::starting_at(config.membership.clone(), Duration::ZERO, vec![id.clone()], epoch);
             let view = membership.view().clone();
             let info = MemberInfo { name: id.0.clone(), addr: endpoint.local_addr(), slots: config.slots };
             let leader = Leader {
                 membership,
                 members: BTreeMap::from([(id.clone(), info)]),
                 jobs: BTreeMap::new(),
-                next_job: 1,
+                next_job: stored_jobs.iter().map(|j| j.info.id + 1).max().unwrap_or(1),
             };
             (MemberState::member(id.clone(), config.membership.clone(), Duration::ZERO, view), Some(leader))
         } else {
@@ -671,7 +737,23 @@ impl Actor for NodeActor {
             draining: false,
             stop_reason,
             metrics,
+            catalog,
+            keep_on_fence: Vec::new(),
         };
+        if let Some(view) = stored_view {
+            let expect: Vec<NodeId> = view.members.into_iter().map(NodeId).collect();
+            let open = stored_jobs.iter().filter(|j| !j.info.state.is_terminal()).count();
+            state.record_change(format!(
+                "{} restarted as the controller at epoch {} (last view: epoch {}, {} members); resuming {open} job(s)",
+                state.id,
+                state.epoch(),
+                view.epoch,
+                expect.len()
+            ));
+            for job in stored_jobs {
+                state.restore_job(&me, job, &expect).await;
+            }
+        }
         for slot in 0..state.config.slots {
             let actor = state.spawn_worker(&me, slot).await?;
             state.workers.push(WorkerSlot {

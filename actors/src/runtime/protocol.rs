@@ -327,9 +327,13 @@ pub enum Wire {
         view: View,
         members: Vec<MemberInfo>,
     },
-    /// You are not a member of the view of epoch `current`: drop job state and rejoin.
+    /// You are not a member of the view of epoch `current`: abort your attempts and rejoin. Keep the
+    /// committed state of `jobs` (the jobs the controller still runs, offered to their next attempts) and
+    /// drop every other job's (ended while you were away: its `Release` may never have reached you).
     Fenced {
         current: Epoch,
+        #[serde(default)]
+        jobs: Vec<JobId>,
     },
     /// Get ready for an attempt of `job` on `ranks` (this node's workers find their own slots).
     Prepare {

@@ -59,7 +59,14 @@ pub enum WorkerMsg {
     Release {
         job: JobId,
     },
-    /// This node was fenced: abort everything and drop all job state.
+    /// This node was fenced (removed from the view, or its controller restarted): abort every attempt.
+    /// The committed states of `keep` (jobs the controller still runs) stay — each is the state of its
+    /// step, as any rank's — and are offered, with their steps, to the next attempt that includes this
+    /// node; every other job's state is dropped.
+    AbortAll {
+        keep: Vec<JobId>,
+    },
+    /// The node drains: abort everything and drop all job state.
     DropAll,
     /// An attempt task ended and gives the committed state back (None if it was lost to a panic, or
     /// found incomplete).
@@ -156,6 +163,16 @@ impl Actor for WorkerActor {
                         let _ = ctl.send(Ctl::Abort);
                     }
                 }
+            }
+            WorkerMsg::AbortAll { keep } => {
+                for slot in state.jobs.values_mut() {
+                    if let Some((_, ctl)) = &slot.running {
+                        let _ = ctl.send(Ctl::Abort);
+                    }
+                    slot.prepared = None;
+                    slot.deferred = None;
+                }
+                state.jobs.retain(|job, _| keep.contains(job));
             }
             WorkerMsg::DropAll => {
                 for (_, slot) in state.jobs.drain() {

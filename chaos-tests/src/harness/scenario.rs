@@ -53,6 +53,7 @@ pub const SHIPPED: &[(&str, &str)] = &[
     ("flaky-link", include_str!("../../scenarios/flaky-link.toml")),
     ("fp16-overflow-and-kill", include_str!("../../scenarios/fp16-overflow-and-kill.toml")),
     ("pipeline-kill-stage", include_str!("../../scenarios/pipeline-kill-stage.toml")),
+    ("kill-controller-node", include_str!("../../scenarios/kill-controller-node.toml")),
 ];
 
 #[derive(Clone, Debug, Deserialize)]
@@ -270,8 +271,16 @@ impl Scenario {
                 bail!("{which}: at_step = {} is not below steps = {}", fault.at_step, self.steps);
             }
             if let Target::Index(n) = fault.node {
-                if n == 0 && matches!(fault.kind, FaultKind::Kill | FaultKind::Pause | FaultKind::Partition) {
-                    bail!("{which}: node 0 runs the controller, which has no failover yet; target a worker node");
+                if n == 0 && fault.kind == FaultKind::Kill && fault.return_after_s.is_none() {
+                    bail!(
+                        "{which}: node 0 runs the controller, which restarts from its catalog but has no standby; \
+                         set return_after_s (the daemon starts again, as systemd would restart it)"
+                    );
+                }
+                if n == 0 && matches!(fault.kind, FaultKind::Pause | FaultKind::Partition) {
+                    bail!(
+                        "{which}: node 0 runs the controller, which has no standby to take over; target a worker node"
+                    );
                 }
                 if n >= self.nodes {
                     bail!("{which}: node = {n} but the cluster has nodes 0..{}", self.nodes);
@@ -328,7 +337,8 @@ mod tests {
         let cases = [
             ("description = \"x\"\nnodes = 1\n", "nodes = 1"),
             ("description = \"x\"\n[[faults]]\nkind = \"explode\"\nat_step = 1\n", "explode"),
-            ("description = \"x\"\n[[faults]]\nkind = \"kill\"\nnode = 0\nat_step = 1\n", "controller"),
+            ("description = \"x\"\n[[faults]]\nkind = \"kill\"\nnode = 0\nat_step = 1\n", "return_after_s"),
+            ("description = \"x\"\n[[faults]]\nkind = \"pause\"\nnode = 0\nat_step = 1\nduration_s = 3\n", "standby"),
             ("description = \"x\"\n[[faults]]\nkind = \"kill\"\nnode = \"somebody\"\nat_step = 1\n", "random-worker"),
             ("description = \"x\"\n[[faults]]\nkind = \"kill\"\nat_step = 99\n", "at_step = 99"),
             ("description = \"x\"\n[[faults]]\nkind = \"pause\"\nat_step = 3\n", "duration_s"),

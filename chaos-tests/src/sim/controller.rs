@@ -3,7 +3,7 @@
 //! driver and `Membership` are the runtime's own code; only the plumbing around them is modelled.
 
 use troupe_actors::runtime::job::{DriverAction, FAILED_ATTEMPTS_MAX};
-use troupe_actors::runtime::protocol::{JobEvent, MemberInfo, StepFigures, Wire};
+use troupe_actors::runtime::protocol::{JobEvent, JobId, MemberInfo, StepFigures, Wire};
 use troupe_cluster::membership::{Change, Epoch, MembershipAction, MembershipEvent, NodeId};
 
 use super::check::Checker;
@@ -53,7 +53,8 @@ impl World<'_> {
         if !self.ctl.membership.view().contains(&id) {
             self.stats.refused_stale += 1;
             trace!(self, "controller refuses a job message of non-member {id} (epoch {}); fences it", env.epoch);
-            return self.ctl_send(&id, Wire::Fenced { current });
+            let jobs = self.live_jobs();
+            return self.ctl_send(&id, Wire::Fenced { current, jobs });
         }
         if env.epoch < current.0 && !self.cfg.node_model.accept_lagging_members {
             self.stats.ignored_lagging += 1;
@@ -89,7 +90,8 @@ impl World<'_> {
                 MembershipAction::Fence { node, stale_epoch, current } => {
                     self.stats.refused_stale += 1;
                     trace!(self, "controller fences {node} (it acted on epoch {stale_epoch})");
-                    self.ctl_send(&node, Wire::Fenced { current });
+                    let jobs = self.live_jobs();
+                    self.ctl_send(&node, Wire::Fenced { current, jobs });
                 }
                 MembershipAction::SendView { node, view } => {
                     let members = self.members_of(&view);
@@ -195,6 +197,15 @@ impl World<'_> {
                 self.ctl.membership.handle(dur(self.now), MembershipEvent::StepBoundary);
                 self.drive_membership();
             }
+        }
+    }
+
+    /// node.rs `live_jobs`: the job, until it ended.
+    fn live_jobs(&self) -> Vec<JobId> {
+        if matches!(self.end, JobEnd::Unfinished) {
+            vec![JOB]
+        } else {
+            Vec::new()
         }
     }
 

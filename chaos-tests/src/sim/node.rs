@@ -163,11 +163,16 @@ impl World<'_> {
                     self.check.adopted(self.now, n, inc, view.epoch.0);
                 }
                 MemberAction::Fenced { current } => {
-                    trace!(self, "{} fenced at epoch {current}: drops all job state", self.nodes[n].id);
+                    trace!(
+                        self,
+                        "{} fenced at epoch {current}: aborts its attempts, keeps its state",
+                        self.nodes[n].id
+                    );
                     self.stats.fences += 1;
                     self.nodes[n].generation += 1;
+                    let keep = std::mem::take(&mut self.nodes[n].keep_on_fence);
                     for slot in 0..self.nodes[n].workers.len() {
-                        self.worker_drop(n, slot);
+                        self.worker_abort_all(n, slot, keep);
                         self.nodes[n].workers[slot].attempt = None;
                     }
                 }
@@ -229,7 +234,8 @@ impl World<'_> {
                 self.nodes[n].member.handle_view(now, view);
                 self.drive_member(n);
             }
-            Wire::Fenced { current } => {
+            Wire::Fenced { current, jobs } => {
+                self.nodes[n].keep_on_fence = jobs.contains(&JOB);
                 self.nodes[n].member.handle_fence(now, current);
                 self.drive_member(n);
             }
@@ -458,7 +464,7 @@ pub(super) fn kind(msg: &Wire) -> String {
         Wire::Vote { attempt, slot, step, .. } => format!("Vote(a{attempt} s{slot} step {step})"),
         Wire::Ended { attempt, slot, outcome, .. } => format!("Ended(a{attempt} s{slot} {outcome:?})"),
         Wire::View { view, .. } => format!("View(e{} {:?})", view.epoch, view.members()),
-        Wire::Fenced { current } => format!("Fenced(e{current})"),
+        Wire::Fenced { current, .. } => format!("Fenced(e{current})"),
         Wire::Prepare { attempt, ranks, .. } => {
             format!(
                 "Prepare(a{attempt} {:?})",

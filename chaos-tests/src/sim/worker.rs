@@ -272,6 +272,19 @@ impl World<'_> {
         }
     }
 
+    /// worker.rs `AbortAll` (the node was fenced): every attempt stops, keeping the committed state if the
+    /// controller still runs the job (`keep`) and dropping it otherwise; nothing prepared or deferred is kept.
+    pub(super) fn worker_abort_all(&mut self, n: usize, slot: usize, keep: bool) {
+        if !keep {
+            return self.worker_drop(n, slot);
+        }
+        let Some(job) = self.job_slot(n, slot) else { return };
+        job.prepared = None;
+        job.deferred = None;
+        let Some(attempt) = job.running.as_ref().map(|t| t.attempt) else { return };
+        self.worker_abort(n, slot, attempt);
+    }
+
     fn task_failed(&mut self, at: RankAt, reason: &str) {
         self.stats.failed_attempts_seen += 1;
         let Some(task) = self.task_mut(at) else { return };
@@ -300,7 +313,7 @@ impl World<'_> {
         }
     }
 
-    /// worker.rs `Release` / `DropAll`: the job's state is dropped; a running task is stopped silently.
+    /// worker.rs `Release`: the job's state is dropped; a running task is stopped silently.
     pub(super) fn worker_drop(&mut self, n: usize, slot: usize) {
         let delay = self.rng.range(self.cfg.net_delay_ms_min, self.cfg.net_delay_ms_max);
         self.worker_vanish(n, slot, delay);

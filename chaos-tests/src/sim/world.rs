@@ -224,6 +224,8 @@ pub(super) struct Node {
     /// Bumped on every fence and every new incarnation (the checker's name for "this membership").
     pub generation: u32,
     pub paused_until: Option<u64>,
+    /// node.rs `keep_on_fence`: the `Fenced` just received said the controller still runs the job.
+    pub keep_on_fence: bool,
     /// The pause outlasted the idle timeout: its connections are gone when it resumes.
     pub pause_broke: bool,
     pub held: Vec<Item>,
@@ -367,6 +369,7 @@ impl<'a> World<'a> {
                 inc: 0,
                 generation: 0,
                 paused_until: None,
+                keep_on_fence: false,
                 pause_broke: false,
                 held: Vec::new(),
                 member: MemberState::member(

@@ -60,7 +60,14 @@ pub struct Membership {
 impl Membership {
     /// The first view (epoch 1) of `members`, all considered alive at `now`.
     pub fn new(config: MembershipConfig, now: Duration, members: Vec<NodeId>) -> Self {
-        let view = View::new(Epoch(1), members);
+        Self::starting_at(config, now, members, Epoch(1))
+    }
+
+    /// A first view at `epoch`: a restarted controller starts past every epoch it used before, so the
+    /// nodes of its old views (which refuse a controller's older epochs) take its messages and it fences
+    /// theirs.
+    pub fn starting_at(config: MembershipConfig, now: Duration, members: Vec<NodeId>, epoch: Epoch) -> Self {
+        let view = View::new(epoch, members);
         let last_seen = view.members().iter().map(|m| (m.clone(), now)).collect();
         Self {
             config,
