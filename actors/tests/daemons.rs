@@ -106,6 +106,46 @@ async fn status_json_lists_members_epoch_slots_and_jobs() {
     cluster.shutdown().await;
 }
 
+/// The controller's daemon is SIGKILLed between jobs and started again on its address and data dir: it
+/// comes back past every epoch it used, the other node rejoins it, the finished job is still there with
+/// every event (a watcher could replay them), and job ids go on from where they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_controller_resumes_its_epochs_jobs_and_job_ids_from_its_catalog() {
+    let mut cluster = processes(2).await;
+    let both = &["node-0", "node-1"];
+    converged(&cluster, &[0, 1], both, Duration::from_secs(10)).await;
+    let job = troupe_actors::api::Job::new(troupe_model::config::JobConfig::small(3)).name("before");
+    let (end, _) = cluster.client().await.unwrap().submit(job).await.unwrap().wait().await.unwrap();
+    assert!(matches!(end, troupe_actors::api::JobEvent::Finished { steps: 3, .. }), "{end:?}");
+    let before = status(&cluster, 0).await;
+    let finished = before.jobs.iter().find(|j| j.id == 1).cloned().expect("job 1 listed");
+    let events = cluster.client().await.unwrap().job_status(1).await.unwrap().events;
+    assert!(events >= 5, "started, 3 steps, finished: {events}");
+
+    signal(cluster.pid(0).unwrap(), "KILL");
+    assert!(cluster.wait_exit(0, Duration::from_secs(10)).is_some(), "node-0 died");
+    tokio::task::block_in_place(|| cluster.restart_node(0)).unwrap();
+    let epoch = converged(&cluster, &[0, 1], both, Duration::from_secs(15)).await;
+    assert!(epoch >= before.epoch + 2, "past the old epochs ({} before, {epoch} after)", before.epoch);
+    let after = status(&cluster, 0).await;
+    assert!(after.changes.iter().any(|c| c.contains("restarted as the controller")), "{:?}", after.changes);
+    let restored = after.jobs.iter().find(|j| j.id == 1).expect("job 1 still listed");
+    assert_eq!(
+        (restored.state, restored.step, &restored.name),
+        (finished.state, 3, &finished.name),
+        "as it ended: {restored:?}"
+    );
+    let info = cluster.client().await.unwrap().job_status(1).await.unwrap();
+    assert_eq!(info.events, events, "every event kept, for watchers to replay: {info:?}");
+
+    let next = troupe_actors::api::Job::new(troupe_model::config::JobConfig::small(2)).name("after");
+    let handle = cluster.client().await.unwrap().submit(next).await.unwrap();
+    assert_eq!(handle.id(), 2, "job ids go on");
+    let (end, _) = handle.wait().await.unwrap();
+    assert!(matches!(end, troupe_actors::api::JobEvent::Finished { steps: 2, .. }), "{end:?}");
+    cluster.shutdown().await;
+}
+
 fn daemon_with(config: &str) -> (bool, String) {
     let dir = tempfile::tempdir().unwrap();
     let config = config.replace("DIR", dir.path().to_str().unwrap());
