@@ -13,7 +13,7 @@ use troupe_cluster::membership::{NodeId, View};
 
 use super::job::{DriverAction, JobDriver};
 use super::node::NodeMsg;
-use super::protocol::{AttemptOutcome, JobEvent, JobId, JobInfo, JobSpec, MemberInfo, StepFigures};
+use super::protocol::{AttemptOutcome, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, StepFigures};
 use crate::daemon::Catalog;
 use crate::telemetry::PhaseSpan;
 
@@ -84,8 +84,9 @@ pub struct JobControllerState {
     catalog: Catalog,
     /// The number the next recorded event gets.
     next_event: u64,
-    /// The state last recorded.
-    recorded: Option<JobInfo>,
+    /// The attempt and state last recorded (with events: every other change of the job's state — its
+    /// step, loss, reason — comes with an event).
+    recorded: Option<(u64, JobState)>,
     /// Events not yet recorded (phase reports wait for the next batch that must be durable anyway).
     pending: Vec<DriverAction>,
 }
@@ -102,8 +103,9 @@ impl JobControllerState {
             batch.push(action);
         }
         let info = self.driver.info();
+        let unrecorded = self.recorded != Some((info.attempts, info.state));
         let phases_only = batch.iter().all(|a| matches!(a, DriverAction::Event(JobEvent::Phases { .. })));
-        if phases_only && !batch.is_empty() && !force && self.recorded.as_ref() == Some(&info) {
+        if phases_only && !batch.is_empty() && !force && !unrecorded {
             self.pending = batch;
             return;
         }
@@ -114,7 +116,7 @@ impl JobControllerState {
                 _ => None,
             })
             .collect();
-        if !events.is_empty() || self.recorded.as_ref() != Some(&info) {
+        if !events.is_empty() || unrecorded {
             let (catalog, spec, recorded, first) =
                 (self.catalog.clone(), self.spec.clone(), info.clone(), self.next_event);
             let count = events.len() as u64;
@@ -125,7 +127,7 @@ impl JobControllerState {
                 Err(e) => tracing::error!(job = self.id, "recording the job: {e}"),
             }
             self.next_event += count;
-            self.recorded = Some(info.clone());
+            self.recorded = Some((info.attempts, info.state));
         }
         for action in batch {
             let msg = match action {

@@ -526,6 +526,8 @@ impl NodeState {
                 self.keep_on_fence = jobs;
                 self.member.handle_fence(now, current);
                 self.drive_member(me).await;
+                // Used by the fence just driven, if any; a node already rejoining keeps no stale list.
+                self.keep_on_fence.clear();
             }
             Wire::Prepare { job, attempt, spec, ranks, discard_from } => {
                 for (rank, r) in ranks.iter().enumerate().filter(|(_, r)| r.node == self.id) {

@@ -238,6 +238,7 @@ impl World<'_> {
                 self.nodes[n].keep_on_fence = jobs.contains(&JOB);
                 self.nodes[n].member.handle_fence(now, current);
                 self.drive_member(n);
+                self.nodes[n].keep_on_fence = false;
             }
             Wire::Prepare { attempt, ranks, .. } => {
                 let me = self.nodes[n].id.clone();
