@@ -48,6 +48,8 @@ fn pipelines_through_the_cli_equal_the_single_process_run() {
         &["--pp", "2", "--dp", "2", "--microbatches", "2"][..],
         // Across two daemon processes: each stage's chunks on its own daemon, recomputing activations.
         &["--pp", "2", "--nodes", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--recompute"][..],
+        // Cut by measured time: rank 0 times the parts and broadcasts the figures to the other daemon.
+        &["--pp", "2", "--nodes", "2", "--balance", "measured"][..],
     ] {
         let (events, params) = run(args);
         let start = &events[0];
@@ -85,4 +87,16 @@ fn too_few_daemons_for_the_pipelines_is_refused_with_the_fix() {
     for needle in ["--pp 2 --dp 2 on --nodes 3", "pp × dp = 4 ranks", "raise --nodes"] {
         assert!(stderr.contains(needle), "{needle:?} in {stderr}");
     }
+}
+
+#[test]
+fn checkpoints_of_an_in_process_pipeline_point_at_the_daemons() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = troupe(&["train", "--pp", "2", "--steps", "1", "--checkpoint-dir", dir.path().to_str().unwrap()]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    for needle in ["--checkpoint-dir", "--pp > 1 in one process", "add --nodes 2"] {
+        assert!(stderr.contains(needle), "{needle:?} in {stderr}");
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing written");
 }

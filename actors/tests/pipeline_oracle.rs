@@ -164,6 +164,30 @@ fn pp2_by_dp2_equals_the_reference() {
 }
 
 #[test]
+fn measured_balance_cuts_by_time_and_equals_the_reference() {
+    // A vocabulary of 8,192 over d_model 64: by parameters the embeddings and the head weigh the same,
+    // so 4 blocks split 2 + 2; by time the head (its product and softmax over the vocabulary) costs
+    // several blocks and the embeddings almost nothing, so the first stage takes more blocks. Either way
+    // the step is the reference's.
+    tch::set_num_threads(1);
+    let mut config = job(4);
+    config.model.vocab_size = 8192;
+    let (ref_losses, ref_params) = reference(&config);
+    config.parallel.pp = 2;
+    config.parallel.balance = "measured".into();
+    let options = PipelineOptions::new(ScheduleKind::OneFOneB, 2, 4, 1);
+    let run = run_in_process(&config, &options, STEPS, |_| {}).unwrap();
+    let blocks: Vec<_> = run.layouts.iter().map(|l| l.blocks.clone()).collect();
+    assert!(blocks[0].len() > 2, "the measured cut kept the parameter cut: {blocks:?}");
+    let losses: Vec<f64> = run.steps.iter().map(|s| s.loss).collect();
+    let loss_diff = worst_loss_diff(&losses, &ref_losses);
+    assert!(loss_diff <= TOLERANCE, "measured balance: losses differ by {loss_diff:e}");
+    let comparison = compare_params(&troupe_model::gpt::param_specs(&config.model), &run.params, &ref_params);
+    assert!(comparison.within(TOLERANCE), "measured balance {blocks:?}: {comparison:?}");
+    println!("measured balance {blocks:?}: loss diff {loss_diff:.1e}, params worst {:.1e}", comparison.worst);
+}
+
+#[test]
 fn one_f_one_b_over_the_same_host_transport_equals_the_reference() {
     // The transport stages in separate processes would use on one host: Unix sockets, framed messages.
     tch::set_num_threads(1);

@@ -75,6 +75,13 @@ impl Job {
         self
     }
 
+    /// How a pipeline's blocks are split among its stages: `params` (equal parameter counts, the
+    /// default) or `measured` (equal seconds of forward and backward, timed when each attempt starts).
+    pub fn balance(mut self, balance: &str) -> Self {
+        self.spec.config.parallel.balance = balance.into();
+        self
+    }
+
     /// Compute precision: fp32, bf16 or fp16.
     pub fn precision(mut self, precision: &str) -> Self {
         self.spec.config.parallel.precision = precision.into();

@@ -37,6 +37,12 @@ pub struct BenchPipelineArgs {
     /// Transformer blocks (default gpt-tiny's 4, or stages × virtual stages if more).
     #[arg(long)]
     pub layers: Option<usize>,
+    /// Vocabulary size (default gpt-tiny's 256): a large one makes the head the heaviest part to run.
+    #[arg(long)]
+    pub vocab: Option<usize>,
+    /// How the blocks are split among stages: params (equal parameter counts) or measured (equal time).
+    #[arg(long, value_parser = ["params", "measured"], default_value = "params")]
+    pub balance: String,
     /// Write the measured spans of the steady steps here as Chrome/Perfetto trace-event JSON.
     #[arg(long)]
     pub trace_out: Option<PathBuf>,
@@ -58,6 +64,12 @@ pub fn run(args: BenchPipelineArgs) -> anyhow::Result<()> {
     config.train.steps = args.steps;
     config.train.global_batch = args.micro_batch_size * args.microbatches;
     config.train.micro_batch = args.micro_batch_size;
+    config.model.vocab_size = args.vocab.unwrap_or(config.model.vocab_size);
+    config.parallel.pp = args.stages;
+    config.parallel.schedule = kind.name().into();
+    config.parallel.microbatches = args.microbatches;
+    config.parallel.virtual_stages = args.virtual_stages;
+    config.parallel.balance.clone_from(&args.balance);
     config.train.torch_threads = 1;
     config.validate().context("the benchmark's job config")?;
     tch::set_num_threads(1);
@@ -90,6 +102,9 @@ pub fn run(args: BenchPipelineArgs) -> anyhow::Result<()> {
         "microbatches": args.microbatches,
         "virtual_stages": args.virtual_stages,
         "layers": config.model.n_layers,
+        "vocab": config.model.vocab_size,
+        "balance": args.balance,
+        "chunk_blocks": run.layouts.iter().map(|l| [l.blocks.start, l.blocks.end]).collect::<Vec<_>>(),
         "micro_batch_size": args.micro_batch_size,
         "steps": args.steps,
         "steady_steps": steady.len(),
@@ -113,11 +128,13 @@ pub fn run(args: BenchPipelineArgs) -> anyhow::Result<()> {
         println!("{report}");
     } else {
         println!(
-            "{kind} P={} M={} V={}: bubble {:.3} measured, {:.3} in theory ({:.2}×), {:.3} at the measured op costs; \
-             {:.0} tokens/s",
+            "{kind} P={} M={} V={} ({} balance, chunks of blocks {:?}): bubble {:.3} measured, {:.3} in theory \
+             ({:.2}×), {:.3} at the measured op costs; {:.0} tokens/s",
             args.stages,
             args.microbatches,
             args.virtual_stages,
+            args.balance,
+            run.layouts.iter().map(|l| l.blocks.clone()).collect::<Vec<_>>(),
             figures.bubble,
             theory,
             figures.bubble / theory,

@@ -42,6 +42,9 @@ pub struct TrainArgs {
     /// Model chunks per pipeline stage (--schedule interleaved).
     #[arg(long)]
     pub virtual_stages: Option<usize>,
+    /// How the blocks are split among pipeline stages: equal parameter counts, or equal measured time.
+    #[arg(long, value_parser = ["params", "measured"])]
+    pub balance: Option<String>,
     /// Sharding of optimizer state, gradients and parameters.
     #[arg(long, value_parser = ["none", "zero1", "zero2", "zero3"])]
     pub shard: Option<String>,
@@ -105,6 +108,7 @@ impl TrainArgs {
         parallel.recompute |= self.recompute;
         for (flag, value) in [
             (&mut parallel.schedule, &self.schedule),
+            (&mut parallel.balance, &self.balance),
             (&mut parallel.shard, &self.shard),
             (&mut parallel.precision, &self.precision),
         ] {

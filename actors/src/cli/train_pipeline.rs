@@ -16,7 +16,8 @@ use crate::progress::{Reporter, StepEvent};
 
 pub fn run(args: TrainArgs, config: JobConfig) -> anyhow::Result<()> {
     if args.resume.is_some() || config.checkpoint.dir.is_some() {
-        bail!("--resume / --checkpoint-dir with --pp > 1: pipeline checkpoints are not available yet; drop them (or train with --pp 1)");
+        let ranks = config.parallel.pp * config.parallel.dp.max(1);
+        bail!("--resume / --checkpoint-dir with --pp > 1 in one process: the in-process pipeline takes no checkpoints; add --nodes {ranks} (or more) to run the stages on daemons, which checkpoint and resume, or drop the flag");
     }
     let parallel = &config.parallel;
     let kind = ScheduleKind::parse(&parallel.schedule).map_err(|e| anyhow::anyhow!("--schedule: {e}"))?;

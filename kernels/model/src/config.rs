@@ -211,6 +211,9 @@ pub struct ParallelConfig {
     pub microbatches: usize,
     /// Model chunks per pipeline stage (interleaved schedule only).
     pub virtual_stages: usize,
+    /// How the blocks are split among the pipeline's chunks: `params` (equal parameter counts) or
+    /// `measured` (equal seconds of forward and backward, timed on one micro-batch when an attempt starts).
+    pub balance: String,
     /// Compute precision of the matrix products: `fp32`, `bf16` or `fp16`; the master weights, gradients
     /// and optimizer state are fp32 in every case (see `precision.rs`).
     pub precision: String,
@@ -239,6 +242,7 @@ impl Default for ParallelConfig {
             schedule: "1f1b".into(),
             microbatches: 0,
             virtual_stages: 1,
+            balance: "params".into(),
             precision: "fp32".into(),
             loss_scale_init: 65536.0,
             loss_scale_window: 2000,
@@ -424,6 +428,14 @@ impl ParallelConfig {
             ));
         }
         positive("parallel.virtual_stages", self.virtual_stages)?;
+        one_of("parallel.balance", &self.balance, &["params", "measured"])?;
+        if self.balance != "params" && self.pp == 1 {
+            return Err(invalid(
+                "parallel.balance",
+                &self.balance,
+                "balancing splits the model among pipeline stages: it needs --pp / parallel.pp > 1",
+            ));
+        }
         if self.virtual_stages > 1 && self.schedule != "interleaved" {
             return Err(invalid(
                 "parallel.virtual_stages",
@@ -512,6 +524,8 @@ mod tests {
             ("[parallel]\npp = 8\n", &["parallel.pp", "at most model.n_layers (4)"]),
             ("[parallel]\nmicrobatches = 4\n", &["parallel.microbatches", "--pp"]),
             ("[parallel]\npp = 2\nvirtual_stages = 2\n", &["parallel.virtual_stages", "interleaved"]),
+            ("[parallel]\npp = 2\nbalance = \"time\"\n", &["parallel.balance", "measured"]),
+            ("[parallel]\nbalance = \"measured\"\n", &["parallel.balance", "--pp"]),
             ("[parallel]\nnodes = 0\n", &["parallel.nodes", "1..=64"]),
             ("[parallel]\nbucket_mib = 4096\n", &["parallel.bucket_mib", "at most 1024"]),
             ("[train]\nsteps = \"many\"\n", &["invalid type", "steps"]),

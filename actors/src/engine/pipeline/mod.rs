@@ -5,6 +5,7 @@
 //! ordered ops of every device, that the checker validates and times before anything runs.
 
 mod actor;
+mod balance;
 mod check;
 mod error;
 mod measure;
@@ -17,10 +18,11 @@ mod stage;
 mod trace;
 
 pub use actor::{StageActor, StageMsg};
+pub use balance::{costs_for, measure as measure_costs};
 pub use check::{check, simulate, textbook_bubble, Costs, PlanError, PlanReport, Timeline};
 pub use error::PipelineError;
 pub use measure::{measure_bubble, BubbleFigures};
-pub use partition::{partition, ChunkLayout, PartitionError};
+pub use partition::{partition, partition_by, ChunkLayout, ModelCosts, PartitionError};
 pub use plan::{Op, OpKind, Plan, PlanShape, ScheduleKind};
 pub use replica::PipelineReplica;
 pub use run::{run_in_process, run_stages, DeviceTransports, PipelineOptions, PipelineRun, PipelineStep};

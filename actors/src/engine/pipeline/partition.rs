@@ -1,7 +1,8 @@
-//! Cutting the model into pipeline chunks: the blocks split into P·V contiguous runs balanced by
-//! parameter count, the embeddings with the first chunk, the final LayerNorm, head and loss with the
+//! Cutting the model into pipeline chunks: the blocks split into P·V contiguous runs balanced by a cost
+//! — parameter count (`parallel.balance = "params"`), or measured seconds (`"measured"`, see
+//! [`super::balance`]) — the embeddings with the first chunk, the final LayerNorm, head and loss with the
 //! last. Because the canonical parameter order is embeddings, blocks, head, every chunk owns one
-//! contiguous range of it. Pure: shapes in, ranges out.
+//! contiguous range of it. Pure: shapes and costs in, ranges out.
 
 use std::ops::Range;
 
@@ -31,30 +32,72 @@ pub enum PartitionError {
     TooFewBlocks { layers: usize, chunks: usize },
 }
 
+/// What each part of the model weighs when the chunks are balanced: the embeddings, every block, and the
+/// final LayerNorm + head + loss, in one unit (parameters, or seconds of forward and backward).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelCosts {
+    pub embed: f64,
+    pub blocks: Vec<f64>,
+    pub head: f64,
+}
+
+impl ModelCosts {
+    /// Parameter counts: `parallel.balance = "params"`, the default (exact in f64 below 2⁵³).
+    pub fn parameters(config: &GptConfig) -> Self {
+        let specs = param_specs(config);
+        let numel = |r: Range<usize>| specs[r].iter().map(|s| s.numel()).sum::<usize>() as f64;
+        let block = |i: usize| {
+            numel(PARAMS_BEFORE_BLOCKS + i * PARAMS_PER_BLOCK..PARAMS_BEFORE_BLOCKS + (i + 1) * PARAMS_PER_BLOCK)
+        };
+        Self {
+            embed: numel(0..PARAMS_BEFORE_BLOCKS),
+            blocks: (0..config.n_layers).map(block).collect(),
+            head: numel(specs.len() - PARAMS_AFTER_BLOCKS..specs.len()),
+        }
+    }
+
+    /// The costs in one flat list (embeddings, blocks, head) of `f32`, to travel in a collective; rounded
+    /// to `f32` on the sender and taken back as they arrive, so every rank cuts from the same values.
+    pub fn to_flat(&self) -> Vec<f32> {
+        std::iter::once(self.embed).chain(self.blocks.iter().copied()).chain([self.head]).map(|c| c as f32).collect()
+    }
+
+    /// The inverse of [`Self::to_flat`]; None unless `flat` holds `layers` blocks.
+    pub fn from_flat(flat: &[f32], layers: usize) -> Option<Self> {
+        (flat.len() == layers + 2).then(|| Self {
+            embed: flat[0].into(),
+            blocks: flat[1..=layers].iter().map(|&c| c.into()).collect(),
+            head: flat[layers + 1].into(),
+        })
+    }
+}
+
 /// Splits `config`'s blocks into `chunks` contiguous non-empty runs minimising the largest chunk's
 /// parameter count (embeddings counted with the first chunk, the head with the last).
 pub fn partition(config: &GptConfig, chunks: usize) -> Result<Vec<ChunkLayout>, PartitionError> {
+    partition_by(config, &ModelCosts::parameters(config), chunks)
+}
+
+/// Splits `config`'s blocks into `chunks` contiguous non-empty runs minimising the largest chunk's cost
+/// under `costs` (embeddings counted with the first chunk, the head with the last). Ties go to the
+/// earliest cut, so every rank given the same costs cuts the same way.
+pub fn partition_by(config: &GptConfig, costs: &ModelCosts, chunks: usize) -> Result<Vec<ChunkLayout>, PartitionError> {
     let layers = config.n_layers;
     if chunks == 0 || chunks > layers {
         return Err(PartitionError::TooFewBlocks { layers, chunks });
     }
+    assert_eq!(costs.blocks.len(), layers, "a cost per block");
     let specs = param_specs(config);
     let numel = |r: Range<usize>| specs[r].iter().map(|s| s.numel()).sum::<usize>();
-    let embed = numel(0..PARAMS_BEFORE_BLOCKS);
-    let head = numel(specs.len() - PARAMS_AFTER_BLOCKS..specs.len());
-    let block = |i: usize| {
-        numel(PARAMS_BEFORE_BLOCKS + i * PARAMS_PER_BLOCK..PARAMS_BEFORE_BLOCKS + (i + 1) * PARAMS_PER_BLOCK)
-    };
-    let blocks_numel: Vec<usize> = (0..layers).map(block).collect();
     // weight(c, a..b): chunk c running blocks a..b.
     let weight = |c: usize, a: usize, b: usize| {
-        blocks_numel[a..b].iter().sum::<usize>()
-            + if c == 0 { embed } else { 0 }
-            + if c + 1 == chunks { head } else { 0 }
+        costs.blocks[a..b].iter().sum::<f64>()
+            + if c == 0 { costs.embed } else { 0.0 }
+            + if c + 1 == chunks { costs.head } else { 0.0 }
     };
     // best[c][b]: the smallest possible largest weight when chunks 0..=c run blocks 0..b; cut[c][b] the
     // start of chunk c in that split.
-    let mut best = vec![vec![usize::MAX; layers + 1]; chunks];
+    let mut best = vec![vec![f64::INFINITY; layers + 1]; chunks];
     let mut cut = vec![vec![0usize; layers + 1]; chunks];
     for (b, best) in best[0].iter_mut().enumerate().skip(1) {
         *best = weight(0, 0, b);
@@ -62,7 +105,7 @@ pub fn partition(config: &GptConfig, chunks: usize) -> Result<Vec<ChunkLayout>, 
     for c in 1..chunks {
         for b in c + 1..=layers {
             for a in c..b {
-                if best[c - 1][a] == usize::MAX {
+                if best[c - 1][a] == f64::INFINITY {
                     continue;
                 }
                 let candidate = best[c - 1][a].max(weight(c, a, b));
@@ -82,13 +125,7 @@ pub fn partition(config: &GptConfig, chunks: usize) -> Result<Vec<ChunkLayout>, 
             let blocks = bounds[c]..bounds[c + 1];
             let first = if c == 0 { 0 } else { PARAMS_BEFORE_BLOCKS + blocks.start * PARAMS_PER_BLOCK };
             let last = if c + 1 == chunks { specs.len() } else { PARAMS_BEFORE_BLOCKS + blocks.end * PARAMS_PER_BLOCK };
-            ChunkLayout {
-                embed: c == 0,
-                head: c + 1 == chunks,
-                numel: weight(c, blocks.start, blocks.end),
-                blocks,
-                params: first..last,
-            }
+            ChunkLayout { embed: c == 0, head: c + 1 == chunks, numel: numel(first..last), blocks, params: first..last }
         })
         .collect())
 }
@@ -132,6 +169,24 @@ mod tests {
         let parts = partition(&big_vocab, 3).unwrap();
         assert_eq!(parts[0].blocks, 0..1, "{parts:?}");
         assert_eq!(parts[2].blocks, 5..6, "{parts:?}");
+    }
+
+    #[test]
+    fn parameter_costs_cut_as_before_and_measured_costs_move_blocks_off_a_heavy_head() {
+        let cfg = config(4);
+        let by_params = partition_by(&cfg, &ModelCosts::parameters(&cfg), 2).unwrap();
+        assert_eq!(by_params, partition(&cfg, 2).unwrap());
+        assert_eq!(by_params[0].blocks, 0..2);
+        // A head that costs three blocks' time (a large vocabulary's matrix product and softmax) and free
+        // embeddings: the first chunk takes three blocks, and the parameters still cover the model.
+        let costs = ModelCosts { embed: 0.1, blocks: vec![1.0; 4], head: 3.0 };
+        let parts = partition_by(&cfg, &costs, 2).unwrap();
+        assert_eq!(parts.iter().map(|p| p.blocks.clone()).collect::<Vec<_>>(), vec![0..3, 3..4]);
+        assert_eq!(parts.iter().map(|p| p.numel).sum::<usize>(), cfg.param_count());
+        // Costs travel through a collective as f32 and come back as the same cut.
+        let back = ModelCosts::from_flat(&costs.to_flat(), 4).unwrap();
+        assert_eq!(partition_by(&cfg, &back, 2).unwrap(), parts);
+        assert_eq!(ModelCosts::from_flat(&costs.to_flat(), 5), None);
     }
 
     #[test]

@@ -26,6 +26,7 @@ use troupe_cluster::transport::Transport;
 use troupe_cluster::ClusterError;
 use troupe_model::checkpoint::state::scaler_of;
 use troupe_model::checkpoint::{CheckpointWriter, Layout, SaveRequest, ShardMode, TrainingState};
+use troupe_model::gpt::GptConfig;
 use troupe_model::Trainer;
 
 use super::super::committed::{CommittedState, ShardPiece};
@@ -34,8 +35,8 @@ use super::super::reshard::{reshard, Held};
 use super::super::step_engine::{EngineError, OpTiming, StepEngine};
 use super::super::zero3;
 use super::{
-    category, check, held_ranges, op_name, partition, plan, ChunkLayout, DataParallelGroup, OpSpan, PipelineStage,
-    Plan, PlanShape, ReducedStage, ScheduleKind,
+    category, check, costs_for, held_ranges, op_name, partition, partition_by, plan, ChunkLayout, DataParallelGroup,
+    ModelCosts, OpSpan, PipelineStage, Plan, PlanShape, ReducedStage, ScheduleKind,
 };
 
 /// Tag group of the flush's collectives along a replica's chain.
@@ -76,6 +77,17 @@ impl Geometry {
         let total = layouts.iter().map(|l| l.numel).sum();
         let sharded = replicas > 1 && parallel.shard != "none";
         Ok(Self { kind, shape, replicas, sharded, layouts, total })
+    }
+
+    /// Sequences in one micro-batch (of the largest replica's share).
+    fn microbatch_samples(&self, global_batch: usize) -> usize {
+        global_batch.div_ceil(self.replicas).div_ceil(self.shape.microbatches).max(1)
+    }
+
+    /// The chunks cut by `costs` instead of parameter counts.
+    fn rebalance(&mut self, config: &GptConfig, costs: &ModelCosts) -> Result<(), String> {
+        self.layouts = partition_by(config, costs, self.shape.chunks()).map_err(|e| e.to_string())?;
+        Ok(())
     }
 
     fn device_of(&self, rank: usize) -> usize {
@@ -245,6 +257,22 @@ impl<T: Transport> PipelineReplica<T> {
         }))
     }
 
+    /// `parallel.balance = "measured"`: rank 0 times the model's parts on one micro-batch (once per shape
+    /// in its process) and broadcasts the figures, so every rank cuts the chunks the same way.
+    async fn measured_costs(&mut self, geometry: &Geometry) -> Result<ModelCosts, EngineError> {
+        let config = &self.trainer.config;
+        let layers = config.model.n_layers;
+        let mut flat = if self.comm.rank() == 0 {
+            let costs = costs_for(config, geometry.microbatch_samples(config.train.global_batch));
+            tracing::info!(?costs, "pipeline balance: measured seconds of forward and backward per part");
+            costs.to_flat()
+        } else {
+            vec![0.0; layers + 2]
+        };
+        self.comm.broadcast(&mut flat, 0).await?;
+        Ok(ModelCosts::from_flat(&flat, layers).expect("broadcast keeps the length"))
+    }
+
     /// The stage's counters into the trainer (what the worker reads and the committed state keeps).
     fn mirror_counters(&mut self) {
         let stage = self.stage.as_ref().expect("synced");
@@ -269,7 +297,11 @@ impl<T: Transport> StepEngine for PipelineReplica<T> {
 
     /// Every rank takes part whatever `source` says: the chunks are put together from whoever holds them.
     async fn sync(&mut self, _source: Option<usize>) -> Result<(), EngineError> {
-        let geometry = Geometry::of(&self.trainer, self.comm.world()).map_err(EngineError::Setup)?;
+        let mut geometry = Geometry::of(&self.trainer, self.comm.world()).map_err(EngineError::Setup)?;
+        if self.trainer.config.parallel.balance == "measured" {
+            let costs = self.measured_costs(&geometry).await?;
+            geometry.rebalance(&self.trainer.config.model, &costs).map_err(EngineError::Setup)?;
+        }
         let held = Held::of(&self.trainer, &self.pieces);
         let resharded = match reshard(&mut self.comm, geometry.total, held, |r| geometry.needed(r)).await {
             Ok(resharded) => resharded,

@@ -17,7 +17,10 @@ use troupe_cluster::TransportConfig;
 use troupe_model::config::JobConfig;
 
 use super::actor::{StageActor, StageMsg};
-use super::{check, partition, plan, DataParallelGroup, OpSpan, PipelineError, PipelineStage, PlanShape, ScheduleKind};
+use super::{
+    check, costs_for, partition_by, plan, ChunkLayout, DataParallelGroup, OpSpan, PipelineError, PipelineStage,
+    PlanShape, ScheduleKind,
+};
 
 /// Tag group of the flush's collectives (the activations use [`super::PIPELINE_TAG_GROUP`]).
 const FLUSH_GROUP: u32 = 1;
@@ -71,6 +74,8 @@ pub struct PipelineRun {
     pub steps: Vec<PipelineStep>,
     /// The final parameters in the model's canonical order.
     pub params: Vec<Tensor>,
+    /// How the model was cut: chunk c's blocks and parameters (device `c mod P` runs it).
+    pub layouts: Vec<ChunkLayout>,
 }
 
 /// Runs `steps` steps of `config` as a pipeline of in-process devices over the in-memory transport (with
@@ -129,7 +134,10 @@ pub async fn run_stages<T: Transport>(
 ) -> Result<PipelineRun, PipelineError> {
     let plan = Arc::new(plan(options.kind, options.shape)?);
     check(&plan).unwrap_or_else(|e| panic!("generated plan {} {:?} is invalid: {e}", options.kind, options.shape));
-    let layouts = partition(&config.model, options.shape.chunks())?;
+    let replicas = devices.len() / options.shape.stages;
+    let samples = config.train.global_batch.div_ceil(replicas.max(1)).div_ceil(options.shape.microbatches.max(1));
+    let costs = costs_for(config, samples.max(1));
+    let layouts = partition_by(&config.model, &costs, options.shape.chunks())?;
     let origin = Instant::now();
     let collective = CollectiveConfig::from(&TransportConfig::default());
     let mut stages = Vec::new();
@@ -164,7 +172,7 @@ pub async fn run_stages<T: Transport>(
             }
         }
     }
-    let result = drive(&actors, options, steps, &mut on_step).await;
+    let result = drive(&actors, options, steps, &mut on_step).await.map(|run| PipelineRun { layouts, ..run });
     for (actor, _) in &actors {
         actor.stop(None);
     }
@@ -252,5 +260,6 @@ async fn drive(
         chunks.extend(params);
     }
     chunks.sort_by_key(|(chunk, _)| *chunk);
-    Ok(PipelineRun { steps: reports, params: chunks.into_iter().flat_map(|(_, p)| p).collect() })
+    let params = chunks.into_iter().flat_map(|(_, p)| p).collect();
+    Ok(PipelineRun { steps: reports, params, layouts: Vec::new() })
 }
