@@ -71,6 +71,30 @@ fn one_f_one_b_reports_its_bubble_beside_theory_and_writes_a_trace() {
 }
 
 #[test]
+fn the_peer_runs_the_same_pipeline_in_pytorch_and_the_ratio_is_reported() {
+    // The provisioned venv (or $TROUPE_PYTHON) runs bench/peers/pipeline_gpt_tiny.py.
+    let mut command = Command::new(env!("CARGO_BIN_EXE_troupe"));
+    command.env_clear();
+    for key in ["HOME", "TROUPE_CACHE", "TROUPE_PYTHON"] {
+        if let Some(value) = std::env::var_os(key) {
+            command.env(key, value);
+        }
+    }
+    let args = ["--stages", "2", "--microbatches", "2", "--schedule", "zb-h1", "--steps", "3", "--layers", "2"];
+    let output =
+        command.args(["bench", "pipeline", "--micro-batch-size", "1", "--peer", "--json"]).args(args).output().unwrap();
+    assert!(output.status.success(), "troupe failed: {}", String::from_utf8_lossy(&output.stderr));
+    let report: Value = serde_json::from_slice(&output.stdout).unwrap();
+    let peer = &report["peer"];
+    assert_eq!(peer["peer"], "pytorch-pipelining-gloo", "{report}");
+    assert_eq!(peer["schedule"], "zb-h1");
+    assert_eq!((peer["stages"].as_u64(), peer["layers"].as_u64(), peer["steps"].as_u64()), (Some(2), Some(2), Some(2)));
+    assert!(peer["final_loss"].as_f64().is_some_and(f64::is_finite), "{report}");
+    let ratio = number(&report, "tokens_per_s") / number(peer, "tokens_per_s");
+    assert!((number(&report, "vs_peer") - ratio).abs() < 1e-9 * ratio, "{report}");
+}
+
+#[test]
 fn bad_arguments_name_the_fix() {
     let cases: [(&[&str], &str); 4] = [
         (&["--schedule", "pipedream"], "gpipe, 1f1b, interleaved, zb-h1"),

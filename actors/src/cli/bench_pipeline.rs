@@ -2,13 +2,15 @@
 //! measured bubble (stage idle time over total stage time, steady steps only) beside the plan's
 //! theoretical bubble under unit costs — for GPipe and 1F1B the textbook (P − 1)/(M + P − 1) — and beside
 //! the bubble the same plan has at the op costs this run measured; tokens/s; and with `--trace-out` the
-//! measured F/B/W/send/recv spans as a Chrome/Perfetto trace.
+//! measured F/B/W/send/recv spans as a Chrome/Perfetto trace; with `--peer`, PyTorch's
+//! torch.distributed.pipelining on the same model, batch and schedule (bench/peers/pipeline_gpt_tiny.py)
+//! in the same run, and the ratio.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use crate::engine::pipeline::{
-    check, chrome_trace, measure_bubble, plan, run_in_process, simulate, textbook_bubble, PipelineOptions,
+    check, chrome_trace, measure_bubble, partition, plan, run_in_process, simulate, textbook_bubble, PipelineOptions,
     PipelineStep, PlanShape, ScheduleKind,
 };
 use anyhow::Context;
@@ -46,6 +48,13 @@ pub struct BenchPipelineArgs {
     /// Write the measured spans of the steady steps here as Chrome/Perfetto trace-event JSON.
     #[arg(long)]
     pub trace_out: Option<PathBuf>,
+    /// Also run PyTorch's torch.distributed.pipelining on the same model, batch and schedule, one process
+    /// per stage over Gloo (bench/peers/pipeline_gpt_tiny.py), and report both.
+    #[arg(long)]
+    pub peer: bool,
+    /// Python with torch for the peer (default: $TROUPE_PYTHON, else the provisioned venv).
+    #[arg(long)]
+    pub python: Option<PathBuf>,
     /// One JSON object instead of text.
     #[arg(long)]
     pub json: bool,
@@ -65,6 +74,8 @@ pub fn run(args: BenchPipelineArgs) -> anyhow::Result<()> {
     config.train.global_batch = args.micro_batch_size * args.microbatches;
     config.train.micro_batch = args.micro_batch_size;
     config.model.vocab_size = args.vocab.unwrap_or(config.model.vocab_size);
+    // The cut's own message (it names the depth needed) before the config's.
+    partition(&config.model, shape.chunks()).map_err(|e| anyhow::anyhow!("--stages × --virtual-stages: {e}"))?;
     config.parallel.pp = args.stages;
     config.parallel.schedule = kind.name().into();
     config.parallel.microbatches = args.microbatches;
@@ -94,6 +105,9 @@ pub fn run(args: BenchPipelineArgs) -> anyhow::Result<()> {
         std::fs::write(path, serde_json::to_vec(&trace)?)
             .with_context(|| format!("writing the trace to {}", path.display()))?;
     }
+    let tokens_per_s = tokens_per_step / steady_wall;
+    let peer = if args.peer { Some(run_peer(&args, &config)?) } else { None };
+    let peer_tokens_per_s = peer.as_ref().and_then(|p| p["tokens_per_s"].as_f64());
     let ms = |s: f64| if s.is_finite() { serde_json::json!(s * 1e3) } else { serde_json::Value::Null };
     let report = serde_json::json!({
         "bench": "pipeline",
@@ -116,7 +130,9 @@ pub fn run(args: BenchPipelineArgs) -> anyhow::Result<()> {
         "idle_s_per_step": figures.idle_s / steady.len() as f64,
         "step_span_s": figures.step_span_s,
         "step_s": steady_wall,
-        "tokens_per_s": tokens_per_step / steady_wall,
+        "tokens_per_s": tokens_per_s,
+        "peer": peer,
+        "vs_peer": peer_tokens_per_s.map(|p| tokens_per_s / p),
         "forward_ms": ms(figures.forward_s),
         "backward_ms": ms(figures.backward_s),
         "backward_input_ms": ms(figures.backward_input_s),
@@ -139,8 +155,34 @@ pub fn run(args: BenchPipelineArgs) -> anyhow::Result<()> {
             theory,
             figures.bubble / theory,
             at_measured_costs,
-            tokens_per_step / steady_wall
+            tokens_per_s
         );
+        if let Some(peer) = peer_tokens_per_s {
+            println!(
+                "PyTorch torch.distributed.pipelining ({kind}, Gloo, a process per stage): {peer:.0} tokens/s; troupe \
+                 {:.2}× that",
+                tokens_per_s / peer
+            );
+        }
     }
     Ok(())
+}
+
+/// bench/peers/pipeline_gpt_tiny.py with this run's model, batch and schedule; its last stdout line.
+fn run_peer(args: &BenchPipelineArgs, config: &JobConfig) -> anyhow::Result<serde_json::Value> {
+    let flags = [
+        ("--stages", args.stages),
+        ("--virtual-stages", args.virtual_stages),
+        ("--microbatches", args.microbatches),
+        ("--micro-batch-size", args.micro_batch_size),
+        ("--layers", config.model.n_layers),
+        ("--vocab", config.model.vocab_size),
+        ("--context", config.model.context),
+        ("--steps", args.steps as usize - 1),
+        ("--warmup", 1),
+        ("--threads", 1),
+    ];
+    let mut all = vec!["--schedule".to_string(), args.schedule.clone()];
+    all.extend(flags.iter().flat_map(|(flag, value)| [flag.to_string(), value.to_string()]));
+    super::bench_train::run_peer_script(args.python.as_ref(), "pipeline_gpt_tiny.py", &all)
 }

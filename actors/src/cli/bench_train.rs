@@ -146,14 +146,18 @@ fn measure_troupe(steps: u64, precision: &str) -> anyhow::Result<(f64, f64)> {
 
 /// Runs bench/peers/SCRIPT with the common flags (steps, warm-up) and `flags`; its last stdout line, parsed.
 fn run_peer(args: &BenchTrainArgs, script: &str, flags: &[(&str, String)]) -> anyhow::Result<Value> {
-    let python = peer_python(args.python.as_ref());
-    let script = peer_script(script)?;
-    let mut command = Command::new(&python);
-    command.arg(&script).args(["--steps", &args.steps.to_string(), "--warmup", &WARMUP_STEPS.to_string()]);
+    let mut all = vec!["--steps".to_string(), args.steps.to_string(), "--warmup".into(), WARMUP_STEPS.to_string()];
     for (flag, value) in flags {
-        command.args([flag, value.as_str()]);
+        all.extend([flag.to_string(), value.clone()]);
     }
-    let output = command.output().with_context(|| {
+    run_peer_script(args.python.as_ref(), script, &all)
+}
+
+/// Runs bench/peers/SCRIPT with `args` under [`peer_python`]; its last stdout line, parsed as JSON.
+pub(crate) fn run_peer_script(python: Option<&PathBuf>, script: &str, args: &[String]) -> anyhow::Result<Value> {
+    let python = peer_python(python);
+    let script = peer_script(script)?;
+    let output = Command::new(&python).arg(&script).args(args).output().with_context(|| {
         format!("running the peer {} {}; pass --python with a torch-enabled python", python.display(), script.display())
     })?;
     if !output.status.success() {
