@@ -52,15 +52,16 @@ pub trait StepEngine {
     fn op_spans(&mut self) -> Option<Vec<OpTiming>> {
         None
     }
-    /// The update of a committed step: local, cannot fail half-way.
-    fn apply(&mut self, reduced: ReducedStep);
+    /// The update of a committed step: local, cannot fail half-way (a pipeline device's runs in its stage
+    /// actor; if that actor died, the rank's state is gone and the next step fails).
+    async fn apply(&mut self, reduced: ReducedStep);
     /// A checkpoint of the committed state: the state copied to host memory on rank 0 and submitted to
     /// `writer` (rank 0's, when the job has one) tagged `tag`.
     async fn checkpoint(&mut self, writer: Option<&CheckpointWriter>, tag: u64) -> Result<(), EngineError>;
     /// Brings the trainer's parameters up to date (before `--save-final`).
     async fn finish(&mut self) -> Result<(), EngineError>;
     /// The committed state to keep; None if this rank's state must not be used again.
-    fn into_state(self) -> Option<CommittedState>;
+    async fn into_state(self) -> Option<CommittedState>;
 }
 
 impl<T: Transport> StepEngine for DataParallelReplica<T> {
@@ -87,7 +88,7 @@ impl<T: Transport> StepEngine for DataParallelReplica<T> {
         Ok(self.reduce_gradients().await?)
     }
 
-    fn apply(&mut self, reduced: ReducedStep) {
+    async fn apply(&mut self, reduced: ReducedStep) {
         self.apply_update(reduced);
     }
 
@@ -109,7 +110,7 @@ impl<T: Transport> StepEngine for DataParallelReplica<T> {
         Ok(())
     }
 
-    fn into_state(self) -> Option<CommittedState> {
+    async fn into_state(self) -> Option<CommittedState> {
         Some(CommittedState::Full(Box::new(self.into_trainer())))
     }
 }
@@ -136,7 +137,7 @@ impl<T: Transport> StepEngine for ShardedReplica<T> {
         Ok(self.reduce_gradients().await?)
     }
 
-    fn apply(&mut self, reduced: ReducedStep) {
+    async fn apply(&mut self, reduced: ReducedStep) {
         self.apply_update(reduced);
     }
 
@@ -156,7 +157,7 @@ impl<T: Transport> StepEngine for ShardedReplica<T> {
         Ok(self.refresh_params().await?)
     }
 
-    fn into_state(self) -> Option<CommittedState> {
+    async fn into_state(self) -> Option<CommittedState> {
         ShardedReplica::into_state(self)
     }
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
-use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tokio::sync::mpsc;
 use troupe_cluster::collective::{CollectiveConfig, Communicator};
 use troupe_cluster::transport::quic::{bind_endpoint, PeerInfo, QuicTransport};
@@ -199,6 +199,28 @@ impl Actor for WorkerActor {
         }
         Ok(())
     }
+
+    /// The worker's children are its attempts' stage actors. One that stops is expected (its attempt
+    /// ended); one that fails (a panic in the stage) is logged, and its attempt — whose pending call to
+    /// it fails — ends failed with this rank's state of the device dropped. Neither stops the worker
+    /// (ractor's default would).
+    async fn handle_supervisor_evt(
+        &self,
+        _me: ActorRef<WorkerMsg>,
+        event: SupervisionEvent,
+        state: &mut WorkerState,
+    ) -> Result<(), ActorProcessingErr> {
+        match event {
+            SupervisionEvent::ActorFailed(child, reason) => {
+                tracing::warn!(slot = state.args.slot, child = %child.get_id(), "a stage actor failed: {reason}; its attempt fails and this rank's state of the device is dropped");
+            }
+            SupervisionEvent::ActorTerminated(child, _, _) => {
+                tracing::debug!(slot = state.args.slot, child = %child.get_id(), "a stage actor stopped");
+            }
+            _ => {}
+        }
+        Ok(())
+    }
 }
 
 impl WorkerState {
@@ -267,6 +289,7 @@ impl WorkerState {
             attempt,
             slot: self.args.slot,
             node: self.args.node.clone(),
+            worker: me.get_cell(),
             identity: self.args.identity.clone(),
             transport: self.args.transport.clone(),
             metrics: self.args.metrics.clone(),
@@ -341,6 +364,8 @@ struct AttemptCtx {
     attempt: u64,
     slot: u32,
     node: ActorRef<NodeMsg>,
+    /// This worker: the supervisor of the attempt's child actors (a pipeline device's StageActor).
+    worker: ActorCell,
     identity: Arc<NodeIdentity>,
     transport: TransportConfig,
     metrics: Arc<NodeMetrics>,
@@ -449,20 +474,20 @@ async fn train_over<T: Transport>(
     let collective = CollectiveConfig::from(&ctx.transport);
     let (state, outcome) = match (ShardMode::of_config(&spec.config.parallel.shard), state) {
         (_, state) if spec.config.parallel.pp > 1 => {
-            let mut engine = PipelineReplica::adopt(state, comm, collective);
+            let mut engine = PipelineReplica::adopt(state, comm, collective, Some(ctx.worker.clone()));
             let outcome = drive(ctx, spec, &mut engine, ctl).await;
-            (engine.into_state(), outcome)
+            (engine.into_state().await, outcome)
         }
         (Some(mode), state) => {
             let replicas = spec.config.checkpoint.replicas;
             let mut engine = ShardedReplica::adopt(state, comm, mode, replicas);
             let outcome = drive(ctx, spec, &mut engine, ctl).await;
-            (engine.into_state(), outcome)
+            (StepEngine::into_state(engine).await, outcome)
         }
         (None, CommittedState::Full(trainer)) => {
             let mut engine = DataParallelReplica::without_sync(*trainer, comm, DEFAULT_BUCKET_BYTES);
             let outcome = drive(ctx, spec, &mut engine, ctl).await;
-            (engine.into_state(), outcome)
+            (engine.into_state().await, outcome)
         }
         (None, state @ CommittedState::Sharded { .. }) => {
             // A job's shard mode never changes, so this is a broken invariant; the next attempt restores
@@ -623,7 +648,7 @@ async fn drive<E: StepEngine>(
         }
         let committed = Instant::now();
         phases.span("commit wait", "idle", voted, committed);
-        engine.apply(reduced);
+        engine.apply(reduced).await;
         phases.span("optimizer", "optimizer", committed, Instant::now());
         let every = spec.config.checkpoint.every_steps;
         let step = engine.trainer().step;

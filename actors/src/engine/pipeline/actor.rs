@@ -1,14 +1,18 @@
 //! `StageActor`: one pipeline device as a ractor actor. It owns a [`PipelineStage`] — the parameters and
-//! optimizer state of the device's chunks (one per virtual stage) — and runs one step per `Step`
-//! message: its ops of the plan, exchanging activations and gradients with the other stage actors over
-//! the transport, then the flush. One actor per device rather than per virtual stage: a plan orders a
-//! device's chunks' ops against each other, so one mailbox runs them in that order.
+//! optimizer state of the device's chunks (one per virtual stage) — and runs its ops of the plan,
+//! exchanging activations and gradients with the other stage actors over the transport, then the flush:
+//! in one `Step` message in process (`run.rs`), or split around the commit vote on the cluster
+//! (`Reduce`, then `Apply` once the controller committed; `replica.rs`, where the actor is a child of
+//! its rank's WorkerActor). One actor per device rather than per virtual stage: a plan orders a device's
+//! chunks' ops against each other, so one mailbox runs them in that order.
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tch::Tensor;
 use troupe_cluster::transport::Transport;
+use troupe_model::precision::LossScale;
 
-use super::{PipelineError, PipelineStage, StageStep};
+use super::super::committed::ShardPiece;
+use super::{PipelineError, PipelineStage, ReducedStage, StageStep};
 
 /// A device's parameters by chunk: (chunk index, values in canonical order).
 pub type ChunkParams = Vec<(usize, Vec<Tensor>)>;
@@ -19,6 +23,28 @@ pub enum StageMsg {
     /// The current parameters by chunk: (chunk index, values in canonical order). Every device of the
     /// run is asked (with ZeRO inside the stages' groups, the replicas gather them together).
     Params(RpcReplyPort<Result<ChunkParams, String>>),
+    /// The first half of a step: the device's ops and the reductions, nothing applied
+    /// ([`PipelineStage::reduce_gradients`]).
+    Reduce(RpcReplyPort<Result<ReducedStage, String>>),
+    /// The second half, once the step is committed ([`PipelineStage::apply_update`]); the reply carries
+    /// the counters after it.
+    Apply(ReducedStage, RpcReplyPort<StageCounters>),
+    /// The device's committed state as pieces of the flat parameter order, and its counters.
+    Export(RpcReplyPort<(Vec<ShardPiece>, StageCounters)>),
+}
+
+/// A stage's step counters: what its rank's trainer mirrors.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StageCounters {
+    pub step: u64,
+    pub optimizer_step: u64,
+    pub loss_scale: LossScale,
+}
+
+impl StageCounters {
+    pub fn of<T: Transport>(stage: &PipelineStage<T>) -> Self {
+        Self { step: stage.step, optimizer_step: stage.optimizer_step(), loss_scale: stage.loss_scale() }
+    }
 }
 
 pub struct StageActor<T: Transport>(std::marker::PhantomData<fn() -> T>);
@@ -56,6 +82,17 @@ impl<T: Transport> Actor for StageActor<T> {
             StageMsg::Params(reply) => {
                 let result = stage.current_param_values().await.map_err(|e: PipelineError| e.to_string());
                 let _ = reply.send(result);
+            }
+            StageMsg::Reduce(reply) => {
+                let result = stage.reduce_gradients().await.map_err(|e: PipelineError| e.to_string());
+                let _ = reply.send(result);
+            }
+            StageMsg::Apply(reduced, reply) => {
+                stage.apply_update(reduced);
+                let _ = reply.send(StageCounters::of(stage));
+            }
+            StageMsg::Export(reply) => {
+                let _ = reply.send((stage.export_state(), StageCounters::of(stage)));
             }
         }
         Ok(())

@@ -9,6 +9,13 @@
 //! between a replica's devices, the stage's gradient all-reduce among its replicas, the flush (norm and
 //! loss) along each replica's chain.
 //!
+//! The device itself is a [`StageActor`] holding the [`PipelineStage`], spawned when the attempt's state
+//! is in place and linked under the rank's WorkerActor (its supervisor): the step loop asks it to
+//! `Reduce` (the ops and reductions, before the vote) and to `Apply` (after `Commit`), and takes its
+//! state back with `Export` when the attempt ends. A panic in the stage stops only the actor: the worker
+//! hears of it as a supervision event, the pending call fails, the attempt fails, and this rank's state is
+//! gone (a stage's other replicas or a checkpoint restore it, as for a lost node).
+//!
 //! State between attempts is [`CommittedState::Sharded`]: the masters and AdamW moments of the device's
 //! chunks as pieces of the flat parameter order, with the trainer carrying only the counters, the config
 //! and the sampler. At the start of an attempt [`reshard`] gives every rank its device's chunks at the
@@ -20,10 +27,12 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ractor::rpc::CallResult;
+use ractor::{Actor, ActorCell, ActorRef, RpcReplyPort};
+
 use troupe_cluster::collective::{Collective, CollectiveConfig, Communicator};
 use troupe_cluster::transport::subgroup::Subgroup;
 use troupe_cluster::transport::Transport;
-use troupe_cluster::ClusterError;
 use troupe_model::checkpoint::state::scaler_of;
 use troupe_model::checkpoint::{CheckpointWriter, Layout, SaveRequest, ShardMode, TrainingState};
 use troupe_model::gpt::GptConfig;
@@ -34,9 +43,10 @@ use super::super::data_parallel::ReducedStep;
 use super::super::reshard::{reshard, Held};
 use super::super::step_engine::{EngineError, OpTiming, StepEngine};
 use super::super::zero3;
+use super::actor::{StageActor, StageCounters, StageMsg};
 use super::{
     category, check, costs_for, held_ranges, op_name, partition, partition_by, plan, ChunkLayout, DataParallelGroup,
-    ModelCosts, OpSpan, PipelineStage, Plan, PlanShape, ReducedStage, ScheduleKind,
+    ModelCosts, OpSpan, PipelineError, PipelineStage, Plan, PlanShape, ReducedStage, ScheduleKind,
 };
 
 /// Tag group of the flush's collectives along a replica's chain.
@@ -120,19 +130,52 @@ pub struct PipelineReplica<T: Transport> {
     collective: CollectiveConfig,
     /// Before `sync`: what the rank held when the attempt began; after, empty (the stage holds it).
     pieces: Vec<ShardPiece>,
-    stage: Option<PipelineStage<Subgroup<T>>>,
+    /// The device's actor, once synced.
+    stage: Option<StageHandle>,
+    /// Where the stage actor is linked: the rank's WorkerActor (None: spawned unsupervised).
+    supervisor: Option<ActorCell>,
     geometry: Option<Geometry>,
     origin: Instant,
     /// The ops of the last `reduce`, for [`StepEngine::op_spans`].
     last_ops: Vec<OpSpan>,
-    /// `sync` found the state of the most advanced step incomplete: this rank's state is dropped.
+    /// `sync` found the state of the most advanced step incomplete, or the stage actor died: this
+    /// rank's state is dropped.
     lost: bool,
+    _transport: std::marker::PhantomData<fn() -> T>,
+}
+
+/// This rank's stage actor and the device it runs.
+struct StageHandle {
+    actor: ActorRef<StageMsg>,
+    device: usize,
+}
+
+/// Spawns the device's actor, linked under `supervisor` (the worker) when there is one.
+async fn spawn_stage<T: Transport>(
+    supervisor: Option<ActorCell>,
+    stage: PipelineStage<Subgroup<T>>,
+) -> Result<StageHandle, EngineError> {
+    let device = stage.device();
+    let spawned = match supervisor {
+        Some(worker) => Actor::spawn_linked(None, StageActor::default(), stage, worker).await,
+        None => Actor::spawn(None, StageActor::default(), stage).await,
+    };
+    let (actor, _) = spawned.map_err(|e| {
+        EngineError::Pipeline(PipelineError::Actor { device, reason: format!("spawning the stage actor: {e}") })
+    })?;
+    Ok(StageHandle { actor, device })
 }
 
 impl<T: Transport> PipelineReplica<T> {
     /// Takes a rank's committed state for a new attempt over `comm` (the attempt's whole world). Nothing
     /// is sent: [`StepEngine::sync`] builds the stage.
-    pub fn adopt(state: CommittedState, comm: Communicator<T>, collective: CollectiveConfig) -> Self {
+    /// The stage actor will be linked under `supervisor` (the rank's WorkerActor).
+    pub fn adopt(
+        state: CommittedState,
+        comm: Communicator<T>,
+        collective: CollectiveConfig,
+        supervisor: Option<ActorCell>,
+    ) -> Self {
         let (mut trainer, pieces) = match state {
             CommittedState::Sharded { trainer, pieces } => (*trainer, pieces),
             CommittedState::Full(trainer) => {
@@ -150,20 +193,48 @@ impl<T: Transport> PipelineReplica<T> {
             collective,
             pieces,
             stage: None,
+            supervisor,
             geometry: None,
             origin: Instant::now(),
             last_ops: Vec::new(),
             lost: false,
+            _transport: std::marker::PhantomData,
         }
     }
 
     /// The device this rank runs, once synced.
     pub fn device(&self) -> Option<usize> {
-        self.stage.as_ref().map(PipelineStage::device)
+        self.stage.as_ref().map(|s| s.device)
     }
 
-    fn stage(&mut self) -> &mut PipelineStage<Subgroup<T>> {
-        self.stage.as_mut().expect("PipelineReplica::sync before the first step")
+    /// The device's actor, once synced (a child of the worker given to [`Self::adopt`]).
+    pub fn stage_actor(&self) -> Option<ActorCell> {
+        self.stage.as_ref().map(|s| s.actor.get_cell())
+    }
+
+    /// Asks the stage actor; an actor that died (a panic in the stage) fails the call, and this rank's
+    /// state with it.
+    async fn ask<R: Send + 'static>(
+        &mut self,
+        what: &str,
+        msg: impl FnOnce(RpcReplyPort<R>) -> StageMsg,
+    ) -> Result<R, EngineError> {
+        let stage = self.stage.as_ref().expect("PipelineReplica::sync before the first step");
+        let device = stage.device;
+        let failed = match stage.actor.call(msg, None).await {
+            Ok(CallResult::Success(reply)) => return Ok(reply),
+            Ok(CallResult::Timeout) => "timed out".to_string(),
+            Ok(CallResult::SenderError) => "stopped before replying".to_string(),
+            Err(e) => e.to_string(),
+        };
+        self.lost = true;
+        let reason = format!("the stage actor's {what}: {failed}; this rank's state of the device is lost");
+        Err(EngineError::Pipeline(PipelineError::Actor { device, reason }))
+    }
+
+    /// The device's pieces and counters, from its actor.
+    async fn export(&mut self) -> Result<(Vec<ShardPiece>, StageCounters), EngineError> {
+        self.ask("export", StageMsg::Export).await
     }
 
     /// Builds this rank's stage over subgroups of the attempt's mesh.
@@ -204,13 +275,13 @@ impl<T: Transport> PipelineReplica<T> {
     /// The whole committed state on rank 0 (replica 0's devices each send their chunks; with ZeRO inside
     /// the stages' groups every rank sends its owned part): masters, moments, counters. A collective; the
     /// other ranks get None.
-    async fn gather_state(&mut self) -> Result<Option<TrainingState>, ClusterError> {
+    async fn gather_state(&mut self) -> Result<Option<TrainingState>, EngineError> {
         let geometry = self.geometry.clone().expect("synced");
         let rank = self.comm.rank();
         if !geometry.is_holder(rank) {
             return Ok(None); // another replica of the stage: replica 0 holds the same
         }
-        let pieces = self.stage().export_state();
+        let (pieces, _) = self.export().await?;
         if rank != 0 {
             let mut buf = Vec::new();
             for piece in &pieces {
@@ -274,11 +345,10 @@ impl<T: Transport> PipelineReplica<T> {
     }
 
     /// The stage's counters into the trainer (what the worker reads and the committed state keeps).
-    fn mirror_counters(&mut self) {
-        let stage = self.stage.as_ref().expect("synced");
-        self.trainer.step = stage.step;
-        self.trainer.optimizer.step = stage.optimizer_step();
-        self.trainer.loss_scale = stage.loss_scale();
+    fn mirror_counters(&mut self, counters: StageCounters) {
+        self.trainer.step = counters.step;
+        self.trainer.optimizer.step = counters.optimizer_step;
+        self.trainer.loss_scale = counters.loss_scale;
     }
 }
 
@@ -313,10 +383,11 @@ impl<T: Transport> StepEngine for PipelineReplica<T> {
         self.origin = Instant::now();
         let mut stage = self.build_stage(&geometry).map_err(EngineError::Setup)?;
         stage.load_state(&resharded.pieces, resharded.step, resharded.optimizer_step, resharded.loss_scale);
+        let counters = StageCounters::of(&stage);
+        self.stage = Some(spawn_stage(self.supervisor.clone(), stage).await?);
         self.pieces = Vec::new();
-        self.stage = Some(stage);
         self.geometry = Some(geometry);
-        self.mirror_counters();
+        self.mirror_counters(counters);
         Ok(())
     }
 
@@ -325,7 +396,7 @@ impl<T: Transport> StepEngine for PipelineReplica<T> {
     async fn reduce(&mut self) -> Result<ReducedStep, EngineError> {
         let origin = self.origin;
         let started = origin.elapsed().as_secs_f64();
-        let reduced = self.stage().reduce_gradients().await?;
+        let reduced = self.ask("step", StageMsg::Reduce).await?.map_err(EngineError::Setup)?;
         let ops_end = reduced.spans.last().map_or(started, |s| s.end_s);
         self.last_ops = reduced.spans;
         Ok(ReducedStep { loss: reduced.loss, grad_norm: reduced.grad_norm, compute_seconds: ops_end - started })
@@ -342,10 +413,13 @@ impl<T: Transport> StepEngine for PipelineReplica<T> {
         Some(timed.collect())
     }
 
-    fn apply(&mut self, reduced: ReducedStep) {
+    /// The update runs in the stage actor. If the actor died since the vote, the rank's state is gone
+    /// (`into_state` gives None) and the next step fails the attempt.
+    async fn apply(&mut self, reduced: ReducedStep) {
         let reduced = ReducedStage { loss: reduced.loss, grad_norm: reduced.grad_norm, spans: Vec::new() };
-        self.stage().apply_update(reduced);
-        self.mirror_counters();
+        if let Ok(counters) = self.ask("update", |reply| StageMsg::Apply(reduced, reply)).await {
+            self.mirror_counters(counters);
+        }
     }
 
     /// Replica 0's devices send their chunks to rank 0, which writes the whole state (any layout loads it).
@@ -373,14 +447,20 @@ impl<T: Transport> StepEngine for PipelineReplica<T> {
         Ok(())
     }
 
-    fn into_state(mut self) -> Option<CommittedState> {
-        if self.lost {
-            return None;
-        }
-        let pieces = match &self.stage {
-            Some(stage) => stage.export_state(),
-            None => std::mem::take(&mut self.pieces),
+    /// Takes the state back from the stage actor and stops it.
+    async fn into_state(mut self) -> Option<CommittedState> {
+        let pieces = match (self.lost, self.stage.is_some()) {
+            (true, _) => None,
+            (false, true) => self.export().await.ok().map(|(pieces, counters)| {
+                self.mirror_counters(counters);
+                pieces
+            }),
+            (false, false) => Some(std::mem::take(&mut self.pieces)),
         };
+        if let Some(stage) = self.stage.take() {
+            stage.actor.stop(None);
+        }
+        let pieces = pieces?;
         zero3::release_params(&mut self.trainer);
         Some(CommittedState::Sharded { trainer: Box::new(self.trainer), pieces })
     }
