@@ -28,6 +28,7 @@ const WAIT: Duration = Duration::from_secs(60);
 #[derive(Clone, Debug)]
 struct Received {
     name: String,
+    trace_id: Vec<u8>,
     span_id: Vec<u8>,
     parent: Vec<u8>,
     attrs: BTreeMap<String, String>,
@@ -81,6 +82,7 @@ fn receiver() -> (SocketAddr, mpsc::Receiver<Received>) {
                 for span in resource_spans.scope_spans.into_iter().flat_map(|s| s.spans) {
                     let received = Received {
                         name: span.name,
+                        trace_id: span.trace_id,
                         span_id: span.span_id,
                         parent: span.parent_span_id,
                         attrs: text(&span.attributes),
@@ -186,7 +188,10 @@ async fn spans_of_a_two_node_job_with_a_failure_reach_an_otlp_receiver() {
                     && s.attrs.get("troupe.step_outcome").is_some_and(|o| o == "committed")
             })
             .count();
-        ["job", "recovery", "failure_detection"].iter().all(|n| seen.iter().any(|s| &s.name == n)) && steps_on_a >= 8
+        let job_steps = seen.iter().filter(|s| s.name == "job_step").count();
+        ["job", "recovery", "failure_detection"].iter().all(|n| seen.iter().any(|s| &s.name == n))
+            && steps_on_a >= 8
+            && job_steps >= 8
     };
     while !complete(&seen) {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -227,6 +232,26 @@ async fn spans_of_a_two_node_job_with_a_failure_reach_an_otlp_receiver() {
         a_steps.iter().any(|s| s.1 > first_epoch),
         "node-a's steps after the failure carry the new epoch: {a_steps:?}"
     );
+    // One trace per step across the cluster: the controller's `job_step` span of step k is the parent of
+    // every rank's `step` span of k, on either node and in any attempt.
+    let job_steps: Vec<&Received> = seen.iter().filter(|s| s.name == "job_step").collect();
+    assert!(job_steps.iter().all(|s| s.instance == "node-a"), "the controller exports them");
+    for step in &all_steps {
+        let k = &step.attrs["troupe.step"];
+        let Some(root) = job_steps.iter().find(|j| &j.attrs["troupe.step"] == k) else {
+            assert_ne!(step.attrs["troupe.step_outcome"], "committed", "committed step {k} has no job_step");
+            continue;
+        };
+        assert_eq!(step.parent, root.span_id, "{}'s step {k} is a child of the job's step {k}", step.instance);
+        assert_eq!(step.trace_id, root.trace_id, "{}'s step {k} is in the step's trace", step.instance);
+    }
+    let traces: std::collections::BTreeSet<&Vec<u8>> = job_steps.iter().map(|j| &j.trace_id).collect();
+    assert_eq!(traces.len(), job_steps.len(), "a trace per step");
+    for b_step in steps.iter().filter(|s| s.instance == "node-b") {
+        let a_step =
+            steps.iter().find(|s| s.instance == "node-a" && s.attrs["troupe.step"] == b_step.attrs["troupe.step"]);
+        assert_eq!(a_step.map(|s| &s.trace_id), Some(&b_step.trace_id), "both nodes' ranks in one trace");
+    }
     let collective = seen.iter().find(|s| s.name == "collective").unwrap();
     assert_eq!(collective.attrs["troupe.collective"], "all_reduce");
     let detection = seen.iter().find(|s| s.name == "failure_detection").unwrap();

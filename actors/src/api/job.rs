@@ -17,7 +17,14 @@ impl Job {
     /// layout).
     pub fn new(config: JobConfig) -> Self {
         Job {
-            spec: JobSpec { config, name: "job".into(), save_final: None, data_plane: DataPlane::Auto, trace: false },
+            spec: JobSpec {
+                config,
+                name: "job".into(),
+                save_final: None,
+                data_plane: DataPlane::Auto,
+                trace: false,
+                trace_seed: 0,
+            },
         }
     }
 

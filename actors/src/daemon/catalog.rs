@@ -187,6 +187,7 @@ mod tests {
             save_final: None,
             data_plane: Default::default(),
             trace: false,
+            trace_seed: 0,
         }
     }
 

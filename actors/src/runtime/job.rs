@@ -536,7 +536,14 @@ mod tests {
     fn spec(steps: u64) -> JobSpec {
         let mut config = troupe_model::config::JobConfig::default();
         config.train.steps = steps;
-        JobSpec { config, name: "t".into(), save_final: None, data_plane: Default::default(), trace: false }
+        JobSpec {
+            config,
+            name: "t".into(),
+            save_final: None,
+            data_plane: Default::default(),
+            trace: false,
+            trace_seed: 0,
+        }
     }
 
     fn view(epoch: u64, nodes: &[&str]) -> (View, Vec<MemberInfo>) {

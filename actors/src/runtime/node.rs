@@ -395,13 +395,16 @@ impl NodeState {
         }
     }
 
-    async fn submit(&mut self, me: &ActorRef<NodeMsg>, client: &str, spec: JobSpec) -> Wire {
+    async fn submit(&mut self, me: &ActorRef<NodeMsg>, client: &str, mut spec: JobSpec) -> Wire {
         if let Err(e) = spec.config.validate() {
             return Wire::Error { message: format!("job config: {e}") };
         }
         let leader = self.leader.as_mut().expect("controller");
         let id = leader.next_job;
         leader.next_job += 1;
+        if spec.trace_seed == 0 {
+            spec.trace_seed = crate::telemetry::otel::new_trace_seed(id);
+        }
         let view = leader.membership.view().clone();
         let members = view.members().iter().filter_map(|m| leader.members.get(m).cloned()).collect();
         let info = super::job::JobDriver::new(id, spec.clone()).info();

@@ -75,6 +75,11 @@ pub struct JobSpec {
     /// Every rank reports where the time of each step went (`JobEvent::Phases`): for `--run-dir`.
     #[serde(default)]
     pub trace: bool,
+    /// Mixed into the OpenTelemetry ids of the job's steps, so every node's spans of one step share a
+    /// trace and two runs' traces never collide (`telemetry::otel::step_ids`); drawn by the controller
+    /// at submission when 0.
+    #[serde(default)]
+    pub trace_seed: u64,
 }
 
 /// The transport of an attempt's collectives.

@@ -557,7 +557,8 @@ async fn wait_writer_idle(job: JobId, writer: &CheckpointWriter, limit: Duration
 fn report_phases(ctx: &AttemptCtx, spec: &JobSpec, rank: usize, step: u64, phases: &mut PhaseRecorder) {
     let Some(spans) = phases.take() else { return };
     let (job, attempt, slot) = (ctx.job, ctx.attempt, ctx.slot);
-    let attrs = otel::RankAttrs { job, attempt, rank, epoch: ctx.epoch, node: &ctx.identity.name };
+    let (epoch, node, trace_seed) = (ctx.epoch, ctx.identity.name.as_str(), spec.trace_seed);
+    let attrs = otel::RankAttrs { job, trace_seed, attempt, rank, epoch, node };
     otel::export_step(&attrs, step, &spans);
     if spec.trace {
         let _ = ctx.node.cast(NodeMsg::FromWorker(Wire::Phases { job, attempt, slot, rank, step, spans }));

@@ -41,6 +41,8 @@ struct JobMetrics {
     /// For the OTLP spans: the job's name, when it was submitted, and the wall time and changes of the
     /// interruption in progress.
     name: String,
+    /// The job's `JobSpec::trace_seed` (ids of its `job_step` spans).
+    trace_seed: u64,
     submitted: SystemTime,
     interrupted: Option<(SystemTime, Vec<String>)>,
 }
@@ -94,6 +96,7 @@ impl NodeMetrics {
             loss_scale: None,
             interrupted_at: None,
             name: spec.name.clone(),
+            trace_seed: spec.trace_seed,
             submitted: SystemTime::now(),
             interrupted: None,
         };
@@ -104,7 +107,20 @@ impl NodeMetrics {
         let mut state = self.lock();
         let Some(m) = state.jobs.get_mut(&job) else { return };
         match event {
-            JobEvent::Step { tokens_per_s, world, skipped, loss_scale, .. } => {
+            JobEvent::Step { step, loss, tokens_per_s, world, epoch, skipped, loss_scale, .. } => {
+                if otel::enabled() {
+                    let seconds = if *tokens_per_s > 0.0 { m.tokens_per_step / tokens_per_s } else { 0.0 };
+                    let end = SystemTime::now();
+                    let start = end.checked_sub(Duration::from_secs_f64(seconds)).unwrap_or(end);
+                    let attributes = vec![
+                        KeyValue::new("troupe.job", job as i64),
+                        KeyValue::new("troupe.step", *step as i64),
+                        KeyValue::new("troupe.epoch", *epoch as i64),
+                        KeyValue::new("troupe.world", *world as i64),
+                        KeyValue::new("troupe.loss", *loss),
+                    ];
+                    otel::export_job_step(m.trace_seed, job, *step, start, end, attributes);
+                }
                 m.commits += 1;
                 m.skipped_steps += u64::from(*skipped);
                 m.loss_scale = Some(*loss_scale);

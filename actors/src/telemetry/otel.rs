@@ -1,6 +1,12 @@
 //! OpenTelemetry export of the daemon's tracing spans over OTLP/HTTP (protobuf), when an endpoint is
 //! configured (`telemetry.otlp_endpoint` or `OTEL_EXPORTER_OTLP_ENDPOINT`). Without one nothing is
 //! installed: the spans stay plain `tracing` spans, filtered like the logs.
+//!
+//! One step of a job is one trace across the cluster: the controller exports a `job_step` span when
+//! the step commits, and every rank's `step` span (on whichever node) is its child. No context travels
+//! in the control messages: the trace and span ids of step N are derived from the job's `trace_seed`
+//! (drawn by the controller at submission, carried in the `JobSpec`), the job id and N ([`step_ids`]),
+//! so every node computes the same ones — a step redone by a later attempt lands in the same trace.
 
 /// Checks an OTLP/HTTP endpoint: `http://HOST:PORT` with an optional path (`/v1/traces` is appended
 /// to a bare base URL, as the OTLP exporter specification says).
@@ -25,6 +31,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn step_ids_are_shared_by_every_node_and_differ_by_job_step_and_seed() {
+        let (trace, span) = step_ids(7, 1, 3);
+        assert_eq!((trace, span), step_ids(7, 1, 3), "the same on every node");
+        assert!(trace != opentelemetry::trace::TraceId::INVALID && span != opentelemetry::trace::SpanId::INVALID);
+        for other in [step_ids(7, 1, 4), step_ids(7, 2, 3), step_ids(8, 1, 3)] {
+            assert_ne!(other.0, trace);
+            assert_ne!(other.1, span);
+        }
+        assert_ne!(new_trace_seed(1), 0);
+    }
+
+    #[test]
     fn endpoints() {
         assert_eq!(parse_endpoint("http://127.0.0.1:4318").unwrap(), "http://127.0.0.1:4318/v1/traces");
         assert_eq!(parse_endpoint("http://c:4318/v1/traces").unwrap(), "http://c:4318/v1/traces");
@@ -38,11 +56,18 @@ use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::OnceLock;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use opentelemetry::trace::{Span as _, SpanKind, TraceContextExt, Tracer as _, TracerProvider as _};
+use std::cell::Cell;
+
+use opentelemetry::trace::{
+    Span as _, SpanContext, SpanId, SpanKind, TraceContextExt, TraceFlags, TraceId, TraceState, Tracer as _,
+    TracerProvider as _,
+};
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_http::{Bytes, HttpClient, HttpError, Request, Response};
 use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
-use opentelemetry_sdk::trace::{BatchConfigBuilder, BatchSpanProcessor, SdkTracer, SdkTracerProvider};
+use opentelemetry_sdk::trace::{
+    BatchConfigBuilder, BatchSpanProcessor, IdGenerator, RandomIdGenerator, SdkTracer, SdkTracerProvider,
+};
 
 use super::phases::PhaseSpan;
 
@@ -95,12 +120,74 @@ pub fn install(endpoint: &str, node: &str) -> anyhow::Result<OtelGuard> {
         .with_service_name("troupe")
         .with_attribute(KeyValue::new("service.instance.id", node.to_owned()))
         .build();
-    let provider = SdkTracerProvider::builder().with_span_processor(processor).with_resource(resource).build();
+    let provider = SdkTracerProvider::builder()
+        .with_span_processor(processor)
+        .with_resource(resource)
+        .with_id_generator(StepIds::default())
+        .build();
     if TRACER.set(provider.tracer("troupe")).is_err() {
         anyhow::bail!("OTLP export is already installed in this process");
     }
     tracing::info!(endpoint = %url, "exporting spans over OTLP/HTTP");
     Ok(OtelGuard { provider })
+}
+
+/// splitmix64's finaliser: a fixed, well-mixed function every build computes alike.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A job's `trace_seed`: different for every submission (time, process, job id), never 0.
+pub fn new_trace_seed(job: u64) -> u64 {
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    mix(nanos ^ mix(u64::from(std::process::id()) ^ mix(job))).max(1)
+}
+
+/// The trace id of step `step` (1-based, as `JobEvent::Step`) of job `job`, and the span id of the
+/// controller's `job_step` span that every rank's `step` span of it is a child of.
+pub fn step_ids(seed: u64, job: u64, step: u64) -> (TraceId, SpanId) {
+    let high = mix(seed ^ mix(job));
+    let low = mix(high ^ mix(step));
+    let span = mix(low ^ 0x6A6F_625F_7374_6570).max(1);
+    let trace = (u128::from(high) << 64) | u128::from(low.max(1));
+    (TraceId::from_bytes(trace.to_be_bytes()), SpanId::from_bytes(span.to_be_bytes()))
+}
+
+thread_local! {
+    /// Ids the next span built on this thread takes instead of random ones ([`export_job_step`]).
+    static FORCED_IDS: Cell<Option<(TraceId, SpanId)>> = const { Cell::new(None) };
+}
+
+/// Random ids, except for a span built while [`FORCED_IDS`] is set: the SDK has no other way to give a
+/// span an id chosen in advance.
+#[derive(Debug, Default)]
+struct StepIds(RandomIdGenerator);
+
+impl IdGenerator for StepIds {
+    fn new_trace_id(&self) -> TraceId {
+        FORCED_IDS.with(Cell::get).map_or_else(|| self.0.new_trace_id(), |(trace, _)| trace)
+    }
+
+    fn new_span_id(&self) -> SpanId {
+        FORCED_IDS.with(Cell::get).map_or_else(|| self.0.new_span_id(), |(_, span)| span)
+    }
+}
+
+/// The controller's span of a committed step, `start`..`end` (the previous commit to this one), with the
+/// ids of [`step_ids`]: the parent of every rank's `step` span of it.
+pub fn export_job_step(seed: u64, job: u64, step: u64, start: SystemTime, end: SystemTime, attributes: Vec<KeyValue>) {
+    let Some(tracer) = TRACER.get() else { return };
+    FORCED_IDS.with(|ids| ids.set(Some(step_ids(seed, job, step))));
+    let mut span = tracer
+        .span_builder("job_step")
+        .with_start_time(start)
+        .with_attributes(attributes)
+        .start_with_context(tracer, &Context::new());
+    FORCED_IDS.with(|ids| ids.set(None));
+    span.end_with_timestamp(end);
 }
 
 fn unix_time(us: u64) -> SystemTime {
@@ -111,6 +198,8 @@ fn unix_time(us: u64) -> SystemTime {
 #[derive(Debug)]
 pub struct RankAttrs<'a> {
     pub job: u64,
+    /// The job's `JobSpec::trace_seed`.
+    pub trace_seed: u64,
     pub attempt: u64,
     pub rank: usize,
     pub epoch: u64,
@@ -132,8 +221,9 @@ impl RankAttrs<'_> {
 
 /// Exports a rank's phases of one step: a `step` span around its `compute`, `collective` (all-reduce),
 /// `commit_wait`, `optimizer` and `checkpoint` children, with `troupe.step_outcome` committed, aborted
-/// (by a view change) or failed (a lost peer); a set-up or recovery phase is a span of its own.
-/// Nothing happens unless export is installed.
+/// (by a view change) or failed (a lost peer), as a child of the controller's `job_step` span of the
+/// step (in its trace, [`step_ids`]); a set-up or recovery phase is a span of its own. Nothing happens
+/// unless export is installed.
 pub fn export_step(attrs: &RankAttrs, step: u64, spans: &[PhaseSpan]) {
     let Some(tracer) = TRACER.get() else { return };
     let (setup, phases): (Vec<&PhaseSpan>, Vec<&PhaseSpan>) =
@@ -156,12 +246,14 @@ pub fn export_step(attrs: &RankAttrs, step: u64, spans: &[PhaseSpan]) {
     };
     let mut kv = attrs.key_values(step);
     kv.push(KeyValue::new("troupe.step_outcome", outcome));
+    let (trace_id, span_id) = step_ids(attrs.trace_seed, attrs.job, step);
+    let job_step = SpanContext::new(trace_id, span_id, TraceFlags::SAMPLED, true, TraceState::default());
     let parent = tracer
         .span_builder("step")
         .with_kind(SpanKind::Internal)
         .with_start_time(unix_time(start))
         .with_attributes(kv)
-        .start(tracer);
+        .start_with_context(tracer, &Context::new().with_remote_span_context(job_step));
     let cx = Context::new().with_span(parent);
     for s in phases {
         let name = match s.cat.as_str() {
