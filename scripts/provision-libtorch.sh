@@ -39,7 +39,9 @@ if ! python3 -m venv "$venv" 2>/dev/null; then
   python3 -m venv "$venv"
 fi
 echo "libtorch: installing torch==$TORCH_VERSION into $venv (about 80 s and 4.6 GB the first time)" >&2
-"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir "torch==$TORCH_VERSION" numpy >&2
+# On a terminal pip shows what it downloads with progress bars; in a log (CI) one line per package is noise.
+if [[ -t 2 ]]; then quiet=(); else quiet=(-q); fi
+"$venv/bin/python" -m pip install "${quiet[@]}" --disable-pip-version-check --no-cache-dir "torch==$TORCH_VERSION" numpy >&2
 write_env
 touch "$stamp"
 echo "libtorch: provisioned torch==$TORCH_VERSION in $venv" >&2
