@@ -29,7 +29,8 @@ pub struct Client {
     peer: String,
     addr: SocketAddr,
     /// Job events that arrived while waiting for a reply.
-    pending: VecDeque<(JobId, JobEvent)>,
+    /// Events received and not yet yielded: (job, number, event).
+    pending: VecDeque<(JobId, u64, JobEvent)>,
 }
 
 impl Client {
@@ -60,7 +61,7 @@ impl Client {
                 .map_err(|_| anyhow!("no reply from {} within {REPLY_TIMEOUT_MS} ms", self.addr))?;
             match event {
                 Some(ControlEvent::Message { body, .. }) => match Wire::decode(&body).map_err(|e| anyhow!(e))? {
-                    Wire::Event { job, event } => self.pending.push_back((job, event)),
+                    Wire::Event { job, seq, event } => self.pending.push_back((job, seq, event)),
                     Wire::Error { message } => bail!("{message}"),
                     reply => return Ok(reply),
                 },
@@ -137,6 +138,22 @@ impl Client {
     }
 }
 
+/// The events the new connection brought before the controller answered a reconnection's `Watch`, in
+/// the order to yield them: `job`'s from `next` on, each once, by number — a live event the controller
+/// sent to the new connection before it handled the `Watch` arrives ahead of the replay that repeats it
+/// — with other jobs' events after them as they came.
+fn replayed_in_order(
+    received: VecDeque<(JobId, u64, JobEvent)>,
+    job: JobId,
+    next: u64,
+) -> impl Iterator<Item = (JobId, u64, JobEvent)> {
+    let (mut mine, others): (Vec<_>, Vec<_>) = received.into_iter().partition(|(j, _, _)| *j == job);
+    mine.retain(|(_, seq, _)| *seq >= next);
+    mine.sort_by_key(|(_, seq, _)| *seq); // stable
+    mine.dedup_by_key(|(_, seq, _)| *seq);
+    mine.into_iter().chain(others)
+}
+
 /// A submitted job: its events, and cancellation. A lost connection to the controller is re-made
 /// (for up to a minute) and the events missed meanwhile are replayed, so the stream has no gap.
 pub struct JobHandle {
@@ -158,14 +175,18 @@ impl JobHandle {
             return Ok(None);
         }
         let id = self.id;
-        let event = loop {
-            if let Some(pos) = self.client.pending.iter().position(|(job, _)| *job == id) {
-                break self.client.pending.remove(pos).expect("found").1;
+        let (seq, event) = loop {
+            if let Some(pos) = self.client.pending.iter().position(|(job, _, _)| *job == id) {
+                let (_, seq, event) = self.client.pending.remove(pos).expect("found");
+                if seq < self.next {
+                    continue; // yielded already (a replay after a reconnection repeats it)
+                }
+                break (seq, event);
             }
             match self.client.events.recv().await {
                 Some(ControlEvent::Message { body, .. }) => {
-                    if let Ok(Wire::Event { job, event }) = Wire::decode(&body) {
-                        self.client.pending.push_back((job, event));
+                    if let Ok(Wire::Event { job, seq, event }) = Wire::decode(&body) {
+                        self.client.pending.push_back((job, seq, event));
                     }
                 }
                 Some(ControlEvent::Lost { reason, .. }) => self.reconnect(&reason).await?,
@@ -175,7 +196,7 @@ impl JobHandle {
             }
         };
         self.done = event.is_terminal();
-        self.next += 1;
+        self.next = seq + 1;
         Ok(Some(event))
     }
 
@@ -194,9 +215,9 @@ impl JobHandle {
             };
             let last = match tried.await {
                 Ok(mut client) => {
-                    let others = self.client.pending.iter().filter(|(job, _)| *job != id).cloned();
+                    let others = self.client.pending.iter().filter(|(job, _, _)| *job != id).cloned();
                     let mut pending: VecDeque<_> = others.collect();
-                    pending.append(&mut client.pending);
+                    pending.extend(replayed_in_order(std::mem::take(&mut client.pending), id, self.next));
                     client.pending = pending;
                     let old = std::mem::replace(&mut self.client, client);
                     old.endpoint.close().await;
@@ -240,5 +261,30 @@ impl JobHandle {
 
     pub async fn close(self) {
         self.client.close().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(step: u64) -> JobEvent {
+        JobEvent::Checkpoint { step, path: format!("step-{step}").into(), seconds: 0.0 }
+    }
+
+    #[test]
+    fn a_live_event_ahead_of_the_replay_is_yielded_once_in_order() {
+        // The controller, back from a pause, sent event 32 on the new connection before it handled the
+        // `Watch { since: 12 }` that replays 12..=32; event 5 of another job came too.
+        let mut received: VecDeque<_> = VecDeque::from([(1, 32, event(32)), (2, 5, event(5))]);
+        received.extend((12..=32).map(|s| (1, s, event(s))));
+        let order: Vec<(JobId, u64)> = replayed_in_order(received, 1, 12).map(|(j, s, _)| (j, s)).collect();
+        let mut want: Vec<(JobId, u64)> = (12..=32).map(|s| (1, s)).collect();
+        want.push((2, 5));
+        assert_eq!(order, want);
+        // What the handle yielded already is not yielded again.
+        let received = VecDeque::from([(1, 10, event(10)), (1, 11, event(11)), (1, 12, event(12))]);
+        let seqs: Vec<u64> = replayed_in_order(received, 1, 12).map(|(_, s, _)| s).collect();
+        assert_eq!(seqs, vec![12]);
     }
 }

@@ -440,7 +440,7 @@ impl NodeState {
             Wire::Watch { job, since } => {
                 // The missed events go out before the reply, on the same ordered stream, so the watcher
                 // sees them first and in order; a watcher that reconnects replaces its old entry.
-                let missed: Vec<JobEvent> = match (since, self.leader.as_ref().and_then(|l| l.jobs.get(&job))) {
+                let missed: Vec<(u64, JobEvent)> = match (since, self.leader.as_ref().and_then(|l| l.jobs.get(&job))) {
                     (Some(since), Some(entry)) => {
                         let (events, lost) = entry.log.since(since);
                         if lost > 0 {
@@ -451,12 +451,14 @@ impl NodeState {
                                 "a reconnecting watcher missed more events than are kept"
                             );
                         }
-                        events.cloned().collect()
+                        let events: Vec<JobEvent> = events.cloned().collect();
+                        let first = entry.log.end() - events.len() as u64;
+                        (first..).zip(events).collect()
                     }
                     _ => Vec::new(),
                 };
-                for event in missed {
-                    self.send(me, from, Wire::Event { job, event });
+                for (seq, event) in missed {
+                    self.send(me, from, Wire::Event { job, seq, event });
                 }
                 let watcher = from.to_owned();
                 self.job_reply(job, move |entry| {
@@ -783,11 +785,11 @@ impl Actor for NodeActor {
             NodeMsg::FromWorker(wire) => state.send_to_leader(&me, wire),
             NodeMsg::Outgoing { node, msg } => state.send(&me, &node.0, msg),
             NodeMsg::JobEvent { job, event, info } => {
-                let watchers = match state.leader.as_mut().and_then(|l| l.jobs.get_mut(&job)) {
+                let (seq, watchers) = match state.leader.as_mut().and_then(|l| l.jobs.get_mut(&job)) {
                     Some(entry) => {
                         entry.info = info;
                         entry.log.push(event.clone());
-                        entry.watchers.clone()
+                        (entry.log.end() - 1, entry.watchers.clone())
                     }
                     None => return Ok(()),
                 };
@@ -796,7 +798,7 @@ impl Actor for NodeActor {
                     tracing::info!(node = %state.id, job, ?changes, "job re-planned after a membership change");
                 }
                 for w in watchers {
-                    state.send(&me, &w, Wire::Event { job, event: event.clone() });
+                    state.send(&me, &w, Wire::Event { job, seq, event: event.clone() });
                 }
             }
             NodeMsg::JobInfo(info) => {

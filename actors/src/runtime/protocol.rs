@@ -400,8 +400,11 @@ pub enum Wire {
         #[serde(default)]
         since: Option<u64>,
     },
+    /// Event number `seq` of the job (numbered from 0 in the order streamed): a watcher that reconnects
+    /// drops what it already has and an early live event its replay repeats.
     Event {
         job: JobId,
+        seq: u64,
         event: JobEvent,
     },
     /// This daemon is not the controller; ask it instead.
