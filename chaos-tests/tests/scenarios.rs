@@ -118,6 +118,17 @@ fn kill_controller_node() {
     assert_eq!(r["steps_redone"], 0, "resumed from the workers' memory, not a checkpoint: {r}");
 }
 
+/// The controller's daemon stopped past the failure timeout: when it wakes it declares its silent members
+/// failed and trains on with its own rank, fences them when they speak, and they rejoin keeping their
+/// committed state — the job regrows with no step redone.
+#[test]
+fn pause_controller_node() {
+    let r = run("pause-controller-node", 24);
+    assert_eq!(faults(&r, "pause"), 1);
+    assert!(r["recoveries"].as_u64().unwrap() >= 2, "shrunk, then regrown: {r}");
+    assert_eq!(r["steps_redone"], 0, "{r}");
+}
+
 #[test]
 fn pause_beyond_timeout() {
     let r = run("pause-beyond-timeout", 14);
