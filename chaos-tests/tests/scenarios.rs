@@ -178,6 +178,19 @@ fn partition_minority() {
     }
 }
 
+/// The controller's node cut off: it declares its members failed and trains on alone (only it commits,
+/// so the cut-off majority cannot diverge); when the link heals they are fenced and rejoin with their
+/// state, nothing redone.
+#[test]
+fn partition_controller_node() {
+    let r = run("partition-controller-node", 25);
+    if !skipped(&r) {
+        assert_eq!(faults(&r, "partition"), 1);
+        assert_eq!(r["steps_redone"], 0, "{r}");
+        assert!(r["recoveries"].as_u64().unwrap() >= 2, "shrunk, then regrown: {r}");
+    }
+}
+
 #[test]
 fn partition_one_way() {
     let r = run("partition-one-way", 19);

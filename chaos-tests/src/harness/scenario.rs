@@ -55,6 +55,7 @@ pub const SHIPPED: &[(&str, &str)] = &[
     ("pipeline-kill-stage", include_str!("../../scenarios/pipeline-kill-stage.toml")),
     ("kill-controller-node", include_str!("../../scenarios/kill-controller-node.toml")),
     ("pause-controller-node", include_str!("../../scenarios/pause-controller-node.toml")),
+    ("partition-controller-node", include_str!("../../scenarios/partition-controller-node.toml")),
 ];
 
 #[derive(Clone, Debug, Deserialize)]
@@ -278,12 +279,6 @@ impl Scenario {
                          set return_after_s (the daemon starts again, as systemd would restart it)"
                     );
                 }
-                if n == 0 && fault.kind == FaultKind::Partition {
-                    bail!(
-                        "{which}: node 0 runs the controller, which has no standby to take over while cut off; \
-                         target a worker node (kill or pause node 0 to fault the controller)"
-                    );
-                }
                 if n >= self.nodes {
                     bail!("{which}: node = {n} but the cluster has nodes 0..{}", self.nodes);
                 }
@@ -340,10 +335,6 @@ mod tests {
             ("description = \"x\"\nnodes = 1\n", "nodes = 1"),
             ("description = \"x\"\n[[faults]]\nkind = \"explode\"\nat_step = 1\n", "explode"),
             ("description = \"x\"\n[[faults]]\nkind = \"kill\"\nnode = 0\nat_step = 1\n", "return_after_s"),
-            (
-                "description = \"x\"\n[[faults]]\nkind = \"partition\"\nnode = 0\nat_step = 1\nduration_s = 3\n",
-                "standby",
-            ),
             ("description = \"x\"\n[[faults]]\nkind = \"kill\"\nnode = \"somebody\"\nat_step = 1\n", "random-worker"),
             ("description = \"x\"\n[[faults]]\nkind = \"kill\"\nat_step = 99\n", "at_step = 99"),
             ("description = \"x\"\n[[faults]]\nkind = \"pause\"\nat_step = 3\n", "duration_s"),
