@@ -292,6 +292,7 @@ impl NodeState {
                     for c in &changes {
                         self.record_change(format!("epoch {}: {c}", view.epoch));
                     }
+                    let jobs = self.live_jobs();
                     let leader = self.leader.as_ref().expect("controller");
                     let members: Vec<MemberInfo> =
                         view.members().iter().filter_map(|m| leader.members.get(m).cloned()).collect();
@@ -302,7 +303,7 @@ impl NodeState {
                             let _ = actor.cast(msg);
                         }
                     }
-                    let msg = Wire::View { view: view.clone(), members: members.clone() };
+                    let msg = Wire::View { view: view.clone(), members: members.clone(), jobs };
                     for node in view.members() {
                         self.send(me, &node.0, msg.clone());
                     }
@@ -314,9 +315,10 @@ impl NodeState {
                     self.send(me, &node.0, Wire::Fenced { current, jobs });
                 }
                 MembershipAction::SendView { node, view } => {
+                    let jobs = self.live_jobs();
                     let leader = self.leader.as_ref().expect("controller");
                     let members = view.members().iter().filter_map(|m| leader.members.get(m).cloned()).collect();
-                    self.send(me, &node.0, Wire::View { view, members });
+                    self.send(me, &node.0, Wire::View { view, members, jobs });
                 }
             }
         }
@@ -522,10 +524,14 @@ impl NodeState {
         let now = self.now();
         self.member.heard_from_controller(now);
         match msg {
-            Wire::View { view, members } => {
+            Wire::View { view, members, jobs } => {
                 self.members = members;
                 self.member.handle_view(now, view);
                 self.drive_member(me).await;
+                // A job that ended while its `Release` could not reach this node (paused, cut off, or
+                // fenced with a list that still named it) leaves no state behind.
+                self.each_worker(|| WorkerMsg::Retain { jobs: jobs.clone() });
+                self.workers.iter_mut().for_each(|w| w.attempts.retain(|job, _| jobs.contains(job)));
             }
             Wire::Fenced { current, jobs } => {
                 self.keep_on_fence = jobs;

@@ -327,10 +327,13 @@ pub enum Wire {
     // controller → node
     /// The answer to a member's heartbeat: the controller is alive.
     Alive,
-    /// The current view and where its members listen.
+    /// The current view and where its members listen, and the jobs the controller runs: a member drops
+    /// the committed state of every other job (one that ended while its `Release` could not reach it).
     View {
         view: View,
         members: Vec<MemberInfo>,
+        #[serde(default)]
+        jobs: Vec<JobId>,
     },
     /// You are not a member of the view of epoch `current`: abort your attempts and rejoin. Keep the
     /// committed state of `jobs` (the jobs the controller still runs, offered to their next attempts) and

@@ -59,6 +59,11 @@ pub enum WorkerMsg {
     Release {
         job: JobId,
     },
+    /// The controller runs only `jobs` (with each view): release every other job this worker holds — one
+    /// whose `Release` was lost.
+    Retain {
+        jobs: Vec<JobId>,
+    },
     /// This node was fenced (removed from the view, or its controller restarted): abort every attempt.
     /// The committed states of `keep` (jobs the controller still runs) stay — each is the state of its
     /// step, as any rank's — and are offered, with their steps, to the next attempt that includes this
@@ -160,6 +165,19 @@ impl Actor for WorkerActor {
             WorkerMsg::Release { job } => {
                 if let Some(slot) = state.jobs.remove(&job) {
                     if let Some((_, ctl)) = slot.running {
+                        let _ = ctl.send(Ctl::Abort);
+                    }
+                }
+            }
+            WorkerMsg::Retain { jobs } => {
+                let ended: Vec<JobId> = state.jobs.keys().filter(|job| !jobs.contains(job)).copied().collect();
+                for job in ended {
+                    tracing::info!(
+                        job,
+                        slot = state.args.slot,
+                        "dropping the state of a job that ended while this node was away"
+                    );
+                    if let Some((_, ctl)) = state.jobs.remove(&job).and_then(|slot| slot.running) {
                         let _ = ctl.send(Ctl::Abort);
                     }
                 }

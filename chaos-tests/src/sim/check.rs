@@ -175,6 +175,27 @@ impl Checker {
         self.reported_steps = to_step;
     }
 
+    /// The driver resumed the job at `step` (a `Recovered` event). Past the current trajectory — after a
+    /// rollback, a node that held a more advanced committed state came back and is the source — every
+    /// step before it must have been committed once, and the trajectory continues from those commits.
+    pub fn recovered(&mut self, now_ms: u64, step: u64) {
+        let current = self.committed.len() as u64;
+        if step <= current {
+            return;
+        }
+        for s in current..step {
+            match self.ever_committed.iter().rev().find(|(c, _)| *c == s) {
+                Some(&(_, attempt)) => {
+                    self.committed.insert(s, attempt);
+                }
+                None => {
+                    return self.fail(now_ms, format!("recovered at step {step}, but step {s} was never committed"));
+                }
+            }
+        }
+        self.reported_steps = step;
+    }
+
     pub fn is_prefix(state: &[u64], n: u64) -> bool {
         is_prefix(state, n)
     }

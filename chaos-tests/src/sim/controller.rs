@@ -83,8 +83,10 @@ impl World<'_> {
                     let changes = changes.iter().map(|c| format!("{c:?}")).collect();
                     let input = JobInput::View { view: view.clone(), members: members.clone(), changes };
                     self.local(Local::NodeToJob, Ev::ToJob(input));
+                    let jobs = self.live_jobs();
                     for node in view.members() {
-                        self.ctl_send(node, Wire::View { view: view.clone(), members: members.clone() });
+                        let msg = Wire::View { view: view.clone(), members: members.clone(), jobs: jobs.clone() };
+                        self.ctl_send(node, msg);
                     }
                 }
                 MembershipAction::Fence { node, stale_epoch, current } => {
@@ -95,7 +97,8 @@ impl World<'_> {
                 }
                 MembershipAction::SendView { node, view } => {
                     let members = self.members_of(&view);
-                    self.ctl_send(&node, Wire::View { view, members });
+                    let jobs = self.live_jobs();
+                    self.ctl_send(&node, Wire::View { view, members, jobs });
                 }
             }
         }
@@ -236,6 +239,7 @@ impl World<'_> {
                 self.check.rolled_back(to_step);
                 self.stats.rollbacks += 1;
             }
+            JobEvent::Recovered { step, .. } => self.check.recovered(self.now, step),
             JobEvent::Cancelled => self.check.fail(self.now, "the job was cancelled; nobody cancelled it".into()),
             _ => {}
         }

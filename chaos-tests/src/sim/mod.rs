@@ -13,7 +13,9 @@
 //! the adversary delays them (slow links), cuts nodes off (a partition shorter than the idle timeout only
 //! delays; a longer one loses the connection on both sides with what was in flight), resets
 //! connections, and crashes, pauses (SIGSTOP), drains and restarts nodes, panics workers and slows
-//! their steps. A run is a [`Scenario`] (cluster, job, fault schedule) plus a seed for every timing
+//! their steps. The controller's node is paused too (its side of every connection waits with it, and the
+//! members' connections time out); it is not crashed or cut off here — the real-process chaos scenarios
+//! `kill-controller-node` and `partition-controller-node` cover those. A run is a [`Scenario`] (cluster, job, fault schedule) plus a seed for every timing
 //! choice; [`run`] is a pure function of both, and the [`check`] module's invariants are checked as it
 //! goes.
 

@@ -45,7 +45,9 @@ impl World<'_> {
         self.stats.dials += 1;
         let inc = self.nodes[n].inc;
         let handshake = self.rng.range(self.cfg.dial_ms_min, self.cfg.dial_ms_max);
-        let (at, ok) = match self.sc.isolated_until(n, self.now) {
+        // The handshake needs both ends running and connected: a cut-off node, or a stopped controller.
+        let blocked = [self.sc.isolated_until(n, self.now), self.nodes[0].paused_until].into_iter().flatten().max();
+        let (at, ok) = match blocked {
             Some(until) if until > self.now + self.cfg.connect_timeout_ms => {
                 (self.now + self.cfg.connect_timeout_ms, false)
             }
@@ -230,9 +232,16 @@ impl World<'_> {
         trace!(self, "{} <- {} (epoch {})", self.nodes[n].id, kind(&env.msg), env.epoch);
         let slots = self.nodes[n].workers.len();
         match env.msg {
-            Wire::View { view, .. } => {
+            Wire::View { view, jobs, .. } => {
                 self.nodes[n].member.handle_view(now, view);
                 self.drive_member(n);
+                if !jobs.contains(&JOB) {
+                    // node.rs: `WorkerMsg::Retain` drops the state of a job the controller no longer runs.
+                    for slot in 0..slots {
+                        self.worker_drop(n, slot);
+                        self.nodes[n].workers[slot].attempt = None;
+                    }
+                }
             }
             Wire::Fenced { current, jobs } => {
                 self.nodes[n].keep_on_fence = jobs.contains(&JOB);
@@ -418,6 +427,17 @@ impl World<'_> {
             return;
         }
         trace!(self, "{} silent for the idle timeout ({stall:?}): its connections time out", self.nodes[n].id);
+        if n == 0 {
+            // The controller stopped: every member's connection times out on the member's side now, and
+            // on the controller's when it runs again (that event waits for it); meshes with its ranks break.
+            for m in 1..self.nodes.len() {
+                if let Some(conn) = self.nodes[m].conn {
+                    let (a, b) = (self.rng.range(0, 30), self.rng.range(0, 30));
+                    self.push(self.now + a, Ev::ConnLost { conn, at_ctrl: false });
+                    self.push(self.now + b, Ev::ConnLost { conn, at_ctrl: true });
+                }
+            }
+        }
         if let Some(conn) = self.nodes[n].conn {
             let b = self.rng.range(0, 30);
             self.push(self.now + b, Ev::ConnLost { conn, at_ctrl: true });

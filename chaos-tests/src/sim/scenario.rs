@@ -129,9 +129,13 @@ impl Scenario {
             let at_ms = rng.range(30, job_ms.max(500) + 1500);
             let node = rng.range(1, count as u64 - 1) as usize;
             let any_node = rng.below(count as u64) as usize;
+            let paused = if any_node == 0 { 0 } else { node };
             let fault = match rng.below(100) {
                 0..=15 => Fault::Crash { node, at_ms, restart_after_ms: rng.chance(700).then(|| rng.range(50, 3000)) },
-                16..=30 => Fault::Pause { node, at_ms, for_ms: rng.range(100, 4000) },
+                // The controller's node is paused too, as often as any other (it is not cut off,
+                // crashed or drained here: the network around it and its restart from the catalog are
+                // not modelled).
+                16..=30 => Fault::Pause { node: paused, at_ms, for_ms: rng.range(100, 4000) },
                 31..=45 => Fault::Isolate { node, at_ms, for_ms: rng.range(100, 5000) },
                 46..=55 => Fault::DropConnection { node, at_ms },
                 56..=65 => {

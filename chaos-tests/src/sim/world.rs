@@ -468,6 +468,13 @@ impl<'a> World<'a> {
                 Some((self.conns[*conn].node, self.conns[*conn].inc))
             }
             Ev::Computed { at, .. } | Ev::OpDone { at, .. } | Ev::OpTimeout { at, .. } => Some((at.node, at.inc)),
+            // The controller's side runs in node 0's process: it waits while node 0 is paused.
+            Ev::Up { .. }
+            | Ev::SelfMsg(_)
+            | Ev::ToJob(_)
+            | Ev::FromJob(_)
+            | Ev::ConnLost { at_ctrl: true, .. }
+            | Ev::ConnDeparted { .. } => Some((0, self.nodes[0].inc)),
             _ => None,
         }
     }
