@@ -161,3 +161,25 @@ async fn a_stage_actor_that_dies_fails_its_rank_and_loses_its_state_but_not_the_
     assert!(supervisor.get_cell().get_status() == ractor::ActorStatus::Running, "the supervisor lives on");
     supervisor.stop(None);
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn an_abandoned_step_frees_the_stage_at_once_and_keeps_its_committed_state() {
+    tch::set_num_threads(1);
+    let config = job();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let (supervisor, _) = Actor::spawn(None, Supervisor, seen.clone()).await.unwrap();
+    let mut ranks = replicas(&config, &supervisor);
+    sync(&mut ranks).await;
+    step(&mut ranks).await.unwrap();
+    // Rank 1 never takes part in step 2: rank 0's device waits on it (for 60 s, the receive timeout),
+    // until the worker abandons the step, as on `Abort`.
+    let waited = tokio::time::timeout(Duration::from_millis(300), ranks[0].reduce()).await;
+    assert!(waited.is_err(), "rank 0 cannot finish the step alone");
+    let started = std::time::Instant::now();
+    let mut ranks = ranks.into_iter();
+    let state = ranks.next().unwrap().into_state().await.expect("the state comes back");
+    assert!(started.elapsed() < Duration::from_secs(5), "waited {:?} behind the abandoned step", started.elapsed());
+    assert_eq!(state.step(), 1, "the committed step, nothing of the abandoned one");
+    assert_eq!(ranks.next().unwrap().into_state().await.map(|s| s.step()), Some(1));
+    supervisor.stop(None);
+}

@@ -24,8 +24,10 @@ pub enum StageMsg {
     /// run is asked (with ZeRO inside the stages' groups, the replicas gather them together).
     Params(RpcReplyPort<Result<ChunkParams, String>>),
     /// The first half of a step: the device's ops and the reductions, nothing applied
-    /// ([`PipelineStage::reduce_gradients`]).
-    Reduce(RpcReplyPort<Result<ReducedStage, String>>),
+    /// ([`PipelineStage::reduce_gradients`]). The step is abandoned — the actor free for the next message
+    /// at once, its committed state untouched — when `abandon`'s sender is dropped or sends: the asking
+    /// rank's step ended without it (an abort).
+    Reduce { abandon: tokio::sync::oneshot::Receiver<()>, reply: RpcReplyPort<Result<ReducedStage, PipelineError>> },
     /// The second half, once the step is committed ([`PipelineStage::apply_update`]); the reply carries
     /// the counters after it.
     Apply(ReducedStage, RpcReplyPort<StageCounters>),
@@ -83,8 +85,13 @@ impl<T: Transport> Actor for StageActor<T> {
                 let result = stage.current_param_values().await.map_err(|e: PipelineError| e.to_string());
                 let _ = reply.send(result);
             }
-            StageMsg::Reduce(reply) => {
-                let result = stage.reduce_gradients().await.map_err(|e: PipelineError| e.to_string());
+            StageMsg::Reduce { abandon, reply } => {
+                let result = tokio::select! {
+                    r = stage.reduce_gradients() => r,
+                    _ = abandon => {
+                        Err(PipelineError::Actor { device: stage.device(), reason: "the step was abandoned".into() })
+                    }
+                };
                 let _ = reply.send(result);
             }
             StageMsg::Apply(reduced, reply) => {

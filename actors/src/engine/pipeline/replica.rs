@@ -396,7 +396,10 @@ impl<T: Transport> StepEngine for PipelineReplica<T> {
     async fn reduce(&mut self) -> Result<ReducedStep, EngineError> {
         let origin = self.origin;
         let started = origin.elapsed().as_secs_f64();
-        let reduced = self.ask("step", StageMsg::Reduce).await?.map_err(EngineError::Setup)?;
+        // Dropped with this future (the worker abandons a step on `Abort`), the sender tells the actor to
+        // stop the step's ops at once, so the end of the attempt does not wait for them behind `Export`.
+        let (_abandon_when_dropped, abandon) = tokio::sync::oneshot::channel();
+        let reduced = self.ask("step", |reply| StageMsg::Reduce { abandon, reply }).await??;
         let ops_end = reduced.spans.last().map_or(started, |s| s.end_s);
         self.last_ops = reduced.spans;
         Ok(ReducedStep { loss: reduced.loss, grad_norm: reduced.grad_norm, compute_seconds: ops_end - started })
