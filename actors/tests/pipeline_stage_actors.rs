@@ -103,6 +103,17 @@ async fn eventually(seen: &Arc<Mutex<Vec<Seen>>>, done: impl Fn(&[Seen]) -> bool
     panic!("supervision events never got there: {:?}", seen.lock().unwrap());
 }
 
+/// Two ranks under a recording supervisor, synced, after one step.
+async fn after_one_step() -> (ActorRef<()>, Arc<Mutex<Vec<Seen>>>, Vec<PipelineReplica<MemoryTransport>>) {
+    tch::set_num_threads(1);
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let (supervisor, _) = Actor::spawn(None, Supervisor, seen.clone()).await.unwrap();
+    let mut ranks = replicas(&job(), &supervisor);
+    sync(&mut ranks).await;
+    step(&mut ranks).await.unwrap();
+    (supervisor, seen, ranks)
+}
+
 fn count(seen: &[Seen], what: Seen) -> usize {
     seen.iter().filter(|s| **s == what).count()
 }
@@ -137,13 +148,7 @@ async fn stage_actors_live_under_the_worker_for_the_attempt_and_compute_the_refe
 
 #[tokio::test(flavor = "current_thread")]
 async fn a_stage_actor_that_dies_fails_its_rank_and_loses_its_state_but_not_the_supervisor() {
-    tch::set_num_threads(1);
-    let config = job();
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let (supervisor, _) = Actor::spawn(None, Supervisor, seen.clone()).await.unwrap();
-    let mut ranks = replicas(&config, &supervisor);
-    sync(&mut ranks).await;
-    step(&mut ranks).await.unwrap();
+    let (supervisor, seen, mut ranks) = after_one_step().await;
     // Rank 1's device dies (as a panic in the stage would end it).
     let dying = ranks[1].stage_actor().expect("synced");
     assert!(supervisor.get_children().iter().any(|c| c.get_id() == dying.get_id()), "it is the worker's child");
@@ -164,13 +169,7 @@ async fn a_stage_actor_that_dies_fails_its_rank_and_loses_its_state_but_not_the_
 
 #[tokio::test(flavor = "current_thread")]
 async fn an_abandoned_step_frees_the_stage_at_once_and_keeps_its_committed_state() {
-    tch::set_num_threads(1);
-    let config = job();
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let (supervisor, _) = Actor::spawn(None, Supervisor, seen.clone()).await.unwrap();
-    let mut ranks = replicas(&config, &supervisor);
-    sync(&mut ranks).await;
-    step(&mut ranks).await.unwrap();
+    let (supervisor, seen, mut ranks) = after_one_step().await;
     // Rank 1 never takes part in step 2: rank 0's device waits on it (for 60 s, the receive timeout),
     // until the worker abandons the step, as on `Abort`.
     let waited = tokio::time::timeout(Duration::from_millis(300), ranks[0].reduce()).await;
@@ -181,5 +180,7 @@ async fn an_abandoned_step_frees_the_stage_at_once_and_keeps_its_committed_state
     assert!(started.elapsed() < Duration::from_secs(5), "waited {:?} behind the abandoned step", started.elapsed());
     assert_eq!(state.step(), 1, "the committed step, nothing of the abandoned one");
     assert_eq!(ranks.next().unwrap().into_state().await.map(|s| s.step()), Some(1));
+    eventually(&seen, |s| count(s, Seen::Terminated) == 2).await;
+    assert_eq!(count(&seen.lock().unwrap(), Seen::Failed), 0, "abandoning a step fails no actor");
     supervisor.stop(None);
 }

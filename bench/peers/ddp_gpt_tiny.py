@@ -16,7 +16,6 @@ import json
 import os
 import resource
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -24,7 +23,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gloo_allreduce import free_port  # noqa: E402
+from gloo_allreduce import free_port, timed_steps  # noqa: E402
 from train_gpt_tiny import Gpt, corpus, make_optimizer, make_scaler, sample_batch, train_step  # noqa: E402
 
 
@@ -44,13 +43,7 @@ def rank_main(rank, args, port, results):
         batch = sample_batch(data, gen, args.micro_batch, args.context)
         return train_step(model, opt, *batch, precision=args.precision, scaler=scaler)
 
-    for _ in range(args.warmup):
-        step()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    elapsed = time.perf_counter() - start
+    elapsed, loss = timed_steps(step, args.warmup, args.steps)
     results[rank] = {
         "seconds": elapsed,
         "loss": loss,

@@ -24,6 +24,19 @@ def free_port():
         return s.getsockname()[1]
 
 
+def timed_steps(step, warmup, steps):
+    """Runs `step` `warmup` times untimed, then (after a barrier of the process group) `steps` times;
+    returns the seconds of the timed ones and the last one's result."""
+    for _ in range(warmup):
+        step()
+    dist.barrier()
+    start = time.perf_counter()
+    result = None
+    for _ in range(steps):
+        result = step()
+    return time.perf_counter() - start, result
+
+
 def rank_main(rank, world, port, mib, iters, warmup, threads, results):
     torch.set_num_threads(threads)
     os.environ["MASTER_ADDR"] = "127.0.0.1"

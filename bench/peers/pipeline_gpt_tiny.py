@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -39,7 +38,7 @@ from torch.distributed.pipelining import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gloo_allreduce import free_port  # noqa: E402
+from gloo_allreduce import free_port, timed_steps  # noqa: E402
 from train_gpt_tiny import Gpt, corpus, make_optimizer, sample_batch  # noqa: E402
 
 SCHEDULES = {
@@ -124,13 +123,7 @@ def rank_main(rank, args, port, results):
         opt.step()
         return torch.stack(losses).mean().item() if losses else float("nan")
 
-    for _ in range(args.warmup):
-        step()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    elapsed = time.perf_counter() - start
+    elapsed, loss = timed_steps(step, args.warmup, args.steps)
     results[rank] = {"seconds": elapsed, "loss": loss}
     dist.barrier()
     dist.destroy_process_group()
