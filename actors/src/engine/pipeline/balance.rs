@@ -27,12 +27,14 @@ use super::partition::ModelCosts;
 /// Timed runs of each part after the warm-up; the median counts.
 pub const REPEATS: usize = 3;
 
-/// What `config`'s chunks are balanced by with micro-batches of `samples` sequences: parameter counts,
-/// or (`parallel.balance = "measured"`) [`measure`]d seconds, kept per model shape for this process.
-pub fn costs_for(config: &JobConfig, samples: usize) -> ModelCosts {
+/// What `config`'s chunks are balanced by when `replicas` pipelines each cut the global batch into
+/// `microbatches`: parameter counts, or (`parallel.balance = "measured"`) [`measure`]d seconds on one
+/// micro-batch of the largest replica's share, kept per model shape for this process.
+pub fn costs_for(config: &JobConfig, replicas: usize, microbatches: usize) -> ModelCosts {
     if config.parallel.balance != "measured" {
         return ModelCosts::parameters(&config.model);
     }
+    let samples = config.train.global_batch.div_ceil(replicas.max(1)).div_ceil(microbatches.max(1)).max(1);
     static MEASURED: OnceLock<Mutex<HashMap<String, ModelCosts>>> = OnceLock::new();
     let key = format!("{:?} {} {samples}", config.model, config.parallel.precision);
     let cache = MEASURED.get_or_init(Default::default);
@@ -132,10 +134,10 @@ mod tests {
     #[test]
     fn costs_follow_the_config_and_are_kept_per_shape() {
         let mut config = JobConfig::small(1);
-        assert_eq!(costs_for(&config, 2), ModelCosts::parameters(&config.model));
+        assert_eq!(costs_for(&config, 1, 2), ModelCosts::parameters(&config.model));
         config.parallel.balance = "measured".into();
-        let first = costs_for(&config, 2);
-        assert_eq!(costs_for(&config, 2), first, "kept, not measured again");
+        let first = costs_for(&config, 1, 2);
+        assert_eq!(costs_for(&config, 1, 2), first, "kept, not measured again");
         assert_eq!(first.blocks.len(), config.model.n_layers);
     }
 }

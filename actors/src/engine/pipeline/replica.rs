@@ -89,11 +89,6 @@ impl Geometry {
         Ok(Self { kind, shape, replicas, sharded, layouts, total })
     }
 
-    /// Sequences in one micro-batch (of the largest replica's share).
-    fn microbatch_samples(&self, global_batch: usize) -> usize {
-        global_batch.div_ceil(self.replicas).div_ceil(self.shape.microbatches).max(1)
-    }
-
     /// The chunks cut by `costs` instead of parameter counts.
     fn rebalance(&mut self, config: &GptConfig, costs: &ModelCosts) -> Result<(), String> {
         self.layouts = partition_by(config, costs, self.shape.chunks()).map_err(|e| e.to_string())?;
@@ -141,7 +136,6 @@ pub struct PipelineReplica<T: Transport> {
     /// `sync` found the state of the most advanced step incomplete, or the stage actor died: this
     /// rank's state is dropped.
     lost: bool,
-    _transport: std::marker::PhantomData<fn() -> T>,
 }
 
 /// This rank's stage actor and the device it runs.
@@ -198,7 +192,6 @@ impl<T: Transport> PipelineReplica<T> {
             origin: Instant::now(),
             last_ops: Vec::new(),
             lost: false,
-            _transport: std::marker::PhantomData,
         }
     }
 
@@ -334,7 +327,7 @@ impl<T: Transport> PipelineReplica<T> {
         let config = &self.trainer.config;
         let layers = config.model.n_layers;
         let mut flat = if self.comm.rank() == 0 {
-            let costs = costs_for(config, geometry.microbatch_samples(config.train.global_batch));
+            let costs = costs_for(config, geometry.replicas, geometry.shape.microbatches);
             tracing::info!(?costs, "pipeline balance: measured seconds of forward and backward per part");
             costs.to_flat()
         } else {

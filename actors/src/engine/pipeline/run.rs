@@ -135,8 +135,7 @@ pub async fn run_stages<T: Transport>(
     let plan = Arc::new(plan(options.kind, options.shape)?);
     check(&plan).unwrap_or_else(|e| panic!("generated plan {} {:?} is invalid: {e}", options.kind, options.shape));
     let replicas = devices.len() / options.shape.stages;
-    let samples = config.train.global_batch.div_ceil(replicas.max(1)).div_ceil(options.shape.microbatches.max(1));
-    let costs = costs_for(config, samples.max(1));
+    let costs = costs_for(config, replicas, options.shape.microbatches);
     let layouts = partition_by(&config.model, &costs, options.shape.chunks())?;
     let origin = Instant::now();
     let collective = CollectiveConfig::from(&TransportConfig::default());
