@@ -115,7 +115,9 @@ fn kill_controller_node() {
     let r = run("kill-controller-node", 23);
     assert_eq!(faults(&r, "kill"), 1);
     assert!(r["recoveries"].as_u64().unwrap() >= 1, "{r}");
-    assert_eq!(r["steps_redone"], 0, "resumed from the workers' memory, not a checkpoint: {r}");
+    // From the workers' memory, not a checkpoint: nothing redone — but the step whose commit the
+    // controller recorded and died before sending, when the kill lands there.
+    assert!(r["steps_redone"].as_u64().unwrap() <= 1, "resumed from the workers' memory: {r}");
 }
 
 /// The controller's daemon stopped past the failure timeout: when it wakes it declares its silent members

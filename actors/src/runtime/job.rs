@@ -80,6 +80,9 @@ pub struct JobDriver {
     prepared_nodes: BTreeSet<NodeId>,
     /// A restarted controller's job, until it resumes.
     resume: Option<Resume>,
+    /// A restarted controller's job until its first attempt starts: the last recorded commit may have
+    /// reached no rank that survived (the controller died between recording it and sending it).
+    commit_maybe_undelivered: bool,
     actions: VecDeque<DriverAction>,
 }
 
@@ -167,6 +170,7 @@ impl JobDriver {
             waiting: None,
             prepared_nodes: BTreeSet::new(),
             resume: None,
+            commit_maybe_undelivered: false,
             actions: VecDeque::new(),
         }
     }
@@ -189,6 +193,7 @@ impl JobDriver {
         } else {
             d.prepared_nodes = expect.iter().cloned().collect();
             d.resume = Some(Resume { expect, since: None, view: None });
+            d.commit_maybe_undelivered = info.step > 0;
         }
         d
     }
@@ -371,8 +376,11 @@ impl JobDriver {
         let ranks = std::mem::take(ranks);
         let ready: Vec<(SocketAddr, Option<u64>)> = ready.iter().map(|r| r.expect("all ready")).collect();
         let best = ready.iter().map(|r| r.1.unwrap_or(0)).max().unwrap_or(0);
+        // After a controller restart, ranks one step behind its record did vote for that step but never
+        // heard its `Commit`: they redo it (the same bits), which is a rollback by one step, not a loss.
+        let undelivered = std::mem::take(&mut self.commit_maybe_undelivered) && best + 1 == self.committed;
         if best < self.committed {
-            if self.spec.config.checkpoint.dir.is_none() {
+            if self.spec.config.checkpoint.dir.is_none() && !undelivered {
                 return self.fail(format!(
                     "the state of step {} was lost with the nodes that held it (the ranks left have step {best}) and the job has no checkpoint.dir to fall back on",
                     self.committed
@@ -641,6 +649,46 @@ mod tests {
         d.on_vote(T, &"b".into(), 2, 0, 6, figures(4.0, 1.0, 0));
         d.on_vote(T, &"c".into(), 2, 0, 6, figures(4.0, 1.0, 0));
         assert_eq!(d.info().step, 7);
+    }
+
+    #[test]
+    fn a_restored_job_whose_last_commit_reached_no_surviving_rank_redoes_that_step() {
+        let mut before = JobDriver::new(1, spec(10));
+        started(&mut before, 2, &["a", "b"], &[0, 0]);
+        for step in 0..3 {
+            for n in ["a", "b"] {
+                before.on_vote(T, &n.into(), 1, 0, step, figures(5.0, 1.0, 0));
+            }
+        }
+        // Step 3 recorded as committed; the controller died before its `Commit` left.
+        let info = recorded(&mut before);
+        assert_eq!(info.step, 3);
+        let mut d = JobDriver::restore(1, spec(10), &info, vec!["a".into(), "b".into()]);
+        let (v, m) = view(5, &["a", "b"]);
+        d.on_view(&v, &m, vec![]);
+        drain(&mut d);
+        for (i, n) in ["a", "b"].into_iter().enumerate() {
+            d.on_ready(T, &n.into(), 2, 0, addr(i as u16), Some(2));
+        }
+        let actions = drain(&mut d);
+        assert_eq!(
+            events(&actions),
+            vec![
+                &JobEvent::RolledBack { from_step: 3, to_step: 2 },
+                &JobEvent::Recovered { step: 2, epoch: 5, world: 2 }
+            ],
+            "redone, not failed, though the job has no checkpoint.dir"
+        );
+        assert_eq!(d.info().state, JobState::Running);
+        // Two steps behind is a real loss: without a checkpoint the job fails, as before.
+        let mut d = JobDriver::restore(1, spec(10), &info, vec!["a".into(), "b".into()]);
+        d.on_view(&v, &m, vec![]);
+        drain(&mut d);
+        for (i, n) in ["a", "b"].into_iter().enumerate() {
+            d.on_ready(T, &n.into(), 2, 0, addr(i as u16), Some(1));
+        }
+        drain(&mut d);
+        assert_eq!(d.info().state, JobState::Failed);
     }
 
     #[test]
