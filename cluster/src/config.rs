@@ -36,6 +36,9 @@ pub struct TransportConfig {
     pub small_message_bytes_max: usize,
     /// Large collectives are cut into slices of about this many bytes, run as a pipeline.
     pub pipeline_slice_bytes: usize,
+    /// Same-host transport: each rank's shared-memory slot for collectives (two per rank, in
+    /// /dev/shm); 0 runs collectives over the sockets instead. Every rank must use the same value.
+    pub shared_memory_slot_bytes: usize,
 }
 
 impl Default for TransportConfig {
@@ -56,6 +59,7 @@ impl Default for TransportConfig {
             socket_buffer_bytes: 4 << 20,
             small_message_bytes_max: 64 << 10,
             pipeline_slice_bytes: 4 << 20,
+            shared_memory_slot_bytes: 1 << 20,
         }
     }
 }

@@ -5,20 +5,25 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use troupe_cluster::bench::{launch_ranks, BenchTransport, RankMode};
+use troupe_cluster::bench::{launch_ranks, BenchTransport, RankMode, RankReport};
 use troupe_cluster::TransportConfig;
 
 fn exe() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_troupe-cluster-rank"))
 }
 
-fn check(world: usize, transport: BenchTransport) {
-    let launched = launch_ranks(exe(), &[], world, transport, RankMode::Check, TransportConfig::loopback()).unwrap();
+fn check_with(world: usize, transport: BenchTransport, config: TransportConfig) -> Vec<RankReport> {
+    let launched = launch_ranks(exe(), &[], world, transport, RankMode::Check, config).unwrap();
     let reports = launched.wait_all(180_000).unwrap();
-    for r in reports {
+    for r in &reports {
         assert!(r.error.is_none(), "{transport:?} world {world} rank {}: {:?}", r.rank, r.error);
         assert!(r.checks_passed > 0);
     }
+    reports
+}
+
+fn check(world: usize, transport: BenchTransport) {
+    check_with(world, transport, TransportConfig::loopback());
 }
 
 #[test]
@@ -34,7 +39,15 @@ fn two_and_three_ranks_over_quic() {
 
 #[test]
 fn three_ranks_over_the_same_host_transport() {
-    check(3, BenchTransport::Local);
+    // In the shared-memory arena (the default), with slots small enough that the 300 001-element
+    // checks take many blocks of both slots and the pieces split unevenly.
+    let config = TransportConfig { shared_memory_slot_bytes: 12_000, ..TransportConfig::loopback() };
+    let reports = check_with(3, BenchTransport::Local, config);
+    assert!(reports.iter().all(|r| r.shared_memory), "the arena was not used: {reports:?}");
+    // And over the sockets, with the arena turned off.
+    let config = TransportConfig { shared_memory_slot_bytes: 0, ..TransportConfig::loopback() };
+    let reports = check_with(2, BenchTransport::Local, config);
+    assert!(reports.iter().all(|r| !r.shared_memory));
 }
 
 fn sigkill_during_all_reduce(transport: BenchTransport) {

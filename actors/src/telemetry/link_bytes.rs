@@ -85,6 +85,17 @@ impl<T: Transport> Transport for Counted<T> {
     fn shutdown(&self) -> impl Future<Output = ()> + Send {
         self.inner.shutdown()
     }
+
+    fn arena(&self) -> Option<std::sync::Arc<troupe_cluster::transport::shm::Arena>> {
+        self.inner.arena()
+    }
+
+    fn arena_traffic(&self, peer: usize, sent_bytes: u64, received_bytes: u64) {
+        if let Some(link) = self.links.get(peer) {
+            link.sent.fetch_add(sent_bytes, Ordering::Relaxed);
+            link.received.fetch_add(received_bytes, Ordering::Relaxed);
+        }
+    }
 }
 
 #[cfg(test)]

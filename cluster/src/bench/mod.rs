@@ -89,6 +89,7 @@ pub fn run_allreduce_bench(
         seconds_per_iter: seconds,
         algbw_gbps: if seconds > 0.0 { bytes as f64 / seconds / 1e9 } else { 0.0 },
         busbw_gbps: busbw,
+        shared_memory: reports.iter().all(|r| r.shared_memory),
         peer,
         ratio_vs_peer: ratio,
     })

@@ -75,11 +75,13 @@ fn failed(rank: usize, e: &ClusterError, after_ms: u64) -> RankReport {
 async fn run_mode<T: Transport>(t: Arc<T>, spec: &RankSpec) -> RankReport {
     let mut c = Communicator::new(t.clone(), 0, 1, CollectiveConfig::from(&spec.config));
     let rank = spec.rank;
-    let report = match &spec.mode {
+    let shared_memory = c.uses_shared_memory();
+    let mut report = match &spec.mode {
         RankMode::Bench { elems, iters, warmup_iters } => bench(&mut c, rank, *elems, *iters, *warmup_iters).await,
         RankMode::Check => check(&mut c, rank, spec.world).await,
         RankMode::Loop { elems, seconds } => run_loop(&mut c, rank, *elems, *seconds).await,
     };
+    report.shared_memory = shared_memory;
     if report.error.is_none() {
         t.shutdown().await;
     }

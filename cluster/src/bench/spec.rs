@@ -61,6 +61,9 @@ pub struct RankReport {
     /// Milliseconds from the start of the failing call to its error.
     pub failed_after_ms: Option<u64>,
     pub checks_passed: usize,
+    /// Whether the rank's collectives ran in the same-host transport's shared-memory arena.
+    #[serde(default)]
+    pub shared_memory: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -75,6 +78,8 @@ pub struct AllreduceReport {
     pub algbw_gbps: f64,
     #[serde(rename = "busbw_GBps")]
     pub busbw_gbps: f64,
+    /// Whether every rank's collectives ran in the shared-memory arena (`local` transport only).
+    pub shared_memory: bool,
     pub peer: Option<PeerReport>,
     pub ratio_vs_peer: Option<f64>,
 }

@@ -9,8 +9,10 @@ use troupe_kernels::reduce::ReduceOp;
 
 use super::exec::{execute, ExecContext};
 use super::plan::{self, Plan};
+use super::shm::{self as shm_exec, ShmOp};
 use super::{chunk_range, Dtype, Element};
 use crate::error::Rank;
+use crate::transport::shm::ArenaClaim;
 use crate::transport::{LossScope, Transport};
 use crate::wire::Tag;
 use crate::{ClusterError, TransportConfig};
@@ -63,6 +65,9 @@ pub struct Communicator<T: Transport> {
     p2p_sent: Vec<u64>,
     p2p_received: Vec<u64>,
     config: CollectiveConfig,
+    /// The transport's shared-memory arena, when it has one and no other communicator holds it: the
+    /// collectives of this communicator's first epoch run there (point-to-point stays on messages).
+    arena: Option<ArenaClaim>,
 }
 
 fn to_f32<E: Element>(data: &[E]) -> Vec<f32> {
@@ -77,7 +82,32 @@ impl<T: Transport> Communicator<T> {
     pub fn new(transport: Arc<T>, group: u32, epoch: u64, config: CollectiveConfig) -> Self {
         let n = transport.world();
         transport.fence(epoch);
-        Communicator { transport, group, epoch, seq: 0, p2p_sent: vec![0; n], p2p_received: vec![0; n], config }
+        let arena =
+            transport.arena().filter(|a| a.world() == n && a.rank() == transport.rank()).and_then(|a| a.claim());
+        Communicator { transport, group, epoch, seq: 0, p2p_sent: vec![0; n], p2p_received: vec![0; n], config, arena }
+    }
+
+    /// Whether collectives run in the transport's shared-memory arena.
+    pub fn uses_shared_memory(&self) -> bool {
+        self.arena.is_some()
+    }
+
+    /// Runs `op` in the arena if this communicator holds one (`None` otherwise), tagged like a message
+    /// call so a mismatch between ranks names the call.
+    async fn in_arena(&mut self, op: ShmOp, acc: &mut [f32]) -> Option<Result<(), ClusterError>> {
+        let tag = Tag { group: self.group, epoch: self.epoch, seq: self.seq, step: 0 };
+        let timeout_ms = self.config.collective_timeout_ms;
+        let claim = self.arena.as_mut()?;
+        self.seq += 1;
+        let result = shm_exec::run(claim, op, acc, tag, timeout_ms).await;
+        if result.is_ok() {
+            let (me, n) = (self.transport.rank(), self.transport.world());
+            for q in (0..n).filter(|&q| q != me) {
+                let (sent, received) = shm_exec::traffic(op, acc.len(), n, me, q);
+                self.transport.arena_traffic(q, sent as u64 * 4, received as u64 * 4);
+            }
+        }
+        Some(result)
     }
 
     pub fn transport(&self) -> &Arc<T> {
@@ -89,9 +119,12 @@ impl<T: Transport> Communicator<T> {
     }
 
     /// Moves to a new epoch: sequence numbers restart and every message of an older epoch — buffered
-    /// or still in flight — is dropped.
+    /// or still in flight — is dropped. The shared-memory arena, if any, is given up: the ranks' phase
+    /// counters may disagree after an aborted call, so later collectives use messages (the runtime
+    /// connects a new transport, with a new arena, for each epoch instead).
     pub fn set_epoch(&mut self, epoch: u64) {
         assert!(epoch > self.epoch, "epochs only grow ({} -> {epoch})", self.epoch);
+        self.arena = None;
         self.epoch = epoch;
         self.seq = 0;
         self.p2p_sent.iter_mut().for_each(|c| *c = 0);
@@ -141,6 +174,9 @@ impl<T: Transport> Communicator<T> {
     }
 
     async fn all_reduce_f32<E: Element>(&mut self, acc: &mut [f32], op: ReduceOp) -> Result<(), ClusterError> {
+        if let Some(done) = self.in_arena(ShmOp::AllReduce(op), acc).await {
+            return done;
+        }
         let tag = self.next_tag();
         let ctx = self.ctx(tag, op, "all_reduce");
         let (rank, n) = (self.transport.rank(), self.transport.world());
@@ -171,11 +207,17 @@ impl<T: Transport> Communicator<T> {
         match kind {
             Kind::AllReduce => self.all_reduce_f32::<E>(acc, op).await,
             Kind::Broadcast(root) => {
+                if let Some(done) = self.in_arena(ShmOp::Broadcast(root), acc).await {
+                    return done;
+                }
                 let tag = self.next_tag();
                 let ctx = self.ctx(tag, op, "broadcast");
                 self.run_sliced::<E>(acc, ctx, per, |len| plan::plan_tree_broadcast(rank, n, len, root)).await
             }
             Kind::Reduce(root) => {
+                if let Some(done) = self.in_arena(ShmOp::Reduce(op, root), acc).await {
+                    return done;
+                }
                 let tag = self.next_tag();
                 let ctx = self.ctx(tag, op, "reduce");
                 self.run_sliced::<E>(acc, ctx, per, |len| plan::plan_tree_reduce(rank, n, len, root)).await
@@ -230,6 +272,11 @@ impl<T: Transport> Communicator<T> {
         }
         let mut acc = vec![0f32; output.len()];
         acc[own].iter_mut().zip(input).for_each(|(a, v)| *a = v.to_f32());
+        if let Some(done) = self.in_arena(ShmOp::AllGather, &mut acc).await {
+            done?;
+            write_back(&acc, output);
+            return Ok(());
+        }
         let tag = self.next_tag();
         let ctx = self.ctx(tag, ReduceOp::Sum, "all_gather");
         execute::<T, E>(&self.transport, &plan::plan_ring_all_gather(rank, n, output.len()), &mut acc, ctx).await?;
@@ -260,6 +307,11 @@ impl<T: Transport> Communicator<T> {
             });
         }
         let mut acc = to_f32(input);
+        if let Some(done) = self.in_arena(ShmOp::ReduceScatter(op), &mut acc).await {
+            done?;
+            write_back(&acc[own], output);
+            return Ok(());
+        }
         let tag = self.next_tag();
         let ctx = self.ctx(tag, op, "reduce_scatter");
         execute::<T, E>(&self.transport, &plan::plan_ring_reduce_scatter(rank, n, input.len()), &mut acc, ctx).await?;
@@ -269,6 +321,9 @@ impl<T: Transport> Communicator<T> {
 
     /// Returns once every rank has entered the barrier.
     pub async fn barrier(&mut self) -> Result<(), ClusterError> {
+        if let Some(done) = self.in_arena(ShmOp::Barrier, &mut []).await {
+            return done;
+        }
         let (rank, n) = (self.transport.rank(), self.transport.world());
         let tag = self.next_tag();
         let ctx = self.ctx(tag, ReduceOp::Sum, "barrier");

@@ -8,6 +8,7 @@ mod element;
 pub mod exec;
 mod hierarchical;
 pub mod plan;
+pub mod shm;
 pub mod simulate;
 
 pub use chunks::chunk_range;

@@ -133,6 +133,12 @@ impl Mailbox {
         self.lock().lost.get(&peer).cloned()
     }
 
+    /// Why `peer` can no longer take part, if it cannot: lost (with the reason) or departed.
+    pub fn gone(&self, peer: Rank) -> Option<String> {
+        let s = self.lock();
+        s.lost.get(&peer).cloned().or_else(|| s.departed.contains_key(&peer).then(|| "peer departed".to_string()))
+    }
+
     pub fn fence(&self, epoch: u64) {
         let mut s = self.lock();
         if epoch <= s.fenced_epoch {

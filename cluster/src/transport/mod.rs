@@ -1,6 +1,7 @@
 //! Moving tagged messages between ranks. One trait, three implementations: QUIC between hosts
 //! ([`quic`]), Unix sockets between processes on one host ([`same_host`]), and in-memory channels for
-//! tests and simulation ([`memory`]).
+//! tests and simulation ([`memory`]). The same-host transport also sets up a shared-memory arena
+//! ([`shm`]) in which the collectives run without messages.
 //!
 //! A message is addressed by (peer, [`Tag`]); receives match exactly. Messages may arrive before the
 //! receive that wants them (they wait in the [`Mailbox`], bounded) and are dropped if their epoch is
@@ -11,6 +12,7 @@ mod mailbox;
 pub mod memory;
 pub mod quic;
 pub mod same_host;
+pub mod shm;
 pub mod subgroup;
 
 use std::future::Future;
@@ -73,6 +75,17 @@ pub trait Transport: Send + Sync + 'static {
 
     /// Refuses messages of epochs below `epoch` from now on and drops any already buffered.
     fn fence(&self, epoch: u64);
+
+    /// The shared-memory arena among all ranks of this transport, when it has one (the same-host
+    /// transport does unless disabled): [`crate::collective::Communicator`] then runs its collectives
+    /// there instead of over messages.
+    fn arena(&self) -> Option<std::sync::Arc<shm::Arena>> {
+        None
+    }
+
+    /// Bytes a collective in the arena moved between this rank and `peer` (what the peer read from our
+    /// segment, what we read from its): for transports that count traffic per link.
+    fn arena_traffic(&self, _peer: Rank, _sent_bytes: u64, _received_bytes: u64) {}
 
     /// Graceful shutdown: waits (bounded) until what was sent is delivered, then says goodbye to every
     /// peer, so they see a departure rather than a loss.

@@ -1,6 +1,10 @@
 //! Same-host transport: a full mesh of Unix-domain stream sockets among processes on one machine
 //! (rank i listens on `DIR/rank-i.sock`, dials every j < i). Same framing as QUIC; no TLS — the socket
 //! directory's permissions are the boundary. A crashed peer surfaces at once (its socket hits EOF).
+//!
+//! Once the mesh is up the ranks also set up a shared-memory arena ([`super::shm`]) over it, unless
+//! `shared_memory_slot_bytes` is 0 or any rank cannot; collectives then run in the arena and only
+//! point-to-point messages and departures use the sockets.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -13,6 +17,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Mutex as AsyncMutex;
 
 use super::frame_io::{frame_control, frame_message, read_message, write_chunks, FrameLimits, ReadOutcome};
+use super::shm::{map_peer, Arena, OwnSegment};
 use super::{LossScope, Mailbox, Payload, Transport};
 use crate::error::Rank;
 use crate::wire::{ControlMessage, FrameKind, Tag, WireError};
@@ -28,7 +33,11 @@ pub struct SameHostTransport {
     writers: Vec<Option<AsyncMutex<OwnedWriteHalf>>>,
     mailbox: Arc<Mailbox>,
     config: TransportConfig,
+    arena: Option<Arc<Arena>>,
 }
+
+/// Tag group of the arena set-up messages (collectives use small group numbers).
+const ARENA_SETUP_GROUP: u32 = u32::MAX;
 
 pub fn socket_path(dir: &Path, rank: Rank) -> PathBuf {
     dir.join(format!("rank-{rank}.sock"))
@@ -136,7 +145,77 @@ impl SameHostTransport {
             writers[peer] = Some(AsyncMutex::new(writer));
         }
         let _ = std::fs::remove_file(&path);
-        Ok(SameHostTransport { rank, world, writers, mailbox, config })
+        let mut transport = SameHostTransport { rank, world, writers, mailbox, config, arena: None };
+        transport.arena = transport.set_up_arena().await?;
+        Ok(transport)
+    }
+
+    /// Every rank creates its segment and sends the path; every rank maps the others' and says whether
+    /// it managed. The arena is used only if all did, so every rank decides alike; each segment's name
+    /// is removed once every peer has answered (mapped or not).
+    async fn set_up_arena(&self) -> Result<Option<Arc<Arena>>, ClusterError> {
+        let (rank, world) = (self.rank, self.world);
+        let slot_bytes = self.config.shared_memory_slot_bytes;
+        if world < 2 || slot_bytes == 0 {
+            return Ok(None);
+        }
+        let timeout = self.config.connect_timeout_ms;
+        let tag = |seq| Tag { group: ARENA_SETUP_GROUP, epoch: 0, seq, step: 0 };
+        let own = if slot_bytes / 4 / world == 0 || !slot_bytes.is_multiple_of(4) {
+            Err(format!(
+                "shared_memory_slot_bytes = {slot_bytes} must be a multiple of 4 and at least 4 × {world} ranks"
+            ))
+        } else {
+            OwnSegment::create(rank, slot_bytes).map_err(|e| format!("creating a segment in /dev/shm: {e}"))
+        };
+        let path = own.as_ref().map(|o| o.path().display().to_string()).unwrap_or_default();
+        let peers: Vec<Rank> = (0..world).filter(|&q| q != rank).collect();
+        for &q in &peers {
+            self.send(q, tag(0), Bytes::from(path.clone().into_bytes())).await?;
+        }
+        let mut problem = own.as_ref().err().cloned();
+        let mut mapped: Vec<Option<_>> = (0..world).map(|_| None).collect();
+        for &q in &peers {
+            let theirs = self.recv(q, tag(0), LossScope::Peer, timeout).await?.to_vec();
+            let theirs = String::from_utf8_lossy(&theirs).into_owned();
+            if problem.is_some() {
+                continue;
+            }
+            if theirs.is_empty() {
+                problem = Some(format!("rank {q} has no segment"));
+                continue;
+            }
+            match map_peer(&theirs, slot_bytes) {
+                Ok(m) => mapped[q] = Some(m),
+                Err(e) => problem = Some(format!("rank {q}'s segment: {e}")),
+            }
+        }
+        let ok = problem.is_none();
+        for &q in &peers {
+            self.send(q, tag(1), Bytes::from(vec![u8::from(ok)])).await?;
+        }
+        let mut all_ok = ok;
+        for &q in &peers {
+            let answer = self.recv(q, tag(1), LossScope::Peer, timeout).await?.to_vec();
+            if answer != [1] {
+                all_ok = false;
+                problem.get_or_insert_with(|| format!("rank {q} could not map every segment"));
+            }
+        }
+        match (own, all_ok) {
+            (Ok(own), true) => {
+                own.unlink();
+                Ok(Some(Arc::new(Arena::new(rank, slot_bytes, own, mapped, self.mailbox.clone()))))
+            }
+            _ => {
+                tracing::warn!(
+                    rank,
+                    reason = problem.as_deref().unwrap_or("unknown"),
+                    "no shared-memory arena: collectives go over the sockets"
+                );
+                Ok(None)
+            }
+        }
     }
 }
 
@@ -167,6 +246,10 @@ impl Transport for SameHostTransport {
 
     fn fence(&self, epoch: u64) {
         self.mailbox.fence(epoch);
+    }
+
+    fn arena(&self) -> Option<Arc<Arena>> {
+        self.arena.clone()
     }
 
     async fn shutdown(&self) {
