@@ -58,6 +58,16 @@ async fn collectives_run_in_the_arena_and_leave_nothing_in_dev_shm() {
         r.unwrap();
     }
     assert!(a == want && b == want && a2 == want && b2 == want);
+    // Communicators come and go (one per attempt, say): the next one continues in the arena where the
+    // last left off.
+    drop((c0, c1));
+    let (mut e0, mut e1) = (comm(&t0, &c), comm(&t1, &c));
+    assert!(e0.uses_shared_memory() && e1.uses_shared_memory());
+    let (mut x, mut y) = (vec![3f32; 5000], vec![4f32; 5000]);
+    let (r0, r1) = tokio::join!(e0.all_reduce(&mut x, ReduceOp::Min), e1.all_reduce(&mut y, ReduceOp::Min));
+    r0.unwrap();
+    r1.unwrap();
+    assert!(x.iter().chain(&y).all(|&v| v == 3.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

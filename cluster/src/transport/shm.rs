@@ -11,7 +11,8 @@
 //! | 128 | `broken` (u32): non-zero once the owner abandoned a call | the owner |
 //! | 192 | call records (what each call is), [`CALL_RECORDS`] of them, round-robin | the owner |
 //!
-//! Each rank writes only its own segment (its header and slots) and reads its peers'. Who may touch
+//! Each rank writes only its own segment (its header and slots; a sleeper also counts itself in the
+//! `waiters` word of the rank it waits for) and reads its peers'. Who may touch
 //! which slot when is decided by the phase protocol in [`crate::collective::shm`]; this module gives the
 //! mappings, the counters and the waiting (spin, then sleep on a futex), and turns a lost peer, a peer
 //! that gave up or a timeout into a typed error — a wait never outlasts `collective_timeout_ms`.
@@ -25,7 +26,7 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -183,8 +184,19 @@ pub struct Arena {
     own: OwnSegment,
     _peers: Vec<PeerSegment>,
     mailbox: Arc<Mailbox>,
-    claimed: AtomicBool,
+    /// Held by the communicator using the arena (`None` while one is); a later claim continues where
+    /// the last left off, so every rank's counters stay in step across communicators.
+    state: std::sync::Mutex<Option<ClaimState>>,
     spin: Duration,
+}
+
+/// A claim's counters (see [`ArenaClaim`]).
+#[derive(Clone, Copy, Debug, Default)]
+struct ClaimState {
+    progress: u32,
+    calls: u64,
+    slot_free_at: [u32; 2],
+    broken: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -229,7 +241,7 @@ impl Arena {
             own,
             _peers: peers.into_iter().flatten().collect(),
             mailbox,
-            claimed: AtomicBool::new(false),
+            state: std::sync::Mutex::new(Some(ClaimState::default())),
             spin: if bases_len <= cores { SPIN } else { Duration::ZERO },
         }
     }
@@ -254,10 +266,9 @@ impl Arena {
     /// Exclusive use of the arena for one communicator; `None` if another holds it (that one then uses
     /// the sockets: two communicators' calls interleaved in one arena would need a shared order).
     pub fn claim(self: &Arc<Self>) -> Option<ArenaClaim> {
-        if self.claimed.swap(true, Ordering::AcqRel) {
-            return None;
-        }
-        Some(ArenaClaim { arena: self.clone(), progress: 0, calls: 0, slot_free_at: [0; 2], broken: false })
+        let state = self.state.lock().unwrap_or_else(|p| p.into_inner()).take()?;
+        let ClaimState { progress, calls, slot_free_at, broken } = state;
+        Some(ArenaClaim { arena: self.clone(), progress, calls, slot_free_at, broken })
     }
 
     fn word(&self, q: Rank, at: usize) -> &AtomicU32 {
@@ -323,7 +334,13 @@ impl std::fmt::Debug for ArenaClaim {
 
 impl Drop for ArenaClaim {
     fn drop(&mut self) {
-        self.arena.claimed.store(false, Ordering::Release);
+        let state = ClaimState {
+            progress: self.progress,
+            calls: self.calls,
+            slot_free_at: self.slot_free_at,
+            broken: self.broken,
+        };
+        *self.arena.state.lock().unwrap_or_else(|p| p.into_inner()) = Some(state);
     }
 }
 
