@@ -125,6 +125,15 @@ pub fn actor_scope(node: &str, addr: SocketAddr) -> String {
     format!("troupe/{node}@{addr}")
 }
 
+/// The membership incarnation this process starts with (`MemberState::joining`): random, so a restarted
+/// daemon never repeats one its earlier process used (each fence adds one to it), and the controller
+/// takes its join for a restart, not for a duplicate of the old process's.
+fn new_incarnation() -> u64 {
+    use std::hash::BuildHasher;
+    let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    std::collections::hash_map::RandomState::new().hash_one((since_epoch.as_nanos(), std::process::id()))
+}
+
 impl NodeState {
     fn now(&self) -> Duration {
         self.started.elapsed()
@@ -234,8 +243,9 @@ impl NodeState {
         while let Some(action) = self.member.poll_action() {
             match action {
                 MemberAction::SendHeartbeat { .. } => self.send_to_leader(me, Wire::Heartbeat),
-                MemberAction::SendJoinRequest => {
-                    let join = Wire::Join { slots: self.config.slots, addr: self.endpoint.local_addr() };
+                MemberAction::SendJoinRequest { incarnation } => {
+                    let (slots, addr) = (self.config.slots, self.endpoint.local_addr());
+                    let join = Wire::Join { slots, addr, incarnation: Some(incarnation) };
                     self.send_to_leader(me, join);
                 }
                 MemberAction::AdoptView(view) => {
@@ -353,10 +363,10 @@ impl NodeState {
 
     async fn leader_message(&mut self, me: &ActorRef<NodeMsg>, from: NodeId, epoch: u64, msg: Wire) {
         let job_msg = match msg {
-            Wire::Join { slots, addr } => {
+            Wire::Join { slots, addr, incarnation } => {
                 let info = MemberInfo { name: from.0.clone(), addr, slots };
                 self.leader.as_mut().expect("controller").members.insert(from.clone(), info);
-                self.membership_event(MembershipEvent::JoinRequest { from });
+                self.membership_event(MembershipEvent::JoinRequest { from, incarnation });
                 return;
             }
             Wire::Heartbeat => {
@@ -705,6 +715,7 @@ impl Actor for NodeActor {
         let NodeArgs { config, identity, endpoint, mut events, stop_reason, metrics, catalog } = args;
         let id = NodeId(config.name.clone());
         let started = Instant::now();
+        let incarnation = new_incarnation();
         // A controller that ran before on this data dir starts past its last epoch and resumes its jobs.
         let (stored_view, stored_jobs) =
             if config.join.is_none() { (catalog.view()?, catalog.jobs()?) } else { (None, Vec::new()) };
@@ -720,9 +731,10 @@ impl Actor for NodeActor {
                 jobs: BTreeMap::new(),
                 next_job: stored_jobs.iter().map(|j| j.info.id + 1).max().unwrap_or(1),
             };
-            (MemberState::member(id.clone(), config.membership.clone(), Duration::ZERO, view), Some(leader))
+            let member = MemberState::member(id.clone(), config.membership.clone(), Duration::ZERO, view, incarnation);
+            (member, Some(leader))
         } else {
-            (MemberState::joining(id.clone(), config.membership.clone(), Duration::ZERO), None)
+            (MemberState::joining(id.clone(), config.membership.clone(), Duration::ZERO, incarnation), None)
         };
         let pump = me.clone();
         tokio::spawn(async move {

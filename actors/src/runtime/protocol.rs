@@ -273,10 +273,16 @@ pub enum AttemptOutcome {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Wire {
     // node → controller
-    /// Ask to become a member (first start, restart, or after a fence).
+    /// Ask to become a member (first start, restart, or after a fence). A node asks again every heartbeat
+    /// interval until a view admits it.
     Join {
         slots: u32,
         addr: SocketAddr,
+        /// This membership of the node (`MemberState::incarnation`): a join from a member carrying the
+        /// incarnation it was admitted with is a duplicate, any other a restart. Absent from a node that
+        /// does not send it: every join of a member is then a restart, as before.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        incarnation: Option<u64>,
     },
     Heartbeat,
     /// Clean departure (SIGTERM drain).
@@ -453,5 +459,23 @@ impl Wire {
 
     pub fn decode(body: &[u8]) -> Result<Self, String> {
         serde_json::from_slice(body).map_err(|e| format!("undecodable control message: {e}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `Join` names the node's incarnation; one from a node that does not (an older version) still
+    /// decodes, with none (the controller then takes any join of a member for a restart, as before).
+    #[test]
+    fn a_join_without_an_incarnation_still_decodes() {
+        let addr: SocketAddr = "10.0.0.1:7000".parse().unwrap();
+        let join = Wire::Join { slots: 2, addr, incarnation: Some(7) };
+        assert_eq!(Wire::decode(&join.encode()), Ok(join));
+        let old = br#"{"type":"join","slots":2,"addr":"10.0.0.1:7000"}"#;
+        assert_eq!(Wire::decode(old), Ok(Wire::Join { slots: 2, addr, incarnation: None }));
+        let none = Wire::Join { slots: 2, addr, incarnation: None }.encode();
+        assert_eq!(&none[..], &old[..], "an unknown incarnation is left out");
     }
 }

@@ -29,11 +29,11 @@ impl World<'_> {
         let id = self.nodes[from].id.clone();
         let now = dur(self.now);
         let input = match env.msg {
-            Wire::Join { slots, addr } => {
+            Wire::Join { slots, addr, incarnation } => {
                 self.ctl.members.insert(id.clone(), MemberInfo { name: id.0.clone(), addr, slots });
                 self.check.join_requested(from, env.generation);
-                trace!(self, "controller <- Join from {id}");
-                return self.ctl.membership.handle(now, MembershipEvent::JoinRequest { from: id });
+                trace!(self, "controller <- Join from {id} (incarnation {incarnation:?})");
+                return self.ctl.membership.handle(now, MembershipEvent::JoinRequest { from: id, incarnation });
             }
             Wire::Heartbeat => {
                 let event = MembershipEvent::Heartbeat { from: id, epoch: Epoch(env.epoch) };

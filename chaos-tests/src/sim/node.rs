@@ -14,6 +14,12 @@ pub(super) fn dur(ms: u64) -> Duration {
     Duration::from_millis(ms)
 }
 
+/// The membership incarnation a process of the node starts with (node.rs draws a random one): each
+/// process its own range, which its fences count up in.
+pub(super) fn first_incarnation(process: u32) -> u64 {
+    u64::from(process) << 32
+}
+
 impl World<'_> {
     /// node.rs `on_tick`: dial the controller if not connected, drive membership timers; on the
     /// controller also failure detection and admitting joiners while no job runs.
@@ -60,7 +66,10 @@ impl World<'_> {
 
     /// A dial ended. A new connection replaces the older one on both sides, and what was in flight on
     /// the older one is lost; the controller's side reports nothing (control/shared.rs), unless modelled
-    /// otherwise.
+    /// otherwise: node.rs (`ControlEvent::Connected`) removes a member that connects again, whether or
+    /// not the controller still held an older connection of it — a node admitted while its connection
+    /// was down (the controller's side had noticed the loss while it was only a joiner) missed its view
+    /// and whatever job message followed it.
     pub(super) fn dial_done(&mut self, n: usize, ok: bool) {
         self.nodes[n].connecting = false;
         if !ok {
@@ -78,10 +87,7 @@ impl World<'_> {
         self.nodes[n].conn = Some(conn);
         self.nodes[n].leader_peer = true;
         trace!(self, "{} connected to the controller (conn {conn}, replacing {replaced:?})", self.nodes[n].id);
-        if replaced.is_some()
-            && self.cfg.node_model.replacement_is_loss
-            && self.ctl.membership.view().contains(&self.nodes[n].id)
-        {
+        if self.cfg.node_model.replacement_is_loss && self.ctl.membership.view().contains(&self.nodes[n].id) {
             let peer = self.nodes[n].id.clone();
             self.ctl.membership.handle(dur(self.now), MembershipEvent::ConnectionLost { peer });
             self.drive_membership();
@@ -155,9 +161,10 @@ impl World<'_> {
         while let Some(action) = self.nodes[n].member.poll_action() {
             match action {
                 MemberAction::SendHeartbeat { .. } => self.send_to_leader(n, Wire::Heartbeat),
-                MemberAction::SendJoinRequest => {
+                MemberAction::SendJoinRequest { incarnation } => {
                     let slots = self.nodes[n].slots;
-                    self.send_to_leader(n, Wire::Join { slots, addr: addr(n, 0) });
+                    let incarnation = Some(incarnation);
+                    self.send_to_leader(n, Wire::Join { slots, addr: addr(n, 0), incarnation });
                 }
                 MemberAction::AdoptView(view) => {
                     trace!(self, "{} adopts epoch {} {:?}", self.nodes[n].id, view.epoch, view.members());
@@ -382,7 +389,8 @@ impl World<'_> {
         node.up = true;
         node.inc += 1;
         node.generation += 1;
-        node.member = MemberState::joining(node.id.clone(), self.cfg.membership.clone(), now);
+        let incarnation = first_incarnation(node.inc);
+        node.member = MemberState::joining(node.id.clone(), self.cfg.membership.clone(), now, incarnation);
         node.leader_peer = false;
         node.conn = None;
         node.connecting = false;

@@ -377,6 +377,7 @@ impl<'a> World<'a> {
                     cfg.membership.clone(),
                     std::time::Duration::ZERO,
                     view.clone(),
+                    super::node::first_incarnation(0),
                 ),
                 leader_peer: true,
                 conn: None,

@@ -8,8 +8,10 @@ use super::{Epoch, MembershipConfig, NodeId, View};
 pub enum MembershipEvent {
     /// A node says it is alive and acting on the view of `epoch`.
     Heartbeat { from: NodeId, epoch: Epoch },
-    /// A node asks to become a member (first start, restart, or after being fenced).
-    JoinRequest { from: NodeId },
+    /// A node asks to become a member (first start, restart, or after being fenced). `incarnation` names
+    /// the node's membership (see [`super::MemberState`]: picked at process start, bumped by every
+    /// fence); `None` from a node that does not say (any join from a member is then a restart).
+    JoinRequest { from: NodeId, incarnation: Option<u64> },
     /// A member leaves cleanly (SIGTERM drain): removed without a failure.
     Leave { from: NodeId },
     /// The transport lost its connection to the node.
@@ -40,8 +42,17 @@ pub enum MembershipAction {
     ViewChanged { view: View, changes: Vec<Change> },
     /// `node` acted on `stale_epoch` but is not a member: refuse its message and tell it to rejoin.
     Fence { node: NodeId, stale_epoch: Epoch, current: Epoch },
-    /// Member `node` is still on an older epoch (the view message was lost or is late): send it the view.
+    /// Member `node` is still on an older epoch (the view message was lost or is late), or asked to join
+    /// again before the view admitting it arrived: send it the view.
     SendView { node: NodeId, view: View },
+}
+
+/// A node waiting to be admitted.
+#[derive(Debug)]
+struct Joiner {
+    /// When it last asked (or sent a heartbeat).
+    asked: Duration,
+    incarnation: Option<u64>,
 }
 
 /// The authoritative membership, held by the job controller.
@@ -50,8 +61,11 @@ pub struct Membership {
     config: MembershipConfig,
     view: View,
     last_seen: BTreeMap<NodeId, Duration>,
-    /// Nodes asking to join, with when they last asked.
-    joining: BTreeMap<NodeId, Duration>,
+    /// The incarnation each member was admitted with (members of the first view, or joiners that did not
+    /// say, have none).
+    incarnations: BTreeMap<NodeId, u64>,
+    /// Nodes asking to join.
+    joining: BTreeMap<NodeId, Joiner>,
     changes: Vec<Change>,
     admitted: BTreeSet<NodeId>,
     actions: VecDeque<MembershipAction>,
@@ -73,6 +87,7 @@ impl Membership {
             config,
             view,
             last_seen,
+            incarnations: BTreeMap::new(),
             joining: BTreeMap::new(),
             changes: Vec::new(),
             admitted: BTreeSet::new(),
@@ -103,18 +118,27 @@ impl Membership {
                             .push_back(MembershipAction::SendView { node: from.clone(), view: self.view.clone() });
                     }
                     self.last_seen.insert(from, now);
-                } else if let Some(asked) = self.joining.get_mut(&from) {
-                    *asked = now;
+                } else if let Some(joiner) = self.joining.get_mut(&from) {
+                    joiner.asked = now;
                 } else {
                     let current = self.view.epoch;
                     self.actions.push_back(MembershipAction::Fence { node: from, stale_epoch: epoch, current });
                 }
             }
-            MembershipEvent::JoinRequest { from } => {
-                if self.view.contains(&from) {
-                    self.remove(&from, Change::Restarted(from.clone()));
+            MembershipEvent::JoinRequest { from, incarnation } => {
+                let admitted = self.incarnations.get(&from).copied();
+                if self.view.contains(&from) && incarnation.is_some() && incarnation == admitted {
+                    // The same incarnation asked again before the view admitting it arrived (a join is
+                    // resent every heartbeat interval until then): a duplicate, not a restart. It is alive;
+                    // it is sent the view again.
+                    self.last_seen.insert(from.clone(), now);
+                    self.actions.push_back(MembershipAction::SendView { node: from, view: self.view.clone() });
+                } else {
+                    if self.view.contains(&from) {
+                        self.remove(&from, Change::Restarted(from.clone()));
+                    }
+                    self.joining.insert(from, Joiner { asked: now, incarnation });
                 }
-                self.joining.insert(from, now);
             }
             MembershipEvent::Leave { from } => {
                 self.joining.remove(&from);
@@ -145,7 +169,7 @@ impl Membership {
         for (node, silence) in silent {
             self.remove(&node, Change::Failed { node: node.clone(), silent_ms: silence.as_millis() as u64 });
         }
-        self.joining.retain(|_, asked| now.saturating_sub(*asked) < timeout);
+        self.joining.retain(|_, joiner| now.saturating_sub(joiner.asked) < timeout);
         self.commit();
     }
 
@@ -160,12 +184,16 @@ impl Membership {
 
     fn remove(&mut self, node: &NodeId, change: Change) {
         self.last_seen.remove(node);
+        self.incarnations.remove(node);
         self.changes.push(change);
     }
 
     fn admit_joiners(&mut self, now: Duration) {
-        for (node, _) in std::mem::take(&mut self.joining) {
+        for (node, joiner) in std::mem::take(&mut self.joining) {
             self.last_seen.insert(node.clone(), now);
+            if let Some(incarnation) = joiner.incarnation {
+                self.incarnations.insert(node.clone(), incarnation);
+            }
             self.admitted.insert(node.clone());
             self.changes.push(Change::Joined(node));
         }
@@ -186,6 +214,7 @@ impl Membership {
 
 #[cfg(test)]
 mod tests {
+    use super::super::{MemberAction, MemberState};
     use super::*;
 
     const MS: fn(u64) -> Duration = Duration::from_millis;
@@ -223,7 +252,7 @@ mod tests {
             view_change(&mut m),
             (View::new(Epoch(2), vec!["a".into(), "c".into()]), vec![Change::Left("b".into())])
         );
-        m.handle(MS(20), MembershipEvent::JoinRequest { from: "d".into() });
+        m.handle(MS(20), MembershipEvent::JoinRequest { from: "d".into(), incarnation: Some(1) });
         assert_eq!(m.poll_action(), None, "a joiner is not admitted mid-step");
         m.handle(MS(30), MembershipEvent::StepBoundary);
         let (view, changes) = view_change(&mut m);
@@ -240,11 +269,118 @@ mod tests {
             m.poll_action(),
             Some(MembershipAction::Fence { node: "zombie".into(), stale_epoch: Epoch(1), current: Epoch(1) })
         );
-        m.handle(MS(20), MembershipEvent::JoinRequest { from: "c".into() });
+        m.handle(MS(20), MembershipEvent::JoinRequest { from: "c".into(), incarnation: Some(1) });
         assert_eq!(view_change(&mut m).1, vec![Change::Restarted("c".into())]);
         m.handle(MS(30), MembershipEvent::StepBoundary);
         let (view, _) = view_change(&mut m);
         assert_eq!((view.epoch, view.len()), (Epoch(3), 3));
+    }
+
+    /// Takes the messages of `queue` due at `now`, in order.
+    fn due<T>(queue: &mut Vec<(Duration, T)>, now: Duration) -> Vec<T> {
+        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(queue).into_iter().partition(|(at, _)| *at <= now);
+        *queue = later;
+        due.into_iter().map(|(_, message)| message).collect()
+    }
+
+    /// Seed 70368 of the chaos simulation: a joiner resends its `Join` every heartbeat interval until a
+    /// view admits it; over a link slower than that interval, a resent `Join` reaches the controller
+    /// after the admission. Taken for a restart, it removed the new member again (and again: the view
+    /// flapped), and a late job message of the node was accepted for a membership it no longer had.
+    /// Here a joiner on a 459 ms link, its `MemberState` and the controller in virtual time: it is
+    /// admitted once and stays a member; each resent join is answered with the view.
+    #[test]
+    fn a_join_resent_before_the_admitting_view_arrived_is_not_a_restart() {
+        /// What the controller sends node d.
+        enum Down {
+            View(View),
+            Fence(Epoch),
+        }
+        let config = MembershipConfig::default();
+        let mut m = three();
+        let mut d = MemberState::joining("d".into(), config, MS(0), 7);
+        let link = MS(459);
+        let mut to_controller: Vec<(Duration, MembershipEvent)> = Vec::new();
+        let mut to_node: Vec<(Duration, Down)> = Vec::new();
+        let mut views = Vec::new();
+        for t in (0..3000).map(MS) {
+            d.handle_timeout(t);
+            while let Some(action) = d.poll_action() {
+                let event = match action {
+                    MemberAction::SendJoinRequest { incarnation } => {
+                        MembershipEvent::JoinRequest { from: "d".into(), incarnation: Some(incarnation) }
+                    }
+                    MemberAction::SendHeartbeat { epoch } => MembershipEvent::Heartbeat { from: "d".into(), epoch },
+                    MemberAction::AdoptView(_) | MemberAction::Fenced { .. } | MemberAction::ControllerLost { .. } => {
+                        continue
+                    }
+                };
+                to_controller.push((t + link, event));
+            }
+            for event in due(&mut to_controller, t) {
+                m.handle(t, event);
+            }
+            for n in ["a", "b", "c"] {
+                m.handle(t, MembershipEvent::Heartbeat { from: n.into(), epoch: m.epoch() });
+            }
+            if t.as_millis() % 100 == 0 {
+                m.handle(t, MembershipEvent::StepBoundary);
+            }
+            while let Some(action) = m.poll_action() {
+                match action {
+                    MembershipAction::ViewChanged { view, changes } => {
+                        views.push(changes);
+                        if view.contains(&"d".into()) {
+                            to_node.push((t + link, Down::View(view)));
+                        }
+                    }
+                    MembershipAction::SendView { view, .. } => to_node.push((t + link, Down::View(view))),
+                    MembershipAction::Fence { current, .. } => to_node.push((t + link, Down::Fence(current))),
+                }
+            }
+            for message in due(&mut to_node, t) {
+                match message {
+                    Down::View(view) => d.handle_view(t, view),
+                    Down::Fence(current) => d.handle_fence(t, current),
+                }
+            }
+        }
+        assert_eq!(views, vec![vec![Change::Joined("d".into())]], "admitted once, never removed");
+        assert_eq!(d.view().map(|v| v.epoch), Some(Epoch(2)));
+        assert_eq!(d.incarnation(), 7);
+    }
+
+    #[test]
+    fn a_join_from_a_member_with_another_or_no_incarnation_is_a_restart() {
+        let mut m = three();
+        m.handle(MS(10), MembershipEvent::JoinRequest { from: "d".into(), incarnation: Some(7) });
+        m.handle(MS(20), MembershipEvent::StepBoundary);
+        assert_eq!(view_change(&mut m).1, vec![Change::Joined("d".into())]);
+        // The same incarnation again: a duplicate.
+        m.handle(MS(30), MembershipEvent::JoinRequest { from: "d".into(), incarnation: Some(7) });
+        assert_eq!(m.poll_action(), Some(MembershipAction::SendView { node: "d".into(), view: m.view().clone() }));
+        // Fenced since (one more) or restarted (another number): the old membership is gone.
+        m.handle(MS(40), MembershipEvent::JoinRequest { from: "d".into(), incarnation: Some(8) });
+        assert_eq!(view_change(&mut m).1, vec![Change::Restarted("d".into())]);
+        m.handle(MS(50), MembershipEvent::StepBoundary);
+        assert_eq!(view_change(&mut m).1, vec![Change::Joined("d".into())]);
+        // A node that does not say which incarnation it is: every join of a member is a restart.
+        m.handle(MS(60), MembershipEvent::JoinRequest { from: "d".into(), incarnation: None });
+        assert_eq!(view_change(&mut m).1, vec![Change::Restarted("d".into())]);
+        // Members of the first view were admitted with no incarnation known.
+        m.handle(MS(70), MembershipEvent::JoinRequest { from: "a".into(), incarnation: Some(8) });
+        assert_eq!(view_change(&mut m).1, vec![Change::Restarted("a".into())]);
+    }
+
+    #[test]
+    fn a_fence_starts_a_new_incarnation() {
+        let config = MembershipConfig::default();
+        let view = View::new(Epoch(1), vec!["a".into(), "d".into()]);
+        let mut d = MemberState::member("d".into(), config, MS(0), view, 7);
+        d.handle_fence(MS(10), Epoch(2));
+        assert_eq!(d.poll_action(), Some(MemberAction::Fenced { current: Epoch(2) }));
+        assert_eq!(d.poll_action(), Some(MemberAction::SendJoinRequest { incarnation: 8 }));
+        assert_eq!(d.incarnation(), 8);
     }
 
     #[test]
@@ -266,7 +402,7 @@ mod tests {
                 m.handle(MS(t), MembershipEvent::Heartbeat { from: n.into(), epoch: Epoch(1) });
             }
         }
-        m.handle(MS(100), MembershipEvent::JoinRequest { from: "d".into() });
+        m.handle(MS(100), MembershipEvent::JoinRequest { from: "d".into(), incarnation: Some(1) });
         m.handle_timeout(MS(1700));
         m.handle(MS(1700), MembershipEvent::StepBoundary);
         assert_eq!(m.poll_action(), None);

@@ -9,7 +9,10 @@ pub enum MemberAction {
     SendHeartbeat {
         epoch: Epoch,
     },
-    SendJoinRequest,
+    /// Ask the controller to join, naming this membership's incarnation (see [`MemberState::incarnation`]).
+    SendJoinRequest {
+        incarnation: u64,
+    },
     /// A newer view arrived: re-rank, abort work of older epochs.
     AdoptView(View),
     /// This node was removed (fenced or absent from a new view): drop all job state and rejoin.
@@ -33,6 +36,7 @@ enum Status {
 pub struct MemberState {
     id: NodeId,
     config: MembershipConfig,
+    incarnation: u64,
     status: Status,
     view: Option<View>,
     last_heard: Duration,
@@ -42,11 +46,14 @@ pub struct MemberState {
 }
 
 impl MemberState {
-    /// A node that starts by asking to join at `now`.
-    pub fn joining(id: NodeId, config: MembershipConfig, now: Duration) -> Self {
+    /// A node that starts by asking to join at `now`. `incarnation` must differ from any an earlier
+    /// process of this node used (a random number, say): the controller takes a join carrying the
+    /// incarnation it admitted for a duplicate, and any other for a restart.
+    pub fn joining(id: NodeId, config: MembershipConfig, now: Duration, incarnation: u64) -> Self {
         Self {
             id,
             config,
+            incarnation,
             status: Status::Joining,
             view: None,
             last_heard: now,
@@ -57,8 +64,8 @@ impl MemberState {
     }
 
     /// A node that is a member of `view` from the start.
-    pub fn member(id: NodeId, config: MembershipConfig, now: Duration, view: View) -> Self {
-        let mut state = Self::joining(id, config, now);
+    pub fn member(id: NodeId, config: MembershipConfig, now: Duration, view: View, incarnation: u64) -> Self {
+        let mut state = Self::joining(id, config, now, incarnation);
         state.status = Status::Member;
         state.view = Some(view);
         state
@@ -70,6 +77,12 @@ impl MemberState {
 
     pub fn epoch(&self) -> Option<Epoch> {
         self.view().map(|v| v.epoch)
+    }
+
+    /// Names this membership of the node: the process's starting value, plus one per fence (a fenced node
+    /// aborted its attempts, so it rejoins as a new member, not as the one the controller removed).
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
     }
 
     /// The controller sent a view.
@@ -105,7 +118,7 @@ impl MemberState {
         if now >= self.next_send {
             self.actions.push_back(match (self.status, &self.view) {
                 (Status::Member, Some(view)) => MemberAction::SendHeartbeat { epoch: view.epoch },
-                _ => MemberAction::SendJoinRequest,
+                _ => MemberAction::SendJoinRequest { incarnation: self.incarnation },
             });
             self.next_send = now + self.config.heartbeat_interval();
         }
@@ -131,7 +144,8 @@ impl MemberState {
     fn fence(&mut self, current: Epoch) {
         self.status = Status::Joining;
         self.view = None;
+        self.incarnation = self.incarnation.wrapping_add(1);
         self.actions.push_back(MemberAction::Fenced { current });
-        self.actions.push_back(MemberAction::SendJoinRequest);
+        self.actions.push_back(MemberAction::SendJoinRequest { incarnation: self.incarnation });
     }
 }

@@ -8,9 +8,12 @@
 //!   node id). Members are declared dead after `failure_timeout_ms` of silence (or at once when their
 //!   connection is lost); every batch of changes at one instant bumps the epoch exactly once. Joiners wait
 //!   for the next step boundary. A message from a node that is not in the view is answered with a fence;
-//!   a heartbeat from a member on an older epoch is answered with the current view (views may be lost).
+//!   a heartbeat from a member on an older epoch is answered with the current view (views may be lost),
+//!   and so is a join from a member carrying the incarnation it was admitted with (a join resent before
+//!   the admitting view arrived); a join with another incarnation is a restart.
 //! - [`MemberState`], held by every node: sends heartbeats every `heartbeat_interval_ms`, adopts newer
-//!   views, notices when the controller has gone silent, and, once fenced, asks to rejoin as a new member.
+//!   views, notices when the controller has gone silent, and, once fenced, asks to rejoin as a new member
+//!   (a new incarnation).
 
 mod config;
 mod controller;

@@ -91,7 +91,7 @@ impl Sim {
             .zip(faults)
             .map(|(id, &fault)| Node {
                 id: id.clone(),
-                state: MemberState::member(id.clone(), self.config.clone(), Duration::ZERO, start.clone()),
+                state: MemberState::member(id.clone(), self.config.clone(), Duration::ZERO, start.clone(), 0),
                 fault,
                 inbox: Vec::new(),
             })
@@ -160,7 +160,9 @@ impl Sim {
                         MemberAction::SendHeartbeat { epoch } => {
                             MembershipEvent::Heartbeat { from: node.id.clone(), epoch }
                         }
-                        MemberAction::SendJoinRequest => MembershipEvent::JoinRequest { from: node.id.clone() },
+                        MemberAction::SendJoinRequest { incarnation } => {
+                            MembershipEvent::JoinRequest { from: node.id.clone(), incarnation: Some(incarnation) }
+                        }
                         MemberAction::AdoptView(_)
                         | MemberAction::Fenced { .. }
                         | MemberAction::ControllerLost { .. } => continue,
