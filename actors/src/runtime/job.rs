@@ -8,7 +8,7 @@
 //! the attempt and starts a new one on the new ranks from the last committed step: nothing is applied
 //! half-way, so the run continues on the fault-free trajectory.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -78,6 +78,14 @@ pub struct JobDriver {
     /// Every node ever asked to prepare an attempt: each may hold the job's state (a rank that became a
     /// spare keeps it), so each is told to release it when the job ends.
     prepared_nodes: BTreeSet<NodeId>,
+    /// The newest view and its members' info.
+    view: Option<(View, Vec<MemberInfo>)>,
+    /// The most advanced committed step each slot may hold for this job: what it said in its last
+    /// `Ready`, raised to every step committed while it is a rank (an upper bound: a commit may not reach
+    /// it, and a node that restarted since holds nothing). A rank that became a spare keeps its state
+    /// (a fenced node keeps the state of the jobs the controller still runs), and may be ahead of the
+    /// ranks after a rollback that happened while it was away.
+    held: BTreeMap<RankSlot, u64>,
     /// A restarted controller's job, until it resumes.
     resume: Option<Resume>,
     /// A restarted controller's job until its first attempt starts: the last recorded commit may have
@@ -169,6 +177,8 @@ impl JobDriver {
             last_commit_at: Duration::ZERO,
             waiting: None,
             prepared_nodes: BTreeSet::new(),
+            view: None,
+            held: BTreeMap::new(),
             resume: None,
             commit_maybe_undelivered: false,
             actions: VecDeque::new(),
@@ -249,6 +259,7 @@ impl JobDriver {
             return;
         }
         self.epoch = view.epoch.0;
+        self.view = Some((view.clone(), members.to_vec()));
         if let Some(resume) = &mut self.resume {
             resume.view = Some((view.clone(), members.to_vec()));
             if resume.expect.iter().all(|n| view.contains(n)) {
@@ -351,6 +362,29 @@ impl JobDriver {
         }
     }
 
+    /// When the ranks of an attempt hold at most `best`, short of the committed step: the ranks of an
+    /// attempt that includes the spares of the view (slots outside `ranks`) that may hold the most
+    /// advanced state above `best` — not one of a step a `StateLost` made every rank drop. None when
+    /// no spare may hold more, and for jobs whose ranks hold parts of the state (ZeRO shards, pipeline
+    /// stages): one spare's part of a step is no use without the others', and the attempt would end in
+    /// `StateLost`.
+    fn ranks_with_a_more_advanced_spare(&self, best: u64, ranks: &[RankSlot]) -> Option<Vec<RankSlot>> {
+        let parallel = &self.spec.config.parallel;
+        if parallel.pp > 1 || parallel.shard != "none" {
+            return None;
+        }
+        let (view, members) = self.view.as_ref()?;
+        let every_slot = plan_ranks(view, members, 0, 0, 1, &[]);
+        let spares: Vec<RankSlot> = every_slot.into_iter().filter(|s| !ranks.contains(s)).collect();
+        let may_hold = |s: &RankSlot| {
+            self.held.get(s).copied().filter(|&h| h > best && self.discard_from.is_none_or(|from| h < from))
+        };
+        let most = spares.iter().filter_map(may_hold).max()?;
+        let holders: Vec<RankSlot> = spares.into_iter().filter(|s| may_hold(s) == Some(most)).collect();
+        let planned = plan_ranks(view, members, self.spec.config.elastic.max_nodes, self.max_ranks(), 1, &holders);
+        planned.iter().any(|r| holders.contains(r)).then_some(planned)
+    }
+
     fn rank_of(&self, node: &NodeId, slot: u32) -> Option<usize> {
         self.ranks().iter().position(|r| &r.node == node && r.slot == slot)
     }
@@ -370,12 +404,21 @@ impl JobDriver {
         let Some(rank) = self.rank_of(node, slot) else { return };
         let Phase::Preparing { ranks, ready } = &mut self.phase else { return };
         ready[rank] = Some((addr, committed));
+        self.held.insert(RankSlot { node: node.clone(), slot }, committed.unwrap_or(0));
         if ready.iter().any(Option::is_none) {
             return;
         }
         let ranks = std::mem::take(ranks);
         let ready: Vec<(SocketAddr, Option<u64>)> = ready.iter().map(|r| r.expect("all ready")).collect();
         let best = ready.iter().map(|r| r.1.unwrap_or(0)).max().unwrap_or(0);
+        if best < self.committed {
+            if let Some(better) = self.ranks_with_a_more_advanced_spare(best, &ranks) {
+                // Rather than roll back (or fail for want of a checkpoint), ask the spares that may hold
+                // more: the next attempt includes them, and their `Ready` says what they hold.
+                self.abort(&ranks, "a spare may hold a more advanced state");
+                return self.start_attempt(better);
+            }
+        }
         // After a controller restart, ranks one step behind its record did vote for that step but never
         // heard its `Commit`: they redo it (the same bits), which is a rollback by one step, not a loss.
         let undelivered = std::mem::take(&mut self.commit_maybe_undelivered) && best + 1 == self.committed;
@@ -395,6 +438,9 @@ impl JobDriver {
             ranks.iter().zip(&ready).map(|(r, (addr, _))| PeerInfo { name: r.node.0.clone(), addr: *addr }).collect();
         let msg = Wire::Start { job: self.id, attempt: self.attempt, roster, source };
         self.send_all(&ranks, &msg);
+        for r in &ranks {
+            self.held.insert(r.clone(), best);
+        }
         self.committed = best;
         self.state = JobState::Running;
         self.last_commit_at = now;
@@ -432,6 +478,9 @@ impl JobDriver {
         let tokens = (train.global_batch * self.spec.config.model.context) as f64;
         self.send_all(&ranks, &Wire::Commit { job: self.id, attempt, step, lr_hint: lr });
         self.committed = step + 1;
+        for r in &ranks {
+            self.held.insert(r.clone(), self.committed);
+        }
         self.last_loss = Some(loss);
         self.failed_attempts = 0;
         self.discard_from = None;
@@ -807,6 +856,82 @@ mod tests {
         d.on_view(&v, &m, vec!["b failed".into()]);
         let actions = drain(&mut d);
         assert!(sent(&actions).iter().any(|(n, w)| n == "a" && matches!(w, Wire::Prepare { attempt: 2, .. })));
+    }
+
+    /// Found by the deterministic simulation (troupe-chaos, seed 76936): with `max_ranks` 1, the only
+    /// rank "a" (step 5) was lost and the job rolled back to the checkpoint on the spare "b"; "a" came
+    /// back fenced, keeping its state, as a spare. When "b" then failed, the next attempt asked only "b"
+    /// (its restarted worker holds nothing) and rolled back again — without a checkpoint.dir the job
+    /// would have failed for a lost state — while the spare "a" held step 5. Now the spare that may hold
+    /// more is asked first, and the job resumes from its state.
+    #[test]
+    fn under_the_cap_a_spare_that_may_hold_a_more_advanced_state_is_asked_before_rolling_back() {
+        let mut s = spec(10);
+        s.config.parallel.dp = 1;
+        s.config.checkpoint.dir = Some("ckpt".into());
+        let mut d = JobDriver::new(1, s);
+        started(&mut d, 1, &["a", "b"], &[0]);
+        for step in 0..5 {
+            d.on_vote(T, &"a".into(), 1, 0, step, figures(5.0, 1.0, 0));
+        }
+        drain(&mut d);
+        let (v, m) = view(2, &["b"]);
+        d.on_view(&v, &m, vec!["a's connection was lost".into()]);
+        drain(&mut d);
+        d.on_ready(T, &"b".into(), 2, 0, addr(2), Some(0));
+        let actions = drain(&mut d);
+        assert!(events(&actions).contains(&&JobEvent::RolledBack { from_step: 5, to_step: 0 }), "nobody holds more");
+        for step in 0..2 {
+            d.on_vote(T, &"b".into(), 2, 0, step, figures(5.0, 1.0, 0));
+        }
+        let (v, m) = view(3, &["a", "b"]);
+        d.on_view(&v, &m, vec!["a joined".into()]);
+        drain(&mut d);
+        assert_eq!((d.info().attempts, d.info().step), (2, 2), "the attempt on b goes on");
+
+        d.on_ended(&"b".into(), 2, 0, AttemptOutcome::Failed { step: 0, reason: "worker panicked".into() });
+        drain(&mut d);
+        d.on_ready(T, &"b".into(), 3, 0, addr(2), Some(0));
+        let actions = drain(&mut d);
+        assert!(events(&actions).is_empty(), "no rollback: {actions:?}");
+        let sent = sent(&actions);
+        assert!(
+            matches!(sent[..], [(ref n, Wire::Abort { attempt: 3, .. }), (ref a, Wire::Prepare { attempt: 4, ref ranks, .. })]
+            if n == "b" && a == "a" && ranks == &[RankSlot { node: "a".into(), slot: 0 }]),
+            "{sent:?}"
+        );
+        d.on_ready(T, &"a".into(), 4, 0, addr(1), Some(5));
+        let actions = drain(&mut d);
+        assert!(matches!(events(&actions)[..], [JobEvent::Recovered { step: 5, .. }]), "{actions:?}");
+        assert_eq!(d.info().step, 5);
+    }
+
+    /// A spare that was asked and holds no more than the ranks is not asked again: the job rolls back.
+    #[test]
+    fn a_spare_that_holds_no_more_after_all_does_not_stop_the_rollback() {
+        let mut s = spec(10);
+        s.config.parallel.dp = 1;
+        s.config.checkpoint.dir = Some("ckpt".into());
+        let mut d = JobDriver::new(1, s);
+        started(&mut d, 1, &["a", "b"], &[0]);
+        for step in 0..5 {
+            d.on_vote(T, &"a".into(), 1, 0, step, figures(5.0, 1.0, 0));
+        }
+        let (v, m) = view(2, &["b"]);
+        d.on_view(&v, &m, vec![]);
+        d.on_ready(T, &"b".into(), 2, 0, addr(2), Some(0));
+        d.on_vote(T, &"b".into(), 2, 0, 0, figures(5.0, 1.0, 0));
+        let (v, m) = view(3, &["a", "b"]);
+        d.on_view(&v, &m, vec![]);
+        d.on_ended(&"b".into(), 2, 0, AttemptOutcome::Failed { step: 0, reason: "worker panicked".into() });
+        drain(&mut d);
+        d.on_ready(T, &"b".into(), 3, 0, addr(2), Some(0));
+        drain(&mut d);
+        // "a" restarted meanwhile: it holds nothing (a fresh model, step 0).
+        d.on_ready(T, &"a".into(), 4, 0, addr(1), Some(0));
+        let actions = drain(&mut d);
+        assert!(events(&actions).contains(&&JobEvent::RolledBack { from_step: 1, to_step: 0 }), "{actions:?}");
+        assert!(matches!(sent(&actions)[..], [(_, Wire::Start { attempt: 4, .. })]), "{actions:?}");
     }
 
     /// Found by the deterministic simulation (troupe-chaos): the job's end released only the ranks of
