@@ -102,3 +102,57 @@ async fn every_malformed_frame_closes_its_connection_and_the_listener_keeps_serv
         assert_eq!(got.to_vec(), vec![i as u8; 16]);
     }
 }
+
+/// The fuzz target's seed corpus: valid frames of every kind, so that mutations start past the header
+/// CRC (random bytes almost never pass it, and the payload and control-message paths stay unexplored).
+fn fuzz_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    let tag = Tag { group: 3, epoch: 7, seq: 11, step: 2 };
+    let data = |len: usize, frame_max: u32| {
+        let payload = Bytes::from((0..len).map(|i| (i * 31 % 251) as u8).collect::<Vec<u8>>());
+        frame_message(tag, payload, frame_max).unwrap().concat()
+    };
+    let hello = frame_control(FrameKind::Hello, &ControlMessage::Hello { node: "node-a".into(), rank: 1, world: 4 });
+    let goodbye = frame_control(FrameKind::Control, &ControlMessage::Goodbye { rank: 1 });
+    let abort =
+        frame_control(FrameKind::Control, &ControlMessage::Abort { epoch: 7, seq: 11, reason: "peer lost".into() });
+    let introduce = |role| frame_control(FrameKind::Control, &ControlMessage::Introduce { node: "node-b".into(), role });
+    vec![
+        ("hello", hello.to_vec()),
+        ("goodbye", goodbye.to_vec()),
+        ("abort", abort.to_vec()),
+        ("introduce-node", introduce(troupe_cluster::wire::PeerRole::Node).to_vec()),
+        ("introduce-client", introduce(troupe_cluster::wire::PeerRole::Client).to_vec()),
+        ("data-empty", data(0, 1 << 20)),
+        ("data-64", data(64, 1 << 20)),
+        ("data-3-parts", data(3000, 1024)),
+        ("stream", [hello.to_vec(), data(100, 1 << 20), abort.to_vec(), goodbye.to_vec()].concat()),
+    ]
+}
+
+fn fuzz_seeds_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds")
+}
+
+/// Regenerates cluster/fuzz/seeds: `cargo test -p troupe-cluster --test malformed_frames
+/// write_fuzz_seeds -- --ignored` (after a change to the wire format; the test below says when).
+#[test]
+#[ignore]
+fn write_fuzz_seeds() {
+    let dir = fuzz_seeds_dir();
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, bytes) in fuzz_seeds() {
+        std::fs::write(dir.join(name), bytes).unwrap();
+    }
+}
+
+#[test]
+fn the_committed_fuzz_seeds_are_the_current_wire_format() {
+    for (name, bytes) in fuzz_seeds() {
+        let path = fuzz_seeds_dir().join(name);
+        let committed = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        assert_eq!(committed, bytes, "{name} is stale: regenerate with `-- --ignored write_fuzz_seeds`");
+        // With the limits the fuzz target decodes under.
+        let frames = troupe_cluster::wire::decode_frames(&committed, 1 << 20, 64).unwrap();
+        assert!(!frames.is_empty(), "{name}");
+    }
+}

@@ -1,5 +1,7 @@
 //! Any bytes into the frame decoder: it must return frames or an error — never panic, never allocate
-//! what a header states. Run: `cd cluster/fuzz && cargo fuzz run decode_frames -- -max_total_time=120`.
+//! what a header states. Run from cluster/fuzz:
+//! `cargo +nightly fuzz run decode_frames corpus/decode_frames seeds -- -max_total_time=120`
+//! (`seeds/`: valid frames of every kind, written by cluster/tests/malformed_frames.rs).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
