@@ -28,6 +28,16 @@ fn comm(t: &Arc<SameHostTransport>, c: &TransportConfig) -> Communicator<SameHos
     Communicator::new(t.clone(), 0, 1, CollectiveConfig::from(c))
 }
 
+type Comm = Communicator<SameHostTransport>;
+
+/// Two connected ranks' communicators, in the arena.
+async fn two_ranks(c: &TransportConfig) -> (tempfile::TempDir, Comm, Comm) {
+    let (dir, t0, t1) = pair(c.clone(), c.clone()).await;
+    let (c0, c1) = (comm(&t0, c), comm(&t1, c));
+    assert!(c0.uses_shared_memory() && c1.uses_shared_memory());
+    (dir, c0, c1)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn collectives_run_in_the_arena_and_leave_nothing_in_dev_shm() {
     let c = config(64 << 10);
@@ -86,8 +96,7 @@ async fn ranks_that_disagree_on_the_slot_size_both_use_the_sockets() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mismatched_collectives_fail_instead_of_mixing_data() {
     let c = config(1 << 20);
-    let (_dir, t0, t1) = pair(c.clone(), c.clone()).await;
-    let (mut c0, mut c1) = (comm(&t0, &c), comm(&t1, &c));
+    let (_dir, mut c0, mut c1) = two_ranks(&c).await;
     let (mut a, mut b) = (vec![1f32; 100], vec![1f32; 101]);
     let (r0, r1) = tokio::join!(c0.all_reduce(&mut a, ReduceOp::Sum), c1.all_reduce(&mut b, ReduceOp::Sum));
     for r in [r0, r1] {
@@ -103,8 +112,7 @@ async fn mismatched_collectives_fail_instead_of_mixing_data() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abandoned_call_fails_the_peer_at_once_and_a_silent_peer_times_out() {
     let c = TransportConfig { collective_timeout_ms: 800, ..config(1 << 20) };
-    let (_dir, t0, t1) = pair(c.clone(), c.clone()).await;
-    let (mut c0, mut c1) = (comm(&t0, &c), comm(&t1, &c));
+    let (_dir, mut c0, mut c1) = two_ranks(&c).await;
     // Rank 1 is silent: rank 0's call fails with a timeout, not a hang.
     let mut a = vec![1f32; 1 << 20];
     let started = Instant::now();
@@ -132,8 +140,7 @@ async fn an_abandoned_call_fails_the_peer_at_once_and_a_silent_peer_times_out() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_dropped_mid_way_releases_the_peer() {
     let c = TransportConfig { collective_timeout_ms: 30_000, ..config(1 << 20) };
-    let (_dir, t0, t1) = pair(c.clone(), c.clone()).await;
-    let (mut c0, mut c1) = (comm(&t0, &c), comm(&t1, &c));
+    let (_dir, mut c0, mut c1) = two_ranks(&c).await;
     let mut a = vec![1f32; 1 << 20];
     // The step is aborted while rank 0 waits for rank 1: the future is dropped.
     assert!(tokio::time::timeout(Duration::from_millis(100), c0.all_reduce(&mut a, ReduceOp::Sum)).await.is_err());

@@ -858,14 +858,8 @@ mod tests {
         assert!(sent(&actions).iter().any(|(n, w)| n == "a" && matches!(w, Wire::Prepare { attempt: 2, .. })));
     }
 
-    /// Found by the deterministic simulation (troupe-chaos, seed 76936): with `max_ranks` 1, the only
-    /// rank "a" (step 5) was lost and the job rolled back to the checkpoint on the spare "b"; "a" came
-    /// back fenced, keeping its state, as a spare. When "b" then failed, the next attempt asked only "b"
-    /// (its restarted worker holds nothing) and rolled back again — without a checkpoint.dir the job
-    /// would have failed for a lost state — while the spare "a" held step 5. Now the spare that may hold
-    /// more is asked first, and the job resumes from its state.
-    #[test]
-    fn under_the_cap_a_spare_that_may_hold_a_more_advanced_state_is_asked_before_rolling_back() {
+    /// A job capped at one rank (dp 1, checkpoints on) that committed 5 steps on "a", "b" a spare.
+    fn five_steps_on_a_with_b_spare() -> JobDriver {
         let mut s = spec(10);
         s.config.parallel.dp = 1;
         s.config.checkpoint.dir = Some("ckpt".into());
@@ -874,6 +868,18 @@ mod tests {
         for step in 0..5 {
             d.on_vote(T, &"a".into(), 1, 0, step, figures(5.0, 1.0, 0));
         }
+        d
+    }
+
+    /// Found by the deterministic simulation (troupe-chaos, seed 76936): with `max_ranks` 1, the only
+    /// rank "a" (step 5) was lost and the job rolled back to the checkpoint on the spare "b"; "a" came
+    /// back fenced, keeping its state, as a spare. When "b" then failed, the next attempt asked only "b"
+    /// (its restarted worker holds nothing) and rolled back again — without a checkpoint.dir the job
+    /// would have failed for a lost state — while the spare "a" held step 5. Now the spare that may hold
+    /// more is asked first, and the job resumes from its state.
+    #[test]
+    fn under_the_cap_a_spare_that_may_hold_a_more_advanced_state_is_asked_before_rolling_back() {
+        let mut d = five_steps_on_a_with_b_spare();
         drain(&mut d);
         let (v, m) = view(2, &["b"]);
         d.on_view(&v, &m, vec!["a's connection was lost".into()]);
@@ -909,14 +915,7 @@ mod tests {
     /// A spare that was asked and holds no more than the ranks is not asked again: the job rolls back.
     #[test]
     fn a_spare_that_holds_no_more_after_all_does_not_stop_the_rollback() {
-        let mut s = spec(10);
-        s.config.parallel.dp = 1;
-        s.config.checkpoint.dir = Some("ckpt".into());
-        let mut d = JobDriver::new(1, s);
-        started(&mut d, 1, &["a", "b"], &[0]);
-        for step in 0..5 {
-            d.on_vote(T, &"a".into(), 1, 0, step, figures(5.0, 1.0, 0));
-        }
+        let mut d = five_steps_on_a_with_b_spare();
         let (v, m) = view(2, &["b"]);
         d.on_view(&v, &m, vec![]);
         d.on_ready(T, &"b".into(), 2, 0, addr(2), Some(0));
