@@ -115,7 +115,8 @@ fn fuzz_seeds() -> Vec<(&'static str, Vec<u8>)> {
     let goodbye = frame_control(FrameKind::Control, &ControlMessage::Goodbye { rank: 1 });
     let abort =
         frame_control(FrameKind::Control, &ControlMessage::Abort { epoch: 7, seq: 11, reason: "peer lost".into() });
-    let introduce = |role| frame_control(FrameKind::Control, &ControlMessage::Introduce { node: "node-b".into(), role });
+    let introduce =
+        |role| frame_control(FrameKind::Control, &ControlMessage::Introduce { node: "node-b".into(), role });
     vec![
         ("hello", hello.to_vec()),
         ("goodbye", goodbye.to_vec()),

@@ -91,3 +91,38 @@ fn sigkilled_rank_fails_the_others_over_quic_within_the_timeout() {
 fn sigkilled_rank_fails_the_others_over_the_same_host_transport() {
     sigkill_during_all_reduce(BenchTransport::Local);
 }
+
+/// A /dev/shm that cannot hold the segments (a container's small default, say): every rank says why,
+/// all fall back to the sockets together, and the collectives complete. Needs a private mount
+/// namespace (`unshare -m`, root); skipped with the reason otherwise.
+#[test]
+fn a_dev_shm_too_small_sends_every_rank_over_the_sockets() {
+    let script = format!(
+        "mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {} bench --world 3 --mib 4 --iters 2 --transport local --json",
+        exe().display()
+    );
+    let out = match std::process::Command::new("unshare")
+        .args(["-m", "--propagation", "private", "sh", "-c"])
+        .env("RUST_LOG", "warn")
+        .arg(&script)
+        .output()
+    {
+        Ok(out) => out,
+        Err(e) => {
+            eprintln!("SKIPPED a_dev_shm_too_small_sends_every_rank_over_the_sockets: no unshare ({e})");
+            return;
+        }
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() && stderr.contains("mount") {
+        eprintln!("SKIPPED a_dev_shm_too_small_sends_every_rank_over_the_sockets: cannot mount a private /dev/shm here (needs root): {stderr}");
+        return;
+    }
+    assert!(out.status.success(), "{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let report: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap();
+    assert_eq!(report["shared_memory"], false, "{stdout}");
+    assert!(report["busbw_GBps"].as_f64().unwrap() > 0.0, "{stdout}");
+    assert_eq!(stderr.matches("no shared-memory arena").count(), 3, "each rank says why: {stderr}");
+    assert!(stderr.contains("No space left on device"), "{stderr}");
+}

@@ -105,7 +105,9 @@ impl OwnSegment {
         let path = Path::new(SHM_DIR).join(format!("{SEGMENT_PREFIX}{}-{rank}-{nanos}", std::process::id()));
         let file = OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path)?;
         let len = segment_bytes(slot_bytes);
-        let segment = file.set_len(len as u64).and_then(|()| Mapping::of(&file, len));
+        // Allocated now, not on first touch: a /dev/shm that cannot hold the segment (a container's
+        // 64 MiB default, say) fails here with ENOSPC instead of killing the process with SIGBUS later.
+        let segment = allocate(&file, len).and_then(|()| Mapping::of(&file, len));
         match segment {
             Ok(mapping) => Ok(OwnSegment { path, mapping }),
             Err(e) => {
@@ -128,6 +130,14 @@ impl OwnSegment {
 impl Drop for OwnSegment {
     fn drop(&mut self) {
         self.unlink();
+    }
+}
+
+fn allocate(file: &File, len: usize) -> std::io::Result<()> {
+    // SAFETY: posix_fallocate on an open descriptor; it returns the error number instead of setting errno.
+    match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) } {
+        0 => Ok(()),
+        errno => Err(std::io::Error::from_raw_os_error(errno)),
     }
 }
 
