@@ -49,7 +49,7 @@ const SHM_DIR: &str = "/dev/shm";
 const SEGMENT_PREFIX: &str = "troupe-arena-";
 /// How long a waiter spins before it sleeps on the futex — when every rank can have a core; with more
 /// ranks than cores the peer waited for is likely not running, and spinning would only delay it.
-const SPIN: Duration = Duration::from_micros(30);
+const SPIN: Duration = Duration::from_micros(200);
 /// Longest single futex sleep: between sleeps the waiter checks for lost peers and the timeout, and
 /// yields to the async runtime (where a dropped future ends the call).
 const SLEEP: Duration = Duration::from_micros(500);
