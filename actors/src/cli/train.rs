@@ -60,8 +60,8 @@ pub struct TrainArgs {
     /// Address of a running cluster (without it: an embedded local cluster).
     #[arg(long, value_name = "ADDR")]
     pub cluster: Option<String>,
-    /// Transport of the gradients between daemons: auto (Unix sockets when every rank is on one host,
-    /// else QUIC) or quic.
+    /// Transport of the gradients between daemons: auto (shared memory and Unix sockets when every rank
+    /// is on one host, else QUIC) or quic.
     #[arg(long, value_parser = ["auto", "quic"], default_value = "auto")]
     pub data_plane: String,
     /// With --cluster: the certificate to present.

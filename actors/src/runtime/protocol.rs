@@ -86,7 +86,8 @@ pub struct JobSpec {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DataPlane {
-    /// Unix sockets when every rank is on one host, QUIC otherwise.
+    /// The same-host transport (collectives in shared memory, messages over Unix sockets) when every
+    /// rank is on one host, QUIC otherwise.
     #[default]
     Auto,
     /// Always the mutually-authenticated QUIC mesh.

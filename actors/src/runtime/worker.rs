@@ -435,7 +435,8 @@ fn spawn_writer(spec: &JobSpec, job: JobId, node: &ActorRef<NodeMsg>) -> Option<
 /// engine found it incomplete).
 ///
 /// The data plane: when every rank of the attempt is on this host (their data addresses share one IP),
-/// the same-host transport (Unix sockets in a private directory); otherwise the QUIC mesh.
+/// the same-host transport (Unix sockets in a private directory, collectives in its shared-memory
+/// arena); otherwise the QUIC mesh.
 async fn run_attempt(
     ctx: AttemptCtx,
     prepared: Prepared,
