@@ -138,43 +138,25 @@ pub async fn run(
         ShmOp::ReduceScatter(o) => reduce_blocks(&mut g, &layout, acc, o, Gather::Nobody).await?,
         ShmOp::AllGather => {
             for b in 0..layout.blocks {
-                let s = b % 2;
-                g.take_slot(s).await?;
-                let mine = layout.piece(me, b);
-                // SAFETY: our slot, taken for this block; peers read piece `me` only after we publish.
-                unsafe { g.own_slot(s)[layout.in_slot(me, mine.len())].copy_from_slice(&acc[mine]) };
-                let written = g.publish();
+                let written = write_block(&mut g, &layout, acc, b, std::iter::once(me)).await?;
                 g.wait_all(written).await?;
-                gather(&g, &layout, acc, b, (0..n).filter(|&q| q != me));
+                gather(&g, &layout, acc, b, (0..n).filter(|&q| q != me), |q| q);
                 let read = g.publish();
-                g.read_until(s, read);
+                g.read_until(b % 2, read);
             }
         }
         ShmOp::Broadcast(root) => {
             for b in 0..layout.blocks {
-                let s = b % 2;
                 if me == root {
-                    g.take_slot(s).await?;
-                    for q in 0..n {
-                        let p = layout.piece(q, b);
-                        // SAFETY: our slot, taken for this block; read by peers only after we publish.
-                        unsafe { g.own_slot(s)[layout.in_slot(q, p.len())].copy_from_slice(&acc[p]) };
-                    }
-                    g.publish();
+                    write_block(&mut g, &layout, acc, b, 0..n).await?;
                 } else {
                     let written = g.publish();
                     g.wait_for(root, written).await?;
-                    for q in 0..n {
-                        let p = layout.piece(q, b);
-                        // SAFETY: the root published its write and rewrites this slot only after we
-                        // publish the phase after.
-                        let src = unsafe { &g.slot(root, s)[layout.in_slot(q, p.len())] };
-                        acc[p].copy_from_slice(src);
-                    }
+                    gather(&g, &layout, acc, b, 0..n, |_| root);
                 }
                 let read = g.publish();
                 if me == root {
-                    g.read_until(s, read);
+                    g.read_until(b % 2, read);
                 }
             }
         }
@@ -190,12 +172,18 @@ enum Gather {
     Nobody,
 }
 
-/// Copies the pieces of block `b` that this rank does not own into its slot, once no peer reads that
-/// slot any more. Returns the phase that publishes the write.
-async fn write_block(g: &mut CallGuard<'_>, layout: &Layout, acc: &[f32], b: usize) -> Result<u32, ClusterError> {
-    let (me, s) = (g.arena().rank(), b % 2);
+/// Copies `pieces` of block `b` into this rank's slot, once no peer reads that slot any more. Returns
+/// the phase that publishes the write.
+async fn write_block(
+    g: &mut CallGuard<'_>,
+    layout: &Layout,
+    acc: &[f32],
+    b: usize,
+    pieces: impl Iterator<Item = Rank>,
+) -> Result<u32, ClusterError> {
+    let s = b % 2;
     g.take_slot(s).await?;
-    for q in (0..layout.n).filter(|&q| q != me) {
+    for q in pieces {
         let p = layout.piece(q, b);
         // SAFETY: our slot, taken for this block; peers read piece q only after the phase we publish.
         unsafe { g.own_slot(s)[layout.in_slot(q, p.len())].copy_from_slice(&acc[p]) };
@@ -216,7 +204,8 @@ async fn reduce_blocks(
     if layout.blocks == 0 {
         return Ok(());
     }
-    let mut written = write_block(g, layout, acc, 0).await?;
+    let others = move || (0..n).filter(move |&q| q != me);
+    let mut written = write_block(g, layout, acc, 0, others()).await?;
     for b in 0..layout.blocks {
         let s = b % 2;
         g.wait_all(written).await?;
@@ -231,14 +220,14 @@ async fn reduce_blocks(
         combine_in_rank_order(&mut acc[mine], me, &sources, result, op, n);
         let reduced = g.publish();
         if b + 1 < layout.blocks {
-            written = write_block(g, layout, acc, b + 1).await?;
+            written = write_block(g, layout, acc, b + 1, others()).await?;
         }
         let last_read = match gather_to {
             Gather::Nobody => reduced,
             Gather::Everyone | Gather::Root(_) => {
                 if gather_to == Gather::Everyone || gather_to == Gather::Root(me) {
                     g.wait_all(reduced).await?;
-                    gather(g, layout, acc, b, (0..n).filter(|&q| q != me));
+                    gather(g, layout, acc, b, others(), |q| q);
                 }
                 g.publish()
             }
@@ -248,14 +237,21 @@ async fn reduce_blocks(
     Ok(())
 }
 
-/// Copies piece q of block `b` from rank q's slot into `acc`, for each q in `from`.
-fn gather(g: &CallGuard<'_>, layout: &Layout, acc: &mut [f32], b: usize, from: impl Iterator<Item = Rank>) {
+/// Copies each of `pieces` of block `b` from the slot of the rank `holder(piece)` into `acc`.
+fn gather(
+    g: &CallGuard<'_>,
+    layout: &Layout,
+    acc: &mut [f32],
+    b: usize,
+    pieces: impl Iterator<Item = Rank>,
+    holder: impl Fn(Rank) -> Rank,
+) {
     let s = b % 2;
-    for q in from {
+    for q in pieces {
         let p = layout.piece(q, b);
-        // SAFETY: the caller waited for q's phase that wrote piece q; q rewrites it only after every
-        // rank completed this gather.
-        let src = unsafe { &g.slot(q, s)[layout.in_slot(q, p.len())] };
+        // SAFETY: the caller waited for the holder's phase that wrote the piece; it rewrites that slot
+        // only after every rank completed this gather.
+        let src = unsafe { &g.slot(holder(q), s)[layout.in_slot(q, p.len())] };
         acc[p].copy_from_slice(src);
     }
 }

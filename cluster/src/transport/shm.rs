@@ -556,9 +556,8 @@ impl CallGuard<'_> {
         }
         let a = &self.claim.arena;
         let slot = (self.claim.calls % CALL_RECORDS as u64) as usize;
-        let theirs: Vec<u64> =
-            (0..CALL_RECORD_WORDS).map(|w| a.call_word(q, slot, w).load(Ordering::Relaxed)).collect();
-        if theirs[..] != self.record.words()[..] {
+        let theirs: [u64; CALL_RECORD_WORDS] = std::array::from_fn(|w| a.call_word(q, slot, w).load(Ordering::Relaxed));
+        if theirs != self.record.words() {
             return Err(ClusterError::InvalidArgument {
                 rank: a.rank,
                 op: self.record.op,
