@@ -111,8 +111,14 @@ impl Nemesis {
             FaultKind::FillDisk => {
                 let dir = self.tmpfs.clone().context("fill-disk needs the checkpoints on a tmpfs")?;
                 let filler = dir.join(".chaos-filler");
-                fill(&filler)?;
-                tokio::time::sleep(Duration::from_secs_f64(fault.duration_s)).await;
+                // Kept full for the whole duration: space the job frees (retention deleting an old
+                // checkpoint) is taken again within milliseconds, else each new checkpoint could fit in
+                // the space of the one retention just deleted and none would fail.
+                let until = Instant::now() + Duration::from_secs_f64(fault.duration_s);
+                while Instant::now() < until {
+                    fill(&filler)?;
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
                 std::fs::remove_file(&filler).with_context(|| format!("removing {}", filler.display()))?;
                 injected.healed = Some(Instant::now());
             }
@@ -206,8 +212,12 @@ fn flip_a_byte(dir: &Path, salt: u64) -> anyhow::Result<PathBuf> {
 /// Writes to `path` until the filesystem is full.
 fn fill(path: &Path) -> anyhow::Result<()> {
     use std::io::Write;
-    let mut file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    let block = vec![0u8; 1 << 20];
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    let block = vec![0u8; 64 << 10];
     loop {
         match file.write(&block) {
             Ok(0) => return Ok(()),

@@ -22,7 +22,7 @@
 //! node = "random-worker"    # an index, "random-worker", or "all-workers"
 //! at_step = 8               # when the job has committed this step ...
 //! jitter_ms = 300           # ... plus a delay drawn from the seed in [0, jitter_ms] (mid-step)
-//! duration_s = 4.0          # pause: stopped this long; fill-disk: full this long
+//! duration_s = 4.0          # pause: stopped this long; fill-disk: kept full this long
 //! return_after_s = 3.0      # kill: the node's daemon starts again after this long (shrink, then grow)
 //! one_way = false           # partition: drop only what the node receives
 //! loss_percent = 5.0        # flaky-link: packets lost each way
