@@ -1,20 +1,25 @@
 //! ZeRO-1, ZeRO-2 and ZeRO-3 as message flows: the fp32 master parameters and AdamW moments are split
-//! into contiguous shards of the flat parameter vector, one per rank (the shard-owner's state), updated by
-//! the fused AdamW kernel of troupe-kernels. ZeRO-1/2 ranks hold the model for compute; ZeRO-3 ranks
+//! into contiguous shards of the flat parameter vector, one per rank, held by the rank's
+//! [`ShardOwnerActor`] (with its copies of its buddies' shards) and updated there by the fused AdamW
+//! kernel of troupe-kernels. ZeRO-1/2 ranks hold the model for compute; ZeRO-3 ranks
 //! hold none of it between steps and gather each unit's parameters just in time ([`super::zero3`]).
 //!
 //! A step: an all-gather of the masters refreshes every replica's parameters (when an update was applied
 //! since); each rank accumulates the gradient of its slice of the batch (as in DDP); the flat gradient is
 //! summed — all-reduced (ZeRO-1) or reduce-scattered so each rank receives only its shard (ZeRO-2, whose
 //! owners then send that shard to the ranks that shadow it); the global gradient norm is the sum of the
-//! shards' squared norms — then the rank votes. Once the step is committed each rank clips and updates its
-//! shard and its buddy copies, locally. Same samples, weights, clipping and AdamW as the reference, so the
+//! shards' squared norms, each owner's term computed by the owner the gradient is staged with — then the
+//! rank votes. Once the step is committed each owner clips and updates its shard and its buddy copies,
+//! locally. Same samples, weights, clipping and AdamW as the reference, so the
 //! oracle holds (DESIGN.md §4); and every shard's state lives on 1 + `replicas` ranks. ZeRO-3 differs
 //! only in how the step's gradient shard is computed; sync, buddies, the update and checkpoints are
 //! these.
 
 use std::ops::Range;
+use std::sync::Arc;
 
+use ractor::rpc::CallResult;
+use ractor::{Actor, ActorCell, ActorRef, RpcReplyPort};
 use tch::Tensor;
 use troupe_cluster::collective::{chunk_range, Collective, Communicator, ReduceOp};
 use troupe_cluster::transport::Transport;
@@ -34,6 +39,7 @@ use super::data_parallel::{broadcast_params, materialise_grads, ReducedStep};
 use super::flat::{append_flat, copy_from_flat};
 use super::memory::PersistentState;
 use super::reshard::{reshard, Held};
+use super::shard_owner::{OwnerArgs, OwnerUpdate, ShardOwnerActor, ShardOwnerMsg};
 use super::shard_plan::{buddies, held_ranges, shadow_holders, REPLICAS_MAX};
 use super::step_engine::EngineError;
 use super::zero3;
@@ -102,14 +108,17 @@ pub fn plan_segments(numels: &[usize], decays: &[bool], range: &Range<usize>) ->
     segments
 }
 
-/// One rank of a ZeRO-1/2/3 job: its own shard of the masters and moments, its copies of its buddies'
-/// shards (`replicas` of them, see [`super::shard_plan`]), and — ZeRO-1/2 only — a replica of the model
-/// for compute whose parameters are refreshed from the masters (all-gather) before each step's forward.
-/// A ZeRO-3 rank's model tensors are empty except after [`Self::refresh_params`] (`--save-final`).
+/// One rank of a ZeRO-1/2/3 job: the engine that runs its share of each step's compute and
+/// communication, its [`ShardOwnerActor`] — which holds its own shard of the masters and moments and its
+/// copies of its buddies' shards (`replicas` of them, see [`super::shard_plan`]) — and, ZeRO-1/2 only, a
+/// replica of the model for compute whose parameters are refreshed from the masters (all-gather) before
+/// each step's forward. A ZeRO-3 rank's model tensors are empty except after [`Self::refresh_params`]
+/// (`--save-final`).
 ///
 /// Life of an attempt: [`Self::adopt`] the committed state (no communication) → [`Self::sync`] (every
-/// rank describes what it holds; the state of the most advanced step is resharded to this world) → per
-/// step [`Self::reduce_gradients`] (vote) and, once committed, [`Self::apply_update`] → [`Self::into_state`].
+/// rank describes what it holds; the state of the most advanced step is resharded to this world, and the
+/// owner is spawned with it) → per step [`Self::reduce_gradients`] (vote) and, once committed,
+/// [`Self::apply_update`] → [`Self::into_state`] (the owner hands the state back and stops).
 pub struct ShardedReplica<T: Transport> {
     trainer: Trainer,
     comm: Communicator<T>,
@@ -118,18 +127,23 @@ pub struct ShardedReplica<T: Transport> {
     numels: Vec<usize>,
     decays: Vec<bool>,
     total: usize,
-    /// Before `sync`: what the rank held when the attempt began. After: its own shard, then its buddies'
-    /// in [`held_ranges`] order.
+    /// Before `sync`: what the rank held when the attempt began. After: empty (the owner holds it).
     pieces: Vec<ShardPiece>,
-    /// Per piece: the parameter segments it covers (decay or not).
-    segments: Vec<Vec<ShardSegment>>,
-    /// Per piece: the reduced gradient of the step in flight.
+    /// After `sync`: the ranges the owner holds, its own shard first, then its buddies' in
+    /// [`held_ranges`] order.
+    held: Vec<Range<usize>>,
+    /// The shard owner, once synced.
+    owner: Option<ActorRef<ShardOwnerMsg>>,
+    /// Where the owner is linked: the rank's WorkerActor (None: spawned unsupervised).
+    supervisor: Option<ActorCell>,
+    /// Per held piece: the reduced gradient of the step in flight (empty while the owner has them).
     grads: Vec<Vec<f32>>,
     flat: Vec<f32>,
     /// The replica's parameters lag the masters (an update was applied since the last all-gather).
     params_stale: bool,
     synced: bool,
-    /// `sync` found the state of the most advanced step incomplete: this rank's state is dropped.
+    /// `sync` found the state of the most advanced step incomplete, or the owner died: this rank's state
+    /// is dropped.
     lost: bool,
 }
 
@@ -140,13 +154,20 @@ impl<T: Transport> ShardedReplica<T> {
         let mut flat = Vec::new();
         materialise_grads(trainer.model.params());
         broadcast_params(&trainer, &mut comm, &mut flat).await?;
-        let mut replica = Self::adopt(CommittedState::Full(Box::new(trainer)), comm, mode, 0);
+        let mut replica = Self::adopt(CommittedState::Full(Box::new(trainer)), comm, mode, 0, None);
         replica.sync().await?;
         Ok(replica)
     }
 
-    /// Takes a rank's committed state for a new attempt. Nothing is sent: call [`Self::sync`] next.
-    pub fn adopt(state: CommittedState, comm: Communicator<T>, mode: ShardMode, replicas: usize) -> Self {
+    /// Takes a rank's committed state for a new attempt. Nothing is sent: call [`Self::sync`] next. The
+    /// shard owner will be linked under `supervisor` (the rank's WorkerActor).
+    pub fn adopt(
+        state: CommittedState,
+        comm: Communicator<T>,
+        mode: ShardMode,
+        replicas: usize,
+        supervisor: Option<ActorCell>,
+    ) -> Self {
         let (mut trainer, pieces) = match state {
             CommittedState::Sharded { trainer, pieces } => (*trainer, pieces),
             CommittedState::Full(trainer) => {
@@ -176,7 +197,9 @@ impl<T: Transport> ShardedReplica<T> {
             numels,
             decays,
             pieces,
-            segments: Vec::new(),
+            held: Vec::new(),
+            owner: None,
+            supervisor,
             grads: Vec::new(),
             flat: Vec::new(),
             params_stale: true,
@@ -203,24 +226,61 @@ impl<T: Transport> ShardedReplica<T> {
         &self.trainer
     }
 
-    /// What this rank keeps between steps, in elements (see [`PersistentState`]).
+    /// What this rank keeps between steps, in elements (see [`PersistentState`]): the owner's masters,
+    /// moments and gradient buffers, the engine's model replica and buffers.
     pub fn persistent_state(&self) -> PersistentState {
+        let held: usize = self.held().iter().map(Range::len).sum();
         let mut state = PersistentState::of_model(&self.trainer);
-        state.masters = self.pieces.iter().map(|p| p.master.len()).sum();
-        state.moments = self.pieces.iter().map(|p| p.exp_avg.len() + p.exp_avg_sq.len()).sum();
-        state.grads += self.grads.iter().map(Vec::len).sum::<usize>();
+        state.masters = held;
+        state.moments = 2 * held;
+        state.grads += held;
         state.buffers = self.flat.capacity();
         state
     }
 
     /// Elements of optimizer state (master params + two moments) this rank holds, buddy copies included.
     pub fn optimizer_state_elements(&self) -> usize {
-        self.pieces.iter().map(|p| p.master.len() + p.exp_avg.len() + p.exp_avg_sq.len()).sum()
+        3 * self.held().iter().map(Range::len).sum::<usize>()
     }
 
     /// The flat ranges this rank holds (own shard first).
     pub fn held(&self) -> Vec<Range<usize>> {
-        self.pieces.iter().map(|p| p.range.clone()).collect()
+        match self.owner {
+            Some(_) => self.held.clone(),
+            None => self.pieces.iter().map(|p| p.range.clone()).collect(),
+        }
+    }
+
+    /// The shard owner, once synced (a child of the supervisor given to [`Self::adopt`]).
+    pub fn shard_owner(&self) -> Option<ActorCell> {
+        self.owner.as_ref().map(ActorRef::get_cell)
+    }
+
+    /// Asks the shard owner; an owner that died fails the call, and this rank's state with it.
+    async fn ask<R: Send + 'static>(
+        &mut self,
+        what: &str,
+        msg: impl FnOnce(RpcReplyPort<R>) -> ShardOwnerMsg,
+    ) -> Result<R, EngineError> {
+        let owner = self.owner.as_ref().expect("ShardedReplica::sync before the first step");
+        let failed = match owner.call(msg, None).await {
+            Ok(CallResult::Success(reply)) => return Ok(reply),
+            Ok(CallResult::Timeout) => "timed out".to_string(),
+            Ok(CallResult::SenderError) => "stopped before replying".to_string(),
+            Err(e) => e.to_string(),
+        };
+        Err(self.owner_lost(what, &failed))
+    }
+
+    fn owner_lost(&mut self, what: &str, failed: &str) -> EngineError {
+        self.lost = true;
+        let reason = format!("{what}: {failed}; this rank's shard is lost");
+        EngineError::ShardOwner { rank: self.rank(), reason }
+    }
+
+    /// The own shard's range and masters, shared read-only with the owner until dropped.
+    async fn lease(&mut self) -> Result<(Range<usize>, Arc<Vec<f32>>), EngineError> {
+        self.ask("lending the masters", ShardOwnerMsg::Masters).await
     }
 
     /// Reshards the committed state to this attempt's world. Every rank all-gathers what every other
@@ -228,8 +288,14 @@ impl<T: Transport> ShardedReplica<T> {
     /// nothing else moves; otherwise every piece of the flat state is broadcast once from the lowest rank
     /// that holds it, and each rank keeps its own shard and its buddies'. A failure leaves the state
     /// this rank held untouched; a piece held by no rank fails with [`EngineError::StateLost`] and marks
-    /// this rank's state lost (so the next attempt restores from the checkpoint).
+    /// this rank's state lost (so the next attempt restores from the checkpoint). Then the rank's
+    /// [`ShardOwnerActor`] is spawned with what it holds.
     pub async fn sync(&mut self) -> Result<(), EngineError> {
+        if self.owner.is_some() {
+            // Synced before: the state goes back to the engine to be resharded again.
+            self.pieces = self.ask("handing the state back", ShardOwnerMsg::Export).await?;
+            self.owner = None;
+        }
         let (rank, world, total, replicas) = (self.rank(), self.world(), self.total, self.replicas);
         let held = Held::of(&self.trainer, &self.pieces);
         let resharded = match reshard(&mut self.comm, total, held, |r| held_ranges(total, r, world, replicas)).await {
@@ -240,9 +306,19 @@ impl<T: Transport> ShardedReplica<T> {
             }
         };
         let needed = held_ranges(total, rank, world, replicas);
-        self.segments = needed.iter().map(|r| plan_segments(&self.numels, &self.decays, r)).collect();
+        let segments = needed.iter().map(|r| plan_segments(&self.numels, &self.decays, r)).collect();
         self.grads = needed.iter().map(|r| vec![0.0; r.len()]).collect();
-        self.pieces = resharded.pieces;
+        let args = OwnerArgs { pieces: resharded.pieces, segments, train: self.trainer.config.train.clone() };
+        let spawned = match self.supervisor.clone() {
+            Some(worker) => Actor::spawn_linked(None, ShardOwnerActor, args, worker).await,
+            None => Actor::spawn(None, ShardOwnerActor, args).await,
+        };
+        match spawned {
+            Ok((owner, _)) => self.owner = Some(owner),
+            Err(e) => return Err(self.owner_lost("spawning the shard owner", &e.to_string())),
+        }
+        self.held = needed;
+        self.pieces = Vec::new(); // what the rank held before: the owner holds the state now
         self.trainer.loss_scale = resharded.loss_scale;
         self.trainer.step = resharded.step;
         self.trainer.optimizer.step = resharded.optimizer_step;
@@ -253,10 +329,17 @@ impl<T: Transport> ShardedReplica<T> {
 
     /// Overwrites the replica's parameters with the masters of every rank (all-gather). A ZeRO-3 rank's
     /// parameters are rebuilt whole (until [`Self::into_state`] or the next step drops them again).
-    pub async fn refresh_params(&mut self) -> Result<(), ClusterError> {
+    pub async fn refresh_params(&mut self) -> Result<(), EngineError> {
+        let (_, masters) = self.lease().await?;
+        self.refresh_from(&masters).await?;
+        Ok(())
+    }
+
+    /// [`Self::refresh_params`] with the own shard's masters at hand.
+    async fn refresh_from(&mut self, masters: &[f32]) -> Result<(), ClusterError> {
         self.flat.clear();
         self.flat.resize(self.total, 0.0);
-        self.comm.all_gather(&self.pieces[0].master, &mut self.flat).await?;
+        self.comm.all_gather(masters, &mut self.flat).await?;
         if self.mode == ShardMode::Zero3 {
             zero3::restore_params(&mut self.trainer, &self.flat);
             self.flat = Vec::new();
@@ -269,9 +352,9 @@ impl<T: Transport> ShardedReplica<T> {
 
     /// One whole step (in-process use): reduce, apply, refresh the parameters (ZeRO-1/2; a ZeRO-3 rank
     /// keeps none: call [`Self::refresh_params`] to see them).
-    pub async fn train_step(&mut self) -> Result<StepReport, ClusterError> {
+    pub async fn train_step(&mut self) -> Result<StepReport, EngineError> {
         let reduced = self.reduce_gradients().await?;
-        let report = self.apply_update(reduced);
+        let report = self.apply_update(reduced).await?;
         if self.mode != ShardMode::Zero3 {
             self.refresh_params().await?;
         }
@@ -283,23 +366,30 @@ impl<T: Transport> ShardedReplica<T> {
     /// reduce-scatter for ZeRO-2, whose owners then send their gradient shard to the ranks that shadow
     /// it), the loss and global norm. ZeRO-3: the unit-by-unit flow of [`zero3::accumulate`] (its
     /// `compute_seconds` include the gathers and reductions interleaved with the compute), then the own
-    /// gradient shard to the shadowing ranks as ZeRO-2. Nothing is applied: dropping it now abandons the
-    /// step cleanly.
-    pub async fn reduce_gradients(&mut self) -> Result<ReducedStep, ClusterError> {
+    /// gradient shard to the shadowing ranks as ZeRO-2. The reduced gradients are staged with the owner.
+    /// Nothing is applied: dropping it now abandons the step cleanly.
+    pub async fn reduce_gradients(&mut self) -> Result<ReducedStep, EngineError> {
         assert!(self.synced, "ShardedReplica::sync before the first step");
+        if self.grads.is_empty() {
+            // The last step's buffers stayed with the owner (that step was abandoned after staging).
+            self.grads = self.held.iter().map(|r| vec![0.0; r.len()]).collect();
+        }
         if self.mode == ShardMode::Zero3 {
             if !self.trainer.model.params().iter().all(|p| p.numel() == 0) {
                 zero3::release_params(&mut self.trainer); // after `refresh_params`
             }
+            let (own, masters) = self.lease().await?;
             let started = std::time::Instant::now();
             let local_loss =
-                zero3::accumulate(&mut self.comm, &mut self.trainer, &self.pieces[0], &mut self.grads[0]).await?;
+                zero3::accumulate(&mut self.comm, &mut self.trainer, (own, &masters[..]), &mut self.grads[0]).await?;
             let compute_seconds = started.elapsed().as_secs_f64();
+            drop(masters); // the update runs in place
             self.share_grad_shard().await?;
             return self.reduce_totals(local_loss, compute_seconds).await;
         }
         if self.params_stale {
-            self.refresh_params().await?;
+            let (_, masters) = self.lease().await?;
+            self.refresh_from(&masters).await?;
         }
         let step = self.trainer.step;
         let (rank, world) = (self.rank(), self.world());
@@ -314,8 +404,8 @@ impl<T: Transport> ShardedReplica<T> {
         match self.mode {
             ShardMode::Zero1 => {
                 self.comm.all_reduce(&mut self.flat[..], ReduceOp::Sum).await?;
-                for (piece, grad) in self.pieces.iter().zip(&mut self.grads) {
-                    grad.copy_from_slice(&self.flat[piece.range.clone()]);
+                for (range, grad) in self.held.iter().zip(&mut self.grads) {
+                    grad.copy_from_slice(&self.flat[range.clone()]);
                 }
             }
             ShardMode::Zero2 => {
@@ -339,19 +429,24 @@ impl<T: Transport> ShardedReplica<T> {
         Ok(())
     }
 
-    /// The batch's loss and the global gradient norm (sum of the own shards' squared norms) over ranks.
-    async fn reduce_totals(&mut self, local_loss: f64, compute_seconds: f64) -> Result<ReducedStep, ClusterError> {
-        let local_sum_sq: f64 = self.grads[0].iter().map(|&g| f64::from(g) * f64::from(g)).sum();
+    /// Stages the reduced gradients with the owner, then the batch's loss and the global gradient norm
+    /// (sum of the own shards' squared norms, each from its owner) over ranks.
+    async fn reduce_totals(&mut self, local_loss: f64, compute_seconds: f64) -> Result<ReducedStep, EngineError> {
+        let (step, grads) = (self.trainer.step, std::mem::take(&mut self.grads));
+        let local_sum_sq =
+            self.ask("staging the gradients", |reply| ShardOwnerMsg::Stage { step, grads, reply }).await?;
         let mut totals = [local_loss as f32, local_sum_sq as f32];
         self.comm.all_reduce(&mut totals[..], ReduceOp::Sum).await?;
         Ok(ReducedStep { loss: f64::from(totals[0]), grad_norm: f64::from(totals[1]).sqrt(), compute_seconds })
     }
 
-    /// The second half, once the step is committed: unscale and clip by the global norm and apply AdamW
-    /// to the own shard and to every buddy copy — the same bits the buddy applies to its own — or skip
-    /// the update when fp16 overflowed (every rank sees the same global norm, so every rank skips). Local
-    /// only, so it cannot fail half-way; the replica's parameters are refreshed at the next step.
-    pub fn apply_update(&mut self, reduced: ReducedStep) -> StepReport {
+    /// The second half, once the step is committed: the owner unscales and clips the staged gradients by
+    /// the global norm and applies AdamW to the own shard and to every buddy copy — the same bits the
+    /// buddy applies to its own — or the update is skipped when fp16 overflowed (every rank sees the same
+    /// global norm, so every rank skips). Local to the rank, so it cannot fail half-way; it fails only if
+    /// the owner died, and then this rank's state is lost. The replica's parameters are refreshed at the
+    /// next step.
+    pub async fn apply_update(&mut self, reduced: ReducedStep) -> Result<StepReport, EngineError> {
         let step = self.trainer.step;
         let train = self.trainer.config.train.clone();
         let loss_scale = self.trainer.loss_scale.scale;
@@ -359,21 +454,19 @@ impl<T: Transport> ShardedReplica<T> {
         let lr = learning_rate(&train, step);
         let Update::Apply { grad_factor, .. } = update else {
             self.trainer.step += 1;
-            return self.trainer.report(step, reduced.loss, lr, &update, loss_scale);
+            return Ok(self.trainer.report(step, reduced.loss, lr, &update, loss_scale));
         };
-        if grad_factor != 1.0 {
-            let factor = grad_factor as f32;
-            self.grads.iter_mut().flatten().for_each(|g| *g *= factor);
-        }
         let t = self.trainer.optimizer.step + 1;
-        for ((piece, segments), grad) in self.pieces.iter_mut().zip(&self.segments).zip(&self.grads) {
-            let ShardPiece { master, exp_avg, exp_avg_sq, .. } = piece;
-            adamw_on_segments([master, exp_avg, exp_avg_sq], segments, grad, &train, lr, t);
+        let update_of = OwnerUpdate { grad_factor: grad_factor as f32, lr, t };
+        let applied = self.ask("the update", |reply| ShardOwnerMsg::Apply { step, update: update_of, reply }).await?;
+        match applied {
+            Ok(buffers) => self.grads = buffers,
+            Err(refused) => return Err(self.owner_lost("the update", &refused)),
         }
         self.trainer.optimizer.step = t;
         self.trainer.step += 1;
         self.params_stale = true;
-        self.trainer.report(step, reduced.loss, lr, &update, loss_scale)
+        Ok(self.trainer.report(step, reduced.loss, lr, &update, loss_scale))
     }
 
     /// The whole committed state on rank 0, for a checkpoint: every rank sends its own shard (masters and
@@ -384,18 +477,15 @@ impl<T: Transport> ShardedReplica<T> {
         &mut self,
         spare: Option<Box<TrainingState>>,
         keep: bool,
-    ) -> Result<Option<Box<TrainingState>>, ClusterError> {
+    ) -> Result<Option<Box<TrainingState>>, EngineError> {
         let (rank, world) = (self.rank(), self.world());
-        let own = &self.pieces[0];
         if rank != 0 {
-            let mut buf = Vec::with_capacity(3 * own.master.len());
-            for v in [&own.master, &own.exp_avg, &own.exp_avg_sq] {
-                buf.extend_from_slice(v);
-            }
+            let buf = Vec::with_capacity(3 * self.held[0].len());
+            let buf = self.ask("packing the shard", |reply| ShardOwnerMsg::Pack(buf, reply)).await?;
             self.comm.send(0, &buf).await?;
             return Ok(None);
         }
-        let mut state = spare.filter(|s| s.flat_len() == self.total).unwrap_or_else(|| {
+        let state = spare.filter(|s| s.flat_len() == self.total).unwrap_or_else(|| {
             Box::new(TrainingState {
                 config: self.trainer.config.clone(),
                 step: 0,
@@ -406,9 +496,7 @@ impl<T: Transport> ShardedReplica<T> {
                 loss_scale: None,
             })
         });
-        for (k, v) in [&own.master, &own.exp_avg, &own.exp_avg_sq].into_iter().enumerate() {
-            state.values[k][own.range.clone()].copy_from_slice(v);
-        }
+        let mut state = self.ask("copying the shard", |reply| ShardOwnerMsg::Fill(state, reply)).await?;
         let mut buf = Vec::new();
         for from in 1..world {
             let range = chunk_range(self.total, world, from);
@@ -433,13 +521,22 @@ impl<T: Transport> ShardedReplica<T> {
         Ok(Some(state))
     }
 
-    /// The committed state to keep for the next attempt; None if `sync` found it lost. A ZeRO-3 rank's
-    /// parameters (rebuilt for `--save-final`) are dropped again.
-    pub fn into_state(mut self) -> Option<CommittedState> {
+    /// The committed state to keep for the next attempt — handed back by the owner, which stops; None if
+    /// `sync` found it lost or the owner died. A ZeRO-3 rank's parameters (rebuilt for `--save-final`)
+    /// are dropped again.
+    pub async fn into_state(mut self) -> Option<CommittedState> {
         if self.mode == ShardMode::Zero3 {
             zero3::release_params(&mut self.trainer);
         }
-        (!self.lost).then(|| CommittedState::Sharded { trainer: Box::new(self.trainer), pieces: self.pieces })
+        let pieces = match (self.lost, self.owner.is_some()) {
+            (true, _) => None,
+            (false, true) => self.ask("handing the state back", ShardOwnerMsg::Export).await.ok(),
+            (false, false) => Some(std::mem::take(&mut self.pieces)),
+        };
+        if let Some(owner) = self.owner.take() {
+            owner.stop(None); // already stopping after Export; a lost owner is stopped here
+        }
+        Some(CommittedState::Sharded { trainer: Box::new(self.trainer), pieces: pieces? })
     }
 }
 

@@ -22,6 +22,10 @@ pub enum EngineError {
         "the state of step {step} is incomplete: elements {range:?} of the flat parameter order were held only by ranks that are gone (a rank and its buddy copies); the ranks drop their partial state and restore from the newest checkpoint"
     )]
     StateLost { step: u64, range: std::ops::Range<usize> },
+    /// A ZeRO rank's shard owner died or refused (its state is dropped; the next attempt restores it
+    /// from a buddy's copy or the checkpoint).
+    #[error("rank {rank}'s shard owner, {reason}")]
+    ShardOwner { rank: usize, reason: String },
     #[error(transparent)]
     Pipeline(#[from] super::pipeline::PipelineError),
     /// The attempt's layout cannot run this job (set-up, before any state moved).
@@ -134,11 +138,14 @@ impl<T: Transport> StepEngine for ShardedReplica<T> {
     }
 
     async fn reduce(&mut self) -> Result<ReducedStep, EngineError> {
-        Ok(self.reduce_gradients().await?)
+        self.reduce_gradients().await
     }
 
+    /// An owner that died marks the rank's state lost; the next step fails.
     async fn apply(&mut self, reduced: ReducedStep) {
-        self.apply_update(reduced);
+        if let Err(e) = self.apply_update(reduced).await {
+            tracing::error!(rank = self.rank(), "{e}");
+        }
     }
 
     /// The shards are gathered to rank 0 (the step loop waits for the transfer and the copy); rank 0
@@ -154,10 +161,10 @@ impl<T: Transport> StepEngine for ShardedReplica<T> {
     }
 
     async fn finish(&mut self) -> Result<(), EngineError> {
-        Ok(self.refresh_params().await?)
+        self.refresh_params().await
     }
 
     async fn into_state(self) -> Option<CommittedState> {
-        ShardedReplica::into_state(self)
+        ShardedReplica::into_state(self).await
     }
 }

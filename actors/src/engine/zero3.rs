@@ -26,7 +26,6 @@ use troupe_model::gpt::{self, GptConfig, ParamSpec};
 use troupe_model::precision::{backward_weight, Precision};
 use troupe_model::Trainer;
 
-use super::committed::ShardPiece;
 use super::shard_plan::owner_pieces;
 
 /// One unit of the model that is gathered, computed and released as a whole.
@@ -88,8 +87,9 @@ struct Exchange<'a, T: Transport> {
     comm: &'a mut Communicator<T>,
     specs: Vec<ParamSpec>,
     total: usize,
-    /// This rank's own shard (masters).
-    own: &'a ShardPiece,
+    /// This rank's own shard: its range of the flat order and its masters.
+    own: Range<usize>,
+    masters: &'a [f32],
     /// The gradient of the own shard, accumulated over micro-batches.
     grad: &'a mut [f32],
     buf: Vec<f32>,
@@ -104,9 +104,7 @@ impl<T: Transport> Exchange<'_, T> {
         for (owner, piece) in owner_pieces(self.total, world, &unit.flat) {
             let dst = &mut self.buf[piece.start - unit.flat.start..piece.end - unit.flat.start];
             if owner == rank {
-                dst.copy_from_slice(
-                    &self.own.master[piece.start - self.own.range.start..piece.end - self.own.range.start],
-                );
+                dst.copy_from_slice(&self.masters[piece.start - self.own.start..piece.end - self.own.start]);
             }
             self.comm.broadcast(dst, owner).await?;
         }
@@ -122,7 +120,7 @@ impl<T: Transport> Exchange<'_, T> {
             let part = &mut self.buf[piece.start - unit.flat.start..piece.end - unit.flat.start];
             self.comm.reduce(part, ReduceOp::Sum, owner).await?;
             if owner == rank {
-                let acc = &mut self.grad[piece.start - self.own.range.start..piece.end - self.own.range.start];
+                let acc = &mut self.grad[piece.start - self.own.start..piece.end - self.own.start];
                 acc.iter_mut().zip(part.iter()).for_each(|(a, g)| *a += g);
             }
         }
@@ -159,11 +157,11 @@ struct Batch {
 /// The forward and backward of `step`'s slice of this rank, unit by unit: zeroes `grad` (the own
 /// shard's gradient), then accumulates into it the global batch's gradient of the own range (every
 /// rank's slice, reduced). Returns this rank's weighted loss (the batch's mean loss when summed over
-/// ranks). `own` must be this rank's own shard.
+/// ranks). `own` must be this rank's own shard: its range of the flat order and its masters.
 pub(super) async fn accumulate<T: Transport>(
     comm: &mut Communicator<T>,
     trainer: &mut Trainer,
-    own: &ShardPiece,
+    (own, masters): (Range<usize>, &[f32]),
     grad: &mut [f32],
 ) -> Result<f64, ClusterError> {
     grad.fill(0.0);
@@ -179,7 +177,7 @@ pub(super) async fn accumulate<T: Transport>(
         .unwrap_or(0);
     let mine = micro_batch_ranges(rank_slice(train.global_batch, rank, world), train.micro_batch);
     let activations = Activations::from_recompute(config.parallel.recompute);
-    let mut exchange = Exchange { comm, specs, total, own, grad, buf: Vec::new() };
+    let mut exchange = Exchange { comm, specs, total, own, masters, grad, buf: Vec::new() };
     let mut loss = 0.0;
     for round in 0..rounds {
         let batch = mine.get(round).map(|micro| {

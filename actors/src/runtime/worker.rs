@@ -230,10 +230,10 @@ impl Actor for WorkerActor {
     ) -> Result<(), ActorProcessingErr> {
         match event {
             SupervisionEvent::ActorFailed(child, reason) => {
-                tracing::warn!(slot = state.args.slot, child = %child.get_id(), "a stage actor failed: {reason}; its attempt fails and this rank's state of the device is dropped");
+                tracing::warn!(slot = state.args.slot, child = %child.get_id(), "a stage or shard-owner actor failed: {reason}; its attempt fails and this rank's state it held is dropped");
             }
             SupervisionEvent::ActorTerminated(child, _, _) => {
-                tracing::debug!(slot = state.args.slot, child = %child.get_id(), "a stage actor stopped");
+                tracing::debug!(slot = state.args.slot, child = %child.get_id(), "a stage or shard-owner actor stopped");
             }
             _ => {}
         }
@@ -382,7 +382,8 @@ struct AttemptCtx {
     attempt: u64,
     slot: u32,
     node: ActorRef<NodeMsg>,
-    /// This worker: the supervisor of the attempt's child actors (a pipeline device's StageActor).
+    /// This worker: the supervisor of the attempt's child actors (a pipeline device's StageActor, a ZeRO
+    /// rank's ShardOwnerActor).
     worker: ActorCell,
     identity: Arc<NodeIdentity>,
     transport: TransportConfig,
@@ -499,7 +500,7 @@ async fn train_over<T: Transport>(
         }
         (Some(mode), state) => {
             let replicas = spec.config.checkpoint.replicas;
-            let mut engine = ShardedReplica::adopt(state, comm, mode, replicas);
+            let mut engine = ShardedReplica::adopt(state, comm, mode, replicas, Some(ctx.worker.clone()));
             let outcome = drive(ctx, spec, &mut engine, ctl).await;
             (StepEngine::into_state(engine).await, outcome)
         }
