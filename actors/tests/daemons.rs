@@ -146,6 +146,23 @@ async fn a_restarted_controller_resumes_its_epochs_jobs_and_job_ids_from_its_cat
     cluster.shutdown().await;
 }
 
+/// A controller killed again before any node rejoined it still comes back past the epoch its last
+/// incarnation started at: that epoch was announced (a `Fenced` names it) though no view changed since.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_controller_restarted_twice_never_reuses_an_epoch() {
+    let mut cluster = processes(1).await;
+    let mut last = converged(&cluster, &[0], &["node-0"], Duration::from_secs(10)).await;
+    for round in 0..2 {
+        signal(cluster.pid(0).unwrap(), "KILL");
+        assert!(cluster.wait_exit(0, Duration::from_secs(10)).is_some(), "node-0 died");
+        tokio::task::block_in_place(|| cluster.restart_node(0)).unwrap();
+        let epoch = converged(&cluster, &[0], &["node-0"], Duration::from_secs(15)).await;
+        assert!(epoch > last, "restart {round}: epoch {epoch} after {last}");
+        last = epoch;
+    }
+    cluster.shutdown().await;
+}
+
 fn daemon_with(config: &str) -> (bool, String) {
     let dir = tempfile::tempdir().unwrap();
     let config = config.replace("DIR", dir.path().to_str().unwrap());

@@ -88,6 +88,10 @@ pub struct JobDriver {
     held: BTreeMap<RankSlot, u64>,
     /// A restarted controller's job, until it resumes.
     resume: Option<Resume>,
+    /// Restored by a restarted controller: which nodes the old one prepared is not recorded, so every
+    /// member of every view seen since counts as prepared (each may hold the job's state — a spare of
+    /// the old controller's last attempts, not in its last recorded view — and is released at the end).
+    restored: bool,
     /// A restarted controller's job until its first attempt starts: the last recorded commit may have
     /// reached no rank that survived (the controller died between recording it and sending it).
     commit_maybe_undelivered: bool,
@@ -180,6 +184,7 @@ impl JobDriver {
             view: None,
             held: BTreeMap::new(),
             resume: None,
+            restored: false,
             commit_maybe_undelivered: false,
             actions: VecDeque::new(),
         }
@@ -202,6 +207,7 @@ impl JobDriver {
             d.phase = Phase::Done;
         } else {
             d.prepared_nodes = expect.iter().cloned().collect();
+            d.restored = true;
             d.resume = Some(Resume { expect, since: None, view: None });
             d.commit_maybe_undelivered = info.step > 0;
         }
@@ -260,6 +266,9 @@ impl JobDriver {
         }
         self.epoch = view.epoch.0;
         self.view = Some((view.clone(), members.to_vec()));
+        if self.restored {
+            self.prepared_nodes.extend(view.members().iter().cloned());
+        }
         if let Some(resume) = &mut self.resume {
             resume.view = Some((view.clone(), members.to_vec()));
             if resume.expect.iter().all(|n| view.contains(n)) {
@@ -367,7 +376,8 @@ impl JobDriver {
     /// advanced state above `best` — not one of a step a `StateLost` made every rank drop. None when
     /// no spare may hold more, and for jobs whose ranks hold parts of the state (ZeRO shards, pipeline
     /// stages): one spare's part of a step is no use without the others', and the attempt would end in
-    /// `StateLost`.
+    /// `StateLost`. A restored job knows nothing of what the old controller's spares held: a spare it
+    /// has not heard from may hold the last recorded step (its `Ready` in the attempt tells).
     fn ranks_with_a_more_advanced_spare(&self, best: u64, ranks: &[RankSlot]) -> Option<Vec<RankSlot>> {
         let parallel = &self.spec.config.parallel;
         if parallel.pp > 1 || parallel.shard != "none" {
@@ -377,7 +387,9 @@ impl JobDriver {
         let every_slot = plan_ranks(view, members, 0, 0, 1, &[]);
         let spares: Vec<RankSlot> = every_slot.into_iter().filter(|s| !ranks.contains(s)).collect();
         let may_hold = |s: &RankSlot| {
-            self.held.get(s).copied().filter(|&h| h > best && self.discard_from.is_none_or(|from| h < from))
+            let unknown = self.restored.then_some(self.committed);
+            let held = self.held.get(s).copied().or(unknown);
+            held.filter(|&h| h > best && self.discard_from.is_none_or(|from| h < from))
         };
         let most = spares.iter().filter_map(may_hold).max()?;
         let holders: Vec<RankSlot> = spares.into_iter().filter(|s| may_hold(s) == Some(most)).collect();
@@ -745,7 +757,9 @@ mod tests {
         let mut before = JobDriver::new(1, spec(10));
         started(&mut before, 2, &["a", "b"], &[0, 0]);
         let info = recorded(&mut before);
-        let mut d = JobDriver::restore(1, spec(10), &info, vec!["a".into(), "b".into()]);
+        let mut one_rank = spec(10);
+        one_rank.config.parallel.dp = 1;
+        let mut d = JobDriver::restore(1, one_rank, &info, vec!["a".into(), "b".into()]);
         let (v, m) = view(3, &["a"]);
         d.on_view(&v, &m, vec![]);
         let t0 = Duration::from_secs(100);
@@ -759,10 +773,15 @@ mod tests {
         assert_eq!(sent(&actions).len(), 1);
         let (node, msg) = &sent(&actions)[0];
         assert!(node == "a" && matches!(msg, Wire::Prepare { attempt: 2, .. }), "{actions:?}");
+        // x joins: a spare the old controller may have prepared after its last recorded view (a joiner
+        // it admitted, say) — the restored driver cannot tell, and releases it at the end too.
+        let (v, m) = view(4, &["a", "x"]);
+        d.on_view(&v, &m, vec![]);
+        assert!(drain(&mut d).is_empty(), "x is a spare of the one-rank job: nothing sent to it");
         // Its end releases b too, should b come back holding the job's state.
         d.cancel();
         let released: Vec<String> = sent(&drain(&mut d)).into_iter().map(|(n, _)| n).collect();
-        assert_eq!(released, vec!["a", "b"]);
+        assert_eq!(released, vec!["a", "b", "x"]);
     }
 
     #[test]
@@ -910,6 +929,39 @@ mod tests {
         let actions = drain(&mut d);
         assert!(matches!(events(&actions)[..], [JobEvent::Recovered { step: 5, .. }]), "{actions:?}");
         assert_eq!(d.info().step, 5);
+    }
+
+    /// Found by the deterministic simulation (troupe-chaos, seed 9490, the controller killed): a restored
+    /// job's driver had no record of what the old controller's spares held, so when its only rank came
+    /// back empty it failed the job for a lost state while a spare held every committed step. A spare it
+    /// has not heard from is now asked first.
+    #[test]
+    fn a_restored_job_asks_the_spares_it_never_heard_from_before_giving_the_state_up() {
+        let mut one_rank = spec(10);
+        one_rank.config.parallel.dp = 1;
+        let mut before = JobDriver::new(1, one_rank.clone());
+        started(&mut before, 1, &["a", "b"], &[0]);
+        for step in 0..5 {
+            before.on_vote(T, &"a".into(), 1, 0, step, figures(5.0, 1.0, 0));
+        }
+        let info = recorded(&mut before);
+        let mut d = JobDriver::restore(1, one_rank, &info, vec!["a".into(), "b".into()]);
+        let (v, m) = view(3, &["a", "b"]);
+        d.on_view(&v, &m, vec![]);
+        drain(&mut d);
+        // "a" was the controller's node: it restarted and holds nothing.
+        d.on_ready(T, &"a".into(), 2, 0, addr(1), Some(0));
+        let actions = drain(&mut d);
+        assert!(events(&actions).is_empty(), "neither failed nor rolled back: {actions:?}");
+        let sent = sent(&actions);
+        assert!(
+            matches!(sent[..], [(_, Wire::Abort { attempt: 2, .. }), (ref b, Wire::Prepare { attempt: 3, ref ranks, .. })]
+            if b == "b" && ranks == &[RankSlot { node: "b".into(), slot: 0 }]),
+            "{sent:?}"
+        );
+        d.on_ready(T, &"b".into(), 3, 0, addr(2), Some(5));
+        let actions = drain(&mut d);
+        assert!(matches!(events(&actions)[..], [JobEvent::Recovered { step: 5, .. }]), "{actions:?}");
     }
 
     /// A spare that was asked and holds no more than the ranks is not asked again: the job rolls back.

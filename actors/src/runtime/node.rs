@@ -724,6 +724,8 @@ impl Actor for NodeActor {
             let membership =
                 Membership::starting_at(config.membership.clone(), Duration::ZERO, vec![id.clone()], epoch);
             let view = membership.view().clone();
+            // Recorded before it is announced (a `Fenced` names it): a second restart starts past it too.
+            catalog.save_view(&StoredView { epoch: epoch.0, members: vec![id.0.clone()] })?;
             let info = MemberInfo { name: id.0.clone(), addr: endpoint.local_addr(), slots: config.slots };
             let leader = Leader {
                 membership,
