@@ -75,16 +75,21 @@ fn faults_exercise_every_recovery_path() {
     let rolled_back = seeds_where(&|o| o.stats.rollbacks > 0);
     let state_lost = seeds_where(&|o| matches!(&o.end, JobEnd::Failed { reason, .. } if reason.contains("lost")));
     let finished = seeds_where(&|o| matches!(o.end, JobEnd::Finished { .. }));
+    let restarted = seeds_where(&|o| o.stats.controller_restarts > 0);
+    let restarted_finished =
+        seeds_where(&|o| o.stats.controller_restarts > 0 && matches!(o.end, JobEnd::Finished { .. }));
     println!(
         "of {RUNS} seeds: view changed {changed_view}, fenced {fenced}, retried {retried}, copied state {copied}, \
          an attempt failed {failed_attempt}, messages lost {lost}, rolled back {rolled_back}, \
-         failed with state lost {state_lost}, finished {finished}"
+         failed with state lost {state_lost}, finished {finished}, controller killed and restarted \
+         {restarted} (finished {restarted_finished})"
     );
     assert!(outcomes.iter().all(Outcome::ok), "see random_fault_schedules_break_no_invariant");
     assert!(changed_view > RUNS as usize / 2);
     assert!(fenced > 150 && retried > 150 && copied > 100 && failed_attempt > 150 && lost > 150);
     assert!(rolled_back > 0 && state_lost > 0);
     assert!(finished > RUNS as usize * 9 / 10);
+    assert!(restarted > 40 && restarted_finished > restarted * 8 / 10);
 }
 
 /// The planted bug: the modelled controller commits a step on its first vote (a wrapper around the

@@ -9,7 +9,8 @@
 //!   committed steps, in order, each once. Every all-reduce sees the same state on every rank.
 //! - **Completion.** A finished job's ranks all hold every step; the job ends within the scenario's
 //!   bound, and fails only with a reason the scenario allows.
-//! - **Epochs.** Each view change bumps the epoch by exactly one; a node only ever adopts newer views.
+//! - **Epochs.** Each view change bumps the epoch by exactly one, and a restarted controller starts past
+//!   every epoch it announced; a node only ever adopts newer views.
 //! - **Fencing.** The controller never accepts a job message sent by an incarnation of a node that has
 //!   since been fenced or replaced (only the incarnation admitted into its current view counts).
 
@@ -75,6 +76,19 @@ impl Checker {
             self.fail(now_ms, format!("the view went from epoch {} to {epoch}, not by one", self.view_epoch));
         }
         self.view_epoch = epoch;
+    }
+
+    /// The controller's daemon restarted from its catalog at `epoch`, a member of its own view as
+    /// `generation`: past every epoch it announced before.
+    pub fn controller_restarted(&mut self, now_ms: u64, epoch: u64, generation: u32) {
+        if epoch <= self.view_epoch {
+            self.fail(
+                now_ms,
+                format!("the restarted controller reused epoch {epoch} (it had reached {})", self.view_epoch),
+            );
+        }
+        self.view_epoch = epoch;
+        self.view_gen.insert(0, generation);
     }
 
     pub fn adopted(&mut self, now_ms: u64, node: usize, incarnation: u32, epoch: u64) {

@@ -70,6 +70,9 @@ impl World<'_> {
         while let Some(action) = self.ctl.membership.poll_action() {
             match action {
                 MembershipAction::ViewChanged { view, changes } => {
+                    // Recorded before anyone hears of it: a restarted controller starts past this epoch.
+                    self.ctl.catalog.view_epoch = view.epoch.0;
+                    self.ctl.catalog.view_members = view.members().to_vec();
                     self.stats.view_changes += 1;
                     self.check.view_changed(self.now, view.epoch.0);
                     for change in &changes {
@@ -171,8 +174,20 @@ impl World<'_> {
         }
     }
 
-    fn job_flush(&mut self) {
+    /// controller.rs `flush`: the batch is recorded in the catalog (when it has events or the job's
+    /// attempt or state changed), then carried out.
+    pub(super) fn job_flush(&mut self) {
+        let mut batch = Vec::new();
         while let Some(action) = self.ctl.driver.poll_action() {
+            batch.push(action);
+        }
+        let info = self.ctl.driver.info();
+        let unrecorded = self.ctl.catalog.recorded != Some((info.attempts, info.state));
+        if unrecorded || batch.iter().any(|a| matches!(a, DriverAction::Event(_))) {
+            self.ctl.catalog.recorded = Some((info.attempts, info.state));
+            self.ctl.catalog.job = Some(info);
+        }
+        for action in batch {
             match action {
                 DriverAction::Send { node, msg } => {
                     match &msg {

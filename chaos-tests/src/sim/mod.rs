@@ -14,8 +14,10 @@
 //! delays; a longer one loses the connection on both sides with what was in flight), resets
 //! connections, and crashes, pauses (SIGSTOP), drains and restarts nodes, panics workers and slows
 //! their steps. The controller's node is paused too (its side of every connection waits with it, and the
-//! members' connections time out); it is not crashed or cut off here — the real-process chaos scenarios
-//! `kill-controller-node` and `partition-controller-node` cover those. A run is a [`Scenario`] (cluster, job, fault schedule) plus a seed for every timing
+//! members' connections time out), and killed: its daemon restarts from its catalog — the last view and
+//! the job as last recorded, both written before anyone heard of them — past the last epoch, restores the
+//! job (`JobDriver::restore`) and waits for the members to rejoin. It is not cut off here — the
+//! real-process chaos scenario `partition-controller-node` covers that. A run is a [`Scenario`] (cluster, job, fault schedule) plus a seed for every timing
 //! choice; [`run`] is a pure function of both, and the [`check`] module's invariants are checked as it
 //! goes.
 

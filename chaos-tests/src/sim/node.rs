@@ -4,8 +4,11 @@
 
 use std::time::Duration;
 
-use troupe_actors::runtime::protocol::{AttemptOutcome, Wire};
-use troupe_cluster::membership::{MemberAction, MemberState, MembershipEvent};
+use std::collections::BTreeMap;
+
+use troupe_actors::runtime::job::JobDriver;
+use troupe_actors::runtime::protocol::{AttemptOutcome, MemberInfo, Wire};
+use troupe_cluster::membership::{Epoch, MemberAction, MemberState, Membership, MembershipEvent};
 
 use super::scenario::Fault;
 use super::world::{addr, trace, Envelope, Ev, Local, Stall, Worker, World, JOB};
@@ -43,6 +46,9 @@ impl World<'_> {
                 self.ctl.membership.handle(now, MembershipEvent::StepBoundary);
             }
             self.drive_membership();
+            // The job controller's own tick (a restored job's grace, the wait below min_nodes).
+            self.ctl.driver.on_tick(now);
+            self.job_flush();
         }
     }
 
@@ -51,8 +57,14 @@ impl World<'_> {
         self.stats.dials += 1;
         let inc = self.nodes[n].inc;
         let handshake = self.rng.range(self.cfg.dial_ms_min, self.cfg.dial_ms_max);
-        // The handshake needs both ends running and connected: a cut-off node, or a stopped controller.
-        let blocked = [self.sc.isolated_until(n, self.now), self.nodes[0].paused_until].into_iter().flatten().max();
+        // The handshake needs both ends running and connected: a cut-off node, a stopped controller, or a
+        // crashed one (QUIC retransmits the handshake: it completes once the controller is back).
+        let down = match self.nodes[0].up {
+            true => None,
+            false => Some(self.sc.controller_back_at(self.now).unwrap_or(u64::MAX)),
+        };
+        let blocked =
+            [self.sc.isolated_until(n, self.now), self.nodes[0].paused_until, down].into_iter().flatten().max();
         let (at, ok) = match blocked {
             Some(until) if until > self.now + self.cfg.connect_timeout_ms => {
                 (self.now + self.cfg.connect_timeout_ms, false)
@@ -72,7 +84,7 @@ impl World<'_> {
     /// and whatever job message followed it.
     pub(super) fn dial_done(&mut self, n: usize, ok: bool) {
         self.nodes[n].connecting = false;
-        if !ok {
+        if !ok || !self.nodes[0].up {
             trace!(self, "{} could not reach the controller", self.nodes[n].id);
             return;
         }
@@ -302,6 +314,9 @@ impl World<'_> {
                 if !self.nodes[node].up {
                     return;
                 }
+                if node == 0 {
+                    self.crash_controller();
+                }
                 self.crash(node);
                 if let Some(after) = restart_after_ms {
                     self.push(self.now + after, Ev::Restart { node });
@@ -382,7 +397,61 @@ impl World<'_> {
         node.held.clear();
     }
 
-    /// A new incarnation of the node: empty, asking to join.
+    /// SIGKILL of the controller's daemon: besides what any node loses, the controller's membership, its
+    /// job controller and its side of every connection are gone; the members notice when their
+    /// connections time out. Only the catalog survives.
+    fn crash_controller(&mut self) {
+        for m in 1..self.nodes.len() {
+            if let Some(conn) = self.ctl.conns[m].take() {
+                self.conns[conn].open_ctrl = false;
+                if self.conns[conn].open_node {
+                    self.push(self.now + self.cfg.idle_timeout_ms, Ev::ConnLost { conn, at_ctrl: false });
+                }
+            }
+        }
+    }
+
+    /// node.rs `pre_start` of a daemon that ran as the controller on this data dir before: it starts as
+    /// the only member of a view one past the catalog's last epoch, and restores the job from the catalog
+    /// (`JobDriver::restore`), expecting the nodes of the last view to rejoin.
+    fn restart_controller(&mut self) {
+        let now = dur(self.now);
+        let me = self.nodes[0].id.clone();
+        let catalog = &self.ctl.catalog;
+        let epoch = Epoch(catalog.view_epoch + 1);
+        let expect = catalog.view_members.clone();
+        let membership = Membership::starting_at(self.cfg.membership.clone(), now, vec![me.clone()], epoch);
+        let view = membership.view().clone();
+        let spec = super::job_spec(self.sc);
+        let driver = match &catalog.job {
+            Some(info) => JobDriver::restore(JOB, spec, info, expect.clone()),
+            None => JobDriver::new(JOB, spec),
+        };
+        let info = MemberInfo { name: me.0.clone(), addr: addr(0, 0), slots: self.nodes[0].slots };
+        self.ctl.membership = membership;
+        self.ctl.members = BTreeMap::from([(me.clone(), info)]);
+        self.ctl.driver = driver;
+        self.ctl.conns = vec![None; self.nodes.len()];
+        // Whatever the old process had open is gone: the nodes notice by their idle timeout.
+        for conn in 0..self.conns.len() {
+            if std::mem::take(&mut self.conns[conn].open_ctrl) && self.conns[conn].open_node {
+                self.push(self.now + self.cfg.idle_timeout_ms, Ev::ConnLost { conn, at_ctrl: false });
+            }
+        }
+        self.ctl.catalog.recorded = None;
+        self.ctl.catalog.view_epoch = epoch.0;
+        self.ctl.catalog.view_members = vec![me.clone()];
+        let incarnation = first_incarnation(self.nodes[0].inc);
+        self.nodes[0].member = MemberState::member(me, self.cfg.membership.clone(), now, view.clone(), incarnation);
+        self.check.controller_restarted(self.now, epoch.0, self.nodes[0].generation);
+        self.stats.controller_restarts += 1;
+        trace!(self, "controller restarted at epoch {epoch} from its catalog; expects {expect:?}");
+        let members = self.members_of(&view);
+        self.ctl.driver.on_view(&view, &members, Vec::new());
+        self.job_flush();
+    }
+
+    /// A new incarnation of the node: empty, asking to join (the controller's: see `restart_controller`).
     pub(super) fn restart(&mut self, n: usize) {
         let now = dur(self.now);
         let node = &mut self.nodes[n];
@@ -399,6 +468,9 @@ impl World<'_> {
         node.workers = (0..node.slots).map(|_| Worker::default()).collect();
         let inc = node.inc;
         trace!(self, "{} starts again (incarnation {inc})", self.nodes[n].id);
+        if n == 0 {
+            self.restart_controller();
+        }
         let phase = self.rng.below(self.cfg.tick_ms);
         self.push(self.now + phase, Ev::Tick { node: n, inc });
     }

@@ -1,6 +1,7 @@
 //! What one run simulates: the cluster (node 0 is the controller), the job, and the fault schedule — all
 //! drawn from the seed by [`Scenario::random`], or written out by hand for a directed test.
 
+use troupe_actors::runtime::job::RESUME_GRACE;
 use troupe_cluster::membership::NodeId;
 
 use super::rng::Rng;
@@ -16,9 +17,9 @@ pub struct NodeSpec {
     pub slots: u32,
 }
 
-/// One thing the adversary does. `node` indexes [`Scenario::nodes`]; node 0, the controller, is never
-/// crashed, paused, cut off or drained (it is a single point of failure by design), but its workers may
-/// fail or straggle.
+/// One thing the adversary does. `node` indexes [`Scenario::nodes`]; node 0, the controller, is paused
+/// and crashed — always with a restart: it restarts from its catalog (there is no standby controller) —
+/// but never cut off or drained here; its workers may fail or straggle too.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fault {
     /// SIGKILL: the process and its state are gone; a new incarnation starts after `restart_after_ms`.
@@ -132,9 +133,8 @@ impl Scenario {
             let paused = if any_node == 0 { 0 } else { node };
             let fault = match rng.below(100) {
                 0..=15 => Fault::Crash { node, at_ms, restart_after_ms: rng.chance(700).then(|| rng.range(50, 3000)) },
-                // The controller's node is paused too, as often as any other (it is not cut off,
-                // crashed or drained here: the network around it and its restart from the catalog are
-                // not modelled).
+                // The controller's node is paused too, as often as any other (it is not cut off or
+                // drained here: the network around it is not modelled).
                 16..=30 => Fault::Pause { node: paused, at_ms, for_ms: rng.range(100, 4000) },
                 31..=45 => Fault::Isolate { node, at_ms, for_ms: rng.range(100, 5000) },
                 46..=55 => Fault::DropConnection { node, at_ms },
@@ -151,6 +151,8 @@ impl Scenario {
                 74..=88 => {
                     Fault::Straggle { node: any_node, at_ms, for_ms: rng.range(0, 600), extra_ms: rng.range(300, 2500) }
                 }
+                // The controller's daemon is killed and restarted (systemd) on the same data dir.
+                89..=93 => Fault::Crash { node: 0, at_ms, restart_after_ms: Some(rng.range(50, 3000)) },
                 _ => Fault::SlowLink { node, at_ms, for_ms: rng.range(200, 3000), extra_ms: rng.range(20, 600) },
             };
             faults.push(fault);
@@ -166,7 +168,7 @@ impl Scenario {
                 (Fault::Pause { .. }, Fault::Pause { .. }) => f.at_ms() <= k.over_at_ms(),
                 _ => false,
             });
-            // Workers of a node that is down cannot panic or straggle either (node 0 is never down).
+            // Workers of a node that is down cannot panic or straggle either.
             if !clash {
                 kept.push(f);
             }
@@ -180,7 +182,8 @@ impl Scenario {
     }
 
     /// The job must have ended by then: every fault over, plus the job's own run time, plus
-    /// [`RECOVERY_MS`].
+    /// [`RECOVERY_MS`] — and, when the controller restarted, the grace a restored job waits for the
+    /// nodes of its last view ([`RESUME_GRACE`]: one of them may never come back).
     pub fn finish_bound_ms(&self) -> u64 {
         let straggle: u64 = self
             .faults
@@ -190,7 +193,25 @@ impl Scenario {
                 _ => 0,
             })
             .sum();
-        self.heal_ms() + self.steps * (self.step_ms_max + 30) + straggle + RECOVERY_MS
+        let grace = self.controller_restarts() as u64 * RESUME_GRACE.as_millis() as u64;
+        self.heal_ms() + self.steps * (self.step_ms_max + 30) + straggle + RECOVERY_MS + grace
+    }
+
+    /// When the controller's daemon, killed before `t_ms` and not yet back, restarts.
+    pub fn controller_back_at(&self, t_ms: u64) -> Option<u64> {
+        self.faults.iter().find_map(|f| match *f {
+            Fault::Crash { node: 0, at_ms, restart_after_ms: Some(after) }
+                if (at_ms..at_ms + after).contains(&t_ms) =>
+            {
+                Some(at_ms + after)
+            }
+            _ => None,
+        })
+    }
+
+    /// How often the controller's daemon is killed (and restarted).
+    pub fn controller_restarts(&self) -> usize {
+        self.faults.iter().filter(|f| matches!(f, Fault::Crash { node: 0, .. })).count()
     }
 
     /// Whether `node` is cut off at `t_ms`, and until when.

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::net::SocketAddr;
 
 use troupe_actors::runtime::job::JobDriver;
-use troupe_actors::runtime::protocol::{AttemptOutcome, JobId, MemberInfo, RankSlot, Wire};
+use troupe_actors::runtime::protocol::{AttemptOutcome, JobId, JobInfo, JobState, MemberInfo, RankSlot, Wire};
 use troupe_cluster::membership::{MemberState, Membership, NodeId, View};
 
 use super::check::Checker;
@@ -255,6 +255,20 @@ pub(super) struct Controller {
     pub attempt_ranks: BTreeMap<u64, Vec<RankSlot>>,
     /// Steps the planted bug committed early, per attempt.
     pub early: BTreeSet<(u64, u64)>,
+    /// What the controller's daemon wrote to its catalog (redb, durable) — all a restart finds.
+    pub catalog: Catalog,
+}
+
+/// The controller's catalog (actors/src/daemon/catalog.rs), modelled: the last view, recorded before
+/// anyone hears of it (node.rs), and the job as last recorded — before any batch of the job controller's
+/// messages and events goes out (controller.rs `flush`).
+#[derive(Debug)]
+pub(super) struct Catalog {
+    pub view_epoch: u64,
+    pub view_members: Vec<NodeId>,
+    pub job: Option<JobInfo>,
+    /// The attempt and state last recorded (controller.rs `recorded`).
+    pub recorded: Option<(u64, JobState)>,
 }
 
 /// An attempt's data plane: the ranks that started, and the collective each waits in.
@@ -295,6 +309,8 @@ pub struct Stats {
     pub state_copies: u64,
     pub rollbacks: u64,
     pub checkpoints: u64,
+    /// The controller's daemon came back from its catalog after a kill.
+    pub controller_restarts: u64,
 }
 
 /// How the job ended.
@@ -405,6 +421,12 @@ impl<'a> World<'a> {
                 conns: vec![None; sc.nodes.len()],
                 attempt_ranks: BTreeMap::new(),
                 early: BTreeSet::new(),
+                catalog: Catalog {
+                    view_epoch: view.epoch.0,
+                    view_members: view.members().to_vec(),
+                    job: None,
+                    recorded: None,
+                },
             },
             meshes: BTreeMap::new(),
             checkpoints: Vec::new(),
