@@ -231,14 +231,44 @@ async fn checkpoints_of_pipeline_ddp_and_zero_jobs_load_in_each_other() {
 }
 
 /// ZeRO-3 inside the stages' groups on 4 daemons (pp=2 × dp=2): each rank owns half of its stage's
-/// parameters and optimizer state, so a SIGKILLed daemon takes its half with it — the job rolls back to the checkpoint
-/// (gathered from all four owners) and goes on as one unsharded pipeline, on the reference's trajectory.
+/// parameters and optimizer state and keeps a copy of the other half (`checkpoint.replicas = 1`, the
+/// default). A SIGKILLed daemon's half is restored from that copy: the job goes on as one unsharded
+/// pipeline from the last committed step — no checkpoint directory, no rollback — on the reference's
+/// trajectory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn zero3_inside_the_stages_loses_an_owner_and_rolls_back_to_the_checkpoint() {
+async fn zero3_inside_the_stages_loses_an_owner_and_restores_its_half_from_the_buddy_copy() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = common::processes(4).await;
+    let mut config = config(300, "1f1b");
+    config.parallel.shard = "zero3".into();
+    let out = dir.path().join("final.safetensors");
+    let mut handle = cluster.client().await.unwrap().submit(Job::new(config.clone()).save_final(&out)).await.unwrap();
+    let (mut events, mut killed) = (Vec::new(), false);
+    while let Some(event) = next(&mut handle).await {
+        if matches!(event, JobEvent::Step { step, world: 4, .. } if step >= 4) && !killed {
+            common::signal(cluster.pid(3).unwrap(), "KILL");
+            killed = true;
+        }
+        events.push(event);
+    }
+    assert!(killed, "{events:#?}");
+    assert!(matches!(events.last(), Some(JobEvent::Finished { steps: 300, .. })), "{events:#?}");
+    assert!(!events.iter().any(|e| matches!(e, JobEvent::RolledBack { .. })), "no rollback: {events:#?}");
+    assert!(events.iter().any(|e| matches!(e, JobEvent::Recovered { world: 2, .. })), "{events:#?}");
+    check(&config, Some(&losses(&events)), &out, "pp=2 × dp=2 zero3, an owner lost, its half from the copy");
+    cluster.shutdown().await;
+}
+
+/// The same without buddy copies (`checkpoint.replicas = 0`): the lost half lived nowhere else, so the
+/// job rolls back to the checkpoint (gathered from all four owners) and goes on as one unsharded
+/// pipeline, on the reference's trajectory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero3_inside_the_stages_without_copies_loses_an_owner_and_rolls_back_to_the_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let cluster = common::processes(4).await;
     let mut config = config(60, "1f1b");
     config.parallel.shard = "zero3".into();
+    config.checkpoint.replicas = 0;
     config.checkpoint.dir = Some(dir.path().join("ckpt"));
     config.checkpoint.every_steps = 5;
     let out = dir.path().join("final.safetensors");

@@ -62,6 +62,8 @@ struct Geometry {
     replicas: usize,
     /// ZeRO-1/2/3 inside each stage's group of replicas (`parallel.shard`, with more than one replica).
     sharded: bool,
+    /// Buddy copies each sharded replica keeps of the other replicas' parts (`checkpoint.replicas`).
+    copies: usize,
     layouts: Vec<ChunkLayout>,
     total: usize,
 }
@@ -86,7 +88,8 @@ impl Geometry {
         let layouts = partition(&config.model, shape.chunks()).map_err(|e| e.to_string())?;
         let total = layouts.iter().map(|l| l.numel).sum();
         let sharded = replicas > 1 && parallel.shard != "none";
-        Ok(Self { kind, shape, replicas, sharded, layouts, total })
+        let copies = config.checkpoint.replicas;
+        Ok(Self { kind, shape, replicas, sharded, copies, layouts, total })
     }
 
     /// The chunks cut by `costs` instead of parameter counts.
@@ -103,10 +106,17 @@ impl Geometry {
         rank % self.replicas
     }
 
-    /// The flat ranges rank `rank` holds: its device's chunks, or its owned part of them (sharded).
+    /// The flat ranges rank `rank` holds: its device's chunks, or (sharded) its owned part of them, then
+    /// its copies of its buddies' parts.
     fn needed(&self, rank: usize) -> Vec<Range<usize>> {
         let sharded_among = self.sharded.then_some((self.replica_of(rank), self.replicas));
-        held_ranges(self.shape, &self.layouts, self.device_of(rank), sharded_among)
+        held_ranges(self.shape, &self.layouts, self.device_of(rank), sharded_among, self.copies)
+    }
+
+    /// The flat ranges rank `rank` contributes to a checkpoint: what it holds, without buddy copies.
+    fn owned(&self, rank: usize) -> Vec<Range<usize>> {
+        let sharded_among = self.sharded.then_some((self.replica_of(rank), self.replicas));
+        held_ranges(self.shape, &self.layouts, self.device_of(rank), sharded_among, 0)
     }
 
     /// Whether rank `rank`'s pieces are part of the whole state gathered for a checkpoint: replica 0 of
@@ -274,7 +284,8 @@ impl<T: Transport> PipelineReplica<T> {
         if !geometry.is_holder(rank) {
             return Ok(None); // another replica of the stage: replica 0 holds the same
         }
-        let (pieces, _) = self.export().await?;
+        let (mut pieces, _) = self.export().await?;
+        pieces.truncate(geometry.owned(rank).len()); // the buddy copies follow the owned part
         if rank != 0 {
             let mut buf = Vec::new();
             for piece in &pieces {
@@ -296,7 +307,7 @@ impl<T: Transport> PipelineReplica<T> {
         }
         let mut buf = Vec::new();
         for holder in (1..self.comm.world()).filter(|&r| geometry.is_holder(r)) {
-            let ranges = geometry.needed(holder);
+            let ranges = geometry.owned(holder);
             let n: usize = ranges.iter().map(Range::len).sum();
             buf.clear();
             buf.resize(3 * n, 0.0);

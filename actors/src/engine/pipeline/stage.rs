@@ -33,6 +33,7 @@ use troupe_model::TrainError;
 use super::super::committed::ShardPiece;
 use super::super::data_parallel::materialise_grads;
 use super::super::flat::{append_flat, copy_from_flat};
+use super::super::shard_plan::{buddies, shadow_holders, HOLDING_RANGES_MAX, REPLICAS_MAX};
 use super::super::sharded::{adamw_on_segments, plan_segments, ShardMode, ShardSegment};
 use super::super::zero3::unit_tensors;
 use super::error::PipelineError;
@@ -174,22 +175,35 @@ fn owned_pieces(ranges: &[Range<usize>], own: &Range<usize>) -> Vec<(Range<usize
 }
 
 /// The flat-order ranges device `device` keeps between steps (what [`PipelineStage::export_state`]
-/// gives and [`PipelineStage::load_state`] takes): its chunks' ranges, or with ZeRO inside the stage's group (`sharded_among` = (replica, replicas)) the
-/// replica's owned part of them.
+/// gives and [`PipelineStage::load_state`] takes): its chunks' ranges, or with ZeRO inside the stage's
+/// group (`sharded_among` = (replica, replicas)) the replica's owned part of them, then its copies of
+/// its `copies` buddies' parts ([`buddies`] within the group) — each part cut at chunk boundaries.
 pub fn held_ranges(
     shape: PlanShape,
     layouts: &[ChunkLayout],
     device: usize,
     sharded_among: Option<(usize, usize)>,
+    copies: usize,
 ) -> Vec<Range<usize>> {
     let ranges = chunk_ranges(shape, layouts, device);
     match sharded_among {
         Some((replica, replicas)) if replicas > 1 => {
-            let own = chunk_range(ranges.iter().map(Range::len).sum(), replicas, replica);
-            owned_pieces(&ranges, &own).into_iter().map(|(_, range)| range).collect()
+            let total = ranges.iter().map(Range::len).sum();
+            std::iter::once(replica)
+                .chain(buddies(replica, replicas, copies_kept(copies, shape.virtual_stages)))
+                .flat_map(|r| owned_pieces(&ranges, &chunk_range(total, replicas, r)))
+                .map(|(_, range)| range)
+                .collect()
         }
         _ => ranges,
     }
+}
+
+/// The buddy copies a sharded stage replica keeps for `checkpoint.replicas = configured`: at most
+/// [`REPLICAS_MAX`], and few enough that its owned part and the copies, each cut into up to
+/// `virtual_stages` chunk pieces, fit one holding of the reshard ([`HOLDING_RANGES_MAX`] ranges).
+pub fn copies_kept(configured: usize, virtual_stages: usize) -> usize {
+    configured.min(REPLICAS_MAX).min((HOLDING_RANGES_MAX / virtual_stages.max(1)).saturating_sub(1))
 }
 
 /// A device's data-parallel group: the devices that hold the same chunks for other slices of the batch.
@@ -204,6 +218,9 @@ pub struct DataParallelGroup<T: Transport> {
 /// cache of the group's masters, refreshed by an all-gather in the group before the step after an update.
 /// ZeRO-1 all-reduces the gradients, ZeRO-2 reduce-scatters them; ZeRO-3 also drops the parameters after
 /// each step's flush (the device's chunks are its one unit: gathered for the step's ops, none between).
+/// With `checkpoint.replicas = k` it also keeps a copy of the owned ranges of its `k` buddies in the group
+/// (replicas `d + 1 … d + k` mod `D`), updated with the same gradient bits as the owner's, so a lost
+/// replica's part is restored from memory.
 struct StageShard {
     mode: ShardMode,
     /// The owned range, in the device's flat order.
@@ -215,11 +232,27 @@ struct StageShard {
     exp_avg_sq: Vec<f32>,
     /// The step's reduced gradient of the owned range.
     grad: Vec<f32>,
+    /// This replica's place in the stage's group: (replica, replicas, buddy copies kept).
+    group: (usize, usize, usize),
+    /// The copies of the buddies' owned ranges, nearest buddy first.
+    copies: Vec<BuddyCopy>,
     /// The parameters lag the masters (an update was applied, or a state loaded, since the last gather).
     params_stale: bool,
     /// ZeRO-3: the specs of the device's parameters, which are empty tensors between steps (dropped
     /// after the flush, rebuilt by the next gather).
     released_specs: Option<Vec<ParamSpec>>,
+}
+
+/// A replica's copy of a buddy's owned range of the device's flat order: its masters, moments and the
+/// step's reduced gradient.
+struct BuddyCopy {
+    buddy: usize,
+    range: Range<usize>,
+    segments: Vec<ShardSegment>,
+    master: Vec<f32>,
+    exp_avg: Vec<f32>,
+    exp_avg_sq: Vec<f32>,
+    grad: Vec<f32>,
 }
 
 impl<T: Transport> PipelineStage<T> {
@@ -267,11 +300,29 @@ impl<T: Transport> PipelineStage<T> {
             (Some(mode), Some(group)) if group.comm.world() > 1 => {
                 let (numels, decays): (Vec<usize>, Vec<bool>) = specs.iter().map(|s| (s.numel(), s.decays())).unzip();
                 let total = numels.iter().sum();
-                let own = chunk_range(total, group.comm.world(), group.comm.rank());
-                let mut master = Vec::with_capacity(total);
-                append_flat(&params, &mut master);
-                let master = master[own.clone()].to_vec();
+                let (replica, replicas) = (group.comm.rank(), group.comm.world());
+                let kept = copies_kept(config.checkpoint.replicas, shape.virtual_stages).min(replicas - 1);
+                let own = chunk_range(total, replicas, replica);
+                let mut all = Vec::with_capacity(total);
+                append_flat(&params, &mut all);
+                let master = all[own.clone()].to_vec();
                 let n = own.len();
+                let copies = buddies(replica, replicas, kept)
+                    .into_iter()
+                    .map(|buddy| {
+                        let range = chunk_range(total, replicas, buddy);
+                        let n = range.len();
+                        BuddyCopy {
+                            buddy,
+                            segments: plan_segments(&numels, &decays, &range),
+                            master: all[range.clone()].to_vec(),
+                            exp_avg: vec![0.0; n],
+                            exp_avg_sq: vec![0.0; n],
+                            grad: vec![0.0; n],
+                            range,
+                        }
+                    })
+                    .collect();
                 // The moments live in the shard: the optimizer's per-parameter ones are dropped.
                 optimizer.exp_avg.clear();
                 optimizer.exp_avg_sq.clear();
@@ -283,6 +334,8 @@ impl<T: Transport> PipelineStage<T> {
                     exp_avg: vec![0.0; n],
                     exp_avg_sq: vec![0.0; n],
                     grad: vec![0.0; n],
+                    group: (replica, replicas, kept),
+                    copies,
                     params_stale: false,
                     released_specs: (mode == ShardMode::Zero3).then(|| specs.clone()),
                 })
@@ -345,17 +398,22 @@ impl<T: Transport> PipelineStage<T> {
     /// what a rank keeps between attempts of a cluster job.
     pub fn export_state(&self) -> Vec<ShardPiece> {
         if let Some(shard) = &self.shard {
-            // The owned range of the device's flat order, cut at chunk boundaries into flat-order ranges.
-            return self
-                .owned_pieces(&shard.own)
-                .into_iter()
-                .map(|(local, range)| ShardPiece {
-                    range,
-                    master: shard.master[local.clone()].to_vec(),
-                    exp_avg: shard.exp_avg[local.clone()].to_vec(),
-                    exp_avg_sq: shard.exp_avg_sq[local].to_vec(),
-                })
-                .collect();
+            // The owned range of the device's flat order, then each buddy copy, cut at chunk boundaries
+            // into flat-order ranges (the order of `held_ranges`).
+            let parts = std::iter::once((&shard.own, [&shard.master, &shard.exp_avg, &shard.exp_avg_sq]))
+                .chain(shard.copies.iter().map(|c| (&c.range, [&c.master, &c.exp_avg, &c.exp_avg_sq])));
+            let mut pieces = Vec::new();
+            for (owned, [master, exp_avg, exp_avg_sq]) in parts {
+                for (local, range) in self.owned_pieces(owned) {
+                    pieces.push(ShardPiece {
+                        range,
+                        master: master[local.clone()].to_vec(),
+                        exp_avg: exp_avg[local.clone()].to_vec(),
+                        exp_avg_sq: exp_avg_sq[local].to_vec(),
+                    });
+                }
+            }
+            return pieces;
         }
         self.chunks
             .iter()
@@ -386,14 +444,24 @@ impl<T: Transport> PipelineStage<T> {
                 .find(|p| p.range.start <= range.start && range.end <= p.range.end)
                 .expect("load_state: a piece holds each range this device needs")
         };
-        if let Some(own) = self.shard.as_ref().map(|s| s.own.clone()) {
-            for (local, range) in self.owned_pieces(&own) {
-                let shard = self.shard.as_mut().expect("sharded");
+        if let Some(shard) = self.shard.as_mut() {
+            let ranges = &self.ranges;
+            for (local, range) in owned_pieces(ranges, &shard.own) {
                 let out =
                     [&mut shard.master[local.clone()], &mut shard.exp_avg[local.clone()], &mut shard.exp_avg_sq[local]];
                 containing(&range).read(&range, out);
             }
-            self.shard.as_mut().expect("sharded").params_stale = true; // the group's masters, at the next step
+            for copy in &mut shard.copies {
+                for (local, range) in owned_pieces(ranges, &copy.range) {
+                    let out = [
+                        &mut copy.master[local.clone()],
+                        &mut copy.exp_avg[local.clone()],
+                        &mut copy.exp_avg_sq[local],
+                    ];
+                    containing(&range).read(&range, out);
+                }
+            }
+            shard.params_stale = true; // the group's masters, at the next step
             return;
         }
         for (chunk, range) in self.chunks.iter().zip(self.ranges.iter().cloned()) {
@@ -503,9 +571,20 @@ impl<T: Transport> PipelineStage<T> {
                 append_flat(&grads, &mut self.flat);
                 if shard.mode != ShardMode::Zero1 {
                     group.comm.reduce_scatter(&self.flat, &mut shard.grad, ReduceOp::Sum).await.map_err(flush)?;
+                    // The owned gradient to the replicas that keep a copy; the buddies' from them.
+                    let (replica, replicas, kept) = shard.group;
+                    for holder in shadow_holders(replica, replicas, kept) {
+                        group.comm.send(holder, &shard.grad).await.map_err(flush)?;
+                    }
+                    for copy in &mut shard.copies {
+                        group.comm.recv(copy.buddy, &mut copy.grad).await.map_err(flush)?;
+                    }
                 } else {
                     group.comm.all_reduce(&mut self.flat[..], ReduceOp::Sum).await.map_err(flush)?;
                     shard.grad.copy_from_slice(&self.flat[shard.own.clone()]);
+                    for copy in &mut shard.copies {
+                        copy.grad.copy_from_slice(&self.flat[copy.range.clone()]);
+                    }
                 }
                 let own_sq: f64 = shard.grad.iter().map(|&g| f64::from(g) * f64::from(g)).sum();
                 let mut pair = [own_sq as f32, loss as f32];
@@ -546,10 +625,16 @@ impl<T: Transport> PipelineStage<T> {
                 if grad_factor != 1.0 {
                     let factor = grad_factor as f32;
                     shard.grad.iter_mut().for_each(|g| *g *= factor);
+                    shard.copies.iter_mut().flat_map(|c| c.grad.iter_mut()).for_each(|g| *g *= factor);
                 }
                 let t = self.optimizer.step + 1;
                 let state = [&mut shard.master, &mut shard.exp_avg, &mut shard.exp_avg_sq];
                 adamw_on_segments(state, &shard.segments, &shard.grad, train, lr, t);
+                // Each copy gets the bits its owner gets: same gradient, same coefficient, same kernel.
+                for copy in &mut shard.copies {
+                    let state = [&mut copy.master, &mut copy.exp_avg, &mut copy.exp_avg_sq];
+                    adamw_on_segments(state, &copy.segments, &copy.grad, train, lr, t);
+                }
                 self.optimizer.step = t;
                 shard.params_stale = true; // gathered before the next step's forward
             }
@@ -818,4 +903,46 @@ struct StepRun {
     /// Σ micro-batch loss × its share of the global batch (last chunk only).
     loss: f64,
     spans: Vec<OpSpan>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sorted, adjacent ranges joined.
+    fn merged(mut ranges: Vec<Range<usize>>) -> Vec<Range<usize>> {
+        ranges.sort_by_key(|r| r.start);
+        let mut out: Vec<Range<usize>> = Vec::new();
+        for r in ranges {
+            match out.last_mut() {
+                Some(last) if last.end == r.start => last.end = r.end,
+                _ => out.push(r),
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_sharded_replica_holds_its_part_then_its_buddies_parts_cut_at_chunk_boundaries() {
+        let config = troupe_model::gpt::GptConfig::gpt_tiny();
+        let shape = PlanShape::new(2, 4, 2);
+        let layouts = super::super::partition(&config, shape.chunks()).unwrap();
+        for device in 0..2 {
+            let chunks = chunk_ranges(shape, &layouts, device);
+            let owned = |replica| held_ranges(shape, &layouts, device, Some((replica, 3)), 0);
+            // The replicas' own parts tile the device's chunks.
+            let tiled: Vec<Range<usize>> = (0..3).flat_map(owned).collect();
+            assert_eq!(merged(tiled), merged(chunks.clone()), "device {device}");
+            // One copy: replica 1 holds its part, then replica 2's; replica 2 wraps round to replica 0.
+            let held = held_ranges(shape, &layouts, device, Some((1, 3)), 1);
+            assert_eq!(held, [owned(1), owned(2)].concat());
+            assert_eq!(held_ranges(shape, &layouts, device, Some((2, 3)), 5), [owned(2), owned(0), owned(1)].concat());
+            // Unsharded: the chunks, whatever the copies.
+            assert_eq!(held_ranges(shape, &layouts, device, None, 1), chunks);
+        }
+        assert_eq!(copies_kept(1, 2), 1);
+        assert_eq!(copies_kept(9, 1), REPLICAS_MAX);
+        assert_eq!(copies_kept(3, 8), 1, "(1 + 1) × 8 pieces fit a holding, (1 + 2) × 8 do not");
+        assert_eq!(copies_kept(1, 16), 0);
+    }
 }
