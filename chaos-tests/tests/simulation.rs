@@ -6,7 +6,7 @@
 //! `SIM_SEED=<seed> cargo test --release -p troupe-chaos --test simulation replay_one_seed -- --nocapture`
 //! (add `SIM_MODEL=as_is` for node.rs as it is, `SIM_PLANTED=1` for the planted bug).
 
-use troupe_chaos::sim::{self, JobEnd, NodeModel, Outcome, PlantedBug, Scenario, SimConfig};
+use troupe_chaos::sim::{self, Fault, JobEnd, NodeModel, Outcome, PlantedBug, Scenario, SimConfig};
 
 /// Seeds every property below runs.
 const SEEDS: u64 = 300;
@@ -78,11 +78,18 @@ fn faults_exercise_every_recovery_path() {
     let restarted = seeds_where(&|o| o.stats.controller_restarts > 0);
     let restarted_finished =
         seeds_where(&|o| o.stats.controller_restarts > 0 && matches!(o.end, JobEnd::Finished { .. }));
+    let cut_off = |o: &Outcome| {
+        o.scenario.faults.iter().any(|f| matches!(f, Fault::Isolate { node: 0, for_ms, .. } if *for_ms > 2_500))
+    };
+    // Cut off past the failure timeout, the controller trains on alone; its members are fenced on healing.
+    let controller_cut_off = seeds_where(&|o| cut_off(o));
+    let cut_off_fenced = seeds_where(&|o| cut_off(o) && o.stats.fences > 0);
     println!(
         "of {RUNS} seeds: view changed {changed_view}, fenced {fenced}, retried {retried}, copied state {copied}, \
          an attempt failed {failed_attempt}, messages lost {lost}, rolled back {rolled_back}, \
          failed with state lost {state_lost}, finished {finished}, controller killed and restarted \
-         {restarted} (finished {restarted_finished})"
+         {restarted} (finished {restarted_finished}), controller cut off past the timeout \
+         {controller_cut_off} (members fenced {cut_off_fenced})"
     );
     assert!(outcomes.iter().all(Outcome::ok), "see random_fault_schedules_break_no_invariant");
     assert!(changed_view > RUNS as usize / 2);
@@ -90,6 +97,7 @@ fn faults_exercise_every_recovery_path() {
     assert!(rolled_back > 0 && state_lost > 0);
     assert!(finished > RUNS as usize * 9 / 10);
     assert!(restarted > 40 && restarted_finished > restarted * 8 / 10);
+    assert!(controller_cut_off > 5 && cut_off_fenced > controller_cut_off / 2);
 }
 
 /// The planted bug: the modelled controller commits a step on its first vote (a wrapper around the

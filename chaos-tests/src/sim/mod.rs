@@ -16,8 +16,8 @@
 //! their steps. The controller's node is paused too (its side of every connection waits with it, and the
 //! members' connections time out), and killed: its daemon restarts from its catalog — the last view and
 //! the job as last recorded, both written before anyone heard of them — past the last epoch, restores the
-//! job (`JobDriver::restore`) and waits for the members to rejoin. It is not cut off here — the
-//! real-process chaos scenario `partition-controller-node` covers that. A run is a [`Scenario`] (cluster, job, fault schedule) plus a seed for every timing
+//! job (`JobDriver::restore`) and waits for the members to rejoin. It is cut off too: every control
+//! connection has it at one end, so all of them stall, and its ranks' data plane with them. A run is a [`Scenario`] (cluster, job, fault schedule) plus a seed for every timing
 //! choice; [`run`] is a pure function of both, and the [`check`] module's invariants are checked as it
 //! goes.
 

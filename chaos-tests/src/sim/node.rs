@@ -64,7 +64,7 @@ impl World<'_> {
             false => Some(self.sc.controller_back_at(self.now).unwrap_or(u64::MAX)),
         };
         let blocked =
-            [self.sc.isolated_until(n, self.now), self.nodes[0].paused_until, down].into_iter().flatten().max();
+            [self.sc.control_cut_until(n, self.now), self.nodes[0].paused_until, down].into_iter().flatten().max();
         let (at, ok) = match blocked {
             Some(until) if until > self.now + self.cfg.connect_timeout_ms => {
                 (self.now + self.cfg.connect_timeout_ms, false)

@@ -17,9 +17,9 @@ pub struct NodeSpec {
     pub slots: u32,
 }
 
-/// One thing the adversary does. `node` indexes [`Scenario::nodes`]; node 0, the controller, is paused
-/// and crashed — always with a restart: it restarts from its catalog (there is no standby controller) —
-/// but never cut off or drained here; its workers may fail or straggle too.
+/// One thing the adversary does. `node` indexes [`Scenario::nodes`]; node 0, the controller, is paused,
+/// cut off, and crashed — always with a restart: it restarts from its catalog (there is no standby
+/// controller) — but never drained here; its workers may fail or straggle too.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fault {
     /// SIGKILL: the process and its state are gone; a new incarnation starts after `restart_after_ms`.
@@ -133,10 +133,13 @@ impl Scenario {
             let paused = if any_node == 0 { 0 } else { node };
             let fault = match rng.below(100) {
                 0..=15 => Fault::Crash { node, at_ms, restart_after_ms: rng.chance(700).then(|| rng.range(50, 3000)) },
-                // The controller's node is paused too, as often as any other (it is not cut off or
-                // drained here: the network around it is not modelled).
+                // The controller's node is paused too, as often as any other (it is not drained here).
                 16..=30 => Fault::Pause { node: paused, at_ms, for_ms: rng.range(100, 4000) },
-                31..=45 => Fault::Isolate { node, at_ms, for_ms: rng.range(100, 5000) },
+                // The controller's node is cut off too, now and then.
+                31..=45 => {
+                    let node = if rng.chance(150) { 0 } else { node };
+                    Fault::Isolate { node, at_ms, for_ms: rng.range(100, 5000) }
+                }
                 46..=55 => Fault::DropConnection { node, at_ms },
                 56..=65 => {
                     // The restart policy allows 3 per 60 s; stay under it (escalation is a crash).
@@ -225,6 +228,12 @@ impl Scenario {
                 _ => None,
             })
             .max()
+    }
+
+    /// Whether node `node`'s control connection (to the controller, node 0) is cut at `t_ms` — either end
+    /// cut off — and until when.
+    pub fn control_cut_until(&self, node: usize, t_ms: u64) -> Option<u64> {
+        [self.isolated_until(node, t_ms), self.isolated_until(0, t_ms)].into_iter().flatten().max()
     }
 
     /// Extra delay of the node's control connection at `t_ms`.

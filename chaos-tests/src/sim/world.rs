@@ -573,7 +573,7 @@ impl<'a> World<'a> {
             return;
         }
         let node = c.node;
-        let start = self.sc.isolated_until(node, self.now).unwrap_or(self.now);
+        let start = self.sc.control_cut_until(node, self.now).unwrap_or(self.now);
         let at = start + self.net_delay() + self.sc.slow_link_ms(node, self.now);
         let c = &mut self.conns[conn];
         let last = if up { &mut c.last_up } else { &mut c.last_down };
