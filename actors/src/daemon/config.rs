@@ -25,7 +25,7 @@ pub struct NodeConfig {
     /// The controller's address. Absent: this node is the controller (the first node of a cluster).
     #[serde(default)]
     pub join: Option<SocketAddr>,
-    /// Where the daemon keeps its metadata (sled).
+    /// Where the daemon keeps its metadata: its catalog (redb, `daemon.redb`).
     pub data_dir: PathBuf,
     /// The cluster directory made by `troupe cluster init` / `add-node` (ca.pem, nodes/NAME.pem).
     pub certs: PathBuf,
