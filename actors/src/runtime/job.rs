@@ -259,7 +259,9 @@ impl JobDriver {
         }
     }
 
-    /// A new view. Re-plans when the ranks it offers differ from the running attempt's.
+    /// A new view. Re-plans when the ranks it offers differ from the running attempt's, or when a spare
+    /// of the view may hold a later committed step than the job's (a former rank back after the job
+    /// rolled back without it): the next attempt includes that spare rather than redo the steps it holds.
     pub fn on_view(&mut self, view: &View, members: &[MemberInfo], changes: Vec<String>) {
         if self.state.is_terminal() {
             return;
@@ -278,9 +280,12 @@ impl JobDriver {
         }
         let max_nodes = self.spec.config.elastic.max_nodes;
         let (max_ranks, stages) = (self.max_ranks(), self.spec.config.parallel.pp);
-        let wanted = plan_ranks(view, members, max_nodes, max_ranks, stages, self.ranks());
+        let mut wanted = plan_ranks(view, members, max_nodes, max_ranks, stages, self.ranks());
         if !matches!(self.phase, Phase::Idle) && wanted == self.ranks() {
-            return;
+            match self.ranks_with_a_more_advanced_spare(self.committed, &wanted) {
+                Some(better) => wanted = better,
+                None => return,
+            }
         }
         if !matches!(self.phase, Phase::Idle) {
             self.actions.push_back(DriverAction::Event(JobEvent::Membership {
@@ -891,13 +896,12 @@ mod tests {
     }
 
     /// Found by the deterministic simulation (troupe-chaos, seed 76936): with `max_ranks` 1, the only
-    /// rank "a" (step 5) was lost and the job rolled back to the checkpoint on the spare "b"; "a" came
-    /// back fenced, keeping its state, as a spare. When "b" then failed, the next attempt asked only "b"
-    /// (its restarted worker holds nothing) and rolled back again — without a checkpoint.dir the job
-    /// would have failed for a lost state — while the spare "a" held step 5. Now the spare that may hold
-    /// more is asked first, and the job resumes from its state.
+    /// rank "a" (step 5) was lost and the job rolled back on the spare "b"; "a" came back fenced,
+    /// keeping its state, as a spare — and was ignored while "b" redid the steps "a" held. Now a spare
+    /// that may hold a later step than the job's is taken as soon as it is back: the attempt on "b" is
+    /// aborted and the job resumes from "a"'s state.
     #[test]
-    fn under_the_cap_a_spare_that_may_hold_a_more_advanced_state_is_asked_before_rolling_back() {
+    fn under_the_cap_a_returning_spare_that_may_hold_a_later_step_is_taken_at_once() {
         let mut d = five_steps_on_a_with_b_spare();
         drain(&mut d);
         let (v, m) = view(2, &["b"]);
@@ -909,26 +913,51 @@ mod tests {
         for step in 0..2 {
             d.on_vote(T, &"b".into(), 2, 0, step, figures(5.0, 1.0, 0));
         }
+        drain(&mut d);
         let (v, m) = view(3, &["a", "b"]);
         d.on_view(&v, &m, vec!["a joined".into()]);
-        drain(&mut d);
-        assert_eq!((d.info().attempts, d.info().step), (2, 2), "the attempt on b goes on");
-
-        d.on_ended(&"b".into(), 2, 0, AttemptOutcome::Failed { step: 0, reason: "worker panicked".into() });
-        drain(&mut d);
-        d.on_ready(T, &"b".into(), 3, 0, addr(2), Some(0));
         let actions = drain(&mut d);
-        assert!(events(&actions).is_empty(), "no rollback: {actions:?}");
-        let sent = sent(&actions);
+        let msgs = sent(&actions);
         assert!(
-            matches!(sent[..], [(ref n, Wire::Abort { attempt: 3, .. }), (ref a, Wire::Prepare { attempt: 4, ref ranks, .. })]
+            matches!(msgs[..], [(ref n, Wire::Abort { attempt: 2, .. }), (ref a, Wire::Prepare { attempt: 3, ref ranks, .. })]
             if n == "b" && a == "a" && ranks == &[RankSlot { node: "a".into(), slot: 0 }]),
-            "{sent:?}"
+            "{msgs:?}"
         );
-        d.on_ready(T, &"a".into(), 4, 0, addr(1), Some(5));
+        d.on_ready(T, &"a".into(), 3, 0, addr(1), Some(5));
         let actions = drain(&mut d);
         assert!(matches!(events(&actions)[..], [JobEvent::Recovered { step: 5, .. }]), "{actions:?}");
         assert_eq!(d.info().step, 5);
+        // The view changes again without a spare that may hold more: the attempt on "a" goes on.
+        let (v, m) = view(4, &["a", "b", "c"]);
+        d.on_view(&v, &m, vec!["c joined".into()]);
+        assert!(sent(&drain(&mut d)).is_empty());
+    }
+
+    /// When the ranks come back with less than the job committed, the spares that may hold more are
+    /// asked before rolling back; one that was asked and holds no more is not asked again.
+    #[test]
+    fn a_spare_is_asked_before_rolling_back_and_one_that_holds_no_more_does_not_stop_it() {
+        let mut d = five_steps_on_a_with_b_spare();
+        let (v, m) = view(2, &["b"]);
+        d.on_view(&v, &m, vec![]);
+        d.on_ready(T, &"b".into(), 2, 0, addr(2), Some(0));
+        d.on_vote(T, &"b".into(), 2, 0, 0, figures(5.0, 1.0, 0));
+        let (v, m) = view(3, &["a", "b"]);
+        d.on_view(&v, &m, vec![]);
+        drain(&mut d);
+        // "a" restarted meanwhile: it holds nothing (a fresh model, step 0); "b" may hold step 1.
+        d.on_ready(T, &"a".into(), 3, 0, addr(1), Some(0));
+        let actions = drain(&mut d);
+        let msgs = sent(&actions);
+        assert!(
+            matches!(msgs[..], [(_, Wire::Abort { attempt: 3, .. }), (ref b, Wire::Prepare { attempt: 4, .. })] if b == "b"),
+            "{msgs:?}"
+        );
+        // "b" restarted too: nobody holds step 1 after all, and the job rolls back.
+        d.on_ready(T, &"b".into(), 4, 0, addr(2), Some(0));
+        let actions = drain(&mut d);
+        assert!(events(&actions).contains(&&JobEvent::RolledBack { from_step: 1, to_step: 0 }), "{actions:?}");
+        assert!(matches!(sent(&actions)[..], [(_, Wire::Start { attempt: 4, .. })]), "{actions:?}");
     }
 
     /// Found by the deterministic simulation (troupe-chaos, seed 9490, the controller killed): a restored
@@ -962,27 +991,6 @@ mod tests {
         d.on_ready(T, &"b".into(), 3, 0, addr(2), Some(5));
         let actions = drain(&mut d);
         assert!(matches!(events(&actions)[..], [JobEvent::Recovered { step: 5, .. }]), "{actions:?}");
-    }
-
-    /// A spare that was asked and holds no more than the ranks is not asked again: the job rolls back.
-    #[test]
-    fn a_spare_that_holds_no_more_after_all_does_not_stop_the_rollback() {
-        let mut d = five_steps_on_a_with_b_spare();
-        let (v, m) = view(2, &["b"]);
-        d.on_view(&v, &m, vec![]);
-        d.on_ready(T, &"b".into(), 2, 0, addr(2), Some(0));
-        d.on_vote(T, &"b".into(), 2, 0, 0, figures(5.0, 1.0, 0));
-        let (v, m) = view(3, &["a", "b"]);
-        d.on_view(&v, &m, vec![]);
-        d.on_ended(&"b".into(), 2, 0, AttemptOutcome::Failed { step: 0, reason: "worker panicked".into() });
-        drain(&mut d);
-        d.on_ready(T, &"b".into(), 3, 0, addr(2), Some(0));
-        drain(&mut d);
-        // "a" restarted meanwhile: it holds nothing (a fresh model, step 0).
-        d.on_ready(T, &"a".into(), 4, 0, addr(1), Some(0));
-        let actions = drain(&mut d);
-        assert!(events(&actions).contains(&&JobEvent::RolledBack { from_step: 1, to_step: 0 }), "{actions:?}");
-        assert!(matches!(sent(&actions)[..], [(_, Wire::Start { attempt: 4, .. })]), "{actions:?}");
     }
 
     /// Found by the deterministic simulation (troupe-chaos): the job's end released only the ranks of
