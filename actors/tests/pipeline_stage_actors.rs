@@ -6,10 +6,10 @@
 //! Two ranks (pp = 2) over the in-memory transport in one runtime, driven through `StepEngine` as the
 //! worker's step loop drives them; a small recording actor stands in for the WorkerActor.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+use ractor::ActorRef;
 use troupe_actors::engine::pipeline::PipelineReplica;
 use troupe_actors::engine::{CommittedState, EngineError, StepEngine};
 use troupe_cluster::collective::{CollectiveConfig, Communicator};
@@ -18,41 +18,9 @@ use troupe_cluster::TransportConfig;
 use troupe_model::config::JobConfig;
 use troupe_model::Trainer;
 
-/// Records its children's supervision events, and never stops because of them.
-struct Supervisor;
-
-#[derive(Clone, Debug, PartialEq)]
-enum Seen {
-    Started,
-    Terminated,
-    Failed,
-}
-
-impl Actor for Supervisor {
-    type Msg = ();
-    type State = Arc<Mutex<Vec<Seen>>>;
-    type Arguments = Arc<Mutex<Vec<Seen>>>;
-
-    async fn pre_start(&self, _: ActorRef<()>, seen: Self::Arguments) -> Result<Self::State, ActorProcessingErr> {
-        Ok(seen)
-    }
-
-    async fn handle_supervisor_evt(
-        &self,
-        _: ActorRef<()>,
-        event: SupervisionEvent,
-        seen: &mut Self::State,
-    ) -> Result<(), ActorProcessingErr> {
-        let what = match event {
-            SupervisionEvent::ActorStarted(_) => Seen::Started,
-            SupervisionEvent::ActorTerminated(..) => Seen::Terminated,
-            SupervisionEvent::ActorFailed(..) => Seen::Failed,
-            _ => return Ok(()),
-        };
-        seen.lock().unwrap().push(what);
-        Ok(())
-    }
-}
+#[path = "common/supervisor.rs"]
+mod supervisor;
+use supervisor::{count, eventually, Events, Seen};
 
 fn job() -> JobConfig {
     let mut config = JobConfig::small(3);
@@ -92,39 +60,20 @@ async fn step(ranks: &mut [PipelineReplica<MemoryTransport>]) -> Result<f64, Eng
     Ok(loss)
 }
 
-/// Waits (up to 5 s) until `seen` satisfies `done`.
-async fn eventually(seen: &Arc<Mutex<Vec<Seen>>>, done: impl Fn(&[Seen]) -> bool) {
-    for _ in 0..500 {
-        if done(&seen.lock().unwrap()) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("supervision events never got there: {:?}", seen.lock().unwrap());
-}
-
 /// Two ranks under a recording supervisor, synced, after one step.
-async fn after_one_step() -> (ActorRef<()>, Arc<Mutex<Vec<Seen>>>, Vec<PipelineReplica<MemoryTransport>>) {
-    tch::set_num_threads(1);
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let (supervisor, _) = Actor::spawn(None, Supervisor, seen.clone()).await.unwrap();
+async fn after_one_step() -> (ActorRef<()>, Events, Vec<PipelineReplica<MemoryTransport>>) {
+    let (supervisor, seen) = supervisor::spawn().await;
     let mut ranks = replicas(&job(), &supervisor);
     sync(&mut ranks).await;
     step(&mut ranks).await.unwrap();
     (supervisor, seen, ranks)
 }
 
-fn count(seen: &[Seen], what: Seen) -> usize {
-    seen.iter().filter(|s| **s == what).count()
-}
-
 #[tokio::test(flavor = "current_thread")]
 async fn stage_actors_live_under_the_worker_for_the_attempt_and_compute_the_reference() {
-    tch::set_num_threads(1);
     let config = job();
     let mut reference = Trainer::new(config.clone()).unwrap();
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let (supervisor, _) = Actor::spawn(None, Supervisor, seen.clone()).await.unwrap();
+    let (supervisor, seen) = supervisor::spawn().await;
     let mut ranks = replicas(&config, &supervisor);
     assert!(supervisor.get_children().is_empty(), "no stage before the state is in place");
     sync(&mut ranks).await;

@@ -8,10 +8,9 @@
 //! Two ranks over the in-memory transport in one runtime, driven through `StepEngine` as the worker's
 //! step loop drives them; a small recording actor stands in for the WorkerActor.
 
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::Arc;
 
-use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+use ractor::ActorRef;
 use troupe_actors::engine::{CommittedState, EngineError, ShardMode, ShardedReplica, StepEngine};
 use troupe_cluster::collective::{CollectiveConfig, Communicator};
 use troupe_cluster::transport::memory::MemoryTransport;
@@ -19,41 +18,9 @@ use troupe_cluster::TransportConfig;
 use troupe_model::config::JobConfig;
 use troupe_model::Trainer;
 
-/// Records its children's supervision events, and never stops because of them.
-struct Supervisor;
-
-#[derive(Clone, Debug, PartialEq)]
-enum Seen {
-    Started,
-    Terminated,
-    Failed,
-}
-
-impl Actor for Supervisor {
-    type Msg = ();
-    type State = Arc<Mutex<Vec<Seen>>>;
-    type Arguments = Arc<Mutex<Vec<Seen>>>;
-
-    async fn pre_start(&self, _: ActorRef<()>, seen: Self::Arguments) -> Result<Self::State, ActorProcessingErr> {
-        Ok(seen)
-    }
-
-    async fn handle_supervisor_evt(
-        &self,
-        _: ActorRef<()>,
-        event: SupervisionEvent,
-        seen: &mut Self::State,
-    ) -> Result<(), ActorProcessingErr> {
-        let what = match event {
-            SupervisionEvent::ActorStarted(_) => Seen::Started,
-            SupervisionEvent::ActorTerminated(..) => Seen::Terminated,
-            SupervisionEvent::ActorFailed(..) => Seen::Failed,
-            _ => return Ok(()),
-        };
-        seen.lock().unwrap().push(what);
-        Ok(())
-    }
-}
+#[path = "common/supervisor.rs"]
+mod supervisor;
+use supervisor::{count, eventually, Seen};
 
 type Rank = ShardedReplica<MemoryTransport>;
 
@@ -105,33 +72,11 @@ fn assert_reference(loss: f64, want: f64, what: &str) {
     assert!((loss - want).abs() <= 1e-5 * want.abs(), "{what}: {loss} vs the reference's {want}");
 }
 
-/// Waits (up to 5 s) until `seen` satisfies `done`.
-async fn eventually(seen: &Arc<Mutex<Vec<Seen>>>, done: impl Fn(&[Seen]) -> bool) {
-    for _ in 0..500 {
-        if done(&seen.lock().unwrap()) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("supervision events never got there: {:?}", seen.lock().unwrap());
-}
-
-fn count(seen: &[Seen], what: Seen) -> usize {
-    seen.iter().filter(|s| **s == what).count()
-}
-
-async fn supervisor() -> (ActorRef<()>, Arc<Mutex<Vec<Seen>>>) {
-    tch::set_num_threads(1);
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let (supervisor, _) = Actor::spawn(None, Supervisor, seen.clone()).await.unwrap();
-    (supervisor, seen)
-}
-
 #[tokio::test(flavor = "current_thread")]
 async fn shard_owners_live_under_the_worker_for_the_attempt_and_compute_the_reference() {
     let config = job();
     let mut reference = Trainer::new(config.clone()).unwrap();
-    let (supervisor, seen) = supervisor().await;
+    let (supervisor, seen) = supervisor::spawn().await;
     let mut ranks = attempt(&config, ShardMode::Zero3, [None, None], &supervisor);
     assert!(supervisor.get_children().is_empty(), "no owner before the state is in place");
     sync(&mut ranks).await;
@@ -162,7 +107,7 @@ async fn shard_owners_live_under_the_worker_for_the_attempt_and_compute_the_refe
 async fn a_dead_owner_fails_its_rank_and_the_buddy_copy_restores_its_shard() {
     let config = job();
     let mut reference = Trainer::new(config.clone()).unwrap();
-    let (supervisor, seen) = supervisor().await;
+    let (supervisor, seen) = supervisor::spawn().await;
     let mut ranks = attempt(&config, ShardMode::Zero2, [None, None], &supervisor);
     sync(&mut ranks).await;
     assert_reference(step(&mut ranks).await.unwrap(), reference.train_step().loss, "step 0");
@@ -197,7 +142,7 @@ async fn a_dead_owner_fails_its_rank_and_the_buddy_copy_restores_its_shard() {
 async fn a_step_abandoned_after_its_gradients_were_staged_is_never_applied() {
     let config = job();
     let mut reference = Trainer::new(config.clone()).unwrap();
-    let (supervisor, seen) = supervisor().await;
+    let (supervisor, seen) = supervisor::spawn().await;
     let mut ranks = attempt(&config, ShardMode::Zero1, [None, None], &supervisor);
     sync(&mut ranks).await;
     assert_reference(step(&mut ranks).await.unwrap(), reference.train_step().loss, "step 0");

@@ -22,6 +22,21 @@ mod step_engine;
 pub mod zero3;
 
 pub use committed::{CommittedState, ShardPiece};
+
+/// Asks one of a rank's actors (its stage actor, its shard owner) and waits for the answer; if none
+/// came — the actor died, or stopped first — why, in words.
+pub(crate) async fn ask_actor<M: ractor::Message, R: Send + 'static>(
+    actor: &ractor::ActorRef<M>,
+    msg: impl FnOnce(ractor::RpcReplyPort<R>) -> M,
+) -> Result<R, String> {
+    use ractor::rpc::CallResult;
+    match actor.call(msg, None).await {
+        Ok(CallResult::Success(reply)) => Ok(reply),
+        Ok(CallResult::Timeout) => Err("timed out".to_string()),
+        Ok(CallResult::SenderError) => Err("stopped before replying".to_string()),
+        Err(e) => Err(e.to_string()),
+    }
+}
 pub use data_parallel::{plan_buckets, CommTiming, DataParallelReplica, ReducedStep, DEFAULT_BUCKET_BYTES};
 pub use memory::PersistentState;
 pub use shard_owner::{OwnerArgs, OwnerUpdate, ShardOwnerActor, ShardOwnerMsg};

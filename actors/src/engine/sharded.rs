@@ -18,7 +18,6 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use ractor::rpc::CallResult;
 use ractor::{Actor, ActorCell, ActorRef, RpcReplyPort};
 use tch::Tensor;
 use troupe_cluster::collective::{chunk_range, Collective, Communicator, ReduceOp};
@@ -263,13 +262,10 @@ impl<T: Transport> ShardedReplica<T> {
         msg: impl FnOnce(RpcReplyPort<R>) -> ShardOwnerMsg,
     ) -> Result<R, EngineError> {
         let owner = self.owner.as_ref().expect("ShardedReplica::sync before the first step");
-        let failed = match owner.call(msg, None).await {
-            Ok(CallResult::Success(reply)) => return Ok(reply),
-            Ok(CallResult::Timeout) => "timed out".to_string(),
-            Ok(CallResult::SenderError) => "stopped before replying".to_string(),
-            Err(e) => e.to_string(),
-        };
-        Err(self.owner_lost(what, &failed))
+        match super::ask_actor(owner, msg).await {
+            Ok(reply) => Ok(reply),
+            Err(failed) => Err(self.owner_lost(what, &failed)),
+        }
     }
 
     fn owner_lost(&mut self, what: &str, failed: &str) -> EngineError {

@@ -27,7 +27,6 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ractor::rpc::CallResult;
 use ractor::{Actor, ActorCell, ActorRef, RpcReplyPort};
 
 use troupe_cluster::collective::{Collective, CollectiveConfig, Communicator};
@@ -224,11 +223,9 @@ impl<T: Transport> PipelineReplica<T> {
     ) -> Result<R, EngineError> {
         let stage = self.stage.as_ref().expect("PipelineReplica::sync before the first step");
         let device = stage.device;
-        let failed = match stage.actor.call(msg, None).await {
-            Ok(CallResult::Success(reply)) => return Ok(reply),
-            Ok(CallResult::Timeout) => "timed out".to_string(),
-            Ok(CallResult::SenderError) => "stopped before replying".to_string(),
-            Err(e) => e.to_string(),
+        let failed = match super::super::ask_actor(&stage.actor, msg).await {
+            Ok(reply) => return Ok(reply),
+            Err(failed) => failed,
         };
         self.lost = true;
         let reason = format!("the stage actor's {what}: {failed}; this rank's state of the device is lost");
