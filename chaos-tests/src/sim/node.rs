@@ -401,12 +401,10 @@ impl World<'_> {
     /// job controller and its side of every connection are gone; the members notice when their
     /// connections time out. Only the catalog survives.
     fn crash_controller(&mut self) {
-        for m in 1..self.nodes.len() {
-            if let Some(conn) = self.ctl.conns[m].take() {
-                self.conns[conn].open_ctrl = false;
-                if self.conns[conn].open_node {
-                    self.push(self.now + self.cfg.idle_timeout_ms, Ev::ConnLost { conn, at_ctrl: false });
-                }
+        self.ctl.conns.iter_mut().for_each(|c| *c = None);
+        for conn in 0..self.conns.len() {
+            if std::mem::take(&mut self.conns[conn].open_ctrl) && self.conns[conn].open_node {
+                self.push(self.now + self.cfg.idle_timeout_ms, Ev::ConnLost { conn, at_ctrl: false });
             }
         }
     }
@@ -431,13 +429,6 @@ impl World<'_> {
         self.ctl.membership = membership;
         self.ctl.members = BTreeMap::from([(me.clone(), info)]);
         self.ctl.driver = driver;
-        self.ctl.conns = vec![None; self.nodes.len()];
-        // Whatever the old process had open is gone: the nodes notice by their idle timeout.
-        for conn in 0..self.conns.len() {
-            if std::mem::take(&mut self.conns[conn].open_ctrl) && self.conns[conn].open_node {
-                self.push(self.now + self.cfg.idle_timeout_ms, Ev::ConnLost { conn, at_ctrl: false });
-            }
-        }
         self.ctl.catalog.recorded = None;
         self.ctl.catalog.view_epoch = epoch.0;
         self.ctl.catalog.view_members = vec![me.clone()];

@@ -223,19 +223,8 @@ pub struct DataParallelGroup<T: Transport> {
 /// replica's part is restored from memory.
 struct StageShard {
     mode: ShardMode,
-    /// The owned range, in the device's flat order.
-    own: Range<usize>,
-    /// The parameter pieces it covers (decay or not).
-    segments: Vec<ShardSegment>,
-    master: Vec<f32>,
-    exp_avg: Vec<f32>,
-    exp_avg_sq: Vec<f32>,
-    /// The step's reduced gradient of the owned range.
-    grad: Vec<f32>,
-    /// This replica's place in the stage's group: (replica, replicas, buddy copies kept).
-    group: (usize, usize, usize),
-    /// The copies of the buddies' owned ranges, nearest buddy first.
-    copies: Vec<BuddyCopy>,
+    /// The owned part first, then the copies of the buddies' parts, nearest buddy first.
+    parts: Vec<HeldPart>,
     /// The parameters lag the masters (an update was applied, or a state loaded, since the last gather).
     params_stale: bool,
     /// ZeRO-3: the specs of the device's parameters, which are empty tensors between steps (dropped
@@ -243,11 +232,20 @@ struct StageShard {
     released_specs: Option<Vec<ParamSpec>>,
 }
 
-/// A replica's copy of a buddy's owned range of the device's flat order: its masters, moments and the
-/// step's reduced gradient.
-struct BuddyCopy {
-    buddy: usize,
+impl StageShard {
+    /// The part this replica owns.
+    fn own(&self) -> &HeldPart {
+        &self.parts[0]
+    }
+}
+
+/// An owned range of the device's flat order held by a replica — its own, or its copy of a buddy's: the
+/// masters, moments and the step's reduced gradient.
+struct HeldPart {
+    /// The replica of the group that owns the range.
+    owner: usize,
     range: Range<usize>,
+    /// The parameter pieces it covers (decay or not).
     segments: Vec<ShardSegment>,
     master: Vec<f32>,
     exp_avg: Vec<f32>,
@@ -302,18 +300,15 @@ impl<T: Transport> PipelineStage<T> {
                 let total = numels.iter().sum();
                 let (replica, replicas) = (group.comm.rank(), group.comm.world());
                 let kept = copies_kept(config.checkpoint.replicas, shape.virtual_stages).min(replicas - 1);
-                let own = chunk_range(total, replicas, replica);
                 let mut all = Vec::with_capacity(total);
                 append_flat(&params, &mut all);
-                let master = all[own.clone()].to_vec();
-                let n = own.len();
-                let copies = buddies(replica, replicas, kept)
-                    .into_iter()
-                    .map(|buddy| {
-                        let range = chunk_range(total, replicas, buddy);
+                let parts = std::iter::once(replica)
+                    .chain(buddies(replica, replicas, kept))
+                    .map(|owner| {
+                        let range = chunk_range(total, replicas, owner);
                         let n = range.len();
-                        BuddyCopy {
-                            buddy,
+                        HeldPart {
+                            owner,
                             segments: plan_segments(&numels, &decays, &range),
                             master: all[range.clone()].to_vec(),
                             exp_avg: vec![0.0; n],
@@ -328,14 +323,7 @@ impl<T: Transport> PipelineStage<T> {
                 optimizer.exp_avg_sq.clear();
                 Some(StageShard {
                     mode,
-                    segments: plan_segments(&numels, &decays, &own),
-                    own,
-                    master,
-                    exp_avg: vec![0.0; n],
-                    exp_avg_sq: vec![0.0; n],
-                    grad: vec![0.0; n],
-                    group: (replica, replicas, kept),
-                    copies,
+                    parts,
                     params_stale: false,
                     released_specs: (mode == ShardMode::Zero3).then(|| specs.clone()),
                 })
@@ -400,16 +388,14 @@ impl<T: Transport> PipelineStage<T> {
         if let Some(shard) = &self.shard {
             // The owned range of the device's flat order, then each buddy copy, cut at chunk boundaries
             // into flat-order ranges (the order of `held_ranges`).
-            let parts = std::iter::once((&shard.own, [&shard.master, &shard.exp_avg, &shard.exp_avg_sq]))
-                .chain(shard.copies.iter().map(|c| (&c.range, [&c.master, &c.exp_avg, &c.exp_avg_sq])));
             let mut pieces = Vec::new();
-            for (owned, [master, exp_avg, exp_avg_sq]) in parts {
-                for (local, range) in self.owned_pieces(owned) {
+            for part in &shard.parts {
+                for (local, range) in self.owned_pieces(&part.range) {
                     pieces.push(ShardPiece {
                         range,
-                        master: master[local.clone()].to_vec(),
-                        exp_avg: exp_avg[local.clone()].to_vec(),
-                        exp_avg_sq: exp_avg_sq[local].to_vec(),
+                        master: part.master[local.clone()].to_vec(),
+                        exp_avg: part.exp_avg[local.clone()].to_vec(),
+                        exp_avg_sq: part.exp_avg_sq[local].to_vec(),
                     });
                 }
             }
@@ -445,18 +431,12 @@ impl<T: Transport> PipelineStage<T> {
                 .expect("load_state: a piece holds each range this device needs")
         };
         if let Some(shard) = self.shard.as_mut() {
-            let ranges = &self.ranges;
-            for (local, range) in owned_pieces(ranges, &shard.own) {
-                let out =
-                    [&mut shard.master[local.clone()], &mut shard.exp_avg[local.clone()], &mut shard.exp_avg_sq[local]];
-                containing(&range).read(&range, out);
-            }
-            for copy in &mut shard.copies {
-                for (local, range) in owned_pieces(ranges, &copy.range) {
+            for part in &mut shard.parts {
+                for (local, range) in owned_pieces(&self.ranges, &part.range) {
                     let out = [
-                        &mut copy.master[local.clone()],
-                        &mut copy.exp_avg[local.clone()],
-                        &mut copy.exp_avg_sq[local],
+                        &mut part.master[local.clone()],
+                        &mut part.exp_avg[local.clone()],
+                        &mut part.exp_avg_sq[local],
                     ];
                     containing(&range).read(&range, out);
                 }
@@ -491,7 +471,7 @@ impl<T: Transport> PipelineStage<T> {
         self.flat.clear();
         self.flat.resize(total, 0.0);
         let device = self.device;
-        group.comm.all_gather(&shard.master, &mut self.flat).await.map_err(|source| PipelineError::Flush {
+        group.comm.all_gather(&shard.own().master, &mut self.flat).await.map_err(|source| PipelineError::Flush {
             device,
             step,
             source,
@@ -570,23 +550,23 @@ impl<T: Transport> PipelineStage<T> {
                 self.flat.clear();
                 append_flat(&grads, &mut self.flat);
                 if shard.mode != ShardMode::Zero1 {
-                    group.comm.reduce_scatter(&self.flat, &mut shard.grad, ReduceOp::Sum).await.map_err(flush)?;
+                    let (own, copies) = shard.parts.split_first_mut().expect("the owned part");
+                    group.comm.reduce_scatter(&self.flat, &mut own.grad, ReduceOp::Sum).await.map_err(flush)?;
                     // The owned gradient to the replicas that keep a copy; the buddies' from them.
-                    let (replica, replicas, kept) = shard.group;
-                    for holder in shadow_holders(replica, replicas, kept) {
-                        group.comm.send(holder, &shard.grad).await.map_err(flush)?;
+                    let (replica, replicas) = (group.comm.rank(), group.comm.world());
+                    for holder in shadow_holders(replica, replicas, copies.len()) {
+                        group.comm.send(holder, &own.grad).await.map_err(flush)?;
                     }
-                    for copy in &mut shard.copies {
-                        group.comm.recv(copy.buddy, &mut copy.grad).await.map_err(flush)?;
+                    for copy in copies {
+                        group.comm.recv(copy.owner, &mut copy.grad).await.map_err(flush)?;
                     }
                 } else {
                     group.comm.all_reduce(&mut self.flat[..], ReduceOp::Sum).await.map_err(flush)?;
-                    shard.grad.copy_from_slice(&self.flat[shard.own.clone()]);
-                    for copy in &mut shard.copies {
-                        copy.grad.copy_from_slice(&self.flat[copy.range.clone()]);
+                    for part in &mut shard.parts {
+                        part.grad.copy_from_slice(&self.flat[part.range.clone()]);
                     }
                 }
-                let own_sq: f64 = shard.grad.iter().map(|&g| f64::from(g) * f64::from(g)).sum();
+                let own_sq: f64 = shard.own().grad.iter().map(|&g| f64::from(g) * f64::from(g)).sum();
                 let mut pair = [own_sq as f32, loss as f32];
                 group.comm.all_reduce(&mut pair[..], ReduceOp::Sum).await.map_err(flush)?;
                 loss = f64::from(pair[1]);
@@ -624,16 +604,13 @@ impl<T: Transport> PipelineStage<T> {
             (Update::Apply { grad_factor, .. }, Some(shard)) => {
                 if grad_factor != 1.0 {
                     let factor = grad_factor as f32;
-                    shard.grad.iter_mut().for_each(|g| *g *= factor);
-                    shard.copies.iter_mut().flat_map(|c| c.grad.iter_mut()).for_each(|g| *g *= factor);
+                    shard.parts.iter_mut().flat_map(|p| p.grad.iter_mut()).for_each(|g| *g *= factor);
                 }
                 let t = self.optimizer.step + 1;
-                let state = [&mut shard.master, &mut shard.exp_avg, &mut shard.exp_avg_sq];
-                adamw_on_segments(state, &shard.segments, &shard.grad, train, lr, t);
                 // Each copy gets the bits its owner gets: same gradient, same coefficient, same kernel.
-                for copy in &mut shard.copies {
-                    let state = [&mut copy.master, &mut copy.exp_avg, &mut copy.exp_avg_sq];
-                    adamw_on_segments(state, &copy.segments, &copy.grad, train, lr, t);
+                for part in &mut shard.parts {
+                    let state = [&mut part.master, &mut part.exp_avg, &mut part.exp_avg_sq];
+                    adamw_on_segments(state, &part.segments, &part.grad, train, lr, t);
                 }
                 self.optimizer.step = t;
                 shard.params_stale = true; // gathered before the next step's forward
