@@ -9,6 +9,7 @@ use troupe_kernels::reduce::ReduceOp;
 
 use super::exec::{execute, ExecContext};
 use super::plan::{self, Plan};
+use super::send_buffers::SendBuffers;
 use super::shm::{self as shm_exec, ShmOp};
 use super::{chunk_range, Dtype, Element};
 use crate::error::Rank;
@@ -68,14 +69,18 @@ pub struct Communicator<T: Transport> {
     /// The transport's shared-memory arena, when it has one and no other communicator holds it: the
     /// collectives of this communicator's first epoch run there (point-to-point stays on messages).
     arena: Option<ArenaClaim>,
+    /// Buffers of outgoing messages, reused once the transport lets go of them.
+    send_buffers: SendBuffers,
 }
 
 fn to_f32<E: Element>(data: &[E]) -> Vec<f32> {
-    data.iter().map(|v| v.to_f32()).collect()
+    let mut acc = vec![0f32; data.len()];
+    E::cast_to_f32(data, &mut acc);
+    acc
 }
 
 fn write_back<E: Element>(acc: &[f32], out: &mut [E]) {
-    out.iter_mut().zip(acc).for_each(|(o, a)| *o = E::from_f32(*a));
+    E::cast_from_f32(acc, out);
 }
 
 impl<T: Transport> Communicator<T> {
@@ -84,7 +89,17 @@ impl<T: Transport> Communicator<T> {
         transport.fence(epoch);
         let arena =
             transport.arena().filter(|a| a.world() == n && a.rank() == transport.rank()).and_then(|a| a.claim());
-        Communicator { transport, group, epoch, seq: 0, p2p_sent: vec![0; n], p2p_received: vec![0; n], config, arena }
+        Communicator {
+            transport,
+            group,
+            epoch,
+            seq: 0,
+            p2p_sent: vec![0; n],
+            p2p_received: vec![0; n],
+            config,
+            arena,
+            send_buffers: SendBuffers::default(),
+        }
     }
 
     /// Whether collectives run in the transport's shared-memory arena.
@@ -158,13 +173,13 @@ impl<T: Transport> Communicator<T> {
         make: impl Fn(usize) -> Plan,
     ) -> Result<(), ClusterError> {
         if acc.is_empty() {
-            return execute::<T, E>(&self.transport, &make(0), acc, ctx).await;
+            return execute::<T, E>(&self.transport, &self.send_buffers, &make(0), acc, ctx).await;
         }
         let steps = make(1).steps.len() as u32;
         let slices = acc.chunks_mut(elems_per_slice.max(1)).enumerate().map(|(i, slice)| {
             let plan = make(slice.len());
             let ctx = ExecContext { tag: Tag { step: i as u32 * steps, ..ctx.tag }, ..ctx };
-            async move { execute::<T, E>(&self.transport, &plan, slice, ctx).await }
+            async move { execute::<T, E>(&self.transport, &self.send_buffers, &plan, slice, ctx).await }
         });
         futures::future::try_join_all(slices).await.map(|_| ())
     }
@@ -181,8 +196,14 @@ impl<T: Transport> Communicator<T> {
         let ctx = self.ctx(tag, op, "all_reduce");
         let (rank, n) = (self.transport.rank(), self.transport.world());
         if acc.len() * E::BYTES < self.config.small_message_bytes_max {
-            execute::<T, E>(&self.transport, &plan::plan_recursive_doubling_all_reduce(rank, n, acc.len()), acc, ctx)
-                .await
+            execute::<T, E>(
+                &self.transport,
+                &self.send_buffers,
+                &plan::plan_recursive_doubling_all_reduce(rank, n, acc.len()),
+                acc,
+                ctx,
+            )
+            .await
         } else {
             let per = self.slice_elems::<E>();
             self.run_sliced::<E>(acc, ctx, per, |len| plan::plan_ring_all_reduce(rank, n, len)).await
@@ -271,7 +292,7 @@ impl<T: Transport> Communicator<T> {
             });
         }
         let mut acc = vec![0f32; output.len()];
-        acc[own].iter_mut().zip(input).for_each(|(a, v)| *a = v.to_f32());
+        E::cast_to_f32(input, &mut acc[own]);
         if let Some(done) = self.in_arena(ShmOp::AllGather, &mut acc).await {
             done?;
             write_back(&acc, output);
@@ -279,7 +300,14 @@ impl<T: Transport> Communicator<T> {
         }
         let tag = self.next_tag();
         let ctx = self.ctx(tag, ReduceOp::Sum, "all_gather");
-        execute::<T, E>(&self.transport, &plan::plan_ring_all_gather(rank, n, output.len()), &mut acc, ctx).await?;
+        execute::<T, E>(
+            &self.transport,
+            &self.send_buffers,
+            &plan::plan_ring_all_gather(rank, n, output.len()),
+            &mut acc,
+            ctx,
+        )
+        .await?;
         write_back(&acc, output);
         Ok(())
     }
@@ -314,7 +342,14 @@ impl<T: Transport> Communicator<T> {
         }
         let tag = self.next_tag();
         let ctx = self.ctx(tag, op, "reduce_scatter");
-        execute::<T, E>(&self.transport, &plan::plan_ring_reduce_scatter(rank, n, input.len()), &mut acc, ctx).await?;
+        execute::<T, E>(
+            &self.transport,
+            &self.send_buffers,
+            &plan::plan_ring_reduce_scatter(rank, n, input.len()),
+            &mut acc,
+            ctx,
+        )
+        .await?;
         write_back(&acc[own], output);
         Ok(())
     }
@@ -327,7 +362,7 @@ impl<T: Transport> Communicator<T> {
         let (rank, n) = (self.transport.rank(), self.transport.world());
         let tag = self.next_tag();
         let ctx = self.ctx(tag, ReduceOp::Sum, "barrier");
-        execute::<T, f32>(&self.transport, &plan::plan_barrier(rank, n), &mut [], ctx).await
+        execute::<T, f32>(&self.transport, &self.send_buffers, &plan::plan_barrier(rank, n), &mut [], ctx).await
     }
 
     /// Point-to-point: the k-th `send` to a peer matches that peer's k-th `recv` from us (per epoch).

@@ -8,6 +8,7 @@ use futures::future::{try_join, try_join_all};
 use troupe_kernels::reduce::{finish_avg, reduce_into, ReduceOp};
 
 use super::plan::{Action, Combine, Plan};
+use super::send_buffers::SendBuffers;
 use super::Element;
 use crate::error::Rank;
 use crate::transport::{LossScope, Payload, Transport};
@@ -40,9 +41,24 @@ fn apply<E: Element>(dst: &mut [f32], src: &[E], combine: Combine, op: ReduceOp)
     }
 }
 
+/// Elements of a misaligned segment moved at a time into an aligned block on the stack (16 KiB of
+/// f32: stays in L1 between the copy and the reduction).
+const UNALIGNED_BLOCK_ELEMS: usize = 4096;
+
+/// Applies `src` (raw little-endian `E`s at any address) to `out` through an aligned stack block.
+fn apply_unaligned<E: Element>(out: &mut [f32], src: &[u8], combine: Combine, op: ReduceOp) {
+    let mut block = [E::zeroed(); UNALIGNED_BLOCK_ELEMS];
+    for (out, src) in out.chunks_mut(UNALIGNED_BLOCK_ELEMS).zip(src.chunks(UNALIGNED_BLOCK_ELEMS * E::BYTES)) {
+        let block = &mut block[..out.len()];
+        bytemuck::cast_slice_mut::<E, u8>(block).copy_from_slice(src);
+        apply(out, block, combine, op);
+    }
+}
+
 /// Applies a received payload to `dst`, segment by segment, without copying aligned segments.
-/// Segments may end mid-element (QUIC delivers the chunks it received): the split element is
-/// carried over, and a misaligned segment goes through a small reused scratch buffer.
+/// Segments may end mid-element and start at any address (QUIC delivers the chunks it received,
+/// wherever they sat in their packets): the split element is carried over, and a misaligned
+/// segment goes through a small aligned block on the stack.
 fn apply_payload<E: Element>(
     rank: Rank,
     from: Rank,
@@ -59,7 +75,6 @@ fn apply_payload<E: Element>(
     let mut at = 0;
     let mut carry = [0u8; 16];
     let mut carried = 0;
-    let mut scratch: Vec<E> = Vec::new();
     for seg in &payload.segments {
         let mut s: &[u8] = seg;
         if carried > 0 {
@@ -79,11 +94,7 @@ fn apply_payload<E: Element>(
         let out = &mut dst[at..at + k];
         match bytemuck::try_cast_slice::<u8, E>(body) {
             Ok(src) => apply(out, src, combine, ctx.op),
-            Err(_) => {
-                scratch.clear();
-                scratch.extend(body.chunks_exact(E::BYTES).map(bytemuck::pod_read_unaligned::<E>));
-                apply(out, &scratch, combine, ctx.op);
-            }
+            Err(_) => apply_unaligned::<E>(out, body, combine, ctx.op),
         }
         at += k;
         carry[..rest.len()].copy_from_slice(rest);
@@ -93,9 +104,11 @@ fn apply_payload<E: Element>(
     Ok(())
 }
 
-/// Runs `plan` on `buf` (the whole working buffer of this slice), tagging step i as `ctx.tag.step + i`.
+/// Runs `plan` on `buf` (the whole working buffer of this slice), tagging step i as `ctx.tag.step + i`;
+/// outgoing messages are encoded into `buffers`.
 pub async fn execute<T: Transport, E: Element>(
     transport: &T,
+    buffers: &SendBuffers,
     plan: &Plan,
     buf: &mut [f32],
     ctx: ExecContext,
@@ -107,7 +120,7 @@ pub async fn execute<T: Transport, E: Element>(
             .actions
             .iter()
             .filter_map(|a| match a {
-                Action::Send { to, range } => Some((*to, E::encode(&buf[range.clone()]))),
+                Action::Send { to, range } => Some((*to, buffers.encode::<E>(&buf[range.clone()]))),
                 _ => None,
             })
             .collect();
@@ -169,6 +182,19 @@ mod tests {
             let mut dst = vec![0f32; 1000];
             apply_payload::<f32>(0, 1, &ctx(ReduceOp::Sum), &mut dst, &cut(&bytes, &at), Combine::Copy).unwrap();
             assert_eq!(dst, src, "copy cut at {at:?}");
+        }
+        // Misaligned segments longer than one stack block (several blocks and a partial one).
+        let long: Vec<f32> = (0..3 * UNALIGNED_BLOCK_ELEMS + 77).map(|i| (i % 251) as f32 - 100.0).collect();
+        let bytes: Vec<u8> = bytemuck::cast_slice(&long).to_vec();
+        for op in [ReduceOp::Sum, ReduceOp::Max] {
+            let mut dst: Vec<f32> = (0..long.len()).map(|i| (i % 7) as f32 * 20.0).collect();
+            let want: Vec<f32> = dst
+                .iter()
+                .zip(&long)
+                .map(|(&a, &b)| if op == ReduceOp::Sum { a + b } else { a.max(b) })
+                .collect();
+            apply_payload::<f32>(0, 1, &ctx(op), &mut dst, &cut(&bytes, &[1, 4 * 5000 + 3]), Combine::Reduce).unwrap();
+            assert_eq!(dst, want, "long misaligned segments, {op:?}");
         }
         let half: Vec<bf16> = src.iter().map(|&v| bf16::from_f32(v)).collect();
         let bytes: Vec<u8> = bytemuck::cast_slice(&half).to_vec();

@@ -8,6 +8,7 @@ mod element;
 pub mod exec;
 mod hierarchical;
 pub mod plan;
+pub mod send_buffers;
 pub mod shm;
 pub mod simulate;
 

@@ -26,6 +26,12 @@ pub fn quinn_transport_config(cfg: &TransportConfig) -> Result<quinn::TransportC
         .send_window(cfg.send_window_bytes)
         .max_concurrent_uni_streams(VarInt::from_u32(cfg.concurrent_streams_max))
         .max_concurrent_bidi_streams(VarInt::from_u32(0))
+        // Streams go out in the order they were written, each whole, rather than round-robin: a
+        // collective's slices are messages its peer reduces as each one completes, so finishing the
+        // first while the next arrives overlaps the reduction with the transfer (round-robin finishes
+        // every message of a step at about the same time, and the peer idles, then reduces, then
+        // idles again).
+        .send_fairness(false)
         .enable_segmentation_offload(true);
     let mut mtu = MtuDiscoveryConfig::default();
     mtu.upper_bound(cfg.mtu_upper_bound_bytes).black_hole_cooldown(Duration::from_millis(MTU_BLACK_HOLE_COOLDOWN_MS));
