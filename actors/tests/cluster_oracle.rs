@@ -7,7 +7,7 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use troupe_actors::api::{DataPlane, Job, JobEvent};
+use troupe_actors::api::{DataPlane, Job, JobEvent, LocalCluster, LocalClusterOptions, NodeHost};
 use troupe_model::config::JobConfig;
 use troupe_model::oracle::{compare_params, worst_loss_diff};
 use troupe_model::Trainer;
@@ -64,6 +64,54 @@ async fn ddp_over_quic_on_three_daemon_processes_equals_the_reference() {
     assert!(events.iter().any(|e| matches!(e, JobEvent::Started { world: 3, .. })), "{events:?}");
     let losses: Vec<f64> = events.iter().filter_map(step_loss).collect();
     check(&config, &losses, &out, "dp=3");
+    cluster.shutdown().await;
+}
+
+/// Two hosts (daemons on 127.0.0.1 and 127.0.0.2) of two slots each: the job's all-reduce runs in two
+/// tiers — within each host in shared memory, across hosts over QUIC, each rank carrying half of every
+/// bucket — and equals the reference; a SIGKILLed host leaves one host whose ranks go on in shared
+/// memory alone, still on the reference's trajectory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ddp_on_two_hosts_of_two_slots_all_reduces_in_two_tiers_and_equals_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path().join("logs");
+    std::fs::create_dir_all(&logs).unwrap();
+    let mut options = LocalClusterOptions::new(2);
+    options.torch_threads = 1;
+    options.slots_per_node = 2;
+    options.hosts =
+        ["127.0.0.1", "127.0.0.2"].iter().map(|ip| NodeHost { prefix: Vec::new(), ip: ip.parse().unwrap() }).collect();
+    options.log = Some("warn,troupe_actors::runtime::worker=info".into());
+    options.log_dir = Some(logs.clone());
+    let cluster = LocalCluster::processes(common::binary(), options).await.expect("local cluster starts");
+    let config = config(24);
+    let out = dir.path().join("final.safetensors");
+    let mut job = cluster.client().await.unwrap().submit(Job::new(config.clone()).save_final(&out)).await.unwrap();
+    let (mut losses, mut worlds, mut killed) = (Vec::new(), Vec::new(), false);
+    let end = loop {
+        let event = tokio::time::timeout(Duration::from_secs(60), job.next_event()).await.expect("progress").unwrap();
+        let Some(event) = event else { panic!("stream ended early") };
+        match &event {
+            JobEvent::Step { step, loss, world, .. } => {
+                losses.push(*loss);
+                worlds.push(*world);
+                if !killed && *step >= 8 {
+                    common::signal(cluster.pid(1).unwrap(), "KILL");
+                    killed = true;
+                }
+            }
+            e if e.is_terminal() => break event,
+            _ => {}
+        }
+    };
+    assert!(matches!(end, JobEvent::Finished { steps: 24, .. }), "{end:?}");
+    assert_eq!(worlds.first(), Some(&4), "four ranks on two hosts: {worlds:?}");
+    assert_eq!(worlds.last(), Some(&2), "the first host's two ranks after the kill: {worlds:?}");
+    check(&config, &losses, &out, "dp=4 on two hosts, then 2 on one");
+    let log: String =
+        std::fs::read_dir(&logs).unwrap().map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap()).collect();
+    let tiered = log.lines().filter(|l| l.contains("all-reduce in two tiers")).count();
+    assert!(tiered >= 4, "every rank of the first attempt said it runs two tiers ({tiered} lines):\n{log}");
     cluster.shutdown().await;
 }
 

@@ -77,6 +77,30 @@ impl ClusterError {
         }
     }
 
+    /// The same error with its ranks renumbered by `global` — for an error of a sub-group whose ranks
+    /// mean nothing to a reader who knows the whole group's (e.g. a host's arena inside two-tier
+    /// collectives).
+    pub fn renumbered(self, global: impl Fn(Rank) -> Rank) -> Self {
+        use ClusterError::*;
+        match self {
+            Connect { rank, peer, addr, reason } => Connect { rank: global(rank), peer: global(peer), addr, reason },
+            PeerLost { rank, peer, epoch, reason } => {
+                PeerLost { rank: global(rank), peer: global(peer), epoch, reason }
+            }
+            Timeout { rank, op, group, epoch, seq, peer, waited_ms } => {
+                Timeout { rank: global(rank), op, group, epoch, seq, peer: global(peer), waited_ms }
+            }
+            Wire { rank, peer, source } => Wire { rank: global(rank), peer: global(peer), source },
+            StaleEpoch { rank, op, epoch, fenced_at } => StaleEpoch { rank: global(rank), op, epoch, fenced_at },
+            InvalidArgument { rank, op, reason } => InvalidArgument { rank: global(rank), op, reason },
+            LengthMismatch { rank, op, peer, got, expected } => {
+                LengthMismatch { rank: global(rank), op, peer: global(peer), got, expected }
+            }
+            Closed { rank } => Closed { rank: global(rank) },
+            other => other,
+        }
+    }
+
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         ClusterError::Io { context: context.into(), source }
     }

@@ -5,21 +5,25 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use troupe_cluster::bench::{launch_ranks, BenchTransport, RankMode, RankReport};
+use troupe_cluster::bench::{launch_ranks, BenchTransport, Placement, RankMode, RankReport};
 use troupe_cluster::TransportConfig;
 
 fn exe() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_troupe-cluster-rank"))
 }
 
-fn check_with(world: usize, transport: BenchTransport, config: TransportConfig) -> Vec<RankReport> {
-    let launched = launch_ranks(exe(), &[], world, transport, RankMode::Check, config).unwrap();
+fn check_on(world: usize, transport: BenchTransport, config: TransportConfig, placement: Placement) -> Vec<RankReport> {
+    let launched = launch_ranks(exe(), &[], world, transport, RankMode::Check, config, placement).unwrap();
     let reports = launched.wait_all(180_000).unwrap();
     for r in &reports {
         assert!(r.error.is_none(), "{transport:?} world {world} rank {}: {:?}", r.rank, r.error);
         assert!(r.checks_passed > 0);
     }
     reports
+}
+
+fn check_with(world: usize, transport: BenchTransport, config: TransportConfig) -> Vec<RankReport> {
+    check_on(world, transport, config, Placement::ONE_HOST)
 }
 
 fn check(world: usize, transport: BenchTransport) {
@@ -37,6 +41,26 @@ fn two_and_three_ranks_over_quic() {
     check(3, BenchTransport::Quic);
 }
 
+/// Ranks on two hosts (loopback addresses 127.0.0.1 and 127.0.0.2) all-reduce in two tiers — within
+/// each host in its arena, across hosts over QUIC — and every collective still equals the reference
+/// bit for bit: two ranks per host (each rank carries half of every slice across), and three ranks
+/// over two hosts (the leaders carry it all). Small slots and slices make the pipeline of slices and
+/// the arena's blocks both many.
+#[test]
+fn ranks_on_two_hosts_all_reduce_in_two_tiers() {
+    let config = TransportConfig {
+        shared_memory_slot_bytes: 12_000,
+        pipeline_slice_bytes: 64 << 10,
+        ..TransportConfig::loopback()
+    };
+    for world in [4, 3] {
+        let reports = check_on(world, BenchTransport::Quic, config.clone(), Placement { hosts: 2, flat: false });
+        assert!(reports.iter().all(|r| r.host_tier), "world {world}: not in two tiers: {reports:?}");
+    }
+    let flat = check_on(4, BenchTransport::Quic, config, Placement { hosts: 2, flat: true });
+    assert!(flat.iter().all(|r| !r.host_tier));
+}
+
 #[test]
 fn three_ranks_over_the_same_host_transport() {
     // In the shared-memory arena (the default), with slots small enough that the 300 001-element
@@ -50,11 +74,11 @@ fn three_ranks_over_the_same_host_transport() {
     assert!(reports.iter().all(|r| !r.shared_memory));
 }
 
-fn sigkill_during_all_reduce(transport: BenchTransport) {
+fn sigkill_during_all_reduce(transport: BenchTransport, placement: Placement) {
     let config = TransportConfig::loopback();
     let detect_ms = config.idle_timeout_ms;
     let mode = RankMode::Loop { elems: 1 << 18, seconds: 60 };
-    let mut launched = launch_ranks(exe(), &[], 4, transport, mode, config).unwrap();
+    let mut launched = launch_ranks(exe(), &[], 4, transport, mode, config, placement).unwrap();
     // Let the ranks connect and start all-reducing.
     std::thread::sleep(Duration::from_millis(3_000));
     for (r, c) in launched.children.iter_mut().enumerate() {
@@ -84,12 +108,19 @@ fn sigkill_during_all_reduce(transport: BenchTransport) {
 
 #[test]
 fn sigkilled_rank_fails_the_others_over_quic_within_the_timeout() {
-    sigkill_during_all_reduce(BenchTransport::Quic);
+    sigkill_during_all_reduce(BenchTransport::Quic, Placement::ONE_HOST);
+}
+
+/// Rank 2 (on the second host, with rank 3) dies during two-tier all-reduces: its host peer learns it
+/// in the arena, the first host's ranks over QUIC or from a peer that gave its arena call up.
+#[test]
+fn sigkilled_rank_fails_the_others_in_two_tiers_within_the_timeout() {
+    sigkill_during_all_reduce(BenchTransport::Quic, Placement { hosts: 2, flat: false });
 }
 
 #[test]
 fn sigkilled_rank_fails_the_others_over_the_same_host_transport() {
-    sigkill_during_all_reduce(BenchTransport::Local);
+    sigkill_during_all_reduce(BenchTransport::Local, Placement::ONE_HOST);
 }
 
 /// A /dev/shm that cannot hold the segments (a container's small default, say): every rank says why,

@@ -15,6 +15,13 @@ pub struct AllreduceArgs {
     /// Number of rank processes.
     #[arg(long, default_value_t = 2)]
     pub world: usize,
+    /// Spread the QUIC ranks over this many hosts (loopback addresses 127.0.0.1, 127.0.0.2, …):
+    /// all-reduce then runs in two tiers, within each host in shared memory and across hosts over QUIC.
+    #[arg(long, default_value_t = 1)]
+    pub hosts: usize,
+    /// With --hosts: all-reduce over QUIC among all ranks anyway (one flat ring), for comparison.
+    #[arg(long)]
+    pub flat: bool,
     /// Size of the f32 buffer all-reduced, in MiB.
     #[arg(long, default_value_t = 64)]
     pub mib: usize,
@@ -47,6 +54,8 @@ pub fn run(args: AllreduceArgs) -> anyhow::Result<()> {
     let transport: BenchTransport = args.transport.parse().map_err(anyhow::Error::msg)?;
     let bench = AllreduceBench {
         world: args.world,
+        hosts: args.hosts,
+        flat: args.flat,
         mib: args.mib,
         iters: args.iters,
         warmup_iters: args.warmup,
@@ -62,10 +71,12 @@ pub fn run(args: AllreduceArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!(
-            "all-reduce {} MiB f32, {} ranks over {:?}: busbw {:.3} GB/s ({:.1} ms/iter)",
+            "all-reduce {} MiB f32, {} ranks{} over {:?}{}: busbw {:.3} GB/s ({:.1} ms/iter)",
             report.mib,
             report.world,
+            if report.hosts > 1 { format!(" on {} hosts", report.hosts) } else { String::new() },
             report.transport,
+            if report.host_tier { " in two tiers" } else { "" },
             report.busbw_gbps,
             report.seconds_per_iter * 1e3
         );

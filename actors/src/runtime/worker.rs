@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use futures::FutureExt;
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tokio::sync::mpsc;
-use troupe_cluster::collective::{CollectiveConfig, Communicator};
+use troupe_cluster::collective::{CollectiveConfig, Communicator, HostLayout};
 use troupe_cluster::transport::quic::{bind_endpoint, PeerInfo, QuicTransport};
 use troupe_cluster::transport::same_host::{socket_path, SameHostTransport};
 use troupe_cluster::transport::Transport;
@@ -437,7 +437,9 @@ fn spawn_writer(spec: &JobSpec, job: JobId, node: &ActorRef<NodeMsg>) -> Option<
 ///
 /// The data plane: when every rank of the attempt is on this host (their data addresses share one IP),
 /// the same-host transport (Unix sockets in a private directory, collectives in its shared-memory
-/// arena); otherwise the QUIC mesh.
+/// arena); otherwise the QUIC mesh, and — when some ranks share a host — a same-host transport among
+/// those on this rank's host too, so that all-reduce runs in two tiers (within hosts in the arena,
+/// across hosts over QUIC).
 async fn run_attempt(
     ctx: AttemptCtx,
     prepared: Prepared,
@@ -460,7 +462,7 @@ async fn run_attempt(
             _ = wait_abort(&mut ctl) => return (Some(state), AttemptOutcome::Aborted { step }),
         };
         let outcome = match result {
-            Ok(t) => train_over(&ctx, &spec, Arc::new(t), epoch, state, &mut ctl).await,
+            Ok(t) => train_over(&ctx, &spec, Arc::new(t), None, epoch, state, &mut ctl).await,
             Err(e) => (Some(state), AttemptOutcome::Failed { step, reason: e.to_string() }),
         };
         let _ = std::fs::remove_file(socket_path(&dir, rank));
@@ -475,8 +477,39 @@ async fn run_attempt(
         },
         _ = wait_abort(&mut ctl) => return (Some(state), AttemptOutcome::Aborted { step }),
     };
-    train_over(&ctx, &spec, transport, epoch, state, &mut ctl).await
+    let layout = HostLayout::of(&ctx.roster.iter().map(|p| p.addr.ip()).collect::<Vec<_>>());
+    if spec.data_plane != DataPlane::Auto || !layout.is_tiered() {
+        return train_over(&ctx, &spec, transport, None, epoch, state, &mut ctl).await;
+    }
+    let (local_rank, local_world) = (layout.local_rank(rank), layout.members(rank).len());
+    if local_world == 1 {
+        return train_over(&ctx, &spec, transport, Some((layout, None)), epoch, state, &mut ctl).await;
+    }
+    // Several "hosts" may be one machine (loopback addresses in tests): a directory per host.
+    let dir = socket_dir(&ctx).with_extension(format!("host{}", layout.host_of(rank)));
+    let connect = async {
+        make_private_dir(&dir)?;
+        SameHostTransport::connect(&dir, local_rank, local_world, ctx.transport.clone()).await
+    };
+    let result = tokio::select! {
+        t = connect => t,
+        _ = wait_abort(&mut ctl) => return (Some(state), AttemptOutcome::Aborted { step }),
+    };
+    let outcome = match result {
+        Ok(local) => {
+            let tier = Some((layout, Some(Arc::new(local))));
+            train_over(&ctx, &spec, transport, tier, epoch, state, &mut ctl).await
+        }
+        Err(e) => (Some(state), AttemptOutcome::Failed { step, reason: e.to_string() }),
+    };
+    let _ = std::fs::remove_file(socket_path(&dir, local_rank));
+    let _ = std::fs::remove_dir(&dir);
+    outcome
 }
+
+/// Two-tier all-reduce for an attempt whose ranks span hosts: the hosts of the roster, and the
+/// same-host transport among this rank's host's ranks (`None` when it is alone there).
+type HostTier = (HostLayout, Option<Arc<SameHostTransport>>);
 
 /// Runs the attempt over `transport` with the job's engine: a pipeline device (`parallel.pp` > 1), DDP
 /// (`parallel.shard = "none"`) or ZeRO-1/2/3 with `checkpoint.replicas` buddy copies of each shard.
@@ -484,13 +517,31 @@ async fn train_over<T: Transport>(
     ctx: &AttemptCtx,
     spec: &JobSpec,
     transport: Arc<T>,
+    tier: Option<HostTier>,
     epoch: u64,
     state: CommittedState,
     ctl: &mut mpsc::UnboundedReceiver<Ctl>,
 ) -> (Option<CommittedState>, AttemptOutcome) {
     let peers: Vec<String> = ctx.roster.iter().map(|p| p.name.clone()).collect();
     let counted = Arc::new(Counted::new(transport.clone(), &peers, &ctx.metrics.links));
-    let comm = Communicator::new(counted, 0, epoch, CollectiveConfig::from(&ctx.transport));
+    let mut comm = Communicator::new(counted, 0, epoch, CollectiveConfig::from(&ctx.transport));
+    if let Some((layout, local)) = tier {
+        let hosts = layout.hosts().len();
+        match comm.with_host_tier(layout, local).await {
+            Ok(true) => tracing::info!(
+                job = ctx.job,
+                attempt = ctx.attempt,
+                rank = transport.rank(),
+                hosts,
+                "all-reduce in two tiers: within hosts in shared memory, across hosts over QUIC"
+            ),
+            Ok(false) => {}
+            Err(e) => {
+                let step = state.step();
+                return (Some(state), AttemptOutcome::Failed { step, reason: e.to_string() });
+            }
+        }
+    }
     let collective = CollectiveConfig::from(&ctx.transport);
     let (state, outcome) = match (ShardMode::of_config(&spec.config.parallel.shard), state) {
         (_, state) if spec.config.parallel.pp > 1 => {

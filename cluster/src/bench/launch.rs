@@ -21,14 +21,32 @@ pub struct LaunchedRanks {
     pub specs: Vec<RankSpec>,
 }
 
-/// Free loopback UDP ports (bound and released; a small race the ranks' own binds would reveal).
-fn free_udp_addrs(n: usize) -> anyhow::Result<Vec<SocketAddr>> {
-    let sockets: Vec<UdpSocket> = (0..n).map(|_| UdpSocket::bind("127.0.0.1:0")).collect::<Result<_, _>>()?;
+/// Free UDP ports on loopback, rank r's on 127.0.0.(h + 1) for its host h = r · hosts / n (hosts of
+/// consecutive ranks, as even as can be). Bound and released: a small race the ranks' own binds would
+/// reveal.
+fn free_udp_addrs(n: usize, hosts: usize) -> anyhow::Result<Vec<SocketAddr>> {
+    let hosts = hosts.clamp(1, 254);
+    let sockets: Vec<UdpSocket> = (0..n)
+        .map(|r| UdpSocket::bind((std::net::Ipv4Addr::new(127, 0, 0, (r * hosts / n) as u8 + 1), 0)))
+        .collect::<Result<_, _>>()?;
     Ok(sockets.iter().map(|s| s.local_addr()).collect::<Result<_, _>>()?)
 }
 
 pub fn node_name(rank: usize) -> String {
     format!("rank-{rank}")
+}
+
+/// Where the ranks run: how many hosts (loopback addresses) QUIC ranks are spread over, and whether
+/// they all-reduce flat even when spread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placement {
+    pub hosts: usize,
+    pub flat: bool,
+}
+
+impl Placement {
+    /// Every rank on 127.0.0.1.
+    pub const ONE_HOST: Placement = Placement { hosts: 1, flat: false };
 }
 
 /// Creates a cluster (CA + one certificate per rank) in a temporary directory and starts `world`
@@ -40,6 +58,7 @@ pub fn launch_ranks(
     transport: BenchTransport,
     mode: RankMode,
     config: TransportConfig,
+    placement: Placement,
 ) -> anyhow::Result<LaunchedRanks> {
     let dir = tempfile::tempdir()?;
     let addrs = match transport {
@@ -48,7 +67,7 @@ pub fn launch_ranks(
             for r in 0..world {
                 crate::add_node(&node_name(r), dir.path())?;
             }
-            free_udp_addrs(world)?
+            free_udp_addrs(world, placement.hosts)?
         }
         BenchTransport::Local => Vec::new(),
     };
@@ -61,6 +80,7 @@ pub fn launch_ranks(
             addrs: addrs.clone(),
             config: config.clone(),
             mode: mode.clone(),
+            flat: placement.flat,
         })
         .collect();
     let mut children = Vec::new();

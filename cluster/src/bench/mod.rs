@@ -8,7 +8,7 @@ mod peer;
 mod rank;
 mod spec;
 
-pub use launch::{launch_ranks, LaunchedRanks, RANK_SPEC_ENV};
+pub use launch::{launch_ranks, LaunchedRanks, Placement, RANK_SPEC_ENV};
 pub use peer::{run_gloo_peer, PeerReport};
 pub use rank::{run_rank, run_rank_from_env};
 pub use spec::{AllreduceReport, BenchTransport, RankMode, RankReport, RankSpec};
@@ -19,6 +19,10 @@ use std::path::PathBuf;
 #[derive(Clone, Debug)]
 pub struct AllreduceBench {
     pub world: usize,
+    /// Hosts (loopback addresses) the QUIC ranks are spread over; with more than one, all-reduce runs
+    /// in two tiers unless `flat`.
+    pub hosts: usize,
+    pub flat: bool,
     pub mib: usize,
     pub iters: usize,
     pub warmup_iters: usize,
@@ -33,8 +37,24 @@ pub struct AllreduceBench {
 /// QUIC idle timeout used by the benchmark unless overridden.
 pub const BENCH_IDLE_TIMEOUT_MS: u64 = 10_000;
 
-/// Optional JSON overriding [`crate::TransportConfig`] fields for the benchmark (default: loopback).
+/// Optional JSON object overriding [`crate::TransportConfig`] fields for the benchmark (default:
+/// [`crate::TransportConfig::loopback`]), e.g. `{"pipeline_slice_bytes": 1048576}`.
 pub const TRANSPORT_CONFIG_ENV: &str = "TROUPE_TRANSPORT_CONFIG";
+
+/// The benchmark's transport config: the loopback profile with [`TRANSPORT_CONFIG_ENV`]'s fields over it.
+pub fn bench_transport_config() -> anyhow::Result<crate::TransportConfig> {
+    let base = crate::TransportConfig::loopback();
+    let Ok(json) = std::env::var(TRANSPORT_CONFIG_ENV) else { return Ok(base) };
+    let bad = |e: serde_json::Error| {
+        anyhow::anyhow!("{TRANSPORT_CONFIG_ENV}={json}: {e} (a JSON object of TransportConfig fields)")
+    };
+    let serde_json::Value::Object(over) = serde_json::from_str(&json).map_err(bad)? else {
+        anyhow::bail!("{TRANSPORT_CONFIG_ENV}={json}: not a JSON object of TransportConfig fields");
+    };
+    let mut merged = serde_json::to_value(&base)?;
+    merged.as_object_mut().expect("a struct serializes to an object").extend(over);
+    serde_json::from_value(merged).map_err(bad)
+}
 
 /// Where the torch venv lives when `TROUPE_TORCH_PYTHON` is not set.
 pub const DEFAULT_TORCH_PYTHON: &str = "/root/.cache/troupe/venv-torch-2.11.0/bin/python";
@@ -61,10 +81,17 @@ pub fn run_allreduce_bench(
     exe: &std::path::Path,
     rank_args: &[&str],
 ) -> anyhow::Result<AllreduceReport> {
+    if bench.hosts > 1 && bench.transport != BenchTransport::Quic {
+        anyhow::bail!("--hosts {} spreads ranks over loopback addresses: it needs --transport quic", bench.hosts);
+    }
+    if bench.hosts == 0 || bench.hosts > bench.world {
+        anyhow::bail!("--hosts {} with --world {}: use 1 to {} hosts", bench.hosts, bench.world, bench.world);
+    }
     let elems = bench.mib * (1 << 20) / 4;
     let mode = RankMode::Bench { elems, iters: bench.iters, warmup_iters: bench.warmup_iters };
+    let placement = Placement { hosts: bench.hosts, flat: bench.flat };
     let launched =
-        launch_ranks(exe, rank_args, bench.world, bench.transport, mode, crate::TransportConfig::loopback())?;
+        launch_ranks(exe, rank_args, bench.world, bench.transport, mode, bench_transport_config()?, placement)?;
     let reports = launched.wait_all(bench.rank_timeout_ms)?;
     let errors: Vec<String> =
         reports.iter().filter_map(|r| r.error.as_ref().map(|e| format!("rank {}: {e}", r.rank))).collect();
@@ -84,6 +111,8 @@ pub fn run_allreduce_bench(
         bench: "allreduce".into(),
         transport: bench.transport,
         world: bench.world,
+        hosts: bench.hosts,
+        host_tier: reports.iter().all(|r| r.host_tier),
         mib: bench.mib,
         iters: bench.iters,
         seconds_per_iter: seconds,

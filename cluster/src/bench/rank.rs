@@ -7,7 +7,7 @@ use half::bf16;
 
 use super::launch::node_name;
 use super::{BenchTransport, RankMode, RankReport, RankSpec, RANK_SPEC_ENV};
-use crate::collective::{chunk_range, CollectiveConfig, Communicator, ReduceOp};
+use crate::collective::{chunk_range, CollectiveConfig, Communicator, HostLayout, ReduceOp};
 use crate::identity::NodeIdentity;
 use crate::transport::quic::{PeerInfo, QuicTransport};
 use crate::transport::same_host::SameHostTransport;
@@ -40,10 +40,15 @@ pub fn run_rank(spec: &RankSpec) -> RankReport {
                 };
                 let roster =
                     spec.addrs.iter().enumerate().map(|(r, a)| PeerInfo { name: node_name(r), addr: *a }).collect();
-                match QuicTransport::connect(&id, spec.rank, roster, spec.config.clone()).await {
-                    Ok(t) => {
+                let quic = QuicTransport::connect(&id, spec.rank, roster, spec.config.clone()).await;
+                let tier = match &quic {
+                    Ok(_) => host_tier(spec).await,
+                    Err(_) => Ok(None),
+                };
+                match quic.and_then(|t| Ok((t, tier?))) {
+                    Ok((t, tier)) => {
                         let t = Arc::new(t);
-                        let report = run_mode(t.clone(), spec).await;
+                        let report = run_mode(t.clone(), spec, tier).await;
                         if let Some(stats) = t.path_stats((spec.rank + 1) % spec.world) {
                             tracing::info!(rank = spec.rank, %stats, "path to next rank");
                         }
@@ -54,7 +59,7 @@ pub fn run_rank(spec: &RankSpec) -> RankReport {
             }
             BenchTransport::Local => {
                 match SameHostTransport::connect(&spec.dir, spec.rank, spec.world, spec.config.clone()).await {
-                    Ok(t) => run_mode(Arc::new(t), spec).await,
+                    Ok(t) => run_mode(Arc::new(t), spec, None).await,
                     Err(e) => failed(spec.rank, &e, 0),
                 }
             }
@@ -72,16 +77,43 @@ fn failed(rank: usize, e: &ClusterError, after_ms: u64) -> RankReport {
     }
 }
 
-async fn run_mode<T: Transport>(t: Arc<T>, spec: &RankSpec) -> RankReport {
+/// What a QUIC rank needs for two-tier all-reduce: the host layout of the roster (hosts are IPs) and,
+/// when other ranks share its host, a same-host transport among them. `None` when the ranks are flat.
+async fn host_tier(spec: &RankSpec) -> Result<Option<Tier>, ClusterError> {
+    let layout = HostLayout::of(&spec.addrs.iter().map(|a| a.ip()).collect::<Vec<_>>());
+    if spec.flat || !layout.is_tiered() {
+        return Ok(None);
+    }
+    let members = layout.members(spec.rank).len();
+    if members == 1 {
+        return Ok(Some((layout, None)));
+    }
+    let dir = spec.dir.join(format!("host-{}", layout.host_of(spec.rank)));
+    std::fs::create_dir_all(&dir).map_err(|e| ClusterError::io(format!("creating {}", dir.display()), e))?;
+    let local = SameHostTransport::connect(&dir, layout.local_rank(spec.rank), members, spec.config.clone()).await?;
+    Ok(Some((layout, Some(Arc::new(local)))))
+}
+
+type Tier = (HostLayout, Option<Arc<SameHostTransport>>);
+
+async fn run_mode<T: Transport>(t: Arc<T>, spec: &RankSpec, tier: Option<Tier>) -> RankReport {
     let mut c = Communicator::new(t.clone(), 0, 1, CollectiveConfig::from(&spec.config));
     let rank = spec.rank;
     let shared_memory = c.uses_shared_memory();
+    let host_tier = match tier {
+        Some((layout, local)) => match c.with_host_tier(layout, local).await {
+            Ok(on) => on,
+            Err(e) => return failed(rank, &e, 0),
+        },
+        None => false,
+    };
     let mut report = match &spec.mode {
         RankMode::Bench { elems, iters, warmup_iters } => bench(&mut c, rank, *elems, *iters, *warmup_iters).await,
         RankMode::Check => check(&mut c, rank, spec.world).await,
         RankMode::Loop { elems, seconds } => run_loop(&mut c, rank, *elems, *seconds).await,
     };
     report.shared_memory = shared_memory;
+    report.host_tier = host_tier;
     if report.error.is_none() {
         t.shutdown().await;
     }

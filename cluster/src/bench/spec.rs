@@ -48,6 +48,9 @@ pub struct RankSpec {
     pub addrs: Vec<SocketAddr>,
     pub config: TransportConfig,
     pub mode: RankMode,
+    /// QUIC ranks whose addresses are on several hosts (IPs) all-reduce in two tiers unless this is set.
+    #[serde(default)]
+    pub flat: bool,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -64,6 +67,9 @@ pub struct RankReport {
     /// Whether the rank's collectives ran in the same-host transport's shared-memory arena.
     #[serde(default)]
     pub shared_memory: bool,
+    /// Whether its all-reduce ran in two tiers (within hosts in their arenas, across hosts over QUIC).
+    #[serde(default)]
+    pub host_tier: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -71,6 +77,10 @@ pub struct AllreduceReport {
     pub bench: String,
     pub transport: BenchTransport,
     pub world: usize,
+    /// Hosts the ranks were spread over (loopback addresses 127.0.0.1, 127.0.0.2, …).
+    pub hosts: usize,
+    /// Whether every rank's all-reduce ran in two tiers.
+    pub host_tier: bool,
     pub mib: usize,
     pub iters: usize,
     pub seconds_per_iter: f64,

@@ -1,7 +1,7 @@
 //! The cluster crate's own launcher binary, for tests and for benchmarking without libtorch:
 //!
 //! - no arguments: run as a rank (spec in `TROUPE_RANK_SPEC`), print one JSON report line;
-//! - `bench --world N --mib M --iters K [--transport quic|local] [--peer] [--json]`: the same
+//! - `bench --world N [--hosts H [--flat]] --mib M --iters K [--transport quic|local] [--peer] [--json]`: the same
 //!   benchmark as `troupe bench allreduce`, re-executing this binary for each rank.
 
 use anyhow::Context;
@@ -10,6 +10,8 @@ use troupe_cluster::bench::{default_peer_script, default_python, run_allreduce_b
 fn parse_bench(args: &[String]) -> anyhow::Result<(AllreduceBench, bool)> {
     let mut b = AllreduceBench {
         world: 2,
+        hosts: 1,
+        flat: false,
         mib: 64,
         iters: 10,
         warmup_iters: 2,
@@ -25,6 +27,8 @@ fn parse_bench(args: &[String]) -> anyhow::Result<(AllreduceBench, bool)> {
         let mut value = || it.next().with_context(|| format!("{a} needs a value"));
         match a.as_str() {
             "--world" => b.world = value()?.parse()?,
+            "--hosts" => b.hosts = value()?.parse()?,
+            "--flat" => b.flat = true,
             "--mib" => b.mib = value()?.parse()?,
             "--iters" => b.iters = value()?.parse()?,
             "--warmup" => b.warmup_iters = value()?.parse()?,

@@ -5,15 +5,18 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use troupe_kernels::reduce::ReduceOp;
+use troupe_kernels::reduce::{finish_avg, ReduceOp};
 
 use super::exec::{execute, ExecContext};
+use super::hosts::HostLayout;
 use super::plan::{self, Plan};
 use super::send_buffers::SendBuffers;
 use super::shm::{self as shm_exec, ShmOp};
 use super::{chunk_range, Dtype, Element};
 use crate::error::Rank;
+use crate::transport::same_host::SameHostTransport;
 use crate::transport::shm::ArenaClaim;
+use crate::transport::subgroup::Subgroup;
 use crate::transport::{LossScope, Transport};
 use crate::wire::Tag;
 use crate::{ClusterError, TransportConfig};
@@ -71,6 +74,17 @@ pub struct Communicator<T: Transport> {
     arena: Option<ArenaClaim>,
     /// Buffers of outgoing messages, reused once the transport lets go of them.
     send_buffers: SendBuffers,
+    /// Two-tier all-reduce ([`Self::with_host_tier`]): within hosts in their arenas, across hosts
+    /// over this communicator's transport.
+    hosts: Option<HostTier>,
+}
+
+/// This rank's part in two-tier collectives.
+struct HostTier {
+    layout: HostLayout,
+    /// The same-host transport of the ranks on this rank's host (kept for its failure detection) and
+    /// this communicator's use of its arena; `None` when the rank is alone on its host.
+    local: Option<(Arc<SameHostTransport>, ArenaClaim)>,
 }
 
 fn to_f32<E: Element>(data: &[E]) -> Vec<f32> {
@@ -99,6 +113,7 @@ impl<T: Transport> Communicator<T> {
             config,
             arena,
             send_buffers: SendBuffers::default(),
+            hosts: None,
         }
     }
 
@@ -140,6 +155,7 @@ impl<T: Transport> Communicator<T> {
     pub fn set_epoch(&mut self, epoch: u64) {
         assert!(epoch > self.epoch, "epochs only grow ({} -> {epoch})", self.epoch);
         self.arena = None;
+        self.hosts = None;
         self.epoch = epoch;
         self.seq = 0;
         self.p2p_sent.iter_mut().for_each(|c| *c = 0);
@@ -163,51 +179,172 @@ impl<T: Transport> Communicator<T> {
         }
     }
 
-    /// Runs one plan per slice of `acc`, all slices concurrently (a pipeline): slice i uses tag steps
-    /// from `i * steps_per_plan`.
-    async fn run_sliced<E: Element>(
-        &self,
-        acc: &mut [f32],
-        ctx: ExecContext,
-        elems_per_slice: usize,
-        make: impl Fn(usize) -> Plan,
-    ) -> Result<(), ClusterError> {
-        if acc.is_empty() {
-            return execute::<T, E>(&self.transport, &self.send_buffers, &make(0), acc, ctx).await;
-        }
-        let steps = make(1).steps.len() as u32;
-        let slices = acc.chunks_mut(elems_per_slice.max(1)).enumerate().map(|(i, slice)| {
-            let plan = make(slice.len());
-            let ctx = ExecContext { tag: Tag { step: i as u32 * steps, ..ctx.tag }, ..ctx };
-            async move { execute::<T, E>(&self.transport, &self.send_buffers, &plan, slice, ctx).await }
-        });
-        futures::future::try_join_all(slices).await.map(|_| ())
-    }
-
     fn slice_elems<E: Element>(&self) -> usize {
         (self.config.pipeline_slice_bytes / E::BYTES).max(1)
     }
 
     async fn all_reduce_f32<E: Element>(&mut self, acc: &mut [f32], op: ReduceOp) -> Result<(), ClusterError> {
+        if self.hosts.is_some() {
+            return self.tiered_all_reduce::<E>(acc, op).await;
+        }
         if let Some(done) = self.in_arena(ShmOp::AllReduce(op), acc).await {
             return done;
         }
         let tag = self.next_tag();
         let ctx = self.ctx(tag, op, "all_reduce");
-        let (rank, n) = (self.transport.rank(), self.transport.world());
-        if acc.len() * E::BYTES < self.config.small_message_bytes_max {
-            execute::<T, E>(
-                &self.transport,
-                &self.send_buffers,
-                &plan::plan_recursive_doubling_all_reduce(rank, n, acc.len()),
-                acc,
-                ctx,
-            )
-            .await
-        } else {
-            let per = self.slice_elems::<E>();
-            self.run_sliced::<E>(acc, ctx, per, |len| plan::plan_ring_all_reduce(rank, n, len)).await
+        all_reduce_over::<T, E>(&*self.transport, &self.send_buffers, &self.config, acc, ctx).await
+    }
+
+    /// Makes all-reduce run in two tiers: within each host in the shared-memory arena of `local` (the
+    /// same-host transport of the ranks on this rank's host, numbered as in `layout.members`), across
+    /// hosts over this communicator's transport. Every rank of the group calls it with the same
+    /// layout (one entry per rank, e.g. from each rank's data-plane IP address) as its first collective
+    /// of the epoch: it runs one flat all-reduce so that every rank agrees.
+    ///
+    /// When every host has the same number of ranks k, a call reduce-scatters within each host, each
+    /// rank all-reduces its chunk with the ranks of the same local index on the other hosts (k
+    /// cross-host groups at once, each carrying 1/k of the buffer), then all-gathers within the host;
+    /// otherwise each host's leader (its lowest rank) carries the host's whole reduction. Every rank
+    /// ends bit-identical, as with the flat ring. Other collectives stay flat.
+    ///
+    /// Returns whether the tiers are in use. They are not when `layout` has one host or one rank per
+    /// host, or when some rank could not use its host's arena — then every rank stays flat and that
+    /// rank logs why.
+    pub async fn with_host_tier(
+        &mut self,
+        layout: HostLayout,
+        local: Option<Arc<SameHostTransport>>,
+    ) -> Result<bool, ClusterError> {
+        let (me, n) = (self.transport.rank(), self.transport.world());
+        if layout.world() != n {
+            return Err(ClusterError::InvalidArgument {
+                rank: me,
+                op: "with_host_tier",
+                reason: format!("a host layout of {} ranks for a group of {n}", layout.world()),
+            });
         }
+        if !layout.is_tiered() {
+            return Ok(false);
+        }
+        let (local_me, local_n) = (layout.local_rank(me), layout.members(me).len());
+        let local = match local {
+            _ if local_n == 1 => None,
+            None => {
+                tracing::warn!(rank = me, "two-tier collectives: no same-host transport among the ranks of this host");
+                None
+            }
+            Some(t) => match t.arena().filter(|a| a.world() == local_n && a.rank() == local_me).and_then(|a| a.claim())
+            {
+                Some(claim) => Some((t, claim)),
+                None => {
+                    tracing::warn!(
+                        rank = me,
+                        "two-tier collectives: no shared-memory arena among the ranks of this host"
+                    );
+                    None
+                }
+            },
+        };
+        let mut usable = [if local_n == 1 || local.is_some() { 1f32 } else { 0f32 }];
+        self.all_reduce(&mut usable[..], ReduceOp::Min).await?;
+        if usable[0] < 1.0 {
+            tracing::warn!(
+                rank = me,
+                "two-tier collectives off: a rank could not use its host's arena; all-reduce stays flat"
+            );
+            return Ok(false);
+        }
+        self.hosts = Some(HostTier { layout, local });
+        Ok(true)
+    }
+
+    /// Whether all-reduce runs in two tiers ([`Self::with_host_tier`]).
+    pub fn uses_host_tier(&self) -> bool {
+        self.hosts.is_some()
+    }
+
+    /// Two-tier all-reduce, pipelined over slices of `acc`: slice s crosses hosts while the arena
+    /// reduces slice s + 1 within the host and gathers slice s − 1. The arena calls come in the same
+    /// order on every rank of a host (before(0), then before(s + 1) and after(s − 1) for each s, then
+    /// the last after); each slice's crossing is one plan whose tag steps start at s · 2^16.
+    async fn tiered_all_reduce<E: Element>(&mut self, acc: &mut [f32], op: ReduceOp) -> Result<(), ClusterError> {
+        let tag = self.next_tag();
+        let (me, n) = (self.transport.rank(), self.transport.world());
+        let timeout_ms = self.config.collective_timeout_ms;
+        // An average sums in both tiers and divides once, by the whole group, at the end.
+        let inner = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
+        let tier = self.hosts.as_mut().expect("tiered_all_reduce without tiers");
+        let local_me = tier.layout.local_rank(me);
+        let members = tier.layout.members(me).to_vec();
+        // Who carries which part of each slice across hosts, and the arena calls around that.
+        let (across, carriers, before, after) = match tier.layout.uniform_ranks_per_host() {
+            Some(k) => (tier.layout.column(local_me), k, ShmOp::ReduceScatter(inner), ShmOp::AllGather),
+            None => {
+                let leaders = if local_me == 0 { tier.layout.leaders() } else { Vec::new() };
+                (leaders, 1, ShmOp::Reduce(inner, 0), ShmOp::Broadcast(0))
+            }
+        };
+        let crossing = Crossing {
+            group: if across.len() > 1 { Some(Subgroup::new(self.transport.clone(), across)?) } else { None },
+            carriers,
+            carrier: local_me,
+            buffers: &self.send_buffers,
+            config: &self.config,
+            ctx: ExecContext { op: inner, contributions: n, tag, timeout_ms, op_name: "all_reduce" },
+        };
+        let mut claim = tier.local.as_mut().map(|(_, c)| c);
+        let within = |op: ShmOp, step: u32| Within { op, tag: Tag { step, ..tag }, timeout_ms, members: &members };
+        // Each carrier's part of a slice is about `pipeline_slice_bytes`, so a crossing is one plan.
+        let slice_elems = (self.config.pipeline_slice_bytes / E::BYTES).max(1) * carriers;
+        let count = acc.len().div_ceil(slice_elems).max(1);
+        let mut slices = acc.chunks_mut(slice_elems);
+        let result = async {
+            let first = slices.next().unwrap_or_default();
+            let mut ready = Some(within(before, 0).run(claim.as_deref_mut(), first).await?);
+            let mut crossed: Option<&mut [f32]> = None;
+            for s in 0..count {
+                let x = ready.take().expect("slice s was reduced within the host");
+                let (next, prev) = (slices.next(), crossed.take());
+                let claim = claim.as_deref_mut();
+                let arena_turn = async move {
+                    let mut claim = claim;
+                    let next = match next {
+                        Some(next) => Some(within(before, 2 * s as u32 + 2).run(claim.as_deref_mut(), next).await?),
+                        None => None,
+                    };
+                    if let Some(prev) = prev {
+                        within(after, 2 * s as u32 - 1).run(claim, prev).await?;
+                    }
+                    Ok(next)
+                };
+                let (done, next) = futures::future::try_join(crossing.run::<E>(s, x), arena_turn).await?;
+                crossed = Some(done);
+                ready = next;
+            }
+            if let Some(last) = crossed {
+                within(after, 2 * count as u32 - 1).run(claim.as_deref_mut(), last).await?;
+            }
+            Ok::<_, ClusterError>(())
+        }
+        .await;
+        if let Err(e) = result {
+            // The host's other ranks may wait for this one in the arena: fail them now, not at the timeout.
+            if let Some(claim) = claim {
+                claim.abandon();
+            }
+            return Err(e);
+        }
+        if tier.local.is_some() {
+            for (q, &peer) in members.iter().enumerate().filter(|&(q, _)| q != local_me) {
+                let moved = |op| shm_exec::traffic(op, acc.len(), members.len(), local_me, q);
+                let ((sent_a, received_a), (sent_b, received_b)) = (moved(before), moved(after));
+                self.transport.arena_traffic(peer, (sent_a + sent_b) as u64 * 4, (received_a + received_b) as u64 * 4);
+            }
+        }
+        if op == ReduceOp::Avg {
+            finish_avg(acc, n);
+        }
+        Ok(())
     }
 
     /// Runs `body` on an f32 view of `data`: in place for f32, through a converted copy otherwise.
@@ -233,7 +370,10 @@ impl<T: Transport> Communicator<T> {
                 }
                 let tag = self.next_tag();
                 let ctx = self.ctx(tag, op, "broadcast");
-                self.run_sliced::<E>(acc, ctx, per, |len| plan::plan_tree_broadcast(rank, n, len, root)).await
+                run_sliced::<T, E>(&*self.transport, &self.send_buffers, acc, ctx, per, |len| {
+                    plan::plan_tree_broadcast(rank, n, len, root)
+                })
+                .await
             }
             Kind::Reduce(root) => {
                 if let Some(done) = self.in_arena(ShmOp::Reduce(op, root), acc).await {
@@ -241,7 +381,10 @@ impl<T: Transport> Communicator<T> {
                 }
                 let tag = self.next_tag();
                 let ctx = self.ctx(tag, op, "reduce");
-                self.run_sliced::<E>(acc, ctx, per, |len| plan::plan_tree_reduce(rank, n, len, root)).await
+                run_sliced::<T, E>(&*self.transport, &self.send_buffers, acc, ctx, per, |len| {
+                    plan::plan_tree_reduce(rank, n, len, root)
+                })
+                .await
             }
         }
     }
@@ -389,6 +532,97 @@ impl<T: Transport> Communicator<T> {
         }
         bytemuck::cast_slice_mut::<E, u8>(out).copy_from_slice(&bytes);
         Ok(())
+    }
+}
+
+/// One slice's trip across hosts in a two-tier all-reduce: this rank's carried part of the slice,
+/// all-reduced with the ranks that carry the same part on the other hosts.
+struct Crossing<'a, T: Transport> {
+    /// The carriers of this rank's part, one per host (`None`: this rank carries nothing across).
+    group: Option<Subgroup<T>>,
+    /// Ranks per host that each carry a part of every slice (1: the leader carries all of it).
+    carriers: usize,
+    carrier: Rank,
+    buffers: &'a SendBuffers,
+    config: &'a CollectiveConfig,
+    ctx: ExecContext,
+}
+
+impl<T: Transport> Crossing<'_, T> {
+    async fn run<'s, E: Element>(&self, s: usize, slice: &'s mut [f32]) -> Result<&'s mut [f32], ClusterError> {
+        if let Some(group) = &self.group {
+            let part =
+                if self.carriers > 1 { chunk_range(slice.len(), self.carriers, self.carrier) } else { 0..slice.len() };
+            let ctx = ExecContext { tag: Tag { step: (s as u32) << 16, ..self.ctx.tag }, ..self.ctx };
+            all_reduce_over::<Subgroup<T>, E>(group, self.buffers, self.config, &mut slice[part], ctx).await?;
+        }
+        Ok(slice)
+    }
+}
+
+/// One arena call of a two-tier all-reduce on a slice (nothing when the rank is alone on its host).
+struct Within<'a> {
+    op: ShmOp,
+    tag: Tag,
+    timeout_ms: u64,
+    /// The group's ranks of the host's ranks, for errors (the arena numbers them from 0).
+    members: &'a [Rank],
+}
+
+impl Within<'_> {
+    async fn run<'s>(
+        self,
+        claim: Option<&mut ArenaClaim>,
+        slice: &'s mut [f32],
+    ) -> Result<&'s mut [f32], ClusterError> {
+        if let Some(claim) = claim {
+            let members = self.members;
+            shm_exec::run(claim, self.op, slice, self.tag, self.timeout_ms)
+                .await
+                .map_err(|e| e.renumbered(|local| members.get(local).copied().unwrap_or(local)))?;
+        }
+        Ok(slice)
+    }
+}
+
+/// Runs one plan per slice of `acc`, all slices concurrently (a pipeline): slice i uses tag steps
+/// from `i * steps_per_plan`.
+async fn run_sliced<T: Transport, E: Element>(
+    transport: &T,
+    buffers: &SendBuffers,
+    acc: &mut [f32],
+    ctx: ExecContext,
+    elems_per_slice: usize,
+    make: impl Fn(usize) -> Plan,
+) -> Result<(), ClusterError> {
+    if acc.is_empty() {
+        return execute::<T, E>(transport, buffers, &make(0), acc, ctx).await;
+    }
+    let steps = make(1).steps.len() as u32;
+    let slices = acc.chunks_mut(elems_per_slice.max(1)).enumerate().map(|(i, slice)| {
+        let plan = make(slice.len());
+        let ctx = ExecContext { tag: Tag { step: i as u32 * steps, ..ctx.tag }, ..ctx };
+        async move { execute::<T, E>(transport, buffers, &plan, slice, ctx).await }
+    });
+    futures::future::try_join_all(slices).await.map(|_| ())
+}
+
+/// All-reduce of `acc` over every rank of `transport` with messages: recursive doubling below
+/// `small_message_bytes_max`, else the ring, sliced into a pipeline.
+async fn all_reduce_over<T: Transport, E: Element>(
+    transport: &T,
+    buffers: &SendBuffers,
+    config: &CollectiveConfig,
+    acc: &mut [f32],
+    ctx: ExecContext,
+) -> Result<(), ClusterError> {
+    let (rank, n) = (transport.rank(), transport.world());
+    if acc.len() * E::BYTES < config.small_message_bytes_max {
+        let plan = plan::plan_recursive_doubling_all_reduce(rank, n, acc.len());
+        execute::<T, E>(transport, buffers, &plan, acc, ctx).await
+    } else {
+        let per = (config.pipeline_slice_bytes / E::BYTES).max(1);
+        run_sliced::<T, E>(transport, buffers, acc, ctx, per, |len| plan::plan_ring_all_reduce(rank, n, len)).await
     }
 }
 

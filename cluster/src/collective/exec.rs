@@ -188,11 +188,8 @@ mod tests {
         let bytes: Vec<u8> = bytemuck::cast_slice(&long).to_vec();
         for op in [ReduceOp::Sum, ReduceOp::Max] {
             let mut dst: Vec<f32> = (0..long.len()).map(|i| (i % 7) as f32 * 20.0).collect();
-            let want: Vec<f32> = dst
-                .iter()
-                .zip(&long)
-                .map(|(&a, &b)| if op == ReduceOp::Sum { a + b } else { a.max(b) })
-                .collect();
+            let want: Vec<f32> =
+                dst.iter().zip(&long).map(|(&a, &b)| if op == ReduceOp::Sum { a + b } else { a.max(b) }).collect();
             apply_payload::<f32>(0, 1, &ctx(op), &mut dst, &cut(&bytes, &[1, 4 * 5000 + 3]), Combine::Reduce).unwrap();
             assert_eq!(dst, want, "long misaligned segments, {op:?}");
         }

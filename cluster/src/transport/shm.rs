@@ -371,6 +371,16 @@ impl ArenaClaim {
         &self.arena
     }
 
+    /// Gives the arena up as a failed call does: peers waiting on this rank fail at once (a caller
+    /// whose collective failed outside the arena, between two arena calls its peers expect, says so
+    /// with this instead of leaving them to the timeout).
+    pub fn abandon(&mut self) {
+        let a = &self.arena;
+        self.broken = true;
+        a.word(a.rank, BROKEN_AT).store(1, Ordering::SeqCst);
+        futex_wake(a.word(a.rank, PROGRESS_AT));
+    }
+
     /// Starts a call: records what it is for the peers to check.
     pub fn begin(&mut self, record: CallRecord, timeout_ms: u64) -> Result<CallGuard<'_>, ClusterError> {
         let a = &self.arena;
@@ -396,10 +406,7 @@ impl ArenaClaim {
 impl Drop for CallGuard<'_> {
     fn drop(&mut self) {
         if !self.done {
-            let a = &self.claim.arena;
-            self.claim.broken = true;
-            a.word(a.rank, BROKEN_AT).store(1, Ordering::SeqCst);
-            futex_wake(a.word(a.rank, PROGRESS_AT));
+            self.claim.abandon();
         }
     }
 }
