@@ -3,8 +3,12 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::time::Instant;
 
 use serde::Serialize;
+
+use super::link::LinkStats;
+use super::nemesis::Injected;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
@@ -33,8 +37,41 @@ pub struct Report {
     /// Bad inputs sent to the cluster while it ran, and whether each was refused as it should be.
     pub bad_inputs: Vec<Check>,
     pub checks: Vec<Check>,
+    /// Every fault as injected, in the order they started.
+    pub injected: Vec<FaultRecord>,
+    /// What each link fault did (how it was applied, packets held, dropped, reordered, duplicated, and
+    /// the step time before and while it held).
+    pub links: Vec<LinkStats>,
     /// A failed run's directory, kept: the daemons' logs (`node-N.log`) and the checkpoints.
     pub kept: Option<std::path::PathBuf>,
+}
+
+/// One injected fault.
+#[derive(Clone, Debug, Serialize)]
+pub struct FaultRecord {
+    pub kind: String,
+    pub nodes: Vec<String>,
+    /// Seconds after the job committed its first step (what `at_s` counts from).
+    pub after_first_step_s: Option<f64>,
+    /// How long until it healed (None: it lasted to the end).
+    pub lasted_s: Option<f64>,
+    /// How it was applied where there was a choice (link faults: tc netem or nfqueue).
+    pub note: Option<String>,
+    /// Why it could not be applied as asked.
+    pub error: Option<String>,
+}
+
+impl FaultRecord {
+    pub fn of(fault: &Injected, first_step: Option<Instant>) -> Self {
+        FaultRecord {
+            kind: fault.kind.as_str().into(),
+            nodes: fault.nodes.clone(),
+            after_first_step_s: first_step.map(|t| fault.at.saturating_duration_since(t).as_secs_f64()),
+            lasted_s: fault.healed.map(|h| h.saturating_duration_since(fault.at).as_secs_f64()),
+            note: fault.note.clone(),
+            error: fault.error.clone(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -109,6 +146,24 @@ impl fmt::Display for Report {
             "  recoveries {}, steps redone {}, data lost {}",
             self.recoveries, self.steps_redone, self.data_lost
         )?;
+        for l in &self.links {
+            let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.0} ms"));
+            writeln!(
+                f,
+                "  link of {} ({}): {} packets, {} dropped, {} delayed (mean hold {:.1} ms), {} reordered, {} duplicated; \
+                 step {} before, {} during",
+                l.node,
+                l.mechanism,
+                l.packets,
+                l.dropped,
+                l.delayed,
+                l.mean_hold_ms,
+                l.reordered,
+                l.duplicated,
+                ms(l.step_ms_before),
+                ms(l.step_ms_during)
+            )?;
+        }
         writeln!(f)?;
         for (title, checks) in [("bad inputs", &self.bad_inputs), ("invariants", &self.checks)] {
             writeln!(f, "  {title}:")?;
