@@ -131,17 +131,35 @@ fn pause_controller_node() {
     assert_eq!(r["steps_redone"], 0, "{r}");
 }
 
+/// The check of that name in a report, which must have passed.
+fn passed_check<'a>(report: &'a Value, name: &str) -> &'a Value {
+    let check = report["checks"].as_array().unwrap().iter().find(|c| c["name"] == name);
+    let check = check.unwrap_or_else(|| panic!("no check {name:?} in {report}"));
+    assert_eq!(check["passed"], true, "{check}");
+    check
+}
+
+/// The zombie is fenced: it records the fence when it wakes, the controller refuses its stale messages,
+/// it joins again as a new member — and none of its stale messages was applied (every step once, on
+/// the reference: `run` checks that).
 #[test]
 fn pause_beyond_timeout() {
     let r = run("pause-beyond-timeout", 14);
     assert_eq!(faults(&r, "pause"), 1);
     assert!(r["recoveries"].as_u64().unwrap() >= 2, "dropped, then rejoined after the fence: {r}");
+    let fenced = passed_check(&r, "the paused zombie was fenced and rejoined as a new member");
+    let detail = fenced["detail"].as_str().unwrap();
+    let zombie = r["injected"][0]["nodes"][0].as_str().unwrap();
+    assert!(detail.contains(&format!("{zombie} was fenced")) && detail.contains("joined again"), "{detail}");
 }
 
+/// Every node restarts in turn, the controller's first: it comes back from its catalog and the job
+/// goes on, back on every node after each restart.
 #[test]
 fn rolling_restart() {
     let r = run("rolling-restart", 15);
-    assert!(r["recoveries"].as_u64().unwrap() >= 4, "two leaves and two rejoins: {r}");
+    assert_eq!(r["injected"][0]["nodes"], serde_json::json!(["node-0", "node-1", "node-2"]), "{r}");
+    assert!(r["recoveries"].as_u64().unwrap() >= 4, "two leaves and two rejoins at least: {r}");
 }
 
 #[test]
@@ -201,12 +219,107 @@ fn partition_one_way() {
     }
 }
 
+/// The link's delay is real: the nemesis held the packets (and lost some) and every step waited on the
+/// slow link — at least one round trip of two 20 ms delays more than before — yet the job lands on the
+/// reference (`run` checks that).
 #[test]
 fn flaky_link() {
     let r = run("flaky-link", 20);
     if !skipped(&r) {
         assert_eq!(faults(&r, "flaky-link"), 1);
+        let link = &r["links"][0];
+        if link["mechanism"] == "nfqueue" {
+            assert!(link["dropped"].as_u64().unwrap() > 0, "5% lost: {link}");
+            assert!(link["delayed"].as_u64().unwrap() > 0, "{link}");
+            assert!(link["mean_hold_ms"].as_f64().unwrap() >= 18.0, "held 20 ± 2 ms: {link}");
+        }
+        let (before, during) = (link["step_ms_before"].as_f64().unwrap(), link["step_ms_during"].as_f64().unwrap());
+        assert!(during >= before + 40.0, "steps took {before:.0} ms before, {during:.0} ms on the slow link: {link}");
     }
+}
+
+/// Packets overtaken and duplicated on the wire: QUIC restores order and drops the copies, the job lands
+/// on the reference.
+#[test]
+fn reorder_link() {
+    let r = run("reorder-link", 26);
+    if !skipped(&r) {
+        assert_eq!(faults(&r, "reorder"), 1);
+        let link = &r["links"][0];
+        if link["mechanism"] == "nfqueue" {
+            assert!(link["reordered"].as_u64().unwrap() > 0, "{link}");
+            assert!(link["duplicated"].as_u64().unwrap() > 0, "{link}");
+        }
+    }
+}
+
+/// `--job` with a file that is no job config is refused before anything starts, naming the key.
+#[test]
+fn a_bad_job_file_is_refused_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("job.toml");
+    std::fs::write(&path, "[train]\nlr = 0.0\n").unwrap();
+    let out = Command::new(troupe())
+        .args(["chaos", "run", "--scenario", "kill-worker", "--job"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--job") && stderr.contains("train.lr"), "{stderr}");
+}
+
+/// A job config of the user's (a different learning rate and seed than the harness's own small job),
+/// with a scenario file of the user's that kills a worker by time rather than by step, run through the
+/// library: the reference trains the same config, or the losses would differ.
+const USER_JOB: &str = "[model]\nn_layers = 1\nd_model = 64\nn_heads = 2\ncontext = 32\n\
+    [train]\nsteps = 400\nseed = 77\nlr = 3e-3\nglobal_batch = 4\nmicro_batch = 2\nwarmup_steps = 2\n\
+    torch_threads = 1\n";
+
+fn run_library(scenario: &troupe_chaos::harness::Scenario, seed: u64) -> troupe_chaos::harness::Report {
+    let options = troupe_chaos::harness::RunOptions { seed, troupe: troupe(), log: None, keep: false };
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(troupe_chaos::harness::run(scenario, &options)).expect("the harness runs")
+}
+
+#[test]
+fn a_user_scenario_and_job_pass_through_the_library() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("job.toml"), USER_JOB).unwrap();
+    let path = dir.path().join("mine.toml");
+    std::fs::write(
+        &path,
+        "description = \"kill a worker 0.5 s into the job, back 1 s later\"\nnodes = 3\njob = \"job.toml\"\n\
+         [[faults]]\nkind = \"kill\"\nat_s = 0.5\nreturn_after_s = 1.0\n[expect]\nregrown = true\n",
+    )
+    .unwrap();
+    let scenario = troupe_chaos::harness::Scenario::load(path.to_str().unwrap()).unwrap();
+    let report = run_library(&scenario, 31);
+    assert!(report.passed, "{report}");
+    assert_eq!((report.steps, report.faults.get("kill")), (400, Some(&1)));
+    let after = report.injected[0].after_first_step_s.unwrap();
+    assert!(after >= 0.5, "at_s = 0.5 injected {after:.2} s after the first step");
+}
+
+/// A scenario whose expectation the run cannot meet (regrown, but the killed node never returns) fails
+/// with the check that says why; a scenario naming a bad job file is refused when loaded.
+#[test]
+fn a_user_scenario_that_fails_says_which_check() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("job.toml"), "[train]\nsteps = 40\nbeta1 = 1.5\n").unwrap();
+    let path = dir.path().join("bad.toml");
+    std::fs::write(&path, "description = \"x\"\njob = \"job.toml\"\n").unwrap();
+    let err = format!("{:#}", troupe_chaos::harness::Scenario::load(path.to_str().unwrap()).unwrap_err());
+    assert!(err.contains("job = ") && err.contains("train.beta1"), "{err}");
+
+    let text = "description = \"kill a worker for good, yet expect it back\"\nsteps = 40\n\
+                [[faults]]\nkind = \"kill\"\nat_step = 5\n[expect]\nregrown = true\n";
+    let scenario = troupe_chaos::harness::Scenario::parse(text, "never-regrows").unwrap();
+    let report = run_library(&scenario, 32);
+    assert!(!report.passed, "{report}");
+    let failed: Vec<&str> = report.checks.iter().filter(|c| !c.passed).map(|c| c.name.as_str()).collect();
+    assert_eq!(failed, ["the job grew back to every node"], "{report}");
+    let _ = report.kept.map(std::fs::remove_dir_all);
 }
 
 #[test]

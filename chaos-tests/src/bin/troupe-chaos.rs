@@ -22,7 +22,11 @@ enum Command {
         /// A shipped scenario (see `troupe chaos list`) or a scenario TOML file.
         #[arg(long)]
         scenario: String,
-        /// Drives the run's random choices (which node, how far into a step).
+        /// Train this job config (the TOML `troupe train --config` takes) instead of the scenario's job;
+        /// the reference trains it too.
+        #[arg(long)]
+        job: Option<PathBuf>,
+        /// Drives the run's random choices (which node, how far into a step, what a link does to each packet).
         #[arg(long, default_value_t = 1)]
         seed: u64,
         /// Print the report as one JSON object.
@@ -76,8 +80,11 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
             }
             Ok(true)
         }
-        Command::Run { scenario, seed, json, troupe, log, keep } => {
-            let scenario = Scenario::load(&scenario)?;
+        Command::Run { scenario, job, seed, json, troupe, log, keep } => {
+            let mut scenario = Scenario::load(&scenario)?;
+            if let Some(job) = job {
+                scenario = scenario.with_job_file(&job).context("--job")?;
+            }
             let troupe = match troupe.or_else(|| std::env::var_os("TROUPE_BIN").map(PathBuf::from)) {
                 Some(t) => t,
                 None => std::env::current_exe()?.with_file_name("troupe"),

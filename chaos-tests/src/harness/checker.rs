@@ -18,6 +18,7 @@ use troupe_actors::api::JobEvent;
 use troupe_model::oracle::compare_params;
 use troupe_model::{checkpoint, Trainer};
 
+use super::link::LinkStats;
 use super::nemesis::Injected;
 use super::report::{Check, Summary};
 use super::scenario::{Expect, FaultKind};
@@ -223,6 +224,9 @@ pub fn expected(
         };
         checks.push(check("the job rolled back to a valid checkpoint", passed, detail));
     }
+    if expect.fenced {
+        checks.push(fenced(events, injected));
+    }
     if expect.checkpoints_failed {
         let saved: Vec<u64> = events
             .iter()
@@ -242,6 +246,80 @@ pub fn expected(
         ));
     }
     checks
+}
+
+/// Every pause was fenced: the woken node recorded its fence, the controller refused its stale messages,
+/// and a membership change after the pause admitted it again as a new member (`Joined`). That none of
+/// its stale messages was applied is the trajectory's check: every step once, on the reference.
+fn fenced(events: &[(Instant, JobEvent)], injected: &[Injected]) -> Check {
+    let name = "the paused zombie was fenced and rejoined as a new member";
+    let pauses: Vec<&Injected> = injected.iter().filter(|f| f.kind == FaultKind::Pause).collect();
+    if pauses.is_empty() {
+        return check(name, false, "no pause was injected");
+    }
+    let mut found = Vec::new();
+    for pause in pauses {
+        let nodes = pause.nodes.join(", ");
+        let Some(fencing) = &pause.fenced else {
+            return check(name, false, format!("{nodes}: fencing was not observed"));
+        };
+        let Some(change) = &fencing.zombie_change else {
+            return check(name, false, format!("{nodes} never recorded a fence after it woke"));
+        };
+        if fencing.refused_stale == 0 {
+            return check(name, false, format!("the controller refused no stale message from {nodes}"));
+        }
+        let healed = pause.healed.unwrap_or(pause.at);
+        let rejoined = events.iter().find_map(|(t, e)| match e {
+            JobEvent::Membership { epoch, changes, .. } if *t >= healed => changes
+                .iter()
+                .any(|c| c.starts_with("Joined") && pause.nodes.iter().any(|n| c.contains(&format!("\"{n}\""))))
+                .then_some(*epoch),
+            _ => None,
+        });
+        let Some(epoch) = rejoined else {
+            return check(name, false, format!("{nodes} was not admitted again after the pause"));
+        };
+        found.push(format!(
+            "{change:?}; the controller refused {} stale message(s); {nodes} joined again at epoch {epoch}",
+            fencing.refused_stale
+        ));
+    }
+    check(name, true, found.join("; "))
+}
+
+/// What each link fault did, with the job's step time before it (the median gap between two committed
+/// steps) and while it held (its duration over the steps committed in it; the whole duration when none
+/// was — a step takes at least that).
+pub fn link_effects(events: &[(Instant, JobEvent)], injected: &[Injected]) -> Vec<LinkStats> {
+    let steps: Vec<Instant> =
+        events.iter().filter(|(_, e)| matches!(e, JobEvent::Step { .. })).map(|(t, _)| *t).collect();
+    let end = events.last().map_or_else(Instant::now, |(t, _)| *t);
+    let mut links = Vec::new();
+    for fault in injected.iter().filter(|f| f.kind.degrades_links()) {
+        let mechanism = fault.note.as_deref().and_then(|n| n.strip_prefix("links degraded with ")).unwrap_or("");
+        let mut stats = fault.links.clone();
+        if stats.is_empty() {
+            // tc netem counts nothing for us: one entry per node, saying how.
+            stats = fault
+                .nodes
+                .iter()
+                .map(|n| LinkStats { node: n.clone(), mechanism: mechanism.into(), ..LinkStats::default() })
+                .collect();
+        }
+        let before: Vec<Instant> = steps.iter().copied().filter(|t| *t < fault.at).collect();
+        let mut gaps: Vec<f64> = before.windows(2).map(|w| (w[1] - w[0]).as_secs_f64() * 1e3).collect();
+        gaps.sort_by(f64::total_cmp);
+        let until = fault.healed.unwrap_or(end);
+        let during = steps.iter().filter(|t| **t >= fault.at && **t <= until).count();
+        let held_ms = until.saturating_duration_since(fault.at).as_secs_f64() * 1e3;
+        for s in &mut stats {
+            s.step_ms_before = gaps.get(gaps.len() / 2).copied();
+            s.step_ms_during = Some(held_ms / during.max(1) as f64);
+        }
+        links.extend(stats);
+    }
+    links
 }
 
 /// The step of a checkpoint path (`.../step-00000009/...`).
@@ -394,10 +472,13 @@ mod tests {
             kind: FaultKind::Kill,
             nodes: vec!["node-2".into()],
             at: t0,
+            indices: vec![2],
             healed: None,
             corrupted: None,
             error: None,
             note: None,
+            links: Vec::new(),
+            fenced: None,
         };
         let membership = JobEvent::Membership {
             epoch: 3,

@@ -10,6 +10,7 @@ use anyhow::{bail, Context};
 use tokio::sync::{watch, Mutex};
 use troupe_actors::api::LocalCluster;
 
+use super::link::LinkStats;
 use super::netns::Network;
 use super::scenario::{Fault, FaultKind};
 
@@ -26,6 +27,8 @@ pub struct Injected {
     pub kind: FaultKind,
     /// The nodes hit (daemon names), in order.
     pub nodes: Vec<String>,
+    /// Their indices in the cluster.
+    pub indices: Vec<usize>,
     pub at: Instant,
     /// When the fault ended: the process resumed, the disk freed, the node restarted. None: permanent.
     pub healed: Option<Instant>,
@@ -33,8 +36,22 @@ pub struct Injected {
     pub corrupted: Option<PathBuf>,
     /// Set when the fault could not be applied as asked (the reason); the checker reports it.
     pub error: Option<String>,
-    /// Part of the fault this machine could not apply, said in the report (e.g. no tc netem).
+    /// How the fault was applied where there is a choice (link faults: tc netem or NFQUEUE).
     pub note: Option<String>,
+    /// Link faults: what the link nemesis did, per node (filled when the links heal).
+    pub links: Vec<LinkStats>,
+    /// Pause with fencing observed: what the woken node said, and how many stale messages the
+    /// controller refused while it was paused and after.
+    pub fenced: Option<Fencing>,
+}
+
+/// Evidence that a paused node was fenced when it woke.
+#[derive(Clone, Debug)]
+pub struct Fencing {
+    /// The woken node's own record of its fence (from its status), if it recorded one in time.
+    pub zombie_change: Option<String>,
+    /// Messages the controller refused for their stale epoch since the pause began.
+    pub refused_stale: u64,
 }
 
 pub struct Nemesis {
@@ -49,11 +66,14 @@ pub struct Nemesis {
     pub bound: Duration,
     /// The daemons' network namespaces, for link faults.
     pub network: Option<Arc<Network>>,
+    /// Pause: ask the woken node and the controller whether it was fenced (the scenario expects it).
+    pub observe_fencing: bool,
 }
 
 impl Nemesis {
-    /// Applies `fault` to `nodes` (indices chosen by the run from the seed).
-    pub async fn apply(&self, fault: &Fault, nodes: &[usize]) -> Injected {
+    /// Applies `fault` to `nodes` (indices chosen by the run from the seed); a link nemesis draws its
+    /// choices from `seed`.
+    pub async fn apply(&self, fault: &Fault, nodes: &[usize], seed: u64) -> Injected {
         let names = {
             let cluster = self.cluster.lock().await;
             nodes.iter().map(|&i| cluster.node_name(i)).collect()
@@ -61,19 +81,28 @@ impl Nemesis {
         let mut injected = Injected {
             kind: fault.kind,
             nodes: names,
+            indices: nodes.to_vec(),
             at: Instant::now(),
             healed: None,
             corrupted: None,
             error: None,
             note: None,
+            links: Vec::new(),
+            fenced: None,
         };
-        if let Err(e) = self.apply_inner(fault, nodes, &mut injected).await {
+        if let Err(e) = self.apply_inner(fault, nodes, seed, &mut injected).await {
             injected.error = Some(format!("{e:#}"));
         }
         injected
     }
 
-    async fn apply_inner(&self, fault: &Fault, nodes: &[usize], injected: &mut Injected) -> anyhow::Result<()> {
+    async fn apply_inner(
+        &self,
+        fault: &Fault,
+        nodes: &[usize],
+        seed: u64,
+        injected: &mut Injected,
+    ) -> anyhow::Result<()> {
         match fault.kind {
             FaultKind::Kill => {
                 for &i in nodes {
@@ -94,6 +123,7 @@ impl Nemesis {
                 }
             }
             FaultKind::Pause => {
+                let refused_before = if self.observe_fencing { self.refused_stale().await? } else { 0 };
                 for &i in nodes {
                     self.signal(i, "STOP").await?;
                 }
@@ -102,11 +132,20 @@ impl Nemesis {
                     self.signal(i, "CONT").await?;
                 }
                 injected.healed = Some(Instant::now());
+                if self.observe_fencing {
+                    let mut zombie_change = None;
+                    for &i in nodes {
+                        zombie_change = self.wait_fenced(i).await;
+                    }
+                    let refused_stale = self.refused_stale().await?.saturating_sub(refused_before);
+                    injected.fenced = Some(Fencing { zombie_change, refused_stale });
+                }
             }
             FaultKind::CorruptCheckpoint => {
                 let latest = self.latest_checkpoint.borrow().clone();
-                let dir = latest.context("the job has not reported a checkpoint yet; corrupt later (at_step)")?;
-                injected.corrupted = Some(flip_a_byte(&dir, fault.at_step)?);
+                let dir =
+                    latest.context("the job has not reported a checkpoint yet; corrupt later (at_step or at_s)")?;
+                injected.corrupted = Some(flip_a_byte(&dir, seed)?);
             }
             FaultKind::FillDisk => {
                 let dir = self.tmpfs.clone().context("fill-disk needs the checkpoints on a tmpfs")?;
@@ -122,19 +161,20 @@ impl Nemesis {
                 std::fs::remove_file(&filler).with_context(|| format!("removing {}", filler.display()))?;
                 injected.healed = Some(Instant::now());
             }
-            FaultKind::Partition | FaultKind::FlakyLink => {
+            FaultKind::Partition | FaultKind::FlakyLink | FaultKind::Reorder => {
                 let network = self.network.as_ref().context("link faults need the daemons in network namespaces")?;
-                for &i in nodes {
+                for (n, &i) in nodes.iter().enumerate() {
                     if fault.kind == FaultKind::Partition {
                         network.partition(i, fault.one_way)?;
-                    } else if let Some(missing) = network.degrade(i, fault.loss_percent, fault.delay_ms)? {
-                        injected.note = Some(missing);
+                    } else {
+                        let how = network.degrade(i, &fault.link_shape(), seed.wrapping_add(n as u64))?;
+                        injected.note = Some(format!("links degraded with {how}"));
                     }
                 }
                 if fault.duration_s > 0.0 {
                     tokio::time::sleep(Duration::from_secs_f64(fault.duration_s)).await;
                     for &i in nodes {
-                        network.heal(i)?;
+                        injected.links.extend(network.heal(i)?);
                     }
                     injected.healed = Some(Instant::now());
                 }
@@ -178,6 +218,36 @@ impl Nemesis {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// Messages the controller (node 0) refused for a stale epoch so far.
+    async fn refused_stale(&self) -> anyhow::Result<u64> {
+        let cluster = self.cluster.lock().await;
+        let status = async { cluster.client_to(0).await?.status().await };
+        let status = tokio::time::timeout(Duration::from_secs(5), status)
+            .await
+            .context("the controller's status did not come within 5 s")?
+            .context("asking the controller for its status")?;
+        Ok(status.refused_stale)
+    }
+
+    /// Waits (up to the progress bound) for woken node `i` to record that it was fenced; the record.
+    async fn wait_fenced(&self, i: usize) -> Option<String> {
+        let deadline = Instant::now() + self.bound;
+        while Instant::now() < deadline {
+            let status = {
+                let cluster = self.cluster.lock().await;
+                let status = async { cluster.client_to(i).await?.status().await };
+                tokio::time::timeout(Duration::from_secs(2), status).await
+            };
+            if let Ok(Ok(status)) = status {
+                if let Some(c) = status.changes.iter().rev().find(|c| c.contains("was fenced")) {
+                    return Some(c.clone());
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        None
     }
 
     async fn wait_progress(&self, done: impl Fn(&Progress) -> bool) -> anyhow::Result<()> {

@@ -1,21 +1,30 @@
 //! Network faults on one Linux machine: every daemon in its own network namespace, joined to a bridge
 //! by a veth pair, so that its links can be cut (iptables DROP, both ways or inbound only) and degraded
-//! (random loss with iptables' statistic match; delay with tc netem where the kernel has it). Needs root,
-//! `ip` (iproute2) and `iptables`; without them `Network::create` says which is missing and the scenario
-//! is skipped. Everything is removed when the `Network` is dropped.
+//! (loss, delay with jitter, reordering, duplicates: tc netem where the kernel has it, else the userspace
+//! NFQUEUE nemesis of [`super::link`]). Needs root, `ip` (iproute2) and `iptables`; without them
+//! `Network::create` says which is missing and the scenario is skipped, as is a link fault on a kernel
+//! with neither netem nor NFQUEUE. Everything is removed when the `Network` is dropped.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::process::Command;
 
+use std::sync::Mutex;
+
 use anyhow::{bail, Context};
 use troupe_actors::api::NodeHost;
+
+use super::link::{probe, LinkShape, LinkStats, QueueNemesis, DUPLICATE_MARK, QUEUE};
 
 pub struct Network {
     tag: String,
     subnet: [u8; 3],
     nodes: usize,
-    /// Whether this kernel has tc netem (delay); loss works without it.
+    /// Whether this kernel has tc netem.
     pub netem: bool,
+    /// Whether packets can be queued to userspace (NFQUEUE); Err: why not.
+    nfqueue: Result<(), String>,
+    /// The userspace link nemesis of each node while its links are degraded.
+    links: Mutex<Vec<Option<QueueNemesis>>>,
 }
 
 fn run(args: &[&str]) -> anyhow::Result<String> {
@@ -41,7 +50,14 @@ impl Network {
         // Unique per process, short enough for 15-character interface names.
         let id = std::process::id() % 100_000;
         let subnet = [10, 200 + (id % 50) as u8, (id / 50 % 250) as u8];
-        let net = Network { tag: format!("trp{id}"), subnet, nodes: 0, netem: false };
+        let net = Network {
+            tag: format!("trp{id}"),
+            subnet,
+            nodes: 0,
+            netem: false,
+            nfqueue: Err("not probed".into()),
+            links: Mutex::new((0..nodes).map(|_| None).collect()),
+        };
         net.setup(nodes).map_err(|e| format!("setting up network namespaces failed: {e:#}"))
     }
 
@@ -62,12 +78,13 @@ impl Network {
             run(&["ip", "netns", "exec", &ns, "ip", "link", "set", &node_end, "up"])?;
             run(&["ip", "netns", "exec", &ns, "ip", "link", "set", "lo", "up"])?;
         }
-        let probe =
+        let netem =
             ["ip", "netns", "exec", &self.ns(0), "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"];
-        self.netem = run(&probe).is_ok();
+        self.netem = run(&netem).is_ok();
         if self.netem {
             let _ = run(&["ip", "netns", "exec", &self.ns(0), "tc", "qdisc", "del", "dev", "lo", "root"]);
         }
+        self.nfqueue = probe(&self.ns(0));
         Ok(self)
     }
 
@@ -118,69 +135,48 @@ impl Network {
         Ok(())
     }
 
-    /// Node i's link loses `percent` of its packets each way, and is delayed by `delay_ms` each way where
-    /// the kernel has netem. Returns what could not be applied.
-    pub fn degrade(&self, i: usize, percent: f64, delay_ms: u64) -> anyhow::Result<Option<String>> {
-        let p = format!("{:.4}", percent / 100.0);
-        let cidr = self.cidr();
-        for chain in [["-A", "INPUT", "-s"], ["-A", "OUTPUT", "-d"]] {
-            let rule = [
-                chain[0],
-                chain[1],
-                chain[2],
-                &cidr,
-                "-m",
-                "statistic",
-                "--mode",
-                "random",
-                "--probability",
-                &p,
-                "-j",
-                "DROP",
-            ];
-            self.iptables(i, &rule)?;
+    /// How this machine degrades links: tc netem in the kernel, else the userspace NFQUEUE nemesis.
+    /// Err: neither is here (the capability that is missing).
+    pub fn link_mechanism(&self) -> Result<&'static str, String> {
+        match (self.netem, &self.nfqueue) {
+            (true, _) => Ok("tc netem"),
+            (false, Ok(())) => Ok("nfqueue"),
+            (false, Err(why)) => Err(format!(
+                "link faults need tc netem (CONFIG_NET_SCH_NETEM) or NFQUEUE; this kernel has no netem, and {why}"
+            )),
         }
-        if delay_ms == 0 {
-            return Ok(None);
-        }
-        if !self.netem {
-            return Ok(Some(format!(
-                "{delay_ms} ms delay not applied: this kernel has no tc netem (CONFIG_NET_SCH_NETEM)"
-            )));
-        }
-        let dev = format!("{}n{i}", self.tag);
-        let ns = self.ns(i);
-        run(&[
-            "ip",
-            "netns",
-            "exec",
-            &ns,
-            "tc",
-            "qdisc",
-            "add",
-            "dev",
-            &dev,
-            "root",
-            "netem",
-            "delay",
-            &format!("{delay_ms}ms"),
-        ])?;
-        run(&[
-            "tc",
-            "qdisc",
-            "add",
-            "dev",
-            &format!("{}h{i}", self.tag),
-            "root",
-            "netem",
-            "delay",
-            &format!("{delay_ms}ms"),
-        ])?;
-        Ok(None)
     }
 
-    /// Restores node i's links.
-    pub fn heal(&self, i: usize) -> anyhow::Result<()> {
+    /// Degrades node i's links to the other nodes, each way, as `shape` says (the userspace nemesis
+    /// draws its choices from `seed`). Returns how: "tc netem" or "nfqueue".
+    pub fn degrade(&self, i: usize, shape: &LinkShape, seed: u64) -> anyhow::Result<&'static str> {
+        let mechanism = self.link_mechanism().map_err(anyhow::Error::msg)?;
+        if self.netem {
+            let args = netem_args(shape);
+            let node_end = format!("{}n{i}", self.tag);
+            let ns = self.ns(i);
+            let mut inner = vec!["ip", "netns", "exec", &ns, "tc", "qdisc", "add", "dev", &node_end, "root", "netem"];
+            inner.extend(args.iter().map(String::as_str));
+            run(&inner)?;
+            let host_end = format!("{}h{i}", self.tag);
+            let mut outer = vec!["tc", "qdisc", "add", "dev", &host_end, "root", "netem"];
+            outer.extend(args.iter().map(String::as_str));
+            run(&outer)?;
+            return Ok(mechanism);
+        }
+        let nemesis = QueueNemesis::start(&self.ns(i), format!("node-{i}"), *shape, seed)?;
+        self.links.lock().expect("the links' lock is never poisoned")[i] = Some(nemesis);
+        let (cidr, queue, mark) = (self.cidr(), QUEUE.to_string(), DUPLICATE_MARK.to_string());
+        self.iptables(i, &["-A", "INPUT", "-s", &cidr, "-j", "NFQUEUE", "--queue-num", &queue])?;
+        // The duplicates the nemesis sends itself carry its mark and go out as they are.
+        let out =
+            ["-A", "OUTPUT", "-d", &cidr, "-m", "mark", "!", "--mark", &mark, "-j", "NFQUEUE", "--queue-num", &queue];
+        self.iptables(i, &out)?;
+        Ok(mechanism)
+    }
+
+    /// Restores node i's links; what the userspace nemesis did to them, if it ran.
+    pub fn heal(&self, i: usize) -> anyhow::Result<Option<LinkStats>> {
         self.iptables(i, &["-F"])?;
         if self.netem {
             let _ = run(&[
@@ -197,12 +193,38 @@ impl Network {
             ]);
             let _ = run(&["tc", "qdisc", "del", "dev", &format!("{}h{i}", self.tag), "root"]);
         }
-        Ok(())
+        let nemesis = self.links.lock().expect("the links' lock is never poisoned")[i].take();
+        nemesis.map(QueueNemesis::stop).transpose()
     }
+}
+
+/// tc netem's words for `shape`. Netem reorders its own way: the `reorder` share goes at once, the rest
+/// waits the delay — so a reordered packet there overtakes, where the userspace nemesis holds it back.
+fn netem_args(shape: &LinkShape) -> Vec<String> {
+    let mut args = vec![
+        "delay".to_owned(),
+        format!("{}ms", shape.delay_ms + if shape.reorder_percent > 0.0 { shape.reorder_ms } else { 0 }),
+    ];
+    if shape.delay_jitter_ms > 0 {
+        args.push(format!("{}ms", shape.delay_jitter_ms));
+    }
+    for (word, percent) in
+        [("loss", shape.loss_percent), ("duplicate", shape.duplicate_percent), ("reorder", shape.reorder_percent)]
+    {
+        if percent > 0.0 {
+            args.extend([word.to_owned(), format!("{percent}%")]);
+        }
+    }
+    args
 }
 
 impl Drop for Network {
     fn drop(&mut self) {
+        for i in 0..self.nodes {
+            if self.links.lock().is_ok_and(|l| l[i].is_some()) {
+                let _ = self.heal(i);
+            }
+        }
         for i in 0..self.nodes {
             // Deleting the namespace deletes its veth end, and with it the peer on the bridge.
             let _ = run(&["ip", "netns", "del", &self.ns(i)]);

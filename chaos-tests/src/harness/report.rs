@@ -3,8 +3,12 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::time::Instant;
 
 use serde::Serialize;
+
+use super::link::LinkStats;
+use super::nemesis::Injected;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
@@ -33,8 +37,41 @@ pub struct Report {
     /// Bad inputs sent to the cluster while it ran, and whether each was refused as it should be.
     pub bad_inputs: Vec<Check>,
     pub checks: Vec<Check>,
+    /// Every fault as injected, in the order they started.
+    pub injected: Vec<FaultRecord>,
+    /// What each link fault did (how it was applied, packets held, dropped, reordered, duplicated, and
+    /// the step time before and while it held).
+    pub links: Vec<LinkStats>,
     /// A failed run's directory, kept: the daemons' logs (`node-N.log`) and the checkpoints.
     pub kept: Option<std::path::PathBuf>,
+}
+
+/// One injected fault.
+#[derive(Clone, Debug, Serialize)]
+pub struct FaultRecord {
+    pub kind: String,
+    pub nodes: Vec<String>,
+    /// Seconds after the job committed its first step (what `at_s` counts from).
+    pub after_first_step_s: Option<f64>,
+    /// How long until it healed (None: it lasted to the end).
+    pub lasted_s: Option<f64>,
+    /// How it was applied where there was a choice (link faults: tc netem or nfqueue).
+    pub note: Option<String>,
+    /// Why it could not be applied as asked.
+    pub error: Option<String>,
+}
+
+impl FaultRecord {
+    pub fn of(fault: &Injected, first_step: Option<Instant>) -> Self {
+        FaultRecord {
+            kind: fault.kind.as_str().into(),
+            nodes: fault.nodes.clone(),
+            after_first_step_s: first_step.map(|t| fault.at.saturating_duration_since(t).as_secs_f64()),
+            lasted_s: fault.healed.map(|h| h.saturating_duration_since(fault.at).as_secs_f64()),
+            note: fault.note.clone(),
+            error: fault.error.clone(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -92,6 +129,12 @@ impl fmt::Display for Report {
             self.wall_s,
             faults.join(", ")
         )?;
+        for i in &self.injected {
+            let at = i.after_first_step_s.map_or(String::new(), |s| format!(" {s:.2} s after the first step"));
+            let lasted = i.lasted_s.map_or(String::new(), |s| format!(", healed after {s:.1} s"));
+            let how = i.note.as_ref().map_or(String::new(), |n| format!("; {n}"));
+            writeln!(f, "    {} on {}{at}{lasted}{how}", i.kind, i.nodes.join(", "))?;
+        }
         writeln!(f)?;
         writeln!(f, "  {:<28} {:>10} {:>10} {:>10}", "", "p50", "p99", "max")?;
         for (name, s) in [("detection", &self.detection_s), ("recovery", &self.recovery_s)] {
@@ -109,6 +152,24 @@ impl fmt::Display for Report {
             "  recoveries {}, steps redone {}, data lost {}",
             self.recoveries, self.steps_redone, self.data_lost
         )?;
+        for l in &self.links {
+            let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.0} ms"));
+            writeln!(
+                f,
+                "  link of {} ({}): {} packets, {} dropped, {} delayed (mean hold {:.1} ms), {} reordered, {} duplicated; \
+                 step {} before, {} during",
+                l.node,
+                l.mechanism,
+                l.packets,
+                l.dropped,
+                l.delayed,
+                l.mean_hold_ms,
+                l.reordered,
+                l.duplicated,
+                ms(l.step_ms_before),
+                ms(l.step_ms_during)
+            )?;
+        }
         writeln!(f)?;
         for (title, checks) in [("bad inputs", &self.bad_inputs), ("invariants", &self.checks)] {
             writeln!(f, "  {title}:")?;
@@ -132,5 +193,55 @@ mod tests {
         let s = Summary::of(vec![3.0, 1.0, 2.0, 4.0]);
         assert_eq!((s.p50, s.p99, s.max, s.samples), (Some(2.0), Some(4.0), Some(4.0), 4));
         assert_eq!(Summary::of(vec![]).p50, None);
+    }
+
+    #[test]
+    fn the_table_lists_every_fault_and_link() {
+        let report = Report {
+            scenario: "s".into(),
+            description: "d".into(),
+            seed: 1,
+            passed: true,
+            skipped: None,
+            nodes: 3,
+            steps: 10,
+            wall_s: 1.0,
+            faults: BTreeMap::from([("flaky-link".to_owned(), 1)]),
+            recoveries: 0,
+            detection_s: Summary::default(),
+            recovery_s: Summary::default(),
+            steps_redone: 0,
+            data_lost: 0,
+            bad_inputs: Vec::new(),
+            checks: Vec::new(),
+            injected: vec![FaultRecord {
+                kind: "flaky-link".into(),
+                nodes: vec!["node-2".into()],
+                after_first_step_s: Some(0.5),
+                lasted_s: Some(8.0),
+                note: Some("links degraded with nfqueue".into()),
+                error: None,
+            }],
+            links: vec![LinkStats {
+                node: "node-2".into(),
+                mechanism: "nfqueue".into(),
+                packets: 100,
+                dropped: 5,
+                delayed: 95,
+                mean_hold_ms: 20.4,
+                step_ms_before: Some(10.0),
+                step_ms_during: Some(2000.0),
+                ..LinkStats::default()
+            }],
+            kept: None,
+        };
+        let table = report.to_string();
+        for line in [
+            "flaky-link on node-2 0.50 s after the first step, healed after 8.0 s; links degraded with nfqueue",
+            "link of node-2 (nfqueue): 100 packets, 5 dropped, 95 delayed (mean hold 20.4 ms)",
+            "step 10 ms before, 2000 ms during",
+        ] {
+            assert!(table.contains(line), "{line:?} missing from\n{table}");
+        }
     }
 }

@@ -16,8 +16,8 @@ use troupe_model::Trainer;
 use super::checker;
 use super::nemesis::{Injected, Nemesis, Progress};
 use super::netns::Network;
-use super::report::{Check, Report, Summary};
-use super::scenario::{Fault, NetworkKind, Scenario, Target};
+use super::report::{Check, FaultRecord, Report, Summary};
+use super::scenario::{Fault, NetworkKind, Scenario, Target, Trigger};
 use crate::sim::rng::Rng;
 
 /// How a run is started.
@@ -34,9 +34,13 @@ pub struct RunOptions {
     pub keep: bool,
 }
 
-/// The job a scenario trains: the small test model, so that runs take seconds, in the scenario's
-/// precision with its injected overflows, as pipelines of `pp` stages when it says so.
+/// The job a scenario trains: its job config file when it names one; else the small test model, so
+/// that runs take seconds, in the scenario's precision with its injected overflows, as pipelines of `pp`
+/// stages when it says so. The checker's reference trains the same config.
 pub fn job_config(scenario: &Scenario) -> JobConfig {
+    if let Some(config) = &scenario.job_config {
+        return config.clone();
+    }
     let mut config = JobConfig::small(scenario.steps);
     config.parallel.precision.clone_from(&scenario.precision);
     config.train.inject_overflow_at.clone_from(&scenario.inject_overflow_at);
@@ -69,6 +73,13 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
             Err(why) => return Ok(skipped(scenario, options, why)),
         },
     };
+    if let Some(network) = &network {
+        if scenario.faults.iter().any(|f| f.kind.degrades_links()) {
+            if let Err(why) = network.link_mechanism() {
+                return Ok(skipped(scenario, options, why));
+            }
+        }
+    }
     let mut cluster_options = LocalClusterOptions::new(scenario.nodes);
     if let Some(network) = &network {
         cluster_options.hosts = network.hosts();
@@ -102,14 +113,25 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
         full_world,
         bound,
         network: network.clone(),
+        observe_fencing: scenario.expect.fenced,
     });
 
     let mut rng = Rng::new(options.seed);
-    let mut pending: VecDeque<Fault> = {
-        let mut f = scenario.faults.clone();
-        f.sort_by_key(|f| f.at_step); // stable: file order within a step
+    let mut pending: VecDeque<(u64, Fault)> = {
+        let mut f: Vec<(u64, Fault)> = scenario
+            .faults
+            .iter()
+            .filter_map(|f| if let Trigger::Step(s) = f.trigger() { Some((s, f.clone())) } else { None })
+            .collect();
+        f.sort_by_key(|(step, _)| *step); // stable: file order within a step
         f.into()
     };
+    let timed: Vec<(f64, Fault)> = scenario
+        .faults
+        .iter()
+        .filter_map(|f| if let Trigger::Seconds(s) = f.trigger() { Some((s, f.clone())) } else { None })
+        .collect();
+    let mut first_step: Option<Instant> = None;
     let mut victims_left: Vec<usize> = scenario.victims();
     let longest = scenario.faults.iter().map(|f| f.duration_s + f.return_after_s.unwrap_or(0.0)).fold(0.0, f64::max);
     let event_timeout = bound + Duration::from_secs_f64(longest);
@@ -133,14 +155,29 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
         match &event {
             JobEvent::Step { step, world, .. } => {
                 progress_tx.send_replace(Progress { step: *step, world: *world });
-                while pending.front().is_some_and(|f| f.at_step <= *step) {
-                    let fault = pending.pop_front().expect("checked");
-                    let nodes = choose(&fault.node, &mut victims_left, &scenario.victims(), &mut rng);
-                    let delay = Duration::from_millis(rng.range(0, fault.jitter_ms + 1));
-                    let nemesis = nemesis.clone();
+                let mut due: Vec<(Duration, Fault)> = Vec::new();
+                if first_step.is_none() {
+                    first_step = Some(now);
+                    due.extend(timed.iter().map(|(s, f)| (Duration::from_secs_f64(*s), f.clone())));
+                }
+                while pending.front().is_some_and(|(at, _)| *at <= *step) {
+                    due.push((Duration::ZERO, pending.pop_front().expect("checked").1));
+                }
+                for (after, fault) in due {
+                    let nodes = choose(&fault.node, &mut victims_left, scenario, &mut rng);
+                    let delay = after + Duration::from_millis(rng.range(0, fault.jitter_ms + 1));
+                    let (nemesis, seed, mut ended) = (nemesis.clone(), rng.next_u64(), progress_tx.subscribe());
                     tasks.push(tokio::spawn(async move {
-                        tokio::time::sleep(delay).await;
-                        nemesis.apply(&fault, &nodes).await
+                        // A fault due after the job ended is not injected (the checker says so).
+                        let wait = tokio::time::sleep(delay);
+                        tokio::pin!(wait);
+                        loop {
+                            tokio::select! {
+                                () = &mut wait => break,
+                                changed = ended.changed() => if changed.is_err() { return None },
+                            }
+                        }
+                        Some(nemesis.apply(&fault, &nodes, seed).await)
                     }));
                 }
             }
@@ -162,9 +199,20 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
     let mut injected: Vec<Injected> = Vec::new();
     for task in tasks {
         match tokio::time::timeout(bound * 2, task).await {
-            Ok(Ok(i)) => injected.push(i),
+            Ok(Ok(i)) => injected.extend(i),
             Ok(Err(e)) => anyhow::bail!("a fault task panicked: {e}"),
             Err(_) => anyhow::bail!("a fault did not finish within {:?}", bound * 2),
+        }
+    }
+    // Links degraded for the rest of the run heal now; what their nemesis did goes with the fault.
+    if let Some(network) = &network {
+        for fault in injected.iter_mut().filter(|f| f.kind.degrades_links() && f.healed.is_none()) {
+            for &i in &fault.indices {
+                match network.heal(i) {
+                    Ok(stats) => fault.links.extend(stats),
+                    Err(e) => fault.error = Some(format!("healing node {i}'s links: {e:#}")),
+                }
+            }
         }
     }
     drop(nemesis);
@@ -205,6 +253,8 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
     checks.push(checker::no_process_left(&pids));
     checks.extend(checker::expected(&scenario.expect, &events, &injected, full_world, scenario.checkpoint_every));
     let (detection_s, recovery_s) = checker::timings(&events, &injected);
+    let links = checker::link_effects(&events, &injected);
+    let records = injected.iter().map(|f| FaultRecord::of(f, first_step)).collect();
 
     let mut faults = BTreeMap::new();
     for i in &injected {
@@ -232,6 +282,8 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
         data_lost: trajectory.data_lost,
         bad_inputs,
         checks,
+        injected: records,
+        links,
     })
 }
 
@@ -252,13 +304,14 @@ fn write_events(path: &Path, started: Instant, events: &[(Instant, JobEvent)]) {
 
 /// The daemons a fault hits. Random workers are drawn without replacement while any are left, so two
 /// faults of one run hit different nodes.
-fn choose(target: &Target, left: &mut Vec<usize>, victims: &[usize], rng: &mut Rng) -> Vec<usize> {
+fn choose(target: &Target, left: &mut Vec<usize>, scenario: &Scenario, rng: &mut Rng) -> Vec<usize> {
     match target {
         Target::Index(i) => vec![*i],
-        Target::AllWorkers => victims.to_vec(),
+        Target::AllWorkers => scenario.victims(),
+        Target::AllNodes => (0..scenario.nodes).collect(),
         Target::RandomWorker => {
             if left.is_empty() {
-                left.extend_from_slice(victims);
+                left.extend(scenario.victims());
             }
             vec![left.swap_remove(rng.below(left.len() as u64) as usize)]
         }
@@ -284,6 +337,8 @@ fn skipped(scenario: &Scenario, options: &RunOptions, why: String) -> Report {
         data_lost: 0,
         bad_inputs: Vec::new(),
         checks: Vec::new(),
+        injected: Vec::new(),
+        links: Vec::new(),
     }
 }
 

@@ -6,6 +6,9 @@
 //! nodes = 3                 # daemons; node 0 runs the controller
 //! controller_slots = 1      # 0: a dedicated controller node without a worker
 //! steps = 30                # training steps of the small test model (JobConfig::small)
+//! job = "job.toml"          # or train this job config (the TOML `troupe train --config` takes; relative
+//!                           # to the scenario file): steps, precision, pp, schedule and
+//!                           # inject_overflow_at then come from it and may not be set here
 //! checkpoint_every = 0      # durable checkpoints every N steps (0: none)
 //! progress_bound_s = 30     # after each fault heals, a step commits within this bound
 //! network = "loopback"      # or "namespaces": a network namespace per daemon (link faults; root)
@@ -17,27 +20,39 @@
 //! schedule = "1f1b"         # pipeline schedule with pp > 1: gpipe | 1f1b | interleaved | zb-h1
 //!
 //! [[faults]]
-//! kind = "kill"             # kill | pause | partition | flaky-link | corrupt-checkpoint | fill-disk |
-//!                           # rolling-restart
-//! node = "random-worker"    # an index, "random-worker", or "all-workers"
-//! at_step = 8               # when the job has committed this step ...
+//! kind = "kill"             # kill | pause | partition | flaky-link | reorder | corrupt-checkpoint |
+//!                           # fill-disk | rolling-restart
+//! node = "random-worker"    # an index, "random-worker", "all-workers" or "all-nodes" (node 0 too)
+//! at_step = 8               # when the job has committed this step ... (or at_s: exactly one of them)
+//! at_s = 2.5                # ... or this many seconds after the job committed its first step ...
 //! jitter_ms = 300           # ... plus a delay drawn from the seed in [0, jitter_ms] (mid-step)
 //! duration_s = 4.0          # pause: stopped this long; fill-disk: kept full this long
 //! return_after_s = 3.0      # kill: the node's daemon starts again after this long (shrink, then grow)
 //! one_way = false           # partition: drop only what the node receives
-//! loss_percent = 5.0        # flaky-link: packets lost each way
-//! delay_ms = 20             # flaky-link: delay each way (tc netem, where the kernel has it)
+//! loss_percent = 5.0        # flaky-link / reorder: packets lost each way
+//! delay_ms = 20             # flaky-link / reorder: every packet held this long each way ...
+//! delay_jitter_ms = 5       # ... plus or minus up to this much
+//! reorder_percent = 0.0     # a share of packets held reorder_ms longer, so later ones overtake them
+//! reorder_ms = 10
+//! duplicate_percent = 0.0   # a share of the packets the node sends, sent twice
+//!                           # (link faults: tc netem where the kernel has it, else a userspace nemesis
+//!                           # on NFQUEUE; the report says which)
 //!
 //! [expect]                  # effects the faults must visibly have
 //! regrown = true            # after the last fault heals, steps commit on every node again
 //! rolled_back = false       # the job rolled back to a durable checkpoint (not a corrupted one)
 //! checkpoints_failed = false  # a checkpoint due was not written, and a later one was
+//! fenced = false            # pause: the woken zombie was fenced (the controller refused its stale
+//!                           # messages) and rejoined as a new member
 //! ```
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use serde::Deserialize;
+use troupe_model::config::JobConfig;
+
+use super::link::LinkShape;
 
 /// The scenarios that ship with troupe: (name, TOML).
 pub const SHIPPED: &[(&str, &str)] = &[
@@ -56,7 +71,11 @@ pub const SHIPPED: &[(&str, &str)] = &[
     ("kill-controller-node", include_str!("../../scenarios/kill-controller-node.toml")),
     ("pause-controller-node", include_str!("../../scenarios/pause-controller-node.toml")),
     ("partition-controller-node", include_str!("../../scenarios/partition-controller-node.toml")),
+    ("reorder-link", include_str!("../../scenarios/reorder-link.toml")),
 ];
+
+/// The scenario keys a job config file sets instead.
+const JOB_KEYS: [&str; 5] = ["steps", "precision", "pp", "schedule", "inject_overflow_at"];
 
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -70,6 +89,13 @@ pub struct Scenario {
     pub controller_slots: Option<u32>,
     #[serde(default = "thirty")]
     pub steps: u64,
+    /// A job config file (the TOML `troupe train --config` takes) to train instead of the small test
+    /// model; see [`Scenario::with_job_file`].
+    #[serde(default)]
+    pub job: Option<PathBuf>,
+    /// The job config `job` names, loaded.
+    #[serde(skip)]
+    pub job_config: Option<JobConfig>,
     #[serde(default)]
     pub checkpoint_every: u64,
     /// Size of the tmpfs that holds the checkpoints (MiB); 0: a plain directory. `fill-disk` needs one.
@@ -118,6 +144,10 @@ pub struct Expect {
     /// Some checkpoint due was not written, and a later one was.
     #[serde(default)]
     pub checkpoints_failed: bool,
+    /// Every paused node was fenced when it woke (the controller refused its stale messages) and
+    /// rejoined as a new member.
+    #[serde(default)]
+    pub fenced: bool,
 }
 
 fn fp32() -> String {
@@ -141,6 +171,9 @@ fn thirty() -> u64 {
 fn thirty_s() -> f64 {
     30.0
 }
+fn ten() -> u64 {
+    10
+}
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -148,7 +181,12 @@ pub struct Fault {
     pub kind: FaultKind,
     #[serde(default)]
     pub node: Target,
-    pub at_step: u64,
+    /// When the job has committed this step (exactly one of `at_step` and `at_s`).
+    #[serde(default)]
+    pub at_step: Option<u64>,
+    /// This many seconds after the job committed its first step.
+    #[serde(default)]
+    pub at_s: Option<f64>,
     #[serde(default)]
     pub jitter_ms: u64,
     #[serde(default)]
@@ -161,9 +199,82 @@ pub struct Fault {
     /// flaky-link: the share of packets lost each way, in percent.
     #[serde(default)]
     pub loss_percent: f64,
-    /// flaky-link: delay added each way (needs tc netem in the kernel; reported when missing).
+    /// flaky-link / reorder: every packet held this long each way ...
     #[serde(default)]
     pub delay_ms: u64,
+    /// ... plus or minus up to this much.
+    #[serde(default)]
+    pub delay_jitter_ms: u64,
+    /// flaky-link / reorder: the share of packets held `reorder_ms` longer than the rest, in percent.
+    #[serde(default)]
+    pub reorder_percent: f64,
+    #[serde(default = "ten")]
+    pub reorder_ms: u64,
+    /// flaky-link / reorder: the share of the packets the node sends that are sent twice, in percent.
+    #[serde(default)]
+    pub duplicate_percent: f64,
+}
+
+/// When a fault starts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Trigger {
+    /// When the job has committed this step.
+    Step(u64),
+    /// Seconds after the job committed its first step.
+    Seconds(f64),
+}
+
+impl Fault {
+    /// A fault of `kind` on `node` when the job has committed step `at_step`; the other keys at their
+    /// defaults (set the public fields for more).
+    pub fn at_step(kind: FaultKind, node: Target, at_step: u64) -> Self {
+        Fault { at_step: Some(at_step), ..Self::of(kind, node) }
+    }
+
+    /// A fault of `kind` on `node` `at_s` seconds after the job committed its first step.
+    pub fn at_s(kind: FaultKind, node: Target, at_s: f64) -> Self {
+        Fault { at_s: Some(at_s), ..Self::of(kind, node) }
+    }
+
+    fn of(kind: FaultKind, node: Target) -> Self {
+        Fault {
+            kind,
+            node,
+            at_step: None,
+            at_s: None,
+            jitter_ms: 0,
+            duration_s: 0.0,
+            return_after_s: None,
+            one_way: false,
+            loss_percent: 0.0,
+            delay_ms: 0,
+            delay_jitter_ms: 0,
+            reorder_percent: 0.0,
+            reorder_ms: 10,
+            duplicate_percent: 0.0,
+        }
+    }
+
+    /// When it starts (validated: exactly one of `at_step` and `at_s`).
+    pub fn trigger(&self) -> Trigger {
+        match (self.at_step, self.at_s) {
+            (Some(step), _) => Trigger::Step(step),
+            (None, Some(s)) => Trigger::Seconds(s),
+            (None, None) => Trigger::Step(0),
+        }
+    }
+
+    /// What a link fault does to the node's packets.
+    pub fn link_shape(&self) -> LinkShape {
+        LinkShape {
+            loss_percent: self.loss_percent,
+            delay_ms: self.delay_ms,
+            delay_jitter_ms: self.delay_jitter_ms,
+            reorder_percent: self.reorder_percent,
+            reorder_ms: self.reorder_ms,
+            duplicate_percent: self.duplicate_percent,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
@@ -181,9 +292,13 @@ pub enum FaultKind {
     /// Cut the node off from the others for `duration_s` (iptables DROP; both ways, or inbound only with
     /// `one_way`): it is dropped from the view, and when the link heals it is fenced and rejoins.
     Partition,
-    /// Lose `loss_percent` of the node's packets (and delay them `delay_ms`) for `duration_s`, or for
-    /// the rest of the run when 0: the job runs on, slower, and still lands on the reference.
+    /// Lose `loss_percent` of the node's packets and hold the rest `delay_ms` (± `delay_jitter_ms`)
+    /// each way, for `duration_s`, or for the rest of the run when 0: the job runs on, slower, and still
+    /// lands on the reference.
     FlakyLink,
+    /// Hold `reorder_percent` of the node's packets `reorder_ms` longer than the rest, so later packets
+    /// overtake them (with the other link keys as for flaky-link).
+    Reorder,
     /// SIGTERM every worker node in turn (a graceful leave), start it again, and wait for the job to be
     /// back on the full world before the next.
     RollingRestart,
@@ -199,7 +314,13 @@ impl FaultKind {
             FaultKind::RollingRestart => "rolling-restart",
             FaultKind::Partition => "partition",
             FaultKind::FlakyLink => "flaky-link",
+            FaultKind::Reorder => "reorder",
         }
+    }
+
+    /// Whether it degrades links (tc netem or the NFQUEUE nemesis).
+    pub fn degrades_links(self) -> bool {
+        matches!(self, FaultKind::FlakyLink | FaultKind::Reorder)
     }
 }
 
@@ -210,6 +331,8 @@ pub enum Target {
     #[default]
     RandomWorker,
     AllWorkers,
+    /// Every node, the controller's (node 0) first.
+    AllNodes,
 }
 
 impl<'de> Deserialize<'de> for Target {
@@ -224,8 +347,9 @@ impl<'de> Deserialize<'de> for Target {
             Raw::Index(i) => Ok(Target::Index(i)),
             Raw::Name(n) if n == "random-worker" => Ok(Target::RandomWorker),
             Raw::Name(n) if n == "all-workers" => Ok(Target::AllWorkers),
+            Raw::Name(n) if n == "all-nodes" => Ok(Target::AllNodes),
             Raw::Name(n) => Err(serde::de::Error::custom(format!(
-                "node = {n:?}: use a node index, \"random-worker\" or \"all-workers\""
+                "node = {n:?}: use a node index, \"random-worker\", \"all-workers\" or \"all-nodes\""
             ))),
         }
     }
@@ -244,14 +368,65 @@ impl Scenario {
         }
         let text = std::fs::read_to_string(path).with_context(|| format!("reading scenario {}", path.display()))?;
         let name = path.file_stem().map_or("scenario".into(), |s| s.to_string_lossy().into_owned());
-        Self::parse(&text, &name).with_context(|| format!("scenario {}", path.display()))
+        Self::parse_in(&text, &name, path.parent()).with_context(|| format!("scenario {}", path.display()))
     }
 
+    /// A scenario from its TOML text; a relative `job` path is taken from the working directory.
     pub fn parse(text: &str, name: &str) -> anyhow::Result<Self> {
+        Self::parse_in(text, name, None)
+    }
+
+    /// A scenario from its TOML text; a relative `job` path is taken from `dir` (the scenario file's).
+    pub fn parse_in(text: &str, name: &str, dir: Option<&Path>) -> anyhow::Result<Self> {
         let mut scenario: Scenario = toml::from_str(text).with_context(|| format!("scenario {name}"))?;
         scenario.name = name.to_owned();
+        if let Some(job) = scenario.job.clone() {
+            let table: toml::Table = toml::from_str(text).with_context(|| format!("scenario {name}"))?;
+            let set: Vec<&str> = JOB_KEYS.iter().copied().filter(|k| table.contains_key(*k)).collect();
+            if !set.is_empty() {
+                bail!(
+                    "scenario {name}: {} set beside job = {:?}, whose config sets them; remove them from the scenario \
+                     (or set them in the job config)",
+                    set.join(", "),
+                    job.display().to_string()
+                );
+            }
+            let path = match dir {
+                Some(dir) if job.is_relative() => dir.join(&job),
+                _ => job,
+            };
+            return scenario.with_job_file(&path);
+        }
         scenario.validate()?;
         Ok(scenario)
+    }
+
+    /// Trains the job config in file `path` (the TOML `troupe train --config` takes) instead of the
+    /// scenario's own job: its steps, precision, pp, schedule and injected overflows replace the
+    /// scenario's. `troupe chaos run --job FILE` does this; the checker's reference trains the same config.
+    pub fn with_job_file(self, path: &Path) -> anyhow::Result<Self> {
+        let config = JobConfig::from_file(path).with_context(|| {
+            format!(
+                "scenario {}: job = {:?} is not a job config that `troupe train --config` takes",
+                self.name,
+                path.display().to_string()
+            )
+        })?;
+        let mut scenario = self.with_job(config)?;
+        scenario.job = Some(path.to_owned());
+        Ok(scenario)
+    }
+
+    /// Trains `config` instead of the scenario's own job (see [`Scenario::with_job_file`]).
+    pub fn with_job(mut self, config: JobConfig) -> anyhow::Result<Self> {
+        self.steps = config.train.steps;
+        self.precision.clone_from(&config.parallel.precision);
+        self.pp = config.parallel.pp;
+        self.schedule.clone_from(&config.parallel.schedule);
+        self.inject_overflow_at.clone_from(&config.train.inject_overflow_at);
+        self.job_config = Some(config);
+        self.validate()?;
+        Ok(self)
     }
 
     fn validate(&self) -> anyhow::Result<()> {
@@ -269,18 +444,38 @@ impl Scenario {
         }
         for (i, fault) in self.faults.iter().enumerate() {
             let which = format!("scenario {name}: faults[{i}] ({})", fault.kind.as_str());
-            if fault.at_step >= self.steps {
-                bail!("{which}: at_step = {} is not below steps = {}", fault.at_step, self.steps);
+            match (fault.at_step, fault.at_s) {
+                (Some(_), Some(_)) | (None, None) => bail!(
+                    "{which}: set exactly one of at_step (when the job has committed that step) and at_s \
+                     (seconds after its first committed step)"
+                ),
+                (Some(step), None) if step >= self.steps => {
+                    bail!("{which}: at_step = {step} is not below steps = {}", self.steps)
+                }
+                (None, Some(s)) if !(s.is_finite() && s >= 0.0) => {
+                    bail!("{which}: at_s = {s} is not a number of seconds ≥ 0")
+                }
+                _ => {}
+            }
+            let hits_node_0 = matches!(fault.node, Target::Index(0) | Target::AllNodes);
+            if hits_node_0 && fault.kind == FaultKind::Kill && fault.return_after_s.is_none() {
+                bail!(
+                    "{which}: node 0 runs the controller, which restarts from its catalog but has no standby; \
+                     set return_after_s (the daemon starts again, as systemd would restart it)"
+                );
             }
             if let Target::Index(n) = fault.node {
-                if n == 0 && fault.kind == FaultKind::Kill && fault.return_after_s.is_none() {
-                    bail!(
-                        "{which}: node 0 runs the controller, which restarts from its catalog but has no standby; \
-                         set return_after_s (the daemon starts again, as systemd would restart it)"
-                    );
-                }
                 if n >= self.nodes {
                     bail!("{which}: node = {n} but the cluster has nodes 0..{}", self.nodes);
+                }
+            }
+            for (key, percent) in [
+                ("loss_percent", fault.loss_percent),
+                ("reorder_percent", fault.reorder_percent),
+                ("duplicate_percent", fault.duplicate_percent),
+            ] {
+                if !(0.0..100.0).contains(&percent) {
+                    bail!("{which}: {key} = {percent} is not in [0, 100)");
                 }
             }
             match fault.kind {
@@ -290,12 +485,17 @@ impl Scenario {
                 FaultKind::CorruptCheckpoint | FaultKind::FillDisk if self.checkpoint_every == 0 => {
                     bail!("{which}: the job takes no checkpoints; set checkpoint_every")
                 }
-                FaultKind::Partition | FaultKind::FlakyLink if self.network != NetworkKind::Namespaces => {
+                k if (k == FaultKind::Partition || k.degrades_links()) && self.network != NetworkKind::Namespaces => {
                     bail!("{which}: link faults need network = \"namespaces\"")
                 }
                 FaultKind::Partition if fault.duration_s <= 0.0 => bail!("{which}: needs duration_s > 0"),
-                FaultKind::FlakyLink if !(fault.loss_percent > 0.0 && fault.loss_percent < 100.0) => {
-                    bail!("{which}: loss_percent = {} is not in (0, 100)", fault.loss_percent)
+                FaultKind::FlakyLink
+                    if fault.loss_percent == 0.0 && fault.delay_ms == 0 && fault.duplicate_percent == 0.0 =>
+                {
+                    bail!("{which}: the link stays clean; set loss_percent, delay_ms or duplicate_percent")
+                }
+                FaultKind::Reorder if fault.reorder_percent == 0.0 || fault.reorder_ms == 0 => {
+                    bail!("{which}: needs reorder_percent > 0 and reorder_ms > 0")
                 }
                 FaultKind::FillDisk if self.checkpoint_tmpfs_mib == 0 => {
                     bail!("{which}: needs the checkpoints on a tmpfs; set checkpoint_tmpfs_mib")
@@ -322,6 +522,25 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_job_file_replaces_the_job_and_a_bad_one_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("job.toml"), "[train]\nsteps = 12\nlr = 2e-3\n").unwrap();
+        let text = "description = \"x\"\njob = \"job.toml\"\n[[faults]]\nkind = \"kill\"\nat_s = 0.5\n";
+        let s = Scenario::parse_in(text, "t", Some(dir.path())).unwrap();
+        assert_eq!(s.steps, 12);
+        let config = crate::harness::job_config(&s);
+        assert_eq!((config.train.steps, config.train.lr), (12, 2e-3));
+        assert_eq!(s.faults[0].trigger(), Trigger::Seconds(0.5));
+
+        std::fs::write(dir.path().join("job.toml"), "[train]\nlr = -1.0\n").unwrap();
+        let err = format!("{:#}", Scenario::parse_in(text, "t", Some(dir.path())).unwrap_err());
+        assert!(err.contains("job = ") && err.contains("train.lr"), "{err}");
+        std::fs::write(dir.path().join("job.toml"), "[trian]\n").unwrap();
+        let err = format!("{:#}", Scenario::parse_in(text, "t", Some(dir.path())).unwrap_err());
+        assert!(err.contains("job = ") && err.contains("trian"), "{err}");
+    }
+
+    #[test]
     fn every_shipped_scenario_parses_and_validates() {
         for (name, text) in SHIPPED {
             let s = Scenario::parse(text, name).unwrap_or_else(|e| panic!("{name}: {e:#}"));
@@ -341,6 +560,21 @@ mod tests {
             ("description = \"x\"\n[[faults]]\nkind = \"corrupt-checkpoint\"\nat_step = 3\n", "checkpoint_every"),
             ("description = \"x\"\nstepz = 3\n", "stepz"),
             ("description = \"x\"\n[[faults]]\nkind = \"partition\"\nat_step = 3\nduration_s = 1\n", "namespaces"),
+            ("description = \"x\"\n[[faults]]\nkind = \"kill\"\n", "exactly one of at_step"),
+            ("description = \"x\"\n[[faults]]\nkind = \"kill\"\nat_step = 2\nat_s = 1.0\n", "exactly one of at_step"),
+            ("description = \"x\"\n[[faults]]\nkind = \"kill\"\nat_s = -1.0\n", "at_s = -1"),
+            ("description = \"x\"\n[[faults]]\nkind = \"kill\"\nnode = \"all-nodes\"\nat_s = 1\n", "return_after_s"),
+            (
+                "description = \"x\"\nnetwork = \"namespaces\"\n[[faults]]\nkind = \"reorder\"\nat_step = 1\n",
+                "reorder_percent > 0",
+            ),
+            (
+                "description = \"x\"\nnetwork = \"namespaces\"\n[[faults]]\nkind = \"flaky-link\"\nat_step = 1\n\
+                 loss_percent = 100\n",
+                "loss_percent = 100",
+            ),
+            ("description = \"x\"\njob = \"/no/such/job.toml\"\n", "job = \"/no/such/job.toml\""),
+            ("description = \"x\"\njob = \"j.toml\"\nsteps = 5\n", "steps set beside job"),
         ];
         for (text, needle) in cases {
             let err = format!("{:#}", Scenario::parse(text, "t").unwrap_err());
