@@ -5,11 +5,13 @@
 //! loading) when a device is present.
 //!
 //! Code map: one concept per file — [`reduce`], [`cast`], [`adamw`], [`unscale`], [`norm`],
-//! [`checksum`] are the CPU kernels (plain functions on slices); [`cuda`] is the CUDA backend;
+//! [`checksum`] are the CPU kernels (plain functions on slices); [`simd`] holds their AVX2/AVX-512 paths,
+//! chosen at run time; [`cuda`] is the CUDA backend;
 //! [`backend`] is the enum dispatch over both; [`bench`](mod@bench) measures the CPU kernels against memcpy.
 //!
 //! Invariant: this crate never links libtorch; it builds and tests without it.
-//! Invariant: `unsafe` appears only in [`cuda`].
+//! Invariant: `unsafe` appears only in [`cuda`] (cudarc: the driver, NVRTC, kernel launches) and [`simd`]
+//! (`std::arch` intrinsics behind run-time feature detection).
 
 #![deny(unsafe_code)]
 
@@ -25,6 +27,8 @@ pub mod error;
 pub mod norm;
 pub mod partition;
 pub mod reduce;
+#[allow(unsafe_code)]
+pub mod simd;
 pub mod unscale;
 
 pub use adamw::{adamw_step, AdamWConfig, AdamWShard};
