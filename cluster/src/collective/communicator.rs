@@ -71,11 +71,13 @@ pub struct Communicator<T: Transport> {
 }
 
 fn to_f32<E: Element>(data: &[E]) -> Vec<f32> {
-    data.iter().map(|v| v.to_f32()).collect()
+    let mut wide = vec![0f32; data.len()];
+    E::widen(data, &mut wide);
+    wide
 }
 
 fn write_back<E: Element>(acc: &[f32], out: &mut [E]) {
-    out.iter_mut().zip(acc).for_each(|(o, a)| *o = E::from_f32(*a));
+    E::narrow(acc, out);
 }
 
 impl<T: Transport> Communicator<T> {
@@ -271,7 +273,7 @@ impl<T: Transport> Communicator<T> {
             });
         }
         let mut acc = vec![0f32; output.len()];
-        acc[own].iter_mut().zip(input).for_each(|(a, v)| *a = v.to_f32());
+        E::widen(input, &mut acc[own]);
         if let Some(done) = self.in_arena(ShmOp::AllGather, &mut acc).await {
             done?;
             write_back(&acc, output);

@@ -28,7 +28,10 @@ impl<L: Transport, G: Transport> HierarchicalAllReduce<L, G> {
         self.local.broadcast(data, 0).await?;
         if op == ReduceOp::Avg {
             let inv = 1.0 / self.world_total as f32;
-            data.iter_mut().for_each(|v| *v = E::from_f32(v.to_f32() * inv));
+            let mut wide = vec![0f32; data.len()];
+            E::widen(data, &mut wide);
+            wide.iter_mut().for_each(|v| *v *= inv);
+            E::narrow(&wide, data);
         }
         Ok(())
     }

@@ -28,10 +28,16 @@ const WIDEN_BLOCK_ELEMS: usize = 1024;
 pub trait ReduceInput: Copy + Send + Sync {
     fn to_f32(self) -> f32;
 
-    /// `acc[i] = op(acc[i], src[i])` on one thread, with the instructions of `isa`. The default reads
-    /// element by element (LLVM vectorizes it); types with a faster path override it.
+    /// `acc[i] = op(acc[i], src[i])` on one thread.
     #[inline]
-    fn reduce_block(acc: &mut [f32], src: &[Self], op: ReduceOp, isa: Isa) {
+    fn reduce_block(acc: &mut [f32], src: &[Self], op: ReduceOp) {
+        Self::reduce_block_with(acc, src, op, Isa::detected());
+    }
+
+    /// [`ReduceInput::reduce_block`] with the instructions of `isa`. The default reads element by
+    /// element (LLVM vectorizes it); types with a faster path override it.
+    #[inline]
+    fn reduce_block_with(acc: &mut [f32], src: &[Self], op: ReduceOp, isa: Isa) {
         let _ = isa;
         match op {
             ReduceOp::Sum | ReduceOp::Avg => acc.iter_mut().zip(src).for_each(|(a, s)| *a += s.to_f32()),
@@ -62,7 +68,7 @@ impl ReduceInput for f16 {
         f16::to_f32(self)
     }
 
-    fn reduce_block(acc: &mut [f32], src: &[Self], op: ReduceOp, isa: Isa) {
+    fn reduce_block_with(acc: &mut [f32], src: &[Self], op: ReduceOp, isa: Isa) {
         if simd::reduce_f16(isa, acc, src, op) {
             return;
         }
@@ -70,7 +76,7 @@ impl ReduceInput for f16 {
         for (acc, src) in acc.chunks_mut(WIDEN_BLOCK_ELEMS).zip(src.chunks(WIDEN_BLOCK_ELEMS)) {
             let widened = &mut widened[..src.len()];
             src.convert_to_f32_slice(widened);
-            f32::reduce_block(acc, widened, op, isa);
+            f32::reduce_block_with(acc, widened, op, isa);
         }
     }
 }
@@ -87,7 +93,7 @@ pub fn reduce_into<T: ReduceInput>(acc: &mut [f32], src: &[T], op: ReduceOp) {
 pub fn reduce_into_with<T: ReduceInput>(isa: Isa, acc: &mut [f32], src: &[T], op: ReduceOp) {
     assert_eq!(acc.len(), src.len(), "reduce_into: accumulator and source lengths differ");
     let chunk = chunk_elems(acc.len());
-    for_each_part(acc.chunks_mut(chunk).zip(src.chunks(chunk)), |(acc, src)| T::reduce_block(acc, src, op, isa));
+    for_each_part(acc.chunks_mut(chunk).zip(src.chunks(chunk)), |(acc, src)| T::reduce_block_with(acc, src, op, isa));
 }
 
 /// Divides an `Avg` accumulator by the number of contributions (multiplies by its f32 reciprocal).
