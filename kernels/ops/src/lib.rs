@@ -36,6 +36,7 @@ pub use backend::{Backend, Buffer, HostBuffer};
 pub use cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 pub use checksum::{checksum64, Checksum64Stream};
 pub use cpu_parallel::{cpu_threads, set_cpu_threads};
+pub use cuda::{BorrowedDeviceBuffer, CudaBackend, DeviceDtype};
 pub use error::KernelError;
 pub use norm::l2_norm;
 pub use partition::balanced_range;

@@ -21,6 +21,7 @@ use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream, DriverError
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use crate::adamw::{AdamWConfig, AdamWStepScalars};
+use crate::backend::Buffer;
 use crate::error::KernelError;
 use crate::reduce::ReduceOp;
 
@@ -54,6 +55,45 @@ impl DeviceBuffer {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// The element type of device memory lent by another library.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceDtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+/// Device memory owned by another library (a libtorch tensor's storage), seen as a [`Buffer`] so that
+/// every [`crate::Backend`] kernel runs on it in place, without a copy. It is never freed here: dropping
+/// it gives the memory back untouched (cudarc makes the stream wait for the work queued on it first).
+/// Made only by the unsafe [`CudaBackend::borrow_device_memory`], whose caller vouches for the memory.
+#[derive(Debug)]
+pub struct BorrowedDeviceBuffer {
+    /// Always `Some(Buffer::Cuda(_))` until dropped.
+    buffer: Option<Buffer>,
+}
+
+impl BorrowedDeviceBuffer {
+    pub fn buffer(&self) -> &Buffer {
+        self.buffer.as_ref().expect("a borrowed buffer is present until dropped")
+    }
+
+    pub fn buffer_mut(&mut self) -> &mut Buffer {
+        self.buffer.as_mut().expect("a borrowed buffer is present until dropped")
+    }
+}
+
+impl Drop for BorrowedDeviceBuffer {
+    fn drop(&mut self) {
+        // `leak` hands the pointer back without freeing it (the owner frees it).
+        match self.buffer.take() {
+            Some(Buffer::Cuda(DeviceBuffer::F32(s))) => drop(s.leak()),
+            Some(Buffer::Cuda(DeviceBuffer::Bf16(s) | DeviceBuffer::F16(s))) => drop(s.leak()),
+            Some(Buffer::Cpu(_)) | None => {}
+        }
     }
 }
 
@@ -164,6 +204,27 @@ impl CudaBackend {
 
     pub fn synchronize(&self) -> Result<(), KernelError> {
         self.stream.synchronize().map_err(driver("synchronize"))
+    }
+
+    /// `len` elements of `dtype` at device address `ptr`, owned by someone else, as a buffer the
+    /// kernels run on in place; see [`BorrowedDeviceBuffer`].
+    ///
+    /// # Safety
+    /// `ptr` must be the first of `len` properly aligned elements of `dtype` in memory of this
+    /// backend's device, allocated in its primary context (libtorch's allocations are), and stay
+    /// allocated while the returned value lives; nothing else may read or write it meanwhile unless
+    /// ordered with this backend's stream; two live borrows must not overlap unless neither is written.
+    pub unsafe fn borrow_device_memory(&self, dtype: DeviceDtype, ptr: u64, len: usize) -> BorrowedDeviceBuffer {
+        // SAFETY: the caller's contract above is what `upgrade_device_ptr` requires; the slice is
+        // leaked, never freed, when the borrow ends.
+        let device = unsafe {
+            match dtype {
+                DeviceDtype::F32 => DeviceBuffer::F32(self.stream.upgrade_device_ptr(ptr, len)),
+                DeviceDtype::Bf16 => DeviceBuffer::Bf16(self.stream.upgrade_device_ptr(ptr, len)),
+                DeviceDtype::F16 => DeviceBuffer::F16(self.stream.upgrade_device_ptr(ptr, len)),
+            }
+        };
+        BorrowedDeviceBuffer { buffer: Some(Buffer::Cuda(device)) }
     }
 
     pub fn upload_f32(&self, host: &[f32]) -> Result<DeviceBuffer, KernelError> {
