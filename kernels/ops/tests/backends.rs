@@ -175,6 +175,20 @@ fn cuda_norm_and_checksum_equal_the_cpu() {
 }
 
 #[test]
+fn cuda_benchmark_reports_every_kernel_beside_the_device_copy() {
+    let Some(Backend::Cuda(cuda)) = cuda_or_skip("cuda_benchmark_reports_every_kernel_beside_the_device_copy") else {
+        return;
+    };
+    let figures = troupe_kernels::bench::cuda::run_cuda(&cuda, 4 << 20, 3).expect("benchmark");
+    assert_eq!(figures.len(), 14, "{figures:?}");
+    assert_eq!(figures[0].kernel, "device_copy");
+    for f in &figures {
+        assert!(f.gb_per_s.is_finite() && f.gb_per_s > 0.0 && f.backend == "cuda", "{f:?}");
+        assert!((f.vs_memcpy - f.gb_per_s / f.memcpy_gb_per_s).abs() < 1e-9, "{f:?}");
+    }
+}
+
+#[test]
 fn missing_device_is_reported_plainly() {
     match Backend::cuda(10_000) {
         Err(e @ KernelError::NoCudaDevice { .. }) => {
