@@ -197,6 +197,11 @@ impl CudaBackend {
         self.ordinal
     }
 
+    /// The device's name as the driver reports it (e.g. "NVIDIA H100 80GB HBM3").
+    pub fn device_name(&self) -> Result<String, KernelError> {
+        self.stream.context().name().map_err(driver("device name"))
+    }
+
     /// The stream every kernel of this backend is enqueued on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
