@@ -16,8 +16,8 @@
 //! Invariant: this module and [`crate::cuda`] are the only places in the crate with `unsafe`. Here it
 //! is of three kinds, each with its invariant at the block: calling a `#[target_feature]` function
 //! (sound because an [`Isa`] other than portable is only ever made by run-time detection), unaligned
-//! loads and stores at indices the loop bounds keep inside the slices, and non-temporal stores to
-//! addresses aligned by a scalar head loop.
+//! loads and stores at pointers one block driver (`x86::blocks`) keeps inside the slices, and
+//! non-temporal stores to addresses it aligns with a scalar head.
 
 use std::sync::OnceLock;
 
@@ -182,13 +182,37 @@ mod x86 {
     use super::{narrow_one, widen_one, Narrow};
     use crate::reduce::{nan_max, nan_min, ReduceOp};
 
-    /// Elements of `dst` before the first 64-byte-aligned one (at most all of them): written one by
-    /// one so that the vector stores after them are aligned, as non-temporal stores must be.
-    fn head_to_line<T>(dst: &[T], streaming: bool) -> usize {
+    /// Runs an element-wise kernel over `src` and `dst` (equal lengths): `block` on `BLOCK` elements at
+    /// a time (given pointers to the first of them in each slice), `one` on single elements before the
+    /// first block and after the last. With `streaming`, the singles go first until `dst` is 64-byte
+    /// aligned, so every block's stores are aligned as non-temporal stores must be, and the stores are
+    /// fenced at the end. Inlined into each `#[target_feature]` caller, so `block` compiles with its
+    /// instructions.
+    #[inline(always)]
+    fn blocks<S: Copy, D, const BLOCK: usize>(
+        src: &[S],
+        dst: &mut [D],
+        streaming: bool,
+        one: impl Fn(S, &mut D),
+        mut block: impl FnMut(*const S, *mut D),
+    ) {
+        let n = src.len().min(dst.len());
+        let head = if streaming { dst.as_ptr().align_offset(64).min(n) } else { 0 };
+        let body_end = head + (n - head) / BLOCK * BLOCK;
+        for i in (0..head).chain(body_end..n) {
+            one(src[i], &mut dst[i]);
+        }
+        let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
+        for i in (head..body_end).step_by(BLOCK) {
+            // SAFETY: i + BLOCK <= body_end <= n, so both pointers address BLOCK elements inside their
+            // slices: the only ones `block` touches.
+            block(unsafe { s.add(i) }, unsafe { d.add(i) });
+        }
         if streaming {
-            dst.as_ptr().align_offset(64).min(dst.len())
-        } else {
-            0
+            // Non-temporal stores are weakly ordered: make them visible before the caller's next write
+            // or the thread's join publishes the buffer.
+            // SAFETY: SSE (which has sfence) is part of the x86-64 baseline.
+            unsafe { _mm_sfence() };
         }
     }
 
@@ -221,20 +245,12 @@ mod x86 {
     /// The CPU must have AVX-512F.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn narrow_avx512(to: Narrow, src: &[f32], dst: &mut [u16], streaming: bool) -> bool {
-        let n = src.len();
-        let head = head_to_line(dst, streaming);
-        for i in 0..head {
-            dst[i] = narrow_one(to, src[i]);
-        }
-        let body_end = head + (n - head) / 16 * 16;
-        let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
-        let mut i = head;
-        while i < body_end {
-            // SAFETY: i + 16 <= body_end <= n, so the 16 elements read from src and the 16 written to dst
-            // are inside the slices. A streaming store's address is 32-byte aligned: dst + head is
-            // 64-byte aligned and every store advances 32 bytes.
+        let one = |x, out: &mut u16| *out = narrow_one(to, x);
+        blocks::<f32, u16, 16>(src, dst, streaming, one, |s, d| {
+            // SAFETY: `blocks` hands 16 elements of each; a streaming store's address is 32-byte
+            // aligned (dst's blocks start 64-byte aligned and advance 32 bytes).
             unsafe {
-                let x = _mm512_loadu_si512(s.add(i).cast());
+                let x = _mm512_loadu_si512(s.cast());
                 let bits = match to {
                     Narrow::Bf16 => bf16x16(x),
                     Narrow::F16 => {
@@ -242,21 +258,12 @@ mod x86 {
                     }
                 };
                 if streaming {
-                    _mm256_stream_si256(d.add(i).cast(), bits);
+                    _mm256_stream_si256(d.cast(), bits);
                 } else {
-                    _mm256_storeu_si256(d.add(i).cast(), bits);
+                    _mm256_storeu_si256(d.cast(), bits);
                 }
             }
-            i += 16;
-        }
-        for i in body_end..n {
-            dst[i] = narrow_one(to, src[i]);
-        }
-        if streaming {
-            // Non-temporal stores are weakly ordered: make them visible before the caller's next write
-            // or the thread's join publishes the buffer.
-            _mm_sfence();
-        }
+        });
         true
     }
 
@@ -264,44 +271,30 @@ mod x86 {
     /// The CPU must have AVX2, F16C and FMA.
     #[target_feature(enable = "avx2,f16c,fma")]
     pub(super) unsafe fn narrow_avx2(to: Narrow, src: &[f32], dst: &mut [u16], streaming: bool) -> bool {
-        let n = src.len();
-        let head = head_to_line(dst, streaming);
-        for i in 0..head {
-            dst[i] = narrow_one(to, src[i]);
-        }
-        let body_end = head + (n - head) / 16 * 16;
-        let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
-        let mut i = head;
-        while i < body_end {
-            // SAFETY: as in `narrow_avx512`: 16 elements in bounds, streaming stores 32-byte aligned.
+        let one = |x, out: &mut u16| *out = narrow_one(to, x);
+        blocks::<f32, u16, 16>(src, dst, streaming, one, |s, d| {
+            // SAFETY: as in `narrow_avx512`: 16 elements of each, streaming stores 32-byte aligned.
             unsafe {
                 let bits = match to {
                     Narrow::Bf16 => {
-                        let lo = bf16x8_in_u32(_mm256_loadu_si256(s.add(i).cast()));
-                        let hi = bf16x8_in_u32(_mm256_loadu_si256(s.add(i + 8).cast()));
+                        let lo = bf16x8_in_u32(_mm256_loadu_si256(s.cast()));
+                        let hi = bf16x8_in_u32(_mm256_loadu_si256(s.add(8).cast()));
                         // packus interleaves 128-bit halves; the permute puts them back in order.
                         _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(lo, hi))
                     }
                     Narrow::F16 => {
-                        let lo = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(s.add(i)));
-                        let hi = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(s.add(i + 8)));
+                        let lo = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(s));
+                        let hi = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(s.add(8)));
                         _mm256_set_m128i(hi, lo)
                     }
                 };
                 if streaming {
-                    _mm256_stream_si256(d.add(i).cast(), bits);
+                    _mm256_stream_si256(d.cast(), bits);
                 } else {
-                    _mm256_storeu_si256(d.add(i).cast(), bits);
+                    _mm256_storeu_si256(d.cast(), bits);
                 }
             }
-            i += 16;
-        }
-        for i in body_end..n {
-            dst[i] = narrow_one(to, src[i]);
-        }
-        if streaming {
-            _mm_sfence();
-        }
+        });
         true
     }
 
@@ -309,37 +302,23 @@ mod x86 {
     /// The CPU must have AVX-512F.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn widen_avx512(from: Narrow, src: &[u16], dst: &mut [f32], streaming: bool) -> bool {
-        let n = src.len();
-        let head = head_to_line(dst, streaming);
-        for i in 0..head {
-            dst[i] = widen_one(from, src[i]);
-        }
-        let body_end = head + (n - head) / 16 * 16;
-        let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
-        let mut i = head;
-        while i < body_end {
-            // SAFETY: 16 elements in bounds (i + 16 <= n); a streaming store's address is 64-byte
-            // aligned: dst + head is, and every store advances 64 bytes.
+        let one = |x, out: &mut f32| *out = widen_one(from, x);
+        blocks::<u16, f32, 16>(src, dst, streaming, one, |s, d| {
+            // SAFETY: 16 elements of each; a streaming store's address is 64-byte aligned (dst's blocks
+            // start aligned and advance 64 bytes).
             unsafe {
-                let h = _mm256_loadu_si256(s.add(i).cast());
+                let h = _mm256_loadu_si256(s.cast());
                 let wide = match from {
                     Narrow::Bf16 => _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)),
                     Narrow::F16 => _mm512_castps_si512(_mm512_cvtph_ps(h)),
                 };
                 if streaming {
-                    _mm512_stream_si512(d.add(i).cast(), wide);
+                    _mm512_stream_si512(d.cast(), wide);
                 } else {
-                    _mm512_storeu_si512(d.add(i).cast(), wide);
+                    _mm512_storeu_si512(d.cast(), wide);
                 }
             }
-            i += 16;
-        }
-        for i in body_end..n {
-            dst[i] = widen_one(from, src[i]);
-        }
-        if streaming {
-            _mm_sfence();
-        }
+        });
         true
     }
 
@@ -347,37 +326,23 @@ mod x86 {
     /// The CPU must have AVX2, F16C and FMA.
     #[target_feature(enable = "avx2,f16c,fma")]
     pub(super) unsafe fn widen_avx2(from: Narrow, src: &[u16], dst: &mut [f32], streaming: bool) -> bool {
-        let n = src.len();
-        let head = head_to_line(dst, streaming);
-        for i in 0..head {
-            dst[i] = widen_one(from, src[i]);
-        }
-        let body_end = head + (n - head) / 8 * 8;
-        let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
-        let mut i = head;
-        while i < body_end {
-            // SAFETY: 8 elements in bounds (i + 8 <= n); a streaming store's address is 32-byte aligned:
-            // dst + head is 64-byte aligned and every store advances 32 bytes.
+        let one = |x, out: &mut f32| *out = widen_one(from, x);
+        blocks::<u16, f32, 8>(src, dst, streaming, one, |s, d| {
+            // SAFETY: 8 elements of each; a streaming store's address is 32-byte aligned (dst's blocks
+            // start 64-byte aligned and advance 32 bytes).
             unsafe {
-                let h = _mm_loadu_si128(s.add(i).cast());
+                let h = _mm_loadu_si128(s.cast());
                 let wide = match from {
                     Narrow::Bf16 => _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)),
                     Narrow::F16 => _mm256_castps_si256(_mm256_cvtph_ps(h)),
                 };
                 if streaming {
-                    _mm256_stream_si256(d.add(i).cast(), wide);
+                    _mm256_stream_si256(d.cast(), wide);
                 } else {
-                    _mm256_storeu_si256(d.add(i).cast(), wide);
+                    _mm256_storeu_si256(d.cast(), wide);
                 }
             }
-            i += 8;
-        }
-        for i in body_end..n {
-            dst[i] = widen_one(from, src[i]);
-        }
-        if streaming {
-            _mm_sfence();
-        }
+        });
         true
     }
 
@@ -393,15 +358,12 @@ mod x86 {
     /// The CPU must have AVX-512F.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn reduce_f16_avx512(acc: &mut [f32], src: &[u16], op: ReduceOp) -> bool {
-        let n = acc.len();
-        let body_end = n / 16 * 16;
-        let (a, s) = (acc.as_mut_ptr(), src.as_ptr());
-        let mut i = 0;
-        while i < body_end {
-            // SAFETY: i + 16 <= n: the 16 elements read and written are inside both slices.
+        let one = |x, a: &mut f32| *a = reduce_one(op, *a, widen_one(Narrow::F16, x));
+        blocks::<u16, f32, 16>(src, acc, false, one, |s, a| {
+            // SAFETY: 16 elements of each.
             unsafe {
-                let x = _mm512_loadu_ps(a.add(i));
-                let y = _mm512_cvtph_ps(_mm256_loadu_si256(s.add(i).cast()));
+                let x = _mm512_loadu_ps(a);
+                let y = _mm512_cvtph_ps(_mm256_loadu_si256(s.cast()));
                 let r = match op {
                     ReduceOp::Sum | ReduceOp::Avg => _mm512_add_ps(x, y),
                     // nan_max: take y where y > x or y is NaN (x NaN and y not: x stays, NaN).
@@ -414,13 +376,9 @@ mod x86 {
                         _mm512_mask_blend_ps(take, x, y)
                     }
                 };
-                _mm512_storeu_ps(a.add(i), r);
+                _mm512_storeu_ps(a, r);
             }
-            i += 16;
-        }
-        for i in body_end..n {
-            acc[i] = reduce_one(op, acc[i], widen_one(Narrow::F16, src[i]));
-        }
+        });
         true
     }
 
@@ -428,15 +386,12 @@ mod x86 {
     /// The CPU must have AVX2, F16C and FMA.
     #[target_feature(enable = "avx2,f16c,fma")]
     pub(super) unsafe fn reduce_f16_avx2(acc: &mut [f32], src: &[u16], op: ReduceOp) -> bool {
-        let n = acc.len();
-        let body_end = n / 8 * 8;
-        let (a, s) = (acc.as_mut_ptr(), src.as_ptr());
-        let mut i = 0;
-        while i < body_end {
-            // SAFETY: i + 8 <= n: the 8 elements read and written are inside both slices.
+        let one = |x, a: &mut f32| *a = reduce_one(op, *a, widen_one(Narrow::F16, x));
+        blocks::<u16, f32, 8>(src, acc, false, one, |s, a| {
+            // SAFETY: 8 elements of each.
             unsafe {
-                let x = _mm256_loadu_ps(a.add(i));
-                let y = _mm256_cvtph_ps(_mm_loadu_si128(s.add(i).cast()));
+                let x = _mm256_loadu_ps(a);
+                let y = _mm256_cvtph_ps(_mm_loadu_si128(s.cast()));
                 let r = match op {
                     ReduceOp::Sum | ReduceOp::Avg => _mm256_add_ps(x, y),
                     ReduceOp::Max => {
@@ -448,13 +403,9 @@ mod x86 {
                         _mm256_blendv_ps(x, y, take)
                     }
                 };
-                _mm256_storeu_ps(a.add(i), r);
+                _mm256_storeu_ps(a, r);
             }
-            i += 8;
-        }
-        for i in body_end..n {
-            acc[i] = reduce_one(op, acc[i], widen_one(Narrow::F16, src[i]));
-        }
+        });
         true
     }
 
