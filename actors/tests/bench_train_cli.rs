@@ -70,3 +70,52 @@ fn world_zero_is_refused() {
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("--world 0"));
 }
+
+#[test]
+fn world_one_reports_achieved_tflops_and_mfu_when_the_peak_is_given() {
+    let args = ["bench", "train", "--steps", "1", "--repeats", "1", "--micro-batch", "2", "--peak-tflops", "2.5"];
+    let output = troupe(&[&args[..], &["--json", "--threads", "1"]].concat());
+    assert!(output.status.success(), "troupe failed: {}", String::from_utf8_lossy(&output.stderr));
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    let report: Value = serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap();
+    assert_eq!((report["device"].as_str(), report["micro_batch"].as_u64()), (Some("cpu"), Some(2)), "{report}");
+    let (tps, tflops, mfu) =
+        (positive(&report, "tokens_per_s"), positive(&report, "achieved_tflops"), positive(&report, "mfu"));
+    assert!((tflops - 3.0 * 3_323_392.0 * 2.0 * tps / 1e12).abs() < tflops * 0.2, "{report}");
+    assert!((mfu - tflops / 2.5).abs() < 1e-12, "{report}");
+}
+
+#[test]
+fn cuda_training_runs_on_the_gpu_or_says_no_cuda_device() {
+    let output = troupe(&[
+        "bench",
+        "train",
+        "--device",
+        "cuda",
+        "--precision",
+        "bf16",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+        "--json",
+    ]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    if !output.status.success() {
+        assert!(stderr.contains("no CUDA device"), "failed for another reason: {stderr}");
+        println!("cuda_training_...: skipped, {}", stderr.trim());
+        return;
+    }
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    let report: Value = serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap();
+    positive(&report, "tokens_per_s");
+    positive(&report, "achieved_tflops");
+    assert!(report["device"].as_str().unwrap().contains("NVIDIA") || report["device"].is_string(), "{report}");
+}
+
+#[test]
+fn cuda_training_is_for_one_rank() {
+    let output = troupe(&["bench", "train", "--device", "cuda", "--world", "2"]);
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("--world 1"));
+}

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use half::{bf16, f16};
-use troupe_cluster::collective::{chunk_range, CollectiveConfig, Communicator, Element, ReduceOp};
+use troupe_cluster::collective::{chunk_range, Collective, CollectiveConfig, Communicator, Element, ReduceOp};
 use troupe_cluster::transport::memory::MemoryTransport;
 use troupe_cluster::ClusterError;
 
@@ -306,4 +306,38 @@ fn stale_epoch_messages_never_mix_with_a_new_epoch() {
         new.recv(0, &mut buf).await.unwrap();
         assert_eq!(buf, [5.0]);
     });
+}
+
+/// reduce_scatter then all_gather through the `Collective` trait alone, as code generic over the
+/// backend (a transport here, NCCL on GPUs) calls them.
+async fn scatter_then_gather_generic<C: Collective<Buffer<f32> = [f32]>>(
+    c: &mut C,
+    data: &[f32],
+) -> Result<(Vec<f32>, Vec<f32>), ClusterError> {
+    let mut mine = vec![0f32; chunk_range(data.len(), c.world(), c.rank()).len()];
+    c.reduce_scatter::<f32>(data, &mut mine, ReduceOp::Sum).await?;
+    let mut all = vec![0f32; data.len()];
+    c.all_gather::<f32>(&mine, &mut all).await?;
+    Ok((mine, all))
+}
+
+#[test]
+fn the_collective_trait_reduce_scatters_and_all_gathers_like_the_communicator() {
+    for n in [1, 3, 4] {
+        for len in [0, 37, LARGE] {
+            let results = run_ranks(n, |mut c| async move {
+                let data = input::<f32>(c.rank(), len);
+                let generic = scatter_then_gather_generic(&mut c, &data).await?;
+                let mut mine = vec![0f32; chunk_range(len, n, c.rank()).len()];
+                c.reduce_scatter(&data, &mut mine, ReduceOp::Sum).await?;
+                let mut all = vec![0f32; len];
+                c.all_gather(&mine, &mut all).await?;
+                Ok::<_, ClusterError>((generic, (mine, all)))
+            });
+            for (r, res) in results.into_iter().enumerate() {
+                let (generic, direct) = res.unwrap_or_else(|e| panic!("n={n} len={len}: {e}"));
+                assert_eq!(generic, direct, "n={n} len={len} rank {r}");
+            }
+        }
+    }
 }

@@ -19,6 +19,8 @@ use troupe_model::config::{JobConfig, BUCKET_MIB_MAX};
 use troupe_model::trainer::configure_torch_threads;
 use troupe_model::Trainer;
 
+use crate::cli::bench_kernels::BenchDevice;
+
 #[derive(Debug, clap::Args)]
 pub struct BenchTrainArgs {
     /// Data-parallel ranks: 1 trains in this process; N ≥ 2 starts a local cluster of N daemons.
@@ -50,6 +52,16 @@ pub struct BenchTrainArgs {
     /// Python with torch for the peer (default: $TROUPE_PYTHON, else the provisioned venv).
     #[arg(long)]
     pub python: Option<PathBuf>,
+    /// Where `--world 1` trains: the CPU, or CUDA device 0 (fails plainly with `no CUDA device` without one).
+    #[arg(long, value_enum, default_value_t = crate::cli::bench_kernels::BenchDevice::Cpu)]
+    pub device: crate::cli::bench_kernels::BenchDevice,
+    /// Samples per step for `--world 1` (one micro-batch; default 8, the peers' figure).
+    #[arg(long, default_value_t = MICRO_BATCH)]
+    pub micro_batch: usize,
+    /// The device's peak TFLOP/s in the compute precision, for the MFU figure (default: known for
+    /// H100 SXM / H200 on CUDA — 989 in bf16/fp16, 67 in fp32; otherwise MFU is left out).
+    #[arg(long)]
+    pub peak_tflops: Option<f64>,
     /// JSON output (one object).
     #[arg(long)]
     pub json: bool,
@@ -66,6 +78,12 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     if args.bucket_mib > BUCKET_MIB_MAX {
         bail!("--bucket-mib {}: must be 0 (the default, 25) or at most {BUCKET_MIB_MAX}", args.bucket_mib);
     }
+    if args.device == BenchDevice::Cuda && (args.world != 1 || args.peer) {
+        bail!("--device cuda trains with --world 1 and no --peer (the multi-rank jobs and the peer scripts run on the CPU)");
+    }
+    if args.world != 1 && args.micro_batch != MICRO_BATCH {
+        bail!("--micro-batch is for --world 1; data-parallel runs use {MICRO_BATCH} per rank");
+    }
     match args.world {
         0 => bail!("--world 0: a benchmark needs at least one rank"),
         1 => run_single(args),
@@ -76,10 +94,22 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
 /// `--world 1`: the trainer in this process.
 fn run_single(args: BenchTrainArgs) -> anyhow::Result<()> {
     let threads = configure_torch_threads(args.threads, 1);
+    let (device, peak_tflops, device_name) = match args.device {
+        BenchDevice::Cpu => (tch::Device::Cpu, args.peak_tflops, "cpu".to_owned()),
+        BenchDevice::Cuda => {
+            let cuda = troupe_kernels::CudaBackend::new(0)?;
+            if !tch::Cuda::is_available() {
+                bail!("no CUDA device: libtorch sees none");
+            }
+            let name = cuda.device_name()?;
+            let peak = args.peak_tflops.or_else(|| known_peak_tflops(&name, &args.precision));
+            (tch::Device::Cuda(0), peak, name)
+        }
+    };
     let mut ours = Vec::new();
     let mut peers = Vec::new();
     for _ in 0..args.repeats.max(1) {
-        ours.push(measure_troupe(args.steps, &args.precision)?);
+        ours.push(measure_troupe(args.steps, &args.precision, args.micro_batch, device)?);
         if args.peer {
             let flags = [
                 ("--micro-batch", MICRO_BATCH.to_string()),
@@ -91,11 +121,15 @@ fn run_single(args: BenchTrainArgs) -> anyhow::Result<()> {
     }
     let ours_tps = median(ours.iter().map(|r| r.0).collect());
     let peak_mem = peak_rss_bytes();
+    // Training ≈ 3 × the forward's FLOPs per token (DESIGN.md's MFU convention, gpt.rs).
+    let achieved_tflops = 3.0 * JobConfig::default().model.forward_flops_per_token() * ours_tps / 1e12;
     let mut report = json!({
         "bench": "train", "world": args.world, "shard": args.shard, "steps": args.steps, "precision": args.precision,
-        "micro_batch": MICRO_BATCH, "context": 128, "torch_threads": threads, "repeats": ours.len(),
-        "tokens_per_s": ours_tps, "tokens_per_s_runs": ours.iter().map(|r| r.0).collect::<Vec<_>>(),
-        "peak_mem_bytes": peak_mem,
+        "device": device_name, "micro_batch": args.micro_batch, "context": 128, "torch_threads": threads,
+        "repeats": ours.len(), "tokens_per_s": ours_tps,
+        "tokens_per_s_runs": ours.iter().map(|r| r.0).collect::<Vec<_>>(), "peak_mem_bytes": peak_mem,
+        "achieved_tflops": achieved_tflops, "peak_tflops": peak_tflops,
+        "mfu": peak_tflops.map(|peak| achieved_tflops / peak),
     });
     if args.peer {
         let peer_tps = median(peers.iter().map(|p| p["tokens_per_s"].as_f64().unwrap_or(f64::NAN)).collect());
@@ -111,9 +145,15 @@ fn run_single(args: BenchTrainArgs) -> anyhow::Result<()> {
         println!("{report}");
     } else {
         println!(
-            "troupe   {ours_tps:>9.0} tokens/s  (world 1, {threads} threads, peak RSS {:.0} MiB)",
+            "troupe   {ours_tps:>9.0} tokens/s  (world 1 on {device_name}, {threads} threads, peak RSS {:.0} MiB)",
             peak_mem as f64 / 1048576.0
         );
+        match peak_tflops {
+            Some(peak) => {
+                println!("MFU      {:>9.4}  ({achieved_tflops:.3} of {peak} TFLOP/s)", achieved_tflops / peak)
+            }
+            None => println!("achieved {achieved_tflops:>9.3} TFLOP/s (pass --peak-tflops for MFU)"),
+        }
         if let Some(peer) = report.get("peer_tokens_per_s").and_then(Value::as_f64) {
             println!("pytorch  {peer:>9.0} tokens/s  (eager, same model and batch)");
             println!("ratio    {:>9.3}", ours_tps / peer);
@@ -122,14 +162,25 @@ fn run_single(args: BenchTrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// (tokens/s, final loss) of one timed run.
-fn measure_troupe(steps: u64, precision: &str) -> anyhow::Result<(f64, f64)> {
+/// A device's dense peak TFLOP/s in `precision`, for the ones whose figure is known (NVIDIA's data
+/// sheets, SXM parts: H100 and H200 989 in bf16/fp16 tensor cores, 67 in fp32).
+fn known_peak_tflops(device_name: &str, precision: &str) -> Option<f64> {
+    let hopper_sxm = (device_name.contains("H100") && !device_name.contains("PCIe")) || device_name.contains("H200");
+    match (hopper_sxm, precision) {
+        (true, "bf16" | "fp16") => Some(989.0),
+        (true, _) => Some(67.0),
+        _ => None,
+    }
+}
+
+/// (tokens/s, final loss) of one timed run of `micro_batch` samples per step on `device`.
+fn measure_troupe(steps: u64, precision: &str, micro_batch: usize, device: tch::Device) -> anyhow::Result<(f64, f64)> {
     let mut config = JobConfig::default();
     config.parallel.precision = precision.into();
     config.train.steps = steps + WARMUP_STEPS;
-    config.train.global_batch = MICRO_BATCH;
-    config.train.micro_batch = MICRO_BATCH;
-    let mut trainer = Trainer::new(config)?;
+    config.train.global_batch = micro_batch;
+    config.train.micro_batch = micro_batch;
+    let mut trainer = Trainer::new_on(config, device)?;
     for _ in 0..WARMUP_STEPS {
         trainer.train_step();
     }

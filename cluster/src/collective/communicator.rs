@@ -36,6 +36,21 @@ pub trait Collective {
         buf: &mut Self::Buffer<E>,
         root: Rank,
     ) -> impl Future<Output = Result<(), ClusterError>>;
+    /// Every rank ends with all ranks' `input` pieces concatenated in rank order in `output`.
+    /// The transport communicator cuts `output` with `chunk_range` (pieces may differ by one element);
+    /// NCCL needs equal pieces (`output` = world × `input`): the two agree whenever the length divides.
+    fn all_gather<E: Element>(
+        &mut self,
+        input: &Self::Buffer<E>,
+        output: &mut Self::Buffer<E>,
+    ) -> impl Future<Output = Result<(), ClusterError>>;
+    /// `op` over all ranks' `input`; this rank keeps its piece (cut as for `all_gather`) in `output`.
+    fn reduce_scatter<E: Element>(
+        &mut self,
+        input: &Self::Buffer<E>,
+        output: &mut Self::Buffer<E>,
+        op: ReduceOp,
+    ) -> impl Future<Output = Result<(), ClusterError>>;
     fn barrier(&mut self) -> impl Future<Output = Result<(), ClusterError>>;
 }
 
@@ -88,13 +103,13 @@ struct HostTier {
 }
 
 fn to_f32<E: Element>(data: &[E]) -> Vec<f32> {
-    let mut acc = vec![0f32; data.len()];
-    E::cast_to_f32(data, &mut acc);
-    acc
+    let mut wide = vec![0f32; data.len()];
+    E::widen(data, &mut wide);
+    wide
 }
 
 fn write_back<E: Element>(acc: &[f32], out: &mut [E]) {
-    E::cast_from_f32(acc, out);
+    E::narrow(acc, out);
 }
 
 impl<T: Transport> Communicator<T> {
@@ -146,6 +161,11 @@ impl<T: Transport> Communicator<T> {
 
     pub fn epoch(&self) -> u64 {
         self.epoch
+    }
+
+    /// The algorithm choices and wait bound every rank of the group shares.
+    pub fn config(&self) -> &CollectiveConfig {
+        &self.config
     }
 
     /// Moves to a new epoch: sequence numbers restart and every message of an older epoch — buffered
@@ -435,7 +455,7 @@ impl<T: Transport> Communicator<T> {
             });
         }
         let mut acc = vec![0f32; output.len()];
-        E::cast_to_f32(input, &mut acc[own]);
+        E::widen(input, &mut acc[own]);
         if let Some(done) = self.in_arena(ShmOp::AllGather, &mut acc).await {
             done?;
             write_back(&acc, output);
@@ -650,6 +670,19 @@ impl<T: Transport> Collective for Communicator<T> {
 
     async fn broadcast<E: Element>(&mut self, buf: &mut [E], root: Rank) -> Result<(), ClusterError> {
         Communicator::broadcast(self, buf, root).await
+    }
+
+    async fn all_gather<E: Element>(&mut self, input: &[E], output: &mut [E]) -> Result<(), ClusterError> {
+        Communicator::all_gather(self, input, output).await
+    }
+
+    async fn reduce_scatter<E: Element>(
+        &mut self,
+        input: &[E],
+        output: &mut [E],
+        op: ReduceOp,
+    ) -> Result<(), ClusterError> {
+        Communicator::reduce_scatter(self, input, output, op).await
     }
 
     async fn barrier(&mut self) -> Result<(), ClusterError> {

@@ -33,11 +33,9 @@ fn apply<E: Element>(dst: &mut [f32], src: &[E], combine: Combine, op: ReduceOp)
             reduce_into(dst, src, op);
             // Partial results are stored as E, as they travel: both partners of an exchange then
             // combine identical values and every rank ends bit-identical.
-            if E::DTYPE != super::Dtype::F32 {
-                dst.iter_mut().for_each(|d| *d = E::from_f32(*d).to_f32());
-            }
+            E::round_in_place(dst);
         }
-        Combine::Copy => dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32()),
+        Combine::Copy => E::widen(src, dst),
     }
 }
 

@@ -178,6 +178,15 @@ impl Gpt {
         Self { config, precision: Precision::Fp32, specs, params }
     }
 
+    /// The same model with its parameters on `device` (same values: initialisation is computed in Rust,
+    /// so every device starts from the same bits). Leaves again, gradients reset.
+    pub fn to_device(mut self, device: tch::Device) -> Self {
+        if self.params.first().is_some_and(|p| p.device() != device) {
+            self.params = self.params.iter().map(|p| p.detach().to_device(device).set_requires_grad(true)).collect();
+        }
+        self
+    }
+
     /// The same model computing its matrix products in `precision` (the parameters stay fp32).
     pub fn with_precision(mut self, precision: Precision) -> Self {
         self.precision = precision;

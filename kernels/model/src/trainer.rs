@@ -5,7 +5,7 @@
 use std::ops::Range;
 use std::path::Path;
 
-use tch::Tensor;
+use tch::{Device, Tensor};
 
 use crate::blockwise::{micro_batch_backward, Activations};
 use crate::checkpoint::{self, CheckpointError};
@@ -54,25 +54,40 @@ pub struct Trainer {
     pub step: u64,
     /// fp16's dynamic loss scale (constant 1 in the other precisions).
     pub loss_scale: LossScale,
+    /// Where the model, its gradients and the optimizer state live and compute (default: the CPU; each
+    /// micro-batch is copied there from the sampler).
+    pub device: Device,
 }
 
 impl Trainer {
     /// A fresh run: loads the corpus the config names and initialises the model from `train.seed`.
     pub fn new(config: JobConfig) -> Result<Self, TrainError> {
-        config.validate()?;
-        let corpus = load_corpus(&config.data, &config.model)?;
-        Ok(Self::with_corpus(config, corpus))
+        Self::new_on(config, Device::Cpu)
     }
 
     /// A fresh run on an already loaded corpus.
     pub fn with_corpus(config: JobConfig, corpus: Corpus) -> Self {
+        Self::with_corpus_on(config, corpus, Device::Cpu)
+    }
+
+    /// A fresh run on `device` (e.g. `Device::Cuda(0)`): the same initial bits as on the CPU, the
+    /// model, its gradients and the optimizer's moments on the device. The fused AdamW kernel takes CPU
+    /// tensors; on another device the update runs as libtorch ops with the same formula.
+    pub fn new_on(config: JobConfig, device: Device) -> Result<Self, TrainError> {
+        config.validate()?;
+        let corpus = load_corpus(&config.data, &config.model)?;
+        Ok(Self::with_corpus_on(config, corpus, device))
+    }
+
+    /// [`Self::with_corpus`] on `device`.
+    pub fn with_corpus_on(config: JobConfig, corpus: Corpus, device: Device) -> Self {
         let precision = Precision::of_config(&config.parallel);
-        let model = Gpt::new(config.model.clone(), config.train.seed).with_precision(precision);
+        let model = Gpt::new(config.model.clone(), config.train.seed).to_device(device).with_precision(precision);
         let decays = model.specs().iter().map(|s| s.decays()).collect();
         let optimizer = AdamW::new(AdamWConfig::from(&config.train), model.params(), decays);
         let sampler = GlobalSampler::new(config.train.seed, corpus, config.model.context);
         let loss_scale = LossScale::initial(&config.parallel);
-        Self { config, model, optimizer, sampler, step: 0, loss_scale }
+        Self { config, model, optimizer, sampler, step: 0, loss_scale, device }
     }
 
     /// Continues the run saved in checkpoint directory `dir`. `config` must describe the same model, data
@@ -112,6 +127,7 @@ impl Trainer {
             let weight = micro.len() as f64 / global_batch as f64;
             let scaled = backward_weight(train, &self.loss_scale, step, &micro);
             let (inputs, targets) = self.sampler.batch(step, micro);
+            let (inputs, targets) = (inputs.to_device(self.device), targets.to_device(self.device));
             let micro_loss = if recompute {
                 let model = &self.model;
                 let (config, params) = (&model.config, model.params());
@@ -169,6 +185,7 @@ impl Trainer {
             let total: f64 = (0..batches)
                 .map(|b| {
                     let (inputs, targets) = self.sampler.batch(u64::MAX - b, 0..self.config.train.global_batch);
+                    let (inputs, targets) = (inputs.to_device(self.device), targets.to_device(self.device));
                     self.model.loss(&inputs, &targets).double_value(&[])
                 })
                 .sum();

@@ -8,6 +8,7 @@
 use half::{bf16, f16};
 
 use crate::adamw::{adamw_step, AdamWConfig, AdamWShard};
+use crate::checksum::checksum64;
 use crate::cuda::{CudaBackend, DeviceBuffer};
 use crate::error::KernelError;
 use crate::reduce::{finish_avg, reduce_into, ReduceOp};
@@ -257,6 +258,21 @@ impl Backend {
             (Backend::Cuda(cuda), Buffer::Cuda(g)) => cuda.unscale_grads(g, inv_scale),
             (_, g) => {
                 Err(KernelError::BackendMismatch { op: "unscale_grads", left: self.name(), right: g.backend_name() })
+            }
+        }
+    }
+
+    /// XXH3-64 (seed 0) of the buffer's element bytes (native order: little-endian on every platform
+    /// troupe runs on) — the checkpoint files' checksum. On CUDA the buffer is copied back and hashed
+    /// on the host (see [`CudaBackend::checksum64`]).
+    pub fn checksum64(&self, buffer: &Buffer) -> Result<u64, KernelError> {
+        match (self, buffer) {
+            (Backend::Cpu, Buffer::Cpu(HostBuffer::F32(v))) => Ok(checksum64(bytemuck::cast_slice(v))),
+            (Backend::Cpu, Buffer::Cpu(HostBuffer::Bf16(v))) => Ok(checksum64(bytemuck::cast_slice(v))),
+            (Backend::Cpu, Buffer::Cpu(HostBuffer::F16(v))) => Ok(checksum64(bytemuck::cast_slice(v))),
+            (Backend::Cuda(cuda), Buffer::Cuda(b)) => cuda.checksum64(b),
+            (_, b) => {
+                Err(KernelError::BackendMismatch { op: "checksum64", left: self.name(), right: b.backend_name() })
             }
         }
     }

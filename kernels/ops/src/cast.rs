@@ -1,14 +1,26 @@
 //! Casts between f32 and the 16-bit float formats, rounding to nearest, ties to even.
 //!
-//! bf16 is done here with integer arithmetic that LLVM vectorizes; f16 goes through `half`'s slice
-//! conversions, which use the F16C instructions when the CPU has them (detected at run time) and a
-//! software path otherwise. Both agree bit for bit with `half::bf16::from_f32` / `half::f16::from_f32`
+//! On x86-64 with AVX2 or AVX-512 the casts run in [`crate::simd`] (16 elements per instruction,
+//! non-temporal stores for outputs of [`NON_TEMPORAL_MIN_BYTES`] or more). The portable path, kept as
+//! the fallback and as the reference the SIMD path is tested against bit for bit: bf16 with integer
+//! arithmetic that LLVM vectorizes, f16 through `half`'s slice conversions (F16C when the CPU has it,
+//! software otherwise). Both agree bit for bit with `half::bf16::from_f32` / `half::f16::from_f32`
 //! (tested), and NaNs stay NaN (quieted).
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use crate::cpu_parallel::{chunk_elems, for_each_part};
+use crate::simd::{self, Isa, Narrow};
+
+/// Cast outputs at least this large are written with non-temporal stores (around the cache instead of
+/// through it): no read of each destination line before it is written, and the caches keep what they
+/// held. Below it, ordinary stores: a small output is usually read again soon (a collective sends it).
+pub const NON_TEMPORAL_MIN_BYTES: usize = 8 << 20;
+
+fn streaming<D>(dst: &[D]) -> bool {
+    std::mem::size_of_val(dst) >= NON_TEMPORAL_MIN_BYTES
+}
 
 /// Elements per unrolled block: fixed-size inner loops over `chunks_exact` are what LLVM turns into
 /// vector code here (measured in cache: ~3× a generic element-wise map for f32 → bf16).
@@ -70,7 +82,17 @@ fn cast_split<S: Sync, D: Send>(op: &str, src: &[S], dst: &mut [D], block: impl 
 /// # Panics
 /// If the lengths differ.
 pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) {
-    cast_split("f32_to_bf16", src, dst, f32_to_bf16_block);
+    f32_to_bf16_with(Isa::detected(), src, dst);
+}
+
+/// [`f32_to_bf16`] with the instructions of `isa` (tests compare every level with the portable code).
+pub fn f32_to_bf16_with(isa: Isa, src: &[f32], dst: &mut [bf16]) {
+    let streaming = streaming(dst);
+    cast_split("f32_to_bf16", src, dst, |src, dst| {
+        if !simd::narrow(isa, Narrow::Bf16, src, dst.reinterpret_cast_mut(), streaming) {
+            f32_to_bf16_block(src, dst);
+        }
+    });
 }
 
 /// `dst[i] = f32(src[i])`, exact.
@@ -78,7 +100,17 @@ pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) {
 /// # Panics
 /// If the lengths differ.
 pub fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
-    cast_split("bf16_to_f32", src, dst, bf16_to_f32_block);
+    bf16_to_f32_with(Isa::detected(), src, dst);
+}
+
+/// [`bf16_to_f32`] with the instructions of `isa`.
+pub fn bf16_to_f32_with(isa: Isa, src: &[bf16], dst: &mut [f32]) {
+    let streaming = streaming(dst);
+    cast_split("bf16_to_f32", src, dst, |src, dst| {
+        if !simd::widen(isa, Narrow::Bf16, src.reinterpret_cast(), dst, streaming) {
+            bf16_to_f32_block(src, dst);
+        }
+    });
 }
 
 /// `dst[i] = f16(src[i])`, round to nearest even (overflow gives ±inf, tiny values f16 subnormals).
@@ -86,7 +118,17 @@ pub fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
 /// # Panics
 /// If the lengths differ.
 pub fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
-    cast_split("f32_to_f16", src, dst, |src, dst| dst.convert_from_f32_slice(src));
+    f32_to_f16_with(Isa::detected(), src, dst);
+}
+
+/// [`f32_to_f16`] with the instructions of `isa`.
+pub fn f32_to_f16_with(isa: Isa, src: &[f32], dst: &mut [f16]) {
+    let streaming = streaming(dst);
+    cast_split("f32_to_f16", src, dst, |src, dst| {
+        if !simd::narrow(isa, Narrow::F16, src, dst.reinterpret_cast_mut(), streaming) {
+            dst.convert_from_f32_slice(src);
+        }
+    });
 }
 
 /// `dst[i] = f32(src[i])`, exact.
@@ -94,7 +136,17 @@ pub fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
 /// # Panics
 /// If the lengths differ.
 pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
-    cast_split("f16_to_f32", src, dst, |src, dst| src.convert_to_f32_slice(dst));
+    f16_to_f32_with(Isa::detected(), src, dst);
+}
+
+/// [`f16_to_f32`] with the instructions of `isa`.
+pub fn f16_to_f32_with(isa: Isa, src: &[f16], dst: &mut [f32]) {
+    let streaming = streaming(dst);
+    cast_split("f16_to_f32", src, dst, |src, dst| {
+        if !simd::widen(isa, Narrow::F16, src.reinterpret_cast(), dst, streaming) {
+            src.convert_to_f32_slice(dst);
+        }
+    });
 }
 
 #[cfg(test)]
@@ -190,7 +242,88 @@ mod tests {
         check_all(&[]);
     }
 
+    /// Every instruction set's casts give the portable path's bits, for `xs` and for views of it that
+    /// start at every offset within a cache line (heads before aligned stores), written to destinations
+    /// at as many offsets, and ending anywhere (tails).
+    fn check_every_isa_matches_portable(xs: &[f32]) {
+        let portable = Isa::portable();
+        let narrowed_bf16: Vec<bf16> = xs.iter().map(|x| bf16_from_f32_rne(*x)).collect();
+        let narrowed_f16: Vec<f16> = xs.iter().map(|x| f16::from_f32(*x)).collect();
+        for isa in Isa::available() {
+            for start in (0..17.min(xs.len())).chain([xs.len()]) {
+                let xs = &xs[start..];
+                let (b, h) = (&narrowed_bf16[start..], &narrowed_f16[start..]);
+                let run = |f: &dyn Fn(Isa, &mut Vec<u32>)| {
+                    let (mut got, mut want) = (Vec::new(), Vec::new());
+                    f(isa, &mut got);
+                    f(portable, &mut want);
+                    assert!(got == want, "{}: differs from portable at offset {start}", isa.name());
+                };
+                run(&|isa, out| {
+                    let mut d = vec![bf16::ZERO; xs.len() + start];
+                    f32_to_bf16_with(isa, xs, &mut d[start..]);
+                    out.extend(d[start..].iter().map(|x| u32::from(x.to_bits())));
+                });
+                run(&|isa, out| {
+                    let mut d = vec![f16::ZERO; xs.len() + start];
+                    f32_to_f16_with(isa, xs, &mut d[start..]);
+                    out.extend(d[start..].iter().map(|x| u32::from(x.to_bits())));
+                });
+                run(&|isa, out| {
+                    let mut d = vec![0.0f32; b.len() + start];
+                    bf16_to_f32_with(isa, b, &mut d[start..]);
+                    out.extend(d[start..].iter().map(|x| x.to_bits()));
+                });
+                run(&|isa, out| {
+                    let mut d = vec![0.0f32; h.len() + start];
+                    f16_to_f32_with(isa, h, &mut d[start..]);
+                    out.extend(d[start..].iter().map(|x| x.to_bits()));
+                });
+            }
+        }
+    }
+
+    #[test]
+    fn every_instruction_set_gives_the_portable_bits_on_edge_patterns() {
+        println!("instruction sets: {:?}", Isa::available().iter().map(|i| i.name()).collect::<Vec<_>>());
+        check_every_isa_matches_portable(&sampled_f32_patterns());
+        // Every 16-bit pattern widened (NaN payloads, subnormals, both infinities), as f32 bits whose top
+        // half is the pattern: narrowing those is exact, so this also covers every bf16 result.
+        let all: Vec<f32> = (0..=u16::MAX).map(|b| f32::from_bits(u32::from(b) << 16)).collect();
+        check_every_isa_matches_portable(&all);
+        // f16 edges: every f32 near an f16 rounding boundary (ties, subnormal and overflow thresholds).
+        let near_f16: Vec<f32> = (0..=u16::MAX)
+            .flat_map(|b| {
+                let x = f16::from_bits(b).to_f32().to_bits();
+                [x.wrapping_sub(1), x, x.wrapping_add(1), x.wrapping_add(1 << 12), x.wrapping_add(0xfff)]
+            })
+            .map(f32::from_bits)
+            .collect();
+        check_every_isa_matches_portable(&near_f16);
+    }
+
+    #[test]
+    fn every_instruction_set_gives_the_portable_bits_with_streaming_stores() {
+        // Outputs of NON_TEMPORAL_MIN_BYTES or more take the non-temporal path, here split across threads.
+        let len = NON_TEMPORAL_MIN_BYTES / 2 + 77;
+        let xs: Vec<f32> = (0..len as u32).map(|i| f32::from_bits(i.wrapping_mul(2_654_435_761))).collect();
+        check_every_isa_matches_portable(&xs);
+    }
+
+    #[test]
+    fn odd_lengths_and_length_zero_match_portable() {
+        let xs = sampled_f32_patterns();
+        for len in [0, 1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 63, 65] {
+            check_every_isa_matches_portable(&xs[..len]);
+        }
+    }
+
     proptest! {
+        #[test]
+        fn random_bit_patterns_match_portable_on_every_isa(bits in prop::collection::vec(any::<u32>(), 0..300)) {
+            check_every_isa_matches_portable(&bits.into_iter().map(f32::from_bits).collect::<Vec<_>>());
+        }
+
         #[test]
         fn random_bit_patterns_match_half(bits in prop::collection::vec(any::<u32>(), 0..2000)) {
             check_all(&bits.into_iter().map(f32::from_bits).collect::<Vec<_>>());

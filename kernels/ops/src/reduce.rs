@@ -1,13 +1,15 @@
 //! Element-wise reduction of a received chunk into an f32 accumulator, as the collectives use it.
 //!
-//! CPU: plain loops over slices that LLVM vectorizes (f32 and bf16 directly; f16 is widened in
-//! L1-sized blocks with `half`'s slice conversion, which uses F16C when the CPU has it), split across
-//! threads for buffers of [`crate::cpu_parallel::PARALLEL_MIN_ELEMS`] elements or more.
+//! CPU: plain loops over slices that LLVM vectorizes (f32 and bf16 directly); f16 is widened and
+//! combined 16 (AVX-512) or 8 (AVX2 + F16C) at a time in [`crate::simd`], or, portably, widened in
+//! L1-sized blocks with `half`'s slice conversion (F16C when the CPU has it). Buffers of
+//! [`crate::cpu_parallel::PARALLEL_MIN_ELEMS`] elements or more are split across threads.
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use crate::cpu_parallel::{chunk_elems, for_each_part};
+use crate::simd::{self, Isa};
 
 /// How two values combine in a reduction. `Avg` accumulates like `Sum`; the caller divides once with
 /// [`finish_avg`] after the last contribution.
@@ -26,10 +28,17 @@ const WIDEN_BLOCK_ELEMS: usize = 1024;
 pub trait ReduceInput: Copy + Send + Sync {
     fn to_f32(self) -> f32;
 
-    /// `acc[i] = op(acc[i], src[i])` on one thread. The default reads element by element; types with a
-    /// faster slice conversion override it.
+    /// `acc[i] = op(acc[i], src[i])` on one thread.
     #[inline]
     fn reduce_block(acc: &mut [f32], src: &[Self], op: ReduceOp) {
+        Self::reduce_block_with(acc, src, op, Isa::detected());
+    }
+
+    /// [`ReduceInput::reduce_block`] with the instructions of `isa`. The default reads element by
+    /// element (LLVM vectorizes it); types with a faster path override it.
+    #[inline]
+    fn reduce_block_with(acc: &mut [f32], src: &[Self], op: ReduceOp, isa: Isa) {
+        let _ = isa;
         match op {
             ReduceOp::Sum | ReduceOp::Avg => acc.iter_mut().zip(src).for_each(|(a, s)| *a += s.to_f32()),
             ReduceOp::Max => acc.iter_mut().zip(src).for_each(|(a, s)| *a = nan_max(*a, s.to_f32())),
@@ -59,12 +68,15 @@ impl ReduceInput for f16 {
         f16::to_f32(self)
     }
 
-    fn reduce_block(acc: &mut [f32], src: &[Self], op: ReduceOp) {
+    fn reduce_block_with(acc: &mut [f32], src: &[Self], op: ReduceOp, isa: Isa) {
+        if simd::reduce_f16(isa, acc, src, op) {
+            return;
+        }
         let mut widened = [0.0f32; WIDEN_BLOCK_ELEMS];
         for (acc, src) in acc.chunks_mut(WIDEN_BLOCK_ELEMS).zip(src.chunks(WIDEN_BLOCK_ELEMS)) {
             let widened = &mut widened[..src.len()];
             src.convert_to_f32_slice(widened);
-            f32::reduce_block(acc, widened, op);
+            f32::reduce_block_with(acc, widened, op, isa);
         }
     }
 }
@@ -74,9 +86,14 @@ impl ReduceInput for f16 {
 /// # Panics
 /// If the lengths differ: that is a broken plan, not a peer's fault.
 pub fn reduce_into<T: ReduceInput>(acc: &mut [f32], src: &[T], op: ReduceOp) {
+    reduce_into_with(Isa::detected(), acc, src, op);
+}
+
+/// [`reduce_into`] with the instructions of `isa` (tests compare every level with the portable code).
+pub fn reduce_into_with<T: ReduceInput>(isa: Isa, acc: &mut [f32], src: &[T], op: ReduceOp) {
     assert_eq!(acc.len(), src.len(), "reduce_into: accumulator and source lengths differ");
     let chunk = chunk_elems(acc.len());
-    for_each_part(acc.chunks_mut(chunk).zip(src.chunks(chunk)), |(acc, src)| T::reduce_block(acc, src, op));
+    for_each_part(acc.chunks_mut(chunk).zip(src.chunks(chunk)), |(acc, src)| T::reduce_block_with(acc, src, op, isa));
 }
 
 /// Divides an `Avg` accumulator by the number of contributions (multiplies by its f32 reciprocal).
@@ -219,7 +236,43 @@ mod tests {
         any::<u32>().prop_map(f32::from_bits)
     }
 
+    /// Every instruction set gives the portable path's bits, at every length. A NaN only has to be a NaN:
+    /// Rust leaves the payload of an arithmetic NaN unspecified (LLVM may swap an addition's operands).
+    fn check_every_isa<T: ReduceInput>(op: ReduceOp, acc: &[f32], src: &[T]) {
+        let mut want = acc.to_vec();
+        reduce_into_with(Isa::portable(), &mut want, src, op);
+        for isa in Isa::available() {
+            let mut got = acc.to_vec();
+            reduce_into_with(isa, &mut got, src, op);
+            let same_bits =
+                got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()));
+            assert!(same_bits, "{op:?} on {}: differs from portable", isa.name());
+        }
+    }
+
+    #[test]
+    fn every_instruction_set_gives_the_portable_bits_on_edges_and_odd_lengths() {
+        let acc: Vec<f32> = EDGES.iter().flat_map(|a| EDGES.iter().map(move |_| *a)).collect();
+        let src: Vec<f16> = EDGES.iter().flat_map(|_| EDGES.iter().map(|x| f16::from_f32(*x))).collect();
+        // Every f16 bit pattern (NaN payloads, subnormals) against an accumulator of edge values.
+        let all: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+        let all_acc: Vec<f32> = (0..all.len()).map(|i| EDGES[i % EDGES.len()]).collect();
+        for op in OPS {
+            check_every_isa(op, &acc, &src);
+            check_every_isa(op, &all_acc, &all);
+            for len in [0, 1, 7, 8, 9, 15, 16, 17, 33] {
+                check_every_isa(op, &acc[..len], &src[..len]);
+            }
+        }
+    }
+
     proptest! {
+        #[test]
+        fn random_f16_inputs_match_portable_on_every_isa(op in any_op(), pairs in prop::collection::vec((any_bits_f32(), any::<u16>()), 0..500)) {
+            let (acc, bits): (Vec<f32>, Vec<u16>) = pairs.into_iter().unzip();
+            check_every_isa(op, &acc, &bits.iter().map(|b| f16::from_bits(*b)).collect::<Vec<_>>());
+        }
+
         #[test]
         fn random_f32_inputs_match_the_reference(op in any_op(), pairs in prop::collection::vec((any_bits_f32(), any_bits_f32()), 0..3000)) {
             let (acc, src): (Vec<f32>, Vec<f32>) = pairs.into_iter().unzip();

@@ -118,6 +118,76 @@ fn cuda_backend_equals_cpu_backend() {
     }
 }
 
+/// Buffers for the norm and the checksum: edge values, odd lengths, length 0, and one large enough
+/// for many blocks (and, for the checksum, several copied-back pieces).
+fn norm_and_checksum_inputs() -> Vec<Vec<f32>> {
+    let mut buffers: Vec<Vec<f32>> = [0, 1, 7, 255, 257, 1025, 3 << 20 | 5].iter().map(|&len| inputs(len).1).collect();
+    buffers.push(vec![f32::MAX, f32::MAX, 1e-45, -0.0]);
+    buffers.push(vec![1.0, f32::INFINITY, 2.0]);
+    buffers.push(vec![1.0, f32::NAN, f32::INFINITY]);
+    buffers
+}
+
+/// Norm within 1e-12 relative (both accumulate in f64, in different orders), inf and NaN alike,
+/// checksums equal; the same for the bf16 and f16 bits of the buffer.
+fn check_norm_and_checksum(backend: &Backend) {
+    for values in norm_and_checksum_inputs() {
+        let len = values.len();
+        let on_cpu = Buffer::Cpu(HostBuffer::F32(values.clone()));
+        let on_backend = backend.upload(HostBuffer::F32(values.clone())).expect("upload");
+        let (got, want) = (backend.l2_norm(&[&on_backend]).unwrap(), Backend::Cpu.l2_norm(&[&on_cpu]).unwrap());
+        let close = got == want || (got.is_nan() && want.is_nan()) || (got - want).abs() <= 1e-12 * want;
+        assert!(close, "{} l2_norm of {len}: {got} vs cpu {want}", backend.name());
+        assert_eq!(backend.checksum64(&on_backend).unwrap(), Backend::Cpu.checksum64(&on_cpu).unwrap(), "{len}");
+        let halves = HostBuffer::Bf16(values.iter().map(|x| bf16::from_f32(*x)).collect());
+        let want = Backend::Cpu.checksum64(&Buffer::Cpu(halves.clone())).unwrap();
+        assert_eq!(backend.checksum64(&backend.upload(halves).unwrap()).unwrap(), want, "bf16 {len}");
+    }
+}
+
+#[test]
+fn cpu_checksum_is_xxh3_of_the_element_bytes() {
+    let values = [1.0f32, -2.5, f32::NAN];
+    let bytes: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let got = Backend::Cpu.checksum64(&Buffer::Cpu(HostBuffer::F32(values.to_vec()))).unwrap();
+    assert_eq!(got, troupe_kernels::checksum64(&bytes));
+    let halves = [f16::from_f32(1.5), f16::NEG_INFINITY];
+    let bytes: Vec<u8> = halves.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect();
+    let got = Backend::Cpu.checksum64(&Buffer::Cpu(HostBuffer::F16(halves.to_vec()))).unwrap();
+    assert_eq!(got, troupe_kernels::checksum64(&bytes));
+    check_norm_and_checksum(&Backend::Cpu);
+}
+
+#[test]
+fn cuda_norm_and_checksum_equal_the_cpu() {
+    let Some(cuda) = cuda_or_skip("cuda_norm_and_checksum_equal_the_cpu") else {
+        return;
+    };
+    check_norm_and_checksum(&cuda);
+    // Deterministic: the same bits on every call.
+    let big = cuda
+        .upload(HostBuffer::F32(inputs(1 << 22).1.iter().map(|x| if x.is_finite() { *x } else { 1.0 }).collect()))
+        .unwrap();
+    let first = cuda.l2_norm(&[&big]).unwrap();
+    for _ in 0..3 {
+        assert_eq!(cuda.l2_norm(&[&big]).unwrap().to_bits(), first.to_bits());
+    }
+}
+
+#[test]
+fn cuda_benchmark_reports_every_kernel_beside_the_device_copy() {
+    let Some(Backend::Cuda(cuda)) = cuda_or_skip("cuda_benchmark_reports_every_kernel_beside_the_device_copy") else {
+        return;
+    };
+    let figures = troupe_kernels::bench::cuda::run_cuda(&cuda, 4 << 20, 3).expect("benchmark");
+    assert_eq!(figures.len(), 14, "{figures:?}");
+    assert_eq!(figures[0].kernel, "device_copy");
+    for f in &figures {
+        assert!(f.gb_per_s.is_finite() && f.gb_per_s > 0.0 && f.backend == "cuda", "{f:?}");
+        assert!((f.vs_memcpy - f.gb_per_s / f.memcpy_gb_per_s).abs() < 1e-9, "{f:?}");
+    }
+}
+
 #[test]
 fn missing_device_is_reported_plainly() {
     match Backend::cuda(10_000) {

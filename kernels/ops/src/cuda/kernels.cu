@@ -101,19 +101,33 @@ extern "C" __global__ void unscale_f32(float* g, u64 n, float inv_scale, int* fo
     if (local) *found = 1;
 }
 
-// out: one double; each block adds its partial sum of squares (f64 accumulation, as on the CPU).
-extern "C" __global__ void sum_of_squares_f32(const float* x, u64 n, double* out) {
+// Sum of squares in two passes, deterministic for a given length (the grid size is a function of it):
+// each block writes its partial (f64 accumulation, as on the CPU) to partials[blockIdx.x], then one block
+// adds the partials in a fixed order. blockDim.x must be 256 (the shared arrays' size).
+__device__ __forceinline__ double block_sum(double local) {
     __shared__ double partial[256];
-    double local = 0.0;
-    GRID_STRIDE_LOOP(i, n) {
-        double d = (double)x[i];
-        local += d * d;
-    }
     partial[threadIdx.x] = local;
     __syncthreads();
     for (unsigned int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
         if (threadIdx.x < stride) partial[threadIdx.x] += partial[threadIdx.x + stride];
         __syncthreads();
     }
-    if (threadIdx.x == 0) atomicAdd(out, partial[0]);
+    return partial[0];
+}
+
+extern "C" __global__ void sum_of_squares_partials_f32(const float* x, u64 n, double* partials) {
+    double local = 0.0;
+    GRID_STRIDE_LOOP(i, n) {
+        double d = (double)x[i];
+        local += d * d;
+    }
+    double sum = block_sum(local);
+    if (threadIdx.x == 0) partials[blockIdx.x] = sum;
+}
+
+extern "C" __global__ void sum_partials_f64(const double* partials, u64 count, double* out) {
+    double local = 0.0;
+    for (u64 i = threadIdx.x; i < count; i += blockDim.x) local += partials[i];
+    double sum = block_sum(local);
+    if (threadIdx.x == 0) *out = sum;
 }

@@ -7,7 +7,7 @@
 //! The CUDA C in `kernels.cu` is compiled with NVRTC on the first use on a device and the loaded module is
 //! cached per device ordinal for the life of the process. Every kernel runs on the backend's stream,
 //! the context's default (legacy NULL) stream; methods that return a host value (`unscale`'s flag, the
-//! norm) synchronise that stream before returning, the others only enqueue.
+//! norm, the checksum) synchronise that stream before returning, the others only enqueue.
 //!
 //! Ordering with libtorch: libtorch's current stream is also the legacy default stream unless the caller
 //! installed another one, and the legacy default stream orders itself against every blocking stream of
@@ -21,18 +21,21 @@ use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream, DriverError
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use crate::adamw::{AdamWConfig, AdamWStepScalars};
+use crate::backend::Buffer;
 use crate::error::KernelError;
 use crate::reduce::ReduceOp;
 
 const KERNELS_SOURCE: &str = include_str!("kernels.cu");
 
-/// Threads per block; `sum_of_squares_f32` sizes its shared memory for exactly this.
+/// Threads per block; the sum-of-squares kernels size their shared memory for exactly this.
 const THREADS_PER_BLOCK: u32 = 256;
 /// Upper bound on blocks per launch (the kernels loop grid-stride over the rest).
 const BLOCKS_MAX: u64 = 8192;
 /// Virtual architecture NVRTC compiles for; the driver JIT-compiles it for the actual device.
 /// compute_75 (Turing) is the oldest CUDA 13 accepts.
 const PTX_ARCH: &str = "compute_75";
+/// Bytes copied back to the host per piece by [`CudaBackend::checksum64`].
+const CHECKSUM_PIECE_BYTES: usize = 8 << 20;
 
 /// A flat buffer in device memory. 16-bit floats are stored as their bit patterns.
 #[derive(Debug)]
@@ -52,6 +55,45 @@ impl DeviceBuffer {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// The element type of device memory lent by another library.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceDtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+/// Device memory owned by another library (a libtorch tensor's storage), seen as a [`Buffer`] so that
+/// every [`crate::Backend`] kernel runs on it in place, without a copy. It is never freed here: dropping
+/// it gives the memory back untouched (cudarc makes the stream wait for the work queued on it first).
+/// Made only by the unsafe [`CudaBackend::borrow_device_memory`], whose caller vouches for the memory.
+#[derive(Debug)]
+pub struct BorrowedDeviceBuffer {
+    /// Always `Some(Buffer::Cuda(_))` until dropped.
+    buffer: Option<Buffer>,
+}
+
+impl BorrowedDeviceBuffer {
+    pub fn buffer(&self) -> &Buffer {
+        self.buffer.as_ref().expect("a borrowed buffer is present until dropped")
+    }
+
+    pub fn buffer_mut(&mut self) -> &mut Buffer {
+        self.buffer.as_mut().expect("a borrowed buffer is present until dropped")
+    }
+}
+
+impl Drop for BorrowedDeviceBuffer {
+    fn drop(&mut self) {
+        // `leak` hands the pointer back without freeing it (the owner frees it).
+        match self.buffer.take() {
+            Some(Buffer::Cuda(DeviceBuffer::F32(s))) => drop(s.leak()),
+            Some(Buffer::Cuda(DeviceBuffer::Bf16(s) | DeviceBuffer::F16(s))) => drop(s.leak()),
+            Some(Buffer::Cpu(_)) | None => {}
+        }
     }
 }
 
@@ -155,6 +197,11 @@ impl CudaBackend {
         self.ordinal
     }
 
+    /// The device's name as the driver reports it (e.g. "NVIDIA H100 80GB HBM3").
+    pub fn device_name(&self) -> Result<String, KernelError> {
+        self.stream.context().name().map_err(driver("device name"))
+    }
+
     /// The stream every kernel of this backend is enqueued on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
@@ -162,6 +209,27 @@ impl CudaBackend {
 
     pub fn synchronize(&self) -> Result<(), KernelError> {
         self.stream.synchronize().map_err(driver("synchronize"))
+    }
+
+    /// `len` elements of `dtype` at device address `ptr`, owned by someone else, as a buffer the
+    /// kernels run on in place; see [`BorrowedDeviceBuffer`].
+    ///
+    /// # Safety
+    /// `ptr` must be the first of `len` properly aligned elements of `dtype` in memory of this
+    /// backend's device, allocated in its primary context (libtorch's allocations are), and stay
+    /// allocated while the returned value lives; nothing else may read or write it meanwhile unless
+    /// ordered with this backend's stream; two live borrows must not overlap unless neither is written.
+    pub unsafe fn borrow_device_memory(&self, dtype: DeviceDtype, ptr: u64, len: usize) -> BorrowedDeviceBuffer {
+        // SAFETY: the caller's contract above is what `upgrade_device_ptr` requires; the slice is
+        // leaked, never freed, when the borrow ends.
+        let device = unsafe {
+            match dtype {
+                DeviceDtype::F32 => DeviceBuffer::F32(self.stream.upgrade_device_ptr(ptr, len)),
+                DeviceDtype::Bf16 => DeviceBuffer::Bf16(self.stream.upgrade_device_ptr(ptr, len)),
+                DeviceDtype::F16 => DeviceBuffer::F16(self.stream.upgrade_device_ptr(ptr, len)),
+            }
+        };
+        BorrowedDeviceBuffer { buffer: Some(Buffer::Cuda(device)) }
     }
 
     pub fn upload_f32(&self, host: &[f32]) -> Result<DeviceBuffer, KernelError> {
@@ -349,7 +417,9 @@ impl CudaBackend {
         Ok(found[0] != 0)
     }
 
-    /// `Σ x_i²` over an f32 buffer, accumulated in f64; synchronises the stream.
+    /// `Σ x_i²` over an f32 buffer, accumulated in f64 (per thread, then a fixed tree per block, then
+    /// the blocks' partials in a fixed order: the same bits on every call for a given length);
+    /// synchronises the stream.
     pub fn sum_of_squares(&self, buffer: &DeviceBuffer) -> Result<f64, KernelError> {
         let DeviceBuffer::F32(x) = buffer else {
             return Err(dtype_mismatch("sum_of_squares", "f32", buffer));
@@ -358,15 +428,54 @@ impl CudaBackend {
         if n == 0 {
             return Ok(0.0);
         }
-        let mut out: CudaSlice<f64> = self.stream.alloc_zeros(1).map_err(driver("allocate"))?;
-        let f = self.function("sum_of_squares_f32")?;
         let cfg = launch_config(x.len());
+        let blocks = u64::from(cfg.grid_dim.0);
+        let mut partials: CudaSlice<f64> = self.stream.alloc_zeros(blocks as usize).map_err(driver("allocate"))?;
+        let mut out: CudaSlice<f64> = self.stream.alloc_zeros(1).map_err(driver("allocate"))?;
+        let f = self.function("sum_of_squares_partials_f32")?;
         let mut args = self.stream.launch_builder(&f);
-        args.arg(x).arg(&n).arg(&mut out);
-        // SAFETY: the kernel reads n elements of x and adds into the one element of out; blocks are
-        // THREADS_PER_BLOCK threads, the size of the kernel's shared array.
-        unsafe { args.launch(cfg) }.map_err(driver("sum_of_squares_f32"))?;
+        args.arg(x).arg(&n).arg(&mut partials);
+        // SAFETY: the kernel reads n elements of x and writes one partial per block, `blocks` in all,
+        // which `partials` holds; blocks are THREADS_PER_BLOCK threads, the size of its shared array.
+        unsafe { args.launch(cfg) }.map_err(driver("sum_of_squares_partials_f32"))?;
+        let f = self.function("sum_partials_f64")?;
+        let one_block = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (THREADS_PER_BLOCK, 1, 1), shared_mem_bytes: 0 };
+        let mut args = self.stream.launch_builder(&f);
+        args.arg(&partials).arg(&blocks).arg(&mut out);
+        // SAFETY: one block reads the `blocks` partials and writes the one element of out.
+        unsafe { args.launch(one_block) }.map_err(driver("sum_partials_f64"))?;
         Ok(self.stream.clone_dtoh(&out).map_err(driver("copy to host"))?[0])
+    }
+
+    /// XXH3-64 (seed 0) of the buffer's bytes — its elements little-endian, as a file of them holds
+    /// them — i.e. [`crate::checksum64`] of the same bytes on the host. Computed by copying the buffer
+    /// back in pieces of [`CHECKSUM_PIECE_BYTES`] and streaming them into [`crate::Checksum64Stream`]:
+    /// XXH3 is one sequential hash, so a GPU could only compute a different (tree) definition, while
+    /// checkpoint files are checked with this one. Bound by the device-to-host copy and one CPU core.
+    pub fn checksum64(&self, buffer: &DeviceBuffer) -> Result<u64, KernelError> {
+        match buffer {
+            DeviceBuffer::F32(s) => self.checksum_pieces(s),
+            DeviceBuffer::Bf16(s) | DeviceBuffer::F16(s) => self.checksum_pieces(s),
+        }
+    }
+
+    fn checksum_pieces<T>(&self, slice: &CudaSlice<T>) -> Result<u64, KernelError>
+    where
+        T: cudarc::driver::DeviceRepr + bytemuck::Pod,
+    {
+        let per_piece = (CHECKSUM_PIECE_BYTES / std::mem::size_of::<T>()).max(1);
+        let mut host = vec![T::zeroed(); per_piece.min(slice.len())];
+        let mut checksum = crate::Checksum64Stream::new();
+        let mut at = 0;
+        while at < slice.len() {
+            let end = (at + per_piece).min(slice.len());
+            let piece = &mut host[..end - at];
+            self.stream.memcpy_dtoh(&slice.slice(at..end), piece).map_err(driver("copy to host"))?;
+            self.stream.synchronize().map_err(driver("synchronize"))?;
+            checksum.update(bytemuck::cast_slice(piece));
+            at = end;
+        }
+        Ok(checksum.finish())
     }
 }
 
@@ -380,4 +489,42 @@ fn dtype_name(buffer: &DeviceBuffer) -> &'static str {
 
 fn dtype_mismatch(op: &'static str, expected: &'static str, got: &DeviceBuffer) -> KernelError {
     KernelError::DTypeMismatch { op, expected, got: dtype_name(got) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kernel the backend launches by name.
+    const KERNELS: [&str; 13] = [
+        "reduce_f32",
+        "reduce_bf16",
+        "reduce_f16",
+        "scale_f32",
+        "cast_f32_to_bf16",
+        "cast_bf16_to_f32",
+        "cast_f32_to_f16",
+        "cast_f16_to_f32",
+        "adamw_f32",
+        "adamw_f32_copy_out_bf16",
+        "unscale_f32",
+        "sum_of_squares_partials_f32",
+        "sum_partials_f64",
+    ];
+
+    /// NVRTC needs no device: wherever its library is installed (a CUDA toolkit, or the
+    /// `nvidia-cuda-nvrtc` wheel that comes with torch on `LD_LIBRARY_PATH`), the CUDA C compiles and
+    /// defines every kernel, so a typo in `kernels.cu` fails here rather than on the first GPU.
+    #[test]
+    fn the_kernel_source_compiles_with_nvrtc_and_defines_every_kernel() {
+        // SAFETY: only tries to dlopen the library.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            println!("the_kernel_source_compiles_with_nvrtc_and_defines_every_kernel: skipped, no NVRTC library");
+            return;
+        }
+        let ptx = compiled_ptx().unwrap_or_else(|e| panic!("{e}")).to_src();
+        for kernel in KERNELS {
+            assert!(ptx.contains(&format!(".entry {kernel}(")), "{kernel} missing from the PTX");
+        }
+    }
 }

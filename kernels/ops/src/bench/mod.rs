@@ -1,5 +1,6 @@
-//! The CPU kernel benchmark: each kernel's memory throughput beside a plain memcpy of the same buffer
-//! size, measured in the same run (`troupe bench kernels`).
+//! The kernel benchmark: each kernel's memory throughput beside a plain copy of the same buffer size
+//! on the same device, measured in the same run (`troupe bench kernels`): a memcpy on the CPU, a
+//! device-to-device copy on CUDA ([`cuda`]).
 //!
 //! Figures are *traffic* bandwidth: the bytes a kernel must read plus the bytes it must write per call,
 //! divided by the median time of a call (a memcpy of B bytes counts 2·B).
@@ -20,12 +21,14 @@ use crate::cpu_parallel::threads_used;
 use crate::reduce::{reduce_into, ReduceOp};
 use crate::{cast, checksum, norm, unscale};
 
+pub mod cuda;
+
 /// One measured kernel.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct KernelFigure {
-    /// What was measured, e.g. `reduce_sum_bf16`, `memcpy`, `adamw_fused`.
+    /// What was measured, e.g. `reduce_sum_bf16`, `memcpy`, `device_copy`, `adamw_fused`.
     pub kernel: String,
-    /// `cpu` or `cuda`; `libtorch-cpu` for torch's own implementation measured beside ours.
+    /// `cpu` or `cuda`; `libtorch-cpu` / `libtorch-cuda` for torch's own implementation beside ours.
     pub backend: String,
     /// Elements per call (f32 elements of the working buffer; bytes for `checksum64` and `memcpy`).
     pub elements: usize,
@@ -38,7 +41,8 @@ pub struct KernelFigure {
     pub seconds_best: f64,
     /// `bytes_moved / seconds_median`, in GB/s (10⁹ bytes).
     pub gb_per_s: f64,
-    /// The plain memcpy's traffic bandwidth, timed interleaved with this kernel.
+    /// The plain copy's traffic bandwidth, timed interleaved with this kernel: a memcpy on the CPU, a
+    /// device-to-device copy of the same bytes on CUDA.
     pub memcpy_gb_per_s: f64,
     /// `gb_per_s / memcpy_gb_per_s`.
     pub vs_memcpy: f64,
@@ -69,7 +73,11 @@ impl MemcpyBaseline {
     /// The memcpy alone, as a figure of its own (`vs_memcpy` = 1).
     pub fn measure_alone(&mut self, iters: usize) -> KernelFigure {
         let (elements, bytes_moved) = (self.src.len(), self.bytes_moved());
-        let seconds = time_calls(iters, || self.copy());
+        let mut copy = || -> Result<(), std::convert::Infallible> {
+            self.copy();
+            Ok(())
+        };
+        let Ok(seconds) = (0..iters.max(1)).map(|_| host_seconds(&mut copy)).collect::<Result<Vec<f64>, _>>();
         figure("memcpy", "cpu", elements, bytes_moved, 1, &seconds, None)
     }
 
@@ -85,27 +93,44 @@ impl MemcpyBaseline {
         iters: usize,
         mut call: impl FnMut(),
     ) -> KernelFigure {
-        let (mut memcpy_seconds, mut kernel_seconds) = (Vec::new(), Vec::new());
-        self.copy();
-        call();
-        for _ in 0..iters.max(1) {
-            memcpy_seconds.extend(time_calls(1, || self.copy()));
-            kernel_seconds.extend(time_calls(1, &mut call));
-        }
-        let memcpy = figure("memcpy", "cpu", self.src.len(), self.bytes_moved(), 1, &memcpy_seconds, None);
+        let (src, dst, copy_bytes) = (&self.src, &mut self.dst, self.src.len() as u64 * 2);
+        let mut copy = || -> Result<(), std::convert::Infallible> {
+            dst.copy_from_slice(src);
+            Ok(())
+        };
+        let mut kernel_call = || -> Result<(), std::convert::Infallible> {
+            call();
+            Ok(())
+        };
+        let Ok((memcpy_seconds, kernel_seconds)) = interleave(iters, &mut copy, &mut kernel_call, host_seconds);
+        let memcpy = figure("memcpy", "cpu", src.len(), copy_bytes, 1, &memcpy_seconds, None);
         figure(kernel, backend, elements, bytes_moved, threads, &kernel_seconds, Some(memcpy.gb_per_s))
     }
 }
 
-/// Seconds of each of `iters` calls (no warm-up).
-fn time_calls(iters: usize, mut call: impl FnMut()) -> Vec<f64> {
-    (0..iters.max(1))
-        .map(|_| {
-            let start = Instant::now();
-            call();
-            start.elapsed().as_secs_f64()
-        })
-        .collect()
+/// Seconds one call of `call` takes, by the host clock (`call` returns when its work is done).
+fn host_seconds<E>(call: &mut dyn FnMut() -> Result<(), E>) -> Result<f64, E> {
+    let start = Instant::now();
+    call()?;
+    Ok(start.elapsed().as_secs_f64())
+}
+
+/// Times `copy` and `call` alternately, `iters` times each, after one untimed warm-up of each, with
+/// `time` (seconds of one call). Returns the copy's seconds and the call's.
+fn interleave<E>(
+    iters: usize,
+    copy: &mut dyn FnMut() -> Result<(), E>,
+    call: &mut dyn FnMut() -> Result<(), E>,
+    mut time: impl FnMut(&mut dyn FnMut() -> Result<(), E>) -> Result<f64, E>,
+) -> Result<(Vec<f64>, Vec<f64>), E> {
+    copy()?;
+    call()?;
+    let (mut copy_seconds, mut call_seconds) = (Vec::new(), Vec::new());
+    for _ in 0..iters.max(1) {
+        copy_seconds.push(time(copy)?);
+        call_seconds.push(time(call)?);
+    }
+    Ok((copy_seconds, call_seconds))
 }
 
 fn figure(

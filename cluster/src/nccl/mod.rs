@@ -1,0 +1,362 @@
+//! NCCL backend: the [`Collective`] operations on CUDA buffers through NCCL (cudarc, loaded at run
+//! time). Compiled everywhere; [`nccl_available`] says plainly what is missing on a machine without
+//! CUDA or NCCL.
+//!
+//! # Semantics
+//!
+//! - **Creation.** [`NcclCommunicator::connect`] takes the epoch's data-plane [`Communicator`] (same
+//!   ranks, same order): rank 0 creates a fresh NCCL unique id and sends its 128 bytes to every other
+//!   rank point-to-point on that communicator, so the id travels tagged with the epoch and a stale
+//!   epoch's id can never be used; then every rank joins with `ncclCommInitRank`, which blocks the
+//!   calling thread until all ranks have joined (NCCL's own bootstrap). Why not the control plane
+//!   (`crate::control`): it connects daemons by node name and has no notion of a job's ranks; carrying
+//!   the id there would need the controller to relay rank 0's id to each member as a new message kind,
+//!   where the epoch's communicator already holds exactly these ranks, fenced by exactly this epoch.
+//! - **Calls.** Each collective is enqueued on the communicator's stream (the device context's
+//!   default stream, the one troupe-kernels' CUDA backend uses) and then awaited without blocking the
+//!   thread: the call polls an event recorded after it, NCCL's asynchronous error state
+//!   (`ncclCommGetAsyncError`: a lost peer, a network error) and `collective_timeout_ms` (the data-plane
+//!   communicator's). An error or the timeout **aborts** the communicator (`ncclCommAbort`, which makes
+//!   the queued work return) and fails the call; every later call fails until a rebuild.
+//!   All-gather and reduce-scatter need equal pieces (NCCL's layout): the long buffer is `world` times
+//!   the short one, rank r's piece at `r × short.len()` — the transport communicator's `chunk_range`
+//!   layout whenever the length divides evenly.
+//! - **Epoch change.** [`NcclCommunicator::abort`] may be called at any time (idempotent);
+//!   [`NcclCommunicator::rebuild`] aborts the old communicator if it is still live and builds a new one
+//!   from a fresh unique id exchanged over the new epoch's communicator, taking that communicator's
+//!   rank and world (re-ranking may have shrunk it). Rebuilding for an epoch not newer than the current
+//!   one is refused.
+
+mod raw;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::nccl::sys::ncclRedOp_t;
+use troupe_kernels::reduce::ReduceOp;
+
+use crate::collective::{Collective, Communicator, Element};
+use crate::error::Rank;
+use crate::transport::Transport;
+use crate::ClusterError;
+use raw::{RawComm, UniqueId};
+
+/// Completion checks that yield to the runtime before a call starts sleeping between checks.
+const POLL_SPINS: u32 = 200;
+/// Sleep between completion checks once the spins are used up.
+const POLL_SLEEP_MS: u64 = 1;
+/// What every call on an aborted communicator fails with.
+const ABORTED: &str = "the communicator was aborted; rebuild it for the next epoch";
+
+/// Number of CUDA devices usable with NCCL, or why there are none.
+pub fn nccl_available() -> Result<usize, ClusterError> {
+    // SAFETY: these only try to dlopen the libraries; cudarc panics on first use of a missing library,
+    // so this check comes before any other cudarc call.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(ClusterError::NoCuda("the CUDA driver library (libcuda) is not installed".into()));
+    }
+    // SAFETY: as above.
+    if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+        return Err(ClusterError::Nccl("the NCCL library (libnccl) is not installed".into()));
+    }
+    match CudaContext::device_count() {
+        Ok(0) => Err(ClusterError::NoCuda("the driver reports 0 devices".into())),
+        Ok(n) => Ok(n as usize),
+        Err(e) => Err(ClusterError::NoCuda(format!("the driver failed to initialise ({e})"))),
+    }
+}
+
+fn nccl_op(op: ReduceOp) -> ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => ncclRedOp_t::ncclSum,
+        ReduceOp::Avg => ncclRedOp_t::ncclAvg,
+        ReduceOp::Max => ncclRedOp_t::ncclMax,
+        ReduceOp::Min => ncclRedOp_t::ncclMin,
+    }
+}
+
+/// The unique id of the communicator being built: made by rank 0 with `make`, sent to every other
+/// rank over `control` point-to-point (bytes as they are), received by the others.
+pub(crate) async fn exchange_unique_id<T: Transport>(
+    control: &mut Communicator<T>,
+    make: impl FnOnce() -> Result<UniqueId, ClusterError>,
+) -> Result<UniqueId, ClusterError> {
+    let (rank, world) = (control.transport().rank(), control.transport().world());
+    // Point-to-point messages carry an element slice's bytes unchanged: 32 f32 "words" here, never
+    // read as numbers.
+    if rank == 0 {
+        let id = make()?;
+        let words: [f32; 32] = bytemuck::cast(id);
+        for peer in 1..world {
+            control.send(peer, &words).await?;
+        }
+        Ok(id)
+    } else {
+        let mut words = [0f32; 32];
+        control.recv(0, &mut words).await?;
+        Ok(bytemuck::cast(words))
+    }
+}
+
+/// One rank's NCCL communicator for one epoch at a time (see the module docs).
+pub struct NcclCommunicator {
+    /// `None` once aborted.
+    comm: Option<RawComm>,
+    stream: Arc<CudaStream>,
+    rank: Rank,
+    world: usize,
+    epoch: u64,
+    timeout_ms: u64,
+    /// One element all-reduced by `barrier`.
+    token: CudaSlice<f32>,
+}
+
+impl NcclCommunicator {
+    /// Creates this rank's NCCL communicator on device `ordinal`, for the ranks and epoch of `control`.
+    pub async fn connect<T: Transport>(control: &mut Communicator<T>, ordinal: usize) -> Result<Self, ClusterError> {
+        nccl_available()?;
+        let ctx =
+            CudaContext::new(ordinal).map_err(|e| ClusterError::NoCuda(format!("opening device {ordinal}: {e}")))?;
+        let stream = ctx.default_stream();
+        let token = stream.alloc_zeros::<f32>(1).map_err(|e| ClusterError::Nccl(format!("allocating: {e}")))?;
+        let mut me = NcclCommunicator {
+            comm: None,
+            stream,
+            rank: control.transport().rank(),
+            world: control.transport().world(),
+            epoch: control.epoch(),
+            timeout_ms: control.config().collective_timeout_ms,
+            token,
+        };
+        me.join(control).await?;
+        Ok(me)
+    }
+
+    /// Exchanges a fresh unique id over `control` and joins its communicator.
+    async fn join<T: Transport>(&mut self, control: &mut Communicator<T>) -> Result<(), ClusterError> {
+        let (rank, world, epoch) = (self.rank, self.world, self.epoch);
+        let make = || raw::unique_id().map_err(|e| self.error("ncclGetUniqueId", &e));
+        let id = exchange_unique_id(control, make).await?;
+        self.stream.context().bind_to_thread().map_err(|e| self.error("binding the device", &e.to_string()))?;
+        let comm = RawComm::init_rank(id, rank, world).map_err(|e| {
+            ClusterError::Nccl(format!("rank {rank} of {world} (epoch {epoch}): ncclCommInitRank: {e}"))
+        })?;
+        self.comm = Some(comm);
+        Ok(())
+    }
+
+    /// Aborts the communicator (`ncclCommAbort`): queued and running operations return, every later
+    /// call fails until [`NcclCommunicator::rebuild`]. Does nothing if already aborted.
+    pub fn abort(&mut self) -> Result<(), ClusterError> {
+        match self.comm.take() {
+            Some(comm) => comm.abort().map_err(|e| self.error("ncclCommAbort", &e)),
+            None => Ok(()),
+        }
+    }
+
+    pub fn is_aborted(&self) -> bool {
+        self.comm.is_none()
+    }
+
+    /// Replaces the communicator with one for `control`'s newer epoch, ranks and world, from a fresh
+    /// unique id exchanged over `control`; aborts the old one first if it is still live.
+    pub async fn rebuild<T: Transport>(&mut self, control: &mut Communicator<T>) -> Result<(), ClusterError> {
+        if control.epoch() <= self.epoch {
+            return Err(ClusterError::InvalidArgument {
+                rank: self.rank,
+                op: "nccl rebuild",
+                reason: format!("epoch {} is not newer than the communicator's epoch {}", control.epoch(), self.epoch),
+            });
+        }
+        if let Err(e) = self.abort() {
+            tracing::warn!(rank = self.rank, epoch = self.epoch, error = %e, "aborting the old NCCL communicator failed; rebuilding anyway");
+        }
+        self.rank = control.transport().rank();
+        self.world = control.transport().world();
+        self.epoch = control.epoch();
+        self.timeout_ms = control.config().collective_timeout_ms;
+        self.join(control).await
+    }
+
+    /// The membership epoch this communicator was built for.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The stream every operation is enqueued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    fn error(&self, op: &str, reason: &str) -> ClusterError {
+        ClusterError::Nccl(format!("rank {} of {} (epoch {}): {op}: {reason}", self.rank, self.world, self.epoch))
+    }
+
+    /// The live communicator, or the error every call after an abort gets.
+    fn live(&self, op: &str) -> Result<&RawComm, ClusterError> {
+        self.comm.as_ref().ok_or_else(|| self.error(op, ABORTED))
+    }
+
+    /// Waits, without blocking the thread, for the operation just enqueued (`enqueued` says whether
+    /// enqueuing worked); on an error or the timeout, aborts the communicator.
+    async fn wait(&mut self, op: &'static str, enqueued: Result<(), String>) -> Result<(), ClusterError> {
+        if let Err(e) = enqueued {
+            return Err(self.fail(op, &e));
+        }
+        let done = match self.stream.record_event(None) {
+            Ok(event) => event,
+            Err(e) => return Err(self.fail(op, &format!("recording its completion event: {e}"))),
+        };
+        let started = tokio::time::Instant::now();
+        let timeout = Duration::from_millis(self.timeout_ms);
+        let mut polls = 0u32;
+        loop {
+            match done.try_is_complete() {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => return Err(self.fail(op, &format!("CUDA error: {e}"))),
+            }
+            if let Err(e) = self.live(op)?.async_error() {
+                return Err(self.fail(op, &format!("NCCL reported {e}")));
+            }
+            if started.elapsed() >= timeout {
+                return Err(self.fail(op, &format!("not complete after {} ms", self.timeout_ms)));
+            }
+            if polls < POLL_SPINS {
+                polls += 1;
+                tokio::task::yield_now().await;
+            } else {
+                tokio::time::sleep(Duration::from_millis(POLL_SLEEP_MS)).await;
+            }
+        }
+    }
+
+    /// Aborts after a failed call and returns the call's error.
+    fn fail(&mut self, op: &'static str, reason: &str) -> ClusterError {
+        let aborted = match self.abort() {
+            Ok(()) => "communicator aborted".to_owned(),
+            Err(e) => format!("and aborting failed too: {e}"),
+        };
+        self.error(op, &format!("{reason}; {aborted}"))
+    }
+
+    fn check_pieces(&self, op: &'static str, long: usize, short: usize) -> Result<(), ClusterError> {
+        if long == short * self.world {
+            return Ok(());
+        }
+        Err(ClusterError::InvalidArgument {
+            rank: self.rank,
+            op,
+            reason: format!(
+                "NCCL needs equal pieces: the long buffer must hold world ({}) × the short one ({short}) = {} elements, it holds {long}",
+                self.world,
+                short * self.world
+            ),
+        })
+    }
+}
+
+impl Collective for NcclCommunicator {
+    type Buffer<E: Element> = CudaSlice<E>;
+
+    fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    async fn all_reduce<E: Element>(&mut self, buf: &mut CudaSlice<E>, op: ReduceOp) -> Result<(), ClusterError> {
+        let enqueued = self.live("all_reduce")?.all_reduce(buf, nccl_op(op), &self.stream);
+        self.wait("all_reduce", enqueued).await
+    }
+
+    async fn broadcast<E: Element>(&mut self, buf: &mut CudaSlice<E>, root: Rank) -> Result<(), ClusterError> {
+        if root >= self.world {
+            let reason = format!("root {root} outside world of {}", self.world);
+            return Err(ClusterError::InvalidArgument { rank: self.rank, op: "broadcast", reason });
+        }
+        let enqueued = self.live("broadcast")?.broadcast(buf, root as i32, &self.stream);
+        self.wait("broadcast", enqueued).await
+    }
+
+    async fn all_gather<E: Element>(
+        &mut self,
+        input: &CudaSlice<E>,
+        output: &mut CudaSlice<E>,
+    ) -> Result<(), ClusterError> {
+        self.check_pieces("all_gather", output.len(), input.len())?;
+        let enqueued = self.live("all_gather")?.all_gather(input, output, &self.stream);
+        self.wait("all_gather", enqueued).await
+    }
+
+    async fn reduce_scatter<E: Element>(
+        &mut self,
+        input: &CudaSlice<E>,
+        output: &mut CudaSlice<E>,
+        op: ReduceOp,
+    ) -> Result<(), ClusterError> {
+        self.check_pieces("reduce_scatter", input.len(), output.len())?;
+        let enqueued = self.live("reduce_scatter")?.reduce_scatter(input, output, nccl_op(op), &self.stream);
+        self.wait("reduce_scatter", enqueued).await
+    }
+
+    async fn barrier(&mut self) -> Result<(), ClusterError> {
+        let Some(comm) = &self.comm else {
+            return Err(self.error("barrier", ABORTED));
+        };
+        let enqueued = comm.all_reduce(&mut self.token, ncclRedOp_t::ncclSum, &self.stream);
+        self.wait("barrier", enqueued).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::collective::CollectiveConfig;
+    use crate::transport::memory::MemoryTransport;
+
+    fn config() -> CollectiveConfig {
+        CollectiveConfig {
+            small_message_bytes_max: 4 << 10,
+            pipeline_slice_bytes: 16 << 10,
+            collective_timeout_ms: 10_000,
+        }
+    }
+
+    /// Rank 0's id reaches every rank byte for byte (every byte value, NaN-like f32 patterns included),
+    /// and rank 0 alone makes one.
+    #[test]
+    fn the_unique_id_reaches_every_rank_unchanged() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        for world in 1..=4 {
+            let id: UniqueId = std::array::from_fn(|i| (i * 2 + 255) as u8);
+            let got = rt.block_on(futures::future::join_all(MemoryTransport::mesh(world, 64).into_iter().map(
+                |t| async move {
+                    let rank = t.rank();
+                    let mut control = Communicator::new(Arc::new(t), 3, 1, config());
+                    exchange_unique_id(&mut control, || {
+                        assert_eq!(rank, 0, "only rank 0 makes the id");
+                        Ok(id)
+                    })
+                    .await
+                },
+            )));
+            for (rank, got) in got.into_iter().enumerate() {
+                assert_eq!(got.unwrap(), id, "world {world}, rank {rank}");
+            }
+        }
+    }
+
+    #[test]
+    fn rank_0_failing_to_make_an_id_fails_its_call() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        let mut control = Communicator::new(Arc::new(MemoryTransport::mesh(1, 4).remove(0)), 3, 1, config());
+        let got = rt.block_on(exchange_unique_id(&mut control, || Err(ClusterError::Nccl("no bootstrap".into()))));
+        assert!(matches!(got, Err(ClusterError::Nccl(reason)) if reason == "no bootstrap"));
+    }
+}

@@ -1,0 +1,90 @@
+//! troupe-kernels' CUDA kernels on libtorch CUDA tensors' own storage (`lend_cuda`): the fused AdamW
+//! with its bf16 copy-out and the casts give, on the tensors in place, the CPU path's bits on the same
+//! values. Skips with `no CUDA device` where libtorch or troupe-kernels sees no GPU.
+
+use tch::{Device, Kind, Tensor};
+use troupe_kernels::{AdamWConfig, Backend, CudaBackend};
+use troupe_model::storage::{lend, lend_cuda, lend_f32};
+
+fn backend_or_skip(test: &str) -> Option<CudaBackend> {
+    if !tch::Cuda::is_available() {
+        println!("{test}: skipped, no CUDA device: libtorch sees none");
+        return None;
+    }
+    match CudaBackend::new(0) {
+        Ok(backend) => Some(backend),
+        Err(e) => {
+            println!("{test}: skipped, {e}");
+            None
+        }
+    }
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    let t = t.to_device(Device::Cpu).to_kind(Kind::Float).flatten(0, -1);
+    Vec::<f32>::try_from(t).unwrap().iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn fused_adamw_and_casts_run_on_cuda_tensor_storage_in_place() {
+    let Some(cuda) = backend_or_skip("fused_adamw_and_casts_run_on_cuda_tensor_storage_in_place") else {
+        return;
+    };
+    let n = 100_003i64;
+    let p0 = Tensor::randn([n], (Kind::Float, Device::Cpu)) * 0.1;
+    let g = Tensor::randn([n], (Kind::Float, Device::Cpu)) * 1e-3;
+    let config = AdamWConfig::default();
+
+    // The CPU path on copies of the same values.
+    let (mut p, mut m, mut v) = (p0.copy(), p0.zeros_like(), p0.zeros_like());
+    let mut out = Tensor::zeros([n], (Kind::BFloat16, Device::Cpu));
+    for step in 1..=3 {
+        let ([p, m, v], [g]) = lend_f32([("p", &mut p), ("m", &mut m), ("v", &mut v)], [("g", &g)]).unwrap();
+        let ([o], []) = lend::<half::bf16, 1, 0>([("out", &mut out)], []).unwrap();
+        troupe_kernels::adamw_step(
+            troupe_kernels::AdamWShard { params: p, exp_avg: m, exp_avg_sq: v },
+            g,
+            &config,
+            step,
+            Some(o),
+        );
+    }
+
+    // The CUDA kernels on CUDA tensors.
+    let gpu = Device::Cuda(cuda.ordinal());
+    let (mut pc, mut mc, mut vc, gc) =
+        (p0.to_device(gpu), p0.zeros_like().to_device(gpu), p0.zeros_like().to_device(gpu), g.to_device(gpu));
+    let mut outc = Tensor::zeros([n], (Kind::BFloat16, gpu));
+    let backend = Backend::Cuda(cuda.clone());
+    for step in 1..=3 {
+        let mut lent =
+            lend_cuda(&cuda, [("p", &mut pc), ("m", &mut mc), ("v", &mut vc), ("out", &mut outc)], [("g", &gc)])
+                .unwrap();
+        let ([p, m, v, o], [g]) = lent.buffers();
+        backend.adamw_step(p, g, m, v, Some(o), &config, step).unwrap();
+    }
+    for (cpu, gpu, name) in
+        [(&p, &pc, "params"), (&m, &mc, "exp_avg"), (&v, &vc, "exp_avg_sq"), (&out, &outc, "bf16 copy")]
+    {
+        assert_eq!(bits(gpu), bits(cpu), "{name}");
+    }
+
+    // A cast from an f32 CUDA tensor into an f16 one equals libtorch's own rounding.
+    let mut halves = Tensor::zeros([n], (Kind::Half, gpu));
+    {
+        let mut lent = lend_cuda(&cuda, [("halves", &mut halves)], [("params", &pc)]).unwrap();
+        let ([dst], [src]) = lent.buffers();
+        backend.cast(src, dst).unwrap();
+    }
+    assert_eq!(bits(&halves), bits(&pc.to_kind(Kind::Half)));
+}
+
+#[test]
+fn a_cuda_lend_refuses_a_tensor_on_another_device() {
+    let Some(cuda) = backend_or_skip("a_cuda_lend_refuses_a_tensor_on_another_device") else {
+        return;
+    };
+    let mut on_cpu = Tensor::zeros([4], (Kind::Float, Device::Cpu));
+    let err = lend_cuda(&cuda, [("p", &mut on_cpu)], []).map(drop).unwrap_err();
+    assert!(err.to_string().contains("lend_cuda"), "{err}");
+}
