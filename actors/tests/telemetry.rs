@@ -108,6 +108,7 @@ async fn a_daemon_serves_prometheus_metrics_and_the_status_json_of_troupe_status
         vec!["cluster", "add-node", "node-a", "--dir", certs_arg],
         vec!["cluster", "add-node", "node-b", "--dir", certs_arg],
         vec!["cluster", "add-node", "client", "--dir", certs_arg],
+        vec!["cluster", "add-node", "viewer", "--dir", certs_arg],
     ] {
         ok(&troupe(&args, WAIT), &args.join(" "));
     }
@@ -185,6 +186,41 @@ async fn a_daemon_serves_prometheus_metrics_and_the_status_json_of_troupe_status
         ok(&troupe(&["status", "--cluster", &addr_arg, "--certs", certs_arg, "--as", "client"], WAIT), "status");
     assert!(table.lines().any(|l| l.starts_with("NODE") && l.contains("ADDRESS")), "{table}");
     assert!(table.lines().any(|l| l.contains("scraped") && l.contains("finished") && l.contains("3/3")), "{table}");
+    assert!(!table.contains("ranks:"), "a finished job has no ranks: {table}");
+
+    // A running job: /status and the table give each rank's node, replica, state and committed step.
+    let client = Client::connect(addr, &identity).await.unwrap();
+    let mut job = client.submit(Job::new(JobConfig::small(100_000)).name("long")).await.unwrap();
+    tokio::time::timeout(WAIT, async {
+        while let Some(event) = job.next_event().await.unwrap() {
+            if let JobEvent::Step { step: 2, .. } = event {
+                return;
+            }
+        }
+    })
+    .await
+    .expect("two steps within a minute");
+    let (_, body) = get(metrics, "/status", Duration::from_secs(10)).await.unwrap();
+    let served: Value = serde_json::from_str(&body).unwrap();
+    let ranks = served["jobs"][1]["ranks"].as_array().unwrap_or_else(|| panic!("no ranks: {body}"));
+    let rows: Vec<(&str, u64, u64, &str)> = ranks
+        .iter()
+        .map(|r| {
+            let n = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}"));
+            (r["node"].as_str().unwrap(), n("rank"), n("replica"), r["state"].as_str().unwrap())
+        })
+        .collect();
+    assert_eq!(rows, [("node-a", 0, 0, "training"), ("node-b", 1, 1, "training")], "{body}");
+    assert!(ranks.iter().all(|r| r["step"].as_u64().unwrap() >= 2 && r["stage"].is_null()), "{body}");
+    let args = ["status", "--cluster", &addr_arg, "--certs", certs_arg, "--as", "viewer"];
+    let table = ok(&troupe(&args, WAIT), "status");
+    let after = table.split("job 2 (long) ranks:").nth(1).unwrap_or_else(|| panic!("no rank table: {table}"));
+    let header: Vec<&str> = after.lines().nth(1).unwrap().split_whitespace().collect();
+    assert_eq!(header, ["RANK", "NODE", "SLOT", "REPLICA", "STATE", "STEP"], "no STAGE column for data parallelism");
+    let row: Vec<&str> = after.lines().nth(3).unwrap().split_whitespace().collect();
+    assert_eq!(row[..5], ["1", "node-b", "0", "1", "training"], "{table}");
+    job.cancel().await.unwrap();
+    job.close().await;
 }
 
 #[test]

@@ -112,6 +112,12 @@ fn print_status(s: &ClusterStatus) {
 }
 
 fn print_jobs(jobs: &[JobInfo]) {
+    print!("{}", render_jobs(jobs));
+}
+
+/// The jobs table, then for each job that is not over a table of its slots: rank, node, slot, stage
+/// (pipelines), replica, state and last committed step.
+fn render_jobs(jobs: &[JobInfo]) -> String {
     let mut table = Table::new(&["JOB", "NAME", "STATE", "STEP", "WORLD", "EPOCH", "ATTEMPTS", "LOSS"]);
     for j in jobs {
         let state = serde_json::to_value(j.state).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
@@ -126,10 +132,34 @@ fn print_jobs(jobs: &[JobInfo]) {
             j.last_loss.map_or("-".into(), |l| format!("{l:.4}")),
         ]);
     }
-    print!("{}", table.render());
+    let mut out = table.render();
     for j in jobs.iter().filter(|j| j.reason.is_some()) {
-        println!("job {}: {}", j.id, j.reason.as_deref().unwrap_or_default());
+        out.push_str(&format!("job {}: {}\n", j.id, j.reason.as_deref().unwrap_or_default()));
     }
+    let dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+    for j in jobs.iter().filter(|j| !j.ranks.is_empty()) {
+        let pipeline = j.ranks.iter().any(|r| r.stage.is_some());
+        let mut header = vec!["RANK", "NODE", "SLOT"];
+        if pipeline {
+            header.push("STAGE");
+        }
+        header.extend(["REPLICA", "STATE", "STEP"]);
+        let mut ranks = Table::new(&header);
+        for r in &j.ranks {
+            let mut row = vec![dash(r.rank.map(|x| x.to_string())), r.node.clone(), r.slot.to_string()];
+            if pipeline {
+                row.push(dash(r.stage.map(|x| x.to_string())));
+            }
+            row.extend([
+                dash(r.replica.map(|x| x.to_string())),
+                r.state.name().into(),
+                dash(r.step.map(|x| x.to_string())),
+            ]);
+            ranks.row(row);
+        }
+        out.push_str(&format!("\njob {} ({}) ranks:\n{}", j.id, j.name, ranks.render()));
+    }
+    out
 }
 
 #[derive(Debug, clap::Subcommand)]
@@ -205,4 +235,53 @@ pub fn job(command: JobCommand) -> anyhow::Result<()> {
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::JobState;
+    use crate::runtime::protocol::{RankInfo, RankState};
+
+    #[test]
+    fn the_jobs_table_lists_each_running_jobs_slots() {
+        let rank = |node: &str, rank, stage, state, step| RankInfo {
+            node: node.into(),
+            slot: 0,
+            rank,
+            stage,
+            replica: rank.map(|_| 0),
+            state,
+            step,
+        };
+        let job = JobInfo {
+            id: 3,
+            name: "pipe".into(),
+            state: JobState::Running,
+            step: 12,
+            total_steps: 100,
+            epoch: 2,
+            world: 2,
+            attempts: 1,
+            last_loss: Some(3.25),
+            reason: None,
+            events: 40,
+            ranks: vec![
+                rank("node-a", Some(0), Some(0), RankState::Training, Some(12)),
+                rank("node-b", Some(1), Some(1), RankState::Training, Some(12)),
+                rank("node-c", None, None, RankState::Spare, None),
+            ],
+        };
+        let text = render_jobs(&[job]);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines[1].split_whitespace().collect::<Vec<_>>(),
+            ["3", "pipe", "running", "12/100", "2", "2", "1", "3.2500"]
+        );
+        assert_eq!(lines[3], "job 3 (pipe) ranks:");
+        let cells = |l: &str| l.split_whitespace().map(str::to_owned).collect::<Vec<_>>();
+        assert_eq!(cells(lines[4]), ["RANK", "NODE", "SLOT", "STAGE", "REPLICA", "STATE", "STEP"]);
+        assert_eq!(cells(lines[6]), ["1", "node-b", "0", "1", "0", "training", "12"]);
+        assert_eq!(cells(lines[7]), ["-", "node-c", "0", "-", "-", "spare", "-"]);
+    }
 }

@@ -204,6 +204,7 @@ mod tests {
             last_loss: Some(1.5),
             reason: None,
             events: 0,
+            ranks: vec![],
         }
     }
 

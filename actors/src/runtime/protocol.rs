@@ -135,6 +135,56 @@ pub struct JobInfo {
     /// for those after the ones it saw.
     #[serde(default)]
     pub events: u64,
+    /// Every slot the job uses or could use while it is not over: its attempt's ranks, then the spare
+    /// slots of the view (none once it ended; absent from older controllers).
+    #[serde(default)]
+    pub ranks: Vec<RankInfo>,
+}
+
+/// A slot of a job as the controller sees it (`troupe status`, `/status`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankInfo {
+    pub node: String,
+    pub slot: u32,
+    /// Its rank in the job's attempt; None for a spare or a slot waiting for the job to start.
+    pub rank: Option<usize>,
+    /// The pipeline stage it runs (pipeline jobs only).
+    pub stage: Option<usize>,
+    /// Which data-parallel replica it is: of the model (data-parallel jobs) or of the pipeline.
+    pub replica: Option<usize>,
+    pub state: RankState,
+    /// The last committed step it holds, as far as the controller knows (it said so when it last got
+    /// ready, raised by every commit since while it is a rank); None: it never held the job's state.
+    pub step: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RankState {
+    /// A rank of the job's first attempt, getting ready (data plane, state).
+    Starting,
+    /// A rank of a later attempt, from its preparation until the attempt's first commit (state copied or
+    /// resharded, the data plane connected again).
+    Recovering,
+    /// A rank of an attempt that runs steps.
+    Training,
+    /// A slot of the view that the job does not use now (a cap, or a pipeline's whole stages); it keeps
+    /// any state it held.
+    Spare,
+    /// A slot of the view while the job waits for enough nodes (`elastic.min_nodes`).
+    Waiting,
+}
+
+impl RankState {
+    pub fn name(self) -> &'static str {
+        match self {
+            RankState::Starting => "starting",
+            RankState::Recovering => "recovering",
+            RankState::Training => "training",
+            RankState::Spare => "spare",
+            RankState::Waiting => "waiting",
+        }
+    }
 }
 
 /// The typed events a job streams (`troupe train --json` prints them, the job API yields them).

@@ -432,6 +432,7 @@ mod tests {
                 last_loss: Some(2.5),
                 reason: None,
                 events: 0,
+                ranks: vec![],
             }],
             refused_stale: 1,
             changes: vec![],
