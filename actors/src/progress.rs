@@ -16,6 +16,37 @@ fn mib(bytes: u64) -> f64 {
     (bytes as f64 / 1048576.0 * 10.0).round() / 10.0
 }
 
+/// A bar over `total` bytes on an interactive stderr (none with `--json` or in a log).
+pub fn bytes_bar(json: bool, total: u64, what: &str) -> Option<ProgressBar> {
+    (!json && std::io::stderr().is_terminal()).then(|| {
+        let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+        let template = format!("{what} {{wide_bar}} {{bytes}}/{{total_bytes}} {{bytes_per_sec}} [{{eta}}]");
+        bar.set_style(ProgressStyle::with_template(&template).expect("valid template"));
+        bar
+    })
+}
+
+/// A spinner with a message on stderr while it lives, for work that reports no progress of its own.
+#[derive(Debug)]
+pub struct Spinner(ProgressBar);
+
+impl Drop for Spinner {
+    fn drop(&mut self) {
+        self.0.finish_and_clear();
+    }
+}
+
+/// A [`Spinner`] on an interactive stderr (none with `--json` or in a log).
+pub fn spinner(json: bool, message: String) -> Option<Spinner> {
+    (!json && std::io::stderr().is_terminal()).then(|| {
+        let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
+        bar.set_style(ProgressStyle::with_template("{spinner} {msg} [{elapsed}]").expect("valid template"));
+        bar.set_message(message);
+        bar.enable_steady_tick(Duration::from_millis(120));
+        Spinner(bar)
+    })
+}
+
 /// One committed step, as reported.
 #[derive(Clone, Debug)]
 pub struct StepEvent {

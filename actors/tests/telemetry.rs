@@ -62,11 +62,13 @@ impl Drop for DaemonProcess {
     }
 }
 
-/// Starts `troupe daemon --config node.toml`; its control and metrics addresses, from what it prints.
-fn start_daemon(config: &Path) -> (DaemonProcess, SocketAddr, SocketAddr) {
+/// Starts `troupe daemon --config node.toml` (with `--json` if `json`); its control and metrics
+/// addresses, from what it prints: two lines, or one JSON object.
+fn start_daemon(config: &Path, json: bool) -> (DaemonProcess, SocketAddr, SocketAddr) {
     let mut child = Command::new(common::binary())
         .args(["daemon", "--exit-with-parent", "--config"])
         .arg(config)
+        .args(json.then_some("--json"))
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -81,6 +83,13 @@ fn start_daemon(config: &Path) -> (DaemonProcess, SocketAddr, SocketAddr) {
         }
     });
     let line = || rx.recv_timeout(Duration::from_secs(30)).expect("the daemon prints its addresses within 30 s");
+    if json {
+        let started: Value = serde_json::from_str(&line()).expect("one JSON object");
+        assert_eq!(started["event"], "daemon", "{started}");
+        assert!(started["node"].is_string(), "{started}");
+        let metrics = started["metrics"].as_str().unwrap().trim_start_matches("http://").trim_end_matches("/metrics");
+        return (daemon, started["listen"].as_str().unwrap().parse().unwrap(), metrics.parse().unwrap());
+    }
     let listen = line();
     let metrics = line();
     let addr = |l: &str| {
@@ -122,8 +131,8 @@ async fn a_daemon_serves_prometheus_metrics_and_the_status_json_of_troupe_status
         std::fs::write(&config, text).unwrap();
         config
     };
-    let (_a, addr, metrics) = start_daemon(&node_toml("node-a", None));
-    let (_b, _, _) = start_daemon(&node_toml("node-b", Some(addr)));
+    let (_a, addr, metrics) = start_daemon(&node_toml("node-a", None), false);
+    let (_b, _, _) = start_daemon(&node_toml("node-b", Some(addr)), true);
 
     let identity = NodeIdentity::load(&certs, "client").unwrap();
     common::wait_for(Duration::from_secs(20), "node-b to join", || async {

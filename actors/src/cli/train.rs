@@ -10,7 +10,7 @@ use troupe_model::config::JobConfig;
 use troupe_model::trainer::configure_torch_threads;
 use troupe_model::Trainer;
 
-use crate::progress::{Reporter, StepEvent};
+use crate::progress::{spinner, Reporter, StepEvent};
 use crate::telemetry::{PhaseRecorder, RunDir};
 
 #[derive(Debug, clap::Args)]
@@ -149,7 +149,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     }
     let threads = configure_torch_threads(config.train.torch_threads, 1);
     let mut trainer = match &args.resume {
-        Some(path) => Trainer::resume(config.clone(), &resolve_resume(path)?)?,
+        Some(path) => {
+            let dir = resolve_resume(path)?;
+            let _restoring = spinner(args.json, format!("restoring {}", dir.display()));
+            Trainer::resume(config.clone(), &dir)?
+        }
         None => Trainer::new(config.clone())?,
     };
     let total = config.train.steps;

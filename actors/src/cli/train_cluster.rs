@@ -11,7 +11,7 @@ use troupe_model::config::JobConfig;
 
 use super::train::TrainArgs;
 use crate::api::{Client, DataPlane, Job, JobEvent, JobHandle, LocalCluster, LocalClusterOptions};
-use crate::progress::{Reporter, StepEvent};
+use crate::progress::{spinner, Reporter, StepEvent};
 use crate::telemetry::RunDir;
 
 /// How long an interrupted run waits for the controller to confirm the cancellation, and for the
@@ -51,7 +51,9 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
             let started = Instant::now();
             let mut options = LocalClusterOptions::new(nodes);
             options.torch_threads = config.train.torch_threads;
+            let starting = spinner(args.json, format!("starting a local cluster of {nodes} daemons on loopback"));
             let cluster = LocalCluster::processes(&binary, options).await?;
+            drop(starting);
             if !args.json {
                 println!(
                     "troupe: local cluster of {nodes} daemons on loopback up in {:.1} s (controller {})",
