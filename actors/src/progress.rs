@@ -65,6 +65,8 @@ pub struct StepEvent {
     pub skipped: bool,
     /// The loss scale the step's backward ran at (1 unless fp16).
     pub loss_scale: f64,
+    /// Pipelines: the step's bubble (idle over device time in its schedule).
+    pub bubble: Option<f64>,
 }
 
 #[derive(Debug)]
@@ -136,13 +138,30 @@ impl Reporter {
         }
     }
 
+    /// A durable checkpoint of `step`: `bytes` written (0: unknown) in `seconds`.
+    pub fn checkpoint(&self, step: u64, path: &std::path::Path, seconds: f64, bytes: u64) {
+        let rate = if bytes > 0 && seconds > 0.0 {
+            format!(", {:.1} MiB at {:.0} MiB/s", mib(bytes), bytes as f64 / 1048576.0 / seconds)
+        } else {
+            String::new()
+        };
+        self.event(
+            "checkpoint",
+            json!({ "step": step, "path": path, "seconds": seconds, "bytes": bytes }),
+            &format!("checkpoint: step {step} saved to {} in {seconds:.2} s{rate}", path.display()),
+        );
+    }
+
     pub fn step(&self, e: &StepEvent) {
-        let object = json!({
+        let mut object = json!({
             "event": "step", "step": e.step, "loss": e.loss, "tokens_per_s": e.tokens_per_s,
             "epoch": e.epoch, "world": e.world, "lr": e.lr, "grad_norm": e.grad_norm,
             "peak_rss_mib_per_rank": e.peak_rss_bytes.iter().map(|&b| mib(b)).collect::<Vec<f64>>(),
             "skipped": e.skipped, "loss_scale": e.loss_scale,
         });
+        if let (Some(bubble), Some(fields)) = (e.bubble, object.as_object_mut()) {
+            fields.insert("bubble".into(), json!(bubble));
+        }
         if e.skipped {
             self.skipped.fetch_add(1, Ordering::Relaxed);
         }
@@ -164,8 +183,9 @@ impl Reporter {
             let peak =
                 e.peak_rss_bytes.iter().copied().max().map_or(String::new(), |b| format!("  peak {:.0} MiB", mib(b)));
             let scale = if e.loss_scale != 1.0 { format!("  loss-scale {}", e.loss_scale) } else { String::new() };
+            let bubble = e.bubble.map_or(String::new(), |b| format!("  bubble {:.0}%", b * 100.0));
             self.say(&format!(
-                "step {:>6}/{}  loss {:.4}  lr {:.2e}  grad-norm {:.3}  {:.0} tokens/s{peak}{scale}",
+                "step {:>6}/{}  loss {:.4}  lr {:.2e}  grad-norm {:.3}  {:.0} tokens/s{bubble}{peak}{scale}",
                 e.step, self.total_steps, e.loss, e.lr, e.grad_norm, e.tokens_per_s
             ));
         }

@@ -363,7 +363,8 @@ fn a_two_node_run_dir_gives_a_timeline_per_rank_a_perfetto_trace_and_a_loss_plot
 }
 
 /// A pipeline across two daemons records every op of every step as a span: each rank's forwards and
-/// backwards of its own chunk for every micro-batch, its sends and receives, then the flush.
+/// backwards of its own chunk for every micro-batch, its sends and receives, then the flush. The
+/// timeline names each row by its stage and draws its waiting as idle; `--steps` draws one step.
 #[test]
 fn a_pipeline_run_on_two_daemons_records_each_stages_ops() {
     let dir = tempfile::tempdir().unwrap();
@@ -388,10 +389,29 @@ fn a_pipeline_run_on_two_daemons_records_each_stages_ops() {
         assert_eq!(recvs, 6, "rank {rank} receives from its neighbour once per micro-batch and step");
         assert_eq!(named("flush"), 3, "rank {rank}");
         let cats: Vec<&str> = of_rank.iter().map(|e| e["cat"].as_str().unwrap()).collect();
-        for cat in ["forward", "backward", "comm", "optimizer"] {
+        for cat in ["forward", "backward", "comm", "optimizer", "idle"] {
             assert!(cats.contains(&cat), "rank {rank} has no {cat} span: {cats:?}");
         }
+        let recv_cats: Vec<&str> = of_rank
+            .iter()
+            .filter(|e| e["name"].as_str().unwrap().starts_with("recv"))
+            .map(|e| e["cat"].as_str().unwrap())
+            .collect();
+        assert!(recv_cats.iter().all(|c| *c == "idle"), "a receive waits: drawn as idle: {recv_cats:?}");
     }
+    let svg = std::fs::read_to_string(run.join("timeline.svg")).unwrap();
+    let labels: Vec<String> = groups(&svg, "row").iter().map(|(d, _)| data(d, "label").to_owned()).collect();
+    assert_eq!(labels, ["stage 0", "stage 1"]);
+
+    let part = dir.path().join("step2.svg");
+    ok(&troupe(&["trace", run_arg, "--steps", "2", "--svg", part.to_str().unwrap()], WAIT), "trace --steps");
+    let rows = groups(&std::fs::read_to_string(&part).unwrap(), "row");
+    for (d, cats) in &rows {
+        let forwards = cats.iter().filter(|c| *c == "forward").count();
+        assert_eq!(forwards, 2, "{}: step 2's two micro-batches only: {cats:?}", data(d, "label"));
+    }
+    let none = troupe(&["trace", run_arg, "--steps", "7..9"], WAIT);
+    assert!(String::from_utf8_lossy(&none.stderr).contains("steps 1..3"), "{}", String::from_utf8_lossy(&none.stderr));
 }
 
 #[test]

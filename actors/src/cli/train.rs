@@ -211,6 +211,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             peak_rss_bytes: vec![crate::telemetry::memory::peak_rss_bytes()],
             skipped: report.skipped,
             loss_scale: report.loss_scale,
+            bubble: None,
         });
         let every = config.checkpoint.every_steps;
         let due = trainer.step == total || (every > 0 && trainer.step % every == 0);
@@ -248,13 +249,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
 /// A synchronous save (the single process has nothing to overlap it with but its next step).
 fn save_checkpoint(trainer: &Trainer, store: &CheckpointStore, reporter: &Reporter) -> anyhow::Result<()> {
     let t0 = Instant::now();
-    let path = store.save(&TrainingState::snapshot(trainer), &Layout::ddp(1))?.path;
-    let seconds = t0.elapsed().as_secs_f64();
-    reporter.event(
-        "checkpoint",
-        json!({ "step": trainer.step, "path": path, "seconds": seconds }),
-        &format!("checkpoint: step {} saved to {} in {seconds:.2} s", trainer.step, path.display()),
-    );
+    let saved = store.save(&TrainingState::snapshot(trainer), &Layout::ddp(1))?;
+    let bytes = if saved.kept_existing { 0 } else { saved.bytes };
+    reporter.checkpoint(trainer.step, &saved.path, t0.elapsed().as_secs_f64(), bytes);
     Ok(())
 }
 

@@ -109,6 +109,7 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
                 epoch,
                 world: w,
                 peak_rss_bytes,
+                bubble,
             } => {
                 world = w;
                 first_loss.get_or_insert(loss);
@@ -129,6 +130,7 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
                     peak_rss_bytes,
                     skipped,
                     loss_scale,
+                    bubble,
                 };
                 reporter.step(&event);
             }
@@ -157,11 +159,7 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
                     ),
                 )
             }
-            JobEvent::Checkpoint { step, path, seconds } => reporter.event(
-                "checkpoint",
-                json!({ "step": step, "path": path, "seconds": seconds }),
-                &format!("checkpoint: step {step} saved to {} in {seconds:.2} s", path.display()),
-            ),
+            JobEvent::Checkpoint { step, path, seconds, bytes } => reporter.checkpoint(step, &path, seconds, bytes),
             JobEvent::RolledBack { from_step, to_step } => reporter.event(
                 "rollback",
                 json!({ "from_step": from_step, "to_step": to_step }),
@@ -174,9 +172,9 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
                 json!({ "path": path }),
                 &format!("saved final parameters to {}", path.display()),
             ),
-            JobEvent::Phases { rank, node, attempt, step, spans } => reporter.record_only(
+            JobEvent::Phases { rank, node, attempt, step, spans, stage } => reporter.record_only(
                 "phases",
-                json!({ "rank": rank, "node": node, "attempt": attempt, "step": step, "spans": spans }),
+                json!({ "rank": rank, "node": node, "attempt": attempt, "step": step, "spans": spans, "stage": stage }),
             ),
             JobEvent::Finished { steps, .. } => break Ok(steps),
             JobEvent::Failed { reason } => break Err(anyhow::anyhow!("the job failed: {reason}")),

@@ -21,7 +21,7 @@ pub use config::{NodeConfig, NodeConfigError, SLOTS_MAX};
 use crate::runtime::node::{actor_scope, NodeActor, NodeArgs, NodeMsg};
 use crate::runtime::protocol::ClusterStatus;
 use crate::runtime::worker::WorkerMsg;
-use crate::telemetry::{endpoint, http, otel, NodeMetrics};
+use crate::telemetry::{endpoint, http, otel, otel_metrics, NodeMetrics};
 
 /// How long a drain may take before the daemon exits anyway.
 const DRAIN_TIMEOUT_MS: u64 = 5_000;
@@ -63,6 +63,7 @@ impl Daemon {
         let name = config.name.clone();
         let stop_reason = Arc::new(std::sync::Mutex::new(None));
         let metrics = Arc::new(NodeMetrics::new(config.telemetry.peak_tflops_per_slot));
+        otel_metrics::observe_links(metrics.clone());
         let args = NodeArgs {
             config,
             identity: Arc::new(identity),

@@ -17,7 +17,7 @@ use troupe_cluster::transport::quic::PeerInfo;
 use troupe_model::optim::learning_rate;
 
 use super::protocol::{
-    AttemptOutcome, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, RankInfo, RankSlot, RankState,
+    AttemptOutcome, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, RankInfo, RankSlot, RankState, StageTime,
     StepFigures, Wire,
 };
 
@@ -526,6 +526,8 @@ impl JobDriver {
             return;
         }
         let StepFigures { loss, grad_norm, skipped, loss_scale, .. } = votes[0].expect("all voted");
+        let stage_times: Vec<_> = votes.iter().map(|v| v.and_then(|v| v.stage_time)).collect();
+        let bubble = StageTime::bubble(&stage_times);
         let peak_rss_bytes: Vec<u64> = votes.iter_mut().map(|v| v.take().map_or(0, |v| v.peak_rss_bytes)).collect();
         let seconds = now.saturating_sub(self.last_commit_at).as_secs_f64();
         self.last_commit_at = now;
@@ -552,6 +554,7 @@ impl JobDriver {
             epoch: self.epoch,
             world: ranks.len(),
             peak_rss_bytes,
+            bubble,
         }));
         if self.committed < self.spec.config.train.steps {
             self.actions.push_back(DriverAction::StepBoundary);
@@ -608,9 +611,9 @@ impl JobDriver {
     }
 
     /// Rank 0 committed a durable checkpoint.
-    pub fn on_checkpoint(&mut self, attempt: u64, step: u64, path: std::path::PathBuf, seconds: f64) {
+    pub fn on_checkpoint(&mut self, attempt: u64, step: u64, path: std::path::PathBuf, seconds: f64, bytes: u64) {
         if attempt == self.attempt && !self.state.is_terminal() {
-            self.actions.push_back(DriverAction::Event(JobEvent::Checkpoint { step, path, seconds }));
+            self.actions.push_back(DriverAction::Event(JobEvent::Checkpoint { step, path, seconds, bytes }));
         }
     }
 

@@ -31,12 +31,41 @@ pub struct StepFigures {
     /// Peak resident memory of the rank's process so far (VmHWM), in bytes.
     #[serde(default)]
     pub peak_rss_bytes: u64,
+    /// A pipeline rank's schedule of the step: how long it ran and how much of it computed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage_time: Option<StageTime>,
 }
 
 impl StepFigures {
     /// An fp32 step's figures (no loss scale, not skipped, no memory figure).
     pub fn new(loss: f64, grad_norm: f64) -> Self {
-        Self { loss, grad_norm, skipped: false, loss_scale: 1.0, peak_rss_bytes: 0 }
+        Self { loss, grad_norm, skipped: false, loss_scale: 1.0, peak_rss_bytes: 0, stage_time: None }
+    }
+}
+
+/// Where a pipeline rank's time went in one step's schedule, measured from the step's start on the
+/// rank (durations only: no clock is compared across hosts).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StageTime {
+    /// From the step's start to the end of the rank's last op (F, B, W, send or receive); the flush
+    /// after it is left out.
+    pub span_s: f64,
+    /// Of which computing: the F, B and W ops.
+    pub busy_s: f64,
+}
+
+impl StageTime {
+    /// The step's bubble over the ranks that report one: idle device time over device time, in the
+    /// window of the slowest rank (ranks start a step together, when its commit reaches them, so the
+    /// window is the step's schedule on every rank). None when a rank did not report (not a pipeline).
+    pub fn bubble(times: &[Option<StageTime>]) -> Option<f64> {
+        let times: Vec<StageTime> = times.iter().copied().collect::<Option<_>>()?;
+        let window = times.iter().map(|t| t.span_s).fold(0.0, f64::max);
+        if times.is_empty() || window <= 0.0 {
+            return None;
+        }
+        let idle: f64 = times.iter().map(|t| (window - t.busy_s.min(window)).max(0.0)).sum();
+        Some(idle / (window * times.len() as f64))
     }
 }
 
@@ -227,6 +256,10 @@ pub enum JobEvent {
         /// by rank.
         #[serde(default)]
         peak_rss_bytes: Vec<u64>,
+        /// Pipeline jobs: the step's bubble, idle over all device time in its schedule
+        /// ([`StageTime::bubble`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        bubble: Option<f64>,
     },
     /// The cluster's membership changed under the job; the running attempt (if any) was aborted.
     Membership {
@@ -245,6 +278,10 @@ pub enum JobEvent {
         step: u64,
         path: PathBuf,
         seconds: f64,
+        /// Bytes of the shard files written (0 when the step's directory already held it, and from
+        /// older controllers).
+        #[serde(default)]
+        bytes: u64,
     },
     /// Every rank that held the last committed state is gone: the job continues from the latest durable
     /// checkpoint, redoing the steps after it (same samples, same trajectory).
@@ -271,6 +308,9 @@ pub enum JobEvent {
         attempt: u64,
         step: u64,
         spans: Vec<PhaseSpan>,
+        /// The pipeline stage the rank ran (pipeline jobs only).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stage: Option<usize>,
     },
 }
 
@@ -370,6 +410,9 @@ pub enum Wire {
         step: u64,
         path: PathBuf,
         seconds: f64,
+        /// Bytes written (0 from an older node).
+        #[serde(default)]
+        bytes: u64,
     },
     /// Where a rank's time went in `step` (jobs with `trace` only).
     Phases {
@@ -379,6 +422,9 @@ pub enum Wire {
         rank: usize,
         step: u64,
         spans: Vec<PhaseSpan>,
+        /// The pipeline stage the rank runs (pipeline jobs only; absent from older nodes).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stage: Option<usize>,
     },
 
     // controller → node
@@ -516,6 +562,21 @@ impl Wire {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// GPipe on 2 stages and 2 micro-batches of F = B = 1: each stage computes 4 of a 6-unit schedule
+    /// (stage 0 ends last), so 2 × 2 of 12 device-units idle: (p−1)/(m+p−1) = 1/3. A rank without a
+    /// report (not a pipeline) gives no bubble.
+    #[test]
+    fn the_bubble_is_idle_over_device_time_in_the_slowest_ranks_window() {
+        let t = |span_s, busy_s| Some(StageTime { span_s, busy_s });
+        let bubble = StageTime::bubble(&[t(6.0, 4.0), t(5.0, 4.0)]).unwrap();
+        assert!((bubble - 1.0 / 3.0).abs() < 1e-12, "{bubble}");
+        assert_eq!(StageTime::bubble(&[t(2.0, 2.0), t(2.0, 2.0)]), Some(0.0));
+        assert_eq!(StageTime::bubble(&[t(6.0, 4.0), None]), None);
+        assert_eq!(StageTime::bubble(&[]), None);
+        let old = br#"{"loss":1.0,"grad_norm":2.0}"#;
+        assert_eq!(serde_json::from_slice::<StepFigures>(old).unwrap(), StepFigures::new(1.0, 2.0));
+    }
 
     /// A `Join` names the node's incarnation; one from a node that does not (an older version) still
     /// decodes, with none (the controller then takes any join of a member for a restart, as before).
