@@ -191,10 +191,15 @@ impl Reporter {
         }
     }
 
+    /// The steps the run trains for.
+    pub fn total_steps(&self) -> u64 {
+        self.total_steps
+    }
+
     /// Ends the bar and prints the summary (`{"event":"summary", ...}` or `line`).
     /// With a run directory, then writes its trace and says where the run was recorded.
     /// Steps skipped for an fp16 overflow are added to both (`skipped_steps`).
-    pub fn finish(mut self, mut summary: Value, line: &str) {
+    pub fn finish(self, mut summary: Value, line: &str) {
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
         }
@@ -207,6 +212,15 @@ impl Reporter {
             line.push_str(&format!(" ({skipped} step(s) skipped for an fp16 overflow)"));
         }
         self.event("summary", summary, &line);
+        self.close();
+    }
+
+    /// Ends the bar without a summary (a run that did not finish); with a run directory, writes its
+    /// trace of what was recorded and says where.
+    pub fn close(mut self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
         let Some(dir) = self.run_dir.take().map(|d| d.into_inner().unwrap_or_else(|p| p.into_inner())) else {
             return;
         };

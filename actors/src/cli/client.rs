@@ -1,16 +1,20 @@
 //! `troupe status` and `troupe job submit|status|cancel`: clients of a running cluster.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use anyhow::{bail, Context};
 use serde_json::json;
 use troupe_cluster::NodeIdentity;
 use troupe_model::config::JobConfig;
 
+use super::follow::{conclude, follow, Mode, OnInterrupt, GOODBYE};
 use super::table::Table;
 use crate::api::{Client, ClusterStatus, Job, JobInfo};
 use crate::daemon::NodeConfig;
+use crate::progress::Reporter;
+use crate::telemetry::RunDir;
 
 /// Which cluster to talk to, and with which certificate.
 #[derive(Debug, clap::Args)]
@@ -162,15 +166,56 @@ fn render_jobs(jobs: &[JobInfo]) -> String {
     out
 }
 
+/// `troupe job submit`: submits the job, then (unless detached) follows it as `troupe train` does.
+async fn submit(
+    config: &Path,
+    detach: bool,
+    run_dir: Option<&Path>,
+    log_every: u64,
+    cluster: &ClusterArgs,
+) -> anyhow::Result<()> {
+    let job_config = JobConfig::from_file(config)?;
+    let name = config.file_stem().map_or("job".into(), |s| s.to_string_lossy().into_owned());
+    let mode = Mode::of(&job_config);
+    let run_dir = run_dir.map(RunDir::create).transpose()?;
+    let job = Job::new(job_config).name(name).trace(run_dir.is_some());
+    let client = cluster.connect().await?;
+    let mut handle = client.submit(job).await?;
+    let id = handle.id();
+    let reporter = Reporter::new(cluster.json, 0, mode.total_steps, log_every).with_run_dir(run_dir);
+    let line = if detach {
+        format!("submitted job {id}; `troupe job status {id}` shows it, `troupe job cancel {id}` stops it")
+    } else {
+        format!("submitted job {id}; following it (Ctrl-C leaves it running)")
+    };
+    reporter.event("submitted", json!({ "job": id }), &line);
+    if detach {
+        handle.close().await;
+        return Ok(());
+    }
+    let started = Instant::now();
+    let followed = follow(&mut handle, &reporter, &mode, None, OnInterrupt::Detach).await;
+    let _ = tokio::time::timeout(GOODBYE, handle.close()).await;
+    conclude(reporter, followed?, started, None, id, true)
+}
+
 #[derive(Debug, clap::Subcommand)]
 pub enum JobCommand {
-    /// Submit a job config (TOML, as `troupe train --config`) and follow it until it ends.
+    /// Submit a job config (TOML, as `troupe train --config`) and follow it until it ends: progress and
+    /// a summary as `troupe train` prints them; exits non-zero when the job fails or is cancelled.
     Submit {
         #[arg(value_name = "job.toml")]
         config: PathBuf,
         /// Return once submitted instead of following the job.
         #[arg(long)]
         detach: bool,
+        /// Record the run here, as `troupe train --run-dir` does (the job's ranks report their step
+        /// phases): `troupe trace DIR` and `troupe plot DIR` draw it.
+        #[arg(long, value_name = "DIR", conflicts_with = "detach")]
+        run_dir: Option<PathBuf>,
+        /// Print a plain progress line every N steps (default: about 20 lines per run).
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        log_every: u64,
         #[command(flatten)]
         cluster: ClusterArgs,
     },
@@ -191,25 +236,8 @@ pub enum JobCommand {
 pub fn job(command: JobCommand) -> anyhow::Result<()> {
     runtime()?.block_on(async {
         match command {
-            JobCommand::Submit { config, detach, cluster } => {
-                let job_config = JobConfig::from_file(&config)?;
-                let name = config.file_stem().map_or("job".into(), |s| s.to_string_lossy().into_owned());
-                let job = Job::new(job_config).name(name);
-                let client = cluster.connect().await?;
-                let mut handle = client.submit(job).await?;
-                if cluster.json {
-                    println!("{}", json!({ "event": "submitted", "job": handle.id() }));
-                } else {
-                    println!("submitted job {}", handle.id());
-                }
-                if detach {
-                    handle.close().await;
-                    return Ok(());
-                }
-                while let Some(event) = handle.next_event().await? {
-                    println!("{}", serde_json::to_string(&event)?);
-                }
-                Ok(())
+            JobCommand::Submit { config, detach, run_dir, log_every, cluster } => {
+                submit(&config, detach, run_dir.as_deref(), log_every, &cluster).await
             }
             JobCommand::Status { id, cluster } => {
                 let mut client = cluster.connect().await?;
