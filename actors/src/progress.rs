@@ -16,6 +16,37 @@ fn mib(bytes: u64) -> f64 {
     (bytes as f64 / 1048576.0 * 10.0).round() / 10.0
 }
 
+/// A bar over `total` bytes on an interactive stderr (none with `--json` or in a log).
+pub fn bytes_bar(json: bool, total: u64, what: &str) -> Option<ProgressBar> {
+    (!json && std::io::stderr().is_terminal()).then(|| {
+        let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+        let template = format!("{what} {{wide_bar}} {{bytes}}/{{total_bytes}} {{bytes_per_sec}} [{{eta}}]");
+        bar.set_style(ProgressStyle::with_template(&template).expect("valid template"));
+        bar
+    })
+}
+
+/// A spinner with a message on stderr while it lives, for work that reports no progress of its own.
+#[derive(Debug)]
+pub struct Spinner(ProgressBar);
+
+impl Drop for Spinner {
+    fn drop(&mut self) {
+        self.0.finish_and_clear();
+    }
+}
+
+/// A [`Spinner`] on an interactive stderr (none with `--json` or in a log).
+pub fn spinner(json: bool, message: String) -> Option<Spinner> {
+    (!json && std::io::stderr().is_terminal()).then(|| {
+        let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
+        bar.set_style(ProgressStyle::with_template("{spinner} {msg} [{elapsed}]").expect("valid template"));
+        bar.set_message(message);
+        bar.enable_steady_tick(Duration::from_millis(120));
+        Spinner(bar)
+    })
+}
+
 /// One committed step, as reported.
 #[derive(Clone, Debug)]
 pub struct StepEvent {
@@ -34,6 +65,8 @@ pub struct StepEvent {
     pub skipped: bool,
     /// The loss scale the step's backward ran at (1 unless fp16).
     pub loss_scale: f64,
+    /// Pipelines: the step's bubble (idle over device time in its schedule).
+    pub bubble: Option<f64>,
 }
 
 #[derive(Debug)]
@@ -105,13 +138,30 @@ impl Reporter {
         }
     }
 
+    /// A durable checkpoint of `step`: `bytes` written (0: unknown) in `seconds`.
+    pub fn checkpoint(&self, step: u64, path: &std::path::Path, seconds: f64, bytes: u64) {
+        let rate = if bytes > 0 && seconds > 0.0 {
+            format!(", {:.1} MiB at {:.0} MiB/s", mib(bytes), bytes as f64 / 1048576.0 / seconds)
+        } else {
+            String::new()
+        };
+        self.event(
+            "checkpoint",
+            json!({ "step": step, "path": path, "seconds": seconds, "bytes": bytes }),
+            &format!("checkpoint: step {step} saved to {} in {seconds:.2} s{rate}", path.display()),
+        );
+    }
+
     pub fn step(&self, e: &StepEvent) {
-        let object = json!({
+        let mut object = json!({
             "event": "step", "step": e.step, "loss": e.loss, "tokens_per_s": e.tokens_per_s,
             "epoch": e.epoch, "world": e.world, "lr": e.lr, "grad_norm": e.grad_norm,
             "peak_rss_mib_per_rank": e.peak_rss_bytes.iter().map(|&b| mib(b)).collect::<Vec<f64>>(),
             "skipped": e.skipped, "loss_scale": e.loss_scale,
         });
+        if let (Some(bubble), Some(fields)) = (e.bubble, object.as_object_mut()) {
+            fields.insert("bubble".into(), json!(bubble));
+        }
         if e.skipped {
             self.skipped.fetch_add(1, Ordering::Relaxed);
         }
@@ -133,17 +183,23 @@ impl Reporter {
             let peak =
                 e.peak_rss_bytes.iter().copied().max().map_or(String::new(), |b| format!("  peak {:.0} MiB", mib(b)));
             let scale = if e.loss_scale != 1.0 { format!("  loss-scale {}", e.loss_scale) } else { String::new() };
+            let bubble = e.bubble.map_or(String::new(), |b| format!("  bubble {:.0}%", b * 100.0));
             self.say(&format!(
-                "step {:>6}/{}  loss {:.4}  lr {:.2e}  grad-norm {:.3}  {:.0} tokens/s{peak}{scale}",
+                "step {:>6}/{}  loss {:.4}  lr {:.2e}  grad-norm {:.3}  {:.0} tokens/s{bubble}{peak}{scale}",
                 e.step, self.total_steps, e.loss, e.lr, e.grad_norm, e.tokens_per_s
             ));
         }
     }
 
+    /// The steps the run trains for.
+    pub fn total_steps(&self) -> u64 {
+        self.total_steps
+    }
+
     /// Ends the bar and prints the summary (`{"event":"summary", ...}` or `line`).
     /// With a run directory, then writes its trace and says where the run was recorded.
     /// Steps skipped for an fp16 overflow are added to both (`skipped_steps`).
-    pub fn finish(mut self, mut summary: Value, line: &str) {
+    pub fn finish(self, mut summary: Value, line: &str) {
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
         }
@@ -156,6 +212,15 @@ impl Reporter {
             line.push_str(&format!(" ({skipped} step(s) skipped for an fp16 overflow)"));
         }
         self.event("summary", summary, &line);
+        self.close();
+    }
+
+    /// Ends the bar without a summary (a run that did not finish); with a run directory, writes its
+    /// trace of what was recorded and says where.
+    pub fn close(mut self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
         let Some(dir) = self.run_dir.take().map(|d| d.into_inner().unwrap_or_else(|p| p.into_inner())) else {
             return;
         };

@@ -149,3 +149,37 @@ fn a_corrupt_file_is_named_and_skipped_and_bad_paths_are_refused() {
     let err = String::from_utf8_lossy(&none.stderr);
     assert!(!none.status.success() && err.contains("no checkpoints here"), "{err}");
 }
+
+/// Runs `troupe ARGS` on a pseudo-terminal (`script`): what it drew on it, stdout and stderr together.
+fn on_a_terminal(args: &[&str]) -> String {
+    let command =
+        std::iter::once(env!("CARGO_BIN_EXE_troupe")).chain(args.iter().copied()).collect::<Vec<_>>().join(" ");
+    let out = Command::new("script").args(["-qec", &command, "/dev/null"]).output().expect("script runs");
+    assert!(out.status.success(), "{command}: {}", String::from_utf8_lossy(&out.stdout));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Long commands show what they are doing on a terminal — loading and writing for `checkpoint export`
+/// and `reshard` (then a bar of the bytes verified), restoring for `train --resume` — and never in JSON.
+#[test]
+fn on_a_terminal_checkpoint_commands_and_resume_show_progress_and_json_never_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("ckpt");
+    train(dir.path(), &root, 3, &[]);
+    let exported = dir.path().join("model.safetensors");
+    let drawn = on_a_terminal(&["checkpoint", "export", s(&root), "--out", s(&exported)]);
+    assert!(drawn.contains("loading ") && drawn.contains("writing "), "{drawn}");
+    let drawn =
+        on_a_terminal(&["checkpoint", "reshard", s(&root), "--shards", "2", "--out", s(&dir.path().join("r2"))]);
+    assert!(drawn.contains("loading ") && drawn.contains("verifying"), "{drawn}");
+    let config = dir.path().join("job.toml");
+    let resume = ["train", "--config", s(&config), "--steps", "4", "--resume", s(&root)];
+    let drawn = on_a_terminal(&resume);
+    assert!(drawn.contains(&format!("restoring {}", root.join("step-00000003").display())), "{drawn}");
+    let json = on_a_terminal(&[&resume[..], &["--json"]].concat());
+    for line in json.lines().filter(|l| !l.trim().is_empty()) {
+        serde_json::from_str::<Value>(line.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {line:?}"));
+    }
+    let json = on_a_terminal(&["checkpoint", "export", s(&root), "--out", s(&exported), "--json"]);
+    assert_eq!(json.trim().lines().count(), 1, "one JSON object and nothing drawn: {json:?}");
+}

@@ -181,8 +181,8 @@ async fn a_watcher_that_loses_its_connection_reconnects_and_misses_no_event() {
     let job = dir.path().join("watched.toml");
     std::fs::write(&job, format!("{SMALL_JOB}steps = {STEPS}\n")).unwrap();
     let mut child = Command::new(common::binary())
-        .args(["job", "submit", job.to_str().unwrap(), "--cluster", &cluster.addr().to_string(), "--as", "client"])
-        .arg("--certs")
+        .args(["job", "submit", "--json", job.to_str().unwrap(), "--cluster", &cluster.addr().to_string()])
+        .args(["--as", "client", "--certs"])
         .arg(cluster.certs_dir())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -213,7 +213,62 @@ async fn a_watcher_that_loses_its_connection_reconnects_and_misses_no_event() {
     let events: Vec<Value> = lines.iter().filter_map(|l| serde_json::from_str(l).ok()).collect();
     let steps: Vec<u64> = events.iter().filter(|e| e["event"] == "step").map(|e| e["step"].as_u64().unwrap()).collect();
     assert_eq!(steps, (1..=STEPS).collect::<Vec<_>>(), "every step once, in order");
-    assert_eq!(events.last().unwrap()["event"], "finished", "{lines:?}");
+    assert_eq!(events.last().unwrap()["event"], "summary", "{lines:?}");
+    assert_eq!(events.last().unwrap()["steps"], STEPS, "{lines:?}");
+    cluster.shutdown().await;
+}
+
+/// `troupe job submit` as people read it: the progress lines and summary of `troupe train`, a run
+/// directory that `troupe trace` and `troupe plot` draw; and a job that fails exits non-zero saying what
+/// happened and where to look.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_submit_reports_like_train_records_a_run_dir_and_fails_loudly() {
+    let cluster = common::processes(2).await;
+    let dir = tempfile::tempdir().unwrap();
+    let submit = |job: &std::path::Path, extra: &[&str]| {
+        Command::new(common::binary())
+            .args(["job", "submit"])
+            .arg(job)
+            .args(extra)
+            .args(["--cluster", &cluster.addr().to_string(), "--as", "client", "--certs"])
+            .arg(cluster.certs_dir())
+            .output()
+            .unwrap()
+    };
+    let job = dir.path().join("short.toml");
+    std::fs::write(&job, format!("{SMALL_JOB}steps = 4\n")).unwrap();
+    let run = dir.path().join("run");
+    let out = submit(&job, &["--run-dir", run.to_str().unwrap(), "--log-every", "1"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!stdout.contains("{\""), "no JSON without --json: {stdout}");
+    assert!(stdout.lines().any(|l| l.starts_with("submitted job ")), "{stdout}");
+    assert!(stdout.contains("running data-parallel on 2 rank(s)"), "{stdout}");
+    let steps = stdout.lines().filter(|l| l.starts_with("step ")).count();
+    assert_eq!(steps, 4, "a line per step with --log-every 1: {stdout}");
+    assert!(stdout.lines().any(|l| l.starts_with("done: 4 steps on 2 ranks")), "{stdout}");
+    assert!(stdout.contains(&format!("run recorded in {}", run.display())), "{stdout}");
+    let events = std::fs::read_to_string(run.join("events.jsonl")).unwrap();
+    assert_eq!(events.lines().filter(|l| l.contains("\"event\":\"phases\"")).count(), 8, "2 ranks × 4 steps");
+    for command in ["trace", "plot"] {
+        let drawn = Command::new(common::binary()).args([command, run.to_str().unwrap()]).output().unwrap();
+        assert!(drawn.status.success(), "troupe {command}: {}", String::from_utf8_lossy(&drawn.stderr));
+    }
+    assert!(run.join("timeline.svg").exists() && run.join("plot.svg").exists());
+
+    // Three nodes wanted, two offered, one second to wait: the job fails, and so does the command.
+    let job = dir.path().join("starved.toml");
+    std::fs::write(&job, format!("{SMALL_JOB}steps = 4\n[elastic]\nmin_nodes = 3\nwait_s = 1\n")).unwrap();
+    let out = submit(&job, &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a failed job fails the command");
+    assert!(stderr.contains("failed after step 0 of 4"), "{stderr}");
+    assert!(stderr.contains("elastic.min_nodes = 3") && stderr.contains("troupe job status"), "{stderr}");
+    let json = submit(&job, &["--json"]);
+    assert!(!json.status.success());
+    let last: Value = serde_json::from_str(String::from_utf8_lossy(&json.stdout).lines().last().unwrap()).unwrap();
+    assert_eq!(last["event"], "failed", "{last}");
+    assert!(last["reason"].as_str().unwrap().contains("elastic.wait_s"), "{last}");
     cluster.shutdown().await;
 }
 

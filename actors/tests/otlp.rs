@@ -1,8 +1,10 @@
 //! OpenTelemetry export: two `troupe daemon` processes configured with `telemetry.otlp_endpoint` send
-//! their spans over OTLP/HTTP to a receiver this test runs. A job runs on both, one daemon is SIGKILLed
-//! mid-run, and the receiver must see each committed step as a `step` span with its phases as children
-//! (compute, collective, commit wait, optimizer), carrying job, rank, epoch and node; the controller's
-//! `failure_detection`, `recovery` and `job` spans; and the resource naming the service and node.
+//! their spans and metrics over OTLP/HTTP to a receiver this test runs. A job runs on both, one daemon
+//! is SIGKILLed mid-run, and the receiver must see each committed step as a `step` span with its phases
+//! as children (compute, collective, commit wait, optimizer), carrying job, rank, epoch and node; the
+//! controller's `failure_detection`, `recovery` and `job` spans; the resource naming the service and
+//! node; and the job metrics. A pipeline job (restored from a checkpoint) gives each stage's F, B, send
+//! and recv spans with micro-batch and chunk, `checkpoint_restore` spans, and its bubble as a metric.
 
 mod common;
 
@@ -14,9 +16,12 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use opentelemetry_proto::tonic::collector::metrics::v1::ExportMetricsServiceRequest;
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
 use opentelemetry_proto::tonic::common::v1::KeyValue;
+use opentelemetry_proto::tonic::metrics::v1::metric::Data;
+use opentelemetry_proto::tonic::metrics::v1::number_data_point::Value as Number;
 use prost::Message;
 use troupe_actors::api::{Client, Job, JobEvent};
 use troupe_cluster::{add_node, init_cluster, NodeIdentity};
@@ -48,11 +53,55 @@ fn text(kv: &[KeyValue]) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// A minimal OTLP/HTTP receiver: answers every POST with 200 and decodes its protobuf body.
-fn receiver() -> (SocketAddr, mpsc::Receiver<Received>) {
+/// One received metric data point: the metric's name, the point's attributes, its value (a histogram's
+/// count), and the service instance that sent it.
+#[derive(Clone, Debug)]
+struct Point {
+    name: String,
+    attrs: BTreeMap<String, String>,
+    value: f64,
+    instance: String,
+}
+
+/// The data points of an OTLP metrics export.
+fn points(request: ExportMetricsServiceRequest) -> Vec<Point> {
+    let mut out = Vec::new();
+    for resource_metrics in request.resource_metrics {
+        let resource = text(&resource_metrics.resource.map(|r| r.attributes).unwrap_or_default());
+        let instance = resource.get("service.instance.id").cloned().unwrap_or_default();
+        for metric in resource_metrics.scope_metrics.into_iter().flat_map(|s| s.metrics) {
+            let number = |v: Option<Number>| match v {
+                Some(Number::AsDouble(d)) => d,
+                Some(Number::AsInt(i)) => i as f64,
+                None => f64::NAN,
+            };
+            let values: Vec<(BTreeMap<String, String>, f64)> = match metric.data {
+                Some(Data::Gauge(g)) => {
+                    g.data_points.into_iter().map(|p| (text(&p.attributes), number(p.value))).collect()
+                }
+                Some(Data::Sum(s)) => {
+                    s.data_points.into_iter().map(|p| (text(&p.attributes), number(p.value))).collect()
+                }
+                Some(Data::Histogram(h)) => {
+                    h.data_points.into_iter().map(|p| (text(&p.attributes), p.count as f64)).collect()
+                }
+                other => panic!("{}: unexpected metric data {other:?}", metric.name),
+            };
+            for (attrs, value) in values {
+                out.push(Point { name: metric.name.clone(), attrs, value, instance: instance.clone() });
+            }
+        }
+    }
+    out
+}
+
+/// A minimal OTLP/HTTP receiver: answers every POST with 200 and decodes its protobuf body, spans from
+/// `/v1/traces` and metric points from `/v1/metrics`.
+fn receiver() -> (SocketAddr, mpsc::Receiver<Received>, mpsc::Receiver<Point>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = mpsc::channel();
+    let (metrics_tx, metrics_rx) = mpsc::channel();
     std::thread::spawn(move || {
         for stream in listener.incoming() {
             let Ok(mut stream) = stream else { continue };
@@ -73,6 +122,13 @@ fn receiver() -> (SocketAddr, mpsc::Receiver<Received>) {
                 continue;
             }
             let _ = stream.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+            if path == "/v1/metrics" {
+                let request = ExportMetricsServiceRequest::decode(&body[..]).expect("an OTLP protobuf metrics export");
+                for point in points(request) {
+                    let _ = metrics_tx.send(point);
+                }
+                continue;
+            }
             assert_eq!(path, "/v1/traces", "spans are posted to the OTLP traces path");
             let request = ExportTraceServiceRequest::decode(&body[..]).expect("an OTLP protobuf trace export");
             for resource_spans in request.resource_spans {
@@ -95,7 +151,7 @@ fn receiver() -> (SocketAddr, mpsc::Receiver<Received>) {
             }
         }
     });
-    (addr, rx)
+    (addr, rx, metrics_rx)
 }
 
 struct DaemonProcess(Child);
@@ -120,6 +176,7 @@ fn daemon(dir: &Path, name: &str, join: Option<SocketAddr>, otlp: SocketAddr) ->
         .args(["daemon", "--exit-with-parent", "--config"])
         .arg(&config)
         .env("RUST_LOG", "warn")
+        .env("OTEL_METRIC_EXPORT_INTERVAL", "300")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -136,17 +193,25 @@ fn daemon(dir: &Path, name: &str, join: Option<SocketAddr>, otlp: SocketAddr) ->
     (process, line.rsplit(' ').next().unwrap().parse().unwrap())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn spans_of_a_two_node_job_with_a_failure_reach_an_otlp_receiver() {
-    let dir = tempfile::tempdir().unwrap();
-    let certs = dir.path().join("certs");
+/// node-a (the controller) and node-b exporting to a receiver of their own, node-b a member.
+struct TwoNodes {
+    _a: DaemonProcess,
+    b: DaemonProcess,
+    addr: SocketAddr,
+    identity: NodeIdentity,
+    spans: mpsc::Receiver<Received>,
+    metrics: mpsc::Receiver<Point>,
+}
+
+async fn two_nodes(dir: &Path) -> TwoNodes {
+    let certs = dir.join("certs");
     init_cluster(&certs).unwrap();
     for name in ["node-a", "node-b", "client"] {
         add_node(name, &certs).unwrap();
     }
-    let (otlp, spans) = receiver();
-    let (_a, addr) = daemon(dir.path(), "node-a", None, otlp);
-    let (b, _) = daemon(dir.path(), "node-b", Some(addr), otlp);
+    let (otlp, spans, metrics) = receiver();
+    let (a, addr) = daemon(dir, "node-a", None, otlp);
+    let (b, _) = daemon(dir, "node-b", Some(addr), otlp);
     let identity = NodeIdentity::load(&certs, "client").unwrap();
     common::wait_for(Duration::from_secs(20), "node-b to join", || async {
         let mut c = Client::connect(addr, &identity).await.ok()?;
@@ -155,6 +220,38 @@ async fn spans_of_a_two_node_job_with_a_failure_reach_an_otlp_receiver() {
         (s.members.len() == 2).then_some(())
     })
     .await;
+    TwoNodes { _a: a, b, addr, identity, spans, metrics }
+}
+
+/// Receives until `done` says what is wanted arrived (at most 20 s; then fails, listing `names` of what
+/// came).
+fn collect<T>(rx: &mpsc::Receiver<T>, done: impl Fn(&[T]) -> bool, names: impl Fn(&T) -> String) -> Vec<T> {
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !done(&got) {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(item) => got.push(item),
+            Err(_) => {
+                let names: std::collections::BTreeSet<String> = got.iter().map(&names).collect();
+                panic!("timed out waiting; received {names:?}");
+            }
+        }
+    }
+    got
+}
+
+fn span_name(s: &Received) -> String {
+    format!("{} from {}", s.name, s.instance)
+}
+
+fn point_name(p: &Point) -> String {
+    p.name.clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_of_a_two_node_job_with_a_failure_reach_an_otlp_receiver() {
+    let dir = tempfile::tempdir().unwrap();
+    let TwoNodes { _a, b, addr, identity, spans, metrics } = two_nodes(dir.path()).await;
     // One connection per certificate name at a time: the submitting client connects after the polls.
     let client = Client::connect(addr, &identity).await.unwrap();
     let mut job = client.submit(Job::new(JobConfig::small(8)).name("otlp")).await.unwrap();
@@ -177,8 +274,6 @@ async fn spans_of_a_two_node_job_with_a_failure_reach_an_otlp_receiver() {
     job.close().await;
 
     // Batches go out every second; collect until every expected span has arrived (bounded).
-    let mut seen: Vec<Received> = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(20);
     let complete = |seen: &[Received]| {
         let steps_on_a = seen
             .iter()
@@ -193,16 +288,7 @@ async fn spans_of_a_two_node_job_with_a_failure_reach_an_otlp_receiver() {
             && steps_on_a >= 8
             && job_steps >= 8
     };
-    while !complete(&seen) {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match spans.recv_timeout(left) {
-            Ok(span) => seen.push(span),
-            Err(_) => {
-                let names: Vec<(&str, &str)> = seen.iter().map(|s| (s.name.as_str(), s.instance.as_str())).collect();
-                panic!("timed out waiting for the spans; received {names:?}");
-            }
-        }
-    }
+    let seen = collect(&spans, complete, span_name);
 
     let all_steps: Vec<&Received> = seen.iter().filter(|s| s.name == "step").collect();
     let interrupted =
@@ -256,6 +342,12 @@ async fn spans_of_a_two_node_job_with_a_failure_reach_an_otlp_receiver() {
     assert_eq!(collective.attrs["troupe.collective"], "all_reduce");
     let detection = seen.iter().find(|s| s.name == "failure_detection").unwrap();
     assert_eq!(detection.attrs["troupe.failed_node"], "node-b");
+    assert!(["timeout", "connection_lost"].contains(&detection.attrs["troupe.cause"].as_str()), "{detection:?}");
+    let recovery =
+        seen.iter().find(|s| s.name == "recovery" && s.instance == "node-a" && !s.attrs.contains_key("troupe.rank"));
+    let recovery = recovery.expect("the controller's recovery span");
+    assert_eq!(recovery.attrs["troupe.epoch"], detection.attrs["troupe.epoch"], "both at the view that dropped node-b");
+    assert!(recovery.attrs["troupe.epoch"].parse::<u64>().unwrap() > first_epoch);
     let job_span = seen.iter().find(|s| s.name == "job").unwrap();
     assert_eq!(
         (job_span.attrs["troupe.outcome"].as_str(), job_span.attrs["troupe.job.name"].as_str()),
@@ -264,5 +356,113 @@ async fn spans_of_a_two_node_job_with_a_failure_reach_an_otlp_receiver() {
     assert!(
         seen.iter().any(|s| s.name == "recovery" && s.instance == "node-a" && s.attrs.contains_key("troupe.rank")),
         "node-a's rank recovered"
+    );
+
+    // The job metrics, as /metrics has them, from the controller (metrics go out every 300 ms here).
+    let job_attrs = |p: &Point| p.attrs.get("troupe.job.name").map(String::as_str) == Some("otlp");
+    let got = collect(
+        &metrics,
+        |got: &[Point]| {
+            let committed = got.iter().rev().find(|p| p.name == "troupe_job_steps_committed" && job_attrs(p));
+            committed.is_some_and(|p| p.value == 8.0)
+                && got.iter().any(|p| p.name == "troupe_job_recovery_seconds" && job_attrs(p))
+                && got.iter().any(|p| p.name == "troupe_failure_detection_seconds")
+        },
+        point_name,
+    );
+    let last = |name: &str| got.iter().rev().find(|p| p.name == name && job_attrs(p)).map(|p| p.value);
+    assert_eq!(last("troupe_job_step_seconds"), Some(8.0), "a step time per commit");
+    assert!(last("troupe_job_tokens_per_second").unwrap() > 0.0);
+    assert!(last("troupe_job_model_flops_per_second").unwrap() > 0.0);
+    assert_eq!(last("troupe_job_recovery_seconds"), Some(1.0));
+    assert!(
+        got.iter().all(|p| p.instance == "node-a" || p.name == "troupe_link_bytes"),
+        "the controller's job metrics"
+    );
+    let detection = got.iter().rev().find(|p| p.name == "troupe_failure_detection_seconds").unwrap();
+    assert_eq!(detection.value, 1.0, "one member lost");
+    assert!(got.iter().any(|p| p.name == "troupe_link_bytes" && p.attrs["peer"] == "node-b" && p.value > 0.0));
+}
+
+/// A pipeline of 2 stages over the two daemons, restored from a checkpoint of a first run: every
+/// stage's `step` span carries `troupe.stage`; its F and B of each micro-batch are `forward` and
+/// `backward` spans with `troupe.microbatch` and `troupe.chunk`, its activations and gradients `send`
+/// and `recv` spans, its flush an all-reduce `collective`; each rank's state came from the checkpoint in
+/// a `checkpoint_restore` span; and the controller exports the bubble and the checkpoint throughput.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_jobs_ops_restore_and_bubble_reach_an_otlp_receiver() {
+    let dir = tempfile::tempdir().unwrap();
+    let TwoNodes { _a, b: _b, addr, identity, spans, metrics } = two_nodes(dir.path()).await;
+    let checkpoints = dir.path().join("checkpoints");
+    for (steps, name) in [(3, "first"), (5, "pipe")] {
+        let mut config = JobConfig::small(steps);
+        config.model.n_layers = 2;
+        let job = Job::new(config).name(name).pipeline(2, "1f1b", 2).checkpoints(&checkpoints, 3, 2);
+        let client = Client::connect(addr, &identity).await.unwrap();
+        let (end, _) = tokio::time::timeout(WAIT, client.submit(job).await.unwrap().wait())
+            .await
+            .expect("the job ends within a minute")
+            .unwrap();
+        assert!(matches!(end, JobEvent::Finished { steps: s, .. } if s == steps), "{end:?}");
+    }
+
+    let pipe = |s: &Received| s.attrs.get("troupe.job").map(String::as_str) == Some("2");
+    let complete = |seen: &[Received]| {
+        let committed =
+            seen.iter().filter(|s| s.name == "step" && pipe(s) && s.attrs["troupe.step_outcome"] == "committed");
+        committed.count() >= 4 && seen.iter().filter(|s| s.name == "checkpoint_restore" && pipe(s)).count() >= 2
+    };
+    let seen = collect(&spans, complete, span_name);
+    let steps: Vec<&Received> =
+        seen.iter().filter(|s| s.name == "step" && pipe(s) && s.attrs["troupe.step_outcome"] == "committed").collect();
+    for step in &steps {
+        let (rank, stage) = (&step.attrs["troupe.rank"], &step.attrs["troupe.stage"]);
+        assert_eq!(rank, stage, "one pipeline: rank r runs stage r");
+        let children: Vec<&Received> = seen.iter().filter(|c| c.parent == step.span_id).collect();
+        let named = |name: &str| children.iter().filter(|c| c.name == name).copied().collect::<Vec<_>>();
+        for kind in ["forward", "backward"] {
+            let mut microbatches: Vec<&str> =
+                named(kind).iter().map(|c| c.attrs["troupe.microbatch"].as_str()).collect();
+            microbatches.sort();
+            assert_eq!(microbatches, ["0", "1"], "stage {stage}: a {kind} per micro-batch");
+            assert!(named(kind).iter().all(|c| &c.attrs["troupe.chunk"] == stage && &c.attrs["troupe.stage"] == stage));
+        }
+        let (sends, recvs) = (named("send"), named("recv"));
+        assert_eq!((sends.len(), recvs.len()), (2, 2), "stage {stage}: one send and one recv per micro-batch");
+        let expected =
+            if stage == "0" { ("send activation", "recv gradient") } else { ("send gradient", "recv activation") };
+        assert!(sends.iter().all(|s| s.attrs["troupe.phase"].starts_with(expected.0)), "{sends:?}");
+        assert!(recvs.iter().all(|s| s.attrs["troupe.phase"].starts_with(expected.1)), "{recvs:?}");
+        let collectives = named("collective");
+        assert_eq!(collectives.len(), 1, "the flush only: {collectives:?}");
+        assert_eq!(collectives[0].attrs["troupe.collective"], "all_reduce");
+    }
+    let stages: std::collections::BTreeSet<(&str, &str)> =
+        steps.iter().map(|s| (s.instance.as_str(), s.attrs["troupe.stage"].as_str())).collect();
+    assert_eq!(stages.len(), 2, "both stages, one per node: {stages:?}");
+    let restores: Vec<&Received> = seen.iter().filter(|s| s.name == "checkpoint_restore" && pipe(s)).collect();
+    let restored: std::collections::BTreeSet<&str> = restores.iter().map(|s| s.instance.as_str()).collect();
+    assert_eq!(restored.len(), 2, "both ranks restored the first run's checkpoint: {restores:?}");
+    assert!(restores.iter().all(|s| s.attrs.contains_key("troupe.stage")));
+
+    let job_attrs = |p: &Point| p.attrs.get("troupe.job.name").map(String::as_str) == Some("pipe");
+    let got = collect(
+        &metrics,
+        |got: &[Point]| {
+            let committed = got.iter().rev().find(|p| p.name == "troupe_job_steps_committed" && job_attrs(p));
+            committed.is_some_and(|p| p.value == 2.0)
+                && got.iter().any(|p| p.name == "troupe_job_checkpoint_bytes_per_second" && job_attrs(p))
+        },
+        point_name,
+    );
+    let last = |name: &str| got.iter().rev().find(|p| p.name == name && job_attrs(p)).map(|p| p.value);
+    let bubble = last("troupe_job_bubble_fraction").expect("a bubble for a pipeline job");
+    assert!(bubble > 0.0 && bubble < 1.0, "bubble {bubble}");
+    assert!(last("troupe_job_checkpoint_bytes").unwrap() > 0.0);
+    assert!(last("troupe_job_checkpoint_bytes_per_second").unwrap() > 0.0);
+    assert_eq!(
+        last("troupe_job_checkpoint_seconds"),
+        Some(1.0),
+        "one checkpoint of the second job (step 3 was the first's)"
     );
 }

@@ -62,11 +62,13 @@ impl Drop for DaemonProcess {
     }
 }
 
-/// Starts `troupe daemon --config node.toml`; its control and metrics addresses, from what it prints.
-fn start_daemon(config: &Path) -> (DaemonProcess, SocketAddr, SocketAddr) {
+/// Starts `troupe daemon --config node.toml` (with `--json` if `json`); its control and metrics
+/// addresses, from what it prints: two lines, or one JSON object.
+fn start_daemon(config: &Path, json: bool) -> (DaemonProcess, SocketAddr, SocketAddr) {
     let mut child = Command::new(common::binary())
         .args(["daemon", "--exit-with-parent", "--config"])
         .arg(config)
+        .args(json.then_some("--json"))
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -81,6 +83,13 @@ fn start_daemon(config: &Path) -> (DaemonProcess, SocketAddr, SocketAddr) {
         }
     });
     let line = || rx.recv_timeout(Duration::from_secs(30)).expect("the daemon prints its addresses within 30 s");
+    if json {
+        let started: Value = serde_json::from_str(&line()).expect("one JSON object");
+        assert_eq!(started["event"], "daemon", "{started}");
+        assert!(started["node"].is_string(), "{started}");
+        let metrics = started["metrics"].as_str().unwrap().trim_start_matches("http://").trim_end_matches("/metrics");
+        return (daemon, started["listen"].as_str().unwrap().parse().unwrap(), metrics.parse().unwrap());
+    }
     let listen = line();
     let metrics = line();
     let addr = |l: &str| {
@@ -108,6 +117,7 @@ async fn a_daemon_serves_prometheus_metrics_and_the_status_json_of_troupe_status
         vec!["cluster", "add-node", "node-a", "--dir", certs_arg],
         vec!["cluster", "add-node", "node-b", "--dir", certs_arg],
         vec!["cluster", "add-node", "client", "--dir", certs_arg],
+        vec!["cluster", "add-node", "viewer", "--dir", certs_arg],
     ] {
         ok(&troupe(&args, WAIT), &args.join(" "));
     }
@@ -121,8 +131,8 @@ async fn a_daemon_serves_prometheus_metrics_and_the_status_json_of_troupe_status
         std::fs::write(&config, text).unwrap();
         config
     };
-    let (_a, addr, metrics) = start_daemon(&node_toml("node-a", None));
-    let (_b, _, _) = start_daemon(&node_toml("node-b", Some(addr)));
+    let (_a, addr, metrics) = start_daemon(&node_toml("node-a", None), false);
+    let (_b, _, _) = start_daemon(&node_toml("node-b", Some(addr)), true);
 
     let identity = NodeIdentity::load(&certs, "client").unwrap();
     common::wait_for(Duration::from_secs(20), "node-b to join", || async {
@@ -185,6 +195,41 @@ async fn a_daemon_serves_prometheus_metrics_and_the_status_json_of_troupe_status
         ok(&troupe(&["status", "--cluster", &addr_arg, "--certs", certs_arg, "--as", "client"], WAIT), "status");
     assert!(table.lines().any(|l| l.starts_with("NODE") && l.contains("ADDRESS")), "{table}");
     assert!(table.lines().any(|l| l.contains("scraped") && l.contains("finished") && l.contains("3/3")), "{table}");
+    assert!(!table.contains("ranks:"), "a finished job has no ranks: {table}");
+
+    // A running job: /status and the table give each rank's node, replica, state and committed step.
+    let client = Client::connect(addr, &identity).await.unwrap();
+    let mut job = client.submit(Job::new(JobConfig::small(100_000)).name("long")).await.unwrap();
+    tokio::time::timeout(WAIT, async {
+        while let Some(event) = job.next_event().await.unwrap() {
+            if let JobEvent::Step { step: 2, .. } = event {
+                return;
+            }
+        }
+    })
+    .await
+    .expect("two steps within a minute");
+    let (_, body) = get(metrics, "/status", Duration::from_secs(10)).await.unwrap();
+    let served: Value = serde_json::from_str(&body).unwrap();
+    let ranks = served["jobs"][1]["ranks"].as_array().unwrap_or_else(|| panic!("no ranks: {body}"));
+    let rows: Vec<(&str, u64, u64, &str)> = ranks
+        .iter()
+        .map(|r| {
+            let n = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}"));
+            (r["node"].as_str().unwrap(), n("rank"), n("replica"), r["state"].as_str().unwrap())
+        })
+        .collect();
+    assert_eq!(rows, [("node-a", 0, 0, "training"), ("node-b", 1, 1, "training")], "{body}");
+    assert!(ranks.iter().all(|r| r["step"].as_u64().unwrap() >= 2 && r["stage"].is_null()), "{body}");
+    let args = ["status", "--cluster", &addr_arg, "--certs", certs_arg, "--as", "viewer"];
+    let table = ok(&troupe(&args, WAIT), "status");
+    let after = table.split("job 2 (long) ranks:").nth(1).unwrap_or_else(|| panic!("no rank table: {table}"));
+    let header: Vec<&str> = after.lines().nth(1).unwrap().split_whitespace().collect();
+    assert_eq!(header, ["RANK", "NODE", "SLOT", "REPLICA", "STATE", "STEP"], "no STAGE column for data parallelism");
+    let row: Vec<&str> = after.lines().nth(3).unwrap().split_whitespace().collect();
+    assert_eq!(row[..5], ["1", "node-b", "0", "1", "training"], "{table}");
+    job.cancel().await.unwrap();
+    job.close().await;
 }
 
 #[test]
@@ -318,7 +363,8 @@ fn a_two_node_run_dir_gives_a_timeline_per_rank_a_perfetto_trace_and_a_loss_plot
 }
 
 /// A pipeline across two daemons records every op of every step as a span: each rank's forwards and
-/// backwards of its own chunk for every micro-batch, its sends and receives, then the flush.
+/// backwards of its own chunk for every micro-batch, its sends and receives, then the flush. The
+/// timeline names each row by its stage and draws its waiting as idle; `--steps` draws one step.
 #[test]
 fn a_pipeline_run_on_two_daemons_records_each_stages_ops() {
     let dir = tempfile::tempdir().unwrap();
@@ -343,10 +389,29 @@ fn a_pipeline_run_on_two_daemons_records_each_stages_ops() {
         assert_eq!(recvs, 6, "rank {rank} receives from its neighbour once per micro-batch and step");
         assert_eq!(named("flush"), 3, "rank {rank}");
         let cats: Vec<&str> = of_rank.iter().map(|e| e["cat"].as_str().unwrap()).collect();
-        for cat in ["forward", "backward", "comm", "optimizer"] {
+        for cat in ["forward", "backward", "comm", "optimizer", "idle"] {
             assert!(cats.contains(&cat), "rank {rank} has no {cat} span: {cats:?}");
         }
+        let recv_cats: Vec<&str> = of_rank
+            .iter()
+            .filter(|e| e["name"].as_str().unwrap().starts_with("recv"))
+            .map(|e| e["cat"].as_str().unwrap())
+            .collect();
+        assert!(recv_cats.iter().all(|c| *c == "idle"), "a receive waits: drawn as idle: {recv_cats:?}");
     }
+    let svg = std::fs::read_to_string(run.join("timeline.svg")).unwrap();
+    let labels: Vec<String> = groups(&svg, "row").iter().map(|(d, _)| data(d, "label").to_owned()).collect();
+    assert_eq!(labels, ["stage 0", "stage 1"]);
+
+    let part = dir.path().join("step2.svg");
+    ok(&troupe(&["trace", run_arg, "--steps", "2", "--svg", part.to_str().unwrap()], WAIT), "trace --steps");
+    let rows = groups(&std::fs::read_to_string(&part).unwrap(), "row");
+    for (d, cats) in &rows {
+        let forwards = cats.iter().filter(|c| *c == "forward").count();
+        assert_eq!(forwards, 2, "{}: step 2's two micro-batches only: {cats:?}", data(d, "label"));
+    }
+    let none = troupe(&["trace", run_arg, "--steps", "7..9"], WAIT);
+    assert!(String::from_utf8_lossy(&none.stderr).contains("steps 1..3"), "{}", String::from_utf8_lossy(&none.stderr));
 }
 
 #[test]

@@ -269,7 +269,7 @@ mod tests {
     use super::*;
 
     fn event(step: u64) -> JobEvent {
-        JobEvent::Checkpoint { step, path: format!("step-{step}").into(), seconds: 0.0 }
+        JobEvent::Checkpoint { step, path: format!("step-{step}").into(), seconds: 0.0, bytes: 0 }
     }
 
     #[test]

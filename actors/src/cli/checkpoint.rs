@@ -6,12 +6,11 @@
 //! `reshard` and `export` a root means its newest valid checkpoint — the one a job would continue from.
 
 use std::collections::BTreeMap;
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::ProgressBar;
 use serde_json::json;
 use troupe_model::checkpoint::manifest::{Layout, Manifest, ShardMode};
 use troupe_model::checkpoint::read::read_manifest;
@@ -19,6 +18,7 @@ use troupe_model::checkpoint::tensor_file::{read_verified, write_f32_file, FileT
 use troupe_model::checkpoint::{latest_valid, load_state, step_dirs, CheckpointStore, StateKind, MANIFEST};
 
 use super::table::Table;
+use crate::progress::{bytes_bar, spinner, Spinner};
 
 #[derive(Debug, clap::Subcommand)]
 pub enum CheckpointCommand {
@@ -114,27 +114,6 @@ fn layout_text(layout: &Layout) -> String {
         ShardMode::Zero3 => "zero3",
     };
     format!("dp={} pp={} {mode}, {} shard(s)", layout.dp, layout.pp, layout.shards)
-}
-
-/// A bar over `total` bytes on an interactive stderr (none with `--json` or in a log).
-fn bytes_bar(json: bool, total: u64, what: &str) -> Option<ProgressBar> {
-    (!json && std::io::stderr().is_terminal()).then(|| {
-        let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
-        let template = format!("{what} {{wide_bar}} {{bytes}}/{{total_bytes}} {{bytes_per_sec}} [{{eta}}]");
-        bar.set_style(ProgressStyle::with_template(&template).expect("valid template"));
-        bar
-    })
-}
-
-/// A spinner with a message on an interactive stderr, for work that reports no progress of its own.
-fn spinner(json: bool, message: String) -> Option<ProgressBar> {
-    (!json && std::io::stderr().is_terminal()).then(|| {
-        let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
-        bar.set_style(ProgressStyle::with_template("{spinner} {msg} [{elapsed}]").expect("valid template"));
-        bar.set_message(message);
-        bar.enable_steady_tick(std::time::Duration::from_millis(120));
-        bar
-    })
 }
 
 /// Checks every file of `dir` against its manifest, advancing `bar` by each file's bytes.
@@ -244,17 +223,19 @@ fn reshard(src: &Path, shards: usize, out: &Path, json: bool) -> anyhow::Result<
     }
     let dir = source(src)?;
     let t0 = Instant::now();
-    let state = load_state(&dir).with_context(|| format!("loading {}", dir.display()))?;
+    let state = load(&dir, json)?;
     let loaded = t0.elapsed().as_secs_f64();
     let store = CheckpointStore::open(out, 0).with_context(|| format!("--out {}", out.display()))?;
     let mib = state.bytes() as f64 / (1 << 20) as f64;
-    let bar = spinner(json, format!("writing {mib:.1} MiB as {shards} shard(s) into {}", out.display()));
+    let writing = spinner(json, format!("writing {mib:.1} MiB as {shards} shard(s) into {}", out.display()));
     let layout = Layout { dp: shards, pp: 1, shard_mode: ShardMode::Ddp, shards };
     let saved = store.save(&state, &layout).with_context(|| format!("writing into {}", out.display()))?;
-    if let Some(bar) = bar {
-        bar.finish_and_clear();
-    }
-    troupe_model::checkpoint::verify(&saved.path).with_context(|| format!("re-reading {}", saved.path.display()))?;
+    drop(writing);
+    let verifying = bytes_bar(json, saved.bytes, "verifying");
+    verify_dir(&saved.path, verifying.as_ref())
+        .map_err(anyhow::Error::msg)
+        .with_context(|| format!("re-reading {}", saved.path.display()))?;
+    drop(verifying);
     if json {
         println!(
             "{}",
@@ -278,9 +259,16 @@ fn reshard(src: &Path, shards: usize, out: &Path, json: bool) -> anyhow::Result<
     Ok(())
 }
 
+/// Loads the whole state of the checkpoint `dir`, with a spinner saying so on a terminal.
+fn load(dir: &Path, json: bool) -> anyhow::Result<troupe_model::checkpoint::TrainingState> {
+    let bytes = read_manifest(dir).map(|m| manifest_bytes(&m)).unwrap_or(0);
+    let _loading = spinner(json, format!("loading {} ({:.1} MiB)", dir.display(), bytes as f64 / (1 << 20) as f64));
+    load_state(dir).with_context(|| format!("loading {}", dir.display()))
+}
+
 fn export(src: &Path, out: &Path, json: bool) -> anyhow::Result<()> {
     let dir = source(src)?;
-    let state = load_state(&dir).with_context(|| format!("loading {}", dir.display()))?;
+    let state = load(&dir, json)?;
     let offsets = state.offsets();
     let params = state.values(StateKind::Param);
     let tensors: Vec<FileTensor<'_>> = state
@@ -299,6 +287,9 @@ fn export(src: &Path, out: &Path, json: bool) -> anyhow::Result<()> {
     let file_name = out.file_name().with_context(|| format!("--out {}: name a file", out.display()))?;
     let partial = out.with_file_name(format!(".{}.partial", file_name.to_string_lossy()));
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let params_mib = params.len() as f64 * 4.0 / (1 << 20) as f64;
+    let writing: Option<Spinner> =
+        spinner(json, format!("writing {params_mib:.1} MiB of parameters to {}", out.display()));
     let written = match write_f32_file(&partial, &tensors, &metadata, threads) {
         Ok(written) => written,
         Err(e) => {
@@ -307,6 +298,7 @@ fn export(src: &Path, out: &Path, json: bool) -> anyhow::Result<()> {
         }
     };
     std::fs::rename(&partial, out).with_context(|| format!("renaming {} to {}", partial.display(), out.display()))?;
+    drop(writing);
     if json {
         println!(
             "{}",

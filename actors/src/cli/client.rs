@@ -1,16 +1,20 @@
 //! `troupe status` and `troupe job submit|status|cancel`: clients of a running cluster.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use anyhow::{bail, Context};
 use serde_json::json;
 use troupe_cluster::NodeIdentity;
 use troupe_model::config::JobConfig;
 
+use super::follow::{conclude, follow, Mode, OnInterrupt, GOODBYE};
 use super::table::Table;
 use crate::api::{Client, ClusterStatus, Job, JobInfo};
 use crate::daemon::NodeConfig;
+use crate::progress::Reporter;
+use crate::telemetry::RunDir;
 
 /// Which cluster to talk to, and with which certificate.
 #[derive(Debug, clap::Args)]
@@ -112,6 +116,12 @@ fn print_status(s: &ClusterStatus) {
 }
 
 fn print_jobs(jobs: &[JobInfo]) {
+    print!("{}", render_jobs(jobs));
+}
+
+/// The jobs table, then for each job that is not over a table of its slots: rank, node, slot, stage
+/// (pipelines), replica, state and last committed step.
+fn render_jobs(jobs: &[JobInfo]) -> String {
     let mut table = Table::new(&["JOB", "NAME", "STATE", "STEP", "WORLD", "EPOCH", "ATTEMPTS", "LOSS"]);
     for j in jobs {
         let state = serde_json::to_value(j.state).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
@@ -126,21 +136,86 @@ fn print_jobs(jobs: &[JobInfo]) {
             j.last_loss.map_or("-".into(), |l| format!("{l:.4}")),
         ]);
     }
-    print!("{}", table.render());
+    let mut out = table.render();
     for j in jobs.iter().filter(|j| j.reason.is_some()) {
-        println!("job {}: {}", j.id, j.reason.as_deref().unwrap_or_default());
+        out.push_str(&format!("job {}: {}\n", j.id, j.reason.as_deref().unwrap_or_default()));
     }
+    let dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+    for j in jobs.iter().filter(|j| !j.ranks.is_empty()) {
+        let pipeline = j.ranks.iter().any(|r| r.stage.is_some());
+        let mut header = vec!["RANK", "NODE", "SLOT"];
+        if pipeline {
+            header.push("STAGE");
+        }
+        header.extend(["REPLICA", "STATE", "STEP"]);
+        let mut ranks = Table::new(&header);
+        for r in &j.ranks {
+            let mut row = vec![dash(r.rank.map(|x| x.to_string())), r.node.clone(), r.slot.to_string()];
+            if pipeline {
+                row.push(dash(r.stage.map(|x| x.to_string())));
+            }
+            row.extend([
+                dash(r.replica.map(|x| x.to_string())),
+                r.state.name().into(),
+                dash(r.step.map(|x| x.to_string())),
+            ]);
+            ranks.row(row);
+        }
+        out.push_str(&format!("\njob {} ({}) ranks:\n{}", j.id, j.name, ranks.render()));
+    }
+    out
+}
+
+/// `troupe job submit`: submits the job, then (unless detached) follows it as `troupe train` does.
+async fn submit(
+    config: &Path,
+    detach: bool,
+    run_dir: Option<&Path>,
+    log_every: u64,
+    cluster: &ClusterArgs,
+) -> anyhow::Result<()> {
+    let job_config = JobConfig::from_file(config)?;
+    let name = config.file_stem().map_or("job".into(), |s| s.to_string_lossy().into_owned());
+    let mode = Mode::of(&job_config);
+    let run_dir = run_dir.map(RunDir::create).transpose()?;
+    let job = Job::new(job_config).name(name).trace(run_dir.is_some());
+    let client = cluster.connect().await?;
+    let mut handle = client.submit(job).await?;
+    let id = handle.id();
+    let reporter = Reporter::new(cluster.json, 0, mode.total_steps, log_every).with_run_dir(run_dir);
+    let line = if detach {
+        format!("submitted job {id}; `troupe job status {id}` shows it, `troupe job cancel {id}` stops it")
+    } else {
+        format!("submitted job {id}; following it (Ctrl-C leaves it running)")
+    };
+    reporter.event("submitted", json!({ "job": id }), &line);
+    if detach {
+        handle.close().await;
+        return Ok(());
+    }
+    let started = Instant::now();
+    let followed = follow(&mut handle, &reporter, &mode, None, OnInterrupt::Detach).await;
+    let _ = tokio::time::timeout(GOODBYE, handle.close()).await;
+    conclude(reporter, followed?, started, None, id, true)
 }
 
 #[derive(Debug, clap::Subcommand)]
 pub enum JobCommand {
-    /// Submit a job config (TOML, as `troupe train --config`) and follow it until it ends.
+    /// Submit a job config (TOML, as `troupe train --config`) and follow it until it ends: progress and
+    /// a summary as `troupe train` prints them; exits non-zero when the job fails or is cancelled.
     Submit {
         #[arg(value_name = "job.toml")]
         config: PathBuf,
         /// Return once submitted instead of following the job.
         #[arg(long)]
         detach: bool,
+        /// Record the run here, as `troupe train --run-dir` does (the job's ranks report their step
+        /// phases): `troupe trace DIR` and `troupe plot DIR` draw it.
+        #[arg(long, value_name = "DIR", conflicts_with = "detach")]
+        run_dir: Option<PathBuf>,
+        /// Print a plain progress line every N steps (default: about 20 lines per run).
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        log_every: u64,
         #[command(flatten)]
         cluster: ClusterArgs,
     },
@@ -161,25 +236,8 @@ pub enum JobCommand {
 pub fn job(command: JobCommand) -> anyhow::Result<()> {
     runtime()?.block_on(async {
         match command {
-            JobCommand::Submit { config, detach, cluster } => {
-                let job_config = JobConfig::from_file(&config)?;
-                let name = config.file_stem().map_or("job".into(), |s| s.to_string_lossy().into_owned());
-                let job = Job::new(job_config).name(name);
-                let client = cluster.connect().await?;
-                let mut handle = client.submit(job).await?;
-                if cluster.json {
-                    println!("{}", json!({ "event": "submitted", "job": handle.id() }));
-                } else {
-                    println!("submitted job {}", handle.id());
-                }
-                if detach {
-                    handle.close().await;
-                    return Ok(());
-                }
-                while let Some(event) = handle.next_event().await? {
-                    println!("{}", serde_json::to_string(&event)?);
-                }
-                Ok(())
+            JobCommand::Submit { config, detach, run_dir, log_every, cluster } => {
+                submit(&config, detach, run_dir.as_deref(), log_every, &cluster).await
             }
             JobCommand::Status { id, cluster } => {
                 let mut client = cluster.connect().await?;
@@ -205,4 +263,53 @@ pub fn job(command: JobCommand) -> anyhow::Result<()> {
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::JobState;
+    use crate::runtime::protocol::{RankInfo, RankState};
+
+    #[test]
+    fn the_jobs_table_lists_each_running_jobs_slots() {
+        let rank = |node: &str, rank, stage, state, step| RankInfo {
+            node: node.into(),
+            slot: 0,
+            rank,
+            stage,
+            replica: rank.map(|_| 0),
+            state,
+            step,
+        };
+        let job = JobInfo {
+            id: 3,
+            name: "pipe".into(),
+            state: JobState::Running,
+            step: 12,
+            total_steps: 100,
+            epoch: 2,
+            world: 2,
+            attempts: 1,
+            last_loss: Some(3.25),
+            reason: None,
+            events: 40,
+            ranks: vec![
+                rank("node-a", Some(0), Some(0), RankState::Training, Some(12)),
+                rank("node-b", Some(1), Some(1), RankState::Training, Some(12)),
+                rank("node-c", None, None, RankState::Spare, None),
+            ],
+        };
+        let text = render_jobs(&[job]);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines[1].split_whitespace().collect::<Vec<_>>(),
+            ["3", "pipe", "running", "12/100", "2", "2", "1", "3.2500"]
+        );
+        assert_eq!(lines[3], "job 3 (pipe) ranks:");
+        let cells = |l: &str| l.split_whitespace().map(str::to_owned).collect::<Vec<_>>();
+        assert_eq!(cells(lines[4]), ["RANK", "NODE", "SLOT", "STAGE", "REPLICA", "STATE", "STEP"]);
+        assert_eq!(cells(lines[6]), ["1", "node-b", "0", "1", "0", "training", "12"]);
+        assert_eq!(cells(lines[7]), ["-", "node-c", "0", "-", "-", "spare", "-"]);
+    }
 }

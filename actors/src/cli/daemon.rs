@@ -10,8 +10,12 @@ pub struct DaemonArgs {
     /// Drain and exit when the parent process dies (the embedded local cluster sets this).
     #[arg(long, hide = true)]
     pub exit_with_parent: bool,
+    /// Print the addresses the daemon listens on as one JSON object (`{"event":"daemon", "node",
+    /// "listen", "metrics"}`) instead of lines.
+    #[arg(long)]
+    pub json: bool,
 }
 
 pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
-    crate::daemon::run(&args.config, args.exit_with_parent)
+    crate::daemon::run(&args.config, args.exit_with_parent, args.json)
 }

@@ -11,6 +11,7 @@ mod checkpoint;
 mod client;
 mod cluster;
 mod daemon;
+mod follow;
 mod plot;
 mod table;
 mod trace;

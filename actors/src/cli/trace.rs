@@ -2,6 +2,7 @@
 //! pipeline schedule's) as an SVG timeline per rank or stage, and — from a run directory — the
 //! Perfetto/Chrome trace JSON rebuilt from its events.
 
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
@@ -23,9 +24,23 @@ pub struct TraceArgs {
     /// given).
     #[arg(long, value_name = "OUT.json")]
     pub perfetto: Option<PathBuf>,
+    /// Draw only these steps of a run directory (`FIRST..LAST`, or one step), to see inside them; the
+    /// Perfetto trace keeps the whole run.
+    #[arg(long, value_name = "FIRST..LAST")]
+    pub steps: Option<String>,
     /// Print what was written as one JSON object.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `--steps FIRST..LAST` or `--steps N`.
+fn parse_steps(text: &str) -> anyhow::Result<(u64, u64)> {
+    let (first, last) = text.split_once("..").unwrap_or((text, text));
+    let number = |s: &str| s.trim().parse::<u64>().ok();
+    match (number(first), number(last)) {
+        (Some(a), Some(b)) if a <= b => Ok((a, b)),
+        _ => anyhow::bail!("--steps {text}: give a step like 30 or a range like 30..32 (first ≤ last)"),
+    }
 }
 
 pub fn run(args: TraceArgs) -> anyhow::Result<()> {
@@ -45,15 +60,26 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
     } else {
         (read_trace(input)?, input.with_extension("svg"), None)
     };
-    let title = format!("troupe timeline: {}", input.display());
-    let svg = timeline::render(&trace, &title).map_err(|why| anyhow::anyhow!("{}: {why}", input.display()))?;
+    let (drawn, title) = match &args.steps {
+        Some(text) if input.is_dir() => {
+            let (first, last) = parse_steps(text)?;
+            let part = run_dir::only_steps(&trace, first, last)
+                .map_err(|why| anyhow::anyhow!("--steps {text} of {}: {why}", input.display()))?;
+            (Cow::Owned(part), format!("troupe timeline: {}, steps {first}..{last}", input.display()))
+        }
+        Some(text) => {
+            anyhow::bail!("--steps {text}: only a run directory's phases carry steps; {} is a file", input.display())
+        }
+        None => (Cow::Borrowed(&trace), format!("troupe timeline: {}", input.display())),
+    };
+    let svg = timeline::render(&drawn, &title).map_err(|why| anyhow::anyhow!("{}: {why}", input.display()))?;
     let svg_path = args.svg.clone().unwrap_or(default_svg);
     std::fs::write(&svg_path, svg).with_context(|| format!("writing {}", svg_path.display()))?;
     let perfetto = args.perfetto.clone().or(default_perfetto);
     if let Some(path) = &perfetto {
         run_dir::write_trace(path, &trace)?;
     }
-    let spans: Vec<_> = trace.trace_events.iter().filter(|e| e.is_span()).collect();
+    let spans: Vec<_> = drawn.trace_events.iter().filter(|e| e.is_span()).collect();
     let mut rows: Vec<(String, String)> = spans.iter().map(|e| (e.pid.to_string(), e.tid.to_string())).collect();
     rows.sort();
     rows.dedup();

@@ -10,7 +10,7 @@ use troupe_model::config::JobConfig;
 use troupe_model::trainer::configure_torch_threads;
 use troupe_model::Trainer;
 
-use crate::progress::{Reporter, StepEvent};
+use crate::progress::{spinner, Reporter, StepEvent};
 use crate::telemetry::{PhaseRecorder, RunDir};
 
 #[derive(Debug, clap::Args)]
@@ -149,7 +149,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     }
     let threads = configure_torch_threads(config.train.torch_threads, 1);
     let mut trainer = match &args.resume {
-        Some(path) => Trainer::resume(config.clone(), &resolve_resume(path)?)?,
+        Some(path) => {
+            let dir = resolve_resume(path)?;
+            let _restoring = spinner(args.json, format!("restoring {}", dir.display()));
+            Trainer::resume(config.clone(), &dir)?
+        }
         None => Trainer::new(config.clone())?,
     };
     let total = config.train.steps;
@@ -207,6 +211,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             peak_rss_bytes: vec![crate::telemetry::memory::peak_rss_bytes()],
             skipped: report.skipped,
             loss_scale: report.loss_scale,
+            bubble: None,
         });
         let every = config.checkpoint.every_steps;
         let due = trainer.step == total || (every > 0 && trainer.step % every == 0);
@@ -244,13 +249,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
 /// A synchronous save (the single process has nothing to overlap it with but its next step).
 fn save_checkpoint(trainer: &Trainer, store: &CheckpointStore, reporter: &Reporter) -> anyhow::Result<()> {
     let t0 = Instant::now();
-    let path = store.save(&TrainingState::snapshot(trainer), &Layout::ddp(1))?.path;
-    let seconds = t0.elapsed().as_secs_f64();
-    reporter.event(
-        "checkpoint",
-        json!({ "step": trainer.step, "path": path, "seconds": seconds }),
-        &format!("checkpoint: step {} saved to {} in {seconds:.2} s", trainer.step, path.display()),
-    );
+    let saved = store.save(&TrainingState::snapshot(trainer), &Layout::ddp(1))?;
+    let bytes = if saved.kept_existing { 0 } else { saved.bytes };
+    reporter.checkpoint(trainer.step, &saved.path, t0.elapsed().as_secs_f64(), bytes);
     Ok(())
 }
 

@@ -11,7 +11,7 @@ use troupe_model::config::JobConfig;
 use troupe_model::gpt::param_specs;
 
 use super::train::TrainArgs;
-use crate::engine::pipeline::{run_in_process, PipelineOptions, ScheduleKind};
+use crate::engine::pipeline::{measure_bubble, run_in_process, PipelineOptions, ScheduleKind};
 use crate::progress::{Reporter, StepEvent};
 
 pub fn run(args: TrainArgs, config: JobConfig) -> anyhow::Result<()> {
@@ -63,6 +63,7 @@ pub fn run(args: TrainArgs, config: JobConfig) -> anyhow::Result<()> {
             peak_rss_bytes: vec![crate::telemetry::memory::peak_rss_bytes()],
             skipped: step.skipped,
             loss_scale: step.loss_scale,
+            bubble: Some(measure_bubble(std::slice::from_ref(step)).bubble),
         });
     })?;
     if let Some(path) = &args.save_final {

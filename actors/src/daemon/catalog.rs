@@ -204,11 +204,12 @@ mod tests {
             last_loss: Some(1.5),
             reason: None,
             events: 0,
+            ranks: vec![],
         }
     }
 
     fn event(step: u64) -> JobEvent {
-        JobEvent::Checkpoint { step, path: format!("step-{step}").into(), seconds: 0.0 }
+        JobEvent::Checkpoint { step, path: format!("step-{step}").into(), seconds: 0.0, bytes: 0 }
     }
 
     #[test]

@@ -21,7 +21,7 @@ pub use config::{NodeConfig, NodeConfigError, SLOTS_MAX};
 use crate::runtime::node::{actor_scope, NodeActor, NodeArgs, NodeMsg};
 use crate::runtime::protocol::ClusterStatus;
 use crate::runtime::worker::WorkerMsg;
-use crate::telemetry::{endpoint, http, otel, NodeMetrics};
+use crate::telemetry::{endpoint, http, otel, otel_metrics, NodeMetrics};
 
 /// How long a drain may take before the daemon exits anyway.
 const DRAIN_TIMEOUT_MS: u64 = 5_000;
@@ -63,6 +63,7 @@ impl Daemon {
         let name = config.name.clone();
         let stop_reason = Arc::new(std::sync::Mutex::new(None));
         let metrics = Arc::new(NodeMetrics::new(config.telemetry.peak_tflops_per_slot));
+        otel_metrics::observe_links(metrics.clone());
         let args = NodeArgs {
             config,
             identity: Arc::new(identity),
@@ -152,8 +153,9 @@ fn address_error(addr: &SocketAddr, e: troupe_cluster::ClusterError) -> anyhow::
 }
 
 /// `troupe daemon --config node.toml`. With `exit_with_parent` (set by the local cluster), the daemon
-/// also drains and exits when the process that started it dies.
-pub fn run(config_path: &Path, exit_with_parent: bool) -> anyhow::Result<()> {
+/// also drains and exits when the process that started it dies; with `json`, its addresses are printed
+/// as one JSON object.
+pub fn run(config_path: &Path, exit_with_parent: bool, json: bool) -> anyhow::Result<()> {
     init_logging();
     let config = NodeConfig::load(config_path)?;
     // Flushes the last spans when the daemon exits (dropped after the runtime below).
@@ -171,9 +173,15 @@ pub fn run(config_path: &Path, exit_with_parent: bool) -> anyhow::Result<()> {
         .context("starting the tokio runtime")?;
     runtime.block_on(async move {
         let daemon = Daemon::start(config).await?;
-        println!("troupe daemon {} listening on {}", daemon.name(), daemon.addr());
-        if let Some(at) = daemon.metrics_addr() {
-            println!("troupe daemon {} metrics on http://{at}/metrics", daemon.name());
+        let metrics = daemon.metrics_addr().map(|at| format!("http://{at}/metrics"));
+        if json {
+            let started = serde_json::json!({ "event": "daemon", "node": daemon.name(), "listen": daemon.addr(), "metrics": metrics });
+            println!("{started}");
+        } else {
+            println!("troupe daemon {} listening on {}", daemon.name(), daemon.addr());
+            if let Some(url) = &metrics {
+                println!("troupe daemon {} metrics on {url}", daemon.name());
+            }
         }
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
             .context("installing the SIGTERM handler")?;

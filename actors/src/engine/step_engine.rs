@@ -9,7 +9,7 @@ use troupe_model::Trainer;
 
 use super::committed::CommittedState;
 use super::data_parallel::{DataParallelReplica, ReducedStep};
-use super::sharded::ShardedReplica;
+use super::sharded::{ShardMode, ShardedReplica};
 
 /// Why an engine could not go on.
 #[derive(Debug, thiserror::Error)]
@@ -33,8 +33,19 @@ pub enum EngineError {
     Setup(String),
 }
 
-/// One timed op of a step: (name, timeline category, start, end).
-pub type OpTiming = (String, &'static str, std::time::Instant, std::time::Instant);
+/// One timed op of a pipeline device's step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpTiming {
+    /// E.g. "F c1 mb3", "send activation c0 mb2".
+    pub name: String,
+    /// The timeline category: forward, backward, weight or comm.
+    pub cat: &'static str,
+    pub start: std::time::Instant,
+    pub end: std::time::Instant,
+    /// The model chunk and micro-batch the op works on.
+    pub chunk: usize,
+    pub microbatch: usize,
+}
 
 /// One rank's engine for an attempt. Every method that communicates is a collective: every rank calls
 /// it at the same point of the step loop.
@@ -49,12 +60,17 @@ pub trait StepEngine {
     async fn sync(&mut self, source: Option<usize>) -> Result<(), EngineError>;
     /// Everything of the step before the vote; nothing applied.
     async fn reduce(&mut self) -> Result<ReducedStep, EngineError>;
-    /// The timed parts of the last [`Self::reduce`]'s compute, for the rank's timeline: (name, category,
-    /// start, end). None (the default): the compute was one span, `ReducedStep::compute_seconds` long. A
-    /// pipeline device gives each of its ops — F, B, W and the sends and receives — with its chunk and
-    /// micro-batch in the name.
+    /// The timed parts of the last [`Self::reduce`]'s compute, for the rank's timeline. None (the
+    /// default): the compute was one span, `ReducedStep::compute_seconds` long. A pipeline device gives
+    /// each of its ops — F, B, W and the sends and receives — with its chunk and micro-batch.
     fn op_spans(&mut self) -> Option<Vec<OpTiming>> {
         None
+    }
+    /// The collective that reduces the step's gradients after the compute, as the rank's timeline names
+    /// it: "all-reduce" (DDP, ZeRO-1, ZeRO-3 whose reductions run inside the compute) or
+    /// "reduce-scatter" (ZeRO-2).
+    fn gradient_collective(&self) -> &'static str {
+        "all-reduce"
     }
     /// The update of a committed step: local, cannot fail half-way (a pipeline device's runs in its stage
     /// actor; if that actor died, the rank's state is gone and the next step fails).
@@ -139,6 +155,13 @@ impl<T: Transport> StepEngine for ShardedReplica<T> {
 
     async fn reduce(&mut self) -> Result<ReducedStep, EngineError> {
         self.reduce_gradients().await
+    }
+
+    fn gradient_collective(&self) -> &'static str {
+        match self.mode() {
+            ShardMode::Zero2 => "reduce-scatter",
+            ShardMode::Zero1 | ShardMode::Zero3 => "all-reduce",
+        }
     }
 
     /// An owner that died marks the rank's state lost; the next step fails.

@@ -49,6 +49,7 @@ pub enum JobMsg {
         step: u64,
         path: std::path::PathBuf,
         seconds: f64,
+        bytes: u64,
     },
     /// A rank's step phases: passed straight to the job's watchers.
     Phases {
@@ -57,6 +58,7 @@ pub enum JobMsg {
         rank: usize,
         step: u64,
         spans: Vec<PhaseSpan>,
+        stage: Option<usize>,
     },
     Cancel,
     /// Once a second: bounds the wait below `elastic.min_nodes`.
@@ -187,15 +189,17 @@ impl Actor for JobController {
                 d.on_vote(now, &node, attempt, slot, step, figures)
             }
             JobMsg::Ended { node, attempt, slot, outcome } => d.on_ended(&node, attempt, slot, outcome),
-            JobMsg::Checkpointed { attempt, step, path, seconds } => d.on_checkpoint(attempt, step, path, seconds),
+            JobMsg::Checkpointed { attempt, step, path, seconds, bytes } => {
+                d.on_checkpoint(attempt, step, path, seconds, bytes)
+            }
             JobMsg::Cancel => d.cancel(),
             JobMsg::Tick => {
                 d.on_tick(now);
                 state.flush(true).await;
                 return Ok(());
             }
-            JobMsg::Phases { node, attempt, rank, step, spans } => {
-                let event = JobEvent::Phases { rank, node: node.0, attempt, step, spans };
+            JobMsg::Phases { node, attempt, rank, step, spans, stage } => {
+                let event = JobEvent::Phases { rank, node: node.0, attempt, step, spans, stage };
                 state.pending.push(DriverAction::Event(event));
             }
         }

@@ -55,7 +55,7 @@ mod tests {
     use super::*;
 
     fn step(step: u64) -> JobEvent {
-        JobEvent::Checkpoint { step, path: format!("step-{step}").into(), seconds: 0.0 }
+        JobEvent::Checkpoint { step, path: format!("step-{step}").into(), seconds: 0.0, bytes: 0 }
     }
 
     fn steps<'a>(events: impl Iterator<Item = &'a JobEvent>) -> Vec<u64> {

@@ -17,7 +17,8 @@ use troupe_cluster::transport::quic::PeerInfo;
 use troupe_model::optim::learning_rate;
 
 use super::protocol::{
-    AttemptOutcome, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, RankSlot, StepFigures, Wire,
+    AttemptOutcome, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, RankInfo, RankSlot, RankState, StageTime,
+    StepFigures, Wire,
 };
 
 /// Attempts in a row that fail without committing a step before the job is declared failed.
@@ -73,6 +74,9 @@ pub struct JobDriver {
     reason: Option<String>,
     /// When the last step committed (or the attempt started): step time is wall time between commits.
     last_commit_at: Duration,
+    /// The committed step the running attempt started from: until it commits past it, its ranks are
+    /// still starting or recovering.
+    attempt_from: u64,
     /// Below `elastic.min_nodes`: since when (first seen by [`JobDriver::on_tick`]; None until then).
     waiting: Option<Option<Duration>>,
     /// Every node ever asked to prepare an attempt: each may hold the job's state (a rank that became a
@@ -179,6 +183,7 @@ impl JobDriver {
             discard_from: None,
             reason: None,
             last_commit_at: Duration::ZERO,
+            attempt_from: 0,
             waiting: None,
             prepared_nodes: BTreeSet::new(),
             view: None,
@@ -227,7 +232,41 @@ impl JobDriver {
             events: 0,
             last_loss: self.last_loss,
             reason: self.reason.clone(),
+            ranks: self.rank_infos(),
         }
+    }
+
+    /// What each slot does for the job: the attempt's ranks in rank order (with their stage and replica),
+    /// then the view's other slots (spares, or all waiting while the job waits for nodes).
+    fn rank_infos(&self) -> Vec<RankInfo> {
+        if self.state.is_terminal() {
+            return Vec::new();
+        }
+        let ranks = self.ranks();
+        let (pp, replicas) =
+            (self.spec.config.parallel.pp.max(1), (ranks.len() / self.spec.config.parallel.pp.max(1)).max(1));
+        let state = match (&self.phase, self.committed > self.attempt_from, self.attempt) {
+            (Phase::Running { .. }, true, _) => RankState::Training,
+            (_, _, 1) => RankState::Starting,
+            _ => RankState::Recovering,
+        };
+        let info = |slot: &RankSlot, rank: Option<usize>, state| RankInfo {
+            node: slot.node.0.clone(),
+            slot: slot.slot,
+            rank,
+            stage: rank.filter(|_| pp > 1).map(|r| (r / replicas).min(pp - 1)),
+            replica: rank.map(|r| if pp > 1 { r % replicas } else { r }),
+            state,
+            step: self.held.get(slot).copied(),
+        };
+        let mut infos: Vec<RankInfo> = ranks.iter().enumerate().map(|(r, slot)| info(slot, Some(r), state)).collect();
+        if let Some((view, members)) = &self.view {
+            let others = if ranks.is_empty() { RankState::Waiting } else { RankState::Spare };
+            for slot in plan_ranks(view, members, 0, 0, 1, &[]).iter().filter(|s| !ranks.contains(s)) {
+                infos.push(info(slot, None, others));
+            }
+        }
+        infos
     }
 
     /// The cap on ranks: `parallel.dp` (0 is no cap) replicas of `parallel.pp` stages.
@@ -459,6 +498,7 @@ impl JobDriver {
             self.held.insert(r.clone(), best);
         }
         self.committed = best;
+        self.attempt_from = best;
         self.state = JobState::Running;
         self.last_commit_at = now;
         let (world, epoch, step) = (ranks.len(), self.epoch, self.committed);
@@ -486,6 +526,8 @@ impl JobDriver {
             return;
         }
         let StepFigures { loss, grad_norm, skipped, loss_scale, .. } = votes[0].expect("all voted");
+        let stage_times: Vec<_> = votes.iter().map(|v| v.and_then(|v| v.stage_time)).collect();
+        let bubble = StageTime::bubble(&stage_times);
         let peak_rss_bytes: Vec<u64> = votes.iter_mut().map(|v| v.take().map_or(0, |v| v.peak_rss_bytes)).collect();
         let seconds = now.saturating_sub(self.last_commit_at).as_secs_f64();
         self.last_commit_at = now;
@@ -512,6 +554,7 @@ impl JobDriver {
             epoch: self.epoch,
             world: ranks.len(),
             peak_rss_bytes,
+            bubble,
         }));
         if self.committed < self.spec.config.train.steps {
             self.actions.push_back(DriverAction::StepBoundary);
@@ -568,9 +611,9 @@ impl JobDriver {
     }
 
     /// Rank 0 committed a durable checkpoint.
-    pub fn on_checkpoint(&mut self, attempt: u64, step: u64, path: std::path::PathBuf, seconds: f64) {
+    pub fn on_checkpoint(&mut self, attempt: u64, step: u64, path: std::path::PathBuf, seconds: f64, bytes: u64) {
         if attempt == self.attempt && !self.state.is_terminal() {
-            self.actions.push_back(DriverAction::Event(JobEvent::Checkpoint { step, path, seconds }));
+            self.actions.push_back(DriverAction::Event(JobEvent::Checkpoint { step, path, seconds, bytes }));
         }
     }
 
@@ -858,6 +901,77 @@ mod tests {
         let actions = drain(&mut d);
         let Some(JobEvent::Failed { reason }) = events(&actions).last().copied() else { panic!("{actions:?}") };
         assert!(reason.contains("parallel.pp = 2 slots of one pipeline"), "{reason}");
+    }
+
+    /// `troupe status` per rank: a pipeline of 2 stages × 2 replicas on a..d with e spare — each rank's
+    /// stage, replica, state and committed step through start, training, a loss and the recovery; all
+    /// slots waiting while the job waits for nodes; nothing once it ended.
+    #[test]
+    fn each_slot_of_a_job_reports_its_rank_stage_replica_state_and_step() {
+        /// (node, rank, stage, replica, state, step).
+        type Row = (String, Option<usize>, Option<usize>, Option<usize>, &'static str, Option<u64>);
+        fn row(r: &RankInfo) -> Row {
+            (r.node.clone(), r.rank, r.stage, r.replica, r.state.name(), r.step)
+        }
+        let rows = |d: &JobDriver| d.info().ranks.iter().map(row).collect::<Vec<_>>();
+        let mut s = spec(10);
+        s.config.parallel.pp = 2;
+        s.config.parallel.dp = 2;
+        s.config.checkpoint.dir = Some("/ckpt".into());
+        let mut d = JobDriver::new(1, s);
+        let some =
+            |n: &str, r, stage, replica, state, step| (n.to_owned(), Some(r), Some(stage), Some(replica), state, step);
+        let spare = |n: &str, step| (n.to_owned(), None, None, None, "spare", step);
+        started(&mut d, 1, &["a", "b", "c", "d", "e"], &[0, 0, 0, 0]);
+        assert_eq!(
+            rows(&d),
+            [
+                some("a", 0, 0, 0, "starting", Some(0)),
+                some("b", 1, 0, 1, "starting", Some(0)),
+                some("c", 2, 1, 0, "starting", Some(0)),
+                some("d", 3, 1, 1, "starting", Some(0)),
+                spare("e", None),
+            ]
+        );
+        for n in ["a", "b", "c", "d"] {
+            d.on_vote(T, &n.into(), 1, 0, 0, figures(5.0, 1.0, 0));
+        }
+        assert!(rows(&d)[..4].iter().all(|r| r.4 == "training" && r.5 == Some(1)), "{:?}", rows(&d));
+
+        // b is lost: e takes its place as the second replica of stage 0 (ranks in node order).
+        let (v, m) = view(2, &["a", "c", "d", "e"]);
+        d.on_view(&v, &m, vec!["b failed".into()]);
+        let attempt = d.info().attempts;
+        assert_eq!(
+            rows(&d),
+            [
+                some("a", 0, 0, 0, "recovering", Some(1)),
+                some("c", 1, 0, 1, "recovering", Some(1)),
+                some("d", 2, 1, 0, "recovering", Some(1)),
+                some("e", 3, 1, 1, "recovering", None),
+            ]
+        );
+        for (i, n) in ["a", "c", "d", "e"].into_iter().enumerate() {
+            d.on_ready(T, &n.into(), attempt, 0, addr(i as u16), Some(u64::from(n != "e")));
+        }
+        assert!(rows(&d).iter().all(|r| r.4 == "recovering" && r.5 == Some(1)), "until the attempt commits");
+        for n in ["a", "c", "d", "e"] {
+            d.on_vote(T, &n.into(), attempt, 0, 1, figures(5.0, 1.0, 0));
+        }
+        assert!(rows(&d).iter().all(|r| r.4 == "training" && r.5 == Some(2)), "{:?}", rows(&d));
+
+        // One node cannot hold a pipeline of 2: every slot waits.
+        let (one, m1) = view(3, &["a"]);
+        d.on_view(&one, &m1, vec!["c, d, e failed".into()]);
+        assert_eq!(rows(&d), [("a".to_owned(), None, None, None, "waiting", Some(2))]);
+        d.cancel();
+        assert!(d.info().ranks.is_empty(), "an ended job has no ranks");
+
+        // A data-parallel job: every rank its own replica, no stage.
+        let mut d = JobDriver::new(2, spec(10));
+        started(&mut d, 1, &["a", "b"], &[0, 0]);
+        let ddp: Vec<_> = rows(&d).into_iter().map(|r| (r.1, r.2, r.3)).collect();
+        assert_eq!(ddp, [(Some(0), None, Some(0)), (Some(1), None, Some(1))]);
     }
 
     /// Found by the deterministic simulation (troupe-chaos): with `max_ranks` 1, a restarted

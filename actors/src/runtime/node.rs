@@ -297,7 +297,7 @@ impl NodeState {
                         }
                         Err(e) => tracing::error!(node = %self.id, "recording the view: {e}"),
                     }
-                    self.metrics.on_view_change(&changes);
+                    self.metrics.on_view_change(view.epoch.0, &changes);
                     let changes: Vec<String> = changes.iter().map(|c| format!("{c:?}")).collect();
                     for c in &changes {
                         self.record_change(format!("epoch {}: {c}", view.epoch));
@@ -386,11 +386,11 @@ impl NodeState {
             Wire::Ended { job, attempt, slot, outcome } => {
                 (job, JobMsg::Ended { node: from.clone(), attempt, slot, outcome })
             }
-            Wire::Checkpointed { job, attempt, step, path, seconds } => {
-                (job, JobMsg::Checkpointed { attempt, step, path, seconds })
+            Wire::Checkpointed { job, attempt, step, path, seconds, bytes } => {
+                (job, JobMsg::Checkpointed { attempt, step, path, seconds, bytes })
             }
-            Wire::Phases { job, attempt, rank, step, spans, .. } => {
-                (job, JobMsg::Phases { node: from.clone(), attempt, rank, step, spans })
+            Wire::Phases { job, attempt, rank, step, spans, stage, .. } => {
+                (job, JobMsg::Phases { node: from.clone(), attempt, rank, step, spans, stage })
             }
             other => return tracing::warn!(%from, "unexpected message for the controller: {other:?}"),
         };

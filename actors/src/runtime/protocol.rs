@@ -31,12 +31,41 @@ pub struct StepFigures {
     /// Peak resident memory of the rank's process so far (VmHWM), in bytes.
     #[serde(default)]
     pub peak_rss_bytes: u64,
+    /// A pipeline rank's schedule of the step: how long it ran and how much of it computed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage_time: Option<StageTime>,
 }
 
 impl StepFigures {
     /// An fp32 step's figures (no loss scale, not skipped, no memory figure).
     pub fn new(loss: f64, grad_norm: f64) -> Self {
-        Self { loss, grad_norm, skipped: false, loss_scale: 1.0, peak_rss_bytes: 0 }
+        Self { loss, grad_norm, skipped: false, loss_scale: 1.0, peak_rss_bytes: 0, stage_time: None }
+    }
+}
+
+/// Where a pipeline rank's time went in one step's schedule, measured from the step's start on the
+/// rank (durations only: no clock is compared across hosts).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StageTime {
+    /// From the step's start to the end of the rank's last op (F, B, W, send or receive); the flush
+    /// after it is left out.
+    pub span_s: f64,
+    /// Of which computing: the F, B and W ops.
+    pub busy_s: f64,
+}
+
+impl StageTime {
+    /// The step's bubble over the ranks that report one: idle device time over device time, in the
+    /// window of the slowest rank (ranks start a step together, when its commit reaches them, so the
+    /// window is the step's schedule on every rank). None when a rank did not report (not a pipeline).
+    pub fn bubble(times: &[Option<StageTime>]) -> Option<f64> {
+        let times: Vec<StageTime> = times.iter().copied().collect::<Option<_>>()?;
+        let window = times.iter().map(|t| t.span_s).fold(0.0, f64::max);
+        if times.is_empty() || window <= 0.0 {
+            return None;
+        }
+        let idle: f64 = times.iter().map(|t| (window - t.busy_s.min(window)).max(0.0)).sum();
+        Some(idle / (window * times.len() as f64))
     }
 }
 
@@ -135,6 +164,56 @@ pub struct JobInfo {
     /// for those after the ones it saw.
     #[serde(default)]
     pub events: u64,
+    /// Every slot the job uses or could use while it is not over: its attempt's ranks, then the spare
+    /// slots of the view (none once it ended; absent from older controllers).
+    #[serde(default)]
+    pub ranks: Vec<RankInfo>,
+}
+
+/// A slot of a job as the controller sees it (`troupe status`, `/status`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankInfo {
+    pub node: String,
+    pub slot: u32,
+    /// Its rank in the job's attempt; None for a spare or a slot waiting for the job to start.
+    pub rank: Option<usize>,
+    /// The pipeline stage it runs (pipeline jobs only).
+    pub stage: Option<usize>,
+    /// Which data-parallel replica it is: of the model (data-parallel jobs) or of the pipeline.
+    pub replica: Option<usize>,
+    pub state: RankState,
+    /// The last committed step it holds, as far as the controller knows (it said so when it last got
+    /// ready, raised by every commit since while it is a rank); None: it never held the job's state.
+    pub step: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RankState {
+    /// A rank of the job's first attempt, getting ready (data plane, state).
+    Starting,
+    /// A rank of a later attempt, from its preparation until the attempt's first commit (state copied or
+    /// resharded, the data plane connected again).
+    Recovering,
+    /// A rank of an attempt that runs steps.
+    Training,
+    /// A slot of the view that the job does not use now (a cap, or a pipeline's whole stages); it keeps
+    /// any state it held.
+    Spare,
+    /// A slot of the view while the job waits for enough nodes (`elastic.min_nodes`).
+    Waiting,
+}
+
+impl RankState {
+    pub fn name(self) -> &'static str {
+        match self {
+            RankState::Starting => "starting",
+            RankState::Recovering => "recovering",
+            RankState::Training => "training",
+            RankState::Spare => "spare",
+            RankState::Waiting => "waiting",
+        }
+    }
 }
 
 /// The typed events a job streams (`troupe train --json` prints them, the job API yields them).
@@ -177,6 +256,10 @@ pub enum JobEvent {
         /// by rank.
         #[serde(default)]
         peak_rss_bytes: Vec<u64>,
+        /// Pipeline jobs: the step's bubble, idle over all device time in its schedule
+        /// ([`StageTime::bubble`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        bubble: Option<f64>,
     },
     /// The cluster's membership changed under the job; the running attempt (if any) was aborted.
     Membership {
@@ -195,6 +278,10 @@ pub enum JobEvent {
         step: u64,
         path: PathBuf,
         seconds: f64,
+        /// Bytes of the shard files written (0 when the step's directory already held it, and from
+        /// older controllers).
+        #[serde(default)]
+        bytes: u64,
     },
     /// Every rank that held the last committed state is gone: the job continues from the latest durable
     /// checkpoint, redoing the steps after it (same samples, same trajectory).
@@ -221,6 +308,9 @@ pub enum JobEvent {
         attempt: u64,
         step: u64,
         spans: Vec<PhaseSpan>,
+        /// The pipeline stage the rank ran (pipeline jobs only).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stage: Option<usize>,
     },
 }
 
@@ -320,6 +410,9 @@ pub enum Wire {
         step: u64,
         path: PathBuf,
         seconds: f64,
+        /// Bytes written (0 from an older node).
+        #[serde(default)]
+        bytes: u64,
     },
     /// Where a rank's time went in `step` (jobs with `trace` only).
     Phases {
@@ -329,6 +422,9 @@ pub enum Wire {
         rank: usize,
         step: u64,
         spans: Vec<PhaseSpan>,
+        /// The pipeline stage the rank runs (pipeline jobs only; absent from older nodes).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stage: Option<usize>,
     },
 
     // controller → node
@@ -466,6 +562,21 @@ impl Wire {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// GPipe on 2 stages and 2 micro-batches of F = B = 1: each stage computes 4 of a 6-unit schedule
+    /// (stage 0 ends last), so 2 × 2 of 12 device-units idle: (p−1)/(m+p−1) = 1/3. A rank without a
+    /// report (not a pipeline) gives no bubble.
+    #[test]
+    fn the_bubble_is_idle_over_device_time_in_the_slowest_ranks_window() {
+        let t = |span_s, busy_s| Some(StageTime { span_s, busy_s });
+        let bubble = StageTime::bubble(&[t(6.0, 4.0), t(5.0, 4.0)]).unwrap();
+        assert!((bubble - 1.0 / 3.0).abs() < 1e-12, "{bubble}");
+        assert_eq!(StageTime::bubble(&[t(2.0, 2.0), t(2.0, 2.0)]), Some(0.0));
+        assert_eq!(StageTime::bubble(&[t(6.0, 4.0), None]), None);
+        assert_eq!(StageTime::bubble(&[]), None);
+        let old = br#"{"loss":1.0,"grad_norm":2.0}"#;
+        assert_eq!(serde_json::from_slice::<StepFigures>(old).unwrap(), StepFigures::new(1.0, 2.0));
+    }
 
     /// A `Join` names the node's incarnation; one from a node that does not (an older version) still
     /// decodes, with none (the controller then takes any join of a member for a restart, as before).

@@ -22,10 +22,11 @@ use troupe_model::checkpoint::{self, CheckpointStore, CheckpointWriter, WriteRep
 use troupe_model::Trainer;
 
 use super::node::NodeMsg;
-use super::protocol::{AttemptOutcome, DataPlane, JobId, JobSpec, StepFigures, Wire};
+use super::protocol::{AttemptOutcome, DataPlane, JobId, JobSpec, StageTime, StepFigures, Wire};
 use crate::engine::pipeline::PipelineReplica;
 use crate::engine::{
-    CommittedState, DataParallelReplica, EngineError, ShardMode, ShardedReplica, StepEngine, DEFAULT_BUCKET_BYTES,
+    CommittedState, DataParallelReplica, EngineError, OpTiming, ShardMode, ShardedReplica, StepEngine,
+    DEFAULT_BUCKET_BYTES,
 };
 use crate::telemetry::link_bytes::Counted;
 use crate::telemetry::{otel, NodeMetrics, PhaseRecorder};
@@ -106,6 +107,8 @@ struct Prepared {
     epoch: u64,
     spec: Box<JobSpec>,
     endpoint: quinn::Endpoint,
+    /// When this preparation restored the rank's state from a durable checkpoint.
+    restored: Option<(Instant, Instant)>,
 }
 
 #[derive(Default)]
@@ -260,9 +263,14 @@ impl WorkerState {
                 slot.state = None;
             }
         }
+        let mut restored = None;
         if slot.state.is_none() {
+            let t0 = Instant::now();
             match fresh_trainer(&spec) {
-                Ok(t) => slot.state = Some(CommittedState::Full(Box::new(t))),
+                Ok((t, from_checkpoint)) => {
+                    restored = from_checkpoint.then(|| (t0, Instant::now()));
+                    slot.state = Some(CommittedState::Full(Box::new(t)));
+                }
                 Err(e) => return fail(self, e),
             }
         }
@@ -276,7 +284,7 @@ impl WorkerState {
             Err(e) => return fail(self, format!("data-plane address: {e}")),
         };
         let slot = self.jobs.get_mut(&job).expect("inserted above");
-        slot.prepared = Some(Prepared { attempt, rank, epoch, spec, endpoint });
+        slot.prepared = Some(Prepared { attempt, rank, epoch, spec, endpoint, restored });
         self.report(Wire::Ready { job, attempt, slot: me, data_addr, committed });
     }
 
@@ -314,6 +322,7 @@ impl WorkerState {
             roster,
             source,
             writer,
+            restored: prepared.restored,
         };
         let me = me.clone();
         let attempt_task = async move {
@@ -349,9 +358,10 @@ impl WorkerState {
     }
 }
 
-/// A rank with no state for a job: the latest valid durable checkpoint if the job has one, else step 0.
-/// Checkpoints that do not verify are skipped for the previous one (`latest_valid` logs each, with why).
-fn fresh_trainer(spec: &JobSpec) -> Result<Trainer, String> {
+/// A rank with no state for a job: the latest valid durable checkpoint if the job has one (true: restored
+/// from it), else step 0. Checkpoints that do not verify are skipped for the previous one (`latest_valid`
+/// logs each, with why).
+fn fresh_trainer(spec: &JobSpec) -> Result<(Trainer, bool), String> {
     let config = spec.config.clone();
     if let Some(dir) = &config.checkpoint.dir {
         let (latest, skipped) = checkpoint::latest_valid(dir);
@@ -360,10 +370,11 @@ fn fresh_trainer(spec: &JobSpec) -> Result<Trainer, String> {
         }
         if let Some(latest) = latest {
             return Trainer::resume(config, &latest)
+                .map(|t| (t, true))
                 .map_err(|e| format!("restoring checkpoint {}: {e}", latest.display()));
         }
     }
-    Trainer::new(config).map_err(|e| format!("building the model on this node: {e}"))
+    Trainer::new(config).map(|t| (t, false)).map_err(|e| format!("building the model on this node: {e}"))
 }
 
 pub(crate) fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
@@ -392,6 +403,8 @@ struct AttemptCtx {
     source: Option<usize>,
     /// Rank 0's checkpoint writer (with `checkpoint.dir`).
     writer: Option<Arc<CheckpointWriter>>,
+    /// When the preparation restored the rank's state from a durable checkpoint.
+    restored: Option<(Instant, Instant)>,
 }
 
 /// Rank 0's asynchronous checkpoint writer for `spec`'s `checkpoint.dir`, reporting each durable save to
@@ -410,7 +423,9 @@ fn spawn_writer(spec: &JobSpec, job: JobId, node: &ActorRef<NodeMsg>) -> Option<
     let on_report = move |report| match report {
         WriteReport::Durable { tag: attempt, saved } => {
             let (step, path, seconds) = (saved.step, saved.path, saved.seconds);
-            let _ = node.cast(NodeMsg::FromWorker(Wire::Checkpointed { job, attempt, step, path, seconds }));
+            let bytes = if saved.kept_existing { 0 } else { saved.bytes };
+            let checkpointed = Wire::Checkpointed { job, attempt, step, path, seconds, bytes };
+            let _ = node.cast(NodeMsg::FromWorker(checkpointed));
         }
         WriteReport::Failed { step, error, .. } => {
             tracing::error!(
@@ -629,11 +644,26 @@ fn report_phases(ctx: &AttemptCtx, spec: &JobSpec, rank: usize, step: u64, phase
     let Some(spans) = phases.take() else { return };
     let (job, attempt, slot) = (ctx.job, ctx.attempt, ctx.slot);
     let (epoch, node, trace_seed) = (ctx.epoch, ctx.identity.name.as_str(), spec.trace_seed);
-    let attrs = otel::RankAttrs { job, trace_seed, attempt, rank, epoch, node };
+    // Rank r of a pipeline job of D = world / pp replicas runs stage r div D.
+    let pp = spec.config.parallel.pp;
+    let stage = (pp > 1).then(|| rank / (ctx.roster.len() / pp).max(1));
+    let attrs = otel::RankAttrs { job, trace_seed, attempt, rank, stage, epoch, node };
     otel::export_step(&attrs, step, &spans);
     if spec.trace {
-        let _ = ctx.node.cast(NodeMsg::FromWorker(Wire::Phases { job, attempt, slot, rank, step, spans }));
+        let _ = ctx.node.cast(NodeMsg::FromWorker(Wire::Phases { job, attempt, slot, rank, step, spans, stage }));
     }
+}
+
+/// A pipeline rank's schedule of the step that started at `t0`: to the end of its last op, and the time
+/// its F, B and W ops took (what the controller turns into the step's bubble).
+fn stage_time_of(t0: Instant, ops: &[OpTiming]) -> StageTime {
+    let end = ops.iter().map(|op| op.end).max().unwrap_or(t0);
+    let busy: Duration = ops
+        .iter()
+        .filter(|op| matches!(op.cat, "forward" | "backward" | "weight"))
+        .map(|op| op.end.saturating_duration_since(op.start))
+        .sum();
+    StageTime { span_s: end.saturating_duration_since(t0).as_secs_f64(), busy_s: busy.as_secs_f64() }
 }
 
 /// The step loop of one attempt, for any engine: sync, then per step reduce → vote → wait for the
@@ -661,6 +691,9 @@ async fn drive<E: StepEngine>(
         },
         _ = wait_abort(ctl) => return AttemptOutcome::Aborted { step },
     }
+    if let Some((from, to)) = ctx.restored {
+        phases.span("checkpoint restore", "recovery", from, to);
+    }
     let setup = if ctx.attempt > 1 { ("recovery", "recovery") } else { ("setup", "idle") };
     phases.span(setup.0, setup.1, ctx.started, Instant::now());
     let total = spec.config.train.steps;
@@ -685,17 +718,19 @@ async fn drive<E: StepEngine>(
         };
         let (voted, seconds) = (Instant::now(), t0.elapsed().as_secs_f64());
         let computed = t0 + std::time::Duration::from_secs_f64(reduced.compute_seconds);
+        let mut stage_time = None;
         match engine.op_spans() {
             // A pipeline device: its ops, then the flush (the stage's all-reduce, the norm and loss).
             Some(ops) => {
-                for (name, cat, from, to) in ops {
-                    phases.span(&name, cat, from, to);
+                stage_time = Some(stage_time_of(t0, &ops));
+                for op in ops {
+                    phases.op(&op.name, op.cat, op.start, op.end, op.chunk, op.microbatch);
                 }
                 phases.span("flush", "comm", computed, voted);
             }
             None => {
                 phases.span("forward+backward", "compute", t0, computed);
-                phases.span("all-reduce", "comm", computed, voted);
+                phases.span(engine.gradient_collective(), "comm", computed, voted);
             }
         }
         let trainer = engine.trainer();
@@ -703,7 +738,7 @@ async fn drive<E: StepEngine>(
         let (grad_norm, skipped) = loss_scale.preview(trainer.model.precision, reduced.grad_norm);
         let peak_rss_bytes = crate::telemetry::memory::peak_rss_bytes();
         let (loss, loss_scale) = (reduced.loss, loss_scale.scale);
-        let figures = StepFigures { loss, grad_norm, skipped, loss_scale, peak_rss_bytes };
+        let figures = StepFigures { loss, grad_norm, skipped, loss_scale, peak_rss_bytes, stage_time };
         let (job, attempt, slot) = (ctx.job, ctx.attempt, ctx.slot);
         let vote = Wire::Vote { job, attempt, slot, step, figures, seconds };
         let _ = ctx.node.cast(NodeMsg::FromWorker(vote));

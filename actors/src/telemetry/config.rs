@@ -15,8 +15,9 @@ pub struct TelemetryConfig {
     /// Peak dense throughput of one slot's device in TFLOP/s (e.g. 989 for an H100 in bf16): the
     /// denominator of `troupe_job_mfu`. Absent: MFU is not exported (the achieved FLOP/s still is).
     pub peak_tflops_per_slot: Option<f64>,
-    /// OTLP/HTTP endpoint that receives this daemon's spans, e.g. "http://127.0.0.1:4318" (the
-    /// `/v1/traces` path is added). Absent: `OTEL_EXPORTER_OTLP_ENDPOINT` if set, else no export.
+    /// OTLP/HTTP endpoint that receives this daemon's spans and metrics, e.g. "http://127.0.0.1:4318"
+    /// (`/v1/traces` and `/v1/metrics` are added). Absent: `OTEL_EXPORTER_OTLP_ENDPOINT` if set, else no
+    /// export.
     pub otlp_endpoint: Option<String>,
 }
 
@@ -32,7 +33,8 @@ impl TelemetryConfig {
             }
         }
         if let Some(endpoint) = &self.otlp_endpoint {
-            super::otel::parse_endpoint(endpoint).map_err(|why| ("telemetry.otlp_endpoint", why))?;
+            super::otel::parse_endpoint(endpoint, super::otel::Signal::Traces)
+                .map_err(|why| ("telemetry.otlp_endpoint", why))?;
         }
         Ok(())
     }

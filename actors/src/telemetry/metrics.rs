@@ -2,7 +2,8 @@
 //! changes and worker failures pass through it; the HTTP endpoint renders it together with the node's
 //! [`ClusterStatus`] (epoch, members, jobs) at scrape time. Updating is a short lock and a few additions:
 //! cheap enough to do on every event whether or not anyone scrapes. When OTLP export is installed, the
-//! same hooks export the controller's spans: a job's life, each recovery, each failure detection.
+//! same hooks export the controller's spans (a job's life, each recovery, each failure detection) and
+//! record the job metrics as OpenTelemetry instruments ([`super::otel_metrics`]).
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -13,8 +14,8 @@ use opentelemetry::KeyValue;
 use troupe_cluster::membership::Change;
 
 use super::link_bytes::LinkBytes;
-use super::otel;
 use super::prometheus::{Exposition, Histogram, Kind};
+use super::{otel, otel_metrics};
 use crate::runtime::protocol::{ClusterStatus, JobEvent, JobId, JobSpec, JobState};
 
 /// Per-job figures the controller daemon sees pass.
@@ -29,6 +30,11 @@ struct JobMetrics {
     tokens_per_s: Option<f64>,
     world: usize,
     checkpoint_seconds: Histogram,
+    /// Bytes of the durable checkpoints written, and the last one's write throughput.
+    checkpoint_bytes: u64,
+    checkpoint_bytes_per_second: Option<f64>,
+    /// Pipeline jobs: the last committed step's bubble.
+    bubble: Option<f64>,
     recovery_seconds: Histogram,
     recoveries: u64,
     rollbacks: u64,
@@ -52,7 +58,8 @@ struct State {
     jobs: BTreeMap<JobId, JobMetrics>,
     worker_restarts: u64,
     membership_changes: BTreeMap<&'static str, u64>,
-    detection_seconds: Option<Histogram>,
+    /// By cause: "timeout" (silent for the failure timeout) or "connection_lost" (the transport said so).
+    detection_seconds: BTreeMap<&'static str, Histogram>,
 }
 
 /// A daemon's counters (shared by the node actor and the HTTP endpoint).
@@ -89,6 +96,9 @@ impl NodeMetrics {
             tokens_per_s: None,
             world: 0,
             checkpoint_seconds: Histogram::seconds(),
+            checkpoint_bytes: 0,
+            checkpoint_bytes_per_second: None,
+            bubble: None,
             recovery_seconds: Histogram::seconds(),
             recoveries: 0,
             rollbacks: 0,
@@ -107,7 +117,7 @@ impl NodeMetrics {
         let mut state = self.lock();
         let Some(m) = state.jobs.get_mut(&job) else { return };
         match event {
-            JobEvent::Step { step, loss, tokens_per_s, world, epoch, skipped, loss_scale, .. } => {
+            JobEvent::Step { step, loss, tokens_per_s, world, epoch, skipped, loss_scale, bubble, .. } => {
                 if otel::enabled() {
                     let seconds = if *tokens_per_s > 0.0 { m.tokens_per_step / tokens_per_s } else { 0.0 };
                     let end = SystemTime::now();
@@ -126,19 +136,41 @@ impl NodeMetrics {
                 m.loss_scale = Some(*loss_scale);
                 m.world = *world;
                 m.tokens_per_s = Some(*tokens_per_s);
-                if *tokens_per_s > 0.0 {
-                    m.step_seconds.observe(m.tokens_per_step / tokens_per_s);
+                m.bubble = *bubble;
+                let step_seconds = (*tokens_per_s > 0.0).then(|| m.tokens_per_step / tokens_per_s);
+                if let Some(seconds) = step_seconds {
+                    m.step_seconds.observe(seconds);
                 }
-                if let Some(at) = m.interrupted_at.take() {
-                    m.recovery_seconds.observe(now.duration_since(at).as_secs_f64());
+                let recovery = m.interrupted_at.take().map(|at| now.duration_since(at).as_secs_f64());
+                if let Some(seconds) = recovery {
+                    m.recovery_seconds.observe(seconds);
                 }
                 if let Some((from, changes)) = m.interrupted.take() {
                     let attributes = vec![
                         KeyValue::new("troupe.job", job as i64),
+                        KeyValue::new("troupe.epoch", *epoch as i64),
                         KeyValue::new("troupe.world", *world as i64),
                         KeyValue::new("troupe.changes", changes.join("; ")),
                     ];
                     otel::export_job_span("recovery", from, SystemTime::now(), attributes);
+                }
+                if let Some(i) = otel_metrics::instruments() {
+                    let attrs = otel_metrics::job_attributes(job, &m.name);
+                    i.steps_committed.add(1, &attrs);
+                    step_seconds.inspect(|s| i.step_seconds.record(*s, &attrs));
+                    recovery.inspect(|s| i.recovery_seconds.record(*s, &attrs));
+                    i.tokens_per_second.record(*tokens_per_s, &attrs);
+                    i.model_flops_per_second.record(tokens_per_s * m.train_flops_per_token, &attrs);
+                    if let Some(mfu) = self.mfu(m) {
+                        i.mfu.record(mfu, &attrs);
+                    }
+                    bubble.inspect(|b| i.bubble.record(*b, &attrs));
+                    if loss.is_finite() {
+                        i.loss.record(*loss, &attrs);
+                    }
+                    if *skipped {
+                        i.skipped_steps.add(1, &attrs);
+                    }
                 }
             }
             JobEvent::Started { world, .. } => m.world = *world,
@@ -151,7 +183,20 @@ impl NodeMetrics {
                 m.world = *world;
                 m.recoveries += 1;
             }
-            JobEvent::Checkpoint { seconds, .. } => m.checkpoint_seconds.observe(*seconds),
+            JobEvent::Checkpoint { seconds, bytes, .. } => {
+                m.checkpoint_seconds.observe(*seconds);
+                m.checkpoint_bytes += bytes;
+                let rate = (*bytes > 0 && *seconds > 0.0).then(|| *bytes as f64 / seconds);
+                if rate.is_some() {
+                    m.checkpoint_bytes_per_second = rate;
+                }
+                if let Some(i) = otel_metrics::instruments() {
+                    let attrs = otel_metrics::job_attributes(job, &m.name);
+                    i.checkpoint_seconds.record(*seconds, &attrs);
+                    i.checkpoint_bytes.add(*bytes, &attrs);
+                    rate.inspect(|r| i.checkpoint_bytes_per_second.record(*r, &attrs));
+                }
+            }
             JobEvent::RolledBack { .. } => m.rollbacks += 1,
             JobEvent::Finished { .. } | JobEvent::Failed { .. } | JobEvent::Cancelled => {
                 let outcome = if let JobEvent::Failed { .. } = event {
@@ -173,29 +218,44 @@ impl NodeMetrics {
         }
     }
 
-    /// The controller changed the view. A `Failed` member was silent for `silent_ms` when declared dead:
-    /// that is the failure detection time (a crash to its detection, at most). Losses the transport
-    /// reported (`ConnectionLost`) are counted but not timed.
-    pub fn on_view_change(&self, changes: &[Change]) {
+    /// The controller changed the view to `epoch`. A member declared dead — silent for the failure
+    /// timeout (`Failed`) or its connection lost (`ConnectionLost`) — had been silent for `silent_ms`
+    /// then: that is the failure detection time (a crash to its detection, at most), by cause.
+    pub fn on_view_change(&self, epoch: u64, changes: &[Change]) {
         let mut state = self.lock();
         for change in changes {
-            let kind = match change {
-                Change::Joined(_) => "joined",
-                Change::Left(_) => "left",
-                Change::Failed { node, silent_ms } => {
-                    let detection = state.detection_seconds.get_or_insert_with(Histogram::seconds);
-                    detection.observe(*silent_ms as f64 / 1e3);
-                    let end = SystemTime::now();
-                    let attributes = vec![KeyValue::new("troupe.failed_node", node.0.clone())];
-                    let start = end.checked_sub(Duration::from_millis(*silent_ms)).unwrap_or(end);
-                    otel::export_job_span("failure_detection", start, end, attributes);
-                    "failed"
+            let (kind, detected) = match change {
+                Change::Joined(_) => ("joined", None),
+                Change::Left(_) => ("left", None),
+                Change::Failed { node, silent_ms } => ("failed", Some((node, *silent_ms, "timeout"))),
+                Change::ConnectionLost { node, silent_ms } => {
+                    ("connection_lost", Some((node, *silent_ms, "connection_lost")))
                 }
-                Change::ConnectionLost(_) => "connection_lost",
-                Change::Restarted(_) => "restarted",
+                Change::Restarted(_) => ("restarted", None),
             };
             *state.membership_changes.entry(kind).or_default() += 1;
+            let Some((node, silent_ms, cause)) = detected else { continue };
+            let seconds = silent_ms as f64 / 1e3;
+            state.detection_seconds.entry(cause).or_insert_with(Histogram::seconds).observe(seconds);
+            let end = SystemTime::now();
+            let attributes = vec![
+                KeyValue::new("troupe.failed_node", node.0.clone()),
+                KeyValue::new("troupe.cause", cause),
+                KeyValue::new("troupe.epoch", epoch as i64),
+            ];
+            let start = end.checked_sub(Duration::from_millis(silent_ms)).unwrap_or(end);
+            otel::export_job_span("failure_detection", start, end, attributes);
+            if let Some(i) = otel_metrics::instruments() {
+                i.failure_detection_seconds.record(seconds, &[KeyValue::new("cause", cause)]);
+            }
         }
+    }
+
+    /// A job's model FLOPs utilisation at its last step (only with the peak configured).
+    fn mfu(&self, m: &JobMetrics) -> Option<f64> {
+        let peak = self.peak_flops_per_slot?;
+        (m.world > 0).then_some(())?;
+        m.tokens_per_s.map(|t| t * m.train_flops_per_token / (peak * m.world as f64))
     }
 
     pub fn on_worker_failure(&self) {
@@ -245,13 +305,12 @@ impl NodeMetrics {
             let n = state.membership_changes.get(kind).copied().unwrap_or(0);
             e.sample("troupe_membership_changes_total", &[("kind", kind)], n as f64);
         }
-        if let Some(h) = &state.detection_seconds {
-            e.family(
-                "troupe_failure_detection_seconds",
-                Kind::Histogram,
-                "Silence of a member when it was declared failed.",
-            )
-            .histogram("troupe_failure_detection_seconds", &[], h);
+        if !state.detection_seconds.is_empty() {
+            let name = "troupe_failure_detection_seconds";
+            e.family(name, Kind::Histogram, "Silence of a member when it was declared failed or its connection lost.");
+            for (cause, h) in &state.detection_seconds {
+                e.histogram(name, &[("cause", cause)], h);
+            }
         }
         e.family(
             "troupe_link_bytes_total",
@@ -322,19 +381,32 @@ impl NodeMetrics {
             "Achieved model FLOP/s: 3 x forward FLOPs per token x tokens/s.",
             &|i| job(i).and_then(|m| m.tokens_per_s.map(|t| t * m.train_flops_per_token)),
         );
-        if let Some(peak) = self.peak_flops_per_slot {
+        if self.peak_flops_per_slot.is_some() {
             each(
                 e,
                 "troupe_job_mfu",
                 Kind::Gauge,
                 "Model FLOPs utilisation: achieved FLOP/s over world x peak_tflops_per_slot.",
-                &|i| {
-                    job(i)
-                        .filter(|m| m.world > 0)
-                        .and_then(|m| m.tokens_per_s.map(|t| t * m.train_flops_per_token / (peak * m.world as f64)))
-                },
+                &|i| job(i).and_then(|m| self.mfu(m)),
             );
         }
+        each(
+            e,
+            "troupe_job_bubble_fraction",
+            Kind::Gauge,
+            "Pipeline jobs: idle over device time in the last committed step's schedule.",
+            &|i| job(i).and_then(|m| m.bubble),
+        );
+        each(e, "troupe_job_checkpoint_bytes_total", Kind::Counter, "Bytes of durable checkpoints written.", &|i| {
+            job(i).map(|m| m.checkpoint_bytes as f64)
+        });
+        each(
+            e,
+            "troupe_job_checkpoint_bytes_per_second",
+            Kind::Gauge,
+            "Write throughput of the last durable checkpoint (bytes over its write and commit time).",
+            &|i| job(i).and_then(|m| m.checkpoint_bytes_per_second),
+        );
         each(e, "troupe_job_recoveries_total", Kind::Counter, "Attempts resumed after a membership change.", &|i| {
             job(i).map(|m| m.recoveries as f64)
         });
@@ -432,6 +504,7 @@ mod tests {
                 last_loss: Some(2.5),
                 reason: None,
                 events: 0,
+                ranks: vec![],
             }],
             refused_stale: 1,
             changes: vec![],
@@ -463,14 +536,20 @@ mod tests {
             tokens_per_s,
             epoch: 3,
             world,
+            bubble: (step == 2).then_some(0.25),
         };
         let t0 = Instant::now();
         metrics.on_job_event(7, &step(1, tokens / 0.2, 2), t0);
         metrics.on_job_event(7, &JobEvent::Membership { epoch: 3, world: 1, changes: vec!["b failed".into()] }, t0);
-        metrics.on_view_change(&[Change::Failed { node: NodeId::from("b"), silent_ms: 1_600 }]);
+        metrics.on_view_change(3, &[Change::Failed { node: NodeId::from("b"), silent_ms: 1_600 }]);
+        metrics.on_view_change(4, &[Change::ConnectionLost { node: NodeId::from("c"), silent_ms: 300 }]);
         metrics.on_job_event(7, &JobEvent::Recovered { step: 1, epoch: 3, world: 1 }, t0 + Duration::from_millis(100));
         metrics.on_job_event(7, &step(2, tokens / 0.05, 1), t0 + Duration::from_millis(400));
-        metrics.on_job_event(7, &JobEvent::Checkpoint { step: 2, path: "/c".into(), seconds: 0.03 }, t0);
+        metrics.on_job_event(
+            7,
+            &JobEvent::Checkpoint { step: 2, path: "/c".into(), seconds: 0.5, bytes: 3_000_000 },
+            t0,
+        );
         metrics.on_worker_failure();
         metrics.links.link("b").sent.fetch_add(10, std::sync::atomic::Ordering::Relaxed);
 
@@ -486,8 +565,13 @@ mod tests {
         assert_eq!(value(&samples, "troupe_job_skipped_steps_total", &job), 1.0);
         assert_eq!(value(&samples, "troupe_job_loss_scale", &job), 32768.0);
         assert_eq!(value(&samples, "troupe_job_checkpoint_seconds_count", &job), 1.0);
-        assert_eq!(value(&samples, "troupe_failure_detection_seconds_sum", &[]), 1.6);
+        assert_eq!(value(&samples, "troupe_failure_detection_seconds_sum", &[("cause", "timeout")]), 1.6);
+        assert_eq!(value(&samples, "troupe_failure_detection_seconds_sum", &[("cause", "connection_lost")]), 0.3);
         assert_eq!(value(&samples, "troupe_membership_changes_total", &[("kind", "failed")]), 1.0);
+        assert_eq!(value(&samples, "troupe_membership_changes_total", &[("kind", "connection_lost")]), 1.0);
+        assert_eq!(value(&samples, "troupe_job_bubble_fraction", &job), 0.25, "the last step's");
+        assert_eq!(value(&samples, "troupe_job_checkpoint_bytes_total", &job), 3e6);
+        assert_eq!(value(&samples, "troupe_job_checkpoint_bytes_per_second", &job), 6e6);
         assert_eq!(value(&samples, "troupe_membership_members", &[]), 2.0);
         assert_eq!(value(&samples, "troupe_worker_restarts_total", &[]), 1.0);
         assert_eq!(value(&samples, "troupe_link_bytes_total", &[("peer", "b"), ("direction", "sent")]), 10.0);
@@ -495,5 +579,18 @@ mod tests {
         assert!((flops - tokens / 0.05 * 3.0 * spec.config.model.forward_flops_per_token()).abs() < 1e-6 * flops);
         assert!((value(&samples, "troupe_job_mfu", &job) - flops / 1e12).abs() < 1e-12, "one rank × 1 TFLOP/s");
         assert_eq!(value(&samples, "troupe_job_state", &[("state", "running")]), 1.0);
+
+        // Every family rendered is in the metrics table of docs/runtime-semantics.md.
+        let docs = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/runtime-semantics.md"));
+        let table = &docs[docs.find("| metric | type | meaning |").expect("the metrics table")..];
+        let table = &table[..table.find("\n\n").unwrap_or(table.len())];
+        let text = metrics.render(&status(2));
+        let families: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.split(' ').next()).collect();
+        assert!(families.len() >= 30, "every family rendered: {families:?}");
+        let missing: Vec<&&str> = families
+            .iter()
+            .filter(|f| !table.contains(&format!("`{f}`")) && !table.contains(&format!("`{f}{{")))
+            .collect();
+        assert!(missing.is_empty(), "metrics missing from the table in docs/runtime-semantics.md: {missing:?}");
     }
 }

@@ -9,6 +9,7 @@ pub mod link_bytes;
 pub mod memory;
 pub mod metrics;
 pub mod otel;
+pub mod otel_metrics;
 pub mod phases;
 pub mod plot;
 pub mod prometheus;

@@ -8,9 +8,27 @@
 //! (drawn by the controller at submission, carried in the `JobSpec`), the job id and N ([`step_ids`]),
 //! so every node computes the same ones — a step redone by a later attempt lands in the same trace.
 
-/// Checks an OTLP/HTTP endpoint: `http://HOST:PORT` with an optional path (`/v1/traces` is appended
-/// to a bare base URL, as the OTLP exporter specification says).
-pub fn parse_endpoint(endpoint: &str) -> Result<String, String> {
+/// The signals exported over OTLP, each to its own path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Signal {
+    Traces,
+    Metrics,
+}
+
+impl Signal {
+    fn path(self) -> &'static str {
+        match self {
+            Signal::Traces => "v1/traces",
+            Signal::Metrics => "v1/metrics",
+        }
+    }
+}
+
+/// Checks an OTLP/HTTP endpoint — `http://HOST:PORT` with an optional path — and gives the URL of
+/// `signal`: the path is a base to which `/v1/traces` or `/v1/metrics` is appended, as the OTLP exporter
+/// specification says, unless it already ends in one of them (then the other signal goes to its
+/// sibling).
+pub fn parse_endpoint(endpoint: &str, signal: Signal) -> Result<String, String> {
     let Some(rest) = endpoint.strip_prefix("http://") else {
         return Err(format!(
             "{endpoint:?} is not an OTLP/HTTP endpoint like \"http://127.0.0.1:4318\" (https is not supported; put a collector on the host)"
@@ -23,7 +41,12 @@ pub fn parse_endpoint(endpoint: &str) -> Result<String, String> {
         return Err(format!("{endpoint:?}: give host and port, like \"http://127.0.0.1:4318\""));
     }
     let path = path.trim_end_matches('/');
-    Ok(if path.is_empty() { format!("http://{authority}/v1/traces") } else { format!("http://{authority}/{path}") })
+    let base = [Signal::Traces, Signal::Metrics]
+        .iter()
+        .find_map(|s| path.strip_suffix(s.path()))
+        .map_or(path, |b| b.trim_end_matches('/'));
+    let base = if base.is_empty() { String::new() } else { format!("/{base}") };
+    Ok(format!("http://{authority}{base}/{}", signal.path()))
 }
 
 #[cfg(test)]
@@ -44,10 +67,17 @@ mod tests {
 
     #[test]
     fn endpoints() {
-        assert_eq!(parse_endpoint("http://127.0.0.1:4318").unwrap(), "http://127.0.0.1:4318/v1/traces");
-        assert_eq!(parse_endpoint("http://c:4318/v1/traces").unwrap(), "http://c:4318/v1/traces");
-        assert!(parse_endpoint("https://c:4318").is_err());
-        assert!(parse_endpoint("http://c").is_err());
+        let check = |endpoint: &str, traces: &str, metrics: &str| {
+            assert_eq!(parse_endpoint(endpoint, Signal::Traces).unwrap(), traces, "{endpoint}");
+            assert_eq!(parse_endpoint(endpoint, Signal::Metrics).unwrap(), metrics, "{endpoint}");
+        };
+        check("http://127.0.0.1:4318", "http://127.0.0.1:4318/v1/traces", "http://127.0.0.1:4318/v1/metrics");
+        check("http://c:4318/", "http://c:4318/v1/traces", "http://c:4318/v1/metrics");
+        check("http://c:4318/v1/traces", "http://c:4318/v1/traces", "http://c:4318/v1/metrics");
+        check("http://c:4318/otlp/v1/metrics", "http://c:4318/otlp/v1/traces", "http://c:4318/otlp/v1/metrics");
+        check("http://c:4318/otlp", "http://c:4318/otlp/v1/traces", "http://c:4318/otlp/v1/metrics");
+        assert!(parse_endpoint("https://c:4318", Signal::Traces).is_err());
+        assert!(parse_endpoint("http://c", Signal::Metrics).is_err());
     }
 }
 
@@ -73,7 +103,7 @@ use super::phases::PhaseSpan;
 
 /// How long one export may take to connect, and to be answered.
 const EXPORT_CONNECT_TIMEOUT_MS: u64 = 2_000;
-const EXPORT_ANSWER_TIMEOUT_MS: u64 = 5_000;
+pub(super) const EXPORT_ANSWER_TIMEOUT_MS: u64 = 5_000;
 /// Largest collector answer read.
 const ANSWER_BYTES_MAX: u64 = 1 << 20;
 /// How often batched spans go out.
@@ -89,10 +119,11 @@ pub fn enabled() -> bool {
     TRACER.get().is_some()
 }
 
-/// Keeps the exporter alive; flushes the last spans when dropped (bounded).
+/// Keeps the exporters alive; flushes the last spans and metrics when dropped (bounded).
 #[derive(Debug)]
 pub struct OtelGuard {
     provider: SdkTracerProvider,
+    _metrics: super::otel_metrics::MetricsGuard,
 }
 
 impl Drop for OtelGuard {
@@ -103,10 +134,12 @@ impl Drop for OtelGuard {
     }
 }
 
-/// Installs OTLP/HTTP (protobuf) export of this process's spans to `endpoint`, as service `troupe`,
-/// instance `node`. Spans are batched and sent from the SDK's own thread.
+/// Installs OTLP/HTTP (protobuf) export of this process's spans and metrics to `endpoint`, as service
+/// `troupe`, instance `node`. Spans are batched and sent from the SDK's own thread, metrics collected and
+/// sent from another ([`super::otel_metrics`]).
 pub fn install(endpoint: &str, node: &str) -> anyhow::Result<OtelGuard> {
-    let url = parse_endpoint(endpoint).map_err(anyhow::Error::msg)?;
+    let url = parse_endpoint(endpoint, Signal::Traces).map_err(anyhow::Error::msg)?;
+    let metrics_url = parse_endpoint(endpoint, Signal::Metrics).map_err(anyhow::Error::msg)?;
     let exporter = opentelemetry_otlp::SpanExporter::builder()
         .with_http()
         .with_http_client(PlainHttpClient)
@@ -120,6 +153,7 @@ pub fn install(endpoint: &str, node: &str) -> anyhow::Result<OtelGuard> {
         .with_service_name("troupe")
         .with_attribute(KeyValue::new("service.instance.id", node.to_owned()))
         .build();
+    let metrics = super::otel_metrics::install(&metrics_url, resource.clone())?;
     let provider = SdkTracerProvider::builder()
         .with_span_processor(processor)
         .with_resource(resource)
@@ -129,7 +163,7 @@ pub fn install(endpoint: &str, node: &str) -> anyhow::Result<OtelGuard> {
         anyhow::bail!("OTLP export is already installed in this process");
     }
     tracing::info!(endpoint = %url, "exporting spans over OTLP/HTTP");
-    Ok(OtelGuard { provider })
+    Ok(OtelGuard { provider, _metrics: metrics })
 }
 
 /// splitmix64's finaliser: a fixed, well-mixed function every build computes alike.
@@ -202,34 +236,84 @@ pub struct RankAttrs<'a> {
     pub trace_seed: u64,
     pub attempt: u64,
     pub rank: usize,
+    /// The pipeline stage the rank runs (pipeline jobs only).
+    pub stage: Option<usize>,
     pub epoch: u64,
     pub node: &'a str,
 }
 
 impl RankAttrs<'_> {
     fn key_values(&self, step: u64) -> Vec<KeyValue> {
-        vec![
+        let mut kv = vec![
             KeyValue::new("troupe.job", self.job as i64),
             KeyValue::new("troupe.attempt", self.attempt as i64),
             KeyValue::new("troupe.rank", self.rank as i64),
             KeyValue::new("troupe.epoch", self.epoch as i64),
             KeyValue::new("troupe.node", self.node.to_owned()),
             KeyValue::new("troupe.step", step as i64),
-        ]
+        ];
+        if let Some(stage) = self.stage {
+            kv.push(KeyValue::new("troupe.stage", stage as i64));
+        }
+        kv
     }
 }
 
-/// Exports a rank's phases of one step: a `step` span around its `compute`, `collective` (all-reduce),
-/// `commit_wait`, `optimizer` and `checkpoint` children, with `troupe.step_outcome` committed, aborted
-/// (by a view change) or failed (a lost peer), as a child of the controller's `job_step` span of the
-/// step (in its trace, [`step_ids`]); a set-up or recovery phase is a span of its own. Nothing happens
-/// unless export is installed.
+/// The span a recorded phase becomes, and what it adds to the rank's attributes: compute, forward,
+/// backward, weight (F, B, W of a pipeline's micro-batch, with `troupe.microbatch` and `troupe.chunk`),
+/// send and recv (a pipeline's activations and gradients), collective (with `troupe.collective`),
+/// commit_wait, optimizer, checkpoint; a step cut short is `aborted` or `failed`.
+fn span_of(s: &PhaseSpan) -> (&str, Vec<KeyValue>) {
+    let mut kv = vec![KeyValue::new("troupe.phase", s.name.clone())];
+    if let (Some(chunk), Some(microbatch)) = (s.chunk, s.microbatch) {
+        kv.push(KeyValue::new("troupe.chunk", chunk as i64));
+        kv.push(KeyValue::new("troupe.microbatch", microbatch as i64));
+    }
+    let name = match s.cat.as_str() {
+        "comm" => {
+            let collective = match s.name.as_str() {
+                // A pipeline stage's flush all-reduces its gradients among the stage's replicas (and the
+                // norm and loss across all devices).
+                "all-reduce" | "flush" => Some("all_reduce"),
+                "reduce-scatter" => Some("reduce_scatter"),
+                "all-gather" => Some("all_gather"),
+                "broadcast" => Some("broadcast"),
+                _ => None,
+            };
+            match collective {
+                Some(c) => {
+                    kv.push(KeyValue::new("troupe.collective", c));
+                    "collective"
+                }
+                None if s.name.starts_with("send") => "send",
+                None if s.name.starts_with("recv") => "recv",
+                None if s.name.starts_with("failed") => "failed",
+                None => "aborted",
+            }
+        }
+        "idle" => "commit_wait",
+        "compute" | "optimizer" | "checkpoint" | "forward" | "backward" | "weight" => s.cat.as_str(),
+        _ => s.name.as_str(),
+    };
+    (name, kv)
+}
+
+/// Exports a rank's phases of one step: a `step` span around its children ([`span_of`]: `compute` or a
+/// pipeline's `forward`/`backward`/`weight`/`send`/`recv` ops, `collective`, `commit_wait`, `optimizer`,
+/// `checkpoint`), with `troupe.step_outcome` committed, aborted (by a view change) or failed (a lost
+/// peer), as a child of the controller's `job_step` span of the step (in its trace, [`step_ids`]); a
+/// set-up, recovery or checkpoint restore phase is a span of its own. Nothing happens unless export is
+/// installed.
 pub fn export_step(attrs: &RankAttrs, step: u64, spans: &[PhaseSpan]) {
     let Some(tracer) = TRACER.get() else { return };
     let (setup, phases): (Vec<&PhaseSpan>, Vec<&PhaseSpan>) =
         spans.iter().partition(|s| s.cat == "recovery" || s.name == "setup");
     for s in setup {
-        let name = if s.cat == "recovery" { "recovery" } else { "setup" };
+        let name = match s.name.as_str() {
+            "setup" => "setup",
+            "checkpoint restore" => "checkpoint_restore",
+            _ => "recovery",
+        };
         export_span(tracer, name, s.start_us, s.start_us + s.dur_us, attrs.key_values(step), &Context::new());
     }
     let (Some(start), Some(end)) =
@@ -256,17 +340,9 @@ pub fn export_step(attrs: &RankAttrs, step: u64, spans: &[PhaseSpan]) {
         .start_with_context(tracer, &Context::new().with_remote_span_context(job_step));
     let cx = Context::new().with_span(parent);
     for s in phases {
-        let name = match s.cat.as_str() {
-            "comm" => "collective",
-            "idle" => "commit_wait",
-            "compute" | "optimizer" | "checkpoint" => s.cat.as_str(),
-            _ => s.name.as_str(),
-        };
+        let (name, extra) = span_of(s);
         let mut kv = attrs.key_values(step);
-        kv.push(KeyValue::new("troupe.phase", s.name.clone()));
-        if s.cat == "comm" {
-            kv.push(KeyValue::new("troupe.collective", "all_reduce"));
-        }
+        kv.extend(extra);
         export_span(tracer, name, s.start_us, s.start_us + s.dur_us, kv, &cx);
     }
     cx.span().end_with_timestamp(unix_time(end));
@@ -301,7 +377,7 @@ pub fn export_job_span(name: &str, start: SystemTime, end: SystemTime, attribute
 /// (`block_on`), so a blocking request with bounded connect and answer times is all it needs — and no
 /// HTTP client dependency.
 #[derive(Debug)]
-struct PlainHttpClient;
+pub(super) struct PlainHttpClient;
 
 #[async_trait::async_trait]
 impl HttpClient for PlainHttpClient {

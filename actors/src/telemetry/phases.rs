@@ -20,6 +20,11 @@ pub struct PhaseSpan {
     pub cat: String,
     pub start_us: u64,
     pub dur_us: u64,
+    /// A pipeline op's model chunk and micro-batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunk: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub microbatch: Option<usize>,
 }
 
 /// Collects the spans of one rank between reports.
@@ -49,12 +54,22 @@ impl PhaseRecorder {
 
     /// Records `[from, to)` (nothing when disabled or empty).
     pub fn span(&mut self, name: &str, cat: &str, from: Instant, to: Instant) {
+        self.record(name, cat, from, to, None);
+    }
+
+    /// Records a pipeline op of `chunk` and `microbatch`, `[from, to)`.
+    pub fn op(&mut self, name: &str, cat: &str, from: Instant, to: Instant, chunk: usize, microbatch: usize) {
+        self.record(name, cat, from, to, Some((chunk, microbatch)));
+    }
+
+    fn record(&mut self, name: &str, cat: &str, from: Instant, to: Instant, op: Option<(usize, usize)>) {
         if !self.enabled || to <= from {
             return;
         }
         let start_us = self.unix_us(from);
         let dur_us = self.unix_us(to).saturating_sub(start_us).max(1);
-        self.spans.push(PhaseSpan { name: name.to_owned(), cat: cat.to_owned(), start_us, dur_us });
+        let (chunk, microbatch) = (op.map(|o| o.0), op.map(|o| o.1));
+        self.spans.push(PhaseSpan { name: name.to_owned(), cat: cat.to_owned(), start_us, dur_us, chunk, microbatch });
     }
 
     /// The spans recorded since the last call (None when there are none).

@@ -108,18 +108,57 @@ fn event_name(e: &Value) -> &str {
     e.get("event").and_then(Value::as_str).unwrap_or("")
 }
 
-/// The run's trace: each rank's phase spans (pid = rank, named "rank R"), and a job row for each
-/// membership change, as the client received the events: "stalled" from the last committed step to the
-/// change (the failure happened, and was being detected, in there) and "recovery" from the change to
-/// the next committed step. Times are relative to the run's first recorded moment.
+/// A pipeline stage's ops of one step as the timeline draws them: waiting is idle — its receives (a
+/// receive waits for the neighbour's activation or gradient) and the gaps between its ops (`bubble`) —
+/// so the idle time in a stage's row is the step's bubble as `troupe_job_bubble_fraction` counts it.
+/// Other phases are kept as they are.
+fn with_bubbles(mut spans: Vec<PhaseSpan>) -> Vec<PhaseSpan> {
+    let is_op = |s: &PhaseSpan| s.microbatch.is_some();
+    let mut ops: Vec<(u64, u64)> =
+        spans.iter().filter(|s| is_op(s)).map(|s| (s.start_us, s.start_us + s.dur_us)).collect();
+    ops.sort_unstable();
+    let mut gaps = Vec::new();
+    let mut end = ops.first().map_or(0, |o| o.1);
+    for &(start, stop) in ops.iter().skip(1) {
+        if start > end {
+            gaps.push(PhaseSpan {
+                name: "bubble".into(),
+                cat: "idle".into(),
+                start_us: end,
+                dur_us: start - end,
+                chunk: None,
+                microbatch: None,
+            });
+        }
+        end = end.max(stop);
+    }
+    for s in spans.iter_mut().filter(|s| is_op(s) && s.cat == "comm" && s.name.starts_with("recv")) {
+        s.cat = "idle".into();
+    }
+    spans.extend(gaps);
+    spans
+}
+
+/// The run's trace: each rank's phase spans (pid = rank, named "rank R", or by its pipeline stage: "stage
+/// S", "stage S / rank R" when the stage has replicas; a stage's waiting drawn as idle, see
+/// [`with_bubbles`]), and a job row for each membership change, as the client received the events:
+/// "stalled" from the last committed step to the change (the failure happened, and was being detected,
+/// in there) and "recovery" from the change to the next committed step. Times are relative to the run's
+/// first recorded moment.
 pub fn trace_from_events(events: &[Value]) -> TraceFile {
     let mut spans: Vec<(u64, PhaseSpan, Value)> = Vec::new();
+    // Each rank's stage, as last reported (a rank keeps its stage unless the world changes).
+    let mut stages: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
     for e in events.iter().filter(|e| event_name(e) == "phases") {
         let rank = e.get("rank").and_then(Value::as_u64).unwrap_or(0);
-        let args = json!({ "step": e.get("step"), "node": e.get("node"), "attempt": e.get("attempt") });
+        let stage = e.get("stage").and_then(Value::as_u64);
+        if let Some(stage) = stage {
+            stages.insert(rank, stage);
+        }
+        let args = json!({ "step": e.get("step"), "node": e.get("node"), "attempt": e.get("attempt"), "stage": stage });
         let list: Vec<PhaseSpan> =
             e.get("spans").and_then(|s| serde_json::from_value(s.clone()).ok()).unwrap_or_default();
-        spans.extend(list.into_iter().map(|s| (rank, s, args.clone())));
+        spans.extend(with_bubbles(list).into_iter().map(|s| (rank, s, args.clone())));
     }
     // (name, category, from, to, what)
     let mut job_spans: Vec<(&str, &str, u64, u64, String)> = Vec::new();
@@ -157,7 +196,14 @@ pub fn trace_from_events(events: &[Value]) -> TraceFile {
     ranks.sort_unstable();
     ranks.dedup();
     for rank in &ranks {
-        out.push(TraceEvent::name_of("process_name", json!(rank), json!(0), &format!("rank {rank}")));
+        let label = match stages.get(rank) {
+            Some(stage) if stages.values().filter(|s| *s == stage).count() > 1 => {
+                format!("stage {stage} / rank {rank}")
+            }
+            Some(stage) => format!("stage {stage}"),
+            None => format!("rank {rank}"),
+        };
+        out.push(TraceEvent::name_of("process_name", json!(rank), json!(0), &label));
     }
     for (rank, s, args) in spans {
         let ts = s.start_us.saturating_sub(origin) as f64;
@@ -174,9 +220,59 @@ pub fn trace_from_events(events: &[Value]) -> TraceFile {
     TraceFile { trace_events: out, display_time_unit: Some("ms".into()) }
 }
 
+/// The part of a run's trace that shows steps `first..=last`: the ranks' spans of those steps and the
+/// job row's spans that overlap them (the metadata kept). Err when no span is of those steps, naming the
+/// steps the trace has.
+pub fn only_steps(trace: &TraceFile, first: u64, last: u64) -> Result<TraceFile, String> {
+    let step_of = |e: &TraceEvent| e.args.as_ref().and_then(|a| a.get("step")).and_then(Value::as_u64);
+    let kept: Vec<&TraceEvent> = trace
+        .trace_events
+        .iter()
+        .filter(|e| e.is_span() && step_of(e).is_some_and(|s| (first..=last).contains(&s)))
+        .collect();
+    let (Some(from), Some(to)) = (
+        kept.iter().map(|e| e.ts).min_by(f64::total_cmp),
+        kept.iter().map(|e| e.ts + e.dur.unwrap_or(0.0)).max_by(f64::total_cmp),
+    ) else {
+        let steps: Vec<u64> = trace.trace_events.iter().filter_map(step_of).collect();
+        let have = match (steps.iter().min(), steps.iter().max()) {
+            (Some(a), Some(b)) => format!("its step phases are of steps {a}..{b}"),
+            _ => "it has no step phases".to_owned(),
+        };
+        return Err(format!("no spans of steps {first}..{last}: {have}"));
+    };
+    let job_row =
+        |e: &TraceEvent| e.is_span() && e.pid == json!(JOB_PID) && e.ts < to && e.ts + e.dur.unwrap_or(0.0) > from;
+    let trace_events =
+        trace.trace_events.iter().filter(|e| !e.is_span() || job_row(e) || kept.contains(e)).cloned().collect();
+    Ok(TraceFile { trace_events, display_time_unit: trace.display_time_unit.clone() })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_range_of_steps_keeps_their_spans_and_the_job_rows_spans_over_them() {
+        let span =
+            |name: &str, start_us: u64| json!({ "name": name, "cat": "compute", "start_us": start_us, "dur_us": 10 });
+        let events = vec![
+            json!({ "event": "start", "time_us": 1_000 }),
+            json!({ "event": "phases", "rank": 0, "step": 1, "spans": [span("s1", 1_000)] }),
+            json!({ "event": "step", "step": 1, "time_us": 1_020 }),
+            json!({ "event": "membership", "changes": ["Failed"], "time_us": 1_030 }),
+            json!({ "event": "phases", "rank": 0, "step": 2, "spans": [span("s2", 1_040)] }),
+            json!({ "event": "step", "step": 2, "time_us": 1_060 }),
+            json!({ "event": "phases", "rank": 0, "step": 3, "spans": [span("s3", 1_100)] }),
+        ];
+        let trace = trace_from_events(&events);
+        let names =
+            |t: &TraceFile| t.trace_events.iter().filter(|e| e.is_span()).map(|e| e.name.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&only_steps(&trace, 2, 2).unwrap()), ["s2", "recovery"], "the recovery spans step 2");
+        assert_eq!(names(&only_steps(&trace, 3, 9).unwrap()), ["s3"]);
+        let none = only_steps(&trace, 7, 8).unwrap_err();
+        assert!(none.contains("steps 1..3"), "{none}");
+    }
 
     #[test]
     fn phases_become_spans_per_rank_and_a_membership_change_a_recovery_span() {
@@ -201,5 +297,33 @@ mod tests {
             (1_000.0, Some(500.0), "recovery")
         );
         assert_eq!(trace.label("process_name", &json!(0), None).as_deref(), Some("rank 0"));
+    }
+
+    /// A pipeline stage's row is named by its stage, and its waiting inside a step is idle: the receive
+    /// (waiting for the neighbour) and the gap before its next op; sends, F and B keep their category.
+    #[test]
+    fn a_pipeline_stages_waits_inside_a_step_are_idle_and_its_row_is_named_by_stage() {
+        let op = |name: &str, cat: &str, start_us: u64, dur_us: u64| json!({ "name": name, "cat": cat, "start_us": start_us, "dur_us": dur_us, "chunk": 1, "microbatch": 0 });
+        let flush = json!({ "name": "flush", "cat": "comm", "start_us": 1_090, "dur_us": 5 });
+        let events = vec![json!({ "event": "phases", "rank": 1, "stage": 1, "step": 1, "spans": [
+            op("recv activation c1 mb0", "comm", 1_000, 30),
+            op("F c1 mb0", "forward", 1_030, 10),
+            op("B c1 mb0", "backward", 1_060, 20),
+            op("send gradient c1 mb0", "comm", 1_080, 10),
+            flush,
+        ] })];
+        let trace = trace_from_events(&events);
+        let spans: Vec<(&str, &str, f64, f64)> = trace
+            .trace_events
+            .iter()
+            .filter(|e| e.is_span())
+            .map(|e| (e.name.as_str(), e.cat.as_str(), e.ts, e.dur.unwrap()))
+            .collect();
+        assert!(spans.contains(&("recv activation c1 mb0", "idle", 0.0, 30.0)), "{spans:?}");
+        assert!(spans.contains(&("bubble", "idle", 40.0, 20.0)), "the gap between F and B: {spans:?}");
+        assert!(spans.contains(&("send gradient c1 mb0", "comm", 80.0, 10.0)), "{spans:?}");
+        assert!(spans.contains(&("flush", "comm", 90.0, 5.0)), "{spans:?}");
+        assert_eq!(spans.iter().filter(|s| s.0 == "bubble").count(), 1, "no gap before the flush: {spans:?}");
+        assert_eq!(trace.label("process_name", &json!(1), None).as_deref(), Some("stage 1"));
     }
 }

@@ -415,6 +415,7 @@ mod tests {
             epoch: 1,
             world: 2,
             peak_rss_bytes: vec![],
+            bubble: None,
         };
         (t0 + Duration::from_millis(ms), e)
     }

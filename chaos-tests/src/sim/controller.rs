@@ -146,9 +146,13 @@ impl World<'_> {
                 let id = name(self, node);
                 self.ctl.driver.on_ended(&id, attempt, slot, outcome);
             }
-            JobInput::Checkpointed { attempt, step } => {
-                self.ctl.driver.on_checkpoint(attempt, step, format!("/shared/checkpoints/step-{step:08}").into(), 0.0)
-            }
+            JobInput::Checkpointed { attempt, step } => self.ctl.driver.on_checkpoint(
+                attempt,
+                step,
+                format!("/shared/checkpoints/step-{step:08}").into(),
+                0.0,
+                0,
+            ),
         }
         self.job_flush();
     }

@@ -249,7 +249,7 @@ impl World<'_> {
                 self.checkpoints.push(state);
                 self.stats.checkpoints += 1;
                 let path = format!("/shared/checkpoints/step-{held:08}").into();
-                let msg = Wire::Checkpointed { job: JOB, attempt, step: held, path, seconds: 0.0 };
+                let msg = Wire::Checkpointed { job: JOB, attempt, step: held, path, seconds: 0.0, bytes: 0 };
                 self.report(n, msg);
             }
         }

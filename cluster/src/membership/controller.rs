@@ -30,7 +30,12 @@ pub enum Change {
         node: NodeId,
         silent_ms: u64,
     },
-    ConnectionLost(NodeId),
+    /// The transport lost its connection to the node, which had been silent for `silent_ms` then (the
+    /// time since its last heartbeat: what a crash took to be noticed, at most).
+    ConnectionLost {
+        node: NodeId,
+        silent_ms: u64,
+    },
     /// A member asked to join again: the incarnation in the view is gone (its state with it).
     Restarted(NodeId),
 }
@@ -149,7 +154,9 @@ impl Membership {
             MembershipEvent::ConnectionLost { peer } => {
                 self.joining.remove(&peer);
                 if self.view.contains(&peer) {
-                    self.remove(&peer, Change::ConnectionLost(peer.clone()));
+                    let silent = self.last_seen.get(&peer).map_or(Duration::ZERO, |&seen| now.saturating_sub(seen));
+                    let silent_ms = silent.as_millis() as u64;
+                    self.remove(&peer, Change::ConnectionLost { node: peer.clone(), silent_ms });
                 }
             }
             MembershipEvent::StepBoundary => self.admit_joiners(now),
@@ -242,6 +249,18 @@ mod tests {
         assert_eq!(view, View::new(Epoch(2), vec!["a".into()]));
         assert_eq!(changes.len(), 2);
         assert_eq!(m.poll_action(), None);
+    }
+
+    /// A lost connection removes the member at once, carrying how long it had been silent then (its
+    /// detection time, as a timeout's `silent_ms` is).
+    #[test]
+    fn a_lost_connection_says_how_long_the_member_had_been_silent() {
+        let mut m = three();
+        m.handle(MS(400), MembershipEvent::Heartbeat { from: "b".into(), epoch: Epoch(1) });
+        m.handle(MS(700), MembershipEvent::ConnectionLost { peer: "b".into() });
+        let (view, changes) = view_change(&mut m);
+        assert_eq!(view, View::new(Epoch(2), vec!["a".into(), "c".into()]));
+        assert_eq!(changes, vec![Change::ConnectionLost { node: "b".into(), silent_ms: 300 }]);
     }
 
     #[test]

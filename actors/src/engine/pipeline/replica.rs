@@ -411,8 +411,14 @@ impl<T: Transport> StepEngine for PipelineReplica<T> {
         let spans = std::mem::take(&mut self.last_ops);
         let timed = spans.iter().map(|span| {
             let op = span.op;
-            let name = format!("{} c{} mb{}", op_name(op.kind), op.chunk, op.microbatch);
-            (name, category(op.kind), at(span.start_s), at(span.end_s))
+            OpTiming {
+                name: format!("{} c{} mb{}", op_name(op.kind), op.chunk, op.microbatch),
+                cat: category(op.kind),
+                start: at(span.start_s),
+                end: at(span.end_s),
+                chunk: op.chunk,
+                microbatch: op.microbatch,
+            }
         });
         Some(timed.collect())
     }

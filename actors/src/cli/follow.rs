@@ -1,0 +1,305 @@
+//! Following a job on a cluster to its end — what `troupe train` on a cluster and `troupe job submit`
+//! share: every event through one [`Reporter`] (a progress bar and lines for people, JSON lines with
+//! `--json`, the run directory with `--run-dir`), Ctrl-C and SIGTERM, and the summary at the end.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde_json::json;
+use tokio::signal::unix::{signal, SignalKind};
+use troupe_model::config::JobConfig;
+
+use crate::api::{JobEvent, JobHandle};
+use crate::progress::{Reporter, StepEvent};
+
+/// How long an interrupted follower waits for the controller to confirm a cancellation.
+pub const GOODBYE: Duration = Duration::from_secs(5);
+
+/// What Ctrl-C or SIGTERM does to the job being followed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnInterrupt {
+    /// Cancel it (`troupe train`: the job is the command's own).
+    Cancel,
+    /// Leave it running on the cluster (`troupe job submit`: the job outlives its follower).
+    Detach,
+}
+
+/// How a followed job ended.
+#[derive(Clone, Debug, PartialEq)]
+pub enum End {
+    Finished {
+        steps: u64,
+    },
+    Failed {
+        reason: String,
+    },
+    Cancelled,
+    /// The follower was interrupted (the job was cancelled or left running, as [`OnInterrupt`] says).
+    Interrupted,
+}
+
+/// What the follower saw of the job, for the summary and the error messages.
+#[derive(Debug, Default)]
+pub struct Tally {
+    pub first_loss: Option<f64>,
+    /// The last (up to) 10 losses.
+    pub recent: Vec<f64>,
+    pub tokens_per_s: Vec<f64>,
+    pub world: usize,
+    /// The last committed step seen.
+    pub step: u64,
+}
+
+/// How the job splits the work, for the human lines.
+#[derive(Debug)]
+pub struct Mode {
+    pub pp: usize,
+    pub schedule: String,
+    pub shard: String,
+    pub total_steps: u64,
+}
+
+impl Mode {
+    pub fn of(config: &JobConfig) -> Self {
+        let parallel = &config.parallel;
+        Self {
+            pp: parallel.pp,
+            schedule: parallel.schedule.clone(),
+            shard: parallel.shard.clone(),
+            total_steps: config.train.steps,
+        }
+    }
+
+    /// What else a job needs to run, for the waiting line.
+    fn needs(&self) -> String {
+        if self.pp > 1 {
+            format!(" and one pipeline needs {} slots", self.pp)
+        } else {
+            String::new()
+        }
+    }
+
+    fn describe(&self, world: usize) -> String {
+        match (self.pp, self.shard.as_str()) {
+            (1, "none") => "data-parallel".into(),
+            (1, shard) => format!("data-parallel with {shard}"),
+            (pp, _) => format!("{} {} pipeline(s) of {pp} stages", world / pp, self.schedule),
+        }
+    }
+}
+
+/// Reports the job's events until it ends or the follower is interrupted. `nodes`: the local cluster's
+/// size, for the start event (None on a running cluster).
+pub async fn follow(
+    handle: &mut JobHandle,
+    reporter: &Reporter,
+    mode: &Mode,
+    nodes: Option<usize>,
+    on_interrupt: OnInterrupt,
+) -> anyhow::Result<(End, Tally)> {
+    // Listen for Ctrl-C and SIGTERM before the loop: a signal that arrives while an event is being
+    // printed is kept for the next poll (a fresh `ctrl_c()` future per iteration would miss it).
+    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let (mut tally, total) = (Tally::default(), mode.total_steps);
+    let end = loop {
+        let event = tokio::select! {
+            e = handle.next_event() => e?,
+            _ = interrupt.recv() => break interrupted(handle, reporter, on_interrupt).await,
+            _ = terminate.recv() => break interrupted(handle, reporter, on_interrupt).await,
+        };
+        let Some(event) = event else { anyhow::bail!("job {}: its event stream ended early", handle.id()) };
+        match event {
+            JobEvent::Started { world, epoch, from_step, attempt } => {
+                tally.world = world;
+                reporter.event(
+                    "start",
+                    json!({ "world": world, "pp": mode.pp, "epoch": epoch, "from_step": from_step, "attempt": attempt,
+                            "steps": total, "nodes": nodes, "job": handle.id() }),
+                    &format!(
+                        "troupe: job {} running {} on {world} rank(s), epoch {epoch}",
+                        handle.id(),
+                        mode.describe(world)
+                    ),
+                );
+            }
+            JobEvent::Step {
+                step,
+                loss,
+                lr,
+                grad_norm,
+                skipped,
+                loss_scale,
+                tokens_per_s,
+                epoch,
+                world,
+                peak_rss_bytes,
+                bubble,
+            } => {
+                tally.world = world;
+                tally.step = step;
+                tally.first_loss.get_or_insert(loss);
+                tally.recent.push(loss);
+                tally.tokens_per_s.push(tokens_per_s);
+                if tally.recent.len() > 10 {
+                    tally.recent.remove(0);
+                }
+                reporter.step(&StepEvent {
+                    step,
+                    loss,
+                    lr,
+                    grad_norm,
+                    tokens_per_s,
+                    epoch,
+                    world,
+                    peak_rss_bytes,
+                    skipped,
+                    loss_scale,
+                    bubble,
+                });
+            }
+            JobEvent::Membership { epoch, world, changes } => reporter.event(
+                "membership",
+                json!({ "epoch": epoch, "world": world, "changes": changes }),
+                &format!("membership changed (epoch {epoch}, {world} ranks): {}", changes.join("; ")),
+            ),
+            JobEvent::Recovered { step, epoch, world } => {
+                tally.world = world;
+                reporter.event(
+                    "recovery",
+                    json!({ "step": step, "epoch": epoch, "world": world }),
+                    &format!("recovered: continuing after step {step} on {world} ranks (epoch {epoch})"),
+                );
+            }
+            JobEvent::Waiting { nodes: have, min_nodes, wait_s } => {
+                let limit =
+                    if wait_s == 0 { "for as long as it takes".to_string() } else { format!("at most {wait_s} s") };
+                reporter.event(
+                    "waiting",
+                    json!({ "nodes": have, "min_nodes": min_nodes, "wait_s": wait_s }),
+                    &format!(
+                        "waiting: {have} node(s) offer ranks, elastic.min_nodes is {min_nodes}{}; holding the last committed step {limit}",
+                        mode.needs()
+                    ),
+                )
+            }
+            JobEvent::Checkpoint { step, path, seconds, bytes } => reporter.checkpoint(step, &path, seconds, bytes),
+            JobEvent::RolledBack { from_step, to_step } => reporter.event(
+                "rollback",
+                json!({ "from_step": from_step, "to_step": to_step }),
+                &format!(
+                    "every node holding step {from_step} was lost: continuing from the checkpoint of step {to_step}"
+                ),
+            ),
+            JobEvent::Saved { path } => reporter.event(
+                "saved",
+                json!({ "path": path }),
+                &format!("saved final parameters to {}", path.display()),
+            ),
+            JobEvent::Phases { rank, node, attempt, step, spans, stage } => reporter.record_only(
+                "phases",
+                json!({ "rank": rank, "node": node, "attempt": attempt, "step": step, "spans": spans, "stage": stage }),
+            ),
+            JobEvent::Finished { steps, .. } => break End::Finished { steps },
+            JobEvent::Failed { reason } => {
+                reporter.event(
+                    "failed",
+                    json!({ "job": handle.id(), "reason": reason, "step": tally.step }),
+                    &format!("job {} failed after step {} of {total}", handle.id(), tally.step),
+                );
+                break End::Failed { reason };
+            }
+            JobEvent::Cancelled => {
+                reporter.event(
+                    "cancelled",
+                    json!({ "job": handle.id(), "step": tally.step }),
+                    &format!("job {} was cancelled after step {} of {total}", handle.id(), tally.step),
+                );
+                break End::Cancelled;
+            }
+        }
+    };
+    Ok((end, tally))
+}
+
+/// Ctrl-C or SIGTERM: cancel the job (bounded) or leave it running, and say which.
+async fn interrupted(handle: &mut JobHandle, reporter: &Reporter, on_interrupt: OnInterrupt) -> End {
+    let id = handle.id();
+    if on_interrupt == OnInterrupt::Detach {
+        reporter.say(&format!(
+            "troupe: interrupted; job {id} keeps running on the cluster (`troupe job status {id}` shows it, `troupe job cancel {id}` stops it)"
+        ));
+        return End::Interrupted;
+    }
+    reporter.say("troupe: interrupted; cancelling the job");
+    match tokio::time::timeout(GOODBYE, handle.cancel()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => reporter.say(&format!("troupe: cancelling job {id} failed: {e:#}")),
+        Err(_) => reporter.say(&format!("troupe: no answer to the cancellation of job {id} within {GOODBYE:?}")),
+    }
+    End::Interrupted
+}
+
+/// The summary of a finished job (`{"event":"summary",..}` or a `done:` line); `nodes` as for [`follow`].
+pub fn summarize(reporter: Reporter, steps: u64, mut tally: Tally, started: Instant, nodes: Option<usize>) {
+    let wall = started.elapsed().as_secs_f64();
+    let recent = &tally.recent;
+    let mean = recent.iter().sum::<f64>() / recent.len().max(1) as f64;
+    let first = tally.first_loss.unwrap_or(f64::NAN);
+    // Steady-state throughput: the median step (the first steps include start-up).
+    tally.tokens_per_s.sort_by(f64::total_cmp);
+    let median = tally.tokens_per_s.get(tally.tokens_per_s.len() / 2).copied().unwrap_or(0.0);
+    let world = tally.world;
+    let mut summary = json!({ "steps": steps, "first_loss": first, "final_loss": recent.last(), "final_loss_mean10": mean,
+                              "tokens_per_s": median, "wall_s": wall, "world": world });
+    if let (Some(nodes), Some(fields)) = (nodes, summary.as_object_mut()) {
+        fields.insert("nodes".into(), json!(nodes));
+    }
+    reporter.finish(
+        summary,
+        &format!(
+            "done: {steps} steps on {world} ranks in {wall:.1} s; loss {first:.4} → {mean:.4} (mean of the last {}); {median:.0} tokens/s",
+            recent.len()
+        ),
+    );
+}
+
+/// Ends the report of a followed job: the summary when it finished, otherwise an error saying what
+/// happened and what to try (`on_cluster`: the job ran on a cluster that outlives the command, where
+/// `troupe job status` can still show it).
+pub fn conclude(
+    reporter: Reporter,
+    (end, tally): (End, Tally),
+    started: Instant,
+    nodes: Option<usize>,
+    id: u64,
+    on_cluster: bool,
+) -> anyhow::Result<()> {
+    let (step, total) = (tally.step, reporter.total_steps());
+    let look = if on_cluster {
+        format!("; `troupe job status {id}` shows the job and the controller daemon's log has the details")
+    } else {
+        String::new()
+    };
+    match end {
+        End::Finished { steps } => {
+            summarize(reporter, steps, tally, started, nodes);
+            Ok(())
+        }
+        End::Failed { reason } => {
+            reporter.close();
+            bail!("job {id} failed after step {step} of {total}: {reason}{look}")
+        }
+        End::Cancelled => {
+            reporter.close();
+            bail!(
+                "job {id} was cancelled after step {step} of {total} (by `troupe job cancel {id}`); submit it again to \
+                 start over, or with checkpoint.dir set to continue from its newest checkpoint"
+            )
+        }
+        End::Interrupted => {
+            reporter.close();
+            bail!("interrupted after step {step} of {total}")
+        }
+    }
+}
