@@ -16,6 +16,7 @@ use troupe_cluster::collective::{CollectiveConfig, Communicator};
 use troupe_cluster::transport::memory::MemoryTransport;
 use troupe_cluster::TransportConfig;
 use troupe_model::config::JobConfig;
+use troupe_model::oracle::compare_params;
 use troupe_model::Trainer;
 
 #[path = "common/supervisor.rs"]
@@ -161,11 +162,12 @@ async fn a_step_abandoned_after_its_gradients_were_staged_is_never_applied() {
     let (x, y) = tokio::join!(StepEngine::finish(a), StepEngine::finish(b));
     x.unwrap();
     y.unwrap();
-    for (got, want) in ranks[1].trainer().param_values().iter().zip(&reference.param_values()) {
-        let diff = (got - want).abs().max().double_value(&[]);
-        let scale = want.abs().max().double_value(&[]).max(1e-12);
-        assert!(diff <= 1e-5 * scale, "parameters differ from the reference's by {diff}");
-    }
+    // The oracle's comparison: relative to each tensor's norm, and without the attention key bias,
+    // whose gradient is rounding noise (the softmax cannot see it) that AdamW turns into real steps — a
+    // per-element check of it failed on an AVX-512 machine with a 2.4e-7 difference on a 1e-3 bias.
+    let params = ranks[1].trainer().param_values();
+    let comparison = compare_params(reference.model.specs(), &params, &reference.param_values());
+    assert!(comparison.within(1e-5), "parameters differ from the reference's: {comparison:?}");
     for rank in ranks {
         assert_eq!(rank.into_state().await.map(|s| s.step()), Some(3));
     }
