@@ -7,6 +7,9 @@
 use anyhow::Context;
 use troupe_cluster::bench::{default_peer_script, default_python, run_allreduce_bench, AllreduceBench, BenchTransport};
 
+const USAGE: &str = "usage: troupe-cluster-rank bench [--world N] [--hosts H [--flat]] [--mib M] [--iters K] \
+                     [--warmup W] [--transport quic|local] [--peer] [--json]";
+
 fn parse_bench(args: &[String]) -> anyhow::Result<(AllreduceBench, bool)> {
     let mut b = AllreduceBench {
         world: 2,
@@ -35,7 +38,11 @@ fn parse_bench(args: &[String]) -> anyhow::Result<(AllreduceBench, bool)> {
             "--transport" => b.transport = value()?.parse().map_err(anyhow::Error::msg)?,
             "--peer" => b.peer = true,
             "--json" => json = true,
-            other => anyhow::bail!("unknown argument {other:?}"),
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => anyhow::bail!("unknown argument {other:?}\n{USAGE}"),
         }
     }
     Ok((b, json))

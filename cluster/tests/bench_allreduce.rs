@@ -1,0 +1,51 @@
+//! The all-reduce benchmark as a user runs it (`troupe-cluster-rank bench`, the libtorch-free twin of
+//! `troupe bench allreduce`): one JSON line with the bus bandwidth and how the ranks ran, and plain
+//! errors for placements and overrides it cannot honour.
+
+use std::process::{Command, Output};
+
+fn bench(args: &[&str], env: &[(&str, &str)]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_troupe-cluster-rank"))
+        .arg("bench")
+        .args(["--mib", "1", "--iters", "2", "--warmup", "1", "--json"])
+        .args(args)
+        .envs(env.iter().copied())
+        .output()
+        .expect("the benchmark starts")
+}
+
+fn report(args: &[&str]) -> serde_json::Value {
+    let out = bench(args, &[]);
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap()
+}
+
+fn error(args: &[&str], env: &[(&str, &str)]) -> String {
+    let out = bench(args, env);
+    assert!(!out.status.success(), "{args:?} should fail");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn reports_bandwidth_and_how_the_ranks_ran() {
+    let quic = report(&["--world", "2"]);
+    assert!(quic["busbw_GBps"].as_f64().unwrap() > 0.0, "{quic}");
+    assert_eq!((quic["transport"].as_str(), quic["host_tier"].as_bool()), (Some("quic"), Some(false)), "{quic}");
+    let local = report(&["--world", "2", "--transport", "local"]);
+    assert_eq!(local["shared_memory"], true, "{local}");
+    let tiers = report(&["--world", "4", "--hosts", "2"]);
+    assert_eq!((tiers["hosts"].as_u64(), tiers["host_tier"].as_bool()), (Some(2), Some(true)), "{tiers}");
+    let flat = report(&["--world", "4", "--hosts", "2", "--flat"]);
+    assert_eq!(flat["host_tier"], false, "{flat}");
+}
+
+#[test]
+fn placements_and_overrides_it_cannot_honour_are_refused_by_name() {
+    assert!(error(&["--world", "2", "--hosts", "3"], &[]).contains("--hosts 3 with --world 2: use 1 to 2 hosts"));
+    assert!(error(&["--world", "2", "--hosts", "2", "--transport", "local"], &[]).contains("needs --transport quic"));
+    let typo = error(&["--world", "2"], &[("TROUPE_TRANSPORT_CONFIG", r#"{"pipeline_slice_byte": 1}"#)]);
+    assert!(typo.contains("unknown field `pipeline_slice_byte`") && typo.contains("TROUPE_TRANSPORT_CONFIG"), "{typo}");
+    let not_object = error(&["--world", "2"], &[("TROUPE_TRANSPORT_CONFIG", "[1]")]);
+    assert!(not_object.contains("not a JSON object"), "{not_object}");
+}
