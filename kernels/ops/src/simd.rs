@@ -9,8 +9,8 @@
 //! non-temporal stores, which skip the read of each destination line that an ordinary store does
 //! first (write-allocate). The L2 norm widens 8 f32 to f64 per instruction and adds with FMA (exact:
 //! the square of an f32 fits an f64, so `fma(x, x, acc)` rounds once, like `acc + x * x`). XXH3's stripe
-//! loop (the checksum) holds its 8 lanes in one AVX-512 register or two AVX2 ones and prefetches 4 KiB
-//! ahead: one sequential read stream, which the hardware alone does not keep busy enough on this VM.
+//! loop (the checksum) holds its 8 lanes in one AVX-512 register or two AVX2 ones and prefetches 4 and
+//! 16 KiB ahead: one sequential read stream, which the hardware alone does not keep busy on this VM.
 //!
 //! `TROUPE_SIMD=portable|avx2|avx512` caps the instruction set (never raises it above what the CPU has),
 //! to compare paths or rule SIMD out.
@@ -486,11 +486,13 @@ mod x86 {
         lanes
     }
 
-    /// How far ahead of the stripe being hashed the XXH3 loop prefetches, in blocks of 1 KiB: the stripe
-    /// at the same place 4 blocks later. The loop reads one stream and on its own keeps too few cache
-    /// misses in flight for this VM's memory: without the prefetch it ran at 0.73× memcpy (AVX-512) and
-    /// 0.59× (AVX2), with it 1.0× (2, 6 or 8 blocks measured within noise of 4; docs/benchmarks.md).
-    const XXH3_PREFETCH_BLOCKS: usize = 4;
+    /// How far ahead of the stripe being hashed the XXH3 loop prefetches, in blocks of 1 KiB (each
+    /// stripe prefetches the one at its place in a later block): 4 blocks ahead into L1, 16 into L2.
+    /// The loop reads one stream and on its own keeps too few cache misses in flight for this VM's
+    /// memory: without prefetches it ran at 0.73× memcpy (AVX-512) and 0.59× (AVX2), with the L1 one
+    /// alone at ~0.9–1.0×, with both at ~1.1× (docs/benchmarks.md).
+    const XXH3_PREFETCH_L1_BLOCKS: usize = 4;
+    const XXH3_PREFETCH_L2_BLOCKS: usize = 16;
 
     /// XXH3's stripe loop over the lanes `acc` (of whatever vector type): `accumulate(acc, stripe, k)` on
     /// each stripe, k being its index in its block (0..16, the secret's offset 8·k), `scramble(acc)`
@@ -517,11 +519,15 @@ mod x86 {
         }
         let (blocks, tail) = rest.as_chunks::<STRIPES_PER_BLOCK>();
         for (b, block) in blocks.iter().enumerate() {
-            let ahead = blocks.get(b + XXH3_PREFETCH_BLOCKS);
+            let (near, far) = (blocks.get(b + XXH3_PREFETCH_L1_BLOCKS), blocks.get(b + XXH3_PREFETCH_L2_BLOCKS));
             for (k, stripe) in block.iter().enumerate() {
-                if let Some(ahead) = ahead {
+                if let Some(near) = near {
                     // SAFETY: a prefetch is a hint that never faults, here of a line inside `stripes`.
-                    unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead[k].as_ptr().cast()) };
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(near[k].as_ptr().cast()) };
+                }
+                if let Some(far) = far {
+                    // SAFETY: as above.
+                    unsafe { _mm_prefetch::<_MM_HINT_T1>(far[k].as_ptr().cast()) };
                 }
                 acc = accumulate(acc, stripe, k);
             }
