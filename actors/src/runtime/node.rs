@@ -344,13 +344,21 @@ impl NodeState {
     /// A job message from `from` at `epoch`: accepted only from a member of the current view. A
     /// non-member's message counts as refused-stale (it is fenced). A member that lags behind the view is
     /// accepted: the driver matches messages to attempts, and an attempt may outlive a view change that
-    /// did not touch its ranks.
+    /// did not touch its ranks. One stamped before the view that admitted the member is refused: an
+    /// earlier membership of the node sent it, and it came late, on a connection since replaced (each
+    /// connection's reader feeds the endpoint's events on its own).
     fn admit_job_message(&mut self, from: &NodeId, epoch: u64) -> Result<(), Epoch> {
-        let view = self.leader.as_ref().expect("controller").membership.view();
+        let membership = &self.leader.as_ref().expect("controller").membership;
+        let (view, admitted) = (membership.view(), membership.admitted_at(from));
         let current = view.epoch;
         if !view.contains(from) {
             self.refused_stale += 1;
             tracing::warn!(%from, epoch, %current, "refused a job message from a non-member; fencing it");
+            return Err(current);
+        }
+        if let Some(admitted) = admitted.filter(|a| epoch < a.0) {
+            self.refused_stale += 1;
+            tracing::warn!(%from, epoch, %admitted, "refused a job message of an earlier membership of a member");
             return Err(current);
         }
         if epoch < current.0 {
@@ -833,6 +841,12 @@ impl Actor for NodeActor {
             NodeMsg::Connected(result) => {
                 state.connecting = false;
                 match result {
+                    // The dialing task says so, not the endpoint's event channel: the connection's `Lost`
+                    // may have come and gone already. Taken anyway, it would leave this node on a dead
+                    // connection for good (it dials only while it has none); the next tick dials again.
+                    Ok(peer) if !state.endpoint.is_connected(&peer) => {
+                        tracing::info!(node = %state.id, %peer, "the new connection to the controller is gone already");
+                    }
                     Ok(peer) => {
                         tracing::info!(node = %state.id, %peer, "connected to the controller");
                         state.leader_peer = Some(peer);

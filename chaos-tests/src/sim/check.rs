@@ -13,6 +13,8 @@
 //!   every epoch it announced; a node only ever adopts newer views.
 //! - **Fencing.** The controller never accepts a job message sent by an incarnation of a node that has
 //!   since been fenced or replaced (only the incarnation admitted into its current view counts).
+//! - **Rejoin.** Once the job ended and every fault healed, every node that runs is back in the
+//!   controller's view and holds it (checked at the end of the run, `World::check_rejoined`).
 
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -12,24 +12,37 @@ use super::node::{dur, kind};
 use super::world::{addr, trace, Envelope, Ev, FromJob, JobEnd, JobInput, Local, World, JOB};
 
 impl World<'_> {
-    /// A node's message reaching the controller over the network.
-    pub(super) fn deliver_up(&mut self, conn: usize, env: Envelope) {
-        if !self.conns[conn].open_ctrl {
+    /// The controller's reader of connection `conn` hands a node's message to the node actor: on an open
+    /// connection, or what a replaced (or lost) one read before it stopped reading.
+    pub(super) fn deliver_up(&mut self, conn: usize, env: Envelope, read_at: u64) {
+        let c = &self.conns[conn];
+        let handed = match c.reads_until {
+            Some(until) => read_at < until,
+            None => c.open_ctrl,
+        };
+        if !handed {
             self.stats.lost_messages += 1;
             return;
         }
+        if !c.open_ctrl {
+            self.stats.late_after_replacement += 1;
+            let what = kind(&env.msg);
+            trace!(self, "{what} of {} read on replaced conn {conn} reaches the controller", self.nodes[c.node].id);
+        }
+        self.count_delivery(c.node, true, &env);
         self.leader_message(env);
         self.drive_membership();
     }
 
     /// node.rs `leader_message`: membership messages go to `Membership`; job messages are accepted only
-    /// from a member acting on the current epoch (a non-member is fenced).
+    /// from a member, stamped no earlier than the view that admitted it (a non-member is fenced).
     pub(super) fn leader_message(&mut self, env: Envelope) {
         let from = env.from;
         let id = self.nodes[from].id.clone();
         let now = dur(self.now);
         let input = match env.msg {
             Wire::Join { slots, addr, incarnation } => {
+                self.count_join(from, incarnation, env.via);
                 self.ctl.members.insert(id.clone(), MemberInfo { name: id.0.clone(), addr, slots });
                 self.check.join_requested(from, env.generation);
                 trace!(self, "controller <- Join from {id} (incarnation {incarnation:?})");
@@ -56,6 +69,12 @@ impl World<'_> {
             let jobs = self.live_jobs();
             return self.ctl_send(&id, Wire::Fenced { current, jobs });
         }
+        let admitted = self.ctl.membership.admitted_at(&id).map_or(0, |e| e.0);
+        if env.epoch < admitted && self.cfg.node_model.refuse_before_admission {
+            self.stats.refused_stale += 1;
+            trace!(self, "controller refuses {input:?} of {id}: epoch {} is older than its admission", env.epoch);
+            return;
+        }
         if env.epoch < current.0 && !self.cfg.node_model.accept_lagging_members {
             self.stats.ignored_lagging += 1;
             trace!(self, "controller ignores {input:?} of {id}: epoch {} < {current}", env.epoch);
@@ -63,6 +82,22 @@ impl World<'_> {
         }
         self.check.accepted_job_message(self.now, from, env.generation, input_kind(&input));
         self.local(Local::NodeToJob, Ev::ToJob(input));
+    }
+
+    /// A `Join` the controller had from this incarnation already is a resend (a joiner asks every
+    /// heartbeat interval until a view admits it): counted, and whether it came on another connection.
+    fn count_join(&mut self, from: usize, incarnation: Option<u64>, via: Option<usize>) {
+        match self.joins.get(&(from, incarnation)) {
+            Some(&first) => {
+                self.stats.join_repeats += 1;
+                if first != via {
+                    self.stats.join_repeats_across_connections += 1;
+                }
+            }
+            None => {
+                self.joins.insert((from, incarnation), via);
+            }
+        }
     }
 
     /// node.rs `drive_membership`.
@@ -110,7 +145,7 @@ impl World<'_> {
     /// node.rs `send` from the controller: to itself through its mailbox, to others on their connection.
     pub(super) fn ctl_send(&mut self, to: &NodeId, msg: Wire) {
         let n = self.index[to];
-        let env = Envelope { from: 0, epoch: self.stamp(0), generation: self.nodes[0].generation, msg };
+        let env = Envelope::new(0, self.stamp(0), self.nodes[0].generation, msg);
         if n == 0 {
             return self.local(Local::ToSelf, Ev::SelfMsg(env));
         }
@@ -315,6 +350,25 @@ impl World<'_> {
             }
         }
         (!holders.is_empty()).then_some(holders)
+    }
+
+    /// After the job ended, the faults healed and the tail passed: every node that runs is a member of the
+    /// controller's view again and holds that view (a node left out for good is capacity lost).
+    pub(super) fn check_rejoined(&mut self) {
+        let view = self.ctl.membership.view().clone();
+        for n in 0..self.nodes.len() {
+            let node = &self.nodes[n];
+            let held = node.member.epoch();
+            if node.up && (!view.contains(&node.id) || held != Some(view.epoch)) {
+                let what = format!(
+                    "{} runs but is not back in the controller's view (epoch {}: {:?}); it holds epoch {held:?}",
+                    node.id,
+                    view.epoch,
+                    view.members()
+                );
+                self.check.fail(self.now, what);
+            }
+        }
     }
 
     /// After the job ended and the tail passed: every member released the job's state.

@@ -9,15 +9,49 @@
 //! (connect, copy state, then per step compute → all-reduce → vote → wait for `Commit` → apply), and the
 //! attempt's data-plane mesh.
 //!
-//! The network is what QUIC really gives: per connection, messages arrive in order and at most once;
-//! the adversary delays them (slow links), cuts nodes off (a partition shorter than the idle timeout only
-//! delays; a longer one loses the connection on both sides with what was in flight), resets
-//! connections, and crashes, pauses (SIGSTOP), drains and restarts nodes, panics workers and slows
-//! their steps. The controller's node is paused too (its side of every connection waits with it, and the
-//! members' connections time out), and killed: its daemon restarts from its catalog — the last view and
-//! the job as last recorded, both written before anyone heard of them — past the last epoch, restores the
-//! job (`JobDriver::restore`) and waits for the members to rejoin. It is cut off too: every control
-//! connection has it at one end, so all of them stall, and its ranks' data plane with them. A run is a [`Scenario`] (cluster, job, fault schedule) plus a seed for every timing
+//! The adversary delays control messages (slow links), cuts nodes off (a partition shorter than the idle
+//! timeout only delays; a longer one loses the connection on both sides with what was in flight), resets
+//! connections (both ends at once, or — the close frame lost — only the node's, the controller's end
+//! lingering until it next sends there, its idle timeout, or the node's newer connection replacing it),
+//! and crashes, pauses (SIGSTOP), drains and restarts nodes, panics workers and slows their steps. The
+//! controller's node is paused too (its side of every connection waits with it, and the members'
+//! connections time out), and killed: its daemon restarts from its catalog — the last view and the job as
+//! last recorded, both written before anyone heard of them — past the last epoch, restores the job
+//! (`JobDriver::restore`) and waits for the members to rejoin. It is cut off too: every control
+//! connection has it at one end, so all of them stall, and its ranks' data plane with them.
+//!
+//! # Order and duplicates
+//!
+//! The network is what QUIC and the control plane (cluster/src/control) give troupe, and the seed
+//! reorders whatever they leave unordered:
+//! - **One connection** carries each direction on one stream: in order, at most once. QUIC retransmits
+//!   within a connection and delivers once; a new connection never carries the old one's data, so
+//!   nothing in the transport delivers a message twice.
+//! - **Across connections** nothing is ordered. A node dials only once its own end of the old connection
+//!   is gone, so a node never has two; the controller may (the node's end was reset, its own lingers).
+//!   Each connection has its own reader task, and all of them feed the node actor's one channel: what the
+//!   replaced connection's reader had read still reaches the node actor — now and then after the newer
+//!   connection's `Connected` (which removes the node from the view), even after its first messages
+//!   (`Stats::late_after_replacement`, `Stats::overtaken`). A reader hands over what it read after a
+//!   stall drawn from the seed ([`SimConfig::reader_stall_ms_max`]; [`SimConfig::loaded`] for a loaded
+//!   machine); a connection's `Lost` comes after what its reader read. Each side's node actor learns of
+//!   a new connection a mailbox hop after it is up: until then the controller sends on it what it meant
+//!   for the node's old membership, and the node — told by the dialing task, not the event channel —
+//!   may hear of the connection's loss first (node.rs takes only a connection still up since the
+//!   simulation showed this: [`NodeModel::connected_checks_link`]).
+//! - **Control plane and data plane**, and different peers, have no order between them: each rank
+//!   finishes a collective on its own, and votes race commits and the other ranks' traffic. An attempt's
+//!   mesh is its own (fresh endpoints, messages matched by tag), so nothing crosses attempts.
+//! - **Resends** are the runtime's own: a joiner sends `Join` every heartbeat interval until admitted,
+//!   and members heartbeat — so one `Join` may arrive twice, once on each side of a reconnection
+//!   (`Stats::join_repeats_across_connections`), and a restarted daemon's old process may still be heard
+//!   after its new one dialed. Nothing else is ever resent: `Ready`, votes and commits go once; a
+//!   reconnection removes the member and aborts its attempt, and the next attempt has a new number.
+//!
+//! [`Network::Datagrams`] breaks QUIC's guarantees on purpose (each message delayed on its own, some
+//! delivered twice) to show which invariants rest on them; tests/simulation.rs names them.
+//!
+//! A run is a [`Scenario`] (cluster, job, fault schedule) plus a seed for every timing
 //! choice; [`run`] is a pure function of both, and the [`check`] module's invariants are checked as it
 //! goes.
 
@@ -36,7 +70,7 @@ use std::fmt::Write;
 use troupe_actors::api::Job;
 use troupe_actors::runtime::protocol::JobSpec;
 
-pub use config::{NodeModel, PlantedBug, SimConfig};
+pub use config::{Network, NodeModel, PlantedBug, SimConfig};
 pub use scenario::{Fault, NodeSpec, Scenario};
 pub use world::{JobEnd, Stats};
 
@@ -57,6 +91,8 @@ pub struct Outcome {
     pub trace_tail: Vec<String>,
     /// Virtual time when the run stopped.
     pub end_ms: u64,
+    /// When the job had to have ended ([`SimConfig::finish_bound_ms`]).
+    pub bound_ms: u64,
 }
 
 impl Outcome {
@@ -81,7 +117,7 @@ impl Outcome {
         }
         let _ = writeln!(s, "job end: {:?}; stats: {:?}", self.end, self.stats);
         let _ = writeln!(s, "scenario: {:?}", self.scenario);
-        let _ = writeln!(s, "bound: {} ms; run stopped at {} ms", self.scenario.finish_bound_ms(), self.end_ms);
+        let _ = writeln!(s, "bound: {} ms; run stopped at {} ms", self.bound_ms, self.end_ms);
         if !self.trace_tail.is_empty() {
             let _ = writeln!(s, "last {} trace lines (of {}):", self.trace_tail.len(), self.trace_lines);
             for line in &self.trace_tail {
@@ -111,9 +147,9 @@ pub fn run(seed: u64, scenario: &Scenario, config: &SimConfig, keep_lines: usize
     let mut world = world::World::new(seed, scenario, config, keep_lines);
     world.start();
     world.run();
+    let bound = config.finish_bound_ms(scenario);
     match world.end {
         JobEnd::Unfinished => {
-            let bound = scenario.finish_bound_ms();
             let what = format!(
                 "the job did not end by {bound} ms (faults over at {} ms); {} of {} steps committed",
                 scenario.heal_ms(),
@@ -122,7 +158,10 @@ pub fn run(seed: u64, scenario: &Scenario, config: &SimConfig, keep_lines: usize
             );
             world.check.fail(world.now, what);
         }
-        JobEnd::Finished { .. } | JobEnd::Failed { .. } => world.check_released(),
+        JobEnd::Finished { .. } | JobEnd::Failed { .. } => {
+            world.check_released();
+            world.check_rejoined();
+        }
     }
     Outcome {
         seed,
@@ -134,6 +173,7 @@ pub fn run(seed: u64, scenario: &Scenario, config: &SimConfig, keep_lines: usize
         trace_hash: world.trace.hash(),
         trace_lines: world.trace.lines(),
         end_ms: world.now,
+        bound_ms: bound,
         trace_tail: world.trace.into_tail(),
     }
 }

@@ -77,14 +77,15 @@ impl World<'_> {
     }
 
     /// A dial ended. A new connection replaces the older one on both sides, and what was in flight on
-    /// the older one is lost; the controller's side reports nothing (control/shared.rs), unless modelled
-    /// otherwise: node.rs (`ControlEvent::Connected`) removes a member that connects again, whether or
-    /// not the controller still held an older connection of it — a node admitted while its connection
-    /// was down (the controller's side had noticed the loss while it was only a joiner) missed its view
-    /// and whatever job message followed it.
+    /// the older one is lost — but what the controller's reader of the older one had read is still
+    /// handed to the node actor (`reads_until`), possibly after the newer one's `Connected` and first
+    /// messages; the controller's endpoint reports nothing for the older one (control/shared.rs). Each
+    /// side's node actor learns of the newer connection a mailbox hop later (`Ev::Connected`): until
+    /// then the controller still counts the node as connected the old way and may send it messages
+    /// meant for that membership, which go out on the newer connection.
     pub(super) fn dial_done(&mut self, n: usize, ok: bool) {
-        self.nodes[n].connecting = false;
         if !ok || !self.nodes[0].up {
+            self.nodes[n].connecting = false;
             trace!(self, "{} could not reach the controller", self.nodes[n].id);
             return;
         }
@@ -93,29 +94,65 @@ impl World<'_> {
         }
         let replaced = self.ctl.conns[n].filter(|&c| self.conns[c].open_ctrl);
         if let Some(old) = replaced {
-            self.conns[old].open_ctrl = false;
+            let c = &mut self.conns[old];
+            c.open_ctrl = false;
+            c.reads_until = Some(c.reads_until.map_or(self.now, |t| t.min(self.now)));
         }
         let conn = self.open_conn(n);
         self.nodes[n].conn = Some(conn);
-        self.nodes[n].leader_peer = true;
         trace!(self, "{} connected to the controller (conn {conn}, replacing {replaced:?})", self.nodes[n].id);
-        if self.cfg.node_model.replacement_is_loss && self.ctl.membership.view().contains(&self.nodes[n].id) {
-            let peer = self.nodes[n].id.clone();
-            self.ctl.membership.handle(dur(self.now), MembershipEvent::ConnectionLost { peer });
-            self.drive_membership();
+        let at_ctrl = self.now + self.rng.range(0, self.cfg.local_delay_ms_max);
+        // One reader, one channel: the newer connection's messages reach the node actor after its
+        // `Connected`.
+        self.conns[conn].last_up = at_ctrl;
+        self.push(at_ctrl, Ev::Connected { conn, at_ctrl: true, inc: self.nodes[0].inc });
+        let at_node = self.now + self.rng.range(0, self.cfg.local_delay_ms_max);
+        self.push(at_node, Ev::Connected { conn, at_ctrl: false, inc: self.nodes[n].inc });
+    }
+
+    /// A node actor handles `Connected`. On the controller, node.rs (`ControlEvent::Connected`) removes a
+    /// member that connects again, whether or not the controller still held an older connection of it —
+    /// a node admitted while its connection was down (the controller's side had noticed the loss while it
+    /// was only a joiner) missed its view and whatever job message followed it. On the dialing node
+    /// (`NodeMsg::Connected`, sent by the dialing task — not through the endpoint's event channel, so
+    /// the connection's `Lost` may come first) the controller becomes its leader peer.
+    pub(super) fn connected(&mut self, conn: usize, at_ctrl: bool) {
+        let n = self.conns[conn].node;
+        if at_ctrl {
+            if self.cfg.node_model.replacement_is_loss && self.ctl.membership.view().contains(&self.nodes[n].id) {
+                let peer = self.nodes[n].id.clone();
+                trace!(self, "controller sees {peer} connect again (conn {conn}): it lost its previous connection");
+                self.ctl.membership.handle(dur(self.now), MembershipEvent::ConnectionLost { peer });
+                self.drive_membership();
+            }
+            return;
         }
+        self.nodes[n].connecting = false;
+        let live = self.conns[conn].open_node && self.nodes[n].conn == Some(conn);
+        if !live && self.cfg.node_model.connected_checks_link {
+            return trace!(self, "{} learns of conn {conn}, already lost: it dials again", self.nodes[n].id);
+        }
+        self.nodes[n].leader_peer = true;
         self.nodes[n].member.handle_timeout(dur(self.now));
         self.drive_member(n);
     }
 
-    /// One side of a connection ended without a goodbye (`ControlEvent::Lost`).
+    /// One side of a connection ended without a goodbye (`ControlEvent::Lost`). The controller's reader
+    /// reports it after handing over what it read before.
     pub(super) fn conn_lost(&mut self, conn: usize, at_ctrl: bool) {
         let n = self.conns[conn].node;
         if at_ctrl {
             if !self.conns[conn].open_ctrl {
                 return;
             }
-            self.conns[conn].open_ctrl = false;
+            let c = &mut self.conns[conn];
+            if c.reads_until.is_none() && c.last_up > self.now {
+                c.reads_until = Some(self.now);
+                let at = c.last_up;
+                return self.push(at, Ev::ConnLost { conn, at_ctrl });
+            }
+            c.open_ctrl = false;
+            c.reads_until = None;
             if self.ctl.conns[n] != Some(conn) {
                 return;
             }
@@ -145,12 +182,12 @@ impl World<'_> {
         let generation = self.nodes[n].generation;
         let epoch = self.stamp(n);
         if n == 0 {
-            self.local(Local::ToSelf, Ev::SelfMsg(Envelope { from: 0, epoch, generation, msg }));
+            self.local(Local::ToSelf, Ev::SelfMsg(Envelope::new(0, epoch, generation, msg)));
             return;
         }
         match self.nodes[n].conn {
             Some(conn) if self.nodes[n].leader_peer => {
-                self.net_send(conn, true, Envelope { from: n, epoch, generation, msg });
+                self.net_send(conn, true, Envelope::new(n, epoch, generation, msg))
             }
             _ => {
                 self.stats.lost_messages += 1;
@@ -212,6 +249,10 @@ impl World<'_> {
         let n = self.conns[conn].node;
         if !self.conns[conn].open_node {
             self.stats.lost_messages += 1;
+            if self.conns[conn].reset_by_node {
+                let back = self.now + self.rng.range(self.cfg.net_delay_ms_min, self.cfg.net_delay_ms_max);
+                self.push(back, Ev::ConnLost { conn, at_ctrl: true });
+            }
             return;
         }
         if !self.nodes[n].leader_peer {
@@ -219,6 +260,7 @@ impl World<'_> {
             trace!(self, "{} ignores {} (no controller connection)", self.nodes[n].id, kind(&env.msg));
             return;
         }
+        self.count_delivery(n, false, &env);
         if env.epoch < self.nodes[n].epoch() {
             self.stats.node_refused_stale += 1;
             trace!(
@@ -338,9 +380,18 @@ impl World<'_> {
             }
             Fault::DropConnection { node, .. } => {
                 if let Some(conn) = self.nodes[node].conn {
-                    let (a, b) = (self.rng.range(0, 20), self.rng.range(0, 20));
+                    let a = self.rng.range(0, 20);
                     self.push(self.now + a, Ev::ConnLost { conn, at_ctrl: false });
-                    self.push(self.now + b, Ev::ConnLost { conn, at_ctrl: true });
+                    if self.rng.chance(500) {
+                        let b = self.rng.range(0, 20);
+                        self.push(self.now + b, Ev::ConnLost { conn, at_ctrl: true });
+                    } else {
+                        // Only the node's end closed (its close frame was lost): the controller's end
+                        // learns of it when it next sends there (the node's endpoint answers with a
+                        // stateless reset), at its idle timeout, or when a newer connection replaces it.
+                        self.conns[conn].reset_by_node = true;
+                        self.push(self.now + a + idle, Ev::ConnLost { conn, at_ctrl: true });
+                    }
                 }
             }
             Fault::WorkerPanic { node, slot, .. } => {
@@ -403,6 +454,7 @@ impl World<'_> {
     fn crash_controller(&mut self) {
         self.ctl.conns.iter_mut().for_each(|c| *c = None);
         for conn in 0..self.conns.len() {
+            self.conns[conn].reads_until = None;
             if std::mem::take(&mut self.conns[conn].open_ctrl) && self.conns[conn].open_node {
                 self.push(self.now + self.cfg.idle_timeout_ms, Ev::ConnLost { conn, at_ctrl: false });
             }
@@ -466,7 +518,8 @@ impl World<'_> {
         self.push(self.now + phase, Ev::Tick { node: n, inc });
     }
 
-    /// SIGCONT: what waited runs, in order. A pause past the idle timeout cost the node its connections.
+    /// SIGCONT: what waited runs, in order, before anything else due now. A pause past the idle timeout
+    /// cost the node its connections.
     pub(super) fn resume(&mut self, n: usize, inc: u32) {
         if !self.nodes[n].up || self.nodes[n].inc != inc || self.nodes[n].paused_until.is_none() {
             return;
@@ -479,9 +532,8 @@ impl World<'_> {
             }
             self.nodes[n].leader_peer = false;
         }
-        for item in std::mem::take(&mut self.nodes[n].held) {
-            self.push(self.now, item.ev);
-        }
+        let held = std::mem::take(&mut self.nodes[n].held).into_iter().map(|item| item.ev).collect();
+        self.push_ahead(held);
     }
 
     /// A pause or partition reached the idle timeout: connections to the node are lost, and every

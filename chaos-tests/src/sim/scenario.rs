@@ -29,7 +29,8 @@ pub enum Fault {
     /// The node is cut off from every other node (control and data plane) for `for_ms`.
     Isolate { node: usize, at_ms: u64, for_ms: u64 },
     /// The node's control connection to the controller is reset: both sides lose it and what was in
-    /// flight on it.
+    /// flight on it — the controller's side at once, or (half the time: the close frame was lost) only
+    /// when it next sends on it, at its idle timeout, or when the node's newer connection replaces it.
     DropConnection { node: usize, at_ms: u64 },
     /// A worker's handler panics: the node restarts it empty and reports its attempt failed.
     WorkerPanic { node: usize, slot: u32, at_ms: u64 },

@@ -135,9 +135,11 @@ impl World<'_> {
             Op::Step(step) => self.check.reduced(now, at.attempt, step, &states),
             Op::Connect => {}
         }
+        // Each rank receives its last piece on its own connections: the ranks finish in any order, and
+        // nothing orders that with the control plane.
         let nodes: Vec<usize> = ranks.iter().map(|r| r.node).collect();
-        let done = self.data_latency(&nodes);
         for r in ranks {
+            let done = self.data_latency(&nodes);
             self.push(done, Ev::OpDone { at: r, op });
         }
     }
@@ -305,8 +307,12 @@ impl World<'_> {
         job.trainer = Some(task.state);
         let deferred = job.deferred.take();
         trace!(self, "{} ends attempt {}: {outcome:?}", self.rank_name(n, slot), at.attempt);
+        // worker.rs `train_over`: a completed rank shuts its transport down gracefully — it says goodbye
+        // and closes only once every peer finished too — so it breaks no peer's collective (a peer may
+        // still be connecting when the attempt has no step left to run).
+        let graceful = matches!(outcome, AttemptOutcome::Completed { .. });
         let delay = self.rng.range(self.cfg.net_delay_ms_min, self.cfg.net_delay_ms_max);
-        self.leave_mesh(at.attempt, task.rank, delay);
+        self.leave_mesh(at.attempt, task.rank, (!graceful).then_some(delay));
         self.report(n, Wire::Ended { job: JOB, attempt: at.attempt, slot: at.slot, outcome });
         if let Some(p) = deferred {
             self.prepare(n, slot, p.attempt, p.rank);
@@ -325,16 +331,18 @@ impl World<'_> {
         let Some(job) = self.nodes[n].workers[slot].job.take() else { return };
         if let Some(task) = job.running {
             trace!(self, "{} drops attempt {}", self.rank_name(n, slot), task.attempt);
-            self.leave_mesh(task.attempt, task.rank, notice_ms);
+            self.leave_mesh(task.attempt, task.rank, Some(notice_ms));
         }
     }
 
-    fn leave_mesh(&mut self, attempt: u64, rank: usize, notice_ms: u64) {
+    /// A rank leaves the attempt's mesh; unless it left gracefully (`notice_ms` None), the others notice
+    /// after `notice_ms` and the mesh breaks.
+    fn leave_mesh(&mut self, attempt: u64, rank: usize, notice_ms: Option<u64>) {
         let Some(mesh) = self.meshes.get_mut(&attempt) else { return };
         if let Some(Some(r)) = mesh.ranks.get_mut(rank) {
             r.gone = true;
         }
-        if mesh.broken_at.is_none() {
+        if let (None, Some(notice_ms)) = (mesh.broken_at, notice_ms) {
             self.push(self.now + notice_ms, Ev::MeshBreak { attempt });
         }
     }

@@ -11,7 +11,7 @@ use troupe_actors::runtime::protocol::{AttemptOutcome, JobId, JobInfo, JobState,
 use troupe_cluster::membership::{MemberState, Membership, NodeId, View};
 
 use super::check::Checker;
-use super::config::SimConfig;
+use super::config::{Network, SimConfig};
 use super::rng::Rng;
 use super::scenario::Scenario;
 use super::trace::Trace;
@@ -19,14 +19,29 @@ use super::trace::Trace;
 /// The one job of a run.
 pub(super) const JOB: JobId = 1;
 
-/// A control-plane message with its frame header: the sender's epoch. `generation` is not on the wire:
-/// it names the sender's incarnation and membership for the checker.
+/// Where the event tie-breakers start (see `World::seq`): room enough both ways.
+const SEQ_START: u64 = 1 << 62;
+
+/// A control-plane message with its frame header: the sender's epoch. The rest is not on the wire:
+/// `generation` names the sender's incarnation and membership for the checker; `order` counts the
+/// messages sent between the node and the controller in that direction (over all connections and
+/// incarnations), `via` is the connection it travels on (none: the controller's node to itself), and
+/// `copy` marks a second delivery (only a network that breaks QUIC's guarantees makes one).
 #[derive(Clone, Debug)]
 pub(super) struct Envelope {
     pub from: usize,
     pub epoch: u64,
     pub generation: u32,
+    pub order: u64,
+    pub via: Option<usize>,
+    pub copy: bool,
     pub msg: Wire,
+}
+
+impl Envelope {
+    pub fn new(from: usize, epoch: u64, generation: u32, msg: Wire) -> Self {
+        Envelope { from, epoch, generation, order: 0, via: None, copy: false, msg }
+    }
 }
 
 /// What the controller's node actor hands its job controller actor (`JobMsg`).
@@ -76,10 +91,12 @@ pub(super) enum Ev {
         node: usize,
         inc: u32,
     },
-    /// A control message reaching the controller over connection `conn`.
+    /// A control message the controller's reader of connection `conn` hands to its node actor; it read
+    /// it off the stream at `read_at`.
     Up {
         conn: usize,
         env: Envelope,
+        read_at: u64,
     },
     /// A control message reaching the connection's node.
     Down {
@@ -93,6 +110,13 @@ pub(super) enum Ev {
     ConnLost {
         conn: usize,
         at_ctrl: bool,
+    },
+    /// A dialed connection was admitted at both ends; the node actor on one side now handles its
+    /// `Connected` (the controller's node actor, of incarnation `inc`; or the dialing node's).
+    Connected {
+        conn: usize,
+        at_ctrl: bool,
+        inc: u32,
     },
     /// The node said goodbye: the controller's side closes without a `Lost`.
     ConnDeparted {
@@ -165,8 +189,17 @@ pub(super) struct Conn {
     pub node: usize,
     pub inc: u32,
     pub open_node: bool,
+    /// The controller's side is open: it sends on it, and it is the node's connection there.
     pub open_ctrl: bool,
-    /// FIFO: the latest delivery time scheduled in each direction.
+    /// The controller's side stopped reading at this time: what its reader read before is still handed
+    /// to the node actor (after a replacement, or before the `Lost` that ends it), the rest is lost.
+    pub reads_until: Option<u64>,
+    /// The node's end was reset while its process lives on: its endpoint answers what still arrives on
+    /// the connection with a stateless reset.
+    pub reset_by_node: bool,
+    /// FIFO clocks: the latest arrival scheduled in each direction (the stream's order), and the latest
+    /// hand-over by the controller's reader (after which its `Lost` or `Departed` comes).
+    arrived_up: u64,
     pub last_up: u64,
     last_down: u64,
 }
@@ -294,7 +327,8 @@ pub struct Stats {
     pub attempts: u64,
     pub committed_steps: u64,
     pub applied: u64,
-    /// Job messages refused from non-members (answered with `Fenced`).
+    /// Job messages refused: from non-members (answered with `Fenced`), or sent by an earlier membership
+    /// of a member.
     pub refused_stale: u64,
     /// Job messages of members on an older epoch, ignored.
     pub ignored_lagging: u64,
@@ -311,6 +345,18 @@ pub struct Stats {
     pub checkpoints: u64,
     /// The controller's daemon came back from its catalog after a kill.
     pub controller_restarts: u64,
+    /// Messages of a replaced connection that its reader handed to the controller's node actor after the
+    /// newer connection was admitted.
+    pub late_after_replacement: u64,
+    /// Messages delivered after one sent later between the same two nodes (under QUIC only across
+    /// connections: a replaced connection's late ones).
+    pub overtaken: u64,
+    /// `Join`s the controller received again from an incarnation it had one from (a joiner resends every
+    /// heartbeat interval until admitted), and of those, the ones that came on another connection.
+    pub join_repeats: u64,
+    pub join_repeats_across_connections: u64,
+    /// Second copies delivered (only a network that breaks QUIC's guarantees makes them).
+    pub duplicates: u64,
 }
 
 /// How the job ended.
@@ -326,13 +372,22 @@ pub(super) struct World<'a> {
     pub sc: &'a Scenario,
     pub now: u64,
     queue: BinaryHeap<Reverse<Item>>,
+    /// Tie-breakers among events due at one instant: `push` counts up from `SEQ_START`, `push_ahead`
+    /// down from it.
     seq: u64,
+    ahead: u64,
     pub rng: Rng,
     pub nodes: Vec<Node>,
     pub index: BTreeMap<NodeId, usize>,
     pub conns: Vec<Conn>,
     /// FIFO clocks of the in-process hops: node→job, job→node, controller node→itself.
     local_last: [u64; 3],
+    /// Per node: the `order` of the next message it sends the controller and of the next the controller
+    /// sends it, and the highest of each delivered so far.
+    pub order_next: Vec<[u64; 2]>,
+    pub order_seen: Vec<[Option<u64>; 2]>,
+    /// (node, incarnation) of every `Join` received, with the connection of the first.
+    pub joins: BTreeMap<(usize, Option<u64>), Option<usize>>,
     pub ctl: Controller,
     pub meshes: BTreeMap<u64, Mesh>,
     /// Durable checkpoints on storage every node shares, oldest first (the state each holds).
@@ -408,12 +463,16 @@ impl<'a> World<'a> {
             sc,
             now: 0,
             queue: BinaryHeap::new(),
-            seq: 0,
+            seq: SEQ_START,
+            ahead: SEQ_START,
             rng: Rng::new(seed),
             nodes,
             index,
             conns: Vec::new(),
             local_last: [0; 3],
+            order_next: vec![[0; 2]; sc.nodes.len()],
+            order_seen: vec![[None; 2]; sc.nodes.len()],
+            joins: BTreeMap::new(),
             ctl: Controller {
                 membership,
                 members,
@@ -442,6 +501,15 @@ impl<'a> World<'a> {
         self.queue.push(Reverse(Item { at, seq: self.seq, ev }));
     }
 
+    /// Schedules `events` now, in their order, ahead of everything else due now: what waited for a
+    /// paused process was due before what is due at the instant it resumes.
+    pub fn push_ahead(&mut self, events: Vec<Ev>) {
+        self.ahead -= events.len() as u64;
+        for (i, ev) in events.into_iter().enumerate() {
+            self.queue.push(Reverse(Item { at: self.now, seq: self.ahead + i as u64, ev }));
+        }
+    }
+
     /// The cluster at t=0: every node a member of epoch 1 and connected, the job submitted.
     pub fn start(&mut self) {
         for n in 0..self.nodes.len() {
@@ -463,7 +531,7 @@ impl<'a> World<'a> {
 
     /// Runs until the job ended and the tail passed, or the scenario's bound.
     pub fn run(&mut self) {
-        let bound = self.sc.finish_bound_ms();
+        let bound = self.cfg.finish_bound_ms(self.sc);
         while let Some(Reverse(item)) = self.queue.pop() {
             let ended_at = match self.end {
                 JobEnd::Finished { at_ms } | JobEnd::Failed { at_ms, .. } => Some(at_ms),
@@ -487,9 +555,10 @@ impl<'a> World<'a> {
     fn target(&self, ev: &Ev) -> Option<(usize, u32)> {
         match ev {
             Ev::Tick { node, inc } | Ev::DialDone { node, inc, .. } => Some((*node, *inc)),
-            Ev::Down { conn, .. } | Ev::ConnLost { conn, at_ctrl: false } => {
-                Some((self.conns[*conn].node, self.conns[*conn].inc))
-            }
+            Ev::Down { conn, .. }
+            | Ev::ConnLost { conn, at_ctrl: false }
+            | Ev::Connected { conn, at_ctrl: false, .. } => Some((self.conns[*conn].node, self.conns[*conn].inc)),
+            Ev::Connected { at_ctrl: true, inc, .. } => Some((0, *inc)),
             Ev::Computed { at, .. } | Ev::OpDone { at, .. } | Ev::OpTimeout { at, .. } => Some((at.node, at.inc)),
             // The controller's side runs in node 0's process: it waits while node 0 is paused.
             Ev::Up { .. }
@@ -518,15 +587,17 @@ impl<'a> World<'a> {
         }
         match item.ev {
             Ev::Tick { node, .. } => self.tick(node),
-            Ev::Up { conn, env } => self.deliver_up(conn, env),
+            Ev::Up { conn, env, read_at } => self.deliver_up(conn, env, read_at),
             Ev::Down { conn, env } => self.deliver_down(conn, env),
             Ev::SelfMsg(env) => self.deliver_self(env),
             Ev::ToJob(input) => self.job_handle(input),
             Ev::FromJob(out) => self.job_output(out),
             Ev::ConnLost { conn, at_ctrl } => self.conn_lost(conn, at_ctrl),
+            Ev::Connected { conn, at_ctrl, .. } => self.connected(conn, at_ctrl),
             Ev::ConnDeparted { conn } => {
                 let c = &mut self.conns[conn];
                 c.open_ctrl = false;
+                c.reads_until = None;
                 if self.ctl.conns[c.node] == Some(conn) {
                     self.ctl.conns[c.node] = None;
                 }
@@ -553,6 +624,9 @@ impl<'a> World<'a> {
             inc: self.nodes[n].inc,
             open_node: true,
             open_ctrl: true,
+            reads_until: None,
+            reset_by_node: false,
+            arrived_up: self.now,
             last_up: self.now,
             last_down: self.now,
         });
@@ -565,21 +639,88 @@ impl<'a> World<'a> {
     }
 
     /// Sends on a connection: in order, once, unless the connection closes first. A message sent while
-    /// the node is cut off waits for the partition to heal (QUIC retransmits).
-    pub fn net_send(&mut self, conn: usize, up: bool, env: Envelope) {
+    /// the node is cut off waits for the partition to heal (QUIC retransmits). The controller's reader
+    /// hands what it read to the node actor in order, now and then after a stall; the node's reader
+    /// never competes with another connection of the same peer (a node dials only once its connection
+    /// is gone), so its stalls change nothing and are not drawn. [`Network::Datagrams`] gives up the
+    /// order and sends some messages twice.
+    pub fn net_send(&mut self, conn: usize, up: bool, mut env: Envelope) {
         let c = &self.conns[conn];
-        if !(if up { c.open_node } else { c.open_ctrl }) {
+        let open = if up { c.open_node } else { c.open_ctrl && c.reads_until.is_none() };
+        if !open {
             self.stats.lost_messages += 1;
             return;
         }
         let node = c.node;
-        let start = self.sc.control_cut_until(node, self.now).unwrap_or(self.now);
-        let at = start + self.net_delay() + self.sc.slow_link_ms(node, self.now);
-        let c = &mut self.conns[conn];
-        let last = if up { &mut c.last_up } else { &mut c.last_down };
-        let at = at.max(*last);
-        *last = at;
-        self.push(at, if up { Ev::Up { conn, env } } else { Ev::Down { conn, env } });
+        let dir = usize::from(!up);
+        env.order = self.order_next[node][dir];
+        self.order_next[node][dir] += 1;
+        env.via = Some(conn);
+        let sent = self.sc.control_cut_until(node, self.now).unwrap_or(self.now) + self.sc.slow_link_ms(node, self.now);
+        let fifo = self.cfg.network == Network::Quic;
+        let copy = match self.cfg.network {
+            Network::Quic => None,
+            Network::Datagrams { duplicate_per_mille, .. } => {
+                self.rng.chance(duplicate_per_mille).then(|| Envelope { copy: true, ..env.clone() })
+            }
+        };
+        for env in std::iter::once(env).chain(copy) {
+            let arrive = sent + self.net_delay() + self.datagram_spread();
+            let stall = if up { self.reader_stall() } else { 0 };
+            let c = &mut self.conns[conn];
+            if up {
+                let read_at = if fifo { arrive.max(c.arrived_up) } else { arrive };
+                let at = if fifo { (read_at + stall).max(c.last_up) } else { read_at + stall };
+                c.arrived_up = c.arrived_up.max(read_at);
+                c.last_up = c.last_up.max(at);
+                self.push(at, Ev::Up { conn, env, read_at });
+            } else {
+                let at = if fifo { arrive.max(c.last_down) } else { arrive };
+                c.last_down = c.last_down.max(at);
+                self.push(at, Ev::Down { conn, env });
+            }
+        }
+    }
+
+    /// The extra delay of one message on a network without QUIC's order.
+    fn datagram_spread(&mut self) -> u64 {
+        match self.cfg.network {
+            Network::Quic => 0,
+            Network::Datagrams { spread_ms, .. } => self.rng.range(0, spread_ms),
+        }
+    }
+
+    /// How long the controller's reader of a connection waits before handing over what it just read.
+    fn reader_stall(&mut self) -> u64 {
+        if self.rng.chance(self.cfg.reader_stall_per_mille) {
+            self.rng.range(1, self.cfg.reader_stall_ms_max)
+        } else {
+            0
+        }
+    }
+
+    /// A control message between node `node` and the controller is delivered: counts second copies, and
+    /// messages that overtook an earlier one in the same direction.
+    pub fn count_delivery(&mut self, node: usize, up: bool, env: &Envelope) {
+        if env.copy {
+            self.stats.duplicates += 1;
+            let what = super::node::kind(&env.msg);
+            return trace!(self, "a second copy of {what} (node {node}, order {}) is delivered", env.order);
+        }
+        let seen = &mut self.order_seen[node][usize::from(!up)];
+        if seen.is_some_and(|s| s > env.order) {
+            self.stats.overtaken += 1;
+            let last = seen.unwrap_or(0);
+            trace!(
+                self,
+                "{} ({} {node}, order {}) arrives after order {last}, sent later",
+                super::node::kind(&env.msg),
+                if up { "from" } else { "to" },
+                env.order
+            );
+        } else {
+            *seen = Some(env.order);
+        }
     }
 
     /// A hop between actors of one process: FIFO per hop, a small delay.

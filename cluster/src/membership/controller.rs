@@ -69,6 +69,8 @@ pub struct Membership {
     /// The incarnation each member was admitted with (members of the first view, or joiners that did not
     /// say, have none).
     incarnations: BTreeMap<NodeId, u64>,
+    /// The epoch of the view that admitted each member (the first view's for its members).
+    admitted_at: BTreeMap<NodeId, Epoch>,
     /// Nodes asking to join.
     joining: BTreeMap<NodeId, Joiner>,
     changes: Vec<Change>,
@@ -88,11 +90,13 @@ impl Membership {
     pub fn starting_at(config: MembershipConfig, now: Duration, members: Vec<NodeId>, epoch: Epoch) -> Self {
         let view = View::new(epoch, members);
         let last_seen = view.members().iter().map(|m| (m.clone(), now)).collect();
+        let admitted_at = view.members().iter().map(|m| (m.clone(), epoch)).collect();
         Self {
             config,
             view,
             last_seen,
             incarnations: BTreeMap::new(),
+            admitted_at,
             joining: BTreeMap::new(),
             changes: Vec::new(),
             admitted: BTreeSet::new(),
@@ -106,6 +110,14 @@ impl Membership {
 
     pub fn epoch(&self) -> Epoch {
         self.view.epoch
+    }
+
+    /// The epoch of the view that admitted `node` into its current membership (None for a non-member).
+    /// Whatever it sent as a member carries this epoch or a later one: a message stamped with an older
+    /// epoch was sent by an earlier membership of the node (fenced, restarted, or removed since) and
+    /// reached the controller late — on a connection since replaced — after the node was admitted again.
+    pub fn admitted_at(&self, node: &NodeId) -> Option<Epoch> {
+        self.admitted_at.get(node).copied()
     }
 
     /// Nodes waiting for the next step boundary to be admitted.
@@ -192,12 +204,16 @@ impl Membership {
     fn remove(&mut self, node: &NodeId, change: Change) {
         self.last_seen.remove(node);
         self.incarnations.remove(node);
+        self.admitted_at.remove(node);
         self.changes.push(change);
     }
 
     fn admit_joiners(&mut self, now: Duration) {
+        // Admitted into the view this call's `commit` makes: the next epoch.
+        let epoch = Epoch(self.view.epoch.0 + 1);
         for (node, joiner) in std::mem::take(&mut self.joining) {
             self.last_seen.insert(node.clone(), now);
+            self.admitted_at.insert(node.clone(), epoch);
             if let Some(incarnation) = joiner.incarnation {
                 self.incarnations.insert(node.clone(), incarnation);
             }
@@ -400,6 +416,30 @@ mod tests {
         assert_eq!(d.poll_action(), Some(MemberAction::Fenced { current: Epoch(2) }));
         assert_eq!(d.poll_action(), Some(MemberAction::SendJoinRequest { incarnation: 8 }));
         assert_eq!(d.incarnation(), 8);
+    }
+
+    /// A node's membership begins at the epoch of the view that admitted it: the first view's for its
+    /// members, the admitting view's for a joiner (again after a restart), none once removed.
+    #[test]
+    fn each_member_is_admitted_at_the_epoch_of_the_view_that_admitted_it() {
+        let mut m = three();
+        assert_eq!(m.admitted_at(&"b".into()), Some(Epoch(1)));
+        m.handle(MS(10), MembershipEvent::ConnectionLost { peer: "b".into() });
+        view_change(&mut m);
+        assert_eq!(m.admitted_at(&"b".into()), None, "removed at epoch 2");
+        m.handle(MS(20), MembershipEvent::JoinRequest { from: "b".into(), incarnation: Some(5) });
+        assert_eq!(m.admitted_at(&"b".into()), None, "a joiner is not a member yet");
+        m.handle(MS(30), MembershipEvent::StepBoundary);
+        let (view, _) = view_change(&mut m);
+        assert_eq!((view.epoch, m.admitted_at(&"b".into())), (Epoch(3), Some(Epoch(3))));
+        assert_eq!(m.admitted_at(&"a".into()), Some(Epoch(1)), "other members keep theirs");
+        m.handle(MS(40), MembershipEvent::JoinRequest { from: "b".into(), incarnation: Some(6) });
+        m.handle(MS(50), MembershipEvent::StepBoundary);
+        view_change(&mut m);
+        let (view, _) = view_change(&mut m);
+        assert_eq!(m.admitted_at(&"b".into()), Some(view.epoch), "restarted, then admitted again");
+        let restarted = Membership::starting_at(MembershipConfig::default(), MS(0), vec!["a".into()], Epoch(9));
+        assert_eq!(restarted.admitted_at(&"a".into()), Some(Epoch(9)));
     }
 
     #[test]
