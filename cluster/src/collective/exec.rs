@@ -9,7 +9,7 @@ use troupe_kernels::reduce::{finish_avg, reduce_into, ReduceOp};
 
 use super::plan::{Action, Combine, Plan};
 use super::send_buffers::SendBuffers;
-use super::Element;
+use super::{Dtype, Element};
 use crate::error::Rank;
 use crate::transport::{LossScope, Payload, Transport};
 use crate::wire::Tag;
@@ -43,8 +43,13 @@ fn apply<E: Element>(dst: &mut [f32], src: &[E], combine: Combine, op: ReduceOp)
 /// f32: stays in L1 between the copy and the reduction).
 const UNALIGNED_BLOCK_ELEMS: usize = 4096;
 
-/// Applies `src` (raw little-endian `E`s at any address) to `out` through an aligned stack block.
+/// Applies `src` (raw little-endian `E`s at any address) to `out` through an aligned stack block —
+/// except an f32 copy, whose bytes are already the output's: one copy, straight into it.
 fn apply_unaligned<E: Element>(out: &mut [f32], src: &[u8], combine: Combine, op: ReduceOp) {
+    if E::DTYPE == Dtype::F32 && combine == Combine::Copy {
+        bytemuck::cast_slice_mut::<f32, u8>(out).copy_from_slice(src);
+        return;
+    }
     let mut block = [E::zeroed(); UNALIGNED_BLOCK_ELEMS];
     for (out, src) in out.chunks_mut(UNALIGNED_BLOCK_ELEMS).zip(src.chunks(UNALIGNED_BLOCK_ELEMS * E::BYTES)) {
         let block = &mut block[..out.len()];
@@ -158,13 +163,26 @@ mod tests {
         ExecContext { op, contributions: 2, tag: Tag::default(), timeout_ms: 1, op_name: "test" }
     }
 
-    /// Cuts `bytes` at the given offsets (into segments that split elements, some empty).
-    fn cut(bytes: &[u8], at: &[usize]) -> Payload {
-        let b = Bytes::copy_from_slice(bytes);
+    /// Cuts `bytes` at the given offsets (into segments that split elements, some empty). With
+    /// `shift` 0 they are slices of one aligned buffer (every element after a split one starts
+    /// aligned); otherwise each is its own buffer whose element boundaries sit `shift` bytes off
+    /// alignment, as a chunk somewhere in a received QUIC packet does.
+    fn cut_shifted(bytes: &[u8], at: &[usize], shift: usize) -> Payload {
         let mut bounds = vec![0];
         bounds.extend(at.iter().copied());
         bounds.push(bytes.len());
-        Payload { segments: bounds.windows(2).map(|w| b.slice(w[0]..w[1])).collect() }
+        let whole = Bytes::copy_from_slice(bytes);
+        let segment = |w: &[usize]| {
+            if shift == 0 {
+                return whole.slice(w[0]..w[1]);
+            }
+            // Byte g of the payload lands at lead + g - w[0]: element starts (g = 0 mod 4) at `shift` mod 4.
+            let lead = (shift + w[0]) % 4;
+            let mut v = vec![0u8; lead];
+            v.extend_from_slice(&bytes[w[0]..w[1]]);
+            Bytes::from(v).slice(lead..)
+        };
+        Payload { segments: bounds.windows(2).map(segment).collect() }
     }
 
     #[test]
@@ -173,29 +191,40 @@ mod tests {
         let bytes: Vec<u8> = bytemuck::cast_slice(&src).to_vec();
         let base: Vec<f32> = (0..1000).map(|i| (i % 13) as f32).collect();
         let want: Vec<f32> = base.iter().zip(&src).map(|(a, b)| a + b).collect();
-        for at in [vec![1], vec![3, 5, 5, 6], vec![1001, 2002, 3999], vec![7, 13, 2049, 2050, 3998]] {
-            let mut dst = base.clone();
-            apply_payload::<f32>(0, 1, &ctx(ReduceOp::Sum), &mut dst, &cut(&bytes, &at), Combine::Reduce).unwrap();
-            assert_eq!(dst, want, "cut at {at:?}");
-            let mut dst = vec![0f32; 1000];
-            apply_payload::<f32>(0, 1, &ctx(ReduceOp::Sum), &mut dst, &cut(&bytes, &at), Combine::Copy).unwrap();
-            assert_eq!(dst, src, "copy cut at {at:?}");
+        for shift in 0..4 {
+            for at in [vec![1], vec![3, 5, 5, 6], vec![1001, 2002, 3999], vec![7, 13, 2049, 2050, 3998]] {
+                let payload = cut_shifted(&bytes, &at, shift);
+                let mut dst = base.clone();
+                apply_payload::<f32>(0, 1, &ctx(ReduceOp::Sum), &mut dst, &payload, Combine::Reduce).unwrap();
+                assert_eq!(dst, want, "cut at {at:?}, shifted {shift}");
+                let mut dst = vec![f32::NAN; 1000];
+                apply_payload::<f32>(0, 1, &ctx(ReduceOp::Sum), &mut dst, &payload, Combine::Copy).unwrap();
+                assert_eq!(dst, src, "copy cut at {at:?}, shifted {shift}");
+            }
         }
         // Misaligned segments longer than one stack block (several blocks and a partial one).
         let long: Vec<f32> = (0..3 * UNALIGNED_BLOCK_ELEMS + 77).map(|i| (i % 251) as f32 - 100.0).collect();
         let bytes: Vec<u8> = bytemuck::cast_slice(&long).to_vec();
-        for op in [ReduceOp::Sum, ReduceOp::Max] {
-            let mut dst: Vec<f32> = (0..long.len()).map(|i| (i % 7) as f32 * 20.0).collect();
-            let want: Vec<f32> =
-                dst.iter().zip(&long).map(|(&a, &b)| if op == ReduceOp::Sum { a + b } else { a.max(b) }).collect();
-            apply_payload::<f32>(0, 1, &ctx(op), &mut dst, &cut(&bytes, &[1, 4 * 5000 + 3]), Combine::Reduce).unwrap();
-            assert_eq!(dst, want, "long misaligned segments, {op:?}");
+        for shift in 1..4 {
+            let payload = cut_shifted(&bytes, &[1, 4 * 5000 + 3], shift);
+            for op in [ReduceOp::Sum, ReduceOp::Max] {
+                let mut dst: Vec<f32> = (0..long.len()).map(|i| (i % 7) as f32 * 20.0).collect();
+                let want: Vec<f32> =
+                    dst.iter().zip(&long).map(|(&a, &b)| if op == ReduceOp::Sum { a + b } else { a.max(b) }).collect();
+                apply_payload::<f32>(0, 1, &ctx(op), &mut dst, &payload, Combine::Reduce).unwrap();
+                assert_eq!(dst, want, "long misaligned segments, {op:?}, shifted {shift}");
+            }
+            let mut dst = vec![f32::NAN; long.len()];
+            apply_payload::<f32>(0, 1, &ctx(ReduceOp::Sum), &mut dst, &payload, Combine::Copy).unwrap();
+            assert_eq!(dst, long, "long misaligned segments copied, shifted {shift}");
         }
         let half: Vec<bf16> = src.iter().map(|&v| bf16::from_f32(v)).collect();
         let bytes: Vec<u8> = bytemuck::cast_slice(&half).to_vec();
-        let mut dst = vec![0f32; 1000];
-        apply_payload::<bf16>(0, 1, &ctx(ReduceOp::Max), &mut dst, &cut(&bytes, &[1, 2, 999, 1001]), Combine::Copy)
-            .unwrap();
-        assert_eq!(dst, half.iter().map(|v| v.to_f32()).collect::<Vec<_>>());
+        for shift in 0..4 {
+            let mut dst = vec![0f32; 1000];
+            let payload = cut_shifted(&bytes, &[1, 2, 999, 1001], shift);
+            apply_payload::<bf16>(0, 1, &ctx(ReduceOp::Max), &mut dst, &payload, Combine::Copy).unwrap();
+            assert_eq!(dst, half.iter().map(|v| v.to_f32()).collect::<Vec<_>>(), "bf16 shifted {shift}");
+        }
     }
 }
