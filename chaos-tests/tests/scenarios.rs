@@ -70,6 +70,7 @@ fn kill_worker() {
     let r = run("kill-worker", 11);
     assert_eq!(faults(&r, "kill"), 1);
     assert_eq!(r["detection_s"]["samples"], 1, "the loss was detected: {r}");
+    assert_eq!(r["recovery_s"]["samples"], 1, "training went on after the recovery: {r}");
     assert!(r["recoveries"].as_u64().unwrap() >= 1);
 }
 

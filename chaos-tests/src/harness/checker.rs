@@ -7,7 +7,8 @@
 //! - every committed step's loss equals the reference's loss at that step (each step trained on its own
 //!   samples: none lost, none repeated), and the final parameters equal the reference;
 //! - every checkpoint the job reported loads, except one the nemesis corrupted, which must be refused;
-//! - after each fault heals, a step commits within the scenario's bound;
+//! - every fault lands while the job trains (a step commits after it), and after each fault heals, a step
+//!   commits within the scenario's bound;
 //! - no daemon process is left behind.
 
 use std::path::{Path, PathBuf};
@@ -337,6 +338,38 @@ pub fn faults_applied(injected: &[Injected]) -> Check {
     check("every fault applied", errors.is_empty(), detail)
 }
 
+/// Every fault landed while the job was still training: some step committed after it. A fault that
+/// fired after the last step (a short job, a long jitter, a client that saw the steps late) tested
+/// nothing of the training the scenario is about, and the run says so instead of passing on it.
+pub fn faults_hit_training(events: &[(Instant, JobEvent)], injected: &[Injected]) -> Check {
+    let last_step = events.iter().rev().find_map(|(t, e)| match e {
+        JobEvent::Step { step, .. } => Some((*t, *step)),
+        _ => None,
+    });
+    let late: Vec<String> = injected
+        .iter()
+        .filter(|f| f.error.is_none())
+        .filter_map(|f| match last_step {
+            Some((t, _)) if f.at < t => None,
+            Some((t, step)) => Some(format!(
+                "{} on {:?} came {:.2} s after the last step ({step})",
+                f.kind.as_str(),
+                f.nodes,
+                f.at.duration_since(t).as_secs_f64()
+            )),
+            None => Some(format!("{} on {:?} came before any step", f.kind.as_str(), f.nodes)),
+        })
+        .collect();
+    let detail = match (&late[..], last_step) {
+        ([], Some((_, step))) => format!("each fault was followed by committed steps (the last: {step})"),
+        ([], None) => "no fault injected".into(),
+        _ => {
+            format!("{}: it tested no training — fire it earlier (at_step / at_s) or train more steps", late.join("; "))
+        }
+    };
+    check("every fault hit the job while it trained", late.is_empty(), detail)
+}
+
 /// The final parameters rank 0 saved against the reference trainer's.
 pub fn final_parameters(saved: &Path, reference: &Trainer, tolerance: f64) -> Check {
     let name = "final parameters equal the reference";
@@ -495,5 +528,32 @@ mod tests {
         assert_eq!((d.p50, r.p50), (Some(1.5), Some(1.7)));
         assert!(progress_after_faults(&events, std::slice::from_ref(&fault), Duration::from_secs(2)).passed);
         assert!(!progress_after_faults(&events, &[fault], Duration::from_secs(1)).passed);
+    }
+
+    #[test]
+    fn a_fault_after_the_last_step_tested_nothing() {
+        let t0 = Instant::now();
+        let kill = |after_ms: u64| Injected {
+            kind: FaultKind::Kill,
+            nodes: vec!["node-2".into()],
+            at: t0 + Duration::from_millis(after_ms),
+            indices: vec![2],
+            healed: None,
+            corrupted: None,
+            error: None,
+            note: None,
+            links: Vec::new(),
+            fenced: None,
+        };
+        let events = vec![step(t0, 100, 1, 1.0), step(t0, 200, 2, 1.0), step(t0, 300, 3, 1.0)];
+        let during = faults_hit_training(&events, &[kill(150)]);
+        assert!(during.passed, "{}", during.detail);
+        let after = faults_hit_training(&events, &[kill(150), kill(350)]);
+        assert!(!after.passed);
+        assert!(after.detail.contains("0.05 s after the last step (3)"), "{}", after.detail);
+        assert!(!faults_hit_training(&[], &[kill(0)]).passed, "a fault of a job that never stepped");
+        // A fault the nemesis could not apply is reported by `faults_applied`, not here.
+        let failed = Injected { error: Some("no such node".into()), ..kill(350) };
+        assert!(faults_hit_training(&events, &[failed]).passed);
     }
 }

@@ -244,6 +244,7 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
             detail: format!("{} of {scheduled} faults injected: the job ended first", injected.len()),
         });
     }
+    checks.push(checker::faults_hit_training(&events, &injected));
     checks.push(checker::final_parameters(&final_params, &reference.1, tolerance));
     if !scenario.inject_overflow_at.is_empty() {
         checks.push(checker::overflows_skipped(&events, &scenario.inject_overflow_at));
