@@ -116,6 +116,11 @@ fn kill_controller_node() {
     let r = run("kill-controller-node", 23);
     assert_eq!(faults(&r, "kill"), 1);
     assert!(r["recoveries"].as_u64().unwrap() >= 1, "{r}");
+    // Nothing watches the controller: a kill without a detection time comes with the reason.
+    if r["detection_s"]["samples"] == 0 {
+        let why = r["undetected"][0].as_str().unwrap_or_default();
+        assert!(why.starts_with("kill on node-0: the controller's own node"), "{r}");
+    }
     // From the workers' memory, not a checkpoint: nothing redone — but the step whose commit the
     // controller recorded and died before sending, when the kill lands there.
     assert!(r["steps_redone"].as_u64().unwrap() <= 1, "resumed from the workers' memory: {r}");

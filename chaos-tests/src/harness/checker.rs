@@ -126,18 +126,9 @@ pub fn overflows_skipped(events: &[(Instant, JobEvent)], injected: &[u64]) -> Ch
 /// committed after a `Recovered` that followed it) of every fault that takes nodes away.
 pub fn timings(events: &[(Instant, JobEvent)], injected: &[Injected]) -> (Summary, Summary) {
     let (mut detection, mut recovery) = (Vec::new(), Vec::new());
-    for fault in injected.iter().filter(|f| {
-        matches!(f.kind, FaultKind::Kill | FaultKind::Pause | FaultKind::Partition | FaultKind::RollingRestart)
-    }) {
+    for fault in injected.iter().filter(|f| takes_nodes_away(f)) {
         let after: Vec<&(Instant, JobEvent)> = events.iter().filter(|(t, _)| *t >= fault.at).collect();
-        let named = |changes: &[String]| {
-            changes
-                .iter()
-                .any(|c| !c.starts_with("Joined") && fault.nodes.iter().any(|n| c.contains(&format!("\"{n}\""))))
-        };
-        if let Some((t, _)) =
-            after.iter().find(|(_, e)| matches!(e, JobEvent::Membership { changes, .. } if named(changes)))
-        {
+        if let Some(t) = detected_at(events, fault) {
             detection.push(t.duration_since(fault.at).as_secs_f64());
         }
         let recovered = after.iter().position(|(_, e)| matches!(e, JobEvent::Recovered { .. }));
@@ -148,6 +139,40 @@ pub fn timings(events: &[(Instant, JobEvent)], injected: &[Injected]) -> (Summar
         }
     }
     (Summary::of(detection), Summary::of(recovery))
+}
+
+fn takes_nodes_away(fault: &Injected) -> bool {
+    matches!(fault.kind, FaultKind::Kill | FaultKind::Pause | FaultKind::Partition | FaultKind::RollingRestart)
+}
+
+/// When the controller's membership change naming a node `fault` hit (other than its re-joining) came.
+fn detected_at(events: &[(Instant, JobEvent)], fault: &Injected) -> Option<Instant> {
+    let named = |changes: &[String]| {
+        changes.iter().any(|c| !c.starts_with("Joined") && fault.nodes.iter().any(|n| c.contains(&format!("\"{n}\""))))
+    };
+    events.iter().find_map(|(t, e)| match e {
+        JobEvent::Membership { changes, .. } if *t >= fault.at && named(changes) => Some(*t),
+        _ => None,
+    })
+}
+
+/// Why each fault that takes nodes away has no detection sample. Node 0 runs the controller: nothing
+/// watches it, so its loss is never "detected" — the job goes on once it is back (restarted, woken or
+/// reachable again: a recovery sample).
+pub fn undetected(events: &[(Instant, JobEvent)], injected: &[Injected]) -> Vec<String> {
+    injected
+        .iter()
+        .filter(|f| takes_nodes_away(f) && f.error.is_none() && detected_at(events, f).is_none())
+        .map(|f| {
+            let why = if f.indices.contains(&0) {
+                "the controller's own node: no other node watches the controller, so no membership change \
+                 names it; the job went on once the controller was back (see recovery)"
+            } else {
+                "no membership change named it (did the job end first?)"
+            };
+            format!("{} on {}: {why}", f.kind.as_str(), f.nodes.join(", "))
+        })
+        .collect()
 }
 
 /// After each fault heals (or is injected, for permanent ones), a step commits within `bound` — unless the
@@ -526,6 +551,12 @@ mod tests {
         ];
         let (d, r) = timings(&events, std::slice::from_ref(&fault));
         assert_eq!((d.p50, r.p50), (Some(1.5), Some(1.7)));
+        assert!(undetected(&events, std::slice::from_ref(&fault)).is_empty());
+        let controller = Injected { nodes: vec!["node-0".into()], indices: vec![0], ..fault.clone() };
+        let why = undetected(&events, &[controller]);
+        assert!(why.len() == 1 && why[0].starts_with("kill on node-0: the controller's own node"), "{why:?}");
+        let worker = Injected { nodes: vec!["node-1".into()], indices: vec![1], ..fault.clone() };
+        assert!(undetected(&events, &[worker])[0].contains("no membership change named it"));
         assert!(progress_after_faults(&events, std::slice::from_ref(&fault), Duration::from_secs(2)).passed);
         assert!(!progress_after_faults(&events, &[fault], Duration::from_secs(1)).passed);
     }

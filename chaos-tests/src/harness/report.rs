@@ -30,6 +30,8 @@ pub struct Report {
     pub detection_s: Summary,
     /// Fault → the next step committed after the job recovered (seconds).
     pub recovery_s: Summary,
+    /// Each fault that took nodes away but has no detection sample, and why.
+    pub undetected: Vec<String>,
     /// Steps trained twice because a rollback to a durable checkpoint redid them.
     pub steps_redone: u64,
     /// Committed steps missing from, or repeated in, the final trajectory. Must be 0.
@@ -147,6 +149,9 @@ impl fmt::Display for Report {
                 secs(s.max)
             )?;
         }
+        for u in &self.undetected {
+            writeln!(f, "    not detected: {u}")?;
+        }
         writeln!(
             f,
             "  recoveries {}, steps redone {}, data lost {}",
@@ -210,6 +215,7 @@ mod tests {
             recoveries: 0,
             detection_s: Summary::default(),
             recovery_s: Summary::default(),
+            undetected: vec!["kill on node-0: the controller's own node".into()],
             steps_redone: 0,
             data_lost: 0,
             bad_inputs: Vec::new(),
@@ -240,6 +246,7 @@ mod tests {
             "flaky-link on node-2 0.50 s after the first step, healed after 8.0 s; links degraded with nfqueue",
             "link of node-2 (nfqueue): 100 packets, 5 dropped, 95 delayed (mean hold 20.4 ms)",
             "step 10 ms before, 2000 ms during",
+            "    not detected: kill on node-0: the controller's own node",
         ] {
             assert!(table.contains(line), "{line:?} missing from\n{table}");
         }

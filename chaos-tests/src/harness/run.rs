@@ -254,6 +254,7 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
     checks.push(checker::no_process_left(&pids));
     checks.extend(checker::expected(&scenario.expect, &events, &injected, full_world, scenario.checkpoint_every));
     let (detection_s, recovery_s) = checker::timings(&events, &injected);
+    let undetected = checker::undetected(&events, &injected);
     let links = checker::link_effects(&events, &injected);
     let records = injected.iter().map(|f| FaultRecord::of(f, first_step)).collect();
 
@@ -278,6 +279,7 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
         faults,
         recoveries: trajectory.recoveries,
         detection_s,
+        undetected,
         recovery_s,
         steps_redone: trajectory.steps_redone,
         data_lost: trajectory.data_lost,
@@ -334,6 +336,7 @@ fn skipped(scenario: &Scenario, options: &RunOptions, why: String) -> Report {
         recoveries: 0,
         detection_s: Summary::default(),
         recovery_s: Summary::default(),
+        undetected: Vec::new(),
         steps_redone: 0,
         data_lost: 0,
         bad_inputs: Vec::new(),
