@@ -527,18 +527,7 @@ mod tests {
     #[test]
     fn detection_and_recovery_are_measured_from_the_fault() {
         let t0 = Instant::now();
-        let fault = Injected {
-            kind: FaultKind::Kill,
-            nodes: vec!["node-2".into()],
-            at: t0,
-            indices: vec![2],
-            healed: None,
-            corrupted: None,
-            error: None,
-            note: None,
-            links: Vec::new(),
-            fenced: None,
-        };
+        let fault = Injected::new(FaultKind::Kill, vec!["node-2".into()], vec![2], t0);
         let membership = JobEvent::Membership {
             epoch: 3,
             world: 2,
@@ -564,17 +553,8 @@ mod tests {
     #[test]
     fn a_fault_after_the_last_step_tested_nothing() {
         let t0 = Instant::now();
-        let kill = |after_ms: u64| Injected {
-            kind: FaultKind::Kill,
-            nodes: vec!["node-2".into()],
-            at: t0 + Duration::from_millis(after_ms),
-            indices: vec![2],
-            healed: None,
-            corrupted: None,
-            error: None,
-            note: None,
-            links: Vec::new(),
-            fenced: None,
+        let kill = |after_ms: u64| {
+            Injected::new(FaultKind::Kill, vec!["node-2".into()], vec![2], t0 + Duration::from_millis(after_ms))
         };
         let events = vec![step(t0, 100, 1, 1.0), step(t0, 200, 2, 1.0), step(t0, 300, 3, 1.0)];
         let during = faults_hit_training(&events, &[kill(150)]);

@@ -45,6 +45,25 @@ pub struct Injected {
     pub fenced: Option<Fencing>,
 }
 
+impl Injected {
+    /// A fault of `kind` on `nodes` (names) at cluster `indices`, started `at`; nothing healed or
+    /// observed yet.
+    pub fn new(kind: FaultKind, nodes: Vec<String>, indices: Vec<usize>, at: Instant) -> Self {
+        Injected {
+            kind,
+            nodes,
+            indices,
+            at,
+            healed: None,
+            corrupted: None,
+            error: None,
+            note: None,
+            links: Vec::new(),
+            fenced: None,
+        }
+    }
+}
+
 /// Evidence that a paused node was fenced when it woke.
 #[derive(Clone, Debug)]
 pub struct Fencing {
@@ -78,18 +97,7 @@ impl Nemesis {
             let cluster = self.cluster.lock().await;
             nodes.iter().map(|&i| cluster.node_name(i)).collect()
         };
-        let mut injected = Injected {
-            kind: fault.kind,
-            nodes: names,
-            indices: nodes.to_vec(),
-            at: Instant::now(),
-            healed: None,
-            corrupted: None,
-            error: None,
-            note: None,
-            links: Vec::new(),
-            fenced: None,
-        };
+        let mut injected = Injected::new(fault.kind, names, nodes.to_vec(), Instant::now());
         if let Err(e) = self.apply_inner(fault, nodes, seed, &mut injected).await {
             injected.error = Some(format!("{e:#}"));
         }
