@@ -115,6 +115,38 @@ async fn ddp_on_two_hosts_of_two_slots_all_reduces_in_two_tiers_and_equals_the_r
     cluster.shutdown().await;
 }
 
+/// ZeRO-3 on two hosts of two slots: parameters are all-gathered and gradients reduce-scattered in one
+/// flat ring over the four ranks, whose links between the two ranks of a host take their sockets and
+/// the others QUIC — and the run equals the reference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero3_on_two_hosts_talks_to_host_neighbours_over_sockets_and_equals_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path().join("logs");
+    std::fs::create_dir_all(&logs).unwrap();
+    let mut options = LocalClusterOptions::new(2);
+    options.torch_threads = 1;
+    options.slots_per_node = 2;
+    options.hosts =
+        ["127.0.0.1", "127.0.0.2"].iter().map(|ip| NodeHost { prefix: Vec::new(), ip: ip.parse().unwrap() }).collect();
+    options.log = Some("warn,troupe_actors::runtime::worker=info".into());
+    options.log_dir = Some(logs.clone());
+    let cluster = LocalCluster::processes(common::binary(), options).await.expect("local cluster starts");
+    let mut config = config(8);
+    config.parallel.shard = "zero3".into();
+    let out = dir.path().join("final.safetensors");
+    let job = Job::new(config.clone()).save_final(&out);
+    let (end, events) = cluster.client().await.unwrap().submit(job).await.unwrap().wait().await.unwrap();
+    assert!(matches!(end, JobEvent::Finished { steps: 8, .. }), "{end:?}");
+    assert!(events.iter().any(|e| matches!(e, JobEvent::Started { world: 4, .. })), "{events:?}");
+    let losses: Vec<f64> = events.iter().filter_map(step_loss).collect();
+    check(&config, &losses, &out, "zero3, dp=4 on two hosts");
+    let log: String =
+        std::fs::read_dir(&logs).unwrap().map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap()).collect();
+    let routed = log.lines().filter(|l| l.contains("to the ranks of this host over its sockets")).count();
+    assert!(routed >= 4, "every rank said it reaches its host neighbour over its sockets ({routed} lines):\n{log}");
+    cluster.shutdown().await;
+}
+
 /// One run that loses a node to SIGKILL, then gains a new one, then loses one to SIGTERM — each change
 /// aborts the step in flight and the job continues from the last committed step on the new ranks, with
 /// the global batch unchanged — and still lands on the fault-free trajectory.

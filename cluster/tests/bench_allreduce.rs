@@ -36,8 +36,12 @@ fn reports_bandwidth_and_how_the_ranks_ran() {
     assert_eq!(local["shared_memory"], true, "{local}");
     let tiers = report(&["--world", "4", "--hosts", "2"]);
     assert_eq!((tiers["hosts"].as_u64(), tiers["host_tier"].as_bool()), (Some(2), Some(true)), "{tiers}");
+    assert_eq!(tiers["same_host_routes"], true, "{tiers}");
     let flat = report(&["--world", "4", "--hosts", "2", "--flat"]);
     assert_eq!(flat["host_tier"], false, "{flat}");
+    assert_eq!(flat["same_host_routes"], true, "ranks of one host still talk over their sockets: {flat}");
+    let one_each = report(&["--world", "2", "--hosts", "2"]);
+    assert_eq!(one_each["same_host_routes"], false, "no host holds two ranks: {one_each}");
 }
 
 #[test]

@@ -45,7 +45,8 @@ fn two_and_three_ranks_over_quic() {
 /// each host in its arena, across hosts over QUIC — and every collective still equals the reference
 /// bit for bit: two ranks per host (each rank carries half of every slice across), and three ranks
 /// over two hosts (the leaders carry it all). Small slots and slices make the pipeline of slices and
-/// the arena's blocks both many.
+/// the arena's blocks both many. Flat (`--flat`), every collective is one ring over all four ranks
+/// whose messages between the two ranks of a host take their Unix sockets, the others QUIC.
 #[test]
 fn ranks_on_two_hosts_all_reduce_in_two_tiers() {
     let config = TransportConfig {
@@ -56,9 +57,15 @@ fn ranks_on_two_hosts_all_reduce_in_two_tiers() {
     for world in [4, 3] {
         let reports = check_on(world, BenchTransport::Quic, config.clone(), Placement { hosts: 2, flat: false });
         assert!(reports.iter().all(|r| r.host_tier), "world {world}: not in two tiers: {reports:?}");
+        // Three ranks: 0 and 1 on the first host, 2 alone on the second.
+        let shares_a_host = |r: &RankReport| world == 4 || r.rank < 2;
+        assert!(
+            reports.iter().all(|r| r.same_host_routes == shares_a_host(r)),
+            "world {world}: host neighbours not over their sockets: {reports:?}"
+        );
     }
     let flat = check_on(4, BenchTransport::Quic, config, Placement { hosts: 2, flat: true });
-    assert!(flat.iter().all(|r| !r.host_tier));
+    assert!(flat.iter().all(|r| !r.host_tier && r.same_host_routes), "{flat:?}");
 }
 
 #[test]
@@ -116,6 +123,14 @@ fn sigkilled_rank_fails_the_others_over_quic_within_the_timeout() {
 #[test]
 fn sigkilled_rank_fails_the_others_in_two_tiers_within_the_timeout() {
     sigkill_during_all_reduce(BenchTransport::Quic, Placement { hosts: 2, flat: false });
+}
+
+/// The same, flat over two hosts: rank 3 learns of its host neighbour's death on their socket, ranks 0
+/// and 1 over QUIC — and rank 0, whose ring neighbours are 1 (its socket) and 3 (QUIC), is never left
+/// waiting on a path that saw nothing.
+#[test]
+fn sigkilled_rank_fails_the_others_flat_over_two_hosts_within_the_timeout() {
+    sigkill_during_all_reduce(BenchTransport::Quic, Placement { hosts: 2, flat: true });
 }
 
 #[test]

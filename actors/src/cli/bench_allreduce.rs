@@ -19,7 +19,8 @@ pub struct AllreduceArgs {
     /// all-reduce then runs in two tiers, within each host in shared memory and across hosts over QUIC.
     #[arg(long, default_value_t = 1)]
     pub hosts: usize,
-    /// With --hosts: all-reduce over QUIC among all ranks anyway (one flat ring), for comparison.
+    /// With --hosts: one flat ring among all ranks, no tiers, for comparison (messages between ranks
+    /// of one host still take the same-host transport, as in the runtime).
     #[arg(long)]
     pub flat: bool,
     /// Size of the f32 buffer all-reduced, in MiB.
@@ -76,7 +77,13 @@ pub fn run(args: AllreduceArgs) -> anyhow::Result<()> {
             report.world,
             if report.hosts > 1 { format!(" on {} hosts", report.hosts) } else { String::new() },
             report.transport,
-            if report.host_tier { " in two tiers" } else { "" },
+            if report.host_tier {
+                " in two tiers"
+            } else if report.same_host_routes {
+                " flat (ranks of one host over their sockets)"
+            } else {
+                ""
+            },
             report.busbw_gbps,
             report.seconds_per_iter * 1e3
         );

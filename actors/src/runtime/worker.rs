@@ -15,6 +15,7 @@ use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tokio::sync::mpsc;
 use troupe_cluster::collective::{CollectiveConfig, Communicator, HostLayout};
 use troupe_cluster::transport::quic::{bind_endpoint, PeerInfo, QuicTransport};
+use troupe_cluster::transport::routed::Routed;
 use troupe_cluster::transport::same_host::{socket_path, SameHostTransport};
 use troupe_cluster::transport::Transport;
 use troupe_cluster::{NodeIdentity, TransportConfig};
@@ -453,8 +454,8 @@ fn spawn_writer(spec: &JobSpec, job: JobId, node: &ActorRef<NodeMsg>) -> Option<
 /// The data plane: when every rank of the attempt is on this host (their data addresses share one IP),
 /// the same-host transport (Unix sockets in a private directory, collectives in its shared-memory
 /// arena); otherwise the QUIC mesh, and — when some ranks share a host — a same-host transport among
-/// those on this rank's host too, so that all-reduce runs in two tiers (within hosts in the arena,
-/// across hosts over QUIC).
+/// those on this rank's host too: messages between ranks of one host take it ([`Routed`]), and
+/// all-reduce runs in two tiers (within hosts in the arena, across hosts over QUIC).
 async fn run_attempt(
     ctx: AttemptCtx,
     prepared: Prepared,
@@ -510,10 +511,22 @@ async fn run_attempt(
         t = connect => t,
         _ = wait_abort(&mut ctl) => return (Some(state), AttemptOutcome::Aborted { step }),
     };
-    let outcome = match result {
-        Ok(local) => {
-            let tier = Some((layout, Some(Arc::new(local))));
-            train_over(&ctx, &spec, transport, tier, epoch, state, &mut ctl).await
+    let routed = result.and_then(|local| {
+        let local = Arc::new(local);
+        let neighbours = layout.members(rank).to_vec();
+        tracing::info!(
+            job = ctx.job,
+            attempt = ctx.attempt,
+            rank,
+            ?neighbours,
+            "messages to the ranks of this host over its sockets, to the others over QUIC"
+        );
+        Ok((Routed::new(transport, local.clone(), neighbours)?, local))
+    });
+    let outcome = match routed {
+        Ok((routed, local)) => {
+            let tier = Some((layout, Some(local)));
+            train_over(&ctx, &spec, Arc::new(routed), tier, epoch, state, &mut ctl).await
         }
         Err(e) => (Some(state), AttemptOutcome::Failed { step, reason: e.to_string() }),
     };

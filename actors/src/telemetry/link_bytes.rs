@@ -82,6 +82,10 @@ impl<T: Transport> Transport for Counted<T> {
         self.inner.fence(epoch);
     }
 
+    fn any_loss(&self) -> impl Future<Output = (usize, String)> + Send {
+        self.inner.any_loss()
+    }
+
     fn shutdown(&self) -> impl Future<Output = ()> + Send {
         self.inner.shutdown()
     }

@@ -20,7 +20,8 @@ use std::path::PathBuf;
 pub struct AllreduceBench {
     pub world: usize,
     /// Hosts (loopback addresses) the QUIC ranks are spread over; with more than one, all-reduce runs
-    /// in two tiers unless `flat`.
+    /// in two tiers unless `flat`, and ranks that share a host exchange messages over a same-host
+    /// transport either way.
     pub hosts: usize,
     pub flat: bool,
     pub mib: usize,
@@ -113,6 +114,7 @@ pub fn run_allreduce_bench(
         world: bench.world,
         hosts: bench.hosts,
         host_tier: reports.iter().all(|r| r.host_tier),
+        same_host_routes: reports.iter().all(|r| r.same_host_routes),
         mib: bench.mib,
         iters: bench.iters,
         seconds_per_iter: seconds,

@@ -10,6 +10,7 @@ use super::{BenchTransport, RankMode, RankReport, RankSpec, RANK_SPEC_ENV};
 use crate::collective::{chunk_range, CollectiveConfig, Communicator, HostLayout, ReduceOp};
 use crate::identity::NodeIdentity;
 use crate::transport::quic::{PeerInfo, QuicTransport};
+use crate::transport::routed::Routed;
 use crate::transport::same_host::SameHostTransport;
 use crate::transport::Transport;
 use crate::ClusterError;
@@ -45,10 +46,23 @@ pub fn run_rank(spec: &RankSpec) -> RankReport {
                     Ok(_) => host_tier(spec).await,
                     Err(_) => Ok(None),
                 };
-                match quic.and_then(|t| Ok((t, tier?))) {
+                match quic.and_then(|t| Ok((Arc::new(t), tier?))) {
                     Ok((t, tier)) => {
-                        let t = Arc::new(t);
-                        let report = run_mode(t.clone(), spec, tier).await;
+                        let report = match tier {
+                            // Ranks that share a host talk over their same-host transport, as the
+                            // runtime's do; `--flat` only turns the tiers off.
+                            Some((layout, Some(local))) => {
+                                match Routed::new(t.clone(), local.clone(), layout.members(spec.rank).to_vec()) {
+                                    Ok(routed) => {
+                                        let tier = (!spec.flat).then_some((layout, Some(local)));
+                                        let report = run_mode(Arc::new(routed), spec, tier).await;
+                                        RankReport { same_host_routes: true, ..report }
+                                    }
+                                    Err(e) => failed(spec.rank, &e, 0),
+                                }
+                            }
+                            tier => run_mode(t.clone(), spec, tier.filter(|_| !spec.flat)).await,
+                        };
                         if let Some(stats) = t.path_stats((spec.rank + 1) % spec.world) {
                             tracing::info!(rank = spec.rank, %stats, "path to next rank");
                         }
@@ -78,10 +92,11 @@ fn failed(rank: usize, e: &ClusterError, after_ms: u64) -> RankReport {
 }
 
 /// What a QUIC rank needs for two-tier all-reduce: the host layout of the roster (hosts are IPs) and,
-/// when other ranks share its host, a same-host transport among them. `None` when the ranks are flat.
+/// when other ranks share its host, a same-host transport among them (which its messages to them take
+/// even with `--flat`). `None` when every rank is on one host or alone on its host.
 async fn host_tier(spec: &RankSpec) -> Result<Option<Tier>, ClusterError> {
     let layout = HostLayout::of(&spec.addrs.iter().map(|a| a.ip()).collect::<Vec<_>>());
-    if spec.flat || !layout.is_tiered() {
+    if !layout.is_tiered() {
         return Ok(None);
     }
     let members = layout.members(spec.rank).len();

@@ -70,6 +70,10 @@ pub struct RankReport {
     /// Whether its all-reduce ran in two tiers (within hosts in their arenas, across hosts over QUIC).
     #[serde(default)]
     pub host_tier: bool,
+    /// Whether its messages to ranks on its own host took the same-host transport (QUIC ranks spread
+    /// over hosts, some sharing one).
+    #[serde(default)]
+    pub same_host_routes: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -81,6 +85,9 @@ pub struct AllreduceReport {
     pub hosts: usize,
     /// Whether every rank's all-reduce ran in two tiers.
     pub host_tier: bool,
+    /// Whether every rank's messages to ranks on its own host took the same-host transport (Unix
+    /// sockets) rather than QUIC.
+    pub same_host_routes: bool,
     pub mib: usize,
     pub iters: usize,
     pub seconds_per_iter: f64,

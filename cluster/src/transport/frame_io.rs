@@ -2,7 +2,7 @@
 //! with every check of [`crate::wire`]. Memory grows with bytes actually received, capped per frame
 //! by `frame_bytes_max`; a stated length alone never sizes an allocation.
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures::future::BoxFuture;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -52,27 +52,38 @@ async fn read_header<R: AsyncRead + Unpin>(r: &mut R, first: bool) -> Result<Opt
     Ok(Some(buf))
 }
 
-const INITIAL_PAYLOAD_CAPACITY_BYTES: usize = 1 << 20;
+/// Payloads are read in segments of at most this many bytes (a multiple of 8): memory grows with what
+/// arrived, and a long payload is never copied over to grow one buffer.
+const PAYLOAD_SEGMENT_BYTES: usize = 1 << 20;
 
-async fn read_payload<R: AsyncRead + Unpin>(r: &mut R, length: u32) -> Result<Bytes, WireError> {
+async fn read_payload<R: AsyncRead + Unpin>(r: &mut R, length: u32) -> Result<Vec<Bytes>, WireError> {
     let length = length as usize;
-    let mut buf = Vec::with_capacity(length.min(INITIAL_PAYLOAD_CAPACITY_BYTES));
-    let got =
-        r.take(length as u64).read_to_end(&mut buf).await.map_err(|e| WireError::Stream(format!("{e} ({e:?})")))?;
-    if got < length {
-        return Err(WireError::Truncated { needed: length, available: got });
+    if length == 0 {
+        return Ok(vec![Bytes::new()]);
     }
-    Ok(Bytes::from(buf))
+    let stream_error = |e: std::io::Error| WireError::Stream(format!("{e} ({e:?})"));
+    let mut segments = Vec::with_capacity(length.div_ceil(PAYLOAD_SEGMENT_BYTES));
+    let mut got = 0;
+    while got < length {
+        let want = (length - got).min(PAYLOAD_SEGMENT_BYTES);
+        let mut buf = BytesMut::with_capacity(want);
+        let mut limited = (&mut *r).take(want as u64);
+        while buf.len() < want {
+            if limited.read_buf(&mut buf).await.map_err(stream_error)? == 0 {
+                return Err(WireError::Truncated { needed: length, available: got + buf.len() });
+            }
+        }
+        got += want;
+        segments.push(buf.freeze());
+    }
+    Ok(segments)
 }
 
 /// Reads exactly `length` payload bytes as one or more segments.
 pub type SegmentReader<R> = for<'a> fn(&'a mut R, u32) -> BoxFuture<'a, Result<Vec<Bytes>, WireError>>;
 
-fn read_one_segment<R: AsyncRead + Unpin + Send>(
-    r: &mut R,
-    length: u32,
-) -> BoxFuture<'_, Result<Vec<Bytes>, WireError>> {
-    Box::pin(async move { Ok(vec![read_payload(r, length).await?]) })
+fn read_segments<R: AsyncRead + Unpin + Send>(r: &mut R, length: u32) -> BoxFuture<'_, Result<Vec<Bytes>, WireError>> {
+    Box::pin(read_payload(r, length))
 }
 
 /// Reads the next message. Control messages are single-frame and at most `MESSAGE_BYTES_MAX`.
@@ -80,7 +91,7 @@ pub async fn read_message<R: AsyncRead + Unpin + Send>(
     r: &mut R,
     limits: FrameLimits,
 ) -> Result<ReadOutcome, WireError> {
-    read_message_with(r, limits, read_one_segment::<R>).await
+    read_message_with(r, limits, read_segments::<R>).await
 }
 
 /// [`read_message`] with the payload bytes read by `segments` (e.g. zero-copy chunks of a QUIC stream).
@@ -149,4 +160,46 @@ pub async fn write_chunks<W: AsyncWrite + Unpin>(w: &mut W, chunks: &[Bytes]) ->
         w.write_all(c).await?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> FrameLimits {
+        FrameLimits { frame_bytes_max: 16 << 20, message_frames_max: 8 }
+    }
+
+    /// A long payload comes back whole, in segments of at most PAYLOAD_SEGMENT_BYTES that are each a
+    /// multiple of 8 bytes but the last; a short one in one segment.
+    #[tokio::test]
+    async fn payloads_arrive_whole_in_bounded_segments() {
+        let tag = Tag { group: 1, epoch: 2, seq: 3, step: 4 };
+        for len in [0, 5, PAYLOAD_SEGMENT_BYTES, 2 * PAYLOAD_SEGMENT_BYTES + PAYLOAD_SEGMENT_BYTES / 2 + 3] {
+            let payload: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+            let wire: Vec<u8> = frame_message(tag, Bytes::from(payload.clone()), 16 << 20).unwrap().concat();
+            let ReadOutcome::Data { tag: got_tag, payload: got } =
+                read_message(&mut &wire[..], limits()).await.unwrap()
+            else {
+                panic!("not a data message");
+            };
+            assert_eq!(got_tag, tag);
+            assert_eq!(got.to_vec(), payload, "{len} bytes");
+            assert_eq!(got.segments.len(), len.div_ceil(PAYLOAD_SEGMENT_BYTES).max(1), "{len} bytes");
+            let (last, rest) = got.segments.split_last().unwrap();
+            assert!(rest.iter().all(|s| s.len() == PAYLOAD_SEGMENT_BYTES) && last.len() <= PAYLOAD_SEGMENT_BYTES);
+        }
+    }
+
+    /// A stream that ends inside a payload is a truncation that says how much arrived.
+    #[tokio::test]
+    async fn a_payload_cut_short_is_truncated() {
+        let len = PAYLOAD_SEGMENT_BYTES + 100;
+        let wire: Vec<u8> = frame_message(Tag::default(), Bytes::from(vec![7u8; len]), 16 << 20).unwrap().concat();
+        let cut = &wire[..wire.len() - 40];
+        match read_message(&mut &cut[..], limits()).await {
+            Err(WireError::Truncated { needed, available }) => assert_eq!((needed, available), (len, len - 40)),
+            other => panic!("expected a truncation, got {other:?}"),
+        }
+    }
 }

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Notify};
 
 use super::Payload;
 use crate::error::Rank;
@@ -31,6 +31,8 @@ struct State {
     fenced_epoch: u64,
     /// Peers whose connection failed (not a goodbye), with the reason.
     lost: HashMap<Rank, String>,
+    /// The first of them.
+    first_lost: Option<(Rank, String)>,
     /// Peers that said goodbye.
     departed: HashMap<Rank, ()>,
     /// Peers that announced they finished (their connection may still carry unread data).
@@ -42,11 +44,13 @@ pub struct Mailbox {
     rank: Rank,
     unmatched_messages_max: usize,
     state: Mutex<State>,
+    /// Woken on every loss, for [`Mailbox::any_loss`].
+    losses: Notify,
 }
 
 impl Mailbox {
     pub fn new(rank: Rank, unmatched_messages_max: usize) -> Self {
-        Mailbox { rank, unmatched_messages_max, state: Mutex::new(State::default()) }
+        Mailbox { rank, unmatched_messages_max, state: Mutex::new(State::default()), losses: Notify::new() }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -92,6 +96,8 @@ impl Mailbox {
         }
         tracing::warn!(rank = self.rank, peer, %reason, "peer lost");
         s.lost.insert(peer, reason.clone());
+        s.first_lost.get_or_insert_with(|| (peer, reason.clone()));
+        self.losses.notify_waiters();
         let keys: Vec<Key> = s
             .waiting
             .iter()
@@ -126,6 +132,20 @@ impl Mailbox {
     pub fn all_finished_or_gone(&self, peers: impl IntoIterator<Item = Rank>) -> bool {
         let s = self.lock();
         peers.into_iter().all(|p| s.finished.contains(&p) || s.lost.contains_key(&p) || s.departed.contains_key(&p))
+    }
+
+    /// Waits until some peer is lost (a failed connection, not a goodbye); gives the first one lost and
+    /// why. At once when one already was.
+    pub async fn any_loss(&self) -> (Rank, String) {
+        loop {
+            let notified = self.losses.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(first) = self.lock().first_lost.clone() {
+                return first;
+            }
+            notified.await;
+        }
     }
 
     /// Why `peer` was lost, if it was.

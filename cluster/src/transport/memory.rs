@@ -80,6 +80,10 @@ impl Transport for MemoryTransport {
         self.shared.mailboxes[self.rank].fence(epoch);
     }
 
+    async fn any_loss(&self) -> (Rank, String) {
+        self.shared.mailboxes[self.rank].any_loss().await
+    }
+
     async fn shutdown(&self) {
         for (r, mb) in self.shared.mailboxes.iter().enumerate() {
             if r != self.rank {

@@ -11,6 +11,7 @@ mod frame_io;
 mod mailbox;
 pub mod memory;
 pub mod quic;
+pub mod routed;
 pub mod same_host;
 pub mod shm;
 pub mod subgroup;
@@ -75,6 +76,11 @@ pub trait Transport: Send + Sync + 'static {
 
     /// Refuses messages of epochs below `epoch` from now on and drops any already buffered.
     fn fence(&self, epoch: u64);
+
+    /// Resolves once some peer is lost (a failed connection, not a goodbye) with that peer and why — at
+    /// once if one already was. A transport made of others ([`routed`]) fails a group receive waiting on
+    /// one of them when the other loses a peer.
+    fn any_loss(&self) -> impl Future<Output = (Rank, String)> + Send;
 
     /// The shared-memory arena among all ranks of this transport, when it has one (the same-host
     /// transport does unless disabled): [`crate::collective::Communicator`] then runs its collectives

@@ -248,6 +248,10 @@ impl Transport for SameHostTransport {
         self.mailbox.fence(epoch);
     }
 
+    async fn any_loss(&self) -> (Rank, String) {
+        self.mailbox.any_loss().await
+    }
+
     fn arena(&self) -> Option<Arc<Arena>> {
         self.arena.clone()
     }

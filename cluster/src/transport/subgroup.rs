@@ -87,6 +87,11 @@ impl<T: Transport> Transport for Subgroup<T> {
         self.inner.fence(epoch);
     }
 
+    /// In the inner transport's numbering: the lost peer may be outside this subgroup.
+    async fn any_loss(&self) -> (Rank, String) {
+        self.inner.any_loss().await
+    }
+
     /// Nothing: the inner transport belongs to whoever made the subgroups and is shut down by them.
     async fn shutdown(&self) {}
 }

@@ -181,6 +181,10 @@ impl Transport for QuicTransport {
         self.listener.mailbox().fence(epoch);
     }
 
+    async fn any_loss(&self) -> (Rank, String) {
+        self.listener.mailbox().any_loss().await
+    }
+
     async fn shutdown(&self) {
         let mut unacked = std::mem::take(&mut *self.unacked.lock().unwrap_or_else(|p| p.into_inner()));
         let drain = async { while unacked.join_next().await.is_some() {} };
