@@ -70,6 +70,17 @@ impl<T: Transport> Transport for Counted<T> {
         self.inner.send(to, tag, payload)
     }
 
+    fn copies_on_send(&self, to: usize) -> bool {
+        self.inner.copies_on_send(to)
+    }
+
+    fn send_slice(&self, to: usize, tag: Tag, data: &[u8]) -> impl Future<Output = Result<(), ClusterError>> + Send {
+        if let Some(link) = self.links.get(to) {
+            link.sent.fetch_add(data.len() as u64, Ordering::Relaxed);
+        }
+        self.inner.send_slice(to, tag, data)
+    }
+
     async fn recv(&self, from: usize, tag: Tag, scope: LossScope, timeout_ms: u64) -> Result<Payload, ClusterError> {
         let payload = self.inner.recv(from, tag, scope, timeout_ms).await?;
         if let Some(link) = self.links.get(from) {

@@ -28,6 +28,9 @@ pub fn run_rank(spec: &RankSpec) -> RankReport {
     // workers only add cross-thread wake-ups (measured on 2 cores, n=2 and 4: ~20 % more busbw with 1).
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let workers = (cores / spec.world.max(1)).clamp(1, 4);
+    // The same budget for the reduction kernels, as the runtime gives a rank (its torch threads):
+    // otherwise a reduction of a 1 MiB piece or more starts threads on cores the other ranks use.
+    troupe_kernels::set_cpu_threads(workers);
     let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => return failed(spec.rank, &ClusterError::io("starting runtime", e), 0),

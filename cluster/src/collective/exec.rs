@@ -3,8 +3,7 @@
 
 use std::ops::Range;
 
-use bytes::Bytes;
-use futures::future::{try_join, try_join_all};
+use futures::future::{try_join, try_join_all, Either};
 use troupe_kernels::reduce::{finish_avg, reduce_into, ReduceOp};
 
 use super::plan::{Action, Combine, Plan};
@@ -119,12 +118,21 @@ pub async fn execute<T: Transport, E: Element>(
     let rank = transport.rank();
     for (i, step) in plan.steps.iter().enumerate() {
         let tag = Tag { step: ctx.tag.step + i as u32, ..ctx.tag };
-        let sends: Vec<(Rank, Bytes)> = step
+        // f32 wire bytes are the working buffer's own: a transport that copies as it sends (a socket)
+        // takes them borrowed; otherwise they are encoded into a message the transport can keep.
+        let sends: Vec<_> = step
             .actions
             .iter()
             .filter_map(|a| match a {
-                Action::Send { to, range } => Some((*to, buffers.encode::<E>(&buf[range.clone()]))),
+                Action::Send { to, range } => Some((*to, &buf[range.clone()])),
                 _ => None,
+            })
+            .map(|(to, values)| {
+                if E::DTYPE == Dtype::F32 && transport.copies_on_send(to) {
+                    Either::Left(transport.send_slice(to, tag, bytemuck::cast_slice(values)))
+                } else {
+                    Either::Right(transport.send(to, tag, buffers.encode::<E>(values)))
+                }
             })
             .collect();
         let recvs: Vec<(Rank, Range<usize>, Combine)> = step
@@ -135,7 +143,7 @@ pub async fn execute<T: Transport, E: Element>(
                 _ => None,
             })
             .collect();
-        let send_all = try_join_all(sends.into_iter().map(|(to, bytes)| transport.send(to, tag, bytes)));
+        let send_all = try_join_all(sends);
         let recv_all =
             try_join_all(recvs.iter().map(|(from, _, _)| transport.recv(*from, tag, LossScope::Group, ctx.timeout_ms)));
         let (_, payloads) = try_join(send_all, recv_all).await?;
@@ -155,6 +163,7 @@ pub async fn execute<T: Transport, E: Element>(
 
 #[cfg(test)]
 mod tests {
+    use bytes::Bytes;
     use half::bf16;
 
     use super::*;

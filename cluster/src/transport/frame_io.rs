@@ -2,6 +2,8 @@
 //! with every check of [`crate::wire`]. Memory grows with bytes actually received, capped per frame
 //! by `frame_bytes_max`; a stated length alone never sizes an allocation.
 
+use std::ops::Range;
+
 use bytes::{Bytes, BytesMut};
 use futures::future::BoxFuture;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -130,21 +132,33 @@ pub async fn read_message_with<R: AsyncRead + Unpin>(
     Ok(ReadOutcome::Data { tag: first.tag, payload: Payload { segments: parts } })
 }
 
-/// Splits a message into frames of at most `frame_bytes_max` bytes (rounded down to a multiple of 8 so
-/// that every segment but the last holds whole elements of any dtype). Returns header+payload chunks
-/// ready to write without copying the payload.
-pub fn frame_message(tag: Tag, payload: Bytes, frame_bytes_max: u32) -> Result<Vec<Bytes>, WireError> {
+/// The frames of a message of `len` payload bytes: each one's header and the range of the payload it
+/// carries, at most `frame_bytes_max` bytes (rounded down to a multiple of 8 so that every part but the
+/// last holds whole elements of any dtype). An empty message is one empty frame.
+pub fn frame_parts(tag: Tag, len: usize, frame_bytes_max: u32) -> Result<Vec<(Bytes, Range<usize>)>, WireError> {
     let part_max = ((frame_bytes_max as usize) & !7).max(8);
-    let count = payload.len().div_ceil(part_max).max(1);
+    let count = len.div_ceil(part_max).max(1);
     let part_count = u16::try_from(count).map_err(|_| WireError::TooManyParts { count: u16::MAX, max: u16::MAX })?;
-    let mut out = Vec::with_capacity(2 * count);
-    for i in 0..count {
-        let part = payload.slice(i * part_max..((i + 1) * part_max).min(payload.len()));
-        let h = FrameHeader { kind: FrameKind::Data, tag, part_index: i as u16, part_count, length: part.len() as u32 };
-        out.push(Bytes::copy_from_slice(&h.encode()));
-        out.push(part);
-    }
-    Ok(out)
+    Ok((0..count)
+        .map(|i| {
+            let range = i * part_max..((i + 1) * part_max).min(len);
+            let h = FrameHeader {
+                kind: FrameKind::Data,
+                tag,
+                part_index: i as u16,
+                part_count,
+                length: range.len() as u32,
+            };
+            (Bytes::copy_from_slice(&h.encode()), range)
+        })
+        .collect())
+}
+
+/// Splits a message into frames ([`frame_parts`]). Returns header+payload chunks ready to write without
+/// copying the payload.
+pub fn frame_message(tag: Tag, payload: Bytes, frame_bytes_max: u32) -> Result<Vec<Bytes>, WireError> {
+    let parts = frame_parts(tag, payload.len(), frame_bytes_max)?;
+    Ok(parts.into_iter().flat_map(|(header, range)| [header, payload.slice(range)]).collect())
 }
 
 pub fn frame_control(kind: FrameKind, message: &ControlMessage) -> Bytes {

@@ -21,7 +21,7 @@ use std::future::Future;
 use bytes::Bytes;
 
 pub use frame_io::{
-    frame_control, frame_message, read_message, read_message_with, write_chunks, FrameLimits, ReadOutcome,
+    frame_control, frame_message, frame_parts, read_message, read_message_with, write_chunks, FrameLimits, ReadOutcome,
     SegmentReader,
 };
 pub use mailbox::{LossScope, Mailbox};
@@ -63,6 +63,18 @@ pub trait Transport: Send + Sync + 'static {
 
     /// Queues `payload` for `to`. Returns once the transport owns it (not once it is delivered).
     fn send(&self, to: Rank, tag: Tag, payload: Bytes) -> impl Future<Output = Result<(), ClusterError>> + Send;
+
+    /// Whether [`Self::send_slice`] to `to` has copied the bytes when it returns (a socket write), so
+    /// that a caller can hand over memory it only borrows instead of copying it into a message first.
+    fn copies_on_send(&self, _to: Rank) -> bool {
+        false
+    }
+
+    /// Sends `data`, borrowed: the transport copies what it keeps. Default: into a new message for
+    /// [`Self::send`] (a transport that keeps messages until acknowledged, like QUIC, must own them).
+    fn send_slice(&self, to: Rank, tag: Tag, data: &[u8]) -> impl Future<Output = Result<(), ClusterError>> + Send {
+        self.send(to, tag, Bytes::copy_from_slice(data))
+    }
 
     /// Waits for the message `tag` from `from`. Fails with `PeerLost` when `from` is lost — or, with
     /// [`LossScope::Group`], when any peer is lost — and with `Timeout` after `timeout_ms`.

@@ -127,6 +127,21 @@ impl<R: Transport, L: Transport> Transport for Routed<R, L> {
         }
     }
 
+    fn copies_on_send(&self, to: Rank) -> bool {
+        match self.local_index.get(to) {
+            Some(Some(l)) => self.local.copies_on_send(*l),
+            Some(None) => self.remote.copies_on_send(to),
+            None => false,
+        }
+    }
+
+    async fn send_slice(&self, to: Rank, tag: Tag, data: &[u8]) -> Result<(), ClusterError> {
+        match self.route(to)? {
+            Route::Local(l) => self.local.send_slice(l, tag, data).await.map_err(|e| e.renumbered(|r| self.global(r))),
+            Route::Remote => self.remote.send_slice(to, tag, data).await,
+        }
+    }
+
     async fn recv(&self, from: Rank, tag: Tag, scope: LossScope, timeout_ms: u64) -> Result<Payload, ClusterError> {
         match self.route(from)? {
             Route::Local(l) => {

@@ -16,7 +16,9 @@ use tokio::net::unix::OwnedWriteHalf;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Mutex as AsyncMutex;
 
-use super::frame_io::{frame_control, frame_message, read_message, write_chunks, FrameLimits, ReadOutcome};
+use super::frame_io::{
+    frame_control, frame_message, frame_parts, read_message, write_chunks, FrameLimits, ReadOutcome,
+};
 use super::shm::{map_peer, Arena, OwnSegment};
 use super::{LossScope, Mailbox, Payload, Transport};
 use crate::error::Rank;
@@ -238,6 +240,27 @@ impl Transport for SameHostTransport {
         })?;
         let mut w = writer.lock().await;
         write_chunks(&mut *w, &chunks).await.map_err(|e| lost(e.to_string()))
+    }
+
+    /// A socket write copies into the kernel before it returns.
+    fn copies_on_send(&self, _to: Rank) -> bool {
+        true
+    }
+
+    async fn send_slice(&self, to: Rank, tag: Tag, data: &[u8]) -> Result<(), ClusterError> {
+        let lost = |e: String| ClusterError::PeerLost { rank: self.rank, peer: to, epoch: tag.epoch, reason: e };
+        let writer = self.writers.get(to).and_then(|w| w.as_ref()).ok_or_else(|| lost("not connected".into()))?;
+        let parts = frame_parts(tag, data.len(), self.config.frame_bytes_max).map_err(|source| ClusterError::Wire {
+            rank: self.rank,
+            peer: to,
+            source,
+        })?;
+        let mut w = writer.lock().await;
+        for (header, range) in parts {
+            w.write_all(&header).await.map_err(|e| lost(e.to_string()))?;
+            w.write_all(&data[range]).await.map_err(|e| lost(e.to_string()))?;
+        }
+        Ok(())
     }
 
     async fn recv(&self, from: Rank, tag: Tag, scope: LossScope, timeout_ms: u64) -> Result<Payload, ClusterError> {

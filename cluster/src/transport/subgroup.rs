@@ -76,6 +76,15 @@ impl<T: Transport> Transport for Subgroup<T> {
         self.inner.send(to, tag, payload).await
     }
 
+    fn copies_on_send(&self, to: Rank) -> bool {
+        self.inner_rank(to).is_ok_and(|to| self.inner.copies_on_send(to))
+    }
+
+    async fn send_slice(&self, to: Rank, tag: Tag, data: &[u8]) -> Result<(), ClusterError> {
+        let to = self.inner_rank(to)?;
+        self.inner.send_slice(to, tag, data).await
+    }
+
     /// With [`LossScope::Group`] the loss of any rank of the inner transport fails the receive, not only
     /// of this subgroup's: the inner transport knows no subgroups, and an attempt aborts on any loss.
     async fn recv(&self, from: Rank, tag: Tag, scope: LossScope, timeout_ms: u64) -> Result<Payload, ClusterError> {
