@@ -52,6 +52,31 @@ fn step_loss(event: &JobEvent) -> Option<f64> {
     }
 }
 
+/// Two daemons of two slots, on 127.0.0.1 and 127.0.0.2 (two hosts to the runtime), logging the
+/// workers' info lines to files in `logs`.
+async fn two_hosts_of_two_slots(logs: &Path) -> LocalCluster {
+    std::fs::create_dir_all(logs).unwrap();
+    let mut options = LocalClusterOptions::new(2);
+    options.torch_threads = 1;
+    options.slots_per_node = 2;
+    options.hosts =
+        ["127.0.0.1", "127.0.0.2"].iter().map(|ip| NodeHost { prefix: Vec::new(), ip: ip.parse().unwrap() }).collect();
+    options.log = Some("warn,troupe_actors::runtime::worker=info".into());
+    options.log_dir = Some(logs.to_path_buf());
+    LocalCluster::processes(common::binary(), options).await.expect("local cluster starts")
+}
+
+/// How many lines of the log files in `logs` contain `text` (all of them printed when none does).
+fn log_lines(logs: &Path, text: &str) -> usize {
+    let log: String =
+        std::fs::read_dir(logs).unwrap().map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap()).collect();
+    let count = log.lines().filter(|l| l.contains(text)).count();
+    if count == 0 {
+        eprintln!("no line contains {text:?}:\n{log}");
+    }
+    count
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ddp_over_quic_on_three_daemon_processes_equals_the_reference() {
     let dir = tempfile::tempdir().unwrap();
@@ -75,15 +100,7 @@ async fn ddp_over_quic_on_three_daemon_processes_equals_the_reference() {
 async fn ddp_on_two_hosts_of_two_slots_all_reduces_in_two_tiers_and_equals_the_reference() {
     let dir = tempfile::tempdir().unwrap();
     let logs = dir.path().join("logs");
-    std::fs::create_dir_all(&logs).unwrap();
-    let mut options = LocalClusterOptions::new(2);
-    options.torch_threads = 1;
-    options.slots_per_node = 2;
-    options.hosts =
-        ["127.0.0.1", "127.0.0.2"].iter().map(|ip| NodeHost { prefix: Vec::new(), ip: ip.parse().unwrap() }).collect();
-    options.log = Some("warn,troupe_actors::runtime::worker=info".into());
-    options.log_dir = Some(logs.clone());
-    let cluster = LocalCluster::processes(common::binary(), options).await.expect("local cluster starts");
+    let cluster = two_hosts_of_two_slots(&logs).await;
     let config = config(24);
     let out = dir.path().join("final.safetensors");
     let mut job = cluster.client().await.unwrap().submit(Job::new(config.clone()).save_final(&out)).await.unwrap();
@@ -108,10 +125,8 @@ async fn ddp_on_two_hosts_of_two_slots_all_reduces_in_two_tiers_and_equals_the_r
     assert_eq!(worlds.first(), Some(&4), "four ranks on two hosts: {worlds:?}");
     assert_eq!(worlds.last(), Some(&2), "the first host's two ranks after the kill: {worlds:?}");
     check(&config, &losses, &out, "dp=4 on two hosts, then 2 on one");
-    let log: String =
-        std::fs::read_dir(&logs).unwrap().map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap()).collect();
-    let tiered = log.lines().filter(|l| l.contains("all-reduce in two tiers")).count();
-    assert!(tiered >= 4, "every rank of the first attempt said it runs two tiers ({tiered} lines):\n{log}");
+    let tiered = log_lines(&logs, "all-reduce in two tiers");
+    assert!(tiered >= 4, "every rank of the first attempt said it runs two tiers ({tiered} lines)");
     cluster.shutdown().await;
 }
 
@@ -122,15 +137,7 @@ async fn ddp_on_two_hosts_of_two_slots_all_reduces_in_two_tiers_and_equals_the_r
 async fn zero3_on_two_hosts_talks_to_host_neighbours_over_sockets_and_equals_the_reference() {
     let dir = tempfile::tempdir().unwrap();
     let logs = dir.path().join("logs");
-    std::fs::create_dir_all(&logs).unwrap();
-    let mut options = LocalClusterOptions::new(2);
-    options.torch_threads = 1;
-    options.slots_per_node = 2;
-    options.hosts =
-        ["127.0.0.1", "127.0.0.2"].iter().map(|ip| NodeHost { prefix: Vec::new(), ip: ip.parse().unwrap() }).collect();
-    options.log = Some("warn,troupe_actors::runtime::worker=info".into());
-    options.log_dir = Some(logs.clone());
-    let cluster = LocalCluster::processes(common::binary(), options).await.expect("local cluster starts");
+    let cluster = two_hosts_of_two_slots(&logs).await;
     let mut config = config(8);
     config.parallel.shard = "zero3".into();
     let out = dir.path().join("final.safetensors");
@@ -140,10 +147,8 @@ async fn zero3_on_two_hosts_talks_to_host_neighbours_over_sockets_and_equals_the
     assert!(events.iter().any(|e| matches!(e, JobEvent::Started { world: 4, .. })), "{events:?}");
     let losses: Vec<f64> = events.iter().filter_map(step_loss).collect();
     check(&config, &losses, &out, "zero3, dp=4 on two hosts");
-    let log: String =
-        std::fs::read_dir(&logs).unwrap().map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap()).collect();
-    let routed = log.lines().filter(|l| l.contains("to the ranks of this host over its sockets")).count();
-    assert!(routed >= 4, "every rank said it reaches its host neighbour over its sockets ({routed} lines):\n{log}");
+    let routed = log_lines(&logs, "to the ranks of this host over its sockets");
+    assert!(routed >= 4, "every rank said it reaches its host neighbour over its sockets ({routed} lines)");
     cluster.shutdown().await;
 }
 
