@@ -250,6 +250,18 @@ fn a_seed_breaking(config: &SimConfig, what: &str) -> Outcome {
     found
 }
 
+/// Like [`a_seed_breaking`] on one scenario: some seed below `seeds` breaks an invariant with `broken`,
+/// the violation containing `what` (its trace is printed), and `fixed` keeps every one of them clean.
+fn a_scenario_seed_breaking(scenario: &Scenario, broken: &SimConfig, fixed: &SimConfig, seeds: u64, what: &str) {
+    let found = (0..seeds)
+        .map(|seed| sim::run(seed, scenario, broken, 0))
+        .find(|o| o.violations.iter().any(|v| v.contains(what)))
+        .unwrap_or_else(|| panic!("no seed of {seeds} shows {what:?} with {:?}", broken.node_model));
+    println!("{}", sim::run(found.seed, scenario, broken, 40).report());
+    let clean = (0..seeds).filter(|&seed| sim::run(seed, scenario, fixed, 0).ok()).count();
+    assert_eq!(clean, seeds as usize, "the fix keeps every seed clean");
+}
+
 /// Fixed in 856e3b4. The controller stamped what it sent with its own node's `MemberState` epoch,
 /// which learns a new view only when the controller's self-addressed `View` comes back through its
 /// mailbox — possibly after the job controller's `Prepare` of that view went out. Members that had
@@ -298,15 +310,8 @@ fn node_rs_as_is_lets_a_restarted_node_inherit_its_old_membership() {
 /// good — it dials only while it has none — so it never came back. A storm of resets shows it.
 #[test]
 fn node_rs_as_is_keeps_a_connection_it_lost_before_it_heard_it_was_up() {
-    let scenario = reset_storm(4);
-    let config = without(|m| m.connected_checks_link = false);
-    let stuck = (0..100)
-        .map(|seed| sim::run(seed, &scenario, &config, 0))
-        .find(|o| o.violations.iter().any(|v| v.contains("is not back")))
-        .expect("some seed of 100 leaves a node out for good");
-    println!("{}", sim::run(stuck.seed, &scenario, &config, 40).report());
-    let clean = (0..100).filter(|&seed| sim::run(seed, &scenario, &SimConfig::default(), 0).ok()).count();
-    assert_eq!(clean, 100, "the fix keeps every seed of the storm clean");
+    let broken = without(|m| m.connected_checks_link = false);
+    a_scenario_seed_breaking(&reset_storm(4), &broken, &SimConfig::default(), 100, "is not back");
 }
 
 /// The controller's node paused six times just past the idle timeout while a job trains: each time the
@@ -326,18 +331,12 @@ fn controller_paused_past_the_idle_timeout() -> Scenario {
 /// message stamped before the view that admitted its sender is refused.
 #[test]
 fn node_rs_as_is_takes_a_message_of_an_earlier_membership_for_the_current_one() {
-    let scenario = controller_paused_past_the_idle_timeout();
-    let config = SimConfig {
+    let broken = SimConfig {
         node_model: NodeModel { refuse_before_admission: false, ..NodeModel::PROPOSED },
         ..SimConfig::loaded()
     };
-    let found = (0..200)
-        .map(|seed| sim::run(seed, &scenario, &config, 0))
-        .find(|o| o.violations.iter().any(|v| v.contains("an incarnation it never admitted")))
-        .expect("some seed of 200 has the controller take an old membership's message");
-    println!("{}", sim::run(found.seed, &scenario, &config, 40).report());
-    let clean = (0..200).filter(|&seed| sim::run(seed, &scenario, &SimConfig::loaded(), 0).ok()).count();
-    assert_eq!(clean, 200, "the fix keeps every seed clean");
+    let scenario = controller_paused_past_the_idle_timeout();
+    a_scenario_seed_breaking(&scenario, &broken, &SimConfig::loaded(), 200, "an incarnation it never admitted");
 }
 
 /// All of node.rs's bugs at once: many seeds hang.

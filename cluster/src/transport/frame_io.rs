@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use bytes::{Bytes, BytesMut};
 use futures::future::BoxFuture;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt};
 
 use super::Payload;
 use crate::wire::{ControlMessage, FrameHeader, FrameKind, Tag, WireError, HEADER_BYTES, MESSAGE_BYTES_MAX};
@@ -167,13 +167,6 @@ pub fn frame_control(kind: FrameKind, message: &ControlMessage) -> Bytes {
     let mut v = h.encode().to_vec();
     v.extend_from_slice(&body);
     Bytes::from(v)
-}
-
-pub async fn write_chunks<W: AsyncWrite + Unpin>(w: &mut W, chunks: &[Bytes]) -> std::io::Result<()> {
-    for c in chunks {
-        w.write_all(c).await?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -21,8 +21,7 @@ use std::future::Future;
 use bytes::Bytes;
 
 pub use frame_io::{
-    frame_control, frame_message, frame_parts, read_message, read_message_with, write_chunks, FrameLimits, ReadOutcome,
-    SegmentReader,
+    frame_control, frame_message, frame_parts, read_message, read_message_with, FrameLimits, ReadOutcome, SegmentReader,
 };
 pub use mailbox::{LossScope, Mailbox};
 

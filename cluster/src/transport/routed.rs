@@ -128,10 +128,10 @@ impl<R: Transport, L: Transport> Transport for Routed<R, L> {
     }
 
     fn copies_on_send(&self, to: Rank) -> bool {
-        match self.local_index.get(to) {
-            Some(Some(l)) => self.local.copies_on_send(*l),
-            Some(None) => self.remote.copies_on_send(to),
-            None => false,
+        match self.route(to) {
+            Ok(Route::Local(l)) => self.local.copies_on_send(l),
+            Ok(Route::Remote) => self.remote.copies_on_send(to),
+            Err(_) => false,
         }
     }
 

@@ -16,9 +16,7 @@ use tokio::net::unix::OwnedWriteHalf;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Mutex as AsyncMutex;
 
-use super::frame_io::{
-    frame_control, frame_message, frame_parts, read_message, write_chunks, FrameLimits, ReadOutcome,
-};
+use super::frame_io::{frame_control, frame_parts, read_message, FrameLimits, ReadOutcome};
 use super::shm::{map_peer, Arena, OwnSegment};
 use super::{LossScope, Mailbox, Payload, Transport};
 use crate::error::Rank;
@@ -231,15 +229,7 @@ impl Transport for SameHostTransport {
     }
 
     async fn send(&self, to: Rank, tag: Tag, payload: Bytes) -> Result<(), ClusterError> {
-        let lost = |e: String| ClusterError::PeerLost { rank: self.rank, peer: to, epoch: tag.epoch, reason: e };
-        let writer = self.writers.get(to).and_then(|w| w.as_ref()).ok_or_else(|| lost("not connected".into()))?;
-        let chunks = frame_message(tag, payload, self.config.frame_bytes_max).map_err(|source| ClusterError::Wire {
-            rank: self.rank,
-            peer: to,
-            source,
-        })?;
-        let mut w = writer.lock().await;
-        write_chunks(&mut *w, &chunks).await.map_err(|e| lost(e.to_string()))
+        self.send_slice(to, tag, &payload).await
     }
 
     /// A socket write copies into the kernel before it returns.
