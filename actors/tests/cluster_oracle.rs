@@ -66,6 +66,29 @@ async fn two_hosts_of_two_slots(logs: &Path) -> LocalCluster {
     LocalCluster::processes(common::binary(), options).await.expect("local cluster starts")
 }
 
+/// Runs `job` on `cluster` (two hosts), SIGKILLing the second host's daemon once step `at` is done;
+/// gives the terminal event and every step's loss and world size.
+async fn run_killing_the_second_host_at(cluster: &LocalCluster, job: Job, at: u64) -> (JobEvent, Vec<f64>, Vec<usize>) {
+    let mut job = cluster.client().await.unwrap().submit(job).await.unwrap();
+    let (mut losses, mut worlds, mut killed) = (Vec::new(), Vec::new(), false);
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(60), job.next_event()).await.expect("progress").unwrap();
+        let Some(event) = event else { panic!("stream ended early") };
+        match &event {
+            JobEvent::Step { step, loss, world, .. } => {
+                losses.push(*loss);
+                worlds.push(*world);
+                if !killed && *step >= at {
+                    common::signal(cluster.pid(1).unwrap(), "KILL");
+                    killed = true;
+                }
+            }
+            e if e.is_terminal() => return (event, losses, worlds),
+            _ => {}
+        }
+    }
+}
+
 /// How many lines of the log files in `logs` contain `text` (all of them printed when none does).
 fn log_lines(logs: &Path, text: &str) -> usize {
     let log: String =
@@ -103,24 +126,8 @@ async fn ddp_on_two_hosts_of_two_slots_all_reduces_in_two_tiers_and_equals_the_r
     let cluster = two_hosts_of_two_slots(&logs).await;
     let config = config(24);
     let out = dir.path().join("final.safetensors");
-    let mut job = cluster.client().await.unwrap().submit(Job::new(config.clone()).save_final(&out)).await.unwrap();
-    let (mut losses, mut worlds, mut killed) = (Vec::new(), Vec::new(), false);
-    let end = loop {
-        let event = tokio::time::timeout(Duration::from_secs(60), job.next_event()).await.expect("progress").unwrap();
-        let Some(event) = event else { panic!("stream ended early") };
-        match &event {
-            JobEvent::Step { step, loss, world, .. } => {
-                losses.push(*loss);
-                worlds.push(*world);
-                if !killed && *step >= 8 {
-                    common::signal(cluster.pid(1).unwrap(), "KILL");
-                    killed = true;
-                }
-            }
-            e if e.is_terminal() => break event,
-            _ => {}
-        }
-    };
+    let job = Job::new(config.clone()).save_final(&out);
+    let (end, losses, worlds) = run_killing_the_second_host_at(&cluster, job, 8).await;
     assert!(matches!(end, JobEvent::Finished { steps: 24, .. }), "{end:?}");
     assert_eq!(worlds.first(), Some(&4), "four ranks on two hosts: {worlds:?}");
     assert_eq!(worlds.last(), Some(&2), "the first host's two ranks after the kill: {worlds:?}");
@@ -149,6 +156,32 @@ async fn zero3_on_two_hosts_talks_to_host_neighbours_over_sockets_and_equals_the
     check(&config, &losses, &out, "zero3, dp=4 on two hosts");
     let routed = log_lines(&logs, "to the ranks of this host over its sockets");
     assert!(routed >= 4, "every rank said it reaches its host neighbour over its sockets ({routed} lines)");
+    cluster.shutdown().await;
+}
+
+/// The opt-in plaintext TCP data plane on two hosts of two slots: the cross-host tier of the two-tier
+/// all-reduce goes over TCP connections set up through the QUIC mesh, host neighbours over their
+/// sockets; a SIGKILLed host is seen at once (its sockets close), and the run — before and after —
+/// equals the reference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ddp_over_plaintext_tcp_on_two_hosts_survives_a_killed_host_and_equals_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path().join("logs");
+    let cluster = two_hosts_of_two_slots(&logs).await;
+    let config = config(16);
+    let out = dir.path().join("final.safetensors");
+    let job = Job::new(config.clone()).save_final(&out).data_plane(DataPlane::PlaintextTcp);
+    let (end, losses, worlds) = run_killing_the_second_host_at(&cluster, job, 6).await;
+    assert!(matches!(end, JobEvent::Finished { steps: 16, .. }), "{end:?}");
+    assert_eq!((worlds.first(), worlds.last()), (Some(&4), Some(&2)), "{worlds:?}");
+    check(&config, &losses, &out, "plaintext TCP, dp=4 on two hosts, then 2 on one");
+    let over_tcp = log_lines(&logs, "data_plane = plaintext_tcp");
+    assert!(over_tcp >= 4, "every rank of the first attempt said it sends over plaintext TCP ({over_tcp} lines)");
+    let routed = log_lines(&logs, "to the others over plaintext TCP");
+    assert!(
+        routed >= 4,
+        "every rank reaches its host neighbour over its sockets, the others over TCP ({routed} lines)"
+    );
     cluster.shutdown().await;
 }
 

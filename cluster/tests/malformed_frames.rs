@@ -117,8 +117,13 @@ fn fuzz_seeds() -> Vec<(&'static str, Vec<u8>)> {
         frame_control(FrameKind::Control, &ControlMessage::Abort { epoch: 7, seq: 11, reason: "peer lost".into() });
     let introduce =
         |role| frame_control(FrameKind::Control, &ControlMessage::Introduce { node: "node-b".into(), role });
+    let tcp_hello = frame_control(
+        FrameKind::Hello,
+        &ControlMessage::TcpHello { rank: 2, world: 4, token: "0123456789abcdef".repeat(4) },
+    );
     vec![
         ("hello", hello.to_vec()),
+        ("tcp-hello", tcp_hello.to_vec()),
         ("goodbye", goodbye.to_vec()),
         ("abort", abort.to_vec()),
         ("introduce-node", introduce(troupe_cluster::wire::PeerRole::Node).to_vec()),

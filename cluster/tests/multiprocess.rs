@@ -1,6 +1,7 @@
-//! Separate rank processes (the `troupe-cluster-rank` binary) over real QUIC on loopback and over the
-//! same-host transport: every collective checked against the reference; a SIGKILLed rank makes every
-//! other rank fail with a typed error within the detection timeout, and nobody hangs.
+//! Separate rank processes (the `troupe-cluster-rank` binary) over real QUIC on loopback, over the
+//! same-host transport and over the plaintext TCP data plane: every collective checked against the
+//! reference; a SIGKILLed (or stopped) rank makes every other rank fail with a typed error within the
+//! detection timeout, and nobody hangs.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -81,7 +82,27 @@ fn three_ranks_over_the_same_host_transport() {
     assert!(reports.iter().all(|r| !r.shared_memory));
 }
 
+/// The opt-in plaintext TCP data plane, set up through the QUIC mesh: every collective on one host
+/// and on two (two tiers, the cross-host tier over TCP; host neighbours over their sockets).
+#[test]
+fn four_ranks_over_plaintext_tcp_run_every_collective_correctly() {
+    check(4, BenchTransport::PlaintextTcp);
+    let config = TransportConfig {
+        shared_memory_slot_bytes: 12_000,
+        pipeline_slice_bytes: 64 << 10,
+        ..TransportConfig::loopback()
+    };
+    let reports = check_on(4, BenchTransport::PlaintextTcp, config, Placement { hosts: 2, flat: false });
+    assert!(reports.iter().all(|r| r.host_tier && r.same_host_routes), "{reports:?}");
+}
+
 fn sigkill_during_all_reduce(transport: BenchTransport, placement: Placement) {
+    signal_during_all_reduce(transport, placement, libc::SIGKILL);
+}
+
+/// Rank 2 gets `signal` while the four ranks all-reduce in a loop: SIGKILL (its sockets close at once)
+/// or SIGSTOP (it falls silent, every connection still open: only keep-alives can tell).
+fn signal_during_all_reduce(transport: BenchTransport, placement: Placement, signal: libc::c_int) {
     let config = TransportConfig::loopback();
     let detect_ms = config.idle_timeout_ms;
     let mode = RankMode::Loop { elems: 1 << 18, seconds: 60 };
@@ -91,25 +112,33 @@ fn sigkill_during_all_reduce(transport: BenchTransport, placement: Placement) {
     for (r, c) in launched.children.iter_mut().enumerate() {
         assert!(c.try_wait().unwrap().is_none(), "rank {r} exited before the kill");
     }
-    launched.children[2].kill().unwrap();
+    // SAFETY: kill(2) on our own child's pid, which has not been reaped (checked running above).
+    assert_eq!(unsafe { libc::kill(launched.children[2].id() as libc::pid_t, signal) }, 0);
     let killed_at = Instant::now();
     // Detection timeout + time for a loaded 2-core machine to schedule the survivors.
     let deadline = killed_at + Duration::from_millis(detect_ms + 4_000);
     let mut failures = Vec::new();
-    for (r, c) in launched.children.iter_mut().enumerate() {
-        let report = troupe_cluster::bench::launch::wait_one(r, c, deadline);
-        if r == 2 {
-            continue;
-        }
-        let report = report.unwrap_or_else(|| {
+    for (r, c) in launched.children.iter_mut().enumerate().filter(|(r, _)| *r != 2) {
+        let report = troupe_cluster::bench::launch::wait_one(r, c, deadline).unwrap_or_else(|| {
             let _ = c.kill();
-            panic!("{transport:?}: rank {r} still running {} ms after the kill", killed_at.elapsed().as_millis())
+            panic!("{transport:?}: rank {r} still running {} ms after the signal", killed_at.elapsed().as_millis())
         });
-        failures.push((r, report.error_kind.clone(), report.error.clone(), killed_at.elapsed()));
+        failures.push((
+            r,
+            report.error_kind.clone(),
+            report.error.clone(),
+            report.failed_after_ms,
+            killed_at.elapsed(),
+        ));
     }
-    for (r, kind, error, after) in failures {
+    let _ = launched.children[2].kill();
+    let _ = launched.children[2].wait();
+    for (r, kind, error, call_ms, after) in failures {
         assert_eq!(kind.as_deref(), Some("PeerLost"), "{transport:?} rank {r}: {error:?}");
-        eprintln!("{transport:?} rank {r}: {error:?} after {} ms", after.as_millis());
+        eprintln!(
+            "{transport:?} rank {r}: {error:?} ({call_ms:?} ms into its call), reported {} ms after the signal",
+            after.as_millis()
+        );
     }
 }
 
@@ -131,6 +160,20 @@ fn sigkilled_rank_fails_the_others_in_two_tiers_within_the_timeout() {
 #[test]
 fn sigkilled_rank_fails_the_others_flat_over_two_hosts_within_the_timeout() {
     sigkill_during_all_reduce(BenchTransport::Quic, Placement { hosts: 2, flat: true });
+}
+
+#[test]
+fn sigkilled_rank_fails_the_others_over_plaintext_tcp_within_the_timeout() {
+    sigkill_during_all_reduce(BenchTransport::PlaintextTcp, Placement::ONE_HOST);
+}
+
+/// A rank that stops (SIGSTOP: a hung host) keeps its TCP connections open, and the kernel still
+/// acknowledges what is sent to it; only the QUIC mesh's keep-alives notice, and the TCP data plane
+/// must fail its receives on that loss within the idle timeout rather than wait out the collective
+/// backstop (60 s).
+#[test]
+fn a_stopped_rank_fails_the_others_over_plaintext_tcp_within_the_idle_timeout() {
+    signal_during_all_reduce(BenchTransport::PlaintextTcp, Placement::ONE_HOST, libc::SIGSTOP);
 }
 
 #[test]

@@ -61,7 +61,11 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
         }
     };
     let total = config.train.steps;
-    let plane = if args.data_plane == "quic" { DataPlane::Quic } else { DataPlane::Auto };
+    let plane = match args.data_plane.as_str() {
+        "quic" => DataPlane::Quic,
+        "plaintext-tcp" => DataPlane::PlaintextTcp,
+        _ => DataPlane::Auto,
+    };
     let mode = Mode::of(&config);
     let mut job = Job::new(config).name("train").data_plane(plane).trace(run_dir.is_some());
     if let Some(path) = &args.save_final {

@@ -121,6 +121,10 @@ pub enum DataPlane {
     Auto,
     /// Always the mutually-authenticated QUIC mesh.
     Quic,
+    /// For trusted fabrics: as `Auto`, but tensors between hosts go over plaintext TCP — set up and
+    /// watched through the QUIC mesh, which authenticates every connection, but neither encrypted nor
+    /// integrity-protected on the wire (as Gloo's and NCCL's are not). Opt-in only.
+    PlaintextTcp,
 }
 
 /// One rank of an attempt: a slot of a node.

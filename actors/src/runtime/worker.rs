@@ -17,6 +17,7 @@ use troupe_cluster::collective::{CollectiveConfig, Communicator, HostLayout};
 use troupe_cluster::transport::quic::{bind_endpoint, PeerInfo, QuicTransport};
 use troupe_cluster::transport::routed::Routed;
 use troupe_cluster::transport::same_host::{socket_path, SameHostTransport};
+use troupe_cluster::transport::tcp::TcpTransport;
 use troupe_cluster::transport::Transport;
 use troupe_cluster::{NodeIdentity, TransportConfig};
 use troupe_model::checkpoint::{self, CheckpointStore, CheckpointWriter, WriteReport};
@@ -453,9 +454,10 @@ fn spawn_writer(spec: &JobSpec, job: JobId, node: &ActorRef<NodeMsg>) -> Option<
 ///
 /// The data plane: when every rank of the attempt is on this host (their data addresses share one IP),
 /// the same-host transport (Unix sockets in a private directory, collectives in its shared-memory
-/// arena); otherwise the QUIC mesh, and — when some ranks share a host — a same-host transport among
-/// those on this rank's host too: messages between ranks of one host take it ([`Routed`]), and
-/// all-reduce runs in two tiers (within hosts in the arena, across hosts over QUIC).
+/// arena); otherwise the QUIC mesh — or, with `plaintext_tcp`, a plaintext TCP mesh set up through it —
+/// and, when some ranks share a host, a same-host transport among those on this rank's host too:
+/// messages between ranks of one host take it ([`Routed`]), and all-reduce runs in two tiers (within
+/// hosts in the arena, across hosts over the mesh).
 async fn run_attempt(
     ctx: AttemptCtx,
     prepared: Prepared,
@@ -465,7 +467,7 @@ async fn run_attempt(
     let Prepared { rank, epoch, spec, endpoint, .. } = prepared;
     let step = state.step();
     let one_host =
-        spec.data_plane == DataPlane::Auto && ctx.roster.iter().all(|p| p.addr.ip() == ctx.roster[rank].addr.ip());
+        spec.data_plane != DataPlane::Quic && ctx.roster.iter().all(|p| p.addr.ip() == ctx.roster[rank].addr.ip());
     if one_host {
         drop(endpoint);
         let dir = socket_dir(&ctx);
@@ -493,23 +495,58 @@ async fn run_attempt(
         },
         _ = wait_abort(&mut ctl) => return (Some(state), AttemptOutcome::Aborted { step }),
     };
+    if spec.data_plane != DataPlane::PlaintextTcp {
+        return between_hosts(&ctx, &spec, rank, epoch, transport, "QUIC", state, &mut ctl).await;
+    }
+    let connect = TcpTransport::connect(transport, ctx.roster[rank].addr.ip(), ctx.transport.clone());
+    let tcp = tokio::select! {
+        t = connect => match t {
+            Ok(t) => Arc::new(t),
+            Err(e) => return (Some(state), AttemptOutcome::Failed { step, reason: e.to_string() }),
+        },
+        _ = wait_abort(&mut ctl) => return (Some(state), AttemptOutcome::Aborted { step }),
+    };
+    tracing::info!(
+        job = ctx.job,
+        attempt = ctx.attempt,
+        rank,
+        "data_plane = plaintext_tcp: tensors between hosts go over TCP unencrypted (connections authenticated through QUIC)"
+    );
+    between_hosts(&ctx, &spec, rank, epoch, tcp, "plaintext TCP", state, &mut ctl).await
+}
+
+/// The part of an attempt whose ranks span hosts, over `transport`, the mesh among all of them
+/// (`mesh` names it in the log): with `data_plane` other than `quic`, ranks that share a host also
+/// talk over a same-host transport of their own, and all-reduce runs in two tiers.
+#[allow(clippy::too_many_arguments)] // an attempt's context, split where the mesh is chosen
+async fn between_hosts<T: Transport>(
+    ctx: &AttemptCtx,
+    spec: &JobSpec,
+    rank: usize,
+    epoch: u64,
+    transport: Arc<T>,
+    mesh: &str,
+    state: CommittedState,
+    ctl: &mut mpsc::UnboundedReceiver<Ctl>,
+) -> (Option<CommittedState>, AttemptOutcome) {
+    let step = state.step();
     let layout = HostLayout::of(&ctx.roster.iter().map(|p| p.addr.ip()).collect::<Vec<_>>());
-    if spec.data_plane != DataPlane::Auto || !layout.is_tiered() {
-        return train_over(&ctx, &spec, transport, None, epoch, state, &mut ctl).await;
+    if spec.data_plane == DataPlane::Quic || !layout.is_tiered() {
+        return train_over(ctx, spec, transport, None, epoch, state, ctl).await;
     }
     let (local_rank, local_world) = (layout.local_rank(rank), layout.members(rank).len());
     if local_world == 1 {
-        return train_over(&ctx, &spec, transport, Some((layout, None)), epoch, state, &mut ctl).await;
+        return train_over(ctx, spec, transport, Some((layout, None)), epoch, state, ctl).await;
     }
     // Several "hosts" may be one machine (loopback addresses in tests): a directory per host.
-    let dir = socket_dir(&ctx).with_extension(format!("host{}", layout.host_of(rank)));
+    let dir = socket_dir(ctx).with_extension(format!("host{}", layout.host_of(rank)));
     let connect = async {
         make_private_dir(&dir)?;
         SameHostTransport::connect(&dir, local_rank, local_world, ctx.transport.clone()).await
     };
     let result = tokio::select! {
         t = connect => t,
-        _ = wait_abort(&mut ctl) => return (Some(state), AttemptOutcome::Aborted { step }),
+        _ = wait_abort(ctl) => return (Some(state), AttemptOutcome::Aborted { step }),
     };
     let routed = result.and_then(|local| {
         let local = Arc::new(local);
@@ -519,14 +556,14 @@ async fn run_attempt(
             attempt = ctx.attempt,
             rank,
             ?neighbours,
-            "messages to the ranks of this host over its sockets, to the others over QUIC"
+            "messages to the ranks of this host over its sockets, to the others over {mesh}"
         );
         Ok((Routed::new(transport, local.clone(), neighbours)?, local))
     });
     let outcome = match routed {
         Ok((routed, local)) => {
             let tier = Some((layout, Some(local)));
-            train_over(&ctx, &spec, Arc::new(routed), tier, epoch, state, &mut ctl).await
+            train_over(ctx, spec, Arc::new(routed), tier, epoch, state, ctl).await
         }
         Err(e) => (Some(state), AttemptOutcome::Failed { step, reason: e.to_string() }),
     };

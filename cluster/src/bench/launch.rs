@@ -61,15 +61,14 @@ pub fn launch_ranks(
     placement: Placement,
 ) -> anyhow::Result<LaunchedRanks> {
     let dir = tempfile::tempdir()?;
-    let addrs = match transport {
-        BenchTransport::Quic => {
-            crate::init_cluster(dir.path())?;
-            for r in 0..world {
-                crate::add_node(&node_name(r), dir.path())?;
-            }
-            free_udp_addrs(world, placement.hosts)?
+    let addrs = if transport.uses_quic() {
+        crate::init_cluster(dir.path())?;
+        for r in 0..world {
+            crate::add_node(&node_name(r), dir.path())?;
         }
-        BenchTransport::Local => Vec::new(),
+        free_udp_addrs(world, placement.hosts)?
+    } else {
+        Vec::new()
     };
     let specs: Vec<RankSpec> = (0..world)
         .map(|rank| RankSpec {

@@ -82,8 +82,11 @@ pub fn run_allreduce_bench(
     exe: &std::path::Path,
     rank_args: &[&str],
 ) -> anyhow::Result<AllreduceReport> {
-    if bench.hosts > 1 && bench.transport != BenchTransport::Quic {
-        anyhow::bail!("--hosts {} spreads ranks over loopback addresses: it needs --transport quic", bench.hosts);
+    if bench.hosts > 1 && !bench.transport.uses_quic() {
+        anyhow::bail!(
+            "--hosts {} spreads ranks over loopback addresses: it needs --transport quic or plaintext-tcp",
+            bench.hosts
+        );
     }
     if bench.hosts == 0 || bench.hosts > bench.world {
         anyhow::bail!("--hosts {} with --world {}: use 1 to {} hosts", bench.hosts, bench.world, bench.world);

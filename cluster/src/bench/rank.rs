@@ -12,6 +12,7 @@ use crate::identity::NodeIdentity;
 use crate::transport::quic::{PeerInfo, QuicTransport};
 use crate::transport::routed::Routed;
 use crate::transport::same_host::SameHostTransport;
+use crate::transport::tcp::TcpTransport;
 use crate::transport::Transport;
 use crate::ClusterError;
 
@@ -37,42 +38,29 @@ pub fn run_rank(spec: &RankSpec) -> RankReport {
     };
     rt.block_on(async {
         match spec.transport {
-            BenchTransport::Quic => {
+            BenchTransport::Quic | BenchTransport::PlaintextTcp => {
                 let id = match NodeIdentity::load(&spec.dir, &node_name(spec.rank)) {
                     Ok(id) => id,
                     Err(e) => return failed(spec.rank, &e, 0),
                 };
                 let roster =
                     spec.addrs.iter().enumerate().map(|(r, a)| PeerInfo { name: node_name(r), addr: *a }).collect();
-                let quic = QuicTransport::connect(&id, spec.rank, roster, spec.config.clone()).await;
-                let tier = match &quic {
-                    Ok(_) => host_tier(spec).await,
-                    Err(_) => Ok(None),
+                let quic = match QuicTransport::connect(&id, spec.rank, roster, spec.config.clone()).await {
+                    Ok(t) => Arc::new(t),
+                    Err(e) => return failed(spec.rank, &e, 0),
                 };
-                match quic.and_then(|t| Ok((Arc::new(t), tier?))) {
-                    Ok((t, tier)) => {
-                        let report = match tier {
-                            // Ranks that share a host talk over their same-host transport, as the
-                            // runtime's do; `--flat` only turns the tiers off.
-                            Some((layout, Some(local))) => {
-                                match Routed::new(t.clone(), local.clone(), layout.members(spec.rank).to_vec()) {
-                                    Ok(routed) => {
-                                        let tier = (!spec.flat).then_some((layout, Some(local)));
-                                        let report = run_mode(Arc::new(routed), spec, tier).await;
-                                        RankReport { same_host_routes: true, ..report }
-                                    }
-                                    Err(e) => failed(spec.rank, &e, 0),
-                                }
-                            }
-                            tier => run_mode(t.clone(), spec, tier.filter(|_| !spec.flat)).await,
-                        };
-                        if let Some(stats) = t.path_stats((spec.rank + 1) % spec.world) {
-                            tracing::info!(rank = spec.rank, %stats, "path to next rank");
-                        }
-                        report
-                    }
-                    Err(e) => failed(spec.rank, &e, 0),
+                if spec.transport == BenchTransport::PlaintextTcp {
+                    let bind = spec.addrs[spec.rank].ip();
+                    return match TcpTransport::connect(quic, bind, spec.config.clone()).await {
+                        Ok(tcp) => between_hosts(Arc::new(tcp), spec).await,
+                        Err(e) => failed(spec.rank, &e, 0),
+                    };
                 }
+                let report = between_hosts(quic.clone(), spec).await;
+                if let Some(stats) = quic.path_stats((spec.rank + 1) % spec.world) {
+                    tracing::info!(rank = spec.rank, %stats, "path to next rank");
+                }
+                report
             }
             BenchTransport::Local => {
                 match SameHostTransport::connect(&spec.dir, spec.rank, spec.world, spec.config.clone()).await {
@@ -82,6 +70,26 @@ pub fn run_rank(spec: &RankSpec) -> RankReport {
             }
         }
     })
+}
+
+/// Runs the mode over `t`, the mesh between hosts. Ranks that share a host talk over their same-host
+/// transport, as the runtime's do; `--flat` only turns the tiers off.
+async fn between_hosts<T: Transport>(t: Arc<T>, spec: &RankSpec) -> RankReport {
+    let tier = match host_tier(spec).await {
+        Ok(tier) => tier,
+        Err(e) => return failed(spec.rank, &e, 0),
+    };
+    match tier {
+        Some((layout, Some(local))) => match Routed::new(t, local.clone(), layout.members(spec.rank).to_vec()) {
+            Ok(routed) => {
+                let tier = (!spec.flat).then_some((layout, Some(local)));
+                let report = run_mode(Arc::new(routed), spec, tier).await;
+                RankReport { same_host_routes: true, ..report }
+            }
+            Err(e) => failed(spec.rank, &e, 0),
+        },
+        tier => run_mode(t, spec, tier.filter(|_| !spec.flat)).await,
+    }
 }
 
 fn failed(rank: usize, e: &ClusterError, after_ms: u64) -> RankReport {

@@ -10,10 +10,19 @@ use super::PeerReport;
 use crate::TransportConfig;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum BenchTransport {
     Quic,
     Local,
+    /// The plaintext TCP data plane, set up through the QUIC mesh ([`crate::transport::tcp`]).
+    PlaintextTcp,
+}
+
+impl BenchTransport {
+    /// Whether the ranks form a QUIC mesh (certificates, one address each): every transport but `local`.
+    pub fn uses_quic(self) -> bool {
+        self != BenchTransport::Local
+    }
 }
 
 impl std::str::FromStr for BenchTransport {
@@ -22,7 +31,8 @@ impl std::str::FromStr for BenchTransport {
         match s {
             "quic" => Ok(BenchTransport::Quic),
             "local" => Ok(BenchTransport::Local),
-            other => Err(format!("unknown transport {other:?}: use quic or local")),
+            "plaintext-tcp" => Ok(BenchTransport::PlaintextTcp),
+            other => Err(format!("unknown transport {other:?}: use quic, local or plaintext-tcp")),
         }
     }
 }

@@ -14,13 +14,13 @@ use bytes::Bytes;
 use tokio::io::AsyncWriteExt;
 use tokio::net::unix::OwnedWriteHalf;
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::Mutex as AsyncMutex;
 
-use super::frame_io::{frame_control, frame_parts, read_message, FrameLimits, ReadOutcome};
+use super::frame_io::{frame_control, read_message, FrameLimits, ReadOutcome};
 use super::shm::{map_peer, Arena, OwnSegment};
+use super::stream_mesh::StreamMesh;
 use super::{LossScope, Mailbox, Payload, Transport};
 use crate::error::Rank;
-use crate::wire::{ControlMessage, FrameKind, Tag, WireError};
+use crate::wire::{ControlMessage, FrameKind, Tag};
 use crate::{ClusterError, TransportConfig};
 
 const DIAL_RETRY_MS: u64 = 20;
@@ -30,8 +30,7 @@ const SOCKET_BUFFER_BYTES: usize = 4 << 20;
 pub struct SameHostTransport {
     rank: Rank,
     world: usize,
-    writers: Vec<Option<AsyncMutex<OwnedWriteHalf>>>,
-    mailbox: Arc<Mailbox>,
+    mesh: StreamMesh<OwnedWriteHalf>,
     config: TransportConfig,
     arena: Option<Arc<Arena>>,
 }
@@ -49,36 +48,6 @@ fn tune(stream: &UnixStream) {
     let _ = sock.set_recv_buffer_size(SOCKET_BUFFER_BYTES);
 }
 
-async fn serve(mut reader: tokio::net::unix::OwnedReadHalf, peer: Rank, mailbox: Arc<Mailbox>, limits: FrameLimits) {
-    loop {
-        let outcome = read_message(&mut reader, limits).await;
-        let err = match outcome {
-            Ok(ReadOutcome::Data { tag, payload }) => match mailbox.deliver(peer, tag, payload) {
-                Ok(()) => continue,
-                Err(e) => e,
-            },
-            Ok(ReadOutcome::Control { message: ControlMessage::Abort { .. }, .. }) => continue,
-            Ok(ReadOutcome::Control { message: ControlMessage::Goodbye { .. }, .. }) => {
-                mailbox.peer_departed(peer);
-                return;
-            }
-            Ok(ReadOutcome::Control { message, .. }) => WireError::Protocol(format!("unexpected {message:?}")),
-            Ok(ReadOutcome::End) => {
-                mailbox.peer_lost(peer, "socket closed without goodbye".into());
-                return;
-            }
-            Err(WireError::Stream(reason)) => {
-                mailbox.peer_lost(peer, reason);
-                return;
-            }
-            Err(e) => e,
-        };
-        tracing::warn!(peer, reason = %err, "closing same-host connection: bad frame");
-        mailbox.peer_lost(peer, format!("closed by us: {err}"));
-        return;
-    }
-}
-
 impl SameHostTransport {
     pub async fn connect(dir: &Path, rank: Rank, world: usize, config: TransportConfig) -> Result<Self, ClusterError> {
         let limits = FrameLimits::from(&config);
@@ -88,7 +57,7 @@ impl SameHostTransport {
         let listener =
             UnixListener::bind(&path).map_err(|e| ClusterError::io(format!("binding {}", path.display()), e))?;
         let deadline = Instant::now() + Duration::from_millis(config.connect_timeout_ms);
-        let mut writers: Vec<Option<AsyncMutex<OwnedWriteHalf>>> = (0..world).map(|_| None).collect();
+        let mut mesh = StreamMesh::new(rank, world, mailbox, config.frame_bytes_max, "same-host");
         let connect_err = |peer: Rank, reason: String| ClusterError::Connect {
             rank,
             peer,
@@ -114,8 +83,7 @@ impl SameHostTransport {
                 &ControlMessage::Hello { node: String::new(), rank: rank as u32, world: world as u32 },
             );
             writer.write_all(&hello).await.map_err(|e| connect_err(peer, e.to_string()))?;
-            tokio::spawn(serve(reader, peer, mailbox.clone(), limits));
-            writers[peer] = Some(AsyncMutex::new(writer));
+            mesh.add(peer, reader, writer, limits);
         }
         for _ in rank + 1..world {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -135,17 +103,16 @@ impl SameHostTransport {
                 }) if (r as usize) > rank
                     && (r as usize) < world
                     && w as usize == world
-                    && writers[r as usize].is_none() =>
+                    && !mesh.is_connected(r as usize) =>
                 {
                     r as usize
                 }
                 other => return Err(connect_err(rank + 1, format!("bad hello: {other:?}"))),
             };
-            tokio::spawn(serve(reader, peer, mailbox.clone(), limits));
-            writers[peer] = Some(AsyncMutex::new(writer));
+            mesh.add(peer, reader, writer, limits);
         }
         let _ = std::fs::remove_file(&path);
-        let mut transport = SameHostTransport { rank, world, writers, mailbox, config, arena: None };
+        let mut transport = SameHostTransport { rank, world, mesh, config, arena: None };
         transport.arena = transport.set_up_arena().await?;
         Ok(transport)
     }
@@ -205,7 +172,7 @@ impl SameHostTransport {
         match (own, all_ok) {
             (Ok(own), true) => {
                 own.unlink();
-                Ok(Some(Arc::new(Arena::new(rank, slot_bytes, own, mapped, self.mailbox.clone()))))
+                Ok(Some(Arc::new(Arena::new(rank, slot_bytes, own, mapped, self.mesh.mailbox().clone()))))
             }
             _ => {
                 tracing::warn!(
@@ -238,31 +205,19 @@ impl Transport for SameHostTransport {
     }
 
     async fn send_slice(&self, to: Rank, tag: Tag, data: &[u8]) -> Result<(), ClusterError> {
-        let lost = |e: String| ClusterError::PeerLost { rank: self.rank, peer: to, epoch: tag.epoch, reason: e };
-        let writer = self.writers.get(to).and_then(|w| w.as_ref()).ok_or_else(|| lost("not connected".into()))?;
-        let parts = frame_parts(tag, data.len(), self.config.frame_bytes_max).map_err(|source| ClusterError::Wire {
-            rank: self.rank,
-            peer: to,
-            source,
-        })?;
-        let mut w = writer.lock().await;
-        for (header, range) in parts {
-            w.write_all(&header).await.map_err(|e| lost(e.to_string()))?;
-            w.write_all(&data[range]).await.map_err(|e| lost(e.to_string()))?;
-        }
-        Ok(())
+        self.mesh.send_slice(to, tag, data).await
     }
 
     async fn recv(&self, from: Rank, tag: Tag, scope: LossScope, timeout_ms: u64) -> Result<Payload, ClusterError> {
-        self.mailbox.recv(from, tag, scope, timeout_ms).await
+        self.mesh.mailbox().recv(from, tag, scope, timeout_ms).await
     }
 
     fn fence(&self, epoch: u64) {
-        self.mailbox.fence(epoch);
+        self.mesh.mailbox().fence(epoch);
     }
 
     async fn any_loss(&self) -> (Rank, String) {
-        self.mailbox.any_loss().await
+        self.mesh.mailbox().any_loss().await
     }
 
     fn arena(&self) -> Option<Arc<Arena>> {
@@ -270,12 +225,6 @@ impl Transport for SameHostTransport {
     }
 
     async fn shutdown(&self) {
-        let goodbye = frame_control(FrameKind::Control, &ControlMessage::Goodbye { rank: self.rank as u32 });
-        for w in self.writers.iter().flatten() {
-            let mut w = w.lock().await;
-            let _ = w.write_all(&goodbye).await;
-            let _ = w.shutdown().await;
-        }
-        self.mailbox.close();
+        self.mesh.shutdown().await;
     }
 }

@@ -20,6 +20,10 @@ pub enum ControlMessage {
     /// The control plane's first frame on each side's stream: the sender's node name and role. As
     /// with `Hello`, the name is checked against the sender's certificate, never trusted alone.
     Introduce { node: String, role: PeerRole },
+    /// The dialer's first frame on a connection of the plaintext TCP data plane: the rank it claims to
+    /// be and the token the listener gave that rank over the authenticated control transport. A claim
+    /// whose token does not match is refused.
+    TcpHello { rank: u32, world: u32, token: String },
 }
 
 /// What kind of process speaks on a control-plane connection.

@@ -1,0 +1,117 @@
+//! A full mesh of byte-stream connections (Unix or TCP sockets), one per peer, speaking this crate's
+//! framing: what the same-host transport ([`super::same_host`]) and the plaintext TCP data plane
+//! ([`super::tcp`]) share once their connections are made. A reader task per peer delivers into the
+//! [`Mailbox`]; sends write under a per-peer lock, straight from the caller's memory (a socket write
+//! copies into the kernel before it returns).
+
+use std::sync::Arc;
+
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::sync::Mutex as AsyncMutex;
+
+use super::frame_io::{frame_control, frame_parts, read_message, FrameLimits, ReadOutcome};
+use super::Mailbox;
+use crate::error::Rank;
+use crate::wire::{ControlMessage, FrameKind, Tag, WireError};
+use crate::ClusterError;
+
+pub(crate) struct StreamMesh<W> {
+    rank: Rank,
+    writers: Vec<Option<AsyncMutex<W>>>,
+    mailbox: Arc<Mailbox>,
+    frame_bytes_max: u32,
+    /// What the connections are, for the log ("same-host", "TCP").
+    what: &'static str,
+}
+
+impl<W: AsyncWrite + Unpin + Send + 'static> StreamMesh<W> {
+    pub fn new(rank: Rank, world: usize, mailbox: Arc<Mailbox>, frame_bytes_max: u32, what: &'static str) -> Self {
+        StreamMesh { rank, writers: (0..world).map(|_| None).collect(), mailbox, frame_bytes_max, what }
+    }
+
+    pub fn is_connected(&self, peer: Rank) -> bool {
+        self.writers.get(peer).is_some_and(Option::is_some)
+    }
+
+    /// Takes the connection to `peer` (its hello already exchanged) into the mesh: a task reads its
+    /// messages into the mailbox from now on.
+    pub fn add<R: AsyncRead + Unpin + Send + 'static>(
+        &mut self,
+        peer: Rank,
+        reader: R,
+        writer: W,
+        limits: FrameLimits,
+    ) {
+        tokio::spawn(serve(reader, peer, self.mailbox.clone(), limits, self.what));
+        self.writers[peer] = Some(AsyncMutex::new(writer));
+    }
+
+    pub fn mailbox(&self) -> &Arc<Mailbox> {
+        &self.mailbox
+    }
+
+    pub async fn send_slice(&self, to: Rank, tag: Tag, data: &[u8]) -> Result<(), ClusterError> {
+        let lost = |e: String| ClusterError::PeerLost { rank: self.rank, peer: to, epoch: tag.epoch, reason: e };
+        let writer = self.writers.get(to).and_then(|w| w.as_ref()).ok_or_else(|| lost("not connected".into()))?;
+        let parts = frame_parts(tag, data.len(), self.frame_bytes_max).map_err(|source| ClusterError::Wire {
+            rank: self.rank,
+            peer: to,
+            source,
+        })?;
+        let mut w = writer.lock().await;
+        for (header, range) in parts {
+            w.write_all(&header).await.map_err(|e| lost(e.to_string()))?;
+            w.write_all(&data[range]).await.map_err(|e| lost(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    /// Says goodbye on every connection and closes it, so that peers see a departure, not a loss.
+    pub async fn shutdown(&self) {
+        let goodbye = frame_control(FrameKind::Control, &ControlMessage::Goodbye { rank: self.rank as u32 });
+        for w in self.writers.iter().flatten() {
+            let mut w = w.lock().await;
+            let _ = w.write_all(&goodbye).await;
+            let _ = w.shutdown().await;
+        }
+        self.mailbox.close();
+    }
+}
+
+/// Reads `peer`'s messages into `mailbox` until it says goodbye, its connection ends (the peer is
+/// lost), or it sends a bad frame (the connection is closed with a logged reason and the peer is lost).
+async fn serve<R: AsyncRead + Unpin + Send>(
+    mut reader: R,
+    peer: Rank,
+    mailbox: Arc<Mailbox>,
+    limits: FrameLimits,
+    what: &'static str,
+) {
+    loop {
+        let outcome = read_message(&mut reader, limits).await;
+        let err = match outcome {
+            Ok(ReadOutcome::Data { tag, payload }) => match mailbox.deliver(peer, tag, payload) {
+                Ok(()) => continue,
+                Err(e) => e,
+            },
+            Ok(ReadOutcome::Control { message: ControlMessage::Abort { .. }, .. }) => continue,
+            Ok(ReadOutcome::Control { message: ControlMessage::Goodbye { .. }, .. }) => {
+                mailbox.peer_departed(peer);
+                return;
+            }
+            Ok(ReadOutcome::Control { message, .. }) => WireError::Protocol(format!("unexpected {message:?}")),
+            Ok(ReadOutcome::End) => {
+                mailbox.peer_lost(peer, "socket closed without goodbye".into());
+                return;
+            }
+            Err(WireError::Stream(reason)) => {
+                mailbox.peer_lost(peer, reason);
+                return;
+            }
+            Err(e) => e,
+        };
+        tracing::warn!(peer, reason = %err, "closing {what} connection: bad frame");
+        mailbox.peer_lost(peer, format!("closed by us: {err}"));
+        return;
+    }
+}
