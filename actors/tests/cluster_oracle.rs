@@ -121,20 +121,32 @@ async fn ddp_over_quic_on_three_daemon_processes_equals_the_reference() {
 /// memory alone, still on the reference's trajectory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ddp_on_two_hosts_of_two_slots_all_reduces_in_two_tiers_and_equals_the_reference() {
+    let (_dir, logs) = ddp_on_two_hosts_losing_the_second(DataPlane::Auto, 24, 8).await;
+    let tiered = log_lines(&logs, "all-reduce in two tiers");
+    assert!(tiered >= 4, "every rank of the first attempt said it runs two tiers ({tiered} lines)");
+}
+
+/// DDP over `plane` on two hosts of two slots for `steps` steps, the second host SIGKILLed after step
+/// `at`: finishes, four ranks then the first host's two, equal to the reference throughout. Gives the
+/// directory of the workers' logs (in a temporary directory, removed when the first is dropped).
+async fn ddp_on_two_hosts_losing_the_second(
+    plane: DataPlane,
+    steps: u64,
+    at: u64,
+) -> (tempfile::TempDir, std::path::PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let logs = dir.path().join("logs");
     let cluster = two_hosts_of_two_slots(&logs).await;
-    let config = config(24);
+    let config = config(steps);
     let out = dir.path().join("final.safetensors");
-    let job = Job::new(config.clone()).save_final(&out);
-    let (end, losses, worlds) = run_killing_the_second_host_at(&cluster, job, 8).await;
-    assert!(matches!(end, JobEvent::Finished { steps: 24, .. }), "{end:?}");
+    let job = Job::new(config.clone()).save_final(&out).data_plane(plane);
+    let (end, losses, worlds) = run_killing_the_second_host_at(&cluster, job, at).await;
+    assert!(matches!(end, JobEvent::Finished { steps: s, .. } if s == steps), "{end:?}");
     assert_eq!(worlds.first(), Some(&4), "four ranks on two hosts: {worlds:?}");
     assert_eq!(worlds.last(), Some(&2), "the first host's two ranks after the kill: {worlds:?}");
-    check(&config, &losses, &out, "dp=4 on two hosts, then 2 on one");
-    let tiered = log_lines(&logs, "all-reduce in two tiers");
-    assert!(tiered >= 4, "every rank of the first attempt said it runs two tiers ({tiered} lines)");
+    check(&config, &losses, &out, &format!("{plane:?}: dp=4 on two hosts, then 2 on one"));
     cluster.shutdown().await;
+    (dir, logs)
 }
 
 /// ZeRO-3 on two hosts of two slots: parameters are all-gathered and gradients reduce-scattered in one
@@ -165,16 +177,7 @@ async fn zero3_on_two_hosts_talks_to_host_neighbours_over_sockets_and_equals_the
 /// equals the reference.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ddp_over_plaintext_tcp_on_two_hosts_survives_a_killed_host_and_equals_the_reference() {
-    let dir = tempfile::tempdir().unwrap();
-    let logs = dir.path().join("logs");
-    let cluster = two_hosts_of_two_slots(&logs).await;
-    let config = config(16);
-    let out = dir.path().join("final.safetensors");
-    let job = Job::new(config.clone()).save_final(&out).data_plane(DataPlane::PlaintextTcp);
-    let (end, losses, worlds) = run_killing_the_second_host_at(&cluster, job, 6).await;
-    assert!(matches!(end, JobEvent::Finished { steps: 16, .. }), "{end:?}");
-    assert_eq!((worlds.first(), worlds.last()), (Some(&4), Some(&2)), "{worlds:?}");
-    check(&config, &losses, &out, "plaintext TCP, dp=4 on two hosts, then 2 on one");
+    let (_dir, logs) = ddp_on_two_hosts_losing_the_second(DataPlane::PlaintextTcp, 16, 6).await;
     let over_tcp = log_lines(&logs, "data_plane = plaintext_tcp");
     assert!(over_tcp >= 4, "every rank of the first attempt said it sends over plaintext TCP ({over_tcp} lines)");
     let routed = log_lines(&logs, "to the others over plaintext TCP");
@@ -182,7 +185,6 @@ async fn ddp_over_plaintext_tcp_on_two_hosts_survives_a_killed_host_and_equals_t
         routed >= 4,
         "every rank reaches its host neighbour over its sockets, the others over TCP ({routed} lines)"
     );
-    cluster.shutdown().await;
 }
 
 /// One run that loses a node to SIGKILL, then gains a new one, then loses one to SIGTERM — each change
