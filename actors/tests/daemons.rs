@@ -106,6 +106,34 @@ async fn status_json_lists_members_epoch_slots_and_jobs() {
     cluster.shutdown().await;
 }
 
+/// A job asking for the plaintext TCP data plane (`troupe job submit --data-plane plaintext-tcp`) is
+/// refused — with the key to set — by a controller whose node.toml does not allow it (the default);
+/// nothing of it is recorded, and the cluster goes on taking jobs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plaintext_tcp_job_is_refused_unless_the_cluster_allows_it() {
+    use troupe_actors::api::{Job, JobEvent, LocalCluster, LocalClusterOptions};
+    let options = LocalClusterOptions { allow_plaintext_tcp: false, ..LocalClusterOptions::new(1) };
+    let cluster = LocalCluster::processes(common::binary(), options).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("job.toml");
+    std::fs::write(&job, "[train]\nsteps = 1\nglobal_batch = 2\nmicro_batch = 2\ntorch_threads = 1\n").unwrap();
+    let out = Command::new(common::binary())
+        .args(["job", "submit", job.to_str().unwrap(), "--data-plane", "plaintext-tcp"])
+        .args(["--cluster", &cluster.addr().to_string(), "--as", "client", "--certs"])
+        .arg(cluster.certs_dir())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a plaintext job was taken: {stderr}");
+    assert!(stderr.contains("set `allow_plaintext_tcp = true`"), "{stderr}");
+    let jobs = cluster.client().await.unwrap().status().await.unwrap().jobs;
+    assert!(jobs.is_empty(), "the refused job was recorded: {jobs:?}");
+    let config = troupe_model::config::JobConfig::from_file(&job).unwrap();
+    let (end, _) = cluster.client().await.unwrap().submit(Job::new(config)).await.unwrap().wait().await.unwrap();
+    assert!(matches!(end, JobEvent::Finished { steps: 1, .. }), "{end:?}");
+    cluster.shutdown().await;
+}
+
 /// The controller's daemon is SIGKILLed between jobs and started again on its address and data dir: it
 /// comes back past every epoch it used, the other node rejoins it, the finished job is still there with
 /// every event (a watcher could replay them), and job ids go on from where they were.

@@ -31,6 +31,7 @@ fn config(dir: &Path, name: &str, listen: SocketAddr, join: Option<SocketAddr>) 
         restart: Default::default(),
         transport: TransportConfig { connect_timeout_ms: CONNECT_TIMEOUT_MS, ..TransportConfig::loopback() },
         telemetry: Default::default(),
+        allow_plaintext_tcp: false,
     }
 }
 

@@ -45,6 +45,9 @@ pub struct LocalClusterOptions {
     pub restart: RestartPolicy,
     /// Every daemon's `[telemetry]` (e.g. `metrics_listen` on port 0, `otlp_endpoint`).
     pub telemetry: TelemetryConfig,
+    /// Every daemon's `allow_plaintext_tcp`: true by default here, since a local cluster's "hosts" are
+    /// this machine's own addresses (a daemon's config file refuses it unless set).
+    pub allow_plaintext_tcp: bool,
 }
 
 impl LocalClusterOptions {
@@ -60,6 +63,7 @@ impl LocalClusterOptions {
             hosts: Vec::new(),
             restart: RestartPolicy::default(),
             telemetry: TelemetryConfig::default(),
+            allow_plaintext_tcp: true,
         }
     }
 }
@@ -259,6 +263,7 @@ impl LocalCluster {
             restart: options.restart,
             transport: TransportConfig::loopback(),
             telemetry: options.telemetry.clone(),
+            allow_plaintext_tcp: options.allow_plaintext_tcp,
         }
     }
 

@@ -11,7 +11,7 @@ use troupe_model::config::JobConfig;
 
 use super::follow::{conclude, follow, Mode, OnInterrupt, GOODBYE};
 use super::table::Table;
-use crate::api::{Client, ClusterStatus, Job, JobInfo};
+use crate::api::{Client, ClusterStatus, DataPlane, Job, JobInfo};
 use crate::daemon::NodeConfig;
 use crate::progress::Reporter;
 use crate::telemetry::RunDir;
@@ -169,6 +169,7 @@ fn render_jobs(jobs: &[JobInfo]) -> String {
 /// `troupe job submit`: submits the job, then (unless detached) follows it as `troupe train` does.
 async fn submit(
     config: &Path,
+    data_plane: &str,
     detach: bool,
     run_dir: Option<&Path>,
     log_every: u64,
@@ -178,7 +179,8 @@ async fn submit(
     let name = config.file_stem().map_or("job".into(), |s| s.to_string_lossy().into_owned());
     let mode = Mode::of(&job_config);
     let run_dir = run_dir.map(RunDir::create).transpose()?;
-    let job = Job::new(job_config).name(name).trace(run_dir.is_some());
+    let data_plane: DataPlane = data_plane.parse().map_err(anyhow::Error::msg)?;
+    let job = Job::new(job_config).name(name).data_plane(data_plane).trace(run_dir.is_some());
     let client = cluster.connect().await?;
     let mut handle = client.submit(job).await?;
     let id = handle.id();
@@ -206,6 +208,10 @@ pub enum JobCommand {
     Submit {
         #[arg(value_name = "job.toml")]
         config: PathBuf,
+        /// How tensors travel between the job's ranks, as `troupe train --data-plane`: auto, quic, or
+        /// plaintext-tcp (unencrypted between hosts; the cluster must allow it).
+        #[arg(long, value_parser = ["auto", "quic", "plaintext-tcp"], default_value = "auto")]
+        data_plane: String,
         /// Return once submitted instead of following the job.
         #[arg(long)]
         detach: bool,
@@ -236,8 +242,8 @@ pub enum JobCommand {
 pub fn job(command: JobCommand) -> anyhow::Result<()> {
     runtime()?.block_on(async {
         match command {
-            JobCommand::Submit { config, detach, run_dir, log_every, cluster } => {
-                submit(&config, detach, run_dir.as_deref(), log_every, &cluster).await
+            JobCommand::Submit { config, data_plane, detach, run_dir, log_every, cluster } => {
+                submit(&config, &data_plane, detach, run_dir.as_deref(), log_every, &cluster).await
             }
             JobCommand::Status { id, cluster } => {
                 let mut client = cluster.connect().await?;

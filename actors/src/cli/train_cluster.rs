@@ -61,11 +61,7 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
         }
     };
     let total = config.train.steps;
-    let plane = match args.data_plane.as_str() {
-        "quic" => DataPlane::Quic,
-        "plaintext-tcp" => DataPlane::PlaintextTcp,
-        _ => DataPlane::Auto,
-    };
+    let plane: DataPlane = args.data_plane.parse().map_err(anyhow::Error::msg)?;
     let mode = Mode::of(&config);
     let mut job = Job::new(config).name("train").data_plane(plane).trace(run_dir.is_some());
     if let Some(path) = &args.save_final {

@@ -41,6 +41,11 @@ pub struct NodeConfig {
     pub restart: RestartPolicy,
     #[serde(default = "TransportConfig::loopback")]
     pub transport: TransportConfig,
+    /// Whether jobs may choose `data_plane = plaintext_tcp` (tensors between hosts unencrypted: for a
+    /// fabric no one else can read or write). Read on the controller, which refuses such a job
+    /// otherwise. Default: refused.
+    #[serde(default)]
+    pub allow_plaintext_tcp: bool,
     /// `/metrics` and `/status` over HTTP, the MFU peak, OTLP export (all off when absent).
     #[serde(default)]
     pub telemetry: TelemetryConfig,

@@ -21,7 +21,7 @@ use troupe_cluster::NodeIdentity;
 use super::controller::{JobArgs, JobController, JobMsg};
 use super::event_log::EventLog;
 use super::outbox::Outboxes;
-use super::protocol::{AttemptOutcome, ClusterStatus, JobEvent, JobId, JobInfo, JobSpec, MemberInfo, Wire};
+use super::protocol::{AttemptOutcome, ClusterStatus, DataPlane, JobEvent, JobId, JobInfo, JobSpec, MemberInfo, Wire};
 use super::restart::{Decision, RestartTracker};
 use super::worker::{WorkerActor, WorkerArgs, WorkerMsg};
 use crate::daemon::NodeConfig;
@@ -418,6 +418,14 @@ impl NodeState {
     async fn submit(&mut self, me: &ActorRef<NodeMsg>, client: &str, mut spec: JobSpec) -> Wire {
         if let Err(e) = spec.config.validate() {
             return Wire::Error { message: format!("job config: {e}") };
+        }
+        if spec.data_plane == DataPlane::PlaintextTcp && !self.config.allow_plaintext_tcp {
+            return Wire::Error {
+                message: "data_plane = plaintext_tcp: this cluster does not allow tensors between hosts unencrypted; \
+                          set `allow_plaintext_tcp = true` in the controller's node config (trusted fabrics only), \
+                          or submit with data_plane = auto"
+                    .into(),
+            };
         }
         let leader = self.leader.as_mut().expect("controller");
         let id = leader.next_job;

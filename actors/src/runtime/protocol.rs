@@ -127,6 +127,20 @@ pub enum DataPlane {
     PlaintextTcp,
 }
 
+impl std::str::FromStr for DataPlane {
+    type Err = String;
+
+    /// The command line's spelling (`--data-plane auto|quic|plaintext-tcp`).
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(DataPlane::Auto),
+            "quic" => Ok(DataPlane::Quic),
+            "plaintext-tcp" => Ok(DataPlane::PlaintextTcp),
+            other => Err(format!("unknown data plane {other:?}: use auto, quic or plaintext-tcp")),
+        }
+    }
+}
+
 /// One rank of an attempt: a slot of a node.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct RankSlot {
