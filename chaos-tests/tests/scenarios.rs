@@ -220,6 +220,17 @@ fn partition_controller_node() {
     }
 }
 
+/// The same cut with tensors over plaintext TCP: the silent TCP connections must not hold up the
+/// survivors (QUIC's idle timeout fails their receives), and the run still equals the reference.
+#[test]
+fn partition_over_plaintext_tcp() {
+    let r = run("partition-plaintext-tcp", 18);
+    if !skipped(&r) {
+        assert_eq!(faults(&r, "partition"), 1);
+        assert_eq!(r["detection_s"]["samples"], 1, "the cut-off node was detected: {r}");
+    }
+}
+
 #[test]
 fn partition_one_way() {
     let r = run("partition-one-way", 19);

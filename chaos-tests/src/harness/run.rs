@@ -94,7 +94,8 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
 
     let config = job_config(scenario);
     let final_params = work.path().join("final.safetensors");
-    let mut job = Job::new(config.clone()).name(&scenario.name).save_final(&final_params);
+    let mut job =
+        Job::new(config.clone()).name(&scenario.name).save_final(&final_params).data_plane(scenario.data_plane);
     if scenario.checkpoint_every > 0 {
         let keep = if scenario.checkpoint_tmpfs_mib > 0 { 3 } else { 0 };
         job = job.checkpoints(&ckpt_dir, scenario.checkpoint_every, keep);

@@ -65,6 +65,7 @@ pub const SHIPPED: &[(&str, &str)] = &[
     ("disk-full-during-checkpoint", include_str!("../../scenarios/disk-full-during-checkpoint.toml")),
     ("partition-minority", include_str!("../../scenarios/partition-minority.toml")),
     ("partition-one-way", include_str!("../../scenarios/partition-one-way.toml")),
+    ("partition-plaintext-tcp", include_str!("../../scenarios/partition-plaintext-tcp.toml")),
     ("flaky-link", include_str!("../../scenarios/flaky-link.toml")),
     ("fp16-overflow-and-kill", include_str!("../../scenarios/fp16-overflow-and-kill.toml")),
     ("pipeline-kill-stage", include_str!("../../scenarios/pipeline-kill-stage.toml")),
@@ -107,6 +108,10 @@ pub struct Scenario {
     /// bridge, so that partition and flaky-link faults can cut and degrade its links (needs root).
     #[serde(default)]
     pub network: NetworkKind,
+    /// The job's data plane: `auto` (default), `quic`, or `plaintext_tcp` (tensors between the
+    /// daemons' namespaces over TCP, set up through QUIC).
+    #[serde(default)]
+    pub data_plane: troupe_actors::api::DataPlane,
     #[serde(default = "fp32")]
     pub precision: String,
     #[serde(default)]
