@@ -42,6 +42,8 @@ const TCP_SETUP_GROUP: u32 = u32::MAX - 1;
 const TOKEN_BYTES: usize = 32;
 /// How long an accepted connection may take to send its first frame before it is dropped.
 const HELLO_TIMEOUT_MS: u64 = 2_000;
+/// Pause after a failed accept before the next.
+const ACCEPT_RETRY_MS: u64 = 20;
 
 /// What a rank tells each peer over the control transport: where to dial it and with what token.
 #[derive(Serialize, Deserialize)]
@@ -163,7 +165,9 @@ async fn accept_peers(
                 let (mut stream, from) = match accepted {
                     Ok(a) => a,
                     Err(e) => {
+                        // E.g. out of file descriptors: pause rather than spin on the same error.
                         tracing::warn!(rank, error = %e, "accepting a TCP data-plane connection failed");
+                        tokio::time::sleep(Duration::from_millis(ACCEPT_RETRY_MS)).await;
                         continue;
                     }
                 };
