@@ -107,12 +107,25 @@ async fn ddp_over_quic_on_three_daemon_processes_equals_the_reference() {
     let cluster = common::processes(3).await;
     let out = dir.path().join("final.safetensors");
     let job = Job::new(config.clone()).save_final(&out).data_plane(DataPlane::Quic);
-    let (end, events) = cluster.client().await.unwrap().submit(job).await.unwrap().wait().await.unwrap();
-    assert!(matches!(end, JobEvent::Finished { steps: 8, .. }), "{end:?}");
-    assert!(events.iter().any(|e| matches!(e, JobEvent::Started { world: 3, .. })), "{events:?}");
-    let losses: Vec<f64> = events.iter().filter_map(step_loss).collect();
-    check(&config, &losses, &out, "dp=3");
+    finishes_on_the_reference(&cluster, job, &config, &out, 3, "dp=3").await;
     cluster.shutdown().await;
+}
+
+/// Submits `job` (of `config`, its final parameters saved to `out`) and waits for its end: every step
+/// done, started on `world` ranks, each step's loss and the final parameters equal to the reference.
+async fn finishes_on_the_reference(
+    cluster: &LocalCluster,
+    job: Job,
+    config: &JobConfig,
+    out: &Path,
+    world: usize,
+    what: &str,
+) {
+    let (end, events) = cluster.client().await.unwrap().submit(job).await.unwrap().wait().await.unwrap();
+    assert!(matches!(end, JobEvent::Finished { steps, .. } if steps == config.train.steps), "{end:?}");
+    assert!(events.iter().any(|e| matches!(e, JobEvent::Started { world: w, .. } if *w == world)), "{events:?}");
+    let losses: Vec<f64> = events.iter().filter_map(step_loss).collect();
+    check(config, &losses, out, what);
 }
 
 /// Two hosts (daemons on 127.0.0.1 and 127.0.0.2) of two slots each: the job's all-reduce runs in two
@@ -161,11 +174,7 @@ async fn zero3_on_two_hosts_talks_to_host_neighbours_over_sockets_and_equals_the
     config.parallel.shard = "zero3".into();
     let out = dir.path().join("final.safetensors");
     let job = Job::new(config.clone()).save_final(&out);
-    let (end, events) = cluster.client().await.unwrap().submit(job).await.unwrap().wait().await.unwrap();
-    assert!(matches!(end, JobEvent::Finished { steps: 8, .. }), "{end:?}");
-    assert!(events.iter().any(|e| matches!(e, JobEvent::Started { world: 4, .. })), "{events:?}");
-    let losses: Vec<f64> = events.iter().filter_map(step_loss).collect();
-    check(&config, &losses, &out, "zero3, dp=4 on two hosts");
+    finishes_on_the_reference(&cluster, job, &config, &out, 4, "zero3, dp=4 on two hosts").await;
     let routed = log_lines(&logs, "to the ranks of this host over its sockets");
     assert!(routed >= 4, "every rank said it reaches its host neighbour over its sockets ({routed} lines)");
     cluster.shutdown().await;
