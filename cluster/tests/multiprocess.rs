@@ -96,6 +96,17 @@ fn four_ranks_over_plaintext_tcp_run_every_collective_correctly() {
     assert!(reports.iter().all(|r| r.host_tier && r.same_host_routes), "{reports:?}");
 }
 
+/// The opt-in encrypted TCP data plane (every byte sealed, keys handed over through the QUIC mesh):
+/// every collective on one host, and on two hosts flat, so that host pairs and cross-host pairs both
+/// carry every collective's messages.
+#[test]
+fn four_ranks_over_encrypted_tcp_run_every_collective_correctly() {
+    check(4, BenchTransport::EncryptedTcp);
+    let config = TransportConfig { pipeline_slice_bytes: 64 << 10, ..TransportConfig::loopback() };
+    let reports = check_on(4, BenchTransport::EncryptedTcp, config, Placement { hosts: 2, flat: true });
+    assert!(reports.iter().all(|r| !r.host_tier && r.same_host_routes), "{reports:?}");
+}
+
 fn sigkill_during_all_reduce(transport: BenchTransport, placement: Placement) {
     signal_during_all_reduce(transport, placement, libc::SIGKILL);
 }
@@ -174,6 +185,11 @@ fn sigkilled_rank_fails_the_others_over_plaintext_tcp_within_the_timeout() {
 #[test]
 fn a_stopped_rank_fails_the_others_over_plaintext_tcp_within_the_idle_timeout() {
     signal_during_all_reduce(BenchTransport::PlaintextTcp, Placement::ONE_HOST, libc::SIGSTOP);
+}
+
+#[test]
+fn sigkilled_rank_fails_the_others_over_encrypted_tcp_within_the_timeout() {
+    sigkill_during_all_reduce(BenchTransport::EncryptedTcp, Placement::ONE_HOST);
 }
 
 #[test]

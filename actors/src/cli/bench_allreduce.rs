@@ -1,4 +1,4 @@
-//! `troupe bench allreduce --world N --mib M --iters K [--transport quic|local|plaintext-tcp] [--peer] --json`:
+//! `troupe bench allreduce --world N --mib M --iters K [--transport quic|local|encrypted-tcp|plaintext-tcp] [--peer] --json`:
 //! launches N rank processes on loopback (re-executing this binary as `troupe bench allreduce-rank`),
 //! and prints the all-reduce bus bandwidth (busbw_GBps = algbw × 2(n−1)/n), with `--peer` beside
 //! PyTorch Gloo's measured the same way in the same run (bench/peers/gloo_allreduce.py).
@@ -31,8 +31,9 @@ pub struct AllreduceArgs {
     pub iters: usize,
     #[arg(long, default_value_t = 2)]
     pub warmup: usize,
-    /// quic (mutual-TLS QUIC on loopback), local (the same-host transport) or plaintext-tcp (the
-    /// opt-in plaintext TCP data plane for trusted fabrics, set up through QUIC).
+    /// quic (mutual-TLS QUIC on loopback), local (the same-host transport), encrypted-tcp (the opt-in
+    /// TCP data plane, every byte sealed with AES-GCM, set up through QUIC) or plaintext-tcp (the same
+    /// unencrypted, for trusted fabrics).
     #[arg(long, default_value = "quic")]
     pub transport: String,
     /// Also run PyTorch Gloo (bench/peers/gloo_allreduce.py) and report both.

@@ -208,9 +208,9 @@ pub enum JobCommand {
     Submit {
         #[arg(value_name = "job.toml")]
         config: PathBuf,
-        /// How tensors travel between the job's ranks, as `troupe train --data-plane`: auto, quic, or
-        /// plaintext-tcp (unencrypted between hosts; the cluster must allow it).
-        #[arg(long, value_parser = ["auto", "quic", "plaintext-tcp"], default_value = "auto")]
+        /// How tensors travel between the job's ranks, as `troupe train --data-plane`: auto, quic,
+        /// encrypted-tcp, or plaintext-tcp (unencrypted between hosts; the cluster must allow it).
+        #[arg(long, value_parser = ["auto", "quic", "encrypted-tcp", "plaintext-tcp"], default_value = "auto")]
         data_plane: String,
         /// Return once submitted instead of following the job.
         #[arg(long)]

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 use troupe_cluster::membership::{Epoch, NodeId, View};
 use troupe_cluster::transport::quic::PeerInfo;
+use troupe_cluster::transport::tcp::TcpPayloads;
 use troupe_model::config::JobConfig;
 
 use crate::telemetry::PhaseSpan;
@@ -125,18 +126,34 @@ pub enum DataPlane {
     /// watched through the QUIC mesh, which authenticates every connection, but neither encrypted nor
     /// integrity-protected on the wire (as Gloo's and NCCL's are not). Opt-in only.
     PlaintextTcp,
+    /// As `Auto`, but tensors between hosts go over TCP with every byte sealed (AES-128-GCM, a key per
+    /// connection and direction handed over through the QUIC mesh): QUIC's protection, without its
+    /// per-packet work in user space.
+    EncryptedTcp,
+}
+
+impl DataPlane {
+    /// Over TCP between hosts, how its payloads travel; `None` for QUIC.
+    pub fn tcp_payloads(self) -> Option<TcpPayloads> {
+        match self {
+            DataPlane::PlaintextTcp => Some(TcpPayloads::Plaintext),
+            DataPlane::EncryptedTcp => Some(TcpPayloads::Encrypted),
+            DataPlane::Auto | DataPlane::Quic => None,
+        }
+    }
 }
 
 impl std::str::FromStr for DataPlane {
     type Err = String;
 
-    /// The command line's spelling (`--data-plane auto|quic|plaintext-tcp`).
+    /// The command line's spelling (`--data-plane auto|quic|encrypted-tcp|plaintext-tcp`).
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "auto" => Ok(DataPlane::Auto),
             "quic" => Ok(DataPlane::Quic),
+            "encrypted-tcp" => Ok(DataPlane::EncryptedTcp),
             "plaintext-tcp" => Ok(DataPlane::PlaintextTcp),
-            other => Err(format!("unknown data plane {other:?}: use auto, quic or plaintext-tcp")),
+            other => Err(format!("unknown data plane {other:?}: use auto, quic, encrypted-tcp or plaintext-tcp")),
         }
     }
 }

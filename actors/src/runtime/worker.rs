@@ -17,7 +17,7 @@ use troupe_cluster::collective::{CollectiveConfig, Communicator, HostLayout};
 use troupe_cluster::transport::quic::{bind_endpoint, PeerInfo, QuicTransport};
 use troupe_cluster::transport::routed::Routed;
 use troupe_cluster::transport::same_host::{socket_path, SameHostTransport};
-use troupe_cluster::transport::tcp::TcpTransport;
+use troupe_cluster::transport::tcp::{TcpPayloads, TcpTransport};
 use troupe_cluster::transport::Transport;
 use troupe_cluster::{NodeIdentity, TransportConfig};
 use troupe_model::checkpoint::{self, CheckpointStore, CheckpointWriter, WriteReport};
@@ -454,7 +454,8 @@ fn spawn_writer(spec: &JobSpec, job: JobId, node: &ActorRef<NodeMsg>) -> Option<
 ///
 /// The data plane: when every rank of the attempt is on this host (their data addresses share one IP),
 /// the same-host transport (Unix sockets in a private directory, collectives in its shared-memory
-/// arena); otherwise the QUIC mesh — or, with `plaintext_tcp`, a plaintext TCP mesh set up through it —
+/// arena); otherwise the QUIC mesh — or, with `encrypted_tcp` / `plaintext_tcp`, a TCP mesh set up
+/// through it, its records sealed or in the clear —
 /// and, when some ranks share a host, a same-host transport among those on this rank's host too:
 /// messages between ranks of one host take it ([`Routed`]), and all-reduce runs in two tiers (within
 /// hosts in the arena, across hosts over the mesh).
@@ -495,10 +496,10 @@ async fn run_attempt(
         },
         _ = wait_abort(&mut ctl) => return (Some(state), AttemptOutcome::Aborted { step }),
     };
-    if spec.data_plane != DataPlane::PlaintextTcp {
+    let Some(payloads) = spec.data_plane.tcp_payloads() else {
         return between_hosts(&ctx, &spec, rank, epoch, transport, "QUIC", state, &mut ctl).await;
-    }
-    let connect = TcpTransport::connect(transport, ctx.roster[rank].addr.ip(), ctx.transport.clone());
+    };
+    let connect = TcpTransport::connect(transport, ctx.roster[rank].addr.ip(), ctx.transport.clone(), payloads);
     let tcp = tokio::select! {
         t = connect => match t {
             Ok(t) => Arc::new(t),
@@ -506,13 +507,27 @@ async fn run_attempt(
         },
         _ = wait_abort(&mut ctl) => return (Some(state), AttemptOutcome::Aborted { step }),
     };
-    tracing::info!(
-        job = ctx.job,
-        attempt = ctx.attempt,
-        rank,
-        "data_plane = plaintext_tcp: tensors between hosts go over TCP unencrypted (connections authenticated through QUIC)"
-    );
-    between_hosts(&ctx, &spec, rank, epoch, tcp, "plaintext TCP", state, &mut ctl).await
+    let mesh = match payloads {
+        TcpPayloads::Plaintext => {
+            tracing::info!(
+                job = ctx.job,
+                attempt = ctx.attempt,
+                rank,
+                "data_plane = plaintext_tcp: tensors between hosts go over TCP unencrypted (connections authenticated through QUIC)"
+            );
+            "plaintext TCP"
+        }
+        TcpPayloads::Encrypted => {
+            tracing::info!(
+                job = ctx.job,
+                attempt = ctx.attempt,
+                rank,
+                "data_plane = encrypted_tcp: tensors between hosts go over TCP sealed with AES-128-GCM (keys handed over through QUIC)"
+            );
+            "encrypted TCP"
+        }
+    };
+    between_hosts(&ctx, &spec, rank, epoch, tcp, mesh, state, &mut ctl).await
 }
 
 /// The part of an attempt whose ranks span hosts, over `transport`, the mesh among all of them

@@ -108,8 +108,8 @@ pub struct Scenario {
     /// bridge, so that partition and flaky-link faults can cut and degrade its links (needs root).
     #[serde(default)]
     pub network: NetworkKind,
-    /// The job's data plane: `auto` (default), `quic`, or `plaintext_tcp` (tensors between the
-    /// daemons' namespaces over TCP, set up through QUIC).
+    /// The job's data plane: `auto` (default), `quic`, `encrypted_tcp` or `plaintext_tcp` (tensors
+    /// between the daemons' namespaces over TCP, sealed or not, set up through QUIC).
     #[serde(default)]
     pub data_plane: troupe_actors::api::DataPlane,
     #[serde(default = "fp32")]

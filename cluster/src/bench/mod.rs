@@ -84,7 +84,7 @@ pub fn run_allreduce_bench(
 ) -> anyhow::Result<AllreduceReport> {
     if bench.hosts > 1 && !bench.transport.uses_quic() {
         anyhow::bail!(
-            "--hosts {} spreads ranks over loopback addresses: it needs --transport quic or plaintext-tcp",
+            "--hosts {} spreads ranks over loopback addresses: it needs --transport quic, encrypted-tcp or plaintext-tcp",
             bench.hosts
         );
     }

@@ -38,7 +38,7 @@ pub fn run_rank(spec: &RankSpec) -> RankReport {
     };
     rt.block_on(async {
         match spec.transport {
-            BenchTransport::Quic | BenchTransport::PlaintextTcp => {
+            BenchTransport::Quic | BenchTransport::PlaintextTcp | BenchTransport::EncryptedTcp => {
                 let id = match NodeIdentity::load(&spec.dir, &node_name(spec.rank)) {
                     Ok(id) => id,
                     Err(e) => return failed(spec.rank, &e, 0),
@@ -49,9 +49,9 @@ pub fn run_rank(spec: &RankSpec) -> RankReport {
                     Ok(t) => Arc::new(t),
                     Err(e) => return failed(spec.rank, &e, 0),
                 };
-                if spec.transport == BenchTransport::PlaintextTcp {
+                if let Some(payloads) = spec.transport.tcp_payloads() {
                     let bind = spec.addrs[spec.rank].ip();
-                    return match TcpTransport::connect(quic, bind, spec.config.clone()).await {
+                    return match TcpTransport::connect(quic, bind, spec.config.clone(), payloads).await {
                         Ok(tcp) => between_hosts(Arc::new(tcp), spec).await,
                         Err(e) => failed(spec.rank, &e, 0),
                     };

@@ -16,12 +16,24 @@ pub enum BenchTransport {
     Local,
     /// The plaintext TCP data plane, set up through the QUIC mesh ([`crate::transport::tcp`]).
     PlaintextTcp,
+    /// The encrypted TCP data plane: the same, every byte sealed ([`crate::transport::sealed`]).
+    EncryptedTcp,
 }
 
 impl BenchTransport {
     /// Whether the ranks form a QUIC mesh (certificates, one address each): every transport but `local`.
     pub fn uses_quic(self) -> bool {
         self != BenchTransport::Local
+    }
+
+    /// Over TCP, how its payloads travel; `None` for QUIC or same-host.
+    pub fn tcp_payloads(self) -> Option<crate::transport::tcp::TcpPayloads> {
+        use crate::transport::tcp::TcpPayloads;
+        match self {
+            BenchTransport::PlaintextTcp => Some(TcpPayloads::Plaintext),
+            BenchTransport::EncryptedTcp => Some(TcpPayloads::Encrypted),
+            BenchTransport::Quic | BenchTransport::Local => None,
+        }
     }
 }
 
@@ -32,7 +44,8 @@ impl std::str::FromStr for BenchTransport {
             "quic" => Ok(BenchTransport::Quic),
             "local" => Ok(BenchTransport::Local),
             "plaintext-tcp" => Ok(BenchTransport::PlaintextTcp),
-            other => Err(format!("unknown transport {other:?}: use quic, local or plaintext-tcp")),
+            "encrypted-tcp" => Ok(BenchTransport::EncryptedTcp),
+            other => Err(format!("unknown transport {other:?}: use quic, local, encrypted-tcp or plaintext-tcp")),
         }
     }
 }

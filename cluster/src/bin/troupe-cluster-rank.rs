@@ -1,14 +1,14 @@
 //! The cluster crate's own launcher binary, for tests and for benchmarking without libtorch:
 //!
 //! - no arguments: run as a rank (spec in `TROUPE_RANK_SPEC`), print one JSON report line;
-//! - `bench --world N [--hosts H [--flat]] --mib M --iters K [--transport quic|local|plaintext-tcp] [--peer] [--json]`: the same
+//! - `bench --world N [--hosts H [--flat]] --mib M --iters K [--transport quic|local|encrypted-tcp|plaintext-tcp] [--peer] [--json]`: the same
 //!   benchmark as `troupe bench allreduce`, re-executing this binary for each rank.
 
 use anyhow::Context;
 use troupe_cluster::bench::{default_peer_script, default_python, run_allreduce_bench, AllreduceBench, BenchTransport};
 
 const USAGE: &str = "usage: troupe-cluster-rank bench [--world N] [--hosts H [--flat]] [--mib M] [--iters K] \
-                     [--warmup W] [--transport quic|local|plaintext-tcp] [--peer] [--json]";
+                     [--warmup W] [--transport quic|local|encrypted-tcp|plaintext-tcp] [--peer] [--json]";
 
 fn parse_bench(args: &[String]) -> anyhow::Result<(AllreduceBench, bool)> {
     let mut b = AllreduceBench {

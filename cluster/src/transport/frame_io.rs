@@ -2,6 +2,7 @@
 //! with every check of [`crate::wire`]. Memory grows with bytes actually received, capped per frame
 //! by `frame_bytes_max`; a stated length alone never sizes an allocation.
 
+use std::future::Future;
 use std::ops::Range;
 
 use bytes::{Bytes, BytesMut};
@@ -56,7 +57,7 @@ async fn read_header<R: AsyncRead + Unpin>(r: &mut R, first: bool) -> Result<Opt
 
 /// Payloads are read in segments of at most this many bytes (a multiple of 8): memory grows with what
 /// arrived, and a long payload is never copied over to grow one buffer.
-const PAYLOAD_SEGMENT_BYTES: usize = 1 << 20;
+pub(crate) const PAYLOAD_SEGMENT_BYTES: usize = 1 << 20;
 
 /// Segments at least this long are read into buffers of the [`SEGMENTS`] pool; shorter ones (control
 /// messages, small collectives) into a buffer of their own size.
@@ -77,7 +78,7 @@ fn segment_buffer() -> Vec<u8> {
 }
 
 /// A received segment in a pooled buffer; its buffer goes back to the pool when dropped.
-struct PooledSegment(Vec<u8>);
+pub(crate) struct PooledSegment(Vec<u8>);
 
 impl AsRef<[u8]> for PooledSegment {
     fn as_ref(&self) -> &[u8] {
@@ -96,35 +97,68 @@ impl Drop for PooledSegment {
     }
 }
 
+/// A segment being read: a pooled buffer for long ones, a buffer of its own size for short ones.
+pub(crate) enum SegmentBuf {
+    Pooled(PooledSegment),
+    Own(BytesMut),
+}
+
+impl SegmentBuf {
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        match self {
+            SegmentBuf::Pooled(p) => &mut p.0,
+            SegmentBuf::Own(b) => b,
+        }
+    }
+
+    pub fn freeze(self) -> Bytes {
+        match self {
+            SegmentBuf::Pooled(p) => Bytes::from_owner(p),
+            SegmentBuf::Own(b) => b.freeze(),
+        }
+    }
+}
+
+/// Reads exactly `want` bytes (at most [`PAYLOAD_SEGMENT_BYTES`]); a stream that ends first is
+/// `truncated(bytes it gave)`.
+pub(crate) async fn read_segment<R: AsyncRead + Unpin>(
+    r: &mut R,
+    want: usize,
+    truncated: impl Fn(usize) -> WireError,
+) -> Result<SegmentBuf, WireError> {
+    debug_assert!(want <= PAYLOAD_SEGMENT_BYTES);
+    let stream_error = |e: std::io::Error| WireError::Stream(format!("{e} ({e:?})"));
+    let mut limited = r.take(want as u64);
+    if want >= POOLED_SEGMENT_BYTES_MIN {
+        let mut buf = segment_buffer();
+        while buf.len() < want {
+            if limited.read_buf(&mut buf).await.map_err(stream_error)? == 0 {
+                return Err(truncated(buf.len()));
+            }
+        }
+        Ok(SegmentBuf::Pooled(PooledSegment(buf)))
+    } else {
+        let mut buf = BytesMut::with_capacity(want);
+        while buf.len() < want {
+            if limited.read_buf(&mut buf).await.map_err(stream_error)? == 0 {
+                return Err(truncated(buf.len()));
+            }
+        }
+        Ok(SegmentBuf::Own(buf))
+    }
+}
+
 async fn read_payload<R: AsyncRead + Unpin>(r: &mut R, length: u32) -> Result<Vec<Bytes>, WireError> {
     let length = length as usize;
     if length == 0 {
         return Ok(vec![Bytes::new()]);
     }
-    let stream_error = |e: std::io::Error| WireError::Stream(format!("{e} ({e:?})"));
     let mut segments = Vec::with_capacity(length.div_ceil(PAYLOAD_SEGMENT_BYTES));
     let mut got = 0;
     while got < length {
         let want = (length - got).min(PAYLOAD_SEGMENT_BYTES);
-        let mut limited = (&mut *r).take(want as u64);
         let truncated = |have: usize| WireError::Truncated { needed: length, available: got + have };
-        if want >= POOLED_SEGMENT_BYTES_MIN {
-            let mut buf = segment_buffer();
-            while buf.len() < want {
-                if limited.read_buf(&mut buf).await.map_err(stream_error)? == 0 {
-                    return Err(truncated(buf.len()));
-                }
-            }
-            segments.push(Bytes::from_owner(PooledSegment(buf)));
-        } else {
-            let mut buf = BytesMut::with_capacity(want);
-            while buf.len() < want {
-                if limited.read_buf(&mut buf).await.map_err(stream_error)? == 0 {
-                    return Err(truncated(buf.len()));
-                }
-            }
-            segments.push(buf.freeze());
-        }
+        segments.push(read_segment(r, want, truncated).await?.freeze());
         got += want;
     }
     Ok(segments)
@@ -146,12 +180,57 @@ pub async fn read_message<R: AsyncRead + Unpin + Send>(
 }
 
 /// [`read_message`] with the payload bytes read by `segments` (e.g. zero-copy chunks of a QUIC stream).
-pub async fn read_message_with<R: AsyncRead + Unpin>(
+pub async fn read_message_with<R: AsyncRead + Unpin + Send>(
     r: &mut R,
     limits: FrameLimits,
     segments: SegmentReader<R>,
 ) -> Result<ReadOutcome, WireError> {
-    let Some(head) = read_header(r, true).await? else {
+    read_frames(&mut StreamSource { r, segments }, limits).await
+}
+
+/// Where frames come from: their headers and payload bytes, in order. A byte stream read as it is
+/// ([`StreamSource`]), or one whose records are sealed (`super::sealed`).
+pub(crate) trait FrameSource: Send {
+    /// The next frame header; `None` if the stream ended cleanly before it and `first` (between messages).
+    fn header(&mut self, first: bool) -> impl Future<Output = Result<Option<[u8; HEADER_BYTES]>, WireError>> + Send;
+
+    /// Exactly `length` payload bytes, as one or more segments (one empty segment for none).
+    fn payload(&mut self, length: u32) -> impl Future<Output = Result<Vec<Bytes>, WireError>> + Send;
+}
+
+/// A byte stream whose headers are read as they are and whose payloads by `segments`.
+struct StreamSource<'r, R> {
+    r: &'r mut R,
+    segments: SegmentReader<R>,
+}
+
+impl<R: AsyncRead + Unpin + Send> FrameSource for StreamSource<'_, R> {
+    async fn header(&mut self, first: bool) -> Result<Option<[u8; HEADER_BYTES]>, WireError> {
+        read_header(self.r, first).await
+    }
+
+    async fn payload(&mut self, length: u32) -> Result<Vec<Bytes>, WireError> {
+        (self.segments)(self.r, length).await
+    }
+}
+
+/// A byte stream of its own, read as it is (a socket's reading half).
+pub(crate) struct PlainSource<R>(pub R);
+
+impl<R: AsyncRead + Unpin + Send> FrameSource for PlainSource<R> {
+    async fn header(&mut self, first: bool) -> Result<Option<[u8; HEADER_BYTES]>, WireError> {
+        read_header(&mut self.0, first).await
+    }
+
+    async fn payload(&mut self, length: u32) -> Result<Vec<Bytes>, WireError> {
+        read_payload(&mut self.0, length).await
+    }
+}
+
+/// Reads the next message from `source`, with every check of [`crate::wire`]. Control messages are
+/// single-frame and at most `MESSAGE_BYTES_MAX`.
+pub(crate) async fn read_frames<S: FrameSource>(source: &mut S, limits: FrameLimits) -> Result<ReadOutcome, WireError> {
+    let Some(head) = source.header(true).await? else {
         return Ok(ReadOutcome::End);
     };
     let first = FrameHeader::decode(&head, limits.frame_bytes_max, limits.message_frames_max)?;
@@ -165,18 +244,18 @@ pub async fn read_message_with<R: AsyncRead + Unpin>(
                 first.length, first.part_count
             )));
         }
-        let body = segments(r, first.length).await?.concat();
+        let body = source.payload(first.length).await?.concat();
         return Ok(ReadOutcome::Control { kind: first.kind, message: ControlMessage::decode(&body)? });
     }
-    let mut parts = segments(r, first.length).await?;
+    let mut parts = source.payload(first.length).await?;
     for index in 1..first.part_count {
-        let head = read_header(r, false).await?.expect("not first");
+        let head = source.header(false).await?.expect("not first");
         let h = FrameHeader::decode(&head, limits.frame_bytes_max, limits.message_frames_max)?;
         if h.kind != FrameKind::Data || h.tag != first.tag || h.part_count != first.part_count || h.part_index != index
         {
             return Err(WireError::Protocol(format!("frame {h:?} interrupts message {:?} at part {index}", first.tag)));
         }
-        parts.extend(segments(r, h.length).await?);
+        parts.extend(source.payload(h.length).await?);
     }
     Ok(ReadOutcome::Data { tag: first.tag, payload: Payload { segments: parts } })
 }

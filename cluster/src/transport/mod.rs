@@ -14,6 +14,7 @@ pub mod memory;
 pub mod quic;
 pub mod routed;
 pub mod same_host;
+pub mod sealed;
 pub mod shm;
 mod stream_mesh;
 pub mod subgroup;

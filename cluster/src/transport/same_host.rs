@@ -15,9 +15,9 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::unix::OwnedWriteHalf;
 use tokio::net::{UnixListener, UnixStream};
 
-use super::frame_io::{frame_control, read_message, FrameLimits, ReadOutcome};
+use super::frame_io::{frame_control, read_message, FrameLimits, PlainSource, ReadOutcome};
 use super::shm::{map_peer, Arena, OwnSegment};
-use super::stream_mesh::StreamMesh;
+use super::stream_mesh::{Plain, StreamMesh};
 use super::{LossScope, Mailbox, Payload, Transport};
 use crate::error::Rank;
 use crate::wire::{ControlMessage, FrameKind, Tag};
@@ -30,7 +30,7 @@ const SOCKET_BUFFER_BYTES: usize = 4 << 20;
 pub struct SameHostTransport {
     rank: Rank,
     world: usize,
-    mesh: StreamMesh<OwnedWriteHalf>,
+    mesh: StreamMesh<Plain<OwnedWriteHalf>>,
     config: TransportConfig,
     arena: Option<Arc<Arena>>,
 }
@@ -83,7 +83,7 @@ impl SameHostTransport {
                 &ControlMessage::Hello { node: String::new(), rank: rank as u32, world: world as u32 },
             );
             writer.write_all(&hello).await.map_err(|e| connect_err(peer, e.to_string()))?;
-            mesh.add(peer, reader, writer, limits);
+            mesh.add(peer, PlainSource(reader), Plain(writer), limits);
         }
         for _ in rank + 1..world {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -109,7 +109,7 @@ impl SameHostTransport {
                 }
                 other => return Err(connect_err(rank + 1, format!("bad hello: {other:?}"))),
             };
-            mesh.add(peer, reader, writer, limits);
+            mesh.add(peer, PlainSource(reader), Plain(writer), limits);
         }
         let _ = std::fs::remove_file(&path);
         let mut transport = SameHostTransport { rank, world, mesh, config, arena: None };

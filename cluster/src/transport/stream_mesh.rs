@@ -1,19 +1,43 @@
 //! A full mesh of byte-stream connections (Unix or TCP sockets), one per peer, speaking this crate's
-//! framing: what the same-host transport ([`super::same_host`]) and the plaintext TCP data plane
-//! ([`super::tcp`]) share once their connections are made. A reader task per peer delivers into the
-//! [`Mailbox`]; sends write under a per-peer lock, straight from the caller's memory (a socket write
-//! copies into the kernel before it returns).
+//! framing: what the same-host transport ([`super::same_host`]) and the TCP data plane ([`super::tcp`])
+//! share once their connections are made. A reader task per peer delivers into the [`Mailbox`]; sends
+//! write under a per-peer lock, straight from the caller's memory (a socket write copies into the
+//! kernel before it returns). Frames go over the connection as they are ([`Plain`]) or sealed
+//! ([`super::sealed`]).
 
+use std::future::Future;
 use std::sync::Arc;
 
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::Mutex as AsyncMutex;
 
-use super::frame_io::{frame_control, frame_parts, read_message, FrameLimits, ReadOutcome};
+use super::frame_io::{frame_control, frame_parts, read_frames, FrameLimits, FrameSource, ReadOutcome};
 use super::Mailbox;
 use crate::error::Rank;
-use crate::wire::{ControlMessage, FrameKind, Tag, WireError};
+use crate::wire::{ControlMessage, FrameKind, Tag, WireError, HEADER_BYTES};
 use crate::ClusterError;
+
+/// The sending half of a connection, writing whole frames.
+pub(crate) trait FrameWriter: Send + 'static {
+    fn write_frame(&mut self, header: &[u8], payload: &[u8]) -> impl Future<Output = std::io::Result<()>> + Send;
+
+    /// Ends the connection's sending direction.
+    fn close(&mut self) -> impl Future<Output = std::io::Result<()>> + Send;
+}
+
+/// Frames written as they are.
+pub(crate) struct Plain<W>(pub W);
+
+impl<W: AsyncWrite + Unpin + Send + 'static> FrameWriter for Plain<W> {
+    async fn write_frame(&mut self, header: &[u8], payload: &[u8]) -> std::io::Result<()> {
+        self.0.write_all(header).await?;
+        self.0.write_all(payload).await
+    }
+
+    fn close(&mut self) -> impl Future<Output = std::io::Result<()>> + Send {
+        self.0.shutdown()
+    }
+}
 
 pub(crate) struct StreamMesh<W> {
     rank: Rank,
@@ -24,7 +48,7 @@ pub(crate) struct StreamMesh<W> {
     what: &'static str,
 }
 
-impl<W: AsyncWrite + Unpin + Send + 'static> StreamMesh<W> {
+impl<W: FrameWriter> StreamMesh<W> {
     pub fn new(rank: Rank, world: usize, mailbox: Arc<Mailbox>, frame_bytes_max: u32, what: &'static str) -> Self {
         StreamMesh { rank, writers: (0..world).map(|_| None).collect(), mailbox, frame_bytes_max, what }
     }
@@ -35,14 +59,8 @@ impl<W: AsyncWrite + Unpin + Send + 'static> StreamMesh<W> {
 
     /// Takes the connection to `peer` (its hello already exchanged) into the mesh: a task reads its
     /// messages into the mailbox from now on.
-    pub fn add<R: AsyncRead + Unpin + Send + 'static>(
-        &mut self,
-        peer: Rank,
-        reader: R,
-        writer: W,
-        limits: FrameLimits,
-    ) {
-        tokio::spawn(serve(reader, peer, self.mailbox.clone(), limits, self.what));
+    pub fn add<S: FrameSource + 'static>(&mut self, peer: Rank, source: S, writer: W, limits: FrameLimits) {
+        tokio::spawn(serve(source, peer, self.mailbox.clone(), limits, self.what));
         self.writers[peer] = Some(AsyncMutex::new(writer));
     }
 
@@ -60,8 +78,7 @@ impl<W: AsyncWrite + Unpin + Send + 'static> StreamMesh<W> {
         })?;
         let mut w = writer.lock().await;
         for (header, range) in parts {
-            w.write_all(&header).await.map_err(|e| lost(e.to_string()))?;
-            w.write_all(&data[range]).await.map_err(|e| lost(e.to_string()))?;
+            w.write_frame(&header, &data[range]).await.map_err(|e| lost(e.to_string()))?;
         }
         Ok(())
     }
@@ -71,8 +88,8 @@ impl<W: AsyncWrite + Unpin + Send + 'static> StreamMesh<W> {
         let goodbye = frame_control(FrameKind::Control, &ControlMessage::Goodbye { rank: self.rank as u32 });
         for w in self.writers.iter().flatten() {
             let mut w = w.lock().await;
-            let _ = w.write_all(&goodbye).await;
-            let _ = w.shutdown().await;
+            let _ = w.write_frame(&goodbye[..HEADER_BYTES], &goodbye[HEADER_BYTES..]).await;
+            let _ = w.close().await;
         }
         self.mailbox.close();
     }
@@ -80,15 +97,15 @@ impl<W: AsyncWrite + Unpin + Send + 'static> StreamMesh<W> {
 
 /// Reads `peer`'s messages into `mailbox` until it says goodbye, its connection ends (the peer is
 /// lost), or it sends a bad frame (the connection is closed with a logged reason and the peer is lost).
-async fn serve<R: AsyncRead + Unpin + Send>(
-    mut reader: R,
+async fn serve<S: FrameSource>(
+    mut source: S,
     peer: Rank,
     mailbox: Arc<Mailbox>,
     limits: FrameLimits,
     what: &'static str,
 ) {
     loop {
-        let outcome = read_message(&mut reader, limits).await;
+        let outcome = read_frames(&mut source, limits).await;
         let err = match outcome {
             Ok(ReadOutcome::Data { tag, payload }) => match mailbox.deliver(peer, tag, payload) {
                 Ok(()) => continue,

@@ -1,17 +1,23 @@
-//! The plaintext TCP data plane between hosts, for trusted fabrics: a job opts in with
-//! `data_plane = plaintext_tcp`; the default stays the mutually-authenticated QUIC mesh.
+//! The TCP data plane between hosts: a job opts in with `data_plane = encrypted_tcp` (every byte
+//! sealed with AES-128-GCM) or, on a trusted fabric, `data_plane = plaintext_tcp`; the default stays
+//! the mutually-authenticated QUIC mesh.
 //!
-//! Why it exists: on a CPU-bound host, sealing and opening every byte with AES-GCM and QUIC's
-//! packetization costs about as much CPU again as the transfer itself (docs/benchmarks.md), while Gloo
-//! and NCCL send tensors in the clear. A user whose fabric is private may prefer Gloo's trade.
+//! Why it exists: on a CPU-bound host QUIC's packetization — a copy into every packet and of every
+//! received datagram, per-packet state and acknowledgements in user space — costs about as much CPU as
+//! the transfer itself (docs/benchmarks.md). Over TCP the kernel does the segmenting, and a sealed
+//! record of up to 1 MiB is read straight into the buffer it is delivered in and opened there
+//! ([`super::sealed`]). Without encryption this is Gloo's and NCCL's trade: tensors in the clear.
 //!
 //! What stays protected: connections are set up *through* an authenticated control transport (the QUIC
 //! mesh, mutual TLS): every rank binds a TCP listener and sends each peer, over that transport, the
-//! listener's address and a fresh 256-bit token for that peer alone. A dialer's first frame names its
-//! rank and the token; a connection whose token does not match the one given to the rank it claims —
-//! a stray process, a port scanner, a replay towards another rank — is refused and logged, and the
-//! set-up goes on waiting for the real peer. What is not protected: the bytes themselves. Anyone who can
-//! read or write the fabric can read or alter tensors in flight, exactly as with Gloo or NCCL.
+//! listener's address and a fresh 256-bit token for that peer alone — and, encrypted, a fresh key for
+//! what that peer will send it. A dialer's first frame names its rank and the token; a connection whose
+//! token does not match the one given to the rank it claims — a stray process, a port scanner, a replay
+//! towards another rank — is refused and logged, and the set-up goes on waiting for the real peer.
+//! Encrypted, every later byte is sealed under keys only the two ranks hold: nobody on the fabric can
+//! read a tensor, and an altered, dropped, repeated or injected record closes the connection (the
+//! peer is lost, as on QUIC). Plaintext, anyone who can read or write the fabric can read or alter
+//! tensors in flight, exactly as with Gloo or NCCL.
 //!
 //! Failure detection: a crashed peer's socket ends at once (EOF or reset); a host that falls silent is
 //! caught by the control transport's keep-alive (QUIC's idle timeout), whose loss is forwarded into this
@@ -29,8 +35,9 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
-use super::frame_io::{frame_control, read_message, FrameLimits, ReadOutcome};
-use super::stream_mesh::StreamMesh;
+use super::frame_io::{frame_control, read_message, FrameLimits, PlainSource, ReadOutcome};
+use super::sealed::{RecordKey, SealedSource, SealedWriter};
+use super::stream_mesh::{FrameWriter, Plain, StreamMesh};
 use super::{LossScope, Mailbox, Payload, Transport};
 use crate::error::Rank;
 use crate::wire::{ControlMessage, FrameKind, Tag};
@@ -45,17 +52,87 @@ const HELLO_TIMEOUT_MS: u64 = 2_000;
 /// Pause after a failed accept before the next.
 const ACCEPT_RETRY_MS: u64 = 20;
 
-/// What a rank tells each peer over the control transport: where to dial it and with what token.
+/// What a rank tells each peer over the control transport: where to dial it, with what token, and —
+/// when payloads are encrypted — the key the peer is to seal what it sends this rank with.
 #[derive(Serialize, Deserialize)]
 struct Invitation {
     addr: SocketAddr,
     token: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    key: Option<String>,
+}
+
+/// Whether the bytes on the TCP connections are encrypted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcpPayloads {
+    /// Sent as they are (`data_plane = plaintext_tcp`).
+    Plaintext,
+    /// Sealed with AES-128-GCM in records ([`super::sealed`]), under a key per connection and
+    /// direction handed over through the control transport (`data_plane = encrypted_tcp`).
+    Encrypted,
+}
+
+/// The sending half of one TCP connection.
+enum TcpWriter {
+    Plain(Plain<OwnedWriteHalf>),
+    Sealed(Box<SealedWriter<OwnedWriteHalf>>),
+}
+
+impl FrameWriter for TcpWriter {
+    async fn write_frame(&mut self, header: &[u8], payload: &[u8]) -> std::io::Result<()> {
+        match self {
+            TcpWriter::Plain(w) => w.write_frame(header, payload).await,
+            TcpWriter::Sealed(w) => w.write_frame(header, payload).await,
+        }
+    }
+
+    async fn close(&mut self) -> std::io::Result<()> {
+        match self {
+            TcpWriter::Plain(w) => w.close().await,
+            TcpWriter::Sealed(w) => w.close().await,
+        }
+    }
+}
+
+/// The keys of one connection: the one this rank opens with (it chose it) and the one it seals with
+/// (the peer chose it).
+struct ConnectionKeys {
+    open: RecordKey,
+    seal: RecordKey,
+}
+
+/// What this rank expects of a peer's connection: the token the peer must show, and the connection's
+/// keys when payloads are encrypted.
+struct Expected {
+    token: String,
+    keys: Option<ConnectionKeys>,
+}
+
+/// Takes a connection whose hello is done into `mesh`, reading and writing as `keys` say.
+fn join(
+    mesh: &mut StreamMesh<TcpWriter>,
+    peer: Rank,
+    stream: TcpStream,
+    keys: Option<&ConnectionKeys>,
+    limits: FrameLimits,
+) {
+    let _ = stream.set_nodelay(true);
+    let (reader, writer): (OwnedReadHalf, OwnedWriteHalf) = stream.into_split();
+    match keys {
+        None => mesh.add(peer, PlainSource(reader), TcpWriter::Plain(Plain(writer)), limits),
+        Some(k) => mesh.add(
+            peer,
+            SealedSource::new(reader, &k.open),
+            TcpWriter::Sealed(Box::new(SealedWriter::new(writer, &k.seal))),
+            limits,
+        ),
+    }
 }
 
 pub struct TcpTransport<C: Transport> {
     rank: Rank,
     world: usize,
-    mesh: StreamMesh<OwnedWriteHalf>,
+    mesh: StreamMesh<TcpWriter>,
     control: Arc<C>,
     /// Forwards the control transport's first peer loss into the mailbox.
     watch: tokio::task::JoinHandle<()>,
@@ -84,8 +161,13 @@ fn tokens_match(a: &str, b: &str) -> bool {
 impl<C: Transport> TcpTransport<C> {
     /// Sets up the mesh among `control`'s ranks (the same ranks, numbered alike): listens on `bind_ip`
     /// (port chosen by the system), invites every peer over `control`, dials every lower rank, accepts
-    /// every higher one. Every rank of `control` must call it.
-    pub async fn connect(control: Arc<C>, bind_ip: IpAddr, config: TransportConfig) -> Result<Self, ClusterError> {
+    /// every higher one. Every rank of `control` must call it, with the same `payloads`.
+    pub async fn connect(
+        control: Arc<C>,
+        bind_ip: IpAddr,
+        config: TransportConfig,
+        payloads: TcpPayloads,
+    ) -> Result<Self, ClusterError> {
         let (rank, world) = (control.rank(), control.world());
         let limits = FrameLimits::from(&config);
         let listener = TcpListener::bind((bind_ip, 0))
@@ -93,22 +175,43 @@ impl<C: Transport> TcpTransport<C> {
             .map_err(|e| ClusterError::io(format!("binding a TCP data-plane listener on {bind_ip}"), e))?;
         let addr = listener.local_addr().map_err(|e| ClusterError::io("reading the TCP listener's address", e))?;
         let tokens = (0..world).map(|_| random_token()).collect::<Result<Vec<_>, _>>()?;
+        let open_keys = match payloads {
+            TcpPayloads::Plaintext => None,
+            TcpPayloads::Encrypted => Some(
+                (0..world).map(|_| RecordKey::random().map_err(ClusterError::Tls)).collect::<Result<Vec<_>, _>>()?,
+            ),
+        };
         let tag = Tag { group: TCP_SETUP_GROUP, epoch: 0, seq: 0, step: 0 };
         let peers: Vec<Rank> = (0..world).filter(|&q| q != rank).collect();
         for &q in &peers {
-            let invitation = serde_json::to_vec(&Invitation { addr, token: tokens[q].clone() })
+            let key = open_keys.as_ref().map(|k| k[q].to_hex());
+            let invitation = serde_json::to_vec(&Invitation { addr, token: tokens[q].clone(), key })
                 .expect("an invitation always serializes");
             control.send(q, tag, Bytes::from(invitation)).await?;
         }
         let mut invitations: Vec<Option<Invitation>> = (0..world).map(|_| None).collect();
+        let mut keys: Vec<Option<ConnectionKeys>> = (0..world).map(|_| None).collect();
         for &q in &peers {
-            let bytes = control.recv(q, tag, LossScope::Peer, config.connect_timeout_ms).await?.to_vec();
-            let invitation = serde_json::from_slice(&bytes).map_err(|e| ClusterError::Connect {
+            let bad = |reason: String| ClusterError::Connect {
                 rank,
                 peer: q,
                 addr: "(control transport)".into(),
-                reason: format!("bad TCP data-plane invitation: {e}"),
-            })?;
+                reason: format!("bad TCP data-plane invitation: {reason}"),
+            };
+            let bytes = control.recv(q, tag, LossScope::Peer, config.connect_timeout_ms).await?.to_vec();
+            let invitation: Invitation = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
+            if let Some(open) = &open_keys {
+                let Some(seal) = &invitation.key else {
+                    return Err(bad(
+                        "no key: the peer was asked for plaintext payloads, this rank for encrypted ones".into()
+                    ));
+                };
+                keys[q] = Some(ConnectionKeys { open: open[q].clone(), seal: RecordKey::from_hex(seal).map_err(bad)? });
+            } else if invitation.key.is_some() {
+                return Err(bad(
+                    "a key: the peer was asked for encrypted payloads, this rank for plaintext ones".into()
+                ));
+            }
             invitations[q] = Some(invitation);
         }
 
@@ -116,7 +219,7 @@ impl<C: Transport> TcpTransport<C> {
         let mut mesh = StreamMesh::new(rank, world, mailbox, config.frame_bytes_max, "TCP data-plane");
         let deadline = Instant::now() + Duration::from_millis(config.connect_timeout_ms);
         for (peer, invitation) in invitations.iter().enumerate().take(rank) {
-            let Invitation { addr, token } = invitation.as_ref().expect("every peer's invitation was received");
+            let Invitation { addr, token, .. } = invitation.as_ref().expect("every peer's invitation was received");
             let connect_err =
                 |reason: String| ClusterError::Connect { rank, peer, addr: format!("tcp://{addr}"), reason };
             let left = deadline.saturating_duration_since(Instant::now());
@@ -124,13 +227,14 @@ impl<C: Transport> TcpTransport<C> {
                 .await
                 .map_err(|_| connect_err("not connected within connect_timeout_ms".into()))?
                 .map_err(|e| connect_err(e.to_string()))?;
-            let _ = stream.set_nodelay(true);
-            let (reader, mut writer) = stream.into_split();
+            let mut stream = stream;
             let hello = ControlMessage::TcpHello { rank: rank as u32, world: world as u32, token: token.clone() };
-            writer.write_all(&frame_control(FrameKind::Hello, &hello)).await.map_err(|e| connect_err(e.to_string()))?;
-            mesh.add(peer, reader, writer, limits);
+            stream.write_all(&frame_control(FrameKind::Hello, &hello)).await.map_err(|e| connect_err(e.to_string()))?;
+            join(&mut mesh, peer, stream, keys[peer].as_ref(), limits);
         }
-        accept_peers(&listener, &mut mesh, &tokens, rank, world, limits, deadline).await?;
+        let expected: Vec<Expected> =
+            tokens.into_iter().zip(keys).map(|(token, keys)| Expected { token, keys }).collect();
+        accept_peers(&listener, &mut mesh, &expected, rank, world, limits, deadline).await?;
 
         let watch = tokio::spawn({
             let (control, mailbox) = (control.clone(), mesh.mailbox().clone());
@@ -148,8 +252,8 @@ impl<C: Transport> TcpTransport<C> {
 /// expected, or carries the wrong token is dropped with a logged reason, and the wait goes on.
 async fn accept_peers(
     listener: &TcpListener,
-    mesh: &mut StreamMesh<OwnedWriteHalf>,
-    tokens: &[String],
+    mesh: &mut StreamMesh<TcpWriter>,
+    expected: &[Expected],
     rank: Rank,
     world: usize,
     limits: FrameLimits,
@@ -195,7 +299,7 @@ async fn accept_peers(
                             Err(format!("claims rank {r} of {w}; expected one of ranks {:?} of {world}", waiting_for(mesh)))
                         } else if mesh.is_connected(r) {
                             Err(format!("claims rank {r}, which is already connected"))
-                        } else if !tokens_match(&token, &tokens[r]) {
+                        } else if !tokens_match(&token, &expected[r].token) {
                             Err(format!("claims rank {r} with a token that is not the one rank {r} was given"))
                         } else {
                             Ok(r)
@@ -206,9 +310,7 @@ async fn accept_peers(
                 };
                 match peer {
                     Ok(peer) => {
-                        let _ = stream.set_nodelay(true);
-                        let (reader, writer): (OwnedReadHalf, OwnedWriteHalf) = stream.into_split();
-                        mesh.add(peer, reader, writer, limits);
+                        join(mesh, peer, stream, expected[peer].keys.as_ref(), limits);
                         pending -= 1;
                     }
                     Err(reason) => tracing::warn!(rank, %from, %reason, "refused a TCP data-plane connection"),
@@ -282,19 +384,29 @@ mod tests {
     const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 
     /// `world` ranks over TCP, set up through an in-memory control mesh (returned too).
-    async fn mesh(world: usize) -> (Vec<Arc<MemoryTransport>>, Vec<Arc<TcpTransport<MemoryTransport>>>) {
+    async fn mesh(
+        world: usize,
+        payloads: TcpPayloads,
+    ) -> (Vec<Arc<MemoryTransport>>, Vec<Arc<TcpTransport<MemoryTransport>>>) {
         let control: Vec<Arc<MemoryTransport>> = MemoryTransport::mesh(world, 64).into_iter().map(Arc::new).collect();
-        let connects = control.iter().map(|c| TcpTransport::connect(c.clone(), LOOPBACK, TransportConfig::default()));
+        let connects =
+            control.iter().map(|c| TcpTransport::connect(c.clone(), LOOPBACK, TransportConfig::default(), payloads));
         let tcp =
             futures::future::join_all(connects).await.into_iter().map(|t| Arc::new(t.expect("connect"))).collect();
         (control, tcp)
     }
 
     /// Messages of every size between every pair (borrowed and owned sends), and an all-reduce whose
-    /// slices are many frames and segments, equal what was sent.
+    /// slices are many frames and segments, equal what was sent — plaintext and encrypted.
     #[tokio::test]
     async fn three_ranks_exchange_messages_and_all_reduce() {
-        let (_control, tcp) = mesh(3).await;
+        for payloads in [TcpPayloads::Plaintext, TcpPayloads::Encrypted] {
+            three_ranks_exchange_messages_and_all_reduce_with(payloads).await;
+        }
+    }
+
+    async fn three_ranks_exchange_messages_and_all_reduce_with(payloads: TcpPayloads) {
+        let (_control, tcp) = mesh(3, payloads).await;
         let tag = Tag { group: 0, epoch: 1, seq: 0, step: 0 };
         let message =
             |from: usize, to: usize| -> Vec<u8> { (0..(3 << 20) + from * 7 + to).map(|i| (i % 251) as u8).collect() };
@@ -310,7 +422,7 @@ mod tests {
         for (to, receiver) in tcp.iter().enumerate() {
             for from in (0..3).filter(|&from| from != to) {
                 let got = receiver.recv(from, tag, LossScope::Peer, 10_000).await.expect("recv");
-                assert_eq!(got.to_vec(), message(from, to), "{from} -> {to}");
+                assert_eq!(got.to_vec(), message(from, to), "{from} -> {to}, {payloads:?}");
             }
         }
         let len = 1_500_001;
@@ -327,9 +439,28 @@ mod tests {
             }
         });
         for (rank, got) in futures::future::join_all(runs).await.into_iter().enumerate() {
-            assert_eq!(got, sum, "rank {rank}");
+            assert_eq!(got, sum, "rank {rank}, {payloads:?}");
         }
         futures::future::join_all(tcp.iter().map(|t| t.shutdown())).await;
+    }
+
+    /// Ranks asked for different payloads (one plaintext, one encrypted) refuse to connect, each saying
+    /// what it was asked for and what its peer was: never a mesh where one side seals and the other not.
+    #[tokio::test]
+    async fn ranks_that_disagree_on_encryption_do_not_connect() {
+        let control: Vec<Arc<MemoryTransport>> = MemoryTransport::mesh(2, 64).into_iter().map(Arc::new).collect();
+        let config = TransportConfig { connect_timeout_ms: 5_000, ..TransportConfig::default() };
+        let (plain, sealed) = futures::future::join(
+            TcpTransport::connect(control[0].clone(), LOOPBACK, config.clone(), TcpPayloads::Plaintext),
+            TcpTransport::connect(control[1].clone(), LOOPBACK, config, TcpPayloads::Encrypted),
+        )
+        .await;
+        for (result, says) in [(plain.err(), "a key: the peer was asked for encrypted"), (sealed.err(), "no key")] {
+            match result {
+                Some(ClusterError::Connect { reason, .. }) => assert!(reason.contains(says), "{reason}"),
+                other => panic!("expected a refusal saying {says:?}, got {other:?}"),
+            }
+        }
     }
 
     /// Dials rank 0's listener as the claimed `rank` with `token` and says whether the connection was
@@ -347,12 +478,18 @@ mod tests {
     #[tokio::test]
     async fn connections_without_the_peers_token_are_refused_and_the_set_up_goes_on() {
         let control: Vec<Arc<MemoryTransport>> = MemoryTransport::mesh(2, 64).into_iter().map(Arc::new).collect();
-        let rank0 = tokio::spawn(TcpTransport::connect(control[0].clone(), LOOPBACK, TransportConfig::default()));
+        let rank0 = tokio::spawn(TcpTransport::connect(
+            control[0].clone(),
+            LOOPBACK,
+            TransportConfig::default(),
+            TcpPayloads::Plaintext,
+        ));
         let tag = Tag { group: TCP_SETUP_GROUP, epoch: 0, seq: 0, step: 0 };
-        let ours = Invitation { addr: "127.0.0.1:9".parse().expect("addr"), token: random_token().expect("token") };
+        let ours =
+            Invitation { addr: "127.0.0.1:9".parse().expect("addr"), token: random_token().expect("token"), key: None };
         control[1].send(0, tag, Bytes::from(serde_json::to_vec(&ours).expect("json"))).await.expect("invite");
         let got = control[1].recv(0, tag, LossScope::Peer, 10_000).await.expect("rank 0's invitation").to_vec();
-        let Invitation { addr, token } = serde_json::from_slice(&got).expect("an invitation");
+        let Invitation { addr, token, .. } = serde_json::from_slice(&got).expect("an invitation");
         let hello = |rank: u32, world: u32, token: &str| {
             frame_control(FrameKind::Hello, &ControlMessage::TcpHello { rank, world, token: token.into() })
         };
@@ -381,7 +518,7 @@ mod tests {
     /// receives from it over TCP, and group receives from anyone.
     #[tokio::test]
     async fn a_loss_on_the_control_transport_fails_receives_over_tcp() {
-        let (control, tcp) = mesh(3).await;
+        let (control, tcp) = mesh(3, TcpPayloads::Encrypted).await;
         let tag = Tag { group: 0, epoch: 2, seq: 0, step: 0 };
         control[2].kill();
         for (from, scope) in [(2, LossScope::Peer), (1, LossScope::Group)] {
