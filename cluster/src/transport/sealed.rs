@@ -40,6 +40,10 @@ const LENGTH_BYTES: usize = 4;
 pub struct RecordKey([u8; KEY_BYTES]);
 
 impl RecordKey {
+    pub fn from_bytes(bytes: [u8; KEY_BYTES]) -> Self {
+        RecordKey(bytes)
+    }
+
     pub fn random() -> Result<Self, String> {
         let mut bytes = [0u8; KEY_BYTES];
         rustls::crypto::ring::default_provider()
@@ -237,6 +241,34 @@ impl<R: AsyncRead + Unpin + Send> FrameSource for SealedSource<R> {
             got += want;
         }
         Ok(segments)
+    }
+}
+
+/// What a [`SealedWriter`] under `key` writes for these frames (each a header and its payload), from
+/// record 0: for tests and the fuzz target's seeds.
+pub fn seal_frames(key: &RecordKey, frames: &[(&[u8], &[u8])]) -> Vec<u8> {
+    let mut w = SealedWriter::new(Vec::new(), key);
+    for (header, payload) in frames {
+        futures::executor::block_on(w.write_frame(header, payload)).expect("writing to memory cannot fail");
+    }
+    w.inner
+}
+
+/// Reads every message of a sealed stream held in memory, under `key`, until it ends cleanly or an
+/// error stops it (returned with the messages before it): for tests and the fuzz target.
+pub fn read_sealed(
+    data: &[u8],
+    key: &RecordKey,
+    limits: super::FrameLimits,
+) -> (Vec<super::ReadOutcome>, Option<WireError>) {
+    let mut source = SealedSource::new(data, key);
+    let mut got = Vec::new();
+    loop {
+        match futures::executor::block_on(super::frame_io::read_frames(&mut source, limits)) {
+            Ok(super::ReadOutcome::End) => return (got, None),
+            Ok(outcome) => got.push(outcome),
+            Err(e) => return (got, Some(e)),
+        }
     }
 }
 
