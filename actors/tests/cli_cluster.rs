@@ -139,7 +139,8 @@ async fn job_submit_status_and_cancel_from_the_command_line() {
     let dir = tempfile::tempdir().unwrap();
     let job = dir.path().join("long.toml");
     std::fs::write(&job, format!("{SMALL_JOB}steps = 100000\n")).unwrap();
-    let submitted = troupe_json(&["job", "submit", job.to_str().unwrap(), "--detach"], &cluster);
+    let submitted =
+        troupe_json(&["job", "submit", job.to_str().unwrap(), "--detach", "--data-plane", "encrypted-tcp"], &cluster);
     assert_eq!(submitted["event"], "submitted");
     let id = submitted["job"].as_u64().unwrap().to_string();
     let (info, _) = common::wait_for(Duration::from_secs(30), "the job to commit a step", || async {
@@ -150,6 +151,7 @@ async fn job_submit_status_and_cancel_from_the_command_line() {
     assert_eq!(info["state"], "running");
     assert_eq!(info["name"], "long");
     assert_eq!(info["world"], 2);
+    assert_eq!(info["data_plane"], "encrypted_tcp", "the data plane asked for on the command line");
     troupe_json(&["job", "cancel", &id], &cluster);
     let (info, _) = common::wait_for(Duration::from_secs(10), "the job to be cancelled", || async {
         let info = troupe_json(&["job", "status", &id], &cluster);

@@ -122,7 +122,7 @@ fn print_jobs(jobs: &[JobInfo]) {
 /// The jobs table, then for each job that is not over a table of its slots: rank, node, slot, stage
 /// (pipelines), replica, state and last committed step.
 fn render_jobs(jobs: &[JobInfo]) -> String {
-    let mut table = Table::new(&["JOB", "NAME", "STATE", "STEP", "WORLD", "EPOCH", "ATTEMPTS", "LOSS"]);
+    let mut table = Table::new(&["JOB", "NAME", "STATE", "STEP", "WORLD", "EPOCH", "ATTEMPTS", "LOSS", "DATA PLANE"]);
     for j in jobs {
         let state = serde_json::to_value(j.state).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
         table.row(vec![
@@ -134,6 +134,7 @@ fn render_jobs(jobs: &[JobInfo]) -> String {
             j.epoch.to_string(),
             j.attempts.to_string(),
             j.last_loss.map_or("-".into(), |l| format!("{l:.4}")),
+            j.data_plane.to_string(),
         ]);
     }
     let mut out = table.render();
@@ -300,6 +301,7 @@ mod tests {
             last_loss: Some(3.25),
             reason: None,
             events: 40,
+            data_plane: DataPlane::EncryptedTcp,
             ranks: vec![
                 rank("node-a", Some(0), Some(0), RankState::Training, Some(12)),
                 rank("node-b", Some(1), Some(1), RankState::Training, Some(12)),
@@ -310,7 +312,7 @@ mod tests {
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(
             lines[1].split_whitespace().collect::<Vec<_>>(),
-            ["3", "pipe", "running", "12/100", "2", "2", "1", "3.2500"]
+            ["3", "pipe", "running", "12/100", "2", "2", "1", "3.2500", "encrypted-tcp"]
         );
         assert_eq!(lines[3], "job 3 (pipe) ranks:");
         let cells = |l: &str| l.split_whitespace().map(str::to_owned).collect::<Vec<_>>();

@@ -205,6 +205,7 @@ mod tests {
             reason: None,
             events: 0,
             ranks: vec![],
+            data_plane: Default::default(),
         }
     }
 

@@ -233,6 +233,7 @@ impl JobDriver {
             last_loss: self.last_loss,
             reason: self.reason.clone(),
             ranks: self.rank_infos(),
+            data_plane: self.spec.data_plane,
         }
     }
 

@@ -143,6 +143,18 @@ impl DataPlane {
     }
 }
 
+/// The command line's spelling, as `troupe status` shows it.
+impl std::fmt::Display for DataPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DataPlane::Auto => "auto",
+            DataPlane::Quic => "quic",
+            DataPlane::PlaintextTcp => "plaintext-tcp",
+            DataPlane::EncryptedTcp => "encrypted-tcp",
+        })
+    }
+}
+
 impl std::str::FromStr for DataPlane {
     type Err = String;
 
@@ -203,6 +215,9 @@ pub struct JobInfo {
     /// slots of the view (none once it ended; absent from older controllers).
     #[serde(default)]
     pub ranks: Vec<RankInfo>,
+    /// How the job's tensors travel between hosts (`auto` from older controllers).
+    #[serde(default)]
+    pub data_plane: DataPlane,
 }
 
 /// A slot of a job as the controller sees it (`troupe status`, `/status`).

@@ -505,6 +505,7 @@ mod tests {
                 reason: None,
                 events: 0,
                 ranks: vec![],
+                data_plane: Default::default(),
             }],
             refused_stale: 1,
             changes: vec![],
