@@ -150,3 +150,28 @@ async fn a_call_dropped_mid_way_releases_the_peer() {
     assert!(matches!(r, Err(ClusterError::PeerLost { peer: 0, .. })), "{r:?}");
     assert!(started.elapsed() < Duration::from_secs(2), "waited {:?} of a 30 s timeout", started.elapsed());
 }
+
+/// Rank 2 crashes; rank 0's call fails on that loss and breaks off. Rank 1, calling after, must name
+/// the rank that was lost and why — not rank 0, whose breaking off was only the consequence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_after_a_loss_names_the_lost_rank_not_the_one_that_broke_off() {
+    let c = TransportConfig { collective_timeout_ms: 10_000, ..config(1 << 20) };
+    let dir = tempfile::tempdir().unwrap();
+    let connect = |rank| SameHostTransport::connect(dir.path(), rank, 3, c.clone());
+    let (t0, t1, t2) = tokio::join!(connect(0), connect(1), connect(2));
+    let (t0, t1) = (Arc::new(t0.unwrap()), Arc::new(t1.unwrap()));
+    let (mut c0, mut c1) = (comm(&t0, &c), comm(&t1, &c));
+    assert!(c0.uses_shared_memory() && c1.uses_shared_memory());
+    drop(t2.unwrap()); // its sockets close without a goodbye: a crash
+    for t in [&t0, &t1] {
+        assert_eq!(tokio::time::timeout(Duration::from_secs(5), t.any_loss()).await.expect("loss seen").0, 2);
+    }
+    let mut a = vec![1f32; 1 << 20];
+    let r = c0.all_reduce(&mut a, ReduceOp::Sum).await;
+    assert!(matches!(r, Err(ClusterError::PeerLost { peer: 2, .. })), "{r:?}");
+    let mut b = vec![1f32; 1 << 20];
+    match c1.all_reduce(&mut b, ReduceOp::Sum).await {
+        Err(ClusterError::PeerLost { peer: 2, reason, .. }) => assert!(reason.contains("without goodbye"), "{reason}"),
+        other => panic!("expected rank 2's loss, got {other:?}"),
+    }
+}

@@ -507,26 +507,17 @@ async fn run_attempt(
         },
         _ = wait_abort(&mut ctl) => return (Some(state), AttemptOutcome::Aborted { step }),
     };
-    let mesh = match payloads {
-        TcpPayloads::Plaintext => {
-            tracing::info!(
-                job = ctx.job,
-                attempt = ctx.attempt,
-                rank,
-                "data_plane = plaintext_tcp: tensors between hosts go over TCP unencrypted (connections authenticated through QUIC)"
-            );
-            "plaintext TCP"
-        }
-        TcpPayloads::Encrypted => {
-            tracing::info!(
-                job = ctx.job,
-                attempt = ctx.attempt,
-                rank,
-                "data_plane = encrypted_tcp: tensors between hosts go over TCP sealed with AES-128-GCM (keys handed over through QUIC)"
-            );
-            "encrypted TCP"
-        }
+    let (mesh, how) = match payloads {
+        TcpPayloads::Plaintext => (
+            "plaintext TCP",
+            "data_plane = plaintext_tcp: tensors between hosts go over TCP unencrypted (connections authenticated through QUIC)",
+        ),
+        TcpPayloads::Encrypted => (
+            "encrypted TCP",
+            "data_plane = encrypted_tcp: tensors between hosts go over TCP sealed with AES-128-GCM (keys handed over through QUIC)",
+        ),
     };
+    tracing::info!(job = ctx.job, attempt = ctx.attempt, rank, "{how}");
     between_hosts(&ctx, &spec, rank, epoch, tcp, mesh, state, &mut ctl).await
 }
 

@@ -521,19 +521,21 @@ impl CallGuard<'_> {
         }
     }
 
-    /// Fails if a peer is lost, departed or broke off its call, or the call ran past its timeout.
+    /// Fails if a peer is lost, departed or broke off its call, or the call ran past its timeout. A
+    /// peer that is gone is named before one that broke off: the one that broke off most likely did so
+    /// because of that loss, which is what the error should tell.
     fn check_peers(&self) -> Result<(), ClusterError> {
         let a = &self.claim.arena;
         let r = &self.record;
-        for q in (0..a.world()).filter(|&q| q != a.rank) {
-            let reason = if a.word(q, BROKEN_AT).load(Ordering::SeqCst) != 0 {
-                Some("abandoned a shared-memory collective (its call failed or its step was aborted)".to_string())
-            } else {
-                a.mailbox.gone(q)
-            };
-            if let Some(reason) = reason {
-                return Err(ClusterError::PeerLost { rank: a.rank, peer: q, epoch: r.tag.epoch, reason });
-            }
+        let peers = || (0..a.world()).filter(|&q| q != a.rank);
+        let gone = peers().find_map(|q| a.mailbox.gone(q).map(|reason| (q, reason)));
+        let broke_off = || {
+            peers().find(|&q| a.word(q, BROKEN_AT).load(Ordering::SeqCst) != 0).map(|q| {
+                (q, "abandoned a shared-memory collective (its call failed or its step was aborted)".to_string())
+            })
+        };
+        if let Some((peer, reason)) = gone.or_else(broke_off) {
+            return Err(ClusterError::PeerLost { rank: a.rank, peer, epoch: r.tag.epoch, reason });
         }
         let waited = self.started.elapsed();
         if waited >= Duration::from_millis(self.timeout_ms) {
