@@ -223,11 +223,10 @@ impl<C: Transport> TcpTransport<C> {
             let connect_err =
                 |reason: String| ClusterError::Connect { rank, peer, addr: format!("tcp://{addr}"), reason };
             let left = deadline.saturating_duration_since(Instant::now());
-            let stream = tokio::time::timeout(left, TcpStream::connect(addr))
+            let mut stream = tokio::time::timeout(left, TcpStream::connect(addr))
                 .await
                 .map_err(|_| connect_err("not connected within connect_timeout_ms".into()))?
                 .map_err(|e| connect_err(e.to_string()))?;
-            let mut stream = stream;
             let hello = ControlMessage::TcpHello { rank: rank as u32, world: world as u32, token: token.clone() };
             stream.write_all(&frame_control(FrameKind::Hello, &hello)).await.map_err(|e| connect_err(e.to_string()))?;
             join(&mut mesh, peer, stream, keys[peer].as_ref(), limits);
