@@ -18,8 +18,10 @@ pub fn small_config(steps: u64) -> JobConfig {
 /// One line per event, as the demo prints them.
 pub fn describe(event: &JobEvent) -> String {
     match event {
-        JobEvent::Started { world, epoch, from_step, attempt } => {
-            format!("started    on {world} ranks at epoch {epoch}, from step {from_step} (attempt {attempt})")
+        JobEvent::Started { world, epoch, from_step, attempt, data_plane } => {
+            format!(
+                "started    on {world} ranks at epoch {epoch}, from step {from_step} (attempt {attempt}, data plane {data_plane})"
+            )
         }
         JobEvent::Step { step, loss, lr, tokens_per_s, world, .. } => {
             format!("step {step:>5}  loss {loss:.4}  lr {lr:.2e}  {tokens_per_s:>8.0} tokens/s  ({world} ranks)")

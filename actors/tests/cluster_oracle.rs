@@ -107,23 +107,26 @@ async fn ddp_over_quic_on_three_daemon_processes_equals_the_reference() {
     let cluster = common::processes(3).await;
     let out = dir.path().join("final.safetensors");
     let job = Job::new(config.clone()).save_final(&out).data_plane(DataPlane::Quic);
-    finishes_on_the_reference(&cluster, job, &config, &out, 3, "dp=3").await;
+    finishes_on_the_reference(&cluster, job, &config, &out, 3, DataPlane::Quic, "dp=3").await;
     cluster.shutdown().await;
 }
 
-/// Submits `job` (of `config`, its final parameters saved to `out`) and waits for its end: every step
-/// done, started on `world` ranks, each step's loss and the final parameters equal to the reference.
+/// Submits `job` (of `config`, its final parameters saved to `out`, its data plane `plane`) and waits for
+/// its end: every step done, started on `world` ranks over `plane`, each step's loss and the final
+/// parameters equal to the reference.
 async fn finishes_on_the_reference(
     cluster: &LocalCluster,
     job: Job,
     config: &JobConfig,
     out: &Path,
     world: usize,
+    plane: DataPlane,
     what: &str,
 ) {
     let (end, events) = cluster.client().await.unwrap().submit(job).await.unwrap().wait().await.unwrap();
     assert!(matches!(end, JobEvent::Finished { steps, .. } if steps == config.train.steps), "{end:?}");
-    assert!(events.iter().any(|e| matches!(e, JobEvent::Started { world: w, .. } if *w == world)), "{events:?}");
+    let started = |e: &JobEvent| matches!(e, JobEvent::Started { world: w, data_plane, .. } if *w == world && *data_plane == plane);
+    assert!(events.iter().any(started), "started on {world} ranks over {plane}: {events:?}");
     let losses: Vec<f64> = events.iter().filter_map(step_loss).collect();
     check(config, &losses, out, what);
 }
@@ -174,7 +177,7 @@ async fn zero3_on_two_hosts_talks_to_host_neighbours_over_sockets_and_equals_the
     config.parallel.shard = "zero3".into();
     let out = dir.path().join("final.safetensors");
     let job = Job::new(config.clone()).save_final(&out);
-    finishes_on_the_reference(&cluster, job, &config, &out, 4, "zero3, dp=4 on two hosts").await;
+    finishes_on_the_reference(&cluster, job, &config, &out, 4, DataPlane::Auto, "zero3, dp=4 on two hosts").await;
     let routed = log_lines(&logs, "to the ranks of this host over its sockets");
     assert!(routed >= 4, "every rank said it reaches its host neighbour over its sockets ({routed} lines)");
     cluster.shutdown().await;

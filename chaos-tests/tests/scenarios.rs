@@ -226,8 +226,22 @@ fn partition_controller_node() {
 fn partition_over_plaintext_tcp() {
     let r = run("partition-plaintext-tcp", 18);
     if !skipped(&r) {
+        assert_eq!(r["data_plane"], "plaintext_tcp", "the report names the data plane: {r}");
         assert_eq!(faults(&r, "partition"), 1);
         assert_eq!(r["detection_s"]["samples"], 1, "the cut-off node was detected: {r}");
+    }
+}
+
+/// The same cut over encrypted TCP: the sealed connections go silent as the plaintext ones do, and the
+/// node that returns connects again under fresh keys (its old records' counters are not reused).
+#[test]
+fn partition_over_encrypted_tcp() {
+    let r = run("partition-encrypted-tcp", 21);
+    if !skipped(&r) {
+        assert_eq!(r["data_plane"], "encrypted_tcp", "the report names the data plane: {r}");
+        assert_eq!(faults(&r, "partition"), 1);
+        assert_eq!(r["detection_s"]["samples"], 1, "the cut-off node was detected: {r}");
+        assert!(r["recoveries"].as_u64().unwrap() >= 2, "shrunk, then regrown over new connections: {r}");
     }
 }
 

@@ -110,14 +110,14 @@ pub async fn follow(
         };
         let Some(event) = event else { anyhow::bail!("job {}: its event stream ended early", handle.id()) };
         match event {
-            JobEvent::Started { world, epoch, from_step, attempt } => {
+            JobEvent::Started { world, epoch, from_step, attempt, data_plane } => {
                 tally.world = world;
                 reporter.event(
                     "start",
                     json!({ "world": world, "pp": mode.pp, "epoch": epoch, "from_step": from_step, "attempt": attempt,
-                            "steps": total, "nodes": nodes, "job": handle.id() }),
+                            "steps": total, "nodes": nodes, "job": handle.id(), "data_plane": data_plane }),
                     &format!(
-                        "troupe: job {} running {} on {world} rank(s), epoch {epoch}",
+                        "troupe: job {} running {} on {world} rank(s), epoch {epoch}, data plane {data_plane}",
                         handle.id(),
                         mode.describe(world)
                     ),

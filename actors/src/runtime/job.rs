@@ -504,7 +504,7 @@ impl JobDriver {
         self.last_commit_at = now;
         let (world, epoch, step) = (ranks.len(), self.epoch, self.committed);
         let event = if self.attempt == 1 {
-            JobEvent::Started { world, epoch, from_step: step, attempt: self.attempt }
+            JobEvent::Started { world, epoch, from_step: step, attempt: self.attempt, data_plane: self.spec.data_plane }
         } else {
             JobEvent::Recovered { step, epoch, world }
         };
@@ -1147,7 +1147,7 @@ mod tests {
         let Wire::Start { roster, source, .. } = starts[0].1 else { panic!("{start:?}") };
         assert_eq!(roster.iter().map(|p| p.addr).collect::<Vec<_>>(), vec![addr(1), addr(2)]);
         assert_eq!(*source, None, "every rank holds step 0: nothing to copy");
-        assert!(matches!(events(&start)[0], JobEvent::Started { world: 2, epoch: 3, from_step: 0, attempt: 1 }));
+        assert!(matches!(events(&start)[0], JobEvent::Started { world: 2, epoch: 3, from_step: 0, attempt: 1, .. }));
 
         d.on_vote(T * 2, &"a".into(), 1, 0, 0, figures(4.0, 1.0, 100));
         assert!(drain(&mut d).is_empty());

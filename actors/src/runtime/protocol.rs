@@ -276,6 +276,10 @@ pub enum JobEvent {
         epoch: u64,
         from_step: u64,
         attempt: u64,
+        /// How the job's tensors travel between hosts, as it was submitted (`auto` from older
+        /// controllers).
+        #[serde(default)]
+        data_plane: DataPlane,
     },
     /// Fewer than `min_nodes` members offer the job ranks: it holds its last committed step and waits
     /// for members, at most `wait_s` seconds (0: forever) before it fails.

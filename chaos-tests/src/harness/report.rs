@@ -20,6 +20,8 @@ pub struct Report {
     /// Set when the scenario could not run here (a missing privilege): the reason. Nothing was checked.
     pub skipped: Option<String>,
     pub nodes: usize,
+    /// How the job's tensors travelled between hosts (the scenario's `data_plane`).
+    pub data_plane: troupe_actors::api::DataPlane,
     pub steps: u64,
     pub wall_s: f64,
     /// Faults injected, by kind.
@@ -125,8 +127,9 @@ impl fmt::Display for Report {
         let faults: Vec<String> = self.faults.iter().map(|(k, n)| format!("{k} ×{n}")).collect();
         writeln!(
             f,
-            "  {} nodes, {} steps in {:.1} s; faults: {}",
+            "  {} nodes (data plane {}), {} steps in {:.1} s; faults: {}",
             self.nodes,
+            self.data_plane,
             self.steps,
             self.wall_s,
             faults.join(", ")
@@ -209,6 +212,7 @@ mod tests {
             passed: true,
             skipped: None,
             nodes: 3,
+            data_plane: troupe_actors::api::DataPlane::EncryptedTcp,
             steps: 10,
             wall_s: 1.0,
             faults: BTreeMap::from([("flaky-link".to_owned(), 1)]),
@@ -243,6 +247,7 @@ mod tests {
         };
         let table = report.to_string();
         for line in [
+            "3 nodes (data plane encrypted-tcp), 10 steps in 1.0 s; faults: flaky-link ×1",
             "flaky-link on node-2 0.50 s after the first step, healed after 8.0 s; links degraded with nfqueue",
             "link of node-2 (nfqueue): 100 packets, 5 dropped, 95 delayed (mean hold 20.4 ms)",
             "step 10 ms before, 2000 ms during",

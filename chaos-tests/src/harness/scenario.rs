@@ -66,6 +66,7 @@ pub const SHIPPED: &[(&str, &str)] = &[
     ("partition-minority", include_str!("../../scenarios/partition-minority.toml")),
     ("partition-one-way", include_str!("../../scenarios/partition-one-way.toml")),
     ("partition-plaintext-tcp", include_str!("../../scenarios/partition-plaintext-tcp.toml")),
+    ("partition-encrypted-tcp", include_str!("../../scenarios/partition-encrypted-tcp.toml")),
     ("flaky-link", include_str!("../../scenarios/flaky-link.toml")),
     ("fp16-overflow-and-kill", include_str!("../../scenarios/fp16-overflow-and-kill.toml")),
     ("pipeline-kill-stage", include_str!("../../scenarios/pipeline-kill-stage.toml")),
