@@ -15,8 +15,9 @@ pub struct AllreduceArgs {
     /// Number of rank processes.
     #[arg(long, default_value_t = 2)]
     pub world: usize,
-    /// Spread the QUIC ranks over this many hosts (loopback addresses 127.0.0.1, 127.0.0.2, …):
-    /// all-reduce then runs in two tiers, within each host in shared memory and across hosts over QUIC.
+    /// Spread the ranks over this many hosts (loopback addresses 127.0.0.1, 127.0.0.2, …): all-reduce
+    /// then runs in two tiers, within each host in shared memory and across hosts over the transport
+    /// (QUIC, or encrypted or plaintext TCP).
     #[arg(long, default_value_t = 1)]
     pub hosts: usize,
     /// With --hosts: one flat ring among all ranks, no tiers, for comparison (messages between ranks

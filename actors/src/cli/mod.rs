@@ -66,7 +66,7 @@ enum BenchCommand {
     Train(bench_train::BenchTrainArgs),
     /// Kernel throughput beside memcpy, and the fused AdamW beside libtorch's.
     Kernels(bench_kernels::KernelsArgs),
-    /// All-reduce bus bandwidth over QUIC or the same-host transport, optionally beside Gloo (--peer).
+    /// All-reduce bus bandwidth over QUIC, TCP or the same-host transport, optionally beside Gloo (--peer).
     Allreduce(bench_allreduce::AllreduceArgs),
     /// Pipeline bubble (measured beside the schedule's theory), tokens/s, and a trace of the spans.
     Pipeline(bench_pipeline::BenchPipelineArgs),
