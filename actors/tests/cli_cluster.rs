@@ -318,9 +318,11 @@ fn train_with_recompute_on_two_daemons_equals_the_reference() {
     assert!(status.success(), "troupe train --nodes 2 --recompute failed: {status}");
     let mut stdout = String::new();
     std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut stdout).unwrap();
-    let losses: Vec<f64> = stdout
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+    let events: Vec<Value> = stdout.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()).collect();
+    assert_eq!(events[0]["event"], "start", "{stdout}");
+    assert_eq!(events[0]["data_plane"], "auto", "the start event names the job's data plane: {}", events[0]);
+    let losses: Vec<f64> = events
+        .iter()
         .filter(|e| e["event"] == "step")
         .map(|e| e["loss"].as_f64().expect("a step event has a loss"))
         .collect();
