@@ -224,25 +224,29 @@ fn partition_controller_node() {
 /// survivors (QUIC's idle timeout fails their receives), and the run still equals the reference.
 #[test]
 fn partition_over_plaintext_tcp() {
-    let r = run("partition-plaintext-tcp", 18);
-    if !skipped(&r) {
-        assert_eq!(r["data_plane"], "plaintext_tcp", "the report names the data plane: {r}");
-        assert_eq!(faults(&r, "partition"), 1);
-        assert_eq!(r["detection_s"]["samples"], 1, "the cut-off node was detected: {r}");
-    }
+    cut_over_tcp("partition-plaintext-tcp", 18, "plaintext_tcp");
 }
 
 /// The same cut over encrypted TCP: the sealed connections go silent as the plaintext ones do, and the
 /// node that returns connects again under fresh keys (its old records' counters are not reused).
 #[test]
 fn partition_over_encrypted_tcp() {
-    let r = run("partition-encrypted-tcp", 21);
-    if !skipped(&r) {
-        assert_eq!(r["data_plane"], "encrypted_tcp", "the report names the data plane: {r}");
-        assert_eq!(faults(&r, "partition"), 1);
-        assert_eq!(r["detection_s"]["samples"], 1, "the cut-off node was detected: {r}");
+    if let Some(r) = cut_over_tcp("partition-encrypted-tcp", 21, "encrypted_tcp") {
         assert!(r["recoveries"].as_u64().unwrap() >= 2, "shrunk, then regrown over new connections: {r}");
     }
+}
+
+/// Runs a partition scenario whose tensors go over `plane` (TCP): the report names the plane, and the one
+/// cut-off node was detected. The report, unless the scenario was skipped here.
+fn cut_over_tcp(scenario: &str, seed: u64, plane: &str) -> Option<Value> {
+    let r = run(scenario, seed);
+    if skipped(&r) {
+        return None;
+    }
+    assert_eq!(r["data_plane"], plane, "the report names the data plane: {r}");
+    assert_eq!(faults(&r, "partition"), 1);
+    assert_eq!(r["detection_s"]["samples"], 1, "the cut-off node was detected: {r}");
+    Some(r)
 }
 
 #[test]
