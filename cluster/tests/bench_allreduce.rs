@@ -53,3 +53,19 @@ fn placements_and_overrides_it_cannot_honour_are_refused_by_name() {
     let not_object = error(&["--world", "2"], &[("TROUPE_TRANSPORT_CONFIG", "[1]")]);
     assert!(not_object.contains("not a JSON object"), "{not_object}");
 }
+
+#[test]
+fn a_bad_argument_gets_the_usage_error_and_exit_code_2() {
+    let backtrace = [("RUST_BACKTRACE", "1")];
+    for (args, needle) in [
+        (&["--wrold", "2"][..], "unexpected argument '--wrold'"),
+        (&["--transport", "udp"][..], "unknown transport \"udp\": use quic, local, encrypted-tcp or plaintext-tcp"),
+        (&["--world", "many"][..], "invalid value 'many' for '--world <WORLD>'"),
+    ] {
+        let out = bench(args, &backtrace);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(needle) && stderr.contains("try '--help'"), "{args:?}: {stderr}");
+        assert!(!stderr.contains("backtrace"), "{args:?}: {stderr}");
+    }
+}

@@ -3,11 +3,13 @@
 //! transport, and reports bus bandwidth as nccl-tests define it: algbw × 2(n−1)/n. Optionally runs the
 //! PyTorch Gloo peer script the same way, so one command prints both figures.
 
+mod args;
 pub mod launch;
 mod peer;
 mod rank;
 mod spec;
 
+pub use args::AllreduceArgs;
 pub use launch::{launch_ranks, LaunchedRanks, Placement, RANK_SPEC_ENV};
 pub use peer::{run_gloo_peer, PeerReport};
 pub use rank::{run_rank, run_rank_from_env};

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use half::bf16;
 
 use super::launch::node_name;
@@ -18,7 +19,10 @@ use crate::ClusterError;
 
 /// Reads the spec from [`RANK_SPEC_ENV`], runs it, prints the report as one JSON line.
 pub fn run_rank_from_env() -> anyhow::Result<()> {
-    let spec: RankSpec = serde_json::from_str(&std::env::var(RANK_SPEC_ENV)?)?;
+    let spec = std::env::var(RANK_SPEC_ENV).with_context(|| {
+        format!("{RANK_SPEC_ENV} is not set: a launcher sets it when it starts this process as a rank")
+    })?;
+    let spec: RankSpec = serde_json::from_str(&spec).with_context(|| format!("{RANK_SPEC_ENV} is not a rank spec"))?;
     let report = run_rank(&spec);
     println!("{}", serde_json::to_string(&report)?);
     Ok(())
