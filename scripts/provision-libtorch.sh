@@ -8,6 +8,9 @@
 set -euo pipefail
 
 TORCH_VERSION=2.11.0
+# The external test oracles, pinned: transformers (model maths, Hugging Face's file layout) brings its
+# tokenizers and safetensors.
+TEST_PACKAGES=("transformers==5.24.0" "tokenizers==0.23.3")
 cache="${TROUPE_CACHE:-$HOME/.cache/troupe}"
 venv="$cache/venv-torch-$TORCH_VERSION"
 stamp="$venv/.troupe-provisioned"
@@ -25,6 +28,10 @@ ENV
 }
 
 if [[ -f "$stamp" ]] && "$venv/bin/python" -c "import numpy, torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  if ! "$venv/bin/python" -c "import transformers, sys; sys.exit(transformers.__version__ != '${TEST_PACKAGES[0]#*==}')" 2>/dev/null; then
+    echo "libtorch: installing the test oracles ${TEST_PACKAGES[*]} into $venv" >&2
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir "${TEST_PACKAGES[@]}" >&2
+  fi
   echo "libtorch: torch==$TORCH_VERSION already provisioned in $venv; nothing to do." >&2
   [[ -f "$envfile" ]] || write_env
   echo "$envfile"
@@ -41,7 +48,7 @@ fi
 echo "libtorch: installing torch==$TORCH_VERSION into $venv (about 80 s and 4.6 GB the first time)" >&2
 # On a terminal pip shows what it downloads with progress bars; in a log (CI) one line per package is noise.
 if [[ -t 2 ]]; then quiet=(); else quiet=(-q); fi
-"$venv/bin/python" -m pip install "${quiet[@]}" --disable-pip-version-check --no-cache-dir "torch==$TORCH_VERSION" numpy >&2
+"$venv/bin/python" -m pip install "${quiet[@]}" --disable-pip-version-check --no-cache-dir "torch==$TORCH_VERSION" numpy "${TEST_PACKAGES[@]}" >&2
 write_env
 touch "$stamp"
 echo "libtorch: provisioned torch==$TORCH_VERSION in $venv" >&2

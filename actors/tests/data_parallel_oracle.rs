@@ -133,7 +133,7 @@ fn check_within(config: &JobConfig, world: usize, engine: Engine, tolerance: f64
     let micro_batch = config.train.micro_batch;
     let (ref_losses, ref_params) = reference(config);
     let ranks = distributed(config, world, engine);
-    let specs = troupe_model::gpt::param_specs(&config.model);
+    let specs = troupe_model::model::param_specs(&config.model);
     let (losses, params) = (&ranks[0].losses, &ranks[0].params);
     let loss_diff = worst_loss_diff(losses, &ref_losses);
     assert!(

@@ -103,7 +103,7 @@ fn check(name: &str, config: &JobConfig, world: usize) -> RankResult {
     }
     let loss_diff = worst_loss_diff(losses, &ref_losses);
     assert!(loss_diff <= TOLERANCE, "{name}: losses differ from the reference by {loss_diff:e} relative");
-    let specs = troupe_model::gpt::param_specs(&config.model);
+    let specs = troupe_model::model::param_specs(&config.model);
     let comparison = compare_params(&specs, params, &ref_params);
     assert!(comparison.within(TOLERANCE), "{name}: {comparison:?}");
     println!(

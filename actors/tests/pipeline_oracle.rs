@@ -40,7 +40,7 @@ fn check(kind: ScheduleKind, virtual_stages: usize) {
     for stages in [2, 4] {
         let config = job((stages * virtual_stages).max(4));
         let (ref_losses, ref_params) = reference(&config);
-        let specs = troupe_model::gpt::param_specs(&config.model);
+        let specs = troupe_model::model::param_specs(&config.model);
         for microbatches in [1, 4, 8] {
             let options = PipelineOptions::new(kind, stages, microbatches, virtual_stages);
             let run = run_in_process(&config, &options, STEPS, |_| {}).unwrap();
@@ -101,7 +101,7 @@ fn recomputation_in_every_schedule_gives_the_same_bits() {
         };
         assert_eq!(losses(&kept), losses(&recomputed), "{kind}: losses");
         for (spec, (a, b)) in
-            troupe_model::gpt::param_specs(&config.model).iter().zip(kept.params.iter().zip(&recomputed.params))
+            troupe_model::model::param_specs(&config.model).iter().zip(kept.params.iter().zip(&recomputed.params))
         {
             assert!(a.equal(b), "{kind}: {} differs with recomputation", spec.name);
         }
@@ -118,7 +118,7 @@ fn zero_inside_the_stage_groups_equals_the_reference() {
     let mut config = job(4);
     config.train.global_batch = 12;
     let (ref_losses, ref_params) = reference(&config);
-    let specs = troupe_model::gpt::param_specs(&config.model);
+    let specs = troupe_model::model::param_specs(&config.model);
     for (shard, replicas) in [("zero1", 2), ("zero2", 2), ("zero2", 3), ("zero3", 2), ("zero3", 3)] {
         config.parallel.shard = shard.into();
         let mut options = PipelineOptions::new(ScheduleKind::OneFOneB, 2, 2, 1);
@@ -155,7 +155,7 @@ fn pp2_by_dp2_equals_the_reference() {
     let losses: Vec<f64> = run.steps.iter().map(|s| s.loss).collect();
     let loss_diff = worst_loss_diff(&losses, &ref_losses);
     assert!(loss_diff <= TOLERANCE, "pp=2 × dp=2: losses differ by {loss_diff:e}");
-    let comparison = compare_params(&troupe_model::gpt::param_specs(&config.model), &run.params, &ref_params);
+    let comparison = compare_params(&troupe_model::model::param_specs(&config.model), &run.params, &ref_params);
     assert!(comparison.within(TOLERANCE), "pp=2 × dp=2: {comparison:?}");
     println!(
         "pp=2 × dp=2: loss diff {loss_diff:.1e}, params worst {:.1e} ({})",
@@ -182,7 +182,7 @@ fn measured_balance_cuts_by_time_and_equals_the_reference() {
     let losses: Vec<f64> = run.steps.iter().map(|s| s.loss).collect();
     let loss_diff = worst_loss_diff(&losses, &ref_losses);
     assert!(loss_diff <= TOLERANCE, "measured balance: losses differ by {loss_diff:e}");
-    let comparison = compare_params(&troupe_model::gpt::param_specs(&config.model), &run.params, &ref_params);
+    let comparison = compare_params(&troupe_model::model::param_specs(&config.model), &run.params, &ref_params);
     assert!(comparison.within(TOLERANCE), "measured balance {blocks:?}: {comparison:?}");
     println!("measured balance {blocks:?}: loss diff {loss_diff:.1e}, params worst {:.1e}", comparison.worst);
 }
@@ -222,7 +222,7 @@ fn one_f_one_b_over_the_same_host_transport_equals_the_reference() {
     let loss_diff = worst_loss_diff(&losses, &ref_losses);
     assert!(loss_diff <= TOLERANCE, "over Unix sockets: losses differ by {loss_diff:e}");
     let comparison =
-        compare_params(&troupe_model::gpt::param_specs(&config.model), &run.params, &trainer.param_values());
+        compare_params(&troupe_model::model::param_specs(&config.model), &run.params, &trainer.param_values());
     assert!(comparison.within(TOLERANCE), "over Unix sockets: {comparison:?}");
 }
 
@@ -242,7 +242,7 @@ fn bf16_and_fp16_pipelines_equal_the_reference_in_the_same_precision() {
             config.train.inject_overflow_at = vec![5];
         }
         let (ref_losses, ref_params) = reference(&config);
-        let specs = troupe_model::gpt::param_specs(&config.model);
+        let specs = troupe_model::model::param_specs(&config.model);
         for kind in [ScheduleKind::OneFOneB, ScheduleKind::ZbH1] {
             let options = PipelineOptions::new(kind, 2, 4, 1);
             let run = run_in_process(&config, &options, STEPS, |_| {}).unwrap();

@@ -17,7 +17,7 @@ use anyhow::{bail, Context};
 use serde_json::{json, Value};
 use troupe_model::checkpoint::{synthetic_state, CheckpointStore, Layout, RedbCatalog, TrainingState};
 use troupe_model::config::JobConfig;
-use troupe_model::{GptConfig, Trainer};
+use troupe_model::{ModelConfig, Trainer};
 
 use super::bench_train::peer_script;
 
@@ -47,7 +47,7 @@ pub struct CheckpointArgs {
 /// 9 blocks.
 fn large_config() -> JobConfig {
     JobConfig {
-        model: GptConfig { d_model: 384, n_layers: 9, n_heads: 6, ..GptConfig::gpt_tiny() },
+        model: ModelConfig { d_model: 384, n_layers: 9, n_heads: 6, ..ModelConfig::gpt_tiny() },
         ..JobConfig::default()
     }
 }

@@ -8,7 +8,7 @@ use anyhow::{bail, Context};
 use serde_json::json;
 use troupe_model::checkpoint;
 use troupe_model::config::JobConfig;
-use troupe_model::gpt::param_specs;
+use troupe_model::model::param_specs;
 
 use super::train::TrainArgs;
 use crate::engine::pipeline::{measure_bubble, run_in_process, PipelineOptions, ScheduleKind};

@@ -26,7 +26,7 @@ use tch::Tensor;
 use tokio::sync::mpsc;
 use troupe_model::blockwise::{micro_batch_backward, Activations};
 use troupe_model::precision::Precision;
-use troupe_model::GptConfig;
+use troupe_model::ModelConfig;
 
 use super::flat::append_flat;
 
@@ -50,7 +50,7 @@ pub(crate) enum Progress {
 /// Everything the thread needs: the model's shape, its parameters (shallow handles sharing storage and
 /// gradients with the trainer's), the batch, the bucket plan, and a buffer per bucket to fill.
 pub(crate) struct BackwardWork {
-    pub model: GptConfig,
+    pub model: ModelConfig,
     pub precision: Precision,
     pub params: Vec<Tensor>,
     pub micro_batches: Vec<MicroBatch>,

@@ -22,7 +22,7 @@ use troupe_cluster::transport::Transport;
 use troupe_cluster::ClusterError;
 use troupe_model::blockwise::{backward_from, backward_stages, leaf, Activations};
 use troupe_model::data::{micro_batch_ranges, rank_slice};
-use troupe_model::gpt::{self, GptConfig, ParamSpec};
+use troupe_model::model::{self, ModelConfig, ParamSpec};
 use troupe_model::precision::{backward_weight, Precision};
 use troupe_model::Trainer;
 
@@ -31,14 +31,14 @@ use super::shard_plan::owner_pieces;
 /// One unit of the model that is gathered, computed and released as a whole.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Unit {
-    /// Its parameters (positions in [`gpt::param_specs`] order).
+    /// Its parameters (positions in [`model::param_specs`] order).
     pub params: Range<usize>,
     /// Their elements in the flat parameter order.
     pub flat: Range<usize>,
 }
 
 /// The units in forward order: the embeddings, every block, the head (final LayerNorm and head).
-pub fn plan_units(config: &GptConfig, specs: &[ParamSpec]) -> Vec<Unit> {
+pub fn plan_units(config: &ModelConfig, specs: &[ParamSpec]) -> Vec<Unit> {
     let mut offsets = vec![0];
     offsets.extend(specs.iter().scan(0, |sum, s| {
         *sum += s.numel();
@@ -204,7 +204,7 @@ enum Kept {
 /// The model's shape and compute precision, what every unit's compute needs.
 #[derive(Clone)]
 struct Model {
-    config: GptConfig,
+    config: ModelConfig,
     precision: Precision,
 }
 
@@ -212,8 +212,8 @@ impl Model {
     /// Unit forward: the embeddings of `tokens` when `input` is None, else a block on `input`.
     fn run(&self, params: &[Tensor], input: Option<&Tensor>, tokens: &Tensor) -> Tensor {
         match input {
-            None => gpt::embed(&self.config, params, tokens),
-            Some(input) => gpt::block(&self.config, self.precision, params, input),
+            None => model::embed(&self.config, params, tokens),
+            Some(input) => model::block(&self.config, self.precision, params, input),
         }
     }
 }
@@ -253,7 +253,7 @@ async fn alongside<C, R>(
 /// unit i + 1 (the head first), then (recompute) gather unit i − 1; after the loop: reduce unit 0.
 async fn micro_batch<T: Transport>(
     ex: &mut Exchange<'_, T>,
-    (config, precision): (&GptConfig, Precision),
+    (config, precision): (&ModelConfig, Precision),
     units: &[Unit],
     batch: Option<Batch>,
     activations: Activations,
@@ -298,8 +298,8 @@ async fn micro_batch<T: Transport>(
         let (input, scale) = (x.take().expect("the head's input"), batch.backward_weight);
         on_thread(move || {
             let input = leaf(&input);
-            let logits = gpt::head(&model.config, model.precision, &head_params, &input);
-            let micro_loss = gpt::cross_entropy(&logits, &targets);
+            let logits = model::head(&model.config, model.precision, &head_params, &input);
+            let micro_loss = model::cross_entropy(&logits, &targets);
             (&micro_loss * scale).backward();
             (micro_loss.double_value(&[]), input.grad(), head_params)
         })
@@ -369,8 +369,8 @@ mod tests {
 
     #[test]
     fn units_cover_the_flat_order_in_forward_order() {
-        let config = GptConfig::gpt_tiny();
-        let specs = gpt::param_specs(&config);
+        let config = ModelConfig::gpt_tiny();
+        let specs = model::param_specs(&config);
         let units = plan_units(&config, &specs);
         assert_eq!(units.len(), config.n_layers + 2, "embeddings, blocks, head");
         assert_eq!(units[0].params, 0..2);

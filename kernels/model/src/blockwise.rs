@@ -19,7 +19,7 @@ use std::ops::Range;
 
 use tch::{Kind, Tensor};
 
-use crate::gpt::{self, GptConfig, PARAMS_AFTER_BLOCKS, PARAMS_BEFORE_BLOCKS, PARAMS_PER_BLOCK};
+use crate::model::{self, ModelConfig};
 use crate::precision::Precision;
 
 /// What the forward keeps for the backward.
@@ -44,21 +44,14 @@ impl Activations {
     }
 }
 
-/// The parameter ranges (positions in [`gpt::param_specs`] order) in the order a block-wise backward makes
+/// The parameter ranges (positions in [`model::param_specs`] order) in the order a block-wise backward makes
 /// their gradients final: the head, the blocks from last to first, the embeddings. Together they cover
 /// every parameter once, each range below the previous one.
-pub fn backward_stages(config: &GptConfig) -> Vec<Range<usize>> {
-    let total = PARAMS_BEFORE_BLOCKS + config.n_layers * PARAMS_PER_BLOCK + PARAMS_AFTER_BLOCKS;
-    std::iter::once(total - PARAMS_AFTER_BLOCKS..total)
-        .chain((0..config.n_layers).rev().map(block_range))
-        .chain(std::iter::once(0..PARAMS_BEFORE_BLOCKS))
+pub fn backward_stages(config: &ModelConfig) -> Vec<Range<usize>> {
+    std::iter::once(config.head_range())
+        .chain((0..config.n_layers).rev().map(|i| config.block_range(i)))
+        .chain(std::iter::once(config.embed_range()))
         .collect()
-}
-
-/// Block `index`'s parameters (positions in [`gpt::param_specs`] order).
-pub fn block_range(index: usize) -> Range<usize> {
-    let start = PARAMS_BEFORE_BLOCKS + index * PARAMS_PER_BLOCK;
-    start..start + PARAMS_PER_BLOCK
 }
 
 /// A block boundary as a leaf of its own: the same values, no history, requiring grad.
@@ -79,7 +72,7 @@ pub fn backward_from(output: &Tensor, grad: &Tensor) {
 /// `weight`. Returns the micro-batch's mean loss (unweighted).
 #[allow(clippy::too_many_arguments)]
 pub fn micro_batch_backward(
-    config: &GptConfig,
+    config: &ModelConfig,
     precision: Precision,
     params: &[Tensor],
     tokens: &Tensor,
@@ -89,21 +82,20 @@ pub fn micro_batch_backward(
     on_final: &mut dyn FnMut(Range<usize>),
 ) -> f64 {
     let n = config.n_layers;
-    let expected = PARAMS_BEFORE_BLOCKS + n * PARAMS_PER_BLOCK + PARAMS_AFTER_BLOCKS;
-    assert_eq!(params.len(), expected, "parameter list length");
-    let embed_params = &params[..PARAMS_BEFORE_BLOCKS];
-    let block_params = |i: usize| &params[block_range(i)];
-    let head_params = &params[expected - PARAMS_AFTER_BLOCKS..];
+    assert_eq!(params.len(), config.param_tensors(), "parameter list length");
+    let embed_params = &params[config.embed_range()];
+    let block_params = |i: usize| &params[config.block_range(i)];
+    let head_params = model::head_params(config, params);
 
     // Forward. Keep: `inputs[i]` is block i's input as a leaf, `outputs[i]` its output with its graph.
     // Recompute: `inputs[i]` is block i's input without any graph; `outputs` stays empty.
     let (embedded, mut inputs, mut outputs) = match activations {
         Activations::Keep => {
-            let embedded = gpt::embed(config, embed_params, tokens);
+            let embedded = model::embed(config, embed_params, tokens);
             let mut inputs = vec![leaf(&embedded)];
             let mut outputs = Vec::with_capacity(n);
             for i in 0..n {
-                let output = gpt::block(config, precision, block_params(i), &inputs[i]);
+                let output = model::block(config, precision, block_params(i), &inputs[i]);
                 inputs.push(leaf(&output));
                 outputs.push(output);
             }
@@ -111,9 +103,9 @@ pub fn micro_batch_backward(
         }
         Activations::Recompute => {
             let inputs = tch::no_grad(|| {
-                let mut inputs = vec![gpt::embed(config, embed_params, tokens)];
+                let mut inputs = vec![model::embed(config, embed_params, tokens)];
                 for i in 0..n {
-                    let output = gpt::block(config, precision, block_params(i), &inputs[i]);
+                    let output = model::block(config, precision, block_params(i), &inputs[i]);
                     inputs.push(output);
                 }
                 inputs
@@ -124,9 +116,9 @@ pub fn micro_batch_backward(
 
     // The head and the loss: the only monolithic part.
     let head_input = leaf(&inputs.pop().expect("the head's input"));
-    let loss = gpt::cross_entropy(&gpt::head(config, precision, head_params, &head_input), targets);
+    let loss = model::cross_entropy(&model::head(config, precision, &head_params, &head_input), targets);
     (&loss * weight).backward();
-    on_final(expected - PARAMS_AFTER_BLOCKS..expected);
+    on_final(config.head_range());
     let mut grad = head_input.grad();
 
     for i in (0..n).rev() {
@@ -135,18 +127,18 @@ pub fn micro_batch_backward(
             Activations::Keep => (saved, outputs.pop().expect("block output")),
             Activations::Recompute => {
                 let input = leaf(&saved);
-                let output = gpt::block(config, precision, block_params(i), &input);
+                let output = model::block(config, precision, block_params(i), &input);
                 (input, output)
             }
         };
         backward_from(&output, &grad);
         grad = input.grad();
-        on_final(block_range(i));
+        on_final(config.block_range(i));
     }
 
-    let embedded = embedded.unwrap_or_else(|| gpt::embed(config, embed_params, tokens));
+    let embedded = embedded.unwrap_or_else(|| model::embed(config, embed_params, tokens));
     backward_from(&embedded, &grad);
-    on_final(0..PARAMS_BEFORE_BLOCKS);
+    on_final(config.embed_range());
     loss.double_value(&[])
 }
 
@@ -155,13 +147,13 @@ mod tests {
     use super::*;
     use crate::config::JobConfig;
     use crate::data::{load_corpus, GlobalSampler};
-    use crate::gpt::Gpt;
+    use crate::model::Model;
 
-    fn grads(model: &Gpt) -> Vec<Tensor> {
+    fn grads(model: &Model) -> Vec<Tensor> {
         model.params().iter().map(|p| p.grad().copy()).collect()
     }
 
-    fn zero_grads(model: &mut Gpt) {
+    fn zero_grads(model: &mut Model) {
         for p in model.params_mut() {
             p.zero_grad();
         }
@@ -179,7 +171,7 @@ mod tests {
 
     #[test]
     fn stages_cover_every_parameter_once_in_descending_order() {
-        let config = GptConfig::gpt_tiny();
+        let config = ModelConfig::gpt_tiny();
         let stages = backward_stages(&config);
         assert_eq!(stages.first(), Some(&(50..53)));
         assert_eq!(stages[1], 38..50);
@@ -187,7 +179,7 @@ mod tests {
         for pair in stages.windows(2) {
             assert_eq!(pair[1].end, pair[0].start, "stages must be contiguous and descending");
         }
-        assert_eq!(stages.iter().map(|r| r.len()).sum::<usize>(), gpt::param_specs(&config).len());
+        assert_eq!(stages.iter().map(|r| r.len()).sum::<usize>(), model::param_specs(&config).len());
     }
 
     /// Two micro-batches accumulated block-wise, with and without recomputation, against the monolithic
@@ -200,7 +192,7 @@ mod tests {
         config.model.n_layers = 3;
         let corpus = load_corpus(&config.data, &config.model).unwrap();
         let sampler = GlobalSampler::new(config.train.seed, corpus, config.model.context);
-        let mut model = Gpt::new(config.model.clone(), config.train.seed);
+        let mut model = Model::new(config.model.clone(), config.train.seed);
         let micro_batches = [(0..2, 0.5), (2..4, 0.5)];
 
         zero_grads(&mut model);
@@ -249,7 +241,7 @@ mod tests {
         let config = JobConfig::small(1);
         let corpus = load_corpus(&config.data, &config.model).unwrap();
         let sampler = GlobalSampler::new(config.train.seed, corpus, config.model.context);
-        let mut model = Gpt::new(config.model.clone(), config.train.seed);
+        let mut model = Model::new(config.model.clone(), config.train.seed);
         zero_grads(&mut model);
         let (tokens, targets) = sampler.batch(0, 0..4);
         let params: Vec<Tensor> = model.params().iter().map(Tensor::shallow_clone).collect();

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::gpt::GptConfig;
+use crate::model::{presets, ModelConfig};
 
 /// What a bad config gets: the file or key, what was wrong, and what to do instead.
 #[derive(Debug, thiserror::Error)]
@@ -23,7 +23,7 @@ pub enum ConfigError {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct JobConfig {
-    pub model: GptConfig,
+    pub model: ModelConfig,
     pub data: DataConfig,
     pub train: TrainConfig,
     pub checkpoint: CheckpointConfig,
@@ -271,6 +271,22 @@ impl JobConfig {
         config
     }
 
+    /// [`Self::small`] with a Llama-family model of the same size: 1 block, d_model 64, 4 query heads
+    /// sharing 2 key/value heads, SwiGLU of 128, RoPE θ = 500000 (not the default, so a convention
+    /// mistake shows).
+    pub fn small_llama(steps: u64) -> Self {
+        let mut config = Self::small(steps);
+        config.model = ModelConfig {
+            arch: crate::model::Arch::Llama,
+            n_heads: 4,
+            n_kv_heads: 2,
+            ffn_hidden: 128,
+            rope_theta: 500_000.0,
+            ..config.model
+        };
+        config
+    }
+
     /// Reads and validates a TOML job config.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
         let config = Self::parse_file(path)?;
@@ -283,14 +299,25 @@ impl JobConfig {
     pub fn parse_file(path: &Path) -> Result<Self, ConfigError> {
         let text =
             std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
-        toml::from_str(&text)
-            .map_err(|e| ConfigError::Parse { origin: path.display().to_string(), message: e.to_string() })
+        Self::parse_toml(&text, &path.display().to_string())
+    }
+
+    /// Parses a TOML job config without validating its values, `[model]` resolved: a `preset` or a
+    /// `from_hf` directory's `config.json` gives the shape, keys set beside it override the preset (and
+    /// must agree with `config.json`); `arch = "llama"` alone starts from the llama-tiny shape.
+    fn parse_toml(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        let parse_error = |e: toml::de::Error| ConfigError::Parse { origin: origin.to_owned(), message: e.to_string() };
+        let table: toml::Table = toml::from_str(text).map_err(parse_error)?;
+        let mut config: Self = toml::from_str(text).map_err(parse_error)?;
+        if let Some(model) = table.get("model").and_then(toml::Value::as_table) {
+            config.model = resolve_model(model, &config.model)?;
+        }
+        Ok(config)
     }
 
     /// Parses a TOML job config; `origin` names it in errors.
     pub fn from_toml(text: &str, origin: &str) -> Result<Self, ConfigError> {
-        let config: Self = toml::from_str(text)
-            .map_err(|e| ConfigError::Parse { origin: origin.to_owned(), message: e.to_string() })?;
+        let config = Self::parse_toml(text, origin)?;
         config.validate()?;
         Ok(config)
     }
@@ -359,6 +386,15 @@ impl JobConfig {
         self.parallel.validate()?;
         self.elastic.validate()?;
         let p = &self.parallel;
+        if self.model.tie_word_embeddings && (p.pp > 1 || p.shard == "zero3") {
+            let layout = if p.pp > 1 { format!("parallel.pp = {}", p.pp) } else { "parallel.shard = \"zero3\"".into() };
+            return Err(invalid(
+                "model.tie_word_embeddings",
+                format!("true with {layout}"),
+                "a tied head needs the embedding on the head's rank; not built yet for pipelines and ZeRO-3: \
+                 untie it (model.tie_word_embeddings = false), or train with DDP, ZeRO-1 or ZeRO-2",
+            ));
+        }
         if !t.inject_overflow_at.is_empty() && p.precision != "fp16" {
             return Err(invalid(
                 "train.inject_overflow_at",
@@ -496,7 +532,7 @@ mod tests {
     fn empty_config_is_gpt_tiny_on_synthetic_data() {
         let config = JobConfig::from_toml("", "empty").unwrap();
         assert_eq!(config, JobConfig::default());
-        assert_eq!(config.model, GptConfig::gpt_tiny());
+        assert_eq!(config.model, ModelConfig::gpt_tiny());
         assert_eq!(config.data.kind, DataKind::Synthetic);
     }
 
@@ -563,4 +599,71 @@ mod tests {
         let err = JobConfig::from_file(Path::new("/nonexistent/job.toml")).unwrap_err().to_string();
         assert!(err.contains("/nonexistent/job.toml"), "{err}");
     }
+}
+
+/// `[model]` as the user wrote it (`table`) over its serde defaults (`parsed`), resolved into the whole
+/// model config: see [`JobConfig::parse_file`].
+fn resolve_model(table: &toml::Table, parsed: &ModelConfig) -> Result<ModelConfig, ConfigError> {
+    let base = if let Some(dir) = &parsed.from_hf {
+        let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.clone());
+        let from_json =
+            crate::hf::read_config(&dir).map_err(|e| invalid("model.from_hf", dir.display(), e.to_string()))?;
+        check_agreement(table, &from_json, &dir)?;
+        ModelConfig { from_hf: Some(dir), ..from_json }
+    } else if let Some(name) = &parsed.preset {
+        presets::preset(name)
+            .ok_or_else(|| invalid("model.preset", format!("{name:?}"), format!("must be one of {}", presets::names())))?
+    } else if table.contains_key("arch") && parsed.arch == crate::model::Arch::Llama {
+        ModelConfig { preset: None, ..presets::preset("llama-tiny").expect("a preset") }
+    } else {
+        return Ok(parsed.clone());
+    };
+    // The keys the user set override the base.
+    let mut merged = model_table(&base);
+    for (key, value) in table {
+        if key != "from_hf" && key != "preset" {
+            merged.insert(key.clone(), value.clone());
+        }
+    }
+    toml::Value::Table(merged).try_into().map_err(|e: toml::de::Error| invalid("model", "(resolved)", e.to_string()))
+}
+
+fn model_table(config: &ModelConfig) -> toml::Table {
+    match toml::Value::try_from(config).expect("a model config serialises") {
+        toml::Value::Table(table) => table,
+        other => unreachable!("a struct serialises to a table, not {other}"),
+    }
+}
+
+/// Every key of `[model]` that `config.json` also decides must agree with it (the training `context`,
+/// the initialisation and the references excepted).
+fn check_agreement(table: &toml::Table, from_json: &ModelConfig, dir: &Path) -> Result<(), ConfigError> {
+    let json = model_table(from_json);
+    for (key, value) in table {
+        if matches!(key.as_str(), "from_hf" | "preset" | "context" | "init_std") {
+            continue;
+        }
+        let derived = json.get(key);
+        let agrees = match (derived, value) {
+            (Some(toml::Value::Float(a)), toml::Value::Float(b)) => (a - b).abs() <= 1e-12 * a.abs().max(b.abs()),
+            (Some(toml::Value::Float(a)), toml::Value::Integer(b)) => *a == *b as f64,
+            (Some(a), b) => a == b,
+            (None, _) => false,
+        };
+        if !agrees {
+            let shown = derived.map_or("(not set)".to_owned(), |v| v.to_string());
+            return Err(ConfigError::Parse {
+                origin: "[model]".into(),
+                message: crate::hf::HfError::Disagrees {
+                    key: key.clone(),
+                    toml: value.to_string(),
+                    path: dir.join("config.json"),
+                    json_key: crate::hf::json_key(from_json.arch, key).to_owned(),
+                    json: shown,
+                }
+                .to_string(),
+            });
+        }
+    }
+    Ok(())
 }

@@ -1,4 +1,4 @@
-//! troupe-model: the libtorch (tch) engine — the reference GPT, the data pipeline and its deterministic
+//! troupe-model: the libtorch (tch) engine — the model families (GPT-2, Llama) and Hugging Face's format, the data pipeline and its deterministic
 //! global sampler, AdamW and its schedule, and the single-process trainer that is the oracle for every
 //! distributed mode (DESIGN.md §4).
 //!
@@ -8,7 +8,8 @@ pub mod blockwise;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
-pub mod gpt;
+pub mod hf;
+pub mod model;
 pub mod optim;
 pub mod oracle;
 pub mod precision;
@@ -17,5 +18,5 @@ pub mod storage;
 pub mod trainer;
 
 pub use config::{ConfigError, JobConfig};
-pub use gpt::{Gpt, GptConfig};
+pub use model::{Model, ModelConfig};
 pub use trainer::{StepReport, TrainError, Trainer};

@@ -15,7 +15,7 @@ use std::ops::Range;
 
 use tch::{Kind, Tensor};
 
-use crate::gpt::ParamSpec;
+use crate::model::ParamSpec;
 
 /// The comparison of two parameter lists.
 #[derive(Clone, Debug, PartialEq)]
@@ -50,7 +50,7 @@ fn compared(spec: &ParamSpec, t: &Tensor) -> Tensor {
     Tensor::cat(&parts, 0)
 }
 
-/// Compares `actual` with `reference` (both in [`crate::gpt::param_specs`] order).
+/// Compares `actual` with `reference` (both in [`crate::model::param_specs`] order).
 pub fn compare_params(specs: &[ParamSpec], actual: &[Tensor], reference: &[Tensor]) -> ParamComparison {
     assert_eq!(specs.len(), actual.len(), "parameter list length");
     assert_eq!(specs.len(), reference.len(), "parameter list length");
@@ -77,11 +77,11 @@ pub fn worst_loss_diff(actual: &[f64], reference: &[f64]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gpt::{param_specs, GptConfig};
+    use crate::model::{param_specs, ModelConfig};
 
     #[test]
     fn key_bias_is_ignored_and_everything_else_counts() {
-        let mut cfg = GptConfig::gpt_tiny();
+        let mut cfg = ModelConfig::gpt_tiny();
         cfg.n_layers = 1;
         let specs = param_specs(&cfg);
         let reference: Vec<Tensor> =

@@ -11,7 +11,7 @@ use crate::blockwise::{micro_batch_backward, Activations};
 use crate::checkpoint::{self, CheckpointError};
 use crate::config::{ConfigError, JobConfig};
 use crate::data::{load_corpus, micro_batch_ranges, Corpus, DataError, GlobalSampler};
-use crate::gpt::Gpt;
+use crate::model::Model;
 use crate::optim::{grad_norm, learning_rate, scale_grads, AdamW, AdamWConfig};
 use crate::precision::{backward_weight, LossScale, Precision, Update};
 
@@ -23,6 +23,8 @@ pub enum TrainError {
     Data(#[from] DataError),
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    #[error("model.from_hf: {0}")]
+    Weights(#[from] crate::hf::HfError),
 }
 
 /// What one committed step did.
@@ -47,7 +49,7 @@ pub struct StepReport {
 #[derive(Debug)]
 pub struct Trainer {
     pub config: JobConfig,
-    pub model: Gpt,
+    pub model: Model,
     pub optimizer: AdamW,
     pub sampler: GlobalSampler,
     /// Committed steps so far; the next step to run.
@@ -75,6 +77,7 @@ impl Trainer {
     /// tensors; on another device the update runs as libtorch ops with the same formula.
     pub fn new_on(config: JobConfig, device: Device) -> Result<Self, TrainError> {
         config.validate()?;
+        crate::hf::check_weights(&config.model)?;
         let corpus = load_corpus(&config.data, &config.model)?;
         Ok(Self::with_corpus_on(config, corpus, device))
     }
@@ -82,7 +85,7 @@ impl Trainer {
     /// [`Self::with_corpus`] on `device`.
     pub fn with_corpus_on(config: JobConfig, corpus: Corpus, device: Device) -> Self {
         let precision = Precision::of_config(&config.parallel);
-        let model = Gpt::new(config.model.clone(), config.train.seed).to_device(device).with_precision(precision);
+        let model = Model::new(config.model.clone(), config.train.seed).to_device(device).with_precision(precision);
         let decays = model.specs().iter().map(|s| s.decays()).collect();
         let optimizer = AdamW::new(AdamWConfig::from(&config.train), model.params(), decays);
         let sampler = GlobalSampler::new(config.train.seed, corpus, config.model.context);

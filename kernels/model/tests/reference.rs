@@ -3,7 +3,7 @@
 
 use tch::{Kind, Tensor};
 use troupe_model::config::JobConfig;
-use troupe_model::gpt::{Gpt, GptConfig};
+use troupe_model::model::{Model, ModelConfig};
 use troupe_model::{oracle, Trainer};
 
 fn setup() {
@@ -32,9 +32,9 @@ fn bits(t: &Tensor) -> Vec<u32> {
 #[test]
 fn gpt_tiny_has_the_documented_parameter_count_and_shapes() {
     setup();
-    let config = GptConfig::gpt_tiny();
+    let config = ModelConfig::gpt_tiny();
     assert_eq!(config.param_count(), 3_323_392);
-    let model = Gpt::new(config, 0);
+    let model = Model::new(config, 0);
     assert_eq!(model.param_count(), 3_323_392);
     let tokens = Tensor::zeros([3, 128], (Kind::Int64, tch::Device::Cpu));
     assert_eq!(model.forward(&tokens).size(), vec![3, 128, 256]);
@@ -46,7 +46,7 @@ fn gpt_tiny_has_the_documented_parameter_count_and_shapes() {
 fn initialisation_is_a_function_of_the_seed() {
     setup();
     let (a, b, c) =
-        (Gpt::new(GptConfig::gpt_tiny(), 7), Gpt::new(GptConfig::gpt_tiny(), 7), Gpt::new(GptConfig::gpt_tiny(), 8));
+        (Model::new(ModelConfig::gpt_tiny(), 7), Model::new(ModelConfig::gpt_tiny(), 7), Model::new(ModelConfig::gpt_tiny(), 8));
     for ((pa, pb), pc) in a.params().iter().zip(b.params()).zip(c.params()) {
         assert_eq!(bits(pa), bits(pb));
         if pa.size().len() == 2 {
@@ -61,7 +61,7 @@ fn initialisation_is_a_function_of_the_seed() {
 #[test]
 fn attention_is_causal() {
     setup();
-    let model = Gpt::new(GptConfig::gpt_tiny(), 3);
+    let model = Model::new(ModelConfig::gpt_tiny(), 3);
     let tokens: Vec<i64> = (0..128).map(|i| (i * 7 % 256) as i64).collect();
     let a = Tensor::from_slice(&tokens).view([1, 128]);
     let mut changed = tokens.clone();

@@ -17,8 +17,8 @@ use std::time::Instant;
 
 use tch::{Device, Kind, Tensor};
 use troupe_model::config::JobConfig;
-use troupe_model::gpt::{
-    block, cross_entropy, embed, head, Gpt, GptConfig, PARAMS_AFTER_BLOCKS, PARAMS_BEFORE_BLOCKS, PARAMS_PER_BLOCK,
+use troupe_model::model::{
+    block, cross_entropy, embed, head, head_params, Model, ModelConfig,
 };
 use troupe_model::precision::Precision;
 
@@ -48,24 +48,24 @@ pub fn costs_for(config: &JobConfig, replicas: usize, microbatches: usize) -> Mo
 
 /// Seconds of forward + backward of the embeddings, each block and the head with its loss, on `samples`
 /// sequences of the model's context, in `precision`, on this thread's torch settings.
-pub fn measure(model: &GptConfig, precision: Precision, samples: usize) -> ModelCosts {
-    let gpt = Gpt::new(model.clone(), 0).with_precision(precision);
+pub fn measure(model: &ModelConfig, precision: Precision, samples: usize) -> ModelCosts {
+    let gpt = Model::new(model.clone(), 0).with_precision(precision);
     let params = gpt.params();
     let tokens = Tensor::arange((samples.max(1) * model.context) as i64, (Kind::Int64, Device::Cpu))
         .remainder(model.vocab_size as i64)
         .view([samples.max(1) as i64, model.context as i64]);
     let targets = tokens.roll([-1], [1]);
-    let x = tch::no_grad(|| embed(model, &params[..PARAMS_BEFORE_BLOCKS], &tokens));
+    let x = tch::no_grad(|| embed(model, &params[model.embed_range()], &tokens));
     // The gradient arriving from the next stage: any fixed tensor of the activation's shape.
     let incoming = x.ones_like() * 1e-3;
 
     let embed_cost = median_seconds(|| {
-        let out = embed(model, &params[..PARAMS_BEFORE_BLOCKS], &tokens);
-        backward((&out * &incoming).sum(Kind::Float), &params[..PARAMS_BEFORE_BLOCKS]);
+        let out = embed(model, &params[model.embed_range()], &tokens);
+        backward((&out * &incoming).sum(Kind::Float), &params[model.embed_range()]);
     });
     let blocks = (0..model.n_layers)
         .map(|i| {
-            let p = &params[PARAMS_BEFORE_BLOCKS + i * PARAMS_PER_BLOCK..][..PARAMS_PER_BLOCK];
+            let p = &params[model.block_range(i)];
             median_seconds(|| {
                 let input = x.detach().set_requires_grad(true);
                 let out = block(model, precision, p, &input);
@@ -73,7 +73,7 @@ pub fn measure(model: &GptConfig, precision: Precision, samples: usize) -> Model
             })
         })
         .collect();
-    let p = &params[params.len() - PARAMS_AFTER_BLOCKS..];
+    let p = &head_params(model, params);
     let head_cost = median_seconds(|| {
         let input = x.detach().set_requires_grad(true);
         let loss = cross_entropy(&head(model, precision, p, &input), &targets);
@@ -112,8 +112,8 @@ mod tests {
 
     /// A vocabulary of 8,192 over d_model 64: the head's product and softmax cost about ten blocks, the
     /// embedding lookup next to nothing, while by parameters the two ends weigh the same (524,288 each).
-    fn big_vocab() -> GptConfig {
-        GptConfig { vocab_size: 8192, context: 32, d_model: 64, n_layers: 4, n_heads: 2 }
+    fn big_vocab() -> ModelConfig {
+        ModelConfig { vocab_size: 8192, context: 32, d_model: 64, n_layers: 4, n_heads: 2, ..ModelConfig::gpt_tiny() }
     }
 
     #[test]

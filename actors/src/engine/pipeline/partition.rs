@@ -6,7 +6,7 @@
 
 use std::ops::Range;
 
-use troupe_model::gpt::{param_specs, GptConfig, PARAMS_AFTER_BLOCKS, PARAMS_BEFORE_BLOCKS, PARAMS_PER_BLOCK};
+use troupe_model::model::{param_specs, ModelConfig};
 
 /// One chunk's share of the model.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -43,16 +43,13 @@ pub struct ModelCosts {
 
 impl ModelCosts {
     /// Parameter counts: `parallel.balance = "params"`, the default (exact in f64 below 2⁵³).
-    pub fn parameters(config: &GptConfig) -> Self {
+    pub fn parameters(config: &ModelConfig) -> Self {
         let specs = param_specs(config);
         let numel = |r: Range<usize>| specs[r].iter().map(|s| s.numel()).sum::<usize>() as f64;
-        let block = |i: usize| {
-            numel(PARAMS_BEFORE_BLOCKS + i * PARAMS_PER_BLOCK..PARAMS_BEFORE_BLOCKS + (i + 1) * PARAMS_PER_BLOCK)
-        };
         Self {
-            embed: numel(0..PARAMS_BEFORE_BLOCKS),
-            blocks: (0..config.n_layers).map(block).collect(),
-            head: numel(specs.len() - PARAMS_AFTER_BLOCKS..specs.len()),
+            embed: numel(config.embed_range()),
+            blocks: (0..config.n_layers).map(|i| numel(config.block_range(i))).collect(),
+            head: numel(config.head_range()),
         }
     }
 
@@ -74,14 +71,14 @@ impl ModelCosts {
 
 /// Splits `config`'s blocks into `chunks` contiguous non-empty runs minimising the largest chunk's
 /// parameter count (embeddings counted with the first chunk, the head with the last).
-pub fn partition(config: &GptConfig, chunks: usize) -> Result<Vec<ChunkLayout>, PartitionError> {
+pub fn partition(config: &ModelConfig, chunks: usize) -> Result<Vec<ChunkLayout>, PartitionError> {
     partition_by(config, &ModelCosts::parameters(config), chunks)
 }
 
 /// Splits `config`'s blocks into `chunks` contiguous non-empty runs minimising the largest chunk's cost
 /// under `costs` (embeddings counted with the first chunk, the head with the last). Ties go to the
 /// earliest cut, so every rank given the same costs cuts the same way.
-pub fn partition_by(config: &GptConfig, costs: &ModelCosts, chunks: usize) -> Result<Vec<ChunkLayout>, PartitionError> {
+pub fn partition_by(config: &ModelConfig, costs: &ModelCosts, chunks: usize) -> Result<Vec<ChunkLayout>, PartitionError> {
     let layers = config.n_layers;
     if chunks == 0 || chunks > layers {
         return Err(PartitionError::TooFewBlocks { layers, chunks });
@@ -123,8 +120,8 @@ pub fn partition_by(config: &GptConfig, costs: &ModelCosts, chunks: usize) -> Re
     Ok((0..chunks)
         .map(|c| {
             let blocks = bounds[c]..bounds[c + 1];
-            let first = if c == 0 { 0 } else { PARAMS_BEFORE_BLOCKS + blocks.start * PARAMS_PER_BLOCK };
-            let last = if c + 1 == chunks { specs.len() } else { PARAMS_BEFORE_BLOCKS + blocks.end * PARAMS_PER_BLOCK };
+            let first = if c == 0 { 0 } else { config.block_range(blocks.start).start };
+            let last = if c + 1 == chunks { specs.len() } else { config.block_range(blocks.end).start };
             ChunkLayout { embed: c == 0, head: c + 1 == chunks, numel: numel(first..last), blocks, params: first..last }
         })
         .collect())
@@ -134,8 +131,8 @@ pub fn partition_by(config: &GptConfig, costs: &ModelCosts, chunks: usize) -> Re
 mod tests {
     use super::*;
 
-    fn config(layers: usize) -> GptConfig {
-        GptConfig { n_layers: layers, ..GptConfig::gpt_tiny() }
+    fn config(layers: usize) -> ModelConfig {
+        ModelConfig { n_layers: layers, ..ModelConfig::gpt_tiny() }
     }
 
     #[test]
@@ -165,7 +162,7 @@ mod tests {
         let blocks: Vec<_> = parts.iter().map(|p| p.blocks.clone()).collect();
         assert_eq!(blocks, vec![0..2, 2..4, 4..6, 6..8]);
         // Large embeddings push blocks off the first chunk: vocab 50k makes wte 12.8M parameters.
-        let big_vocab = GptConfig { vocab_size: 50_000, n_layers: 6, ..GptConfig::gpt_tiny() };
+        let big_vocab = ModelConfig { vocab_size: 50_000, n_layers: 6, ..ModelConfig::gpt_tiny() };
         let parts = partition(&big_vocab, 3).unwrap();
         assert_eq!(parts[0].blocks, 0..1, "{parts:?}");
         assert_eq!(parts[2].blocks, 5..6, "{parts:?}");

@@ -34,7 +34,7 @@ use troupe_cluster::transport::subgroup::Subgroup;
 use troupe_cluster::transport::Transport;
 use troupe_model::checkpoint::state::scaler_of;
 use troupe_model::checkpoint::{CheckpointWriter, Layout, SaveRequest, ShardMode, TrainingState};
-use troupe_model::gpt::GptConfig;
+use troupe_model::model::ModelConfig;
 use troupe_model::Trainer;
 
 use super::super::committed::{CommittedState, ShardPiece};
@@ -92,7 +92,7 @@ impl Geometry {
     }
 
     /// The chunks cut by `costs` instead of parameter counts.
-    fn rebalance(&mut self, config: &GptConfig, costs: &ModelCosts) -> Result<(), String> {
+    fn rebalance(&mut self, config: &ModelConfig, costs: &ModelCosts) -> Result<(), String> {
         self.layouts = partition_by(config, costs, self.shape.chunks()).map_err(|e| e.to_string())?;
         Ok(())
     }

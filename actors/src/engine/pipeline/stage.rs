@@ -22,9 +22,8 @@ use troupe_cluster::transport::{LossScope, Transport};
 use troupe_cluster::wire::Tag;
 use troupe_model::config::JobConfig;
 use troupe_model::data::{load_corpus, rank_slice, GlobalSampler};
-use troupe_model::gpt::{
-    block_recorded, cross_entropy, embed_recorded, head_recorded, init_values, param_specs, ParamOp, ParamSpec,
-    PARAMS_PER_BLOCK,
+use troupe_model::model::{
+    block_recorded, cross_entropy, embed_recorded, head_recorded, initial_values, param_specs, ParamOp, ParamSpec,
 };
 use troupe_model::optim::{learning_rate, scale_grads, AdamW, AdamWConfig};
 use troupe_model::precision::{backward_weight, LossScale, Precision, Update};
@@ -284,9 +283,10 @@ impl<T: Transport> PipelineStage<T> {
             let chunk = shape.chunk_at(device, v);
             let layout = layouts[chunk].clone();
             let start = params.len();
-            for index in layout.params.clone() {
+            let initial = initial_values(&config.model, config.train.seed, layout.params.clone())
+                .map_err(|e| PipelineError::Train(e.into()))?;
+            for (index, values) in layout.params.clone().zip(initial) {
                 let spec = &all_specs[index];
-                let values = init_values(spec, config.train.seed, index);
                 params.push(Tensor::from_slice(&values).view(spec.shape.as_slice()).set_requires_grad(true));
                 specs.push(spec.clone());
             }
@@ -722,7 +722,8 @@ impl<T: Transport> PipelineStage<T> {
         let (input, mut x, mut used) = match received {
             None => {
                 let (tokens, _) = batch.as_ref().expect("first chunk has its batch");
-                (None, embed_recorded(model, &p[..2], tokens, &mut ops), 2)
+                let embed = model.embed_range();
+                (None, embed_recorded(model, &p[embed.clone()], tokens, &mut ops), embed.end)
             }
             Some(received) => {
                 let leaf = received.detach().set_requires_grad(true);
@@ -738,9 +739,10 @@ impl<T: Transport> PipelineStage<T> {
         };
         for _ in layout.blocks.clone() {
             let mut recorded = Vec::new();
-            x = block_recorded(model, precision, &p[used..used + PARAMS_PER_BLOCK], &x, &mut recorded);
+            let per_block = model.params_per_block();
+            x = block_recorded(model, precision, &p[used..used + per_block], &x, &mut recorded);
             record_at(used, &mut ops, recorded);
-            used += PARAMS_PER_BLOCK;
+            used += per_block;
         }
         let (output, loss) = if layout.head {
             let (_, targets) = batch.as_ref().expect("last chunk has its batch");
@@ -901,7 +903,7 @@ mod tests {
 
     #[test]
     fn a_sharded_replica_holds_its_part_then_its_buddies_parts_cut_at_chunk_boundaries() {
-        let config = troupe_model::gpt::GptConfig::gpt_tiny();
+        let config = troupe_model::model::ModelConfig::gpt_tiny();
         let shape = PlanShape::new(2, 4, 2);
         let layouts = super::super::partition(&config, shape.chunks()).unwrap();
         for device in 0..2 {

@@ -141,7 +141,7 @@ fn check_consistent(dir: &Path, manifest: &Manifest) -> Result<(), CheckpointErr
             return Err(bad(format!("the {kind:?} tensors do not match the parameters one to one")));
         }
     }
-    let model = crate::gpt::param_specs(&manifest.config.model);
+    let model = crate::model::param_specs(&manifest.config.model);
     let matches_model = model.len() == params.len()
         && model
             .iter()

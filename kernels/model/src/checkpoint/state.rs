@@ -180,7 +180,7 @@ fn copy_values(trainer: &Trainer, tensors: &[TensorSpec], values: &mut [Vec<f32>
 /// position): what the crash-consistency writer saves (so a reader can check a loaded checkpoint bit for
 /// bit without a trainer) and what `troupe bench checkpoint` writes for models too large to train here.
 pub fn synthetic_state(config: &JobConfig, step: u64) -> TrainingState {
-    let tensors: Vec<TensorSpec> = crate::gpt::param_specs(&config.model)
+    let tensors: Vec<TensorSpec> = crate::model::param_specs(&config.model)
         .iter()
         .map(|s| TensorSpec { name: s.name.clone(), shape: s.shape.iter().map(|&d| d as usize).collect() })
         .collect();

@@ -34,7 +34,7 @@ struct FileV1 {
 pub fn upgrade(dir: &Path, value: serde_json::Value) -> Result<Manifest, CheckpointError> {
     let old: ManifestV1 = serde_json::from_value(value)
         .map_err(|e| CheckpointError::Manifest { path: dir.to_owned(), message: format!("version 1: {e}") })?;
-    let specs = crate::gpt::param_specs(&old.config.model);
+    let specs = crate::model::param_specs(&old.config.model);
     let mut tensors = Vec::new();
     for kind in StateKind::ALL {
         let file = if kind == StateKind::Param { MODEL_FILE } else { OPTIMIZER_FILE };

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::{synthetic_text, ByteTokenizer};
 use crate::config::{DataConfig, DataKind};
-use crate::gpt::GptConfig;
+use crate::model::ModelConfig;
 use crate::rng::hash_words;
 
 /// What a bad data file gets: the path, what is wrong, and what to do.
@@ -57,7 +57,7 @@ impl Corpus {
 }
 
 /// Loads the corpus `data` describes and checks it fits `model`.
-pub fn load_corpus(data: &DataConfig, model: &GptConfig) -> Result<Corpus, DataError> {
+pub fn load_corpus(data: &DataConfig, model: &ModelConfig) -> Result<Corpus, DataError> {
     let needed = model.context + 1;
     match data.kind {
         DataKind::Synthetic => {
@@ -110,7 +110,7 @@ mod tests {
         if let Some(contents) = contents {
             std::fs::write(&path, contents).unwrap();
         }
-        load_corpus(&config(kind, &path), &GptConfig::gpt_tiny()).unwrap_err().to_string()
+        load_corpus(&config(kind, &path), &ModelConfig::gpt_tiny()).unwrap_err().to_string()
     }
 
     #[test]
@@ -140,12 +140,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let text = dir.path().join("t.txt");
         std::fs::write(&text, vec![b'x'; 200]).unwrap();
-        let corpus = load_corpus(&config(DataKind::Text, &text), &GptConfig::gpt_tiny()).unwrap();
+        let corpus = load_corpus(&config(DataKind::Text, &text), &ModelConfig::gpt_tiny()).unwrap();
         assert_eq!(corpus.len(), 200);
         let bin = dir.path().join("t.bin");
         let tokens: Vec<u16> = (0..300).map(|i| (i % 256) as u16).collect();
         std::fs::write(&bin, tokens.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
-        let corpus = load_corpus(&config(DataKind::Bin, &bin), &GptConfig::gpt_tiny()).unwrap();
+        let corpus = load_corpus(&config(DataKind::Bin, &bin), &ModelConfig::gpt_tiny()).unwrap();
         assert_eq!(corpus.tokens(), tokens.as_slice());
     }
 }

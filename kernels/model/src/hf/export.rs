@@ -1,0 +1,138 @@
+//! Writing a Hugging Face model directory from troupe's parameters: `config.json`,
+//! `generation_config.json` and `model.safetensors` — or, above `max_shard_bytes`, shards
+//! `model-0000N-of-0000M.safetensors` with `model.safetensors.index.json` — that
+//! `AutoModelForCausalLM.from_pretrained` loads with no missing or unexpected keys.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use half::bf16;
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use serde_json::json;
+
+use super::config_json::write_config;
+use super::{file_name, transpose, HfError};
+use crate::model::{param_specs, ModelConfig};
+
+/// The dtype of the exported weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExportDtype {
+    F32,
+    Bf16,
+}
+
+impl ExportDtype {
+    fn torch_name(self) -> &'static str {
+        match self {
+            Self::F32 => "float32",
+            Self::Bf16 => "bfloat16",
+        }
+    }
+}
+
+/// How to export.
+#[derive(Clone, Copy, Debug)]
+pub struct ExportOptions {
+    pub dtype: ExportDtype,
+    /// Largest safetensors file; a model above it is split into shards with an index (transformers'
+    /// `max_shard_size`).
+    pub max_shard_bytes: u64,
+}
+
+impl Default for ExportOptions {
+    fn default() -> Self {
+        Self { dtype: ExportDtype::F32, max_shard_bytes: 5 << 30 }
+    }
+}
+
+/// Writes `config`'s model with parameter values `values` (fp32, troupe's layout, [`param_specs`] order)
+/// into `out` as a Hugging Face directory. Returns the files written.
+pub fn export(config: &ModelConfig, values: &[Vec<f32>], out: &Path, options: ExportOptions) -> Result<Vec<String>, HfError> {
+    let specs = param_specs(config);
+    assert_eq!(values.len(), specs.len(), "one value vector per parameter");
+    if config.qkv_bias && config.head_dim != 0 {
+        return Err(HfError::Unsupported {
+            path: out.to_owned(),
+            key: "model.head_dim".into(),
+            value: config.head_dim.to_string(),
+            why: "Qwen2's config.json has no head_dim: it must be d_model / n_heads".into(),
+        });
+    }
+    let io = |path: &Path| {
+        let path = path.to_owned();
+        move |source| HfError::Io { path, source }
+    };
+    std::fs::create_dir_all(out).map_err(io(out))?;
+
+    // Hugging Face's names and layout, and the bytes of each tensor in the asked dtype.
+    let mut tensors: BTreeMap<String, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
+    for (spec, values) in specs.iter().zip(values) {
+        assert_eq!(values.len(), spec.numel(), "{}: value count", spec.name);
+        let (name, transposed) = file_name(config, spec);
+        let mut shape: Vec<usize> = spec.shape.iter().map(|&d| d as usize).collect();
+        let laid_out = if transposed {
+            let t = transpose(values, shape[0], shape[1]);
+            shape.reverse();
+            t
+        } else {
+            values.clone()
+        };
+        let bytes = match options.dtype {
+            ExportDtype::F32 => laid_out.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ExportDtype::Bf16 => laid_out.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect(),
+        };
+        tensors.insert(name, (shape, bytes));
+    }
+
+    // Shards of at most max_shard_bytes each (a tensor larger than that gets a shard of its own).
+    let mut shards: Vec<Vec<&String>> = vec![Vec::new()];
+    let mut size = 0u64;
+    for (name, (_, bytes)) in &tensors {
+        let current = shards.last_mut().expect("a shard");
+        if !current.is_empty() && size + bytes.len() as u64 > options.max_shard_bytes {
+            shards.push(Vec::new());
+            size = 0;
+        }
+        shards.last_mut().expect("a shard").push(name);
+        size += bytes.len() as u64;
+    }
+    let dtype = match options.dtype {
+        ExportDtype::F32 => Dtype::F32,
+        ExportDtype::Bf16 => Dtype::BF16,
+    };
+    let metadata = Some([("format".to_owned(), "pt".to_owned())].into_iter().collect());
+    let mut written = Vec::new();
+    let mut weight_map = serde_json::Map::new();
+    let count = shards.len();
+    for (i, shard) in shards.iter().enumerate() {
+        let file = if count == 1 { "model.safetensors".to_owned() } else { format!("model-{:05}-of-{count:05}.safetensors", i + 1) };
+        let views = shard.iter().map(|name| {
+            let (shape, bytes) = &tensors[*name];
+            let view = TensorView::new(dtype, shape.clone(), bytes).expect("shape matches the bytes");
+            (name.as_str(), view)
+        });
+        let path = out.join(&file);
+        safetensors::serialize_to_file(views, metadata.clone(), &path)
+            .map_err(|e| HfError::Format { path: path.clone(), message: format!("cannot write: {e}") })?;
+        for name in shard {
+            weight_map.insert((*name).clone(), json!(file));
+        }
+        written.push(file);
+    }
+    if count > 1 {
+        let total: usize = tensors.values().map(|(_, bytes)| bytes.len()).sum();
+        let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        write_json(&out.join("model.safetensors.index.json"), &index)?;
+        written.push("model.safetensors.index.json".into());
+    }
+    write_json(&out.join("config.json"), &write_config(config, options.dtype.torch_name()))?;
+    write_json(&out.join("generation_config.json"), &json!({"_from_model_config": true}))?;
+    written.extend(["config.json".to_owned(), "generation_config.json".to_owned()]);
+    Ok(written)
+}
+
+fn write_json(path: &Path, value: &serde_json::Value) -> Result<(), HfError> {
+    let text = serde_json::to_string_pretty(value).expect("JSON values serialise");
+    std::fs::write(path, text + "\n").map_err(|source| HfError::Io { path: path.to_owned(), source })
+}

@@ -1,0 +1,203 @@
+//! The Llama family (Hugging Face `LlamaForCausalLM`; `MistralForCausalLM` without a sliding window and
+//! `Qwen2ForCausalLM`, whose q/k/v projections carry biases, are the same function): a token embedding;
+//! per block RMSNorm → grouped-query causal self-attention with rotary position embeddings (Hugging
+//! Face's `rotate_half` convention) → residual → RMSNorm → SwiGLU MLP (`down(silu(gate(x)) · up(x))`) →
+//! residual; a final RMSNorm; the head (untied, or tied to the embedding). No biases but Qwen2's, no
+//! dropout. Names are Hugging Face's as they are, so Llama weights need no renaming.
+
+use tch::{Kind, Tensor};
+
+use super::{record, Init, ModelConfig, ParamOp, ParamSpec, RopeScaling};
+use crate::config::{invalid, ConfigError};
+use crate::precision::Precision;
+
+/// Parameters before the first block: the token embedding.
+pub const PARAMS_BEFORE_BLOCKS: usize = 1;
+
+/// Parameters per block: two norms, q/k/v/o, gate/up/down, and Qwen2's q/k/v biases.
+pub fn params_per_block(cfg: &ModelConfig) -> usize {
+    9 + if cfg.qkv_bias { 3 } else { 0 }
+}
+
+pub(super) fn validate(cfg: &ModelConfig) -> Result<(), ConfigError> {
+    let kv = cfg.kv_heads();
+    if kv > cfg.n_heads || !cfg.n_heads.is_multiple_of(kv) {
+        return Err(invalid(
+            "model.n_kv_heads",
+            kv,
+            format!("must divide model.n_heads ({}): each key/value head serves a whole group of query heads", cfg.n_heads),
+        ));
+    }
+    if cfg.head_dim == 0 && !cfg.d_model.is_multiple_of(cfg.n_heads) {
+        return Err(invalid(
+            "model.n_heads",
+            cfg.n_heads,
+            format!("must divide model.d_model ({}), or set model.head_dim", cfg.d_model),
+        ));
+    }
+    if !cfg.head_dim().is_multiple_of(2) {
+        return Err(invalid("model.head_dim", cfg.head_dim(), "must be even: rotary embeddings rotate pairs"));
+    }
+    if !(cfg.rope_theta.is_finite() && cfg.rope_theta > 1.0) {
+        return Err(invalid("model.rope_theta", cfg.rope_theta, "must be a finite number > 1, e.g. 10000 or 500000"));
+    }
+    match &cfg.rope_scaling {
+        Some(RopeScaling::Linear { factor }) | Some(RopeScaling::Llama3 { factor, .. }) if !(*factor >= 1.0) => {
+            Err(invalid("model.rope_scaling.factor", factor, "must be ≥ 1"))
+        }
+        Some(RopeScaling::Llama3 { low_freq_factor, high_freq_factor, .. }) if !(high_freq_factor > low_freq_factor) => {
+            Err(invalid(
+                "model.rope_scaling.high_freq_factor",
+                high_freq_factor,
+                format!("must exceed low_freq_factor ({low_freq_factor})"),
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The canonical, ordered parameter list, with Hugging Face's names.
+pub fn param_specs(cfg: &ModelConfig) -> Vec<ParamSpec> {
+    let (v, d, f) = (cfg.vocab_size as i64, cfg.d_model as i64, cfg.ffn_hidden() as i64);
+    let q_width = (cfg.n_heads * cfg.head_dim()) as i64;
+    let kv_width = (cfg.kv_heads() * cfg.head_dim()) as i64;
+    let spec = |name: String, shape: Vec<i64>, init| ParamSpec { name, shape, init };
+    let normal = Init::Normal { std: cfg.init_std };
+    let mut specs = vec![spec("model.embed_tokens.weight".into(), vec![v, d], normal)];
+    for i in 0..cfg.n_layers {
+        let p = |suffix: &str| format!("model.layers.{i}.{suffix}");
+        specs.push(spec(p("input_layernorm.weight"), vec![d], Init::Ones));
+        for (name, width) in [("q_proj", q_width), ("k_proj", kv_width), ("v_proj", kv_width)] {
+            specs.push(spec(p(&format!("self_attn.{name}.weight")), vec![width, d], normal));
+            if cfg.qkv_bias {
+                specs.push(spec(p(&format!("self_attn.{name}.bias")), vec![width], Init::Zeros));
+            }
+        }
+        specs.extend([
+            spec(p("self_attn.o_proj.weight"), vec![d, q_width], normal),
+            spec(p("post_attention_layernorm.weight"), vec![d], Init::Ones),
+            spec(p("mlp.gate_proj.weight"), vec![f, d], normal),
+            spec(p("mlp.up_proj.weight"), vec![f, d], normal),
+            spec(p("mlp.down_proj.weight"), vec![d, f], normal),
+        ]);
+    }
+    specs.push(spec("model.norm.weight".into(), vec![d], Init::Ones));
+    if !cfg.tie_word_embeddings {
+        specs.push(spec("lm_head.weight".into(), vec![v, d], normal));
+    }
+    specs
+}
+
+/// The token embedding.
+pub(super) fn embed(params: &[Tensor], tokens: &Tensor, ops: &mut Vec<ParamOp>) -> Tensor {
+    let embedded = Tensor::embedding(&params[0], tokens, -1, false, false);
+    record(ops, &embedded, 0..1);
+    embedded
+}
+
+/// RMSNorm as Hugging Face computes it: in fp32, `x / sqrt(mean(x²) + eps)`, cast back, times the gain.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
+    let h = x.to_kind(Kind::Float);
+    let variance = h.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+    let normed = (h * (variance + eps).rsqrt()).to_kind(x.kind());
+    weight * normed
+}
+
+/// The rotary frequencies (`inv_freq`) of `cfg`, computed in fp32 as Hugging Face does, with its
+/// `rope_scaling` applied.
+pub fn inv_freq(cfg: &ModelConfig, device: tch::Device) -> Tensor {
+    let dim = cfg.head_dim() as i64;
+    let exponents = Tensor::arange_start_step(0, dim, 2, (Kind::Int64, device)).to_kind(Kind::Float) / dim as f64;
+    let base = Tensor::from(cfg.rope_theta as f32).to_device(device);
+    let inv = base.pow(&exponents).reciprocal();
+    match &cfg.rope_scaling {
+        None => inv,
+        Some(RopeScaling::Linear { factor }) => inv / *factor,
+        Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+            let old = *original_max_position_embeddings as f64;
+            let low_wavelen = old / low_freq_factor;
+            let high_wavelen = old / high_freq_factor;
+            let wavelen = inv.reciprocal() * (2.0 * std::f64::consts::PI);
+            // Long wavelengths (below the low-frequency bound) are divided by the factor, short ones kept.
+            let scaled = (&inv / *factor).where_self(&wavelen.gt(low_wavelen), &inv);
+            let smooth = (old / &wavelen - *low_freq_factor) / (high_freq_factor - low_freq_factor);
+            let smoothed: Tensor = (1.0 - &smooth) * &scaled / *factor + &smooth * &scaled;
+            let medium = wavelen.ge(high_wavelen).logical_and(&wavelen.le(low_wavelen));
+            smoothed.where_self(&medium, &scaled)
+        }
+    }
+}
+
+/// `cos` and `sin` of the rotary angles of positions `0..time`: each `[time, head_dim]` (the frequencies
+/// repeated for both halves, as Hugging Face's `cat((freqs, freqs))`), fp32.
+pub fn rotary(cfg: &ModelConfig, time: i64, device: tch::Device) -> (Tensor, Tensor) {
+    let positions = Tensor::arange(time, (Kind::Float, device));
+    let freqs = positions.unsqueeze(1).matmul(&inv_freq(cfg, device).unsqueeze(0));
+    let angles = Tensor::cat(&[&freqs, &freqs], -1);
+    (angles.cos(), angles.sin())
+}
+
+/// Rotates `x` (`[batch, heads, time, head_dim]`) by the angles: `x·cos + rotate_half(x)·sin`, where
+/// `rotate_half` maps the halves (x₁, x₂) to (−x₂, x₁).
+fn apply_rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    let half = x.size()[3] / 2;
+    let halves = x.split(half, -1);
+    let rotated = Tensor::cat(&[&(-&halves[1]), &halves[0]], -1);
+    x * cos.to_kind(x.kind()) + rotated * sin.to_kind(x.kind())
+}
+
+/// One block on its [`params_per_block`] parameters.
+pub(super) fn block(
+    cfg: &ModelConfig,
+    precision: Precision,
+    p: &[Tensor],
+    x: &Tensor,
+    ops: &mut Vec<ParamOp>,
+) -> Tensor {
+    let (batch, time, _) = x.size3().expect("block input is [batch, time, d_model]");
+    let (heads, kv_heads, head_dim) = (cfg.n_heads as i64, cfg.kv_heads() as i64, cfg.head_dim() as i64);
+    let bias = usize::from(cfg.qkv_bias);
+
+    let h = rms_norm(x, &p[0], cfg.norm_eps);
+    record(ops, &h, 0..1);
+    let mut at = 1;
+    let mut project = |ops: &mut Vec<ParamOp>| {
+        let range = at..at + 1 + bias;
+        let out = precision.linear(&h, &p[at], (bias == 1).then(|| &p[at + 1]));
+        record(ops, &out, range);
+        at += 1 + bias;
+        out
+    };
+    let (q, k, v) = (project(ops), project(ops), project(ops));
+    let heads_of = |t: &Tensor, n: i64| t.view([batch, time, n, head_dim]).transpose(1, 2);
+    let (cos, sin) = rotary(cfg, time, x.device());
+    let q = apply_rotary(&heads_of(&q, heads), &cos, &sin);
+    let k = apply_rotary(&heads_of(&k, kv_heads), &cos, &sin);
+    let v = heads_of(&v, kv_heads);
+    // Each key/value head serves `heads / kv_heads` query heads in a row (Hugging Face's `repeat_kv`).
+    let repeat = |t: Tensor| {
+        if kv_heads == heads {
+            return t;
+        }
+        t.unsqueeze(2).expand([batch, kv_heads, heads / kv_heads, time, head_dim], false).reshape([
+            batch, heads, time, head_dim,
+        ])
+    };
+    let (k, v) = (repeat(k), repeat(v));
+    let attended = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false);
+    let attended = attended.transpose(1, 2).contiguous().view([batch, time, heads * head_dim]);
+    let o = at;
+    let projected = precision.linear(&attended, &p[o], None);
+    record(ops, &projected, o..o + 1);
+    let x = x + projected.to_kind(x.kind());
+
+    let h = rms_norm(&x, &p[o + 1], cfg.norm_eps);
+    record(ops, &h, o + 1..o + 2);
+    let gate = precision.linear(&h, &p[o + 2], None);
+    record(ops, &gate, o + 2..o + 3);
+    let up = precision.linear(&h, &p[o + 3], None);
+    record(ops, &up, o + 3..o + 4);
+    let out = precision.linear(&(gate.silu() * up), &p[o + 4], None);
+    record(ops, &out, o + 4..o + 5);
+    x + out.to_kind(Kind::Float)
+}

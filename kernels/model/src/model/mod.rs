@@ -1,0 +1,550 @@
+//! The model families, as pure functions of an explicit, ordered parameter list, so that data-parallel
+//! replicas, FSDP shards and pipeline stages can run any range of a model on parameters they own or have
+//! gathered — whatever its family.
+//!
+//! This module is the one seam between the engines and the families: every engine calls [`embed`],
+//! [`block`], [`head`] (or their `_recorded` forms), [`param_specs`] and the layout methods of
+//! [`ModelConfig`]; only the `match` on [`Arch`] here knows which family runs. A family is a file:
+//! `gpt2.rs` (GPT-2: learned positions, LayerNorm, GeLU MLP, fused QKV with biases) and `llama.rs`
+//! (Llama, Mistral, Qwen2: RoPE, RMSNorm, grouped-query attention, SwiGLU).
+//!
+//! Every model's list is `embed` parameters, then `n_layers` blocks of the same number of parameters,
+//! then the `head` parameters (final norm, and the output matrix unless it is tied to the token
+//! embedding). With `tie_word_embeddings` the head multiplies by the embedding matrix itself, which is a
+//! parameter of the embed range: [`head_params`] hands it to the head, and its gradient sums both uses.
+
+use std::ops::Range;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+
+use crate::config::{invalid, positive, ConfigError};
+use crate::precision::Precision;
+use crate::rng::{hash_words, SplitMix64};
+
+pub mod gpt2;
+pub mod llama;
+pub mod presets;
+
+/// The family of a model: how its parameters are laid out and what its forward computes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// GPT-2 (Hugging Face `GPT2LMHeadModel`); gpt-tiny is one.
+    #[default]
+    Gpt2,
+    /// The Llama family (Hugging Face `LlamaForCausalLM`; also `MistralForCausalLM` without a sliding
+    /// window, and `Qwen2ForCausalLM` with `qkv_bias`).
+    Llama,
+}
+
+impl Arch {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Gpt2 => "gpt2",
+            Self::Llama => "llama",
+        }
+    }
+}
+
+/// GPT-2's MLP activation (Hugging Face `activation_function`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    /// Exact GeLU (erf); gpt-tiny's.
+    #[default]
+    Gelu,
+    /// GeLU's tanh approximation (`gelu_new`), what the published GPT-2 checkpoints use.
+    GeluNew,
+}
+
+/// Llama 3's rotary-frequency rescaling (`rope_scaling` with `rope_type = "llama3"`), or the linear one.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, tag = "rope_type", rename_all = "lowercase")]
+pub enum RopeScaling {
+    /// Positions divided by `factor`.
+    Linear { factor: f64 },
+    /// Llama 3.1's: long wavelengths divided by `factor`, short ones kept, a smooth blend between.
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: usize },
+}
+
+/// The model's shape. `[model]` in the job config; every key has a default (gpt-tiny), `preset` names a
+/// known shape and `from_hf` a Hugging Face directory whose `config.json` gives the shape and whose
+/// safetensors give the initial weights (see [`crate::hf`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    /// The preset the shape came from (informational once resolved; see [`presets`]).
+    pub preset: Option<String>,
+    /// A Hugging Face model directory: the shape comes from its `config.json` (keys set beside it must
+    /// agree) and the initial weights from its safetensors.
+    pub from_hf: Option<PathBuf>,
+    pub vocab_size: usize,
+    /// Tokens per sample (sequence length).
+    pub context: usize,
+    /// Positions the model can address (GPT-2: rows of the position embedding; Llama: the
+    /// `max_position_embeddings` it declares); 0 means `context`.
+    pub max_positions: usize,
+    pub d_model: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    /// Llama: key/value heads (grouped-query attention); 0 means `n_heads`.
+    pub n_kv_heads: usize,
+    /// Width of each head; 0 means `d_model / n_heads`.
+    pub head_dim: usize,
+    /// Inner width of the MLP; 0 means the family's default (GPT-2: 4 × d_model; Llama: SwiGLU's
+    /// 8/3 × d_model rounded up to a multiple of 256).
+    pub ffn_hidden: usize,
+    /// The head multiplies by the token embedding matrix instead of a matrix of its own.
+    pub tie_word_embeddings: bool,
+    /// LayerNorm's (GPT-2) or RMSNorm's (Llama) epsilon.
+    pub norm_eps: f64,
+    /// GPT-2's MLP activation.
+    pub activation: Activation,
+    /// Llama: the RoPE base.
+    pub rope_theta: f64,
+    /// Llama: the RoPE rescaling, if any.
+    pub rope_scaling: Option<RopeScaling>,
+    /// Llama: biases on the q, k and v projections (Qwen2).
+    pub qkv_bias: bool,
+    /// Standard deviation of the initial matrices (Hugging Face `initializer_range`).
+    pub init_std: f64,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self::gpt_tiny()
+    }
+}
+
+/// One parameter's name, shape and initialisation, in the model's canonical order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamSpec {
+    pub name: String,
+    pub shape: Vec<i64>,
+    pub init: Init,
+}
+
+/// How a parameter is initialised.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    Normal { std: f64 },
+    Zeros,
+    Ones,
+}
+
+impl ParamSpec {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product::<i64>() as usize
+    }
+
+    /// Whether AdamW's weight decay applies (matrices and embeddings; not biases or norm gains).
+    pub fn decays(&self) -> bool {
+        self.shape.len() >= 2
+    }
+}
+
+impl ModelConfig {
+    /// gpt-tiny (DESIGN.md §4): GPT-2 family, vocab 256 (bytes), context 128, d_model 256, 4 blocks,
+    /// 4 heads, untied head, exact GeLU: 3,323,392 parameters.
+    pub fn gpt_tiny() -> Self {
+        Self {
+            arch: Arch::Gpt2,
+            preset: None,
+            from_hf: None,
+            vocab_size: 256,
+            context: 128,
+            max_positions: 0,
+            d_model: 256,
+            n_layers: 4,
+            n_heads: 4,
+            n_kv_heads: 0,
+            head_dim: 0,
+            ffn_hidden: 0,
+            tie_word_embeddings: false,
+            norm_eps: 1e-5,
+            activation: Activation::Gelu,
+            rope_theta: 10_000.0,
+            rope_scaling: None,
+            qkv_bias: false,
+            init_std: 0.02,
+        }
+    }
+
+    pub fn head_dim(&self) -> usize {
+        if self.head_dim > 0 {
+            self.head_dim
+        } else {
+            self.d_model / self.n_heads.max(1)
+        }
+    }
+
+    pub fn kv_heads(&self) -> usize {
+        if self.n_kv_heads > 0 {
+            self.n_kv_heads
+        } else {
+            self.n_heads
+        }
+    }
+
+    pub fn positions(&self) -> usize {
+        if self.max_positions > 0 {
+            self.max_positions
+        } else {
+            self.context
+        }
+    }
+
+    pub fn ffn_hidden(&self) -> usize {
+        if self.ffn_hidden > 0 {
+            return self.ffn_hidden;
+        }
+        match self.arch {
+            Arch::Gpt2 => 4 * self.d_model,
+            Arch::Llama => (8 * self.d_model / 3).div_ceil(256) * 256,
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        positive("model.vocab_size", self.vocab_size)?;
+        positive("model.context", self.context)?;
+        positive("model.d_model", self.d_model)?;
+        positive("model.n_layers", self.n_layers)?;
+        positive("model.n_heads", self.n_heads)?;
+        if self.context > self.positions() {
+            return Err(invalid(
+                "model.context",
+                self.context,
+                format!("must be at most model.max_positions ({}), the positions the model addresses", self.positions()),
+            ));
+        }
+        if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
+            return Err(invalid("model.norm_eps", self.norm_eps, "must be a finite number > 0, e.g. 1e-5"));
+        }
+        if !(self.init_std.is_finite() && self.init_std > 0.0) {
+            return Err(invalid("model.init_std", self.init_std, "must be a finite number > 0, e.g. 0.02"));
+        }
+        match self.arch {
+            Arch::Gpt2 => gpt2::validate(self),
+            Arch::Llama => llama::validate(self),
+        }
+    }
+
+    /// Parameters before the first block (the embeddings).
+    pub fn params_before_blocks(&self) -> usize {
+        match self.arch {
+            Arch::Gpt2 => gpt2::PARAMS_BEFORE_BLOCKS,
+            Arch::Llama => llama::PARAMS_BEFORE_BLOCKS,
+        }
+    }
+
+    /// Parameters of each block.
+    pub fn params_per_block(&self) -> usize {
+        match self.arch {
+            Arch::Gpt2 => gpt2::PARAMS_PER_BLOCK,
+            Arch::Llama => llama::params_per_block(self),
+        }
+    }
+
+    /// Parameters after the last block (the final norm, and the output matrix unless tied).
+    pub fn params_after_blocks(&self) -> usize {
+        let norm = match self.arch {
+            Arch::Gpt2 => 2,
+            Arch::Llama => 1,
+        };
+        norm + usize::from(!self.tie_word_embeddings)
+    }
+
+    /// Length of the parameter list.
+    pub fn param_tensors(&self) -> usize {
+        self.params_before_blocks() + self.n_layers * self.params_per_block() + self.params_after_blocks()
+    }
+
+    /// The embeddings' positions in the parameter list.
+    pub fn embed_range(&self) -> Range<usize> {
+        0..self.params_before_blocks()
+    }
+
+    /// Block `index`'s positions in the parameter list.
+    pub fn block_range(&self, index: usize) -> Range<usize> {
+        let start = self.params_before_blocks() + index * self.params_per_block();
+        start..start + self.params_per_block()
+    }
+
+    /// The head's positions in the parameter list (without the tied embedding, which is in
+    /// [`Self::embed_range`]).
+    pub fn head_range(&self) -> Range<usize> {
+        let total = self.param_tensors();
+        total - self.params_after_blocks()..total
+    }
+
+    /// Total parameter count (a tied matrix counted once).
+    pub fn param_count(&self) -> usize {
+        param_specs(self).iter().map(|s| s.numel()).sum()
+    }
+
+    /// Forward FLOPs per token (2 per multiply-accumulate of the matmuls, attention included), the
+    /// figure MFU estimates use (training ≈ 3× this).
+    pub fn forward_flops_per_token(&self) -> f64 {
+        let (d, l, t, v) = (self.d_model as f64, self.n_layers as f64, self.context as f64, self.vocab_size as f64);
+        let attn_width = (self.n_heads * self.head_dim()) as f64;
+        let kv_width = (self.kv_heads() * self.head_dim()) as f64;
+        let ffn = self.ffn_hidden() as f64;
+        let mlp_matrices = match self.arch {
+            Arch::Gpt2 => 2.0,
+            Arch::Llama => 3.0,
+        };
+        let projections = 2.0 * d * (2.0 * attn_width + 2.0 * kv_width) + 2.0 * mlp_matrices * d * ffn;
+        let attention = 2.0 * 2.0 * t * attn_width;
+        l * (projections + attention) + 2.0 * d * v
+    }
+}
+
+/// The canonical, ordered parameter list (Hugging Face's names: GPT-2's without the `transformer.`
+/// prefix, Llama's as they are).
+pub fn param_specs(cfg: &ModelConfig) -> Vec<ParamSpec> {
+    match cfg.arch {
+        Arch::Gpt2 => gpt2::param_specs(cfg),
+        Arch::Llama => llama::param_specs(cfg),
+    }
+}
+
+/// The initial values of parameter `index` from its spec: a pure function of (seed, index), computed in
+/// Rust so every rank and every device gets the same bits whatever libtorch's global RNG has done.
+/// (A model with `from_hf` starts from the file instead: see [`initial_values`].)
+pub fn init_values(spec: &ParamSpec, seed: u64, index: usize) -> Vec<f32> {
+    let n = spec.numel();
+    match spec.init {
+        Init::Zeros => vec![0.0; n],
+        Init::Ones => vec![1.0; n],
+        Init::Normal { std } => {
+            let mut rng = SplitMix64::new(hash_words(&[seed, index as u64, 0x1417]));
+            (0..n).map(|_| (rng.next_normal() * std) as f32).collect()
+        }
+    }
+}
+
+/// The initial values of parameters `indices` of `cfg`'s model: read from the Hugging Face weights of
+/// `cfg.from_hf` (only those tensors, from the memory-mapped files), else drawn by [`init_values`].
+pub fn initial_values(
+    cfg: &ModelConfig,
+    seed: u64,
+    indices: Range<usize>,
+) -> Result<Vec<Vec<f32>>, crate::hf::HfError> {
+    let specs = param_specs(cfg);
+    match &cfg.from_hf {
+        Some(dir) => {
+            let weights = crate::hf::HfWeights::open(dir)?;
+            indices.map(|i| weights.read_param(cfg, &specs[i])).collect()
+        }
+        None => Ok(indices.map(|i| init_values(&specs[i], seed, i)).collect()),
+    }
+}
+
+/// The model: its config, its parameters (fp32 leaves requiring grad, in [`param_specs`] order) and
+/// the precision its matrix products compute in.
+#[derive(Debug)]
+pub struct Model {
+    pub config: ModelConfig,
+    pub precision: Precision,
+    specs: Vec<ParamSpec>,
+    params: Vec<Tensor>,
+}
+
+impl Model {
+    /// A freshly initialised model on the CPU, computing in fp32 (see [`Self::with_precision`]).
+    /// Panics where `config.from_hf`'s weights cannot be read: [`Self::load`] returns that error, and
+    /// job configs are checked with [`crate::hf::check_weights`] before anything runs.
+    pub fn new(config: ModelConfig, seed: u64) -> Self {
+        Self::load(config, seed).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`Self::new`], with a Hugging Face weight file that cannot be read as an error.
+    pub fn load(config: ModelConfig, seed: u64) -> Result<Self, crate::hf::HfError> {
+        let specs = param_specs(&config);
+        let values = initial_values(&config, seed, 0..specs.len())?;
+        let params = specs
+            .iter()
+            .zip(values)
+            .map(|(spec, values)| Tensor::from_slice(&values).view(spec.shape.as_slice()).set_requires_grad(true))
+            .collect();
+        Ok(Self { config, precision: Precision::Fp32, specs, params })
+    }
+
+    /// The same model with its parameters on `device` (same values: initialisation is computed in Rust,
+    /// so every device starts from the same bits). Leaves again, gradients reset.
+    pub fn to_device(mut self, device: tch::Device) -> Self {
+        if self.params.first().is_some_and(|p| p.device() != device) {
+            self.params = self.params.iter().map(|p| p.detach().to_device(device).set_requires_grad(true)).collect();
+        }
+        self
+    }
+
+    /// The same model computing its matrix products in `precision` (the parameters stay fp32).
+    pub fn with_precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
+        self
+    }
+
+    pub fn specs(&self) -> &[ParamSpec] {
+        &self.specs
+    }
+
+    pub fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+
+    pub fn params_mut(&mut self) -> &mut [Tensor] {
+        &mut self.params
+    }
+
+    pub fn named_params(&self) -> impl Iterator<Item = (&str, &Tensor)> {
+        self.specs.iter().map(|s| s.name.as_str()).zip(&self.params)
+    }
+
+    /// Parameters of the model's shape (from the specs, so a ZeRO-3 rank whose tensors are released
+    /// between steps still counts them).
+    pub fn param_count(&self) -> usize {
+        self.specs.iter().map(ParamSpec::numel).sum()
+    }
+
+    /// Token ids `[batch, time]` (int64) → logits `[batch, time, vocab]`.
+    pub fn forward(&self, tokens: &Tensor) -> Tensor {
+        let mut x = self.embed(tokens);
+        for block in 0..self.config.n_layers {
+            x = self.block(block, &x);
+        }
+        self.head(&x)
+    }
+
+    /// Mean next-token cross-entropy of `tokens` against `targets` (both `[batch, time]`).
+    pub fn loss(&self, tokens: &Tensor, targets: &Tensor) -> Tensor {
+        let logits = self.forward(tokens);
+        cross_entropy(&logits, targets)
+    }
+
+    /// The embeddings: `[batch, time]` → `[batch, time, d_model]`.
+    pub fn embed(&self, tokens: &Tensor) -> Tensor {
+        embed(&self.config, &self.params[self.config.embed_range()], tokens)
+    }
+
+    /// Transformer block `index`: `[batch, time, d_model]` → same shape.
+    pub fn block(&self, index: usize, x: &Tensor) -> Tensor {
+        block(&self.config, self.precision, &self.params[self.config.block_range(index)], x)
+    }
+
+    /// The final norm and the head: `[batch, time, d_model]` → logits `[batch, time, vocab]`.
+    pub fn head(&self, x: &Tensor) -> Tensor {
+        head(&self.config, self.precision, &head_params(&self.config, &self.params), x)
+    }
+
+    /// Copies parameter values in from another list in canonical order (shapes must match).
+    pub fn load_values(&mut self, values: &[Tensor]) {
+        assert_eq!(values.len(), self.params.len(), "parameter list length");
+        tch::no_grad(|| {
+            for (p, v) in self.params.iter_mut().zip(values) {
+                p.copy_(v);
+            }
+        });
+    }
+}
+
+/// The output of one operation that uses parameters, and which of the parameters handed to the forward
+/// it uses (positions in that slice). A forward that records these lets a zero-bubble backward compute
+/// the input gradient first — asking autograd for the gradients of these outputs instead of the
+/// weights, so the weight-gradient products are skipped — and each operation's weight gradient later
+/// from its output's gradient alone.
+#[derive(Debug)]
+pub struct ParamOp {
+    pub output: Tensor,
+    pub params: Range<usize>,
+}
+
+pub(crate) fn record(ops: &mut Vec<ParamOp>, output: &Tensor, params: Range<usize>) {
+    ops.push(ParamOp { output: output.shallow_clone(), params });
+}
+
+/// What the head runs on, from the whole parameter list: the head range, then (tied) the token
+/// embedding. Shallow handles: the gradients land on the parameters themselves.
+pub fn head_params(config: &ModelConfig, params: &[Tensor]) -> Vec<Tensor> {
+    let mut head: Vec<Tensor> = params[config.head_range()].iter().map(Tensor::shallow_clone).collect();
+    if config.tie_word_embeddings {
+        head.push(params[0].shallow_clone());
+    }
+    head
+}
+
+/// The embeddings on the embed range's parameters: `[batch, time]` → `[batch, time, d_model]`. The free
+/// functions take exactly the parameters they use, so a pipeline stage can run its range of the model
+/// on the tensors it owns.
+pub fn embed(config: &ModelConfig, params: &[Tensor], tokens: &Tensor) -> Tensor {
+    embed_recorded(config, params, tokens, &mut Vec::new())
+}
+
+/// [`embed`], recording its parameter operations.
+pub fn embed_recorded(config: &ModelConfig, params: &[Tensor], tokens: &Tensor, ops: &mut Vec<ParamOp>) -> Tensor {
+    let time = tokens.size()[1];
+    assert!(time as usize <= config.positions(), "sequence of {time} tokens exceeds the model's positions");
+    match config.arch {
+        Arch::Gpt2 => gpt2::embed(params, tokens, ops),
+        Arch::Llama => llama::embed(params, tokens, ops),
+    }
+}
+
+/// One transformer block on its parameters: `[batch, time, d_model]` → same shape. The linear layers
+/// and attention compute in `precision`; the norms and the residual stream stay fp32 (autocast's
+/// policy, see [`crate::precision`]).
+pub fn block(config: &ModelConfig, precision: Precision, p: &[Tensor], x: &Tensor) -> Tensor {
+    block_recorded(config, precision, p, x, &mut Vec::new())
+}
+
+/// [`block`], recording its parameter operations.
+pub fn block_recorded(
+    config: &ModelConfig,
+    precision: Precision,
+    p: &[Tensor],
+    x: &Tensor,
+    ops: &mut Vec<ParamOp>,
+) -> Tensor {
+    assert_eq!(p.len(), config.params_per_block(), "block parameter count");
+    match config.arch {
+        Arch::Gpt2 => gpt2::block(config, precision, p, x, ops),
+        Arch::Llama => llama::block(config, precision, p, x, ops),
+    }
+}
+
+/// The final norm and the head on [`head_params`]: `[batch, time, d_model]` → logits
+/// `[batch, time, vocab]` (in `precision`'s kind).
+pub fn head(config: &ModelConfig, precision: Precision, params: &[Tensor], x: &Tensor) -> Tensor {
+    head_recorded(config, precision, params, x, &mut Vec::new())
+}
+
+/// [`head`], recording its parameter operations.
+pub fn head_recorded(
+    config: &ModelConfig,
+    precision: Precision,
+    params: &[Tensor],
+    x: &Tensor,
+    ops: &mut Vec<ParamOp>,
+) -> Tensor {
+    let expected = config.params_after_blocks() + usize::from(config.tie_word_embeddings);
+    assert_eq!(params.len(), expected, "head parameter count");
+    let norm = config.params_after_blocks() - usize::from(!config.tie_word_embeddings);
+    let h = match config.arch {
+        Arch::Gpt2 => gpt2::final_norm(config, &params[..norm], x),
+        Arch::Llama => llama::rms_norm(x, &params[0], config.norm_eps),
+    };
+    record(ops, &h, 0..norm);
+    let logits = precision.linear(&h, &params[norm], None);
+    record(ops, &logits, norm..norm + 1);
+    logits
+}
+
+/// Mean cross-entropy of `[batch, time, vocab]` logits against `[batch, time]` targets, in fp32 whatever
+/// the logits' kind.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Tensor {
+    let vocab = logits.size()[2];
+    logits.to_kind(Kind::Float).view([-1, vocab]).cross_entropy_for_logits(&targets.view([-1]))
+}
