@@ -226,6 +226,29 @@ fn zero3_dp4_equals_the_reference_and_keeps_a_quarter_of_ddps_state() {
     }
 }
 
+/// The Llama family (the small shape: GQA 4/2, RoPE θ = 500000; untied and tied heads) under DDP at
+/// 2 and 3 ranks and ZeRO-1/2/3 (ZeRO-3 with recomputation) equals the single-process reference.
+#[test]
+fn llama_equals_the_reference_under_ddp_and_zero() {
+    let llama = |micro_batch: usize, recompute: bool, tied: bool| {
+        let mut config = JobConfig::small_llama(STEPS);
+        config.train.global_batch = 8;
+        config.train.micro_batch = micro_batch;
+        config.parallel.recompute = recompute;
+        config.model.tie_word_embeddings = tied;
+        config
+    };
+    let ddp = Engine::Ddp { bucket_bytes: 1 << 20 };
+    for tied in [false, true] {
+        check_config(&llama(4, false, tied), 2, ddp);
+        check_config(&llama(2, true, tied), 3, ddp);
+        check_config(&llama(8, false, tied), 2, Engine::Sharded(ShardMode::Zero1));
+        check_config(&llama(2, false, tied), 3, Engine::Sharded(ShardMode::Zero2));
+    }
+    check_config(&llama(2, true, false), 2, Engine::Sharded(ShardMode::Zero3));
+    check_config(&llama(4, false, false), 3, Engine::Sharded(ShardMode::Zero3));
+}
+
 /// The small model in `precision`, micro-batches of 2 (each rank computes the reference's own
 /// micro-batches, so the 16-bit products see the same inputs).
 fn precision_job(precision: &str) -> JobConfig {

@@ -39,26 +39,49 @@ fn check(kind: ScheduleKind, virtual_stages: usize) {
     tch::set_num_threads(1);
     for stages in [2, 4] {
         let config = job((stages * virtual_stages).max(4));
-        let (ref_losses, ref_params) = reference(&config);
-        let specs = troupe_model::model::param_specs(&config.model);
+        let reference = reference(&config);
         for microbatches in [1, 4, 8] {
             let options = PipelineOptions::new(kind, stages, microbatches, virtual_stages);
-            let run = run_in_process(&config, &options, STEPS, |_| {}).unwrap();
-            let losses: Vec<f64> = run.steps.iter().map(|s| s.loss).collect();
             let what = format!("{kind} P={stages} M={microbatches} V={virtual_stages}");
-            let loss_diff = worst_loss_diff(&losses, &ref_losses);
-            assert!(
-                loss_diff <= TOLERANCE,
-                "{what}: losses differ by {loss_diff:e} relative: {losses:?} vs {ref_losses:?}"
-            );
-            let comparison = compare_params(&specs, &run.params, &ref_params);
-            assert!(comparison.within(TOLERANCE), "{what}: {comparison:?}");
-            println!(
-                "{what}: loss diff {loss_diff:.1e}, params worst {:.1e} ({}), global {:.1e}",
-                comparison.worst, comparison.worst_name, comparison.global
-            );
+            run_and_compare(&config, &options, &reference, &what);
         }
     }
+}
+
+/// Runs `options`' pipeline on `config` and asserts its losses and final parameters equal `reference`'s.
+fn run_and_compare(config: &JobConfig, options: &PipelineOptions, reference: &(Vec<f64>, Vec<Tensor>), what: &str) {
+    let (ref_losses, ref_params) = reference;
+    let specs = troupe_model::model::param_specs(&config.model);
+    let run = run_in_process(config, options, STEPS, |_| {}).unwrap();
+    let losses: Vec<f64> = run.steps.iter().map(|s| s.loss).collect();
+    let loss_diff = worst_loss_diff(&losses, ref_losses);
+    assert!(loss_diff <= TOLERANCE, "{what}: losses differ by {loss_diff:e} relative: {losses:?} vs {ref_losses:?}");
+    let comparison = compare_params(&specs, &run.params, ref_params);
+    assert!(comparison.within(TOLERANCE), "{what}: {comparison:?}");
+    println!(
+        "{what}: loss diff {loss_diff:.1e}, params worst {:.1e} ({}), global {:.1e}",
+        comparison.worst, comparison.worst_name, comparison.global
+    );
+}
+
+/// The Llama family through the pipeline engine: 1F1B, ZB-H1 (its split backward records Llama's
+/// operations) and interleaved at P = 2, and 1F1B pipelines as data-parallel replicas, equal the
+/// single-process reference.
+#[test]
+fn llama_pipelines_equal_the_reference() {
+    tch::set_num_threads(1);
+    let mut config = JobConfig::small_llama(STEPS);
+    config.model.n_layers = 4;
+    config.train.global_batch = 8;
+    config.train.micro_batch = 8;
+    let reference = reference(&config);
+    for (kind, virtual_stages) in [(ScheduleKind::OneFOneB, 1), (ScheduleKind::ZbH1, 1), (ScheduleKind::Interleaved, 2)] {
+        let options = PipelineOptions::new(kind, 2, 4, virtual_stages);
+        run_and_compare(&config, &options, &reference, &format!("llama {kind} P=2 M=4 V={virtual_stages}"));
+    }
+    let mut options = PipelineOptions::new(ScheduleKind::OneFOneB, 2, 2, 1);
+    options.data_parallel = 2;
+    run_and_compare(&config, &options, &reference, "llama pp=2 × dp=2");
 }
 
 #[test]
@@ -148,19 +171,9 @@ fn pp2_by_dp2_equals_the_reference() {
     // gradients all-reduced with its replica.
     tch::set_num_threads(1);
     let config = job(4);
-    let (ref_losses, ref_params) = reference(&config);
     let mut options = PipelineOptions::new(ScheduleKind::OneFOneB, 2, 2, 1);
     options.data_parallel = 2;
-    let run = run_in_process(&config, &options, STEPS, |_| {}).unwrap();
-    let losses: Vec<f64> = run.steps.iter().map(|s| s.loss).collect();
-    let loss_diff = worst_loss_diff(&losses, &ref_losses);
-    assert!(loss_diff <= TOLERANCE, "pp=2 × dp=2: losses differ by {loss_diff:e}");
-    let comparison = compare_params(&troupe_model::model::param_specs(&config.model), &run.params, &ref_params);
-    assert!(comparison.within(TOLERANCE), "pp=2 × dp=2: {comparison:?}");
-    println!(
-        "pp=2 × dp=2: loss diff {loss_diff:.1e}, params worst {:.1e} ({})",
-        comparison.worst, comparison.worst_name
-    );
+    run_and_compare(&config, &options, &reference(&config), "pp=2 × dp=2");
 }
 
 #[test]
