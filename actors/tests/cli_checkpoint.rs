@@ -96,7 +96,7 @@ fn list_verify_reshard_and_export_the_checkpoints_of_a_run() {
 
     // The exported parameters are exactly the run's final parameters.
     let exported = dir.path().join("model.safetensors");
-    ok(troupe(&["checkpoint", "export", s(&resharded), "--out", s(&exported)]));
+    ok(troupe(&["checkpoint", "export", s(&resharded), "--raw", "--out", s(&exported)]));
     let (a, b) = (tensors(&exported), tensors(&final_params));
     assert_eq!(a.len(), b.len(), "every parameter, nothing else");
     for ((name_a, ta), (name_b, tb)) in a.iter().zip(&b) {
@@ -135,7 +135,7 @@ fn a_corrupt_file_is_named_and_skipped_and_bad_paths_are_refused() {
         listed.iter().map(|l| (l["valid"].as_bool().unwrap(), l["resume_from"].as_bool().unwrap())).collect();
     assert_eq!(valid, vec![(true, true), (false, false)], "{listed:?}");
     let exported = dir.path().join("model.safetensors");
-    let out = json_lines(&ok(troupe(&["checkpoint", "export", s(&root), "--out", s(&exported), "--json"])));
+    let out = json_lines(&ok(troupe(&["checkpoint", "export", s(&root), "--raw", "--out", s(&exported), "--json"])));
     assert_eq!(out[0]["step"].as_u64(), Some(3), "export of a root takes its newest valid checkpoint: {out:?}");
 
     let missing = troupe(&["checkpoint", "export", "/nonexistent/ckpt", "--out", s(&exported)]);
@@ -167,7 +167,7 @@ fn on_a_terminal_checkpoint_commands_and_resume_show_progress_and_json_never_doe
     let root = dir.path().join("ckpt");
     train(dir.path(), &root, 3, &[]);
     let exported = dir.path().join("model.safetensors");
-    let drawn = on_a_terminal(&["checkpoint", "export", s(&root), "--out", s(&exported)]);
+    let drawn = on_a_terminal(&["checkpoint", "export", s(&root), "--raw", "--out", s(&exported)]);
     assert!(drawn.contains("loading ") && drawn.contains("writing "), "{drawn}");
     let drawn =
         on_a_terminal(&["checkpoint", "reshard", s(&root), "--shards", "2", "--out", s(&dir.path().join("r2"))]);
@@ -180,6 +180,49 @@ fn on_a_terminal_checkpoint_commands_and_resume_show_progress_and_json_never_doe
     for line in json.lines().filter(|l| !l.trim().is_empty()) {
         serde_json::from_str::<Value>(line.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {line:?}"));
     }
-    let json = on_a_terminal(&["checkpoint", "export", s(&root), "--out", s(&exported), "--json"]);
+    let json = on_a_terminal(&["checkpoint", "export", s(&root), "--raw", "--out", s(&exported), "--json"]);
     assert_eq!(json.trim().lines().count(), 1, "one JSON object and nothing drawn: {json:?}");
+}
+
+/// `checkpoint export` of a Llama job's checkpoint writes a Hugging Face directory that transformers'
+/// `from_pretrained` loads with no missing, unexpected or mismatched key and no warning, and whose loss
+/// on the same tokens is troupe's; an existing non-empty `--out` is refused with nothing written.
+#[test]
+fn a_checkpoint_exports_as_a_hugging_face_directory_that_transformers_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("llama.toml");
+    std::fs::write(
+        &config,
+        "[model]\narch = \"llama\"\nd_model = 64\nn_layers = 2\nn_heads = 4\nn_kv_heads = 2\nffn_hidden = 96\ncontext = 32\n\
+         [train]\nglobal_batch = 4\nmicro_batch = 2\ntorch_threads = 1\n",
+    )
+    .unwrap();
+    let root = dir.path().join("ckpt");
+    let args = ["train", "--config", s(&config), "--steps", "3", "--json", "--checkpoint-dir", s(&root)];
+    ok(troupe(&args));
+    let hf_dir = dir.path().join("hf");
+    let out = json_lines(&ok(troupe(&["checkpoint", "export", s(&root), "--out", s(&hf_dir), "--json"])));
+    assert_eq!((out[0]["format"].as_str(), out[0]["arch"].as_str()), (Some("huggingface"), Some("llama")), "{out:?}");
+    for file in ["config.json", "generation_config.json", "model.safetensors"] {
+        assert!(hf_dir.join(file).is_file(), "{file} written: {out:?}");
+    }
+
+    let tokens = Tensor::randint(256, [2, 17], (tch::Kind::Int64, tch::Device::Cpu));
+    let tokens_file = dir.path().join("tokens.safetensors");
+    Tensor::write_safetensors(&[("tokens", &tokens)], &tokens_file).unwrap();
+    let checked = troupe_model::oracle::transformers_oracle(&["check", s(&hf_dir), s(&tokens_file)]).unwrap();
+    for key in ["missing", "unexpected", "mismatched", "warnings"] {
+        assert_eq!(checked[key], serde_json::json!([]), "transformers reports {key}: {checked}");
+    }
+    let model_config = troupe_model::ModelConfig { from_hf: Some(hf_dir.clone()), ..troupe_model::hf::read_config(&hf_dir).unwrap() };
+    let model = troupe_model::Model::load(model_config, 0).unwrap();
+    let (input, targets) = (tokens.narrow(1, 0, 16).contiguous(), tokens.narrow(1, 1, 16).contiguous());
+    let ours = model.loss(&input, &targets).double_value(&[]);
+    let theirs = checked["loss"].as_f64().unwrap();
+    assert!((ours - theirs).abs() <= 1e-5 * ours.abs(), "transformers' loss {theirs}, troupe's {ours}");
+
+    let again = troupe(&["checkpoint", "export", s(&root), "--out", s(&hf_dir)]);
+    let err = String::from_utf8_lossy(&again.stderr);
+    assert!(!again.status.success() && err.contains("not an empty directory"), "{err}");
+    assert!(hf_dir.join("model.safetensors").is_file(), "the refused export left the first one alone");
 }

@@ -221,17 +221,7 @@ pub(crate) fn run_peer_script(python: Option<&PathBuf>, script: &str, args: &[St
 
 /// The python that runs the peers: `explicit` (a --python flag), else $TROUPE_PYTHON, else the provisioned venv.
 pub(crate) fn peer_python(explicit: Option<&PathBuf>) -> PathBuf {
-    match explicit {
-        Some(p) => p.clone(),
-        None => std::env::var_os("TROUPE_PYTHON").map(PathBuf::from).unwrap_or_else(default_python),
-    }
-}
-
-fn default_python() -> PathBuf {
-    let cache = std::env::var_os("TROUPE_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/troupe"));
-    cache.join("venv-torch-2.11.0/bin/python")
+    explicit.cloned().unwrap_or_else(troupe_model::oracle::venv_python)
 }
 
 /// bench/peers/NAME, found from the working directory or from the source tree this binary was built in.

@@ -1,6 +1,7 @@
 //! `troupe checkpoint list|verify|reshard|export`: inspect the checkpoints of a job, check them byte by
-//! byte, rewrite one under another shard count, and take the trained parameters out as one plain
-//! safetensors file (HF GPT-2 names) for inference or another framework.
+//! byte, rewrite one under another shard count, and take the trained parameters out as a Hugging Face
+//! model directory (config.json + safetensors that `from_pretrained` loads) or, with `--raw`, as one
+//! plain safetensors file of troupe's own names and layout.
 //!
 //! A checkpoint path may name one `step-NNNNNNNN` directory or a checkpoint root (`checkpoint.dir`); for
 //! `reshard` and `export` a root means its newest valid checkpoint — the one a job would continue from.
@@ -16,6 +17,8 @@ use troupe_model::checkpoint::manifest::{Layout, Manifest, ShardMode};
 use troupe_model::checkpoint::read::read_manifest;
 use troupe_model::checkpoint::tensor_file::{read_verified, write_f32_file, FileTensor};
 use troupe_model::checkpoint::{latest_valid, load_state, step_dirs, CheckpointStore, StateKind, MANIFEST};
+
+use troupe_model::hf::{self, ExportDtype, ExportOptions};
 
 use super::table::Table;
 use crate::progress::{bytes_bar, spinner, Spinner};
@@ -56,14 +59,26 @@ pub enum CheckpointCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Write the parameters of a checkpoint as one safetensors file with HF GPT-2 names (no optimizer
-    /// state): what PyTorch's `safetensors.torch.load_file` or `troupe train --save-final` give.
+    /// Write the parameters of a checkpoint (no optimizer state) as a Hugging Face model directory:
+    /// config.json, generation_config.json and model.safetensors — sharded with an index above
+    /// --max-shard-mib — that transformers' `AutoModelForCausalLM.from_pretrained(DIR)` loads. With
+    /// --raw: one safetensors file with troupe's names and layout, what `troupe train --save-final` gives.
     Export {
         /// A `step-NNNNNNNN` directory, or a root (its newest valid checkpoint).
         src: PathBuf,
-        /// The file to write (`.safetensors`); written to a temporary name and renamed into place.
+        /// The directory to write (must not exist or be empty); with --raw, the `.safetensors` file.
+        /// Written under a temporary name and renamed into place.
         #[arg(long)]
         out: PathBuf,
+        /// The dtype of the exported weights.
+        #[arg(long, value_enum, default_value_t = ExportDtypeArg::Fp32)]
+        dtype: ExportDtypeArg,
+        /// Largest safetensors file of the export, in MiB; a larger model is split into shards.
+        #[arg(long, default_value_t = 5 * 1024)]
+        max_shard_mib: u64,
+        /// One safetensors file of troupe's parameter names and layout instead of a Hugging Face directory.
+        #[arg(long)]
+        raw: bool,
         #[arg(long)]
         json: bool,
     },
@@ -74,7 +89,14 @@ pub fn run(command: CheckpointCommand) -> anyhow::Result<()> {
         CheckpointCommand::List { root, verify, json } => list(&root, verify, json),
         CheckpointCommand::Verify { path, json } => verify_all(&path, json),
         CheckpointCommand::Reshard { src, shards, out, json } => reshard(&src, shards, &out, json),
-        CheckpointCommand::Export { src, out, json } => export(&src, &out, json),
+        CheckpointCommand::Export { src, out, raw: true, json, .. } => export(&src, &out, json),
+        CheckpointCommand::Export { src, out, dtype, max_shard_mib, raw: false, json } => {
+            let dtype = match dtype {
+                ExportDtypeArg::Fp32 => ExportDtype::F32,
+                ExportDtypeArg::Bf16 => ExportDtype::Bf16,
+            };
+            export_hf(&src, &out, ExportOptions { dtype, max_shard_bytes: max_shard_mib.max(1) << 20 }, json)
+        }
     }
 }
 
@@ -264,6 +286,63 @@ fn load(dir: &Path, json: bool) -> anyhow::Result<troupe_model::checkpoint::Trai
     let bytes = read_manifest(dir).map(|m| manifest_bytes(&m)).unwrap_or(0);
     let _loading = spinner(json, format!("loading {} ({:.1} MiB)", dir.display(), bytes as f64 / (1 << 20) as f64));
     load_state(dir).with_context(|| format!("loading {}", dir.display()))
+}
+
+/// `--dtype` of `checkpoint export`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum ExportDtypeArg {
+    Fp32,
+    Bf16,
+}
+
+/// `checkpoint export` to a Hugging Face directory: written into a hidden sibling, renamed into place.
+fn export_hf(src: &Path, out: &Path, options: ExportOptions, json: bool) -> anyhow::Result<()> {
+    let dir = source(src)?;
+    if out.exists() && std::fs::read_dir(out).map_or(true, |mut entries| entries.next().is_some()) {
+        bail!("--out {}: exists and is not an empty directory; choose a new directory (nothing was written)", out.display());
+    }
+    let manifest = read_manifest(&dir).with_context(|| format!("reading the manifest of {}", dir.display()))?;
+    let state = load(&dir, json)?;
+    let model = &manifest.config.model;
+    let offsets = state.offsets();
+    let params = state.values(StateKind::Param);
+    let values: Vec<Vec<f32>> =
+        (0..state.tensors.len()).map(|i| params[offsets[i]..offsets[i + 1]].to_vec()).collect();
+    let file_name = out.file_name().with_context(|| format!("--out {}: name a directory", out.display()))?;
+    let partial = out.with_file_name(format!(".{}.partial", file_name.to_string_lossy()));
+    let _ = std::fs::remove_dir_all(&partial);
+    let writing: Option<Spinner> = spinner(json, format!("writing a Hugging Face directory {}", out.display()));
+    let files = match hf::export(model, &values, &partial, options) {
+        Ok(files) => files,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&partial);
+            return Err(e).with_context(|| format!("exporting {} to {}", dir.display(), out.display()));
+        }
+    };
+    if out.exists() {
+        std::fs::remove_dir(out).with_context(|| format!("replacing the empty directory {}", out.display()))?;
+    }
+    std::fs::rename(&partial, out).with_context(|| format!("renaming {} to {}", partial.display(), out.display()))?;
+    drop(writing);
+    let bytes: u64 = files.iter().filter_map(|f| std::fs::metadata(out.join(f)).ok()).map(|m| m.len()).sum();
+    if json {
+        println!(
+            "{}",
+            json!({ "event": "exported", "from": dir, "to": out, "step": state.step, "format": "huggingface",
+                    "arch": model.arch.as_str(), "files": files, "bytes": bytes })
+        );
+    } else {
+        println!(
+            "exported step {} ({} model, {} files, {:.1} MiB) from {} to {} — AutoModelForCausalLM.from_pretrained loads it",
+            state.step,
+            model.arch.as_str(),
+            files.len(),
+            bytes as f64 / (1 << 20) as f64,
+            dir.display(),
+            out.display()
+        );
+    }
+    Ok(())
 }
 
 fn export(src: &Path, out: &Path, json: bool) -> anyhow::Result<()> {

@@ -12,10 +12,46 @@
 //! other tensor agrees to ~1e-6 after 20 steps (measured, see docs/benchmarks.md).
 
 use std::ops::Range;
+use std::path::PathBuf;
 
 use tch::{Kind, Tensor};
 
 use crate::model::ParamSpec;
+
+/// The Python of the provisioned venv (scripts/provision-libtorch.sh), where PyTorch and the pinned
+/// external oracles (transformers) live: `TROUPE_PYTHON`, else `$TROUPE_CACHE/venv-torch-2.11.0/bin/python`
+/// (`TROUPE_CACHE` defaults to `~/.cache/troupe`).
+pub fn venv_python() -> PathBuf {
+    if let Some(python) = std::env::var_os("TROUPE_PYTHON") {
+        return python.into();
+    }
+    let cache = std::env::var_os("TROUPE_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/troupe"));
+    cache.join("venv-torch-2.11.0/bin/python")
+}
+
+/// Runs transformers, the external oracle of the model families (kernels/model/tests/hf/oracle.py, see
+/// its docstring for the commands), in [`venv_python`]; its last line of output as JSON, or what went
+/// wrong. For tests: the script lives in the source tree.
+pub fn transformers_oracle(args: &[&str]) -> Result<serde_json::Value, String> {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/hf/oracle.py");
+    let python = venv_python();
+    let output = std::process::Command::new(&python)
+        .arg(&script)
+        .args(args)
+        .output()
+        .map_err(|e| format!("running {} {}: {e}; provision the venv with `make provision`", python.display(), script.display()))?;
+    if !output.status.success() {
+        return Err(format!(
+            "oracle.py {args:?} failed (transformers installed? `make provision`):\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let last = stdout.lines().last().ok_or("oracle.py printed nothing")?;
+    serde_json::from_str(last).map_err(|e| format!("oracle.py printed {last:?}: {e}"))
+}
 
 /// The comparison of two parameter lists.
 #[derive(Clone, Debug, PartialEq)]

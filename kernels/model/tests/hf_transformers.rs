@@ -4,36 +4,16 @@
 //! unexpected or mismatched key and no warning, and give the same loss; import(export(x)) is bit-identical.
 //! The Python side runs in the provisioned venv (scripts/provision-libtorch.sh pins transformers).
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 
 use tch::{Kind, Tensor};
 use troupe_model::config::JobConfig;
 use troupe_model::hf::{self, ExportDtype, ExportOptions, HfWeights};
 use troupe_model::model::{self, Model, ModelConfig};
+use troupe_model::oracle::transformers_oracle;
 
-fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("TROUPE_PYTHON") {
-        return p.into();
-    }
-    let cache = std::env::var_os("TROUPE_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/troupe"));
-    cache.join("venv-torch-2.11.0/bin/python")
-}
-
-/// Runs tests/hf/oracle.py; its last line of output, as JSON.
 fn oracle(args: &[&str]) -> serde_json::Value {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/hf/oracle.py");
-    let output = Command::new(python())
-        .arg(&script)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("running {} {}: {e}; provision the venv with `make provision`", python().display(), script.display()));
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "oracle.py {args:?} failed (transformers installed? `make provision`):\n{stderr}");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    serde_json::from_str(stdout.lines().last().expect("oracle.py prints JSON")).expect("oracle.py prints JSON")
+    transformers_oracle(args).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn config_of(dir: &Path, context: usize) -> JobConfig {
