@@ -55,6 +55,14 @@ pub struct BenchTrainArgs {
     /// Where `--world 1` trains: the CPU, or CUDA device 0 (fails plainly with `no CUDA device` without one).
     #[arg(long, value_enum, default_value_t = crate::cli::bench_kernels::BenchDevice::Cpu)]
     pub device: crate::cli::bench_kernels::BenchDevice,
+    /// The model, a preset (`gpt-tiny`, `llama-tiny`, `gpt2`, `smollm2-135m`, `tinyllama-1.1b`) at
+    /// `--context`. With `--world 1 --peer`, a preset other than gpt-tiny is trained beside transformers'
+    /// own model of the same config.json (AutoModelForCausalLM, eager PyTorch).
+    #[arg(long, default_value = "gpt-tiny")]
+    pub model: String,
+    /// Tokens per sample.
+    #[arg(long, default_value_t = 128)]
+    pub context: usize,
     /// Samples per step for `--world 1` (one micro-batch; default 8, the peers' figure).
     #[arg(long, default_value_t = MICRO_BATCH)]
     pub micro_batch: usize,
@@ -84,6 +92,9 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     if args.world != 1 && args.micro_batch != MICRO_BATCH {
         bail!("--micro-batch is for --world 1; data-parallel runs use {MICRO_BATCH} per rank");
     }
+    if args.world != 1 && args.model != "gpt-tiny" {
+        bail!("--model {}: the data-parallel benchmark trains gpt-tiny (its peer is PyTorch DDP of gpt-tiny); use --world 1", args.model);
+    }
     match args.world {
         0 => bail!("--world 0: a benchmark needs at least one rank"),
         1 => run_single(args),
@@ -106,26 +117,39 @@ fn run_single(args: BenchTrainArgs) -> anyhow::Result<()> {
             (tch::Device::Cuda(0), peak, name)
         }
     };
+    let model = bench_model(&args.model, args.context)?;
+    // A preset other than gpt-tiny: the peer builds transformers' model from the same config.json.
+    let peer_config = tempfile::tempdir()?;
+    let mut peer_flags = vec![
+        ("--micro-batch", args.micro_batch.to_string()),
+        ("--context", args.context.to_string()),
+        ("--threads", threads.to_string()),
+        ("--precision", args.precision.clone()),
+    ];
+    let peer_script = if args.model == "gpt-tiny" {
+        "train_gpt_tiny.py"
+    } else {
+        let config_json = troupe_model::hf::write_config(&model, "float32");
+        std::fs::write(peer_config.path().join("config.json"), config_json.to_string())?;
+        peer_flags.push(("--config-dir", peer_config.path().display().to_string()));
+        "train_hf_model.py"
+    };
     let mut ours = Vec::new();
     let mut peers = Vec::new();
     for _ in 0..args.repeats.max(1) {
-        ours.push(measure_troupe(args.steps, &args.precision, args.micro_batch, device)?);
+        ours.push(measure_troupe(&model, args.steps, &args.precision, args.micro_batch, device)?);
         if args.peer {
-            let flags = [
-                ("--micro-batch", MICRO_BATCH.to_string()),
-                ("--threads", threads.to_string()),
-                ("--precision", args.precision.clone()),
-            ];
-            peers.push(run_peer(&args, "train_gpt_tiny.py", &flags)?);
+            peers.push(run_peer(&args, peer_script, &peer_flags)?);
         }
     }
     let ours_tps = median(ours.iter().map(|r| r.0).collect());
     let peak_mem = peak_rss_bytes();
     // Training ≈ 3 × the forward's FLOPs per token (DESIGN.md's MFU convention, gpt.rs).
-    let achieved_tflops = 3.0 * JobConfig::default().model.forward_flops_per_token() * ours_tps / 1e12;
+    let achieved_tflops = 3.0 * model.forward_flops_per_token() * ours_tps / 1e12;
     let mut report = json!({
         "bench": "train", "world": args.world, "shard": args.shard, "steps": args.steps, "precision": args.precision,
-        "device": device_name, "micro_batch": args.micro_batch, "context": 128, "torch_threads": threads,
+        "model": args.model, "arch": model.arch.as_str(), "params": model.param_count(),
+        "device": device_name, "micro_batch": args.micro_batch, "context": args.context, "torch_threads": threads,
         "repeats": ours.len(), "tokens_per_s": ours_tps,
         "tokens_per_s_runs": ours.iter().map(|r| r.0).collect::<Vec<_>>(), "peak_mem_bytes": peak_mem,
         "achieved_tflops": achieved_tflops, "peak_tflops": peak_tflops,
@@ -133,8 +157,9 @@ fn run_single(args: BenchTrainArgs) -> anyhow::Result<()> {
     });
     if args.peer {
         let peer_tps = median(peers.iter().map(|p| p["tokens_per_s"].as_f64().unwrap_or(f64::NAN)).collect());
+        let peer_name = if args.model == "gpt-tiny" { "pytorch-eager" } else { "transformers-eager" };
         let extra = json!({
-            "peer": "pytorch-eager", "peer_tokens_per_s": peer_tps,
+            "peer": peer_name, "peer_tokens_per_s": peer_tps,
             "peer_tokens_per_s_runs": peers.iter().map(|p| p["tokens_per_s"].clone()).collect::<Vec<_>>(),
             "peer_peak_mem_bytes": peers.last().map(|p| p["peak_mem_bytes"].clone()),
             "ratio_vs_peer": ours_tps / peer_tps,
@@ -145,7 +170,8 @@ fn run_single(args: BenchTrainArgs) -> anyhow::Result<()> {
         println!("{report}");
     } else {
         println!(
-            "troupe   {ours_tps:>9.0} tokens/s  (world 1 on {device_name}, {threads} threads, peak RSS {:.0} MiB)",
+            "troupe   {ours_tps:>9.0} tokens/s  ({} on {device_name}, {threads} threads, peak RSS {:.0} MiB)",
+            args.model,
             peak_mem as f64 / 1048576.0
         );
         match peak_tflops {
@@ -155,7 +181,8 @@ fn run_single(args: BenchTrainArgs) -> anyhow::Result<()> {
             None => println!("achieved {achieved_tflops:>9.3} TFLOP/s (pass --peak-tflops for MFU)"),
         }
         if let Some(peer) = report.get("peer_tokens_per_s").and_then(Value::as_f64) {
-            println!("pytorch  {peer:>9.0} tokens/s  (eager, same model and batch)");
+            let peer_name = if args.model == "gpt-tiny" { "pytorch " } else { "transformers" };
+            println!("{peer_name} {peer:>9.0} tokens/s  (eager, same model and batch)");
             println!("ratio    {:>9.3}", ours_tps / peer);
         }
     }
@@ -173,9 +200,26 @@ fn known_peak_tflops(device_name: &str, precision: &str) -> Option<f64> {
     }
 }
 
-/// (tokens/s, final loss) of one timed run of `micro_batch` samples per step on `device`.
-fn measure_troupe(steps: u64, precision: &str, micro_batch: usize, device: tch::Device) -> anyhow::Result<(f64, f64)> {
+/// The preset `name` at `context` tokens per sample.
+fn bench_model(name: &str, context: usize) -> anyhow::Result<troupe_model::ModelConfig> {
+    let Some(model) = troupe_model::model::presets::preset(name) else {
+        bail!("--model {name:?}: not a preset; one of {}", troupe_model::model::presets::names());
+    };
+    let model = troupe_model::ModelConfig { context, ..model };
+    model.validate()?;
+    Ok(model)
+}
+
+/// (tokens/s, final loss) of one timed run of `model`, `micro_batch` samples per step, on `device`.
+fn measure_troupe(
+    model: &troupe_model::ModelConfig,
+    steps: u64,
+    precision: &str,
+    micro_batch: usize,
+    device: tch::Device,
+) -> anyhow::Result<(f64, f64)> {
     let mut config = JobConfig::default();
+    config.model = model.clone();
     config.parallel.precision = precision.into();
     config.train.steps = steps + WARMUP_STEPS;
     config.train.global_batch = micro_batch;

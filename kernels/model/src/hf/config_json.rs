@@ -192,7 +192,7 @@ impl Reader<'_> {
 }
 
 /// The `config.json` of `config`'s model, in `torch_dtype`, as transformers writes it.
-pub(super) fn write_config(config: &ModelConfig, torch_dtype: &str) -> Value {
+pub fn write_config(config: &ModelConfig, torch_dtype: &str) -> Value {
     let mut json = match config.arch {
         Arch::Gpt2 => json!({
             "architectures": ["GPT2LMHeadModel"],

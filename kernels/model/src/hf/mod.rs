@@ -12,7 +12,7 @@ mod config_json;
 mod export;
 mod weights;
 
-pub use config_json::{json_key, read_config, ARCHITECTURES};
+pub use config_json::{json_key, read_config, write_config, ARCHITECTURES};
 pub use export::{export, ExportOptions, ExportDtype};
 pub use weights::{check_weights, HfWeights};
 

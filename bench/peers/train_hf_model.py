@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""The transformers peer of `troupe bench train --world 1 --model PRESET`: transformers' own model of the
+config.json troupe writes for the preset (AutoModelForCausalLM.from_config — LlamaForCausalLM,
+GPT2LMHeadModel — with PyTorch's SDPA attention), trained eagerly on the same batch shape with the same
+optimizer as troupe (AdamW betas 0.9/0.95, eps 1e-8, weight decay 0.1 on matrices and embeddings,
+grad-norm clipping at 1.0), printing one JSON object with tokens_per_s.
+
+Uses the step, optimizer and data of train_gpt_tiny.py, so the two peers measure the same loop.
+"""
+import argparse, json, os, resource, sys, time
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_gpt_tiny import corpus, make_optimizer, make_scaler, sample_batch, train_step  # noqa: E402
+
+
+class Causal(torch.nn.Module):
+    """transformers' model with train_gpt_tiny's forward signature: (tokens, targets) -> mean loss."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, y):
+        logits = self.model(input_ids=x, use_cache=False).logits
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), y.view(-1))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config-dir", required=True)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(args.config_dir)
+    model = Causal(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32))
+    model.train()
+    opt = make_optimizer(model)
+    data = corpus() % config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    scaler = make_scaler(args.precision)
+
+    def step():
+        return train_step(model, opt, *sample_batch(data, gen, args.micro_batch, args.context),
+                          precision=args.precision, scaler=scaler)
+
+    for _ in range(args.warmup):
+        step()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    elapsed = time.perf_counter() - start
+    tokens = args.steps * args.micro_batch * args.context
+    print(json.dumps({
+        "peer": "transformers-eager", "model_type": config.model_type, "torch": torch.__version__, "world": 1,
+        "steps": args.steps, "precision": args.precision, "micro_batch": args.micro_batch,
+        "context": args.context, "torch_threads": args.threads,
+        "params": sum(p.numel() for p in model.parameters()),
+        "tokens_per_s": tokens / elapsed, "final_loss": loss,
+        "peak_mem_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }))
+
+
+if __name__ == "__main__":
+    main()
