@@ -154,6 +154,7 @@ fn unavailable_flags_and_bad_configs_fail_with_a_clear_message() {
         (&["train", "--pp", "2", "--microbatches", "9"], "at most train.global_batch (8)"),
         (&["train", "--pp", "2", "--dp", "2", "--microbatches", "5"], "train.global_batch / parallel.dp = 4"),
         (&["train", "--shard", "zero4"], "none, zero1, zero2, zero3"),
+        (&["train", "--steps", "0"], "`train.steps` = 0: must be at least 1"),
         (&["train", "--nodes", "0"], "parallel.nodes"),
         (&["train", "--nodes", "2", "--dp", "3"], "raise --nodes or lower --dp"),
         (&["train", "--nodes", "2", "--resume", "/tmp"], "pass --checkpoint-dir instead"),

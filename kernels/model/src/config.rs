@@ -326,6 +326,9 @@ impl JobConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.model.validate()?;
         let t = &self.train;
+        if t.steps == 0 {
+            return Err(invalid("train.steps", t.steps, "must be at least 1"));
+        }
         positive("train.global_batch", t.global_batch)?;
         positive("train.micro_batch", t.micro_batch)?;
         if t.micro_batch > t.global_batch {
@@ -549,6 +552,7 @@ mod tests {
             ("[train]\nlearning_rate = 0.1\n", &["unknown field `learning_rate`", "expected one of", "`lr`"]),
             ("[modle]\n", &["unknown field `modle`"]),
             ("[train]\nlr = -1.0\n", &["train.lr", "> 0"]),
+            ("[train]\nsteps = 0\n", &["train.steps", "must be at least 1"]),
             ("[train]\nmicro_batch = 16\n", &["train.micro_batch", "at most train.global_batch (8)"]),
             ("[train]\nbeta2 = 1.0\n", &["train.beta2", "[0, 1)"]),
             ("[model]\nn_heads = 3\n", &["model.n_heads", "divide model.d_model (256)"]),
