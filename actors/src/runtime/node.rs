@@ -128,10 +128,11 @@ pub fn actor_scope(node: &str, addr: SocketAddr) -> String {
 /// The membership incarnation this process starts with (`MemberState::joining`): random, so a restarted
 /// daemon never repeats one its earlier process used (each fence adds one to it), and the controller
 /// takes its join for a restart, not for a duplicate of the old process's.
-fn new_incarnation() -> u64 {
-    use std::hash::BuildHasher;
-    let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-    std::collections::hash_map::RandomState::new().hash_one((since_epoch.as_nanos(), std::process::id()))
+fn new_incarnation() -> Result<u64, ActorProcessingErr> {
+    let bytes: [u8; 8] = ring::rand::generate(&ring::rand::SystemRandom::new())
+        .map_err(|_| "no randomness from the operating system for this node's membership incarnation")?
+        .expose();
+    Ok(u64::from_le_bytes(bytes))
 }
 
 impl NodeState {
@@ -731,7 +732,7 @@ impl Actor for NodeActor {
         let NodeArgs { config, identity, endpoint, mut events, stop_reason, metrics, catalog } = args;
         let id = NodeId(config.name.clone());
         let started = Instant::now();
-        let incarnation = new_incarnation();
+        let incarnation = new_incarnation()?;
         // A controller that ran before on this data dir starts past its last epoch and resumes its jobs.
         let (stored_view, stored_jobs) =
             if config.join.is_none() { (catalog.view()?, catalog.jobs()?) } else { (None, Vec::new()) };
