@@ -27,8 +27,11 @@ provision:
 
 build: provision
 	$(CARGO) build --release --locked --bin troupe --bin troupe-chaos
-	@if [ "$(realpath $(CARGO_TARGET_DIR))" != "$(realpath $(CURDIR)/target)" ]; then \
-		mkdir -p target/release && cp -f $(CARGO_TARGET_DIR)/release/troupe $(CARGO_TARGET_DIR)/release/troupe-chaos target/release/; fi
+	@# Decided when the recipe runs (the target directory may not exist when make expands the recipe).
+	@mkdir -p target/release; \
+	for bin in troupe troupe-chaos; do \
+		[ "$(CARGO_TARGET_DIR)/release/$$bin" -ef "target/release/$$bin" ] || cp -f "$(CARGO_TARGET_DIR)/release/$$bin" target/release/ || exit 1; \
+	done
 	@echo "built target/release/troupe"
 
 demo: build
