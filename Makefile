@@ -5,8 +5,9 @@
 #   make test   provision libtorch (once), build, run the whole test suite
 #
 # libtorch (torch==2.11.0 from PyPI) lives in a venv under $(TROUPE_CACHE), and cargo builds into
-# $(TROUPE_CACHE)/target unless CARGO_TARGET_DIR is set, so a fresh clone reuses both. `make build`
-# also copies the binary to target/release/troupe in the clone.
+# $(TROUPE_CACHE)/target unless CARGO_TARGET_DIR is set, so a fresh clone reuses both (the dependencies
+# built there; troupe's own crates it rebuilds, see target-dir). `make build` also copies the binary to
+# target/release/troupe in the clone.
 
 SHELL := /bin/bash
 TROUPE_CACHE ?= $(HOME)/.cache/troupe
@@ -16,8 +17,11 @@ export CARGO_TARGET_DIR
 TORCH_ENV := $(TROUPE_CACHE)/libtorch-2.11.0.env
 CARGO := source $(TORCH_ENV) && cargo
 DEMO_STEPS ?= 200
+# Minutes on 2 cores of the rebuild of troupe's own crates when another clone built into the target
+# directory last.
+CLONE_BUILD_MINUTES := 3
 
-.PHONY: all provision build demo test bench-train fmt clippy
+.PHONY: all provision target-dir build demo test bench-train fmt clippy
 
 all: build
 
@@ -25,7 +29,24 @@ provision:
 	@scripts/provision-host.sh
 	@scripts/provision-libtorch.sh >/dev/null
 
-build: provision
+# The target directory is shared by every clone, so the dependency tree builds once. But cargo takes a
+# workspace crate for fresh when its source files are older than its last build, whichever clone those
+# files are in: a clone whose files are older than another clone's last build would run that clone's
+# code. So the target directory records which clone built into it last (troupe-clone), and another
+# clone's first build cleans the workspace's own crates (the dependencies stay).
+CLONE_STAMP := $(CARGO_TARGET_DIR)/troupe-clone
+target-dir:
+	@if [ "$$(cat "$(CLONE_STAMP)" 2>/dev/null)" != "$(CURDIR)" ]; then \
+		if [ -d "$(CARGO_TARGET_DIR)/release" ]; then \
+			echo "$(CARGO_TARGET_DIR) was last built from $$(cat "$(CLONE_STAMP)" 2>/dev/null || echo 'a clone it did not record'):" \
+				"rebuilding troupe's crates from this one (~$(CLONE_BUILD_MINUTES) minutes on 2 cores; the dependencies stay built)"; \
+			members=$$(cargo metadata --no-deps --format-version 1 | python3 -c 'import json, sys; print(*("-p " + p["name"] for p in json.load(sys.stdin)["packages"]))') \
+				&& cargo clean --quiet --release $$members && cargo clean --quiet $$members || exit 1; \
+		fi; \
+		mkdir -p "$(CARGO_TARGET_DIR)" && echo "$(CURDIR)" > "$(CLONE_STAMP)"; \
+	fi
+
+build: provision target-dir
 	$(CARGO) build --release --locked --bin troupe --bin troupe-chaos
 	@# Decided when the recipe runs (the target directory may not exist when make expands the recipe).
 	@mkdir -p target/release; \
@@ -41,7 +62,7 @@ TEST_LOG := $(TROUPE_CACHE)/last-test.log
 
 # cargo-nextest runs every test in its own process with a time limit (.config/nextest.toml); the doc
 # tests, which nextest does not run, follow.
-test: provision
+test: provision target-dir
 	@set -o pipefail; ( $(CARGO) nextest run --release --locked --workspace --no-fail-fast \
 		&& $(CARGO) test --release --locked --workspace --doc ) 2>&1 | tee $(TEST_LOG); \
 		status=$$?; scripts/test-summary.sh $(TEST_LOG); exit $$status
@@ -52,5 +73,5 @@ bench-train: build
 fmt:
 	cargo fmt --all
 
-clippy: provision
+clippy: provision target-dir
 	$(CARGO) clippy --release --workspace --all-targets
