@@ -21,13 +21,17 @@ DEMO_STEPS ?= 200
 # directory last.
 CLONE_BUILD_MINUTES := 3
 
-.PHONY: all provision target-dir build demo test bench-train fmt clippy
+.PHONY: all provision provision-test-runner target-dir build demo test bench-train fmt clippy
 
 all: build
 
 provision:
 	@scripts/provision-host.sh
 	@scripts/provision-libtorch.sh >/dev/null
+
+# cargo-nextest, the runner of make test (the demo does not need it).
+provision-test-runner: provision
+	@scripts/provision-host.sh --test-runner
 
 # The target directory is shared by every clone, so the dependency tree builds once. But cargo takes a
 # workspace crate for fresh when its source files are older than its last build, whichever clone those
@@ -62,7 +66,7 @@ TEST_LOG := $(TROUPE_CACHE)/last-test.log
 
 # cargo-nextest runs every test in its own process with a time limit (.config/nextest.toml); the doc
 # tests, which nextest does not run, follow.
-test: provision target-dir
+test: provision-test-runner target-dir
 	@set -o pipefail; ( $(CARGO) nextest run --release --locked --workspace --no-fail-fast \
 		&& $(CARGO) test --release --locked --workspace --doc ) 2>&1 | tee $(TEST_LOG); \
 		status=$$?; scripts/test-summary.sh $(TEST_LOG); exit $$status

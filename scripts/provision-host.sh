@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Checks the host tools the build needs (a Rust toolchain, a C++ compiler for torch-sys, python3 with
 # venv) and installs the missing Debian packages when run as root. Quiet when everything is present.
+# With --test-runner it also installs cargo-nextest, the runner of make test (make demo does not need it).
 set -euo pipefail
+test_runner=0
+[[ "${1:-}" == --test-runner ]] && test_runner=1
 
 missing=()
 command -v c++ >/dev/null || missing+=(g++)
@@ -24,7 +27,7 @@ if ! command -v cargo >/dev/null; then
   echo "host: cargo not found; install Rust from rustup (https://rustup.rs) and rerun" >&2
   exit 1
 fi
-if ! cargo nextest --version >/dev/null 2>&1; then
+if ((test_runner)) && ! cargo nextest --version >/dev/null 2>&1; then
   echo "host: installing cargo-nextest (the test runner of make test; once, a few minutes)" >&2
   cargo install cargo-nextest --locked --quiet
 fi
