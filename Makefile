@@ -20,8 +20,10 @@ DEMO_STEPS ?= 200
 # Minutes on 2 cores of the rebuild of troupe's own crates when another clone built into the target
 # directory last.
 CLONE_BUILD_MINUTES := 3
+# Steps of the job API example (make example-job-api).
+JOB_API_STEPS ?= 10
 
-.PHONY: all provision provision-test-runner target-dir build demo test bench-train fmt clippy
+.PHONY: all provision provision-test-runner target-dir build demo test example-job-api sim-replay bench-train fmt clippy
 
 all: build
 
@@ -70,6 +72,16 @@ test: provision-test-runner target-dir
 	@set -o pipefail; ( $(CARGO) nextest run --release --locked --workspace --no-fail-fast \
 		&& $(CARGO) test --release --locked --workspace --doc ) 2>&1 | tee $(TEST_LOG); \
 		status=$$?; scripts/test-summary.sh $(TEST_LOG); exit $$status
+
+# examples/job_api.rs: the job API on a local cluster in one process (JOB_API_STEPS steps).
+example-job-api: provision target-dir
+	$(CARGO) run --release --locked -p troupe-examples --example job_api -- $(JOB_API_STEPS)
+
+# One seed of the deterministic simulation replayed with its whole trace: make sim-replay SIM_SEED=n
+# (SIM_MODEL, SIM_PLANTED, SIM_NETWORK, SIM_LOADED as in chaos-tests/tests/simulation.rs).
+sim-replay: provision target-dir
+	@[ -n "$(SIM_SEED)" ] || { echo "make sim-replay needs the seed: make sim-replay SIM_SEED=n" >&2; exit 2; }
+	export SIM_SEED=$(SIM_SEED) && $(CARGO) test --release --locked -p troupe-chaos --test simulation replay_one_seed -- --nocapture
 
 bench-train: build
 	target/release/troupe bench train --world 1 --steps 20 --peer --json

@@ -1,7 +1,7 @@
 //! The job API: start a local cluster of two daemons in this process, submit a small training job, and
 //! follow its typed events (Started, Step, Saved, Finished) as they stream.
 //!
-//!     cargo run --release -p troupe-examples --example job_api -- [steps]
+//!     make example-job-api [JOB_API_STEPS=n]
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 3)]
 async fn main() -> anyhow::Result<()> {

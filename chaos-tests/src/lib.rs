@@ -8,6 +8,8 @@
 //! - [`sim`]: the deterministic simulation of a whole cluster running one job — the controller's
 //!   membership and job driver, every node's membership and workers — on virtual time over an
 //!   adversarial in-memory network, all from one seed, with the invariant checker of the step protocol.
+//! - [`cli`]: the command line of `troupe chaos` (the `troupe-chaos` binary).
 
+pub mod cli;
 pub mod harness;
 pub mod sim;

@@ -3,9 +3,9 @@
 //! seconds in release for all of it.
 //!
 //! A failing seed prints its report (violations, scenario, the end of its trace) and how to replay it:
-//! `SIM_SEED=<seed> cargo test --release -p troupe-chaos --test simulation replay_one_seed -- --nocapture`
-//! (add `SIM_MODEL=as_is` for node.rs as it is, `SIM_PLANTED=1` for the planted bug, `SIM_NETWORK=datagrams`
-//! for a network without QUIC's guarantees, `SIM_LOADED=1` for a loaded machine).
+//! `make sim-replay SIM_SEED=<seed>` (add `SIM_MODEL=as_is` for node.rs as it is, `SIM_PLANTED=1` for the
+//! planted bug, `SIM_NETWORK=datagrams` for a network without QUIC's guarantees, `SIM_LOADED=1` for a
+//! loaded machine).
 
 use troupe_chaos::sim::{self, Fault, JobEnd, Network, NodeModel, NodeSpec, Outcome, PlantedBug, Scenario, SimConfig};
 use troupe_cluster::membership::NodeId;

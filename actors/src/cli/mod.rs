@@ -23,9 +23,11 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// The `troupe` command line (`Cli::try_parse_from` parses one without running it: the tests check the
+/// documentation's command lines so).
 #[derive(Debug, Parser)]
 #[command(name = "troupe", version, about = "An actor-based elastic cluster runtime for distributed training")]
-struct Cli {
+pub struct Cli {
     #[command(subcommand)]
     command: Command,
 }

@@ -124,11 +124,7 @@ impl Outcome {
                 let _ = writeln!(s, "  {line}");
             }
         }
-        let _ = writeln!(
-            s,
-            "replay: SIM_SEED={} cargo test --release -p troupe-chaos --test simulation replay_one_seed -- --nocapture",
-            self.seed
-        );
+        let _ = writeln!(s, "replay: make sim-replay SIM_SEED={} (and the SIM_* settings of this run)", self.seed);
         s
     }
 }
