@@ -17,8 +17,9 @@ export CARGO_TARGET_DIR
 TORCH_ENV := $(TROUPE_CACHE)/libtorch-2.11.0.env
 CARGO := source $(TORCH_ENV) && cargo
 DEMO_STEPS ?= 200
-# Minutes on 2 cores of the rebuild of troupe's own crates when another clone built into the target
-# directory last.
+# Minutes on 2 cores of the first cargo build (scripts/fresh-machine-check.sh times the whole first run),
+# and of the rebuild of troupe's own crates when another clone built into the target directory last.
+FIRST_BUILD_MINUTES := 6
 CLONE_BUILD_MINUTES := 3
 # Steps of the job API example (make example-job-api).
 JOB_API_STEPS ?= 10
@@ -53,6 +54,7 @@ target-dir:
 	fi
 
 build: provision target-dir
+	@[ -d "$(CARGO_TARGET_DIR)/release/deps" ] || echo "building troupe (the first time: ~$(FIRST_BUILD_MINUTES) minutes on 2 cores) ..."
 	$(CARGO) build --release --locked --bin troupe --bin troupe-chaos
 	@# Decided when the recipe runs (the target directory may not exist when make expands the recipe).
 	@mkdir -p target/release; \
