@@ -17,6 +17,8 @@ export CARGO_TARGET_DIR
 TORCH_ENV := $(TROUPE_CACHE)/libtorch-2.11.0.env
 CARGO := source $(TORCH_ENV) && cargo
 DEMO_STEPS ?= 200
+# Extra flags for the demo's `troupe train`, e.g. --json (scripts/fresh-machine-check.sh reads the losses).
+DEMO_FLAGS ?=
 # Minutes on 2 cores of the first cargo build (scripts/fresh-machine-check.sh times the whole first run),
 # and of the rebuild of troupe's own crates when another clone built into the target directory last.
 FIRST_BUILD_MINUTES := 6
@@ -64,7 +66,7 @@ build: provision target-dir
 	@echo "built target/release/troupe"
 
 demo: build
-	target/release/troupe train --nodes 2 --steps $(DEMO_STEPS)
+	target/release/troupe train --nodes 2 --steps $(DEMO_STEPS) $(DEMO_FLAGS)
 
 TEST_LOG := $(TROUPE_CACHE)/last-test.log
 
