@@ -71,6 +71,8 @@ echo "fresh-machine-check: $commit cloned into $clone"
 export TROUPE_CACHE="$work/cache" CARGO_TARGET_DIR="$work/target"
 unset LIBTORCH LIBTORCH_INCLUDE LIBTORCH_LIB LIBTORCH_USE_PYTORCH LD_LIBRARY_PATH TROUPE_TORCH_PYTHON \
   TROUPE_TORCH_LIB CARGO_BUILD_TARGET_DIR
+# Nor a torch venv on PATH (a sourced env file puts one there).
+PATH="$(tr ':' '\n' <<<"$PATH" | grep -v '/venv-torch-' | paste -sd: -)"
 cd "$clone"
 
 demo_log="$logs/demo.log"
