@@ -52,7 +52,7 @@ class Gpt(nn.Module):
 
     def forward(self, idx, targets):
         t = idx.shape[1]
-        x = self.wte(idx) + self.wpe(torch.arange(t))
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
         for block in self.h:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
@@ -81,9 +81,9 @@ def sample_batch(data, gen, micro_batch, context):
     return x, y
 
 
-def make_scaler(precision):
+def make_scaler(precision, device="cpu"):
     """fp16's dynamic loss scaler (GradScaler defaults: 2^16, x2 per 2000 clean steps); None otherwise."""
-    return torch.amp.GradScaler("cpu") if precision == "fp16" else None
+    return torch.amp.GradScaler(torch.device(device).type) if precision == "fp16" else None
 
 
 def train_step(model, opt, x, y, precision="fp32", scaler=None):
@@ -95,7 +95,7 @@ def train_step(model, opt, x, y, precision="fp32", scaler=None):
         loss = model(x, y)
     else:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast(x.device.type, dtype=dtype):
             loss = model(x, y)
     if scaler is None:
         loss.backward()
@@ -118,17 +118,18 @@ def main():
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (troupe bench train --device cuda --peer)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = Gpt(context=args.context)
+    model = Gpt(context=args.context).to(args.device)
     opt = make_optimizer(model)
     data = corpus()
     gen = torch.Generator().manual_seed(0)
-    scaler = make_scaler(args.precision)
+    scaler = make_scaler(args.precision, args.device)
 
     def step():
-        batch = sample_batch(data, gen, args.micro_batch, args.context)
+        batch = (t.to(args.device) for t in sample_batch(data, gen, args.micro_batch, args.context))
         return train_step(model, opt, *batch, precision=args.precision, scaler=scaler)
 
     for _ in range(args.warmup):
@@ -139,7 +140,7 @@ def main():
     elapsed = time.perf_counter() - start
     tokens = args.steps * args.micro_batch * args.context
     print(json.dumps({
-        "peer": "pytorch-eager", "torch": torch.__version__, "world": 1, "steps": args.steps,
+        "peer": "pytorch-eager", "torch": torch.__version__, "world": 1, "steps": args.steps, "device": args.device,
         "precision": args.precision,
         "micro_batch": args.micro_batch, "context": args.context, "torch_threads": args.threads,
         "params": sum(p.numel() for p in model.parameters()),

@@ -38,20 +38,22 @@ def main():
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (troupe bench train --device cuda --peer)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(args.config_dir)
     model = Causal(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32))
+    model.to(args.device)
     model.train()
     opt = make_optimizer(model)
     data = corpus() % config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    scaler = make_scaler(args.precision)
+    scaler = make_scaler(args.precision, args.device)
 
     def step():
-        return train_step(model, opt, *sample_batch(data, gen, args.micro_batch, args.context),
-                          precision=args.precision, scaler=scaler)
+        batch = (t.to(args.device) for t in sample_batch(data, gen, args.micro_batch, args.context))
+        return train_step(model, opt, *batch, precision=args.precision, scaler=scaler)
 
     for _ in range(args.warmup):
         step()
@@ -62,6 +64,7 @@ def main():
     tokens = args.steps * args.micro_batch * args.context
     print(json.dumps({
         "peer": "transformers-eager", "model_type": config.model_type, "torch": torch.__version__, "world": 1,
+        "device": args.device,
         "steps": args.steps, "precision": args.precision, "micro_batch": args.micro_batch,
         "context": args.context, "torch_threads": args.threads,
         "params": sum(p.numel() for p in model.parameters()),

@@ -86,8 +86,8 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     if args.bucket_mib > BUCKET_MIB_MAX {
         bail!("--bucket-mib {}: must be 0 (the default, 25) or at most {BUCKET_MIB_MAX}", args.bucket_mib);
     }
-    if args.device == BenchDevice::Cuda && (args.world != 1 || args.peer) {
-        bail!("--device cuda trains with --world 1 and no --peer (the multi-rank jobs and the peer scripts run on the CPU)");
+    if args.device == BenchDevice::Cuda && args.world != 1 {
+        bail!("--device cuda trains with --world 1 (the multi-rank jobs run on the CPU)");
     }
     if args.world != 1 && args.micro_batch != MICRO_BATCH {
         bail!("--micro-batch is for --world 1; data-parallel runs use {MICRO_BATCH} per rank");
@@ -125,6 +125,7 @@ fn run_single(args: BenchTrainArgs) -> anyhow::Result<()> {
         ("--context", args.context.to_string()),
         ("--threads", threads.to_string()),
         ("--precision", args.precision.clone()),
+        ("--device", if args.device == BenchDevice::Cuda { "cuda".into() } else { "cpu".into() }),
     ];
     let peer_script = if args.model == "gpt-tiny" {
         "train_gpt_tiny.py"
