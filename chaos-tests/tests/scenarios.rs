@@ -16,8 +16,14 @@ fn troupe() -> PathBuf {
 
 /// Runs `scenario` with `seed` and returns its JSON report, after checking it passed.
 fn run(scenario: &str, seed: u64) -> Value {
+    run_with(scenario, seed, &[])
+}
+
+/// [`run`] with more arguments to `troupe chaos run` (`--job FILE`).
+fn run_with(scenario: &str, seed: u64, extra: &[&str]) -> Value {
     let mut child = Command::new(troupe())
         .args(["chaos", "run", "--scenario", scenario, "--seed", &seed.to_string(), "--json"])
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -72,6 +78,23 @@ fn kill_worker() {
     assert_eq!(r["detection_s"]["samples"], 1, "the loss was detected: {r}");
     assert_eq!(r["recovery_s"]["samples"], 1, "training went on after the recovery: {r}");
     assert!(r["recoveries"].as_u64().unwrap() >= 1);
+}
+
+/// The harness takes a user's job of the Llama family (`--job`): a killed worker, and every check against
+/// the reference holds.
+#[test]
+fn kill_worker_on_a_llama_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("llama.toml");
+    std::fs::write(
+        &job,
+        "[model]\narch = \"llama\"\nn_layers = 2\nd_model = 128\nn_heads = 4\nn_kv_heads = 2\nffn_hidden = 256\n\
+         context = 64\n[train]\nsteps = 30\nglobal_batch = 8\nmicro_batch = 4\ntorch_threads = 1\n",
+    )
+    .unwrap();
+    let r = run_with("kill-worker", 3, &["--job", job.to_str().unwrap()]);
+    assert_eq!(faults(&r, "kill"), 1);
+    assert_eq!(r["recovery_s"]["samples"], 1, "training went on after the recovery: {r}");
 }
 
 #[test]
