@@ -657,7 +657,7 @@ fn check_agreement(table: &toml::Table, from_json: &ModelConfig, dir: &Path) -> 
         if !agrees {
             let shown = derived.map_or("(not set)".to_owned(), |v| v.to_string());
             return Err(ConfigError::Parse {
-                origin: "[model]".into(),
+                origin: "model.from_hf".into(),
                 message: crate::hf::HfError::Disagrees {
                     key: key.clone(),
                     toml: value.to_string(),
