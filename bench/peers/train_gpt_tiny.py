@@ -132,6 +132,12 @@ def main():
         batch = (t.to(args.device) for t in sample_batch(data, gen, args.micro_batch, args.context))
         return train_step(model, opt, *batch, precision=args.precision, scaler=scaler)
 
+    report(step, args, model, peer="pytorch-eager")
+
+
+def report(step, args, model, **extra):
+    """Runs `step` args.warmup times untimed, then args.steps times timed; prints one JSON object with
+    tokens_per_s and the run's settings (the peers' common output)."""
     for _ in range(args.warmup):
         step()
     start = time.perf_counter()
@@ -140,7 +146,7 @@ def main():
     elapsed = time.perf_counter() - start
     tokens = args.steps * args.micro_batch * args.context
     print(json.dumps({
-        "peer": "pytorch-eager", "torch": torch.__version__, "world": 1, "steps": args.steps, "device": args.device,
+        **extra, "torch": torch.__version__, "world": 1, "steps": args.steps, "device": args.device,
         "precision": args.precision,
         "micro_batch": args.micro_batch, "context": args.context, "torch_threads": args.threads,
         "params": sum(p.numel() for p in model.parameters()),

@@ -7,14 +7,14 @@ grad-norm clipping at 1.0), printing one JSON object with tokens_per_s.
 
 Uses the step, optimizer and data of train_gpt_tiny.py, so the two peers measure the same loop.
 """
-import argparse, json, os, resource, sys, time
+import argparse, os, sys
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_gpt_tiny import corpus, make_optimizer, make_scaler, sample_batch, train_step  # noqa: E402
+from train_gpt_tiny import corpus, make_optimizer, make_scaler, report, sample_batch, train_step  # noqa: E402
 
 
 class Causal(torch.nn.Module):
@@ -55,22 +55,7 @@ def main():
         batch = (t.to(args.device) for t in sample_batch(data, gen, args.micro_batch, args.context))
         return train_step(model, opt, *batch, precision=args.precision, scaler=scaler)
 
-    for _ in range(args.warmup):
-        step()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    elapsed = time.perf_counter() - start
-    tokens = args.steps * args.micro_batch * args.context
-    print(json.dumps({
-        "peer": "transformers-eager", "model_type": config.model_type, "torch": torch.__version__, "world": 1,
-        "device": args.device,
-        "steps": args.steps, "precision": args.precision, "micro_batch": args.micro_batch,
-        "context": args.context, "torch_threads": args.threads,
-        "params": sum(p.numel() for p in model.parameters()),
-        "tokens_per_s": tokens / elapsed, "final_loss": loss,
-        "peak_mem_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-    }))
+    report(step, args, model, peer="transformers-eager", model_type=config.model_type)
 
 
 if __name__ == "__main__":
