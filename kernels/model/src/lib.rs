@@ -8,6 +8,7 @@ pub mod blockwise;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod generate;
 pub mod hf;
 pub mod model;
 pub mod optim;

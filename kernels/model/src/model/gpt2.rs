@@ -7,6 +7,7 @@
 
 use tch::{Kind, Tensor};
 
+use super::kv_cache::LayerCache;
 use super::{record, Activation, Init, ModelConfig, ParamOp, ParamSpec};
 use crate::config::{invalid, ConfigError};
 use crate::precision::Precision;
@@ -63,10 +64,10 @@ pub fn param_specs(cfg: &ModelConfig) -> Vec<ParamSpec> {
     specs
 }
 
-/// Token + position embeddings on `[wte, wpe]`.
-pub(super) fn embed(params: &[Tensor], tokens: &Tensor, ops: &mut Vec<ParamOp>) -> Tensor {
+/// Token + position embeddings on `[wte, wpe]`, the tokens at positions `start..`.
+pub(super) fn embed(params: &[Tensor], tokens: &Tensor, start: i64, ops: &mut Vec<ParamOp>) -> Tensor {
     let time = tokens.size()[1];
-    let positions = Tensor::arange(time, (Kind::Int64, tokens.device()));
+    let positions = Tensor::arange_start(start, start + time, (Kind::Int64, tokens.device()));
     let (wte, wpe) = (&params[0], &params[1]);
     let token_embedding = Tensor::embedding(wte, tokens, -1, false, false);
     let position_embedding = Tensor::embedding(wpe, &positions, -1, false, false);
@@ -75,13 +76,15 @@ pub(super) fn embed(params: &[Tensor], tokens: &Tensor, ops: &mut Vec<ParamOp>) 
     token_embedding + position_embedding
 }
 
-/// One block on its [`PARAMS_PER_BLOCK`] parameters.
+/// One block on its [`PARAMS_PER_BLOCK`] parameters; with `cache`, `x` continues the cached positions and
+/// its keys and values join the cache.
 pub(super) fn block(
     cfg: &ModelConfig,
     precision: Precision,
     p: &[Tensor],
     x: &Tensor,
     ops: &mut Vec<ParamOp>,
+    cache: Option<&mut LayerCache>,
 ) -> Tensor {
     let (batch, time, d) = x.size3().expect("block input is [batch, time, d_model]");
     let (heads, head_dim) = (cfg.n_heads as i64, cfg.head_dim() as i64);
@@ -94,7 +97,12 @@ pub(super) fn block(
     let parts = qkv.split(d, 2);
     let (q, k, v) = (split(&parts[0]), split(&parts[1]), split(&parts[2]));
     // Scores scaled by 1/sqrt(head_dim); future positions masked to -inf before the softmax.
-    let attended = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false);
+    let start = cache.as_ref().map_or(0, |c| c.len());
+    let (k, v) = match cache {
+        None => (k, v),
+        Some(cache) => cache.append(k, v),
+    };
+    let attended = super::kv_cache::attend(&q, &k, &v, start);
     let attended = attended.transpose(1, 2).contiguous().view([batch, time, d]);
     let projected = precision.linear(&attended, &p[4], Some(&p[5]));
     record(ops, &projected, 4..6);

@@ -7,6 +7,7 @@
 
 use tch::{Kind, Tensor};
 
+use super::kv_cache::LayerCache;
 use super::{record, Init, ModelConfig, ParamOp, ParamSpec, RopeScaling};
 use crate::config::{invalid, ConfigError};
 use crate::precision::Precision;
@@ -128,10 +129,10 @@ pub fn inv_freq(cfg: &ModelConfig, device: tch::Device) -> Tensor {
     }
 }
 
-/// `cos` and `sin` of the rotary angles of positions `0..time`: each `[time, head_dim]` (the frequencies
-/// repeated for both halves, as Hugging Face's `cat((freqs, freqs))`), fp32.
-pub fn rotary(cfg: &ModelConfig, time: i64, device: tch::Device) -> (Tensor, Tensor) {
-    let positions = Tensor::arange(time, (Kind::Float, device));
+/// `cos` and `sin` of the rotary angles of positions `start..start + time`: each `[time, head_dim]` (the
+/// frequencies repeated for both halves, as Hugging Face's `cat((freqs, freqs))`), fp32.
+pub fn rotary(cfg: &ModelConfig, start: i64, time: i64, device: tch::Device) -> (Tensor, Tensor) {
+    let positions = Tensor::arange_start(start, start + time, (Kind::Float, device));
     let freqs = positions.unsqueeze(1).matmul(&inv_freq(cfg, device).unsqueeze(0));
     let angles = Tensor::cat(&[&freqs, &freqs], -1);
     (angles.cos(), angles.sin())
@@ -146,13 +147,15 @@ fn apply_rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
     x * cos.to_kind(x.kind()) + rotated * sin.to_kind(x.kind())
 }
 
-/// One block on its [`params_per_block`] parameters.
+/// One block on its [`params_per_block`] parameters; with `cache`, `x` continues the cached positions
+/// (its rotary angles start there) and its keys and values join the cache.
 pub(super) fn block(
     cfg: &ModelConfig,
     precision: Precision,
     p: &[Tensor],
     x: &Tensor,
     ops: &mut Vec<ParamOp>,
+    cache: Option<&mut LayerCache>,
 ) -> Tensor {
     let (batch, time, _) = x.size3().expect("block input is [batch, time, d_model]");
     let (heads, kv_heads, head_dim) = (cfg.n_heads as i64, cfg.kv_heads() as i64, cfg.head_dim() as i64);
@@ -170,21 +173,27 @@ pub(super) fn block(
     };
     let (q, k, v) = (project(ops), project(ops), project(ops));
     let heads_of = |t: &Tensor, n: i64| t.view([batch, time, n, head_dim]).transpose(1, 2);
-    let (cos, sin) = rotary(cfg, time, x.device());
+    let start = cache.as_ref().map_or(0, |c| c.len());
+    let (cos, sin) = rotary(cfg, start, time, x.device());
     let q = apply_rotary(&heads_of(&q, heads), &cos, &sin);
     let k = apply_rotary(&heads_of(&k, kv_heads), &cos, &sin);
     let v = heads_of(&v, kv_heads);
     // Each key/value head serves `heads / kv_heads` query heads in a row (Hugging Face's `repeat_kv`).
+    // A cache keeps them unrepeated.
     let repeat = |t: Tensor| {
         if kv_heads == heads {
             return t;
         }
-        t.unsqueeze(2).expand([batch, kv_heads, heads / kv_heads, time, head_dim], false).reshape([
-            batch, heads, time, head_dim,
+        let len = t.size()[2];
+        t.unsqueeze(2).expand([batch, kv_heads, heads / kv_heads, len, head_dim], false).reshape([
+            batch, heads, len, head_dim,
         ])
     };
-    let (k, v) = (repeat(k), repeat(v));
-    let attended = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false);
+    let (k, v) = match cache {
+        None => (k, v),
+        Some(cache) => cache.append(k, v),
+    };
+    let attended = super::kv_cache::attend(&q, &repeat(k), &repeat(v), start);
     let attended = attended.transpose(1, 2).contiguous().view([batch, time, heads * head_dim]);
     let o = at;
     let projected = precision.linear(&attended, &p[o], None);

@@ -24,8 +24,11 @@ use crate::precision::Precision;
 use crate::rng::{hash_words, SplitMix64};
 
 pub mod gpt2;
+pub mod kv_cache;
 pub mod llama;
 pub mod presets;
+
+pub use kv_cache::KvCache;
 
 /// The family of a model: how its parameters are laid out and what its forward computes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -440,6 +443,30 @@ impl Model {
         head(&self.config, self.precision, &head_params(&self.config, &self.params), x)
     }
 
+    /// Token ids `[batch, time]` that continue the positions in `cache` → their logits `[batch, time,
+    /// vocab]`, their keys and values added to the cache (incremental decoding; no autograd graph is
+    /// needed, run it under `tch::no_grad`). Equals the last `time` positions of [`Self::forward`] over
+    /// the whole sequence.
+    pub fn forward_cached(&self, tokens: &Tensor, cache: &mut KvCache) -> Tensor {
+        let config = &self.config;
+        let start = cache.len();
+        let time = tokens.size()[1];
+        assert!((start + time) as usize <= config.positions(), "sequence of {} tokens exceeds the model's positions", start + time);
+        let embed_params = &self.params[config.embed_range()];
+        let mut x = match config.arch {
+            Arch::Gpt2 => gpt2::embed(embed_params, tokens, start, &mut Vec::new()),
+            Arch::Llama => llama::embed(embed_params, tokens, &mut Vec::new()),
+        };
+        for (i, layer) in cache.layers.iter_mut().enumerate() {
+            let p = &self.params[config.block_range(i)];
+            x = match config.arch {
+                Arch::Gpt2 => gpt2::block(config, self.precision, p, &x, &mut Vec::new(), Some(layer)),
+                Arch::Llama => llama::block(config, self.precision, p, &x, &mut Vec::new(), Some(layer)),
+            };
+        }
+        self.head(&x)
+    }
+
     /// Copies parameter values in from another list in canonical order (shapes must match).
     pub fn load_values(&mut self, values: &[Tensor]) {
         assert_eq!(values.len(), self.params.len(), "parameter list length");
@@ -488,7 +515,7 @@ pub fn embed_recorded(config: &ModelConfig, params: &[Tensor], tokens: &Tensor, 
     let time = tokens.size()[1];
     assert!(time as usize <= config.positions(), "sequence of {time} tokens exceeds the model's positions");
     match config.arch {
-        Arch::Gpt2 => gpt2::embed(params, tokens, ops),
+        Arch::Gpt2 => gpt2::embed(params, tokens, 0, ops),
         Arch::Llama => llama::embed(params, tokens, ops),
     }
 }
@@ -510,8 +537,8 @@ pub fn block_recorded(
 ) -> Tensor {
     assert_eq!(p.len(), config.params_per_block(), "block parameter count");
     match config.arch {
-        Arch::Gpt2 => gpt2::block(config, precision, p, x, ops),
-        Arch::Llama => llama::block(config, precision, p, x, ops),
+        Arch::Gpt2 => gpt2::block(config, precision, p, x, ops, None),
+        Arch::Llama => llama::block(config, precision, p, x, ops, None),
     }
 }
 

@@ -1,0 +1,207 @@
+//! What a user does right after training: sample from the model and measure it.
+//!
+//! [`generate`] decodes incrementally through the key/value cache ([`Model::forward_cached`]: the prompt
+//! once, then one forward of one token per new token), greedy at temperature 0 (the first largest logit,
+//! as `argmax` and transformers' `do_sample=False` pick), otherwise sampling from the softmax of the
+//! logits over the temperature, cut to the `top_k` largest and to the smallest set whose probability
+//! reaches `top_p`, drawn by troupe's seeded generator (the same seed, the same text).
+//! [`evaluate`] is the mean next-token loss and perplexity over a corpus' consecutive windows.
+
+use tch::{Kind, Tensor};
+
+use crate::data::Corpus;
+use crate::model::{cross_entropy, KvCache, Model};
+use crate::rng::SplitMix64;
+
+/// How the next token is chosen.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampling {
+    /// 0: greedy. Otherwise the logits are divided by it before the softmax.
+    pub temperature: f64,
+    /// Keep only the `top_k` most likely tokens (0: all).
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability reaches `top_p` (1: all).
+    pub top_p: f64,
+    pub seed: u64,
+}
+
+impl Sampling {
+    pub fn greedy() -> Self {
+        Self { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 }
+    }
+}
+
+/// A request that cannot be served, with the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    #[error("the prompt is empty; give at least one token")]
+    EmptyPrompt,
+    #[error("the prompt's {tokens} tokens do not fit the model's context of {positions} positions; shorten the prompt")]
+    PromptTooLong { tokens: usize, positions: usize },
+    #[error("prompt token {token} at position {position} is outside the model's vocabulary of {vocab}; use the model's tokenizer")]
+    TokenOutOfVocabulary { token: i64, position: usize, vocab: usize },
+    #[error("--temperature {0}: must be a finite number ≥ 0 (0 is greedy)")]
+    Temperature(f64),
+    #[error("--top-p {0}: must be in (0, 1]")]
+    TopP(f64),
+    #[error("the corpus holds {tokens} tokens, fewer than one window of the model's context + 1 = {needed}")]
+    CorpusTooShort { tokens: usize, needed: usize },
+}
+
+/// Checks `prompt` against `model`.
+fn check_prompt(model: &Model, prompt: &[i64]) -> Result<(), GenerateError> {
+    let (vocab, positions) = (model.config.vocab_size, model.config.positions());
+    if prompt.is_empty() {
+        return Err(GenerateError::EmptyPrompt);
+    }
+    if prompt.len() > positions {
+        return Err(GenerateError::PromptTooLong { tokens: prompt.len(), positions });
+    }
+    if let Some((position, &token)) = prompt.iter().enumerate().find(|(_, &t)| t < 0 || t as usize >= vocab) {
+        return Err(GenerateError::TokenOutOfVocabulary { token, position, vocab });
+    }
+    Ok(())
+}
+
+/// Up to `max_new` tokens after `prompt` (fewer if the model's positions run out), each handed to
+/// `on_token` as soon as it is chosen. Returns the new tokens.
+pub fn generate(
+    model: &Model,
+    prompt: &[i64],
+    max_new: usize,
+    sampling: Sampling,
+    mut on_token: impl FnMut(i64),
+) -> Result<Vec<i64>, GenerateError> {
+    check_prompt(model, prompt)?;
+    if !(sampling.temperature.is_finite() && sampling.temperature >= 0.0) {
+        return Err(GenerateError::Temperature(sampling.temperature));
+    }
+    if !(sampling.top_p > 0.0 && sampling.top_p <= 1.0) {
+        return Err(GenerateError::TopP(sampling.top_p));
+    }
+    let device = model.params()[0].device();
+    let mut rng = SplitMix64::new(sampling.seed);
+    let mut cache = KvCache::new(model.config.n_layers);
+    let room = model.config.positions() - prompt.len();
+    let mut generated = Vec::new();
+    tch::no_grad(|| {
+        let mut input = Tensor::from_slice(prompt).view([1, -1]).to_device(device);
+        for _ in 0..max_new.min(room) {
+            let logits = model.forward_cached(&input, &mut cache);
+            let last: Vec<f64> = Vec::try_from(logits.get(0).get(-1).to_kind(Kind::Double)).expect("logits");
+            let token = choose(&last, sampling, &mut rng);
+            on_token(token);
+            generated.push(token);
+            input = Tensor::from_slice(&[token]).view([1, 1]).to_device(device);
+        }
+    });
+    Ok(generated)
+}
+
+/// [`generate`] without the cache: the whole sequence through [`Model::forward`] for every new token (the
+/// reference the cache is tested against).
+pub fn generate_uncached(model: &Model, prompt: &[i64], max_new: usize, sampling: Sampling) -> Result<Vec<i64>, GenerateError> {
+    check_prompt(model, prompt)?;
+    let device = model.params()[0].device();
+    let mut rng = SplitMix64::new(sampling.seed);
+    let mut sequence = prompt.to_vec();
+    let room = model.config.positions() - prompt.len();
+    tch::no_grad(|| {
+        for _ in 0..max_new.min(room) {
+            let logits = model.forward(&Tensor::from_slice(&sequence).view([1, -1]).to_device(device));
+            let last: Vec<f64> = Vec::try_from(logits.get(0).get(-1).to_kind(Kind::Double)).expect("logits");
+            sequence.push(choose(&last, sampling, &mut rng));
+        }
+    });
+    Ok(sequence.split_off(prompt.len()))
+}
+
+/// The next token from the last position's logits.
+pub fn choose(logits: &[f64], sampling: Sampling, rng: &mut SplitMix64) -> i64 {
+    let argmax = || {
+        let mut best = 0;
+        for (i, &l) in logits.iter().enumerate() {
+            if l > logits[best] {
+                best = i;
+            }
+        }
+        best as i64
+    };
+    if sampling.temperature == 0.0 {
+        return argmax();
+    }
+    // Most likely first; ties by token id.
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    if sampling.top_k > 0 {
+        order.truncate(sampling.top_k);
+    }
+    let max = logits[order[0]];
+    let weights: Vec<f64> = order.iter().map(|&i| ((logits[i] - max) / sampling.temperature).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    let mut kept = 0;
+    let mut mass = 0.0;
+    for w in &weights {
+        kept += 1;
+        mass += w / total;
+        if mass >= sampling.top_p {
+            break;
+        }
+    }
+    let kept_total: f64 = weights[..kept].iter().sum();
+    let mut draw = rng.next_f64() * kept_total;
+    for (i, w) in weights[..kept].iter().enumerate() {
+        if draw < *w {
+            return order[i] as i64;
+        }
+        draw -= w;
+    }
+    order[kept - 1] as i64
+}
+
+/// The loss of a model on a corpus.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Evaluation {
+    /// Mean next-token cross-entropy (nats).
+    pub loss: f64,
+    pub perplexity: f64,
+    /// Predicted tokens the mean is over.
+    pub tokens: usize,
+    pub windows: usize,
+}
+
+/// Mean next-token loss of `model` over consecutive non-overlapping windows of `corpus` (each window the
+/// model's context of inputs and their next tokens; at most `max_windows`, 0 for all), `batch` windows
+/// per forward.
+pub fn evaluate(model: &Model, corpus: &Corpus, max_windows: usize, batch: usize) -> Result<Evaluation, GenerateError> {
+    let context = model.config.context;
+    let tokens = corpus.tokens();
+    if tokens.len() < context + 1 {
+        return Err(GenerateError::CorpusTooShort { tokens: tokens.len(), needed: context + 1 });
+    }
+    let mut windows = (tokens.len() - 1) / context;
+    if max_windows > 0 {
+        windows = windows.min(max_windows);
+    }
+    let device = model.params()[0].device();
+    let mut sum = 0.0;
+    tch::no_grad(|| {
+        for first in (0..windows).step_by(batch.max(1)) {
+            let count = batch.max(1).min(windows - first);
+            let mut inputs = Vec::with_capacity(count * context);
+            let mut targets = Vec::with_capacity(count * context);
+            for w in first..first + count {
+                let start = w * context;
+                inputs.extend(tokens[start..start + context].iter().map(|&t| i64::from(t)));
+                targets.extend(tokens[start + 1..start + context + 1].iter().map(|&t| i64::from(t)));
+            }
+            let shape = [count as i64, context as i64];
+            let inputs = Tensor::from_slice(&inputs).view(shape).to_device(device);
+            let targets = Tensor::from_slice(&targets).view(shape).to_device(device);
+            let loss = cross_entropy(&model.forward(&inputs), &targets).double_value(&[]);
+            sum += loss * count as f64;
+        }
+    });
+    let loss = sum / windows as f64;
+    Ok(Evaluation { loss, perplexity: loss.exp(), tokens: windows * context, windows })
+}
