@@ -116,7 +116,7 @@ fn checkpoints_at(path: &Path) -> anyhow::Result<Vec<PathBuf>> {
 }
 
 /// The one checkpoint `src` names: a step directory, or the newest valid one under a root.
-fn source(src: &Path) -> anyhow::Result<PathBuf> {
+pub(crate) fn source(src: &Path) -> anyhow::Result<PathBuf> {
     if src.join(MANIFEST).exists() {
         return Ok(src.to_owned());
     }
