@@ -36,7 +36,9 @@ impl Sampling {
 pub enum GenerateError {
     #[error("the prompt is empty; give at least one token")]
     EmptyPrompt,
-    #[error("the prompt's {tokens} tokens do not fit the model's context of {positions} positions; shorten the prompt")]
+    #[error(
+        "the prompt's {tokens} tokens do not fit the model's context of {positions} positions; shorten the prompt"
+    )]
     PromptTooLong { tokens: usize, positions: usize },
     #[error("prompt token {token} at position {position} is outside the model's vocabulary of {vocab}; use the model's tokenizer")]
     TokenOutOfVocabulary { token: i64, position: usize, vocab: usize },
@@ -46,10 +48,12 @@ pub enum GenerateError {
     TopP(f64),
     #[error("the corpus holds {tokens} tokens, fewer than one window of the model's context + 1 = {needed}")]
     CorpusTooShort { tokens: usize, needed: usize },
+    #[error("corpus token {token} at position {position} is outside the model's vocabulary of {vocab}; evaluate on data made with the model's tokenizer")]
+    CorpusTokenOutOfVocabulary { token: u16, position: usize, vocab: usize },
 }
 
-/// Checks `prompt` against `model`.
-fn check_prompt(model: &Model, prompt: &[i64]) -> Result<(), GenerateError> {
+/// Checks `prompt` against `model`: not empty, within its positions and its vocabulary.
+pub fn check_prompt(model: &Model, prompt: &[i64]) -> Result<(), GenerateError> {
     let (vocab, positions) = (model.config.vocab_size, model.config.positions());
     if prompt.is_empty() {
         return Err(GenerateError::EmptyPrompt);
@@ -100,7 +104,12 @@ pub fn generate(
 
 /// [`generate`] without the cache: the whole sequence through [`Model::forward`] for every new token (the
 /// reference the cache is tested against).
-pub fn generate_uncached(model: &Model, prompt: &[i64], max_new: usize, sampling: Sampling) -> Result<Vec<i64>, GenerateError> {
+pub fn generate_uncached(
+    model: &Model,
+    prompt: &[i64],
+    max_new: usize,
+    sampling: Sampling,
+) -> Result<Vec<i64>, GenerateError> {
     check_prompt(model, prompt)?;
     let device = model.params()[0].device();
     let mut rng = SplitMix64::new(sampling.seed);
@@ -178,6 +187,10 @@ pub fn evaluate(model: &Model, corpus: &Corpus, max_windows: usize, batch: usize
     let tokens = corpus.tokens();
     if tokens.len() < context + 1 {
         return Err(GenerateError::CorpusTooShort { tokens: tokens.len(), needed: context + 1 });
+    }
+    let vocab = model.config.vocab_size;
+    if let Some((position, &token)) = tokens.iter().enumerate().find(|(_, &t)| usize::from(t) >= vocab) {
+        return Err(GenerateError::CorpusTokenOutOfVocabulary { token, position, vocab });
     }
     let mut windows = (tokens.len() - 1) / context;
     if max_windows > 0 {

@@ -62,12 +62,15 @@ fn greedy_decoding_equals_transformers_generate() {
     transformers_oracle(&["make", dir.path().to_str().unwrap()]).unwrap();
     for name in ["llama_gqa", "llama_tied_rope3", "qwen2", "gpt2_tied"] {
         let model_dir = dir.path().join(name);
-        let config = ModelConfig { from_hf: Some(model_dir.clone()), ..troupe_model::hf::read_config(&model_dir).unwrap() };
+        let config =
+            ModelConfig { from_hf: Some(model_dir.clone()), ..troupe_model::hf::read_config(&model_dir).unwrap() };
         let model = Model::load(config.clone(), 0).unwrap();
         let prompt = Tensor::from_slice(&[3i64, 17, 42, 5, 60]).view([1, 5]);
         let prompt_file = dir.path().join(format!("{name}-prompt.safetensors"));
         Tensor::write_safetensors(&[("tokens", &prompt)], &prompt_file).unwrap();
-        let theirs = transformers_oracle(&["generate", model_dir.to_str().unwrap(), prompt_file.to_str().unwrap(), "20"]).unwrap();
+        let theirs =
+            transformers_oracle(&["generate", model_dir.to_str().unwrap(), prompt_file.to_str().unwrap(), "20"])
+                .unwrap();
         let theirs: Vec<i64> = serde_json::from_value(theirs["tokens"].clone()).unwrap();
         let ours = generate(&model, &[3, 17, 42, 5, 60], 20, Sampling::greedy(), |_| {}).unwrap();
         assert_eq!(&theirs[5..], &ours[..], "{name}: greedy tokens differ from transformers' generate");
@@ -87,7 +90,8 @@ fn evaluation_is_the_mean_loss_over_the_windows_and_bad_requests_are_refused() {
     let mut losses = Vec::new();
     for w in 0..5 {
         let window = |offset: usize| {
-            let values: Vec<i64> = tokens[w * context + offset..w * context + offset + context].iter().map(|&t| t.into()).collect();
+            let values: Vec<i64> =
+                tokens[w * context + offset..w * context + offset + context].iter().map(|&t| t.into()).collect();
             Tensor::from_slice(&values).view([1, context as i64])
         };
         losses.push(tch::no_grad(|| cross_entropy(&model.forward(&window(0)), &window(1)).double_value(&[])));
@@ -99,10 +103,15 @@ fn evaluation_is_the_mean_loss_over_the_windows_and_bad_requests_are_refused() {
 
     let short = Corpus::from_tokens(vec![1; context], "short");
     assert!(matches!(evaluate(&model, &short, 0, 1), Err(GenerateError::CorpusTooShort { .. })));
+    let mut foreign = tokens.clone();
+    foreign[7] = 300;
+    let refused = evaluate(&model, &Corpus::from_tokens(foreign, "foreign"), 0, 1).unwrap_err().to_string();
+    assert!(refused.contains("corpus token 300 at position 7 is outside the model's vocabulary of 256"), "{refused}");
     let long: Vec<i64> = vec![1; context + 1];
     let refused = |prompt: &[i64], sampling| generate(&model, prompt, 4, sampling, |_| {}).unwrap_err().to_string();
     assert!(refused(&long, Sampling::greedy()).contains(&format!("context of {context} positions")));
-    assert!(refused(&[1, 300], Sampling::greedy()).contains("token 300 at position 1 is outside the model's vocabulary of 256"));
+    assert!(refused(&[1, 300], Sampling::greedy())
+        .contains("token 300 at position 1 is outside the model's vocabulary of 256"));
     assert!(refused(&[], Sampling::greedy()).contains("empty"));
     assert!(refused(&[1], Sampling { temperature: -1.0, ..Sampling::greedy() }).contains("--temperature"));
     // A prompt that nearly fills the context gets the room there is.
