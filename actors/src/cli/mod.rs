@@ -11,7 +11,10 @@ mod checkpoint;
 mod client;
 mod cluster;
 mod daemon;
+mod eval;
 mod follow;
+mod generate;
+mod model_source;
 mod plot;
 mod table;
 mod trace;
@@ -60,6 +63,10 @@ enum Command {
     Plot(plot::PlotArgs),
     /// Crash, pause and restart a running job's nodes and check that nothing was lost (`troupe chaos list`).
     Chaos(chaos::ChaosArgs),
+    /// Sample from a model (a Hugging Face directory or a checkpoint) with a key/value cache, streaming.
+    Generate(generate::GenerateArgs),
+    /// Mean loss and perplexity of a model (a Hugging Face directory or a checkpoint) on a corpus.
+    Eval(eval::EvalArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -114,6 +121,8 @@ pub fn main() -> ExitCode {
         Command::Trace(args) => trace::run(args),
         Command::Plot(args) => plot::run(args),
         Command::Chaos(args) => chaos::run(args),
+        Command::Generate(args) => generate::run(args),
+        Command::Eval(args) => eval::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

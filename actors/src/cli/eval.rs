@@ -1,0 +1,96 @@
+//! `troupe eval`: a model's mean next-token loss and perplexity on a corpus, over consecutive
+//! non-overlapping windows of its context.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use serde_json::json;
+use troupe_model::config::{DataConfig, DataKind};
+use troupe_model::data::load_corpus;
+use troupe_model::generate::evaluate;
+
+use super::model_source::load_model;
+
+/// Windows per forward.
+const WINDOWS_PER_BATCH: usize = 8;
+
+#[derive(Debug, clap::Args)]
+pub struct EvalArgs {
+    /// A Hugging Face model directory or a troupe checkpoint (a step directory, or a root: its newest).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The corpus file (the `[data] path` of a job config).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// How the corpus is read (`[data] kind`): text (bytes), bin (nanoGPT uint16 tokens) or synthetic
+    /// (the built-in corpus, no file). Default: bin for a `.bin` file, text for another file, synthetic
+    /// without `--data`.
+    #[arg(long, value_enum)]
+    pub data_kind: Option<DataKindArg>,
+    /// Evaluate the first N windows only (0: every whole window of the corpus).
+    #[arg(long, default_value_t = 0)]
+    pub windows: usize,
+    /// Tokens per window (default: the model's context).
+    #[arg(long)]
+    pub context: Option<usize>,
+    /// One JSON object: `{"event":"eval","loss":…,"perplexity":…,"tokens":…}`.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `--data-kind`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DataKindArg {
+    Synthetic,
+    Text,
+    Bin,
+}
+
+/// The corpus `--data` and `--data-kind` name.
+fn data_config(args: &EvalArgs) -> anyhow::Result<DataConfig> {
+    let kind = match (args.data_kind, &args.data) {
+        (Some(DataKindArg::Synthetic), Some(path)) => {
+            bail!(
+                "--data {}: the synthetic corpus is built in; drop --data or pass --data-kind text|bin",
+                path.display()
+            )
+        }
+        (Some(DataKindArg::Text | DataKindArg::Bin), None) => bail!("--data-kind text|bin needs --data PATH"),
+        (Some(DataKindArg::Synthetic) | None, None) => DataKind::Synthetic,
+        (Some(DataKindArg::Text), Some(_)) => DataKind::Text,
+        (Some(DataKindArg::Bin), Some(_)) => DataKind::Bin,
+        (None, Some(path)) if path.extension().is_some_and(|e| e == "bin") => DataKind::Bin,
+        (None, Some(_)) => DataKind::Text,
+    };
+    Ok(DataConfig { kind, path: args.data.clone(), ..DataConfig::default() })
+}
+
+pub fn run(args: EvalArgs) -> anyhow::Result<()> {
+    tch::set_num_threads(std::thread::available_parallelism().map_or(1, |n| n.get()) as i32);
+    let data = data_config(&args)?;
+    let mut model = load_model(&args.model)?;
+    if let Some(context) = args.context {
+        let positions = model.config.positions();
+        if context == 0 || context > positions {
+            bail!("--context {context}: must be in 1..={positions}, the positions the model addresses");
+        }
+        model.config.context = context;
+    }
+    let origin = data.path.as_ref().map_or_else(|| "the synthetic corpus".to_owned(), |p| p.display().to_string());
+    let corpus = load_corpus(&data, &model.config).with_context(|| format!("--data {origin}"))?;
+    let eval =
+        evaluate(&model, &corpus, args.windows, WINDOWS_PER_BATCH).with_context(|| format!("--data {origin}"))?;
+    if args.json {
+        println!(
+            "{}",
+            json!({ "event": "eval", "loss": eval.loss, "perplexity": eval.perplexity, "tokens": eval.tokens,
+                    "windows": eval.windows, "context": model.config.context, "model": args.model, "data": origin })
+        );
+    } else {
+        println!(
+            "loss {:.4}  perplexity {:.3}  ({} tokens: {} windows of {} from {origin})",
+            eval.loss, eval.perplexity, eval.tokens, eval.windows, model.config.context
+        );
+    }
+    Ok(())
+}
