@@ -219,8 +219,7 @@ fn measure_troupe(
     micro_batch: usize,
     device: tch::Device,
 ) -> anyhow::Result<(f64, f64)> {
-    let mut config = JobConfig::default();
-    config.model = model.clone();
+    let mut config = JobConfig { model: model.clone(), ..JobConfig::default() };
     config.parallel.precision = precision.into();
     config.train.steps = steps + WARMUP_STEPS;
     config.train.global_batch = micro_batch;

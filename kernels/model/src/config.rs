@@ -523,6 +523,73 @@ fn one_of(key: &'static str, value: &str, allowed: &[&str]) -> Result<(), Config
     Err(invalid(key, format!("{value:?}"), format!("must be one of {}", allowed.join(", "))))
 }
 
+/// `[model]` as the user wrote it (`table`) over its serde defaults (`parsed`), resolved into the whole
+/// model config: see [`JobConfig::parse_file`].
+fn resolve_model(table: &toml::Table, parsed: &ModelConfig) -> Result<ModelConfig, ConfigError> {
+    let base = if let Some(dir) = &parsed.from_hf {
+        let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.clone());
+        let from_json =
+            crate::hf::read_config(&dir).map_err(|e| invalid("model.from_hf", dir.display(), e.to_string()))?;
+        check_agreement(table, &from_json, &dir)?;
+        ModelConfig { from_hf: Some(dir), ..from_json }
+    } else if let Some(name) = &parsed.preset {
+        presets::preset(name)
+            .ok_or_else(|| invalid("model.preset", format!("{name:?}"), format!("must be one of {}", presets::names())))?
+    } else if table.contains_key("arch") && parsed.arch == crate::model::Arch::Llama {
+        ModelConfig { preset: None, ..presets::preset("llama-tiny").expect("a preset") }
+    } else {
+        return Ok(parsed.clone());
+    };
+    // The keys the user set override the base.
+    let mut merged = model_table(&base);
+    for (key, value) in table {
+        if key != "from_hf" && key != "preset" {
+            merged.insert(key.clone(), value.clone());
+        }
+    }
+    toml::Value::Table(merged).try_into().map_err(|e: toml::de::Error| invalid("model", "(resolved)", e.to_string()))
+}
+
+fn model_table(config: &ModelConfig) -> toml::Table {
+    match toml::Value::try_from(config).expect("a model config serialises") {
+        toml::Value::Table(table) => table,
+        other => unreachable!("a struct serialises to a table, not {other}"),
+    }
+}
+
+/// Every key of `[model]` that `config.json` also decides must agree with it (the training `context`,
+/// the initialisation and the references excepted).
+fn check_agreement(table: &toml::Table, from_json: &ModelConfig, dir: &Path) -> Result<(), ConfigError> {
+    let json = model_table(from_json);
+    for (key, value) in table {
+        if matches!(key.as_str(), "from_hf" | "preset" | "context" | "init_std") {
+            continue;
+        }
+        let derived = json.get(key);
+        let agrees = match (derived, value) {
+            (Some(toml::Value::Float(a)), toml::Value::Float(b)) => (a - b).abs() <= 1e-12 * a.abs().max(b.abs()),
+            (Some(toml::Value::Float(a)), toml::Value::Integer(b)) => *a == *b as f64,
+            (Some(a), b) => a == b,
+            (None, _) => false,
+        };
+        if !agrees {
+            let shown = derived.map_or("(not set)".to_owned(), |v| v.to_string());
+            return Err(ConfigError::Parse {
+                origin: "model.from_hf".into(),
+                message: crate::hf::HfError::Disagrees {
+                    key: key.clone(),
+                    toml: value.to_string(),
+                    path: dir.join("config.json"),
+                    json_key: crate::hf::json_key(from_json.arch, key).to_owned(),
+                    json: shown,
+                }
+                .to_string(),
+            });
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -603,71 +670,4 @@ mod tests {
         let err = JobConfig::from_file(Path::new("/nonexistent/job.toml")).unwrap_err().to_string();
         assert!(err.contains("/nonexistent/job.toml"), "{err}");
     }
-}
-
-/// `[model]` as the user wrote it (`table`) over its serde defaults (`parsed`), resolved into the whole
-/// model config: see [`JobConfig::parse_file`].
-fn resolve_model(table: &toml::Table, parsed: &ModelConfig) -> Result<ModelConfig, ConfigError> {
-    let base = if let Some(dir) = &parsed.from_hf {
-        let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.clone());
-        let from_json =
-            crate::hf::read_config(&dir).map_err(|e| invalid("model.from_hf", dir.display(), e.to_string()))?;
-        check_agreement(table, &from_json, &dir)?;
-        ModelConfig { from_hf: Some(dir), ..from_json }
-    } else if let Some(name) = &parsed.preset {
-        presets::preset(name)
-            .ok_or_else(|| invalid("model.preset", format!("{name:?}"), format!("must be one of {}", presets::names())))?
-    } else if table.contains_key("arch") && parsed.arch == crate::model::Arch::Llama {
-        ModelConfig { preset: None, ..presets::preset("llama-tiny").expect("a preset") }
-    } else {
-        return Ok(parsed.clone());
-    };
-    // The keys the user set override the base.
-    let mut merged = model_table(&base);
-    for (key, value) in table {
-        if key != "from_hf" && key != "preset" {
-            merged.insert(key.clone(), value.clone());
-        }
-    }
-    toml::Value::Table(merged).try_into().map_err(|e: toml::de::Error| invalid("model", "(resolved)", e.to_string()))
-}
-
-fn model_table(config: &ModelConfig) -> toml::Table {
-    match toml::Value::try_from(config).expect("a model config serialises") {
-        toml::Value::Table(table) => table,
-        other => unreachable!("a struct serialises to a table, not {other}"),
-    }
-}
-
-/// Every key of `[model]` that `config.json` also decides must agree with it (the training `context`,
-/// the initialisation and the references excepted).
-fn check_agreement(table: &toml::Table, from_json: &ModelConfig, dir: &Path) -> Result<(), ConfigError> {
-    let json = model_table(from_json);
-    for (key, value) in table {
-        if matches!(key.as_str(), "from_hf" | "preset" | "context" | "init_std") {
-            continue;
-        }
-        let derived = json.get(key);
-        let agrees = match (derived, value) {
-            (Some(toml::Value::Float(a)), toml::Value::Float(b)) => (a - b).abs() <= 1e-12 * a.abs().max(b.abs()),
-            (Some(toml::Value::Float(a)), toml::Value::Integer(b)) => *a == *b as f64,
-            (Some(a), b) => a == b,
-            (None, _) => false,
-        };
-        if !agrees {
-            let shown = derived.map_or("(not set)".to_owned(), |v| v.to_string());
-            return Err(ConfigError::Parse {
-                origin: "model.from_hf".into(),
-                message: crate::hf::HfError::Disagrees {
-                    key: key.clone(),
-                    toml: value.to_string(),
-                    path: dir.join("config.json"),
-                    json_key: crate::hf::json_key(from_json.arch, key).to_owned(),
-                    json: shown,
-                }
-                .to_string(),
-            });
-        }
-    }
-    Ok(())
 }

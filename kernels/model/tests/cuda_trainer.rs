@@ -8,8 +8,7 @@ use troupe_model::config::JobConfig;
 use troupe_model::Trainer;
 
 fn config(model: &str, precision: &str) -> JobConfig {
-    let mut config = JobConfig::default();
-    config.model = troupe_model::model::presets::preset(model).unwrap();
+    let mut config = JobConfig { model: troupe_model::model::presets::preset(model).unwrap(), ..JobConfig::default() };
     config.parallel.precision = precision.into();
     config.train.steps = 5;
     config.train.global_batch = 8;

@@ -29,7 +29,7 @@ fn toml_for(dir: &Path, extra: &str) -> String {
 fn error(dir: &Path, extra: &str) -> String {
     match JobConfig::from_toml(&toml_for(dir, extra), "job.toml") {
         Err(e) => e.to_string(),
-        Ok(config) => Trainer::new(config).err().expect("the trainer refuses it").to_string(),
+        Ok(config) => Trainer::new(config).expect_err("the trainer refuses it").to_string(),
     }
 }
 

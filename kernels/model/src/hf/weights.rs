@@ -140,22 +140,6 @@ impl HfWeights {
         Ok(())
     }
 
-    /// The directory the weights are in.
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
-    /// The names of every tensor in the files.
-    pub fn names(&self) -> impl Iterator<Item = &str> {
-        self.entries.keys().map(String::as_str)
-    }
-
-    /// Tensor `name` as fp32 in the file's layout, with its shape.
-    pub fn read(&self, name: &str) -> Option<Result<(Vec<f32>, Vec<usize>), HfError>> {
-        let entry = self.entries.get(name)?;
-        Some(self.read_entry(name, entry))
-    }
-
     fn read_entry(&self, name: &str, entry: &Entry) -> Result<(Vec<f32>, Vec<usize>), HfError> {
         let (path, file) = &self.files[entry.file];
         let mut bytes = vec![0u8; (entry.end - entry.start) as usize];

@@ -43,10 +43,12 @@ pub(super) fn validate(cfg: &ModelConfig) -> Result<(), ConfigError> {
         return Err(invalid("model.rope_theta", cfg.rope_theta, "must be a finite number > 1, e.g. 10000 or 500000"));
     }
     match &cfg.rope_scaling {
-        Some(RopeScaling::Linear { factor }) | Some(RopeScaling::Llama3 { factor, .. }) if !(*factor >= 1.0) => {
+        Some(RopeScaling::Linear { factor }) | Some(RopeScaling::Llama3 { factor, .. }) if factor.is_nan() || *factor < 1.0 => {
             Err(invalid("model.rope_scaling.factor", factor, "must be ≥ 1"))
         }
-        Some(RopeScaling::Llama3 { low_freq_factor, high_freq_factor, .. }) if !(high_freq_factor > low_freq_factor) => {
+        Some(RopeScaling::Llama3 { low_freq_factor, high_freq_factor, .. })
+            if high_freq_factor.is_nan() || high_freq_factor <= low_freq_factor =>
+        {
             Err(invalid(
                 "model.rope_scaling.high_freq_factor",
                 high_freq_factor,
