@@ -31,8 +31,10 @@ fn commands(doc: &str) -> Vec<Line> {
     let mut out = Vec::new();
     let mut push = |at: String, command: &str, in_shell_block: bool| {
         for part in command.split(" && ").flat_map(|c| c.split(" | ")) {
-            let words: Vec<String> = part
-                .split_whitespace()
+            // Shell words: a quoted argument ("The ") is one word.
+            let split = shlex::split(part).unwrap_or_else(|| part.split_whitespace().map(String::from).collect());
+            let words: Vec<String> = split
+                .iter()
                 .skip_while(|w| w.contains('=') && !w.starts_with('-'))
                 .map(|w| w.trim_start_matches('[').trim_end_matches(']').to_string())
                 .collect();
