@@ -1,7 +1,8 @@
 //! `troupe generate` and `troupe eval` as a user runs them: greedy decoding equals transformers'
 //! `generate(do_sample=False)` token for token; a trained checkpoint streams its prompt and continuation,
 //! seeded sampling repeats; eval's loss is the reference model's mean loss, the same from the checkpoint
-//! and from its Hugging Face export; bad requests name what is wrong.
+//! and from its Hugging Face export; `bench generate --peer` decodes transformers' tokens; bad requests name
+//! what is wrong.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -10,7 +11,7 @@ use serde_json::Value;
 use tch::Tensor;
 use troupe_model::hf::read_config;
 use troupe_model::model::{Model, ModelConfig};
-use troupe_model::oracle::transformers_oracle;
+use troupe_model::oracle::{transformers_oracle, venv_python};
 
 /// A small byte-vocabulary GPT trained for a few steps, checkpointed.
 const SMALL_JOB: &str = "[model]\nn_layers = 1\nd_model = 64\nn_heads = 2\ncontext = 32\n[train]\nglobal_batch = 4\nmicro_batch = 2\ntorch_threads = 1\n";
@@ -71,6 +72,22 @@ fn greedy_generate_equals_transformers_generate() {
         let all: Vec<i64> = streamed.split_whitespace().map(|t| t.parse().unwrap()).collect();
         assert_eq!(all, ids(&theirs["tokens"]), "{name}: streamed ids");
     }
+    // The benchmark beside transformers' generate decodes the same tokens.
+    let bench = bench_generate(&dir.path().join("llama_gqa"));
+    assert_eq!(bench["arch"], "llama");
+}
+
+/// `troupe bench generate --peer` on `model` (a few tokens, one run): its report, checked.
+fn bench_generate(model: &Path) -> Value {
+    let args = ["--prompt-tokens", "4", "--new-tokens", "8", "--repeats", "1", "--threads", "1", "--peer", "--json"];
+    let python = venv_python();
+    let report =
+        json(troupe(&[&["bench", "generate", "--model", s(model), "--python", s(&python)][..], &args].concat()));
+    assert_eq!(report["same_tokens"], true, "troupe and transformers decode the same tokens: {report}");
+    for key in ["tokens_per_s", "peer_tokens_per_s", "ratio_vs_peer"] {
+        assert!(report[key].as_f64().is_some_and(|v| v > 0.0), "{key}: {report}");
+    }
+    report
 }
 
 /// Trains SMALL_JOB for 4 steps into `root` (a checkpoint at the end).
@@ -118,6 +135,8 @@ fn a_checkpoint_streams_text_and_seeded_sampling_repeats() {
     assert_eq!(first.len(), 25);
     assert_eq!(sampled("5"), first, "the same seed gives the same text");
     assert_ne!(sampled("6"), first, "another seed gives other text");
+    // A checkpoint is benchmarked beside transformers through its Hugging Face export.
+    assert_eq!(bench_generate(&root)["arch"], "gpt2");
 }
 
 /// Mean next-token loss of `model` over the consecutive windows of `tokens`: the reference eval.
@@ -183,7 +202,7 @@ fn bad_requests_name_what_is_wrong() {
         ),
         (vec!["generate", "--model", m, "--prompt-ids", "1", "--top-p", "0"], &["--top-p 0"]),
         (vec!["generate", "--model", m, "--prompt-ids", "1", "--temperature=-1"], &["--temperature -1"]),
-        (vec!["generate", "--model", "/nonexistent", "--prompt-ids", "1"], &["/nonexistent", "not a directory"]),
+        (vec!["generate", "--model", "/nonexistent", "--prompt-ids", "1"], &["/nonexistent", "no such directory"]),
         (
             vec!["generate", "--model", s(dir.path()), "--prompt-ids", "1"],
             &["neither a Hugging Face directory", "checkpoint"],

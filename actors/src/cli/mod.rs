@@ -2,6 +2,7 @@
 
 mod bench_allreduce;
 mod bench_checkpoint;
+mod bench_generate;
 mod bench_kernels;
 mod bench_pipeline;
 mod bench_recovery;
@@ -84,6 +85,8 @@ enum BenchCommand {
     Recovery(bench_recovery::RecoveryArgs),
     /// Checkpoint write throughput beside dd to the same disk, and the snapshot's share of a step.
     Checkpoint(bench_checkpoint::CheckpointArgs),
+    /// Greedy decoding tokens/s through the key/value cache, optionally beside transformers' generate (--peer).
+    Generate(bench_generate::BenchGenerateArgs),
     /// One rank of `bench allreduce` (started by it).
     #[command(hide = true)]
     AllreduceRank,
@@ -113,6 +116,7 @@ pub fn main() -> ExitCode {
         Command::Bench(BenchCommand::Recovery(args)) => bench_recovery::run(args),
         Command::Bench(BenchCommand::Checkpoint(args)) => bench_checkpoint::run(args),
         Command::Bench(BenchCommand::Pipeline(args)) => bench_pipeline::run(args),
+        Command::Bench(BenchCommand::Generate(args)) => bench_generate::run(args),
         Command::Cluster(command) => cluster::run(command),
         Command::Daemon(args) => daemon::run(args),
         Command::Checkpoint(command) => checkpoint::run(command),

@@ -19,10 +19,8 @@ pub fn load_model(path: &Path) -> anyhow::Result<Model> {
         return Ok(Model::load(config, 0)?);
     }
     if !path.is_dir() {
-        bail!(
-            "--model {}: not a directory; name a Hugging Face model directory or a troupe checkpoint",
-            path.display()
-        );
+        let what = if path.exists() { "not a directory" } else { "no such directory" };
+        bail!("--model {}: {what}; name a Hugging Face model directory or a troupe checkpoint", path.display());
     }
     let dir = if path.join(MANIFEST).is_file() {
         path.to_owned()
