@@ -55,6 +55,35 @@ fn the_cache_path_equals_the_whole_sequence() {
     }
 }
 
+/// On a GPU the cache path equals the whole-sequence forward there too, and greedy decoding matches the
+/// uncached one. Skips with `no CUDA device` where libtorch sees none.
+#[test]
+fn the_cache_path_on_cuda_equals_the_whole_sequence() {
+    if !tch::Cuda::is_available() {
+        println!("the_cache_path_on_cuda_equals_the_whole_sequence: skipped, no CUDA device: libtorch sees none");
+        return;
+    }
+    let gpu = tch::Device::Cuda(0);
+    for (name, config) in models() {
+        let model = Model::new(config.clone(), 3).to_device(gpu);
+        let tokens = Tensor::randint(config.vocab_size as i64, [2, 12], (Kind::Int64, gpu));
+        let full = tch::no_grad(|| model.forward(&tokens));
+        let mut cache = KvCache::new(config.n_layers);
+        let pieces: Vec<Tensor> = tch::no_grad(|| {
+            [(0, 5), (5, 3), (8, 1), (9, 1), (10, 1), (11, 1)]
+                .iter()
+                .map(|&(start, len)| model.forward_cached(&tokens.narrow(1, start, len), &mut cache))
+                .collect()
+        });
+        let worst = relative(&Tensor::cat(&pieces, 1), &full);
+        println!("{name} on cuda: cached logits within {worst:e} relative");
+        assert!(worst <= 1e-5, "{name}: cached logits on cuda differ by {worst:e} relative");
+        let prompt = [1i64, 2, 3, 4];
+        let with_cache = generate(&model, &prompt, 16, Sampling::greedy(), |_| {}).unwrap();
+        assert_eq!(with_cache, generate_uncached(&model, &prompt, 16, Sampling::greedy()).unwrap(), "{name} on cuda");
+    }
+}
+
 #[test]
 fn greedy_decoding_equals_transformers_generate() {
     tch::set_num_threads(1);
