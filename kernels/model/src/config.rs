@@ -35,10 +35,13 @@ pub struct JobConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
-    /// `synthetic` (built in, no files), `text` (raw bytes of `path`) or `bin` (nanoGPT-style
-    /// little-endian uint16 tokens in `path`).
+    /// `synthetic` (built in, no files), `text` (the file at `path`: its bytes, or with `tokenizer` its
+    /// ids), `jsonl` (one JSON object per line, its `text` a document) or `bin` (a token file: troupe's,
+    /// written by `troupe data prepare`, or nanoGPT's headerless uint16).
     pub kind: DataKind,
     pub path: Option<PathBuf>,
+    /// A Hugging Face `tokenizer.json` that encodes `text` and `jsonl` (bytes without it).
+    pub tokenizer: Option<PathBuf>,
     /// Size of the generated synthetic corpus.
     pub synthetic_bytes: usize,
     /// Seed of the synthetic corpus generator (independent of the training seed, so the data stays the
@@ -51,12 +54,19 @@ pub struct DataConfig {
 pub enum DataKind {
     Synthetic,
     Text,
+    Jsonl,
     Bin,
 }
 
 impl Default for DataConfig {
     fn default() -> Self {
-        Self { kind: DataKind::Synthetic, path: None, synthetic_bytes: 1 << 20, synthetic_seed: 0x7207 }
+        Self {
+            kind: DataKind::Synthetic,
+            path: None,
+            tokenizer: None,
+            synthetic_bytes: 1 << 20,
+            synthetic_seed: 0x7207,
+        }
     }
 }
 
@@ -376,15 +386,26 @@ impl JobConfig {
                     ));
                 }
             }
-            DataKind::Text | DataKind::Bin => {
+            DataKind::Text | DataKind::Jsonl | DataKind::Bin => {
                 if self.data.path.is_none() {
                     return Err(invalid(
                         "data.path",
                         "(missing)",
-                        "must name the file to train on when data.kind is \"text\" or \"bin\"",
+                        "must name the file to train on when data.kind is \"text\", \"jsonl\" or \"bin\"",
                     ));
                 }
             }
+        }
+        if let (Some(tokenizer), DataKind::Synthetic | DataKind::Bin) = (&self.data.tokenizer, self.data.kind) {
+            let (kind, why) = if self.data.kind == DataKind::Bin {
+                ("bin", "a bin file holds tokens already (`troupe data prepare --tokenizer` encoded them): remove data.tokenizer")
+            } else {
+                (
+                    "synthetic",
+                    "the synthetic corpus is bytes: remove data.tokenizer, or set data.kind = \"text\" or \"jsonl\"",
+                )
+            };
+            return Err(invalid("data.tokenizer", format!("{tokenizer:?} with data.kind = \"{kind}\""), why));
         }
         self.parallel.validate()?;
         self.elastic.validate()?;
@@ -626,6 +647,12 @@ mod tests {
             ("[model]\nvocab_size = 0\n", &["model.vocab_size", "at least 1"]),
             ("[data]\nkind = \"text\"\n", &["data.path", "must name the file"]),
             ("[data]\nkind = \"parquet\"\n", &["unknown variant `parquet`", "synthetic"]),
+            ("[data]\nkind = \"jsonl\"\n", &["data.path", "\"jsonl\""]),
+            (
+                "[data]\nkind = \"bin\"\npath = \"t.bin\"\ntokenizer = \"tok.json\"\n",
+                &["data.tokenizer", "holds tokens already"],
+            ),
+            ("[data]\ntokenizer = \"tok.json\"\n", &["data.tokenizer", "the synthetic corpus is bytes"]),
             ("[parallel]\nshard = \"zero4\"\n", &["parallel.shard", "none, zero1, zero2, zero3"]),
             ("[checkpoint]\nreplicas = 4\n", &["checkpoint.replicas", "0..=3"]),
             ("[parallel]\npp = 8\n", &["parallel.pp", "at most model.n_layers (4)"]),

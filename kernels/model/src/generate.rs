@@ -49,7 +49,7 @@ pub enum GenerateError {
     #[error("the corpus holds {tokens} tokens, fewer than one window of the model's context + 1 = {needed}")]
     CorpusTooShort { tokens: usize, needed: usize },
     #[error("corpus token {token} at position {position} is outside the model's vocabulary of {vocab}; evaluate on data made with the model's tokenizer")]
-    CorpusTokenOutOfVocabulary { token: u16, position: usize, vocab: usize },
+    CorpusTokenOutOfVocabulary { token: u32, position: usize, vocab: usize },
 }
 
 /// Checks `prompt` against `model`: not empty, within its positions and its vocabulary.
@@ -184,15 +184,14 @@ pub struct Evaluation {
 /// per forward.
 pub fn evaluate(model: &Model, corpus: &Corpus, max_windows: usize, batch: usize) -> Result<Evaluation, GenerateError> {
     let context = model.config.context;
-    let tokens = corpus.tokens();
-    if tokens.len() < context + 1 {
-        return Err(GenerateError::CorpusTooShort { tokens: tokens.len(), needed: context + 1 });
+    if corpus.len() < context + 1 {
+        return Err(GenerateError::CorpusTooShort { tokens: corpus.len(), needed: context + 1 });
     }
     let vocab = model.config.vocab_size;
-    if let Some((position, &token)) = tokens.iter().enumerate().find(|(_, &t)| usize::from(t) >= vocab) {
+    if let Some((position, token)) = corpus.first_outside(vocab) {
         return Err(GenerateError::CorpusTokenOutOfVocabulary { token, position, vocab });
     }
-    let mut windows = (tokens.len() - 1) / context;
+    let mut windows = (corpus.len() - 1) / context;
     if max_windows > 0 {
         windows = windows.min(max_windows);
     }
@@ -205,8 +204,8 @@ pub fn evaluate(model: &Model, corpus: &Corpus, max_windows: usize, batch: usize
             let mut targets = Vec::with_capacity(count * context);
             for w in first..first + count {
                 let start = w * context;
-                inputs.extend(tokens[start..start + context].iter().map(|&t| i64::from(t)));
-                targets.extend(tokens[start + 1..start + context + 1].iter().map(|&t| i64::from(t)));
+                corpus.extend_i64(start..start + context, &mut inputs);
+                corpus.extend_i64(start + 1..start + context + 1, &mut targets);
             }
             let shape = [count as i64, context as i64];
             let inputs = Tensor::from_slice(&inputs).view(shape).to_device(device);

@@ -1,96 +1,134 @@
 //! Corpora: a token stream loaded once and shared (read-only) by every sampler.
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::Path;
 
-use super::{synthetic_text, ByteTokenizer};
+use super::documents::{encode_documents, DocumentFormat, Encoder};
+use super::ids::{Ids, IdsBuilder};
+use super::token_file::read_token_file;
+use super::{synthetic_text, ByteTokenizer, DataError};
 use crate::config::{DataConfig, DataKind};
 use crate::model::ModelConfig;
-use crate::rng::hash_words;
-
-/// What a bad data file gets: the path, what is wrong, and what to do.
-#[derive(Debug, thiserror::Error)]
-pub enum DataError {
-    #[error("data file {path}: cannot read it ({source}); check data.path in the job config")]
-    Unreadable { path: PathBuf, source: std::io::Error },
-    #[error("data file {path} is empty; point data.path at a file with at least {needed} tokens")]
-    Empty { path: PathBuf, needed: usize },
-    #[error("data file {path} holds {tokens} tokens, fewer than one sample needs (model.context + 1 = {needed}); use a longer file or a smaller model.context")]
-    TooShort { path: PathBuf, tokens: usize, needed: usize },
-    #[error("data file {path} is {bytes} bytes, not a whole number of uint16 tokens; is it really a nanoGPT .bin file (data.kind = \"bin\")?")]
-    OddLength { path: PathBuf, bytes: usize },
-    #[error("data file {path} holds token {token} at position {position}, outside model.vocab_size = {vocab}; set model.vocab_size to at least {}", token + 1)]
-    TokenOutOfRange { path: PathBuf, token: u16, position: usize, vocab: usize },
-}
 
 /// A token stream.
 #[derive(Clone, Debug)]
 pub struct Corpus {
-    tokens: Arc<[u16]>,
+    ids: Ids,
     /// Where it came from, for messages and manifests.
     pub origin: String,
 }
 
 impl Corpus {
     pub fn from_tokens(tokens: Vec<u16>, origin: impl Into<String>) -> Self {
-        Self { tokens: tokens.into(), origin: origin.into() }
+        Self { ids: Ids::U16(tokens.into()), origin: origin.into() }
     }
 
-    pub fn tokens(&self) -> &[u16] {
-        &self.tokens
+    /// A stream of any ids; held in 16 bits each while every id fits.
+    pub fn from_ids(ids: Vec<u32>, origin: impl Into<String>) -> Self {
+        Self { ids: Ids::from_u32(ids), origin: origin.into() }
     }
 
     pub fn len(&self) -> usize {
-        self.tokens.len()
+        self.ids.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.tokens.is_empty()
+        self.ids.len() == 0
+    }
+
+    /// The id at `position`.
+    pub fn token(&self, position: usize) -> u32 {
+        self.ids.get(position)
+    }
+
+    /// Every id, widened (for tests and small corpora).
+    pub fn to_ids(&self) -> Vec<u32> {
+        (0..self.len()).map(|i| self.ids.get(i)).collect()
+    }
+
+    /// Appends the ids of `range` to `out` as libtorch's int64, what a batch tensor is made from.
+    pub fn extend_i64(&self, range: std::ops::Range<usize>, out: &mut Vec<i64>) {
+        self.ids.extend_i64(range, out);
+    }
+
+    /// The first id outside a vocabulary of `vocab`, with its position.
+    pub fn first_outside(&self, vocab: usize) -> Option<(usize, u32)> {
+        self.ids.first_at_least(vocab)
     }
 
     /// Identifies the content, so a resume can refuse a checkpoint trained on other data.
     pub fn fingerprint(&self) -> u64 {
-        let words: Vec<u64> =
-            self.tokens.chunks(4).map(|c| c.iter().fold(0u64, |acc, &t| (acc << 16) | u64::from(t))).collect();
-        hash_words(&[hash_words(&words), self.tokens.len() as u64])
+        self.ids.fingerprint()
     }
 }
 
 /// Loads the corpus `data` describes and checks it fits `model`.
+///
+/// `text` without a tokenizer is the file's bytes; with one (and `jsonl` either way) the documents'
+/// ids, each document followed by the tokenizer's end-of-document token (see `documents.rs`); `bin` is a
+/// token file, troupe's (with a header) or nanoGPT's (uint16, no header; see `token_file.rs`).
 pub fn load_corpus(data: &DataConfig, model: &ModelConfig) -> Result<Corpus, DataError> {
     let needed = model.context + 1;
-    match data.kind {
+    let path = match data.kind {
         DataKind::Synthetic => {
             let text = synthetic_text(data.synthetic_bytes, data.synthetic_seed);
-            Ok(Corpus::from_tokens(ByteTokenizer.encode(&text), format!("synthetic:{}", data.synthetic_seed)))
+            return Ok(Corpus::from_tokens(ByteTokenizer.encode(&text), format!("synthetic:{}", data.synthetic_seed)));
         }
-        DataKind::Text | DataKind::Bin => {
-            let path = data.path.as_deref().expect("validated: data.path is set for files");
-            let bytes =
-                std::fs::read(path).map_err(|source| DataError::Unreadable { path: path.to_owned(), source })?;
-            let tokens =
-                if data.kind == DataKind::Text { ByteTokenizer.encode(&bytes) } else { decode_bin(path, &bytes)? };
-            check_tokens(path, &tokens, model.vocab_size, needed)?;
-            Ok(Corpus::from_tokens(tokens, path.display().to_string()))
+        DataKind::Text | DataKind::Jsonl | DataKind::Bin => {
+            data.path.as_deref().expect("validated: data.path is set for files")
         }
-    }
+    };
+    let unreadable = |source| DataError::Unreadable { path: path.to_owned(), source };
+    let (ids, origin) = match data.kind {
+        DataKind::Bin => {
+            let file = read_token_file(path, &std::fs::read(path).map_err(unreadable)?)?;
+            if let Some(vocab) = file.header.map(|h| h.vocab_size as usize).filter(|&v| v > model.vocab_size) {
+                return Err(DataError::FileVocabTooLarge {
+                    path: path.to_owned(),
+                    vocab,
+                    model_vocab: model.vocab_size,
+                });
+            }
+            (file.ids, path.display().to_string())
+        }
+        _ => {
+            let encoder = Encoder::load(data.tokenizer.as_deref())?;
+            if let Encoder::Tokenizer(tokenizer) = &encoder {
+                if tokenizer.vocab_size() > model.vocab_size {
+                    return Err(DataError::TokenizerVocabTooLarge {
+                        path: tokenizer.path().to_owned(),
+                        vocab: tokenizer.vocab_size(),
+                        model_vocab: model.vocab_size,
+                    });
+                }
+            }
+            let format = if data.kind == DataKind::Jsonl { DocumentFormat::Jsonl } else { DocumentFormat::Text };
+            let mut ids = IdsBuilder::default();
+            let input = std::fs::File::open(path).map_err(unreadable)?;
+            let mut sink = |chunk: &[u32]| {
+                ids.extend(chunk);
+                Ok(())
+            };
+            encode_documents(&encoder, format, path, input, &mut sink, &mut |_| {})?;
+            let origin = match &data.tokenizer {
+                Some(tokenizer) => format!("{} (tokenizer {})", path.display(), tokenizer.display()),
+                None => path.display().to_string(),
+            };
+            (ids.finish(), origin)
+        }
+    };
+    let corpus = Corpus { ids, origin };
+    check_tokens(path, &corpus, model.vocab_size, needed)?;
+    Ok(corpus)
 }
 
-fn decode_bin(path: &Path, bytes: &[u8]) -> Result<Vec<u16>, DataError> {
-    if !bytes.len().is_multiple_of(2) {
-        return Err(DataError::OddLength { path: path.to_owned(), bytes: bytes.len() });
-    }
-    Ok(bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect())
-}
-
-fn check_tokens(path: &Path, tokens: &[u16], vocab: usize, needed: usize) -> Result<(), DataError> {
-    if tokens.is_empty() {
+fn check_tokens(path: &Path, corpus: &Corpus, vocab: usize, needed: usize) -> Result<(), DataError> {
+    if corpus.is_empty() {
         return Err(DataError::Empty { path: path.to_owned(), needed });
     }
-    if tokens.len() < needed {
-        return Err(DataError::TooShort { path: path.to_owned(), tokens: tokens.len(), needed });
+    if corpus.len() < needed {
+        return Err(DataError::TooShort { path: path.to_owned(), tokens: corpus.len(), needed });
     }
-    if let Some((position, &token)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+    if let Some((position, token)) = corpus.first_outside(vocab) {
         return Err(DataError::TokenOutOfRange { path: path.to_owned(), token, position, vocab });
     }
     Ok(())
@@ -146,6 +184,6 @@ mod tests {
         let tokens: Vec<u16> = (0..300).map(|i| (i % 256) as u16).collect();
         std::fs::write(&bin, tokens.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
         let corpus = load_corpus(&config(DataKind::Bin, &bin), &ModelConfig::gpt_tiny()).unwrap();
-        assert_eq!(corpus.tokens(), tokens.as_slice());
+        assert_eq!(corpus.to_ids(), tokens.iter().map(|&t| u32::from(t)).collect::<Vec<_>>());
     }
 }

@@ -1,13 +1,24 @@
-//! Training data: the byte tokenizer, corpora (synthetic, raw text, nanoGPT `.bin`), and the
-//! deterministic global sampler.
+//! Training data: the byte tokenizer and Hugging Face tokenizers, corpora (synthetic, text, jsonl,
+//! token files: troupe's and nanoGPT's `.bin`), and the deterministic global sampler.
 
 mod corpus;
+mod documents;
+mod error;
+mod ids;
+mod python_oracle;
 mod sampler;
 mod synthetic;
+mod token_file;
+mod tokenizer;
 
-pub use corpus::{load_corpus, Corpus, DataError};
+pub use corpus::{load_corpus, Corpus};
+pub use documents::{encode_documents, DocumentFormat, Encoder, Sink};
+pub use error::DataError;
+pub use python_oracle::tokenizers_oracle;
 pub use sampler::{micro_batch_ranges, rank_slice, GlobalSampler, SamplerState};
 pub use synthetic::synthetic_text;
+pub use token_file::{TokenFileHeader, TokenFileWriter, TOKEN_FILE_HEADER_BYTES, TOKEN_FILE_MAGIC, TOKEN_FILE_VERSION};
+pub use tokenizer::HfTokenizer;
 
 /// Byte-level tokenizer: token = byte value, vocabulary 256.
 #[derive(Clone, Copy, Debug, Default)]

@@ -61,11 +61,9 @@ impl GlobalSampler {
     pub fn batch(&self, step: u64, indices: Range<usize>) -> (Tensor, Tensor) {
         let rows = indices.len() as i64;
         let (mut inputs, mut targets) = (Vec::new(), Vec::new());
-        let tokens = self.corpus.tokens();
         for start in self.starts(step, indices) {
-            let window = &tokens[start..start + self.context + 1];
-            inputs.extend(window[..self.context].iter().map(|&t| i64::from(t)));
-            targets.extend(window[1..].iter().map(|&t| i64::from(t)));
+            self.corpus.extend_i64(start..start + self.context, &mut inputs);
+            self.corpus.extend_i64(start + 1..start + self.context + 1, &mut targets);
         }
         let shape = [rows, self.context as i64];
         (Tensor::from_slice(&inputs).view(shape), Tensor::from_slice(&targets).view(shape))
