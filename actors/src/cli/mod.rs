@@ -12,6 +12,7 @@ mod checkpoint;
 mod client;
 mod cluster;
 mod daemon;
+mod data;
 mod eval;
 mod follow;
 mod generate;
@@ -68,6 +69,9 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Mean loss and perplexity of a model (a Hugging Face directory or a checkpoint) on a corpus.
     Eval(eval::EvalArgs),
+    /// Training data: tokenize text or .jsonl files once into a token file (`troupe data prepare`).
+    #[command(subcommand)]
+    Data(data::DataCommand),
 }
 
 #[derive(Debug, Subcommand)]
@@ -127,6 +131,7 @@ pub fn main() -> ExitCode {
         Command::Chaos(args) => chaos::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Eval(args) => eval::run(args),
+        Command::Data(command) => data::run(command),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
