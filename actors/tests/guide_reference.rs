@@ -38,6 +38,7 @@ fn every_job_config_key_is_in_the_guide() {
     let mut config = JobConfig::default();
     // Keys serialised only when set.
     config.data.path = Some("corpus.bin".into());
+    config.data.tokenizer = Some("tokenizer.json".into());
     config.checkpoint.dir = Some("ckpt".into());
     let elsewhere = undocumented(&config, &section("## 3. node.toml reference"));
     assert!(elsewhere.contains(&"train.global_batch".to_string()), "the check tells sections apart: {elsewhere:?}");
