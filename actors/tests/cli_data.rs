@@ -253,7 +253,7 @@ fn errors_name_the_file_and_what_is_wrong() {
         &["tokenizer.json has a vocabulary of 400 tokens", "model.vocab_size = 256", "at least 400"],
     );
     let nano = dir.path().join("nano.bin");
-    let mut ids = vec![7u16; 100];
+    let mut ids = [7u16; 100];
     ids[41] = 300;
     std::fs::write(&nano, ids.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
     let message = train_error("c.toml", None, format!("kind = \"bin\"\npath = {:?}\n", s(&nano)));
