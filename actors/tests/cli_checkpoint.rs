@@ -186,15 +186,26 @@ fn on_a_terminal_checkpoint_commands_and_resume_show_progress_and_json_never_doe
 
 /// `checkpoint export` of a Llama job's checkpoint writes a Hugging Face directory that transformers'
 /// `from_pretrained` loads with no missing, unexpected or mismatched key and no warning, and whose loss
-/// on the same tokens is troupe's; an existing non-empty `--out` is refused with nothing written.
+/// on the same tokens is troupe's, with the job's tokenizer beside it; an existing non-empty `--out` is
+/// refused with nothing written.
 #[test]
 fn a_checkpoint_exports_as_a_hugging_face_directory_that_transformers_loads() {
     let dir = tempfile::tempdir().unwrap();
+    // A byte-level BPE of 400 tokens made by the Python tokenizers, the job's [data] tokenizer.
+    let text = dir.path().join("corpus.txt");
+    std::fs::write(&text, troupe_model::data::synthetic_text(20_000, 4)).unwrap();
+    let tokenizer = dir.path().join("tokenizer.json");
+    troupe_model::data::tokenizers_oracle(&["train", s(&text), s(&tokenizer), "400", "bytelevel"]).unwrap();
     let config = dir.path().join("llama.toml");
     std::fs::write(
         &config,
-        "[model]\narch = \"llama\"\nd_model = 64\nn_layers = 2\nn_heads = 4\nn_kv_heads = 2\nffn_hidden = 96\ncontext = 32\n\
-         [train]\nglobal_batch = 4\nmicro_batch = 2\ntorch_threads = 1\n",
+        format!(
+            "[model]\narch = \"llama\"\nvocab_size = 400\nd_model = 64\nn_layers = 2\nn_heads = 4\nn_kv_heads = 2\n\
+             ffn_hidden = 96\ncontext = 32\n[data]\nkind = \"text\"\npath = {:?}\ntokenizer = {:?}\n\
+             [train]\nglobal_batch = 4\nmicro_batch = 2\ntorch_threads = 1\n",
+            s(&text),
+            s(&tokenizer)
+        ),
     )
     .unwrap();
     let root = dir.path().join("ckpt");
@@ -203,11 +214,12 @@ fn a_checkpoint_exports_as_a_hugging_face_directory_that_transformers_loads() {
     let hf_dir = dir.path().join("hf");
     let out = json_lines(&ok(troupe(&["checkpoint", "export", s(&root), "--out", s(&hf_dir), "--json"])));
     assert_eq!((out[0]["format"].as_str(), out[0]["arch"].as_str()), (Some("huggingface"), Some("llama")), "{out:?}");
-    for file in ["config.json", "generation_config.json", "model.safetensors"] {
+    for file in ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"] {
         assert!(hf_dir.join(file).is_file(), "{file} written: {out:?}");
     }
+    assert_eq!(std::fs::read(hf_dir.join("tokenizer.json")).unwrap(), std::fs::read(&tokenizer).unwrap());
 
-    let tokens = Tensor::randint(256, [2, 17], (tch::Kind::Int64, tch::Device::Cpu));
+    let tokens = Tensor::randint(400, [2, 17], (tch::Kind::Int64, tch::Device::Cpu));
     let tokens_file = dir.path().join("tokens.safetensors");
     Tensor::write_safetensors(&[("tokens", &tokens)], &tokens_file).unwrap();
     let checked = troupe_model::oracle::transformers_oracle(&["check", s(&hf_dir), s(&tokens_file)]).unwrap();

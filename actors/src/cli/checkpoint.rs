@@ -61,7 +61,8 @@ pub enum CheckpointCommand {
     },
     /// Write the parameters of a checkpoint (no optimizer state) as a Hugging Face model directory:
     /// config.json, generation_config.json and model.safetensors — sharded with an index above
-    /// --max-shard-mib — that transformers' `AutoModelForCausalLM.from_pretrained(DIR)` loads. With
+    /// --max-shard-mib — that transformers' `AutoModelForCausalLM.from_pretrained(DIR)` loads, and the
+    /// job's tokenizer (`[data] tokenizer`) beside it. With
     /// --raw: one safetensors file with troupe's names and layout, what `troupe train --save-final` gives.
     Export {
         /// A `step-NNNNNNNN` directory, or a root (its newest valid checkpoint).
@@ -312,7 +313,13 @@ fn export_hf(src: &Path, out: &Path, options: ExportOptions, json: bool) -> anyh
     let partial = out.with_file_name(format!(".{}.partial", file_name.to_string_lossy()));
     let _ = std::fs::remove_dir_all(&partial);
     let writing: Option<Spinner> = spinner(json, format!("writing a Hugging Face directory {}", out.display()));
-    let files = match hf::export(model, &values, &partial, options) {
+    let exported = hf::export(model, &values, &partial, options)
+        .map_err(anyhow::Error::from)
+        .and_then(|mut files| {
+            files.extend(copy_tokenizer(manifest.config.data.tokenizer.as_deref(), &partial)?);
+            Ok(files)
+        });
+    let files = match exported {
         Ok(files) => files,
         Err(e) => {
             let _ = std::fs::remove_dir_all(&partial);
@@ -343,6 +350,28 @@ fn export_hf(src: &Path, out: &Path, options: ExportOptions, json: bool) -> anyh
         );
     }
     Ok(())
+}
+
+/// The job's tokenizer (`[data] tokenizer`) beside the exported model, as a Hugging Face directory holds
+/// it: `tokenizer.json`, and the `tokenizer_config.json` and `special_tokens_map.json` beside it if there
+/// are. Returns the files copied.
+fn copy_tokenizer(tokenizer: Option<&Path>, out: &Path) -> anyhow::Result<Vec<String>> {
+    let Some(tokenizer) = tokenizer else { return Ok(Vec::new()) };
+    let mut copied = Vec::new();
+    for (from, name) in [
+        (tokenizer.to_owned(), "tokenizer.json"),
+        (tokenizer.with_file_name("tokenizer_config.json"), "tokenizer_config.json"),
+        (tokenizer.with_file_name("special_tokens_map.json"), "special_tokens_map.json"),
+    ] {
+        if name != "tokenizer.json" && !from.is_file() {
+            continue;
+        }
+        std::fs::copy(&from, out.join(name)).with_context(|| {
+            format!("copying the job's tokenizer {} (data.tokenizer) beside the model", from.display())
+        })?;
+        copied.push(name.to_owned());
+    }
+    Ok(copied)
 }
 
 fn export(src: &Path, out: &Path, json: bool) -> anyhow::Result<()> {
