@@ -35,22 +35,27 @@ pub fn venv_python() -> PathBuf {
 /// its docstring for the commands), in [`venv_python`]; its last line of output as JSON, or what went
 /// wrong. For tests: the script lives in the source tree.
 pub fn transformers_oracle(args: &[&str]) -> Result<serde_json::Value, String> {
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/hf/oracle.py");
+    run_python_oracle("tests/hf/oracle.py", "transformers", args)
+}
+
+/// Runs the script `script` (relative to this crate's directory) with `args` in [`venv_python`]; its last
+/// line of output as JSON, or what went wrong (`needs`: the package the script needs, for the message).
+pub fn run_python_oracle(script: &str, needs: &str, args: &[&str]) -> Result<serde_json::Value, String> {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(script);
+    let name = script.file_name().unwrap_or_default().to_string_lossy().into_owned();
     let python = venv_python();
-    let output = std::process::Command::new(&python)
-        .arg(&script)
-        .args(args)
-        .output()
-        .map_err(|e| format!("running {} {}: {e}; provision the venv with `make provision`", python.display(), script.display()))?;
+    let output = std::process::Command::new(&python).arg(&script).args(args).output().map_err(|e| {
+        format!("running {} {}: {e}; provision the venv with `make provision`", python.display(), script.display())
+    })?;
     if !output.status.success() {
         return Err(format!(
-            "oracle.py {args:?} failed (transformers installed? `make provision`):\n{}",
+            "{name} {args:?} failed ({needs} installed? `make provision`):\n{}",
             String::from_utf8_lossy(&output.stderr)
         ));
     }
     let stdout = String::from_utf8_lossy(&output.stdout);
-    let last = stdout.lines().last().ok_or("oracle.py printed nothing")?;
-    serde_json::from_str(last).map_err(|e| format!("oracle.py printed {last:?}: {e}"))
+    let last = stdout.lines().last().ok_or(format!("{name} printed nothing"))?;
+    serde_json::from_str(last).map_err(|e| format!("{name} printed {last:?}: {e}"))
 }
 
 /// The comparison of two parameter lists.
