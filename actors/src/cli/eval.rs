@@ -22,7 +22,7 @@ pub struct EvalArgs {
     /// The corpus file (the `[data] path` of a job config).
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// How the corpus is read (`[data] kind`): text (bytes), bin (nanoGPT uint16 tokens) or synthetic
+    /// How the corpus is read (`[data] kind`): text (bytes), bin (a `troupe data prepare` token file, or nanoGPT uint16) or synthetic
     /// (the built-in corpus, no file). Default: bin for a `.bin` file, text for another file, synthetic
     /// without `--data`.
     #[arg(long, value_enum)]
