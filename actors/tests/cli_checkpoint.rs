@@ -226,7 +226,8 @@ fn a_checkpoint_exports_as_a_hugging_face_directory_that_transformers_loads() {
     for key in ["missing", "unexpected", "mismatched", "warnings"] {
         assert_eq!(checked[key], serde_json::json!([]), "transformers reports {key}: {checked}");
     }
-    let model_config = troupe_model::ModelConfig { from_hf: Some(hf_dir.clone()), ..troupe_model::hf::read_config(&hf_dir).unwrap() };
+    let model_config =
+        troupe_model::ModelConfig { from_hf: Some(hf_dir.clone()), ..troupe_model::hf::read_config(&hf_dir).unwrap() };
     let model = troupe_model::Model::load(model_config, 0).unwrap();
     let (input, targets) = (tokens.narrow(1, 0, 16).contiguous(), tokens.narrow(1, 1, 16).contiguous());
     let ours = model.loss(&input, &targets).double_value(&[]);

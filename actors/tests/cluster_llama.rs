@@ -25,7 +25,8 @@ fn hf_dir(root: &Path) -> std::path::PathBuf {
     let mut shape = JobConfig::small_llama(1).model;
     shape.n_layers = 2;
     let model = Model::new(shape.clone(), 99);
-    let values: Vec<Vec<f32>> = model.params().iter().map(|p| Vec::<f32>::try_from(p.flatten(0, -1)).unwrap()).collect();
+    let values: Vec<Vec<f32>> =
+        model.params().iter().map(|p| Vec::<f32>::try_from(p.flatten(0, -1)).unwrap()).collect();
     let dir = root.join("llama-hf");
     hf::export(&shape, &values, &dir, ExportOptions::default()).unwrap();
     dir
@@ -60,7 +61,8 @@ async fn run(cluster: &LocalCluster, job: Job, kill: Option<(usize, u64)>) -> (V
     let mut handle = cluster.client().await.unwrap().submit(job).await.unwrap();
     let (mut losses, mut worlds, mut killed) = (Vec::new(), Vec::new(), false);
     loop {
-        let event = tokio::time::timeout(Duration::from_secs(90), handle.next_event()).await.expect("progress").unwrap();
+        let event =
+            tokio::time::timeout(Duration::from_secs(90), handle.next_event()).await.expect("progress").unwrap();
         match event.expect("the stream ends with a terminal event") {
             JobEvent::Step { step, loss, world, .. } => {
                 losses.push(loss);
@@ -99,14 +101,21 @@ async fn a_llama_from_hugging_face_trains_under_ddp_zero3_and_a_pipeline_and_sur
     let values: Vec<Vec<f32>> =
         reference.param_values().iter().map(|p| Vec::<f32>::try_from(p.flatten(0, -1)).unwrap()).collect();
     hf::export(&ddp.model, &values, &exported, ExportOptions::default()).unwrap();
-    let back = Model::load(troupe_model::hf::read_config(&exported).map(|c| troupe_model::ModelConfig { from_hf: Some(exported.clone()), ..c }).unwrap(), 0).unwrap();
+    let back = Model::load(
+        troupe_model::hf::read_config(&exported)
+            .map(|c| troupe_model::ModelConfig { from_hf: Some(exported.clone()), ..c })
+            .unwrap(),
+        0,
+    )
+    .unwrap();
     for (a, b) in back.params().iter().zip(reference.param_values().iter()) {
         assert!(a.equal(b), "export → import changed a parameter");
     }
 
     // ZeRO-3 and a 1F1B pipeline, each across two daemons.
     let cluster = common::processes(2).await;
-    for (what, parallel) in [("llama ZeRO-3", "shard = \"zero3\""), ("llama pp=2 1f1b", "pp = 2\nschedule = \"1f1b\"")] {
+    for (what, parallel) in [("llama ZeRO-3", "shard = \"zero3\""), ("llama pp=2 1f1b", "pp = 2\nschedule = \"1f1b\"")]
+    {
         let config = config(&weights, 6, parallel);
         let out = dir.path().join(format!("{}.safetensors", what.replace(' ', "-")));
         let (losses, worlds) = run(&cluster, Job::new(config.clone()).save_final(&out), None).await;

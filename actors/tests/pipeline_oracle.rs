@@ -75,7 +75,8 @@ fn llama_pipelines_equal_the_reference() {
     config.train.global_batch = 8;
     config.train.micro_batch = 8;
     let reference = reference(&config);
-    for (kind, virtual_stages) in [(ScheduleKind::OneFOneB, 1), (ScheduleKind::ZbH1, 1), (ScheduleKind::Interleaved, 2)] {
+    for (kind, virtual_stages) in [(ScheduleKind::OneFOneB, 1), (ScheduleKind::ZbH1, 1), (ScheduleKind::Interleaved, 2)]
+    {
         let options = PipelineOptions::new(kind, 2, 4, virtual_stages);
         run_and_compare(&config, &options, &reference, &format!("llama {kind} P=2 M=4 V={virtual_stages}"));
     }

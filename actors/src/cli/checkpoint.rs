@@ -300,25 +300,25 @@ pub enum ExportDtypeArg {
 fn export_hf(src: &Path, out: &Path, options: ExportOptions, json: bool) -> anyhow::Result<()> {
     let dir = source(src)?;
     if out.exists() && std::fs::read_dir(out).map_or(true, |mut entries| entries.next().is_some()) {
-        bail!("--out {}: exists and is not an empty directory; choose a new directory (nothing was written)", out.display());
+        bail!(
+            "--out {}: exists and is not an empty directory; choose a new directory (nothing was written)",
+            out.display()
+        );
     }
     let manifest = read_manifest(&dir).with_context(|| format!("reading the manifest of {}", dir.display()))?;
     let state = load(&dir, json)?;
     let model = &manifest.config.model;
     let offsets = state.offsets();
     let params = state.values(StateKind::Param);
-    let values: Vec<Vec<f32>> =
-        (0..state.tensors.len()).map(|i| params[offsets[i]..offsets[i + 1]].to_vec()).collect();
+    let values: Vec<Vec<f32>> = (0..state.tensors.len()).map(|i| params[offsets[i]..offsets[i + 1]].to_vec()).collect();
     let file_name = out.file_name().with_context(|| format!("--out {}: name a directory", out.display()))?;
     let partial = out.with_file_name(format!(".{}.partial", file_name.to_string_lossy()));
     let _ = std::fs::remove_dir_all(&partial);
     let writing: Option<Spinner> = spinner(json, format!("writing a Hugging Face directory {}", out.display()));
-    let exported = hf::export(model, &values, &partial, options)
-        .map_err(anyhow::Error::from)
-        .and_then(|mut files| {
-            files.extend(copy_tokenizer(manifest.config.data.tokenizer.as_deref(), &partial)?);
-            Ok(files)
-        });
+    let exported = hf::export(model, &values, &partial, options).map_err(anyhow::Error::from).and_then(|mut files| {
+        files.extend(copy_tokenizer(manifest.config.data.tokenizer.as_deref(), &partial)?);
+        Ok(files)
+    });
     let files = match exported {
         Ok(files) => files,
         Err(e) => {

@@ -554,8 +554,9 @@ fn resolve_model(table: &toml::Table, parsed: &ModelConfig) -> Result<ModelConfi
         check_agreement(table, &from_json, &dir)?;
         ModelConfig { from_hf: Some(dir), ..from_json }
     } else if let Some(name) = &parsed.preset {
-        presets::preset(name)
-            .ok_or_else(|| invalid("model.preset", format!("{name:?}"), format!("must be one of {}", presets::names())))?
+        presets::preset(name).ok_or_else(|| {
+            invalid("model.preset", format!("{name:?}"), format!("must be one of {}", presets::names()))
+        })?
     } else if table.contains_key("arch") && parsed.arch == crate::model::Arch::Llama {
         ModelConfig { preset: None, ..presets::preset("llama-tiny").expect("a preset") }
     } else {

@@ -15,7 +15,8 @@ use troupe_model::Trainer;
 fn exported(root: &Path, name: &str, max_shard_bytes: u64) -> PathBuf {
     let config = JobConfig::small_llama(1).model;
     let model = Model::new(config.clone(), 5);
-    let values: Vec<Vec<f32>> = model.params().iter().map(|p| Vec::<f32>::try_from(p.flatten(0, -1)).unwrap()).collect();
+    let values: Vec<Vec<f32>> =
+        model.params().iter().map(|p| Vec::<f32>::try_from(p.flatten(0, -1)).unwrap()).collect();
     let dir = root.join(name);
     hf::export(&config, &values, &dir, ExportOptions { max_shard_bytes, ..ExportOptions::default() }).unwrap();
     dir
@@ -92,7 +93,9 @@ fn bad_hugging_face_directories_are_named_before_anything_runs() {
     check(&error(&function, ""), &["config.json", "hidden_act", "silu"]);
 
     let scaling = exported(root.path(), "scaling", 5 << 30);
-    edit_json(&scaling.join("config.json"), |c| c["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0}));
+    edit_json(&scaling.join("config.json"), |c| {
+        c["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0})
+    });
     check(&error(&scaling, ""), &["rope_scaling", "yarn", "llama3"]);
 
     check(&error(&ok, "n_layers = 3\n"), &["n_layers", "num_hidden_layers", "config.json", "= 1"]);
@@ -115,7 +118,10 @@ fn bad_hugging_face_directories_are_named_before_anything_runs() {
         shape.reverse();
         let _ = data;
     });
-    check(&error(&misshaped, ""), &["model.safetensors", "model.layers.0.self_attn.k_proj.weight", "expected [32, 64]"]);
+    check(
+        &error(&misshaped, ""),
+        &["model.safetensors", "model.layers.0.self_attn.k_proj.weight", "expected [32, 64]"],
+    );
 
     let truncated = exported(root.path(), "truncated", 40_000);
     let shard = second_shard(&truncated);

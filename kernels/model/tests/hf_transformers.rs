@@ -92,7 +92,8 @@ fn exports_load_in_transformers_and_back_unchanged() {
 
     let mut tied = JobConfig::small_llama(1).model;
     tied.tie_word_embeddings = true;
-    let gpt2_tied = ModelConfig { tie_word_embeddings: true, activation: model::Activation::GeluNew, ..JobConfig::small(1).model };
+    let gpt2_tied =
+        ModelConfig { tie_word_embeddings: true, activation: model::Activation::GeluNew, ..JobConfig::small(1).model };
     let cases = [
         ("gpt-tiny", JobConfig::small(1).model, ExportDtype::F32, 5 << 30),
         ("gpt2-tied", gpt2_tied, ExportDtype::F32, 5 << 30),
@@ -103,7 +104,8 @@ fn exports_load_in_transformers_and_back_unchanged() {
     for (name, config, dtype, max_shard_bytes) in cases {
         config.validate().unwrap();
         let model = Model::new(config.clone(), 7);
-        let values: Vec<Vec<f32>> = model.params().iter().map(|p| Vec::<f32>::try_from(p.flatten(0, -1)).unwrap()).collect();
+        let values: Vec<Vec<f32>> =
+            model.params().iter().map(|p| Vec::<f32>::try_from(p.flatten(0, -1)).unwrap()).collect();
         let out = dir.path().join(name);
         let written = hf::export(&config, &values, &out, ExportOptions { dtype, max_shard_bytes }).unwrap();
         if max_shard_bytes < 1 << 20 {
@@ -120,7 +122,10 @@ fn exports_load_in_transformers_and_back_unchanged() {
         let ours = model.loss(&input, &targets).double_value(&[]);
         match dtype {
             ExportDtype::F32 => {
-                assert!((theirs - ours).abs() <= 1e-5 * ours.abs(), "{name}: transformers' loss {theirs}, troupe's {ours}");
+                assert!(
+                    (theirs - ours).abs() <= 1e-5 * ours.abs(),
+                    "{name}: transformers' loss {theirs}, troupe's {ours}"
+                );
                 for (a, b) in back.params().iter().zip(model.params()) {
                     assert!(a.equal(b), "{name}: import(export(x)) changed a parameter");
                 }

@@ -45,8 +45,11 @@ fn gpt_tiny_has_the_documented_parameter_count_and_shapes() {
 #[test]
 fn initialisation_is_a_function_of_the_seed() {
     setup();
-    let (a, b, c) =
-        (Model::new(ModelConfig::gpt_tiny(), 7), Model::new(ModelConfig::gpt_tiny(), 7), Model::new(ModelConfig::gpt_tiny(), 8));
+    let (a, b, c) = (
+        Model::new(ModelConfig::gpt_tiny(), 7),
+        Model::new(ModelConfig::gpt_tiny(), 7),
+        Model::new(ModelConfig::gpt_tiny(), 8),
+    );
     for ((pa, pb), pc) in a.params().iter().zip(b.params()).zip(c.params()) {
         assert_eq!(bits(pa), bits(pb));
         if pa.size().len() == 2 {

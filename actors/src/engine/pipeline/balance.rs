@@ -17,9 +17,7 @@ use std::time::Instant;
 
 use tch::{Device, Kind, Tensor};
 use troupe_model::config::JobConfig;
-use troupe_model::model::{
-    block, cross_entropy, embed, head, head_params, Model, ModelConfig,
-};
+use troupe_model::model::{block, cross_entropy, embed, head, head_params, Model, ModelConfig};
 use troupe_model::precision::Precision;
 
 use super::partition::ModelCosts;

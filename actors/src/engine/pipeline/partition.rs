@@ -78,7 +78,11 @@ pub fn partition(config: &ModelConfig, chunks: usize) -> Result<Vec<ChunkLayout>
 /// Splits `config`'s blocks into `chunks` contiguous non-empty runs minimising the largest chunk's cost
 /// under `costs` (embeddings counted with the first chunk, the head with the last). Ties go to the
 /// earliest cut, so every rank given the same costs cuts the same way.
-pub fn partition_by(config: &ModelConfig, costs: &ModelCosts, chunks: usize) -> Result<Vec<ChunkLayout>, PartitionError> {
+pub fn partition_by(
+    config: &ModelConfig,
+    costs: &ModelCosts,
+    chunks: usize,
+) -> Result<Vec<ChunkLayout>, PartitionError> {
     let layers = config.n_layers;
     if chunks == 0 || chunks > layers {
         return Err(PartitionError::TooFewBlocks { layers, chunks });

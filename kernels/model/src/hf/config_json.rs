@@ -32,7 +32,11 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig, HfError> {
         .ok_or_else(|| reader.format("has no \"architectures\": [\"...ForCausalLM\"]"))?;
     let supported = || ARCHITECTURES.iter().map(|(name, _)| *name).collect::<Vec<_>>().join(", ");
     let Some(&(_, arch)) = ARCHITECTURES.iter().find(|(name, _)| *name == architecture) else {
-        return Err(HfError::Architecture { path: path.clone(), found: architecture.to_owned(), supported: supported() });
+        return Err(HfError::Architecture {
+            path: path.clone(),
+            found: architecture.to_owned(),
+            supported: supported(),
+        });
     };
     let mut config = match arch {
         Arch::Gpt2 => reader.gpt2()?,
@@ -54,7 +58,12 @@ impl Reader<'_> {
     }
 
     fn unsupported(&self, key: &str, value: &Value, why: &str) -> HfError {
-        HfError::Unsupported { path: self.path.to_owned(), key: key.to_owned(), value: value.to_string(), why: why.into() }
+        HfError::Unsupported {
+            path: self.path.to_owned(),
+            key: key.to_owned(),
+            value: value.to_string(),
+            why: why.into(),
+        }
     }
 
     fn present(&self, key: &str) -> Option<&Value> {
@@ -102,7 +111,11 @@ impl Reader<'_> {
             "gelu" => Activation::Gelu,
             "gelu_new" | "gelu_pytorch_tanh" => Activation::GeluNew,
             other => {
-                return Err(self.unsupported("activation_function", &json!(other), "troupe builds gelu, gelu_new and gelu_pytorch_tanh"))
+                return Err(self.unsupported(
+                    "activation_function",
+                    &json!(other),
+                    "troupe builds gelu, gelu_new and gelu_pytorch_tanh",
+                ))
             }
         };
         self.require("scale_attn_weights", &[json!(true)], "troupe scales attention scores by 1/sqrt(head_dim)")?;
@@ -127,13 +140,21 @@ impl Reader<'_> {
         let n_heads = self.usize("num_attention_heads")?;
         let max_positions = self.usize("max_position_embeddings")?;
         self.require("hidden_act", &[json!("silu")], "troupe's SwiGLU gates with silu")?;
-        self.require("attention_bias", &[json!(false)], "biases on every attention projection are not built (Qwen2's q/k/v biases are)")?;
+        self.require(
+            "attention_bias",
+            &[json!(false)],
+            "biases on every attention projection are not built (Qwen2's q/k/v biases are)",
+        )?;
         self.require("mlp_bias", &[json!(false)], "MLP biases are not built")?;
         self.require("pretraining_tp", &[json!(1)], "only pretraining_tp = 1 computes the standard function")?;
         if architecture == "MistralForCausalLM" {
             if let Some(window) = self.present("sliding_window") {
                 if window.as_u64().is_none_or(|w| (w as usize) < max_positions) {
-                    return Err(self.unsupported("sliding_window", window, "sliding-window attention is not built; null or ≥ max_position_embeddings is the same function"));
+                    return Err(self.unsupported(
+                        "sliding_window",
+                        window,
+                        "sliding-window attention is not built; null or ≥ max_position_embeddings is the same function",
+                    ));
                 }
             }
         }
@@ -163,7 +184,9 @@ impl Reader<'_> {
     /// RoPE's base: `rope_parameters.rope_theta` (transformers 5) or `rope_theta` (4.x).
     fn rope_theta(&self) -> Result<f64, HfError> {
         match self.present("rope_parameters").and_then(|p| p.get("rope_theta")) {
-            Some(theta) => theta.as_f64().ok_or_else(|| self.unsupported("rope_parameters.rope_theta", theta, "must be a number")),
+            Some(theta) => {
+                theta.as_f64().ok_or_else(|| self.unsupported("rope_parameters.rope_theta", theta, "must be a number"))
+            }
             None => self.float_or("rope_theta", 10_000.0),
         }
     }
@@ -175,7 +198,10 @@ impl Reader<'_> {
         };
         let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(Value::as_str).unwrap_or("");
         let number = |key: &str| {
-            scaling.get(key).and_then(Value::as_f64).ok_or_else(|| self.unsupported(&format!("rope_scaling.{key}"), scaling, "must be a number"))
+            scaling
+                .get(key)
+                .and_then(Value::as_f64)
+                .ok_or_else(|| self.unsupported(&format!("rope_scaling.{key}"), scaling, "must be a number"))
         };
         match kind {
             "default" => Ok(None),
@@ -186,7 +212,9 @@ impl Reader<'_> {
                 high_freq_factor: number("high_freq_factor")?,
                 original_max_position_embeddings: number("original_max_position_embeddings")? as usize,
             })),
-            _ => Err(self.unsupported("rope_scaling", scaling, "troupe builds the \"llama3\" and \"linear\" rope types")),
+            _ => {
+                Err(self.unsupported("rope_scaling", scaling, "troupe builds the \"llama3\" and \"linear\" rope types"))
+            }
         }
     }
 }
@@ -238,7 +266,12 @@ pub fn write_config(config: &ModelConfig, torch_dtype: &str) -> Value {
             json["rope_scaling"] = match &config.rope_scaling {
                 None => Value::Null,
                 Some(RopeScaling::Linear { factor }) => json!({"rope_type": "linear", "factor": factor}),
-                Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+                Some(RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position_embeddings,
+                }) => {
                     json!({"rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
                            "high_freq_factor": high_freq_factor,
                            "original_max_position_embeddings": original_max_position_embeddings})

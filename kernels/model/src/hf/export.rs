@@ -48,7 +48,12 @@ impl Default for ExportOptions {
 
 /// Writes `config`'s model with parameter values `values` (fp32, troupe's layout, [`param_specs`] order)
 /// into `out` as a Hugging Face directory. Returns the files written.
-pub fn export(config: &ModelConfig, values: &[Vec<f32>], out: &Path, options: ExportOptions) -> Result<Vec<String>, HfError> {
+pub fn export(
+    config: &ModelConfig,
+    values: &[Vec<f32>],
+    out: &Path,
+    options: ExportOptions,
+) -> Result<Vec<String>, HfError> {
     let specs = param_specs(config);
     assert_eq!(values.len(), specs.len(), "one value vector per parameter");
     if config.qkv_bias && config.head_dim != 0 {
@@ -106,7 +111,11 @@ pub fn export(config: &ModelConfig, values: &[Vec<f32>], out: &Path, options: Ex
     let mut weight_map = serde_json::Map::new();
     let count = shards.len();
     for (i, shard) in shards.iter().enumerate() {
-        let file = if count == 1 { "model.safetensors".to_owned() } else { format!("model-{:05}-of-{count:05}.safetensors", i + 1) };
+        let file = if count == 1 {
+            "model.safetensors".to_owned()
+        } else {
+            format!("model-{:05}-of-{count:05}.safetensors", i + 1)
+        };
         let views = shard.iter().map(|name| {
             let (shape, bytes) = &tensors[*name];
             let view = TensorView::new(dtype, shape.clone(), bytes).expect("shape matches the bytes");

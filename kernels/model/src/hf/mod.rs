@@ -13,7 +13,7 @@ mod export;
 mod weights;
 
 pub use config_json::{json_key, read_config, write_config, ARCHITECTURES};
-pub use export::{export, ExportOptions, ExportDtype};
+pub use export::{export, ExportDtype, ExportOptions};
 pub use weights::{check_weights, HfWeights};
 
 use crate::model::{Arch, ModelConfig, ParamSpec};
@@ -32,9 +32,13 @@ pub enum HfError {
     MissingShard { index: PathBuf, dir: PathBuf, file: String, tensor: String },
     #[error("{dir}: the weights have no tensor {tensor} (expected {shape:?}); the directory does not hold the model its config.json describes")]
     MissingTensor { dir: PathBuf, tensor: String, shape: Vec<i64> },
-    #[error("{path}: tensor {tensor} has shape {found:?}, expected {expected:?} for the model of config.json and [model]")]
+    #[error(
+        "{path}: tensor {tensor} has shape {found:?}, expected {expected:?} for the model of config.json and [model]"
+    )]
     Shape { path: PathBuf, tensor: String, found: Vec<usize>, expected: Vec<usize> },
-    #[error("{path}: tensor {tensor} is not a parameter of a {arch} model of this shape; remove it or check config.json")]
+    #[error(
+        "{path}: tensor {tensor} is not a parameter of a {arch} model of this shape; remove it or check config.json"
+    )]
     Unexpected { path: PathBuf, tensor: String, arch: &'static str },
     #[error("{path}: tensor {tensor} is {dtype}; troupe reads F32, BF16 and F16 weights")]
     Dtype { path: PathBuf, tensor: String, dtype: String },
@@ -42,7 +46,9 @@ pub enum HfError {
     Architecture { path: PathBuf, found: String, supported: String },
     #[error("{path}: {key} = {value} is not supported: {why}")]
     Unsupported { path: PathBuf, key: String, value: String, why: String },
-    #[error("[model] {key} = {toml} disagrees with {path}: {json_key} = {json}; remove the key from [model] or correct it")]
+    #[error(
+        "[model] {key} = {toml} disagrees with {path}: {json_key} = {json}; remove the key from [model] or correct it"
+    )]
     Disagrees { key: String, toml: String, path: PathBuf, json_key: String, json: String },
 }
 

@@ -90,7 +90,8 @@ impl HfWeights {
         let file = File::open(path).map_err(io)?;
         let len = file.metadata().map_err(io)?.len();
         let mut n = [0u8; 8];
-        file.read_exact_at(&mut n, 0).map_err(|_| format(format!("{len} bytes: too short for a safetensors header")))?;
+        file.read_exact_at(&mut n, 0)
+            .map_err(|_| format(format!("{len} bytes: too short for a safetensors header")))?;
         let n = u64::from_le_bytes(n);
         if n > HEADER_BYTES_MAX || 8 + n > len {
             return Err(format(format!("header of {n} bytes does not fit the file's {len} bytes (truncated?)")));
@@ -117,17 +118,21 @@ impl HfWeights {
                 .collect::<Option<_>>()
                 .ok_or_else(bad)?;
             let offsets = info.get("data_offsets").and_then(Value::as_array).ok_or_else(bad)?;
-            let (Some(start), Some(end)) = (offsets.first().and_then(Value::as_u64), offsets.get(1).and_then(Value::as_u64))
+            let (Some(start), Some(end)) =
+                (offsets.first().and_then(Value::as_u64), offsets.get(1).and_then(Value::as_u64))
             else {
                 return Err(bad());
             };
             let width = dtype_bytes(&dtype).unwrap_or(1) as u64;
             let numel: u64 = shape.iter().map(|&d| d as u64).product();
             if end < start || (dtype_bytes(&dtype).is_some() && end - start != numel * width) {
-                return Err(format(format!("tensor {name}: data_offsets [{start}, {end}] do not hold shape {shape:?} of {dtype}")));
+                return Err(format(format!(
+                    "tensor {name}: data_offsets [{start}, {end}] do not hold shape {shape:?} of {dtype}"
+                )));
             }
             data_end = data_end.max(end);
-            self.entries.insert(name, Entry { file: index, dtype, shape, start: data_start + start, end: data_start + end });
+            self.entries
+                .insert(name, Entry { file: index, dtype, shape, start: data_start + start, end: data_start + end });
         }
         if data_start + data_end != len {
             return Err(format(format!(

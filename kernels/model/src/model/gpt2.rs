@@ -22,7 +22,11 @@ pub(super) fn validate(cfg: &ModelConfig) -> Result<(), ConfigError> {
         return Err(invalid("model.n_heads", cfg.n_heads, format!("must divide model.d_model ({})", cfg.d_model)));
     }
     if cfg.head_dim != 0 && cfg.head_dim * cfg.n_heads != cfg.d_model {
-        return Err(invalid("model.head_dim", cfg.head_dim, "GPT-2's heads split d_model: leave it 0 (d_model / n_heads)"));
+        return Err(invalid(
+            "model.head_dim",
+            cfg.head_dim,
+            "GPT-2's heads split d_model: leave it 0 (d_model / n_heads)",
+        ));
     }
     if cfg.n_kv_heads != 0 && cfg.n_kv_heads != cfg.n_heads {
         return Err(invalid("model.n_kv_heads", cfg.n_kv_heads, "GPT-2 has no grouped-query attention: leave it 0"));

@@ -26,7 +26,10 @@ pub(super) fn validate(cfg: &ModelConfig) -> Result<(), ConfigError> {
         return Err(invalid(
             "model.n_kv_heads",
             kv,
-            format!("must divide model.n_heads ({}): each key/value head serves a whole group of query heads", cfg.n_heads),
+            format!(
+                "must divide model.n_heads ({}): each key/value head serves a whole group of query heads",
+                cfg.n_heads
+            ),
         ));
     }
     if cfg.head_dim == 0 && !cfg.d_model.is_multiple_of(cfg.n_heads) {
@@ -43,7 +46,9 @@ pub(super) fn validate(cfg: &ModelConfig) -> Result<(), ConfigError> {
         return Err(invalid("model.rope_theta", cfg.rope_theta, "must be a finite number > 1, e.g. 10000 or 500000"));
     }
     match &cfg.rope_scaling {
-        Some(RopeScaling::Linear { factor }) | Some(RopeScaling::Llama3 { factor, .. }) if factor.is_nan() || *factor < 1.0 => {
+        Some(RopeScaling::Linear { factor }) | Some(RopeScaling::Llama3 { factor, .. })
+            if factor.is_nan() || *factor < 1.0 =>
+        {
             Err(invalid("model.rope_scaling.factor", factor, "must be ≥ 1"))
         }
         Some(RopeScaling::Llama3 { low_freq_factor, high_freq_factor, .. })
@@ -187,9 +192,9 @@ pub(super) fn block(
             return t;
         }
         let len = t.size()[2];
-        t.unsqueeze(2).expand([batch, kv_heads, heads / kv_heads, len, head_dim], false).reshape([
-            batch, heads, len, head_dim,
-        ])
+        t.unsqueeze(2)
+            .expand([batch, kv_heads, heads / kv_heads, len, head_dim], false)
+            .reshape([batch, heads, len, head_dim])
     };
     let (k, v) = match cache {
         None => (k, v),

@@ -220,7 +220,10 @@ impl ModelConfig {
             return Err(invalid(
                 "model.context",
                 self.context,
-                format!("must be at most model.max_positions ({}), the positions the model addresses", self.positions()),
+                format!(
+                    "must be at most model.max_positions ({}), the positions the model addresses",
+                    self.positions()
+                ),
             ));
         }
         if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
@@ -451,7 +454,11 @@ impl Model {
         let config = &self.config;
         let start = cache.len();
         let time = tokens.size()[1];
-        assert!((start + time) as usize <= config.positions(), "sequence of {} tokens exceeds the model's positions", start + time);
+        assert!(
+            (start + time) as usize <= config.positions(),
+            "sequence of {} tokens exceeds the model's positions",
+            start + time
+        );
         let embed_params = &self.params[config.embed_range()];
         let mut x = match config.arch {
             Arch::Gpt2 => gpt2::embed(embed_params, tokens, start, &mut Vec::new()),
