@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use tch::Tensor;
-use troupe_actors::engine::{DataParallelReplica, PersistentState, ShardMode, ShardedReplica};
+use troupe_actors::engine::{CommittedState, DataParallelReplica, PersistentState, ShardMode, ShardedReplica};
 use troupe_cluster::collective::{CollectiveConfig, Communicator};
 use troupe_cluster::transport::memory::MemoryTransport;
 use troupe_cluster::TransportConfig;
@@ -46,8 +46,13 @@ fn reference(config: &JobConfig) -> (Vec<f64>, Vec<Tensor>) {
 
 #[derive(Clone, Copy, Debug)]
 enum Engine {
-    Ddp { bucket_bytes: usize },
+    Ddp {
+        bucket_bytes: usize,
+    },
     Sharded(ShardMode),
+    /// Sharded, started as the daemon starts a fresh job: from [`CommittedState::Initial`], each rank
+    /// reading only the ranges it holds at its first sync.
+    Fresh(ShardMode),
 }
 
 /// One rank's run: its losses, final parameters, and what it kept between steps at the end.
@@ -77,6 +82,20 @@ fn distributed(config: &JobConfig, world: usize, engine: Engine) -> Vec<RankRun>
                         CollectiveConfig::from(&TransportConfig::default()),
                     );
                     let steps = config.train.steps;
+                    if let Engine::Fresh(mode) = engine {
+                        let trainer = Trainer::new_unmaterialised(config).unwrap();
+                        assert!(trainer.model.params().iter().all(|p| p.numel() == 0), "nothing materialised");
+                        let state = CommittedState::Initial(Box::new(trainer));
+                        let mut replica = ShardedReplica::adopt(state, comm, mode, 0, None);
+                        replica.sync().await.unwrap();
+                        let (mut losses, skipped) = (Vec::new(), Vec::new());
+                        for _ in 0..steps {
+                            losses.push(replica.train_step().await.unwrap().loss);
+                        }
+                        let persistent = replica.persistent_state();
+                        replica.refresh_params().await.unwrap();
+                        return RankRun { losses, skipped, params: replica.trainer().param_values(), persistent };
+                    }
                     let trainer = Trainer::new(config).unwrap();
                     let mut losses = Vec::new();
                     let mut skipped = Vec::new();
@@ -95,6 +114,7 @@ fn distributed(config: &JobConfig, world: usize, engine: Engine) -> Vec<RankRun>
                             let persistent = PersistentState::of_model(replica.trainer());
                             RankRun { losses, skipped, params: replica.trainer().param_values(), persistent }
                         }
+                        Engine::Fresh(_) => unreachable!("returned above"),
                         Engine::Sharded(mode) => {
                             let mut replica = ShardedReplica::new(trainer, comm, mode).await.unwrap();
                             let total: usize = replica.trainer().model.param_count();
@@ -247,6 +267,30 @@ fn llama_equals_the_reference_under_ddp_and_zero() {
     }
     check_config(&llama(2, true, false), 2, Engine::Sharded(ShardMode::Zero3));
     check_config(&llama(4, false, false), 3, Engine::Sharded(ShardMode::Zero3));
+}
+
+/// A fresh ZeRO job started the daemon's way — from `CommittedState::Initial`, each rank computing
+/// (drawn values) or reading (Hugging Face weights, by range from a sharded safetensors directory) only
+/// the flat ranges its layout gives it — equals the reference started from the same values: ZeRO-3
+/// keeps its parts, ZeRO-1 materialises the whole model.
+#[test]
+fn a_fresh_sharded_job_reads_its_ranges_and_equals_the_reference() {
+    let mut config = JobConfig::small_llama(6);
+    config.train.global_batch = 8;
+    config.train.micro_batch = 2;
+    check_config(&config, 3, Engine::Fresh(ShardMode::Zero3));
+    check_config(&config, 2, Engine::Fresh(ShardMode::Zero1));
+
+    // The same model from Hugging Face weights, cut into several files so ranges span them.
+    let dir = tempfile::tempdir().unwrap();
+    let drawn = troupe_model::Model::new(config.model.clone(), 77);
+    let values: Vec<Vec<f32>> =
+        drawn.params().iter().map(|p| Vec::try_from(p.detach().flatten(0, -1)).unwrap()).collect();
+    let options = troupe_model::hf::ExportOptions { max_shard_bytes: 64 << 10, ..Default::default() };
+    troupe_model::hf::export(&config.model, &values, dir.path(), options).unwrap();
+    assert!(dir.path().join("model.safetensors.index.json").is_file(), "the export is sharded");
+    config.model.from_hf = Some(dir.path().to_owned());
+    check_config(&config, 3, Engine::Fresh(ShardMode::Zero3));
 }
 
 /// The small model in `precision`, micro-batches of 2 (each rank computes the reference's own

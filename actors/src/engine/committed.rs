@@ -39,13 +39,36 @@ pub enum CommittedState {
     /// of the masters (ZeRO-1/2: refreshed by an all-gather before they are used; ZeRO-3: empty tensors)
     /// — its own AdamW moments are emptied.
     Sharded { trainer: Box<Trainer>, pieces: Vec<ShardPiece> },
+    /// Step 0 of a fresh ZeRO-3 or pipeline job: nothing materialised (the trainer's model is
+    /// [`troupe_model::model::Model::unmaterialised`]). The values are a pure function of the config —
+    /// drawn from `train.seed`, or read from `model.from_hf` — so at the first sync each rank computes
+    /// or reads just the ranges its layout gives it ([`troupe_model::model::initial_flat`]), and no rank
+    /// holds or reads the whole model.
+    Initial(Box<Trainer>),
 }
 
 impl CommittedState {
+    /// The state with a whole model: an [`Self::Initial`] state's model materialised (drawn, or read from
+    /// `model.from_hf`) — for the engines that keep the whole model on every rank (DDP, ZeRO-1/2).
+    pub fn materialised(self) -> Result<Self, troupe_model::hf::HfError> {
+        match self {
+            Self::Initial(mut trainer) => {
+                let precision = trainer.model.precision;
+                let model = troupe_model::model::Model::load(trainer.config.model.clone(), trainer.config.train.seed)?;
+                trainer.model = model.with_precision(precision);
+                let decays = trainer.model.specs().iter().map(|s| s.decays()).collect();
+                let config = troupe_model::optim::AdamWConfig::from(&trainer.config.train);
+                trainer.optimizer = troupe_model::optim::AdamW::new(config, trainer.model.params(), decays);
+                Ok(Self::Full(trainer))
+            }
+            state => Ok(state),
+        }
+    }
+
     /// Committed steps (the next step to run).
     pub fn step(&self) -> u64 {
         match self {
-            CommittedState::Full(t) | CommittedState::Sharded { trainer: t, .. } => t.step,
+            CommittedState::Full(t) | CommittedState::Sharded { trainer: t, .. } | CommittedState::Initial(t) => t.step,
         }
     }
 }

@@ -7,6 +7,7 @@ use std::ops::Range;
 
 use troupe_cluster::collective::{Collective, Communicator};
 use troupe_cluster::transport::Transport;
+use troupe_model::model::{initial_flat, ModelConfig};
 use troupe_model::precision::LossScale;
 use troupe_model::Trainer;
 
@@ -23,12 +24,37 @@ pub struct Held<'a> {
     /// fp16's loss scaler at that step.
     pub loss_scale: LossScale,
     pub pieces: &'a [ShardPiece],
+    /// A fresh job's step 0 ([`super::CommittedState::Initial`]): the rank holds every range in effect,
+    /// computed or read from the model config and seed when needed instead of `pieces`.
+    pub fresh: Option<(&'a ModelConfig, u64)>,
 }
 
 impl<'a> Held<'a> {
     /// What a rank holds: `pieces` at its trainer's committed step.
     pub fn of(trainer: &Trainer, pieces: &'a [ShardPiece]) -> Self {
-        Self { step: trainer.step, optimizer_step: trainer.optimizer.step, loss_scale: trainer.loss_scale, pieces }
+        let (step, optimizer_step, loss_scale) = (trainer.step, trainer.optimizer.step, trainer.loss_scale);
+        Self { step, optimizer_step, loss_scale, pieces, fresh: None }
+    }
+
+    /// What a rank with a fresh job's step 0 holds: any range, from `trainer`'s model config and seed.
+    pub fn fresh(trainer: &'a Trainer) -> Self {
+        Self { fresh: Some((&trainer.config.model, trainer.config.train.seed)), ..Self::of(trainer, &[]) }
+    }
+
+    /// Copies `range` of the held state (which must contain it) into masters and the two moments.
+    fn read(&self, range: &Range<usize>, out: [&mut [f32]; 3]) -> Result<(), EngineError> {
+        let [master, exp_avg, exp_avg_sq] = out;
+        if let Some((model, seed)) = self.fresh {
+            let values = initial_flat(model, seed, range.clone())
+                .map_err(|e| EngineError::Setup(format!("reading the model's initial values: {e}")))?;
+            master.copy_from_slice(&values);
+            exp_avg.fill(0.0);
+            exp_avg_sq.fill(0.0);
+            return Ok(());
+        }
+        let source = self.pieces.iter().find(|p| p.range.start <= range.start && range.end <= p.range.end);
+        source.expect("the rank holds the range it reads").read(range, [master, exp_avg, exp_avg_sq]);
+        Ok(())
     }
 }
 
@@ -58,7 +84,10 @@ pub async fn reshard<T: Transport>(
     let mine = Holding {
         step: held.step,
         optimizer_step: held.optimizer_step,
-        ranges: held.pieces.iter().map(|p| p.range.clone()).collect(),
+        ranges: match held.fresh {
+            Some(_) => vec![0..total],
+            None => held.pieces.iter().map(|p| p.range.clone()).collect(),
+        },
     };
     let mut words = vec![0f32; world * HOLDING_WORDS];
     comm.all_gather(&encode_holding(&mine), &mut words).await?;
@@ -66,13 +95,10 @@ pub async fn reshard<T: Transport>(
     let plan = plan_restore(total, &holdings)
         .map_err(|missing| EngineError::StateLost { step: missing.step, range: missing.range })?;
     let mut pieces: Vec<ShardPiece> = needed_of(rank).into_iter().map(ShardPiece::zeros).collect();
-    let containing =
-        |range: &Range<usize>| held.pieces.iter().find(|p| p.range.start <= range.start && range.end <= p.range.end);
     if all_local(&holdings, plan.step, &needed_of) {
         for piece in &mut pieces {
-            let source = containing(&piece.range).expect("all_local: every needed range is held here");
             let ShardPiece { range, master, exp_avg, exp_avg_sq } = piece;
-            source.read(range, [master, exp_avg, exp_avg_sq]);
+            held.read(range, [master, exp_avg, exp_avg_sq])?;
         }
     } else {
         let mut buf = Vec::new();
@@ -81,10 +107,9 @@ pub async fn reshard<T: Transport>(
             buf.clear();
             buf.resize(3 * n, 0.0);
             if *provider == rank {
-                let source = containing(range).expect("plan_restore: the provider holds its range");
                 let (m, rest) = buf.split_at_mut(n);
                 let (v1, v2) = rest.split_at_mut(n);
-                source.read(range, [m, v1, v2]);
+                held.read(range, [m, v1, v2])?;
             }
             comm.broadcast(&mut buf[..], *provider).await?;
             for piece in &mut pieces {

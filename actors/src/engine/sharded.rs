@@ -128,6 +128,9 @@ pub struct ShardedReplica<T: Transport> {
     total: usize,
     /// Before `sync`: what the rank held when the attempt began. After: empty (the owner holds it).
     pieces: Vec<ShardPiece>,
+    /// Before `sync`: the rank holds a fresh job's step 0 ([`CommittedState::Initial`]; `pieces` is
+    /// empty), read by range when `sync` knows the layout.
+    fresh: bool,
     /// After `sync`: the ranges the owner holds, its own shard first, then its buddies' in
     /// [`held_ranges`] order.
     held: Vec<Range<usize>>,
@@ -167,8 +170,16 @@ impl<T: Transport> ShardedReplica<T> {
         replicas: usize,
         supervisor: Option<ActorCell>,
     ) -> Self {
+        // ZeRO-1/2 keep the whole model on every rank: a fresh state is materialised here. (The worker
+        // hands `Initial` to ZeRO-3 only; this keeps any other mode right too.)
+        let state = match (mode, state) {
+            (ShardMode::Zero3, state) => state,
+            (_, state) => state.materialised().unwrap_or_else(|e| panic!("materialising the initial model: {e}")),
+        };
+        let fresh = matches!(state, CommittedState::Initial(_));
         let (mut trainer, pieces) = match state {
             CommittedState::Sharded { trainer, pieces } => (*trainer, pieces),
+            CommittedState::Initial(trainer) => (*trainer, Vec::new()),
             CommittedState::Full(trainer) => {
                 let mut trainer = *trainer;
                 let piece = full_piece(&trainer);
@@ -196,6 +207,7 @@ impl<T: Transport> ShardedReplica<T> {
             numels,
             decays,
             pieces,
+            fresh,
             held: Vec::new(),
             owner: None,
             supervisor,
@@ -293,7 +305,7 @@ impl<T: Transport> ShardedReplica<T> {
             self.owner = None;
         }
         let (rank, world, total, replicas) = (self.rank(), self.world(), self.total, self.replicas);
-        let held = Held::of(&self.trainer, &self.pieces);
+        let held = if self.fresh { Held::fresh(&self.trainer) } else { Held::of(&self.trainer, &self.pieces) };
         let resharded = match reshard(&mut self.comm, total, held, |r| held_ranges(total, r, world, replicas)).await {
             Ok(resharded) => resharded,
             Err(e) => {
@@ -315,6 +327,7 @@ impl<T: Transport> ShardedReplica<T> {
         }
         self.held = needed;
         self.pieces = Vec::new(); // what the rank held before: the owner holds the state now
+        self.fresh = false;
         self.trainer.loss_scale = resharded.loss_scale;
         self.trainer.step = resharded.step;
         self.trainer.optimizer.step = resharded.optimizer_step;
@@ -527,6 +540,7 @@ impl<T: Transport> ShardedReplica<T> {
         let pieces = match (self.lost, self.owner.is_some()) {
             (true, _) => None,
             (false, true) => self.ask("handing the state back", ShardOwnerMsg::Export).await.ok(),
+            (false, false) if self.fresh => return Some(CommittedState::Initial(Box::new(self.trainer))),
             (false, false) => Some(std::mem::take(&mut self.pieces)),
         };
         if let Some(owner) = self.owner.take() {

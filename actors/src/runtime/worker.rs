@@ -268,10 +268,10 @@ impl WorkerState {
         let mut restored = None;
         if slot.state.is_none() {
             let t0 = Instant::now();
-            match fresh_trainer(&spec) {
-                Ok((t, from_checkpoint)) => {
+            match fresh_state(&spec) {
+                Ok((state, from_checkpoint)) => {
                     restored = from_checkpoint.then(|| (t0, Instant::now()));
-                    slot.state = Some(CommittedState::Full(Box::new(t)));
+                    slot.state = Some(state);
                 }
                 Err(e) => return fail(self, e),
             }
@@ -362,8 +362,10 @@ impl WorkerState {
 
 /// A rank with no state for a job: the latest valid durable checkpoint if the job has one (true: restored
 /// from it), else step 0. Checkpoints that do not verify are skipped for the previous one (`latest_valid`
-/// logs each, with why).
-fn fresh_trainer(spec: &JobSpec) -> Result<(Trainer, bool), String> {
+/// logs each, with why). Step 0 of an engine that keeps parts of the model (ZeRO-3, pipelines) is
+/// [`CommittedState::Initial`]: nothing is drawn or read until the attempt knows which parts this rank
+/// holds.
+fn fresh_state(spec: &JobSpec) -> Result<(CommittedState, bool), String> {
     let config = spec.config.clone();
     if let Some(dir) = &config.checkpoint.dir {
         let (latest, skipped) = checkpoint::latest_valid(dir);
@@ -372,11 +374,17 @@ fn fresh_trainer(spec: &JobSpec) -> Result<(Trainer, bool), String> {
         }
         if let Some(latest) = latest {
             return Trainer::resume(config, &latest)
-                .map(|t| (t, true))
+                .map(|t| (CommittedState::Full(Box::new(t)), true))
                 .map_err(|e| format!("restoring checkpoint {}: {e}", latest.display()));
         }
     }
-    Trainer::new(config).map(|t| (t, false)).map_err(|e| format!("building the model on this node: {e}"))
+    let in_parts = config.parallel.pp > 1 || config.parallel.shard == "zero3";
+    let fresh = if in_parts {
+        Trainer::new_unmaterialised(config).map(|t| CommittedState::Initial(Box::new(t)))
+    } else {
+        Trainer::new(config).map(|t| CommittedState::Full(Box::new(t)))
+    };
+    fresh.map(|state| (state, false)).map_err(|e| format!("building the model on this node: {e}"))
 }
 
 pub(crate) fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
@@ -631,11 +639,11 @@ async fn train_over<T: Transport>(
             let outcome = drive(ctx, spec, &mut engine, ctl).await;
             (engine.into_state().await, outcome)
         }
-        (None, state @ CommittedState::Sharded { .. }) => {
+        (None, state @ (CommittedState::Sharded { .. } | CommittedState::Initial(_))) => {
             // A job's shard mode never changes, so this is a broken invariant; the next attempt restores
             // the rank from its peers or the checkpoint rather than train on a partial state.
             drop(state);
-            let reason = "a DDP job was handed a sharded state; dropped".to_string();
+            let reason = "a DDP job was handed a sharded or unmaterialised state; dropped".to_string();
             return (None, AttemptOutcome::Failed { step: 0, reason });
         }
     };

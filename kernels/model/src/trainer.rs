@@ -82,10 +82,27 @@ impl Trainer {
         Ok(Self::with_corpus_on(config, corpus, device))
     }
 
+    /// A fresh run whose model is not materialised ([`Model::unmaterialised`]: every parameter empty, no
+    /// optimizer moments): for an engine that keeps only parts of the model — a ZeRO-3 rank, a pipeline
+    /// stage — and reads its parts of the initial values by range ([`crate::model::initial_flat`]), so
+    /// no rank holds or reads the whole model. Checks the config and the Hugging Face weights' headers
+    /// like [`Self::new`].
+    pub fn new_unmaterialised(config: JobConfig) -> Result<Self, TrainError> {
+        config.validate()?;
+        crate::hf::check_weights(&config.model)?;
+        let corpus = load_corpus(&config.data, &config.model)?;
+        let model = Model::unmaterialised(config.model.clone()).with_precision(Precision::of_config(&config.parallel));
+        Ok(Self::with_model(config, corpus, model, Device::Cpu))
+    }
+
     /// [`Self::with_corpus`] on `device`.
     pub fn with_corpus_on(config: JobConfig, corpus: Corpus, device: Device) -> Self {
         let precision = Precision::of_config(&config.parallel);
         let model = Model::new(config.model.clone(), config.train.seed).to_device(device).with_precision(precision);
+        Self::with_model(config, corpus, model, device)
+    }
+
+    fn with_model(config: JobConfig, corpus: Corpus, model: Model, device: Device) -> Self {
         let decays = model.specs().iter().map(|s| s.decays()).collect();
         let optimizer = AdamW::new(AdamWConfig::from(&config.train), model.params(), decays);
         let sampler = GlobalSampler::new(config.train.seed, corpus, config.model.context);

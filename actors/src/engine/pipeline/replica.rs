@@ -134,6 +134,9 @@ pub struct PipelineReplica<T: Transport> {
     collective: CollectiveConfig,
     /// Before `sync`: what the rank held when the attempt began; after, empty (the stage holds it).
     pieces: Vec<ShardPiece>,
+    /// Before `sync`: the rank holds a fresh job's step 0 ([`CommittedState::Initial`]; `pieces` is
+    /// empty), read by range when `sync` knows the layout.
+    fresh: bool,
     /// The device's actor, once synced.
     stage: Option<StageHandle>,
     /// Where the stage actor is linked: the rank's WorkerActor (None: spawned unsupervised).
@@ -179,8 +182,10 @@ impl<T: Transport> PipelineReplica<T> {
         collective: CollectiveConfig,
         supervisor: Option<ActorCell>,
     ) -> Self {
+        let fresh = matches!(state, CommittedState::Initial(_));
         let (mut trainer, pieces) = match state {
             CommittedState::Sharded { trainer, pieces } => (*trainer, pieces),
+            CommittedState::Initial(trainer) => (*trainer, Vec::new()),
             CommittedState::Full(trainer) => {
                 let trainer = *trainer;
                 let piece = super::super::sharded::full_piece(&trainer);
@@ -195,6 +200,7 @@ impl<T: Transport> PipelineReplica<T> {
             comm,
             collective,
             pieces,
+            fresh,
             stage: None,
             supervisor,
             geometry: None,
@@ -373,7 +379,7 @@ impl<T: Transport> StepEngine for PipelineReplica<T> {
             let costs = self.measured_costs(&geometry).await?;
             geometry.rebalance(&self.trainer.config.model, &costs).map_err(EngineError::Setup)?;
         }
-        let held = Held::of(&self.trainer, &self.pieces);
+        let held = if self.fresh { Held::fresh(&self.trainer) } else { Held::of(&self.trainer, &self.pieces) };
         let resharded = match reshard(&mut self.comm, geometry.total, held, |r| geometry.needed(r)).await {
             Ok(resharded) => resharded,
             Err(e) => {
@@ -387,6 +393,7 @@ impl<T: Transport> StepEngine for PipelineReplica<T> {
         let counters = StageCounters::of(&stage);
         self.stage = Some(spawn_stage(self.supervisor.clone(), stage).await?);
         self.pieces = Vec::new();
+        self.fresh = false;
         self.geometry = Some(geometry);
         self.mirror_counters(counters);
         Ok(())
@@ -465,6 +472,7 @@ impl<T: Transport> StepEngine for PipelineReplica<T> {
                 self.mirror_counters(counters);
                 pieces
             }),
+            (false, false) if self.fresh => return Some(CommittedState::Initial(Box::new(self.trainer))),
             (false, false) => Some(std::mem::take(&mut self.pieces)),
         };
         if let Some(stage) = self.stage.take() {

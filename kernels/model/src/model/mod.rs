@@ -349,6 +349,31 @@ pub fn initial_values(
     }
 }
 
+/// The initial values of the elements `range` of the flat parameter order (every parameter of
+/// [`param_specs`] flattened, one after the other): what a ZeRO-3 rank or a pipeline stage holds of a
+/// fresh job, computed without the rest of the model. Only the parameters that overlap `range` are drawn
+/// or read (from `cfg.from_hf`, one tensor at a time); equals the same slice of every [`initial_values`]
+/// flattened.
+pub fn initial_flat(cfg: &ModelConfig, seed: u64, range: Range<usize>) -> Result<Vec<f32>, crate::hf::HfError> {
+    let specs = param_specs(cfg);
+    let weights = cfg.from_hf.as_deref().map(crate::hf::HfWeights::open).transpose()?;
+    let mut out = Vec::with_capacity(range.len());
+    let mut start = 0;
+    for (index, spec) in specs.iter().enumerate() {
+        let end = start + spec.numel();
+        if start < range.end && range.start < end {
+            let values = match &weights {
+                Some(weights) => weights.read_param(cfg, spec)?,
+                None => init_values(spec, seed, index),
+            };
+            out.extend_from_slice(&values[range.start.max(start) - start..range.end.min(end) - start]);
+        }
+        start = end;
+    }
+    assert_eq!(out.len(), range.len(), "range {range:?} is outside the {start} elements of the flat order");
+    Ok(out)
+}
+
 /// The model: its config, its parameters (fp32 leaves requiring grad, in [`param_specs`] order) and
 /// the precision its matrix products compute in.
 #[derive(Debug)]
@@ -377,6 +402,15 @@ impl Model {
             .map(|(spec, values)| Tensor::from_slice(&values).view(spec.shape.as_slice()).set_requires_grad(true))
             .collect();
         Ok(Self { config, precision: Precision::Fp32, specs, params })
+    }
+
+    /// The model's shape without its values: every parameter an empty leaf (as a ZeRO-3 rank keeps them
+    /// between steps). For a rank that holds only parts of a fresh model, read by [`initial_flat`].
+    pub fn unmaterialised(config: ModelConfig) -> Self {
+        let specs = param_specs(&config);
+        let empty = || Tensor::zeros([0], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+        let params = specs.iter().map(|_| empty()).collect();
+        Self { config, precision: Precision::Fp32, specs, params }
     }
 
     /// The same model with its parameters on `device` (same values: initialisation is computed in Rust,
