@@ -223,3 +223,95 @@ fn bad_requests_name_what_is_wrong() {
     let stderr = failed(&["eval", "--model", m, "--data", s(&short)]);
     assert!(stderr.contains("3 tokens") && stderr.contains("33"), "{stderr}");
 }
+
+/// A model that came with a tokenizer — a Hugging Face directory with its `tokenizer.json`, or a
+/// checkpoint of a job with `[data] tokenizer` — takes text: the prompt is encoded by it (the Python
+/// tokenizers' ids), greedy decoding equals transformers' `generate` on those ids, the streamed and JSON
+/// text is the tokenizer's decoding, generation stops after the end-of-text token unless `--ignore-eos`,
+/// and `troupe eval` of a text corpus encodes it with the same tokenizer (the loss of its `troupe data
+/// prepare` token file). A tokenizer larger than the model's vocabulary is refused, naming both.
+#[test]
+fn a_model_with_a_tokenizer_takes_text_prompts_and_corpora() {
+    use troupe_model::data::tokenizers_oracle;
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = dir.path().join("corpus.txt");
+    std::fs::write(&corpus, troupe_model::data::synthetic_text(20_000, 9)).unwrap();
+    let tokenizer = dir.path().join("tokenizer.json");
+    tokenizers_oracle(&["train", s(&corpus), s(&tokenizer), "400", "bytelevel"]).unwrap();
+    let config = dir.path().join("llama.toml");
+    let job = format!(
+        "[model]\narch = \"llama\"\nvocab_size = 400\nd_model = 64\nn_layers = 2\nn_heads = 4\nn_kv_heads = 2\n\
+         ffn_hidden = 96\ncontext = 48\n[data]\nkind = \"text\"\npath = {:?}\ntokenizer = {:?}\n\
+         [train]\nglobal_batch = 4\nmicro_batch = 2\ntorch_threads = 1\n",
+        s(&corpus),
+        s(&tokenizer)
+    );
+    std::fs::write(&config, job).unwrap();
+    let root = dir.path().join("ckpt");
+    succeeded(troupe(&["train", "--config", s(&config), "--steps", "3", "--json", "--checkpoint-dir", s(&root)]));
+    let hf_dir = dir.path().join("hf");
+    succeeded(troupe(&["checkpoint", "export", s(&root), "--out", s(&hf_dir)]));
+
+    let prompt = "The quick brown fox";
+    let prompt_file = dir.path().join("prompt.txt");
+    std::fs::write(&prompt_file, prompt).unwrap();
+    let prompt_ids = ids(&tokenizers_oracle(&["encode", s(&tokenizer), s(&prompt_file)]).unwrap()["ids"]);
+    let decode = |ids: &[i64]| {
+        let list = ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
+        tokenizers_oracle(&["decode", s(&tokenizer), &list]).unwrap()["text"].as_str().unwrap().to_owned()
+    };
+    let n = prompt_ids.len() as i64;
+    let prompt_tensor = Tensor::from_slice(&prompt_ids).view([1, n]);
+    let tokens_file = dir.path().join("prompt.safetensors");
+    Tensor::write_safetensors(&[("tokens", &prompt_tensor)], &tokens_file).unwrap();
+    let theirs = ids(&transformers_oracle(&["generate", s(&hf_dir), s(&tokens_file), "16"]).unwrap()["tokens"]);
+
+    let mut continuations = Vec::new();
+    for model in [&hf_dir, &root] {
+        let args = ["generate", "--model", s(model), "--prompt", prompt, "--max-new-tokens", "16", "--ignore-eos"];
+        let ours = json(troupe(&[&args[..], &["--json"]].concat()));
+        assert_eq!(ids(&ours["prompt_ids"]), prompt_ids, "{model:?}: the prompt is the tokenizer's ids");
+        let tokens = ids(&ours["tokens"]);
+        assert_eq!(tokens, theirs[prompt_ids.len()..], "{model:?}: greedy tokens differ from transformers'");
+        let whole = decode(&theirs);
+        let prompt_text = decode(&prompt_ids);
+        assert_eq!(ours["text"].as_str().unwrap(), &whole[prompt_text.len()..], "{model:?}: the decoded continuation");
+        let streamed = String::from_utf8(succeeded(troupe(&args))).unwrap();
+        assert_eq!(streamed, format!("{whole}\n"), "{model:?}: streamed text is the tokenizer's decoding");
+        continuations.push(tokens);
+    }
+
+    // Without --ignore-eos, generation ends right after the end-of-text token, if the model says it.
+    let eos = ids(&tokenizers_oracle(&["encode", s(&tokenizer), s(&write(dir.path(), "eos.txt", "<|endoftext|>"))])
+        .unwrap()["ids"]);
+    assert_eq!(eos.len(), 1, "<|endoftext|> is one special token: {eos:?}");
+    let stopping =
+        json(troupe(&["generate", "--model", s(&hf_dir), "--prompt", prompt, "--max-new-tokens", "16", "--json"]));
+    let expected: Vec<i64> = match continuations[0].iter().position(|&t| t == eos[0]) {
+        Some(at) => continuations[0][..=at].to_vec(),
+        None => continuations[0].clone(),
+    };
+    assert_eq!(ids(&stopping["tokens"]), expected);
+    assert_eq!(stopping["stopped_at_eos"], expected.last() == Some(&eos[0]));
+
+    // eval encodes a text corpus with the model's tokenizer: the loss of the prepared token file.
+    let bin = dir.path().join("corpus.bin");
+    succeeded(troupe(&["data", "prepare", "--tokenizer", s(&tokenizer), "--out", s(&bin), s(&corpus)]));
+    let eval =
+        |data: &Path| json(troupe(&["eval", "--model", s(&hf_dir), "--data", s(data), "--windows", "8", "--json"]));
+    let (text, prepared) = (eval(&corpus), eval(&bin));
+    assert_eq!(text["loss"], prepared["loss"], "text through the tokenizer = the prepared tokens: {text} {prepared}");
+    assert_eq!(text["tokens"], prepared["tokens"]);
+
+    // A tokenizer of 501 tokens for a model of 400.
+    let big = dir.path().join("big.json");
+    tokenizers_oracle(&["wordlevel", s(&big), "500"]).unwrap();
+    let err = failed(&["generate", "--model", s(&hf_dir), "--prompt", "w1 w2", "--tokenizer", s(&big)]);
+    assert!(err.contains("--tokenizer") && err.contains("501") && err.contains("400"), "{err}");
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}

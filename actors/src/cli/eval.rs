@@ -9,7 +9,7 @@ use troupe_model::config::{DataConfig, DataKind};
 use troupe_model::data::load_corpus;
 use troupe_model::generate::evaluate;
 
-use super::model_source::load_model;
+use super::model_source::load;
 
 /// Windows per forward.
 const WINDOWS_PER_BATCH: usize = 8;
@@ -22,11 +22,16 @@ pub struct EvalArgs {
     /// The corpus file (the `[data] path` of a job config).
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// How the corpus is read (`[data] kind`): text (bytes), bin (a `troupe data prepare` token file, or nanoGPT uint16) or synthetic
-    /// (the built-in corpus, no file). Default: bin for a `.bin` file, text for another file, synthetic
-    /// without `--data`.
+    /// How the corpus is read (`[data] kind`): text, jsonl (a `text` field per line), bin (a `troupe data
+    /// prepare` token file, or nanoGPT uint16) or synthetic (the built-in corpus, no file). Default: bin for
+    /// a `.bin` file, jsonl for a `.jsonl` file, text for another file, synthetic without `--data`.
     #[arg(long, value_enum)]
     pub data_kind: Option<DataKindArg>,
+    /// The `tokenizer.json` that encodes text and jsonl (default: the one the model came with — beside a
+    /// Hugging Face directory's weights, or the `[data] tokenizer` of the job a checkpoint was saved by;
+    /// without one, text is read as bytes).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
     /// Evaluate the first N windows only (0: every whole window of the corpus).
     #[arg(long, default_value_t = 0)]
     pub windows: usize,
@@ -43,32 +48,44 @@ pub struct EvalArgs {
 pub enum DataKindArg {
     Synthetic,
     Text,
+    Jsonl,
     Bin,
 }
 
-/// The corpus `--data` and `--data-kind` name.
-fn data_config(args: &EvalArgs) -> anyhow::Result<DataConfig> {
+/// The corpus `--data` and `--data-kind` name, text and jsonl encoded by `tokenizer`.
+fn data_config(args: &EvalArgs, tokenizer: Option<PathBuf>) -> anyhow::Result<DataConfig> {
     let kind = match (args.data_kind, &args.data) {
         (Some(DataKindArg::Synthetic), Some(path)) => {
             bail!(
-                "--data {}: the synthetic corpus is built in; drop --data or pass --data-kind text|bin",
+                "--data {}: the synthetic corpus is built in; drop --data or pass --data-kind text|jsonl|bin",
                 path.display()
             )
         }
-        (Some(DataKindArg::Text | DataKindArg::Bin), None) => bail!("--data-kind text|bin needs --data PATH"),
+        (Some(DataKindArg::Text | DataKindArg::Jsonl | DataKindArg::Bin), None) => {
+            bail!("--data-kind text|jsonl|bin needs --data PATH")
+        }
         (Some(DataKindArg::Synthetic) | None, None) => DataKind::Synthetic,
         (Some(DataKindArg::Text), Some(_)) => DataKind::Text,
+        (Some(DataKindArg::Jsonl), Some(_)) => DataKind::Jsonl,
         (Some(DataKindArg::Bin), Some(_)) => DataKind::Bin,
         (None, Some(path)) if path.extension().is_some_and(|e| e == "bin") => DataKind::Bin,
+        (None, Some(path)) if path.extension().is_some_and(|e| e == "jsonl") => DataKind::Jsonl,
         (None, Some(_)) => DataKind::Text,
     };
-    Ok(DataConfig { kind, path: args.data.clone(), ..DataConfig::default() })
+    let tokenizer = match kind {
+        DataKind::Text | DataKind::Jsonl => tokenizer,
+        DataKind::Bin | DataKind::Synthetic => None, // tokens already, or bytes
+    };
+    Ok(DataConfig { kind, path: args.data.clone(), tokenizer, ..DataConfig::default() })
 }
 
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     tch::set_num_threads(std::thread::available_parallelism().map_or(1, |n| n.get()) as i32);
-    let data = data_config(&args)?;
-    let mut model = load_model(&args.model)?;
+    let loaded = load(&args.model)?;
+    // Checked against the model's vocabulary, then named by path: the corpus loader encodes with it.
+    let tokenizer = super::model_source::tokenizer(args.tokenizer.as_deref(), &loaded)?;
+    let data = data_config(&args, tokenizer.map(|t| t.path().to_owned()))?;
+    let mut model = loaded.model;
     if let Some(context) = args.context {
         let positions = model.config.positions();
         if context == 0 || context > positions {

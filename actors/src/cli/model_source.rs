@@ -1,22 +1,37 @@
 //! The model a `troupe generate` or `troupe eval` runs: a Hugging Face directory (config.json +
 //! safetensors) or a troupe checkpoint (a `step-NNNNNNNN` directory, or a root: its newest valid one),
-//! told apart by what the directory holds.
+//! told apart by what the directory holds — and the tokenizer it came with.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use troupe_model::checkpoint::{load_state, StateKind, MANIFEST};
+use troupe_model::data::HfTokenizer;
 use troupe_model::hf;
 use troupe_model::model::Model;
 use troupe_model::ModelConfig;
 
+/// A model loaded for `troupe generate` or `troupe eval`, and the tokenizer it came with.
+pub struct Loaded {
+    pub model: Model,
+    /// The `tokenizer.json` beside a Hugging Face directory's weights, or the `[data] tokenizer` of the
+    /// job a checkpoint was saved by — where that file exists.
+    pub tokenizer: Option<PathBuf>,
+}
+
 /// Loads the model at `path` on the CPU.
 pub fn load_model(path: &Path) -> anyhow::Result<Model> {
+    Ok(load(path)?.model)
+}
+
+/// Loads the model at `path` on the CPU, with the tokenizer it came with.
+pub fn load(path: &Path) -> anyhow::Result<Loaded> {
     if path.join("config.json").is_file() {
         let config = hf::read_config(path).with_context(|| format!("--model {}", path.display()))?;
         let config = ModelConfig { from_hf: Some(path.to_owned()), ..config };
         hf::check_weights(&config).with_context(|| format!("--model {}", path.display()))?;
-        return Ok(Model::load(config, 0)?);
+        let tokenizer = Some(path.join("tokenizer.json")).filter(|t| t.is_file());
+        return Ok(Loaded { model: Model::load(config, 0)?, tokenizer });
     }
     if !path.is_dir() {
         let what = if path.exists() { "not a directory" } else { "no such directory" };
@@ -41,5 +56,23 @@ pub fn load_model(path: &Path) -> anyhow::Result<Model> {
         .map(|(i, spec)| tch::Tensor::from_slice(&params[offsets[i]..offsets[i + 1]]).view(spec.shape.as_slice()))
         .collect();
     model.load_values(&values);
-    Ok(model)
+    let tokenizer = state.config.data.tokenizer.clone().filter(|t| t.is_file());
+    Ok(Loaded { model, tokenizer })
+}
+
+/// The tokenizer to use: `--tokenizer` if given, else the one the model came with; loaded, and checked
+/// to fit the model's vocabulary.
+pub fn tokenizer(flag: Option<&Path>, loaded: &Loaded) -> anyhow::Result<Option<HfTokenizer>> {
+    let Some(path) = flag.or(loaded.tokenizer.as_deref()) else { return Ok(None) };
+    let what = if flag.is_some() { "--tokenizer" } else { "the model's tokenizer" };
+    let tokenizer = HfTokenizer::from_file(path).with_context(|| format!("{what} {}", path.display()))?;
+    let vocab = loaded.model.config.vocab_size;
+    if tokenizer.vocab_size() > vocab {
+        bail!(
+            "{what} {}: its {} tokens do not fit the model's vocabulary of {vocab}; use the tokenizer the model was trained with",
+            path.display(),
+            tokenizer.vocab_size()
+        );
+    }
+    Ok(Some(tokenizer))
 }

@@ -23,11 +23,14 @@ pub struct Sampling {
     /// Keep the smallest set of most likely tokens whose probability reaches `top_p` (1: all).
     pub top_p: f64,
     pub seed: u64,
+    /// Generation stops after this token (the tokenizer's end of text), as transformers' `generate`
+    /// stops at `eos_token_id`; None: never early.
+    pub eos: Option<i64>,
 }
 
 impl Sampling {
     pub fn greedy() -> Self {
-        Self { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 }
+        Self { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0, eos: None }
     }
 }
 
@@ -67,8 +70,8 @@ pub fn check_prompt(model: &Model, prompt: &[i64]) -> Result<(), GenerateError> 
     Ok(())
 }
 
-/// Up to `max_new` tokens after `prompt` (fewer if the model's positions run out), each handed to
-/// `on_token` as soon as it is chosen. Returns the new tokens.
+/// Up to `max_new` tokens after `prompt` (fewer if the model's positions run out, or after
+/// `sampling.eos`), each handed to `on_token` as soon as it is chosen. Returns the new tokens.
 pub fn generate(
     model: &Model,
     prompt: &[i64],
@@ -96,6 +99,9 @@ pub fn generate(
             let token = choose(&last, sampling, &mut rng);
             on_token(token);
             generated.push(token);
+            if sampling.eos == Some(token) {
+                break;
+            }
             input = Tensor::from_slice(&[token]).view([1, 1]).to_device(device);
         }
     });
@@ -119,7 +125,11 @@ pub fn generate_uncached(
         for _ in 0..max_new.min(room) {
             let logits = model.forward(&Tensor::from_slice(&sequence).view([1, -1]).to_device(device));
             let last: Vec<f64> = Vec::try_from(logits.get(0).get(-1).to_kind(Kind::Double)).expect("logits");
-            sequence.push(choose(&last, sampling, &mut rng));
+            let token = choose(&last, sampling, &mut rng);
+            sequence.push(token);
+            if sampling.eos == Some(token) {
+                break;
+            }
         }
     });
     Ok(sequence.split_off(prompt.len()))

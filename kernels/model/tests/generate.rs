@@ -44,13 +44,19 @@ fn the_cache_path_equals_the_whole_sequence() {
         assert!(worst <= 1e-5, "{name}: cached logits differ by {worst:e} relative");
 
         let prompt: Vec<i64> = Vec::try_from(tokens.get(0).narrow(0, 0, 4)).unwrap();
-        for sampling in [Sampling::greedy(), Sampling { temperature: 0.8, top_k: 20, top_p: 0.9, seed: 7 }] {
+        for sampling in [Sampling::greedy(), Sampling { temperature: 0.8, top_k: 20, top_p: 0.9, seed: 7, eos: None }] {
             let mut streamed = Vec::new();
             let with_cache = generate(&model, &prompt, 16, sampling, |t| streamed.push(t)).unwrap();
             let without = generate_uncached(&model, &prompt, 16, sampling).unwrap();
             assert_eq!(with_cache, without, "{name} {sampling:?}");
             assert_eq!(streamed, with_cache, "{name}: every token streamed as chosen");
             assert_eq!(with_cache.len(), 16);
+            // With the fifth token as the end of text, both paths stop right after it.
+            let eos = Sampling { eos: Some(with_cache[4]), ..sampling };
+            let stopped = generate(&model, &prompt, 16, eos, |_| {}).unwrap();
+            let first = with_cache.iter().position(|&t| t == with_cache[4]).unwrap();
+            assert_eq!(stopped, with_cache[..=first], "{name}: stops at the first end of text");
+            assert_eq!(generate_uncached(&model, &prompt, 16, eos).unwrap(), stopped, "{name}");
         }
     }
 }

@@ -70,6 +70,12 @@ impl HfTokenizer {
         Ok(encoding.get_ids().to_vec())
     }
 
+    /// The text of `ids`, special tokens left out (what the Python library's
+    /// `tokenizer.decode(ids, skip_special_tokens=True)` gives).
+    pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
+        self.inner.decode(ids, true).map_err(|e| e.to_string())
+    }
+
     /// [`encode`](Self::encode) of each text, on several threads (`TOKENIZERS_PARALLELISM=false` keeps it
     /// to one).
     pub fn encode_batch(&self, texts: Vec<String>) -> Result<Vec<Vec<u32>>, String> {

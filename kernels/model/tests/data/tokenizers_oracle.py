@@ -6,6 +6,7 @@ venv by scripts/provision-libtorch.sh). Prints one JSON line.
   wordlevel OUT.json N                  a word-level tokenizer of the N words w0 .. w{N-1}, then </s>
   encode TOKENIZER FILE                 the ids of FILE's text (add_special_tokens=False)
   encode-jsonl TOKENIZER FILE           the ids of each line's "text", one list per line
+  decode TOKENIZER 1,2,3                the text of the ids (skip_special_tokens=True)
 """
 
 import json
@@ -61,6 +62,11 @@ def encode_jsonl(tokenizer_path, path):
     return {"ids": [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]}
 
 
+def decode(tokenizer_path, ids):
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    return {"text": tokenizer.decode([int(i) for i in ids.split(",") if i], skip_special_tokens=True)}
+
+
 def main():
     command, args = sys.argv[1], sys.argv[2:]
     if command == "train":
@@ -71,6 +77,8 @@ def main():
         result = encode(args[0], args[1])
     elif command == "encode-jsonl":
         result = encode_jsonl(args[0], args[1])
+    elif command == "decode":
+        result = decode(args[0], args[1])
     else:
         raise SystemExit(f"unknown command {command}")
     print(json.dumps(result))
