@@ -7,6 +7,12 @@
 //! autograd graph (without); after the backward the unit's gradient is reduced to its owners, who add it
 //! to their gradient shard, and the parameters are dropped.
 //!
+//! A tied head (`model.tie_word_embeddings`) multiplies by the token-embedding matrix, parameter 0 of the
+//! embeddings' unit: the head's unit spans that matrix's elements too ([`Unit::tied`]), gathered with the
+//! head's own and its gradient reduced to the matrix's owners with the head's, so each owner's
+//! accumulator sums the matrix's two uses — the head's reduced first, the embeddings' at the end of the
+//! backward — as autograd sums them in the single process.
+//!
 //! Every rank runs the same sequence of collectives — units in the same order, one broadcast (gather) or
 //! reduce per owner piece, as many micro-batch rounds as the rank with the most micro-batches — so a rank
 //! whose slice has fewer (or no) micro-batches takes part with nothing to compute and zero gradients.
@@ -35,19 +41,45 @@ pub struct Unit {
     pub params: Range<usize>,
     /// Their elements in the flat parameter order.
     pub flat: Range<usize>,
+    /// The head of a tied model: the elements of the token-embedding matrix (parameter 0, owned by the
+    /// embeddings' unit) that it multiplies by, after its own — what [`model::head_params`] appends.
+    pub tied: Option<Range<usize>>,
 }
 
-/// The units in forward order: the embeddings, every block, the head (final LayerNorm and head).
+impl Unit {
+    /// The unit's ranges of the flat order, in the order its tensors come: its own, then the tied matrix.
+    fn segments(&self) -> impl Iterator<Item = &Range<usize>> {
+        std::iter::once(&self.flat).chain(&self.tied)
+    }
+
+    /// Elements gathered for the unit.
+    fn len(&self) -> usize {
+        self.segments().map(Range::len).sum()
+    }
+
+    /// The specs of the tensors the unit computes with, in [`Self::segments`]' order.
+    fn specs(&self, specs: &[ParamSpec]) -> Vec<ParamSpec> {
+        let tied = self.tied.as_ref().map(|_| specs[0].clone());
+        specs[self.params.clone()].iter().cloned().chain(tied).collect()
+    }
+}
+
+/// The units in forward order: the embeddings, every block, the head (final norm and head; tied, the
+/// token-embedding matrix too).
 pub fn plan_units(config: &ModelConfig, specs: &[ParamSpec]) -> Vec<Unit> {
     let mut offsets = vec![0];
     offsets.extend(specs.iter().scan(0, |sum, s| {
         *sum += s.numel();
         Some(*sum)
     }));
+    let head = config.head_range();
     backward_stages(config)
         .into_iter()
         .rev()
-        .map(|params| Unit { flat: offsets[params.start]..offsets[params.end], params })
+        .map(|params| {
+            let tied = (config.tie_word_embeddings && params == head).then(|| offsets[0]..offsets[1]);
+            Unit { flat: offsets[params.start]..offsets[params.end], params, tied }
+        })
         .collect()
 }
 
@@ -96,19 +128,24 @@ struct Exchange<'a, T: Transport> {
 }
 
 impl<T: Transport> Exchange<'_, T> {
-    /// The full parameters of `unit`: each owner broadcasts its part, in rank order.
+    /// The full parameters of `unit`: for each of its segments, each owner broadcasts its part, in rank
+    /// order.
     async fn gather(&mut self, unit: &Unit) -> Result<Vec<Tensor>, ClusterError> {
         let (rank, world) = (self.comm.rank(), self.comm.world());
         self.buf.clear();
-        self.buf.resize(unit.flat.len(), 0.0);
-        for (owner, piece) in owner_pieces(self.total, world, &unit.flat) {
-            let dst = &mut self.buf[piece.start - unit.flat.start..piece.end - unit.flat.start];
-            if owner == rank {
-                dst.copy_from_slice(&self.masters[piece.start - self.own.start..piece.end - self.own.start]);
+        self.buf.resize(unit.len(), 0.0);
+        let mut at = 0;
+        for segment in unit.segments() {
+            for (owner, piece) in owner_pieces(self.total, world, segment) {
+                let dst = &mut self.buf[at + piece.start - segment.start..at + piece.end - segment.start];
+                if owner == rank {
+                    dst.copy_from_slice(&self.masters[piece.start - self.own.start..piece.end - self.own.start]);
+                }
+                self.comm.broadcast(dst, owner).await?;
             }
-            self.comm.broadcast(dst, owner).await?;
+            at += segment.len();
         }
-        Ok(unit_tensors(&self.specs[unit.params.clone()], &self.buf))
+        Ok(unit_tensors(&unit.specs(&self.specs), &self.buf))
     }
 
     /// Sums `params`' gradients (zeros for `None`: nothing computed this round) over the ranks onto
@@ -116,13 +153,17 @@ impl<T: Transport> Exchange<'_, T> {
     async fn reduce(&mut self, unit: &Unit, params: Option<Vec<Tensor>>) -> Result<(), ClusterError> {
         self.load_grads(unit, params);
         let (rank, world) = (self.comm.rank(), self.comm.world());
-        for (owner, piece) in owner_pieces(self.total, world, &unit.flat) {
-            let part = &mut self.buf[piece.start - unit.flat.start..piece.end - unit.flat.start];
-            self.comm.reduce(part, ReduceOp::Sum, owner).await?;
-            if owner == rank {
-                let acc = &mut self.grad[piece.start - self.own.start..piece.end - self.own.start];
-                acc.iter_mut().zip(part.iter()).for_each(|(a, g)| *a += g);
+        let mut at = 0;
+        for segment in unit.segments() {
+            for (owner, piece) in owner_pieces(self.total, world, segment) {
+                let part = &mut self.buf[at + piece.start - segment.start..at + piece.end - segment.start];
+                self.comm.reduce(part, ReduceOp::Sum, owner).await?;
+                if owner == rank {
+                    let acc = &mut self.grad[piece.start - self.own.start..piece.end - self.own.start];
+                    acc.iter_mut().zip(part.iter()).for_each(|(a, g)| *a += g);
+                }
             }
+            at += segment.len();
         }
         Ok(())
     }
@@ -130,7 +171,7 @@ impl<T: Transport> Exchange<'_, T> {
     /// `params`' gradients, flat, into the buffer (zeros for `None`); the parameters are dropped.
     fn load_grads(&mut self, unit: &Unit, params: Option<Vec<Tensor>>) {
         self.buf.clear();
-        self.buf.resize(unit.flat.len(), 0.0);
+        self.buf.resize(unit.len(), 0.0);
         if let Some(params) = params {
             let mut offset = 0;
             for p in &params {
@@ -383,5 +424,22 @@ mod tests {
             at = unit.flat.end;
         }
         assert_eq!(at, config.param_count());
+        assert!(units.iter().all(|u| u.tied.is_none()), "untied: no unit spans another's elements");
+    }
+
+    /// Tied, the head's unit also spans the token-embedding matrix — parameter 0, the start of the
+    /// embeddings' unit — after its own elements, and its tensors come in `head_params`' order.
+    #[test]
+    fn a_tied_head_unit_spans_the_embedding_matrix_too() {
+        let config = ModelConfig { tie_word_embeddings: true, ..ModelConfig::gpt_tiny() };
+        let specs = model::param_specs(&config);
+        let units = plan_units(&config, &specs);
+        let head = units.last().unwrap();
+        assert_eq!(head.params, config.head_range());
+        assert_eq!(head.tied, Some(0..specs[0].numel()));
+        assert_eq!(head.len(), head.flat.len() + specs[0].numel());
+        let names: Vec<String> = head.specs(&specs).into_iter().map(|s| s.name).collect();
+        assert_eq!(names, ["ln_f.weight", "ln_f.bias", "wte.weight"]);
+        assert!(units[..units.len() - 1].iter().all(|u| u.tied.is_none()));
     }
 }
