@@ -121,8 +121,9 @@ fn join(hi: f32, lo: f32) -> u64 {
 }
 
 /// Most ranges one [`Holding`] describes: a ZeRO rank's own shard and `REPLICAS_MAX` buddies', or a
-/// pipeline device's chunks (one per virtual stage; `VIRTUAL_STAGES_MAX` is 16 too).
-pub const HOLDING_RANGES_MAX: usize = 16;
+/// pipeline device's chunks (one per virtual stage; `VIRTUAL_STAGES_MAX` is 16 too) and, on the head's
+/// device of a tied model, its copy of the embedding matrix.
+pub const HOLDING_RANGES_MAX: usize = 17;
 
 /// f32 words of one encoded [`Holding`].
 pub const HOLDING_WORDS: usize = 5 + 4 * HOLDING_RANGES_MAX;

@@ -17,12 +17,16 @@ use super::{PipelineError, PipelineStage, ReducedStage, StageStep};
 /// A device's parameters by chunk: (chunk index, values in canonical order).
 pub type ChunkParams = Vec<(usize, Vec<Tensor>)>;
 
+/// A device's parameters: by chunk, and the head's device's copy of a tied embedding matrix.
+pub type DeviceParams = (ChunkParams, Option<Tensor>);
+
 pub enum StageMsg {
     /// Run the next step; the reply carries what it did or why it failed.
     Step(RpcReplyPort<Result<StageStep, String>>),
-    /// The current parameters by chunk: (chunk index, values in canonical order). Every device of the
-    /// run is asked (with ZeRO inside the stages' groups, the replicas gather them together).
-    Params(RpcReplyPort<Result<ChunkParams, String>>),
+    /// The current parameters by chunk: (chunk index, values in canonical order), and a tied head's copy
+    /// of the embedding matrix. Every device of the run is asked (with ZeRO inside the stages' groups, the
+    /// replicas gather them together).
+    Params(RpcReplyPort<Result<DeviceParams, String>>),
     /// The first half of a step: the device's ops and the reductions, nothing applied
     /// ([`PipelineStage::reduce_gradients`]). The step is abandoned — the actor free for the next message
     /// at once, its committed state untouched — when `abandon`'s sender is dropped or sends: the asking
@@ -83,7 +87,7 @@ impl<T: Transport> Actor for StageActor<T> {
             }
             StageMsg::Params(reply) => {
                 let result = stage.current_param_values().await.map_err(|e: PipelineError| e.to_string());
-                let _ = reply.send(result);
+                let _ = reply.send(result.map(|chunks| (chunks, stage.tied_copy_value())));
             }
             StageMsg::Reduce { abandon, reply } => {
                 let result = tokio::select! {

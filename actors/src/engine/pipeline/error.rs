@@ -24,6 +24,13 @@ pub enum PipelineError {
     BadMessage { device: usize, step: u64, op: Op, got: usize, expected: usize },
     #[error("device {device}, step {step}: reducing the gradient norm and loss across stages: {source}")]
     Flush { device: usize, step: u64, source: ClusterError },
+    #[error(
+        "device {device}, step {step}: summing the tied embedding matrix's gradient with device {peer} (the other \
+         end of the pipeline): {source}"
+    )]
+    Tied { device: usize, peer: usize, step: u64, source: ClusterError },
+    #[error("device {device}, evaluating the validation loss after step {step}: {what}")]
+    Eval { device: usize, step: u64, what: String },
     #[error("stage actor of device {device}: {reason}")]
     Actor { device: usize, reason: String },
 }

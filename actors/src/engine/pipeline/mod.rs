@@ -28,7 +28,7 @@ pub use replica::PipelineReplica;
 pub use run::{run_in_process, run_stages, DeviceTransports, PipelineOptions, PipelineRun, PipelineStep};
 pub use schedules::{plan, with_messages, ScheduleError, MICROBATCHES_MAX, STAGES_MAX, VIRTUAL_STAGES_MAX};
 pub use stage::{
-    chunk_ranges, held_ranges, microbatch_ranges, DataParallelGroup, OpSpan, PipelineStage, ReducedStage, StageStep,
-    PIPELINE_TAG_GROUP,
+    chunk_ranges, held_ranges, microbatch_ranges, tied_copy_range, DataParallelGroup, OpSpan, PipelineStage,
+    ReducedStage, StageStep, PIPELINE_TAG_GROUP,
 };
 pub use trace::{category, chrome_trace, op_name};

@@ -42,14 +42,17 @@ pub struct ModelCosts {
 }
 
 impl ModelCosts {
-    /// Parameter counts: `parallel.balance = "params"`, the default (exact in f64 below 2⁵³).
+    /// Parameter counts: `parallel.balance = "params"`, the default (exact in f64 below 2⁵³). A tied
+    /// head counts the embedding matrix it multiplies by (its device keeps a copy and runs the product),
+    /// so it weighs what an untied head weighs.
     pub fn parameters(config: &ModelConfig) -> Self {
         let specs = param_specs(config);
         let numel = |r: Range<usize>| specs[r].iter().map(|s| s.numel()).sum::<usize>() as f64;
+        let tied = if config.tie_word_embeddings { numel(0..1) } else { 0.0 };
         Self {
             embed: numel(config.embed_range()),
             blocks: (0..config.n_layers).map(|i| numel(config.block_range(i))).collect(),
-            head: numel(config.head_range()),
+            head: numel(config.head_range()) + tied,
         }
     }
 
@@ -188,6 +191,22 @@ mod tests {
         let back = ModelCosts::from_flat(&costs.to_flat(), 4).unwrap();
         assert_eq!(partition_by(&cfg, &back, 2).unwrap(), parts);
         assert_eq!(ModelCosts::from_flat(&costs.to_flat(), 5), None);
+    }
+
+    #[test]
+    fn a_tied_head_weighs_what_an_untied_head_weighs() {
+        // A vocabulary of 50k over 6 blocks of gpt-tiny: the head's matrix (12.8M) outweighs a block
+        // (0.8M), tied or not, so the last chunk runs as few blocks either way.
+        let untied = ModelConfig { vocab_size: 50_000, n_layers: 6, ..ModelConfig::gpt_tiny() };
+        let tied = ModelConfig { tie_word_embeddings: true, ..untied.clone() };
+        let blocks = |config: &ModelConfig| -> Vec<Range<usize>> {
+            partition(config, 3).unwrap().into_iter().map(|p| p.blocks).collect()
+        };
+        assert_eq!(blocks(&tied), blocks(&untied));
+        assert_eq!(blocks(&tied)[2], 5..6);
+        // The chunks' parameters are still the flat state's: the matrix counted once, with the first.
+        let parts = partition(&tied, 3).unwrap();
+        assert_eq!(parts.iter().map(|p| p.numel).sum::<usize>(), tied.param_count());
     }
 
     #[test]

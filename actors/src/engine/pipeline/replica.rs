@@ -44,8 +44,8 @@ use super::super::step_engine::{EngineError, OpTiming, StepEngine};
 use super::super::zero3;
 use super::actor::{StageActor, StageCounters, StageMsg};
 use super::{
-    category, check, costs_for, held_ranges, op_name, partition, partition_by, plan, ChunkLayout, DataParallelGroup,
-    ModelCosts, OpSpan, PipelineError, PipelineStage, Plan, PlanShape, ReducedStage, ScheduleKind,
+    category, check, costs_for, held_ranges, op_name, partition, partition_by, plan, tied_copy_range, ChunkLayout,
+    DataParallelGroup, ModelCosts, OpSpan, PipelineError, PipelineStage, Plan, PlanShape, ReducedStage, ScheduleKind,
 };
 
 /// Tag group of the flush's collectives along a replica's chain.
@@ -65,6 +65,8 @@ struct Geometry {
     copies: usize,
     layouts: Vec<ChunkLayout>,
     total: usize,
+    /// A tied model's embedding matrix, which the head's device keeps a copy of.
+    model: ModelConfig,
 }
 
 impl Geometry {
@@ -88,7 +90,8 @@ impl Geometry {
         let total = layouts.iter().map(|l| l.numel).sum();
         let sharded = replicas > 1 && parallel.shard != "none";
         let copies = config.checkpoint.replicas;
-        Ok(Self { kind, shape, replicas, sharded, copies, layouts, total })
+        let model = config.model.clone();
+        Ok(Self { kind, shape, replicas, sharded, copies, layouts, total, model })
     }
 
     /// The chunks cut by `costs` instead of parameter counts.
@@ -106,13 +109,17 @@ impl Geometry {
     }
 
     /// The flat ranges rank `rank` holds: its device's chunks, or (sharded) its owned part of them, then
-    /// its copies of its buddies' parts.
+    /// its copies of its buddies' parts, then a tied head's copy of the embedding matrix.
     fn needed(&self, rank: usize) -> Vec<Range<usize>> {
-        let sharded_among = self.sharded.then_some((self.replica_of(rank), self.replicas));
-        held_ranges(self.shape, &self.layouts, self.device_of(rank), sharded_among, self.copies)
+        let (device, sharded_among) =
+            (self.device_of(rank), self.sharded.then_some((self.replica_of(rank), self.replicas)));
+        let mut ranges = held_ranges(self.shape, &self.layouts, device, sharded_among, self.copies);
+        ranges.extend(tied_copy_range(&self.model, self.shape, device));
+        ranges
     }
 
-    /// The flat ranges rank `rank` contributes to a checkpoint: what it holds, without buddy copies.
+    /// The flat ranges rank `rank` contributes to a checkpoint: what it holds, without buddy copies (or a
+    /// tied head's copy of the embedding matrix, which follows them).
     fn owned(&self, rank: usize) -> Vec<Range<usize>> {
         let sharded_among = self.sharded.then_some((self.replica_of(rank), self.replicas));
         held_ranges(self.shape, &self.layouts, self.device_of(rank), sharded_among, 0)

@@ -76,6 +76,9 @@ pub struct PipelineRun {
     pub params: Vec<Tensor>,
     /// How the model was cut: chunk c's blocks and parameters (device `c mod P` runs it).
     pub layouts: Vec<ChunkLayout>,
+    /// A tied model: the head's device's copy of the embedding matrix (replica 0's), which must equal
+    /// `params[0]` to the bit; None when untied or when one device holds the embeddings and the head.
+    pub tied_copy: Option<Tensor>,
 }
 
 /// Runs `steps` steps of `config` as a pipeline of in-process devices over the in-memory transport (with
@@ -253,12 +256,14 @@ async fn drive(
     }
     let timeout_ms = options.step_timeout_ms;
     let calls = actors.iter().map(|(actor, _)| async move { ractor::call_t!(actor, StageMsg::Params, timeout_ms) });
-    let mut chunks: Vec<(usize, Vec<Tensor>)> = Vec::new();
+    let (mut chunks, mut tied_copy): (Vec<(usize, Vec<Tensor>)>, Option<Tensor>) = (Vec::new(), None);
     for (device, reply) in join_all(calls).await.into_iter().enumerate().take(options.shape.stages) {
-        let params = reply.map_err(|e| actor_error(device, e.to_string()))?.map_err(|e| actor_error(device, e))?;
+        let (params, copy) =
+            reply.map_err(|e| actor_error(device, e.to_string()))?.map_err(|e| actor_error(device, e))?;
         chunks.extend(params);
+        tied_copy = tied_copy.or(copy);
     }
     chunks.sort_by_key(|(chunk, _)| *chunk);
     let params = chunks.into_iter().flat_map(|(_, p)| p).collect();
-    Ok(PipelineRun { steps: reports, params, layouts: Vec::new() })
+    Ok(PipelineRun { steps: reports, params, layouts: Vec::new(), tied_copy })
 }

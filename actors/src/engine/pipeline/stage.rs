@@ -9,6 +9,9 @@
 //! scalar Σ(output · gradient), whose derivative is that gradient. B and W of zero-bubble schedules split
 //! one backward: B asks autograd for the gradients of the input and of every parameter operation's
 //! output over the retained graph, W turns each operation's output gradient into its weight gradients.
+//!
+//! A tied head runs on the device of the last chunk with that device's copy of the token-embedding
+//! matrix, whose gradient it sums with the first chunk's device before the reductions (see [`tied`]).
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -38,6 +41,11 @@ use super::super::zero3::unit_tensors;
 use super::error::PipelineError;
 use super::{ChunkLayout, Op, OpKind, Plan, PlanShape};
 
+mod tied;
+
+pub use tied::tied_copy_range;
+use tied::Tied;
+
 /// The transport tag group of activations and gradients (collectives of the flush use their own).
 pub const PIPELINE_TAG_GROUP: u32 = 0x5049_5045;
 
@@ -64,8 +72,9 @@ pub struct StageStep {
     pub loss_scale: f64,
     /// Every op this device ran, in order.
     pub spans: Vec<OpSpan>,
-    /// Parameter elements the device holds after the step (0 with ZeRO-3 inside the stage's group:
-    /// dropped until the next step gathers them).
+    /// Parameter elements the device holds after the step (with ZeRO-3 inside the stage's group, none of
+    /// its chunks': dropped until the next step gathers them; a tied head's copy of the embedding matrix
+    /// is kept whole).
     pub param_elements: usize,
 }
 
@@ -112,6 +121,8 @@ pub struct PipelineStage<T: Transport> {
     ranges: Vec<Range<usize>>,
     params: Vec<Tensor>,
     optimizer: AdamW,
+    /// A tied model's embedding matrix where this device holds the first or the last chunk.
+    tied: Option<Tied>,
     /// ZeRO-1/2/3 within the stage's group; None: every replica holds the whole state of its chunks.
     shard: Option<StageShard>,
     /// Scratch: the device's flat gradients (or parameters).
@@ -200,9 +211,11 @@ pub fn held_ranges(
 
 /// The buddy copies a sharded stage replica keeps for `checkpoint.replicas = configured`: at most
 /// [`REPLICAS_MAX`], and few enough that its owned part and the copies, each cut into up to
-/// `virtual_stages` chunk pieces, fit one holding of the reshard ([`HOLDING_RANGES_MAX`] ranges).
+/// `virtual_stages` chunk pieces, fit one holding of the reshard ([`HOLDING_RANGES_MAX`] ranges) beside
+/// a tied head's copy of the embedding matrix.
 pub fn copies_kept(configured: usize, virtual_stages: usize) -> usize {
-    configured.min(REPLICAS_MAX).min((HOLDING_RANGES_MAX / virtual_stages.max(1)).saturating_sub(1))
+    let pieces_max = HOLDING_RANGES_MAX - 1;
+    configured.min(REPLICAS_MAX).min((pieces_max / virtual_stages.max(1)).saturating_sub(1))
 }
 
 /// A device's data-parallel group: the devices that hold the same chunks for other slices of the batch.
@@ -339,6 +352,7 @@ impl<T: Transport> PipelineStage<T> {
         };
         // Every parameter gets a gradient tensor, accumulated into in place.
         materialise_grads(&params);
+        let tied = Tied::of(&config, shape, device)?;
         let microbatches = microbatch_ranges(slice, shape.microbatches);
         let (precision, loss_scale) = (Precision::of_config(&config.parallel), LossScale::initial(&config.parallel));
         Ok(Self {
@@ -353,6 +367,7 @@ impl<T: Transport> PipelineStage<T> {
             ranges: chunk_ranges(shape, layouts, device),
             params,
             optimizer,
+            tied,
             shard,
             flat: Vec::new(),
             precision,
@@ -382,8 +397,9 @@ impl<T: Transport> PipelineStage<T> {
             .collect()
     }
 
-    /// This device's state as pieces of the flat parameter order, one per chunk (in virtual-stage order):
-    /// what a rank keeps between attempts of a cluster job.
+    /// This device's state as pieces of the flat parameter order, one per chunk (in virtual-stage order),
+    /// then a tied head's copy of the embedding matrix ([`tied_copy_range`]): what a rank keeps between
+    /// attempts of a cluster job.
     pub fn export_state(&self) -> Vec<ShardPiece> {
         if let Some(shard) = &self.shard {
             // The owned range of the device's flat order, then each buddy copy, cut at chunk boundaries
@@ -399,31 +415,31 @@ impl<T: Transport> PipelineStage<T> {
                     });
                 }
             }
+            pieces.extend(self.tied_copy_piece());
             return pieces;
         }
-        self.chunks
-            .iter()
-            .zip(self.ranges.iter().cloned())
-            .map(|(chunk, range)| {
-                let mut piece = ShardPiece::zeros(0..0);
-                let local = chunk.local.clone();
-                let params: Vec<Tensor> = self.params[local.clone()].iter().map(Tensor::detach).collect();
-                append_flat(&params, &mut piece.master);
-                append_flat(&self.optimizer.exp_avg[local.clone()], &mut piece.exp_avg);
-                append_flat(&self.optimizer.exp_avg_sq[local], &mut piece.exp_avg_sq);
-                debug_assert_eq!(piece.master.len(), range.len());
-                piece.range = range;
-                piece
-            })
-            .collect()
+        let chunks = self.chunks.iter().zip(self.ranges.iter().cloned()).map(|(chunk, range)| {
+            let mut piece = ShardPiece::zeros(0..0);
+            let local = chunk.local.clone();
+            let params: Vec<Tensor> = self.params[local.clone()].iter().map(Tensor::detach).collect();
+            append_flat(&params, &mut piece.master);
+            append_flat(&self.optimizer.exp_avg[local.clone()], &mut piece.exp_avg);
+            append_flat(&self.optimizer.exp_avg_sq[local], &mut piece.exp_avg_sq);
+            debug_assert_eq!(piece.master.len(), range.len());
+            piece.range = range;
+            piece
+        });
+        chunks.chain(self.tied_copy_piece()).collect()
     }
 
     /// Takes a committed state: the masters and moments of this device's chunks from `pieces` (each chunk's
-    /// range inside one piece), the step counters and the loss scaler.
+    /// range inside one piece; and a tied head's copy, [`tied_copy_range`]), the step counters and the
+    /// loss scaler.
     pub fn load_state(&mut self, pieces: &[ShardPiece], step: u64, optimizer_step: u64, loss_scale: LossScale) {
         self.step = step;
         self.optimizer.step = optimizer_step;
         self.loss_scale = loss_scale;
+        self.load_tied_copy(pieces);
         let containing = |range: &Range<usize>| {
             pieces
                 .iter()
@@ -530,6 +546,7 @@ impl<T: Transport> PipelineStage<T> {
         for p in &mut self.params {
             p.zero_grad();
         }
+        self.zero_tied_grad();
         let mut run = StepRun::default();
         let plan = self.plan.clone();
         for &op in &plan.devices[self.device] {
@@ -538,6 +555,7 @@ impl<T: Transport> PipelineStage<T> {
             run.spans.push(OpSpan { op, start_s, end_s: self.origin.elapsed().as_secs_f64() });
         }
         debug_assert!(run.saved.is_empty() && run.pending_weights.is_empty(), "plan left work undone");
+        self.sum_tied_gradients(step).await?;
 
         let mut loss = run.loss;
         let device = self.device;
@@ -584,6 +602,7 @@ impl<T: Transport> PipelineStage<T> {
             }
             (None, _) => grads.iter().map(|g| g.square().sum(Kind::Double).double_value(&[])).sum(),
         };
+        self.share_tied_gradient(step).await?;
         let mut totals = [sum_sq as f32, loss as f32];
         self.comm.all_reduce(&mut totals[..], ReduceOp::Sum).await.map_err(flush)?;
         let (grad_norm, loss) = (f64::from(totals[0]).sqrt(), f64::from(totals[1]));
@@ -621,9 +640,12 @@ impl<T: Transport> PipelineStage<T> {
             }
             (Update::Skip { .. }, _) => {}
         }
+        if let Update::Apply { grad_factor, .. } = update {
+            self.apply_tied_copy(grad_factor, lr, self.optimizer.step);
+        }
         self.step += 1;
         let (grad_norm, skipped) = (update.grad_norm(), update.skipped());
-        let param_elements = self.params.iter().map(Tensor::numel).sum();
+        let param_elements = self.params.iter().map(Tensor::numel).sum::<usize>() + self.tied_copy_elements();
         StageStep { step, loss: reduced.loss, grad_norm, lr, skipped, loss_scale, spans: reduced.spans, param_elements }
     }
 
@@ -712,8 +734,7 @@ impl<T: Transport> PipelineStage<T> {
     fn chunk_forward(&self, c: usize, mb: usize, step: u64, received: Option<&Tensor>) -> (Saved, f64) {
         let range = self.microbatches[mb].clone();
         let weight = range.len() as f64 / self.config.train.global_batch as f64;
-        let chunk = self.local_chunk(c);
-        let (layout, p) = (&chunk.layout, &self.params[chunk.local.clone()]);
+        let (layout, p) = (&self.local_chunk(c).layout, self.chunk_params(c));
         let (model, precision) = (&self.config.model, self.precision);
         let scaled = backward_weight(&self.config.train, &self.loss_scale, step, &range);
         let batch = (layout.embed || layout.head)
@@ -785,8 +806,7 @@ impl<T: Transport> PipelineStage<T> {
             run.pending_weights.insert((c, mb), pending);
             grads.pop()
         } else {
-            let local = self.local_chunk(c).local.clone();
-            wrt.extend(self.params[local].iter().map(Tensor::shallow_clone));
+            wrt.extend(self.chunk_params(c));
             let mut grads = Tensor::run_backward(&[&scalar], &wrt, false, false);
             let weight_grads = grads.split_off(input.iter().count());
             self.accumulate(c, 0, &weight_grads);
@@ -804,24 +824,31 @@ impl<T: Transport> PipelineStage<T> {
     /// W: each parameter operation's weight gradients from its output's gradient that B computed — one
     /// autograd pass per operation, each reaching only that operation's parameters.
     fn weight_pass(&mut self, c: usize, pending: Vec<(ParamOp, Tensor)>) {
-        let local = self.local_chunk(c).local.clone();
+        let chunk_params = self.chunk_params(c);
         for (op, output_grad) in pending {
             if !output_grad.defined() {
                 continue;
             }
             let scalar = (&op.output * &output_grad).sum(Kind::Float);
-            let params = &self.params[local.start + op.params.start..local.start + op.params.end];
-            let grads = Tensor::run_backward(&[&scalar], params, false, false);
+            let grads = Tensor::run_backward(&[&scalar], &chunk_params[op.params.clone()], false, false);
             self.accumulate(c, op.params.start, &grads);
         }
     }
 
-    /// Adds one micro-batch's gradients of chunk c's parameters `first..` to the step's (as autograd's
-    /// accumulation would).
+    /// Chunk c's parameters as its forward takes them: the device's tensors of its range, then for the
+    /// last chunk of a tied model the embedding matrix the head multiplies by (shallow handles: gradients
+    /// land on the tensors themselves).
+    fn chunk_params(&self, c: usize) -> Vec<Tensor> {
+        let chunk = self.local_chunk(c);
+        let tied = chunk.layout.head.then(|| self.tied_head_param()).flatten();
+        self.params[chunk.local.clone()].iter().map(Tensor::shallow_clone).chain(tied).collect()
+    }
+
+    /// Adds one micro-batch's gradients of chunk c's parameters `first..` ([`Self::chunk_params`]) to the
+    /// step's (as autograd's accumulation would).
     fn accumulate(&mut self, c: usize, first: usize, grads: &[Tensor]) {
-        let local = self.local_chunk(c).local.clone();
         tch::no_grad(|| {
-            for (param, grad) in self.params[local.start + first..local.end].iter().zip(grads) {
+            for (param, grad) in self.chunk_params(c)[first..].iter().zip(grads) {
                 if grad.defined() {
                     let _ = param.grad().g_add_(grad);
                 }
