@@ -237,10 +237,23 @@ async fn checkpoints_of_pipeline_ddp_and_zero_jobs_load_in_each_other() {
 /// trajectory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zero3_inside_the_stages_loses_an_owner_and_restores_its_half_from_the_buddy_copy() {
+    lose_an_owner_of_zero3_inside_the_stages(false).await;
+}
+
+/// The same with a tied head (`tie_word_embeddings`, as GPT-2 small): the killed daemon held a replica of
+/// the head's stage and its copy of the embedding matrix; the surviving head's device keeps the copy in
+/// step with the first stage's matrix through the shrink.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tied_head_under_zero3_inside_the_stages_loses_an_owner_and_goes_on() {
+    lose_an_owner_of_zero3_inside_the_stages(true).await;
+}
+
+async fn lose_an_owner_of_zero3_inside_the_stages(tie_word_embeddings: bool) {
     let dir = tempfile::tempdir().unwrap();
     let cluster = common::processes(4).await;
     let mut config = config(300, "1f1b");
     config.parallel.shard = "zero3".into();
+    config.model.tie_word_embeddings = tie_word_embeddings;
     let out = dir.path().join("final.safetensors");
     let mut handle = cluster.client().await.unwrap().submit(Job::new(config.clone()).save_final(&out)).await.unwrap();
     let (mut events, mut killed) = (Vec::new(), false);
@@ -255,25 +268,28 @@ async fn zero3_inside_the_stages_loses_an_owner_and_restores_its_half_from_the_b
     assert!(matches!(events.last(), Some(JobEvent::Finished { steps: 300, .. })), "{events:#?}");
     assert!(!events.iter().any(|e| matches!(e, JobEvent::RolledBack { .. })), "no rollback: {events:#?}");
     assert!(events.iter().any(|e| matches!(e, JobEvent::Recovered { world: 2, .. })), "{events:#?}");
-    check(&config, Some(&losses(&events)), &out, "pp=2 × dp=2 zero3, an owner lost, its half from the copy");
+    let what = format!("pp=2 × dp=2 zero3 tied={tie_word_embeddings}, an owner lost, its half from the copy");
+    check(&config, Some(&losses(&events)), &out, &what);
     cluster.shutdown().await;
 }
 
-/// The same without buddy copies (`checkpoint.replicas = 0`): the lost half lived nowhere else, so the
-/// job rolls back to the checkpoint (gathered from all four owners) and goes on as one unsharded
-/// pipeline, on the reference's trajectory.
+/// The same without buddy copies (`checkpoint.replicas = 0`), and with a tied head: the lost half lived
+/// nowhere else, so the job rolls back to the checkpoint (gathered from all four owners, the embedding
+/// matrix once — not the head's copies) and goes on as one unsharded pipeline whose head's device copies
+/// the matrix from the checkpoint, on the reference's trajectory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zero3_inside_the_stages_without_copies_loses_an_owner_and_rolls_back_to_the_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let cluster = common::processes(4).await;
     let mut config = config(60, "1f1b");
     config.parallel.shard = "zero3".into();
+    config.model.tie_word_embeddings = true;
     config.checkpoint.replicas = 0;
     config.checkpoint.dir = Some(dir.path().join("ckpt"));
     config.checkpoint.every_steps = 5;
     let out = dir.path().join("final.safetensors");
     let (_, layout) = kill_after_a_checkpoint(&cluster, &config, &out, 3).await;
     assert_eq!((layout.pp, layout.dp, layout.shard_mode), (2, 2, checkpoint::ShardMode::Zero3), "{layout:?}");
-    check(&config, None, &out, "pp=2 × dp=2 zero3, an owner lost, rolled back");
+    check(&config, None, &out, "pp=2 × dp=2 zero3 tied, an owner lost, rolled back");
     cluster.shutdown().await;
 }

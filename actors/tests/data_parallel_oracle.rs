@@ -247,7 +247,9 @@ fn zero3_dp4_equals_the_reference_and_keeps_a_quarter_of_ddps_state() {
 }
 
 /// The Llama family (the small shape: GQA 4/2, RoPE θ = 500000; untied and tied heads) under DDP at
-/// 2 and 3 ranks and ZeRO-1/2/3 (ZeRO-3 with recomputation) equals the single-process reference.
+/// 2 and 3 ranks and ZeRO-1/2/3 (ZeRO-3 with accumulation and recomputation, and at 3 ranks) equals the
+/// single-process reference. Tied, ZeRO-3's head unit gathers the embedding matrix too and reduces its
+/// gradient to the matrix's owners, whose accumulators sum it with the embeddings'.
 #[test]
 fn llama_equals_the_reference_under_ddp_and_zero() {
     let llama = |micro_batch: usize, recompute: bool, tied: bool| {
@@ -264,9 +266,29 @@ fn llama_equals_the_reference_under_ddp_and_zero() {
         check_config(&llama(2, true, tied), 3, ddp);
         check_config(&llama(8, false, tied), 2, Engine::Sharded(ShardMode::Zero1));
         check_config(&llama(2, false, tied), 3, Engine::Sharded(ShardMode::Zero2));
+        check_config(&llama(2, true, tied), 2, Engine::Sharded(ShardMode::Zero3));
+        check_config(&llama(4, false, tied), 3, Engine::Sharded(ShardMode::Zero3));
     }
-    check_config(&llama(2, true, false), 2, Engine::Sharded(ShardMode::Zero3));
-    check_config(&llama(4, false, false), 3, Engine::Sharded(ShardMode::Zero3));
+}
+
+/// A tied GPT-2 (the small shape, gelu_new: GPT-2 small's kind of head) under ZeRO-3 at 2 ranks with
+/// accumulation and recomputation, and at 4 ranks with a vocabulary of 1,024 — an embedding matrix
+/// larger than a shard, so its gradient from the head reaches several owners — equals the
+/// single-process reference.
+#[test]
+fn tied_gpt2_under_zero3_equals_the_reference() {
+    let tied = |micro_batch: usize, recompute: bool| {
+        let mut config = small_job(micro_batch, recompute);
+        config.model.tie_word_embeddings = true;
+        config.model.activation = troupe_model::model::Activation::GeluNew;
+        config
+    };
+    check_config(&tied(1, true), 2, Engine::Sharded(ShardMode::Zero3));
+    let mut wide = tied(2, false);
+    wide.model.vocab_size = 1024;
+    let matrix = troupe_model::model::param_specs(&wide.model)[0].numel();
+    assert!(matrix > wide.model.param_count() / 4, "the matrix spans several of 4 shards");
+    check_config(&wide, 4, Engine::Sharded(ShardMode::Zero3));
 }
 
 /// A fresh ZeRO job started the daemon's way — from `CommittedState::Initial`, each rank computing

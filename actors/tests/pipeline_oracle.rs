@@ -5,13 +5,18 @@
 //! reference's per-step losses and final parameters within 1e-5 relative, fp32.
 //!
 //! The model is `JobConfig::small` deepened to 4 blocks (8 for interleaving at P = 4, so every chunk
-//! has one), global batch 8; STEPS steps cover the warm-up and the start of the decay.
+//! has one), global batch 8; STEPS steps cover the warm-up and the start of the decay. Tied heads (the
+//! Llama and GPT-2 families with `tie_word_embeddings`, as GPT-2 small and SmolLM2 are) run every
+//! schedule, with recomputation, 16-bit precisions and data-parallel replicas of the pipeline, the head's
+//! device keeping a copy of the embedding matrix that stays bit-identical to the first device's.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tch::Tensor;
-use troupe_actors::engine::pipeline::{run_in_process, run_stages, DeviceTransports, PipelineOptions, ScheduleKind};
+use troupe_actors::engine::pipeline::{
+    run_in_process, run_stages, DeviceTransports, PipelineOptions, PipelineRun, ScheduleKind,
+};
 use troupe_cluster::transport::same_host::SameHostTransport;
 use troupe_cluster::TransportConfig;
 use troupe_model::config::JobConfig;
@@ -50,18 +55,37 @@ fn check(kind: ScheduleKind, virtual_stages: usize) {
 
 /// Runs `options`' pipeline on `config` and asserts its losses and final parameters equal `reference`'s.
 fn run_and_compare(config: &JobConfig, options: &PipelineOptions, reference: &(Vec<f64>, Vec<Tensor>), what: &str) {
+    run_and_compare_within(config, options, reference, what, TOLERANCE);
+}
+
+/// [`run_and_compare`] within `tolerance`; a tied model's head device's copy of the embedding matrix must
+/// also equal the first device's matrix to the bit (or not exist, when one device holds both ends).
+fn run_and_compare_within(
+    config: &JobConfig,
+    options: &PipelineOptions,
+    reference: &(Vec<f64>, Vec<Tensor>),
+    what: &str,
+    tolerance: f64,
+) -> PipelineRun {
     let (ref_losses, ref_params) = reference;
     let specs = troupe_model::model::param_specs(&config.model);
     let run = run_in_process(config, options, STEPS, |_| {}).unwrap();
     let losses: Vec<f64> = run.steps.iter().map(|s| s.loss).collect();
     let loss_diff = worst_loss_diff(&losses, ref_losses);
-    assert!(loss_diff <= TOLERANCE, "{what}: losses differ by {loss_diff:e} relative: {losses:?} vs {ref_losses:?}");
+    assert!(loss_diff <= tolerance, "{what}: losses differ by {loss_diff:e} relative: {losses:?} vs {ref_losses:?}");
     let comparison = compare_params(&specs, &run.params, ref_params);
-    assert!(comparison.within(TOLERANCE), "{what}: {comparison:?}");
+    assert!(comparison.within(tolerance), "{what}: {comparison:?}");
+    let one_device_holds_both_ends = options.shape.stages == 1;
+    match (&run.tied_copy, config.model.tie_word_embeddings && !one_device_holds_both_ends) {
+        (Some(copy), true) => assert!(copy.equal(&run.params[0]), "{what}: the head's copy of the matrix diverged"),
+        (None, false) => {}
+        (copy, expected) => panic!("{what}: a copy of the embedding matrix: {}, expected: {expected}", copy.is_some()),
+    }
     println!(
         "{what}: loss diff {loss_diff:.1e}, params worst {:.1e} ({}), global {:.1e}",
         comparison.worst, comparison.worst_name, comparison.global
     );
+    run
 }
 
 /// The Llama family through the pipeline engine: 1F1B, ZB-H1 (its split backward records Llama's
@@ -83,6 +107,89 @@ fn llama_pipelines_equal_the_reference() {
     let mut options = PipelineOptions::new(ScheduleKind::OneFOneB, 2, 2, 1);
     options.data_parallel = 2;
     run_and_compare(&config, &options, &reference, "llama pp=2 × dp=2");
+}
+
+/// A tied model of `family` ("llama": the small GQA Llama; "gpt2": the small GPT-2 with gelu_new, GPT-2
+/// small's head) deepened to 4 blocks, global batch 8.
+fn tied(family: &str) -> JobConfig {
+    let mut config = match family {
+        "llama" => JobConfig::small_llama(STEPS),
+        _ => JobConfig::small(STEPS),
+    };
+    config.model.n_layers = 4;
+    config.model.tie_word_embeddings = true;
+    if family == "gpt2" {
+        config.model.activation = troupe_model::model::Activation::GeluNew;
+    }
+    config.train.global_batch = 8;
+    config.train.micro_batch = 8;
+    config
+}
+
+/// Tied heads in every schedule: the head's device multiplies by its copy of the embedding matrix and
+/// sums its gradient with the first device's, GPipe and 1F1B at P = 2 and 4, interleaved at P = 2 × V = 2,
+/// ZB-H1 (whose deferred W computes the copy's weight gradient before the exchange) — and interleaved on
+/// one device holding both ends (P = 1, V = 2), where the head runs on the matrix itself.
+#[test]
+fn tied_heads_in_every_schedule_equal_the_reference() {
+    tch::set_num_threads(1);
+    for family in ["llama", "gpt2"] {
+        let config = tied(family);
+        let reference = reference(&config);
+        for (kind, stages, microbatches, virtual_stages) in [
+            (ScheduleKind::GPipe, 2, 4, 1),
+            (ScheduleKind::OneFOneB, 2, 4, 1),
+            (ScheduleKind::OneFOneB, 4, 8, 1),
+            (ScheduleKind::Interleaved, 2, 4, 2),
+            (ScheduleKind::ZbH1, 4, 4, 1),
+            (ScheduleKind::Interleaved, 1, 4, 2),
+        ] {
+            let options = PipelineOptions::new(kind, stages, microbatches, virtual_stages);
+            let what = format!("tied {family} {kind} P={stages} M={microbatches} V={virtual_stages}");
+            run_and_compare(&config, &options, &reference, &what);
+        }
+    }
+}
+
+/// Tied heads with recomputation in every schedule (the same bits as without), and as data-parallel
+/// replicas of 1F1B pipelines — pp = 2 × dp = 2 with the stages' gradients all-reduced, and with ZeRO-1
+/// (dp = 2), ZeRO-2 and ZeRO-3 (dp = 3) inside the stages' groups, where the first device's matrix is
+/// owned in parts: the exchange sums before the replicas' reduction and hands the reduced sum back.
+#[test]
+fn tied_heads_with_recomputation_and_replicas_equal_the_reference() {
+    tch::set_num_threads(1);
+    for family in ["llama", "gpt2"] {
+        let mut config = tied(family);
+        let reference = reference(&config);
+        for (kind, virtual_stages) in [
+            (ScheduleKind::GPipe, 1),
+            (ScheduleKind::OneFOneB, 1),
+            (ScheduleKind::Interleaved, 2),
+            (ScheduleKind::ZbH1, 1),
+        ] {
+            let options = PipelineOptions::new(kind, 2, 4, virtual_stages);
+            let kept = run_in_process(&config, &options, STEPS, |_| {}).unwrap();
+            config.parallel.recompute = true;
+            let what = format!("tied {family} {kind} V={virtual_stages} recompute");
+            let recomputed = run_and_compare_within(&config, &options, &reference, &what, TOLERANCE);
+            config.parallel.recompute = false;
+            let losses = |run: &PipelineRun| run.steps.iter().map(|s| s.loss).collect::<Vec<_>>();
+            assert_eq!(losses(&kept), losses(&recomputed), "{what}: losses");
+            assert!(kept.params.iter().zip(&recomputed.params).all(|(a, b)| a.equal(b)), "{what}: parameters");
+        }
+        let mut options = PipelineOptions::new(ScheduleKind::OneFOneB, 2, 2, 1);
+        options.data_parallel = 2;
+        run_and_compare(&config, &options, &reference, &format!("tied {family} pp=2 × dp=2"));
+    }
+    let mut config = tied("gpt2");
+    config.train.global_batch = 12;
+    let reference = reference(&config);
+    for (shard, replicas) in [("zero1", 2), ("zero2", 3), ("zero3", 3)] {
+        config.parallel.shard = shard.into();
+        let mut options = PipelineOptions::new(ScheduleKind::OneFOneB, 2, 2, 1);
+        options.data_parallel = replicas;
+        run_and_compare(&config, &options, &reference, &format!("tied gpt2 pp=2 × dp={replicas} {shard}"));
+    }
 }
 
 #[test]
@@ -241,35 +348,32 @@ fn one_f_one_b_over_the_same_host_transport_equals_the_reference() {
 }
 
 /// bf16 and fp16 (an overflow injected into step 5) through 1F1B and ZB-H1 (whose split backward takes
-/// weight gradients through the 16-bit casts) at P = 2, M = 4 equal the reference in the same precision
-/// with the same micro-batches; the fp16 runs skip exactly the injected step. Measured (2026-11-22):
-/// bf16 worst tensor 8.6e-4 relative, fp16 3.3e-4 — more than DP's (`data_parallel_oracle` says why
-/// 16-bit runs drift from summation order); the bounds allow about 4× that.
+/// weight gradients through the 16-bit casts) at P = 2, M = 4, untied and tied, equal the reference in
+/// the same precision with the same micro-batches; the fp16 runs skip exactly the injected step (the
+/// tied head's device too, its copy unchanged). Measured (2026-11-22): bf16 worst tensor 8.6e-4
+/// relative, fp16 3.3e-4 — more than DP's (`data_parallel_oracle` says why 16-bit runs drift from
+/// summation order); the bounds allow about 4× that.
 #[test]
 fn bf16_and_fp16_pipelines_equal_the_reference_in_the_same_precision() {
     tch::set_num_threads(1);
     for (precision, tolerance) in [("bf16", 4e-3), ("fp16", 1.5e-3)] {
-        let mut config = job(4);
-        config.train.micro_batch = 2;
-        config.parallel.precision = precision.into();
-        if precision == "fp16" {
-            config.train.inject_overflow_at = vec![5];
-        }
-        let (ref_losses, ref_params) = reference(&config);
-        let specs = troupe_model::model::param_specs(&config.model);
-        for kind in [ScheduleKind::OneFOneB, ScheduleKind::ZbH1] {
-            let options = PipelineOptions::new(kind, 2, 4, 1);
-            let run = run_in_process(&config, &options, STEPS, |_| {}).unwrap();
-            let what = format!("{precision} {kind}");
-            let losses: Vec<f64> = run.steps.iter().map(|s| s.loss).collect();
-            let loss_diff = worst_loss_diff(&losses, &ref_losses);
-            let comparison = compare_params(&specs, &run.params, &ref_params);
-            println!("{what}: loss diff {loss_diff:.1e}, params {comparison:?}");
-            assert!(loss_diff <= tolerance, "{what}: losses differ by {loss_diff:e}");
-            assert!(comparison.within(tolerance), "{what}: {comparison:?}");
-            let skipped: Vec<u64> = run.steps.iter().filter(|s| s.skipped).map(|s| s.step).collect();
-            let expected: &[u64] = if precision == "fp16" { &[5] } else { &[] };
-            assert_eq!(skipped, expected, "{what}");
+        for tie_word_embeddings in [false, true] {
+            let mut config = job(4);
+            config.model.tie_word_embeddings = tie_word_embeddings;
+            config.train.micro_batch = 2;
+            config.parallel.precision = precision.into();
+            if precision == "fp16" {
+                config.train.inject_overflow_at = vec![5];
+            }
+            let reference = reference(&config);
+            for kind in [ScheduleKind::OneFOneB, ScheduleKind::ZbH1] {
+                let options = PipelineOptions::new(kind, 2, 4, 1);
+                let what = format!("{precision} {kind} tied={tie_word_embeddings}");
+                let run = run_and_compare_within(&config, &options, &reference, &what, tolerance);
+                let skipped: Vec<u64> = run.steps.iter().filter(|s| s.skipped).map(|s| s.step).collect();
+                let expected: &[u64] = if precision == "fp16" { &[5] } else { &[] };
+                assert_eq!(skipped, expected, "{what}");
+            }
         }
     }
 }

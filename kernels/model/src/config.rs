@@ -410,15 +410,6 @@ impl JobConfig {
         self.parallel.validate()?;
         self.elastic.validate()?;
         let p = &self.parallel;
-        if self.model.tie_word_embeddings && (p.pp > 1 || p.shard == "zero3") {
-            let layout = if p.pp > 1 { format!("parallel.pp = {}", p.pp) } else { "parallel.shard = \"zero3\"".into() };
-            return Err(invalid(
-                "model.tie_word_embeddings",
-                format!("true with {layout}"),
-                "a tied head needs the embedding on the head's rank; not built yet for pipelines and ZeRO-3: \
-                 untie it (model.tie_word_embeddings = false), or train with DDP, ZeRO-1 or ZeRO-2",
-            ));
-        }
         if !t.inject_overflow_at.is_empty() && p.precision != "fp16" {
             return Err(invalid(
                 "train.inject_overflow_at",
@@ -691,6 +682,24 @@ mod tests {
         }
         let config = JobConfig::from_toml("[checkpoint]\nreplicas = 0\n", "t").unwrap();
         assert_eq!(config.checkpoint.replicas, 0);
+    }
+
+    /// A tied head (GPT-2 small, SmolLM2) trains under every layout: DDP, ZeRO-1/2/3, pipelines of every
+    /// schedule, and pipelines with ZeRO inside the stages' groups.
+    #[test]
+    fn tied_heads_are_accepted_with_pipelines_and_zero3() {
+        let tied = "[model]\ntie_word_embeddings = true\nn_layers = 4\n";
+        for parallel in [
+            "shard = \"zero3\"\nnodes = 2\n",
+            "pp = 2\n",
+            "pp = 2\nschedule = \"zb-h1\"\n",
+            "pp = 2\nschedule = \"interleaved\"\nvirtual_stages = 2\n",
+            "pp = 2\ndp = 2\nshard = \"zero3\"\n",
+        ] {
+            let toml = format!("{tied}[parallel]\n{parallel}");
+            let config = JobConfig::from_toml(&toml, "t").unwrap_or_else(|e| panic!("{toml}: {e}"));
+            assert!(config.model.tie_word_embeddings, "{toml}");
+        }
     }
 
     #[test]
