@@ -152,6 +152,19 @@ impl Reporter {
         );
     }
 
+    /// The validation loss of the model after `step` committed steps over `windows` held-out windows
+    /// (`tokens` predicted tokens).
+    pub fn eval(&self, step: u64, loss: f64, perplexity: f64, windows: usize, tokens: usize) {
+        self.event(
+            "eval",
+            json!({ "step": step, "loss": loss, "perplexity": perplexity, "windows": windows, "tokens": tokens }),
+            &format!(
+                "eval   {step:>6}/{}  validation loss {loss:.4}  perplexity {perplexity:.2}  ({windows} windows, {tokens} tokens)",
+                self.total_steps
+            ),
+        );
+    }
+
     pub fn step(&self, e: &StepEvent) {
         let mut object = json!({
             "event": "step", "step": e.step, "loss": e.loss, "tokens_per_s": e.tokens_per_s,

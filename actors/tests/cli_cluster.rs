@@ -296,13 +296,16 @@ fn cluster_init_and_add_node_print_what_they_wrote_as_json() {
 /// `troupe train --nodes 2 --recompute`: DDP over QUIC between two daemon processes, each rank keeping
 /// only its block inputs and recomputing the blocks in the backward, with the bucket all-reduce
 /// overlapped (the default) and two micro-batches per rank — equal to the in-process reference (no
-/// recomputation) within 1e-5: every step's loss and the final parameters.
+/// recomputation) within 1e-5: every step's loss and the final parameters. With the corpus' last tenth
+/// held out and `eval_every = 4`, the ranks' validation loss reaches the command as `eval` events after
+/// steps 4 and 8, the last equal to the reference's.
 #[test]
 fn train_with_recompute_on_two_daemons_equals_the_reference() {
     const STEPS: u64 = 8;
     let dir = tempfile::tempdir().unwrap();
     let job = dir.path().join("job.toml");
-    let config_text = SMALL_JOB.replace("n_layers = 1", "n_layers = 2").replace("global_batch = 4", "global_batch = 8");
+    let config_text = SMALL_JOB.replace("n_layers = 1", "n_layers = 2").replace("global_batch = 4", "global_batch = 8")
+        + "eval_every = 4\neval_samples = 8\n[data]\nval_fraction = 0.1\n";
     std::fs::write(&job, &config_text).unwrap();
     let saved = dir.path().join("final.safetensors");
     let mut child = Command::new(common::binary())
@@ -344,4 +347,13 @@ fn train_with_recompute_on_two_daemons_equals_the_reference() {
         .collect();
     let comparison = troupe_model::oracle::compare_params(specs, &params, &reference.param_values());
     assert!(comparison.within(1e-5), "final parameters: {comparison:?}");
+
+    let evals: Vec<(u64, f64)> = events
+        .iter()
+        .filter(|e| e["event"] == "eval")
+        .map(|e| (e["step"].as_u64().unwrap(), e["loss"].as_f64().unwrap()))
+        .collect();
+    assert_eq!(evals.iter().map(|e| e.0).collect::<Vec<_>>(), [4, 8], "{stdout}");
+    let want = reference.evaluate().expect("held out").loss;
+    assert!((evals[1].1 - want).abs() <= 1e-5 * want, "validation loss {} vs the reference's {want}", evals[1].1);
 }

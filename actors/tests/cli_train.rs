@@ -1,5 +1,6 @@
 //! `troupe train` as a user runs it: the JSON event contract, checkpoints and resume through the CLI,
-//! --save-final, and the errors for flags and configs this build cannot honour.
+//! --save-final, the validation loss (`eval_every`) and its plot, and the errors for flags and configs
+//! this build cannot honour.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -123,6 +124,66 @@ fn checkpoint_and_resume_through_the_cli_continue_the_same_trajectory() {
     assert_eq!(resumed, straight[4..].to_vec(), "resumed steps must equal the uninterrupted run bit for bit");
 }
 
+/// `[train] eval_every` with a validation file: an `eval` event after every second step and after the
+/// last, after that step's event, each the loss `troupe eval` gives that step's checkpoint on the
+/// validation file; a held-out corpus that is too short is named with the size it needs; and `troupe
+/// plot` draws the validation loss over the training loss.
+#[test]
+fn eval_every_reports_the_validation_loss_and_plot_draws_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (train, val) = (dir.path().join("train.txt"), dir.path().join("val.txt"));
+    std::fs::write(&train, "the quick brown fox jumps over the lazy dog. ".repeat(200)).unwrap();
+    std::fs::write(&val, "pack my box with five dozen liquor jugs! ".repeat(20)).unwrap();
+    let job = |data: &str| {
+        let path = dir.path().join("eval.toml");
+        let text = format!(
+            "[model]\nn_layers = 1\nd_model = 64\nn_heads = 2\ncontext = 32\n[data]\nkind = \"text\"\npath = {train:?}\n{data}\n\
+             [train]\nglobal_batch = 4\nmicro_batch = 2\ntorch_threads = 1\neval_every = 2\neval_samples = 8\n"
+        );
+        std::fs::write(&path, text).unwrap();
+        path.to_str().unwrap().to_owned()
+    };
+    let (run, ckpt) = (dir.path().join("run"), dir.path().join("ckpt"));
+    let (run, ckpt) = (run.to_str().unwrap(), ckpt.to_str().unwrap());
+    let config = job(&format!("val_path = {val:?}"));
+    let args = ["train", "--config", &config, "--steps", "5", "--json", "--run-dir", run, "--checkpoint-dir", ckpt];
+    let events = events(&troupe(&[&args[..], &["--checkpoint-every", "2"]].concat()));
+    let order: Vec<String> = events
+        .iter()
+        .filter(|e| e["event"] == "step" || e["event"] == "eval")
+        .map(|e| format!("{} {}", e["event"].as_str().unwrap(), e["step"]))
+        .collect();
+    let want = ["step 1", "step 2", "eval 2", "step 3", "step 4", "eval 4", "step 5", "eval 5"];
+    assert_eq!(order, want, "an evaluation after its step, every 2 steps and after the last");
+    let evals: Vec<&Value> = events.iter().filter(|e| e["event"] == "eval").collect();
+    for eval in &evals {
+        let loss = eval["loss"].as_f64().unwrap();
+        assert!((eval["perplexity"].as_f64().unwrap() - loss.exp()).abs() < 1e-9 * loss.exp(), "{eval}");
+        assert_eq!((eval["windows"].as_u64(), eval["tokens"].as_u64()), (Some(8), Some(8 * 32)), "{eval}");
+    }
+    // The event at step 4 is what `troupe eval` says of step 4's checkpoint on the validation file.
+    let step4 = Path::new(ckpt).join("step-00000004");
+    let (model, val) = (step4.to_str().unwrap(), val.to_str().unwrap());
+    let output = troupe(&["eval", "--model", model, "--data", val, "--windows", "8", "--json"]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let offline: Value = serde_json::from_slice(output.stdout.trim_ascii()).unwrap();
+    let (online, offline) = (evals[1]["loss"].as_f64().unwrap(), offline["loss"].as_f64().unwrap());
+    assert!((online - offline).abs() <= 1e-5 * offline, "eval event {online} vs troupe eval {offline}");
+
+    let plotted = troupe(&["plot", run, "--json"]);
+    assert!(plotted.status.success(), "{}", String::from_utf8_lossy(&plotted.stderr));
+    let plot: Value = serde_json::from_slice(plotted.stdout.trim_ascii()).unwrap();
+    assert_eq!((plot["steps"].as_u64(), plot["evals"].as_u64()), (Some(5), Some(3)), "{plot}");
+    let svg = std::fs::read_to_string(plot["svg"].as_str().unwrap()).unwrap();
+    assert!(svg.contains(r#"class="eval-series""#) && svg.contains("validation loss"), "the eval series is drawn");
+
+    // A tail too short for one window: the error names the key and what it needs.
+    let output = troupe(&["train", "--config", &job("val_fraction = 0.001"), "--steps", "1"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("data.val_fraction = 0.001"), "{stderr}");
+    assert!(stderr.contains("model.context + 1 = 33") && stderr.contains("raise data.val_fraction"), "{stderr}");
+}
+
 #[test]
 fn save_final_writes_a_safetensors_file_of_all_parameters() {
     let dir = tempfile::tempdir().unwrap();
@@ -147,6 +208,9 @@ fn unavailable_flags_and_bad_configs_fail_with_a_clear_message() {
     let scale = dir.path().join("scale.toml");
     std::fs::write(&scale, "[parallel]\nloss_scale_init = 1000.0\n").unwrap();
     let scale = scale.to_str().unwrap();
+    let eval = dir.path().join("eval.toml");
+    std::fs::write(&eval, "[train]\neval_every = 10\n").unwrap();
+    let eval = eval.to_str().unwrap();
     let cases: &[(&[&str], &str)] = &[
         (&["train", "--dp", "2"], "--dp"),
         (&["train", "--pp", "8"], "at most model.n_layers (4)"),
@@ -164,6 +228,7 @@ fn unavailable_flags_and_bad_configs_fail_with_a_clear_message() {
         (&["train", "--resume", "/nonexistent/ckpt"], "no valid checkpoint"),
         (&["train", "--config", inject], "set parallel.precision = \"fp16\""),
         (&["train", "--precision", "fp16", "--config", scale], "must be a power of two"),
+        (&["train", "--config", eval], "set data.val_fraction (e.g. 0.1, the corpus' tail) or data.val_path"),
     ];
     for (args, needle) in cases {
         let output = troupe(args);

@@ -39,6 +39,7 @@ fn every_job_config_key_is_in_the_guide() {
     // Keys serialised only when set.
     config.data.path = Some("corpus.bin".into());
     config.data.tokenizer = Some("tokenizer.json".into());
+    config.data.val_path = Some("val.bin".into());
     config.checkpoint.dir = Some("ckpt".into());
     let elsewhere = undocumented(&config, &section("## 3. node.toml reference"));
     assert!(elsewhere.contains(&"train.global_batch".to_string()), "the check tells sections apart: {elsewhere:?}");

@@ -184,6 +184,9 @@ pub async fn follow(
                 )
             }
             JobEvent::Checkpoint { step, path, seconds, bytes } => reporter.checkpoint(step, &path, seconds, bytes),
+            JobEvent::Eval { step, loss, perplexity, windows, tokens } => {
+                reporter.eval(step, loss, perplexity, windows, tokens)
+            }
             JobEvent::RolledBack { from_step, to_step } => reporter.event(
                 "rollback",
                 json!({ "from_step": from_step, "to_step": to_step }),

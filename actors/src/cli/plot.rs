@@ -1,5 +1,6 @@
-//! `troupe plot RUN_DIR`: loss and throughput against step from a run's events, as SVG, with the
-//! membership changes, recoveries, rollbacks and checkpoints marked.
+//! `troupe plot RUN_DIR`: loss and throughput against step from a run's events, as SVG, the validation
+//! loss over the training loss, with the membership changes, recoveries, rollbacks and checkpoints
+//! marked.
 
 use std::path::PathBuf;
 
@@ -30,10 +31,12 @@ pub fn run(args: PlotArgs) -> anyhow::Result<()> {
     let out = args.out.clone().unwrap_or_else(|| args.run_dir.join(PLOT));
     std::fs::write(&out, svg).with_context(|| format!("writing {}", out.display()))?;
     let steps: usize = series.segments.iter().map(Vec::len).sum();
+    let evals: usize = series.evals.iter().map(Vec::len).sum();
+    let markers = series.markers.len();
     if args.json {
-        println!("{}", json!({ "event": "plot", "svg": out, "steps": steps, "markers": series.markers.len() }));
+        println!("{}", json!({ "event": "plot", "svg": out, "steps": steps, "evals": evals, "markers": markers }));
     } else {
-        println!("wrote {} ({steps} steps, {} markers)", out.display(), series.markers.len());
+        println!("wrote {} ({steps} steps, {evals} evaluations, {markers} markers)", out.display());
     }
     Ok(())
 }

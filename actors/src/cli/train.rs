@@ -222,6 +222,14 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             save_checkpoint(&trainer, store, &reporter)?;
             phases.span("checkpoint", "checkpoint", saving, Instant::now());
         }
+        if config.eval_due(trainer.step) {
+            // Forward only, after the update: no gradient, state or randomness is touched.
+            let evaluating = Instant::now();
+            if let Some(eval) = trainer.evaluate() {
+                reporter.eval(trainer.step, eval.loss, eval.perplexity, eval.windows, eval.tokens);
+            }
+            phases.span("eval", "compute", evaluating, Instant::now());
+        }
         if let Some(spans) = phases.take() {
             let fields = json!({ "rank": 0, "node": "local", "attempt": 1, "step": trainer.step, "spans": spans });
             reporter.record_only("phases", fields);

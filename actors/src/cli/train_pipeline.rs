@@ -65,6 +65,9 @@ pub fn run(args: TrainArgs, config: JobConfig) -> anyhow::Result<()> {
             loss_scale: step.loss_scale,
             bubble: Some(measure_bubble(std::slice::from_ref(step)).bubble),
         });
+        if let Some(eval) = &step.eval {
+            reporter.eval(step.step + 1, eval.loss, eval.perplexity, eval.windows, eval.tokens);
+        }
     })?;
     if let Some(path) = &args.save_final {
         let named = param_specs(&config.model).into_iter().map(|s| s.name).zip(run.params).collect();

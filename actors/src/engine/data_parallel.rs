@@ -23,6 +23,7 @@ use troupe_cluster::ClusterError;
 use troupe_kernels::norm::sum_of_squares;
 use troupe_model::blockwise::Activations;
 use troupe_model::data::{micro_batch_ranges, rank_slice};
+use troupe_model::generate::Evaluation;
 use troupe_model::precision::{backward_weight, LossScale};
 use troupe_model::{StepReport, Trainer};
 
@@ -289,6 +290,15 @@ impl<T: Transport> DataParallelReplica<T> {
             exposed_seconds: intervals.iter().map(exposed).sum(),
         };
         Ok((loss, finished.duration_since(started).as_secs_f64()))
+    }
+
+    /// The validation loss of the committed parameters: every rank's share of the held-out windows,
+    /// summed over the ranks (`super::eval`); None when the job holds no data out.
+    pub async fn evaluate(&mut self) -> Result<Option<Evaluation>, ClusterError> {
+        let Some((local, windows)) = super::eval::replicated_share(&self.trainer, self.rank(), self.world()) else {
+            return Ok(None);
+        };
+        Ok(Some(super::eval::reduce_shares(&mut self.comm, local, &windows).await?))
     }
 
     /// The second half, once the step is committed: the identical update on every rank.

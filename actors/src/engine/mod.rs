@@ -10,6 +10,7 @@
 
 mod committed;
 mod data_parallel;
+mod eval;
 mod flat;
 mod memory;
 mod overlap;

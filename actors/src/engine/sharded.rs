@@ -29,6 +29,7 @@ use troupe_model::checkpoint::state::TensorSpec;
 use troupe_model::checkpoint::TrainingState;
 use troupe_model::config::TrainConfig;
 use troupe_model::data::rank_slice;
+use troupe_model::generate::Evaluation;
 use troupe_model::optim::learning_rate;
 use troupe_model::precision::Update;
 use troupe_model::{StepReport, Trainer};
@@ -424,6 +425,32 @@ impl<T: Transport> ShardedReplica<T> {
             ShardMode::Zero3 => unreachable!("ZeRO-3 returned above"),
         }
         self.reduce_totals(local_loss, compute_seconds).await
+    }
+
+    /// The validation loss of the committed state (`super::eval`): ZeRO-1/2 gather the parameters if an
+    /// update was applied since (the next step then need not) and run their share of the windows on
+    /// the whole model; ZeRO-3 runs its share unit by unit, each unit's parameters gathered once for
+    /// all its windows and dropped after ([`zero3::evaluate_share`]). None when the job holds no data
+    /// out.
+    pub async fn evaluate(&mut self) -> Result<Option<Evaluation>, EngineError> {
+        assert!(self.synced, "ShardedReplica::sync before evaluating");
+        if self.trainer.validation.is_none() {
+            return Ok(None);
+        }
+        let (local, windows) = if self.mode == ShardMode::Zero3 {
+            let (own, masters) = self.lease().await?;
+            let windows = self.trainer.validation.clone().expect("checked above");
+            let model =
+                (self.trainer.config.clone(), self.trainer.model.precision, self.trainer.model.specs().to_vec());
+            (zero3::evaluate_share(&mut self.comm, model, (own, &masters[..]), &windows).await?, windows)
+        } else {
+            if self.params_stale {
+                let (_, masters) = self.lease().await?;
+                self.refresh_from(&masters).await?;
+            }
+            super::eval::replicated_share(&self.trainer, self.rank(), self.world()).expect("checked above")
+        };
+        Ok(Some(super::eval::reduce_shares(&mut self.comm, local, &windows).await?))
     }
 
     /// ZeRO-2/3: the owner's gradient shard to the ranks that shadow it; the buddies' shards from them.

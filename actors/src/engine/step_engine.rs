@@ -5,6 +5,7 @@
 use troupe_cluster::transport::Transport;
 use troupe_cluster::ClusterError;
 use troupe_model::checkpoint::{CheckpointWriter, Layout, SaveRequest, TrainingState};
+use troupe_model::generate::Evaluation;
 use troupe_model::Trainer;
 
 use super::committed::CommittedState;
@@ -78,6 +79,10 @@ pub trait StepEngine {
     /// A checkpoint of the committed state: the state copied to host memory on rank 0 and submitted to
     /// `writer` (rank 0's, when the job has one) tagged `tag`.
     async fn checkpoint(&mut self, writer: Option<&CheckpointWriter>, tag: u64) -> Result<(), EngineError>;
+    /// The validation loss of the committed state (`train.eval_every`), computed data-parallel over the
+    /// held-out windows — forward only: no state changes, no randomness — and the same on every rank;
+    /// None when the job holds no data out.
+    async fn evaluate(&mut self) -> Result<Option<Evaluation>, EngineError>;
     /// Brings the trainer's parameters up to date (before `--save-final`).
     async fn finish(&mut self) -> Result<(), EngineError>;
     /// The committed state to keep; None if this rank's state must not be used again.
@@ -124,6 +129,10 @@ impl<T: Transport> StepEngine for DataParallelReplica<T> {
         };
         writer.submit(SaveRequest { state, layout: Layout::ddp(self.world()), tag });
         Ok(())
+    }
+
+    async fn evaluate(&mut self) -> Result<Option<Evaluation>, EngineError> {
+        Ok(DataParallelReplica::evaluate(self).await?)
     }
 
     async fn finish(&mut self) -> Result<(), EngineError> {
@@ -181,6 +190,10 @@ impl<T: Transport> StepEngine for ShardedReplica<T> {
             writer.submit(SaveRequest { state, layout, tag });
         }
         Ok(())
+    }
+
+    async fn evaluate(&mut self) -> Result<Option<Evaluation>, EngineError> {
+        ShardedReplica::evaluate(self).await
     }
 
     async fn finish(&mut self) -> Result<(), EngineError> {

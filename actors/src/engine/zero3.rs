@@ -34,6 +34,10 @@ use troupe_model::Trainer;
 
 use super::shard_plan::owner_pieces;
 
+mod eval;
+
+pub(crate) use eval::evaluate_share;
+
 /// One unit of the model that is gathered, computed and released as a whole.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Unit {

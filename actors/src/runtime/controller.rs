@@ -13,7 +13,9 @@ use troupe_cluster::membership::{NodeId, View};
 
 use super::job::{DriverAction, JobDriver};
 use super::node::NodeMsg;
-use super::protocol::{AttemptOutcome, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, StepFigures};
+use super::protocol::{
+    AttemptOutcome, EvalFigures, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, StepFigures,
+};
 use crate::daemon::Catalog;
 use crate::telemetry::PhaseSpan;
 
@@ -50,6 +52,12 @@ pub enum JobMsg {
         path: std::path::PathBuf,
         seconds: f64,
         bytes: u64,
+    },
+    /// Rank 0's validation loss of the model after `step` committed steps.
+    Evaluated {
+        attempt: u64,
+        step: u64,
+        figures: EvalFigures,
     },
     /// A rank's step phases: passed straight to the job's watchers.
     Phases {
@@ -192,6 +200,7 @@ impl Actor for JobController {
             JobMsg::Checkpointed { attempt, step, path, seconds, bytes } => {
                 d.on_checkpoint(attempt, step, path, seconds, bytes)
             }
+            JobMsg::Evaluated { attempt, step, figures } => d.on_eval(attempt, step, figures),
             JobMsg::Cancel => d.cancel(),
             JobMsg::Tick => {
                 d.on_tick(now);

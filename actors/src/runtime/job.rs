@@ -17,8 +17,8 @@ use troupe_cluster::transport::quic::PeerInfo;
 use troupe_model::optim::learning_rate;
 
 use super::protocol::{
-    AttemptOutcome, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, RankInfo, RankSlot, RankState, StageTime,
-    StepFigures, Wire,
+    AttemptOutcome, EvalFigures, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, RankInfo, RankSlot,
+    RankState, StageTime, StepFigures, Wire,
 };
 
 /// Attempts in a row that fail without committing a step before the job is declared failed.
@@ -67,6 +67,11 @@ pub struct JobDriver {
     epoch: u64,
     phase: Phase,
     last_loss: Option<f64>,
+    /// The newest step whose validation loss was reported (0: none): an attempt that starts at an
+    /// evaluation step evaluates it again (the one that computed it may have lost a rank first), and
+    /// only the first report of a step becomes an event. Lowered by a rollback, after which the steps
+    /// past the checkpoint are computed, and evaluated, again.
+    evaluated: u64,
     failed_attempts: u32,
     /// Set by a rank's `StateLost`: states of this step or later are incomplete; told to every rank of
     /// the next attempts until a step commits.
@@ -179,6 +184,7 @@ impl JobDriver {
             epoch: 0,
             phase: Phase::Idle,
             last_loss: None,
+            evaluated: 0,
             failed_attempts: 0,
             discard_from: None,
             reason: None,
@@ -488,6 +494,7 @@ impl JobDriver {
             }
             let event = JobEvent::RolledBack { from_step: self.committed, to_step: best };
             self.actions.push_back(DriverAction::Event(event));
+            self.evaluated = self.evaluated.min(best);
         }
         let all_equal = ready.iter().all(|r| r.1 == Some(best));
         let source = (!all_equal).then(|| ready.iter().position(|r| r.1.unwrap_or(0) == best).unwrap_or(0));
@@ -616,6 +623,18 @@ impl JobDriver {
         if attempt == self.attempt && !self.state.is_terminal() {
             self.actions.push_back(DriverAction::Event(JobEvent::Checkpoint { step, path, seconds, bytes }));
         }
+    }
+
+    /// Rank 0 evaluated the validation loss of the model after `step` committed steps: reported once
+    /// per step (see `evaluated`).
+    pub fn on_eval(&mut self, attempt: u64, step: u64, figures: EvalFigures) {
+        if attempt != self.attempt || self.state.is_terminal() || step <= self.evaluated {
+            return;
+        }
+        self.evaluated = step;
+        let EvalFigures { loss, windows, tokens } = figures;
+        let event = JobEvent::Eval { step, loss, perplexity: loss.exp(), windows, tokens };
+        self.actions.push_back(DriverAction::Event(event));
     }
 
     pub fn cancel(&mut self) {
@@ -995,6 +1014,49 @@ mod tests {
         d.on_view(&v, &m, vec!["b failed".into()]);
         let actions = drain(&mut d);
         assert!(sent(&actions).iter().any(|(n, w)| n == "a" && matches!(w, Wire::Prepare { attempt: 2, .. })));
+    }
+
+    /// Each step's validation loss becomes one `eval` event, from the running attempt: an attempt that
+    /// starts at an evaluation step evaluates it again (its predecessor may have lost a rank during it),
+    /// and that report is dropped; after a rollback the steps past the checkpoint are evaluated anew.
+    #[test]
+    fn each_steps_validation_loss_is_reported_once_and_again_after_a_rollback() {
+        let mut s = spec(10);
+        s.config.checkpoint.dir = Some("ckpt".into());
+        let mut d = JobDriver::new(1, s);
+        started(&mut d, 1, &["a", "b"], &[0, 0]);
+        for step in 0..4 {
+            for n in ["a", "b"] {
+                d.on_vote(T, &n.into(), 1, 0, step, figures(5.0, 1.0, 0));
+            }
+        }
+        drain(&mut d);
+        let eval = |loss| EvalFigures { loss, windows: 8, tokens: 1024 };
+        d.on_eval(1, 2, eval(2.0));
+        d.on_eval(1, 2, eval(2.0));
+        d.on_eval(0, 4, eval(1.5));
+        let actions = drain(&mut d);
+        let evals = events(&actions);
+        assert_eq!(evals, [&JobEvent::Eval { step: 2, loss: 2.0, perplexity: 2f64.exp(), windows: 8, tokens: 1024 }]);
+        d.on_eval(1, 4, eval(1.5));
+        assert_eq!(events(&drain(&mut d)).len(), 1, "a later step is reported");
+        d.on_eval(1, 4, eval(1.5));
+        assert!(events(&drain(&mut d)).is_empty(), "the retry of step 4 is not");
+
+        // Both ranks lost; "c" restores the checkpoint of step 2 and computes steps 3 and 4 again.
+        let (v, m) = view(2, &["c"]);
+        d.on_view(&v, &m, vec!["a failed".into(), "b failed".into()]);
+        drain(&mut d);
+        d.on_ready(T, &"c".into(), 2, 0, addr(2000), Some(2));
+        assert!(events(&drain(&mut d)).contains(&&JobEvent::RolledBack { from_step: 4, to_step: 2 }));
+        d.on_eval(2, 2, eval(2.0));
+        assert!(events(&drain(&mut d)).is_empty(), "the checkpoint's step was reported before the rollback");
+        for step in 2..4 {
+            d.on_vote(T, &"c".into(), 2, 0, step, figures(5.0, 1.0, 0));
+        }
+        drain(&mut d);
+        d.on_eval(2, 4, eval(1.5));
+        assert_eq!(events(&drain(&mut d)).len(), 1, "step 4, computed again, is evaluated again");
     }
 
     /// A job capped at one rank (dp 1, checkpoints on) that committed 5 steps on "a", "b" a spare.

@@ -398,6 +398,7 @@ impl NodeState {
             Wire::Checkpointed { job, attempt, step, path, seconds, bytes } => {
                 (job, JobMsg::Checkpointed { attempt, step, path, seconds, bytes })
             }
+            Wire::Evaluated { job, attempt, step, figures } => (job, JobMsg::Evaluated { attempt, step, figures }),
             Wire::Phases { job, attempt, rank, step, spans, stage, .. } => {
                 (job, JobMsg::Phases { node: from.clone(), attempt, rank, step, spans, stage })
             }

@@ -70,6 +70,17 @@ impl StageTime {
     }
 }
 
+/// What an evaluation of the validation loss measured (`troupe_model::generate::Evaluation`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EvalFigures {
+    /// Mean next-token loss over the windows.
+    #[serde(with = "non_finite_as_null")]
+    pub loss: f64,
+    pub windows: usize,
+    /// Predicted tokens the mean is over.
+    pub tokens: usize,
+}
+
 fn unit_scale() -> f64 {
     1.0
 }
@@ -327,6 +338,18 @@ pub enum JobEvent {
         epoch: u64,
         world: usize,
     },
+    /// The validation loss (`train.eval_every`) of the model after `step` committed steps — the model
+    /// whose loss the step event `step + 1` reports — over `windows` held-out windows of `tokens`
+    /// predicted tokens, computed data-parallel by the ranks of the attempt.
+    Eval {
+        step: u64,
+        #[serde(with = "non_finite_as_null")]
+        loss: f64,
+        #[serde(with = "non_finite_as_null")]
+        perplexity: f64,
+        windows: usize,
+        tokens: usize,
+    },
     /// Rank 0 committed a durable checkpoint of step `step` (all state: parameters, optimizer, counters).
     Checkpoint {
         step: u64,
@@ -468,6 +491,13 @@ pub enum Wire {
         #[serde(default)]
         bytes: u64,
     },
+    /// Rank 0's validation loss of the model after `step` committed steps (every rank reduced the same).
+    Evaluated {
+        job: JobId,
+        attempt: u64,
+        step: u64,
+        figures: EvalFigures,
+    },
     /// Where a rank's time went in `step` (jobs with `trace` only).
     Phases {
         job: JobId,
@@ -588,6 +618,7 @@ impl Wire {
                 | Wire::Vote { .. }
                 | Wire::Ended { .. }
                 | Wire::Checkpointed { .. }
+                | Wire::Evaluated { .. }
                 | Wire::Phases { .. }
         )
     }

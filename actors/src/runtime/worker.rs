@@ -24,7 +24,7 @@ use troupe_model::checkpoint::{self, CheckpointStore, CheckpointWriter, WriteRep
 use troupe_model::Trainer;
 
 use super::node::NodeMsg;
-use super::protocol::{AttemptOutcome, DataPlane, JobId, JobSpec, StageTime, StepFigures, Wire};
+use super::protocol::{AttemptOutcome, DataPlane, EvalFigures, JobId, JobSpec, StageTime, StepFigures, Wire};
 use crate::engine::pipeline::PipelineReplica;
 use crate::engine::{
     CommittedState, DataParallelReplica, EngineError, OpTiming, ShardMode, ShardedReplica, StepEngine,
@@ -730,8 +730,41 @@ fn stage_time_of(t0: Instant, ops: &[OpTiming]) -> StageTime {
     StageTime { span_s: end.saturating_duration_since(t0).as_secs_f64(), busy_s: busy.as_secs_f64() }
 }
 
+/// The validation loss of the committed state (`train.eval_every`), every rank its share; rank 0
+/// reports it to the controller. An abort or a failure (a rank lost mid-evaluation) ends the attempt
+/// with that outcome: nothing was changed, and the next attempt starts at this step and evaluates it
+/// again.
+async fn evaluate<E: StepEngine>(
+    ctx: &AttemptCtx,
+    engine: &mut E,
+    ctl: &mut mpsc::UnboundedReceiver<Ctl>,
+    phases: &mut PhaseRecorder,
+) -> Result<(), AttemptOutcome> {
+    let step = engine.trainer().step;
+    let started = Instant::now();
+    let evaluated = tokio::select! {
+        r = engine.evaluate() => r,
+        _ = wait_abort(ctl) => return Err(AttemptOutcome::Aborted { step }),
+    };
+    phases.span("eval", "compute", started, Instant::now());
+    match evaluated {
+        Ok(Some(eval)) if engine.rank() == 0 => {
+            let figures = EvalFigures { loss: eval.loss, windows: eval.windows, tokens: eval.tokens };
+            let evaluated = Wire::Evaluated { job: ctx.job, attempt: ctx.attempt, step, figures };
+            let _ = ctx.node.cast(NodeMsg::FromWorker(evaluated));
+            Ok(())
+        }
+        Ok(_) => Ok(()),
+        Err(e) => {
+            let reason = format!("evaluating the validation loss of step {step}: {e}");
+            Err(AttemptOutcome::Failed { step, reason })
+        }
+    }
+}
+
 /// The step loop of one attempt, for any engine: sync, then per step reduce → vote → wait for the
-/// commit → apply → (checkpoint when due) until the job's last step; then `--save-final` on rank 0.
+/// commit → apply → (checkpoint when due) → (evaluate when due) until the job's last step; then
+/// `--save-final` on rank 0.
 async fn drive<E: StepEngine>(
     ctx: &AttemptCtx,
     spec: &JobSpec,
@@ -760,6 +793,13 @@ async fn drive<E: StepEngine>(
     }
     let setup = if ctx.attempt > 1 { ("recovery", "recovery") } else { ("setup", "idle") };
     phases.span(setup.0, setup.1, ctx.started, Instant::now());
+    // An attempt that starts at an evaluation step evaluates it (again): the attempt before may have
+    // lost a rank during it. The controller reports each step's evaluation once.
+    if spec.config.eval_due(engine.trainer().step) {
+        if let Err(outcome) = evaluate(ctx, engine, ctl, &mut phases).await {
+            return outcome;
+        }
+    }
     let total = spec.config.train.steps;
     let checkpoints = spec.config.checkpoint.dir.is_some();
     while engine.trainer().step < total {
@@ -837,6 +877,12 @@ async fn drive<E: StepEngine>(
             }
             tracing::debug!(job = ctx.job, step, seconds = saving.elapsed().as_secs_f64(), "checkpoint snapshot taken");
             phases.span("checkpoint", "checkpoint", saving, Instant::now());
+        }
+        if spec.config.eval_due(step) {
+            if let Err(outcome) = evaluate(ctx, engine, ctl, &mut phases).await {
+                report_phases(ctx, spec, rank, step, &mut phases);
+                return outcome;
+            }
         }
         report_phases(ctx, spec, rank, step, &mut phases);
     }

@@ -42,6 +42,8 @@ struct JobMetrics {
     skipped_steps: u64,
     /// The loss scale of the last committed step (1 unless fp16).
     loss_scale: Option<f64>,
+    /// The last validation loss reported (`train.eval_every`).
+    eval_loss: Option<f64>,
     /// When the running attempt was aborted by a view change, until the next committed step.
     interrupted_at: Option<Instant>,
     /// For the OTLP spans: the job's name, when it was submitted, and the wall time and changes of the
@@ -104,6 +106,7 @@ impl NodeMetrics {
             rollbacks: 0,
             skipped_steps: 0,
             loss_scale: None,
+            eval_loss: None,
             interrupted_at: None,
             name: spec.name.clone(),
             trace_seed: spec.trace_seed,
@@ -197,6 +200,7 @@ impl NodeMetrics {
                     rate.inspect(|r| i.checkpoint_bytes_per_second.record(*r, &attrs));
                 }
             }
+            JobEvent::Eval { loss, .. } => m.eval_loss = Some(*loss),
             JobEvent::RolledBack { .. } => m.rollbacks += 1,
             JobEvent::Finished { .. } | JobEvent::Failed { .. } | JobEvent::Cancelled => {
                 let outcome = if let JobEvent::Failed { .. } = event {
@@ -371,6 +375,13 @@ impl NodeMetrics {
             &|i| Some(status.jobs[i].attempts as f64),
         );
         each(e, "troupe_job_loss", Kind::Gauge, "Loss of the last committed step.", &|i| status.jobs[i].last_loss);
+        each(
+            e,
+            "troupe_job_eval_loss",
+            Kind::Gauge,
+            "Validation loss of the last evaluation (train.eval_every).",
+            &|i| job(i).and_then(|m| m.eval_loss).filter(|l| l.is_finite()),
+        );
         each(e, "troupe_job_tokens_per_second", Kind::Gauge, "Tokens per second of the last committed step.", &|i| {
             job(i).and_then(|m| m.tokens_per_s)
         });
@@ -551,6 +562,9 @@ mod tests {
             &JobEvent::Checkpoint { step: 2, path: "/c".into(), seconds: 0.5, bytes: 3_000_000 },
             t0,
         );
+        let eval = |step, loss: f64| JobEvent::Eval { step, loss, perplexity: loss.exp(), windows: 4, tokens: 128 };
+        metrics.on_job_event(7, &eval(1, 3.25), t0);
+        metrics.on_job_event(7, &eval(2, 3.125), t0);
         metrics.on_worker_failure();
         metrics.links.link("b").sent.fetch_add(10, std::sync::atomic::Ordering::Relaxed);
 
@@ -565,6 +579,7 @@ mod tests {
         assert_eq!(value(&samples, "troupe_job_recoveries_total", &job), 1.0);
         assert_eq!(value(&samples, "troupe_job_skipped_steps_total", &job), 1.0);
         assert_eq!(value(&samples, "troupe_job_loss_scale", &job), 32768.0);
+        assert_eq!(value(&samples, "troupe_job_eval_loss", &job), 3.125, "the last evaluation's");
         assert_eq!(value(&samples, "troupe_job_checkpoint_seconds_count", &job), 1.0);
         assert_eq!(value(&samples, "troupe_failure_detection_seconds_sum", &[("cause", "timeout")]), 1.6);
         assert_eq!(value(&samples, "troupe_failure_detection_seconds_sum", &[("cause", "connection_lost")]), 0.3);

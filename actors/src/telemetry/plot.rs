@@ -1,6 +1,7 @@
-//! A run's loss and throughput against step, as SVG: two panels sharing the step axis, with vertical
-//! markers where the membership changed (red), training recovered (purple) or rolled back to a
-//! checkpoint (brown), and ticks where checkpoints were written.
+//! A run's loss and throughput against step, as SVG: two panels sharing the step axis, the validation
+//! loss (`eval` events) drawn over the training loss, with vertical markers where the membership
+//! changed (red), training recovered (purple) or rolled back to a checkpoint (brown), and ticks where
+//! checkpoints were written.
 
 use serde_json::Value;
 
@@ -13,6 +14,9 @@ const TOP: f64 = 64.0;
 const PANEL_H: f64 = 250.0;
 const PANEL_GAP: f64 = 56.0;
 const BOTTOM: f64 = 50.0;
+
+/// The colour of the validation loss.
+const EVAL_COLOUR: &str = "#ff7f0e";
 
 /// Marker kinds with their colour and legend text.
 const MARKERS: &[(&str, &str, &str)] = &[
@@ -33,6 +37,9 @@ pub struct Series {
     /// (step, loss, tokens/s) per committed step, in the order committed; a rollback starts a new
     /// segment.
     pub segments: Vec<Vec<(f64, f64, f64)>>,
+    /// (step, validation loss) per `eval` event, in the order reported; a step evaluated again (after a
+    /// rollback) starts a new segment.
+    pub evals: Vec<Vec<(f64, f64)>>,
     /// (kind, step, label).
     pub markers: Vec<(&'static str, f64, String)>,
 }
@@ -46,6 +53,7 @@ pub fn series(events: &[Value]) -> Series {
     let mut s = Series::default();
     let mut last_step = 0.0;
     let mut current: Vec<(f64, f64, f64)> = Vec::new();
+    let mut evals: Vec<(f64, f64)> = Vec::new();
     for e in events {
         match e.get("event").and_then(Value::as_str).unwrap_or("") {
             "step" => {
@@ -71,12 +79,22 @@ pub fn series(events: &[Value]) -> Series {
                 s.markers.push(("rollback", to, format!("rolled back to step {to}")));
                 last_step = to;
             }
+            "eval" => {
+                let (Some(step), Some(loss)) = (num(e, "step"), num(e, "loss")) else { continue };
+                if evals.last().is_some_and(|p| step <= p.0) {
+                    s.evals.push(std::mem::take(&mut evals));
+                }
+                evals.push((step, loss));
+            }
             "checkpoint" => s.markers.push(("checkpoint", num(e, "step").unwrap_or(last_step), "checkpoint".into())),
             _ => {}
         }
     }
     if !current.is_empty() {
         s.segments.push(current);
+    }
+    if !evals.is_empty() {
+        s.evals.push(evals);
     }
     s
 }
@@ -87,7 +105,8 @@ pub fn render(series: &Series, title: &str) -> Result<String, String> {
     if points.is_empty() {
         return Err("the run has no committed steps to plot".into());
     }
-    let max_step = points.iter().map(|p| p.0).fold(1.0, f64::max);
+    let evals: Vec<&(f64, f64)> = series.evals.iter().flatten().collect();
+    let max_step = points.iter().map(|p| p.0).chain(evals.iter().map(|e| e.0)).fold(1.0, f64::max);
     let plot_w = WIDTH - LEFT - RIGHT;
     let x = |step: f64| LEFT + step / max_step * plot_w;
     let height = TOP + 2.0 * PANEL_H + PANEL_GAP + BOTTOM;
@@ -97,7 +116,9 @@ pub fn render(series: &Series, title: &str) -> Result<String, String> {
     let panels: [Panel; 2] = [("loss", "loss", "#1f77b4", |p| p.1), ("tokens_per_s", "tokens / s", "#2ca02c", |p| p.2)];
     for (i, (metric, axis_label, colour, pick)) in panels.iter().enumerate() {
         let top = TOP + i as f64 * (PANEL_H + PANEL_GAP);
-        let values: Vec<f64> = points.iter().map(|p| pick(p)).filter(|v| v.is_finite()).collect();
+        // The loss panel's range holds the validation loss too.
+        let eval_values = evals.iter().map(|e| e.1).filter(|_| *metric == "loss");
+        let values: Vec<f64> = points.iter().map(|p| pick(p)).chain(eval_values).filter(|v| v.is_finite()).collect();
         let (mut lo, mut hi) =
             values.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), v| (l.min(*v), h.max(*v)));
         if *metric == "tokens_per_s" {
@@ -141,6 +162,17 @@ pub fn render(series: &Series, title: &str) -> Result<String, String> {
                 segment.iter().map(|p| (x(p.0), y(pick(p)))).filter(|p| p.1.is_finite()).collect();
             svg.polyline(&pts, colour, 1.6, "series");
         }
+        if *metric == "loss" {
+            for segment in &series.evals {
+                let pts: Vec<(f64, f64)> =
+                    segment.iter().map(|e| (x(e.0), y(e.1))).filter(|p| p.1.is_finite()).collect();
+                svg.polyline(&pts, EVAL_COLOUR, 2.0, "eval-series");
+                for (e, pt) in segment.iter().zip(&pts) {
+                    let tip = format!("step {}: validation loss {:.4}", e.0, e.1);
+                    svg.circle(*pt, 3.0, EVAL_COLOUR, Some(&tip));
+                }
+            }
+        }
         svg.line((LEFT, top + PANEL_H), (LEFT + plot_w, top + PANEL_H), "#444", 1.0, None);
         svg.line((LEFT, top), (LEFT, top + PANEL_H), "#444", 1.0, None);
         svg.end_group();
@@ -153,8 +185,9 @@ fn legend(svg: &mut Svg, series: &Series) {
     svg.group("legend", &[]);
     let mut lx = LEFT;
     let entries = [("loss", "#1f77b4", "loss"), ("tokens_per_s", "#2ca02c", "tokens/s")];
+    let eval = (!series.evals.is_empty()).then_some(("eval", EVAL_COLOUR, "validation loss"));
     let present = MARKERS.iter().filter(|m| series.markers.iter().any(|s| s.0 == m.0)).map(|m| (m.0, m.1, m.2));
-    for (kind, colour, text) in entries.into_iter().chain(present) {
+    for (kind, colour, text) in entries.into_iter().chain(eval).chain(present) {
         svg.group("legend-item", &[("kind", kind)]);
         svg.line((lx, 44.0), (lx + 18.0, 44.0), colour, 3.0, None);
         svg.text((lx + 23.0, 48.0), text, 12.0, "start", "#222");
@@ -187,5 +220,35 @@ mod tests {
         assert_eq!(kinds, vec![("checkpoint", 1.0), ("membership", 2.0), ("rollback", 1.0), ("recovery", 1.0)]);
         assert!(render(&s, "t").unwrap().contains(r#"data-kind="membership""#));
         assert!(render(&Series::default(), "t").is_err());
+    }
+
+    /// `eval` events become the validation series over the training loss: its points in order, the loss
+    /// panel's range holding them, a legend entry; a step evaluated again starts a new segment.
+    #[test]
+    fn eval_events_are_drawn_over_the_training_loss() {
+        let events = vec![
+            json!({ "event": "step", "step": 1, "loss": 5.0, "tokens_per_s": 10.0 }),
+            json!({ "event": "step", "step": 2, "loss": 4.0, "tokens_per_s": 10.0 }),
+            json!({ "event": "eval", "step": 2, "loss": 6.5, "perplexity": 665.1 }),
+            json!({ "event": "step", "step": 3, "loss": 3.0, "tokens_per_s": 10.0 }),
+            json!({ "event": "eval", "step": 3, "loss": 6.0, "perplexity": 403.4 }),
+            json!({ "event": "eval", "step": 3, "loss": 6.0, "perplexity": 403.4 }),
+        ];
+        let s = series(&events);
+        assert_eq!(s.evals, vec![vec![(2.0, 6.5), (3.0, 6.0)], vec![(3.0, 6.0)]]);
+        let svg = render(&s, "t").unwrap();
+        assert!(svg.contains(r#"class="eval-series""#), "the validation polyline");
+        assert!(svg.contains("step 2: validation loss 6.5000"), "a point with its tooltip");
+        assert!(svg.contains(r#"data-kind="eval""#), "a legend entry");
+        let dots: Vec<f64> = svg
+            .split(r#"<circle "#)
+            .skip(1)
+            .filter_map(|c| c.split(r#"cy=""#).nth(1)?.split('"').next()?.parse().ok())
+            .collect();
+        assert_eq!(dots.len(), 3);
+        assert!(dots.iter().all(|&y| (TOP..=TOP + PANEL_H).contains(&y)), "inside the loss panel: {dots:?}");
+        assert!(dots[0] < dots[1], "a higher validation loss is drawn higher: {dots:?}");
+        let without = render(&series(&events[..2]), "t").unwrap();
+        assert!(!without.contains("eval-series") && !without.contains(r#"data-kind="eval""#));
     }
 }

@@ -86,6 +86,17 @@ impl Svg {
         );
     }
 
+    /// A dot at (cx, cy), with a tooltip.
+    pub fn circle(&mut self, (cx, cy): (f64, f64), r: f64, fill: &str, tooltip: Option<&str>) {
+        let _ = write!(self.out, r#"<circle cx="{cx:.2}" cy="{cy:.2}" r="{r}" fill="{fill}""#);
+        match tooltip {
+            Some(t) => {
+                let _ = writeln!(self.out, "><title>{}</title></circle>", escape(t));
+            }
+            None => self.out.push_str("/>\n"),
+        }
+    }
+
     /// Text at (x, y); `anchor` is start, middle or end.
     pub fn text(&mut self, (x, y): (f64, f64), text: &str, size: f64, anchor: &str, fill: &str) {
         let _ = writeln!(

@@ -47,6 +47,12 @@ pub struct DataConfig {
     /// Seed of the synthetic corpus generator (independent of the training seed, so the data stays the
     /// same when the training seed changes).
     pub synthetic_seed: u64,
+    /// Hold out this fraction of the corpus' tokens, its tail, for validation (nanoGPT's contiguous
+    /// split): training samples are drawn from the head only, `train.eval_every`'s windows from the
+    /// tail only. 0 (the default): nothing held out, the whole corpus trains.
+    pub val_fraction: f64,
+    /// A separate validation file of the same `kind` (and `tokenizer`) instead of `val_fraction`.
+    pub val_path: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -66,6 +72,8 @@ impl Default for DataConfig {
             tokenizer: None,
             synthetic_bytes: 1 << 20,
             synthetic_seed: 0x7207,
+            val_fraction: 0.0,
+            val_path: None,
         }
     }
 }
@@ -100,6 +108,12 @@ pub struct TrainConfig {
     /// non-finite, as an fp16 overflow would make it. Needs `parallel.precision = "fp16"`, whose loss
     /// scaler must skip exactly those steps and lower the scale.
     pub inject_overflow_at: Vec<u64>,
+    /// Evaluate the validation loss (`data.val_fraction` or `data.val_path`) after every N-th committed
+    /// step and after the last; 0 (the default) never.
+    pub eval_every: u64,
+    /// Validation windows each evaluation reads (each `model.context` predicted tokens), the first of
+    /// the held-out part; fewer when the part holds fewer.
+    pub eval_samples: usize,
 }
 
 impl Default for TrainConfig {
@@ -120,6 +134,8 @@ impl Default for TrainConfig {
             grad_clip: 1.0,
             torch_threads: 0,
             inject_overflow_at: Vec::new(),
+            eval_every: 0,
+            eval_samples: 64,
         }
     }
 }
@@ -140,6 +156,11 @@ pub struct CheckpointConfig {
     /// state. DDP ranks all hold the whole state and ignore it.
     pub replicas: usize,
 }
+
+/// Most validation windows one evaluation reads (`train.eval_samples`).
+pub const EVAL_SAMPLES_MAX: usize = 1 << 20;
+/// The largest share of the corpus `data.val_fraction` may hold out.
+pub const VAL_FRACTION_MAX: f64 = 0.5;
 
 /// Most in-memory copies of a shard (`checkpoint.replicas`).
 pub const SHARD_REPLICAS_MAX: usize = 3;
@@ -407,6 +428,7 @@ impl JobConfig {
             };
             return Err(invalid("data.tokenizer", format!("{tokenizer:?} with data.kind = \"{kind}\""), why));
         }
+        self.validate_eval()?;
         self.parallel.validate()?;
         self.elastic.validate()?;
         let p = &self.parallel;
@@ -446,6 +468,57 @@ impl JobConfig {
             return Err(invalid("parallel.microbatches", p.microbatches, allowed));
         }
         Ok(())
+    }
+}
+
+impl JobConfig {
+    /// The validation keys: where the held-out tokens come from, and how often and how much is evaluated.
+    fn validate_eval(&self) -> Result<(), ConfigError> {
+        let (data, train) = (&self.data, &self.train);
+        let fraction = data.val_fraction;
+        if !(fraction == 0.0 || (fraction > 0.0 && fraction <= VAL_FRACTION_MAX)) {
+            return Err(invalid(
+                "data.val_fraction",
+                fraction,
+                format!("must be 0 (nothing held out) or in (0, {VAL_FRACTION_MAX}], e.g. 0.1 holds out the last tenth of the corpus"),
+            ));
+        }
+        if let (Some(path), true) = (&data.val_path, fraction > 0.0) {
+            return Err(invalid(
+                "data.val_path",
+                format!("{path:?} with data.val_fraction = {fraction}"),
+                "validation data comes from one place: set data.val_fraction (the corpus' tail) or data.val_path (a separate file), not both",
+            ));
+        }
+        if let (Some(path), DataKind::Synthetic) = (&data.val_path, data.kind) {
+            return Err(invalid(
+                "data.val_path",
+                format!("{path:?} with data.kind = \"synthetic\""),
+                "a validation file has the training data's kind, and the synthetic corpus has no file: hold out its tail with data.val_fraction instead",
+            ));
+        }
+        if !(1..=EVAL_SAMPLES_MAX).contains(&train.eval_samples) {
+            return Err(invalid(
+                "train.eval_samples",
+                train.eval_samples,
+                format!("must be in 1..={EVAL_SAMPLES_MAX}"),
+            ));
+        }
+        if train.eval_every > 0 && fraction == 0.0 && data.val_path.is_none() {
+            return Err(invalid(
+                "train.eval_every",
+                train.eval_every,
+                "evaluates held-out data, and there is none: set data.val_fraction (e.g. 0.1, the corpus' tail) or data.val_path (a separate file), or set train.eval_every = 0",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether the validation loss is evaluated after committed step `step` (1-based: `step` updates
+    /// applied): every `train.eval_every`-th and the last.
+    pub fn eval_due(&self, step: u64) -> bool {
+        let every = self.train.eval_every;
+        every > 0 && step > 0 && (step.is_multiple_of(every) || step == self.train.steps)
     }
 }
 
@@ -700,6 +773,34 @@ mod tests {
             let config = JobConfig::from_toml(&toml, "t").unwrap_or_else(|e| panic!("{toml}: {e}"));
             assert!(config.model.tie_word_embeddings, "{toml}");
         }
+    }
+
+    #[test]
+    fn validation_keys_are_checked_and_named_with_the_fix() {
+        let cases: &[(&str, &[&str])] = &[
+            ("[data]\nval_fraction = 0.6\n", &["data.val_fraction", "(0, 0.5]"]),
+            ("[data]\nval_fraction = -0.1\n", &["data.val_fraction", "must be 0"]),
+            ("[data]\nval_fraction = nan\n", &["data.val_fraction", "NaN"]),
+            (
+                "[data]\nkind = \"text\"\npath = \"a.txt\"\nval_fraction = 0.1\nval_path = \"b.txt\"\n",
+                &["data.val_path", "data.val_fraction = 0.1", "not both"],
+            ),
+            ("[data]\nval_path = \"b.txt\"\n", &["data.val_path", "synthetic", "data.val_fraction instead"]),
+            ("[train]\neval_every = 10\n", &["train.eval_every", "data.val_fraction", "data.val_path"]),
+            ("[data]\nval_fraction = 0.1\n[train]\neval_samples = 0\n", &["train.eval_samples", "1..="]),
+            ("[train]\nevaluate_every = 10\n", &["unknown field `evaluate_every`", "eval_every"]),
+        ];
+        for (toml, needles) in cases {
+            let message = error_of(toml);
+            for needle in *needles {
+                assert!(message.contains(needle), "error for {toml:?} lacks {needle:?}: {message}");
+            }
+        }
+        let config =
+            JobConfig::from_toml("[data]\nval_fraction = 0.1\n[train]\neval_every = 50\nsteps = 120\n", "t").unwrap();
+        let due: Vec<u64> = (0..=120).filter(|&s| config.eval_due(s)).collect();
+        assert_eq!(due, [50, 100, 120], "every 50th committed step and the last, never step 0");
+        assert!(!JobConfig::default().eval_due(200), "eval_every = 0: never");
     }
 
     #[test]

@@ -7,9 +7,11 @@
 //! reaches `top_p`, drawn by troupe's seeded generator (the same seed, the same text).
 //! [`evaluate`] is the mean next-token loss and perplexity over a corpus' consecutive windows.
 
+use std::ops::Range;
+
 use tch::{Kind, Tensor};
 
-use crate::data::Corpus;
+use crate::data::{micro_batch_ranges, Corpus, EvalWindows};
 use crate::model::{cross_entropy, KvCache, Model};
 use crate::rng::SplitMix64;
 
@@ -189,9 +191,18 @@ pub struct Evaluation {
     pub windows: usize,
 }
 
+impl Evaluation {
+    /// The evaluation whose windows' losses sum to `sum` ([`window_loss_sum`] over all of `windows`,
+    /// or its parts summed over data-parallel ranks).
+    pub fn of_sum(sum: f64, windows: &EvalWindows) -> Self {
+        let loss = sum / windows.len() as f64;
+        Self { loss, perplexity: loss.exp(), tokens: windows.tokens(), windows: windows.len() }
+    }
+}
+
 /// Mean next-token loss of `model` over consecutive non-overlapping windows of `corpus` (each window the
-/// model's context of inputs and their next tokens; at most `max_windows`, 0 for all), `batch` windows
-/// per forward.
+/// model's context of inputs and their next tokens, [`EvalWindows`]; at most `max_windows`, 0 for all),
+/// `batch` windows per forward.
 pub fn evaluate(model: &Model, corpus: &Corpus, max_windows: usize, batch: usize) -> Result<Evaluation, GenerateError> {
     let context = model.config.context;
     if corpus.len() < context + 1 {
@@ -201,29 +212,25 @@ pub fn evaluate(model: &Model, corpus: &Corpus, max_windows: usize, batch: usize
     if let Some((position, token)) = corpus.first_outside(vocab) {
         return Err(GenerateError::CorpusTokenOutOfVocabulary { token, position, vocab });
     }
-    let mut windows = (corpus.len() - 1) / context;
-    if max_windows > 0 {
-        windows = windows.min(max_windows);
-    }
+    let windows = EvalWindows::new(corpus.clone(), context, max_windows);
+    let sum = window_loss_sum(model, &windows, 0..windows.len(), batch);
+    Ok(Evaluation::of_sum(sum, &windows))
+}
+
+/// Σ over `windows`' windows `range` of each window's mean next-token loss under `model`, forward only
+/// (no gradients, nothing changed), `batch` windows per forward: a data-parallel rank's share of an
+/// evaluation — the shares of ranks whose ranges tile the windows sum to [`evaluate`]'s total.
+pub fn window_loss_sum(model: &Model, windows: &EvalWindows, range: Range<usize>, batch: usize) -> f64 {
     let device = model.params()[0].device();
-    let mut sum = 0.0;
     tch::no_grad(|| {
-        for first in (0..windows).step_by(batch.max(1)) {
-            let count = batch.max(1).min(windows - first);
-            let mut inputs = Vec::with_capacity(count * context);
-            let mut targets = Vec::with_capacity(count * context);
-            for w in first..first + count {
-                let start = w * context;
-                corpus.extend_i64(start..start + context, &mut inputs);
-                corpus.extend_i64(start + 1..start + context + 1, &mut targets);
-            }
-            let shape = [count as i64, context as i64];
-            let inputs = Tensor::from_slice(&inputs).view(shape).to_device(device);
-            let targets = Tensor::from_slice(&targets).view(shape).to_device(device);
-            let loss = cross_entropy(&model.forward(&inputs), &targets).double_value(&[]);
-            sum += loss * count as f64;
-        }
-    });
-    let loss = sum / windows as f64;
-    Ok(Evaluation { loss, perplexity: loss.exp(), tokens: windows * context, windows })
+        micro_batch_ranges(range, batch.max(1))
+            .into_iter()
+            .map(|part| {
+                let count = part.len() as f64;
+                let (inputs, targets) = windows.batch(part);
+                let (inputs, targets) = (inputs.to_device(device), targets.to_device(device));
+                cross_entropy(&model.forward(&inputs), &targets).double_value(&[]) * count
+            })
+            .sum()
+    })
 }

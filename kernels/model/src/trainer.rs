@@ -10,7 +10,8 @@ use tch::{Device, Tensor};
 use crate::blockwise::{micro_batch_backward, Activations};
 use crate::checkpoint::{self, CheckpointError};
 use crate::config::{ConfigError, JobConfig};
-use crate::data::{load_corpus, micro_batch_ranges, Corpus, DataError, GlobalSampler};
+use crate::data::{load_corpora, micro_batch_ranges, Corpus, DataError, EvalWindows, GlobalSampler};
+use crate::generate::{window_loss_sum, Evaluation};
 use crate::model::Model;
 use crate::optim::{grad_norm, learning_rate, scale_grads, AdamW, AdamWConfig};
 use crate::precision::{backward_weight, LossScale, Precision, Update};
@@ -59,6 +60,9 @@ pub struct Trainer {
     /// Where the model, its gradients and the optimizer state live and compute (default: the CPU; each
     /// micro-batch is copied there from the sampler).
     pub device: Device,
+    /// The held-out windows `train.eval_every` evaluates (`data.val_fraction` or `data.val_path`);
+    /// None when the job holds none out.
+    pub validation: Option<EvalWindows>,
 }
 
 impl Trainer {
@@ -78,8 +82,8 @@ impl Trainer {
     pub fn new_on(config: JobConfig, device: Device) -> Result<Self, TrainError> {
         config.validate()?;
         crate::hf::check_weights(&config.model)?;
-        let corpus = load_corpus(&config.data, &config.model)?;
-        Ok(Self::with_corpus_on(config, corpus, device))
+        let (corpus, validation) = load_corpora(&config.data, &config.model)?;
+        Ok(Self::with_corpus_on(config, corpus, device).with_validation(validation))
     }
 
     /// A fresh run whose model is not materialised ([`Model::unmaterialised`]: every parameter empty, no
@@ -90,9 +94,9 @@ impl Trainer {
     pub fn new_unmaterialised(config: JobConfig) -> Result<Self, TrainError> {
         config.validate()?;
         crate::hf::check_weights(&config.model)?;
-        let corpus = load_corpus(&config.data, &config.model)?;
+        let (corpus, validation) = load_corpora(&config.data, &config.model)?;
         let model = Model::unmaterialised(config.model.clone()).with_precision(Precision::of_config(&config.parallel));
-        Ok(Self::with_model(config, corpus, model, Device::Cpu))
+        Ok(Self::with_model(config, corpus, model, Device::Cpu).with_validation(validation))
     }
 
     /// [`Self::with_corpus`] on `device`.
@@ -107,7 +111,14 @@ impl Trainer {
         let optimizer = AdamW::new(AdamWConfig::from(&config.train), model.params(), decays);
         let sampler = GlobalSampler::new(config.train.seed, corpus, config.model.context);
         let loss_scale = LossScale::initial(&config.parallel);
-        Self { config, model, optimizer, sampler, step: 0, loss_scale, device }
+        Self { config, model, optimizer, sampler, step: 0, loss_scale, device, validation: None }
+    }
+
+    /// Evaluates on `corpus`'s first `train.eval_samples` windows ([`Self::evaluate`]); None: nothing.
+    pub fn with_validation(mut self, corpus: Option<Corpus>) -> Self {
+        let (context, samples) = (self.config.model.context, self.config.train.eval_samples);
+        self.validation = corpus.map(|corpus| EvalWindows::new(corpus, context, samples));
+        self
     }
 
     /// Continues the run saved in checkpoint directory `dir`. `config` must describe the same model, data
@@ -197,6 +208,14 @@ impl Trainer {
         let tokens = (self.config.train.global_batch * self.config.model.context) as u64;
         let (grad_norm, skipped) = (update.grad_norm(), update.skipped());
         StepReport { step, loss, lr, grad_norm, tokens, skipped, loss_scale }
+    }
+
+    /// The validation loss of the current model over [`Self::validation`]'s windows, `train.micro_batch`
+    /// windows per forward (no gradients, no state change, no randomness); None without held-out data.
+    pub fn evaluate(&self) -> Option<Evaluation> {
+        let windows = self.validation.as_ref()?;
+        let sum = window_loss_sum(&self.model, windows, 0..windows.len(), self.config.train.micro_batch);
+        Some(Evaluation::of_sum(sum, windows))
     }
 
     /// Mean loss of `batches` fixed evaluation batches (no gradients, no state change).

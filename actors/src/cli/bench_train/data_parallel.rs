@@ -241,6 +241,7 @@ async fn run_job(
             | JobEvent::Waiting { .. }
             | JobEvent::Saved { .. }
             | JobEvent::Checkpoint { .. }
+            | JobEvent::Eval { .. }
             | JobEvent::Phases { .. } => {}
             JobEvent::RolledBack { .. } => break Err(anyhow::anyhow!("the job rolled back during the benchmark")),
             JobEvent::Finished { .. } => break Ok(()),

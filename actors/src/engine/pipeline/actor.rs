@@ -9,6 +9,8 @@
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tch::Tensor;
 use troupe_cluster::transport::Transport;
+use troupe_model::data::EvalWindows;
+use troupe_model::generate::Evaluation;
 use troupe_model::precision::LossScale;
 
 use super::super::committed::ShardPiece;
@@ -35,6 +37,13 @@ pub enum StageMsg {
     /// The second half, once the step is committed ([`PipelineStage::apply_update`]); the reply carries
     /// the counters after it.
     Apply(ReducedStage, RpcReplyPort<StageCounters>),
+    /// The validation loss of the committed parameters over `windows`, forward only
+    /// ([`PipelineStage::evaluate`]); abandoned like `Reduce` when `abandon`'s sender is dropped or sends.
+    Evaluate {
+        windows: EvalWindows,
+        abandon: tokio::sync::oneshot::Receiver<()>,
+        reply: RpcReplyPort<Result<Evaluation, PipelineError>>,
+    },
     /// The device's committed state as pieces of the flat parameter order, and its counters.
     Export(RpcReplyPort<(Vec<ShardPiece>, StageCounters)>),
 }
@@ -101,6 +110,15 @@ impl<T: Transport> Actor for StageActor<T> {
             StageMsg::Apply(reduced, reply) => {
                 stage.apply_update(reduced);
                 let _ = reply.send(StageCounters::of(stage));
+            }
+            StageMsg::Evaluate { windows, abandon, reply } => {
+                let result = tokio::select! {
+                    r = stage.evaluate(&windows) => r,
+                    _ = abandon => {
+                        Err(PipelineError::Actor { device: stage.device(), reason: "the evaluation was abandoned".into() })
+                    }
+                };
+                let _ = reply.send(result);
             }
             StageMsg::Export(reply) => {
                 let _ = reply.send((stage.export_state(), StageCounters::of(stage)));

@@ -34,6 +34,7 @@ use troupe_cluster::transport::subgroup::Subgroup;
 use troupe_cluster::transport::Transport;
 use troupe_model::checkpoint::state::scaler_of;
 use troupe_model::checkpoint::{CheckpointWriter, Layout, SaveRequest, ShardMode, TrainingState};
+use troupe_model::generate::Evaluation;
 use troupe_model::model::ModelConfig;
 use troupe_model::Trainer;
 
@@ -461,6 +462,15 @@ impl<T: Transport> StepEngine for PipelineReplica<T> {
         let layout = Layout { dp, pp, shard_mode, shards: pp };
         writer.submit(SaveRequest { state: Box::new(state), layout, tag });
         Ok(())
+    }
+
+    /// The stage actor runs its part of the forward-only pass (dropped with this future on an abort, the
+    /// sender tells it to stop, as for `reduce`).
+    async fn evaluate(&mut self) -> Result<Option<Evaluation>, EngineError> {
+        let Some(windows) = self.trainer.validation.clone() else { return Ok(None) };
+        let (_abandon_when_dropped, abandon) = tokio::sync::oneshot::channel();
+        let eval = self.ask("evaluation", |reply| StageMsg::Evaluate { windows, abandon, reply }).await??;
+        Ok(Some(eval))
     }
 
     /// The whole parameters on rank 0 (for `--save-final`).

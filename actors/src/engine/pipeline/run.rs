@@ -15,6 +15,9 @@ use troupe_cluster::transport::memory::MemoryTransport;
 use troupe_cluster::transport::Transport;
 use troupe_cluster::TransportConfig;
 use troupe_model::config::JobConfig;
+use troupe_model::data::{load_corpora, EvalWindows};
+use troupe_model::generate::Evaluation;
+use troupe_model::TrainError;
 
 use super::actor::{StageActor, StageMsg};
 use super::{
@@ -67,6 +70,8 @@ pub struct PipelineStep {
     pub spans: Vec<Vec<OpSpan>>,
     /// Per device of data-parallel replica 0, the parameter elements it holds after the step.
     pub param_elements: Vec<usize>,
+    /// The validation loss of the model after this step, when `train.eval_every` makes it due.
+    pub eval: Option<Evaluation>,
 }
 
 /// A finished run.
@@ -140,6 +145,7 @@ pub async fn run_stages<T: Transport>(
     let replicas = devices.len() / options.shape.stages;
     let costs = costs_for(config, replicas, options.shape.microbatches);
     let layouts = partition_by(&config.model, &costs, options.shape.chunks())?;
+    let validation = validation_windows(config)?;
     let origin = Instant::now();
     let collective = CollectiveConfig::from(&TransportConfig::default());
     let mut stages = Vec::new();
@@ -174,7 +180,8 @@ pub async fn run_stages<T: Transport>(
             }
         }
     }
-    let result = drive(&actors, options, steps, &mut on_step).await.map(|run| PipelineRun { layouts, ..run });
+    let eval = validation.as_ref().map(|windows| (config, windows));
+    let result = drive(&actors, options, eval, steps, &mut on_step).await.map(|run| PipelineRun { layouts, ..run });
     for (actor, _) in &actors {
         actor.stop(None);
     }
@@ -224,9 +231,42 @@ fn spawn_stage_thread<T: Transport>(
     Ok((actor, thread))
 }
 
+/// The held-out windows `train.eval_every` evaluates (None: the job evaluates nothing).
+fn validation_windows(config: &JobConfig) -> Result<Option<EvalWindows>, PipelineError> {
+    if config.train.eval_every == 0 {
+        return Ok(None);
+    }
+    let (_, held_out) = load_corpora(&config.data, &config.model).map_err(TrainError::from)?;
+    let (context, samples) = (config.model.context, config.train.eval_samples);
+    Ok(held_out.map(|corpus| EvalWindows::new(corpus, context, samples)))
+}
+
+/// Every device's part of the validation loss (each returns the same; device 0's is taken).
+async fn evaluate(
+    actors: &[(ActorRef<StageMsg>, std::thread::JoinHandle<()>)],
+    windows: &EvalWindows,
+    timeout_ms: u64,
+) -> Result<Evaluation, PipelineError> {
+    let calls = actors.iter().map(|(actor, _)| {
+        let windows = windows.clone();
+        async move {
+            // Kept until the reply: dropping it would abandon the evaluation.
+            let (_abandon_when_dropped, abandon) = tokio::sync::oneshot::channel();
+            ractor::call_t!(actor, (|reply| StageMsg::Evaluate { windows, abandon, reply }), timeout_ms)
+        }
+    });
+    let mut first = None;
+    for (device, reply) in join_all(calls).await.into_iter().enumerate() {
+        let eval = reply.map_err(|e| PipelineError::Actor { device, reason: e.to_string() })??;
+        first.get_or_insert(eval);
+    }
+    Ok(first.expect("a pipeline has devices"))
+}
+
 async fn drive(
     actors: &[(ActorRef<StageMsg>, std::thread::JoinHandle<()>)],
     options: &PipelineOptions,
+    eval: Option<(&JobConfig, &EvalWindows)>,
     steps: u64,
     on_step: &mut impl FnMut(&PipelineStep),
 ) -> Result<PipelineRun, PipelineError> {
@@ -241,6 +281,12 @@ async fn drive(
             per_device.push(step);
         }
         let first = &per_device[0];
+        let eval = match eval {
+            Some((config, windows)) if config.eval_due(first.step + 1) => {
+                Some(evaluate(actors, windows, options.step_timeout_ms).await?)
+            }
+            _ => None,
+        };
         let report = PipelineStep {
             step: first.step,
             loss: first.loss,
@@ -250,6 +296,7 @@ async fn drive(
             loss_scale: first.loss_scale,
             spans: per_device[..options.shape.stages].iter().map(|s| s.spans.clone()).collect(),
             param_elements: per_device[..options.shape.stages].iter().map(|s| s.param_elements).collect(),
+            eval,
         };
         on_step(&report);
         reports.push(report);

@@ -41,6 +41,7 @@ use super::super::zero3::unit_tensors;
 use super::error::PipelineError;
 use super::{ChunkLayout, Op, OpKind, Plan, PlanShape};
 
+mod eval;
 mod tied;
 
 pub use tied::tied_copy_range;

@@ -30,6 +30,14 @@ pub enum DataError {
     JsonlLine { path: PathBuf, line: usize, message: String },
     #[error("tokenizer {tokenizer} failed to encode {path}: {message}")]
     Encode { path: PathBuf, tokenizer: PathBuf, message: String },
+    #[error("data.val_fraction = {fraction} holds out the last {tokens} of the {total} tokens of {origin}, fewer than one validation window needs (model.context + 1 = {needed}); raise data.val_fraction to at least {:.3}, or use a longer corpus", (*needed as f64 / *total as f64).min(1.0))]
+    ValTooShort { origin: String, fraction: f64, tokens: usize, total: usize, needed: usize },
+    #[error(
+        "validation file {path} (data.val_path): cannot read it ({source}); check data.val_path in the job config"
+    )]
+    ValUnreadable { path: PathBuf, source: std::io::Error },
+    #[error("validation file {path} (data.val_path) holds {tokens} tokens, fewer than one validation window needs (model.context + 1 = {needed}); use a longer file")]
+    ValFileTooShort { path: PathBuf, tokens: usize, needed: usize },
     #[error("token file {path}: cannot write it ({source})")]
     Write { path: PathBuf, source: std::io::Error },
 }

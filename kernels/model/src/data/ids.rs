@@ -45,6 +45,15 @@ impl Ids {
         }
     }
 
+    /// The ids of `range`, copied, in the narrowest form that holds them (so the fingerprint stays a
+    /// function of the ids alone).
+    pub(crate) fn slice(&self, range: Range<usize>) -> Self {
+        match self {
+            Ids::U16(ids) => Ids::U16(ids[range].into()),
+            Ids::U32(ids) => Ids::from_u32(ids[range].to_vec()),
+        }
+    }
+
     /// The first id that is `bound` or more, and its position.
     pub(crate) fn first_at_least(&self, bound: usize) -> Option<(usize, u32)> {
         match self {

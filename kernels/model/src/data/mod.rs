@@ -1,5 +1,6 @@
 //! Training data: the byte tokenizer and Hugging Face tokenizers, corpora (synthetic, text, jsonl,
-//! token files: troupe's and nanoGPT's `.bin`), and the deterministic global sampler.
+//! token files: troupe's and nanoGPT's `.bin`), the deterministic global sampler, and held-out
+//! validation data.
 
 mod corpus;
 mod documents;
@@ -10,8 +11,9 @@ mod sampler;
 mod synthetic;
 mod token_file;
 mod tokenizer;
+mod validation;
 
-pub use corpus::{load_corpus, Corpus};
+pub use corpus::{load_corpora, load_corpus, Corpus};
 pub use documents::{encode_documents, DocumentFormat, Encoder, Sink};
 pub use error::DataError;
 pub use python_oracle::tokenizers_oracle;
@@ -19,6 +21,7 @@ pub use sampler::{micro_batch_ranges, rank_slice, GlobalSampler, SamplerState};
 pub use synthetic::synthetic_text;
 pub use token_file::{TokenFileHeader, TokenFileWriter, TOKEN_FILE_HEADER_BYTES, TOKEN_FILE_MAGIC, TOKEN_FILE_VERSION};
 pub use tokenizer::HfTokenizer;
+pub use validation::{split_tail, EvalWindows};
 
 /// Byte-level tokenizer: token = byte value, vocabulary 256.
 #[derive(Clone, Copy, Debug, Default)]
