@@ -6,6 +6,8 @@
 //!   those are counted, never a gap or an unexplained repeat);
 //! - every committed step's loss equals the reference's loss at that step (each step trained on its own
 //!   samples: none lost, none repeated), and the final parameters equal the reference;
+//! - a job with `train.eval_every` reported the validation loss of every evaluation step, each equal to
+//!   the reference's (an evaluation a fault cut short is retried by the next attempt);
 //! - every checkpoint the job reported loads, except one the nemesis corrupted, which must be refused;
 //! - every fault lands while the job trains (a step commits after it), and after each fault heals, a step
 //!   commits within the scenario's bound;
@@ -97,6 +99,37 @@ pub fn trajectory(events: &[(Instant, JobEvent)], steps: u64, reference: &[f64],
         format!("worst relative difference {worst:.1e} (tolerance {tolerance:.1e})"),
     ));
     t
+}
+
+/// `train.eval_every`: every step in `reference` (the reference trainer's validation loss after each
+/// evaluation step) has an `eval` event, and every `eval` event equals the reference's loss at its step
+/// within `tolerance` — a step reported again after a rollback too.
+pub fn evaluations(events: &[(Instant, JobEvent)], reference: &[(u64, f64)], tolerance: f64) -> Check {
+    let mut problems = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    let mut worst = 0f64;
+    for (_, event) in events {
+        let JobEvent::Eval { step, loss, .. } = event else { continue };
+        seen.insert(*step);
+        match reference.iter().find(|(s, _)| s == step) {
+            Some((_, want)) => worst = worst.max((loss - want).abs() / want.abs().max(f64::MIN_POSITIVE)),
+            None => problems.push(format!("step {step} is not an evaluation step")),
+        }
+    }
+    let missing: Vec<u64> = reference.iter().map(|(s, _)| *s).filter(|s| !seen.contains(s)).collect();
+    if !missing.is_empty() {
+        problems.push(format!("no evaluation of step(s) {missing:?}"));
+    }
+    if worst > tolerance {
+        problems.push(format!("worst relative difference {worst:.1e} (tolerance {tolerance:.1e})"));
+    }
+    let passed = problems.is_empty();
+    let detail = if passed {
+        format!("{} evaluation step(s), worst relative difference {worst:.1e}", reference.len())
+    } else {
+        problems.join("; ")
+    };
+    check("every evaluation step's validation loss equals the reference", passed, detail)
 }
 
 /// fp16: every commit of an injected step (0-based `injected`; events count from 1) was skipped, and no
@@ -522,6 +555,21 @@ mod tests {
         assert!(t.checks[1].passed, "{:?}", t.checks[1]);
         assert_eq!((t.steps_redone, t.data_lost), (1, 0));
         assert!(!t.checks[2].passed, "a loss off by 1e-3 relative is caught");
+    }
+
+    #[test]
+    fn every_evaluation_step_is_reported_equal_to_the_reference() {
+        let t0 = Instant::now();
+        let eval =
+            |step, loss: f64| (t0, JobEvent::Eval { step, loss, perplexity: loss.exp(), windows: 4, tokens: 64 });
+        let reference = [(2, 4.0), (4, 3.5)];
+        let rolled_back = [eval(2, 4.0), eval(4, 3.5), eval(4, 3.5)];
+        assert!(evaluations(&rolled_back, &reference, TOLERANCE).passed, "a step evaluated again is fine");
+        let missing = evaluations(&[eval(2, 4.0)], &reference, TOLERANCE);
+        assert!(!missing.passed && missing.detail.contains("[4]"), "{missing:?}");
+        let wrong = evaluations(&[eval(2, 4.0), eval(4, 3.6)], &reference, TOLERANCE);
+        assert!(!wrong.passed && wrong.detail.contains("worst relative difference"), "{wrong:?}");
+        assert!(!evaluations(&[eval(2, 4.0), eval(3, 3.7), eval(4, 3.5)], &reference, TOLERANCE).passed);
     }
 
     #[test]

@@ -225,8 +225,14 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
     let reference = tokio::task::spawn_blocking(move || {
         tch::set_num_threads(1);
         let mut trainer = Trainer::new(config)?;
-        let losses: Vec<f64> = (0..trainer.config.train.steps).map(|_| trainer.train_step().loss).collect();
-        anyhow::Ok((losses, trainer))
+        let (mut losses, mut evals) = (Vec::new(), Vec::new());
+        while trainer.step < trainer.config.train.steps {
+            losses.push(trainer.train_step().loss);
+            if let (true, Some(eval)) = (trainer.config.eval_due(trainer.step), trainer.evaluate()) {
+                evals.push((trainer.step, eval.loss));
+            }
+        }
+        anyhow::Ok((losses, trainer, evals))
     })
     .await??;
 
@@ -249,6 +255,9 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
     checks.push(checker::final_parameters(&final_params, &reference.1, tolerance));
     if !scenario.inject_overflow_at.is_empty() {
         checks.push(checker::overflows_skipped(&events, &scenario.inject_overflow_at));
+    }
+    if !reference.2.is_empty() {
+        checks.push(checker::evaluations(&events, &reference.2, tolerance));
     }
     checks.push(checker::checkpoints_load(&events, &injected));
     checks.push(checker::progress_after_faults(&events, &injected, bound));
