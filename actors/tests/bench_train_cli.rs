@@ -1,10 +1,12 @@
 //! `troupe bench train --world N` as a user runs it: the JSON report of a data-parallel run on a local
-//! cluster of daemon processes, a ZeRO-3 run beside DDP, and the error for sharding one rank. Speed is
-//! not asserted (the machine is shared); only that every figure is there and positive.
+//! cluster of daemon processes, a ZeRO-3 run beside DDP, a Llama preset beside transformers' model under
+//! PyTorch DDP, and the errors for sharding one rank and for a model that is not a preset. Speed is not
+//! asserted (the machine is shared); only that every figure is there and positive.
 
 use std::process::{Command, Output};
 
 use serde_json::Value;
+use troupe_model::oracle::venv_python;
 
 fn troupe(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_troupe")).args(args).env_clear().output().expect("troupe runs")
@@ -29,6 +31,8 @@ fn world_two_reports_throughput_and_peak_memory_of_each_rank() {
     assert_eq!(report["micro_batch"], 8);
     assert_eq!(report["global_batch"], 16);
     assert_eq!(report["context"], 128);
+    assert_eq!((report["model"].as_str(), report["arch"].as_str()), (Some("gpt-tiny"), Some("gpt2")), "{report}");
+    assert_eq!(report["params"], 3_323_392);
     positive(&report, "tokens_per_s");
     positive(&report, "torch_threads");
     positive(&report, "final_loss");
@@ -62,6 +66,41 @@ fn a_zero3_run_is_measured_beside_ddp_in_the_same_report() {
     for key in ["peak_rss_mib_per_rank", "ddp_peak_rss_mib_per_rank"] {
         assert_eq!(report[key].as_array().map(Vec::len), Some(2), "{key} per rank in {report}");
     }
+}
+
+#[test]
+fn world_two_trains_a_llama_preset_beside_transformers_under_pytorch_ddp() {
+    // The peer (bench/peers/ddp_gpt_tiny.py --config-dir) runs in the provisioned venv.
+    let python = venv_python();
+    let python = python.to_str().expect("a UTF-8 path");
+    let args = ["--world", "2", "--model", "llama-tiny", "--context", "32", "--steps", "2", "--repeats", "1"];
+    let output = troupe(&[&["bench", "train"][..], &args, &["--peer", "--python", python, "--json"]].concat());
+    assert!(output.status.success(), "troupe failed: {}", String::from_utf8_lossy(&output.stderr));
+    let report: Value = serde_json::from_slice(&output.stdout).expect("one JSON object");
+    assert_eq!((report["model"].as_str(), report["arch"].as_str()), (Some("llama-tiny"), Some("llama")), "{report}");
+    assert_eq!((report["world"].as_u64(), report["context"].as_u64()), (Some(2), Some(32)), "{report}");
+    assert_eq!((report["peer"].as_str(), report["peer_shard"].as_str()), (Some("transformers-ddp-gloo"), Some("none")));
+    // Both sides built the same model from the preset: troupe's count is transformers' LlamaForCausalLM's.
+    assert!(report["params"].as_u64().is_some_and(|n| n > 2_000_000), "{report}");
+    assert_eq!(report["params"], report["peer_params"], "{report}");
+    for key in ["tokens_per_s", "tokens_per_s_no_overlap", "peer_tokens_per_s", "ratio", "final_loss"] {
+        positive(&report, key);
+    }
+    let ratio = report["tokens_per_s"].as_f64().unwrap() / report["peer_tokens_per_s"].as_f64().unwrap();
+    assert!((positive(&report, "ratio") - ratio).abs() < 1e-9 * ratio, "{report}");
+}
+
+#[test]
+fn a_model_that_is_not_a_preset_is_refused_naming_the_presets() {
+    for world in ["1", "2"] {
+        let output = troupe(&["bench", "train", "--world", world, "--model", "llama-7b"]);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "--world {world} accepted llama-7b");
+        assert!(stderr.contains("--model \"llama-7b\": not a preset") && stderr.contains("\"llama-tiny\""), "{stderr}");
+    }
+    let output = troupe(&["bench", "train", "--world", "2", "--model", "llama-tiny", "--context", "0"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("--context 0"), "{stderr}");
 }
 
 #[test]

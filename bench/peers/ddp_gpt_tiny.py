@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """The PyTorch peer of `troupe bench train --world N` (N >= 2): the gpt-tiny of train_gpt_tiny.py (model,
 AdamW, grad-norm clipping, data: imported from it, not copied) trained data-parallel with
-DistributedDataParallel over Gloo, N processes on loopback (torch.multiprocessing spawn).
+DistributedDataParallel over Gloo, N processes on loopback (torch.multiprocessing spawn). With
+--config-dir DIR (`troupe bench train --world N --model PRESET`, PRESET not gpt-tiny) the model is
+transformers' own of DIR/config.json instead, built as train_hf_model.py builds it (AutoModelForCausalLM,
+SDPA attention, fp32), the byte corpus taken modulo its vocabulary as there.
 
 Each rank: --micro-batch samples of --context tokens per step from its own generator, --threads torch
 threads, --warmup untimed steps, a barrier, then --steps timed steps. Printed (one JSON line): tokens_per_s,
@@ -27,15 +30,26 @@ from gloo_allreduce import free_port, timed_steps  # noqa: E402
 from train_gpt_tiny import Gpt, corpus, make_optimizer, make_scaler, sample_batch, train_step  # noqa: E402
 
 
+def build(args):
+    """(the model each rank trains, the token corpus, transformers' model_type or None): gpt-tiny, or with
+    --config-dir transformers' model."""
+    if args.config_dir is None:
+        return Gpt(context=args.context), corpus(), None
+    from train_hf_model import build as build_hf  # transformers is imported only when it is used
+
+    model, config = build_hf(args.config_dir)
+    return model, corpus() % config.vocab_size, config.model_type
+
+
 def rank_main(rank, args, port, results):
     torch.set_num_threads(args.threads)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=args.world)
     torch.manual_seed(0)
-    model = DistributedDataParallel(Gpt(context=args.context))
+    module, data, model_type = build(args)
+    model = DistributedDataParallel(module)
     opt = make_optimizer(model)
-    data = corpus()
     gen = torch.Generator().manual_seed(rank)
     scaler = make_scaler(args.precision)
 
@@ -49,6 +63,7 @@ def rank_main(rank, args, port, results):
         "loss": loss,
         "peak_mem_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "params": sum(p.numel() for p in model.parameters()),
+        "model_type": model_type,
     }
     dist.barrier()
     dist.destroy_process_group()
@@ -64,14 +79,17 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
                     help="torch.autocast compute precision (fp16 with GradScaler)")
+    ap.add_argument("--config-dir", help="train transformers' model of this directory's config.json, not gpt-tiny")
     args = ap.parse_args()
     manager = mp.Manager()
     results = manager.dict()
     mp.spawn(rank_main, args=(args, free_port(), results), nprocs=args.world, join=True)
     ranks = [results[r] for r in range(args.world)]
     tokens = args.steps * args.micro_batch * args.context * args.world
+    hf = args.config_dir is not None
     print(json.dumps({
-        "peer": "pytorch-ddp-gloo", "torch": torch.__version__, "world": args.world, "steps": args.steps,
+        "peer": "transformers-ddp-gloo" if hf else "pytorch-ddp-gloo", "torch": torch.__version__,
+        **({"model_type": ranks[0]["model_type"]} if hf else {}), "world": args.world, "steps": args.steps,
         "precision": args.precision,
         "micro_batch": args.micro_batch, "global_batch": args.micro_batch * args.world, "context": args.context,
         "torch_threads": args.threads, "params": ranks[0]["params"],

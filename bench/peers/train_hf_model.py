@@ -29,6 +29,16 @@ class Causal(torch.nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), y.view(-1))
 
 
+def build(config_dir, device="cpu"):
+    """(transformers' model of config_dir/config.json wrapped in `Causal`, in fp32 with SDPA attention, in
+    training mode on `device`; the config). Also the model bench/peers/ddp_gpt_tiny.py --config-dir trains."""
+    config = AutoConfig.from_pretrained(config_dir)
+    model = Causal(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32))
+    model.to(device)
+    model.train()
+    return model, config
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config-dir", required=True)
@@ -42,10 +52,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    config = AutoConfig.from_pretrained(args.config_dir)
-    model = Causal(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32))
-    model.to(args.device)
-    model.train()
+    model, config = build(args.config_dir, args.device)
     opt = make_optimizer(model)
     data = corpus() % config.vocab_size
     gen = torch.Generator().manual_seed(0)

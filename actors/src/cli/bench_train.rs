@@ -1,11 +1,13 @@
-//! `troupe bench train`: training throughput of gpt-tiny (micro-batch 8 per rank, context 128), and with
-//! `--peer` the identical model trained by PyTorch in the same run, alternating the two so machine drift
-//! hits both alike. The figure that counts is the ratio.
+//! `troupe bench train`: training throughput of a model preset (gpt-tiny by default; micro-batch 8 per
+//! rank, context 128), and with `--peer` the identical model trained by PyTorch in the same run,
+//! alternating the two so machine drift hits both alike. The figure that counts is the ratio.
 //!
-//! `--world 1` trains in this process beside PyTorch eager (bench/peers/train_gpt_tiny.py); `--world N`
-//! (N ≥ 2) runs a job on a local cluster of N daemon processes beside PyTorch DDP over Gloo
-//! (bench/peers/ddp_gpt_tiny.py), twice per repetition — bucket all-reduce overlapped with the backward
-//! (the default) and after it — see `data_parallel`.
+//! `--world 1` trains in this process beside PyTorch eager (bench/peers/train_gpt_tiny.py; another preset
+//! beside transformers' own model of the config.json troupe writes for it, bench/peers/train_hf_model.py);
+//! `--world N` (N ≥ 2) runs a job on a local cluster of N daemon processes beside PyTorch DDP over Gloo of
+//! the same model (bench/peers/ddp_gpt_tiny.py, `--config-dir` for a preset other than gpt-tiny), twice
+//! per repetition — bucket all-reduce overlapped with the backward (the default) and after it — see
+//! `data_parallel`.
 
 mod data_parallel;
 
@@ -17,7 +19,7 @@ use anyhow::{bail, Context};
 use serde_json::{json, Value};
 use troupe_model::config::{JobConfig, BUCKET_MIB_MAX};
 use troupe_model::trainer::configure_torch_threads;
-use troupe_model::Trainer;
+use troupe_model::{ModelConfig, Trainer};
 
 use crate::cli::bench_kernels::BenchDevice;
 
@@ -56,11 +58,12 @@ pub struct BenchTrainArgs {
     #[arg(long, value_enum, default_value_t = crate::cli::bench_kernels::BenchDevice::Cpu)]
     pub device: crate::cli::bench_kernels::BenchDevice,
     /// The model, a preset (`gpt-tiny`, `llama-tiny`, `gpt2`, `smollm2-135m`, `tinyllama-1.1b`) at
-    /// `--context`. With `--world 1 --peer`, a preset other than gpt-tiny is trained beside transformers'
-    /// own model of the same config.json (AutoModelForCausalLM, eager PyTorch).
+    /// `--context`, at any `--world`. With `--peer`, a preset other than gpt-tiny is trained beside
+    /// transformers' own model of the config.json troupe writes for it (AutoModelForCausalLM, eager
+    /// PyTorch; under DDP over Gloo with `--world N ≥ 2`).
     #[arg(long, default_value = "gpt-tiny")]
     pub model: String,
-    /// Tokens per sample.
+    /// Tokens per sample, for troupe and the peer, at any `--world`.
     #[arg(long, default_value_t = 128)]
     pub context: usize,
     /// Samples per step for `--world 1` (one micro-batch; default 8, the peers' figure).
@@ -92,18 +95,18 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     if args.world != 1 && args.micro_batch != MICRO_BATCH {
         bail!("--micro-batch is for --world 1; data-parallel runs use {MICRO_BATCH} per rank");
     }
-    if args.world != 1 && args.model != "gpt-tiny" {
-        bail!("--model {}: the data-parallel benchmark trains gpt-tiny (its peer is PyTorch DDP of gpt-tiny); use --world 1", args.model);
+    if args.world == 0 {
+        bail!("--world 0: a benchmark needs at least one rank");
     }
+    let model = bench_model(&args.model, args.context)?;
     match args.world {
-        0 => bail!("--world 0: a benchmark needs at least one rank"),
-        1 => run_single(args),
-        _ => data_parallel::run(args),
+        1 => run_single(args, model),
+        _ => data_parallel::run(args, model),
     }
 }
 
 /// `--world 1`: the trainer in this process.
-fn run_single(args: BenchTrainArgs) -> anyhow::Result<()> {
+fn run_single(args: BenchTrainArgs, model: ModelConfig) -> anyhow::Result<()> {
     let threads = configure_torch_threads(args.threads, 1);
     let (device, peak_tflops, device_name) = match args.device {
         BenchDevice::Cpu => (tch::Device::Cpu, args.peak_tflops, "cpu".to_owned()),
@@ -117,9 +120,7 @@ fn run_single(args: BenchTrainArgs) -> anyhow::Result<()> {
             (tch::Device::Cuda(0), peak, name)
         }
     };
-    let model = bench_model(&args.model, args.context)?;
-    // A preset other than gpt-tiny: the peer builds transformers' model from the same config.json.
-    let peer_config = tempfile::tempdir()?;
+    let peer_config = hf_peer_config(&model)?;
     let mut peer_flags = vec![
         ("--micro-batch", args.micro_batch.to_string()),
         ("--context", args.context.to_string()),
@@ -127,13 +128,12 @@ fn run_single(args: BenchTrainArgs) -> anyhow::Result<()> {
         ("--precision", args.precision.clone()),
         ("--device", if args.device == BenchDevice::Cuda { "cuda".into() } else { "cpu".into() }),
     ];
-    let peer_script = if args.model == "gpt-tiny" {
-        "train_gpt_tiny.py"
-    } else {
-        let config_json = troupe_model::hf::write_config(&model, "float32");
-        std::fs::write(peer_config.path().join("config.json"), config_json.to_string())?;
-        peer_flags.push(("--config-dir", peer_config.path().display().to_string()));
-        "train_hf_model.py"
+    let peer_script = match &peer_config {
+        None => "train_gpt_tiny.py",
+        Some(dir) => {
+            peer_flags.push(("--config-dir", dir.path().display().to_string()));
+            "train_hf_model.py"
+        }
     };
     let mut ours = Vec::new();
     let mut peers = Vec::new();
@@ -163,6 +163,7 @@ fn run_single(args: BenchTrainArgs) -> anyhow::Result<()> {
             "peer": peer_name, "peer_tokens_per_s": peer_tps,
             "peer_tokens_per_s_runs": peers.iter().map(|p| p["tokens_per_s"].clone()).collect::<Vec<_>>(),
             "peer_peak_mem_bytes": peers.last().map(|p| p["peak_mem_bytes"].clone()),
+            "peer_params": peers.last().map(|p| p["params"].clone()),
             "ratio_vs_peer": ours_tps / peer_tps,
         });
         extend_report(&mut report, extra);
@@ -202,18 +203,31 @@ fn known_peak_tflops(device_name: &str, precision: &str) -> Option<f64> {
 }
 
 /// The preset `name` at `context` tokens per sample.
-fn bench_model(name: &str, context: usize) -> anyhow::Result<troupe_model::ModelConfig> {
+fn bench_model(name: &str, context: usize) -> anyhow::Result<ModelConfig> {
     let Some(model) = troupe_model::model::presets::preset(name) else {
         bail!("--model {name:?}: not a preset; one of {}", troupe_model::model::presets::names());
     };
-    let model = troupe_model::ModelConfig { context, ..model };
-    model.validate()?;
+    let model = ModelConfig { context, ..model };
+    model.validate().with_context(|| format!("--model {name} --context {context}"))?;
     Ok(model)
+}
+
+/// For a preset other than gpt-tiny, a temporary directory holding the config.json troupe writes for
+/// `model`: the peers build transformers' own model from it. None for gpt-tiny, whose peers define it.
+fn hf_peer_config(model: &ModelConfig) -> anyhow::Result<Option<tempfile::TempDir>> {
+    if model.preset.as_deref() == Some("gpt-tiny") {
+        return Ok(None);
+    }
+    let dir = tempfile::tempdir().context("creating a directory for the peer's config.json")?;
+    let config_json = troupe_model::hf::write_config(model, "float32");
+    std::fs::write(dir.path().join("config.json"), config_json.to_string())
+        .with_context(|| format!("writing {}/config.json for the peer", dir.path().display()))?;
+    Ok(Some(dir))
 }
 
 /// (tokens/s, final loss) of one timed run of `model`, `micro_batch` samples per step, on `device`.
 fn measure_troupe(
-    model: &troupe_model::ModelConfig,
+    model: &ModelConfig,
     steps: u64,
     precision: &str,
     micro_batch: usize,

@@ -1,6 +1,9 @@
-//! `troupe bench train --world N` (N ≥ 2): gpt-tiny data-parallel on a local cluster of N `troupe daemon`
-//! processes (one slot, one rank each), beside PyTorch DDP over Gloo (bench/peers/ddp_gpt_tiny.py) with the
-//! same per-rank micro-batch, context, torch threads and steps.
+//! `troupe bench train --world N` (N ≥ 2): a model preset (`--model`, gpt-tiny by default, at `--context`)
+//! trained data-parallel on a local cluster of N `troupe daemon` processes (one slot, one rank each),
+//! beside PyTorch DDP over Gloo (bench/peers/ddp_gpt_tiny.py: gpt-tiny, or transformers' own model of the
+//! config.json troupe writes for any other preset) with the same per-rank micro-batch, context, torch
+//! threads and steps. With `--shard zero1|2|3` troupe's sharded run is measured beside troupe's DDP in the
+//! same repetitions; the peer stays DDP.
 //!
 //! Throughput is what a client of the cluster sees: the wall time between committed step events as they
 //! arrive, from the last warm-up commit to the last timed one, so cluster start-up, job placement and the
@@ -14,8 +17,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
 use troupe_model::config::{JobConfig, NODES_MAX};
+use troupe_model::ModelConfig;
 
-use super::{extend_report, median, run_peer, vm_hwm_bytes, BenchTrainArgs, MICRO_BATCH, WARMUP_STEPS};
+use super::{extend_report, hf_peer_config, median, run_peer, vm_hwm_bytes, BenchTrainArgs, MICRO_BATCH, WARMUP_STEPS};
 use crate::api::{Job, JobEvent, LocalCluster, LocalClusterOptions};
 
 const MIB: f64 = 1048576.0;
@@ -35,14 +39,14 @@ struct ClusterRun {
     peak_rss_bytes: Vec<u64>,
 }
 
-pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
+pub(super) fn run(args: BenchTrainArgs, model: ModelConfig) -> anyhow::Result<()> {
     let world = args.world;
     if world > NODES_MAX {
         bail!("--world {world}: a local cluster has at most {NODES_MAX} daemons");
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = if args.threads > 0 { args.threads } else { (cores / world).max(1) };
-    let context = JobConfig::default().model.context;
+    let context = model.context;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -59,26 +63,30 @@ pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         "fp16" => "fp16",
         _ => "fp32",
     };
+    let peer_config = if args.peer { hf_peer_config(&model)? } else { None };
     let mut ours = Vec::new();
     // The same-run baseline: DDP with the all-reduce after the backward, or, for a sharded run, DDP.
     let mut sequential = Vec::new();
     let mut peers = Vec::new();
     for _ in 0..args.repeats.max(1) {
         let measured = Variant { overlap: true, bucket_mib: args.bucket_mib, shard, precision };
-        ours.push(runtime.block_on(measure_cluster(world, args.steps, threads, measured))?);
+        ours.push(runtime.block_on(measure_cluster(&model, world, args.steps, threads, measured))?);
         let baseline = match shard {
             "none" => Variant { overlap: false, shard, ..measured },
             _ => Variant { shard: "none", ..measured },
         };
-        sequential.push(runtime.block_on(measure_cluster(world, args.steps, threads, baseline))?);
+        sequential.push(runtime.block_on(measure_cluster(&model, world, args.steps, threads, baseline))?);
         if args.peer {
-            let flags = [
+            let mut flags = vec![
                 ("--world", world.to_string()),
                 ("--micro-batch", MICRO_BATCH.to_string()),
                 ("--context", context.to_string()),
                 ("--threads", threads.to_string()),
                 ("--precision", args.precision.clone()),
             ];
+            if let Some(dir) = &peer_config {
+                flags.push(("--config-dir", dir.path().display().to_string()));
+            }
             peers.push(run_peer(&args, "ddp_gpt_tiny.py", &flags)?);
         }
     }
@@ -90,6 +98,7 @@ pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     let mut report = json!({
         "bench": "train", "world": world, "shard": args.shard, "precision": args.precision, "steps": args.steps,
         "warmup_steps": WARMUP_STEPS,
+        "model": args.model, "arch": model.arch.as_str(), "params": model.param_count(),
         "micro_batch": MICRO_BATCH, "global_batch": MICRO_BATCH * world, "context": context,
         "torch_threads": threads, "repeats": ours.len(),
         "tokens_per_s": tokens_per_s, "tokens_per_s_runs": runs,
@@ -116,7 +125,8 @@ pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     if let Some(peer_tps) = peer_tokens_per_s {
         let peer_peak_mib = per_rank_max_mib(peers.iter().map(peer_peak_bytes));
         let extra = json!({
-            "peer": "pytorch-ddp-gloo", "peer_tokens_per_s": peer_tps,
+            "peer": peers.last().map(|p| p["peer"].clone()), "peer_shard": "none",
+            "peer_params": peers.last().map(|p| p["params"].clone()), "peer_tokens_per_s": peer_tps,
             "peer_tokens_per_s_runs": peers.iter().map(|p| p["tokens_per_s"].clone()).collect::<Vec<_>>(),
             "peer_peak_rss_mib_per_rank": peer_peak_mib,
             "ratio": tokens_per_s / peer_tps,
@@ -136,7 +146,8 @@ pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         _ => "reduce-scatter after the backward, AdamW on each rank's shard + its buddy copy",
     };
     println!(
-        "troupe   {tokens_per_s:>9.0} tokens/s  (world {world}, {mode} on {world} daemons, {reduce}, {threads} thread(s) per rank, peak RSS per rank {} MiB)",
+        "troupe   {tokens_per_s:>9.0} tokens/s  ({} at context {context}, world {world}, {mode} on {world} daemons, {reduce}, {threads} thread(s) per rank, peak RSS per rank {} MiB)",
+        args.model,
         mib_list(&report["peak_rss_mib_per_rank"])
     );
     if shard == "none" {
@@ -149,8 +160,9 @@ pub(super) fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         );
     }
     if let Some(peer_tps) = peer_tokens_per_s {
+        let peer_name = if peer_config.is_some() { "transformers" } else { "pytorch " };
         println!(
-            "pytorch  {peer_tps:>9.0} tokens/s  (DDP over Gloo, same model and batch, peak RSS per rank {} MiB)",
+            "{peer_name} {peer_tps:>9.0} tokens/s  (DDP over Gloo, same model and batch, peak RSS per rank {} MiB)",
             mib_list(&report["peer_peak_rss_mib_per_rank"])
         );
         println!("ratio    {:>9.3}", tokens_per_s / peer_tps);
@@ -171,14 +183,21 @@ struct Variant {
     precision: &'static str,
 }
 
-/// One repetition: a fresh cluster of `world` daemons, one job of `steps` timed steps after the warm-up.
-async fn measure_cluster(world: usize, steps: u64, threads: usize, variant: Variant) -> anyhow::Result<ClusterRun> {
+/// One repetition: a fresh cluster of `world` daemons, one job training `model` for `steps` timed steps
+/// after the warm-up.
+async fn measure_cluster(
+    model: &ModelConfig,
+    world: usize,
+    steps: u64,
+    threads: usize,
+    variant: Variant,
+) -> anyhow::Result<ClusterRun> {
     let binary = std::env::current_exe().context("locating the troupe binary")?;
     let mut options = LocalClusterOptions::new(world);
     options.torch_threads = threads;
     options.membership.failure_timeout_ms = FAILURE_TIMEOUT_MS;
     let cluster = LocalCluster::processes(&binary, options).await?;
-    let outcome = run_job(&cluster, world, steps, threads, variant).await;
+    let outcome = run_job(&cluster, model, world, steps, threads, variant).await;
     let peaks: anyhow::Result<Vec<u64>> = (0..world)
         .map(|i| {
             let pid = cluster.pid(i).context("the local cluster's daemons are not processes")?;
@@ -194,12 +213,13 @@ async fn measure_cluster(world: usize, steps: u64, threads: usize, variant: Vari
 /// Submits the job and follows it to the end; (steady tokens/s, last loss).
 async fn run_job(
     cluster: &LocalCluster,
+    model: &ModelConfig,
     world: usize,
     steps: u64,
     threads: usize,
     variant: Variant,
 ) -> anyhow::Result<(f64, f64)> {
-    let mut config = JobConfig::default();
+    let mut config = JobConfig { model: model.clone(), ..JobConfig::default() };
     config.train.steps = steps + WARMUP_STEPS;
     config.train.global_batch = MICRO_BATCH * world;
     config.train.micro_batch = MICRO_BATCH;
@@ -218,8 +238,12 @@ async fn run_job(
         let next = tokio::time::timeout(Duration::from_millis(EVENT_WAIT_MS_MAX), handle.next_event()).await;
         let Ok(event) = next else {
             break Err(anyhow::anyhow!(
-                "no event from the job for {EVENT_WAIT_MS_MAX} ms ({} steps committed)",
-                commits.len()
+                "no event from the job for {EVENT_WAIT_MS_MAX} ms ({} steps committed): a collective is stuck, \
+                 or one step of {} at context {} takes longer than that on this machine (lower --context or \
+                 pick a smaller --model)",
+                commits.len(),
+                model.preset.as_deref().unwrap_or("the model"),
+                model.context
             ));
         };
         let Some(event) = event? else { break Err(anyhow::anyhow!("the job's events ended early")) };
