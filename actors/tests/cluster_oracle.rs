@@ -199,12 +199,12 @@ async fn ddp_over_plaintext_tcp_on_two_hosts_survives_a_killed_host_and_equals_t
     );
 }
 
-/// The encrypted TCP data plane, the same way: records sealed under keys handed over through QUIC.
+/// The encrypted TCP data plane, the same way: mutual TLS 1.3 over TCP.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ddp_over_encrypted_tcp_on_two_hosts_survives_a_killed_host_and_equals_the_reference() {
     let (_dir, logs) = ddp_on_two_hosts_losing_the_second(DataPlane::EncryptedTcp, 16, 6).await;
     let sealed = log_lines(&logs, "data_plane = encrypted_tcp: tensors between hosts go over TCP sealed");
-    assert!(sealed >= 4, "every rank of the first attempt said it seals its records ({sealed} lines)");
+    assert!(sealed >= 4, "every rank of the first attempt said its TCP is sealed by TLS ({sealed} lines)");
     let routed = log_lines(&logs, "to the others over encrypted TCP");
     assert!(routed >= 4, "host neighbours over sockets, the others over encrypted TCP ({routed} lines)");
 }

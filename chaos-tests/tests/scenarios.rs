@@ -250,8 +250,8 @@ fn partition_over_plaintext_tcp() {
     cut_over_tcp("partition-plaintext-tcp", 18, "plaintext_tcp");
 }
 
-/// The same cut over encrypted TCP: the sealed connections go silent as the plaintext ones do, and the
-/// node that returns connects again under fresh keys (its old records' counters are not reused).
+/// The same cut over encrypted TCP: the TLS connections go silent as the plaintext ones do, and the
+/// node that returns connects again with fresh TLS handshakes.
 #[test]
 fn partition_over_encrypted_tcp() {
     if let Some(r) = cut_over_tcp("partition-encrypted-tcp", 21, "encrypted_tcp") {

@@ -8,8 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use support::{cluster, dial, listener};
 use troupe_cluster::transport::quic::CLOSE_PROTOCOL;
-use troupe_cluster::transport::sealed::{read_sealed, seal_frames, RecordKey};
-use troupe_cluster::transport::{frame_control, frame_message, frame_parts, FrameLimits, LossScope};
+use troupe_cluster::transport::{frame_control, frame_message, LossScope};
 use troupe_cluster::wire::{crc32, ControlMessage, FrameHeader, FrameKind, Tag, HEADER_BYTES};
 
 fn header(kind: FrameKind, length: u32, part_index: u16, part_count: u16) -> [u8; HEADER_BYTES] {
@@ -133,28 +132,7 @@ fn fuzz_seeds() -> Vec<(&'static str, Vec<u8>)> {
         ("data-64", data(64, 1 << 20)),
         ("data-3-parts", data(3000, 1024)),
         ("stream", [hello.to_vec(), data(100, 1 << 20), abort.to_vec(), goodbye.to_vec()].concat()),
-        ("sealed-stream", sealed_stream()),
     ]
-}
-
-/// The key the fuzz target `open_sealed` reads under.
-const FUZZ_KEY: [u8; 16] = *b"troupe-fuzz-key!";
-
-/// A sealed stream (the encrypted TCP data plane's records) under [`FUZZ_KEY`], the seed of the fuzz
-/// target `open_sealed`: a short data message, one of 3 frames, and a goodbye.
-fn sealed_stream() -> Vec<u8> {
-    let tag = Tag { group: 3, epoch: 7, seq: 11, step: 2 };
-    let payload: Vec<u8> = (0..3000).map(|i| (i * 31 % 251) as u8).collect();
-    let mut frames: Vec<(Bytes, std::ops::Range<usize>, &[u8])> = Vec::new();
-    for (len, frame_max) in [(100, 1 << 20), (3000, 1024)] {
-        for (header, range) in frame_parts(tag, len, frame_max).unwrap() {
-            frames.push((header, range, &payload));
-        }
-    }
-    let goodbye = frame_control(FrameKind::Control, &ControlMessage::Goodbye { rank: 1 });
-    let mut parts: Vec<(&[u8], &[u8])> = frames.iter().map(|(h, r, p)| (&h[..], &p[r.clone()])).collect();
-    parts.push((&goodbye[..HEADER_BYTES], &goodbye[HEADER_BYTES..]));
-    seal_frames(&RecordKey::from_bytes(FUZZ_KEY), &parts)
 }
 
 fn fuzz_seeds_dir() -> std::path::PathBuf {
@@ -179,14 +157,8 @@ fn the_committed_fuzz_seeds_are_the_current_wire_format() {
         let path = fuzz_seeds_dir().join(name);
         let committed = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         assert_eq!(committed, bytes, "{name} is stale: regenerate with `-- --ignored write_fuzz_seeds`");
-        // With the limits the fuzz targets decode under.
-        if name.starts_with("sealed-") {
-            let limits = FrameLimits { frame_bytes_max: 1 << 20, message_frames_max: 64 };
-            let (got, err) = read_sealed(&committed, &RecordKey::from_bytes(FUZZ_KEY), limits);
-            assert!(err.is_none() && got.len() == 3, "{name}: {got:?} then {err:?}");
-        } else {
-            let frames = troupe_cluster::wire::decode_frames(&committed, 1 << 20, 64).unwrap();
-            assert!(!frames.is_empty(), "{name}");
-        }
+        // With the limits the fuzz target decodes under.
+        let frames = troupe_cluster::wire::decode_frames(&committed, 1 << 20, 64).unwrap();
+        assert!(!frames.is_empty(), "{name}");
     }
 }

@@ -96,7 +96,7 @@ fn four_ranks_over_plaintext_tcp_run_every_collective_correctly() {
     assert!(reports.iter().all(|r| r.host_tier && r.same_host_routes), "{reports:?}");
 }
 
-/// The opt-in encrypted TCP data plane (every byte sealed, keys handed over through the QUIC mesh):
+/// The opt-in encrypted TCP data plane (mutual TLS 1.3, set up through the QUIC mesh):
 /// every collective on one host, and on two hosts flat, so that host pairs and cross-host pairs both
 /// carry every collective's messages.
 #[test]

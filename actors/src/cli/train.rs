@@ -61,8 +61,8 @@ pub struct TrainArgs {
     #[arg(long, value_name = "ADDR")]
     pub cluster: Option<String>,
     /// Transport of the gradients between daemons: auto (shared memory and Unix sockets when every rank
-    /// is on one host, else QUIC), quic, encrypted-tcp (as auto, but TCP between hosts with every byte
-    /// sealed under keys handed over through QUIC), or plaintext-tcp (the same unencrypted: for trusted
+    /// is on one host, else QUIC), quic, encrypted-tcp (as auto, but TCP between hosts over mutual TLS
+    /// 1.3 with the cluster's certificates), or plaintext-tcp (the same unencrypted: for trusted
     /// fabrics only).
     #[arg(long, value_parser = ["auto", "quic", "encrypted-tcp", "plaintext-tcp"], default_value = "auto")]
     pub data_plane: String,

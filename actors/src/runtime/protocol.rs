@@ -137,8 +137,8 @@ pub enum DataPlane {
     /// watched through the QUIC mesh, which authenticates every connection, but neither encrypted nor
     /// integrity-protected on the wire (as Gloo's and NCCL's are not). Opt-in only.
     PlaintextTcp,
-    /// As `Auto`, but tensors between hosts go over TCP with every byte sealed (AES-128-GCM, a key per
-    /// connection and direction handed over through the QUIC mesh): QUIC's protection, without its
+    /// As `Auto`, but tensors between hosts go over TCP with mutual TLS 1.3 (the cluster's certificates,
+    /// as on QUIC; connections arranged through the QUIC mesh): QUIC's protection, without its
     /// per-packet work in user space.
     EncryptedTcp,
 }

@@ -463,7 +463,7 @@ fn spawn_writer(spec: &JobSpec, job: JobId, node: &ActorRef<NodeMsg>) -> Option<
 /// The data plane: when every rank of the attempt is on this host (their data addresses share one IP),
 /// the same-host transport (Unix sockets in a private directory, collectives in its shared-memory
 /// arena); otherwise the QUIC mesh — or, with `encrypted_tcp` / `plaintext_tcp`, a TCP mesh set up
-/// through it, its records sealed or in the clear —
+/// through it, encrypted by TLS or in the clear —
 /// and, when some ranks share a host, a same-host transport among those on this rank's host too:
 /// messages between ranks of one host take it ([`Routed`]), and all-reduce runs in two tiers (within
 /// hosts in the arena, across hosts over the mesh).
@@ -507,7 +507,7 @@ async fn run_attempt(
     let Some(payloads) = spec.data_plane.tcp_payloads() else {
         return between_hosts(&ctx, &spec, rank, epoch, transport, "QUIC", state, &mut ctl).await;
     };
-    let connect = TcpTransport::connect(transport, ctx.roster[rank].addr.ip(), ctx.transport.clone(), payloads);
+    let connect = TcpTransport::connect(transport, &ctx.identity, &ctx.roster, ctx.transport.clone(), payloads);
     let tcp = tokio::select! {
         t = connect => match t {
             Ok(t) => Arc::new(t),
@@ -522,7 +522,7 @@ async fn run_attempt(
         ),
         TcpPayloads::Encrypted => (
             "encrypted TCP",
-            "data_plane = encrypted_tcp: tensors between hosts go over TCP sealed with AES-128-GCM (keys handed over through QUIC)",
+            "data_plane = encrypted_tcp: tensors between hosts go over TCP sealed by mutual TLS 1.3 (the cluster's certificates)",
         ),
     };
     tracing::info!(job = ctx.job, attempt = ctx.attempt, rank, "{how}");

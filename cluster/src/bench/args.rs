@@ -28,7 +28,7 @@ pub struct AllreduceArgs {
     #[arg(long, default_value_t = 2)]
     pub warmup: usize,
     /// quic (mutual-TLS QUIC on loopback), local (the same-host transport), encrypted-tcp (the opt-in
-    /// TCP data plane, every byte sealed with AES-GCM, set up through QUIC) or plaintext-tcp (the same
+    /// TCP data plane, mutual TLS 1.3 with the cluster's certificates, set up through QUIC) or plaintext-tcp (the same
     /// unencrypted, for trusted fabrics).
     #[arg(long, default_value = "quic")]
     pub transport: BenchTransport,

@@ -47,15 +47,14 @@ pub fn run_rank(spec: &RankSpec) -> RankReport {
                     Ok(id) => id,
                     Err(e) => return failed(spec.rank, &e, 0),
                 };
-                let roster =
+                let roster: Vec<PeerInfo> =
                     spec.addrs.iter().enumerate().map(|(r, a)| PeerInfo { name: node_name(r), addr: *a }).collect();
-                let quic = match QuicTransport::connect(&id, spec.rank, roster, spec.config.clone()).await {
+                let quic = match QuicTransport::connect(&id, spec.rank, roster.clone(), spec.config.clone()).await {
                     Ok(t) => Arc::new(t),
                     Err(e) => return failed(spec.rank, &e, 0),
                 };
                 if let Some(payloads) = spec.transport.tcp_payloads() {
-                    let bind = spec.addrs[spec.rank].ip();
-                    return match TcpTransport::connect(quic, bind, spec.config.clone(), payloads).await {
+                    return match TcpTransport::connect(quic, &id, &roster, spec.config.clone(), payloads).await {
                         Ok(tcp) => between_hosts(Arc::new(tcp), spec).await,
                         Err(e) => failed(spec.rank, &e, 0),
                     };

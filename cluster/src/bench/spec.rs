@@ -16,7 +16,7 @@ pub enum BenchTransport {
     Local,
     /// The plaintext TCP data plane, set up through the QUIC mesh ([`crate::transport::tcp`]).
     PlaintextTcp,
-    /// The encrypted TCP data plane: the same, every byte sealed ([`crate::transport::sealed`]).
+    /// The encrypted TCP data plane: the same over mutual TLS 1.3 ([`crate::transport::tcp`]).
     EncryptedTcp,
 }
 

@@ -78,7 +78,7 @@ fn segment_buffer() -> Vec<u8> {
 }
 
 /// A received segment in a pooled buffer; its buffer goes back to the pool when dropped.
-pub(crate) struct PooledSegment(Vec<u8>);
+struct PooledSegment(Vec<u8>);
 
 impl AsRef<[u8]> for PooledSegment {
     fn as_ref(&self) -> &[u8] {
@@ -97,35 +97,14 @@ impl Drop for PooledSegment {
     }
 }
 
-/// A segment being read: a pooled buffer for long ones, a buffer of its own size for short ones.
-pub(crate) enum SegmentBuf {
-    Pooled(PooledSegment),
-    Own(BytesMut),
-}
-
-impl SegmentBuf {
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        match self {
-            SegmentBuf::Pooled(p) => &mut p.0,
-            SegmentBuf::Own(b) => b,
-        }
-    }
-
-    pub fn freeze(self) -> Bytes {
-        match self {
-            SegmentBuf::Pooled(p) => Bytes::from_owner(p),
-            SegmentBuf::Own(b) => b.freeze(),
-        }
-    }
-}
-
-/// Reads exactly `want` bytes (at most [`PAYLOAD_SEGMENT_BYTES`]); a stream that ends first is
+/// Reads exactly `want` bytes (at most [`PAYLOAD_SEGMENT_BYTES`]) into a pooled buffer for long
+/// segments, a buffer of its own size for short ones; a stream that ends first is
 /// `truncated(bytes it gave)`.
-pub(crate) async fn read_segment<R: AsyncRead + Unpin>(
+async fn read_segment<R: AsyncRead + Unpin>(
     r: &mut R,
     want: usize,
     truncated: impl Fn(usize) -> WireError,
-) -> Result<SegmentBuf, WireError> {
+) -> Result<Bytes, WireError> {
     debug_assert!(want <= PAYLOAD_SEGMENT_BYTES);
     let stream_error = |e: std::io::Error| WireError::Stream(format!("{e} ({e:?})"));
     let mut limited = r.take(want as u64);
@@ -136,7 +115,7 @@ pub(crate) async fn read_segment<R: AsyncRead + Unpin>(
                 return Err(truncated(buf.len()));
             }
         }
-        Ok(SegmentBuf::Pooled(PooledSegment(buf)))
+        Ok(Bytes::from_owner(PooledSegment(buf)))
     } else {
         let mut buf = BytesMut::with_capacity(want);
         while buf.len() < want {
@@ -144,7 +123,7 @@ pub(crate) async fn read_segment<R: AsyncRead + Unpin>(
                 return Err(truncated(buf.len()));
             }
         }
-        Ok(SegmentBuf::Own(buf))
+        Ok(buf.freeze())
     }
 }
 
@@ -158,7 +137,7 @@ async fn read_payload<R: AsyncRead + Unpin>(r: &mut R, length: u32) -> Result<Ve
     while got < length {
         let want = (length - got).min(PAYLOAD_SEGMENT_BYTES);
         let truncated = |have: usize| WireError::Truncated { needed: length, available: got + have };
-        segments.push(read_segment(r, want, truncated).await?.freeze());
+        segments.push(read_segment(r, want, truncated).await?);
         got += want;
     }
     Ok(segments)
@@ -188,8 +167,9 @@ pub async fn read_message_with<R: AsyncRead + Unpin + Send>(
     read_frames(&mut StreamSource { r, segments }, limits).await
 }
 
-/// Where frames come from: their headers and payload bytes, in order. A byte stream read as it is
-/// ([`StreamSource`]), or one whose records are sealed (`super::sealed`).
+/// Where frames come from: their headers and payload bytes, in order: a byte stream whose payloads
+/// are read by a function of its own ([`StreamSource`]: a QUIC stream's chunks), or as they come
+/// ([`PlainSource`]: a socket, or a TLS stream over one).
 pub(crate) trait FrameSource: Send {
     /// The next frame header; `None` if the stream ended cleanly before it and `first` (between messages).
     fn header(&mut self, first: bool) -> impl Future<Output = Result<Option<[u8; HEADER_BYTES]>, WireError>> + Send;

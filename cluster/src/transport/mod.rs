@@ -1,7 +1,8 @@
 //! Moving tagged messages between ranks. One trait, three implementations: QUIC between hosts
 //! ([`quic`]), Unix sockets between processes on one host ([`same_host`]), and in-memory channels for
-//! tests and simulation ([`memory`]). For trusted fabrics, a job may opt into a plaintext TCP data plane
-//! between hosts ([`tcp`]), set up and watched through the QUIC mesh. The same-host transport also sets up a shared-memory arena
+//! tests and simulation ([`memory`]). A job may opt into a TCP data plane between hosts ([`tcp`]) —
+//! TLS 1.3 with the cluster's certificates, or plaintext for trusted fabrics — set up and watched
+//! through the QUIC mesh. The same-host transport also sets up a shared-memory arena
 //! ([`shm`]) in which the collectives run without messages.
 //!
 //! A message is addressed by (peer, [`Tag`]); receives match exactly. Messages may arrive before the
@@ -14,7 +15,6 @@ pub mod memory;
 pub mod quic;
 pub mod routed;
 pub mod same_host;
-pub mod sealed;
 pub mod shm;
 mod stream_mesh;
 pub mod subgroup;
