@@ -27,6 +27,19 @@ if ! command -v cargo >/dev/null; then
   echo "host: cargo not found; install Rust from rustup (https://rustup.rs) and rerun" >&2
   exit 1
 fi
+# The Slurm tests (actors/tests/slurm.rs) start a real slurmctld, two slurmd and munged: Debian's slurm-wlm
+# and munge, installed for the test runner when run as root (the tests skip, saying so, without them).
+if ((test_runner)) && [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+  slurm=()
+  for tool in slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge; do
+    command -v "${tool%%:*}" >/dev/null || [[ -x /usr/sbin/${tool%%:*} ]] || slurm+=("${tool#*:}")
+  done
+  if ((${#slurm[@]})); then
+    echo "host: installing ${slurm[*]} (a real Slurm for the Slurm tests)" >&2
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      "${slurm[@]}" >/dev/null
+  fi
+fi
 if ((test_runner)) && ! cargo nextest --version >/dev/null 2>&1; then
   echo "host: installing cargo-nextest (the test runner of make test; once, a few minutes)" >&2
   cargo install cargo-nextest --locked --quiet

@@ -18,6 +18,7 @@ mod follow;
 mod generate;
 mod model_source;
 mod plot;
+mod slurm;
 mod table;
 mod trace;
 mod train;
@@ -72,6 +73,10 @@ enum Command {
     /// Training data: tokenize text or .jsonl files once into a token file (`troupe data prepare`).
     #[command(subcommand)]
     Data(data::DataCommand),
+    /// Run inside a Slurm allocation (`srun ... troupe slurm run job.toml`) or write its batch script
+    /// (`troupe slurm sbatch job.toml --nodes N`).
+    #[command(subcommand)]
+    Slurm(slurm::SlurmCommand),
 }
 
 #[derive(Debug, Subcommand)]
@@ -132,6 +137,7 @@ pub fn main() -> ExitCode {
         Command::Generate(args) => generate::run(args),
         Command::Eval(args) => eval::run(args),
         Command::Data(command) => data::run(command),
+        Command::Slurm(command) => slurm::run(command),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,379 @@
+//! troupe on a real Slurm: Debian's slurmctld, two slurmd (nodes n1 on 127.0.0.1 and n2 on 127.0.0.2,
+//! Slurm's multiple-slurmd mode) and a private munged, configured and started by each test in a
+//! temporary directory and stopped at its end. The batch script is the one `troupe slurm sbatch` writes,
+//! submitted with the real `sbatch`. Skipped, saying why, where Slurm is not installed or the tests do
+//! not run as root (scripts/provision-host.sh installs slurm-wlm when run as root).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use troupe_model::config::JobConfig;
+use troupe_model::oracle::{compare_params, worst_loss_diff};
+use troupe_model::Trainer;
+
+const TOLERANCE: f64 = 1e-5;
+/// slurm.conf's KillWait: scancel's SIGTERM, then SIGKILL this much later.
+const KILL_WAIT_S: u64 = 30;
+const NODES: [(&str, &str); 2] = [("n1", "127.0.0.1"), ("n2", "127.0.0.2")];
+
+/// A Slurm cluster of two nodes on this machine, stopped when dropped.
+struct Slurm {
+    dir: tempfile::TempDir,
+    conf: PathBuf,
+    daemons: Vec<(String, Child)>,
+}
+
+impl Slurm {
+    /// Starts munged, slurmctld and two slurmd; None (with the reason on stderr) where it cannot.
+    fn start() -> Option<Slurm> {
+        let root = Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.trim_ascii() == b"0");
+        let tools = ["munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue", "sinfo"];
+        let missing: Vec<&str> = tools.into_iter().filter(|t| !on_path(t)).collect();
+        if !root || !missing.is_empty() {
+            eprintln!(
+                "SKIPPED: a real Slurm needs root and Debian's slurm-wlm and munge (missing: {missing:?}, root: \
+                 {root}); run scripts/provision-host.sh as root"
+            );
+            return None;
+        }
+        let dir = tempfile::Builder::new().prefix("troupe-slurm-").tempdir().unwrap();
+        let d = dir.path();
+        for sub in ["state", "spool", "log", "submit"] {
+            std::fs::create_dir_all(d.join(sub)).unwrap();
+        }
+        let key = d.join("munge.key");
+        let mut bytes = vec![0u8; 1024];
+        use std::io::Read;
+        std::fs::File::open("/dev/urandom").unwrap().read_exact(&mut bytes).unwrap();
+        write_private(&key, &bytes);
+        let socket = d.join("munge.sock");
+        let mut daemons = Vec::new();
+        let munged = Command::new("munged")
+            .args(["--foreground", "--force"])
+            .arg(format!("--socket={}", socket.display()))
+            .arg(format!("--key-file={}", key.display()))
+            .arg(format!("--log-file={}", d.join("log/munged.log").display()))
+            .arg(format!("--pid-file={}", d.join("munged.pid").display()))
+            .arg(format!("--seed-file={}", d.join("munged.seed").display()))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("munged starts");
+        daemons.push(("munged".to_string(), munged));
+        wait_until(Duration::from_secs(10), "munged's socket", || socket.exists());
+        let conf = d.join("slurm.conf");
+        std::fs::write(&conf, slurm_conf(d, &socket)).unwrap();
+        let mut slurm = Slurm { dir, conf, daemons };
+        let log = |name: &str| std::fs::File::create(slurm.dir.path().join("log").join(format!("{name}.out"))).unwrap();
+        let ctld = Command::new("slurmctld")
+            .args(["-D", "-i", "-f"])
+            .arg(&slurm.conf)
+            .stdout(log("ctld"))
+            .stderr(log("ctld.err"))
+            .spawn();
+        slurm.daemons.push(("slurmctld".into(), ctld.expect("slurmctld starts")));
+        for (node, _) in NODES {
+            let slurmd = Command::new("slurmd")
+                .args(["-D", "-f"])
+                .arg(&slurm.conf)
+                .args(["-N", node])
+                .stdout(log(node))
+                .stderr(log(&format!("{node}.err")))
+                .spawn();
+            slurm.daemons.push((format!("slurmd {node}"), slurmd.expect("slurmd starts")));
+        }
+        let idle = || {
+            let out = slurm.cmd("sinfo").args(["-h", "-N", "-o", "%N %T"]).output().ok()?;
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            (text.lines().filter(|l| l.ends_with(" idle")).count() == NODES.len()).then_some(())
+        };
+        let started = Instant::now();
+        while idle().is_none() {
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "Slurm's nodes are not idle after 60 s: {}",
+                slurm.logs()
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        Some(slurm)
+    }
+
+    /// A Slurm client command talking to this cluster.
+    fn cmd(&self, program: &str) -> Command {
+        let mut command = Command::new(program);
+        command.env("SLURM_CONF", &self.conf).current_dir(self.submit_dir());
+        command
+    }
+
+    fn submit_dir(&self) -> PathBuf {
+        self.dir.path().join("submit")
+    }
+
+    fn logs(&self) -> String {
+        let mut text = String::new();
+        for entry in std::fs::read_dir(self.dir.path().join("log")).unwrap() {
+            let path = entry.unwrap().path();
+            let body = std::fs::read_to_string(&path).unwrap_or_default();
+            let tail: Vec<&str> = body.lines().rev().take(20).collect();
+            text += &format!("\n--- {}\n{}", path.display(), tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+        }
+        text
+    }
+
+    /// `troupe slurm sbatch job.toml --nodes 2 ...` for a job of `config`: the script's path.
+    fn script(&self, config: &str, extra: &[&str]) -> PathBuf {
+        let submit = self.submit_dir();
+        std::fs::write(submit.join("job.toml"), config).unwrap();
+        let script = submit.join("job.sh");
+        let out = Command::new(common::binary())
+            .current_dir(&submit)
+            .args(["slurm", "sbatch", "job.toml", "--nodes", "2", "--output", "out-%j.txt", "--json", "--out"])
+            .arg(&script)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "troupe slurm sbatch: {}", String::from_utf8_lossy(&out.stderr));
+        script
+    }
+
+    /// Submits `script`; the Slurm job id.
+    fn sbatch(&self, script: &Path, wait: bool) -> (u64, Option<Child>) {
+        let mut command = self.cmd("sbatch");
+        command.arg("--parsable");
+        if wait {
+            command.arg("--wait");
+        }
+        let mut child = command.arg(script).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().unwrap();
+        let mut line = String::new();
+        use std::io::BufRead;
+        std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let id = line.trim().split(';').next().unwrap().parse().unwrap_or_else(|_| panic!("sbatch printed {line:?}"));
+        if wait {
+            (id, Some(child))
+        } else {
+            assert!(child.wait().unwrap().success());
+            (id, None)
+        }
+    }
+
+    fn output(&self, job: u64) -> String {
+        std::fs::read_to_string(self.submit_dir().join(format!("out-{job}.txt"))).unwrap_or_default()
+    }
+
+    /// Waits until the job's output shows a committed step at or past `step`.
+    fn wait_for_step(&self, job: u64, step: u64) {
+        let started = Instant::now();
+        while !events(&self.output(job), "step").iter().any(|e| e["step"].as_u64() >= Some(step)) {
+            assert!(
+                started.elapsed() < Duration::from_secs(180),
+                "job {job} did not reach step {step}:\n{}{}",
+                self.output(job),
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Whether `squeue` still lists `job`.
+    fn queued(&self, job: u64) -> bool {
+        let out = self.cmd("squeue").args(["-h", "-j", &job.to_string()]).output().unwrap();
+        !String::from_utf8_lossy(&out.stdout).trim().is_empty()
+    }
+}
+
+impl Drop for Slurm {
+    fn drop(&mut self) {
+        let _ = self.cmd("scancel").arg("--user=root").status();
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(KILL_WAIT_S + 5) && !troupe_tasks().is_empty() {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        for (_, child) in self.daemons.iter_mut().rev() {
+            let _ = Command::new("kill").arg(child.id().to_string()).status();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn slurm_conf(d: &Path, munge_socket: &Path) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap().trim().to_string();
+    let port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut conf = format!(
+        "ClusterName=troupetest
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={ctld}
+AuthType=auth/munge
+AuthInfo=socket={socket}
+CredType=cred/munge
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool/%n
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd-%n.pid
+SlurmctldLogFile={d}/log/slurmctld.log
+SlurmdLogFile={d}/log/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+KillWait={KILL_WAIT_S}
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+",
+        ctld = port(),
+        socket = munge_socket.display(),
+        d = d.display()
+    );
+    for (node, addr) in NODES {
+        conf +=
+            &format!("NodeName={node} NodeHostname={host} NodeAddr={addr} Port={} CPUs=1 RealMemory=2000\n", port());
+    }
+    conf += "PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP\n";
+    conf
+}
+
+fn write_private(path: &Path, bytes: &[u8]) {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path).unwrap();
+    file.write_all(bytes).unwrap();
+}
+
+fn on_path(tool: &str) -> bool {
+    std::env::var_os("PATH").map(|paths| std::env::split_paths(&paths).any(|p| p.join(tool).exists())).unwrap_or(false)
+        || Path::new("/usr/sbin").join(tool).exists()
+}
+
+fn wait_until(bound: Duration, what: &str, mut done: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !done() {
+        assert!(started.elapsed() < bound, "timed out after {bound:?} waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Process ids of `troupe slurm run` tasks (of this build) still alive.
+fn troupe_tasks() -> Vec<u32> {
+    let binary = common::binary().to_string_lossy().into_owned();
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        let args: Vec<String> = cmdline.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+        if args.len() > 2 && args[0] == binary && args[1] == "slurm" && args[2] == "run" {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// The JSON events named `name` in a job's output (the first task's `--json` lines).
+fn events(output: &str, name: &str) -> Vec<serde_json::Value> {
+    output
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["event"] == name)
+        .collect()
+}
+
+/// The oracle test's small model: 2 blocks, d_model 128, context 64, 8 samples a step in micro-batches
+/// of 4, one torch thread.
+fn job(steps: u64) -> String {
+    format!(
+        "[model]\nn_layers = 2\nd_model = 128\ncontext = 64\n\n[train]\nsteps = {steps}\nglobal_batch = 8\n\
+         micro_batch = 4\nwarmup_steps = 2\ntorch_threads = 1\n"
+    )
+}
+
+/// Every step's loss (in the output) and the final parameters equal the single-process reference's.
+fn check_on_the_reference(job_toml: &Path, output: &str, final_params: &Path) {
+    let config = JobConfig::from_file(job_toml).unwrap();
+    tch::set_num_threads(1);
+    let mut reference = Trainer::new(config.clone()).unwrap();
+    let ref_losses: Vec<f64> = (0..config.train.steps).map(|_| reference.train_step().loss).collect();
+    let losses: Vec<f64> = events(output, "step").iter().map(|e| e["loss"].as_f64().unwrap()).collect();
+    assert_eq!(losses.len(), ref_losses.len(), "one committed loss per step:\n{output}");
+    let loss_diff = worst_loss_diff(&losses, &ref_losses);
+    let params = common::saved_params(final_params, &reference);
+    let comparison = compare_params(reference.model.specs(), &params, &reference.param_values());
+    eprintln!("loss diff {loss_diff:.1e}, params {comparison:?}");
+    assert!(loss_diff <= TOLERANCE, "losses differ by {loss_diff:e}");
+    assert!(comparison.within(TOLERANCE), "{comparison:?}");
+}
+
+/// Each step's world size.
+fn worlds(output: &str) -> Vec<u64> {
+    events(output, "step").iter().map(|e| e["world"].as_u64().unwrap()).collect()
+}
+
+#[test]
+fn an_sbatch_of_the_generated_script_trains_on_two_nodes_and_equals_the_reference() {
+    let Some(slurm) = Slurm::start() else { return };
+    let script = slurm.script(&job(8), &["--save-final", "final.safetensors"]);
+    let (id, child) = slurm.sbatch(&script, true);
+    let status = common::wait_child(&mut child.unwrap(), Duration::from_secs(300), "sbatch --wait");
+    let output = slurm.output(id);
+    assert!(status.success(), "the batch job failed ({status}):\n{output}{}", slurm.logs());
+    assert_eq!(worlds(&output), vec![2; 8], "both nodes trained every step:\n{output}");
+    let submit = slurm.submit_dir();
+    check_on_the_reference(&submit.join("job.toml"), &output, &submit.join("final.safetensors"));
+    // Both tasks named their node and the controller on n1.
+    for node in ["n1", "n2"] {
+        assert!(output.contains(&format!("troupe slurm: node {node} (Slurm node {node})")), "{output}");
+    }
+    let certs = submit.join(format!(".troupe/slurm-{id}"));
+    assert!(certs.join("nodes/n2.pem").exists(), "the certificates are in the submit directory");
+    assert!(troupe_tasks().is_empty(), "no task is left: {:?}", troupe_tasks());
+}
+
+#[test]
+fn scancel_mid_run_drains_every_node_within_kill_wait_and_leaves_no_process() {
+    let Some(slurm) = Slurm::start() else { return };
+    let script = slurm.script(&job(2_000), &[]);
+    let (id, _) = slurm.sbatch(&script, false);
+    slurm.wait_for_step(id, 2);
+    let cancelled = Instant::now();
+    assert!(slurm.cmd("scancel").arg(id.to_string()).status().unwrap().success());
+    while !troupe_tasks().is_empty() || slurm.queued(id) {
+        assert!(
+            cancelled.elapsed() < Duration::from_secs(KILL_WAIT_S - 5),
+            "tasks {:?} still alive {:?} after scancel (KillWait {KILL_WAIT_S} s):\n{}",
+            troupe_tasks(),
+            cancelled.elapsed(),
+            slurm.output(id)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!("scancel: every task gone after {:?}", cancelled.elapsed());
+    let output = slurm.output(id);
+    // Both daemons drained on SIGTERM (SIGKILL comes only after KillWait), and the job was cancelled.
+    assert!(output.matches("draining").count() >= 2, "both daemons drained:\n{output}");
+    assert!(output.contains("interrupted after step"), "the first task says the job was interrupted:\n{output}");
+}
+
+#[test]
+fn a_node_slurm_takes_away_is_a_node_loss_the_job_survives_on_the_reference() {
+    let Some(slurm) = Slurm::start() else { return };
+    let script = slurm.script(&job(24), &["--save-final", "final.safetensors"]);
+    let (id, child) = slurm.sbatch(&script, true);
+    slurm.wait_for_step(id, 4);
+    // Slurm SIGKILLs the step's task on a node set DOWN; with --no-kill the job keeps its other node.
+    let down = slurm.cmd("scontrol").args(["update", "nodename=n2", "state=down", "reason=troupe-test"]).status();
+    assert!(down.unwrap().success());
+    let status = common::wait_child(&mut child.unwrap(), Duration::from_secs(300), "sbatch --wait");
+    let output = slurm.output(id);
+    assert!(status.success(), "the batch job failed ({status}):\n{output}{}", slurm.logs());
+    let worlds = worlds(&output);
+    assert_eq!((worlds.first(), worlds.last()), (Some(&2), Some(&1)), "2 ranks, then n1's alone: {worlds:?}");
+    assert!(output.contains("n2: task 1: Killed"), "srun says Slurm killed n2's task:\n{output}");
+    let submit = slurm.submit_dir();
+    check_on_the_reference(&submit.join("job.toml"), &output, &submit.join("final.safetensors"));
+    assert!(troupe_tasks().is_empty(), "no task is left: {:?}", troupe_tasks());
+}
