@@ -10,7 +10,7 @@ set -euo pipefail
 TORCH_VERSION=2.11.0
 # The external test oracles, pinned: transformers (model maths, Hugging Face's file layout) brings its
 # tokenizers and safetensors.
-TEST_PACKAGES=("transformers==5.24.0" "tokenizers==0.23.3")
+TEST_PACKAGES=("transformers==5.24.0" "tokenizers==0.23.3" "kubernetes-validate==1.31.0")
 cache="${TROUPE_CACHE:-$HOME/.cache/troupe}"
 venv="$cache/venv-torch-$TORCH_VERSION"
 stamp="$venv/.troupe-provisioned"
@@ -28,7 +28,8 @@ ENV
 }
 
 if [[ -f "$stamp" ]] && "$venv/bin/python" -c "import numpy, torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
-  if ! "$venv/bin/python" -c "import transformers, sys; sys.exit(transformers.__version__ != '${TEST_PACKAGES[0]#*==}')" 2>/dev/null; then
+  # Every pin of TEST_PACKAGES, at its version (a pin added later reaches provisioned venvs too).
+  if ! "$venv/bin/python" -c "import sys, importlib.metadata as m; sys.exit(any(m.version(p.split('==')[0]) != p.split('==')[1] for p in sys.argv[1:]))" "${TEST_PACKAGES[@]}" 2>/dev/null; then
     echo "libtorch: installing the test oracles ${TEST_PACKAGES[*]} into $venv" >&2
     "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir "${TEST_PACKAGES[@]}" >&2
   fi
