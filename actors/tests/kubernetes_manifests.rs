@@ -58,5 +58,5 @@ fn the_validator_refuses_a_broken_manifest() {
     std::fs::write(&path, broken).unwrap();
     let out = validate.arg(&path).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    assert!(text.contains("statefulset/troupe did not validate"), "{text}");
+    assert!(text.contains("did not validate for resource statefulset/troupe"), "{text}");
 }
