@@ -4,12 +4,14 @@
 //! PyTorch Gloo peer script the same way, so one command prints both figures.
 
 mod args;
+mod crypto;
 pub mod launch;
 mod peer;
 mod rank;
 mod spec;
 
 pub use args::AllreduceArgs;
+pub use crypto::{run_crypto_bench, CryptoArgs, CryptoReport};
 pub use launch::{launch_ranks, LaunchedRanks, Placement, RANK_SPEC_ENV};
 pub use peer::{run_gloo_peer, PeerReport};
 pub use rank::{run_rank, run_rank_from_env};

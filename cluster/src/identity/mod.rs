@@ -6,4 +6,6 @@ mod files;
 mod tls;
 
 pub use files::{add_node, init_cluster, validate_node_name, NodeIdentity};
-pub use tls::{client_config, server_config, server_verifier, verify_peer_name};
+pub use tls::{
+    client_config, client_config_with, providers, server_config, server_config_with, server_verifier, verify_peer_name,
+};

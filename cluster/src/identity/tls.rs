@@ -14,13 +14,26 @@ use crate::ClusterError;
 /// ALPN protocol id; a peer speaking anything else fails the handshake.
 pub const ALPN: &[u8] = b"troupe/1";
 
-/// ring's provider with AES-128-GCM first. Every byte a rank sends is sealed and opened with the
+/// ring's provider with AES-128-GCM first: the provider of every connection (QUIC and TLS over TCP).
+fn provider() -> Arc<CryptoProvider> {
+    aes_128_first(rustls::crypto::ring::default_provider())
+}
+
+/// `provider` with AES-128-GCM first. Every byte a rank sends is sealed and opened with the
 /// negotiated cipher, so on bulk tensors its cost is the transport's: AES-128 runs 10 rounds to
 /// AES-256's 14 (ring's default order puts AES-256 first), with the same 128-bit authentication tag.
-fn provider() -> Arc<CryptoProvider> {
-    let mut provider = rustls::crypto::ring::default_provider();
+fn aes_128_first(mut provider: CryptoProvider) -> Arc<CryptoProvider> {
     provider.cipher_suites.sort_by_key(|s| s.suite() != CipherSuite::TLS13_AES_128_GCM_SHA256);
     Arc::new(provider)
+}
+
+/// The crypto providers this build has, by name, each with AES-128-GCM first: ring (the one used),
+/// and aws-lc-rs with the `aws-lc-rs` feature — for `troupe-cluster-rank crypto` to compare.
+pub fn providers() -> Vec<(&'static str, Arc<CryptoProvider>)> {
+    let mut all = vec![("ring", provider())];
+    #[cfg(feature = "aws-lc-rs")]
+    all.push(("aws-lc-rs", aes_128_first(rustls::crypto::aws_lc_rs::default_provider())));
+    all
 }
 
 fn roots(id: &NodeIdentity) -> Result<Arc<RootCertStore>, ClusterError> {
@@ -31,11 +44,19 @@ fn roots(id: &NodeIdentity) -> Result<Arc<RootCertStore>, ClusterError> {
 
 /// Server side: requires a client certificate chaining to the cluster CA.
 pub fn server_config(id: &NodeIdentity) -> Result<rustls::ServerConfig, ClusterError> {
+    server_config_with(id, provider())
+}
+
+/// [`server_config`] with another crypto provider (one of [`providers`]).
+pub fn server_config_with(
+    id: &NodeIdentity,
+    provider: Arc<CryptoProvider>,
+) -> Result<rustls::ServerConfig, ClusterError> {
     let tls = |e: rustls::Error| ClusterError::Tls(e.to_string());
-    let verifier = WebPkiClientVerifier::builder_with_provider(roots(id)?, provider())
+    let verifier = WebPkiClientVerifier::builder_with_provider(roots(id)?, provider.clone())
         .build()
         .map_err(|e| ClusterError::Tls(e.to_string()))?;
-    let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
+    let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls)?
         .with_client_cert_verifier(verifier)
@@ -48,7 +69,14 @@ pub fn server_config(id: &NodeIdentity) -> Result<rustls::ServerConfig, ClusterE
 
 /// Checks a server's certificate chain against the cluster CA and its name against the name dialed.
 pub fn server_verifier(id: &NodeIdentity) -> Result<Arc<WebPkiServerVerifier>, ClusterError> {
-    WebPkiServerVerifier::builder_with_provider(roots(id)?, provider())
+    server_verifier_with(id, provider())
+}
+
+fn server_verifier_with(
+    id: &NodeIdentity,
+    provider: Arc<CryptoProvider>,
+) -> Result<Arc<WebPkiServerVerifier>, ClusterError> {
+    WebPkiServerVerifier::builder_with_provider(roots(id)?, provider)
         .build()
         .map_err(|e| ClusterError::Tls(e.to_string()))
 }
@@ -56,9 +84,17 @@ pub fn server_verifier(id: &NodeIdentity) -> Result<Arc<WebPkiServerVerifier>, C
 /// Client side: presents this node's certificate, and checks the server's against the cluster CA and
 /// the server name dialed.
 pub fn client_config(id: &NodeIdentity) -> Result<rustls::ClientConfig, ClusterError> {
+    client_config_with(id, provider())
+}
+
+/// [`client_config`] with another crypto provider (one of [`providers`]).
+pub fn client_config_with(
+    id: &NodeIdentity,
+    provider: Arc<CryptoProvider>,
+) -> Result<rustls::ClientConfig, ClusterError> {
     let tls = |e: rustls::Error| ClusterError::Tls(e.to_string());
-    let verifier = server_verifier(id)?;
-    let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
+    let verifier = server_verifier_with(id, provider.clone())?;
+    let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls)?
         .with_webpki_verifier(verifier)
