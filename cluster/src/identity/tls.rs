@@ -30,10 +30,11 @@ fn aes_128_first(mut provider: CryptoProvider) -> Arc<CryptoProvider> {
 /// The crypto providers this build has, by name, each with AES-128-GCM first: ring (the one used),
 /// and aws-lc-rs with the `aws-lc-rs` feature — for `troupe-cluster-rank crypto` to compare.
 pub fn providers() -> Vec<(&'static str, Arc<CryptoProvider>)> {
-    let mut all = vec![("ring", provider())];
-    #[cfg(feature = "aws-lc-rs")]
-    all.push(("aws-lc-rs", aes_128_first(rustls::crypto::aws_lc_rs::default_provider())));
-    all
+    vec![
+        ("ring", provider()),
+        #[cfg(feature = "aws-lc-rs")]
+        ("aws-lc-rs", aes_128_first(rustls::crypto::aws_lc_rs::default_provider())),
+    ]
 }
 
 fn roots(id: &NodeIdentity) -> Result<Arc<RootCertStore>, ClusterError> {
