@@ -81,7 +81,7 @@ pub fn plan_units(config: &ModelConfig, specs: &[ParamSpec]) -> Vec<Unit> {
         .into_iter()
         .rev()
         .map(|params| {
-            let tied = (config.tie_word_embeddings && params == head).then(|| offsets[0]..offsets[1]);
+            let tied = (config.head_takes_embedding() && params == head).then(|| offsets[0]..offsets[1]);
             Unit { flat: offsets[params.start]..offsets[params.end], params, tied }
         })
         .collect()
@@ -254,11 +254,12 @@ struct Model {
 }
 
 impl Model {
-    /// Unit forward: the embeddings of `tokens` when `input` is None, else a block on `input`.
-    fn run(&self, params: &[Tensor], input: Option<&Tensor>, tokens: &Tensor) -> Tensor {
+    /// Unit `unit`'s forward (the embeddings of `tokens` when it is 0 and `input` is None, else block
+    /// `unit - 1` on `input`).
+    fn run(&self, unit: usize, params: &[Tensor], input: Option<&Tensor>, tokens: &Tensor) -> Tensor {
         match input {
             None => model::embed(&self.config, params, tokens),
-            Some(input) => model::block(&self.config, self.precision, params, input),
+            Some(input) => model::block(&self.config, self.precision, unit - 1, params, input),
         }
     }
 }
@@ -322,12 +323,12 @@ async fn micro_batch<T: Transport>(
         let compute = on_thread(move || match activations {
             Activations::Keep => {
                 let input = input.map(|x| leaf(&x));
-                let output = model.run(&params, input.as_ref(), &tokens);
+                let output = model.run(u, &params, input.as_ref(), &tokens);
                 (output.shallow_clone(), Kept::Graph { params, input, output })
             }
             // `params` dropped here — released until the backward gathers them again.
             Activations::Recompute => {
-                (tch::no_grad(|| model.run(&params, input.as_ref(), &tokens)), Kept::Input(input))
+                (tch::no_grad(|| model.run(u, &params, input.as_ref(), &tokens)), Kept::Input(input))
             }
         });
         let ((output, keep), gathered) = tokio::join!(compute, ex.gather(next));
@@ -377,7 +378,7 @@ async fn micro_batch<T: Transport>(
                         Kept::Input(saved) => {
                             let params = gathered.expect("recompute gathers the unit before its backward");
                             let input = saved.map(|s| leaf(&s));
-                            let output = model.run(&params, input.as_ref(), &tokens);
+                            let output = model.run(i, &params, input.as_ref(), &tokens);
                             (params, input, output)
                         }
                     };

@@ -95,7 +95,7 @@ pub fn micro_batch_backward(
             let mut inputs = vec![leaf(&embedded)];
             let mut outputs = Vec::with_capacity(n);
             for i in 0..n {
-                let output = model::block(config, precision, block_params(i), &inputs[i]);
+                let output = model::block(config, precision, i, block_params(i), &inputs[i]);
                 inputs.push(leaf(&output));
                 outputs.push(output);
             }
@@ -105,7 +105,7 @@ pub fn micro_batch_backward(
             let inputs = tch::no_grad(|| {
                 let mut inputs = vec![model::embed(config, embed_params, tokens)];
                 for i in 0..n {
-                    let output = model::block(config, precision, block_params(i), &inputs[i]);
+                    let output = model::block(config, precision, i, block_params(i), &inputs[i]);
                     inputs.push(output);
                 }
                 inputs
@@ -127,7 +127,7 @@ pub fn micro_batch_backward(
             Activations::Keep => (saved, outputs.pop().expect("block output")),
             Activations::Recompute => {
                 let input = leaf(&saved);
-                let output = model::block(config, precision, block_params(i), &input);
+                let output = model::block(config, precision, i, block_params(i), &input);
                 (input, output)
             }
         };

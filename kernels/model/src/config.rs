@@ -1,5 +1,5 @@
 //! The job configuration: one TOML file with `[model]`, `[data]`, `[train]`, `[checkpoint]`,
-//! `[parallel]` and `[elastic]` sections. Every key has a default (gpt-tiny on the synthetic corpus), an unknown key is
+//! `[parallel]`, `[elastic]` and `[peft]` sections (`[peft]` is stored as `model.peft`: it decides the parameter list). Every key has a default (gpt-tiny on the synthetic corpus), an unknown key is
 //! an error naming it, and every value is validated with a message that says what is allowed.
 
 use std::fmt;
@@ -338,8 +338,25 @@ impl JobConfig {
     /// must agree with `config.json`); `arch = "llama"` alone starts from the llama-tiny shape.
     fn parse_toml(text: &str, origin: &str) -> Result<Self, ConfigError> {
         let parse_error = |e: toml::de::Error| ConfigError::Parse { origin: origin.to_owned(), message: e.to_string() };
-        let table: toml::Table = toml::from_str(text).map_err(parse_error)?;
-        let mut config: Self = toml::from_str(text).map_err(parse_error)?;
+        let mut table: toml::Table = toml::from_str(text).map_err(parse_error)?;
+        let mut config: Self = match table.remove("peft") {
+            // `[peft]` is the model's: it decides the parameter list every engine trains.
+            Some(peft) => {
+                let model = table.entry("model").or_insert_with(|| toml::Value::Table(toml::Table::new()));
+                let model = model.as_table_mut().ok_or_else(|| ConfigError::Parse {
+                    origin: origin.to_owned(),
+                    message: "`model` must be a table ([model])".into(),
+                })?;
+                if model.insert("peft".into(), peft).is_some() {
+                    return Err(ConfigError::Parse {
+                        origin: origin.to_owned(),
+                        message: "[peft] is given twice (also as [model.peft]): keep one".into(),
+                    });
+                }
+                toml::Value::Table(table.clone()).try_into().map_err(parse_error)?
+            }
+            None => toml::from_str(text).map_err(parse_error)?,
+        };
         if let Some(model) = table.get("model").and_then(toml::Value::as_table) {
             config.model = resolve_model(model, &config.model)?;
         }
@@ -648,7 +665,7 @@ fn model_table(config: &ModelConfig) -> toml::Table {
 fn check_agreement(table: &toml::Table, from_json: &ModelConfig, dir: &Path) -> Result<(), ConfigError> {
     let json = model_table(from_json);
     for (key, value) in table {
-        if matches!(key.as_str(), "from_hf" | "preset" | "context" | "init_std") {
+        if matches!(key.as_str(), "from_hf" | "preset" | "context" | "init_std" | "peft") {
             continue;
         }
         let derived = json.get(key);

@@ -12,11 +12,12 @@
 //! other tensor agrees to ~1e-6 after 20 steps (measured, see docs/benchmarks.md).
 
 use std::ops::Range;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use tch::{Kind, Tensor};
 
-use crate::model::ParamSpec;
+use crate::config::JobConfig;
+use crate::model::{Model, ParamSpec, PeftConfig};
 
 /// The Python of the provisioned venv (scripts/provision-libtorch.sh), where PyTorch and the pinned
 /// external oracles (transformers) live: `TROUPE_PYTHON`, else `$TROUPE_CACHE/venv-torch-2.11.0/bin/python`
@@ -56,6 +57,21 @@ pub fn run_python_oracle(script: &str, needs: &str, args: &[&str]) -> Result<ser
     let stdout = String::from_utf8_lossy(&output.stdout);
     let last = stdout.lines().last().ok_or(format!("{name} printed nothing"))?;
     serde_json::from_str(last).map_err(|e| format!("{name} printed {last:?}: {e}"))
+}
+
+/// `config` as a fine-tuning job (`[peft]` = `peft`) of a "pretrained" model: the model `config`
+/// describes, initialised from `seed`, written into `dir` as the Hugging Face directory `model.from_hf`
+/// names. What the tests and benchmarks of `[peft]` start from.
+pub fn fine_tuning(mut config: JobConfig, peft: PeftConfig, dir: &Path, seed: u64) -> JobConfig {
+    let plain = crate::model::ModelConfig { peft: None, from_hf: None, ..config.model.clone() };
+    let base = Model::new(plain, seed);
+    let values: Vec<Vec<f32>> =
+        base.params().iter().map(|p| Vec::<f32>::try_from(p.flatten(0, -1)).expect("fp32 parameters")).collect();
+    crate::hf::export(&base.config, &values, dir, crate::hf::ExportOptions::default())
+        .unwrap_or_else(|e| panic!("writing the base model into {}: {e}", dir.display()));
+    config.model.from_hf = Some(dir.to_owned());
+    config.model.peft = Some(peft);
+    config
 }
 
 /// The comparison of two parameter lists.

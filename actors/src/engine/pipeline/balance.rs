@@ -69,7 +69,7 @@ pub fn measure(model: &ModelConfig, precision: Precision, samples: usize) -> Mod
             let p = &params[model.block_range(i)];
             median_seconds(|| {
                 let input = x.detach().set_requires_grad(true);
-                let out = block(model, precision, p, &input);
+                let out = block(model, precision, i, p, &input);
                 backward_with_input((&out * &incoming).sum(Kind::Float), &input, p);
             })
         })

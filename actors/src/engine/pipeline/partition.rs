@@ -48,7 +48,7 @@ impl ModelCosts {
     pub fn parameters(config: &ModelConfig) -> Self {
         let specs = param_specs(config);
         let numel = |r: Range<usize>| specs[r].iter().map(|s| s.numel()).sum::<usize>() as f64;
-        let tied = if config.tie_word_embeddings { numel(0..1) } else { 0.0 };
+        let tied = if config.head_takes_embedding() { numel(0..1) } else { 0.0 };
         Self {
             embed: numel(config.embed_range()),
             blocks: (0..config.n_layers).map(|i| numel(config.block_range(i))).collect(),

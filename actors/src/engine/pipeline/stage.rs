@@ -759,10 +759,10 @@ impl<T: Transport> PipelineStage<T> {
                     .map(|op| ParamOp { params: op.params.start + offset..op.params.end + offset, ..op }),
             );
         };
-        for _ in layout.blocks.clone() {
+        for b in layout.blocks.clone() {
             let mut recorded = Vec::new();
-            let per_block = model.params_per_block();
-            x = block_recorded(model, precision, &p[used..used + per_block], &x, &mut recorded);
+            let per_block = model.block_range(b).len();
+            x = block_recorded(model, precision, b, &p[used..used + per_block], &x, &mut recorded);
             record_at(used, &mut ops, recorded);
             used += per_block;
         }

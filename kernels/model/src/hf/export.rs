@@ -13,7 +13,7 @@ use serde_json::json;
 
 use super::config_json::write_config;
 use super::{file_name, transpose, HfError};
-use crate::model::{param_specs, ModelConfig};
+use crate::model::{base_specs, ModelConfig};
 
 /// The dtype of the exported weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,15 +46,15 @@ impl Default for ExportOptions {
     }
 }
 
-/// Writes `config`'s model with parameter values `values` (fp32, troupe's layout, [`param_specs`] order)
-/// into `out` as a Hugging Face directory. Returns the files written.
+/// Writes `config`'s model with parameter values `values` (fp32, troupe's layout, [`base_specs`] order: the whole
+/// model, a LoRA model's adapters merged first) into `out` as a Hugging Face directory. Returns the files written.
 pub fn export(
     config: &ModelConfig,
     values: &[Vec<f32>],
     out: &Path,
     options: ExportOptions,
 ) -> Result<Vec<String>, HfError> {
-    let specs = param_specs(config);
+    let specs = base_specs(config);
     assert_eq!(values.len(), specs.len(), "one value vector per parameter");
     if config.qkv_bias && config.head_dim != 0 {
         return Err(HfError::Unsupported {

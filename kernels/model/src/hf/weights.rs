@@ -12,7 +12,7 @@ use half::{bf16, f16};
 use serde_json::Value;
 
 use super::{file_name, is_buffer, transpose, HfError};
-use crate::model::{param_specs, ModelConfig, ParamSpec};
+use crate::model::{base_specs, ModelConfig, ParamSpec};
 
 const INDEX: &str = "model.safetensors.index.json";
 const SINGLE: &str = "model.safetensors";
@@ -210,7 +210,7 @@ pub fn check_weights(config: &ModelConfig) -> Result<(), HfError> {
     let Some(dir) = &config.from_hf else { return Ok(()) };
     let weights = HfWeights::open(dir)?;
     let mut used = std::collections::HashSet::new();
-    for spec in param_specs(config) {
+    for spec in base_specs(config) {
         let (name, entry, _) = weights.locate(config, &spec)?;
         let path = weights.files[entry.file].0.clone();
         if !matches!(entry.dtype.as_str(), "F32" | "BF16" | "F16") {

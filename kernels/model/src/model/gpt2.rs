@@ -8,7 +8,7 @@
 use tch::{Kind, Tensor};
 
 use super::kv_cache::LayerCache;
-use super::{record, Activation, Init, ModelConfig, ParamOp, ParamSpec};
+use super::{Activation, Init, ModelConfig, ParamOp, ParamSpec, Weights};
 use crate::config::{invalid, ConfigError};
 use crate::precision::Precision;
 
@@ -69,14 +69,14 @@ pub fn param_specs(cfg: &ModelConfig) -> Vec<ParamSpec> {
 }
 
 /// Token + position embeddings on `[wte, wpe]`, the tokens at positions `start..`.
-pub(super) fn embed(params: &[Tensor], tokens: &Tensor, start: i64, ops: &mut Vec<ParamOp>) -> Tensor {
+pub(super) fn embed(params: &Weights, tokens: &Tensor, start: i64, ops: &mut Vec<ParamOp>) -> Tensor {
     let time = tokens.size()[1];
     let positions = Tensor::arange_start(start, start + time, (Kind::Int64, tokens.device()));
     let (wte, wpe) = (&params[0], &params[1]);
     let token_embedding = Tensor::embedding(wte, tokens, -1, false, false);
     let position_embedding = Tensor::embedding(wpe, &positions, -1, false, false);
-    record(ops, &token_embedding, 0..1);
-    record(ops, &position_embedding, 1..2);
+    params.record(ops, &token_embedding, 0..1);
+    params.record(ops, &position_embedding, 1..2);
     token_embedding + position_embedding
 }
 
@@ -85,7 +85,7 @@ pub(super) fn embed(params: &[Tensor], tokens: &Tensor, start: i64, ops: &mut Ve
 pub(super) fn block(
     cfg: &ModelConfig,
     precision: Precision,
-    p: &[Tensor],
+    p: &Weights,
     x: &Tensor,
     ops: &mut Vec<ParamOp>,
     cache: Option<&mut LayerCache>,
@@ -94,9 +94,8 @@ pub(super) fn block(
     let (heads, head_dim) = (cfg.n_heads as i64, cfg.head_dim() as i64);
 
     let h = x.layer_norm([d], Some(&p[0]), Some(&p[1]), cfg.norm_eps, false);
-    record(ops, &h, 0..2);
-    let qkv = precision.linear(&h, &p[2], Some(&p[3]));
-    record(ops, &qkv, 2..4);
+    p.record(ops, &h, 0..2);
+    let qkv = p.linear(precision, &h, 2, Some(3), ops);
     let split = |t: &Tensor| t.view([batch, time, heads, head_dim]).transpose(1, 2);
     let parts = qkv.split(d, 2);
     let (q, k, v) = (split(&parts[0]), split(&parts[1]), split(&parts[2]));
@@ -108,24 +107,21 @@ pub(super) fn block(
     };
     let attended = super::kv_cache::attend(&q, &k, &v, start);
     let attended = attended.transpose(1, 2).contiguous().view([batch, time, d]);
-    let projected = precision.linear(&attended, &p[4], Some(&p[5]));
-    record(ops, &projected, 4..6);
+    let projected = p.linear(precision, &attended, 4, Some(5), ops);
     let x = x + projected;
 
     let h = x.layer_norm([d], Some(&p[6]), Some(&p[7]), cfg.norm_eps, false);
-    record(ops, &h, 6..8);
-    let h = precision.linear(&h, &p[8], Some(&p[9]));
-    record(ops, &h, 8..10);
+    p.record(ops, &h, 6..8);
+    let h = p.linear(precision, &h, 8, Some(9), ops);
     let activated = match cfg.activation {
         Activation::Gelu => h.gelu("none"),
         Activation::GeluNew => h.gelu("tanh"),
     };
-    let out = precision.linear(&activated, &p[10], Some(&p[11]));
-    record(ops, &out, 10..12);
+    let out = p.linear(precision, &activated, 10, Some(11), ops);
     x + out
 }
 
 /// The final LayerNorm on `[ln_f.weight, ln_f.bias]`.
-pub(super) fn final_norm(cfg: &ModelConfig, params: &[Tensor], x: &Tensor) -> Tensor {
+pub(super) fn final_norm(cfg: &ModelConfig, params: &Weights, x: &Tensor) -> Tensor {
     x.layer_norm([cfg.d_model as i64], Some(&params[0]), Some(&params[1]), cfg.norm_eps, false)
 }

@@ -8,7 +8,7 @@
 use tch::{Kind, Tensor};
 
 use super::kv_cache::LayerCache;
-use super::{record, Init, ModelConfig, ParamOp, ParamSpec, RopeScaling};
+use super::{Init, ModelConfig, ParamOp, ParamSpec, RopeScaling, Weights};
 use crate::config::{invalid, ConfigError};
 use crate::precision::Precision;
 
@@ -97,9 +97,9 @@ pub fn param_specs(cfg: &ModelConfig) -> Vec<ParamSpec> {
 }
 
 /// The token embedding.
-pub(super) fn embed(params: &[Tensor], tokens: &Tensor, ops: &mut Vec<ParamOp>) -> Tensor {
+pub(super) fn embed(params: &Weights, tokens: &Tensor, ops: &mut Vec<ParamOp>) -> Tensor {
     let embedded = Tensor::embedding(&params[0], tokens, -1, false, false);
-    record(ops, &embedded, 0..1);
+    params.record(ops, &embedded, 0..1);
     embedded
 }
 
@@ -159,7 +159,7 @@ fn apply_rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
 pub(super) fn block(
     cfg: &ModelConfig,
     precision: Precision,
-    p: &[Tensor],
+    p: &Weights,
     x: &Tensor,
     ops: &mut Vec<ParamOp>,
     cache: Option<&mut LayerCache>,
@@ -169,12 +169,10 @@ pub(super) fn block(
     let bias = usize::from(cfg.qkv_bias);
 
     let h = rms_norm(x, &p[0], cfg.norm_eps);
-    record(ops, &h, 0..1);
+    p.record(ops, &h, 0..1);
     let mut at = 1;
     let mut project = |ops: &mut Vec<ParamOp>| {
-        let range = at..at + 1 + bias;
-        let out = precision.linear(&h, &p[at], (bias == 1).then(|| &p[at + 1]));
-        record(ops, &out, range);
+        let out = p.linear(precision, &h, at, (bias == 1).then_some(at + 1), ops);
         at += 1 + bias;
         out
     };
@@ -203,17 +201,13 @@ pub(super) fn block(
     let attended = super::kv_cache::attend(&q, &repeat(k), &repeat(v), start);
     let attended = attended.transpose(1, 2).contiguous().view([batch, time, heads * head_dim]);
     let o = at;
-    let projected = precision.linear(&attended, &p[o], None);
-    record(ops, &projected, o..o + 1);
+    let projected = p.linear(precision, &attended, o, None, ops);
     let x = x + projected.to_kind(x.kind());
 
     let h = rms_norm(&x, &p[o + 1], cfg.norm_eps);
-    record(ops, &h, o + 1..o + 2);
-    let gate = precision.linear(&h, &p[o + 2], None);
-    record(ops, &gate, o + 2..o + 3);
-    let up = precision.linear(&h, &p[o + 3], None);
-    record(ops, &up, o + 3..o + 4);
-    let out = precision.linear(&(gate.silu() * up), &p[o + 4], None);
-    record(ops, &out, o + 4..o + 5);
+    p.record(ops, &h, o + 1..o + 2);
+    let gate = p.linear(precision, &h, o + 2, None, ops);
+    let up = p.linear(precision, &h, o + 3, None, ops);
+    let out = p.linear(precision, &(gate.silu() * up), o + 4, None, ops);
     x + out.to_kind(Kind::Float)
 }

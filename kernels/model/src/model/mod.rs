@@ -26,9 +26,11 @@ use crate::rng::{hash_words, SplitMix64};
 pub mod gpt2;
 pub mod kv_cache;
 pub mod llama;
+pub mod peft;
 pub mod presets;
 
 pub use kv_cache::KvCache;
+pub use peft::PeftConfig;
 
 /// The family of a model: how its parameters are laid out and what its forward computes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -114,6 +116,10 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
     /// Standard deviation of the initial matrices (Hugging Face `initializer_range`).
     pub init_std: f64,
+    /// Parameter-efficient fine-tuning (`[peft]` in the job config): what trains, and LoRA's adapters.
+    /// Changes the parameter list every engine works on (see [`peft`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peft: Option<PeftConfig>,
 }
 
 impl Default for ModelConfig {
@@ -136,6 +142,9 @@ pub enum Init {
     Normal { std: f64 },
     Zeros,
     Ones,
+    /// A LoRA adapter drawn by troupe's RNG: `A` uniform in [-bound, bound) (PEFT's Kaiming-uniform),
+    /// `B` zero (bound 0). Never read from `model.from_hf`.
+    Adapter { bound: f64 },
 }
 
 impl ParamSpec {
@@ -173,6 +182,7 @@ impl ModelConfig {
             rope_scaling: None,
             qkv_bias: false,
             init_std: 0.02,
+            peft: None,
         }
     }
 
@@ -233,12 +243,16 @@ impl ModelConfig {
             return Err(invalid("model.init_std", self.init_std, "must be a finite number > 0, e.g. 0.02"));
         }
         match self.arch {
-            Arch::Gpt2 => gpt2::validate(self),
-            Arch::Llama => llama::validate(self),
+            Arch::Gpt2 => gpt2::validate(self)?,
+            Arch::Llama => llama::validate(self)?,
+        }
+        match &self.peft {
+            Some(peft) => peft.validate(self),
+            None => Ok(()),
         }
     }
 
-    /// Parameters before the first block (the embeddings).
+    /// The family's parameters before the first block (the embeddings).
     pub fn params_before_blocks(&self) -> usize {
         match self.arch {
             Arch::Gpt2 => gpt2::PARAMS_BEFORE_BLOCKS,
@@ -246,7 +260,7 @@ impl ModelConfig {
         }
     }
 
-    /// Parameters of each block.
+    /// The family's parameters of each block.
     pub fn params_per_block(&self) -> usize {
         match self.arch {
             Arch::Gpt2 => gpt2::PARAMS_PER_BLOCK,
@@ -254,7 +268,7 @@ impl ModelConfig {
         }
     }
 
-    /// Parameters after the last block (the final norm, and the output matrix unless tied).
+    /// The family's parameters after the last block (the final norm, and the output matrix unless tied).
     pub fn params_after_blocks(&self) -> usize {
         let norm = match self.arch {
             Arch::Gpt2 => 2,
@@ -263,27 +277,63 @@ impl ModelConfig {
         norm + usize::from(!self.tie_word_embeddings)
     }
 
-    /// Length of the parameter list.
+    /// The embeddings' positions in [`base_specs`].
+    pub fn base_embed_range(&self) -> Range<usize> {
+        0..self.params_before_blocks()
+    }
+
+    /// Block `index`'s positions in [`base_specs`].
+    pub fn base_block_range(&self, index: usize) -> Range<usize> {
+        let start = self.params_before_blocks() + index * self.params_per_block();
+        start..start + self.params_per_block()
+    }
+
+    /// The head's positions in [`base_specs`] (without the tied embedding).
+    pub fn base_head_range(&self) -> Range<usize> {
+        let total = self.params_before_blocks() + self.n_layers * self.params_per_block() + self.params_after_blocks();
+        total - self.params_after_blocks()..total
+    }
+
+    /// Length of the parameter list ([`param_specs`]: what trains).
     pub fn param_tensors(&self) -> usize {
-        self.params_before_blocks() + self.n_layers * self.params_per_block() + self.params_after_blocks()
+        match &self.peft {
+            None => self.base_head_range().end,
+            Some(_) => peft::parts(self).iter().map(|p| p.specs.len()).sum(),
+        }
     }
 
     /// The embeddings' positions in the parameter list.
     pub fn embed_range(&self) -> Range<usize> {
-        0..self.params_before_blocks()
+        match &self.peft {
+            None => self.base_embed_range(),
+            Some(_) => self.part_range(0),
+        }
     }
 
     /// Block `index`'s positions in the parameter list.
     pub fn block_range(&self, index: usize) -> Range<usize> {
-        let start = self.params_before_blocks() + index * self.params_per_block();
-        start..start + self.params_per_block()
+        match &self.peft {
+            None => self.base_block_range(index),
+            Some(_) => self.part_range(1 + index),
+        }
     }
 
     /// The head's positions in the parameter list (without the tied embedding, which is in
     /// [`Self::embed_range`]).
     pub fn head_range(&self) -> Range<usize> {
-        let total = self.param_tensors();
-        total - self.params_after_blocks()..total
+        match &self.peft {
+            None => self.base_head_range(),
+            Some(_) => self.part_range(1 + self.n_layers),
+        }
+    }
+
+    fn part_range(&self, part: usize) -> Range<usize> {
+        peft::part_ranges(&peft::parts(self)).swap_remove(part)
+    }
+
+    /// Whether the head's parameters include the token embedding: tied, and the embedding trains.
+    pub fn head_takes_embedding(&self) -> bool {
+        self.tie_word_embeddings && peft::trains_embedding(self)
     }
 
     /// Total parameter count (a tied matrix counted once).
@@ -308,12 +358,21 @@ impl ModelConfig {
     }
 }
 
-/// The canonical, ordered parameter list (Hugging Face's names: GPT-2's without the `transformer.`
-/// prefix, Llama's as they are).
-pub fn param_specs(cfg: &ModelConfig) -> Vec<ParamSpec> {
+/// The family's canonical, ordered parameter list (Hugging Face's names: GPT-2's without the
+/// `transformer.` prefix, Llama's as they are): what the model's weights are.
+pub fn base_specs(cfg: &ModelConfig) -> Vec<ParamSpec> {
     match cfg.arch {
         Arch::Gpt2 => gpt2::param_specs(cfg),
         Arch::Llama => llama::param_specs(cfg),
+    }
+}
+
+/// The parameter list every engine trains, shards and checkpoints: [`base_specs`], or with `[peft]`
+/// what trains of it and LoRA's adapters (see [`peft`]).
+pub fn param_specs(cfg: &ModelConfig) -> Vec<ParamSpec> {
+    match &cfg.peft {
+        None => base_specs(cfg),
+        Some(_) => peft::parts(cfg).into_iter().flat_map(|p| p.specs).collect(),
     }
 }
 
@@ -329,6 +388,26 @@ pub fn init_values(spec: &ParamSpec, seed: u64, index: usize) -> Vec<f32> {
             let mut rng = SplitMix64::new(hash_words(&[seed, index as u64, 0x1417]));
             (0..n).map(|_| (rng.next_normal() * std) as f32).collect()
         }
+        Init::Adapter { bound } if bound == 0.0 => vec![0.0; n],
+        Init::Adapter { bound } => {
+            let mut rng = SplitMix64::new(hash_words(&[seed, index as u64, 0x10a4]));
+            (0..n).map(|_| ((rng.next_f64() * 2.0 - 1.0) * bound) as f32).collect()
+        }
+    }
+}
+
+/// Trainable parameter `index`'s initial values: adapters drawn, everything else read from the model's
+/// weights (`from_hf`) or drawn by [`init_values`].
+fn initial_param(
+    cfg: &ModelConfig,
+    weights: Option<&crate::hf::HfWeights>,
+    spec: &ParamSpec,
+    seed: u64,
+    index: usize,
+) -> Result<Vec<f32>, crate::hf::HfError> {
+    match weights {
+        Some(weights) if !matches!(spec.init, Init::Adapter { .. }) => weights.read_param(cfg, spec),
+        _ => Ok(init_values(spec, seed, index)),
     }
 }
 
@@ -340,13 +419,8 @@ pub fn initial_values(
     indices: Range<usize>,
 ) -> Result<Vec<Vec<f32>>, crate::hf::HfError> {
     let specs = param_specs(cfg);
-    match &cfg.from_hf {
-        Some(dir) => {
-            let weights = crate::hf::HfWeights::open(dir)?;
-            indices.map(|i| weights.read_param(cfg, &specs[i])).collect()
-        }
-        None => Ok(indices.map(|i| init_values(&specs[i], seed, i)).collect()),
-    }
+    let weights = cfg.from_hf.as_deref().map(crate::hf::HfWeights::open).transpose()?;
+    indices.map(|i| initial_param(cfg, weights.as_ref(), &specs[i], seed, i)).collect()
 }
 
 /// The initial values of the elements `range` of the flat parameter order (every parameter of
@@ -362,10 +436,7 @@ pub fn initial_flat(cfg: &ModelConfig, seed: u64, range: Range<usize>) -> Result
     for (index, spec) in specs.iter().enumerate() {
         let end = start + spec.numel();
         if start < range.end && range.start < end {
-            let values = match &weights {
-                Some(weights) => weights.read_param(cfg, spec)?,
-                None => init_values(spec, seed, index),
-            };
+            let values = initial_param(cfg, weights.as_ref(), spec, seed, index)?;
             out.extend_from_slice(&values[range.start.max(start) - start..range.end.min(end) - start]);
         }
         start = end;
@@ -382,6 +453,8 @@ pub struct Model {
     pub precision: Precision,
     specs: Vec<ParamSpec>,
     params: Vec<Tensor>,
+    /// With `[peft]`: the frozen base, held so the process keeps its tensors while the model lives.
+    base: Option<std::sync::Arc<peft::Base>>,
 }
 
 impl Model {
@@ -401,7 +474,8 @@ impl Model {
             .zip(values)
             .map(|(spec, values)| Tensor::from_slice(&values).view(spec.shape.as_slice()).set_requires_grad(true))
             .collect();
-        Ok(Self { config, precision: Precision::Fp32, specs, params })
+        let base = hold_base(&config)?;
+        Ok(Self { config, precision: Precision::Fp32, specs, params, base })
     }
 
     /// The model's shape without its values: every parameter an empty leaf (as a ZeRO-3 rank keeps them
@@ -410,7 +484,8 @@ impl Model {
         let specs = param_specs(&config);
         let empty = || Tensor::zeros([0], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
         let params = specs.iter().map(|_| empty()).collect();
-        Self { config, precision: Precision::Fp32, specs, params }
+        let base = hold_base(&config).unwrap_or_else(|e| panic!("{e}"));
+        Self { config, precision: Precision::Fp32, specs, params, base }
     }
 
     /// The same model with its parameters on `device` (same values: initialisation is computed in Rust,
@@ -430,6 +505,11 @@ impl Model {
 
     pub fn specs(&self) -> &[ParamSpec] {
         &self.specs
+    }
+
+    /// With `[peft]`, the frozen base the model runs on.
+    pub fn base(&self) -> Option<&peft::Base> {
+        self.base.as_deref()
     }
 
     pub fn params(&self) -> &[Tensor] {
@@ -472,7 +552,7 @@ impl Model {
 
     /// Transformer block `index`: `[batch, time, d_model]` → same shape.
     pub fn block(&self, index: usize, x: &Tensor) -> Tensor {
-        block(&self.config, self.precision, &self.params[self.config.block_range(index)], x)
+        block(&self.config, self.precision, index, &self.params[self.config.block_range(index)], x)
     }
 
     /// The final norm and the head: `[batch, time, d_model]` → logits `[batch, time, vocab]`.
@@ -493,16 +573,16 @@ impl Model {
             "sequence of {} tokens exceeds the model's positions",
             start + time
         );
-        let embed_params = &self.params[config.embed_range()];
+        let w = Weights::of(config, 0, &self.params[config.embed_range()], tokens.device());
         let mut x = match config.arch {
-            Arch::Gpt2 => gpt2::embed(embed_params, tokens, start, &mut Vec::new()),
-            Arch::Llama => llama::embed(embed_params, tokens, &mut Vec::new()),
+            Arch::Gpt2 => gpt2::embed(&w, tokens, start, &mut Vec::new()),
+            Arch::Llama => llama::embed(&w, tokens, &mut Vec::new()),
         };
         for (i, layer) in cache.layers.iter_mut().enumerate() {
-            let p = &self.params[config.block_range(i)];
+            let w = Weights::of(config, 1 + i, &self.params[config.block_range(i)], x.device());
             x = match config.arch {
-                Arch::Gpt2 => gpt2::block(config, self.precision, p, &x, &mut Vec::new(), Some(layer)),
-                Arch::Llama => llama::block(config, self.precision, p, &x, &mut Vec::new(), Some(layer)),
+                Arch::Gpt2 => gpt2::block(config, self.precision, &w, &x, &mut Vec::new(), Some(layer)),
+                Arch::Llama => llama::block(config, self.precision, &w, &x, &mut Vec::new(), Some(layer)),
             };
         }
         self.head(&x)
@@ -534,11 +614,105 @@ pub(crate) fn record(ops: &mut Vec<ParamOp>, output: &Tensor, params: Range<usiz
     ops.push(ParamOp { output: output.shallow_clone(), params });
 }
 
-/// What the head runs on, from the whole parameter list: the head range, then (tied) the token
-/// embedding. Shallow handles: the gradients land on the parameters themselves.
+fn hold_base(config: &ModelConfig) -> Result<Option<std::sync::Arc<peft::Base>>, crate::hf::HfError> {
+    match (&config.peft, &config.from_hf) {
+        (Some(_), Some(dir)) => peft::Base::open(dir).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// A part of the model (0 the embeddings, 1 + i block i, 1 + n_layers the head) as its family's forward
+/// takes it: the family's parameters in order, each the trainable tensor handed in or (`[peft]`) the
+/// frozen base's, and the LoRA adapters beside the targeted weights. Operations are recorded in the
+/// positions of the trainable slice handed in; an operation on frozen parameters alone is not recorded.
+pub struct Weights {
+    params: Vec<Tensor>,
+    lora: Vec<Option<Lora>>,
+    /// Where each family parameter is in the trainable slice (None: the slice is the family's list).
+    slots: Option<Vec<peft::Slot>>,
+}
+
+struct Lora {
+    a: Tensor,
+    b: Tensor,
+    scale: f64,
+    /// `A`'s position in the trainable slice (`B` is the next).
+    slot: usize,
+}
+
+impl std::ops::Index<usize> for Weights {
+    type Output = Tensor;
+
+    fn index(&self, index: usize) -> &Tensor {
+        &self.params[index]
+    }
+}
+
+impl Weights {
+    /// Part `part` of `config`'s model on its trainable slice `trainable`; frozen tensors come from the
+    /// base on `device`.
+    pub fn of(config: &ModelConfig, part: usize, trainable: &[Tensor], device: tch::Device) -> Self {
+        let Some(peft) = &config.peft else {
+            let params = trainable.iter().map(Tensor::shallow_clone).collect::<Vec<_>>();
+            let lora = params.iter().map(|_| None).collect();
+            return Self { params, lora, slots: None };
+        };
+        let layout = peft::part(config, part);
+        let used = layout.slots.iter().flat_map(|s| s.trained.into_iter().chain(s.adapter.map(|a| a + 1))).max();
+        assert_eq!(trainable.len(), used.map_or(0, |last| last + 1), "part {part}'s trainable parameter count");
+        let base = peft::Base::of(config);
+        let params = layout
+            .base
+            .iter()
+            .zip(&layout.slots)
+            .map(|(&index, slot)| match slot.trained {
+                Some(at) => trainable[at].shallow_clone(),
+                None => base.tensor(config, index, device),
+            })
+            .collect();
+        let scale = peft.scale();
+        let lora = layout
+            .slots
+            .iter()
+            .map(|slot| {
+                slot.adapter.map(|a| Lora {
+                    a: trainable[a].shallow_clone(),
+                    b: trainable[a + 1].shallow_clone(),
+                    scale,
+                    slot: a,
+                })
+            })
+            .collect();
+        Self { params, lora, slots: Some(layout.slots) }
+    }
+
+    /// Records `output` as the operation of the family parameters `family` (the trainable ones).
+    fn record(&self, ops: &mut Vec<ParamOp>, output: &Tensor, family: Range<usize>) {
+        let Some(slots) = &self.slots else { return record(ops, output, family) };
+        let trained: Vec<usize> = family.filter_map(|i| slots[i].trained).collect();
+        if let (Some(&first), Some(&last)) = (trained.first(), trained.last()) {
+            assert_eq!(last + 1 - first, trained.len(), "an operation's trained parameters are consecutive");
+            record(ops, output, first..last + 1);
+        }
+    }
+
+    /// `x · weightᵀ + bias` in `precision`, plus the weight's LoRA update `scale · (x · Aᵀ) · Bᵀ` when it
+    /// has adapters (PEFT's order: A, then B, then the scale).
+    fn linear(&self, precision: Precision, x: &Tensor, weight: usize, bias: Option<usize>, ops: &mut Vec<ParamOp>) -> Tensor {
+        let out = precision.linear(x, &self.params[weight], bias.map(|b| &self.params[b]));
+        self.record(ops, &out, weight..bias.map_or(weight, |b| b) + 1);
+        let Some(lora) = &self.lora[weight] else { return out };
+        let update = precision.linear(&precision.linear(x, &lora.a, None), &lora.b, None) * lora.scale;
+        record(ops, &update, lora.slot..lora.slot + 2);
+        out + update
+    }
+}
+
+/// What the head runs on, from the whole parameter list: the head range, then (tied, and the embedding
+/// trains) the token embedding. Shallow handles: the gradients land on the parameters themselves.
 pub fn head_params(config: &ModelConfig, params: &[Tensor]) -> Vec<Tensor> {
     let mut head: Vec<Tensor> = params[config.head_range()].iter().map(Tensor::shallow_clone).collect();
-    if config.tie_word_embeddings {
+    if config.head_takes_embedding() {
         head.push(params[0].shallow_clone());
     }
     head
@@ -555,31 +729,33 @@ pub fn embed(config: &ModelConfig, params: &[Tensor], tokens: &Tensor) -> Tensor
 pub fn embed_recorded(config: &ModelConfig, params: &[Tensor], tokens: &Tensor, ops: &mut Vec<ParamOp>) -> Tensor {
     let time = tokens.size()[1];
     assert!(time as usize <= config.positions(), "sequence of {time} tokens exceeds the model's positions");
+    let w = Weights::of(config, 0, params, tokens.device());
     match config.arch {
-        Arch::Gpt2 => gpt2::embed(params, tokens, 0, ops),
-        Arch::Llama => llama::embed(params, tokens, ops),
+        Arch::Gpt2 => gpt2::embed(&w, tokens, 0, ops),
+        Arch::Llama => llama::embed(&w, tokens, ops),
     }
 }
 
-/// One transformer block on its parameters: `[batch, time, d_model]` → same shape. The linear layers
+/// Transformer block `index` on its parameters: `[batch, time, d_model]` → same shape. The linear layers
 /// and attention compute in `precision`; the norms and the residual stream stay fp32 (autocast's
 /// policy, see [`crate::precision`]).
-pub fn block(config: &ModelConfig, precision: Precision, p: &[Tensor], x: &Tensor) -> Tensor {
-    block_recorded(config, precision, p, x, &mut Vec::new())
+pub fn block(config: &ModelConfig, precision: Precision, index: usize, p: &[Tensor], x: &Tensor) -> Tensor {
+    block_recorded(config, precision, index, p, x, &mut Vec::new())
 }
 
 /// [`block`], recording its parameter operations.
 pub fn block_recorded(
     config: &ModelConfig,
     precision: Precision,
+    index: usize,
     p: &[Tensor],
     x: &Tensor,
     ops: &mut Vec<ParamOp>,
 ) -> Tensor {
-    assert_eq!(p.len(), config.params_per_block(), "block parameter count");
+    let w = Weights::of(config, 1 + index, p, x.device());
     match config.arch {
-        Arch::Gpt2 => gpt2::block(config, precision, p, x, ops, None),
-        Arch::Llama => llama::block(config, precision, p, x, ops, None),
+        Arch::Gpt2 => gpt2::block(config, precision, &w, x, ops, None),
+        Arch::Llama => llama::block(config, precision, &w, x, ops, None),
     }
 }
 
@@ -597,17 +773,14 @@ pub fn head_recorded(
     x: &Tensor,
     ops: &mut Vec<ParamOp>,
 ) -> Tensor {
-    let expected = config.params_after_blocks() + usize::from(config.tie_word_embeddings);
-    assert_eq!(params.len(), expected, "head parameter count");
+    let w = Weights::of(config, 1 + config.n_layers, params, x.device());
     let norm = config.params_after_blocks() - usize::from(!config.tie_word_embeddings);
     let h = match config.arch {
-        Arch::Gpt2 => gpt2::final_norm(config, &params[..norm], x),
-        Arch::Llama => llama::rms_norm(x, &params[0], config.norm_eps),
+        Arch::Gpt2 => gpt2::final_norm(config, &w, x),
+        Arch::Llama => llama::rms_norm(x, &w[0], config.norm_eps),
     };
-    record(ops, &h, 0..norm);
-    let logits = precision.linear(&h, &params[norm], None);
-    record(ops, &logits, norm..norm + 1);
-    logits
+    w.record(ops, &h, 0..norm);
+    w.linear(precision, &h, norm, None, ops)
 }
 
 /// Mean cross-entropy of `[batch, time, vocab]` logits against `[batch, time]` targets, in fp32 whatever

@@ -113,9 +113,9 @@ impl<T: Transport> PipelineStage<T> {
             }
             Some(input) => (input.shallow_clone(), 0),
         };
-        let per_block = model.params_per_block();
-        for _ in layout.blocks.clone() {
-            x = block(model, precision, &p[used..used + per_block], &x);
+        for b in layout.blocks.clone() {
+            let per_block = model.block_range(b).len();
+            x = block(model, precision, b, &p[used..used + per_block], &x);
             used += per_block;
         }
         if layout.head {

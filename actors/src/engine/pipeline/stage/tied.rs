@@ -37,7 +37,7 @@ use super::PipelineStage;
 pub fn tied_copy_range(model: &ModelConfig, shape: PlanShape, device: usize) -> Option<Range<usize>> {
     let head = shape.device_of(shape.chunks() - 1);
     let separate = device == head && shape.device_of(0) != head;
-    (model.tie_word_embeddings && separate).then(|| 0..param_specs(model)[0].numel())
+    (model.head_takes_embedding() && separate).then(|| 0..param_specs(model)[0].numel())
 }
 
 /// What a device of a tied model does with the matrix.
@@ -64,7 +64,7 @@ impl Tied {
     /// The role of `device` in `shape`'s pipeline for `config`'s model (None: untied, or neither end),
     /// the copy initialised to parameter 0's initial values.
     pub(super) fn of(config: &JobConfig, shape: PlanShape, device: usize) -> Result<Option<Self>, PipelineError> {
-        if !config.model.tie_word_embeddings {
+        if !config.model.head_takes_embedding() {
             return Ok(None);
         }
         let (embed, head) = (shape.device_of(0), shape.device_of(shape.chunks() - 1));
