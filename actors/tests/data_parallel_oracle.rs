@@ -315,6 +315,58 @@ fn a_fresh_sharded_job_reads_its_ranges_and_equals_the_reference() {
     check_config(&config, 3, Engine::Fresh(ShardMode::Zero3));
 }
 
+/// Fine-tuning: LoRA (r 4 on q, k, v, o of a 2-block Llama; on c_attn and c_fc of a tied GPT-2) and
+/// freeze (the last block and the head) under DDP at 2 and 3 ranks and ZeRO-1/2/3 (ZeRO-3 with
+/// recomputation, and fresh — each rank drawing only its ranges of the adapters) equal the
+/// single-process fine-tuning reference. The engines hold the adapters' state alone: a DDP rank keeps
+/// parameters, gradients and two moments of the adapters, nothing of the frozen base.
+#[test]
+fn lora_and_freeze_equal_the_reference_under_ddp_and_zero() {
+    use troupe_model::model::peft::{Method, PeftConfig};
+    let dir = tempfile::tempdir().unwrap();
+    let fine_tune = |family: &str, peft: PeftConfig, micro_batch: usize, recompute: bool| {
+        let mut config = match family {
+            "llama" => JobConfig::small_llama(STEPS),
+            _ => {
+                let mut gpt2 = JobConfig::small(STEPS);
+                gpt2.model.tie_word_embeddings = true;
+                gpt2
+            }
+        };
+        config.model.n_layers = 2;
+        config.train.global_batch = 8;
+        config.train.micro_batch = micro_batch;
+        config.parallel.recompute = recompute;
+        let base = dir.path().join(format!("{family}-{:?}-{}", peft.method, peft.targets.len()));
+        troupe_model::oracle::fine_tuning(config, peft, &base, 5)
+    };
+    let lora = |targets: &[&str]| PeftConfig {
+        r: 4,
+        alpha: 8.0,
+        targets: targets.iter().map(|t| t.to_string()).collect(),
+        ..PeftConfig::default()
+    };
+    let ddp = Engine::Ddp { bucket_bytes: 1 << 20 };
+    let llama = lora(&["q_proj", "k_proj", "v_proj", "o_proj"]);
+    let gpt2 = lora(&["c_attn", "c_fc"]);
+    let freeze = PeftConfig { method: Method::Freeze, last_blocks: 1, ..PeftConfig::default() };
+    let ranks = check_config(&fine_tune("llama", llama.clone(), 4, false), 2, ddp);
+    let adapters = troupe_model::model::param_specs(&fine_tune("llama", llama.clone(), 4, false).model);
+    let adapter_elements: usize = adapters.iter().map(|s| s.numel()).sum();
+    assert_eq!(ranks[0].persistent.total(), 4 * adapter_elements, "DDP keeps the adapters' state alone");
+    check_config(&fine_tune("llama", llama.clone(), 2, true), 3, ddp);
+    check_config(&fine_tune("llama", llama.clone(), 8, false), 2, Engine::Sharded(ShardMode::Zero1));
+    check_config(&fine_tune("llama", llama.clone(), 2, false), 3, Engine::Sharded(ShardMode::Zero2));
+    check_config(&fine_tune("llama", llama.clone(), 2, true), 2, Engine::Sharded(ShardMode::Zero3));
+    check_config(&fine_tune("llama", llama, 4, false), 3, Engine::Fresh(ShardMode::Zero3));
+    check_config(&fine_tune("gpt2", gpt2.clone(), 4, false), 2, ddp);
+    check_config(&fine_tune("gpt2", gpt2, 2, false), 2, Engine::Sharded(ShardMode::Zero3));
+    for family in ["llama", "gpt2"] {
+        check_config(&fine_tune(family, freeze.clone(), 4, false), 2, ddp);
+        check_config(&fine_tune(family, freeze.clone(), 2, true), 2, Engine::Sharded(ShardMode::Zero3));
+    }
+}
+
 /// The small model of `family` ("gpt2" or "llama") in `precision`, micro-batches of 2 (each rank
 /// computes the reference's own micro-batches, so the 16-bit products see the same inputs).
 fn precision_job(family: &str, precision: &str) -> JobConfig {

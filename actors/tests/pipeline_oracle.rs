@@ -76,7 +76,7 @@ fn run_and_compare_within(
     let comparison = compare_params(&specs, &run.params, ref_params);
     assert!(comparison.within(tolerance), "{what}: {comparison:?}");
     let one_device_holds_both_ends = options.shape.stages == 1;
-    match (&run.tied_copy, config.model.tie_word_embeddings && !one_device_holds_both_ends) {
+    match (&run.tied_copy, config.model.head_takes_embedding() && !one_device_holds_both_ends) {
         (Some(copy), true) => assert!(copy.equal(&run.params[0]), "{what}: the head's copy of the matrix diverged"),
         (None, false) => {}
         (copy, expected) => panic!("{what}: a copy of the embedding matrix: {}, expected: {expected}", copy.is_some()),
@@ -270,6 +270,44 @@ fn zero_inside_the_stage_groups_equals_the_reference() {
             "{what}: loss diff {loss_diff:.1e}, params worst {:.1e} ({})",
             comparison.worst, comparison.worst_name
         );
+    }
+}
+
+/// Fine-tuning through the pipeline engine: LoRA on a 4-block Llama (q, v, down) and a tied GPT-2 (c_attn;
+/// its head matrix frozen, so no copy of it is kept) in 1F1B, ZB-H1 (the adapters' weight gradients
+/// deferred like any weight's) and interleaved, as ZeRO-3 replicas, and freeze (the last block and the
+/// head) — whose first stage trains nothing and runs no backward — equal the single-process reference.
+#[test]
+fn lora_and_freeze_pipelines_equal_the_reference() {
+    use troupe_model::model::peft::{Method, PeftConfig};
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    let lora = |targets: &[&str]| PeftConfig {
+        r: 4,
+        alpha: 8.0,
+        targets: targets.iter().map(|t| t.to_string()).collect(),
+        ..PeftConfig::default()
+    };
+    let mut llama = JobConfig::small_llama(STEPS);
+    llama.model.n_layers = 4;
+    llama.train.global_batch = 8;
+    llama.train.micro_batch = 8;
+    let cases = [
+        ("llama lora", llama.clone(), lora(&["q_proj", "v_proj", "down_proj"])),
+        ("gpt2 tied lora", tied("gpt2"), lora(&["c_attn"])),
+        ("llama freeze", llama, PeftConfig { method: Method::Freeze, last_blocks: 1, ..PeftConfig::default() }),
+    ];
+    for (name, config, peft) in cases {
+        let mut config = troupe_model::oracle::fine_tuning(config, peft, &dir.path().join(name.replace(' ', "-")), 3);
+        let reference = reference(&config);
+        for (kind, virtual_stages) in [(ScheduleKind::OneFOneB, 1), (ScheduleKind::ZbH1, 1), (ScheduleKind::Interleaved, 2)] {
+            let options = PipelineOptions::new(kind, 2, 4, virtual_stages);
+            run_and_compare(&config, &options, &reference, &format!("{name} {kind} P=2 M=4 V={virtual_stages}"));
+        }
+        config.parallel.shard = "zero3".into();
+        let mut options = PipelineOptions::new(ScheduleKind::OneFOneB, 2, 2, 1);
+        options.data_parallel = 2;
+        run_and_compare(&config, &options, &reference, &format!("{name} pp=2 × dp=2 zero3"));
     }
 }
 

@@ -335,6 +335,9 @@ pub(crate) async fn broadcast_params<T: Transport>(
 /// Gives every parameter a (zero) gradient tensor, so ranks whose slice of a batch is empty still take
 /// part in every collective with zeros.
 pub(crate) fn materialise_grads(params: &[Tensor]) {
+    if params.is_empty() {
+        return; // a stage whose layers are all frozen (`[peft]`)
+    }
     let zero: Tensor = params.iter().map(|p| p.sum(Kind::Float) * 0.0).sum();
     zero.backward();
 }

@@ -367,7 +367,10 @@ async fn micro_batch<T: Transport>(
     // reduce of the unit after it and (recompute) the gather of the unit before it.
     let mut pending: (&Unit, Option<Vec<Tensor>>) = (head, head_params);
     let mut prefetched = prefetched;
+    // With `[peft]` the first units may train nothing: no backward through them.
+    let trains = troupe_model::blockwise::needs_backward(config);
     for (i, unit) in body.iter().enumerate().rev() {
+        let trains = trains[i];
         let gathered = prefetched.take();
         let compute = match (kept.pop(), grad.take(), &batch) {
             (Some(keep), Some(g), Some(batch)) => {
@@ -382,8 +385,10 @@ async fn micro_batch<T: Transport>(
                             (params, input, output)
                         }
                     };
-                    backward_from(&output, &g);
-                    (params, input.map(|i| i.grad()))
+                    if trains {
+                        backward_from(&output, &g);
+                    }
+                    (params, input.filter(|_| trains).map(|i| i.grad()))
                 }))
             }
             _ => None,

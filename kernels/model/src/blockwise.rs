@@ -121,7 +121,13 @@ pub fn micro_batch_backward(
     on_final(config.head_range());
     let mut grad = head_input.grad();
 
+    // With `[peft]` the first parts may train nothing: the backward stops after the first that does.
+    let trains = needs_backward(config);
     for i in (0..n).rev() {
+        if !trains[1 + i] {
+            on_final(config.block_range(i));
+            continue;
+        }
         let saved = inputs.pop().expect("block input");
         let (input, output) = match activations {
             Activations::Keep => (saved, outputs.pop().expect("block output")),
@@ -136,10 +142,24 @@ pub fn micro_batch_backward(
         on_final(config.block_range(i));
     }
 
-    let embedded = embedded.unwrap_or_else(|| model::embed(config, embed_params, tokens));
-    backward_from(&embedded, &grad);
+    if trains[0] {
+        let embedded = embedded.unwrap_or_else(|| model::embed(config, embed_params, tokens));
+        backward_from(&embedded, &grad);
+    }
     on_final(config.embed_range());
     loss.double_value(&[])
+}
+
+/// Per part in forward order (the embeddings, then each block): whether a backward through it reaches a
+/// trained parameter — it, or a part before it, has one. Without `[peft]`, every part.
+pub fn needs_backward(config: &ModelConfig) -> Vec<bool> {
+    let sizes = std::iter::once(config.embed_range().len()).chain((0..config.n_layers).map(|i| config.block_range(i).len()));
+    sizes
+        .scan(false, |seen, len| {
+            *seen |= len > 0;
+            Some(*seen)
+        })
+        .collect()
 }
 
 #[cfg(test)]

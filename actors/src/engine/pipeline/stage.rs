@@ -798,6 +798,13 @@ impl<T: Transport> PipelineStage<T> {
             let grad = run.gradients.remove(&(c, mb)).expect("checked plan: gradient before backward");
             (&output * grad).sum(Kind::Float)
         };
+        if !scalar.requires_grad() {
+            // A first chunk that trains nothing (`[peft]` freezing it): no gradient to compute or pass on.
+            if split {
+                run.pending_weights.insert((c, mb), Vec::new());
+            }
+            return;
+        }
         let mut wrt: Vec<Tensor> = input.iter().map(Tensor::shallow_clone).collect();
         let input_grad = if split {
             wrt.extend(ops.iter().map(|op| op.output.shallow_clone()));
