@@ -124,3 +124,26 @@ async fn a_llama_from_hugging_face_trains_under_ddp_zero3_and_a_pipeline_and_sur
     }
     cluster.shutdown().await;
 }
+
+/// Fine-tuning as a user writes it — `[peft]` LoRA (r 4 on q, v, o) on a Hugging Face Llama — on three
+/// daemon processes, one SIGKILLed after step 3: under DDP the survivors go on from their replicas, under
+/// ZeRO-2 from the lost rank's buddy copy of its adapter shard, each on the reference's trajectory. The
+/// final state is the adapters alone; the base is never trained.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lora_fine_tuning_job_survives_a_sigkill_under_ddp_and_zero2() {
+    let dir = tempfile::tempdir().unwrap();
+    let weights = hf_dir(dir.path());
+    for (what, parallel) in [("LoRA DDP", ""), ("LoRA ZeRO-2", "shard = \"zero2\"")] {
+        let cluster = common::processes(3).await;
+        let lora = format!("{parallel}\n[peft]\nmethod = \"lora\"\nr = 4\nalpha = 8\ntargets = [\"q_proj\", \"v_proj\", \"o_proj\"]\n");
+        let config = config(&weights, 8, &lora);
+        let out = dir.path().join(format!("{}.safetensors", what.replace(' ', "-")));
+        let (losses, worlds) = run(&cluster, Job::new(config.clone()).save_final(&out), Some((2, 3))).await;
+        assert_eq!((worlds.first(), worlds.last()), (Some(&3), Some(&2)), "{what}: {worlds:?}");
+        let reference = check(&config, &losses, &out, what);
+        let saved = tch::Tensor::read_safetensors(&out).unwrap();
+        assert!(saved.iter().all(|(name, _)| name.contains(".lora_")), "{what}: saved {:?}", saved.iter().map(|(n, _)| n).collect::<Vec<_>>());
+        assert_eq!(saved.len(), reference.model.params().len());
+        cluster.shutdown().await;
+    }
+}
