@@ -40,6 +40,19 @@ if ((test_runner)) && [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; the
       "${slurm[@]}" >/dev/null
   fi
 fi
+# The dashboard and metrics tests (actors/tests/dashboard.rs, telemetry.rs) drive headless Chromium and check
+# /metrics with promtool and a real Prometheus server: Debian's chromium and prometheus, installed for the
+# test runner when run as root (the tests skip, saying so, without them).
+if ((test_runner)) && [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+  web=()
+  command -v chromium >/dev/null || web+=(chromium)
+  command -v promtool >/dev/null || web+=(prometheus)
+  if ((${#web[@]})); then
+    echo "host: installing ${web[*]} (a real browser and Prometheus for the dashboard and metrics tests)" >&2
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      "${web[@]}" >/dev/null
+  fi
+fi
 if ((test_runner)) && ! cargo nextest --version >/dev/null 2>&1; then
   echo "host: installing cargo-nextest (the test runner of make test; once, a few minutes)" >&2
   cargo install cargo-nextest --locked --quiet

@@ -5,6 +5,8 @@
 //! controller's `failure_detection`, `recovery` and `job` spans; the resource naming the service and
 //! node; and the job metrics. A pipeline job (restored from a checkpoint) gives each stage's F, B, send
 //! and recv spans with micro-batch and chunk, `checkpoint_restore` spans, and its bubble as a metric.
+//! Over https (a collector with a private CA's certificate), the spans and metrics arrive with the
+//! headers of `OTEL_EXPORTER_OTLP_HEADERS`.
 
 mod common;
 
@@ -13,7 +15,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use opentelemetry_proto::tonic::collector::metrics::v1::ExportMetricsServiceRequest;
@@ -98,19 +100,43 @@ fn points(request: ExportMetricsServiceRequest) -> Vec<Point> {
 /// A minimal OTLP/HTTP receiver: answers every POST with 200 and decodes its protobuf body, spans from
 /// `/v1/traces` and metric points from `/v1/metrics`.
 fn receiver() -> (SocketAddr, mpsc::Receiver<Received>, mpsc::Receiver<Point>) {
+    let (addr, spans, points, _) = receiver_over(None);
+    (addr, spans, points)
+}
+
+/// What the receiver got with each export: the request's header lines, lowercased names.
+type Headers = Vec<String>;
+
+/// An OTLP/HTTP receiver on loopback, over TLS with `tls`: the spans and metric points it decoded, and
+/// the headers of each request.
+#[allow(clippy::type_complexity)]
+fn receiver_over(
+    tls: Option<Arc<rustls::ServerConfig>>,
+) -> (SocketAddr, mpsc::Receiver<Received>, mpsc::Receiver<Point>, mpsc::Receiver<Headers>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = mpsc::channel();
     let (metrics_tx, metrics_rx) = mpsc::channel();
+    let (headers_tx, headers_rx) = mpsc::channel();
     std::thread::spawn(move || {
         for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { continue };
+            let Ok(stream) = stream else { continue };
             let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-            let mut reader = BufReader::new(stream.try_clone().unwrap());
-            let (mut line, mut length, mut path) = (String::new(), 0, String::new());
+            let stream: Box<dyn ReadWrite> = match &tls {
+                Some(config) => {
+                    let Ok(connection) = rustls::ServerConnection::new(config.clone()) else { continue };
+                    Box::new(rustls::StreamOwned::new(connection, stream))
+                }
+                None => Box::new(stream),
+            };
+            let mut reader = BufReader::new(stream);
+            let (mut line, mut length, mut path, mut headers) = (String::new(), 0, String::new(), Vec::new());
             while reader.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
                 if path.is_empty() {
                     path = line.split(' ').nth(1).unwrap_or_default().to_owned();
+                } else {
+                    let (name, value) = line.split_once(':').unwrap_or((&line, ""));
+                    headers.push(format!("{}:{}", name.to_ascii_lowercase(), value.trim()));
                 }
                 if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
                     length = v.trim().parse().unwrap_or(0);
@@ -118,10 +144,12 @@ fn receiver() -> (SocketAddr, mpsc::Receiver<Received>, mpsc::Receiver<Point>) {
                 line.clear();
             }
             let mut body = vec![0; length];
-            if reader.read_exact(&mut body).is_err() {
+            if path.is_empty() || reader.read_exact(&mut body).is_err() {
                 continue;
             }
-            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+            let _ = reader.get_mut().write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+            let _ = reader.get_mut().flush();
+            let _ = headers_tx.send(headers);
             if path == "/v1/metrics" {
                 let request = ExportMetricsServiceRequest::decode(&body[..]).expect("an OTLP protobuf metrics export");
                 for point in points(request) {
@@ -151,8 +179,11 @@ fn receiver() -> (SocketAddr, mpsc::Receiver<Received>, mpsc::Receiver<Point>) {
             }
         }
     });
-    (addr, rx, metrics_rx)
+    (addr, rx, metrics_rx, headers_rx)
 }
+
+trait ReadWrite: Read + Write + Send {}
+impl<T: Read + Write + Send> ReadWrite for T {}
 
 struct DaemonProcess(Child);
 
@@ -164,10 +195,21 @@ impl Drop for DaemonProcess {
 }
 
 fn daemon(dir: &Path, name: &str, join: Option<SocketAddr>, otlp: SocketAddr) -> (DaemonProcess, SocketAddr) {
+    daemon_exporting_to(dir, name, join, &format!("http://{otlp}"), &[])
+}
+
+/// A daemon exporting to `endpoint`, with `env` set.
+fn daemon_exporting_to(
+    dir: &Path,
+    name: &str,
+    join: Option<SocketAddr>,
+    endpoint: &str,
+    env: &[(&str, String)],
+) -> (DaemonProcess, SocketAddr) {
     let config = dir.join(format!("{name}.toml"));
     let join = join.map(|a| format!("join = \"{a}\"\n")).unwrap_or_default();
     let text = format!(
-        "name = \"{name}\"\nlisten = \"127.0.0.1:0\"\n{join}data_dir = \"{}\"\ncerts = \"{}\"\ntorch_threads = 1\n[telemetry]\notlp_endpoint = \"http://{otlp}\"\n",
+        "name = \"{name}\"\nlisten = \"127.0.0.1:0\"\n{join}data_dir = \"{}\"\ncerts = \"{}\"\ntorch_threads = 1\n[telemetry]\notlp_endpoint = \"{endpoint}\"\n",
         dir.join(name).display(),
         dir.join("certs").display()
     );
@@ -177,6 +219,7 @@ fn daemon(dir: &Path, name: &str, join: Option<SocketAddr>, otlp: SocketAddr) ->
         .arg(&config)
         .env("RUST_LOG", "warn")
         .env("OTEL_METRIC_EXPORT_INTERVAL", "300")
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -465,4 +508,63 @@ async fn a_pipeline_jobs_ops_restore_and_bubble_reach_an_otlp_receiver() {
         Some(1.0),
         "one checkpoint of the second job (step 3 was the first's)"
     );
+}
+
+/// A collector over https (its certificate from a private CA, given to the daemon with
+/// `OTEL_EXPORTER_OTLP_CERTIFICATE`) with headers required by `OTEL_EXPORTER_OTLP_HEADERS`: the daemon's
+/// spans and metrics arrive there, decoded by the OTLP protobuf definitions, each request with the
+/// headers; a daemon whose CA file does not exist refuses to start, naming the variable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_and_metrics_reach_a_collector_over_https_with_the_configured_headers() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    init_cluster(&certs).unwrap();
+    for name in ["node-a", "client", "localhost"] {
+        add_node(name, &certs).unwrap();
+    }
+    let collector = NodeIdentity::load(&certs, "localhost").unwrap();
+    let tls = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![collector.cert.clone()], collector.key.clone_key())
+        .unwrap();
+    let (otlp, spans, metrics, headers) = receiver_over(Some(Arc::new(tls)));
+    let ca = certs.join("ca.pem").display().to_string();
+    let env = [
+        ("OTEL_EXPORTER_OTLP_CERTIFICATE", ca.clone()),
+        ("OTEL_EXPORTER_OTLP_HEADERS", "authorization=Bearer%20s3cret,x-tenant=troupe-tests".to_owned()),
+    ];
+    let endpoint = format!("https://localhost:{}", otlp.port());
+    let (_daemon, addr) = daemon_exporting_to(dir.path(), "node-a", None, &endpoint, &env);
+    let identity = NodeIdentity::load(&certs, "client").unwrap();
+    let client = Client::connect(addr, &identity).await.unwrap();
+    let (end, _) =
+        tokio::time::timeout(WAIT, client.submit(Job::new(JobConfig::small(3)).name("secure")).await.unwrap().wait())
+            .await
+            .expect("the job ends within a minute")
+            .unwrap();
+    assert!(matches!(end, JobEvent::Finished { steps: 3, .. }), "{end:?}");
+
+    let got = collect(&spans, |s| s.iter().filter(|s| s.name == "job_step").count() >= 3, span_name);
+    assert!(got.iter().all(|s| s.instance == "node-a"), "every span from node-a");
+    collect(&metrics, |p| p.iter().any(|p| p.name == "troupe_job_steps_committed"), point_name);
+    let requests: Vec<Headers> = headers.try_iter().collect();
+    assert!(!requests.is_empty());
+    for request in &requests {
+        assert!(request.contains(&"authorization:Bearer s3cret".to_owned()), "{request:?}");
+        assert!(request.contains(&"x-tenant:troupe-tests".to_owned()), "{request:?}");
+        assert!(request.iter().any(|h| h == "content-type:application/x-protobuf"), "{request:?}");
+    }
+
+    // A CA file that is not there: the daemon stops at start and says which variable.
+    let config = dir.path().join("node-a.toml");
+    let out = Command::new(common::binary())
+        .args(["daemon", "--config"])
+        .arg(&config)
+        .env("OTEL_EXPORTER_OTLP_CERTIFICATE", dir.path().join("missing.pem"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("OTEL_EXPORTER_OTLP_CERTIFICATE"), "{stderr}");
 }

@@ -1,13 +1,17 @@
 //! Observability as a user meets it: a real `troupe daemon` serving `/metrics` (parsed as Prometheus
-//! text, carrying the committed-step counter of a job it ran) and `/status` (the same JSON as `troupe
-//! status --json`); `troupe train --run-dir` on two daemons, then `troupe trace` and `troupe plot` (the
+//! text, carrying the committed-step counter of a job it ran; accepted by `promtool check metrics`, and
+//! scraped by a real Prometheus server whose query API then returns troupe's series — both Debian's
+//! `prometheus` package, skipped with a message when absent) and `/status` (the same JSON as `troupe
+//! status --json`), refusing oversized, malformed, slow-loris and unknown-route requests with the right
+//! status while its job trains on; with `dashboard_auth`, https served only to clients holding a
+//! certificate of the cluster; `troupe train --run-dir` on two daemons, then `troupe trace` and `troupe plot` (the
 //! SVG and the Perfetto JSON read back, every rank and phase present); a pipeline-style trace file drawn
 //! per stage; and the daemon's errors for a bad `[telemetry]`.
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read};
-use std::net::SocketAddr;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
@@ -100,6 +104,78 @@ fn start_daemon(config: &Path, json: bool) -> (DaemonProcess, SocketAddr, Socket
     (daemon, addr(&listen), addr(&metrics))
 }
 
+/// An installed program, if on PATH.
+fn program(name: &str) -> Option<std::path::PathBuf> {
+    std::env::var_os("PATH")?.to_str()?.split(':').map(|dir| Path::new(dir).join(name)).find(|p| p.is_file())
+}
+
+/// `promtool check metrics` on a `/metrics` body: its lint findings, or None without promtool.
+fn promtool_findings(text: &str) -> Option<String> {
+    let Some(promtool) = program("promtool") else {
+        eprintln!("SKIPPED promtool check: no promtool on PATH (Debian's prometheus package; scripts/provision-host.sh --test-runner installs it as root)");
+        return None;
+    };
+    let mut child = Command::new(promtool)
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    Some(if out.status.success() { String::new() } else { format!("exit {}: {said}", out.status) })
+}
+
+/// A Prometheus server scraping `target` every second, killed when dropped.
+struct PrometheusServer {
+    child: Child,
+    api: SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for PrometheusServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn prometheus_scraping(target: SocketAddr) -> Option<PrometheusServer> {
+    let Some(prometheus) = program("prometheus") else {
+        eprintln!("SKIPPED Prometheus scrape: no prometheus on PATH (Debian's prometheus package; scripts/provision-host.sh --test-runner installs it as root)");
+        return None;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("prometheus.yml");
+    std::fs::write(
+        &config,
+        format!("global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: troupe\n    static_configs:\n      - targets: [\"{target}\"]\n"),
+    )
+    .unwrap();
+    let api = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let child = Command::new(prometheus)
+        .arg(format!("--config.file={}", config.display()))
+        .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
+        .arg(format!("--web.listen-address={api}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("prometheus starts");
+    Some(PrometheusServer { child, api, _dir: dir })
+}
+
+/// Sends `request` on a raw connection and reads the answer until the server closes it.
+fn raw_answer(addr: SocketAddr, request: &[u8]) -> String {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(WAIT)).unwrap();
+    let _ = stream.write_all(request);
+    let mut answer = Vec::new();
+    let _ = stream.read_to_end(&mut answer);
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
 fn sample<'a>(samples: &'a [Sample], name: &str, labels: &[(&str, &str)]) -> &'a Sample {
     samples
         .iter()
@@ -177,6 +253,24 @@ async fn a_daemon_serves_prometheus_metrics_and_the_status_json_of_troupe_status
     let flops = sample(&samples, "troupe_job_model_flops_per_second", &job).value;
     assert!(tokens > 0.0 && flops > tokens, "tokens/s {tokens}, FLOP/s {flops}");
     assert!((mfu - flops / 1e12).abs() <= 1e-9 * flops, "MFU {mfu} = FLOP/s / (2 slots × 0.5 TFLOP/s)");
+    assert_eq!(sample(&samples, "troupe_job_planned_steps", &job).value, 3.0);
+    if let Some(findings) = promtool_findings(&text) {
+        assert!(findings.is_empty(), "promtool check metrics refuses /metrics: {findings}\n{text}");
+    }
+    if let Some(prometheus) = prometheus_scraping(metrics) {
+        // The daemon's `job` label is kept as `exported_job`: Prometheus's own `job` names the scrape.
+        let query = "/api/v1/query?query=troupe_job_steps_committed_total%7Bname%3D%22scraped%22%7D";
+        let (answer, _) = common::wait_for(WAIT, "Prometheus to scrape the daemon", || async {
+            let (status, body) = get(prometheus.api, query, Duration::from_secs(5)).await.ok()?;
+            let answer: Value = serde_json::from_str(&body).ok()?;
+            (status == 200 && answer["data"]["result"].as_array().is_some_and(|r| !r.is_empty())).then_some(answer)
+        })
+        .await;
+        let series = &answer["data"]["result"][0];
+        assert_eq!(series["metric"]["exported_job"], "1", "{answer}");
+        assert_eq!(series["metric"]["job"], "troupe", "{answer}");
+        assert_eq!(series["value"][1], "3", "three committed steps, as Prometheus stored them: {answer}");
+    }
 
     let (status, body) = get(metrics, "/status", Duration::from_secs(10)).await.unwrap();
     assert_eq!(status, 200, "{body}");
@@ -221,6 +315,42 @@ async fn a_daemon_serves_prometheus_metrics_and_the_status_json_of_troupe_status
         .collect();
     assert_eq!(rows, [("node-a", 0, 0, "training"), ("node-b", 1, 1, "training")], "{body}");
     assert!(ranks.iter().all(|r| r["step"].as_u64().unwrap() >= 2 && r["stage"].is_null()), "{body}");
+
+    // Bad requests while it trains: each refused with its status, and the job goes on.
+    let oversized = [b"GET /metrics HTTP/1.1\r\nX-Filler: ".as_slice(), &[b'a'; 16 * 1024]].concat();
+    assert!(raw_answer(metrics, &oversized).starts_with("HTTP/1.1 431"), "an oversized head");
+    let malformed = raw_answer(metrics, b"BR\x00KEN /metrics HTTP/1.1\r\n\r\n");
+    assert!(malformed.starts_with("HTTP/1.1 400"), "a malformed request line: {malformed}");
+    let post =
+        raw_answer(metrics, b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+    assert!(post.starts_with("HTTP/1.1 405"), "{post}");
+    let (status, body) = get(metrics, "/nothing/here", Duration::from_secs(10)).await.unwrap();
+    assert!(status == 404 && body.contains("/metrics"), "an unknown route names the served ones: {status} {body}");
+    // Slow-loris: heads that never end are cut off (the server closes them), and meanwhile a scrape is
+    // answered.
+    let slow: Vec<TcpStream> = (0..8)
+        .map(|_| {
+            let mut s = TcpStream::connect(metrics).unwrap();
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n").unwrap();
+            s
+        })
+        .collect();
+    assert_eq!(get(metrics, "/metrics", Duration::from_secs(10)).await.unwrap().0, 200);
+    for mut s in slow {
+        s.set_read_timeout(Some(WAIT)).unwrap();
+        let mut rest = Vec::new();
+        let closed = s.read_to_end(&mut rest);
+        assert!(closed.is_ok(), "a slow-loris connection is closed by the server: {closed:?}");
+        let rest = String::from_utf8_lossy(&rest);
+        assert!(rest.is_empty() || rest.starts_with("HTTP/1.1 408"), "{rest}");
+    }
+    let before = served["jobs"][1]["step"].as_u64().unwrap();
+    common::wait_for(WAIT, "the job to go on training", || async {
+        let (_, body) = get(metrics, "/status", Duration::from_secs(10)).await.ok()?;
+        let now: Value = serde_json::from_str(&body).ok()?;
+        (now["jobs"][1]["step"].as_u64()? > before + 1).then_some(())
+    })
+    .await;
     let args = ["status", "--cluster", &addr_arg, "--certs", certs_arg, "--as", "viewer"];
     let table = ok(&troupe(&args, WAIT), "status");
     let after = table.split("job 2 (long) ranks:").nth(1).unwrap_or_else(|| panic!("no rank table: {table}"));
@@ -458,4 +588,78 @@ fn a_pipeline_schedule_trace_file_is_drawn_per_stage_with_its_own_categories() {
     std::fs::write(&bad, "{\"events\": []}").unwrap();
     let refused = troupe(&["trace", bad.to_str().unwrap()], WAIT);
     assert!(String::from_utf8_lossy(&refused.stderr).contains("not a Chrome trace-event JSON file"));
+}
+
+/// `GET path` over TLS to `addr`, trusting `ca`, the server named `server`, presenting `client`'s
+/// certificate if any: the raw answer, or the error that ended the connection.
+async fn https_get(
+    addr: SocketAddr,
+    ca: &rustls::pki_types::CertificateDer<'static>,
+    server: &str,
+    client: Option<&NodeIdentity>,
+    path: &str,
+) -> std::io::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca.clone()).unwrap();
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots);
+    let config = match client {
+        Some(id) => builder.with_client_auth_cert(vec![id.cert.clone()], id.key.clone_key()).unwrap(),
+        None => builder.with_no_client_auth(),
+    };
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let name = rustls::pki_types::ServerName::try_from(server.to_owned()).unwrap();
+    let fetch = async {
+        let tcp = tokio::net::TcpStream::connect(addr).await?;
+        let mut tls = connector.connect(name, tcp).await?;
+        tls.write_all(format!("GET {path} HTTP/1.1\r\nHost: {server}\r\nConnection: close\r\n\r\n").as_bytes()).await?;
+        let mut answer = Vec::new();
+        tls.read_to_end(&mut answer).await?;
+        Ok(String::from_utf8_lossy(&answer).into_owned())
+    };
+    tokio::time::timeout(Duration::from_secs(10), fetch).await.expect("an answer or a refusal within 10 s")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_dashboard_auth_only_clients_holding_a_cluster_certificate_are_served_over_https() {
+    let dir = tempfile::tempdir().unwrap();
+    let (certs, strangers) = (dir.path().join("certs"), dir.path().join("other-cluster"));
+    troupe_cluster::init_cluster(&certs).unwrap();
+    troupe_cluster::init_cluster(&strangers).unwrap();
+    for name in ["node-a", "viewer"] {
+        troupe_cluster::add_node(name, &certs).unwrap();
+    }
+    troupe_cluster::add_node("intruder", &strangers).unwrap();
+    let text = format!(
+        "name = \"node-a\"\nlisten = \"127.0.0.1:0\"\ndata_dir = \"{}\"\ncerts = \"{}\"\ntorch_threads = 1\n[telemetry]\nmetrics_listen = \"127.0.0.1:0\"\ndashboard_auth = true\n",
+        dir.path().join("data").display(),
+        certs.display()
+    );
+    let daemon = troupe_actors::daemon::Daemon::start(NodeConfig::parse(&text, "node.toml").unwrap()).await.unwrap();
+    let addr = daemon.metrics_addr().unwrap();
+    let viewer = NodeIdentity::load(&certs, "viewer").unwrap();
+    let intruder = NodeIdentity::load(&strangers, "intruder").unwrap();
+
+    let served = https_get(addr, &viewer.ca, "node-a", Some(&viewer), "/status").await.unwrap();
+    assert!(served.starts_with("HTTP/1.1 200") && served.contains("\"node\":\"node-a\""), "{served}");
+    let page = https_get(addr, &viewer.ca, "node-a", Some(&viewer), "/").await.unwrap();
+    assert!(page.starts_with("HTTP/1.1 200") && page.contains(r#"data-node="node-a""#), "{page}");
+    for (who, client) in [("no certificate", None), ("another cluster's certificate", Some(&intruder))] {
+        let refused = https_get(addr, &viewer.ca, "node-a", client, "/status").await;
+        assert!(!refused.as_deref().unwrap_or("").contains("200 OK"), "a client with {who} was served: {refused:?}");
+    }
+    let plain = get(addr, "/status", Duration::from_secs(10)).await;
+    assert!(plain.as_ref().map_or(true, |(status, _)| *status != 200), "plain http was served: {plain:?}");
+    // Still serving the right clients after the refusals.
+    let again = https_get(addr, &viewer.ca, "node-a", Some(&viewer), "/metrics").await.unwrap();
+    assert!(again.starts_with("HTTP/1.1 200") && again.contains("troupe_node_info"), "{again}");
+
+    let bad = NodeConfig::parse(&text.replace("metrics_listen = \"127.0.0.1:0\"\n", ""), "node.toml");
+    let bad = bad.unwrap_err().to_string();
+    assert!(bad.contains("telemetry.dashboard_auth") && bad.contains("metrics_listen"), "{bad}");
+    daemon.drain().await.unwrap();
 }

@@ -89,6 +89,8 @@ pub struct LocalCluster {
     options: LocalClusterOptions,
     binary: Option<PathBuf>,
     spawned: Vec<u32>,
+    /// Each child daemon's dashboard URL, by node index (with `telemetry.metrics_listen`).
+    dashboards: Vec<Option<String>>,
 }
 
 fn node_name(i: usize) -> String {
@@ -147,10 +149,14 @@ impl LocalCluster {
             None => Stdio::inherit(),
         };
         let prefix = self.options.hosts.get(i).map_or(&[][..], |h| &h.prefix[..]);
-        let (child, addr) = spawn_daemon(prefix, &binary, &path, self.options.log.as_deref(), stderr)?;
+        let serves_http = config.telemetry.metrics_listen.is_some();
+        let (child, addr, dashboard) =
+            spawn_daemon(prefix, &binary, &path, self.options.log.as_deref(), stderr, serves_http)?;
         if i == 0 {
             self.controller = addr;
         }
+        self.dashboards.resize(self.dashboards.len().max(i + 1), None);
+        self.dashboards[i] = dashboard;
         self.spawned.push(child.id());
         let node = (node_name(i), addr, Node::Child(child));
         match self.nodes.get_mut(i) {
@@ -228,6 +234,7 @@ impl LocalCluster {
             options: options.clone(),
             binary: binary.map(Path::to_owned),
             spawned: Vec::new(),
+            dashboards: Vec::new(),
         })
     }
 
@@ -284,6 +291,14 @@ impl LocalCluster {
                 );
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The URL of daemon `i`'s dashboard (with `telemetry.metrics_listen`).
+    pub fn dashboard_url(&self, i: usize) -> Option<String> {
+        match self.nodes.get(i)? {
+            (_, _, Node::InProcess(d)) => d.metrics_addr().map(|a| format!("http://{a}/")),
+            _ => self.dashboards.get(i).cloned().flatten(),
         }
     }
 
@@ -353,14 +368,16 @@ fn terminate(child: &mut Child) {
     let _ = child.wait();
 }
 
-/// Starts `binary daemon --config path` and reads the address it prints once listening.
+/// Starts `binary daemon --config path` and reads the address it prints once listening, and its
+/// dashboard's URL when it serves one.
 fn spawn_daemon(
     prefix: &[String],
     binary: &Path,
     config: &Path,
     log: Option<&str>,
     stderr: Stdio,
-) -> anyhow::Result<(Child, SocketAddr)> {
+    serves_http: bool,
+) -> anyhow::Result<(Child, SocketAddr, Option<String>)> {
     // The prefix must exec the daemon (as `ip netns exec` does), so that the child is the daemon.
     let mut command = match prefix.split_first() {
         Some((program, args)) => {
@@ -390,7 +407,15 @@ fn spawn_daemon(
         let status = child.wait();
         bail!("daemon {} did not start (said {line:?}, exit {status:?}); see its log for the error", config.display());
     };
+    let mut dashboard = None;
+    while serves_http && dashboard.is_none() {
+        line.clear();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+            break;
+        }
+        dashboard = line.trim().split_once(" dashboard on ").map(|(_, url)| url.to_owned());
+    }
     // Keep draining its stdout so the daemon never blocks on a full pipe.
     std::thread::spawn(move || for _ in reader.lines() {});
-    Ok((child, addr))
+    Ok((child, addr, dashboard))
 }

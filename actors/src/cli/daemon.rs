@@ -11,7 +11,7 @@ pub struct DaemonArgs {
     #[arg(long, hide = true)]
     pub exit_with_parent: bool,
     /// Print the addresses the daemon listens on as one JSON object (`{"event":"daemon", "node",
-    /// "listen", "metrics"}`) instead of lines.
+    /// "listen", "metrics", "dashboard"}`) instead of lines.
     #[arg(long)]
     pub json: bool,
 }

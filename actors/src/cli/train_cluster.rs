@@ -1,5 +1,6 @@
 //! `troupe train` on a cluster: an embedded local cluster of `--nodes` daemons (child processes on
-//! loopback, torn down at the end, also on Ctrl-C), or a running cluster with `--cluster ADDR`.
+//! loopback, torn down at the end, also on Ctrl-C; each serves its dashboard on a free loopback port, the
+//! controller's URL printed), or a running cluster with `--cluster ADDR`.
 
 use std::time::Instant;
 
@@ -30,6 +31,7 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
     }
     let nodes = config.parallel.nodes;
     let run_dir = args.run_dir.as_deref().map(RunDir::create).transpose()?;
+    let mut dashboard = None;
     let (cluster, client) = match &args.cluster {
         Some(addr) => {
             let addr = addr.parse().with_context(|| format!("--cluster {addr}: not an address like 10.0.0.5:7400"))?;
@@ -46,6 +48,7 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
             let started = Instant::now();
             let mut options = LocalClusterOptions::new(nodes);
             options.torch_threads = config.train.torch_threads;
+            options.telemetry.metrics_listen = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
             let starting = spinner(args.json, format!("starting a local cluster of {nodes} daemons on loopback"));
             let cluster = LocalCluster::processes(&binary, options).await?;
             drop(starting);
@@ -56,6 +59,16 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
                     cluster.addr()
                 );
             }
+            dashboard = cluster.dashboard_url(0);
+            if let Some(url) = &dashboard {
+                // On stderr with --json: stdout is one JSON object per job event.
+                let line = format!("troupe: dashboard on {url} (live while the job runs)");
+                if args.json {
+                    eprintln!("{line}");
+                } else {
+                    println!("{line}");
+                }
+            }
             let client = cluster.client().await?;
             (Some(cluster), client)
         }
@@ -63,7 +76,7 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
     let total = config.train.steps;
     let plane: DataPlane = args.data_plane.parse().map_err(anyhow::Error::msg)?;
     let mode = Mode::of(&config);
-    let mut job = Job::new(config).name("train").data_plane(plane).trace(run_dir.is_some());
+    let mut job = Job::new(config).name("train").data_plane(plane).trace(run_dir.is_some() || dashboard.is_some());
     if let Some(path) = &args.save_final {
         let path = std::path::absolute(path).with_context(|| format!("--save-final {}", path.display()))?;
         job = job.save_final(path);

@@ -33,8 +33,10 @@ pub struct Daemon {
     addr: SocketAddr,
     name: String,
     stop_reason: Arc<std::sync::Mutex<Option<String>>>,
-    /// The `/metrics` and `/status` endpoint, when `telemetry.metrics_listen` is set.
+    /// The dashboard, `/metrics` and `/status` endpoint, when `telemetry.metrics_listen` is set.
     http: Option<(SocketAddr, tokio::task::JoinHandle<()>)>,
+    /// Whether that endpoint speaks https (`telemetry.dashboard_tls` or `dashboard_auth`).
+    https: bool,
 }
 
 impl Daemon {
@@ -60,6 +62,15 @@ impl Daemon {
             })?),
             None => None,
         };
+        let (secure, auth) = (config.telemetry.dashboard_tls, config.telemetry.dashboard_auth);
+        let tls = if secure || auth {
+            Some(http::server_tls(&identity, auth).map_err(|e| {
+                anyhow::anyhow!("telemetry.dashboard_tls: serving https with node {}'s certificate: {e}", config.name)
+            })?)
+        } else {
+            None
+        };
+        let https = tls.is_some();
         let name = config.name.clone();
         let stop_reason = Arc::new(std::sync::Mutex::new(None));
         let metrics = Arc::new(NodeMetrics::new(config.telemetry.peak_tflops_per_slot));
@@ -77,10 +88,10 @@ impl Daemon {
             .await
             .map_err(|e| anyhow::anyhow!("starting node {name}: {e}"))?;
         let http = match listener {
-            Some(l) => Some((l.local_addr()?, endpoint::spawn(l, node.clone(), metrics))),
+            Some(l) => Some((l.local_addr()?, endpoint::spawn(l, node.clone(), metrics, tls))),
             None => None,
         };
-        Ok(Daemon { node, handle, addr, name, stop_reason, http })
+        Ok(Daemon { node, handle, addr, name, stop_reason, http, https })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -91,7 +102,7 @@ impl Daemon {
         &self.name
     }
 
-    /// Where `/metrics` and `/status` are served (None without `telemetry.metrics_listen`).
+    /// Where the dashboard, `/metrics` and `/status` are served (None without `telemetry.metrics_listen`).
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.http.as_ref().map(|(a, _)| *a)
     }
@@ -173,14 +184,17 @@ pub fn run(config_path: &Path, exit_with_parent: bool, json: bool) -> anyhow::Re
         .context("starting the tokio runtime")?;
     runtime.block_on(async move {
         let daemon = Daemon::start(config).await?;
-        let metrics = daemon.metrics_addr().map(|at| format!("http://{at}/metrics"));
+        let scheme = if daemon.https { "https" } else { "http" };
+        let metrics = daemon.metrics_addr().map(|at| format!("{scheme}://{at}/metrics"));
+        let dashboard = daemon.metrics_addr().map(|at| format!("{scheme}://{at}/"));
         if json {
-            let started = serde_json::json!({ "event": "daemon", "node": daemon.name(), "listen": daemon.addr(), "metrics": metrics });
+            let started = serde_json::json!({ "event": "daemon", "node": daemon.name(), "listen": daemon.addr(), "metrics": metrics, "dashboard": dashboard });
             println!("{started}");
         } else {
             println!("troupe daemon {} listening on {}", daemon.name(), daemon.addr());
-            if let Some(url) = &metrics {
-                println!("troupe daemon {} metrics on {url}", daemon.name());
+            if let (Some(metrics), Some(dashboard)) = (&metrics, &dashboard) {
+                println!("troupe daemon {} metrics on {metrics}", daemon.name());
+                println!("troupe daemon {} dashboard on {dashboard}", daemon.name());
             }
         }
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

@@ -1,47 +1,149 @@
-//! The daemon's HTTP endpoint (`telemetry.metrics_listen`): `GET /metrics` renders [`NodeMetrics`] with
-//! the node's current status in the Prometheus text format; `GET /status` answers exactly what
-//! `troupe status --json` prints for this daemon.
+//! The daemon's HTTP endpoint (`telemetry.metrics_listen`), an axum router served by [`super::http`]:
+//! `GET /metrics` renders [`NodeMetrics`] with the node's current status in the Prometheus text format;
+//! `GET /status` answers exactly what `troupe status --json` prints for this daemon; `GET /` is the
+//! dashboard ([`super::dashboard`]) and `GET /events` its live updates as server-sent events: a new
+//! fragment of the page whenever a job event or a view change passed (at most one a second), or every
+//! few seconds otherwise. Anything else is a `404` naming what is served.
 
+use std::convert::Infallible;
 use std::sync::Arc;
+use std::time::Duration;
 
+use axum::extract::State;
+use axum::http::{header, StatusCode, Uri};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
 use ractor::ActorRef;
 use tokio::net::TcpListener;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::http::{serve, Response};
+use super::dashboard::page;
+use super::http::serve;
 use super::metrics::NodeMetrics;
 use super::prometheus::CONTENT_TYPE;
 use crate::runtime::node::NodeMsg;
 use crate::runtime::protocol::ClusterStatus;
 
-/// How long a scrape waits for the node actor's status.
+/// How long a request waits for the node actor's status.
 const STATUS_TIMEOUT_MS: u64 = 2_000;
+/// Dashboard pages following live updates at once; more are refused (`503`) so that scrapes always
+/// find a connection.
+pub const EVENT_STREAMS_MAX: usize = 16;
+/// The shortest time between two updates of a page.
+const UPDATE_INTERVAL_MS: u64 = 1_000;
+/// The longest time between two looks at the status when nothing was reported (members, ranks).
+const REFRESH_INTERVAL_MS: u64 = 3_000;
 
-const INDEX: &str = "troupe daemon\n  /metrics  Prometheus text format\n  /status   JSON, as `troupe status --json`\n";
+const INDEX: &str = "troupe daemon\n  /         the dashboard (HTML, live)\n  /events   the dashboard's live updates (server-sent events)\n  /metrics  Prometheus text format\n  /status   JSON, as `troupe status --json`\n";
 
-/// Serves the endpoint on `listener` until the returned task is aborted.
-pub fn spawn(listener: TcpListener, node: ActorRef<NodeMsg>, metrics: Arc<NodeMetrics>) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(serve(listener, move |path: String| {
-        let (node, metrics) = (node.clone(), metrics.clone());
-        async move {
-            match path.as_str() {
-                "/metrics" => match status(&node).await {
-                    Ok(status) => Response::ok(CONTENT_TYPE, metrics.render(&status)),
-                    Err(why) => Response::text(503, why),
-                },
-                "/status" => match status(&node).await {
-                    Ok(status) => match serde_json::to_string(&status) {
-                        Ok(json) => Response::ok("application/json", json),
-                        Err(e) => Response::text(503, format!("{e}\n")),
-                    },
-                    Err(why) => Response::text(503, why),
-                },
-                "/" => Response::text(200, INDEX),
-                _ => Response::text(404, format!("no such endpoint: {path}\n{INDEX}")),
-            }
-        }
-    }))
+#[derive(Clone)]
+struct App {
+    node: ActorRef<NodeMsg>,
+    metrics: Arc<NodeMetrics>,
+    streams: Arc<Semaphore>,
+}
+
+/// The endpoint's routes.
+pub fn router(node: ActorRef<NodeMsg>, metrics: Arc<NodeMetrics>) -> Router {
+    let app = App { node, metrics, streams: Arc::new(Semaphore::new(EVENT_STREAMS_MAX)) };
+    Router::new()
+        .route("/", get(dashboard))
+        .route("/events", get(events))
+        .route("/metrics", get(metrics_text))
+        .route("/status", get(status_json))
+        .fallback(not_found)
+        .with_state(app)
+}
+
+/// Serves the endpoint on `listener` (over TLS with `tls`) until the returned task is aborted.
+pub fn spawn(
+    listener: TcpListener,
+    node: ActorRef<NodeMsg>,
+    metrics: Arc<NodeMetrics>,
+    tls: Option<Arc<rustls::ServerConfig>>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(serve(listener, router(node, metrics), tls))
 }
 
 async fn status(node: &ActorRef<NodeMsg>) -> Result<ClusterStatus, String> {
     ractor::call_t!(node, NodeMsg::Status, STATUS_TIMEOUT_MS).map_err(|e| format!("the node did not answer: {e}\n"))
+}
+
+fn unavailable(why: String) -> Response {
+    (StatusCode::SERVICE_UNAVAILABLE, why).into_response()
+}
+
+async fn metrics_text(State(app): State<App>) -> Response {
+    match status(&app.node).await {
+        Ok(status) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], app.metrics.render(&status)).into_response(),
+        Err(why) => unavailable(why),
+    }
+}
+
+async fn status_json(State(app): State<App>) -> Response {
+    match status(&app.node).await {
+        Ok(status) => match serde_json::to_string(&status) {
+            Ok(json) => ([(header::CONTENT_TYPE, "application/json")], json).into_response(),
+            Err(e) => unavailable(format!("{e}\n")),
+        },
+        Err(why) => unavailable(why),
+    }
+}
+
+async fn fragment(app: &App) -> String {
+    match status(&app.node).await {
+        Ok(status) => page::fragment(&status, &app.metrics.dashboard()),
+        Err(why) => page::unavailable(&why),
+    }
+}
+
+async fn dashboard(State(app): State<App>) -> Response {
+    let node = match status(&app.node).await {
+        Ok(status) => status.node,
+        Err(why) => return unavailable(why),
+    };
+    Html(page::document(&node, &fragment(&app).await)).into_response()
+}
+
+/// A page's live updates: `update` events whose data is the page's new fragment.
+async fn events(State(app): State<App>) -> Response {
+    let Ok(permit) = app.streams.clone().try_acquire_owned() else {
+        tracing::warn!("dashboard: {EVENT_STREAMS_MAX} pages already follow this daemon; one more refused");
+        return unavailable(format!("{EVENT_STREAMS_MAX} dashboards are already open on this daemon; close one\n"));
+    };
+    let changes = app.metrics.subscribe();
+    let start = Updates { app, changes, _permit: permit, last: String::new(), first: true };
+    let stream = futures::stream::unfold(start, |mut u| async move {
+        loop {
+            if !u.first {
+                tokio::time::sleep(Duration::from_millis(UPDATE_INTERVAL_MS)).await;
+                let refresh = Duration::from_millis(REFRESH_INTERVAL_MS - UPDATE_INTERVAL_MS);
+                let _ = tokio::time::timeout(refresh, u.changes.changed()).await;
+            }
+            u.first = false;
+            let fragment = fragment(&u.app).await.replace('\r', "");
+            if fragment != u.last {
+                let event = Event::default().event("update").data(&fragment);
+                u.last = fragment;
+                return Some((Ok::<_, Infallible>(event), u));
+            }
+        }
+    });
+    Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
+}
+
+/// One page's stream: what it was last sent, and its place among [`EVENT_STREAMS_MAX`].
+struct Updates {
+    app: App,
+    changes: tokio::sync::watch::Receiver<u64>,
+    _permit: OwnedSemaphorePermit,
+    last: String,
+    first: bool,
+}
+
+async fn not_found(uri: Uri) -> Response {
+    tracing::info!("HTTP endpoint: no such route: {uri}");
+    (StatusCode::NOT_FOUND, format!("no such endpoint: {}\n{INDEX}", uri.path())).into_response()
 }

@@ -1,50 +1,60 @@
-//! A deliberately tiny HTTP/1.1 server for the daemon's read-only endpoints: `GET` only, one request
-//! per connection (`Connection: close`), a bounded request head read under a timeout, a bounded number
-//! of connections at once. Enough for Prometheus and `curl`; no framework, no new dependency.
+//! The daemon's HTTP server: an axum [`Router`] served on hyper's HTTP/1.1 connections, each accepted
+//! here so that the limits hold for every client — a bounded request head (larger: `431`), a bounded time
+//! to send it (a slow-loris client is disconnected), a bounded number of connections at once (more wait in
+//! the listen backlog), a bounded life per connection (a dashboard's event stream too: browsers reconnect
+//! on their own). Optionally TLS with the cluster's certificates, and a client certificate required.
+//! Malformed requests get hyper's `400`; every refusal is logged, and none of it touches training.
 
-use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use axum::Router;
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Bytes;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
+use tokio_rustls::TlsAcceptor;
 
-/// Longest request head read (request line and headers).
+/// Longest request head read (request line and headers); hyper's smallest buffer.
 pub const REQUEST_HEAD_BYTES_MAX: usize = 8 * 1024;
-/// How long a client may take to send its request head, and to take the answer.
-pub const REQUEST_TIMEOUT_MS: u64 = 5_000;
+/// How long a client may take to send a request head (and to start the next one on a kept-alive
+/// connection), and to finish a TLS handshake.
+pub const REQUEST_HEAD_TIMEOUT_MS: u64 = 5_000;
 /// Connections served at once; more wait in the listen backlog.
-pub const CONNECTIONS_MAX: usize = 32;
+pub const CONNECTIONS_MAX: usize = 64;
+/// The longest a connection stays open, however busy (an event stream ends then; the page reconnects).
+pub const CONNECTION_SECONDS_MAX: u64 = 600;
 
-/// An answer: status code, content type, body.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Response {
-    pub status: u16,
-    pub content_type: &'static str,
-    pub body: String,
-}
-
-impl Response {
-    pub fn ok(content_type: &'static str, body: String) -> Self {
-        Response { status: 200, content_type, body }
-    }
-
-    pub fn text(status: u16, body: impl Into<String>) -> Self {
-        Response { status, content_type: "text/plain; charset=utf-8", body: body.into() }
-    }
-}
-
-fn reason(status: u16) -> &'static str {
-    match status {
-        200 => "OK",
-        400 => "Bad Request",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        431 => "Request Header Fields Too Large",
-        _ => "Service Unavailable",
-    }
+/// The TLS settings of an https endpoint: ring (the cluster's provider), TLS 1.2 or 1.3, `identity`'s
+/// certificate, HTTP/1.1 by ALPN; with `client_auth`, a client certificate chaining to the cluster CA is
+/// required (a client without one fails the handshake, which is logged).
+pub fn server_tls(
+    identity: &troupe_cluster::NodeIdentity,
+    client_auth: bool,
+) -> Result<Arc<rustls::ServerConfig>, String> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?;
+    let builder = if client_auth {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(identity.ca.clone()).map_err(|e| format!("the cluster CA: {e}"))?;
+        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+            .build()
+            .map_err(|e| e.to_string())?;
+        builder.with_client_cert_verifier(verifier)
+    } else {
+        builder.with_no_client_auth()
+    };
+    let mut config = builder
+        .with_single_cert(vec![identity.cert.clone()], identity.key.clone_key())
+        .map_err(|e| format!("node {}'s certificate: {e}", identity.name))?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
 }
 
 /// Binds `addr` now (so a taken port is an error at start, not later), for [`serve`].
@@ -54,104 +64,76 @@ pub fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::from_std(listener)
 }
 
-/// Serves until the task is dropped or aborted: `handler(path)` answers each `GET`.
-pub async fn serve<H, F>(listener: TcpListener, handler: H)
-where
-    H: Fn(String) -> F + Send + Sync + 'static,
-    F: Future<Output = Response> + Send,
-{
-    let handler = Arc::new(handler);
+/// Serves `app` on `listener` until the task is dropped or aborted; over TLS with `tls`.
+pub async fn serve(listener: TcpListener, app: Router, tls: Option<Arc<rustls::ServerConfig>>) {
     let permits = Arc::new(Semaphore::new(CONNECTIONS_MAX));
+    let acceptor = tls.map(TlsAcceptor::from);
     loop {
         let Ok(permit) = permits.clone().acquire_owned().await else { return };
         let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
             Err(e) => {
-                tracing::warn!("metrics endpoint: accept failed: {e}");
+                tracing::warn!("HTTP endpoint: accept failed: {e}");
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
         };
-        let handler = handler.clone();
+        let (app, acceptor) = (app.clone(), acceptor.clone());
         tokio::spawn(async move {
-            let timeout = Duration::from_millis(REQUEST_TIMEOUT_MS);
-            if tokio::time::timeout(timeout, answer(stream, &*handler)).await.is_err() {
-                tracing::debug!(%peer, "metrics endpoint: client too slow; closed");
+            let served = async {
+                let Some(acceptor) = acceptor else { return connection(stream, app, peer).await };
+                let handshake = Duration::from_millis(REQUEST_HEAD_TIMEOUT_MS);
+                match tokio::time::timeout(handshake, acceptor.accept(stream)).await {
+                    Ok(Ok(tls)) => connection(tls, app, peer).await,
+                    Ok(Err(e)) => tracing::warn!(%peer, "HTTP endpoint: TLS handshake refused: {e}"),
+                    Err(_) => tracing::warn!(%peer, "HTTP endpoint: TLS handshake not done in {handshake:?}; closed"),
+                }
+            };
+            let life = Duration::from_secs(CONNECTION_SECONDS_MAX);
+            if tokio::time::timeout(life, served).await.is_err() {
+                tracing::debug!(%peer, "HTTP endpoint: connection open for {life:?}; closed");
             }
             drop(permit);
         });
     }
 }
 
-async fn answer<H, F>(mut stream: TcpStream, handler: &H)
+/// One HTTP/1.1 connection, requests kept alive until the head timeout finds it idle.
+async fn connection<I>(io: I, app: Router, peer: SocketAddr)
 where
-    H: Fn(String) -> F,
-    F: Future<Output = Response>,
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let response = match read_head(&mut stream).await {
-        Ok(head) => match parse_request_line(&head) {
-            Ok(("GET", path)) => handler(path.to_owned()).await,
-            Ok((_, _)) => Response::text(405, "only GET is served\n"),
-            Err(why) => Response::text(400, format!("{why}\n")),
-        },
-        Err(response) => response,
-    };
-    let head = format!(
-        "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        response.status,
-        reason(response.status),
-        response.content_type,
-        response.body.len()
-    );
-    let _ = stream.write_all(head.as_bytes()).await;
-    let _ = stream.write_all(response.body.as_bytes()).await;
-    let _ = stream.shutdown().await;
-}
-
-/// Reads up to the blank line ending the head, at most [`REQUEST_HEAD_BYTES_MAX`] bytes.
-async fn read_head(stream: &mut TcpStream) -> Result<String, Response> {
-    let mut head = Vec::with_capacity(1024);
-    let mut buf = [0u8; 1024];
-    loop {
-        let n = stream.read(&mut buf).await.map_err(|_| Response::text(400, "read error\n"))?;
-        if n == 0 {
-            return Err(Response::text(400, "incomplete request\n"));
-        }
-        head.extend_from_slice(&buf[..n]);
-        if head.windows(4).any(|w| w == b"\r\n\r\n") || head.windows(2).any(|w| w == b"\n\n") {
-            return String::from_utf8(head).map_err(|_| Response::text(400, "request head is not UTF-8\n"));
-        }
-        if head.len() > REQUEST_HEAD_BYTES_MAX {
-            return Err(Response::text(431, "request head too large\n"));
-        }
+    let served = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_millis(REQUEST_HEAD_TIMEOUT_MS))
+        .max_buf_size(REQUEST_HEAD_BYTES_MAX)
+        .serve_connection(TokioIo::new(io), TowerToHyperService::new(app))
+        .await;
+    if let Err(e) = served {
+        // A malformed or oversized head (answered 400 or 431 by hyper), a slow client, a reset.
+        tracing::warn!(%peer, "HTTP endpoint: request refused or connection dropped: {e}");
     }
-}
-
-/// `METHOD PATH HTTP/1.x` → (method, path without its query).
-fn parse_request_line(head: &str) -> Result<(&str, &str), &'static str> {
-    let line = head.lines().next().unwrap_or_default();
-    let mut parts = line.split(' ');
-    let (Some(method), Some(target), Some(version)) = (parts.next(), parts.next(), parts.next()) else {
-        return Err("malformed request line");
-    };
-    if !version.starts_with("HTTP/1.") || !target.starts_with('/') {
-        return Err("malformed request line");
-    }
-    Ok((method, target.split('?').next().unwrap_or(target)))
 }
 
 /// A `GET` of `http://addr/path` with a bounded wait: status and body (tests, `troupe` itself).
 pub async fn get(addr: SocketAddr, path: &str, timeout: Duration) -> std::io::Result<(u16, String)> {
+    let io_error = |e: hyper::Error| std::io::Error::other(format!("GET http://{addr}{path}: {e}"));
     let fetch = async {
-        let mut stream = TcpStream::connect(addr).await?;
-        let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-        stream.write_all(request.as_bytes()).await?;
-        let mut raw = Vec::new();
-        stream.read_to_end(&mut raw).await?;
-        let text = String::from_utf8(raw).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-        let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-        Ok((status, body.to_owned()))
+        let stream = TcpStream::connect(addr).await?;
+        let (mut sender, connection) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(io_error)?;
+        let driver = tokio::spawn(connection);
+        let request = hyper::Request::get(path)
+            .header(hyper::header::HOST, addr.to_string())
+            .body(Empty::<Bytes>::new())
+            .map_err(std::io::Error::other)?;
+        let response = sender.send_request(request).await.map_err(io_error)?;
+        let status = response.status().as_u16();
+        let body = response.into_body().collect().await.map_err(io_error)?.to_bytes();
+        driver.abort();
+        let text =
+            String::from_utf8(body.to_vec()).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+        Ok((status, text))
     };
     tokio::time::timeout(timeout, fetch).await.map_err(|_| {
         std::io::Error::new(
@@ -163,38 +145,42 @@ pub async fn get(addr: SocketAddr, path: &str, timeout: Duration) -> std::io::Re
 
 #[cfg(test)]
 mod tests {
+    use axum::routing::get as route;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
     use super::*;
 
-    #[test]
-    fn request_lines() {
-        assert_eq!(parse_request_line("GET /metrics?x=1 HTTP/1.1\r\nHost: a\r\n\r\n"), Ok(("GET", "/metrics")));
-        assert!(parse_request_line("GET metrics HTTP/1.1").is_err());
-        assert!(parse_request_line("garbage").is_err());
+    async fn answer(addr: SocketAddr, request: &[u8]) -> String {
+        let mut raw = TcpStream::connect(addr).await.unwrap();
+        let _ = raw.write_all(request).await;
+        let mut answer = Vec::new();
+        let _ = raw.read_to_end(&mut answer).await;
+        String::from_utf8_lossy(&answer).into_owned()
     }
 
     #[tokio::test]
-    async fn serves_get_and_refuses_the_rest() {
+    async fn serves_get_and_refuses_the_rest_with_the_right_status() {
         let listener = bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let addr = listener.local_addr().unwrap();
-        let server = tokio::spawn(serve(listener, |path: String| async move {
-            match path.as_str() {
-                "/hello" => Response::ok("text/plain", "hi".into()),
-                _ => Response::text(404, "no"),
-            }
-        }));
+        let app = Router::new().route("/hello", route(|| async { "hi" }));
+        let server = tokio::spawn(serve(listener, app, None));
         let timeout = Duration::from_secs(5);
         assert_eq!(get(addr, "/hello", timeout).await.unwrap(), (200, "hi".into()));
+        assert_eq!(get(addr, "/hello?x=1", timeout).await.unwrap(), (200, "hi".into()));
         assert_eq!(get(addr, "/other", timeout).await.unwrap().0, 404);
-        let mut raw = TcpStream::connect(addr).await.unwrap();
-        raw.write_all(b"POST /hello HTTP/1.1\r\n\r\n").await.unwrap();
-        let mut answer = String::new();
-        raw.read_to_string(&mut answer).await.unwrap();
-        assert!(answer.starts_with("HTTP/1.1 405"), "{answer}");
-        let mut huge = TcpStream::connect(addr).await.unwrap();
-        let _ = huge.write_all(&vec![b'a'; REQUEST_HEAD_BYTES_MAX + 2048]).await;
-        let mut answer = String::new();
-        let _ = huge.read_to_string(&mut answer).await;
-        assert!(answer.starts_with("HTTP/1.1 431"), "{answer}");
+        let post =
+            answer(addr, b"POST /hello HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").await;
+        assert!(post.starts_with("HTTP/1.1 405"), "{post}");
+        let huge = answer(
+            addr,
+            &[b"GET /hello HTTP/1.1\r\nX: ".as_slice(), &vec![b'a'; REQUEST_HEAD_BYTES_MAX + 2048]].concat(),
+        )
+        .await;
+        assert!(huge.starts_with("HTTP/1.1 431"), "{huge}");
+        let malformed = answer(addr, b"GARBAGE\x01 / HTTP/1.1\r\n\r\n").await;
+        assert!(malformed.starts_with("HTTP/1.1 400"), "{malformed}");
+        // Still serving after all that.
+        assert_eq!(get(addr, "/hello", timeout).await.unwrap(), (200, "hi".into()));
         server.abort();
     }
 }

@@ -3,7 +3,9 @@
 //! [`ClusterStatus`] (epoch, members, jobs) at scrape time. Updating is a short lock and a few additions:
 //! cheap enough to do on every event whether or not anyone scrapes. When OTLP export is installed, the
 //! same hooks export the controller's spans (a job's life, each recovery, each failure detection) and
-//! record the job metrics as OpenTelemetry instruments ([`super::otel_metrics`]).
+//! record the job metrics as OpenTelemetry instruments ([`super::otel_metrics`]). The same hooks keep
+//! each job's history for the dashboard ([`super::dashboard`]) and tell its open pages that something
+//! changed.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -13,6 +15,7 @@ use opentelemetry::KeyValue;
 
 use troupe_cluster::membership::Change;
 
+use super::dashboard::{JobHistory, JobSnapshot};
 use super::link_bytes::LinkBytes;
 use super::prometheus::{Exposition, Histogram, Kind};
 use super::{otel, otel_metrics};
@@ -53,6 +56,8 @@ struct JobMetrics {
     trace_seed: u64,
     submitted: SystemTime,
     interrupted: Option<(SystemTime, Vec<String>)>,
+    /// What the dashboard draws of the job.
+    history: JobHistory,
 }
 
 #[derive(Debug, Default)]
@@ -65,9 +70,11 @@ struct State {
 }
 
 /// A daemon's counters (shared by the node actor and the HTTP endpoint).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct NodeMetrics {
     state: Mutex<State>,
+    /// Bumped after every job event and view change: the dashboard's pages wait on it.
+    changes: tokio::sync::watch::Sender<u64>,
     /// Peak FLOP/s of one slot (from `telemetry.peak_tflops_per_slot`).
     peak_flops_per_slot: Option<f64>,
     /// Data-plane bytes per peer node, counted by this daemon's ranks.
@@ -78,6 +85,7 @@ impl NodeMetrics {
     pub fn new(peak_tflops_per_slot: Option<f64>) -> Self {
         NodeMetrics {
             state: Mutex::default(),
+            changes: tokio::sync::watch::Sender::new(0),
             peak_flops_per_slot: peak_tflops_per_slot.map(|t| t * 1e12),
             links: LinkBytes::default(),
         }
@@ -85,6 +93,29 @@ impl NodeMetrics {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn changed(&self) {
+        self.changes.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Wakes when a job event or a view change passed (the dashboard's live updates).
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    /// Each job's history and last figures, for the dashboard.
+    pub fn dashboard(&self) -> BTreeMap<JobId, JobSnapshot> {
+        let state = self.lock();
+        state
+            .jobs
+            .iter()
+            .map(|(id, m)| {
+                let snapshot =
+                    JobSnapshot { history: m.history.clone(), tokens_per_s: m.tokens_per_s, mfu: self.mfu(m) };
+                (*id, snapshot)
+            })
+            .collect()
     }
 
     /// A job was submitted to this (controller) daemon.
@@ -112,13 +143,21 @@ impl NodeMetrics {
             trace_seed: spec.trace_seed,
             submitted: SystemTime::now(),
             interrupted: None,
+            history: JobHistory::default(),
         };
         self.lock().jobs.insert(job, metrics);
+        self.changed();
     }
 
     pub fn on_job_event(&self, job: JobId, event: &JobEvent, now: Instant) {
+        self.record_job_event(job, event, now);
+        self.changed();
+    }
+
+    fn record_job_event(&self, job: JobId, event: &JobEvent, now: Instant) {
         let mut state = self.lock();
         let Some(m) = state.jobs.get_mut(&job) else { return };
+        m.history.record(event);
         match event {
             JobEvent::Step { step, loss, tokens_per_s, world, epoch, skipped, loss_scale, bubble, .. } => {
                 if otel::enabled() {
@@ -226,6 +265,11 @@ impl NodeMetrics {
     /// timeout (`Failed`) or its connection lost (`ConnectionLost`) — had been silent for `silent_ms`
     /// then: that is the failure detection time (a crash to its detection, at most), by cause.
     pub fn on_view_change(&self, epoch: u64, changes: &[Change]) {
+        self.record_view_change(epoch, changes);
+        self.changed();
+    }
+
+    fn record_view_change(&self, epoch: u64, changes: &[Change]) {
         let mut state = self.lock();
         for change in changes {
             let (kind, detected) = match change {
@@ -354,7 +398,8 @@ impl NodeMetrics {
         each(e, "troupe_job_step", Kind::Gauge, "Committed steps of the job (its position in training).", &|i| {
             Some(status.jobs[i].step as f64)
         });
-        each(e, "troupe_job_steps_total", Kind::Gauge, "Steps the job trains for.", &|i| {
+        // Named `troupe_job_steps_total` before: a gauge named like a counter, which promtool refuses.
+        each(e, "troupe_job_planned_steps", Kind::Gauge, "Steps the job trains for.", &|i| {
             Some(status.jobs[i].total_steps as f64)
         });
         each(

@@ -1,8 +1,10 @@
-//! Observability: what a daemon exposes (`/metrics` and `/status` over HTTP, OpenTelemetry spans), what
-//! a run records (`--run-dir`: events and per-rank step phases) and the pictures made from it
-//! (`troupe trace`: an SVG timeline and a Perfetto trace; `troupe plot`: loss and throughput).
+//! Observability: what a daemon exposes over HTTP (the live dashboard at `/`, `/metrics`, `/status`) and
+//! OpenTelemetry (spans and metrics over OTLP), what a run records (`--run-dir`: events and per-rank step
+//! phases) and the pictures made from it (`troupe trace`: an SVG timeline and a Perfetto trace; `troupe
+//! plot`: loss and throughput).
 
 pub mod config;
+pub mod dashboard;
 pub mod endpoint;
 pub mod http;
 pub mod link_bytes;

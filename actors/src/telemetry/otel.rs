@@ -2,6 +2,12 @@
 //! configured (`telemetry.otlp_endpoint` or `OTEL_EXPORTER_OTLP_ENDPOINT`). Without one nothing is
 //! installed: the spans stay plain `tracing` spans, filtered like the logs.
 //!
+//! Requests go through the SDK's supported client, reqwest (blocking: the SDK exports from threads of
+//! its own), over http or https — rustls with ring as the cluster uses it, the platform's trusted roots
+//! plus `OTEL_EXPORTER_OTLP_CERTIFICATE` (a PEM file), a client certificate from
+//! `OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE` and `OTEL_EXPORTER_OTLP_CLIENT_KEY` — with the headers of
+//! `OTEL_EXPORTER_OTLP_HEADERS` (`key=value,...`, read by the SDK).
+//!
 //! One step of a job is one trace across the cluster: the controller exports a `job_step` span when
 //! the step commits, and every rank's `step` span (on whichever node) is its child. No context travels
 //! in the control messages: the trace and span ids of step N are derived from the job's `trace_seed`
@@ -24,21 +30,21 @@ impl Signal {
     }
 }
 
-/// Checks an OTLP/HTTP endpoint — `http://HOST:PORT` with an optional path — and gives the URL of
+/// Checks an OTLP/HTTP endpoint — `http(s)://HOST:PORT` with an optional path — and gives the URL of
 /// `signal`: the path is a base to which `/v1/traces` or `/v1/metrics` is appended, as the OTLP exporter
 /// specification says, unless it already ends in one of them (then the other signal goes to its
 /// sibling).
 pub fn parse_endpoint(endpoint: &str, signal: Signal) -> Result<String, String> {
-    let Some(rest) = endpoint.strip_prefix("http://") else {
+    let Some((scheme, rest)) = endpoint.split_once("://").filter(|(s, _)| ["http", "https"].contains(s)) else {
         return Err(format!(
-            "{endpoint:?} is not an OTLP/HTTP endpoint like \"http://127.0.0.1:4318\" (https is not supported; put a collector on the host)"
+            "{endpoint:?} is not an OTLP/HTTP endpoint like \"http://127.0.0.1:4318\" or \"https://collector:4318\""
         ));
     };
     let (authority, path) = rest.split_once('/').map_or((rest, ""), |(a, p)| (a, p));
     let port_ok =
         authority.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
     if !port_ok {
-        return Err(format!("{endpoint:?}: give host and port, like \"http://127.0.0.1:4318\""));
+        return Err(format!("{endpoint:?}: give host and port, like \"{scheme}://127.0.0.1:4318\""));
     }
     let path = path.trim_end_matches('/');
     let base = [Signal::Traces, Signal::Metrics]
@@ -46,7 +52,7 @@ pub fn parse_endpoint(endpoint: &str, signal: Signal) -> Result<String, String> 
         .find_map(|s| path.strip_suffix(s.path()))
         .map_or(path, |b| b.trim_end_matches('/'));
     let base = if base.is_empty() { String::new() } else { format!("/{base}") };
-    Ok(format!("http://{authority}{base}/{}", signal.path()))
+    Ok(format!("{scheme}://{authority}{base}/{}", signal.path()))
 }
 
 #[cfg(test)]
@@ -76,14 +82,14 @@ mod tests {
         check("http://c:4318/v1/traces", "http://c:4318/v1/traces", "http://c:4318/v1/metrics");
         check("http://c:4318/otlp/v1/metrics", "http://c:4318/otlp/v1/traces", "http://c:4318/otlp/v1/metrics");
         check("http://c:4318/otlp", "http://c:4318/otlp/v1/traces", "http://c:4318/otlp/v1/metrics");
-        assert!(parse_endpoint("https://c:4318", Signal::Traces).is_err());
+        check("https://c:4318/otlp", "https://c:4318/otlp/v1/traces", "https://c:4318/otlp/v1/metrics");
+        assert!(parse_endpoint("grpc://c:4317", Signal::Traces).is_err());
         assert!(parse_endpoint("http://c", Signal::Metrics).is_err());
+        assert!(parse_endpoint("https://c", Signal::Metrics).is_err());
     }
 }
 
-use std::io::{Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use std::cell::Cell;
@@ -93,7 +99,6 @@ use opentelemetry::trace::{
     TracerProvider as _,
 };
 use opentelemetry::{Context, KeyValue};
-use opentelemetry_http::{Bytes, HttpClient, HttpError, Request, Response};
 use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
 use opentelemetry_sdk::trace::{
     BatchConfigBuilder, BatchSpanProcessor, IdGenerator, RandomIdGenerator, SdkTracer, SdkTracerProvider,
@@ -104,8 +109,6 @@ use super::phases::PhaseSpan;
 /// How long one export may take to connect, and to be answered.
 const EXPORT_CONNECT_TIMEOUT_MS: u64 = 2_000;
 pub(super) const EXPORT_ANSWER_TIMEOUT_MS: u64 = 5_000;
-/// Largest collector answer read.
-const ANSWER_BYTES_MAX: u64 = 1 << 20;
 /// How often batched spans go out.
 const EXPORT_DELAY_MS: u64 = 1_000;
 /// How long the daemon waits at exit for its last spans to go out.
@@ -140,9 +143,10 @@ impl Drop for OtelGuard {
 pub fn install(endpoint: &str, node: &str) -> anyhow::Result<OtelGuard> {
     let url = parse_endpoint(endpoint, Signal::Traces).map_err(anyhow::Error::msg)?;
     let metrics_url = parse_endpoint(endpoint, Signal::Metrics).map_err(anyhow::Error::msg)?;
+    let client = http_client()?;
     let exporter = opentelemetry_otlp::SpanExporter::builder()
         .with_http()
-        .with_http_client(PlainHttpClient)
+        .with_http_client(client.clone())
         .with_endpoint(url.clone())
         .with_timeout(Duration::from_millis(EXPORT_ANSWER_TIMEOUT_MS))
         .build()
@@ -153,7 +157,7 @@ pub fn install(endpoint: &str, node: &str) -> anyhow::Result<OtelGuard> {
         .with_service_name("troupe")
         .with_attribute(KeyValue::new("service.instance.id", node.to_owned()))
         .build();
-    let metrics = super::otel_metrics::install(&metrics_url, resource.clone())?;
+    let metrics = super::otel_metrics::install(&metrics_url, resource.clone(), client)?;
     let provider = SdkTracerProvider::builder()
         .with_span_processor(processor)
         .with_resource(resource)
@@ -373,39 +377,73 @@ pub fn export_job_span(name: &str, start: SystemTime, end: SystemTime, attribute
     span.end_with_timestamp(end);
 }
 
-/// OTLP over plain HTTP/1.1 with std sockets: the SDK's batch processor runs exports on its own thread
-/// (`block_on`), so a blocking request with bounded connect and answer times is all it needs — and no
-/// HTTP client dependency.
-#[derive(Debug)]
-pub(super) struct PlainHttpClient;
+/// A PEM file named by environment variable `var`, if set.
+fn pem_file(var: &str) -> anyhow::Result<Option<(std::path::PathBuf, Vec<u8>)>> {
+    let Some(path) = std::env::var_os(var).filter(|p| !p.is_empty()).map(std::path::PathBuf::from) else {
+        return Ok(None);
+    };
+    let bytes = std::fs::read(&path).map_err(|e| anyhow::anyhow!("{var}={}: {e}", path.display()))?;
+    Ok(Some((path, bytes)))
+}
 
-#[async_trait::async_trait]
-impl HttpClient for PlainHttpClient {
-    async fn send_bytes(&self, request: Request<Bytes>) -> Result<Response<Bytes>, HttpError> {
-        let uri = request.uri().clone();
-        let host = uri.host().ok_or("OTLP endpoint without a host")?;
-        let port = uri.port_u16().unwrap_or(80);
-        let addr = (host, port).to_socket_addrs()?.next().ok_or("OTLP endpoint does not resolve")?;
-        let mut stream = TcpStream::connect_timeout(&addr, Duration::from_millis(EXPORT_CONNECT_TIMEOUT_MS))?;
-        stream.set_read_timeout(Some(Duration::from_millis(EXPORT_ANSWER_TIMEOUT_MS)))?;
-        stream.set_write_timeout(Some(Duration::from_millis(EXPORT_ANSWER_TIMEOUT_MS)))?;
-        let mut head =
-            format!("{} {} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n", request.method(), uri.path());
-        for (name, value) in request.headers() {
-            head.push_str(&format!("{name}: {}\r\n", value.to_str().unwrap_or_default()));
+/// The TLS settings of https exports: ring, the platform's roots plus `OTEL_EXPORTER_OTLP_CERTIFICATE`,
+/// and the client certificate of `OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE`/`_CLIENT_KEY` if both are set.
+fn tls_config() -> anyhow::Result<rustls::ClientConfig> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let extra: Vec<CertificateDer<'static>> = match pem_file("OTEL_EXPORTER_OTLP_CERTIFICATE")? {
+        Some((path, pem)) => {
+            let certs = CertificateDer::pem_slice_iter(&pem)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| anyhow::anyhow!("OTEL_EXPORTER_OTLP_CERTIFICATE={}: {e}", path.display()))?;
+            anyhow::ensure!(
+                !certs.is_empty(),
+                "OTEL_EXPORTER_OTLP_CERTIFICATE={}: no PEM certificate in it",
+                path.display()
+            );
+            certs
         }
-        head.push_str(&format!("Content-Length: {}\r\n\r\n", request.body().len()));
-        stream.write_all(head.as_bytes())?;
-        stream.write_all(request.body())?;
-        let mut answer = Vec::new();
-        stream.take(ANSWER_BYTES_MAX).read_to_end(&mut answer)?;
-        let split = answer.windows(4).position(|w| w == b"\r\n\r\n").ok_or("OTLP collector: malformed answer")?;
-        let status: u16 = String::from_utf8_lossy(&answer[..split])
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .ok_or("OTLP collector: no status code")?;
-        let body = Bytes::copy_from_slice(&answer[split + 4..]);
-        Ok(Response::builder().status(status).body(body)?)
-    }
+        None => Vec::new(),
+    };
+    let verifier = rustls_platform_verifier::Verifier::new_with_extra_roots(extra, provider.clone())
+        .map_err(|e| anyhow::anyhow!("OTLP over https: the trusted roots: {e}"))?;
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| anyhow::anyhow!("OTLP over https: {e}"))?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(verifier));
+    let client_cert = (pem_file("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE")?, pem_file("OTEL_EXPORTER_OTLP_CLIENT_KEY")?);
+    Ok(match client_cert {
+        (Some((cert_path, cert)), Some((key_path, key))) => {
+            let chain = CertificateDer::pem_slice_iter(&cert)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| anyhow::anyhow!("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE={}: {e}", cert_path.display()))?;
+            let key = PrivateKeyDer::from_pem_slice(&key)
+                .map_err(|e| anyhow::anyhow!("OTEL_EXPORTER_OTLP_CLIENT_KEY={}: {e}", key_path.display()))?;
+            builder
+                .with_client_auth_cert(chain, key)
+                .map_err(|e| anyhow::anyhow!("OTLP client certificate {}: {e}", cert_path.display()))?
+        }
+        (None, None) => builder.with_no_client_auth(),
+        _ => anyhow::bail!(
+            "set both OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE and OTEL_EXPORTER_OTLP_CLIENT_KEY, or neither"
+        ),
+    })
+}
+
+/// The exporters' HTTP client: reqwest's blocking client (built on a thread of its own: it must not be
+/// built inside the daemon's async runtime), bounded connect and answer times, https as [`tls_config`].
+fn http_client() -> anyhow::Result<reqwest::blocking::Client> {
+    let tls = tls_config()?;
+    std::thread::spawn(move || {
+        reqwest::blocking::Client::builder()
+            .use_preconfigured_tls(tls)
+            .connect_timeout(Duration::from_millis(EXPORT_CONNECT_TIMEOUT_MS))
+            .timeout(Duration::from_millis(EXPORT_ANSWER_TIMEOUT_MS))
+            .build()
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("building the OTLP HTTP client panicked"))?
+    .map_err(|e| anyhow::anyhow!("building the OTLP HTTP client: {e}"))
 }

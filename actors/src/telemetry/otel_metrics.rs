@@ -19,7 +19,7 @@ use opentelemetry_sdk::metrics::{PeriodicReader, SdkMeterProvider};
 use opentelemetry_sdk::Resource;
 
 use super::metrics::NodeMetrics;
-use super::otel::{PlainHttpClient, EXPORT_ANSWER_TIMEOUT_MS};
+use super::otel::EXPORT_ANSWER_TIMEOUT_MS;
 use super::prometheus::SECONDS_BUCKETS;
 
 /// How often metrics are collected and sent, unless `OTEL_METRIC_EXPORT_INTERVAL` says otherwise.
@@ -73,10 +73,14 @@ impl Drop for MetricsGuard {
 }
 
 /// Installs the metric export to `url` (a `/v1/metrics` URL) for `resource`.
-pub(super) fn install(url: &str, resource: Resource) -> anyhow::Result<MetricsGuard> {
+pub(super) fn install(
+    url: &str,
+    resource: Resource,
+    client: reqwest::blocking::Client,
+) -> anyhow::Result<MetricsGuard> {
     let exporter = opentelemetry_otlp::MetricExporter::builder()
         .with_http()
-        .with_http_client(PlainHttpClient)
+        .with_http_client(client)
         .with_endpoint(url.to_owned())
         .with_timeout(Duration::from_millis(EXPORT_ANSWER_TIMEOUT_MS))
         .build()

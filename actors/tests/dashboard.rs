@@ -1,0 +1,266 @@
+//! The live dashboard as a user meets it: a local cluster of three daemon processes trains a job while
+//! headless Chromium (Debian's `chromium`; the test says so and passes when it is absent) keeps the
+//! controller's page open — driven over the DevTools protocol on a pipe, never reloaded — and must show
+//! the three members, the job's row with a step count that advances (the page's live updates), its chart
+//! and step-phase timeline, and, after one node is SIGKILLed, the membership change in the job's event log
+//! and two members left. A screenshot of the page is written for the docs. A member daemon's page says
+//! where the controller is; `troupe train --nodes 2` prints its dashboard's URL.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use troupe_actors::api::{Job, JobEvent, LocalCluster, LocalClusterOptions};
+use troupe_actors::telemetry::http::get;
+use troupe_model::config::JobConfig;
+
+const WAIT: Duration = Duration::from_secs(90);
+
+/// Debian's Chromium, if installed.
+fn chromium() -> Option<PathBuf> {
+    ["chromium", "chromium-browser", "google-chrome"].iter().find_map(|name| {
+        std::env::var_os("PATH")?.to_str()?.split(':').map(|dir| Path::new(dir).join(name)).find(|p| p.is_file())
+    })
+}
+
+/// Headless Chromium driven over the DevTools protocol on a pipe (`--remote-debugging-pipe`: it reads
+/// commands on fd 3 and writes answers and events on fd 4, each a JSON object ended by a NUL byte). A
+/// shell moves the child's stdin and stdout to fds 3 and 4, so the test talks to it through those.
+struct Browser {
+    child: Child,
+    commands: ChildStdin,
+    messages: mpsc::Receiver<Value>,
+    next_id: u64,
+    session: String,
+    _profile: tempfile::TempDir,
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Browser {
+    fn open(binary: &Path, url: &str) -> Browser {
+        let profile = tempfile::tempdir().unwrap();
+        let mut child = Command::new("sh")
+            .arg("-c")
+            .arg(r#"exec "$0" "$@" 3<&0 4>&1 </dev/null >/dev/null"#)
+            .arg(binary)
+            .args(["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--remote-debugging-pipe"])
+            .args(["--window-size=1280,1800", "--hide-scrollbars"])
+            .arg(format!("--user-data-dir={}", profile.path().display()))
+            .arg("about:blank")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("chromium starts");
+        let commands = child.stdin.take().unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let (tx, messages) = mpsc::channel();
+        std::thread::spawn(move || loop {
+            let mut message = Vec::new();
+            if out.read_until(0, &mut message).unwrap_or(0) == 0 {
+                return;
+            }
+            message.pop();
+            if let Ok(value) = serde_json::from_slice::<Value>(&message) {
+                if tx.send(value).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut browser = Browser { child, commands, messages, next_id: 0, session: String::new(), _profile: profile };
+        let target = browser.call("Target.createTarget", json!({ "url": url }), None);
+        let target = target["targetId"].as_str().expect("a target id").to_owned();
+        let attached = browser.call("Target.attachToTarget", json!({ "targetId": target, "flatten": true }), None);
+        browser.session = attached["sessionId"].as_str().expect("a session id").to_owned();
+        browser
+    }
+
+    /// Sends a command (to the page's session with `session`) and waits for its answer.
+    fn call(&mut self, method: &str, params: Value, session: Option<&str>) -> Value {
+        self.next_id += 1;
+        let id = self.next_id;
+        let mut command = json!({ "id": id, "method": method, "params": params });
+        if let Some(session) = session {
+            command["sessionId"] = json!(session);
+        }
+        let mut bytes = serde_json::to_vec(&command).unwrap();
+        bytes.push(0);
+        self.commands.write_all(&bytes).expect("chromium reads its commands");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let message =
+                self.messages.recv_timeout(left).unwrap_or_else(|_| panic!("chromium did not answer {method}"));
+            if message["id"] == id {
+                assert!(message.get("error").is_none(), "{method}: {message}");
+                return message["result"].clone();
+            }
+        }
+    }
+
+    /// The value of a JavaScript expression in the page.
+    fn eval(&mut self, expression: &str) -> Value {
+        let session = self.session.clone();
+        let params = json!({ "expression": expression, "returnByValue": true });
+        let answer = self.call("Runtime.evaluate", params, Some(&session));
+        answer["result"]["value"].clone()
+    }
+
+    /// What the page shows, as the test reads it from the DOM.
+    fn read(&mut self) -> Value {
+        self.eval(
+            r#"JSON.stringify({
+                connection: document.getElementById('connection')?.textContent,
+                members: [...document.querySelectorAll('tr.member')].map(r => r.dataset.name),
+                jobs: [...document.querySelectorAll('tr.job')].map(r => ({ job: r.dataset.job, name: r.dataset.name, state: r.dataset.state, step: +r.dataset.step })),
+                charts: document.querySelectorAll('.chart svg').length,
+                timelines: document.querySelectorAll('.timeline svg').length,
+                membership: [...document.querySelectorAll('li[data-kind=membership]')].map(l => l.textContent),
+            })"#,
+        )
+        .as_str()
+        .and_then(|s| serde_json::from_str(s).ok())
+        .unwrap_or(Value::Null)
+    }
+
+    /// Reads the page until `done` holds (at most [`WAIT`]); the last reading.
+    fn until(&mut self, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+        let t0 = Instant::now();
+        loop {
+            let page = self.read();
+            if done(&page) {
+                return page;
+            }
+            assert!(t0.elapsed() < WAIT, "the dashboard never showed {what}; it shows {page}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    fn screenshot(&mut self, path: &Path) {
+        let session = self.session.clone();
+        let shot = self.call("Page.captureScreenshot", json!({ "format": "png" }), Some(&session));
+        let png = base64(shot["data"].as_str().expect("PNG data"));
+        assert!(png.starts_with(b"\x89PNG"), "a PNG");
+        std::fs::write(path, png).unwrap();
+    }
+}
+
+fn base64(text: &str) -> Vec<u8> {
+    let value = |c: u8| match c {
+        b'A'..=b'Z' => c - b'A',
+        b'a'..=b'z' => c - b'a' + 26,
+        b'0'..=b'9' => c - b'0' + 52,
+        b'+' => 62,
+        _ => 63,
+    };
+    let digits: Vec<u8> = text.bytes().filter(|c| *c != b'=' && !c.is_ascii_whitespace()).map(value).collect();
+    digits
+        .chunks(4)
+        .flat_map(|c| {
+            let n = c.iter().enumerate().fold(0u32, |n, (i, d)| n | u32::from(*d) << (18 - 6 * i));
+            let bytes = n.to_be_bytes();
+            bytes[1..c.len()].to_vec()
+        })
+        .collect()
+}
+
+fn job_step(page: &Value) -> u64 {
+    page["jobs"][0]["step"].as_u64().unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headless_chromium_follows_a_job_live_and_sees_a_killed_node_leave() {
+    let Some(chromium) = chromium() else {
+        eprintln!("SKIPPED: no chromium on PATH (scripts/provision-host.sh --test-runner installs Debian's as root)");
+        return;
+    };
+    let mut options = LocalClusterOptions::new(3);
+    options.torch_threads = 1;
+    options.telemetry.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+    let cluster = LocalCluster::processes(common::binary(), options).await.expect("local cluster starts");
+    let url = cluster.dashboard_url(0).expect("the controller prints its dashboard's URL");
+    assert!(url.starts_with("http://127.0.0.1:") && url.ends_with('/'), "{url}");
+
+    let client = cluster.client().await.unwrap();
+    let mut job = client.submit(Job::new(JobConfig::small(100_000)).name("live").trace(true)).await.unwrap();
+    tokio::time::timeout(WAIT, async {
+        while let Some(event) = job.next_event().await.unwrap() {
+            if let JobEvent::Step { .. } = event {
+                return;
+            }
+        }
+    })
+    .await
+    .expect("a first step");
+
+    // The browser blocks on its pipe: drive it from a blocking thread.
+    let pid_to_kill = cluster.pid(2).expect("a child daemon");
+    let shot = std::env::var_os("TROUPE_DASHBOARD_SCREENSHOT")
+        .map_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png"), PathBuf::from);
+    let browsing = tokio::task::spawn_blocking(move || {
+        let mut browser = Browser::open(&chromium, &url);
+        let page = browser.until("three members, the job and a live connection", |p| {
+            p["members"] == json!(["node-0", "node-1", "node-2"])
+                && p["jobs"][0]["name"] == "live"
+                && p["jobs"][0]["state"] == "running"
+                && p["connection"] == "live"
+        });
+        let first = job_step(&page);
+        let page = browser.until("the step advancing without a reload", |p| job_step(p) >= first + 2);
+        browser.until("the loss chart and the step-phase timeline", |p| {
+            p["charts"] == 1 && p["timelines"] == 1 && job_step(p) > job_step(&page)
+        });
+        common::signal(pid_to_kill, "KILL");
+        let page = browser.until("node-2's failure in the job's log and two members", |p| {
+            p["members"] == json!(["node-0", "node-1"])
+                && p["membership"]
+                    .as_array()
+                    .is_some_and(|l| l.iter().any(|line| line.as_str().unwrap_or("").contains("node-2")))
+        });
+        let at_change = job_step(&page);
+        browser.until("training going on after the change", |p| job_step(p) > at_change + 50);
+        browser.screenshot(&shot);
+        eprintln!("dashboard screenshot: {}", shot.display());
+    });
+    browsing.await.expect("the browser checks pass");
+
+    // A member's page names the controller instead of showing jobs.
+    let member = cluster.dashboard_url(1).unwrap();
+    let addr = member.trim_start_matches("http://").trim_end_matches('/').parse().unwrap();
+    let (status, page) = get(addr, "/", Duration::from_secs(10)).await.unwrap();
+    assert_eq!(status, 200);
+    assert!(page.contains(r#"data-role="member""#) && page.contains(&cluster.addr().to_string()), "{page}");
+    assert!(!page.contains(r#"class="job""#), "jobs are on the controller's page: {page}");
+
+    job.cancel().await.unwrap();
+    job.close().await;
+    cluster.shutdown().await;
+}
+
+#[test]
+fn troupe_train_on_an_embedded_cluster_prints_its_dashboard_url() {
+    let mut child = Command::new(common::binary())
+        .args(["train", "--nodes", "2", "--steps", "2"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut stdout = String::new();
+    child.stdout.take().unwrap().read_to_string(&mut stdout).unwrap();
+    let status = common::wait_child(&mut child, WAIT, "troupe train --nodes 2");
+    assert!(status.success(), "{stdout}");
+    let line = stdout.lines().find(|l| l.starts_with("troupe: dashboard on http://127.0.0.1:"));
+    assert!(line.is_some(), "no dashboard URL printed: {stdout}");
+}
