@@ -20,6 +20,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use troupe_actors::api::{Client, Job, JobEvent};
 use troupe_actors::daemon::NodeConfig;
+use troupe_actors::telemetry::endpoint::EVENT_STREAMS_MAX;
 use troupe_actors::telemetry::http::get;
 use troupe_actors::telemetry::prometheus::{parse, Sample};
 use troupe_cluster::NodeIdentity;
@@ -326,6 +327,32 @@ async fn a_daemon_serves_prometheus_metrics_and_the_status_json_of_troupe_status
     assert!(post.starts_with("HTTP/1.1 405"), "{post}");
     let (status, body) = get(metrics, "/nothing/here", Duration::from_secs(10)).await.unwrap();
     assert!(status == 404 && body.contains("/metrics"), "an unknown route names the served ones: {status} {body}");
+    // The dashboard's live updates: each open page gets `update` events carrying the page's content;
+    // past EVENT_STREAMS_MAX open pages, one more is refused with 503 (and scrapes still answered).
+    let streams: Vec<TcpStream> = (0..EVENT_STREAMS_MAX)
+        .map(|_| {
+            let mut s = TcpStream::connect(metrics).unwrap();
+            s.write_all(b"GET /events HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\n\r\n").unwrap();
+            s
+        })
+        .collect();
+    for mut stream in streams.iter() {
+        stream.set_read_timeout(Some(WAIT)).unwrap();
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !String::from_utf8_lossy(&seen).contains(r#"data: <section id="cluster""#) {
+            let n = stream.read(&mut buf).expect("an update before the wait ends");
+            assert!(n > 0, "the event stream ended: {}", String::from_utf8_lossy(&seen));
+            seen.extend_from_slice(&buf[..n]);
+        }
+        let seen = String::from_utf8_lossy(&seen);
+        assert!(seen.starts_with("HTTP/1.1 200") && seen.contains("text/event-stream"), "{seen}");
+        assert!(seen.contains("event: update\n"), "{seen}");
+    }
+    let (status, _) = get(metrics, "/events", Duration::from_secs(10)).await.unwrap();
+    assert_eq!(status, 503, "one page more than EVENT_STREAMS_MAX");
+    assert_eq!(get(metrics, "/metrics", Duration::from_secs(10)).await.unwrap().0, 200);
+    drop(streams);
     // Slow-loris: heads that never end are cut off (the server closes them), and meanwhile a scrape is
     // answered.
     let slow: Vec<TcpStream> = (0..8)
