@@ -73,6 +73,18 @@ pub struct BenchTrainArgs {
     /// H100 SXM / H200 on CUDA — 989 in bf16/fp16, 67 in fp32; otherwise MFU is left out).
     #[arg(long)]
     pub peak_tflops: Option<f64>,
+    /// Fine-tune with LoRA instead of training every parameter: the preset's model, drawn once and
+    /// written as a Hugging Face directory, is the frozen base; with `--peer` transformers + PEFT
+    /// (`get_peft_model`, the same r, alpha and targets) fine-tune the same weights (`--world 1`).
+    #[arg(long, value_parser = ["none", "lora"], default_value = "none")]
+    pub peft: String,
+    /// LoRA's rank with `--peft lora` (alpha is twice the rank, a common choice).
+    #[arg(long, default_value_t = 8)]
+    pub lora_r: usize,
+    /// LoRA's target modules with `--peft lora`, comma-separated (default: the family's, PEFT's
+    /// default: q_proj,v_proj for Llama, c_attn for GPT-2).
+    #[arg(long, default_value = "")]
+    pub lora_targets: String,
     /// JSON output (one object).
     #[arg(long)]
     pub json: bool,
@@ -98,6 +110,9 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     if args.world == 0 {
         bail!("--world 0: a benchmark needs at least one rank");
     }
+    if args.peft != "none" && args.world != 1 {
+        bail!("--peft {} is measured with --world 1 so far (the multi-rank LoRA oracle is in the tests)", args.peft);
+    }
     let model = bench_model(&args.model, args.context)?;
     match args.world {
         1 => run_single(args, model),
@@ -120,7 +135,13 @@ fn run_single(args: BenchTrainArgs, model: ModelConfig) -> anyhow::Result<()> {
             (tch::Device::Cuda(0), peak, name)
         }
     };
-    let peer_config = hf_peer_config(&model)?;
+    // With --peft, the base's weights are written once; troupe reads them, and so does the peer.
+    let base = fine_tuning_base(&args, &model)?;
+    let model = base.as_ref().map_or(model, |(_, config)| config.clone());
+    let peer_config = match &base {
+        Some((dir, _)) => Some(PeerDir::Base(dir.path().to_owned())),
+        None => hf_peer_config(&model)?.map(PeerDir::Config),
+    };
     let mut peer_flags = vec![
         ("--micro-batch", args.micro_batch.to_string()),
         ("--context", args.context.to_string()),
@@ -132,9 +153,17 @@ fn run_single(args: BenchTrainArgs, model: ModelConfig) -> anyhow::Result<()> {
         None => "train_gpt_tiny.py",
         Some(dir) => {
             peer_flags.push(("--config-dir", dir.path().display().to_string()));
+            if let Some(peft) = &model.peft {
+                peer_flags.push(("--weights", "1".into()));
+                peer_flags.push(("--lora-r", peft.r.to_string()));
+                peer_flags.push(("--lora-alpha", peft.alpha.to_string()));
+                peer_flags.push(("--lora-targets", peft.targets(model.arch).join(",")));
+            }
             "train_hf_model.py"
         }
     };
+    // The peak memory reported is training's: what writing the base took does not count.
+    let setup_peak = reset_peak_rss();
     let mut ours = Vec::new();
     let mut peers = Vec::new();
     for _ in 0..args.repeats.max(1) {
@@ -149,21 +178,28 @@ fn run_single(args: BenchTrainArgs, model: ModelConfig) -> anyhow::Result<()> {
     let achieved_tflops = 3.0 * model.forward_flops_per_token() * ours_tps / 1e12;
     let mut report = json!({
         "bench": "train", "world": args.world, "shard": args.shard, "steps": args.steps, "precision": args.precision,
-        "model": args.model, "arch": model.arch.as_str(), "params": model.param_count(),
+        "model": args.model, "arch": model.arch.as_str(), "params": troupe_model::model::base_specs(&model).iter().map(|s| s.numel()).sum::<usize>(),
+        "trainable_params": model.param_count(), "peft": args.peft,
+        "lora_r": model.peft.as_ref().map(|p| p.r), "lora_targets": model.peft.as_ref().map(|p| p.targets(model.arch)),
         "device": device_name, "micro_batch": args.micro_batch, "context": args.context, "torch_threads": threads,
-        "repeats": ours.len(), "tokens_per_s": ours_tps,
+        "repeats": ours.len(), "tokens_per_s": ours_tps, "peak_mem_is_training_only": setup_peak,
         "tokens_per_s_runs": ours.iter().map(|r| r.0).collect::<Vec<_>>(), "peak_mem_bytes": peak_mem,
         "achieved_tflops": achieved_tflops, "peak_tflops": peak_tflops,
         "mfu": peak_tflops.map(|peak| achieved_tflops / peak),
     });
     if args.peer {
         let peer_tps = median(peers.iter().map(|p| p["tokens_per_s"].as_f64().unwrap_or(f64::NAN)).collect());
-        let peer_name = if args.model == "gpt-tiny" { "pytorch-eager" } else { "transformers-eager" };
+        let peer_name = match (args.model.as_str(), args.peft.as_str()) {
+            (_, "lora") => "transformers-peft-eager",
+            ("gpt-tiny", _) => "pytorch-eager",
+            _ => "transformers-eager",
+        };
         let extra = json!({
             "peer": peer_name, "peer_tokens_per_s": peer_tps,
             "peer_tokens_per_s_runs": peers.iter().map(|p| p["tokens_per_s"].clone()).collect::<Vec<_>>(),
             "peer_peak_mem_bytes": peers.last().map(|p| p["peak_mem_bytes"].clone()),
             "peer_params": peers.last().map(|p| p["params"].clone()),
+            "peer_trainable_params": peers.last().map(|p| p["trainable_params"].clone()),
             "ratio_vs_peer": ours_tps / peer_tps,
         });
         extend_report(&mut report, extra);
@@ -210,6 +246,43 @@ fn bench_model(name: &str, context: usize) -> anyhow::Result<ModelConfig> {
     let model = ModelConfig { context, ..model };
     model.validate().with_context(|| format!("--model {name} --context {context}"))?;
     Ok(model)
+}
+
+/// What the transformers peer builds its model from: a directory with the config.json troupe writes
+/// (fresh weights), or the fine-tuning base's Hugging Face directory (its weights).
+enum PeerDir {
+    Config(tempfile::TempDir),
+    Base(PathBuf),
+}
+
+impl PeerDir {
+    fn path(&self) -> &std::path::Path {
+        match self {
+            Self::Config(dir) => dir.path(),
+            Self::Base(dir) => dir,
+        }
+    }
+}
+
+/// With `--peft lora`: `model` drawn once and written as a Hugging Face directory (kept while the
+/// benchmark runs), and the LoRA model config on it.
+fn fine_tuning_base(args: &BenchTrainArgs, model: &ModelConfig) -> anyhow::Result<Option<(tempfile::TempDir, ModelConfig)>> {
+    if args.peft == "none" {
+        return Ok(None);
+    }
+    let targets: Vec<String> =
+        args.lora_targets.split(',').map(str::trim).filter(|t| !t.is_empty()).map(str::to_owned).collect();
+    let peft = troupe_model::model::PeftConfig {
+        r: args.lora_r,
+        alpha: 2.0 * args.lora_r as f64,
+        targets,
+        ..Default::default()
+    };
+    let dir = tempfile::tempdir().context("creating a directory for the fine-tuning base")?;
+    let job = JobConfig { model: model.clone(), ..JobConfig::default() };
+    let job = troupe_model::oracle::fine_tuning(job, peft, dir.path(), 1);
+    job.model.validate().with_context(|| format!("--peft lora --lora-r {} --lora-targets {:?}", args.lora_r, args.lora_targets))?;
+    Ok(Some((dir, job.model)))
 }
 
 /// For a preset other than gpt-tiny, a temporary directory holding the config.json troupe writes for
@@ -300,6 +373,12 @@ fn extend_report(report: &mut Value, extra: Value) {
     if let (Some(report), Value::Object(extra)) = (report.as_object_mut(), extra) {
         report.extend(extra);
     }
+}
+
+/// Resets this process's peak resident set (Linux: `5` into /proc/self/clear_refs), so the next reading
+/// is the peak from now on; whether it could.
+fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
