@@ -94,7 +94,7 @@ async fn status_json(State(app): State<App>) -> Response {
 
 async fn fragment(app: &App) -> String {
     match status(&app.node).await {
-        Ok(status) => page::fragment(&status, &app.metrics.dashboard()),
+        Ok(status) => page::fragment(&status, &app.metrics.dashboard(&page::drawn(&status))),
         Err(why) => page::unavailable(&why),
     }
 }

@@ -109,9 +109,14 @@ where
         .max_buf_size(REQUEST_HEAD_BYTES_MAX)
         .serve_connection(TokioIo::new(io), TowerToHyperService::new(app))
         .await;
-    if let Err(e) = served {
-        // A malformed or oversized head (answered 400 or 431 by hyper), a slow client, a reset.
-        tracing::warn!(%peer, "HTTP endpoint: request refused or connection dropped: {e}");
+    match served {
+        // A malformed or oversized head (answered 400 or 431 by hyper), or a head too slow to come.
+        Err(e) if e.is_parse() || e.is_parse_too_large() || e.is_timeout() => {
+            tracing::warn!(%peer, "HTTP endpoint: request refused: {e}");
+        }
+        // A client that went away (a closed dashboard tab ends its event stream this way).
+        Err(e) => tracing::debug!(%peer, "HTTP endpoint: connection dropped: {e}"),
+        Ok(()) => {}
     }
 }
 

@@ -58,7 +58,12 @@ struct JobMetrics {
     interrupted: Option<(SystemTime, Vec<String>)>,
     /// What the dashboard draws of the job.
     history: JobHistory,
+    /// Finished, failed or cancelled.
+    ended: bool,
 }
+
+/// Ended jobs whose dashboard history is kept (the newest); older ones keep their counters only.
+pub const ENDED_HISTORIES_MAX: usize = 8;
 
 #[derive(Debug, Default)]
 struct State {
@@ -104,18 +109,28 @@ impl NodeMetrics {
         self.changes.subscribe()
     }
 
-    /// Each job's history and last figures, for the dashboard.
-    pub fn dashboard(&self) -> BTreeMap<JobId, JobSnapshot> {
+    /// Each job's last figures for the dashboard, and the histories of the jobs in `drawn`.
+    pub fn dashboard(&self, drawn: &[JobId]) -> BTreeMap<JobId, JobSnapshot> {
         let state = self.lock();
         state
             .jobs
             .iter()
             .map(|(id, m)| {
-                let snapshot =
-                    JobSnapshot { history: m.history.clone(), tokens_per_s: m.tokens_per_s, mfu: self.mfu(m) };
-                (*id, snapshot)
+                let history = if drawn.contains(id) { m.history.clone() } else { JobHistory::default() };
+                (*id, JobSnapshot { history, tokens_per_s: m.tokens_per_s, mfu: self.mfu(m) })
             })
             .collect()
+    }
+
+    /// Keeps the histories of the newest [`ENDED_HISTORIES_MAX`] ended jobs only.
+    fn forget_old_histories(state: &mut State) {
+        let ended: Vec<JobId> =
+            state.jobs.iter().filter(|(_, m)| m.ended && !m.history.is_empty()).map(|(id, _)| *id).collect();
+        for id in ended.iter().rev().skip(ENDED_HISTORIES_MAX) {
+            if let Some(m) = state.jobs.get_mut(id) {
+                m.history = JobHistory::default();
+            }
+        }
     }
 
     /// A job was submitted to this (controller) daemon.
@@ -144,6 +159,7 @@ impl NodeMetrics {
             submitted: SystemTime::now(),
             interrupted: None,
             history: JobHistory::default(),
+            ended: false,
         };
         self.lock().jobs.insert(job, metrics);
         self.changed();
@@ -256,6 +272,8 @@ impl NodeMetrics {
                     KeyValue::new("troupe.steps_committed", m.commits as i64),
                 ];
                 otel::export_job_span("job", m.submitted, SystemTime::now(), attributes);
+                m.ended = true;
+                Self::forget_old_histories(&mut state);
             }
             _ => {}
         }
@@ -574,6 +592,25 @@ mod tests {
             .find(|s| s.name == name && labels.iter().all(|(k, v)| s.label(k) == Some(v)))
             .unwrap_or_else(|| panic!("no {name}{labels:?}"))
             .value
+    }
+
+    #[test]
+    fn the_dashboard_keeps_the_histories_of_the_newest_ended_jobs_and_copies_only_those_drawn() {
+        let metrics = NodeMetrics::new(None);
+        let spec = Job::new(JobConfig::small(10)).into_spec();
+        let jobs: Vec<JobId> = (1..=ENDED_HISTORIES_MAX as u64 + 2).collect();
+        let changes = metrics.subscribe();
+        for &id in &jobs {
+            metrics.on_submit(id, &spec);
+            metrics.on_job_event(id, &JobEvent::Finished { steps: 10, final_loss: None }, Instant::now());
+        }
+        assert!(changes.has_changed().unwrap(), "open pages are told");
+        let kept = |drawn: &[JobId]| -> Vec<JobId> {
+            metrics.dashboard(drawn).into_iter().filter(|(_, s)| !s.history.is_empty()).map(|(id, _)| id).collect()
+        };
+        assert_eq!(kept(&jobs), jobs[2..], "the two oldest ended jobs' histories are forgotten");
+        assert_eq!(kept(&[5]), [5], "only the drawn jobs' histories are copied");
+        assert_eq!(metrics.dashboard(&[]).len(), jobs.len(), "every job's figures");
     }
 
     #[test]

@@ -119,6 +119,11 @@ impl JobHistory {
         }
     }
 
+    /// Nothing recorded (or forgotten).
+    pub fn is_empty(&self) -> bool {
+        self.chart.is_empty() && self.phases.is_empty() && self.log.is_empty()
+    }
+
     /// The last committed step with phase reports, if any.
     pub fn last_phase_step(&self) -> Option<u64> {
         self.phases.iter().filter_map(|e| e.get("step")?.as_u64()).max()

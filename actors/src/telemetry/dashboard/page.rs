@@ -24,7 +24,8 @@ const CHART_POINTS_MAX: usize = 600;
 /// Log lines shown per job, and cluster membership changes shown.
 const LOG_SHOWN: usize = 30;
 
-/// A job as the dashboard draws it: its history and the figures of its last step.
+/// A job as the dashboard draws it: its history (empty unless the job is drawn in full) and the
+/// figures of its last step.
 #[derive(Clone, Debug, Default)]
 pub struct JobSnapshot {
     pub history: JobHistory,
@@ -115,13 +116,20 @@ pub fn fragment(status: &ClusterStatus, jobs: &BTreeMap<JobId, JobSnapshot>) -> 
     out.push_str("</section>");
     if status.leader {
         jobs_table(&mut out, status, jobs);
-        let mut drawn: Vec<&JobInfo> = status.jobs.iter().collect();
-        drawn.sort_by_key(|j| (j.state.is_terminal(), std::cmp::Reverse(j.id)));
-        for job in drawn.into_iter().take(JOBS_DRAWN_MAX) {
-            job_section(&mut out, job, jobs.get(&job.id));
+        for id in drawn(status) {
+            if let Some(job) = status.jobs.iter().find(|j| j.id == id) {
+                job_section(&mut out, job, jobs.get(&id));
+            }
         }
     }
     out
+}
+
+/// The jobs drawn in full: those running, then the newest, [`JOBS_DRAWN_MAX`] at most.
+pub fn drawn(status: &ClusterStatus) -> Vec<JobId> {
+    let mut jobs: Vec<&JobInfo> = status.jobs.iter().collect();
+    jobs.sort_by_key(|j| (j.state.is_terminal(), std::cmp::Reverse(j.id)));
+    jobs.into_iter().take(JOBS_DRAWN_MAX).map(|j| j.id).collect()
 }
 
 /// Members with their slots and what runs on them (each rank's job, state, step and peak memory).
