@@ -165,15 +165,21 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let run_dir = args.run_dir.as_deref().map(RunDir::create).transpose()?;
     let mut phases = PhaseRecorder::new(run_dir.is_some());
     let reporter = Reporter::new(args.json, trainer.step, total, args.log_every).with_run_dir(run_dir);
-    let (params, corpus) = (trainer.model.param_count(), trainer.sampler.corpus().origin.clone());
+    let (trainable, corpus) = (trainer.model.param_count(), trainer.sampler.corpus().origin.clone());
+    let params: usize = troupe_model::model::base_specs(&config.model).iter().map(|s| s.numel()).sum();
+    let what = match &config.model.peft {
+        None => format!("{params} parameters"),
+        Some(peft) => format!("{params} parameters, {trainable} trained: {:?}", peft.method).to_lowercase(),
+    };
     let batch = config.train.global_batch;
     reporter.event(
         "start",
-        json!({ "params": params, "steps": total, "from_step": trainer.step, "global_batch": batch,
-                "micro_batch": config.train.micro_batch, "context": config.model.context, "data": corpus,
-                "world": 1, "torch_threads": threads }),
+        json!({ "params": params, "trainable_params": trainable, "steps": total, "from_step": trainer.step,
+                "global_batch": batch, "micro_batch": config.train.micro_batch, "context": config.model.context,
+                "data": corpus, "world": 1, "torch_threads": threads }),
         &format!(
-            "troupe: training gpt ({params} parameters) on {corpus}, steps {}..{total}, batch {batch} × {} tokens, {threads} torch thread(s)",
+            "troupe: training {} ({what}) on {corpus}, steps {}..{total}, batch {batch} × {} tokens, {threads} torch thread(s)",
+            config.model.arch.as_str(),
             trainer.step + 1,
             config.model.context
         ),
