@@ -92,19 +92,22 @@ async fn status_json(State(app): State<App>) -> Response {
     }
 }
 
+fn fragment_of(app: &App, status: &ClusterStatus) -> String {
+    page::fragment(status, &app.metrics.dashboard(&page::drawn(status)))
+}
+
 async fn fragment(app: &App) -> String {
     match status(&app.node).await {
-        Ok(status) => page::fragment(&status, &app.metrics.dashboard(&page::drawn(&status))),
+        Ok(status) => fragment_of(app, &status),
         Err(why) => page::unavailable(&why),
     }
 }
 
 async fn dashboard(State(app): State<App>) -> Response {
-    let node = match status(&app.node).await {
-        Ok(status) => status.node,
-        Err(why) => return unavailable(why),
-    };
-    Html(page::document(&node, &fragment(&app).await)).into_response()
+    match status(&app.node).await {
+        Ok(status) => Html(page::document(&status.node, &fragment_of(&app, &status))).into_response(),
+        Err(why) => unavailable(why),
+    }
 }
 
 /// A page's live updates: `update` events whose data is the page's new fragment.
