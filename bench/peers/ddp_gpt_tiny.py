@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gloo_allreduce import free_port, timed_steps  # noqa: E402
-from train_gpt_tiny import Gpt, corpus, make_optimizer, make_scaler, sample_batch, train_step  # noqa: E402
+from train_gpt_tiny import Gpt, TrainableOnly, corpus, make_optimizer, make_scaler, sample_batch, train_step  # noqa: E402
 
 
 def build(args):
@@ -37,7 +37,8 @@ def build(args):
         return Gpt(context=args.context), corpus(), None
     from train_hf_model import build as build_hf  # transformers is imported only when it is used
 
-    model, config = build_hf(args.config_dir)
+    lora = (args.lora_r, args.lora_alpha, args.lora_targets.split(",")) if args.lora_r else None
+    model, config = build_hf(args.config_dir, weights=bool(args.weights), lora=lora)
     return model, corpus() % config.vocab_size, config.model_type
 
 
@@ -48,8 +49,8 @@ def rank_main(rank, args, port, results):
     dist.init_process_group("gloo", rank=rank, world_size=args.world)
     torch.manual_seed(0)
     module, data, model_type = build(args)
-    model = DistributedDataParallel(module)
-    opt = make_optimizer(model)
+    model = DistributedDataParallel(module)  # parameters PEFT froze take no part in its all-reduce
+    opt = make_optimizer(TrainableOnly(model))
     gen = torch.Generator().manual_seed(rank)
     scaler = make_scaler(args.precision)
 
@@ -80,6 +81,10 @@ def main():
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
                     help="torch.autocast compute precision (fp16 with GradScaler)")
     ap.add_argument("--config-dir", help="train transformers' model of this directory's config.json, not gpt-tiny")
+    ap.add_argument("--weights", type=int, default=0, help="1: load the directory's weights")
+    ap.add_argument("--lora-r", type=int, default=0, help="fine-tune with PEFT's LoRA of this rank")
+    ap.add_argument("--lora-alpha", type=float, default=16.0)
+    ap.add_argument("--lora-targets", default="")
     args = ap.parse_args()
     manager = mp.Manager()
     results = manager.dict()
@@ -88,7 +93,8 @@ def main():
     tokens = args.steps * args.micro_batch * args.context * args.world
     hf = args.config_dir is not None
     print(json.dumps({
-        "peer": "transformers-ddp-gloo" if hf else "pytorch-ddp-gloo", "torch": torch.__version__,
+        "peer": ("transformers-peft-ddp-gloo" if args.lora_r else "transformers-ddp-gloo") if hf else "pytorch-ddp-gloo",
+        "torch": torch.__version__,
         **({"model_type": ranks[0]["model_type"]} if hf else {}), "world": args.world, "steps": args.steps,
         "precision": args.precision,
         "micro_batch": args.micro_batch, "global_batch": args.micro_batch * args.world, "context": args.context,

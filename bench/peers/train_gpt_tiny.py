@@ -59,6 +59,16 @@ class Gpt(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
+class TrainableOnly:
+    """The parameters an optimizer gets: those that require grad (all, unless PEFT froze the base)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def parameters(self):
+        return (p for p in self.model.parameters() if p.requires_grad)
+
+
 def make_optimizer(model):
     """AdamW(betas 0.9/0.95, eps 1e-8), weight decay 0.1 on matrices and embeddings only."""
     decay = [p for p in model.parameters() if p.dim() >= 2]

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_gpt_tiny import corpus, make_optimizer, make_scaler, report, sample_batch, train_step  # noqa: E402
+from train_gpt_tiny import TrainableOnly, corpus, make_optimizer, make_scaler, report, sample_batch, train_step  # noqa: E402
 
 
 class Causal(torch.nn.Module):
@@ -31,16 +31,6 @@ class Causal(torch.nn.Module):
     def forward(self, x, y):
         logits = self.model(input_ids=x, use_cache=False).logits
         return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), y.view(-1))
-
-
-class TrainableOnly:
-    """The parameters an optimizer gets: those that require grad (all, unless PEFT froze the base)."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def parameters(self):
-        return (p for p in self.model.parameters() if p.requires_grad)
 
 
 def build(config_dir, device="cpu", weights=False, lora=None):

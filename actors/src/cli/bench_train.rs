@@ -110,18 +110,17 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     if args.world == 0 {
         bail!("--world 0: a benchmark needs at least one rank");
     }
-    if args.peft != "none" && args.world != 1 {
-        bail!("--peft {} is measured with --world 1 so far (the multi-rank LoRA oracle is in the tests)", args.peft);
-    }
     let model = bench_model(&args.model, args.context)?;
+    // With --peft, the base's weights are written once; troupe reads them, and so does the peer.
+    let base = fine_tuning_base(&args, &model)?;
     match args.world {
-        1 => run_single(args, model),
-        _ => data_parallel::run(args, model),
+        1 => run_single(args, model, base.as_ref()),
+        _ => data_parallel::run(args, model, base.as_ref()),
     }
 }
 
 /// `--world 1`: the trainer in this process.
-fn run_single(args: BenchTrainArgs, model: ModelConfig) -> anyhow::Result<()> {
+fn run_single(args: BenchTrainArgs, model: ModelConfig, base: Option<&(tempfile::TempDir, ModelConfig)>) -> anyhow::Result<()> {
     let threads = configure_torch_threads(args.threads, 1);
     let (device, peak_tflops, device_name) = match args.device {
         BenchDevice::Cpu => (tch::Device::Cpu, args.peak_tflops, "cpu".to_owned()),
@@ -135,13 +134,7 @@ fn run_single(args: BenchTrainArgs, model: ModelConfig) -> anyhow::Result<()> {
             (tch::Device::Cuda(0), peak, name)
         }
     };
-    // With --peft, the base's weights are written once; troupe reads them, and so does the peer.
-    let base = fine_tuning_base(&args, &model)?;
-    let model = base.as_ref().map_or(model, |(_, config)| config.clone());
-    let peer_config = match &base {
-        Some((dir, _)) => Some(PeerDir::Base(dir.path().to_owned())),
-        None => hf_peer_config(&model)?.map(PeerDir::Config),
-    };
+    let (model, peer_config) = peer_model(model, base)?;
     let mut peer_flags = vec![
         ("--micro-batch", args.micro_batch.to_string()),
         ("--context", args.context.to_string()),
@@ -152,13 +145,7 @@ fn run_single(args: BenchTrainArgs, model: ModelConfig) -> anyhow::Result<()> {
     let peer_script = match &peer_config {
         None => "train_gpt_tiny.py",
         Some(dir) => {
-            peer_flags.push(("--config-dir", dir.path().display().to_string()));
-            if let Some(peft) = &model.peft {
-                peer_flags.push(("--weights", "1".into()));
-                peer_flags.push(("--lora-r", peft.r.to_string()));
-                peer_flags.push(("--lora-alpha", peft.alpha.to_string()));
-                peer_flags.push(("--lora-targets", peft.targets(model.arch).join(",")));
-            }
+            peer_flags.extend(peer_model_flags(dir, &model));
             "train_hf_model.py"
         }
     };
@@ -246,6 +233,33 @@ fn bench_model(name: &str, context: usize) -> anyhow::Result<ModelConfig> {
     let model = ModelConfig { context, ..model };
     model.validate().with_context(|| format!("--model {name} --context {context}"))?;
     Ok(model)
+}
+
+/// The model troupe trains (with `base`, the fine-tuning config on it) and what the transformers peer
+/// builds its model from (None: gpt-tiny, which the PyTorch peers define).
+fn peer_model(
+    model: ModelConfig,
+    base: Option<&(tempfile::TempDir, ModelConfig)>,
+) -> anyhow::Result<(ModelConfig, Option<PeerDir>)> {
+    Ok(match base {
+        Some((dir, config)) => (config.clone(), Some(PeerDir::Base(dir.path().to_owned()))),
+        None => {
+            let dir = hf_peer_config(&model)?.map(PeerDir::Config);
+            (model, dir)
+        }
+    })
+}
+
+/// The peer's flags for `dir`'s model: the directory, and fine-tuning, its weights and LoRA's settings.
+fn peer_model_flags(dir: &PeerDir, model: &ModelConfig) -> Vec<(&'static str, String)> {
+    let mut flags = vec![("--config-dir", dir.path().display().to_string())];
+    if let Some(peft) = &model.peft {
+        flags.push(("--weights", "1".into()));
+        flags.push(("--lora-r", peft.r.to_string()));
+        flags.push(("--lora-alpha", peft.alpha.to_string()));
+        flags.push(("--lora-targets", peft.targets(model.arch).join(",")));
+    }
+    flags
 }
 
 /// What the transformers peer builds its model from: a directory with the config.json troupe writes

@@ -19,7 +19,10 @@ use serde_json::{json, Value};
 use troupe_model::config::{JobConfig, NODES_MAX};
 use troupe_model::ModelConfig;
 
-use super::{extend_report, hf_peer_config, median, run_peer, vm_hwm_bytes, BenchTrainArgs, MICRO_BATCH, WARMUP_STEPS};
+use super::{
+    extend_report, median, peer_model, peer_model_flags, run_peer, vm_hwm_bytes, BenchTrainArgs, MICRO_BATCH,
+    WARMUP_STEPS,
+};
 use crate::api::{Job, JobEvent, LocalCluster, LocalClusterOptions};
 
 const MIB: f64 = 1048576.0;
@@ -39,7 +42,11 @@ struct ClusterRun {
     peak_rss_bytes: Vec<u64>,
 }
 
-pub(super) fn run(args: BenchTrainArgs, model: ModelConfig) -> anyhow::Result<()> {
+pub(super) fn run(
+    args: BenchTrainArgs,
+    model: ModelConfig,
+    base: Option<&(tempfile::TempDir, ModelConfig)>,
+) -> anyhow::Result<()> {
     let world = args.world;
     if world > NODES_MAX {
         bail!("--world {world}: a local cluster has at most {NODES_MAX} daemons");
@@ -63,7 +70,7 @@ pub(super) fn run(args: BenchTrainArgs, model: ModelConfig) -> anyhow::Result<()
         "fp16" => "fp16",
         _ => "fp32",
     };
-    let peer_config = if args.peer { hf_peer_config(&model)? } else { None };
+    let (model, peer_config) = peer_model(model, base)?;
     let mut ours = Vec::new();
     // The same-run baseline: DDP with the all-reduce after the backward, or, for a sharded run, DDP.
     let mut sequential = Vec::new();
@@ -85,7 +92,7 @@ pub(super) fn run(args: BenchTrainArgs, model: ModelConfig) -> anyhow::Result<()
                 ("--precision", args.precision.clone()),
             ];
             if let Some(dir) = &peer_config {
-                flags.push(("--config-dir", dir.path().display().to_string()));
+                flags.extend(peer_model_flags(dir, &model));
             }
             peers.push(run_peer(&args, "ddp_gpt_tiny.py", &flags)?);
         }
@@ -98,7 +105,7 @@ pub(super) fn run(args: BenchTrainArgs, model: ModelConfig) -> anyhow::Result<()
     let mut report = json!({
         "bench": "train", "world": world, "shard": args.shard, "precision": args.precision, "steps": args.steps,
         "warmup_steps": WARMUP_STEPS,
-        "model": args.model, "arch": model.arch.as_str(), "params": model.param_count(),
+        "model": args.model, "arch": model.arch.as_str(), "params": troupe_model::model::base_specs(&model).iter().map(|s| s.numel()).sum::<usize>(), "trainable_params": model.param_count(), "peft": args.peft,
         "micro_batch": MICRO_BATCH, "global_batch": MICRO_BATCH * world, "context": context,
         "torch_threads": threads, "repeats": ours.len(),
         "tokens_per_s": tokens_per_s, "tokens_per_s_runs": runs,
