@@ -511,9 +511,11 @@ async fn a_pipeline_jobs_ops_restore_and_bubble_reach_an_otlp_receiver() {
 }
 
 /// A collector over https (its certificate from a private CA, given to the daemon with
-/// `OTEL_EXPORTER_OTLP_CERTIFICATE`) with headers required by `OTEL_EXPORTER_OTLP_HEADERS`: the daemon's
-/// spans and metrics arrive there, decoded by the OTLP protobuf definitions, each request with the
-/// headers; a daemon whose CA file does not exist refuses to start, naming the variable.
+/// `OTEL_EXPORTER_OTLP_CERTIFICATE`; a client certificate required, given with
+/// `OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE`/`_KEY`) with headers from `OTEL_EXPORTER_OTLP_HEADERS`: the
+/// daemon's spans and metrics arrive there, decoded by the OTLP protobuf definitions, each request with
+/// the headers; a daemon whose CA file does not exist, or with a client certificate but no key, refuses
+/// to start, naming the variable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spans_and_metrics_reach_a_collector_over_https_with_the_configured_headers() {
     let dir = tempfile::tempdir().unwrap();
@@ -523,16 +525,25 @@ async fn spans_and_metrics_reach_a_collector_over_https_with_the_configured_head
         add_node(name, &certs).unwrap();
     }
     let collector = NodeIdentity::load(&certs, "localhost").unwrap();
-    let tls = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+    // The collector also wants a client certificate of the same CA (mutual TLS).
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(collector.ca.clone()).unwrap();
+    let clients =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone()).build().unwrap();
+    let tls = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .unwrap()
-        .with_no_client_auth()
+        .with_client_cert_verifier(clients)
         .with_single_cert(vec![collector.cert.clone()], collector.key.clone_key())
         .unwrap();
     let (otlp, spans, metrics, headers) = receiver_over(Some(Arc::new(tls)));
     let ca = certs.join("ca.pem").display().to_string();
+    let node_file = |file: &str| certs.join("nodes").join(file).display().to_string();
     let env = [
         ("OTEL_EXPORTER_OTLP_CERTIFICATE", ca.clone()),
+        ("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", node_file("node-a.pem")),
+        ("OTEL_EXPORTER_OTLP_CLIENT_KEY", node_file("node-a.key.pem")),
         ("OTEL_EXPORTER_OTLP_HEADERS", "authorization=Bearer%20s3cret,x-tenant=troupe-tests".to_owned()),
     ];
     let endpoint = format!("https://localhost:{}", otlp.port());
@@ -557,14 +568,20 @@ async fn spans_and_metrics_reach_a_collector_over_https_with_the_configured_head
         assert!(request.iter().any(|h| h == "content-type:application/x-protobuf"), "{request:?}");
     }
 
-    // A CA file that is not there: the daemon stops at start and says which variable.
+    // A CA file that is not there, or a client certificate without its key: the daemon stops at start
+    // and says which variable.
     let config = dir.path().join("node-a.toml");
-    let out = Command::new(common::binary())
-        .args(["daemon", "--config"])
-        .arg(&config)
-        .env("OTEL_EXPORTER_OTLP_CERTIFICATE", dir.path().join("missing.pem"))
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && stderr.contains("OTEL_EXPORTER_OTLP_CERTIFICATE"), "{stderr}");
+    for (var, path, named) in [
+        (
+            "OTEL_EXPORTER_OTLP_CERTIFICATE",
+            dir.path().join("missing.pem").display().to_string(),
+            "OTEL_EXPORTER_OTLP_CERTIFICATE",
+        ),
+        ("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", node_file("node-a.pem"), "OTEL_EXPORTER_OTLP_CLIENT_KEY"),
+    ] {
+        let out =
+            Command::new(common::binary()).args(["daemon", "--config"]).arg(&config).env(var, path).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(named), "{var}: {stderr}");
+    }
 }

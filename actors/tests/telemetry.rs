@@ -92,11 +92,15 @@ fn start_daemon(config: &Path, json: bool) -> (DaemonProcess, SocketAddr, Socket
         let started: Value = serde_json::from_str(&line()).expect("one JSON object");
         assert_eq!(started["event"], "daemon", "{started}");
         assert!(started["node"].is_string(), "{started}");
+        let metrics_url = started["metrics"].as_str().unwrap();
+        assert_eq!(started["dashboard"].as_str(), metrics_url.strip_suffix("metrics"), "{started}");
         let metrics = started["metrics"].as_str().unwrap().trim_start_matches("http://").trim_end_matches("/metrics");
         return (daemon, started["listen"].as_str().unwrap().parse().unwrap(), metrics.parse().unwrap());
     }
     let listen = line();
     let metrics = line();
+    let dashboard = line();
+    assert!(dashboard.contains("dashboard on http://") && dashboard.ends_with('/'), "{dashboard}");
     let addr = |l: &str| {
         l.rsplit(' ').next().unwrap().trim_start_matches("http://").trim_end_matches("/metrics").parse().unwrap()
     };
