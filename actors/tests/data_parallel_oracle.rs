@@ -319,7 +319,8 @@ fn a_fresh_sharded_job_reads_its_ranges_and_equals_the_reference() {
 /// freeze (the last block and the head) under DDP at 2 and 3 ranks and ZeRO-1/2/3 (ZeRO-3 with
 /// recomputation, and fresh — each rank drawing only its ranges of the adapters) equal the
 /// single-process fine-tuning reference. The engines hold the adapters' state alone: a DDP rank keeps
-/// parameters, gradients and two moments of the adapters, nothing of the frozen base.
+/// parameters, gradients and two moments of the adapters, nothing of the frozen base, which the
+/// process keeps once for its ranks — and under ZeRO-3 not at all between uses.
 #[test]
 fn lora_and_freeze_equal_the_reference_under_ddp_and_zero() {
     use troupe_model::model::peft::{Method, PeftConfig};
@@ -350,14 +351,20 @@ fn lora_and_freeze_equal_the_reference_under_ddp_and_zero() {
     let llama = lora(&["q_proj", "k_proj", "v_proj", "o_proj"]);
     let gpt2 = lora(&["c_attn", "c_fc"]);
     let freeze = PeftConfig { method: Method::Freeze, last_blocks: 1, ..PeftConfig::default() };
-    let ranks = check_config(&fine_tune("llama", llama.clone(), 4, false), 2, ddp);
-    let adapters = troupe_model::model::param_specs(&fine_tune("llama", llama.clone(), 4, false).model);
+    let first = fine_tune("llama", llama.clone(), 4, false);
+    // Held here, the process's one copy of the base outlives each run, to be looked at.
+    let base = troupe_model::model::peft::Base::open(first.model.from_hf.as_deref().unwrap()).unwrap();
+    let ranks = check_config(&first, 2, ddp);
+    let adapters = troupe_model::model::param_specs(&first.model);
     let adapter_elements: usize = adapters.iter().map(|s| s.numel()).sum();
     assert_eq!(ranks[0].persistent.total(), 4 * adapter_elements, "DDP keeps the adapters' state alone");
+    let base_bytes = 4 * troupe_model::model::base_specs(&first.model).iter().map(|s| s.numel()).sum::<usize>();
+    assert_eq!(base.held_bytes(), base_bytes, "DDP ranks keep the base (one copy for the process's ranks)");
     check_config(&fine_tune("llama", llama.clone(), 2, true), 3, ddp);
     check_config(&fine_tune("llama", llama.clone(), 8, false), 2, Engine::Sharded(ShardMode::Zero1));
     check_config(&fine_tune("llama", llama.clone(), 2, false), 3, Engine::Sharded(ShardMode::Zero2));
     check_config(&fine_tune("llama", llama.clone(), 2, true), 2, Engine::Sharded(ShardMode::Zero3));
+    assert_eq!(base.held_bytes(), 0, "ZeRO-3 ranks read the base per use and keep none of it between");
     check_config(&fine_tune("llama", llama, 4, false), 3, Engine::Fresh(ShardMode::Zero3));
     check_config(&fine_tune("gpt2", gpt2.clone(), 4, false), 2, ddp);
     check_config(&fine_tune("gpt2", gpt2, 2, false), 2, Engine::Sharded(ShardMode::Zero3));

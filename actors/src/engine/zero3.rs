@@ -90,6 +90,9 @@ pub fn plan_units(config: &ModelConfig, specs: &[ParamSpec]) -> Vec<Unit> {
 /// The parameters of the whole model are dropped: each becomes an empty leaf (its values and gradient
 /// freed), so a ZeRO-3 rank keeps none between steps.
 pub fn release_params(trainer: &mut Trainer) {
+    if let Some(base) = trainer.model.base() {
+        base.transient(); // a fine-tuning job's frozen base is read per use too
+    }
     for p in trainer.model.params_mut() {
         *p = Tensor::zeros([0], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
     }

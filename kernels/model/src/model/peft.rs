@@ -364,12 +364,16 @@ fn trains(model: &ModelConfig, part: usize, last: usize, module: &str, embedding
 
 /// The frozen base of a `model.from_hf` model in this process: its tensors read from the directory on
 /// first use, one read-only copy per device, shared by every rank and model of the process that names
-/// the same directory while one of them holds it.
+/// the same directory while one of them holds it. A ZeRO-3 rank makes it [`Base::transient`]: nothing
+/// is kept, each use reads its tensors again (from the page cache, which the host's ranks share), so a
+/// rank holds the base of the unit it computes and nothing between — the base "gathered just in time"
+/// from the file instead of from peers.
 #[derive(Debug)]
 pub struct Base {
     dir: PathBuf,
     weights: crate::hf::HfWeights,
     tensors: Mutex<HashMap<(usize, DeviceKey), Tensor>>,
+    transient: std::sync::atomic::AtomicBool,
 }
 
 /// `tch::Device` as a map key.
@@ -406,7 +410,12 @@ impl Base {
             return Ok(base);
         }
         let weights = crate::hf::HfWeights::open(dir)?;
-        let base = Arc::new(Self { dir: dir.to_owned(), weights, tensors: Mutex::new(HashMap::new()) });
+        let base = Arc::new(Self {
+            dir: dir.to_owned(),
+            weights,
+            tensors: Mutex::new(HashMap::new()),
+            transient: std::sync::atomic::AtomicBool::new(false),
+        });
         registry.push((dir.to_owned(), Arc::downgrade(&base)));
         Ok(base)
     }
@@ -430,8 +439,24 @@ impl Base {
         let spec = &super::base_specs(model)[index];
         let values = self.weights.read_param(model, spec).unwrap_or_else(|e| panic!("the frozen base: {e}"));
         let tensor = Tensor::from_slice(&values).view(spec.shape.as_slice()).to_device(device);
+        if self.transient.load(std::sync::atomic::Ordering::Relaxed) {
+            return tensor;
+        }
         let mut tensors = self.tensors.lock().expect("base tensors");
         tensors.entry(key).or_insert(tensor).shallow_clone()
+    }
+
+    /// From now on nothing is kept: every use reads its tensors (ZeRO-3's just-in-time parameters);
+    /// what was kept is dropped.
+    pub fn transient(&self) {
+        self.transient.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.tensors.lock().expect("base tensors").clear();
+    }
+
+    /// Bytes of base tensors kept between uses.
+    pub fn held_bytes(&self) -> usize {
+        let tensors = self.tensors.lock().expect("base tensors");
+        tensors.values().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum()
     }
 }
 
