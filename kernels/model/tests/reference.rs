@@ -210,7 +210,7 @@ fn resume_refuses_a_different_model_or_data() {
     let mut other_model = config.clone();
     other_model.model.n_layers = 2;
     let error = Trainer::resume(other_model, &saved).unwrap_err().to_string();
-    assert!(error.contains("different model"), "{error}");
+    assert!(error.contains("different model") && error.contains("model.n_layers: 1 vs 2"), "{error}");
     let mut other_seed = config;
     other_seed.train.seed = 99;
     let error = Trainer::resume(other_seed, &saved).unwrap_err().to_string();

@@ -118,7 +118,8 @@ impl TrainingState {
     pub fn restore_into(&self, trainer: &mut Trainer, dir: &Path) -> Result<(), CheckpointError> {
         let mismatch = |what, detail: String| CheckpointError::Mismatch { path: dir.to_owned(), what, detail };
         if self.config.model != trainer.config.model {
-            return Err(mismatch("model", format!("checkpoint has {:?}", self.config.model)));
+            let differ = self.config.model.differences(&trainer.config.model).join(", ");
+            return Err(mismatch("model", format!("checkpoint's vs this job's: {differ}")));
         }
         let expected = trainer.sampler.state(self.step, trainer.config.train.global_batch);
         if self.sampler != expected {

@@ -341,6 +341,31 @@ impl ModelConfig {
         param_specs(self).iter().map(|s| s.numel()).sum()
     }
 
+    /// The keys whose values differ from `other`'s, each as `model.KEY: SELF vs OTHER` (dotted for
+    /// `[peft]`'s: `model.peft.r: 8 vs 4`), for errors that must say what differs.
+    pub fn differences(&self, other: &ModelConfig) -> Vec<String> {
+        fn flat(prefix: &str, value: toml::Value, out: &mut std::collections::BTreeMap<String, String>) {
+            match value {
+                toml::Value::Table(table) => table.into_iter().for_each(|(k, v)| flat(&format!("{prefix}.{k}"), v, out)),
+                other => {
+                    out.insert(prefix.to_owned(), other.to_string());
+                }
+            }
+        }
+        let table = |config: &ModelConfig| {
+            let mut out = std::collections::BTreeMap::new();
+            flat("model", toml::Value::try_from(config).expect("a model config serialises"), &mut out);
+            out
+        };
+        let (mine, theirs) = (table(self), table(other));
+        let keys: std::collections::BTreeSet<&String> = mine.keys().chain(theirs.keys()).collect();
+        let shown = |v: Option<&String>| v.cloned().unwrap_or_else(|| "(not set)".into());
+        keys.into_iter()
+            .filter(|k| mine.get(*k) != theirs.get(*k))
+            .map(|k| format!("{k}: {} vs {}", shown(mine.get(k)), shown(theirs.get(k))))
+            .collect()
+    }
+
     /// Forward FLOPs per token (2 per multiply-accumulate of the matmuls, attention included), the
     /// figure MFU estimates use (training ≈ 3× this).
     pub fn forward_flops_per_token(&self) -> f64 {
