@@ -174,8 +174,23 @@ fn report_of(output: Output) -> Value {
 fn lora_peaks_below_full_training_by_at_least_the_base_optimizer_state() {
     let run = |peft: &str| {
         report_of(troupe(&[
-            "bench", "train", "--model", "smollm2-135m", "--context", "32", "--micro-batch", "2", "--steps", "1",
-            "--repeats", "1", "--threads", "1", "--peft", peft, "--json",
+            "bench",
+            "train",
+            "--model",
+            "smollm2-135m",
+            "--context",
+            "32",
+            "--micro-batch",
+            "2",
+            "--steps",
+            "1",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+            "--peft",
+            peft,
+            "--json",
         ]))
     };
     let (lora, full) = (run("lora"), run("none"));
@@ -191,6 +206,14 @@ fn lora_peaks_below_full_training_by_at_least_the_base_optimizer_state() {
     assert_eq!(trainable, 30 * 8 * (576 + 576 + 576 + 192), "LoRA trains {trainable} of {params}: {lora}");
     let (lora_peak, full_peak) = (positive(&lora, "peak_mem_bytes"), positive(&full, "peak_mem_bytes"));
     let moments = 8.0 * params as f64;
-    println!("peak: LoRA {:.0} MiB, full {:.0} MiB, base moments {:.0} MiB", lora_peak / 1048576.0, full_peak / 1048576.0, moments / 1048576.0);
-    assert!(full_peak - lora_peak >= moments, "LoRA peaks at {lora_peak}, full training at {full_peak}: less than the {moments} bytes of moments apart");
+    println!(
+        "peak: LoRA {:.0} MiB, full {:.0} MiB, base moments {:.0} MiB",
+        lora_peak / 1048576.0,
+        full_peak / 1048576.0,
+        moments / 1048576.0
+    );
+    assert!(
+        full_peak - lora_peak >= moments,
+        "LoRA peaks at {lora_peak}, full training at {full_peak}: less than the {moments} bytes of moments apart"
+    );
 }

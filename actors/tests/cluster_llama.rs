@@ -135,14 +135,20 @@ async fn a_lora_fine_tuning_job_survives_a_sigkill_under_ddp_and_zero2() {
     let weights = hf_dir(dir.path());
     for (what, parallel) in [("LoRA DDP", ""), ("LoRA ZeRO-2", "shard = \"zero2\"")] {
         let cluster = common::processes(3).await;
-        let lora = format!("{parallel}\n[peft]\nmethod = \"lora\"\nr = 4\nalpha = 8\ntargets = [\"q_proj\", \"v_proj\", \"o_proj\"]\n");
+        let lora = format!(
+            "{parallel}\n[peft]\nmethod = \"lora\"\nr = 4\nalpha = 8\ntargets = [\"q_proj\", \"v_proj\", \"o_proj\"]\n"
+        );
         let config = config(&weights, 8, &lora);
         let out = dir.path().join(format!("{}.safetensors", what.replace(' ', "-")));
         let (losses, worlds) = run(&cluster, Job::new(config.clone()).save_final(&out), Some((2, 3))).await;
         assert_eq!((worlds.first(), worlds.last()), (Some(&3), Some(&2)), "{what}: {worlds:?}");
         let reference = check(&config, &losses, &out, what);
         let saved = tch::Tensor::read_safetensors(&out).unwrap();
-        assert!(saved.iter().all(|(name, _)| name.contains(".lora_")), "{what}: saved {:?}", saved.iter().map(|(n, _)| n).collect::<Vec<_>>());
+        assert!(
+            saved.iter().all(|(name, _)| name.contains(".lora_")),
+            "{what}: saved {:?}",
+            saved.iter().map(|(n, _)| n).collect::<Vec<_>>()
+        );
         assert_eq!(saved.len(), reference.model.params().len());
         cluster.shutdown().await;
     }

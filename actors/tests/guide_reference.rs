@@ -41,10 +41,8 @@ fn every_job_config_key_is_in_the_guide() {
     config.data.tokenizer = Some("tokenizer.json".into());
     config.data.val_path = Some("val.bin".into());
     config.checkpoint.dir = Some("ckpt".into());
-    config.model.peft = Some(troupe_model::model::PeftConfig {
-        from_adapters: Some("adapters".into()),
-        ..Default::default()
-    });
+    config.model.peft =
+        Some(troupe_model::model::PeftConfig { from_adapters: Some("adapters".into()), ..Default::default() });
     let elsewhere = undocumented(&config, &section("## 3. node.toml reference"));
     assert!(elsewhere.contains(&"train.global_batch".to_string()), "the check tells sections apart: {elsewhere:?}");
     let missing = undocumented(&config, &section("## 2. Job config reference"));

@@ -300,7 +300,9 @@ fn lora_and_freeze_pipelines_equal_the_reference() {
     for (name, config, peft) in cases {
         let mut config = troupe_model::oracle::fine_tuning(config, peft, &dir.path().join(name.replace(' ', "-")), 3);
         let reference = reference(&config);
-        for (kind, virtual_stages) in [(ScheduleKind::OneFOneB, 1), (ScheduleKind::ZbH1, 1), (ScheduleKind::Interleaved, 2)] {
+        for (kind, virtual_stages) in
+            [(ScheduleKind::OneFOneB, 1), (ScheduleKind::ZbH1, 1), (ScheduleKind::Interleaved, 2)]
+        {
             let options = PipelineOptions::new(kind, 2, 4, virtual_stages);
             run_and_compare(&config, &options, &reference, &format!("{name} {kind} P=2 M=4 V={virtual_stages}"));
         }

@@ -120,7 +120,11 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
 }
 
 /// `--world 1`: the trainer in this process.
-fn run_single(args: BenchTrainArgs, model: ModelConfig, base: Option<&(tempfile::TempDir, ModelConfig)>) -> anyhow::Result<()> {
+fn run_single(
+    args: BenchTrainArgs,
+    model: ModelConfig,
+    base: Option<&(tempfile::TempDir, ModelConfig)>,
+) -> anyhow::Result<()> {
     let threads = configure_torch_threads(args.threads, 1);
     let (device, peak_tflops, device_name) = match args.device {
         BenchDevice::Cpu => (tch::Device::Cpu, args.peak_tflops, "cpu".to_owned()),
@@ -280,7 +284,10 @@ impl PeerDir {
 
 /// With `--peft lora`: `model` drawn once and written as a Hugging Face directory (kept while the
 /// benchmark runs), and the LoRA model config on it.
-fn fine_tuning_base(args: &BenchTrainArgs, model: &ModelConfig) -> anyhow::Result<Option<(tempfile::TempDir, ModelConfig)>> {
+fn fine_tuning_base(
+    args: &BenchTrainArgs,
+    model: &ModelConfig,
+) -> anyhow::Result<Option<(tempfile::TempDir, ModelConfig)>> {
     if args.peft == "none" {
         return Ok(None);
     }
@@ -295,7 +302,9 @@ fn fine_tuning_base(args: &BenchTrainArgs, model: &ModelConfig) -> anyhow::Resul
     let dir = tempfile::tempdir().context("creating a directory for the fine-tuning base")?;
     let job = JobConfig { model: model.clone(), ..JobConfig::default() };
     let job = troupe_model::oracle::fine_tuning(job, peft, dir.path(), 1);
-    job.model.validate().with_context(|| format!("--peft lora --lora-r {} --lora-targets {:?}", args.lora_r, args.lora_targets))?;
+    job.model
+        .validate()
+        .with_context(|| format!("--peft lora --lora-r {} --lora-targets {:?}", args.lora_r, args.lora_targets))?;
     Ok(Some((dir, job.model)))
 }
 

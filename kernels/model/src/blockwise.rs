@@ -153,7 +153,8 @@ pub fn micro_batch_backward(
 /// Per part in forward order (the embeddings, then each block): whether a backward through it reaches a
 /// trained parameter — it, or a part before it, has one. Without `[peft]`, every part.
 pub fn needs_backward(config: &ModelConfig) -> Vec<bool> {
-    let sizes = std::iter::once(config.embed_range().len()).chain((0..config.n_layers).map(|i| config.block_range(i).len()));
+    let sizes =
+        std::iter::once(config.embed_range().len()).chain((0..config.n_layers).map(|i| config.block_range(i).len()));
     sizes
         .scan(false, |seen, len| {
             *seen |= len > 0;

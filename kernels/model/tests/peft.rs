@@ -26,7 +26,8 @@ fn relative(actual: &Tensor, expected: &Tensor) -> f64 {
 }
 
 fn tokens(config: &ModelConfig) -> (Tensor, Tensor) {
-    let all = Tensor::randint(config.vocab_size as i64, [2, config.context as i64 + 1], (Kind::Int64, tch::Device::Cpu));
+    let all =
+        Tensor::randint(config.vocab_size as i64, [2, config.context as i64 + 1], (Kind::Int64, tch::Device::Cpu));
     let time = config.context as i64;
     (all.narrow(1, 0, time).contiguous(), all.narrow(1, 1, time).contiguous())
 }
@@ -43,7 +44,10 @@ fn merged_values(lora_model: &Model) -> Vec<Tensor> {
         .map(|(i, spec)| {
             let w = base.tensor(config, i, tch::Device::Cpu);
             let module = spec.name.trim_end_matches(".weight");
-            match (trainable.get(format!("{module}.lora_A.weight").as_str()), trainable.get(format!("{module}.lora_B.weight").as_str())) {
+            match (
+                trainable.get(format!("{module}.lora_A.weight").as_str()),
+                trainable.get(format!("{module}.lora_B.weight").as_str()),
+            ) {
                 (Some(a), Some(b)) => tch::no_grad(|| &w + b.matmul(a) * scale),
                 _ => w,
             }
@@ -59,9 +63,21 @@ fn plain(config: &ModelConfig) -> ModelConfig {
 fn lora_is_the_merged_model_in_value_and_gradient() {
     tch::manual_seed(3);
     let cases = [
-        ("gpt2 all linears", two_layers(JobConfig::small(1)), lora(&["c_attn", "attn.c_proj", "c_fc", "mlp.c_proj"], 4, 8.0)),
-        ("llama all linears", two_layers(JobConfig::small_llama(1)), lora(&["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 4, 16.0)),
-        ("llama rslora q,v", JobConfig::small_llama(1), PeftConfig { rslora: true, ..lora(&["q_proj", "v_proj"], 8, 4.0) }),
+        (
+            "gpt2 all linears",
+            two_layers(JobConfig::small(1)),
+            lora(&["c_attn", "attn.c_proj", "c_fc", "mlp.c_proj"], 4, 8.0),
+        ),
+        (
+            "llama all linears",
+            two_layers(JobConfig::small_llama(1)),
+            lora(&["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 4, 16.0),
+        ),
+        (
+            "llama rslora q,v",
+            JobConfig::small_llama(1),
+            PeftConfig { rslora: true, ..lora(&["q_proj", "v_proj"], 8, 4.0) },
+        ),
     ];
     for (name, config, peft) in cases {
         let dir = tempfile::tempdir().unwrap();
@@ -71,7 +87,10 @@ fn lora_is_the_merged_model_in_value_and_gradient() {
         // Fresh adapters (B = 0) leave the function unchanged, to the bit.
         let base_model = Model::load(ModelConfig { peft: None, ..config.model.clone() }, 0).unwrap();
         let (input, targets) = tokens(&config.model);
-        assert!(lora_model.forward(&input).equal(&base_model.forward(&input)), "{name}: a fresh adapter changed the output");
+        assert!(
+            lora_model.forward(&input).equal(&base_model.forward(&input)),
+            "{name}: a fresh adapter changed the output"
+        );
 
         // Give B values, then compare with the merged model.
         tch::no_grad(|| {
@@ -154,7 +173,8 @@ fn lora_specs_follow_peft_shapes_and_init() {
 #[test]
 fn training_moves_only_the_adapters_and_the_loss_falls() {
     let dir = tempfile::tempdir().unwrap();
-    let mut config = fine_tuning(JobConfig::small_llama(8), lora(&["q_proj", "k_proj", "v_proj", "o_proj"], 4, 8.0), dir.path(), 2);
+    let mut config =
+        fine_tuning(JobConfig::small_llama(8), lora(&["q_proj", "k_proj", "v_proj", "o_proj"], 4, 8.0), dir.path(), 2);
     config.train.lr = 1e-2;
     let mut trainer = Trainer::new(config.clone()).unwrap();
     let full = Model::load(ModelConfig { peft: None, ..config.model.clone() }, 0).unwrap();
@@ -188,7 +208,10 @@ fn freeze_trains_the_named_modules_and_the_last_blocks() {
     let base = two_layers(JobConfig::small_llama(2));
     let last = fine_tuning(base.clone(), freeze(1, &[]), dir.path(), 1);
     let names: Vec<String> = param_specs(&last.model).into_iter().map(|s| s.name).collect();
-    assert!(names.iter().all(|n| n.starts_with("model.layers.1.") || n == "model.norm.weight" || n == "lm_head.weight"), "{names:?}");
+    assert!(
+        names.iter().all(|n| n.starts_with("model.layers.1.") || n == "model.norm.weight" || n == "lm_head.weight"),
+        "{names:?}"
+    );
     assert_eq!(names.len(), 9 + 2);
     let mlp = fine_tuning(base.clone(), freeze(0, &["mlp", "lm_head"]), dir.path(), 1);
     let names: Vec<String> = param_specs(&mlp.model).into_iter().map(|s| s.name).collect();
@@ -197,7 +220,10 @@ fn freeze_trains_the_named_modules_and_the_last_blocks() {
 
     // The layout covers the list: the first block and the embeddings hold nothing that trains.
     let c = &last.model;
-    assert_eq!((c.embed_range().len(), c.block_range(0).len(), c.block_range(1).len(), c.head_range().len()), (0, 0, 9, 2));
+    assert_eq!(
+        (c.embed_range().len(), c.block_range(0).len(), c.block_range(1).len(), c.head_range().len()),
+        (0, 0, 9, 2)
+    );
     let mut trainer = Trainer::new(last.clone()).unwrap();
     let before: Vec<Tensor> = trainer.model.params().iter().map(|p| p.detach().copy()).collect();
     let losses: Vec<f64> = (0..2).map(|_| trainer.train_step().loss).collect();
@@ -222,7 +248,12 @@ fn bad_peft_input_is_refused_with_the_key_and_what_the_model_has() {
     let llama = JobConfig::small_llama(1);
 
     let e = error(fine_tuning(llama.clone(), lora(&["query"], 8, 8.0), dir.path(), 1));
-    assert!(e.contains("peft.targets") && e.contains("\"query\"") && e.contains("q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"), "{e}");
+    assert!(
+        e.contains("peft.targets")
+            && e.contains("\"query\"")
+            && e.contains("q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"),
+        "{e}"
+    );
     let e = error(fine_tuning(JobConfig::small(1), lora(&["q_proj"], 8, 8.0), dir.path(), 1));
     assert!(e.contains("c_attn, c_proj, c_fc"), "{e}");
     let e = error(fine_tuning(llama.clone(), lora(&["q_proj"], 0, 8.0), dir.path(), 1));
@@ -231,7 +262,12 @@ fn bad_peft_input_is_refused_with_the_key_and_what_the_model_has() {
     assert!(e.contains("peft.r") && e.contains("v_proj") && e.contains("at most 32"), "{e}");
     let e = error(fine_tuning(llama.clone(), PeftConfig { dropout: 0.1, ..lora(&["q_proj"], 8, 8.0) }, dir.path(), 1));
     assert!(e.contains("peft.dropout"), "{e}");
-    let e = error(fine_tuning(llama.clone(), PeftConfig { train: vec!["mlpp".into()], ..lora(&["q_proj"], 8, 8.0) }, dir.path(), 1));
+    let e = error(fine_tuning(
+        llama.clone(),
+        PeftConfig { train: vec!["mlpp".into()], ..lora(&["q_proj"], 8, 8.0) },
+        dir.path(),
+        1,
+    ));
     assert!(e.contains("peft.train") && e.contains("mlpp"), "{e}");
     let freeze_nothing = PeftConfig { method: Method::Freeze, ..PeftConfig::default() };
     let e = error(fine_tuning(llama.clone(), freeze_nothing, dir.path(), 1));

@@ -139,12 +139,16 @@ pub struct ParamSpec {
 /// How a parameter is initialised.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Init {
-    Normal { std: f64 },
+    Normal {
+        std: f64,
+    },
     Zeros,
     Ones,
     /// A LoRA adapter drawn by troupe's RNG: `A` uniform in [-bound, bound) (PEFT's Kaiming-uniform),
     /// `B` zero (bound 0). Never read from `model.from_hf`.
-    Adapter { bound: f64 },
+    Adapter {
+        bound: f64,
+    },
 }
 
 impl ParamSpec {
@@ -346,7 +350,9 @@ impl ModelConfig {
     pub fn differences(&self, other: &ModelConfig) -> Vec<String> {
         fn flat(prefix: &str, value: toml::Value, out: &mut std::collections::BTreeMap<String, String>) {
             match value {
-                toml::Value::Table(table) => table.into_iter().for_each(|(k, v)| flat(&format!("{prefix}.{k}"), v, out)),
+                toml::Value::Table(table) => {
+                    table.into_iter().for_each(|(k, v)| flat(&format!("{prefix}.{k}"), v, out))
+                }
                 other => {
                     out.insert(prefix.to_owned(), other.to_string());
                 }
@@ -723,7 +729,14 @@ impl Weights {
 
     /// `x · weightᵀ + bias` in `precision`, plus the weight's LoRA update `scale · (x · Aᵀ) · Bᵀ` when it
     /// has adapters (PEFT's order: A, then B, then the scale).
-    fn linear(&self, precision: Precision, x: &Tensor, weight: usize, bias: Option<usize>, ops: &mut Vec<ParamOp>) -> Tensor {
+    fn linear(
+        &self,
+        precision: Precision,
+        x: &Tensor,
+        weight: usize,
+        bias: Option<usize>,
+        ops: &mut Vec<ParamOp>,
+    ) -> Tensor {
         let out = precision.linear(x, &self.params[weight], bias.map(|b| &self.params[b]));
         self.record(ops, &out, weight..bias.map_or(weight, |b| b) + 1);
         let Some(lora) = &self.lora[weight] else { return out };

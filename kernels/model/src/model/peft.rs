@@ -126,7 +126,11 @@ impl PeftConfig {
                 return Err(invalid(
                     "peft.train",
                     format!("{name:?}"),
-                    format!("names no module of this {} model; its modules include {}", model.arch.as_str(), module_examples(&base)),
+                    format!(
+                        "names no module of this {} model; its modules include {}",
+                        model.arch.as_str(),
+                        module_examples(&base)
+                    ),
                 ));
             }
         }
@@ -148,7 +152,11 @@ impl PeftConfig {
                     ));
                 }
                 if !self.targets.is_empty() {
-                    return Err(invalid("peft.targets", format!("{:?}", self.targets), "are LoRA's: remove them or set peft.method = \"lora\""));
+                    return Err(invalid(
+                        "peft.targets",
+                        format!("{:?}", self.targets),
+                        "are LoRA's: remove them or set peft.method = \"lora\"",
+                    ));
                 }
             }
             Method::Lora => {
@@ -166,7 +174,11 @@ impl PeftConfig {
                     ));
                 }
                 if self.last_blocks != 0 {
-                    return Err(invalid("peft.last_blocks", self.last_blocks, "is freeze's: remove it or set peft.method = \"freeze\""));
+                    return Err(invalid(
+                        "peft.last_blocks",
+                        self.last_blocks,
+                        "is freeze's: remove it or set peft.method = \"freeze\"",
+                    ));
                 }
                 let available = || {
                     let mut names: Vec<&str> = linears.iter().map(|s| last_component(module_of(&s.name))).collect();
@@ -176,7 +188,8 @@ impl PeftConfig {
                     names.join(", ")
                 };
                 for target in self.targets(model.arch) {
-                    let hits: Vec<&ParamSpec> = linears.iter().copied().filter(|s| module_ends_with(module_of(&s.name), &target)).collect();
+                    let hits: Vec<&ParamSpec> =
+                        linears.iter().copied().filter(|s| module_ends_with(module_of(&s.name), &target)).collect();
                     if hits.is_empty() {
                         return Err(invalid(
                             "peft.targets",
@@ -207,7 +220,11 @@ impl PeftConfig {
         }
         if let Some(dir) = &self.from_adapters {
             if self.method != Method::Lora {
-                return Err(invalid("peft.from_adapters", dir.display(), "holds LoRA adapters: set peft.method = \"lora\""));
+                return Err(invalid(
+                    "peft.from_adapters",
+                    dir.display(),
+                    "holds LoRA adapters: set peft.method = \"lora\"",
+                ));
             }
         }
         Ok(())
@@ -237,7 +254,8 @@ fn module_contains(module: &str, pattern: &str) -> bool {
 
 fn module_examples(base: &[ParamSpec]) -> String {
     let mut seen = std::collections::BTreeSet::new();
-    let names: Vec<&str> = base.iter().map(|s| module_of(&s.name)).filter(|m| !m.contains(".1.") && seen.insert(*m)).collect();
+    let names: Vec<&str> =
+        base.iter().map(|s| module_of(&s.name)).filter(|m| !m.contains(".1.") && seen.insert(*m)).collect();
     names.join(", ")
 }
 
