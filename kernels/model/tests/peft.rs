@@ -96,7 +96,7 @@ fn lora_is_the_merged_model_in_value_and_gradient() {
         tch::no_grad(|| {
             for (spec, p) in param_specs(&config.model).iter().zip(lora_model.params_mut()) {
                 if spec.name.contains("lora_B") {
-                    let _ = p.copy_(&(Tensor::randn(spec.shape.as_slice(), (Kind::Float, tch::Device::Cpu)) * 0.05));
+                    p.copy_(&(Tensor::randn(spec.shape.as_slice(), (Kind::Float, tch::Device::Cpu)) * 0.05));
                 }
             }
         });

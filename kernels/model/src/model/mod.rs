@@ -419,7 +419,7 @@ pub fn init_values(spec: &ParamSpec, seed: u64, index: usize) -> Vec<f32> {
             let mut rng = SplitMix64::new(hash_words(&[seed, index as u64, 0x1417]));
             (0..n).map(|_| (rng.next_normal() * std) as f32).collect()
         }
-        Init::Adapter { bound } if bound == 0.0 => vec![0.0; n],
+        Init::Adapter { bound: 0.0 } => vec![0.0; n],
         Init::Adapter { bound } => {
             let mut rng = SplitMix64::new(hash_words(&[seed, index as u64, 0x10a4]));
             (0..n).map(|_| ((rng.next_f64() * 2.0 - 1.0) * bound) as f32).collect()
