@@ -338,7 +338,7 @@ fn lora_and_freeze_equal_the_reference_under_ddp_and_zero() {
         config.train.global_batch = 8;
         config.train.micro_batch = micro_batch;
         config.parallel.recompute = recompute;
-        let base = dir.path().join(format!("{family}-{:?}-{}", peft.method, peft.targets.len()));
+        let base = dir.path().join(format!("{family}-{:?}-{}-{}", peft.method, peft.targets.len(), peft.dropout));
         troupe_model::oracle::fine_tuning(config, peft, &base, 5)
     };
     let lora = |targets: &[&str]| PeftConfig {
@@ -368,6 +368,11 @@ fn lora_and_freeze_equal_the_reference_under_ddp_and_zero() {
     check_config(&fine_tune("llama", llama, 4, false), 3, Engine::Fresh(ShardMode::Zero3));
     check_config(&fine_tune("gpt2", gpt2.clone(), 4, false), 2, ddp);
     check_config(&fine_tune("gpt2", gpt2, 2, false), 2, Engine::Sharded(ShardMode::Zero3));
+    // LoRA's dropout: each sample's mask is the same on any rank and in any micro-batch.
+    let dropout = PeftConfig { dropout: 0.1, ..lora(&["q_proj", "v_proj", "o_proj"]) };
+    check_config(&fine_tune("llama", dropout.clone(), 1, false), 3, ddp);
+    check_config(&fine_tune("llama", dropout.clone(), 2, false), 2, Engine::Sharded(ShardMode::Zero2));
+    check_config(&fine_tune("llama", dropout, 2, true), 3, Engine::Sharded(ShardMode::Zero3));
     for family in ["llama", "gpt2"] {
         check_config(&fine_tune(family, freeze.clone(), 4, false), 2, ddp);
         check_config(&fine_tune(family, freeze.clone(), 2, true), 2, Engine::Sharded(ShardMode::Zero3));

@@ -294,6 +294,7 @@ fn lora_and_freeze_pipelines_equal_the_reference() {
     llama.train.micro_batch = 8;
     let cases = [
         ("llama lora", llama.clone(), lora(&["q_proj", "v_proj", "down_proj"])),
+        ("llama lora dropout", llama.clone(), PeftConfig { dropout: 0.1, ..lora(&["q_proj", "v_proj", "down_proj"]) }),
         ("gpt2 tied lora", tied("gpt2"), lora(&["c_attn"])),
         ("llama freeze", llama, PeftConfig { method: Method::Freeze, last_blocks: 1, ..PeftConfig::default() }),
     ];

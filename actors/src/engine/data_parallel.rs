@@ -245,8 +245,9 @@ impl<T: Transport> DataParallelReplica<T> {
             .map(|range| {
                 let weight = range.len() as f64 / train.global_batch as f64;
                 let backward_weight = backward_weight(train, &self.trainer.loss_scale, step, &range);
+                let samples = troupe_model::model::Samples::new(train.seed, step, range.start);
                 let (tokens, targets) = self.trainer.sampler.batch(step, range);
-                MicroBatch { tokens, targets, weight, backward_weight }
+                MicroBatch { tokens, targets, weight, backward_weight, samples }
             })
             .collect();
         for p in self.trainer.model.params_mut() {

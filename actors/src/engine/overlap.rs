@@ -37,6 +37,8 @@ pub(crate) struct MicroBatch {
     pub targets: Tensor,
     pub weight: f64,
     pub backward_weight: f64,
+    /// Which samples of the step it holds (LoRA's dropout is a function of them).
+    pub samples: troupe_model::model::Samples,
 }
 
 /// What the backward thread reports, in this order: every bucket once, in plan order, then `Done`.
@@ -134,6 +136,7 @@ fn run(work: BackwardWork, tx: &mpsc::UnboundedSender<Progress>, stop: &AtomicBo
             &micro.tokens,
             &micro.targets,
             micro.backward_weight,
+            Some(micro.samples),
             activations,
             &mut on_final,
         );

@@ -200,6 +200,8 @@ struct Batch {
     targets: Tensor,
     weight: f64,
     backward_weight: f64,
+    /// Which samples of the step (LoRA's dropout is a function of them).
+    samples: model::Samples,
 }
 
 /// The forward and backward of `step`'s slice of this rank, unit by unit: zeroes `grad` (the own
@@ -231,8 +233,9 @@ pub(super) async fn accumulate<T: Transport>(
         let batch = mine.get(round).map(|micro| {
             let weight = micro.len() as f64 / train.global_batch as f64;
             let backward_weight = backward_weight(train, &trainer.loss_scale, trainer.step, micro);
+            let samples = model::Samples::new(train.seed, trainer.step, micro.start);
             let (tokens, targets) = trainer.sampler.batch(trainer.step, micro.clone());
-            Batch { tokens, targets, weight, backward_weight }
+            Batch { tokens, targets, weight, backward_weight, samples }
         });
         let weight = batch.as_ref().map_or(0.0, |b| b.weight);
         let model = (&config.model, trainer.model.precision);
@@ -258,11 +261,18 @@ struct Model {
 
 impl Model {
     /// Unit `unit`'s forward (the embeddings of `tokens` when it is 0 and `input` is None, else block
-    /// `unit - 1` on `input`).
-    fn run(&self, unit: usize, params: &[Tensor], input: Option<&Tensor>, tokens: &Tensor) -> Tensor {
+    /// `unit - 1` on `input`); `samples` for a training forward.
+    fn run(
+        &self,
+        unit: usize,
+        params: &[Tensor],
+        input: Option<&Tensor>,
+        tokens: &Tensor,
+        samples: Option<model::Samples>,
+    ) -> Tensor {
         match input {
             None => model::embed(&self.config, params, tokens),
-            Some(input) => model::block(&self.config, self.precision, unit - 1, params, input),
+            Some(input) => model::block_training(&self.config, self.precision, unit - 1, params, input, samples),
         }
     }
 }
@@ -323,15 +333,16 @@ async fn micro_batch<T: Transport>(
             continue;
         };
         let (model, tokens, input) = (model.clone(), batch.tokens.shallow_clone(), x.take());
+        let samples = Some(batch.samples);
         let compute = on_thread(move || match activations {
             Activations::Keep => {
                 let input = input.map(|x| leaf(&x));
-                let output = model.run(u, &params, input.as_ref(), &tokens);
+                let output = model.run(u, &params, input.as_ref(), &tokens, samples);
                 (output.shallow_clone(), Kept::Graph { params, input, output })
             }
             // `params` dropped here — released until the backward gathers them again.
             Activations::Recompute => {
-                (tch::no_grad(|| model.run(u, &params, input.as_ref(), &tokens)), Kept::Input(input))
+                (tch::no_grad(|| model.run(u, &params, input.as_ref(), &tokens, samples)), Kept::Input(input))
             }
         });
         let ((output, keep), gathered) = tokio::join!(compute, ex.gather(next));
@@ -377,14 +388,14 @@ async fn micro_batch<T: Transport>(
         let gathered = prefetched.take();
         let compute = match (kept.pop(), grad.take(), &batch) {
             (Some(keep), Some(g), Some(batch)) => {
-                let (model, tokens) = (model.clone(), batch.tokens.shallow_clone());
+                let (model, tokens, samples) = (model.clone(), batch.tokens.shallow_clone(), Some(batch.samples));
                 Some(on_thread(move || {
                     let (params, input, output) = match keep {
                         Kept::Graph { params, input, output } => (params, input, output),
                         Kept::Input(saved) => {
                             let params = gathered.expect("recompute gathers the unit before its backward");
                             let input = saved.map(|s| leaf(&s));
-                            let output = model.run(i, &params, input.as_ref(), &tokens);
+                            let output = model.run(i, &params, input.as_ref(), &tokens, samples);
                             (params, input, output)
                         }
                     };

@@ -69,7 +69,8 @@ pub fn backward_from(output: &Tensor, grad: &Tensor) {
 /// micro-batch's mean loss to every parameter's `.grad`, exactly as `(loss · weight).backward()` on the
 /// monolithic model would, and calls `on_final(range)` after each of [`backward_stages`]' ranges has its
 /// gradient for this micro-batch complete. The products compute in `precision`; a loss scale is part of
-/// `weight`. Returns the micro-batch's mean loss (unweighted).
+/// `weight`. `samples` names the micro-batch's samples (LoRA's dropout is a function of them). Returns the
+/// micro-batch's mean loss (unweighted).
 #[allow(clippy::too_many_arguments)]
 pub fn micro_batch_backward(
     config: &ModelConfig,
@@ -78,6 +79,7 @@ pub fn micro_batch_backward(
     tokens: &Tensor,
     targets: &Tensor,
     weight: f64,
+    samples: Option<model::Samples>,
     activations: Activations,
     on_final: &mut dyn FnMut(Range<usize>),
 ) -> f64 {
@@ -95,7 +97,7 @@ pub fn micro_batch_backward(
             let mut inputs = vec![leaf(&embedded)];
             let mut outputs = Vec::with_capacity(n);
             for i in 0..n {
-                let output = model::block(config, precision, i, block_params(i), &inputs[i]);
+                let output = model::block_training(config, precision, i, block_params(i), &inputs[i], samples);
                 inputs.push(leaf(&output));
                 outputs.push(output);
             }
@@ -105,7 +107,7 @@ pub fn micro_batch_backward(
             let inputs = tch::no_grad(|| {
                 let mut inputs = vec![model::embed(config, embed_params, tokens)];
                 for i in 0..n {
-                    let output = model::block(config, precision, i, block_params(i), &inputs[i]);
+                    let output = model::block_training(config, precision, i, block_params(i), &inputs[i], samples);
                     inputs.push(output);
                 }
                 inputs
@@ -133,7 +135,7 @@ pub fn micro_batch_backward(
             Activations::Keep => (saved, outputs.pop().expect("block output")),
             Activations::Recompute => {
                 let input = leaf(&saved);
-                let output = model::block(config, precision, i, block_params(i), &input);
+                let output = model::block_training(config, precision, i, block_params(i), &input, samples);
                 (input, output)
             }
         };
@@ -241,6 +243,7 @@ mod tests {
                     &tokens,
                     &targets,
                     weight,
+                    None,
                     activations,
                     &mut on_final,
                 ));
@@ -278,6 +281,7 @@ mod tests {
             &tokens,
             &targets,
             1.0,
+            None,
             Activations::Recompute,
             &mut on_final,
         );

@@ -12,7 +12,7 @@ use crate::checkpoint::{self, CheckpointError};
 use crate::config::{ConfigError, JobConfig};
 use crate::data::{load_corpora, micro_batch_ranges, Corpus, DataError, EvalWindows, GlobalSampler};
 use crate::generate::{window_loss_sum, Evaluation};
-use crate::model::Model;
+use crate::model::{Model, Samples};
 use crate::optim::{grad_norm, learning_rate, scale_grads, AdamW, AdamWConfig};
 use crate::precision::{backward_weight, LossScale, Precision, Update};
 
@@ -157,15 +157,26 @@ impl Trainer {
         for micro in micro_batch_ranges(slice, train.micro_batch) {
             let weight = micro.len() as f64 / global_batch as f64;
             let scaled = backward_weight(train, &self.loss_scale, step, &micro);
+            let samples = Some(Samples::new(train.seed, step, micro.start));
             let (inputs, targets) = self.sampler.batch(step, micro);
             let (inputs, targets) = (inputs.to_device(self.device), targets.to_device(self.device));
             let micro_loss = if recompute {
                 let model = &self.model;
                 let (config, params) = (&model.config, model.params());
                 let recompute = Activations::Recompute;
-                micro_batch_backward(config, model.precision, params, &inputs, &targets, scaled, recompute, &mut |_| {})
+                micro_batch_backward(
+                    config,
+                    model.precision,
+                    params,
+                    &inputs,
+                    &targets,
+                    scaled,
+                    samples,
+                    recompute,
+                    &mut |_| {},
+                )
             } else {
-                let micro_loss = self.model.loss(&inputs, &targets);
+                let micro_loss = self.model.loss_training(&inputs, &targets, samples);
                 (&micro_loss * scaled).backward();
                 micro_loss.double_value(&[])
             };

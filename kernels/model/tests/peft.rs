@@ -260,8 +260,8 @@ fn bad_peft_input_is_refused_with_the_key_and_what_the_model_has() {
     assert!(e.contains("peft.r") && e.contains("at least 1"), "{e}");
     let e = error(fine_tuning(llama.clone(), lora(&["v_proj"], 33, 8.0), dir.path(), 1));
     assert!(e.contains("peft.r") && e.contains("v_proj") && e.contains("at most 32"), "{e}");
-    let e = error(fine_tuning(llama.clone(), PeftConfig { dropout: 0.1, ..lora(&["q_proj"], 8, 8.0) }, dir.path(), 1));
-    assert!(e.contains("peft.dropout"), "{e}");
+    let e = error(fine_tuning(llama.clone(), PeftConfig { dropout: 1.0, ..lora(&["q_proj"], 8, 8.0) }, dir.path(), 1));
+    assert!(e.contains("peft.dropout") && e.contains("[0, 1)"), "{e}");
     let e = error(fine_tuning(
         llama.clone(),
         PeftConfig { train: vec!["mlpp".into()], ..lora(&["q_proj"], 8, 8.0) },
@@ -294,4 +294,87 @@ fn bad_peft_input_is_refused_with_the_key_and_what_the_model_has() {
     lora4.model.peft.as_mut().unwrap().r = 2;
     let e = Trainer::resume(lora4, &saved).unwrap_err().to_string();
     assert!(e.contains("model.peft.r: 4 vs 2"), "{e}");
+}
+
+/// LoRA's dropout mask: each element kept with probability 1 − p and scaled by 1/(1 − p); a function of
+/// the sample (the same rows in any split of the batch), different per step, layer and target.
+#[test]
+fn dropout_masks_are_a_function_of_the_sample() {
+    use troupe_model::model::peft::dropout_mask;
+    use troupe_model::model::Samples;
+    let x = Tensor::ones([4, 64, 96], (Kind::Float, tch::Device::Cpu));
+    let p = 0.1;
+    let whole = dropout_mask(&x, p, Samples::new(7, 3, 10), 1, 2);
+    let kept = whole.ne(0.0).to_kind(Kind::Float).mean(Kind::Float).double_value(&[]);
+    assert!((kept - 0.9).abs() < 0.005, "kept fraction {kept}");
+    let values = whole.masked_select(&whole.ne(0.0));
+    assert!(values.eq(1.0 / 0.9).all().int64_value(&[]) == 1, "kept elements are scaled by 1/(1-p)");
+    let (a, b) = (x.narrow(0, 0, 2), x.narrow(0, 2, 2));
+    let halves = Tensor::cat(
+        &[dropout_mask(&a, p, Samples::new(7, 3, 10), 1, 2), dropout_mask(&b, p, Samples::new(7, 3, 12), 1, 2)],
+        0,
+    );
+    assert!(halves.equal(&whole), "a sample's mask does not depend on the micro-batch it is in");
+    for other in [
+        dropout_mask(&x, p, Samples::new(7, 4, 10), 1, 2),
+        dropout_mask(&x, p, Samples::new(7, 3, 10), 2, 2),
+        dropout_mask(&x, p, Samples::new(7, 3, 10), 1, 3),
+        dropout_mask(&x, p, Samples::new(8, 3, 10), 1, 2),
+    ] {
+        let same = whole.eq_tensor(&other).to_kind(Kind::Float).mean(Kind::Float).double_value(&[]);
+        assert!(same < 0.9, "masks of another step, layer, target or seed agree on {same} of the elements");
+    }
+}
+
+/// With dropout, the reference's step does not depend on how the batch is cut into micro-batches (or
+/// whether activations are recomputed): every sample gets its mask — and training differs from the same
+/// job without dropout, while evaluation (no samples named) runs without it.
+#[test]
+fn dropout_training_is_the_same_in_any_split_and_off_in_evaluation() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = |micro_batch: usize, recompute: bool, dropout: f64| {
+        let mut config = two_layers(JobConfig::small_llama(3));
+        config.train.global_batch = 4;
+        config.train.micro_batch = micro_batch;
+        config.parallel.recompute = recompute;
+        let peft = PeftConfig { dropout, ..lora(&["q_proj", "v_proj", "down_proj"], 4, 8.0) };
+        fine_tuning(config, peft, dir.path(), 4)
+    };
+    let run = |config: JobConfig| {
+        let mut trainer = Trainer::new(config).unwrap();
+        let losses: Vec<f64> = (0..3).map(|_| trainer.train_step().loss).collect();
+        (losses, trainer.param_values())
+    };
+    let (reference, ref_params) = run(job(4, false, 0.2));
+    for (micro_batch, recompute) in [(2, false), (1, false), (2, true)] {
+        let (losses, params) = run(job(micro_batch, recompute, 0.2));
+        for (a, b) in losses.iter().zip(&reference) {
+            assert!(
+                (a - b).abs() <= 1e-6 * b.abs(),
+                "micro {micro_batch} recompute {recompute}: {losses:?} vs {reference:?}"
+            );
+        }
+        for (a, b) in params.iter().zip(&ref_params) {
+            assert!(relative(a, b) <= 1e-5, "micro {micro_batch} recompute {recompute}: parameters differ");
+        }
+    }
+    let (without, _) = run(job(4, false, 0.0));
+    assert!(without[1] != reference[1], "dropout changes training: {without:?} vs {reference:?}");
+    // Evaluation (no samples) computes the model without dropout; a training forward applies it.
+    let config = job(4, false, 0.2);
+    let mut model = Model::new(config.model.clone(), 1);
+    tch::no_grad(|| {
+        for (spec, p) in param_specs(&config.model).iter().zip(model.params_mut()) {
+            if spec.name.contains("lora_B") {
+                p.copy_(&(Tensor::randn(spec.shape.as_slice(), (Kind::Float, tch::Device::Cpu)) * 0.1));
+            }
+        }
+    });
+    let (input, _) = tokens(&config.model);
+    let mut undropped = Model::new(job(4, false, 0.0).model, 1);
+    undropped.load_values(model.params());
+    let evaluated = model.forward(&input);
+    assert!(evaluated.equal(&undropped.forward(&input)), "evaluation applied dropout");
+    let trained = model.forward_training(&input, Some(troupe_model::model::Samples::new(1, 0, 0)));
+    assert!(!trained.equal(&evaluated), "a training forward did not apply dropout");
 }

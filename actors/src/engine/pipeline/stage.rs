@@ -27,6 +27,7 @@ use troupe_model::config::JobConfig;
 use troupe_model::data::{load_corpus, rank_slice, GlobalSampler};
 use troupe_model::model::{
     block_recorded, cross_entropy, embed_recorded, head_recorded, initial_values, param_specs, ParamOp, ParamSpec,
+    Samples,
 };
 use troupe_model::optim::{learning_rate, scale_grads, AdamW, AdamWConfig};
 use troupe_model::precision::{backward_weight, LossScale, Precision, Update};
@@ -734,6 +735,7 @@ impl<T: Transport> PipelineStage<T> {
     /// needs and the micro-batch's loss × its share of the global batch (0 but for the last chunk).
     fn chunk_forward(&self, c: usize, mb: usize, step: u64, received: Option<&Tensor>) -> (Saved, f64) {
         let range = self.microbatches[mb].clone();
+        let samples = Some(Samples::new(self.config.train.seed, step, range.start));
         let weight = range.len() as f64 / self.config.train.global_batch as f64;
         let (layout, p) = (&self.local_chunk(c).layout, self.chunk_params(c));
         let (model, precision) = (&self.config.model, self.precision);
@@ -762,7 +764,7 @@ impl<T: Transport> PipelineStage<T> {
         for b in layout.blocks.clone() {
             let mut recorded = Vec::new();
             let per_block = model.block_range(b).len();
-            x = block_recorded(model, precision, b, &p[used..used + per_block], &x, &mut recorded);
+            x = block_recorded(model, precision, b, &p[used..used + per_block], &x, samples, &mut recorded);
             record_at(used, &mut ops, recorded);
             used += per_block;
         }

@@ -58,7 +58,7 @@ pub(crate) async fn evaluate_share<T: Transport>(
                 inputs
                     .into_iter()
                     .zip(&tokens)
-                    .map(|(x, tokens)| Some(model.run(u, &params, x.as_ref(), tokens)))
+                    .map(|(x, tokens)| Some(model.run(u, &params, x.as_ref(), tokens, None)))
                     .collect()
             })
         });

@@ -563,9 +563,15 @@ impl Model {
 
     /// Token ids `[batch, time]` (int64) → logits `[batch, time, vocab]`.
     pub fn forward(&self, tokens: &Tensor) -> Tensor {
+        self.forward_training(tokens, None)
+    }
+
+    /// [`Self::forward`] in a training forward of `samples` (LoRA's dropout applies).
+    pub fn forward_training(&self, tokens: &Tensor, samples: Option<Samples>) -> Tensor {
         let mut x = self.embed(tokens);
-        for block in 0..self.config.n_layers {
-            x = self.block(block, &x);
+        for index in 0..self.config.n_layers {
+            let p = &self.params[self.config.block_range(index)];
+            x = block_training(&self.config, self.precision, index, p, &x, samples);
         }
         self.head(&x)
     }
@@ -574,6 +580,11 @@ impl Model {
     pub fn loss(&self, tokens: &Tensor, targets: &Tensor) -> Tensor {
         let logits = self.forward(tokens);
         cross_entropy(&logits, targets)
+    }
+
+    /// [`Self::loss`] in a training forward of `samples`.
+    pub fn loss_training(&self, tokens: &Tensor, targets: &Tensor, samples: Option<Samples>) -> Tensor {
+        cross_entropy(&self.forward_training(tokens, samples), targets)
     }
 
     /// The embeddings: `[batch, time]` → `[batch, time, d_model]`.
@@ -652,6 +663,23 @@ fn hold_base(config: &ModelConfig) -> Result<Option<std::sync::Arc<peft::Base>>,
     }
 }
 
+/// Which samples a training forward computes: micro-batch row `b` is sample `first + b` of step `step`'s
+/// global batch, in a job seeded `seed`. What makes LoRA's dropout mask a function of the sample — the
+/// same whatever the split of the batch over ranks, micro-batches and pipeline stages. Inference and
+/// evaluation run without one (no dropout).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Samples {
+    pub seed: u64,
+    pub step: u64,
+    pub first: usize,
+}
+
+impl Samples {
+    pub fn new(seed: u64, step: u64, first: usize) -> Self {
+        Self { seed, step, first }
+    }
+}
+
 /// A part of the model (0 the embeddings, 1 + i block i, 1 + n_layers the head) as its family's forward
 /// takes it: the family's parameters in order, each the trainable tensor handed in or (`[peft]`) the
 /// frozen base's, and the LoRA adapters beside the targeted weights. Operations are recorded in the
@@ -661,6 +689,8 @@ pub struct Weights {
     lora: Vec<Option<Lora>>,
     /// Where each family parameter is in the trainable slice (None: the slice is the family's list).
     slots: Option<Vec<peft::Slot>>,
+    /// Training: LoRA's dropout on the adapters' input, keyed by the samples and this part.
+    dropout: Option<(f64, Samples, usize)>,
 }
 
 struct Lora {
@@ -686,7 +716,7 @@ impl Weights {
         let Some(peft) = &config.peft else {
             let params = trainable.iter().map(Tensor::shallow_clone).collect::<Vec<_>>();
             let lora = params.iter().map(|_| None).collect();
-            return Self { params, lora, slots: None };
+            return Self { params, lora, slots: None, dropout: None };
         };
         let layout = peft::part(config, part);
         let used = layout.slots.iter().flat_map(|s| s.trained.into_iter().chain(s.adapter.map(|a| a + 1))).max();
@@ -714,7 +744,14 @@ impl Weights {
                 })
             })
             .collect();
-        Self { params, lora, slots: Some(layout.slots) }
+        Self { params, lora, slots: Some(layout.slots), dropout: None }
+    }
+
+    /// A training forward of `samples`: LoRA's dropout (`peft.dropout` > 0) applies.
+    fn training(mut self, config: &ModelConfig, part: usize, samples: Option<Samples>) -> Self {
+        let p = config.peft.as_ref().map_or(0.0, |peft| peft.dropout);
+        self.dropout = samples.filter(|_| p > 0.0).map(|samples| (p, samples, part));
+        self
     }
 
     /// Records `output` as the operation of the family parameters `family` (the trainable ones).
@@ -740,7 +777,15 @@ impl Weights {
         let out = precision.linear(x, &self.params[weight], bias.map(|b| &self.params[b]));
         self.record(ops, &out, weight..bias.map_or(weight, |b| b) + 1);
         let Some(lora) = &self.lora[weight] else { return out };
-        let update = precision.linear(&precision.linear(x, &lora.a, None), &lora.b, None) * lora.scale;
+        let dropped;
+        let input = match self.dropout {
+            Some((p, samples, part)) => {
+                dropped = x * peft::dropout_mask(x, p, samples, part, weight);
+                &dropped
+            }
+            None => x,
+        };
+        let update = precision.linear(&precision.linear(input, &lora.a, None), &lora.b, None) * lora.scale;
         record(ops, &update, lora.slot..lora.slot + 2);
         out + update
     }
@@ -778,19 +823,32 @@ pub fn embed_recorded(config: &ModelConfig, params: &[Tensor], tokens: &Tensor, 
 /// and attention compute in `precision`; the norms and the residual stream stay fp32 (autocast's
 /// policy, see [`crate::precision`]).
 pub fn block(config: &ModelConfig, precision: Precision, index: usize, p: &[Tensor], x: &Tensor) -> Tensor {
-    block_recorded(config, precision, index, p, x, &mut Vec::new())
+    block_recorded(config, precision, index, p, x, None, &mut Vec::new())
 }
 
-/// [`block`], recording its parameter operations.
+/// [`block`] in a training forward of `samples` (LoRA's dropout applies).
+pub fn block_training(
+    config: &ModelConfig,
+    precision: Precision,
+    index: usize,
+    p: &[Tensor],
+    x: &Tensor,
+    samples: Option<Samples>,
+) -> Tensor {
+    block_recorded(config, precision, index, p, x, samples, &mut Vec::new())
+}
+
+/// [`block`], recording its parameter operations; `samples` for a training forward.
 pub fn block_recorded(
     config: &ModelConfig,
     precision: Precision,
     index: usize,
     p: &[Tensor],
     x: &Tensor,
+    samples: Option<Samples>,
     ops: &mut Vec<ParamOp>,
 ) -> Tensor {
-    let w = Weights::of(config, 1 + index, p, x.device());
+    let w = Weights::of(config, 1 + index, p, x.device()).training(config, 1 + index, samples);
     match config.arch {
         Arch::Gpt2 => gpt2::block(config, precision, &w, x, ops, None),
         Arch::Llama => llama::block(config, precision, &w, x, ops, None),

@@ -49,7 +49,9 @@ pub struct PeftConfig {
     pub alpha: f64,
     /// Rank-stabilised LoRA's scale, `alpha / √r`.
     pub rslora: bool,
-    /// Dropout on the adapters' input (PEFT's `lora_dropout`); only 0 is supported so far.
+    /// Dropout on the adapters' input (PEFT's `lora_dropout`), in training forwards only; each
+    /// element's mask is a function of (seed, step, sample, layer, target, position) — see
+    /// [`dropout_mask`].
     pub dropout: f64,
     /// The linear layers that get adapters, as Hugging Face module names matched on their last
     /// components (`q_proj`, `self_attn.o_proj`, `c_attn`, `mlp.c_proj`); empty: the family's default
@@ -166,12 +168,8 @@ impl PeftConfig {
                 if !(self.alpha.is_finite() && self.alpha > 0.0) {
                     return Err(invalid("peft.alpha", self.alpha, "must be a finite number > 0 (e.g. 16)"));
                 }
-                if self.dropout != 0.0 {
-                    return Err(invalid(
-                        "peft.dropout",
-                        self.dropout,
-                        "LoRA dropout is not supported yet: set it to 0 (PEFT's default)",
-                    ));
+                if !(0.0..1.0).contains(&self.dropout) {
+                    return Err(invalid("peft.dropout", self.dropout, "must be in [0, 1) (0.05 and 0.1 are common)"));
                 }
                 if self.last_blocks != 0 {
                     return Err(invalid(
@@ -476,6 +474,38 @@ impl Base {
         let tensors = self.tensors.lock().expect("base tensors");
         tensors.values().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum()
     }
+}
+
+/// LoRA's dropout mask for `x` (`[batch, time, in]`, row b being sample `samples.first + b`) at part
+/// `part`'s family parameter `weight`: each element kept with probability 1 − `p` and then scaled by
+/// 1/(1 − `p`) (inverted dropout, as `torch.nn.Dropout`), dropped to 0 otherwise. The decision is a hash
+/// of (seed, step, sample, part, weight) — drawn here per sample — and the element's position in the
+/// sample, computed with tensor operations on `x`'s device (32-bit lanes in int64, no overflow), so the
+/// same sample gets the same mask on any rank, in any micro-batch, on any device, in a recomputation.
+pub fn dropout_mask(x: &Tensor, p: f64, samples: super::Samples, part: usize, weight: usize) -> Tensor {
+    use tch::Kind;
+    let size = x.size();
+    let (batch, per_sample) = (size[0], size[1..].iter().product::<i64>());
+    assert!(per_sample <= 1 << 32, "a sample of {per_sample} elements exceeds the dropout hash's 32-bit positions");
+    let device = x.device();
+    let salts: Vec<i64> = (0..batch as usize)
+        .map(|b| {
+            let sample = (samples.first + b) as u64;
+            (crate::rng::hash_words(&[samples.seed, samples.step, sample, part as u64, weight as u64, 0xd50])
+                & 0xffff_ffff) as i64
+        })
+        .collect();
+    let salts = Tensor::from_slice(&salts).to_device(device).view([batch, 1]);
+    let mask32 = |t: Tensor| t.bitwise_and(0xffff_ffffi64);
+    // A 32-bit integer hash (two xor-shift-multiply rounds); every product is below 2^63.
+    let mut h =
+        mask32(Tensor::arange(per_sample, (Kind::Int64, device)).view([1, per_sample]).bitwise_xor_tensor(&salts));
+    for _ in 0..2 {
+        h = mask32((h.bitwise_right_shift_tensor_scalar(16).bitwise_xor_tensor(&h)) * 0x045d_9f3bi64);
+    }
+    h = h.bitwise_right_shift_tensor_scalar(16).bitwise_xor_tensor(&h);
+    let threshold = ((1.0 - p) * 4_294_967_296.0) as i64;
+    (h.lt(threshold).to_kind(Kind::Float) / (1.0 - p)).view(size.as_slice()).to_kind(x.kind())
 }
 
 /// Each part's positions in the trainable list.
