@@ -9,8 +9,8 @@ set -euo pipefail
 
 TORCH_VERSION=2.11.0
 # The external test oracles, pinned: transformers (model maths, Hugging Face's file layout) brings its
-# tokenizers and safetensors.
-TEST_PACKAGES=("transformers==5.24.0" "tokenizers==0.23.3" "kubernetes-validate==1.31.0")
+# tokenizers and safetensors; peft (LoRA adapters in Hugging Face PEFT's format, kernels/model/tests/peft_hf.rs).
+TEST_PACKAGES=("transformers==5.24.0" "tokenizers==0.23.3" "kubernetes-validate==1.31.0" "peft==0.21.2")
 cache="${TROUPE_CACHE:-$HOME/.cache/troupe}"
 venv="$cache/venv-torch-$TORCH_VERSION"
 stamp="$venv/.troupe-provisioned"

@@ -1,6 +1,7 @@
 //! Hugging Face's model format, in and out: `config.json` ↔ [`ModelConfig`] (`config_json.rs`), weights read
 //! by tensor from `model.safetensors` or its shards (`weights.rs`), and an export that
-//! `transformers.AutoModelForCausalLM.from_pretrained` loads (`export.rs`).
+//! `transformers.AutoModelForCausalLM.from_pretrained` loads (`export.rs`); PEFT's LoRA adapter directories in and
+//! out, and the merged model ([`peft`]).
 //!
 //! Names: Llama's parameters carry Hugging Face's names as they are. GPT-2's drop the `transformer.`
 //! prefix, and its `Conv1D` matrices are stored `[in, out]` in the files and `[out, in]` in troupe (an
@@ -10,6 +11,7 @@ use std::path::PathBuf;
 
 mod config_json;
 mod export;
+pub mod peft;
 mod weights;
 
 pub use config_json::{json_key, read_config, write_config, ARCHITECTURES};

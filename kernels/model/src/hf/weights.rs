@@ -205,7 +205,8 @@ fn dtype_bytes(dtype: &str) -> Option<usize> {
 
 /// Checks, before anything trains, that `config.from_hf` holds exactly `config`'s parameters: every one
 /// present with its shape and a readable dtype, and no tensor that is not one of them (buffers older
-/// versions saved, and a tied head's copy, excepted). Reads the headers only.
+/// versions saved, and a tied head's copy, excepted). Reads the headers only — and, with `[peft]
+/// from_adapters`, checks the adapters ([`super::peft::Adapters::open`]).
 pub fn check_weights(config: &ModelConfig) -> Result<(), HfError> {
     let Some(dir) = &config.from_hf else { return Ok(()) };
     let weights = HfWeights::open(dir)?;
@@ -225,5 +226,5 @@ pub fn check_weights(config: &ModelConfig) -> Result<(), HfError> {
             return Err(HfError::Unexpected { path, tensor: name.clone(), arch: config.arch.as_str() });
         }
     }
-    Ok(())
+    super::peft::check_adapters(config)
 }

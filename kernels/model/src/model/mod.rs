@@ -427,18 +427,37 @@ pub fn init_values(spec: &ParamSpec, seed: u64, index: usize) -> Vec<f32> {
     }
 }
 
-/// Trainable parameter `index`'s initial values: adapters drawn, everything else read from the model's
-/// weights (`from_hf`) or drawn by [`init_values`].
+/// Trainable parameter `index`'s initial values: read from the PEFT adapters of `peft.from_adapters`
+/// when set (every trainable parameter: adapters and `train`'s modules), else adapters drawn and
+/// everything else read from the model's weights (`from_hf`) or drawn by [`init_values`].
 fn initial_param(
     cfg: &ModelConfig,
-    weights: Option<&crate::hf::HfWeights>,
+    sources: &Sources,
     spec: &ParamSpec,
     seed: u64,
     index: usize,
 ) -> Result<Vec<f32>, crate::hf::HfError> {
-    match weights {
+    if let Some(values) = sources.adapters.as_ref().and_then(|a| a.get(spec)) {
+        return Ok(values.clone());
+    }
+    match &sources.weights {
         Some(weights) if !matches!(spec.init, Init::Adapter { .. }) => weights.read_param(cfg, spec),
         _ => Ok(init_values(spec, seed, index)),
+    }
+}
+
+/// Where a fresh job's parameters come from: `model.from_hf`'s weights, `peft.from_adapters`.
+struct Sources {
+    weights: Option<crate::hf::HfWeights>,
+    adapters: Option<crate::hf::peft::Adapters>,
+}
+
+impl Sources {
+    fn open(cfg: &ModelConfig) -> Result<Self, crate::hf::HfError> {
+        let weights = cfg.from_hf.as_deref().map(crate::hf::HfWeights::open).transpose()?;
+        let adapters = cfg.peft.as_ref().and_then(|p| p.from_adapters.as_deref());
+        let adapters = adapters.map(|dir| crate::hf::peft::Adapters::open(cfg, dir)).transpose()?;
+        Ok(Self { weights, adapters })
     }
 }
 
@@ -450,8 +469,8 @@ pub fn initial_values(
     indices: Range<usize>,
 ) -> Result<Vec<Vec<f32>>, crate::hf::HfError> {
     let specs = param_specs(cfg);
-    let weights = cfg.from_hf.as_deref().map(crate::hf::HfWeights::open).transpose()?;
-    indices.map(|i| initial_param(cfg, weights.as_ref(), &specs[i], seed, i)).collect()
+    let sources = Sources::open(cfg)?;
+    indices.map(|i| initial_param(cfg, &sources, &specs[i], seed, i)).collect()
 }
 
 /// The initial values of the elements `range` of the flat parameter order (every parameter of
@@ -461,13 +480,13 @@ pub fn initial_values(
 /// flattened.
 pub fn initial_flat(cfg: &ModelConfig, seed: u64, range: Range<usize>) -> Result<Vec<f32>, crate::hf::HfError> {
     let specs = param_specs(cfg);
-    let weights = cfg.from_hf.as_deref().map(crate::hf::HfWeights::open).transpose()?;
+    let sources = Sources::open(cfg)?;
     let mut out = Vec::with_capacity(range.len());
     let mut start = 0;
     for (index, spec) in specs.iter().enumerate() {
         let end = start + spec.numel();
         if start < range.end && range.start < end {
-            let values = initial_param(cfg, weights.as_ref(), spec, seed, index)?;
+            let values = initial_param(cfg, &sources, spec, seed, index)?;
             out.extend_from_slice(&values[range.start.max(start) - start..range.end.min(end) - start]);
         }
         start = end;
