@@ -217,3 +217,42 @@ fn lora_peaks_below_full_training_by_at_least_the_base_optimizer_state() {
         "LoRA peaks at {lora_peak}, full training at {full_peak}: less than the {moments} bytes of moments apart"
     );
 }
+
+/// `--peft lora --peer`: PEFT fine-tunes the same base beside troupe, and counts the same adapters —
+/// PEFT's trainable parameters are troupe's, and its model is the base plus them.
+#[test]
+fn lora_fine_tuning_runs_beside_peft_with_the_same_adapters() {
+    let python = venv_python();
+    let python = python.to_str().expect("a UTF-8 path");
+    let report = report_of(troupe(&[
+        "bench",
+        "train",
+        "--model",
+        "llama-tiny",
+        "--context",
+        "32",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+        "--peft",
+        "lora",
+        "--lora-r",
+        "4",
+        "--lora-targets",
+        "q_proj,k_proj,down_proj",
+        "--peer",
+        "--python",
+        python,
+        "--json",
+    ]));
+    assert_eq!(report["peer"], "transformers-peft-eager", "{report}");
+    // 4 blocks × r 4 × (q: 256 + 256, k: 256 + 128, down: 688 + 256).
+    assert_eq!(report["trainable_params"].as_u64(), Some(4 * 4 * (512 + 384 + 944)), "{report}");
+    assert_eq!(report["peer_trainable_params"], report["trainable_params"], "{report}");
+    let (params, trainable) = (report["params"].as_u64().unwrap(), report["trainable_params"].as_u64().unwrap());
+    assert_eq!(report["peer_params"].as_u64(), Some(params + trainable), "{report}");
+    for key in ["tokens_per_s", "peer_tokens_per_s", "ratio_vs_peer"] {
+        positive(&report, key);
+    }
+}
