@@ -166,16 +166,33 @@ impl Slurm {
 
     /// Waits until the job's output shows a committed step at or past `step`.
     fn wait_for_step(&self, job: u64, step: u64) {
+        self.wait_for_event(job, "step", step);
+    }
+
+    /// Waits until the job's output shows an event `name` (`step`, `checkpoint`) of a step at or past
+    /// `step`.
+    fn wait_for_event(&self, job: u64, name: &str, step: u64) {
         let started = Instant::now();
-        while !events(&self.output(job), "step").iter().any(|e| e["step"].as_u64() >= Some(step)) {
+        while !events(&self.output(job), name).iter().any(|e| e["step"].as_u64() >= Some(step)) {
             assert!(
                 started.elapsed() < Duration::from_secs(180),
-                "job {job} did not reach step {step}:\n{}{}",
+                "job {job}: no {name} event of step {step} or later:\n{}{}",
                 self.output(job),
                 self.logs()
             );
             std::thread::sleep(Duration::from_millis(100));
         }
+    }
+
+    /// `scontrol show job`'s `key=value` fields of `job` (Slurm keeps a finished job's record for
+    /// MinJobAge, 300 s).
+    fn job_fields(&self, job: u64) -> std::collections::HashMap<String, String> {
+        let out = self.cmd("scontrol").args(["show", "job", &job.to_string()]).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.split_whitespace()
+            .filter_map(|field| field.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     /// Whether `squeue` still lists `job`.
@@ -292,15 +309,20 @@ fn job(steps: u64) -> String {
     )
 }
 
-/// Every step's loss (in the output) and the final parameters equal the single-process reference's.
-fn check_on_the_reference(job_toml: &Path, output: &str, final_params: &Path) {
+/// Every step's loss in `output`, in order.
+fn losses(output: &str) -> Vec<f64> {
+    events(output, "step").iter().map(|e| e["loss"].as_f64().unwrap()).collect()
+}
+
+/// Every step's loss (`losses`, from `output`) and the final parameters equal the single-process
+/// reference's.
+fn check_on_the_reference(job_toml: &Path, losses: &[f64], output: &str, final_params: &Path) {
     let config = JobConfig::from_file(job_toml).unwrap();
     tch::set_num_threads(1);
     let mut reference = Trainer::new(config.clone()).unwrap();
     let ref_losses: Vec<f64> = (0..config.train.steps).map(|_| reference.train_step().loss).collect();
-    let losses: Vec<f64> = events(output, "step").iter().map(|e| e["loss"].as_f64().unwrap()).collect();
     assert_eq!(losses.len(), ref_losses.len(), "one committed loss per step:\n{output}");
-    let loss_diff = worst_loss_diff(&losses, &ref_losses);
+    let loss_diff = worst_loss_diff(losses, &ref_losses);
     let params = common::saved_params(final_params, &reference);
     let comparison = compare_params(reference.model.specs(), &params, &reference.param_values());
     eprintln!("loss diff {loss_diff:.1e}, params {comparison:?}");
@@ -323,7 +345,7 @@ fn an_sbatch_of_the_generated_script_trains_on_two_nodes_and_equals_the_referenc
     assert!(status.success(), "the batch job failed ({status}):\n{output}{}", slurm.logs());
     assert_eq!(worlds(&output), vec![2; 8], "both nodes trained every step:\n{output}");
     let submit = slurm.submit_dir();
-    check_on_the_reference(&submit.join("job.toml"), &output, &submit.join("final.safetensors"));
+    check_on_the_reference(&submit.join("job.toml"), &losses(&output), &output, &submit.join("final.safetensors"));
     // Both tasks named their node and the controller on n1.
     for node in ["n1", "n2"] {
         assert!(output.contains(&format!("troupe slurm: node {node} (Slurm node {node})")), "{output}");
@@ -374,6 +396,112 @@ fn a_node_slurm_takes_away_is_a_node_loss_the_job_survives_on_the_reference() {
     assert_eq!((worlds.first(), worlds.last()), (Some(&2), Some(&1)), "2 ranks, then n1's alone: {worlds:?}");
     assert!(output.contains("n2: task 1: Killed"), "srun says Slurm killed n2's task:\n{output}");
     let submit = slurm.submit_dir();
-    check_on_the_reference(&submit.join("job.toml"), &output, &submit.join("final.safetensors"));
+    check_on_the_reference(&submit.join("job.toml"), &losses(&output), &output, &submit.join("final.safetensors"));
+    assert!(troupe_tasks().is_empty(), "no task is left: {:?}", troupe_tasks());
+}
+
+/// The steps (number, loss) of each run of a job's output that Slurm appended to: a run begins where the
+/// first task names its node.
+fn runs(output: &str) -> Vec<Vec<(u64, f64)>> {
+    let mut runs: Vec<Vec<(u64, f64)>> = Vec::new();
+    for line in output.lines() {
+        if line.starts_with("troupe slurm: node n1 ") {
+            runs.push(Vec::new());
+        }
+        let Ok(event) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+        if event["event"] == "step" {
+            let run = runs.last_mut().expect("a step before the first task's node line");
+            run.push((event["step"].as_u64().unwrap(), event["loss"].as_f64().unwrap()));
+        }
+    }
+    runs
+}
+
+#[test]
+fn a_requeued_job_continues_from_its_newest_checkpoint_with_its_ca_and_equals_the_reference() {
+    let Some(slurm) = Slurm::start() else { return };
+    const STEPS: u64 = 30;
+    // A relative checkpoint.dir is the task's working directory's: the submit directory, shared.
+    let config = format!("{}\n[checkpoint]\ndir = \"checkpoints\"\nevery_steps = 2\n", job(STEPS));
+    let script = slurm.script(&config, &["--requeue", "--save-final", "final.safetensors"]);
+    let (id, _) = slurm.sbatch(&script, false);
+    let submit = slurm.submit_dir();
+    slurm.wait_for_event(id, "checkpoint", 4);
+    let ca = submit.join(format!(".troupe/slurm-{id}/ca.pem"));
+    let ca_before = std::fs::read(&ca).expect("the first run made the CA");
+
+    // What preemption with PreemptMode=REQUEUE does, and an administrator: Slurm sends every task
+    // SIGTERM (the first task cancels the job, every daemon drains), then queues the job again.
+    assert!(slurm.cmd("scontrol").args(["requeue", &id.to_string()]).status().unwrap().success());
+    let requeued = Instant::now();
+    while !troupe_tasks().is_empty() || slurm.job_fields(id).get("JobState").map(String::as_str) != Some("PENDING") {
+        assert!(
+            requeued.elapsed() < Duration::from_secs(KILL_WAIT_S + 30),
+            "after scontrol requeue: tasks {:?} alive, job {:?} after {:?}:\n{}{}",
+            troupe_tasks(),
+            slurm.job_fields(id).get("JobState"),
+            requeued.elapsed(),
+            slurm.output(id),
+            slurm.logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The checkpoint a job continues from, as `troupe checkpoint list` names it.
+    let listed = Command::new(common::binary())
+        .args(["checkpoint", "list", "--json"])
+        .arg(submit.join("checkpoints"))
+        .output()
+        .unwrap();
+    assert!(listed.status.success(), "troupe checkpoint list: {}", String::from_utf8_lossy(&listed.stderr));
+    let newest = String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|c| c["resume_from"] == true)
+        .and_then(|c| c["step"].as_u64())
+        .unwrap_or_else(|| panic!("no checkpoint to continue from: {}", String::from_utf8_lossy(&listed.stdout)));
+    assert!(newest >= 4 && newest < STEPS, "the newest checkpoint is of step {newest}");
+    // Slurm 22.05 holds a requeued job for 120 s (BeginTime); start it now instead of waiting.
+    let release = slurm.cmd("scontrol").args(["update", &format!("jobid={id}"), "StartTime=now"]).status();
+    assert!(release.unwrap().success());
+
+    let started = Instant::now();
+    while slurm.queued(id) {
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "the requeued job is still queued after {:?}:\n{}{}",
+            started.elapsed(),
+            slurm.output(id),
+            slurm.logs()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let output = slurm.output(id);
+    let fields = slurm.job_fields(id);
+    let (state, restarts) = (fields.get("JobState"), fields.get("Restarts"));
+    assert_eq!(state.map(String::as_str), Some("COMPLETED"), "the requeued run finished:\n{output}{}", slurm.logs());
+    assert_eq!(restarts.map(String::as_str), Some("1"), "Slurm ran the job twice");
+
+    // The output holds both runs (--open-mode=append). The second says it is Slurm's restart and reuses
+    // the CA, and starts after the newest checkpoint's step.
+    let runs = runs(&output);
+    assert_eq!(runs.len(), 2, "two runs in the output:\n{output}");
+    let restart_line = format!("troupe slurm: Slurm restart 1 of job {id}: reusing the CA in ");
+    assert!(output.contains(&restart_line), "the requeued run names its restart and the CA:\n{output}");
+    assert_eq!(std::fs::read(&ca).unwrap(), ca_before, "the requeued run kept the cluster's CA");
+    let starts: Vec<Option<u64>> = events(&output, "start").iter().map(|e| e["from_step"].as_u64()).collect();
+    assert_eq!(starts, vec![Some(0), Some(newest)], "the requeued run starts from step {newest}:\n{output}");
+    let steps_of = |run: &[(u64, f64)]| run.iter().map(|(step, _)| *step).collect::<Vec<u64>>();
+    let (first, second) = (&runs[0], &runs[1]);
+    let first_steps = steps_of(first);
+    assert_eq!(first_steps, (1..=first_steps.len() as u64).collect::<Vec<_>>(), "the first run from step 1");
+    assert!(first_steps.len() as u64 >= newest, "the first run committed step {newest}: {first_steps:?}");
+    assert_eq!(steps_of(second), (newest + 1..=STEPS).collect::<Vec<_>>(), "the requeued run's steps");
+    // Steps the first run committed after its newest checkpoint are done again, the same way.
+    for ((step, lost), (_, again)) in first[newest as usize..].iter().zip(second) {
+        assert!((lost - again).abs() <= TOLERANCE, "step {step}: {lost} in the first run, {again} requeued");
+    }
+    // The whole run (the first run up to the checkpoint, then the requeued one) is the reference's.
+    let whole: Vec<f64> = first[..newest as usize].iter().chain(second).map(|(_, loss)| *loss).collect();
+    check_on_the_reference(&submit.join("job.toml"), &whole, &output, &submit.join("final.safetensors"));
     assert!(troupe_tasks().is_empty(), "no task is left: {:?}", troupe_tasks());
 }

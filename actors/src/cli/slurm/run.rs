@@ -134,6 +134,13 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let bound = Duration::from_secs(options.wait_s);
     let identity = if placement.index == 0 {
+        // SLURM_RESTART_COUNT: how often Slurm requeued this job. The same job id names the same cluster
+        // directory, so a requeued run keeps its CA; the job's checkpoint.dir gives it its steps.
+        let restarts = std::env::var("SLURM_RESTART_COUNT").ok().filter(|n| !n.is_empty() && n != "0");
+        if let Some(n) = restarts {
+            let ca = if dir.join("ca.pem").exists() { "reusing the CA in" } else { "making the CA in" };
+            println!("troupe slurm: Slurm restart {n} of job {}: {ca} {}", placement.task.job_id, dir.display());
+        }
         certs::prepare(&dir, &placement.names)?;
         NodeIdentity::load(&dir, &certs::client_name(placement.name()))?
     } else {
@@ -327,8 +334,8 @@ async fn accompany(
             if heard.elapsed() >= bound {
                 bail!(
                     "the controller on {} ({}) has not answered for {} s: its node is gone, and the job with it \
-                     (the first node runs the controller; with `sbatch --requeue` and checkpoint.dir a requeued \
-                     allocation resumes)",
+                     (the first node runs the controller); with checkpoint.dir set, submit the script again and the \
+                     job continues from its newest checkpoint",
                     placement.hosts[0],
                     placement.controller,
                     bound.as_secs()

@@ -36,8 +36,9 @@ pub struct SbatchArgs {
     /// The job's output file (Slurm's patterns, `%j` the job id) [default: troupe-%j.out].
     #[arg(long, value_name = "FILE")]
     pub output: Option<String>,
-    /// Let Slurm requeue the job when a node fails at start or the allocation is preempted; with
-    /// checkpoint.dir in the job, the requeued run continues from the newest checkpoint.
+    /// Let Slurm requeue the job (`scontrol requeue`, preemption with PreemptMode=REQUEUE, a node
+    /// failing at launch); with checkpoint.dir in the job, the requeued run continues from the newest
+    /// checkpoint. The output file is then appended to, so that it keeps every run's events.
     #[arg(long)]
     pub requeue: bool,
     /// Write the script here (mode 0755) instead of printing it.
@@ -104,7 +105,13 @@ pub fn script(args: &SbatchArgs, troupe: &Path, config: &Path) -> String {
         directive(format!("--account={account}"));
     }
     directive(format!("--output={}", args.output.as_deref().unwrap_or("troupe-%j.out")));
-    directive(if args.requeue { "--requeue".into() } else { "--no-requeue".into() });
+    if args.requeue {
+        directive("--requeue".into());
+        // Slurm truncates the output file when it starts a requeued job, unless told to append.
+        directive("--open-mode=append".into());
+    } else {
+        directive("--no-requeue".into());
+    }
     lines.push("# A node Slurm loses is a node loss to troupe: the job shrinks and goes on.".into());
     lines.push("#SBATCH --no-kill".into());
     lines.push(String::new());
@@ -205,6 +212,7 @@ mod tests {
         ] {
             assert!(lines.contains(&expected), "{expected} in\n{text}");
         }
+        assert!(!text.contains("--open-mode"), "without --requeue Slurm's default open mode: {text}");
         let srun = lines.iter().find(|l| l.starts_with("srun ")).unwrap();
         assert_eq!(
             *srun,
@@ -233,6 +241,7 @@ mod tests {
             "quic",
         ]);
         assert!(text.contains("#SBATCH --cpus-per-task=16\n") && text.contains("#SBATCH --requeue\n"), "{text}");
+        assert!(text.contains("#SBATCH --open-mode=append\n"), "a requeued run appends to the output: {text}");
         assert!(text.contains("cluster_dir=/shared/c\n"), "{text}");
         let srun = text.lines().find(|l| l.starts_with("srun ")).unwrap();
         assert!(srun.contains(" --cpus-per-task=16 "), "{srun}");
