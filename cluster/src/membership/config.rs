@@ -2,6 +2,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::detector::{Arrivals, DetectorKind};
+
 /// Failure-detection timing. The hierarchy users can rely on: heartbeat interval < failure timeout <
 /// collective timeout < job timeout.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -9,13 +11,31 @@ use serde::{Deserialize, Serialize};
 pub struct MembershipConfig {
     /// How often a member tells the controller it is alive.
     pub heartbeat_interval_ms: u64,
-    /// Silence after which a member is declared dead (and a member declares the controller lost).
+    /// Silence after which a member is declared dead (and a member declares the controller lost). Under
+    /// `phi_accrual`, the ceiling: a member is declared dead by then whatever its history.
     pub failure_timeout_ms: u64,
+    /// How the controller decides a silent member is dead: `fixed` (after `failure_timeout_ms`) or
+    /// `phi_accrual` (adaptive, from the member's heartbeat history; see `membership::detector`).
+    pub failure_detector: DetectorKind,
+    /// `phi_accrual`: the floor — no member is declared dead by silence before this, however regular its
+    /// heartbeats (a loaded machine's pauses below it never fail a member).
+    pub failure_timeout_min_ms: u64,
+    /// `phi_accrual`: the suspicion at which a member is dead, φ = −log10(P(a live member is this late)).
+    pub phi_threshold: u32,
+    /// `phi_accrual`: the least standard deviation assumed of heartbeat intervals.
+    pub phi_min_std_deviation_ms: u64,
 }
 
 impl Default for MembershipConfig {
     fn default() -> Self {
-        Self { heartbeat_interval_ms: 250, failure_timeout_ms: 1500 }
+        Self {
+            heartbeat_interval_ms: 250,
+            failure_timeout_ms: 1500,
+            failure_detector: DetectorKind::Fixed,
+            failure_timeout_min_ms: 750,
+            phi_threshold: 8,
+            phi_min_std_deviation_ms: 50,
+        }
     }
 }
 
@@ -26,6 +46,18 @@ impl MembershipConfig {
 
     pub fn failure_timeout(&self) -> Duration {
         Duration::from_millis(self.failure_timeout_ms)
+    }
+
+    /// The silence after which a member heard as `arrivals` is declared dead.
+    pub fn silence_allowed(&self, arrivals: &Arrivals) -> Duration {
+        match self.failure_detector {
+            DetectorKind::Fixed => self.failure_timeout(),
+            DetectorKind::PhiAccrual => {
+                let min_std_dev = Duration::from_millis(self.phi_min_std_deviation_ms);
+                let adaptive = arrivals.silence_at_phi(f64::from(self.phi_threshold), min_std_dev);
+                adaptive.clamp(Duration::from_millis(self.failure_timeout_min_ms), self.failure_timeout())
+            }
+        }
     }
 
     /// Checks the values; the message names the key and what is allowed.
@@ -39,6 +71,53 @@ impl MembershipConfig {
                 self.failure_timeout_ms, self.heartbeat_interval_ms
             ));
         }
+        if self.failure_detector == DetectorKind::PhiAccrual {
+            if self.failure_timeout_min_ms < 2 * self.heartbeat_interval_ms {
+                return Err(format!(
+                    "failure_timeout_min_ms ({}) must be at least twice heartbeat_interval_ms ({}), or one late heartbeat kills a healthy node",
+                    self.failure_timeout_min_ms, self.heartbeat_interval_ms
+                ));
+            }
+            if self.failure_timeout_min_ms > self.failure_timeout_ms {
+                return Err(format!(
+                    "failure_timeout_min_ms ({}) is the floor of the adaptive timeout: at most failure_timeout_ms ({}), its ceiling",
+                    self.failure_timeout_min_ms, self.failure_timeout_ms
+                ));
+            }
+            if !(1..=16).contains(&self.phi_threshold) {
+                return Err(format!(
+                    "phi_threshold ({}) must be 1 to 16 (8: one false suspicion in 10^8 heartbeats)",
+                    self.phi_threshold
+                ));
+            }
+        }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(config: MembershipConfig, expected: Result<(), &str>) {
+        let got = config.validate();
+        match expected {
+            Ok(()) => assert_eq!(got, Ok(())),
+            Err(names) => assert!(got.as_ref().is_err_and(|e| e.contains(names)), "{got:?} should name {names}"),
+        }
+    }
+
+    #[test]
+    fn the_adaptive_detector_needs_a_floor_between_two_intervals_and_the_ceiling() {
+        let phi = MembershipConfig { failure_detector: DetectorKind::PhiAccrual, ..MembershipConfig::default() };
+        check(phi.clone(), Ok(()));
+        check(MembershipConfig { failure_timeout_min_ms: 499, ..phi.clone() }, Err("failure_timeout_min_ms (499)"));
+        check(MembershipConfig { failure_timeout_min_ms: 1600, ..phi.clone() }, Err("ceiling"));
+        check(MembershipConfig { phi_threshold: 0, ..phi.clone() }, Err("phi_threshold"));
+        // The fixed detector ignores the adaptive keys.
+        check(MembershipConfig { failure_timeout_min_ms: 0, phi_threshold: 0, ..MembershipConfig::default() }, Ok(()));
+        let parsed: MembershipConfig =
+            serde_json::from_str(r#"{"failure_detector": "phi_accrual", "failure_timeout_min_ms": 600}"#).unwrap();
+        assert_eq!(parsed, MembershipConfig { failure_timeout_min_ms: 600, ..phi });
     }
 }

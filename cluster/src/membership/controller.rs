@@ -1,6 +1,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
+use super::detector::Arrivals;
 use super::{Epoch, MembershipConfig, NodeId, View};
 
 /// What the controller's membership machine is told.
@@ -25,7 +26,7 @@ pub enum MembershipEvent {
 pub enum Change {
     Joined(NodeId),
     Left(NodeId),
-    /// Silent for `silent_ms`, at least the failure timeout.
+    /// Silent for `silent_ms`, at least the silence its failure detector allowed.
     Failed {
         node: NodeId,
         silent_ms: u64,
@@ -65,7 +66,8 @@ struct Joiner {
 pub struct Membership {
     config: MembershipConfig,
     view: View,
-    last_seen: BTreeMap<NodeId, Duration>,
+    /// Every member's heartbeat arrivals (when it was last heard, and the detector's history).
+    last_seen: BTreeMap<NodeId, Arrivals>,
     /// The incarnation each member was admitted with (members of the first view, or joiners that did not
     /// say, have none).
     incarnations: BTreeMap<NodeId, u64>,
@@ -89,7 +91,8 @@ impl Membership {
     /// theirs.
     pub fn starting_at(config: MembershipConfig, now: Duration, members: Vec<NodeId>, epoch: Epoch) -> Self {
         let view = View::new(epoch, members);
-        let last_seen = view.members().iter().map(|m| (m.clone(), now)).collect();
+        let interval = config.heartbeat_interval();
+        let last_seen = view.members().iter().map(|m| (m.clone(), Arrivals::new(now, interval))).collect();
         let admitted_at = view.members().iter().map(|m| (m.clone(), epoch)).collect();
         Self {
             config,
@@ -134,7 +137,7 @@ impl Membership {
                         self.actions
                             .push_back(MembershipAction::SendView { node: from.clone(), view: self.view.clone() });
                     }
-                    self.last_seen.insert(from, now);
+                    self.heard(from, now);
                 } else if let Some(joiner) = self.joining.get_mut(&from) {
                     joiner.asked = now;
                 } else {
@@ -148,7 +151,7 @@ impl Membership {
                     // The same incarnation asked again before the view admitting it arrived (a join is
                     // resent every heartbeat interval until then): a duplicate, not a restart. It is alive;
                     // it is sent the view again.
-                    self.last_seen.insert(from.clone(), now);
+                    self.heard(from.clone(), now);
                     self.actions.push_back(MembershipAction::SendView { node: from, view: self.view.clone() });
                 } else {
                     if self.view.contains(&from) {
@@ -166,7 +169,7 @@ impl Membership {
             MembershipEvent::ConnectionLost { peer } => {
                 self.joining.remove(&peer);
                 if self.view.contains(&peer) {
-                    let silent = self.last_seen.get(&peer).map_or(Duration::ZERO, |&seen| now.saturating_sub(seen));
+                    let silent = self.last_seen.get(&peer).map_or(Duration::ZERO, |a| now.saturating_sub(a.last()));
                     let silent_ms = silent.as_millis() as u64;
                     self.remove(&peer, Change::ConnectionLost { node: peer.clone(), silent_ms });
                 }
@@ -176,14 +179,15 @@ impl Membership {
         self.commit();
     }
 
-    /// Declares dead every member silent for the failure timeout, all in one view change.
+    /// Declares dead every member silent for as long as its failure detector allows, all in one view
+    /// change.
     pub fn handle_timeout(&mut self, now: Duration) {
         let timeout = self.config.failure_timeout();
         let silent: Vec<(NodeId, Duration)> = self
             .last_seen
             .iter()
-            .filter(|(_, &seen)| now.saturating_sub(seen) >= timeout)
-            .map(|(n, &seen)| (n.clone(), now - seen))
+            .filter(|(_, a)| now >= self.deadline(a))
+            .map(|(n, a)| (n.clone(), now - a.last()))
             .collect();
         for (node, silence) in silent {
             self.remove(&node, Change::Failed { node: node.clone(), silent_ms: silence.as_millis() as u64 });
@@ -194,7 +198,24 @@ impl Membership {
 
     /// When [`Self::handle_timeout`] next has work: the earliest instant a member would time out.
     pub fn poll_timeout(&self) -> Option<Duration> {
-        self.last_seen.values().min().map(|&seen| seen + self.config.failure_timeout())
+        self.last_seen.values().map(|a| self.deadline(a)).min()
+    }
+
+    /// The silence `node`'s failure detector allows it now (None for a non-member): `failure_timeout_ms`,
+    /// or under `phi_accrual` what its heartbeat history makes improbable.
+    pub fn silence_allowed(&self, node: &NodeId) -> Option<Duration> {
+        self.last_seen.get(node).map(|a| self.config.silence_allowed(a))
+    }
+
+    /// When a member heard as `arrivals` is declared dead, if it stays silent.
+    fn deadline(&self, arrivals: &Arrivals) -> Duration {
+        arrivals.last() + self.config.silence_allowed(arrivals)
+    }
+
+    /// A member was heard at `now`: one more arrival in its detector's history.
+    fn heard(&mut self, node: NodeId, now: Duration) {
+        let interval = self.config.heartbeat_interval();
+        self.last_seen.entry(node).and_modify(|a| a.record(now)).or_insert_with(|| Arrivals::new(now, interval));
     }
 
     pub fn poll_action(&mut self) -> Option<MembershipAction> {
@@ -212,7 +233,7 @@ impl Membership {
         // Admitted into the view this call's `commit` makes: the next epoch.
         let epoch = Epoch(self.view.epoch.0 + 1);
         for (node, joiner) in std::mem::take(&mut self.joining) {
-            self.last_seen.insert(node.clone(), now);
+            self.last_seen.insert(node.clone(), Arrivals::new(now, self.config.heartbeat_interval()));
             self.admitted_at.insert(node.clone(), epoch);
             if let Some(incarnation) = joiner.incarnation {
                 self.incarnations.insert(node.clone(), incarnation);

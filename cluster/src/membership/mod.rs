@@ -5,8 +5,8 @@
 //!
 //! Two machines:
 //! - [`Membership`], held by the job controller: the authoritative [`View`] (epoch + members ordered by
-//!   node id). Members are declared dead after `failure_timeout_ms` of silence (or at once when their
-//!   connection is lost); every batch of changes at one instant bumps the epoch exactly once. Joiners wait
+//!   node id). Members are declared dead after the silence their [`detector`] allows (`failure_timeout_ms`,
+//!   or adaptive under `phi_accrual`), or at once when their connection is lost; every batch of changes at one instant bumps the epoch exactly once. Joiners wait
 //!   for the next step boundary. A message from a node that is not in the view is answered with a fence;
 //!   a heartbeat from a member on an older epoch is answered with the current view (views may be lost),
 //!   and so is a join from a member carrying the incarnation it was admitted with (a join resent before
@@ -17,11 +17,13 @@
 
 mod config;
 mod controller;
+pub mod detector;
 mod member;
 mod view;
 
 pub use config::MembershipConfig;
 pub use controller::{Change, Membership, MembershipAction, MembershipEvent};
+pub use detector::DetectorKind;
 pub use member::{MemberAction, MemberState};
 pub use view::{Epoch, NodeId, View};
 

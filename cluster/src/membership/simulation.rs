@@ -5,7 +5,10 @@
 //!
 //! Invariants checked:
 //! - every view change increments the epoch by exactly one;
-//! - a crashed node is removed within `failure_timeout + max_delay + tick` of its crash (detection bound);
+//! - a crashed node is removed within `failure_timeout + max_delay + tick` of its crash (detection bound),
+//!   and under `phi_accrual` on a steady network within `failure_timeout_min + max_delay + tick`;
+//! - a pause shorter than `failure_timeout_min − interval − max_delay` never changes the view, under either
+//!   detector;
 //! - with no drops and `interval + max_delay < timeout`, no live, unpaused node is ever removed;
 //! - a node paused beyond the timeout is fenced on resume and is a member again, in a newer epoch, within
 //!   `2 × timeout` of resuming;
@@ -273,6 +276,64 @@ proptest! {
         prop_assert_eq!(outcome.controller_view.len(), nodes, "seed {}: not everyone is back", seed);
         for (node, view, _) in &outcome.final_views {
             prop_assert_eq!(view.as_ref(), Some(&outcome.controller_view), "seed {}: {} lags", seed, node);
+        }
+    }
+}
+
+/// The reliable network with the adaptive detector (`phi_accrual`, floor 750 ms, ceiling 1500 ms).
+fn adaptive() -> Sim {
+    let config = MembershipConfig { failure_detector: DetectorKind::PhiAccrual, ..MembershipConfig::default() };
+    Sim { config, ..reliable() }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// Under `phi_accrual` on a steady network (delays 0–100 ms), a crash is detected by the floor — half
+    /// the fixed timeout — and no live node is ever removed.
+    #[test]
+    fn the_adaptive_detector_finds_crashes_by_the_floor_and_nothing_else(seed in any::<u64>(), nodes in 2usize..7) {
+        let sim = adaptive();
+        let mut rng = Rng::new(seed ^ 0xF1);
+        let faults: Vec<Option<Fault>> = (0..nodes)
+            .map(|_| (rng.below(3) == 0).then(|| Fault::Crash { at_ms: 200 + rng.below(3000) }))
+            .collect();
+        let outcome = sim.run(seed, nodes, &faults, Duration::from_secs(8));
+        check_epochs_step_by_one(&outcome, seed);
+        let bound = Duration::from_millis(sim.config.failure_timeout_min_ms + sim.max_delay_ms) + TICK;
+        for (i, fault) in faults.iter().enumerate() {
+            let id = NodeId(format!("node-{i:02}"));
+            match fault {
+                Some(Fault::Crash { at_ms }) => {
+                    let crash = Duration::from_millis(*at_ms);
+                    let removed = removal_time(&outcome, &id, crash)
+                        .unwrap_or_else(|| panic!("seed {seed}: crashed {id} never removed"));
+                    prop_assert!(removed <= crash + bound, "seed {seed}: {id} crashed at {crash:?}, removed at {removed:?}");
+                }
+                _ => prop_assert!(removal_time(&outcome, &id, Duration::ZERO).is_none(), "seed {seed}: live {id} was removed"),
+            }
+        }
+    }
+
+    /// A pause shorter than the floor less an interval and the delay is never fatal, under either
+    /// detector; a pause past the ceiling is fenced, and the node rejoins.
+    #[test]
+    fn pauses_below_the_floor_stay_and_beyond_the_ceiling_are_fenced(
+        seed in any::<u64>(), nodes in 2usize..6, short_ms in 0u64..400, long_ms in 1700u64..4000,
+    ) {
+        for sim in [adaptive(), reliable()] {
+            let victim = (seed % nodes as u64) as usize;
+            let id = NodeId(format!("node-{victim:02}"));
+            let mut faults = vec![None; nodes];
+            faults[victim] = Some(Fault::Pause { at_ms: 500, for_ms: short_ms });
+            let outcome = sim.run(seed, nodes, &faults, Duration::from_secs(4));
+            prop_assert!(outcome.views.is_empty(), "seed {seed}: a {short_ms} ms pause changed the view: {:?}", outcome.views);
+            faults[victim] = Some(Fault::Pause { at_ms: 500, for_ms: long_ms });
+            let outcome = sim.run(seed, nodes, &faults, Duration::from_millis(500 + long_ms + 6000));
+            check_epochs_step_by_one(&outcome, seed);
+            let removed = removal_time(&outcome, &id, Duration::ZERO).expect("paused node removed");
+            prop_assert!(removed < Duration::from_millis(500 + long_ms), "seed {seed}: removal must happen during the pause");
+            prop_assert_eq!(outcome.controller_view.len(), nodes, "seed {}: {} did not rejoin", seed, id);
         }
     }
 }
