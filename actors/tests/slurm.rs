@@ -309,20 +309,24 @@ fn job(steps: u64) -> String {
     )
 }
 
-/// Every step's loss in `output`, in order.
-fn losses(output: &str) -> Vec<f64> {
-    events(output, "step").iter().map(|e| e["loss"].as_f64().unwrap()).collect()
+/// Every step (number, loss) in `output`, in order.
+fn losses(output: &str) -> Vec<(u64, f64)> {
+    events(output, "step").iter().map(|e| (e["step"].as_u64().unwrap(), e["loss"].as_f64().unwrap())).collect()
 }
 
-/// Every step's loss (`losses`, from `output`) and the final parameters equal the single-process
-/// reference's.
-fn check_on_the_reference(job_toml: &Path, losses: &[f64], output: &str, final_params: &Path) {
+/// Each step's loss in `losses` (from `output`; in order, the last step the job's last) and the final
+/// parameters equal the single-process reference's.
+fn check_on_the_reference(job_toml: &Path, losses: &[(u64, f64)], output: &str, final_params: &Path) {
     let config = JobConfig::from_file(job_toml).unwrap();
     tch::set_num_threads(1);
     let mut reference = Trainer::new(config.clone()).unwrap();
     let ref_losses: Vec<f64> = (0..config.train.steps).map(|_| reference.train_step().loss).collect();
-    assert_eq!(losses.len(), ref_losses.len(), "one committed loss per step:\n{output}");
-    let loss_diff = worst_loss_diff(losses, &ref_losses);
+    let steps: Vec<u64> = losses.iter().map(|(step, _)| *step).collect();
+    assert!(steps.windows(2).all(|w| w[0] < w[1]), "steps in order: {steps:?}\n{output}");
+    assert_eq!(steps.last(), Some(&config.train.steps), "the job ran to its last step:\n{output}");
+    let at_steps: Vec<f64> = steps.iter().map(|step| ref_losses[*step as usize - 1]).collect();
+    let losses: Vec<f64> = losses.iter().map(|(_, loss)| *loss).collect();
+    let loss_diff = worst_loss_diff(&losses, &at_steps);
     let params = common::saved_params(final_params, &reference);
     let comparison = compare_params(reference.model.specs(), &params, &reference.param_values());
     eprintln!("loss diff {loss_diff:.1e}, params {comparison:?}");
@@ -394,6 +398,7 @@ fn a_node_slurm_takes_away_is_a_node_loss_the_job_survives_on_the_reference() {
     assert!(status.success(), "the batch job failed ({status}):\n{output}{}", slurm.logs());
     let worlds = worlds(&output);
     assert_eq!((worlds.first(), worlds.last()), (Some(&2), Some(&1)), "2 ranks, then n1's alone: {worlds:?}");
+    assert_eq!(worlds.len(), 24, "one committed step each:\n{output}");
     assert!(output.contains("n2: task 1: Killed"), "srun says Slurm killed n2's task:\n{output}");
     let submit = slurm.submit_dir();
     check_on_the_reference(&submit.join("job.toml"), &losses(&output), &output, &submit.join("final.safetensors"));
@@ -494,14 +499,15 @@ fn a_requeued_job_continues_from_its_newest_checkpoint_with_its_ca_and_equals_th
     let (first, second) = (&runs[0], &runs[1]);
     let first_steps = steps_of(first);
     assert_eq!(first_steps, (1..=first_steps.len() as u64).collect::<Vec<_>>(), "the first run from step 1");
-    assert!(first_steps.len() as u64 >= newest, "the first run committed step {newest}: {first_steps:?}");
     assert_eq!(steps_of(second), (newest + 1..=STEPS).collect::<Vec<_>>(), "the requeued run's steps");
-    // Steps the first run committed after its newest checkpoint are done again, the same way.
-    for ((step, lost), (_, again)) in first[newest as usize..].iter().zip(second) {
+    // Steps the first run committed after its newest checkpoint are done again, the same way. (SIGTERM
+    // may also cut off the events of steps up to the checkpoint: committed and saved, but not printed.)
+    for (step, lost) in first.iter().filter(|(step, _)| *step > newest) {
+        let again = second[(step - newest - 1) as usize].1;
         assert!((lost - again).abs() <= TOLERANCE, "step {step}: {lost} in the first run, {again} requeued");
     }
     // The whole run (the first run up to the checkpoint, then the requeued one) is the reference's.
-    let whole: Vec<f64> = first[..newest as usize].iter().chain(second).map(|(_, loss)| *loss).collect();
+    let whole: Vec<(u64, f64)> = first.iter().filter(|(step, _)| *step <= newest).chain(second).copied().collect();
     check_on_the_reference(&submit.join("job.toml"), &whole, &output, &submit.join("final.safetensors"));
     assert!(troupe_tasks().is_empty(), "no task is left: {:?}", troupe_tasks());
 }
