@@ -1,7 +1,8 @@
 //! `troupe bench recovery`: SIGKILL one daemon of a local cluster at a chosen step of a DDP (or ZeRO-1/2,
 //! `--shard`) job and
 //! measure how long until the controller notices (detect_s) and until the next step commits on the
-//! survivors (recovery_s); then check the run against the single-process reference. With --peer, then
+//! survivors (recovery_s), with the phases between (`phases`: detect, decide, resume — from the job's
+//! event stream); then check the run against the single-process reference. With --peer, then
 //! the same loss under torchrun (bench/peers/torchrun_recovery.py: restart the worker group from the last
 //! checkpoint), with the same ranks and kill step, and ratio = peer_recovery_s / recovery_s.
 
@@ -11,6 +12,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
 use tch::Tensor;
+use troupe_cluster::membership::DetectorKind;
 use troupe_model::config::JobConfig;
 use troupe_model::oracle::compare_params;
 use troupe_model::Trainer;
@@ -33,6 +35,10 @@ pub struct RecoveryArgs {
     /// held by a buddy rank, so the killed rank's shard is restored from memory).
     #[arg(long, value_parser = ["none", "zero1", "zero2"], default_value = "none")]
     pub shard: String,
+    /// The controller's failure detector (node.toml `[membership] failure_detector`): fixed
+    /// (`failure_timeout_ms`) or phi_accrual (adaptive, floor `failure_timeout_min_ms`).
+    #[arg(long, value_parser = ["fixed", "phi_accrual"], default_value = "fixed")]
+    pub failure_detector: String,
     /// Skip the reference run (and max_param_rel_diff).
     #[arg(long)]
     pub no_check: bool,
@@ -63,12 +69,19 @@ async fn measure(args: RecoveryArgs) -> anyhow::Result<()> {
     config.parallel.shard.clone_from(&args.shard);
     let mut options = LocalClusterOptions::new(args.nodes);
     options.torch_threads = 1;
+    options.membership.failure_detector = match args.failure_detector.as_str() {
+        "phi_accrual" => DetectorKind::PhiAccrual,
+        _ => DetectorKind::Fixed,
+    };
+    let membership = options.membership.clone();
     let binary = std::env::current_exe().context("locating the troupe binary")?;
     let cluster = LocalCluster::processes(&binary, options).await?;
     let victim = cluster.pid(args.nodes - 1).context("daemon pid")?;
     let mut handle = cluster.client().await?.submit(Job::new(config.clone()).save_final(&out)).await?;
     let (mut killed, mut detect, mut recovery, mut steps) = (None::<Instant>, None, None, Vec::new());
     let mut rolled_back = None;
+    // When the job said so, after the kill: the view change, the new attempt, the first commit.
+    let (mut viewed, mut resumed, mut committed) = (None::<Instant>, None::<Instant>, None::<Instant>);
     let mut step_s = Vec::new();
     let mut last = Instant::now();
     while let Some(event) = handle.next_event().await? {
@@ -76,6 +89,7 @@ async fn measure(args: RecoveryArgs) -> anyhow::Result<()> {
             JobEvent::Step { step, .. } => {
                 steps.push(step);
                 if let (Some(t), None) = (killed, recovery) {
+                    committed = Some(Instant::now());
                     recovery = Some(t.elapsed().as_secs_f64());
                 } else if step > 2 {
                     step_s.push(last.elapsed().as_secs_f64());
@@ -86,7 +100,13 @@ async fn measure(args: RecoveryArgs) -> anyhow::Result<()> {
                     killed = Some(Instant::now());
                 }
             }
-            JobEvent::Membership { .. } => detect = killed.map(|t| t.elapsed().as_secs_f64()),
+            JobEvent::Membership { .. } => {
+                detect = killed.map(|t| t.elapsed().as_secs_f64());
+                viewed = killed.map(|_| Instant::now());
+            }
+            JobEvent::Recovered { .. } | JobEvent::Started { .. } if viewed.is_some() && resumed.is_none() => {
+                resumed = Some(Instant::now());
+            }
             JobEvent::RolledBack { from_step, to_step } => rolled_back = Some((from_step, to_step)),
             JobEvent::Failed { reason } => bail!("the job failed: {reason}"),
             _ => {}
@@ -102,7 +122,10 @@ async fn measure(args: RecoveryArgs) -> anyhow::Result<()> {
         "rolled_back": rolled_back,
         "detect_s": detect, "recovery_s": recovery, "steps_redone": steps_redone,
         "steps_committed": steps.len(), "step_s_median": step_median, "max_param_rel_diff": diff,
-        "failure_timeout_ms": troupe_cluster::membership::MembershipConfig::default().failure_timeout_ms,
+        "phases": phases(killed, viewed, resumed, committed),
+        "failure_detector": args.failure_detector,
+        "failure_timeout_ms": membership.failure_timeout_ms,
+        "failure_timeout_min_ms": membership.failure_timeout_min_ms,
     });
     if args.peer {
         let peer = run_peer(&args)?;
@@ -121,6 +144,24 @@ async fn measure(args: RecoveryArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
     }
     Ok(())
+}
+
+/// The recovery's phases in seconds, as the job's event stream shows them: `detect` (kill → the view
+/// change), `decide` (→ the new attempt: abort, re-plan, attempt sent), `resume` (→ the next committed
+/// step: the survivors' mesh rebuilt, state restored, one step). The events reach the client over the
+/// control plane, so each includes that delivery; the sum is `recovery_s`.
+fn phases(
+    killed: Option<Instant>,
+    viewed: Option<Instant>,
+    resumed: Option<Instant>,
+    committed: Option<Instant>,
+) -> Value {
+    let between = |a: Option<Instant>, b: Option<Instant>| a.zip(b).map(|(a, b)| b.duration_since(a).as_secs_f64());
+    json!({
+        "detect_s": between(killed, viewed),
+        "decide_s": between(viewed, resumed),
+        "resume_s": between(resumed, committed),
+    })
 }
 
 /// bench/peers/torchrun_recovery.py with the same ranks, kill step and steps after; its last stdout line.
