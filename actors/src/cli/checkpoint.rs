@@ -80,9 +80,28 @@ pub enum CheckpointCommand {
         /// One safetensors file of troupe's parameter names and layout instead of a Hugging Face directory.
         #[arg(long)]
         raw: bool,
+        /// A LoRA checkpoint's adapters as a Hugging Face PEFT directory (`adapter_config.json` +
+        /// `adapter_model.safetensors`) that `peft.PeftModel.from_pretrained(base, DIR)` loads.
+        #[arg(long, conflicts_with_all = ["raw", "merge"])]
+        adapters: bool,
+        /// A `[peft]` checkpoint merged into its base (`W + s·B·A`; freeze: the trained modules) as a full
+        /// Hugging Face model directory.
+        #[arg(long, conflicts_with = "raw")]
+        merge: bool,
         #[arg(long)]
         json: bool,
     },
+}
+
+/// What `checkpoint export` writes as a Hugging Face directory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HfExport {
+    /// The model (a checkpoint without `[peft]`).
+    Model,
+    /// A LoRA checkpoint's adapters (PEFT's format).
+    Adapters,
+    /// A `[peft]` checkpoint merged into its base.
+    Merged,
 }
 
 pub fn run(command: CheckpointCommand) -> anyhow::Result<()> {
@@ -91,12 +110,17 @@ pub fn run(command: CheckpointCommand) -> anyhow::Result<()> {
         CheckpointCommand::Verify { path, json } => verify_all(&path, json),
         CheckpointCommand::Reshard { src, shards, out, json } => reshard(&src, shards, &out, json),
         CheckpointCommand::Export { src, out, raw: true, json, .. } => export(&src, &out, json),
-        CheckpointCommand::Export { src, out, dtype, max_shard_mib, raw: false, json } => {
+        CheckpointCommand::Export { src, out, dtype, max_shard_mib, raw: false, adapters, merge, json } => {
             let dtype = match dtype {
                 ExportDtypeArg::Fp32 => ExportDtype::F32,
                 ExportDtypeArg::Bf16 => ExportDtype::Bf16,
             };
-            export_hf(&src, &out, ExportOptions { dtype, max_shard_bytes: max_shard_mib.max(1) << 20 }, json)
+            let what = match (adapters, merge) {
+                (true, _) => HfExport::Adapters,
+                (_, true) => HfExport::Merged,
+                _ => HfExport::Model,
+            };
+            export_hf(&src, &out, what, ExportOptions { dtype, max_shard_bytes: max_shard_mib.max(1) << 20 }, json)
         }
     }
 }
@@ -297,7 +321,7 @@ pub enum ExportDtypeArg {
 }
 
 /// `checkpoint export` to a Hugging Face directory: written into a hidden sibling, renamed into place.
-fn export_hf(src: &Path, out: &Path, options: ExportOptions, json: bool) -> anyhow::Result<()> {
+fn export_hf(src: &Path, out: &Path, what: HfExport, options: ExportOptions, json: bool) -> anyhow::Result<()> {
     let dir = source(src)?;
     if out.exists() && std::fs::read_dir(out).map_or(true, |mut entries| entries.next().is_some()) {
         bail!(
@@ -306,8 +330,27 @@ fn export_hf(src: &Path, out: &Path, options: ExportOptions, json: bool) -> anyh
         );
     }
     let manifest = read_manifest(&dir).with_context(|| format!("reading the manifest of {}", dir.display()))?;
-    let state = load(&dir, json)?;
     let model = &manifest.config.model;
+    let lora = model.peft.as_ref().is_some_and(|p| p.method == troupe_model::model::peft::Method::Lora);
+    match (what, &model.peft) {
+        (HfExport::Model, Some(_)) => bail!(
+            "{}: a [peft] checkpoint holds what trains, not the whole model; export it with --adapters (a Hugging \
+             Face PEFT adapter directory) or --merge (the base with the trained part merged in, a full Hugging Face model) \
+             (nothing was written)",
+            dir.display()
+        ),
+        (HfExport::Adapters | HfExport::Merged, None) => bail!(
+            "{}: not a [peft] checkpoint, so it has no adapters to export or merge; export the model without \
+             --adapters and --merge (nothing was written)",
+            dir.display()
+        ),
+        (HfExport::Adapters, Some(_)) if !lora => bail!(
+            "{}: a [peft] method = \"freeze\" checkpoint has no adapters; export it with --merge (nothing was written)",
+            dir.display()
+        ),
+        _ => {}
+    }
+    let state = load(&dir, json)?;
     let offsets = state.offsets();
     let params = state.values(StateKind::Param);
     let values: Vec<Vec<f32>> = (0..state.tensors.len()).map(|i| params[offsets[i]..offsets[i + 1]].to_vec()).collect();
@@ -315,8 +358,15 @@ fn export_hf(src: &Path, out: &Path, options: ExportOptions, json: bool) -> anyh
     let partial = out.with_file_name(format!(".{}.partial", file_name.to_string_lossy()));
     let _ = std::fs::remove_dir_all(&partial);
     let writing: Option<Spinner> = spinner(json, format!("writing a Hugging Face directory {}", out.display()));
-    let exported = hf::export(model, &values, &partial, options).map_err(anyhow::Error::from).and_then(|mut files| {
-        files.extend(copy_tokenizer(manifest.config.data.tokenizer.as_deref(), &partial)?);
+    let written = match what {
+        HfExport::Model => hf::export(model, &values, &partial, options),
+        HfExport::Adapters => hf::peft::export_adapters(model, &values, &partial),
+        HfExport::Merged => hf::peft::export_merged(model, &values, &partial, options),
+    };
+    let exported = written.map_err(anyhow::Error::from).and_then(|mut files| {
+        if what != HfExport::Adapters {
+            files.extend(copy_tokenizer(manifest.config.data.tokenizer.as_deref(), &partial)?);
+        }
         Ok(files)
     });
     let files = match exported {
@@ -335,18 +385,28 @@ fn export_hf(src: &Path, out: &Path, options: ExportOptions, json: bool) -> anyh
     if json {
         println!(
             "{}",
-            json!({ "event": "exported", "from": dir, "to": out, "step": state.step, "format": "huggingface",
+            json!({ "event": "exported", "from": dir, "to": out, "step": state.step,
+                    "format": if what == HfExport::Adapters { "peft" } else { "huggingface" }, "merged": what == HfExport::Merged,
                     "arch": model.arch.as_str(), "files": files, "bytes": bytes })
         );
     } else {
         println!(
-            "exported step {} ({} model, {} files, {:.1} MiB) from {} to {} — AutoModelForCausalLM.from_pretrained loads it",
+            "exported step {} ({} {}, {} files, {:.1} MiB) from {} to {} — {} loads it",
             state.step,
             model.arch.as_str(),
+            match what {
+                HfExport::Model => "model",
+                HfExport::Adapters => "LoRA adapters",
+                HfExport::Merged => "model, adapters merged",
+            },
             files.len(),
             bytes as f64 / (1 << 20) as f64,
             dir.display(),
-            out.display()
+            out.display(),
+            match what {
+                HfExport::Adapters => "peft.PeftModel.from_pretrained(base, DIR)",
+                _ => "AutoModelForCausalLM.from_pretrained",
+            }
         );
     }
     Ok(())

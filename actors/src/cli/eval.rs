@@ -9,7 +9,7 @@ use troupe_model::config::{DataConfig, DataKind};
 use troupe_model::data::load_corpus;
 use troupe_model::generate::evaluate;
 
-use super::model_source::load;
+use super::model_source::load_with;
 
 /// Windows per forward.
 const WINDOWS_PER_BATCH: usize = 8;
@@ -19,6 +19,10 @@ pub struct EvalArgs {
     /// A Hugging Face model directory or a troupe checkpoint (a step directory, or a root: its newest).
     #[arg(long)]
     pub model: PathBuf,
+    /// Hugging Face PEFT LoRA adapters (`adapter_config.json` + `adapter_model.safetensors`) on the base
+    /// model `--model` (a Hugging Face directory): computed unmerged, `W·x + s·B·(A·x)`.
+    #[arg(long)]
+    pub adapters: Option<PathBuf>,
     /// The corpus file (the `[data] path` of a job config).
     #[arg(long)]
     pub data: Option<PathBuf>,
@@ -81,7 +85,7 @@ fn data_config(args: &EvalArgs, tokenizer: Option<PathBuf>) -> anyhow::Result<Da
 
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     tch::set_num_threads(std::thread::available_parallelism().map_or(1, |n| n.get()) as i32);
-    let loaded = load(&args.model)?;
+    let loaded = load_with(&args.model, args.adapters.as_deref())?;
     // Checked against the model's vocabulary, then named by path: the corpus loader encodes with it.
     let tokenizer = super::model_source::tokenizer(args.tokenizer.as_deref(), &loaded)?;
     let data = data_config(&args, tokenizer.map(|t| t.path().to_owned()))?;

@@ -11,13 +11,17 @@ use troupe_model::generate::{generate, Sampling};
 
 use troupe_model::data::HfTokenizer;
 
-use super::model_source::load;
+use super::model_source::load_with;
 
 #[derive(Debug, clap::Args)]
 pub struct GenerateArgs {
     /// A Hugging Face model directory or a troupe checkpoint (a step directory, or a root: its newest).
     #[arg(long)]
     pub model: PathBuf,
+    /// Hugging Face PEFT LoRA adapters (`adapter_config.json` + `adapter_model.safetensors`) on the base
+    /// model `--model` (a Hugging Face directory): computed unmerged, `W·x + s·B·(A·x)`.
+    #[arg(long)]
+    pub adapters: Option<PathBuf>,
     /// The prompt text, encoded by the tokenizer (`--tokenizer`, else the one the model came with); a
     /// model without one reads its bytes as tokens (a byte-vocabulary model such as gpt-tiny).
     #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
@@ -164,7 +168,7 @@ impl<'a> Printer<'a> {
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     tch::set_num_threads(std::thread::available_parallelism().map_or(1, |n| n.get()) as i32);
-    let loaded = load(&args.model)?;
+    let loaded = load_with(&args.model, args.adapters.as_deref())?;
     let tokenizer = super::model_source::tokenizer(args.tokenizer.as_deref(), &loaded)?;
     let model = loaded.model;
     let (vocabulary, prompt) = Vocabulary::encode(&args, tokenizer, model.config.vocab_size)?;

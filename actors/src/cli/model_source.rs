@@ -26,10 +26,35 @@ pub fn load_model(path: &Path) -> anyhow::Result<Model> {
 
 /// Loads the model at `path` on the CPU, with the tokenizer it came with.
 pub fn load(path: &Path) -> anyhow::Result<Loaded> {
+    load_with(path, None)
+}
+
+/// Loads the model at `path` on the CPU — with `adapters` (`--adapters DIR`, a PEFT LoRA directory), the
+/// LoRA model of base `path` (a Hugging Face directory) and those adapters, computed unmerged as
+/// `W·x + s·B·(A·x)` — with the tokenizer it came with.
+pub fn load_with(path: &Path, adapters: Option<&Path>) -> anyhow::Result<Loaded> {
+    if let Some(adapters) = adapters {
+        if !path.join("config.json").is_file() {
+            bail!(
+                "--adapters {} applies to a Hugging Face base model, but --model {} is not one (no config.json); \
+                 name the base the adapters were trained on (a [peft] checkpoint holds its adapters already: drop --adapters)",
+                adapters.display(),
+                path.display()
+            );
+        }
+    }
     if path.join("config.json").is_file() {
         let config = hf::read_config(path).with_context(|| format!("--model {}", path.display()))?;
-        let config = ModelConfig { from_hf: Some(path.to_owned()), ..config };
-        hf::check_weights(&config).with_context(|| format!("--model {}", path.display()))?;
+        let mut config = ModelConfig { from_hf: Some(path.to_owned()), ..config };
+        if let Some(adapters) = adapters {
+            let peft = hf::peft::peft_config_of(&config, adapters)
+                .with_context(|| format!("--adapters {} on --model {}", adapters.display(), path.display()))?;
+            config.peft = Some(peft);
+        }
+        hf::check_weights(&config).with_context(|| match adapters {
+            Some(a) => format!("--model {} --adapters {}", path.display(), a.display()),
+            None => format!("--model {}", path.display()),
+        })?;
         let tokenizer = Some(path.join("tokenizer.json")).filter(|t| t.is_file());
         return Ok(Loaded { model: Model::load(config, 0)?, tokenizer });
     }
@@ -45,7 +70,13 @@ pub fn load(path: &Path) -> anyhow::Result<Loaded> {
         })?
     };
     let state = load_state(&dir).with_context(|| format!("loading {}", dir.display()))?;
-    let config = ModelConfig { from_hf: None, ..state.config.model.clone() };
+    // A [peft] checkpoint holds what trains; its frozen base is read from model.from_hf (whose checksum
+    // load_state checked).
+    let from_hf = state.config.model.peft.as_ref().and(state.config.model.from_hf.clone());
+    let mut config = ModelConfig { from_hf, ..state.config.model.clone() };
+    if let Some(peft) = config.peft.as_mut() {
+        peft.from_adapters = None; // what the job started from; the checkpoint holds what it trained
+    }
     let mut model = Model::new(config, 0);
     let offsets = state.offsets();
     let params = state.values(StateKind::Param);

@@ -299,3 +299,34 @@ fn bad_adapter_directories_are_refused_before_training() {
     let e = refused(&tensors("", Some(k_a)));
     assert!(e.contains(k_a) && e.contains("peft.targets"), "{e}");
 }
+
+/// A `[peft]` checkpoint records its base (`model.from_hf` and the checksum of its weights) and refuses to
+/// load — resume or export — once the base's weights differ; a full-model checkpoint records none.
+#[test]
+fn a_lora_checkpoint_refuses_a_changed_base() {
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("base");
+    let config = fine_tuning(JobConfig::small_llama(2), lora(&["q_proj", "v_proj"], 4, 8.0), &base, 1);
+    let mut trainer = Trainer::new(config.clone()).unwrap();
+    trainer.train_step();
+    let saved = troupe_model::checkpoint::save(&trainer, &dir.path().join("ckpt")).unwrap();
+    let manifest = troupe_model::checkpoint::read::read_manifest(&saved).unwrap();
+    let recorded = manifest.base.clone().expect("a [peft] checkpoint records its base");
+    assert_eq!(recorded.dir, base);
+    assert_eq!(recorded.checksum, troupe_model::hf::peft::base_checksum(&base).unwrap());
+    Trainer::resume(config.clone(), &saved).unwrap();
+    troupe_model::checkpoint::load_state(&saved).unwrap();
+
+    // Another base of the same shape written over it: same names and shapes, other weights.
+    let other = fine_tuning(JobConfig::small_llama(2), lora(&["q_proj", "v_proj"], 4, 8.0), &base, 2);
+    assert_eq!(other.model, config.model);
+    let e = Trainer::resume(config.clone(), &saved).unwrap_err().to_string();
+    assert!(e.contains("base model") && e.contains(&base.display().to_string()) && e.contains("checksum"), "{e}");
+    let e = troupe_model::checkpoint::load_state(&saved).unwrap_err().to_string();
+    assert!(e.contains("checksum") && e.contains(&format!("{:016x}", recorded.checksum)), "{e}");
+
+    let full = Trainer::new(JobConfig::small_llama(1)).unwrap();
+    let saved = troupe_model::checkpoint::save(&full, &dir.path().join("full")).unwrap();
+    assert!(troupe_model::checkpoint::read::read_manifest(&saved).unwrap().base.is_none());
+}

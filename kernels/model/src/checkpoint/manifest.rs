@@ -39,6 +39,54 @@ pub struct Manifest {
     /// fp16's dynamic loss scaler when saved (absent for the other precisions and older checkpoints).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<LossScale>,
+    /// A `[peft]` checkpoint's frozen base: the state holds what trains only, so the base it was trained
+    /// on is part of what it means. Loading refuses a base whose weights' checksum differs (absent for
+    /// full-model checkpoints and older ones).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<BaseRef>,
+}
+
+/// The base model a `[peft]` checkpoint trains on: `model.from_hf` and the checksum of its weights
+/// ([`crate::hf::peft::base_checksum`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BaseRef {
+    pub dir: std::path::PathBuf,
+    /// XXH3-64 of the directory's safetensors files (names and bytes, in name order).
+    pub checksum: u64,
+}
+
+impl BaseRef {
+    /// The base of `config`'s model, if it is a `[peft]` model.
+    pub fn of(config: &JobConfig) -> Result<Option<Self>, crate::hf::HfError> {
+        match (&config.model.peft, &config.model.from_hf) {
+            (Some(_), Some(dir)) => Ok(Some(Self { dir: dir.clone(), checksum: crate::hf::peft::base_checksum(dir)? })),
+            _ => Ok(None),
+        }
+    }
+
+    /// Checks that the base is still what the checkpoint `checkpoint` was trained on.
+    pub fn check(&self, checkpoint: &std::path::Path) -> Result<(), super::CheckpointError> {
+        let mismatch = |detail: String| super::CheckpointError::Mismatch {
+            path: checkpoint.to_owned(),
+            what: "base model",
+            detail,
+        };
+        let now = crate::hf::peft::base_checksum(&self.dir).map_err(|e| {
+            mismatch(format!(
+                "the base it was trained on cannot be read: {e}; restore {} (model.from_hf)",
+                self.dir.display()
+            ))
+        })?;
+        if now != self.checksum {
+            return Err(mismatch(format!(
+                "its adapters were trained on the weights of {} with checksum {:016x}, but that directory's weights now have                  checksum {now:016x}: the base changed; restore the base the checkpoint was trained on (nothing was loaded)",
+                self.dir.display(),
+                self.checksum
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// The random state of training. troupe draws every random number from a counter-based generator

@@ -51,6 +51,9 @@ pub fn verify(dir: &Path) -> Result<Manifest, CheckpointError> {
 /// Loads the whole state saved in `dir`, whatever layout it was saved under.
 pub fn load_state(dir: &Path) -> Result<TrainingState, CheckpointError> {
     let manifest = read_manifest(dir)?;
+    if let Some(base) = &manifest.base {
+        base.check(dir)?;
+    }
     let tensors = param_specs(&manifest);
     let total = tensors.iter().map(TensorSpec::numel).sum();
     let values = assemble(dir, &manifest, 0..total)?;
@@ -69,6 +72,9 @@ pub fn load_state(dir: &Path) -> Result<TrainingState, CheckpointError> {
 /// three states' values there. Only the files that hold part of it are read (and verified).
 pub fn load_shard(dir: &Path, shards: usize, index: usize) -> Result<(Range<usize>, [Vec<f32>; 3]), CheckpointError> {
     let manifest = read_manifest(dir)?;
+    if let Some(base) = &manifest.base {
+        base.check(dir)?;
+    }
     let total = param_specs(&manifest).iter().map(TensorSpec::numel).sum();
     let range = super::shards::shard_range(total, shards, index);
     let values = assemble(dir, &manifest, range.clone())?;

@@ -65,5 +65,6 @@ pub fn upgrade(dir: &Path, value: serde_json::Value) -> Result<Manifest, Checkpo
         tensors,
         files,
         loss_scale: None,
+        base: None,
     })
 }

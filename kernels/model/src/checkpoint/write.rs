@@ -17,8 +17,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::manifest::{
-    shard_file_name, FileEntry, Layout, Manifest, Piece, RngState, StateKind, TensorEntry, FORMAT, FORMAT_VERSION,
-    MANIFEST,
+    shard_file_name, BaseRef, FileEntry, Layout, Manifest, Piece, RngState, StateKind, TensorEntry, FORMAT,
+    FORMAT_VERSION, MANIFEST,
 };
 use super::shards::{pieces_in, shard_range, FlatPiece};
 use super::state::TrainingState;
@@ -113,6 +113,10 @@ fn write_into(state: &TrainingState, tmp: &Path, layout: &Layout) -> Result<(Man
         tensors,
         files,
         loss_scale: state.loss_scale,
+        base: BaseRef::of(&state.config).map_err(|e| CheckpointError::Manifest {
+            path: tmp.to_owned(),
+            message: format!("the [peft] base: {e}"),
+        })?,
     };
     let json = serde_json::to_vec_pretty(&manifest).expect("the manifest serialises");
     write_synced(&tmp.join(MANIFEST), &json)?;

@@ -381,3 +381,85 @@ pub fn export_merged(
     let plain = ModelConfig { peft: None, from_hf: None, ..config.clone() };
     super::export(&plain, &merged, out, options)
 }
+
+/// The checksum of a base model directory's weights: XXH3-64 (`troupe_kernels::Checksum64Stream`) of
+/// its safetensors files' bytes in name order — `model.safetensors`, or every shard the index names —
+/// each file's name hashed before its bytes. What a `[peft]` checkpoint records of the base it trains on
+/// (`checkpoint::Manifest::base`). Computed once per process per directory and file set (keyed by each
+/// file's size and modification time), so a job that saves every step reads its base once.
+pub fn base_checksum(dir: &Path) -> Result<u64, HfError> {
+    type Key = (PathBuf, Vec<(String, u64, Option<std::time::SystemTime>)>);
+    static CACHE: std::sync::OnceLock<std::sync::Mutex<HashMap<Key, u64>>> = std::sync::OnceLock::new();
+    let io = |path: &Path| {
+        let path = path.to_owned();
+        move |source| HfError::Io { path, source }
+    };
+    let mut files: Vec<String> = std::fs::read_dir(dir)
+        .map_err(io(dir))?
+        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+        .filter(|name| name.ends_with(".safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(HfError::NoWeights { dir: dir.to_owned() });
+    }
+    let mut key: Key = (dir.to_owned(), Vec::new());
+    for name in &files {
+        let meta = std::fs::metadata(dir.join(name)).map_err(io(&dir.join(name)))?;
+        key.1.push((name.clone(), meta.len(), meta.modified().ok()));
+    }
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(sum) = cache.lock().expect("base checksums").get(&key) {
+        return Ok(*sum);
+    }
+    let mut sum = troupe_kernels::Checksum64Stream::new();
+    let mut buffer = vec![0u8; 8 << 20];
+    for name in &files {
+        let path = dir.join(name);
+        sum.update(name.as_bytes());
+        let mut file = std::fs::File::open(&path).map_err(io(&path))?;
+        loop {
+            let n = std::io::Read::read(&mut file, &mut buffer).map_err(io(&path))?;
+            if n == 0 {
+                break;
+            }
+            sum.update(&buffer[..n]);
+        }
+    }
+    let sum = sum.finish();
+    cache.lock().expect("base checksums").insert(key, sum);
+    Ok(sum)
+}
+
+/// The `[peft]` table that describes the adapters of `dir` (`adapter_config.json`): LoRA with their `r`,
+/// `lora_alpha`, `use_rslora`, `lora_dropout`, `target_modules` and `modules_to_save`, starting from them
+/// (`from_adapters`). What `troupe generate` and `troupe eval` build with `--adapters DIR` on a base model
+/// `model`; the adapters are then checked against it ([`Adapters::open`]) as a training job's are.
+pub fn peft_config_of(model: &ModelConfig, dir: &Path) -> Result<crate::model::PeftConfig, HfError> {
+    let path = dir.join(ADAPTER_CONFIG);
+    let text = std::fs::read_to_string(&path).map_err(|source| HfError::Io { path: path.clone(), source })?;
+    let adapter: Value = serde_json::from_str(&text)
+        .map_err(|e| HfError::Format { path: path.clone(), message: format!("not JSON: {e}") })?;
+    let strings = |key: &str| -> Vec<String> {
+        adapter
+            .get(key)
+            .and_then(Value::as_array)
+            .map_or_else(Vec::new, |items| items.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect())
+    };
+    let peft = crate::model::PeftConfig {
+        method: Method::Lora,
+        r: adapter.get("r").and_then(Value::as_u64).unwrap_or(0) as usize,
+        alpha: adapter.get("lora_alpha").and_then(Value::as_f64).unwrap_or(0.0),
+        rslora: adapter.get("use_rslora").and_then(Value::as_bool).unwrap_or(false),
+        dropout: 0.0,
+        targets: strings("target_modules"),
+        train: strings("modules_to_save"),
+        last_blocks: 0,
+        from_adapters: Some(dir.to_owned()),
+    };
+    let with = ModelConfig { peft: Some(peft.clone()), ..model.clone() };
+    check_config(&with, &path, &adapter)?;
+    with.validate()
+        .map_err(|e| HfError::Format { path: path.clone(), message: format!("does not fit the base model: {e}") })?;
+    Ok(peft)
+}

@@ -73,7 +73,7 @@ def make(base_dir, out, tokens_file, r, alpha, targets, modules_to_save=""):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".lora_" in name or ".modules_to_save." in name:
-                p.add_(torch.randn_like(p) * 0.05)
+                p.add_(torch.randn_like(p) * 0.5)
     model.eval()
     model.save_pretrained(out)
     tokens = load_file(tokens_file)["tokens"]
