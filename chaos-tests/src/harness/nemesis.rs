@@ -150,9 +150,16 @@ impl Nemesis {
                 }
             }
             FaultKind::CorruptCheckpoint => {
-                let latest = self.latest_checkpoint.borrow().clone();
-                let dir =
-                    latest.context("the job has not reported a checkpoint yet; corrupt later (at_step or at_s)")?;
+                // The step the fault is due at may come before the first checkpoint is durable (a slow
+                // disk: the writer runs behind the steps); the newest one is corrupted once there is one.
+                let mut latest = self.latest_checkpoint.clone();
+                let reported = tokio::time::timeout(self.bound, latest.wait_for(Option::is_some)).await;
+                let dir = match reported {
+                    Ok(Ok(dir)) => dir.clone().expect("waited for a checkpoint"),
+                    _ => {
+                        bail!("the job reported no checkpoint within {:?}; corrupt later (at_step or at_s)", self.bound)
+                    }
+                };
                 injected.corrupted = Some(flip_a_byte(&dir, seed)?);
             }
             FaultKind::FillDisk => {
