@@ -239,3 +239,66 @@ fn a_checkpoint_exports_as_a_hugging_face_directory_that_transformers_loads() {
     assert!(!again.status.success() && err.contains("not an empty directory"), "{err}");
     assert!(hf_dir.join("model.safetensors").is_file(), "the refused export left the first one alone");
 }
+
+/// A LoRA job's checkpoint as a user exports it: a plain export is refused with the fix and writes
+/// nothing; `--adapters` writes a PEFT directory; `--merge` a full Hugging Face model — and `troupe eval`
+/// gives the same loss on the merged model as on the base with the adapters applied unmerged
+/// (`--adapters`) and as the checkpoint itself at the same context.
+#[test]
+fn a_lora_checkpoint_exports_as_peft_adapters_or_merged_and_evaluates_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("base");
+    let mut job = troupe_model::config::JobConfig::small_llama(6);
+    job.train.torch_threads = 1;
+    let peft = troupe_model::model::PeftConfig {
+        r: 4,
+        alpha: 8.0,
+        targets: vec!["q_proj".into(), "v_proj".into(), "down_proj".into()],
+        ..Default::default()
+    };
+    let job = troupe_model::oracle::fine_tuning(job, peft, &base, 3);
+    let config = dir.path().join("finetune.toml");
+    let toml = format!(
+        "[model]\nfrom_hf = {:?}\ncontext = {}\n[train]\nsteps = 6\nglobal_batch = 4\nmicro_batch = 2\ntorch_threads = 1\n\
+         [peft]\nr = 4\nalpha = 8\ntargets = [\"q_proj\", \"v_proj\", \"down_proj\"]\n",
+        s(&base),
+        job.model.context
+    );
+    std::fs::write(&config, toml).unwrap();
+    let root = dir.path().join("ckpt");
+    ok(troupe(&["train", "--config", s(&config), "--checkpoint-dir", s(&root), "--checkpoint-every", "3", "--json"]));
+
+    let plain = dir.path().join("plain");
+    let refused = troupe(&["checkpoint", "export", s(&root), "--out", s(&plain)]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && stderr.contains("--adapters") && stderr.contains("--merge"), "{stderr}");
+    assert!(!plain.exists(), "a refused export wrote {}", plain.display());
+
+    let adapters = dir.path().join("adapters");
+    ok(troupe(&["checkpoint", "export", s(&root), "--out", s(&adapters), "--adapters"]));
+    let config_json: Value =
+        serde_json::from_str(&std::fs::read_to_string(adapters.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(
+        (config_json["peft_type"].as_str(), config_json["r"].as_u64()),
+        (Some("LORA"), Some(4)),
+        "{config_json}"
+    );
+    let names: Vec<String> = tensors(&adapters.join("adapter_model.safetensors")).into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names.len(), 2 * 3 * job.model.n_layers, "{names:?}");
+    assert!(names.iter().all(|n| n.starts_with("base_model.model.model.layers.") && n.contains(".lora_")), "{names:?}");
+
+    let merged = dir.path().join("merged");
+    ok(troupe(&["checkpoint", "export", s(&root), "--out", s(&merged), "--merge"]));
+    let eval = |args: &[&str]| {
+        let context = job.model.context.to_string();
+        let all = [&["eval"][..], args, &["--windows", "4", "--context", &context, "--json"]].concat();
+        json_lines(&ok(troupe(&all))).last().unwrap()["loss"].as_f64().unwrap()
+    };
+    let merged_loss = eval(&["--model", s(&merged)]);
+    let unmerged = eval(&["--model", s(&base), "--adapters", s(&adapters)]);
+    let checkpoint = eval(&["--model", s(&root)]);
+    let base_loss = eval(&["--model", s(&base)]);
+    assert!((merged_loss - unmerged).abs() <= 1e-5 * unmerged, "merged {merged_loss} vs unmerged {unmerged}");
+    assert!((checkpoint - unmerged).abs() <= 1e-5 * unmerged, "checkpoint {checkpoint} vs unmerged {unmerged}");
+    assert!((base_loss - unmerged).abs() > 1e-4 * unmerged, "the adapters changed nothing: {base_loss} vs {unmerged}");
+}
