@@ -360,6 +360,10 @@ impl JobConfig {
         if let Some(model) = table.get("model").and_then(toml::Value::as_table) {
             config.model = resolve_model(model, &config.model)?;
         }
+        // Like `from_hf`, PEFT adapters are named for every node: relative to where the job was read.
+        if let Some(dir) = config.model.peft.as_mut().and_then(|p| p.from_adapters.as_mut()) {
+            *dir = std::path::absolute(&*dir).unwrap_or_else(|_| dir.clone());
+        }
         Ok(config)
     }
 
@@ -707,6 +711,13 @@ mod tests {
         assert_eq!(config, JobConfig::default());
         assert_eq!(config.model, ModelConfig::gpt_tiny());
         assert_eq!(config.data.kind, DataKind::Synthetic);
+    }
+
+    #[test]
+    fn peft_adapters_are_named_absolutely() {
+        let config = JobConfig::parse_toml("[peft]\nfrom_adapters = \"my-adapters\"\n", "t").unwrap();
+        let dir = config.model.peft.unwrap().from_adapters.unwrap();
+        assert!(dir.is_absolute() && dir.ends_with("my-adapters"), "{}", dir.display());
     }
 
     #[test]
