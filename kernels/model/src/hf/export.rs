@@ -12,7 +12,7 @@ use safetensors::Dtype;
 use serde_json::json;
 
 use super::config_json::write_config;
-use super::{file_name, transpose, HfError};
+use super::{file_layout, file_name, HfError};
 use crate::model::{base_specs, ModelConfig};
 
 /// The dtype of the exported weights.
@@ -73,16 +73,8 @@ pub fn export(
     // Hugging Face's names and layout, and the bytes of each tensor in the asked dtype.
     let mut tensors: BTreeMap<String, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
     for (spec, values) in specs.iter().zip(values) {
-        assert_eq!(values.len(), spec.numel(), "{}: value count", spec.name);
         let (name, transposed) = file_name(config, spec);
-        let mut shape: Vec<usize> = spec.shape.iter().map(|&d| d as usize).collect();
-        let laid_out = if transposed {
-            let t = transpose(values, shape[0], shape[1]);
-            shape.reverse();
-            t
-        } else {
-            values.clone()
-        };
+        let (shape, laid_out) = file_layout(spec, values, transposed);
         let bytes = match options.dtype {
             ExportDtype::F32 => laid_out.iter().flat_map(|v| v.to_le_bytes()).collect(),
             ExportDtype::Bf16 => laid_out.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect(),

@@ -75,6 +75,19 @@ fn is_buffer(name: &str) -> bool {
         || name.ends_with(".rotary_emb.inv_freq")
 }
 
+/// `spec`'s values (troupe's layout) as a file stores them: its shape and values, transposed where the
+/// file keeps the matrix as `[in, out]` (GPT-2's `Conv1D`).
+fn file_layout(spec: &ParamSpec, values: &[f32], transposed: bool) -> (Vec<usize>, Vec<f32>) {
+    assert_eq!(values.len(), spec.numel(), "{}: value count", spec.name);
+    let mut shape: Vec<usize> = spec.shape.iter().map(|&d| d as usize).collect();
+    if !transposed {
+        return (shape, values.to_vec());
+    }
+    let t = transpose(values, shape[0], shape[1]);
+    shape.reverse();
+    (shape, t)
+}
+
 /// A row-major `[rows, cols]` matrix as row-major `[cols, rows]`.
 fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let mut out = vec![0.0f32; values.len()];

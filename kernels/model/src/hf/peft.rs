@@ -25,7 +25,7 @@ use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::{json, Value};
 
-use super::{file_name, transpose, HfError};
+use super::{file_layout, file_name, transpose, HfError};
 use crate::model::peft::{module_of, Method};
 use crate::model::{base_specs, param_specs, Arch, ModelConfig, ParamSpec};
 
@@ -103,16 +103,8 @@ pub fn export_adapters(config: &ModelConfig, values: &[Vec<f32>], out: &Path) ->
     std::fs::create_dir_all(out).map_err(|source| HfError::Io { path: out.to_owned(), source })?;
     let mut tensors: BTreeMap<String, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
     for (spec, values) in specs.iter().zip(values) {
-        assert_eq!(values.len(), spec.numel(), "{}: value count", spec.name);
         let (key, transposed) = peft_key(config, spec);
-        let mut shape: Vec<usize> = spec.shape.iter().map(|&d| d as usize).collect();
-        let laid_out = if transposed {
-            let t = transpose(values, shape[0], shape[1]);
-            shape.reverse();
-            t
-        } else {
-            values.clone()
-        };
+        let (shape, laid_out) = file_layout(spec, values, transposed);
         tensors.insert(key, (shape, laid_out.iter().flat_map(|v| v.to_le_bytes()).collect()));
     }
     let views = tensors.iter().map(|(name, (shape, bytes))| {
