@@ -6,9 +6,12 @@
 //! the other distributed modes land here next (see docs/ARCHITECTURE.md).
 
 pub mod api;
+pub mod catalog;
 pub mod cli;
 pub mod daemon;
 pub mod engine;
+pub mod node_config;
 pub mod progress;
+pub mod protocol;
 pub mod runtime;
 pub mod telemetry;

@@ -11,7 +11,7 @@ use common::wait_for;
 use ractor::{ActorRef, ActorStatus};
 use troupe_actors::api::{Job, JobEvent, LocalCluster, LocalClusterOptions};
 use troupe_actors::daemon::Daemon;
-use troupe_actors::runtime::restart::RestartPolicy;
+use troupe_actors::node_config::restart::RestartPolicy;
 use troupe_actors::runtime::worker::WorkerMsg;
 use troupe_model::config::JobConfig;
 use troupe_model::oracle::worst_loss_diff;

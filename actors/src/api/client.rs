@@ -10,7 +10,7 @@ use troupe_cluster::control::{ControlEndpoint, ControlEvent, PeerRole};
 use troupe_cluster::{NodeIdentity, TransportConfig};
 
 use super::Job;
-use crate::runtime::protocol::{ClusterStatus, JobEvent, JobId, JobInfo, Wire};
+use crate::protocol::{ClusterStatus, JobEvent, JobId, JobInfo, Wire};
 
 /// How long a request waits for its reply.
 const REPLY_TIMEOUT_MS: u64 = 30_000;

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use troupe_model::config::JobConfig;
 
-use crate::runtime::protocol::{DataPlane, JobSpec};
+use crate::protocol::{DataPlane, JobSpec};
 
 /// A job under construction. Every setter returns the job, so they chain.
 #[derive(Clone, Debug, PartialEq)]

@@ -14,8 +14,8 @@ use troupe_cluster::{add_node, init_cluster, NodeIdentity, TransportConfig};
 
 use super::Client;
 use crate::daemon::{Daemon, NodeConfig};
-use crate::runtime::protocol::ClusterStatus;
-use crate::runtime::restart::RestartPolicy;
+use crate::node_config::restart::RestartPolicy;
+use crate::protocol::ClusterStatus;
 use crate::telemetry::TelemetryConfig;
 
 /// The certificate the local cluster's clients present.

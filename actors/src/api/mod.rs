@@ -21,4 +21,4 @@ pub use client::{Client, JobHandle};
 pub use job::Job;
 pub use local::{LocalCluster, LocalClusterOptions, NodeHost};
 
-pub use crate::runtime::protocol::{ClusterStatus, DataPlane, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo};
+pub use crate::protocol::{ClusterStatus, DataPlane, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo};

@@ -12,7 +12,7 @@ use troupe_model::config::JobConfig;
 use super::follow::{conclude, follow, Mode, OnInterrupt, GOODBYE};
 use super::table::Table;
 use crate::api::{Client, ClusterStatus, DataPlane, Job, JobInfo};
-use crate::daemon::NodeConfig;
+use crate::node_config::NodeConfig;
 use crate::progress::Reporter;
 use crate::telemetry::RunDir;
 
@@ -276,7 +276,7 @@ pub fn job(command: JobCommand) -> anyhow::Result<()> {
 mod tests {
     use super::*;
     use crate::api::JobState;
-    use crate::runtime::protocol::{RankInfo, RankState};
+    use crate::protocol::{RankInfo, RankState};
 
     #[test]
     fn the_jobs_table_lists_each_running_jobs_slots() {

@@ -2,9 +2,6 @@
 //! binary, the in-process local cluster and the tests all use it); [`run`] is the command, with signal
 //! handling: SIGTERM or Ctrl-C drain the node and leave the cluster cleanly.
 
-mod catalog;
-mod config;
-
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
@@ -15,11 +12,11 @@ use ractor::{Actor, ActorRef};
 use troupe_cluster::control::{ControlEndpoint, PeerRole};
 use troupe_cluster::NodeIdentity;
 
-pub use catalog::{Catalog, StoredJob, StoredView};
-pub use config::{NodeConfig, NodeConfigError, SLOTS_MAX};
+pub use crate::catalog::{Catalog, StoredJob, StoredView};
+pub use crate::node_config::{NodeConfig, NodeConfigError, SLOTS_MAX};
 
+use crate::protocol::ClusterStatus;
 use crate::runtime::node::{actor_scope, NodeActor, NodeArgs, NodeMsg};
-use crate::runtime::protocol::ClusterStatus;
 use crate::runtime::worker::WorkerMsg;
 use crate::telemetry::{endpoint, http, otel, otel_metrics, NodeMetrics};
 
@@ -88,7 +85,14 @@ impl Daemon {
             .await
             .map_err(|e| anyhow::anyhow!("starting node {name}: {e}"))?;
         let http = match listener {
-            Some(l) => Some((l.local_addr()?, endpoint::spawn(l, node.clone(), metrics, tls))),
+            Some(l) => {
+                let asked = node.clone();
+                let source = endpoint::status_source(move || {
+                    let node = asked.clone();
+                    async move { ractor::call!(node, NodeMsg::Status).map_err(|e| e.to_string()) }
+                });
+                Some((l.local_addr()?, endpoint::spawn(l, source, metrics, tls)))
+            }
             None => None,
         };
         Ok(Daemon { node, handle, addr, name, stop_reason, http, https })

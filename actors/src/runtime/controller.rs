@@ -13,10 +13,10 @@ use troupe_cluster::membership::{NodeId, View};
 
 use super::job::{DriverAction, JobDriver};
 use super::node::NodeMsg;
-use super::protocol::{
+use crate::catalog::Catalog;
+use crate::protocol::{
     AttemptOutcome, EvalFigures, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, StepFigures,
 };
-use crate::daemon::Catalog;
 use crate::telemetry::PhaseSpan;
 
 pub enum JobMsg {

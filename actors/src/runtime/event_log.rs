@@ -4,11 +4,7 @@
 
 use std::collections::VecDeque;
 
-use super::protocol::JobEvent;
-
-/// Events kept per job. A step event is ~150 bytes: 16k of them is ~2.5 MB per job. A watcher gone for
-/// longer than that many events gets the oldest kept and a warning in the controller's log.
-pub const EVENTS_KEPT: usize = 16_384;
+use crate::protocol::{JobEvent, EVENTS_KEPT};
 
 /// A job's events, numbered from 0 in the order they were streamed; the newest [`EVENTS_KEPT`] kept.
 #[derive(Debug, Default)]

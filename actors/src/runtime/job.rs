@@ -16,7 +16,7 @@ use troupe_cluster::membership::{NodeId, View};
 use troupe_cluster::transport::quic::PeerInfo;
 use troupe_model::optim::learning_rate;
 
-use super::protocol::{
+use crate::protocol::{
     AttemptOutcome, EvalFigures, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, RankInfo, RankSlot,
     RankState, StageTime, StepFigures, Wire,
 };

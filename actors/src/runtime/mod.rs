@@ -15,6 +15,4 @@ pub mod event_log;
 pub mod job;
 pub mod node;
 mod outbox;
-pub mod protocol;
-pub mod restart;
 pub mod worker;

@@ -21,11 +21,11 @@ use troupe_cluster::NodeIdentity;
 use super::controller::{JobArgs, JobController, JobMsg};
 use super::event_log::EventLog;
 use super::outbox::Outboxes;
-use super::protocol::{AttemptOutcome, ClusterStatus, DataPlane, JobEvent, JobId, JobInfo, JobSpec, MemberInfo, Wire};
-use super::restart::{Decision, RestartTracker};
 use super::worker::{WorkerActor, WorkerArgs, WorkerMsg};
-use crate::daemon::NodeConfig;
-use crate::daemon::{Catalog, StoredJob, StoredView};
+use crate::catalog::{Catalog, StoredJob, StoredView};
+use crate::node_config::restart::{Decision, RestartTracker};
+use crate::node_config::NodeConfig;
+use crate::protocol::{AttemptOutcome, ClusterStatus, DataPlane, JobEvent, JobId, JobInfo, JobSpec, MemberInfo, Wire};
 use crate::telemetry::NodeMetrics;
 
 /// How often the node drives its timers (heartbeats, failure detection, reconnection).
@@ -235,7 +235,7 @@ impl NodeState {
     fn any_job_running(&self) -> bool {
         self.leader
             .as_ref()
-            .is_some_and(|l| l.jobs.values().any(|j| j.info.state == super::protocol::JobState::Running))
+            .is_some_and(|l| l.jobs.values().any(|j| j.info.state == crate::protocol::JobState::Running))
     }
 
     // ---- the node's side of membership ----
@@ -904,7 +904,7 @@ impl Actor for NodeActor {
                 if job.actor.as_ref().is_some_and(|a| a.get_id() == cell.get_id()) {
                     tracing::error!(job = id, %error, "job controller failed");
                     job.actor = None;
-                    job.info.state = super::protocol::JobState::Failed;
+                    job.info.state = crate::protocol::JobState::Failed;
                     job.info.reason = Some(format!("the job controller failed: {error}"));
                 }
             }

@@ -24,12 +24,12 @@ use troupe_model::checkpoint::{self, CheckpointStore, CheckpointWriter, WriteRep
 use troupe_model::Trainer;
 
 use super::node::NodeMsg;
-use super::protocol::{AttemptOutcome, DataPlane, EvalFigures, JobId, JobSpec, StageTime, StepFigures, Wire};
 use crate::engine::pipeline::PipelineReplica;
 use crate::engine::{
     CommittedState, DataParallelReplica, EngineError, OpTiming, ShardMode, ShardedReplica, StepEngine,
     DEFAULT_BUCKET_BYTES,
 };
+use crate::protocol::{AttemptOutcome, DataPlane, EvalFigures, JobId, JobSpec, StageTime, StepFigures, Wire};
 use crate::telemetry::link_bytes::Counted;
 use crate::telemetry::{otel, NodeMetrics, PhaseRecorder};
 

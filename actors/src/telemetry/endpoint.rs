@@ -15,7 +15,6 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
-use ractor::ActorRef;
 use tokio::net::TcpListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -23,8 +22,7 @@ use super::dashboard::page;
 use super::http::serve;
 use super::metrics::NodeMetrics;
 use super::prometheus::CONTENT_TYPE;
-use crate::runtime::node::NodeMsg;
-use crate::runtime::protocol::ClusterStatus;
+use crate::protocol::ClusterStatus;
 
 /// How long a request waits for the node actor's status.
 const STATUS_TIMEOUT_MS: u64 = 2_000;
@@ -38,15 +36,30 @@ const REFRESH_INTERVAL_MS: u64 = 3_000;
 
 const INDEX: &str = "troupe daemon\n  /         the dashboard (HTML, live)\n  /events   the dashboard's live updates (server-sent events)\n  /metrics  Prometheus text format\n  /status   JSON, as `troupe status --json`\n";
 
+/// How the endpoint asks for the node's current status: the daemon passes a call to its node actor.
+/// Telemetry sees the runtime through this and [`NodeMetrics`] only, never through its messages.
+pub type StatusSource = Arc<dyn Fn() -> StatusFuture + Send + Sync>;
+/// One answer of a [`StatusSource`].
+pub type StatusFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Result<ClusterStatus, String>> + Send>>;
+
+/// A [`StatusSource`] from an async function.
+pub fn status_source<F, Fut>(ask: F) -> StatusSource
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<ClusterStatus, String>> + Send + 'static,
+{
+    Arc::new(move || -> StatusFuture { Box::pin(ask()) })
+}
+
 #[derive(Clone)]
 struct App {
-    node: ActorRef<NodeMsg>,
+    node: StatusSource,
     metrics: Arc<NodeMetrics>,
     streams: Arc<Semaphore>,
 }
 
 /// The endpoint's routes.
-pub fn router(node: ActorRef<NodeMsg>, metrics: Arc<NodeMetrics>) -> Router {
+pub fn router(node: StatusSource, metrics: Arc<NodeMetrics>) -> Router {
     let app = App { node, metrics, streams: Arc::new(Semaphore::new(EVENT_STREAMS_MAX)) };
     Router::new()
         .route("/", get(dashboard))
@@ -60,15 +73,18 @@ pub fn router(node: ActorRef<NodeMsg>, metrics: Arc<NodeMetrics>) -> Router {
 /// Serves the endpoint on `listener` (over TLS with `tls`) until the returned task is aborted.
 pub fn spawn(
     listener: TcpListener,
-    node: ActorRef<NodeMsg>,
+    node: StatusSource,
     metrics: Arc<NodeMetrics>,
     tls: Option<Arc<rustls::ServerConfig>>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(serve(listener, router(node, metrics), tls))
 }
 
-async fn status(node: &ActorRef<NodeMsg>) -> Result<ClusterStatus, String> {
-    ractor::call_t!(node, NodeMsg::Status, STATUS_TIMEOUT_MS).map_err(|e| format!("the node did not answer: {e}\n"))
+async fn status(node: &StatusSource) -> Result<ClusterStatus, String> {
+    match tokio::time::timeout(Duration::from_millis(STATUS_TIMEOUT_MS), node()).await {
+        Ok(answer) => answer.map_err(|e| format!("the node did not answer: {e}\n")),
+        Err(_) => Err(format!("the node did not answer within {STATUS_TIMEOUT_MS} ms\n")),
+    }
 }
 
 fn unavailable(why: String) -> Response {

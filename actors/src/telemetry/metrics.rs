@@ -19,7 +19,7 @@ use super::dashboard::{JobHistory, JobSnapshot};
 use super::link_bytes::LinkBytes;
 use super::prometheus::{Exposition, Histogram, Kind};
 use super::{otel, otel_metrics};
-use crate::runtime::protocol::{ClusterStatus, JobEvent, JobId, JobSpec, JobState};
+use crate::protocol::{ClusterStatus, JobEvent, JobId, JobSpec, JobState};
 
 /// Per-job figures the controller daemon sees pass.
 #[derive(Clone, Debug)]
@@ -554,7 +554,7 @@ mod tests {
 
     use super::*;
     use crate::api::Job;
-    use crate::runtime::protocol::{JobInfo, MemberInfo};
+    use crate::protocol::{JobInfo, MemberInfo};
     use crate::telemetry::prometheus::{parse, Sample};
 
     fn status(step: u64) -> ClusterStatus {

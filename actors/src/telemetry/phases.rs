@@ -8,24 +8,7 @@
 
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use serde::{Deserialize, Serialize};
-
-/// One span of a rank's step.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct PhaseSpan {
-    /// What ran, e.g. "forward+backward", "all-reduce".
-    pub name: String,
-    /// The timeline category: compute, comm, idle, optimizer, checkpoint, recovery (and, from pipeline
-    /// schedules, forward, backward, weight).
-    pub cat: String,
-    pub start_us: u64,
-    pub dur_us: u64,
-    /// A pipeline op's model chunk and micro-batch.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub chunk: Option<usize>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub microbatch: Option<usize>,
-}
+pub use crate::protocol::PhaseSpan;
 
 /// Collects the spans of one rank between reports.
 #[derive(Debug)]

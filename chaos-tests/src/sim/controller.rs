@@ -2,8 +2,8 @@
 //! the JobController actor around the real [`JobDriver`](troupe_actors::runtime::job::JobDriver). The
 //! driver and `Membership` are the runtime's own code; only the plumbing around them is modelled.
 
+use troupe_actors::protocol::{JobEvent, JobId, MemberInfo, StepFigures, Wire};
 use troupe_actors::runtime::job::{DriverAction, FAILED_ATTEMPTS_MAX};
-use troupe_actors::runtime::protocol::{JobEvent, JobId, MemberInfo, StepFigures, Wire};
 use troupe_cluster::membership::{Change, Epoch, MembershipAction, MembershipEvent, NodeId};
 
 use super::check::Checker;

@@ -68,7 +68,7 @@ mod world;
 use std::fmt::Write;
 
 use troupe_actors::api::Job;
-use troupe_actors::runtime::protocol::JobSpec;
+use troupe_actors::protocol::JobSpec;
 
 pub use config::{Network, NodeModel, PlantedBug, SimConfig};
 pub use scenario::{Fault, NodeSpec, Scenario};

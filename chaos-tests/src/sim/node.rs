@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use std::collections::BTreeMap;
 
+use troupe_actors::protocol::{AttemptOutcome, MemberInfo, Wire};
 use troupe_actors::runtime::job::JobDriver;
-use troupe_actors::runtime::protocol::{AttemptOutcome, MemberInfo, Wire};
 use troupe_cluster::membership::{Epoch, MemberAction, MemberState, Membership, MembershipEvent};
 
 use super::scenario::Fault;
@@ -41,7 +41,7 @@ impl World<'_> {
             let me = self.nodes[0].id.clone();
             self.ctl.membership.handle(now, MembershipEvent::Heartbeat { from: me, epoch });
             self.ctl.membership.handle_timeout(now);
-            let idle = self.ctl.driver.info().state != troupe_actors::runtime::protocol::JobState::Running;
+            let idle = self.ctl.driver.info().state != troupe_actors::protocol::JobState::Running;
             if idle && self.ctl.membership.joining().next().is_some() {
                 self.ctl.membership.handle(now, MembershipEvent::StepBoundary);
             }

@@ -3,7 +3,7 @@
 //! copy, each step's all-reduce) completes when every rank entered it, and fails for everyone once a rank
 //! left the mesh or stayed unreachable for the idle timeout.
 
-use troupe_actors::runtime::protocol::{AttemptOutcome, StepFigures, Wire};
+use troupe_actors::protocol::{AttemptOutcome, StepFigures, Wire};
 
 use super::world::{addr, trace, Ev, JobSlot, Mesh, MeshRank, Op, Phase, Prepared, RankAt, Task, World, JOB};
 

@@ -6,8 +6,8 @@ use std::cmp::{Ordering, Reverse};
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::net::SocketAddr;
 
+use troupe_actors::protocol::{AttemptOutcome, JobId, JobInfo, JobState, MemberInfo, RankSlot, Wire};
 use troupe_actors::runtime::job::JobDriver;
-use troupe_actors::runtime::protocol::{AttemptOutcome, JobId, JobInfo, JobState, MemberInfo, RankSlot, Wire};
 use troupe_cluster::membership::{MemberState, Membership, NodeId, View};
 
 use super::check::Checker;

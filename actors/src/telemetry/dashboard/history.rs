@@ -9,7 +9,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 
-use crate::runtime::protocol::JobEvent;
+use crate::protocol::JobEvent;
 use crate::telemetry::run_dir::now_us;
 
 /// Chart events kept per job (steps, membership changes, recoveries, rollbacks, checkpoints,

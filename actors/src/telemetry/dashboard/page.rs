@@ -11,7 +11,7 @@ use std::fmt::Write as _;
 use serde_json::Value;
 
 use super::history::JobHistory;
-use crate::runtime::protocol::{ClusterStatus, JobId, JobInfo};
+use crate::protocol::{ClusterStatus, JobId, JobInfo};
 use crate::telemetry::svg::escape;
 use crate::telemetry::{plot, run_dir, timeline};
 

@@ -14,8 +14,8 @@ use anyhow::Context;
 use redb::{ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 
-use crate::runtime::event_log::EVENTS_KEPT;
-use crate::runtime::protocol::{JobEvent, JobInfo, JobSpec};
+use crate::protocol::EVENTS_KEPT;
+use crate::protocol::{JobEvent, JobInfo, JobSpec};
 
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const JOBS: TableDefinition<u64, &[u8]> = TableDefinition::new("jobs");
@@ -177,7 +177,7 @@ impl Catalog {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::protocol::{JobId, JobState};
+    use crate::protocol::{JobId, JobState};
     use troupe_model::config::JobConfig;
 
     fn spec() -> JobSpec {

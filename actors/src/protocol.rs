@@ -12,7 +12,22 @@ use troupe_cluster::transport::quic::PeerInfo;
 use troupe_cluster::transport::tcp::TcpPayloads;
 use troupe_model::config::JobConfig;
 
-use crate::telemetry::PhaseSpan;
+/// One span of a rank's step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PhaseSpan {
+    /// What ran, e.g. "forward+backward", "all-reduce".
+    pub name: String,
+    /// The timeline category: compute, comm, idle, optimizer, checkpoint, recovery (and, from pipeline
+    /// schedules, forward, backward, weight).
+    pub cat: String,
+    pub start_us: u64,
+    pub dur_us: u64,
+    /// A pipeline op's model chunk and micro-batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunk: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub microbatch: Option<usize>,
+}
 
 /// What a rank reports of a reduced step when it votes (every rank reduced the same loss and norm).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -98,6 +113,10 @@ mod non_finite_as_null {
         Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
     }
 }
+
+/// Events kept per job. A step event is ~150 bytes: 16k of them is ~2.5 MB per job. A watcher gone for
+/// longer than that many events gets the oldest kept and a warning in the controller's log.
+pub const EVENTS_KEPT: usize = 16_384;
 
 pub type JobId = u64;
 

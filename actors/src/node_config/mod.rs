@@ -9,8 +9,10 @@ use troupe_cluster::identity::validate_node_name;
 use troupe_cluster::membership::MembershipConfig;
 use troupe_cluster::TransportConfig;
 
-use crate::runtime::restart::RestartPolicy;
+pub mod restart;
+
 use crate::telemetry::TelemetryConfig;
+use restart::RestartPolicy;
 
 /// Most device slots one node may offer.
 pub const SLOTS_MAX: u32 = 64;
