@@ -42,7 +42,7 @@ pub enum CommittedState {
     /// Step 0 of a fresh ZeRO-3 or pipeline job: nothing materialised (the trainer's model is
     /// [`troupe_model::model::Model::unmaterialised`]). The values are a pure function of the config —
     /// drawn from `train.seed`, or read from `model.from_hf` — so at the first sync each rank computes
-    /// or reads just the ranges its layout gives it ([`troupe_model::model::initial_flat`]), and no rank
+    /// or reads just the ranges its layout gives it ([`troupe_model::init::initial_flat`]), and no rank
     /// holds or reads the whole model.
     Initial(Box<Trainer>),
 }

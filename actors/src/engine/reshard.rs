@@ -7,7 +7,8 @@ use std::ops::Range;
 
 use troupe_cluster::collective::{Collective, Communicator};
 use troupe_cluster::transport::Transport;
-use troupe_model::model::{initial_flat, ModelConfig};
+use troupe_model::init::initial_flat;
+use troupe_model::model::ModelConfig;
 use troupe_model::precision::LossScale;
 use troupe_model::Trainer;
 

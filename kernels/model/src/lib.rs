@@ -10,11 +10,14 @@ pub mod config;
 pub mod data;
 pub mod generate;
 pub mod hf;
+pub mod hf_weights;
+pub mod init;
 pub mod model;
 pub mod optim;
 pub mod oracle;
 pub mod precision;
 pub mod rng;
+pub mod sections;
 pub mod storage;
 pub mod trainer;
 

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use tch::Tensor;
 use troupe_kernels::adamw::{adamw_step, AdamWConfig as KernelConfig, AdamWShard};
 
-use crate::config::TrainConfig;
+use crate::sections::TrainConfig;
 use crate::storage::lend_f32;
 
 /// AdamW hyper-parameters (torch.optim.AdamW semantics: decoupled decay, bias correction).

@@ -22,8 +22,8 @@ use std::ops::Range;
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
-use crate::config::{ParallelConfig, TrainConfig};
 use crate::optim::clip_coefficient;
+use crate::sections::{ParallelConfig, TrainConfig};
 
 /// The kind the matrix products compute in (`parallel.precision`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

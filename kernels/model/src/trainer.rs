@@ -88,7 +88,7 @@ impl Trainer {
 
     /// A fresh run whose model is not materialised ([`Model::unmaterialised`]: every parameter empty, no
     /// optimizer moments): for an engine that keeps only parts of the model — a ZeRO-3 rank, a pipeline
-    /// stage — and reads its parts of the initial values by range ([`crate::model::initial_flat`]), so
+    /// stage — and reads its parts of the initial values by range ([`crate::init::initial_flat`]), so
     /// no rank holds or reads the whole model. Checks the config and the Hugging Face weights' headers
     /// like [`Self::new`].
     pub fn new_unmaterialised(config: JobConfig) -> Result<Self, TrainError> {

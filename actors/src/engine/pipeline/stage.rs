@@ -25,9 +25,9 @@ use troupe_cluster::transport::{LossScope, Transport};
 use troupe_cluster::wire::Tag;
 use troupe_model::config::JobConfig;
 use troupe_model::data::{load_corpus, rank_slice, GlobalSampler};
+use troupe_model::init::initial_values;
 use troupe_model::model::{
-    block_recorded, cross_entropy, embed_recorded, head_recorded, initial_values, param_specs, ParamOp, ParamSpec,
-    Samples,
+    block_recorded, cross_entropy, embed_recorded, head_recorded, param_specs, ParamOp, ParamSpec, Samples,
 };
 use troupe_model::optim::{learning_rate, scale_grads, AdamW, AdamWConfig};
 use troupe_model::precision::{backward_weight, LossScale, Precision, Update};

@@ -12,8 +12,8 @@ use safetensors::Dtype;
 use serde_json::json;
 
 use super::config_json::write_config;
-use super::{file_layout, file_name, HfError};
-use crate::model::{base_specs, ModelConfig};
+use super::{file_layout, HfError};
+use crate::model::{base_specs, file_name, ModelConfig};
 
 /// The dtype of the exported weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

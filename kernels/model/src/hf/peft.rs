@@ -25,9 +25,10 @@ use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::{json, Value};
 
-use super::{file_layout, file_name, transpose, HfError};
+use super::{file_layout, HfError, HfWeights};
+use crate::hf_weights::transpose;
 use crate::model::peft::{module_of, Method};
-use crate::model::{base_specs, param_specs, Arch, ModelConfig, ParamSpec};
+use crate::model::{base_specs, file_name, param_specs, read_param, Arch, ModelConfig, ParamSpec};
 
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
@@ -322,7 +323,7 @@ pub fn merge(config: &ModelConfig, trained: &[Vec<f32>]) -> Result<Vec<Vec<f32>>
     let specs = param_specs(config);
     assert_eq!(trained.len(), specs.len(), "one value vector per trainable parameter");
     let dir = config.from_hf.as_deref().expect("a [peft] model has model.from_hf");
-    let weights = super::HfWeights::open(dir)?;
+    let weights = HfWeights::open(dir)?;
     let scale = config.peft.as_ref().map_or(1.0, |p| p.scale());
     let by_name: HashMap<&str, &Vec<f32>> = specs.iter().map(|s| s.name.as_str()).zip(trained).collect();
     base_specs(config)
@@ -331,7 +332,7 @@ pub fn merge(config: &ModelConfig, trained: &[Vec<f32>]) -> Result<Vec<Vec<f32>>
             if let Some(v) = by_name.get(spec.name.as_str()) {
                 return Ok((*v).clone());
             }
-            let w = weights.read_param(config, spec)?;
+            let w = read_param(&weights, config, spec)?;
             let module = module_of(&spec.name);
             if !spec.name.ends_with(".weight") || spec.shape.len() != 2 {
                 return Ok(w); // a targeted layer's bias has no adapter

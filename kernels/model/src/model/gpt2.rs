@@ -9,8 +9,8 @@ use tch::{Kind, Tensor};
 
 use super::kv_cache::LayerCache;
 use super::{Activation, Init, ModelConfig, ParamOp, ParamSpec, Weights};
-use crate::config::{invalid, ConfigError};
 use crate::precision::Precision;
+use crate::sections::{invalid, ConfigError};
 
 /// Parameters per transformer block (see [`param_specs`]).
 pub const PARAMS_PER_BLOCK: usize = 12;

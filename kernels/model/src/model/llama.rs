@@ -9,8 +9,8 @@ use tch::{Kind, Tensor};
 
 use super::kv_cache::LayerCache;
 use super::{Init, ModelConfig, ParamOp, ParamSpec, RopeScaling, Weights};
-use crate::config::{invalid, ConfigError};
 use crate::precision::Precision;
+use crate::sections::{invalid, ConfigError};
 
 /// Parameters before the first block: the token embedding.
 pub const PARAMS_BEFORE_BLOCKS: usize = 1;

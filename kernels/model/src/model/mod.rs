@@ -19,16 +19,19 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
-use crate::config::{invalid, positive, ConfigError};
+use crate::hf_weights::HfError;
 use crate::precision::Precision;
 use crate::rng::{hash_words, SplitMix64};
+use crate::sections::{invalid, positive, ConfigError};
 
 pub mod gpt2;
+mod hf_names;
 pub mod kv_cache;
 pub mod llama;
 pub mod peft;
 pub mod presets;
 
+pub use hf_names::{file_name, read_param};
 pub use kv_cache::KvCache;
 pub use peft::PeftConfig;
 
@@ -409,7 +412,7 @@ pub fn param_specs(cfg: &ModelConfig) -> Vec<ParamSpec> {
 
 /// The initial values of parameter `index` from its spec: a pure function of (seed, index), computed in
 /// Rust so every rank and every device gets the same bits whatever libtorch's global RNG has done.
-/// (A model with `from_hf` starts from the file instead: see [`initial_values`].)
+/// (A model with `from_hf` starts from the file instead: see [`crate::init::initial_values`].)
 pub fn init_values(spec: &ParamSpec, seed: u64, index: usize) -> Vec<f32> {
     let n = spec.numel();
     match spec.init {
@@ -427,76 +430,10 @@ pub fn init_values(spec: &ParamSpec, seed: u64, index: usize) -> Vec<f32> {
     }
 }
 
-/// Trainable parameter `index`'s initial values: read from the PEFT adapters of `peft.from_adapters`
-/// when set (every trainable parameter: adapters and `train`'s modules), else adapters drawn and
-/// everything else read from the model's weights (`from_hf`) or drawn by [`init_values`].
-fn initial_param(
-    cfg: &ModelConfig,
-    sources: &Sources,
-    spec: &ParamSpec,
-    seed: u64,
-    index: usize,
-) -> Result<Vec<f32>, crate::hf::HfError> {
-    if let Some(values) = sources.adapters.as_ref().and_then(|a| a.get(spec)) {
-        return Ok(values.clone());
-    }
-    match &sources.weights {
-        Some(weights) if !matches!(spec.init, Init::Adapter { .. }) => weights.read_param(cfg, spec),
-        _ => Ok(init_values(spec, seed, index)),
-    }
-}
-
-/// Where a fresh job's parameters come from: `model.from_hf`'s weights, `peft.from_adapters`.
-struct Sources {
-    weights: Option<crate::hf::HfWeights>,
-    adapters: Option<crate::hf::peft::Adapters>,
-}
-
-impl Sources {
-    fn open(cfg: &ModelConfig) -> Result<Self, crate::hf::HfError> {
-        let weights = cfg.from_hf.as_deref().map(crate::hf::HfWeights::open).transpose()?;
-        let adapters = cfg.peft.as_ref().and_then(|p| p.from_adapters.as_deref());
-        let adapters = adapters.map(|dir| crate::hf::peft::Adapters::open(cfg, dir)).transpose()?;
-        Ok(Self { weights, adapters })
-    }
-}
-
-/// The initial values of parameters `indices` of `cfg`'s model: read from the Hugging Face weights of
-/// `cfg.from_hf` (only those tensors, from the memory-mapped files), else drawn by [`init_values`].
-pub fn initial_values(
-    cfg: &ModelConfig,
-    seed: u64,
-    indices: Range<usize>,
-) -> Result<Vec<Vec<f32>>, crate::hf::HfError> {
-    let specs = param_specs(cfg);
-    let sources = Sources::open(cfg)?;
-    indices.map(|i| initial_param(cfg, &sources, &specs[i], seed, i)).collect()
-}
-
-/// The initial values of the elements `range` of the flat parameter order (every parameter of
-/// [`param_specs`] flattened, one after the other): what a ZeRO-3 rank or a pipeline stage holds of a
-/// fresh job, computed without the rest of the model. Only the parameters that overlap `range` are drawn
-/// or read (from `cfg.from_hf`, one tensor at a time); equals the same slice of every [`initial_values`]
-/// flattened.
-pub fn initial_flat(cfg: &ModelConfig, seed: u64, range: Range<usize>) -> Result<Vec<f32>, crate::hf::HfError> {
-    let specs = param_specs(cfg);
-    let sources = Sources::open(cfg)?;
-    let mut out = Vec::with_capacity(range.len());
-    let mut start = 0;
-    for (index, spec) in specs.iter().enumerate() {
-        let end = start + spec.numel();
-        if start < range.end && range.start < end {
-            let values = initial_param(cfg, &sources, spec, seed, index)?;
-            out.extend_from_slice(&values[range.start.max(start) - start..range.end.min(end) - start]);
-        }
-        start = end;
-    }
-    assert_eq!(out.len(), range.len(), "range {range:?} is outside the {start} elements of the flat order");
-    Ok(out)
-}
-
 /// The model: its config, its parameters (fp32 leaves requiring grad, in [`param_specs`] order) and
 /// the precision its matrix products compute in.
+/// Built by [`Model::new`] and [`Model::load`] (in [`crate::init`], above this module: they read
+/// `model.from_hf` and `peft.from_adapters`) or by [`Model::unmaterialised`].
 #[derive(Debug)]
 pub struct Model {
     pub config: ModelConfig,
@@ -508,17 +445,13 @@ pub struct Model {
 }
 
 impl Model {
-    /// A freshly initialised model on the CPU, computing in fp32 (see [`Self::with_precision`]).
-    /// Panics where `config.from_hf`'s weights cannot be read: [`Self::load`] returns that error, and
-    /// job configs are checked with [`crate::hf::check_weights`] before anything runs.
-    pub fn new(config: ModelConfig, seed: u64) -> Self {
-        Self::load(config, seed).unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    /// [`Self::new`], with a Hugging Face weight file that cannot be read as an error.
-    pub fn load(config: ModelConfig, seed: u64) -> Result<Self, crate::hf::HfError> {
-        let specs = param_specs(&config);
-        let values = initial_values(&config, seed, 0..specs.len())?;
+    /// A model of `config` with parameters `specs` (its [`param_specs`]) of values `values`, computing in
+    /// fp32: what [`Self::load`] builds from the values [`crate::init`] reads or draws.
+    pub(crate) fn from_values(
+        config: ModelConfig,
+        specs: Vec<ParamSpec>,
+        values: Vec<Vec<f32>>,
+    ) -> Result<Self, HfError> {
         let params = specs
             .iter()
             .zip(values)
@@ -529,7 +462,7 @@ impl Model {
     }
 
     /// The model's shape without its values: every parameter an empty leaf (as a ZeRO-3 rank keeps them
-    /// between steps). For a rank that holds only parts of a fresh model, read by [`initial_flat`].
+    /// between steps). For a rank that holds only parts of a fresh model, read by [`crate::init::initial_flat`].
     pub fn unmaterialised(config: ModelConfig) -> Self {
         let specs = param_specs(&config);
         let empty = || Tensor::zeros([0], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
@@ -675,7 +608,7 @@ pub(crate) fn record(ops: &mut Vec<ParamOp>, output: &Tensor, params: Range<usiz
     ops.push(ParamOp { output: output.shallow_clone(), params });
 }
 
-fn hold_base(config: &ModelConfig) -> Result<Option<std::sync::Arc<peft::Base>>, crate::hf::HfError> {
+fn hold_base(config: &ModelConfig) -> Result<Option<std::sync::Arc<peft::Base>>, HfError> {
     match (&config.peft, &config.from_hf) {
         (Some(_), Some(dir)) => peft::Base::open(dir).map(Some),
         _ => Ok(None),

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
 use super::{Arch, Init, ModelConfig, ParamSpec};
-use crate::config::{invalid, ConfigError};
+use crate::sections::{invalid, ConfigError};
 
 /// How the model is fine-tuned.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -387,7 +387,7 @@ fn trains(model: &ModelConfig, part: usize, last: usize, module: &str, embedding
 #[derive(Debug)]
 pub struct Base {
     dir: PathBuf,
-    weights: crate::hf::HfWeights,
+    weights: crate::hf_weights::HfWeights,
     tensors: Mutex<HashMap<(usize, DeviceKey), Tensor>>,
     transient: std::sync::atomic::AtomicBool,
 }
@@ -419,13 +419,13 @@ fn registry() -> &'static Registry {
 
 impl Base {
     /// The base of `dir`, shared with whoever in the process holds it already.
-    pub fn open(dir: &Path) -> Result<Arc<Self>, crate::hf::HfError> {
+    pub fn open(dir: &Path) -> Result<Arc<Self>, crate::hf_weights::HfError> {
         let mut registry = registry().lock().expect("base registry");
         registry.retain(|(_, weak)| weak.strong_count() > 0);
         if let Some(base) = registry.iter().find(|(d, _)| d == dir).and_then(|(_, weak)| weak.upgrade()) {
             return Ok(base);
         }
-        let weights = crate::hf::HfWeights::open(dir)?;
+        let weights = crate::hf_weights::HfWeights::open(dir)?;
         let base = Arc::new(Self {
             dir: dir.to_owned(),
             weights,
@@ -453,7 +453,7 @@ impl Base {
             return t.shallow_clone();
         }
         let spec = &super::base_specs(model)[index];
-        let values = self.weights.read_param(model, spec).unwrap_or_else(|e| panic!("the frozen base: {e}"));
+        let values = super::read_param(&self.weights, model, spec).unwrap_or_else(|e| panic!("the frozen base: {e}"));
         let tensor = Tensor::from_slice(&values).view(spec.shape.as_slice()).to_device(device);
         if self.transient.load(std::sync::atomic::Ordering::Relaxed) {
             return tensor;

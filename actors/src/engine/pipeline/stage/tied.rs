@@ -22,7 +22,8 @@ use tch::{Kind, Tensor};
 use troupe_cluster::collective::{chunk_range, Collective};
 use troupe_cluster::transport::Transport;
 use troupe_model::config::JobConfig;
-use troupe_model::model::{initial_values, param_specs, ModelConfig};
+use troupe_model::init::initial_values;
+use troupe_model::model::{param_specs, ModelConfig};
 use troupe_model::optim::{scale_grads, AdamW, AdamWConfig};
 
 use super::super::super::committed::ShardPiece;

@@ -2,6 +2,11 @@
 //! Each tensor is read by its byte range (`pread`), so a rank that holds a pipeline stage or a ZeRO-3
 //! shard reads those tensors and no others — never the whole model on every rank. F32, BF16 and F16 are
 //! widened to fp32.
+//!
+//! This is the bottom of the Hugging Face boundary: tensors by their names in the files, and
+//! [`HfError`], the boundary's one error. It knows no model: which tensor a parameter is stored as
+//! ([`crate::model::file_name`]) is the model's, and `config.json`, the export and PEFT's adapters
+//! ([`crate::hf`]) are above the model.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -11,13 +16,44 @@ use std::path::{Path, PathBuf};
 use half::{bf16, f16};
 use serde_json::Value;
 
-use super::{file_name, is_buffer, transpose, HfError};
-use crate::model::{base_specs, ModelConfig, ParamSpec};
-
 const INDEX: &str = "model.safetensors.index.json";
 const SINGLE: &str = "model.safetensors";
 /// Largest safetensors header read (safetensors' own limit).
 const HEADER_BYTES_MAX: u64 = 100_000_000;
+
+/// What a Hugging Face directory or file that cannot be used gets: the file, the tensor or the key, and
+/// what was expected.
+#[derive(Debug, thiserror::Error)]
+pub enum HfError {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {message}")]
+    Format { path: PathBuf, message: String },
+    #[error("{dir}: no model.safetensors or model.safetensors.index.json; a Hugging Face model directory holds one (save_pretrained writes it)")]
+    NoWeights { dir: PathBuf },
+    #[error("{index}: names the file {file} for tensor {tensor}, but {file} is not in {dir}")]
+    MissingShard { index: PathBuf, dir: PathBuf, file: String, tensor: String },
+    #[error("{dir}: the weights have no tensor {tensor} (expected {shape:?}); the directory does not hold the model its config.json describes")]
+    MissingTensor { dir: PathBuf, tensor: String, shape: Vec<i64> },
+    #[error(
+        "{path}: tensor {tensor} has shape {found:?}, expected {expected:?} for the model of config.json and [model]"
+    )]
+    Shape { path: PathBuf, tensor: String, found: Vec<usize>, expected: Vec<usize> },
+    #[error(
+        "{path}: tensor {tensor} is not a parameter of a {arch} model of this shape; remove it or check config.json"
+    )]
+    Unexpected { path: PathBuf, tensor: String, arch: &'static str },
+    #[error("{path}: tensor {tensor} is {dtype}; troupe reads F32, BF16 and F16 weights")]
+    Dtype { path: PathBuf, tensor: String, dtype: String },
+    #[error("{path}: architecture {found:?} is not one troupe builds; supported: {supported}")]
+    Architecture { path: PathBuf, found: String, supported: String },
+    #[error("{path}: {key} = {value} is not supported: {why}")]
+    Unsupported { path: PathBuf, key: String, value: String, why: String },
+    #[error(
+        "[model] {key} = {toml} disagrees with {path}: {json_key} = {json}; remove the key from [model] or correct it"
+    )]
+    Disagrees { key: String, toml: String, path: PathBuf, json_key: String, json: String },
+}
 
 /// One tensor in a file: its dtype, shape and absolute byte range.
 #[derive(Clone, Debug)]
@@ -160,17 +196,21 @@ impl HfWeights {
         Ok((values, entry.shape.clone()))
     }
 
-    /// Where parameter `spec` of `config`'s model is: its name in the files, its entry (shape checked),
-    /// and whether the file holds it transposed.
-    fn locate(&self, config: &ModelConfig, spec: &ParamSpec) -> Result<(String, &Entry, bool), HfError> {
-        let (name, transposed) = file_name(config, spec);
-        // GPT-2 files written by `GPT2Model` (and the original checkpoints) have no `transformer.` prefix.
-        let bare = name.strip_prefix("transformer.").unwrap_or(&name).to_owned();
-        let Some((name, entry)) = [name.clone(), bare].into_iter().find_map(|n| self.entries.get(&n).map(|e| (n, e)))
+    /// Where the tensor troupe holds as `shape` is: stored as `name` (a GPT-2 file written by
+    /// `GPT2Model`, or an original checkpoint, lacks the `transformer.` prefix), `[in, out]` where
+    /// `transposed`; its name as found and its entry, the shape checked.
+    fn locate(&self, name: &str, transposed: bool, shape: &[i64]) -> Result<(String, &Entry), HfError> {
+        let bare = name.strip_prefix("transformer.").unwrap_or(name).to_owned();
+        let Some((name, entry)) =
+            [name.to_owned(), bare].into_iter().find_map(|n| self.entries.get(&n).map(|e| (n, e)))
         else {
-            return Err(HfError::MissingTensor { dir: self.dir.clone(), tensor: name, shape: spec.shape.clone() });
+            return Err(HfError::MissingTensor {
+                dir: self.dir.clone(),
+                tensor: name.to_owned(),
+                shape: shape.to_vec(),
+            });
         };
-        let mut expected: Vec<usize> = spec.shape.iter().map(|&d| d as usize).collect();
+        let mut expected: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
         if transposed {
             expected.reverse();
         }
@@ -178,18 +218,46 @@ impl HfWeights {
             let path = self.files[entry.file].0.clone();
             return Err(HfError::Shape { path, tensor: name, found: entry.shape.clone(), expected });
         }
-        Ok((name, entry, transposed))
+        Ok((name, entry))
     }
 
-    /// Parameter `spec` of `config`'s model, as fp32 in troupe's layout (GPT-2's `Conv1D` matrices
-    /// transposed), its shape checked.
-    pub fn read_param(&self, config: &ModelConfig, spec: &ParamSpec) -> Result<Vec<f32>, HfError> {
-        let (name, entry, transposed) = self.locate(config, spec)?;
+    /// The tensor troupe holds as `shape`, stored as `name` (`[in, out]` where `transposed`), as fp32 in
+    /// troupe's layout (transposed back), its shape checked.
+    pub fn read(&self, name: &str, transposed: bool, shape: &[i64]) -> Result<Vec<f32>, HfError> {
+        let (name, entry) = self.locate(name, transposed, shape)?;
         let (values, shape) = self.read_entry(&name, entry)?;
         if !transposed {
             return Ok(values);
         }
         Ok(transpose(&values, shape[0], shape[1]))
+    }
+
+    /// Checks, reading the headers only, that the files hold exactly `params` (each stored as its name,
+    /// `[in, out]` where transposed, troupe's shape): every one present with its shape and a dtype
+    /// [`Self::read`] widens, and no other tensor than the buffers older versions saved and those
+    /// `also_allowed` names. `arch` names the model in the error.
+    pub fn check_exactly<'a>(
+        &self,
+        params: impl IntoIterator<Item = (String, bool, &'a [i64])>,
+        also_allowed: impl Fn(&str) -> bool,
+        arch: &'static str,
+    ) -> Result<(), HfError> {
+        let mut used = std::collections::HashSet::new();
+        for (name, transposed, shape) in params {
+            let (name, entry) = self.locate(&name, transposed, shape)?;
+            let path = self.files[entry.file].0.clone();
+            if !matches!(entry.dtype.as_str(), "F32" | "BF16" | "F16") {
+                return Err(HfError::Dtype { path, tensor: name, dtype: entry.dtype.clone() });
+            }
+            used.insert(name);
+        }
+        for (name, entry) in &self.entries {
+            if !used.contains(name) && !is_buffer(name) && !also_allowed(name) {
+                let path = self.files[entry.file].0.clone();
+                return Err(HfError::Unexpected { path, tensor: name.clone(), arch });
+            }
+        }
+        Ok(())
     }
 }
 
@@ -203,28 +271,20 @@ fn dtype_bytes(dtype: &str) -> Option<usize> {
     }
 }
 
-/// Checks, before anything trains, that `config.from_hf` holds exactly `config`'s parameters: every one
-/// present with its shape and a readable dtype, and no tensor that is not one of them (buffers older
-/// versions saved, and a tied head's copy, excepted). Reads the headers only — and, with `[peft]
-/// from_adapters`, checks the adapters ([`super::peft::Adapters::open`]).
-pub fn check_weights(config: &ModelConfig) -> Result<(), HfError> {
-    let Some(dir) = &config.from_hf else { return Ok(()) };
-    let weights = HfWeights::open(dir)?;
-    let mut used = std::collections::HashSet::new();
-    for spec in base_specs(config) {
-        let (name, entry, _) = weights.locate(config, &spec)?;
-        let path = weights.files[entry.file].0.clone();
-        if !matches!(entry.dtype.as_str(), "F32" | "BF16" | "F16") {
-            return Err(HfError::Dtype { path, tensor: name, dtype: entry.dtype.clone() });
-        }
-        used.insert(name);
-    }
-    for (name, entry) in &weights.entries {
-        let tied_copy = config.tie_word_embeddings && name == "lm_head.weight";
-        if !used.contains(name) && !is_buffer(name) && !tied_copy {
-            let path = weights.files[entry.file].0.clone();
-            return Err(HfError::Unexpected { path, tensor: name.clone(), arch: config.arch.as_str() });
+/// Tensors a Hugging Face file may hold that are not parameters (buffers older versions saved).
+fn is_buffer(name: &str) -> bool {
+    name.ends_with(".attn.bias") && !name.contains(".c_attn.")
+        || name.ends_with(".attn.masked_bias")
+        || name.ends_with(".rotary_emb.inv_freq")
+}
+
+/// A row-major `[rows, cols]` matrix as row-major `[cols, rows]`.
+pub(crate) fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; values.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            out[c * rows + r] = values[r * cols + c];
         }
     }
-    super::peft::check_adapters(config)
+    out
 }
