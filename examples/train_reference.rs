@@ -3,7 +3,7 @@
 //!     cargo run --release -p troupe-examples --example train_reference -- [steps]
 
 use troupe_model::config::JobConfig;
-use troupe_model::{checkpoint, Trainer};
+use troupe_model::Trainer;
 
 fn main() -> anyhow::Result<()> {
     let steps: u64 = std::env::args().nth(1).map(|s| s.parse()).transpose()?.unwrap_or(60);
@@ -18,7 +18,7 @@ fn main() -> anyhow::Result<()> {
     }
 
     let dir = std::env::temp_dir().join(format!("troupe-example-{}", std::process::id()));
-    let saved = checkpoint::save(&trainer, &dir)?;
+    let saved = trainer.save_checkpoint(&dir)?;
     println!("saved {}", saved.display());
 
     let mut resumed = Trainer::resume(config, &saved)?;

@@ -24,7 +24,6 @@ use troupe_cluster::collective::{chunk_range, Collective, Communicator, ReduceOp
 use troupe_cluster::transport::Transport;
 use troupe_cluster::ClusterError;
 use troupe_kernels::adamw::{adamw_step, AdamWConfig, AdamWShard};
-use troupe_model::checkpoint::state::scaler_of;
 use troupe_model::checkpoint::state::TensorSpec;
 use troupe_model::checkpoint::TrainingState;
 use troupe_model::config::TrainConfig;
@@ -32,6 +31,7 @@ use troupe_model::data::rank_slice;
 use troupe_model::generate::Evaluation;
 use troupe_model::optim::learning_rate;
 use troupe_model::precision::Update;
+use troupe_model::trainer::scaler_of;
 use troupe_model::{StepReport, Trainer};
 
 use super::committed::{CommittedState, ShardPiece};

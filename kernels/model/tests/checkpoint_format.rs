@@ -9,7 +9,7 @@ use std::time::Duration;
 use tch::Tensor;
 use troupe_kernels::checksum64;
 use troupe_model::checkpoint::{
-    self, load_shard, load_state, Catalog, CatalogEntry, CheckpointError, CheckpointStore, CheckpointWriter, Layout,
+    load_shard, load_state, Catalog, CatalogEntry, CheckpointError, CheckpointStore, CheckpointWriter, Layout,
     MemoryCatalog, SaveRequest, TrainingState, WriteReport,
 };
 use troupe_model::config::JobConfig;
@@ -71,7 +71,7 @@ fn resharding_round_trips_between_one_and_four_shards_are_bit_exact() {
         }
         // Into the full reference trainer.
         let mut trainer = Trainer::new(config.clone()).unwrap();
-        checkpoint::restore(&mut trainer, &path).unwrap();
+        trainer.restore_checkpoint(&path).unwrap();
         assert_same(&TrainingState::snapshot(&trainer), &original, &format!("{saved_as} shards → trainer"));
     }
 }

@@ -122,7 +122,7 @@ fn a_checkpoint_carries_the_loss_scaler() {
     let dir = tempfile::tempdir().unwrap();
     let mut first = Trainer::new(config.clone()).unwrap();
     let mut reports: Vec<StepReport> = (0..4).map(|_| first.train_step()).collect();
-    let saved = troupe_model::checkpoint::save(&first, dir.path()).unwrap();
+    let saved = first.save_checkpoint(dir.path()).unwrap();
     let scaler = first.loss_scale;
     assert_eq!((scaler.skipped_steps, scaler.clean_steps, scaler.scale), (1, 1, 32768.0));
     drop(first);

@@ -290,7 +290,7 @@ fn bad_peft_input_is_refused_with_the_key_and_what_the_model_has() {
     // A checkpoint of one [peft] config does not resume under another: the error names the key.
     let mut lora4 = fine_tuning(llama.clone(), lora(&["q_proj"], 4, 8.0), dir.path(), 1);
     let trainer = Trainer::new(lora4.clone()).unwrap();
-    let saved = troupe_model::checkpoint::save(&trainer, &dir.path().join("ckpt")).unwrap();
+    let saved = trainer.save_checkpoint(&dir.path().join("ckpt")).unwrap();
     lora4.model.peft.as_mut().unwrap().r = 2;
     let e = Trainer::resume(lora4, &saved).unwrap_err().to_string();
     assert!(e.contains("model.peft.r: 4 vs 2"), "{e}");

@@ -310,7 +310,7 @@ fn a_lora_checkpoint_refuses_a_changed_base() {
     let config = fine_tuning(JobConfig::small_llama(2), lora(&["q_proj", "v_proj"], 4, 8.0), &base, 1);
     let mut trainer = Trainer::new(config.clone()).unwrap();
     trainer.train_step();
-    let saved = troupe_model::checkpoint::save(&trainer, &dir.path().join("ckpt")).unwrap();
+    let saved = trainer.save_checkpoint(&dir.path().join("ckpt")).unwrap();
     let manifest = troupe_model::checkpoint::read::read_manifest(&saved).unwrap();
     let recorded = manifest.base.clone().expect("a [peft] checkpoint records its base");
     assert_eq!(recorded.dir, base);
@@ -327,6 +327,6 @@ fn a_lora_checkpoint_refuses_a_changed_base() {
     assert!(e.contains("checksum") && e.contains(&format!("{:016x}", recorded.checksum)), "{e}");
 
     let full = Trainer::new(JobConfig::small_llama(1)).unwrap();
-    let saved = troupe_model::checkpoint::save(&full, &dir.path().join("full")).unwrap();
+    let saved = full.save_checkpoint(&dir.path().join("full")).unwrap();
     assert!(troupe_model::checkpoint::read::read_manifest(&saved).unwrap().base.is_none());
 }

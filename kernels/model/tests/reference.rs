@@ -108,7 +108,7 @@ fn resume_is_bit_exact() {
 
     let mut first = Trainer::new(job(40, 4)).unwrap();
     let mut losses: Vec<f64> = (0..20).map(|_| first.train_step().loss).collect();
-    let saved = troupe_model::checkpoint::save(&first, dir.path()).unwrap();
+    let saved = first.save_checkpoint(dir.path()).unwrap();
     drop(first);
     let mut resumed = Trainer::resume(job(40, 4), &saved).unwrap();
     assert_eq!(resumed.step, 20);
@@ -178,9 +178,9 @@ fn corrupt_checkpoint_is_refused_and_the_previous_one_is_used() {
     config.model.n_layers = 1;
     let mut trainer = Trainer::new(config.clone()).unwrap();
     trainer.train_step();
-    let older = troupe_model::checkpoint::save(&trainer, dir.path()).unwrap();
+    let older = trainer.save_checkpoint(dir.path()).unwrap();
     trainer.train_step();
-    let newer = troupe_model::checkpoint::save(&trainer, dir.path()).unwrap();
+    let newer = trainer.save_checkpoint(dir.path()).unwrap();
     // Flip a byte in the newest checkpoint's (only) shard.
     let file = newer.join("shard-00000-of-00001.safetensors");
     let mut bytes = std::fs::read(&file).unwrap();
@@ -206,7 +206,7 @@ fn resume_refuses_a_different_model_or_data() {
     let mut config = job(4, 8);
     config.model.n_layers = 1;
     let trainer = Trainer::new(config.clone()).unwrap();
-    let saved = troupe_model::checkpoint::save(&trainer, dir.path()).unwrap();
+    let saved = trainer.save_checkpoint(dir.path()).unwrap();
     let mut other_model = config.clone();
     other_model.model.n_layers = 2;
     let error = Trainer::resume(other_model, &saved).unwrap_err().to_string();

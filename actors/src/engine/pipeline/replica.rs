@@ -32,10 +32,10 @@ use ractor::{Actor, ActorCell, ActorRef, RpcReplyPort};
 use troupe_cluster::collective::{Collective, CollectiveConfig, Communicator};
 use troupe_cluster::transport::subgroup::Subgroup;
 use troupe_cluster::transport::Transport;
-use troupe_model::checkpoint::state::scaler_of;
 use troupe_model::checkpoint::{CheckpointWriter, Layout, SaveRequest, ShardMode, TrainingState};
 use troupe_model::generate::Evaluation;
 use troupe_model::model::ModelConfig;
+use troupe_model::trainer::scaler_of;
 use troupe_model::Trainer;
 
 use super::super::committed::{CommittedState, ShardPiece};

@@ -15,11 +15,15 @@
 //! rename and cleared before a removal, so it may lag the directories by the commit in flight at a crash,
 //! never lead them (the store reconciles it when opened).
 //!
-//! Files, one idea each: `manifest` (the format), `state` (the host-memory snapshot of a trainer),
+//! Files, one idea each: `manifest` (the format), `state` (the training state in host memory),
 //! `shards` (which flat ranges a layout cuts), `tensor_file` (safetensors write + fsync + checksum),
 //! `write` (the atomic directory commit), `read` (verify, load, reshard), `v1` (the previous format,
 //! still loadable), `catalog` (the `Catalog` trait, redb and in-memory), `store` (a checkpoint root:
 //! save, retention, latest valid, reconcile), `writer` (the asynchronous writer thread).
+//!
+//! The trainer is above: its snapshot, and saving or restoring it in one call
+//! ([`crate::trainer::Trainer::save_checkpoint`], [`crate::trainer::Trainer::restore_checkpoint`]), are
+//! `crate::trainer`'s.
 
 pub mod catalog;
 pub mod manifest;
@@ -40,8 +44,6 @@ pub use read::{load_shard, load_state, verify};
 pub use state::{crash_state, synthetic_state, TrainingState};
 pub use store::{CheckpointStore, Saved};
 pub use writer::{CheckpointWriter, SaveRequest, WriteReport};
-
-use crate::trainer::Trainer;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
@@ -87,22 +89,9 @@ pub fn step_dirs(root: &Path) -> Vec<(u64, PathBuf)> {
     dirs
 }
 
-/// Saves the trainer's whole state under `root/step-NNNNNNNN` as one shard, synchronously, recording it
-/// in the root's redb catalog; returns that directory. (The cluster runtime snapshots and saves in the
-/// background with [`CheckpointWriter`] instead.)
-pub fn save(trainer: &Trainer, root: &Path) -> Result<PathBuf, CheckpointError> {
-    let store = CheckpointStore::open(root, 0)?;
-    Ok(store.save(&TrainingState::snapshot(trainer), &Layout::ddp(1))?.path)
-}
-
 /// The newest checkpoint under `root` that verifies; the ones skipped on the way, with why.
 pub fn latest_valid(root: &Path) -> (Option<PathBuf>, Vec<(PathBuf, CheckpointError)>) {
     store::latest_valid(root)
-}
-
-/// Restores `trainer` (freshly built from the same config) from checkpoint `dir` (any version, any layout).
-pub fn restore(trainer: &mut Trainer, dir: &Path) -> Result<(), CheckpointError> {
-    load_state(dir)?.restore_into(trainer, dir)
 }
 
 /// Maps an IO error at `path` during `op`.

@@ -16,6 +16,10 @@ use crate::model::{Model, Samples};
 use crate::optim::{grad_norm, learning_rate, scale_grads, AdamW, AdamWConfig};
 use crate::precision::{backward_weight, LossScale, Precision, Update};
 
+mod snapshot;
+
+pub use snapshot::scaler_of;
+
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
     #[error(transparent)]
@@ -125,7 +129,7 @@ impl Trainer {
     /// and batch; `train.steps` (and so the schedule's end) may differ.
     pub fn resume(config: JobConfig, dir: &Path) -> Result<Self, TrainError> {
         let mut trainer = Self::new(config)?;
-        checkpoint::restore(&mut trainer, dir)?;
+        trainer.restore_checkpoint(dir)?;
         Ok(trainer)
     }
 
