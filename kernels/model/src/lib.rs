@@ -3,6 +3,27 @@
 //! distributed mode (DESIGN.md §4).
 //!
 //! Invariant: only this crate and those above it link libtorch.
+//!
+//! Architecture Invariant: the modules are layered, and a module uses only modules on rows below its
+//! own (`scripts/module-cycles.py kernels/model/src` finds any dependency that points back up):
+//!
+//! ```text
+//! trainer                                the reference trainer; its state into and out of checkpoints
+//! checkpoint  generate                   durable training state; evaluation and sampling
+//! data                                   corpora and the global sampler
+//! oracle                                 the comparisons with the references
+//! config      init                       JobConfig (TOML, [model] resolved); Model::new/load, initial values
+//! hf          blockwise                  config.json, export, PEFT adapters; the blockwise backward
+//! model                                  the families, the parameter list, the frozen base
+//! precision                              compute precision, the loss scaler
+//! optim                                  AdamW, its schedule, clipping
+//! sections    hf_weights  rng  storage   the plain config sections and ConfigError; HF tensors by name
+//! ```
+//!
+//! So the model never reads `config.json` or a PEFT adapter directory, the plain sections never name the
+//! model, and a checkpoint never sees a `Trainer`. Where a method of a lower type needs a higher module,
+//! that module implements it — `Model::new` and `Model::load` in `init`, `TrainingState::snapshot`,
+//! `refresh` and `restore_into` in `trainer` — and whoever calls it is above that module too.
 
 pub mod blockwise;
 pub mod checkpoint;
