@@ -22,6 +22,7 @@ mod slurm;
 mod table;
 mod trace;
 mod train;
+mod train_args;
 mod train_cluster;
 mod train_pipeline;
 
@@ -43,7 +44,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Train a model (gpt-tiny on the built-in synthetic corpus by default).
-    Train(train::TrainArgs),
+    Train(train_args::TrainArgs),
     /// Benchmarks that print figures beside a peer measured in the same run.
     #[command(subcommand)]
     Bench(BenchCommand),

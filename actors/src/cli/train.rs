@@ -1,4 +1,5 @@
-//! `troupe train`: runs a training job and reports every committed step.
+//! `troupe train`: runs a training job and reports every committed step — in this process, or handed to
+//! `train_pipeline` (`--pp`) or `train_cluster` (`--nodes`, `--cluster`); the flags are `train_args`'s.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -6,140 +7,12 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use serde_json::json;
 use troupe_model::checkpoint::{self, CheckpointStore, Layout, TrainingState};
-use troupe_model::config::JobConfig;
 use troupe_model::trainer::configure_torch_threads;
 use troupe_model::Trainer;
 
+use super::train_args::TrainArgs;
 use crate::progress::{spinner, Reporter, StepEvent};
 use crate::telemetry::{PhaseRecorder, RunDir};
-
-#[derive(Debug, clap::Args)]
-pub struct TrainArgs {
-    /// Job config (TOML). Without it: gpt-tiny on the built-in synthetic corpus.
-    #[arg(long)]
-    pub config: Option<PathBuf>,
-    /// Optimizer steps to run (train.steps).
-    #[arg(long)]
-    pub steps: Option<u64>,
-    /// Seed of initialisation and sampling (train.seed).
-    #[arg(long)]
-    pub seed: Option<u64>,
-    /// Daemons of the embedded local cluster.
-    #[arg(long)]
-    pub nodes: Option<usize>,
-    /// Data-parallel degree (with --pp: replicas of the whole pipeline).
-    #[arg(long)]
-    pub dp: Option<usize>,
-    /// Pipeline-parallel degree.
-    #[arg(long)]
-    pub pp: Option<usize>,
-    /// Pipeline schedule.
-    #[arg(long, value_parser = ["gpipe", "1f1b", "interleaved", "zb-h1"])]
-    pub schedule: Option<String>,
-    /// Pipeline micro-batches per step (default: the global batch's micro-batches, at least --pp).
-    #[arg(long)]
-    pub microbatches: Option<usize>,
-    /// Model chunks per pipeline stage (--schedule interleaved).
-    #[arg(long)]
-    pub virtual_stages: Option<usize>,
-    /// How the blocks are split among pipeline stages: equal parameter counts, or equal measured time.
-    #[arg(long, value_parser = ["params", "measured"])]
-    pub balance: Option<String>,
-    /// Sharding of optimizer state, gradients and parameters.
-    #[arg(long, value_parser = ["none", "zero1", "zero2", "zero3"])]
-    pub shard: Option<String>,
-    /// Compute precision.
-    #[arg(long, value_parser = ["fp32", "bf16", "fp16"])]
-    pub precision: Option<String>,
-    /// Recompute activations in backward instead of keeping them.
-    #[arg(long)]
-    pub recompute: bool,
-    /// Write the final parameters to this safetensors file.
-    #[arg(long, value_name = "PATH.safetensors")]
-    pub save_final: Option<PathBuf>,
-    /// Address of a running cluster (without it: an embedded local cluster).
-    #[arg(long, value_name = "ADDR")]
-    pub cluster: Option<String>,
-    /// Transport of the gradients between daemons: auto (shared memory and Unix sockets when every rank
-    /// is on one host, else QUIC), quic, encrypted-tcp (as auto, but TCP between hosts over mutual TLS
-    /// 1.3 with the cluster's certificates), or plaintext-tcp (the same unencrypted: for trusted
-    /// fabrics only).
-    #[arg(long, value_parser = ["auto", "quic", "encrypted-tcp", "plaintext-tcp"], default_value = "auto")]
-    pub data_plane: String,
-    /// With --cluster: the certificate to present.
-    #[command(flatten)]
-    pub identity: super::client::IdentityArgs,
-    /// One JSON object per line on stdout instead of text.
-    #[arg(long)]
-    pub json: bool,
-    /// Save resumable checkpoints under this directory (checkpoint.dir).
-    #[arg(long)]
-    pub checkpoint_dir: Option<PathBuf>,
-    /// Save a checkpoint every N steps (checkpoint.every_steps; 0 = only at the end).
-    #[arg(long, value_name = "N")]
-    pub checkpoint_every: Option<u64>,
-    /// Continue from a checkpoint directory, or the newest valid one under a checkpoint root.
-    #[arg(long, value_name = "DIR")]
-    pub resume: Option<PathBuf>,
-    /// Record the run here: every event (events.jsonl) and each rank's step phases as a Perfetto trace
-    /// (trace.json); `troupe trace DIR` and `troupe plot DIR` draw them. Default: not recorded.
-    #[arg(long, value_name = "DIR")]
-    pub run_dir: Option<PathBuf>,
-    /// Print a plain progress line every N steps (default: about 20 lines per run).
-    #[arg(long, value_name = "N", default_value_t = 0)]
-    pub log_every: u64,
-}
-
-impl TrainArgs {
-    /// The job config: the file (or defaults) with the command-line flags applied, validated.
-    pub fn job_config(&self) -> anyhow::Result<JobConfig> {
-        let mut config = match &self.config {
-            // Validated below, once the flags are applied: a flag may fix what the file alone gets wrong.
-            Some(path) => JobConfig::parse_file(path)?,
-            None => JobConfig::default(),
-        };
-        let train = &mut config.train;
-        train.steps = self.steps.unwrap_or(train.steps);
-        train.seed = self.seed.unwrap_or(train.seed);
-        let parallel = &mut config.parallel;
-        parallel.nodes = self.nodes.unwrap_or(parallel.nodes);
-        parallel.dp = self.dp.unwrap_or(parallel.dp);
-        parallel.pp = self.pp.unwrap_or(parallel.pp);
-        parallel.microbatches = self.microbatches.unwrap_or(parallel.microbatches);
-        parallel.virtual_stages = self.virtual_stages.unwrap_or(parallel.virtual_stages);
-        parallel.recompute |= self.recompute;
-        for (flag, value) in [
-            (&mut parallel.schedule, &self.schedule),
-            (&mut parallel.balance, &self.balance),
-            (&mut parallel.shard, &self.shard),
-            (&mut parallel.precision, &self.precision),
-        ] {
-            if let Some(v) = value {
-                flag.clone_from(v);
-            }
-        }
-        let checkpoint = &mut config.checkpoint;
-        if self.checkpoint_dir.is_some() {
-            checkpoint.dir.clone_from(&self.checkpoint_dir);
-        }
-        checkpoint.every_steps = self.checkpoint_every.unwrap_or(checkpoint.every_steps);
-        config.validate()?;
-        let (nodes, dp) = (config.parallel.nodes, config.parallel.dp);
-        if self.cluster.is_none() && config.parallel.pp == 1 && dp > nodes {
-            bail!("--dp {dp} needs at least {dp} ranks, and --nodes {nodes} gives {nodes} (one slot each); raise --nodes or lower --dp");
-        }
-        let pp = config.parallel.pp;
-        if self.cluster.is_none() && pp > 1 && nodes > 1 && pp * dp.max(1) > nodes {
-            let ranks = pp * dp.max(1);
-            bail!("--pp {pp} --dp {} on --nodes {nodes}: the pipelines need pp × dp = {ranks} ranks (one stage per daemon), and --nodes {nodes} gives {nodes}; raise --nodes or lower --pp / --dp", dp.max(1));
-        }
-        let distributed = self.cluster.is_some() || nodes > 1;
-        if distributed && self.resume.is_some() {
-            bail!("--resume: on a cluster, pass --checkpoint-dir instead: a job whose checkpoint directory holds a valid checkpoint continues from the newest one");
-        }
-        Ok(config)
-    }
-}
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let config = args.job_config()?;

@@ -9,7 +9,7 @@ use troupe_cluster::NodeIdentity;
 use troupe_model::config::JobConfig;
 
 use super::follow::{conclude, follow, Mode, OnInterrupt, GOODBYE};
-use super::train::TrainArgs;
+use super::train_args::TrainArgs;
 use crate::api::{Client, DataPlane, Job, LocalCluster, LocalClusterOptions};
 use crate::progress::{spinner, Reporter};
 use crate::telemetry::RunDir;

@@ -10,7 +10,7 @@ use troupe_model::checkpoint;
 use troupe_model::config::JobConfig;
 use troupe_model::model::param_specs;
 
-use super::train::TrainArgs;
+use super::train_args::TrainArgs;
 use crate::engine::pipeline::{measure_bubble, run_in_process, PipelineOptions, ScheduleKind};
 use crate::progress::{Reporter, StepEvent};
 
