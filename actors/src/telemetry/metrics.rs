@@ -86,6 +86,13 @@ pub struct NodeMetrics {
     pub links: LinkBytes,
 }
 
+/// What [`super::otel_metrics::observe_links`] exports.
+impl AsRef<LinkBytes> for NodeMetrics {
+    fn as_ref(&self) -> &LinkBytes {
+        &self.links
+    }
+}
+
 impl NodeMetrics {
     pub fn new(peak_tflops_per_slot: Option<f64>) -> Self {
         NodeMetrics {

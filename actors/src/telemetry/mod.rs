@@ -2,6 +2,10 @@
 //! OpenTelemetry (spans and metrics over OTLP), what a run records (`--run-dir`: events and per-rank step
 //! phases) and the pictures made from it (`troupe trace`: an SVG timeline and a Perfetto trace; `troupe
 //! plot`: loss and throughput).
+//!
+//! Invariant: the OTLP export points one way — `otel_metrics` (the metric instruments and their export)
+//! knows neither `otel` nor `metrics`; `otel` (the span export, whose `install` installs both) knows
+//! `otel_metrics`; `metrics` (the daemon's counters, whose hooks feed both) sits above them.
 
 pub mod config;
 pub mod dashboard;

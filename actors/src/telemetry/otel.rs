@@ -108,7 +108,7 @@ use super::phases::PhaseSpan;
 
 /// How long one export may take to connect, and to be answered.
 const EXPORT_CONNECT_TIMEOUT_MS: u64 = 2_000;
-pub(super) const EXPORT_ANSWER_TIMEOUT_MS: u64 = 5_000;
+const EXPORT_ANSWER_TIMEOUT_MS: u64 = 5_000;
 /// How often batched spans go out.
 const EXPORT_DELAY_MS: u64 = 1_000;
 /// How long the daemon waits at exit for its last spans to go out.
@@ -157,7 +157,8 @@ pub fn install(endpoint: &str, node: &str) -> anyhow::Result<OtelGuard> {
         .with_service_name("troupe")
         .with_attribute(KeyValue::new("service.instance.id", node.to_owned()))
         .build();
-    let metrics = super::otel_metrics::install(&metrics_url, resource.clone(), client)?;
+    let answer_timeout = Duration::from_millis(EXPORT_ANSWER_TIMEOUT_MS);
+    let metrics = super::otel_metrics::install(&metrics_url, resource.clone(), client, answer_timeout)?;
     let provider = SdkTracerProvider::builder()
         .with_span_processor(processor)
         .with_resource(resource)

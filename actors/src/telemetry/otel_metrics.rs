@@ -18,8 +18,7 @@ use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
 use opentelemetry_sdk::metrics::{PeriodicReader, SdkMeterProvider};
 use opentelemetry_sdk::Resource;
 
-use super::metrics::NodeMetrics;
-use super::otel::EXPORT_ANSWER_TIMEOUT_MS;
+use super::link_bytes::LinkBytes;
 use super::prometheus::SECONDS_BUCKETS;
 
 /// How often metrics are collected and sent, unless `OTEL_METRIC_EXPORT_INTERVAL` says otherwise.
@@ -72,17 +71,19 @@ impl Drop for MetricsGuard {
     }
 }
 
-/// Installs the metric export to `url` (a `/v1/metrics` URL) for `resource`.
+/// Installs the metric export to `url` (a `/v1/metrics` URL) for `resource`, over the span export's
+/// `client`, each export answered within `answer_timeout`.
 pub(super) fn install(
     url: &str,
     resource: Resource,
     client: reqwest::blocking::Client,
+    answer_timeout: Duration,
 ) -> anyhow::Result<MetricsGuard> {
     let exporter = opentelemetry_otlp::MetricExporter::builder()
         .with_http()
         .with_http_client(client)
         .with_endpoint(url.to_owned())
-        .with_timeout(Duration::from_millis(EXPORT_ANSWER_TIMEOUT_MS))
+        .with_timeout(answer_timeout)
         .build()
         .map_err(|e| anyhow::anyhow!("OTLP metric exporter to {url}: {e}"))?;
     let mut reader = PeriodicReader::builder(exporter);
@@ -165,8 +166,9 @@ pub(super) fn install(
 }
 
 /// Exports this daemon's bytes per peer node (`troupe_link_bytes{peer, direction}`) at every collection;
-/// nothing unless the export is installed. Called once, by the daemon that owns `metrics`.
-pub fn observe_links(metrics: Arc<NodeMetrics>) {
+/// nothing unless the export is installed. Called once, by the daemon that owns `metrics` (its
+/// [`NodeMetrics`](super::NodeMetrics), which holds the daemon's [`LinkBytes`]).
+pub fn observe_links(metrics: Arc<impl AsRef<LinkBytes> + Send + Sync + 'static>) {
     static OBSERVED: OnceLock<()> = OnceLock::new();
     let Some(meter) = METER.get() else { return };
     if OBSERVED.set(()).is_err() {
@@ -178,7 +180,7 @@ pub fn observe_links(metrics: Arc<NodeMetrics>) {
         .with_unit("By")
         .with_description("Data-plane payload bytes this daemon's ranks exchanged with each peer node.")
         .with_callback(move |observer| {
-            for (peer, sent, received) in metrics.links.snapshot() {
+            for (peer, sent, received) in AsRef::<LinkBytes>::as_ref(&*metrics).snapshot() {
                 let peer = KeyValue::new("peer", peer);
                 observer.observe(sent, &[peer.clone(), KeyValue::new("direction", "sent")]);
                 observer.observe(received, &[peer, KeyValue::new("direction", "received")]);
