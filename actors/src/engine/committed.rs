@@ -2,7 +2,11 @@
 
 use std::ops::Range;
 
+use tch::Tensor;
+use troupe_model::checkpoint::state::TensorSpec;
 use troupe_model::Trainer;
+
+use super::flat::append_flat;
 
 /// A contiguous range of the flat parameter order with its fp32 master values and AdamW moments — a
 /// rank's own shard, or its copy of a buddy's.
@@ -71,4 +75,25 @@ impl CommittedState {
             CommittedState::Full(t) | CommittedState::Sharded { trainer: t, .. } | CommittedState::Initial(t) => t.step,
         }
     }
+}
+
+/// The whole state of a trainer as one piece covering the flat order.
+pub(crate) fn full_piece(trainer: &Trainer) -> ShardPiece {
+    let params: Vec<Tensor> = trainer.model.params().iter().map(Tensor::detach).collect();
+    let mut piece = ShardPiece { range: 0..0, master: Vec::new(), exp_avg: Vec::new(), exp_avg_sq: Vec::new() };
+    append_flat(&params, &mut piece.master);
+    append_flat(&trainer.optimizer.exp_avg, &mut piece.exp_avg);
+    append_flat(&trainer.optimizer.exp_avg_sq, &mut piece.exp_avg_sq);
+    piece.range = 0..piece.master.len();
+    piece
+}
+
+/// The tensors of the flat order, as a checkpoint of the whole state names them.
+pub(crate) fn tensor_specs(trainer: &Trainer) -> Vec<TensorSpec> {
+    trainer
+        .model
+        .specs()
+        .iter()
+        .map(|s| TensorSpec { name: s.name.clone(), shape: s.shape.iter().map(|&d| d as usize).collect() })
+        .collect()
 }

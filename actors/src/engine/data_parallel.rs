@@ -16,19 +16,22 @@ use std::ops::Range;
 
 use std::time::Instant;
 
-use tch::{Kind, Tensor};
+use tch::Tensor;
 use troupe_cluster::collective::{Collective, Communicator, ReduceOp};
 use troupe_cluster::transport::Transport;
 use troupe_cluster::ClusterError;
 use troupe_kernels::norm::sum_of_squares;
 use troupe_model::blockwise::Activations;
+use troupe_model::checkpoint::{CheckpointWriter, Layout, SaveRequest, TrainingState};
 use troupe_model::data::{micro_batch_ranges, rank_slice};
 use troupe_model::generate::Evaluation;
 use troupe_model::precision::{backward_weight, LossScale};
 use troupe_model::{StepReport, Trainer};
 
-use super::flat::{append_flat, copy_from_flat};
+use super::committed::CommittedState;
+use super::flat::{append_flat, broadcast_params, copy_from_flat, materialise_grads};
 use super::overlap::{BackwardJob, BackwardWork, MicroBatch, Progress};
+use super::step_engine::{EngineError, ReducedStep, StepEngine};
 
 /// DDP's default bucket size (PyTorch uses 25 MB too).
 pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
@@ -86,17 +89,6 @@ impl CommTiming {
         }
         (1.0 - self.exposed_seconds / self.comm_seconds).clamp(0.0, 1.0)
     }
-}
-
-/// A step whose gradients are reduced on every rank, ready to commit.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct ReducedStep {
-    /// The global batch's mean loss.
-    pub loss: f64,
-    /// The global L2 norm of the batch's gradient (before clipping).
-    pub grad_norm: f64,
-    /// Seconds of this rank's forward and backward; the rest of `reduce_gradients` was all-reduce.
-    pub compute_seconds: f64,
 }
 
 impl<T: Transport> DataParallelReplica<T> {
@@ -318,29 +310,59 @@ impl<T: Transport> DataParallelReplica<T> {
     }
 }
 
-/// Overwrites every rank's parameters with rank 0's, one tensor at a time.
-pub(crate) async fn broadcast_params<T: Transport>(
-    trainer: &Trainer,
-    comm: &mut Communicator<T>,
-    flat: &mut Vec<f32>,
-) -> Result<(), ClusterError> {
-    for param in trainer.model.params() {
-        flat.clear();
-        append_flat(std::slice::from_ref(&param.detach()), flat);
-        comm.broadcast(&mut flat[..], 0).await?;
-        copy_from_flat(std::slice::from_ref(param), flat);
+impl<T: Transport> StepEngine for DataParallelReplica<T> {
+    fn rank(&self) -> usize {
+        DataParallelReplica::rank(self)
     }
-    Ok(())
-}
 
-/// Gives every parameter a (zero) gradient tensor, so ranks whose slice of a batch is empty still take
-/// part in every collective with zeros.
-pub(crate) fn materialise_grads(params: &[Tensor]) {
-    if params.is_empty() {
-        return; // a stage whose layers are all frozen (`[peft]`)
+    fn world(&self) -> usize {
+        DataParallelReplica::world(self)
     }
-    let zero: Tensor = params.iter().map(|p| p.sum(Kind::Float) * 0.0).sum();
-    zero.backward();
+
+    fn trainer(&self) -> &Trainer {
+        DataParallelReplica::trainer(self)
+    }
+
+    async fn sync(&mut self, source: Option<usize>) -> Result<(), EngineError> {
+        if let Some(source) = source {
+            self.sync_state_from(source).await?;
+        }
+        Ok(())
+    }
+
+    async fn reduce(&mut self) -> Result<ReducedStep, EngineError> {
+        Ok(self.reduce_gradients().await?)
+    }
+
+    async fn apply(&mut self, reduced: ReducedStep) {
+        self.apply_update(reduced);
+    }
+
+    /// Every rank holds the whole state: rank 0 copies its own, nothing travels.
+    async fn checkpoint(&mut self, writer: Option<&CheckpointWriter>, tag: u64) -> Result<(), EngineError> {
+        let Some(writer) = writer else { return Ok(()) };
+        let state = match writer.take_spare() {
+            Some(mut spare) => {
+                spare.refresh(self.trainer());
+                spare
+            }
+            None => Box::new(TrainingState::snapshot(self.trainer())),
+        };
+        writer.submit(SaveRequest { state, layout: Layout::ddp(self.world()), tag });
+        Ok(())
+    }
+
+    async fn evaluate(&mut self) -> Result<Option<Evaluation>, EngineError> {
+        Ok(DataParallelReplica::evaluate(self).await?)
+    }
+
+    async fn finish(&mut self) -> Result<(), EngineError> {
+        Ok(())
+    }
+
+    async fn into_state(self) -> Option<CommittedState> {
+        Some(CommittedState::Full(Box::new(self.into_trainer())))
+    }
 }
 
 #[cfg(test)]

@@ -7,6 +7,15 @@
 //! a buddy rank — [`shard_plan`]), both driven by the worker through [`StepEngine`]; and [`pipeline`]
 //! (the model cut into stages run by stage actors: schedules as checked plans, activations and
 //! gradients as messages). [`PersistentState`] counts what a rank keeps between steps.
+//!
+//! Architecture Invariant: dependencies point down, and no engine uses another. From the bottom:
+//! `flat`, `shard_plan` (pure), `segments`, `committed`, `memory`, `eval`; then `step_engine` — the
+//! [`StepEngine`] trait, [`EngineError`], [`ReducedStep`], [`OpTiming`], naming no engine; then what
+//! engines share: `reshard`, `overlap`, `zero3`, `shard_owner` (below `sharded`, which spawns and asks
+//! it); on top the engines, `data_parallel`, `sharded` and `pipeline`, each implementing [`StepEngine`]
+//! in its own module (a pipeline failure becomes an [`EngineError`] by a `From` in `pipeline`). A helper
+//! two engines need moves below both; nothing below an engine names one, and nothing in `step_engine`
+//! names a concrete engine or its error. Whoever picks the engine for a job (the worker) is above them all.
 
 mod committed;
 mod data_parallel;
@@ -16,6 +25,7 @@ mod memory;
 mod overlap;
 pub mod pipeline;
 mod reshard;
+mod segments;
 mod shard_owner;
 pub mod shard_plan;
 mod sharded;
@@ -38,8 +48,10 @@ pub(crate) async fn ask_actor<M: ractor::Message, R: Send + 'static>(
         Err(e) => Err(e.to_string()),
     }
 }
-pub use data_parallel::{plan_buckets, CommTiming, DataParallelReplica, ReducedStep, DEFAULT_BUCKET_BYTES};
+pub use data_parallel::{plan_buckets, CommTiming, DataParallelReplica, DEFAULT_BUCKET_BYTES};
 pub use memory::PersistentState;
+pub use segments::{plan_segments, plan_shard, ShardSegment};
 pub use shard_owner::{OwnerArgs, OwnerUpdate, ShardOwnerActor, ShardOwnerMsg};
-pub use sharded::{plan_segments, plan_shard, ShardMode, ShardSegment, ShardedReplica};
-pub use step_engine::{EngineError, OpTiming, StepEngine};
+pub use shard_plan::ShardMode;
+pub use sharded::ShardedReplica;
+pub use step_engine::{EngineError, OpTiming, ReducedStep, StepEngine};

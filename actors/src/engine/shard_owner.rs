@@ -24,7 +24,7 @@ use troupe_model::checkpoint::TrainingState;
 use troupe_model::config::TrainConfig;
 
 use super::committed::ShardPiece;
-use super::sharded::{adamw_on_segments, ShardSegment};
+use super::segments::{adamw_on_segments, ShardSegment};
 
 pub enum ShardOwnerMsg {
     /// The own shard's range and masters, shared read-only for the step's gathers. The update runs in

@@ -1,4 +1,5 @@
-//! Where the shards of a ZeRO-1/2/3 job live and how a new attempt finds them — pure (no tch, no IO).
+//! What a ZeRO-1/2/3 job shards ([`ShardMode`]), where the shards live and how a new attempt finds them —
+//! pure (no tch, no IO).
 //!
 //! Rank `r` of `N` owns shard `r` (`balanced_range(P, N, r)` of the flat parameter order) and, with
 //! `replicas = k`, also shadows the shards of its next `k` ranks, `(r + 1) mod N … (r + k) mod N` (its
@@ -12,6 +13,39 @@
 use std::ops::Range;
 
 use troupe_kernels::balanced_range;
+
+/// What is sharded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShardMode {
+    /// Optimizer state sharded; gradients all-reduced in full.
+    Zero1,
+    /// Optimizer state and gradients sharded (gradients reduce-scattered).
+    Zero2,
+    /// Parameters sharded too: gathered per unit just in time, gradients reduced to their owners per
+    /// unit (FSDP).
+    Zero3,
+}
+
+impl ShardMode {
+    /// The mode of a `parallel.shard` value; None for `none` (DDP) and modes this engine does not run.
+    pub fn of_config(shard: &str) -> Option<Self> {
+        match shard {
+            "zero1" => Some(Self::Zero1),
+            "zero2" => Some(Self::Zero2),
+            "zero3" => Some(Self::Zero3),
+            _ => None,
+        }
+    }
+
+    /// How a checkpoint's manifest names it.
+    pub fn layout(self) -> troupe_model::checkpoint::ShardMode {
+        match self {
+            Self::Zero1 => troupe_model::checkpoint::ShardMode::Zero1,
+            Self::Zero2 => troupe_model::checkpoint::ShardMode::Zero2,
+            Self::Zero3 => troupe_model::checkpoint::ShardMode::Zero3,
+        }
+    }
+}
 
 /// Most shadow copies per shard (`checkpoint.replicas`).
 pub const REPLICAS_MAX: usize = 3;

@@ -23,10 +23,7 @@ use tch::Tensor;
 use troupe_cluster::collective::{chunk_range, Collective, Communicator, ReduceOp};
 use troupe_cluster::transport::Transport;
 use troupe_cluster::ClusterError;
-use troupe_kernels::adamw::{adamw_step, AdamWConfig, AdamWShard};
-use troupe_model::checkpoint::state::TensorSpec;
-use troupe_model::checkpoint::TrainingState;
-use troupe_model::config::TrainConfig;
+use troupe_model::checkpoint::{CheckpointWriter, Layout, SaveRequest, TrainingState};
 use troupe_model::data::rank_slice;
 use troupe_model::generate::Evaluation;
 use troupe_model::optim::learning_rate;
@@ -34,79 +31,15 @@ use troupe_model::precision::Update;
 use troupe_model::trainer::scaler_of;
 use troupe_model::{StepReport, Trainer};
 
-use super::committed::{CommittedState, ShardPiece};
-use super::data_parallel::{broadcast_params, materialise_grads, ReducedStep};
-use super::flat::{append_flat, copy_from_flat};
+use super::committed::{full_piece, tensor_specs, CommittedState, ShardPiece};
+use super::flat::{append_flat, broadcast_params, copy_from_flat, materialise_grads};
 use super::memory::PersistentState;
 use super::reshard::{reshard, Held};
+use super::segments::plan_segments;
 use super::shard_owner::{OwnerArgs, OwnerUpdate, ShardOwnerActor, ShardOwnerMsg};
-use super::shard_plan::{buddies, held_ranges, shadow_holders, REPLICAS_MAX};
-use super::step_engine::EngineError;
+use super::shard_plan::{buddies, held_ranges, shadow_holders, ShardMode, REPLICAS_MAX};
+use super::step_engine::{EngineError, ReducedStep, StepEngine};
 use super::zero3;
-
-/// What is sharded.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ShardMode {
-    /// Optimizer state sharded; gradients all-reduced in full.
-    Zero1,
-    /// Optimizer state and gradients sharded (gradients reduce-scattered).
-    Zero2,
-    /// Parameters sharded too: gathered per unit just in time, gradients reduced to their owners per
-    /// unit (FSDP).
-    Zero3,
-}
-
-impl ShardMode {
-    /// The mode of a `parallel.shard` value; None for `none` (DDP) and modes this engine does not run.
-    pub fn of_config(shard: &str) -> Option<Self> {
-        match shard {
-            "zero1" => Some(Self::Zero1),
-            "zero2" => Some(Self::Zero2),
-            "zero3" => Some(Self::Zero3),
-            _ => None,
-        }
-    }
-
-    /// How a checkpoint's manifest names it.
-    pub fn layout(self) -> troupe_model::checkpoint::ShardMode {
-        match self {
-            Self::Zero1 => troupe_model::checkpoint::ShardMode::Zero1,
-            Self::Zero2 => troupe_model::checkpoint::ShardMode::Zero2,
-            Self::Zero3 => troupe_model::checkpoint::ShardMode::Zero3,
-        }
-    }
-}
-
-/// The part of one parameter that falls in this rank's shard.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ShardSegment {
-    pub param: usize,
-    /// Positions within this rank's shard.
-    pub in_shard: Range<usize>,
-    pub decays: bool,
-}
-
-/// This rank's shard of the flat parameter vector and the parameter pieces it covers.
-pub fn plan_shard(numels: &[usize], decays: &[bool], rank: usize, world: usize) -> (Range<usize>, Vec<ShardSegment>) {
-    let total = numels.iter().sum();
-    let own = chunk_range(total, world, rank);
-    let segments = plan_segments(numels, decays, &own);
-    (own, segments)
-}
-
-/// The parameter pieces a flat range covers, positions relative to the range's start.
-pub fn plan_segments(numels: &[usize], decays: &[bool], range: &Range<usize>) -> Vec<ShardSegment> {
-    let mut segments = Vec::new();
-    let mut offset = 0;
-    for (param, (&n, &decays)) in numels.iter().zip(decays).enumerate() {
-        let (start, end) = (offset.max(range.start), (offset + n).min(range.end));
-        if start < end {
-            segments.push(ShardSegment { param, in_shard: start - range.start..end - range.start, decays });
-        }
-        offset += n;
-    }
-    segments
-}
 
 /// One rank of a ZeRO-1/2/3 job: the engine that runs its share of each step's compute and
 /// communication, its [`ShardOwnerActor`] — which holds its own shard of the masters and moments and its
@@ -577,74 +510,63 @@ impl<T: Transport> ShardedReplica<T> {
     }
 }
 
-/// AdamW update `t` at learning rate `lr` on a flat range's masters and moments (`state`), parameter
-/// piece by parameter piece (`segments`: weight decay or not), with the fused kernel.
-pub(crate) fn adamw_on_segments(
-    state: [&mut Vec<f32>; 3],
-    segments: &[ShardSegment],
-    grad: &[f32],
-    train: &TrainConfig,
-    lr: f64,
-    t: u64,
-) {
-    let [master, exp_avg, exp_avg_sq] = state;
-    for segment in segments {
-        let r = segment.in_shard.clone();
-        let config = AdamWConfig {
-            lr,
-            beta1: train.beta1,
-            beta2: train.beta2,
-            eps: train.eps,
-            weight_decay: if segment.decays { train.weight_decay } else { 0.0 },
-        };
-        let shard = AdamWShard {
-            params: &mut master[r.clone()],
-            exp_avg: &mut exp_avg[r.clone()],
-            exp_avg_sq: &mut exp_avg_sq[r.clone()],
-        };
-        adamw_step(shard, &grad[r], &config, t, None);
+impl<T: Transport> StepEngine for ShardedReplica<T> {
+    fn rank(&self) -> usize {
+        ShardedReplica::rank(self)
     }
-}
 
-/// The whole state of a trainer as one piece covering the flat order.
-pub(crate) fn full_piece(trainer: &Trainer) -> ShardPiece {
-    let params: Vec<Tensor> = trainer.model.params().iter().map(Tensor::detach).collect();
-    let mut piece = ShardPiece { range: 0..0, master: Vec::new(), exp_avg: Vec::new(), exp_avg_sq: Vec::new() };
-    append_flat(&params, &mut piece.master);
-    append_flat(&trainer.optimizer.exp_avg, &mut piece.exp_avg);
-    append_flat(&trainer.optimizer.exp_avg_sq, &mut piece.exp_avg_sq);
-    piece.range = 0..piece.master.len();
-    piece
-}
+    fn world(&self) -> usize {
+        ShardedReplica::world(self)
+    }
 
-pub(crate) fn tensor_specs(trainer: &Trainer) -> Vec<TensorSpec> {
-    trainer
-        .model
-        .specs()
-        .iter()
-        .map(|s| TensorSpec { name: s.name.clone(), shape: s.shape.iter().map(|&d| d as usize).collect() })
-        .collect()
-}
+    fn trainer(&self) -> &Trainer {
+        ShardedReplica::trainer(self)
+    }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+    /// Every rank takes part whatever `source` says: the shards are put together from whoever holds them.
+    async fn sync(&mut self, _source: Option<usize>) -> Result<(), EngineError> {
+        ShardedReplica::sync(self).await
+    }
 
-    #[test]
-    fn shards_tile_the_parameters_and_segments_know_their_decay() {
-        let numels = [4, 6, 2];
-        let decays = [true, false, true];
-        let mut covered = 0;
-        for rank in 0..3 {
-            let (own, segments) = plan_shard(&numels, &decays, rank, 3);
-            assert_eq!(own.start, covered);
-            covered = own.end;
-            let len: usize = segments.iter().map(|s| s.in_shard.len()).sum();
-            assert_eq!(len, own.len());
+    async fn reduce(&mut self) -> Result<ReducedStep, EngineError> {
+        self.reduce_gradients().await
+    }
+
+    fn gradient_collective(&self) -> &'static str {
+        match self.mode() {
+            ShardMode::Zero2 => "reduce-scatter",
+            ShardMode::Zero1 | ShardMode::Zero3 => "all-reduce",
         }
-        assert_eq!(covered, 12);
-        // Rank 1 holds elements 4..8: all of them inside parameter 1 (no decay).
-        let (_, segments) = plan_shard(&numels, &decays, 1, 3);
-        assert_eq!(segments, vec![ShardSegment { param: 1, in_shard: 0..4, decays: false }]);
+    }
+
+    /// An owner that died marks the rank's state lost; the next step fails.
+    async fn apply(&mut self, reduced: ReducedStep) {
+        if let Err(e) = self.apply_update(reduced).await {
+            tracing::error!(rank = self.rank(), "{e}");
+        }
+    }
+
+    /// The shards are gathered to rank 0 (the step loop waits for the transfer and the copy); rank 0
+    /// writes the whole state from that one snapshot, as for DDP.
+    async fn checkpoint(&mut self, writer: Option<&CheckpointWriter>, tag: u64) -> Result<(), EngineError> {
+        let spare = writer.and_then(CheckpointWriter::take_spare);
+        if let (Some(state), Some(writer)) = (self.gather_state(spare, writer.is_some()).await?, writer) {
+            let world = self.world();
+            let layout = Layout { dp: world, pp: 1, shard_mode: self.mode().layout(), shards: world };
+            writer.submit(SaveRequest { state, layout, tag });
+        }
+        Ok(())
+    }
+
+    async fn evaluate(&mut self) -> Result<Option<Evaluation>, EngineError> {
+        ShardedReplica::evaluate(self).await
+    }
+
+    async fn finish(&mut self) -> Result<(), EngineError> {
+        self.refresh_params().await
+    }
+
+    async fn into_state(self) -> Option<CommittedState> {
+        ShardedReplica::into_state(self).await
     }
 }

@@ -1,16 +1,15 @@
 //! The one seam between the worker's step protocol and a training engine: whatever the engine (DDP,
 //! ZeRO-1/2/3, pipelines), an attempt is sync → per step reduce (vote) → apply (after commit) → checkpoint snapshot
 //! when due → finish → the committed state back.
+//!
+//! Below every engine: each implements [`StepEngine`] in its own module, and this one names none of them.
 
-use troupe_cluster::transport::Transport;
 use troupe_cluster::ClusterError;
-use troupe_model::checkpoint::{CheckpointWriter, Layout, SaveRequest, TrainingState};
+use troupe_model::checkpoint::CheckpointWriter;
 use troupe_model::generate::Evaluation;
 use troupe_model::Trainer;
 
 use super::committed::CommittedState;
-use super::data_parallel::{DataParallelReplica, ReducedStep};
-use super::sharded::{ShardMode, ShardedReplica};
 
 /// Why an engine could not go on.
 #[derive(Debug, thiserror::Error)]
@@ -27,8 +26,9 @@ pub enum EngineError {
     /// from a buddy's copy or the checkpoint).
     #[error("rank {rank}'s shard owner, {reason}")]
     ShardOwner { rank: usize, reason: String },
+    /// A pipeline device's failure (a `pipeline::PipelineError`, which converts into this variant).
     #[error(transparent)]
-    Pipeline(#[from] super::pipeline::PipelineError),
+    Pipeline(Box<dyn std::error::Error + Send + Sync>),
     /// The attempt's layout cannot run this job (set-up, before any state moved).
     #[error("setting up the attempt: {0}")]
     Setup(String),
@@ -46,6 +46,17 @@ pub struct OpTiming {
     /// The model chunk and micro-batch the op works on.
     pub chunk: usize,
     pub microbatch: usize,
+}
+
+/// A step whose gradients are reduced on every rank, ready to commit.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ReducedStep {
+    /// The global batch's mean loss.
+    pub loss: f64,
+    /// The global L2 norm of the batch's gradient (before clipping).
+    pub grad_norm: f64,
+    /// Seconds of this rank's forward and backward; the rest of `reduce_gradients` was all-reduce.
+    pub compute_seconds: f64,
 }
 
 /// One rank's engine for an attempt. Every method that communicates is a collective: every rank calls
@@ -87,120 +98,4 @@ pub trait StepEngine {
     async fn finish(&mut self) -> Result<(), EngineError>;
     /// The committed state to keep; None if this rank's state must not be used again.
     async fn into_state(self) -> Option<CommittedState>;
-}
-
-impl<T: Transport> StepEngine for DataParallelReplica<T> {
-    fn rank(&self) -> usize {
-        DataParallelReplica::rank(self)
-    }
-
-    fn world(&self) -> usize {
-        DataParallelReplica::world(self)
-    }
-
-    fn trainer(&self) -> &Trainer {
-        DataParallelReplica::trainer(self)
-    }
-
-    async fn sync(&mut self, source: Option<usize>) -> Result<(), EngineError> {
-        if let Some(source) = source {
-            self.sync_state_from(source).await?;
-        }
-        Ok(())
-    }
-
-    async fn reduce(&mut self) -> Result<ReducedStep, EngineError> {
-        Ok(self.reduce_gradients().await?)
-    }
-
-    async fn apply(&mut self, reduced: ReducedStep) {
-        self.apply_update(reduced);
-    }
-
-    /// Every rank holds the whole state: rank 0 copies its own, nothing travels.
-    async fn checkpoint(&mut self, writer: Option<&CheckpointWriter>, tag: u64) -> Result<(), EngineError> {
-        let Some(writer) = writer else { return Ok(()) };
-        let state = match writer.take_spare() {
-            Some(mut spare) => {
-                spare.refresh(self.trainer());
-                spare
-            }
-            None => Box::new(TrainingState::snapshot(self.trainer())),
-        };
-        writer.submit(SaveRequest { state, layout: Layout::ddp(self.world()), tag });
-        Ok(())
-    }
-
-    async fn evaluate(&mut self) -> Result<Option<Evaluation>, EngineError> {
-        Ok(DataParallelReplica::evaluate(self).await?)
-    }
-
-    async fn finish(&mut self) -> Result<(), EngineError> {
-        Ok(())
-    }
-
-    async fn into_state(self) -> Option<CommittedState> {
-        Some(CommittedState::Full(Box::new(self.into_trainer())))
-    }
-}
-
-impl<T: Transport> StepEngine for ShardedReplica<T> {
-    fn rank(&self) -> usize {
-        ShardedReplica::rank(self)
-    }
-
-    fn world(&self) -> usize {
-        ShardedReplica::world(self)
-    }
-
-    fn trainer(&self) -> &Trainer {
-        ShardedReplica::trainer(self)
-    }
-
-    /// Every rank takes part whatever `source` says: the shards are put together from whoever holds them.
-    async fn sync(&mut self, _source: Option<usize>) -> Result<(), EngineError> {
-        ShardedReplica::sync(self).await
-    }
-
-    async fn reduce(&mut self) -> Result<ReducedStep, EngineError> {
-        self.reduce_gradients().await
-    }
-
-    fn gradient_collective(&self) -> &'static str {
-        match self.mode() {
-            ShardMode::Zero2 => "reduce-scatter",
-            ShardMode::Zero1 | ShardMode::Zero3 => "all-reduce",
-        }
-    }
-
-    /// An owner that died marks the rank's state lost; the next step fails.
-    async fn apply(&mut self, reduced: ReducedStep) {
-        if let Err(e) = self.apply_update(reduced).await {
-            tracing::error!(rank = self.rank(), "{e}");
-        }
-    }
-
-    /// The shards are gathered to rank 0 (the step loop waits for the transfer and the copy); rank 0
-    /// writes the whole state from that one snapshot, as for DDP.
-    async fn checkpoint(&mut self, writer: Option<&CheckpointWriter>, tag: u64) -> Result<(), EngineError> {
-        let spare = writer.and_then(CheckpointWriter::take_spare);
-        if let (Some(state), Some(writer)) = (self.gather_state(spare, writer.is_some()).await?, writer) {
-            let world = self.world();
-            let layout = Layout { dp: world, pp: 1, shard_mode: self.mode().layout(), shards: world };
-            writer.submit(SaveRequest { state, layout, tag });
-        }
-        Ok(())
-    }
-
-    async fn evaluate(&mut self) -> Result<Option<Evaluation>, EngineError> {
-        ShardedReplica::evaluate(self).await
-    }
-
-    async fn finish(&mut self) -> Result<(), EngineError> {
-        self.refresh_params().await
-    }
-
-    async fn into_state(self) -> Option<CommittedState> {
-        ShardedReplica::into_state(self).await
-    }
 }

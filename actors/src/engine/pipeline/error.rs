@@ -3,6 +3,7 @@
 use troupe_cluster::ClusterError;
 use troupe_model::TrainError;
 
+use super::super::step_engine::EngineError;
 use super::{Op, PartitionError, ScheduleError};
 
 #[derive(Debug, thiserror::Error)]
@@ -33,4 +34,12 @@ pub enum PipelineError {
     Eval { device: usize, step: u64, what: String },
     #[error("stage actor of device {device}: {reason}")]
     Actor { device: usize, reason: String },
+}
+
+/// A pipeline's failure as the step engine's: here rather than beside [`EngineError`], which names no
+/// engine.
+impl From<PipelineError> for EngineError {
+    fn from(e: PipelineError) -> Self {
+        EngineError::Pipeline(Box::new(e))
+    }
 }

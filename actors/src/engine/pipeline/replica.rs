@@ -38,10 +38,9 @@ use troupe_model::model::ModelConfig;
 use troupe_model::trainer::scaler_of;
 use troupe_model::Trainer;
 
-use super::super::committed::{CommittedState, ShardPiece};
-use super::super::data_parallel::ReducedStep;
+use super::super::committed::{full_piece, tensor_specs, CommittedState, ShardPiece};
 use super::super::reshard::{reshard, Held};
-use super::super::step_engine::{EngineError, OpTiming, StepEngine};
+use super::super::step_engine::{EngineError, OpTiming, ReducedStep, StepEngine};
 use super::super::zero3;
 use super::actor::{StageActor, StageCounters, StageMsg};
 use super::{
@@ -174,9 +173,8 @@ async fn spawn_stage<T: Transport>(
         Some(worker) => Actor::spawn_linked(None, StageActor::default(), stage, worker).await,
         None => Actor::spawn(None, StageActor::default(), stage).await,
     };
-    let (actor, _) = spawned.map_err(|e| {
-        EngineError::Pipeline(PipelineError::Actor { device, reason: format!("spawning the stage actor: {e}") })
-    })?;
+    let (actor, _) =
+        spawned.map_err(|e| PipelineError::Actor { device, reason: format!("spawning the stage actor: {e}") })?;
     Ok(StageHandle { actor, device })
 }
 
@@ -196,7 +194,7 @@ impl<T: Transport> PipelineReplica<T> {
             CommittedState::Initial(trainer) => (*trainer, Vec::new()),
             CommittedState::Full(trainer) => {
                 let trainer = *trainer;
-                let piece = super::super::sharded::full_piece(&trainer);
+                let piece = full_piece(&trainer);
                 (trainer, vec![piece])
             }
         };
@@ -243,7 +241,7 @@ impl<T: Transport> PipelineReplica<T> {
         };
         self.lost = true;
         let reason = format!("the stage actor's {what}: {failed}; this rank's state of the device is lost");
-        Err(EngineError::Pipeline(PipelineError::Actor { device, reason }))
+        Err(PipelineError::Actor { device, reason }.into())
     }
 
     /// The device's pieces and counters, from its actor.
@@ -337,7 +335,7 @@ impl<T: Transport> PipelineReplica<T> {
             step: trainer.step,
             optimizer_step: trainer.optimizer.step,
             sampler: trainer.sampler.state(trainer.step, trainer.config.train.global_batch),
-            tensors: super::super::sharded::tensor_specs(trainer),
+            tensors: tensor_specs(trainer),
             values,
             loss_scale: scaler_of(trainer),
         }))

@@ -34,10 +34,9 @@ use troupe_model::precision::{backward_weight, LossScale, Precision, Update};
 use troupe_model::TrainError;
 
 use super::super::committed::ShardPiece;
-use super::super::data_parallel::materialise_grads;
-use super::super::flat::{append_flat, copy_from_flat};
-use super::super::shard_plan::{buddies, shadow_holders, HOLDING_RANGES_MAX, REPLICAS_MAX};
-use super::super::sharded::{adamw_on_segments, plan_segments, ShardMode, ShardSegment};
+use super::super::flat::{append_flat, copy_from_flat, materialise_grads};
+use super::super::segments::{adamw_on_segments, plan_segments, ShardSegment};
+use super::super::shard_plan::{buddies, shadow_holders, ShardMode, HOLDING_RANGES_MAX, REPLICAS_MAX};
 use super::super::zero3::unit_tensors;
 use super::error::PipelineError;
 use super::{ChunkLayout, Op, OpKind, Plan, PlanShape};

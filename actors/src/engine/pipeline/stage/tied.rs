@@ -27,9 +27,8 @@ use troupe_model::model::{param_specs, ModelConfig};
 use troupe_model::optim::{scale_grads, AdamW, AdamWConfig};
 
 use super::super::super::committed::ShardPiece;
-use super::super::super::data_parallel::materialise_grads;
-use super::super::super::flat::{append_flat, copy_from_flat};
-use super::super::super::sharded::ShardMode;
+use super::super::super::flat::{append_flat, copy_from_flat, materialise_grads};
+use super::super::super::shard_plan::ShardMode;
 use super::super::{PipelineError, PlanShape};
 use super::PipelineStage;
 
