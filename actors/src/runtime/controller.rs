@@ -12,66 +12,10 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use troupe_cluster::membership::{NodeId, View};
 
 use super::job::{DriverAction, JobDriver};
-use super::node::NodeMsg;
+pub use super::messages::JobMsg;
+use super::messages::NodeMsg;
 use crate::catalog::Catalog;
-use crate::protocol::{
-    AttemptOutcome, EvalFigures, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, StepFigures,
-};
-use crate::telemetry::PhaseSpan;
-
-pub enum JobMsg {
-    View {
-        view: View,
-        members: Vec<MemberInfo>,
-        changes: Vec<String>,
-    },
-    Ready {
-        node: NodeId,
-        attempt: u64,
-        slot: u32,
-        addr: std::net::SocketAddr,
-        committed: Option<u64>,
-    },
-    Vote {
-        node: NodeId,
-        attempt: u64,
-        slot: u32,
-        step: u64,
-        figures: StepFigures,
-        seconds: f64,
-    },
-    Ended {
-        node: NodeId,
-        attempt: u64,
-        slot: u32,
-        outcome: AttemptOutcome,
-    },
-    Checkpointed {
-        attempt: u64,
-        step: u64,
-        path: std::path::PathBuf,
-        seconds: f64,
-        bytes: u64,
-    },
-    /// Rank 0's validation loss of the model after `step` committed steps.
-    Evaluated {
-        attempt: u64,
-        step: u64,
-        figures: EvalFigures,
-    },
-    /// A rank's step phases: passed straight to the job's watchers.
-    Phases {
-        node: NodeId,
-        attempt: u64,
-        rank: usize,
-        step: u64,
-        spans: Vec<PhaseSpan>,
-        stage: Option<usize>,
-    },
-    Cancel,
-    /// Once a second: bounds the wait below `elastic.min_nodes`.
-    Tick,
-}
+use crate::protocol::{JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo};
 
 pub struct JobArgs {
     pub id: JobId,

@@ -13,6 +13,8 @@
 pub mod controller;
 pub mod event_log;
 pub mod job;
+pub mod messages;
 pub mod node;
+pub mod node_core;
 mod outbox;
 pub mod worker;

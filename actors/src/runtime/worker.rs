@@ -23,7 +23,8 @@ use troupe_cluster::{NodeIdentity, TransportConfig};
 use troupe_model::checkpoint::{self, CheckpointStore, CheckpointWriter, WriteReport};
 use troupe_model::Trainer;
 
-use super::node::NodeMsg;
+use super::messages::NodeMsg;
+pub use super::messages::WorkerMsg;
 use crate::engine::pipeline::PipelineReplica;
 use crate::engine::{
     CommittedState, DataParallelReplica, EngineError, OpTiming, ShardMode, ShardedReplica, StepEngine,
@@ -32,61 +33,6 @@ use crate::engine::{
 use crate::protocol::{AttemptOutcome, DataPlane, EvalFigures, JobId, JobSpec, StageTime, StepFigures, Wire};
 use crate::telemetry::link_bytes::Counted;
 use crate::telemetry::{otel, NodeMetrics, PhaseRecorder};
-
-pub enum WorkerMsg {
-    Prepare {
-        job: JobId,
-        attempt: u64,
-        spec: Box<JobSpec>,
-        rank: usize,
-        epoch: u64,
-        /// Drop a committed state of this step or later first (see `Wire::Prepare`).
-        discard_from: Option<u64>,
-    },
-    Start {
-        job: JobId,
-        attempt: u64,
-        roster: Vec<PeerInfo>,
-        source: Option<usize>,
-    },
-    Commit {
-        job: JobId,
-        attempt: u64,
-        step: u64,
-    },
-    Abort {
-        job: JobId,
-        attempt: u64,
-    },
-    /// The job is over: drop its state.
-    Release {
-        job: JobId,
-    },
-    /// The controller runs only `jobs` (with each view): release every other job this worker holds — one
-    /// whose `Release` was lost.
-    Retain {
-        jobs: Vec<JobId>,
-    },
-    /// This node was fenced (removed from the view, or its controller restarted): abort every attempt.
-    /// The committed states of `keep` (jobs the controller still runs) stay — each is the state of its
-    /// step, as any rank's — and are offered, with their steps, to the next attempt that includes this
-    /// node; every other job's state is dropped.
-    AbortAll {
-        keep: Vec<JobId>,
-    },
-    /// The node drains: abort everything and drop all job state.
-    DropAll,
-    /// An attempt task ended and gives the committed state back (None if it was lost to a panic, or
-    /// found incomplete).
-    Returned {
-        job: JobId,
-        attempt: u64,
-        state: Option<CommittedState>,
-        outcome: AttemptOutcome,
-    },
-    /// Fault injection: the handler panics (tests, the chaos harness).
-    Panic(String),
-}
 
 pub struct WorkerArgs {
     pub slot: u32,

@@ -1,0 +1,894 @@
+//! The node's decisions, sans-IO: [`NodeCore`] takes what happened (a control message, a connection
+//! made or lost, a tick, a worker's failure, a job controller's event) with the time, and queues what
+//! to do about it as [`NodeAction`]s. [`super::node::NodeActor`] is the shell that carries them out
+//! (sockets, the catalog, spawning actors, metrics); the deterministic simulation (chaos-tests/src/sim)
+//! drives the same core on virtual time. Architecture Invariant: everything the node *decides* —
+//! admission of job messages, fencing, adopting a view or a connection, routing to workers and job
+//! controllers, what a restarted controller resumes — is here, so the simulation checks the code
+//! that ships; the shell decides nothing.
+//!
+//! Order: the shell carries out actions in the order they are queued, each to completion before the
+//! next. [`NodeAction::RecordView`] therefore lands in the catalog before the messages that announce the
+//! view ("record before announce"), and a [`NodeAction::StartJob`] is answered ([`NodeCore::job_started`])
+//! before anything else reaches the core.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use troupe_cluster::control::PeerRole;
+use troupe_cluster::membership::{
+    Change, Epoch, MemberAction, MemberState, Membership, MembershipAction, MembershipConfig, MembershipEvent, NodeId,
+    View,
+};
+
+use super::event_log::EventLog;
+use super::job::JobDriver;
+use super::messages::{JobMsg, WorkerMsg};
+use crate::catalog::{StoredJob, StoredView};
+use crate::node_config::restart::{Decision, RestartPolicy, RestartTracker};
+use crate::protocol::{
+    AttemptOutcome, ClusterStatus, DataPlane, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, Wire,
+};
+
+/// Membership changes kept for `troupe status`.
+const CHANGES_KEPT: usize = 64;
+
+/// What the core needs to know of its node (from `node.toml` and the endpoint).
+#[derive(Clone, Debug)]
+pub struct NodeSettings {
+    pub id: NodeId,
+    /// This node's control address: what its `Join` announces, and the controller's address on the
+    /// controller.
+    pub addr: SocketAddr,
+    /// The controller to join; `None` on the controller.
+    pub join: Option<SocketAddr>,
+    pub slots: u32,
+    pub allow_plaintext_tcp: bool,
+    pub membership: MembershipConfig,
+    pub restart: RestartPolicy,
+}
+
+/// What the node does, in order (see the module docs).
+pub enum NodeAction {
+    /// Send `msg` to `peer` stamped with `epoch` (the sender's epoch when it decided). `peer` may be this
+    /// node: the message comes back to [`NodeCore::message`] through its own mailbox.
+    Send {
+        peer: String,
+        epoch: u64,
+        msg: Wire,
+    },
+    /// Record the view in the catalog, before anything queued after it.
+    RecordView(StoredView),
+    Worker {
+        slot: usize,
+        msg: WorkerMsg,
+    },
+    /// To the job's controller (only queued while it runs).
+    Job {
+        job: JobId,
+        msg: JobMsg,
+    },
+    /// Start the job's controller (a job submitted, or restored from the catalog), then answer with
+    /// [`NodeCore::job_started`]. `restored`: a job of the
+    /// catalog — its last recorded info, the number of its next event, the nodes of the last view.
+    StartJob {
+        id: JobId,
+        spec: Box<JobSpec>,
+        view: View,
+        members: Vec<MemberInfo>,
+        restored: Option<Restored>,
+    },
+    /// Connect to the controller, then answer with [`NodeCore::dialed`].
+    Dial {
+        addr: SocketAddr,
+    },
+    /// Start a new worker in `slot` (its predecessor failed).
+    RestartWorker {
+        slot: usize,
+    },
+    /// A worker kept failing: the node stops, for this reason.
+    Stop {
+        reason: String,
+    },
+    /// What happened, for whoever watches (metrics, the simulation's checker); nothing to carry out.
+    Note(NodeNote),
+}
+
+/// A job the controller resumes from its catalog (see [`JobDriver::restore`]).
+pub type Restored = (JobInfo, u64, Vec<NodeId>);
+
+/// See [`NodeAction::Note`].
+#[derive(Debug)]
+pub enum NodeNote {
+    /// This node adopted a view (as a member).
+    AdoptedView(View),
+    /// This node was fenced: it aborted its attempts and rejoins.
+    Fenced {
+        current: Epoch,
+    },
+    /// The controller's view changed (recorded and announced in the actions around this).
+    ViewChanged {
+        epoch: u64,
+        changes: Vec<Change>,
+    },
+    /// A job controller's event, passed to the job's watchers.
+    JobEvent {
+        job: JobId,
+        event: JobEvent,
+    },
+    WorkerFailed {
+        slot: usize,
+    },
+    /// A message was refused: its sender is not a member, or it is of an earlier membership or epoch.
+    RefusedStale,
+}
+
+struct WorkerSlot {
+    restarts: RestartTracker,
+    /// Attempts this worker was asked to prepare, per job (reported failed if it restarts).
+    attempts: BTreeMap<JobId, u64>,
+}
+
+struct JobEntry {
+    /// Whether the job has a controller (it has not ended, and its controller neither failed nor is
+    /// still starting).
+    running: bool,
+    info: JobInfo,
+    watchers: Vec<String>,
+    log: EventLog,
+    /// The client whose `Submit` waits for the controller to start.
+    submitted_by: Option<String>,
+}
+
+/// What only the controller holds.
+struct Controller {
+    membership: Membership,
+    members: BTreeMap<NodeId, MemberInfo>,
+    jobs: BTreeMap<JobId, JobEntry>,
+    next_job: JobId,
+}
+
+/// The node's state and decisions (see the module docs).
+pub struct NodeCore {
+    settings: NodeSettings,
+    member: MemberState,
+    controller: Option<Controller>,
+    /// The controller's name once connected (non-controllers).
+    controller_peer: Option<String>,
+    connecting: bool,
+    /// The members of the last view this node heard of (non-controllers).
+    members: Vec<MemberInfo>,
+    workers: Vec<WorkerSlot>,
+    refused_stale: u64,
+    changes: VecDeque<String>,
+    draining: bool,
+    /// The jobs whose state a `Fenced` just received says to keep.
+    keep_on_fence: Vec<JobId>,
+    actions: VecDeque<NodeAction>,
+}
+
+impl NodeCore {
+    /// A node starting at `now` with membership incarnation `incarnation` (random per process). A
+    /// controller (no `join`) that ran before on its data dir passes its catalog's last view and jobs:
+    /// it starts past that epoch and resumes the jobs that had not ended; the view it starts with is
+    /// the first action ([`NodeAction::RecordView`]).
+    pub fn new(
+        settings: NodeSettings,
+        now: Duration,
+        incarnation: u64,
+        stored_view: Option<StoredView>,
+        stored_jobs: Vec<StoredJob>,
+    ) -> NodeCore {
+        let id = settings.id.clone();
+        let config = settings.membership.clone();
+        let workers = (0..settings.slots)
+            .map(|_| WorkerSlot { restarts: RestartTracker::new(settings.restart), attempts: BTreeMap::new() })
+            .collect();
+        let mut core = NodeCore {
+            member: MemberState::joining(id.clone(), config.clone(), now, incarnation),
+            controller: None,
+            controller_peer: None,
+            connecting: false,
+            members: Vec::new(),
+            workers,
+            refused_stale: 0,
+            changes: VecDeque::new(),
+            draining: false,
+            keep_on_fence: Vec::new(),
+            actions: VecDeque::new(),
+            settings,
+        };
+        if core.settings.join.is_some() {
+            return core;
+        }
+        let epoch = Epoch(stored_view.as_ref().map_or(1, |v| v.epoch + 1));
+        let membership = Membership::starting_at(config.clone(), now, vec![id.clone()], epoch);
+        let view = membership.view().clone();
+        // Recorded before it is announced (a `Fenced` names it): a second restart starts past it too.
+        core.actions.push_back(NodeAction::RecordView(StoredView { epoch: epoch.0, members: vec![id.0.clone()] }));
+        let info = MemberInfo { name: id.0.clone(), addr: core.settings.addr, slots: core.settings.slots };
+        core.members = vec![info.clone()];
+        core.controller = Some(Controller {
+            membership,
+            members: BTreeMap::from([(id.clone(), info)]),
+            jobs: BTreeMap::new(),
+            next_job: stored_jobs.iter().map(|j| j.info.id + 1).max().unwrap_or(1),
+        });
+        core.member = MemberState::member(id.clone(), config, now, view, incarnation);
+        if let Some(last) = stored_view {
+            let expect: Vec<NodeId> = last.members.into_iter().map(NodeId).collect();
+            let open = stored_jobs.iter().filter(|j| !j.info.state.is_terminal()).count();
+            core.record_change(format!(
+                "{id} restarted as the controller at epoch {epoch} (last view: epoch {}, {} members); resuming {open} job(s)",
+                last.epoch,
+                expect.len()
+            ));
+            for job in stored_jobs {
+                core.restore_job(job, &expect);
+            }
+        }
+        core
+    }
+
+    /// The next thing to do, if any.
+    pub fn poll_action(&mut self) -> Option<NodeAction> {
+        self.actions.pop_front()
+    }
+
+    pub fn id(&self) -> &NodeId {
+        &self.settings.id
+    }
+
+    pub fn is_controller(&self) -> bool {
+        self.controller.is_some()
+    }
+
+    /// The controller's authoritative membership (on the controller).
+    pub fn membership(&self) -> Option<&Membership> {
+        self.controller.as_ref().map(|c| &c.membership)
+    }
+
+    /// This node's side of membership.
+    pub fn member(&self) -> &MemberState {
+        &self.member
+    }
+
+    /// Whether this node holds a connection it takes for the controller's.
+    pub fn has_controller_peer(&self) -> bool {
+        self.controller_peer.is_some()
+    }
+
+    /// The epoch this node acts on, stamped on what it sends: the authoritative one on the controller,
+    /// else its adopted view's.
+    pub fn epoch(&self) -> u64 {
+        match &self.controller {
+            Some(c) => c.membership.epoch().0,
+            None => self.member.epoch().map_or(0, |e| e.0),
+        }
+    }
+
+    /// Messages refused as stale so far (`troupe status`).
+    pub fn refused_stale(&self) -> u64 {
+        self.refused_stale
+    }
+
+    fn controller_addr(&self) -> SocketAddr {
+        self.settings.join.unwrap_or(self.settings.addr)
+    }
+
+    /// `troupe status` as this node sees it.
+    pub fn status(&self) -> ClusterStatus {
+        let (members, joining, jobs) = match &self.controller {
+            Some(c) => (
+                c.membership.view().members().iter().filter_map(|m| c.members.get(m).cloned()).collect(),
+                c.membership.joining().map(|n| n.0.clone()).collect(),
+                c.jobs.values().map(|j| j.info.clone()).collect(),
+            ),
+            None => (self.members.clone(), Vec::new(), Vec::new()),
+        };
+        ClusterStatus {
+            node: self.settings.id.0.clone(),
+            leader: self.controller.is_some(),
+            leader_addr: Some(self.controller_addr()),
+            epoch: self.epoch(),
+            members,
+            joining,
+            jobs,
+            refused_stale: self.refused_stale,
+            changes: self.changes.iter().cloned().collect(),
+        }
+    }
+
+    fn send(&mut self, peer: &str, msg: Wire) {
+        let epoch = self.epoch();
+        self.actions.push_back(NodeAction::Send { peer: peer.to_owned(), epoch, msg });
+    }
+
+    /// To the controller: this node's own controller part, or the connected controller; dropped while
+    /// not connected (what it says is resent or superseded: joins, heartbeats; an attempt's messages
+    /// are lost with the connection, which ends the attempt).
+    pub fn send_to_controller(&mut self, msg: Wire) {
+        if self.controller.is_some() {
+            let me = self.settings.id.0.clone();
+            self.send(&me, msg);
+        } else if let Some(peer) = self.controller_peer.clone() {
+            self.send(&peer, msg);
+        }
+    }
+
+    /// A job controller's message for a node.
+    pub fn job_outgoing(&mut self, node: &NodeId, msg: Wire) {
+        self.send(&node.0, msg);
+    }
+
+    fn record_change(&mut self, change: String) {
+        tracing::info!(node = %self.settings.id, "{change}");
+        if self.changes.len() == CHANGES_KEPT {
+            self.changes.pop_front();
+        }
+        self.changes.push_back(change);
+    }
+
+    fn each_worker(&mut self, msg: impl Fn() -> WorkerMsg) {
+        for slot in 0..self.workers.len() {
+            self.actions.push_back(NodeAction::Worker { slot, msg: msg() });
+        }
+    }
+
+    fn refuse(&mut self) {
+        self.refused_stale += 1;
+        self.actions.push_back(NodeAction::Note(NodeNote::RefusedStale));
+    }
+
+    /// The controller's jobs that have not ended.
+    fn live_jobs(&self) -> Vec<JobId> {
+        let Some(c) = &self.controller else { return Vec::new() };
+        c.jobs.iter().filter(|(_, j)| !j.info.state.is_terminal()).map(|(id, _)| *id).collect()
+    }
+
+    fn any_job_running(&self) -> bool {
+        self.controller.as_ref().is_some_and(|c| c.jobs.values().any(|j| j.info.state == JobState::Running))
+    }
+
+    fn members_of(&self, view: &View) -> Vec<MemberInfo> {
+        let c = self.controller.as_ref().expect("controller");
+        view.members().iter().filter_map(|m| c.members.get(m).cloned()).collect()
+    }
+
+    // ---- the node's side of membership ----
+
+    fn drive_member(&mut self) {
+        while let Some(action) = self.member.poll_action() {
+            match action {
+                MemberAction::SendHeartbeat { .. } => self.send_to_controller(Wire::Heartbeat),
+                MemberAction::SendJoinRequest { incarnation } => {
+                    let (slots, addr) = (self.settings.slots, self.settings.addr);
+                    self.send_to_controller(Wire::Join { slots, addr, incarnation: Some(incarnation) });
+                }
+                MemberAction::AdoptView(view) => {
+                    tracing::info!(node = %self.settings.id, epoch = view.epoch.0, members = view.len(), "adopted view");
+                    self.actions.push_back(NodeAction::Note(NodeNote::AdoptedView(view)));
+                }
+                MemberAction::Fenced { current } => {
+                    let id = self.settings.id.clone();
+                    self.record_change(format!(
+                        "{id} was fenced at epoch {current}; aborting its attempts and rejoining"
+                    ));
+                    self.actions.push_back(NodeAction::Note(NodeNote::Fenced { current }));
+                    // Removed from a view without a `Fenced` (a view that left it out): nothing is kept.
+                    let keep = std::mem::take(&mut self.keep_on_fence);
+                    self.each_worker(|| WorkerMsg::AbortAll { keep: keep.clone() });
+                    self.workers.iter_mut().for_each(|w| w.attempts.clear());
+                }
+                MemberAction::ControllerLost { silent_ms } => {
+                    // The controller answers every heartbeat, so this is a slow or dead controller or link.
+                    // The connection itself is kept: QUIC's idle timeout says whether it is dead, and a
+                    // new connection would silently lose what is in flight on this one.
+                    tracing::warn!(node = %self.settings.id, silent_ms, "nothing heard from the controller");
+                }
+            }
+        }
+    }
+
+    // ---- the controller ----
+
+    fn drive_membership(&mut self) {
+        let Some(c) = self.controller.as_mut() else { return };
+        let mut actions = Vec::new();
+        while let Some(a) = c.membership.poll_action() {
+            actions.push(a);
+        }
+        for action in actions {
+            match action {
+                MembershipAction::ViewChanged { view, changes } => {
+                    // Recorded before anyone hears of it: a restarted controller starts past this epoch.
+                    let members = view.members().iter().map(|m| m.0.clone()).collect();
+                    self.actions.push_back(NodeAction::RecordView(StoredView { epoch: view.epoch.0, members }));
+                    let said: Vec<String> = changes.iter().map(|c| format!("{c:?}")).collect();
+                    for c in &said {
+                        self.record_change(format!("epoch {}: {c}", view.epoch));
+                    }
+                    let note = NodeNote::ViewChanged { epoch: view.epoch.0, changes };
+                    self.actions.push_back(NodeAction::Note(note));
+                    let jobs = self.live_jobs();
+                    let members = self.members_of(&view);
+                    let running: Vec<JobId> = self.running_jobs();
+                    for job in running {
+                        let msg = JobMsg::View { view: view.clone(), members: members.clone(), changes: said.clone() };
+                        self.actions.push_back(NodeAction::Job { job, msg });
+                    }
+                    let msg = Wire::View { view: view.clone(), members, jobs };
+                    for node in view.members() {
+                        self.send(&node.0, msg.clone());
+                    }
+                }
+                MembershipAction::Fence { node, stale_epoch, current } => {
+                    self.refuse();
+                    tracing::warn!(%node, %stale_epoch, %current, "refused a message from a non-member; fencing it");
+                    let jobs = self.live_jobs();
+                    self.send(&node.0, Wire::Fenced { current, jobs });
+                }
+                MembershipAction::SendView { node, view } => {
+                    let jobs = self.live_jobs();
+                    let members = self.members_of(&view);
+                    self.send(&node.0, Wire::View { view, members, jobs });
+                }
+            }
+        }
+    }
+
+    fn running_jobs(&self) -> Vec<JobId> {
+        let Some(c) = &self.controller else { return Vec::new() };
+        c.jobs.iter().filter(|(_, j)| j.running).map(|(id, _)| *id).collect()
+    }
+
+    fn membership_event(&mut self, now: Duration, event: MembershipEvent) {
+        if let Some(c) = self.controller.as_mut() {
+            c.membership.handle(now, event);
+        }
+    }
+
+    /// A job message from `from` at `epoch`: accepted only from a member of the current view. A
+    /// non-member's message counts as refused-stale (it is fenced). A member that lags behind the view is
+    /// accepted: the driver matches messages to attempts, and an attempt may outlive a view change that
+    /// did not touch its ranks. One stamped before the view that admitted the member is refused: an
+    /// earlier membership of the node sent it, and it came late, on a connection since replaced (each
+    /// connection's reader feeds the endpoint's events on its own).
+    fn admit_job_message(&mut self, from: &NodeId, epoch: u64) -> Result<(), Epoch> {
+        let membership = &self.controller.as_ref().expect("controller").membership;
+        let (view, admitted) = (membership.view(), membership.admitted_at(from));
+        let current = view.epoch;
+        if !view.contains(from) {
+            self.refuse();
+            tracing::warn!(%from, epoch, %current, "refused a job message from a non-member; fencing it");
+            return Err(current);
+        }
+        if let Some(admitted) = admitted.filter(|a| epoch < a.0) {
+            self.refuse();
+            tracing::warn!(%from, epoch, %admitted, "refused a job message of an earlier membership of a member");
+            return Err(current);
+        }
+        if epoch < current.0 {
+            // A member whose view lags: its message still belongs to an attempt the driver knows (or
+            // is ignored by attempt number), so it is accepted.
+            tracing::debug!(%from, epoch, %current, "job message from a member behind the current epoch");
+        }
+        Ok(())
+    }
+
+    fn controller_message(&mut self, now: Duration, from: NodeId, epoch: u64, msg: Wire) {
+        let job_msg = match msg {
+            Wire::Join { slots, addr, incarnation } => {
+                let info = MemberInfo { name: from.0.clone(), addr, slots };
+                self.controller.as_mut().expect("controller").members.insert(from.clone(), info);
+                return self.membership_event(now, MembershipEvent::JoinRequest { from, incarnation });
+            }
+            Wire::Heartbeat => {
+                let member = self.membership().expect("controller").view().contains(&from);
+                if member && from != self.settings.id {
+                    self.send(&from.0, Wire::Alive);
+                }
+                return self.membership_event(now, MembershipEvent::Heartbeat { from, epoch: Epoch(epoch) });
+            }
+            Wire::Leave => return self.membership_event(now, MembershipEvent::Leave { from }),
+            Wire::Ready { job, attempt, slot, data_addr, committed } => {
+                (job, JobMsg::Ready { node: from.clone(), attempt, slot, addr: data_addr, committed })
+            }
+            Wire::Vote { job, attempt, slot, step, figures, seconds } => {
+                (job, JobMsg::Vote { node: from.clone(), attempt, slot, step, figures, seconds })
+            }
+            Wire::Ended { job, attempt, slot, outcome } => {
+                (job, JobMsg::Ended { node: from.clone(), attempt, slot, outcome })
+            }
+            Wire::Checkpointed { job, attempt, step, path, seconds, bytes } => {
+                (job, JobMsg::Checkpointed { attempt, step, path, seconds, bytes })
+            }
+            Wire::Evaluated { job, attempt, step, figures } => (job, JobMsg::Evaluated { attempt, step, figures }),
+            Wire::Phases { job, attempt, rank, step, spans, stage, .. } => {
+                (job, JobMsg::Phases { node: from.clone(), attempt, rank, step, spans, stage })
+            }
+            other => return tracing::warn!(%from, "unexpected message for the controller: {other:?}"),
+        };
+        if let Err(current) = self.admit_job_message(&from, epoch) {
+            if !self.membership().expect("controller").view().contains(&from) {
+                let jobs = self.live_jobs();
+                self.send(&from.0, Wire::Fenced { current, jobs });
+            }
+            return;
+        }
+        let (job, msg) = job_msg;
+        if self.controller.as_ref().and_then(|c| c.jobs.get(&job)).is_some_and(|j| j.running) {
+            self.actions.push_back(NodeAction::Job { job, msg });
+        }
+    }
+
+    fn submit(&mut self, client: &str, spec: JobSpec) -> Option<Wire> {
+        if let Err(e) = spec.config.validate() {
+            return Some(Wire::Error { message: format!("job config: {e}") });
+        }
+        if spec.data_plane == DataPlane::PlaintextTcp && !self.settings.allow_plaintext_tcp {
+            return Some(Wire::Error {
+                message: "data_plane = plaintext_tcp: this cluster does not allow tensors between hosts unencrypted; \
+                          set `allow_plaintext_tcp = true` in the controller's node config (trusted fabrics only), \
+                          or submit with data_plane = auto"
+                    .into(),
+            });
+        }
+        let c = self.controller.as_mut().expect("controller");
+        let id = c.next_job;
+        c.next_job += 1;
+        let view = c.membership.view().clone();
+        let members = self.members_of(&view);
+        let info = JobDriver::new(id, spec.clone()).info();
+        let entry = JobEntry {
+            running: false,
+            info,
+            watchers: vec![client.to_owned()],
+            log: EventLog::default(),
+            submitted_by: Some(client.to_owned()),
+        };
+        self.controller.as_mut().expect("controller").jobs.insert(id, entry);
+        self.actions.push_back(NodeAction::StartJob { id, spec: Box::new(spec), view, members, restored: None });
+        // Answered once the job controller started (`job_started`).
+        None
+    }
+
+    /// The shell started (or failed to start) the controller of job `id` ([`NodeAction::StartJob`]).
+    pub fn job_started(&mut self, id: JobId, result: Result<(), String>) {
+        let Some(c) = self.controller.as_mut() else { return };
+        let Some(entry) = c.jobs.get_mut(&id) else { return };
+        let client = entry.submitted_by.take();
+        match (result, client) {
+            (Ok(()), client) => {
+                entry.running = !entry.info.state.is_terminal();
+                if let Some(client) = client {
+                    tracing::info!(node = %self.settings.id, job = id, "job submitted");
+                    self.send(&client, Wire::Submitted { job: id });
+                }
+            }
+            (Err(e), Some(client)) => {
+                c.jobs.remove(&id);
+                self.send(&client, Wire::Error { message: format!("starting the job controller: {e}") });
+            }
+            (Err(e), None) => tracing::error!(job = id, "restarting the job controller: {e}"),
+        }
+    }
+
+    /// A message from a client (any peer role): answered by any node for status, by the controller
+    /// for jobs (others redirect).
+    fn client_message(&mut self, from: &str, msg: Wire) {
+        let not_controller = Wire::Redirect { leader: self.controller_addr() };
+        let reply = match msg {
+            Wire::StatusRequest => Some(Wire::Status(Box::new(self.status()))),
+            Wire::Submit { spec } if self.controller.is_some() => self.submit(from, *spec),
+            Wire::JobStatusRequest { .. } | Wire::Watch { .. } | Wire::Cancel { .. } | Wire::Submit { .. }
+                if self.controller.is_none() =>
+            {
+                Some(not_controller)
+            }
+            Wire::JobStatusRequest { job } => Some(self.job_reply(job, |_| {})),
+            Wire::Watch { job, since } => Some(self.watch(from, job, since)),
+            Wire::Cancel { job } => {
+                let running = self.controller.as_ref().and_then(|c| c.jobs.get(&job)).is_some_and(|j| j.running);
+                if running {
+                    self.actions.push_back(NodeAction::Job { job, msg: JobMsg::Cancel });
+                }
+                Some(self.job_reply(job, |_| {}))
+            }
+            other => Some(Wire::Error { message: format!("not a client request: {other:?}") }),
+        };
+        if let Some(reply) = reply {
+            self.send(from, reply);
+        }
+    }
+
+    /// A watcher (re)attaches: the events it missed go out before the reply, on the same ordered stream,
+    /// so it sees them first and in order; a watcher that reconnects replaces its old entry.
+    fn watch(&mut self, from: &str, job: JobId, since: Option<u64>) -> Wire {
+        let missed: Vec<(u64, JobEvent)> = match (since, self.controller.as_ref().and_then(|c| c.jobs.get(&job))) {
+            (Some(since), Some(entry)) => {
+                let (events, lost) = entry.log.since(since);
+                if lost > 0 {
+                    tracing::warn!(
+                        job,
+                        watcher = from,
+                        lost,
+                        "a reconnecting watcher missed more events than are kept"
+                    );
+                }
+                let events: Vec<JobEvent> = events.cloned().collect();
+                let first = entry.log.end() - events.len() as u64;
+                (first..).zip(events).collect()
+            }
+            _ => Vec::new(),
+        };
+        for (seq, event) in missed {
+            self.send(from, Wire::Event { job, seq, event });
+        }
+        let watcher = from.to_owned();
+        self.job_reply(job, move |entry| {
+            entry.watchers.retain(|w| *w != watcher);
+            entry.watchers.push(watcher);
+        })
+    }
+
+    /// A job of the catalog, after a restart: its events are replayed to watchers that reconnect, and
+    /// unless it had ended a job controller resumes it once the nodes of the last view (`expect`) rejoined.
+    fn restore_job(&mut self, job: StoredJob, expect: &[NodeId]) {
+        let StoredJob { spec, info, first_event, events } = job;
+        let log = EventLog::restore(first_event, events);
+        let id = info.id;
+        if !info.state.is_terminal() {
+            let view = self.membership().expect("controller").view().clone();
+            let members = self.members_of(&view);
+            let restored = Some((info.clone(), log.end(), expect.to_vec()));
+            self.actions.push_back(NodeAction::StartJob { id, spec: Box::new(spec), view, members, restored });
+        }
+        tracing::info!(node = %self.settings.id, job = id, state = ?info.state, step = info.step, "job restored from the catalog");
+        let entry = JobEntry { running: false, info, watchers: Vec::new(), log, submitted_by: None };
+        self.controller.as_mut().expect("controller").jobs.insert(id, entry);
+    }
+
+    fn job_reply(&mut self, job: JobId, f: impl FnOnce(&mut JobEntry)) -> Wire {
+        match self.controller.as_mut().and_then(|c| c.jobs.get_mut(&job)) {
+            Some(entry) => {
+                f(entry);
+                Wire::JobStatus(Box::new(JobInfo { events: entry.log.end(), ..entry.info.clone() }))
+            }
+            None => Wire::Error { message: format!("no job {job} on this cluster (see `troupe status`)") },
+        }
+    }
+
+    /// A job controller's event: logged for reconnecting watchers and passed to the watchers.
+    pub fn job_event(&mut self, job: JobId, event: JobEvent, info: JobInfo) {
+        let Some(entry) = self.controller.as_mut().and_then(|c| c.jobs.get_mut(&job)) else { return };
+        entry.info = info;
+        entry.log.push(event.clone());
+        let (seq, watchers) = (entry.log.end() - 1, entry.watchers.clone());
+        if let JobEvent::Membership { changes, .. } = &event {
+            tracing::info!(node = %self.settings.id, job, ?changes, "job re-planned after a membership change");
+        }
+        self.actions.push_back(NodeAction::Note(NodeNote::JobEvent { job, event: event.clone() }));
+        for w in watchers {
+            self.send(&w, Wire::Event { job, seq, event: event.clone() });
+        }
+    }
+
+    /// A job controller's latest state of its job.
+    pub fn job_info(&mut self, info: JobInfo) {
+        if let Some(entry) = self.controller.as_mut().and_then(|c| c.jobs.get_mut(&info.id)) {
+            entry.info = info;
+        }
+    }
+
+    /// A job controller died: its job failed.
+    pub fn job_controller_failed(&mut self, job: JobId, error: &str) {
+        if let Some(entry) = self.controller.as_mut().and_then(|c| c.jobs.get_mut(&job)) {
+            tracing::error!(job, %error, "job controller failed");
+            entry.running = false;
+            entry.info.state = JobState::Failed;
+            entry.info.reason = Some(format!("the job controller failed: {error}"));
+        }
+    }
+
+    /// A job finished a step: the controller admits joiners at step boundaries.
+    pub fn step_boundary(&mut self, now: Duration) {
+        self.membership_event(now, MembershipEvent::StepBoundary);
+        self.drive_membership();
+    }
+
+    // ---- messages from the controller to this node ----
+
+    fn node_message(&mut self, now: Duration, epoch: u64, msg: Wire) {
+        self.member.heard_from_controller(now);
+        match msg {
+            Wire::View { view, members, jobs } => {
+                self.members = members;
+                self.member.handle_view(now, view);
+                self.drive_member();
+                // A job that ended while its `Release` could not reach this node (paused, cut off, or
+                // fenced with a list that still named it) leaves no state behind.
+                self.each_worker(|| WorkerMsg::Retain { jobs: jobs.clone() });
+                self.workers.iter_mut().for_each(|w| w.attempts.retain(|job, _| jobs.contains(job)));
+            }
+            Wire::Fenced { current, jobs } => {
+                self.keep_on_fence = jobs;
+                self.member.handle_fence(now, current);
+                self.drive_member();
+                // Used by the fence just driven, if any; a node already rejoining keeps no stale list.
+                self.keep_on_fence.clear();
+            }
+            Wire::Prepare { job, attempt, spec, ranks, discard_from } => {
+                let me = self.settings.id.clone();
+                for (rank, r) in ranks.iter().enumerate().filter(|(_, r)| r.node == me) {
+                    let slot = r.slot as usize;
+                    if let Some(w) = self.workers.get_mut(slot) {
+                        w.attempts.insert(job, attempt);
+                        let msg = WorkerMsg::Prepare { job, attempt, spec: spec.clone(), rank, epoch, discard_from };
+                        self.actions.push_back(NodeAction::Worker { slot, msg });
+                    }
+                }
+            }
+            Wire::Start { job, attempt, roster, source } => {
+                self.each_worker(|| WorkerMsg::Start { job, attempt, roster: roster.clone(), source })
+            }
+            Wire::Commit { job, attempt, step, .. } => self.each_worker(|| WorkerMsg::Commit { job, attempt, step }),
+            Wire::Abort { job, attempt, .. } => self.each_worker(|| WorkerMsg::Abort { job, attempt }),
+            Wire::Release { job } => {
+                self.each_worker(|| WorkerMsg::Release { job });
+                self.workers.iter_mut().for_each(|w| {
+                    w.attempts.remove(&job);
+                });
+            }
+            Wire::Alive => {}
+            other => tracing::warn!(node = %self.settings.id, "unexpected message from the controller: {other:?}"),
+        }
+    }
+
+    // ---- what the endpoint reports ----
+
+    /// A control message from `from` (`role`), stamped with the sender's `epoch`.
+    pub fn message(&mut self, now: Duration, from: &str, role: PeerRole, epoch: u64, msg: Wire) {
+        if msg.is_client_request() {
+            return self.client_message(from, msg);
+        }
+        if role != PeerRole::Node {
+            return;
+        }
+        let is_me = from == self.settings.id.0;
+        if msg.is_for_controller() {
+            if self.controller.is_some() {
+                self.controller_message(now, NodeId(from.to_owned()), epoch, msg);
+                self.drive_membership();
+            } else {
+                let redirect = Wire::Redirect { leader: self.controller_addr() };
+                self.send(from, redirect);
+            }
+        } else if self.controller.is_some() && is_me || self.controller_peer.as_deref() == Some(from) {
+            if !is_me && epoch < self.epoch() {
+                self.refuse();
+                return tracing::warn!(node = %self.settings.id, epoch, "refused a controller message of a stale epoch");
+            }
+            self.node_message(now, epoch, msg);
+        }
+    }
+
+    /// The endpoint has a new connection with `peer`. A member that connects again lost its previous
+    /// connection (it crashed and restarted, or its link broke) and with it whatever was in flight: it
+    /// leaves the view and rejoins, rather than carry on with messages silently missing.
+    pub fn connected(&mut self, now: Duration, peer: &str, role: PeerRole) {
+        let id = NodeId(peer.to_owned());
+        let is_member = self.membership().is_some_and(|m| m.view().contains(&id));
+        if is_member && role == PeerRole::Node && id != self.settings.id {
+            self.membership_event(now, MembershipEvent::ConnectionLost { peer: id });
+            self.drive_membership();
+        }
+    }
+
+    /// The connection with `peer` ended without a goodbye.
+    pub fn lost(&mut self, now: Duration, peer: &str) {
+        if self.controller_peer.as_deref() == Some(peer) {
+            self.controller_peer = None;
+        }
+        let id = NodeId(peer.to_owned());
+        if self.membership().is_some_and(|m| m.view().contains(&id)) {
+            self.membership_event(now, MembershipEvent::ConnectionLost { peer: id });
+            self.drive_membership();
+        }
+    }
+
+    /// `peer` closed its connection with a goodbye (its `Leave` came before).
+    pub fn departed(&mut self, peer: &str) {
+        if self.controller_peer.as_deref() == Some(peer) {
+            self.controller_peer = None;
+        }
+    }
+
+    /// A dial ([`NodeAction::Dial`]) ended: connected to `peer`, and whether that connection is still up
+    /// now. The dialing task says so, not the endpoint's event channel: the connection's loss may have
+    /// come and gone already. Taken anyway, it would leave this node on a dead connection for good (it
+    /// dials only while it has none); the next tick dials again.
+    pub fn dialed(&mut self, now: Duration, result: Result<String, String>, still_up: bool) {
+        self.connecting = false;
+        match result {
+            Ok(peer) if !still_up => {
+                tracing::info!(node = %self.settings.id, %peer, "the new connection to the controller is gone already");
+            }
+            Ok(peer) => {
+                tracing::info!(node = %self.settings.id, %peer, "connected to the controller");
+                self.controller_peer = Some(peer);
+                self.member.handle_timeout(now);
+                self.drive_member();
+            }
+            Err(e) => tracing::debug!(node = %self.settings.id, error = %e, "controller not reachable yet"),
+        }
+    }
+
+    /// The node's timer: dial the controller when not connected, drive membership's timers; on the
+    /// controller, failure detection and admitting joiners while no job runs.
+    pub fn tick(&mut self, now: Duration) {
+        if self.controller.is_none() && self.controller_peer.is_none() && !self.connecting && !self.draining {
+            self.connecting = true;
+            self.actions.push_back(NodeAction::Dial { addr: self.controller_addr() });
+        }
+        if self.controller.is_some() {
+            // This node is the controller: it cannot lose itself, however late a tick runs.
+            self.member.heard_from_controller(now);
+        }
+        self.member.handle_timeout(now);
+        self.drive_member();
+        if self.controller.is_some() {
+            let idle = !self.any_job_running();
+            let me = self.settings.id.clone();
+            let c = self.controller.as_mut().expect("controller");
+            // The controller is alive by definition while it ticks: it never times itself out, however
+            // late a tick runs on a loaded machine.
+            let epoch = c.membership.epoch();
+            c.membership.handle(now, MembershipEvent::Heartbeat { from: me, epoch });
+            c.membership.handle_timeout(now);
+            if idle && c.membership.joining().next().is_some() {
+                c.membership.handle(now, MembershipEvent::StepBoundary);
+            }
+            self.drive_membership();
+        }
+    }
+
+    /// Worker `slot` failed: its attempts are reported failed, and it is restarted — or the node stops,
+    /// when it failed too often ([`RestartPolicy`]).
+    pub fn worker_failed(&mut self, now: Duration, slot: usize, error: &str) {
+        let Some(worker) = self.workers.get_mut(slot) else { return };
+        let decision = worker.restarts.on_failure(now);
+        let attempts = std::mem::take(&mut worker.attempts);
+        self.actions.push_back(NodeAction::Note(NodeNote::WorkerFailed { slot }));
+        let id = self.settings.id.clone();
+        for (job, attempt) in attempts {
+            let outcome = AttemptOutcome::Failed { step: 0, reason: format!("worker {slot} of {id} failed: {error}") };
+            self.send_to_controller(Wire::Ended { job, attempt, slot: slot as u32, outcome });
+        }
+        match decision {
+            Decision::Restart { attempt } => {
+                self.record_change(format!("{id}: worker {slot} failed ({error}); restart {attempt}"));
+                self.actions.push_back(NodeAction::RestartWorker { slot });
+            }
+            Decision::Escalate { failures } => {
+                let policy = self.settings.restart;
+                let reason = format!(
+                    "worker {slot} failed {failures} times within {} ms (restart.max_restarts = {}); last: {error}",
+                    policy.window_ms, policy.max_restarts
+                );
+                tracing::error!(node = %id, "{reason}; stopping this node");
+                self.actions.push_back(NodeAction::Stop { reason });
+            }
+        }
+    }
+
+    /// SIGTERM: drop all job state and say `Leave`; the shell then closes its connections.
+    pub fn drain(&mut self) {
+        self.draining = true;
+        self.each_worker(|| WorkerMsg::DropAll);
+        if self.controller.is_none() {
+            self.send_to_controller(Wire::Leave);
+        }
+    }
+}
