@@ -7,7 +7,7 @@
 //! planted bug, `SIM_NETWORK=datagrams` for a network without QUIC's guarantees, `SIM_LOADED=1` for a
 //! loaded machine).
 
-use troupe_chaos::sim::{self, Fault, JobEnd, Network, NodeModel, NodeSpec, Outcome, PlantedBug, Scenario, SimConfig};
+use troupe_chaos::sim::{self, Fault, JobEnd, Network, NodeSpec, Outcome, PlantedBug, Scenario, SimConfig};
 use troupe_cluster::membership::NodeId;
 
 /// Seeds every property below runs.
@@ -225,131 +225,6 @@ fn without_quics_guarantees_some_seeds_break_invariants() {
     println!("{}", again.report());
 }
 
-// ---- bugs the simulation found in actors/src/runtime/node.rs ----
-//
-// `NodeModel::AS_IS` is node.rs before these fixes; each test below turns off one fix and shows that a
-// seed among the first 2000 breaks an invariant (the job hangs, or the controller accepts messages of an
-// incarnation it never admitted), while the fix keeps that seed clean. All are fixed in node.rs (856e3b4,
-// ae88e14); the tests stay as regression tests of why.
-
-fn without(fix: impl Fn(&mut NodeModel)) -> SimConfig {
-    let mut config = SimConfig::default();
-    fix(&mut config.node_model);
-    config
-}
-
-/// Finds a seed that breaks an invariant with `config`, with the violation containing `what`.
-fn a_seed_breaking(config: &SimConfig, what: &str) -> Outcome {
-    let found = (0..2000)
-        .map(|seed| sim::run_seed(seed, config, 0))
-        .find(|o| o.violations.iter().any(|v| v.contains(what)))
-        .unwrap_or_else(|| panic!("no seed of 2000 shows {what:?} with {:?}", config.node_model));
-    let found = sim::run_seed(found.seed, config, 60);
-    println!("seed {} ({:?}):\n{}", found.seed, config.node_model, found.report());
-    assert!(sim::run_seed(found.seed, &SimConfig::default(), 0).ok(), "the fix keeps seed {} clean", found.seed);
-    found
-}
-
-/// Like [`a_seed_breaking`] on one scenario: some seed below `seeds` breaks an invariant with `broken`,
-/// the violation containing `what` (its trace is printed), and `fixed` keeps every one of them clean.
-fn a_scenario_seed_breaking(scenario: &Scenario, broken: &SimConfig, fixed: &SimConfig, seeds: u64, what: &str) {
-    let found = (0..seeds)
-        .map(|seed| sim::run(seed, scenario, broken, 0))
-        .find(|o| o.violations.iter().any(|v| v.contains(what)))
-        .unwrap_or_else(|| panic!("no seed of {seeds} shows {what:?} with {:?}", broken.node_model));
-    println!("{}", sim::run(found.seed, scenario, broken, 40).report());
-    let clean = (0..seeds).filter(|&seed| sim::run(seed, scenario, fixed, 0).ok()).count();
-    assert_eq!(clean, seeds as usize, "the fix keeps every seed clean");
-}
-
-/// Fixed in 856e3b4. The controller stamped what it sent with its own node's `MemberState` epoch,
-/// which learns a new view only when the controller's self-addressed `View` comes back through its
-/// mailbox — possibly after the job controller's `Prepare` of that view went out. Members that had
-/// adopted the view refused the `Prepare` as stale, and the attempt waited for their `Ready` forever.
-#[test]
-fn stamping_controller_messages_with_a_lagging_epoch_hangs_jobs() {
-    let found = a_seed_breaking(&without(|m| m.stamp_membership_epoch = false), "did not end");
-    assert!(found.stats.node_refused_stale > 0, "{}", found.report());
-}
-
-/// A member whose view lags is ignored, not fenced: right when the view change aborted its attempt, but
-/// when the change did not touch the job's ranks (a spare left, under `max_ranks`) the driver keeps the
-/// attempt and waits for the vote that was thrown away.
-#[test]
-fn node_rs_as_is_ignores_a_lagging_vote_the_driver_still_waits_for() {
-    let found = a_seed_breaking(&without(|m| m.accept_lagging_members = false), "did not end");
-    assert!(found.stats.ignored_lagging > 0, "{}", found.report());
-}
-
-/// A node that heard nothing from the controller for the failure timeout (the controller sends nothing
-/// during a step, or while a failure is being detected) drops its connection and dials again; meanwhile
-/// what it sends and what it receives is dropped, and the newer connection replaces the older one
-/// without any event at the controller — no membership change, so an attempt waits for a `Ready` or a
-/// vote that will never come. One SIGKILL of a rank is enough.
-#[test]
-fn node_rs_as_is_loses_messages_when_a_silent_controller_makes_nodes_reconnect() {
-    let config = without(|m| {
-        m.keep_connection_on_silence = false;
-        m.replacement_is_loss = false;
-    });
-    a_seed_breaking(&config, "did not end");
-}
-
-/// A restarted node dials again before its `Join` gets through; its connection replaces the old one
-/// silently, and a view change sent meanwhile names it, so the new incarnation adopts the view as a
-/// member: the controller takes its messages for the old incarnation's (which had the state and the
-/// attempt), and the `Restarted` path never runs.
-#[test]
-fn node_rs_as_is_lets_a_restarted_node_inherit_its_old_membership() {
-    a_seed_breaking(&without(|m| m.replacement_is_loss = false), "an incarnation it never admitted");
-}
-
-/// Fixed now (node.rs `NodeMsg::Connected`). A node hears that its dial succeeded from the dialing task,
-/// and that the connection was lost from the endpoint's event channel: two paths into its actor, in
-/// either order. It took a connection whose `Lost` it had handled already, and then held a dead one for
-/// good — it dials only while it has none — so it never came back. A storm of resets shows it.
-#[test]
-fn node_rs_as_is_keeps_a_connection_it_lost_before_it_heard_it_was_up() {
-    let broken = without(|m| m.connected_checks_link = false);
-    a_scenario_seed_breaking(&reset_storm(4), &broken, &SimConfig::default(), 100, "is not back");
-}
-
-/// The controller's node paused six times just past the idle timeout while a job trains: each time the
-/// members' connections time out with their last messages read but not yet handed over, and they dial
-/// again at once.
-fn controller_paused_past_the_idle_timeout() -> Scenario {
-    let mut scenario = Scenario::calm(3, 60);
-    scenario.faults = (0..6).map(|i| Fault::Pause { node: 0, at_ms: 300 + 2_600 * i, for_ms: 2_020 }).collect();
-    scenario
-}
-
-/// Fixed now (node.rs `admit_job_message`, `Membership::admitted_at`). A member's job messages were
-/// accepted whatever epoch they carried. On an overloaded machine the reader of a member's replaced
-/// connection may hand over a message it read long before: the first one makes the controller fence the
-/// node, which rejoins — and the next, sent by the membership that was fenced, is taken for the new
-/// one's. (The job driver ignores it by its attempt number; the fencing invariant does not hold.) Now a
-/// message stamped before the view that admitted its sender is refused.
-#[test]
-fn node_rs_as_is_takes_a_message_of_an_earlier_membership_for_the_current_one() {
-    let broken = SimConfig {
-        node_model: NodeModel { refuse_before_admission: false, ..NodeModel::PROPOSED },
-        ..SimConfig::loaded()
-    };
-    let scenario = controller_paused_past_the_idle_timeout();
-    a_scenario_seed_breaking(&scenario, &broken, &SimConfig::loaded(), 200, "an incarnation it never admitted");
-}
-
-/// All of node.rs's bugs at once: many seeds hang.
-#[test]
-fn node_rs_as_is_hangs_jobs() {
-    let config = SimConfig::as_is();
-    let hung = (0..SEEDS)
-        .filter(|&s| sim::run_seed(s, &config, 0).violations.iter().any(|v| v.contains("did not end")))
-        .count();
-    println!("node.rs as is: {hung} of {SEEDS} seeds hang");
-    assert!(hung > 0);
-}
-
 /// A deeper search than the default property: `SIM_SEEDS=100000 cargo test --release -p troupe-chaos
 /// --test simulation survey -- --ignored --nocapture` (`SIM_MODEL=as_is` for node.rs as it is,
 /// `SIM_NETWORK=datagrams` for a network without QUIC's guarantees, `SIM_LOADED=1` for a loaded machine's
@@ -390,10 +265,7 @@ fn survey() {
 }
 
 fn config_from_env() -> SimConfig {
-    let mut config = match std::env::var("SIM_MODEL").as_deref() {
-        Ok("as_is") => SimConfig::as_is(),
-        _ => SimConfig::default(),
-    };
+    let mut config = SimConfig::default();
     if std::env::var("SIM_PLANTED").is_ok() {
         config.planted = PlantedBug::CommitOnFirstVote;
     }
@@ -401,12 +273,7 @@ fn config_from_env() -> SimConfig {
         config.network = Network::DATAGRAMS;
     }
     if std::env::var("SIM_LOADED").is_ok() {
-        config = SimConfig {
-            node_model: config.node_model,
-            network: config.network,
-            planted: config.planted,
-            ..SimConfig::loaded()
-        };
+        config = SimConfig { network: config.network, planted: config.planted, ..SimConfig::loaded() };
     }
     config
 }

@@ -168,6 +168,17 @@ pub struct NodeCore {
     actions: VecDeque<NodeAction>,
 }
 
+impl std::fmt::Debug for NodeCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeCore")
+            .field("id", &self.settings.id)
+            .field("controller", &self.controller.is_some())
+            .field("epoch", &self.epoch())
+            .field("controller_peer", &self.controller_peer)
+            .finish_non_exhaustive()
+    }
+}
+
 impl NodeCore {
     /// A node starting at `now` with membership incarnation `incarnation` (random per process). A
     /// controller (no `join`) that ran before on its data dir passes its catalog's last view and jobs:

@@ -1,69 +1,10 @@
-//! The simulation's fixed timing (every limit named with its unit) and the switches that choose which
-//! behaviour of the runtime is modelled: the node code as it is, a proposed fix, or a planted bug.
+//! The simulation's fixed timing (every limit named with its unit), the network's guarantees, and a bug
+//! planted in the job controller's plumbing to show the checker catches it. The node's logic is the
+//! runtime's own (`NodeCore`): there is no switch for it.
 
 use troupe_cluster::membership::MembershipConfig;
 
 use super::scenario::Scenario;
-
-/// How the node actor (actors/src/runtime/node.rs) behaves. [`NodeModel::AS_IS`] is the code as of
-/// commit 856e3b4; each switch turned on models one fix the simulation showed to be needed (each is
-/// pinned by a regression test in tests/simulation.rs that turns it off). [`NodeModel::PROPOSED`] has
-/// them all and is what the main properties run — and, since commit ae88e14, what node.rs does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct NodeModel {
-    /// The controller stamps what it sends with its membership epoch (node.rs does since 856e3b4).
-    /// Before, it stamped its own node's `MemberState` epoch, which learns a new view only when the
-    /// controller's self-addressed `View` comes back through its mailbox — possibly after the job
-    /// controller's `Prepare` of that view went out, which members then refused as stale.
-    pub stamp_membership_epoch: bool,
-    /// The controller accepts job messages (`Ready`, `Vote`, `Ended`) from current members whatever epoch
-    /// they carry (the driver already ignores other attempts). As is, a member whose view lags is ignored,
-    /// and a vote lost that way stalls an attempt the view change did not abort (its ranks did not change).
-    pub accept_lagging_members: bool,
-    /// A node keeps its live control connection when the controller has been silent for the failure
-    /// timeout (QUIC's idle timeout already detects a dead one). As is, it drops it and dials again, and
-    /// what either side sends meanwhile is lost without any membership change.
-    pub keep_connection_on_silence: bool,
-    /// The controller treats a member's connection being replaced by a newer one as a lost connection
-    /// (the member is removed and rejoins), since messages in flight on the old one are gone and the
-    /// dialer may be a new incarnation. As is, a replacement emits nothing (control/mod.rs), so messages
-    /// vanish with no membership change, and a restarted node that receives a view naming it before its
-    /// `Join` gets through adopts it and inherits its old incarnation's membership.
-    pub replacement_is_loss: bool,
-    /// A node that learns its dial succeeded (`NodeMsg::Connected`, from the dialing task) takes the
-    /// controller for its leader peer only if the connection is still up. As is, it takes it anyway:
-    /// when the connection's `Lost` (from the endpoint's event channel, another path into the actor)
-    /// came first, the node holds a dead connection for good — it never dials again, and its sends go
-    /// nowhere.
-    pub connected_checks_link: bool,
-    /// The controller refuses a job message stamped with an epoch older than the view that admitted its
-    /// sender (`Membership::admitted_at`): an earlier membership of the node sent it. As is, a member's
-    /// message of any epoch is accepted, and one an earlier membership sent on a connection since
-    /// replaced — its reader slow to hand it over — is taken for the current membership's once the node
-    /// has rejoined.
-    pub refuse_before_admission: bool,
-}
-
-impl NodeModel {
-    /// node.rs as of 856e3b4, before the fixes the simulation found.
-    pub const AS_IS: NodeModel = NodeModel {
-        stamp_membership_epoch: true,
-        accept_lagging_members: false,
-        keep_connection_on_silence: false,
-        replacement_is_loss: false,
-        connected_checks_link: false,
-        refuse_before_admission: false,
-    };
-    /// node.rs with every fix (node.rs since ae88e14).
-    pub const PROPOSED: NodeModel = NodeModel {
-        stamp_membership_epoch: true,
-        accept_lagging_members: true,
-        keep_connection_on_silence: true,
-        replacement_is_loss: true,
-        connected_checks_link: true,
-        refuse_before_admission: true,
-    };
-}
 
 /// A bug planted in the modelled controller to show the checker catches it (never in the runtime).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -96,7 +37,7 @@ impl Network {
 }
 
 /// Timing of the modelled system. Defaults are the runtime's defaults (docs/runtime-semantics.md), the
-/// node model [`NodeModel::PROPOSED`], the QUIC network and no planted bug.
+/// QUIC network and no planted bug.
 #[derive(Clone, Debug)]
 pub struct SimConfig {
     pub membership: MembershipConfig,
@@ -124,7 +65,6 @@ pub struct SimConfig {
     pub collective_timeout_ms: u64,
     /// How long the network stays quiet after the job ended before the run stops (leak checks).
     pub tail_ms: u64,
-    pub node_model: NodeModel,
     pub network: Network,
     pub planted: PlantedBug,
 }
@@ -145,7 +85,6 @@ impl Default for SimConfig {
             dial_ms_max: 12,
             collective_timeout_ms: 60_000,
             tail_ms: 4_000,
-            node_model: NodeModel::PROPOSED,
             network: Network::Quic,
             planted: PlantedBug::None,
         }
@@ -160,13 +99,8 @@ impl SimConfig {
     }
 
     /// When the job must have ended: [`Scenario::finish_bound_ms`], plus a reader stall for each step's
-    /// votes.
+    /// votes, plus the time the cluster may take to form before the job is submitted.
     pub fn finish_bound_ms(&self, scenario: &Scenario) -> u64 {
-        scenario.finish_bound_ms() + scenario.steps * self.reader_stall_ms_max
-    }
-
-    /// The runtime as of 856e3b4, before the node.rs fixes.
-    pub fn as_is() -> Self {
-        Self { node_model: NodeModel::AS_IS, ..Self::default() }
+        scenario.finish_bound_ms() + scenario.steps * self.reader_stall_ms_max + super::world::SUBMIT_BY_MS
     }
 }

@@ -1,10 +1,12 @@
-//! The controller, modelled: node.rs's leader part (membership, fencing of job messages, routing) and
-//! the JobController actor around the real [`JobDriver`](troupe_actors::runtime::job::JobDriver). The
-//! driver and `Membership` are the runtime's own code; only the plumbing around them is modelled.
+//! The controller in the simulation: its node runs the runtime's own `NodeCore` (see `node.rs`); here
+//! is the JobController actor around the runtime's own [`JobDriver`](troupe_actors::runtime::job::JobDriver)
+//! — its mailbox, its flush (record in the catalog, then carry out) — the controller's readers of the
+//! members' connections, and the checks of what the job did.
 
-use troupe_actors::protocol::{JobEvent, JobId, MemberInfo, StepFigures, Wire};
+use troupe_actors::protocol::{JobEvent, StepFigures, Wire};
 use troupe_actors::runtime::job::{DriverAction, FAILED_ATTEMPTS_MAX};
-use troupe_cluster::membership::{Change, Epoch, MembershipAction, MembershipEvent, NodeId};
+use troupe_cluster::control::PeerRole;
+use troupe_cluster::membership::NodeId;
 
 use super::check::Checker;
 use super::config::PlantedBug;
@@ -29,59 +31,18 @@ impl World<'_> {
             let what = kind(&env.msg);
             trace!(self, "{what} of {} read on replaced conn {conn} reaches the controller", self.nodes[c.node].id);
         }
-        self.count_delivery(c.node, true, &env);
-        self.leader_message(env);
-        self.drive_membership();
-    }
-
-    /// node.rs `leader_message`: membership messages go to `Membership`; job messages are accepted only
-    /// from a member, stamped no earlier than the view that admitted it (a non-member is fenced).
-    pub(super) fn leader_message(&mut self, env: Envelope) {
-        let from = env.from;
-        let id = self.nodes[from].id.clone();
-        let now = dur(self.now);
-        let input = match env.msg {
-            Wire::Join { slots, addr, incarnation } => {
-                self.count_join(from, incarnation, env.via);
-                self.ctl.members.insert(id.clone(), MemberInfo { name: id.0.clone(), addr, slots });
-                self.check.join_requested(from, env.generation);
-                trace!(self, "controller <- Join from {id} (incarnation {incarnation:?})");
-                return self.ctl.membership.handle(now, MembershipEvent::JoinRequest { from: id, incarnation });
-            }
-            Wire::Heartbeat => {
-                let event = MembershipEvent::Heartbeat { from: id, epoch: Epoch(env.epoch) };
-                return self.ctl.membership.handle(now, event);
-            }
-            Wire::Leave => {
-                trace!(self, "controller <- Leave from {id}");
-                return self.ctl.membership.handle(now, MembershipEvent::Leave { from: id });
-            }
-            Wire::Ready { attempt, slot, committed, .. } => JobInput::Ready { node: from, attempt, slot, committed },
-            Wire::Vote { attempt, slot, step, .. } => JobInput::Vote { node: from, attempt, slot, step },
-            Wire::Ended { attempt, slot, outcome, .. } => JobInput::Ended { node: from, attempt, slot, outcome },
-            Wire::Checkpointed { attempt, step, .. } => JobInput::Checkpointed { attempt, step },
-            other => return trace!(self, "controller got an unexpected {other:?}"),
-        };
-        let current = self.ctl.membership.epoch();
-        if !self.ctl.membership.view().contains(&id) {
-            self.stats.refused_stale += 1;
-            trace!(self, "controller refuses a job message of non-member {id} (epoch {}); fences it", env.epoch);
-            let jobs = self.live_jobs();
-            return self.ctl_send(&id, Wire::Fenced { current, jobs });
+        let from = c.node;
+        self.count_delivery(from, true, &env);
+        if let Wire::Join { incarnation, .. } = &env.msg {
+            self.count_join(from, *incarnation, env.via);
+            self.check.join_requested(from, env.generation);
+            trace!(self, "controller <- Join from {} (incarnation {incarnation:?})", self.nodes[from].id);
         }
-        let admitted = self.ctl.membership.admitted_at(&id).map_or(0, |e| e.0);
-        if env.epoch < admitted && self.cfg.node_model.refuse_before_admission {
-            self.stats.refused_stale += 1;
-            trace!(self, "controller refuses {input:?} of {id}: epoch {} is older than its admission", env.epoch);
-            return;
-        }
-        if env.epoch < current.0 && !self.cfg.node_model.accept_lagging_members {
-            self.stats.ignored_lagging += 1;
-            trace!(self, "controller ignores {input:?} of {id}: epoch {} < {current}", env.epoch);
-            return;
-        }
-        self.check.accepted_job_message(self.now, from, env.generation, input_kind(&input));
-        self.local(Local::NodeToJob, Ev::ToJob(input));
+        let peer = self.nodes[from].id.0.clone();
+        self.delivering = Some((from, env.generation));
+        self.nodes[0].core.message(dur(self.now), &peer, PeerRole::Node, env.epoch, env.msg);
+        self.act(0);
+        self.delivering = None;
     }
 
     /// A `Join` the controller had from this incarnation already is a resend (a joiner asks every
@@ -96,64 +57,6 @@ impl World<'_> {
             }
             None => {
                 self.joins.insert((from, incarnation), via);
-            }
-        }
-    }
-
-    /// node.rs `drive_membership`.
-    pub(super) fn drive_membership(&mut self) {
-        while let Some(action) = self.ctl.membership.poll_action() {
-            match action {
-                MembershipAction::ViewChanged { view, changes } => {
-                    // Recorded before anyone hears of it: a restarted controller starts past this epoch.
-                    self.ctl.catalog.view_epoch = view.epoch.0;
-                    self.ctl.catalog.view_members = view.members().to_vec();
-                    self.stats.view_changes += 1;
-                    self.check.view_changed(self.now, view.epoch.0);
-                    for change in &changes {
-                        if let Change::Joined(node) = change {
-                            let n = self.index[node];
-                            self.check.admitted(n, self.nodes[n].generation);
-                        }
-                    }
-                    trace!(self, "VIEW epoch {} {:?} after {changes:?}", view.epoch, view.members());
-                    let members = self.members_of(&view);
-                    let changes = changes.iter().map(|c| format!("{c:?}")).collect();
-                    let input = JobInput::View { view: view.clone(), members: members.clone(), changes };
-                    self.local(Local::NodeToJob, Ev::ToJob(input));
-                    let jobs = self.live_jobs();
-                    for node in view.members() {
-                        let msg = Wire::View { view: view.clone(), members: members.clone(), jobs: jobs.clone() };
-                        self.ctl_send(node, msg);
-                    }
-                }
-                MembershipAction::Fence { node, stale_epoch, current } => {
-                    self.stats.refused_stale += 1;
-                    trace!(self, "controller fences {node} (it acted on epoch {stale_epoch})");
-                    let jobs = self.live_jobs();
-                    self.ctl_send(&node, Wire::Fenced { current, jobs });
-                }
-                MembershipAction::SendView { node, view } => {
-                    let members = self.members_of(&view);
-                    let jobs = self.live_jobs();
-                    self.ctl_send(&node, Wire::View { view, members, jobs });
-                }
-            }
-        }
-    }
-
-    /// node.rs `send` from the controller: to itself through its mailbox, to others on their connection.
-    pub(super) fn ctl_send(&mut self, to: &NodeId, msg: Wire) {
-        let n = self.index[to];
-        let env = Envelope::new(0, self.stamp(0), self.nodes[0].generation, msg);
-        if n == 0 {
-            return self.local(Local::ToSelf, Ev::SelfMsg(env));
-        }
-        match self.ctl.conns[n] {
-            Some(conn) if self.conns[conn].open_ctrl => self.net_send(conn, false, env),
-            _ => {
-                self.stats.lost_messages += 1;
-                trace!(self, "controller drops {} for {to} (not connected)", kind(&env.msg));
             }
         }
     }
@@ -240,30 +143,35 @@ impl World<'_> {
                     trace!(self, "driver -> {node}: {}", kind(&msg));
                     self.local(Local::JobToNode, Ev::FromJob(FromJob::Send { node, msg }));
                 }
-                DriverAction::Event(event) => self.job_event(event),
+                DriverAction::Event(event) => {
+                    self.job_event(event.clone());
+                    let info = Box::new(self.ctl.driver.info());
+                    self.local(Local::JobToNode, Ev::FromJob(FromJob::Event { event, info }));
+                }
                 DriverAction::StepBoundary => self.local(Local::JobToNode, Ev::FromJob(FromJob::StepBoundary)),
             }
         }
+        // controller.rs sends its job's state after every flush; the node needs only its changes.
+        let info = self.ctl.driver.info();
+        let key = (info.state, info.attempts, info.step);
+        if self.ctl.told != Some(key) {
+            self.ctl.told = Some(key);
+            self.local(Local::JobToNode, Ev::FromJob(FromJob::Info(Box::new(info))));
+        }
     }
 
-    /// The job controller's actions reach the controller's node actor.
+    /// The job controller's actions reach the controller's node actor (`NodeMsg::Outgoing`,
+    /// `StepBoundary`, `JobEvent`, `JobInfo`).
     pub(super) fn job_output(&mut self, out: FromJob) {
+        let now = dur(self.now);
+        let core = &mut self.nodes[0].core;
         match out {
-            FromJob::Send { node, msg } => self.ctl_send(&node, msg),
-            FromJob::StepBoundary => {
-                self.ctl.membership.handle(dur(self.now), MembershipEvent::StepBoundary);
-                self.drive_membership();
-            }
+            FromJob::Send { node, msg } => core.job_outgoing(&node, msg),
+            FromJob::StepBoundary => core.step_boundary(now),
+            FromJob::Event { event, info } => core.job_event(JOB, event, *info),
+            FromJob::Info(info) => core.job_info(*info),
         }
-    }
-
-    /// node.rs `live_jobs`: the job, until it ended.
-    fn live_jobs(&self) -> Vec<JobId> {
-        if matches!(self.end, JobEnd::Unfinished) {
-            vec![JOB]
-        } else {
-            Vec::new()
-        }
+        self.act(0);
     }
 
     fn job_event(&mut self, event: JobEvent) {
@@ -334,9 +242,14 @@ impl World<'_> {
         }
     }
 
+    /// The controller's current view.
+    pub(super) fn controller_view(&self) -> troupe_cluster::membership::View {
+        self.nodes[0].core.membership().expect("node 0 is the controller").view().clone()
+    }
+
     /// The live members' workers that hold at least `step` committed steps, if any.
     fn holders_of(&self, step: u64) -> Option<Vec<String>> {
-        let view = self.ctl.membership.view();
+        let view = self.controller_view();
         let mut holders = Vec::new();
         for node in self.nodes.iter().filter(|n| n.up && view.contains(&n.id)) {
             for (slot, w) in node.workers.iter().enumerate() {
@@ -355,10 +268,10 @@ impl World<'_> {
     /// After the job ended, the faults healed and the tail passed: every node that runs is a member of the
     /// controller's view again and holds that view (a node left out for good is capacity lost).
     pub(super) fn check_rejoined(&mut self) {
-        let view = self.ctl.membership.view().clone();
+        let view = self.controller_view();
         for n in 0..self.nodes.len() {
             let node = &self.nodes[n];
-            let held = node.member.epoch();
+            let held = node.core.member().epoch();
             if node.up && (!view.contains(&node.id) || held != Some(view.epoch)) {
                 let what = format!(
                     "{} runs but is not back in the controller's view (epoch {}: {:?}); it holds epoch {held:?}",
@@ -373,7 +286,7 @@ impl World<'_> {
 
     /// After the job ended and the tail passed: every member released the job's state.
     pub(super) fn check_released(&mut self) {
-        let view = self.ctl.membership.view().clone();
+        let view = self.controller_view();
         for n in 0..self.nodes.len() {
             let node = &self.nodes[n];
             if !node.up || !view.contains(&node.id) {
@@ -391,15 +304,5 @@ impl World<'_> {
                 }
             }
         }
-    }
-}
-
-fn input_kind(input: &JobInput) -> &'static str {
-    match input {
-        JobInput::View { .. } => "a view",
-        JobInput::Ready { .. } => "Ready",
-        JobInput::Vote { .. } => "Vote",
-        JobInput::Ended { .. } => "Ended",
-        JobInput::Checkpointed { .. } => "Checkpointed",
     }
 }

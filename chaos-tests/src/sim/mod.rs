@@ -1,13 +1,22 @@
 //! Deterministic simulation of a cluster running one job (issue 8), in one thread on virtual time.
 //!
-//! What is real and what is modelled: the controller's [`Membership`](troupe_cluster::membership::Membership),
-//! every node's [`MemberState`](troupe_cluster::membership::MemberState) and the job's
-//! [`JobDriver`](troupe_actors::runtime::job::JobDriver) are the runtime's own sans-IO machines. Around
-//! them the simulation models, faithfully to actors/src/runtime/{node,worker}.rs, the node actor (its
-//! control connection, the epoch in every frame header, fencing, routing to workers), the job controller
-//! actor's mailbox, and each worker: its committed state (the list of steps it applied), its attempt task
-//! (connect, copy state, then per step compute → all-reduce → vote → wait for `Commit` → apply), and the
-//! attempt's data-plane mesh.
+//! What is real and what is modelled: every node runs the runtime's own
+//! [`NodeCore`](troupe_actors::runtime::node_core::NodeCore) — its side of membership
+//! ([`MemberState`](troupe_cluster::membership::MemberState)), and on the controller the authoritative
+//! [`Membership`](troupe_cluster::membership::Membership), fencing, the admission of job messages,
+//! routing, and restoring the job from the catalog — and the controller's job controller runs the
+//! runtime's own [`JobDriver`](troupe_actors::runtime::job::JobDriver). The simulation is the shell
+//! around them, as `NodeActor` and `JobController` are in the daemon: it models only IO — the control
+//! connections (the epoch in every frame header, what a closed connection loses, readers and
+//! mailboxes), the catalog, the job controller's mailbox and flush, and each worker: its committed
+//! state (the list of steps it applied), its attempt task (connect, copy state, then per step compute →
+//! all-reduce → vote → wait for `Commit` → apply), and the attempt's data-plane mesh. Architecture
+//! Invariant: no decision of the node or the job is written here; a change to node.rs's logic is a
+//! change to `NodeCore`, which this simulation then checks.
+//!
+//! A run starts as a cluster does: the controller alone in epoch 1, the other daemons dialing and
+//! joining; the job is submitted through the controller's core once every node joined (or at
+//! 3 s), as `troupe train --nodes` waits for its members.
 //!
 //! The adversary delays control messages (slow links), cuts nodes off (a partition shorter than the idle
 //! timeout only delays; a longer one loses the connection on both sides with what was in flight), resets
@@ -37,8 +46,8 @@
 //!   machine); a connection's `Lost` comes after what its reader read. Each side's node actor learns of
 //!   a new connection a mailbox hop after it is up: until then the controller sends on it what it meant
 //!   for the node's old membership, and the node — told by the dialing task, not the event channel —
-//!   may hear of the connection's loss first (node.rs takes only a connection still up since the
-//!   simulation showed this: [`NodeModel::connected_checks_link`]).
+//!   may hear of the connection's loss first (the core takes only a connection still up since the
+//!   simulation showed this: `NodeCore::dialed`).
 //! - **Control plane and data plane**, and different peers, have no order between them: each rank
 //!   finishes a collective on its own, and votes race commits and the other ranks' traffic. An attempt's
 //!   mesh is its own (fresh endpoints, messages matched by tag), so nothing crosses attempts.
@@ -70,7 +79,7 @@ use std::fmt::Write;
 use troupe_actors::api::Job;
 use troupe_actors::protocol::JobSpec;
 
-pub use config::{Network, NodeModel, PlantedBug, SimConfig};
+pub use config::{Network, PlantedBug, SimConfig};
 pub use scenario::{Fault, NodeSpec, Scenario};
 pub use world::{JobEnd, Stats};
 

@@ -1,17 +1,24 @@
-//! The node actor (actors/src/runtime/node.rs), modelled: its side of membership, its control connection
-//! to the controller, how it routes the controller's messages to its workers and theirs back — and what
-//! the adversary does to it (crash, pause, partition, connection reset, drain, restart).
+//! The node (actors/src/runtime/node.rs) in the simulation. Every node runs the runtime's own
+//! [`NodeCore`] — its side of membership and, on the controller, the authoritative membership, fencing,
+//! the admission of job messages, routing to workers and job controllers, restoring jobs from the
+//! catalog — and this module is its shell, as `NodeActor` is in the daemon: it feeds the core what the
+//! endpoint, the timer and the workers would, in the order the modelled network and mailboxes give
+//! them, and carries out the core's [`NodeAction`]s on the modelled network, workers, job controller
+//! and catalog. Nothing the node decides is modelled here. What the adversary does to a node (crash,
+//! pause, partition, connection reset, drain, restart) is.
 
 use std::time::Duration;
 
-use std::collections::BTreeMap;
-
-use troupe_actors::protocol::{AttemptOutcome, MemberInfo, Wire};
-use troupe_actors::runtime::job::JobDriver;
-use troupe_cluster::membership::{Epoch, MemberAction, MemberState, Membership, MembershipEvent};
+use troupe_actors::catalog::{StoredJob, StoredView};
+use troupe_actors::node_config::restart::RestartPolicy;
+use troupe_actors::protocol::Wire;
+use troupe_actors::runtime::messages::{JobMsg, WorkerMsg};
+use troupe_actors::runtime::node_core::{NodeAction, NodeCore, NodeNote, NodeSettings};
+use troupe_cluster::control::PeerRole;
+use troupe_cluster::membership::{Change, NodeId};
 
 use super::scenario::Fault;
-use super::world::{addr, trace, Envelope, Ev, Local, Stall, Worker, World, JOB};
+use super::world::{addr, trace, Envelope, Ev, JobInput, Local, Stall, Worker, World, JOB};
 
 pub(super) fn dur(ms: u64) -> Duration {
     Duration::from_millis(ms)
@@ -23,37 +30,209 @@ pub(super) fn first_incarnation(process: u32) -> u64 {
     u64::from(process) << 32
 }
 
+/// The peer name of the client that submits the job: what the core says to it (the answer, the job's
+/// events) is not modelled.
+pub(super) const CLIENT: &str = "client";
+
+/// The core of process `inc` of node `n` starting at `now_ms`, as node.rs builds it from node.toml.
+/// Workers restart however often they panic: the simulation leaves escalation (the node stopping) to
+/// the supervision tests.
+pub(super) fn new_core(
+    w: &World<'_>,
+    n: usize,
+    inc: u32,
+    stored_view: Option<StoredView>,
+    stored_jobs: Vec<StoredJob>,
+) -> NodeCore {
+    let spec = &w.sc.nodes[n];
+    let settings = NodeSettings {
+        id: spec.name.clone(),
+        addr: addr(n, 0),
+        join: (n != 0).then(|| addr(0, 0)),
+        slots: spec.slots,
+        allow_plaintext_tcp: false,
+        membership: w.cfg.membership.clone(),
+        restart: RestartPolicy { max_restarts: u32::MAX, window_ms: 1 },
+    };
+    NodeCore::new(settings, dur(w.now), first_incarnation(inc), stored_view, stored_jobs)
+}
+
 impl World<'_> {
-    /// node.rs `on_tick`: dial the controller if not connected, drive membership timers; on the
-    /// controller also failure detection and admitting joiners while no job runs.
+    fn controller_name(&self) -> String {
+        self.nodes[0].id.0.clone()
+    }
+
+    /// node.rs `Tick`; on the controller also the job controller's own tick (a restored job's grace,
+    /// the wait below min_nodes).
     pub(super) fn tick(&mut self, n: usize) {
         let inc = self.nodes[n].inc;
         self.push(self.now + self.cfg.tick_ms, Ev::Tick { node: n, inc });
-        if n != 0 && !self.nodes[n].leader_peer && !self.nodes[n].connecting {
-            self.dial(n);
-        }
-        let now = dur(self.now);
-        self.nodes[n].member.handle_timeout(now);
-        self.drive_member(n);
-        if n == 0 {
-            // The controller is alive while it ticks: it never times itself out.
-            let epoch = self.ctl.membership.epoch();
-            let me = self.nodes[0].id.clone();
-            self.ctl.membership.handle(now, MembershipEvent::Heartbeat { from: me, epoch });
-            self.ctl.membership.handle_timeout(now);
-            let idle = self.ctl.driver.info().state != troupe_actors::protocol::JobState::Running;
-            if idle && self.ctl.membership.joining().next().is_some() {
-                self.ctl.membership.handle(now, MembershipEvent::StepBoundary);
-            }
-            self.drive_membership();
-            // The job controller's own tick (a restored job's grace, the wait below min_nodes).
-            self.ctl.driver.on_tick(now);
+        self.nodes[n].core.tick(dur(self.now));
+        self.act(n);
+        if n == 0 && self.ctl.started {
+            self.ctl.driver.on_tick(dur(self.now));
             self.job_flush();
         }
     }
 
+    /// node.rs `act`: carries out node `n`'s actions in order, each before the next.
+    pub(super) fn act(&mut self, n: usize) {
+        while let Some(action) = self.nodes[n].core.poll_action() {
+            match action {
+                NodeAction::Send { peer, epoch, msg } => self.send(n, &peer, epoch, msg),
+                NodeAction::RecordView(view) => {
+                    // Recorded before anyone hears of it: a restarted controller starts past this epoch.
+                    self.ctl.catalog.view_epoch = view.epoch;
+                    self.ctl.catalog.view_members = view.members.into_iter().map(NodeId).collect();
+                }
+                NodeAction::Worker { slot, msg } => self.to_worker(n, slot, msg),
+                NodeAction::Job { msg, .. } => self.to_job(msg),
+                NodeAction::StartJob { spec, view, members, restored, .. } => {
+                    // controller.rs `pre_start`: the driver, its first view and flush, before the answer.
+                    self.ctl.driver = match restored {
+                        Some((info, _, expect)) => {
+                            troupe_actors::runtime::job::JobDriver::restore(JOB, *spec, &info, expect)
+                        }
+                        None => troupe_actors::runtime::job::JobDriver::new(JOB, *spec),
+                    };
+                    self.ctl.started = true;
+                    self.ctl.catalog.recorded = None;
+                    self.ctl.driver.on_view(&view, &members, Vec::new());
+                    self.job_flush();
+                    self.nodes[0].core.job_started(JOB, Ok(()));
+                }
+                NodeAction::Dial { .. } => self.dial(n),
+                NodeAction::RestartWorker { slot } => {
+                    let winc = self.nodes[n].workers[slot].winc + 1;
+                    self.nodes[n].workers[slot] = Worker { winc, ..Worker::default() };
+                }
+                NodeAction::Stop { reason } => {
+                    self.check.fail(self.now, format!("{} stopped: {reason}", self.nodes[n].id))
+                }
+                NodeAction::Note(note) => self.note(n, note),
+            }
+        }
+    }
+
+    /// What the core reports, for the checker and the statistics.
+    fn note(&mut self, n: usize, note: NodeNote) {
+        match note {
+            NodeNote::AdoptedView(view) => {
+                trace!(self, "{} adopts epoch {} {:?}", self.nodes[n].id, view.epoch, view.members());
+                let inc = self.nodes[n].inc;
+                self.check.adopted(self.now, n, inc, view.epoch.0);
+            }
+            NodeNote::Fenced { current } => {
+                trace!(self, "{} fenced at epoch {current}: aborts its attempts", self.nodes[n].id);
+                self.stats.fences += 1;
+                self.nodes[n].generation += 1;
+            }
+            NodeNote::ViewChanged { epoch, changes } => {
+                self.stats.view_changes += u64::from(self.ctl.submitted);
+                self.check.view_changed(self.now, epoch);
+                for change in &changes {
+                    if let Change::Joined(node) = change {
+                        let m = self.index[node];
+                        self.check.admitted(m, self.nodes[m].generation);
+                    }
+                }
+                let members = self.nodes[0].core.membership().map(|m| m.view().members().to_vec()).unwrap_or_default();
+                trace!(self, "VIEW epoch {epoch} {members:?} after {changes:?}");
+                if !self.ctl.submitted && members.len() == self.nodes.len() {
+                    self.push(self.now, Ev::Submit);
+                }
+            }
+            NodeNote::RefusedStale if n == 0 => self.stats.refused_stale += 1,
+            NodeNote::RefusedStale => self.stats.node_refused_stale += 1,
+            NodeNote::JobEvent { .. } | NodeNote::WorkerFailed { .. } => {}
+        }
+    }
+
+    /// A client submits the job once every node joined (as `troupe train --nodes` waits for its
+    /// members), or at the latest when [`super::world::SUBMIT_BY_MS`] passed.
+    pub(super) fn submit(&mut self) {
+        if self.ctl.submitted {
+            return;
+        }
+        if !self.nodes[0].up || self.nodes[0].paused_until.is_some() {
+            return self.push(self.now + 100, Ev::Submit);
+        }
+        self.ctl.submitted = true;
+        let members = self.nodes[0].core.membership().map(|m| m.view().members().to_vec()).unwrap_or_default();
+        trace!(self, "job submitted on {members:?}");
+        let spec = Box::new(super::job_spec(self.sc));
+        self.nodes[0].core.message(dur(self.now), CLIENT, PeerRole::Client, 0, Wire::Submit { spec });
+        self.act(0);
+    }
+
+    /// node.rs `send`: the controller to itself through its mailbox, to a node on that node's current
+    /// connection; a node to the controller on its connection. Without one the message is lost.
+    fn send(&mut self, n: usize, peer: &str, epoch: u64, msg: Wire) {
+        let env = Envelope::new(epoch, self.nodes[n].generation, msg);
+        if peer == self.nodes[n].id.0 {
+            return self.local(Local::ToSelf, Ev::SelfMsg(env));
+        }
+        let Some(&m) = self.index.get(&NodeId(peer.to_owned())) else {
+            return; // the client
+        };
+        let conn = if n == 0 { self.ctl.conns[m].filter(|&c| self.conns[c].open_ctrl) } else { self.nodes[n].conn };
+        match conn {
+            Some(conn) => self.net_send(conn, n != 0, env),
+            None => {
+                self.stats.lost_messages += 1;
+                trace!(self, "{} drops {} for {peer} (not connected)", self.nodes[n].id, kind(&env.msg));
+            }
+        }
+    }
+
+    /// What a worker reports goes through its node (`NodeMsg::FromWorker`).
+    pub(super) fn send_to_controller(&mut self, n: usize, msg: Wire) {
+        self.nodes[n].core.send_to_controller(msg);
+        self.act(n);
+    }
+
+    /// The node's orders to a worker (worker.rs `WorkerMsg`).
+    fn to_worker(&mut self, n: usize, slot: usize, msg: WorkerMsg) {
+        match msg {
+            WorkerMsg::Prepare { attempt, rank, .. } => self.worker_prepare(n, slot, attempt, rank),
+            WorkerMsg::Start { attempt, roster, source, .. } => {
+                self.worker_start(n, slot, attempt, roster.len(), source)
+            }
+            WorkerMsg::Commit { attempt, step, .. } => self.worker_commit(n, slot, attempt, step),
+            WorkerMsg::Abort { attempt, .. } => self.worker_abort(n, slot, attempt),
+            WorkerMsg::Release { .. } | WorkerMsg::DropAll => self.worker_drop(n, slot),
+            WorkerMsg::Retain { jobs } if !jobs.contains(&JOB) => self.worker_drop(n, slot),
+            WorkerMsg::AbortAll { keep } => self.worker_abort_all(n, slot, keep.contains(&JOB)),
+            WorkerMsg::Retain { .. } | WorkerMsg::Returned { .. } | WorkerMsg::Panic(_) => {}
+        }
+    }
+
+    /// The controller's node hands its job controller a message (`JobMsg`); a job message accepted
+    /// from a node is checked against the membership that sent it.
+    fn to_job(&mut self, msg: JobMsg) {
+        let input = match msg {
+            JobMsg::View { view, members, changes } => JobInput::View { view, members, changes },
+            JobMsg::Ready { node, attempt, slot, committed, .. } => {
+                JobInput::Ready { node: self.index[&node], attempt, slot, committed }
+            }
+            JobMsg::Vote { node, attempt, slot, step, .. } => {
+                JobInput::Vote { node: self.index[&node], attempt, slot, step }
+            }
+            JobMsg::Ended { node, attempt, slot, outcome } => {
+                JobInput::Ended { node: self.index[&node], attempt, slot, outcome }
+            }
+            JobMsg::Checkpointed { attempt, step, .. } => JobInput::Checkpointed { attempt, step },
+            JobMsg::Evaluated { .. } | JobMsg::Phases { .. } | JobMsg::Cancel | JobMsg::Tick => return,
+        };
+        if !matches!(input, JobInput::View { .. }) {
+            if let Some((from, generation)) = self.delivering {
+                self.check.accepted_job_message(self.now, from, generation, input_kind(&input));
+            }
+        }
+        self.local(Local::NodeToJob, Ev::ToJob(input));
+    }
+
     fn dial(&mut self, n: usize) {
-        self.nodes[n].connecting = true;
         self.stats.dials += 1;
         let inc = self.nodes[n].inc;
         let handshake = self.rng.range(self.cfg.dial_ms_min, self.cfg.dial_ms_max);
@@ -85,9 +264,9 @@ impl World<'_> {
     /// meant for that membership, which go out on the newer connection.
     pub(super) fn dial_done(&mut self, n: usize, ok: bool) {
         if !ok || !self.nodes[0].up {
-            self.nodes[n].connecting = false;
             trace!(self, "{} could not reach the controller", self.nodes[n].id);
-            return;
+            self.nodes[n].core.dialed(dur(self.now), Err("unreachable".into()), false);
+            return self.act(n);
         }
         if let Some(old) = self.nodes[n].conn.take() {
             self.conns[old].open_node = false;
@@ -110,35 +289,30 @@ impl World<'_> {
         self.push(at_node, Ev::Connected { conn, at_ctrl: false, inc: self.nodes[n].inc });
     }
 
-    /// A node actor handles `Connected`. On the controller, node.rs (`ControlEvent::Connected`) removes a
-    /// member that connects again, whether or not the controller still held an older connection of it —
-    /// a node admitted while its connection was down (the controller's side had noticed the loss while it
-    /// was only a joiner) missed its view and whatever job message followed it. On the dialing node
-    /// (`NodeMsg::Connected`, sent by the dialing task — not through the endpoint's event channel, so
-    /// the connection's `Lost` may come first) the controller becomes its leader peer.
+    /// A node actor handles `Connected`: the controller's from its endpoint (`ControlEvent::Connected`),
+    /// the dialing node's from its dialing task (`NodeMsg::Connected`, not through the endpoint's event
+    /// channel, so the connection's `Lost` may come first: the core is told whether it is still up).
     pub(super) fn connected(&mut self, conn: usize, at_ctrl: bool) {
         let n = self.conns[conn].node;
+        let now = dur(self.now);
         if at_ctrl {
-            if self.cfg.node_model.replacement_is_loss && self.ctl.membership.view().contains(&self.nodes[n].id) {
-                let peer = self.nodes[n].id.clone();
-                trace!(self, "controller sees {peer} connect again (conn {conn}): it lost its previous connection");
-                self.ctl.membership.handle(dur(self.now), MembershipEvent::ConnectionLost { peer });
-                self.drive_membership();
-            }
-            return;
+            trace!(self, "controller sees {} connect (conn {conn})", self.nodes[n].id);
+            let peer = self.nodes[n].id.0.clone();
+            self.nodes[0].core.connected(now, &peer, PeerRole::Node);
+            return self.act(0);
         }
-        self.nodes[n].connecting = false;
         let live = self.conns[conn].open_node && self.nodes[n].conn == Some(conn);
-        if !live && self.cfg.node_model.connected_checks_link {
-            return trace!(self, "{} learns of conn {conn}, already lost: it dials again", self.nodes[n].id);
+        if !live {
+            trace!(self, "{} learns of conn {conn}, already lost", self.nodes[n].id);
         }
-        self.nodes[n].leader_peer = true;
-        self.nodes[n].member.handle_timeout(dur(self.now));
-        self.drive_member(n);
+        let controller = self.controller_name();
+        self.nodes[n].core.dialed(now, Ok(controller), live);
+        self.act(n);
     }
 
     /// One side of a connection ended without a goodbye (`ControlEvent::Lost`). The controller's reader
-    /// reports it after handing over what it read before.
+    /// reports it after handing over what it read before; the endpoint reports only the loss of a peer's
+    /// current connection.
     pub(super) fn conn_lost(&mut self, conn: usize, at_ctrl: bool) {
         let n = self.conns[conn].node;
         if at_ctrl {
@@ -157,12 +331,10 @@ impl World<'_> {
                 return;
             }
             self.ctl.conns[n] = None;
-            let peer = self.nodes[n].id.clone();
+            let peer = self.nodes[n].id.0.clone();
             trace!(self, "controller lost its connection {conn} to {peer}");
-            if self.ctl.membership.view().contains(&peer) {
-                self.ctl.membership.handle(dur(self.now), MembershipEvent::ConnectionLost { peer });
-                self.drive_membership();
-            }
+            self.nodes[0].core.lost(dur(self.now), &peer);
+            self.act(0);
         } else {
             if !self.conns[conn].open_node {
                 return;
@@ -170,76 +342,10 @@ impl World<'_> {
             self.conns[conn].open_node = false;
             if self.nodes[n].conn == Some(conn) {
                 self.nodes[n].conn = None;
-                self.nodes[n].leader_peer = false;
                 trace!(self, "{} lost its connection {conn} to the controller", self.nodes[n].id);
-            }
-        }
-    }
-
-    /// node.rs `send_to_leader`: the controller node sends to itself; another node sends on its
-    /// connection if it has one, else the message is dropped.
-    pub(super) fn send_to_leader(&mut self, n: usize, msg: Wire) {
-        let generation = self.nodes[n].generation;
-        let epoch = self.stamp(n);
-        if n == 0 {
-            self.local(Local::ToSelf, Ev::SelfMsg(Envelope::new(0, epoch, generation, msg)));
-            return;
-        }
-        match self.nodes[n].conn {
-            Some(conn) if self.nodes[n].leader_peer => {
-                self.net_send(conn, true, Envelope::new(n, epoch, generation, msg))
-            }
-            _ => {
-                self.stats.lost_messages += 1;
-                trace!(self, "{} drops {} (not connected to the controller)", self.nodes[n].id, kind(&msg));
-            }
-        }
-    }
-
-    /// The epoch in the frame header of what node `n` sends.
-    pub(super) fn stamp(&self, n: usize) -> u64 {
-        if n == 0 && self.cfg.node_model.stamp_membership_epoch {
-            self.ctl.membership.epoch().0
-        } else {
-            self.nodes[n].epoch()
-        }
-    }
-
-    /// node.rs `drive_member`.
-    pub(super) fn drive_member(&mut self, n: usize) {
-        while let Some(action) = self.nodes[n].member.poll_action() {
-            match action {
-                MemberAction::SendHeartbeat { .. } => self.send_to_leader(n, Wire::Heartbeat),
-                MemberAction::SendJoinRequest { incarnation } => {
-                    let slots = self.nodes[n].slots;
-                    let incarnation = Some(incarnation);
-                    self.send_to_leader(n, Wire::Join { slots, addr: addr(n, 0), incarnation });
-                }
-                MemberAction::AdoptView(view) => {
-                    trace!(self, "{} adopts epoch {} {:?}", self.nodes[n].id, view.epoch, view.members());
-                    let inc = self.nodes[n].inc;
-                    self.check.adopted(self.now, n, inc, view.epoch.0);
-                }
-                MemberAction::Fenced { current } => {
-                    trace!(
-                        self,
-                        "{} fenced at epoch {current}: aborts its attempts, keeps its state",
-                        self.nodes[n].id
-                    );
-                    self.stats.fences += 1;
-                    self.nodes[n].generation += 1;
-                    let keep = std::mem::take(&mut self.nodes[n].keep_on_fence);
-                    for slot in 0..self.nodes[n].workers.len() {
-                        self.worker_abort_all(n, slot, keep);
-                        self.nodes[n].workers[slot].attempt = None;
-                    }
-                }
-                MemberAction::ControllerLost { silent_ms } => {
-                    trace!(self, "{} heard nothing from the controller for {silent_ms} ms", self.nodes[n].id);
-                    if n != 0 && !self.cfg.node_model.keep_connection_on_silence {
-                        self.nodes[n].leader_peer = false;
-                    }
-                }
+                let controller = self.controller_name();
+                self.nodes[n].core.lost(dur(self.now), &controller);
+                self.act(n);
             }
         }
     }
@@ -255,94 +361,20 @@ impl World<'_> {
             }
             return;
         }
-        if !self.nodes[n].leader_peer {
-            self.stats.lost_messages += 1;
-            trace!(self, "{} ignores {} (no controller connection)", self.nodes[n].id, kind(&env.msg));
-            return;
-        }
         self.count_delivery(n, false, &env);
-        if env.epoch < self.nodes[n].epoch() {
-            self.stats.node_refused_stale += 1;
-            trace!(
-                self,
-                "{} refuses {} of epoch {} (its own is {})",
-                self.nodes[n].id,
-                kind(&env.msg),
-                env.epoch,
-                self.nodes[n].epoch()
-            );
-            return;
-        }
-        self.node_message(n, env);
-    }
-
-    /// The controller node's message to itself: for its controller part, or for its node part.
-    pub(super) fn deliver_self(&mut self, env: Envelope) {
-        if env.msg.is_for_controller() {
-            self.leader_message(env);
-            self.drive_membership();
-        } else {
-            self.node_message(0, env);
-        }
-    }
-
-    /// node.rs `node_message`: a controller message the node accepted.
-    fn node_message(&mut self, n: usize, env: Envelope) {
-        let now = dur(self.now);
-        self.nodes[n].member.heard_from_controller(now);
         trace!(self, "{} <- {} (epoch {})", self.nodes[n].id, kind(&env.msg), env.epoch);
-        let slots = self.nodes[n].workers.len();
-        match env.msg {
-            Wire::View { view, jobs, .. } => {
-                self.nodes[n].member.handle_view(now, view);
-                self.drive_member(n);
-                if !jobs.contains(&JOB) {
-                    // node.rs: `WorkerMsg::Retain` drops the state of a job the controller no longer runs.
-                    for slot in 0..slots {
-                        self.worker_drop(n, slot);
-                        self.nodes[n].workers[slot].attempt = None;
-                    }
-                }
-            }
-            Wire::Fenced { current, jobs } => {
-                self.nodes[n].keep_on_fence = jobs.contains(&JOB);
-                self.nodes[n].member.handle_fence(now, current);
-                self.drive_member(n);
-                self.nodes[n].keep_on_fence = false;
-            }
-            Wire::Prepare { attempt, ranks, .. } => {
-                let me = self.nodes[n].id.clone();
-                for (rank, r) in ranks.iter().enumerate().filter(|(_, r)| r.node == me) {
-                    let slot = r.slot as usize;
-                    if slot < slots {
-                        self.nodes[n].workers[slot].attempt = Some(attempt);
-                        self.worker_prepare(n, slot, attempt, rank);
-                    }
-                }
-            }
-            Wire::Start { attempt, roster, source, .. } => {
-                for slot in 0..slots {
-                    self.worker_start(n, slot, attempt, roster.len(), source);
-                }
-            }
-            Wire::Commit { attempt, step, .. } => {
-                for slot in 0..slots {
-                    self.worker_commit(n, slot, attempt, step);
-                }
-            }
-            Wire::Abort { attempt, .. } => {
-                for slot in 0..slots {
-                    self.worker_abort(n, slot, attempt);
-                }
-            }
-            Wire::Release { .. } => {
-                for slot in 0..slots {
-                    self.worker_drop(n, slot);
-                    self.nodes[n].workers[slot].attempt = None;
-                }
-            }
-            other => trace!(self, "{} got an unexpected {other:?}", self.nodes[n].id),
-        }
+        let controller = self.controller_name();
+        self.nodes[n].core.message(dur(self.now), &controller, PeerRole::Node, env.epoch, env.msg);
+        self.act(n);
+    }
+
+    /// The controller node's message to itself (through its own mailbox).
+    pub(super) fn deliver_self(&mut self, env: Envelope) {
+        let me = self.controller_name();
+        self.delivering = Some((0, env.generation));
+        self.nodes[0].core.message(dur(self.now), &me, PeerRole::Node, env.epoch, env.msg);
+        self.act(0);
+        self.delivering = None;
     }
 
     // ---- the adversary ----
@@ -420,7 +452,6 @@ impl World<'_> {
         node.up = false;
         node.paused_until = None;
         node.held.clear();
-        node.leader_peer = false;
         if let Some(conn) = node.conn.take() {
             self.conns[conn].open_node = false;
             self.push(self.now + self.cfg.idle_timeout_ms, Ev::ConnLost { conn, at_ctrl: true });
@@ -432,10 +463,8 @@ impl World<'_> {
 
     /// SIGTERM (node.rs `Drain`): drop job state, say `Leave`, close the connection with a goodbye.
     fn drain(&mut self, n: usize) {
-        for slot in 0..self.nodes[n].workers.len() {
-            self.worker_drop(n, slot);
-        }
-        self.send_to_leader(n, Wire::Leave);
+        self.nodes[n].core.drain();
+        self.act(n);
         if let Some(conn) = self.nodes[n].conn.take() {
             self.conns[conn].open_node = false;
             let after = self.conns[conn].last_up.max(self.now) + 1;
@@ -443,7 +472,6 @@ impl World<'_> {
         }
         let node = &mut self.nodes[n];
         node.up = false;
-        node.leader_peer = false;
         node.paused_until = None;
         node.held.clear();
     }
@@ -461,59 +489,44 @@ impl World<'_> {
         }
     }
 
-    /// node.rs `pre_start` of a daemon that ran as the controller on this data dir before: it starts as
-    /// the only member of a view one past the catalog's last epoch, and restores the job from the catalog
-    /// (`JobDriver::restore`), expecting the nodes of the last view to rejoin.
-    fn restart_controller(&mut self) {
-        let now = dur(self.now);
-        let me = self.nodes[0].id.clone();
-        let catalog = &self.ctl.catalog;
-        let epoch = Epoch(catalog.view_epoch + 1);
-        let expect = catalog.view_members.clone();
-        let membership = Membership::starting_at(self.cfg.membership.clone(), now, vec![me.clone()], epoch);
-        let view = membership.view().clone();
-        let spec = super::job_spec(self.sc);
-        let driver = match &catalog.job {
-            Some(info) => JobDriver::restore(JOB, spec, info, expect.clone()),
-            None => JobDriver::new(JOB, spec),
-        };
-        let info = MemberInfo { name: me.0.clone(), addr: addr(0, 0), slots: self.nodes[0].slots };
-        self.ctl.membership = membership;
-        self.ctl.members = BTreeMap::from([(me.clone(), info)]);
-        self.ctl.driver = driver;
-        self.ctl.catalog.recorded = None;
-        self.ctl.catalog.view_epoch = epoch.0;
-        self.ctl.catalog.view_members = vec![me.clone()];
-        let incarnation = first_incarnation(self.nodes[0].inc);
-        self.nodes[0].member = MemberState::member(me, self.cfg.membership.clone(), now, view.clone(), incarnation);
-        self.check.controller_restarted(self.now, epoch.0, self.nodes[0].generation);
-        self.stats.controller_restarts += 1;
-        trace!(self, "controller restarted at epoch {epoch} from its catalog; expects {expect:?}");
-        let members = self.members_of(&view);
-        self.ctl.driver.on_view(&view, &members, Vec::new());
-        self.job_flush();
-    }
-
-    /// A new incarnation of the node: empty, asking to join (the controller's: see `restart_controller`).
+    /// A new incarnation of the node: empty, asking to join. The controller's daemon (node.rs
+    /// `pre_start`) finds its catalog — the last view, the job as last recorded — and its core starts
+    /// past that epoch and resumes the job, expecting the nodes of the last view to rejoin.
     pub(super) fn restart(&mut self, n: usize) {
-        let now = dur(self.now);
         let node = &mut self.nodes[n];
         node.up = true;
         node.inc += 1;
         node.generation += 1;
-        let incarnation = first_incarnation(node.inc);
-        node.member = MemberState::joining(node.id.clone(), self.cfg.membership.clone(), now, incarnation);
-        node.leader_peer = false;
         node.conn = None;
-        node.connecting = false;
         node.paused_until = None;
         node.pause_broke = false;
         node.workers = (0..node.slots).map(|_| Worker::default()).collect();
         let inc = node.inc;
         trace!(self, "{} starts again (incarnation {inc})", self.nodes[n].id);
+        let (view, jobs) = match n {
+            0 => {
+                let catalog = &self.ctl.catalog;
+                let members = catalog.view_members.iter().map(|m| m.0.clone()).collect();
+                let view = StoredView { epoch: catalog.view_epoch, members };
+                let job = catalog.job.clone().map(|info| StoredJob {
+                    spec: super::job_spec(self.sc),
+                    info,
+                    first_event: 0,
+                    events: Vec::new(),
+                });
+                (Some(view), job.into_iter().collect())
+            }
+            _ => (None, Vec::new()),
+        };
         if n == 0 {
-            self.restart_controller();
+            let epoch = self.ctl.catalog.view_epoch + 1;
+            self.ctl.started = false;
+            self.check.controller_restarted(self.now, epoch, self.nodes[0].generation);
+            self.stats.controller_restarts += 1;
+            trace!(self, "controller restarted at epoch {epoch} from its catalog; expects {:?}", view);
         }
+        self.nodes[n].core = new_core(self, n, inc, view, jobs);
+        self.act(n);
         let phase = self.rng.below(self.cfg.tick_ms);
         self.push(self.now + phase, Ev::Tick { node: n, inc });
     }
@@ -529,8 +542,10 @@ impl World<'_> {
         if std::mem::take(&mut self.nodes[n].pause_broke) {
             if let Some(conn) = self.nodes[n].conn.take() {
                 self.conns[conn].open_node = false;
+                let controller = self.controller_name();
+                self.nodes[n].core.lost(dur(self.now), &controller);
+                self.act(n);
             }
-            self.nodes[n].leader_peer = false;
         }
         let held = std::mem::take(&mut self.nodes[n].held).into_iter().map(|item| item.ev).collect();
         self.push_ahead(held);
@@ -583,18 +598,15 @@ impl World<'_> {
         })
     }
 
-    /// node.rs `on_worker_failed`: report the worker's attempt failed, restart it empty.
+    /// The worker's process side of a panic: its attempt task is gone at once; its node is told
+    /// (supervision) and reports the attempt failed and restarts the worker (node.rs `worker_failed`).
     fn worker_panicked(&mut self, n: usize, slot: usize) {
         if slot >= self.nodes[n].workers.len() {
             return;
         }
-        if let Some(attempt) = self.nodes[n].workers[slot].attempt.take() {
-            let reason = format!("worker {slot} of {} failed: injected panic", self.nodes[n].id);
-            let outcome = AttemptOutcome::Failed { step: 0, reason };
-            self.send_to_leader(n, Wire::Ended { job: JOB, attempt, slot: slot as u32, outcome });
-        }
         self.worker_vanish(n, slot, 0);
-        self.nodes[n].workers[slot].winc += 1;
+        self.nodes[n].core.worker_failed(dur(self.now), slot, "injected panic");
+        self.act(n);
     }
 }
 
@@ -620,5 +632,16 @@ pub(super) fn kind(msg: &Wire) -> String {
         Wire::Abort { attempt, .. } => format!("Abort(a{attempt})"),
         Wire::Release { .. } => "Release".into(),
         other => format!("{other:?}"),
+    }
+}
+
+/// What the checker calls a job message.
+fn input_kind(input: &JobInput) -> &'static str {
+    match input {
+        JobInput::View { .. } => "a view",
+        JobInput::Ready { .. } => "Ready",
+        JobInput::Vote { .. } => "Vote",
+        JobInput::Ended { .. } => "Ended",
+        JobInput::Checkpointed { .. } => "Checkpointed",
     }
 }

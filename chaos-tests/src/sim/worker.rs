@@ -34,7 +34,7 @@ impl World<'_> {
 
     /// What a worker sends the controller goes through its node.
     fn report(&mut self, n: usize, msg: Wire) {
-        self.send_to_leader(n, msg);
+        self.send_to_controller(n, msg);
     }
 
     /// worker.rs `Prepare`: deferred while an attempt still runs.

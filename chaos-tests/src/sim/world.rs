@@ -6,9 +6,10 @@ use std::cmp::{Ordering, Reverse};
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::net::SocketAddr;
 
-use troupe_actors::protocol::{AttemptOutcome, JobId, JobInfo, JobState, MemberInfo, RankSlot, Wire};
+use troupe_actors::protocol::{AttemptOutcome, JobEvent, JobId, JobInfo, JobState, MemberInfo, RankSlot, Wire};
 use troupe_actors::runtime::job::JobDriver;
-use troupe_cluster::membership::{MemberState, Membership, NodeId, View};
+use troupe_actors::runtime::node_core::NodeCore;
+use troupe_cluster::membership::{NodeId, View};
 
 use super::check::Checker;
 use super::config::{Network, SimConfig};
@@ -18,6 +19,9 @@ use super::trace::Trace;
 
 /// The one job of a run.
 pub(super) const JOB: JobId = 1;
+
+/// The job is submitted once every node joined, or at this time at the latest.
+pub(super) const SUBMIT_BY_MS: u64 = 3_000;
 
 /// Where the event tie-breakers start (see `World::seq`): room enough both ways.
 const SEQ_START: u64 = 1 << 62;
@@ -29,7 +33,6 @@ const SEQ_START: u64 = 1 << 62;
 /// `copy` marks a second delivery (only a network that breaks QUIC's guarantees makes one).
 #[derive(Clone, Debug)]
 pub(super) struct Envelope {
-    pub from: usize,
     pub epoch: u64,
     pub generation: u32,
     pub order: u64,
@@ -39,8 +42,8 @@ pub(super) struct Envelope {
 }
 
 impl Envelope {
-    pub fn new(from: usize, epoch: u64, generation: u32, msg: Wire) -> Self {
-        Envelope { from, epoch, generation, order: 0, via: None, copy: false, msg }
+    pub fn new(epoch: u64, generation: u32, msg: Wire) -> Self {
+        Envelope { epoch, generation, order: 0, via: None, copy: false, msg }
     }
 }
 
@@ -54,11 +57,14 @@ pub(super) enum JobInput {
     Checkpointed { attempt: u64, step: u64 },
 }
 
-/// What the job controller actor hands back to its node actor (`NodeMsg::Outgoing`, `StepBoundary`).
+/// What the job controller actor hands back to its node actor (`NodeMsg::Outgoing`, `StepBoundary`,
+/// `JobEvent`, `JobInfo`).
 #[derive(Debug)]
 pub(super) enum FromJob {
     Send { node: NodeId, msg: Wire },
     StepBoundary,
+    Event { event: JobEvent, info: Box<JobInfo> },
+    Info(Box<JobInfo>),
 }
 
 /// A collective of an attempt's data-plane mesh, in the order every rank runs them.
@@ -144,6 +150,8 @@ pub(super) enum Ev {
         attempt: u64,
     },
     Fault(usize),
+    /// A client submits the job to the controller.
+    Submit,
     Restart {
         node: usize,
     },
@@ -244,8 +252,6 @@ pub(super) struct Worker {
     /// Incarnation: bumped when the node restarts the worker.
     pub winc: u32,
     pub job: Option<JobSlot>,
-    /// The attempt the node last asked this worker to prepare (node.rs `WorkerSlot::attempts`).
-    pub attempt: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -257,31 +263,25 @@ pub(super) struct Node {
     /// Bumped on every fence and every new incarnation (the checker's name for "this membership").
     pub generation: u32,
     pub paused_until: Option<u64>,
-    /// node.rs `keep_on_fence`: the `Fenced` just received said the controller still runs the job.
-    pub keep_on_fence: bool,
     /// The pause outlasted the idle timeout: its connections are gone when it resumes.
     pub pause_broke: bool,
     pub held: Vec<Item>,
-    pub member: MemberState,
-    /// node.rs `leader_peer.is_some()` (non-controller nodes).
-    pub leader_peer: bool,
+    /// The runtime's node: everything it decides (node.rs's `NodeCore`).
+    pub core: NodeCore,
     pub conn: Option<usize>,
-    pub connecting: bool,
     pub workers: Vec<Worker>,
 }
 
-impl Node {
-    pub fn epoch(&self) -> u64 {
-        self.member.epoch().map_or(0, |e| e.0)
-    }
-}
-
-/// What only the controller holds (node.rs `Leader`) plus its one job controller.
+/// The controller's job controller, the controller's side of the connections, and its catalog.
 #[derive(Debug)]
 pub(super) struct Controller {
-    pub membership: Membership,
-    pub members: BTreeMap<NodeId, MemberInfo>,
+    /// The job was submitted; its controller runs (`started`: since the controller's daemon last
+    /// started).
+    pub submitted: bool,
+    pub started: bool,
     pub driver: JobDriver,
+    /// The job's state as the node last heard it (`NodeMsg::JobInfo`).
+    pub told: Option<(JobState, u64, u64)>,
     /// The controller's side of each node's current connection.
     pub conns: Vec<Option<usize>>,
     /// The ranks each attempt was prepared on (read off the driver's `Prepare`s).
@@ -323,6 +323,7 @@ pub(super) struct MeshRank {
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
+    /// View changes after the job was submitted (the cluster forming before is not counted).
     pub view_changes: u64,
     pub attempts: u64,
     pub committed_steps: u64,
@@ -330,8 +331,6 @@ pub struct Stats {
     /// Job messages refused: from non-members (answered with `Fenced`), or sent by an earlier membership
     /// of a member.
     pub refused_stale: u64,
-    /// Job messages of members on an older epoch, ignored.
-    pub ignored_lagging: u64,
     /// Controller messages a node refused for carrying an older epoch than its own.
     pub node_refused_stale: u64,
     pub fences: u64,
@@ -389,6 +388,8 @@ pub(super) struct World<'a> {
     /// (node, incarnation) of every `Join` received, with the connection of the first.
     pub joins: BTreeMap<(usize, Option<u64>), Option<usize>>,
     pub ctl: Controller,
+    /// The node and membership (generation) whose control message the controller's node handles now.
+    pub delivering: Option<(usize, u32)>,
     pub meshes: BTreeMap<u64, Mesh>,
     /// Durable checkpoints on storage every node shares, oldest first (the state each holds).
     pub checkpoints: Vec<Vec<u64>>,
@@ -419,46 +420,12 @@ macro_rules! trace {
 pub(super) use trace;
 
 impl<'a> World<'a> {
+    /// Every node's daemon starting at t=0: the controller alone in epoch 1, the others about to join.
     pub fn new(seed: u64, sc: &'a Scenario, cfg: &'a SimConfig, keep_lines: usize) -> Self {
         let ids: Vec<NodeId> = sc.nodes.iter().map(|n| n.name.clone()).collect();
         let index = ids.iter().cloned().enumerate().map(|(i, n)| (n, i)).collect();
-        let membership = Membership::new(cfg.membership.clone(), std::time::Duration::ZERO, ids.clone());
-        let view = membership.view().clone();
-        let members = sc
-            .nodes
-            .iter()
-            .enumerate()
-            .map(|(i, n)| (n.name.clone(), MemberInfo { name: n.name.0.clone(), addr: addr(i, 0), slots: n.slots }))
-            .collect();
-        let nodes = sc
-            .nodes
-            .iter()
-            .map(|n| Node {
-                id: n.name.clone(),
-                slots: n.slots,
-                up: true,
-                inc: 0,
-                generation: 0,
-                paused_until: None,
-                keep_on_fence: false,
-                pause_broke: false,
-                held: Vec::new(),
-                member: MemberState::member(
-                    n.name.clone(),
-                    cfg.membership.clone(),
-                    std::time::Duration::ZERO,
-                    view.clone(),
-                    super::node::first_incarnation(0),
-                ),
-                leader_peer: true,
-                conn: None,
-                connecting: false,
-                workers: (0..n.slots).map(|_| Worker::default()).collect(),
-            })
-            .collect();
         let spec = super::job_spec(sc);
-        let check = Checker::new(view.epoch.0, sc.nodes.len());
-        World {
+        let mut world = World {
             cfg,
             sc,
             now: 0,
@@ -466,7 +433,7 @@ impl<'a> World<'a> {
             seq: SEQ_START,
             ahead: SEQ_START,
             rng: Rng::new(seed),
-            nodes,
+            nodes: Vec::new(),
             index,
             conns: Vec::new(),
             local_last: [0; 3],
@@ -474,26 +441,40 @@ impl<'a> World<'a> {
             order_seen: vec![[None; 2]; sc.nodes.len()],
             joins: BTreeMap::new(),
             ctl: Controller {
-                membership,
-                members,
+                submitted: false,
+                started: false,
                 driver: JobDriver::new(JOB, spec),
+                told: None,
                 conns: vec![None; sc.nodes.len()],
                 attempt_ranks: BTreeMap::new(),
                 early: BTreeSet::new(),
-                catalog: Catalog {
-                    view_epoch: view.epoch.0,
-                    view_members: view.members().to_vec(),
-                    job: None,
-                    recorded: None,
-                },
+                catalog: Catalog { view_epoch: 0, view_members: Vec::new(), job: None, recorded: None },
             },
+            delivering: None,
             meshes: BTreeMap::new(),
             checkpoints: Vec::new(),
-            check,
+            check: Checker::new(1, sc.nodes.len()),
             trace: Trace::new(keep_lines),
             stats: Stats::default(),
             end: JobEnd::Unfinished,
+        };
+        for (n, spec) in sc.nodes.iter().enumerate() {
+            let core = super::node::new_core(&world, n, 0, None, Vec::new());
+            world.nodes.push(Node {
+                id: spec.name.clone(),
+                slots: spec.slots,
+                up: true,
+                inc: 0,
+                generation: 0,
+                paused_until: None,
+                pause_broke: false,
+                held: Vec::new(),
+                core,
+                conn: None,
+                workers: (0..spec.slots).map(|_| Worker::default()).collect(),
+            });
         }
+        world
     }
 
     pub fn push(&mut self, at: u64, ev: Ev) {
@@ -510,23 +491,18 @@ impl<'a> World<'a> {
         }
     }
 
-    /// The cluster at t=0: every node a member of epoch 1 and connected, the job submitted.
+    /// The cluster at t=0: the controller records its first view, every node's timer starts (the
+    /// others dial and join), and the job is submitted once they joined.
     pub fn start(&mut self) {
+        self.act(0);
         for n in 0..self.nodes.len() {
-            if n != 0 {
-                let conn = self.open_conn(n);
-                self.nodes[n].conn = Some(conn);
-            }
             let phase = self.rng.below(self.cfg.tick_ms);
             self.push(phase, Ev::Tick { node: n, inc: 0 });
         }
         for (i, f) in self.sc.faults.iter().enumerate() {
             self.push(f.at_ms(), Ev::Fault(i));
         }
-        let view = self.ctl.membership.view().clone();
-        let members = self.members_of(&view);
-        trace!(self, "job submitted on {:?}", view.members());
-        self.local(Local::NodeToJob, Ev::ToJob(JobInput::View { view, members, changes: Vec::new() }));
+        self.push(SUBMIT_BY_MS, Ev::Submit);
     }
 
     /// Runs until the job ended and the tail passed, or the scenario's bound.
@@ -608,6 +584,7 @@ impl<'a> World<'a> {
             Ev::OpTimeout { at, op, since } => self.op_timeout(at, op, since),
             Ev::MeshBreak { attempt } => self.mesh_break(attempt),
             Ev::Fault(i) => self.fault(i),
+            Ev::Submit => self.submit(),
             Ev::Restart { node } => self.restart(node),
             Ev::Resume { node, inc } => self.resume(node, inc),
             Ev::StallCheck { node, inc, stall, since } => self.stall_check(node, inc, stall, since),
@@ -742,10 +719,5 @@ impl<'a> World<'a> {
             }
         }
         start + self.net_delay()
-    }
-
-    /// The members of `view` as the controller knows them.
-    pub fn members_of(&self, view: &View) -> Vec<MemberInfo> {
-        view.members().iter().filter_map(|m| self.ctl.members.get(m).cloned()).collect()
     }
 }
