@@ -74,7 +74,8 @@ TEST_LOG := $(TROUPE_CACHE)/last-test.log
 # tests, which nextest does not run, follow.
 test: provision-test-runner target-dir
 	@set -o pipefail; ( $(CARGO) nextest run --release --locked --workspace --no-fail-fast \
-		&& $(CARGO) test --release --locked --workspace --doc ) 2>&1 | tee $(TEST_LOG); \
+		&& $(CARGO) test --release --locked --workspace --doc \
+		&& python3 scripts/module-cycles.py actors/src kernels/model/src ) 2>&1 | tee $(TEST_LOG); \
 		status=$$?; scripts/test-summary.sh $(TEST_LOG); exit $$status
 
 # examples/job_api.rs: the job API on a local cluster in one process (JOB_API_STEPS steps).
@@ -82,7 +83,7 @@ example-job-api: provision target-dir
 	$(CARGO) run --release --locked -p troupe-examples --example job_api -- $(JOB_API_STEPS)
 
 # One seed of the deterministic simulation replayed with its whole trace: make sim-replay SIM_SEED=n
-# (SIM_MODEL, SIM_PLANTED, SIM_NETWORK, SIM_LOADED as in chaos-tests/tests/simulation.rs).
+# (SIM_PLANTED, SIM_NETWORK, SIM_LOADED as in chaos-tests/tests/simulation.rs).
 sim-replay: provision target-dir
 	@[ -n "$(SIM_SEED)" ] || { echo "make sim-replay needs the seed: make sim-replay SIM_SEED=n" >&2; exit 2; }
 	export SIM_SEED=$(SIM_SEED) && $(CARGO) test --release --locked -p troupe-chaos --test simulation replay_one_seed -- --nocapture

@@ -3,9 +3,8 @@
 //! seconds in release for all of it.
 //!
 //! A failing seed prints its report (violations, scenario, the end of its trace) and how to replay it:
-//! `make sim-replay SIM_SEED=<seed>` (add `SIM_MODEL=as_is` for node.rs as it is, `SIM_PLANTED=1` for the
-//! planted bug, `SIM_NETWORK=datagrams` for a network without QUIC's guarantees, `SIM_LOADED=1` for a
-//! loaded machine).
+//! `make sim-replay SIM_SEED=<seed>` (add `SIM_PLANTED=1` for the planted bug, `SIM_NETWORK=datagrams`
+//! for a network without QUIC's guarantees, `SIM_LOADED=1` for a loaded machine).
 
 use troupe_chaos::sim::{self, Fault, JobEnd, Network, NodeSpec, Outcome, PlantedBug, Scenario, SimConfig};
 use troupe_cluster::membership::NodeId;
@@ -24,9 +23,8 @@ fn assert_no_failure(config: &SimConfig, seeds: std::ops::Range<u64>) {
     }
 }
 
-/// The main property: over random clusters, jobs and fault schedules, no invariant breaks. The node
-/// model is node.rs with the fixes proposed for the bugs the simulation found there (see
-/// `node_rs_as_is_*` below); the job driver is the runtime's own.
+/// The main property: over random clusters, jobs and fault schedules, no invariant breaks. The nodes and
+/// the job driver are the runtime's own code (`NodeCore`, `JobDriver`).
 #[test]
 fn random_fault_schedules_break_no_invariant() {
     assert_no_failure(&SimConfig::default(), 0..SEEDS);
@@ -226,9 +224,9 @@ fn without_quics_guarantees_some_seeds_break_invariants() {
 }
 
 /// A deeper search than the default property: `SIM_SEEDS=100000 cargo test --release -p troupe-chaos
-/// --test simulation survey -- --ignored --nocapture` (`SIM_MODEL=as_is` for node.rs as it is,
-/// `SIM_NETWORK=datagrams` for a network without QUIC's guarantees, `SIM_LOADED=1` for a loaded machine's
-/// reader stalls, `SIM_FIRST=n` to start at seed n).
+/// --test simulation survey -- --ignored --nocapture` (`SIM_NETWORK=datagrams` for a network without
+/// QUIC's guarantees, `SIM_LOADED=1` for a loaded machine's reader stalls, `SIM_FIRST=n` to start at
+/// seed n).
 #[test]
 #[ignore]
 fn survey() {
@@ -278,7 +276,7 @@ fn config_from_env() -> SimConfig {
     config
 }
 
-/// `SIM_SEED=n` replays one seed with its whole trace (`SIM_MODEL`, `SIM_PLANTED`, `SIM_NETWORK`, `SIM_LOADED` as
+/// `SIM_SEED=n` replays one seed with its whole trace (`SIM_PLANTED`, `SIM_NETWORK`, `SIM_LOADED` as
 /// above).
 #[test]
 fn replay_one_seed() {
