@@ -27,7 +27,7 @@ use super::messages::NodeMsg;
 pub use super::messages::WorkerMsg;
 use crate::engine::pipeline::PipelineReplica;
 use crate::engine::{
-    CommittedState, DataParallelReplica, EngineError, OpTiming, ShardMode, ShardedReplica, StepEngine,
+    CommittedState, DataParallelReplica, EngineError, OpTiming, ReducedStep, ShardMode, ShardedReplica, StepEngine,
     DEFAULT_BUCKET_BYTES,
 };
 use crate::protocol::{AttemptOutcome, DataPlane, EvalFigures, JobId, JobSpec, StageTime, StepFigures, Wire};
@@ -89,6 +89,8 @@ impl Actor for WorkerActor {
         Ok(WorkerState { args, jobs: HashMap::new() })
     }
 
+    /// One arm per [`WorkerMsg`], kept in one match (over 70 lines) so that the worker's side of the
+    /// protocol reads in one place; each arm's work is a method of [`WorkerState`].
     async fn handle(
         &self,
         me: ActorRef<WorkerMsg>,
@@ -717,28 +719,10 @@ async fn drive<E: StepEngine>(
     engine: &mut E,
     ctl: &mut mpsc::UnboundedReceiver<Ctl>,
 ) -> AttemptOutcome {
-    let failed = |step, reason: String| AttemptOutcome::Failed { step, reason };
-    let step = engine.trainer().step;
-    let rank = engine.rank();
     let mut phases = PhaseRecorder::new(spec.trace || otel::enabled());
-    tokio::select! {
-        r = engine.sync(ctx.source) => match r {
-            Ok(()) => {}
-            Err(e @ EngineError::StateLost { step: lost, .. }) => {
-                return AttemptOutcome::StateLost { step: lost, reason: e.to_string() };
-            }
-            Err(e) => {
-                let what = ctx.source.map_or("resharding the committed state".to_string(), |s| format!("copying the state of rank {s}"));
-                return failed(step, format!("{what}: {e}"));
-            }
-        },
-        _ = wait_abort(ctl) => return AttemptOutcome::Aborted { step },
+    if let Err(outcome) = sync_state(ctx, engine, ctl, &mut phases).await {
+        return outcome;
     }
-    if let Some((from, to)) = ctx.restored {
-        phases.span("checkpoint restore", "recovery", from, to);
-    }
-    let setup = if ctx.attempt > 1 { ("recovery", "recovery") } else { ("setup", "idle") };
-    phases.span(setup.0, setup.1, ctx.started, Instant::now());
     // An attempt that starts at an evaluation step evaluates it (again): the attempt before may have
     // lost a rank during it. The controller reports each step's evaluation once.
     if spec.config.eval_due(engine.trainer().step) {
@@ -746,92 +730,164 @@ async fn drive<E: StepEngine>(
             return outcome;
         }
     }
-    let total = spec.config.train.steps;
-    let checkpoints = spec.config.checkpoint.dir.is_some();
-    while engine.trainer().step < total {
-        let step = engine.trainer().step;
-        let t0 = Instant::now();
-        let reduced = tokio::select! {
-            r = engine.reduce() => match r {
-                Ok(reduced) => reduced,
-                Err(e) => {
-                    phases.span("failed step", "comm", t0, Instant::now());
-                    report_phases(ctx, spec, rank, step + 1, &mut phases);
-                    return failed(step, e.to_string());
-                }
-            },
-            _ = wait_abort(ctl) => {
-                phases.span("aborted step", "comm", t0, Instant::now());
-                report_phases(ctx, spec, rank, step + 1, &mut phases);
-                return AttemptOutcome::Aborted { step };
-            }
-        };
-        let (voted, seconds) = (Instant::now(), t0.elapsed().as_secs_f64());
-        let computed = t0 + std::time::Duration::from_secs_f64(reduced.compute_seconds);
-        let mut stage_time = None;
-        match engine.op_spans() {
-            // A pipeline device: its ops, then the flush (the stage's all-reduce, the norm and loss).
-            Some(ops) => {
-                stage_time = Some(stage_time_of(t0, &ops));
-                for op in ops {
-                    phases.op(&op.name, op.cat, op.start, op.end, op.chunk, op.microbatch);
-                }
-                phases.span("flush", "comm", computed, voted);
-            }
-            None => {
-                phases.span("forward+backward", "compute", t0, computed);
-                phases.span(engine.gradient_collective(), "comm", computed, voted);
-            }
+    while engine.trainer().step < spec.config.train.steps {
+        if let Err(outcome) = one_step(ctx, spec, engine, ctl, &mut phases).await {
+            return outcome;
         }
-        let trainer = engine.trainer();
-        let loss_scale = trainer.loss_scale;
-        let (grad_norm, skipped) = loss_scale.preview(trainer.model.precision, reduced.grad_norm);
-        let peak_rss_bytes = crate::telemetry::memory::peak_rss_bytes();
-        let (loss, loss_scale) = (reduced.loss, loss_scale.scale);
-        let figures = StepFigures { loss, grad_norm, skipped, loss_scale, peak_rss_bytes, stage_time };
-        let (job, attempt, slot) = (ctx.job, ctx.attempt, ctx.slot);
-        let vote = Wire::Vote { job, attempt, slot, step, figures, seconds };
-        let _ = ctx.node.cast(NodeMsg::FromWorker(vote));
-        loop {
-            match ctl.recv().await {
-                Some(Ctl::Commit(s)) if s == step => break,
-                Some(Ctl::Commit(_)) => continue,
-                Some(Ctl::Abort) | None => {
-                    phases.span("commit wait (aborted)", "idle", voted, Instant::now());
-                    report_phases(ctx, spec, rank, step + 1, &mut phases);
-                    return AttemptOutcome::Aborted { step };
-                }
-            }
-        }
-        let committed = Instant::now();
-        phases.span("commit wait", "idle", voted, committed);
-        engine.apply(reduced).await;
-        phases.span("optimizer", "optimizer", committed, Instant::now());
-        let every = spec.config.checkpoint.every_steps;
-        let step = engine.trainer().step;
-        let due = step == total || (every > 0 && step.is_multiple_of(every));
-        if checkpoints && due {
-            // The step loop waits only for the snapshot (for sharded engines: the gather of the shards to
-            // rank 0); the write runs on rank 0's writer thread.
-            let saving = Instant::now();
-            let snapshot = tokio::select! {
-                r = engine.checkpoint(ctx.writer.as_deref(), ctx.attempt) => r,
-                _ = wait_abort(ctl) => return AttemptOutcome::Aborted { step },
-            };
-            if let Err(e) = snapshot {
-                return failed(step, format!("gathering the checkpoint of step {step}: {e}"));
-            }
-            tracing::debug!(job = ctx.job, step, seconds = saving.elapsed().as_secs_f64(), "checkpoint snapshot taken");
-            phases.span("checkpoint", "checkpoint", saving, Instant::now());
-        }
-        if spec.config.eval_due(step) {
-            if let Err(outcome) = evaluate(ctx, engine, ctl, &mut phases).await {
-                report_phases(ctx, spec, rank, step, &mut phases);
-                return outcome;
-            }
-        }
-        report_phases(ctx, spec, rank, step, &mut phases);
     }
+    finish(ctx, spec, engine, ctl).await
+}
+
+/// The attempt's start: the engine brings every rank to the committed state (a copy from `source`, or
+/// a reshard of what the ranks hold); the set-up or recovery time is recorded.
+async fn sync_state<E: StepEngine>(
+    ctx: &AttemptCtx,
+    engine: &mut E,
+    ctl: &mut mpsc::UnboundedReceiver<Ctl>,
+    phases: &mut PhaseRecorder,
+) -> Result<(), AttemptOutcome> {
+    let step = engine.trainer().step;
+    tokio::select! {
+        r = engine.sync(ctx.source) => match r {
+            Ok(()) => {}
+            Err(e @ EngineError::StateLost { step: lost, .. }) => {
+                return Err(AttemptOutcome::StateLost { step: lost, reason: e.to_string() });
+            }
+            Err(e) => {
+                let what = ctx.source.map_or("resharding the committed state".to_string(), |s| format!("copying the state of rank {s}"));
+                return Err(AttemptOutcome::Failed { step, reason: format!("{what}: {e}") });
+            }
+        },
+        _ = wait_abort(ctl) => return Err(AttemptOutcome::Aborted { step }),
+    }
+    if let Some((from, to)) = ctx.restored {
+        phases.span("checkpoint restore", "recovery", from, to);
+    }
+    let setup = if ctx.attempt > 1 { ("recovery", "recovery") } else { ("setup", "idle") };
+    phases.span(setup.0, setup.1, ctx.started, Instant::now());
+    Ok(())
+}
+
+/// One step: reduce, vote, wait for the commit, apply; then the checkpoint and the evaluation when due.
+async fn one_step<E: StepEngine>(
+    ctx: &AttemptCtx,
+    spec: &JobSpec,
+    engine: &mut E,
+    ctl: &mut mpsc::UnboundedReceiver<Ctl>,
+    phases: &mut PhaseRecorder,
+) -> Result<(), AttemptOutcome> {
+    let (rank, step) = (engine.rank(), engine.trainer().step);
+    let t0 = Instant::now();
+    let reduced = tokio::select! {
+        r = engine.reduce() => match r {
+            Ok(reduced) => reduced,
+            Err(e) => {
+                phases.span("failed step", "comm", t0, Instant::now());
+                report_phases(ctx, spec, rank, step + 1, phases);
+                return Err(AttemptOutcome::Failed { step, reason: e.to_string() });
+            }
+        },
+        _ = wait_abort(ctl) => {
+            phases.span("aborted step", "comm", t0, Instant::now());
+            report_phases(ctx, spec, rank, step + 1, phases);
+            return Err(AttemptOutcome::Aborted { step });
+        }
+    };
+    let voted = vote(ctx, engine, &reduced, t0, phases);
+    wait_commit(ctl, step).await.inspect_err(|_| {
+        phases.span("commit wait (aborted)", "idle", voted, Instant::now());
+        report_phases(ctx, spec, rank, step + 1, phases);
+    })?;
+    let committed = Instant::now();
+    phases.span("commit wait", "idle", voted, committed);
+    engine.apply(reduced).await;
+    phases.span("optimizer", "optimizer", committed, Instant::now());
+    let step = engine.trainer().step;
+    let every = spec.config.checkpoint.every_steps;
+    let due = step == spec.config.train.steps || (every > 0 && step.is_multiple_of(every));
+    if spec.config.checkpoint.dir.is_some() && due {
+        // The step loop waits only for the snapshot (for sharded engines: the gather of the shards to
+        // rank 0); the write runs on rank 0's writer thread.
+        let saving = Instant::now();
+        let snapshot = tokio::select! {
+            r = engine.checkpoint(ctx.writer.as_deref(), ctx.attempt) => r,
+            _ = wait_abort(ctl) => return Err(AttemptOutcome::Aborted { step }),
+        };
+        if let Err(e) = snapshot {
+            let reason = format!("gathering the checkpoint of step {step}: {e}");
+            return Err(AttemptOutcome::Failed { step, reason });
+        }
+        tracing::debug!(job = ctx.job, step, seconds = saving.elapsed().as_secs_f64(), "checkpoint snapshot taken");
+        phases.span("checkpoint", "checkpoint", saving, Instant::now());
+    }
+    if spec.config.eval_due(step) {
+        if let Err(outcome) = evaluate(ctx, engine, ctl, phases).await {
+            report_phases(ctx, spec, rank, step, phases);
+            return Err(outcome);
+        }
+    }
+    report_phases(ctx, spec, rank, step, phases);
+    Ok(())
+}
+
+/// Records the step's compute and collective spans and sends the rank's vote; returns when it voted.
+fn vote<E: StepEngine>(
+    ctx: &AttemptCtx,
+    engine: &mut E,
+    reduced: &ReducedStep,
+    t0: Instant,
+    phases: &mut PhaseRecorder,
+) -> Instant {
+    let step = engine.trainer().step;
+    let (voted, seconds) = (Instant::now(), t0.elapsed().as_secs_f64());
+    let computed = t0 + std::time::Duration::from_secs_f64(reduced.compute_seconds);
+    let mut stage_time = None;
+    match engine.op_spans() {
+        // A pipeline device: its ops, then the flush (the stage's all-reduce, the norm and loss).
+        Some(ops) => {
+            stage_time = Some(stage_time_of(t0, &ops));
+            for op in ops {
+                phases.op(&op.name, op.cat, op.start, op.end, op.chunk, op.microbatch);
+            }
+            phases.span("flush", "comm", computed, voted);
+        }
+        None => {
+            phases.span("forward+backward", "compute", t0, computed);
+            phases.span(engine.gradient_collective(), "comm", computed, voted);
+        }
+    }
+    let trainer = engine.trainer();
+    let loss_scale = trainer.loss_scale;
+    let (grad_norm, skipped) = loss_scale.preview(trainer.model.precision, reduced.grad_norm);
+    let peak_rss_bytes = crate::telemetry::memory::peak_rss_bytes();
+    let (loss, loss_scale) = (reduced.loss, loss_scale.scale);
+    let figures = StepFigures { loss, grad_norm, skipped, loss_scale, peak_rss_bytes, stage_time };
+    let (job, attempt, slot) = (ctx.job, ctx.attempt, ctx.slot);
+    let vote = Wire::Vote { job, attempt, slot, step, figures, seconds };
+    let _ = ctx.node.cast(NodeMsg::FromWorker(vote));
+    voted
+}
+
+/// Waits for the controller's commit of `step`; `Err` if the attempt is aborted first.
+async fn wait_commit(ctl: &mut mpsc::UnboundedReceiver<Ctl>, step: u64) -> Result<(), AttemptOutcome> {
+    loop {
+        match ctl.recv().await {
+            Some(Ctl::Commit(s)) if s == step => return Ok(()),
+            Some(Ctl::Commit(_)) => continue,
+            Some(Ctl::Abort) | None => return Err(AttemptOutcome::Aborted { step }),
+        }
+    }
+}
+
+/// The attempt trained the job's last step: rank 0's last checkpoint is durable, and with
+/// `--save-final` the final parameters are saved.
+async fn finish<E: StepEngine>(
+    ctx: &AttemptCtx,
+    spec: &JobSpec,
+    engine: &mut E,
+    ctl: &mut mpsc::UnboundedReceiver<Ctl>,
+) -> AttemptOutcome {
+    let failed = |step, reason: String| AttemptOutcome::Failed { step, reason };
     if let Some(writer) = &ctx.writer {
         // The job's last checkpoint is durable before the job reports its end.
         wait_writer_idle(ctx.job, writer, FINAL_CHECKPOINT_WAIT).await;
@@ -846,7 +902,7 @@ async fn drive<E: StepEngine>(
         if let Err(e) = finished {
             return failed(step, format!("gathering the final parameters: {e}"));
         }
-        if rank == 0 {
+        if engine.rank() == 0 {
             if let Err(e) = engine.trainer().save_params(path) {
                 return failed(step, format!("saving the final parameters to {}: {e}", path.display()));
             }
