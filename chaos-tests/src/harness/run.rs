@@ -8,12 +8,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use tokio::sync::{watch, Mutex};
-use troupe_actors::api::{Client, Job, JobEvent, LocalCluster, LocalClusterOptions};
+use troupe_actors::api::{Client, Job, JobEvent, JobHandle, LocalCluster, LocalClusterOptions};
 use troupe_cluster::{add_node, init_cluster, NodeIdentity};
 use troupe_model::config::JobConfig;
 use troupe_model::Trainer;
 
 use super::checker;
+use super::link::LinkStats;
 use super::nemesis::{Injected, Nemesis, Progress};
 use super::netns::Network;
 use super::report::{Check, FaultRecord, Report, Summary};
@@ -65,30 +66,11 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
             Err(why) => return Ok(skipped(scenario, options, why)),
         },
     };
-
-    let network = match scenario.network {
-        NetworkKind::Loopback => None,
-        NetworkKind::Namespaces => match Network::create(scenario.nodes) {
-            Ok(n) => Some(Arc::new(n)),
-            Err(why) => return Ok(skipped(scenario, options, why)),
-        },
+    let network = match network_of(scenario) {
+        Ok(network) => network,
+        Err(why) => return Ok(skipped(scenario, options, why)),
     };
-    if let Some(network) = &network {
-        if scenario.faults.iter().any(|f| f.kind.degrades_links()) {
-            if let Err(why) = network.link_mechanism() {
-                return Ok(skipped(scenario, options, why));
-            }
-        }
-    }
-    let mut cluster_options = LocalClusterOptions::new(scenario.nodes);
-    if let Some(network) = &network {
-        cluster_options.hosts = network.hosts();
-    }
-    cluster_options.controller_slots = scenario.controller_slots;
-    cluster_options.torch_threads = 1;
-    cluster_options.log = Some(options.log.clone().unwrap_or_else(|| "info".into()));
-    cluster_options.log_dir = Some(work.path().to_owned());
-    let cluster = LocalCluster::processes(&options.troupe, cluster_options).await?;
+    let cluster = start_cluster(scenario, options, work.path(), network.as_deref()).await?;
     let full_world = scenario.nodes - usize::from(scenario.controller_slots == Some(0));
     let bad_inputs = bad_inputs(&cluster).await;
 
@@ -100,7 +82,7 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
         let keep = if scenario.checkpoint_tmpfs_mib > 0 { 3 } else { 0 };
         job = job.checkpoints(&ckpt_dir, scenario.checkpoint_every, keep);
     }
-    let mut handle = cluster.client().await?.submit(job).await?;
+    let handle = cluster.client().await?.submit(job).await?;
 
     let (progress_tx, progress_rx) = watch::channel(Progress::default());
     let (ckpt_tx, ckpt_rx) = watch::channel(None);
@@ -116,166 +98,25 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
         network: network.clone(),
         observe_fencing: scenario.expect.fenced,
     });
-
-    let mut rng = Rng::new(options.seed);
-    let mut pending: VecDeque<(u64, Fault)> = {
-        let mut f: Vec<(u64, Fault)> = scenario
-            .faults
-            .iter()
-            .filter_map(|f| if let Trigger::Step(s) = f.trigger() { Some((s, f.clone())) } else { None })
-            .collect();
-        f.sort_by_key(|(step, _)| *step); // stable: file order within a step
-        f.into()
-    };
-    let timed: Vec<(f64, Fault)> = scenario
-        .faults
-        .iter()
-        .filter_map(|f| if let Trigger::Seconds(s) = f.trigger() { Some((s, f.clone())) } else { None })
-        .collect();
-    let mut first_step: Option<Instant> = None;
-    let mut victims_left: Vec<usize> = scenario.victims();
-    let longest = scenario.faults.iter().map(|f| f.duration_s + f.return_after_s.unwrap_or(0.0)).fold(0.0, f64::max);
-    let event_timeout = bound + Duration::from_secs_f64(longest);
-    let (mut events, mut tasks) = (Vec::new(), Vec::new());
-    let mut stalled = None;
-    loop {
-        let event = match tokio::time::timeout(event_timeout, handle.next_event()).await {
-            Ok(Ok(Some(e))) => e,
-            Ok(Ok(None)) => break,
-            Ok(Err(e)) => {
-                stalled = Some(format!("the job's event stream failed: {e:#}"));
-                break;
-            }
-            Err(_) => {
-                stalled = Some(format!("no job event for {event_timeout:?}; cancelled the job"));
-                let _ = tokio::time::timeout(Duration::from_secs(5), handle.cancel()).await;
-                break;
-            }
-        };
-        let now = Instant::now();
-        match &event {
-            JobEvent::Step { step, world, .. } => {
-                progress_tx.send_replace(Progress { step: *step, world: *world });
-                let mut due: Vec<(Duration, Fault)> = Vec::new();
-                if first_step.is_none() {
-                    first_step = Some(now);
-                    due.extend(timed.iter().map(|(s, f)| (Duration::from_secs_f64(*s), f.clone())));
-                }
-                while pending.front().is_some_and(|(at, _)| *at <= *step) {
-                    due.push((Duration::ZERO, pending.pop_front().expect("checked").1));
-                }
-                for (after, fault) in due {
-                    let nodes = choose(&fault.node, &mut victims_left, scenario, &mut rng);
-                    let delay = after + Duration::from_millis(rng.range(0, fault.jitter_ms + 1));
-                    let (nemesis, seed, mut ended) = (nemesis.clone(), rng.next_u64(), progress_tx.subscribe());
-                    tasks.push(tokio::spawn(async move {
-                        // A fault due after the job ended is not injected (the checker says so).
-                        let wait = tokio::time::sleep(delay);
-                        tokio::pin!(wait);
-                        loop {
-                            tokio::select! {
-                                () = &mut wait => break,
-                                changed = ended.changed() => if changed.is_err() { return None },
-                            }
-                        }
-                        Some(nemesis.apply(&fault, &nodes, seed).await)
-                    }));
-                }
-            }
-            JobEvent::Checkpoint { path, .. } => {
-                ckpt_tx.send_replace(Some(path.clone()));
-            }
-            _ => {}
-        }
-        let terminal = event.is_terminal();
-        events.push((now, event));
-        if terminal {
-            break;
-        }
-    }
-    let _ = tokio::time::timeout(Duration::from_secs(5), handle.close()).await;
-    // Faults waiting for progress learn that none will come.
-    drop(progress_tx);
-
-    let mut injected: Vec<Injected> = Vec::new();
-    for task in tasks {
-        match tokio::time::timeout(bound * 2, task).await {
-            Ok(Ok(i)) => injected.extend(i),
-            Ok(Err(e)) => anyhow::bail!("a fault task panicked: {e}"),
-            Err(_) => anyhow::bail!("a fault did not finish within {:?}", bound * 2),
-        }
-    }
-    // Links degraded for the rest of the run heal now; what their nemesis did goes with the fault.
-    if let Some(network) = &network {
-        for fault in injected.iter_mut().filter(|f| f.kind.degrades_links() && f.healed.is_none()) {
-            for &i in &fault.indices {
-                match network.heal(i) {
-                    Ok(stats) => fault.links.extend(stats),
-                    Err(e) => fault.error = Some(format!("healing node {i}'s links: {e:#}")),
-                }
-            }
-        }
-    }
+    let mut injector = Injector::new(scenario, options.seed, nemesis.clone());
+    let followed = follow(handle, &mut injector, progress_tx, ckpt_tx, bound).await;
+    let injected = injector.finish(network.as_deref(), bound * 2).await?;
     drop(nemesis);
     let cluster = Arc::try_unwrap(cluster).ok().context("a fault task still holds the cluster")?.into_inner();
     let pids = cluster.spawned_pids().to_vec();
     cluster.shutdown().await;
 
-    // The reference: the same job in this process, one rank, no faults.
-    let reference = tokio::task::spawn_blocking(move || {
-        tch::set_num_threads(1);
-        let mut trainer = Trainer::new(config)?;
-        let (mut losses, mut evals) = (Vec::new(), Vec::new());
-        while trainer.step < trainer.config.train.steps {
-            losses.push(trainer.train_step().loss);
-            if let (true, Some(eval)) = (trainer.config.eval_due(trainer.step), trainer.evaluate()) {
-                evals.push((trainer.step, eval.loss));
-            }
-        }
-        anyhow::Ok((losses, trainer, evals))
-    })
-    .await??;
-
-    let tolerance = checker::tolerance(&scenario.precision);
-    let mut trajectory = checker::trajectory(&events, scenario.steps, &reference.0, tolerance);
-    let mut checks = std::mem::take(&mut trajectory.checks);
-    if let Some(why) = stalled {
-        checks.insert(0, Check { name: "the job kept reporting".into(), passed: false, detail: why });
-    }
-    let scheduled = scenario.faults.len();
-    checks.push(checker::faults_applied(&injected));
-    if injected.len() < scheduled {
-        checks.push(Check {
-            name: "every scheduled fault happened".into(),
-            passed: false,
-            detail: format!("{} of {scheduled} faults injected: the job ended first", injected.len()),
-        });
-    }
-    checks.push(checker::faults_hit_training(&events, &injected));
-    checks.push(checker::final_parameters(&final_params, &reference.1, tolerance));
-    if !scenario.inject_overflow_at.is_empty() {
-        checks.push(checker::overflows_skipped(&events, &scenario.inject_overflow_at));
-    }
-    if !reference.2.is_empty() {
-        checks.push(checker::evaluations(&events, &reference.2, tolerance));
-    }
-    checks.push(checker::checkpoints_load(&events, &injected));
-    checks.push(checker::progress_after_faults(&events, &injected, bound));
-    checks.push(checker::no_process_left(&pids));
-    checks.extend(checker::expected(&scenario.expect, &events, &injected, full_world, scenario.checkpoint_every));
-    let (detection_s, recovery_s) = checker::timings(&events, &injected);
-    let undetected = checker::undetected(&events, &injected);
-    let links = checker::link_effects(&events, &injected);
-    let records = injected.iter().map(|f| FaultRecord::of(f, first_step)).collect();
-
-    let mut faults = BTreeMap::new();
-    for i in &injected {
-        *faults.entry(i.kind.as_str().to_owned()).or_insert(0) += 1;
-    }
-    let passed = checks.iter().chain(&bad_inputs).all(|c| c.passed);
-    write_events(&work.path().join("events.jsonl"), started, &events);
+    let reference = tokio::task::spawn_blocking(move || train_reference(config)).await??;
+    let outcome = Outcome { events: followed.events, stalled: followed.stalled, injected, pids, final_params };
+    let checked = check(scenario, &outcome, &reference, full_world, bound);
+    let passed = checked.checks.iter().chain(&bad_inputs).all(|c| c.passed);
+    write_events(&work.path().join("events.jsonl"), started, &outcome.events);
     // A failed run keeps its directory: the daemons' logs (node-N.log), the events and checkpoints.
     let kept = (!passed || options.keep).then(|| work.keep());
+    let mut faults = BTreeMap::new();
+    for i in &outcome.injected {
+        *faults.entry(i.kind.as_str().to_owned()).or_insert(0) += 1;
+    }
     Ok(Report {
         kept,
         scenario: scenario.name.clone(),
@@ -288,17 +129,271 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
         steps: scenario.steps,
         wall_s: started.elapsed().as_secs_f64(),
         faults,
+        recoveries: checked.recoveries,
+        detection_s: checked.detection_s,
+        undetected: checked.undetected,
+        recovery_s: checked.recovery_s,
+        steps_redone: checked.steps_redone,
+        data_lost: checked.data_lost,
+        bad_inputs,
+        checks: checked.checks,
+        injected: outcome.injected.iter().map(|f| FaultRecord::of(f, followed.first_step)).collect(),
+        links: checked.links,
+    })
+}
+
+/// The scenario's network namespaces, if it asks for them (`Err`: why the run is skipped).
+fn network_of(scenario: &Scenario) -> Result<Option<Arc<Network>>, String> {
+    let network = match scenario.network {
+        NetworkKind::Loopback => return Ok(None),
+        NetworkKind::Namespaces => Arc::new(Network::create(scenario.nodes)?),
+    };
+    if scenario.faults.iter().any(|f| f.kind.degrades_links()) {
+        network.link_mechanism()?;
+    }
+    Ok(Some(network))
+}
+
+/// The scenario's cluster of daemon processes, their logs in `work`.
+async fn start_cluster(
+    scenario: &Scenario,
+    options: &RunOptions,
+    work: &Path,
+    network: Option<&Network>,
+) -> anyhow::Result<LocalCluster> {
+    let mut cluster_options = LocalClusterOptions::new(scenario.nodes);
+    if let Some(network) = network {
+        cluster_options.hosts = network.hosts();
+    }
+    cluster_options.controller_slots = scenario.controller_slots;
+    cluster_options.torch_threads = 1;
+    cluster_options.log = Some(options.log.clone().unwrap_or_else(|| "info".into()));
+    cluster_options.log_dir = Some(work.to_owned());
+    Ok(LocalCluster::processes(&options.troupe, cluster_options).await?)
+}
+
+/// Schedules the scenario's faults as the job reaches their steps (or, for timed faults, their seconds
+/// after the first committed step), each a task of its own.
+struct Injector<'a> {
+    scenario: &'a Scenario,
+    rng: Rng,
+    nemesis: Arc<Nemesis>,
+    /// Faults by step, in step order (file order within a step).
+    pending: VecDeque<(u64, Fault)>,
+    timed: Vec<(f64, Fault)>,
+    victims_left: Vec<usize>,
+    tasks: Vec<tokio::task::JoinHandle<Option<Injected>>>,
+}
+
+impl<'a> Injector<'a> {
+    fn new(scenario: &'a Scenario, seed: u64, nemesis: Arc<Nemesis>) -> Self {
+        let by_step = |f: &Fault| if let Trigger::Step(s) = f.trigger() { Some((s, f.clone())) } else { None };
+        let mut pending: Vec<(u64, Fault)> = scenario.faults.iter().filter_map(by_step).collect();
+        pending.sort_by_key(|(step, _)| *step); // stable: file order within a step
+        let by_time = |f: &Fault| if let Trigger::Seconds(s) = f.trigger() { Some((s, f.clone())) } else { None };
+        Injector {
+            scenario,
+            rng: Rng::new(seed),
+            nemesis,
+            pending: pending.into(),
+            timed: scenario.faults.iter().filter_map(by_time).collect(),
+            victims_left: scenario.victims(),
+            tasks: Vec::new(),
+        }
+    }
+
+    /// The job committed `step` (the first one when `first`): the faults now due start, each after its
+    /// delay and jitter; one still waiting when the job ends is not injected.
+    fn on_step(&mut self, step: u64, first: bool, ended: &watch::Sender<Progress>) {
+        let mut due: Vec<(Duration, Fault)> = Vec::new();
+        if first {
+            due.extend(self.timed.iter().map(|(s, f)| (Duration::from_secs_f64(*s), f.clone())));
+        }
+        while self.pending.front().is_some_and(|(at, _)| *at <= step) {
+            due.push((Duration::ZERO, self.pending.pop_front().expect("checked").1));
+        }
+        for (after, fault) in due {
+            let nodes = choose(&fault.node, &mut self.victims_left, self.scenario, &mut self.rng);
+            let delay = after + Duration::from_millis(self.rng.range(0, fault.jitter_ms + 1));
+            let (nemesis, seed, mut ended) = (self.nemesis.clone(), self.rng.next_u64(), ended.subscribe());
+            self.tasks.push(tokio::spawn(async move {
+                // A fault due after the job ended is not injected (the checker says so).
+                let wait = tokio::time::sleep(delay);
+                tokio::pin!(wait);
+                loop {
+                    tokio::select! {
+                        () = &mut wait => break,
+                        changed = ended.changed() => if changed.is_err() { return None },
+                    }
+                }
+                Some(nemesis.apply(&fault, &nodes, seed).await)
+            }));
+        }
+    }
+
+    /// Waits for every fault task; links degraded for the rest of the run heal now, what their nemesis
+    /// did going with the fault.
+    async fn finish(self, network: Option<&Network>, bound: Duration) -> anyhow::Result<Vec<Injected>> {
+        let mut injected: Vec<Injected> = Vec::new();
+        for task in self.tasks {
+            match tokio::time::timeout(bound, task).await {
+                Ok(Ok(i)) => injected.extend(i),
+                Ok(Err(e)) => anyhow::bail!("a fault task panicked: {e}"),
+                Err(_) => anyhow::bail!("a fault did not finish within {bound:?}"),
+            }
+        }
+        if let Some(network) = network {
+            for fault in injected.iter_mut().filter(|f| f.kind.degrades_links() && f.healed.is_none()) {
+                for &i in &fault.indices {
+                    match network.heal(i) {
+                        Ok(stats) => fault.links.extend(stats),
+                        Err(e) => fault.error = Some(format!("healing node {i}'s links: {e:#}")),
+                    }
+                }
+            }
+        }
+        Ok(injected)
+    }
+}
+
+/// What the client saw of the job.
+struct Followed {
+    events: Vec<(Instant, JobEvent)>,
+    /// Why the job stopped reporting before its end, if it did.
+    stalled: Option<String>,
+    first_step: Option<Instant>,
+}
+
+/// Follows the job to its end, starting faults as its steps commit; a job silent for the progress
+/// bound plus the longest fault is cancelled.
+async fn follow(
+    mut handle: JobHandle,
+    injector: &mut Injector<'_>,
+    progress: watch::Sender<Progress>,
+    checkpoints: watch::Sender<Option<PathBuf>>,
+    bound: Duration,
+) -> Followed {
+    let faults = &injector.scenario.faults;
+    let longest = faults.iter().map(|f| f.duration_s + f.return_after_s.unwrap_or(0.0)).fold(0.0, f64::max);
+    let event_timeout = bound + Duration::from_secs_f64(longest);
+    let mut followed = Followed { events: Vec::new(), stalled: None, first_step: None };
+    loop {
+        let event = match tokio::time::timeout(event_timeout, handle.next_event()).await {
+            Ok(Ok(Some(e))) => e,
+            Ok(Ok(None)) => break,
+            Ok(Err(e)) => {
+                followed.stalled = Some(format!("the job's event stream failed: {e:#}"));
+                break;
+            }
+            Err(_) => {
+                followed.stalled = Some(format!("no job event for {event_timeout:?}; cancelled the job"));
+                let _ = tokio::time::timeout(Duration::from_secs(5), handle.cancel()).await;
+                break;
+            }
+        };
+        let now = Instant::now();
+        match &event {
+            JobEvent::Step { step, world, .. } => {
+                progress.send_replace(Progress { step: *step, world: *world });
+                let first = followed.first_step.is_none();
+                followed.first_step.get_or_insert(now);
+                injector.on_step(*step, first, &progress);
+            }
+            JobEvent::Checkpoint { path, .. } => {
+                checkpoints.send_replace(Some(path.clone()));
+            }
+            _ => {}
+        }
+        let terminal = event.is_terminal();
+        followed.events.push((now, event));
+        if terminal {
+            break;
+        }
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(5), handle.close()).await;
+    // Faults waiting for progress learn that none will come (`progress` dropped here).
+    followed
+}
+
+/// The reference: the same job in this process, one rank, no faults — its losses, final trainer and
+/// evaluations.
+type Reference = (Vec<f64>, Trainer, Vec<(u64, f64)>);
+
+fn train_reference(config: JobConfig) -> anyhow::Result<Reference> {
+    tch::set_num_threads(1);
+    let mut trainer = Trainer::new(config)?;
+    let (mut losses, mut evals) = (Vec::new(), Vec::new());
+    while trainer.step < trainer.config.train.steps {
+        losses.push(trainer.train_step().loss);
+        if let (true, Some(eval)) = (trainer.config.eval_due(trainer.step), trainer.evaluate()) {
+            evals.push((trainer.step, eval.loss));
+        }
+    }
+    Ok((losses, trainer, evals))
+}
+
+/// What the run produced, for the checker.
+struct Outcome {
+    events: Vec<(Instant, JobEvent)>,
+    stalled: Option<String>,
+    injected: Vec<Injected>,
+    pids: Vec<u32>,
+    final_params: PathBuf,
+}
+
+/// The checker's verdicts and figures.
+struct Checked {
+    checks: Vec<Check>,
+    recoveries: usize,
+    steps_redone: u64,
+    data_lost: u64,
+    detection_s: Summary,
+    recovery_s: Summary,
+    undetected: Vec<String>,
+    links: Vec<LinkStats>,
+}
+
+/// Every check of the run against the reference and the scenario's expectations.
+fn check(scenario: &Scenario, run: &Outcome, reference: &Reference, full_world: usize, bound: Duration) -> Checked {
+    let (events, injected) = (&run.events, &run.injected);
+    let tolerance = checker::tolerance(&scenario.precision);
+    let mut trajectory = checker::trajectory(events, scenario.steps, &reference.0, tolerance);
+    let mut checks = std::mem::take(&mut trajectory.checks);
+    if let Some(why) = &run.stalled {
+        checks.insert(0, Check { name: "the job kept reporting".into(), passed: false, detail: why.clone() });
+    }
+    let scheduled = scenario.faults.len();
+    checks.push(checker::faults_applied(injected));
+    if injected.len() < scheduled {
+        checks.push(Check {
+            name: "every scheduled fault happened".into(),
+            passed: false,
+            detail: format!("{} of {scheduled} faults injected: the job ended first", injected.len()),
+        });
+    }
+    checks.push(checker::faults_hit_training(events, injected));
+    checks.push(checker::final_parameters(&run.final_params, &reference.1, tolerance));
+    if !scenario.inject_overflow_at.is_empty() {
+        checks.push(checker::overflows_skipped(events, &scenario.inject_overflow_at));
+    }
+    if !reference.2.is_empty() {
+        checks.push(checker::evaluations(events, &reference.2, tolerance));
+    }
+    checks.push(checker::checkpoints_load(events, injected));
+    checks.push(checker::progress_after_faults(events, injected, bound));
+    checks.push(checker::no_process_left(&run.pids));
+    checks.extend(checker::expected(&scenario.expect, events, injected, full_world, scenario.checkpoint_every));
+    let (detection_s, recovery_s) = checker::timings(events, injected);
+    Checked {
+        checks,
         recoveries: trajectory.recoveries,
-        detection_s,
-        undetected,
-        recovery_s,
         steps_redone: trajectory.steps_redone,
         data_lost: trajectory.data_lost,
-        bad_inputs,
-        checks,
-        injected: records,
-        links,
-    })
+        detection_s,
+        recovery_s,
+        undetected: checker::undetected(events, injected),
+        links: checker::link_effects(events, injected),
+    }
 }
 
 /// The job's events as the client saw them, one JSON object per line with `t_s` since the run started.
