@@ -10,6 +10,7 @@ pub mod catalog;
 pub mod cli;
 pub mod daemon;
 pub mod engine;
+pub mod error;
 pub mod node_config;
 pub mod progress;
 pub mod protocol;

@@ -4,13 +4,13 @@ use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context};
 use tokio::sync::mpsc::UnboundedReceiver;
 use troupe_cluster::control::{ControlEndpoint, ControlEvent, PeerRole};
-use troupe_cluster::{NodeIdentity, TransportConfig};
+use troupe_cluster::{ClusterError, NodeIdentity, TransportConfig};
 
 use super::Job;
-use crate::protocol::{ClusterStatus, JobEvent, JobId, JobInfo, Wire};
+use crate::error::{Error, Result};
+use crate::protocol::{ClusterStatus, JobEvent, JobId, JobInfo, JobState, Wire};
 
 /// How long a request waits for its reply.
 const REPLY_TIMEOUT_MS: u64 = 30_000;
@@ -35,14 +35,17 @@ pub struct Client {
 
 impl Client {
     /// Connects to the daemon at `addr` with `identity` (any certificate issued by the cluster CA, e.g.
-    /// `troupe cluster add-node admin`).
-    pub async fn connect(addr: SocketAddr, identity: &NodeIdentity) -> anyhow::Result<Client> {
+    /// `troupe cluster add-node admin`). Nothing listening there, or a certificate the daemon refuses, is
+    /// [`Error::Unreachable`].
+    pub async fn connect(addr: SocketAddr, identity: &NodeIdentity) -> Result<Client> {
         let local: SocketAddr = if addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().expect("valid");
         let config =
             TransportConfig { idle_timeout_ms: 10_000, keep_alive_interval_ms: 1_000, ..TransportConfig::default() };
-        let (endpoint, events) = ControlEndpoint::bind(identity, local, PeerRole::Client, &config)?;
-        let peer = endpoint.connect(addr).await.with_context(|| {
-            format!("connecting to the troupe daemon at {addr} (is it running? is the address right?)")
+        let (endpoint, events) = ControlEndpoint::bind(identity, local, PeerRole::Client, &config)
+            .map_err(|e| unreachable(addr, format!("opening a client endpoint to reach {addr}"), Some(e)))?;
+        let peer = endpoint.connect(addr).await.map_err(|e| {
+            let what = format!("connecting to the troupe daemon at {addr} (is it running? is the address right?)");
+            unreachable(addr, what, Some(e))
         })?;
         Ok(Client { endpoint, events, identity: identity.clone(), peer, addr, pending: VecDeque::new() })
     }
@@ -52,29 +55,44 @@ impl Client {
         (&self.peer, self.addr)
     }
 
-    async fn request(&mut self, msg: Wire) -> anyhow::Result<Wire> {
-        self.endpoint.send(&self.peer, 0, msg.encode()).await.with_context(|| format!("sending to {}", self.addr))?;
+    /// Sends `msg` and waits for the reply; the controller's refusals become the variant they mean
+    /// ([`Error::from_controller`]).
+    async fn request(&mut self, msg: Wire) -> Result<Wire> {
+        let addr = self.addr;
+        let sent = self.endpoint.send(&self.peer, 0, msg.encode()).await;
+        sent.map_err(|e| unreachable(addr, format!("sending to {addr}"), Some(e)))?;
         let deadline = tokio::time::Instant::now() + Duration::from_millis(REPLY_TIMEOUT_MS);
         loop {
             let event = tokio::time::timeout_at(deadline, self.events.recv())
                 .await
-                .map_err(|_| anyhow!("no reply from {} within {REPLY_TIMEOUT_MS} ms", self.addr))?;
+                .map_err(|_| unreachable(addr, format!("no reply from {addr} within {REPLY_TIMEOUT_MS} ms"), None))?;
             match event {
-                Some(ControlEvent::Message { body, .. }) => match Wire::decode(&body).map_err(|e| anyhow!(e))? {
-                    Wire::Event { job, seq, event } => self.pending.push_back((job, seq, event)),
-                    Wire::Error { message } => bail!("{message}"),
-                    reply => return Ok(reply),
-                },
-                Some(ControlEvent::Lost { reason, .. }) => bail!("lost the connection to {}: {reason}", self.addr),
-                Some(ControlEvent::Departed { .. }) => bail!("{} closed the connection", self.addr),
-                Some(ControlEvent::Connected { .. }) => {}
-                None => bail!("the client endpoint closed"),
+                Some(ControlEvent::Message { body, .. }) => {
+                    let undecodable = |e| Error::Protocol { addr, message: format!("an undecodable reply: {e}") };
+                    match Wire::decode(&body).map_err(undecodable)? {
+                        Wire::Event { job, seq, event } => self.pending.push_back((job, seq, event)),
+                        Wire::Error { message } => return Err(Error::from_controller(addr, message)),
+                        reply => return Ok(reply),
+                    }
+                }
+                Some(event) => {
+                    if let Some(lost) = connection_lost(addr, event) {
+                        return Err(lost);
+                    }
+                }
+                None => return Err(unreachable(addr, "the client endpoint closed".into(), None)),
             }
         }
     }
 
+    /// A reply this client did not ask for.
+    fn unexpected(&self, reply: Wire) -> Error {
+        let message = format!("unexpected reply {reply:?}; is it the same troupe version as this client?");
+        Error::Protocol { addr: self.addr, message }
+    }
+
     /// Sends `msg`; if the daemon is not the controller, reconnects to the controller and asks again.
-    async fn request_controller(&mut self, msg: Wire) -> anyhow::Result<Wire> {
+    async fn request_controller(&mut self, msg: Wire) -> Result<Wire> {
         for _ in 0..REDIRECTS_MAX {
             match self.request(msg.clone()).await? {
                 Wire::Redirect { leader } => {
@@ -85,56 +103,78 @@ impl Client {
                 reply => return Ok(reply),
             }
         }
-        bail!("too many redirects from {}", self.addr)
+        let message = format!("too many redirects (more than {REDIRECTS_MAX}): the daemons disagree on the controller");
+        Err(Error::Protocol { addr: self.addr, message })
     }
 
-    pub async fn status(&mut self) -> anyhow::Result<ClusterStatus> {
+    /// The cluster as the daemon this client talks to sees it.
+    pub async fn status(&mut self) -> Result<ClusterStatus> {
         match self.request(Wire::StatusRequest).await? {
             Wire::Status(s) => Ok(*s),
-            other => bail!("unexpected reply {other:?}"),
+            other => Err(self.unexpected(other)),
         }
     }
 
-    /// Submits `job`; the handle streams its events from now on.
-    pub async fn submit(mut self, job: Job) -> anyhow::Result<JobHandle> {
+    /// Submits `job`; the handle streams its events from now on. A job config the controller cannot run
+    /// is [`Error::Refused`], naming the config key.
+    pub async fn submit(mut self, job: Job) -> Result<JobHandle> {
         let spec = Box::new(job.into_spec());
         match self.request_controller(Wire::Submit { spec }).await? {
             Wire::Submitted { job } => Ok(JobHandle { id: job, client: self, done: false, next: 0 }),
-            other => bail!("unexpected reply {other:?}"),
+            other => Err(self.unexpected(other)),
         }
     }
 
-    pub async fn job_status(&mut self, job: JobId) -> anyhow::Result<JobInfo> {
+    /// The job's state as the controller has it; [`Error::NoSuchJob`] when it has no such job.
+    pub async fn job_status(&mut self, job: JobId) -> Result<JobInfo> {
         match self.request_controller(Wire::JobStatusRequest { job }).await? {
             Wire::JobStatus(info) => Ok(*info),
-            other => bail!("unexpected reply {other:?}"),
+            other => Err(self.unexpected(other)),
         }
     }
 
-    pub async fn cancel(&mut self, job: JobId) -> anyhow::Result<JobInfo> {
+    /// Asks the controller to cancel `job`; its state when the controller got the request (a `Cancelled`
+    /// event follows). [`Error::NoSuchJob`] when it has no such job.
+    pub async fn cancel(&mut self, job: JobId) -> Result<JobInfo> {
         match self.request_controller(Wire::Cancel { job }).await? {
             Wire::JobStatus(info) => Ok(*info),
-            other => bail!("unexpected reply {other:?}"),
+            other => Err(self.unexpected(other)),
         }
     }
 
     /// Follows a job submitted elsewhere (events from now on).
-    pub async fn watch(mut self, job: JobId) -> anyhow::Result<JobHandle> {
+    pub async fn watch(mut self, job: JobId) -> Result<JobHandle> {
         let info = self.watch_since(job, None).await?;
         Ok(JobHandle { id: job, client: self, done: info.state.is_terminal(), next: info.events })
     }
 
     /// Asks for the events of `job` numbered `since` and later (None: from now on); those already
     /// streamed arrive before the reply.
-    async fn watch_since(&mut self, job: JobId, since: Option<u64>) -> anyhow::Result<JobInfo> {
+    async fn watch_since(&mut self, job: JobId, since: Option<u64>) -> Result<JobInfo> {
         match self.request_controller(Wire::Watch { job, since }).await? {
             Wire::JobStatus(info) => Ok(*info),
-            other => bail!("unexpected reply {other:?}"),
+            other => Err(self.unexpected(other)),
         }
     }
 
     pub async fn close(self) {
         self.endpoint.close().await;
+    }
+}
+
+/// The daemon at `addr` could not be reached: `what` the client was doing, naming the address.
+fn unreachable(addr: SocketAddr, what: String, source: Option<ClusterError>) -> Error {
+    Error::Unreachable { addr, reason: what, source }
+}
+
+/// The error a lost or closed connection to `addr` is; None for events that are not a loss.
+fn connection_lost(addr: SocketAddr, event: ControlEvent) -> Option<Error> {
+    match event {
+        ControlEvent::Lost { reason, .. } => {
+            Some(unreachable(addr, format!("lost the connection to {addr}: {reason}"), None))
+        }
+        ControlEvent::Departed { .. } => Some(unreachable(addr, format!("{addr} closed the connection"), None)),
+        _ => None,
     }
 }
 
@@ -169,8 +209,11 @@ impl JobHandle {
         self.id
     }
 
-    /// The next event; `Ok(None)` after the terminal one (finished, failed, cancelled).
-    pub async fn next_event(&mut self) -> anyhow::Result<Option<JobEvent>> {
+    /// The next event; `Ok(None)` after the terminal one (finished, failed, cancelled). A failed or
+    /// cancelled job's end comes as an event here (`JobEvent::Failed`, `JobEvent::Cancelled`), not as an
+    /// error: errors are about the stream — [`Error::Unreachable`] when the controller stayed out of
+    /// reach for longer than the reconnection tries.
+    pub async fn next_event(&mut self) -> Result<Option<JobEvent>> {
         if self.done {
             return Ok(None);
         }
@@ -192,7 +235,7 @@ impl JobHandle {
                 Some(ControlEvent::Lost { reason, .. }) => self.reconnect(&reason).await?,
                 Some(ControlEvent::Departed { .. }) => self.reconnect("the controller closed the connection").await?,
                 Some(ControlEvent::Connected { .. }) => {}
-                None => bail!("the client endpoint closed"),
+                None => return Err(unreachable(self.client.addr, "the client endpoint closed".into(), None)),
             }
         };
         self.done = event.is_terminal();
@@ -202,7 +245,7 @@ impl JobHandle {
 
     /// Connects to the controller again and asks for the events from `self.next` on: the events of this
     /// job not yet yielded are dropped here and come again, in order, from the controller's log.
-    async fn reconnect(&mut self, reason: &str) -> anyhow::Result<()> {
+    async fn reconnect(&mut self, reason: &str) -> Result<()> {
         let (id, addr) = (self.id, self.client.addr);
         tracing::warn!(job = id, controller = %addr, %reason, "lost the connection to the controller; reconnecting");
         let started = tokio::time::Instant::now();
@@ -211,7 +254,7 @@ impl JobHandle {
             let tried = async {
                 let mut client = Client::connect(addr, &self.client.identity).await?;
                 client.watch_since(id, Some(self.next)).await?;
-                anyhow::Ok(client)
+                Ok::<_, Error>(client)
             };
             let last = match tried.await {
                 Ok(mut client) => {
@@ -228,40 +271,79 @@ impl JobHandle {
                 Err(e) => e,
             };
             if tokio::time::Instant::now() + RECONNECT_PAUSE > deadline {
-                bail!(
-                    "lost the connection to the controller {addr}: {reason}; reconnecting for {} s failed: {last:#}",
-                    RECONNECT_FOR.as_secs()
+                let why = format!(
+                    "lost the connection to the controller {addr}: {reason}; reconnecting for {} s failed: {}",
+                    RECONNECT_FOR.as_secs(),
+                    with_causes(&last)
                 );
+                return Err(unreachable(addr, why, None));
             }
             tokio::time::sleep(RECONNECT_PAUSE).await;
         }
     }
 
     /// Asks the controller to cancel the job; a `Cancelled` event follows.
-    pub async fn cancel(&mut self) -> anyhow::Result<()> {
+    pub async fn cancel(&mut self) -> Result<()> {
         self.client.cancel(self.id).await.map(|_| ())
     }
 
-    pub async fn status(&mut self) -> anyhow::Result<JobInfo> {
+    /// The job's state as the controller has it.
+    pub async fn status(&mut self) -> Result<JobInfo> {
         self.client.job_status(self.id).await
     }
 
-    /// Consumes events until the terminal one and returns it with the step events seen.
-    pub async fn wait(mut self) -> anyhow::Result<(JobEvent, Vec<JobEvent>)> {
+    /// Consumes the job's events until it ends. A job that finished gives its `JobEvent::Finished` and
+    /// the events before it, in order (steps, checkpoints, membership changes, …). A job that did not
+    /// finish is an error a program can match, and `?` passes on: [`Error::JobFailed`] with the
+    /// controller's reason, or [`Error::Cancelled`] — its events are dropped; read them with
+    /// [`JobHandle::next_event`], which yields `Failed` and `Cancelled` as events. A job already over
+    /// when watched ends the same way, from its status.
+    pub async fn wait(mut self) -> Result<(JobEvent, Vec<JobEvent>)> {
         let mut seen = Vec::new();
-        while let Some(event) = self.next_event().await? {
-            if event.is_terminal() {
-                self.client.close().await;
-                return Ok((event, seen));
+        let end = loop {
+            match self.next_event().await {
+                Ok(Some(event)) if event.is_terminal() => break Ok(event),
+                Ok(Some(event)) => seen.push(event),
+                Ok(None) => break self.client.job_status(self.id).await.map(|info| ended(&info)),
+                Err(e) => break Err(e),
             }
-            seen.push(event);
+        };
+        self.client.close().await;
+        match end? {
+            JobEvent::Failed { reason } => Err(Error::JobFailed { job: self.id, reason }),
+            JobEvent::Cancelled => Err(Error::Cancelled { job: self.id }),
+            finished => Ok((finished, seen)),
         }
-        bail!("job {} was already over when watched", self.id)
     }
 
     pub async fn close(self) {
         self.client.close().await;
     }
+}
+
+/// The terminal event of a job that ended, from its status.
+fn ended(info: &JobInfo) -> JobEvent {
+    match info.state {
+        JobState::Failed => {
+            JobEvent::Failed { reason: info.reason.clone().unwrap_or_else(|| "(no reason kept)".into()) }
+        }
+        JobState::Cancelled => JobEvent::Cancelled,
+        // A handle is over only once its job's state is terminal.
+        JobState::Finished | JobState::Waiting | JobState::Running => {
+            JobEvent::Finished { steps: info.step, final_loss: info.last_loss }
+        }
+    }
+}
+
+/// `error` and its causes on one line, as anyhow's `{:#}` prints them.
+fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(c) = cause {
+        text.push_str(&format!(": {c}"));
+        cause = c.source();
+    }
+    text
 }
 
 #[cfg(test)]

@@ -8,12 +8,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use anyhow::{bail, Context};
 use troupe_cluster::membership::MembershipConfig;
 use troupe_cluster::{add_node, init_cluster, NodeIdentity, TransportConfig};
 
 use super::Client;
 use crate::daemon::{Daemon, NodeConfig};
+use crate::error::{Error, Result};
 use crate::node_config::restart::RestartPolicy;
 use crate::protocol::ClusterStatus;
 use crate::telemetry::TelemetryConfig;
@@ -99,11 +99,11 @@ fn node_name(i: usize) -> String {
 
 impl LocalCluster {
     /// N daemons in this process (tokio tasks and actors; one QUIC endpoint each).
-    pub async fn in_process(nodes: usize) -> anyhow::Result<Self> {
+    pub async fn in_process(nodes: usize) -> Result<Self> {
         Self::in_process_with(LocalClusterOptions::new(nodes)).await
     }
 
-    pub async fn in_process_with(options: LocalClusterOptions) -> anyhow::Result<Self> {
+    pub async fn in_process_with(options: LocalClusterOptions) -> Result<Self> {
         let mut cluster = Self::without_nodes(&options, None)?;
         for i in 0..options.nodes {
             let config = cluster.node_config(i, &options);
@@ -118,7 +118,7 @@ impl LocalCluster {
     }
 
     /// N `troupe daemon` child processes of `binary`.
-    pub async fn processes(binary: &Path, options: LocalClusterOptions) -> anyhow::Result<Self> {
+    pub async fn processes(binary: &Path, options: LocalClusterOptions) -> Result<Self> {
         let mut cluster = Self::without_nodes(&options, Some(binary))?;
         for i in 0..options.nodes {
             cluster.spawn_child(i)?;
@@ -127,15 +127,18 @@ impl LocalCluster {
         Ok(cluster)
     }
 
-    fn spawn_child(&mut self, i: usize) -> anyhow::Result<()> {
-        let binary = self.binary.clone().context("not a cluster of processes")?;
+    fn spawn_child(&mut self, i: usize) -> Result<()> {
+        let nodes = self.nodes.len();
+        let binary = self.binary.clone().ok_or(Error::NoSuchNode { index: i, kind: "daemon process", nodes })?;
         let mut config = self.node_config(i, &self.options);
         if i == 0 && !self.nodes.is_empty() {
             // The controller comes back where the others dial it.
             config.listen = self.controller;
         }
         let path = self.dir.path().join(format!("{}.toml", node_name(i)));
-        std::fs::write(&path, toml::to_string(&config)?)?;
+        let text = toml::to_string(&config).map_err(|e| Error::start_because("writing a daemon's node config", e))?;
+        std::fs::write(&path, text)
+            .map_err(|e| Error::start_because(format!("writing the node config {}", path.display()), e))?;
         let stderr = match &self.options.log_dir {
             Some(dir) => {
                 let log = dir.join(format!("{}.log", node_name(i)));
@@ -143,7 +146,7 @@ impl LocalCluster {
                     .create(true)
                     .append(true)
                     .open(&log)
-                    .with_context(|| format!("opening the daemon log {}", log.display()))?;
+                    .map_err(|e| Error::start_because(format!("opening the daemon log {}", log.display()), e))?;
                 Stdio::from(file)
             }
             None => Stdio::inherit(),
@@ -171,14 +174,19 @@ impl LocalCluster {
     /// controller (node 0) comes back on its address and resumes its jobs from its catalog. Like
     /// `add_node`, it blocks until the daemon listens (about a second): from async code call it inside
     /// `tokio::task::block_in_place` or `spawn_blocking`, so the runtime's other tasks keep running.
-    pub fn restart_node(&mut self, i: usize) -> anyhow::Result<()> {
+    ///
+    /// [`Error::NoSuchNode`] when there is no daemon process `i`; [`Error::Start`] when it is still
+    /// running or does not start.
+    pub fn restart_node(&mut self, i: usize) -> Result<()> {
+        let nodes = self.nodes.len();
         match self.nodes.get_mut(i) {
             Some((name, _, Node::Child(child))) => {
-                if child.try_wait()?.is_none() {
-                    bail!("{name} is still running; stop it before restarting it");
+                let exited = child.try_wait().map_err(|e| Error::start_because(format!("restarting {name}"), e))?;
+                if exited.is_none() {
+                    return Err(Error::start(format!("{name} is still running; stop it before restarting it")));
                 }
             }
-            _ => bail!("no daemon process {i}"),
+            _ => return Err(Error::NoSuchNode { index: i, kind: "daemon process", nodes }),
         }
         self.spawn_child(i)
     }
@@ -190,9 +198,10 @@ impl LocalCluster {
 
     /// Starts one more daemon process (a node joining); returns its index. It is admitted at the next
     /// step boundary.
-    pub fn add_node(&mut self) -> anyhow::Result<usize> {
+    pub fn add_node(&mut self) -> Result<usize> {
         let i = self.nodes.len();
-        add_node(&node_name(i), &self.certs_dir())?;
+        let name = node_name(i);
+        add_node(&name, &self.certs_dir()).map_err(|e| Error::start_because(format!("certifying {name}"), e))?;
         self.spawn_child(i)?;
         Ok(i)
     }
@@ -224,11 +233,11 @@ impl LocalCluster {
     }
 
     /// The certificates of `options.nodes` daemons and a client, in a new temporary directory.
-    fn without_nodes(options: &LocalClusterOptions, binary: Option<&Path>) -> anyhow::Result<Self> {
+    fn without_nodes(options: &LocalClusterOptions, binary: Option<&Path>) -> Result<Self> {
         let (dir, client_identity) = Self::certificates(options.nodes)?;
         Ok(LocalCluster {
             dir,
-            controller: "127.0.0.1:0".parse()?,
+            controller: SocketAddr::from(([127, 0, 0, 1], 0)),
             nodes: Vec::new(),
             client_identity,
             options: options.clone(),
@@ -238,16 +247,20 @@ impl LocalCluster {
         })
     }
 
-    fn certificates(nodes: usize) -> anyhow::Result<(tempfile::TempDir, NodeIdentity)> {
-        let dir =
-            tempfile::Builder::new().prefix("troupe-local-").tempdir().context("creating a temporary directory")?;
+    fn certificates(nodes: usize) -> Result<(tempfile::TempDir, NodeIdentity)> {
+        let dir = tempfile::Builder::new()
+            .prefix("troupe-local-")
+            .tempdir()
+            .map_err(|e| Error::start_because("creating a temporary directory for the local cluster", e))?;
         let certs = dir.path().join("certs");
-        init_cluster(&certs)?;
+        let failed =
+            |e| Error::start_because(format!("making the local cluster's certificates in {}", certs.display()), e);
+        init_cluster(&certs).map_err(failed)?;
         for i in 0..nodes {
-            add_node(&node_name(i), &certs)?;
+            add_node(&node_name(i), &certs).map_err(failed)?;
         }
-        add_node(CLIENT_NAME, &certs)?;
-        let client = NodeIdentity::load(&certs, CLIENT_NAME)?;
+        add_node(CLIENT_NAME, &certs).map_err(failed)?;
+        let client = NodeIdentity::load(&certs, CLIENT_NAME).map_err(failed)?;
         Ok((dir, client))
     }
 
@@ -274,8 +287,8 @@ impl LocalCluster {
         }
     }
 
-    /// Waits until the controller's view has at least `n` members.
-    pub async fn wait_for_members(&self, n: usize) -> anyhow::Result<ClusterStatus> {
+    /// Waits until the controller's view has at least `n` members; [`Error::TimedOut`] after 30 s.
+    pub async fn wait_for_members(&self, n: usize) -> Result<ClusterStatus> {
         let deadline = tokio::time::Instant::now() + Duration::from_millis(FORM_TIMEOUT_MS);
         let mut client = self.client().await?;
         loop {
@@ -285,10 +298,9 @@ impl LocalCluster {
                 return Ok(status);
             }
             if tokio::time::Instant::now() > deadline {
-                bail!(
-                    "the local cluster did not form within {FORM_TIMEOUT_MS} ms: {} of {n} members",
-                    status.members.len()
-                );
+                client.close().await;
+                let what = format!("the local cluster did not form ({} of {n} members joined)", status.members.len());
+                return Err(Error::TimedOut { what, after: Duration::from_millis(FORM_TIMEOUT_MS) });
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -312,14 +324,15 @@ impl LocalCluster {
         self.dir.path().join("certs")
     }
 
-    /// A new client connection to daemon `i`.
-    pub async fn client_to(&self, i: usize) -> anyhow::Result<Client> {
-        let (_, addr, _) = self.nodes.get(i).context("no such node")?;
+    /// A new client connection to daemon `i`; [`Error::NoSuchNode`] past the last one.
+    pub async fn client_to(&self, i: usize) -> Result<Client> {
+        let nodes = self.nodes.len();
+        let (_, addr, _) = self.nodes.get(i).ok_or(Error::NoSuchNode { index: i, kind: "node", nodes })?;
         Client::connect(*addr, &self.client_identity).await
     }
 
     /// A new client connection to the controller.
-    pub async fn client(&self) -> anyhow::Result<Client> {
+    pub async fn client(&self) -> Result<Client> {
         Client::connect(self.controller, &self.client_identity).await
     }
 
@@ -377,7 +390,7 @@ fn spawn_daemon(
     log: Option<&str>,
     stderr: Stdio,
     serves_http: bool,
-) -> anyhow::Result<(Child, SocketAddr, Option<String>)> {
+) -> Result<(Child, SocketAddr, Option<String>)> {
     // The prefix must exec the daemon (as `ip netns exec` does), so that the child is the daemon.
     let mut command = match prefix.split_first() {
         Some((program, args)) => {
@@ -396,16 +409,21 @@ fn spawn_daemon(
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(stderr);
-    let mut child = command.spawn().with_context(|| format!("starting {} daemon", binary.display()))?;
+    let mut child =
+        command.spawn().map_err(|e| Error::start_because(format!("starting {} daemon", binary.display()), e))?;
     let stdout = child.stdout.take().expect("piped");
     let mut line = String::new();
     let mut reader = BufReader::new(stdout);
-    reader.read_line(&mut line).context("reading the daemon's address")?;
+    reader.read_line(&mut line).map_err(|e| Error::start_because("reading the daemon's address", e))?;
     let addr = line.trim().rsplit(' ').next().and_then(|a| a.parse().ok());
     let Some(addr) = addr else {
         let _ = child.kill();
         let status = child.wait();
-        bail!("daemon {} did not start (said {line:?}, exit {status:?}); see its log for the error", config.display());
+        let what = format!(
+            "daemon {} did not start (said {line:?}, exit {status:?}); see its log for the error",
+            config.display()
+        );
+        return Err(Error::start(what));
     };
     let mut dashboard = None;
     while serves_http && dashboard.is_none() {

@@ -17,6 +17,7 @@ mod client;
 mod job;
 mod local;
 
+pub use crate::error::{Error, Result};
 pub use client::{Client, JobHandle};
 pub use job::Job;
 pub use local::{LocalCluster, LocalClusterOptions, NodeHost};

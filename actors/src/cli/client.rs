@@ -62,7 +62,7 @@ impl ClusterArgs {
             _ => bail!("which certificate? pass --certs DIR --as NAME (see `troupe cluster add-node`) or --node-config node.toml"),
         };
         let identity = NodeIdentity::load(&certs, &name)?;
-        Client::connect(addr, &identity).await
+        Ok(Client::connect(addr, &identity).await?)
     }
 }
 

@@ -15,6 +15,7 @@ use troupe_cluster::NodeIdentity;
 pub use crate::catalog::{Catalog, StoredJob, StoredView};
 pub use crate::node_config::{NodeConfig, NodeConfigError, SLOTS_MAX};
 
+use crate::error::{Error, Result};
 use crate::protocol::ClusterStatus;
 use crate::runtime::node::{actor_scope, NodeActor, NodeArgs, NodeMsg};
 use crate::runtime::worker::WorkerMsg;
@@ -38,31 +39,36 @@ pub struct Daemon {
 
 impl Daemon {
     /// Loads the certificates, opens the metadata catalog, binds the listen address and starts the
-    /// node actor (and its workers).
-    pub async fn start(config: NodeConfig) -> anyhow::Result<Daemon> {
+    /// node actor (and its workers). A bad `config` is [`Error::Config`]; certificates, a catalog, an
+    /// address or a dashboard it cannot use are [`Error::Start`], naming the node.toml key.
+    pub async fn start(config: NodeConfig) -> Result<Daemon> {
         config.validate("node config")?;
-        let identity = NodeIdentity::load(&config.certs, &config.name).with_context(|| {
-            format!("loading the certificates of node {:?} from {}", config.name, config.certs.display())
+        let identity = NodeIdentity::load(&config.certs, &config.name).map_err(|e| {
+            let what = format!("loading the certificates of node {:?} from {}", config.name, config.certs.display());
+            Error::start_because(what, e)
         })?;
-        let catalog = Catalog::open(&config.data_dir)?;
+        let catalog = Catalog::open(&config.data_dir).map_err(catalog_error)?;
         troupe_model::trainer::configure_torch_threads(config.torch_threads, config.slots as usize);
-        let incarnation = catalog.next_incarnation()?;
+        let incarnation = catalog.next_incarnation().map_err(catalog_error)?;
         tracing::info!(node = %config.name, incarnation, "starting");
         let (endpoint, events) = ControlEndpoint::bind(&identity, config.listen, PeerRole::Node, &config.transport)
             .map_err(|e| address_error(&config.listen, e))?;
         let addr = endpoint.local_addr();
         let listener = match config.telemetry.metrics_listen {
             Some(at) => Some(http::bind(at).map_err(|e| {
-                anyhow::anyhow!(
+                Error::start(format!(
                     "telemetry.metrics_listen = {at}: {e}; pick a free port in node.toml (or leave the key out)"
-                )
+                ))
             })?),
             None => None,
         };
         let (secure, auth) = (config.telemetry.dashboard_tls, config.telemetry.dashboard_auth);
         let tls = if secure || auth {
             Some(http::server_tls(&identity, auth).map_err(|e| {
-                anyhow::anyhow!("telemetry.dashboard_tls: serving https with node {}'s certificate: {e}", config.name)
+                Error::start(format!(
+                    "telemetry.dashboard_tls: serving https with node {}'s certificate: {e}",
+                    config.name
+                ))
             })?)
         } else {
             None
@@ -83,7 +89,7 @@ impl Daemon {
         };
         let (node, handle) = Actor::spawn(Some(format!("{}/node", actor_scope(&name, addr))), NodeActor, args)
             .await
-            .map_err(|e| anyhow::anyhow!("starting node {name}: {e}"))?;
+            .map_err(|e| Error::start(format!("starting node {name}: {e}")))?;
         let http = match listener {
             Some(l) => {
                 let asked = node.clone();
@@ -91,7 +97,9 @@ impl Daemon {
                     let node = asked.clone();
                     async move { ractor::call!(node, NodeMsg::Status).map_err(|e| e.to_string()) }
                 });
-                Some((l.local_addr()?, endpoint::spawn(l, source, metrics, tls)))
+                let at =
+                    l.local_addr().map_err(|e| Error::start_because("telemetry.metrics_listen: its address", e))?;
+                Some((at, endpoint::spawn(l, source, metrics, tls)))
             }
             None => None,
         };
@@ -117,8 +125,13 @@ impl Daemon {
         }
     }
 
-    pub async fn status(&self) -> anyhow::Result<ClusterStatus> {
-        ractor::call!(self.node, NodeMsg::Status).map_err(|e| anyhow::anyhow!("node {} is not running: {e}", self.name))
+    /// The cluster as this node sees it; [`Error::NotRunning`] once it stopped.
+    pub async fn status(&self) -> Result<ClusterStatus> {
+        ractor::call!(self.node, NodeMsg::Status).map_err(|e| self.not_running(e))
+    }
+
+    fn not_running(&self, e: impl std::fmt::Display) -> Error {
+        Error::NotRunning { node: self.name.clone(), reason: e.to_string() }
     }
 
     /// The worker actor of `slot` (fault injection in tests).
@@ -126,16 +139,16 @@ impl Daemon {
         ractor::call!(self.node, NodeMsg::Worker, slot).ok().flatten()
     }
 
-    /// Leaves the cluster cleanly and stops.
-    pub async fn drain(mut self) -> anyhow::Result<()> {
+    /// Leaves the cluster cleanly and stops; [`Error::NotRunning`] if it had stopped already.
+    pub async fn drain(mut self) -> Result<()> {
         self.stop_http();
         let drained = ractor::call!(self.node, NodeMsg::Drain);
-        let _ = tokio::time::timeout(Duration::from_millis(DRAIN_TIMEOUT_MS), self.handle).await;
-        drained.map_err(|e| anyhow::anyhow!("draining node {}: {e}", self.name))
+        let _ = tokio::time::timeout(Duration::from_millis(DRAIN_TIMEOUT_MS), &mut self.handle).await;
+        drained.map_err(|e| self.not_running(format!("draining it: {e}")))
     }
 
-    /// Waits until the node stops; an error if it stopped because a child kept failing (escalation).
-    pub async fn wait(mut self) -> anyhow::Result<()> {
+    /// Waits until the node stops; [`Error::Escalated`] if it stopped because a child kept failing.
+    pub async fn wait(mut self) -> Result<()> {
         let _ = (&mut self.handle).await;
         self.stop_http();
         self.stop_error()
@@ -146,9 +159,9 @@ impl Daemon {
         self.stop_reason.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    fn stop_error(&self) -> anyhow::Result<()> {
+    fn stop_error(&self) -> Result<()> {
         match self.stop_reason.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-            Some(why) => Err(anyhow::anyhow!("node {} stopped: {why}", self.name)),
+            Some(why) => Err(Error::Escalated { node: self.name.clone(), reason: why.clone() }),
             None => Ok(()),
         }
     }
@@ -158,13 +171,18 @@ impl Daemon {
     }
 }
 
-fn address_error(addr: &SocketAddr, e: troupe_cluster::ClusterError) -> anyhow::Error {
+fn address_error(addr: &SocketAddr, e: troupe_cluster::ClusterError) -> Error {
     let text = e.to_string();
     if text.contains("in use") {
-        anyhow::anyhow!("listen = {addr}: the address is in use (another daemon?); pick a free port in node.toml")
+        Error::start(format!("listen = {addr}: the address is in use (another daemon?); pick a free port in node.toml"))
     } else {
-        anyhow::anyhow!("listen = {addr}: {text}")
+        Error::start(format!("listen = {addr}: {text}"))
     }
+}
+
+/// The catalog's errors name its file, or `data_dir` and the fix; causes on the same line.
+fn catalog_error(e: anyhow::Error) -> Error {
+    Error::start(format!("{e:#}"))
 }
 
 /// `troupe daemon --config node.toml`. With `exit_with_parent` (set by the local cluster), the daemon
@@ -206,11 +224,11 @@ pub fn run(config_path: &Path, exit_with_parent: bool, json: bool) -> anyhow::Re
         tokio::select! {
             _ = term.recv() => {}
             _ = tokio::signal::ctrl_c() => {}
-            _ = wait_stopped(&daemon) => return daemon.stop_error(),
+            _ = wait_stopped(&daemon) => return Ok(daemon.stop_error()?),
             _ = parent_gone(exit_with_parent) => tracing::warn!(node = daemon.name(), "the parent process died"),
         }
         tracing::info!(node = daemon.name(), "draining");
-        daemon.drain().await
+        Ok(daemon.drain().await?)
     })
 }
 
