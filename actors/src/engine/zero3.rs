@@ -301,6 +301,28 @@ async fn alongside<C, R>(
     }
 }
 
+/// What the forward through the embeddings and blocks leaves for the head and the backward.
+struct BodyForward {
+    /// Each unit's keep for its backward, in forward order (none without a micro-batch).
+    kept: Vec<Kept>,
+    /// The last block's output, the head's input (None without a micro-batch).
+    output: Option<Tensor>,
+    /// The head's gathered parameters.
+    head_params: Vec<Tensor>,
+}
+
+/// What the head leaves for the backward through the blocks and the embeddings.
+struct HeadDone {
+    /// The micro-batch's mean loss (0 without one).
+    loss: f64,
+    /// The gradient of the head's input (None without a micro-batch).
+    grad: Option<Tensor>,
+    /// The head's parameters holding their gradients, to reduce (None without a micro-batch).
+    params: Option<Vec<Tensor>>,
+    /// (recompute) The last block's parameters, gathered for its backward.
+    prefetched: Option<Vec<Tensor>>,
+}
+
 /// One micro-batch round (`batch` None: this rank has no micro-batch left and only takes part in the
 /// collectives). Returns the micro-batch's mean loss (0 without one).
 ///
@@ -320,9 +342,26 @@ async fn micro_batch<T: Transport>(
     let model = Model { config: config.clone(), precision };
     let recompute = activations == Activations::Recompute;
     let (head, body) = units.split_last().expect("the model has a head");
-    let first = body.first().expect("the model has embeddings");
+    let last = body.last().expect("the model has embeddings");
+    let (BodyForward { kept, output, head_params }, batch) =
+        forward_body(ex, &model, (body, head), batch, activations).await?;
+    let (head_done, batch) = forward_head(ex, &model, last, (output, head_params), batch, recompute).await?;
+    let loss = head_done.loss;
+    backward_body(ex, &model, (body, head), kept, head_done, batch, recompute).await?;
+    Ok(loss)
+}
 
-    // Forward through the embeddings and blocks, each unit's compute beside the next unit's gather.
+/// The forward through the embeddings and blocks, each unit's compute beside the gather of the unit
+/// after it (the head after the last block); without a micro-batch only the gathers. Gives `batch` back
+/// (owned, not borrowed, across the awaits: a `Tensor` is not `Sync`).
+async fn forward_body<T: Transport>(
+    ex: &mut Exchange<'_, T>,
+    model: &Model,
+    (body, head): (&[Unit], &Unit),
+    batch: Option<Batch>,
+    activations: Activations,
+) -> Result<(BodyForward, Option<Batch>), ClusterError> {
+    let first = body.first().expect("the model has embeddings");
     let mut kept: Vec<Kept> = Vec::with_capacity(body.len());
     let mut x: Option<Tensor> = None;
     let mut params = ex.gather(first).await?;
@@ -350,12 +389,22 @@ async fn micro_batch<T: Transport>(
         kept.push(keep);
         params = gathered?;
     }
+    Ok((BodyForward { kept, output: x, head_params: params }, batch))
+}
 
-    // The head and the loss, beside (recompute) the gather of the last block for its backward.
-    let head_params = params;
+/// The head and the loss (and the loss's backward into the head, scaled by the backward weight), beside
+/// (recompute) the gather of the last block for its backward. Gives `batch` back.
+async fn forward_head<T: Transport>(
+    ex: &mut Exchange<'_, T>,
+    model: &Model,
+    last: &Unit,
+    (input, head_params): (Option<Tensor>, Vec<Tensor>),
+    batch: Option<Batch>,
+    recompute: bool,
+) -> Result<(HeadDone, Option<Batch>), ClusterError> {
     let head_compute = batch.as_ref().map(|batch| {
         let (model, targets) = (model.clone(), batch.targets.shallow_clone());
-        let (input, scale) = (x.take().expect("the head's input"), batch.backward_weight);
+        let (input, scale) = (input.expect("the head's input"), batch.backward_weight);
         on_thread(move || {
             let input = leaf(&input);
             let logits = model::head(&model.config, model.precision, &head_params, &input);
@@ -364,7 +413,6 @@ async fn micro_batch<T: Transport>(
             (micro_loss.double_value(&[]), input.grad(), head_params)
         })
     });
-    let last = body.last().expect("the model has embeddings");
     let prefetch_last = async {
         match recompute {
             true => ex.gather(last).await.map(Some),
@@ -372,17 +420,28 @@ async fn micro_batch<T: Transport>(
         }
     };
     let (head_done, prefetched) = alongside(head_compute, prefetch_last).await?;
-    let (loss, mut grad, head_params) = match head_done {
-        Some((loss, grad, params)) => (loss, Some(grad), Some(params)),
-        None => (0.0, None, None),
+    let done = match head_done {
+        Some((loss, grad, params)) => HeadDone { loss, grad: Some(grad), params: Some(params), prefetched },
+        None => HeadDone { loss: 0.0, grad: None, params: None, prefetched },
     };
+    Ok((done, batch))
+}
 
-    // Backward through the blocks and the embeddings, last first: each unit's backward beside the
-    // reduce of the unit after it and (recompute) the gather of the unit before it.
+/// The backward through the blocks and the embeddings, last first: each unit's backward beside the
+/// reduce of the unit after it (the head first) and (recompute) the gather of the unit before it; then
+/// the reduce of the embeddings.
+async fn backward_body<T: Transport>(
+    ex: &mut Exchange<'_, T>,
+    model: &Model,
+    (body, head): (&[Unit], &Unit),
+    mut kept: Vec<Kept>,
+    HeadDone { mut grad, params: head_params, mut prefetched, .. }: HeadDone,
+    batch: Option<Batch>,
+    recompute: bool,
+) -> Result<(), ClusterError> {
     let mut pending: (&Unit, Option<Vec<Tensor>>) = (head, head_params);
-    let mut prefetched = prefetched;
     // With `[peft]` the first units may train nothing: no backward through them.
-    let trains = troupe_model::blockwise::needs_backward(config);
+    let trains = troupe_model::blockwise::needs_backward(&model.config);
     for (i, unit) in body.iter().enumerate().rev() {
         let trains = trains[i];
         let gathered = prefetched.take();
@@ -424,8 +483,7 @@ async fn micro_batch<T: Transport>(
         prefetched = next;
     }
     let (unit, params) = pending;
-    ex.reduce(unit, params).await?;
-    Ok(loss)
+    ex.reduce(unit, params).await
 }
 
 #[cfg(test)]

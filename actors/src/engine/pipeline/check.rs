@@ -211,7 +211,14 @@ fn required_ops(shape: &PlanShape, splits: bool) -> Vec<Op> {
     ops
 }
 
+/// Checks the plan's structure, then runs it on a simulated clock under `costs`.
 fn execute(plan: &Plan, costs: &Costs) -> Result<Execution, PlanError> {
+    check_structure(plan)?;
+    run_clocked(plan, costs)
+}
+
+/// One op list per device, each op placed where it may run, none twice, none of the shape's missing.
+fn check_structure(plan: &Plan) -> Result<(), PlanError> {
     let shape = &plan.shape;
     let splits = plan.kind.splits_backward();
     let devices = plan.devices.len();
@@ -219,7 +226,6 @@ fn execute(plan: &Plan, costs: &Costs) -> Result<Execution, PlanError> {
         let op = Op::new(OpKind::Forward, shape.chunk_at(devices.min(shape.stages - 1), 0), 0);
         return Err(PlanError::Missing { op });
     }
-    // Structure: placement, duplicates, completeness.
     let mut seen = HashSet::new();
     for (device, ops) in plan.devices.iter().enumerate() {
         for &op in ops {
@@ -232,16 +238,36 @@ fn execute(plan: &Plan, costs: &Costs) -> Result<Execution, PlanError> {
     if let Some(op) = required_ops(shape, splits).into_iter().find(|op| !seen.contains(op)) {
         return Err(PlanError::Missing { op });
     }
+    Ok(())
+}
 
-    // Execution: each device runs its list in order; a receive waits for its send.
-    let v = shape.virtual_stages as f64;
-    let cost = |kind: OpKind| match kind {
+/// The time an op of `kind` takes on a chunk (`costs` are a whole stage's, of `virtual_stages` chunks).
+fn op_cost(costs: &Costs, virtual_stages: usize, kind: OpKind) -> f64 {
+    let v = virtual_stages as f64;
+    match kind {
         OpKind::Forward => costs.forward / v,
         OpKind::Backward => (costs.backward_input + costs.backward_weight) / v,
         OpKind::BackwardInput => costs.backward_input / v,
         OpKind::BackwardWeight => costs.backward_weight / v,
         _ => 0.0,
-    };
+    }
+}
+
+/// The send a receive of `kind` waits for (None: `kind` is no receive).
+fn awaited_send(kind: OpKind) -> Option<OpKind> {
+    match kind {
+        OpKind::RecvActivation => Some(OpKind::SendActivation),
+        OpKind::RecvGradient => Some(OpKind::SendGradient),
+        _ => None,
+    }
+}
+
+/// Runs a structurally valid plan: each device runs its list in order, an op once its local needs ran
+/// (and a receive once its send arrived); the timeline and each device's peak of held activations.
+fn run_clocked(plan: &Plan, costs: &Costs) -> Result<Execution, PlanError> {
+    let shape = &plan.shape;
+    let splits = plan.kind.splits_backward();
+    let devices = plan.devices.len();
     let mut pc = vec![0usize; devices];
     let mut clock = vec![0.0f64; devices];
     let mut done: Vec<HashMap<Op, f64>> = vec![HashMap::new(); devices];
@@ -261,18 +287,13 @@ fn execute(plan: &Plan, costs: &Costs) -> Result<Execution, PlanError> {
                         None => return Err(PlanError::DependencyViolated { device, op, needs }),
                     }
                 }
-                let message = match op.kind {
-                    OpKind::RecvActivation => Some(OpKind::SendActivation),
-                    OpKind::RecvGradient => Some(OpKind::SendGradient),
-                    _ => None,
-                };
-                if let Some(send) = message {
+                if let Some(send) = awaited_send(op.kind) {
                     match sent.get(&(send, op.chunk, op.microbatch)) {
                         Some(&at) => ready = ready.max(at + costs.message),
                         None => break, // blocked
                     }
                 }
-                let end = ready + cost(op.kind);
+                let end = ready + op_cost(costs, shape.virtual_stages, op.kind);
                 match op.kind {
                     OpKind::SendActivation | OpKind::SendGradient => {
                         sent.insert((op.kind, op.chunk, op.microbatch), end);

@@ -246,6 +246,44 @@ struct StageShard {
 }
 
 impl StageShard {
+    /// Replica `replica` of `replicas`' shard of the device's `params` (in flat order, described by
+    /// `specs`): its owned part, then its copies of `kept` buddies' parts, each with the parameters'
+    /// values as masters and zero moments and gradient.
+    fn new(
+        mode: ShardMode,
+        (replica, replicas): (usize, usize),
+        kept: usize,
+        params: &[Tensor],
+        specs: &[ParamSpec],
+    ) -> Self {
+        let (numels, decays): (Vec<usize>, Vec<bool>) = specs.iter().map(|s| (s.numel(), s.decays())).unzip();
+        let total = numels.iter().sum();
+        let mut all = Vec::with_capacity(total);
+        append_flat(params, &mut all);
+        let parts = std::iter::once(replica)
+            .chain(buddies(replica, replicas, kept))
+            .map(|owner| {
+                let range = chunk_range(total, replicas, owner);
+                let n = range.len();
+                HeldPart {
+                    owner,
+                    segments: plan_segments(&numels, &decays, &range),
+                    master: all[range.clone()].to_vec(),
+                    exp_avg: vec![0.0; n],
+                    exp_avg_sq: vec![0.0; n],
+                    grad: vec![0.0; n],
+                    range,
+                }
+            })
+            .collect();
+        StageShard {
+            mode,
+            parts,
+            params_stale: false,
+            released_specs: (mode == ShardMode::Zero3).then(|| specs.to_vec()),
+        }
+    }
+
     /// The part this replica owns.
     fn own(&self) -> &HeldPart {
         &self.parts[0]
@@ -264,6 +302,46 @@ struct HeldPart {
     exp_avg: Vec<f32>,
     exp_avg_sq: Vec<f32>,
     grad: Vec<f32>,
+}
+
+/// A device's chunks, its parameters (in its chunks' order) and their specs.
+type DeviceParams = (Vec<LocalChunk>, Vec<ParamSpec>, Vec<Tensor>);
+
+/// The chunks `device` holds, in virtual-stage order, with their parameters (initialised from
+/// `train.seed`, requiring grad) and those parameters' specs.
+fn init_chunks(
+    config: &JobConfig,
+    shape: PlanShape,
+    layouts: &[ChunkLayout],
+    device: usize,
+) -> Result<DeviceParams, PipelineError> {
+    let all_specs = param_specs(&config.model);
+    let (mut chunks, mut specs, mut params) = (Vec::new(), Vec::new(), Vec::new());
+    for v in 0..shape.virtual_stages {
+        let chunk = shape.chunk_at(device, v);
+        let layout = layouts[chunk].clone();
+        let start = params.len();
+        let initial = initial_values(&config.model, config.train.seed, layout.params.clone())
+            .map_err(|e| PipelineError::Train(e.into()))?;
+        for (index, values) in layout.params.clone().zip(initial) {
+            let spec = &all_specs[index];
+            params.push(Tensor::from_slice(&values).view(spec.shape.as_slice()).set_requires_grad(true));
+            specs.push(spec.clone());
+        }
+        chunks.push(LocalChunk { chunk, layout, local: start..params.len() });
+    }
+    Ok((chunks, specs, params))
+}
+
+/// The corpus's sampler when the device holds the first or the last chunk (which read tokens or
+/// targets), else None.
+fn load_sampler(config: &JobConfig, chunks: &[LocalChunk]) -> Result<Option<GlobalSampler>, PipelineError> {
+    let ends = chunks.iter().any(|c| c.layout.embed || c.layout.head);
+    if !ends {
+        return Ok(None);
+    }
+    let corpus = load_corpus(&config.data, &config.model).map_err(TrainError::from)?;
+    Ok(Some(GlobalSampler::new(config.train.seed, corpus, config.model.context)))
 }
 
 impl<T: Transport> PipelineStage<T> {
@@ -291,66 +369,22 @@ impl<T: Transport> PipelineStage<T> {
         if shape.microbatches > slice.len() {
             return Err(PipelineError::TooManyMicrobatches { microbatches: shape.microbatches, samples: slice.len() });
         }
-        let all_specs = param_specs(&config.model);
-        let (mut chunks, mut specs, mut params) = (Vec::new(), Vec::new(), Vec::new());
-        for v in 0..shape.virtual_stages {
-            let chunk = shape.chunk_at(device, v);
-            let layout = layouts[chunk].clone();
-            let start = params.len();
-            let initial = initial_values(&config.model, config.train.seed, layout.params.clone())
-                .map_err(|e| PipelineError::Train(e.into()))?;
-            for (index, values) in layout.params.clone().zip(initial) {
-                let spec = &all_specs[index];
-                params.push(Tensor::from_slice(&values).view(spec.shape.as_slice()).set_requires_grad(true));
-                specs.push(spec.clone());
-            }
-            chunks.push(LocalChunk { chunk, layout, local: start..params.len() });
-        }
+        let (chunks, specs, params) = init_chunks(&config, shape, layouts, device)?;
         let decays = specs.iter().map(ParamSpec::decays).collect();
         let mut optimizer = AdamW::new(AdamWConfig::from(&config.train), &params, decays);
         let shard = match (ShardMode::of_config(&config.parallel.shard), &data_parallel) {
             (Some(mode), Some(group)) if group.comm.world() > 1 => {
-                let (numels, decays): (Vec<usize>, Vec<bool>) = specs.iter().map(|s| (s.numel(), s.decays())).unzip();
-                let total = numels.iter().sum();
                 let (replica, replicas) = (group.comm.rank(), group.comm.world());
                 let kept = copies_kept(config.checkpoint.replicas, shape.virtual_stages).min(replicas - 1);
-                let mut all = Vec::with_capacity(total);
-                append_flat(&params, &mut all);
-                let parts = std::iter::once(replica)
-                    .chain(buddies(replica, replicas, kept))
-                    .map(|owner| {
-                        let range = chunk_range(total, replicas, owner);
-                        let n = range.len();
-                        HeldPart {
-                            owner,
-                            segments: plan_segments(&numels, &decays, &range),
-                            master: all[range.clone()].to_vec(),
-                            exp_avg: vec![0.0; n],
-                            exp_avg_sq: vec![0.0; n],
-                            grad: vec![0.0; n],
-                            range,
-                        }
-                    })
-                    .collect();
+                let shard = StageShard::new(mode, (replica, replicas), kept, &params, &specs);
                 // The moments live in the shard: the optimizer's per-parameter ones are dropped.
                 optimizer.exp_avg.clear();
                 optimizer.exp_avg_sq.clear();
-                Some(StageShard {
-                    mode,
-                    parts,
-                    params_stale: false,
-                    released_specs: (mode == ShardMode::Zero3).then(|| specs.clone()),
-                })
+                Some(shard)
             }
             _ => None,
         };
-        let ends = chunks.iter().any(|c| c.layout.embed || c.layout.head);
-        let sampler = if ends {
-            let corpus = load_corpus(&config.data, &config.model).map_err(TrainError::from)?;
-            Some(GlobalSampler::new(config.train.seed, corpus, config.model.context))
-        } else {
-            None
-        };
+        let sampler = load_sampler(&config, &chunks)?;
         // Every parameter gets a gradient tensor, accumulated into in place.
         materialise_grads(&params);
         let tied = Tied::of(&config, shape, device)?;
