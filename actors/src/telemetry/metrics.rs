@@ -182,62 +182,7 @@ impl NodeMetrics {
         let Some(m) = state.jobs.get_mut(&job) else { return };
         m.history.record(event);
         match event {
-            JobEvent::Step { step, loss, tokens_per_s, world, epoch, skipped, loss_scale, bubble, .. } => {
-                if otel::enabled() {
-                    let seconds = if *tokens_per_s > 0.0 { m.tokens_per_step / tokens_per_s } else { 0.0 };
-                    let end = SystemTime::now();
-                    let start = end.checked_sub(Duration::from_secs_f64(seconds)).unwrap_or(end);
-                    let attributes = vec![
-                        KeyValue::new("troupe.job", job as i64),
-                        KeyValue::new("troupe.step", *step as i64),
-                        KeyValue::new("troupe.epoch", *epoch as i64),
-                        KeyValue::new("troupe.world", *world as i64),
-                        KeyValue::new("troupe.loss", *loss),
-                    ];
-                    otel::export_job_step(m.trace_seed, job, *step, start, end, attributes);
-                }
-                m.commits += 1;
-                m.skipped_steps += u64::from(*skipped);
-                m.loss_scale = Some(*loss_scale);
-                m.world = *world;
-                m.tokens_per_s = Some(*tokens_per_s);
-                m.bubble = *bubble;
-                let step_seconds = (*tokens_per_s > 0.0).then(|| m.tokens_per_step / tokens_per_s);
-                if let Some(seconds) = step_seconds {
-                    m.step_seconds.observe(seconds);
-                }
-                let recovery = m.interrupted_at.take().map(|at| now.duration_since(at).as_secs_f64());
-                if let Some(seconds) = recovery {
-                    m.recovery_seconds.observe(seconds);
-                }
-                if let Some((from, changes)) = m.interrupted.take() {
-                    let attributes = vec![
-                        KeyValue::new("troupe.job", job as i64),
-                        KeyValue::new("troupe.epoch", *epoch as i64),
-                        KeyValue::new("troupe.world", *world as i64),
-                        KeyValue::new("troupe.changes", changes.join("; ")),
-                    ];
-                    otel::export_job_span("recovery", from, SystemTime::now(), attributes);
-                }
-                if let Some(i) = otel_metrics::instruments() {
-                    let attrs = otel_metrics::job_attributes(job, &m.name);
-                    i.steps_committed.add(1, &attrs);
-                    step_seconds.inspect(|s| i.step_seconds.record(*s, &attrs));
-                    recovery.inspect(|s| i.recovery_seconds.record(*s, &attrs));
-                    i.tokens_per_second.record(*tokens_per_s, &attrs);
-                    i.model_flops_per_second.record(tokens_per_s * m.train_flops_per_token, &attrs);
-                    if let Some(mfu) = self.mfu(m) {
-                        i.mfu.record(mfu, &attrs);
-                    }
-                    bubble.inspect(|b| i.bubble.record(*b, &attrs));
-                    if loss.is_finite() {
-                        i.loss.record(*loss, &attrs);
-                    }
-                    if *skipped {
-                        i.skipped_steps.add(1, &attrs);
-                    }
-                }
-            }
+            JobEvent::Step { .. } => self.record_step(job, m, event, now),
             JobEvent::Started { world, .. } => m.world = *world,
             JobEvent::Membership { world, changes, .. } => {
                 m.world = *world;
@@ -248,41 +193,67 @@ impl NodeMetrics {
                 m.world = *world;
                 m.recoveries += 1;
             }
-            JobEvent::Checkpoint { seconds, bytes, .. } => {
-                m.checkpoint_seconds.observe(*seconds);
-                m.checkpoint_bytes += bytes;
-                let rate = (*bytes > 0 && *seconds > 0.0).then(|| *bytes as f64 / seconds);
-                if rate.is_some() {
-                    m.checkpoint_bytes_per_second = rate;
-                }
-                if let Some(i) = otel_metrics::instruments() {
-                    let attrs = otel_metrics::job_attributes(job, &m.name);
-                    i.checkpoint_seconds.record(*seconds, &attrs);
-                    i.checkpoint_bytes.add(*bytes, &attrs);
-                    rate.inspect(|r| i.checkpoint_bytes_per_second.record(*r, &attrs));
-                }
-            }
+            JobEvent::Checkpoint { seconds, bytes, .. } => record_checkpoint(job, m, *seconds, *bytes),
             JobEvent::Eval { loss, .. } => m.eval_loss = Some(*loss),
             JobEvent::RolledBack { .. } => m.rollbacks += 1,
             JobEvent::Finished { .. } | JobEvent::Failed { .. } | JobEvent::Cancelled => {
-                let outcome = if let JobEvent::Failed { .. } = event {
-                    "failed"
-                } else if let JobEvent::Cancelled = event {
-                    "cancelled"
-                } else {
-                    "finished"
-                };
-                let attributes = vec![
-                    KeyValue::new("troupe.job", job as i64),
-                    KeyValue::new("troupe.job.name", m.name.clone()),
-                    KeyValue::new("troupe.outcome", outcome),
-                    KeyValue::new("troupe.steps_committed", m.commits as i64),
-                ];
-                otel::export_job_span("job", m.submitted, SystemTime::now(), attributes);
+                export_job_span(job, m, event);
                 m.ended = true;
                 Self::forget_old_histories(&mut state);
             }
             _ => {}
+        }
+    }
+
+    /// A committed step (`event`, a [`JobEvent::Step`]): its span, the job's figures, the end of the
+    /// interruption in progress (its recovery span) and the OpenTelemetry instruments.
+    fn record_step(&self, job: JobId, m: &mut JobMetrics, event: &JobEvent, now: Instant) {
+        let JobEvent::Step { step, loss, tokens_per_s, world, epoch, skipped, loss_scale, bubble, .. } = *event else {
+            return;
+        };
+        if otel::enabled() {
+            export_step_span(job, m, (step, epoch, world), (loss, tokens_per_s));
+        }
+        m.commits += 1;
+        m.skipped_steps += u64::from(skipped);
+        m.loss_scale = Some(loss_scale);
+        m.world = world;
+        m.tokens_per_s = Some(tokens_per_s);
+        m.bubble = bubble;
+        let step_seconds = (tokens_per_s > 0.0).then(|| m.tokens_per_step / tokens_per_s);
+        if let Some(seconds) = step_seconds {
+            m.step_seconds.observe(seconds);
+        }
+        let recovery = m.interrupted_at.take().map(|at| now.duration_since(at).as_secs_f64());
+        if let Some(seconds) = recovery {
+            m.recovery_seconds.observe(seconds);
+        }
+        if let Some((from, changes)) = m.interrupted.take() {
+            let attributes = vec![
+                KeyValue::new("troupe.job", job as i64),
+                KeyValue::new("troupe.epoch", epoch as i64),
+                KeyValue::new("troupe.world", world as i64),
+                KeyValue::new("troupe.changes", changes.join("; ")),
+            ];
+            otel::export_job_span("recovery", from, SystemTime::now(), attributes);
+        }
+        if let Some(i) = otel_metrics::instruments() {
+            let attrs = otel_metrics::job_attributes(job, &m.name);
+            i.steps_committed.add(1, &attrs);
+            step_seconds.inspect(|s| i.step_seconds.record(*s, &attrs));
+            recovery.inspect(|s| i.recovery_seconds.record(*s, &attrs));
+            i.tokens_per_second.record(tokens_per_s, &attrs);
+            i.model_flops_per_second.record(tokens_per_s * m.train_flops_per_token, &attrs);
+            if let Some(mfu) = self.mfu(m) {
+                i.mfu.record(mfu, &attrs);
+            }
+            bubble.inspect(|b| i.bubble.record(*b, &attrs));
+            if loss.is_finite() {
+                i.loss.record(loss, &attrs);
+            }
+            if skipped {
+                i.skipped_steps.add(1, &attrs);
+            }
         }
     }
 
@@ -405,118 +376,179 @@ impl NodeMetrics {
         e.finish()
     }
 
+    /// The job families, one sample per job of `status` in each.
     fn render_jobs(&self, state: &State, status: &ClusterStatus, e: &mut Exposition) {
         if status.jobs.is_empty() {
             return;
         }
-        let ids: Vec<String> = status.jobs.iter().map(|j| j.id.to_string()).collect();
-        let labels = |i: usize| [("job", ids[i].as_str()), ("name", status.jobs[i].name.as_str())];
-        let each = |e: &mut Exposition, name: &str, kind: Kind, help: &str, value: &dyn Fn(usize) -> Option<f64>| {
-            e.family(name, kind, help);
-            for i in 0..status.jobs.len() {
-                if let Some(v) = value(i) {
-                    e.sample(name, &labels(i), v);
-                }
+        let jobs = JobFamilies { status, state, ids: status.jobs.iter().map(|j| j.id.to_string()).collect() };
+        jobs.render_progress(e);
+        jobs.render_throughput(e, self);
+        jobs.render_durability(e);
+        jobs.render_states(e);
+        jobs.render_histograms(e);
+    }
+}
+
+/// The jobs of one exposition: each family has a sample per job of `status` (labelled with its id and
+/// name), from the status or from the job's [`JobMetrics`].
+struct JobFamilies<'a> {
+    status: &'a ClusterStatus,
+    state: &'a State,
+    /// The jobs' ids as label values.
+    ids: Vec<String>,
+}
+
+impl<'a> JobFamilies<'a> {
+    fn labels(&self, i: usize) -> [(&'static str, &str); 2] {
+        [("job", self.ids[i].as_str()), ("name", self.status.jobs[i].name.as_str())]
+    }
+
+    /// The figures this daemon counted of job `i` (none when it is not its controller).
+    fn job(&self, i: usize) -> Option<&'a JobMetrics> {
+        self.state.jobs.get(&self.status.jobs[i].id)
+    }
+
+    /// Family `name` with a sample for each job `value` has one of.
+    fn each(&self, e: &mut Exposition, name: &str, kind: Kind, help: &str, value: &dyn Fn(usize) -> Option<f64>) {
+        e.family(name, kind, help);
+        for i in 0..self.status.jobs.len() {
+            if let Some(v) = value(i) {
+                e.sample(name, &self.labels(i), v);
             }
-        };
-        let job = |i: usize| state.jobs.get(&status.jobs[i].id);
-        each(e, "troupe_job_step", Kind::Gauge, "Committed steps of the job (its position in training).", &|i| {
+        }
+    }
+
+    /// Where each job is: steps, world, attempts, losses.
+    fn render_progress(&self, e: &mut Exposition) {
+        let (status, job) = (self.status, |i| self.job(i));
+        self.each(e, "troupe_job_step", Kind::Gauge, "Committed steps of the job (its position in training).", &|i| {
             Some(status.jobs[i].step as f64)
         });
         // Named `troupe_job_steps_total` before: a gauge named like a counter, which promtool refuses.
-        each(e, "troupe_job_planned_steps", Kind::Gauge, "Steps the job trains for.", &|i| {
+        self.each(e, "troupe_job_planned_steps", Kind::Gauge, "Steps the job trains for.", &|i| {
             Some(status.jobs[i].total_steps as f64)
         });
-        each(
+        self.each(
             e,
             "troupe_job_steps_committed_total",
             Kind::Counter,
             "Step commits (a step redone after a rollback counts again).",
             &|i| job(i).map(|m| m.commits as f64),
         );
-        each(e, "troupe_job_world", Kind::Gauge, "Ranks of the job's current attempt.", &|i| {
+        self.each(e, "troupe_job_world", Kind::Gauge, "Ranks of the job's current attempt.", &|i| {
             Some(status.jobs[i].world as f64)
         });
-        each(
+        self.each(
             e,
             "troupe_job_attempts_total",
             Kind::Counter,
             "Attempts started (the first, then one per recovery or retry).",
             &|i| Some(status.jobs[i].attempts as f64),
         );
-        each(e, "troupe_job_loss", Kind::Gauge, "Loss of the last committed step.", &|i| status.jobs[i].last_loss);
-        each(
+        self.each(e, "troupe_job_loss", Kind::Gauge, "Loss of the last committed step.", &|i| status.jobs[i].last_loss);
+        self.each(
             e,
             "troupe_job_eval_loss",
             Kind::Gauge,
             "Validation loss of the last evaluation (train.eval_every).",
             &|i| job(i).and_then(|m| m.eval_loss).filter(|l| l.is_finite()),
         );
-        each(e, "troupe_job_tokens_per_second", Kind::Gauge, "Tokens per second of the last committed step.", &|i| {
-            job(i).and_then(|m| m.tokens_per_s)
-        });
-        each(
+    }
+
+    /// How fast each job trains: tokens/s, model FLOP/s, MFU (with `metrics`' peak) and bubble.
+    fn render_throughput(&self, e: &mut Exposition, metrics: &NodeMetrics) {
+        let job = |i| self.job(i);
+        self.each(
+            e,
+            "troupe_job_tokens_per_second",
+            Kind::Gauge,
+            "Tokens per second of the last committed step.",
+            &|i| job(i).and_then(|m| m.tokens_per_s),
+        );
+        self.each(
             e,
             "troupe_job_model_flops_per_second",
             Kind::Gauge,
             "Achieved model FLOP/s: 3 x forward FLOPs per token x tokens/s.",
             &|i| job(i).and_then(|m| m.tokens_per_s.map(|t| t * m.train_flops_per_token)),
         );
-        if self.peak_flops_per_slot.is_some() {
-            each(
+        if metrics.peak_flops_per_slot.is_some() {
+            self.each(
                 e,
                 "troupe_job_mfu",
                 Kind::Gauge,
                 "Model FLOPs utilisation: achieved FLOP/s over world x peak_tflops_per_slot.",
-                &|i| job(i).and_then(|m| self.mfu(m)),
+                &|i| job(i).and_then(|m| metrics.mfu(m)),
             );
         }
-        each(
+        self.each(
             e,
             "troupe_job_bubble_fraction",
             Kind::Gauge,
             "Pipeline jobs: idle over device time in the last committed step's schedule.",
             &|i| job(i).and_then(|m| m.bubble),
         );
-        each(e, "troupe_job_checkpoint_bytes_total", Kind::Counter, "Bytes of durable checkpoints written.", &|i| {
-            job(i).map(|m| m.checkpoint_bytes as f64)
-        });
-        each(
+    }
+
+    /// What each job kept and lost: checkpoints, recoveries, rollbacks, skipped steps, loss scale.
+    fn render_durability(&self, e: &mut Exposition) {
+        let job = |i| self.job(i);
+        self.each(
+            e,
+            "troupe_job_checkpoint_bytes_total",
+            Kind::Counter,
+            "Bytes of durable checkpoints written.",
+            &|i| job(i).map(|m| m.checkpoint_bytes as f64),
+        );
+        self.each(
             e,
             "troupe_job_checkpoint_bytes_per_second",
             Kind::Gauge,
             "Write throughput of the last durable checkpoint (bytes over its write and commit time).",
             &|i| job(i).and_then(|m| m.checkpoint_bytes_per_second),
         );
-        each(e, "troupe_job_recoveries_total", Kind::Counter, "Attempts resumed after a membership change.", &|i| {
-            job(i).map(|m| m.recoveries as f64)
-        });
-        each(
+        self.each(
+            e,
+            "troupe_job_recoveries_total",
+            Kind::Counter,
+            "Attempts resumed after a membership change.",
+            &|i| job(i).map(|m| m.recoveries as f64),
+        );
+        self.each(
             e,
             "troupe_job_rollbacks_total",
             Kind::Counter,
             "Continuations from a durable checkpoint after the committed state was lost.",
             &|i| job(i).map(|m| m.rollbacks as f64),
         );
-        each(
+        self.each(
             e,
             "troupe_job_skipped_steps_total",
             Kind::Counter,
             "Steps committed without an update because the fp16 gradients overflowed.",
             &|i| job(i).map(|m| m.skipped_steps as f64),
         );
-        each(
+        self.each(
             e,
             "troupe_job_loss_scale",
             Kind::Gauge,
             "The loss scale of the last committed step (1 unless fp16).",
             &|i| job(i).and_then(|m| m.loss_scale),
         );
+    }
+
+    /// `troupe_job_state`: 1 for each job's state.
+    fn render_states(&self, e: &mut Exposition) {
         e.family("troupe_job_state", Kind::Gauge, "1 for the job's state.");
-        for (i, j) in status.jobs.iter().enumerate() {
-            let [job, name] = labels(i);
+        for (i, j) in self.status.jobs.iter().enumerate() {
+            let [job, name] = self.labels(i);
             e.sample("troupe_job_state", &[job, name, ("state", state_name(j.state))], 1.0);
         }
+    }
+
+    /// The histograms of the jobs this daemon controls: step, checkpoint and recovery times.
+    fn render_histograms(&self, e: &mut Exposition) {
         for (metric, help, pick) in [
             (
                 "troupe_job_step_seconds",
@@ -533,13 +565,68 @@ impl NodeMetrics {
             ),
         ] {
             e.family(metric, Kind::Histogram, help);
-            for i in 0..status.jobs.len() {
-                if let Some(m) = job(i) {
-                    e.histogram(metric, &labels(i), pick(m));
+            for i in 0..self.status.jobs.len() {
+                if let Some(m) = self.job(i) {
+                    e.histogram(metric, &self.labels(i), pick(m));
                 }
             }
         }
     }
+}
+
+/// The OTLP span of step `step` of `job`, ending now and as long as the step took at `tokens_per_s`.
+fn export_step_span(
+    job: JobId,
+    m: &JobMetrics,
+    (step, epoch, world): (u64, u64, usize),
+    (loss, tokens_per_s): (f64, f64),
+) {
+    let seconds = if tokens_per_s > 0.0 { m.tokens_per_step / tokens_per_s } else { 0.0 };
+    let end = SystemTime::now();
+    let start = end.checked_sub(Duration::from_secs_f64(seconds)).unwrap_or(end);
+    let attributes = vec![
+        KeyValue::new("troupe.job", job as i64),
+        KeyValue::new("troupe.step", step as i64),
+        KeyValue::new("troupe.epoch", epoch as i64),
+        KeyValue::new("troupe.world", world as i64),
+        KeyValue::new("troupe.loss", loss),
+    ];
+    otel::export_job_step(m.trace_seed, job, step, start, end, attributes);
+}
+
+/// A durable checkpoint of `bytes` written and committed in `seconds`.
+fn record_checkpoint(job: JobId, m: &mut JobMetrics, seconds: f64, bytes: u64) {
+    m.checkpoint_seconds.observe(seconds);
+    m.checkpoint_bytes += bytes;
+    let rate = (bytes > 0 && seconds > 0.0).then(|| bytes as f64 / seconds);
+    if rate.is_some() {
+        m.checkpoint_bytes_per_second = rate;
+    }
+    if let Some(i) = otel_metrics::instruments() {
+        let attrs = otel_metrics::job_attributes(job, &m.name);
+        i.checkpoint_seconds.record(seconds, &attrs);
+        i.checkpoint_bytes.add(bytes, &attrs);
+        rate.inspect(|r| i.checkpoint_bytes_per_second.record(*r, &attrs));
+    }
+}
+
+/// The OTLP span of the job's life, from its submission to now: `event` ended it (finished, failed or
+/// cancelled).
+fn export_job_span(job: JobId, m: &JobMetrics, event: &JobEvent) {
+    let outcome = if let JobEvent::Failed { .. } = event {
+        "failed"
+    } else if let JobEvent::Cancelled = event {
+        "cancelled"
+    } else {
+        "finished"
+    };
+    let attributes = vec![
+        KeyValue::new("troupe.job", job as i64),
+        KeyValue::new("troupe.job.name", m.name.clone()),
+        KeyValue::new("troupe.outcome", outcome),
+        KeyValue::new("troupe.steps_committed", m.commits as i64),
+    ];
+    otel::export_job_span("job", m.submitted, SystemTime::now(), attributes);
 }
 
 fn state_name(state: JobState) -> &'static str {

@@ -92,77 +92,84 @@ pub(super) fn install(
     }
     let provider = SdkMeterProvider::builder().with_reader(reader.build()).with_resource(resource).build();
     let meter = provider.meter("troupe");
-    let seconds = |name: &'static str, help: &'static str| {
-        meter
-            .f64_histogram(name)
-            .with_unit("s")
-            .with_description(help)
-            .with_boundaries(SECONDS_BUCKETS.to_vec())
-            .build()
-    };
-    let gauge = |name: &'static str, unit: &'static str, help: &'static str| {
-        meter.f64_gauge(name).with_unit(unit).with_description(help).build()
-    };
-    let counter = |name: &'static str, unit: &'static str, help: &'static str| {
-        meter.u64_counter(name).with_unit(unit).with_description(help).build()
-    };
-    let instruments = Instruments {
-        step_seconds: seconds("troupe_job_step_seconds", "Wall time between step commits at the controller."),
-        steps_committed: counter(
-            "troupe_job_steps_committed",
-            "{step}",
-            "Step commits (a step redone after a rollback counts again).",
-        ),
-        tokens_per_second: gauge(
-            "troupe_job_tokens_per_second",
-            "{token}/s",
-            "Tokens per second of the last committed step.",
-        ),
-        model_flops_per_second: gauge(
-            "troupe_job_model_flops_per_second",
-            "{flop}/s",
-            "Achieved model FLOP/s: 3 x forward FLOPs per token x tokens/s.",
-        ),
-        mfu: gauge(
-            "troupe_job_mfu",
-            "1",
-            "Model FLOPs utilisation: achieved FLOP/s over world x peak_tflops_per_slot.",
-        ),
-        bubble: gauge(
-            "troupe_job_bubble_fraction",
-            "1",
-            "Pipeline jobs: idle over device time in the last committed step's schedule.",
-        ),
-        loss: gauge("troupe_job_loss", "1", "Loss of the last committed step."),
-        skipped_steps: counter(
-            "troupe_job_skipped_steps",
-            "{step}",
-            "Steps committed without an update because the fp16 gradients overflowed.",
-        ),
-        checkpoint_seconds: seconds(
-            "troupe_job_checkpoint_seconds",
-            "Time rank 0 took to write and commit a durable checkpoint.",
-        ),
-        checkpoint_bytes: counter("troupe_job_checkpoint_bytes", "By", "Bytes of durable checkpoints written."),
-        checkpoint_bytes_per_second: gauge(
-            "troupe_job_checkpoint_bytes_per_second",
-            "By/s",
-            "Write throughput of the last durable checkpoint.",
-        ),
-        recovery_seconds: seconds(
-            "troupe_job_recovery_seconds",
-            "From the view change that aborted an attempt to the next committed step.",
-        ),
-        failure_detection_seconds: seconds(
-            "troupe_failure_detection_seconds",
-            "Silence of a member when it was declared failed or its connection was lost.",
-        ),
-    };
+    let instruments = Instruments::register(&meter);
     if INSTRUMENTS.set(instruments).is_err() || METER.set(meter).is_err() {
         anyhow::bail!("OTLP metric export is already installed in this process");
     }
     tracing::info!(endpoint = %url, "exporting metrics over OTLP/HTTP");
     Ok(MetricsGuard { provider })
+}
+
+impl Instruments {
+    /// Every job instrument, registered with `meter` under its `/metrics` name.
+    fn register(meter: &Meter) -> Self {
+        let seconds = |name: &'static str, help: &'static str| {
+            meter
+                .f64_histogram(name)
+                .with_unit("s")
+                .with_description(help)
+                .with_boundaries(SECONDS_BUCKETS.to_vec())
+                .build()
+        };
+        let gauge = |name: &'static str, unit: &'static str, help: &'static str| {
+            meter.f64_gauge(name).with_unit(unit).with_description(help).build()
+        };
+        let counter = |name: &'static str, unit: &'static str, help: &'static str| {
+            meter.u64_counter(name).with_unit(unit).with_description(help).build()
+        };
+        Instruments {
+            step_seconds: seconds("troupe_job_step_seconds", "Wall time between step commits at the controller."),
+            steps_committed: counter(
+                "troupe_job_steps_committed",
+                "{step}",
+                "Step commits (a step redone after a rollback counts again).",
+            ),
+            tokens_per_second: gauge(
+                "troupe_job_tokens_per_second",
+                "{token}/s",
+                "Tokens per second of the last committed step.",
+            ),
+            model_flops_per_second: gauge(
+                "troupe_job_model_flops_per_second",
+                "{flop}/s",
+                "Achieved model FLOP/s: 3 x forward FLOPs per token x tokens/s.",
+            ),
+            mfu: gauge(
+                "troupe_job_mfu",
+                "1",
+                "Model FLOPs utilisation: achieved FLOP/s over world x peak_tflops_per_slot.",
+            ),
+            bubble: gauge(
+                "troupe_job_bubble_fraction",
+                "1",
+                "Pipeline jobs: idle over device time in the last committed step's schedule.",
+            ),
+            loss: gauge("troupe_job_loss", "1", "Loss of the last committed step."),
+            skipped_steps: counter(
+                "troupe_job_skipped_steps",
+                "{step}",
+                "Steps committed without an update because the fp16 gradients overflowed.",
+            ),
+            checkpoint_seconds: seconds(
+                "troupe_job_checkpoint_seconds",
+                "Time rank 0 took to write and commit a durable checkpoint.",
+            ),
+            checkpoint_bytes: counter("troupe_job_checkpoint_bytes", "By", "Bytes of durable checkpoints written."),
+            checkpoint_bytes_per_second: gauge(
+                "troupe_job_checkpoint_bytes_per_second",
+                "By/s",
+                "Write throughput of the last durable checkpoint.",
+            ),
+            recovery_seconds: seconds(
+                "troupe_job_recovery_seconds",
+                "From the view change that aborted an attempt to the next committed step.",
+            ),
+            failure_detection_seconds: seconds(
+                "troupe_failure_detection_seconds",
+                "Silence of a member when it was declared failed or its connection was lost.",
+            ),
+        }
+    }
 }
 
 /// Exports this daemon's bytes per peer node (`troupe_link_bytes{peer, direction}`) at every collection;

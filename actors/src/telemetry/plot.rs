@@ -108,77 +108,114 @@ pub fn render(series: &Series, title: &str) -> Result<String, String> {
     let evals: Vec<&(f64, f64)> = series.evals.iter().flatten().collect();
     let max_step = points.iter().map(|p| p.0).chain(evals.iter().map(|e| e.0)).fold(1.0, f64::max);
     let plot_w = WIDTH - LEFT - RIGHT;
-    let x = |step: f64| LEFT + step / max_step * plot_w;
     let height = TOP + 2.0 * PANEL_H + PANEL_GAP + BOTTOM;
     let mut svg = Svg::new(WIDTH, height, title);
     svg.text((LEFT, 24.0), title, 15.0, "start", "#222");
     legend(&mut svg, series);
     let panels: [Panel; 2] = [("loss", "loss", "#1f77b4", |p| p.1), ("tokens_per_s", "tokens / s", "#2ca02c", |p| p.2)];
-    for (i, (metric, axis_label, colour, pick)) in panels.iter().enumerate() {
-        let top = TOP + i as f64 * (PANEL_H + PANEL_GAP);
+    for (i, panel) in panels.iter().enumerate() {
+        let (metric, pick) = (panel.0, panel.3);
         // The loss panel's range holds the validation loss too.
-        let eval_values = evals.iter().map(|e| e.1).filter(|_| *metric == "loss");
+        let eval_values = evals.iter().map(|e| e.1).filter(|_| metric == "loss");
         let values: Vec<f64> = points.iter().map(|p| pick(p)).chain(eval_values).filter(|v| v.is_finite()).collect();
-        let (mut lo, mut hi) =
-            values.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), v| (l.min(*v), h.max(*v)));
-        if *metric == "tokens_per_s" {
-            lo = 0.0;
-        }
-        if hi.partial_cmp(&lo) != Some(std::cmp::Ordering::Greater) {
-            hi = lo + 1.0;
-        }
-        let pad = (hi - lo) * 0.05;
-        let (lo, hi) = (if *metric == "tokens_per_s" { 0.0 } else { lo - pad }, hi + pad);
-        let y = |v: f64| top + PANEL_H - (v - lo) / (hi - lo) * PANEL_H;
-        svg.group("panel", &[("metric", metric)]);
-        svg.rect(LEFT, top, plot_w, PANEL_H, "#fafafa", None);
-        for t in ticks(lo, hi, 5) {
-            svg.line((LEFT, y(t)), (LEFT + plot_w, y(t)), "#e4e4e4", 1.0, None);
-            svg.text((LEFT - 6.0, y(t) + 4.0), &tick_label(t), 11.0, "end", "#444");
-        }
-        for t in ticks(0.0, max_step, 10) {
-            svg.line((x(t), top), (x(t), top + PANEL_H), "#eeeeee", 1.0, None);
-            svg.text((x(t), top + PANEL_H + 15.0), &tick_label(t), 11.0, "middle", "#444");
-        }
-        svg.vertical_text((22.0, top + PANEL_H / 2.0), axis_label, 12.0);
-        for (kind, step, label) in &series.markers {
-            let colour = MARKERS.iter().find(|m| m.0 == *kind).map_or("#000", |m| m.1);
-            svg.group("marker", &[("kind", kind), ("step", &step.to_string()), ("label", label)]);
-            match *kind {
-                "checkpoint" => svg.line((x(*step), top + PANEL_H - 8.0), (x(*step), top + PANEL_H), colour, 2.0, None),
-                // Solid and wide, so a recovery's dashed line at the same step leaves it visible.
-                "membership" => {
-                    svg.line((x(*step), top), (x(*step), top + PANEL_H), colour, 3.0, None);
-                    if i == 0 {
-                        svg.text((x(*step) + 4.0, top + 12.0), label, 10.0, "start", colour);
-                    }
-                }
-                _ => svg.line((x(*step), top), (x(*step), top + PANEL_H), colour, 1.5, Some("5,4")),
-            }
-            svg.end_group();
-        }
-        for segment in &series.segments {
-            let pts: Vec<(f64, f64)> =
-                segment.iter().map(|p| (x(p.0), y(pick(p)))).filter(|p| p.1.is_finite()).collect();
-            svg.polyline(&pts, colour, 1.6, "series");
-        }
-        if *metric == "loss" {
-            for segment in &series.evals {
-                let pts: Vec<(f64, f64)> =
-                    segment.iter().map(|e| (x(e.0), y(e.1))).filter(|p| p.1.is_finite()).collect();
-                svg.polyline(&pts, EVAL_COLOUR, 2.0, "eval-series");
-                for (e, pt) in segment.iter().zip(&pts) {
-                    let tip = format!("step {}: validation loss {:.4}", e.0, e.1);
-                    svg.circle(*pt, 3.0, EVAL_COLOUR, Some(&tip));
-                }
-            }
-        }
-        svg.line((LEFT, top + PANEL_H), (LEFT + plot_w, top + PANEL_H), "#444", 1.0, None);
-        svg.line((LEFT, top), (LEFT, top + PANEL_H), "#444", 1.0, None);
-        svg.end_group();
+        let (lo, hi) = panel_range(&values, metric);
+        let frame = Frame { top: TOP + i as f64 * (PANEL_H + PANEL_GAP), lo, hi, max_step };
+        draw_panel(&mut svg, &frame, panel, series, i == 0);
     }
     svg.text((LEFT + plot_w / 2.0, height - 14.0), "step", 12.0, "middle", "#222");
     Ok(svg.finish())
+}
+
+/// A panel's value range: `values`' with 5% padding (from 0 for tokens/s), 1 wide where they are equal.
+fn panel_range(values: &[f64], metric: &str) -> (f64, f64) {
+    let (mut lo, mut hi) = values.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), v| (l.min(*v), h.max(*v)));
+    if metric == "tokens_per_s" {
+        lo = 0.0;
+    }
+    if hi.partial_cmp(&lo) != Some(std::cmp::Ordering::Greater) {
+        hi = lo + 1.0;
+    }
+    let pad = (hi - lo) * 0.05;
+    (if metric == "tokens_per_s" { 0.0 } else { lo - pad }, hi + pad)
+}
+
+/// Where a panel is drawn: its top, its value range `lo..hi` and the steps `0..max_step`.
+struct Frame {
+    top: f64,
+    lo: f64,
+    hi: f64,
+    max_step: f64,
+}
+
+impl Frame {
+    fn x(&self, step: f64) -> f64 {
+        LEFT + step / self.max_step * (WIDTH - LEFT - RIGHT)
+    }
+
+    fn y(&self, v: f64) -> f64 {
+        self.top + PANEL_H - (v - self.lo) / (self.hi - self.lo) * PANEL_H
+    }
+}
+
+/// One panel: its grid and axis, the markers (labelled on the `first` panel), the series and its axes.
+fn draw_panel(svg: &mut Svg, f: &Frame, (metric, axis_label, colour, pick): &Panel, series: &Series, first: bool) {
+    let (plot_w, top) = (WIDTH - LEFT - RIGHT, f.top);
+    svg.group("panel", &[("metric", metric)]);
+    svg.rect(LEFT, top, plot_w, PANEL_H, "#fafafa", None);
+    for t in ticks(f.lo, f.hi, 5) {
+        svg.line((LEFT, f.y(t)), (LEFT + plot_w, f.y(t)), "#e4e4e4", 1.0, None);
+        svg.text((LEFT - 6.0, f.y(t) + 4.0), &tick_label(t), 11.0, "end", "#444");
+    }
+    for t in ticks(0.0, f.max_step, 10) {
+        svg.line((f.x(t), top), (f.x(t), top + PANEL_H), "#eeeeee", 1.0, None);
+        svg.text((f.x(t), top + PANEL_H + 15.0), &tick_label(t), 11.0, "middle", "#444");
+    }
+    svg.vertical_text((22.0, top + PANEL_H / 2.0), axis_label, 12.0);
+    draw_markers(svg, f, &series.markers, first);
+    for segment in &series.segments {
+        let pts: Vec<(f64, f64)> =
+            segment.iter().map(|p| (f.x(p.0), f.y(pick(p)))).filter(|p| p.1.is_finite()).collect();
+        svg.polyline(&pts, colour, 1.6, "series");
+    }
+    if *metric == "loss" {
+        draw_evals(svg, f, &series.evals);
+    }
+    svg.line((LEFT, top + PANEL_H), (LEFT + plot_w, top + PANEL_H), "#444", 1.0, None);
+    svg.line((LEFT, top), (LEFT, top + PANEL_H), "#444", 1.0, None);
+    svg.end_group();
+}
+
+/// The markers' lines (a membership change's labelled where `labelled`).
+fn draw_markers(svg: &mut Svg, f: &Frame, markers: &[(&'static str, f64, String)], labelled: bool) {
+    let top = f.top;
+    for (kind, step, label) in markers {
+        let colour = MARKERS.iter().find(|m| m.0 == *kind).map_or("#000", |m| m.1);
+        svg.group("marker", &[("kind", kind), ("step", &step.to_string()), ("label", label)]);
+        match *kind {
+            "checkpoint" => svg.line((f.x(*step), top + PANEL_H - 8.0), (f.x(*step), top + PANEL_H), colour, 2.0, None),
+            // Solid and wide, so a recovery's dashed line at the same step leaves it visible.
+            "membership" => {
+                svg.line((f.x(*step), top), (f.x(*step), top + PANEL_H), colour, 3.0, None);
+                if labelled {
+                    svg.text((f.x(*step) + 4.0, top + 12.0), label, 10.0, "start", colour);
+                }
+            }
+            _ => svg.line((f.x(*step), top), (f.x(*step), top + PANEL_H), colour, 1.5, Some("5,4")),
+        }
+        svg.end_group();
+    }
+}
+
+/// The validation losses: a line per segment, a dot with its tooltip per evaluation.
+fn draw_evals(svg: &mut Svg, f: &Frame, evals: &[Vec<(f64, f64)>]) {
+    for segment in evals {
+        let pts: Vec<(f64, f64)> = segment.iter().map(|e| (f.x(e.0), f.y(e.1))).filter(|p| p.1.is_finite()).collect();
+        svg.polyline(&pts, EVAL_COLOUR, 2.0, "eval-series");
+        for (e, pt) in segment.iter().zip(&pts) {
+            let tip = format!("step {}: validation loss {:.4}", e.0, e.1);
+            svg.circle(*pt, 3.0, EVAL_COLOUR, Some(&tip));
+        }
+    }
 }
 
 fn legend(svg: &mut Svg, series: &Series) {

@@ -198,48 +198,65 @@ fn parse_sample(line: &str) -> Result<Sample, String> {
     let name_end = line.find(['{', ' ']).ok_or("no value")?;
     let name = &line[..name_end];
     valid_name(name)?;
-    let mut rest = &line[name_end..];
+    let rest = &line[name_end..];
+    let (labels, rest) = match rest.strip_prefix('{') {
+        Some(inner) => {
+            let (labels, close) = parse_labels(inner)?;
+            (labels, &inner[close + 1..])
+        }
+        None => (Vec::new(), rest),
+    };
+    let value = parse_value(rest.trim().split(' ').next().ok_or("no value")?)?;
+    Ok(Sample { name: name.to_owned(), labels, value })
+}
+
+/// The labels of a label set, `inner` being what follows its `{`; and where its closing `}` is in `inner`.
+fn parse_labels(inner: &str) -> Result<(Vec<(String, String)>, usize), String> {
     let mut labels = Vec::new();
-    if let Some(inner) = rest.strip_prefix('{') {
-        let mut chars = inner.char_indices();
-        let mut key = String::new();
-        let close = loop {
-            let (i, c) = chars.next().ok_or("unclosed label set")?;
-            match c {
-                '}' if key.is_empty() => break i,
-                ',' if key.is_empty() => {}
-                '=' => {
-                    let (_, quote) = chars.next().ok_or("label without a value")?;
-                    if quote != '"' {
-                        return Err("label value not quoted".into());
-                    }
-                    let mut value = String::new();
-                    loop {
-                        match chars.next().ok_or("unterminated label value")?.1 {
-                            '"' => break,
-                            '\\' => match chars.next().ok_or("dangling escape")?.1 {
-                                'n' => value.push('\n'),
-                                other => value.push(other),
-                            },
-                            other => value.push(other),
-                        }
-                    }
-                    valid_name(&key)?;
-                    labels.push((std::mem::take(&mut key), value));
-                }
-                c => key.push(c),
+    let mut chars = inner.char_indices();
+    let mut key = String::new();
+    loop {
+        let (i, c) = chars.next().ok_or("unclosed label set")?;
+        match c {
+            '}' if key.is_empty() => return Ok((labels, i)),
+            ',' if key.is_empty() => {}
+            '=' => {
+                let value = parse_label_value(&mut chars)?;
+                valid_name(&key)?;
+                labels.push((std::mem::take(&mut key), value));
             }
-        };
-        rest = &inner[close + 1..];
+            c => key.push(c),
+        }
     }
-    let value = rest.trim().split(' ').next().ok_or("no value")?;
-    let value = match value {
+}
+
+/// A quoted label value, `chars` being just after its `=`: unescaped, and `chars` past its closing quote.
+fn parse_label_value(chars: &mut std::str::CharIndices<'_>) -> Result<String, String> {
+    let (_, quote) = chars.next().ok_or("label without a value")?;
+    if quote != '"' {
+        return Err("label value not quoted".into());
+    }
+    let mut value = String::new();
+    loop {
+        match chars.next().ok_or("unterminated label value")?.1 {
+            '"' => return Ok(value),
+            '\\' => match chars.next().ok_or("dangling escape")?.1 {
+                'n' => value.push('\n'),
+                other => value.push(other),
+            },
+            other => value.push(other),
+        }
+    }
+}
+
+/// A sample's value: a float, `+Inf`, `-Inf` or `NaN`.
+fn parse_value(value: &str) -> Result<f64, String> {
+    Ok(match value {
         "+Inf" => f64::INFINITY,
         "-Inf" => f64::NEG_INFINITY,
         "NaN" => f64::NAN,
         v => v.parse().map_err(|_| format!("bad value {v:?}"))?,
-    };
-    Ok(Sample { name: name.to_owned(), labels, value })
+    })
 }
 
 #[cfg(test)]

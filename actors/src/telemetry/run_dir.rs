@@ -4,6 +4,7 @@
 //! trace. Each line is flushed as it is written, so a run that is killed keeps its events, and
 //! `troupe trace DIR` rebuilds the trace from them.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -146,44 +147,8 @@ fn with_bubbles(mut spans: Vec<PhaseSpan>) -> Vec<PhaseSpan> {
 /// in there) and "recovery" from the change to the next committed step. Times are relative to the run's
 /// first recorded moment.
 pub fn trace_from_events(events: &[Value]) -> TraceFile {
-    let mut spans: Vec<(u64, PhaseSpan, Value)> = Vec::new();
-    // Each rank's stage, as last reported (a rank keeps its stage unless the world changes).
-    let mut stages: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
-    for e in events.iter().filter(|e| event_name(e) == "phases") {
-        let rank = e.get("rank").and_then(Value::as_u64).unwrap_or(0);
-        let stage = e.get("stage").and_then(Value::as_u64);
-        if let Some(stage) = stage {
-            stages.insert(rank, stage);
-        }
-        let args = json!({ "step": e.get("step"), "node": e.get("node"), "attempt": e.get("attempt"), "stage": stage });
-        let list: Vec<PhaseSpan> =
-            e.get("spans").and_then(|s| serde_json::from_value(s.clone()).ok()).unwrap_or_default();
-        spans.extend(with_bubbles(list).into_iter().map(|s| (rank, s, args.clone())));
-    }
-    // (name, category, from, to, what)
-    let mut job_spans: Vec<(&str, &str, u64, u64, String)> = Vec::new();
-    let mut interrupted: Option<(u64, String)> = None;
-    let mut last_progress: Option<u64> = None;
-    for e in events {
-        let Some(t) = e.get("time_us").and_then(Value::as_u64) else { continue };
-        match event_name(e) {
-            "membership" | "rollback" if interrupted.is_none() => {
-                let what = e.get("changes").map_or_else(|| event_name(e).to_owned(), Value::to_string);
-                if let Some(from) = last_progress {
-                    job_spans.push(("stalled", "idle", from, t.max(from), what.clone()));
-                }
-                interrupted = Some((t, what));
-            }
-            "step" => {
-                if let Some((from, what)) = interrupted.take() {
-                    job_spans.push(("recovery", "recovery", from, t.max(from), what));
-                }
-                last_progress = Some(t);
-            }
-            "start" => last_progress = Some(t),
-            _ => {}
-        }
-    }
+    let (spans, stages) = rank_spans(events);
+    let job_spans = job_spans(events);
     let origin = spans
         .iter()
         .map(|(_, s, _)| s.start_us)
@@ -218,6 +183,58 @@ pub fn trace_from_events(events: &[Value]) -> TraceFile {
         }
     }
     TraceFile { trace_events: out, display_time_unit: Some("ms".into()) }
+}
+
+/// A phase span of a rank (the first), with its trace arguments (the last).
+type RankSpan = (u64, PhaseSpan, Value);
+
+/// Each rank's phase spans of the `phases` events (with their bubbles, see [`with_bubbles`]), each with
+/// its rank and the trace arguments of its step; and each rank's stage, as last reported (a rank keeps
+/// its stage unless the world changes).
+fn rank_spans(events: &[Value]) -> (Vec<RankSpan>, BTreeMap<u64, u64>) {
+    let mut spans: Vec<RankSpan> = Vec::new();
+    let mut stages: BTreeMap<u64, u64> = BTreeMap::new();
+    for e in events.iter().filter(|e| event_name(e) == "phases") {
+        let rank = e.get("rank").and_then(Value::as_u64).unwrap_or(0);
+        let stage = e.get("stage").and_then(Value::as_u64);
+        if let Some(stage) = stage {
+            stages.insert(rank, stage);
+        }
+        let args = json!({ "step": e.get("step"), "node": e.get("node"), "attempt": e.get("attempt"), "stage": stage });
+        let list: Vec<PhaseSpan> =
+            e.get("spans").and_then(|s| serde_json::from_value(s.clone()).ok()).unwrap_or_default();
+        spans.extend(with_bubbles(list).into_iter().map(|s| (rank, s, args.clone())));
+    }
+    (spans, stages)
+}
+
+/// The job row's spans (name, category, from, to, what changed): "stalled" from the last progress to a
+/// membership change or rollback, "recovery" from it to the next committed step.
+fn job_spans(events: &[Value]) -> Vec<(&'static str, &'static str, u64, u64, String)> {
+    let mut job_spans = Vec::new();
+    let mut interrupted: Option<(u64, String)> = None;
+    let mut last_progress: Option<u64> = None;
+    for e in events {
+        let Some(t) = e.get("time_us").and_then(Value::as_u64) else { continue };
+        match event_name(e) {
+            "membership" | "rollback" if interrupted.is_none() => {
+                let what = e.get("changes").map_or_else(|| event_name(e).to_owned(), Value::to_string);
+                if let Some(from) = last_progress {
+                    job_spans.push(("stalled", "idle", from, t.max(from), what.clone()));
+                }
+                interrupted = Some((t, what));
+            }
+            "step" => {
+                if let Some((from, what)) = interrupted.take() {
+                    job_spans.push(("recovery", "recovery", from, t.max(from), what));
+                }
+                last_progress = Some(t);
+            }
+            "start" => last_progress = Some(t),
+            _ => {}
+        }
+    }
+    job_spans
 }
 
 /// The part of a run's trace that shows steps `first..=last`: the ranks' spans of those steps and the
