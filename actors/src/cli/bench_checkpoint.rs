@@ -70,13 +70,34 @@ pub fn run(args: CheckpointArgs) -> anyhow::Result<()> {
             println!("{text}");
         }
     };
+    let (tiny, fraction) = bench_snapshot(args.steps, &print)?;
+    let mut states = vec![("gpt-tiny", tiny)];
+    if !args.skip_large {
+        states.push(("large", synthetic_state(&large_config(), 1)));
+    }
+    let mut worst_ratio = f64::INFINITY;
+    for (name, state) in &states {
+        for &shards in &args.shards {
+            let ratio = bench_write(&args, scratch.path(), (name, state), shards, &print)?;
+            worst_ratio = worst_ratio.min(ratio);
+        }
+    }
+    print(
+        json!({ "event": "summary", "worst_write_vs_dd": worst_ratio, "snapshot_fraction": fraction,
+                "dir": scratch.path() }),
+        format!("summary: worst write {worst_ratio:.2}× dd; snapshot {:.2}% of a step", fraction * 100.0),
+    );
+    Ok(())
+}
 
-    // The snapshot: gpt-tiny trained for real, timed against its own training step.
+/// The snapshot: gpt-tiny trained for real, its snapshot timed against its own training step (the median
+/// of `steps`), printed. Returns a snapshot of its state and the snapshot's fraction of a step.
+fn bench_snapshot(steps: u64, print: &dyn Fn(Value, String)) -> anyhow::Result<(TrainingState, f64)> {
     let threads = troupe_model::trainer::configure_torch_threads(0, 1);
     let mut trainer = Trainer::new(JobConfig::default())?;
     trainer.train_step(); // warm-up (allocations, first-touch)
     let step_s = median(
-        (0..args.steps)
+        (0..steps)
             .map(|_| {
                 timed(|| {
                     trainer.train_step();
@@ -84,10 +105,10 @@ pub fn run(args: CheckpointArgs) -> anyhow::Result<()> {
             })
             .collect(),
     );
-    let fresh_s = median((0..args.steps).map(|_| timed(|| drop(TrainingState::snapshot(&trainer)))).collect());
+    let fresh_s = median((0..steps).map(|_| timed(|| drop(TrainingState::snapshot(&trainer)))).collect());
     // What the worker does: refresh the snapshot the writer handed back.
     let mut spare = TrainingState::snapshot(&trainer);
-    let snapshot_s = median((0..args.steps).map(|_| timed(|| spare.refresh(&trainer))).collect());
+    let snapshot_s = median((0..steps).map(|_| timed(|| spare.refresh(&trainer))).collect());
     let fraction = snapshot_s / step_s;
     print(
         json!({ "event": "snapshot", "state": "gpt-tiny", "bytes": TrainingState::snapshot(&trainer).bytes(),
@@ -101,51 +122,46 @@ pub fn run(args: CheckpointArgs) -> anyhow::Result<()> {
             fraction * 100.0
         ),
     );
+    Ok((TrainingState::snapshot(&trainer), fraction))
+}
 
-    let mut states = vec![("gpt-tiny", TrainingState::snapshot(&trainer))];
-    drop(trainer);
-    if !args.skip_large {
-        states.push(("large", synthetic_state(&large_config(), 1)));
+/// Writes `state` in `shards` shards under `scratch` `--repeats` times, each beside dd writing as many
+/// bytes, and prints the medians. Returns troupe's write throughput over dd's.
+fn bench_write(
+    args: &CheckpointArgs,
+    scratch: &Path,
+    (name, state): (&str, &TrainingState),
+    shards: usize,
+    print: &dyn Fn(Value, String),
+) -> anyhow::Result<f64> {
+    let (mut troupe, mut files, mut peer) = (Vec::new(), Vec::new(), Vec::new());
+    let mut bytes = 0;
+    for r in 0..args.repeats {
+        let root = scratch.join(format!("{name}-{shards}-{r}"));
+        let store = CheckpointStore::with_catalog(&root, 0, Arc::new(RedbCatalog::at_root(&root)))?;
+        let t0 = Instant::now();
+        let saved = store.save(state, &Layout::ddp(shards))?;
+        let seconds = t0.elapsed().as_secs_f64();
+        troupe.push(seconds);
+        files.push(seconds - saved.catalog_seconds);
+        bytes = saved.bytes;
+        std::fs::remove_dir_all(&root).with_context(|| format!("removing {}", root.display()))?;
+        peer.push(dd_write(scratch, bytes)?);
     }
-    let mut worst_ratio = f64::INFINITY;
-    for (name, state) in &states {
-        for &shards in &args.shards {
-            let (mut troupe, mut files, mut peer) = (Vec::new(), Vec::new(), Vec::new());
-            let mut bytes = 0;
-            for r in 0..args.repeats {
-                let root = scratch.path().join(format!("{name}-{shards}-{r}"));
-                let store = CheckpointStore::with_catalog(&root, 0, Arc::new(RedbCatalog::at_root(&root)))?;
-                let t0 = Instant::now();
-                let saved = store.save(state, &Layout::ddp(shards))?;
-                let seconds = t0.elapsed().as_secs_f64();
-                troupe.push(seconds);
-                files.push(seconds - saved.catalog_seconds);
-                bytes = saved.bytes;
-                std::fs::remove_dir_all(&root).with_context(|| format!("removing {}", root.display()))?;
-                peer.push(dd_write(scratch.path(), bytes)?);
-            }
-            let (troupe_s, files_s, dd_s) = (median(troupe), median(files), median(peer));
-            let (mbps, dd_mbps) = (bytes as f64 / troupe_s / 1e6, bytes as f64 / dd_s / 1e6);
-            let ratio = mbps / dd_mbps;
-            let files_ratio = dd_s / files_s;
-            worst_ratio = worst_ratio.min(ratio);
-            print(
-                json!({ "event": "write", "state": name, "bytes": bytes, "shards": shards, "seconds": troupe_s,
-                        "MBps": mbps, "dd_seconds": dd_s, "dd_MBps": dd_mbps, "vs_dd": ratio,
-                        "without_catalog_seconds": files_s, "without_catalog_vs_dd": files_ratio }),
-                format!(
-                    "write {name} ({:.1} MB) in {shards} shard(s): {mbps:.0} MB/s, dd {dd_mbps:.0} MB/s: {ratio:.2}× dd (target ≥ 0.8×; {files_ratio:.2}× without the catalog commit)",
-                    bytes as f64 / 1e6
-                ),
-            );
-        }
-    }
+    let (troupe_s, files_s, dd_s) = (median(troupe), median(files), median(peer));
+    let (mbps, dd_mbps) = (bytes as f64 / troupe_s / 1e6, bytes as f64 / dd_s / 1e6);
+    let ratio = mbps / dd_mbps;
+    let files_ratio = dd_s / files_s;
     print(
-        json!({ "event": "summary", "worst_write_vs_dd": worst_ratio, "snapshot_fraction": fraction,
-                "dir": scratch.path() }),
-        format!("summary: worst write {worst_ratio:.2}× dd; snapshot {:.2}% of a step", fraction * 100.0),
+        json!({ "event": "write", "state": name, "bytes": bytes, "shards": shards, "seconds": troupe_s,
+                "MBps": mbps, "dd_seconds": dd_s, "dd_MBps": dd_mbps, "vs_dd": ratio,
+                "without_catalog_seconds": files_s, "without_catalog_vs_dd": files_ratio }),
+        format!(
+            "write {name} ({:.1} MB) in {shards} shard(s): {mbps:.0} MB/s, dd {dd_mbps:.0} MB/s: {ratio:.2}× dd (target ≥ 0.8×; {files_ratio:.2}× without the catalog commit)",
+            bytes as f64 / 1e6
+        ),
     );
-    Ok(())
+    Ok(ratio)
 }
 
 /// Seconds `f` takes.

@@ -70,6 +70,39 @@ fn hf_directory(args: &BenchGenerateArgs, model: &Model, scratch: &Path) -> anyh
     Ok(dir)
 }
 
+/// transformers' `generate` on the same weights, `prompt` and `threads` (bench/peers/generate_hf.py): its
+/// report fields, compared with troupe's `ours` tokens/s and `tokens`.
+fn peer_fields(
+    args: &BenchGenerateArgs,
+    model: &Model,
+    (prompt, tokens): (&[i64], &[i64]),
+    threads: usize,
+    ours: f64,
+) -> anyhow::Result<Value> {
+    let scratch = tempfile::tempdir()?;
+    let dir = hf_directory(args, model, scratch.path())?;
+    let ids = prompt.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
+    let peer_args = [
+        "--model-dir".to_string(),
+        dir.display().to_string(),
+        "--prompt-ids".into(),
+        ids,
+        "--new-tokens".into(),
+        args.new_tokens.to_string(),
+        "--repeats".into(),
+        args.repeats.to_string(),
+        "--threads".into(),
+        threads.to_string(),
+    ];
+    let peer = run_peer_script(args.python.as_ref(), "generate_hf.py", &peer_args)?;
+    let theirs = peer["tokens_per_s"].as_f64().unwrap_or(f64::NAN);
+    let same_tokens =
+        peer["tokens"].as_array().is_some_and(|t| t.iter().map(Value::as_i64).eq(tokens.iter().map(|&t| Some(t))));
+    Ok(json!({ "peer": "transformers-generate", "peer_tokens_per_s": theirs,
+               "peer_tokens_per_s_runs": peer["tokens_per_s_runs"], "ratio_vs_peer": ours / theirs,
+               "same_tokens": same_tokens }))
+}
+
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
@@ -110,28 +143,7 @@ pub fn run(args: BenchGenerateArgs) -> anyhow::Result<()> {
         "decoding": "greedy, key/value cache, fp32, cpu", "tokens_per_s": ours, "tokens_per_s_runs": rates,
     });
     if args.peer {
-        let scratch = tempfile::tempdir()?;
-        let dir = hf_directory(&args, &model, scratch.path())?;
-        let ids = prompt.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
-        let peer_args = [
-            "--model-dir".to_string(),
-            dir.display().to_string(),
-            "--prompt-ids".into(),
-            ids,
-            "--new-tokens".into(),
-            args.new_tokens.to_string(),
-            "--repeats".into(),
-            args.repeats.to_string(),
-            "--threads".into(),
-            threads.to_string(),
-        ];
-        let peer = run_peer_script(args.python.as_ref(), "generate_hf.py", &peer_args)?;
-        let theirs = peer["tokens_per_s"].as_f64().unwrap_or(f64::NAN);
-        let same_tokens =
-            peer["tokens"].as_array().is_some_and(|t| t.iter().map(Value::as_i64).eq(tokens.iter().map(|&t| Some(t))));
-        let fields = json!({ "peer": "transformers-generate", "peer_tokens_per_s": theirs,
-                             "peer_tokens_per_s_runs": peer["tokens_per_s_runs"], "ratio_vs_peer": ours / theirs,
-                             "same_tokens": same_tokens });
+        let fields = peer_fields(&args, &model, (&prompt, &tokens), threads, ours)?;
         if let (Some(report), Value::Object(fields)) = (report.as_object_mut(), fields) {
             report.extend(fields);
         }

@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use crate::engine::pipeline::{
-    check, chrome_trace, measure_bubble, partition, plan, run_in_process, simulate, textbook_bubble, PipelineOptions,
-    PipelineStep, PlanShape, ScheduleKind,
+    check, chrome_trace, measure_bubble, partition, plan, run_in_process, simulate, textbook_bubble, BubbleFigures,
+    PipelineOptions, PipelineRun, PipelineStep, PlanShape, ScheduleKind,
 };
 use anyhow::Context;
 use troupe_model::config::JobConfig;
@@ -67,22 +67,7 @@ pub fn run(args: BenchPipelineArgs) -> anyhow::Result<()> {
     let shape = PlanShape::new(args.stages, args.microbatches, args.virtual_stages);
     let plan = plan(kind, shape).map_err(|e| anyhow::anyhow!("{e}"))?;
     let unit = check(&plan).with_context(|| format!("the generated {kind} plan is invalid"))?;
-
-    let mut config = JobConfig::default();
-    config.model.n_layers = args.layers.unwrap_or_else(|| config.model.n_layers.max(shape.chunks()));
-    config.train.steps = args.steps;
-    config.train.global_batch = args.micro_batch_size * args.microbatches;
-    config.train.micro_batch = args.micro_batch_size;
-    config.model.vocab_size = args.vocab.unwrap_or(config.model.vocab_size);
-    // The cut's own message (it names the depth needed) before the config's.
-    partition(&config.model, shape.chunks()).map_err(|e| anyhow::anyhow!("--stages × --virtual-stages: {e}"))?;
-    config.parallel.pp = args.stages;
-    config.parallel.schedule = kind.name().into();
-    config.parallel.microbatches = args.microbatches;
-    config.parallel.virtual_stages = args.virtual_stages;
-    config.parallel.balance.clone_from(&args.balance);
-    config.train.torch_threads = 1;
-    config.validate().context("the benchmark's job config")?;
+    let config = job_config(&args, kind, shape)?;
     tch::set_num_threads(1);
 
     let options = PipelineOptions::new(kind, args.stages, args.microbatches, args.virtual_stages);
@@ -107,9 +92,61 @@ pub fn run(args: BenchPipelineArgs) -> anyhow::Result<()> {
     }
     let tokens_per_s = tokens_per_step / steady_wall;
     let peer = if args.peer { Some(run_peer(&args, &config)?) } else { None };
+    let measured = Measured { run: &run, steady_wall, figures, theory, at_measured_costs, tokens_per_s };
+    if args.json {
+        println!("{}", report(&args, kind, &config, &measured, peer));
+    } else {
+        print_lines(&args, kind, &measured, peer.as_ref().and_then(|p| p["tokens_per_s"].as_f64()));
+    }
+    Ok(())
+}
+
+/// gpt-tiny (deep enough for the chunks, `--layers` and `--vocab` if given) pipelined as `args` say.
+fn job_config(args: &BenchPipelineArgs, kind: ScheduleKind, shape: PlanShape) -> anyhow::Result<JobConfig> {
+    let mut config = JobConfig::default();
+    config.model.n_layers = args.layers.unwrap_or_else(|| config.model.n_layers.max(shape.chunks()));
+    config.train.steps = args.steps;
+    config.train.global_batch = args.micro_batch_size * args.microbatches;
+    config.train.micro_batch = args.micro_batch_size;
+    config.model.vocab_size = args.vocab.unwrap_or(config.model.vocab_size);
+    // The cut's own message (it names the depth needed) before the config's.
+    partition(&config.model, shape.chunks()).map_err(|e| anyhow::anyhow!("--stages × --virtual-stages: {e}"))?;
+    config.parallel.pp = args.stages;
+    config.parallel.schedule = kind.name().into();
+    config.parallel.microbatches = args.microbatches;
+    config.parallel.virtual_stages = args.virtual_stages;
+    config.parallel.balance.clone_from(&args.balance);
+    config.train.torch_threads = 1;
+    config.validate().context("the benchmark's job config")?;
+    Ok(config)
+}
+
+/// What the run measured of its steady steps, and the bubbles it is compared with.
+struct Measured<'a> {
+    run: &'a PipelineRun,
+    /// Mean wall time of a steady step.
+    steady_wall: f64,
+    figures: BubbleFigures,
+    /// The plan's bubble under unit costs.
+    theory: f64,
+    /// The plan's bubble at the op costs measured.
+    at_measured_costs: f64,
+    tokens_per_s: f64,
+}
+
+/// The JSON report (`--json`); `peer`: the peer's report.
+fn report(
+    args: &BenchPipelineArgs,
+    kind: ScheduleKind,
+    config: &JobConfig,
+    m: &Measured,
+    peer: Option<serde_json::Value>,
+) -> serde_json::Value {
+    let (run, figures, theory, tokens_per_s) = (m.run, &m.figures, m.theory, m.tokens_per_s);
+    let steady = &run.steps[1..];
     let peer_tokens_per_s = peer.as_ref().and_then(|p| p["tokens_per_s"].as_f64());
     let ms = |s: f64| if s.is_finite() { serde_json::json!(s * 1e3) } else { serde_json::Value::Null };
-    let report = serde_json::json!({
+    serde_json::json!({
         "bench": "pipeline",
         "schedule": kind.name(),
         "stages": args.stages,
@@ -126,10 +163,10 @@ pub fn run(args: BenchPipelineArgs) -> anyhow::Result<()> {
         "bubble_theory": theory,
         "bubble_vs_theory": figures.bubble / theory,
         "bubble_textbook": textbook_bubble(args.stages, args.microbatches),
-        "bubble_at_measured_costs": at_measured_costs,
+        "bubble_at_measured_costs": m.at_measured_costs,
         "idle_s_per_step": figures.idle_s / steady.len() as f64,
         "step_span_s": figures.step_span_s,
-        "step_s": steady_wall,
+        "step_s": m.steady_wall,
         "tokens_per_s": tokens_per_s,
         "peer": peer,
         "vs_peer": peer_tokens_per_s.map(|p| tokens_per_s / p),
@@ -139,33 +176,32 @@ pub fn run(args: BenchPipelineArgs) -> anyhow::Result<()> {
         "backward_weight_ms": ms(figures.backward_weight_s),
         "final_loss": run.steps.last().map(|s| s.loss),
         "trace": args.trace_out.as_ref().map(|p| p.display().to_string()),
-    });
-    if args.json {
-        println!("{report}");
-    } else {
+    })
+}
+
+/// The human lines: troupe's bubbles and tokens/s, and the peer's tokens/s (`--peer`).
+fn print_lines(args: &BenchPipelineArgs, kind: ScheduleKind, m: &Measured, peer_tokens_per_s: Option<f64>) {
+    println!(
+        "{kind} P={} M={} V={} ({} balance, chunks of blocks {:?}): bubble {:.3} measured, {:.3} in theory \
+         ({:.2}×), {:.3} at the measured op costs; {:.0} tokens/s",
+        args.stages,
+        args.microbatches,
+        args.virtual_stages,
+        args.balance,
+        m.run.layouts.iter().map(|l| l.blocks.clone()).collect::<Vec<_>>(),
+        m.figures.bubble,
+        m.theory,
+        m.figures.bubble / m.theory,
+        m.at_measured_costs,
+        m.tokens_per_s
+    );
+    if let Some(peer) = peer_tokens_per_s {
         println!(
-            "{kind} P={} M={} V={} ({} balance, chunks of blocks {:?}): bubble {:.3} measured, {:.3} in theory \
-             ({:.2}×), {:.3} at the measured op costs; {:.0} tokens/s",
-            args.stages,
-            args.microbatches,
-            args.virtual_stages,
-            args.balance,
-            run.layouts.iter().map(|l| l.blocks.clone()).collect::<Vec<_>>(),
-            figures.bubble,
-            theory,
-            figures.bubble / theory,
-            at_measured_costs,
-            tokens_per_s
+            "PyTorch torch.distributed.pipelining ({kind}, Gloo, a process per stage): {peer:.0} tokens/s; troupe \
+             {:.2}× that",
+            m.tokens_per_s / peer
         );
-        if let Some(peer) = peer_tokens_per_s {
-            println!(
-                "PyTorch torch.distributed.pipelining ({kind}, Gloo, a process per stage): {peer:.0} tokens/s; troupe \
-                 {:.2}× that",
-                tokens_per_s / peer
-            );
-        }
     }
-    Ok(())
 }
 
 /// bench/peers/pipeline_gpt_tiny.py with this run's model, batch and schedule; its last stdout line.

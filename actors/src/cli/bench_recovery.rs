@@ -78,41 +78,12 @@ async fn measure(args: RecoveryArgs) -> anyhow::Result<()> {
     let cluster = LocalCluster::processes(&binary, options).await?;
     let victim = cluster.pid(args.nodes - 1).context("daemon pid")?;
     let mut handle = cluster.client().await?.submit(Job::new(config.clone()).save_final(&out)).await?;
-    let (mut killed, mut detect, mut recovery, mut steps) = (None::<Instant>, None, None, Vec::new());
-    let mut rolled_back = None;
-    // When the job said so, after the kill: the view change, the new attempt, the first commit.
-    let (mut viewed, mut resumed, mut committed) = (None::<Instant>, None::<Instant>, None::<Instant>);
-    let mut step_s = Vec::new();
-    let mut last = Instant::now();
+    let mut seen = Seen::default();
     while let Some(event) = handle.next_event().await? {
-        match event {
-            JobEvent::Step { step, .. } => {
-                steps.push(step);
-                if let (Some(t), None) = (killed, recovery) {
-                    committed = Some(Instant::now());
-                    recovery = Some(t.elapsed().as_secs_f64());
-                } else if step > 2 {
-                    step_s.push(last.elapsed().as_secs_f64());
-                }
-                last = Instant::now();
-                if step == args.kill_at_step {
-                    std::process::Command::new("kill").arg("-KILL").arg(victim.to_string()).status()?;
-                    killed = Some(Instant::now());
-                }
-            }
-            JobEvent::Membership { .. } => {
-                detect = killed.map(|t| t.elapsed().as_secs_f64());
-                viewed = killed.map(|_| Instant::now());
-            }
-            JobEvent::Recovered { .. } | JobEvent::Started { .. } if viewed.is_some() && resumed.is_none() => {
-                resumed = Some(Instant::now());
-            }
-            JobEvent::RolledBack { from_step, to_step } => rolled_back = Some((from_step, to_step)),
-            JobEvent::Failed { reason } => bail!("the job failed: {reason}"),
-            _ => {}
-        }
+        seen.event(event, args.kill_at_step, victim)?;
     }
     cluster.shutdown().await;
+    let Seen { killed, detect, recovery, steps, rolled_back, viewed, resumed, committed, mut step_s, .. } = seen;
     let steps_redone = steps.len() as u64 - steps.iter().collect::<std::collections::BTreeSet<_>>().len() as u64;
     let diff = if args.no_check { None } else { Some(reference_diff(&config, &out)?) };
     step_s.sort_by(f64::total_cmp);
@@ -144,6 +115,77 @@ async fn measure(args: RecoveryArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
     }
     Ok(())
+}
+
+/// What the benchmark saw of the job's events, and when.
+struct Seen {
+    /// When the victim was killed, and seconds from then to the view change and to the next commit.
+    killed: Option<Instant>,
+    detect: Option<f64>,
+    recovery: Option<f64>,
+    /// Every committed step, in order (a step redone after a rollback appears twice).
+    steps: Vec<u64>,
+    rolled_back: Option<(u64, u64)>,
+    /// When the job said so, after the kill: the view change, the new attempt, the first commit.
+    viewed: Option<Instant>,
+    resumed: Option<Instant>,
+    committed: Option<Instant>,
+    /// Seconds between the commits of steps after the second, the recovery's excepted.
+    step_s: Vec<f64>,
+    /// The last commit.
+    last: Instant,
+}
+
+impl Default for Seen {
+    fn default() -> Self {
+        Self {
+            killed: None,
+            detect: None,
+            recovery: None,
+            steps: Vec::new(),
+            rolled_back: None,
+            viewed: None,
+            resumed: None,
+            committed: None,
+            step_s: Vec::new(),
+            last: Instant::now(),
+        }
+    }
+}
+
+impl Seen {
+    /// Takes in the job's next event; SIGKILLs `victim` once step `kill_at_step` committed.
+    fn event(&mut self, event: JobEvent, kill_at_step: u64, victim: u32) -> anyhow::Result<()> {
+        match event {
+            JobEvent::Step { step, .. } => {
+                self.steps.push(step);
+                if let (Some(t), None) = (self.killed, self.recovery) {
+                    self.committed = Some(Instant::now());
+                    self.recovery = Some(t.elapsed().as_secs_f64());
+                } else if step > 2 {
+                    self.step_s.push(self.last.elapsed().as_secs_f64());
+                }
+                self.last = Instant::now();
+                if step == kill_at_step {
+                    std::process::Command::new("kill").arg("-KILL").arg(victim.to_string()).status()?;
+                    self.killed = Some(Instant::now());
+                }
+            }
+            JobEvent::Membership { .. } => {
+                self.detect = self.killed.map(|t| t.elapsed().as_secs_f64());
+                self.viewed = self.killed.map(|_| Instant::now());
+            }
+            JobEvent::Recovered { .. } | JobEvent::Started { .. }
+                if self.viewed.is_some() && self.resumed.is_none() =>
+            {
+                self.resumed = Some(Instant::now());
+            }
+            JobEvent::RolledBack { from_step, to_step } => self.rolled_back = Some((from_step, to_step)),
+            JobEvent::Failed { reason } => bail!("the job failed: {reason}"),
+            _ => {}
+        }
+        Ok(())
+    }
 }
 
 /// The recovery's phases in seconds, as the job's event stream shows them: `detect` (kill → the view

@@ -126,33 +126,9 @@ fn run_single(
     base: Option<&(tempfile::TempDir, ModelConfig)>,
 ) -> anyhow::Result<()> {
     let threads = configure_torch_threads(args.threads, 1);
-    let (device, peak_tflops, device_name) = match args.device {
-        BenchDevice::Cpu => (tch::Device::Cpu, args.peak_tflops, "cpu".to_owned()),
-        BenchDevice::Cuda => {
-            let cuda = troupe_kernels::CudaBackend::new(0)?;
-            if !tch::Cuda::is_available() {
-                bail!("no CUDA device: libtorch sees none");
-            }
-            let name = cuda.device_name()?;
-            let peak = args.peak_tflops.or_else(|| known_peak_tflops(&name, &args.precision));
-            (tch::Device::Cuda(0), peak, name)
-        }
-    };
+    let (device, peak_tflops, device_name) = bench_device(&args)?;
     let (model, peer_config) = peer_model(model, base)?;
-    let mut peer_flags = vec![
-        ("--micro-batch", args.micro_batch.to_string()),
-        ("--context", args.context.to_string()),
-        ("--threads", threads.to_string()),
-        ("--precision", args.precision.clone()),
-        ("--device", if args.device == BenchDevice::Cuda { "cuda".into() } else { "cpu".into() }),
-    ];
-    let peer_script = match &peer_config {
-        None => "train_gpt_tiny.py",
-        Some(dir) => {
-            peer_flags.extend(peer_model_flags(dir, &model));
-            "train_hf_model.py"
-        }
-    };
+    let (peer_script, peer_flags) = single_peer(&args, &model, peer_config.as_ref(), threads);
     // The peak memory reported is training's: what writing the base took does not count.
     let setup_peak = reset_peak_rss();
     let mut ours = Vec::new();
@@ -163,47 +139,136 @@ fn run_single(
             peers.push(run_peer(&args, peer_script, &peer_flags)?);
         }
     }
-    let ours_tps = median(ours.iter().map(|r| r.0).collect());
+    let tokens_per_s_runs: Vec<f64> = ours.iter().map(|r| r.0).collect();
+    let tokens_per_s = median(tokens_per_s_runs.clone());
     let peak_mem = peak_rss_bytes();
     // Training ≈ 3 × the forward's FLOPs per token (DESIGN.md's MFU convention, gpt.rs).
-    let achieved_tflops = 3.0 * model.forward_flops_per_token() * ours_tps / 1e12;
-    let mut report = json!({
-        "bench": "train", "world": args.world, "shard": args.shard, "steps": args.steps, "precision": args.precision,
-        "model": args.model, "arch": model.arch.as_str(), "params": troupe_model::model::base_specs(&model).iter().map(|s| s.numel()).sum::<usize>(),
-        "trainable_params": model.param_count(), "peft": args.peft,
-        "lora_r": model.peft.as_ref().map(|p| p.r), "lora_targets": model.peft.as_ref().map(|p| p.targets(model.arch)),
-        "device": device_name, "micro_batch": args.micro_batch, "context": args.context, "torch_threads": threads,
-        "repeats": ours.len(), "tokens_per_s": ours_tps, "peak_mem_is_training_only": setup_peak,
-        "tokens_per_s_runs": ours.iter().map(|r| r.0).collect::<Vec<_>>(), "peak_mem_bytes": peak_mem,
-        "achieved_tflops": achieved_tflops, "peak_tflops": peak_tflops,
-        "mfu": peak_tflops.map(|peak| achieved_tflops / peak),
-    });
-    if args.peer {
-        let peer_tps = median(peers.iter().map(|p| p["tokens_per_s"].as_f64().unwrap_or(f64::NAN)).collect());
-        let peer_name = match (args.model.as_str(), args.peft.as_str()) {
-            (_, "lora") => "transformers-peft-eager",
-            ("gpt-tiny", _) => "pytorch-eager",
-            _ => "transformers-eager",
-        };
-        let extra = json!({
-            "peer": peer_name, "peer_tokens_per_s": peer_tps,
-            "peer_tokens_per_s_runs": peers.iter().map(|p| p["tokens_per_s"].clone()).collect::<Vec<_>>(),
-            "peer_peak_mem_bytes": peers.last().map(|p| p["peak_mem_bytes"].clone()),
-            "peer_params": peers.last().map(|p| p["params"].clone()),
-            "peer_trainable_params": peers.last().map(|p| p["trainable_params"].clone()),
-            "ratio_vs_peer": ours_tps / peer_tps,
-        });
-        extend_report(&mut report, extra);
-    }
+    let achieved_tflops = 3.0 * model.forward_flops_per_token() * tokens_per_s / 1e12;
+    let run = SingleRun {
+        device_name,
+        threads,
+        setup_peak,
+        tokens_per_s_runs,
+        tokens_per_s,
+        peak_mem,
+        achieved_tflops,
+        peak_tflops,
+        peers,
+    };
+    let report = run.report(&args, &model);
     if args.json {
         println!("{report}");
     } else {
+        run.print_lines(&args, &report);
+    }
+    Ok(())
+}
+
+/// The device `--device` names: libtorch's, its peak TFLOP/s (`--peak-tflops`, or the known figure of
+/// the CUDA device) and its name.
+fn bench_device(args: &BenchTrainArgs) -> anyhow::Result<(tch::Device, Option<f64>, String)> {
+    Ok(match args.device {
+        BenchDevice::Cpu => (tch::Device::Cpu, args.peak_tflops, "cpu".to_owned()),
+        BenchDevice::Cuda => {
+            let cuda = troupe_kernels::CudaBackend::new(0)?;
+            if !tch::Cuda::is_available() {
+                bail!("no CUDA device: libtorch sees none");
+            }
+            let name = cuda.device_name()?;
+            let peak = args.peak_tflops.or_else(|| known_peak_tflops(&name, &args.precision));
+            (tch::Device::Cuda(0), peak, name)
+        }
+    })
+}
+
+/// The peer's script and flags for `--world 1`: PyTorch's gpt-tiny, or transformers' model of
+/// `peer_config`.
+fn single_peer(
+    args: &BenchTrainArgs,
+    model: &ModelConfig,
+    peer_config: Option<&PeerDir>,
+    threads: usize,
+) -> (&'static str, Vec<(&'static str, String)>) {
+    let mut peer_flags = vec![
+        ("--micro-batch", args.micro_batch.to_string()),
+        ("--context", args.context.to_string()),
+        ("--threads", threads.to_string()),
+        ("--precision", args.precision.clone()),
+        ("--device", if args.device == BenchDevice::Cuda { "cuda".into() } else { "cpu".into() }),
+    ];
+    let peer_script = match peer_config {
+        None => "train_gpt_tiny.py",
+        Some(dir) => {
+            peer_flags.extend(peer_model_flags(dir, model));
+            "train_hf_model.py"
+        }
+    };
+    (peer_script, peer_flags)
+}
+
+/// What a `--world 1` benchmark measured.
+struct SingleRun {
+    device_name: String,
+    threads: usize,
+    /// The peak memory could be reset after the setup (it is training's only).
+    setup_peak: bool,
+    tokens_per_s_runs: Vec<f64>,
+    /// Their median.
+    tokens_per_s: f64,
+    peak_mem: u64,
+    achieved_tflops: f64,
+    peak_tflops: Option<f64>,
+    /// The peer's report of each repetition (with `--peer`).
+    peers: Vec<Value>,
+}
+
+impl SingleRun {
+    /// The JSON report, the peer's figures included with `--peer`.
+    fn report(&self, args: &BenchTrainArgs, model: &ModelConfig) -> Value {
+        let (ours_tps, peak_tflops, achieved_tflops) = (self.tokens_per_s, self.peak_tflops, self.achieved_tflops);
+        let mut report = json!({
+            "bench": "train", "world": args.world, "shard": args.shard, "steps": args.steps, "precision": args.precision,
+            "model": args.model, "arch": model.arch.as_str(), "params": troupe_model::model::base_specs(model).iter().map(|s| s.numel()).sum::<usize>(),
+            "trainable_params": model.param_count(), "peft": args.peft,
+            "lora_r": model.peft.as_ref().map(|p| p.r), "lora_targets": model.peft.as_ref().map(|p| p.targets(model.arch)),
+            "device": self.device_name, "micro_batch": args.micro_batch, "context": args.context, "torch_threads": self.threads,
+            "repeats": self.tokens_per_s_runs.len(), "tokens_per_s": ours_tps, "peak_mem_is_training_only": self.setup_peak,
+            "tokens_per_s_runs": self.tokens_per_s_runs, "peak_mem_bytes": self.peak_mem,
+            "achieved_tflops": achieved_tflops, "peak_tflops": peak_tflops,
+            "mfu": peak_tflops.map(|peak| achieved_tflops / peak),
+        });
+        if args.peer {
+            let peers = &self.peers;
+            let peer_tps = median(peers.iter().map(|p| p["tokens_per_s"].as_f64().unwrap_or(f64::NAN)).collect());
+            let peer_name = match (args.model.as_str(), args.peft.as_str()) {
+                (_, "lora") => "transformers-peft-eager",
+                ("gpt-tiny", _) => "pytorch-eager",
+                _ => "transformers-eager",
+            };
+            let extra = json!({
+                "peer": peer_name, "peer_tokens_per_s": peer_tps,
+                "peer_tokens_per_s_runs": peers.iter().map(|p| p["tokens_per_s"].clone()).collect::<Vec<_>>(),
+                "peer_peak_mem_bytes": peers.last().map(|p| p["peak_mem_bytes"].clone()),
+                "peer_params": peers.last().map(|p| p["params"].clone()),
+                "peer_trainable_params": peers.last().map(|p| p["trainable_params"].clone()),
+                "ratio_vs_peer": ours_tps / peer_tps,
+            });
+            extend_report(&mut report, extra);
+        }
+        report
+    }
+
+    /// The human lines: troupe's tokens/s, its MFU or FLOP/s, and the peer's figures in `report`.
+    fn print_lines(&self, args: &BenchTrainArgs, report: &Value) {
+        let (ours_tps, achieved_tflops) = (self.tokens_per_s, self.achieved_tflops);
         println!(
-            "troupe   {ours_tps:>9.0} tokens/s  ({} on {device_name}, {threads} threads, peak RSS {:.0} MiB)",
+            "troupe   {ours_tps:>9.0} tokens/s  ({} on {}, {} threads, peak RSS {:.0} MiB)",
             args.model,
-            peak_mem as f64 / 1048576.0
+            self.device_name,
+            self.threads,
+            self.peak_mem as f64 / 1048576.0
         );
-        match peak_tflops {
+        match self.peak_tflops {
             Some(peak) => {
                 println!("MFU      {:>9.4}  ({achieved_tflops:.3} of {peak} TFLOP/s)", achieved_tflops / peak)
             }
@@ -215,7 +280,6 @@ fn run_single(
             println!("ratio    {:>9.3}", ours_tps / peer);
         }
     }
-    Ok(())
 }
 
 /// A device's dense peak TFLOP/s in `precision`, for the ones whose figure is known (NVIDIA's data

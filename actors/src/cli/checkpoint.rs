@@ -19,6 +19,7 @@ use troupe_model::checkpoint::tensor_file::{read_verified, write_f32_file, FileT
 use troupe_model::checkpoint::{latest_valid, load_state, step_dirs, CheckpointStore, StateKind, MANIFEST};
 
 use troupe_model::hf::{self, ExportDtype, ExportOptions};
+use troupe_model::ModelConfig;
 
 use super::table::Table;
 use crate::progress::{bytes_bar, spinner, Spinner};
@@ -331,6 +332,34 @@ fn export_hf(src: &Path, out: &Path, what: HfExport, options: ExportOptions, jso
     }
     let manifest = read_manifest(&dir).with_context(|| format!("reading the manifest of {}", dir.display()))?;
     let model = &manifest.config.model;
+    check_exportable(&dir, what, model)?;
+    let state = load(&dir, json)?;
+    let offsets = state.offsets();
+    let params = state.values(StateKind::Param);
+    let values: Vec<Vec<f32>> = (0..state.tensors.len()).map(|i| params[offsets[i]..offsets[i + 1]].to_vec()).collect();
+    let files = write_then_rename(out, json, |partial| {
+        let written = match what {
+            HfExport::Model => hf::export(model, &values, partial, options),
+            HfExport::Adapters => hf::peft::export_adapters(model, &values, partial),
+            HfExport::Merged => hf::peft::export_merged(model, &values, partial, options),
+        };
+        written
+            .map_err(anyhow::Error::from)
+            .and_then(|mut files| {
+                if what != HfExport::Adapters {
+                    files.extend(copy_tokenizer(manifest.config.data.tokenizer.as_deref(), partial)?);
+                }
+                Ok(files)
+            })
+            .with_context(|| format!("exporting {} to {}", dir.display(), out.display()))
+    })?;
+    print_exported((&dir, out), what, model, state.step, &files, json);
+    Ok(())
+}
+
+/// Refuses an export the checkpoint `dir` of `model` has nothing for: a whole model of a `[peft]` one,
+/// adapters or a merge of a full one, adapters of a freeze one.
+fn check_exportable(dir: &Path, what: HfExport, model: &ModelConfig) -> anyhow::Result<()> {
     let lora = model.peft.as_ref().is_some_and(|p| p.method == troupe_model::model::peft::Method::Lora);
     match (what, &model.peft) {
         (HfExport::Model, Some(_)) => bail!(
@@ -348,32 +377,26 @@ fn export_hf(src: &Path, out: &Path, what: HfExport, options: ExportOptions, jso
             "{}: a [peft] method = \"freeze\" checkpoint has no adapters; export it with --merge (nothing was written)",
             dir.display()
         ),
-        _ => {}
+        _ => Ok(()),
     }
-    let state = load(&dir, json)?;
-    let offsets = state.offsets();
-    let params = state.values(StateKind::Param);
-    let values: Vec<Vec<f32>> = (0..state.tensors.len()).map(|i| params[offsets[i]..offsets[i + 1]].to_vec()).collect();
+}
+
+/// Runs `write` on a hidden sibling of `out` (with a spinner), then renames the sibling to `out`
+/// (replacing an empty directory there); a failed `write` leaves no sibling. Returns the files written.
+fn write_then_rename(
+    out: &Path,
+    json: bool,
+    write: impl FnOnce(&Path) -> anyhow::Result<Vec<String>>,
+) -> anyhow::Result<Vec<String>> {
     let file_name = out.file_name().with_context(|| format!("--out {}: name a directory", out.display()))?;
     let partial = out.with_file_name(format!(".{}.partial", file_name.to_string_lossy()));
     let _ = std::fs::remove_dir_all(&partial);
     let writing: Option<Spinner> = spinner(json, format!("writing a Hugging Face directory {}", out.display()));
-    let written = match what {
-        HfExport::Model => hf::export(model, &values, &partial, options),
-        HfExport::Adapters => hf::peft::export_adapters(model, &values, &partial),
-        HfExport::Merged => hf::peft::export_merged(model, &values, &partial, options),
-    };
-    let exported = written.map_err(anyhow::Error::from).and_then(|mut files| {
-        if what != HfExport::Adapters {
-            files.extend(copy_tokenizer(manifest.config.data.tokenizer.as_deref(), &partial)?);
-        }
-        Ok(files)
-    });
-    let files = match exported {
+    let files = match write(&partial) {
         Ok(files) => files,
         Err(e) => {
             let _ = std::fs::remove_dir_all(&partial);
-            return Err(e).with_context(|| format!("exporting {} to {}", dir.display(), out.display()));
+            return Err(e);
         }
     };
     if out.exists() {
@@ -381,18 +404,30 @@ fn export_hf(src: &Path, out: &Path, what: HfExport, options: ExportOptions, jso
     }
     std::fs::rename(&partial, out).with_context(|| format!("renaming {} to {}", partial.display(), out.display()))?;
     drop(writing);
+    Ok(files)
+}
+
+/// The export's event (`--json`) or line: what was exported from `dir` to `out`, and what loads it.
+fn print_exported(
+    (dir, out): (&Path, &Path),
+    what: HfExport,
+    model: &ModelConfig,
+    step: u64,
+    files: &[String],
+    json: bool,
+) {
     let bytes: u64 = files.iter().filter_map(|f| std::fs::metadata(out.join(f)).ok()).map(|m| m.len()).sum();
     if json {
         println!(
             "{}",
-            json!({ "event": "exported", "from": dir, "to": out, "step": state.step,
+            json!({ "event": "exported", "from": dir, "to": out, "step": step,
                     "format": if what == HfExport::Adapters { "peft" } else { "huggingface" }, "merged": what == HfExport::Merged,
                     "arch": model.arch.as_str(), "files": files, "bytes": bytes })
         );
     } else {
         println!(
             "exported step {} ({} {}, {} files, {:.1} MiB) from {} to {} — {} loads it",
-            state.step,
+            step,
             model.arch.as_str(),
             match what {
                 HfExport::Model => "model",
@@ -409,7 +444,6 @@ fn export_hf(src: &Path, out: &Path, what: HfExport, options: ExportOptions, jso
             }
         );
     }
-    Ok(())
 }
 
 /// The job's tokenizer (`[data] tokenizer`) beside the exported model, as a Hugging Face directory holds

@@ -9,7 +9,7 @@ use serde_json::json;
 use tokio::signal::unix::{signal, SignalKind};
 use troupe_model::config::JobConfig;
 
-use crate::api::{JobEvent, JobHandle};
+use crate::api::{DataPlane, JobEvent, JobHandle, JobId};
 use crate::progress::{Reporter, StepEvent};
 
 /// How long an interrupted follower waits for the controller to confirm a cancellation.
@@ -101,7 +101,8 @@ pub async fn follow(
     // printed is kept for the next poll (a fresh `ctrl_c()` future per iteration would miss it).
     let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let (mut tally, total) = (Tally::default(), mode.total_steps);
+    let mut tally = Tally::default();
+    let report = EventReport { job: handle.id(), reporter, mode, nodes };
     let end = loop {
         let event = tokio::select! {
             e = handle.next_event() => e?,
@@ -109,19 +110,46 @@ pub async fn follow(
             _ = terminate.recv() => break interrupted(handle, reporter, on_interrupt).await,
         };
         let Some(event) = event else { anyhow::bail!("job {}: its event stream ended early", handle.id()) };
+        if let Some(end) = report.event(&mut tally, event) {
+            break end;
+        }
+    };
+    Ok((end, tally))
+}
+
+impl Tally {
+    /// A committed step: its loss and throughput, the world it ran on.
+    fn record_step(&mut self, step: u64, loss: f64, tokens_per_s: f64, world: usize) {
+        self.world = world;
+        self.step = step;
+        self.first_loss.get_or_insert(loss);
+        self.recent.push(loss);
+        self.tokens_per_s.push(tokens_per_s);
+        if self.recent.len() > 10 {
+            self.recent.remove(0);
+        }
+    }
+}
+
+/// How [`follow`] reports the events of job `job`.
+struct EventReport<'a> {
+    job: JobId,
+    reporter: &'a Reporter,
+    mode: &'a Mode,
+    /// As for [`follow`].
+    nodes: Option<usize>,
+}
+
+impl EventReport<'_> {
+    /// Reports `event` and counts it into `tally`; how the job ended when `event` ended it.
+    ///
+    /// Long: a match with one arm per event, each reporting its own fields.
+    fn event(&self, tally: &mut Tally, event: JobEvent) -> Option<End> {
+        let (reporter, total) = (self.reporter, self.mode.total_steps);
         match event {
             JobEvent::Started { world, epoch, from_step, attempt, data_plane } => {
                 tally.world = world;
-                reporter.event(
-                    "start",
-                    json!({ "world": world, "pp": mode.pp, "epoch": epoch, "from_step": from_step, "attempt": attempt,
-                            "steps": total, "nodes": nodes, "job": handle.id(), "data_plane": data_plane }),
-                    &format!(
-                        "troupe: job {} running {} on {world} rank(s), epoch {epoch}, data plane {data_plane}",
-                        handle.id(),
-                        mode.describe(world)
-                    ),
-                );
+                self.started(world, epoch, from_step, attempt, data_plane);
             }
             JobEvent::Step {
                 step,
@@ -136,14 +164,7 @@ pub async fn follow(
                 peak_rss_bytes,
                 bubble,
             } => {
-                tally.world = world;
-                tally.step = step;
-                tally.first_loss.get_or_insert(loss);
-                tally.recent.push(loss);
-                tally.tokens_per_s.push(tokens_per_s);
-                if tally.recent.len() > 10 {
-                    tally.recent.remove(0);
-                }
+                tally.record_step(step, loss, tokens_per_s, world);
                 reporter.step(&StepEvent {
                     step,
                     loss,
@@ -171,18 +192,7 @@ pub async fn follow(
                     &format!("recovered: continuing after step {step} on {world} ranks (epoch {epoch})"),
                 );
             }
-            JobEvent::Waiting { nodes: have, min_nodes, wait_s } => {
-                let limit =
-                    if wait_s == 0 { "for as long as it takes".to_string() } else { format!("at most {wait_s} s") };
-                reporter.event(
-                    "waiting",
-                    json!({ "nodes": have, "min_nodes": min_nodes, "wait_s": wait_s }),
-                    &format!(
-                        "waiting: {have} node(s) offer ranks, elastic.min_nodes is {min_nodes}{}; holding the last committed step {limit}",
-                        mode.needs()
-                    ),
-                )
-            }
+            JobEvent::Waiting { nodes: have, min_nodes, wait_s } => self.waiting(have, min_nodes, wait_s),
             JobEvent::Checkpoint { step, path, seconds, bytes } => reporter.checkpoint(step, &path, seconds, bytes),
             JobEvent::Eval { step, loss, perplexity, windows, tokens } => {
                 reporter.eval(step, loss, perplexity, windows, tokens)
@@ -203,26 +213,54 @@ pub async fn follow(
                 "phases",
                 json!({ "rank": rank, "node": node, "attempt": attempt, "step": step, "spans": spans, "stage": stage }),
             ),
-            JobEvent::Finished { steps, .. } => break End::Finished { steps },
+            JobEvent::Finished { steps, .. } => return Some(End::Finished { steps }),
             JobEvent::Failed { reason } => {
                 reporter.event(
                     "failed",
-                    json!({ "job": handle.id(), "reason": reason, "step": tally.step }),
-                    &format!("job {} failed after step {} of {total}", handle.id(), tally.step),
+                    json!({ "job": self.job, "reason": reason, "step": tally.step }),
+                    &format!("job {} failed after step {} of {total}", self.job, tally.step),
                 );
-                break End::Failed { reason };
+                return Some(End::Failed { reason });
             }
             JobEvent::Cancelled => {
                 reporter.event(
                     "cancelled",
-                    json!({ "job": handle.id(), "step": tally.step }),
-                    &format!("job {} was cancelled after step {} of {total}", handle.id(), tally.step),
+                    json!({ "job": self.job, "step": tally.step }),
+                    &format!("job {} was cancelled after step {} of {total}", self.job, tally.step),
                 );
-                break End::Cancelled;
+                return Some(End::Cancelled);
             }
         }
-    };
-    Ok((end, tally))
+        None
+    }
+
+    /// An attempt started on `world` ranks.
+    fn started(&self, world: usize, epoch: u64, from_step: u64, attempt: u64, data_plane: DataPlane) {
+        let (job, mode, total) = (self.job, self.mode, self.mode.total_steps);
+        self.reporter.event(
+            "start",
+            json!({ "world": world, "pp": mode.pp, "epoch": epoch, "from_step": from_step, "attempt": attempt,
+                    "steps": total, "nodes": self.nodes, "job": job, "data_plane": data_plane }),
+            &format!(
+                "troupe: job {job} running {} on {world} rank(s), epoch {epoch}, data plane {data_plane}",
+                mode.describe(world)
+            ),
+        );
+    }
+
+    /// The job waits for nodes: `have` offer ranks, `min_nodes` are needed, for at most `wait_s` (0: no
+    /// limit).
+    fn waiting(&self, have: usize, min_nodes: usize, wait_s: u64) {
+        let limit = if wait_s == 0 { "for as long as it takes".to_string() } else { format!("at most {wait_s} s") };
+        self.reporter.event(
+            "waiting",
+            json!({ "nodes": have, "min_nodes": min_nodes, "wait_s": wait_s }),
+            &format!(
+                "waiting: {have} node(s) offer ranks, elastic.min_nodes is {min_nodes}{}; holding the last committed step {limit}",
+                self.mode.needs()
+            ),
+        )
+    }
 }
 
 /// Ctrl-C or SIGTERM: cancel the job (bounded) or leave it running, and say which.

@@ -7,6 +7,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use serde_json::json;
 use troupe_model::checkpoint::{self, CheckpointStore, Layout, TrainingState};
+use troupe_model::config::JobConfig;
 use troupe_model::trainer::configure_torch_threads;
 use troupe_model::Trainer;
 
@@ -23,14 +24,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         return super::train_pipeline::run(args, config);
     }
     let threads = configure_torch_threads(config.train.torch_threads, 1);
-    let mut trainer = match &args.resume {
-        Some(path) => {
-            let dir = resolve_resume(path)?;
-            let _restoring = spinner(args.json, format!("restoring {}", dir.display()));
-            Trainer::resume(config.clone(), &dir)?
-        }
-        None => Trainer::new(config.clone())?,
-    };
+    let mut trainer = open_trainer(&args, &config)?;
     let total = config.train.steps;
     if trainer.step >= total {
         bail!("--resume: the checkpoint has {} steps committed, not fewer than train.steps = {total}; raise --steps to train further", trainer.step);
@@ -38,6 +32,43 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let run_dir = args.run_dir.as_deref().map(RunDir::create).transpose()?;
     let mut phases = PhaseRecorder::new(run_dir.is_some());
     let reporter = Reporter::new(args.json, trainer.step, total, args.log_every).with_run_dir(run_dir);
+    let params = report_start(&reporter, &config, &trainer, threads);
+    let store = match &config.checkpoint.dir {
+        Some(dir) => Some(
+            CheckpointStore::open(dir, config.checkpoint.keep_last)
+                .with_context(|| format!("--checkpoint-dir {}", dir.display()))?,
+        ),
+        None => None,
+    };
+    let started = Instant::now();
+    let mut losses = Losses::default();
+    while trainer.step < total {
+        train_step(&mut trainer, &reporter, &mut phases, &mut losses);
+        after_step(&trainer, &config, store.as_ref(), &reporter, &mut phases)?;
+    }
+    if let Some(path) = &args.save_final {
+        trainer.save_params(path).with_context(|| format!("--save-final {}", path.display()))?;
+        reporter.event("saved", json!({ "path": path }), &format!("saved final parameters to {}", path.display()));
+    }
+    report_done(reporter, trainer.step, &losses, started, params);
+    Ok(())
+}
+
+/// The trainer: restored from `--resume`'s checkpoint, or new.
+fn open_trainer(args: &TrainArgs, config: &JobConfig) -> anyhow::Result<Trainer> {
+    Ok(match &args.resume {
+        Some(path) => {
+            let dir = resolve_resume(path)?;
+            let _restoring = spinner(args.json, format!("restoring {}", dir.display()));
+            Trainer::resume(config.clone(), &dir)?
+        }
+        None => Trainer::new(config.clone())?,
+    })
+}
+
+/// The start event: the model, its data and the steps ahead. Returns the model's (base) parameter count.
+fn report_start(reporter: &Reporter, config: &JobConfig, trainer: &Trainer, threads: usize) -> usize {
+    let total = config.train.steps;
     let (trainable, corpus) = (trainer.model.param_count(), trainer.sampler.corpus().origin.clone());
     let params: usize = troupe_model::model::base_specs(&config.model).iter().map(|s| s.numel()).sum();
     let what = match &config.model.peft {
@@ -57,82 +88,96 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             config.model.context
         ),
     );
+    params
+}
 
-    let store = match &config.checkpoint.dir {
-        Some(dir) => Some(
-            CheckpointStore::open(dir, config.checkpoint.keep_last)
-                .with_context(|| format!("--checkpoint-dir {}", dir.display()))?,
-        ),
-        None => None,
-    };
-    let started = Instant::now();
-    let (mut first_loss, mut last_losses, mut tokens) = (None, Vec::new(), 0u64);
-    while trainer.step < total {
-        let t0 = Instant::now();
-        let loss = trainer.accumulate_gradients(trainer.step);
-        let computed = Instant::now();
-        let report = trainer.apply_update(loss);
-        phases.span("forward+backward", "compute", t0, computed);
-        phases.span("optimizer", "optimizer", computed, Instant::now());
-        let seconds = t0.elapsed().as_secs_f64();
-        tokens += report.tokens;
-        first_loss.get_or_insert(report.loss);
-        last_losses.push(report.loss);
-        if last_losses.len() > 10 {
-            last_losses.remove(0);
-        }
-        reporter.step(&StepEvent {
-            step: trainer.step,
-            loss: report.loss,
-            lr: report.lr,
-            grad_norm: report.grad_norm,
-            tokens_per_s: report.tokens as f64 / seconds,
-            epoch: 0,
-            world: 1,
-            peak_rss_bytes: vec![crate::telemetry::memory::peak_rss_bytes()],
-            skipped: report.skipped,
-            loss_scale: report.loss_scale,
-            bubble: None,
-        });
-        let every = config.checkpoint.every_steps;
-        let due = trainer.step == total || (every > 0 && trainer.step % every == 0);
-        if let (Some(store), true) = (&store, due) {
-            let saving = Instant::now();
-            save_checkpoint(&trainer, store, &reporter)?;
-            phases.span("checkpoint", "checkpoint", saving, Instant::now());
-        }
-        if config.eval_due(trainer.step) {
-            // Forward only, after the update: no gradient, state or randomness is touched.
-            let evaluating = Instant::now();
-            if let Some(eval) = trainer.evaluate() {
-                reporter.eval(trainer.step, eval.loss, eval.perplexity, eval.windows, eval.tokens);
-            }
-            phases.span("eval", "compute", evaluating, Instant::now());
-        }
-        if let Some(spans) = phases.take() {
-            let fields = json!({ "rank": 0, "node": "local", "attempt": 1, "step": trainer.step, "spans": spans });
-            reporter.record_only("phases", fields);
-        }
+/// The losses and tokens of the steps trained, for the summary.
+#[derive(Default)]
+struct Losses {
+    first: Option<f64>,
+    /// The last (up to) 10.
+    last: Vec<f64>,
+    tokens: u64,
+}
+
+/// One step: the gradients, the update and its report.
+fn train_step(trainer: &mut Trainer, reporter: &Reporter, phases: &mut PhaseRecorder, losses: &mut Losses) {
+    let t0 = Instant::now();
+    let loss = trainer.accumulate_gradients(trainer.step);
+    let computed = Instant::now();
+    let report = trainer.apply_update(loss);
+    phases.span("forward+backward", "compute", t0, computed);
+    phases.span("optimizer", "optimizer", computed, Instant::now());
+    let seconds = t0.elapsed().as_secs_f64();
+    losses.tokens += report.tokens;
+    losses.first.get_or_insert(report.loss);
+    losses.last.push(report.loss);
+    if losses.last.len() > 10 {
+        losses.last.remove(0);
     }
-    if let Some(path) = &args.save_final {
-        trainer.save_params(path).with_context(|| format!("--save-final {}", path.display()))?;
-        reporter.event("saved", json!({ "path": path }), &format!("saved final parameters to {}", path.display()));
+    reporter.step(&StepEvent {
+        step: trainer.step,
+        loss: report.loss,
+        lr: report.lr,
+        grad_norm: report.grad_norm,
+        tokens_per_s: report.tokens as f64 / seconds,
+        epoch: 0,
+        world: 1,
+        peak_rss_bytes: vec![crate::telemetry::memory::peak_rss_bytes()],
+        skipped: report.skipped,
+        loss_scale: report.loss_scale,
+        bubble: None,
+    });
+}
+
+/// After a step: the checkpoint and the evaluation when due, then the step's phases.
+fn after_step(
+    trainer: &Trainer,
+    config: &JobConfig,
+    store: Option<&CheckpointStore>,
+    reporter: &Reporter,
+    phases: &mut PhaseRecorder,
+) -> anyhow::Result<()> {
+    let total = config.train.steps;
+    let every = config.checkpoint.every_steps;
+    let due = trainer.step == total || (every > 0 && trainer.step % every == 0);
+    if let (Some(store), true) = (store, due) {
+        let saving = Instant::now();
+        save_checkpoint(trainer, store, reporter)?;
+        phases.span("checkpoint", "checkpoint", saving, Instant::now());
     }
+    if config.eval_due(trainer.step) {
+        // Forward only, after the update: no gradient, state or randomness is touched.
+        let evaluating = Instant::now();
+        if let Some(eval) = trainer.evaluate() {
+            reporter.eval(trainer.step, eval.loss, eval.perplexity, eval.windows, eval.tokens);
+        }
+        phases.span("eval", "compute", evaluating, Instant::now());
+    }
+    if let Some(spans) = phases.take() {
+        let fields = json!({ "rank": 0, "node": "local", "attempt": 1, "step": trainer.step, "spans": spans });
+        reporter.record_only("phases", fields);
+    }
+    Ok(())
+}
+
+/// The summary: `steps` trained since `started`, the losses, the throughput.
+fn report_done(reporter: Reporter, steps: u64, losses: &Losses, started: Instant, params: usize) {
     let wall = started.elapsed().as_secs_f64();
-    let final_mean = last_losses.iter().sum::<f64>() / last_losses.len() as f64;
-    let first = first_loss.unwrap_or(f64::NAN);
+    let final_mean = losses.last.iter().sum::<f64>() / losses.last.len() as f64;
+    let first = losses.first.unwrap_or(f64::NAN);
+    let tokens = losses.tokens;
     reporter.finish(
-        json!({ "steps": trainer.step, "first_loss": first, "final_loss": last_losses.last(),
+        json!({ "steps": steps, "first_loss": first, "final_loss": losses.last.last(),
                 "final_loss_mean10": final_mean, "tokens_per_s": tokens as f64 / wall, "wall_s": wall,
                 "params": params, "world": 1 }),
         &format!(
             "done: {} steps in {wall:.1} s; loss {first:.4} → {final_mean:.4} (mean of the last {}); {:.0} tokens/s",
-            trainer.step,
-            last_losses.len(),
+            steps,
+            losses.last.len(),
             tokens as f64 / wall
         ),
     );
-    Ok(())
 }
 
 /// A synchronous save (the single process has nothing to overlap it with but its next step).

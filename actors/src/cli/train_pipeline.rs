@@ -31,20 +31,9 @@ pub fn run(args: TrainArgs, config: JobConfig) -> anyhow::Result<()> {
 
     let total = config.train.steps;
     let reporter = Reporter::new(args.json, 0, total, args.log_every);
-    let params = config.model.param_count();
-    let batch = config.train.global_batch;
-    reporter.event(
-        "start",
-        json!({ "params": params, "steps": total, "from_step": 0, "global_batch": batch, "context": config.model.context,
-                "world": world, "pp": parallel.pp, "dp": options.data_parallel, "schedule": kind.name(), "microbatches": microbatches,
-                "virtual_stages": parallel.virtual_stages, "torch_threads": threads }),
-        &format!(
-            "troupe: training gpt ({params} parameters) as {} {kind} pipeline(s) of {} stages, {microbatches} micro-batches per pipeline of batch {batch} × {} tokens",
-            options.data_parallel, parallel.pp, config.model.context
-        ),
-    );
+    report_start(&reporter, &config, &options, threads);
     let started = Instant::now();
-    let tokens_per_step = (batch * config.model.context) as u64;
+    let tokens_per_step = (config.train.global_batch * config.model.context) as u64;
     let mut last = Instant::now();
     let mut losses = Vec::new();
     let run = run_in_process(&config, &options, total, |step| {
@@ -69,27 +58,61 @@ pub fn run(args: TrainArgs, config: JobConfig) -> anyhow::Result<()> {
             reporter.eval(step.step + 1, eval.loss, eval.perplexity, eval.windows, eval.tokens);
         }
     })?;
+    let steps = run.steps.len();
     if let Some(path) = &args.save_final {
         let named = param_specs(&config.model).into_iter().map(|s| s.name).zip(run.params).collect();
         checkpoint::tensor_file::write_tensors(path, named)
             .with_context(|| format!("--save-final {}", path.display()))?;
         reporter.event("saved", json!({ "path": path }), &format!("saved final parameters to {}", path.display()));
     }
+    report_done(reporter, (&config, &options), steps, &losses, started);
+    Ok(())
+}
+
+/// The start event: the model, the pipelines and their schedule.
+fn report_start(reporter: &Reporter, config: &JobConfig, options: &PipelineOptions, threads: usize) {
+    let (parallel, kind, microbatches) = (&config.parallel, options.kind, options.shape.microbatches);
+    let world = parallel.pp * options.data_parallel;
+    let params = config.model.param_count();
+    let batch = config.train.global_batch;
+    reporter.event(
+        "start",
+        json!({ "params": params, "steps": config.train.steps, "from_step": 0, "global_batch": batch, "context": config.model.context,
+                "world": world, "pp": parallel.pp, "dp": options.data_parallel, "schedule": kind.name(), "microbatches": microbatches,
+                "virtual_stages": parallel.virtual_stages, "torch_threads": threads }),
+        &format!(
+            "troupe: training gpt ({params} parameters) as {} {kind} pipeline(s) of {} stages, {microbatches} micro-batches per pipeline of batch {batch} × {} tokens",
+            options.data_parallel, parallel.pp, config.model.context
+        ),
+    );
+}
+
+/// The summary: `steps` trained since `started` with `losses`, the throughput.
+fn report_done(
+    reporter: Reporter,
+    (config, options): (&JobConfig, &PipelineOptions),
+    steps: usize,
+    losses: &[f64],
+    started: Instant,
+) {
+    let (parallel, kind) = (&config.parallel, options.kind);
+    let world = parallel.pp * options.data_parallel;
+    let params = config.model.param_count();
+    let tokens_per_step = (config.train.global_batch * config.model.context) as u64;
     let wall = started.elapsed().as_secs_f64();
     let tail = &losses[losses.len().saturating_sub(10)..];
     let final_mean = tail.iter().sum::<f64>() / tail.len().max(1) as f64;
     let first = losses.first().copied().unwrap_or(f64::NAN);
-    let tokens = tokens_per_step * run.steps.len() as u64;
+    let tokens = tokens_per_step * steps as u64;
     reporter.finish(
-        json!({ "steps": run.steps.len(), "first_loss": first, "final_loss": losses.last(),
+        json!({ "steps": steps, "first_loss": first, "final_loss": losses.last(),
                 "final_loss_mean10": final_mean, "tokens_per_s": tokens as f64 / wall, "wall_s": wall,
                 "params": params, "world": world, "pp": parallel.pp, "dp": options.data_parallel, "schedule": kind.name() }),
         &format!(
             "done: {} steps in {wall:.1} s; loss {first:.4} → {final_mean:.4} (mean of the last {}); {:.0} tokens/s",
-            run.steps.len(),
+            steps,
             tail.len(),
             tokens as f64 / wall
         ),
     );
-    Ok(())
 }

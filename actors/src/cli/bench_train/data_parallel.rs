@@ -20,7 +20,7 @@ use troupe_model::config::{JobConfig, NODES_MAX};
 use troupe_model::ModelConfig;
 
 use super::{
-    extend_report, median, peer_model, peer_model_flags, run_peer, vm_hwm_bytes, BenchTrainArgs, MICRO_BATCH,
+    extend_report, median, peer_model, peer_model_flags, run_peer, vm_hwm_bytes, BenchTrainArgs, PeerDir, MICRO_BATCH,
     WARMUP_STEPS,
 };
 use crate::api::{Job, JobEvent, LocalCluster, LocalClusterOptions};
@@ -53,7 +53,6 @@ pub(super) fn run(
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = if args.threads > 0 { args.threads } else { (cores / world).max(1) };
-    let context = model.context;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -71,80 +70,147 @@ pub(super) fn run(
         _ => "fp32",
     };
     let (model, peer_config) = peer_model(model, base)?;
-    let mut ours = Vec::new();
-    // The same-run baseline: DDP with the all-reduce after the backward, or, for a sharded run, DDP.
-    let mut sequential = Vec::new();
-    let mut peers = Vec::new();
-    for _ in 0..args.repeats.max(1) {
-        let measured = Variant { overlap: true, bucket_mib: args.bucket_mib, shard, precision };
-        ours.push(runtime.block_on(measure_cluster(&model, world, args.steps, threads, measured))?);
-        let baseline = match shard {
-            "none" => Variant { overlap: false, shard, ..measured },
-            _ => Variant { shard: "none", ..measured },
-        };
-        sequential.push(runtime.block_on(measure_cluster(&model, world, args.steps, threads, baseline))?);
-        if args.peer {
-            let mut flags = vec![
-                ("--world", world.to_string()),
-                ("--micro-batch", MICRO_BATCH.to_string()),
-                ("--context", context.to_string()),
-                ("--threads", threads.to_string()),
-                ("--precision", args.precision.clone()),
-            ];
-            if let Some(dir) = &peer_config {
-                flags.extend(peer_model_flags(dir, &model));
-            }
-            peers.push(run_peer(&args, "ddp_gpt_tiny.py", &flags)?);
-        }
-    }
-    let runs: Vec<f64> = ours.iter().map(|r| r.tokens_per_s).collect();
-    let tokens_per_s = median(runs.clone());
-    let peak_mib = per_rank_max_mib(ours.iter().map(|r| r.peak_rss_bytes.clone()));
-    let sequential_runs: Vec<f64> = sequential.iter().map(|r| r.tokens_per_s).collect();
-    let sequential_tps = median(sequential_runs.clone());
-    let mut report = json!({
-        "bench": "train", "world": world, "shard": args.shard, "precision": args.precision, "steps": args.steps,
-        "warmup_steps": WARMUP_STEPS,
-        "model": args.model, "arch": model.arch.as_str(), "params": troupe_model::model::base_specs(&model).iter().map(|s| s.numel()).sum::<usize>(), "trainable_params": model.param_count(), "peft": args.peft,
-        "micro_batch": MICRO_BATCH, "global_batch": MICRO_BATCH * world, "context": context,
-        "torch_threads": threads, "repeats": ours.len(),
-        "tokens_per_s": tokens_per_s, "tokens_per_s_runs": runs,
-        "final_loss": ours.last().map(|r| r.final_loss),
-        "peak_rss_mib_per_rank": peak_mib,
-        "overlap_comm": true, "bucket_mib": if args.bucket_mib > 0 { args.bucket_mib } else { 25 },
-    });
-    if shard == "none" {
-        let extra = json!({
-            "tokens_per_s_no_overlap": sequential_tps, "tokens_per_s_no_overlap_runs": sequential_runs,
-            "overlap_speedup": tokens_per_s / sequential_tps,
-        });
-        extend_report(&mut report, extra);
-    } else {
-        let ddp_peak_mib = per_rank_max_mib(sequential.iter().map(|r| r.peak_rss_bytes.clone()));
-        let extra = json!({
-            "ddp_tokens_per_s": sequential_tps, "ddp_tokens_per_s_runs": sequential_runs,
-            "ddp_peak_rss_mib_per_rank": ddp_peak_mib, "ratio_vs_ddp": tokens_per_s / sequential_tps,
-        });
-        extend_report(&mut report, extra);
-    }
-    let peer_tokens_per_s =
-        args.peer.then(|| median(peers.iter().map(|p| p["tokens_per_s"].as_f64().unwrap_or(f64::NAN)).collect()));
-    if let Some(peer_tps) = peer_tokens_per_s {
-        let peer_peak_mib = per_rank_max_mib(peers.iter().map(peer_peak_bytes));
-        let extra = json!({
-            "peer": peers.last().map(|p| p["peer"].clone()), "peer_shard": "none",
-            "peer_params": peers.last().map(|p| p["params"].clone()), "peer_tokens_per_s": peer_tps,
-            "peer_tokens_per_s_runs": peers.iter().map(|p| p["tokens_per_s"].clone()).collect::<Vec<_>>(),
-            "peer_peak_rss_mib_per_rank": peer_peak_mib,
-            "ratio": tokens_per_s / peer_tps,
-            (if shard == "none" { "ratio_no_overlap" } else { "ratio_ddp_vs_peer" }): sequential_tps / peer_tps,
-        });
-        extend_report(&mut report, extra);
-    }
+    let measured = Variant { overlap: true, bucket_mib: args.bucket_mib, shard, precision };
+    let runs = measure_repeats(&args, &runtime, (&model, peer_config.as_ref()), threads, measured)?;
+    let medians = runs.medians(args.peer);
+    let report = runs.report(&args, &model, threads, shard, &medians);
     if args.json {
         println!("{report}");
         return Ok(());
     }
+    print_lines(&args, &report, (model.context, threads), (shard, peer_config.is_some()), &medians);
+    Ok(())
+}
+
+/// The repetitions of a benchmark: troupe's measured runs, its same-run baselines and the peer's.
+struct Repetitions {
+    ours: Vec<ClusterRun>,
+    /// The same-run baseline: DDP with the all-reduce after the backward, or, for a sharded run, DDP.
+    sequential: Vec<ClusterRun>,
+    /// The peer's JSON report of each repetition (with `--peer`).
+    peers: Vec<Value>,
+}
+
+/// The median tokens/s of each side.
+struct Medians {
+    tokens_per_s: f64,
+    sequential: f64,
+    /// With `--peer`.
+    peer: Option<f64>,
+}
+
+/// `--repeats` repetitions of the `measured` run, its baseline and (`--peer`) the peer, each on a fresh
+/// cluster; `peer_config`: where the peer finds the model, when it is not gpt-tiny.
+fn measure_repeats(
+    args: &BenchTrainArgs,
+    runtime: &tokio::runtime::Runtime,
+    (model, peer_config): (&ModelConfig, Option<&PeerDir>),
+    threads: usize,
+    measured: Variant,
+) -> anyhow::Result<Repetitions> {
+    let (world, shard) = (args.world, measured.shard);
+    let mut runs = Repetitions { ours: Vec::new(), sequential: Vec::new(), peers: Vec::new() };
+    for _ in 0..args.repeats.max(1) {
+        runs.ours.push(runtime.block_on(measure_cluster(model, world, args.steps, threads, measured))?);
+        let baseline = match shard {
+            "none" => Variant { overlap: false, shard, ..measured },
+            _ => Variant { shard: "none", ..measured },
+        };
+        runs.sequential.push(runtime.block_on(measure_cluster(model, world, args.steps, threads, baseline))?);
+        if args.peer {
+            let mut flags = vec![
+                ("--world", world.to_string()),
+                ("--micro-batch", MICRO_BATCH.to_string()),
+                ("--context", model.context.to_string()),
+                ("--threads", threads.to_string()),
+                ("--precision", args.precision.clone()),
+            ];
+            if let Some(dir) = peer_config {
+                flags.extend(peer_model_flags(dir, model));
+            }
+            runs.peers.push(run_peer(args, "ddp_gpt_tiny.py", &flags)?);
+        }
+    }
+    Ok(runs)
+}
+
+impl Repetitions {
+    fn medians(&self, peer: bool) -> Medians {
+        Medians {
+            tokens_per_s: median(self.ours.iter().map(|r| r.tokens_per_s).collect()),
+            sequential: median(self.sequential.iter().map(|r| r.tokens_per_s).collect()),
+            peer: peer
+                .then(|| median(self.peers.iter().map(|p| p["tokens_per_s"].as_f64().unwrap_or(f64::NAN)).collect())),
+        }
+    }
+
+    /// The JSON report: troupe's runs, then its baseline's, then the peer's.
+    fn report(
+        &self,
+        args: &BenchTrainArgs,
+        model: &ModelConfig,
+        threads: usize,
+        shard: &str,
+        medians: &Medians,
+    ) -> Value {
+        let (world, context, ours) = (args.world, model.context, &self.ours);
+        let runs: Vec<f64> = ours.iter().map(|r| r.tokens_per_s).collect();
+        let tokens_per_s = medians.tokens_per_s;
+        let peak_mib = per_rank_max_mib(ours.iter().map(|r| r.peak_rss_bytes.clone()));
+        let sequential_runs: Vec<f64> = self.sequential.iter().map(|r| r.tokens_per_s).collect();
+        let sequential_tps = medians.sequential;
+        let mut report = json!({
+            "bench": "train", "world": world, "shard": args.shard, "precision": args.precision, "steps": args.steps,
+            "warmup_steps": WARMUP_STEPS,
+            "model": args.model, "arch": model.arch.as_str(), "params": troupe_model::model::base_specs(model).iter().map(|s| s.numel()).sum::<usize>(), "trainable_params": model.param_count(), "peft": args.peft,
+            "micro_batch": MICRO_BATCH, "global_batch": MICRO_BATCH * world, "context": context,
+            "torch_threads": threads, "repeats": ours.len(),
+            "tokens_per_s": tokens_per_s, "tokens_per_s_runs": runs,
+            "final_loss": ours.last().map(|r| r.final_loss),
+            "peak_rss_mib_per_rank": peak_mib,
+            "overlap_comm": true, "bucket_mib": if args.bucket_mib > 0 { args.bucket_mib } else { 25 },
+        });
+        if shard == "none" {
+            let extra = json!({
+                "tokens_per_s_no_overlap": sequential_tps, "tokens_per_s_no_overlap_runs": sequential_runs,
+                "overlap_speedup": tokens_per_s / sequential_tps,
+            });
+            extend_report(&mut report, extra);
+        } else {
+            let ddp_peak_mib = per_rank_max_mib(self.sequential.iter().map(|r| r.peak_rss_bytes.clone()));
+            let extra = json!({
+                "ddp_tokens_per_s": sequential_tps, "ddp_tokens_per_s_runs": sequential_runs,
+                "ddp_peak_rss_mib_per_rank": ddp_peak_mib, "ratio_vs_ddp": tokens_per_s / sequential_tps,
+            });
+            extend_report(&mut report, extra);
+        }
+        if let Some(peer_tps) = medians.peer {
+            let peers = &self.peers;
+            let peer_peak_mib = per_rank_max_mib(peers.iter().map(peer_peak_bytes));
+            let extra = json!({
+                "peer": peers.last().map(|p| p["peer"].clone()), "peer_shard": "none",
+                "peer_params": peers.last().map(|p| p["params"].clone()), "peer_tokens_per_s": peer_tps,
+                "peer_tokens_per_s_runs": peers.iter().map(|p| p["tokens_per_s"].clone()).collect::<Vec<_>>(),
+                "peer_peak_rss_mib_per_rank": peer_peak_mib,
+                "ratio": tokens_per_s / peer_tps,
+                (if shard == "none" { "ratio_no_overlap" } else { "ratio_ddp_vs_peer" }): sequential_tps / peer_tps,
+            });
+            extend_report(&mut report, extra);
+        }
+        report
+    }
+}
+
+/// The human lines: troupe, its baseline, the peer and the ratio (`peer_transformers`: the peer ran
+/// transformers' model, not its own gpt-tiny).
+fn print_lines(
+    args: &BenchTrainArgs,
+    report: &Value,
+    (context, threads): (usize, usize),
+    (shard, peer_transformers): (&str, bool),
+    medians: &Medians,
+) {
+    let (world, tokens_per_s, sequential_tps) = (args.world, medians.tokens_per_s, medians.sequential);
     let mode = if shard == "none" { "DDP".to_string() } else { shard.to_uppercase().replace("ZERO", "ZeRO-") };
     let reduce = match shard {
         "none" => "all-reduce overlapped with backward",
@@ -166,15 +232,14 @@ pub(super) fn run(
             tokens_per_s / sequential_tps
         );
     }
-    if let Some(peer_tps) = peer_tokens_per_s {
-        let peer_name = if peer_config.is_some() { "transformers" } else { "pytorch " };
+    if let Some(peer_tps) = medians.peer {
+        let peer_name = if peer_transformers { "transformers" } else { "pytorch " };
         println!(
             "{peer_name} {peer_tps:>9.0} tokens/s  (DDP over Gloo, same model and batch, peak RSS per rank {} MiB)",
             mib_list(&report["peer_peak_rss_mib_per_rank"])
         );
         println!("ratio    {:>9.3}", tokens_per_s / peer_tps);
     }
-    Ok(())
 }
 
 /// How the job all-reduces its gradients.

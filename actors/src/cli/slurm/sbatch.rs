@@ -77,7 +77,6 @@ pub fn run(args: SbatchArgs) -> anyhow::Result<()> {
 
 /// The batch script (pure: the tests read it line by line).
 pub fn script(args: &SbatchArgs, troupe: &Path, config: &Path) -> String {
-    let stem = config.file_stem().map_or("job".into(), |s| s.to_string_lossy().into_owned());
     let mut lines = vec![
         "#!/bin/bash".to_string(),
         format!(
@@ -85,33 +84,7 @@ pub fn script(args: &SbatchArgs, troupe: &Path, config: &Path) -> String {
             env!("CARGO_PKG_VERSION")
         ),
     ];
-    let mut directive = |option: String| lines.push(format!("#SBATCH {option}"));
-    directive(format!("--job-name={}", args.job_name.clone().unwrap_or(format!("troupe-{stem}"))));
-    directive(format!("--nodes={}", args.nodes));
-    directive("--ntasks-per-node=1".into());
-    if args.gpus_per_node > 0 {
-        directive(format!("--gpus-per-node={}", args.gpus_per_node));
-    }
-    if let Some(cpus) = args.cpus_per_node {
-        directive(format!("--cpus-per-task={cpus}"));
-    }
-    if let Some(time) = &args.time {
-        directive(format!("--time={time}"));
-    }
-    if let Some(partition) = &args.partition {
-        directive(format!("--partition={partition}"));
-    }
-    if let Some(account) = &args.account {
-        directive(format!("--account={account}"));
-    }
-    directive(format!("--output={}", args.output.as_deref().unwrap_or("troupe-%j.out")));
-    if args.requeue {
-        directive("--requeue".into());
-        // Slurm truncates the output file when it starts a requeued job, unless told to append.
-        directive("--open-mode=append".into());
-    } else {
-        directive("--no-requeue".into());
-    }
+    lines.extend(directives(args, config).into_iter().map(|option| format!("#SBATCH {option}")));
     lines.push("# A node Slurm loses is a node loss to troupe: the job shrinks and goes on.".into());
     lines.push("#SBATCH --no-kill".into());
     lines.push(String::new());
@@ -123,6 +96,52 @@ pub fn script(args: &SbatchArgs, troupe: &Path, config: &Path) -> String {
     lines.push(format!("cluster_dir={dir}"));
     lines.push("exit_code_file=\"$cluster_dir.exit\"".into());
     lines.push("rm -f \"$exit_code_file\"".into());
+    lines.push(srun_command(args, troupe, config));
+    lines.push("status=$?".into());
+    lines.push("# srun reports a task Slurm killed (a lost node) as a failure; the job's own outcome is what".into());
+    lines.push("# the first task recorded.".into());
+    lines.push("if [[ -s \"$exit_code_file\" ]]; then exit \"$(cat \"$exit_code_file\")\"; fi".into());
+    lines.push("exit \"$status\"".into());
+    lines.join("\n") + "\n"
+}
+
+/// The `#SBATCH` options of the allocation (the job named after `config` unless `--job-name`).
+fn directives(args: &SbatchArgs, config: &Path) -> Vec<String> {
+    let stem = config.file_stem().map_or("job".into(), |s| s.to_string_lossy().into_owned());
+    let mut options = vec![
+        format!("--job-name={}", args.job_name.clone().unwrap_or(format!("troupe-{stem}"))),
+        format!("--nodes={}", args.nodes),
+        "--ntasks-per-node=1".into(),
+    ];
+    if args.gpus_per_node > 0 {
+        options.push(format!("--gpus-per-node={}", args.gpus_per_node));
+    }
+    if let Some(cpus) = args.cpus_per_node {
+        options.push(format!("--cpus-per-task={cpus}"));
+    }
+    if let Some(time) = &args.time {
+        options.push(format!("--time={time}"));
+    }
+    if let Some(partition) = &args.partition {
+        options.push(format!("--partition={partition}"));
+    }
+    if let Some(account) = &args.account {
+        options.push(format!("--account={account}"));
+    }
+    options.push(format!("--output={}", args.output.as_deref().unwrap_or("troupe-%j.out")));
+    if args.requeue {
+        options.push("--requeue".into());
+        // Slurm truncates the output file when it starts a requeued job, unless told to append.
+        options.push("--open-mode=append".into());
+    } else {
+        options.push("--no-requeue".into());
+    }
+    options
+}
+
+/// The `srun` line: `troupe slurm run` on every node, with the options of `args.run` that are not
+/// their defaults.
+fn srun_command(args: &SbatchArgs, troupe: &Path, config: &Path) -> String {
     let mut command =
         vec!["srun".to_string(), "--ntasks-per-node=1".into(), "--no-kill".into(), "--kill-on-bad-exit=0".into()];
     if let Some(cpus) = args.cpus_per_node {
@@ -160,13 +179,7 @@ pub fn script(args: &SbatchArgs, troupe: &Path, config: &Path) -> String {
     if run.json {
         command.push("--json".into());
     }
-    lines.push(command.join(" "));
-    lines.push("status=$?".into());
-    lines.push("# srun reports a task Slurm killed (a lost node) as a failure; the job's own outcome is what".into());
-    lines.push("# the first task recorded.".into());
-    lines.push("if [[ -s \"$exit_code_file\" ]]; then exit \"$(cat \"$exit_code_file\")\"; fi".into());
-    lines.push("exit \"$status\"".into());
-    lines.join("\n") + "\n"
+    command.join(" ")
 }
 
 /// `value` as one word for the shell: single-quoted unless it is plainly safe.
