@@ -83,73 +83,114 @@ pub fn micro_batch_backward(
     activations: Activations,
     on_final: &mut dyn FnMut(Range<usize>),
 ) -> f64 {
-    let n = config.n_layers;
     assert_eq!(params.len(), config.param_tensors(), "parameter list length");
-    let embed_params = &params[config.embed_range()];
-    let block_params = |i: usize| &params[config.block_range(i)];
-    let head_params = model::head_params(config, params);
-
-    // Forward. Keep: `inputs[i]` is block i's input as a leaf, `outputs[i]` its output with its graph.
-    // Recompute: `inputs[i]` is block i's input without any graph; `outputs` stays empty.
-    let (embedded, mut inputs, mut outputs) = match activations {
-        Activations::Keep => {
-            let embedded = model::embed(config, embed_params, tokens);
-            let mut inputs = vec![leaf(&embedded)];
-            let mut outputs = Vec::with_capacity(n);
-            for i in 0..n {
-                let output = model::block_training(config, precision, i, block_params(i), &inputs[i], samples);
-                inputs.push(leaf(&output));
-                outputs.push(output);
-            }
-            (Some(embedded), inputs, outputs)
-        }
-        Activations::Recompute => {
-            let inputs = tch::no_grad(|| {
-                let mut inputs = vec![model::embed(config, embed_params, tokens)];
-                for i in 0..n {
-                    let output = model::block_training(config, precision, i, block_params(i), &inputs[i], samples);
-                    inputs.push(output);
-                }
-                inputs
-            });
-            (None, inputs, Vec::new())
-        }
-    };
+    let blocks = Blocks { config, precision, params, samples };
+    let BlockForward { embedded, mut inputs, outputs } = blocks.forward(tokens, activations);
 
     // The head and the loss: the only monolithic part.
+    let head_params = model::head_params(config, params);
     let head_input = leaf(&inputs.pop().expect("the head's input"));
     let loss = model::cross_entropy(&model::head(config, precision, &head_params, &head_input), targets);
     (&loss * weight).backward();
     on_final(config.head_range());
-    let mut grad = head_input.grad();
 
     // With `[peft]` the first parts may train nothing: the backward stops after the first that does.
     let trains = needs_backward(config);
-    for i in (0..n).rev() {
-        if !trains[1 + i] {
-            on_final(config.block_range(i));
-            continue;
-        }
-        let saved = inputs.pop().expect("block input");
-        let (input, output) = match activations {
-            Activations::Keep => (saved, outputs.pop().expect("block output")),
-            Activations::Recompute => {
-                let input = leaf(&saved);
-                let output = model::block_training(config, precision, i, block_params(i), &input, samples);
-                (input, output)
-            }
-        };
-        backward_from(&output, &grad);
-        grad = input.grad();
-        on_final(config.block_range(i));
-    }
-
+    let grad = blocks.backward(head_input.grad(), (inputs, outputs), &trains, activations, on_final);
     if trains[0] {
-        let embedded = embedded.unwrap_or_else(|| model::embed(config, embed_params, tokens));
+        let embedded = embedded.unwrap_or_else(|| model::embed(config, &params[config.embed_range()], tokens));
         backward_from(&embedded, &grad);
     }
     on_final(config.embed_range());
     loss.double_value(&[])
+}
+
+/// The embeddings and blocks of the model on `params`, as one micro-batch runs them.
+struct Blocks<'a> {
+    config: &'a ModelConfig,
+    precision: Precision,
+    params: &'a [Tensor],
+    samples: Option<model::Samples>,
+}
+
+/// What the forward through the embeddings and blocks keeps for the backward. Keep: `inputs[i]` is
+/// block i's input as a leaf (the last: the head's input), `outputs[i]` its output with its graph,
+/// `embedded` the embeddings' output with its graph. Recompute: `inputs[i]` is block i's input without any
+/// graph; `outputs` is empty and `embedded` None.
+struct BlockForward {
+    embedded: Option<Tensor>,
+    inputs: Vec<Tensor>,
+    outputs: Vec<Tensor>,
+}
+
+impl Blocks<'_> {
+    /// Block `i`'s training forward on `input`.
+    fn block(&self, i: usize, input: &Tensor) -> Tensor {
+        let params = &self.params[self.config.block_range(i)];
+        model::block_training(self.config, self.precision, i, params, input, self.samples)
+    }
+
+    /// The forward of `tokens` through the embeddings and the blocks, keeping what `activations` says.
+    fn forward(&self, tokens: &Tensor, activations: Activations) -> BlockForward {
+        let (config, n) = (self.config, self.config.n_layers);
+        let embed_params = &self.params[config.embed_range()];
+        match activations {
+            Activations::Keep => {
+                let embedded = model::embed(config, embed_params, tokens);
+                let mut inputs = vec![leaf(&embedded)];
+                let mut outputs = Vec::with_capacity(n);
+                for i in 0..n {
+                    let output = self.block(i, &inputs[i]);
+                    inputs.push(leaf(&output));
+                    outputs.push(output);
+                }
+                BlockForward { embedded: Some(embedded), inputs, outputs }
+            }
+            Activations::Recompute => {
+                let inputs = tch::no_grad(|| {
+                    let mut inputs = vec![model::embed(config, embed_params, tokens)];
+                    for i in 0..n {
+                        let output = self.block(i, &inputs[i]);
+                        inputs.push(output);
+                    }
+                    inputs
+                });
+                BlockForward { embedded: None, inputs, outputs: Vec::new() }
+            }
+        }
+    }
+
+    /// The backward through the blocks, last first, from `grad` (the gradient of the last block's output)
+    /// over the forward's block `inputs` and (Keep) `outputs`: `on_final` after each block's, a block
+    /// that `trains` says trains nothing skipped. Returns the gradient of the first block's input.
+    fn backward(
+        &self,
+        mut grad: Tensor,
+        (mut inputs, mut outputs): (Vec<Tensor>, Vec<Tensor>),
+        trains: &[bool],
+        activations: Activations,
+        on_final: &mut dyn FnMut(Range<usize>),
+    ) -> Tensor {
+        for i in (0..self.config.n_layers).rev() {
+            if !trains[1 + i] {
+                on_final(self.config.block_range(i));
+                continue;
+            }
+            let saved = inputs.pop().expect("block input");
+            let (input, output) = match activations {
+                Activations::Keep => (saved, outputs.pop().expect("block output")),
+                Activations::Recompute => {
+                    let input = leaf(&saved);
+                    let output = self.block(i, &input);
+                    (input, output)
+                }
+            };
+            backward_from(&output, &grad);
+            grad = input.grad();
+            on_final(self.config.block_range(i));
+        }
+        grad
+    }
 }
 
 /// Per part in forward order (the embeddings, then each block): whether a backward through it reaches a

@@ -122,6 +122,25 @@ impl JobConfig {
     /// Checks every value; the first problem is returned.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.model.validate()?;
+        self.validate_train()?;
+        if self.checkpoint.replicas > SHARD_REPLICAS_MAX {
+            return Err(invalid(
+                "checkpoint.replicas",
+                self.checkpoint.replicas,
+                format!("must be in 0..={SHARD_REPLICAS_MAX} (1, the default, survives the loss of any one rank)"),
+            ));
+        }
+        self.validate_data()?;
+        self.validate_eval()?;
+        self.parallel.validate()?;
+        self.elastic.validate()?;
+        self.validate_parallel_fits()
+    }
+}
+
+impl JobConfig {
+    /// The `[train]` keys: steps, batch sizes and the optimizer's hyperparameters.
+    fn validate_train(&self) -> Result<(), ConfigError> {
         let t = &self.train;
         if t.steps == 0 {
             return Err(invalid("train.steps", t.steps, "must be at least 1"));
@@ -155,13 +174,12 @@ impl JobConfig {
         if !(t.grad_clip.is_finite() && t.grad_clip >= 0.0) {
             return Err(invalid("train.grad_clip", t.grad_clip, "must be ≥ 0 (0 disables clipping)"));
         }
-        if self.checkpoint.replicas > SHARD_REPLICAS_MAX {
-            return Err(invalid(
-                "checkpoint.replicas",
-                self.checkpoint.replicas,
-                format!("must be in 0..={SHARD_REPLICAS_MAX} (1, the default, survives the loss of any one rank)"),
-            ));
-        }
+        Ok(())
+    }
+
+    /// The `[data]` keys: a corpus long enough for one window, or a file to read, and a tokenizer only
+    /// where there is text to encode.
+    fn validate_data(&self) -> Result<(), ConfigError> {
         match self.data.kind {
             DataKind::Synthetic => {
                 let needed = self.model.context + 1;
@@ -194,10 +212,13 @@ impl JobConfig {
             };
             return Err(invalid("data.tokenizer", format!("{tokenizer:?} with data.kind = \"{kind}\""), why));
         }
-        self.validate_eval()?;
-        self.parallel.validate()?;
-        self.elastic.validate()?;
-        let p = &self.parallel;
+        Ok(())
+    }
+
+    /// What `[parallel]` asks of the other sections: fp16 for an injected overflow, enough blocks for the
+    /// pipeline's chunks and enough samples for its replicas and micro-batches.
+    fn validate_parallel_fits(&self) -> Result<(), ConfigError> {
+        let (t, p) = (&self.train, &self.parallel);
         if !t.inject_overflow_at.is_empty() && p.precision != "fp16" {
             return Err(invalid(
                 "train.inject_overflow_at",
@@ -235,9 +256,7 @@ impl JobConfig {
         }
         Ok(())
     }
-}
 
-impl JobConfig {
     /// The validation keys: where the held-out tokens come from, and how often and how much is evaluated.
     fn validate_eval(&self) -> Result<(), ConfigError> {
         let (data, train) = (&self.data, &self.train);

@@ -13,7 +13,7 @@ use serde_json::json;
 
 use super::config_json::write_config;
 use super::{file_layout, HfError};
-use crate::model::{base_specs, file_name, ModelConfig};
+use crate::model::{base_specs, file_name, ModelConfig, ParamSpec};
 
 /// The dtype of the exported weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,37 +64,59 @@ pub fn export(
             why: "Qwen2's config.json has no head_dim: it must be d_model / n_heads".into(),
         });
     }
-    let io = |path: &Path| {
-        let path = path.to_owned();
-        move |source| HfError::Io { path, source }
-    };
-    std::fs::create_dir_all(out).map_err(io(out))?;
+    std::fs::create_dir_all(out).map_err(|source| HfError::Io { path: out.to_owned(), source })?;
+    let tensors = file_tensors(config, &specs, values, options.dtype);
+    let shards = plan_shards(&tensors, options.max_shard_bytes);
+    let mut written = write_shards(out, &tensors, &shards, options.dtype)?;
+    write_json(&out.join("config.json"), &write_config(config, options.dtype.torch_name()))?;
+    write_json(&out.join("generation_config.json"), &json!({"_from_model_config": true}))?;
+    written.extend(["config.json".to_owned(), "generation_config.json".to_owned()]);
+    Ok(written)
+}
 
-    // Hugging Face's names and layout, and the bytes of each tensor in the asked dtype.
-    let mut tensors: BTreeMap<String, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
+/// Each tensor by its Hugging Face name: its shape in Hugging Face's layout and its bytes in `dtype`.
+type FileTensors = BTreeMap<String, (Vec<usize>, Vec<u8>)>;
+
+/// The parameters `values` (of `specs`) under Hugging Face's names and layout, as `dtype` bytes.
+fn file_tensors(config: &ModelConfig, specs: &[ParamSpec], values: &[Vec<f32>], dtype: ExportDtype) -> FileTensors {
+    let mut tensors = FileTensors::new();
     for (spec, values) in specs.iter().zip(values) {
         let (name, transposed) = file_name(config, spec);
         let (shape, laid_out) = file_layout(spec, values, transposed);
-        let bytes = match options.dtype {
+        let bytes = match dtype {
             ExportDtype::F32 => laid_out.iter().flat_map(|v| v.to_le_bytes()).collect(),
             ExportDtype::Bf16 => laid_out.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect(),
         };
         tensors.insert(name, (shape, bytes));
     }
+    tensors
+}
 
-    // Shards of at most max_shard_bytes each (a tensor larger than that gets a shard of its own).
+/// The tensors' names cut into shards of at most `max_shard_bytes` each, in name order (a tensor larger
+/// than that gets a shard of its own).
+fn plan_shards(tensors: &FileTensors, max_shard_bytes: u64) -> Vec<Vec<&String>> {
     let mut shards: Vec<Vec<&String>> = vec![Vec::new()];
     let mut size = 0u64;
-    for (name, (_, bytes)) in &tensors {
+    for (name, (_, bytes)) in tensors {
         let current = shards.last_mut().expect("a shard");
-        if !current.is_empty() && size + bytes.len() as u64 > options.max_shard_bytes {
+        if !current.is_empty() && size + bytes.len() as u64 > max_shard_bytes {
             shards.push(Vec::new());
             size = 0;
         }
         shards.last_mut().expect("a shard").push(name);
         size += bytes.len() as u64;
     }
-    let dtype = match options.dtype {
+    shards
+}
+
+/// Writes `model.safetensors`, or one file per shard and the index. Returns the files written.
+fn write_shards(
+    out: &Path,
+    tensors: &FileTensors,
+    shards: &[Vec<&String>],
+    dtype: ExportDtype,
+) -> Result<Vec<String>, HfError> {
+    let dtype = match dtype {
         ExportDtype::F32 => Dtype::F32,
         ExportDtype::Bf16 => Dtype::BF16,
     };
@@ -127,9 +149,6 @@ pub fn export(
         write_json(&out.join("model.safetensors.index.json"), &index)?;
         written.push("model.safetensors.index.json".into());
     }
-    write_json(&out.join("config.json"), &write_config(config, options.dtype.torch_name()))?;
-    write_json(&out.join("generation_config.json"), &json!({"_from_model_config": true}))?;
-    written.extend(["config.json".to_owned(), "generation_config.json".to_owned()]);
     Ok(written)
 }
 

@@ -27,7 +27,7 @@ use serde_json::{json, Value};
 
 use super::{file_layout, HfError, HfWeights};
 use crate::hf_weights::transpose;
-use crate::model::peft::{module_of, Method};
+use crate::model::peft::{module_of, Method, PeftConfig};
 use crate::model::{base_specs, file_name, param_specs, read_param, Arch, ModelConfig, ParamSpec};
 
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
@@ -133,59 +133,16 @@ impl Adapters {
     /// does not compute (DoRA, per-module ranks, biases), the hyperparameters agree with `[peft]`, every
     /// trainable parameter is present with its shape, and nothing else is.
     pub fn open(config: &ModelConfig, dir: &Path) -> Result<Self, HfError> {
-        let config_path = dir.join(ADAPTER_CONFIG);
-        let format = |path: &Path, message: String| HfError::Format { path: path.to_owned(), message };
-        if !config_path.is_file() {
-            return Err(format(
-                &config_path,
-                format!(
-                    "not found: a PEFT adapter directory holds {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} \
-                     (`PeftModel.save_pretrained` and `troupe checkpoint export CKPT --out DIR --adapters` write them); \
-                     check peft.from_adapters"
-                ),
-            ));
-        }
-        let text = std::fs::read_to_string(&config_path)
-            .map_err(|source| HfError::Io { path: config_path.clone(), source })?;
-        let adapter: Value = serde_json::from_str(&text).map_err(|e| format(&config_path, format!("not JSON: {e}")))?;
-        check_config(config, &config_path, &adapter)?;
-
+        read_adapter_config(config, dir)?;
         let weights_path = dir.join(ADAPTER_WEIGHTS);
         let bytes =
             std::fs::read(&weights_path).map_err(|source| HfError::Io { path: weights_path.clone(), source })?;
         let file = safetensors::SafeTensors::deserialize(&bytes)
-            .map_err(|e| format(&weights_path, format!("not a safetensors file: {e}")))?;
+            .map_err(|e| format_error(&weights_path, format!("not a safetensors file: {e}")))?;
         let mut values = HashMap::new();
         let mut used = std::collections::HashSet::new();
         for spec in param_specs(config) {
-            let (key, transposed) = peft_key(config, &spec);
-            let view = file.tensor(&key).map_err(|_| HfError::MissingTensor {
-                dir: dir.to_owned(),
-                tensor: format!("{ADAPTER_WEIGHTS}: {key}"),
-                shape: spec.shape.clone(),
-            })?;
-            let mut expected: Vec<usize> = spec.shape.iter().map(|&d| d as usize).collect();
-            if transposed {
-                expected.reverse();
-            }
-            if view.shape() != expected.as_slice() {
-                return Err(HfError::Shape {
-                    path: weights_path.clone(),
-                    tensor: key,
-                    found: view.shape().to_vec(),
-                    expected,
-                });
-            }
-            let data = view.data();
-            let v: Vec<f32> = match view.dtype() {
-                Dtype::F32 => data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-                Dtype::BF16 => data.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-                Dtype::F16 => data.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-                other => {
-                    return Err(HfError::Dtype { path: weights_path.clone(), tensor: key, dtype: format!("{other:?}") })
-                }
-            };
-            let v = if transposed { transpose(&v, expected[0], expected[1]) } else { v };
+            let (key, v) = read_adapter(config, (dir, &weights_path), &file, &spec)?;
             used.insert(key);
             values.insert(spec.name.clone(), v);
         }
@@ -213,18 +170,98 @@ impl Adapters {
     }
 }
 
+fn format_error(path: &Path, message: String) -> HfError {
+    HfError::Format { path: path.to_owned(), message }
+}
+
+/// Reads `dir`'s `adapter_config.json` and checks it against `[peft]` (see [`check_config`]).
+fn read_adapter_config(config: &ModelConfig, dir: &Path) -> Result<(), HfError> {
+    let config_path = dir.join(ADAPTER_CONFIG);
+    if !config_path.is_file() {
+        return Err(format_error(
+            &config_path,
+            format!(
+                "not found: a PEFT adapter directory holds {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} \
+                 (`PeftModel.save_pretrained` and `troupe checkpoint export CKPT --out DIR --adapters` write them); \
+                 check peft.from_adapters"
+            ),
+        ));
+    }
+    let text =
+        std::fs::read_to_string(&config_path).map_err(|source| HfError::Io { path: config_path.clone(), source })?;
+    let adapter: Value =
+        serde_json::from_str(&text).map_err(|e| format_error(&config_path, format!("not JSON: {e}")))?;
+    check_config(config, &config_path, &adapter)
+}
+
+/// Trainable parameter `spec` from the adapters' `file` (at `weights_path` in `dir`): its PEFT key and its
+/// values in troupe's layout (fp32, transposed where PEFT's is).
+fn read_adapter(
+    config: &ModelConfig,
+    (dir, weights_path): (&Path, &Path),
+    file: &safetensors::SafeTensors,
+    spec: &ParamSpec,
+) -> Result<(String, Vec<f32>), HfError> {
+    let (key, transposed) = peft_key(config, spec);
+    let view = file.tensor(&key).map_err(|_| HfError::MissingTensor {
+        dir: dir.to_owned(),
+        tensor: format!("{ADAPTER_WEIGHTS}: {key}"),
+        shape: spec.shape.clone(),
+    })?;
+    let mut expected: Vec<usize> = spec.shape.iter().map(|&d| d as usize).collect();
+    if transposed {
+        expected.reverse();
+    }
+    if view.shape() != expected.as_slice() {
+        return Err(HfError::Shape {
+            path: weights_path.to_owned(),
+            tensor: key,
+            found: view.shape().to_vec(),
+            expected,
+        });
+    }
+    let data = view.data();
+    let v: Vec<f32> = match view.dtype() {
+        Dtype::F32 => data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        Dtype::BF16 => data.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        Dtype::F16 => data.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        other => {
+            return Err(HfError::Dtype { path: weights_path.to_owned(), tensor: key, dtype: format!("{other:?}") })
+        }
+    };
+    let v = if transposed { transpose(&v, expected[0], expected[1]) } else { v };
+    Ok((key, v))
+}
+
 /// `adapter_config.json` against `[peft]`.
 fn check_config(config: &ModelConfig, path: &Path, adapter: &Value) -> Result<(), HfError> {
     let peft = config.peft.as_ref().expect("from_adapters is a [peft] key");
-    let unsupported = |key: &str, value: &Value, why: &str| HfError::Unsupported {
+    check_supported(path, adapter)?;
+    check_hyperparameters(peft, path, adapter)?;
+    check_modules(config, peft, path, adapter)
+}
+
+fn unsupported(path: &Path, key: &str, value: &Value, why: &str) -> HfError {
+    HfError::Unsupported { path: path.to_owned(), key: key.to_owned(), value: value.to_string(), why: why.to_owned() }
+}
+
+/// A `[peft]` key whose `toml` value disagrees with the adapters' `json` one at `json_key`.
+fn disagree(path: &Path, key: &str, toml: String, json_key: &str, json: String) -> HfError {
+    HfError::Format {
         path: path.to_owned(),
-        key: key.to_owned(),
-        value: value.to_string(),
-        why: why.to_owned(),
-    };
+        message: format!(
+            "{json_key} = {json} disagrees with [peft] {key} = {toml} (peft.from_adapters): set peft.{key} to the \
+             adapters' value (the [peft] table describes the adapters it starts from)"
+        ),
+    }
+}
+
+/// The adapters are LoRA's, with none of the features troupe does not compute.
+fn check_supported(path: &Path, adapter: &Value) -> Result<(), HfError> {
     let peft_type = adapter.get("peft_type").cloned().unwrap_or(Value::Null);
     if peft_type.as_str() != Some("LORA") {
         return Err(unsupported(
+            path,
             "peft_type",
             &peft_type,
             &format!("troupe reads PEFT adapters of type {SUPPORTED_TYPES} (LoRA); train LoRA adapters or start without peft.from_adapters"),
@@ -250,27 +287,30 @@ fn check_config(config: &ModelConfig, path: &Path, adapter: &Value) -> Result<()
         ("target_parameters", "troupe adapts modules (target_modules), not parameters"),
     ] {
         if !empty(adapter.get(key)) {
-            return Err(unsupported(key, &adapter[key], why));
+            return Err(unsupported(path, key, &adapter[key], why));
         }
     }
-    let disagree = |key: &str, toml: String, json_key: &str, json: String| HfError::Format {
-        path: path.to_owned(),
-        message: format!(
-            "{json_key} = {json} disagrees with [peft] {key} = {toml} (peft.from_adapters): set peft.{key} to the \
-             adapters' value (the [peft] table describes the adapters it starts from)"
-        ),
-    };
+    Ok(())
+}
+
+/// The adapters' rank, alpha and rsLoRA switch are `[peft]`'s.
+fn check_hyperparameters(peft: &PeftConfig, path: &Path, adapter: &Value) -> Result<(), HfError> {
     let shown = |key: &str| adapter.get(key).map_or("(absent)".to_owned(), Value::to_string);
     if adapter.get("r").and_then(Value::as_u64) != Some(peft.r as u64) {
-        return Err(disagree("r", peft.r.to_string(), "r", shown("r")));
+        return Err(disagree(path, "r", peft.r.to_string(), "r", shown("r")));
     }
     if adapter.get("lora_alpha").and_then(Value::as_f64) != Some(peft.alpha) {
-        return Err(disagree("alpha", peft.alpha.to_string(), "lora_alpha", shown("lora_alpha")));
+        return Err(disagree(path, "alpha", peft.alpha.to_string(), "lora_alpha", shown("lora_alpha")));
     }
     let rslora = adapter.get("use_rslora").and_then(Value::as_bool).unwrap_or(false);
     if rslora != peft.rslora {
-        return Err(disagree("rslora", peft.rslora.to_string(), "use_rslora", rslora.to_string()));
+        return Err(disagree(path, "rslora", peft.rslora.to_string(), "use_rslora", rslora.to_string()));
     }
+    Ok(())
+}
+
+/// The adapters' target and saved modules are `[peft]`'s targets and trained modules (as sets).
+fn check_modules(config: &ModelConfig, peft: &PeftConfig, path: &Path, adapter: &Value) -> Result<(), HfError> {
     let list = |key: &str| -> Result<Vec<String>, HfError> {
         match adapter.get(key) {
             None | Some(Value::Null) => Ok(Vec::new()),
@@ -278,8 +318,9 @@ fn check_config(config: &ModelConfig, path: &Path, adapter: &Value) -> Result<()
                 .iter()
                 .map(|v| v.as_str().map(str::to_owned))
                 .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| unsupported(key, &adapter[key], "must be a list of module names")),
+                .ok_or_else(|| unsupported(path, key, &adapter[key], "must be a list of module names")),
             Some(other) => Err(unsupported(
+                path,
                 key,
                 other,
                 "troupe reads target and saved modules as a list of module names (not a regular expression); \
@@ -295,6 +336,7 @@ fn check_config(config: &ModelConfig, path: &Path, adapter: &Value) -> Result<()
     let targets = sorted(list("target_modules")?);
     if targets != sorted(peft.targets(config.arch)) {
         return Err(disagree(
+            path,
             "targets",
             format!("{:?}", peft.targets(config.arch)),
             "target_modules",
@@ -303,7 +345,7 @@ fn check_config(config: &ModelConfig, path: &Path, adapter: &Value) -> Result<()
     }
     let saved = sorted(list("modules_to_save")?);
     if saved != sorted(peft.train.clone()) {
-        return Err(disagree("train", format!("{:?}", peft.train), "modules_to_save", format!("{saved:?}")));
+        return Err(disagree(path, "train", format!("{:?}", peft.train), "modules_to_save", format!("{saved:?}")));
     }
     Ok(())
 }

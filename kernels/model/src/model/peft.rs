@@ -137,84 +137,8 @@ impl PeftConfig {
             }
         }
         match self.method {
-            Method::Freeze => {
-                if self.last_blocks > model.n_layers {
-                    return Err(invalid(
-                        "peft.last_blocks",
-                        self.last_blocks,
-                        format!("must be at most model.n_layers ({})", model.n_layers),
-                    ));
-                }
-                if self.train.is_empty() && self.last_blocks == 0 {
-                    return Err(invalid(
-                        "peft.method",
-                        "\"freeze\"",
-                        "trains nothing: set peft.last_blocks (e.g. 1: the last block and the head) or peft.train \
-                         (module names, e.g. [\"lm_head\"])",
-                    ));
-                }
-                if !self.targets.is_empty() {
-                    return Err(invalid(
-                        "peft.targets",
-                        format!("{:?}", self.targets),
-                        "are LoRA's: remove them or set peft.method = \"lora\"",
-                    ));
-                }
-            }
-            Method::Lora => {
-                if self.r == 0 {
-                    return Err(invalid("peft.r", 0, "LoRA's rank must be at least 1 (8 and 16 are common)"));
-                }
-                if !(self.alpha.is_finite() && self.alpha > 0.0) {
-                    return Err(invalid("peft.alpha", self.alpha, "must be a finite number > 0 (e.g. 16)"));
-                }
-                if !(0.0..1.0).contains(&self.dropout) {
-                    return Err(invalid("peft.dropout", self.dropout, "must be in [0, 1) (0.05 and 0.1 are common)"));
-                }
-                if self.last_blocks != 0 {
-                    return Err(invalid(
-                        "peft.last_blocks",
-                        self.last_blocks,
-                        "is freeze's: remove it or set peft.method = \"freeze\"",
-                    ));
-                }
-                let available = || {
-                    let mut names: Vec<&str> = linears.iter().map(|s| last_component(module_of(&s.name))).collect();
-                    names.dedup();
-                    let mut seen = std::collections::BTreeSet::new();
-                    names.retain(|n| seen.insert(*n));
-                    names.join(", ")
-                };
-                for target in self.targets(model.arch) {
-                    let hits: Vec<&ParamSpec> =
-                        linears.iter().copied().filter(|s| module_ends_with(module_of(&s.name), &target)).collect();
-                    if hits.is_empty() {
-                        return Err(invalid(
-                            "peft.targets",
-                            format!("{target:?}"),
-                            format!(
-                                "is not a linear layer of this {} model's blocks; LoRA targets one of: {}",
-                                model.arch.as_str(),
-                                available()
-                            ),
-                        ));
-                    }
-                    for spec in hits {
-                        let (out, inp) = (spec.shape[0] as usize, spec.shape[1] as usize);
-                        if self.r > out.min(inp) {
-                            return Err(invalid(
-                                "peft.r",
-                                self.r,
-                                format!(
-                                    "exceeds the smaller side of {} ({out} × {inp}): a rank must be at most {}",
-                                    module_of(&spec.name),
-                                    out.min(inp)
-                                ),
-                            ));
-                        }
-                    }
-                }
-            }
+            Method::Freeze => self.validate_freeze(model)?,
+            Method::Lora => self.validate_lora(model, &linears)?,
         }
         if let Some(dir) = &self.from_adapters {
             if self.method != Method::Lora {
@@ -223,6 +147,96 @@ impl PeftConfig {
                     dir.display(),
                     "holds LoRA adapters: set peft.method = \"lora\"",
                 ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Freeze's keys: the last blocks exist, something trains, no LoRA targets.
+    fn validate_freeze(&self, model: &ModelConfig) -> Result<(), ConfigError> {
+        if self.last_blocks > model.n_layers {
+            return Err(invalid(
+                "peft.last_blocks",
+                self.last_blocks,
+                format!("must be at most model.n_layers ({})", model.n_layers),
+            ));
+        }
+        if self.train.is_empty() && self.last_blocks == 0 {
+            return Err(invalid(
+                "peft.method",
+                "\"freeze\"",
+                "trains nothing: set peft.last_blocks (e.g. 1: the last block and the head) or peft.train \
+                         (module names, e.g. [\"lm_head\"])",
+            ));
+        }
+        if !self.targets.is_empty() {
+            return Err(invalid(
+                "peft.targets",
+                format!("{:?}", self.targets),
+                "are LoRA's: remove them or set peft.method = \"lora\"",
+            ));
+        }
+        Ok(())
+    }
+
+    /// LoRA's keys: rank, alpha and dropout in range, no freeze keys, and every target one of the blocks'
+    /// `linears` that the rank fits.
+    fn validate_lora(&self, model: &ModelConfig, linears: &[&ParamSpec]) -> Result<(), ConfigError> {
+        if self.r == 0 {
+            return Err(invalid("peft.r", 0, "LoRA's rank must be at least 1 (8 and 16 are common)"));
+        }
+        if !(self.alpha.is_finite() && self.alpha > 0.0) {
+            return Err(invalid("peft.alpha", self.alpha, "must be a finite number > 0 (e.g. 16)"));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(invalid("peft.dropout", self.dropout, "must be in [0, 1) (0.05 and 0.1 are common)"));
+        }
+        if self.last_blocks != 0 {
+            return Err(invalid(
+                "peft.last_blocks",
+                self.last_blocks,
+                "is freeze's: remove it or set peft.method = \"freeze\"",
+            ));
+        }
+        self.validate_lora_targets(model, linears)
+    }
+
+    /// Every LoRA target names a linear layer of the blocks (`linears`), and the rank fits each it names.
+    fn validate_lora_targets(&self, model: &ModelConfig, linears: &[&ParamSpec]) -> Result<(), ConfigError> {
+        let available = || {
+            let mut names: Vec<&str> = linears.iter().map(|s| last_component(module_of(&s.name))).collect();
+            names.dedup();
+            let mut seen = std::collections::BTreeSet::new();
+            names.retain(|n| seen.insert(*n));
+            names.join(", ")
+        };
+        for target in self.targets(model.arch) {
+            let hits: Vec<&ParamSpec> =
+                linears.iter().copied().filter(|s| module_ends_with(module_of(&s.name), &target)).collect();
+            if hits.is_empty() {
+                return Err(invalid(
+                    "peft.targets",
+                    format!("{target:?}"),
+                    format!(
+                        "is not a linear layer of this {} model's blocks; LoRA targets one of: {}",
+                        model.arch.as_str(),
+                        available()
+                    ),
+                ));
+            }
+            for spec in hits {
+                let (out, inp) = (spec.shape[0] as usize, spec.shape[1] as usize);
+                if self.r > out.min(inp) {
+                    return Err(invalid(
+                        "peft.r",
+                        self.r,
+                        format!(
+                            "exceeds the smaller side of {} ({out} × {inp}): a rank must be at most {}",
+                            module_of(&spec.name),
+                            out.min(inp)
+                        ),
+                    ));
+                }
             }
         }
         Ok(())
