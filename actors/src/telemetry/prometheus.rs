@@ -194,6 +194,7 @@ fn valid_name(name: &str) -> Result<(), String> {
     }
 }
 
+/// One sample line: `name value` or `name{key="value",…} value`.
 fn parse_sample(line: &str) -> Result<Sample, String> {
     let name_end = line.find(['{', ' ']).ok_or("no value")?;
     let name = &line[..name_end];
