@@ -111,7 +111,7 @@ impl Error {
         Error::Start { what: what.into(), source: Some(source.into()) }
     }
 
-    /// What the controller's `Wire::Error { message }` means: an unknown job, a request it does not take
+    /// What the controller's `Reply::Error { message }` means: an unknown job, a request it does not take
     /// (a protocol mismatch), or else a refusal — naming the config key when the message does.
     pub(crate) fn from_controller(addr: SocketAddr, message: String) -> Self {
         if let Some(job) = unknown_job(&message) {

@@ -1,7 +1,8 @@
 //! What daemons and clients say to each other: one serde enum, JSON in the body of a control-plane
 //! message whose frame header carries the sender's membership epoch (`troupe_cluster::control`).
 //!
-//! Directions: node → controller (the leader daemon), controller → node, client ↔ any daemon.
+//! Directions, one type each: node → controller ([`ToController`]), controller → node ([`ToNode`]),
+//! client → any daemon ([`Request`]) and back ([`Reply`]); [`Wire`] is whichever of them a body holds.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -456,10 +457,22 @@ pub enum AttemptOutcome {
     StateLost { step: u64, reason: String },
 }
 
+/// What crosses the control plane, by direction. On the wire each is the JSON of its inner message
+/// (`{"type": "join", …}`): the four directions share one namespace of message types, so a body names
+/// its direction by its type alone.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Wire {
+    ToController(ToController),
+    ToNode(ToNode),
+    Request(Request),
+    Reply(Reply),
+}
+
+/// A node's message for the controller: membership and its ranks' part in attempts.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
-pub enum Wire {
-    // node → controller
+pub enum ToController {
     /// Ask to become a member (first start, restart, or after a fence). A node asks again every heartbeat
     /// interval until a view admits it.
     Join {
@@ -529,8 +542,12 @@ pub enum Wire {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         stage: Option<usize>,
     },
+}
 
-    // controller → node
+/// The controller's message for a node: views, fencing and attempts.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ToNode {
     /// The answer to a member's heartbeat: the controller is alive.
     Alive,
     /// The current view and where its members listen, and the jobs the controller runs: a member drops
@@ -562,43 +579,26 @@ pub enum Wire {
     },
     /// Every rank is ready: connect the data plane over `roster`, make state equal to rank `source`'s
     /// (None: every rank already holds the same committed step), train.
-    Start {
-        job: JobId,
-        attempt: u64,
-        roster: Vec<PeerInfo>,
-        source: Option<usize>,
-    },
+    Start { job: JobId, attempt: u64, roster: Vec<PeerInfo>, source: Option<usize> },
     /// Apply step `step`: every rank voted.
-    Commit {
-        job: JobId,
-        attempt: u64,
-        step: u64,
-        lr_hint: f64,
-    },
+    Commit { job: JobId, attempt: u64, step: u64, lr_hint: f64 },
     /// Abandon the attempt; keep the committed state.
-    Abort {
-        job: JobId,
-        attempt: u64,
-        reason: String,
-    },
+    Abort { job: JobId, attempt: u64, reason: String },
     /// The job is over (finished, failed or cancelled): drop its state.
-    Release {
-        job: JobId,
-    },
+    Release { job: JobId },
+}
 
-    // client ↔ daemon
+/// A client's request: any daemon answers status, the controller the rest (others redirect).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Request {
     StatusRequest,
-    Status(Box<ClusterStatus>),
     Submit {
         spec: Box<JobSpec>,
-    },
-    Submitted {
-        job: JobId,
     },
     JobStatusRequest {
         job: JobId,
     },
-    JobStatus(Box<JobInfo>),
     Cancel {
         job: JobId,
     },
@@ -609,6 +609,17 @@ pub enum Wire {
         #[serde(default)]
         since: Option<u64>,
     },
+}
+
+/// A daemon's answer to a client, and a job's events to its watchers.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Reply {
+    Status(Box<ClusterStatus>),
+    Submitted {
+        job: JobId,
+    },
+    JobStatus(Box<JobInfo>),
     /// Event number `seq` of the job (numbered from 0 in the order streamed): a watcher that reconnects
     /// drops what it already has and an early live event its replay repeats.
     Event {
@@ -625,35 +636,31 @@ pub enum Wire {
     },
 }
 
+impl From<ToController> for Wire {
+    fn from(msg: ToController) -> Self {
+        Wire::ToController(msg)
+    }
+}
+
+impl From<ToNode> for Wire {
+    fn from(msg: ToNode) -> Self {
+        Wire::ToNode(msg)
+    }
+}
+
+impl From<Request> for Wire {
+    fn from(msg: Request) -> Self {
+        Wire::Request(msg)
+    }
+}
+
+impl From<Reply> for Wire {
+    fn from(msg: Reply) -> Self {
+        Wire::Reply(msg)
+    }
+}
+
 impl Wire {
-    /// A node's message for the controller (membership and job votes).
-    pub fn is_for_controller(&self) -> bool {
-        matches!(
-            self,
-            Wire::Join { .. }
-                | Wire::Heartbeat
-                | Wire::Leave
-                | Wire::Ready { .. }
-                | Wire::Vote { .. }
-                | Wire::Ended { .. }
-                | Wire::Checkpointed { .. }
-                | Wire::Evaluated { .. }
-                | Wire::Phases { .. }
-        )
-    }
-
-    /// A client's request (any daemon answers, or redirects to the controller).
-    pub fn is_client_request(&self) -> bool {
-        matches!(
-            self,
-            Wire::StatusRequest
-                | Wire::Submit { .. }
-                | Wire::JobStatusRequest { .. }
-                | Wire::Watch { .. }
-                | Wire::Cancel { .. }
-        )
-    }
-
     pub fn encode(&self) -> bytes::Bytes {
         bytes::Bytes::from(serde_json::to_vec(self).expect("wire messages always serialize"))
     }
@@ -687,11 +694,40 @@ mod tests {
     #[test]
     fn a_join_without_an_incarnation_still_decodes() {
         let addr: SocketAddr = "10.0.0.1:7000".parse().unwrap();
-        let join = Wire::Join { slots: 2, addr, incarnation: Some(7) };
-        assert_eq!(Wire::decode(&join.encode()), Ok(join));
+        let join = |incarnation| Wire::ToController(ToController::Join { slots: 2, addr, incarnation });
+        assert_eq!(Wire::decode(&join(Some(7)).encode()), Ok(join(Some(7))));
         let old = br#"{"type":"join","slots":2,"addr":"10.0.0.1:7000"}"#;
-        assert_eq!(Wire::decode(old), Ok(Wire::Join { slots: 2, addr, incarnation: None }));
-        let none = Wire::Join { slots: 2, addr, incarnation: None }.encode();
-        assert_eq!(&none[..], &old[..], "an unknown incarnation is left out");
+        assert_eq!(Wire::decode(old), Ok(join(None)));
+        assert_eq!(&join(None).encode()[..], &old[..], "an unknown incarnation is left out");
+    }
+
+    /// A body's type names its direction: each message comes back as the direction it was sent as,
+    /// the client's `status_request` and the daemon's `status` answer alike.
+    #[test]
+    fn every_message_decodes_to_its_own_direction() {
+        let status = ClusterStatus {
+            node: "node-0".into(),
+            leader: true,
+            leader_addr: None,
+            epoch: 3,
+            members: Vec::new(),
+            joining: Vec::new(),
+            jobs: Vec::new(),
+            refused_stale: 0,
+            changes: Vec::new(),
+        };
+        let messages = [
+            Wire::ToController(ToController::Heartbeat),
+            Wire::ToNode(ToNode::Alive),
+            Wire::ToNode(ToNode::Release { job: 4 }),
+            Wire::Request(Request::StatusRequest),
+            Wire::Request(Request::Cancel { job: 4 }),
+            Wire::Reply(Reply::Status(Box::new(status))),
+            Wire::Reply(Reply::Error { message: "no job 4".into() }),
+        ];
+        for msg in messages {
+            assert_eq!(Wire::decode(&msg.encode()), Ok(msg));
+        }
+        assert!(Wire::decode(br#"{"type":"no_such_message"}"#).is_err());
     }
 }

@@ -10,7 +10,7 @@ use troupe_cluster::{ClusterError, NodeIdentity, TransportConfig};
 
 use super::Job;
 use crate::error::{Error, Result};
-use crate::protocol::{ClusterStatus, JobEvent, JobId, JobInfo, JobState, Wire};
+use crate::protocol::{ClusterStatus, JobEvent, JobId, JobInfo, JobState, Reply, Request, Wire};
 
 /// How long a request waits for its reply.
 const REPLY_TIMEOUT_MS: u64 = 30_000;
@@ -57,9 +57,9 @@ impl Client {
 
     /// Sends `msg` and waits for the reply; the controller's refusals become the variant they mean
     /// ([`Error::from_controller`]).
-    async fn request(&mut self, msg: Wire) -> Result<Wire> {
+    async fn request(&mut self, msg: Request) -> Result<Reply> {
         let addr = self.addr;
-        let sent = self.endpoint.send(&self.peer, 0, msg.encode()).await;
+        let sent = self.endpoint.send(&self.peer, 0, Wire::Request(msg).encode()).await;
         sent.map_err(|e| unreachable(addr, format!("sending to {addr}"), Some(e)))?;
         let deadline = tokio::time::Instant::now() + Duration::from_millis(REPLY_TIMEOUT_MS);
         loop {
@@ -70,9 +70,10 @@ impl Client {
                 Some(ControlEvent::Message { body, .. }) => {
                     let undecodable = |e| Error::Protocol { addr, message: format!("an undecodable reply: {e}") };
                     match Wire::decode(&body).map_err(undecodable)? {
-                        Wire::Event { job, seq, event } => self.pending.push_back((job, seq, event)),
-                        Wire::Error { message } => return Err(Error::from_controller(addr, message)),
-                        reply => return Ok(reply),
+                        Wire::Reply(Reply::Event { job, seq, event }) => self.pending.push_back((job, seq, event)),
+                        Wire::Reply(Reply::Error { message }) => return Err(Error::from_controller(addr, message)),
+                        Wire::Reply(reply) => return Ok(reply),
+                        other => return Err(self.unexpected(&other)),
                     }
                 }
                 Some(event) => {
@@ -86,16 +87,16 @@ impl Client {
     }
 
     /// A reply this client did not ask for.
-    fn unexpected(&self, reply: Wire) -> Error {
+    fn unexpected(&self, reply: &dyn std::fmt::Debug) -> Error {
         let message = format!("unexpected reply {reply:?}; is it the same troupe version as this client?");
         Error::Protocol { addr: self.addr, message }
     }
 
     /// Sends `msg`; if the daemon is not the controller, reconnects to the controller and asks again.
-    async fn request_controller(&mut self, msg: Wire) -> Result<Wire> {
+    async fn request_controller(&mut self, msg: Request) -> Result<Reply> {
         for _ in 0..REDIRECTS_MAX {
             match self.request(msg.clone()).await? {
-                Wire::Redirect { leader } => {
+                Reply::Redirect { leader } => {
                     let next = Client::connect(leader, &self.identity).await?;
                     self.endpoint.close().await;
                     *self = next;
@@ -109,9 +110,9 @@ impl Client {
 
     /// The cluster as the daemon this client talks to sees it.
     pub async fn status(&mut self) -> Result<ClusterStatus> {
-        match self.request(Wire::StatusRequest).await? {
-            Wire::Status(s) => Ok(*s),
-            other => Err(self.unexpected(other)),
+        match self.request(Request::StatusRequest).await? {
+            Reply::Status(s) => Ok(*s),
+            other => Err(self.unexpected(&other)),
         }
     }
 
@@ -119,26 +120,26 @@ impl Client {
     /// is [`Error::Refused`], naming the config key.
     pub async fn submit(mut self, job: Job) -> Result<JobHandle> {
         let spec = Box::new(job.into_spec());
-        match self.request_controller(Wire::Submit { spec }).await? {
-            Wire::Submitted { job } => Ok(JobHandle { id: job, client: self, done: false, next: 0 }),
-            other => Err(self.unexpected(other)),
+        match self.request_controller(Request::Submit { spec }).await? {
+            Reply::Submitted { job } => Ok(JobHandle { id: job, client: self, done: false, next: 0 }),
+            other => Err(self.unexpected(&other)),
         }
     }
 
     /// The job's state as the controller has it; [`Error::NoSuchJob`] when it has no such job.
     pub async fn job_status(&mut self, job: JobId) -> Result<JobInfo> {
-        match self.request_controller(Wire::JobStatusRequest { job }).await? {
-            Wire::JobStatus(info) => Ok(*info),
-            other => Err(self.unexpected(other)),
+        match self.request_controller(Request::JobStatusRequest { job }).await? {
+            Reply::JobStatus(info) => Ok(*info),
+            other => Err(self.unexpected(&other)),
         }
     }
 
     /// Asks the controller to cancel `job`; its state when the controller got the request (a `Cancelled`
     /// event follows). [`Error::NoSuchJob`] when it has no such job.
     pub async fn cancel(&mut self, job: JobId) -> Result<JobInfo> {
-        match self.request_controller(Wire::Cancel { job }).await? {
-            Wire::JobStatus(info) => Ok(*info),
-            other => Err(self.unexpected(other)),
+        match self.request_controller(Request::Cancel { job }).await? {
+            Reply::JobStatus(info) => Ok(*info),
+            other => Err(self.unexpected(&other)),
         }
     }
 
@@ -151,9 +152,9 @@ impl Client {
     /// Asks for the events of `job` numbered `since` and later (None: from now on); those already
     /// streamed arrive before the reply.
     async fn watch_since(&mut self, job: JobId, since: Option<u64>) -> Result<JobInfo> {
-        match self.request_controller(Wire::Watch { job, since }).await? {
-            Wire::JobStatus(info) => Ok(*info),
-            other => Err(self.unexpected(other)),
+        match self.request_controller(Request::Watch { job, since }).await? {
+            Reply::JobStatus(info) => Ok(*info),
+            other => Err(self.unexpected(&other)),
         }
     }
 
@@ -228,7 +229,7 @@ impl JobHandle {
             }
             match self.client.events.recv().await {
                 Some(ControlEvent::Message { body, .. }) => {
-                    if let Ok(Wire::Event { job, seq, event }) = Wire::decode(&body) {
+                    if let Ok(Wire::Reply(Reply::Event { job, seq, event })) = Wire::decode(&body) {
                         self.client.pending.push_back((job, seq, event));
                     }
                 }

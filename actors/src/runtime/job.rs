@@ -18,7 +18,7 @@ use troupe_model::optim::learning_rate;
 
 use crate::protocol::{
     AttemptOutcome, EvalFigures, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, RankInfo, RankSlot,
-    RankState, StageTime, StepFigures, Wire,
+    RankState, StageTime, StepFigures, ToNode,
 };
 
 /// Attempts in a row that fail without committing a step before the job is declared failed.
@@ -33,7 +33,7 @@ pub const RESUME_GRACE: Duration = Duration::from_secs(10);
 pub enum DriverAction {
     Send {
         node: NodeId,
-        msg: Wire,
+        msg: ToNode,
     },
     Event(JobEvent),
     /// A step committed: pending joiners may be admitted now.
@@ -299,7 +299,7 @@ impl JobDriver {
         nodes
     }
 
-    fn send_all(&mut self, ranks: &[RankSlot], msg: &Wire) {
+    fn send_all(&mut self, ranks: &[RankSlot], msg: &ToNode) {
         for node in Self::nodes(ranks) {
             self.actions.push_back(DriverAction::Send { node, msg: msg.clone() });
         }
@@ -361,7 +361,7 @@ impl JobDriver {
     }
 
     fn abort(&mut self, ranks: &[RankSlot], reason: &str) {
-        let msg = Wire::Abort { job: self.id, attempt: self.attempt, reason: reason.into() };
+        let msg = ToNode::Abort { job: self.id, attempt: self.attempt, reason: reason.into() };
         self.send_all(ranks, &msg);
         self.phase = Phase::Idle;
     }
@@ -380,7 +380,7 @@ impl JobDriver {
         }
         self.waiting = None;
         self.attempt += 1;
-        let msg = Wire::Prepare {
+        let msg = ToNode::Prepare {
             job: self.id,
             attempt: self.attempt,
             spec: Box::new(self.spec.clone()),
@@ -500,7 +500,7 @@ impl JobDriver {
         let source = (!all_equal).then(|| ready.iter().position(|r| r.1.unwrap_or(0) == best).unwrap_or(0));
         let roster =
             ranks.iter().zip(&ready).map(|(r, (addr, _))| PeerInfo { name: r.node.0.clone(), addr: *addr }).collect();
-        let msg = Wire::Start { job: self.id, attempt: self.attempt, roster, source };
+        let msg = ToNode::Start { job: self.id, attempt: self.attempt, roster, source };
         self.send_all(&ranks, &msg);
         for r in &ranks {
             self.held.insert(r.clone(), best);
@@ -543,7 +543,7 @@ impl JobDriver {
         let train = &self.spec.config.train;
         let lr = learning_rate(train, step);
         let tokens = (train.global_batch * self.spec.config.model.context) as f64;
-        self.send_all(&ranks, &Wire::Commit { job: self.id, attempt, step, lr_hint: lr });
+        self.send_all(&ranks, &ToNode::Commit { job: self.id, attempt, step, lr_hint: lr });
         self.committed = step + 1;
         for r in &ranks {
             self.held.insert(r.clone(), self.committed);
@@ -650,7 +650,7 @@ impl JobDriver {
 
     fn finish(&mut self, state: JobState, event: JobEvent) {
         for node in std::mem::take(&mut self.prepared_nodes) {
-            self.actions.push_back(DriverAction::Send { node, msg: Wire::Release { job: self.id } });
+            self.actions.push_back(DriverAction::Send { node, msg: ToNode::Release { job: self.id } });
         }
         self.state = state;
         self.phase = Phase::Done;
@@ -695,7 +695,7 @@ mod tests {
         std::iter::from_fn(|| d.poll_action()).collect()
     }
 
-    fn sent(actions: &[DriverAction]) -> Vec<(String, &Wire)> {
+    fn sent(actions: &[DriverAction]) -> Vec<(String, &ToNode)> {
         actions
             .iter()
             .filter_map(|a| match a {
@@ -765,14 +765,14 @@ mod tests {
         assert!(changes[0].contains("controller restarted"), "{changes:?}");
         let prepares = sent(&actions);
         assert_eq!(prepares.len(), 3);
-        assert!(prepares.iter().all(|(_, w)| matches!(w, Wire::Prepare { attempt: 2, .. })), "past the old attempts");
+        assert!(prepares.iter().all(|(_, w)| matches!(w, ToNode::Prepare { attempt: 2, .. })), "past the old attempts");
 
         // b applied step 5's commit before the old controller died; a and c did not hear it.
         for (i, (n, c)) in [("a", 5), ("b", 6), ("c", 5)].into_iter().enumerate() {
             d.on_ready(T, &n.into(), 2, 0, addr(i as u16), Some(c));
         }
         let actions = drain(&mut d);
-        assert!(matches!(sent(&actions)[0].1, Wire::Start { source: Some(1), attempt: 2, .. }), "{actions:?}");
+        assert!(matches!(sent(&actions)[0].1, ToNode::Start { source: Some(1), attempt: 2, .. }), "{actions:?}");
         assert_eq!(events(&actions), vec![&JobEvent::Recovered { step: 6, epoch: 7, world: 3 }], "no rollback");
         d.on_vote(T, &"a".into(), 2, 0, 6, figures(4.0, 1.0, 0));
         d.on_vote(T, &"b".into(), 2, 0, 6, figures(4.0, 1.0, 0));
@@ -840,7 +840,7 @@ mod tests {
         assert!(changes[1].contains("b did not rejoin within 10 s"), "{changes:?}");
         assert_eq!(sent(&actions).len(), 1);
         let (node, msg) = &sent(&actions)[0];
-        assert!(node == "a" && matches!(msg, Wire::Prepare { attempt: 2, .. }), "{actions:?}");
+        assert!(node == "a" && matches!(msg, ToNode::Prepare { attempt: 2, .. }), "{actions:?}");
         // x joins: a spare the old controller may have prepared after its last recorded view (a joiner
         // it admitted, say) — the restored driver cannot tell, and releases it at the end too.
         let (v, m) = view(4, &["a", "x"]);
@@ -1013,7 +1013,7 @@ mod tests {
         let (v, m) = view(3, &["a"]);
         d.on_view(&v, &m, vec!["b failed".into()]);
         let actions = drain(&mut d);
-        assert!(sent(&actions).iter().any(|(n, w)| n == "a" && matches!(w, Wire::Prepare { attempt: 2, .. })));
+        assert!(sent(&actions).iter().any(|(n, w)| n == "a" && matches!(w, ToNode::Prepare { attempt: 2, .. })));
     }
 
     /// Each step's validation loss becomes one `eval` event, from the running attempt: an attempt that
@@ -1096,7 +1096,7 @@ mod tests {
         let actions = drain(&mut d);
         let msgs = sent(&actions);
         assert!(
-            matches!(msgs[..], [(ref n, Wire::Abort { attempt: 2, .. }), (ref a, Wire::Prepare { attempt: 3, ref ranks, .. })]
+            matches!(msgs[..], [(ref n, ToNode::Abort { attempt: 2, .. }), (ref a, ToNode::Prepare { attempt: 3, ref ranks, .. })]
             if n == "b" && a == "a" && ranks == &[RankSlot { node: "a".into(), slot: 0 }]),
             "{msgs:?}"
         );
@@ -1127,14 +1127,14 @@ mod tests {
         let actions = drain(&mut d);
         let msgs = sent(&actions);
         assert!(
-            matches!(msgs[..], [(_, Wire::Abort { attempt: 3, .. }), (ref b, Wire::Prepare { attempt: 4, .. })] if b == "b"),
+            matches!(msgs[..], [(_, ToNode::Abort { attempt: 3, .. }), (ref b, ToNode::Prepare { attempt: 4, .. })] if b == "b"),
             "{msgs:?}"
         );
         // "b" restarted too: nobody holds step 1 after all, and the job rolls back.
         d.on_ready(T, &"b".into(), 4, 0, addr(2), Some(0));
         let actions = drain(&mut d);
         assert!(events(&actions).contains(&&JobEvent::RolledBack { from_step: 1, to_step: 0 }), "{actions:?}");
-        assert!(matches!(sent(&actions)[..], [(_, Wire::Start { attempt: 4, .. })]), "{actions:?}");
+        assert!(matches!(sent(&actions)[..], [(_, ToNode::Start { attempt: 4, .. })]), "{actions:?}");
     }
 
     /// Found by the deterministic simulation (troupe-chaos, seed 9490, the controller killed): a restored
@@ -1161,7 +1161,7 @@ mod tests {
         assert!(events(&actions).is_empty(), "neither failed nor rolled back: {actions:?}");
         let sent = sent(&actions);
         assert!(
-            matches!(sent[..], [(_, Wire::Abort { attempt: 2, .. }), (ref b, Wire::Prepare { attempt: 3, ref ranks, .. })]
+            matches!(sent[..], [(_, ToNode::Abort { attempt: 2, .. }), (ref b, ToNode::Prepare { attempt: 3, ref ranks, .. })]
             if b == "b" && ranks == &[RankSlot { node: "b".into(), slot: 0 }]),
             "{sent:?}"
         );
@@ -1189,7 +1189,7 @@ mod tests {
         let actions = drain(&mut d);
         assert!(matches!(events(&actions)[..], [JobEvent::Failed { .. }]), "{actions:?}");
         let released: Vec<_> =
-            sent(&actions).into_iter().filter(|(_, w)| matches!(w, Wire::Release { .. })).map(|(n, _)| n).collect();
+            sent(&actions).into_iter().filter(|(_, w)| matches!(w, ToNode::Release { .. })).map(|(n, _)| n).collect();
         assert_eq!(released, vec!["a", "b", "c"]);
     }
 
@@ -1200,13 +1200,13 @@ mod tests {
         d.on_view(&v, &m, vec![]);
         let prepares = drain(&mut d);
         assert_eq!(sent(&prepares).len(), 2);
-        assert!(sent(&prepares).iter().all(|(_, w)| matches!(w, Wire::Prepare { attempt: 1, .. })));
+        assert!(sent(&prepares).iter().all(|(_, w)| matches!(w, ToNode::Prepare { attempt: 1, .. })));
         d.on_ready(T, &"a".into(), 1, 0, addr(1), Some(0));
         assert!(drain(&mut d).is_empty(), "waits for every rank");
         d.on_ready(T, &"b".into(), 1, 0, addr(2), Some(0));
         let start = drain(&mut d);
         let starts = sent(&start);
-        let Wire::Start { roster, source, .. } = starts[0].1 else { panic!("{start:?}") };
+        let ToNode::Start { roster, source, .. } = starts[0].1 else { panic!("{start:?}") };
         assert_eq!(roster.iter().map(|p| p.addr).collect::<Vec<_>>(), vec![addr(1), addr(2)]);
         assert_eq!(*source, None, "every rank holds step 0: nothing to copy");
         assert!(matches!(events(&start)[0], JobEvent::Started { world: 2, epoch: 3, from_step: 0, attempt: 1, .. }));
@@ -1218,7 +1218,7 @@ mod tests {
         d.on_vote(T * 3, &"b".into(), 1, 0, 0, figures(4.0, 1.0, 200));
         let commit = drain(&mut d);
         assert_eq!(sent(&commit).len(), 2);
-        assert!(matches!(sent(&commit)[0].1, Wire::Commit { step: 0, .. }));
+        assert!(matches!(sent(&commit)[0].1, ToNode::Commit { step: 0, .. }));
         let JobEvent::Step { step: 1, loss, tokens_per_s, world: 2, peak_rss_bytes, .. } = events(&commit)[0] else {
             panic!()
         };
@@ -1236,7 +1236,7 @@ mod tests {
         d.on_ended(&"b".into(), 1, 0, AttemptOutcome::Completed { step: 2, saved: None });
         let end = drain(&mut d);
         assert!(matches!(events(&end).last(), Some(JobEvent::Finished { steps: 2, final_loss: Some(3.0) })));
-        assert!(sent(&end).iter().all(|(_, w)| matches!(w, Wire::Release { job: 7 })));
+        assert!(sent(&end).iter().all(|(_, w)| matches!(w, ToNode::Release { job: 7 })));
         assert_eq!(d.info().state, JobState::Finished);
     }
 
@@ -1253,10 +1253,10 @@ mod tests {
         let (v, m) = view(2, &["a", "b"]);
         d.on_view(&v, &m, vec!["c failed".into()]);
         let actions = drain(&mut d);
-        let aborts: Vec<_> = sent(&actions).into_iter().filter(|(_, w)| matches!(w, Wire::Abort { .. })).collect();
+        let aborts: Vec<_> = sent(&actions).into_iter().filter(|(_, w)| matches!(w, ToNode::Abort { .. })).collect();
         assert_eq!(aborts.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), vec!["a", "b"], "survivors only");
         assert!(matches!(events(&actions)[0], JobEvent::Membership { epoch: 2, world: 2, .. }));
-        assert!(sent(&actions).iter().any(|(_, w)| matches!(w, Wire::Prepare { attempt: 2, .. })));
+        assert!(sent(&actions).iter().any(|(_, w)| matches!(w, ToNode::Prepare { attempt: 2, .. })));
         // A late vote of the aborted attempt is ignored.
         d.on_vote(T, &"b".into(), 1, 0, 1, figures(4.0, 1.0, 0));
         assert!(drain(&mut d).is_empty());
@@ -1269,7 +1269,7 @@ mod tests {
             d.on_ready(T, &n.into(), 3, 0, addr(i as u16), Some(c));
         }
         let start = drain(&mut d);
-        assert!(matches!(sent(&start)[0].1, Wire::Start { source: Some(0), attempt: 3, .. }));
+        assert!(matches!(sent(&start)[0].1, ToNode::Start { source: Some(0), attempt: 3, .. }));
         assert!(matches!(events(&start)[0], JobEvent::Recovered { step: 1, epoch: 3, world: 3 }));
     }
 
@@ -1301,9 +1301,13 @@ mod tests {
         let reason = "the state of step 7 is incomplete".to_string();
         d.on_ended(&"a".into(), attempt, 0, AttemptOutcome::StateLost { step: 7, reason });
         let actions = drain(&mut d);
-        let prepares: Vec<_> = sent(&actions).into_iter().filter(|(_, w)| matches!(w, Wire::Prepare { .. })).collect();
+        let prepares: Vec<_> =
+            sent(&actions).into_iter().filter(|(_, w)| matches!(w, ToNode::Prepare { .. })).collect();
         assert_eq!(prepares.len(), 2, "{actions:?}");
-        assert!(prepares.iter().all(|(_, w)| matches!(w, Wire::Prepare { discard_from: Some(7), .. })), "{prepares:?}");
+        assert!(
+            prepares.iter().all(|(_, w)| matches!(w, ToNode::Prepare { discard_from: Some(7), .. })),
+            "{prepares:?}"
+        );
         // "b" was aborted before it saw the verdict and still offers step 7; the next attempt fails too and
         // the order stands, then the ranks come back with the checkpoint's step 5.
         let attempt = d.info().attempts;
@@ -1311,7 +1315,7 @@ mod tests {
         d.on_ready(T, &"b".into(), attempt, 0, addr(2), Some(7));
         d.on_ended(&"b".into(), attempt, 0, AttemptOutcome::Failed { step: 7, reason: "boom".into() });
         let actions = drain(&mut d);
-        assert!(sent(&actions).iter().any(|(_, w)| matches!(w, Wire::Prepare { discard_from: Some(7), .. })));
+        assert!(sent(&actions).iter().any(|(_, w)| matches!(w, ToNode::Prepare { discard_from: Some(7), .. })));
         let attempt = d.info().attempts;
         for (i, n) in ["a", "b"].into_iter().enumerate() {
             d.on_ready(T, &n.into(), attempt, 0, addr(i as u16), Some(5));
@@ -1325,7 +1329,7 @@ mod tests {
         d.on_ended(&"a".into(), attempt, 0, AttemptOutcome::Failed { step: 6, reason: "boom".into() });
         let actions = drain(&mut d);
         assert!(
-            sent(&actions).iter().any(|(_, w)| matches!(w, Wire::Prepare { discard_from: None, .. })),
+            sent(&actions).iter().any(|(_, w)| matches!(w, ToNode::Prepare { discard_from: None, .. })),
             "{actions:?}"
         );
     }
@@ -1339,7 +1343,7 @@ mod tests {
             d.on_ended(&"b".into(), attempt, 0, AttemptOutcome::Failed { step: 0, reason: "boom".into() });
             let actions = drain(&mut d);
             if i + 1 < FAILED_ATTEMPTS_MAX {
-                assert!(sent(&actions).iter().any(|(_, w)| matches!(w, Wire::Prepare { .. })), "retried");
+                assert!(sent(&actions).iter().any(|(_, w)| matches!(w, ToNode::Prepare { .. })), "retried");
             } else {
                 assert!(matches!(events(&actions).last(), Some(JobEvent::Failed { .. })));
             }
@@ -1391,7 +1395,7 @@ mod tests {
         let (v, m) = view(2, &["a"]);
         d.on_view(&v, &m, vec!["b failed".into()]);
         let actions = drain(&mut d);
-        assert!(sent(&actions).iter().all(|(_, w)| matches!(w, Wire::Abort { .. })), "{actions:?}");
+        assert!(sent(&actions).iter().all(|(_, w)| matches!(w, ToNode::Abort { .. })), "{actions:?}");
         assert!(events(&actions).contains(&&JobEvent::Waiting { nodes: 1, min_nodes: 2, wait_s: 30 }));
         let secs = Duration::from_secs;
         d.on_tick(secs(100));
@@ -1401,7 +1405,7 @@ mod tests {
         let (v, m) = view(3, &["a", "b"]);
         d.on_view(&v, &m, vec!["b joined".into()]);
         let actions = drain(&mut d);
-        assert!(sent(&actions).iter().any(|(_, w)| matches!(w, Wire::Prepare { .. })), "{actions:?}");
+        assert!(sent(&actions).iter().any(|(_, w)| matches!(w, ToNode::Prepare { .. })), "{actions:?}");
         d.on_tick(secs(1000));
         assert_ne!(d.info().state, JobState::Failed, "the wait ended when b came back");
 

@@ -11,18 +11,18 @@ use troupe_cluster::transport::quic::PeerInfo;
 use crate::engine::CommittedState;
 use crate::protocol::{
     AttemptOutcome, ClusterStatus, EvalFigures, JobEvent, JobId, JobInfo, JobSpec, MemberInfo, PhaseSpan, StepFigures,
-    Wire,
+    ToController, ToNode,
 };
 
 pub enum NodeMsg {
     Control(ControlEvent),
     Tick,
     /// A local worker's message for the controller.
-    FromWorker(Wire),
+    FromWorker(ToController),
     /// A job controller's message for a node.
     Outgoing {
         node: NodeId,
-        msg: Wire,
+        msg: ToNode,
     },
     JobEvent {
         job: JobId,
@@ -45,7 +45,7 @@ pub enum WorkerMsg {
         spec: Box<JobSpec>,
         rank: usize,
         epoch: u64,
-        /// Drop a committed state of this step or later first (see `Wire::Prepare`).
+        /// Drop a committed state of this step or later first (see `ToNode::Prepare`).
         discard_from: Option<u64>,
     },
     Start {

@@ -28,7 +28,8 @@ use super::messages::{JobMsg, WorkerMsg};
 use crate::catalog::{StoredJob, StoredView};
 use crate::node_config::restart::{Decision, RestartPolicy, RestartTracker};
 use crate::protocol::{
-    AttemptOutcome, ClusterStatus, DataPlane, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, Wire,
+    AttemptOutcome, ClusterStatus, DataPlane, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, Reply, Request,
+    ToController, ToNode, Wire,
 };
 
 /// Membership changes kept for `troupe status`.
@@ -311,15 +312,15 @@ impl NodeCore {
         }
     }
 
-    fn send(&mut self, peer: &str, msg: Wire) {
+    fn send(&mut self, peer: &str, msg: impl Into<Wire>) {
         let epoch = self.epoch();
-        self.actions.push_back(NodeAction::Send { peer: peer.to_owned(), epoch, msg });
+        self.actions.push_back(NodeAction::Send { peer: peer.to_owned(), epoch, msg: msg.into() });
     }
 
     /// To the controller: this node's own controller part, or the connected controller; dropped while
     /// not connected (what it says is resent or superseded: joins, heartbeats; an attempt's messages
     /// are lost with the connection, which ends the attempt).
-    pub fn send_to_controller(&mut self, msg: Wire) {
+    pub fn send_to_controller(&mut self, msg: ToController) {
         if self.controller.is_some() {
             let me = self.settings.id.0.clone();
             self.send(&me, msg);
@@ -329,7 +330,7 @@ impl NodeCore {
     }
 
     /// A job controller's message for a node.
-    pub fn job_outgoing(&mut self, node: &NodeId, msg: Wire) {
+    pub fn job_outgoing(&mut self, node: &NodeId, msg: ToNode) {
         self.send(&node.0, msg);
     }
 
@@ -372,10 +373,10 @@ impl NodeCore {
     fn drive_member(&mut self) {
         while let Some(action) = self.member.poll_action() {
             match action {
-                MemberAction::SendHeartbeat { .. } => self.send_to_controller(Wire::Heartbeat),
+                MemberAction::SendHeartbeat { .. } => self.send_to_controller(ToController::Heartbeat),
                 MemberAction::SendJoinRequest { incarnation } => {
                     let (slots, addr) = (self.settings.slots, self.settings.addr);
-                    self.send_to_controller(Wire::Join { slots, addr, incarnation: Some(incarnation) });
+                    self.send_to_controller(ToController::Join { slots, addr, incarnation: Some(incarnation) });
                 }
                 MemberAction::AdoptView(view) => {
                     tracing::info!(node = %self.settings.id, epoch = view.epoch.0, members = view.len(), "adopted view");
@@ -429,7 +430,7 @@ impl NodeCore {
                         let msg = JobMsg::View { view: view.clone(), members: members.clone(), changes: said.clone() };
                         self.actions.push_back(NodeAction::Job { job, msg });
                     }
-                    let msg = Wire::View { view: view.clone(), members, jobs };
+                    let msg = ToNode::View { view: view.clone(), members, jobs };
                     for node in view.members() {
                         self.send(&node.0, msg.clone());
                     }
@@ -438,12 +439,12 @@ impl NodeCore {
                     self.refuse();
                     tracing::warn!(%node, %stale_epoch, %current, "refused a message from a non-member; fencing it");
                     let jobs = self.live_jobs();
-                    self.send(&node.0, Wire::Fenced { current, jobs });
+                    self.send(&node.0, ToNode::Fenced { current, jobs });
                 }
                 MembershipAction::SendView { node, view } => {
                     let jobs = self.live_jobs();
                     let members = self.members_of(&view);
-                    self.send(&node.0, Wire::View { view, members, jobs });
+                    self.send(&node.0, ToNode::View { view, members, jobs });
                 }
             }
         }
@@ -488,43 +489,44 @@ impl NodeCore {
         Ok(())
     }
 
-    fn controller_message(&mut self, now: Duration, from: NodeId, epoch: u64, msg: Wire) {
+    fn controller_message(&mut self, now: Duration, from: NodeId, epoch: u64, msg: ToController) {
         let job_msg = match msg {
-            Wire::Join { slots, addr, incarnation } => {
+            ToController::Join { slots, addr, incarnation } => {
                 let info = MemberInfo { name: from.0.clone(), addr, slots };
                 self.controller.as_mut().expect("controller").members.insert(from.clone(), info);
                 return self.membership_event(now, MembershipEvent::JoinRequest { from, incarnation });
             }
-            Wire::Heartbeat => {
+            ToController::Heartbeat => {
                 let member = self.membership().expect("controller").view().contains(&from);
                 if member && from != self.settings.id {
-                    self.send(&from.0, Wire::Alive);
+                    self.send(&from.0, ToNode::Alive);
                 }
                 return self.membership_event(now, MembershipEvent::Heartbeat { from, epoch: Epoch(epoch) });
             }
-            Wire::Leave => return self.membership_event(now, MembershipEvent::Leave { from }),
-            Wire::Ready { job, attempt, slot, data_addr, committed } => {
+            ToController::Leave => return self.membership_event(now, MembershipEvent::Leave { from }),
+            ToController::Ready { job, attempt, slot, data_addr, committed } => {
                 (job, JobMsg::Ready { node: from.clone(), attempt, slot, addr: data_addr, committed })
             }
-            Wire::Vote { job, attempt, slot, step, figures, seconds } => {
+            ToController::Vote { job, attempt, slot, step, figures, seconds } => {
                 (job, JobMsg::Vote { node: from.clone(), attempt, slot, step, figures, seconds })
             }
-            Wire::Ended { job, attempt, slot, outcome } => {
+            ToController::Ended { job, attempt, slot, outcome } => {
                 (job, JobMsg::Ended { node: from.clone(), attempt, slot, outcome })
             }
-            Wire::Checkpointed { job, attempt, step, path, seconds, bytes } => {
+            ToController::Checkpointed { job, attempt, step, path, seconds, bytes } => {
                 (job, JobMsg::Checkpointed { attempt, step, path, seconds, bytes })
             }
-            Wire::Evaluated { job, attempt, step, figures } => (job, JobMsg::Evaluated { attempt, step, figures }),
-            Wire::Phases { job, attempt, rank, step, spans, stage, .. } => {
+            ToController::Evaluated { job, attempt, step, figures } => {
+                (job, JobMsg::Evaluated { attempt, step, figures })
+            }
+            ToController::Phases { job, attempt, rank, step, spans, stage, .. } => {
                 (job, JobMsg::Phases { node: from.clone(), attempt, rank, step, spans, stage })
             }
-            other => return tracing::warn!(%from, "unexpected message for the controller: {other:?}"),
         };
         if let Err(current) = self.admit_job_message(&from, epoch) {
             if !self.membership().expect("controller").view().contains(&from) {
                 let jobs = self.live_jobs();
-                self.send(&from.0, Wire::Fenced { current, jobs });
+                self.send(&from.0, ToNode::Fenced { current, jobs });
             }
             return;
         }
@@ -534,12 +536,12 @@ impl NodeCore {
         }
     }
 
-    fn submit(&mut self, client: &str, spec: JobSpec) -> Option<Wire> {
+    fn submit(&mut self, client: &str, spec: JobSpec) -> Option<Reply> {
         if let Err(e) = spec.config.validate() {
-            return Some(Wire::Error { message: format!("job config: {e}") });
+            return Some(Reply::Error { message: format!("job config: {e}") });
         }
         if spec.data_plane == DataPlane::PlaintextTcp && !self.settings.allow_plaintext_tcp {
-            return Some(Wire::Error {
+            return Some(Reply::Error {
                 message: "data_plane = plaintext_tcp: this cluster does not allow tensors between hosts unencrypted; \
                           set `allow_plaintext_tcp = true` in the controller's node config (trusted fabrics only), \
                           or submit with data_plane = auto"
@@ -575,12 +577,12 @@ impl NodeCore {
                 entry.running = !entry.info.state.is_terminal();
                 if let Some(client) = client {
                     tracing::info!(node = %self.settings.id, job = id, "job submitted");
-                    self.send(&client, Wire::Submitted { job: id });
+                    self.send(&client, Reply::Submitted { job: id });
                 }
             }
             (Err(e), Some(client)) => {
                 c.jobs.remove(&id);
-                self.send(&client, Wire::Error { message: format!("starting the job controller: {e}") });
+                self.send(&client, Reply::Error { message: format!("starting the job controller: {e}") });
             }
             (Err(e), None) => tracing::error!(job = id, "restarting the job controller: {e}"),
         }
@@ -588,26 +590,21 @@ impl NodeCore {
 
     /// A message from a client (any peer role): answered by any node for status, by the controller
     /// for jobs (others redirect).
-    fn client_message(&mut self, from: &str, msg: Wire) {
-        let not_controller = Wire::Redirect { leader: self.controller_addr() };
+    fn client_message(&mut self, from: &str, msg: Request) {
+        let not_controller = Reply::Redirect { leader: self.controller_addr() };
         let reply = match msg {
-            Wire::StatusRequest => Some(Wire::Status(Box::new(self.status()))),
-            Wire::Submit { spec } if self.controller.is_some() => self.submit(from, *spec),
-            Wire::JobStatusRequest { .. } | Wire::Watch { .. } | Wire::Cancel { .. } | Wire::Submit { .. }
-                if self.controller.is_none() =>
-            {
-                Some(not_controller)
-            }
-            Wire::JobStatusRequest { job } => Some(self.job_reply(job, |_| {})),
-            Wire::Watch { job, since } => Some(self.watch(from, job, since)),
-            Wire::Cancel { job } => {
+            Request::StatusRequest => Some(Reply::Status(Box::new(self.status()))),
+            _ if self.controller.is_none() => Some(not_controller),
+            Request::Submit { spec } => self.submit(from, *spec),
+            Request::JobStatusRequest { job } => Some(self.job_reply(job, |_| {})),
+            Request::Watch { job, since } => Some(self.watch(from, job, since)),
+            Request::Cancel { job } => {
                 let running = self.controller.as_ref().and_then(|c| c.jobs.get(&job)).is_some_and(|j| j.running);
                 if running {
                     self.actions.push_back(NodeAction::Job { job, msg: JobMsg::Cancel });
                 }
                 Some(self.job_reply(job, |_| {}))
             }
-            other => Some(Wire::Error { message: format!("not a client request: {other:?}") }),
         };
         if let Some(reply) = reply {
             self.send(from, reply);
@@ -616,7 +613,7 @@ impl NodeCore {
 
     /// A watcher (re)attaches: the events it missed go out before the reply, on the same ordered stream,
     /// so it sees them first and in order; a watcher that reconnects replaces its old entry.
-    fn watch(&mut self, from: &str, job: JobId, since: Option<u64>) -> Wire {
+    fn watch(&mut self, from: &str, job: JobId, since: Option<u64>) -> Reply {
         let missed: Vec<(u64, JobEvent)> = match (since, self.controller.as_ref().and_then(|c| c.jobs.get(&job))) {
             (Some(since), Some(entry)) => {
                 let (events, lost) = entry.log.since(since);
@@ -635,7 +632,7 @@ impl NodeCore {
             _ => Vec::new(),
         };
         for (seq, event) in missed {
-            self.send(from, Wire::Event { job, seq, event });
+            self.send(from, Reply::Event { job, seq, event });
         }
         let watcher = from.to_owned();
         self.job_reply(job, move |entry| {
@@ -661,13 +658,13 @@ impl NodeCore {
         self.controller.as_mut().expect("controller").jobs.insert(id, entry);
     }
 
-    fn job_reply(&mut self, job: JobId, f: impl FnOnce(&mut JobEntry)) -> Wire {
+    fn job_reply(&mut self, job: JobId, f: impl FnOnce(&mut JobEntry)) -> Reply {
         match self.controller.as_mut().and_then(|c| c.jobs.get_mut(&job)) {
             Some(entry) => {
                 f(entry);
-                Wire::JobStatus(Box::new(JobInfo { events: entry.log.end(), ..entry.info.clone() }))
+                Reply::JobStatus(Box::new(JobInfo { events: entry.log.end(), ..entry.info.clone() }))
             }
-            None => Wire::Error { message: format!("no job {job} on this cluster (see `troupe status`)") },
+            None => Reply::Error { message: format!("no job {job} on this cluster (see `troupe status`)") },
         }
     }
 
@@ -682,7 +679,7 @@ impl NodeCore {
         }
         self.actions.push_back(NodeAction::Note(NodeNote::JobEvent { job, event: event.clone() }));
         for w in watchers {
-            self.send(&w, Wire::Event { job, seq, event: event.clone() });
+            self.send(&w, Reply::Event { job, seq, event: event.clone() });
         }
     }
 
@@ -711,10 +708,10 @@ impl NodeCore {
 
     // ---- messages from the controller to this node ----
 
-    fn node_message(&mut self, now: Duration, epoch: u64, msg: Wire) {
+    fn node_message(&mut self, now: Duration, epoch: u64, msg: ToNode) {
         self.member.heard_from_controller(now);
         match msg {
-            Wire::View { view, members, jobs } => {
+            ToNode::View { view, members, jobs } => {
                 self.members = members;
                 self.member.handle_view(now, view);
                 self.drive_member();
@@ -723,14 +720,14 @@ impl NodeCore {
                 self.each_worker(|| WorkerMsg::Retain { jobs: jobs.clone() });
                 self.workers.iter_mut().for_each(|w| w.attempts.retain(|job, _| jobs.contains(job)));
             }
-            Wire::Fenced { current, jobs } => {
+            ToNode::Fenced { current, jobs } => {
                 self.keep_on_fence = jobs;
                 self.member.handle_fence(now, current);
                 self.drive_member();
                 // Used by the fence just driven, if any; a node already rejoining keeps no stale list.
                 self.keep_on_fence.clear();
             }
-            Wire::Prepare { job, attempt, spec, ranks, discard_from } => {
+            ToNode::Prepare { job, attempt, spec, ranks, discard_from } => {
                 let me = self.settings.id.clone();
                 for (rank, r) in ranks.iter().enumerate().filter(|(_, r)| r.node == me) {
                     let slot = r.slot as usize;
@@ -741,47 +738,47 @@ impl NodeCore {
                     }
                 }
             }
-            Wire::Start { job, attempt, roster, source } => {
+            ToNode::Start { job, attempt, roster, source } => {
                 self.each_worker(|| WorkerMsg::Start { job, attempt, roster: roster.clone(), source })
             }
-            Wire::Commit { job, attempt, step, .. } => self.each_worker(|| WorkerMsg::Commit { job, attempt, step }),
-            Wire::Abort { job, attempt, .. } => self.each_worker(|| WorkerMsg::Abort { job, attempt }),
-            Wire::Release { job } => {
+            ToNode::Commit { job, attempt, step, .. } => self.each_worker(|| WorkerMsg::Commit { job, attempt, step }),
+            ToNode::Abort { job, attempt, .. } => self.each_worker(|| WorkerMsg::Abort { job, attempt }),
+            ToNode::Release { job } => {
                 self.each_worker(|| WorkerMsg::Release { job });
                 self.workers.iter_mut().for_each(|w| {
                     w.attempts.remove(&job);
                 });
             }
-            Wire::Alive => {}
-            other => tracing::warn!(node = %self.settings.id, "unexpected message from the controller: {other:?}"),
+            ToNode::Alive => {}
         }
     }
 
     // ---- what the endpoint reports ----
 
-    /// A control message from `from` (`role`), stamped with the sender's `epoch`.
+    /// A control message from `from` (`role`), stamped with the sender's `epoch`: a client's request
+    /// from anyone; a node's message for the controller, or the controller's for this node, only from a
+    /// daemon (a reply to a daemon is dropped: daemons ask nothing).
     pub fn message(&mut self, now: Duration, from: &str, role: PeerRole, epoch: u64, msg: Wire) {
-        if msg.is_client_request() {
-            return self.client_message(from, msg);
-        }
-        if role != PeerRole::Node {
-            return;
-        }
         let is_me = from == self.settings.id.0;
-        if msg.is_for_controller() {
-            if self.controller.is_some() {
+        match msg {
+            Wire::Request(request) => self.client_message(from, request),
+            Wire::Reply(reply) => tracing::debug!(node = %self.settings.id, %from, "ignored a reply: {reply:?}"),
+            _ if role != PeerRole::Node => {}
+            Wire::ToController(msg) if self.controller.is_some() => {
                 self.controller_message(now, NodeId(from.to_owned()), epoch, msg);
                 self.drive_membership();
-            } else {
-                let redirect = Wire::Redirect { leader: self.controller_addr() };
-                self.send(from, redirect);
             }
-        } else if self.controller.is_some() && is_me || self.controller_peer.as_deref() == Some(from) {
-            if !is_me && epoch < self.epoch() {
-                self.refuse();
-                return tracing::warn!(node = %self.settings.id, epoch, "refused a controller message of a stale epoch");
+            Wire::ToController(_) => self.send(from, Reply::Redirect { leader: self.controller_addr() }),
+            Wire::ToNode(msg)
+                if self.controller.is_some() && is_me || self.controller_peer.as_deref() == Some(from) =>
+            {
+                if !is_me && epoch < self.epoch() {
+                    self.refuse();
+                    return tracing::warn!(node = %self.settings.id, epoch, "refused a controller message of a stale epoch");
+                }
+                self.node_message(now, epoch, msg);
             }
-            self.node_message(now, epoch, msg);
+            Wire::ToNode(_) => {}
         }
     }
 
@@ -875,7 +872,7 @@ impl NodeCore {
         let id = self.settings.id.clone();
         for (job, attempt) in attempts {
             let outcome = AttemptOutcome::Failed { step: 0, reason: format!("worker {slot} of {id} failed: {error}") };
-            self.send_to_controller(Wire::Ended { job, attempt, slot: slot as u32, outcome });
+            self.send_to_controller(ToController::Ended { job, attempt, slot: slot as u32, outcome });
         }
         match decision {
             Decision::Restart { attempt } => {
@@ -899,7 +896,7 @@ impl NodeCore {
         self.draining = true;
         self.each_worker(|| WorkerMsg::DropAll);
         if self.controller.is_none() {
-            self.send_to_controller(Wire::Leave);
+            self.send_to_controller(ToController::Leave);
         }
     }
 }

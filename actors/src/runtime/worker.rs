@@ -30,7 +30,7 @@ use crate::engine::{
     CommittedState, DataParallelReplica, EngineError, OpTiming, ReducedStep, ShardMode, ShardedReplica, StepEngine,
     DEFAULT_BUCKET_BYTES,
 };
-use crate::protocol::{AttemptOutcome, DataPlane, EvalFigures, JobId, JobSpec, StageTime, StepFigures, Wire};
+use crate::protocol::{AttemptOutcome, DataPlane, EvalFigures, JobId, JobSpec, StageTime, StepFigures, ToController};
 use crate::telemetry::link_bytes::Counted;
 use crate::telemetry::{otel, NodeMetrics, PhaseRecorder};
 
@@ -160,7 +160,7 @@ impl Actor for WorkerActor {
                     }
                     slot.state = committed;
                     let deferred = slot.deferred.take();
-                    state.report(Wire::Ended { job, attempt, slot: me_slot, outcome });
+                    state.report(ToController::Ended { job, attempt, slot: me_slot, outcome });
                     if let Some(prepare) = deferred {
                         state.prepare(prepare);
                     }
@@ -195,7 +195,7 @@ impl Actor for WorkerActor {
 }
 
 impl WorkerState {
-    fn report(&self, msg: Wire) {
+    fn report(&self, msg: ToController) {
         let _ = self.args.node.cast(NodeMsg::FromWorker(msg));
     }
 
@@ -204,7 +204,7 @@ impl WorkerState {
         let (me, host) = (self.args.slot, self.args.host);
         let fail = |state: &Self, reason: String| {
             let outcome = AttemptOutcome::Failed { step: 0, reason };
-            state.report(Wire::Ended { job, attempt, slot: me, outcome });
+            state.report(ToController::Ended { job, attempt, slot: me, outcome });
         };
         let slot = self.jobs.entry(job).or_default();
         if let (Some(from), Some(step)) = (discard_from, slot.state.as_ref().map(CommittedState::step)) {
@@ -235,7 +235,7 @@ impl WorkerState {
         };
         let slot = self.jobs.get_mut(&job).expect("inserted above");
         slot.prepared = Some(Prepared { attempt, rank, epoch, spec, endpoint, restored });
-        self.report(Wire::Ready { job, attempt, slot: me, data_addr, committed });
+        self.report(ToController::Ready { job, attempt, slot: me, data_addr, committed });
     }
 
     fn start(
@@ -382,7 +382,7 @@ fn spawn_writer(spec: &JobSpec, job: JobId, node: &ActorRef<NodeMsg>) -> Option<
         WriteReport::Durable { tag: attempt, saved } => {
             let (step, path, seconds) = (saved.step, saved.path, saved.seconds);
             let bytes = if saved.kept_existing { 0 } else { saved.bytes };
-            let checkpointed = Wire::Checkpointed { job, attempt, step, path, seconds, bytes };
+            let checkpointed = ToController::Checkpointed { job, attempt, step, path, seconds, bytes };
             let _ = node.cast(NodeMsg::FromWorker(checkpointed));
         }
         WriteReport::Failed { step, error, .. } => {
@@ -662,7 +662,8 @@ fn report_phases(ctx: &AttemptCtx, spec: &JobSpec, rank: usize, step: u64, phase
     let attrs = otel::RankAttrs { job, trace_seed, attempt, rank, stage, epoch, node };
     otel::export_step(&attrs, step, &spans);
     if spec.trace {
-        let _ = ctx.node.cast(NodeMsg::FromWorker(Wire::Phases { job, attempt, slot, rank, step, spans, stage }));
+        let _ =
+            ctx.node.cast(NodeMsg::FromWorker(ToController::Phases { job, attempt, slot, rank, step, spans, stage }));
     }
 }
 
@@ -698,7 +699,7 @@ async fn evaluate<E: StepEngine>(
     match evaluated {
         Ok(Some(eval)) if engine.rank() == 0 => {
             let figures = EvalFigures { loss: eval.loss, windows: eval.windows, tokens: eval.tokens };
-            let evaluated = Wire::Evaluated { job: ctx.job, attempt: ctx.attempt, step, figures };
+            let evaluated = ToController::Evaluated { job: ctx.job, attempt: ctx.attempt, step, figures };
             let _ = ctx.node.cast(NodeMsg::FromWorker(evaluated));
             Ok(())
         }
@@ -863,7 +864,7 @@ fn vote<E: StepEngine>(
     let (loss, loss_scale) = (reduced.loss, loss_scale.scale);
     let figures = StepFigures { loss, grad_norm, skipped, loss_scale, peak_rss_bytes, stage_time };
     let (job, attempt, slot) = (ctx.job, ctx.attempt, ctx.slot);
-    let vote = Wire::Vote { job, attempt, slot, step, figures, seconds };
+    let vote = ToController::Vote { job, attempt, slot, step, figures, seconds };
     let _ = ctx.node.cast(NodeMsg::FromWorker(vote));
     voted
 }

@@ -3,14 +3,14 @@
 //! — its mailbox, its flush (record in the catalog, then carry out) — the controller's readers of the
 //! members' connections, and the checks of what the job did.
 
-use troupe_actors::protocol::{JobEvent, StepFigures, Wire};
+use troupe_actors::protocol::{JobEvent, StepFigures, ToController, ToNode, Wire};
 use troupe_actors::runtime::job::{DriverAction, FAILED_ATTEMPTS_MAX};
 use troupe_cluster::control::PeerRole;
 use troupe_cluster::membership::NodeId;
 
 use super::check::Checker;
 use super::config::PlantedBug;
-use super::node::{dur, kind};
+use super::node::{dur, kind, to_node_kind};
 use super::world::{addr, trace, Envelope, Ev, FromJob, JobEnd, JobInput, Local, World, JOB};
 
 impl World<'_> {
@@ -33,7 +33,7 @@ impl World<'_> {
         }
         let from = c.node;
         self.count_delivery(from, true, &env);
-        if let Wire::Join { incarnation, .. } = &env.msg {
+        if let Wire::ToController(ToController::Join { incarnation, .. }) = &env.msg {
             self.count_join(from, *incarnation, env.via);
             self.check.join_requested(from, env.generation);
             trace!(self, "controller <- Join from {} (incarnation {incarnation:?})", self.nodes[from].id);
@@ -111,7 +111,7 @@ impl World<'_> {
         nodes.dedup();
         trace!(self, "PLANTED BUG: commit step {step} of attempt {attempt} on its first vote");
         for node in nodes {
-            let msg = Wire::Commit { job: JOB, attempt, step, lr_hint: 0.0 };
+            let msg = ToNode::Commit { job: JOB, attempt, step, lr_hint: 0.0 };
             self.local(Local::JobToNode, Ev::FromJob(FromJob::Send { node, msg }));
         }
     }
@@ -133,14 +133,14 @@ impl World<'_> {
             match action {
                 DriverAction::Send { node, msg } => {
                     match &msg {
-                        Wire::Prepare { attempt, ranks, .. } => {
+                        ToNode::Prepare { attempt, ranks, .. } => {
                             self.stats.attempts = *attempt;
                             self.ctl.attempt_ranks.insert(*attempt, ranks.clone());
                         }
-                        Wire::Commit { attempt, step, .. } => self.check.commit_sent(self.now, *attempt, *step),
+                        ToNode::Commit { attempt, step, .. } => self.check.commit_sent(self.now, *attempt, *step),
                         _ => {}
                     }
-                    trace!(self, "driver -> {node}: {}", kind(&msg));
+                    trace!(self, "driver -> {node}: {}", to_node_kind(&msg));
                     self.local(Local::JobToNode, Ev::FromJob(FromJob::Send { node, msg }));
                 }
                 DriverAction::Event(event) => {

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use troupe_actors::catalog::{StoredJob, StoredView};
 use troupe_actors::node_config::restart::RestartPolicy;
-use troupe_actors::protocol::Wire;
+use troupe_actors::protocol::{Request, ToController, ToNode, Wire};
 use troupe_actors::runtime::messages::{JobMsg, WorkerMsg};
 use troupe_actors::runtime::node_core::{NodeAction, NodeCore, NodeNote, NodeSettings};
 use troupe_cluster::control::PeerRole;
@@ -161,7 +161,7 @@ impl World<'_> {
         let members = self.nodes[0].core.membership().map(|m| m.view().members().to_vec()).unwrap_or_default();
         trace!(self, "job submitted on {members:?}");
         let spec = Box::new(super::job_spec(self.sc));
-        self.nodes[0].core.message(dur(self.now), CLIENT, PeerRole::Client, 0, Wire::Submit { spec });
+        self.nodes[0].core.message(dur(self.now), CLIENT, PeerRole::Client, 0, Request::Submit { spec }.into());
         self.act(0);
     }
 
@@ -186,7 +186,7 @@ impl World<'_> {
     }
 
     /// What a worker reports goes through its node (`NodeMsg::FromWorker`).
-    pub(super) fn send_to_controller(&mut self, n: usize, msg: Wire) {
+    pub(super) fn send_to_controller(&mut self, n: usize, msg: ToController) {
         self.nodes[n].core.send_to_controller(msg);
         self.act(n);
     }
@@ -613,25 +613,38 @@ impl World<'_> {
 /// A short name of a message for the trace.
 pub(super) fn kind(msg: &Wire) -> String {
     match msg {
-        Wire::Join { .. } => "Join".into(),
-        Wire::Heartbeat => "Heartbeat".into(),
-        Wire::Leave => "Leave".into(),
-        Wire::Ready { attempt, slot, committed, .. } => format!("Ready(a{attempt} s{slot} c{committed:?})"),
-        Wire::Vote { attempt, slot, step, .. } => format!("Vote(a{attempt} s{slot} step {step})"),
-        Wire::Ended { attempt, slot, outcome, .. } => format!("Ended(a{attempt} s{slot} {outcome:?})"),
-        Wire::View { view, .. } => format!("View(e{} {:?})", view.epoch, view.members()),
-        Wire::Fenced { current, .. } => format!("Fenced(e{current})"),
-        Wire::Prepare { attempt, ranks, .. } => {
-            format!(
-                "Prepare(a{attempt} {:?})",
-                ranks.iter().map(|r| format!("{}/{}", r.node, r.slot)).collect::<Vec<_>>()
-            )
-        }
-        Wire::Start { attempt, source, .. } => format!("Start(a{attempt} source {source:?})"),
-        Wire::Commit { attempt, step, .. } => format!("Commit(a{attempt} step {step})"),
-        Wire::Abort { attempt, .. } => format!("Abort(a{attempt})"),
-        Wire::Release { .. } => "Release".into(),
+        Wire::ToController(msg) => to_controller_kind(msg),
+        Wire::ToNode(msg) => to_node_kind(msg),
         other => format!("{other:?}"),
+    }
+}
+
+fn to_controller_kind(msg: &ToController) -> String {
+    match msg {
+        ToController::Join { .. } => "Join".into(),
+        ToController::Heartbeat => "Heartbeat".into(),
+        ToController::Leave => "Leave".into(),
+        ToController::Ready { attempt, slot, committed, .. } => format!("Ready(a{attempt} s{slot} c{committed:?})"),
+        ToController::Vote { attempt, slot, step, .. } => format!("Vote(a{attempt} s{slot} step {step})"),
+        ToController::Ended { attempt, slot, outcome, .. } => format!("Ended(a{attempt} s{slot} {outcome:?})"),
+        other => format!("{other:?}"),
+    }
+}
+
+/// A short name of a controller's message for the trace.
+pub(super) fn to_node_kind(msg: &ToNode) -> String {
+    match msg {
+        ToNode::View { view, .. } => format!("View(e{} {:?})", view.epoch, view.members()),
+        ToNode::Fenced { current, .. } => format!("Fenced(e{current})"),
+        ToNode::Prepare { attempt, ranks, .. } => {
+            let ranks: Vec<String> = ranks.iter().map(|r| format!("{}/{}", r.node, r.slot)).collect();
+            format!("Prepare(a{attempt} {ranks:?})")
+        }
+        ToNode::Start { attempt, source, .. } => format!("Start(a{attempt} source {source:?})"),
+        ToNode::Commit { attempt, step, .. } => format!("Commit(a{attempt} step {step})"),
+        ToNode::Abort { attempt, .. } => format!("Abort(a{attempt})"),
+        ToNode::Release { .. } => "Release".into(),
+        ToNode::Alive => "Alive".into(),
     }
 }
 

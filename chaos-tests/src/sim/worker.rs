@@ -3,7 +3,7 @@
 //! copy, each step's all-reduce) completes when every rank entered it, and fails for everyone once a rank
 //! left the mesh or stayed unreachable for the idle timeout.
 
-use troupe_actors::protocol::{AttemptOutcome, StepFigures, Wire};
+use troupe_actors::protocol::{AttemptOutcome, StepFigures, ToController};
 
 use super::world::{addr, trace, Ev, JobSlot, Mesh, MeshRank, Op, Phase, Prepared, RankAt, Task, World, JOB};
 
@@ -33,7 +33,7 @@ impl World<'_> {
     }
 
     /// What a worker sends the controller goes through its node.
-    fn report(&mut self, n: usize, msg: Wire) {
+    fn report(&mut self, n: usize, msg: ToController) {
         self.send_to_controller(n, msg);
     }
 
@@ -56,7 +56,7 @@ impl World<'_> {
         let job = self.nodes[n].workers[slot].job.get_or_insert_with(JobSlot::default);
         let committed = job.trainer.get_or_insert(fresh).len() as u64;
         job.prepared = Some(Prepared { attempt, rank });
-        let ready = Wire::Ready {
+        let ready = ToController::Ready {
             job: JOB,
             attempt,
             slot: slot as u32,
@@ -173,7 +173,7 @@ impl World<'_> {
                 if let Some(task) = self.task_mut(at) {
                     task.phase = Phase::AwaitCommit(step);
                 }
-                let vote = Wire::Vote {
+                let vote = ToController::Vote {
                     job: JOB,
                     attempt: at.attempt,
                     slot: at.slot,
@@ -251,7 +251,7 @@ impl World<'_> {
                 self.checkpoints.push(state);
                 self.stats.checkpoints += 1;
                 let path = format!("/shared/checkpoints/step-{held:08}").into();
-                let msg = Wire::Checkpointed { job: JOB, attempt, step: held, path, seconds: 0.0, bytes: 0 };
+                let msg = ToController::Checkpointed { job: JOB, attempt, step: held, path, seconds: 0.0, bytes: 0 };
                 self.report(n, msg);
             }
         }
@@ -313,7 +313,7 @@ impl World<'_> {
         let graceful = matches!(outcome, AttemptOutcome::Completed { .. });
         let delay = self.rng.range(self.cfg.net_delay_ms_min, self.cfg.net_delay_ms_max);
         self.leave_mesh(at.attempt, task.rank, (!graceful).then_some(delay));
-        self.report(n, Wire::Ended { job: JOB, attempt: at.attempt, slot: at.slot, outcome });
+        self.report(n, ToController::Ended { job: JOB, attempt: at.attempt, slot: at.slot, outcome });
         if let Some(p) = deferred {
             self.prepare(n, slot, p.attempt, p.rank);
         }

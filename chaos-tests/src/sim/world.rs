@@ -6,7 +6,7 @@ use std::cmp::{Ordering, Reverse};
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::net::SocketAddr;
 
-use troupe_actors::protocol::{AttemptOutcome, JobEvent, JobId, JobInfo, JobState, MemberInfo, RankSlot, Wire};
+use troupe_actors::protocol::{AttemptOutcome, JobEvent, JobId, JobInfo, JobState, MemberInfo, RankSlot, ToNode, Wire};
 use troupe_actors::runtime::job::JobDriver;
 use troupe_actors::runtime::node_core::NodeCore;
 use troupe_cluster::membership::{NodeId, View};
@@ -61,7 +61,7 @@ pub(super) enum JobInput {
 /// `JobEvent`, `JobInfo`).
 #[derive(Debug)]
 pub(super) enum FromJob {
-    Send { node: NodeId, msg: Wire },
+    Send { node: NodeId, msg: ToNode },
     StepBoundary,
     Event { event: JobEvent, info: Box<JobInfo> },
     Info(Box<JobInfo>),
