@@ -429,9 +429,13 @@ pub struct MemberInfo {
 pub struct ClusterStatus {
     /// The daemon that answered.
     pub node: String,
-    /// Whether it is the controller (leader).
-    pub leader: bool,
-    pub leader_addr: Option<SocketAddr>,
+    /// Whether it is the controller. (`leader` in the JSON of `troupe status --json` and `/status`, as
+    /// before: the field names are a contract; the code says controller.)
+    #[serde(rename = "leader")]
+    pub controller: bool,
+    /// The controller's control-plane address.
+    #[serde(rename = "leader_addr")]
+    pub controller_addr: Option<SocketAddr>,
     pub epoch: u64,
     pub members: Vec<MemberInfo>,
     /// Nodes waiting for a step boundary to be admitted.
@@ -627,9 +631,10 @@ pub enum Reply {
         seq: u64,
         event: JobEvent,
     },
-    /// This daemon is not the controller; ask it instead.
+    /// This daemon is not the controller; ask it instead (`leader` on the wire).
     Redirect {
-        leader: SocketAddr,
+        #[serde(rename = "leader")]
+        controller: SocketAddr,
     },
     Error {
         message: String,
@@ -707,8 +712,8 @@ mod tests {
     fn every_message_decodes_to_its_own_direction() {
         let status = ClusterStatus {
             node: "node-0".into(),
-            leader: true,
-            leader_addr: None,
+            controller: true,
+            controller_addr: None,
             epoch: 3,
             members: Vec::new(),
             joining: Vec::new(),

@@ -96,8 +96,8 @@ impl Client {
     async fn request_controller(&mut self, msg: Request) -> Result<Reply> {
         for _ in 0..REDIRECTS_MAX {
             match self.request(msg.clone()).await? {
-                Reply::Redirect { leader } => {
-                    let next = Client::connect(leader, &self.identity).await?;
+                Reply::Redirect { controller } => {
+                    let next = Client::connect(controller, &self.identity).await?;
                     self.endpoint.close().await;
                     *self = next;
                 }

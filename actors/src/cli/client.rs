@@ -91,11 +91,11 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
 }
 
 fn print_status(s: &ClusterStatus) {
-    let role = if s.leader { "the controller" } else { "a member" };
+    let role = if s.controller { "the controller" } else { "a member" };
     println!("cluster at epoch {}: {} member(s); answered by {} ({role})", s.epoch, s.members.len(), s.node);
     println!();
     let mut members = Table::new(&["NODE", "ADDRESS", "SLOTS", "ROLE"]);
-    let controller = s.leader_addr;
+    let controller = s.controller_addr;
     for m in &s.members {
         let role = if Some(m.addr) == controller { "controller" } else { "member" };
         members.row(vec![m.name.clone(), m.addr.to_string(), m.slots.to_string(), role.into()]);
@@ -107,7 +107,7 @@ fn print_status(s: &ClusterStatus) {
     if !s.jobs.is_empty() {
         println!();
         print_jobs(&s.jobs);
-    } else if !s.leader {
+    } else if !s.controller {
         println!("\n(jobs are listed by the controller{})", controller.map(|a| format!(" at {a}")).unwrap_or_default());
     }
     if s.refused_stale > 0 {

@@ -1,4 +1,4 @@
-//! JobController: one actor per job, on the controller (leader) daemon. It owns the job's
+//! JobController: one actor per job, on the controller daemon. It owns the job's
 //! [`JobDriver`] and carries out its actions through its node: messages to the ranks' nodes, events to
 //! the job's watchers, step boundaries to membership.
 //!

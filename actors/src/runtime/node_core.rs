@@ -301,8 +301,8 @@ impl NodeCore {
         };
         ClusterStatus {
             node: self.settings.id.0.clone(),
-            leader: self.controller.is_some(),
-            leader_addr: Some(self.controller_addr()),
+            controller: self.controller.is_some(),
+            controller_addr: Some(self.controller_addr()),
             epoch: self.epoch(),
             members,
             joining,
@@ -591,7 +591,7 @@ impl NodeCore {
     /// A message from a client (any peer role): answered by any node for status, by the controller
     /// for jobs (others redirect).
     fn client_message(&mut self, from: &str, msg: Request) {
-        let not_controller = Reply::Redirect { leader: self.controller_addr() };
+        let not_controller = Reply::Redirect { controller: self.controller_addr() };
         let reply = match msg {
             Request::StatusRequest => Some(Reply::Status(Box::new(self.status()))),
             _ if self.controller.is_none() => Some(not_controller),
@@ -768,7 +768,7 @@ impl NodeCore {
                 self.controller_message(now, NodeId(from.to_owned()), epoch, msg);
                 self.drive_membership();
             }
-            Wire::ToController(_) => self.send(from, Reply::Redirect { leader: self.controller_addr() }),
+            Wire::ToController(_) => self.send(from, Reply::Redirect { controller: self.controller_addr() }),
             Wire::ToNode(msg)
                 if self.controller.is_some() && is_me || self.controller_peer.as_deref() == Some(from) =>
             {

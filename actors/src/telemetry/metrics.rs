@@ -310,7 +310,7 @@ impl NodeMetrics {
     pub fn render(&self, status: &ClusterStatus) -> String {
         let state = self.lock();
         let mut e = Exposition::default();
-        let role = if status.leader { "controller" } else { "member" };
+        let role = if status.controller { "controller" } else { "member" };
         e.single(
             "troupe_node_info",
             Kind::Gauge,
@@ -655,8 +655,8 @@ mod tests {
         let member = |name: &str| MemberInfo { name: name.into(), addr: "127.0.0.1:1".parse().unwrap(), slots: 1 };
         ClusterStatus {
             node: "a".into(),
-            leader: true,
-            leader_addr: None,
+            controller: true,
+            controller_addr: None,
             epoch: 3,
             members: vec![member("a"), member("b")],
             joining: vec![],

@@ -85,7 +85,7 @@ fn state_name<T: serde::Serialize>(state: &T) -> String {
 /// The live part of the page.
 pub fn fragment(status: &ClusterStatus, jobs: &BTreeMap<JobId, JobSnapshot>) -> String {
     let mut out = String::new();
-    let role = if status.leader { "controller" } else { "member" };
+    let role = if status.controller { "controller" } else { "member" };
     let _ = write!(
         out,
         r#"<section id="cluster" data-node="{node}" data-role="{role}" data-epoch="{epoch}"><h2>Cluster</h2><p>This is <b>{node}</b>, the cluster's {role}; membership epoch <b>{epoch}</b>, {n} member(s){joining}.</p>"#,
@@ -98,8 +98,8 @@ pub fn fragment(status: &ClusterStatus, jobs: &BTreeMap<JobId, JobSnapshot>) -> 
             format!(", joining at the next step boundary: {}", escape(&status.joining.join(", ")))
         },
     );
-    if !status.leader {
-        let at = status.leader_addr.map_or_else(|| "unknown".to_owned(), |a| a.to_string());
+    if !status.controller {
+        let at = status.controller_addr.map_or_else(|| "unknown".to_owned(), |a| a.to_string());
         let _ = write!(
             out,
             "<p>Jobs run from the controller (at {at}); open the dashboard of the controller's daemon to follow them.</p>"
@@ -114,7 +114,7 @@ pub fn fragment(status: &ClusterStatus, jobs: &BTreeMap<JobId, JobSnapshot>) -> 
         out.push_str("</ol>");
     }
     out.push_str("</section>");
-    if status.leader {
+    if status.controller {
         jobs_table(&mut out, status, jobs);
         for id in drawn(status) {
             if let Some(job) = status.jobs.iter().find(|j| j.id == id) {
