@@ -44,7 +44,8 @@ pub struct WorkerArgs {
     pub metrics: Arc<NodeMetrics>,
 }
 
-enum Ctl {
+/// What the worker tells a running attempt task: the controller committed a step, or the attempt ends.
+enum AttemptSignal {
     Commit(u64),
     Abort,
 }
@@ -65,7 +66,7 @@ struct JobSlot {
     state: Option<CommittedState>,
     prepared: Option<Prepared>,
     /// The running attempt's number and control channel.
-    running: Option<(u64, mpsc::UnboundedSender<Ctl>)>,
+    running: Option<(u64, mpsc::UnboundedSender<AttemptSignal>)>,
     /// A Prepare that arrived while the previous attempt was still handing its state back.
     deferred: Option<WorkerMsg>,
     /// The job's checkpoint writer, once this worker has been rank 0 of an attempt; it outlives
@@ -108,9 +109,9 @@ impl Actor for WorkerActor {
                 state.prepare(msg);
             }
             WorkerMsg::Start { job, attempt, roster, source } => state.start(&me, job, attempt, roster, source),
-            WorkerMsg::Commit { job, attempt, step } => state.control(job, attempt, Ctl::Commit(step)),
+            WorkerMsg::Commit { job, attempt, step } => state.control(job, attempt, AttemptSignal::Commit(step)),
             WorkerMsg::Abort { job, attempt } => {
-                state.control(job, attempt, Ctl::Abort);
+                state.control(job, attempt, AttemptSignal::Abort);
                 if let Some(slot) = state.jobs.get_mut(&job) {
                     slot.prepared.take_if(|p| p.attempt == attempt);
                 }
@@ -118,7 +119,7 @@ impl Actor for WorkerActor {
             WorkerMsg::Release { job } => {
                 if let Some(slot) = state.jobs.remove(&job) {
                     if let Some((_, ctl)) = slot.running {
-                        let _ = ctl.send(Ctl::Abort);
+                        let _ = ctl.send(AttemptSignal::Abort);
                     }
                 }
             }
@@ -131,14 +132,14 @@ impl Actor for WorkerActor {
                         "dropping the state of a job that ended while this node was away"
                     );
                     if let Some((_, ctl)) = state.jobs.remove(&job).and_then(|slot| slot.running) {
-                        let _ = ctl.send(Ctl::Abort);
+                        let _ = ctl.send(AttemptSignal::Abort);
                     }
                 }
             }
             WorkerMsg::AbortAll { keep } => {
                 for slot in state.jobs.values_mut() {
                     if let Some((_, ctl)) = &slot.running {
-                        let _ = ctl.send(Ctl::Abort);
+                        let _ = ctl.send(AttemptSignal::Abort);
                     }
                     slot.prepared = None;
                     slot.deferred = None;
@@ -148,7 +149,7 @@ impl Actor for WorkerActor {
             WorkerMsg::DropAll => {
                 for (_, slot) in state.jobs.drain() {
                     if let Some((_, ctl)) = slot.running {
-                        let _ = ctl.send(Ctl::Abort);
+                        let _ = ctl.send(AttemptSignal::Abort);
                     }
                 }
             }
@@ -299,7 +300,7 @@ impl WorkerState {
         }
     }
 
-    fn control(&mut self, job: JobId, attempt: u64, ctl: Ctl) {
+    fn control(&mut self, job: JobId, attempt: u64, ctl: AttemptSignal) {
         if let Some((running, tx)) = self.jobs.get(&job).and_then(|s| s.running.as_ref()) {
             if *running == attempt {
                 let _ = tx.send(ctl);
@@ -419,7 +420,7 @@ async fn run_attempt(
     ctx: AttemptCtx,
     prepared: Prepared,
     state: CommittedState,
-    mut ctl: mpsc::UnboundedReceiver<Ctl>,
+    mut ctl: mpsc::UnboundedReceiver<AttemptSignal>,
 ) -> (Option<CommittedState>, AttemptOutcome) {
     let Prepared { rank, epoch, spec, endpoint, .. } = prepared;
     let step = state.step();
@@ -489,7 +490,7 @@ async fn between_hosts<T: Transport>(
     transport: Arc<T>,
     mesh: &str,
     state: CommittedState,
-    ctl: &mut mpsc::UnboundedReceiver<Ctl>,
+    ctl: &mut mpsc::UnboundedReceiver<AttemptSignal>,
 ) -> (Option<CommittedState>, AttemptOutcome) {
     let step = state.step();
     let layout = HostLayout::of(&ctx.roster.iter().map(|p| p.addr.ip()).collect::<Vec<_>>());
@@ -547,7 +548,7 @@ async fn train_over<T: Transport>(
     tier: Option<HostTier>,
     epoch: u64,
     state: CommittedState,
-    ctl: &mut mpsc::UnboundedReceiver<Ctl>,
+    ctl: &mut mpsc::UnboundedReceiver<AttemptSignal>,
 ) -> (Option<CommittedState>, AttemptOutcome) {
     let peers: Vec<String> = ctx.roster.iter().map(|p| p.name.clone()).collect();
     let counted = Arc::new(Counted::new(transport.clone(), &peers, &ctx.metrics.links));
@@ -625,9 +626,9 @@ fn make_private_dir(dir: &std::path::Path) -> Result<(), troupe_cluster::Cluster
     }
 }
 
-async fn wait_abort(ctl: &mut mpsc::UnboundedReceiver<Ctl>) {
+async fn wait_abort(ctl: &mut mpsc::UnboundedReceiver<AttemptSignal>) {
     while let Some(c) = ctl.recv().await {
-        if matches!(c, Ctl::Abort) {
+        if matches!(c, AttemptSignal::Abort) {
             return;
         }
     }
@@ -686,7 +687,7 @@ fn stage_time_of(t0: Instant, ops: &[OpTiming]) -> StageTime {
 async fn evaluate<E: StepEngine>(
     ctx: &AttemptCtx,
     engine: &mut E,
-    ctl: &mut mpsc::UnboundedReceiver<Ctl>,
+    ctl: &mut mpsc::UnboundedReceiver<AttemptSignal>,
     phases: &mut PhaseRecorder,
 ) -> Result<(), AttemptOutcome> {
     let step = engine.trainer().step;
@@ -718,7 +719,7 @@ async fn drive<E: StepEngine>(
     ctx: &AttemptCtx,
     spec: &JobSpec,
     engine: &mut E,
-    ctl: &mut mpsc::UnboundedReceiver<Ctl>,
+    ctl: &mut mpsc::UnboundedReceiver<AttemptSignal>,
 ) -> AttemptOutcome {
     let mut phases = PhaseRecorder::new(spec.trace || otel::enabled());
     if let Err(outcome) = sync_state(ctx, engine, ctl, &mut phases).await {
@@ -744,7 +745,7 @@ async fn drive<E: StepEngine>(
 async fn sync_state<E: StepEngine>(
     ctx: &AttemptCtx,
     engine: &mut E,
-    ctl: &mut mpsc::UnboundedReceiver<Ctl>,
+    ctl: &mut mpsc::UnboundedReceiver<AttemptSignal>,
     phases: &mut PhaseRecorder,
 ) -> Result<(), AttemptOutcome> {
     let step = engine.trainer().step;
@@ -774,7 +775,7 @@ async fn one_step<E: StepEngine>(
     ctx: &AttemptCtx,
     spec: &JobSpec,
     engine: &mut E,
-    ctl: &mut mpsc::UnboundedReceiver<Ctl>,
+    ctl: &mut mpsc::UnboundedReceiver<AttemptSignal>,
     phases: &mut PhaseRecorder,
 ) -> Result<(), AttemptOutcome> {
     let (rank, step) = (engine.rank(), engine.trainer().step);
@@ -870,12 +871,12 @@ fn vote<E: StepEngine>(
 }
 
 /// Waits for the controller's commit of `step`; `Err` if the attempt is aborted first.
-async fn wait_commit(ctl: &mut mpsc::UnboundedReceiver<Ctl>, step: u64) -> Result<(), AttemptOutcome> {
+async fn wait_commit(ctl: &mut mpsc::UnboundedReceiver<AttemptSignal>, step: u64) -> Result<(), AttemptOutcome> {
     loop {
         match ctl.recv().await {
-            Some(Ctl::Commit(s)) if s == step => return Ok(()),
-            Some(Ctl::Commit(_)) => continue,
-            Some(Ctl::Abort) | None => return Err(AttemptOutcome::Aborted { step }),
+            Some(AttemptSignal::Commit(s)) if s == step => return Ok(()),
+            Some(AttemptSignal::Commit(_)) => continue,
+            Some(AttemptSignal::Abort) | None => return Err(AttemptOutcome::Aborted { step }),
         }
     }
 }
@@ -886,7 +887,7 @@ async fn finish<E: StepEngine>(
     ctx: &AttemptCtx,
     spec: &JobSpec,
     engine: &mut E,
-    ctl: &mut mpsc::UnboundedReceiver<Ctl>,
+    ctl: &mut mpsc::UnboundedReceiver<AttemptSignal>,
 ) -> AttemptOutcome {
     let failed = |step, reason: String| AttemptOutcome::Failed { step, reason };
     if let Some(writer) = &ctx.writer {

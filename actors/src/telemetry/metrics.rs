@@ -17,7 +17,7 @@ use troupe_cluster::membership::Change;
 
 use super::dashboard::{JobHistory, JobSnapshot};
 use super::link_bytes::LinkBytes;
-use super::prometheus::{Exposition, Histogram, Kind};
+use super::prometheus::{Exposition, Histogram, MetricKind};
 use super::{otel, otel_metrics};
 use crate::protocol::{ClusterStatus, JobEvent, JobId, JobSpec, JobState};
 
@@ -313,52 +313,66 @@ impl NodeMetrics {
         let role = if status.controller { "controller" } else { "member" };
         e.single(
             "troupe_node_info",
-            Kind::Gauge,
+            MetricKind::Gauge,
             "This daemon (always 1).",
             &[("node", &status.node), ("role", role)],
             1.0,
         );
         e.single(
             "troupe_membership_epoch",
-            Kind::Gauge,
+            MetricKind::Gauge,
             "Epoch of the membership view this daemon acts on.",
             &[],
             status.epoch as f64,
         );
-        e.single("troupe_membership_members", Kind::Gauge, "Members in the view.", &[], status.members.len() as f64);
-        e.family("troupe_membership_slots", Kind::Gauge, "Device slots each member offers.");
+        e.single(
+            "troupe_membership_members",
+            MetricKind::Gauge,
+            "Members in the view.",
+            &[],
+            status.members.len() as f64,
+        );
+        e.family("troupe_membership_slots", MetricKind::Gauge, "Device slots each member offers.");
         for m in &status.members {
             e.sample("troupe_membership_slots", &[("member", &m.name)], f64::from(m.slots));
         }
         e.single(
             "troupe_membership_joining",
-            Kind::Gauge,
+            MetricKind::Gauge,
             "Nodes waiting for a step boundary to join.",
             &[],
             status.joining.len() as f64,
         );
         e.single(
             "troupe_refused_stale_total",
-            Kind::Counter,
+            MetricKind::Counter,
             "Messages refused for a stale epoch (fencing).",
             &[],
             status.refused_stale as f64,
         );
-        e.family("troupe_membership_changes_total", Kind::Counter, "View changes made by this controller, by kind.");
+        e.family(
+            "troupe_membership_changes_total",
+            MetricKind::Counter,
+            "View changes made by this controller, by kind.",
+        );
         for kind in ["joined", "left", "failed", "connection_lost", "restarted"] {
             let n = state.membership_changes.get(kind).copied().unwrap_or(0);
             e.sample("troupe_membership_changes_total", &[("kind", kind)], n as f64);
         }
         if !state.detection_seconds.is_empty() {
             let name = "troupe_failure_detection_seconds";
-            e.family(name, Kind::Histogram, "Silence of a member when it was declared failed or its connection lost.");
+            e.family(
+                name,
+                MetricKind::Histogram,
+                "Silence of a member when it was declared failed or its connection lost.",
+            );
             for (cause, h) in &state.detection_seconds {
                 e.histogram(name, &[("cause", cause)], h);
             }
         }
         e.family(
             "troupe_link_bytes_total",
-            Kind::Counter,
+            MetricKind::Counter,
             "Data-plane payload bytes this daemon's ranks exchanged with each peer node.",
         );
         for (peer, sent, received) in self.links.snapshot() {
@@ -367,7 +381,7 @@ impl NodeMetrics {
         }
         e.single(
             "troupe_worker_restarts_total",
-            Kind::Counter,
+            MetricKind::Counter,
             "Worker actors of this daemon that failed and were restarted.",
             &[],
             state.worker_restarts as f64,
@@ -410,7 +424,7 @@ impl<'a> JobFamilies<'a> {
     }
 
     /// Family `name` with a sample for each job `value` has one of.
-    fn each(&self, e: &mut Exposition, name: &str, kind: Kind, help: &str, value: &dyn Fn(usize) -> Option<f64>) {
+    fn each(&self, e: &mut Exposition, name: &str, kind: MetricKind, help: &str, value: &dyn Fn(usize) -> Option<f64>) {
         e.family(name, kind, help);
         for i in 0..self.status.jobs.len() {
             if let Some(v) = value(i) {
@@ -422,35 +436,41 @@ impl<'a> JobFamilies<'a> {
     /// Where each job is: steps, world, attempts, losses.
     fn render_progress(&self, e: &mut Exposition) {
         let (status, job) = (self.status, |i| self.job(i));
-        self.each(e, "troupe_job_step", Kind::Gauge, "Committed steps of the job (its position in training).", &|i| {
-            Some(status.jobs[i].step as f64)
-        });
+        self.each(
+            e,
+            "troupe_job_step",
+            MetricKind::Gauge,
+            "Committed steps of the job (its position in training).",
+            &|i| Some(status.jobs[i].step as f64),
+        );
         // Named `troupe_job_steps_total` before: a gauge named like a counter, which promtool refuses.
-        self.each(e, "troupe_job_planned_steps", Kind::Gauge, "Steps the job trains for.", &|i| {
+        self.each(e, "troupe_job_planned_steps", MetricKind::Gauge, "Steps the job trains for.", &|i| {
             Some(status.jobs[i].total_steps as f64)
         });
         self.each(
             e,
             "troupe_job_steps_committed_total",
-            Kind::Counter,
+            MetricKind::Counter,
             "Step commits (a step redone after a rollback counts again).",
             &|i| job(i).map(|m| m.commits as f64),
         );
-        self.each(e, "troupe_job_world", Kind::Gauge, "Ranks of the job's current attempt.", &|i| {
+        self.each(e, "troupe_job_world", MetricKind::Gauge, "Ranks of the job's current attempt.", &|i| {
             Some(status.jobs[i].world as f64)
         });
         self.each(
             e,
             "troupe_job_attempts_total",
-            Kind::Counter,
+            MetricKind::Counter,
             "Attempts started (the first, then one per recovery or retry).",
             &|i| Some(status.jobs[i].attempts as f64),
         );
-        self.each(e, "troupe_job_loss", Kind::Gauge, "Loss of the last committed step.", &|i| status.jobs[i].last_loss);
+        self.each(e, "troupe_job_loss", MetricKind::Gauge, "Loss of the last committed step.", &|i| {
+            status.jobs[i].last_loss
+        });
         self.each(
             e,
             "troupe_job_eval_loss",
-            Kind::Gauge,
+            MetricKind::Gauge,
             "Validation loss of the last evaluation (train.eval_every).",
             &|i| job(i).and_then(|m| m.eval_loss).filter(|l| l.is_finite()),
         );
@@ -462,14 +482,14 @@ impl<'a> JobFamilies<'a> {
         self.each(
             e,
             "troupe_job_tokens_per_second",
-            Kind::Gauge,
+            MetricKind::Gauge,
             "Tokens per second of the last committed step.",
             &|i| job(i).and_then(|m| m.tokens_per_s),
         );
         self.each(
             e,
             "troupe_job_model_flops_per_second",
-            Kind::Gauge,
+            MetricKind::Gauge,
             "Achieved model FLOP/s: 3 x forward FLOPs per token x tokens/s.",
             &|i| job(i).and_then(|m| m.tokens_per_s.map(|t| t * m.train_flops_per_token)),
         );
@@ -477,7 +497,7 @@ impl<'a> JobFamilies<'a> {
             self.each(
                 e,
                 "troupe_job_mfu",
-                Kind::Gauge,
+                MetricKind::Gauge,
                 "Model FLOPs utilisation: achieved FLOP/s over world x peak_tflops_per_slot.",
                 &|i| job(i).and_then(|m| metrics.mfu(m)),
             );
@@ -485,7 +505,7 @@ impl<'a> JobFamilies<'a> {
         self.each(
             e,
             "troupe_job_bubble_fraction",
-            Kind::Gauge,
+            MetricKind::Gauge,
             "Pipeline jobs: idle over device time in the last committed step's schedule.",
             &|i| job(i).and_then(|m| m.bubble),
         );
@@ -497,42 +517,42 @@ impl<'a> JobFamilies<'a> {
         self.each(
             e,
             "troupe_job_checkpoint_bytes_total",
-            Kind::Counter,
+            MetricKind::Counter,
             "Bytes of durable checkpoints written.",
             &|i| job(i).map(|m| m.checkpoint_bytes as f64),
         );
         self.each(
             e,
             "troupe_job_checkpoint_bytes_per_second",
-            Kind::Gauge,
+            MetricKind::Gauge,
             "Write throughput of the last durable checkpoint (bytes over its write and commit time).",
             &|i| job(i).and_then(|m| m.checkpoint_bytes_per_second),
         );
         self.each(
             e,
             "troupe_job_recoveries_total",
-            Kind::Counter,
+            MetricKind::Counter,
             "Attempts resumed after a membership change.",
             &|i| job(i).map(|m| m.recoveries as f64),
         );
         self.each(
             e,
             "troupe_job_rollbacks_total",
-            Kind::Counter,
+            MetricKind::Counter,
             "Continuations from a durable checkpoint after the committed state was lost.",
             &|i| job(i).map(|m| m.rollbacks as f64),
         );
         self.each(
             e,
             "troupe_job_skipped_steps_total",
-            Kind::Counter,
+            MetricKind::Counter,
             "Steps committed without an update because the fp16 gradients overflowed.",
             &|i| job(i).map(|m| m.skipped_steps as f64),
         );
         self.each(
             e,
             "troupe_job_loss_scale",
-            Kind::Gauge,
+            MetricKind::Gauge,
             "The loss scale of the last committed step (1 unless fp16).",
             &|i| job(i).and_then(|m| m.loss_scale),
         );
@@ -540,7 +560,7 @@ impl<'a> JobFamilies<'a> {
 
     /// `troupe_job_state`: 1 for each job's state.
     fn render_states(&self, e: &mut Exposition) {
-        e.family("troupe_job_state", Kind::Gauge, "1 for the job's state.");
+        e.family("troupe_job_state", MetricKind::Gauge, "1 for the job's state.");
         for (i, j) in self.status.jobs.iter().enumerate() {
             let [job, name] = self.labels(i);
             e.sample("troupe_job_state", &[job, name, ("state", state_name(j.state))], 1.0);
@@ -564,7 +584,7 @@ impl<'a> JobFamilies<'a> {
                 |m| &m.recovery_seconds,
             ),
         ] {
-            e.family(metric, Kind::Histogram, help);
+            e.family(metric, MetricKind::Histogram, help);
             for i in 0..self.status.jobs.len() {
                 if let Some(m) = self.job(i) {
                     e.histogram(metric, &self.labels(i), pick(m));

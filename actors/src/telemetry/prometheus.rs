@@ -7,18 +7,18 @@ use std::fmt::Write as _;
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
+pub enum MetricKind {
     Counter,
     Gauge,
     Histogram,
 }
 
-impl Kind {
+impl MetricKind {
     fn name(self) -> &'static str {
         match self {
-            Kind::Counter => "counter",
-            Kind::Gauge => "gauge",
-            Kind::Histogram => "histogram",
+            MetricKind::Counter => "counter",
+            MetricKind::Gauge => "gauge",
+            MetricKind::Histogram => "histogram",
         }
     }
 }
@@ -30,7 +30,7 @@ pub struct Exposition {
 }
 
 impl Exposition {
-    pub fn family(&mut self, name: &str, kind: Kind, help: &str) -> &mut Self {
+    pub fn family(&mut self, name: &str, kind: MetricKind, help: &str) -> &mut Self {
         let help = help.replace('\\', "\\\\").replace('\n', "\\n");
         let _ = writeln!(self.text, "# HELP {name} {help}\n# TYPE {name} {}", kind.name());
         self
@@ -54,7 +54,14 @@ impl Exposition {
     }
 
     /// One family with one sample.
-    pub fn single(&mut self, name: &str, kind: Kind, help: &str, labels: &[(&str, &str)], value: f64) -> &mut Self {
+    pub fn single(
+        &mut self,
+        name: &str,
+        kind: MetricKind,
+        help: &str,
+        labels: &[(&str, &str)],
+        value: f64,
+    ) -> &mut Self {
         self.family(name, kind, help).sample(name, labels, value)
     }
 
@@ -267,12 +274,12 @@ mod tests {
     #[test]
     fn what_the_writer_writes_the_reader_reads_back() {
         let mut e = Exposition::default();
-        e.single("troupe_up", Kind::Gauge, "Up.\nReally.", &[("node", "a \"b\"\\c")], 1.0);
+        e.single("troupe_up", MetricKind::Gauge, "Up.\nReally.", &[("node", "a \"b\"\\c")], 1.0);
         let mut h = Histogram::seconds();
         for v in [0.003, 0.2, 0.2, 100.0] {
             h.observe(v);
         }
-        e.family("troupe_step_seconds", Kind::Histogram, "Step time.").histogram(
+        e.family("troupe_step_seconds", MetricKind::Histogram, "Step time.").histogram(
             "troupe_step_seconds",
             &[("job", "1")],
             &h,

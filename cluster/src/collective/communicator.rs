@@ -304,7 +304,7 @@ impl<T: Transport> Communicator<T> {
                 (leaders, 1, ShmOp::Reduce(inner, 0), ShmOp::Broadcast(0))
             }
         };
-        let crossing = Crossing {
+        let crossing = CrossHostPart {
             group: if across.len() > 1 { Some(Subgroup::new(self.transport.clone(), across)?) } else { None },
             carriers,
             carrier: local_me,
@@ -313,7 +313,8 @@ impl<T: Transport> Communicator<T> {
             ctx: ExecContext { op: inner, contributions: n, tag, timeout_ms, op_name: "all_reduce" },
         };
         let mut claim = tier.local.as_mut().map(|(_, c)| c);
-        let within = |op: ShmOp, step: u32| Within { op, tag: Tag { step, ..tag }, timeout_ms, members: &members };
+        let within =
+            |op: ShmOp, step: u32| SameHostCall { op, tag: Tag { step, ..tag }, timeout_ms, members: &members };
         // Each carrier's part of a slice is about `pipeline_slice_bytes`, so a crossing is one plan.
         let slice_elems = (self.config.pipeline_slice_bytes / E::BYTES).max(1) * carriers;
         let count = acc.len().div_ceil(slice_elems).max(1);
@@ -368,7 +369,12 @@ impl<T: Transport> Communicator<T> {
     }
 
     /// Runs `body` on an f32 view of `data`: in place for f32, through a converted copy otherwise.
-    async fn with_acc<E: Element>(&mut self, data: &mut [E], op: ReduceOp, kind: Kind) -> Result<(), ClusterError> {
+    async fn with_acc<E: Element>(
+        &mut self,
+        data: &mut [E],
+        op: ReduceOp,
+        kind: CollectiveKind,
+    ) -> Result<(), ClusterError> {
         if E::DTYPE == Dtype::F32 {
             let acc: &mut [f32] = bytemuck::cast_slice_mut(data);
             return self.dispatch::<E>(acc, op, kind).await;
@@ -379,12 +385,17 @@ impl<T: Transport> Communicator<T> {
         Ok(())
     }
 
-    async fn dispatch<E: Element>(&mut self, acc: &mut [f32], op: ReduceOp, kind: Kind) -> Result<(), ClusterError> {
+    async fn dispatch<E: Element>(
+        &mut self,
+        acc: &mut [f32],
+        op: ReduceOp,
+        kind: CollectiveKind,
+    ) -> Result<(), ClusterError> {
         let (rank, n) = (self.transport.rank(), self.transport.world());
         let per = self.slice_elems::<E>();
         match kind {
-            Kind::AllReduce => self.all_reduce_f32::<E>(acc, op).await,
-            Kind::Broadcast(root) => {
+            CollectiveKind::AllReduce => self.all_reduce_f32::<E>(acc, op).await,
+            CollectiveKind::Broadcast(root) => {
                 if let Some(done) = self.in_arena(ShmOp::Broadcast(root), acc).await {
                     return done;
                 }
@@ -395,7 +406,7 @@ impl<T: Transport> Communicator<T> {
                 })
                 .await
             }
-            Kind::Reduce(root) => {
+            CollectiveKind::Reduce(root) => {
                 if let Some(done) = self.in_arena(ShmOp::Reduce(op, root), acc).await {
                     return done;
                 }
@@ -422,19 +433,19 @@ impl<T: Transport> Communicator<T> {
 
     /// Every rank ends with `op` over all ranks' `data`.
     pub async fn all_reduce<E: Element>(&mut self, data: &mut [E], op: ReduceOp) -> Result<(), ClusterError> {
-        self.with_acc(data, op, Kind::AllReduce).await
+        self.with_acc(data, op, CollectiveKind::AllReduce).await
     }
 
     /// Every rank ends with `root`'s `data`.
     pub async fn broadcast<E: Element>(&mut self, data: &mut [E], root: Rank) -> Result<(), ClusterError> {
         self.check_root(root, "broadcast")?;
-        self.with_acc(data, ReduceOp::Sum, Kind::Broadcast(root)).await
+        self.with_acc(data, ReduceOp::Sum, CollectiveKind::Broadcast(root)).await
     }
 
     /// `root` ends with `op` over all ranks' `data`; other ranks' buffers hold partial results.
     pub async fn reduce<E: Element>(&mut self, data: &mut [E], op: ReduceOp, root: Rank) -> Result<(), ClusterError> {
         self.check_root(root, "reduce")?;
-        self.with_acc(data, op, Kind::Reduce(root)).await
+        self.with_acc(data, op, CollectiveKind::Reduce(root)).await
     }
 
     /// `input` is this rank's chunk `chunk_range(output.len(), world, rank)`; every rank ends with the
@@ -557,7 +568,7 @@ impl<T: Transport> Communicator<T> {
 
 /// One slice's trip across hosts in a two-tier all-reduce: this rank's carried part of the slice,
 /// all-reduced with the ranks that carry the same part on the other hosts.
-struct Crossing<'a, T: Transport> {
+struct CrossHostPart<'a, T: Transport> {
     /// The carriers of this rank's part, one per host (`None`: this rank carries nothing across).
     group: Option<Subgroup<T>>,
     /// Ranks per host that each carry a part of every slice (1: the leader carries all of it).
@@ -568,7 +579,7 @@ struct Crossing<'a, T: Transport> {
     ctx: ExecContext,
 }
 
-impl<T: Transport> Crossing<'_, T> {
+impl<T: Transport> CrossHostPart<'_, T> {
     async fn run<'s, E: Element>(&self, s: usize, slice: &'s mut [f32]) -> Result<&'s mut [f32], ClusterError> {
         if let Some(group) = &self.group {
             let part =
@@ -581,7 +592,7 @@ impl<T: Transport> Crossing<'_, T> {
 }
 
 /// One arena call of a two-tier all-reduce on a slice (nothing when the rank is alone on its host).
-struct Within<'a> {
+struct SameHostCall<'a> {
     op: ShmOp,
     tag: Tag,
     timeout_ms: u64,
@@ -589,7 +600,7 @@ struct Within<'a> {
     members: &'a [Rank],
 }
 
-impl Within<'_> {
+impl SameHostCall<'_> {
     async fn run<'s>(
         self,
         claim: Option<&mut ArenaClaim>,
@@ -647,7 +658,7 @@ async fn all_reduce_over<T: Transport, E: Element>(
 }
 
 #[derive(Clone, Copy)]
-enum Kind {
+enum CollectiveKind {
     AllReduce,
     Broadcast(Rank),
     Reduce(Rank),
