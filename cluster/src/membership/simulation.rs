@@ -203,6 +203,41 @@ fn check_epochs_step_by_one(outcome: &Outcome, seed: u64) {
     }
 }
 
+/// Runs `nodes` nodes of which about a third crash (drawn from `draw`), and checks that every crash is
+/// detected within `bound` of it, that no live node is ever removed and that epochs step by one.
+fn crashes_found_within(
+    sim: &Sim,
+    draw: u64,
+    seed: u64,
+    nodes: usize,
+    bound: Duration,
+) -> Result<(Outcome, Vec<Option<Fault>>), TestCaseError> {
+    let mut rng = Rng::new(draw);
+    let faults: Vec<Option<Fault>> =
+        (0..nodes).map(|_| (rng.below(3) == 0).then(|| Fault::Crash { at_ms: 200 + rng.below(3000) })).collect();
+    let outcome = sim.run(seed, nodes, &faults, Duration::from_secs(8));
+    check_epochs_step_by_one(&outcome, seed);
+    for (i, fault) in faults.iter().enumerate() {
+        let id = NodeId(format!("node-{i:02}"));
+        match fault {
+            Some(Fault::Crash { at_ms }) => {
+                let crash = Duration::from_millis(*at_ms);
+                let removed = removal_time(&outcome, &id, crash)
+                    .unwrap_or_else(|| panic!("seed {seed}: crashed {id} never removed"));
+                prop_assert!(
+                    removed <= crash + bound,
+                    "seed {seed}: {id} crashed at {crash:?}, removed at {removed:?}"
+                );
+            }
+            _ => prop_assert!(
+                removal_time(&outcome, &id, Duration::ZERO).is_none(),
+                "seed {seed}: live {id} was removed"
+            ),
+        }
+    }
+    Ok((outcome, faults))
+}
+
 fn reliable() -> Sim {
     Sim { config: MembershipConfig::default(), max_delay_ms: 100, drop_per_mille: 0, step_ms: 100 }
 }
@@ -214,28 +249,11 @@ proptest! {
     #[test]
     fn crashes_are_detected_in_time_and_nothing_else_is_removed(seed in any::<u64>(), nodes in 2usize..7) {
         let sim = reliable();
-        let mut rng = Rng::new(seed ^ 0xC4A5);
-        let faults: Vec<Option<Fault>> = (0..nodes)
-            .map(|_| (rng.below(3) == 0).then(|| Fault::Crash { at_ms: 200 + rng.below(3000) }))
-            .collect();
-        let outcome = sim.run(seed, nodes, &faults, Duration::from_secs(8));
-        check_epochs_step_by_one(&outcome, seed);
         let bound = Duration::from_millis(sim.config.failure_timeout_ms + sim.max_delay_ms) + TICK;
-        for (i, fault) in faults.iter().enumerate() {
-            let id = NodeId(format!("node-{i:02}"));
-            match fault {
-                Some(Fault::Crash { at_ms }) => {
-                    let crash = Duration::from_millis(*at_ms);
-                    let removed = removal_time(&outcome, &id, crash)
-                        .unwrap_or_else(|| panic!("seed {seed}: crashed {id} never removed"));
-                    prop_assert!(removed <= crash + bound, "seed {seed}: {id} crashed at {crash:?}, removed at {removed:?}");
-                }
-                _ => {
-                    prop_assert!(removal_time(&outcome, &id, Duration::ZERO).is_none(), "seed {seed}: live {id} was removed");
-                    let (_, view, _) = &outcome.final_views[i];
-                    prop_assert_eq!(view.as_ref(), Some(&outcome.controller_view), "seed {}: {} lags", seed, id);
-                }
-            }
+        let (outcome, faults) = crashes_found_within(&sim, seed ^ 0xC4A5, seed, nodes, bound)?;
+        for (i, _) in faults.iter().enumerate().filter(|(_, f)| f.is_none()) {
+            let (_, view, _) = &outcome.final_views[i];
+            prop_assert_eq!(view.as_ref(), Some(&outcome.controller_view), "seed {}: node-{:02} lags", seed, i);
         }
     }
 
@@ -294,25 +312,8 @@ proptest! {
     #[test]
     fn the_adaptive_detector_finds_crashes_by_the_floor_and_nothing_else(seed in any::<u64>(), nodes in 2usize..7) {
         let sim = adaptive();
-        let mut rng = Rng::new(seed ^ 0xF1);
-        let faults: Vec<Option<Fault>> = (0..nodes)
-            .map(|_| (rng.below(3) == 0).then(|| Fault::Crash { at_ms: 200 + rng.below(3000) }))
-            .collect();
-        let outcome = sim.run(seed, nodes, &faults, Duration::from_secs(8));
-        check_epochs_step_by_one(&outcome, seed);
         let bound = Duration::from_millis(sim.config.failure_timeout_min_ms + sim.max_delay_ms) + TICK;
-        for (i, fault) in faults.iter().enumerate() {
-            let id = NodeId(format!("node-{i:02}"));
-            match fault {
-                Some(Fault::Crash { at_ms }) => {
-                    let crash = Duration::from_millis(*at_ms);
-                    let removed = removal_time(&outcome, &id, crash)
-                        .unwrap_or_else(|| panic!("seed {seed}: crashed {id} never removed"));
-                    prop_assert!(removed <= crash + bound, "seed {seed}: {id} crashed at {crash:?}, removed at {removed:?}");
-                }
-                _ => prop_assert!(removal_time(&outcome, &id, Duration::ZERO).is_none(), "seed {seed}: live {id} was removed"),
-            }
-        }
+        crashes_found_within(&sim, seed ^ 0xF1, seed, nodes, bound)?;
     }
 
     /// A pause shorter than the floor less an interval and the delay is never fatal, under either
