@@ -14,6 +14,7 @@
 //! oracle                                 the comparisons with the references
 //! config      init                       JobConfig (TOML, [model] resolved); Model::new/load, initial values
 //! hf          blockwise                  config.json, export, PEFT adapters; the blockwise backward
+//! tensor_parallel                        a tensor-parallel rank's shards, forward and backward
 //! model                                  the families, the parameter list, the frozen base
 //! precision                              compute precision, the loss scaler
 //! optim                                  AdamW, its schedule, clipping
@@ -40,6 +41,7 @@ pub mod precision;
 pub mod rng;
 pub mod sections;
 pub mod storage;
+pub mod tensor_parallel;
 pub mod trainer;
 
 pub use config::{ConfigError, JobConfig};

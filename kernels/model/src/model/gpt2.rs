@@ -8,7 +8,7 @@
 use tch::{Kind, Tensor};
 
 use super::kv_cache::LayerCache;
-use super::{Activation, Init, ModelConfig, ParamOp, ParamSpec, Weights};
+use super::{Activation, BlockLayout, Init, ModelConfig, ParamOp, ParamSpec, Weights};
 use crate::precision::Precision;
 use crate::sections::{invalid, ConfigError};
 
@@ -80,6 +80,16 @@ pub(super) fn embed(params: &Weights, tokens: &Tensor, start: i64, ops: &mut Vec
     token_embedding + position_embedding
 }
 
+/// Where a block's pieces are in its [`PARAMS_PER_BLOCK`] parameters.
+pub(super) const BLOCK: BlockLayout = BlockLayout {
+    attn_norm: 0..2,
+    attn_out: 4,
+    attn_out_bias: Some(5),
+    mlp_norm: 6..8,
+    mlp_out: 10,
+    mlp_out_bias: Some(11),
+};
+
 /// One block on its [`PARAMS_PER_BLOCK`] parameters; with `cache`, `x` continues the cached positions and
 /// its keys and values join the cache.
 pub(super) fn block(
@@ -90,14 +100,41 @@ pub(super) fn block(
     ops: &mut Vec<ParamOp>,
     cache: Option<&mut LayerCache>,
 ) -> Tensor {
-    let (batch, time, d) = x.size3().expect("block input is [batch, time, d_model]");
-    let (heads, head_dim) = (cfg.n_heads as i64, cfg.head_dim() as i64);
+    let h = norm(cfg, p, BLOCK.attn_norm, x);
+    p.record(ops, &h, BLOCK.attn_norm);
+    let attended = attention(cfg, precision, p, &h, ops, cache);
+    let projected = p.linear(precision, &attended, 4, Some(5), ops);
+    let x = x + projected;
 
-    let h = x.layer_norm([d], Some(&p[0]), Some(&p[1]), cfg.norm_eps, false);
-    p.record(ops, &h, 0..2);
-    let qkv = p.linear(precision, &h, 2, Some(3), ops);
+    let h = norm(cfg, p, BLOCK.mlp_norm, &x);
+    p.record(ops, &h, BLOCK.mlp_norm);
+    let activated = mlp_hidden(cfg, precision, p, &h, ops);
+    let out = p.linear(precision, &activated, 10, Some(11), ops);
+    x + out
+}
+
+/// LayerNorm with the gain and bias at `range` of the block's parameters.
+pub(super) fn norm(cfg: &ModelConfig, p: &Weights, range: std::ops::Range<usize>, x: &Tensor) -> Tensor {
+    let d = x.size()[x.dim() - 1];
+    x.layer_norm([d], Some(&p[range.start]), Some(&p[range.start + 1]), cfg.norm_eps, false)
+}
+
+/// Causal self-attention of `cfg.n_heads` heads on the normed `h`, before the output projection:
+/// `[batch, time, n_heads × head_dim]`. The fused QKV holds Q, K and V of the heads one after the other.
+pub(super) fn attention(
+    cfg: &ModelConfig,
+    precision: Precision,
+    p: &Weights,
+    h: &Tensor,
+    ops: &mut Vec<ParamOp>,
+    cache: Option<&mut LayerCache>,
+) -> Tensor {
+    let (batch, time, _) = h.size3().expect("block input is [batch, time, d_model]");
+    let (heads, head_dim) = (cfg.n_heads as i64, cfg.head_dim() as i64);
+    let width = heads * head_dim;
+    let qkv = p.linear(precision, h, 2, Some(3), ops);
     let split = |t: &Tensor| t.view([batch, time, heads, head_dim]).transpose(1, 2);
-    let parts = qkv.split(d, 2);
+    let parts = qkv.split(width, 2);
     let (q, k, v) = (split(&parts[0]), split(&parts[1]), split(&parts[2]));
     // Scores scaled by 1/sqrt(head_dim); future positions masked to -inf before the softmax.
     let start = cache.as_ref().map_or(0, |c| c.len());
@@ -106,19 +143,22 @@ pub(super) fn block(
         Some(cache) => cache.append(k, v),
     };
     let attended = super::kv_cache::attend(&q, &k, &v, start);
-    let attended = attended.transpose(1, 2).contiguous().view([batch, time, d]);
-    let projected = p.linear(precision, &attended, 4, Some(5), ops);
-    let x = x + projected;
+    attended.transpose(1, 2).contiguous().view([batch, time, width])
+}
 
-    let h = x.layer_norm([d], Some(&p[6]), Some(&p[7]), cfg.norm_eps, false);
-    p.record(ops, &h, 6..8);
-    let h = p.linear(precision, &h, 8, Some(9), ops);
-    let activated = match cfg.activation {
+/// The MLP's first matrix and the activation on the normed `h`: `[batch, time, ffn_hidden]`.
+pub(super) fn mlp_hidden(
+    cfg: &ModelConfig,
+    precision: Precision,
+    p: &Weights,
+    h: &Tensor,
+    ops: &mut Vec<ParamOp>,
+) -> Tensor {
+    let h = p.linear(precision, h, 8, Some(9), ops);
+    match cfg.activation {
         Activation::Gelu => h.gelu("none"),
         Activation::GeluNew => h.gelu("tanh"),
-    };
-    let out = p.linear(precision, &activated, 10, Some(11), ops);
-    x + out
+    }
 }
 
 /// The final LayerNorm on `[ln_f.weight, ln_f.bias]`.

@@ -8,7 +8,7 @@
 use tch::{Kind, Tensor};
 
 use super::kv_cache::LayerCache;
-use super::{Init, ModelConfig, ParamOp, ParamSpec, RopeScaling, Weights};
+use super::{BlockLayout, Init, ModelConfig, ParamOp, ParamSpec, RopeScaling, Weights};
 use crate::precision::Precision;
 use crate::sections::{invalid, ConfigError};
 
@@ -154,6 +154,19 @@ fn apply_rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
     x * cos.to_kind(x.kind()) + rotated * sin.to_kind(x.kind())
 }
 
+/// Where a block's pieces are in its [`params_per_block`] parameters.
+pub(super) fn block_layout(cfg: &ModelConfig) -> BlockLayout {
+    let o = 1 + 3 * (1 + usize::from(cfg.qkv_bias));
+    BlockLayout {
+        attn_norm: 0..1,
+        attn_out: o,
+        attn_out_bias: None,
+        mlp_norm: o + 1..o + 2,
+        mlp_out: o + 4,
+        mlp_out_bias: None,
+    }
+}
+
 /// One block on its [`params_per_block`] parameters; with `cache`, `x` continues the cached positions
 /// (its rotary angles start there) and its keys and values join the cache.
 pub(super) fn block(
@@ -164,22 +177,45 @@ pub(super) fn block(
     ops: &mut Vec<ParamOp>,
     cache: Option<&mut LayerCache>,
 ) -> Tensor {
-    let (batch, time, _) = x.size3().expect("block input is [batch, time, d_model]");
-    let (heads, kv_heads, head_dim) = (cfg.n_heads as i64, cfg.kv_heads() as i64, cfg.head_dim() as i64);
-    let bias = usize::from(cfg.qkv_bias);
-
+    let layout = block_layout(cfg);
     let h = rms_norm(x, &p[0], cfg.norm_eps);
     p.record(ops, &h, 0..1);
+    let attended = attention(cfg, precision, p, &h, ops, cache);
+    let o = layout.attn_out;
+    let projected = p.linear(precision, &attended, o, None, ops);
+    let x = x + projected.to_kind(x.kind());
+
+    let h = rms_norm(&x, &p[o + 1], cfg.norm_eps);
+    p.record(ops, &h, o + 1..o + 2);
+    let hidden = mlp_hidden(precision, p, &h, o + 2, ops);
+    let out = p.linear(precision, &hidden, o + 4, None, ops);
+    x + out.to_kind(Kind::Float)
+}
+
+/// Grouped-query causal self-attention of `cfg.n_heads` query heads sharing `cfg.kv_heads()` key/value
+/// heads, rotary embeddings applied, on the normed `h`, before the output projection:
+/// `[batch, time, n_heads × head_dim]`.
+pub(super) fn attention(
+    cfg: &ModelConfig,
+    precision: Precision,
+    p: &Weights,
+    h: &Tensor,
+    ops: &mut Vec<ParamOp>,
+    cache: Option<&mut LayerCache>,
+) -> Tensor {
+    let (batch, time, _) = h.size3().expect("block input is [batch, time, d_model]");
+    let (heads, kv_heads, head_dim) = (cfg.n_heads as i64, cfg.kv_heads() as i64, cfg.head_dim() as i64);
+    let bias = usize::from(cfg.qkv_bias);
     let mut at = 1;
     let mut project = |ops: &mut Vec<ParamOp>| {
-        let out = p.linear(precision, &h, at, (bias == 1).then_some(at + 1), ops);
+        let out = p.linear(precision, h, at, (bias == 1).then_some(at + 1), ops);
         at += 1 + bias;
         out
     };
     let (q, k, v) = (project(ops), project(ops), project(ops));
     let heads_of = |t: &Tensor, n: i64| t.view([batch, time, n, head_dim]).transpose(1, 2);
     let start = cache.as_ref().map_or(0, |c| c.len());
-    let (cos, sin) = rotary(cfg, start, time, x.device());
+    let (cos, sin) = rotary(cfg, start, time, h.device());
     let q = apply_rotary(&heads_of(&q, heads), &cos, &sin);
     let k = apply_rotary(&heads_of(&k, kv_heads), &cos, &sin);
     let v = heads_of(&v, kv_heads);
@@ -199,15 +235,12 @@ pub(super) fn block(
         Some(cache) => cache.append(k, v),
     };
     let attended = super::kv_cache::attend(&q, &repeat(k), &repeat(v), start);
-    let attended = attended.transpose(1, 2).contiguous().view([batch, time, heads * head_dim]);
-    let o = at;
-    let projected = p.linear(precision, &attended, o, None, ops);
-    let x = x + projected.to_kind(x.kind());
+    attended.transpose(1, 2).contiguous().view([batch, time, heads * head_dim])
+}
 
-    let h = rms_norm(&x, &p[o + 1], cfg.norm_eps);
-    p.record(ops, &h, o + 1..o + 2);
-    let gate = p.linear(precision, &h, o + 2, None, ops);
-    let up = p.linear(precision, &h, o + 3, None, ops);
-    let out = p.linear(precision, &(gate.silu() * up), o + 4, None, ops);
-    x + out.to_kind(Kind::Float)
+/// SwiGLU's inner product `silu(gate(h)) · up(h)` (gate at `gate`, up the next): `[batch, time, ffn_hidden]`.
+pub(super) fn mlp_hidden(precision: Precision, p: &Weights, h: &Tensor, gate: usize, ops: &mut Vec<ParamOp>) -> Tensor {
+    let g = p.linear(precision, h, gate, None, ops);
+    let up = p.linear(precision, h, gate + 1, None, ops);
+    g.silu() * up
 }

@@ -753,6 +753,63 @@ pub fn head_params(config: &ModelConfig, params: &[Tensor]) -> Vec<Tensor> {
     head
 }
 
+/// Where a block's pieces are in its parameter list: the norm before attention and the one before the MLP,
+/// and the two matrices (with their biases, if any) that take the attention's and the MLP's inner width
+/// back to d_model — the seam at which tensor parallelism cuts a block ([`crate::tensor_parallel`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockLayout {
+    pub attn_norm: Range<usize>,
+    pub attn_out: usize,
+    pub attn_out_bias: Option<usize>,
+    pub mlp_norm: Range<usize>,
+    pub mlp_out: usize,
+    pub mlp_out_bias: Option<usize>,
+}
+
+impl ModelConfig {
+    /// The family's [`BlockLayout`].
+    pub fn block_layout(&self) -> BlockLayout {
+        match self.arch {
+            Arch::Gpt2 => gpt2::BLOCK,
+            Arch::Llama => llama::block_layout(self),
+        }
+    }
+}
+
+/// A block's norm at `range` of its parameters `w` (see [`BlockLayout`]).
+pub(crate) fn block_norm(config: &ModelConfig, w: &Weights, range: Range<usize>, x: &Tensor) -> Tensor {
+    match config.arch {
+        Arch::Gpt2 => gpt2::norm(config, w, range, x),
+        Arch::Llama => llama::rms_norm(x, &w[range.start], config.norm_eps),
+    }
+}
+
+/// A block's attention on the normed `h`, before the output projection: `[batch, time, n_heads ×
+/// head_dim]`, for the heads `config` states (a tensor-parallel rank's config states its own).
+pub(crate) fn block_attention(config: &ModelConfig, precision: Precision, w: &Weights, h: &Tensor) -> Tensor {
+    match config.arch {
+        Arch::Gpt2 => gpt2::attention(config, precision, w, h, &mut Vec::new(), None),
+        Arch::Llama => llama::attention(config, precision, w, h, &mut Vec::new(), None),
+    }
+}
+
+/// A block's MLP on the normed `h`, before its last matrix: `[batch, time, ffn_hidden]`.
+pub(crate) fn block_mlp_hidden(config: &ModelConfig, precision: Precision, w: &Weights, h: &Tensor) -> Tensor {
+    let gate = config.block_layout().mlp_norm.end;
+    match config.arch {
+        Arch::Gpt2 => gpt2::mlp_hidden(config, precision, w, h, &mut Vec::new()),
+        Arch::Llama => llama::mlp_hidden(precision, w, h, gate, &mut Vec::new()),
+    }
+}
+
+/// The final norm on the head's parameters `w` (its first ones).
+pub(crate) fn final_norm(config: &ModelConfig, w: &Weights, x: &Tensor) -> Tensor {
+    match config.arch {
+        Arch::Gpt2 => gpt2::final_norm(config, w, x),
+        Arch::Llama => llama::rms_norm(x, &w[0], config.norm_eps),
+    }
+}
+
 /// The embeddings on the embed range's parameters: `[batch, time]` → `[batch, time, d_model]`. The free
 /// functions take exactly the parameters they use, so a pipeline stage can run its range of the model
 /// on the tensors it owns.
@@ -823,10 +880,7 @@ pub fn head_recorded(
 ) -> Tensor {
     let w = Weights::of(config, 1 + config.n_layers, params, x.device());
     let norm = config.params_after_blocks() - usize::from(!config.tie_word_embeddings);
-    let h = match config.arch {
-        Arch::Gpt2 => gpt2::final_norm(config, &w, x),
-        Arch::Llama => llama::rms_norm(x, &w[0], config.norm_eps),
-    };
+    let h = final_norm(config, &w, x);
     w.record(ops, &h, 0..norm);
     w.linear(precision, &h, norm, None, ops)
 }

@@ -1,0 +1,228 @@
+//! How each parameter of the model seam splits over a tensor-parallel group of `T` ranks, as a small table
+//! per family ([`rules`]), and the functions that cut a full parameter list into rank `r`'s shards and
+//! put shards back together (checkpoints stay layout-free: they hold the gathered list).
+
+use tch::Tensor;
+
+use super::TpError;
+use crate::model::{param_specs, Arch, ModelConfig, ParamSpec};
+
+/// How one parameter splits over the group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Split {
+    /// Every rank holds all of it (norms, biases added after a row-parallel product, position
+    /// embeddings). Its gradient ends identical on every rank.
+    Replicated,
+    /// Column-parallel (`[out, in]`'s dim 0, and a bias of it): dim 0 is `parts` blocks one after the other
+    /// (GPT-2's fused `c_attn` holds Q, K and V: 3), and rank r holds its `1/T` of each block (its heads of
+    /// Q, of K and of V).
+    Column { parts: usize },
+    /// Row-parallel: `[out, in]`'s dim 1 cut into `T` contiguous pieces.
+    Row,
+    /// Vocab-parallel: the rows of a token embedding or of an untied head, `T` contiguous vocabulary ranges.
+    Vocab,
+}
+
+use Split::{Column, Replicated, Row, Vocab};
+
+/// GPT-2's rules, by name (a block's names by their suffix after `h.{i}.`).
+const GPT2: &[(&str, Split)] = &[
+    ("wte.weight", Vocab),
+    ("wpe.weight", Replicated),
+    ("ln_1.weight", Replicated),
+    ("ln_1.bias", Replicated),
+    ("attn.c_attn.weight", Column { parts: 3 }),
+    ("attn.c_attn.bias", Column { parts: 3 }),
+    ("attn.c_proj.weight", Row),
+    ("attn.c_proj.bias", Replicated),
+    ("ln_2.weight", Replicated),
+    ("ln_2.bias", Replicated),
+    ("mlp.c_fc.weight", Column { parts: 1 }),
+    ("mlp.c_fc.bias", Column { parts: 1 }),
+    ("mlp.c_proj.weight", Row),
+    ("mlp.c_proj.bias", Replicated),
+    ("ln_f.weight", Replicated),
+    ("ln_f.bias", Replicated),
+    ("lm_head.weight", Vocab),
+];
+
+/// Llama's rules (q by heads, k and v by key/value heads: grouped-query attention splits both).
+const LLAMA: &[(&str, Split)] = &[
+    ("model.embed_tokens.weight", Vocab),
+    ("input_layernorm.weight", Replicated),
+    ("self_attn.q_proj.weight", Column { parts: 1 }),
+    ("self_attn.q_proj.bias", Column { parts: 1 }),
+    ("self_attn.k_proj.weight", Column { parts: 1 }),
+    ("self_attn.k_proj.bias", Column { parts: 1 }),
+    ("self_attn.v_proj.weight", Column { parts: 1 }),
+    ("self_attn.v_proj.bias", Column { parts: 1 }),
+    ("self_attn.o_proj.weight", Row),
+    ("post_attention_layernorm.weight", Replicated),
+    ("mlp.gate_proj.weight", Column { parts: 1 }),
+    ("mlp.up_proj.weight", Column { parts: 1 }),
+    ("mlp.down_proj.weight", Row),
+    ("model.norm.weight", Replicated),
+    ("lm_head.weight", Vocab),
+];
+
+/// The family's table: a name (or a block parameter's suffix) and its split.
+pub fn rules(arch: Arch) -> &'static [(&'static str, Split)] {
+    match arch {
+        Arch::Gpt2 => GPT2,
+        Arch::Llama => LLAMA,
+    }
+}
+
+/// The split of the parameter named `name`.
+fn split_of(arch: Arch, name: &str) -> Result<Split, TpError> {
+    let block_suffix = name.strip_prefix("h.").or_else(|| name.strip_prefix("model.layers.")).and_then(|rest| {
+        let (index, suffix) = rest.split_once('.')?;
+        index.parse::<usize>().ok().map(|_| suffix)
+    });
+    let wanted = block_suffix.unwrap_or(name);
+    rules(arch)
+        .iter()
+        .find(|(rule, _)| *rule == wanted)
+        .map(|&(_, split)| split)
+        .ok_or_else(|| TpError::NoRule { name: name.to_owned(), arch: arch.as_str() })
+}
+
+/// A model's parameters laid out over a tensor-parallel group: each parameter's [`Split`], the degree, and
+/// the config a rank's attention and MLP run with (its own heads and MLP width).
+#[derive(Clone, Debug)]
+pub struct TpLayout {
+    pub config: ModelConfig,
+    pub degree: usize,
+    /// Sequence parallelism: the norms and the residual stream sharded along the sequence.
+    pub sp: bool,
+    pub specs: Vec<ParamSpec>,
+    pub splits: Vec<Split>,
+}
+
+impl TpLayout {
+    /// The layout of `config`'s parameters over `degree` ranks; refuses a degree that does not divide
+    /// the heads, the key/value heads, the MLP width, the vocabulary (not padded) or, with `sp`, the
+    /// context, naming the numbers and the nearest degree that divides them all.
+    pub fn new(config: &ModelConfig, degree: usize, sp: bool) -> Result<Self, TpError> {
+        if config.peft.is_some() {
+            return Err(TpError::Unsupported("[peft] with tensor parallelism: train LoRA adapters with tp = 1".into()));
+        }
+        if degree == 0 {
+            return Err(TpError::Degree { key: "tp", value: 0, degree, nearest: 1 });
+        }
+        let mut sizes = vec![
+            ("model.n_heads", config.n_heads),
+            ("model.n_kv_heads", config.kv_heads()),
+            ("model.ffn_hidden", config.ffn_hidden()),
+            ("model.vocab_size", config.vocab_size),
+        ];
+        if sp {
+            sizes.push(("model.context", config.context));
+        }
+        if let Some(&(key, value)) = sizes.iter().find(|(_, value)| !value.is_multiple_of(degree)) {
+            let valid = |d: usize| sizes.iter().all(|(_, v)| v.is_multiple_of(d));
+            let nearest = (1..=2 * degree).filter(|&d| valid(d)).min_by_key(|&d| (d.abs_diff(degree), d)).unwrap_or(1);
+            return Err(TpError::Degree { key, value, degree, nearest });
+        }
+        let specs = param_specs(config);
+        let splits = specs.iter().map(|s| split_of(config.arch, &s.name)).collect::<Result<_, _>>()?;
+        Ok(Self { config: config.clone(), degree, sp, specs, splits })
+    }
+
+    /// The config a rank's attention and MLP run with: its `n_heads / T` query heads, `n_kv_heads / T`
+    /// key/value heads and `ffn_hidden / T` MLP width (head width unchanged).
+    pub fn local_config(&self) -> ModelConfig {
+        let t = self.degree;
+        let c = &self.config;
+        ModelConfig {
+            n_heads: c.n_heads / t,
+            n_kv_heads: c.kv_heads() / t,
+            head_dim: c.head_dim(),
+            ffn_hidden: c.ffn_hidden() / t,
+            ..c.clone()
+        }
+    }
+
+    /// Rank `rank`'s range of the vocabulary.
+    pub fn vocab_range(&self, rank: usize) -> std::ops::Range<i64> {
+        let n = (self.config.vocab_size / self.degree) as i64;
+        rank as i64 * n..(rank as i64 + 1) * n
+    }
+
+    /// The shape of every parameter's shard (the same on every rank).
+    pub fn shard_shapes(&self) -> Vec<Vec<i64>> {
+        let t = self.degree as i64;
+        self.specs
+            .iter()
+            .zip(&self.splits)
+            .map(|(spec, split)| {
+                let mut shape = spec.shape.clone();
+                match split {
+                    Replicated => {}
+                    Column { .. } | Vocab => shape[0] /= t,
+                    Row => shape[1] /= t,
+                }
+                shape
+            })
+            .collect()
+    }
+
+    /// Elements a rank holds: (of sharded parameters, of replicated ones).
+    pub fn rank_numel(&self) -> (usize, usize) {
+        let numel = |shape: &Vec<i64>| shape.iter().product::<i64>() as usize;
+        self.shard_shapes().iter().zip(&self.splits).fold((0, 0), |(sharded, replicated), (shape, split)| match split {
+            Replicated => (sharded, replicated + numel(shape)),
+            _ => (sharded + numel(shape), replicated),
+        })
+    }
+
+    /// Rank `rank`'s shards of the full list `full` (parameters, gradients or optimizer moments in
+    /// [`param_specs`] order): new contiguous tensors, detached.
+    pub fn shard(&self, full: &[Tensor], rank: usize) -> Vec<Tensor> {
+        assert_eq!(full.len(), self.specs.len(), "the full parameter list's length");
+        assert!(rank < self.degree, "rank {rank} of a tensor-parallel group of {}", self.degree);
+        let t = self.degree as i64;
+        let piece = |x: &Tensor, dim: i64| {
+            let n = x.size()[dim as usize] / t;
+            x.narrow(dim, rank as i64 * n, n)
+        };
+        full.iter()
+            .zip(&self.splits)
+            .map(|(x, split)| {
+                let x = x.detach();
+                let shard = match split {
+                    Replicated => x,
+                    Row => piece(&x, 1),
+                    Vocab => piece(&x, 0),
+                    Column { parts } => {
+                        let blocks = x.chunk(*parts as i64, 0);
+                        Tensor::cat(&blocks.iter().map(|b| piece(b, 0)).collect::<Vec<_>>(), 0)
+                    }
+                };
+                shard.contiguous().copy()
+            })
+            .collect()
+    }
+
+    /// The full list from every rank's shards (`shards[r]` is rank r's, in [`param_specs`] order);
+    /// replicated tensors are rank 0's.
+    pub fn gather(&self, shards: &[Vec<Tensor>]) -> Vec<Tensor> {
+        assert_eq!(shards.len(), self.degree, "one shard list per rank");
+        (0..self.specs.len())
+            .map(|i| {
+                let of_ranks: Vec<Tensor> = shards.iter().map(|s| s[i].detach()).collect();
+                match self.splits[i] {
+                    Replicated => of_ranks[0].copy(),
+                    Row => Tensor::cat(&of_ranks, 1),
+                    Vocab => Tensor::cat(&of_ranks, 0),
+                    Column { parts } => {
+                        let blocks: Vec<Vec<Tensor>> = of_ranks.iter().map(|s| s.chunk(parts as i64, 0)).collect();
+                        let ordered: Vec<&Tensor> =
+                            (0..parts).flat_map(|p| blocks.iter().map(move |b| &b[p])).collect();
+                        Tensor::cat(&ordered, 0)
+                    }
+                }
+            })
+            .collect()
+    }
+}

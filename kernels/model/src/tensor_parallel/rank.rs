@@ -1,0 +1,279 @@
+//! One rank of a tensor-parallel group: its shards of the parameter list, and the forward and backward of
+//! embed → blocks → head → loss on them (Megatron-LM's layers, Shoeybi et al. 2019; with sequence
+//! parallelism, Korthikanti et al. 2022), and the gradient clipping that counts every shard.
+
+use tch::{Kind, Tensor};
+
+use super::group::TpGroup;
+use super::layout::{Split, TpLayout};
+use super::tape::{Conjugate, Tape};
+use super::TpError;
+use crate::model::{
+    block_attention, block_mlp_hidden, block_norm, final_norm, head_params, Arch, ModelConfig, Weights,
+};
+use crate::optim::{clip_coefficient, scale_grads};
+use crate::precision::Precision;
+
+/// A rank's shards (fp32 leaves requiring grad, in [`crate::model::param_specs`] order, each of its
+/// [`TpLayout::shard_shapes`]) and what it runs them with.
+pub struct TpRank {
+    pub layout: TpLayout,
+    pub rank: usize,
+    pub precision: Precision,
+    local: ModelConfig,
+    params: Vec<Tensor>,
+}
+
+impl TpRank {
+    /// Rank `rank` of `layout` holding `shards` (from [`TpLayout::shard`]).
+    pub fn new(layout: TpLayout, rank: usize, shards: Vec<Tensor>) -> Self {
+        let shapes = layout.shard_shapes();
+        assert_eq!(shards.len(), shapes.len(), "rank {rank}'s shard count");
+        for ((shard, shape), spec) in shards.iter().zip(&shapes).zip(&layout.specs) {
+            assert_eq!(&shard.size(), shape, "rank {rank}'s shard of {}", spec.name);
+        }
+        let params = shards.into_iter().map(|s| s.detach().set_requires_grad(true)).collect();
+        let local = layout.local_config();
+        Self { layout, rank, precision: Precision::Fp32, local, params }
+    }
+
+    pub fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+
+    pub fn params_mut(&mut self) -> &mut [Tensor] {
+        &mut self.params
+    }
+
+    /// The gradients of the shards (copies; zeros where none).
+    pub fn grads(&self) -> Vec<Tensor> {
+        self.params.iter().map(|p| if p.grad().defined() { p.grad().copy() } else { p.zeros_like() }).collect()
+    }
+
+    /// Mean next-token cross-entropy of `tokens` against `targets` (`[batch, time]` each, the same on every
+    /// rank), without gradients.
+    pub fn loss(&self, group: &mut dyn TpGroup, tokens: &Tensor, targets: &Tensor) -> Result<f64, TpError> {
+        tch::no_grad(|| {
+            let mut tape = Tape::default();
+            let loss = self.forward(&mut tape, group, tokens, targets)?;
+            Ok(tape.value(loss).double_value(&[]))
+        })
+    }
+
+    /// The loss of `tokens` against `targets` and its backward: the gradients accumulate into the shards'
+    /// `.grad` (micro-batches add up), those of replicated parameters identical on every rank.
+    pub fn loss_and_backward(
+        &self,
+        group: &mut dyn TpGroup,
+        tokens: &Tensor,
+        targets: &Tensor,
+    ) -> Result<f64, TpError> {
+        // With SP a replicated parameter's gradient of this call is partial (its rank's positions): the
+        // earlier calls' sum is put aside, this call's all-reduced, then the two added.
+        let partial: Vec<usize> = if self.layout.sp { self.replicated().collect() } else { Vec::new() };
+        let earlier: Vec<Option<Tensor>> = partial.iter().map(|&i| take_grad(&self.params[i])).collect();
+        let mut tape = Tape::default();
+        let loss = self.forward(&mut tape, group, tokens, targets)?;
+        let value = tape.value(loss).double_value(&[]);
+        let one = Tensor::ones([], (Kind::Float, tokens.device()));
+        tape.backward(group, vec![(loss, one)])?;
+        for (&i, earlier) in partial.iter().zip(earlier) {
+            let p = &self.params[i];
+            let mine = if p.grad().defined() { p.grad() } else { p.zeros_like() };
+            let mut total = group.all_reduce(&mine)?;
+            if let Some(earlier) = earlier {
+                total += earlier;
+            }
+            tch::no_grad(|| {
+                let _ = p.grad().copy_(&total);
+            });
+        }
+        Ok(value)
+    }
+
+    /// Bytes of activations a rank holds for the backward of `tokens` (run without gradients): (of the
+    /// norm/residual region — the block inputs, the norms' outputs, the residual sums, the final norm's —,
+    /// of every value on the tape). Sequence parallelism divides the first by T.
+    pub fn activation_bytes(
+        &self,
+        group: &mut dyn TpGroup,
+        tokens: &Tensor,
+        targets: &Tensor,
+    ) -> Result<(usize, usize), TpError> {
+        tch::no_grad(|| {
+            let mut tape = Tape::default();
+            self.forward(&mut tape, group, tokens, targets)?;
+            Ok(tape.held_bytes())
+        })
+    }
+
+    /// Positions of the replicated parameters.
+    fn replicated(&self) -> impl Iterator<Item = usize> + '_ {
+        self.layout.splits.iter().enumerate().filter(|(_, s)| **s == Split::Replicated).map(|(i, _)| i)
+    }
+
+    /// The global gradient norm: the sharded parameters' squares summed over the group, the replicated
+    /// ones' counted once.
+    pub fn grad_norm(&self, group: &mut dyn TpGroup) -> Result<f64, TpError> {
+        let squares = |replicated: bool| -> f64 {
+            self.params
+                .iter()
+                .zip(&self.layout.splits)
+                .filter(|(p, split)| (**split == Split::Replicated) == replicated && p.grad().defined())
+                .map(|(p, _)| p.grad().square().sum(Kind::Double).double_value(&[]))
+                .sum()
+        };
+        let sharded = group.all_reduce(&Tensor::from(squares(false)))?.double_value(&[]);
+        Ok((sharded + squares(true)).sqrt())
+    }
+
+    /// Scales the gradients so the global norm is at most `max_norm` (0: no clipping), as
+    /// [`crate::optim::clip_grad_norm`] does for the full list; returns the norm before.
+    pub fn clip_grad_norm(&self, group: &mut dyn TpGroup, max_norm: f64) -> Result<f64, TpError> {
+        let norm = self.grad_norm(group)?;
+        scale_grads(&self.params, clip_coefficient(max_norm, norm));
+        Ok(norm)
+    }
+
+    /// The forward on the tape; returns the loss's value id.
+    fn forward(
+        &self,
+        tape: &mut Tape,
+        group: &mut dyn TpGroup,
+        tokens: &Tensor,
+        targets: &Tensor,
+    ) -> Result<usize, TpError> {
+        let time = tokens.size()[1] as usize;
+        let degree = self.layout.degree;
+        if self.layout.sp && !time.is_multiple_of(degree) {
+            return Err(TpError::Degree { key: "the batch's sequence length", value: time, degree, nearest: 1 });
+        }
+        let mut x = self.embed(tape, group, tokens)?;
+        for index in 0..self.layout.config.n_layers {
+            x = self.block(tape, group, index, x)?;
+        }
+        let logits = self.head(tape, group, x)?;
+        self.cross_entropy(tape, group, logits, targets)
+    }
+
+    /// f and g: the conjugate operators, or their sequence-parallel forms (along the sequence, dim 1).
+    fn f(&self) -> Conjugate {
+        if self.layout.sp {
+            Conjugate::Gather(1)
+        } else {
+            Conjugate::Copy
+        }
+    }
+
+    fn g(&self) -> Conjugate {
+        if self.layout.sp {
+            Conjugate::Scatter(1)
+        } else {
+            Conjugate::Reduce
+        }
+    }
+
+    /// Vocab-parallel embedding: this rank's rows looked up, tokens outside its range masked to zero, the
+    /// partial embeddings summed over the group by g; GPT-2's positions added after.
+    fn embed(&self, tape: &mut Tape, group: &mut dyn TpGroup, tokens: &Tensor) -> Result<usize, TpError> {
+        let cfg = &self.layout.config;
+        let range = self.layout.vocab_range(self.rank);
+        let w = Weights::of(&self.local, 0, &self.params[cfg.embed_range()], tokens.device());
+        let partial = tape.segment1(&[], |_| {
+            let (ids, mask) = local_ids(tokens, &range);
+            Tensor::embedding(&w[0], &ids, -1, false, false) * mask.unsqueeze(-1)
+        });
+        let x = tape.collective(group, partial, self.g())?;
+        if cfg.arch != Arch::Gpt2 {
+            return Ok(x);
+        }
+        let time = tape.value(x).size()[1];
+        let start = if self.layout.sp { self.rank as i64 * time } else { 0 };
+        let positions = Tensor::arange_start(start, start + time, (Kind::Int64, tokens.device()));
+        Ok(tape.segment1(&[x], |x| &x[0] + Tensor::embedding(&w[1], &positions, -1, false, false)))
+    }
+
+    /// One block: norm → f → the rank's heads and its piece of the output projection → g → residual (and
+    /// the bias, once) → norm → f → its columns of the MLP and rows of its last matrix → g → residual.
+    fn block(&self, tape: &mut Tape, group: &mut dyn TpGroup, index: usize, x: usize) -> Result<usize, TpError> {
+        let (cfg, local, precision) = (&self.layout.config, &self.local, self.precision);
+        let w = Weights::of(local, 1 + index, &self.params[cfg.block_range(index)], tape.value(x).device());
+        let b = cfg.block_layout();
+        let bias = |y: &Tensor, at: Option<usize>| match at {
+            Some(at) => y + &w[at],
+            None => y.shallow_clone(),
+        };
+        let h = tape.segment1(&[x], |v| block_norm(cfg, &w, b.attn_norm.clone(), &v[0]));
+        tape.mark_sequence_region(&[x, h]);
+        let h = tape.collective(group, h, self.f())?;
+        let y = tape
+            .segment1(&[h], |v| precision.linear(&block_attention(local, precision, &w, &v[0]), &w[b.attn_out], None));
+        let y = tape.collective(group, y, self.g())?;
+        let mid = tape.segment(&[x, y], |v| {
+            let x = &v[0] + bias(&v[1], b.attn_out_bias);
+            let h = block_norm(cfg, &w, b.mlp_norm.clone(), &x);
+            vec![x, h]
+        });
+        tape.mark_sequence_region(&mid);
+        let h = tape.collective(group, mid[1], self.f())?;
+        let z = tape
+            .segment1(&[h], |v| precision.linear(&block_mlp_hidden(local, precision, &w, &v[0]), &w[b.mlp_out], None));
+        let z = tape.collective(group, z, self.g())?;
+        Ok(tape.segment1(&[mid[0], z], |v| &v[0] + bias(&v[1], b.mlp_out_bias)))
+    }
+
+    /// The final norm → f → this rank's vocabulary rows of the head: logits `[batch, time, vocab / T]`.
+    fn head(&self, tape: &mut Tape, group: &mut dyn TpGroup, x: usize) -> Result<usize, TpError> {
+        let cfg = &self.layout.config;
+        let params = head_params(cfg, &self.params);
+        let w = Weights::of(&self.local, 1 + cfg.n_layers, &params, tape.value(x).device());
+        let matrix = params.len() - 1;
+        let h = tape.segment1(&[x], |v| final_norm(cfg, &w, &v[0]));
+        tape.mark_sequence_region(&[x, h]);
+        let h = tape.collective(group, h, self.f())?;
+        Ok(tape.segment1(&[h], |v| self.precision.linear(&v[0], &w[matrix], None)))
+    }
+
+    /// Vocab-parallel cross-entropy: the maximum over the group (a constant shift), then the sum of
+    /// exponentials and the target's logit each all-reduced (g); the full logits are never gathered.
+    fn cross_entropy(
+        &self,
+        tape: &mut Tape,
+        group: &mut dyn TpGroup,
+        logits: usize,
+        targets: &Tensor,
+    ) -> Result<usize, TpError> {
+        let local_max = tape.value(logits).to_kind(Kind::Float).amax(-1, true);
+        let max = group.all_gather(&local_max, -1)?.amax(-1, true);
+        let range = self.layout.vocab_range(self.rank);
+        let parts = tape.segment(&[logits], |v| {
+            let shifted = v[0].to_kind(Kind::Float) - &max;
+            let sum_exp = shifted.exp().sum_dim_intlist(-1, false, Kind::Float);
+            let (ids, mask) = local_ids(targets, &range);
+            let picked = shifted.gather(-1, &ids.unsqueeze(-1), false).squeeze_dim(-1) * mask;
+            vec![sum_exp, picked]
+        });
+        let sum_exp = tape.collective(group, parts[0], Conjugate::Reduce)?;
+        let picked = tape.collective(group, parts[1], Conjugate::Reduce)?;
+        Ok(tape.segment1(&[sum_exp, picked], |v| (v[0].log() - &v[1]).mean(Kind::Float)))
+    }
+}
+
+/// Token ids as rows of this rank's vocabulary range (clamped into it) and the mask (1.0 inside, 0.0
+/// outside).
+fn local_ids(tokens: &Tensor, range: &std::ops::Range<i64>) -> (Tensor, Tensor) {
+    let local = tokens - range.start;
+    let mask = local.ge(0).logical_and(&local.lt(range.end - range.start)).to_kind(Kind::Float);
+    (local.clamp(0, range.end - range.start - 1), mask)
+}
+
+/// Takes `p`'s gradient out (a copy), leaving zeros.
+fn take_grad(p: &Tensor) -> Option<Tensor> {
+    let mut grad = p.grad();
+    if !grad.defined() {
+        return None;
+    }
+    let earlier = grad.copy();
+    let _ = grad.zero_();
+    Some(earlier)
+}
