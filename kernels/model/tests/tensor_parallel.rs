@@ -333,3 +333,37 @@ fn sequence_parallelism_divides_the_norm_and_residual_activations_by_t() {
         assert!(total < 1.0);
     }
 }
+
+#[test]
+fn micro_batches_accumulate_gradients_with_sequence_parallelism() {
+    tch::set_num_threads(1);
+    let cfg = gpt2();
+    let (tokens, targets) = batch(&cfg, 0);
+    let row = |t: &Tensor, r: i64| t.narrow(0, r, 1).contiguous();
+    let model = Model::new(cfg.clone(), SEED);
+    (model.loss(&row(&tokens, 0), &row(&targets, 0)) + model.loss(&row(&tokens, 1), &row(&targets, 1))).backward();
+    let layout = TpLayout::new(&cfg, 2, true).unwrap();
+    let shards: Vec<Vec<Tensor>> = std::thread::scope(|s| {
+        let handles: Vec<_> = LocalGroup::new(2)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut group)| {
+                let (layout, tokens, targets) = (layout.clone(), tokens.copy(), targets.copy());
+                s.spawn(move || {
+                    tch::set_num_threads(1);
+                    let full = Model::new(layout.config.clone(), SEED);
+                    let tp = TpRank::new(layout.clone(), rank, layout.shard(full.params(), rank));
+                    for r in 0..2 {
+                        tp.loss_and_backward(&mut group, &row(&tokens, r), &row(&targets, r)).unwrap();
+                    }
+                    tp.grads()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("a rank panicked")).collect()
+    });
+    for ((spec, a), b) in layout.specs.iter().zip(layout.gather(&shards)).zip(model.params()) {
+        let d = rel_diff(&a, &b.grad());
+        assert!(d <= 1e-5, "accumulated gradient of {} differs by {d:e}", spec.name);
+    }
+}

@@ -85,7 +85,7 @@ impl TpRank {
                 total += earlier;
             }
             tch::no_grad(|| {
-                let _ = p.grad().copy_(&total);
+                p.grad().copy_(&total);
             });
         }
         Ok(value)
