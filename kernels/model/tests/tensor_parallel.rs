@@ -367,3 +367,23 @@ fn micro_batches_accumulate_gradients_with_sequence_parallelism() {
         assert!(d <= 1e-5, "accumulated gradient of {} differs by {d:e}", spec.name);
     }
 }
+
+#[test]
+fn with_sp_a_batch_whose_sequence_the_degree_does_not_divide_is_refused() {
+    tch::set_num_threads(1);
+    let cfg = gpt2();
+    let layout = TpLayout::new(&cfg, 1, true).unwrap();
+    let full = Model::new(cfg.clone(), SEED);
+    let tp = TpRank::new(layout.clone(), 0, layout.shard(full.params(), 0));
+    let (tokens, targets) = batch(&cfg, 0);
+    assert!(tp.loss(&mut LocalGroup::new(1).remove(0), &tokens, &targets).is_ok());
+    // A degree of 2 over one thread would wait for a peer: check the refusal before any collective.
+    let layout = TpLayout::new(&cfg, 2, true).unwrap();
+    let tp = TpRank::new(layout.clone(), 0, layout.shard(full.params(), 0));
+    let short = |t: &Tensor| t.narrow(1, 0, 5).contiguous();
+    let msg = tp.loss(&mut LocalGroup::new(1).remove(0), &short(&tokens), &short(&targets)).unwrap_err().to_string();
+    assert!(
+        msg.contains("degree 2") && msg.contains("sequence length (5)") && msg.contains("nearest valid degree is 1"),
+        "{msg}"
+    );
+}

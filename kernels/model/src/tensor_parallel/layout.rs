@@ -87,6 +87,12 @@ fn split_of(arch: Arch, name: &str) -> Result<Split, TpError> {
         .ok_or_else(|| TpError::NoRule { name: name.to_owned(), arch: arch.as_str() })
 }
 
+/// The degree nearest `degree` (the smaller on a tie) that divides every one of `values`.
+pub(super) fn nearest_degree(degree: usize, values: &[usize]) -> usize {
+    let valid = |d: usize| values.iter().all(|v| v.is_multiple_of(d));
+    (1..=2 * degree).filter(|&d| valid(d)).min_by_key(|&d| (d.abs_diff(degree), d)).unwrap_or(1)
+}
+
 /// A model's parameters laid out over a tensor-parallel group: each parameter's [`Split`], the degree, and
 /// the config a rank's attention and MLP run with (its own heads and MLP width).
 #[derive(Clone, Debug)]
@@ -120,9 +126,8 @@ impl TpLayout {
             sizes.push(("model.context", config.context));
         }
         if let Some(&(key, value)) = sizes.iter().find(|(_, value)| !value.is_multiple_of(degree)) {
-            let valid = |d: usize| sizes.iter().all(|(_, v)| v.is_multiple_of(d));
-            let nearest = (1..=2 * degree).filter(|&d| valid(d)).min_by_key(|&d| (d.abs_diff(degree), d)).unwrap_or(1);
-            return Err(TpError::Degree { key, value, degree, nearest });
+            let values: Vec<usize> = sizes.iter().map(|&(_, v)| v).collect();
+            return Err(TpError::Degree { key, value, degree, nearest: nearest_degree(degree, &values) });
         }
         let specs = param_specs(config);
         let splits = specs.iter().map(|s| split_of(config.arch, &s.name)).collect::<Result<_, _>>()?;

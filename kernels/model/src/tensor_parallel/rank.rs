@@ -5,7 +5,7 @@
 use tch::{Kind, Tensor};
 
 use super::group::TpGroup;
-use super::layout::{Split, TpLayout};
+use super::layout::{nearest_degree, Split, TpLayout};
 use super::tape::{Conjugate, Tape};
 use super::TpError;
 use crate::model::{
@@ -143,10 +143,13 @@ impl TpRank {
         tokens: &Tensor,
         targets: &Tensor,
     ) -> Result<usize, TpError> {
+        assert_eq!(tokens.size(), targets.size(), "tokens and targets are both [batch, time]");
         let time = tokens.size()[1] as usize;
         let degree = self.layout.degree;
         if self.layout.sp && !time.is_multiple_of(degree) {
-            return Err(TpError::Degree { key: "the batch's sequence length", value: time, degree, nearest: 1 });
+            let c = &self.layout.config;
+            let nearest = nearest_degree(degree, &[time, c.n_heads, c.kv_heads(), c.ffn_hidden(), c.vocab_size]);
+            return Err(TpError::Degree { key: "the batch's sequence length", value: time, degree, nearest });
         }
         let mut x = self.embed(tape, group, tokens)?;
         for index in 0..self.layout.config.n_layers {
