@@ -9,6 +9,7 @@ use bytes::Bytes;
 use quinn::ConnectionError;
 use tokio::sync::{mpsc, Notify};
 
+use super::companion::{self, Companions};
 use super::intro::introduce;
 use super::serve::close_with;
 use super::shared::Shared;
@@ -38,7 +39,7 @@ struct Handle {
 
 impl Drop for Handle {
     fn drop(&mut self) {
-        if !self.shared.closed.swap(true, Ordering::SeqCst) {
+        if self.shared.mark_closed() {
             self.shared.endpoint.close(CLOSE_DROPPED, b"endpoint dropped without close");
         }
     }
@@ -69,8 +70,12 @@ impl ControlEndpoint {
             admitted: Notify::new(),
             refusals: Default::default(),
             closed: AtomicBool::new(false),
+            companions: Companions::new(id)?,
         });
         tokio::spawn(shared.clone().accept());
+        if role == PeerRole::Node {
+            companion::listen(&shared);
+        }
         Ok((ControlEndpoint { handle: Arc::new(Handle { shared }) }, receiver))
     }
 
@@ -122,10 +127,16 @@ impl ControlEndpoint {
             }
         };
         let name = intro.name.clone();
-        if let Err(reason) = shared.admit(conn.clone(), intro) {
-            close_with(&conn, CLOSE_PROTOCOL, &reason);
-            shared.refuse(addr, reason.clone());
-            return Err(err(reason));
+        match shared.admit(conn.clone(), intro) {
+            Ok(link) if link.role == PeerRole::Node && shared.role == PeerRole::Node => {
+                tokio::spawn(companion::dial(shared.clone(), link, conn.remote_address()));
+            }
+            Ok(_) => {}
+            Err(reason) => {
+                close_with(&conn, CLOSE_PROTOCOL, &reason);
+                shared.refuse(addr, reason.clone());
+                return Err(err(reason));
+            }
         }
         Ok(name)
     }
@@ -137,6 +148,13 @@ impl ControlEndpoint {
         let err = |reason: String| ClusterError::SendTo { node: shared.name.clone(), peer: peer.into(), reason };
         let link = shared.peers().get(peer).ok_or_else(|| err("not connected".into()))?;
         link.send(epoch, body, shared.limits).await.map_err(err)
+    }
+
+    /// Whether the current connection to `peer` has a companion TCP connection watching the peer
+    /// process, so that its death is reported `Lost` within milliseconds (node-to-node connections,
+    /// shortly after they are admitted; see the module docs).
+    pub fn watches_process(&self, peer: &str) -> bool {
+        self.shared().peers().get(peer).is_some_and(|link| link.is_watched())
     }
 
     pub fn is_connected(&self, peer: &str) -> bool {
@@ -162,7 +180,7 @@ impl ControlEndpoint {
         let shared = self.shared();
         let links = {
             let mut peers = shared.peers();
-            shared.closed.store(true, Ordering::SeqCst);
+            shared.mark_closed();
             peers.drain()
         };
         futures::future::join_all(links.iter().map(|l| l.say_goodbye(shared.connect_timeout_ms))).await;

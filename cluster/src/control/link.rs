@@ -1,6 +1,8 @@
 //! One admitted connection: its peer, and the single outgoing stream all messages to it are written
 //! to, in order.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -15,6 +17,10 @@ pub(super) struct Link {
     pub role: PeerRole,
     pub conn: quinn::Connection,
     outgoing: Mutex<Outgoing>,
+    /// A companion TCP connection watches the peer process ([`super::companion`]).
+    watched: AtomicBool,
+    /// Why the companion judged the peer process gone (the connection's `Lost` reason).
+    process_gone: OnceLock<String>,
 }
 
 struct Outgoing {
@@ -25,7 +31,25 @@ struct Outgoing {
 
 impl Link {
     pub fn new(name: String, role: PeerRole, conn: quinn::Connection, stream: quinn::SendStream) -> Self {
-        Link { name, role, conn, outgoing: Mutex::new(Outgoing { stream, next_seq: 0 }) }
+        let outgoing = Mutex::new(Outgoing { stream, next_seq: 0 });
+        Link { name, role, conn, outgoing, watched: AtomicBool::new(false), process_gone: OnceLock::new() }
+    }
+
+    pub fn set_watched(&self) {
+        self.watched.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_watched(&self) -> bool {
+        self.watched.load(Ordering::SeqCst)
+    }
+
+    /// Records that the peer process is gone (before the connection is closed for it).
+    pub fn set_process_gone(&self, reason: String) {
+        let _ = self.process_gone.set(reason);
+    }
+
+    pub fn process_gone(&self) -> Option<&str> {
+        self.process_gone.get().map(String::as_str)
     }
 
     /// Writes one message after all earlier ones. Waits while the peer's receive window is full.

@@ -34,9 +34,15 @@
 //!   `message_frames_max`, CRC-checked headers). The event channel is unbounded: the owner must keep
 //!   draining it. Dropping the last handle without [`ControlEndpoint::close`] closes every connection
 //!   with [`CLOSE_DROPPED`]: peers see `Lost`.
+//! - **Process death.** Each node-to-node connection has a companion TLS-over-TCP connection
+//!   (`control/companion.rs`): when a peer process dies, its kernel closes that socket, and the connection is
+//!   reported `Lost` within milliseconds (closed with [`CLOSE_PROCESS_GONE`]) instead of after
+//!   `idle_timeout_ms` or the heartbeat detector's silence. [`ControlEndpoint::watches_process`] says
+//!   whether a connection has one. Client connections have none.
 //!
 //! Everything here must run inside a tokio runtime.
 
+mod companion;
 mod endpoint;
 mod intro;
 mod link;
@@ -60,6 +66,10 @@ pub const CONTROL_GROUP: u32 = u32::MAX;
 pub const CLOSE_REPLACED: VarInt = VarInt::from_u32(2);
 /// Application close code: the endpoint was dropped without `close()` (its peers see `Lost`).
 pub const CLOSE_DROPPED: VarInt = VarInt::from_u32(3);
+
+/// Application close code: the peer's process is gone (its companion TCP connection ended without
+/// `close_notify`); both sides see `Lost`.
+pub const CLOSE_PROCESS_GONE: VarInt = VarInt::from_u32(4);
 
 /// What a [`ControlEndpoint`] reports, in order per connection.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, Notify};
 
+use super::companion::Companions;
 use super::intro::{introduce, Introduced, Us};
 use super::link::Link;
 use super::serve::{close_with, read_messages, Ending};
@@ -31,11 +32,25 @@ pub(super) struct Shared {
     pub refusals: RefusalLog,
     /// Set by `close()` or by dropping the last handle: nothing new is admitted.
     pub closed: AtomicBool,
+    /// The companion TCP connections' TLS and listener (node endpoints only).
+    pub companions: Companions,
 }
 
 impl Shared {
     pub fn peers(&self) -> MutexGuard<'_, PeerTable<Arc<Link>>> {
         self.peers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    /// Marks the endpoint closed (nothing new is admitted) and stops the companion listener; returns
+    /// whether it was open.
+    pub fn mark_closed(&self) -> bool {
+        let was_open = !self.closed.swap(true, Ordering::SeqCst);
+        self.companions.stop.notify_waiters();
+        was_open
     }
 
     pub fn us(&self) -> Us<'_> {
@@ -53,7 +68,7 @@ impl Shared {
     }
 
     /// Makes an introduced connection the current one to its peer, reports it, and starts reading it.
-    pub fn admit(self: &Arc<Self>, conn: quinn::Connection, intro: Introduced) -> Result<(), String> {
+    pub fn admit(self: &Arc<Self>, conn: quinn::Connection, intro: Introduced) -> Result<Arc<Link>, String> {
         let Introduced { name, role, outgoing, incoming } = intro;
         let link = Arc::new(Link::new(name.clone(), role, conn.clone(), outgoing));
         let id = {
@@ -73,15 +88,18 @@ impl Shared {
             id
         };
         self.admitted.notify_waiters();
-        tokio::spawn(self.clone().serve(id, link, incoming));
-        Ok(())
+        tokio::spawn(self.clone().serve(id, link.clone(), incoming));
+        Ok(link)
     }
 
     async fn serve(self: Arc<Self>, id: u64, link: Arc<Link>, incoming: quinn::RecvStream) {
         let ending = read_messages(&link, incoming, self.limits, |e| self.emit(e)).await;
         let event = match ending {
             Ending::Goodbye => ControlEvent::Departed { peer: link.name.clone() },
-            Ending::Lost(reason) => ControlEvent::Lost { peer: link.name.clone(), reason },
+            Ending::Lost(reason) => {
+                let reason = link.process_gone().map_or(reason, str::to_owned);
+                ControlEvent::Lost { peer: link.name.clone(), reason }
+            }
             Ending::Replaced => {
                 if self.successor_admitted(&link.name, id).await {
                     return;

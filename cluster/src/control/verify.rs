@@ -71,11 +71,18 @@ impl ServerCertVerifier for AnyNodeName {
     }
 }
 
-/// [`client_config`] (this node's certificate, TLS 1.3, ALPN) with [`AnyNodeName`], tuned like every
-/// other QUIC connection of the cluster.
-pub fn dialer_client_config(id: &NodeIdentity, cfg: &TransportConfig) -> Result<quinn::ClientConfig, ClusterError> {
+/// [`client_config`] (this node's certificate, TLS 1.3, ALPN) with [`AnyNodeName`]: the dialer's TLS,
+/// over QUIC or over TCP (the control connection's companion).
+pub fn any_node_name_tls(id: &NodeIdentity) -> Result<rustls::ClientConfig, ClusterError> {
     let mut tls = client_config(id)?;
     tls.dangerous().set_certificate_verifier(Arc::new(AnyNodeName::new(id)?));
+    Ok(tls)
+}
+
+/// [`any_node_name_tls`] as a QUIC client configuration, tuned like every
+/// other QUIC connection of the cluster.
+pub fn dialer_client_config(id: &NodeIdentity, cfg: &TransportConfig) -> Result<quinn::ClientConfig, ClusterError> {
+    let tls = any_node_name_tls(id)?;
     let crypto = QuicClientConfig::try_from(tls).map_err(|e| ClusterError::Tls(e.to_string()))?;
     let mut client = quinn::ClientConfig::new(Arc::new(crypto));
     client.transport_config(Arc::new(quinn_transport_config(cfg)?));
