@@ -12,6 +12,7 @@ pub mod daemon;
 pub mod engine;
 pub mod error;
 pub mod node_config;
+pub mod plan;
 pub mod progress;
 pub mod protocol;
 pub mod runtime;

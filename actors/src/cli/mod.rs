@@ -17,6 +17,7 @@ mod eval;
 mod follow;
 mod generate;
 mod model_source;
+mod plan;
 mod plot;
 mod slurm;
 mod table;
@@ -63,6 +64,8 @@ enum Command {
     Job(client::JobCommand),
     /// Draw a run's step phases (or any Chrome trace-event file) as an SVG timeline per rank or stage.
     Trace(trace::TraceArgs),
+    /// Where the ranks of a --tp/--pp/--dp layout would run, what each holds and sends (nothing runs).
+    Plan(plan::PlanArgs),
     /// Plot a run's loss and throughput against step as SVG.
     Plot(plot::PlotArgs),
     /// Crash, pause and restart a running job's nodes and check that nothing was lost (`troupe chaos list`).
@@ -133,6 +136,7 @@ pub fn main() -> ExitCode {
         Command::Status(args) => client::status(args),
         Command::Job(command) => client::job(command),
         Command::Trace(args) => trace::run(args),
+        Command::Plan(args) => plan::run(args),
         Command::Plot(args) => plot::run(args),
         Command::Chaos(args) => chaos::run(args),
         Command::Generate(args) => generate::run(args),
