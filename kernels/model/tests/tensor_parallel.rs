@@ -5,7 +5,7 @@
 use tch::{Kind, Tensor};
 use troupe_model::model::{Arch, Model, ModelConfig};
 use troupe_model::optim::{clip_grad_norm, AdamW, AdamWConfig};
-use troupe_model::tensor_parallel::{LocalGroup, TpError, TpLayout, TpRank};
+use troupe_model::tensor_parallel::{LocalGroup, TpError, TpGroup, TpLayout, TpRank};
 
 const SEED: u64 = 11;
 const STEPS: usize = 3;
@@ -386,4 +386,35 @@ fn with_sp_a_batch_whose_sequence_the_degree_does_not_divide_is_refused() {
         msg.contains("degree 2") && msg.contains("sequence length (5)") && msg.contains("nearest valid degree is 1"),
         "{msg}"
     );
+}
+
+#[test]
+fn a_rank_whose_peers_never_call_gets_an_error_not_a_hang() {
+    let mut ranks = LocalGroup::with_wait(2, std::time::Duration::from_millis(200));
+    let lonely = Tensor::ones([3], (Kind::Float, tch::Device::Cpu));
+    let err = ranks[0].all_reduce(&lonely).unwrap_err().to_string();
+    assert!(err.contains("rank 0 waited") && err.contains("200ms"), "{err}");
+}
+
+#[test]
+fn the_local_group_sums_gathers_and_scatters_in_rank_order() {
+    let results: Vec<(Tensor, Tensor, Tensor)> = std::thread::scope(|s| {
+        let handles: Vec<_> = LocalGroup::new(2)
+            .into_iter()
+            .map(|mut g| {
+                s.spawn(move || {
+                    let mine = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]).view([1, 4]) * (g.rank() as f64 + 1.0);
+                    (g.all_reduce(&mine).unwrap(), g.all_gather(&mine, 0).unwrap(), g.reduce_scatter(&mine, 1).unwrap())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let values = |t: &Tensor| Vec::<f32>::try_from(t.flatten(0, -1)).unwrap();
+    for (rank, (sum, gathered, scattered)) in results.iter().enumerate() {
+        assert_eq!(values(sum), [3.0, 6.0, 9.0, 12.0]);
+        assert_eq!(gathered.size(), [2, 4]);
+        assert_eq!(values(gathered), [1.0, 2.0, 3.0, 4.0, 2.0, 4.0, 6.0, 8.0]);
+        assert_eq!(values(scattered), [[3.0, 6.0], [9.0, 12.0]][rank]);
+    }
 }

@@ -3,7 +3,8 @@
 //! `troupe_cluster::collective::Collective` (whose all-gather and reduce-scatter cut flat buffers in rank
 //! order: along a dim other than 0 it moves that dim first).
 
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
 
 use tch::Tensor;
 
@@ -24,9 +25,21 @@ pub trait TpGroup {
 
 struct Shared {
     size: usize,
-    slots: Mutex<Vec<Option<Tensor>>>,
-    barrier: Barrier,
+    wait: Duration,
+    state: Mutex<State>,
+    turned: Condvar,
 }
+
+struct State {
+    slots: Vec<Option<Tensor>>,
+    /// Ranks that reached the current barrier, and how many barriers have opened.
+    arrived: usize,
+    generation: u64,
+}
+
+/// How long a rank of [`LocalGroup::new`] waits for the others at a barrier before the call fails (a
+/// peer that panicked or stopped calling).
+const WAIT: Duration = Duration::from_secs(60);
 
 /// One rank of an in-process group: threads exchange tensors through shared slots between two barriers.
 /// Sums are taken in rank order, so every rank gets the same bits.
@@ -38,30 +51,58 @@ pub struct LocalGroup {
 impl LocalGroup {
     /// The `size` ranks of a new group, rank r at index r (hand each to its thread).
     pub fn new(size: usize) -> Vec<LocalGroup> {
-        let shared = Arc::new(Shared {
-            size,
-            slots: Mutex::new((0..size).map(|_| None).collect()),
-            barrier: Barrier::new(size),
-        });
+        Self::with_wait(size, WAIT)
+    }
+
+    /// [`Self::new`] whose calls fail after waiting `wait` for the other ranks.
+    pub fn with_wait(size: usize, wait: Duration) -> Vec<LocalGroup> {
+        let state = State { slots: (0..size).map(|_| None).collect(), arrived: 0, generation: 0 };
+        let shared = Arc::new(Shared { size, wait, state: Mutex::new(state), turned: Condvar::new() });
         (0..size).map(|rank| LocalGroup { rank, shared: shared.clone() }).collect()
     }
 
     /// Every rank's `t` (copies), in rank order.
     fn exchange(&self, t: &Tensor) -> Result<Vec<Tensor>, TpError> {
-        let poisoned = |_| TpError::Comm("a rank of the in-process group panicked".into());
-        self.shared.slots.lock().map_err(poisoned)?[self.rank] = Some(t.detach().contiguous().copy());
-        self.shared.barrier.wait();
-        let all = self
-            .shared
+        self.lock()?.slots[self.rank] = Some(t.detach().contiguous().copy());
+        let state = self.barrier()?;
+        let all = state
             .slots
-            .lock()
-            .map_err(poisoned)?
             .iter()
             .map(|slot| slot.as_ref().map(Tensor::copy).expect("every rank filled its slot before the barrier"))
             .collect();
+        drop(state);
         // Nobody writes the next call's tensor before every rank has read this one's.
-        self.shared.barrier.wait();
+        drop(self.barrier()?);
         Ok(all)
+    }
+
+    fn lock(&self) -> Result<MutexGuard<'_, State>, TpError> {
+        self.shared.state.lock().map_err(|_| TpError::Comm("a rank of the in-process group panicked".into()))
+    }
+
+    /// Waits until every rank has arrived; returns the state, locked.
+    fn barrier(&self) -> Result<MutexGuard<'_, State>, TpError> {
+        let mut state = self.lock()?;
+        let generation = state.generation;
+        state.arrived += 1;
+        if state.arrived == self.shared.size {
+            state.arrived = 0;
+            state.generation += 1;
+            self.shared.turned.notify_all();
+            return Ok(state);
+        }
+        let (state, waited) = self
+            .shared
+            .turned
+            .wait_timeout_while(state, self.shared.wait, |s| s.generation == generation)
+            .map_err(|_| TpError::Comm("a rank of the in-process group panicked".into()))?;
+        if waited.timed_out() {
+            return Err(TpError::Comm(format!(
+                "rank {} waited {:?} for the other ranks of its in-process group",
+                self.rank, self.shared.wait
+            )));
+        }
+        Ok(state)
     }
 }
 
