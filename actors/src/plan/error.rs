@@ -56,6 +56,8 @@ pub enum LayoutError {
          --pp × --dp needs {needed}; give every host a multiple of {tp} slots, or --tp-across-hosts"
     )]
     TensorGroupsDoNotFit { tp: usize, slots: String, fit: usize, needed: usize },
+    #[error("--tp {tp} (parallel.tp): {reason}")]
+    TensorLayout { tp: usize, reason: String },
     #[error(
         "train.global_batch = {global_batch} does not split over --dp {dp} replicas; nearest valid: \
          train.global_batch = {nearest}"

@@ -5,7 +5,8 @@
 //! Placement follows Megatron-LM and torchtitan: tensor groups innermost and inside one host (their
 //! collectives on the host's shared memory), pipeline stages across hosts, data-parallel replicas of a
 //! stage beside each other (see [`placement`] for the rank order). The stage split is the pipeline
-//! engine's own ([`crate::engine::pipeline::partition`]). `troupe plan` prints it.
+//! engine's own ([`crate::engine::pipeline::partition`]), each parameter's tensor split the model's own
+//! table ([`troupe_model::tensor_parallel::TpLayout`]). `troupe plan` prints it.
 
 mod check;
 mod error;
@@ -19,9 +20,11 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
+use troupe_model::tensor_parallel::TpLayout;
+
 use crate::engine::pipeline::{partition, ChunkLayout};
 pub use error::LayoutError;
-pub use memory::{split_of, RankMemory, Split};
+pub use memory::RankMemory;
 pub use placement::{coords_of, rank_of, Coords, Groups};
 pub use request::{Degrees, Host, LayoutRequest};
 pub use traffic::{CollectiveKind, GroupKind, Traffic};
@@ -88,12 +91,15 @@ pub fn plan_layout(request: &LayoutRequest) -> Result<LayoutPlan, LayoutError> {
     let chunks = partition(&request.model, d.pp)
         .map_err(|_| LayoutError::TooManyStages { pp: d.pp, layers: request.model.n_layers })?;
     let seats = placement::seats(d, &request.hosts, request.tp_within_host)?;
-    let stages: Vec<StagePlan> = chunks.iter().enumerate().map(|(s, chunk)| stage_plan(request, s, chunk)).collect();
+    let layout = TpLayout::new(&request.model, d.tp, request.sp)
+        .map_err(|e| LayoutError::TensorLayout { tp: d.tp, reason: e.to_string() })?;
+    let stages: Vec<StagePlan> =
+        chunks.iter().enumerate().map(|(s, chunk)| stage_plan(request, &layout, s, chunk)).collect();
     let ranks: Vec<RankPlan> = (0..d.world())
         .map(|rank| {
             let c = coords_of(d, rank);
             let seat = seats[rank];
-            let memory = stage_memory(request, &chunks[c.pp], c.pp);
+            let memory = stage_memory(request, &layout, &chunks[c.pp], c.pp);
             let host = request.hosts[seat.host].name.clone();
             RankPlan { rank, dp: c.dp, pp: c.pp, tp: c.tp, host, slot: seat.slot, memory }
         })
@@ -128,15 +134,14 @@ fn holds_tied_copy(request: &LayoutRequest, stage: usize) -> bool {
     pp > 1 && stage + 1 == pp && request.model.head_takes_embedding()
 }
 
-fn stage_memory(request: &LayoutRequest, chunk: &ChunkLayout, stage: usize) -> RankMemory {
-    let d = request.degrees;
+fn stage_memory(request: &LayoutRequest, layout: &TpLayout, chunk: &ChunkLayout, stage: usize) -> RankMemory {
     let tied = holds_tied_copy(request, stage);
-    memory::rank_memory(&request.model, chunk.params.clone(), tied, d.tp, d.dp, request.zero)
+    memory::rank_memory(layout, chunk.params.clone(), tied, request.degrees.dp, request.zero)
 }
 
-fn stage_plan(request: &LayoutRequest, stage: usize, chunk: &ChunkLayout) -> StagePlan {
+fn stage_plan(request: &LayoutRequest, layout: &TpLayout, stage: usize, chunk: &ChunkLayout) -> StagePlan {
     let d = request.degrees;
-    let memory = stage_memory(request, chunk, stage);
+    let memory = stage_memory(request, layout, chunk, stage);
     let samples = (request.global_batch / d.dp) as u64;
     let microbatches = samples.div_ceil(request.micro_batch.max(1) as u64).max(1);
     let tied = request.degrees.pp > 1 && request.model.head_takes_embedding() && (chunk.embed || chunk.head);
@@ -153,11 +158,7 @@ fn stage_plan(request: &LayoutRequest, stage: usize, chunk: &ChunkLayout) -> Sta
         context: request.model.context as u64,
         d_model: request.model.d_model as u64,
         grad_elements: memory.sharded_elements + memory.replicated_elements,
-        tied_elements: if tied {
-            memory::tensor_share(&troupe_model::model::param_specs(&request.model), 0..1, d.tp).0
-        } else {
-            0
-        },
+        tied_elements: if tied { memory::tensor_share(layout, 0..1).0 } else { 0 },
     };
     StagePlan {
         stage,
