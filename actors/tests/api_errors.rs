@@ -74,10 +74,48 @@ async fn refusals_failures_cancellations_and_unknown_jobs_are_variants_to_match(
     assert!(matches!(cluster.client_to(7).await, Err(Error::NoSuchNode { index: 7, .. })));
 
     cluster.shutdown().await;
-    // A drain aborts the cancelled job's attempt without waiting for the step in flight to leave
-    // libtorch; a process that exits meanwhile can crash in libtorch's exit handlers (seen once, after
-    // this test had passed). The step of this job takes milliseconds.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+}
+
+/// The threads of this process whose name starts with `prefix` (Linux truncates names to 15 bytes).
+fn threads_named(prefix: &str) -> usize {
+    let tasks = std::fs::read_dir("/proc/self/task").expect("/proc/self/task lists this process's threads");
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|name| name.starts_with(prefix))
+        .count()
+}
+
+/// A daemon drained while its job computes aborts the attempt and waits for the step in libtorch to end:
+/// once the drain returns no attempt thread runs, so a process exiting after it cannot tear libtorch down
+/// under a step (a crash at exit, seen once before drains waited).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_returns_once_the_step_in_flight_has_left_libtorch() {
+    let cluster = LocalCluster::in_process(1).await.unwrap();
+    // gpt-tiny of 16 blocks, one micro-batch of the whole batch on one thread: most of a second of
+    // libtorch with no await point, long beside the drain itself (tens of milliseconds).
+    let mut config = JobConfig::default();
+    config.model.n_layers = 16;
+    config.train.steps = 100_000;
+    config.train.micro_batch = config.train.global_batch;
+    config.train.torch_threads = 1;
+    let mut handle = bounded("submit", cluster.client().await.unwrap().submit(Job::new(config))).await.unwrap();
+    let mut steps = 0;
+    while steps < 2 {
+        match bounded("a step", handle.next_event()).await.unwrap() {
+            Some(JobEvent::Step { .. }) => steps += 1,
+            Some(event) => assert!(!event.is_terminal(), "the job runs: {event:?}"),
+            None => panic!("the event stream ended"),
+        }
+    }
+    assert!(threads_named("troupe-attempt") >= 1, "the job's attempt computes on its thread");
+    bounded("shutdown", cluster.shutdown()).await;
+    // The attempt's thread has ended; a thread it started (named after it) may take a moment longer.
+    // Without the wait the step goes on for most of a second after the drain.
+    let deadline = std::time::Instant::now() + Duration::from_millis(50);
+    while threads_named("troupe-attempt") > 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(threads_named("troupe-attempt"), 0, "the drain returned while the attempt still computed");
 }
 
 /// Nothing listens on the port: `Unreachable`, with the address, and the message says what to check.

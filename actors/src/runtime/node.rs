@@ -24,7 +24,7 @@ pub use super::messages::NodeMsg;
 use super::messages::{JobMsg, WorkerMsg};
 use super::node_core::{NodeAction, NodeCore, NodeNote, NodeSettings};
 use super::outbox::Outboxes;
-use super::worker::{WorkerActor, WorkerArgs};
+use super::worker::{AttemptThreads, WorkerActor, WorkerArgs};
 use crate::catalog::{Catalog, StoredView};
 use crate::node_config::NodeConfig;
 use crate::protocol::{JobId, Wire};
@@ -60,7 +60,12 @@ pub struct NodeState {
     stop_reason: Arc<std::sync::Mutex<Option<String>>>,
     metrics: Arc<NodeMetrics>,
     catalog: Catalog,
+    /// The workers' attempt threads, which a drain waits for.
+    attempts: AttemptThreads,
 }
+
+/// How long a drain waits for aborted attempts to leave the step they compute.
+const DRAIN_ATTEMPTS_MS: u64 = 10_000;
 
 pub struct NodeActor;
 
@@ -114,6 +119,7 @@ impl NodeState {
             host: self.config.listen.ip(),
             transport: self.config.transport.clone(),
             metrics: self.metrics.clone(),
+            attempts: self.attempts.clone(),
         };
         let (actor, _) =
             Actor::spawn_linked(Some(format!("{}/worker/{slot}", self.scope())), WorkerActor, args, me.get_cell())
@@ -258,6 +264,7 @@ impl Actor for NodeActor {
             stop_reason,
             metrics,
             catalog,
+            attempts: AttemptThreads::default(),
         };
         state.act(&me, true).await?;
         for slot in 0..state.config.slots {
@@ -297,6 +304,14 @@ impl Actor for NodeActor {
                 let writers = state.outboxes.lock().expect("the outboxes' lock is never poisoned").close();
                 super::outbox::written(writers, super::outbox::SEND_TIMEOUT).await;
                 state.endpoint.close().await;
+                // The workers abort their attempts (`DropAll` above); a step in libtorch finishes first.
+                if !state.attempts.ended(Duration::from_millis(DRAIN_ATTEMPTS_MS)).await {
+                    let running = state.attempts.running();
+                    tracing::warn!(
+                        running,
+                        "drained with attempts still computing a step after {DRAIN_ATTEMPTS_MS} ms"
+                    );
+                }
                 let _ = reply.send(());
                 me.stop(Some("drained".into()));
             }

@@ -42,6 +42,42 @@ pub struct WorkerArgs {
     pub transport: TransportConfig,
     /// Where the data plane's bytes per peer are counted.
     pub metrics: Arc<NodeMetrics>,
+    /// The node's running attempt threads, which its drain waits for.
+    pub attempts: AttemptThreads,
+}
+
+/// The attempt threads of one node's workers that have not ended. An aborted attempt ends at its next
+/// await point: a step already in libtorch finishes first. A node that drains waits for them, so that a
+/// process exiting after its drain never tears libtorch down under a step still computing.
+#[derive(Clone, Default)]
+pub struct AttemptThreads(Arc<tokio::sync::watch::Sender<usize>>);
+
+/// Counts one attempt thread from its start to its end (the guard is dropped on the thread, last).
+struct AttemptThread(AttemptThreads);
+
+impl AttemptThreads {
+    fn started(&self) -> AttemptThread {
+        self.0.send_modify(|n| *n += 1);
+        AttemptThread(self.clone())
+    }
+
+    /// The threads running now.
+    pub fn running(&self) -> usize {
+        *self.0.borrow()
+    }
+
+    /// Waits until no attempt thread runs, at most `bound`; false if some still ran then.
+    pub async fn ended(&self, bound: Duration) -> bool {
+        let mut rx = self.0.subscribe();
+        let ended = tokio::time::timeout(bound, rx.wait_for(|n| *n == 0)).await.is_ok();
+        ended
+    }
+}
+
+impl Drop for AttemptThread {
+    fn drop(&mut self) {
+        self.0 .0.send_modify(|n| *n -= 1);
+    }
 }
 
 /// What the worker tells a running attempt task: the controller committed a step, or the attempt ends.
@@ -289,11 +325,13 @@ impl WorkerState {
         };
         // Training computes for hundreds of milliseconds at a time without yielding: it gets a thread and
         // a runtime of its own, so the node's heartbeats and control messages never wait behind it.
+        let counted = self.args.attempts.started();
         let spawned = std::thread::Builder::new().name(format!("troupe-attempt-{job}-{attempt}")).spawn(move || {
             match tokio::runtime::Builder::new_current_thread().enable_all().build() {
                 Ok(runtime) => runtime.block_on(attempt_task),
                 Err(e) => tracing::error!("cannot start the attempt's runtime: {e}"),
             }
+            drop(counted);
         });
         if let Err(e) = spawned {
             tracing::error!(job, attempt, "cannot start the attempt's thread: {e}");
