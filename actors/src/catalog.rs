@@ -109,38 +109,59 @@ impl Catalog {
     }
 
     pub fn save_view(&self, view: &StoredView) -> anyhow::Result<()> {
-        self.put_meta("view", view)
+        self.apply(&CatalogWrite::View(view.clone()))
     }
 
     /// Records a job's spec and state, and `events` numbered from `first` (older ones past
     /// [`EVENTS_KEPT`] are dropped), in one transaction.
     pub fn save_job(&self, spec: &JobSpec, info: &JobInfo, first: u64, events: &[JobEvent]) -> anyhow::Result<()> {
-        #[derive(Serialize)]
-        struct Record<'a> {
-            spec: &'a JobSpec,
-            info: &'a JobInfo,
+        self.write(|txn| put_job(txn, spec, info, first, events))
+    }
+
+    /// Performs one controller write in its own durable transaction.
+    pub fn apply(&self, write: &CatalogWrite) -> anyhow::Result<()> {
+        self.write(|txn| write.apply_in(txn))
+    }
+
+    /// The database, for the replicated controller's tables (`runtime::raft`), which it writes in the
+    /// same transactions as the catalog's.
+    pub(crate) fn database(&self) -> &Arc<redb::Database> {
+        &self.db
+    }
+
+    /// The replicated part of the catalog (the view, every job with its kept events) as the writes
+    /// that rebuild it in an empty catalog, read in `txn`.
+    pub(crate) fn contents_in(&self, txn: &redb::ReadTransaction) -> anyhow::Result<Vec<CatalogWrite>> {
+        let mut out = Vec::new();
+        let view = match txn.open_table(META) {
+            Ok(t) => t.get("view")?.map(|v| serde_json::from_slice::<StoredView>(v.value())).transpose()?,
+            Err(redb::TableError::TableDoesNotExist(_)) => None,
+            Err(e) => return Err(self.error(e)),
+        };
+        out.extend(view.map(CatalogWrite::View));
+        for job in self.jobs_in(txn)? {
+            let StoredJob { spec, info, first_event, events } = job;
+            out.push(CatalogWrite::Job { spec, info, first: first_event, events });
         }
-        let record = serde_json::to_vec(&Record { spec, info }).expect("a job serialises");
-        let encoded: Vec<Vec<u8>> =
-            events.iter().map(|e| serde_json::to_vec(e).expect("an event serialises")).collect();
-        self.write(|txn| {
-            txn.open_table(JOBS)?.insert(info.id, record.as_slice())?;
-            let mut table = txn.open_table(EVENTS)?;
-            for (i, event) in encoded.iter().enumerate() {
-                table.insert((info.id, first + i as u64), event.as_slice())?;
-            }
-            let end = first + events.len() as u64;
-            if !events.is_empty() && end > EVENTS_KEPT as u64 {
-                let drop_below = end - EVENTS_KEPT as u64;
-                table.retain_in((info.id, 0)..(info.id, drop_below), |_, _| false)?;
-            }
-            Ok(())
-        })
+        Ok(out)
+    }
+
+    /// Replaces the replicated part of the catalog by `contents` (see [`Self::contents_in`]) in `txn`;
+    /// the incarnation counter, local to this node, stays.
+    pub(crate) fn replace_in(txn: &redb::WriteTransaction, contents: &[CatalogWrite]) -> anyhow::Result<()> {
+        txn.open_table(META)?.remove("view")?;
+        txn.open_table(JOBS)?.retain(|_, _| false)?;
+        txn.open_table(EVENTS)?.retain(|_, _| false)?;
+        contents.iter().try_for_each(|write| write.apply_in(txn))
     }
 
     /// Every job recorded, lowest id first, with its kept events.
     pub fn jobs(&self) -> anyhow::Result<Vec<StoredJob>> {
         let txn = self.db.begin_read().map_err(|e| self.error(e))?;
+        self.jobs_in(&txn)
+    }
+
+    fn jobs_in(&self, txn: &redb::ReadTransaction) -> anyhow::Result<Vec<StoredJob>> {
         let jobs = match txn.open_table(JOBS) {
             Ok(t) => t,
             Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
@@ -172,6 +193,62 @@ impl Catalog {
         }
         Ok(out)
     }
+}
+
+/// One write the controller makes to its catalog, exactly what [`Catalog::save_view`] and
+/// [`Catalog::save_job`] write: the unit the replicated controller commits through Raft
+/// (`runtime::raft`) before applying it to every controller's catalog.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum CatalogWrite {
+    View(StoredView),
+    /// A job's spec and state, and its `events` numbered from `first`.
+    Job {
+        spec: JobSpec,
+        info: JobInfo,
+        first: u64,
+        events: Vec<JobEvent>,
+    },
+}
+
+impl CatalogWrite {
+    /// Performs this write inside `txn` (committed by the caller, with whatever else belongs with it).
+    pub(crate) fn apply_in(&self, txn: &redb::WriteTransaction) -> anyhow::Result<()> {
+        match self {
+            CatalogWrite::View(view) => {
+                let bytes = serde_json::to_vec(view).expect("a view serialises");
+                txn.open_table(META)?.insert("view", bytes.as_slice())?;
+                Ok(())
+            }
+            CatalogWrite::Job { spec, info, first, events } => put_job(txn, spec, info, *first, events),
+        }
+    }
+}
+
+fn put_job(
+    txn: &redb::WriteTransaction,
+    spec: &JobSpec,
+    info: &JobInfo,
+    first: u64,
+    events: &[JobEvent],
+) -> anyhow::Result<()> {
+    #[derive(Serialize)]
+    struct Record<'a> {
+        spec: &'a JobSpec,
+        info: &'a JobInfo,
+    }
+    let record = serde_json::to_vec(&Record { spec, info }).expect("a job serialises");
+    txn.open_table(JOBS)?.insert(info.id, record.as_slice())?;
+    let mut table = txn.open_table(EVENTS)?;
+    for (i, event) in events.iter().enumerate() {
+        let encoded = serde_json::to_vec(event).expect("an event serialises");
+        table.insert((info.id, first + i as u64), encoded.as_slice())?;
+    }
+    let end = first + events.len() as u64;
+    if !events.is_empty() && end > EVENTS_KEPT as u64 {
+        let drop_below = end - EVENTS_KEPT as u64;
+        table.retain_in((info.id, 0)..(info.id, drop_below), |_, _| false)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -237,6 +314,27 @@ mod tests {
         assert_eq!(jobs[0].events, vec![event(0), event(1), event(2)]);
         assert_eq!(jobs[0].first_event, 0);
         assert!(jobs[1].events.is_empty());
+    }
+
+    #[test]
+    fn its_contents_rebuild_another_catalog_and_keep_its_incarnation() {
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let source = Catalog::open(a.path()).unwrap();
+        source.save_view(&StoredView { epoch: 3, members: vec!["a".into()] }).unwrap();
+        let events: Vec<JobEvent> = (0..EVENTS_KEPT as u64 + 2).map(event).collect();
+        source.save_job(&spec(), &info(1, 5), 0, &events).unwrap();
+        let contents = source.contents_in(&source.db.begin_read().unwrap()).unwrap();
+
+        let target = Catalog::open(b.path()).unwrap();
+        assert_eq!(target.next_incarnation().unwrap(), 1);
+        target.save_job(&spec(), &info(9, 1), 0, &[event(0)]).unwrap();
+        let txn = target.db.begin_write().unwrap();
+        Catalog::replace_in(&txn, &contents).unwrap();
+        txn.commit().unwrap();
+        assert_eq!(target.view().unwrap(), source.view().unwrap());
+        assert_eq!(target.jobs().unwrap(), source.jobs().unwrap(), "job 9 is gone, job 1 is as in the source");
+        assert_eq!(target.jobs().unwrap()[0].first_event, 2);
+        assert_eq!(target.next_incarnation().unwrap(), 2, "the incarnation is the node's own");
     }
 
     #[test]

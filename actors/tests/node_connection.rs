@@ -32,6 +32,7 @@ fn config(dir: &Path, name: &str, listen: SocketAddr, join: Option<SocketAddr>) 
         transport: TransportConfig { connect_timeout_ms: CONNECT_TIMEOUT_MS, ..TransportConfig::loopback() },
         telemetry: Default::default(),
         allow_plaintext_tcp: false,
+        controllers: Vec::new(),
     }
 }
 

@@ -284,6 +284,7 @@ impl LocalCluster {
             transport: TransportConfig::loopback(),
             telemetry: options.telemetry.clone(),
             allow_plaintext_tcp: options.allow_plaintext_tcp,
+            controllers: Vec::new(),
         }
     }
 

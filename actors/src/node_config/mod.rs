@@ -9,6 +9,7 @@ use troupe_cluster::identity::validate_node_name;
 use troupe_cluster::membership::MembershipConfig;
 use troupe_cluster::TransportConfig;
 
+pub mod controllers;
 pub mod restart;
 
 use crate::telemetry::TelemetryConfig;
@@ -51,6 +52,11 @@ pub struct NodeConfig {
     /// `/metrics` and `/status` over HTTP, the MFU peak, OTLP export (all off when absent).
     #[serde(default)]
     pub telemetry: TelemetryConfig,
+    /// The controller-eligible daemons (`node_config::controllers`): absent or one, the single
+    /// controller of today; 3 or 5 (at most 7) as "NAME@HOST:PORT" (the Raft address), a replicated
+    /// controller. Every node lists the same.
+    #[serde(default)]
+    pub controllers: Vec<String>,
 }
 
 fn one() -> u32 {
@@ -92,6 +98,11 @@ impl NodeConfig {
         }
         self.membership.validate().map_err(|m| bad("membership", m))?;
         self.telemetry.validate().map_err(|(key, m)| bad(key, m))?;
+        let (_, warnings) =
+            controllers::check(&self.name, self.listen, self.join, &self.controllers).map_err(|m| bad("controllers", m))?;
+        for warning in warnings {
+            tracing::warn!(config = origin, "`controllers`: {warning}");
+        }
         let ca = self.certs.join("ca.pem");
         if !ca.exists() {
             return Err(bad(

@@ -17,4 +17,5 @@ pub mod messages;
 pub mod node;
 pub mod node_core;
 mod outbox;
+pub mod raft;
 pub mod worker;
