@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use troupe_actors::catalog::{Catalog, CatalogWrite, StoredView};
 use troupe_actors::protocol::{JobEvent, JobInfo, JobSpec, JobState};
+use troupe_actors::runtime::raft::store::LogStore;
 use troupe_actors::runtime::raft::{
     Controller, ControllerGroup, GroupConfig, ProposeError, RaftEndpoint, RaftTimeouts,
 };
@@ -231,6 +232,10 @@ async fn a_majority_commits_and_a_killed_leader_is_replaced_within_the_bound() {
     // The two stopped nodes restart on their catalogs: a majority again; the one down since the first
     // kill catches up (its missing entries were purged: through a snapshot). (The lone node's
     // uncommitted view 100 may yet be committed if it wins this election, as Raft allows.)
+    let last_before = {
+        let catalog = Catalog::open(&cluster.catalog_dir(&cluster.controllers[killed].name)).unwrap();
+        LogStore::new(&catalog).log_state().unwrap().last_log_id.unwrap().index
+    };
     groups[killed] = Some(cluster.restart(killed, 3).await);
     groups[other] = Some(cluster.restart(other, 3).await);
     let all: Vec<&ControllerGroup> = groups.iter().flatten().collect();
@@ -239,6 +244,11 @@ async fn a_majority_commits_and_a_killed_leader_is_replaced_within_the_bound() {
     all_hold_view(&all, 16).await;
     let restarted = groups[killed].as_ref().unwrap();
     assert_eq!(restarted.catalog().jobs().unwrap().len(), 1, "the restarted node holds the job written before");
+    let purged = LogStore::new(restarted.catalog()).log_state().unwrap().last_purged_log_id.map(|p| p.index);
+    assert!(
+        purged > Some(last_before),
+        "caught up through a snapshot: purged {purged:?}, its log ended at {last_before}"
+    );
     for g in groups.into_iter().flatten() {
         g.shutdown().await;
     }
