@@ -26,8 +26,11 @@ fn tp_divisors(request: &LayoutRequest) -> Vec<(&'static str, usize, &'static st
 /// vocabulary and is at most `limit`; 1 always qualifies.
 pub(super) fn nearest_tp(request: &LayoutRequest, tp: usize, limit: usize) -> usize {
     let dims = tp_divisors(request);
-    let valid =
-        |t: usize| dims.iter().all(|(_, value, _)| value % t == 0) && request.model.vocab_size % t == 0 && t <= limit;
+    let valid = |t: usize| {
+        dims.iter().all(|(_, value, _)| value.is_multiple_of(t))
+            && request.model.vocab_size.is_multiple_of(t)
+            && t <= limit
+    };
     (1..=TP_SEARCH_MAX.min(limit.max(1))).filter(|&t| valid(t)).min_by_key(|&t| (t.abs_diff(tp), t)).unwrap_or(1)
 }
 
@@ -51,7 +54,7 @@ pub(super) fn check(request: &LayoutRequest) -> Result<(), LayoutError> {
     check_tp(request)?;
     check_world(request)?;
     check_host_fit(request)?;
-    if request.global_batch % d.dp != 0 {
+    if !request.global_batch.is_multiple_of(d.dp) {
         let nearest = (request.global_batch.div_ceil(d.dp) * d.dp).max(d.dp);
         return Err(LayoutError::BatchNotDivisible { global_batch: request.global_batch, dp: d.dp, nearest });
     }
@@ -76,7 +79,7 @@ fn check_hosts(request: &LayoutRequest) -> Result<(), LayoutError> {
 fn check_tp(request: &LayoutRequest) -> Result<(), LayoutError> {
     let tp = request.degrees.tp;
     for (key, value, what) in tp_divisors(request) {
-        if value % tp != 0 {
+        if !value.is_multiple_of(tp) {
             let nearest = nearest_tp(request, tp, usize::MAX);
             if key == "model.context" {
                 return Err(LayoutError::SequenceNotDivisible { tp, context: value, nearest });
@@ -85,7 +88,7 @@ fn check_tp(request: &LayoutRequest) -> Result<(), LayoutError> {
         }
     }
     let vocab = request.model.vocab_size;
-    if vocab % tp != 0 {
+    if !vocab.is_multiple_of(tp) {
         let (padded, nearest) = (vocab.next_multiple_of(tp), nearest_tp(request, tp, usize::MAX));
         return Err(LayoutError::VocabNeedsPadding { tp, vocab, padded, nearest });
     }
@@ -98,7 +101,7 @@ fn check_world(request: &LayoutRequest) -> Result<(), LayoutError> {
     if world == d.world() {
         return Ok(());
     }
-    let suggestion = if world % (d.tp * d.pp) == 0 {
+    let suggestion = if world.is_multiple_of(d.tp * d.pp) {
         format!(
             "--dp {} (the slots hold {} replicas of tp × pp = {})",
             world / (d.tp * d.pp),
