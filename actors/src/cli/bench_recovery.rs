@@ -4,7 +4,8 @@
 //! survivors (recovery_s), with the phases between (`phases`: detect, decide, resume — from the job's
 //! event stream); then check the run against the single-process reference. With --peer, then
 //! the same loss under torchrun (bench/peers/torchrun_recovery.py: restart the worker group from the last
-//! checkpoint), with the same ranks and kill step, and ratio = peer_recovery_s / recovery_s.
+//! checkpoint), with the same ranks and kill step, and ratio = peer_recovery_s / recovery_s. With
+//! `--runs N`, N measurements on fresh clusters summarised as p50/p99 (and the peer `--peer-runs` times).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -45,6 +46,14 @@ pub struct RecoveryArgs {
     /// Also run the torchrun peer (bench/peers/torchrun_recovery.py) after troupe's measurement.
     #[arg(long)]
     pub peer: bool,
+    /// Repeat the measurement this many times (a fresh cluster each) and report p50/p99 of
+    /// `recovery_s` and of each phase, beside every run's report (`runs`). With --peer, torchrun runs
+    /// `--peer-runs` times.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub runs: u32,
+    /// How many times the torchrun peer runs when `--runs` > 1 (it restarts its whole group: slow).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub peer_runs: u32,
     /// Python with torch for the peer (default: $TROUPE_PYTHON, else the provisioned venv).
     #[arg(long)]
     pub python: Option<PathBuf>,
@@ -57,10 +66,84 @@ pub fn run(args: RecoveryArgs) -> anyhow::Result<()> {
         bail!("--nodes {}: recovery needs at least 2 daemons (one is killed)", args.nodes);
     }
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    runtime.block_on(measure(args))
+    let report = if args.runs == 1 {
+        let mut report = runtime.block_on(measure(&args))?;
+        if args.peer {
+            let recovery = report["recovery_s"].as_f64();
+            add_peer(&mut report, &run_peer(&args)?, recovery);
+        }
+        report
+    } else {
+        repeated(&args, &runtime)?
+    };
+    if args.json {
+        println!("{report}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    }
+    Ok(())
 }
 
-async fn measure(args: RecoveryArgs) -> anyhow::Result<()> {
+/// `--runs` measurements, each on a fresh cluster, summarised as p50/p99; then the peer's.
+fn repeated(args: &RecoveryArgs, runtime: &tokio::runtime::Runtime) -> anyhow::Result<Value> {
+    let mut runs = Vec::new();
+    for run in 0..args.runs {
+        let report = runtime.block_on(measure(args)).with_context(|| format!("run {} of {}", run + 1, args.runs))?;
+        eprintln!("run {}/{}: recovery_s {}, phases {}", run + 1, args.runs, report["recovery_s"], report["phases"]);
+        runs.push(report);
+    }
+    let of = |pick: &dyn Fn(&Value) -> &Value| quantiles(runs.iter().filter_map(|r| pick(r).as_f64()).collect());
+    let mut summary = json!({
+        "bench": "recovery", "nodes": args.nodes, "kill_at_step": args.kill_at_step, "shard": args.shard,
+        "failure_detector": args.failure_detector, "runs_count": runs.len(),
+        "recovery_s": of(&|r| &r["recovery_s"]),
+        "detect_s": of(&|r| &r["detect_s"]),
+        "phases": {
+            "detect_s": of(&|r| &r["phases"]["detect_s"]),
+            "decide_s": of(&|r| &r["phases"]["decide_s"]),
+            "resume_s": of(&|r| &r["phases"]["resume_s"]),
+        },
+        "steps_redone_max": runs.iter().filter_map(|r| r["steps_redone"].as_u64()).max(),
+        "max_param_rel_diff_max": runs.iter().filter_map(|r| r["max_param_rel_diff"].as_f64()).reduce(f64::max),
+    });
+    if args.peer {
+        let peers = (0..args.peer_runs).map(|_| run_peer(args)).collect::<anyhow::Result<Vec<_>>>()?;
+        let peer_of = |key: &str| quantiles(peers.iter().filter_map(|p| p[key].as_f64()).collect());
+        let (peer_recovery, ours) = (peer_of("recovery_s"), &summary["recovery_s"]);
+        summary["ratio_p50"] = json!(peer_recovery["p50"].as_f64().zip(ours["p50"].as_f64()).map(|(p, t)| p / t));
+        summary["peer"] = peers.first().map_or(Value::Null, |p| p["peer"].clone());
+        summary["peer_recovery_s"] = peer_recovery;
+        summary["peer_detect_s"] = peer_of("detect_s");
+        summary["peer_runs"] = json!(peers);
+    }
+    summary["runs"] = json!(runs);
+    Ok(summary)
+}
+
+/// Nearest-rank p50 and p99 (and min, max) of `values`, in seconds; null without values.
+fn quantiles(mut values: Vec<f64>) -> Value {
+    if values.is_empty() {
+        return Value::Null;
+    }
+    values.sort_by(f64::total_cmp);
+    let rank = |q: f64| values[((q * values.len() as f64).ceil() as usize).clamp(1, values.len()) - 1];
+    json!({ "p50": rank(0.5), "p99": rank(0.99), "min": values[0], "max": values[values.len() - 1], "n": values.len() })
+}
+
+/// The peer's figures beside troupe's in a one-run report.
+fn add_peer(report: &mut Value, peer: &Value, recovery: Option<f64>) {
+    let peer_recovery = peer["recovery_s"].as_f64();
+    report["peer"] = peer["peer"].clone();
+    report["peer_recovery_s"] = json!(peer_recovery);
+    report["peer_detect_s"] = peer["detect_s"].clone();
+    report["peer_restart_s"] = peer["restart_s"].clone();
+    report["peer_steps_redone"] = peer["steps_redone"].clone();
+    report["peer_step_s_median"] = peer["step_s_median"].clone();
+    report["ratio"] = json!(peer_recovery.zip(recovery).map(|(p, t)| p / t));
+}
+
+/// One measurement on a fresh local cluster: troupe's report.
+async fn measure(args: &RecoveryArgs) -> anyhow::Result<Value> {
     let dir = tempfile::tempdir()?;
     let out = dir.path().join("final.safetensors");
     let mut config = JobConfig::default();
@@ -88,7 +171,7 @@ async fn measure(args: RecoveryArgs) -> anyhow::Result<()> {
     let diff = if args.no_check { None } else { Some(reference_diff(&config, &out)?) };
     step_s.sort_by(f64::total_cmp);
     let step_median = step_s.get(step_s.len() / 2).copied();
-    let mut report = json!({
+    Ok(json!({
         "bench": "recovery", "nodes": args.nodes, "kill_at_step": args.kill_at_step, "shard": args.shard,
         "rolled_back": rolled_back,
         "detect_s": detect, "recovery_s": recovery, "steps_redone": steps_redone,
@@ -97,24 +180,7 @@ async fn measure(args: RecoveryArgs) -> anyhow::Result<()> {
         "failure_detector": args.failure_detector,
         "failure_timeout_ms": membership.failure_timeout_ms,
         "failure_timeout_min_ms": membership.failure_timeout_min_ms,
-    });
-    if args.peer {
-        let peer = run_peer(&args)?;
-        let peer_recovery = peer["recovery_s"].as_f64();
-        report["peer"] = peer["peer"].clone();
-        report["peer_recovery_s"] = json!(peer_recovery);
-        report["peer_detect_s"] = peer["detect_s"].clone();
-        report["peer_restart_s"] = peer["restart_s"].clone();
-        report["peer_steps_redone"] = peer["steps_redone"].clone();
-        report["peer_step_s_median"] = peer["step_s_median"].clone();
-        report["ratio"] = json!(peer_recovery.zip(recovery).map(|(p, t)| p / t));
-    }
-    if args.json {
-        println!("{report}");
-    } else {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    }
-    Ok(())
+    }))
 }
 
 /// What the benchmark saw of the job's events, and when.
