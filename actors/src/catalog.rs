@@ -198,6 +198,8 @@ impl Catalog {
 /// One write the controller makes to its catalog, exactly what [`Catalog::save_view`] and
 /// [`Catalog::save_job`] write: the unit the replicated controller commits through Raft
 /// (`runtime::raft`) before applying it to every controller's catalog.
+// One per write, moved into Raft's log at once: its size does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum CatalogWrite {
     View(StoredView),

@@ -128,7 +128,7 @@ impl Drop for Appender {
 
 /// The last number printed after `prefix`.
 fn last(lines: &[String], prefix: &str) -> Option<u64> {
-    lines.iter().filter_map(|l| l.strip_prefix(prefix)?.trim().parse().ok()).last()
+    lines.iter().rev().find_map(|l| l.strip_prefix(prefix)?.trim().parse().ok())
 }
 
 /// What the parent has seen reported durable so far.

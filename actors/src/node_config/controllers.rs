@@ -82,7 +82,7 @@ pub fn check(
         }
     }
     let mut warnings = Vec::new();
-    if entries.len() >= 2 && entries.len() % 2 == 0 {
+    if entries.len() >= 2 && entries.len().is_multiple_of(2) {
         warnings.push(format!(
             "{} controllers tolerate no more failures than {} (a majority of {} is {}): list an odd number",
             entries.len(),

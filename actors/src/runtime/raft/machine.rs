@@ -5,6 +5,9 @@
 //! writes that rebuild them, with the applied log id and membership; the last one built or installed is
 //! kept in the catalog too.
 
+// The error type is openraft's `StorageError`, which its storage traits require.
+#![allow(clippy::result_large_err)]
+
 use std::io::Cursor;
 
 use openraft::storage::RaftStateMachine;

@@ -3,6 +3,9 @@
 //! returns, so an append reported flushed survives a SIGKILL (actors/tests/raft_log_crash.rs). Writes
 //! are serialised by openraft (one log-store task) and by redb (one write transaction at a time).
 
+// The error type is openraft's `StorageError`, which its storage traits require.
+#![allow(clippy::result_large_err)]
+
 use std::fmt::Debug;
 use std::ops::{Bound, RangeBounds};
 use std::sync::Arc;
