@@ -27,6 +27,17 @@ pub struct TrainArgs {
     /// Pipeline-parallel degree.
     #[arg(long)]
     pub pp: Option<usize>,
+    /// Tensor-parallel degree: every block's matrices split over this many ranks (Megatron); the world
+    /// is tp × dp. Needs --nodes (or --cluster).
+    #[arg(long)]
+    pub tp: Option<usize>,
+    /// Sequence parallelism with --tp (the default): the norms and the residual stream split along the
+    /// sequence too.
+    #[arg(long, overrides_with = "no_sp")]
+    pub sp: bool,
+    /// Without sequence parallelism (--tp only).
+    #[arg(long, overrides_with = "sp")]
+    pub no_sp: bool,
     /// Pipeline schedule.
     #[arg(long, value_parser = ["gpipe", "1f1b", "interleaved", "zb-h1"])]
     pub schedule: Option<String>,
@@ -99,6 +110,10 @@ impl TrainArgs {
         parallel.nodes = self.nodes.unwrap_or(parallel.nodes);
         parallel.dp = self.dp.unwrap_or(parallel.dp);
         parallel.pp = self.pp.unwrap_or(parallel.pp);
+        parallel.tp = self.tp.unwrap_or(parallel.tp);
+        if self.sp || self.no_sp {
+            parallel.sp = self.sp;
+        }
         parallel.microbatches = self.microbatches.unwrap_or(parallel.microbatches);
         parallel.virtual_stages = self.virtual_stages.unwrap_or(parallel.virtual_stages);
         parallel.recompute |= self.recompute;
@@ -127,10 +142,32 @@ impl TrainArgs {
             let ranks = pp * dp.max(1);
             bail!("--pp {pp} --dp {} on --nodes {nodes}: the pipelines need pp × dp = {ranks} ranks (one stage per daemon), and --nodes {nodes} gives {nodes}; raise --nodes or lower --pp / --dp", dp.max(1));
         }
+        self.check_tensor_world(&config)?;
         let distributed = self.cluster.is_some() || nodes > 1;
         if distributed && self.resume.is_some() {
             bail!("--resume: on a cluster, pass --checkpoint-dir instead: a job whose checkpoint directory holds a valid checkpoint continues from the newest one");
         }
         Ok(config)
+    }
+
+    /// `--tp` on the embedded cluster (one slot per daemon): the world is tp × dp ranks.
+    fn check_tensor_world(&self, config: &JobConfig) -> anyhow::Result<()> {
+        let (tp, dp, nodes) = (config.parallel.tp, config.parallel.dp, config.parallel.nodes);
+        if tp <= 1 || self.cluster.is_some() {
+            return Ok(());
+        }
+        if nodes == 1 {
+            bail!(
+                "--tp {tp} runs its ranks on daemons: add --nodes {} (tp × dp ranks, one per daemon)",
+                tp * dp.max(1)
+            );
+        }
+        if dp == 0 && nodes % tp != 0 {
+            bail!("--tp {tp} on --nodes {nodes}: the world must be tp × dp ranks, and {tp} does not divide {nodes}; use --nodes {} or set --dp", (nodes / tp).max(1) * tp);
+        }
+        if dp > 0 && tp * dp > nodes {
+            bail!("--tp {tp} --dp {dp} needs tp × dp = {} ranks, and --nodes {nodes} gives {nodes}; raise --nodes or lower --tp / --dp", tp * dp);
+        }
+        Ok(())
     }
 }

@@ -6,13 +6,14 @@
 //! too — gathered per unit just in time, [`zero3`] — sharded across ranks, each shard also shadowed by
 //! a buddy rank — [`shard_plan`]), both driven by the worker through [`StepEngine`]; and [`pipeline`]
 //! (the model cut into stages run by stage actors: schedules as checked plans, activations and
-//! gradients as messages). [`PersistentState`] counts what a rank keeps between steps.
+//! gradients as messages); and [`TensorParallelReplica`] (`parallel.tp`: Megatron's layers over each
+//! replica's tensor group, DDP over the replicas). [`PersistentState`] counts what a rank keeps between steps.
 //!
 //! Architecture Invariant: dependencies point down, and no engine uses another. From the bottom:
 //! `flat`, `shard_plan` (pure), `segments`, `committed`, `memory`, `eval`; then `step_engine` — the
 //! [`StepEngine`] trait, [`EngineError`], [`ReducedStep`], [`OpTiming`], naming no engine; then what
 //! engines share: `reshard`, `overlap`, `zero3`, `shard_owner` (below `sharded`, which spawns and asks
-//! it); on top the engines, `data_parallel`, `sharded` and `pipeline`, each implementing [`StepEngine`]
+//! it); on top the engines, `data_parallel`, `sharded`, `pipeline` and `tensor_parallel`, each implementing [`StepEngine`]
 //! in its own module (a pipeline failure becomes an [`EngineError`] by a `From` in `pipeline`). A helper
 //! two engines need moves below both; nothing below an engine names one, and nothing in `step_engine`
 //! names a concrete engine or its error. Whoever picks the engine for a job (the worker) is above them all.
@@ -30,6 +31,7 @@ mod shard_owner;
 pub mod shard_plan;
 mod sharded;
 mod step_engine;
+mod tensor_parallel;
 pub mod zero3;
 
 pub use committed::{CommittedState, ShardPiece};
@@ -55,3 +57,4 @@ pub use shard_owner::{OwnerArgs, OwnerUpdate, ShardOwnerActor, ShardOwnerMsg};
 pub use shard_plan::ShardMode;
 pub use sharded::ShardedReplica;
 pub use step_engine::{EngineError, OpTiming, ReducedStep, StepEngine};
+pub use tensor_parallel::TensorParallelReplica;

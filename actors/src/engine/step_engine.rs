@@ -29,6 +29,10 @@ pub enum EngineError {
     /// A pipeline device's failure (a `pipeline::PipelineError`, which converts into this variant).
     #[error(transparent)]
     Pipeline(Box<dyn std::error::Error + Send + Sync>),
+    /// A tensor-parallel rank's step or gather failed (a collective of its tensor or data-parallel
+    /// group, or its tensor group's ranks disagree on the committed step).
+    #[error("tensor parallelism: {0}")]
+    TensorParallel(String),
     /// The attempt's layout cannot run this job (set-up, before any state moved).
     #[error("setting up the attempt: {0}")]
     Setup(String),

@@ -276,10 +276,17 @@ impl JobDriver {
         infos
     }
 
-    /// The cap on ranks: `parallel.dp` (0 is no cap) replicas of `parallel.pp` stages.
+    /// The cap on ranks: `parallel.dp` (0 is no cap) replicas of `parallel.pp` stages of
+    /// `parallel.tp` ranks each.
     fn max_ranks(&self) -> usize {
         let parallel = &self.spec.config.parallel;
-        parallel.dp * parallel.pp
+        parallel.dp * parallel.pp * parallel.tp.max(1)
+    }
+
+    /// The world is whole model replicas: a multiple of `parallel.pp` × `parallel.tp` ranks.
+    fn replica_ranks(&self) -> usize {
+        let parallel = &self.spec.config.parallel;
+        parallel.pp.max(1) * parallel.tp.max(1)
     }
 
     pub fn poll_action(&mut self) -> Option<DriverAction> {
@@ -325,7 +332,7 @@ impl JobDriver {
             return;
         }
         let max_nodes = self.spec.config.elastic.max_nodes;
-        let (max_ranks, stages) = (self.max_ranks(), self.spec.config.parallel.pp);
+        let (max_ranks, stages) = (self.max_ranks(), self.replica_ranks());
         let mut wanted = plan_ranks(view, members, max_nodes, max_ranks, stages, self.ranks());
         if !matches!(self.phase, Phase::Idle) && wanted == self.ranks() {
             match self.ranks_with_a_more_advanced_spare(self.committed, &wanted) {
@@ -353,8 +360,7 @@ impl JobDriver {
         if !missing.is_empty() {
             changes.push(format!("{} did not rejoin within {} s", missing.join(", "), RESUME_GRACE.as_secs()));
         }
-        let parallel = &self.spec.config.parallel;
-        let (max_nodes, stages) = (self.spec.config.elastic.max_nodes, parallel.pp);
+        let (max_nodes, stages) = (self.spec.config.elastic.max_nodes, self.replica_ranks());
         let world = plan_ranks(&view, &members, max_nodes, self.max_ranks(), stages, &[]).len();
         self.actions.push_back(DriverAction::Event(JobEvent::Membership { epoch: view.epoch.0, world, changes }));
         self.on_view(&view, &members, Vec::new());

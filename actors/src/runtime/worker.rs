@@ -28,7 +28,7 @@ pub use super::messages::WorkerMsg;
 use crate::engine::pipeline::PipelineReplica;
 use crate::engine::{
     CommittedState, DataParallelReplica, EngineError, OpTiming, ReducedStep, ShardMode, ShardedReplica, StepEngine,
-    DEFAULT_BUCKET_BYTES,
+    TensorParallelReplica, DEFAULT_BUCKET_BYTES,
 };
 use crate::protocol::{AttemptOutcome, DataPlane, EvalFigures, JobId, JobSpec, StageTime, StepFigures, ToController};
 use crate::telemetry::link_bytes::Counted;
@@ -577,7 +577,8 @@ async fn between_hosts<T: Transport>(
 /// same-host transport among this rank's host's ranks (`None` when it is alone there).
 type HostTier = (HostLayout, Option<Arc<SameHostTransport>>);
 
-/// Runs the attempt over `transport` with the job's engine: a pipeline device (`parallel.pp` > 1), DDP
+/// Runs the attempt over `transport` with the job's engine: a pipeline device (`parallel.pp` > 1), a
+/// tensor-parallel rank (`parallel.tp` > 1), DDP
 /// (`parallel.shard = "none"`) or ZeRO-1/2/3 with `checkpoint.replicas` buddy copies of each shard.
 async fn train_over<T: Transport>(
     ctx: &AttemptCtx,
@@ -615,6 +616,13 @@ async fn train_over<T: Transport>(
             let outcome = drive(ctx, spec, &mut engine, ctl).await;
             (engine.into_state().await, outcome)
         }
+        (_, state) if spec.config.parallel.tp > 1 => match TensorParallelReplica::adopt(state, comm, collective) {
+            Ok(mut engine) => {
+                let outcome = drive(ctx, spec, &mut engine, ctl).await;
+                (engine.into_state().await, outcome)
+            }
+            Err(reason) => return (None, AttemptOutcome::Failed { step: 0, reason }),
+        },
         (Some(mode), state) => {
             let replicas = spec.config.checkpoint.replicas;
             let mut engine = ShardedReplica::adopt(state, comm, mode, replicas, Some(ctx.worker.clone()));

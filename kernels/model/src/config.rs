@@ -134,7 +134,45 @@ impl JobConfig {
         self.validate_eval()?;
         self.parallel.validate()?;
         self.elastic.validate()?;
-        self.validate_parallel_fits()
+        self.validate_parallel_fits()?;
+        self.validate_tensor_parallel()
+    }
+
+    /// `parallel.tp` and `parallel.sp`: a degree the model's split tables accept (the layout's own
+    /// refusal, naming the model key and the nearest valid degree), fp32, and — this build — neither a
+    /// pipeline nor ZeRO beside it.
+    fn validate_tensor_parallel(&self) -> Result<(), ConfigError> {
+        let p = &self.parallel;
+        if p.tp == 0 || p.tp > crate::sections::RANKS_MAX {
+            return Err(invalid("parallel.tp", p.tp, format!("must be in 1..={}", crate::sections::RANKS_MAX)));
+        }
+        if p.tp == 1 {
+            return Ok(());
+        }
+        if let Err(e) = crate::tensor_parallel::TpLayout::new(&self.model, p.tp, p.sp) {
+            return Err(invalid("parallel.tp", p.tp, e.to_string()));
+        }
+        let not_yet = |key: &'static str, value: String, what: &str| {
+            invalid(
+                key,
+                value,
+                format!("tensor parallelism (parallel.tp = {}) with {what} is not supported yet in this build", p.tp),
+            )
+        };
+        if p.pp > 1 {
+            return Err(not_yet("parallel.pp", p.pp.to_string(), "a pipeline: set parallel.pp = 1"));
+        }
+        if p.shard != "none" {
+            return Err(not_yet("parallel.shard", format!("{:?}", p.shard), "ZeRO: set parallel.shard = \"none\""));
+        }
+        if p.precision != "fp32" {
+            return Err(not_yet(
+                "parallel.precision",
+                format!("{:?}", p.precision),
+                "16-bit matrices: set parallel.precision = \"fp32\"",
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -433,6 +471,11 @@ mod tests {
             ("[parallel]\nbalance = \"measured\"\n", &["parallel.balance", "--pp"]),
             ("[parallel]\nnodes = 0\n", &["parallel.nodes", "1..=64"]),
             ("[parallel]\nbucket_mib = 4096\n", &["parallel.bucket_mib", "at most 1024"]),
+            ("[parallel]\ntp = 3\n", &["parallel.tp", "model.n_heads (4)", "nearest valid degree is 2"]),
+            ("[parallel]\ntp = 0\n", &["parallel.tp", "1..=4096"]),
+            ("[parallel]\ntp = 2\npp = 2\n", &["parallel.pp", "not supported yet"]),
+            ("[parallel]\ntp = 2\nshard = \"zero1\"\n", &["parallel.shard", "not supported yet"]),
+            ("[parallel]\ntp = 2\nprecision = \"bf16\"\n", &["parallel.precision", "not supported yet"]),
             ("[train]\nsteps = \"many\"\n", &["invalid type", "steps"]),
             ("[elastic]\nmin_nodes = 0\n", &["elastic.min_nodes", "1..=4096"]),
             ("[elastic]\nmin_nodes = 3\nmax_nodes = 2\n", &["elastic.max_nodes", "at least elastic.min_nodes (3)"]),

@@ -251,6 +251,11 @@ pub struct ParallelConfig {
     /// DDP gradient bucket size in MiB; 0 means the engine's default (25 MiB, PyTorch's). Smaller buckets
     /// start their all-reduce earlier in the backward.
     pub bucket_mib: usize,
+    /// Tensor-parallel degree (Megatron's column/row-parallel layers): each rank holds 1/tp of every
+    /// block's matrices; the world is tp × dp × pp.
+    pub tp: usize,
+    /// Sequence parallelism with `tp` > 1 (the norms and the residual stream sharded along the sequence).
+    pub sp: bool,
 }
 
 impl Default for ParallelConfig {
@@ -270,6 +275,8 @@ impl Default for ParallelConfig {
             recompute: false,
             overlap_comm: true,
             bucket_mib: 0,
+            tp: 1,
+            sp: true,
         }
     }
 }

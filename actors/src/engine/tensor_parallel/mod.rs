@@ -1,0 +1,418 @@
+//! Tensor parallelism (× data parallelism) on the cluster: `parallel.tp = T` cuts every block's matrices
+//! over T ranks (Megatron-LM's column/row-parallel layers, vocab-parallel embedding and cross-entropy,
+//! sequence parallelism with `parallel.sp`; the maths is `troupe_model::tensor_parallel`).
+//!
+//! Rank `r` of a world of `T × D` ranks is tensor rank `r mod T` of model replica `r div T` (the
+//! planner's order with `pp = 1`: a tensor group is T consecutive ranks, on as few hosts as possible).
+//! The tensor group's collectives and the data-parallel gradient all-reduce (among the ranks of one
+//! tensor index) run over [`Subgroup`]s of the attempt's mesh.
+//!
+//! State between attempts is [`CommittedState::Full`], layout-free: at the start of an attempt each rank
+//! cuts its shards (parameters and AdamW moments) from the whole state with `TpLayout::shard`; at its
+//! end (and for a checkpoint, an evaluation or `--save-final`) the tensor group all-gathers them back
+//! with `TpLayout::gather`. A tensor group lives or dies together: when a rank of it is lost, the
+//! others' final gather fails and they keep nothing; the other groups' ranks hold the whole committed
+//! state, so the next attempt (fewer replicas) starts from them, or from the checkpoint.
+
+mod group;
+
+use std::any::Any;
+use std::sync::Arc;
+
+use tch::Tensor;
+use tokio::runtime::Handle;
+use tokio::task::JoinHandle;
+use troupe_cluster::collective::{Collective, CollectiveConfig, Communicator, ReduceOp};
+use troupe_cluster::transport::subgroup::Subgroup;
+use troupe_cluster::transport::Transport;
+use troupe_cluster::ClusterError;
+use troupe_model::checkpoint::{CheckpointWriter, Layout, SaveRequest, TrainingState};
+use troupe_model::data::{micro_batch_ranges, rank_slice};
+use troupe_model::generate::Evaluation;
+use troupe_model::optim::{learning_rate, scale_grads, AdamW, AdamWConfig};
+use troupe_model::precision::{LossScale, Update};
+use troupe_model::tensor_parallel::{TpError, TpGroup, TpLayout, TpRank};
+use troupe_model::Trainer;
+
+use super::committed::CommittedState;
+use super::flat::{append_flat, copy_from_flat};
+use super::step_engine::{EngineError, ReducedStep, StepEngine};
+use group::CommGroup;
+
+/// Collective group ids of the engine's subgroups (distinct from the attempt's and the other engines').
+const TENSOR_GROUP: u32 = 0x5450_0001;
+const DATA_GROUP: u32 = 0x5450_0002;
+/// The final gather's group: a fresh sequence, so ranks whose attempt failed at different collectives
+/// still meet.
+const FINAL_GROUP: u32 = 0x5450_0003;
+
+/// What the blocking thread owns while it computes: the rank's shards, its groups and its AdamW.
+struct Parts<T: Transport> {
+    rank: TpRank,
+    tp: CommGroup<T>,
+    dp: Option<Communicator<Subgroup<T>>>,
+    optimizer: AdamW,
+}
+
+/// One micro-batch: tokens, targets, weight in the global batch.
+type Batch = (Tensor, Tensor, f64);
+
+/// One rank of a tensor-parallel (× data-parallel) job.
+pub struct TensorParallelReplica<T: Transport> {
+    trainer: Trainer,
+    comm: Communicator<T>,
+    collective: CollectiveConfig,
+    degree: usize,
+    sp: bool,
+    parts: Option<Parts<T>>,
+    /// A blocking computation whose caller was dropped (the attempt aborted mid-step): it gives the
+    /// parts back when it ends.
+    pending: Option<JoinHandle<(Parts<T>, Box<dyn Any + Send>)>>,
+    /// The trainer's state was half overwritten (a broadcast that failed): nothing of it may be kept.
+    lost: bool,
+    /// The shards were cut: from then on they, not the trainer's parameters, are the state.
+    sharded: bool,
+}
+
+impl<T: Transport> TensorParallelReplica<T> {
+    /// Takes the rank's committed state (layout-free); the shards are cut at [`StepEngine::sync`].
+    pub fn adopt(state: CommittedState, comm: Communicator<T>, collective: CollectiveConfig) -> Result<Self, String> {
+        let trainer = match state.materialised().map_err(|e| e.to_string())? {
+            CommittedState::Full(trainer) => *trainer,
+            _ => return Err("a tensor-parallel job was handed a sharded state; dropped".into()),
+        };
+        let (degree, sp) = (trainer.config.parallel.tp.max(1), trainer.config.parallel.sp);
+        Ok(Self { trainer, comm, collective, degree, sp, parts: None, pending: None, lost: false, sharded: false })
+    }
+
+    /// This rank's index in its tensor group and its model replica (data-parallel index).
+    fn coordinates(&self) -> (usize, usize) {
+        (self.comm.rank() % self.degree, self.comm.rank() / self.degree)
+    }
+
+    fn replicas(&self) -> usize {
+        self.comm.world() / self.degree
+    }
+
+    /// The tensor group's transport (the ranks of this rank's model replica).
+    fn tensor_transport(&self) -> Result<Arc<Subgroup<T>>, ClusterError> {
+        let (_, replica) = self.coordinates();
+        let members = (0..self.degree).map(|t| replica * self.degree + t).collect();
+        Subgroup::new(self.comm.transport().clone(), members).map(Arc::new)
+    }
+
+    /// Cuts this rank's shards and AdamW moments from the trainer's whole state.
+    fn shard(&mut self) -> Result<(), EngineError> {
+        let world = self.comm.world();
+        if world % self.degree != 0 {
+            return Err(EngineError::Setup(format!(
+                "parallel.tp = {} does not divide the attempt's {world} ranks: the world must be tp × data-parallel replicas",
+                self.degree
+            )));
+        }
+        let layout = TpLayout::new(&self.trainer.config.model, self.degree, self.sp)
+            .map_err(|e| EngineError::Setup(format!("parallel.tp: {e}")))?;
+        let (t, _) = self.coordinates();
+        let (epoch, handle) = (self.comm.epoch(), Handle::current());
+        let tp = Communicator::new(self.tensor_transport()?, TENSOR_GROUP, epoch, self.collective.clone());
+        let dp = if self.replicas() > 1 {
+            let members = (0..self.replicas()).map(|d| d * self.degree + t).collect();
+            let peers = Arc::new(Subgroup::new(self.comm.transport().clone(), members)?);
+            Some(Communicator::new(peers, DATA_GROUP, epoch, self.collective.clone()))
+        } else {
+            None
+        };
+        let full: Vec<Tensor> = self.trainer.model.params().iter().map(Tensor::detach).collect();
+        let shards = layout.shard(&full, t);
+        let exp_avg = layout.shard(&self.trainer.optimizer.exp_avg, t);
+        let exp_avg_sq = layout.shard(&self.trainer.optimizer.exp_avg_sq, t);
+        let rank = TpRank::new(layout, t, shards);
+        let decays = self.trainer.model.specs().iter().map(|s| s.decays()).collect();
+        let mut optimizer = AdamW::new(AdamWConfig::from(&self.trainer.config.train), rank.params(), decays);
+        optimizer.step = self.trainer.optimizer.step;
+        optimizer.exp_avg = exp_avg.iter().map(Tensor::copy).collect();
+        optimizer.exp_avg_sq = exp_avg_sq.iter().map(Tensor::copy).collect();
+        self.parts = Some(Parts { rank, tp: CommGroup { comm: tp, handle }, dp, optimizer });
+        self.sharded = true;
+        Ok(())
+    }
+
+    /// Gets the parts back from a blocking computation whose caller was dropped.
+    async fn reclaim(&mut self) {
+        if let Some(job) = self.pending.take() {
+            if let Ok((parts, _)) = job.await {
+                self.parts = Some(parts);
+            }
+        }
+    }
+
+    /// Runs `work` on the parts on a blocking thread (the model's tensor-parallel code is synchronous).
+    async fn blocking<R: Send + 'static>(
+        &mut self,
+        work: impl FnOnce(&mut Parts<T>) -> R + Send + 'static,
+    ) -> Result<R, EngineError> {
+        self.reclaim().await;
+        let Some(mut parts) = self.parts.take() else {
+            return Err(EngineError::Setup("this rank's shards are gone (a computation of it panicked)".into()));
+        };
+        self.pending = Some(tokio::task::spawn_blocking(move || {
+            let out = work(&mut parts);
+            (parts, Box::new(out) as Box<dyn Any + Send>)
+        }));
+        let job = self.pending.as_mut().expect("just set");
+        let joined = job.await;
+        self.pending = None;
+        let (parts, out) = joined.map_err(|e| EngineError::Setup(format!("the tensor-parallel computation: {e}")))?;
+        self.parts = Some(parts);
+        Ok(*out.downcast::<R>().expect("the computation's own result type"))
+    }
+
+    /// The step's micro-batches of this rank's model replica.
+    fn batches(&self) -> Vec<Batch> {
+        let (_, replica) = self.coordinates();
+        let train = &self.trainer.config.train;
+        let slice = rank_slice(train.global_batch, replica, self.replicas());
+        micro_batch_ranges(slice, train.micro_batch)
+            .into_iter()
+            .map(|range| {
+                let weight = range.len() as f64 / train.global_batch as f64;
+                let (tokens, targets) = self.trainer.sampler.batch(self.trainer.step, range);
+                let device = self.trainer.device;
+                (tokens.to_device(device), targets.to_device(device), weight)
+            })
+            .collect()
+    }
+
+    /// The whole state (parameters, AdamW moments and counters) gathered from the tensor group into the
+    /// trainer, on every rank of the group. With `fresh`, over a new sequence of collectives.
+    async fn gather(&mut self, fresh: bool) -> Result<(), EngineError> {
+        let counters = [self.trainer.step, self.parts.as_ref().map_or(0, |p| p.optimizer.step)];
+        let fresh = if fresh { Some(self.tensor_transport()?) } else { None };
+        let (epoch, collective) = (self.comm.epoch(), self.collective.clone());
+        let gathered = self
+            .blocking(move |parts| {
+                if let Some(transport) = fresh {
+                    parts.tp.comm = Communicator::new(transport, FINAL_GROUP, epoch, collective);
+                }
+                gather_parts(parts, counters)
+            })
+            .await?;
+        let [params, exp_avg, exp_avg_sq] = gathered.map_err(EngineError::TensorParallel)?;
+        copy_tensors(self.trainer.model.params(), &params);
+        self.trainer.optimizer.exp_avg = exp_avg;
+        self.trainer.optimizer.exp_avg_sq = exp_avg_sq;
+        self.trainer.optimizer.step = counters[1];
+        Ok(())
+    }
+}
+
+fn copy_tensors(dst: &[Tensor], src: &[Tensor]) {
+    tch::no_grad(|| {
+        for (d, s) in dst.iter().zip(src) {
+            d.shallow_clone().copy_(s);
+        }
+    });
+}
+
+/// Counters as exact f32 halves of 24 bits.
+fn split(v: u64) -> [f32; 2] {
+    [(v >> 24) as f32, (v & 0xFF_FFFF) as f32]
+}
+
+/// The tensor group's shards all-gathered into whole lists (parameters, exp_avg, exp_avg_sq); an error
+/// when the ranks' counters differ (some applied a step the others did not).
+fn gather_parts<T: Transport>(parts: &mut Parts<T>, counters: [u64; 2]) -> Result<[Vec<Tensor>; 3], String> {
+    let n = parts.tp.size();
+    let mine: Vec<f32> = counters.iter().flat_map(|&c| split(c)).collect();
+    let mut all = vec![0.0f32; mine.len() * n];
+    let handle = parts.tp.handle.clone();
+    handle.block_on(parts.tp.comm.all_gather(&mine[..], &mut all[..])).map_err(|e| e.to_string())?;
+    if all.chunks(mine.len()).any(|c| c != &mine[..]) {
+        return Err(format!("the tensor group's ranks hold different steps ({all:?}); its state is dropped"));
+    }
+    let layout = &parts.rank.layout;
+    let shapes = layout.shard_shapes();
+    let lists = [
+        parts.rank.params().iter().map(Tensor::detach).collect::<Vec<_>>(),
+        parts.optimizer.exp_avg.iter().map(Tensor::shallow_clone).collect(),
+        parts.optimizer.exp_avg_sq.iter().map(Tensor::shallow_clone).collect(),
+    ];
+    let mut out: Vec<Vec<Tensor>> = Vec::with_capacity(3);
+    for list in lists {
+        let mut flat = Vec::new();
+        append_flat(&list.iter().map(Tensor::contiguous).collect::<Vec<_>>(), &mut flat);
+        let mut everyone = vec![0.0f32; flat.len() * n];
+        handle.block_on(parts.tp.comm.all_gather(&flat[..], &mut everyone[..])).map_err(|e| e.to_string())?;
+        let per_rank: Vec<Vec<Tensor>> = everyone
+            .chunks(flat.len())
+            .map(|chunk| {
+                let shards: Vec<Tensor> =
+                    shapes.iter().map(|s| Tensor::zeros(s.as_slice(), tch::kind::FLOAT_CPU)).collect();
+                copy_from_flat(&shards, chunk);
+                shards
+            })
+            .collect();
+        out.push(layout.gather(&per_rank));
+    }
+    let [a, b, c]: [Vec<Tensor>; 3] = out.try_into().map_err(|_| "three lists".to_string())?;
+    Ok([a, b, c])
+}
+
+/// The forward and backward of the rank's micro-batches (weighted as the reference weights them), the
+/// gradients averaged over the data-parallel group, and the global gradient norm: (loss, norm).
+fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -> Result<(f64, f64), String> {
+    let e = |e: TpError| e.to_string();
+    let params: Vec<Tensor> = parts.rank.params().iter().map(Tensor::shallow_clone).collect();
+    let mut sum: Vec<Tensor> = params.iter().map(|p| p.detach().zeros_like()).collect();
+    let mut loss = 0.0;
+    for (tokens, targets, weight) in batches {
+        for p in &params {
+            let mut g = p.grad();
+            if g.defined() {
+                let _ = g.zero_();
+            }
+        }
+        loss += parts.rank.loss_and_backward(&mut parts.tp, &tokens, &targets).map_err(e)? * weight;
+        tch::no_grad(|| {
+            for (acc, p) in sum.iter_mut().zip(&params) {
+                if p.grad().defined() {
+                    *acc += p.grad() * weight;
+                }
+            }
+        });
+    }
+    let mut flat = Vec::new();
+    append_flat(&sum, &mut flat);
+    flat.push(loss as f32);
+    if let Some(dp) = &mut parts.dp {
+        parts.tp.handle.block_on(dp.all_reduce(&mut flat[..], ReduceOp::Sum)).map_err(|e| e.to_string())?;
+        loss = f64::from(flat[flat.len() - 1]);
+    }
+    let mut offset = 0;
+    for p in &params {
+        let n = p.numel();
+        // A parameter that took no part in the forward keeps no gradient (AdamW leaves it alone).
+        if p.grad().defined() {
+            copy_from_flat(&[p.grad()], &flat[offset..offset + n]);
+        }
+        offset += n;
+    }
+    let norm = parts.rank.grad_norm(&mut parts.tp).map_err(e)?;
+    Ok((loss, norm))
+}
+
+/// Makes this rank's whole state (parameters, moments, counters, loss scaler) rank `source`'s.
+async fn broadcast_state<T: Transport>(
+    comm: &mut Communicator<T>,
+    trainer: &mut Trainer,
+    source: usize,
+) -> Result<(), ClusterError> {
+    let join = |hi: f32, lo: f32| ((hi as u64) << 24) | lo as u64;
+    let (step, opt) = (split(trainer.step), split(trainer.optimizer.step));
+    let s = trainer.loss_scale.to_words();
+    let mut counters = [step[0], step[1], opt[0], opt[1], s[0], s[1], s[2], s[3], s[4]];
+    comm.broadcast(&mut counters[..], source).await?;
+    let tensors: Vec<Tensor> = (trainer.model.params().iter())
+        .chain(&trainer.optimizer.exp_avg)
+        .chain(&trainer.optimizer.exp_avg_sq)
+        .map(Tensor::shallow_clone)
+        .collect();
+    let mut flat = Vec::new();
+    for tensor in tensors {
+        flat.clear();
+        append_flat(std::slice::from_ref(&tensor.detach()), &mut flat);
+        comm.broadcast(&mut flat[..], source).await?;
+        copy_from_flat(std::slice::from_ref(&tensor), &flat);
+    }
+    trainer.step = join(counters[0], counters[1]);
+    trainer.optimizer.step = join(counters[2], counters[3]);
+    let [_, _, _, _, scaler @ ..] = counters;
+    trainer.loss_scale = LossScale::from_words(scaler);
+    Ok(())
+}
+
+impl<T: Transport> StepEngine for TensorParallelReplica<T> {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn world(&self) -> usize {
+        self.comm.world()
+    }
+
+    fn trainer(&self) -> &Trainer {
+        &self.trainer
+    }
+
+    async fn sync(&mut self, source: Option<usize>) -> Result<(), EngineError> {
+        if let Some(source) = source {
+            self.lost = true;
+            broadcast_state(&mut self.comm, &mut self.trainer, source).await?;
+            self.lost = false;
+        }
+        self.shard()
+    }
+
+    async fn reduce(&mut self) -> Result<ReducedStep, EngineError> {
+        let started = std::time::Instant::now();
+        let batches = self.batches();
+        let (loss, grad_norm) =
+            self.blocking(move |parts| compute(parts, batches)).await?.map_err(EngineError::TensorParallel)?;
+        Ok(ReducedStep { loss, grad_norm, compute_seconds: started.elapsed().as_secs_f64() })
+    }
+
+    async fn apply(&mut self, reduced: ReducedStep) {
+        self.reclaim().await;
+        let step = self.trainer.step;
+        let update = self.trainer.conclude_step(reduced.grad_norm);
+        let lr = learning_rate(&self.trainer.config.train, step);
+        if let (Update::Apply { grad_factor, .. }, Some(parts)) = (update, self.parts.as_mut()) {
+            scale_grads(parts.rank.params(), grad_factor);
+            parts.optimizer.apply(parts.rank.params_mut(), lr);
+        }
+        self.trainer.step += 1;
+    }
+
+    /// The tensor group of replica 0 gathers the whole state; rank 0 submits it (layout-free).
+    async fn checkpoint(&mut self, writer: Option<&CheckpointWriter>, tag: u64) -> Result<(), EngineError> {
+        if self.coordinates().1 != 0 {
+            return Ok(());
+        }
+        self.gather(false).await?;
+        if let Some(writer) = writer {
+            let state = Box::new(TrainingState::snapshot(&self.trainer));
+            writer.submit(SaveRequest { state, layout: Layout::ddp(self.replicas()), tag });
+        }
+        Ok(())
+    }
+
+    async fn evaluate(&mut self) -> Result<Option<Evaluation>, EngineError> {
+        if self.trainer.validation.is_none() {
+            return Ok(None);
+        }
+        self.gather(false).await?;
+        Ok(self.trainer.evaluate())
+    }
+
+    async fn finish(&mut self) -> Result<(), EngineError> {
+        self.gather(false).await
+    }
+
+    async fn into_state(mut self) -> Option<CommittedState> {
+        if self.lost {
+            return None;
+        }
+        self.reclaim().await;
+        if !self.sharded {
+            // The trainer still holds the attempt's starting state.
+            return Some(CommittedState::Full(Box::new(self.trainer)));
+        }
+        match self.gather(true).await {
+            Ok(()) => Some(CommittedState::Full(Box::new(self.trainer))),
+            Err(e) => {
+                tracing::warn!(rank = self.comm.rank(), error = %e, "the tensor group's state could not be gathered; this rank keeps nothing");
+                None
+            }
+        }
+    }
+}
