@@ -57,6 +57,9 @@ struct Parts<T: Transport> {
 /// One micro-batch: tokens, targets, weight in the global batch.
 type Batch = (Tensor, Tensor, f64);
 
+/// A blocking computation: it gives back the parts and its result.
+type Pending<T> = JoinHandle<(Parts<T>, Box<dyn Any + Send>)>;
+
 /// One rank of a tensor-parallel (× data-parallel) job.
 pub struct TensorParallelReplica<T: Transport> {
     trainer: Trainer,
@@ -67,7 +70,7 @@ pub struct TensorParallelReplica<T: Transport> {
     parts: Option<Parts<T>>,
     /// A blocking computation whose caller was dropped (the attempt aborted mid-step): it gives the
     /// parts back when it ends.
-    pending: Option<JoinHandle<(Parts<T>, Box<dyn Any + Send>)>>,
+    pending: Option<Pending<T>>,
     /// The trainer's state was half overwritten (a broadcast that failed): nothing of it may be kept.
     lost: bool,
     /// The shards were cut: from then on they, not the trainer's parameters, are the state.
@@ -104,7 +107,7 @@ impl<T: Transport> TensorParallelReplica<T> {
     /// Cuts this rank's shards and AdamW moments from the trainer's whole state.
     fn shard(&mut self) -> Result<(), EngineError> {
         let world = self.comm.world();
-        if world % self.degree != 0 {
+        if !world.is_multiple_of(self.degree) {
             return Err(EngineError::Setup(format!(
                 "parallel.tp = {} does not divide the attempt's {world} ranks: the world must be tp × data-parallel replicas",
                 self.degree
