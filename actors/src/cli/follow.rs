@@ -54,6 +54,9 @@ pub struct Tally {
 #[derive(Debug)]
 pub struct Mode {
     pub pp: usize,
+    /// The tensor-parallel degree and whether sequence parallelism is on.
+    pub tp: usize,
+    pub sp: bool,
     pub schedule: String,
     pub shard: String,
     pub total_steps: u64,
@@ -64,6 +67,8 @@ impl Mode {
         let parallel = &config.parallel;
         Self {
             pp: parallel.pp,
+            tp: parallel.tp,
+            sp: parallel.sp,
             schedule: parallel.schedule.clone(),
             shard: parallel.shard.clone(),
             total_steps: config.train.steps,
@@ -80,6 +85,10 @@ impl Mode {
     }
 
     fn describe(&self, world: usize) -> String {
+        if self.tp > 1 {
+            let sp = if self.sp { " with sequence parallelism" } else { "" };
+            return format!("{} tensor-parallel group(s) of {}{sp}", world / self.tp, self.tp);
+        }
         match (self.pp, self.shard.as_str()) {
             (1, "none") => "data-parallel".into(),
             (1, shard) => format!("data-parallel with {shard}"),
