@@ -98,8 +98,8 @@ impl NodeConfig {
         }
         self.membership.validate().map_err(|m| bad("membership", m))?;
         self.telemetry.validate().map_err(|(key, m)| bad(key, m))?;
-        let (_, warnings) =
-            controllers::check(&self.name, self.listen, self.join, &self.controllers).map_err(|m| bad("controllers", m))?;
+        let (_, warnings) = controllers::check(&self.name, self.listen, self.join, &self.controllers)
+            .map_err(|m| bad("controllers", m))?;
         for warning in warnings {
             tracing::warn!(config = origin, "`controllers`: {warning}");
         }
