@@ -25,11 +25,11 @@ use troupe_model::blockwise::Activations;
 use troupe_model::checkpoint::{CheckpointWriter, Layout, SaveRequest, TrainingState};
 use troupe_model::data::{micro_batch_ranges, rank_slice};
 use troupe_model::generate::Evaluation;
-use troupe_model::precision::{backward_weight, LossScale};
+use troupe_model::precision::backward_weight;
 use troupe_model::{StepReport, Trainer};
 
 use super::committed::CommittedState;
-use super::flat::{append_flat, broadcast_params, copy_from_flat, materialise_grads};
+use super::flat::{append_flat, broadcast_params, broadcast_state, copy_from_flat, materialise_grads};
 use super::overlap::{BackwardJob, BackwardWork, MicroBatch, Progress};
 use super::step_engine::{EngineError, ReducedStep, StepEngine};
 
@@ -138,32 +138,7 @@ impl<T: Transport> DataParallelReplica<T> {
     /// Makes every rank's whole training state — parameters, AdamW moments, step counters and the loss
     /// scaler — equal to rank `source`'s: how a joiner or a replacement catches up with the survivors.
     pub async fn sync_state_from(&mut self, source: usize) -> Result<(), ClusterError> {
-        // Counters travel as 24-bit halves, each exact in an f32.
-        let split = |v: u64| [(v >> 24) as f32, (v & 0xFF_FFFF) as f32];
-        let join = |hi: f32, lo: f32| ((hi as u64) << 24) | lo as u64;
-        let (step, opt) = (split(self.trainer.step), split(self.trainer.optimizer.step));
-        let scaler = self.trainer.loss_scale.to_words();
-        let mut counters = [step[0], step[1], opt[0], opt[1], scaler[0], scaler[1], scaler[2], scaler[3], scaler[4]];
-        self.comm.broadcast(&mut counters[..], source).await?;
-        let (model, optimizer) = (&self.trainer.model, &self.trainer.optimizer);
-        let tensors: Vec<Tensor> = model
-            .params()
-            .iter()
-            .chain(&optimizer.exp_avg)
-            .chain(&optimizer.exp_avg_sq)
-            .map(Tensor::shallow_clone)
-            .collect();
-        for tensor in tensors {
-            self.flat.clear();
-            append_flat(std::slice::from_ref(&tensor.detach()), &mut self.flat);
-            self.comm.broadcast(&mut self.flat[..], source).await?;
-            copy_from_flat(std::slice::from_ref(&tensor), &self.flat);
-        }
-        self.trainer.step = join(counters[0], counters[1]);
-        self.trainer.optimizer.step = join(counters[2], counters[3]);
-        let [_, _, _, _, scaler @ ..] = counters;
-        self.trainer.loss_scale = LossScale::from_words(scaler);
-        Ok(())
+        broadcast_state(&mut self.comm, &mut self.trainer, &mut self.flat, source).await
     }
 
     /// Gives the trainer back (its state is the last committed step's).

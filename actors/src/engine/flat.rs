@@ -6,6 +6,7 @@ use tch::{Kind, Tensor};
 use troupe_cluster::collective::Communicator;
 use troupe_cluster::transport::Transport;
 use troupe_cluster::ClusterError;
+use troupe_model::precision::LossScale;
 use troupe_model::Trainer;
 
 /// Appends the values of `tensors` (f32, contiguous) to `out`, in order.
@@ -44,6 +45,49 @@ pub(crate) async fn broadcast_params<T: Transport>(
         comm.broadcast(&mut flat[..], 0).await?;
         copy_from_flat(std::slice::from_ref(param), flat);
     }
+    Ok(())
+}
+
+/// A counter as two 24-bit halves, each exact in an f32, to travel through an f32 collective.
+pub(crate) fn counter_words(v: u64) -> [f32; 2] {
+    [(v >> 24) as f32, (v & 0xFF_FFFF) as f32]
+}
+
+/// The counter [`counter_words`] split.
+pub(crate) fn counter_of(hi: f32, lo: f32) -> u64 {
+    ((hi as u64) << 24) | lo as u64
+}
+
+/// Makes this rank's whole training state — parameters, AdamW moments, step counters and the loss
+/// scaler — rank `source`'s, one tensor at a time through `flat`.
+pub(crate) async fn broadcast_state<T: Transport>(
+    comm: &mut Communicator<T>,
+    trainer: &mut Trainer,
+    flat: &mut Vec<f32>,
+    source: usize,
+) -> Result<(), ClusterError> {
+    let (step, opt) = (counter_words(trainer.step), counter_words(trainer.optimizer.step));
+    let s = trainer.loss_scale.to_words();
+    let mut counters = [step[0], step[1], opt[0], opt[1], s[0], s[1], s[2], s[3], s[4]];
+    comm.broadcast(&mut counters[..], source).await?;
+    let (model, optimizer) = (&trainer.model, &trainer.optimizer);
+    let tensors: Vec<Tensor> = model
+        .params()
+        .iter()
+        .chain(&optimizer.exp_avg)
+        .chain(&optimizer.exp_avg_sq)
+        .map(Tensor::shallow_clone)
+        .collect();
+    for tensor in tensors {
+        flat.clear();
+        append_flat(std::slice::from_ref(&tensor.detach()), flat);
+        comm.broadcast(&mut flat[..], source).await?;
+        copy_from_flat(std::slice::from_ref(&tensor), flat);
+    }
+    trainer.step = counter_of(counters[0], counters[1]);
+    trainer.optimizer.step = counter_of(counters[2], counters[3]);
+    let [_, _, _, _, scaler @ ..] = counters;
+    trainer.loss_scale = LossScale::from_words(scaler);
     Ok(())
 }
 

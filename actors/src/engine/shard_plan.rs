@@ -14,6 +14,8 @@ use std::ops::Range;
 
 use troupe_kernels::balanced_range;
 
+use super::flat::{counter_of, counter_words};
+
 /// What is sharded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ShardMode {
@@ -145,15 +147,6 @@ pub fn all_local(holdings: &[Holding], step: u64, needed_of: impl Fn(usize) -> V
     holdings.iter().enumerate().all(|(rank, h)| h.step == step && needed_of(rank).iter().all(|need| h.contains(need)))
 }
 
-/// Counters and ranges travel through an f32 collective as 24-bit halves, each exact in an f32.
-fn split(v: u64) -> [f32; 2] {
-    [(v >> 24) as f32, (v & 0xFF_FFFF) as f32]
-}
-
-fn join(hi: f32, lo: f32) -> u64 {
-    ((hi as u64) << 24) | lo as u64
-}
-
 /// Most ranges one [`Holding`] describes: a ZeRO rank's own shard and `REPLICAS_MAX` buddies', or a
 /// pipeline device's chunks (one per virtual stage; `VIRTUAL_STAGES_MAX` is 16 too) and, on the head's
 /// device of a tied model, its copy of the embedding matrix.
@@ -166,13 +159,13 @@ pub const HOLDING_WORDS: usize = 5 + 4 * HOLDING_RANGES_MAX;
 pub fn encode_holding(h: &Holding) -> [f32; HOLDING_WORDS] {
     assert!(h.ranges.len() <= HOLDING_RANGES_MAX, "{} pieces", h.ranges.len());
     let mut out = [0f32; HOLDING_WORDS];
-    out[..2].copy_from_slice(&split(h.step));
-    out[2..4].copy_from_slice(&split(h.optimizer_step));
+    out[..2].copy_from_slice(&counter_words(h.step));
+    out[2..4].copy_from_slice(&counter_words(h.optimizer_step));
     out[4] = h.ranges.len() as f32;
     for (i, r) in h.ranges.iter().enumerate() {
         let at = 5 + 4 * i;
-        out[at..at + 2].copy_from_slice(&split(r.start as u64));
-        out[at + 2..at + 4].copy_from_slice(&split(r.end as u64));
+        out[at..at + 2].copy_from_slice(&counter_words(r.start as u64));
+        out[at + 2..at + 4].copy_from_slice(&counter_words(r.end as u64));
     }
     out
 }
@@ -182,10 +175,10 @@ pub fn decode_holding(words: &[f32]) -> Holding {
     let ranges = (0..count)
         .map(|i| {
             let at = 5 + 4 * i;
-            join(words[at], words[at + 1]) as usize..join(words[at + 2], words[at + 3]) as usize
+            counter_of(words[at], words[at + 1]) as usize..counter_of(words[at + 2], words[at + 3]) as usize
         })
         .collect();
-    Holding { step: join(words[0], words[1]), optimizer_step: join(words[2], words[3]), ranges }
+    Holding { step: counter_of(words[0], words[1]), optimizer_step: counter_of(words[2], words[3]), ranges }
 }
 
 #[cfg(test)]

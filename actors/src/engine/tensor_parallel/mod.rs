@@ -30,12 +30,12 @@ use troupe_model::checkpoint::{CheckpointWriter, Layout, SaveRequest, TrainingSt
 use troupe_model::data::{micro_batch_ranges, rank_slice};
 use troupe_model::generate::Evaluation;
 use troupe_model::optim::{learning_rate, scale_grads, AdamW, AdamWConfig};
-use troupe_model::precision::{LossScale, Update};
+use troupe_model::precision::Update;
 use troupe_model::tensor_parallel::{TpError, TpGroup, TpLayout, TpRank};
 use troupe_model::Trainer;
 
 use super::committed::CommittedState;
-use super::flat::{append_flat, copy_from_flat};
+use super::flat::{append_flat, broadcast_state, copy_from_flat, counter_words};
 use super::step_engine::{EngineError, ReducedStep, StepEngine};
 use group::CommGroup;
 
@@ -217,16 +217,11 @@ fn copy_tensors(dst: &[Tensor], src: &[Tensor]) {
     });
 }
 
-/// Counters as exact f32 halves of 24 bits.
-fn split(v: u64) -> [f32; 2] {
-    [(v >> 24) as f32, (v & 0xFF_FFFF) as f32]
-}
-
 /// The tensor group's shards all-gathered into whole lists (parameters, exp_avg, exp_avg_sq); an error
 /// when the ranks' counters differ (some applied a step the others did not).
 fn gather_parts<T: Transport>(parts: &mut Parts<T>, counters: [u64; 2]) -> Result<[Vec<Tensor>; 3], String> {
     let n = parts.tp.size();
-    let mine: Vec<f32> = counters.iter().flat_map(|&c| split(c)).collect();
+    let mine: Vec<f32> = counters.iter().flat_map(|&c| counter_words(c)).collect();
     let mut all = vec![0.0f32; mine.len() * n];
     let handle = parts.tp.handle.clone();
     handle.block_on(parts.tp.comm.all_gather(&mine[..], &mut all[..])).map_err(|e| e.to_string())?;
@@ -304,36 +299,6 @@ fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -> Result<(f
     Ok((loss, norm))
 }
 
-/// Makes this rank's whole state (parameters, moments, counters, loss scaler) rank `source`'s.
-async fn broadcast_state<T: Transport>(
-    comm: &mut Communicator<T>,
-    trainer: &mut Trainer,
-    source: usize,
-) -> Result<(), ClusterError> {
-    let join = |hi: f32, lo: f32| ((hi as u64) << 24) | lo as u64;
-    let (step, opt) = (split(trainer.step), split(trainer.optimizer.step));
-    let s = trainer.loss_scale.to_words();
-    let mut counters = [step[0], step[1], opt[0], opt[1], s[0], s[1], s[2], s[3], s[4]];
-    comm.broadcast(&mut counters[..], source).await?;
-    let tensors: Vec<Tensor> = (trainer.model.params().iter())
-        .chain(&trainer.optimizer.exp_avg)
-        .chain(&trainer.optimizer.exp_avg_sq)
-        .map(Tensor::shallow_clone)
-        .collect();
-    let mut flat = Vec::new();
-    for tensor in tensors {
-        flat.clear();
-        append_flat(std::slice::from_ref(&tensor.detach()), &mut flat);
-        comm.broadcast(&mut flat[..], source).await?;
-        copy_from_flat(std::slice::from_ref(&tensor), &flat);
-    }
-    trainer.step = join(counters[0], counters[1]);
-    trainer.optimizer.step = join(counters[2], counters[3]);
-    let [_, _, _, _, scaler @ ..] = counters;
-    trainer.loss_scale = LossScale::from_words(scaler);
-    Ok(())
-}
-
 impl<T: Transport> StepEngine for TensorParallelReplica<T> {
     fn rank(&self) -> usize {
         self.comm.rank()
@@ -350,7 +315,7 @@ impl<T: Transport> StepEngine for TensorParallelReplica<T> {
     async fn sync(&mut self, source: Option<usize>) -> Result<(), EngineError> {
         if let Some(source) = source {
             self.lost = true;
-            broadcast_state(&mut self.comm, &mut self.trainer, source).await?;
+            broadcast_state(&mut self.comm, &mut self.trainer, &mut Vec::new(), source).await?;
             self.lost = false;
         }
         self.shard()
