@@ -97,6 +97,10 @@ impl<T: Transport> Transport for Counted<T> {
         self.inner.any_loss()
     }
 
+    fn loss_among(&self, peers: &[usize]) -> impl Future<Output = (usize, String)> + Send {
+        self.inner.loss_among(peers)
+    }
+
     fn shutdown(&self) -> impl Future<Output = ()> + Send {
         self.inner.shutdown()
     }

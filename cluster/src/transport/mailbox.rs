@@ -1,7 +1,7 @@
 //! Where received messages meet the receives that want them. Shared by every transport.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::{oneshot, Notify};
@@ -11,13 +11,29 @@ use crate::error::Rank;
 use crate::wire::{Tag, WireError};
 use crate::ClusterError;
 
-/// Which peer losses fail a receive.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Which peer losses fail a receive (besides the loss of the peer received from, which always does).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LossScope {
     /// Only the loss of the peer received from (point-to-point).
     Peer,
-    /// The loss of any peer: a collective cannot complete once a member is gone.
+    /// The loss of any peer of the transport: a collective among all its ranks cannot complete once
+    /// one is gone.
     Group,
+    /// The loss of one of these ranks (in the transport's numbering): a collective among a subset of
+    /// the transport's ranks ([`super::subgroup::Subgroup`]), which the loss of a rank outside it
+    /// does not concern.
+    Members(Arc<[Rank]>),
+}
+
+impl LossScope {
+    /// Whether the loss of `peer` fails a receive in this scope from a peer other than `peer`.
+    pub fn covers(&self, peer: Rank) -> bool {
+        match self {
+            LossScope::Peer => false,
+            LossScope::Group => true,
+            LossScope::Members(members) => members.contains(&peer),
+        }
+    }
 }
 
 type Key = (Rank, Tag);
@@ -101,7 +117,7 @@ impl Mailbox {
         let keys: Vec<Key> = s
             .waiting
             .iter()
-            .filter(|((from, _), (scope, _))| *from == peer || *scope == LossScope::Group)
+            .filter(|((from, _), (scope, _))| *from == peer || scope.covers(peer))
             .map(|(k, _)| *k)
             .collect();
         for key in keys {
@@ -143,6 +159,23 @@ impl Mailbox {
             notified.as_mut().enable();
             if let Some(first) = self.lock().first_lost.clone() {
                 return first;
+            }
+            notified.await;
+        }
+    }
+
+    /// Waits until one of `peers` is lost (a failed connection, not a goodbye); gives it and why. At
+    /// once when one already was (the first of `peers` that was).
+    pub async fn loss_among(&self, peers: &[Rank]) -> (Rank, String) {
+        loop {
+            let notified = self.losses.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let s = self.lock();
+                if let Some(lost) = peers.iter().find_map(|p| s.lost.get(p).map(|why| (*p, why.clone()))) {
+                    return lost;
+                }
             }
             notified.await;
         }
@@ -220,10 +253,8 @@ impl Mailbox {
             if s.departed.contains_key(&from) {
                 return Err(self.lost_error(from, tag.epoch, "peer departed"));
             }
-            if scope == LossScope::Group {
-                if let Some((peer, reason)) = s.lost.iter().next() {
-                    return Err(self.lost_error(*peer, tag.epoch, reason));
-                }
+            if let Some((peer, reason)) = s.lost.iter().find(|(peer, _)| scope.covers(**peer)) {
+                return Err(self.lost_error(*peer, tag.epoch, reason));
             }
             let (tx, rx) = oneshot::channel();
             s.waiting.insert(key, (scope, tx));
@@ -245,5 +276,56 @@ impl Mailbox {
                 })
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+
+    use super::*;
+
+    fn tag(seq: u64) -> Tag {
+        Tag { group: 0, epoch: 1, seq, step: 0 }
+    }
+
+    fn message() -> Payload {
+        Payload::from(Bytes::from_static(b"x"))
+    }
+
+    /// A receive among members 0..=2 outlives the loss of rank 3 (waiting, and started after it) and
+    /// fails on the loss of member 2, naming it; a group receive fails on either.
+    #[tokio::test]
+    async fn a_members_receive_fails_on_the_loss_of_a_member_only() {
+        let mailbox = Mailbox::new(0, 16);
+        let members = LossScope::Members(vec![0, 1, 2].into());
+        let waiting = mailbox.recv(1, tag(0), members.clone(), 10_000);
+        let (got, ()) = tokio::join!(waiting, async {
+            mailbox.peer_lost(3, "killed".into());
+            mailbox.deliver(1, tag(0), message()).expect("delivered");
+        });
+        assert_eq!(got.expect("rank 3 is not a member").to_vec(), b"x");
+        let after = mailbox.recv(1, tag(1), members.clone(), 30).await;
+        assert!(matches!(after, Err(ClusterError::Timeout { peer: 1, .. })), "{after:?}");
+        let group = mailbox.recv(1, tag(1), LossScope::Group, 10_000).await;
+        assert!(matches!(group, Err(ClusterError::PeerLost { peer: 3, .. })), "{group:?}");
+
+        let waiting = mailbox.recv(1, tag(2), members.clone(), 10_000);
+        let (got, ()) = tokio::join!(waiting, async { mailbox.peer_lost(2, "killed".into()) });
+        assert!(matches!(got, Err(ClusterError::PeerLost { rank: 0, peer: 2, .. })), "{got:?}");
+        let after = mailbox.recv(1, tag(3), members, 10_000).await;
+        assert!(matches!(after, Err(ClusterError::PeerLost { peer: 2, .. })), "{after:?}");
+        let p2p = mailbox.recv(1, tag(3), LossScope::Peer, 30).await;
+        assert!(matches!(p2p, Err(ClusterError::Timeout { .. })), "{p2p:?}");
+    }
+
+    #[tokio::test]
+    async fn loss_among_waits_for_one_of_its_peers() {
+        let mailbox = Mailbox::new(0, 16);
+        mailbox.peer_lost(3, "killed".into());
+        let early = tokio::time::timeout(Duration::from_millis(30), mailbox.loss_among(&[1, 2])).await;
+        assert!(early.is_err(), "rank 3 is not among them: {early:?}");
+        let (lost, ()) = tokio::join!(mailbox.loss_among(&[1, 2]), async { mailbox.peer_lost(2, "gone".into()) });
+        assert_eq!(lost, (2, "gone".to_string()));
     }
 }

@@ -84,6 +84,10 @@ impl Transport for MemoryTransport {
         self.shared.mailboxes[self.rank].any_loss().await
     }
 
+    async fn loss_among(&self, peers: &[Rank]) -> (Rank, String) {
+        self.shared.mailboxes[self.rank].loss_among(peers).await
+    }
+
     async fn shutdown(&self) {
         for (r, mb) in self.shared.mailboxes.iter().enumerate() {
             if r != self.rank {

@@ -80,7 +80,8 @@ pub trait Transport: Send + Sync + 'static {
     }
 
     /// Waits for the message `tag` from `from`. Fails with `PeerLost` when `from` is lost — or, with
-    /// [`LossScope::Group`], when any peer is lost — and with `Timeout` after `timeout_ms`.
+    /// [`LossScope::Group`], when any peer is lost; with [`LossScope::Members`], when one of those is —
+    /// and with `Timeout` after `timeout_ms`.
     fn recv(
         &self,
         from: Rank,
@@ -96,6 +97,10 @@ pub trait Transport: Send + Sync + 'static {
     /// once if one already was. A transport made of others ([`routed`]) fails a group receive waiting on
     /// one of them when the other loses a peer.
     fn any_loss(&self) -> impl Future<Output = (Rank, String)> + Send;
+
+    /// Resolves once one of `peers` (this transport's ranks) is lost, with that peer and why — at once
+    /// if one already was: what a [`LossScope::Members`] receive of a transport made of others waits on.
+    fn loss_among(&self, peers: &[Rank]) -> impl Future<Output = (Rank, String)> + Send;
 
     /// The shared-memory arena among all ranks of this transport, when it has one (the same-host
     /// transport does unless disabled): [`crate::collective::Communicator`] then runs its collectives

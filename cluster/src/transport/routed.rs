@@ -10,7 +10,8 @@
 //!
 //! A group receive ([`LossScope::Group`]) fails on the loss of a peer of *either* transport: a
 //! collective waiting on a neighbour on this host must not wait out its timeout when a member on
-//! another host crashed. Errors name the mesh's ranks.
+//! another host crashed. A receive in [`LossScope::Members`] fails on the loss of one of those members,
+//! whichever transport sees it. Errors name the mesh's ranks.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -89,22 +90,41 @@ impl<R: Transport, L: Transport> Routed<R, L> {
         self.members.get(local).copied().unwrap_or(local)
     }
 
-    /// `recv`, or — for a group receive — the first peer loss `other` sees, whichever comes first.
+    /// `scope` in the same-host transport's numbering: members on other hosts are left out (the mesh
+    /// between hosts watches them).
+    fn local_scope(&self, scope: &LossScope) -> LossScope {
+        match scope {
+            LossScope::Members(members) => LossScope::Members(self.local_members(members).into()),
+            other => other.clone(),
+        }
+    }
+
+    /// Those of `peers` on this host, in the same-host transport's numbering.
+    fn local_members(&self, peers: &[Rank]) -> Vec<Rank> {
+        peers.iter().filter_map(|&p| self.local_index.get(p).copied().flatten()).collect()
+    }
+
+    /// `recv`, or — for a group receive — the first loss `other` sees of a peer `scope` covers (`others`:
+    /// `scope`'s members in `other`'s numbering), whichever comes first.
     async fn or_loss_of<O: Transport>(
         &self,
         recv: impl Future<Output = Result<Payload, ClusterError>>,
         other: &O,
         global: impl Fn(Rank) -> Rank,
-        scope: LossScope,
+        others: &LossScope,
         tag: Tag,
     ) -> Result<Payload, ClusterError> {
-        if scope == LossScope::Peer {
-            return recv.await;
-        }
+        let loss = async {
+            match others {
+                LossScope::Peer => std::future::pending().await,
+                LossScope::Group => other.any_loss().await,
+                LossScope::Members(members) => other.loss_among(members).await,
+            }
+        };
         tokio::select! {
             biased;
             r = recv => r,
-            (peer, reason) = other.any_loss() => {
+            (peer, reason) = loss => {
                 Err(ClusterError::PeerLost { rank: self.remote.rank(), peer: global(peer), epoch: tag.epoch, reason })
             }
         }
@@ -145,14 +165,16 @@ impl<R: Transport, L: Transport> Transport for Routed<R, L> {
     async fn recv(&self, from: Rank, tag: Tag, scope: LossScope, timeout_ms: u64) -> Result<Payload, ClusterError> {
         match self.route(from)? {
             Route::Local(l) => {
+                let local = self.local_scope(&scope);
                 let recv = async {
-                    self.local.recv(l, tag, scope, timeout_ms).await.map_err(|e| e.renumbered(|r| self.global(r)))
+                    self.local.recv(l, tag, local, timeout_ms).await.map_err(|e| e.renumbered(|r| self.global(r)))
                 };
-                self.or_loss_of(recv, &*self.remote, |p| p, scope, tag).await
+                self.or_loss_of(recv, &*self.remote, |p| p, &scope, tag).await
             }
             Route::Remote => {
+                let local = self.local_scope(&scope);
                 let recv = self.remote.recv(from, tag, scope, timeout_ms);
-                self.or_loss_of(recv, &*self.local, |p| self.global(p), scope, tag).await
+                self.or_loss_of(recv, &*self.local, |p| self.global(p), &local, tag).await
             }
         }
     }
@@ -166,6 +188,14 @@ impl<R: Transport, L: Transport> Transport for Routed<R, L> {
         tokio::select! {
             lost = self.remote.any_loss() => lost,
             (peer, reason) = self.local.any_loss() => (self.global(peer), reason),
+        }
+    }
+
+    async fn loss_among(&self, peers: &[Rank]) -> (Rank, String) {
+        let local = self.local_members(peers);
+        tokio::select! {
+            lost = self.remote.loss_among(peers) => lost,
+            (peer, reason) = self.local.loss_among(&local) => (self.global(peer), reason),
         }
     }
 
@@ -308,5 +338,32 @@ mod tests {
             Err(ClusterError::PeerLost { rank: 1, peer: 3, .. }) => {}
             other => panic!("the neighbour's own loss names it in the group's numbering, got {other:?}"),
         }
+    }
+
+    /// A receive among members fails on the loss of a member, whichever path sees it, and outlives the
+    /// loss of a rank outside them on either path.
+    #[tokio::test]
+    async fn a_members_receive_fails_on_a_members_loss_on_either_path_only() {
+        let tag = Tag { group: 0, epoch: 3, seq: 0, step: 0 };
+        let members = |m: &[Rank]| LossScope::Members(m.into());
+        // Rank 0 waits on its neighbour 2; rank 1, on another host, is lost.
+        let t = two_hosts();
+        t.remote[1].kill();
+        let got = t.routed[0].recv(2, tag, members(&[0, 2]), 50).await;
+        assert!(matches!(got, Err(ClusterError::Timeout { peer: 2, .. })), "rank 1 is not a member: {got:?}");
+        match t.routed[0].recv(2, tag, members(&[0, 1, 2]), 10_000).await {
+            Err(ClusterError::PeerLost { rank: 0, peer: 1, .. }) => {}
+            other => panic!("expected member 1 lost, got {other:?}"),
+        }
+        // Rank 1 waits on rank 0, on another host; its neighbour 3 is lost (seen by the same-host path).
+        let t = two_hosts();
+        t.local[3].kill();
+        let got = t.routed[1].recv(0, tag, members(&[0, 1]), 50).await;
+        assert!(matches!(got, Err(ClusterError::Timeout { peer: 0, .. })), "rank 3 is not a member: {got:?}");
+        match t.routed[1].recv(0, tag, members(&[0, 1, 3]), 10_000).await {
+            Err(ClusterError::PeerLost { rank: 1, peer: 3, .. }) => {}
+            other => panic!("expected member 3 lost, got {other:?}"),
+        }
+        assert_eq!(t.routed[1].loss_among(&[0, 3]).await.0, 3, "named in the group's numbering");
     }
 }

@@ -220,6 +220,10 @@ impl Transport for SameHostTransport {
         self.mesh.mailbox().any_loss().await
     }
 
+    async fn loss_among(&self, peers: &[Rank]) -> (Rank, String) {
+        self.mesh.mailbox().loss_among(peers).await
+    }
+
     fn arena(&self) -> Option<Arc<Arena>> {
         self.arena.clone()
     }

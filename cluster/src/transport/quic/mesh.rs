@@ -185,6 +185,10 @@ impl Transport for QuicTransport {
         self.listener.mailbox().any_loss().await
     }
 
+    async fn loss_among(&self, peers: &[Rank]) -> (Rank, String) {
+        self.listener.mailbox().loss_among(peers).await
+    }
+
     async fn shutdown(&self) {
         let mut unacked = std::mem::take(&mut *self.unacked.lock().unwrap_or_else(|p| p.into_inner()));
         let drain = async { while unacked.join_next().await.is_some() {} };

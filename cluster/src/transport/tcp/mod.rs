@@ -489,6 +489,10 @@ impl<C: Transport> Transport for TcpTransport<C> {
         self.mesh.mailbox().any_loss().await
     }
 
+    async fn loss_among(&self, peers: &[Rank]) -> (Rank, String) {
+        self.mesh.mailbox().loss_among(peers).await
+    }
+
     async fn shutdown(&self) {
         self.mesh.shutdown().await;
         self.control.shutdown().await;

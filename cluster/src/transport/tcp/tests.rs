@@ -296,6 +296,10 @@ impl Transport for Tampered {
         self.inner.any_loss().await
     }
 
+    async fn loss_among(&self, peers: &[Rank]) -> (Rank, String) {
+        self.inner.loss_among(peers).await
+    }
+
     async fn shutdown(&self) {
         self.inner.shutdown().await
     }
