@@ -256,3 +256,47 @@ fn lora_fine_tuning_runs_beside_peft_with_the_same_adapters() {
         positive(&report, key);
     }
 }
+
+#[test]
+fn tensor_parallel_runs_beside_pytorch_tensor_parallelism_and_data_parallelism() {
+    // The peer (bench/peers/tp_gpt_tiny.py: DTensor ColwiseParallel/RowwiseParallel over Gloo) runs in the venv.
+    let python = venv_python();
+    let python = python.to_str().expect("a UTF-8 path");
+    let args = ["--world", "2", "--tp", "2", "--context", "32", "--steps", "2", "--repeats", "1", "--peer"];
+    let report = report_of(troupe(&[&["bench", "train"][..], &args, &["--python", python, "--json"]].concat()));
+    let layout = ["world", "tp", "dp", "global_batch", "context"].map(|key| report[key].as_u64());
+    assert_eq!(layout, [2, 2, 1, 8, 32].map(Some), "{report}");
+    assert_eq!(
+        (report["sp"].as_bool(), report["peer_sp"].as_bool(), report["peer_tp"].as_u64()),
+        (Some(true), Some(true), Some(2))
+    );
+    assert_eq!(report["peer"], "pytorch-dtensor-tp-gloo", "{report}");
+    // The same model on both sides, split over the two ranks of the group.
+    assert_eq!(report["params"], report["peer_params"], "{report}");
+    assert!(positive(&report, "rank_params") < positive(&report, "params") * 0.6, "{report}");
+    for key in ["tokens_per_s", "dp_tokens_per_s", "ratio_vs_dp", "peer_tokens_per_s", "ratio", "final_loss"] {
+        positive(&report, key);
+    }
+    // Different draws of the same model on the same bytes start near ln 256 = 5.55 on both sides.
+    let (ours, peer) = (positive(&report, "first_loss"), positive(&report, "peer_first_loss"));
+    assert!((ours - 256f64.ln()).abs() < 0.3 && (peer - 256f64.ln()).abs() < 0.3, "first losses {ours} / {peer}");
+    for key in ["peak_rss_mib_per_rank", "dp_peak_rss_mib_per_rank", "peer_peak_rss_mib_per_rank"] {
+        assert_eq!(report[key].as_array().map(Vec::len), Some(2), "{key} per rank in {report}");
+    }
+}
+
+#[test]
+fn tensor_parallel_bad_combinations_are_refused_before_anything_starts() {
+    let cases: [(&[&str], &[&str]); 4] = [
+        (&["--world", "3", "--tp", "2"], &["--tp 2 does not divide --world 3", "use --world 2"]),
+        (&["--world", "3", "--tp", "3"], &["model.n_heads (4)", "nearest valid degree is 2"]),
+        (&["--world", "2", "--tp", "2", "--shard", "zero1"], &["--shard zero1 with --tp 2", "drop --shard"]),
+        (&["--world", "2", "--no-sp"], &["--sp / --no-sp go with --tp"]),
+    ];
+    for (args, expected) in cases {
+        let output = troupe(&[&["bench", "train"][..], args].concat());
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{args:?} was accepted");
+        assert!(expected.iter().all(|e| stderr.contains(e)), "{args:?}: {stderr}");
+    }
+}

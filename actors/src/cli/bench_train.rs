@@ -7,9 +7,11 @@
 //! `--world N` (N ≥ 2) runs a job on a local cluster of N daemon processes beside PyTorch DDP over Gloo of
 //! the same model (bench/peers/ddp_gpt_tiny.py, `--config-dir` for a preset other than gpt-tiny), twice
 //! per repetition — bucket all-reduce overlapped with the backward (the default) and after it — see
-//! `data_parallel`.
+//! `data_parallel`. `--world N --tp T` runs tensor degree T beside PyTorch's tensor parallelism, see
+//! `tensor_parallel`.
 
 mod data_parallel;
+mod tensor_parallel;
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -85,6 +87,16 @@ pub struct BenchTrainArgs {
     /// default: q_proj,v_proj for Llama, c_attn for GPT-2).
     #[arg(long, default_value = "")]
     pub lora_targets: String,
+    /// Tensor-parallel degree: the job of `--world N` ranks runs N / T tensor groups of T (gpt-tiny's
+    /// plan beside PyTorch's DTensor tensor parallelism over Gloo with `--peer`); see `tensor_parallel`.
+    #[arg(long)]
+    pub tp: Option<usize>,
+    /// With `--tp`: sequence parallelism on (the default).
+    #[arg(long, conflicts_with = "no_sp")]
+    pub sp: bool,
+    /// With `--tp`: sequence parallelism off (the norms and the residual stream replicated).
+    #[arg(long)]
+    pub no_sp: bool,
     /// JSON output (one object).
     #[arg(long)]
     pub json: bool,
@@ -95,6 +107,17 @@ const MICRO_BATCH: usize = 8;
 const WARMUP_STEPS: u64 = 2;
 
 pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
+    if args.world == 0 {
+        bail!("--world 0: a benchmark needs at least one rank");
+    }
+    if let Some(tp) = args.tp {
+        let model = bench_model(&args.model, args.context)?;
+        tensor_parallel::check(&args, &model, tp)?;
+        return tensor_parallel::run(args, model, tp);
+    }
+    if args.sp || args.no_sp {
+        bail!("--sp / --no-sp go with --tp: add --tp 2 (or more), or drop them");
+    }
     if args.shard != "none" && args.world < 2 {
         bail!("--shard {} needs --world 2 or more (one rank holds every shard; that is --shard none)", args.shard);
     }
@@ -106,9 +129,6 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     }
     if args.world != 1 && args.micro_batch != MICRO_BATCH {
         bail!("--micro-batch is for --world 1; data-parallel runs use {MICRO_BATCH} per rank");
-    }
-    if args.world == 0 {
-        bail!("--world 0: a benchmark needs at least one rank");
     }
     let model = bench_model(&args.model, args.context)?;
     // With --peft, the base's weights are written once; troupe reads them, and so does the peer.

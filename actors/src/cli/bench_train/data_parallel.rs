@@ -35,11 +35,13 @@ const FAILURE_TIMEOUT_MS: u64 = 10_000;
 const EVENT_WAIT_MS_MAX: u64 = 180_000;
 
 /// One repetition on the cluster.
-struct ClusterRun {
-    tokens_per_s: f64,
-    final_loss: f64,
+pub(super) struct ClusterRun {
+    pub(super) tokens_per_s: f64,
+    pub(super) final_loss: f64,
+    /// The loss of the first step.
+    pub(super) first_loss: f64,
     /// VmHWM of each daemon, by rank.
-    peak_rss_bytes: Vec<u64>,
+    pub(super) peak_rss_bytes: Vec<u64>,
 }
 
 pub(super) fn run(
@@ -70,7 +72,7 @@ pub(super) fn run(
         _ => "fp32",
     };
     let (model, peer_config) = peer_model(model, base)?;
-    let measured = Variant { overlap: true, bucket_mib: args.bucket_mib, shard, precision };
+    let measured = Variant { overlap: true, bucket_mib: args.bucket_mib, shard, precision, tp: 1, sp: false };
     let runs = measure_repeats(&args, &runtime, (&model, peer_config.as_ref()), threads, measured)?;
     let medians = runs.medians(args.peer);
     let report = runs.report(&args, &model, threads, shard, &medians);
@@ -242,22 +244,26 @@ fn print_lines(
     }
 }
 
-/// How the job all-reduces its gradients.
+/// How the job all-reduces its gradients, and its tensor-parallel degree.
 #[derive(Clone, Copy, Debug)]
-struct Variant {
+pub(super) struct Variant {
     /// `parallel.overlap_comm`.
-    overlap: bool,
+    pub(super) overlap: bool,
     /// `parallel.bucket_mib` (0: the default).
-    bucket_mib: usize,
+    pub(super) bucket_mib: usize,
     /// `parallel.shard`: none, zero1, zero2 or zero3.
-    shard: &'static str,
+    pub(super) shard: &'static str,
     /// `parallel.precision`.
-    precision: &'static str,
+    pub(super) precision: &'static str,
+    /// `parallel.tp`: the world is tp × data-parallel replicas of `MICRO_BATCH` samples each.
+    pub(super) tp: usize,
+    /// `parallel.sp` (with `tp` > 1).
+    pub(super) sp: bool,
 }
 
 /// One repetition: a fresh cluster of `world` daemons, one job training `model` for `steps` timed steps
 /// after the warm-up.
-async fn measure_cluster(
+pub(super) async fn measure_cluster(
     model: &ModelConfig,
     world: usize,
     steps: u64,
@@ -278,11 +284,11 @@ async fn measure_cluster(
         })
         .collect();
     cluster.shutdown().await;
-    let (tokens_per_s, final_loss) = outcome?;
-    Ok(ClusterRun { tokens_per_s, final_loss, peak_rss_bytes: peaks? })
+    let (tokens_per_s, first_loss, final_loss) = outcome?;
+    Ok(ClusterRun { tokens_per_s, final_loss, first_loss, peak_rss_bytes: peaks? })
 }
 
-/// Submits the job and follows it to the end; (steady tokens/s, last loss).
+/// Submits the job and follows it to the end; (steady tokens/s, first loss, last loss).
 async fn run_job(
     cluster: &LocalCluster,
     model: &ModelConfig,
@@ -290,22 +296,25 @@ async fn run_job(
     steps: u64,
     threads: usize,
     variant: Variant,
-) -> anyhow::Result<(f64, f64)> {
+) -> anyhow::Result<(f64, f64, f64)> {
+    let replicas = world / variant.tp;
     let mut config = JobConfig { model: model.clone(), ..JobConfig::default() };
     config.train.steps = steps + WARMUP_STEPS;
-    config.train.global_batch = MICRO_BATCH * world;
+    config.train.global_batch = MICRO_BATCH * replicas;
     config.train.micro_batch = MICRO_BATCH;
     config.train.torch_threads = threads;
     config.parallel.nodes = world;
     config.parallel.overlap_comm = variant.overlap;
     config.parallel.bucket_mib = variant.bucket_mib;
     config.parallel.precision = variant.precision.into();
+    config.parallel.tp = variant.tp;
+    config.parallel.sp = variant.sp;
     let tokens_per_step = (config.train.global_batch * config.model.context) as u64;
-    let job = Job::new(config).name("bench-train").data_parallel(world, variant.shard).elastic(world, world, 0);
+    let job = Job::new(config).name("bench-train").data_parallel(replicas, variant.shard).elastic(world, world, 0);
     let mut handle = cluster.client().await?.submit(job).await?;
     let started = Instant::now();
     let mut commits = Vec::new();
-    let mut loss = f64::NAN;
+    let (mut first_loss, mut loss) = (f64::NAN, f64::NAN);
     let outcome = loop {
         let next = tokio::time::timeout(Duration::from_millis(EVENT_WAIT_MS_MAX), handle.next_event()).await;
         let Ok(event) = next else {
@@ -324,6 +333,9 @@ async fn run_job(
                 break Err(anyhow::anyhow!("the job ran on {w} ranks, not {world}"));
             }
             JobEvent::Step { step, loss: l, .. } => {
+                if commits.is_empty() {
+                    first_loss = l;
+                }
                 commits.push((step, started.elapsed()));
                 loss = l;
             }
@@ -351,7 +363,7 @@ async fn run_job(
         .with_context(|| {
             format!("the commits of steps {WARMUP_STEPS} and {} were not both seen", steps + WARMUP_STEPS)
         })?;
-    Ok((tokens_per_s, loss))
+    Ok((tokens_per_s, first_loss, loss))
 }
 
 /// Tokens per second from the commit of step `from` to the commit of step `to`, given each committed
@@ -363,7 +375,7 @@ fn steady_tokens_per_s(commits: &[(u64, Duration)], from: u64, to: u64, tokens_p
 }
 
 /// The peak per rank over repetitions, in MiB (one decimal).
-fn per_rank_max_mib(runs: impl Iterator<Item = Vec<u64>>) -> Vec<f64> {
+pub(super) fn per_rank_max_mib(runs: impl Iterator<Item = Vec<u64>>) -> Vec<f64> {
     let mut peak: Vec<u64> = Vec::new();
     for run in runs {
         peak.resize(peak.len().max(run.len()), 0);
@@ -374,11 +386,11 @@ fn per_rank_max_mib(runs: impl Iterator<Item = Vec<u64>>) -> Vec<f64> {
     peak.iter().map(|&b| (b as f64 / MIB * 10.0).round() / 10.0).collect()
 }
 
-fn peer_peak_bytes(peer: &Value) -> Vec<u64> {
+pub(super) fn peer_peak_bytes(peer: &Value) -> Vec<u64> {
     peer["peak_mem_bytes_per_rank"].as_array().map_or_else(Vec::new, |a| a.iter().filter_map(Value::as_u64).collect())
 }
 
-fn mib_list(values: &Value) -> String {
+pub(super) fn mib_list(values: &Value) -> String {
     let values = values.as_array().map_or_else(Vec::new, |a| a.iter().filter_map(Value::as_f64).collect());
     values.iter().map(|v| format!("{v:.0}")).collect::<Vec<_>>().join(" / ")
 }
