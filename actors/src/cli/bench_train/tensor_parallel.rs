@@ -47,7 +47,11 @@ pub(super) fn check(args: &BenchTrainArgs, model: &ModelConfig, tp: usize) -> an
             format!("--precision {}", args.precision),
             "tensor parallelism trains in fp32 in this build; drop --precision",
         ),
-        (args.peft != "none", format!("--peft {}", args.peft), "LoRA is trained with tp = 1; drop --tp"),
+        (
+            args.peft != "none",
+            format!("--peft {}", args.peft),
+            "the tensor-parallel benchmark trains every parameter; drop --peft (or --tp)",
+        ),
         (
             args.device != BenchDevice::Cpu,
             "--device cuda".into(),
