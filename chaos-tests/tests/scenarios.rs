@@ -243,6 +243,58 @@ fn partition_controller_node() {
     }
 }
 
+/// A machine gone silent: one worker cut off for good by iptables (DROP both ways — no reset, no FIN, so
+/// its companion connection never fires and QUIC's idle timeout, 2 s, comes after the detector's
+/// ceiling). The adaptive detector declares it failed by its silence within its bound (phi_accrual:
+/// floor 750 ms, ceiling 1 500 ms), and the survivors train on to the reference (`run` checks that).
+#[test]
+fn silent_machine() {
+    let r = run("silent-machine", 27);
+    if let Some(silent_ms) = detected_by_silence(&r) {
+        // Within [floor, ceiling]; and below the ceiling, which the fixed detector always waits out: the
+        // member's steady heartbeats (φ = 8 at ~0.5 s) allow only the floor (seen: 761–780 ms at load 7).
+        assert!((750..1_500).contains(&silent_ms), "silent {silent_ms} ms, outside 750..1500 ms: {r}");
+        // From the cut: at most the allowed silence (the last heartbeat came before the cut), plus the
+        // event's way to the client.
+        let after = r["injected"][0]["detected_after_s"].as_f64().unwrap();
+        assert!(after <= 1.5 + DELIVERY_S, "detected {after:.3} s after the cut: {r}");
+    }
+}
+
+/// The same silent machine under the fixed detector: declared failed only after the whole
+/// `failure_timeout_ms` (1.5 s) of silence — what the adaptive detector's floor saves.
+#[test]
+fn silent_machine_with_the_fixed_detector() {
+    let (_, text) = troupe_chaos::harness::SHIPPED.iter().find(|(n, _)| *n == "silent-machine").unwrap();
+    let text = text.replace("failure_detector = \"phi_accrual\"", "failure_detector = \"fixed\"");
+    let scenario = troupe_chaos::harness::Scenario::parse(&text, "silent-machine-fixed").unwrap();
+    let r = serde_json::to_value(run_library(&scenario, 27)).unwrap();
+    assert_eq!(r["passed"], true, "{r}");
+    if let Some(silent_ms) = detected_by_silence(&r) {
+        assert!((1_500..=1_500 + TICK_MS).contains(&silent_ms), "silent {silent_ms} ms, not the fixed 1500 ms: {r}");
+    }
+}
+
+/// How late the controller's timer may fire past a deadline, under load (ms).
+const TICK_MS: u64 = 300;
+/// How long a membership event may take to reach the client, under load (s).
+const DELIVERY_S: f64 = 0.3;
+
+/// The silence (ms) after which the controller declared the cut node failed — which must have been by
+/// its heartbeats' silence (`Failed`), not a transport event; None when the scenario was skipped here.
+fn detected_by_silence(r: &Value) -> Option<u64> {
+    if skipped(r) {
+        return None;
+    }
+    assert_eq!(faults(r, "partition"), 1);
+    assert_eq!(r["detection_s"]["samples"], 1, "the cut-off node was detected: {r}");
+    assert!(r["recoveries"].as_u64().unwrap() >= 1, "the survivors trained on: {r}");
+    let change = r["injected"][0]["detected_by"].as_str().unwrap();
+    assert!(change.starts_with("Failed"), "found by its silence, not a connection's end: {change}");
+    let silent = change.split("silent_ms: ").nth(1).and_then(|s| s.trim_end_matches([' ', '}']).parse().ok());
+    Some(silent.unwrap_or_else(|| panic!("no silent_ms in {change}")))
+}
+
 /// The same cut with tensors over plaintext TCP: the silent TCP connections must not hold up the
 /// survivors (QUIC's idle timeout fails their receives), and the run still equals the reference.
 #[test]

@@ -180,11 +180,17 @@ fn takes_nodes_away(fault: &Injected) -> bool {
 
 /// When the controller's membership change naming a node `fault` hit (other than its re-joining) came.
 fn detected_at(events: &[(Instant, JobEvent)], fault: &Injected) -> Option<Instant> {
-    let named = |changes: &[String]| {
-        changes.iter().any(|c| !c.starts_with("Joined") && fault.nodes.iter().any(|n| c.contains(&format!("\"{n}\""))))
-    };
+    detection(events, fault).map(|(t, _)| t)
+}
+
+/// The controller's first membership change naming a node `fault` hit (other than its re-joining), as it
+/// wrote it (e.g. `Failed { node: NodeId("node-2"), silent_ms: 762 }`), and when the client saw it.
+pub fn detection<'a>(events: &'a [(Instant, JobEvent)], fault: &Injected) -> Option<(Instant, &'a str)> {
+    let names = |c: &String| !c.starts_with("Joined") && fault.nodes.iter().any(|n| c.contains(&format!("\"{n}\"")));
     events.iter().find_map(|(t, e)| match e {
-        JobEvent::Membership { changes, .. } if *t >= fault.at && named(changes) => Some(*t),
+        JobEvent::Membership { changes, .. } if *t >= fault.at => {
+            changes.iter().find(|c| names(c)).map(|c| (*t, c.as_str()))
+        }
         _ => None,
     })
 }

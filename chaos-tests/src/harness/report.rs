@@ -6,6 +6,7 @@ use std::fmt;
 use std::time::Instant;
 
 use serde::Serialize;
+use troupe_actors::api::JobEvent;
 
 use super::link::LinkStats;
 use super::nemesis::Injected;
@@ -63,11 +64,19 @@ pub struct FaultRecord {
     pub note: Option<String>,
     /// Why it could not be applied as asked.
     pub error: Option<String>,
+    /// The controller's membership change that named the node (how it was found: `Failed` by the
+    /// heartbeat detector's silence, with `silent_ms`; `ConnectionLost` by the transport), if one did.
+    pub detected_by: Option<String>,
+    /// Seconds from the fault to that change reaching the client.
+    pub detected_after_s: Option<f64>,
 }
 
 impl FaultRecord {
-    pub fn of(fault: &Injected, first_step: Option<Instant>) -> Self {
+    pub fn of(fault: &Injected, first_step: Option<Instant>, events: &[(Instant, JobEvent)]) -> Self {
+        let detection = super::checker::detection(events, fault);
         FaultRecord {
+            detected_by: detection.map(|(_, change)| change.to_owned()),
+            detected_after_s: detection.map(|(t, _)| t.saturating_duration_since(fault.at).as_secs_f64()),
             kind: fault.kind.as_str().into(),
             nodes: fault.nodes.clone(),
             after_first_step_s: first_step.map(|t| fault.at.saturating_duration_since(t).as_secs_f64()),
@@ -139,6 +148,9 @@ impl fmt::Display for Report {
             let lasted = i.lasted_s.map_or(String::new(), |s| format!(", healed after {s:.1} s"));
             let how = i.note.as_ref().map_or(String::new(), |n| format!("; {n}"));
             writeln!(f, "    {} on {}{at}{lasted}{how}", i.kind, i.nodes.join(", "))?;
+            if let (Some(change), Some(s)) = (&i.detected_by, i.detected_after_s) {
+                writeln!(f, "      detected after {s:.2} s: {change}")?;
+            }
         }
         writeln!(f)?;
         writeln!(f, "  {:<28} {:>10} {:>10} {:>10}", "", "p50", "p99", "max")?;
@@ -231,6 +243,8 @@ mod tests {
                 lasted_s: Some(8.0),
                 note: Some("links degraded with nfqueue".into()),
                 error: None,
+                detected_by: None,
+                detected_after_s: None,
             }],
             links: vec![LinkStats {
                 node: "node-2".into(),

@@ -137,7 +137,7 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
         data_lost: checked.data_lost,
         bad_inputs,
         checks: checked.checks,
-        injected: outcome.injected.iter().map(|f| FaultRecord::of(f, followed.first_step)).collect(),
+        injected: outcome.injected.iter().map(|f| FaultRecord::of(f, followed.first_step, &outcome.events)).collect(),
         links: checked.links,
     })
 }
@@ -166,6 +166,7 @@ async fn start_cluster(
         cluster_options.hosts = network.hosts();
     }
     cluster_options.controller_slots = scenario.controller_slots;
+    cluster_options.membership = scenario.membership.clone();
     cluster_options.torch_threads = 1;
     cluster_options.log = Some(options.log.clone().unwrap_or_else(|| "info".into()));
     cluster_options.log_dir = Some(work.to_owned());

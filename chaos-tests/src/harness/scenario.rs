@@ -19,6 +19,10 @@
 //! pp = 1                    # pipeline stages (one rank each; the world is whole pipelines)
 //! schedule = "1f1b"         # pipeline schedule with pp > 1: gpipe | 1f1b | interleaved | zb-h1
 //!
+//! [membership]              # every daemon's [membership] (node.toml's table; defaults as there), e.g.
+//! failure_detector = "phi_accrual"   # the adaptive detector (floor failure_timeout_min_ms, ceiling
+//!                                    # failure_timeout_ms) instead of the fixed timeout
+//!
 //! [[faults]]
 //! kind = "kill"             # kill | pause | partition | flaky-link | reorder | corrupt-checkpoint |
 //!                           # fill-disk | rolling-restart
@@ -26,7 +30,8 @@
 //! at_step = 8               # when the job has committed this step ... (or at_s: exactly one of them)
 //! at_s = 2.5                # ... or this many seconds after the job committed its first step ...
 //! jitter_ms = 300           # ... plus a delay drawn from the seed in [0, jitter_ms] (mid-step)
-//! duration_s = 4.0          # pause: stopped this long; fill-disk: kept full this long
+//! duration_s = 4.0          # pause: stopped this long; fill-disk: kept full this long; partition: cut
+//!                           # this long, or for the rest of the run when 0 (a machine gone silent)
 //! return_after_s = 3.0      # kill: the node's daemon starts again after this long (shrink, then grow)
 //! one_way = false           # partition: drop only what the node receives
 //! loss_percent = 5.0        # flaky-link / reorder: packets lost each way
@@ -50,6 +55,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use serde::Deserialize;
+use troupe_cluster::membership::MembershipConfig;
 use troupe_model::config::JobConfig;
 
 use super::link::LinkShape;
@@ -74,6 +80,7 @@ pub const SHIPPED: &[(&str, &str)] = &[
     ("pause-controller-node", include_str!("../../scenarios/pause-controller-node.toml")),
     ("partition-controller-node", include_str!("../../scenarios/partition-controller-node.toml")),
     ("reorder-link", include_str!("../../scenarios/reorder-link.toml")),
+    ("silent-machine", include_str!("../../scenarios/silent-machine.toml")),
 ];
 
 /// The scenario keys a job config file sets instead.
@@ -122,6 +129,9 @@ pub struct Scenario {
     pub pp: usize,
     #[serde(default = "one_f_one_b")]
     pub schedule: String,
+    /// Every daemon's `[membership]`: the failure detector and its timeouts (node.toml's table).
+    #[serde(default)]
+    pub membership: MembershipConfig,
     #[serde(default)]
     pub faults: Vec<Fault>,
     /// What the faults must visibly cause, beyond the invariants every run checks.
@@ -296,7 +306,9 @@ pub enum FaultKind {
     /// Fill the checkpoint disk (a tmpfs) for `duration_s`: checkpoints fail cleanly, training goes on.
     FillDisk,
     /// Cut the node off from the others for `duration_s` (iptables DROP; both ways, or inbound only with
-    /// `one_way`): it is dropped from the view, and when the link heals it is fenced and rejoins.
+    /// `one_way`): it is dropped from the view, and when the link heals it is fenced and rejoins. With
+    /// `duration_s` = 0 the cut lasts to the end of the run: a machine gone silent (no reset, no FIN),
+    /// which only the heartbeat detector can find.
     Partition,
     /// Lose `loss_percent` of the node's packets and hold the rest `delay_ms` (± `delay_jitter_ms`)
     /// each way, for `duration_s`, or for the rest of the run when 0: the job runs on, slower, and still
@@ -444,6 +456,7 @@ impl Scenario {
             bail!("scenario {name}: steps = 0; train at least one step");
         }
         super::run::job_config(self).validate().with_context(|| format!("scenario {name}: the job"))?;
+        self.membership.validate().map_err(|e| anyhow::anyhow!("scenario {name}: [membership] {e}"))?;
         let workers: Vec<usize> = self.worker_nodes();
         if workers.is_empty() {
             bail!("scenario {name}: no node runs a worker; raise controller_slots or nodes");
@@ -494,7 +507,13 @@ impl Scenario {
                 k if (k == FaultKind::Partition || k.degrades_links()) && self.network != NetworkKind::Namespaces => {
                     bail!("{which}: link faults need network = \"namespaces\"")
                 }
-                FaultKind::Partition if fault.duration_s <= 0.0 => bail!("{which}: needs duration_s > 0"),
+                FaultKind::Partition if !(fault.duration_s.is_finite() && fault.duration_s >= 0.0) => {
+                    bail!("{which}: duration_s = {} is not a number of seconds ≥ 0 (0: cut for good)", fault.duration_s)
+                }
+                FaultKind::Partition if fault.duration_s == 0.0 && self.expect.regrown => bail!(
+                    "{which}: duration_s = 0 cuts the node for good, so it cannot rejoin; set duration_s or \
+                     expect.regrown = false"
+                ),
                 FaultKind::FlakyLink
                     if fault.loss_percent == 0.0 && fault.delay_ms == 0 && fault.duplicate_percent == 0.0 =>
                 {
@@ -581,6 +600,16 @@ mod tests {
             ),
             ("description = \"x\"\njob = \"/no/such/job.toml\"\n", "job = \"/no/such/job.toml\""),
             ("description = \"x\"\njob = \"j.toml\"\nsteps = 5\n", "steps set beside job"),
+            ("description = \"x\"\n[membership]\nfailure_detector = \"phi\"\n", "phi"),
+            (
+                "description = \"x\"\n[membership]\nfailure_detector = \"phi_accrual\"\nfailure_timeout_min_ms = 2000\n",
+                "[membership] failure_timeout_min_ms (2000)",
+            ),
+            (
+                "description = \"x\"\nnetwork = \"namespaces\"\n[[faults]]\nkind = \"partition\"\nat_step = 3\n\
+                 [expect]\nregrown = true\n",
+                "cuts the node for good",
+            ),
         ];
         for (text, needle) in cases {
             let err = format!("{:#}", Scenario::parse(text, "t").unwrap_err());
