@@ -146,7 +146,6 @@ async fn a_checkpoint_written_at_tp2_resumes_at_tp1_on_the_reference_trajectory(
 /// SIGKILLed after step 5 — its group's surviving rank gives up its shards, the other group's ranks keep
 /// the full state, and the job goes on as one tensor group of two (dp = 1) on the reference's trajectory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails today (issue 29): a Subgroup's LossScope::Group receive fails on any peer's loss, so the surviving replica drops its state too and the job fails"]
 async fn a_tensor_group_that_loses_a_rank_to_sigkill_drops_out_and_the_job_stays_on_the_reference() {
     let dir = tempfile::tempdir().unwrap();
     let cluster = common::processes(4).await;

@@ -12,7 +12,11 @@
 //! end (and for a checkpoint, an evaluation or `--save-final`) the tensor group all-gathers them back
 //! with `TpLayout::gather`. A tensor group lives or dies together: when a rank of it is lost, the
 //! others' final gather fails and they keep nothing; the other groups' ranks hold the whole committed
-//! state, so the next attempt (fewer replicas) starts from them, or from the checkpoint.
+//! state, so the next attempt (fewer replicas) starts from them, or from the checkpoint. Their
+//! collectives run over [`Subgroup`]s, whose receives fail on the loss of a member only, so a group
+//! that lost no one completes its final gather; that gather runs in the next epoch, after this rank
+//! fenced the attempt's, so that a computation left waiting on a peer that broke off (the attempt failed
+//! elsewhere) fails at once instead of holding the shards for a collective timeout.
 
 mod group;
 
@@ -187,11 +191,12 @@ impl<T: Transport> TensorParallelReplica<T> {
     }
 
     /// The whole state (parameters, AdamW moments and counters) gathered from the tensor group into the
-    /// trainer, on every rank of the group. With `fresh`, over a new sequence of collectives.
+    /// trainer, on every rank of the group. With `fresh`, over a new sequence of collectives in the epoch
+    /// after the attempt's (see [`StepEngine::into_state`]).
     async fn gather(&mut self, fresh: bool) -> Result<(), EngineError> {
         let counters = [self.trainer.step, self.parts.as_ref().map_or(0, |p| p.optimizer.step)];
         let fresh = if fresh { Some(self.tensor_transport()?) } else { None };
-        let (epoch, collective) = (self.comm.epoch(), self.collective.clone());
+        let (epoch, collective) = (self.comm.epoch() + 1, self.collective.clone());
         let gathered = self
             .blocking(move |parts| {
                 if let Some(transport) = fresh {
@@ -366,10 +371,14 @@ impl<T: Transport> StepEngine for TensorParallelReplica<T> {
         self.gather(false).await
     }
 
+    /// The tensor group's shards gathered whole. The attempt is over: its epoch is fenced first, so that
+    /// a computation still waiting on a peer (one that broke off when the attempt failed elsewhere) ends
+    /// at once and gives the shards back; the gather runs in the next epoch.
     async fn into_state(mut self) -> Option<CommittedState> {
         if self.lost {
             return None;
         }
+        self.comm.transport().fence(self.comm.epoch() + 1);
         self.reclaim().await;
         if !self.sharded {
             // The trainer still holds the attempt's starting state.
