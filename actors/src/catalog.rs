@@ -32,10 +32,14 @@ pub struct Catalog {
 }
 
 /// The controller's last view, written before the view is sent to anyone.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StoredView {
     pub epoch: u64,
     pub members: Vec<String>,
+    /// The controller that recorded it and its control address: with replicated controllers, how the
+    /// other controllers find a new leader's address, and which node a take-over does not wait for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recorded_by: Option<(String, std::net::SocketAddr)>,
 }
 
 /// A job as the controller last recorded it.
@@ -300,7 +304,7 @@ mod tests {
             assert_eq!(c.next_incarnation().unwrap(), 1);
             assert_eq!(c.view().unwrap(), None);
             assert!(c.jobs().unwrap().is_empty());
-            c.save_view(&StoredView { epoch: 7, members: vec!["a".into(), "b".into()] }).unwrap();
+            c.save_view(&StoredView { epoch: 7, members: vec!["a".into(), "b".into()], ..Default::default() }).unwrap();
             c.save_job(&spec(), &info(1, 0), 0, &[event(0), event(1)]).unwrap();
             c.save_job(&spec(), &info(1, 2), 2, &[event(2)]).unwrap();
             c.save_job(&spec(), &info(2, 0), 0, &[]).unwrap();
@@ -309,7 +313,10 @@ mod tests {
         }
         let c = Catalog::open(dir.path()).unwrap();
         assert_eq!(c.next_incarnation().unwrap(), 2);
-        assert_eq!(c.view().unwrap(), Some(StoredView { epoch: 7, members: vec!["a".into(), "b".into()] }));
+        assert_eq!(
+            c.view().unwrap(),
+            Some(StoredView { epoch: 7, members: vec!["a".into(), "b".into()], ..Default::default() })
+        );
         let jobs = c.jobs().unwrap();
         assert_eq!(jobs.len(), 2);
         assert_eq!((jobs[0].info.step, jobs[0].spec.name.as_str()), (2, "t"));
@@ -322,7 +329,7 @@ mod tests {
     fn its_contents_rebuild_another_catalog_and_keep_its_incarnation() {
         let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         let source = Catalog::open(a.path()).unwrap();
-        source.save_view(&StoredView { epoch: 3, members: vec!["a".into()] }).unwrap();
+        source.save_view(&StoredView { epoch: 3, members: vec!["a".into()], ..Default::default() }).unwrap();
         let events: Vec<JobEvent> = (0..EVENTS_KEPT as u64 + 2).map(event).collect();
         source.save_job(&spec(), &info(1, 5), 0, &events).unwrap();
         let contents = source.contents_in(&source.db.begin_read().unwrap()).unwrap();

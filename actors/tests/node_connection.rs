@@ -58,7 +58,7 @@ async fn a_node_told_of_a_connection_already_gone_dials_again() {
     let name = format!("{}/node", actor_scope("node-1", node.addr()));
     let actor: ActorRef<NodeMsg> = ractor::registry::where_is(name).expect("the node actor is registered").into();
 
-    actor.cast(NodeMsg::Connected(Ok("node-0".into()))).unwrap();
+    actor.cast(NodeMsg::Connected(controller_addr, Ok("node-0".into()))).unwrap();
     // Every dial started before that report has given up by now.
     tokio::time::sleep(Duration::from_millis(3 * CONNECT_TIMEOUT_MS)).await;
     let controller = Daemon::start(config(dir.path(), "node-0", controller_addr, None)).await.unwrap();

@@ -92,7 +92,7 @@ fn timeouts() -> RaftTimeouts {
 }
 
 fn view(epoch: u64) -> CatalogWrite {
-    CatalogWrite::View(StoredView { epoch, members: vec!["n0".into(), "n1".into()] })
+    CatalogWrite::View(StoredView { epoch, members: vec!["n0".into(), "n1".into()], ..Default::default() })
 }
 
 fn job(step: u64) -> CatalogWrite {

@@ -28,7 +28,7 @@ const DIR_VAR: &str = "TROUPE_RAFT_CRASH_DIR";
 const NODE: u64 = 7;
 
 fn write_for(index: u64) -> CatalogWrite {
-    CatalogWrite::View(StoredView { epoch: index, members: vec![format!("m{index}")] })
+    CatalogWrite::View(StoredView { epoch: index, members: vec![format!("m{index}")], ..Default::default() })
 }
 
 fn log_id(term: u64, index: u64) -> LogId<u64> {

@@ -149,6 +149,15 @@ impl Client {
         Ok(JobHandle { id: job, client: self, done: info.state.is_terminal(), next: info.events })
     }
 
+    /// Follows a job submitted elsewhere from its event number `since` on (those already streamed
+    /// first): a watcher that lost its controller for good picks up where it was at another daemon,
+    /// which redirects it to the new one.
+    pub async fn watch_from(mut self, job: JobId, since: u64) -> Result<JobHandle> {
+        let info = self.watch_since(job, Some(since)).await?;
+        let done = info.state.is_terminal() && since >= info.events;
+        Ok(JobHandle { id: job, client: self, done, next: since })
+    }
+
     /// Asks for the events of `job` numbered `since` and later (None: from now on); those already
     /// streamed arrive before the reply.
     async fn watch_since(&mut self, job: JobId, since: Option<u64>) -> Result<JobInfo> {

@@ -16,8 +16,10 @@ pub use crate::catalog::{Catalog, StoredJob, StoredView};
 pub use crate::node_config::{NodeConfig, NodeConfigError, SLOTS_MAX};
 
 use crate::error::{Error, Result};
+use crate::node_config::controllers::ControllerEntry;
 use crate::protocol::ClusterStatus;
 use crate::runtime::node::{actor_scope, NodeActor, NodeArgs, NodeMsg};
+use crate::runtime::raft::{Controller, ControllerGroup, GroupConfig, RaftEndpoint, RaftTimeouts};
 use crate::runtime::worker::WorkerMsg;
 use crate::telemetry::{endpoint, http, otel, otel_metrics, NodeMetrics};
 
@@ -35,6 +37,8 @@ pub struct Daemon {
     http: Option<(SocketAddr, tokio::task::JoinHandle<()>)>,
     /// Whether that endpoint speaks https (`telemetry.dashboard_tls` or `dashboard_auth`).
     https: bool,
+    /// The controllers' Raft group (or the single controller's catalog), shut down after a drain.
+    group: Arc<ControllerGroup>,
 }
 
 impl Daemon {
@@ -54,6 +58,7 @@ impl Daemon {
         let (endpoint, events) = ControlEndpoint::bind(&identity, config.listen, PeerRole::Node, &config.transport)
             .map_err(|e| address_error(&config.listen, e))?;
         let addr = endpoint.local_addr();
+        let group = Arc::new(controller_group(&config, &identity, catalog.clone()).await?);
         let listener = match config.telemetry.metrics_listen {
             Some(at) => Some(http::bind(at).map_err(|e| {
                 Error::start(format!(
@@ -86,6 +91,7 @@ impl Daemon {
             stop_reason: stop_reason.clone(),
             metrics: metrics.clone(),
             catalog,
+            group: group.clone(),
         };
         let (node, handle) = Actor::spawn(Some(format!("{}/node", actor_scope(&name, addr))), NodeActor, args)
             .await
@@ -103,7 +109,7 @@ impl Daemon {
             }
             None => None,
         };
-        Ok(Daemon { node, handle, addr, name, stop_reason, http, https })
+        Ok(Daemon { node, handle, addr, name, stop_reason, http, https, group })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -144,6 +150,7 @@ impl Daemon {
         self.stop_http();
         let drained = ractor::call!(self.node, NodeMsg::Drain);
         let _ = tokio::time::timeout(Duration::from_millis(DRAIN_TIMEOUT_MS), &mut self.handle).await;
+        self.group.shutdown().await;
         drained.map_err(|e| self.not_running(format!("draining it: {e}")))
     }
 
@@ -169,6 +176,31 @@ impl Daemon {
     pub fn is_running(&self) -> bool {
         !self.handle.is_finished()
     }
+}
+
+/// The node's [`ControllerGroup`]: with two or more `controllers` and this node among them, its Raft
+/// group, over its own endpoint on its entry's Raft address; otherwise the catalog itself (the single
+/// controller, or a node that is not controller-eligible and never writes it).
+async fn controller_group(config: &NodeConfig, identity: &NodeIdentity, catalog: Catalog) -> Result<ControllerGroup> {
+    let entries: Vec<ControllerEntry> =
+        config.controllers.iter().filter_map(|c| ControllerEntry::parse(c).ok()).collect();
+    let me = entries.iter().find(|e| e.name == config.name).and_then(|e| e.raft_addr);
+    let Some(raft_addr) = me.filter(|_| entries.len() >= 2) else {
+        return Ok(ControllerGroup::single(&config.name, catalog));
+    };
+    let endpoint = RaftEndpoint::bind(identity, raft_addr, &config.transport).map_err(|e| {
+        Error::start(format!(
+            "controllers: this node's Raft address {raft_addr}: {e}; give it a free port in node.toml `controllers`"
+        ))
+    })?;
+    let controllers = entries
+        .iter()
+        .filter_map(|e| e.raft_addr.map(|a| Controller { name: e.name.clone(), addr: a.to_string() }))
+        .collect();
+    let group = GroupConfig { name: config.name.clone(), controllers, timeouts: RaftTimeouts::default() };
+    ControllerGroup::replicated(endpoint, catalog, group)
+        .await
+        .map_err(|e| Error::start(format!("controllers: starting this node's Raft group: {e:#}")))
 }
 
 fn address_error(addr: &SocketAddr, e: troupe_cluster::ClusterError) -> Error {

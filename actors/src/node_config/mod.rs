@@ -74,6 +74,12 @@ pub enum NodeConfigError {
 }
 
 impl NodeConfig {
+    /// The names of the controller-eligible nodes (`controllers`; the entries' Raft addresses left out).
+    /// Unparseable entries are left out too: [`NodeConfig::validate`] refuses them.
+    pub fn controller_names(&self) -> Vec<String> {
+        self.controllers.iter().filter_map(|c| controllers::ControllerEntry::parse(c).ok()).map(|e| e.name).collect()
+    }
+
     pub fn load(path: &Path) -> Result<Self, NodeConfigError> {
         let text =
             std::fs::read_to_string(path).map_err(|source| NodeConfigError::Read { path: path.to_owned(), source })?;

@@ -2,9 +2,10 @@
 //! [`JobDriver`] and carries out its actions through its node: messages to the ranks' nodes, events to
 //! the job's watchers, step boundaries to membership.
 //!
-//! It records the job in the daemon's catalog *before* it announces anything: the spec and state, and
-//! the events of each batch of actions, in one durable transaction, and only then the batch's messages
-//! and events go out. So a `Commit` leaves only once its step's event is on disk, an attempt's `Prepare`
+//! It records the job *before* it announces anything: the spec and state, and the events of each batch
+//! of actions, in one write through the node's [`ControllerGroup`] — one durable catalog transaction
+//! with one controller, committed by a Raft majority with several (a write that is not committed is
+//! never announced: the node steps down) — and only then the batch's messages and events go out. So a `Commit` leaves only once its step's event is on disk, an attempt's `Prepare`
 //! only once its number is, and a watcher never sees an event a restarted controller would not have —
 //! which is what lets the controller restart from its catalog (see [`JobDriver::restore`]).
 
@@ -14,7 +15,7 @@ use troupe_cluster::membership::{NodeId, View};
 use super::job::{DriverAction, JobDriver};
 pub use super::messages::JobMsg;
 use super::messages::NodeMsg;
-use crate::catalog::Catalog;
+use super::raft::{CatalogWrite, ControllerGroup};
 use crate::protocol::{JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo};
 
 pub struct JobArgs {
@@ -23,7 +24,8 @@ pub struct JobArgs {
     pub node: ActorRef<NodeMsg>,
     pub view: View,
     pub members: Vec<MemberInfo>,
-    pub catalog: Catalog,
+    /// Where the job's records go: the catalog (one controller) or the Raft group (several).
+    pub group: std::sync::Arc<ControllerGroup>,
     /// A job the controller recorded before it restarted: its last recorded state, the number its next
     /// event gets, and the nodes of the last view (see [`JobDriver::restore`]).
     pub restored: Option<(JobInfo, u64, Vec<NodeId>)>,
@@ -35,7 +37,10 @@ pub struct JobControllerState {
     started: std::time::Instant,
     driver: JobDriver,
     node: ActorRef<NodeMsg>,
-    catalog: Catalog,
+    group: std::sync::Arc<ControllerGroup>,
+    /// A write was not committed (replicated controllers): nothing more goes out from this job
+    /// controller; its node steps down and stops it.
+    stopped: bool,
     /// The number the next recorded event gets.
     next_event: u64,
     /// The attempt and state last recorded (with events: every other change of the job's state — its
@@ -52,6 +57,9 @@ impl JobControllerState {
     /// out. A batch of phase reports alone waits for the next batch, or the next tick: an fsync per
     /// report would cost traced jobs a disk flush per rank per step.
     async fn flush(&mut self, force: bool) {
+        if self.stopped {
+            return;
+        }
         let mut batch = std::mem::take(&mut self.pending);
         while let Some(action) = self.driver.poll_action() {
             batch.push(action);
@@ -71,14 +79,21 @@ impl JobControllerState {
             })
             .collect();
         if !events.is_empty() || unrecorded {
-            let (catalog, spec, recorded, first) =
-                (self.catalog.clone(), self.spec.clone(), info.clone(), self.next_event);
             let count = events.len() as u64;
-            let saved = tokio::task::spawn_blocking(move || catalog.save_job(&spec, &recorded, first, &events)).await;
-            match saved {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::error!(job = self.id, "{e:#}; a controller restart would not find this"),
-                Err(e) => tracing::error!(job = self.id, "recording the job: {e}"),
+            let write =
+                CatalogWrite::Job { spec: self.spec.clone(), info: info.clone(), first: self.next_event, events };
+            match self.group.propose(write).await {
+                Ok(()) => {}
+                Err(e) if self.group.is_replicated() => {
+                    // Not committed by a majority: none of this batch may go out.
+                    tracing::warn!(job = self.id, "{e}; this node stops acting as the controller");
+                    self.stopped = true;
+                    let _ = self
+                        .node
+                        .cast(NodeMsg::NotCommitted(format!("job {}'s record was not committed: {e}", self.id)));
+                    return;
+                }
+                Err(e) => tracing::error!(job = self.id, "{e:#}; a controller restart would not find this"),
             }
             self.next_event += count;
             self.recorded = Some((info.attempts, info.state));
@@ -113,7 +128,8 @@ impl Actor for JobController {
             started: std::time::Instant::now(),
             driver,
             node: args.node,
-            catalog: args.catalog,
+            group: args.group,
+            stopped: false,
             next_event,
             recorded: None,
             pending: Vec::new(),

@@ -8,6 +8,7 @@ use troupe_cluster::control::ControlEvent;
 use troupe_cluster::membership::{NodeId, View};
 use troupe_cluster::transport::quic::PeerInfo;
 
+use super::raft::Leadership;
 use crate::engine::CommittedState;
 use crate::protocol::{
     AttemptOutcome, ClusterStatus, EvalFigures, JobEvent, JobId, JobInfo, JobSpec, MemberInfo, PhaseSpan, StepFigures,
@@ -31,11 +32,17 @@ pub enum NodeMsg {
     },
     JobInfo(JobInfo),
     StepBoundary,
-    Connected(Result<String, String>),
+    /// A dial of this address ended: connected to the named peer, or why not.
+    Connected(std::net::SocketAddr, Result<String, String>),
     Status(RpcReplyPort<ClusterStatus>),
     /// SIGTERM: leave the cluster cleanly, then stop.
     Drain(RpcReplyPort<()>),
     Worker(u32, RpcReplyPort<Option<ActorRef<WorkerMsg>>>),
+    /// The Raft group's (term, leader) changed (replicated controllers).
+    Leadership(Leadership),
+    /// A job controller's write was not committed (replicated controllers): this node may no longer
+    /// lead, so it stops acting as the controller.
+    NotCommitted(String),
 }
 
 pub enum WorkerMsg {

@@ -16,6 +16,8 @@ pub mod job;
 pub mod messages;
 pub mod node;
 pub mod node_core;
+#[cfg(test)]
+mod node_core_tests;
 mod outbox;
 pub mod raft;
 pub mod worker;

@@ -1,6 +1,6 @@
 //! NodeActor: the daemon. Supervises one [`WorkerActor`] per device slot, speaks the control protocol
-//! over QUIC and — on the controller (the node started without `join`) — runs one [`JobController`] per
-//! job. It is the shell of [`NodeCore`]: what the node decides (membership, fencing, admission of job
+//! over QUIC and — on the controller (the node started without `join`, or, with several `controllers`,
+//! the one whose Raft group leads) — runs one [`JobController`] per job. It is the shell of [`NodeCore`]: what the node decides (membership, fencing, admission of job
 //! messages, routing) is the core's; the actor feeds it the endpoint's events, its timer and its
 //! children's messages, and carries out its [`NodeAction`]s — sockets, the catalog, spawning actors,
 //! metrics — in order.
@@ -24,6 +24,7 @@ pub use super::messages::NodeMsg;
 use super::messages::{JobMsg, WorkerMsg};
 use super::node_core::{NodeAction, NodeCore, NodeNote, NodeSettings};
 use super::outbox::Outboxes;
+use super::raft::{CatalogWrite, ControllerGroup, Leadership};
 use super::worker::{AttemptThreads, WorkerActor, WorkerArgs};
 use crate::catalog::{Catalog, StoredView};
 use crate::node_config::NodeConfig;
@@ -42,8 +43,12 @@ pub struct NodeArgs {
     pub stop_reason: Arc<std::sync::Mutex<Option<String>>>,
     /// What `/metrics` reports; updated as events pass.
     pub metrics: Arc<NodeMetrics>,
-    /// The daemon's catalog: the controller records its views and jobs there, and restarts from it.
+    /// The daemon's catalog: the controller restarts from it (one controller); with several, it is
+    /// this node's copy of the replicated catalog.
     pub catalog: Catalog,
+    /// Where the controller's writes go: the catalog itself (one controller), or the Raft group whose
+    /// leader is the controller (several).
+    pub group: Arc<ControllerGroup>,
 }
 
 pub struct NodeState {
@@ -60,6 +65,9 @@ pub struct NodeState {
     stop_reason: Arc<std::sync::Mutex<Option<String>>>,
     metrics: Arc<NodeMetrics>,
     catalog: Catalog,
+    group: Arc<ControllerGroup>,
+    /// The leader the Raft group named whose control address is not known yet (looked up each tick).
+    unresolved_leader: Option<String>,
     /// The workers' attempt threads, which a drain waits for.
     attempts: AttemptThreads,
 }
@@ -149,8 +157,8 @@ impl NodeState {
                         spec.trace_seed = crate::telemetry::otel::new_trace_seed(id);
                     }
                     self.metrics.on_submit(id, &spec);
-                    let catalog = self.catalog.clone();
-                    let args = JobArgs { id, spec: *spec, node: me.clone(), view, members, catalog, restored };
+                    let group = self.group.clone();
+                    let args = JobArgs { id, spec: *spec, node: me.clone(), view, members, group, restored };
                     let name = format!("{}/job/{id}", self.scope());
                     let started = match Actor::spawn_linked(Some(name), JobController, args, me.get_cell()).await {
                         Ok((actor, _)) => {
@@ -165,12 +173,17 @@ impl NodeState {
                     let (endpoint, me) = (self.endpoint.clone(), me.clone());
                     tokio::spawn(async move {
                         let result = endpoint.connect(addr).await.map_err(|e| e.to_string());
-                        let _ = me.cast(NodeMsg::Connected(result));
+                        let _ = me.cast(NodeMsg::Connected(addr, result));
                     });
                 }
                 NodeAction::RestartWorker { slot } => {
                     let worker = self.spawn_worker(me, slot as u32).await?;
                     self.workers[slot] = worker;
+                }
+                NodeAction::StopJobs => {
+                    for (_, job) in std::mem::take(&mut self.jobs) {
+                        job.stop(Some("this node is no longer the controller".into()));
+                    }
                 }
                 NodeAction::Stop { reason } => {
                     *self.stop_reason.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.clone());
@@ -182,16 +195,60 @@ impl NodeState {
         Ok(())
     }
 
-    /// Recorded before anyone hears of it: a restarted controller starts past this epoch.
+    /// Recorded before anyone hears of it: a restarted controller starts past this epoch. With
+    /// replicated controllers, committed by a majority first; a view that is not (this node is no
+    /// longer the leader, or cut off) is never announced: the node steps down.
     async fn record_view(&mut self, view: StoredView, starting: bool) -> Result<(), ActorProcessingErr> {
-        let catalog = self.catalog.clone();
-        match tokio::task::spawn_blocking(move || catalog.save_view(&view)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) if starting => return Err(format!("{e:#}").into()),
-            Ok(Err(e)) => tracing::error!(node = %self.core.id(), "{e:#}; a controller restart would reuse epochs"),
-            Err(e) => tracing::error!(node = %self.core.id(), "recording the view: {e}"),
+        match self.group.propose(CatalogWrite::View(view)).await {
+            Ok(()) => {}
+            Err(e) if self.group.is_replicated() => {
+                let now = self.now();
+                self.core.step_down(now, &format!("its view was not committed: {e}"));
+            }
+            Err(e) if starting => return Err(format!("{e:#}").into()),
+            Err(e) => tracing::error!(node = %self.core.id(), "{e:#}; a controller restart would reuse epochs"),
         }
         Ok(())
+    }
+
+    /// The Raft group's leadership changed: this node becomes the controller (restoring the replicated
+    /// catalog once it applied everything committed), or stops being it and follows the new leader.
+    async fn on_leadership(&mut self, leadership: Leadership) {
+        let now = self.now();
+        let me = self.core.id().0.clone();
+        match leadership.leader {
+            Some(leader) if leader == me => {
+                self.unresolved_leader = None;
+                if self.core.is_controller() {
+                    return;
+                }
+                match self.group.state().await {
+                    Ok((view, jobs)) => {
+                        tracing::info!(node = %me, term = leadership.term, "elected: taking over as the controller");
+                        self.core.become_controller(self.now(), view, jobs);
+                    }
+                    Err(e) => tracing::warn!(node = %me, "elected, but reading the replicated catalog failed: {e}"),
+                }
+            }
+            leader => {
+                let why = format!("Raft term {}: {} leads", leadership.term, leader.as_deref().unwrap_or("no one yet"));
+                self.core.step_down(now, &why);
+                self.unresolved_leader = leader;
+                self.resolve_leader();
+            }
+        }
+    }
+
+    /// Follows the leader the Raft group named once its control address is known: from a view this
+    /// node holds, or from the replicated catalog's last view, which the leader recorded.
+    fn resolve_leader(&mut self) {
+        let Some(leader) = self.unresolved_leader.clone() else { return };
+        let recorded = || self.catalog.view().ok().flatten()?.recorded_by.filter(|(name, _)| *name == leader);
+        let addr = self.core.known_addr(&leader).or_else(|| recorded().map(|(_, addr)| addr));
+        if let Some(addr) = addr {
+            self.core.follow(&leader, addr);
+            self.unresolved_leader = None;
+        }
     }
 
     fn observe(&self, note: NodeNote) {
@@ -229,11 +286,12 @@ impl Actor for NodeActor {
     type Arguments = NodeArgs;
 
     async fn pre_start(&self, me: ActorRef<NodeMsg>, args: NodeArgs) -> Result<NodeState, ActorProcessingErr> {
-        let NodeArgs { config, identity, endpoint, mut events, stop_reason, metrics, catalog } = args;
+        let NodeArgs { config, identity, endpoint, mut events, stop_reason, metrics, catalog, group } = args;
         let started = Instant::now();
-        // A controller that ran before on this data dir starts past its last epoch and resumes its jobs.
-        let (stored_view, stored_jobs) =
-            if config.join.is_none() { (catalog.view()?, catalog.jobs()?) } else { (None, Vec::new()) };
+        // A controller that ran before on this data dir starts past its last epoch and resumes its jobs
+        // (with replicated controllers, a node does so when its Raft group elects it).
+        let single = config.join.is_none() && !group.is_replicated();
+        let (stored_view, stored_jobs) = if single { (catalog.view()?, catalog.jobs()?) } else { (None, Vec::new()) };
         let settings = NodeSettings {
             id: NodeId(config.name.clone()),
             addr: endpoint.local_addr(),
@@ -242,6 +300,7 @@ impl Actor for NodeActor {
             allow_plaintext_tcp: config.allow_plaintext_tcp,
             membership: config.membership.clone(),
             restart: config.restart,
+            controllers: config.controller_names(),
         };
         let core = NodeCore::new(settings, Duration::ZERO, new_incarnation()?, stored_view, stored_jobs);
         let pump = me.clone();
@@ -264,8 +323,21 @@ impl Actor for NodeActor {
             stop_reason,
             metrics,
             catalog,
+            group,
+            unresolved_leader: None,
             attempts: AttemptThreads::default(),
         };
+        if state.group.is_replicated() {
+            let (mut leadership, pump) = (state.group.leadership(), me.clone());
+            tokio::spawn(async move {
+                loop {
+                    let now = leadership.borrow_and_update().clone();
+                    if pump.cast(NodeMsg::Leadership(now)).is_err() || leadership.changed().await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
         state.act(&me, true).await?;
         for slot in 0..state.config.slots {
             let actor = state.spawn_worker(&me, slot).await?;
@@ -284,15 +356,25 @@ impl Actor for NodeActor {
         let now = state.now();
         match msg {
             NodeMsg::Control(event) => state.on_control(event).await,
-            NodeMsg::Tick => state.core.tick(now),
+            NodeMsg::Tick => {
+                state.resolve_leader();
+                if state.group.is_leader() && !state.core.is_controller() && state.group.is_replicated() {
+                    // Elected, but reading the replicated catalog failed: tried again.
+                    let leadership = state.group.leadership().borrow().clone();
+                    state.on_leadership(leadership).await;
+                }
+                state.core.tick(now);
+            }
+            NodeMsg::Leadership(leadership) => state.on_leadership(leadership).await,
+            NodeMsg::NotCommitted(why) => state.core.step_down(now, &why),
             NodeMsg::FromWorker(wire) => state.core.send_to_controller(wire),
             NodeMsg::Outgoing { node, msg } => state.core.job_outgoing(&node, msg),
             NodeMsg::JobEvent { job, event, info } => state.core.job_event(job, event, info),
             NodeMsg::JobInfo(info) => state.core.job_info(info),
             NodeMsg::StepBoundary => state.core.step_boundary(now),
-            NodeMsg::Connected(result) => {
+            NodeMsg::Connected(addr, result) => {
                 let still_up = result.as_ref().is_ok_and(|peer| state.endpoint.is_connected(peer));
-                state.core.dialed(now, result, still_up);
+                state.core.dialed(now, addr, result, still_up);
             }
             NodeMsg::Status(reply) => {
                 let _ = reply.send(state.core.status());

@@ -42,12 +42,18 @@ pub struct NodeSettings {
     /// This node's control address: what its `Join` announces, and the controller's address on the
     /// controller.
     pub addr: SocketAddr,
-    /// The controller to join; `None` on the controller.
+    /// The controller to join; `None` on the controller (or, with replicated controllers, on a
+    /// controller-eligible node: it learns the leader from its Raft group).
     pub join: Option<SocketAddr>,
     pub slots: u32,
     pub allow_plaintext_tcp: bool,
     pub membership: MembershipConfig,
     pub restart: RestartPolicy,
+    /// The controller-eligible nodes (node.toml `controllers`) by name. Two or more: the controller is
+    /// replicated — a listed node is the controller only while its Raft group leads
+    /// ([`NodeCore::become_controller`], [`NodeCore::step_down`]), and every node that loses its
+    /// controller tries the others.
+    pub controllers: Vec<String>,
 }
 
 /// What the node does, in order (see the module docs).
@@ -88,6 +94,8 @@ pub enum NodeAction {
     RestartWorker {
         slot: usize,
     },
+    /// Stop every job controller at once: this node is no longer the controller.
+    StopJobs,
     /// A worker kept failing: the node stops, for this reason.
     Stop {
         reason: String,
@@ -157,7 +165,17 @@ pub struct NodeCore {
     controller: Option<Controller>,
     /// The controller's name once connected (non-controllers).
     controller_peer: Option<String>,
-    connecting: bool,
+    /// Where this node dials its controller: `join`, then (replicated controllers) the leader its Raft
+    /// group names, a `Redirect`'s address, or the next controller of the list.
+    target: Option<SocketAddr>,
+    /// The leader's control address as this node's Raft group named it ([`NodeCore::follow`]).
+    leader_addr: Option<SocketAddr>,
+    /// Which controller of the list a member tries next (replicated controllers).
+    next_candidate: usize,
+    /// The address of the dial under way, if any. A new target (a new leader named meanwhile) is
+    /// dialed at once, without waiting for a dial to a dead one to time out; a dial that ends for an
+    /// address other than this one is not taken for the controller's connection.
+    dialing: Option<SocketAddr>,
     /// The members of the last view this node heard of (non-controllers).
     members: Vec<MemberInfo>,
     workers: Vec<WorkerSlot>,
@@ -201,7 +219,10 @@ impl NodeCore {
             member: MemberState::joining(id.clone(), config.clone(), now, incarnation),
             controller: None,
             controller_peer: None,
-            connecting: false,
+            target: settings.join,
+            leader_addr: None,
+            next_candidate: 0,
+            dialing: None,
             members: Vec::new(),
             workers,
             refused_stale: 0,
@@ -211,36 +232,160 @@ impl NodeCore {
             actions: VecDeque::new(),
             settings,
         };
-        if core.settings.join.is_some() {
+        if core.settings.join.is_some() || core.eligible() {
             return core;
         }
+        core.take_control(now, incarnation, stored_view, stored_jobs);
+        core
+    }
+
+    /// Becomes the controller at `now`: its view starts past `stored_view`'s epoch with only itself in
+    /// it (recorded first), and every job of `stored_jobs` is restored (see [`Self::restore_job`]).
+    fn take_control(
+        &mut self,
+        now: Duration,
+        incarnation: u64,
+        stored_view: Option<StoredView>,
+        stored_jobs: Vec<StoredJob>,
+    ) {
+        let (id, config) = (self.settings.id.clone(), self.settings.membership.clone());
         let epoch = Epoch(stored_view.as_ref().map_or(1, |v| v.epoch + 1));
         let membership = Membership::starting_at(config.clone(), now, vec![id.clone()], epoch);
         let view = membership.view().clone();
         // Recorded before it is announced (a `Fenced` names it): a second restart starts past it too.
-        core.actions.push_back(NodeAction::RecordView(StoredView { epoch: epoch.0, members: vec![id.0.clone()] }));
-        let info = MemberInfo { name: id.0.clone(), addr: core.settings.addr, slots: core.settings.slots };
-        core.members = vec![info.clone()];
-        core.controller = Some(Controller {
+        let record = self.stored_view(epoch.0, vec![id.0.clone()]);
+        self.actions.push_back(NodeAction::RecordView(record));
+        let info = MemberInfo { name: id.0.clone(), addr: self.settings.addr, slots: self.settings.slots };
+        self.members = vec![info.clone()];
+        self.controller = Some(Controller {
             membership,
             members: BTreeMap::from([(id.clone(), info)]),
             jobs: BTreeMap::new(),
             next_job: stored_jobs.iter().map(|j| j.info.id + 1).max().unwrap_or(1),
         });
-        core.member = MemberState::member(id.clone(), config, now, view, incarnation);
-        if let Some(last) = stored_view {
-            let expect: Vec<NodeId> = last.members.into_iter().map(NodeId).collect();
-            let open = stored_jobs.iter().filter(|j| !j.info.state.is_terminal()).count();
-            core.record_change(format!(
-                "{id} restarted as the controller at epoch {epoch} (last view: epoch {}, {} members); resuming {open} job(s)",
-                last.epoch,
-                expect.len()
-            ));
-            for job in stored_jobs {
-                core.restore_job(job, &expect);
+        self.member = MemberState::member(id.clone(), config, now, view, incarnation);
+        let Some(last) = stored_view else { return };
+        // A take-over does not wait for the controller it replaces: that one lost its majority.
+        let previous = last.recorded_by.map(|(name, _)| name).filter(|name| *name != id.0);
+        let expect: Vec<NodeId> =
+            last.members.into_iter().filter(|m| Some(m) != previous.as_ref()).map(NodeId).collect();
+        let open = stored_jobs.iter().filter(|j| !j.info.state.is_terminal()).count();
+        let how = match &previous {
+            Some(old) => format!("took over from {old} as the controller"),
+            None => "restarted as the controller".to_owned(),
+        };
+        self.record_change(format!(
+            "{id} {how} at epoch {epoch} (last view: epoch {}, {} members); resuming {open} job(s)",
+            last.epoch,
+            expect.len()
+        ));
+        for job in stored_jobs {
+            self.restore_job(job, &expect);
+        }
+    }
+
+    /// A view as recorded: with who recorded it and where it listens.
+    fn stored_view(&self, epoch: u64, members: Vec<String>) -> StoredView {
+        StoredView { epoch, members, recorded_by: Some((self.settings.id.0.clone(), self.settings.addr)) }
+    }
+
+    /// Whether the controller is replicated (two or more controller-eligible nodes).
+    fn replicated(&self) -> bool {
+        self.settings.controllers.len() >= 2
+    }
+
+    /// Whether this node is one of several controller-eligible nodes: the controller while its Raft
+    /// group leads, a member otherwise.
+    pub fn eligible(&self) -> bool {
+        self.replicated() && self.settings.controllers.contains(&self.settings.id.0)
+    }
+
+    /// This node's Raft group elected it (replicated controllers): it becomes the controller, restoring
+    /// the replicated catalog's view and jobs (read after catching up with everything committed) as a
+    /// restarted controller does. Its own workers abort the attempts of the controller it replaces,
+    /// keeping the committed state of the jobs it resumes (as a fenced member does).
+    pub fn become_controller(&mut self, now: Duration, stored_view: Option<StoredView>, stored_jobs: Vec<StoredJob>) {
+        if self.controller.is_some() || self.draining || !self.eligible() {
+            return;
+        }
+        let keep: Vec<JobId> = stored_jobs.iter().filter(|j| !j.info.state.is_terminal()).map(|j| j.info.id).collect();
+        self.each_worker(|| WorkerMsg::AbortAll { keep: keep.clone() });
+        self.workers.iter_mut().for_each(|w| w.attempts.clear());
+        (self.controller_peer, self.leader_addr) = (None, None);
+        let incarnation = self.member.incarnation() + 1;
+        self.take_control(now, incarnation, stored_view, stored_jobs);
+    }
+
+    /// This node is no longer the controller (its Raft group elected another, or a write was not
+    /// committed: it may be cut off from the majority). Nothing it decided as the controller and has not
+    /// carried out yet goes out (none of it can be committed); its job controllers stop; its workers
+    /// abort their attempts, keeping the committed state of its jobs (the next controller resumes them);
+    /// it rejoins as a member of whoever leads.
+    pub fn step_down(&mut self, now: Duration, why: &str) {
+        let Some(c) = self.controller.take() else { return };
+        self.actions.retain(|a| {
+            !matches!(
+                a,
+                NodeAction::Send { .. }
+                    | NodeAction::Job { .. }
+                    | NodeAction::StartJob { .. }
+                    | NodeAction::RecordView(_)
+            )
+        });
+        self.actions.push_back(NodeAction::StopJobs);
+        let keep: Vec<JobId> = c.jobs.iter().filter(|(_, j)| !j.info.state.is_terminal()).map(|(id, _)| *id).collect();
+        self.each_worker(|| WorkerMsg::AbortAll { keep: keep.clone() });
+        self.workers.iter_mut().for_each(|w| w.attempts.clear());
+        let (id, config) = (self.settings.id.clone(), self.settings.membership.clone());
+        self.record_change(format!("{id} is no longer the controller ({why}); it rejoins as a member"));
+        self.member = MemberState::joining(id, config, now, self.member.incarnation() + 1);
+        (self.controller_peer, self.target, self.leader_addr) = (None, None, None);
+    }
+
+    /// This node's Raft group names `leader` (another node, listening at `addr`) the controller: this
+    /// node dials it from now on, leaving the connection to any earlier controller.
+    pub fn follow(&mut self, leader: &str, addr: SocketAddr) {
+        if self.controller.is_some() || leader == self.settings.id.0 {
+            return;
+        }
+        self.leader_addr = Some(addr);
+        if self.controller_peer.as_deref() == Some(leader) {
+            return;
+        }
+        if self.controller_peer.is_some() || self.target != Some(addr) {
+            tracing::info!(node = %self.settings.id, %leader, %addr, "following the new controller");
+        }
+        self.controller_peer = None;
+        self.target = Some(addr);
+    }
+
+    /// The control address of the node called `name`, if a view this node knows lists it.
+    pub fn known_addr(&self, name: &str) -> Option<SocketAddr> {
+        let member = self.members.iter().find(|m| m.name == name).map(|m| m.addr);
+        member.or_else(|| self.controller.as_ref()?.members.get(&NodeId(name.to_owned())).map(|m| m.addr))
+    }
+
+    /// Replicated controllers: the controller was lost or refused this node, and no leader is known
+    /// to it: it tries the next controller of its list whose address it knows (from the last view), or
+    /// its `join`, which answers with a redirect to the leader if it is not the leader itself. `gone`:
+    /// a controller whose connection was just lost, not tried (its address may not answer at all).
+    fn try_next_controller(&mut self, gone: Option<&str>) {
+        if !self.replicated() {
+            return;
+        }
+        let mut candidates: Vec<SocketAddr> = self.settings.join.into_iter().collect();
+        let skip = |n: &String| *n == self.settings.id.0 || Some(n.as_str()) == gone;
+        for name in self.settings.controllers.iter().filter(|n| !skip(n)) {
+            if let Some(addr) = self.known_addr(name).filter(|a| !candidates.contains(a)) {
+                candidates.push(addr);
             }
         }
-        core
+        if candidates.is_empty() {
+            self.target = self.leader_addr;
+            return;
+        }
+        self.next_candidate = (self.next_candidate + 1) % candidates.len();
+        self.target = Some(candidates[self.next_candidate]);
     }
 
     /// The next thing to do, if any.
@@ -285,8 +430,33 @@ impl NodeCore {
         self.refused_stale
     }
 
-    fn controller_addr(&self) -> SocketAddr {
-        self.settings.join.unwrap_or(self.settings.addr)
+    /// The controller's address as this node knows it: its own on the controller; the connected
+    /// controller's; with replicated controllers the leader its Raft group named, if any.
+    fn controller_addr(&self) -> Option<SocketAddr> {
+        if self.controller.is_some() {
+            return Some(self.settings.addr);
+        }
+        if !self.replicated() {
+            return self.settings.join;
+        }
+        if self.controller_peer.is_some() {
+            return self.target;
+        }
+        self.leader_addr
+    }
+
+    /// What a node that is not the controller answers a request for it: where the controller is, or
+    /// (replicated controllers, during an election) that none is known yet.
+    fn redirect(&self) -> Reply {
+        match self.controller_addr() {
+            Some(controller) => Reply::Redirect { controller },
+            None => Reply::Error {
+                message: format!(
+                    "{} is not the controller and knows of none yet (an election is under way?); retry in a second",
+                    self.settings.id
+                ),
+            },
+        }
     }
 
     /// `troupe status` as this node sees it.
@@ -302,7 +472,7 @@ impl NodeCore {
         ClusterStatus {
             node: self.settings.id.0.clone(),
             controller: self.controller.is_some(),
-            controller_addr: Some(self.controller_addr()),
+            controller_addr: self.controller_addr(),
             epoch: self.epoch(),
             members,
             joining,
@@ -329,9 +499,11 @@ impl NodeCore {
         }
     }
 
-    /// A job controller's message for a node.
+    /// A job controller's message for a node (dropped once this node is no longer the controller).
     pub fn job_outgoing(&mut self, node: &NodeId, msg: ToNode) {
-        self.send(&node.0, msg);
+        if self.controller.is_some() {
+            self.send(&node.0, msg);
+        }
     }
 
     fn record_change(&mut self, change: String) {
@@ -416,7 +588,8 @@ impl NodeCore {
                 MembershipAction::ViewChanged { view, changes } => {
                     // Recorded before anyone hears of it: a restarted controller starts past this epoch.
                     let members = view.members().iter().map(|m| m.0.clone()).collect();
-                    self.actions.push_back(NodeAction::RecordView(StoredView { epoch: view.epoch.0, members }));
+                    let record = self.stored_view(view.epoch.0, members);
+                    self.actions.push_back(NodeAction::RecordView(record));
                     let said: Vec<String> = changes.iter().map(|c| format!("{c:?}")).collect();
                     for c in &said {
                         self.record_change(format!("epoch {}: {c}", view.epoch));
@@ -591,7 +764,7 @@ impl NodeCore {
     /// A message from a client (any peer role): answered by any node for status, by the controller
     /// for jobs (others redirect).
     fn client_message(&mut self, from: &str, msg: Request) {
-        let not_controller = Reply::Redirect { controller: self.controller_addr() };
+        let not_controller = self.redirect();
         let reply = match msg {
             Request::StatusRequest => Some(Reply::Status(Box::new(self.status()))),
             _ if self.controller.is_none() => Some(not_controller),
@@ -762,13 +935,19 @@ impl NodeCore {
         let is_me = from == self.settings.id.0;
         match msg {
             Wire::Request(request) => self.client_message(from, request),
+            Wire::Reply(reply) if self.controller_peer.as_deref() == Some(from) && self.replicated() => {
+                self.refused_by_controller(from, reply)
+            }
             Wire::Reply(reply) => tracing::debug!(node = %self.settings.id, %from, "ignored a reply: {reply:?}"),
             _ if role != PeerRole::Node => {}
             Wire::ToController(msg) if self.controller.is_some() => {
                 self.controller_message(now, NodeId(from.to_owned()), epoch, msg);
                 self.drive_membership();
             }
-            Wire::ToController(_) => self.send(from, Reply::Redirect { controller: self.controller_addr() }),
+            Wire::ToController(_) => {
+                let reply = self.redirect();
+                self.send(from, reply);
+            }
             Wire::ToNode(msg)
                 if self.controller.is_some() && is_me || self.controller_peer.as_deref() == Some(from) =>
             {
@@ -779,6 +958,22 @@ impl NodeCore {
                 self.node_message(now, epoch, msg);
             }
             Wire::ToNode(_) => {}
+        }
+    }
+
+    /// Replicated controllers: the node this one took for the controller answered as a non-leader —
+    /// with the leader's address (followed), or knowing none (the next controller is tried).
+    fn refused_by_controller(&mut self, from: &str, reply: Reply) {
+        self.controller_peer = None;
+        match reply {
+            Reply::Redirect { controller } => {
+                tracing::info!(node = %self.settings.id, %from, %controller, "redirected to the controller");
+                self.target = Some(controller);
+            }
+            other => {
+                tracing::info!(node = %self.settings.id, %from, "not the controller: {other:?}");
+                self.try_next_controller(None);
+            }
         }
     }
 
@@ -797,7 +992,10 @@ impl NodeCore {
     /// The connection with `peer` ended without a goodbye.
     pub fn lost(&mut self, now: Duration, peer: &str) {
         if self.controller_peer.as_deref() == Some(peer) {
-            self.controller_peer = None;
+            // Replicated controllers: until its Raft group names the next leader, this node redirects
+            // no one to the one it lost, and tries the others.
+            (self.controller_peer, self.leader_addr) = (None, None);
+            self.try_next_controller(Some(peer));
         }
         let id = NodeId(peer.to_owned());
         if self.membership().is_some_and(|m| m.view().contains(&id)) {
@@ -817,8 +1015,14 @@ impl NodeCore {
     /// now. The dialing task says so, not the endpoint's event channel: the connection's loss may have
     /// come and gone already. Taken anyway, it would leave this node on a dead connection for good (it
     /// dials only while it has none); the next tick dials again.
-    pub fn dialed(&mut self, now: Duration, result: Result<String, String>, still_up: bool) {
-        self.connecting = false;
+    pub fn dialed(&mut self, now: Duration, addr: SocketAddr, result: Result<String, String>, still_up: bool) {
+        if self.dialing != Some(addr) {
+            return tracing::debug!(node = %self.settings.id, %addr, "a dial to an earlier controller's address ended");
+        }
+        self.dialing = None;
+        if self.controller.is_some() {
+            return;
+        }
         match result {
             Ok(peer) if !still_up => {
                 tracing::info!(node = %self.settings.id, %peer, "the new connection to the controller is gone already");
@@ -829,16 +1033,23 @@ impl NodeCore {
                 self.member.handle_timeout(now);
                 self.drive_member();
             }
-            Err(e) => tracing::debug!(node = %self.settings.id, error = %e, "controller not reachable yet"),
+            Err(e) => {
+                tracing::debug!(node = %self.settings.id, error = %e, "controller not reachable yet");
+                if self.leader_addr.is_none() {
+                    self.try_next_controller(None);
+                }
+            }
         }
     }
 
     /// The node's timer: dial the controller when not connected, drive membership's timers; on the
     /// controller, failure detection and admitting joiners while no job runs.
     pub fn tick(&mut self, now: Duration) {
-        if self.controller.is_none() && self.controller_peer.is_none() && !self.connecting && !self.draining {
-            self.connecting = true;
-            self.actions.push_back(NodeAction::Dial { addr: self.controller_addr() });
+        if self.controller.is_none() && self.controller_peer.is_none() && !self.draining {
+            if let Some(addr) = self.target.filter(|t| self.dialing != Some(*t)) {
+                self.dialing = Some(addr);
+                self.actions.push_back(NodeAction::Dial { addr });
+            }
         }
         if self.controller.is_some() {
             // This node is the controller: it cannot lose itself, however late a tick runs.

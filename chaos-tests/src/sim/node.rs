@@ -53,6 +53,7 @@ pub(super) fn new_core(
         allow_plaintext_tcp: false,
         membership: w.cfg.membership.clone(),
         restart: RestartPolicy { max_restarts: u32::MAX, window_ms: 1 },
+        controllers: Vec::new(),
     };
     NodeCore::new(settings, dur(w.now), first_incarnation(inc), stored_view, stored_jobs)
 }
@@ -102,6 +103,8 @@ impl World<'_> {
                     self.nodes[0].core.job_started(JOB, Ok(()));
                 }
                 NodeAction::Dial { .. } => self.dial(n),
+                // Only a replicated controller steps down, which this simulation does not model yet.
+                NodeAction::StopJobs => self.check.fail(self.now, format!("{} stepped down", self.nodes[n].id)),
                 NodeAction::RestartWorker { slot } => {
                     let winc = self.nodes[n].workers[slot].winc + 1;
                     self.nodes[n].workers[slot] = Worker { winc, ..Worker::default() };
@@ -265,7 +268,7 @@ impl World<'_> {
     pub(super) fn dial_done(&mut self, n: usize, ok: bool) {
         if !ok || !self.nodes[0].up {
             trace!(self, "{} could not reach the controller", self.nodes[n].id);
-            self.nodes[n].core.dialed(dur(self.now), Err("unreachable".into()), false);
+            self.nodes[n].core.dialed(dur(self.now), addr(0, 0), Err("unreachable".into()), false);
             return self.act(n);
         }
         if let Some(old) = self.nodes[n].conn.take() {
@@ -306,7 +309,7 @@ impl World<'_> {
             trace!(self, "{} learns of conn {conn}, already lost", self.nodes[n].id);
         }
         let controller = self.controller_name();
-        self.nodes[n].core.dialed(now, Ok(controller), live);
+        self.nodes[n].core.dialed(now, addr(0, 0), Ok(controller), live);
         self.act(n);
     }
 
@@ -507,7 +510,7 @@ impl World<'_> {
             0 => {
                 let catalog = &self.ctl.catalog;
                 let members = catalog.view_members.iter().map(|m| m.0.clone()).collect();
-                let view = StoredView { epoch: catalog.view_epoch, members };
+                let view = StoredView { epoch: catalog.view_epoch, members, recorded_by: None };
                 let job = catalog.job.clone().map(|info| StoredJob {
                     spec: super::job_spec(self.sc),
                     info,

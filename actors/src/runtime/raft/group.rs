@@ -157,6 +157,11 @@ impl ControllerGroup {
         &self.name
     }
 
+    /// Whether this is a Raft group (several controllers), not the single controller's catalog.
+    pub fn is_replicated(&self) -> bool {
+        self.replicated.is_some()
+    }
+
     /// (term, leader) as it changes; the first value is the current one.
     pub fn leadership(&self) -> watch::Receiver<Leadership> {
         self.leadership.clone()
@@ -252,8 +257,8 @@ impl ControllerGroup {
     }
 
     /// Stops Raft and closes the group's endpoint (peers see this node depart).
-    pub async fn shutdown(self) {
-        let Some(r) = self.replicated else { return };
+    pub async fn shutdown(&self) {
+        let Some(r) = &self.replicated else { return };
         if let Err(e) = r.raft.shutdown().await {
             tracing::warn!(error = %e, "raft: shutdown");
         }

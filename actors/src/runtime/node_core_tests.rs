@@ -1,0 +1,136 @@
+//! [`NodeCore`]'s role switch with replicated controllers (issue 32): an elected node restores the
+//! replicated jobs as a restarted controller does, a deposed one announces nothing it decided, and
+//! members find the controller through redirects and the list of controllers.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use troupe_cluster::control::PeerRole;
+use troupe_cluster::membership::{MembershipConfig, NodeId};
+
+use super::messages::WorkerMsg;
+use super::node_core::{NodeAction, NodeCore, NodeSettings};
+use crate::catalog::{StoredJob, StoredView};
+use crate::node_config::restart::RestartPolicy;
+use crate::protocol::{JobSpec, Reply, Wire};
+
+const T: Duration = Duration::from_secs(1);
+
+fn addr(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+fn node(name: &str, port: u16, join: Option<SocketAddr>) -> NodeCore {
+    let settings = NodeSettings {
+        id: NodeId(name.into()),
+        addr: addr(port),
+        join,
+        slots: 1,
+        allow_plaintext_tcp: false,
+        membership: MembershipConfig::default(),
+        restart: RestartPolicy::default(),
+        controllers: vec!["a".into(), "b".into(), "c".into()],
+    };
+    NodeCore::new(settings, Duration::ZERO, 1, None, Vec::new())
+}
+
+fn running_job(id: u64, step: u64) -> StoredJob {
+    let mut config = troupe_model::config::JobConfig::default();
+    config.train.steps = 10;
+    let spec = JobSpec {
+        config,
+        name: "t".into(),
+        save_final: None,
+        data_plane: Default::default(),
+        trace: false,
+        trace_seed: 0,
+    };
+    let mut info = super::job::JobDriver::new(id, spec.clone()).info();
+    info.state = crate::protocol::JobState::Running;
+    info.step = step;
+    StoredJob { spec, info, first_event: 0, events: Vec::new() }
+}
+
+fn actions(core: &mut NodeCore) -> Vec<NodeAction> {
+    std::iter::from_fn(|| core.poll_action()).collect()
+}
+
+fn dials(actions: &[NodeAction]) -> Vec<SocketAddr> {
+    actions.iter().filter_map(|a| if let NodeAction::Dial { addr } = a { Some(*addr) } else { None }).collect()
+}
+
+/// The catalog as the old leader "a" left it: epoch 5 with a, b and c; one job at step 7.
+fn elected_b() -> NodeCore {
+    let mut b = node("b", 2, None);
+    assert!(!b.is_controller() && b.eligible(), "a listed node waits for its Raft group");
+    assert!(actions(&mut b).is_empty(), "records nothing before it is elected");
+    let view = StoredView {
+        epoch: 5,
+        members: vec!["a".into(), "b".into(), "c".into()],
+        recorded_by: Some(("a".into(), addr(1))),
+    };
+    b.become_controller(T, Some(view), vec![running_job(3, 7)]);
+    b
+}
+
+#[test]
+fn an_elected_node_restores_the_jobs_past_the_last_epoch_without_waiting_for_the_old_leader() {
+    let mut b = elected_b();
+    assert!(b.is_controller());
+    assert_eq!(b.epoch(), 6, "one past the last recorded view");
+    let actions = actions(&mut b);
+    let kept = actions
+        .iter()
+        .position(|a| matches!(a, NodeAction::Worker { msg: WorkerMsg::AbortAll { keep }, .. } if *keep == vec![3]));
+    let recorded = actions.iter().position(|a| {
+        matches!(a, NodeAction::RecordView(v) if v.epoch == 6 && v.members == ["b"]
+            && v.recorded_by == Some(("b".into(), addr(2))))
+    });
+    let started = actions.iter().position(|a| {
+        matches!(a, NodeAction::StartJob { id: 3, restored: Some((info, _, expect)), .. }
+            if info.step == 7 && *expect == vec![NodeId("b".into()), NodeId("c".into())])
+    });
+    let (kept, recorded, started) = (kept.expect("aborts"), recorded.expect("records"), started.expect("restores"));
+    assert!(kept < recorded && recorded < started, "its own attempts end, the view is recorded, then the job resumes");
+}
+
+#[test]
+fn a_deposed_controller_announces_nothing_it_decided_and_follows_the_new_leader() {
+    let mut b = elected_b();
+    b.step_down(T, "Raft term 4: c leads");
+    assert!(!b.is_controller());
+    let after = actions(&mut b);
+    let leaked = after.iter().any(|a| {
+        matches!(
+            a,
+            NodeAction::RecordView(_) | NodeAction::Send { .. } | NodeAction::StartJob { .. } | NodeAction::Job { .. }
+        )
+    });
+    assert!(!leaked, "nothing decided as the controller goes out once it lost the leadership");
+    assert!(after.iter().any(|a| matches!(a, NodeAction::StopJobs)));
+    assert!(after
+        .iter()
+        .any(|a| matches!(a, NodeAction::Worker { msg: WorkerMsg::AbortAll { keep }, .. } if *keep == vec![3])));
+    b.tick(T);
+    assert!(dials(&actions(&mut b)).is_empty(), "no controller known: nothing to dial");
+    b.follow("c", addr(3));
+    b.tick(T);
+    assert_eq!(dials(&actions(&mut b)), vec![addr(3)]);
+}
+
+#[test]
+fn a_member_follows_a_redirect_and_tries_the_next_controller_when_one_knows_none() {
+    let mut w = node("w", 9, Some(addr(1)));
+    w.tick(T);
+    assert_eq!(dials(&actions(&mut w)), vec![addr(1)]);
+    w.dialed(T, addr(1), Ok("a".into()), true);
+    let redirect = Wire::Reply(Reply::Redirect { controller: addr(3) });
+    w.message(T, "a", PeerRole::Node, 0, redirect);
+    w.tick(T);
+    assert_eq!(dials(&actions(&mut w)), vec![addr(3)], "followed the redirect");
+    w.dialed(T, addr(3), Ok("c".into()), true);
+    let none = Wire::Reply(Reply::Error { message: "knows of none".into() });
+    w.message(T, "c", PeerRole::Node, 0, none);
+    w.tick(T);
+    assert_eq!(dials(&actions(&mut w)), vec![addr(1)], "back to `join`, the only controller it knows the address of");
+}

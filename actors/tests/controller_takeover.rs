@@ -1,0 +1,301 @@
+//! The replicated controller end to end (issue 32): three `troupe daemon` processes, all three
+//! controller-eligible (node.toml `controllers`), a DDP job training on all three. The Raft leader is
+//! the controller; SIGKILLing its process for good leaves the other two to elect a new leader, which
+//! restores the job from the replicated catalog and resumes it from the survivors' memory: the job
+//! finishes, every step's loss and the final parameters equal the single-process reference (the
+//! oracle, DESIGN.md §4). A leader paused past the election timeout (SIGSTOP) comes back (SIGCONT) as
+//! a member: it no longer acts as the controller, and no step is committed twice.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use troupe_actors::api::{Client, ClusterStatus, DataPlane, Job, JobEvent, JobHandle};
+use troupe_cluster::{add_node, init_cluster, NodeIdentity};
+use troupe_model::config::JobConfig;
+use troupe_model::oracle::{compare_params, worst_loss_diff};
+
+const TOLERANCE: f64 = 1e-5;
+const NODES: usize = 3;
+
+fn config(steps: u64) -> JobConfig {
+    let mut config = JobConfig::default();
+    config.model.n_layers = 2;
+    config.model.d_model = 128;
+    config.model.context = 64;
+    config.train.steps = steps;
+    config.train.global_batch = 8;
+    config.train.micro_batch = 4;
+    config.train.warmup_steps = 2;
+    config.train.torch_threads = 1;
+    config
+}
+
+/// The reference's per-step losses, and the final parameters compared with those saved at `out`.
+fn check(config: &JobConfig, losses: &[f64], out: &Path) {
+    tch::set_num_threads(1);
+    let mut trainer = troupe_model::Trainer::new(config.clone()).unwrap();
+    let ref_losses: Vec<f64> = (0..config.train.steps).map(|_| trainer.train_step().loss).collect();
+    assert_eq!(losses.len(), ref_losses.len(), "one committed loss per step");
+    let loss_diff = worst_loss_diff(losses, &ref_losses);
+    let params = common::saved_params(out, &trainer);
+    let comparison = compare_params(trainer.model.specs(), &params, &trainer.param_values());
+    eprintln!("loss diff {loss_diff:.1e}, params {comparison:?}");
+    assert!(loss_diff <= TOLERANCE, "losses differ by {loss_diff:e}");
+    assert!(comparison.within(TOLERANCE), "{comparison:?}");
+}
+
+fn free_udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Three controller-eligible daemon processes on loopback.
+struct Controllers {
+    dir: tempfile::TempDir,
+    children: Vec<Child>,
+    addrs: Vec<SocketAddr>,
+    client: NodeIdentity,
+}
+
+impl Controllers {
+    fn start() -> Controllers {
+        let dir = tempfile::tempdir().unwrap();
+        let certs = dir.path().join("certs");
+        init_cluster(&certs).unwrap();
+        for i in 0..NODES {
+            add_node(&format!("node-{i}"), &certs).unwrap();
+        }
+        add_node("client", &certs).unwrap();
+        let client = NodeIdentity::load(&certs, "client").unwrap();
+        let entries: Vec<String> = (0..NODES).map(|i| format!("\"node-{i}@127.0.0.1:{}\"", free_udp_port())).collect();
+        let (mut children, mut addrs) = (Vec::new(), Vec::new());
+        for i in 0..NODES {
+            let (child, addr) = spawn(dir.path(), &certs, i, &entries.join(", "));
+            children.push(child);
+            addrs.push(addr);
+        }
+        Controllers { dir, children, addrs, client }
+    }
+
+    async fn status(&self, i: usize) -> Option<ClusterStatus> {
+        let mut client = Client::connect(self.addrs[i], &self.client).await.ok()?;
+        let status = client.status().await.ok();
+        client.close().await;
+        status
+    }
+
+    /// Waits until one node of `alive` is the controller with every node of `alive` in its view, and
+    /// every other node of `alive` says it is not the controller; gives the controller's index.
+    async fn leader_of(&self, alive: &[usize], within: Duration) -> usize {
+        let t0 = Instant::now();
+        loop {
+            let mut leaders = Vec::new();
+            for &i in alive {
+                if let Some(s) = self.status(i).await.filter(|s| s.controller) {
+                    leaders.push((i, s.members.len()));
+                }
+            }
+            if let [(leader, members)] = leaders[..] {
+                if members == alive.len() {
+                    return leader;
+                }
+            }
+            assert!(t0.elapsed() < within, "no single controller of {alive:?} within {within:?}: {leaders:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Follows `job` from event `since` through any live daemon of `alive` (redirected to the
+    /// controller), retrying while an election is under way.
+    async fn watch(&self, alive: &[usize], job: u64, since: u64, within: Duration) -> JobHandle {
+        let t0 = Instant::now();
+        loop {
+            for &i in alive {
+                // A redirect to a controller that just died would wait for the connect timeout.
+                let tried = tokio::time::timeout(Duration::from_secs(1), async {
+                    Client::connect(self.addrs[i], &self.client).await?.watch_from(job, since).await
+                });
+                match tried.await {
+                    Ok(Ok(handle)) => return handle,
+                    Ok(Err(e)) => eprintln!("watching job {job} through node-{i}: {e}"),
+                    Err(_) => eprintln!("watching job {job} through node-{i}: no answer within 1 s"),
+                }
+            }
+            assert!(t0.elapsed() < within, "no controller answered for job {job} within {within:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    fn log(&self) -> String {
+        (0..NODES)
+            .map(|i| std::fs::read_to_string(self.dir.path().join(format!("node-{i}.log"))).unwrap_or_default())
+            .collect()
+    }
+}
+
+impl Drop for Controllers {
+    fn drop(&mut self) {
+        for child in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Starts daemon `i` with the controllers `entries`; its address is the first line it prints.
+fn spawn(dir: &Path, certs: &Path, i: usize, entries: &str) -> (Child, SocketAddr) {
+    let name = format!("node-{i}");
+    let data: PathBuf = dir.join(&name);
+    let toml = format!(
+        "name = \"{name}\"\nlisten = \"127.0.0.1:0\"\ndata_dir = \"{}\"\ncerts = \"{}\"\nslots = 1\n\
+         torch_threads = 1\ncontrollers = [{entries}]\n",
+        data.display(),
+        certs.display()
+    );
+    let config = dir.join(format!("{name}.toml"));
+    std::fs::write(&config, toml).unwrap();
+    let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
+    let mut child = Command::new(common::binary())
+        .args(["daemon", "--config"])
+        .arg(&config)
+        .arg("--exit-with-parent")
+        .env("RUST_LOG", "warn,troupe_actors::runtime::node=info,troupe_actors::runtime::node_core=info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let addr = line.trim().rsplit(' ').next().unwrap().parse().unwrap_or_else(|e| panic!("{line:?}: {e}"));
+    (child, addr)
+}
+
+/// What a watcher saw of a job: each step's loss (a step seen twice must have the same loss: a step
+/// redone after a take-over gives the same bits), how many events, and when each new step came.
+#[derive(Default)]
+struct Seen {
+    losses: BTreeMap<u64, f64>,
+    events: u64,
+    /// Whether the new controller's "resuming after step N" came (later steps are its own commits).
+    resumed: bool,
+    /// When the first step the new controller committed arrived.
+    first_after: Option<Instant>,
+}
+
+impl Seen {
+    fn saw(&mut self, event: &JobEvent) {
+        self.events += 1;
+        match event {
+            JobEvent::Step { step, loss, .. } => {
+                if let Some(before) = self.losses.insert(*step, *loss) {
+                    assert_eq!(before.to_bits(), loss.to_bits(), "step {step} committed twice with different losses");
+                }
+                if self.resumed && self.first_after.is_none() {
+                    self.first_after = Some(Instant::now());
+                }
+            }
+            JobEvent::Membership { changes, .. } if changes.iter().any(|c| c.contains("resuming after step")) => {
+                self.resumed = true;
+            }
+            _ => {}
+        }
+    }
+
+    /// Follows `handle` until the job ends; gives the terminal event.
+    async fn until_end(&mut self, mut handle: JobHandle) -> JobEvent {
+        loop {
+            let next = tokio::time::timeout(Duration::from_secs(60), handle.next_event()).await;
+            let event = next.expect("the job makes progress").expect("the stream goes on").expect("not over yet");
+            self.saw(&event);
+            if event.is_terminal() {
+                return event;
+            }
+        }
+    }
+}
+
+/// Submits a 30-step job through node 0 and follows it until step `at` is committed.
+async fn submit_and_follow_to(c: &Controllers, config: &JobConfig, out: &Path, at: u64, seen: &mut Seen) -> u64 {
+    let client = Client::connect(c.addrs[0], &c.client).await.unwrap();
+    let mut handle = client.submit(Job::new(config.clone()).save_final(out).data_plane(DataPlane::Quic)).await.unwrap();
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(60), handle.next_event()).await.unwrap().unwrap();
+        let event = event.unwrap_or_else(|| panic!("the job ended before step {at}"));
+        seen.saw(&event);
+        if matches!(event, JobEvent::Step { step, .. } if step >= at) {
+            return handle.id();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_takes_over_when_the_controller_is_killed_for_good_and_the_job_equals_the_reference() {
+    let c = Controllers::start();
+    let all: Vec<usize> = (0..NODES).collect();
+    let leader = c.leader_of(&all, Duration::from_secs(30)).await;
+    let config = config(30);
+    let out = c.dir.path().join("final.safetensors");
+    let mut seen = Seen::default();
+    let job = submit_and_follow_to(&c, &config, &out, 8, &mut seen).await;
+
+    common::signal(c.children[leader].id(), "KILL");
+    let killed = Instant::now();
+    let survivors: Vec<usize> = all.iter().copied().filter(|&i| i != leader).collect();
+    let handle = c.watch(&survivors, job, seen.events, Duration::from_secs(30)).await;
+    let end = seen.until_end(handle).await;
+    assert!(matches!(end, JobEvent::Finished { steps: 30, .. }), "{end:?}\n{}", c.log());
+    let takeover = seen.first_after.expect("a step committed by the new controller") - killed;
+    eprintln!("take-over: SIGKILL of the controller -> the next committed step arrived after {takeover:?}");
+    assert!(takeover < Duration::from_secs(10), "take-over took {takeover:?}\n{}", c.log());
+
+    let new_leader = c.leader_of(&survivors, Duration::from_secs(10)).await;
+    assert_ne!(new_leader, leader);
+    let losses: Vec<f64> = seen.losses.values().copied().collect();
+    check(&config, &losses, &out);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_controller_paused_past_the_election_comes_back_as_a_member_and_commits_nothing() {
+    let c = Controllers::start();
+    let all: Vec<usize> = (0..NODES).collect();
+    let leader = c.leader_of(&all, Duration::from_secs(30)).await;
+    let config = config(30);
+    let out = c.dir.path().join("final.safetensors");
+    let mut seen = Seen::default();
+    let job = submit_and_follow_to(&c, &config, &out, 6, &mut seen).await;
+
+    common::signal(c.children[leader].id(), "STOP");
+    let others: Vec<usize> = all.iter().copied().filter(|&i| i != leader).collect();
+    let handle = c.watch(&others, job, seen.events, Duration::from_secs(30)).await;
+    // The others elect a controller; the paused one, resumed, learns it lost and rejoins as a member.
+    let mut handle = Some(handle);
+    let mut resumed_at = None;
+    let end = loop {
+        let event = tokio::time::timeout(Duration::from_secs(60), handle.as_mut().unwrap().next_event()).await;
+        let event = event.expect("progress").expect("stream").expect("not over yet");
+        seen.saw(&event);
+        if resumed_at.is_none() && seen.first_after.is_some() {
+            common::signal(c.children[leader].id(), "CONT");
+            resumed_at = Some(Instant::now());
+        }
+        if event.is_terminal() {
+            break event;
+        }
+    };
+    drop(handle.take());
+    assert!(matches!(end, JobEvent::Finished { steps: 30, .. }), "{end:?}\n{}", c.log());
+    // One controller among all three, and it is not the one that was paused.
+    let now_leader = c.leader_of(&all, Duration::from_secs(15)).await;
+    assert_ne!(now_leader, leader, "{}", c.log());
+    let paused = c.status(leader).await.expect("the resumed daemon answers");
+    assert!(!paused.controller, "the paused controller still acts as one: {paused:?}");
+    assert!(c.log().contains("is no longer the controller"), "{}", c.log());
+    let losses: Vec<f64> = seen.losses.values().copied().collect();
+    check(&config, &losses, &out);
+}
