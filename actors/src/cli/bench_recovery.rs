@@ -1,14 +1,18 @@
-//! `troupe bench recovery`: SIGKILL one daemon of a local cluster at a chosen step of a DDP (or ZeRO-1/2,
-//! `--shard`) job and
-//! measure how long until the controller notices (detect_s) and until the next step commits on the
-//! survivors (recovery_s), with the phases between (`phases`: detect, decide, resume — from the job's
-//! event stream); then check the run against the single-process reference. With --peer, then
-//! the same loss under torchrun (bench/peers/torchrun_recovery.py: restart the worker group from the last
-//! checkpoint), with the same ranks and kill step, and ratio = peer_recovery_s / recovery_s. With
-//! `--runs N`, N measurements on fresh clusters summarised as p50/p99 (and the peer `--peer-runs` times).
+//! `troupe bench recovery`: take one daemon of a local cluster away at a chosen step of a DDP (or
+//! ZeRO-1/2, `--shard`) job — SIGKILL its process, or with `--silent` cut its machine off with iptables
+//! (every daemon in a network namespace; [`netns`]) — and measure how long until the controller notices
+//! (detect_s) and until the next step commits on the survivors (recovery_s), with the phases between
+//! (`phases`: detect, decide, resume, and resume split into the ranks' rebuild-and-restore and the first
+//! step to its commit — from the job's event stream and the ranks' phase spans); then check the run
+//! against the single-process reference. With --peer, then the same loss under torchrun
+//! (bench/peers/torchrun_recovery.py: restart the worker group from the last checkpoint), with the same
+//! ranks and kill step, and ratio = peer_recovery_s / recovery_s. With `--runs N`, N measurements on fresh
+//! clusters summarised as p50/p99 (and the peer `--peer-runs` times).
+
+mod netns;
 
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
@@ -20,6 +24,14 @@ use troupe_model::Trainer;
 
 use super::bench_train::{peer_python, peer_script};
 use crate::api::{Job, JobEvent, LocalCluster, LocalClusterOptions};
+use netns::Namespaces;
+
+/// Why `--silent --peer` has no torchrun figure (in the report as `peer_note`).
+const TORCHRUN_SILENT: &str = "torchrun has no detector for a silent machine: each agent watches only its own \
+    workers' processes, and its rendezvous notices a dead agent only at the next rendezvous. The survivors' \
+    workers block in their collective until the process group's timeout fails them (torch.distributed's \
+    default for Gloo: 30 min; for NCCL, its watchdog's, 10 min), and only then does the agent restart the \
+    group: that timeout, as the user set it, is what a user sees. Not measured here.";
 
 #[derive(Debug, clap::Args)]
 pub struct RecoveryArgs {
@@ -40,6 +52,11 @@ pub struct RecoveryArgs {
     /// (`failure_timeout_ms`) or phi_accrual (adaptive, floor `failure_timeout_min_ms`).
     #[arg(long, value_parser = ["fixed", "phi_accrual"], default_value = "fixed")]
     pub failure_detector: String,
+    /// Cut the last daemon's machine off (iptables DROP both ways, every daemon in its own network
+    /// namespace: no reset, no FIN) instead of SIGKILLing its process: a machine gone silent, which only
+    /// the heartbeat detector can find. Needs root.
+    #[arg(long)]
+    pub silent: bool,
     /// Skip the reference run (and max_param_rel_diff).
     #[arg(long)]
     pub no_check: bool,
@@ -68,7 +85,10 @@ pub fn run(args: RecoveryArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let report = if args.runs == 1 {
         let mut report = runtime.block_on(measure(&args))?;
-        if args.peer {
+        if args.peer && args.silent {
+            report["peer"] = json!("torchrun");
+            report["peer_note"] = json!(TORCHRUN_SILENT);
+        } else if args.peer {
             let recovery = report["recovery_s"].as_f64();
             add_peer(&mut report, &run_peer(&args)?, recovery);
         }
@@ -95,18 +115,25 @@ fn repeated(args: &RecoveryArgs, runtime: &tokio::runtime::Runtime) -> anyhow::R
     let of = |pick: &dyn Fn(&Value) -> &Value| quantiles(runs.iter().filter_map(|r| pick(r).as_f64()).collect());
     let mut summary = json!({
         "bench": "recovery", "nodes": args.nodes, "kill_at_step": args.kill_at_step, "shard": args.shard,
-        "failure_detector": args.failure_detector, "runs_count": runs.len(),
+        "failure_detector": args.failure_detector, "fault": fault_name(args), "runs_count": runs.len(),
         "recovery_s": of(&|r| &r["recovery_s"]),
         "detect_s": of(&|r| &r["detect_s"]),
         "phases": {
             "detect_s": of(&|r| &r["phases"]["detect_s"]),
             "decide_s": of(&|r| &r["phases"]["decide_s"]),
             "resume_s": of(&|r| &r["phases"]["resume_s"]),
+            "resume": {
+                "rebuild_restore_s": of(&|r| &r["phases"]["resume"]["rebuild_restore_s"]),
+                "first_commit_s": of(&|r| &r["phases"]["resume"]["first_commit_s"]),
+            },
         },
         "steps_redone_max": runs.iter().filter_map(|r| r["steps_redone"].as_u64()).max(),
         "max_param_rel_diff_max": runs.iter().filter_map(|r| r["max_param_rel_diff"].as_f64()).reduce(f64::max),
     });
-    if args.peer {
+    if args.peer && args.silent {
+        summary["peer"] = json!("torchrun");
+        summary["peer_note"] = json!(TORCHRUN_SILENT);
+    } else if args.peer {
         let peers = (0..args.peer_runs).map(|_| run_peer(args)).collect::<anyhow::Result<Vec<_>>>()?;
         let peer_of = |key: &str| quantiles(peers.iter().filter_map(|p| p[key].as_f64()).collect());
         let (peer_recovery, ours) = (peer_of("recovery_s"), &summary["recovery_s"]);
@@ -142,7 +169,15 @@ fn add_peer(report: &mut Value, peer: &Value, recovery: Option<f64>) {
     report["ratio"] = json!(peer_recovery.zip(recovery).map(|(p, t)| p / t));
 }
 
-/// One measurement on a fresh local cluster: troupe's report.
+fn fault_name(args: &RecoveryArgs) -> &'static str {
+    if args.silent {
+        "silent"
+    } else {
+        "kill"
+    }
+}
+
+/// One measurement on a fresh local cluster (in network namespaces with `--silent`): troupe's report.
 async fn measure(args: &RecoveryArgs) -> anyhow::Result<Value> {
     let dir = tempfile::tempdir()?;
     let out = dir.path().join("final.safetensors");
@@ -150,8 +185,10 @@ async fn measure(args: &RecoveryArgs) -> anyhow::Result<Value> {
     config.train.steps = args.kill_at_step + args.steps_after;
     config.train.torch_threads = 1;
     config.parallel.shard.clone_from(&args.shard);
+    let namespaces = if args.silent { Some(Namespaces::create(args.nodes)?) } else { None };
     let mut options = LocalClusterOptions::new(args.nodes);
     options.torch_threads = 1;
+    options.hosts = namespaces.as_ref().map(Namespaces::hosts).unwrap_or_default();
     options.membership.failure_detector = match args.failure_detector.as_str() {
         "phi_accrual" => DetectorKind::PhiAccrual,
         _ => DetectorKind::Fixed,
@@ -159,36 +196,62 @@ async fn measure(args: &RecoveryArgs) -> anyhow::Result<Value> {
     let membership = options.membership.clone();
     let binary = std::env::current_exe().context("locating the troupe binary")?;
     let cluster = LocalCluster::processes(&binary, options).await?;
-    let victim = cluster.pid(args.nodes - 1).context("daemon pid")?;
-    let mut handle = cluster.client().await?.submit(Job::new(config.clone()).save_final(&out)).await?;
+    let target = args.nodes - 1;
+    let victim = cluster.pid(target).context("daemon pid")?;
+    let fault = || match &namespaces {
+        Some(namespaces) => namespaces.cut(target),
+        None => kill(victim),
+    };
+    // Every rank reports its phase spans: the resume's split comes from them.
+    let job = Job::new(config.clone()).save_final(&out).trace(true);
+    let mut handle = cluster.client().await?.submit(job).await?;
     let mut seen = Seen::default();
     while let Some(event) = handle.next_event().await? {
-        seen.event(event, args.kill_at_step, victim)?;
+        seen.event(event, args.kill_at_step, &fault)?;
+    }
+    if namespaces.is_some() {
+        kill(victim)?; // cut off, it would only wait out its drain
     }
     cluster.shutdown().await;
-    let Seen { killed, detect, recovery, steps, rolled_back, viewed, resumed, committed, mut step_s, .. } = seen;
-    let steps_redone = steps.len() as u64 - steps.iter().collect::<std::collections::BTreeSet<_>>().len() as u64;
+    drop(namespaces);
+    let steps_redone =
+        seen.steps.len() as u64 - seen.steps.iter().collect::<std::collections::BTreeSet<_>>().len() as u64;
     let diff = if args.no_check { None } else { Some(reference_diff(&config, &out)?) };
-    step_s.sort_by(f64::total_cmp);
-    let step_median = step_s.get(step_s.len() / 2).copied();
+    seen.step_s.sort_by(f64::total_cmp);
+    let step_median = seen.step_s.get(seen.step_s.len() / 2).copied();
     Ok(json!({
         "bench": "recovery", "nodes": args.nodes, "kill_at_step": args.kill_at_step, "shard": args.shard,
-        "rolled_back": rolled_back,
-        "detect_s": detect, "recovery_s": recovery, "steps_redone": steps_redone,
-        "steps_committed": steps.len(), "step_s_median": step_median, "max_param_rel_diff": diff,
-        "phases": phases(killed, viewed, resumed, committed),
+        "fault": fault_name(args), "rolled_back": seen.rolled_back,
+        "detect_s": seen.detect, "recovery_s": seen.recovery, "steps_redone": steps_redone,
+        "steps_committed": seen.steps.len(), "step_s_median": step_median, "max_param_rel_diff": diff,
+        "detected_by": seen.detected_by, "phases": seen.phases(),
         "failure_detector": args.failure_detector,
         "failure_timeout_ms": membership.failure_timeout_ms,
         "failure_timeout_min_ms": membership.failure_timeout_min_ms,
     }))
 }
 
+fn kill(pid: u32) -> anyhow::Result<()> {
+    let status = std::process::Command::new("kill").arg("-KILL").arg(pid.to_string()).status()?;
+    if !status.success() {
+        bail!("kill -KILL {pid} failed");
+    }
+    Ok(())
+}
+
+/// The wall clock now, in microseconds since the Unix epoch (what the ranks' phase spans count in).
+fn unix_us() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
+}
+
 /// What the benchmark saw of the job's events, and when.
 struct Seen {
-    /// When the victim was killed, and seconds from then to the view change and to the next commit.
+    /// When the victim was taken away, and seconds from then to the view change and to the next commit.
     killed: Option<Instant>,
     detect: Option<f64>,
     recovery: Option<f64>,
+    /// The controller's words for the view change (e.g. `Failed { .., silent_ms: 760 }`).
+    detected_by: Vec<String>,
     /// Every committed step, in order (a step redone after a rollback appears twice).
     steps: Vec<u64>,
     rolled_back: Option<(u64, u64)>,
@@ -196,6 +259,11 @@ struct Seen {
     viewed: Option<Instant>,
     resumed: Option<Instant>,
     committed: Option<Instant>,
+    /// The first commit after the kill on the wall clock (µs since the Unix epoch).
+    committed_unix_us: Option<u64>,
+    /// Each rank's "recovery" span of a resumed attempt — the worker's start to its mesh rebuilt and its
+    /// state restored — by attempt: (attempt, start µs, end µs).
+    rebuilds: Vec<(u64, u64, u64)>,
     /// Seconds between the commits of steps after the second, the recovery's excepted.
     step_s: Vec<f64>,
     /// The last commit.
@@ -208,11 +276,14 @@ impl Default for Seen {
             killed: None,
             detect: None,
             recovery: None,
+            detected_by: Vec::new(),
             steps: Vec::new(),
             rolled_back: None,
             viewed: None,
             resumed: None,
             committed: None,
+            committed_unix_us: None,
+            rebuilds: Vec::new(),
             step_s: Vec::new(),
             last: Instant::now(),
         }
@@ -220,31 +291,42 @@ impl Default for Seen {
 }
 
 impl Seen {
-    /// Takes in the job's next event; SIGKILLs `victim` once step `kill_at_step` committed.
-    fn event(&mut self, event: JobEvent, kill_at_step: u64, victim: u32) -> anyhow::Result<()> {
+    /// Takes in the job's next event; applies `fault` once step `kill_at_step` committed.
+    fn event(
+        &mut self,
+        event: JobEvent,
+        kill_at_step: u64,
+        fault: &dyn Fn() -> anyhow::Result<()>,
+    ) -> anyhow::Result<()> {
         match event {
             JobEvent::Step { step, .. } => {
                 self.steps.push(step);
                 if let (Some(t), None) = (self.killed, self.recovery) {
                     self.committed = Some(Instant::now());
+                    self.committed_unix_us = Some(unix_us());
                     self.recovery = Some(t.elapsed().as_secs_f64());
                 } else if step > 2 {
                     self.step_s.push(self.last.elapsed().as_secs_f64());
                 }
                 self.last = Instant::now();
                 if step == kill_at_step {
-                    std::process::Command::new("kill").arg("-KILL").arg(victim.to_string()).status()?;
+                    fault()?;
                     self.killed = Some(Instant::now());
                 }
             }
-            JobEvent::Membership { .. } => {
+            JobEvent::Membership { changes, .. } if self.killed.is_some() && self.viewed.is_none() => {
                 self.detect = self.killed.map(|t| t.elapsed().as_secs_f64());
-                self.viewed = self.killed.map(|_| Instant::now());
+                self.viewed = Some(Instant::now());
+                self.detected_by = changes;
             }
             JobEvent::Recovered { .. } | JobEvent::Started { .. }
                 if self.viewed.is_some() && self.resumed.is_none() =>
             {
                 self.resumed = Some(Instant::now());
+            }
+            JobEvent::Phases { attempt, spans, .. } if attempt > 1 => {
+                let rebuild = spans.iter().filter(|s| s.cat == "recovery" && s.name == "recovery");
+                self.rebuilds.extend(rebuild.map(|s| (attempt, s.start_us, s.start_us + s.dur_us)));
             }
             JobEvent::RolledBack { from_step, to_step } => self.rolled_back = Some((from_step, to_step)),
             JobEvent::Failed { reason } => bail!("the job failed: {reason}"),
@@ -252,24 +334,30 @@ impl Seen {
         }
         Ok(())
     }
-}
 
-/// The recovery's phases in seconds, as the job's event stream shows them: `detect` (kill → the view
-/// change), `decide` (→ the new attempt: abort, re-plan, attempt sent), `resume` (→ the next committed
-/// step: the survivors' mesh rebuilt, state restored, one step). The events reach the client over the
-/// control plane, so each includes that delivery; the sum is `recovery_s`.
-fn phases(
-    killed: Option<Instant>,
-    viewed: Option<Instant>,
-    resumed: Option<Instant>,
-    committed: Option<Instant>,
-) -> Value {
-    let between = |a: Option<Instant>, b: Option<Instant>| a.zip(b).map(|(a, b)| b.duration_since(a).as_secs_f64());
-    json!({
-        "detect_s": between(killed, viewed),
-        "decide_s": between(viewed, resumed),
-        "resume_s": between(resumed, committed),
-    })
+    /// The recovery's phases in seconds, as the job's event stream shows them: `detect` (the fault → the
+    /// view change), `decide` (→ the new attempt: abort, re-plan, every survivor ready), `resume` (→ the
+    /// next committed step). The events reach the client over the control plane, so each includes that
+    /// delivery; the sum is `recovery_s`. `resume` is split by the ranks' spans of the attempt that
+    /// resumed: `rebuild_restore` (the first rank's start to the last rank's mesh rebuilt and state
+    /// restored: the worker records the two as one span) and `first_commit` (→ the first step
+    /// committed); the rest of `resume` is the start's way to the ranks.
+    fn phases(&self) -> Value {
+        let between = |a: Option<Instant>, b: Option<Instant>| a.zip(b).map(|(a, b)| b.duration_since(a).as_secs_f64());
+        let attempt = self.rebuilds.iter().map(|r| r.0).max();
+        let resumed: Vec<&(u64, u64, u64)> = self.rebuilds.iter().filter(|r| Some(r.0) == attempt).collect();
+        let (first, last) = (resumed.iter().map(|r| r.1).min(), resumed.iter().map(|r| r.2).max());
+        let secs = |us: u64| us as f64 / 1e6;
+        json!({
+            "detect_s": between(self.killed, self.viewed),
+            "decide_s": between(self.viewed, self.resumed),
+            "resume_s": between(self.resumed, self.committed),
+            "resume": {
+                "rebuild_restore_s": first.zip(last).map(|(a, b)| secs(b.saturating_sub(a))),
+                "first_commit_s": last.zip(self.committed_unix_us).map(|(a, b)| secs(b.saturating_sub(a))),
+            },
+        })
+    }
 }
 
 /// bench/peers/torchrun_recovery.py with the same ranks, kill step and steps after; its last stdout line.
@@ -309,4 +397,82 @@ fn reference_diff(config: &JobConfig, saved: &std::path::Path) -> anyhow::Result
         })
         .collect();
     Ok(compare_params(trainer.model.specs(), &actual, &trainer.param_values()).worst)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+    use crate::protocol::PhaseSpan;
+
+    fn step(step: u64) -> JobEvent {
+        JobEvent::Step {
+            step,
+            loss: 5.0,
+            lr: 1e-3,
+            grad_norm: 1.0,
+            skipped: false,
+            loss_scale: 1.0,
+            tokens_per_s: 1.0,
+            epoch: 1,
+            world: 3,
+            peak_rss_bytes: Vec::new(),
+            bubble: None,
+        }
+    }
+
+    fn recovery_span(attempt: u64, start_us: u64, dur_us: u64) -> JobEvent {
+        let span = |name: &str, cat: &str, start_us| PhaseSpan {
+            name: name.into(),
+            cat: cat.into(),
+            start_us,
+            dur_us,
+            chunk: None,
+            microbatch: None,
+        };
+        // A rank's report: its recovery span, then its step's compute (not counted).
+        let spans =
+            vec![span("recovery", "recovery", start_us), span("forward+backward", "compute", start_us + dur_us)];
+        JobEvent::Phases { rank: 0, node: "node-0".into(), attempt, step: 6, spans, stage: None }
+    }
+
+    /// The fault is applied once, at its step; the view change after it is the detection, with the
+    /// controller's words; the resume is split by the ranks' recovery spans of the attempt that resumed
+    /// (an aborted attempt's spans do not count).
+    #[test]
+    fn the_fault_lands_at_its_step_and_the_resume_splits_by_the_last_attempts_spans() {
+        let applied = Cell::new(0);
+        let fault = || {
+            applied.set(applied.get() + 1);
+            Ok(())
+        };
+        let mut seen = Seen::default();
+        let t0 = unix_us();
+        let membership = |what: &str| JobEvent::Membership { epoch: 2, world: 2, changes: vec![what.into()] };
+        let events = [
+            step(4),
+            membership("before the fault: not a detection"),
+            step(5),
+            membership("Failed { node: NodeId(\"node-2\"), silent_ms: 770 }"),
+            membership("a second change: not the detection"),
+            JobEvent::Recovered { step: 5, epoch: 2, world: 2 },
+            // Attempt 2 was aborted mid-rebuild; attempt 3 resumed: ranks from t0 to t0 + 150 ms.
+            recovery_span(2, t0 - 900_000, 800_000),
+            recovery_span(3, t0 + 20_000, 130_000),
+            recovery_span(3, t0, 100_000),
+        ];
+        for event in events {
+            seen.event(event, 5, &fault).unwrap();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200)); // the first commit, after t0 + 150 ms
+        seen.event(step(6), 5, &fault).unwrap();
+        assert_eq!(applied.get(), 1);
+        assert_eq!(seen.detected_by, ["Failed { node: NodeId(\"node-2\"), silent_ms: 770 }"]);
+        let phases = seen.phases();
+        assert_eq!(phases["resume"]["rebuild_restore_s"], json!(0.15), "{phases}");
+        let first_commit = phases["resume"]["first_commit_s"].as_f64().unwrap();
+        assert!((0.05..1.0).contains(&first_commit), "{phases}");
+        assert_eq!(seen.steps, [4, 5, 6]);
+    }
 }
