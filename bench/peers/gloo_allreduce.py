@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """PyTorch Gloo all-reduce, measured the way `troupe bench allreduce` measures itself.
 
-N processes on loopback, an f32 tensor of --mib MiB, --warmup untimed iterations, a barrier, then
+N processes on loopback (or, with --rank, this process is one rank of N started elsewhere, e.g. each
+in its own network namespace by `troupe bench allreduce --netns`, meeting at --master-addr), an f32 tensor of --mib MiB, --warmup untimed iterations, a barrier, then
 --iters timed all-reduces (sum). Per rank: seconds per iteration; reported: the slowest rank.
 busbw_GBps = bytes / seconds / 1e9 * 2 (n - 1) / n (nccl-tests' definition).
 
@@ -37,9 +38,9 @@ def timed_steps(step, warmup, steps):
     return time.perf_counter() - start, result
 
 
-def rank_main(rank, world, port, mib, iters, warmup, threads, results):
+def rank_main(rank, world, port, mib, iters, warmup, threads, results, master_addr="127.0.0.1"):
     torch.set_num_threads(threads)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_ADDR"] = master_addr
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     t = torch.ones(mib * (1 << 20) // 4, dtype=torch.float32)
@@ -62,7 +63,15 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--rank", type=int, help="run only this rank (the others are started elsewhere)")
+    p.add_argument("--master-addr", default="127.0.0.1", help="with --rank: rank 0's address")
+    p.add_argument("--master-port", type=int, default=29500, help="with --rank: rank 0's rendezvous port")
     a = p.parse_args()
+    if a.rank is not None:
+        results = {}
+        rank_main(a.rank, a.world, a.master_port, a.mib, a.iters, a.warmup, a.threads, results, a.master_addr)
+        print(json.dumps({"name": "gloo", "rank": a.rank, "world": a.world, "seconds_per_iter": results[a.rank]}))
+        return
     manager = mp.Manager()
     results = manager.dict()
     mp.spawn(rank_main, args=(a.world, free_port(), a.mib, a.iters, a.warmup, a.threads, results), nprocs=a.world, join=True)

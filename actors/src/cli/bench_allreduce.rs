@@ -1,5 +1,6 @@
-//! `troupe bench allreduce --world N --mib M --iters K [--transport quic|local|encrypted-tcp|plaintext-tcp] [--peer] --json`:
-//! launches N rank processes on loopback (re-executing this binary as `troupe bench allreduce-rank`),
+//! `troupe bench allreduce --world N --mib M --iters K [--transport quic|local|encrypted-tcp|plaintext-tcp] [--netns H [--rate-gbit G]] [--peer] --json`:
+//! launches N rank processes on loopback, or with `--netns` spread over H network namespaces joined by
+//! veth links (re-executing this binary as `troupe bench allreduce-rank`),
 //! and prints the all-reduce bus bandwidth (busbw_GBps = algbw × 2(n−1)/n), with `--peer` beside
 //! PyTorch Gloo's measured the same way in the same run (bench/peers/gloo_allreduce.py).
 
@@ -21,7 +22,7 @@ pub fn run(args: AllreduceArgs) -> anyhow::Result<()> {
             "all-reduce {} MiB f32, {} ranks{} over {:?}{}: busbw {:.3} GB/s ({:.1} ms/iter)",
             report.mib,
             report.world,
-            if report.hosts > 1 { format!(" on {} hosts", report.hosts) } else { String::new() },
+            hosts_text(&report),
             report.transport,
             if report.host_tier {
                 " in two tiers"
@@ -33,11 +34,23 @@ pub fn run(args: AllreduceArgs) -> anyhow::Result<()> {
             report.busbw_gbps,
             report.seconds_per_iter * 1e3
         );
+        if report.verified {
+            println!("  result checked: one more all-reduce gave exactly the sum on every rank");
+        }
         if let (Some(p), Some(r)) = (&report.peer, report.ratio_vs_peer) {
             println!("  {} busbw {:.3} GB/s -> ratio {:.2}x", p.name, p.busbw_gbps, r);
         }
     }
     Ok(())
+}
+
+fn hosts_text(report: &troupe_cluster::bench::AllreduceReport) -> String {
+    match (report.netns, report.rate_gbit) {
+        (0, _) if report.hosts > 1 => format!(" on {} hosts", report.hosts),
+        (0, _) => String::new(),
+        (n, None) => format!(" in {n} network namespaces"),
+        (n, Some(g)) => format!(" in {n} network namespaces ({g} Gbit/s links)"),
+    }
 }
 
 /// Body of the hidden `troupe bench allreduce-rank` subcommand: runs one rank from the spec in

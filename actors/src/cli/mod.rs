@@ -2,6 +2,7 @@
 
 mod bench_allreduce;
 mod bench_checkpoint;
+mod bench_crypto;
 mod bench_generate;
 mod bench_kernels;
 mod bench_pipeline;
@@ -100,6 +101,9 @@ enum BenchCommand {
     Checkpoint(bench_checkpoint::CheckpointArgs),
     /// Greedy decoding tokens/s through the key/value cache, optionally beside transformers' generate (--peer).
     Generate(bench_generate::BenchGenerateArgs),
+    /// TLS 1.3 record sealing and opening per core for each rustls crypto provider built in,
+    /// optionally beside OpenSSL's AES-128-GCM (--peer).
+    Crypto(bench_crypto::BenchCryptoArgs),
     /// One rank of `bench allreduce` (started by it).
     #[command(hide = true)]
     AllreduceRank,
@@ -125,6 +129,7 @@ pub fn main() -> ExitCode {
         Command::Bench(BenchCommand::Train(args)) => bench_train::run(args),
         Command::Bench(BenchCommand::Kernels(args)) => bench_kernels::run(args),
         Command::Bench(BenchCommand::Allreduce(args)) => bench_allreduce::run(args),
+        Command::Bench(BenchCommand::Crypto(args)) => bench_crypto::run(args),
         Command::Bench(BenchCommand::AllreduceRank) => bench_allreduce::run_rank(),
         Command::Bench(BenchCommand::Recovery(args)) => bench_recovery::run(args),
         Command::Bench(BenchCommand::Checkpoint(args)) => bench_checkpoint::run(args),

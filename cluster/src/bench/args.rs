@@ -19,6 +19,15 @@ pub struct AllreduceArgs {
     /// of one host still take the same-host transport, as in the runtime).
     #[arg(long)]
     pub flat: bool,
+    /// Run the ranks as on this many hosts: Linux network namespaces joined by veth pairs through a
+    /// bridge (host h at 10.77.0.(h + 1)), ranks spread evenly over them, each inside its own (and
+    /// with --peer Gloo's ranks over the same namespaces). Needs root and iproute2; the namespaces are
+    /// deleted when the benchmark ends. 0: loopback, no namespaces.
+    #[arg(long, default_value_t = 0)]
+    pub netns: usize,
+    /// With --netns: shape each namespace's link to this many Gbit/s (tc tbf), a link-limited path.
+    #[arg(long)]
+    pub rate_gbit: Option<f64>,
     /// Size of the f32 buffer all-reduced, in MiB.
     #[arg(long, default_value_t = 64)]
     pub mib: usize,
@@ -55,6 +64,8 @@ impl AllreduceArgs {
         AllreduceBench {
             world: self.world,
             hosts: self.hosts,
+            netns: self.netns,
+            rate_gbit: self.rate_gbit,
             flat: self.flat,
             mib: self.mib,
             iters: self.iters,

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
+use super::netns::{interrupted, NetnsHosts};
 use super::{BenchTransport, RankMode, RankReport, RankSpec};
 use crate::TransportConfig;
 
@@ -70,29 +71,98 @@ pub fn launch_ranks(
     } else {
         Vec::new()
     };
-    let specs: Vec<RankSpec> = (0..world)
+    let specs = rank_specs(dir.path(), world, transport, mode, config, addrs, placement.flat);
+    let children = spawn_ranks(exe, rank_args, &specs, None)?;
+    Ok(LaunchedRanks { children, dir, specs })
+}
+
+/// One spec per rank, all in `dir`, the ranks at `addrs` (empty for the same-host transport).
+pub fn rank_specs(
+    dir: &Path,
+    world: usize,
+    transport: BenchTransport,
+    mode: RankMode,
+    config: TransportConfig,
+    addrs: Vec<SocketAddr>,
+    flat: bool,
+) -> Vec<RankSpec> {
+    (0..world)
         .map(|rank| RankSpec {
             rank,
             world,
             transport,
-            dir: dir.path().to_path_buf(),
+            dir: dir.to_path_buf(),
             addrs: addrs.clone(),
             config: config.clone(),
             mode: mode.clone(),
-            flat: placement.flat,
+            flat,
         })
-        .collect();
-    let mut children = Vec::new();
-    for spec in &specs {
-        let child = Command::new(exe)
+        .collect()
+}
+
+/// Starts `exe rank_args...` once per spec, each with its spec in [`RANK_SPEC_ENV`]; with `netns`,
+/// each inside the namespace of its host (the host of its address). A failed start kills those
+/// already started.
+pub fn spawn_ranks(
+    exe: &Path,
+    rank_args: &[&str],
+    specs: &[RankSpec],
+    netns: Option<&NetnsHosts>,
+) -> anyhow::Result<Vec<Child>> {
+    let mut children: Vec<Child> = Vec::new();
+    for spec in specs {
+        let mut command = match netns {
+            Some(net) => net.command(host_of_rank(spec.rank, spec.world, net.hosts()), exe),
+            None => Command::new(exe),
+        };
+        let started = command
             .args(rank_args)
             .env(RANK_SPEC_ENV, serde_json::to_string(spec)?)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .with_context(|| format!("starting rank {} as {}", spec.rank, exe.display()))?;
-        children.push(child);
+            .with_context(|| format!("starting rank {} as {}", spec.rank, exe.display()));
+        match started {
+            Ok(child) => children.push(child),
+            Err(e) => {
+                for c in &mut children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(e);
+            }
+        }
     }
+    Ok(children)
+}
+
+/// The host of rank r of n spread over `hosts`: consecutive ranks, as even as can be.
+pub fn host_of_rank(rank: usize, world: usize, hosts: usize) -> usize {
+    rank * hosts / world.max(1)
+}
+
+/// Starts the ranks of a benchmark spread over the namespaces of `net` (rank r on host
+/// [`host_of_rank`], at port 41000 + r of its host's address: a fresh namespace has every port free).
+pub fn launch_ranks_netns(
+    exe: &Path,
+    rank_args: &[&str],
+    world: usize,
+    transport: BenchTransport,
+    mode: RankMode,
+    config: TransportConfig,
+    net: &NetnsHosts,
+) -> anyhow::Result<LaunchedRanks> {
+    anyhow::ensure!(transport.uses_quic(), "--netns needs --transport quic, encrypted-tcp or plaintext-tcp");
+    let dir = tempfile::tempdir()?;
+    crate::init_cluster(dir.path())?;
+    for r in 0..world {
+        crate::add_node(&node_name(r), dir.path())?;
+    }
+    let addrs = (0..world)
+        .map(|r| SocketAddr::from((net.addr(host_of_rank(r, world, net.hosts())), 41000 + r as u16)))
+        .collect();
+    let specs = rank_specs(dir.path(), world, transport, mode, config, addrs, false);
+    let children = spawn_ranks(exe, rank_args, &specs, Some(net))?;
     Ok(LaunchedRanks { children, dir, specs })
 }
 
@@ -109,6 +179,9 @@ impl LaunchedRanks {
             for c in &mut self.children {
                 let _ = c.kill();
                 let _ = c.wait();
+            }
+            if interrupted() {
+                anyhow::bail!("interrupted (SIGINT or SIGTERM): ranks {hung:?} stopped");
             }
             anyhow::bail!("ranks {hung:?} did not finish within {timeout_ms} ms");
         }
@@ -134,7 +207,7 @@ pub fn wait_one(rank: usize, child: &mut Child, deadline: Instant) -> Option<Ran
                     ..Default::default()
                 }));
             }
-            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+            Ok(None) if Instant::now() < deadline && !interrupted() => std::thread::sleep(Duration::from_millis(10)),
             _ => return None,
         }
     }

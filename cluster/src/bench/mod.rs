@@ -6,18 +6,21 @@
 mod args;
 mod crypto;
 pub mod launch;
+pub mod netns;
 mod peer;
 mod rank;
 mod spec;
 
 pub use args::AllreduceArgs;
 pub use crypto::{run_crypto_bench, CryptoArgs, CryptoReport};
-pub use launch::{launch_ranks, LaunchedRanks, Placement, RANK_SPEC_ENV};
-pub use peer::{run_gloo_peer, PeerReport};
+pub use launch::{launch_ranks, launch_ranks_netns, LaunchedRanks, Placement, RANK_SPEC_ENV};
+pub use netns::NetnsHosts;
+pub use peer::{run_gloo_peer, run_gloo_peer_netns, GlooJob, PeerReport};
 pub use rank::{run_rank, run_rank_from_env};
 pub use spec::{AllreduceReport, BenchTransport, RankMode, RankReport, RankSpec};
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// What `troupe bench allreduce` takes.
 #[derive(Clone, Debug)]
@@ -28,6 +31,10 @@ pub struct AllreduceBench {
     /// transport either way.
     pub hosts: usize,
     pub flat: bool,
+    /// Network namespaces to run the ranks (and Gloo's) in, as that many hosts; 0: loopback.
+    pub netns: usize,
+    /// With `netns`: each namespace's link shaped to this many Gbit/s.
+    pub rate_gbit: Option<f64>,
     pub mib: usize,
     pub iters: usize,
     pub warmup_iters: usize,
@@ -80,12 +87,8 @@ pub fn busbw_gbps(bytes: usize, seconds: f64, n: usize) -> f64 {
     bytes as f64 / seconds / 1e9 * 2.0 * (n as f64 - 1.0) / n as f64
 }
 
-/// Runs the benchmark. `rank_args` are the arguments that make `exe` run [`run_rank_from_env`].
-pub fn run_allreduce_bench(
-    bench: &AllreduceBench,
-    exe: &std::path::Path,
-    rank_args: &[&str],
-) -> anyhow::Result<AllreduceReport> {
+/// Refuses flag combinations the benchmark cannot run, naming the flag.
+fn check_flags(bench: &AllreduceBench) -> anyhow::Result<()> {
     if bench.hosts > 1 && !bench.transport.uses_quic() {
         anyhow::bail!(
             "--hosts {} spreads ranks over loopback addresses: it needs --transport quic, encrypted-tcp or plaintext-tcp",
@@ -95,11 +98,45 @@ pub fn run_allreduce_bench(
     if bench.hosts == 0 || bench.hosts > bench.world {
         anyhow::bail!("--hosts {} with --world {}: use 1 to {} hosts", bench.hosts, bench.world, bench.world);
     }
+    if bench.netns > 0 {
+        if !bench.transport.uses_quic() {
+            anyhow::bail!(
+                "--netns puts ranks on separate hosts: it needs --transport quic, encrypted-tcp or plaintext-tcp"
+            );
+        }
+        if bench.hosts > 1 || bench.flat {
+            anyhow::bail!("--netns {} sets the hosts itself: leave --hosts and --flat out", bench.netns);
+        }
+        if bench.netns < 2 || bench.netns > bench.world {
+            anyhow::bail!("--netns {} with --world {}: use 2 to {} namespaces", bench.netns, bench.world, bench.world);
+        }
+    } else if bench.rate_gbit.is_some() {
+        anyhow::bail!("--rate-gbit shapes the links between namespaces: it needs --netns");
+    }
+    if bench.rate_gbit.is_some_and(|r| !(r > 0.0 && r <= 400.0)) {
+        anyhow::bail!("--rate-gbit {:?}: use a rate above 0 and at most 400 Gbit/s", bench.rate_gbit);
+    }
+    Ok(())
+}
+
+/// Runs the benchmark. `rank_args` are the arguments that make `exe` run [`run_rank_from_env`].
+pub fn run_allreduce_bench(
+    bench: &AllreduceBench,
+    exe: &std::path::Path,
+    rank_args: &[&str],
+) -> anyhow::Result<AllreduceReport> {
+    check_flags(bench)?;
     let elems = bench.mib * (1 << 20) / 4;
     let mode = RankMode::Bench { elems, iters: bench.iters, warmup_iters: bench.warmup_iters };
-    let placement = Placement { hosts: bench.hosts, flat: bench.flat };
-    let launched =
-        launch_ranks(exe, rank_args, bench.world, bench.transport, mode, bench_transport_config()?, placement)?;
+    let config = bench_transport_config()?;
+    let net = if bench.netns > 0 { Some(NetnsHosts::create(bench.netns, bench.rate_gbit)?) } else { None };
+    let launched = match &net {
+        Some(net) => launch_ranks_netns(exe, rank_args, bench.world, bench.transport, mode, config, net)?,
+        None => {
+            let placement = Placement { hosts: bench.hosts, flat: bench.flat };
+            launch_ranks(exe, rank_args, bench.world, bench.transport, mode, config, placement)?
+        }
+    };
     let reports = launched.wait_all(bench.rank_timeout_ms)?;
     let errors: Vec<String> =
         reports.iter().filter_map(|r| r.error.as_ref().map(|e| format!("rank {}: {e}", r.rank))).collect();
@@ -109,17 +146,25 @@ pub fn run_allreduce_bench(
     let seconds = reports.iter().map(|r| r.seconds_per_iter).fold(0f64, f64::max);
     let bytes = elems * 4;
     let busbw = busbw_gbps(bytes, seconds, bench.world);
-    let peer = if bench.peer {
-        Some(run_gloo_peer(&bench.python, &bench.peer_script, bench.world, bench.mib, bench.iters, bench.warmup_iters)?)
-    } else {
-        None
+    let job = GlooJob {
+        python: &bench.python,
+        script: &bench.peer_script,
+        world: bench.world,
+        mib: bench.mib,
+        iters: bench.iters,
+        warmup: bench.warmup_iters,
+    };
+    let peer = match (&net, bench.peer) {
+        (_, false) => None,
+        (Some(net), true) => Some(run_gloo_peer_netns(&job, net, Duration::from_millis(bench.rank_timeout_ms))?),
+        (None, true) => Some(run_gloo_peer(job.python, job.script, job.world, job.mib, job.iters, job.warmup)?),
     };
     let ratio = peer.as_ref().map(|p| if p.busbw_gbps > 0.0 { busbw / p.busbw_gbps } else { 0.0 });
     Ok(AllreduceReport {
         bench: "allreduce".into(),
         transport: bench.transport,
         world: bench.world,
-        hosts: bench.hosts,
+        hosts: if bench.netns > 0 { bench.netns } else { bench.hosts },
         host_tier: reports.iter().all(|r| r.host_tier),
         same_host_routes: reports.iter().all(|r| r.same_host_routes),
         mib: bench.mib,
@@ -128,6 +173,9 @@ pub fn run_allreduce_bench(
         algbw_gbps: if seconds > 0.0 { bytes as f64 / seconds / 1e9 } else { 0.0 },
         busbw_gbps: busbw,
         shared_memory: reports.iter().all(|r| r.shared_memory),
+        netns: bench.netns,
+        rate_gbit: bench.rate_gbit.filter(|_| bench.netns > 0),
+        verified: reports.iter().all(|r| r.verified),
         peer,
         ratio_vs_peer: ratio,
     })

@@ -167,12 +167,30 @@ async fn bench<T: Transport>(
         for _ in 0..iters {
             c.all_reduce(&mut data, ReduceOp::Sum).await?;
         }
-        Ok::<_, ClusterError>(t0.elapsed().as_secs_f64() / iters.max(1) as f64)
+        let seconds = t0.elapsed().as_secs_f64() / iters.max(1) as f64;
+        verify_sum(c, rank, &mut data).await?;
+        Ok::<_, ClusterError>(seconds)
     }
     .await;
     match result {
-        Ok(s) => RankReport { rank, seconds_per_iter: s, iterations: iters, ..Default::default() },
+        Ok(s) => RankReport { rank, seconds_per_iter: s, iterations: iters, verified: true, ..Default::default() },
         Err(e) => failed(rank, &e, started.elapsed().as_millis() as u64),
+    }
+}
+
+/// One all-reduce (untimed) of rank-dependent small integers in `data`'s buffer, checked bit for bit
+/// against their sum: the timed ones moved the same bytes along the same paths.
+async fn verify_sum<T: Transport>(c: &mut Communicator<T>, rank: usize, data: &mut [f32]) -> Result<(), ClusterError> {
+    let n = c.transport().world();
+    data.iter_mut().enumerate().for_each(|(i, v)| *v = value(rank, i));
+    c.all_reduce(data, ReduceOp::Sum).await?;
+    match data.iter().enumerate().find(|(i, v)| **v != (0..n).map(|r| value(r, *i)).sum::<f32>()) {
+        None => Ok(()),
+        Some((i, v)) => Err(ClusterError::InvalidArgument {
+            rank,
+            op: "bench",
+            reason: format!("the check all-reduce after the timed ones gave {v} at element {i}, not the sum"),
+        }),
     }
 }
 

@@ -97,6 +97,10 @@ pub struct RankReport {
     /// over hosts, some sharing one).
     #[serde(default)]
     pub same_host_routes: bool,
+    /// Bench mode: whether one more all-reduce after the timed ones, of rank-dependent integers,
+    /// gave exactly their sum on this rank.
+    #[serde(default)]
+    pub verified: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -104,7 +108,8 @@ pub struct AllreduceReport {
     pub bench: String,
     pub transport: BenchTransport,
     pub world: usize,
-    /// Hosts the ranks were spread over (loopback addresses 127.0.0.1, 127.0.0.2, …).
+    /// Hosts the ranks were spread over (loopback addresses 127.0.0.1, 127.0.0.2, …, or with `netns`
+    /// that many network namespaces).
     pub hosts: usize,
     /// Whether every rank's all-reduce ran in two tiers.
     pub host_tier: bool,
@@ -120,6 +125,15 @@ pub struct AllreduceReport {
     pub busbw_gbps: f64,
     /// Whether every rank's collectives ran in the shared-memory arena (`local` transport only).
     pub shared_memory: bool,
+    /// Network namespaces the ranks ran in (`--netns`; 0: none, loopback).
+    #[serde(default)]
+    pub netns: usize,
+    /// The tc tbf rate each namespace's link was shaped to, in Gbit/s (`--rate-gbit`).
+    #[serde(default)]
+    pub rate_gbit: Option<f64>,
+    /// Whether every rank's check all-reduce (after the timed ones) gave exactly the sum.
+    #[serde(default)]
+    pub verified: bool,
     pub peer: Option<PeerReport>,
     pub ratio_vs_peer: Option<f64>,
 }
