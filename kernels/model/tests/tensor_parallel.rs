@@ -1,9 +1,13 @@
 //! Tensor and sequence parallelism against the single-process reference: T ranks as T threads, each
 //! holding only its shards, over the in-process group; the loss, the gathered gradients and, after a few
-//! AdamW steps with clipping, the gathered parameters equal the reference's within 1e-5 relative.
+//! AdamW steps with clipping, the gathered parameters equal the reference's within 1e-5 relative. With
+//! `[peft]` (LoRA adapters split with their layers, frozen layers): [`peft`].
+
+#[path = "tensor_parallel/peft.rs"]
+mod peft;
 
 use tch::{Kind, Tensor};
-use troupe_model::model::{Arch, Model, ModelConfig};
+use troupe_model::model::{init_values, Arch, Init, Model, ModelConfig, ParamSpec};
 use troupe_model::optim::{clip_grad_norm, AdamW, AdamWConfig};
 use troupe_model::tensor_parallel::{LocalGroup, TpError, TpGroup, TpLayout, TpRank};
 
@@ -93,16 +97,39 @@ fn decays(model: &Model) -> Vec<bool> {
     model.specs().iter().map(|s| s.decays()).collect()
 }
 
-/// What a run records: per-step losses, the first step's gradients, the final parameters (full lists).
+/// What a run records: per-step losses, per-step gradients, the final parameters (full lists).
 struct Run {
     losses: Vec<f64>,
-    grads: Vec<Tensor>,
+    grads: Vec<Vec<Tensor>>,
     params: Vec<Tensor>,
+}
+
+/// The model every run starts from: the seed's, with LoRA's `B` (zero in a fresh adapter) drawn non-zero,
+/// so that `A`'s gradient counts from the first step. (From `B` = 0, the first non-zero gradient of a
+/// row-parallel layer's `A`, one step later, is `s·(∂y·B)ᵀ·x` with `B` ≈ ±lr·sign: its terms cancel, and
+/// rounding reaches 1.5e-5 relative.)
+fn initial_model(cfg: &ModelConfig) -> Model {
+    let mut model = Model::new(cfg.clone(), SEED);
+    let values: Vec<Tensor> = model
+        .specs()
+        .iter()
+        .zip(model.params())
+        .enumerate()
+        .map(|(i, (spec, p))| {
+            if !spec.name.ends_with("lora_B.weight") {
+                return p.detach().copy();
+            }
+            let spec = ParamSpec { init: Init::Normal { std: 0.05 }, ..spec.clone() };
+            Tensor::from_slice(&init_values(&spec, SEED, i)).view(spec.shape.as_slice())
+        })
+        .collect();
+    model.load_values(&values);
+    model
 }
 
 fn reference(cfg: &ModelConfig) -> Run {
     tch::set_num_threads(1);
-    let mut model = Model::new(cfg.clone(), SEED);
+    let mut model = initial_model(cfg);
     let mut adamw = AdamW::new(ADAMW, model.params(), decays(&model));
     let (mut losses, mut grads) = (Vec::new(), Vec::new());
     for step in 0..STEPS {
@@ -111,9 +138,7 @@ fn reference(cfg: &ModelConfig) -> Run {
         let loss = model.loss(&tokens, &targets);
         loss.backward();
         losses.push(loss.double_value(&[]));
-        if step == 0 {
-            grads = model.params().iter().map(|p| p.grad().copy()).collect();
-        }
+        grads.push(model.params().iter().map(|p| p.grad().copy()).collect());
         let norm = clip_grad_norm(model.params(), CLIP);
         assert!(norm > CLIP, "the test must exercise clipping: norm {norm} ≤ {CLIP}");
         adamw.apply(model.params_mut(), LR);
@@ -121,11 +146,11 @@ fn reference(cfg: &ModelConfig) -> Run {
     Run { losses, grads, params: model.params().iter().map(|p| p.detach().copy()).collect() }
 }
 
-/// One rank's run: (losses, first step's gradient shards, final shards).
-fn rank_run(layout: TpLayout, rank: usize, mut group: LocalGroup) -> (Vec<f64>, Vec<Tensor>, Vec<Tensor>) {
+/// One rank's run: (losses, each step's gradient shards, final shards).
+fn rank_run(layout: TpLayout, rank: usize, mut group: LocalGroup) -> (Vec<f64>, Vec<Vec<Tensor>>, Vec<Tensor>) {
     tch::set_num_threads(1);
     let cfg = layout.config.clone();
-    let full = Model::new(cfg.clone(), SEED);
+    let full = initial_model(&cfg);
     let decays = decays(&full);
     let mut tp = TpRank::new(layout.clone(), rank, layout.shard(full.params(), rank));
     drop(full);
@@ -135,9 +160,7 @@ fn rank_run(layout: TpLayout, rank: usize, mut group: LocalGroup) -> (Vec<f64>, 
         let (tokens, targets) = batch(&cfg, step);
         tp.params_mut().iter_mut().for_each(Tensor::zero_grad);
         losses.push(tp.loss_and_backward(&mut group, &tokens, &targets).unwrap());
-        if step == 0 {
-            grads = tp.grads();
-        }
+        grads.push(tp.grads());
         tp.clip_grad_norm(&mut group, CLIP).unwrap();
         adamw.apply(tp.params_mut(), LR);
     }
@@ -159,39 +182,53 @@ fn tensor_parallel(cfg: &ModelConfig, degree: usize, sp: bool) -> Run {
     });
     for (rank, run) in runs.iter().enumerate() {
         assert_eq!(run.0, runs[0].0, "rank {rank}'s losses differ from rank 0's");
-        for (i, (g, g0)) in run.1.iter().zip(&runs[0].1).enumerate() {
-            if layout.splits[i] == troupe_model::tensor_parallel::Split::Replicated {
-                assert!(g.equal(g0), "replicated {}'s gradient differs on rank {rank}", layout.specs[i].name);
+        for (step, (grads, grads0)) in run.1.iter().zip(&runs[0].1).enumerate() {
+            for (i, (g, g0)) in grads.iter().zip(grads0).enumerate() {
+                if layout.splits[i] == troupe_model::tensor_parallel::Split::Replicated {
+                    let name = &layout.specs[i].name;
+                    assert!(g.equal(g0), "replicated {name}'s gradient of step {step} differs on rank {rank}");
+                }
             }
         }
     }
-    let grads: Vec<Vec<Tensor>> = runs.iter().map(|r| r.1.iter().map(Tensor::shallow_clone).collect()).collect();
+    let of_step = |step: usize| -> Vec<Vec<Tensor>> {
+        runs.iter().map(|r| r.1[step].iter().map(Tensor::shallow_clone).collect()).collect()
+    };
+    let grads = (0..STEPS).map(|step| layout.gather(&of_step(step))).collect();
     let params: Vec<Vec<Tensor>> = runs.iter().map(|r| r.2.iter().map(Tensor::shallow_clone).collect()).collect();
-    Run { losses: runs[0].0.clone(), grads: layout.gather(&grads), params: layout.gather(&params) }
+    Run { losses: runs[0].0.clone(), grads, params: layout.gather(&params) }
 }
 
-fn assert_equals_reference(cfg: &ModelConfig, degree: usize, sp: bool) {
+/// The tensor-parallel run of `cfg` at `degree` equals the reference's (both returned).
+fn assert_equals_reference(cfg: &ModelConfig, degree: usize, sp: bool) -> (Run, Run) {
+    let case = format!("{} tp={degree} sp={sp}", cfg.arch.as_str());
+    assert_equals_reference_as(&case, cfg, degree, sp)
+}
+
+fn assert_equals_reference_as(case: &str, cfg: &ModelConfig, degree: usize, sp: bool) -> (Run, Run) {
     let (want, got) = (reference(cfg), tensor_parallel(cfg, degree, sp));
     let names: Vec<String> = troupe_model::model::param_specs(cfg).into_iter().map(|s| s.name).collect();
-    let case = format!("{} tp={degree} sp={sp}", cfg.arch.as_str());
     let mut worst = [0.0f64; 3];
     for (step, (a, b)) in got.losses.iter().zip(&want.losses).enumerate() {
         let d = (a - b).abs() / b.abs();
         assert!(d <= 1e-5, "{case}: step {step}'s loss {a} vs reference {b}");
         worst[0] = worst[0].max(d);
     }
-    for ((name, a), b) in names.iter().zip(&got.grads).zip(&want.grads) {
-        let d = rel_diff(a, b);
-        assert!(d <= 1e-5, "{case}: gradient of {name} differs by {d:e}");
-        worst[1] = worst[1].max(d);
+    for (step, (got_grads, want_grads)) in got.grads.iter().zip(&want.grads).enumerate() {
+        for ((name, a), b) in names.iter().zip(got_grads).zip(want_grads) {
+            let d = rel_diff(a, b);
+            assert!(d <= 1e-5, "{case}: step {step}'s gradient of {name} differs by {d:e}");
+            worst[1] = worst[1].max(d);
+        }
     }
     for ((name, a), b) in names.iter().zip(&got.params).zip(&want.params) {
-        worst[2] = worst[2].max(assert_param_equal(cfg, &case, name, a, b));
+        worst[2] = worst[2].max(assert_param_equal(cfg, case, name, a, b));
     }
     println!(
         "{case}: worst relative difference: loss {:.1e}, gradient {:.1e}, parameter {:.1e}",
         worst[0], worst[1], worst[2]
     );
+    (want, got)
 }
 
 #[test]

@@ -665,38 +665,13 @@ impl Weights {
     /// Part `part` of `config`'s model on its trainable slice `trainable`; frozen tensors come from the
     /// base on `device`.
     pub fn of(config: &ModelConfig, part: usize, trainable: &[Tensor], device: tch::Device) -> Self {
-        let Some(peft) = &config.peft else {
+        if config.peft.is_none() {
             let params = trainable.iter().map(Tensor::shallow_clone).collect::<Vec<_>>();
             let lora = params.iter().map(|_| None).collect();
             return Self { params, lora, slots: None, dropout: None };
-        };
-        let layout = peft::part(config, part);
-        let used = layout.slots.iter().flat_map(|s| s.trained.into_iter().chain(s.adapter.map(|a| a + 1))).max();
-        assert_eq!(trainable.len(), used.map_or(0, |last| last + 1), "part {part}'s trainable parameter count");
+        }
         let base = peft::Base::of(config);
-        let params = layout
-            .base
-            .iter()
-            .zip(&layout.slots)
-            .map(|(&index, slot)| match slot.trained {
-                Some(at) => trainable[at].shallow_clone(),
-                None => base.tensor(config, index, device),
-            })
-            .collect();
-        let scale = peft.scale();
-        let lora = layout
-            .slots
-            .iter()
-            .map(|slot| {
-                slot.adapter.map(|a| Lora {
-                    a: trainable[a].shallow_clone(),
-                    b: trainable[a + 1].shallow_clone(),
-                    scale,
-                    slot: a,
-                })
-            })
-            .collect();
-        Self { params, lora, slots: Some(layout.slots), dropout: None }
+        Self::with_frozen(config, part, trainable, |index| base.tensor(config, index, device))
     }
 
     /// A training forward of `samples`: LoRA's dropout (`peft.dropout` > 0) applies.

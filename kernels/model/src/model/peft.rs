@@ -466,14 +466,21 @@ impl Base {
         if let Some(t) = self.tensors.lock().expect("base tensors").get(&key) {
             return t.shallow_clone();
         }
-        let spec = &super::base_specs(model)[index];
-        let values = super::read_param(&self.weights, model, spec).unwrap_or_else(|e| panic!("the frozen base: {e}"));
-        let tensor = Tensor::from_slice(&values).view(spec.shape.as_slice()).to_device(device);
+        let tensor = self.read(model, index, device);
         if self.transient.load(std::sync::atomic::Ordering::Relaxed) {
             return tensor;
         }
         let mut tensors = self.tensors.lock().expect("base tensors");
         tensors.entry(key).or_insert(tensor).shallow_clone()
+    }
+
+    /// Base parameter `index` of `model` read from the directory now and kept nowhere (a tensor-parallel
+    /// rank cuts its shard from it and drops it: the files hold whole tensors, so the base is sliced after
+    /// it is read, not read by range).
+    pub fn read(&self, model: &ModelConfig, index: usize, device: tch::Device) -> Tensor {
+        let spec = &super::base_specs(model)[index];
+        let values = super::read_param(&self.weights, model, spec).unwrap_or_else(|e| panic!("the frozen base: {e}"));
+        Tensor::from_slice(&values).view(spec.shape.as_slice()).to_device(device)
     }
 
     /// From now on nothing is kept: every use reads its tensors (ZeRO-3's just-in-time parameters);
@@ -487,6 +494,52 @@ impl Base {
     pub fn held_bytes(&self) -> usize {
         let tensors = self.tensors.lock().expect("base tensors");
         tensors.values().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum()
+    }
+}
+
+impl super::Weights {
+    /// Part `part` of `config`'s `[peft]` model on its trainable slice `trainable`, each frozen family
+    /// parameter (by its position in [`super::base_specs`]) from `frozen`: the base's tensor for the
+    /// reference ([`super::Weights::of`]), a rank's shard of it under tensor parallelism.
+    pub fn with_frozen(
+        config: &ModelConfig,
+        part: usize,
+        trainable: &[Tensor],
+        frozen: impl Fn(usize) -> Tensor,
+    ) -> Self {
+        let peft = config.peft.as_ref().expect("a model with frozen parameters has [peft]");
+        let layout = self::part(config, part);
+        let used = layout.slots.iter().flat_map(|s| s.trained.into_iter().chain(s.adapter.map(|a| a + 1))).max();
+        assert_eq!(trainable.len(), used.map_or(0, |last| last + 1), "part {part}'s trainable parameter count");
+        let params = layout
+            .base
+            .iter()
+            .zip(&layout.slots)
+            .map(|(&index, slot)| match slot.trained {
+                Some(at) => trainable[at].shallow_clone(),
+                None => frozen(index),
+            })
+            .collect();
+        let scale = peft.scale();
+        let lora = layout
+            .slots
+            .iter()
+            .map(|slot| {
+                slot.adapter.map(|a| super::Lora {
+                    a: trainable[a].shallow_clone(),
+                    b: trainable[a + 1].shallow_clone(),
+                    scale,
+                    slot: a,
+                })
+            })
+            .collect();
+        Self { params, lora, slots: Some(layout.slots), dropout: None }
+    }
+
+    /// `x · weightᵀ` of family parameter `weight`, plus its LoRA update when it has adapters, without
+    /// recording: a tensor-parallel rank's row-parallel product, whose bias is added after the sum.
+    pub fn project(&self, precision: crate::precision::Precision, x: &Tensor, weight: usize) -> Tensor {
+        self.linear(precision, x, weight, None, &mut Vec::new())
     }
 }
 

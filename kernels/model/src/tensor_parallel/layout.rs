@@ -5,7 +5,7 @@
 use tch::Tensor;
 
 use super::TpError;
-use crate::model::{param_specs, Arch, ModelConfig, ParamSpec};
+use crate::model::{base_specs, param_specs, Arch, ModelConfig, ParamSpec};
 
 /// How one parameter splits over the group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,8 +73,30 @@ pub fn rules(arch: Arch) -> &'static [(&'static str, Split)] {
     }
 }
 
-/// The split of the parameter named `name`.
-fn split_of(arch: Arch, name: &str) -> Result<Split, TpError> {
+/// The split of the parameter named `name`, and whether its gradient is a partial sum on each rank. A
+/// LoRA adapter splits with its weight: under a column-parallel weight `B` (`[out, r]`) splits its rows
+/// as the weight's (by blocks, for GPT-2's fused Q/K/V) and `A` (`[r, in]`) is whole on every rank;
+/// under a row-parallel one `A` splits its columns as the weight's and `B` is whole. The whole factor's
+/// gradient is then a partial sum on each rank: `∂A = s·(∂y_r·B_r)ᵀ·x` sums over the weight's output
+/// rows, of which rank r holds its share; `∂B = s·∂yᵀ·(x_r·A_rᵀ)` sums over the input columns, of which
+/// rank r holds its share.
+fn split_of(arch: Arch, name: &str) -> Result<(Split, bool), TpError> {
+    let adapter = [(".lora_A.weight", true), (".lora_B.weight", false)]
+        .into_iter()
+        .find_map(|(suffix, is_a)| name.strip_suffix(suffix).map(|module| (module, is_a)));
+    let Some((module, is_a)) = adapter else { return rule_of(arch, name).map(|split| (split, false)) };
+    match (rule_of(arch, &format!("{module}.weight"))?, is_a) {
+        (Column { .. }, true) | (Row, false) => Ok((Replicated, true)),
+        (split @ Column { .. }, false) | (split @ Row, true) => Ok((split, false)),
+        (split, _) => Err(TpError::Unsupported(format!(
+            "LoRA adapters on {module} ({split:?} under tensor parallelism): peft.targets may name the blocks' \
+             column- and row-parallel linears only"
+        ))),
+    }
+}
+
+/// The family table's split of the parameter named `name`.
+fn rule_of(arch: Arch, name: &str) -> Result<Split, TpError> {
     let block_suffix = name.strip_prefix("h.").or_else(|| name.strip_prefix("model.layers.")).and_then(|rest| {
         let (index, suffix) = rest.split_once('.')?;
         index.parse::<usize>().ok().map(|_| suffix)
@@ -103,6 +125,12 @@ pub struct TpLayout {
     pub sp: bool,
     pub specs: Vec<ParamSpec>,
     pub splits: Vec<Split>,
+    /// Per parameter, whether its gradient is a partial sum on each rank (the whole LoRA factor beside
+    /// a split one, see [`split_of`]): [`super::TpRank::loss_and_backward`] sums it over the group.
+    pub partial_grads: Vec<bool>,
+    /// With `[peft]`, the split of every family parameter ([`base_specs`] order): how a rank cuts its
+    /// shards of the frozen base.
+    pub base_splits: Vec<Split>,
 }
 
 impl TpLayout {
@@ -110,8 +138,13 @@ impl TpLayout {
     /// the heads, the key/value heads, the MLP width, the vocabulary (not padded) or, with `sp`, the
     /// context, naming the numbers and the nearest degree that divides them all.
     pub fn new(config: &ModelConfig, degree: usize, sp: bool) -> Result<Self, TpError> {
-        if config.peft.is_some() {
-            return Err(TpError::Unsupported("[peft] with tensor parallelism: train LoRA adapters with tp = 1".into()));
+        if let Some(peft) = config.peft.as_ref().filter(|p| p.dropout > 0.0 && degree > 1) {
+            return Err(TpError::Unsupported(format!(
+                "peft.dropout = {} with tensor parallelism (tp = {degree}): a rank's forward does not know which \
+                 samples it computes, which LoRA's dropout mask is keyed on; set peft.dropout = 0, or train with \
+                 tp = 1",
+                peft.dropout
+            )));
         }
         if degree == 0 {
             return Err(TpError::Degree { key: "tp", value: 0, degree, nearest: 1 });
@@ -130,8 +163,13 @@ impl TpLayout {
             return Err(TpError::Degree { key, value, degree, nearest: nearest_degree(degree, &values) });
         }
         let specs = param_specs(config);
-        let splits = specs.iter().map(|s| split_of(config.arch, &s.name)).collect::<Result<_, _>>()?;
-        Ok(Self { config: config.clone(), degree, sp, specs, splits })
+        let (splits, partial_grads) =
+            specs.iter().map(|s| split_of(config.arch, &s.name)).collect::<Result<Vec<_>, _>>()?.into_iter().unzip();
+        let base_splits = match config.peft {
+            Some(_) => base_specs(config).iter().map(|s| rule_of(config.arch, &s.name)).collect::<Result<_, _>>()?,
+            None => Vec::new(),
+        };
+        Ok(Self { config: config.clone(), degree, sp, specs, splits, partial_grads, base_splits })
     }
 
     /// The config a rank's attention and MLP run with: its `n_heads / T` query heads, `n_kv_heads / T`
@@ -186,27 +224,32 @@ impl TpLayout {
     pub fn shard(&self, full: &[Tensor], rank: usize) -> Vec<Tensor> {
         assert_eq!(full.len(), self.specs.len(), "the full parameter list's length");
         assert!(rank < self.degree, "rank {rank} of a tensor-parallel group of {}", self.degree);
+        full.iter().zip(&self.splits).map(|(x, &split)| self.shard_one(x, split, rank)).collect()
+    }
+
+    /// Rank `rank`'s shard of the frozen base's parameter `index` ([`base_specs`] order), `full` as read.
+    pub fn shard_base(&self, full: &Tensor, index: usize, rank: usize) -> Tensor {
+        self.shard_one(full, self.base_splits[index], rank)
+    }
+
+    /// Rank `rank`'s shard of `x` split as `split`: a new contiguous tensor, detached.
+    fn shard_one(&self, x: &Tensor, split: Split, rank: usize) -> Tensor {
         let t = self.degree as i64;
         let piece = |x: &Tensor, dim: i64| {
             let n = x.size()[dim as usize] / t;
             x.narrow(dim, rank as i64 * n, n)
         };
-        full.iter()
-            .zip(&self.splits)
-            .map(|(x, split)| {
-                let x = x.detach();
-                let shard = match split {
-                    Replicated => x,
-                    Row => piece(&x, 1),
-                    Vocab => piece(&x, 0),
-                    Column { parts } => {
-                        let blocks = x.chunk(*parts as i64, 0);
-                        Tensor::cat(&blocks.iter().map(|b| piece(b, 0)).collect::<Vec<_>>(), 0)
-                    }
-                };
-                shard.contiguous().copy()
-            })
-            .collect()
+        let x = x.detach();
+        let shard = match split {
+            Replicated => x,
+            Row => piece(&x, 1),
+            Vocab => piece(&x, 0),
+            Column { parts } => {
+                let blocks = x.chunk(parts as i64, 0);
+                Tensor::cat(&blocks.iter().map(|b| piece(b, 0)).collect::<Vec<_>>(), 0)
+            }
+        };
+        shard.contiguous().copy()
     }
 
     /// The full list from every rank's shards (`shards[r]` is rank r's, in [`param_specs`] order);

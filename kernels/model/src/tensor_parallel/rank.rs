@@ -22,6 +22,9 @@ pub struct TpRank {
     pub precision: Precision,
     local: ModelConfig,
     params: Vec<Tensor>,
+    /// With `[peft]`: the rank's shards of the frozen base, by position in
+    /// [`crate::model::base_specs`] (None for what trains).
+    frozen: Vec<Option<Tensor>>,
 }
 
 impl TpRank {
@@ -32,9 +35,22 @@ impl TpRank {
         for ((shard, shape), spec) in shards.iter().zip(&shapes).zip(&layout.specs) {
             assert_eq!(&shard.size(), shape, "rank {rank}'s shard of {}", spec.name);
         }
+        let device = shards.first().map_or(tch::Device::Cpu, Tensor::device);
         let params = shards.into_iter().map(|s| s.detach().set_requires_grad(true)).collect();
         let local = layout.local_config();
-        Self { layout, rank, precision: Precision::Fp32, local, params }
+        let frozen = frozen_shards(&layout, rank, device);
+        Self { layout, rank, precision: Precision::Fp32, local, params, frozen }
+    }
+
+    /// Part `part`'s weights on its trainable slice `trainable`: with `[peft]`, the frozen family
+    /// parameters are this rank's shards of the base.
+    fn weights(&self, part: usize, trainable: &[Tensor], device: tch::Device) -> Weights {
+        if self.layout.config.peft.is_none() {
+            return Weights::of(&self.local, part, trainable, device);
+        }
+        Weights::with_frozen(&self.layout.config, part, trainable, |index| {
+            self.frozen[index].as_ref().expect("a frozen parameter's shard").shallow_clone()
+        })
     }
 
     pub fn params(&self) -> &[Tensor] {
@@ -68,9 +84,13 @@ impl TpRank {
         tokens: &Tensor,
         targets: &Tensor,
     ) -> Result<f64, TpError> {
-        // With SP a replicated parameter's gradient of this call is partial (its rank's positions): the
-        // earlier calls' sum is put aside, this call's all-reduced, then the two added.
-        let partial: Vec<usize> = if self.layout.sp { self.replicated().collect() } else { Vec::new() };
+        // With SP a replicated parameter's gradient of this call is partial (its rank's positions), and so
+        // is a whole LoRA factor's beside a split one (its rank's rows or columns of the weight,
+        // `TpLayout::partial_grads`): after the tape's backward, the earlier calls' sum is put aside, this
+        // call's all-reduced, then the two added.
+        let partial: Vec<usize> = (0..self.params.len())
+            .filter(|&i| self.layout.partial_grads[i] || (self.layout.sp && self.layout.splits[i] == Split::Replicated))
+            .collect();
         let earlier: Vec<Option<Tensor>> = partial.iter().map(|&i| take_grad(&self.params[i])).collect();
         let mut tape = Tape::default();
         let loss = self.forward(&mut tape, group, tokens, targets)?;
@@ -105,11 +125,6 @@ impl TpRank {
             self.forward(&mut tape, group, tokens, targets)?;
             Ok(tape.held_bytes())
         })
-    }
-
-    /// Positions of the replicated parameters.
-    fn replicated(&self) -> impl Iterator<Item = usize> + '_ {
-        self.layout.splits.iter().enumerate().filter(|(_, s)| **s == Split::Replicated).map(|(i, _)| i)
     }
 
     /// The global gradient norm: the sharded parameters' squares summed over the group, the replicated
@@ -181,7 +196,7 @@ impl TpRank {
     fn embed(&self, tape: &mut Tape, group: &mut dyn TpGroup, tokens: &Tensor) -> Result<usize, TpError> {
         let cfg = &self.layout.config;
         let range = self.layout.vocab_range(self.rank);
-        let w = Weights::of(&self.local, 0, &self.params[cfg.embed_range()], tokens.device());
+        let w = self.weights(0, &self.params[cfg.embed_range()], tokens.device());
         let partial = tape.segment1(&[], |_| {
             let (ids, mask) = local_ids(tokens, &range);
             Tensor::embedding(&w[0], &ids, -1, false, false) * mask.unsqueeze(-1)
@@ -200,7 +215,7 @@ impl TpRank {
     /// the bias, once) → norm → f → its columns of the MLP and rows of its last matrix → g → residual.
     fn block(&self, tape: &mut Tape, group: &mut dyn TpGroup, index: usize, x: usize) -> Result<usize, TpError> {
         let (cfg, local, precision) = (&self.layout.config, &self.local, self.precision);
-        let w = Weights::of(local, 1 + index, &self.params[cfg.block_range(index)], tape.value(x).device());
+        let w = self.weights(1 + index, &self.params[cfg.block_range(index)], tape.value(x).device());
         let b = cfg.block_layout();
         let bias = |y: &Tensor, at: Option<usize>| match at {
             Some(at) => y + &w[at],
@@ -209,8 +224,8 @@ impl TpRank {
         let h = tape.segment1(&[x], |v| block_norm(cfg, &w, b.attn_norm.clone(), &v[0]));
         tape.mark_sequence_region(&[x, h]);
         let h = tape.collective(group, h, self.f())?;
-        let y = tape
-            .segment1(&[h], |v| precision.linear(&block_attention(local, precision, &w, &v[0]), &w[b.attn_out], None));
+        let y =
+            tape.segment1(&[h], |v| w.project(precision, &block_attention(local, precision, &w, &v[0]), b.attn_out));
         let y = tape.collective(group, y, self.g())?;
         let mid = tape.segment(&[x, y], |v| {
             let x = &v[0] + bias(&v[1], b.attn_out_bias);
@@ -219,8 +234,8 @@ impl TpRank {
         });
         tape.mark_sequence_region(&mid);
         let h = tape.collective(group, mid[1], self.f())?;
-        let z = tape
-            .segment1(&[h], |v| precision.linear(&block_mlp_hidden(local, precision, &w, &v[0]), &w[b.mlp_out], None));
+        let z =
+            tape.segment1(&[h], |v| w.project(precision, &block_mlp_hidden(local, precision, &w, &v[0]), b.mlp_out));
         let z = tape.collective(group, z, self.g())?;
         Ok(tape.segment1(&[mid[0], z], |v| &v[0] + bias(&v[1], b.mlp_out_bias)))
     }
@@ -229,8 +244,9 @@ impl TpRank {
     fn head(&self, tape: &mut Tape, group: &mut dyn TpGroup, x: usize) -> Result<usize, TpError> {
         let cfg = &self.layout.config;
         let params = head_params(cfg, &self.params);
-        let w = Weights::of(&self.local, 1 + cfg.n_layers, &params, tape.value(x).device());
-        let matrix = params.len() - 1;
+        let w = self.weights(1 + cfg.n_layers, &params, tape.value(x).device());
+        // The family's head list: the final norm, then the matrix (the tied embedding, appended, when tied).
+        let matrix = cfg.params_after_blocks() - usize::from(!cfg.tie_word_embeddings);
         let h = tape.segment1(&[x], |v| final_norm(cfg, &w, &v[0]));
         tape.mark_sequence_region(&[x, h]);
         let h = tape.collective(group, h, self.f())?;
@@ -260,6 +276,26 @@ impl TpRank {
         let picked = tape.collective(group, parts[1], Conjugate::Reduce)?;
         Ok(tape.segment1(&[sum_exp, picked], |v| (v[0].log() - &v[1]).mean(Kind::Float)))
     }
+}
+
+/// Rank `rank`'s shards of `layout`'s frozen base on `device`, read from `model.from_hf` and cut (the files
+/// hold whole tensors: each is read, sliced, and the whole dropped), by position in
+/// [`crate::model::base_specs`]; empty without `[peft]`.
+fn frozen_shards(layout: &TpLayout, rank: usize, device: tch::Device) -> Vec<Option<Tensor>> {
+    let config = &layout.config;
+    if config.peft.is_none() {
+        return Vec::new();
+    }
+    let base = crate::model::peft::Base::of(config);
+    let mut frozen: Vec<Option<Tensor>> = layout.base_splits.iter().map(|_| None).collect();
+    for part in crate::model::peft::parts(config) {
+        for (&index, slot) in part.base.iter().zip(&part.slots) {
+            if slot.trained.is_none() && frozen[index].is_none() {
+                frozen[index] = Some(layout.shard_base(&base.read(config, index, device), index, rank));
+            }
+        }
+    }
+    frozen
 }
 
 /// Token ids as rows of this rank's vocabulary range (clamped into it) and the mask (1.0 inside, 0.0
