@@ -21,8 +21,9 @@ pub struct AllreduceArgs {
     pub flat: bool,
     /// Run the ranks as on this many hosts: Linux network namespaces joined by veth pairs through a
     /// bridge (host h at 10.77.0.(h + 1)), ranks spread evenly over them, each inside its own (and
-    /// with --peer Gloo's ranks over the same namespaces). Needs root and iproute2; the namespaces are
-    /// deleted when the benchmark ends. 0: loopback, no namespaces.
+    /// with --peer Gloo's ranks over the same namespaces), over the network transport profile (QUIC
+    /// MTU 1452, as between real hosts). Needs root and iproute2; the namespaces are deleted when the
+    /// benchmark ends. 0: loopback, no namespaces.
     #[arg(long, default_value_t = 0)]
     pub netns: usize,
     /// With --netns: shape each namespace's link to this many Gbit/s (tc tbf), a link-limited path.

@@ -50,12 +50,14 @@ pub struct AllreduceBench {
 pub const BENCH_IDLE_TIMEOUT_MS: u64 = 10_000;
 
 /// Optional JSON object overriding [`crate::TransportConfig`] fields for the benchmark (default:
-/// [`crate::TransportConfig::loopback`]), e.g. `{"pipeline_slice_bytes": 1048576}`.
+/// [`crate::TransportConfig::loopback`] on loopback, the network profile [`crate::TransportConfig::default`]
+/// between network namespaces, as daemons on separate hosts use), e.g. `{"pipeline_slice_bytes": 1048576}`.
 pub const TRANSPORT_CONFIG_ENV: &str = "TROUPE_TRANSPORT_CONFIG";
 
-/// The benchmark's transport config: the loopback profile with [`TRANSPORT_CONFIG_ENV`]'s fields over it.
-pub fn bench_transport_config() -> anyhow::Result<crate::TransportConfig> {
-    let base = crate::TransportConfig::loopback();
+/// The benchmark's transport config: the loopback profile (or between hosts, `network`, the network
+/// profile: MTU 1452 on a 1500-byte link) with [`TRANSPORT_CONFIG_ENV`]'s fields over it.
+pub fn bench_transport_config(network: bool) -> anyhow::Result<crate::TransportConfig> {
+    let base = if network { crate::TransportConfig::default() } else { crate::TransportConfig::loopback() };
     let Ok(json) = std::env::var(TRANSPORT_CONFIG_ENV) else { return Ok(base) };
     let bad = |e: serde_json::Error| {
         anyhow::anyhow!("{TRANSPORT_CONFIG_ENV}={json}: {e} (a JSON object of TransportConfig fields)")
@@ -128,7 +130,7 @@ pub fn run_allreduce_bench(
     check_flags(bench)?;
     let elems = bench.mib * (1 << 20) / 4;
     let mode = RankMode::Bench { elems, iters: bench.iters, warmup_iters: bench.warmup_iters };
-    let config = bench_transport_config()?;
+    let config = bench_transport_config(bench.netns > 0)?;
     let net = if bench.netns > 0 { Some(NetnsHosts::create(bench.netns, bench.rate_gbit)?) } else { None };
     let launched = match &net {
         Some(net) => launch_ranks_netns(exe, rank_args, bench.world, bench.transport, mode, config, net)?,
