@@ -393,3 +393,52 @@ impl<T: Transport> StepEngine for TensorParallelReplica<T> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use troupe_cluster::transport::memory::MemoryTransport;
+    use troupe_cluster::TransportConfig;
+    use troupe_model::config::JobConfig;
+
+    use super::*;
+
+    /// Replica 0 (ranks 0 and 1) of a tp = 2 × dp = 2 attempt on the in-memory mesh. Rank 0's step is
+    /// left waiting on rank 1, whose step never runs (it broke off), and is aborted; then both end the
+    /// attempt. Rank 0's computation, waiting on a message that will never come, must not hold its shards
+    /// for the collective timeout: both keep the whole committed state, at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_step_left_waiting_on_a_peer_that_broke_off_does_not_cost_the_groups_state() {
+        tch::set_num_threads(1);
+        let mut config = JobConfig::small_llama(4);
+        config.parallel.tp = 2;
+        let transport = TransportConfig { collective_timeout_ms: 30_000, ..TransportConfig::default() };
+        let collective = CollectiveConfig::from(&transport);
+        let mesh: Vec<Arc<MemoryTransport>> = MemoryTransport::mesh(4, 1024).into_iter().map(Arc::new).collect();
+        let replica = |rank: usize| {
+            let trainer = Trainer::new(config.clone()).expect("a trainer");
+            let comm = Communicator::new(mesh[rank].clone(), 0, 3, collective.clone());
+            TensorParallelReplica::adopt(CommittedState::Full(Box::new(trainer)), comm, collective.clone())
+                .expect("adopted")
+        };
+        let (mut r0, mut r1) = (replica(0), replica(1));
+        r0.sync(None).await.expect("rank 0's shards");
+        r1.sync(None).await.expect("rank 1's shards");
+        let step = tokio::time::timeout(Duration::from_millis(300), r0.reduce()).await;
+        assert!(step.is_err(), "rank 0's step cannot complete without rank 1");
+
+        let started = Instant::now();
+        let (s0, s1) = tokio::join!(r0.into_state(), r1.into_state());
+        let waited = started.elapsed();
+        assert!(waited < Duration::from_secs(10), "the end of the attempt waited {waited:?} (timeout 30 s)");
+        let initial = Trainer::new(config.clone()).expect("a trainer");
+        for (rank, state) in [s0, s1].into_iter().enumerate() {
+            let Some(CommittedState::Full(trainer)) = state else { panic!("rank {rank} kept nothing") };
+            assert_eq!((trainer.step, trainer.optimizer.step), (0, 0), "rank {rank}");
+            for (p, q) in trainer.model.params().iter().zip(initial.model.params()) {
+                assert!(p.equal(q), "rank {rank}: the gathered parameters are the committed ones");
+            }
+        }
+    }
+}
