@@ -449,6 +449,33 @@ pub struct ClusterStatus {
     pub changes: Vec<String>,
 }
 
+/// `troupe cluster controllers`: the controller-eligible daemons as the one that answered sees them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ControllersStatus {
+    /// The daemon that answered.
+    pub node: String,
+    /// Whether the controller is replicated (a Raft group); false: one controller, no Raft.
+    pub replicated: bool,
+    /// Raft's term (0 with one controller): every election raises it.
+    pub term: u64,
+    /// The controller (the Raft leader), if one is known.
+    pub leader: Option<String>,
+    /// The index of the last entry of the answering daemon's Raft log.
+    pub last_log_index: Option<u64>,
+    /// The voting controllers, by name.
+    pub controllers: Vec<ControllerInfo>,
+}
+
+/// One controller of [`ControllersStatus`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ControllerInfo {
+    pub name: String,
+    /// Where its Raft endpoint listens (none with one controller).
+    pub raft_addr: Option<String>,
+    /// The index of the last entry the leader knows this controller holds (answered by the leader).
+    pub matched: Option<u64>,
+}
+
 /// Outcome of one rank's part in an attempt.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum AttemptOutcome {
@@ -599,6 +626,8 @@ pub enum ToNode {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Request {
     StatusRequest,
+    /// `troupe cluster controllers`: answered by a controller-eligible daemon (others redirect).
+    ControllersRequest,
     Submit {
         spec: Box<JobSpec>,
     },
@@ -622,6 +651,7 @@ pub enum Request {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Reply {
     Status(Box<ClusterStatus>),
+    Controllers(Box<ControllersStatus>),
     Submitted {
         job: JobId,
     },

@@ -16,6 +16,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use troupe_actors::api::{Client, ClusterStatus, DataPlane, Job, JobEvent, JobHandle};
+use troupe_actors::protocol::ControllersStatus;
 use troupe_cluster::{add_node, init_cluster, NodeIdentity};
 use troupe_model::config::JobConfig;
 use troupe_model::oracle::{compare_params, worst_loss_diff};
@@ -129,6 +130,20 @@ impl Controllers {
             assert!(t0.elapsed() < within, "no controller answered for job {job} within {within:?}");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// `troupe cluster controllers --json` asked of daemon `i`.
+    fn controllers_cli(&self, i: usize) -> ControllersStatus {
+        let out = Command::new(common::binary())
+            .args(["cluster", "controllers", "--json", "--as", "client", "--cluster"])
+            .arg(self.addrs[i].to_string())
+            .arg("--certs")
+            .arg(self.dir.path().join("certs"))
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{stdout}: {e}"))
     }
 
     fn log(&self) -> String {
@@ -256,6 +271,17 @@ async fn a_standby_takes_over_when_the_controller_is_killed_for_good_and_the_job
 
     let new_leader = c.leader_of(&survivors, Duration::from_secs(10)).await;
     assert_ne!(new_leader, leader);
+    // `troupe cluster controllers`, asked of the new leader: it leads a later term and knows how far
+    // the other survivor's log matches its own.
+    let group = c.controllers_cli(new_leader);
+    let name = |i: usize| format!("node-{i}");
+    assert!(group.replicated && group.term >= 2, "{group:?}");
+    assert_eq!(group.leader, Some(name(new_leader)), "{group:?}");
+    let names: Vec<&str> = group.controllers.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, ["node-0", "node-1", "node-2"]);
+    let follower = survivors.iter().copied().find(|&i| i != new_leader).unwrap();
+    let matched = group.controllers.iter().find(|c| c.name == name(follower)).and_then(|c| c.matched);
+    assert!(matched.is_some() && matched <= group.last_log_index, "{group:?}");
     let losses: Vec<f64> = seen.losses.values().copied().collect();
     check(&config, &losses, &out);
 }

@@ -116,6 +116,15 @@ impl Client {
         }
     }
 
+    /// The controllers' Raft group as a controller-eligible daemon sees it (`troupe cluster
+    /// controllers`); a daemon that is not eligible redirects to the controller.
+    pub async fn controllers(&mut self) -> Result<crate::protocol::ControllersStatus> {
+        match self.request_controller(Request::ControllersRequest).await? {
+            Reply::Controllers(s) => Ok(*s),
+            other => Err(self.unexpected(&other)),
+        }
+    }
+
     /// Submits `job`; the handle streams its events from now on. A job config the controller cannot run
     /// is [`Error::Refused`], naming the config key.
     pub async fn submit(mut self, job: Job) -> Result<JobHandle> {

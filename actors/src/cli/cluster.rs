@@ -1,5 +1,6 @@
 //! `troupe cluster init --dir DIR` and `troupe cluster add-node NAME --dir DIR`: the cluster CA and
-//! node certificates every QUIC connection is authenticated with (troupe_cluster::identity).
+//! node certificates every QUIC connection is authenticated with (troupe_cluster::identity);
+//! `troupe cluster controllers`: the replicated controller's Raft group of a running cluster.
 
 use std::path::PathBuf;
 
@@ -27,10 +28,17 @@ pub enum ClusterCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Show the controller-eligible daemons of a running cluster: which one leads (is the controller),
+    /// Raft's term, and each one's match index as the leader knows it.
+    Controllers {
+        #[command(flatten)]
+        cluster: super::client::ClusterArgs,
+    },
 }
 
 pub fn run(cmd: ClusterCommand) -> anyhow::Result<()> {
     match cmd {
+        ClusterCommand::Controllers { cluster } => super::client::controllers(cluster)?,
         ClusterCommand::Init { dir, json } => {
             troupe_cluster::init_cluster(&dir)
                 .with_context(|| format!("creating a cluster CA in {}", dir.display()))?;

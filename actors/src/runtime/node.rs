@@ -28,7 +28,7 @@ use super::raft::{CatalogWrite, ControllerGroup, Leadership};
 use super::worker::{AttemptThreads, WorkerActor, WorkerArgs};
 use crate::catalog::{Catalog, StoredView};
 use crate::node_config::NodeConfig;
-use crate::protocol::{JobId, Wire};
+use crate::protocol::{JobId, Reply, Wire};
 use crate::telemetry::NodeMetrics;
 
 /// How often the node drives its timers (heartbeats, failure detection, reconnection).
@@ -179,6 +179,10 @@ impl NodeState {
                 NodeAction::RestartWorker { slot } => {
                     let worker = self.spawn_worker(me, slot as u32).await?;
                     self.workers[slot] = worker;
+                }
+                NodeAction::AnswerControllers { client } => {
+                    let reply = Reply::Controllers(Box::new(self.group.status()));
+                    self.send(me, &client, self.core.epoch(), Wire::Reply(reply));
                 }
                 NodeAction::StopJobs => {
                     for (_, job) in std::mem::take(&mut self.jobs) {

@@ -96,6 +96,10 @@ pub enum NodeAction {
     },
     /// Stop every job controller at once: this node is no longer the controller.
     StopJobs,
+    /// Answer `client`'s `ControllersRequest` with the Raft group's status (which the shell holds).
+    AnswerControllers {
+        client: String,
+    },
     /// A worker kept failing: the node stops, for this reason.
     Stop {
         reason: String,
@@ -767,6 +771,11 @@ impl NodeCore {
         let not_controller = self.redirect();
         let reply = match msg {
             Request::StatusRequest => Some(Reply::Status(Box::new(self.status()))),
+            Request::ControllersRequest if self.eligible() || self.controller.is_some() => {
+                self.actions.push_back(NodeAction::AnswerControllers { client: from.to_owned() });
+                None
+            }
+            Request::ControllersRequest => Some(not_controller),
             _ if self.controller.is_none() => Some(not_controller),
             Request::Submit { spec } => self.submit(from, *spec),
             Request::JobStatusRequest { job } => Some(self.job_reply(job, |_| {})),

@@ -104,6 +104,7 @@ impl World<'_> {
                 }
                 NodeAction::Dial { .. } => self.dial(n),
                 // Only a replicated controller steps down, which this simulation does not model yet.
+                NodeAction::AnswerControllers { .. } => {}
                 NodeAction::StopJobs => self.check.fail(self.now, format!("{} stepped down", self.nodes[n].id)),
                 NodeAction::RestartWorker { slot } => {
                     let winc = self.nodes[n].workers[slot].winc + 1;

@@ -19,6 +19,7 @@ use super::network::{serve, Network, RaftEndpoint, Rpcs};
 use super::store::LogStore;
 use super::{node_id, Controller, NodeId, Raft};
 use crate::catalog::{Catalog, CatalogWrite, StoredJob, StoredView};
+use crate::protocol::{ControllerInfo, ControllersStatus};
 
 /// The group's timing (docs/runtime-semantics.md, "Replicated controller (Raft)").
 #[derive(Clone, Debug)]
@@ -222,6 +223,44 @@ impl ControllerGroup {
             membership.voter_ids().filter_map(|id| membership.get_node(&id).map(|n| n.name.clone())).collect();
         names.sort();
         names
+    }
+
+    /// The group as this node sees it (`troupe cluster controllers`): term, leader, its log's last
+    /// index, and each voter with the index the leader knows it holds (on the leader only).
+    pub fn status(&self) -> ControllersStatus {
+        let Some(r) = &self.replicated else {
+            let me = ControllerInfo { name: self.name.clone(), raft_addr: None, matched: None };
+            let leader = Some(self.name.clone());
+            return ControllersStatus {
+                node: self.name.clone(),
+                replicated: false,
+                term: 0,
+                leader,
+                last_log_index: None,
+                controllers: vec![me],
+            };
+        };
+        let metrics = r.raft.metrics();
+        let m = metrics.borrow();
+        let membership = m.membership_config.membership();
+        let name_of = |id: &NodeId| membership.get_node(id).map(|n| n.name.clone());
+        let mut controllers: Vec<ControllerInfo> = membership
+            .voter_ids()
+            .filter_map(|id| {
+                let node = membership.get_node(&id)?;
+                let matched = m.replication.as_ref().and_then(|r| r.get(&id).cloned().flatten()).map(|l| l.index);
+                Some(ControllerInfo { name: node.name.clone(), raft_addr: Some(node.addr.clone()), matched })
+            })
+            .collect();
+        controllers.sort_by(|a, b| a.name.cmp(&b.name));
+        ControllersStatus {
+            node: self.name.clone(),
+            replicated: true,
+            term: m.current_term,
+            leader: m.current_leader.as_ref().and_then(name_of),
+            last_log_index: m.last_log_index,
+            controllers,
+        }
     }
 
     /// Adds `controller` as a voter (joint consensus: it catches up as a learner first). On the leader.
