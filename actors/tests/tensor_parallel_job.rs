@@ -2,9 +2,11 @@
 //! parallelism on and off) and tp = 2 × dp = 2, gpt2 and llama, each equal to the single-process
 //! reference (per-step losses and final parameters within 1e-5 relative, fp32); a degree the model does
 //! not divide refused naming `parallel.tp`; a checkpoint written at tp = 2 resumed at tp = 1 ends where
-//! one uninterrupted reference run ends.
+//! one uninterrupted reference run ends; fine-tuning (`[peft]`) at tp = 2 in [`peft`].
 
 mod common;
+#[path = "tensor_parallel_job/peft.rs"]
+mod peft;
 
 use std::path::Path;
 use std::time::Duration;
