@@ -14,19 +14,6 @@ use troupe_model::Trainer;
 
 const TOLERANCE: f64 = 1e-5;
 
-fn config(steps: u64) -> JobConfig {
-    let mut config = JobConfig::default();
-    config.model.n_layers = 2;
-    config.model.d_model = 128;
-    config.model.context = 64;
-    config.train.steps = steps;
-    config.train.global_batch = 8;
-    config.train.micro_batch = 4;
-    config.train.warmup_steps = 2;
-    config.train.torch_threads = 1;
-    config
-}
-
 fn reference(config: &JobConfig) -> (Vec<f64>, Trainer) {
     tch::set_num_threads(1);
     let mut trainer = Trainer::new(config.clone()).unwrap();
@@ -103,7 +90,7 @@ fn log_lines(logs: &Path, text: &str) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ddp_over_quic_on_three_daemon_processes_equals_the_reference() {
     let dir = tempfile::tempdir().unwrap();
-    let config = config(8);
+    let config = common::two_block_job(8);
     let cluster = common::processes(3).await;
     let out = dir.path().join("final.safetensors");
     let job = Job::new(config.clone()).save_final(&out).data_plane(DataPlane::Quic);
@@ -153,7 +140,7 @@ async fn ddp_on_two_hosts_losing_the_second(
     let dir = tempfile::tempdir().unwrap();
     let logs = dir.path().join("logs");
     let cluster = two_hosts_of_two_slots(&logs).await;
-    let config = config(steps);
+    let config = common::two_block_job(steps);
     let out = dir.path().join("final.safetensors");
     let job = Job::new(config.clone()).save_final(&out).data_plane(plane);
     let (end, losses, worlds) = run_killing_the_second_host_at(&cluster, job, at).await;
@@ -173,7 +160,7 @@ async fn zero3_on_two_hosts_talks_to_host_neighbours_over_sockets_and_equals_the
     let dir = tempfile::tempdir().unwrap();
     let logs = dir.path().join("logs");
     let cluster = two_hosts_of_two_slots(&logs).await;
-    let mut config = config(8);
+    let mut config = common::two_block_job(8);
     config.parallel.shard = "zero3".into();
     let out = dir.path().join("final.safetensors");
     let job = Job::new(config.clone()).save_final(&out);
@@ -215,7 +202,7 @@ async fn ddp_over_encrypted_tcp_on_two_hosts_survives_a_killed_host_and_equals_t
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_survives_kill_join_and_leave_and_still_equals_the_reference() {
     let dir = tempfile::tempdir().unwrap();
-    let config = config(80);
+    let config = common::two_block_job(80);
     let mut cluster = common::processes(3).await;
     let out = dir.path().join("final.safetensors");
     let mut job = cluster.client().await.unwrap().submit(Job::new(config.clone()).save_final(&out)).await.unwrap();
@@ -272,7 +259,7 @@ async fn a_job_survives_kill_join_and_leave_and_still_equals_the_reference() {
 async fn fp16_skips_an_overflowing_step_everywhere_and_a_joiner_takes_the_loss_scale() {
     let dir = tempfile::tempdir().unwrap();
     for shard in ["none", "zero2"] {
-        let mut config = config(40);
+        let mut config = common::two_block_job(40);
         config.parallel.precision = "fp16".into();
         config.parallel.shard = shard.into();
         config.train.inject_overflow_at = vec![2];

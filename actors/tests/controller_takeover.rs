@@ -24,19 +24,6 @@ use troupe_model::oracle::{compare_params, worst_loss_diff};
 const TOLERANCE: f64 = 1e-5;
 const NODES: usize = 3;
 
-fn config(steps: u64) -> JobConfig {
-    let mut config = JobConfig::default();
-    config.model.n_layers = 2;
-    config.model.d_model = 128;
-    config.model.context = 64;
-    config.train.steps = steps;
-    config.train.global_batch = 8;
-    config.train.micro_batch = 4;
-    config.train.warmup_steps = 2;
-    config.train.torch_threads = 1;
-    config
-}
-
 /// The reference's per-step losses, and the final parameters compared with those saved at `out`.
 fn check(config: &JobConfig, losses: &[f64], out: &Path) {
     tch::set_num_threads(1);
@@ -249,15 +236,31 @@ async fn submit_and_follow_to(c: &Controllers, config: &JobConfig, out: &Path, a
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_standby_takes_over_when_the_controller_is_killed_for_good_and_the_job_equals_the_reference() {
+/// Three controller daemons, their leader, and a 30-step job submitted and followed to step `at`.
+struct Running {
+    c: Controllers,
+    all: Vec<usize>,
+    leader: usize,
+    config: JobConfig,
+    out: PathBuf,
+    seen: Seen,
+    job: u64,
+}
+
+async fn running_until(at: u64) -> Running {
     let c = Controllers::start();
     let all: Vec<usize> = (0..NODES).collect();
     let leader = c.leader_of(&all, Duration::from_secs(30)).await;
-    let config = config(30);
+    let config = common::two_block_job(30);
     let out = c.dir.path().join("final.safetensors");
     let mut seen = Seen::default();
-    let job = submit_and_follow_to(&c, &config, &out, 8, &mut seen).await;
+    let job = submit_and_follow_to(&c, &config, &out, at, &mut seen).await;
+    Running { c, all, leader, config, out, seen, job }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_takes_over_when_the_controller_is_killed_for_good_and_the_job_equals_the_reference() {
+    let Running { c, all, leader, config, out, mut seen, job } = running_until(8).await;
 
     common::signal(c.children[leader].id(), "KILL");
     let killed = Instant::now();
@@ -288,13 +291,7 @@ async fn a_standby_takes_over_when_the_controller_is_killed_for_good_and_the_job
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_controller_paused_past_the_election_comes_back_as_a_member_and_commits_nothing() {
-    let c = Controllers::start();
-    let all: Vec<usize> = (0..NODES).collect();
-    let leader = c.leader_of(&all, Duration::from_secs(30)).await;
-    let config = config(30);
-    let out = c.dir.path().join("final.safetensors");
-    let mut seen = Seen::default();
-    let job = submit_and_follow_to(&c, &config, &out, 6, &mut seen).await;
+    let Running { c, all, leader, config, out, mut seen, job } = running_until(6).await;
 
     common::signal(c.children[leader].id(), "STOP");
     let others: Vec<usize> = all.iter().copied().filter(|&i| i != leader).collect();

@@ -665,7 +665,7 @@ impl JobDriver {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use troupe_cluster::membership::Epoch;
 
     fn figures(loss: f64, grad_norm: f64, peak_rss_bytes: u64) -> StepFigures {
@@ -676,7 +676,8 @@ mod tests {
 
     const T: Duration = Duration::from_millis(100);
 
-    fn spec(steps: u64) -> JobSpec {
+    /// A job of `steps` steps of the default model, for the driver's and the node core's tests.
+    pub(in crate::runtime) fn spec(steps: u64) -> JobSpec {
         let mut config = troupe_model::config::JobConfig::default();
         config.train.steps = steps;
         JobSpec {

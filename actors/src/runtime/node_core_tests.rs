@@ -12,7 +12,7 @@ use super::messages::WorkerMsg;
 use super::node_core::{NodeAction, NodeCore, NodeSettings};
 use crate::catalog::{StoredJob, StoredView};
 use crate::node_config::restart::RestartPolicy;
-use crate::protocol::{JobSpec, Reply, Wire};
+use crate::protocol::{Reply, Wire};
 
 const T: Duration = Duration::from_secs(1);
 
@@ -35,16 +35,7 @@ fn node(name: &str, port: u16, join: Option<SocketAddr>) -> NodeCore {
 }
 
 fn running_job(id: u64, step: u64) -> StoredJob {
-    let mut config = troupe_model::config::JobConfig::default();
-    config.train.steps = 10;
-    let spec = JobSpec {
-        config,
-        name: "t".into(),
-        save_final: None,
-        data_plane: Default::default(),
-        trace: false,
-        trace_seed: 0,
-    };
+    let spec = super::job::tests::spec(10);
     let mut info = super::job::JobDriver::new(id, spec.clone()).info();
     info.state = crate::protocol::JobState::Running;
     info.step = step;

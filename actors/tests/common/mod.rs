@@ -97,3 +97,19 @@ pub async fn converged(cluster: &LocalCluster, nodes: &[usize], expected: &[&str
     .await;
     epoch
 }
+
+/// A job of two blocks (d_model 128, context 64), batch 8 in micro-batches of 4, warm-up 2 steps, 1
+/// torch thread: small enough for several daemon processes on two shared cores, large enough that a
+/// drift from the reference shows.
+pub fn two_block_job(steps: u64) -> troupe_model::config::JobConfig {
+    let mut config = troupe_model::config::JobConfig::default();
+    config.model.n_layers = 2;
+    config.model.d_model = 128;
+    config.model.context = 64;
+    config.train.steps = steps;
+    config.train.global_batch = 8;
+    config.train.micro_batch = 4;
+    config.train.warmup_steps = 2;
+    config.train.torch_threads = 1;
+    config
+}
