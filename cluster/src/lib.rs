@@ -12,6 +12,7 @@ pub mod error;
 pub mod identity;
 pub mod membership;
 pub mod nccl;
+pub mod netns;
 pub mod transport;
 pub mod wire;
 
