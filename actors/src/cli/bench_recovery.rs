@@ -1,6 +1,6 @@
 //! `troupe bench recovery`: take one daemon of a local cluster away at a chosen step of a DDP (or
 //! ZeRO-1/2, `--shard`) job — SIGKILL its process, or with `--silent` cut its machine off with iptables
-//! (every daemon in a network namespace; [`netns`]) — and measure how long until the controller notices
+//! (every daemon in a network namespace: [`troupe_cluster::netns`]) — and measure how long until the controller notices
 //! (detect_s) and until the next step commits on the survivors (recovery_s), with the phases between
 //! (`phases`: detect, decide, resume, and resume split into the ranks' rebuild-and-restore and the first
 //! step to its commit — from the job's event stream and the ranks' phase spans); then check the run
@@ -9,8 +9,6 @@
 //! ranks and kill step, and ratio = peer_recovery_s / recovery_s. With `--runs N`, N measurements on fresh
 //! clusters summarised as p50/p99 (and the peer `--peer-runs` times).
 
-mod netns;
-
 use std::path::PathBuf;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -18,13 +16,13 @@ use anyhow::{bail, Context};
 use serde_json::{json, Value};
 use tch::Tensor;
 use troupe_cluster::membership::DetectorKind;
+use troupe_cluster::netns::{Layout, Namespaces, NetnsError, Subnet};
 use troupe_model::config::JobConfig;
 use troupe_model::oracle::compare_params;
 use troupe_model::Trainer;
 
 use super::bench_train::{peer_python, peer_script};
-use crate::api::{Job, JobEvent, LocalCluster, LocalClusterOptions};
-use netns::Namespaces;
+use crate::api::{Job, JobEvent, LocalCluster, LocalClusterOptions, NodeHost};
 
 /// Why `--silent --peer` has no torchrun figure (in the report as `peer_note`).
 const TORCHRUN_SILENT: &str = "torchrun has no detector for a silent machine: each agent watches only its own \
@@ -177,6 +175,34 @@ fn fault_name(args: &RecoveryArgs) -> &'static str {
     }
 }
 
+/// `--silent`'s machines: a network namespace per daemon on a bridge, node i at 10.X.Y.(i+1) (X in
+/// 150-199, apart from the chaos harness's 200-249, so that the two can run at once), the controller's
+/// side at .254; the last one is cut off with iptables.
+fn silent_namespaces(nodes: usize) -> anyhow::Result<Namespaces> {
+    let layout = Layout {
+        prefix: "troupe-recovery-",
+        nodes,
+        subnet: Subnet::PerRun { from: 150, span: 50 },
+        host_address: true,
+        rate_gbit: None,
+        iptables: true,
+    };
+    Namespaces::create(&layout).map_err(silent_error)
+}
+
+/// `--silent`'s refusal: what this machine lacks, and the way out.
+fn silent_error(e: NetnsError) -> anyhow::Error {
+    anyhow::anyhow!(
+        "--silent puts every daemon in a network namespace and cuts one off with iptables: it {e}; run it as \
+         root with iproute2's `ip` and `iptables`, or leave out --silent (SIGKILL)"
+    )
+}
+
+/// How the local cluster starts node i: inside its namespace, listening on its address.
+fn node_hosts(net: &Namespaces) -> Vec<NodeHost> {
+    (0..net.nodes()).map(|i| NodeHost { prefix: net.exec_prefix(i), ip: net.addr(i).into() }).collect()
+}
+
 /// One measurement on a fresh local cluster (in network namespaces with `--silent`): troupe's report.
 async fn measure(args: &RecoveryArgs) -> anyhow::Result<Value> {
     let dir = tempfile::tempdir()?;
@@ -185,10 +211,10 @@ async fn measure(args: &RecoveryArgs) -> anyhow::Result<Value> {
     config.train.steps = args.kill_at_step + args.steps_after;
     config.train.torch_threads = 1;
     config.parallel.shard.clone_from(&args.shard);
-    let namespaces = if args.silent { Some(Namespaces::create(args.nodes)?) } else { None };
+    let namespaces = if args.silent { Some(silent_namespaces(args.nodes)?) } else { None };
     let mut options = LocalClusterOptions::new(args.nodes);
     options.torch_threads = 1;
-    options.hosts = namespaces.as_ref().map(Namespaces::hosts).unwrap_or_default();
+    options.hosts = namespaces.as_ref().map(node_hosts).unwrap_or_default();
     options.membership.failure_detector = match args.failure_detector.as_str() {
         "phi_accrual" => DetectorKind::PhiAccrual,
         _ => DetectorKind::Fixed,
@@ -474,5 +500,14 @@ mod tests {
         let first_commit = phases["resume"]["first_commit_s"].as_f64().unwrap();
         assert!((0.05..1.0).contains(&first_commit), "{phases}");
         assert_eq!(seen.steps, [4, 5, 6]);
+    }
+
+    #[test]
+    fn silent_refusal_names_the_flag_what_is_missing_and_the_way_out() {
+        for (e, missing) in [(NetnsError::NotRoot, "needs root"), (NetnsError::NoIptables, "needs `iptables`")] {
+            let message = silent_error(e).to_string();
+            assert!(message.starts_with("--silent "), "{message}");
+            assert!(message.contains(missing) && message.contains("leave out --silent"), "{message}");
+        }
     }
 }
