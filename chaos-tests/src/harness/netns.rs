@@ -1,24 +1,23 @@
-//! Network faults on one Linux machine: every daemon in its own network namespace, joined to a bridge
-//! by a veth pair, so that its links can be cut (iptables DROP, both ways or inbound only) and degraded
+//! Network faults on one Linux machine: every daemon in its own network namespace of
+//! [`troupe_cluster::netns`] (a veth pair to a bridge; node i at 10.X.Y.(i+1), X in 200-249, the harness's
+//! side at .254), so that its links can be cut (iptables DROP, both ways or inbound only) and degraded
 //! (loss, delay with jitter, reordering, duplicates: tc netem where the kernel has it, else the userspace
-//! NFQUEUE nemesis of [`super::link`]). Needs root, `ip` (iproute2) and `iptables`; without them
-//! `Network::create` says which is missing and the scenario is skipped, as is a link fault on a kernel
-//! with neither netem nor NFQUEUE. Everything is removed when the `Network` is dropped.
-
-use std::net::{IpAddr, Ipv4Addr};
-use std::process::Command;
+//! NFQUEUE nemesis of [`super::link`]). What is this module's own is the degrading; the namespaces, the
+//! cuts and their deletion are the cluster crate's. Needs root, `ip` (iproute2) and `iptables`; without
+//! them `Network::create` says which is missing and the scenario is skipped, as is a link fault on a
+//! kernel with neither netem nor NFQUEUE. Everything is removed when the `Network` is dropped.
 
 use std::sync::Mutex;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use troupe_actors::api::NodeHost;
+use troupe_cluster::netns::{run_command as run, Layout, Namespaces, NetnsError, Subnet, IFNAME};
 
 use super::link::{probe, LinkShape, LinkStats, QueueNemesis, DUPLICATE_MARK, QUEUE};
 
 pub struct Network {
-    tag: String,
-    subnet: [u8; 3],
-    nodes: usize,
+    /// Dropped after the links are healed (field order).
+    net: Namespaces,
     /// Whether this kernel has tc netem.
     pub netem: bool,
     /// Whether packets can be queued to userspace (NFQUEUE); Err: why not.
@@ -27,112 +26,46 @@ pub struct Network {
     links: Mutex<Vec<Option<QueueNemesis>>>,
 }
 
-fn run(args: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new(args[0]).args(&args[1..]).output().with_context(|| format!("running {}", args[0]))?;
-    if !out.status.success() {
-        bail!("`{}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
 impl Network {
     /// A bridge and `nodes` namespaces, node i at 10.X.Y.(i+1), the host at 10.X.Y.254. Err: why
     /// this machine cannot (the caller skips the scenario with it).
     pub fn create(nodes: usize) -> Result<Self, String> {
-        if effective_uid() != 0 {
-            return Err("network namespaces need root (CAP_NET_ADMIN)".into());
-        }
-        for tool in ["ip", "iptables"] {
-            if Command::new(tool).arg("--version").output().is_err() {
-                return Err(format!("`{tool}` is not installed (Debian: apt-get install iproute2 iptables)"));
-            }
-        }
-        // Unique per process, short enough for 15-character interface names.
-        let id = std::process::id() % 100_000;
-        let subnet = [10, 200 + (id % 50) as u8, (id / 50 % 250) as u8];
-        let net = Network {
-            tag: format!("trp{id}"),
-            subnet,
-            nodes: 0,
-            netem: false,
-            nfqueue: Err("not probed".into()),
-            links: Mutex::new((0..nodes).map(|_| None).collect()),
+        let layout = Layout {
+            prefix: "troupe-chaos-",
+            nodes,
+            subnet: Subnet::PerRun { from: 200, span: 50 },
+            host_address: true,
+            rate_gbit: None,
+            iptables: true,
         };
-        net.setup(nodes).map_err(|e| format!("setting up network namespaces failed: {e:#}"))
-    }
-
-    fn setup(mut self, nodes: usize) -> anyhow::Result<Self> {
-        let bridge = self.bridge();
-        run(&["ip", "link", "add", &bridge, "type", "bridge"])?;
-        run(&["ip", "addr", "add", &format!("{}/24", self.host_ip()), "dev", &bridge])?;
-        run(&["ip", "link", "set", &bridge, "up"])?;
-        for i in 0..nodes {
-            let (ns, host_end, node_end) = (self.ns(i), format!("{}h{i}", self.tag), format!("{}n{i}", self.tag));
-            run(&["ip", "netns", "add", &ns])?;
-            self.nodes = i + 1;
-            run(&["ip", "link", "add", &host_end, "type", "veth", "peer", "name", &node_end])?;
-            run(&["ip", "link", "set", &node_end, "netns", &ns])?;
-            run(&["ip", "link", "set", &host_end, "master", &bridge])?;
-            run(&["ip", "link", "set", &host_end, "up"])?;
-            run(&["ip", "netns", "exec", &ns, "ip", "addr", "add", &format!("{}/24", self.ip(i)), "dev", &node_end])?;
-            run(&["ip", "netns", "exec", &ns, "ip", "link", "set", &node_end, "up"])?;
-            run(&["ip", "netns", "exec", &ns, "ip", "link", "set", "lo", "up"])?;
-        }
+        let net = Namespaces::create(&layout).map_err(|e| match e {
+            NetnsError::Setup(_) => e.to_string(),
+            e => format!("network namespaces {e}"),
+        })?;
+        let ns0 = net.namespace(0).to_owned();
         let netem =
-            ["ip", "netns", "exec", &self.ns(0), "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"];
-        self.netem = run(&netem).is_ok();
-        if self.netem {
-            let _ = run(&["ip", "netns", "exec", &self.ns(0), "tc", "qdisc", "del", "dev", "lo", "root"]);
+            run(&["ip", "netns", "exec", &ns0, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"])
+                .is_ok();
+        if netem {
+            let _ = run(&["ip", "netns", "exec", &ns0, "tc", "qdisc", "del", "dev", "lo", "root"]);
         }
-        self.nfqueue = probe(&self.ns(0));
-        Ok(self)
-    }
-
-    fn bridge(&self) -> String {
-        format!("{}br", self.tag)
-    }
-
-    fn ns(&self, i: usize) -> String {
-        format!("{}-{i}", self.tag)
-    }
-
-    fn host_ip(&self) -> Ipv4Addr {
-        Ipv4Addr::new(self.subnet[0], self.subnet[1], self.subnet[2], 254)
-    }
-
-    pub fn ip(&self, i: usize) -> Ipv4Addr {
-        Ipv4Addr::new(self.subnet[0], self.subnet[1], self.subnet[2], i as u8 + 1)
-    }
-
-    fn cidr(&self) -> String {
-        format!("{}.{}.{}.0/24", self.subnet[0], self.subnet[1], self.subnet[2])
+        Ok(Network { net, netem, nfqueue: probe(&ns0), links: Mutex::new((0..nodes).map(|_| None).collect()) })
     }
 
     /// How the local cluster starts node i: inside its namespace, listening on its address.
     pub fn hosts(&self) -> Vec<NodeHost> {
-        (0..self.nodes)
-            .map(|i| NodeHost {
-                prefix: ["ip", "netns", "exec", &self.ns(i)].map(String::from).to_vec(),
-                ip: IpAddr::V4(self.ip(i)),
-            })
+        (0..self.net.nodes())
+            .map(|i| NodeHost { prefix: self.net.exec_prefix(i), ip: self.net.addr(i).into() })
             .collect()
-    }
-
-    fn iptables(&self, i: usize, rule: &[&str]) -> anyhow::Result<()> {
-        let ns = self.ns(i);
-        let mut args = vec!["ip", "netns", "exec", &ns, "iptables"];
-        args.extend_from_slice(rule);
-        run(&args).map(|_| ())
     }
 
     /// Cuts node i off from the other nodes: inbound only when `one_way` (it still sends), else both ways.
     pub fn partition(&self, i: usize, one_way: bool) -> anyhow::Result<()> {
-        let cidr = self.cidr();
-        self.iptables(i, &["-A", "INPUT", "-s", &cidr, "-j", "DROP"])?;
-        if !one_way {
-            self.iptables(i, &["-A", "OUTPUT", "-d", &cidr, "-j", "DROP"])?;
+        if one_way {
+            self.net.cut_inbound(i)
+        } else {
+            self.net.cut(i)
         }
-        Ok(())
     }
 
     /// How this machine degrades links: tc netem in the kernel, else the userspace NFQUEUE nemesis.
@@ -152,46 +85,35 @@ impl Network {
     pub fn degrade(&self, i: usize, shape: &LinkShape, seed: u64) -> anyhow::Result<&'static str> {
         let mechanism = self.link_mechanism().map_err(anyhow::Error::msg)?;
         if self.netem {
+            // Each way: node i's egress in its namespace, and the bridge's port towards it in the switch's.
             let args = netem_args(shape);
-            let node_end = format!("{}n{i}", self.tag);
-            let ns = self.ns(i);
-            let mut inner = vec!["ip", "netns", "exec", &ns, "tc", "qdisc", "add", "dev", &node_end, "root", "netem"];
-            inner.extend(args.iter().map(String::as_str));
-            run(&inner)?;
-            let host_end = format!("{}h{i}", self.tag);
-            let mut outer = vec!["tc", "qdisc", "add", "dev", &host_end, "root", "netem"];
-            outer.extend(args.iter().map(String::as_str));
-            run(&outer)?;
+            let (switch, port) = self.net.switch_port(i);
+            for (ns, dev) in [(self.net.namespace(i), IFNAME), (switch, port.as_str())] {
+                let mut tc = vec!["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "netem"];
+                tc.extend(args.iter().map(String::as_str));
+                run(&tc).with_context(|| format!("degrading node {i}'s link with tc netem"))?;
+            }
             return Ok(mechanism);
         }
-        let nemesis = QueueNemesis::start(&self.ns(i), format!("node-{i}"), *shape, seed)?;
+        let nemesis = QueueNemesis::start(self.net.namespace(i), format!("node-{i}"), *shape, seed)?;
         self.links.lock().expect("the links' lock is never poisoned")[i] = Some(nemesis);
-        let (cidr, queue, mark) = (self.cidr(), QUEUE.to_string(), DUPLICATE_MARK.to_string());
-        self.iptables(i, &["-A", "INPUT", "-s", &cidr, "-j", "NFQUEUE", "--queue-num", &queue])?;
+        let (cidr, queue, mark) = (self.net.cidr(), QUEUE.to_string(), DUPLICATE_MARK.to_string());
+        self.net.iptables(i, &["-A", "INPUT", "-s", &cidr, "-j", "NFQUEUE", "--queue-num", &queue])?;
         // The duplicates the nemesis sends itself carry its mark and go out as they are.
         let out =
             ["-A", "OUTPUT", "-d", &cidr, "-m", "mark", "!", "--mark", &mark, "-j", "NFQUEUE", "--queue-num", &queue];
-        self.iptables(i, &out)?;
+        self.net.iptables(i, &out)?;
         Ok(mechanism)
     }
 
     /// Restores node i's links; what the userspace nemesis did to them, if it ran.
     pub fn heal(&self, i: usize) -> anyhow::Result<Option<LinkStats>> {
-        self.iptables(i, &["-F"])?;
+        self.net.iptables(i, &["-F"])?;
         if self.netem {
-            let _ = run(&[
-                "ip",
-                "netns",
-                "exec",
-                &self.ns(i),
-                "tc",
-                "qdisc",
-                "del",
-                "dev",
-                &format!("{}n{i}", self.tag),
-                "root",
-            ]);
-            let _ = run(&["tc", "qdisc", "del", "dev", &format!("{}h{i}", self.tag), "root"]);
+            let (switch, port) = self.net.switch_port(i);
+            for (ns, dev) in [(self.net.namespace(i), IFNAME), (switch, port.as_str())] {
+                let _ = run(&["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"]);
+            }
         }
         let nemesis = self.links.lock().expect("the links' lock is never poisoned")[i].take();
         nemesis.map(QueueNemesis::stop).transpose()
@@ -220,23 +142,11 @@ fn netem_args(shape: &LinkShape) -> Vec<String> {
 
 impl Drop for Network {
     fn drop(&mut self) {
-        for i in 0..self.nodes {
+        // Stops the userspace nemeses; the namespaces go with `net`, after this.
+        for i in 0..self.net.nodes() {
             if self.links.lock().is_ok_and(|l| l[i].is_some()) {
                 let _ = self.heal(i);
             }
         }
-        for i in 0..self.nodes {
-            // Deleting the namespace deletes its veth end, and with it the peer on the bridge.
-            let _ = run(&["ip", "netns", "del", &self.ns(i)]);
-        }
-        let _ = run(&["ip", "link", "del", &self.bridge()]);
     }
-}
-
-/// The effective user id, read from /proc (no libc call needed).
-fn effective_uid() -> u32 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("Uid:")).and_then(|l| l.split_whitespace().nth(2)?.parse().ok()))
-        .unwrap_or(u32::MAX)
 }
