@@ -33,7 +33,6 @@ Run with the provisioned torch:
 """
 import argparse
 import json
-import math
 import os
 import resource
 import sys
@@ -50,7 +49,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gloo_allreduce import free_port, timed_steps  # noqa: E402
-from train_gpt_tiny import corpus, make_optimizer, sample_batch  # noqa: E402
+from train_gpt_tiny import corpus, init_weights, make_optimizer, sample_batch  # noqa: E402
 
 
 class Attention(nn.Module):
@@ -105,12 +104,7 @@ class Gpt(nn.Module):
         self.h = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
-        for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("c_proj.weight", "mlp_proj.weight")) else 0.02
-                nn.init.normal_(p, 0.0, std)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
+        init_weights(self, layers)
 
     def forward(self, idx):
         positions = torch.arange(idx.shape[1], device=idx.device).unsqueeze(0)

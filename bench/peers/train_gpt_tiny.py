@@ -35,6 +35,17 @@ class Block(nn.Module):
         return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
 
 
+def init_weights(model, layers):
+    """GPT-2's initialisation, as troupe's: normal(0.02) matrices, the residual projections scaled by
+    1/sqrt(2 * layers), zero biases."""
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            std = 0.02 / math.sqrt(2 * layers) if name.endswith(("c_proj.weight", "mlp_proj.weight")) else 0.02
+            nn.init.normal_(p, 0.0, std)
+        elif name.endswith("bias"):
+            nn.init.zeros_(p)
+
+
 class Gpt(nn.Module):
     def __init__(self, vocab=256, context=128, d=256, layers=4, heads=4):
         super().__init__()
@@ -43,12 +54,7 @@ class Gpt(nn.Module):
         self.h = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
-        for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("c_proj.weight", "mlp_proj.weight")) else 0.02
-                nn.init.normal_(p, 0.0, std)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
+        init_weights(self, layers)
 
     def forward(self, idx, targets):
         t = idx.shape[1]
