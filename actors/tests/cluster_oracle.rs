@@ -119,9 +119,9 @@ async fn finishes_on_the_reference(
 }
 
 /// Two hosts (daemons on 127.0.0.1 and 127.0.0.2) of two slots each: the job's all-reduce runs in two
-/// tiers — within each host in shared memory, across hosts over QUIC, each rank carrying half of every
-/// bucket — and equals the reference; a SIGKILLed host leaves one host whose ranks go on in shared
-/// memory alone, still on the reference's trajectory.
+/// tiers — within each host in shared memory, across hosts over the default data plane (TLS 1.3 over
+/// TCP), each rank carrying half of every bucket — and equals the reference; a SIGKILLed host leaves one
+/// host whose ranks go on in shared memory alone, still on the reference's trajectory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ddp_on_two_hosts_of_two_slots_all_reduces_in_two_tiers_and_equals_the_reference() {
     let (_dir, logs) = ddp_on_two_hosts_losing_the_second(DataPlane::Auto, 24, 8).await;
