@@ -49,7 +49,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gloo_allreduce import free_port, timed_steps  # noqa: E402
-from train_gpt_tiny import corpus, init_weights, make_optimizer, sample_batch  # noqa: E402
+import train_gpt_tiny  # noqa: E402
+from train_gpt_tiny import corpus, make_optimizer, sample_batch  # noqa: E402
 
 
 class Attention(nn.Module):
@@ -93,18 +94,12 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class Gpt(nn.Module):
+class Gpt(train_gpt_tiny.Gpt):
     """train_gpt_tiny.Gpt with q/k/v as three linears; returns the logits (the loss is taken outside, under
     loss_parallel)."""
 
     def __init__(self, vocab=256, context=128, d=256, layers=4, heads=4):
-        super().__init__()
-        self.wte = nn.Embedding(vocab, d)
-        self.wpe = nn.Embedding(context, d)
-        self.h = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.lm_head = nn.Linear(d, vocab, bias=False)
-        init_weights(self, layers)
+        super().__init__(vocab, context, d, layers, heads, block=Block)
 
     def forward(self, idx):
         positions = torch.arange(idx.shape[1], device=idx.device).unsqueeze(0)

@@ -47,11 +47,13 @@ def init_weights(model, layers):
 
 
 class Gpt(nn.Module):
-    def __init__(self, vocab=256, context=128, d=256, layers=4, heads=4):
+    """gpt-tiny; `block` builds one transformer block from (d, heads) — the tensor-parallel peer passes its own."""
+
+    def __init__(self, vocab=256, context=128, d=256, layers=4, heads=4, block=Block):
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Embedding(context, d)
-        self.h = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.h = nn.ModuleList(block(d, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
         init_weights(self, layers)
