@@ -787,7 +787,9 @@ async fn drive<E: StepEngine>(
 }
 
 /// The attempt's start: the engine brings every rank to the committed state (a copy from `source`, or
-/// a reshard of what the ranks hold); the set-up or recovery time is recorded.
+/// a reshard of what the ranks hold); the set-up time is recorded, a resumed attempt's as two
+/// "recovery" spans: "mesh rebuild" (the worker's start to the engine over the new mesh) and "state
+/// restore" (the sync).
 async fn sync_state<E: StepEngine>(
     ctx: &AttemptCtx,
     engine: &mut E,
@@ -795,6 +797,8 @@ async fn sync_state<E: StepEngine>(
     phases: &mut PhaseRecorder,
 ) -> Result<(), AttemptOutcome> {
     let step = engine.trainer().step;
+    // The engine exists: the mesh is built (`train_over` builds it and adopts the state, then drives).
+    let built = Instant::now();
     tokio::select! {
         r = engine.sync(ctx.source) => match r {
             Ok(()) => {}
@@ -811,8 +815,12 @@ async fn sync_state<E: StepEngine>(
     if let Some((from, to)) = ctx.restored {
         phases.span("checkpoint restore", "recovery", from, to);
     }
-    let setup = if ctx.attempt > 1 { ("recovery", "recovery") } else { ("setup", "idle") };
-    phases.span(setup.0, setup.1, ctx.started, Instant::now());
+    if ctx.attempt > 1 {
+        phases.span("mesh rebuild", "recovery", ctx.started, built);
+        phases.span("state restore", "recovery", built, Instant::now());
+    } else {
+        phases.span("setup", "idle", ctx.started, Instant::now());
+    }
     Ok(())
 }
 
