@@ -2,8 +2,8 @@
 //! ZeRO-1/2, `--shard`) job — SIGKILL its process, or with `--silent` cut its machine off with iptables
 //! (every daemon in a network namespace: [`troupe_cluster::netns`]) — and measure how long until the controller notices
 //! (detect_s) and until the next step commits on the survivors (recovery_s), with the phases between
-//! (`phases`: detect, decide, resume, and resume split into the ranks' rebuild-and-restore and the first
-//! step to its commit — from the job's event stream and the ranks' phase spans); then check the run
+//! (`phases`: detect, decide, resume, and resume split into the ranks' mesh rebuild, their state restore
+//! and the first step to its commit — from the job's event stream and the ranks' phase spans); then check the run
 //! against the single-process reference. With --peer, then the same loss under torchrun
 //! (bench/peers/torchrun_recovery.py: restart the worker group from the last checkpoint), with the same
 //! ranks and kill step, and ratio = peer_recovery_s / recovery_s. With `--runs N`, N measurements on fresh
@@ -121,7 +121,8 @@ fn repeated(args: &RecoveryArgs, runtime: &tokio::runtime::Runtime) -> anyhow::R
             "decide_s": of(&|r| &r["phases"]["decide_s"]),
             "resume_s": of(&|r| &r["phases"]["resume_s"]),
             "resume": {
-                "rebuild_restore_s": of(&|r| &r["phases"]["resume"]["rebuild_restore_s"]),
+                "rebuild_s": of(&|r| &r["phases"]["resume"]["rebuild_s"]),
+                "restore_s": of(&|r| &r["phases"]["resume"]["restore_s"]),
                 "first_commit_s": of(&|r| &r["phases"]["resume"]["first_commit_s"]),
             },
         },
@@ -287,9 +288,10 @@ struct Seen {
     committed: Option<Instant>,
     /// The first commit after the kill on the wall clock (µs since the Unix epoch).
     committed_unix_us: Option<u64>,
-    /// Each rank's "recovery" span of a resumed attempt — the worker's start to its mesh rebuilt and its
-    /// state restored — by attempt: (attempt, start µs, end µs).
-    rebuilds: Vec<(u64, u64, u64)>,
+    /// Each rank's "mesh rebuild" and "state restore" spans of a resumed attempt — the worker's start,
+    /// its engine over the rebuilt mesh, its state restored — by attempt: (attempt, start µs, built µs,
+    /// restored µs).
+    rebuilds: Vec<(u64, u64, u64, u64)>,
     /// Seconds between the commits of steps after the second, the recovery's excepted.
     step_s: Vec<f64>,
     /// The last commit.
@@ -351,8 +353,13 @@ impl Seen {
                 self.resumed = Some(Instant::now());
             }
             JobEvent::Phases { attempt, spans, .. } if attempt > 1 => {
-                let rebuild = spans.iter().filter(|s| s.cat == "recovery" && s.name == "recovery");
-                self.rebuilds.extend(rebuild.map(|s| (attempt, s.start_us, s.start_us + s.dur_us)));
+                let find = |name: &str| spans.iter().find(|s| s.cat == "recovery" && s.name == name);
+                if let Some(rebuild) = find("mesh rebuild") {
+                    let built = rebuild.start_us + rebuild.dur_us;
+                    // A restore too quick for the clock records no span: it ended where the rebuild did.
+                    let restored = find("state restore").map_or(built, |s| s.start_us + s.dur_us);
+                    self.rebuilds.push((attempt, rebuild.start_us, built, restored));
+                }
             }
             JobEvent::RolledBack { from_step, to_step } => self.rolled_back = Some((from_step, to_step)),
             JobEvent::Failed { reason } => bail!("the job failed: {reason}"),
@@ -365,21 +372,23 @@ impl Seen {
     /// view change), `decide` (→ the new attempt: abort, re-plan, every survivor ready), `resume` (→ the
     /// next committed step). The events reach the client over the control plane, so each includes that
     /// delivery; the sum is `recovery_s`. `resume` is split by the ranks' spans of the attempt that
-    /// resumed: `rebuild_restore` (the first rank's start to the last rank's mesh rebuilt and state
-    /// restored: the worker records the two as one span) and `first_commit` (→ the first step
-    /// committed); the rest of `resume` is the start's way to the ranks.
+    /// resumed: `rebuild` (the first rank's start to the last rank's engine over the rebuilt mesh),
+    /// `restore` (→ the last rank's state restored: a copy from a buddy or a reshard) and `first_commit`
+    /// (→ the first step committed); the rest of `resume` is the start's way to the ranks.
     fn phases(&self) -> Value {
         let between = |a: Option<Instant>, b: Option<Instant>| a.zip(b).map(|(a, b)| b.duration_since(a).as_secs_f64());
         let attempt = self.rebuilds.iter().map(|r| r.0).max();
-        let resumed: Vec<&(u64, u64, u64)> = self.rebuilds.iter().filter(|r| Some(r.0) == attempt).collect();
-        let (first, last) = (resumed.iter().map(|r| r.1).min(), resumed.iter().map(|r| r.2).max());
+        let resumed: Vec<&(u64, u64, u64, u64)> = self.rebuilds.iter().filter(|r| Some(r.0) == attempt).collect();
+        let first = resumed.iter().map(|r| r.1).min();
+        let (built, last) = (resumed.iter().map(|r| r.2).max(), resumed.iter().map(|r| r.3).max());
         let secs = |us: u64| us as f64 / 1e6;
         json!({
             "detect_s": between(self.killed, self.viewed),
             "decide_s": between(self.viewed, self.resumed),
             "resume_s": between(self.resumed, self.committed),
             "resume": {
-                "rebuild_restore_s": first.zip(last).map(|(a, b)| secs(b.saturating_sub(a))),
+                "rebuild_s": first.zip(built).map(|(a, b)| secs(b.saturating_sub(a))),
+                "restore_s": built.zip(last).map(|(a, b)| secs(b.saturating_sub(a))),
                 "first_commit_s": last.zip(self.committed_unix_us).map(|(a, b)| secs(b.saturating_sub(a))),
             },
         })
@@ -448,8 +457,10 @@ mod tests {
         }
     }
 
-    fn recovery_span(attempt: u64, start_us: u64, dur_us: u64) -> JobEvent {
-        let span = |name: &str, cat: &str, start_us| PhaseSpan {
+    /// A rank's report of a resumed attempt: its mesh rebuild from `start_us`, its state restore, then
+    /// its step's compute (not counted).
+    fn recovery_spans(attempt: u64, start_us: u64, rebuild_us: u64, restore_us: u64) -> JobEvent {
+        let span = |name: &str, cat: &str, start_us, dur_us| PhaseSpan {
             name: name.into(),
             cat: cat.into(),
             start_us,
@@ -457,9 +468,12 @@ mod tests {
             chunk: None,
             microbatch: None,
         };
-        // A rank's report: its recovery span, then its step's compute (not counted).
-        let spans =
-            vec![span("recovery", "recovery", start_us), span("forward+backward", "compute", start_us + dur_us)];
+        let (built, restored) = (start_us + rebuild_us, start_us + rebuild_us + restore_us);
+        let spans = vec![
+            span("mesh rebuild", "recovery", start_us, rebuild_us),
+            span("state restore", "recovery", built, restore_us),
+            span("forward+backward", "compute", restored, 900_000),
+        ];
         JobEvent::Phases { rank: 0, node: "node-0".into(), attempt, step: 6, spans, stage: None }
     }
 
@@ -483,10 +497,11 @@ mod tests {
             membership("Failed { node: NodeId(\"node-2\"), silent_ms: 770 }"),
             membership("a second change: not the detection"),
             JobEvent::Recovered { step: 5, epoch: 2, world: 2 },
-            // Attempt 2 was aborted mid-rebuild; attempt 3 resumed: ranks from t0 to t0 + 150 ms.
-            recovery_span(2, t0 - 900_000, 800_000),
-            recovery_span(3, t0 + 20_000, 130_000),
-            recovery_span(3, t0, 100_000),
+            // Attempt 2 was aborted mid-restore; attempt 3 resumed: ranks from t0, the last mesh built
+            // at t0 + 100 ms, the last state restored at t0 + 150 ms.
+            recovery_spans(2, t0 - 900_000, 500_000, 300_000),
+            recovery_spans(3, t0 + 20_000, 60_000, 70_000),
+            recovery_spans(3, t0, 100_000, 30_000),
         ];
         for event in events {
             seen.event(event, 5, &fault).unwrap();
@@ -496,7 +511,8 @@ mod tests {
         assert_eq!(applied.get(), 1);
         assert_eq!(seen.detected_by, ["Failed { node: NodeId(\"node-2\"), silent_ms: 770 }"]);
         let phases = seen.phases();
-        assert_eq!(phases["resume"]["rebuild_restore_s"], json!(0.15), "{phases}");
+        assert_eq!(phases["resume"]["rebuild_s"], json!(0.1), "{phases}");
+        assert_eq!(phases["resume"]["restore_s"], json!(0.05), "{phases}");
         let first_commit = phases["resume"]["first_commit_s"].as_f64().unwrap();
         assert!((0.05..1.0).contains(&first_commit), "{phases}");
         assert_eq!(seen.steps, [4, 5, 6]);
