@@ -48,6 +48,9 @@ pub struct LocalClusterOptions {
     /// Every daemon's `allow_plaintext_tcp`: true by default here, since a local cluster's "hosts" are
     /// this machine's own addresses (a daemon's config file refuses it unless set).
     pub allow_plaintext_tcp: bool,
+    /// Controller-eligible daemons: nodes `0..controllers` are listed in every node's node.toml
+    /// `controllers`, each with a Raft port of its own; 0 or 1: node 0 is the single controller.
+    pub controllers: usize,
 }
 
 impl LocalClusterOptions {
@@ -64,6 +67,7 @@ impl LocalClusterOptions {
             restart: RestartPolicy::default(),
             telemetry: TelemetryConfig::default(),
             allow_plaintext_tcp: true,
+            controllers: 0,
         }
     }
 }
@@ -91,6 +95,8 @@ pub struct LocalCluster {
     spawned: Vec<u32>,
     /// Each child daemon's dashboard URL, by node index (with `telemetry.metrics_listen`).
     dashboards: Vec<Option<String>>,
+    /// Every node's `controllers` (`options.controllers` entries `NAME@HOST:PORT`, ports drawn once).
+    controllers: Vec<String>,
 }
 
 fn node_name(i: usize) -> String {
@@ -244,6 +250,7 @@ impl LocalCluster {
             binary: binary.map(Path::to_owned),
             spawned: Vec::new(),
             dashboards: Vec::new(),
+            controllers: controller_entries(options)?,
         })
     }
 
@@ -284,8 +291,13 @@ impl LocalCluster {
             transport: TransportConfig::loopback(),
             telemetry: options.telemetry.clone(),
             allow_plaintext_tcp: options.allow_plaintext_tcp,
-            controllers: Vec::new(),
+            controllers: self.controllers.clone(),
         }
+    }
+
+    /// Daemon `i`'s data directory (its catalog and, on a controller, its Raft log).
+    pub fn data_dir(&self, i: usize) -> PathBuf {
+        self.dir.path().join(node_name(i))
     }
 
     /// Waits until the controller's view has at least `n` members; [`Error::TimedOut`] after 30 s.
@@ -367,6 +379,23 @@ impl Drop for LocalCluster {
             }
         }
     }
+}
+
+/// `controllers` entries for nodes `0..options.controllers` (none for one controller), each Raft port a
+/// free UDP port of this host, drawn once so that a restarted controller comes back on it.
+fn controller_entries(options: &LocalClusterOptions) -> Result<Vec<String>> {
+    if options.controllers < 2 {
+        return Ok(Vec::new());
+    }
+    (0..options.controllers)
+        .map(|i| {
+            let ip = options.hosts.get(i).map_or([127, 0, 0, 1].into(), |h| h.ip);
+            let socket = std::net::UdpSocket::bind(SocketAddr::new([127, 0, 0, 1].into(), 0))
+                .and_then(|s| s.local_addr())
+                .map_err(|e| Error::start_because("finding a free port for a controller's Raft endpoint", e))?;
+            Ok(format!("{}@{}", node_name(i), SocketAddr::new(ip, socket.port())))
+        })
+        .collect()
 }
 
 /// SIGTERM, a bounded wait for the drain, then SIGKILL.
