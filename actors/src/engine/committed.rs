@@ -8,8 +8,9 @@ use troupe_model::Trainer;
 
 use super::flat::append_flat;
 
-/// A contiguous range of the flat parameter order with its fp32 master values and AdamW moments — a
-/// rank's own shard, or its copy of a buddy's.
+/// A contiguous range of the flat parameter order with its fp32 master values and the optimizer's two
+/// state slots (AdamW's moments; see [`troupe_model::optim`]) — a rank's own shard, or its copy of a
+/// buddy's.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ShardPiece {
     pub range: Range<usize>,
@@ -61,8 +62,8 @@ impl CommittedState {
                 let model = troupe_model::model::Model::load(trainer.config.model.clone(), trainer.config.train.seed)?;
                 trainer.model = model.with_precision(precision);
                 let decays = trainer.model.specs().iter().map(|s| s.decays()).collect();
-                let config = troupe_model::optim::AdamWConfig::from(&trainer.config.train);
-                trainer.optimizer = troupe_model::optim::AdamW::new(config, trainer.model.params(), decays);
+                let (train, params) = (&trainer.config.train, trainer.model.params());
+                trainer.optimizer = troupe_model::optim::Optimizer::new(train, params, decays);
                 Ok(Self::Full(trainer))
             }
             state => Ok(state),
@@ -82,8 +83,11 @@ pub(crate) fn full_piece(trainer: &Trainer) -> ShardPiece {
     let params: Vec<Tensor> = trainer.model.params().iter().map(Tensor::detach).collect();
     let mut piece = ShardPiece { range: 0..0, master: Vec::new(), exp_avg: Vec::new(), exp_avg_sq: Vec::new() };
     append_flat(&params, &mut piece.master);
-    append_flat(&trainer.optimizer.exp_avg, &mut piece.exp_avg);
-    append_flat(&trainer.optimizer.exp_avg_sq, &mut piece.exp_avg_sq);
+    for (i, param) in params.iter().enumerate() {
+        let [first, second] = trainer.optimizer.packed(i, param);
+        append_flat(&[first], &mut piece.exp_avg);
+        append_flat(&[second], &mut piece.exp_avg_sq);
+    }
     piece.range = 0..piece.master.len();
     piece
 }

@@ -58,26 +58,21 @@ pub(crate) fn counter_of(hi: f32, lo: f32) -> u64 {
     ((hi as u64) << 24) | lo as u64
 }
 
-/// Makes this rank's whole training state — parameters, AdamW moments, step counters and the loss
-/// scaler — rank `source`'s, one tensor at a time through `flat`.
+/// Makes this rank's whole training state — parameters, the optimizer's state tensors (AdamW's moments or
+/// Adafactor's statistics: the same list on every rank of a job), step counters and the loss scaler —
+/// rank `source`'s, one tensor at a time through `flat`.
 pub(crate) async fn broadcast_state<T: Transport>(
     comm: &mut Communicator<T>,
     trainer: &mut Trainer,
     flat: &mut Vec<f32>,
     source: usize,
 ) -> Result<(), ClusterError> {
-    let (step, opt) = (counter_words(trainer.step), counter_words(trainer.optimizer.step));
+    let (step, opt) = (counter_words(trainer.step), counter_words(trainer.optimizer.step()));
     let s = trainer.loss_scale.to_words();
     let mut counters = [step[0], step[1], opt[0], opt[1], s[0], s[1], s[2], s[3], s[4]];
     comm.broadcast(&mut counters[..], source).await?;
-    let (model, optimizer) = (&trainer.model, &trainer.optimizer);
-    let tensors: Vec<Tensor> = model
-        .params()
-        .iter()
-        .chain(&optimizer.exp_avg)
-        .chain(&optimizer.exp_avg_sq)
-        .map(Tensor::shallow_clone)
-        .collect();
+    let state = trainer.optimizer.state_tensors().into_iter().map(|(_, t)| t);
+    let tensors: Vec<Tensor> = trainer.model.params().iter().map(Tensor::shallow_clone).chain(state).collect();
     for tensor in tensors {
         flat.clear();
         append_flat(std::slice::from_ref(&tensor.detach()), flat);
@@ -85,7 +80,7 @@ pub(crate) async fn broadcast_state<T: Transport>(
         copy_from_flat(std::slice::from_ref(&tensor), flat);
     }
     trainer.step = counter_of(counters[0], counters[1]);
-    trainer.optimizer.step = counter_of(counters[2], counters[3]);
+    trainer.optimizer.set_step(counter_of(counters[2], counters[3]));
     let [_, _, _, _, scaler @ ..] = counters;
     trainer.loss_scale = LossScale::from_words(scaler);
     Ok(())

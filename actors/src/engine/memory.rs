@@ -13,20 +13,19 @@ pub struct PersistentState {
     pub grads: usize,
     /// Sharded fp32 master parameters (own shard and buddy copies); DDP's masters are its `params`.
     pub masters: usize,
-    /// AdamW's two moments, sharded or whole.
+    /// The optimizer's state: AdamW's two moments (sharded or whole) or Adafactor's statistics.
     pub moments: usize,
     /// Flat communication buffers kept allocated between steps.
     pub buffers: usize,
 }
 
 impl PersistentState {
-    /// What a trainer's model and optimizer hold: parameters, their defined gradients, AdamW moments —
-    /// a DDP rank's whole persistent state (its flat buckets aside).
+    /// What a trainer's model and optimizer hold: parameters, their defined gradients, the optimizer's
+    /// state tensors — a DDP rank's whole persistent state (its flat buckets aside).
     pub fn of_model(trainer: &Trainer) -> Self {
         let params = trainer.model.params();
         let grads = params.iter().map(|p| p.grad()).filter(|g| g.defined()).map(|g| g.numel()).sum();
-        let optimizer = &trainer.optimizer;
-        let moments = optimizer.exp_avg.iter().chain(&optimizer.exp_avg_sq).map(|m| m.numel()).sum();
+        let moments = trainer.optimizer.state_numel();
         Self { params: params.iter().map(|p| p.numel()).sum(), grads, masters: 0, moments, buffers: 0 }
     }
 

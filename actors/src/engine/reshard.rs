@@ -33,7 +33,7 @@ pub struct Held<'a> {
 impl<'a> Held<'a> {
     /// What a rank holds: `pieces` at its trainer's committed step.
     pub fn of(trainer: &Trainer, pieces: &'a [ShardPiece]) -> Self {
-        let (step, optimizer_step, loss_scale) = (trainer.step, trainer.optimizer.step, trainer.loss_scale);
+        let (step, optimizer_step, loss_scale) = (trainer.step, trainer.optimizer.step(), trainer.loss_scale);
         Self { step, optimizer_step, loss_scale, pieces, fresh: None }
     }
 

@@ -118,13 +118,11 @@ impl<T: Transport> ShardedReplica<T> {
                 let mut trainer = *trainer;
                 let piece = full_piece(&trainer);
                 // The moments live in the pieces from now on.
-                trainer.optimizer.exp_avg.clear();
-                trainer.optimizer.exp_avg_sq.clear();
+                trainer.optimizer.clear_state();
                 (trainer, vec![piece])
             }
         };
-        trainer.optimizer.exp_avg.clear();
-        trainer.optimizer.exp_avg_sq.clear();
+        trainer.optimizer.clear_state();
         let numels: Vec<usize> = trainer.model.specs().iter().map(|s| s.numel()).collect();
         let decays: Vec<bool> = trainer.model.specs().iter().map(|s| s.decays()).collect();
         if mode == ShardMode::Zero3 {
@@ -264,7 +262,7 @@ impl<T: Transport> ShardedReplica<T> {
         self.fresh = false;
         self.trainer.loss_scale = resharded.loss_scale;
         self.trainer.step = resharded.step;
-        self.trainer.optimizer.step = resharded.optimizer_step;
+        self.trainer.optimizer.set_step(resharded.optimizer_step);
         self.params_stale = true;
         self.synced = true;
         Ok(())
@@ -425,14 +423,14 @@ impl<T: Transport> ShardedReplica<T> {
             self.trainer.step += 1;
             return Ok(self.trainer.report(step, reduced.loss, lr, &update, loss_scale));
         };
-        let t = self.trainer.optimizer.step + 1;
+        let t = self.trainer.optimizer.step() + 1;
         let update_of = OwnerUpdate { grad_factor: grad_factor as f32, lr, t };
         let applied = self.ask("the update", |reply| ShardOwnerMsg::Apply { step, update: update_of, reply }).await?;
         match applied {
             Ok(buffers) => self.grads = buffers,
             Err(refused) => return Err(self.owner_lost("the update", &refused)),
         }
-        self.trainer.optimizer.step = t;
+        self.trainer.optimizer.set_step(t);
         self.trainer.step += 1;
         self.params_stale = true;
         Ok(self.trainer.report(step, reduced.loss, lr, &update, loss_scale))
@@ -484,7 +482,7 @@ impl<T: Transport> ShardedReplica<T> {
         state.config.clone_from(&trainer.config);
         state.tensors = tensor_specs(trainer);
         state.step = trainer.step;
-        state.optimizer_step = trainer.optimizer.step;
+        state.optimizer_step = trainer.optimizer.step();
         state.sampler = trainer.sampler.state(trainer.step, trainer.config.train.global_batch);
         state.loss_scale = scaler_of(trainer);
         Ok(Some(state))

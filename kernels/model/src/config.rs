@@ -135,7 +135,9 @@ impl JobConfig {
         self.parallel.validate()?;
         self.elastic.validate()?;
         self.validate_parallel_fits()?;
-        self.validate_tensor_parallel()
+        self.validate_tensor_parallel()?;
+        let specs = crate::model::param_specs(&self.model);
+        crate::optim::validate(&self.train, &self.parallel, specs.iter().map(|s| (s.name.as_str(), s.shape.as_slice())))
     }
 
     /// `parallel.tp` and `parallel.sp`: a degree the model's split tables accept (the layout's own

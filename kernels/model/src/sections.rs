@@ -68,10 +68,15 @@ impl Default for DataConfig {
     }
 }
 
-/// The optimisation: batch, AdamW, schedule, clipping.
+/// The optimisation: batch, optimizer (AdamW or Adafactor), schedule, clipping.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
+    /// `adamw` (the default; `beta1`, `beta2`, `eps`, `weight_decay` below) or `adafactor` (its own
+    /// `[train.adafactor]` table).
+    pub optimizer: String,
+    /// Adafactor's hyper-parameters, used when `optimizer = "adafactor"`.
+    pub adafactor: AdafactorConfig,
     pub steps: u64,
     pub seed: u64,
     /// Samples (sequences of `model.context` tokens) per optimizer step, over all ranks.
@@ -109,6 +114,8 @@ pub struct TrainConfig {
 impl Default for TrainConfig {
     fn default() -> Self {
         Self {
+            optimizer: "adamw".into(),
+            adafactor: AdafactorConfig::default(),
             steps: 200,
             seed: 1,
             global_batch: 8,
@@ -126,6 +133,47 @@ impl Default for TrainConfig {
             inject_overflow_at: Vec::new(),
             eval_every: 0,
             eval_samples: 64,
+        }
+    }
+}
+
+/// `[train.adafactor]`: Adafactor (Shazeer & Stern 2018) with Hugging Face transformers' `Adafactor`
+/// hyper-parameters and defaults. With `relative_step` the step size is its own `min(1e-2, 1/√t)`
+/// (`warmup_init`: `min(1e-6·t, 1/√t)`) and `train.lr` is unused; without it the step size is the
+/// schedule's (`train.lr`, warmup, cosine decay).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdafactorConfig {
+    /// Added to the squared gradient (HF `eps[0]`).
+    pub eps1: f64,
+    /// The floor of a parameter's RMS when `scale_parameter` scales the step (HF `eps[1]`).
+    pub eps2: f64,
+    /// The update's RMS is clipped to this.
+    pub clip_threshold: f64,
+    /// The second moment's decay is `1 - t^decay_rate`.
+    pub decay_rate: f64,
+    /// The first moment's decay; absent (the default): no first moment.
+    pub beta1: Option<f64>,
+    /// Decoupled weight decay, times the step size, on matrices and embeddings.
+    pub weight_decay: f64,
+    /// Scale the step size by the parameter's RMS (at least `eps2`).
+    pub scale_parameter: bool,
+    pub relative_step: bool,
+    pub warmup_init: bool,
+}
+
+impl Default for AdafactorConfig {
+    fn default() -> Self {
+        Self {
+            eps1: 1e-30,
+            eps2: 1e-3,
+            clip_threshold: 1.0,
+            decay_rate: -0.8,
+            beta1: None,
+            weight_decay: 0.0,
+            scale_parameter: true,
+            relative_step: true,
+            warmup_init: false,
         }
     }
 }

@@ -198,8 +198,7 @@ impl<T: Transport> PipelineReplica<T> {
                 (trainer, vec![piece])
             }
         };
-        trainer.optimizer.exp_avg.clear();
-        trainer.optimizer.exp_avg_sq.clear();
+        trainer.optimizer.clear_state();
         zero3::release_params(&mut trainer);
         Self {
             trainer,
@@ -333,7 +332,7 @@ impl<T: Transport> PipelineReplica<T> {
         Ok(Some(TrainingState {
             config: trainer.config.clone(),
             step: trainer.step,
-            optimizer_step: trainer.optimizer.step,
+            optimizer_step: trainer.optimizer.step(),
             sampler: trainer.sampler.state(trainer.step, trainer.config.train.global_batch),
             tensors: tensor_specs(trainer),
             values,
@@ -360,7 +359,7 @@ impl<T: Transport> PipelineReplica<T> {
     /// The stage's counters into the trainer (what the worker reads and the committed state keeps).
     fn mirror_counters(&mut self, counters: StageCounters) {
         self.trainer.step = counters.step;
-        self.trainer.optimizer.step = counters.optimizer_step;
+        self.trainer.optimizer.set_step(counters.optimizer_step);
         self.trainer.loss_scale = counters.loss_scale;
     }
 }

@@ -131,12 +131,12 @@ impl<T: Transport> TensorParallelReplica<T> {
         };
         let full: Vec<Tensor> = self.trainer.model.params().iter().map(Tensor::detach).collect();
         let shards = layout.shard(&full, t);
-        let exp_avg = layout.shard(&self.trainer.optimizer.exp_avg, t);
-        let exp_avg_sq = layout.shard(&self.trainer.optimizer.exp_avg_sq, t);
+        let exp_avg = layout.shard(&self.trainer.optimizer.adamw().exp_avg, t);
+        let exp_avg_sq = layout.shard(&self.trainer.optimizer.adamw().exp_avg_sq, t);
         let rank = TpRank::new(layout, t, shards);
         let decays = self.trainer.model.specs().iter().map(|s| s.decays()).collect();
         let mut optimizer = AdamW::new(AdamWConfig::from(&self.trainer.config.train), rank.params(), decays);
-        optimizer.step = self.trainer.optimizer.step;
+        optimizer.step = self.trainer.optimizer.step();
         optimizer.exp_avg = exp_avg.iter().map(Tensor::copy).collect();
         optimizer.exp_avg_sq = exp_avg_sq.iter().map(Tensor::copy).collect();
         self.parts = Some(Parts { rank, tp: CommGroup { comm: tp, handle }, dp, optimizer });
@@ -207,9 +207,8 @@ impl<T: Transport> TensorParallelReplica<T> {
             .await?;
         let [params, exp_avg, exp_avg_sq] = gathered.map_err(EngineError::TensorParallel)?;
         copy_tensors(self.trainer.model.params(), &params);
-        self.trainer.optimizer.exp_avg = exp_avg;
-        self.trainer.optimizer.exp_avg_sq = exp_avg_sq;
-        self.trainer.optimizer.step = counters[1];
+        let adamw = self.trainer.optimizer.adamw_mut();
+        (adamw.exp_avg, adamw.exp_avg_sq, adamw.step) = (exp_avg, exp_avg_sq, counters[1]);
         Ok(())
     }
 }
@@ -435,7 +434,7 @@ mod tests {
         let initial = Trainer::new(config.clone()).expect("a trainer");
         for (rank, state) in [s0, s1].into_iter().enumerate() {
             let Some(CommittedState::Full(trainer)) = state else { panic!("rank {rank} kept nothing") };
-            assert_eq!((trainer.step, trainer.optimizer.step), (0, 0), "rank {rank}");
+            assert_eq!((trainer.step, trainer.optimizer.step()), (0, 0), "rank {rank}");
             for (p, q) in trainer.model.params().iter().zip(initial.model.params()) {
                 assert!(p.equal(q), "rank {rank}: the gathered parameters are the committed ones");
             }

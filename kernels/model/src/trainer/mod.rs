@@ -1,6 +1,7 @@
 //! The single-process reference trainer — the oracle every distributed mode must reproduce
 //! (DESIGN.md §4): one global batch per step, cut into micro-batches whose gradients accumulate, clipped
-//! by global norm, applied by AdamW with warmup + cosine decay.
+//! by global norm, applied by the optimizer (`train.optimizer`: AdamW or Adafactor) with warmup + cosine
+//! decay.
 
 use std::ops::Range;
 use std::path::Path;
@@ -13,7 +14,7 @@ use crate::config::{ConfigError, JobConfig};
 use crate::data::{load_corpora, micro_batch_ranges, Corpus, DataError, EvalWindows, GlobalSampler};
 use crate::generate::{window_loss_sum, Evaluation};
 use crate::model::{Model, Samples};
-use crate::optim::{grad_norm, learning_rate, scale_grads, AdamW, AdamWConfig};
+use crate::optim::{grad_norm, learning_rate, scale_grads, Optimizer};
 use crate::precision::{backward_weight, LossScale, Precision, Update};
 
 mod snapshot;
@@ -55,7 +56,7 @@ pub struct StepReport {
 pub struct Trainer {
     pub config: JobConfig,
     pub model: Model,
-    pub optimizer: AdamW,
+    pub optimizer: Optimizer,
     pub sampler: GlobalSampler,
     /// Committed steps so far; the next step to run.
     pub step: u64,
@@ -112,7 +113,7 @@ impl Trainer {
 
     fn with_model(config: JobConfig, corpus: Corpus, model: Model, device: Device) -> Self {
         let decays = model.specs().iter().map(|s| s.decays()).collect();
-        let optimizer = AdamW::new(AdamWConfig::from(&config.train), model.params(), decays);
+        let optimizer = Optimizer::new(&config.train, model.params(), decays);
         let sampler = GlobalSampler::new(config.train.seed, corpus, config.model.context);
         let loss_scale = LossScale::initial(&config.parallel);
         Self { config, model, optimizer, sampler, step: 0, loss_scale, device, validation: None }

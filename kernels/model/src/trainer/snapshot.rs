@@ -45,7 +45,7 @@ impl TrainingState {
         Self {
             config: trainer.config.clone(),
             step: trainer.step,
-            optimizer_step: trainer.optimizer.step,
+            optimizer_step: trainer.optimizer.step(),
             sampler: trainer.sampler.state(trainer.step, trainer.config.train.global_batch),
             tensors,
             values,
@@ -70,7 +70,7 @@ impl TrainingState {
         copy_values(trainer, &self.tensors, &mut self.values);
         self.config.clone_from(&trainer.config);
         self.step = trainer.step;
-        self.optimizer_step = trainer.optimizer.step;
+        self.optimizer_step = trainer.optimizer.step();
         self.sampler = trainer.sampler.state(trainer.step, trainer.config.train.global_batch);
         self.loss_scale = scaler_of(trainer);
     }
@@ -110,11 +110,11 @@ impl TrainingState {
         let params = trainer.model.params();
         let values: Vec<Tensor> = (0..params.len()).map(|i| tensor(StateKind::Param, i, &params[i])).collect();
         for (i, value) in values.iter().enumerate() {
-            trainer.optimizer.exp_avg[i] = tensor(StateKind::ExpAvg, i, value);
-            trainer.optimizer.exp_avg_sq[i] = tensor(StateKind::ExpAvgSq, i, value);
+            let slots = [StateKind::ExpAvg, StateKind::ExpAvgSq].map(|kind| tensor(kind, i, value));
+            trainer.optimizer.unpack(i, slots);
         }
         trainer.model.load_values(&values);
-        trainer.optimizer.step = self.optimizer_step;
+        trainer.optimizer.set_step(self.optimizer_step);
         trainer.step = self.step;
         let saved_precision = &self.config.parallel.precision;
         trainer.loss_scale = LossScale::resumed(&trainer.config.parallel, saved_precision, self.loss_scale);
@@ -127,15 +127,16 @@ pub fn scaler_of(trainer: &Trainer) -> Option<LossScale> {
     trainer.model.precision.scales_loss().then_some(trainer.loss_scale)
 }
 
-/// Copies the trainer's parameters and moments into the three flat vectors (sized for `tensors`).
+/// Copies the trainer's parameters and its optimizer's two state slots per parameter (AdamW's moments,
+/// or Adafactor's packed state, see [`crate::optim`]) into the three flat vectors (sized for `tensors`).
 fn copy_values(trainer: &Trainer, tensors: &[TensorSpec], values: &mut [Vec<f32>; 3]) {
-    let sources: [&[Tensor]; 3] = [trainer.model.params(), &trainer.optimizer.exp_avg, &trainer.optimizer.exp_avg_sq];
-    for (flat, list) in values.iter_mut().zip(sources) {
-        let mut at = 0;
-        for (tensor, spec) in list.iter().zip(tensors) {
-            let n = spec.numel();
+    let mut at = 0;
+    for (i, (param, spec)) in trainer.model.params().iter().zip(tensors).enumerate() {
+        let n = spec.numel();
+        let [first, second] = trainer.optimizer.packed(i, param);
+        for (flat, tensor) in values.iter_mut().zip([param.detach(), first, second]) {
             tensor.detach().copy_data(&mut flat[at..at + n], n);
-            at += n;
         }
+        at += n;
     }
 }

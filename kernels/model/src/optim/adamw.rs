@@ -1,7 +1,7 @@
-//! AdamW, the learning-rate schedule and gradient clipping on the parameter list. The optimizer state is
-//! plain tensors that checkpoints save and shards can split; the update itself is troupe-kernels' fused
-//! AdamW run on each tensor's own storage (one pass over parameter, gradient and both moments, no
-//! temporaries), with libtorch's per-tensor ops kept only for tensors the kernel cannot take.
+//! AdamW on the parameter list. Its state is plain tensors that checkpoints save and shards can split;
+//! the update itself is troupe-kernels' fused AdamW run on each tensor's own storage (one pass over
+//! parameter, gradient and both moments, no temporaries), with libtorch's per-tensor ops kept only for
+//! tensors the kernel cannot take.
 
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
@@ -115,80 +115,9 @@ impl AdamW {
     }
 }
 
-/// Linear warmup to `lr` over `warmup_steps`, then cosine decay to `min_lr` at `decay_steps`
-/// (0 = the run's `steps`), then `min_lr`. `step` counts from 0.
-pub fn learning_rate(train: &TrainConfig, step: u64) -> f64 {
-    if step < train.warmup_steps {
-        return train.lr * (step + 1) as f64 / train.warmup_steps as f64;
-    }
-    let decay_steps = if train.decay_steps == 0 { train.steps } else { train.decay_steps };
-    if step >= decay_steps || decay_steps <= train.warmup_steps {
-        return train.min_lr;
-    }
-    let progress = (step - train.warmup_steps) as f64 / (decay_steps - train.warmup_steps) as f64;
-    train.min_lr + 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()) * (train.lr - train.min_lr)
-}
-
-/// The global L2 norm of all gradients.
-pub fn grad_norm(params: &[Tensor]) -> f64 {
-    let sum_sq: f64 = params
-        .iter()
-        .map(|p| p.grad())
-        .filter(Tensor::defined)
-        .map(|g| g.square().sum(tch::Kind::Double).double_value(&[]))
-        .sum();
-    sum_sq.sqrt()
-}
-
-/// Scales every gradient so the global norm is at most `max_norm` (torch's clip_grad_norm_). Returns the
-/// norm before clipping.
-pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
-    let norm = grad_norm(params);
-    scale_grads(params, clip_coefficient(max_norm, norm));
-    norm
-}
-
-/// The factor that clips gradients of global norm `norm` to `max_norm` (0: no clipping): torch's
-/// `max_norm / (norm + 1e-6)`, clamped to 1.
-pub fn clip_coefficient(max_norm: f64, norm: f64) -> f64 {
-    if max_norm > 0.0 {
-        (max_norm / (norm + 1e-6)).min(1.0)
-    } else {
-        1.0
-    }
-}
-
-/// Multiplies every gradient by `factor` (unscale and clip in one, see
-/// [`crate::precision::Update::Apply`]); a factor of exactly 1 leaves them alone.
-pub fn scale_grads(params: &[Tensor], factor: f64) {
-    if factor == 1.0 {
-        return;
-    }
-    tch::no_grad(|| {
-        for p in params {
-            let mut g = p.grad();
-            if g.defined() {
-                let _ = g.g_mul_scalar_(factor);
-            }
-        }
-    });
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn schedule_warms_up_then_decays_to_min() {
-        let train = TrainConfig { steps: 100, warmup_steps: 10, lr: 1.0, min_lr: 0.1, ..TrainConfig::default() };
-        assert!((learning_rate(&train, 0) - 0.1).abs() < 1e-12);
-        assert!((learning_rate(&train, 9) - 1.0).abs() < 1e-12);
-        assert!((learning_rate(&train, 10) - 1.0).abs() < 1e-12);
-        assert!((learning_rate(&train, 55) - 0.55).abs() < 1e-12);
-        assert!((learning_rate(&train, 100) - 0.1).abs() < 1e-12);
-        let rates: Vec<f64> = (10..100).map(|s| learning_rate(&train, s)).collect();
-        assert!(rates.windows(2).all(|w| w[1] <= w[0]));
-    }
 
     #[test]
     fn adamw_first_step_moves_each_weight_by_lr_times_sign() {
@@ -288,14 +217,5 @@ mod tests {
         opt.apply(&mut params, 0.1);
         assert_eq!(Vec::<f32>::try_from(params[0].detach()).unwrap(), vec![1.0, 2.0]);
         assert_eq!(opt.step, 1);
-    }
-
-    #[test]
-    fn clipping_bounds_the_global_norm() {
-        let p = Tensor::from_slice(&[0.0f32, 0.0]).set_requires_grad(true);
-        (&p * Tensor::from_slice(&[3.0f32, 4.0])).sum(tch::Kind::Float).backward();
-        let before = clip_grad_norm(std::slice::from_ref(&p), 1.0);
-        assert!((before - 5.0).abs() < 1e-6);
-        assert!((grad_norm(std::slice::from_ref(&p)) - 1.0).abs() < 1e-5);
     }
 }
