@@ -50,6 +50,10 @@ pub enum CommittedState {
     /// or reads just the ranges its layout gives it ([`troupe_model::init::initial_flat`]), and no rank
     /// holds or reads the whole model.
     Initial(Box<Trainer>),
+    /// A periodically synchronizing rank (`parallel.sync = "local_sgd" | "diloco"`): the state of the
+    /// last synchronization — the global parameters with this rank's own AdamW moments — and DiLoCo's
+    /// outer momentum (flat; empty before the first synchronization and for local SGD).
+    Periodic { trainer: Box<Trainer>, outer_momentum: Vec<f32> },
 }
 
 impl CommittedState {
@@ -73,7 +77,10 @@ impl CommittedState {
     /// Committed steps (the next step to run).
     pub fn step(&self) -> u64 {
         match self {
-            CommittedState::Full(t) | CommittedState::Sharded { trainer: t, .. } | CommittedState::Initial(t) => t.step,
+            CommittedState::Full(t)
+            | CommittedState::Sharded { trainer: t, .. }
+            | CommittedState::Initial(t)
+            | CommittedState::Periodic { trainer: t, .. } => t.step,
         }
     }
 }

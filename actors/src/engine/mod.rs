@@ -7,13 +7,15 @@
 //! a buddy rank — [`shard_plan`]), both driven by the worker through [`StepEngine`]; and [`pipeline`]
 //! (the model cut into stages run by stage actors: schedules as checked plans, activations and
 //! gradients as messages); and [`TensorParallelReplica`] (`parallel.tp`: Megatron's layers over each
-//! replica's tensor group, DDP over the replicas). [`PersistentState`] counts what a rank keeps between steps.
+//! replica's tensor group, DDP over the replicas); and [`PeriodicReplica`] (`parallel.sync = "local_sgd" |
+//! "diloco"`: local steps, the replicas' parameters synchronized every `parallel.sync_every` steps).
+//! [`PersistentState`] counts what a rank keeps between steps.
 //!
 //! Architecture Invariant: dependencies point down, and no engine uses another. From the bottom:
 //! `flat`, `shard_plan` (pure), `segments`, `committed`, `memory`, `eval`; then `step_engine` — the
 //! [`StepEngine`] trait, [`EngineError`], [`ReducedStep`], [`OpTiming`], naming no engine; then what
 //! engines share: `reshard`, `overlap`, `zero3`, `shard_owner` (below `sharded`, which spawns and asks
-//! it); on top the engines, `data_parallel`, `sharded`, `pipeline` and `tensor_parallel`, each implementing [`StepEngine`]
+//! it); on top the engines, `data_parallel`, `sharded`, `pipeline`, `tensor_parallel` and `periodic`, each implementing [`StepEngine`]
 //! in its own module (a pipeline failure becomes an [`EngineError`] by a `From` in `pipeline`). A helper
 //! two engines need moves below both; nothing below an engine names one, and nothing in `step_engine`
 //! names a concrete engine or its error. Whoever picks the engine for a job (the worker) is above them all.
@@ -24,6 +26,7 @@ mod eval;
 mod flat;
 mod memory;
 mod overlap;
+mod periodic;
 pub mod pipeline;
 mod reshard;
 mod segments;
@@ -52,6 +55,7 @@ pub(crate) async fn ask_actor<M: ractor::Message, R: Send + 'static>(
 }
 pub use data_parallel::{plan_buckets, CommTiming, DataParallelReplica, DEFAULT_BUCKET_BYTES};
 pub use memory::PersistentState;
+pub use periodic::PeriodicReplica;
 pub use segments::{plan_segments, plan_shard, ShardSegment};
 pub use shard_owner::{OwnerArgs, OwnerUpdate, ShardOwnerActor, ShardOwnerMsg};
 pub use shard_plan::ShardMode;

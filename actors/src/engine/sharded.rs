@@ -114,7 +114,7 @@ impl<T: Transport> ShardedReplica<T> {
         let (mut trainer, pieces) = match state {
             CommittedState::Sharded { trainer, pieces } => (*trainer, pieces),
             CommittedState::Initial(trainer) => (*trainer, Vec::new()),
-            CommittedState::Full(trainer) => {
+            CommittedState::Full(trainer) | CommittedState::Periodic { trainer, .. } => {
                 let mut trainer = *trainer;
                 let piece = full_piece(&trainer);
                 // The moments live in the pieces from now on.

@@ -15,6 +15,7 @@ use std::time::Duration;
 use troupe_cluster::membership::{NodeId, View};
 use troupe_cluster::transport::quic::PeerInfo;
 use troupe_model::optim::learning_rate;
+use troupe_model::periodic::PeriodicSync;
 
 use crate::protocol::{
     AttemptOutcome, EvalFigures, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, RankInfo, RankSlot,
@@ -491,8 +492,13 @@ impl JobDriver {
         // After a controller restart, ranks one step behind its record did vote for that step but never
         // heard its `Commit`: they redo it (the same bits), which is a rollback by one step, not a loss.
         let undelivered = std::mem::take(&mut self.commit_maybe_undelivered) && best + 1 == self.committed;
+        // A periodically synchronizing job's ranks keep the state of their last synchronization: rolling
+        // back to it is the defined end of an interval that lost a rank, not a loss.
+        let steps = self.spec.config.train.steps;
+        let redo_interval = PeriodicSync::of(&self.spec.config.parallel)
+            .is_some_and(|sync| best >= sync.last_sync(self.committed, steps));
         if best < self.committed {
-            if self.spec.config.checkpoint.dir.is_none() && !undelivered {
+            if self.spec.config.checkpoint.dir.is_none() && !undelivered && !redo_interval {
                 return self.fail(format!(
                     "the state of step {} was lost with the nodes that held it (the ranks left have step {best}) and the job has no checkpoint.dir to fall back on",
                     self.committed

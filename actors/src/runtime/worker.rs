@@ -27,8 +27,8 @@ use super::messages::NodeMsg;
 pub use super::messages::WorkerMsg;
 use crate::engine::pipeline::PipelineReplica;
 use crate::engine::{
-    CommittedState, DataParallelReplica, EngineError, OpTiming, ReducedStep, ShardMode, ShardedReplica, StepEngine,
-    TensorParallelReplica, DEFAULT_BUCKET_BYTES,
+    CommittedState, DataParallelReplica, EngineError, OpTiming, PeriodicReplica, ReducedStep, ShardMode,
+    ShardedReplica, StepEngine, TensorParallelReplica, DEFAULT_BUCKET_BYTES,
 };
 use crate::protocol::{AttemptOutcome, DataPlane, EvalFigures, JobId, JobSpec, StageTime, StepFigures, ToController};
 use crate::telemetry::link_bytes::Counted;
@@ -578,7 +578,7 @@ async fn between_hosts<T: Transport>(
 type HostTier = (HostLayout, Option<Arc<SameHostTransport>>);
 
 /// Runs the attempt over `transport` with the job's engine: a pipeline device (`parallel.pp` > 1), a
-/// tensor-parallel rank (`parallel.tp` > 1), DDP
+/// tensor-parallel rank (`parallel.tp` > 1), a periodically synchronizing replica (`parallel.sync`), DDP
 /// (`parallel.shard = "none"`) or ZeRO-1/2/3 with `checkpoint.replicas` buddy copies of each shard.
 async fn train_over<T: Transport>(
     ctx: &AttemptCtx,
@@ -616,6 +616,13 @@ async fn train_over<T: Transport>(
             let outcome = drive(ctx, spec, &mut engine, ctl).await;
             (engine.into_state().await, outcome)
         }
+        (_, state) if spec.config.parallel.periodic_sync() => match PeriodicReplica::adopt(state, comm) {
+            Ok(mut engine) => {
+                let outcome = drive(ctx, spec, &mut engine, ctl).await;
+                (engine.into_state().await, outcome)
+            }
+            Err(reason) => return (None, AttemptOutcome::Failed { step: 0, reason }),
+        },
         (_, state) if spec.config.parallel.tp > 1 => match TensorParallelReplica::adopt(state, comm, collective) {
             Ok(mut engine) => {
                 let outcome = drive(ctx, spec, &mut engine, ctl).await;
@@ -634,7 +641,7 @@ async fn train_over<T: Transport>(
             let outcome = drive(ctx, spec, &mut engine, ctl).await;
             (engine.into_state().await, outcome)
         }
-        (None, state @ (CommittedState::Sharded { .. } | CommittedState::Initial(_))) => {
+        (None, state) => {
             // A job's shard mode never changes, so this is a broken invariant; the next attempt restores
             // the rank from its peers or the checkpoint rather than train on a partial state.
             drop(state);

@@ -8,6 +8,7 @@
 //! own (`scripts/module-cycles.py kernels/model/src` finds any dependency that points back up):
 //!
 //! ```text
+//! periodic                               the reference of periodic synchronization (local SGD, DiLoCo)
 //! trainer                                the reference trainer; its state into and out of checkpoints
 //! checkpoint  generate                   durable training state; evaluation and sampling
 //! data                                   corpora and the global sampler
@@ -37,6 +38,7 @@ pub mod init;
 pub mod model;
 pub mod optim;
 pub mod oracle;
+pub mod periodic;
 pub mod precision;
 pub mod rng;
 pub mod sections;

@@ -304,6 +304,19 @@ pub struct ParallelConfig {
     pub tp: usize,
     /// Sequence parallelism with `tp` > 1 (the norms and the residual stream sharded along the sequence).
     pub sp: bool,
+    /// How often the data-parallel replicas synchronize: `every_step` (DDP, ZeRO: gradients every step),
+    /// `local_sgd` (each replica takes `sync_every` steps with its own AdamW on its share of each batch,
+    /// then the parameters are averaged) or `diloco` (the same local steps, then an outer Nesterov SGD
+    /// step on the averaged parameter delta: `outer_lr`, `outer_momentum`). See crate::periodic.
+    pub sync: String,
+    /// `local_sgd` / `diloco`: local steps between synchronizations (H).
+    pub sync_every: u64,
+    /// `diloco`: the outer optimizer's learning rate (the DiLoCo paper's 0.7).
+    pub outer_lr: f64,
+    /// `diloco`: the outer Nesterov momentum (the DiLoCo paper's 0.9).
+    pub outer_momentum: f64,
+    /// Streaming DiLoCo's fragments (the model synced one fragment at a time); only 1 in this build.
+    pub fragments: usize,
 }
 
 impl Default for ParallelConfig {
@@ -325,6 +338,11 @@ impl Default for ParallelConfig {
             bucket_mib: 0,
             tp: 1,
             sp: true,
+            sync: "every_step".into(),
+            sync_every: 1,
+            outer_lr: 0.7,
+            outer_momentum: 0.9,
+            fragments: 1,
         }
     }
 }
@@ -393,9 +411,67 @@ impl ParallelConfig {
             ));
         }
         positive("parallel.loss_scale_window", self.loss_scale_window as usize)?;
+        self.validate_sync()
+    }
+
+    /// True for `local_sgd` and `diloco`: replicas step locally and synchronize every `sync_every` steps.
+    pub fn periodic_sync(&self) -> bool {
+        self.sync != "every_step"
+    }
+
+    /// `parallel.sync` and its keys: known values in range, and only beside what this build runs it with
+    /// (plain data parallelism: no ZeRO, pipeline or tensor parallelism, no fp16 loss scaling).
+    fn validate_sync(&self) -> Result<(), ConfigError> {
+        one_of("parallel.sync", &self.sync, &["every_step", "local_sgd", "diloco"])?;
+        if !self.periodic_sync() {
+            return Ok(());
+        }
+        if !(1..=SYNC_EVERY_MAX).contains(&self.sync_every) {
+            return Err(invalid(
+                "parallel.sync_every",
+                self.sync_every,
+                format!("must be in 1..={SYNC_EVERY_MAX} local steps between synchronizations (e.g. 8 or 32)"),
+            ));
+        }
+        let unit = |x: f64| x.is_finite() && x > 0.0 && x <= 10.0;
+        if !unit(self.outer_lr) {
+            return Err(invalid("parallel.outer_lr", self.outer_lr, "must be in (0, 10] (the DiLoCo paper's 0.7)"));
+        }
+        if !(self.outer_momentum.is_finite() && (0.0..1.0).contains(&self.outer_momentum)) {
+            return Err(invalid("parallel.outer_momentum", self.outer_momentum, "must be in [0, 1) (DiLoCo: 0.9)"));
+        }
+        if self.fragments != 1 {
+            return Err(invalid(
+                "parallel.fragments",
+                self.fragments,
+                "Streaming DiLoCo (more than one fragment) is not in this build: set parallel.fragments = 1",
+            ));
+        }
+        let sync = &self.sync;
+        let beside = |key: &'static str, value: String, fix: &str| {
+            let allowed = format!(
+                "parallel.sync = {sync:?} runs on plain data-parallel replicas in this build: {fix} (or parallel.sync = \"every_step\")"
+            );
+            Err(invalid(key, value, allowed))
+        };
+        if self.shard != "none" {
+            return beside("parallel.shard", format!("{:?}", self.shard), "set parallel.shard = \"none\"");
+        }
+        if self.pp > 1 {
+            return beside("parallel.pp", self.pp.to_string(), "set parallel.pp = 1");
+        }
+        if self.tp > 1 {
+            return beside("parallel.tp", self.tp.to_string(), "set parallel.tp = 1");
+        }
+        if self.precision == "fp16" {
+            return beside("parallel.precision", "\"fp16\"".into(), "use \"fp32\" or \"bf16\" (no loss scaling)");
+        }
         Ok(())
     }
 }
+
+/// Most local steps between two synchronizations (`parallel.sync_every`).
+pub const SYNC_EVERY_MAX: u64 = 1 << 20;
 
 pub(crate) fn invalid(key: &'static str, value: impl fmt::Display, allowed: impl Into<String>) -> ConfigError {
     ConfigError::Invalid { key, value: value.to_string(), allowed: allowed.into() }

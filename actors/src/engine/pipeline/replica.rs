@@ -192,7 +192,7 @@ impl<T: Transport> PipelineReplica<T> {
         let (mut trainer, pieces) = match state {
             CommittedState::Sharded { trainer, pieces } => (*trainer, pieces),
             CommittedState::Initial(trainer) => (*trainer, Vec::new()),
-            CommittedState::Full(trainer) => {
+            CommittedState::Full(trainer) | CommittedState::Periodic { trainer, .. } => {
                 let trainer = *trainer;
                 let piece = full_piece(&trainer);
                 (trainer, vec![piece])

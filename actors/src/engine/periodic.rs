@@ -1,0 +1,227 @@
+//! Periodic synchronization (`parallel.sync = "local_sgd" | "diloco"`, every `parallel.sync_every` = H
+//! steps) as an engine: each rank is a replica that takes local steps with its own AdamW on its share of
+//! every batch, and the replicas' parameters meet every H steps — averaged (local SGD) or moved by an
+//! outer Nesterov step on the averaged delta (DiLoCo). The algorithm and its arithmetic are
+//! [`troupe_model::periodic`]'s, whose `ReplicaSet` is the single-process reference this engine equals.
+//!
+//! Why a module of its own rather than a mode of `data_parallel`: DDP's step is a gradient all-reduce in
+//! buckets overlapped with the backward, and its committed state is the trainer after the step; here a
+//! step moves nothing but two numbers, a synchronization all-reduces whole parameters every H steps,
+//! and the committed state is not the trainer but the last synchronization's snapshot. The two share
+//! the flat-buffer helpers and the evaluation, which sit below both (`flat`, `eval`).
+//!
+//! The step protocol (the worker's reduce → vote → commit → apply, unchanged):
+//! - reduce: the rank's local step (forward, backward, clip, AdamW on the working replica — which is
+//!   not the committed state, so nothing committed changes), one all-reduce of the loss and the squared
+//!   gradient norm (the vote reports the global batch's mean loss, as DDP does); on the last step of an
+//!   interval also the synchronization's all-reduce, whose result is held back;
+//! - apply (after the commit): the step counter advances; on the last step of an interval the new global
+//!   parameters replace every replica's, and they — with the rank's AdamW moments and DiLoCo's outer
+//!   momentum — become the rank's committed state ([`CommittedState::Periodic`]).
+//!
+//! So the commit that matters is the one of a synchronization step: a rank lost inside an interval, or
+//! in its synchronization before the commit, leaves every other rank holding the last synchronization's
+//! state, and the next attempt redoes the interval from it with the ranks it has (the controller rolls
+//! the job back to that step: `PeriodicSync::last_sync`). That keeps the run deterministic — the
+//! reference regroups its replicas at the same step — where carrying on would make the result depend on
+//! how far each survivor had got when the loss was noticed. A joiner (a rank whose committed step is
+//! not the source's) takes the source's whole state — the global parameters, its AdamW moments, the
+//! outer momentum — while the ranks already at that step keep their own moments.
+
+use std::ops::Range;
+use std::path::Path;
+use std::time::Instant;
+
+use troupe_cluster::collective::{Collective, Communicator, ReduceOp};
+use troupe_cluster::transport::Transport;
+use troupe_cluster::ClusterError;
+use troupe_model::checkpoint::{CheckpointWriter, Layout, SaveRequest, TrainingState};
+use troupe_model::generate::Evaluation;
+use troupe_model::periodic::{flat_params, load_flat_params, local_step, replica_share, PeriodicSync};
+use troupe_model::Trainer;
+
+use super::committed::CommittedState;
+use super::flat::{broadcast_state, counter_of, counter_words};
+use super::step_engine::{EngineError, ReducedStep, StepEngine};
+
+/// Where an error names the rank's last synchronization as a "checkpoint".
+const SYNCED: &str = "the last synchronization";
+
+/// One replica of a periodically synchronizing job.
+pub struct PeriodicReplica<T: Transport> {
+    /// The working replica: the committed state plus the interval's local steps.
+    trainer: Trainer,
+    comm: Communicator<T>,
+    sync: PeriodicSync,
+    /// The samples of each batch this rank trains on, or why it has none (more ranks than samples: the
+    /// attempt fails at its first step, the committed state kept).
+    share: Result<Range<usize>, String>,
+    /// The parameters of the last synchronization (flat).
+    global: Vec<f32>,
+    /// DiLoCo's outer momentum (flat; empty before the first synchronization, and for local SGD).
+    momentum: Vec<f32>,
+    /// The rank's whole state at the last synchronization: what it gives back, checkpoints and
+    /// evaluates.
+    synced: TrainingState,
+    /// The synchronization computed by the reduce of an interval's last step, installed at its commit:
+    /// (global parameters, outer momentum).
+    pending: Option<(Vec<f32>, Vec<f32>)>,
+    /// The working replica has moved since the last synchronization (its parameters and moments are
+    /// not `synced`'s).
+    moved: bool,
+    flat: Vec<f32>,
+}
+
+impl<T: Transport> PeriodicReplica<T> {
+    /// Takes the rank's committed state (a fresh job's step 0, a checkpoint's, or the last
+    /// synchronization's); refuses a layout it cannot train, naming the keys.
+    pub fn adopt(state: CommittedState, comm: Communicator<T>) -> Result<Self, String> {
+        let (trainer, momentum) = match state.materialised().map_err(|e| e.to_string())? {
+            CommittedState::Full(trainer) => (*trainer, Vec::new()),
+            CommittedState::Periodic { trainer, outer_momentum } => (*trainer, outer_momentum),
+            _ => return Err("a periodically synchronizing job was handed a sharded state; dropped".into()),
+        };
+        let sync = PeriodicSync::of(&trainer.config.parallel)
+            .ok_or("the periodic engine runs parallel.sync = \"local_sgd\" or \"diloco\" only")?;
+        let share = replica_share(trainer.config.train.global_batch, comm.rank(), comm.world());
+        let global = flat_params(&trainer);
+        let synced = TrainingState::snapshot(&trainer);
+        let (pending, moved, flat) = (None, false, Vec::new());
+        Ok(Self { trainer, comm, sync, share, global, momentum, synced, pending, moved, flat })
+    }
+
+    /// Makes a joiner's state the source's (see the module's doc). Every rank takes part.
+    async fn catch_up(&mut self, source: usize) -> Result<(), EngineError> {
+        let step = counter_words(self.trainer.step);
+        let mut header = [step[0], step[1], self.momentum.len() as f32];
+        self.comm.broadcast(&mut header[..], source).await?;
+        let behind = counter_of(header[0], header[1]) != self.trainer.step;
+        broadcast_state(&mut self.comm, &mut self.trainer, &mut self.flat, source).await?;
+        if !behind {
+            // Same synchronization, same global parameters: only the AdamW moments differed; keep ours.
+            let mine = std::mem::replace(&mut self.synced, TrainingState::snapshot(&self.trainer));
+            if let Err(e) = mine.restore_into(&mut self.trainer, Path::new(SYNCED)) {
+                return Err(EngineError::Setup(format!("restoring this rank's own AdamW moments: {e}")));
+            }
+        }
+        if header[2] > 0.0 {
+            self.momentum.resize(self.global.len(), 0.0);
+            self.comm.broadcast(&mut self.momentum[..], source).await?;
+        }
+        self.global = flat_params(&self.trainer);
+        self.synced = TrainingState::snapshot(&self.trainer);
+        self.moved = false;
+        Ok(())
+    }
+
+    /// The synchronization's all-reduce: the new (global parameters, outer momentum), not yet installed.
+    async fn synchronize(&mut self) -> Result<(Vec<f32>, Vec<f32>), ClusterError> {
+        let mut contribution = flat_params(&self.trainer);
+        self.sync.rule.contribute(&self.global, &mut contribution);
+        self.comm.all_reduce(&mut contribution[..], ReduceOp::Sum).await?;
+        let (mut global, mut momentum) = (self.global.clone(), self.momentum.clone());
+        self.sync.rule.conclude(&contribution, self.comm.world(), &mut global, &mut momentum);
+        Ok((global, momentum))
+    }
+
+    /// The validation loss of the last synchronization's parameters (put in place of the working ones
+    /// for the forward, then put back).
+    async fn evaluate_synced(&mut self) -> Result<Option<Evaluation>, ClusterError> {
+        let working = self.moved.then(|| flat_params(&self.trainer));
+        if self.moved {
+            load_flat_params(&self.trainer, &self.global);
+        }
+        let (rank, world) = (self.comm.rank(), self.comm.world());
+        let evaluated = match super::eval::replicated_share(&self.trainer, rank, world) {
+            Some((local, windows)) => super::eval::reduce_shares(&mut self.comm, local, &windows).await.map(Some),
+            None => Ok(None),
+        };
+        if let Some(working) = working {
+            load_flat_params(&self.trainer, &working);
+        }
+        evaluated
+    }
+}
+
+impl<T: Transport> StepEngine for PeriodicReplica<T> {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn world(&self) -> usize {
+        self.comm.world()
+    }
+
+    fn trainer(&self) -> &Trainer {
+        &self.trainer
+    }
+
+    async fn sync(&mut self, source: Option<usize>) -> Result<(), EngineError> {
+        match source {
+            Some(source) => self.catch_up(source).await,
+            None => Ok(()),
+        }
+    }
+
+    /// The local step (applied to the working replica at once: see the module's doc; the step counter
+    /// advances at the commit), the loss's all-reduce and, at an interval's end, the synchronization's.
+    async fn reduce(&mut self) -> Result<ReducedStep, EngineError> {
+        let share = self.share.clone().map_err(EngineError::Setup)?;
+        let started = Instant::now();
+        let step = self.trainer.step;
+        self.pending = None;
+        self.moved = true;
+        let report = local_step(&mut self.trainer, share);
+        self.trainer.step = step;
+        let compute_seconds = started.elapsed().as_secs_f64();
+        let mut figures = [report.loss as f32, (report.grad_norm * report.grad_norm) as f32];
+        self.comm.all_reduce(&mut figures[..], ReduceOp::Sum).await?;
+        if self.sync.syncs_after(step, self.trainer.config.train.steps) {
+            self.pending = Some(self.synchronize().await?);
+        }
+        let grad_norm = (f64::from(figures[1]) / self.comm.world() as f64).sqrt();
+        Ok(ReducedStep { loss: f64::from(figures[0]), grad_norm, compute_seconds })
+    }
+
+    async fn apply(&mut self, _reduced: ReducedStep) {
+        self.trainer.step += 1;
+        if let Some((global, momentum)) = self.pending.take() {
+            (self.global, self.momentum) = (global, momentum);
+            load_flat_params(&self.trainer, &self.global);
+            self.synced.refresh(&self.trainer);
+            self.moved = false;
+        }
+    }
+
+    /// The last synchronization's state (rank 0's AdamW moments), tagged with its own step: a durable
+    /// checkpoint never holds a replica's unsynchronized progress. (DiLoCo's outer momentum is not in the
+    /// checkpoint format: a job restored from disk restarts it at zero.)
+    async fn checkpoint(&mut self, writer: Option<&CheckpointWriter>, tag: u64) -> Result<(), EngineError> {
+        let Some(writer) = writer else { return Ok(()) };
+        let state = Box::new(self.synced.clone());
+        writer.submit(SaveRequest { state, layout: Layout::ddp(self.comm.world()), tag });
+        Ok(())
+    }
+
+    /// The validation loss of the last synchronization's parameters, data-parallel over the ranks.
+    async fn evaluate(&mut self) -> Result<Option<Evaluation>, EngineError> {
+        Ok(self.evaluate_synced().await?)
+    }
+
+    async fn finish(&mut self) -> Result<(), EngineError> {
+        load_flat_params(&self.trainer, &self.global);
+        Ok(())
+    }
+
+    /// The last synchronization's state and the outer momentum.
+    async fn into_state(mut self) -> Option<CommittedState> {
+        if self.moved {
+            if let Err(e) = self.synced.restore_into(&mut self.trainer, Path::new(SYNCED)) {
+                tracing::error!("restoring the last synchronization's state: {e}; this rank's state is dropped");
+                return None;
+            }
+        }
+        let outer_momentum = self.momentum;
+        Some(CommittedState::Periodic { trainer: Box::new(self.trainer), outer_momentum })
+    }
+}
