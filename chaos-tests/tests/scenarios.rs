@@ -194,6 +194,69 @@ fn rolling_restart() {
     assert!(r["recoveries"].as_u64().unwrap() >= 3, "a recovery per restart at least: {r}");
 }
 
+/// The checks every three-controller run adds, read from the controllers' Raft logs after it: each step
+/// the client saw is in a majority's log, and no step was committed twice (by one leader or two).
+fn raft_checks_passed(r: &Value) -> String {
+    passed_check(r, "every committed step is in a majority's log");
+    let leaders = passed_check(r, "at most one leader commits a given step");
+    leaders["detail"].as_str().unwrap().to_owned()
+}
+
+/// Three controllers; the controller's daemon SIGKILLed for good: another is elected, restores the job
+/// from the replicated catalog and resumes it from the survivors' memory — on the reference (`run`).
+#[test]
+fn kill_controller_permanently() {
+    let r = run("kill-controller-permanently", 41);
+    assert_eq!(faults(&r, "kill"), 1);
+    let took = passed_check(&r, "a standby took over as the controller");
+    let old = r["injected"][0]["nodes"][0].as_str().unwrap();
+    let leaders = raft_checks_passed(&r);
+    // The killed leader committed the first steps, another leader (a later term) the last ones.
+    let spans: Vec<&str> = leaders.split("; ").collect();
+    assert!(spans[0].contains(&format!("by {old} ")), "{leaders}");
+    assert!(spans.len() >= 2 && !spans[spans.len() - 1].contains(&format!("by {old} ")), "{leaders}");
+    assert!(r["recoveries"].as_u64().unwrap() >= 1, "{r}");
+    // SIGKILL → the next committed step, through an election (docs/runtime-semantics.md: 1.6-1.9 s on this
+    // machine unloaded); the bound leaves room for a loaded one.
+    let recovery = r["recovery_s"]["max"].as_f64().unwrap();
+    assert!(recovery < 10.0, "take-over took {recovery:.2} s: {took}");
+}
+
+/// Three controllers; the controller cut off from the other two (no majority): it commits nothing more
+/// and steps down; the majority elects a leader and trains on; healed, the old leader rejoins as a member.
+#[test]
+fn partition_controller_minority() {
+    let r = run("partition-controller-minority", 42);
+    if !skipped(&r) {
+        assert_eq!(faults(&r, "partition"), 1);
+        passed_check(&r, "a standby took over as the controller");
+        let deposed = passed_check(&r, "the old leader came back as a member, deposed");
+        assert!(deposed["detail"].as_str().unwrap().contains("is no longer the controller"), "{deposed}");
+        raft_checks_passed(&r);
+    }
+}
+
+/// Three controllers; the controller SIGSTOPped past the election timeout: when it wakes it is a
+/// follower of a later term, steps down without announcing anything and rejoins as a member.
+#[test]
+fn pause_controller_beyond_election() {
+    let r = run("pause-controller-beyond-election", 43);
+    assert_eq!(faults(&r, "pause"), 1);
+    passed_check(&r, "a standby took over as the controller");
+    passed_check(&r, "the old leader came back as a member, deposed");
+    raft_checks_passed(&r);
+}
+
+/// Three controllers, every node restarted in turn (the Raft leader among them): the job is back on
+/// every node after each restart, and no step was committed twice across the leaders it had.
+#[test]
+fn rolling_restart_three_controllers() {
+    let r = run("rolling-restart-three-controllers", 44);
+    assert_eq!(r["injected"][0]["nodes"], serde_json::json!(["node-0", "node-1", "node-2"]), "{r}");
+    assert!(r["recoveries"].as_u64().unwrap() >= 3, "a recovery per restart at least: {r}");
+    raft_checks_passed(&r);
+}
+
 #[test]
 fn corrupt_latest_checkpoint() {
     let r = run("corrupt-latest-checkpoint", 16);

@@ -337,6 +337,11 @@ impl LocalCluster {
         self.dir.path().join("certs")
     }
 
+    /// Where daemon `i` listens (its control address); None past the last one.
+    pub fn node_addr(&self, i: usize) -> Option<SocketAddr> {
+        self.nodes.get(i).map(|(_, addr, _)| *addr)
+    }
+
     /// A new client connection to daemon `i`; [`Error::NoSuchNode`] past the last one.
     pub async fn client_to(&self, i: usize) -> Result<Client> {
         let nodes = self.nodes.len();

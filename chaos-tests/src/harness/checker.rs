@@ -203,11 +203,19 @@ pub fn undetected(events: &[(Instant, JobEvent)], injected: &[Injected]) -> Vec<
         .iter()
         .filter(|f| takes_nodes_away(f) && f.error.is_none() && detected_at(events, f).is_none())
         .map(|f| {
-            let why = if f.indices.contains(&0) {
+            let elected = f.takeover.as_ref().and_then(|t| t.after.as_ref());
+            let why = if let Some(next) = elected {
+                format!(
+                    "the controller itself: the Raft group elected {} (term {}) instead of a membership change \
+                     naming it; the job went on under the new leader (see recovery)",
+                    next.name, next.term
+                )
+            } else if f.indices.contains(&0) {
                 "the controller's own node: no other node watches the controller, so no membership change \
                  names it; the job went on once the controller was back (see recovery)"
+                    .to_owned()
             } else {
-                "no membership change named it (did the job end first?)"
+                "no membership change named it (did the job end first?)".to_owned()
             };
             format!("{} on {}: {why}", f.kind.as_str(), f.nodes.join(", "))
         })
@@ -292,6 +300,12 @@ pub fn expected(
     if expect.fenced {
         checks.push(fenced(events, injected));
     }
+    if expect.taken_over {
+        checks.push(taken_over(injected));
+    }
+    if expect.deposed {
+        checks.push(deposed(events, injected));
+    }
     if expect.checkpoints_failed {
         let saved: Vec<u64> = events
             .iter()
@@ -311,6 +325,62 @@ pub fn expected(
         ));
     }
     checks
+}
+
+/// Every fault on the controller made another controller the leader, in a later Raft term.
+fn taken_over(injected: &[Injected]) -> Check {
+    let name = "a standby took over as the controller";
+    let mut found = Vec::new();
+    for fault in injected.iter().filter(|f| f.error.is_none()) {
+        let Some(t) = &fault.takeover else { continue };
+        match &t.after {
+            Some(next) if next.name != t.before.name && next.term > t.before.term => found.push(format!(
+                "{} on {} (term {}): {} leads in term {}",
+                fault.kind.as_str(),
+                t.before.name,
+                t.before.term,
+                next.name,
+                next.term
+            )),
+            _ => {
+                let what =
+                    format!("{} on the controller {} (term {})", fault.kind.as_str(), t.before.name, t.before.term);
+                return check(name, false, format!("{what}: no other controller was named the leader in a later term"));
+            }
+        }
+    }
+    if found.is_empty() {
+        return check(name, false, "no fault hit the controller");
+    }
+    check(name, true, found.join("; "))
+}
+
+/// Every old leader a fault hit and that came back (woken, reachable again) recorded that it stepped
+/// down, and a membership change after it came back admitted it again (`Joined`).
+fn deposed(events: &[(Instant, JobEvent)], injected: &[Injected]) -> Check {
+    let name = "the old leader came back as a member, deposed";
+    let mut found = Vec::new();
+    for fault in injected.iter().filter(|f| f.error.is_none() && f.healed.is_some()) {
+        let Some(t) = &fault.takeover else { continue };
+        let old = &t.before.name;
+        let Some(record) = &t.stepped_down else {
+            return check(name, false, format!("{old} never recorded that it is no longer the controller"));
+        };
+        let rejoined = events.iter().find_map(|(t, e)| match e {
+            JobEvent::Membership { epoch, changes, .. } if *t >= fault.at => {
+                changes.iter().any(|c| c.starts_with("Joined") && c.contains(&format!("\"{old}\""))).then_some(*epoch)
+            }
+            _ => None,
+        });
+        let Some(epoch) = rejoined else {
+            return check(name, false, format!("{old} stepped down ({record:?}) but was never admitted again"));
+        };
+        found.push(format!("{record:?}; {old} joined again at epoch {epoch}"));
+    }
+    if found.is_empty() {
+        return check(name, false, "no fault on the controller ended while the job ran");
+    }
+    check(name, true, found.join("; "))
 }
 
 /// Every pause was fenced: the woken node recorded its fence, the controller refused its stale messages,

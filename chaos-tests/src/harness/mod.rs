@@ -19,6 +19,7 @@ mod link;
 mod nemesis;
 mod netns;
 mod nfqueue;
+mod raft_log;
 mod report;
 mod run;
 mod scenario;

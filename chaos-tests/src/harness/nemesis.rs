@@ -8,17 +8,20 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use tokio::sync::{watch, Mutex};
-use troupe_actors::api::LocalCluster;
+use troupe_actors::api::{Client, LocalCluster};
+use troupe_cluster::NodeIdentity;
 
 use super::link::LinkStats;
 use super::netns::Network;
-use super::scenario::{Fault, FaultKind};
+use super::scenario::{Fault, FaultKind, Target};
 
 /// What the job looks like from the client: the last committed step and its world size.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Progress {
     pub step: u64,
     pub world: usize,
+    /// The view's epoch the step was committed at.
+    pub epoch: u64,
 }
 
 /// One fault as injected.
@@ -43,6 +46,8 @@ pub struct Injected {
     /// Pause with fencing observed: what the woken node said, and how many stale messages the
     /// controller refused while it was paused and after.
     pub fenced: Option<Fencing>,
+    /// A fault on the controller (`node = "controller"`): who led before it, and after.
+    pub takeover: Option<Takeover>,
 }
 
 impl Injected {
@@ -60,8 +65,30 @@ impl Injected {
             note: None,
             links: Vec::new(),
             fenced: None,
+            takeover: None,
         }
     }
+}
+
+/// The controller as the daemons name it: the Raft leader and its term (node 0 in term 0 with one
+/// controller).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Leader {
+    pub index: usize,
+    pub name: String,
+    pub term: u64,
+}
+
+/// What a fault on the controller did to the leadership.
+#[derive(Clone, Debug)]
+pub struct Takeover {
+    /// The controller when the fault started (the node it hit).
+    pub before: Leader,
+    /// Replicated controllers: the next leader — another node, in a later term — once one was named
+    /// (within the progress bound after the fault ended, or after a kill for good).
+    pub after: Option<Leader>,
+    /// The old leader's own record, once back (woken, reachable again), that it stepped down.
+    pub stepped_down: Option<String>,
 }
 
 /// Evidence that a paused node was fenced when it woke.
@@ -72,6 +99,10 @@ pub struct Fencing {
     /// Messages the controller refused for their stale epoch since the pause began.
     pub refused_stale: u64,
 }
+
+/// How long the nemesis waits for a daemon's answer when it looks for the controller (a paused or
+/// cut-off one never answers; a live one on this host within milliseconds, or a few hundred under load).
+const ASK_MS: u64 = 500;
 
 pub struct Nemesis {
     pub cluster: Arc<Mutex<LocalCluster>>,
@@ -87,21 +118,120 @@ pub struct Nemesis {
     pub network: Option<Arc<Network>>,
     /// Pause: ask the woken node and the controller whether it was fenced (the scenario expects it).
     pub observe_fencing: bool,
+    /// Controller-eligible daemons (nodes `0..controllers`); 1: node 0 alone.
+    pub controllers: usize,
+    /// Daemons in the cluster.
+    pub nodes: usize,
+    /// The local cluster's client certificate, to ask daemons without holding the cluster's lock (a
+    /// paused or cut-off daemon keeps a request waiting for its whole timeout).
+    pub identity: NodeIdentity,
 }
 
 impl Nemesis {
     /// Applies `fault` to `nodes` (indices chosen by the run from the seed); a link nemesis draws its
     /// choices from `seed`.
+    /// `node = "controller"` is resolved now: the leader the daemons name when the fault starts.
     pub async fn apply(&self, fault: &Fault, nodes: &[usize], seed: u64) -> Injected {
+        let mut takeover = None;
+        let nodes: Vec<usize> = match fault.node {
+            Target::Controller => match self.controller().await {
+                Some(leader) => {
+                    let index = leader.index;
+                    takeover = Some(Takeover { before: leader, after: None, stepped_down: None });
+                    vec![index]
+                }
+                None => {
+                    let mut injected = Injected::new(fault.kind, Vec::new(), Vec::new(), Instant::now());
+                    injected.error = Some("no daemon named a controller when the fault was due".into());
+                    return injected;
+                }
+            },
+            _ => nodes.to_vec(),
+        };
         let names = {
             let cluster = self.cluster.lock().await;
             nodes.iter().map(|&i| cluster.node_name(i)).collect()
         };
-        let mut injected = Injected::new(fault.kind, names, nodes.to_vec(), Instant::now());
-        if let Err(e) = self.apply_inner(fault, nodes, seed, &mut injected).await {
+        let mut injected = Injected::new(fault.kind, names, nodes.clone(), Instant::now());
+        if let Err(e) = self.apply_inner(fault, &nodes, seed, &mut injected).await {
             injected.error = Some(format!("{e:#}"));
         }
+        if let Some(mut takeover) = takeover {
+            if self.controllers >= 3 && injected.error.is_none() {
+                takeover.after = self.next_leader(&takeover.before).await;
+                let back = injected.healed.is_some() && fault.kind != FaultKind::Kill;
+                if back {
+                    takeover.stepped_down =
+                        self.wait_change(takeover.before.index, "is no longer the controller").await;
+                }
+            }
+            injected.takeover = Some(takeover);
+        }
         injected
+    }
+
+    /// The controller now: the Raft leader that says so itself (`troupe cluster controllers` asked of
+    /// every daemon at once, [`ASK_MS`] each), in the highest term if two do (a woken old leader may not
+    /// know yet); node 0 with one controller. None: no daemon that answered leads (an election).
+    pub async fn controller(&self) -> Option<Leader> {
+        if self.controllers < 2 {
+            return Some(Leader { index: 0, name: self.cluster.lock().await.node_name(0), term: 0 });
+        }
+        let asks = (0..self.nodes).map(|i| async move {
+            let asked = async { anyhow::Ok(self.connect(i).await?.controllers().await?) };
+            let status = tokio::time::timeout(Duration::from_millis(ASK_MS), asked).await.ok()?.ok()?;
+            (status.leader.as_deref() == Some(status.node.as_str())).then_some((i, status))
+        });
+        let leading = all(asks.collect()).await.into_iter().flatten().max_by_key(|(_, s)| s.term)?;
+        let (index, status) = leading;
+        Some(Leader { index, name: status.node, term: status.term })
+    }
+
+    /// The highest view epoch any daemon that answers acts on.
+    async fn max_epoch(&self) -> u64 {
+        let asks = (0..self.nodes).map(|i| async move {
+            let asked = async { anyhow::Ok(self.connect(i).await?.status().await?) };
+            tokio::time::timeout(Duration::from_millis(ASK_MS), asked).await.ok()?.ok().map(|s| s.epoch)
+        });
+        all(asks.collect()).await.into_iter().flatten().max().unwrap_or(0)
+    }
+
+    /// Waits (up to twice the progress bound) until the controller's view, of an epoch past `past`,
+    /// has node `i` as a member; that epoch.
+    async fn wait_member(&self, i: usize, past: u64) -> anyhow::Result<u64> {
+        let name = self.cluster.lock().await.node_name(i);
+        let deadline = Instant::now() + self.bound * 2;
+        while Instant::now() < deadline {
+            if let Some(leader) = self.controller().await {
+                let asked = async { anyhow::Ok(self.connect(leader.index).await?.status().await?) };
+                if let Ok(Ok(status)) = tokio::time::timeout(Duration::from_millis(ASK_MS), asked).await {
+                    if status.controller && status.epoch > past && status.members.iter().any(|m| m.name == name) {
+                        return Ok(status.epoch);
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        bail!("the controller's view did not have {name} back within {:?}", self.bound * 2)
+    }
+
+    /// A client of daemon `i` (its address read under the cluster's lock, the connection made without it).
+    pub async fn connect(&self, i: usize) -> anyhow::Result<Client> {
+        let addr = self.cluster.lock().await.node_addr(i).with_context(|| format!("no node {i}"))?;
+        Ok(Client::connect(addr, &self.identity).await?)
+    }
+
+    /// Waits (up to the progress bound) for the daemons to name a leader other than `old`, in a later
+    /// term.
+    async fn next_leader(&self, old: &Leader) -> Option<Leader> {
+        let deadline = Instant::now() + self.bound;
+        while Instant::now() < deadline {
+            if let Some(leader) = self.controller().await.filter(|l| l.name != old.name && l.term > old.term) {
+                return Some(leader);
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        None
     }
 
     async fn apply_inner(
@@ -143,7 +273,7 @@ impl Nemesis {
                 if self.observe_fencing {
                     let mut zombie_change = None;
                     for &i in nodes {
-                        zombie_change = self.wait_fenced(i).await;
+                        zombie_change = self.wait_change(i, "was fenced").await;
                     }
                     let refused_stale = self.refused_stale().await?.saturating_sub(refused_before);
                     injected.fenced = Some(Fencing { zombie_change, refused_stale });
@@ -199,13 +329,20 @@ impl Nemesis {
                     let before = self.progress.borrow().step;
                     self.signal(i, "TERM").await?;
                     self.wait_exit(i).await?;
+                    let gone_at = if self.controllers > 1 { self.max_epoch().await } else { 0 };
                     let mut cluster = self.cluster.lock().await;
                     tokio::task::block_in_place(|| cluster.restart_node(i))?;
                     drop(cluster);
                     // The next node goes once the job committed a step on the whole cluster again.
-                    self.wait_progress(|p| p.step > before && p.world == self.full_world)
-                        .await
-                        .with_context(|| format!("after restarting node {i}"))?;
+                    let after = format!("after restarting node {i}");
+                    if self.controllers > 1 {
+                        // The client's events may lag (picked up again at a new leader, replayed): the
+                        // step must be of a view that has the restarted node back, asked of the controller.
+                        let epoch = self.wait_member(i, gone_at).await.context(after.clone())?;
+                        self.wait_progress(|p| p.epoch >= epoch && p.world == self.full_world).await.context(after)?;
+                    } else {
+                        self.wait_progress(|p| p.step > before && p.world == self.full_world).await.context(after)?;
+                    }
                 }
                 injected.healed = Some(Instant::now());
             }
@@ -235,10 +372,10 @@ impl Nemesis {
         }
     }
 
-    /// Messages the controller (node 0) refused for a stale epoch so far.
+    /// Messages the controller refused for a stale epoch so far.
     async fn refused_stale(&self) -> anyhow::Result<u64> {
-        let cluster = self.cluster.lock().await;
-        let status = async { cluster.client_to(0).await?.status().await };
+        let controller = self.controller().await.context("no daemon names a controller")?;
+        let status = async { anyhow::Ok(self.connect(controller.index).await?.status().await?) };
         let status = tokio::time::timeout(Duration::from_secs(5), status)
             .await
             .context("the controller's status did not come within 5 s")?
@@ -246,17 +383,15 @@ impl Nemesis {
         Ok(status.refused_stale)
     }
 
-    /// Waits (up to the progress bound) for woken node `i` to record that it was fenced; the record.
-    async fn wait_fenced(&self, i: usize) -> Option<String> {
+    /// Waits (up to the progress bound) for node `i`, back from a fault, to record a change containing
+    /// `needle` (that it was fenced, that it is no longer the controller); the record.
+    async fn wait_change(&self, i: usize, needle: &str) -> Option<String> {
         let deadline = Instant::now() + self.bound;
         while Instant::now() < deadline {
-            let status = {
-                let cluster = self.cluster.lock().await;
-                let status = async { cluster.client_to(i).await?.status().await };
-                tokio::time::timeout(Duration::from_secs(2), status).await
-            };
+            let status = async { anyhow::Ok(self.connect(i).await?.status().await?) };
+            let status = tokio::time::timeout(Duration::from_secs(2), status).await;
             if let Ok(Ok(status)) = status {
-                if let Some(c) = status.changes.iter().rev().find(|c| c.contains("was fenced")) {
+                if let Some(c) = status.changes.iter().rev().find(|c| c.contains(needle)) {
                     return Some(c.clone());
                 }
             }
@@ -274,6 +409,29 @@ impl Nemesis {
             Err(_) => bail!("no step on {} ranks within {:?}", self.full_world, self.bound * 2),
         }
     }
+}
+
+/// Runs `futures` together (on this task); their outputs, in order.
+async fn all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
+    use std::task::Poll;
+    let mut futures: Vec<std::pin::Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
+    let mut outputs: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (future, output) in futures.iter_mut().zip(outputs.iter_mut()).filter(|(_, o)| o.is_none()) {
+            match future.as_mut().poll(cx) {
+                Poll::Ready(value) => *output = Some(value),
+                Poll::Pending => pending = true,
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    })
+    .await;
+    outputs.into_iter().map(|o| o.expect("every future finished")).collect()
 }
 
 /// Flips one byte in the largest file of checkpoint directory `dir` (a tensor file, not the manifest, so

@@ -69,6 +69,9 @@ pub struct FaultRecord {
     pub detected_by: Option<String>,
     /// Seconds from the fault to that change reaching the client.
     pub detected_after_s: Option<f64>,
+    /// A fault on the controller: the leader it hit and the one elected after it, with their Raft terms
+    /// (`node-0 (term 1) -> node-2 (term 3)`).
+    pub takeover: Option<String>,
 }
 
 impl FaultRecord {
@@ -83,6 +86,11 @@ impl FaultRecord {
             lasted_s: fault.healed.map(|h| h.saturating_duration_since(fault.at).as_secs_f64()),
             note: fault.note.clone(),
             error: fault.error.clone(),
+            takeover: fault.takeover.as_ref().map(|t| {
+                let after =
+                    t.after.as_ref().map_or("no new leader named".into(), |l| format!("{} (term {})", l.name, l.term));
+                format!("{} (term {}) -> {after}", t.before.name, t.before.term)
+            }),
         }
     }
 }
@@ -150,6 +158,9 @@ impl fmt::Display for Report {
             writeln!(f, "    {} on {}{at}{lasted}{how}", i.kind, i.nodes.join(", "))?;
             if let (Some(change), Some(s)) = (&i.detected_by, i.detected_after_s) {
                 writeln!(f, "      detected after {s:.2} s: {change}")?;
+            }
+            if let Some(takeover) = &i.takeover {
+                writeln!(f, "      controller: {takeover}")?;
             }
         }
         writeln!(f)?;
@@ -245,6 +256,7 @@ mod tests {
                 error: None,
                 detected_by: None,
                 detected_after_s: None,
+                takeover: Some("node-0 (term 1) -> node-2 (term 3)".into()),
             }],
             links: vec![LinkStats {
                 node: "node-2".into(),
@@ -266,6 +278,7 @@ mod tests {
             "link of node-2 (nfqueue): 100 packets, 5 dropped, 95 delayed (mean hold 20.4 ms)",
             "step 10 ms before, 2000 ms during",
             "    not detected: kill on node-0: the controller's own node",
+            "      controller: node-0 (term 1) -> node-2 (term 3)",
         ] {
             assert!(table.contains(line), "{line:?} missing from\n{table}");
         }

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use tokio::sync::{watch, Mutex};
 use troupe_actors::api::{Client, Job, JobEvent, JobHandle, LocalCluster, LocalClusterOptions};
+use troupe_actors::protocol::JobId;
 use troupe_cluster::{add_node, init_cluster, NodeIdentity};
 use troupe_model::config::JobConfig;
 use troupe_model::Trainer;
@@ -17,6 +18,7 @@ use super::checker;
 use super::link::LinkStats;
 use super::nemesis::{Injected, Nemesis, Progress};
 use super::netns::Network;
+use super::raft_log::{self, ControllerRecord};
 use super::report::{Check, FaultRecord, Report, Summary};
 use super::scenario::{Fault, NetworkKind, Scenario, Target, Trigger};
 use crate::sim::rng::Rng;
@@ -84,6 +86,8 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
     }
     let handle = cluster.client().await?.submit(job).await?;
 
+    let identity =
+        NodeIdentity::load(&cluster.certs_dir(), "client").context("the local cluster's client certificate")?;
     let (progress_tx, progress_rx) = watch::channel(Progress::default());
     let (ckpt_tx, ckpt_rx) = watch::channel(None);
     let cluster = Arc::new(Mutex::new(cluster));
@@ -97,17 +101,27 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
         bound,
         network: network.clone(),
         observe_fencing: scenario.expect.fenced,
+        controllers: scenario.controllers,
+        nodes: scenario.nodes,
+        identity,
     });
+    let job = handle.id();
     let mut injector = Injector::new(scenario, options.seed, nemesis.clone());
     let followed = follow(handle, &mut injector, progress_tx, ckpt_tx, bound).await;
     let injected = injector.finish(network.as_deref(), bound * 2).await?;
     drop(nemesis);
-    let cluster = Arc::try_unwrap(cluster).ok().context("a fault task still holds the cluster")?.into_inner();
+    let mut cluster = Arc::try_unwrap(cluster).ok().context("a fault task still holds the cluster")?.into_inner();
     let pids = cluster.spawned_pids().to_vec();
-    cluster.shutdown().await;
+    let records =
+        (scenario.controllers > 1).then(|| controller_records(&mut cluster, scenario.nodes, scenario.controllers, job));
+    if records.is_none() {
+        cluster.shutdown().await;
+    } else {
+        drop(cluster); // every daemon was stopped to read the controllers' records: this reaps them
+    }
 
     let reference = tokio::task::spawn_blocking(move || train_reference(config)).await??;
-    let outcome = Outcome { events: followed.events, stalled: followed.stalled, injected, pids, final_params };
+    let outcome = Outcome { events: followed.events, stalled: followed.stalled, injected, pids, final_params, records };
     let checked = check(scenario, &outcome, &reference, full_world, bound);
     let passed = checked.checks.iter().chain(&bad_inputs).all(|c| c.passed);
     write_events(&work.path().join("events.jsonl"), started, &outcome.events);
@@ -166,6 +180,7 @@ async fn start_cluster(
         cluster_options.hosts = network.hosts();
     }
     cluster_options.controller_slots = scenario.controller_slots;
+    cluster_options.controllers = scenario.controllers;
     cluster_options.membership = scenario.membership.clone();
     cluster_options.torch_threads = 1;
     cluster_options.log = Some(options.log.clone().unwrap_or_else(|| "info".into()));
@@ -265,10 +280,41 @@ struct Followed {
     first_step: Option<Instant>,
 }
 
+/// With replicated controllers, a job silent this long is watched again at the current leader (its
+/// steps come every few milliseconds; the client's own reconnection keeps re-dialing the old leader).
+const REWATCH_AFTER: Duration = Duration::from_secs(1);
+/// ... and while no leader could be found (an election), it is looked for again this often.
+const RELOOK_AFTER: Duration = Duration::from_millis(250);
+
+/// The job's event stream, and how many events it yielded (the number of the next one).
+struct Watch {
+    handle: JobHandle,
+    job: JobId,
+    next: u64,
+}
+
+impl Watch {
+    /// Follows the job again from its next event at the controller the daemons name now (after a
+    /// take-over the old one may be dead, paused or cut off, which its handle would keep re-dialing);
+    /// false when no leader could be watched (an election is under way).
+    async fn again_at_the_controller(&mut self, nemesis: &Nemesis) -> bool {
+        let Some(leader) = nemesis.controller().await else { return false };
+        let watched = async { anyhow::Ok(nemesis.connect(leader.index).await?.watch_from(self.job, self.next).await?) };
+        match tokio::time::timeout(REWATCH_AFTER, watched).await {
+            Ok(Ok(handle)) => {
+                self.handle = handle;
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
 /// Follows the job to its end, starting faults as its steps commit; a job silent for the progress
-/// bound plus the longest fault is cancelled.
+/// bound plus the longest fault is cancelled. With replicated controllers a stream silent for
+/// [`REWATCH_AFTER`] is picked up again at the current leader, from the event after the last one seen.
 async fn follow(
-    mut handle: JobHandle,
+    handle: JobHandle,
     injector: &mut Injector<'_>,
     progress: watch::Sender<Progress>,
     checkpoints: watch::Sender<Option<PathBuf>>,
@@ -277,25 +323,39 @@ async fn follow(
     let faults = &injector.scenario.faults;
     let longest = faults.iter().map(|f| f.duration_s + f.return_after_s.unwrap_or(0.0)).fold(0.0, f64::max);
     let event_timeout = bound + Duration::from_secs_f64(longest);
+    let replicated = injector.scenario.controllers > 1;
+    let mut wait = if replicated { REWATCH_AFTER } else { event_timeout };
+    let mut watch = Watch { job: handle.id(), handle, next: 0 };
     let mut followed = Followed { events: Vec::new(), stalled: None, first_step: None };
+    let mut last_event = Instant::now();
     loop {
-        let event = match tokio::time::timeout(event_timeout, handle.next_event()).await {
-            Ok(Ok(Some(e))) => e,
+        let event = match tokio::time::timeout(wait, watch.handle.next_event()).await {
+            Ok(Ok(Some(e))) => {
+                wait = if replicated { REWATCH_AFTER } else { event_timeout };
+                e
+            }
             Ok(Ok(None)) => break,
-            Ok(Err(e)) => {
+            Ok(Err(e)) if !replicated => {
                 followed.stalled = Some(format!("the job's event stream failed: {e:#}"));
                 break;
             }
-            Err(_) => {
+            _ if last_event.elapsed() >= event_timeout => {
                 followed.stalled = Some(format!("no job event for {event_timeout:?}; cancelled the job"));
-                let _ = tokio::time::timeout(Duration::from_secs(5), handle.cancel()).await;
+                let _ = tokio::time::timeout(Duration::from_secs(5), watch.handle.cancel()).await;
                 break;
             }
+            _ => {
+                let found = watch.again_at_the_controller(&injector.nemesis).await;
+                wait = if found { REWATCH_AFTER } else { RELOOK_AFTER };
+                continue;
+            }
         };
+        watch.next += 1;
+        last_event = Instant::now();
         let now = Instant::now();
         match &event {
-            JobEvent::Step { step, world, .. } => {
-                progress.send_replace(Progress { step: *step, world: *world });
+            JobEvent::Step { step, world, epoch, .. } => {
+                progress.send_replace(Progress { step: *step, world: *world, epoch: *epoch });
                 let first = followed.first_step.is_none();
                 followed.first_step.get_or_insert(now);
                 injector.on_step(*step, first, &progress);
@@ -311,7 +371,7 @@ async fn follow(
             break;
         }
     }
-    let _ = tokio::time::timeout(Duration::from_secs(5), handle.close()).await;
+    let _ = tokio::time::timeout(Duration::from_secs(5), watch.handle.close()).await;
     // Faults waiting for progress learn that none will come (`progress` dropped here).
     followed
 }
@@ -340,6 +400,28 @@ struct Outcome {
     injected: Vec<Injected>,
     pids: Vec<u32>,
     final_params: PathBuf,
+    /// Replicated controllers: each controller's Raft log and catalog of the job, after the run.
+    records: Option<anyhow::Result<Vec<ControllerRecord>>>,
+}
+
+/// Stops every daemon (SIGTERM, a bounded wait, then SIGKILL) and reads the job's record in each of the
+/// `controllers` (nodes `0..controllers`): their redb files can be opened once their daemons are gone.
+fn controller_records(
+    cluster: &mut LocalCluster,
+    nodes: usize,
+    controllers: usize,
+    job: JobId,
+) -> anyhow::Result<Vec<ControllerRecord>> {
+    for i in (0..nodes).rev() {
+        let Some(pid) = cluster.pid(i) else { continue };
+        let _ = std::process::Command::new("kill").arg("-TERM").arg(pid.to_string()).status();
+        if cluster.wait_exit(i, Duration::from_secs(10)).is_none() {
+            let _ = std::process::Command::new("kill").arg("-KILL").arg(pid.to_string()).status();
+            cluster.wait_exit(i, Duration::from_secs(5));
+        }
+    }
+    let names: Vec<String> = (0..controllers).map(|i| cluster.node_name(i)).collect();
+    names.iter().enumerate().map(|(i, name)| raft_log::read(name, &cluster.data_dir(i), job, &names)).collect()
 }
 
 /// The checker's verdicts and figures.
@@ -384,6 +466,19 @@ fn check(scenario: &Scenario, run: &Outcome, reference: &Reference, full_world: 
     checks.push(checker::progress_after_faults(events, injected, bound));
     checks.push(checker::no_process_left(&run.pids));
     checks.extend(checker::expected(&scenario.expect, events, injected, full_world, scenario.checkpoint_every));
+    match &run.records {
+        Some(Ok(records)) => {
+            let seen: Vec<JobEvent> = events.iter().map(|(_, e)| e.clone()).collect();
+            checks.push(raft_log::steps_in_majority(&seen, records));
+            checks.push(raft_log::one_leader_per_step(records));
+        }
+        Some(Err(e)) => checks.push(Check {
+            name: "the controllers' Raft logs were read".into(),
+            passed: false,
+            detail: format!("{e:#}"),
+        }),
+        None => {}
+    }
     let (detection_s, recovery_s) = checker::timings(events, injected);
     Checked {
         checks,
@@ -419,6 +514,8 @@ fn choose(target: &Target, left: &mut Vec<usize>, scenario: &Scenario, rng: &mut
         Target::Index(i) => vec![*i],
         Target::AllWorkers => scenario.victims(),
         Target::AllNodes => (0..scenario.nodes).collect(),
+        // Resolved when the fault starts: the controller then.
+        Target::Controller => Vec::new(),
         Target::RandomWorker => {
             if left.is_empty() {
                 left.extend(scenario.victims());

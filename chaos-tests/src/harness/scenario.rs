@@ -4,7 +4,10 @@
 //! ```toml
 //! description = "SIGKILL one worker node mid-run; the job shrinks and continues"
 //! nodes = 3                 # daemons; node 0 runs the controller
-//! controller_slots = 1      # 0: a dedicated controller node without a worker
+//! controllers = 1           # controller-eligible daemons: 3 (or 5) lists nodes 0..3 in every node.toml's
+//!                           # `controllers`, a Raft group whose leader is the controller (docs/runtime-
+//!                           # semantics.md, "Replicated controller"); 1: node 0 alone, restarting in place
+//! controller_slots = 1      # 0: a dedicated controller node without a worker (one controller only)
 //! steps = 30                # training steps of the small test model (JobConfig::small)
 //! job = "job.toml"          # or train this job config (the TOML `troupe train --config` takes; relative
 //!                           # to the scenario file): steps, precision, pp, schedule and
@@ -26,7 +29,9 @@
 //! [[faults]]
 //! kind = "kill"             # kill | pause | partition | flaky-link | reorder | corrupt-checkpoint |
 //!                           # fill-disk | rolling-restart
-//! node = "random-worker"    # an index, "random-worker", "all-workers" or "all-nodes" (node 0 too)
+//! node = "random-worker"    # an index, "random-worker", "all-workers", "all-nodes" (node 0 too) or
+//!                           # "controller": the node that is the controller when the fault starts (the
+//!                           # Raft leader, asked of the daemons then; node 0 with one controller)
 //! at_step = 8               # when the job has committed this step ... (or at_s: exactly one of them)
 //! at_s = 2.5                # ... or this many seconds after the job committed its first step ...
 //! jitter_ms = 300           # ... plus a delay drawn from the seed in [0, jitter_ms] (mid-step)
@@ -49,6 +54,10 @@
 //! checkpoints_failed = false  # a checkpoint due was not written, and a later one was
 //! fenced = false            # pause: the woken zombie was fenced (the controller refused its stale
 //!                           # messages) and rejoined as a new member
+//! taken_over = false        # controllers >= 3: each fault on the controller made another controller the
+//!                           # leader, in a later Raft term
+//! deposed = false           # ... and the old leader, woken or reachable again, recorded that it is no
+//!                           # longer the controller and was admitted again as a member
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -81,6 +90,10 @@ pub const SHIPPED: &[(&str, &str)] = &[
     ("partition-controller-node", include_str!("../../scenarios/partition-controller-node.toml")),
     ("reorder-link", include_str!("../../scenarios/reorder-link.toml")),
     ("silent-machine", include_str!("../../scenarios/silent-machine.toml")),
+    ("kill-controller-permanently", include_str!("../../scenarios/kill-controller-permanently.toml")),
+    ("partition-controller-minority", include_str!("../../scenarios/partition-controller-minority.toml")),
+    ("pause-controller-beyond-election", include_str!("../../scenarios/pause-controller-beyond-election.toml")),
+    ("rolling-restart-three-controllers", include_str!("../../scenarios/rolling-restart-three-controllers.toml")),
 ];
 
 /// The scenario keys a job config file sets instead.
@@ -94,6 +107,9 @@ pub struct Scenario {
     pub description: String,
     #[serde(default = "three")]
     pub nodes: usize,
+    /// Controller-eligible daemons (nodes `0..controllers`): 1, node 0 alone; 3 or 5, a Raft group.
+    #[serde(default = "one")]
+    pub controllers: usize,
     #[serde(default)]
     pub controller_slots: Option<u32>,
     #[serde(default = "thirty")]
@@ -164,6 +180,14 @@ pub struct Expect {
     /// rejoined as a new member.
     #[serde(default)]
     pub fenced: bool,
+    /// Replicated controllers: every fault on the controller made another controller the leader, in a
+    /// later Raft term.
+    #[serde(default)]
+    pub taken_over: bool,
+    /// Replicated controllers: every old leader a fault hit, back (woken, reachable again), recorded that
+    /// it is no longer the controller and was admitted again as a member.
+    #[serde(default)]
+    pub deposed: bool,
 }
 
 fn fp32() -> String {
@@ -351,6 +375,9 @@ pub enum Target {
     AllWorkers,
     /// Every node, the controller's (node 0) first.
     AllNodes,
+    /// The node that is the controller when the fault starts: the Raft leader the daemons name then
+    /// (node 0 with one controller).
+    Controller,
 }
 
 impl<'de> Deserialize<'de> for Target {
@@ -366,8 +393,9 @@ impl<'de> Deserialize<'de> for Target {
             Raw::Name(n) if n == "random-worker" => Ok(Target::RandomWorker),
             Raw::Name(n) if n == "all-workers" => Ok(Target::AllWorkers),
             Raw::Name(n) if n == "all-nodes" => Ok(Target::AllNodes),
+            Raw::Name(n) if n == "controller" => Ok(Target::Controller),
             Raw::Name(n) => Err(serde::de::Error::custom(format!(
-                "node = {n:?}: use a node index, \"random-worker\", \"all-workers\" or \"all-nodes\""
+                "node = {n:?}: use a node index, \"random-worker\", \"all-workers\", \"all-nodes\" or \"controller\""
             ))),
         }
     }
@@ -457,6 +485,7 @@ impl Scenario {
         }
         super::run::job_config(self).validate().with_context(|| format!("scenario {name}: the job"))?;
         self.membership.validate().map_err(|e| anyhow::anyhow!("scenario {name}: [membership] {e}"))?;
+        self.validate_controllers()?;
         let workers: Vec<usize> = self.worker_nodes();
         if workers.is_empty() {
             bail!("scenario {name}: no node runs a worker; raise controller_slots or nodes");
@@ -476,11 +505,13 @@ impl Scenario {
                 }
                 _ => {}
             }
-            let hits_node_0 = matches!(fault.node, Target::Index(0) | Target::AllNodes);
-            if hits_node_0 && fault.kind == FaultKind::Kill && fault.return_after_s.is_none() {
+            let hits_node_0 = matches!(fault.node, Target::Index(0) | Target::AllNodes | Target::Controller);
+            let standby = self.controllers >= 3;
+            if hits_node_0 && !standby && fault.kind == FaultKind::Kill && fault.return_after_s.is_none() {
                 bail!(
                     "{which}: node 0 runs the controller, which restarts from its catalog but has no standby; \
-                     set return_after_s (the daemon starts again, as systemd would restart it)"
+                     set return_after_s (the daemon starts again, as systemd would restart it), or controllers = 3 \
+                     (a standby takes over)"
                 );
             }
             if let Target::Index(n) = fault.node {
@@ -531,6 +562,30 @@ impl Scenario {
         Ok(())
     }
 
+    /// The `controllers` key and what depends on it: 1, or an odd number up to `nodes`; the expectations
+    /// about take-overs need a replicated controller and a fault on it.
+    fn validate_controllers(&self) -> anyhow::Result<()> {
+        let (name, n) = (&self.name, self.controllers);
+        if n == 0 || n > self.nodes || (n > 1 && n % 2 == 0) {
+            bail!(
+                "scenario {name}: controllers = {n}; use 1 (node 0 alone) or an odd number up to nodes = {} \
+                 (3 or 5: a Raft group, a majority of which must stay up)",
+                self.nodes
+            );
+        }
+        if n > 1 && self.controller_slots.is_some() {
+            bail!("scenario {name}: controller_slots is for one controller (node 0); with controllers = {n} remove it");
+        }
+        if (self.expect.taken_over || self.expect.deposed) && n < 3 {
+            bail!("scenario {name}: expect.taken_over and expect.deposed need a standby; set controllers = 3");
+        }
+        let on_controller = self.faults.iter().any(|f| f.node == Target::Controller);
+        if (self.expect.taken_over || self.expect.deposed) && !on_controller {
+            bail!("scenario {name}: expect.taken_over and expect.deposed are about a fault on node = \"controller\"; add one");
+        }
+        Ok(())
+    }
+
     /// Indices of the nodes that run at least one worker.
     pub fn worker_nodes(&self) -> Vec<usize> {
         (0..self.nodes).filter(|&i| i > 0 || self.controller_slots != Some(0)).collect()
@@ -563,6 +618,16 @@ mod tests {
         std::fs::write(dir.path().join("job.toml"), "[trian]\n").unwrap();
         let err = format!("{:#}", Scenario::parse_in(text, "t", Some(dir.path())).unwrap_err());
         assert!(err.contains("job = ") && err.contains("trian"), "{err}");
+    }
+
+    #[test]
+    fn the_controller_may_be_killed_for_good_only_with_a_standby() {
+        let text =
+            "description = \"x\"\ncontrollers = 3\n[[faults]]\nkind = \"kill\"\nnode = \"controller\"\nat_step = 1\n\
+                    [expect]\ntaken_over = true\n";
+        let s = Scenario::parse(text, "t").unwrap();
+        assert_eq!((s.controllers, &s.faults[0].node, s.expect.taken_over), (3, &Target::Controller, true));
+        assert_eq!(Scenario::parse("description = \"x\"\n", "t").unwrap().controllers, 1);
     }
 
     #[test]
@@ -601,6 +666,15 @@ mod tests {
             ("description = \"x\"\njob = \"/no/such/job.toml\"\n", "job = \"/no/such/job.toml\""),
             ("description = \"x\"\njob = \"j.toml\"\nsteps = 5\n", "steps set beside job"),
             ("description = \"x\"\n[membership]\nfailure_detector = \"phi\"\n", "phi"),
+            ("description = \"x\"\ncontrollers = 2\n", "controllers = 2"),
+            ("description = \"x\"\ncontrollers = 5\n", "up to nodes = 3"),
+            ("description = \"x\"\ncontrollers = 3\ncontroller_slots = 0\n", "remove it"),
+            (
+                "description = \"x\"\n[[faults]]\nkind = \"kill\"\nnode = \"controller\"\nat_step = 1\n",
+                "return_after_s",
+            ),
+            ("description = \"x\"\n[expect]\ntaken_over = true\n", "set controllers = 3"),
+            ("description = \"x\"\ncontrollers = 3\n[expect]\ndeposed = true\n", "add one"),
             (
                 "description = \"x\"\n[membership]\nfailure_detector = \"phi_accrual\"\nfailure_timeout_min_ms = 2000\n",
                 "[membership] failure_timeout_min_ms (2000)",
