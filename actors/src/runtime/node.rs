@@ -243,12 +243,13 @@ impl NodeState {
         }
     }
 
-    /// Follows the leader the Raft group named once its control address is known: from a view this
-    /// node holds, or from the replicated catalog's last view, which the leader recorded.
+    /// Follows the leader the Raft group named once its control address is known: from the replicated
+    /// catalog's last view if the leader recorded it (its address now: a leader restarted on another
+    /// address records a view before anything else), else from a view this node holds.
     fn resolve_leader(&mut self) {
         let Some(leader) = self.unresolved_leader.clone() else { return };
         let recorded = || self.catalog.view().ok().flatten()?.recorded_by.filter(|(name, _)| *name == leader);
-        let addr = self.core.known_addr(&leader).or_else(|| recorded().map(|(_, addr)| addr));
+        let addr = recorded().map(|(_, addr)| addr).or_else(|| self.core.known_addr(&leader));
         if let Some(addr) = addr {
             self.core.follow(&leader, addr);
             self.unresolved_leader = None;
@@ -361,6 +362,14 @@ impl Actor for NodeActor {
         match msg {
             NodeMsg::Control(event) => state.on_control(event).await,
             NodeMsg::Tick => {
+                // A member without its controller looks the leader up again: one that kept leading
+                // across a restart on another address raises no leadership change.
+                let leader = state.group.leadership().borrow().leader.clone();
+                let lost =
+                    state.group.is_replicated() && !state.core.is_controller() && !state.core.has_controller_peer();
+                if lost && leader.as_deref().is_some_and(|l| l != state.core.id().0) {
+                    state.unresolved_leader = state.unresolved_leader.take().or(leader);
+                }
                 state.resolve_leader();
                 if state.group.is_leader() && !state.core.is_controller() && state.group.is_replicated() {
                     // Elected, but reading the replicated catalog failed: tried again.
