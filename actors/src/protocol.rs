@@ -424,6 +424,10 @@ pub struct MemberInfo {
     pub name: String,
     pub addr: SocketAddr,
     pub slots: u32,
+    /// The URL of the member's dashboard (`[telemetry] metrics_listen` in its node.toml), as its `Join`
+    /// announced it. Absent when it serves none (and from daemons that predate it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dashboard: Option<String>,
 }
 
 /// `troupe status`.
@@ -516,6 +520,9 @@ pub enum ToController {
         /// does not send it: every join of a member is then a restart, as before.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         incarnation: Option<u64>,
+        /// The URL of the node's dashboard, if it serves one (`MemberInfo::dashboard`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        dashboard: Option<String>,
     },
     Heartbeat,
     /// Clean departure (SIGTERM drain).
@@ -628,6 +635,10 @@ pub enum Request {
     StatusRequest,
     /// `troupe cluster controllers`: answered by a controller-eligible daemon (others redirect).
     ControllersRequest,
+    /// The live part of the controller's dashboard page (answered by the controller, others redirect):
+    /// what a member's daemon asks over its connection to the controller to show the cluster on its own
+    /// page.
+    DashboardRequest,
     Submit {
         spec: Box<JobSpec>,
     },
@@ -670,6 +681,10 @@ pub enum Reply {
     },
     Error {
         message: String,
+    },
+    /// The answer to `DashboardRequest`: the controller's page fragment (HTML), as its own page shows it.
+    Dashboard {
+        fragment: String,
     },
 }
 
@@ -731,11 +746,28 @@ mod tests {
     #[test]
     fn a_join_without_an_incarnation_still_decodes() {
         let addr: SocketAddr = "10.0.0.1:7000".parse().unwrap();
-        let join = |incarnation| Wire::ToController(ToController::Join { slots: 2, addr, incarnation });
+        let join =
+            |incarnation| Wire::ToController(ToController::Join { slots: 2, addr, incarnation, dashboard: None });
         assert_eq!(Wire::decode(&join(Some(7)).encode()), Ok(join(Some(7))));
         let old = br#"{"type":"join","slots":2,"addr":"10.0.0.1:7000"}"#;
         assert_eq!(Wire::decode(old), Ok(join(None)));
         assert_eq!(&join(None).encode()[..], &old[..], "an unknown incarnation is left out");
+    }
+
+    /// A member's dashboard URL travels in its `Join` and in `troupe status --json`; a status or join
+    /// without one (an older daemon's) still decodes, and none is written when there is none.
+    #[test]
+    fn a_members_dashboard_is_optional_on_the_wire() {
+        let addr: SocketAddr = "10.0.0.1:7000".parse().unwrap();
+        let url = Some("http://10.0.0.1:9400/".to_owned());
+        let join = Wire::ToController(ToController::Join { slots: 1, addr, incarnation: None, dashboard: url.clone() });
+        assert_eq!(Wire::decode(&join.encode()), Ok(join));
+        let member = MemberInfo { name: "node-1".into(), addr, slots: 1, dashboard: url };
+        let json = serde_json::to_value(&member).unwrap();
+        assert_eq!(json["dashboard"], "http://10.0.0.1:9400/");
+        let old: MemberInfo = serde_json::from_str(r#"{"name":"node-1","addr":"10.0.0.1:7000","slots":1}"#).unwrap();
+        assert_eq!(old, MemberInfo { dashboard: None, ..member });
+        assert!(!serde_json::to_string(&old).unwrap().contains("dashboard"));
     }
 
     /// A body's type names its direction: each message comes back as the direction it was sent as,
@@ -761,6 +793,8 @@ mod tests {
             Wire::Request(Request::Cancel { job: 4 }),
             Wire::Reply(Reply::Status(Box::new(status))),
             Wire::Reply(Reply::Error { message: "no job 4".into() }),
+            Wire::Request(Request::DashboardRequest),
+            Wire::Reply(Reply::Dashboard { fragment: "<section>…</section>".into() }),
         ];
         for msg in messages {
             assert_eq!(Wire::decode(&msg.encode()), Ok(msg));

@@ -3,9 +3,10 @@
 //! controller's page open — driven over the DevTools protocol on a pipe, never reloaded — and must show
 //! the three members, the job's row with a step count that advances (the page's live updates), its chart
 //! and step-phase timeline, and, after one node is SIGKILLed, the membership change in the job's event log
-//! and two members left. A screenshot of the page is written for the docs. A member daemon's page says
-//! where the controller is. And as a user first meets it: `troupe train --nodes 3` prints the dashboard's
-//! URL, whose page shows the job training and a killed daemon's membership change.
+//! and two members left. A screenshot of the page is written for the docs. A member daemon's page shows
+//! the same cluster through the controller: every member, the job training, the change. And as a user
+//! first meets it: `troupe train --nodes 3` prints the dashboard's URL, whose page shows the job training
+//! and a killed daemon's membership change; `troupe dashboard` prints the controller's and each member's.
 
 mod common;
 
@@ -128,6 +129,7 @@ impl Browser {
                 charts: document.querySelectorAll('.chart svg').length,
                 timelines: document.querySelectorAll('.timeline svg').length,
                 membership: [...document.querySelectorAll('li[data-kind=membership]')].map(l => l.textContent),
+                viewer: { ...(document.getElementById('viewer')?.dataset ?? {}) },
             })"#,
         )
         .as_str()
@@ -146,6 +148,12 @@ impl Browser {
             assert!(t0.elapsed() < WAIT, "the dashboard never showed {what}; it shows {page}");
             std::thread::sleep(Duration::from_millis(200));
         }
+    }
+
+    /// Loads `url` in the page's tab.
+    fn navigate(&mut self, url: &str) {
+        let session = self.session.clone();
+        self.call("Page.navigate", json!({ "url": url }), Some(&session));
     }
 
     fn screenshot(&mut self, path: &Path) {
@@ -182,10 +190,6 @@ fn job_step(page: &Value) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn headless_chromium_follows_a_job_live_and_sees_a_killed_node_leave() {
-    let Some(chromium) = chromium() else {
-        eprintln!("SKIPPED: no chromium on PATH (scripts/provision-host.sh --test-runner installs Debian's as root)");
-        return;
-    };
     let mut options = LocalClusterOptions::new(3);
     options.torch_threads = 1;
     options.telemetry.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
@@ -204,6 +208,28 @@ async fn headless_chromium_follows_a_job_live_and_sees_a_killed_node_leave() {
     })
     .await
     .expect("a first step");
+
+    // Every member announced its dashboard; a member's page shows the cluster through the controller.
+    let mut client = cluster.client().await.unwrap();
+    let status = client.status().await.unwrap();
+    client.close().await;
+    let announced: Vec<Option<String>> = status.members.iter().map(|m| m.dashboard.clone()).collect();
+    assert_eq!(announced, (0..3).map(|i| cluster.dashboard_url(i)).collect::<Vec<_>>(), "{status:?}");
+    let member = cluster.dashboard_url(1).unwrap();
+    let addr = member.trim_start_matches("http://").trim_end_matches('/').parse().unwrap();
+    let (code, page) = get(addr, "/", Duration::from_secs(10)).await.unwrap();
+    assert_eq!(code, 200);
+    assert!(page.contains(r#"data-node="node-1" data-role="member" data-through="node-0""#), "{page}");
+    assert!(page.contains(r#"class="job" data-job="1" data-name="live" data-state="running""#), "{page}");
+    for node in ["node-0", "node-1", "node-2"] {
+        assert!(page.contains(&format!(r#"class="member" data-name="{node}""#)), "{node} on the page: {page}");
+    }
+    let Some(chromium) = chromium() else {
+        eprintln!("SKIPPED the browser part: no chromium on PATH (scripts/provision-host.sh --test-runner installs Debian's as root)");
+        job.cancel().await.unwrap();
+        job.close().await;
+        return cluster.shutdown().await;
+    };
 
     // The browser blocks on its pipe: drive it from a blocking thread.
     let pid_to_kill = cluster.pid(2).expect("a child daemon");
@@ -233,16 +259,24 @@ async fn headless_chromium_follows_a_job_live_and_sees_a_killed_node_leave() {
         browser.until("training going on after the change", |p| job_step(p) > at_change + 50);
         browser.screenshot(&shot);
         eprintln!("dashboard screenshot: {}", shot.display());
+
+        // node-1's own page: the same cluster, fetched from the controller, live.
+        browser.navigate(&member);
+        let page = browser.until("node-1's page showing the cluster through node-0, the job and the change", |p| {
+            p["viewer"] == json!({ "node": "node-1", "role": "member", "through": "node-0" })
+                && p["members"] == json!(["node-0", "node-1"])
+                && p["jobs"][0]["name"] == "live"
+                && p["jobs"][0]["state"] == "running"
+                && p["charts"] == 1
+                && p["connection"] == "live"
+                && p["membership"]
+                    .as_array()
+                    .is_some_and(|l| l.iter().any(|line| line.as_str().unwrap_or("").contains("node-2")))
+        });
+        let seen = job_step(&page);
+        browser.until("the step advancing on the member's page", |p| job_step(p) >= seen + 2);
     });
     browsing.await.expect("the browser checks pass");
-
-    // A member's page names the controller instead of showing jobs.
-    let member = cluster.dashboard_url(1).unwrap();
-    let addr = member.trim_start_matches("http://").trim_end_matches('/').parse().unwrap();
-    let (status, page) = get(addr, "/", Duration::from_secs(10)).await.unwrap();
-    assert_eq!(status, 200);
-    assert!(page.contains(r#"data-role="member""#) && page.contains(&cluster.addr().to_string()), "{page}");
-    assert!(!page.contains(r#"class="job""#), "jobs are on the controller's page: {page}");
 
     job.cancel().await.unwrap();
     job.close().await;
@@ -307,4 +341,57 @@ impl Drop for KillOnDrop {
     fn drop(&mut self) {
         let _ = Command::new("kill").arg("-KILL").arg(self.0.to_string()).status();
     }
+}
+
+/// `troupe dashboard` asked of a member prints the controller's dashboard first, then every daemon's;
+/// `troupe status` lists them too; a cluster that serves none gets an error naming the node.toml key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn troupe_dashboard_prints_the_controllers_and_each_members_url() {
+    let mut options = LocalClusterOptions::new(2);
+    options.telemetry.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+    let cluster = LocalCluster::in_process_with(options).await.expect("local cluster starts");
+    let status = cluster.wait_for_members(2).await.unwrap();
+    let (url0, url1) = (cluster.dashboard_url(0).unwrap(), cluster.dashboard_url(1).unwrap());
+    let member = status.members.iter().find(|m| m.name == "node-1").unwrap().addr.to_string();
+    let certs = cluster.certs_dir();
+    let troupe = |args: &[&str], addr: &str| {
+        let mut command = Command::new(common::binary());
+        command.args(args).args(["--cluster", addr, "--certs"]).arg(&certs).args(["--as", "client"]);
+        async move { tokio::task::spawn_blocking(move || command.output().unwrap()).await.unwrap() }
+    };
+
+    let out = troupe(&["dashboard"], &member).await;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    let first = text.lines().next().unwrap_or_default();
+    assert_eq!(first, format!("troupe: dashboard on {url0} (the controller, node-0)"), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("node-0") && l.contains("controller") && l.ends_with(&url0)), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("node-1") && l.contains("member") && l.ends_with(&url1)), "{text}");
+
+    let out = troupe(&["dashboard", "--json"], &member).await;
+    let json: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(json["dashboard"], url0.as_str());
+    let members = json!([
+        { "name": "node-0", "role": "controller", "dashboard": url0 },
+        { "name": "node-1", "role": "member", "dashboard": url1 },
+    ]);
+    assert_eq!(json["members"], members);
+
+    let out = troupe(&["status"], &cluster.addr().to_string()).await;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(text.lines().next().is_some() && text.contains(&url0) && text.contains(&url1), "{text}");
+    cluster.shutdown().await;
+
+    let bare = LocalCluster::in_process(1).await.expect("local cluster starts");
+    let certs = bare.certs_dir();
+    let mut command = Command::new(common::binary());
+    command.args(["dashboard", "--cluster", &bare.addr().to_string(), "--certs"]).arg(&certs).args(["--as", "client"]);
+    let out = tokio::task::spawn_blocking(move || command.output().unwrap()).await.unwrap();
+    let error = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "no dashboard is an error");
+    assert!(
+        error.contains("serves a dashboard") && error.contains("metrics_listen") && error.contains("[telemetry]"),
+        "{error}"
+    );
+    bare.shutdown().await;
 }

@@ -44,7 +44,7 @@ pub struct IdentityArgs {
 }
 
 impl ClusterArgs {
-    async fn connect(&self) -> anyhow::Result<Client> {
+    pub(super) async fn connect(&self) -> anyhow::Result<Client> {
         let node_config = self.node_config.clone().or_else(|| {
             let default = PathBuf::from("node.toml");
             default.exists().then_some(default)
@@ -121,11 +121,12 @@ fn print_status(s: &ClusterStatus) {
     let role = if s.controller { "the controller" } else { "a member" };
     println!("cluster at epoch {}: {} member(s); answered by {} ({role})", s.epoch, s.members.len(), s.node);
     println!();
-    let mut members = Table::new(&["NODE", "ADDRESS", "SLOTS", "ROLE"]);
+    let mut members = Table::new(&["NODE", "ADDRESS", "SLOTS", "ROLE", "DASHBOARD"]);
     let controller = s.controller_addr;
     for m in &s.members {
         let role = if Some(m.addr) == controller { "controller" } else { "member" };
-        members.row(vec![m.name.clone(), m.addr.to_string(), m.slots.to_string(), role.into()]);
+        let dashboard = m.dashboard.clone().unwrap_or_else(|| "-".into());
+        members.row(vec![m.name.clone(), m.addr.to_string(), m.slots.to_string(), role.into(), dashboard]);
     }
     for name in &s.joining {
         members.row(vec![name.clone(), "-".into(), "-".into(), "joining".into()]);

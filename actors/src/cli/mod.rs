@@ -13,6 +13,7 @@ mod checkpoint;
 mod client;
 mod cluster;
 mod daemon;
+mod dashboard;
 mod data;
 mod eval;
 mod follow;
@@ -60,6 +61,8 @@ enum Command {
     Checkpoint(checkpoint::CheckpointCommand),
     /// Members, epoch, slots and jobs of a running cluster.
     Status(client::StatusArgs),
+    /// The URLs of a running cluster's live dashboards: the controller's and each member's.
+    Dashboard(dashboard::DashboardArgs),
     /// Submit, inspect and cancel jobs on a running cluster.
     #[command(subcommand)]
     Job(client::JobCommand),
@@ -139,6 +142,7 @@ pub fn main() -> ExitCode {
         Command::Daemon(args) => daemon::run(args),
         Command::Checkpoint(command) => checkpoint::run(command),
         Command::Status(args) => client::status(args),
+        Command::Dashboard(args) => dashboard::run(args),
         Command::Job(command) => client::job(command),
         Command::Trace(args) => trace::run(args),
         Command::Plan(args) => plan::run(args),

@@ -79,6 +79,9 @@ impl Daemon {
             None
         };
         let https = tls.is_some();
+        let bound = listener.as_ref().map(|l| l.local_addr()).transpose();
+        let bound = bound.map_err(|e| Error::start_because("telemetry.metrics_listen: its address", e))?;
+        let dashboard = bound.map(|at| http::dashboard_url(https, at, addr));
         let name = config.name.clone();
         let stop_reason = Arc::new(std::sync::Mutex::new(None));
         let metrics = Arc::new(NodeMetrics::new(config.telemetry.peak_tflops_per_slot));
@@ -92,22 +95,14 @@ impl Daemon {
             metrics: metrics.clone(),
             catalog,
             group: group.clone(),
+            dashboard,
         };
         let (node, handle) = Actor::spawn(Some(format!("{}/node", actor_scope(&name, addr))), NodeActor, args)
             .await
             .map_err(|e| Error::start(format!("starting node {name}: {e}")))?;
-        let http = match listener {
-            Some(l) => {
-                let asked = node.clone();
-                let source = endpoint::status_source(move || {
-                    let node = asked.clone();
-                    async move { ractor::call!(node, NodeMsg::Status).map_err(|e| e.to_string()) }
-                });
-                let at =
-                    l.local_addr().map_err(|e| Error::start_because("telemetry.metrics_listen: its address", e))?;
-                Some((at, endpoint::spawn(l, source, metrics, tls)))
-            }
-            None => None,
+        let http = match (listener, bound) {
+            (Some(l), Some(at)) => Some((at, endpoint::spawn(l, endpoint_sources(&node), metrics, tls))),
+            _ => None,
         };
         Ok(Daemon { node, handle, addr, name, stop_reason, http, https, group })
     }
@@ -176,6 +171,22 @@ impl Daemon {
     pub fn is_running(&self) -> bool {
         !self.handle.is_finished()
     }
+}
+
+/// What the HTTP endpoint asks the node actor: its status, and (a member's page) the controller's
+/// page fragment, which the node fetches over its connection to the controller.
+fn endpoint_sources(node: &ActorRef<NodeMsg>) -> endpoint::NodeSources {
+    let asked = node.clone();
+    let status = endpoint::source(move || {
+        let node = asked.clone();
+        async move { ractor::call!(node, NodeMsg::Status).map_err(|e| e.to_string()) }
+    });
+    let asked = node.clone();
+    let controller_page = endpoint::source(move || {
+        let node = asked.clone();
+        async move { ractor::call!(node, NodeMsg::ControllerDashboard).map_err(|e| e.to_string())? }
+    });
+    endpoint::NodeSources { status, controller_page }
 }
 
 /// The node's [`ControllerGroup`]: with two or more `controllers` and this node among them, its Raft

@@ -699,7 +699,7 @@ pub(super) mod tests {
     fn view(epoch: u64, nodes: &[&str]) -> (View, Vec<MemberInfo>) {
         let members = nodes
             .iter()
-            .map(|n| MemberInfo { name: (*n).into(), addr: "127.0.0.1:1".parse().unwrap(), slots: 1 })
+            .map(|n| MemberInfo { name: (*n).into(), addr: "127.0.0.1:1".parse().unwrap(), slots: 1, dashboard: None })
             .collect();
         (View::new(Epoch(epoch), nodes.iter().map(|n| NodeId::from(*n)).collect()), members)
     }

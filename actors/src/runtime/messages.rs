@@ -35,6 +35,9 @@ pub enum NodeMsg {
     /// A dial of this address ended: connected to the named peer, or why not.
     Connected(std::net::SocketAddr, Result<String, String>),
     Status(RpcReplyPort<ClusterStatus>),
+    /// A member's dashboard page: the controller's page fragment, asked of the controller over this
+    /// node's connection to it, or why there is none.
+    ControllerDashboard(RpcReplyPort<Result<String, String>>),
     /// SIGTERM: leave the cluster cleanly, then stop.
     Drain(RpcReplyPort<()>),
     Worker(u32, RpcReplyPort<Option<ActorRef<WorkerMsg>>>),

@@ -14,7 +14,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use troupe_cluster::control::{ControlEndpoint, ControlEvent, PeerRole};
 use troupe_cluster::membership::NodeId;
 use troupe_cluster::NodeIdentity;
@@ -49,6 +49,8 @@ pub struct NodeArgs {
     /// Where the controller's writes go: the catalog itself (one controller), or the Raft group whose
     /// leader is the controller (several).
     pub group: Arc<ControllerGroup>,
+    /// The URL of this daemon's dashboard, if it serves one: announced to the controller in its `Join`.
+    pub dashboard: Option<String>,
 }
 
 pub struct NodeState {
@@ -70,7 +72,19 @@ pub struct NodeState {
     unresolved_leader: Option<String>,
     /// The workers' attempt threads, which a drain waits for.
     attempts: AttemptThreads,
+    /// The member's dashboard pages waiting for the controller's fragment, and when it was last asked.
+    dashboard_waiters: Vec<RpcReplyPort<Result<String, String>>>,
+    dashboard_asked: Option<Instant>,
+    /// The controller's last rendering of its page fragment for members, and when.
+    dashboard_rendered: Option<(Instant, String)>,
 }
+
+/// Dashboard pages of a member that may wait on the controller's fragment at once; more are refused.
+const DASHBOARD_WAITERS_MAX: usize = 64;
+/// After this long without an answer the controller is asked again.
+const DASHBOARD_ASK_AGAIN_MS: u64 = 2_000;
+/// Members' pages asking the controller within this long of each other share one rendering.
+const DASHBOARD_FRESH_MS: u64 = 500;
 
 /// How long a drain waits for aborted attempts to leave the step they compute.
 const DRAIN_ATTEMPTS_MS: u64 = 10_000;
@@ -184,6 +198,16 @@ impl NodeState {
                     let reply = Reply::Controllers(Box::new(self.group.status()));
                     self.send(me, &client, self.core.epoch(), Wire::Reply(reply));
                 }
+                NodeAction::AnswerDashboard { client } => {
+                    let fragment = self.members_dashboard();
+                    self.send(me, &client, self.core.epoch(), Wire::Reply(Reply::Dashboard { fragment }));
+                }
+                NodeAction::ControllerDashboard { fragment } => {
+                    self.dashboard_asked = None;
+                    for waiter in self.dashboard_waiters.drain(..) {
+                        let _ = waiter.send(Ok(fragment.clone()));
+                    }
+                }
                 NodeAction::StopJobs => {
                     for (_, job) in std::mem::take(&mut self.jobs) {
                         job.stop(Some("this node is no longer the controller".into()));
@@ -256,6 +280,46 @@ impl NodeState {
         }
     }
 
+    /// The controller's page fragment for a member's page: rendered at most once per
+    /// [`DASHBOARD_FRESH_MS`], however many members ask.
+    fn members_dashboard(&mut self) -> String {
+        let fresh = Duration::from_millis(DASHBOARD_FRESH_MS);
+        if let Some((_, fragment)) = self.dashboard_rendered.as_ref().filter(|(at, _)| at.elapsed() < fresh) {
+            return fragment.clone();
+        }
+        let fragment = crate::telemetry::endpoint::fragment(&self.core.status(), &self.metrics);
+        self.dashboard_rendered = Some((Instant::now(), fragment.clone()));
+        fragment
+    }
+
+    /// A member's page asks for the controller's fragment: asked of the controller once for every page
+    /// waiting (again if no answer came within [`DASHBOARD_ASK_AGAIN_MS`]), answered when it arrives.
+    fn ask_controller_dashboard(&mut self, reply: RpcReplyPort<Result<String, String>>) {
+        self.dashboard_waiters.retain(|w| !w.is_closed());
+        if self.dashboard_waiters.len() >= DASHBOARD_WAITERS_MAX {
+            let _ = reply.send(Err(format!("{DASHBOARD_WAITERS_MAX} pages already wait for the controller")));
+            return;
+        }
+        self.dashboard_waiters.push(reply);
+        let waiting =
+            self.dashboard_asked.is_some_and(|at| at.elapsed() < Duration::from_millis(DASHBOARD_ASK_AGAIN_MS));
+        if waiting {
+            return;
+        }
+        if self.core.ask_controller_dashboard() {
+            self.dashboard_asked = Some(Instant::now());
+            return;
+        }
+        let why = if self.core.is_controller() {
+            "this node is the controller".to_owned()
+        } else {
+            "this node is not connected to the controller (yet)".to_owned()
+        };
+        for waiter in self.dashboard_waiters.drain(..) {
+            let _ = waiter.send(Err(why.clone()));
+        }
+    }
+
     fn observe(&self, note: NodeNote) {
         match note {
             NodeNote::ViewChanged { epoch, changes } => self.metrics.on_view_change(epoch, &changes),
@@ -291,7 +355,7 @@ impl Actor for NodeActor {
     type Arguments = NodeArgs;
 
     async fn pre_start(&self, me: ActorRef<NodeMsg>, args: NodeArgs) -> Result<NodeState, ActorProcessingErr> {
-        let NodeArgs { config, identity, endpoint, mut events, stop_reason, metrics, catalog, group } = args;
+        let NodeArgs { config, identity, endpoint, mut events, stop_reason, metrics, catalog, group, dashboard } = args;
         let started = Instant::now();
         // A controller that ran before on this data dir starts past its last epoch and resumes its jobs
         // (with replicated controllers, a node does so when its Raft group elects it).
@@ -306,6 +370,7 @@ impl Actor for NodeActor {
             membership: config.membership.clone(),
             restart: config.restart,
             controllers: config.controller_names(),
+            dashboard,
         };
         let core = NodeCore::new(settings, Duration::ZERO, new_incarnation()?, stored_view, stored_jobs);
         let pump = me.clone();
@@ -331,6 +396,9 @@ impl Actor for NodeActor {
             group,
             unresolved_leader: None,
             attempts: AttemptThreads::default(),
+            dashboard_waiters: Vec::new(),
+            dashboard_asked: None,
+            dashboard_rendered: None,
         };
         if state.group.is_replicated() {
             let (mut leadership, pump) = (state.group.leadership(), me.clone());
@@ -392,6 +460,7 @@ impl Actor for NodeActor {
             NodeMsg::Status(reply) => {
                 let _ = reply.send(state.core.status());
             }
+            NodeMsg::ControllerDashboard(reply) => state.ask_controller_dashboard(reply),
             NodeMsg::Drain(reply) => {
                 state.core.drain();
                 state.act(&me, false).await?;

@@ -54,6 +54,9 @@ pub struct NodeSettings {
     /// ([`NodeCore::become_controller`], [`NodeCore::step_down`]), and every node that loses its
     /// controller tries the others.
     pub controllers: Vec<String>,
+    /// The URL of this node's dashboard, if it serves one: announced in its `Join`
+    /// (`MemberInfo::dashboard`).
+    pub dashboard: Option<String>,
 }
 
 /// What the node does, in order (see the module docs).
@@ -99,6 +102,15 @@ pub enum NodeAction {
     /// Answer `client`'s `ControllersRequest` with the Raft group's status (which the shell holds).
     AnswerControllers {
         client: String,
+    },
+    /// Answer `client`'s `DashboardRequest` (a member's daemon) with this controller's page fragment,
+    /// which the shell draws from its metrics.
+    AnswerDashboard {
+        client: String,
+    },
+    /// The controller answered this node's `DashboardRequest` ([`NodeCore::ask_controller_dashboard`]).
+    ControllerDashboard {
+        fragment: String,
     },
     /// A worker kept failing: the node stops, for this reason.
     Stop {
@@ -259,7 +271,8 @@ impl NodeCore {
         // Recorded before it is announced (a `Fenced` names it): a second restart starts past it too.
         let record = self.stored_view(epoch.0, vec![id.0.clone()]);
         self.actions.push_back(NodeAction::RecordView(record));
-        let info = MemberInfo { name: id.0.clone(), addr: self.settings.addr, slots: self.settings.slots };
+        let (addr, slots, dashboard) = (self.settings.addr, self.settings.slots, self.settings.dashboard.clone());
+        let info = MemberInfo { name: id.0.clone(), addr, slots, dashboard };
         self.members = vec![info.clone()];
         self.controller = Some(Controller {
             membership,
@@ -503,6 +516,15 @@ impl NodeCore {
         }
     }
 
+    /// Asks the connected controller for its dashboard's fragment, answered by
+    /// [`NodeAction::ControllerDashboard`]; false when this node is not connected to a controller (or is
+    /// the controller).
+    pub fn ask_controller_dashboard(&mut self) -> bool {
+        let Some(peer) = self.controller_peer.clone().filter(|_| self.controller.is_none()) else { return false };
+        self.send(&peer, Request::DashboardRequest);
+        true
+    }
+
     /// A job controller's message for a node (dropped once this node is no longer the controller).
     pub fn job_outgoing(&mut self, node: &NodeId, msg: ToNode) {
         if self.controller.is_some() {
@@ -552,7 +574,9 @@ impl NodeCore {
                 MemberAction::SendHeartbeat { .. } => self.send_to_controller(ToController::Heartbeat),
                 MemberAction::SendJoinRequest { incarnation } => {
                     let (slots, addr) = (self.settings.slots, self.settings.addr);
-                    self.send_to_controller(ToController::Join { slots, addr, incarnation: Some(incarnation) });
+                    let dashboard = self.settings.dashboard.clone();
+                    let incarnation = Some(incarnation);
+                    self.send_to_controller(ToController::Join { slots, addr, incarnation, dashboard });
                 }
                 MemberAction::AdoptView(view) => {
                     tracing::info!(node = %self.settings.id, epoch = view.epoch.0, members = view.len(), "adopted view");
@@ -668,8 +692,8 @@ impl NodeCore {
 
     fn controller_message(&mut self, now: Duration, from: NodeId, epoch: u64, msg: ToController) {
         let job_msg = match msg {
-            ToController::Join { slots, addr, incarnation } => {
-                let info = MemberInfo { name: from.0.clone(), addr, slots };
+            ToController::Join { slots, addr, incarnation, dashboard } => {
+                let info = MemberInfo { name: from.0.clone(), addr, slots, dashboard };
                 self.controller.as_mut().expect("controller").members.insert(from.clone(), info);
                 return self.membership_event(now, MembershipEvent::JoinRequest { from, incarnation });
             }
@@ -777,6 +801,10 @@ impl NodeCore {
             }
             Request::ControllersRequest => Some(not_controller),
             _ if self.controller.is_none() => Some(not_controller),
+            Request::DashboardRequest => {
+                self.actions.push_back(NodeAction::AnswerDashboard { client: from.to_owned() });
+                None
+            }
             Request::Submit { spec } => self.submit(from, *spec),
             Request::JobStatusRequest { job } => Some(self.job_reply(job, |_| {})),
             Request::Watch { job, since } => Some(self.watch(from, job, since)),
@@ -944,6 +972,9 @@ impl NodeCore {
         let is_me = from == self.settings.id.0;
         match msg {
             Wire::Request(request) => self.client_message(from, request),
+            Wire::Reply(Reply::Dashboard { fragment }) if self.controller_peer.as_deref() == Some(from) => {
+                self.actions.push_back(NodeAction::ControllerDashboard { fragment });
+            }
             Wire::Reply(reply) if self.controller_peer.as_deref() == Some(from) && self.replicated() => {
                 self.refused_by_controller(from, reply)
             }

@@ -1,6 +1,7 @@
 //! [`NodeCore`]'s role switch with replicated controllers (issue 32): an elected node restores the
 //! replicated jobs as a restarted controller does, a deposed one announces nothing it decided, and
-//! members find the controller through redirects and the list of controllers.
+//! members find the controller through redirects and the list of controllers. And a member's dashboard:
+//! its URL in the controller's status, its page's fragment asked of the controller.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -12,7 +13,7 @@ use super::messages::WorkerMsg;
 use super::node_core::{NodeAction, NodeCore, NodeSettings};
 use crate::catalog::{StoredJob, StoredView};
 use crate::node_config::restart::RestartPolicy;
-use crate::protocol::{Reply, Wire};
+use crate::protocol::{Reply, Request, ToController, Wire};
 
 const T: Duration = Duration::from_secs(1);
 
@@ -30,6 +31,7 @@ fn node(name: &str, port: u16, join: Option<SocketAddr>) -> NodeCore {
         membership: MembershipConfig::default(),
         restart: RestartPolicy::default(),
         controllers: vec!["a".into(), "b".into(), "c".into()],
+        dashboard: Some(format!("http://{name}:9400/")),
     };
     NodeCore::new(settings, Duration::ZERO, 1, None, Vec::new())
 }
@@ -124,4 +126,40 @@ fn a_member_follows_a_redirect_and_tries_the_next_controller_when_one_knows_none
     w.message(T, "c", PeerRole::Node, 0, none);
     w.tick(T);
     assert_eq!(dials(&actions(&mut w)), vec![addr(1)], "back to `join`, the only controller it knows the address of");
+}
+
+#[test]
+fn a_members_dashboard_url_reaches_the_controllers_status_and_its_page_is_fetched_from_the_controller() {
+    let mut b = node("b", 2, None);
+    b.become_controller(T, None, Vec::new());
+    let url = |n: &str| Some(format!("http://{n}:9400/"));
+    let join = ToController::Join { slots: 1, addr: addr(9), incarnation: Some(1), dashboard: url("w") };
+    b.message(T, "w", PeerRole::Node, 0, Wire::ToController(join));
+    b.step_boundary(T);
+    let members: Vec<_> = b.status().members.into_iter().map(|m| (m.name, m.dashboard)).collect();
+    assert_eq!(members, [("b".to_owned(), url("b")), ("w".to_owned(), url("w"))]);
+    actions(&mut b);
+    b.message(T, "w", PeerRole::Node, b.epoch(), Wire::Request(Request::DashboardRequest));
+    let answers = actions(&mut b);
+    assert!(answers.iter().any(|a| matches!(a, NodeAction::AnswerDashboard { client } if client == "w")));
+
+    let mut w = node("w", 9, Some(addr(2)));
+    assert!(!w.ask_controller_dashboard(), "not connected to a controller yet");
+    w.tick(T);
+    w.dialed(T, addr(2), Ok("b".into()), true);
+    actions(&mut w);
+    assert!(w.ask_controller_dashboard());
+    let asked = actions(&mut w).into_iter().any(
+        |a| matches!(a, NodeAction::Send { peer, msg: Wire::Request(Request::DashboardRequest), .. } if peer == "b"),
+    );
+    assert!(asked, "the request goes to the controller over the node's own connection");
+    let page = |fragment: &str| Wire::Reply(Reply::Dashboard { fragment: fragment.into() });
+    w.message(T, "c", PeerRole::Node, 0, page("not from the controller"));
+    w.message(T, "b", PeerRole::Node, 0, page("<section>cluster</section>"));
+    let got: Vec<String> = actions(&mut w)
+        .into_iter()
+        .filter_map(|a| if let NodeAction::ControllerDashboard { fragment } = a { Some(fragment) } else { None })
+        .collect();
+    assert_eq!(got, ["<section>cluster</section>"]);
+    assert!(w.ask_controller_dashboard(), "the answer is no refusal: still connected to b");
 }

@@ -4,6 +4,12 @@
 //! dashboard ([`super::dashboard`]) and `GET /events` its live updates as server-sent events: a new
 //! fragment of the page whenever a job event or a view change passed (at most one a second), or every
 //! few seconds otherwise. Anything else is a `404` naming what is served.
+//!
+//! A member's page shows the cluster through the controller: the controller's own fragment (members,
+//! jobs, charts, timelines, event logs), which the member's node asks of the controller over its
+//! authenticated control connection ([`NodeSources::controller_page`]), under a line saying whose view
+//! it is; refreshed every second while a page is open. When the controller does not answer, the page
+//! says so and shows what the member itself knows.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -36,30 +42,40 @@ const REFRESH_INTERVAL_MS: u64 = 3_000;
 
 const INDEX: &str = "troupe daemon\n  /         the dashboard (HTML, live)\n  /events   the dashboard's live updates (server-sent events)\n  /metrics  Prometheus text format\n  /status   JSON, as `troupe status --json`\n";
 
-/// How the endpoint asks for the node's current status: the daemon passes a call to its node actor.
-/// Telemetry sees the runtime through this and [`NodeMetrics`] only, never through its messages.
-pub type StatusSource = Arc<dyn Fn() -> StatusFuture + Send + Sync>;
-/// One answer of a [`StatusSource`].
-pub type StatusFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Result<ClusterStatus, String>> + Send>>;
+/// How the endpoint asks its node something: the daemon passes a call to its node actor. Telemetry
+/// sees the runtime through these and [`NodeMetrics`] only, never through its messages.
+pub type Source<T> = Arc<dyn Fn() -> SourceFuture<T> + Send + Sync>;
+/// One answer of a [`Source`].
+pub type SourceFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, String>> + Send>>;
+/// The node's current status.
+pub type StatusSource = Source<ClusterStatus>;
 
-/// A [`StatusSource`] from an async function.
-pub fn status_source<F, Fut>(ask: F) -> StatusSource
+/// A [`Source`] from an async function.
+pub fn source<T, F, Fut>(ask: F) -> Source<T>
 where
     F: Fn() -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = Result<ClusterStatus, String>> + Send + 'static,
+    Fut: std::future::Future<Output = Result<T, String>> + Send + 'static,
 {
-    Arc::new(move || -> StatusFuture { Box::pin(ask()) })
+    Arc::new(move || -> SourceFuture<T> { Box::pin(ask()) })
+}
+
+/// What the endpoint asks its node.
+#[derive(Clone)]
+pub struct NodeSources {
+    pub status: StatusSource,
+    /// On a member: the controller's page fragment, fetched by the node from the controller.
+    pub controller_page: Source<String>,
 }
 
 #[derive(Clone)]
 struct App {
-    node: StatusSource,
+    node: NodeSources,
     metrics: Arc<NodeMetrics>,
     streams: Arc<Semaphore>,
 }
 
 /// The endpoint's routes.
-pub fn router(node: StatusSource, metrics: Arc<NodeMetrics>) -> Router {
+pub fn router(node: NodeSources, metrics: Arc<NodeMetrics>) -> Router {
     let app = App { node, metrics, streams: Arc::new(Semaphore::new(EVENT_STREAMS_MAX)) };
     Router::new()
         .route("/", get(dashboard))
@@ -73,18 +89,22 @@ pub fn router(node: StatusSource, metrics: Arc<NodeMetrics>) -> Router {
 /// Serves the endpoint on `listener` (over TLS with `tls`) until the returned task is aborted.
 pub fn spawn(
     listener: TcpListener,
-    node: StatusSource,
+    node: NodeSources,
     metrics: Arc<NodeMetrics>,
     tls: Option<Arc<rustls::ServerConfig>>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(serve(listener, router(node, metrics), tls))
 }
 
-async fn status(node: &StatusSource) -> Result<ClusterStatus, String> {
-    match tokio::time::timeout(Duration::from_millis(STATUS_TIMEOUT_MS), node()).await {
-        Ok(answer) => answer.map_err(|e| format!("the node did not answer: {e}\n")),
-        Err(_) => Err(format!("the node did not answer within {STATUS_TIMEOUT_MS} ms\n")),
+async fn ask<T>(source: &Source<T>, who: &str) -> Result<T, String> {
+    match tokio::time::timeout(Duration::from_millis(STATUS_TIMEOUT_MS), source()).await {
+        Ok(answer) => answer.map_err(|e| format!("{who} did not answer: {e}\n")),
+        Err(_) => Err(format!("{who} did not answer within {STATUS_TIMEOUT_MS} ms\n")),
     }
+}
+
+async fn status(node: &NodeSources) -> Result<ClusterStatus, String> {
+    ask(&node.status, "the node").await
 }
 
 fn unavailable(why: String) -> Response {
@@ -108,20 +128,36 @@ async fn status_json(State(app): State<App>) -> Response {
     }
 }
 
-fn fragment_of(app: &App, status: &ClusterStatus) -> String {
-    page::fragment(status, &app.metrics.dashboard(&page::drawn(status)))
+/// The live part of the page as this daemon sees the cluster: with `status` and the histories of
+/// `metrics` (the controller's; a member keeps none). The controller answers a member's
+/// `DashboardRequest` with it.
+pub fn fragment(status: &ClusterStatus, metrics: &NodeMetrics) -> String {
+    page::fragment(status, &metrics.dashboard(&page::drawn(status)))
 }
 
-async fn fragment(app: &App) -> String {
+/// The live part of this daemon's page: its own on the controller; on a member the controller's,
+/// fetched through the node, or what the member knows when the controller does not answer.
+async fn page_fragment(app: &App, status: &ClusterStatus) -> String {
+    if status.controller {
+        return fragment(status, &app.metrics);
+    }
+    match ask(&app.node.controller_page, "the controller").await {
+        Ok(controllers) => page::through_controller(status, &controllers),
+        Err(why) => page::without_controller(status, &why, &fragment(status, &app.metrics)),
+    }
+}
+
+/// The page's live part and whether it came through the controller (see [`page_fragment`]).
+async fn live_fragment(app: &App) -> (String, bool) {
     match status(&app.node).await {
-        Ok(status) => fragment_of(app, &status),
-        Err(why) => page::unavailable(&why),
+        Ok(status) => (page_fragment(app, &status).await, !status.controller),
+        Err(why) => (page::unavailable(&why), false),
     }
 }
 
 async fn dashboard(State(app): State<App>) -> Response {
     match status(&app.node).await {
-        Ok(status) => Html(page::document(&status.node, &fragment_of(&app, &status))).into_response(),
+        Ok(status) => Html(page::document(&status.node, &page_fragment(&app, &status).await)).into_response(),
         Err(why) => unavailable(why),
     }
 }
@@ -133,16 +169,21 @@ async fn events(State(app): State<App>) -> Response {
         return unavailable(format!("{EVENT_STREAMS_MAX} dashboards are already open on this daemon; close one\n"));
     };
     let changes = app.metrics.subscribe();
-    let start = Updates { app, changes, _permit: permit, last: String::new(), first: true };
+    let start = Updates { app, changes, _permit: permit, last: String::new(), first: true, member: false };
     let stream = futures::stream::unfold(start, |mut u| async move {
         loop {
             if !u.first {
                 tokio::time::sleep(Duration::from_millis(UPDATE_INTERVAL_MS)).await;
-                let refresh = Duration::from_millis(REFRESH_INTERVAL_MS - UPDATE_INTERVAL_MS);
-                let _ = tokio::time::timeout(refresh, u.changes.changed()).await;
+                // A member hears of no job event: it asks the controller again every update interval.
+                if !u.member {
+                    let refresh = Duration::from_millis(REFRESH_INTERVAL_MS - UPDATE_INTERVAL_MS);
+                    let _ = tokio::time::timeout(refresh, u.changes.changed()).await;
+                }
             }
             u.first = false;
-            let fragment = fragment(&u.app).await.replace('\r', "");
+            let (fragment, member) = live_fragment(&u.app).await;
+            u.member = member;
+            let fragment = fragment.replace('\r', "");
             if fragment != u.last {
                 let event = Event::default().event("update").data(&fragment);
                 u.last = fragment;
@@ -160,6 +201,8 @@ struct Updates {
     _permit: OwnedSemaphorePermit,
     last: String,
     first: bool,
+    /// The last fragment came through the controller (this daemon is a member).
+    member: bool,
 }
 
 async fn not_found(uri: Uri) -> Response {

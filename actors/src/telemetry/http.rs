@@ -57,6 +57,15 @@ pub fn server_tls(
     Ok(Arc::new(config))
 }
 
+/// The URL of a dashboard served on `at` as the daemon announces it to the cluster (`troupe status`,
+/// `troupe dashboard`): `at` itself, or — listening on every interface (0.0.0.0 or ::) — at the IP of
+/// the daemon's control address `control` when that names one.
+pub fn dashboard_url(https: bool, at: SocketAddr, control: SocketAddr) -> String {
+    let scheme = if https { "https" } else { "http" };
+    let host = if at.ip().is_unspecified() && !control.ip().is_unspecified() { control.ip() } else { at.ip() };
+    format!("{scheme}://{}/", SocketAddr::new(host, at.port()))
+}
+
 /// Binds `addr` now (so a taken port is an error at start, not later), for [`serve`].
 pub fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     let listener = std::net::TcpListener::bind(addr)?;
@@ -161,6 +170,15 @@ mod tests {
         let mut answer = Vec::new();
         let _ = raw.read_to_end(&mut answer).await;
         String::from_utf8_lossy(&answer).into_owned()
+    }
+
+    #[test]
+    fn a_dashboard_on_every_interface_is_announced_at_the_control_address() {
+        let at = |s: &str| s.parse::<SocketAddr>().unwrap();
+        assert_eq!(dashboard_url(false, at("127.0.0.1:9400"), at("10.0.0.2:7000")), "http://127.0.0.1:9400/");
+        assert_eq!(dashboard_url(true, at("0.0.0.0:9400"), at("10.0.0.2:7000")), "https://10.0.0.2:9400/");
+        assert_eq!(dashboard_url(false, at("0.0.0.0:9400"), at("0.0.0.0:7000")), "http://0.0.0.0:9400/");
+        assert_eq!(dashboard_url(false, at("[::]:9400"), at("[fd00::2]:7000")), "http://[fd00::2]:9400/");
     }
 
     #[tokio::test]

@@ -672,7 +672,12 @@ mod tests {
     use crate::telemetry::prometheus::{parse, Sample};
 
     fn status(step: u64) -> ClusterStatus {
-        let member = |name: &str| MemberInfo { name: name.into(), addr: "127.0.0.1:1".parse().unwrap(), slots: 1 };
+        let member = |name: &str| MemberInfo {
+            name: name.into(),
+            addr: "127.0.0.1:1".parse().unwrap(),
+            slots: 1,
+            dashboard: None,
+        };
         ClusterStatus {
             node: "a".into(),
             controller: true,

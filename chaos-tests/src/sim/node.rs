@@ -54,6 +54,7 @@ pub(super) fn new_core(
         membership: w.cfg.membership.clone(),
         restart: RestartPolicy { max_restarts: u32::MAX, window_ms: 1 },
         controllers: Vec::new(),
+        dashboard: None,
     };
     NodeCore::new(settings, dur(w.now), first_incarnation(inc), stored_view, stored_jobs)
 }
@@ -105,6 +106,7 @@ impl World<'_> {
                 NodeAction::Dial { .. } => self.dial(n),
                 // Only a replicated controller steps down, which this simulation does not model yet.
                 NodeAction::AnswerControllers { .. } => {}
+                NodeAction::AnswerDashboard { .. } | NodeAction::ControllerDashboard { .. } => {}
                 NodeAction::StopJobs => self.check.fail(self.now, format!("{} stepped down", self.nodes[n].id)),
                 NodeAction::RestartWorker { slot } => {
                     let winc = self.nodes[n].workers[slot].winc + 1;

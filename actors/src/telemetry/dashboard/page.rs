@@ -4,6 +4,7 @@
 //! HTML fragment with the SVG pictures `troupe plot` and `troupe trace` draw. The page shows the fragment
 //! it was served with, then replaces it with each one the daemon pushes over `/events` (server-sent
 //! events). Rows and log entries carry `data-*` attributes so that tests (and scripts) can read them.
+//! A member's page is the controller's fragment under a line naming the member ([`through_controller`]).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -65,6 +66,33 @@ const source=new EventSource('events');\
 source.addEventListener('update',e=>{live.innerHTML=e.data;badge.textContent='live';badge.className='live';});\
 source.onerror=()=>{badge.textContent='reconnecting…';badge.className='stale';};";
 
+/// A member's fragment: `controllers` (the controller's own fragment, fetched over the control plane)
+/// under a line that says which daemon's page this is and whose view it shows.
+pub fn through_controller(status: &ClusterStatus, controllers: &str) -> String {
+    let controller = controller_name(status);
+    format!(
+        r#"<section id="viewer" data-node="{node}" data-role="member" data-through="{controller}"><p>This is the page of <b>{node}</b>, a member: the cluster as the controller <b>{controller}</b> sees it, fetched from it over this daemon's control connection.</p></section>{controllers}"#,
+        node = escape(&status.node),
+        controller = escape(&controller),
+    )
+}
+
+/// A member's fragment when the controller's did not come: why, then what the member knows (`own`).
+pub fn without_controller(status: &ClusterStatus, why: &str, own: &str) -> String {
+    format!(
+        r#"<section id="viewer" data-node="{node}" data-role="member" data-through=""><p>This is the page of <b>{node}</b>, a member. The controller ({controller}) did not answer — {why} — so this is what {node} itself knows; the page retries every second.</p></section>{own}"#,
+        node = escape(&status.node),
+        controller = escape(&controller_name(status)),
+        why = escape(why.trim()),
+    )
+}
+
+/// The controller's name as a member knows it (the member at its address), else its address.
+fn controller_name(status: &ClusterStatus) -> String {
+    let Some(at) = status.controller_addr else { return "unknown".to_owned() };
+    status.members.iter().find(|m| m.addr == at).map_or_else(|| at.to_string(), |m| m.name.clone())
+}
+
 /// The page's fragment when the node does not answer.
 pub fn unavailable(why: &str) -> String {
     format!("<section><h2>This daemon's node did not answer</h2><p>{}</p></section>", escape(why))
@@ -88,7 +116,7 @@ pub fn fragment(status: &ClusterStatus, jobs: &BTreeMap<JobId, JobSnapshot>) -> 
     let role = if status.controller { "controller" } else { "member" };
     let _ = write!(
         out,
-        r#"<section id="cluster" data-node="{node}" data-role="{role}" data-epoch="{epoch}"><h2>Cluster</h2><p>This is <b>{node}</b>, the cluster's {role}; membership epoch <b>{epoch}</b>, {n} member(s){joining}.</p>"#,
+        r#"<section id="cluster" data-node="{node}" data-role="{role}" data-epoch="{epoch}"><h2>Cluster</h2><p><b>{node}</b> is the cluster's {role}; membership epoch <b>{epoch}</b>, {n} member(s){joining}.</p>"#,
         node = escape(&status.node),
         epoch = status.epoch,
         n = status.members.len(),
@@ -135,7 +163,7 @@ pub fn drawn(status: &ClusterStatus) -> Vec<JobId> {
 /// Members with their slots and what runs on them (each rank's job, state, step and peak memory).
 fn members(out: &mut String, status: &ClusterStatus, jobs: &BTreeMap<JobId, JobSnapshot>) {
     out.push_str(
-        r#"<table id="members"><tr><th>member</th><th>address</th><th>slots</th><th>in use</th><th>ranks</th></tr>"#,
+        r#"<table id="members"><tr><th>member</th><th>address</th><th>slots</th><th>in use</th><th>ranks</th><th>dashboard</th></tr>"#,
     );
     for m in &status.members {
         let mut ranks = Vec::new();
@@ -150,9 +178,16 @@ fn members(out: &mut String, status: &ClusterStatus, jobs: &BTreeMap<JobId, JobS
                 ranks.push(format!("job {} rank {rank} ({}{step}{memory})", job.id, state_name(&r.state)));
             }
         }
+        let dashboard = match m.dashboard.as_deref() {
+            Some(url) if url.starts_with("http://") || url.starts_with("https://") => {
+                format!(r#"<a href="{url}">{url}</a>"#, url = escape(url))
+            }
+            Some(other) => escape(other),
+            None => "–".to_owned(),
+        };
         let _ = write!(
             out,
-            r#"<tr class="member" data-name="{name}"><td>{name}</td><td>{addr}</td><td class="n">{slots}</td><td class="n">{used}/{slots}</td><td>{ranks}</td></tr>"#,
+            r#"<tr class="member" data-name="{name}"><td>{name}</td><td>{addr}</td><td class="n">{slots}</td><td class="n">{used}/{slots}</td><td>{ranks}</td><td>{dashboard}</td></tr>"#,
             name = escape(&m.name),
             addr = m.addr,
             slots = m.slots,
@@ -248,4 +283,53 @@ fn job_section(out: &mut String, job: &JobInfo, snapshot: Option<&JobSnapshot>) 
         let _ = write!(out, r#"<li class="{kind}" data-kind="{kind}">{}</li>"#, escape(line));
     }
     out.push_str("</ol></section>");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::MemberInfo;
+
+    fn member_status() -> ClusterStatus {
+        let member = |name: &str, port: u16, dashboard: Option<&str>| MemberInfo {
+            name: name.into(),
+            addr: ([10, 0, 0, 1], port).into(),
+            slots: 1,
+            dashboard: dashboard.map(str::to_owned),
+        };
+        ClusterStatus {
+            node: "node-1".into(),
+            controller: false,
+            controller_addr: Some(([10, 0, 0, 1], 7000).into()),
+            epoch: 2,
+            members: vec![
+                member("node-0", 7000, Some("http://10.0.0.1:9400/")),
+                member("node-1", 7001, Some("javascript:alert(1)")),
+            ],
+            joining: Vec::new(),
+            jobs: Vec::new(),
+            refused_stale: 0,
+            changes: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_members_page_names_itself_and_the_controller_it_shows_the_cluster_through() {
+        let status = member_status();
+        let page = through_controller(&status, "<section id=\"cluster\">the controller's</section>");
+        assert!(
+            page.starts_with(r#"<section id="viewer" data-node="node-1" data-role="member" data-through="node-0">"#)
+        );
+        assert!(page.ends_with("<section id=\"cluster\">the controller's</section>"), "{page}");
+        let alone = without_controller(&status, "no answer within 2000 ms\n", "<p>own</p>");
+        assert!(alone.contains(r#"data-through="""#) && alone.contains("no answer within 2000 ms —"), "{alone}");
+        assert!(alone.ends_with("<p>own</p>"));
+    }
+
+    #[test]
+    fn members_link_their_dashboards_and_only_http_urls_become_links() {
+        let page = fragment(&member_status(), &BTreeMap::new());
+        assert!(page.contains(r#"<a href="http://10.0.0.1:9400/">http://10.0.0.1:9400/</a>"#), "{page}");
+        assert!(page.contains("<td>javascript:alert(1)</td>") && !page.contains(r#"href="javascript"#), "{page}");
+    }
 }
