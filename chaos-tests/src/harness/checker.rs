@@ -675,6 +675,37 @@ mod tests {
     }
 
     #[test]
+    fn a_take_over_needs_a_new_leader_in_a_later_term_and_the_old_one_back_as_a_member() {
+        use super::super::nemesis::{Leader, Takeover};
+        let t0 = Instant::now();
+        let leader = |name: &str, term| Leader { index: 0, name: name.into(), term };
+        let paused = |after: Option<Leader>, stepped_down: Option<&str>| Injected {
+            healed: Some(t0 + Duration::from_secs(3)),
+            takeover: Some(Takeover {
+                before: leader("node-0", 2),
+                after,
+                stepped_down: stepped_down.map(str::to_owned),
+            }),
+            ..Injected::new(FaultKind::Pause, vec!["node-0".into()], vec![0], t0)
+        };
+        let rejoined = vec![(
+            t0 + Duration::from_secs(4),
+            JobEvent::Membership { epoch: 6, world: 3, changes: vec!["Joined(NodeId(\"node-0\"))".into()] },
+        )];
+        let good = paused(Some(leader("node-2", 3)), Some("node-0 is no longer the controller (...)"));
+        assert!(taken_over(std::slice::from_ref(&good)).passed);
+        let check = deposed(&rejoined, std::slice::from_ref(&good));
+        assert!(check.passed && check.detail.contains("joined again at epoch 6"), "{check:?}");
+        // No new leader, or the same one again in its own term: not a take-over.
+        assert!(!taken_over(&[paused(None, None)]).passed);
+        assert!(!taken_over(&[paused(Some(leader("node-0", 3)), None)]).passed);
+        // Back, but it never said it stepped down; or it did and was never admitted again.
+        assert!(!deposed(&rejoined, &[paused(Some(leader("node-2", 3)), None)]).passed);
+        assert!(!deposed(&[], std::slice::from_ref(&good)).passed);
+        assert!(!taken_over(&[]).passed, "no fault on the controller");
+    }
+
+    #[test]
     fn a_fault_after_the_last_step_tested_nothing() {
         let t0 = Instant::now();
         let kill = |after_ms: u64| {
