@@ -275,6 +275,9 @@ async fn headless_chromium_follows_a_job_live_and_sees_a_killed_node_leave() {
         });
         let seen = job_step(&page);
         browser.until("the step advancing on the member's page", |p| job_step(p) >= seen + 2);
+        let member_shot = shot.with_file_name("dashboard-member.png");
+        browser.screenshot(&member_shot);
+        eprintln!("member's dashboard screenshot: {}", member_shot.display());
     });
     browsing.await.expect("the browser checks pass");
 
