@@ -11,6 +11,7 @@
 //! `tensor_parallel`.
 
 mod data_parallel;
+mod periodic;
 mod tensor_parallel;
 
 use std::path::PathBuf;
@@ -97,6 +98,15 @@ pub struct BenchTrainArgs {
     /// With `--tp`: sequence parallelism off (the norms and the residual stream replicated).
     #[arg(long)]
     pub no_sp: bool,
+    /// With `--world N ≥ 2`: how the replicas synchronize (parallel.sync). `local_sgd` or `diloco` is
+    /// measured beside DDP in the same repetitions, on the same token budget: tokens/s, bytes the ranks
+    /// sent per step (the daemons' link counters) and the validation loss of each final model (a tenth of
+    /// the corpus held out).
+    #[arg(long, value_parser = ["every_step", "local_sgd", "diloco"], default_value = "every_step")]
+    pub sync: String,
+    /// Local steps between synchronizations with `--sync local_sgd | diloco` (parallel.sync_every).
+    #[arg(long, value_name = "H", default_value_t = 8)]
+    pub sync_every: u64,
     /// JSON output (one object).
     #[arg(long)]
     pub json: bool,
@@ -114,6 +124,12 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         let model = bench_model(&args.model, args.context)?;
         tensor_parallel::check(&args, &model, tp)?;
         return tensor_parallel::run(args, model, tp);
+    }
+    if args.sync != "every_step" && (args.world < 2 || args.shard != "none" || args.tp.is_some()) {
+        bail!(
+            "--sync {} runs replicas on daemons beside DDP: use --world 2 (or more) without --shard or --tp",
+            args.sync
+        );
     }
     if args.sp || args.no_sp {
         bail!("--sp / --no-sp go with --tp: add --tp 2 (or more), or drop them");

@@ -59,6 +59,20 @@ pub struct TrainArgs {
     /// Recompute activations in backward instead of keeping them.
     #[arg(long)]
     pub recompute: bool,
+    /// How often the data-parallel replicas synchronize (parallel.sync): every step (DDP), or every
+    /// --sync-every local steps by averaging their parameters (local_sgd) or by DiLoCo's outer Nesterov
+    /// step on the averaged delta (diloco). Needs --nodes (or --cluster).
+    #[arg(long, value_parser = ["every_step", "local_sgd", "diloco"])]
+    pub sync: Option<String>,
+    /// Local steps between synchronizations with --sync local_sgd / diloco (parallel.sync_every).
+    #[arg(long, value_name = "H")]
+    pub sync_every: Option<u64>,
+    /// DiLoCo's outer learning rate (parallel.outer_lr; default 0.7).
+    #[arg(long)]
+    pub outer_lr: Option<f64>,
+    /// DiLoCo's outer Nesterov momentum (parallel.outer_momentum; default 0.9).
+    #[arg(long)]
+    pub outer_momentum: Option<f64>,
     /// Write the final parameters to this safetensors file.
     #[arg(long, value_name = "PATH.safetensors")]
     pub save_final: Option<PathBuf>,
@@ -117,11 +131,15 @@ impl TrainArgs {
         parallel.microbatches = self.microbatches.unwrap_or(parallel.microbatches);
         parallel.virtual_stages = self.virtual_stages.unwrap_or(parallel.virtual_stages);
         parallel.recompute |= self.recompute;
+        parallel.sync_every = self.sync_every.unwrap_or(parallel.sync_every);
+        parallel.outer_lr = self.outer_lr.unwrap_or(parallel.outer_lr);
+        parallel.outer_momentum = self.outer_momentum.unwrap_or(parallel.outer_momentum);
         for (flag, value) in [
             (&mut parallel.schedule, &self.schedule),
             (&mut parallel.balance, &self.balance),
             (&mut parallel.shard, &self.shard),
             (&mut parallel.precision, &self.precision),
+            (&mut parallel.sync, &self.sync),
         ] {
             if let Some(v) = value {
                 flag.clone_from(v);
@@ -144,6 +162,9 @@ impl TrainArgs {
         }
         self.check_tensor_world(&config)?;
         let distributed = self.cluster.is_some() || nodes > 1;
+        if !distributed && config.parallel.periodic_sync() {
+            bail!("--sync {}: replicas synchronize across ranks, and one process trains one; add --nodes N (N ≥ 2 daemons, one replica each) or --cluster", config.parallel.sync);
+        }
         if distributed && self.resume.is_some() {
             bail!("--resume: on a cluster, pass --checkpoint-dir instead: a job whose checkpoint directory holds a valid checkpoint continues from the newest one");
         }

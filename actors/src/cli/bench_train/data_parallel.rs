@@ -42,6 +42,10 @@ pub(super) struct ClusterRun {
     pub(super) first_loss: f64,
     /// VmHWM of each daemon, by rank.
     pub(super) peak_rss_bytes: Vec<u64>,
+    /// Bytes all ranks sent to each other over the job (with `Variant::counted`).
+    pub(super) bytes_sent: Option<u64>,
+    /// The validation loss of the final model (with `Variant::counted`).
+    pub(super) eval_loss: Option<f64>,
 }
 
 pub(super) fn run(
@@ -72,7 +76,20 @@ pub(super) fn run(
         _ => "fp32",
     };
     let (model, peer_config) = peer_model(model, base)?;
-    let measured = Variant { overlap: true, bucket_mib: args.bucket_mib, shard, precision, tp: 1, sp: false };
+    let sync: &'static str = match args.sync.as_str() {
+        "local_sgd" => "local_sgd",
+        "diloco" => "diloco",
+        _ => "every_step",
+    };
+    let counted = sync != "every_step";
+    let measured = Variant {
+        bucket_mib: args.bucket_mib,
+        shard,
+        sync,
+        sync_every: args.sync_every,
+        counted,
+        ..Variant::ddp(precision)
+    };
     let runs = measure_repeats(&args, &runtime, (&model, peer_config.as_ref()), threads, measured)?;
     let medians = runs.medians(args.peer);
     let report = runs.report(&args, &model, threads, shard, &medians);
@@ -115,6 +132,7 @@ fn measure_repeats(
     for _ in 0..args.repeats.max(1) {
         runs.ours.push(runtime.block_on(measure_cluster(model, world, args.steps, threads, measured))?);
         let baseline = match shard {
+            _ if measured.sync != "every_step" => Variant { sync: "every_step", ..measured },
             "none" => Variant { overlap: false, shard, ..measured },
             _ => Variant { shard: "none", ..measured },
         };
@@ -172,7 +190,18 @@ impl Repetitions {
             "peak_rss_mib_per_rank": peak_mib,
             "overlap_comm": true, "bucket_mib": if args.bucket_mib > 0 { args.bucket_mib } else { 25 },
         });
-        if shard == "none" {
+        if args.sync != "every_step" {
+            let figures = |runs: &[ClusterRun]| -> Vec<super::periodic::RunFigures> {
+                let figures = |r: &ClusterRun| super::periodic::RunFigures {
+                    tokens_per_s: r.tokens_per_s,
+                    final_loss: r.final_loss,
+                    bytes_sent: r.bytes_sent,
+                    eval_loss: r.eval_loss,
+                };
+                runs.iter().map(figures).collect()
+            };
+            extend_report(&mut report, super::periodic::report(args, &figures(ours), &figures(&self.sequential)));
+        } else if shard == "none" {
             let extra = json!({
                 "tokens_per_s_no_overlap": sequential_tps, "tokens_per_s_no_overlap_runs": sequential_runs,
                 "overlap_speedup": tokens_per_s / sequential_tps,
@@ -213,8 +242,13 @@ fn print_lines(
     medians: &Medians,
 ) {
     let (world, tokens_per_s, sequential_tps) = (args.world, medians.tokens_per_s, medians.sequential);
-    let mode = if shard == "none" { "DDP".to_string() } else { shard.to_uppercase().replace("ZERO", "ZeRO-") };
+    let mode = match shard {
+        _ if args.sync != "every_step" => format!("{} H={}", args.sync, args.sync_every),
+        "none" => "DDP".to_string(),
+        _ => shard.to_uppercase().replace("ZERO", "ZeRO-"),
+    };
     let reduce = match shard {
+        _ if args.sync != "every_step" => "local steps, the replicas' parameters all-reduced every H steps",
         "none" => "all-reduce overlapped with backward",
         "zero1" => "all-reduce after the backward, AdamW on each rank's shard + its buddy copy",
         "zero3" => "parameters gathered per unit just in time, gradients reduced per unit to their owners, AdamW on each rank's shard + its buddy copy",
@@ -225,7 +259,9 @@ fn print_lines(
         args.model,
         mib_list(&report["peak_rss_mib_per_rank"])
     );
-    if shard == "none" {
+    if args.sync != "every_step" {
+        super::periodic::print_line(report);
+    } else if shard == "none" {
         println!("troupe   {sequential_tps:>9.0} tokens/s  (the same, all-reduce after the whole backward)");
     } else {
         println!(
@@ -259,6 +295,21 @@ pub(super) struct Variant {
     pub(super) tp: usize,
     /// `parallel.sp` (with `tp` > 1).
     pub(super) sp: bool,
+    /// `parallel.sync` and `parallel.sync_every`.
+    pub(super) sync: &'static str,
+    pub(super) sync_every: u64,
+    /// The figures a periodic synchronization is compared by: the bytes the ranks send (the daemons
+    /// serve `/metrics`, read after the job) and the validation loss of the final model (a tenth of the
+    /// corpus held out, evaluated after the last step).
+    pub(super) counted: bool,
+}
+
+impl Variant {
+    /// DDP, overlapped, default buckets, in `precision`.
+    pub(super) fn ddp(precision: &'static str) -> Self {
+        let (sync, sync_every, counted) = ("every_step", 1, false);
+        Self { overlap: true, bucket_mib: 0, shard: "none", precision, tp: 1, sp: false, sync, sync_every, counted }
+    }
 }
 
 /// One repetition: a fresh cluster of `world` daemons, one job training `model` for `steps` timed steps
@@ -274,8 +325,15 @@ pub(super) async fn measure_cluster(
     let mut options = LocalClusterOptions::new(world);
     options.torch_threads = threads;
     options.membership.failure_timeout_ms = FAILURE_TIMEOUT_MS;
+    if variant.counted {
+        options.telemetry.metrics_listen = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
+    }
     let cluster = LocalCluster::processes(&binary, options).await?;
     let outcome = run_job(&cluster, model, world, steps, threads, variant).await;
+    let bytes_sent = match variant.counted {
+        true => Some(super::periodic::bytes_sent(&cluster, world).await?),
+        false => None,
+    };
     let peaks: anyhow::Result<Vec<u64>> = (0..world)
         .map(|i| {
             let pid = cluster.pid(i).context("the local cluster's daemons are not processes")?;
@@ -284,11 +342,12 @@ pub(super) async fn measure_cluster(
         })
         .collect();
     cluster.shutdown().await;
-    let (tokens_per_s, first_loss, final_loss) = outcome?;
-    Ok(ClusterRun { tokens_per_s, final_loss, first_loss, peak_rss_bytes: peaks? })
+    let (tokens_per_s, first_loss, final_loss, eval_loss) = outcome?;
+    Ok(ClusterRun { tokens_per_s, final_loss, first_loss, peak_rss_bytes: peaks?, bytes_sent, eval_loss })
 }
 
-/// Submits the job and follows it to the end; (steady tokens/s, first loss, last loss).
+/// Submits the job and follows it to the end; (steady tokens/s, first loss, last loss, the last validation
+/// loss when the job evaluates).
 async fn run_job(
     cluster: &LocalCluster,
     model: &ModelConfig,
@@ -296,7 +355,7 @@ async fn run_job(
     steps: u64,
     threads: usize,
     variant: Variant,
-) -> anyhow::Result<(f64, f64, f64)> {
+) -> anyhow::Result<(f64, f64, f64, Option<f64>)> {
     let replicas = world / variant.tp;
     let mut config = JobConfig { model: model.clone(), ..JobConfig::default() };
     config.train.steps = steps + WARMUP_STEPS;
@@ -309,12 +368,18 @@ async fn run_job(
     config.parallel.precision = variant.precision.into();
     config.parallel.tp = variant.tp;
     config.parallel.sp = variant.sp;
+    config.parallel.sync = variant.sync.into();
+    config.parallel.sync_every = variant.sync_every;
+    if variant.counted {
+        config.data.val_fraction = 0.1;
+        config.train.eval_every = config.train.steps;
+    }
     let tokens_per_step = (config.train.global_batch * config.model.context) as u64;
     let job = Job::new(config).name("bench-train").data_parallel(replicas, variant.shard).elastic(world, world, 0);
     let mut handle = cluster.client().await?.submit(job).await?;
     let started = Instant::now();
     let mut commits = Vec::new();
-    let (mut first_loss, mut loss) = (f64::NAN, f64::NAN);
+    let (mut first_loss, mut loss, mut eval_loss) = (f64::NAN, f64::NAN, None);
     let outcome = loop {
         let next = tokio::time::timeout(Duration::from_millis(EVENT_WAIT_MS_MAX), handle.next_event()).await;
         let Ok(event) = next else {
@@ -349,8 +414,8 @@ async fn run_job(
             | JobEvent::Waiting { .. }
             | JobEvent::Saved { .. }
             | JobEvent::Checkpoint { .. }
-            | JobEvent::Eval { .. }
             | JobEvent::Phases { .. } => {}
+            JobEvent::Eval { loss, .. } => eval_loss = Some(loss),
             JobEvent::RolledBack { .. } => break Err(anyhow::anyhow!("the job rolled back during the benchmark")),
             JobEvent::Finished { .. } => break Ok(()),
             JobEvent::Failed { reason } => break Err(anyhow::anyhow!("the job failed: {reason}")),
@@ -363,7 +428,7 @@ async fn run_job(
         .with_context(|| {
             format!("the commits of steps {WARMUP_STEPS} and {} were not both seen", steps + WARMUP_STEPS)
         })?;
-    Ok((tokens_per_s, first_loss, loss))
+    Ok((tokens_per_s, first_loss, loss, eval_loss))
 }
 
 /// Tokens per second from the commit of step `from` to the commit of step `to`, given each committed

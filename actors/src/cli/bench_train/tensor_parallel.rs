@@ -96,7 +96,7 @@ pub(super) fn run(args: BenchTrainArgs, model: ModelConfig, tp: usize) -> anyhow
         .enable_all()
         .build()
         .context("starting the tokio runtime")?;
-    let base = Variant { overlap: true, bucket_mib: 0, shard: "none", precision: "fp32", tp: 1, sp: false };
+    let base = Variant { tp: 1, ..Variant::ddp("fp32") };
     let tensor = Variant { tp, sp: sp(&args), ..base };
     let mut runs = Repetitions { ours: Vec::new(), dp: Vec::new(), peers: Vec::new() };
     for _ in 0..args.repeats.max(1) {
