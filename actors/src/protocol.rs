@@ -523,6 +523,10 @@ pub enum ToController {
         /// The URL of the node's dashboard, if it serves one (`MemberInfo::dashboard`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         dashboard: Option<String>,
+        /// The controller-eligible nodes the joiner's node.toml `controllers` lists, by name: a controller
+        /// that lists others refuses the join (`ToNode::Refused`). Absent from older nodes: not compared.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        controllers: Option<Vec<String>>,
     },
     Heartbeat,
     /// Clean departure (SIGTERM drain).
@@ -606,6 +610,9 @@ pub enum ToNode {
         #[serde(default)]
         jobs: Vec<JobId>,
     },
+    /// Your join is refused for good: your config does not match the cluster's (e.g. node.toml
+    /// `controllers` lists other controllers than the controller's). The node stops, saying `reason`.
+    Refused { reason: String },
     /// Get ready for an attempt of `job` on `ranks` (this node's workers find their own slots).
     Prepare {
         job: JobId,
@@ -746,8 +753,9 @@ mod tests {
     #[test]
     fn a_join_without_an_incarnation_still_decodes() {
         let addr: SocketAddr = "10.0.0.1:7000".parse().unwrap();
-        let join =
-            |incarnation| Wire::ToController(ToController::Join { slots: 2, addr, incarnation, dashboard: None });
+        let join = |incarnation| {
+            Wire::ToController(ToController::Join { slots: 2, addr, incarnation, dashboard: None, controllers: None })
+        };
         assert_eq!(Wire::decode(&join(Some(7)).encode()), Ok(join(Some(7))));
         let old = br#"{"type":"join","slots":2,"addr":"10.0.0.1:7000"}"#;
         assert_eq!(Wire::decode(old), Ok(join(None)));
@@ -760,7 +768,13 @@ mod tests {
     fn a_members_dashboard_is_optional_on_the_wire() {
         let addr: SocketAddr = "10.0.0.1:7000".parse().unwrap();
         let url = Some("http://10.0.0.1:9400/".to_owned());
-        let join = Wire::ToController(ToController::Join { slots: 1, addr, incarnation: None, dashboard: url.clone() });
+        let join = Wire::ToController(ToController::Join {
+            slots: 1,
+            addr,
+            incarnation: None,
+            dashboard: url.clone(),
+            controllers: None,
+        });
         assert_eq!(Wire::decode(&join.encode()), Ok(join));
         let member = MemberInfo { name: "node-1".into(), addr, slots: 1, dashboard: url };
         let json = serde_json::to_value(&member).unwrap();

@@ -94,6 +94,29 @@ pub fn check(
     Ok((entries, warnings))
 }
 
+/// Why the controller `controller` (listing `ours` in its node.toml `controllers`) refuses the join of
+/// `joiner` (listing `theirs`, by name), if it does: with a replicated controller on either side every
+/// node must list the same controllers — a node that lists others would follow, and vote for, a different
+/// group. One controller on both sides (none or one listed) is today's cluster and is not compared.
+pub fn join_mismatch(joiner: &str, theirs: &[String], controller: &str, ours: &[String]) -> Option<String> {
+    let sorted = |list: &[String]| {
+        let mut names = list.to_vec();
+        names.sort();
+        names
+    };
+    let (theirs, ours) = (sorted(theirs), sorted(ours));
+    if (theirs.len() < 2 && ours.len() < 2) || theirs == ours {
+        return None;
+    }
+    let show = |names: &[String]| if names.is_empty() { "none".to_owned() } else { names.join(", ") };
+    Some(format!(
+        "{joiner}'s node.toml `controllers` lists {} but the controller {controller}'s node.toml `controllers` \
+         lists {}: every node must list the same controllers; copy the controller's list into {joiner}'s node.toml",
+        show(&theirs),
+        show(&ours)
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -156,5 +179,24 @@ mod tests {
 
         let shared = list(&["node-a@10.0.0.1:7401", "node-b@10.0.0.1:7401"]);
         assert!(check("node-a", listen(), None, &shared).unwrap_err().contains("two controllers"));
+    }
+
+    #[test]
+    fn a_joiner_listing_other_controllers_is_refused_naming_both_lists() {
+        let names = |l: &[&str]| l.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let ours = names(&["node-a", "node-b", "node-c"]);
+        assert_eq!(
+            join_mismatch("node-d", &names(&["node-c", "node-a", "node-b"]), "node-a", &ours),
+            None,
+            "order aside"
+        );
+        assert_eq!(join_mismatch("node-d", &[], "node-a", &[]), None, "one controller: nothing to compare");
+        assert_eq!(join_mismatch("node-d", &names(&["node-a"]), "node-a", &[]), None);
+        let err = join_mismatch("node-d", &names(&["node-a", "node-b"]), "node-a", &ours).unwrap();
+        assert!(err.contains("node-d's node.toml `controllers` lists node-a, node-b"), "{err}");
+        assert!(err.contains("the controller node-a's node.toml `controllers` lists node-a, node-b, node-c"), "{err}");
+        assert!(err.contains("copy the controller's list"), "{err}");
+        let err = join_mismatch("node-d", &[], "node-a", &ours).unwrap();
+        assert!(err.contains("node-d's node.toml `controllers` lists none"), "{err}");
     }
 }

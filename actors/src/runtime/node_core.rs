@@ -576,7 +576,8 @@ impl NodeCore {
                     let (slots, addr) = (self.settings.slots, self.settings.addr);
                     let dashboard = self.settings.dashboard.clone();
                     let incarnation = Some(incarnation);
-                    self.send_to_controller(ToController::Join { slots, addr, incarnation, dashboard });
+                    let controllers = Some(self.settings.controllers.clone());
+                    self.send_to_controller(ToController::Join { slots, addr, incarnation, dashboard, controllers });
                 }
                 MemberAction::AdoptView(view) => {
                     tracing::info!(node = %self.settings.id, epoch = view.epoch.0, members = view.len(), "adopted view");
@@ -692,7 +693,13 @@ impl NodeCore {
 
     fn controller_message(&mut self, now: Duration, from: NodeId, epoch: u64, msg: ToController) {
         let job_msg = match msg {
-            ToController::Join { slots, addr, incarnation, dashboard } => {
+            ToController::Join { slots, addr, incarnation, dashboard, controllers } => {
+                let ours = &self.settings.controllers;
+                let (me, theirs) = (&self.settings.id.0, controllers.unwrap_or_else(|| ours.clone()));
+                if let Some(reason) = crate::node_config::controllers::join_mismatch(&from.0, &theirs, me, ours) {
+                    tracing::error!(node = %me, joiner = %from, "refused a join: {reason}");
+                    return self.send(&from.0, ToNode::Refused { reason });
+                }
                 let info = MemberInfo { name: from.0.clone(), addr, slots, dashboard };
                 self.controller.as_mut().expect("controller").members.insert(from.clone(), info);
                 return self.membership_event(now, MembershipEvent::JoinRequest { from, incarnation });
@@ -929,6 +936,10 @@ impl NodeCore {
                 // fenced with a list that still named it) leaves no state behind.
                 self.each_worker(|| WorkerMsg::Retain { jobs: jobs.clone() });
                 self.workers.iter_mut().for_each(|w| w.attempts.retain(|job, _| jobs.contains(job)));
+            }
+            ToNode::Refused { reason } => {
+                tracing::error!(node = %self.settings.id, "the controller refused this node: {reason}");
+                self.actions.push_back(NodeAction::Stop { reason: format!("the controller refused it: {reason}") });
             }
             ToNode::Fenced { current, jobs } => {
                 self.keep_on_fence = jobs;

@@ -133,7 +133,8 @@ fn a_members_dashboard_url_reaches_the_controllers_status_and_its_page_is_fetche
     let mut b = node("b", 2, None);
     b.become_controller(T, None, Vec::new());
     let url = |n: &str| Some(format!("http://{n}:9400/"));
-    let join = ToController::Join { slots: 1, addr: addr(9), incarnation: Some(1), dashboard: url("w") };
+    let join =
+        ToController::Join { slots: 1, addr: addr(9), incarnation: Some(1), dashboard: url("w"), controllers: None };
     b.message(T, "w", PeerRole::Node, 0, Wire::ToController(join));
     b.step_boundary(T);
     let members: Vec<_> = b.status().members.into_iter().map(|m| (m.name, m.dashboard)).collect();

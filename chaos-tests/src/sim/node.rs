@@ -651,6 +651,7 @@ pub(super) fn to_node_kind(msg: &ToNode) -> String {
         ToNode::Abort { attempt, .. } => format!("Abort(a{attempt})"),
         ToNode::Release { .. } => "Release".into(),
         ToNode::Alive => "Alive".into(),
+        ToNode::Refused { .. } => "Refused".into(),
     }
 }
 
