@@ -3,8 +3,10 @@
 //! the controller; SIGKILLing its process for good leaves the other two to elect a new leader, which
 //! restores the job from the replicated catalog and resumes it from the survivors' memory: the job
 //! finishes, every step's loss and the final parameters equal the single-process reference (the
-//! oracle, DESIGN.md §4). A leader paused past the election timeout (SIGSTOP) comes back (SIGCONT) as
-//! a member: it no longer acts as the controller, and no step is committed twice.
+//! oracle, DESIGN.md §4). The job's submitter (a `JobHandle` given every daemon's address) and a
+//! `troupe job watch` started before the kill follow the controller across the take-over and see every
+//! event of the job's log once, in order. A leader paused past the election timeout (SIGSTOP) comes back
+//! (SIGCONT) as a member: it no longer acts as the controller, and no step is committed twice.
 
 mod common;
 
@@ -13,9 +15,12 @@ use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use troupe_actors::api::{Client, ClusterStatus, DataPlane, Job, JobEvent, JobHandle};
+use troupe_actors::daemon::Daemon;
+use troupe_actors::node_config::NodeConfig;
 use troupe_actors::protocol::ControllersStatus;
 use troupe_cluster::{add_node, init_cluster, NodeIdentity};
 use troupe_model::config::JobConfig;
@@ -47,7 +52,11 @@ struct Controllers {
     dir: tempfile::TempDir,
     children: Vec<Child>,
     addrs: Vec<SocketAddr>,
+    /// The submitter's certificate; the watchers' and the CLI's have names of their own (a daemon sends a
+    /// client's replies and events to the peer of that name: two clients of one name at once would take
+    /// each other's).
     client: NodeIdentity,
+    watcher: NodeIdentity,
 }
 
 impl Controllers {
@@ -58,8 +67,11 @@ impl Controllers {
         for i in 0..NODES {
             add_node(&format!("node-{i}"), &certs).unwrap();
         }
-        add_node("client", &certs).unwrap();
+        for name in ["client", "watcher", "cli", "admin"] {
+            add_node(name, &certs).unwrap();
+        }
         let client = NodeIdentity::load(&certs, "client").unwrap();
+        let watcher = NodeIdentity::load(&certs, "watcher").unwrap();
         let entries: Vec<String> = (0..NODES).map(|i| format!("\"node-{i}@127.0.0.1:{}\"", free_udp_port())).collect();
         let (mut children, mut addrs) = (Vec::new(), Vec::new());
         for i in 0..NODES {
@@ -67,11 +79,11 @@ impl Controllers {
             children.push(child);
             addrs.push(addr);
         }
-        Controllers { dir, children, addrs, client }
+        Controllers { dir, children, addrs, client, watcher }
     }
 
     async fn status(&self, i: usize) -> Option<ClusterStatus> {
-        let mut client = Client::connect(self.addrs[i], &self.client).await.ok()?;
+        let mut client = Client::connect(self.addrs[i], &self.watcher).await.ok()?;
         let status = client.status().await.ok();
         client.close().await;
         status
@@ -106,7 +118,7 @@ impl Controllers {
             for &i in alive {
                 // A redirect to a controller that just died would wait for the connect timeout.
                 let tried = tokio::time::timeout(Duration::from_secs(1), async {
-                    Client::connect(self.addrs[i], &self.client).await?.watch_from(job, since).await
+                    Client::connect(self.addrs[i], &self.watcher).await?.watch_from(job, since).await
                 });
                 match tried.await {
                     Ok(Ok(handle)) => return handle,
@@ -122,7 +134,7 @@ impl Controllers {
     /// `troupe cluster controllers --json` asked of daemon `i`.
     fn controllers_cli(&self, i: usize) -> ControllersStatus {
         let out = Command::new(common::binary())
-            .args(["cluster", "controllers", "--json", "--as", "client", "--cluster"])
+            .args(["cluster", "controllers", "--json", "--as", "admin", "--cluster"])
             .arg(self.addrs[i].to_string())
             .arg("--certs")
             .arg(self.dir.path().join("certs"))
@@ -131,6 +143,42 @@ impl Controllers {
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
         serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{stdout}: {e}"))
+    }
+
+    /// The whole event log of `job` (ended), replayed from event 0 by the controller among `alive`.
+    async fn replay(&self, alive: &[usize], job: u64) -> Vec<JobEvent> {
+        let mut handle = self.watch(alive, job, 0, Duration::from_secs(30)).await;
+        let mut log = Vec::new();
+        while let Some((seq, event)) = handle.next_numbered().await.unwrap() {
+            assert_eq!(seq, log.len() as u64);
+            log.push(event);
+        }
+        log
+    }
+
+    /// `troupe job watch JOB --from 0 --json`, given every daemon's address; returns once it printed a
+    /// step (it is following the job).
+    fn watch_cli(&self, job: u64) -> CliWatcher {
+        let addrs: Vec<String> = self.addrs.iter().map(SocketAddr::to_string).collect();
+        let mut child = Command::new(common::binary())
+            .args(["job", "watch", &job.to_string(), "--from", "0", "--json", "--as", "cli", "--cluster"])
+            .arg(addrs.join(","))
+            .arg("--certs")
+            .arg(self.dir.path().join("certs"))
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (tx, lines) = mpsc::channel();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        std::thread::spawn(move || stdout.lines().map_while(Result::ok).try_for_each(|l| tx.send(l)));
+        let mut watcher = CliWatcher { child, lines, steps: Vec::new() };
+        while watcher.steps.is_empty() {
+            let line = watcher.lines.recv_timeout(Duration::from_secs(30)).expect("`troupe job watch` prints steps");
+            watcher.read(&line);
+        }
+        watcher
     }
 
     fn log(&self) -> String {
@@ -146,6 +194,41 @@ impl Drop for Controllers {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+}
+
+/// A `troupe job watch --json` process and the steps it printed.
+struct CliWatcher {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    steps: Vec<u64>,
+}
+
+impl CliWatcher {
+    fn read(&mut self, line: &str) {
+        let value: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{line}: {e}"));
+        if value["event"] == "step" {
+            self.steps.push(value["step"].as_u64().unwrap());
+        }
+    }
+
+    /// Waits for it to exit (successfully: the job finished) and gives the steps it printed.
+    fn finish(mut self) -> Vec<u64> {
+        let status = common::wait_child(&mut self.child, Duration::from_secs(60), "troupe job watch");
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(&mut self.child.stderr.take().unwrap(), &mut stderr).unwrap();
+        assert!(status.success(), "troupe job watch: {status}\n{stderr}");
+        while let Ok(line) = self.lines.recv_timeout(Duration::from_secs(5)) {
+            self.read(&line);
+        }
+        std::mem::take(&mut self.steps)
+    }
+}
+
+impl Drop for CliWatcher {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
@@ -179,10 +262,12 @@ fn spawn(dir: &Path, certs: &Path, i: usize, entries: &str) -> (Child, SocketAdd
 }
 
 /// What a watcher saw of a job: each step's loss (a step seen twice must have the same loss: a step
-/// redone after a take-over gives the same bits), how many events, and when each new step came.
-#[derive(Default)]
+/// redone after a take-over gives the same bits), its events in order, and when each new step came.
+#[derive(Clone, Default)]
 struct Seen {
     losses: BTreeMap<u64, f64>,
+    /// The events yielded, by number: the handle's numbers run 0, 1, 2, … with none missing or twice.
+    log: Vec<JobEvent>,
     events: u64,
     /// Whether the new controller's "resuming after step N" came (later steps are its own commits).
     resumed: bool,
@@ -191,12 +276,21 @@ struct Seen {
 }
 
 impl Seen {
-    fn saw(&mut self, event: &JobEvent) {
+    fn saw(&mut self, seq: u64, event: &JobEvent) {
+        assert_eq!(seq, self.events, "event {seq} yielded where {} was next: one missing or twice", self.events);
         self.events += 1;
+        self.log.push(event.clone());
         match event {
             JobEvent::Step { step, loss, .. } => {
                 if let Some(before) = self.losses.insert(*step, *loss) {
-                    assert_eq!(before.to_bits(), loss.to_bits(), "step {step} committed twice with different losses");
+                    let log: Vec<String> =
+                        self.log.iter().map(|e| format!("{e:?}").chars().take(120).collect()).collect();
+                    assert_eq!(
+                        before.to_bits(),
+                        loss.to_bits(),
+                        "step {step} committed twice with different losses; the events:\n{}",
+                        log.join("\n")
+                    );
                 }
                 if self.resumed && self.first_after.is_none() {
                     self.first_after = Some(Instant::now());
@@ -212,9 +306,10 @@ impl Seen {
     /// Follows `handle` until the job ends; gives the terminal event.
     async fn until_end(&mut self, mut handle: JobHandle) -> JobEvent {
         loop {
-            let next = tokio::time::timeout(Duration::from_secs(60), handle.next_event()).await;
-            let event = next.expect("the job makes progress").expect("the stream goes on").expect("not over yet");
-            self.saw(&event);
+            let next = tokio::time::timeout(Duration::from_secs(60), handle.next_numbered()).await;
+            let (seq, event) =
+                next.expect("the job makes progress").expect("the stream goes on").expect("not over yet");
+            self.saw(seq, &event);
             if event.is_terminal() {
                 return event;
             }
@@ -222,16 +317,17 @@ impl Seen {
     }
 }
 
-/// Submits a 30-step job through node 0 and follows it until step `at` is committed.
-async fn submit_and_follow_to(c: &Controllers, config: &JobConfig, out: &Path, at: u64, seen: &mut Seen) -> u64 {
-    let client = Client::connect(c.addrs[0], &c.client).await.unwrap();
+/// Submits a 30-step job through a client given every daemon's address and follows it until step `at`
+/// is committed; the handle goes on following it.
+async fn submit_and_follow_to(c: &Controllers, config: &JobConfig, out: &Path, at: u64, seen: &mut Seen) -> JobHandle {
+    let client = Client::connect_any(&c.addrs, &c.client).await.unwrap();
     let mut handle = client.submit(Job::new(config.clone()).save_final(out).data_plane(DataPlane::Quic)).await.unwrap();
     loop {
-        let event = tokio::time::timeout(Duration::from_secs(60), handle.next_event()).await.unwrap().unwrap();
-        let event = event.unwrap_or_else(|| panic!("the job ended before step {at}"));
-        seen.saw(&event);
+        let event = tokio::time::timeout(Duration::from_secs(60), handle.next_numbered()).await.unwrap().unwrap();
+        let (seq, event) = event.unwrap_or_else(|| panic!("the job ended before step {at}"));
+        seen.saw(seq, &event);
         if matches!(event, JobEvent::Step { step, .. } if step >= at) {
-            return handle.id();
+            return handle;
         }
     }
 }
@@ -245,6 +341,8 @@ struct Running {
     out: PathBuf,
     seen: Seen,
     job: u64,
+    /// The submitter's handle, connected to the controller (the leader).
+    handle: JobHandle,
 }
 
 async fn running_until(at: u64) -> Running {
@@ -254,23 +352,44 @@ async fn running_until(at: u64) -> Running {
     let config = common::two_block_job(30);
     let out = c.dir.path().join("final.safetensors");
     let mut seen = Seen::default();
-    let job = submit_and_follow_to(&c, &config, &out, at, &mut seen).await;
-    Running { c, all, leader, config, out, seen, job }
+    let handle = submit_and_follow_to(&c, &config, &out, at, &mut seen).await;
+    let job = handle.id();
+    Running { c, all, leader, config, out, seen, job, handle }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_takes_over_when_the_controller_is_killed_for_good_and_the_job_equals_the_reference() {
-    let Running { c, all, leader, config, out, mut seen, job } = running_until(8).await;
+    let Running { c, all, leader, config, out, seen, job, handle } = running_until(8).await;
+    let cli = c.watch_cli(job);
 
     common::signal(c.children[leader].id(), "KILL");
     let killed = Instant::now();
     let survivors: Vec<usize> = all.iter().copied().filter(|&i| i != leader).collect();
-    let handle = c.watch(&survivors, job, seen.events, Duration::from_secs(30)).await;
-    let end = seen.until_end(handle).await;
+    // The submitter's handle reconnects by itself (once its QUIC connection times out); a watcher
+    // started after the kill through the survivors times the take-over.
+    let mut timing = seen.clone();
+    let submitter = tokio::spawn(async move {
+        let mut seen = seen;
+        let end = seen.until_end(handle).await;
+        (seen, end)
+    });
+    let fresh = c.watch(&survivors, job, timing.events, Duration::from_secs(30)).await;
+    let end = timing.until_end(fresh).await;
     assert!(matches!(end, JobEvent::Finished { steps: 30, .. }), "{end:?}\n{}", c.log());
-    let takeover = seen.first_after.expect("a step committed by the new controller") - killed;
+    let takeover = timing.first_after.expect("a step committed by the new controller") - killed;
     eprintln!("take-over: SIGKILL of the controller -> the next committed step arrived after {takeover:?}");
     assert!(takeover < Duration::from_secs(10), "take-over took {takeover:?}\n{}", c.log());
+    let (seen, end) = submitter.await.unwrap();
+    assert!(matches!(end, JobEvent::Finished { steps: 30, .. }), "{end:?}");
+    // The job's whole event log, replayed by the new controller from its replicated catalog: the
+    // submitter saw exactly it, and so did the CLI watcher.
+    let all_events = c.replay(&survivors, job).await;
+    assert_eq!(seen.log, all_events, "the submitter's events are the job's log");
+    assert_eq!(timing.log, all_events, "the timing watcher's too");
+    let steps = |log: &[JobEvent]| -> Vec<u64> {
+        log.iter().filter_map(|e| if let JobEvent::Step { step, .. } = e { Some(*step) } else { None }).collect()
+    };
+    assert_eq!(cli.finish(), steps(&all_events), "`troupe job watch` printed each committed step once");
 
     let new_leader = c.leader_of(&survivors, Duration::from_secs(10)).await;
     assert_ne!(new_leader, leader);
@@ -291,7 +410,8 @@ async fn a_standby_takes_over_when_the_controller_is_killed_for_good_and_the_job
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_controller_paused_past_the_election_comes_back_as_a_member_and_commits_nothing() {
-    let Running { c, all, leader, config, out, mut seen, job } = running_until(6).await;
+    let Running { c, all, leader, config, out, mut seen, job, handle } = running_until(6).await;
+    drop(handle);
 
     common::signal(c.children[leader].id(), "STOP");
     let others: Vec<usize> = all.iter().copied().filter(|&i| i != leader).collect();
@@ -300,9 +420,9 @@ async fn a_controller_paused_past_the_election_comes_back_as_a_member_and_commit
     let mut handle = Some(handle);
     let mut resumed_at = None;
     let end = loop {
-        let event = tokio::time::timeout(Duration::from_secs(60), handle.as_mut().unwrap().next_event()).await;
-        let event = event.expect("progress").expect("stream").expect("not over yet");
-        seen.saw(&event);
+        let event = tokio::time::timeout(Duration::from_secs(60), handle.as_mut().unwrap().next_numbered()).await;
+        let (seq, event) = event.expect("progress").expect("stream").expect("not over yet");
+        seen.saw(seq, &event);
         if resumed_at.is_none() && seen.first_after.is_some() {
             common::signal(c.children[leader].id(), "CONT");
             resumed_at = Some(Instant::now());
@@ -321,4 +441,37 @@ async fn a_controller_paused_past_the_election_comes_back_as_a_member_and_commit
     assert!(c.log().contains("is no longer the controller"), "{}", c.log());
     let losses: Vec<f64> = seen.losses.values().copied().collect();
     check(&config, &losses, &out);
+}
+
+/// A node whose node.toml `controllers` lists other controllers than the controller's is refused at its
+/// join: it stops with an error naming `controllers` on both sides, and the controller's view never
+/// admits it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joiner_listing_other_controllers_is_refused_naming_both_lists() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    init_cluster(&certs).unwrap();
+    for name in ["node-0", "node-9"] {
+        add_node(name, &certs).unwrap();
+    }
+    let config = |name: &str, extra: &str| {
+        let data = dir.path().join(name);
+        let text = format!(
+            "name = \"{name}\"\nlisten = \"127.0.0.1:0\"\ndata_dir = \"{}\"\ncerts = \"{}\"\n{extra}",
+            data.display(),
+            certs.display()
+        );
+        NodeConfig::parse(&text, name).unwrap()
+    };
+    let controller = Daemon::start(config("node-0", "")).await.unwrap();
+    let three = r#"controllers = ["node-0@127.0.0.1:9", "node-1@127.0.0.1:10", "node-2@127.0.0.1:11"]"#;
+    let joiner =
+        Daemon::start(config("node-9", &format!("join = \"{}\"\n{three}\n", controller.addr()))).await.unwrap();
+    let stopped = tokio::time::timeout(Duration::from_secs(30), joiner.wait()).await.expect("the refused node stops");
+    let err = stopped.expect_err("stopped by the refusal").to_string();
+    assert!(err.contains("node-9's node.toml `controllers` lists node-0, node-1, node-2"), "{err}");
+    assert!(err.contains("the controller node-0's node.toml `controllers` lists none"), "{err}");
+    let status = controller.status().await.unwrap();
+    assert_eq!(common::names(&status), ["node-0"], "never admitted");
+    controller.drain().await.unwrap();
 }

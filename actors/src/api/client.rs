@@ -14,14 +14,24 @@ use crate::protocol::{ClusterStatus, JobEvent, JobId, JobInfo, JobState, Reply, 
 
 /// How long a request waits for its reply.
 const REPLY_TIMEOUT_MS: u64 = 30_000;
-/// Redirects followed before giving up (a node names the controller; the controller answers).
+/// Redirects followed in a row before the client waits and looks again (the daemons disagree on the
+/// controller while an election settles).
 const REDIRECTS_MAX: usize = 3;
+/// How long a request for the controller keeps looking for it: an election under way, a redirect to a
+/// controller that just died, a daemon that is gone.
+const FIND_CONTROLLER_FOR: Duration = Duration::from_secs(30);
+/// How long dialing one of several addresses may take before the next is tried (a dead daemon's
+/// address answers nothing; a live one's handshake takes milliseconds on a LAN).
+const CANDIDATE_CONNECT_MS: u64 = 2_000;
 /// How long a job's watcher keeps trying to reach the controller again after losing its connection.
 const RECONNECT_FOR: Duration = Duration::from_secs(60);
 /// Pause between reconnection tries.
 const RECONNECT_PAUSE: Duration = Duration::from_millis(500);
 
-/// A connection to one daemon of a cluster, authenticated with a certificate from the cluster CA.
+/// A connection to one daemon of a cluster, authenticated with a certificate from the cluster CA. It
+/// keeps every daemon address it learns of (those it was given, the controllers it was redirected to,
+/// the members a status named): a request for the controller that finds it gone looks for the new one
+/// among them, and a job's watcher reconnects through them.
 pub struct Client {
     endpoint: ControlEndpoint,
     events: UnboundedReceiver<ControlEvent>,
@@ -31,6 +41,8 @@ pub struct Client {
     /// Job events that arrived while waiting for a reply.
     /// Events received and not yet yielded: (job, number, event).
     pending: VecDeque<(JobId, u64, JobEvent)>,
+    /// Every daemon address this client knows of, in the order it learned them.
+    known: Vec<SocketAddr>,
 }
 
 impl Client {
@@ -38,16 +50,54 @@ impl Client {
     /// `troupe cluster add-node admin`). Nothing listening there, or a certificate the daemon refuses, is
     /// [`Error::Unreachable`].
     pub async fn connect(addr: SocketAddr, identity: &NodeIdentity) -> Result<Client> {
+        Self::dial(addr, identity, TransportConfig::default().connect_timeout_ms).await
+    }
+
+    /// Connects to the first of `addrs` that answers (any daemons of the cluster: the controllers, or
+    /// any member), each tried for at most 2 s. Requests for the controller follow its redirects, and
+    /// when the controller is gone (a take-over) look for the new one among `addrs` and the members the
+    /// cluster names. None answering is [`Error::Unreachable`] naming them all.
+    pub async fn connect_any(addrs: &[SocketAddr], identity: &NodeIdentity) -> Result<Client> {
+        let Some(&first) = addrs.first() else {
+            let reason = "no daemon address to connect to: give at least one (--cluster ADDR[,ADDR…])".into();
+            return Err(unreachable(SocketAddr::from(([0, 0, 0, 0], 0)), reason, None));
+        };
+        let timeout_ms =
+            if addrs.len() == 1 { TransportConfig::default().connect_timeout_ms } else { CANDIDATE_CONNECT_MS };
+        let mut failed = Vec::new();
+        for &addr in addrs {
+            match Self::dial(addr, identity, timeout_ms).await {
+                Ok(mut client) => {
+                    client.learn(addrs.iter().copied());
+                    return Ok(client);
+                }
+                Err(e) => failed.push(with_causes(&e)),
+            }
+        }
+        if let [only] = &failed[..] {
+            return Err(unreachable(first, only.clone(), None));
+        }
+        let list: Vec<String> = addrs.iter().map(SocketAddr::to_string).collect();
+        let why = format!("none of the troupe daemons at {} answered: {}", list.join(", "), failed.join("; "));
+        Err(unreachable(first, why, None))
+    }
+
+    async fn dial(addr: SocketAddr, identity: &NodeIdentity, connect_timeout_ms: u64) -> Result<Client> {
         let local: SocketAddr = if addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().expect("valid");
-        let config =
-            TransportConfig { idle_timeout_ms: 10_000, keep_alive_interval_ms: 1_000, ..TransportConfig::default() };
+        let config = TransportConfig {
+            idle_timeout_ms: 10_000,
+            keep_alive_interval_ms: 1_000,
+            connect_timeout_ms,
+            ..TransportConfig::default()
+        };
         let (endpoint, events) = ControlEndpoint::bind(identity, local, PeerRole::Client, &config)
             .map_err(|e| unreachable(addr, format!("opening a client endpoint to reach {addr}"), Some(e)))?;
         let peer = endpoint.connect(addr).await.map_err(|e| {
             let what = format!("connecting to the troupe daemon at {addr} (is it running? is the address right?)");
             unreachable(addr, what, Some(e))
         })?;
-        Ok(Client { endpoint, events, identity: identity.clone(), peer, addr, pending: VecDeque::new() })
+        let known = vec![addr];
+        Ok(Client { endpoint, events, identity: identity.clone(), peer, addr, pending: VecDeque::new(), known })
     }
 
     /// The daemon this client talks to.
@@ -55,9 +105,64 @@ impl Client {
         (&self.peer, self.addr)
     }
 
+    /// Every daemon address this client knows of: where it looks for the controller when it is gone.
+    pub fn known(&self) -> &[SocketAddr] {
+        &self.known
+    }
+
+    fn learn(&mut self, addrs: impl IntoIterator<Item = SocketAddr>) {
+        for addr in addrs {
+            if !self.known.contains(&addr) {
+                self.known.push(addr);
+            }
+        }
+    }
+
+    /// Learns the cluster's members from the daemon it talks to (best effort: a client that cannot ask
+    /// keeps the addresses it has).
+    async fn learn_members(&mut self) {
+        if let Ok(status) = self.status().await {
+            self.learn(status.members.iter().map(|m| m.addr).chain(status.controller_addr));
+        }
+    }
+
+    /// Talks to the daemon at `addr` from now on (for at most 2 s of dialing); the events received and
+    /// the addresses known are kept.
+    async fn switch_to(&mut self, addr: SocketAddr) -> Result<()> {
+        let mut next = Self::dial(addr, &self.identity, CANDIDATE_CONNECT_MS).await?;
+        next.pending = std::mem::take(&mut self.pending);
+        next.known = std::mem::take(&mut self.known);
+        next.learn([addr]);
+        let old = std::mem::replace(self, next);
+        old.endpoint.close().await;
+        Ok(())
+    }
+
+    /// Talks to the first known daemon after the current one that answers; false when none did.
+    async fn switch_to_another(&mut self) -> bool {
+        let here = self.known.iter().position(|a| *a == self.addr).unwrap_or(0);
+        let n = self.known.len();
+        for k in 1..=n {
+            let addr = self.known[(here + k) % n];
+            if self.switch_to(addr).await.is_ok() {
+                return true;
+            }
+        }
+        false
+    }
+
     /// Sends `msg` and waits for the reply; the controller's refusals become the variant they mean
     /// ([`Error::from_controller`]).
     async fn request(&mut self, msg: Request) -> Result<Reply> {
+        match self.exchange(msg).await? {
+            Reply::Error { message } => Err(Error::from_controller(self.addr, message)),
+            reply => Ok(reply),
+        }
+    }
+
+    /// Sends `msg` and waits for the reply, an error reply included; events that arrive meanwhile are
+    /// kept for the job handles.
+    async fn exchange(&mut self, msg: Request) -> Result<Reply> {
         let addr = self.addr;
         let sent = self.endpoint.send(&self.peer, 0, Wire::Request(msg).encode()).await;
         sent.map_err(|e| unreachable(addr, format!("sending to {addr}"), Some(e)))?;
@@ -71,7 +176,6 @@ impl Client {
                     let undecodable = |e| Error::Protocol { addr, message: format!("an undecodable reply: {e}") };
                     match Wire::decode(&body).map_err(undecodable)? {
                         Wire::Reply(Reply::Event { job, seq, event }) => self.pending.push_back((job, seq, event)),
-                        Wire::Reply(Reply::Error { message }) => return Err(Error::from_controller(addr, message)),
                         Wire::Reply(reply) => return Ok(reply),
                         other => return Err(self.unexpected(&other)),
                     }
@@ -92,20 +196,48 @@ impl Client {
         Error::Protocol { addr: self.addr, message }
     }
 
-    /// Sends `msg`; if the daemon is not the controller, reconnects to the controller and asks again.
+    /// Sends `msg` to the controller: a daemon that is not the controller redirects to it; while none
+    /// answers as the controller (it died and an election is under way, a redirect names the dead one)
+    /// the other known daemons are asked, for up to [`FIND_CONTROLLER_FOR`]. A request whose connection
+    /// broke after it was sent is sent again only if sending it twice does no harm (not `Submit`).
     async fn request_controller(&mut self, msg: Request) -> Result<Reply> {
-        for _ in 0..REDIRECTS_MAX {
-            match self.request(msg.clone()).await? {
-                Reply::Redirect { controller } => {
-                    let next = Client::connect(controller, &self.identity).await?;
-                    self.endpoint.close().await;
-                    *self = next;
+        let deadline = tokio::time::Instant::now() + FIND_CONTROLLER_FOR;
+        let resend = !matches!(msg, Request::Submit { .. });
+        let mut redirects = 0;
+        loop {
+            let why = match self.exchange(msg.clone()).await {
+                Ok(Reply::Redirect { controller }) if redirects < REDIRECTS_MAX => {
+                    redirects += 1;
+                    match self.switch_to(controller).await {
+                        Ok(()) => continue,
+                        Err(e) => e,
+                    }
                 }
-                reply => return Ok(reply),
+                Ok(Reply::Redirect { controller }) => {
+                    let message = format!("redirected {redirects} times in a row, last to {controller}: the daemons disagree on the controller");
+                    Error::Protocol { addr: self.addr, message }
+                }
+                Ok(Reply::Error { message }) if no_controller_known(&message) => unreachable(self.addr, message, None),
+                Ok(Reply::Error { message }) => return Err(Error::from_controller(self.addr, message)),
+                Ok(reply) => return Ok(reply),
+                Err(e @ Error::Unreachable { .. }) if resend => e,
+                Err(e) => return Err(e),
+            };
+            redirects = 0;
+            if tokio::time::Instant::now() + RECONNECT_PAUSE > deadline {
+                let secs = FIND_CONTROLLER_FOR.as_secs();
+                let known: Vec<String> = self.known.iter().map(SocketAddr::to_string).collect();
+                let reason = format!(
+                    "no controller answered within {secs} s (asked {}): {}",
+                    known.join(", "),
+                    with_causes(&why)
+                );
+                return Err(unreachable(self.addr, reason, None));
             }
+            tracing::debug!(daemon = %self.addr, "looking for the controller: {}", with_causes(&why));
+            tokio::time::sleep(RECONNECT_PAUSE).await;
+            self.switch_to_another().await;
         }
-        let message = format!("too many redirects (more than {REDIRECTS_MAX}): the daemons disagree on the controller");
-        Err(Error::Protocol { addr: self.addr, message })
     }
 
     /// The cluster as the daemon this client talks to sees it.
@@ -129,6 +261,7 @@ impl Client {
     /// is [`Error::Refused`], naming the config key.
     pub async fn submit(mut self, job: Job) -> Result<JobHandle> {
         let spec = Box::new(job.into_spec());
+        self.learn_members().await;
         match self.request_controller(Request::Submit { spec }).await? {
             Reply::Submitted { job } => Ok(JobHandle { id: job, client: self, done: false, next: 0 }),
             other => Err(self.unexpected(&other)),
@@ -154,6 +287,7 @@ impl Client {
 
     /// Follows a job submitted elsewhere (events from now on).
     pub async fn watch(mut self, job: JobId) -> Result<JobHandle> {
+        self.learn_members().await;
         let info = self.watch_since(job, None).await?;
         Ok(JobHandle { id: job, client: self, done: info.state.is_terminal(), next: info.events })
     }
@@ -162,6 +296,7 @@ impl Client {
     /// first): a watcher that lost its controller for good picks up where it was at another daemon,
     /// which redirects it to the new one.
     pub async fn watch_from(mut self, job: JobId, since: u64) -> Result<JobHandle> {
+        self.learn_members().await;
         let info = self.watch_since(job, Some(since)).await?;
         let done = info.state.is_terminal() && since >= info.events;
         Ok(JobHandle { id: job, client: self, done, next: since })
@@ -184,6 +319,12 @@ impl Client {
 /// The daemon at `addr` could not be reached: `what` the client was doing, naming the address.
 fn unreachable(addr: SocketAddr, what: String, source: Option<ClusterError>) -> Error {
     Error::Unreachable { addr, reason: what, source }
+}
+
+/// Whether a daemon's error reply says it is not the controller and knows of none (an election is under
+/// way: `NodeCore::redirect`), so the client should look again.
+fn no_controller_known(message: &str) -> bool {
+    message.contains("is not the controller and knows of none yet")
 }
 
 /// The error a lost or closed connection to `addr` is; None for events that are not a loss.
@@ -233,6 +374,12 @@ impl JobHandle {
     /// error: errors are about the stream — [`Error::Unreachable`] when the controller stayed out of
     /// reach for longer than the reconnection tries.
     pub async fn next_event(&mut self) -> Result<Option<JobEvent>> {
+        Ok(self.next_numbered().await?.map(|(_, event)| event))
+    }
+
+    /// The next event with its number in the job's event log (numbered from 0, as the controller
+    /// recorded them): across reconnections and take-overs a handle yields each number once, in order.
+    pub async fn next_numbered(&mut self) -> Result<Option<(u64, JobEvent)>> {
         if self.done {
             return Ok(None);
         }
@@ -259,19 +406,24 @@ impl JobHandle {
         };
         self.done = event.is_terminal();
         self.next = seq + 1;
-        Ok(Some(event))
+        Ok(Some((seq, event)))
     }
 
-    /// Connects to the controller again and asks for the events from `self.next` on: the events of this
-    /// job not yet yielded are dropped here and come again, in order, from the controller's log.
+    /// Connects to the controller again — the same one restarted, or after a take-over the new one,
+    /// found through every daemon the client knows of — and asks for the events from `self.next` on:
+    /// the events of this job not yet yielded are dropped here and come again, in order, from the
+    /// controller's log (the replicated one after a take-over, numbered the same).
     async fn reconnect(&mut self, reason: &str) -> Result<()> {
         let (id, addr) = (self.id, self.client.addr);
         tracing::warn!(job = id, controller = %addr, %reason, "lost the connection to the controller; reconnecting");
         let started = tokio::time::Instant::now();
         let deadline = started + RECONNECT_FOR;
+        // The lost controller last: with one controller it is the one that comes back.
+        let mut candidates: Vec<SocketAddr> = self.client.known.iter().copied().filter(|a| *a != addr).collect();
+        candidates.push(addr);
         loop {
             let tried = async {
-                let mut client = Client::connect(addr, &self.client.identity).await?;
+                let mut client = Client::connect_any(&candidates, &self.client.identity).await?;
                 client.watch_since(id, Some(self.next)).await?;
                 Ok::<_, Error>(client)
             };
@@ -281,10 +433,11 @@ impl JobHandle {
                     let mut pending: VecDeque<_> = others.collect();
                     pending.extend(replayed_in_order(std::mem::take(&mut client.pending), id, self.next));
                     client.pending = pending;
+                    let now_at = client.addr;
                     let old = std::mem::replace(&mut self.client, client);
                     old.endpoint.close().await;
                     let ms = started.elapsed().as_millis();
-                    tracing::warn!(job = id, controller = %addr, "reconnected to the controller after {ms} ms; the events missed meanwhile follow");
+                    tracing::warn!(job = id, controller = %now_at, "reconnected to the controller after {ms} ms; the events missed meanwhile follow");
                     return Ok(());
                 }
                 Err(e) => e,

@@ -19,9 +19,11 @@ use crate::telemetry::RunDir;
 /// Which cluster to talk to, and with which certificate.
 #[derive(Debug, clap::Args)]
 pub struct ClusterArgs {
-    /// A daemon's address (default: the `listen` address of --node-config).
-    #[arg(long, value_name = "ADDR")]
-    pub cluster: Option<SocketAddr>,
+    /// Daemons' addresses, comma-separated: any members (the controllers, or any one: a daemon that is
+    /// not the controller names it). The client follows the controller to whichever of them leads, and
+    /// across a take-over. Default: the `listen` and `join` addresses of --node-config.
+    #[arg(long, value_name = "ADDR[,ADDR…]", value_delimiter = ',')]
+    pub cluster: Vec<SocketAddr>,
     /// Use this node's config for the address and certificate (default: ./node.toml if it exists).
     #[arg(long, value_name = "node.toml")]
     pub node_config: Option<PathBuf>,
@@ -50,10 +52,13 @@ impl ClusterArgs {
             default.exists().then_some(default)
         });
         let node = node_config.as_deref().map(NodeConfig::load).transpose()?;
-        let addr = self
-            .cluster
-            .or(node.as_ref().map(|n| n.listen))
-            .context("which cluster? pass --cluster ADDR (a daemon's address) or --node-config node.toml")?;
+        let addrs = match (&self.cluster[..], &node) {
+            ([], Some(n)) => std::iter::once(n.listen).chain(n.join).collect(),
+            ([], None) => {
+                bail!("which cluster? pass --cluster ADDR[,ADDR…] (daemons' addresses) or --node-config node.toml")
+            }
+            (addrs, _) => addrs.to_vec(),
+        };
         let (certs, name) = match (&self.identity.certs, &self.identity.name, &node) {
             (Some(dir), Some(name), _) => (dir.clone(), name.clone()),
             (None, None, Some(n)) => (n.certs.clone(), n.name.clone()),
@@ -62,7 +67,7 @@ impl ClusterArgs {
             _ => bail!("which certificate? pass --certs DIR --as NAME (see `troupe cluster add-node`) or --node-config node.toml"),
         };
         let identity = NodeIdentity::load(&certs, &name)?;
-        Ok(Client::connect(addr, &identity).await?)
+        Ok(Client::connect_any(&addrs, &identity).await?)
     }
 }
 
@@ -230,6 +235,24 @@ async fn submit(
     conclude(reporter, followed?, started, None, id, true)
 }
 
+/// `troupe job watch`: follows job `id` from event `from` (None: from now on) to its end.
+async fn watch(id: u64, from: Option<u64>, log_every: u64, cluster: &ClusterArgs) -> anyhow::Result<()> {
+    let mut client = cluster.connect().await?;
+    let info = client.job_status(id).await?;
+    let mut handle = match from {
+        Some(since) => client.watch_from(id, since).await?,
+        // A job over already: its last event (how it ended) is what there is to see.
+        None if info.state.is_terminal() => client.watch_from(id, info.events.saturating_sub(1)).await?,
+        None => client.watch(id).await?,
+    };
+    let mode = Mode::unknown(info.total_steps);
+    let reporter = Reporter::new(cluster.json, info.step, info.total_steps, log_every);
+    let started = Instant::now();
+    let followed = follow(&mut handle, &reporter, &mode, None, OnInterrupt::Detach).await;
+    let _ = tokio::time::timeout(GOODBYE, handle.close()).await;
+    conclude(reporter, followed?, started, None, id, true)
+}
+
 #[derive(Debug, clap::Subcommand)]
 pub enum JobCommand {
     /// Submit a job config (TOML, as `troupe train --config`) and follow it until it ends: progress and
@@ -248,6 +271,19 @@ pub enum JobCommand {
         /// phases): `troupe trace DIR` and `troupe plot DIR` draw it.
         #[arg(long, value_name = "DIR", conflicts_with = "detach")]
         run_dir: Option<PathBuf>,
+        /// Print a plain progress line every N steps (default: about 20 lines per run).
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        log_every: u64,
+        #[command(flatten)]
+        cluster: ClusterArgs,
+    },
+    /// Follow a job submitted elsewhere until it ends, as `troupe job submit` does (Ctrl-C leaves it
+    /// running): across a take-over of the controller, every event once, in order.
+    Watch {
+        id: u64,
+        /// Replay the job's events from this number on (0: from its start); default: from now on.
+        #[arg(long, value_name = "N")]
+        from: Option<u64>,
         /// Print a plain progress line every N steps (default: about 20 lines per run).
         #[arg(long, value_name = "N", default_value_t = 0)]
         log_every: u64,
@@ -274,6 +310,7 @@ pub fn job(command: JobCommand) -> anyhow::Result<()> {
             JobCommand::Submit { config, data_plane, detach, run_dir, log_every, cluster } => {
                 submit(&config, &data_plane, detach, run_dir.as_deref(), log_every, &cluster).await
             }
+            JobCommand::Watch { id, from, log_every, cluster } => watch(id, from, log_every, &cluster).await,
             JobCommand::Status { id, cluster } => {
                 let mut client = cluster.connect().await?;
                 let info = client.job_status(id).await?;

@@ -75,6 +75,11 @@ impl Mode {
         }
     }
 
+    /// A job watched from elsewhere, whose layout this command does not know (`pp` 0).
+    pub fn unknown(total_steps: u64) -> Self {
+        Self { pp: 0, tp: 1, sp: false, schedule: String::new(), shard: String::new(), total_steps }
+    }
+
     /// What else a job needs to run, for the waiting line.
     fn needs(&self) -> String {
         if self.pp > 1 {
@@ -90,6 +95,7 @@ impl Mode {
             return format!("{} tensor-parallel group(s) of {}{sp}", world / self.tp, self.tp);
         }
         match (self.pp, self.shard.as_str()) {
+            (0, _) => "its layout".into(),
             (1, "none") => "data-parallel".into(),
             (1, shard) => format!("data-parallel with {shard}"),
             (pp, _) => format!("{} {} pipeline(s) of {pp} stages", world / pp, self.schedule),

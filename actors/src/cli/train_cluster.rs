@@ -1,6 +1,7 @@
 //! `troupe train` on a cluster: an embedded local cluster of `--nodes` daemons (child processes on
 //! loopback, torn down at the end, also on Ctrl-C; each serves its dashboard on a free loopback port, the
-//! controller's URL printed), or a running cluster with `--cluster ADDR`.
+//! controller's URL printed), or a running cluster with `--cluster ADDR[,ADDR…]` (any of its daemons:
+//! the client follows the controller, across a take-over too).
 
 use std::time::Instant;
 
@@ -33,15 +34,15 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
     let run_dir = args.run_dir.as_deref().map(RunDir::create).transpose()?;
     let mut dashboard = None;
     let (cluster, client) = match &args.cluster {
-        Some(addr) => {
-            let addr = addr.parse().with_context(|| format!("--cluster {addr}: not an address like 10.0.0.5:7400"))?;
+        Some(list) => {
+            let addrs = parse_addrs(list)?;
             let (Some(certs), Some(name)) = (&args.identity.certs, &args.identity.name) else {
                 bail!(
-                    "--cluster {addr}: which certificate? pass --certs DIR --as NAME (see `troupe cluster add-node`)"
+                    "--cluster {list}: which certificate? pass --certs DIR --as NAME (see `troupe cluster add-node`)"
                 );
             };
             let identity = NodeIdentity::load(certs, name)?;
-            (None, Client::connect(addr, &identity).await?)
+            (None, Client::connect_any(&addrs, &identity).await?)
         }
         None => {
             let binary = std::env::current_exe().context("locating the troupe binary")?;
@@ -91,4 +92,24 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
         cluster.shutdown().await;
     }
     conclude(reporter, followed?, started, Some(nodes), id, args.cluster.is_some())
+}
+
+/// `--cluster ADDR[,ADDR…]`: daemons' addresses (any members; the client follows the controller).
+fn parse_addrs(list: &str) -> anyhow::Result<Vec<std::net::SocketAddr>> {
+    list.split(',')
+        .map(|a| {
+            a.trim().parse().with_context(|| format!("--cluster {list}: {a:?} is not an address like 10.0.0.5:7400"))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn cluster_takes_several_addresses_and_names_a_bad_one() {
+        let addrs = super::parse_addrs("10.0.0.1:7400, 10.0.0.2:7400").unwrap();
+        assert_eq!(addrs.len(), 2);
+        let err = format!("{:#}", super::parse_addrs("10.0.0.1:7400,node-b").unwrap_err());
+        assert!(err.contains("--cluster") && err.contains("\"node-b\" is not an address"), "{err}");
+    }
 }
