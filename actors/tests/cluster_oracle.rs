@@ -152,6 +152,27 @@ async fn ddp_on_two_hosts_losing_the_second(
     (dir, logs)
 }
 
+/// Adafactor under DDP on two hosts of two slots, the second host SIGKILLed after step 5: every rank
+/// holds the whole Adafactor state (factored statistics, first moment), the survivors go on from the
+/// last committed step, and the run equals the single-process Adafactor reference. A small Llama: see
+/// data_parallel_oracle.rs's `adafactor_job` for why not GPT-2's attention biases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adafactor_ddp_on_two_hosts_survives_a_killed_host_and_equals_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = two_hosts_of_two_slots(&dir.path().join("logs")).await;
+    let mut config = common::two_block_job(12);
+    config.model = JobConfig::small_llama(12).model;
+    config.train.optimizer = "adafactor".into();
+    config.train.adafactor.beta1 = Some(0.9);
+    let out = dir.path().join("final.safetensors");
+    let job = Job::new(config.clone()).save_final(&out);
+    let (end, losses, worlds) = run_killing_the_second_host_at(&cluster, job, 5).await;
+    assert!(matches!(end, JobEvent::Finished { steps: 12, .. }), "{end:?}");
+    assert_eq!((worlds.first(), worlds.last()), (Some(&4), Some(&2)), "four ranks, then two: {worlds:?}");
+    check(&config, &losses, &out, "adafactor: dp=4 on two hosts, then 2 on one");
+    cluster.shutdown().await;
+}
+
 /// ZeRO-3 on two hosts of two slots: parameters are all-gathered and gradients reduce-scattered in one
 /// flat ring over the four ranks, whose links between the two ranks of a host take their sockets and
 /// the others QUIC — and the run equals the reference.

@@ -11,6 +11,7 @@
 //! `tensor_parallel`.
 
 mod data_parallel;
+mod optimizer;
 mod periodic;
 mod tensor_parallel;
 
@@ -107,6 +108,11 @@ pub struct BenchTrainArgs {
     /// Local steps between synchronizations with `--sync local_sgd | diloco` (parallel.sync_every).
     #[arg(long, value_name = "H", default_value_t = 8)]
     pub sync_every: u64,
+    /// The optimizer: with `adafactor`, Adafactor and AdamW are trained in the same repetitions
+    /// (`--world 1`) and the report carries each one's tokens/s and optimizer state bytes per rank, and
+    /// the ratios; see `optimizer`.
+    #[arg(long, value_parser = ["adamw", "adafactor"], default_value = "adamw")]
+    pub optimizer: String,
     /// JSON output (one object).
     #[arg(long)]
     pub json: bool,
@@ -147,6 +153,10 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         bail!("--micro-batch is for --world 1; data-parallel runs use {MICRO_BATCH} per rank");
     }
     let model = bench_model(&args.model, args.context)?;
+    if args.optimizer != "adamw" {
+        optimizer::check(&args)?;
+        return optimizer::run(args, model);
+    }
     // With --peft, the base's weights are written once; troupe reads them, and so does the peer.
     let base = fine_tuning_base(&args, &model)?;
     match args.world {

@@ -18,6 +18,10 @@ pub struct TrainArgs {
     /// Seed of initialisation and sampling (train.seed).
     #[arg(long)]
     pub seed: Option<u64>,
+    /// The optimizer (train.optimizer): adamw, or adafactor (its hyper-parameters in the config's
+    /// `[train.adafactor]`; on one process and under DDP).
+    #[arg(long, value_parser = ["adamw", "adafactor"])]
+    pub optimizer: Option<String>,
     /// Daemons of the embedded local cluster.
     #[arg(long)]
     pub nodes: Option<usize>,
@@ -120,6 +124,9 @@ impl TrainArgs {
         let train = &mut config.train;
         train.steps = self.steps.unwrap_or(train.steps);
         train.seed = self.seed.unwrap_or(train.seed);
+        if let Some(optimizer) = &self.optimizer {
+            train.optimizer.clone_from(optimizer);
+        }
         let parallel = &mut config.parallel;
         parallel.nodes = self.nodes.unwrap_or(parallel.nodes);
         parallel.dp = self.dp.unwrap_or(parallel.dp);

@@ -158,6 +158,10 @@ fn trainer_with_adafactor_learns_and_resumes_bit_exact() {
     let mut losses: Vec<f64> = (0..20).map(|_| first_half.train_step().loss).collect();
     let saved = first_half.save_checkpoint(dir.path()).unwrap();
     drop(first_half);
+    let mut as_adamw = adafactor_job(40);
+    as_adamw.train.optimizer = "adamw".into();
+    let refused = Trainer::resume(as_adamw, &saved).unwrap_err().to_string();
+    assert!(refused.contains("train.optimizer"), "{refused}");
     let mut resumed = Trainer::resume(adafactor_job(40), &saved).unwrap();
     assert_eq!((resumed.step, resumed.optimizer.step()), (20, 20));
     losses.extend((0..20).map(|_| resumed.train_step().loss));

@@ -9,7 +9,8 @@
 //!
 //! Where Adafactor runs (checked at config time, [`validate`]): the reference trainer and DDP, whose
 //! ranks each hold the whole optimizer state and apply the same update. ZeRO-1/2/3, pipelines and tensor
-//! parallelism update flat shards with AdamW's elementwise kernel and are refused with Adafactor.
+//! parallelism update flat shards with AdamW's elementwise kernel, and periodic synchronization is not
+//! tested with it: all are refused with Adafactor.
 
 use tch::Tensor;
 
@@ -162,7 +163,8 @@ pub fn validate<'a>(
             "\"adafactor\"".into(),
             format!(
                 "with {key} = {value} ({what}) is not supported yet: Adafactor runs on one process and under DDP \
-                 (parallel.shard = \"none\", parallel.pp = 1, parallel.tp = 1); use train.optimizer = \"adamw\" there"
+                 (parallel.shard = \"none\", parallel.pp = 1, parallel.tp = 1, parallel.sync = \"every_step\"); use \
+                 train.optimizer = \"adamw\" there"
             ),
         )
     };
@@ -174,6 +176,9 @@ pub fn validate<'a>(
     }
     if parallel.tp > 1 {
         return Err(refuse("parallel.tp", parallel.tp.to_string(), "tensor parallelism"));
+    }
+    if parallel.sync != "every_step" {
+        return Err(refuse("parallel.sync", format!("{:?}", parallel.sync), "periodic synchronization"));
     }
     for (param, shape) in shapes {
         if let Err(why) = adafactor::check_packable(shape) {
@@ -235,6 +240,7 @@ mod tests {
         check("adafactor", ParallelConfig { shard: "zero1".into(), ..ddp.clone() }, matrix, Err("parallel.shard"));
         check("adafactor", ParallelConfig { pp: 2, ..ddp.clone() }, matrix, Err("parallel.pp"));
         check("adafactor", ParallelConfig { tp: 2, ..ddp.clone() }, matrix, Err("parallel.tp"));
+        check("adafactor", ParallelConfig { sync: "diloco".into(), ..ddp.clone() }, matrix, Err("parallel.sync"));
         check("adamw", ParallelConfig { shard: "zero1".into(), ..ddp.clone() }, matrix, Ok(()));
         check("adafactor", ddp, &[("lora_b", &[8, 1])], Err("lora_b"));
     }

@@ -84,6 +84,11 @@ impl TrainingState {
             let differ = self.config.model.differences(&trainer.config.model).join(", ");
             return Err(mismatch("model", format!("checkpoint's vs this job's: {differ}")));
         }
+        let (saved, ours) = (&self.config.train.optimizer, &trainer.config.train.optimizer);
+        if saved != ours {
+            let detail = format!("saved by train.optimizer = {saved:?}, this job's is {ours:?}: resume with {saved:?}");
+            return Err(mismatch("train.optimizer", detail));
+        }
         let expected = trainer.sampler.state(self.step, trainer.config.train.global_batch);
         if self.sampler != expected {
             return Err(mismatch(
