@@ -7,7 +7,8 @@
 //! against the single-process reference. With --peer, then the same loss under torchrun
 //! (bench/peers/torchrun_recovery.py: restart the worker group from the last checkpoint), with the same
 //! ranks and kill step, and ratio = peer_recovery_s / recovery_s. With `--runs N`, N measurements on fresh
-//! clusters summarised as p50/p99 (and the peer `--peer-runs` times).
+//! clusters summarised as p50/p99 (and the peer `--peer-runs` times). With `--controller`, the
+//! controller is what is lost: the Raft leader's take-over beside a restart in place ([`takeover`]).
 
 use std::path::PathBuf;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -20,6 +21,8 @@ use troupe_cluster::netns::{Layout, Namespaces, NetnsError, Subnet};
 use troupe_model::config::JobConfig;
 use troupe_model::oracle::compare_params;
 use troupe_model::Trainer;
+
+mod takeover;
 
 use super::bench_train::{peer_python, peer_script};
 use crate::api::{Job, JobEvent, LocalCluster, LocalClusterOptions, NodeHost};
@@ -69,6 +72,12 @@ pub struct RecoveryArgs {
     /// How many times the torchrun peer runs when `--runs` > 1 (it restarts its whole group: slow).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub peer_runs: u32,
+    /// Take the controller away instead of a worker: SIGKILL the Raft leader of three
+    /// controller-eligible daemons for good and time the take-over (kill → the next committed step),
+    /// beside a single controller SIGKILLed and restarted in place, with torchft's 5 s heartbeat timeout
+    /// quoted as the peer's floor; then gpt-tiny's tokens/s with three controllers over one.
+    #[arg(long, conflicts_with_all = ["silent", "peer", "shard"])]
+    pub controller: bool,
     /// Python with torch for the peer (default: $TROUPE_PYTHON, else the provisioned venv).
     #[arg(long)]
     pub python: Option<PathBuf>,
@@ -81,7 +90,9 @@ pub fn run(args: RecoveryArgs) -> anyhow::Result<()> {
         bail!("--nodes {}: recovery needs at least 2 daemons (one is killed)", args.nodes);
     }
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let report = if args.runs == 1 {
+    let report = if args.controller {
+        takeover::run(&args, &runtime)?
+    } else if args.runs == 1 {
         let mut report = runtime.block_on(measure(&args))?;
         if args.peer && args.silent {
             report["peer"] = json!("torchrun");
