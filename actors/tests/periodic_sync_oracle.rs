@@ -165,3 +165,26 @@ async fn a_joiner_takes_the_last_synchronized_state_and_the_run_equals_the_refer
     check(&config, 2, &seen, &out, "diloco H=3, 2 ranks then 3");
     cluster.shutdown().await;
 }
+
+/// `troupe train --nodes 2 --sync diloco --sync-every 4` (gpt-tiny, an embedded local cluster of two
+/// daemons): every step's loss in `--json` and the `--save-final` parameters equal the reference's.
+#[test]
+fn troupe_train_with_sync_diloco_on_an_embedded_cluster_equals_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("final.safetensors");
+    let flags = ["train", "--nodes", "2", "--sync", "diloco", "--sync-every", "4", "--steps", "10", "--json"];
+    let output = std::process::Command::new(common::binary()).args(flags).arg("--save-final").arg(&out).output();
+    let output = output.unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let mut seen = Run::default();
+    for line in String::from_utf8_lossy(&output.stdout).lines() {
+        let event: serde_json::Value = serde_json::from_str(line).unwrap();
+        if event["event"] == "step" {
+            seen.losses.insert(event["step"].as_u64().unwrap(), event["loss"].as_f64().unwrap());
+        }
+    }
+    let mut config = JobConfig::default();
+    config.train.steps = 10;
+    (config.parallel.nodes, config.parallel.sync, config.parallel.sync_every) = (2, "diloco".into(), 4);
+    check(&config, 2, &seen, &out, "troupe train --nodes 2 --sync diloco --sync-every 4");
+}
