@@ -35,6 +35,11 @@ use crate::protocol::{
 /// Membership changes kept for `troupe status`.
 const CHANGES_KEPT: usize = 64;
 
+/// Replicated controllers: how long a member waits for a controller of the list it tries (no leader
+/// named) to answer its dial before it tries the next. A live one answers in milliseconds; one gone for
+/// good would hold the member for the whole connect timeout (found by the simulation).
+const CANDIDATE_DIAL: Duration = Duration::from_secs(1);
+
 /// What the core needs to know of its node (from `node.toml` and the endpoint).
 #[derive(Clone, Debug)]
 pub struct NodeSettings {
@@ -192,6 +197,8 @@ pub struct NodeCore {
     /// dialed at once, without waiting for a dial to a dead one to time out; a dial that ends for an
     /// address other than this one is not taken for the controller's connection.
     dialing: Option<SocketAddr>,
+    /// When that dial started.
+    dialing_since: Duration,
     /// The members of the last view this node heard of (non-controllers).
     members: Vec<MemberInfo>,
     workers: Vec<WorkerSlot>,
@@ -239,6 +246,7 @@ impl NodeCore {
             leader_addr: None,
             next_candidate: 0,
             dialing: None,
+            dialing_since: Duration::ZERO,
             members: Vec::new(),
             workers,
             refused_stale: 0,
@@ -340,6 +348,7 @@ impl NodeCore {
     /// it rejoins as a member of whoever leads.
     pub fn step_down(&mut self, now: Duration, why: &str) {
         let Some(c) = self.controller.take() else { return };
+        // A view change not yet recorded was never committed: it did not happen (found by the simulation).
         self.actions.retain(|a| {
             !matches!(
                 a,
@@ -347,6 +356,7 @@ impl NodeCore {
                     | NodeAction::Job { .. }
                     | NodeAction::StartJob { .. }
                     | NodeAction::RecordView(_)
+                    | NodeAction::Note(NodeNote::ViewChanged { .. })
             )
         });
         self.actions.push_back(NodeAction::StopJobs);
@@ -1097,8 +1107,12 @@ impl NodeCore {
     /// controller, failure detection and admitting joiners while no job runs.
     pub fn tick(&mut self, now: Duration) {
         if self.controller.is_none() && self.controller_peer.is_none() && !self.draining {
+            let slow = self.dialing.is_some() && now.saturating_sub(self.dialing_since) >= CANDIDATE_DIAL;
+            if slow && self.leader_addr.is_none() {
+                self.try_next_controller(None);
+            }
             if let Some(addr) = self.target.filter(|t| self.dialing != Some(*t)) {
-                self.dialing = Some(addr);
+                (self.dialing, self.dialing_since) = (Some(addr), now);
                 self.actions.push_back(NodeAction::Dial { addr });
             }
         }

@@ -128,6 +128,25 @@ fn a_member_follows_a_redirect_and_tries_the_next_controller_when_one_knows_none
     assert_eq!(dials(&actions(&mut w)), vec![addr(1)], "back to `join`, the only controller it knows the address of");
 }
 
+/// A listed controller that does not answer (gone for good) is given up after a second for the next
+/// one the member knows, not after the connect timeout (found by the simulation of issue 32).
+#[test]
+fn a_member_whose_dial_goes_unanswered_tries_the_next_controller_after_a_second() {
+    let mut w = node("w", 9, Some(addr(1)));
+    w.tick(T);
+    assert_eq!(dials(&actions(&mut w)), vec![addr(1)]);
+    w.dialed(T, addr(1), Ok("a".into()), true);
+    w.message(T, "a", PeerRole::Node, 0, Wire::Reply(Reply::Redirect { controller: addr(3) }));
+    w.tick(T);
+    assert_eq!(dials(&actions(&mut w)), vec![addr(3)], "followed the redirect");
+    w.tick(T + Duration::from_millis(900));
+    assert!(dials(&actions(&mut w)).is_empty(), "the handshake has a second");
+    w.tick(T + Duration::from_millis(1_000));
+    assert_eq!(dials(&actions(&mut w)), vec![addr(1)], "c does not answer: the next controller it knows");
+    w.dialed(T + Duration::from_secs(10), addr(3), Err("timed out".into()), false);
+    assert!(actions(&mut w).is_empty() && !w.has_controller_peer(), "the abandoned dial's end changes nothing");
+}
+
 #[test]
 fn a_members_dashboard_url_reaches_the_controllers_status_and_its_page_is_fetched_from_the_controller() {
     let mut b = node("b", 2, None);
