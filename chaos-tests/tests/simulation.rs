@@ -120,6 +120,120 @@ fn the_checker_catches_a_controller_that_commits_before_every_vote() {
     assert!(caught_seeds > 100);
 }
 
+// ---- the replicated controller (issue 32): three controllers, a Raft group whose leader leads ----
+
+/// Runs `seeds` of the replicated controllers' random schedules and returns the first failing outcome,
+/// re-run with its trace kept.
+fn first_replicated_failure(config: &SimConfig, seeds: std::ops::Range<u64>) -> Option<Outcome> {
+    let run = |seed: u64, keep| sim::run(seed, &Scenario::random_replicated(seed), config, keep);
+    seeds.map(|seed| run(seed, 0)).find(|o| !o.ok()).map(|o| run(o.seed, 300))
+}
+
+/// Over random schedules that kill (for good, or with a restart), pause and cut off the controllers —
+/// the leader among them — with the other nodes' faults beside: no invariant breaks, across take-overs.
+/// Half the seeds on a loaded machine, whose reader stalls reorder what no connection orders.
+///
+/// Ignored: not clean yet. On 2026-11-27, 3 of 1000 seeds (`survey_replicated`) broke an invariant,
+/// open: seeds 130 and 340, a job whose every step was committed never finished across take-overs;
+/// 585, a node not back in the controller's view at the end. `cargo nextest run --release -p
+/// troupe-chaos --test simulation --run-ignored all replicated_controllers` runs it; `SIM_RSEED=n`
+/// replays a seed with its trace.
+#[test]
+#[ignore]
+fn replicated_controllers_break_no_invariant_across_takeovers() {
+    if let Some(outcome) = first_replicated_failure(&SimConfig::default(), 0..SEEDS) {
+        panic!("{}", outcome.report());
+    }
+    if let Some(outcome) = first_replicated_failure(&SimConfig::loaded(), SEEDS..SEEDS + SEEDS / 2) {
+        panic!("loaded machine: {}", outcome.report());
+    }
+}
+
+/// The replicated schedules do reach take-overs: leaders killed for good and replaced, deposed leaders
+/// stepping down, jobs finishing after them.
+#[test]
+fn replicated_faults_exercise_takeovers_and_step_downs() {
+    const RUNS: u64 = 500;
+    let config = SimConfig::default();
+    let outcomes: Vec<Outcome> =
+        (0..RUNS).map(|seed| sim::run(seed, &Scenario::random_replicated(seed), &config, 0)).collect();
+    let seeds_where = |f: &dyn Fn(&Outcome) -> bool| outcomes.iter().filter(|o| f(o)).count();
+    let finished = |o: &Outcome| matches!(o.end, JobEnd::Finished { .. });
+    let leader_killed = |o: &Outcome| {
+        o.scenario.faults.iter().any(|f| matches!(f, Fault::Crash { node: 0, restart_after_ms: None, .. }))
+    };
+    let took_over = seeds_where(&|o| o.stats.takeovers > 1);
+    let stepped_down = seeds_where(&|o| o.stats.step_downs > 0);
+    let killed = seeds_where(&|o| leader_killed(o));
+    let killed_finished = seeds_where(&|o| leader_killed(o) && finished(o));
+    let late = seeds_where(&|o| o.stats.late_commits > 0);
+    let all_finished = seeds_where(&|o| finished(o));
+    println!(
+        "of {RUNS} replicated seeds: a take-over in {took_over}, a controller stepped down in {stepped_down}, the first \
+         leader (node-a) killed for good in {killed} (finished in {killed_finished}), a deposed leader's late \
+         commit in {late}, finished {all_finished}"
+    );
+    let broken: Vec<u64> = outcomes.iter().filter(|o| !o.ok()).map(|o| o.seed).collect();
+    println!("seeds that break an invariant (open, see the ignored property above): {broken:?}");
+    assert!(took_over > RUNS as usize / 3 && stepped_down > 30);
+    assert!(killed > 30 && killed_finished * 10 >= killed * 9, "jobs whose first leader died for good finish");
+    assert!(all_finished > RUNS as usize * 9 / 10);
+}
+
+/// Three controllers and a worker node; the job's first leader (node-a) is killed for good mid-job, or
+/// cut off for 3 s, or paused past the election timeout but within the idle timeout (its members'
+/// connections survive: it resumes believing it leads).
+fn leader_fault(fault: Fault) -> Scenario {
+    let mut scenario = Scenario::calm(4, 30);
+    scenario.controllers = 3;
+    scenario.faults = vec![fault];
+    scenario
+}
+
+const LEADER_FAULTS: [Fault; 3] = [
+    Fault::Crash { node: 0, at_ms: 1_200, restart_after_ms: None },
+    Fault::Isolate { node: 0, at_ms: 1_200, for_ms: 3_000 },
+    Fault::Pause { node: 0, at_ms: 1_200, for_ms: 1_900 },
+];
+
+/// Each leader fault: another controller is elected and the job finishes with every step committed
+/// once; a leader that comes back (cut off, paused) steps down and rejoins as a member.
+#[test]
+fn a_leader_killed_cut_off_or_paused_is_replaced_and_the_job_finishes() {
+    for fault in LEADER_FAULTS {
+        for seed in 0..40 {
+            let outcome = sim::run(seed, &leader_fault(fault), &SimConfig::default(), 0);
+            assert!(outcome.ok(), "{}", sim::run(seed, &leader_fault(fault), &SimConfig::default(), 300).report());
+            assert!(matches!(outcome.end, JobEnd::Finished { .. }), "{fault:?}: {:?}", outcome.end);
+            assert!(outcome.stats.takeovers >= 2, "{fault:?}, seed {seed}: another controller took over");
+            if !fault.never_back() {
+                assert!(outcome.stats.step_downs >= 1, "{fault:?}, seed {seed}: the old leader stepped down");
+            }
+        }
+    }
+}
+
+/// The planted bug: a job controller whose record was not committed by a majority (its node deposed,
+/// cut off or paused past an election) announces its batch anyway. The checker catches it: a `Commit`
+/// whose record no majority of the controllers' stores holds.
+#[test]
+fn the_checker_catches_a_deposed_leader_that_announces_an_uncommitted_step() {
+    let config = SimConfig { planted: PlantedBug::DeposedLeaderAnnounces, ..SimConfig::default() };
+    let caught =
+        |o: &Outcome| o.violations.iter().any(|v| v.contains("which no majority of the controllers' stores holds"));
+    let directed = (0..40).map(|seed| sim::run(seed, &leader_fault(LEADER_FAULTS[2]), &config, 0));
+    let directed_caught = directed.filter(|o| caught(o)).count();
+    let random = first_replicated_failure(&config, 0..SEEDS).expect("the planted bug goes unnoticed");
+    println!("caught in {directed_caught} of 40 paused-leader seeds; first random seed: {}", random.report());
+    assert!(directed_caught > 0, "a paused leader's votes come in on resume: it commits on its own");
+    let random_caught =
+        (0..SEEDS).filter(|&s| caught(&sim::run(s, &Scenario::random_replicated(s), &config, 0))).count();
+    println!("{random_caught} of {SEEDS} random replicated seeds catch it");
+    assert!(random_caught > 0);
+    let clean = (0..40).map(|seed| sim::run(seed, &leader_fault(LEADER_FAULTS[2]), &SimConfig::default(), 0));
+    assert!(clean.filter(caught).count() == 0, "without the bug, no such violation");
+}
+
 // ---- what the network may reorder and repeat ----
 
 /// Connection resets of nodes 1 and 2 in turn, every `gap_ms` for 1.2 s while a job trains: each node
@@ -190,6 +304,7 @@ fn an_attempt_with_no_step_left_completes_on_every_rank() {
             Fault::SlowLink { node: 4, at_ms: 897, for_ms: 1_148, extra_ms: 231 },
             Fault::Crash { node: 3, at_ms: 1_044, restart_after_ms: Some(295) },
         ],
+        controllers: 1,
     };
     for seed in 0..200 {
         let outcome = sim::run(seed, &scenario, &SimConfig::default(), 0);
@@ -349,6 +464,33 @@ fn config_from_env() -> SimConfig {
         config = SimConfig { network: config.network, planted: config.planted, ..SimConfig::loaded() };
     }
     config
+}
+
+/// `SIM_RSEED=n` replays one seed of the replicated controllers' random schedules with its whole trace.
+#[test]
+fn replay_one_replicated_seed() {
+    let Some(seed) = std::env::var("SIM_RSEED").ok().and_then(|s| s.parse().ok()) else { return };
+    let outcome = sim::run(seed, &Scenario::random_replicated(seed), &config_from_env(), 100_000);
+    println!("{}", outcome.report());
+}
+
+/// Survey of the replicated controllers' random schedules (`SIM_SEEDS`, `SIM_FIRST` as in `survey`).
+#[test]
+#[ignore]
+fn survey_replicated() {
+    let var = |name: &str, default: u64| std::env::var(name).ok().and_then(|s| s.parse().ok()).unwrap_or(default);
+    let (first, seeds) = (var("SIM_FIRST", 0), var("SIM_SEEDS", 1_000));
+    let config = config_from_env();
+    let failing: Vec<u64> =
+        (first..first + seeds).filter(|&s| !sim::run(s, &Scenario::random_replicated(s), &config, 0).ok()).collect();
+    println!(
+        "{} of {seeds} seeds break an invariant; the first: {:?}",
+        failing.len(),
+        &failing[..failing.len().min(20)]
+    );
+    if let Some(&seed) = failing.first() {
+        panic!("{}", sim::run(seed, &Scenario::random_replicated(seed), &config, 300).report());
+    }
 }
 
 /// `SIM_SEED=n` replays one seed with its whole trace (`SIM_PLANTED`, `SIM_NETWORK`, `SIM_LOADED` as

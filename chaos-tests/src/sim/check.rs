@@ -3,14 +3,18 @@
 //!
 //! Invariants:
 //! - **Commits.** The controller commits steps contiguously from 0, each once (one attempt per step),
-//!   and reports them in order.
+//!   and reports them in order. With replicated controllers: at most one controller commits a given
+//!   step (of an attempt), and a step's `Commit` goes out only once its record is in a majority of the
+//!   controllers' stores (checked in `controller.rs`, `commit_announced`; with one controller, in its
+//!   catalog).
 //! - **No partial update.** A rank applies a step only after the controller committed it (in that
 //!   attempt), to a state holding exactly the steps before it — so every rank applies exactly the
 //!   committed steps, in order, each once. Every all-reduce sees the same state on every rank.
 //! - **Completion.** A finished job's ranks all hold every step; the job ends within the scenario's
 //!   bound, and fails only with a reason the scenario allows.
-//! - **Epochs.** Each view change bumps the epoch by exactly one, and a restarted controller starts past
-//!   every epoch it announced; a node only ever adopts newer views.
+//! - **Epochs.** Each view change bumps the epoch by exactly one, and a restarted controller — or a
+//!   controller elected in a take-over — starts past every epoch any controller announced; a node only
+//!   ever adopts newer views.
 //! - **Fencing.** The controller never accepts a job message sent by an incarnation of a node that has
 //!   since been fenced or replaced (only the incarnation admitted into its current view counts).
 //! - **Rejoin.** Once the job ended and every fault healed, every node that runs is back in the
@@ -27,6 +31,8 @@ pub struct Checker {
     /// Every (step, attempt) ever committed, rolled back or not: a rank cut off before it applied a
     /// commit may still apply it later (the step was committed; the rank's membership is over).
     ever_committed: BTreeSet<(u64, u64)>,
+    /// (step, attempt) → the node whose controller committed it.
+    committed_by: BTreeMap<(u64, u64), usize>,
     reported_steps: u64,
     /// (node, incarnation) → newest epoch adopted.
     adopted: BTreeMap<(usize, u32), u64>,
@@ -80,17 +86,21 @@ impl Checker {
         self.view_epoch = epoch;
     }
 
-    /// The controller's daemon restarted from its catalog at `epoch`, a member of its own view as
-    /// `generation`: past every epoch it announced before.
-    pub fn controller_restarted(&mut self, now_ms: u64, epoch: u64, generation: u32) {
+    /// A controller started at `epoch` on `node`, a member of its own view as `generation`: the
+    /// controller's daemon restarted from its catalog, or (replicated controllers) an elected node took
+    /// over, its first view committed. Past every epoch any controller announced before.
+    pub fn controller_restarted(&mut self, now_ms: u64, node: usize, epoch: u64, generation: u32) {
         if epoch <= self.view_epoch {
             self.fail(
                 now_ms,
-                format!("the restarted controller reused epoch {epoch} (it had reached {})", self.view_epoch),
+                format!(
+                    "the controller on node {node} started at epoch {epoch}, which was announced already (epochs reached {})",
+                    self.view_epoch
+                ),
             );
         }
         self.view_epoch = epoch;
-        self.view_gen.insert(0, generation);
+        self.view_gen.insert(node, generation);
     }
 
     pub fn adopted(&mut self, now_ms: u64, node: usize, incarnation: u32, epoch: u64) {
@@ -126,8 +136,16 @@ impl Checker {
         }
     }
 
-    /// The driver sent `Commit` for `step` in `attempt`.
-    pub fn commit_sent(&mut self, now_ms: u64, attempt: u64, step: u64) {
+    /// The driver of the controller on node `by` sent `Commit` for `step` in `attempt`: once per step on
+    /// the job's trajectory, and by one controller.
+    pub fn commit_sent(&mut self, now_ms: u64, attempt: u64, step: u64, by: usize) {
+        if let Some(&other) = self.committed_by.get(&(step, attempt)).filter(|&&o| o != by) {
+            self.fail(
+                now_ms,
+                format!("step {step} of attempt {attempt} committed by two controllers (nodes {other} and {by})"),
+            );
+        }
+        self.committed_by.insert((step, attempt), by);
         match self.committed.get(&step) {
             Some(&a) if a == attempt => {}
             Some(&a) => self.fail(now_ms, format!("step {step} committed twice (attempts {a} and {attempt})")),
@@ -139,6 +157,12 @@ impl Checker {
                 self.ever_committed.insert((step, attempt));
             }
         }
+    }
+
+    /// A deposed leader announced `step` of `attempt`, committed in its own term (see
+    /// `World::commit_announced`): ranks may apply it.
+    pub fn late_commit(&mut self, attempt: u64, step: u64) {
+        self.ever_committed.insert((step, attempt));
     }
 
     /// The driver reported `step` committed steps (a `Step` event).

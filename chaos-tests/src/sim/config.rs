@@ -4,6 +4,7 @@
 
 use troupe_cluster::membership::MembershipConfig;
 
+use super::raft::RaftTiming;
 use super::scenario::Scenario;
 
 /// A bug planted in the modelled controller to show the checker catches it (never in the runtime).
@@ -14,6 +15,10 @@ pub enum PlantedBug {
     /// The controller sends `Commit` for a step as soon as the first vote for it arrives (a wrapper around
     /// the driver's actions; the driver itself is unchanged).
     CommitOnFirstVote,
+    /// Replicated controllers: a job controller whose record was not committed by a majority (its node
+    /// was deposed, cut off, or paused past an election) carries its batch out anyway — the rule
+    /// "committed by a Raft majority before announce" broken (controller.rs `flush`).
+    DeposedLeaderAnnounces,
 }
 
 /// What the network may do to control messages besides delaying them, cutting nodes off and losing what
@@ -67,6 +72,8 @@ pub struct SimConfig {
     pub tail_ms: u64,
     pub network: Network,
     pub planted: PlantedBug,
+    /// The replicated controllers' Raft timing (scenarios with several controllers).
+    pub raft: RaftTiming,
 }
 
 impl Default for SimConfig {
@@ -87,6 +94,7 @@ impl Default for SimConfig {
             tail_ms: 4_000,
             network: Network::Quic,
             planted: PlantedBug::None,
+            raft: RaftTiming::default(),
         }
     }
 }

@@ -7,18 +7,20 @@
 //! and catalog. Nothing the node decides is modelled here. What the adversary does to a node (crash,
 //! pause, partition, connection reset, drain, restart) is.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use troupe_actors::catalog::{StoredJob, StoredView};
 use troupe_actors::node_config::restart::RestartPolicy;
-use troupe_actors::protocol::{Request, ToController, ToNode, Wire};
+use troupe_actors::protocol::{JobSpec, Request, ToController, ToNode, Wire};
+use troupe_actors::runtime::job::JobDriver;
 use troupe_actors::runtime::messages::{JobMsg, WorkerMsg};
-use troupe_actors::runtime::node_core::{NodeAction, NodeCore, NodeNote, NodeSettings};
+use troupe_actors::runtime::node_core::{NodeAction, NodeCore, NodeNote, NodeSettings, Restored};
 use troupe_cluster::control::PeerRole;
 use troupe_cluster::membership::{Change, NodeId};
 
 use super::scenario::Fault;
-use super::world::{addr, trace, Envelope, Ev, JobInput, Local, Stall, Worker, World, JOB};
+use super::world::{addr, trace, Envelope, Ev, JobCtl, JobInput, Local, Stall, Worker, World, JOB};
 
 pub(super) fn dur(ms: u64) -> Duration {
     Duration::from_millis(ms)
@@ -45,69 +47,103 @@ pub(super) fn new_core(
     stored_jobs: Vec<StoredJob>,
 ) -> NodeCore {
     let spec = &w.sc.nodes[n];
+    // Replicated: the controllers (nodes `0..k`) have no `join` (their Raft group names the leader);
+    // the other nodes join the first controller, which redirects them to the leader.
+    let k = w.sc.controllers;
+    let controllers = if k > 1 { w.sc.nodes[..k].iter().map(|s| s.name.0.clone()).collect() } else { Vec::new() };
     let settings = NodeSettings {
         id: spec.name.clone(),
         addr: addr(n, 0),
-        join: (n != 0).then(|| addr(0, 0)),
+        join: (n != 0 && (k <= 1 || n >= k)).then(|| addr(0, 0)),
         slots: spec.slots,
         allow_plaintext_tcp: false,
         membership: w.cfg.membership.clone(),
         restart: RestartPolicy { max_restarts: u32::MAX, window_ms: 1 },
-        controllers: Vec::new(),
+        controllers,
         dashboard: None,
     };
     NodeCore::new(settings, dur(w.now), first_incarnation(inc), stored_view, stored_jobs)
 }
 
 impl World<'_> {
-    fn controller_name(&self) -> String {
-        self.nodes[0].id.0.clone()
+    /// The name of the node connection `conn` was dialed to.
+    fn server_name(&self, conn: usize) -> String {
+        self.nodes[self.conns[conn].server].id.0.clone()
     }
 
-    /// node.rs `Tick`; on the controller also the job controller's own tick (a restored job's grace,
-    /// the wait below min_nodes).
+    /// node.rs `Tick` (with replicated controllers, first the leader named but not yet resolved, and an
+    /// election won but not yet acted on); on the controller also the job controller's own tick (a
+    /// restored job's grace, the wait below min_nodes).
     pub(super) fn tick(&mut self, n: usize) {
         let inc = self.nodes[n].inc;
         self.push(self.now + self.cfg.tick_ms, Ev::Tick { node: n, inc });
+        self.leadership_tick(n);
+        if self.nodes[n].busy {
+            return;
+        }
         self.nodes[n].core.tick(dur(self.now));
         self.act(n);
-        if n == 0 && self.ctl.started {
-            self.ctl.driver.on_tick(dur(self.now));
-            self.job_flush();
+        let job = &self.nodes[n].job;
+        if job.started && job.waiting_batch.is_none() && !job.stopped {
+            self.nodes[n].job.driver.on_tick(dur(self.now));
+            self.job_flush(n);
         }
     }
 
-    /// node.rs `act`: carries out node `n`'s actions in order, each before the next.
+    /// A job controller starts on node `n` (controller.rs `pre_start`): its driver, its first view and
+    /// flush, before the node's answer.
+    fn start_job(&mut self, n: usize, spec: JobSpec, restored: Option<Restored>) {
+        let driver = match restored {
+            Some((info, _, expect)) => JobDriver::restore(JOB, spec, &info, expect),
+            None => JobDriver::new(JOB, spec),
+        };
+        let jc = self.nodes[n].job.jc + 1;
+        self.nodes[n].job = JobCtl { jc, started: true, ..JobCtl::new(driver) };
+    }
+
+    /// The node's job controllers stop (it stepped down, or its process died).
+    pub(super) fn stop_job(&mut self, n: usize) {
+        let jc = self.nodes[n].job.jc + 1;
+        let driver = JobDriver::new(JOB, super::job_spec(self.sc));
+        self.nodes[n].job = JobCtl { jc, ..JobCtl::new(driver) };
+    }
+
+    /// node.rs `act`: carries out node `n`'s actions in order, each before the next. With replicated
+    /// controllers a view waits for its commit: the rest (and the actor's mailbox) wait with it.
     pub(super) fn act(&mut self, n: usize) {
+        if self.nodes[n].busy {
+            return; // carried on once the commit it waits for is decided
+        }
         while let Some(action) = self.nodes[n].core.poll_action() {
             match action {
                 NodeAction::Send { peer, epoch, msg } => self.send(n, &peer, epoch, msg),
-                NodeAction::RecordView(view) => {
+                NodeAction::RecordView(view) if self.ctl.raft.is_none() => {
                     // Recorded before anyone hears of it: a restarted controller starts past this epoch.
                     self.ctl.catalog.view_epoch = view.epoch;
                     self.ctl.catalog.view_members = view.members.into_iter().map(NodeId).collect();
                 }
-                NodeAction::Worker { slot, msg } => self.to_worker(n, slot, msg),
-                NodeAction::Job { msg, .. } => self.to_job(msg),
-                NodeAction::StartJob { spec, view, members, restored, .. } => {
-                    // controller.rs `pre_start`: the driver, its first view and flush, before the answer.
-                    self.ctl.driver = match restored {
-                        Some((info, _, expect)) => {
-                            troupe_actors::runtime::job::JobDriver::restore(JOB, *spec, &info, expect)
-                        }
-                        None => troupe_actors::runtime::job::JobDriver::new(JOB, *spec),
-                    };
-                    self.ctl.started = true;
-                    self.ctl.catalog.recorded = None;
-                    self.ctl.driver.on_view(&view, &members, Vec::new());
-                    self.job_flush();
-                    self.nodes[0].core.job_started(JOB, Ok(()));
+                NodeAction::RecordView(view) => {
+                    if self.record_view(n, view) {
+                        return;
+                    }
                 }
-                NodeAction::Dial { .. } => self.dial(n),
-                // Only a replicated controller steps down, which this simulation does not model yet.
+                NodeAction::Worker { slot, msg } => self.to_worker(n, slot, msg),
+                NodeAction::Job { msg, .. } => self.to_job(n, msg),
+                NodeAction::StartJob { spec, view, members, restored, .. } => {
+                    self.start_job(n, *spec, restored);
+                    self.nodes[n].job.driver.on_view(&view, &members, Vec::new());
+                    self.job_flush(n);
+                    self.nodes[n].core.job_started(JOB, Ok(()));
+                }
+                NodeAction::Dial { addr } => self.dial(n, addr),
                 NodeAction::AnswerControllers { .. } => {}
                 NodeAction::AnswerDashboard { .. } | NodeAction::ControllerDashboard { .. } => {}
-                NodeAction::StopJobs => self.check.fail(self.now, format!("{} stepped down", self.nodes[n].id)),
+                NodeAction::StopJobs => {
+                    trace!(self, "{} stepped down: its job controller stops", self.nodes[n].id);
+                    self.stats.step_downs += 1;
+                    self.nodes[n].generation += 1;
+                    self.stop_job(n);
+                }
                 NodeAction::RestartWorker { slot } => {
                     let winc = self.nodes[n].workers[slot].winc + 1;
                     self.nodes[n].workers[slot] = Worker { winc, ..Worker::default() };
@@ -142,13 +178,13 @@ impl World<'_> {
                         self.check.admitted(m, self.nodes[m].generation);
                     }
                 }
-                let members = self.nodes[0].core.membership().map(|m| m.view().members().to_vec()).unwrap_or_default();
+                let members = self.nodes[n].core.membership().map(|m| m.view().members().to_vec()).unwrap_or_default();
                 trace!(self, "VIEW epoch {epoch} {members:?} after {changes:?}");
                 if !self.ctl.submitted && members.len() == self.nodes.len() {
                     self.push(self.now, Ev::Submit);
                 }
             }
-            NodeNote::RefusedStale if n == 0 => self.stats.refused_stale += 1,
+            NodeNote::RefusedStale if self.nodes[n].core.is_controller() => self.stats.refused_stale += 1,
             NodeNote::RefusedStale => self.stats.node_refused_stale += 1,
             NodeNote::JobEvent { .. } | NodeNote::WorkerFailed { .. } => {}
         }
@@ -160,30 +196,34 @@ impl World<'_> {
         if self.ctl.submitted {
             return;
         }
-        if !self.nodes[0].up || self.nodes[0].paused_until.is_some() {
+        let ready = self.controller_node().filter(|&c| self.nodes[c].paused_until.is_none() && !self.nodes[c].busy);
+        let Some(c) = ready else {
             return self.push(self.now + 100, Ev::Submit);
-        }
+        };
         self.ctl.submitted = true;
-        let members = self.nodes[0].core.membership().map(|m| m.view().members().to_vec()).unwrap_or_default();
-        trace!(self, "job submitted on {members:?}");
+        let members = self.nodes[c].core.membership().map(|m| m.view().members().to_vec()).unwrap_or_default();
+        trace!(self, "job submitted to {} on {members:?}", self.nodes[c].id);
         let spec = Box::new(super::job_spec(self.sc));
-        self.nodes[0].core.message(dur(self.now), CLIENT, PeerRole::Client, 0, Request::Submit { spec }.into());
-        self.act(0);
+        self.nodes[c].core.message(dur(self.now), CLIENT, PeerRole::Client, 0, Request::Submit { spec }.into());
+        self.act(c);
     }
 
-    /// node.rs `send`: the controller to itself through its mailbox, to a node on that node's current
-    /// connection; a node to the controller on its connection. Without one the message is lost.
+    /// node.rs `send`: a node to itself through its mailbox; the controller to a node on that node's
+    /// current connection to it; a node to its controller on its own connection. Without one the
+    /// message is lost.
     fn send(&mut self, n: usize, peer: &str, epoch: u64, msg: Wire) {
         let env = Envelope::new(epoch, self.nodes[n].generation, msg);
         if peer == self.nodes[n].id.0 {
-            return self.local(Local::ToSelf, Ev::SelfMsg(env));
+            return self.local(Local::ToSelf, Ev::SelfMsg { node: n, env });
         }
         let Some(&m) = self.index.get(&NodeId(peer.to_owned())) else {
             return; // the client
         };
-        let conn = if n == 0 { self.ctl.conns[m].filter(|&c| self.conns[c].open_ctrl) } else { self.nodes[n].conn };
-        match conn {
-            Some(conn) => self.net_send(conn, n != 0, env),
+        let own = self.nodes[n].conn.filter(|&c| self.conns[c].server == m).map(|c| (c, true));
+        let served = self.nodes[n].served[m].filter(|&c| self.conns[c].open_ctrl).map(|c| (c, false));
+        let route = if self.nodes[n].core.is_controller() { served.or(own) } else { own.or(served) };
+        match route {
+            Some((conn, up)) => self.net_send(conn, up, env),
             None => {
                 self.stats.lost_messages += 1;
                 trace!(self, "{} drops {} for {peer} (not connected)", self.nodes[n].id, kind(&env.msg));
@@ -191,8 +231,13 @@ impl World<'_> {
         }
     }
 
-    /// What a worker reports goes through its node (`NodeMsg::FromWorker`).
+    /// What a worker reports goes through its node (`NodeMsg::FromWorker`), whose actor may be waiting
+    /// for a commit.
     pub(super) fn send_to_controller(&mut self, n: usize, msg: ToController) {
+        if self.nodes[n].busy {
+            let inc = self.nodes[n].inc;
+            return self.hold_for_actor(n, Ev::FromWorker { node: n, inc, msg });
+        }
         self.nodes[n].core.send_to_controller(msg);
         self.act(n);
     }
@@ -215,7 +260,7 @@ impl World<'_> {
 
     /// The controller's node hands its job controller a message (`JobMsg`); a job message accepted
     /// from a node is checked against the membership that sent it.
-    fn to_job(&mut self, msg: JobMsg) {
+    fn to_job(&mut self, n: usize, msg: JobMsg) {
         let input = match msg {
             JobMsg::View { view, members, changes } => JobInput::View { view, members, changes },
             JobMsg::Ready { node, attempt, slot, committed, .. } => {
@@ -230,26 +275,33 @@ impl World<'_> {
             JobMsg::Checkpointed { attempt, step, .. } => JobInput::Checkpointed { attempt, step },
             JobMsg::Evaluated { .. } | JobMsg::Phases { .. } | JobMsg::Cancel | JobMsg::Tick => return,
         };
-        if !matches!(input, JobInput::View { .. }) {
+        // A deposed controller that does not know it yet may still take a message of a membership the
+        // new controller has since replaced: fencing is the current controller's (its epochs are newer).
+        let deposed = self.ctl.raft.as_ref().is_some_and(|r| r.deposed(n));
+        if !matches!(input, JobInput::View { .. }) && !deposed {
             if let Some((from, generation)) = self.delivering {
                 self.check.accepted_job_message(self.now, from, generation, input_kind(&input));
             }
         }
-        self.local(Local::NodeToJob, Ev::ToJob(input));
+        let jc = self.nodes[n].job.jc;
+        self.local(Local::NodeToJob, Ev::ToJob { node: n, jc, input });
     }
 
-    fn dial(&mut self, n: usize) {
+    /// node.rs `Dial`: node `n` connects to the node listening at `to` (its controller, or with
+    /// replicated controllers the one it was told leads or tries next).
+    fn dial(&mut self, n: usize, to: SocketAddr) {
         self.stats.dials += 1;
         let inc = self.nodes[n].inc;
+        let Some(server) = (0..self.nodes.len()).find(|&s| addr(s, 0) == to) else { return };
         let handshake = self.rng.range(self.cfg.dial_ms_min, self.cfg.dial_ms_max);
-        // The handshake needs both ends running and connected: a cut-off node, a stopped controller, or a
-        // crashed one (QUIC retransmits the handshake: it completes once the controller is back).
-        let down = match self.nodes[0].up {
+        // The handshake needs both ends running and connected: a cut-off node, a stopped server, or a
+        // crashed one (QUIC retransmits the handshake: it completes once the server is back).
+        let down = match self.nodes[server].up {
             true => None,
-            false => Some(self.sc.controller_back_at(self.now).unwrap_or(u64::MAX)),
+            false => Some(self.sc.back_at(server, self.now).unwrap_or(u64::MAX)),
         };
-        let blocked =
-            [self.sc.control_cut_until(n, self.now), self.nodes[0].paused_until, down].into_iter().flatten().max();
+        let cut = self.sc.cut_until(n, server, self.now);
+        let blocked = [cut, self.nodes[server].paused_until, down].into_iter().flatten().max();
         let (at, ok) = match blocked {
             Some(until) if until > self.now + self.cfg.connect_timeout_ms => {
                 (self.now + self.cfg.connect_timeout_ms, false)
@@ -257,70 +309,104 @@ impl World<'_> {
             Some(until) => (until + handshake, true),
             None => (self.now + handshake, true),
         };
-        trace!(self, "{} dials the controller", self.nodes[n].id);
-        self.push(at, Ev::DialDone { node: n, inc, ok });
+        trace!(self, "{} dials {}", self.nodes[n].id, self.nodes[server].id);
+        self.push(at, Ev::DialDone { node: n, inc, server, ok });
     }
 
     /// A dial ended. A new connection replaces the older one on both sides, and what was in flight on
-    /// the older one is lost — but what the controller's reader of the older one had read is still
-    /// handed to the node actor (`reads_until`), possibly after the newer one's `Connected` and first
-    /// messages; the controller's endpoint reports nothing for the older one (control/shared.rs). Each
+    /// the older one is lost — but what the server's reader of the older one had read is still handed
+    /// to the node actor (`reads_until`), possibly after the newer one's `Connected` and first
+    /// messages; the server's endpoint reports nothing for the older one (control/shared.rs). Each
     /// side's node actor learns of the newer connection a mailbox hop later (`Ev::Connected`): until
-    /// then the controller still counts the node as connected the old way and may send it messages
-    /// meant for that membership, which go out on the newer connection.
-    pub(super) fn dial_done(&mut self, n: usize, ok: bool) {
-        if !ok || !self.nodes[0].up {
-            trace!(self, "{} could not reach the controller", self.nodes[n].id);
-            self.nodes[n].core.dialed(dur(self.now), addr(0, 0), Err("unreachable".into()), false);
+    /// then the server still counts the node as connected the old way and may send it messages meant
+    /// for that membership, which go out on the newer connection. A node that turns to another server
+    /// (replicated controllers) leaves its connection to the earlier one, which that one sees lost.
+    pub(super) fn dial_done(&mut self, n: usize, server: usize, ok: bool) {
+        if !ok || !self.nodes[server].up {
+            trace!(self, "{} could not reach {}", self.nodes[n].id, self.nodes[server].id);
+            self.nodes[n].core.dialed(dur(self.now), addr(server, 0), Err("unreachable".into()), false);
             return self.act(n);
+        }
+        if self.nodes[n].core.has_controller_peer() {
+            // A dial the node gave up on (it connected to another controller since): the core ignores
+            // its end, and its connection carries nothing; the node's own connection stays.
+            trace!(self, "{}'s abandoned dial to {} ends", self.nodes[n].id, self.nodes[server].id);
+            let name = self.nodes[server].id.0.clone();
+            self.nodes[n].core.dialed(dur(self.now), addr(server, 0), Ok(name), false);
+            return self.act(n);
+        }
+        // One connection per pair of nodes: the endpoint keeps the newest with a peer, so one the server
+        // had dialed to this node (a controller it followed) is replaced, silently, what was in flight lost.
+        if let Some(old) = self.nodes[server].conn.filter(|&c| self.conns[c].server == n) {
+            trace!(
+                self,
+                "{}'s connection {old} to {} is replaced by the new one",
+                self.nodes[server].id,
+                self.nodes[n].id
+            );
+            self.nodes[server].conn = None;
+            let c = &mut self.conns[old];
+            (c.open_node, c.open_ctrl, c.reads_until) = (false, false, None);
+            if self.nodes[n].served[server] == Some(old) {
+                self.nodes[n].served[server] = None;
+            }
         }
         if let Some(old) = self.nodes[n].conn.take() {
             self.conns[old].open_node = false;
+            if self.conns[old].server != server {
+                let after = self.now + self.rng.range(self.cfg.net_delay_ms_min, self.cfg.net_delay_ms_max);
+                self.push(after, Ev::ConnLost { conn: old, at_ctrl: true });
+            }
         }
-        let replaced = self.ctl.conns[n].filter(|&c| self.conns[c].open_ctrl);
+        let replaced = self.nodes[server].served[n].filter(|&c| self.conns[c].open_ctrl);
         if let Some(old) = replaced {
             let c = &mut self.conns[old];
             c.open_ctrl = false;
             c.reads_until = Some(c.reads_until.map_or(self.now, |t| t.min(self.now)));
         }
-        let conn = self.open_conn(n);
+        let conn = self.open_conn(n, server);
         self.nodes[n].conn = Some(conn);
-        trace!(self, "{} connected to the controller (conn {conn}, replacing {replaced:?})", self.nodes[n].id);
+        trace!(
+            self,
+            "{} connected to {} (conn {conn}, replacing {replaced:?})",
+            self.nodes[n].id,
+            self.nodes[server].id
+        );
         let at_ctrl = self.now + self.rng.range(0, self.cfg.local_delay_ms_max);
         // One reader, one channel: the newer connection's messages reach the node actor after its
         // `Connected`.
         self.conns[conn].last_up = at_ctrl;
-        self.push(at_ctrl, Ev::Connected { conn, at_ctrl: true, inc: self.nodes[0].inc });
+        self.push(at_ctrl, Ev::Connected { conn, at_ctrl: true, inc: self.nodes[server].inc });
         let at_node = self.now + self.rng.range(0, self.cfg.local_delay_ms_max);
         self.push(at_node, Ev::Connected { conn, at_ctrl: false, inc: self.nodes[n].inc });
     }
 
-    /// A node actor handles `Connected`: the controller's from its endpoint (`ControlEvent::Connected`),
+    /// A node actor handles `Connected`: the server's from its endpoint (`ControlEvent::Connected`),
     /// the dialing node's from its dialing task (`NodeMsg::Connected`, not through the endpoint's event
     /// channel, so the connection's `Lost` may come first: the core is told whether it is still up).
     pub(super) fn connected(&mut self, conn: usize, at_ctrl: bool) {
-        let n = self.conns[conn].node;
+        let (n, server) = (self.conns[conn].node, self.conns[conn].server);
         let now = dur(self.now);
         if at_ctrl {
-            trace!(self, "controller sees {} connect (conn {conn})", self.nodes[n].id);
+            trace!(self, "{} sees {} connect (conn {conn})", self.nodes[server].id, self.nodes[n].id);
             let peer = self.nodes[n].id.0.clone();
-            self.nodes[0].core.connected(now, &peer, PeerRole::Node);
-            return self.act(0);
+            self.nodes[server].core.connected(now, &peer, PeerRole::Node);
+            return self.act(server);
         }
         let live = self.conns[conn].open_node && self.nodes[n].conn == Some(conn);
         if !live {
             trace!(self, "{} learns of conn {conn}, already lost", self.nodes[n].id);
         }
-        let controller = self.controller_name();
-        self.nodes[n].core.dialed(now, addr(0, 0), Ok(controller), live);
+        let name = self.server_name(conn);
+        self.nodes[n].core.dialed(now, addr(server, 0), Ok(name), live);
         self.act(n);
     }
 
-    /// One side of a connection ended without a goodbye (`ControlEvent::Lost`). The controller's reader
+    /// One side of a connection ended without a goodbye (`ControlEvent::Lost`). The server's reader
     /// reports it after handing over what it read before; the endpoint reports only the loss of a peer's
     /// current connection.
     pub(super) fn conn_lost(&mut self, conn: usize, at_ctrl: bool) {
-        let n = self.conns[conn].node;
+        let (n, server) = (self.conns[conn].node, self.conns[conn].server);
         if at_ctrl {
             if !self.conns[conn].open_ctrl {
                 return;
@@ -333,14 +419,14 @@ impl World<'_> {
             }
             c.open_ctrl = false;
             c.reads_until = None;
-            if self.ctl.conns[n] != Some(conn) {
+            if self.nodes[server].served[n] != Some(conn) {
                 return;
             }
-            self.ctl.conns[n] = None;
+            self.nodes[server].served[n] = None;
             let peer = self.nodes[n].id.0.clone();
-            trace!(self, "controller lost its connection {conn} to {peer}");
-            self.nodes[0].core.lost(dur(self.now), &peer);
-            self.act(0);
+            trace!(self, "{} lost its connection {conn} to {peer}", self.nodes[server].id);
+            self.nodes[server].core.lost(dur(self.now), &peer);
+            self.act(server);
         } else {
             if !self.conns[conn].open_node {
                 return;
@@ -348,15 +434,15 @@ impl World<'_> {
             self.conns[conn].open_node = false;
             if self.nodes[n].conn == Some(conn) {
                 self.nodes[n].conn = None;
-                trace!(self, "{} lost its connection {conn} to the controller", self.nodes[n].id);
-                let controller = self.controller_name();
-                self.nodes[n].core.lost(dur(self.now), &controller);
+                let name = self.server_name(conn);
+                trace!(self, "{} lost its connection {conn} to {name}", self.nodes[n].id);
+                self.nodes[n].core.lost(dur(self.now), &name);
                 self.act(n);
             }
         }
     }
 
-    /// A controller message reaching node `n` over the network.
+    /// A server's message reaching node `n` over the network.
     pub(super) fn deliver_down(&mut self, conn: usize, env: Envelope) {
         let n = self.conns[conn].node;
         if !self.conns[conn].open_node {
@@ -369,17 +455,17 @@ impl World<'_> {
         }
         self.count_delivery(n, false, &env);
         trace!(self, "{} <- {} (epoch {})", self.nodes[n].id, kind(&env.msg), env.epoch);
-        let controller = self.controller_name();
-        self.nodes[n].core.message(dur(self.now), &controller, PeerRole::Node, env.epoch, env.msg);
+        let name = self.server_name(conn);
+        self.nodes[n].core.message(dur(self.now), &name, PeerRole::Node, env.epoch, env.msg);
         self.act(n);
     }
 
-    /// The controller node's message to itself (through its own mailbox).
-    pub(super) fn deliver_self(&mut self, env: Envelope) {
-        let me = self.controller_name();
-        self.delivering = Some((0, env.generation));
-        self.nodes[0].core.message(dur(self.now), &me, PeerRole::Node, env.epoch, env.msg);
-        self.act(0);
+    /// A node's message to itself (through its own mailbox).
+    pub(super) fn deliver_self(&mut self, n: usize, env: Envelope) {
+        let me = self.nodes[n].id.0.clone();
+        self.delivering = Some((n, env.generation));
+        self.nodes[n].core.message(dur(self.now), &me, PeerRole::Node, env.epoch, env.msg);
+        self.act(n);
         self.delivering = None;
     }
 
@@ -394,9 +480,7 @@ impl World<'_> {
                 if !self.nodes[node].up {
                     return;
                 }
-                if node == 0 {
-                    self.crash_controller();
-                }
+                self.crash_server(node);
                 self.crash(node);
                 if let Some(after) = restart_after_ms {
                     self.push(self.now + after, Ev::Restart { node });
@@ -452,12 +536,18 @@ impl World<'_> {
         }
     }
 
-    /// SIGKILL: everything of this incarnation is gone; the controller's side of the connection times out.
+    /// SIGKILL: everything of this incarnation is gone; the server's side of the connection times out.
     fn crash(&mut self, n: usize) {
+        self.stop_job(n);
+        if let Some(raft) = self.ctl.raft.as_mut().filter(|_| n < self.sc.controllers) {
+            raft.crashed(n);
+        }
         let node = &mut self.nodes[n];
         node.up = false;
         node.paused_until = None;
         node.held.clear();
+        (node.busy, node.unresolved_leader, node.took_over_at) = (false, None, None);
+        node.busy_held.clear();
         if let Some(conn) = node.conn.take() {
             self.conns[conn].open_node = false;
             self.push(self.now + self.cfg.idle_timeout_ms, Ev::ConnLost { conn, at_ctrl: true });
@@ -482,12 +572,14 @@ impl World<'_> {
         node.held.clear();
     }
 
-    /// SIGKILL of the controller's daemon: besides what any node loses, the controller's membership, its
-    /// job controller and its side of every connection are gone; the members notice when their
-    /// connections time out. Only the catalog survives.
-    fn crash_controller(&mut self) {
-        self.ctl.conns.iter_mut().for_each(|c| *c = None);
-        for conn in 0..self.conns.len() {
+    /// SIGKILL of a node others dialed (the controller's daemon; with replicated controllers any
+    /// controller): besides what any node loses, its membership, its job controller and its side of
+    /// every connection to it are gone; the members notice when their connections time out. Only the
+    /// catalog (the Raft log) survives.
+    fn crash_server(&mut self, n: usize) {
+        self.nodes[n].served.iter_mut().for_each(|c| *c = None);
+        let served: Vec<usize> = (0..self.conns.len()).filter(|&c| self.conns[c].server == n).collect();
+        for conn in served {
             self.conns[conn].reads_until = None;
             if std::mem::take(&mut self.conns[conn].open_ctrl) && self.conns[conn].open_node {
                 self.push(self.now + self.cfg.idle_timeout_ms, Ev::ConnLost { conn, at_ctrl: false });
@@ -510,7 +602,7 @@ impl World<'_> {
         let inc = node.inc;
         trace!(self, "{} starts again (incarnation {inc})", self.nodes[n].id);
         let (view, jobs) = match n {
-            0 => {
+            0 if self.ctl.raft.is_none() => {
                 let catalog = &self.ctl.catalog;
                 let members = catalog.view_members.iter().map(|m| m.0.clone()).collect();
                 let view = StoredView { epoch: catalog.view_epoch, members, recorded_by: None };
@@ -524,10 +616,11 @@ impl World<'_> {
             }
             _ => (None, Vec::new()),
         };
-        if n == 0 {
+        if let Some(raft) = self.ctl.raft.as_mut().filter(|_| n < self.sc.controllers) {
+            raft.restarted(n, self.now, &mut self.rng);
+        } else if n == 0 {
             let epoch = self.ctl.catalog.view_epoch + 1;
-            self.ctl.started = false;
-            self.check.controller_restarted(self.now, epoch, self.nodes[0].generation);
+            self.check.controller_restarted(self.now, 0, epoch, self.nodes[0].generation);
             self.stats.controller_restarts += 1;
             trace!(self, "controller restarted at epoch {epoch} from its catalog; expects {:?}", view);
         }
@@ -548,8 +641,8 @@ impl World<'_> {
         if std::mem::take(&mut self.nodes[n].pause_broke) {
             if let Some(conn) = self.nodes[n].conn.take() {
                 self.conns[conn].open_node = false;
-                let controller = self.controller_name();
-                self.nodes[n].core.lost(dur(self.now), &controller);
+                let server = self.server_name(conn);
+                self.nodes[n].core.lost(dur(self.now), &server);
                 self.act(n);
             }
         }
@@ -571,11 +664,12 @@ impl World<'_> {
             return;
         }
         trace!(self, "{} silent for the idle timeout ({stall:?}): its connections time out", self.nodes[n].id);
-        if n == 0 {
-            // The controller stopped: every member's connection times out on the member's side now, and
-            // on the controller's when it runs again (that event waits for it); meshes with its ranks break.
-            for m in 1..self.nodes.len() {
-                if let Some(conn) = self.nodes[m].conn {
+        {
+            // A server (the controller) stopped: every member's connection to it times out on the
+            // member's side now, and on the server's when it runs again (that event waits for it);
+            // meshes with its ranks break.
+            for m in (0..self.nodes.len()).filter(|&m| m != n) {
+                if let Some(conn) = self.nodes[m].conn.filter(|&c| self.conns[c].server == n) {
                     let (a, b) = (self.rng.range(0, 30), self.rng.range(0, 30));
                     self.push(self.now + a, Ev::ConnLost { conn, at_ctrl: false });
                     self.push(self.now + b, Ev::ConnLost { conn, at_ctrl: true });

@@ -89,6 +89,9 @@ pub struct Scenario {
     /// The job's durable checkpoints: `checkpoint.every_steps` (0: only at the end), or none at all.
     pub checkpoint_every: Option<u64>,
     pub faults: Vec<Fault>,
+    /// Controller-eligible nodes (node.toml `controllers`): 1 is one controller, node 0, restarting
+    /// from its catalog; 3 or 5 are nodes `0..controllers`, a Raft group whose leader is the controller.
+    pub controllers: usize,
 }
 
 impl Scenario {
@@ -102,6 +105,7 @@ impl Scenario {
             step_ms_max: 80,
             checkpoint_every: None,
             faults: Vec::new(),
+            controllers: 1,
         }
     }
 
@@ -177,7 +181,74 @@ impl Scenario {
                 kept.push(f);
             }
         }
-        Scenario { nodes, steps, max_ranks, step_ms_min, step_ms_max, checkpoint_every, faults: kept }
+        Scenario { nodes, steps, max_ranks, step_ms_min, step_ms_max, checkpoint_every, faults: kept, controllers: 1 }
+    }
+
+    /// Three controllers (nodes 0–2, node-a lowest-named: it stands first) and 0–2 more nodes, a job
+    /// and 1–4 faults: the controllers killed (for good, or restarted), paused and cut off — so the
+    /// leader is, whoever it is by then — and the other nodes' faults. At most one controller is
+    /// killed for good (two of three keep a majority); a node that is not a controller is not restarted
+    /// after node-a, the address its `join` names, is gone for good (it would know no other).
+    pub fn random_replicated(seed: u64) -> Self {
+        let mut rng = Rng::new(seed ^ 0x3C0_7201_1E25);
+        let count = 3 + rng.below(3) as usize;
+        let nodes: Vec<NodeSpec> = (0..count)
+            .map(|i| NodeSpec {
+                name: NodeId(format!("node-{}", (b'a' + i as u8) as char)),
+                slots: 1 + u32::from(rng.chance(250)),
+            })
+            .collect();
+        let steps = rng.range(8, 30);
+        let step_ms_min = rng.range(15, 60);
+        let step_ms_max = step_ms_min + rng.range(0, 120);
+        let job_ms = steps * step_ms_max;
+        let mut faults: Vec<Fault> = Vec::new();
+        let wanted = 1 + rng.below(4) as usize;
+        let mut killed_for_good = false;
+        while faults.len() < wanted {
+            let at_ms = rng.range(300, job_ms.max(500) + 1500);
+            let ctrl = rng.below(3) as usize;
+            let other = if count > 3 { 3 + rng.below(count as u64 - 3) as usize } else { ctrl };
+            let fault = match rng.below(100) {
+                0..=24 if !killed_for_good => {
+                    let restart = rng.chance(400).then(|| rng.range(50, 3000));
+                    killed_for_good |= restart.is_none();
+                    Fault::Crash { node: ctrl, at_ms, restart_after_ms: restart }
+                }
+                0..=44 => Fault::Pause { node: ctrl, at_ms, for_ms: rng.range(300, 4000) },
+                45..=69 => Fault::Isolate { node: ctrl, at_ms, for_ms: rng.range(300, 5000) },
+                70..=77 => Fault::Crash { node: other, at_ms, restart_after_ms: Some(rng.range(50, 3000)) },
+                78..=85 => Fault::DropConnection { node: other, at_ms },
+                86..=92 => Fault::WorkerPanic { node: rng.below(count as u64) as usize, slot: 0, at_ms },
+                _ => Fault::SlowLink { node: other, at_ms, for_ms: rng.range(200, 3000), extra_ms: rng.range(20, 600) },
+            };
+            faults.push(fault);
+        }
+        faults.sort_by_key(Fault::at_ms);
+        let mut kept: Vec<Fault> = Vec::new();
+        for f in faults {
+            let node = fault_node(&f);
+            let clash = kept.iter().any(|k| {
+                let same = fault_node(k) == node;
+                let down = matches!(k, Fault::Crash { .. }) && (f.at_ms() <= k.over_at_ms() + 1 || k.never_back());
+                let paused =
+                    matches!((k, &f), (Fault::Pause { .. }, Fault::Pause { .. })) && f.at_ms() <= k.over_at_ms();
+                (same && (down || paused)) || orphaned(k, &f) || orphaned(&f, k)
+            });
+            if !clash {
+                kept.push(f);
+            }
+        }
+        Scenario {
+            nodes,
+            steps,
+            max_ranks: 0,
+            step_ms_min,
+            step_ms_max,
+            checkpoint_every: None,
+            faults: kept,
+            controllers: 3,
+        }
     }
 
     /// When the last fault is over.
@@ -198,14 +269,21 @@ impl Scenario {
             })
             .sum();
         let grace = self.controller_restarts() as u64 * RESUME_GRACE.as_millis() as u64;
+        // Replicated: each controller fault may cost an election (two timeouts past the lease) and a
+        // restored job's grace.
+        let takeovers = match self.controllers {
+            0 | 1 => 0,
+            k => self.faults.iter().filter(|f| fault_node(f) < k).count() as u64,
+        };
+        let grace = grace + takeovers * (RESUME_GRACE.as_millis() as u64 + 3_000);
         self.heal_ms() + self.steps * (self.step_ms_max + 30) + straggle + RECOVERY_MS + grace
     }
 
-    /// When the controller's daemon, killed before `t_ms` and not yet back, restarts.
-    pub fn controller_back_at(&self, t_ms: u64) -> Option<u64> {
+    /// When `node`'s daemon, killed before `t_ms` and not yet back, restarts.
+    pub fn back_at(&self, node: usize, t_ms: u64) -> Option<u64> {
         self.faults.iter().find_map(|f| match *f {
-            Fault::Crash { node: 0, at_ms, restart_after_ms: Some(after) }
-                if (at_ms..at_ms + after).contains(&t_ms) =>
+            Fault::Crash { node: n, at_ms, restart_after_ms: Some(after) }
+                if n == node && (at_ms..at_ms + after).contains(&t_ms) =>
             {
                 Some(at_ms + after)
             }
@@ -213,8 +291,11 @@ impl Scenario {
         })
     }
 
-    /// How often the controller's daemon is killed (and restarted).
+    /// How often the controller's daemon is killed (and restarted), with one controller.
     pub fn controller_restarts(&self) -> usize {
+        if self.controllers > 1 {
+            return 0;
+        }
         self.faults.iter().filter(|f| matches!(f, Fault::Crash { node: 0, .. })).count()
     }
 
@@ -231,10 +312,9 @@ impl Scenario {
             .max()
     }
 
-    /// Whether node `node`'s control connection (to the controller, node 0) is cut at `t_ms` — either end
-    /// cut off — and until when.
-    pub fn control_cut_until(&self, node: usize, t_ms: u64) -> Option<u64> {
-        [self.isolated_until(node, t_ms), self.isolated_until(0, t_ms)].into_iter().flatten().max()
+    /// Whether nodes `a` and `b` are cut off from each other at `t_ms` — either cut off — and until when.
+    pub fn cut_until(&self, a: usize, b: usize, t_ms: u64) -> Option<u64> {
+        [self.isolated_until(a, t_ms), self.isolated_until(b, t_ms)].into_iter().flatten().max()
     }
 
     /// Extra delay of the node's control connection at `t_ms`.
@@ -273,6 +353,16 @@ impl Scenario {
     pub fn harmful_faults(&self) -> usize {
         self.faults.iter().filter(|f| !matches!(f, Fault::Straggle { .. } | Fault::SlowLink { .. })).count()
     }
+}
+
+/// Replicated controllers: `other` restarts a node that is not a controller (nodes 3 and up) after
+/// `kill` took node-a, the address its `join` names, for good: it would know no controller to dial.
+fn orphaned(kill: &Fault, other: &Fault) -> bool {
+    let gone = match *kill {
+        Fault::Crash { node: 0, at_ms, restart_after_ms: None } => at_ms,
+        _ => return false,
+    };
+    matches!(*other, Fault::Crash { node, restart_after_ms: Some(_), .. } if node >= 3 && other.over_at_ms() >= gone)
 }
 
 pub fn fault_node(f: &Fault) -> usize {

@@ -3,16 +3,17 @@
 //! every random choice comes from the run's one generator, so a run replays exactly from its seed.
 
 use std::cmp::{Ordering, Reverse};
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 use std::net::SocketAddr;
 
 use troupe_actors::protocol::{AttemptOutcome, JobEvent, JobId, JobInfo, JobState, MemberInfo, RankSlot, ToNode, Wire};
-use troupe_actors::runtime::job::JobDriver;
+use troupe_actors::runtime::job::{DriverAction, JobDriver};
 use troupe_actors::runtime::node_core::NodeCore;
 use troupe_cluster::membership::{NodeId, View};
 
 use super::check::Checker;
 use super::config::{Network, SimConfig};
+use super::raft::{Proposer, RaftModel, Watch};
 use super::rng::Rng;
 use super::scenario::Scenario;
 use super::trace::Trace;
@@ -109,10 +110,50 @@ pub(super) enum Ev {
         conn: usize,
         env: Envelope,
     },
-    /// The controller's node sending to itself (through its own mailbox).
-    SelfMsg(Envelope),
-    ToJob(JobInput),
-    FromJob(FromJob),
+    /// A node sending to itself (through its own mailbox).
+    SelfMsg {
+        node: usize,
+        env: Envelope,
+    },
+    /// To node `node`'s job controller of incarnation `jc` (dropped once it stopped).
+    ToJob {
+        node: usize,
+        jc: u32,
+        input: JobInput,
+    },
+    FromJob {
+        node: usize,
+        out: FromJob,
+    },
+    /// A worker's report reaching its node actor while that actor waited for a commit.
+    FromWorker {
+        node: usize,
+        inc: u32,
+        msg: troupe_actors::protocol::ToController,
+    },
+    /// Replicated controllers: a heartbeat round of the Raft group, a leader's replication a round trip
+    /// after a proposal, a proposal decided, a controller's leadership watch changed, and a job
+    /// controller telling its node that a write was not committed (`NodeMsg::NotCommitted`).
+    RaftTick,
+    RaftReplicate {
+        node: usize,
+    },
+    Decided {
+        node: usize,
+        inc: u32,
+        by: Proposer,
+        result: Result<(), String>,
+    },
+    Leadership {
+        node: usize,
+        inc: u32,
+        watch: Watch,
+    },
+    NotCommitted {
+        node: usize,
+        inc: u32,
+        why: String,
+    },
     ConnLost {
         conn: usize,
         at_ctrl: bool,
@@ -131,6 +172,7 @@ pub(super) enum Ev {
     DialDone {
         node: usize,
         inc: u32,
+        server: usize,
         ok: bool,
     },
     Computed {
@@ -191,11 +233,13 @@ impl Ord for Item {
     }
 }
 
-/// One control connection between a node (one incarnation) and the controller.
+/// One control connection between a node (one incarnation) and the node it dialed as its controller
+/// (`server`: the controller, or with replicated controllers any controller-eligible node).
 #[derive(Debug)]
 pub(super) struct Conn {
     pub node: usize,
     pub inc: u32,
+    pub server: usize,
     pub open_node: bool,
     /// The controller's side is open: it sends on it, and it is the node's connection there.
     pub open_ctrl: bool,
@@ -269,27 +313,58 @@ pub(super) struct Node {
     /// The runtime's node: everything it decides (node.rs's `NodeCore`).
     pub core: NodeCore,
     pub conn: Option<usize>,
+    /// This node's side of each node's current connection to it (as the controller, or a controller
+    /// that answers with a redirect).
+    pub served: Vec<Option<usize>>,
     pub workers: Vec<Worker>,
+    /// The job controller this node runs while it is the controller.
+    pub job: JobCtl,
+    /// Replicated controllers: the node actor waits for a view's commit (node.rs `record_view` awaits
+    /// `propose`); what reaches the actor meanwhile waits here, in order.
+    pub busy: bool,
+    pub busy_held: Vec<Item>,
+    /// The leader the Raft group named whose address is not known yet (node.rs `unresolved_leader`).
+    pub unresolved_leader: Option<String>,
+    /// Elected: the epoch of the first view, checked once it is committed.
+    pub took_over_at: Option<u64>,
+    /// The epoch of the view the node actor waits to see committed.
+    pub pending_view: Option<u64>,
 }
 
-/// The controller's job controller, the controller's side of the connections, and its catalog.
+/// A node's JobController actor around the runtime's own `JobDriver` (controller.rs).
 #[derive(Debug)]
-pub(super) struct Controller {
-    /// The job was submitted; its controller runs (`started`: since the controller's daemon last
-    /// started).
-    pub submitted: bool,
+pub(super) struct JobCtl {
+    /// Bumped each time a job controller starts or stops: messages for an earlier one are dropped.
+    pub jc: u32,
     pub started: bool,
     pub driver: JobDriver,
     /// The job's state as the node last heard it (`NodeMsg::JobInfo`).
     pub told: Option<(JobState, u64, u64)>,
-    /// The controller's side of each node's current connection.
-    pub conns: Vec<Option<usize>>,
+    /// The attempt and state last recorded (controller.rs `recorded`).
+    pub recorded: Option<(u64, JobState)>,
+    /// A batch waiting for its record's commit (replicated controllers), and the messages that
+    /// reached the actor meanwhile.
+    pub waiting_batch: Option<Vec<DriverAction>>,
+    pub waiting: VecDeque<JobInput>,
+    /// A write was not committed: nothing more goes out (controller.rs `stopped`).
+    pub stopped: bool,
+}
+
+/// What the controllers share: the job's submission, the attempts prepared, the single controller's
+/// catalog — or, replicated, the Raft group whose state machine is the catalog.
+#[derive(Debug)]
+pub(super) struct Controller {
+    /// The job was submitted.
+    pub submitted: bool,
     /// The ranks each attempt was prepared on (read off the driver's `Prepare`s).
     pub attempt_ranks: BTreeMap<u64, Vec<RankSlot>>,
     /// Steps the planted bug committed early, per attempt.
     pub early: BTreeSet<(u64, u64)>,
-    /// What the controller's daemon wrote to its catalog (redb, durable) — all a restart finds.
+    /// What the controller's daemon wrote to its catalog (redb, durable) — all a restart finds (one
+    /// controller).
     pub catalog: Catalog,
+    /// Replicated controllers (nodes `0..k`): the Raft group.
+    pub raft: Option<RaftModel>,
 }
 
 /// The controller's catalog (actors/src/daemon/catalog.rs), modelled: the last view, recorded before
@@ -300,8 +375,6 @@ pub(super) struct Catalog {
     pub view_epoch: u64,
     pub view_members: Vec<NodeId>,
     pub job: Option<JobInfo>,
-    /// The attempt and state last recorded (controller.rs `recorded`).
-    pub recorded: Option<(u64, JobState)>,
 }
 
 /// An attempt's data plane: the ranks that started, and the collective each waits in.
@@ -344,6 +417,14 @@ pub struct Stats {
     pub checkpoints: u64,
     /// The controller's daemon came back from its catalog after a kill.
     pub controller_restarts: u64,
+    /// Replicated controllers: elections held, and controllers that took over (became the controller
+    /// after another had been), and stepped down.
+    pub elections: u64,
+    pub takeovers: u64,
+    pub step_downs: u64,
+    /// Commits a deposed leader announced late (their record committed in its term before the new
+    /// leader's).
+    pub late_commits: u64,
     /// Messages of a replaced connection that its reader handed to the controller's node actor after the
     /// newer connection was admitted.
     pub late_after_replacement: u64,
@@ -381,8 +462,8 @@ pub(super) struct World<'a> {
     pub conns: Vec<Conn>,
     /// FIFO clocks of the in-process hops: node→job, job→node, controller node→itself.
     local_last: [u64; 3],
-    /// Per node: the `order` of the next message it sends the controller and of the next the controller
-    /// sends it, and the highest of each delivered so far.
+    /// Per (node, server) pair: the `order` of the next message the node sends the server and of the
+    /// next the server sends it, and the highest of each delivered so far.
     pub order_next: Vec<[u64; 2]>,
     pub order_seen: Vec<[Option<u64>; 2]>,
     /// (node, incarnation) of every `Join` received, with the connection of the first.
@@ -419,12 +500,27 @@ macro_rules! trace {
 }
 pub(super) use trace;
 
+impl JobCtl {
+    pub fn new(driver: JobDriver) -> Self {
+        JobCtl {
+            jc: 0,
+            started: false,
+            driver,
+            told: None,
+            recorded: None,
+            waiting_batch: None,
+            waiting: VecDeque::new(),
+            stopped: false,
+        }
+    }
+}
+
 impl<'a> World<'a> {
     /// Every node's daemon starting at t=0: the controller alone in epoch 1, the others about to join.
     pub fn new(seed: u64, sc: &'a Scenario, cfg: &'a SimConfig, keep_lines: usize) -> Self {
         let ids: Vec<NodeId> = sc.nodes.iter().map(|n| n.name.clone()).collect();
         let index = ids.iter().cloned().enumerate().map(|(i, n)| (n, i)).collect();
-        let spec = super::job_spec(sc);
+        let job_spec = super::job_spec(sc);
         let mut world = World {
             cfg,
             sc,
@@ -437,23 +533,20 @@ impl<'a> World<'a> {
             index,
             conns: Vec::new(),
             local_last: [0; 3],
-            order_next: vec![[0; 2]; sc.nodes.len()],
-            order_seen: vec![[None; 2]; sc.nodes.len()],
+            order_next: vec![[0; 2]; sc.nodes.len() * sc.nodes.len()],
+            order_seen: vec![[None; 2]; sc.nodes.len() * sc.nodes.len()],
             joins: BTreeMap::new(),
             ctl: Controller {
                 submitted: false,
-                started: false,
-                driver: JobDriver::new(JOB, spec),
-                told: None,
-                conns: vec![None; sc.nodes.len()],
                 attempt_ranks: BTreeMap::new(),
                 early: BTreeSet::new(),
-                catalog: Catalog { view_epoch: 0, view_members: Vec::new(), job: None, recorded: None },
+                catalog: Catalog { view_epoch: 0, view_members: Vec::new(), job: None },
+                raft: None,
             },
             delivering: None,
             meshes: BTreeMap::new(),
             checkpoints: Vec::new(),
-            check: Checker::new(1, sc.nodes.len()),
+            check: Checker::new(if sc.controllers > 1 { 0 } else { 1 }, sc.nodes.len()),
             trace: Trace::new(keep_lines),
             stats: Stats::default(),
             end: JobEnd::Unfinished,
@@ -471,8 +564,18 @@ impl<'a> World<'a> {
                 held: Vec::new(),
                 core,
                 conn: None,
+                served: vec![None; sc.nodes.len()],
                 workers: (0..spec.slots).map(|_| Worker::default()).collect(),
+                job: JobCtl::new(JobDriver::new(JOB, job_spec.clone())),
+                busy: false,
+                busy_held: Vec::new(),
+                unresolved_leader: None,
+                took_over_at: None,
+                pending_view: None,
             });
+        }
+        if sc.controllers > 1 {
+            world.ctl.raft = Some(RaftModel::new(sc.controllers, cfg.raft, &mut world.rng));
         }
         world
     }
@@ -503,6 +606,9 @@ impl<'a> World<'a> {
             self.push(f.at_ms(), Ev::Fault(i));
         }
         self.push(SUBMIT_BY_MS, Ev::Submit);
+        if self.ctl.raft.is_some() {
+            self.push(0, Ev::RaftTick);
+        }
     }
 
     /// Runs until the job ended and the tail passed, or the scenario's bound.
@@ -529,20 +635,44 @@ impl<'a> World<'a> {
     /// The node whose process must be running for the event to happen (paused: it waits; crashed or
     /// replaced: it is gone).
     fn target(&self, ev: &Ev) -> Option<(usize, u32)> {
+        let current = |n: usize| Some((n, self.nodes[n].inc));
         match ev {
-            Ev::Tick { node, inc } | Ev::DialDone { node, inc, .. } => Some((*node, *inc)),
+            Ev::Tick { node, inc }
+            | Ev::DialDone { node, inc, .. }
+            | Ev::Decided { node, inc, .. }
+            | Ev::Leadership { node, inc, .. }
+            | Ev::NotCommitted { node, inc, .. }
+            | Ev::FromWorker { node, inc, .. } => Some((*node, *inc)),
             Ev::Down { conn, .. }
             | Ev::ConnLost { conn, at_ctrl: false }
             | Ev::Connected { conn, at_ctrl: false, .. } => Some((self.conns[*conn].node, self.conns[*conn].inc)),
-            Ev::Connected { at_ctrl: true, inc, .. } => Some((0, *inc)),
+            Ev::Connected { conn, at_ctrl: true, inc } => Some((self.conns[*conn].server, *inc)),
             Ev::Computed { at, .. } | Ev::OpDone { at, .. } | Ev::OpTimeout { at, .. } => Some((at.node, at.inc)),
-            // The controller's side runs in node 0's process: it waits while node 0 is paused.
-            Ev::Up { .. }
-            | Ev::SelfMsg(_)
-            | Ev::ToJob(_)
-            | Ev::FromJob(_)
-            | Ev::ConnLost { at_ctrl: true, .. }
-            | Ev::ConnDeparted { .. } => Some((0, self.nodes[0].inc)),
+            // The server's side of a connection runs in its process: it waits while that one is paused.
+            Ev::Up { conn, .. } | Ev::ConnLost { conn, at_ctrl: true } | Ev::ConnDeparted { conn } => {
+                current(self.conns[*conn].server)
+            }
+            Ev::SelfMsg { node, .. } | Ev::ToJob { node, .. } | Ev::FromJob { node, .. } => current(*node),
+            _ => None,
+        }
+    }
+
+    /// The node whose node actor handles the event: it waits while that actor awaits a commit.
+    fn actor(&self, ev: &Ev) -> Option<usize> {
+        match ev {
+            Ev::Tick { node, .. }
+            | Ev::DialDone { node, .. }
+            | Ev::Leadership { node, .. }
+            | Ev::NotCommitted { node, .. }
+            | Ev::FromWorker { node, .. }
+            | Ev::SelfMsg { node, .. }
+            | Ev::FromJob { node, .. } => Some(*node),
+            Ev::Down { conn, .. }
+            | Ev::ConnLost { conn, at_ctrl: false }
+            | Ev::Connected { conn, at_ctrl: false, .. } => Some(self.conns[*conn].node),
+            Ev::Up { conn, .. } | Ev::ConnLost { conn, at_ctrl: true } | Ev::Connected { conn, at_ctrl: true, .. } => {
+                Some(self.conns[*conn].server)
+            }
             _ => None,
         }
     }
@@ -561,24 +691,30 @@ impl<'a> World<'a> {
                 return;
             }
         }
+        if let Some(n) = self.actor(&item.ev).filter(|&n| self.nodes[n].busy) {
+            self.nodes[n].busy_held.push(item);
+            return;
+        }
         match item.ev {
             Ev::Tick { node, .. } => self.tick(node),
             Ev::Up { conn, env, read_at } => self.deliver_up(conn, env, read_at),
             Ev::Down { conn, env } => self.deliver_down(conn, env),
-            Ev::SelfMsg(env) => self.deliver_self(env),
-            Ev::ToJob(input) => self.job_handle(input),
-            Ev::FromJob(out) => self.job_output(out),
+            Ev::SelfMsg { node, env } => self.deliver_self(node, env),
+            Ev::ToJob { node, jc, input } => self.job_handle(node, jc, input),
+            Ev::FromJob { node, out } => self.job_output(node, out),
+            Ev::FromWorker { node, msg, .. } => self.send_to_controller(node, msg),
             Ev::ConnLost { conn, at_ctrl } => self.conn_lost(conn, at_ctrl),
             Ev::Connected { conn, at_ctrl, .. } => self.connected(conn, at_ctrl),
             Ev::ConnDeparted { conn } => {
                 let c = &mut self.conns[conn];
                 c.open_ctrl = false;
                 c.reads_until = None;
-                if self.ctl.conns[c.node] == Some(conn) {
-                    self.ctl.conns[c.node] = None;
+                let (node, server) = (c.node, c.server);
+                if self.nodes[server].served[node] == Some(conn) {
+                    self.nodes[server].served[node] = None;
                 }
             }
-            Ev::DialDone { node, ok, .. } => self.dial_done(node, ok),
+            Ev::DialDone { node, server, ok, .. } => self.dial_done(node, server, ok),
             Ev::Computed { at, step } => self.computed(at, step),
             Ev::OpDone { at, op } => self.op_done(at, op),
             Ev::OpTimeout { at, op, since } => self.op_timeout(at, op, since),
@@ -588,17 +724,37 @@ impl<'a> World<'a> {
             Ev::Restart { node } => self.restart(node),
             Ev::Resume { node, inc } => self.resume(node, inc),
             Ev::StallCheck { node, inc, stall, since } => self.stall_check(node, inc, stall, since),
+            Ev::RaftTick => self.raft_tick(),
+            Ev::RaftReplicate { node } => self.raft_replicate(node),
+            Ev::Decided { node, by, result, .. } => self.decided(node, by, result),
+            Ev::Leadership { node, watch, .. } => self.on_leadership(node, watch),
+            Ev::NotCommitted { node, why, .. } => self.not_committed(node, &why),
         }
+    }
+
+    /// Holds `ev` for node `n`'s actor, which waits for a commit (see [`Node::busy`]).
+    pub fn hold_for_actor(&mut self, n: usize, ev: Ev) {
+        self.seq += 1;
+        let item = Item { at: self.now, seq: self.seq, ev };
+        self.nodes[n].busy_held.push(item);
+    }
+
+    /// Node `n`'s actor is free again: what waited for it runs now, in order, before anything else.
+    pub fn release_actor(&mut self, n: usize) {
+        self.nodes[n].busy = false;
+        let held = std::mem::take(&mut self.nodes[n].busy_held).into_iter().map(|item| item.ev).collect();
+        self.push_ahead(held);
     }
 
     // ---- the network ----
 
-    /// A new control connection of node `n`'s current incarnation, open on both sides.
-    pub fn open_conn(&mut self, n: usize) -> usize {
+    /// A new control connection of node `n`'s current incarnation to `server`, open on both sides.
+    pub fn open_conn(&mut self, n: usize, server: usize) -> usize {
         let conn = self.conns.len();
         self.conns.push(Conn {
             node: n,
             inc: self.nodes[n].inc,
+            server,
             open_node: true,
             open_ctrl: true,
             reads_until: None,
@@ -607,7 +763,7 @@ impl<'a> World<'a> {
             last_up: self.now,
             last_down: self.now,
         });
-        self.ctl.conns[n] = Some(conn);
+        self.nodes[server].served[n] = Some(conn);
         conn
     }
 
@@ -628,12 +784,14 @@ impl<'a> World<'a> {
             self.stats.lost_messages += 1;
             return;
         }
-        let node = c.node;
+        let (node, server) = (c.node, c.server);
         let dir = usize::from(!up);
-        env.order = self.order_next[node][dir];
-        self.order_next[node][dir] += 1;
+        let pair = node * self.nodes.len() + server;
+        env.order = self.order_next[pair][dir];
+        self.order_next[pair][dir] += 1;
         env.via = Some(conn);
-        let sent = self.sc.control_cut_until(node, self.now).unwrap_or(self.now) + self.sc.slow_link_ms(node, self.now);
+        let cut = self.sc.cut_until(node, server, self.now);
+        let sent = cut.unwrap_or(self.now) + self.sc.slow_link_ms(node, self.now);
         let fifo = self.cfg.network == Network::Quic;
         let copy = match self.cfg.network {
             Network::Quic => None,
@@ -684,7 +842,8 @@ impl<'a> World<'a> {
             let what = super::node::kind(&env.msg);
             return trace!(self, "a second copy of {what} (node {node}, order {}) is delivered", env.order);
         }
-        let seen = &mut self.order_seen[node][usize::from(!up)];
+        let server = env.via.map_or(node, |c| self.conns[c].server);
+        let seen = &mut self.order_seen[node * self.nodes.len() + server][usize::from(!up)];
         if seen.is_some_and(|s| s > env.order) {
             self.stats.overtaken += 1;
             let last = seen.unwrap_or(0);
