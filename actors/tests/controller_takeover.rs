@@ -261,8 +261,10 @@ fn spawn(dir: &Path, certs: &Path, i: usize, entries: &str) -> (Child, SocketAdd
     (child, addr)
 }
 
-/// What a watcher saw of a job: each step's loss (a step seen twice must have the same loss: a step
-/// redone after a take-over gives the same bits), its events in order, and when each new step came.
+/// What a watcher saw of a job: each step's loss (a step seen twice must have the same loss within the
+/// oracle's tolerance: a step whose `Commit` the killed controller recorded but never delivered is redone
+/// by the new one on the same global batch — the same bits when the world is unchanged, a different
+/// summation order when the killed daemon's rank is gone), its events in order, and when each new step came.
 #[derive(Clone, Default)]
 struct Seen {
     losses: BTreeMap<u64, f64>,
@@ -285,10 +287,9 @@ impl Seen {
                 if let Some(before) = self.losses.insert(*step, *loss) {
                     let log: Vec<String> =
                         self.log.iter().map(|e| format!("{e:?}").chars().take(120).collect()).collect();
-                    assert_eq!(
-                        before.to_bits(),
-                        loss.to_bits(),
-                        "step {step} committed twice with different losses; the events:\n{}",
+                    assert!(
+                        (before - loss).abs() <= TOLERANCE * before.abs().max(1.0),
+                        "step {step} committed twice with losses {before} and {loss}, beyond the tolerance; the events:\n{}",
                         log.join("\n")
                     );
                 }
