@@ -217,8 +217,12 @@ impl Nemesis {
 
     /// A client of daemon `i` (its address read under the cluster's lock, the connection made without it).
     pub async fn connect(&self, i: usize) -> anyhow::Result<Client> {
-        let addr = self.cluster.lock().await.node_addr(i).with_context(|| format!("no node {i}"))?;
-        Ok(Client::connect(addr, &self.identity).await?)
+        Ok(Client::connect(self.node_addr(i).await?, &self.identity).await?)
+    }
+
+    /// Node `i`'s control address.
+    pub async fn node_addr(&self, i: usize) -> anyhow::Result<std::net::SocketAddr> {
+        self.cluster.lock().await.node_addr(i).with_context(|| format!("no node {i}"))
     }
 
     /// Waits (up to the progress bound) for the daemons to name a leader other than `old`, in a later

@@ -86,8 +86,13 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
     }
     let handle = cluster.client().await?.submit(job).await?;
 
-    let identity =
+    let client_identity =
         NodeIdentity::load(&cluster.certs_dir(), "client").context("the local cluster's client certificate")?;
+    // The nemesis's questions to the daemons (who leads, which epoch) go under a name of their own: a daemon
+    // sends replies and events to the newest connection of a peer name, so a probe under the job client's
+    // name would take over the job's event stream.
+    add_node("nemesis", &cluster.certs_dir()).context("a certificate for the nemesis's probes")?;
+    let identity = NodeIdentity::load(&cluster.certs_dir(), "nemesis").context("the nemesis's certificate")?;
     let (progress_tx, progress_rx) = watch::channel(Progress::default());
     let (ckpt_tx, ckpt_rx) = watch::channel(None);
     let cluster = Arc::new(Mutex::new(cluster));
@@ -107,7 +112,7 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
     });
     let job = handle.id();
     let mut injector = Injector::new(scenario, options.seed, nemesis.clone());
-    let followed = follow(handle, &mut injector, progress_tx, ckpt_tx, bound).await;
+    let followed = follow(handle, client_identity, &mut injector, progress_tx, ckpt_tx, bound).await;
     let injected = injector.finish(network.as_deref(), bound * 2).await?;
     drop(nemesis);
     let mut cluster = Arc::try_unwrap(cluster).ok().context("a fault task still holds the cluster")?.into_inner();
@@ -291,6 +296,8 @@ struct Watch {
     handle: JobHandle,
     job: JobId,
     next: u64,
+    /// The job client's certificate: the stream picked up again replaces the old one under the same name.
+    identity: NodeIdentity,
 }
 
 impl Watch {
@@ -299,7 +306,10 @@ impl Watch {
     /// false when no leader could be watched (an election is under way).
     async fn again_at_the_controller(&mut self, nemesis: &Nemesis) -> bool {
         let Some(leader) = nemesis.controller().await else { return false };
-        let watched = async { anyhow::Ok(nemesis.connect(leader.index).await?.watch_from(self.job, self.next).await?) };
+        let watched = async {
+            let addr = nemesis.node_addr(leader.index).await?;
+            anyhow::Ok(Client::connect(addr, &self.identity).await?.watch_from(self.job, self.next).await?)
+        };
         match tokio::time::timeout(REWATCH_AFTER, watched).await {
             Ok(Ok(handle)) => {
                 self.handle = handle;
@@ -315,6 +325,7 @@ impl Watch {
 /// [`REWATCH_AFTER`] is picked up again at the current leader, from the event after the last one seen.
 async fn follow(
     handle: JobHandle,
+    identity: NodeIdentity,
     injector: &mut Injector<'_>,
     progress: watch::Sender<Progress>,
     checkpoints: watch::Sender<Option<PathBuf>>,
@@ -325,7 +336,7 @@ async fn follow(
     let event_timeout = bound + Duration::from_secs_f64(longest);
     let replicated = injector.scenario.controllers > 1;
     let mut wait = if replicated { REWATCH_AFTER } else { event_timeout };
-    let mut watch = Watch { job: handle.id(), handle, next: 0 };
+    let mut watch = Watch { job: handle.id(), handle, next: 0, identity };
     let mut followed = Followed { events: Vec::new(), stalled: None, first_step: None };
     let mut last_event = Instant::now();
     loop {
