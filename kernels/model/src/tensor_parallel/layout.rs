@@ -17,13 +17,21 @@ pub enum Split {
     /// (GPT-2's fused `c_attn` holds Q, K and V: 3), and rank r holds its `1/T` of each block (its heads of
     /// Q, of K and of V).
     Column { parts: usize },
+    /// Column-parallel by key/value heads (grouped-query attention's k and v, weight and bias): with
+    /// `T <= n_kv_heads` as `Column { parts: 1 }`; with `T > n_kv_heads` (a multiple of it) each key/value
+    /// head is replicated over the `T / n_kv_heads` consecutive ranks whose query heads use it (Megatron's
+    /// and torchtitan's replication): rank r holds head `r / (T / n_kv_heads)`, and its gradient is summed
+    /// over the ranks that share the head.
+    KvHeads,
     /// Row-parallel: `[out, in]`'s dim 1 cut into `T` contiguous pieces.
     Row,
-    /// Vocab-parallel: the rows of a token embedding or of an untied head, `T` contiguous vocabulary ranges.
+    /// Vocab-parallel: the rows of a token embedding or of an untied head, `T` contiguous vocabulary ranges
+    /// of the vocabulary padded to a multiple of `T` (Megatron's make-vocab-size-divisible-by): the padded
+    /// rows are zeros, never looked up, their logits masked out of the cross-entropy, never gathered.
     Vocab,
 }
 
-use Split::{Column, Replicated, Row, Vocab};
+use Split::{Column, KvHeads, Replicated, Row, Vocab};
 
 /// GPT-2's rules, by name (a block's names by their suffix after `h.{i}.`).
 const GPT2: &[(&str, Split)] = &[
@@ -46,16 +54,17 @@ const GPT2: &[(&str, Split)] = &[
     ("lm_head.weight", Vocab),
 ];
 
-/// Llama's rules (q by heads, k and v by key/value heads: grouped-query attention splits both).
+/// Llama's rules (q by heads, k and v by key/value heads: grouped-query attention splits both, or
+/// replicates each key/value head when the degree exceeds them).
 const LLAMA: &[(&str, Split)] = &[
     ("model.embed_tokens.weight", Vocab),
     ("input_layernorm.weight", Replicated),
     ("self_attn.q_proj.weight", Column { parts: 1 }),
     ("self_attn.q_proj.bias", Column { parts: 1 }),
-    ("self_attn.k_proj.weight", Column { parts: 1 }),
-    ("self_attn.k_proj.bias", Column { parts: 1 }),
-    ("self_attn.v_proj.weight", Column { parts: 1 }),
-    ("self_attn.v_proj.bias", Column { parts: 1 }),
+    ("self_attn.k_proj.weight", KvHeads),
+    ("self_attn.k_proj.bias", KvHeads),
+    ("self_attn.v_proj.weight", KvHeads),
+    ("self_attn.v_proj.bias", KvHeads),
     ("self_attn.o_proj.weight", Row),
     ("post_attention_layernorm.weight", Replicated),
     ("mlp.gate_proj.weight", Column { parts: 1 }),
@@ -86,8 +95,8 @@ fn split_of(arch: Arch, name: &str) -> Result<(Split, bool), TpError> {
         .find_map(|(suffix, is_a)| name.strip_suffix(suffix).map(|module| (module, is_a)));
     let Some((module, is_a)) = adapter else { return rule_of(arch, name).map(|split| (split, false)) };
     match (rule_of(arch, &format!("{module}.weight"))?, is_a) {
-        (Column { .. }, true) | (Row, false) => Ok((Replicated, true)),
-        (split @ Column { .. }, false) | (split @ Row, true) => Ok((split, false)),
+        (Column { .. } | KvHeads, true) | (Row, false) => Ok((Replicated, true)),
+        (split @ (Column { .. } | KvHeads), false) | (split @ Row, true) => Ok((split, false)),
         (split, _) => Err(TpError::Unsupported(format!(
             "LoRA adapters on {module} ({split:?} under tensor parallelism): peft.targets may name the blocks' \
              column- and row-parallel linears only"
@@ -109,9 +118,16 @@ fn rule_of(arch: Arch, name: &str) -> Result<Split, TpError> {
         .ok_or_else(|| TpError::NoRule { name: name.to_owned(), arch: arch.as_str() })
 }
 
-/// The degree nearest `degree` (the smaller on a tie) that divides every one of `values`.
-pub(super) fn nearest_degree(degree: usize, values: &[usize]) -> usize {
-    let valid = |d: usize| values.iter().all(|v| v.is_multiple_of(d));
+/// Whether `degree` splits `kv_heads` key/value heads: it divides them, or is a multiple of them (each
+/// head then replicated over `degree / kv_heads` ranks).
+pub fn splits_kv_heads(degree: usize, kv_heads: usize) -> bool {
+    degree > 0 && (kv_heads.is_multiple_of(degree) || degree.is_multiple_of(kv_heads))
+}
+
+/// The degree nearest `degree` (the smaller on a tie) that divides every one of `values` and splits
+/// `kv_heads` ([`splits_kv_heads`]).
+pub(super) fn nearest_degree(degree: usize, values: &[usize], kv_heads: usize) -> usize {
+    let valid = |d: usize| values.iter().all(|v| v.is_multiple_of(d)) && splits_kv_heads(d, kv_heads);
     (1..=2 * degree).filter(|&d| valid(d)).min_by_key(|&d| (d.abs_diff(degree), d)).unwrap_or(1)
 }
 
@@ -135,8 +151,9 @@ pub struct TpLayout {
 
 impl TpLayout {
     /// The layout of `config`'s parameters over `degree` ranks; refuses a degree that does not divide
-    /// the heads, the key/value heads, the MLP width, the vocabulary (not padded) or, with `sp`, the
-    /// context, naming the numbers and the nearest degree that divides them all.
+    /// the heads, the MLP width or, with `sp`, the context, or that neither divides the key/value heads
+    /// nor is a multiple of them, naming the numbers and the nearest valid degree. A vocabulary the
+    /// degree does not divide is padded ([`Self::padded_vocab`]).
     pub fn new(config: &ModelConfig, degree: usize, sp: bool) -> Result<Self, TpError> {
         if let Some(peft) = config.peft.as_ref().filter(|p| p.dropout > 0.0 && degree > 1) {
             return Err(TpError::Unsupported(format!(
@@ -149,18 +166,18 @@ impl TpLayout {
         if degree == 0 {
             return Err(TpError::Degree { key: "tp", value: 0, degree, nearest: 1 });
         }
-        let mut sizes = vec![
-            ("model.n_heads", config.n_heads),
-            ("model.n_kv_heads", config.kv_heads()),
-            ("model.ffn_hidden", config.ffn_hidden()),
-            ("model.vocab_size", config.vocab_size),
-        ];
+        let mut sizes = vec![("model.n_heads", config.n_heads), ("model.ffn_hidden", config.ffn_hidden())];
         if sp {
             sizes.push(("model.context", config.context));
         }
+        let kv_heads = config.kv_heads();
+        let values: Vec<usize> = sizes.iter().map(|&(_, v)| v).collect();
+        let nearest = nearest_degree(degree, &values, kv_heads);
         if let Some(&(key, value)) = sizes.iter().find(|(_, value)| !value.is_multiple_of(degree)) {
-            let values: Vec<usize> = sizes.iter().map(|&(_, v)| v).collect();
-            return Err(TpError::Degree { key, value, degree, nearest: nearest_degree(degree, &values) });
+            return Err(TpError::Degree { key, value, degree, nearest });
+        }
+        if !splits_kv_heads(degree, kv_heads) {
+            return Err(TpError::KvHeads { degree, kv_heads, n_heads: config.n_heads, nearest });
         }
         let specs = param_specs(config);
         let (splits, partial_grads) =
@@ -173,37 +190,73 @@ impl TpLayout {
     }
 
     /// The config a rank's attention and MLP run with: its `n_heads / T` query heads, `n_kv_heads / T`
-    /// key/value heads and `ffn_hidden / T` MLP width (head width unchanged).
+    /// key/value heads (one, replicated, when `T > n_kv_heads`) and `ffn_hidden / T` MLP width (head
+    /// width unchanged).
     pub fn local_config(&self) -> ModelConfig {
         let t = self.degree;
         let c = &self.config;
         ModelConfig {
             n_heads: c.n_heads / t,
-            n_kv_heads: c.kv_heads() / t,
+            n_kv_heads: c.kv_heads() / self.kv_pieces(),
             head_dim: c.head_dim(),
             ffn_hidden: c.ffn_hidden() / t,
             ..c.clone()
         }
     }
 
-    /// Rank `rank`'s range of the vocabulary.
+    /// The vocabulary padded to a multiple of the degree (Megatron's make-vocab-size-divisible-by): the
+    /// rows of the vocab-parallel embedding and head a rank holds are `padded_vocab / T`; the padded ones
+    /// are zeros, never looked up, masked out of the cross-entropy and never gathered.
+    pub fn padded_vocab(&self) -> usize {
+        self.config.vocab_size.next_multiple_of(self.degree)
+    }
+
+    /// Rank `rank`'s range of the padded vocabulary (ids at or past `model.vocab_size` are padding).
     pub fn vocab_range(&self, rank: usize) -> std::ops::Range<i64> {
-        let n = (self.config.vocab_size / self.degree) as i64;
+        let n = (self.padded_vocab() / self.degree) as i64;
         rank as i64 * n..(rank as i64 + 1) * n
+    }
+
+    /// The distinct pieces the key/value heads are cut into: `min(T, n_kv_heads)`.
+    pub fn kv_pieces(&self) -> usize {
+        self.degree.min(self.config.kv_heads())
+    }
+
+    /// How many ranks hold each key/value head: `T / n_kv_heads` when `T > n_kv_heads`, else 1.
+    pub fn kv_replicas(&self) -> usize {
+        self.degree / self.kv_pieces()
+    }
+
+    /// How many ranks hold each element of a parameter split as `split` (every rank for a replicated one).
+    pub fn holders(&self, split: Split) -> usize {
+        match split {
+            Replicated => self.degree,
+            KvHeads => self.kv_replicas(),
+            Column { .. } | Row | Vocab => 1,
+        }
+    }
+
+    /// (pieces, rank's piece) of a split along its dim: the key/value heads' `kv_pieces`, the rest's `T`.
+    fn piece_of(&self, split: Split, rank: usize) -> (i64, i64) {
+        match split {
+            KvHeads => (self.kv_pieces() as i64, (rank / self.kv_replicas()) as i64),
+            _ => (self.degree as i64, rank as i64),
+        }
     }
 
     /// The shape of every parameter's shard (the same on every rank).
     pub fn shard_shapes(&self) -> Vec<Vec<i64>> {
-        let t = self.degree as i64;
         self.specs
             .iter()
             .zip(&self.splits)
-            .map(|(spec, split)| {
+            .map(|(spec, &split)| {
                 let mut shape = spec.shape.clone();
+                let (pieces, _) = self.piece_of(split, 0);
                 match split {
                     Replicated => {}
-                    Column { .. } | Vocab => shape[0] /= t,
-                    Row => shape[1] /= t,
+                    Column { .. } | KvHeads => shape[0] /= pieces,
+                    Vocab => shape[0] = self.padded_vocab() as i64 / pieces,
+                    Row => shape[1] /= pieces,
                 }
                 shape
             })
@@ -234,16 +287,17 @@ impl TpLayout {
 
     /// Rank `rank`'s shard of `x` split as `split`: a new contiguous tensor, detached.
     fn shard_one(&self, x: &Tensor, split: Split, rank: usize) -> Tensor {
-        let t = self.degree as i64;
+        let (pieces, index) = self.piece_of(split, rank);
         let piece = |x: &Tensor, dim: i64| {
-            let n = x.size()[dim as usize] / t;
-            x.narrow(dim, rank as i64 * n, n)
+            let n = x.size()[dim as usize] / pieces;
+            x.narrow(dim, index * n, n)
         };
         let x = x.detach();
         let shard = match split {
             Replicated => x,
             Row => piece(&x, 1),
-            Vocab => piece(&x, 0),
+            Vocab => piece(&self.pad_vocab(&x), 0),
+            KvHeads => piece(&x, 0),
             Column { parts } => {
                 let blocks = x.chunk(parts as i64, 0);
                 Tensor::cat(&blocks.iter().map(|b| piece(b, 0)).collect::<Vec<_>>(), 0)
@@ -252,8 +306,20 @@ impl TpLayout {
         shard.contiguous().copy()
     }
 
+    /// `x` (vocabulary rows first) with zero rows appended up to [`Self::padded_vocab`].
+    fn pad_vocab(&self, x: &Tensor) -> Tensor {
+        let mut size = x.size();
+        let missing = self.padded_vocab() as i64 - size[0];
+        if missing == 0 {
+            return x.shallow_clone();
+        }
+        size[0] = missing;
+        Tensor::cat(&[x.shallow_clone(), Tensor::zeros(size.as_slice(), (x.kind(), x.device()))], 0)
+    }
+
     /// The full list from every rank's shards (`shards[r]` is rank r's, in [`param_specs`] order);
-    /// replicated tensors are rank 0's.
+    /// replicated tensors are rank 0's, a replicated key/value head its first holder's, the padded
+    /// vocabulary rows dropped.
     pub fn gather(&self, shards: &[Vec<Tensor>]) -> Vec<Tensor> {
         assert_eq!(shards.len(), self.degree, "one shard list per rank");
         (0..self.specs.len())
@@ -262,7 +328,8 @@ impl TpLayout {
                 match self.splits[i] {
                     Replicated => of_ranks[0].copy(),
                     Row => Tensor::cat(&of_ranks, 1),
-                    Vocab => Tensor::cat(&of_ranks, 0),
+                    Vocab => Tensor::cat(&of_ranks, 0).narrow(0, 0, self.config.vocab_size as i64).copy(),
+                    KvHeads => Tensor::cat(&of_ranks.iter().step_by(self.kv_replicas()).collect::<Vec<_>>(), 0),
                     Column { parts } => {
                         let blocks: Vec<Vec<Tensor>> = of_ranks.iter().map(|s| s.chunk(parts as i64, 0)).collect();
                         let ordered: Vec<&Tensor> =

@@ -16,18 +16,24 @@ pub mod rank;
 pub mod tape;
 
 pub use group::{LocalGroup, TpGroup};
-pub use layout::{Split, TpLayout};
+pub use layout::{splits_kv_heads, Split, TpLayout};
 pub use rank::TpRank;
 
 /// What tensor parallelism refuses.
 #[derive(Debug, thiserror::Error)]
 pub enum TpError {
     #[error(
-        "tensor-parallel degree {degree} does not divide {key} ({value}); the nearest valid degree is {nearest} \
-         (troupe does not pad: choose a degree that divides the heads, key/value heads, MLP width, vocabulary \
-         and, with sequence parallelism, the sequence)"
+        "tensor-parallel degree {degree} (parallel.tp) does not divide {key} ({value}); the nearest valid degree \
+         is {nearest} (choose a degree that divides the heads, the MLP width and, with sequence parallelism, the \
+         sequence, and divides the key/value heads or is a multiple of them; the vocabulary is padded)"
     )]
     Degree { key: &'static str, value: usize, degree: usize, nearest: usize },
+    #[error(
+        "tensor-parallel degree {degree} (parallel.tp) neither divides model.n_kv_heads ({kv_heads}) nor is a \
+         multiple of it (model.n_heads = {n_heads}): each rank needs whole key/value heads, or one replicated over \
+         parallel.tp / model.n_kv_heads ranks; the nearest valid degree is {nearest}"
+    )]
+    KvHeads { degree: usize, kv_heads: usize, n_heads: usize, nearest: usize },
     #[error("{0}")]
     Unsupported(String),
     #[error(

@@ -86,11 +86,10 @@ impl TpRank {
     ) -> Result<f64, TpError> {
         // With SP a replicated parameter's gradient of this call is partial (its rank's positions), and so
         // is a whole LoRA factor's beside a split one (its rank's rows or columns of the weight,
-        // `TpLayout::partial_grads`): after the tape's backward, the earlier calls' sum is put aside, this
-        // call's all-reduced, then the two added.
-        let partial: Vec<usize> = (0..self.params.len())
-            .filter(|&i| self.layout.partial_grads[i] || (self.layout.sp && self.layout.splits[i] == Split::Replicated))
-            .collect();
+        // `TpLayout::partial_grads`), and a replicated key/value head's (its rank's query heads' share):
+        // after the tape's backward, the earlier calls' sum is put aside, this call's summed over the
+        // ranks that hold it, then the two added.
+        let partial: Vec<usize> = (0..self.params.len()).filter(|&i| self.grad_is_partial(i)).collect();
         let earlier: Vec<Option<Tensor>> = partial.iter().map(|&i| take_grad(&self.params[i])).collect();
         let mut tape = Tape::default();
         let loss = self.forward(&mut tape, group, tokens, targets)?;
@@ -100,7 +99,7 @@ impl TpRank {
         for (&i, earlier) in partial.iter().zip(earlier) {
             let p = &self.params[i];
             let mine = if p.grad().defined() { p.grad() } else { p.zeros_like() };
-            let mut total = group.all_reduce(&mine)?;
+            let mut total = self.sum_over_holders(group, i, &mine)?;
             if let Some(earlier) = earlier {
                 total += earlier;
             }
@@ -109,6 +108,34 @@ impl TpRank {
             });
         }
         Ok(value)
+    }
+
+    /// Whether parameter `i`'s gradient after a backward is this rank's share of a sum over the ranks
+    /// that hold it.
+    fn grad_is_partial(&self, i: usize) -> bool {
+        let layout = &self.layout;
+        match layout.splits[i] {
+            Split::Replicated => layout.partial_grads[i] || layout.sp,
+            Split::KvHeads => layout.kv_replicas() > 1,
+            _ => layout.partial_grads[i],
+        }
+    }
+
+    /// `mine` (parameter `i`'s gradient share) summed over the ranks that hold the parameter: the group
+    /// for a replicated one; for a key/value head replicated over `kv_replicas` ranks, by one all-reduce
+    /// of all heads' gradients (each rank's in its head's place, zeros elsewhere: key/value heads are small
+    /// under grouped-query attention), of which the rank keeps its head's.
+    fn sum_over_holders(&self, group: &mut dyn TpGroup, i: usize, mine: &Tensor) -> Result<Tensor, TpError> {
+        if self.layout.splits[i] != Split::KvHeads {
+            return group.all_reduce(mine);
+        }
+        let (pieces, head) = (self.layout.kv_pieces() as i64, (self.rank / self.layout.kv_replicas()) as i64);
+        let rows = mine.size()[0];
+        let mut size = mine.size();
+        size[0] *= pieces;
+        let all = Tensor::zeros(size.as_slice(), (mine.kind(), mine.device()));
+        all.narrow(0, head * rows, rows).copy_(mine);
+        Ok(group.all_reduce(&all)?.narrow(0, head * rows, rows).contiguous())
     }
 
     /// Bytes of activations a rank holds for the backward of `tokens` (run without gradients): (of the
@@ -127,15 +154,18 @@ impl TpRank {
         })
     }
 
-    /// The global gradient norm: the sharded parameters' squares summed over the group, the replicated
-    /// ones' counted once.
+    /// The global gradient norm: the split parameters' squares summed over the group (a key/value head
+    /// held by several ranks counted once), the replicated ones' counted once.
     pub fn grad_norm(&self, group: &mut dyn TpGroup) -> Result<f64, TpError> {
         let squares = |replicated: bool| -> f64 {
             self.params
                 .iter()
                 .zip(&self.layout.splits)
                 .filter(|(p, split)| (**split == Split::Replicated) == replicated && p.grad().defined())
-                .map(|(p, _)| p.grad().square().sum(Kind::Double).double_value(&[]))
+                .map(|(p, &split)| {
+                    let holders = if replicated { 1 } else { self.layout.holders(split) };
+                    p.grad().square().sum(Kind::Double).double_value(&[]) / holders as f64
+                })
                 .sum()
         };
         let sharded = group.all_reduce(&Tensor::from(squares(false)))?.double_value(&[]);
@@ -163,7 +193,7 @@ impl TpRank {
         let degree = self.layout.degree;
         if self.layout.sp && !time.is_multiple_of(degree) {
             let c = &self.layout.config;
-            let nearest = nearest_degree(degree, &[time, c.n_heads, c.kv_heads(), c.ffn_hidden(), c.vocab_size]);
+            let nearest = nearest_degree(degree, &[time, c.n_heads, c.ffn_hidden()], c.kv_heads());
             return Err(TpError::Degree { key: "the batch's sequence length", value: time, degree, nearest });
         }
         let mut x = self.embed(tape, group, tokens)?;
@@ -240,7 +270,8 @@ impl TpRank {
         Ok(tape.segment1(&[mid[0], z], |v| &v[0] + bias(&v[1], b.mlp_out_bias)))
     }
 
-    /// The final norm → f → this rank's vocabulary rows of the head: logits `[batch, time, vocab / T]`.
+    /// The final norm → f → this rank's vocabulary rows of the head: logits `[batch, time, padded vocab /
+    /// T]`, the padded columns −∞.
     fn head(&self, tape: &mut Tape, group: &mut dyn TpGroup, x: usize) -> Result<usize, TpError> {
         let cfg = &self.layout.config;
         let params = head_params(cfg, &self.params);
@@ -250,7 +281,22 @@ impl TpRank {
         let h = tape.segment1(&[x], |v| final_norm(cfg, &w, &v[0]));
         tape.mark_sequence_region(&[x, h]);
         let h = tape.collective(group, h, self.f())?;
-        Ok(tape.segment1(&[h], |v| self.precision.linear(&v[0], &w[matrix], None)))
+        let padding = self.padded_columns(tape.value(x).device());
+        Ok(tape.segment1(&[h], |v| {
+            let logits = self.precision.linear(&v[0], &w[matrix], None);
+            match &padding {
+                Some(mask) => logits.masked_fill(mask, f64::NEG_INFINITY),
+                None => logits,
+            }
+        }))
+    }
+
+    /// The mask of this rank's head columns that are vocabulary padding (ids at or past
+    /// `model.vocab_size`), None when it holds none: their logits are −∞, out of the cross-entropy.
+    fn padded_columns(&self, device: tch::Device) -> Option<Tensor> {
+        let range = self.layout.vocab_range(self.rank);
+        let vocab = self.layout.config.vocab_size as i64;
+        (range.end > vocab).then(|| Tensor::arange_start(range.start, range.end, (Kind::Int64, device)).ge(vocab))
     }
 
     /// Vocab-parallel cross-entropy: the maximum over the group (a constant shift), then the sum of

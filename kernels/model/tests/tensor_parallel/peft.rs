@@ -30,7 +30,7 @@ fn lora(targets: &[&str]) -> PeftConfig {
 }
 
 /// LoRA on every linear of the blocks: the column-parallel and the row-parallel ones.
-fn lora_all_linears(cfg: &ModelConfig) -> PeftConfig {
+pub(super) fn lora_all_linears(cfg: &ModelConfig) -> PeftConfig {
     match cfg.arch {
         troupe_model::model::Arch::Gpt2 => lora(&["c_attn", "attn.c_proj", "c_fc", "mlp.c_proj"]),
         troupe_model::model::Arch::Llama => {
@@ -45,7 +45,7 @@ fn freeze_last_block() -> PeftConfig {
 }
 
 /// `cfg` fine-tuned with `peft` from a pretrained base written into `dir`.
-fn fine_tuned(cfg: &ModelConfig, peft: PeftConfig, dir: &Path) -> ModelConfig {
+pub(super) fn fine_tuned(cfg: &ModelConfig, peft: PeftConfig, dir: &Path) -> ModelConfig {
     let job = JobConfig { model: cfg.clone(), ..JobConfig::small(1) };
     let config = fine_tuning(job, peft, dir, 5).model;
     config.validate().unwrap();
