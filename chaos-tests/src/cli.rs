@@ -32,7 +32,8 @@ pub enum Command {
         /// The troupe binary the daemons run (default: $TROUPE_BIN, else `troupe` next to this binary).
         #[arg(long)]
         troupe: Option<PathBuf>,
-        /// Log filter for the daemons (RUST_LOG syntax; default: info), written to node-N.log in the run directory.
+        /// Log filter for the daemons (RUST_LOG syntax; default: info, with a member's dials and
+        /// connections at debug), written to node-N.log in the run directory.
         #[arg(long)]
         log: Option<String>,
         /// Keep the run directory (daemon logs, events.jsonl, checkpoints) even when the run passes.

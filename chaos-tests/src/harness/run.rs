@@ -30,7 +30,7 @@ pub struct RunOptions {
     pub seed: u64,
     /// The `troupe` binary the daemons run.
     pub troupe: PathBuf,
-    /// RUST_LOG filter of the daemons (None: info, into the run directory's node-N.log).
+    /// RUST_LOG filter of the daemons (None: [`DEFAULT_LOG`]), into the run directory's node-N.log.
     pub log: Option<String>,
     /// Keep the run directory (daemon logs, events.jsonl, checkpoints) also when the run passes; a
     /// failed run always keeps it.
@@ -180,6 +180,12 @@ fn network_of(scenario: &Scenario) -> Result<Option<Arc<Network>>, String> {
     Ok(Some(network))
 }
 
+/// The daemons' log filter unless the run names one: info, and what a member does to find its controller
+/// again (dials, retries, introductions, connections gained and lost) at debug — a few kilobytes a run,
+/// and what a failed rejoin needs to be understood from its kept logs.
+pub const DEFAULT_LOG: &str =
+    "info,troupe_cluster::control=debug,troupe_actors::runtime::node=debug,troupe_actors::runtime::node_core=debug";
+
 /// The scenario's cluster of daemon processes, their logs in `work`.
 async fn start_cluster(
     scenario: &Scenario,
@@ -195,7 +201,7 @@ async fn start_cluster(
     cluster_options.controllers = scenario.controllers;
     cluster_options.membership = scenario.membership.clone();
     cluster_options.torch_threads = 1;
-    cluster_options.log = Some(options.log.clone().unwrap_or_else(|| "info".into()));
+    cluster_options.log = Some(options.log.clone().unwrap_or_else(|| DEFAULT_LOG.into()));
     cluster_options.log_dir = Some(work.to_owned());
     Ok(LocalCluster::processes(&options.troupe, cluster_options).await?)
 }
