@@ -17,6 +17,7 @@ use tch::Tensor;
 use crate::sections::{ConfigError, ParallelConfig, TrainConfig};
 
 pub mod adafactor;
+pub mod adafactor_shard;
 pub mod adamw;
 mod clipping;
 mod schedule;
