@@ -468,6 +468,21 @@ pub struct ControllersStatus {
     pub last_log_index: Option<u64>,
     /// The voting controllers, by name.
     pub controllers: Vec<ControllerInfo>,
+    /// Controllers being added: learners catching up with the log before they vote.
+    #[serde(default)]
+    pub learners: Vec<ControllerInfo>,
+}
+
+/// `troupe cluster controllers add|remove`: a change of the Raft group's voters, made by the controller
+/// (openraft's joint consensus) and committed in the Raft log.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum ControllersChange {
+    /// Make the member `node`, whose Raft endpoint listens at `raft_addr` (its node.toml `raft_listen`),
+    /// a voting controller: it catches up as a learner first.
+    Add { node: String, raft_addr: SocketAddr },
+    /// Remove the controller `node` from the voters (the leader itself included: another takes over).
+    Remove { node: String },
 }
 
 /// One controller of [`ControllersStatus`].
@@ -642,6 +657,11 @@ pub enum Request {
     StatusRequest,
     /// `troupe cluster controllers`: answered by a controller-eligible daemon (others redirect).
     ControllersRequest,
+    /// `troupe cluster controllers add|remove`: answered by the controller (others redirect) with
+    /// `Reply::Controllers` once the change is committed, or an error naming what was refused.
+    ChangeControllers {
+        change: ControllersChange,
+    },
     /// The live part of the controller's dashboard page (answered by the controller, others redirect):
     /// what a member's daemon asks over its connection to the controller to show the cluster on its own
     /// page.

@@ -7,6 +7,9 @@
 //! `troupe job watch` started before the kill follow the controller across the take-over and see every
 //! event of the job's log once, in order. A leader paused past the election timeout (SIGSTOP) comes back
 //! (SIGCONT) as a member: it no longer acts as the controller, and no step is committed twice.
+//! The controllers changed at run time (`troupe cluster controllers add|remove`): two members added as
+//! voters keep a majority past the loss of two of the first three; removing the leader hands over;
+//! bad changes are refused with nothing changed.
 
 mod common;
 
@@ -57,6 +60,8 @@ struct Controllers {
     /// each other's).
     client: NodeIdentity,
     watcher: NodeIdentity,
+    /// The node.toml line listing the three controllers.
+    controllers: String,
 }
 
 impl Controllers {
@@ -73,13 +78,28 @@ impl Controllers {
         let client = NodeIdentity::load(&certs, "client").unwrap();
         let watcher = NodeIdentity::load(&certs, "watcher").unwrap();
         let entries: Vec<String> = (0..NODES).map(|i| format!("\"node-{i}@127.0.0.1:{}\"", free_udp_port())).collect();
+        let controllers = format!("controllers = [{}]\n", entries.join(", "));
         let (mut children, mut addrs) = (Vec::new(), Vec::new());
         for i in 0..NODES {
-            let (child, addr) = spawn(dir.path(), &certs, i, &entries.join(", "));
+            let (child, addr) = spawn(dir.path(), &certs, i, &format!("slots = 1\n{controllers}"));
             children.push(child);
             addrs.push(addr);
         }
-        Controllers { dir, children, addrs, client, watcher }
+        Controllers { dir, children, addrs, client, watcher, controllers }
+    }
+
+    /// Starts daemon `node-{i}` (i ≥ 3), not a controller, joining node-0, with no slots (the job keeps
+    /// the three controllers' ranks) and its Raft endpoint at the returned address (`raft_listen`), so
+    /// that it can be made a controller at run time.
+    fn spawn_standby(&mut self, i: usize) -> SocketAddr {
+        let certs = self.dir.path().join("certs");
+        add_node(&format!("node-{i}"), &certs).unwrap();
+        let raft: SocketAddr = format!("127.0.0.1:{}", free_udp_port()).parse().unwrap();
+        let extra = format!("slots = 0\njoin = \"{}\"\nraft_listen = \"{raft}\"\n{}", self.addrs[0], self.controllers);
+        let (child, addr) = spawn(self.dir.path(), &certs, i, &extra);
+        self.children.push(child);
+        self.addrs.push(addr);
+        raft
     }
 
     async fn status(&self, i: usize) -> Option<ClusterStatus> {
@@ -133,16 +153,26 @@ impl Controllers {
 
     /// `troupe cluster controllers --json` asked of daemon `i`.
     fn controllers_cli(&self, i: usize) -> ControllersStatus {
+        self.change_controllers(&[i], &[]).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// `troupe cluster controllers [change…] --json` given the daemons `at`: the group the leader answers
+    /// after the change, or the command's error output.
+    fn change_controllers(&self, at: &[usize], change: &[&str]) -> Result<ControllersStatus, String> {
+        let addrs: Vec<String> = at.iter().map(|&i| self.addrs[i].to_string()).collect();
         let out = Command::new(common::binary())
-            .args(["cluster", "controllers", "--json", "--as", "admin", "--cluster"])
-            .arg(self.addrs[i].to_string())
+            .args(["cluster", "controllers"])
+            .args(change)
+            .args(["--json", "--as", "admin", "--cluster", &addrs.join(",")])
             .arg("--certs")
             .arg(self.dir.path().join("certs"))
             .output()
             .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
-        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{stdout}: {e}"))
+        if !out.status.success() {
+            return Err(format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)));
+        }
+        Ok(serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{stdout}: {e}")))
     }
 
     /// The whole event log of `job` (ended), replayed from event 0 by the controller among `alive`.
@@ -182,7 +212,7 @@ impl Controllers {
     }
 
     fn log(&self) -> String {
-        (0..NODES)
+        (0..self.children.len())
             .map(|i| std::fs::read_to_string(self.dir.path().join(format!("node-{i}.log"))).unwrap_or_default())
             .collect()
     }
@@ -232,13 +262,14 @@ impl Drop for CliWatcher {
     }
 }
 
-/// Starts daemon `i` with the controllers `entries`; its address is the first line it prints.
-fn spawn(dir: &Path, certs: &Path, i: usize, entries: &str) -> (Child, SocketAddr) {
+/// Starts daemon `i` with the node.toml lines `extra` (slots, controllers…); its address is the first
+/// line it prints.
+fn spawn(dir: &Path, certs: &Path, i: usize, extra: &str) -> (Child, SocketAddr) {
     let name = format!("node-{i}");
     let data: PathBuf = dir.join(&name);
     let toml = format!(
-        "name = \"{name}\"\nlisten = \"127.0.0.1:0\"\ndata_dir = \"{}\"\ncerts = \"{}\"\nslots = 1\n\
-         torch_threads = 1\ncontrollers = [{entries}]\n",
+        "name = \"{name}\"\nlisten = \"127.0.0.1:0\"\ndata_dir = \"{}\"\ncerts = \"{}\"\n\
+         torch_threads = 1\n{extra}",
         data.display(),
         certs.display()
     );
@@ -475,4 +506,103 @@ async fn a_joiner_listing_other_controllers_is_refused_naming_both_lists() {
     let status = controller.status().await.unwrap();
     assert_eq!(common::names(&status), ["node-0"], "never admitted");
     controller.drain().await.unwrap();
+}
+
+fn names(group: &ControllersStatus) -> Vec<&str> {
+    group.controllers.iter().map(|c| c.name.as_str()).collect()
+}
+
+/// Controllers changed at run time: three controllers and a job; two members (`raft_listen` in their
+/// node.toml, no slots) made controllers with `troupe cluster controllers add` while it trains — five
+/// voters, a majority is three. Then the leader is SIGKILLed and, once the job resumed, another of the
+/// first three: three of five remain, a majority only thanks to the two added (one of the first three
+/// would be left). The job finishes equal to the reference. The submitter's handle, connected to the
+/// killed leader, re-attaches to the new one within the bound (the client's 2 s idle timeout beside the
+/// election).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn controllers_added_at_run_time_vote_and_keep_a_majority_past_two_losses() {
+    let mut c = Controllers::start();
+    let first: Vec<usize> = (0..NODES).collect();
+    c.leader_of(&first, Duration::from_secs(30)).await;
+    let rafts = [c.spawn_standby(3), c.spawn_standby(4)];
+    let mut alive: Vec<usize> = (0..5).collect();
+    let leader = c.leader_of(&alive, Duration::from_secs(30)).await;
+    let config = common::two_block_job(40);
+    let out = c.dir.path().join("final.safetensors");
+    let mut seen = Seen::default();
+    let mut handle = submit_and_follow_to(&c, &config, &out, 3, &mut seen).await;
+    for (i, raft) in [3, 4].into_iter().zip(rafts) {
+        let node = format!("node-{i}");
+        let group = c.change_controllers(&first, &["add", &node, "--address", &raft.to_string()]);
+        let group = group.unwrap_or_else(|e| panic!("adding {node}: {e}\n{}", c.log()));
+        assert!(names(&group).contains(&node.as_str()), "{node} votes: {group:?}");
+    }
+    // Asked of an added node itself: five voters, no learner left.
+    let group = c.controllers_cli(4);
+    assert_eq!(names(&group), ["node-0", "node-1", "node-2", "node-3", "node-4"], "{group:?}");
+    assert!(group.learners.is_empty(), "{group:?}");
+
+    common::signal(c.children[leader].id(), "KILL");
+    let killed = Instant::now();
+    alive.retain(|&i| i != leader);
+    while !seen.resumed {
+        let next = tokio::time::timeout(Duration::from_secs(60), handle.next_numbered()).await;
+        let (seq, event) = next.expect("the new controller's events").expect("the stream").expect("not over");
+        seen.saw(seq, &event);
+    }
+    let reattached = killed.elapsed();
+    eprintln!("watch re-attach: SIGKILL of the controller -> the new controller's first event after {reattached:?}");
+    assert!(reattached < Duration::from_secs(6), "re-attached after {reattached:?}\n{}", c.log());
+
+    // The second loss: the new leader if it is one of the first three, else another of them.
+    let second = c.leader_of(&alive, Duration::from_secs(30)).await;
+    let second = if second < NODES { second } else { *alive.iter().find(|&&i| i < NODES).unwrap() };
+    common::signal(c.children[second].id(), "KILL");
+    alive.retain(|&i| i != second);
+    let end = seen.until_end(handle).await;
+    assert!(matches!(end, JobEvent::Finished { steps: 40, .. }), "{end:?}\n{}", c.log());
+    let leader = c.leader_of(&alive, Duration::from_secs(30)).await;
+    let group = c.controllers_cli(leader);
+    assert_eq!(group.leader, Some(format!("node-{leader}")), "{group:?}");
+    assert_eq!(group.controllers.len(), 5, "the membership is the committed one: {group:?}");
+    let losses: Vec<f64> = seen.losses.values().copied().collect();
+    check(&config, &losses, &out);
+}
+
+/// `troupe cluster controllers remove` of the leader hands the controller over to another, and the job
+/// is unaffected; bad changes are refused naming the node and the fix, with nothing changed: a node
+/// that is not a member, one that is not a controller, one that already is, the last controller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removing_the_leader_hands_over_and_bad_changes_change_nothing() {
+    let Running { c, all, leader, config, out, mut seen, job: _, handle } = running_until(5).await;
+    let name = |i: usize| format!("node-{i}");
+    let err = c.change_controllers(&all, &["add", "node-9", "--address", "127.0.0.1:9"]).unwrap_err();
+    assert!(err.contains("node-9 is not a member of the cluster"), "{err}");
+    assert!(err.contains("troupe cluster add-node node-9") && err.contains("raft_listen"), "{err}");
+    let err = c.change_controllers(&all, &["remove", "node-7"]).unwrap_err();
+    assert!(err.contains("node-7 is not a controller (the controllers are node-0, node-1, node-2)"), "{err}");
+    let err = c.change_controllers(&all, &["add", "node-1", "--address", "127.0.0.1:9"]).unwrap_err();
+    assert!(err.contains("node-1 is already a controller"), "{err}");
+    let group = c.controllers_cli(leader);
+    assert_eq!(names(&group), ["node-0", "node-1", "node-2"], "nothing changed: {group:?}");
+    assert_eq!(group.leader, Some(name(leader)), "{group:?}");
+
+    let group = c.change_controllers(&all, &["remove", &name(leader)]).unwrap_or_else(|e| panic!("{e}"));
+    let others: Vec<usize> = all.iter().copied().filter(|&i| i != leader).collect();
+    assert_eq!(names(&group), others.iter().map(|&i| name(i)).collect::<Vec<_>>(), "{group:?}");
+    // Another takes over; the removed one stays a member (its rank trains on).
+    let new_leader = c.leader_of(&all, Duration::from_secs(30)).await;
+    assert_ne!(new_leader, leader, "{}", c.log());
+    let end = seen.until_end(handle).await;
+    assert!(matches!(end, JobEvent::Finished { steps: 30, .. }), "{end:?}\n{}", c.log());
+    let losses: Vec<f64> = seen.losses.values().copied().collect();
+    check(&config, &losses, &out);
+
+    // Down to one controller; the last one cannot be removed.
+    let follower = others.iter().copied().find(|&i| i != new_leader).unwrap();
+    let group = c.change_controllers(&all, &["remove", &name(follower)]).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(names(&group), [name(new_leader).as_str()], "{group:?}");
+    let err = c.change_controllers(&all, &["remove", &name(new_leader)]).unwrap_err();
+    assert!(err.contains(&format!("{} is the last controller", name(new_leader))), "{err}");
+    assert_eq!(names(&c.controllers_cli(new_leader)), [name(new_leader).as_str()]);
 }

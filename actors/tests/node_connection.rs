@@ -33,6 +33,7 @@ fn config(dir: &Path, name: &str, listen: SocketAddr, join: Option<SocketAddr>) 
         telemetry: Default::default(),
         allow_plaintext_tcp: false,
         controllers: Vec::new(),
+        raft_listen: None,
     }
 }
 

@@ -84,12 +84,10 @@ impl Client {
 
     async fn dial(addr: SocketAddr, identity: &NodeIdentity, connect_timeout_ms: u64) -> Result<Client> {
         let local: SocketAddr = if addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().expect("valid");
-        let config = TransportConfig {
-            idle_timeout_ms: 10_000,
-            keep_alive_interval_ms: 1_000,
-            connect_timeout_ms,
-            ..TransportConfig::default()
-        };
+        // The daemons' own idle timeout and keep-alive (2 s, 400 ms), not a longer one: a watcher sees
+        // a SIGKILLed controller gone within 2 s (a client connection has no companion TCP connection
+        // to see the process die) and re-finds the leader, elected meanwhile.
+        let config = TransportConfig { connect_timeout_ms, ..TransportConfig::default() };
         let (endpoint, events) = ControlEndpoint::bind(identity, local, PeerRole::Client, &config)
             .map_err(|e| unreachable(addr, format!("opening a client endpoint to reach {addr}"), Some(e)))?;
         let peer = endpoint.connect(addr).await.map_err(|e| {
@@ -202,7 +200,7 @@ impl Client {
     /// broke after it was sent is sent again only if sending it twice does no harm (not `Submit`).
     async fn request_controller(&mut self, msg: Request) -> Result<Reply> {
         let deadline = tokio::time::Instant::now() + FIND_CONTROLLER_FOR;
-        let resend = !matches!(msg, Request::Submit { .. });
+        let resend = !matches!(msg, Request::Submit { .. } | Request::ChangeControllers { .. });
         let mut redirects = 0;
         loop {
             let why = match self.exchange(msg.clone()).await {
@@ -252,6 +250,20 @@ impl Client {
     /// controllers`); a daemon that is not eligible redirects to the controller.
     pub async fn controllers(&mut self) -> Result<crate::protocol::ControllersStatus> {
         match self.request_controller(Request::ControllersRequest).await? {
+            Reply::Controllers(s) => Ok(*s),
+            other => Err(self.unexpected(&other)),
+        }
+    }
+
+    /// Changes the controllers' Raft group (`troupe cluster controllers add|remove`), at the controller;
+    /// answers the group as the leader has it once the change is committed. A refusal (not a member,
+    /// already a controller, the last one, a Raft address that does not answer) names the fix, and
+    /// nothing changed. Not sent again on a lost connection (it may have been made; look first).
+    pub async fn change_controllers(
+        &mut self,
+        change: crate::protocol::ControllersChange,
+    ) -> Result<crate::protocol::ControllersStatus> {
+        match self.request_controller(Request::ChangeControllers { change }).await? {
             Reply::Controllers(s) => Ok(*s),
             other => Err(self.unexpected(&other)),
         }

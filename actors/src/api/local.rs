@@ -292,6 +292,7 @@ impl LocalCluster {
             telemetry: options.telemetry.clone(),
             allow_plaintext_tcp: options.allow_plaintext_tcp,
             controllers: self.controllers.clone(),
+            raft_listen: None,
         }
     }
 

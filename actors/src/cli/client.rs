@@ -71,7 +71,7 @@ impl ClusterArgs {
     }
 }
 
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+pub(super) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the tokio runtime")
 }
 
@@ -91,33 +91,6 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
         } else {
             print_status(&status);
         }
-        Ok(())
-    })
-}
-
-/// `troupe cluster controllers`.
-pub fn controllers(args: ClusterArgs) -> anyhow::Result<()> {
-    runtime()?.block_on(async {
-        let mut client = args.connect().await?;
-        let status = client.controllers().await?;
-        client.close().await;
-        if args.json {
-            println!("{}", serde_json::to_string(&status)?);
-            return Ok(());
-        }
-        let leader = status.leader.as_deref().unwrap_or("none known (an election is under way?)");
-        if !status.replicated {
-            println!("one controller ({leader}): no Raft group (node.toml `controllers` lists one or none)");
-            return Ok(());
-        }
-        println!("Raft term {}: the controller is {leader}; answered by {}", status.term, status.node);
-        let mut table = Table::new(&["NODE", "RAFT ADDRESS", "ROLE", "MATCHED"]);
-        for c in &status.controllers {
-            let role = if status.leader.as_ref() == Some(&c.name) { "leader" } else { "follower" };
-            let matched = c.matched.map_or("-".to_owned(), |m| m.to_string());
-            table.row(vec![c.name.clone(), c.raft_addr.clone().unwrap_or_default(), role.into(), matched]);
-        }
-        print!("{}", table.render());
         Ok(())
     })
 }

@@ -1,6 +1,6 @@
 //! `troupe cluster init --dir DIR` and `troupe cluster add-node NAME --dir DIR`: the cluster CA and
 //! node certificates every QUIC connection is authenticated with (troupe_cluster::identity);
-//! `troupe cluster controllers`: the replicated controller's Raft group of a running cluster.
+//! `troupe cluster controllers [add|remove]`: the replicated controller's Raft group of a running cluster.
 
 use std::path::PathBuf;
 
@@ -29,8 +29,10 @@ pub enum ClusterCommand {
         json: bool,
     },
     /// Show the controller-eligible daemons of a running cluster: which one leads (is the controller),
-    /// Raft's term, and each one's match index as the leader knows it.
+    /// Raft's term, each voter's and learner's match index as the leader knows it; or change them.
     Controllers {
+        #[command(subcommand)]
+        change: Option<super::controllers::ControllersCommand>,
         #[command(flatten)]
         cluster: super::client::ClusterArgs,
     },
@@ -38,7 +40,7 @@ pub enum ClusterCommand {
 
 pub fn run(cmd: ClusterCommand) -> anyhow::Result<()> {
     match cmd {
-        ClusterCommand::Controllers { cluster } => super::client::controllers(cluster)?,
+        ClusterCommand::Controllers { change, cluster } => super::controllers::run(change, cluster)?,
         ClusterCommand::Init { dir, json } => {
             troupe_cluster::init_cluster(&dir)
                 .with_context(|| format!("creating a cluster CA in {}", dir.display()))?;

@@ -12,6 +12,7 @@ mod chaos;
 mod checkpoint;
 mod client;
 mod cluster;
+mod controllers;
 mod daemon;
 mod dashboard;
 mod data;

@@ -19,6 +19,7 @@ use crate::error::{Error, Result};
 use crate::node_config::controllers::ControllerEntry;
 use crate::protocol::ClusterStatus;
 use crate::runtime::node::{actor_scope, NodeActor, NodeArgs, NodeMsg};
+use crate::runtime::raft::group::committed_controllers;
 use crate::runtime::raft::{Controller, ControllerGroup, GroupConfig, RaftEndpoint, RaftTimeouts};
 use crate::runtime::worker::WorkerMsg;
 use crate::telemetry::{endpoint, http, otel, otel_metrics, NodeMetrics};
@@ -195,8 +196,10 @@ fn endpoint_sources(node: &ActorRef<NodeMsg>) -> endpoint::NodeSources {
 async fn controller_group(config: &NodeConfig, identity: &NodeIdentity, catalog: Catalog) -> Result<ControllerGroup> {
     let entries: Vec<ControllerEntry> =
         config.controllers.iter().filter_map(|c| ControllerEntry::parse(c).ok()).collect();
-    let me = entries.iter().find(|e| e.name == config.name).and_then(|e| e.raft_addr);
-    let Some(raft_addr) = me.filter(|_| entries.len() >= 2) else {
+    // Not listed: a node to be added at run time (`raft_listen`), or one added before and restarted.
+    let me = entries.iter().find(|e| e.name == config.name).and_then(|e| e.raft_addr).or(config.raft_listen);
+    let added = || committed_controllers(&catalog).ok()?.into_iter().find(|c| c.name == config.name)?.addr.parse().ok();
+    let Some(raft_addr) = me.or_else(added).filter(|_| entries.len() >= 2) else {
         return Ok(ControllerGroup::single(&config.name, catalog));
     };
     let endpoint = RaftEndpoint::bind(identity, raft_addr, &config.transport).map_err(|e| {

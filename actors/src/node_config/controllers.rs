@@ -3,6 +3,10 @@
 //! "node-b@10.0.0.2:7401", "node-c@10.0.0.3:7401"]`. Absent or one entry: the single controller of
 //! today (no Raft). 3 or 5 (at most 7): a Raft group; an even count is allowed with a warning (it
 //! tolerates no more failures than one fewer). Every node lists the same controllers.
+//!
+//! `controllers` is the *initial* set: `troupe cluster controllers add|remove` changes the voters in the
+//! Raft log, and the committed membership wins over node.toml on a restart ([`committed_differs`]
+//! warns). A node to be added at run time gives its Raft endpoint's address as `raft_listen`.
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -94,6 +98,60 @@ pub fn check(
     Ok((entries, warnings))
 }
 
+/// Checks node.toml's `raft_listen` (a node not in `controllers` that may be added as one at run time).
+pub fn check_raft_listen(
+    name: &str,
+    listen: SocketAddr,
+    raft_listen: Option<SocketAddr>,
+    controllers: &[String],
+) -> Result<(), String> {
+    let Some(addr) = raft_listen else { return Ok(()) };
+    if controllers.len() < 2 {
+        return Err(format!(
+            "{addr} given, but `controllers` lists {}: a controller is added at run time only to a replicated \
+             one; list 3 controllers as \"NAME@HOST:PORT\" or remove `raft_listen`",
+            controllers.len()
+        ));
+    }
+    if addr == listen {
+        return Err(format!("{addr} is this node's `listen` address; the Raft endpoint needs a port of its own"));
+    }
+    let entries = controllers.iter().filter_map(|c| ControllerEntry::parse(c).ok());
+    for e in entries {
+        if e.name == name {
+            return Err(format!(
+                "this node ({name:?}) is in `controllers` already, with its Raft address there; remove `raft_listen`"
+            ));
+        }
+        if e.raft_addr == Some(addr) {
+            return Err(format!("{addr} is {:?}'s Raft address in `controllers`; give this node its own", e.name));
+        }
+    }
+    Ok(())
+}
+
+/// The warning for a node whose node.toml `controllers` (`configured`, by name) is not the committed
+/// membership its Raft log holds (`committed`): the committed one wins (it was changed with `troupe
+/// cluster controllers add|remove`, or node.toml was edited since).
+pub fn committed_differs(configured: &[String], committed: &[String]) -> Option<String> {
+    let sorted = |list: &[String]| {
+        let mut names = list.to_vec();
+        names.sort();
+        names
+    };
+    let (configured, committed) = (sorted(configured), sorted(committed));
+    if committed.is_empty() || configured == committed {
+        return None;
+    }
+    Some(format!(
+        "node.toml `controllers` lists {} but the committed membership in this node's Raft log is {}: the \
+         committed one is used (changed by `troupe cluster controllers add|remove`); update node.toml's \
+         `controllers` to match",
+        configured.join(", "),
+        committed.join(", ")
+    ))
+}
+
 /// Why the controller `controller` (listing `ours` in its node.toml `controllers`) refuses the join of
 /// `joiner` (listing `theirs`, by name), if it does: with a replicated controller on either side every
 /// node must list the same controllers — a node that lists others would follow, and vote for, a different
@@ -179,6 +237,33 @@ mod tests {
 
         let shared = list(&["node-a@10.0.0.1:7401", "node-b@10.0.0.1:7401"]);
         assert!(check("node-a", listen(), None, &shared).unwrap_err().contains("two controllers"));
+    }
+
+    #[test]
+    fn raft_listen_is_checked_naming_the_fix() {
+        let addr = |a: &str| Some(a.parse().unwrap());
+        assert_eq!(check_raft_listen("node-d", listen(), addr("10.0.0.4:7401"), &three()), Ok(()));
+        assert_eq!(check_raft_listen("node-d", listen(), None, &[]), Ok(()));
+        let err = check_raft_listen("node-d", listen(), addr("10.0.0.4:7401"), &[]).unwrap_err();
+        assert!(err.contains("lists 0") && err.contains("remove `raft_listen`"), "{err}");
+        let err = check_raft_listen("node-d", listen(), addr("10.0.0.1:7400"), &three()).unwrap_err();
+        assert!(err.contains("`listen` address"), "{err}");
+        let err = check_raft_listen("node-a", listen(), addr("10.0.0.9:7401"), &three()).unwrap_err();
+        assert!(err.contains("in `controllers` already"), "{err}");
+        let err = check_raft_listen("node-d", listen(), addr("10.0.0.2:7401"), &three()).unwrap_err();
+        assert!(err.contains("\"node-b\"'s Raft address"), "{err}");
+    }
+
+    #[test]
+    fn a_committed_membership_unlike_node_toml_is_named_beside_it() {
+        let names = |l: &[&str]| l.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let three = names(&["node-a", "node-b", "node-c"]);
+        assert_eq!(committed_differs(&three, &names(&["node-c", "node-b", "node-a"])), None);
+        assert_eq!(committed_differs(&three, &[]), None, "a group not initialised yet");
+        let w = committed_differs(&three, &names(&["node-a", "node-b", "node-c", "node-d"])).unwrap();
+        assert!(w.contains("lists node-a, node-b, node-c"), "{w}");
+        assert!(w.contains("Raft log is node-a, node-b, node-c, node-d"), "{w}");
+        assert!(w.contains("the committed one is used"), "{w}");
     }
 
     #[test]

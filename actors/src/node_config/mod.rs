@@ -57,6 +57,10 @@ pub struct NodeConfig {
     /// controller. Every node lists the same.
     #[serde(default)]
     pub controllers: Vec<String>,
+    /// Where this node's Raft endpoint listens when it is not in `controllers` but is to be made a
+    /// controller at run time (`troupe cluster controllers add NAME --address` this address).
+    #[serde(default)]
+    pub raft_listen: Option<SocketAddr>,
 }
 
 fn one() -> u32 {
@@ -106,6 +110,8 @@ impl NodeConfig {
         self.telemetry.validate().map_err(|(key, m)| bad(key, m))?;
         let (_, warnings) = controllers::check(&self.name, self.listen, self.join, &self.controllers)
             .map_err(|m| bad("controllers", m))?;
+        controllers::check_raft_listen(&self.name, self.listen, self.raft_listen, &self.controllers)
+            .map_err(|m| bad("raft_listen", m))?;
         for warning in warnings {
             tracing::warn!(config = origin, "`controllers`: {warning}");
         }

@@ -194,9 +194,21 @@ impl NodeState {
                     let worker = self.spawn_worker(me, slot as u32).await?;
                     self.workers[slot] = worker;
                 }
-                NodeAction::AnswerControllers { client } => {
+                NodeAction::AnswerControllers { client, change: None } => {
                     let reply = Reply::Controllers(Box::new(self.group.status()));
                     self.send(me, &client, self.core.epoch(), Wire::Reply(reply));
+                }
+                NodeAction::AnswerControllers { client, change: Some(change) } => {
+                    // Answered once committed (or refused): the node goes on meanwhile.
+                    let members: Vec<String> = self.core.status().members.into_iter().map(|m| m.name).collect();
+                    let (group, endpoint, epoch) = (self.group.clone(), self.endpoint.clone(), self.core.epoch());
+                    tokio::spawn(async move {
+                        let reply = match group.change(change, &members).await {
+                            Ok(()) => Reply::Controllers(Box::new(group.status())),
+                            Err(e) => Reply::Error { message: e.to_string() },
+                        };
+                        let _ = endpoint.send(&client, epoch, Wire::Reply(reply).encode()).await;
+                    });
                 }
                 NodeAction::AnswerDashboard { client } => {
                     let fragment = self.members_dashboard();
@@ -217,7 +229,12 @@ impl NodeState {
                     *self.stop_reason.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.clone());
                     return Err(reason.into());
                 }
-                NodeAction::Note(note) => self.observe(note),
+                NodeAction::Note(note) => {
+                    if matches!(note, NodeNote::AdoptedView(_) | NodeNote::ViewChanged { .. }) {
+                        self.keep_known();
+                    }
+                    self.observe(note)
+                }
             }
         }
         Ok(())
@@ -231,7 +248,7 @@ impl NodeState {
             Ok(()) => {}
             Err(e) if self.group.is_replicated() => {
                 let now = self.now();
-                self.core.step_down(now, &format!("its view was not committed: {e}"));
+                self.step_down(now, &format!("its view was not committed: {e}"));
             }
             Err(e) if starting => return Err(format!("{e:#}").into()),
             Err(e) => tracing::error!(node = %self.core.id(), "{e:#}; a controller restart would reuse epochs"),
@@ -260,11 +277,28 @@ impl NodeState {
             }
             leader => {
                 let why = format!("Raft term {}: {} leads", leadership.term, leader.as_deref().unwrap_or("no one yet"));
-                self.core.step_down(now, &why);
+                self.step_down(now, &why);
                 self.unresolved_leader = leader;
                 self.resolve_leader();
             }
         }
+    }
+
+    /// This node stops being the controller ([`NodeCore::step_down`]); the clients following its jobs
+    /// are disconnected, so that they look for the new one at once — a controller removed from the
+    /// voters, or cut off, stays up, and its watchers would otherwise wait on it.
+    fn step_down(&mut self, now: Duration, why: &str) {
+        let watchers = self.core.watchers();
+        self.core.step_down(now, why);
+        let endpoint = self.endpoint.clone();
+        let clients =
+            endpoint.peers().into_iter().filter(|(name, role)| *role == PeerRole::Client && watchers.contains(name));
+        let clients: Vec<String> = clients.map(|(name, _)| name).collect();
+        tokio::spawn(async move {
+            for client in clients {
+                endpoint.disconnect(&client).await;
+            }
+        });
     }
 
     /// Follows the leader the Raft group named once its control address is known: from the replicated
@@ -320,6 +354,17 @@ impl NodeState {
         }
     }
 
+    /// Replicated controllers: the daemons of the view, kept in the data dir for a restart that finds
+    /// its `join` gone, and tried when no leader is named (raft::known).
+    fn keep_known(&mut self) {
+        if self.config.controller_names().len() < 2 {
+            return;
+        }
+        let members = self.core.status().members;
+        super::raft::known::save(&self.config.data_dir, &members);
+        self.core.remember(members);
+    }
+
     fn observe(&self, note: NodeNote) {
         match note {
             NodeNote::ViewChanged { epoch, changes } => self.metrics.on_view_change(epoch, &changes),
@@ -372,7 +417,8 @@ impl Actor for NodeActor {
             controllers: config.controller_names(),
             dashboard,
         };
-        let core = NodeCore::new(settings, Duration::ZERO, new_incarnation()?, stored_view, stored_jobs);
+        let mut core = NodeCore::new(settings, Duration::ZERO, new_incarnation()?, stored_view, stored_jobs);
+        core.remember(super::raft::known::load(&config.data_dir));
         let pump = me.clone();
         tokio::spawn(async move {
             while let Some(event) = events.recv().await {
@@ -436,9 +482,16 @@ impl Actor for NodeActor {
                 let lost =
                     state.group.is_replicated() && !state.core.is_controller() && !state.core.has_controller_peer();
                 if lost && leader.as_deref().is_some_and(|l| l != state.core.id().0) {
-                    state.unresolved_leader = state.unresolved_leader.take().or(leader);
+                    state.unresolved_leader = state.unresolved_leader.take().or(leader.clone());
+                }
+                if lost && leader.is_none() && !state.group.controllers().contains(&state.core.id().0) {
+                    // Removed from the voters: no leader will be named to it; the others redirect it.
+                    state.core.look_for_controller();
                 }
                 state.resolve_leader();
+                if state.group.is_replicated() {
+                    state.core.set_voters(state.group.controllers());
+                }
                 if state.group.is_leader() && !state.core.is_controller() && state.group.is_replicated() {
                     // Elected, but reading the replicated catalog failed: tried again.
                     let leadership = state.group.leadership().borrow().clone();
@@ -447,7 +500,7 @@ impl Actor for NodeActor {
                 state.core.tick(now);
             }
             NodeMsg::Leadership(leadership) => state.on_leadership(leadership).await,
-            NodeMsg::NotCommitted(why) => state.core.step_down(now, &why),
+            NodeMsg::NotCommitted(why) => state.step_down(now, &why),
             NodeMsg::FromWorker(wire) => state.core.send_to_controller(wire),
             NodeMsg::Outgoing { node, msg } => state.core.job_outgoing(&node, msg),
             NodeMsg::JobEvent { job, event, info } => state.core.job_event(job, event, info),

@@ -104,9 +104,11 @@ pub enum NodeAction {
     },
     /// Stop every job controller at once: this node is no longer the controller.
     StopJobs,
-    /// Answer `client`'s `ControllersRequest` with the Raft group's status (which the shell holds).
+    /// Answer `client`'s `ControllersRequest` with the Raft group's status (which the shell holds),
+    /// after making `change` (`ChangeControllers`, on the controller) if one is asked for.
     AnswerControllers {
         client: String,
+        change: Option<crate::protocol::ControllersChange>,
     },
     /// Answer `client`'s `DashboardRequest` (a member's daemon) with this controller's page fragment,
     /// which the shell draws from its metrics.
@@ -207,6 +209,11 @@ pub struct NodeCore {
     draining: bool,
     /// The jobs whose state a `Fenced` just received says to keep.
     keep_on_fence: Vec<JobId>,
+    /// The voting controllers of the Raft group's committed membership, which may differ from node.toml's
+    /// `controllers` after `troupe cluster controllers add|remove` ([`NodeCore::set_voters`]).
+    voters: Vec<String>,
+    /// The daemons of the last view this node knew, or an earlier run's ([`NodeCore::remember`]), tried last.
+    remembered: Vec<MemberInfo>,
     actions: VecDeque<NodeAction>,
 }
 
@@ -253,6 +260,8 @@ impl NodeCore {
             changes: VecDeque::new(),
             draining: false,
             keep_on_fence: Vec::new(),
+            voters: Vec::new(),
+            remembered: Vec::new(),
             actions: VecDeque::new(),
             settings,
         };
@@ -322,7 +331,40 @@ impl NodeCore {
     /// Whether this node is one of several controller-eligible nodes: the controller while its Raft
     /// group leads, a member otherwise.
     pub fn eligible(&self) -> bool {
-        self.replicated() && self.settings.controllers.contains(&self.settings.id.0)
+        let me = &self.settings.id.0;
+        self.replicated() && (self.settings.controllers.contains(me) || self.voters.contains(me))
+    }
+
+    /// The Raft group's voters changed (replicated controllers): this node may be elected if it is one
+    /// (added at run time), and tries them when it looks for the controller.
+    pub fn set_voters(&mut self, voters: Vec<String>) {
+        self.voters = voters;
+    }
+
+    /// Replicated controllers: this node knows no controller and its Raft group will name none to it
+    /// (it was removed from the voters): it tries the controllers and the daemons it knows, which
+    /// redirect it to the leader.
+    pub fn look_for_controller(&mut self) {
+        if self.controller.is_none() && self.controller_peer.is_none() && self.dialing.is_none() {
+            self.try_next_controller(None);
+        }
+    }
+
+    /// The clients following this controller's jobs (none on a node that is not the controller).
+    pub fn watchers(&self) -> Vec<String> {
+        let jobs = self.controller.iter().flat_map(|c| c.jobs.values());
+        let mut watchers: Vec<String> = jobs.flat_map(|j| j.watchers.iter().cloned()).collect();
+        watchers.sort();
+        watchers.dedup();
+        watchers
+    }
+
+    /// The daemons of the last view this node knew, or an earlier run's (the shell keeps them in the
+    /// data dir): with replicated controllers, tried after the controllers when none answers — any
+    /// daemon redirects to the controller — so a member restarted after its `join` is gone finds the
+    /// cluster.
+    pub fn remember(&mut self, daemons: Vec<MemberInfo>) {
+        self.remembered = daemons;
     }
 
     /// This node's Raft group elected it (replicated controllers): it becomes the controller, restoring
@@ -402,9 +444,14 @@ impl NodeCore {
         }
         let mut candidates: Vec<SocketAddr> = self.settings.join.into_iter().collect();
         let skip = |n: &String| *n == self.settings.id.0 || Some(n.as_str()) == gone;
-        for name in self.settings.controllers.iter().filter(|n| !skip(n)) {
+        for name in self.settings.controllers.iter().chain(&self.voters).filter(|n| !skip(n)) {
             if let Some(addr) = self.known_addr(name).filter(|a| !candidates.contains(a)) {
                 candidates.push(addr);
+            }
+        }
+        for m in self.remembered.iter().filter(|m| !skip(&m.name)) {
+            if !candidates.contains(&m.addr) {
+                candidates.push(m.addr);
             }
         }
         if candidates.is_empty() {
@@ -706,7 +753,10 @@ impl NodeCore {
             ToController::Join { slots, addr, incarnation, dashboard, controllers } => {
                 let ours = &self.settings.controllers;
                 let (me, theirs) = (&self.settings.id.0, controllers.unwrap_or_else(|| ours.clone()));
-                if let Some(reason) = crate::node_config::controllers::join_mismatch(&from.0, &theirs, me, ours) {
+                let mismatch = |ours| crate::node_config::controllers::join_mismatch(&from.0, &theirs, me, ours);
+                // node.toml's list, or the committed one after `troupe cluster controllers add|remove`.
+                let committed = (self.voters.len() >= 2).then(|| mismatch(&self.voters)).flatten();
+                if let Some(reason) = mismatch(ours).filter(|_| self.voters.len() < 2 || committed.is_some()) {
                     tracing::error!(node = %me, joiner = %from, "refused a join: {reason}");
                     return self.send(&from.0, ToNode::Refused { reason });
                 }
@@ -813,10 +863,16 @@ impl NodeCore {
         let reply = match msg {
             Request::StatusRequest => Some(Reply::Status(Box::new(self.status()))),
             Request::ControllersRequest if self.eligible() || self.controller.is_some() => {
-                self.actions.push_back(NodeAction::AnswerControllers { client: from.to_owned() });
+                self.actions.push_back(NodeAction::AnswerControllers { client: from.to_owned(), change: None });
                 None
             }
             Request::ControllersRequest => Some(not_controller),
+            Request::ChangeControllers { .. } if self.controller.is_none() => Some(not_controller),
+            Request::ChangeControllers { change } => {
+                let change = Some(change);
+                self.actions.push_back(NodeAction::AnswerControllers { client: from.to_owned(), change });
+                None
+            }
             _ if self.controller.is_none() => Some(not_controller),
             Request::DashboardRequest => {
                 self.actions.push_back(NodeAction::AnswerDashboard { client: from.to_owned() });
@@ -839,7 +895,7 @@ impl NodeCore {
     }
 
     /// A watcher (re)attaches: the events it missed go out before the reply, on the same ordered stream,
-    /// so it sees them first and in order; a watcher that reconnects replaces its old entry.
+    /// so it sees them first and in order.
     fn watch(&mut self, from: &str, job: JobId, since: Option<u64>) -> Reply {
         let missed: Vec<(u64, JobEvent)> = match (since, self.controller.as_ref().and_then(|c| c.jobs.get(&job))) {
             (Some(since), Some(entry)) => {
@@ -1027,7 +1083,9 @@ impl NodeCore {
     fn refused_by_controller(&mut self, from: &str, reply: Reply) {
         self.controller_peer = None;
         match reply {
-            Reply::Redirect { controller } => {
+            // Not to itself: a controller just removed from the voters may be named by one that has not
+            // heard of the next leader yet.
+            Reply::Redirect { controller } if controller != self.settings.addr => {
                 tracing::info!(node = %self.settings.id, %from, %controller, "redirected to the controller");
                 self.target = Some(controller);
             }
@@ -1052,6 +1110,7 @@ impl NodeCore {
 
     /// The connection with `peer` ended without a goodbye.
     pub fn lost(&mut self, now: Duration, peer: &str) {
+        self.forget_watcher(peer);
         if self.controller_peer.as_deref() == Some(peer) {
             // Replicated controllers: until its Raft group names the next leader, this node redirects
             // no one to the one it lost, and tries the others.
@@ -1067,8 +1126,19 @@ impl NodeCore {
 
     /// `peer` closed its connection with a goodbye (its `Leave` came before).
     pub fn departed(&mut self, peer: &str) {
+        self.forget_watcher(peer);
         if self.controller_peer.as_deref() == Some(peer) {
             self.controller_peer = None;
+        }
+    }
+
+    /// A connection ended: whatever it watched, it watches no more. Each client connection has a name of
+    /// its own (`<certificate name>#<n>`); a watcher that reconnects attaches again under its new one.
+    fn forget_watcher(&mut self, peer: &str) {
+        if let Some(c) = self.controller.as_mut() {
+            for entry in c.jobs.values_mut() {
+                entry.watchers.retain(|w| w != peer);
+            }
         }
     }
 

@@ -17,9 +17,9 @@ use troupe_cluster::control::ControlEndpoint;
 use super::machine::StateMachine;
 use super::network::{serve, Network, RaftEndpoint, Rpcs};
 use super::store::LogStore;
-use super::{node_id, Controller, NodeId, Raft};
+use super::{node_id, Controller, NodeId, Raft, StorageError};
 use crate::catalog::{Catalog, CatalogWrite, StoredJob, StoredView};
-use crate::protocol::{ControllerInfo, ControllersStatus};
+use crate::protocol::{ControllerInfo, ControllersChange, ControllersStatus};
 
 /// The group's timing (docs/runtime-semantics.md, "Replicated controller (Raft)").
 #[derive(Clone, Debug)]
@@ -128,6 +128,7 @@ impl ControllerGroup {
             ..Default::default()
         };
         let raft_config = Arc::new(raft_config.validate()?);
+        warn_if_configured_differs(&catalog, &config);
         let me = node_id(&config.name);
         let RaftEndpoint { endpoint, events } = endpoint;
         let rpcs = Rpcs::new(me, endpoint.clone());
@@ -138,7 +139,7 @@ impl ControllerGroup {
         let tasks = vec![
             tokio::spawn(serve(rpcs.clone(), events, raft.clone())),
             tokio::spawn(report_leadership(raft.clone(), tx)),
-            tokio::spawn(keep_connected(raft.clone(), rpcs)),
+            tokio::spawn(keep_connected(raft.clone(), rpcs, config.controllers.clone())),
         ];
         let lowest = config.controllers.iter().map(|c| c.name.as_str()).min();
         if lowest == Some(config.name.as_str()) && !raft.is_initialized().await? {
@@ -213,20 +214,16 @@ impl ControllerGroup {
         Ok((self.catalog.view()?, self.catalog.jobs()?))
     }
 
-    /// The voting controllers as this node knows them, by name.
+    /// The voting controllers as this node knows them (the membership last appended to its log), by name.
     pub fn controllers(&self) -> Vec<String> {
-        let Some(r) = &self.replicated else { return vec![self.name.clone()] };
-        let metrics = r.raft.metrics();
-        let m = metrics.borrow();
-        let membership = m.membership_config.membership();
-        let mut names: Vec<String> =
-            membership.voter_ids().filter_map(|id| membership.get_node(&id).map(|n| n.name.clone())).collect();
-        names.sort();
-        names
+        match &self.replicated {
+            Some(r) => self.membership(r).0,
+            None => vec![self.name.clone()],
+        }
     }
 
     /// The group as this node sees it (`troupe cluster controllers`): term, leader, its log's last
-    /// index, and each voter with the index the leader knows it holds (on the leader only).
+    /// index, each voter and learner with the index the leader knows it holds (on the leader only).
     pub fn status(&self) -> ControllersStatus {
         let Some(r) = &self.replicated else {
             let me = ControllerInfo { name: self.name.clone(), raft_addr: None, matched: None };
@@ -238,46 +235,115 @@ impl ControllerGroup {
                 leader,
                 last_log_index: None,
                 controllers: vec![me],
+                learners: Vec::new(),
             };
         };
         let metrics = r.raft.metrics();
         let m = metrics.borrow();
         let membership = m.membership_config.membership();
         let name_of = |id: &NodeId| membership.get_node(id).map(|n| n.name.clone());
-        let mut controllers: Vec<ControllerInfo> = membership
-            .voter_ids()
-            .filter_map(|id| {
-                let node = membership.get_node(&id)?;
-                let matched = m.replication.as_ref().and_then(|r| r.get(&id).cloned().flatten()).map(|l| l.index);
-                Some(ControllerInfo { name: node.name.clone(), raft_addr: Some(node.addr.clone()), matched })
-            })
-            .collect();
+        let info = |id: NodeId| {
+            let node = membership.get_node(&id)?;
+            let matched = m.replication.as_ref().and_then(|r| r.get(&id).cloned().flatten()).map(|l| l.index);
+            Some(ControllerInfo { name: node.name.clone(), raft_addr: Some(node.addr.clone()), matched })
+        };
+        let mut controllers: Vec<ControllerInfo> = membership.voter_ids().filter_map(info).collect();
+        let mut learners: Vec<ControllerInfo> = membership.learner_ids().filter_map(info).collect();
         controllers.sort_by(|a, b| a.name.cmp(&b.name));
+        learners.sort_by(|a, b| a.name.cmp(&b.name));
         ControllersStatus {
             node: self.name.clone(),
             replicated: true,
             term: m.current_term,
-            leader: m.current_leader.as_ref().and_then(name_of),
+            leader: leader_id(&m).as_ref().and_then(name_of),
             last_log_index: m.last_log_index,
             controllers,
+            learners,
         }
     }
 
-    /// Adds `controller` as a voter (joint consensus: it catches up as a learner first). On the leader.
+    /// `troupe cluster controllers add|remove` on the leader. `members`: the nodes of the cluster's
+    /// current view; only one of them can be added (it holds a certificate and runs a daemon).
+    pub async fn change(&self, change: ControllersChange, members: &[String]) -> Result<(), ProposeError> {
+        match change {
+            ControllersChange::Add { node, raft_addr } => {
+                if !members.contains(&node) {
+                    return Err(ProposeError::Membership(format!(
+                        "{node} is not a member of the cluster (members: {}): issue it a certificate \
+                         (`troupe cluster add-node {node}`), start its daemon with `join` and `raft_listen = \
+                         \"{raft_addr}\"` in its node.toml, then add it",
+                        members.join(", ")
+                    )));
+                }
+                self.add_controller(Controller { name: node, addr: raft_addr.to_string() }).await
+            }
+            ControllersChange::Remove { node } => self.remove_controller(&node).await,
+        }
+    }
+
+    /// Adds `controller` as a voter by joint consensus: it catches up as a learner first, then votes.
+    /// On the leader. Refused, with nothing changed: a node that already votes, an address another
+    /// controller has; a learner that did not catch up within `propose_ms` is removed again.
     pub async fn add_controller(&self, controller: Controller) -> Result<(), ProposeError> {
         let r = self.raft_group()?;
         let id = node_id(&controller.name);
-        let added = async {
-            r.raft.add_learner(id, controller, true).await.map_err(write_error)?;
-            r.raft.change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([id])), false).await.map_err(write_error)
+        let (voters, nodes) = self.membership(r);
+        if voters.contains(&controller.name) {
+            return Err(ProposeError::Membership(format!(
+                "{} is already a controller (the controllers are {})",
+                controller.name,
+                voters.join(", ")
+            )));
+        }
+        if let Some(other) = nodes.iter().find(|n| n.addr == controller.addr && n.name != controller.name) {
+            return Err(ProposeError::Membership(format!(
+                "{} is the Raft address of {}; give {} its own (its node.toml `raft_listen`)",
+                controller.addr, other.name, controller.name
+            )));
+        }
+        let addr = controller.addr.clone();
+        let learner = tokio::time::timeout(r.propose, r.raft.add_learner(id, controller.clone(), true)).await;
+        let why = match learner {
+            Ok(Ok(_)) => None,
+            Ok(Err(e)) => match write_error(e) {
+                e @ (ProposeError::NotLeader { .. } | ProposeError::Stopped(_)) => return Err(e),
+                e => Some(e.to_string()),
+            },
+            Err(_) => Some(format!("it did not catch up within {:?}", r.propose)),
         };
-        tokio::time::timeout(r.propose, added).await.map_err(|_| ProposeError::NotCommitted(r.propose))??;
+        if let Some(why) = why {
+            // Nothing changed: the learner that cannot be reached leaves the membership again.
+            let undo = ChangeMembers::RemoveNodes(BTreeSet::from([id]));
+            let _ = tokio::time::timeout(r.propose, r.raft.change_membership(undo, false)).await;
+            return Err(ProposeError::Membership(format!(
+                "{}'s Raft endpoint at {addr} did not join as a learner ({why}); is {addr} its node.toml \
+                 `raft_listen`, and its daemon running? Nothing changed",
+                controller.name
+            )));
+        }
+        let change = ChangeMembers::AddVoterIds(BTreeSet::from([id]));
+        let voted = tokio::time::timeout(r.propose, r.raft.change_membership(change, false)).await;
+        voted.map_err(|_| ProposeError::NotCommitted(r.propose))?.map_err(write_error)?;
         Ok(())
     }
 
-    /// Removes the controller called `name` from the group (joint consensus). On the leader.
+    /// Removes the controller called `name` from the voters (joint consensus). On the leader; removing
+    /// the leader itself makes it step down once the change is committed, and the others elect one.
+    /// Refused, with nothing changed: a node that is not a controller, the last controller.
     pub async fn remove_controller(&self, name: &str) -> Result<(), ProposeError> {
         let r = self.raft_group()?;
+        let (voters, _) = self.membership(r);
+        if !voters.iter().any(|v| v == name) {
+            return Err(ProposeError::Membership(format!(
+                "{name} is not a controller (the controllers are {})",
+                voters.join(", ")
+            )));
+        }
+        if voters.len() <= 1 {
+            return Err(ProposeError::Membership(format!(
+                "{name} is the last controller: a cluster needs one; add another first"
+            )));
+        }
         let change = ChangeMembers::RemoveVoters(BTreeSet::from([node_id(name)]));
         let removed = r.raft.change_membership(change, false);
         tokio::time::timeout(r.propose, removed)
@@ -285,6 +351,17 @@ impl ControllerGroup {
             .map_err(|_| ProposeError::NotCommitted(r.propose))?
             .map_err(write_error)?;
         Ok(())
+    }
+
+    /// The voters' names (sorted) and every node of the membership, voters and learners.
+    fn membership(&self, r: &Replicated) -> (Vec<String>, Vec<Controller>) {
+        let metrics = r.raft.metrics();
+        let m = metrics.borrow();
+        let membership = m.membership_config.membership();
+        let mut voters: Vec<String> =
+            membership.voter_ids().filter_map(|id| membership.get_node(&id).map(|n| n.name.clone())).collect();
+        voters.sort();
+        (voters, membership.nodes().map(|(_, n)| n.clone()).collect())
     }
 
     fn raft_group(&self) -> Result<&Replicated, ProposeError> {
@@ -308,6 +385,31 @@ impl ControllerGroup {
     }
 }
 
+/// The voting controllers of the membership this node's catalog holds as applied (so committed), with
+/// their Raft addresses; empty before the group was initialised (or on a node never in it).
+pub fn committed_controllers(catalog: &Catalog) -> Result<Vec<Controller>, StorageError> {
+    let (_, stored) = StateMachine::new(catalog.clone()).applied()?;
+    let membership = stored.membership();
+    let mut voters: Vec<Controller> =
+        membership.voter_ids().filter_map(|id| membership.get_node(&id).cloned()).collect();
+    voters.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(voters)
+}
+
+/// The committed membership wins over node.toml's `controllers` (the initial set): a restarted node
+/// whose node.toml lists others says so, naming both lists.
+fn warn_if_configured_differs(catalog: &Catalog, config: &GroupConfig) {
+    let committed = match committed_controllers(catalog) {
+        Ok(voters) => voters.into_iter().map(|c| c.name).collect::<Vec<_>>(),
+        Err(e) => return tracing::warn!(node = %config.name, "reading the committed controllers: {e}"),
+    };
+    let mut configured: Vec<String> = config.controllers.iter().map(|c| c.name.clone()).collect();
+    configured.sort();
+    if let Some(warning) = crate::node_config::controllers::committed_differs(&configured, &committed) {
+        tracing::warn!(node = %config.name, "{warning}");
+    }
+}
+
 fn write_error(e: RaftError<NodeId, ClientWriteError<NodeId, Controller>>) -> ProposeError {
     match e {
         RaftError::APIError(ClientWriteError::ForwardToLeader(f)) => {
@@ -318,6 +420,12 @@ fn write_error(e: RaftError<NodeId, ClientWriteError<NodeId, Controller>>) -> Pr
     }
 }
 
+/// The leader as openraft's metrics name it — but a leader removed from the voters steps down keeping
+/// its own committed vote, which the metrics still name: this node leads only in the Leader state.
+fn leader_id(m: &openraft::RaftMetrics<NodeId, Controller>) -> Option<NodeId> {
+    m.current_leader.filter(|id| *id != m.id || m.state == openraft::ServerState::Leader)
+}
+
 /// Publishes (term, leader name) whenever Raft's metrics change them.
 async fn report_leadership(raft: Raft, tx: watch::Sender<Leadership>) {
     let mut metrics = raft.metrics();
@@ -325,7 +433,7 @@ async fn report_leadership(raft: Raft, tx: watch::Sender<Leadership>) {
         let now = {
             let m = metrics.borrow_and_update();
             let leader =
-                m.current_leader.and_then(|id| m.membership_config.membership().get_node(&id).map(|n| n.name.clone()));
+                leader_id(&m).and_then(|id| m.membership_config.membership().get_node(&id).map(|n| n.name.clone()));
             Leadership { term: m.current_term, leader }
         };
         tx.send_if_modified(|old| {
@@ -344,12 +452,19 @@ const CONNECT_EVERY: Duration = Duration::from_millis(100);
 /// How long one dial of the connector may take before it is tried again.
 const DIAL_MS: u64 = 1_000;
 
-/// Dials every member named higher than this node that is not connected (see `network`).
-async fn keep_connected(raft: Raft, rpcs: Arc<Rpcs>) {
+/// Dials every member (voter or learner) named higher than this node that is not connected (see
+/// `network`), and the controllers of node.toml (`seeds`) not in the membership: a node being added
+/// knows no membership until the leader reaches it, and the leader dials it only if named lower.
+async fn keep_connected(raft: Raft, rpcs: Arc<Rpcs>, seeds: Vec<Controller>) {
     let metrics = raft.metrics();
     loop {
-        let members: Vec<Controller> =
+        let mut members: Vec<Controller> =
             metrics.borrow().membership_config.membership().nodes().map(|(_, n)| n.clone()).collect();
+        for seed in &seeds {
+            if !members.iter().any(|m| m.name == seed.name) {
+                members.push(seed.clone());
+            }
+        }
         let dials = members.iter().map(|peer| {
             let rpcs = rpcs.clone();
             async move {

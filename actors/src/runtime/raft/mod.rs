@@ -9,8 +9,10 @@
 //! - [`network`]: request/response RPC over the mutually-authenticated QUIC control plane.
 //! - [`group`]: the handle the node uses: start, propose (committed by a majority, or `NotLeader`),
 //!   leadership events, membership changes, shutdown. One controller: no Raft at all.
+//! - [`known`]: the daemons a member last knew, kept across restarts to find the controller again.
 
 pub mod group;
+pub mod known;
 pub mod machine;
 pub mod network;
 pub mod store;
