@@ -11,6 +11,7 @@
 //! `tensor_parallel`.
 
 mod data_parallel;
+mod netns;
 mod optimizer;
 mod periodic;
 mod tensor_parallel;
@@ -113,6 +114,14 @@ pub struct BenchTrainArgs {
     /// the ratios; see `optimizer`.
     #[arg(long, value_parser = ["adamw", "adafactor"], default_value = "adamw")]
     pub optimizer: String,
+    /// With `--world N`: every daemon in its own network namespace (N of them), and the series DDP,
+    /// DiLoCo H = 8 and 32, Streaming DiLoCo (4 fragments) trained in turn: tokens/s and bytes on the
+    /// wire per step; see `netns`. Needs root and iproute2.
+    #[arg(long, default_value_t = 0)]
+    pub netns: usize,
+    /// With `--netns`: each namespace's egress shaped to this many Gbit/s (tc tbf).
+    #[arg(long, requires = "netns")]
+    pub rate_gbit: Option<f64>,
     /// JSON output (one object).
     #[arg(long)]
     pub json: bool,
@@ -130,6 +139,11 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         let model = bench_model(&args.model, args.context)?;
         tensor_parallel::check(&args, &model, tp)?;
         return tensor_parallel::run(args, model, tp);
+    }
+    if args.netns > 0 {
+        netns::check(&args)?;
+        let model = bench_model(&args.model, args.context)?;
+        return netns::run(args, model);
     }
     if args.sync != "every_step" && (args.world < 2 || args.shard != "none" || args.tp.is_some()) {
         bail!(

@@ -52,8 +52,11 @@ pub enum CommittedState {
     Initial(Box<Trainer>),
     /// A periodically synchronizing rank (`parallel.sync = "local_sgd" | "diloco"`): the state of the
     /// last synchronization — the global parameters with this rank's own AdamW moments — and DiLoCo's
-    /// outer momentum (flat; empty before the first synchronization and for local SGD).
-    Periodic { trainer: Box<Trainer>, outer_momentum: Vec<f32> },
+    /// outer momentum (flat; empty before the first synchronization and for local SGD). With Streaming
+    /// DiLoCo (`parallel.fragments` > 1) the trainer's parameters are the rank's own (the fragments not
+    /// synchronized then keep its local progress) and `global` holds each fragment's last synchronized
+    /// values (flat; empty with one fragment: the trainer's parameters are them).
+    Periodic { trainer: Box<Trainer>, outer_momentum: Vec<f32>, global: Vec<f32> },
 }
 
 impl CommittedState {

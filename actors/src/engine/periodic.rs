@@ -27,6 +27,14 @@
 //! how far each survivor had got when the loss was noticed. A joiner (a rank whose committed step is
 //! not the source's) takes the source's whole state — the global parameters, its AdamW moments, the
 //! outer momentum — while the ranks already at that step keep their own moments.
+//!
+//! Streaming DiLoCo (`parallel.fragments` = P > 1): the synchronization of an interval's step moves only
+//! the fragments due then (`PeriodicSync::due_after`: one fragment every H/P steps, all after the last),
+//! one all-reduce of their contributions concatenated, synchronous (no overlap with the next steps); the
+//! commit replaces those fragments of the working replica and the rank's committed state becomes its
+//! whole working state then — the other fragments' local progress included — with the global parameters
+//! (each fragment's last synchronized values) beside it. A rank lost rolls the job back to the last step
+//! after which any fragment synchronized, so at most H/P steps are redone.
 
 use std::ops::Range;
 use std::path::Path;
@@ -37,7 +45,9 @@ use troupe_cluster::transport::Transport;
 use troupe_cluster::ClusterError;
 use troupe_model::checkpoint::{CheckpointWriter, Layout, SaveRequest, TrainingState};
 use troupe_model::generate::Evaluation;
-use troupe_model::periodic::{flat_params, load_flat_params, local_step, replica_share, PeriodicSync};
+use troupe_model::periodic::{
+    flat_params, fragment_ranges, load_flat_params, load_flat_ranges, local_step, replica_share, PeriodicSync,
+};
 use troupe_model::Trainer;
 
 use super::committed::CommittedState;
@@ -56,16 +66,18 @@ pub struct PeriodicReplica<T: Transport> {
     /// The samples of each batch this rank trains on, or why it has none (more ranks than samples: the
     /// attempt fails at its first step, the committed state kept).
     share: Result<Range<usize>, String>,
-    /// The parameters of the last synchronization (flat).
+    /// The parameters of the last synchronization (flat; with fragments, each fragment's last).
     global: Vec<f32>,
+    /// The fragments as ranges of the flat order (one covering it all without Streaming DiLoCo).
+    fragments: Vec<Range<usize>>,
     /// DiLoCo's outer momentum (flat; empty before the first synchronization, and for local SGD).
     momentum: Vec<f32>,
     /// The rank's whole state at the last synchronization: what it gives back, checkpoints and
     /// evaluates.
     synced: TrainingState,
-    /// The synchronization computed by the reduce of an interval's last step, installed at its commit:
-    /// (global parameters, outer momentum).
-    pending: Option<(Vec<f32>, Vec<f32>)>,
+    /// The synchronization computed by the reduce of a step after which fragments are due, installed at
+    /// its commit: (the due fragments' ranges, global parameters, outer momentum).
+    pending: Option<(Vec<Range<usize>>, Vec<f32>, Vec<f32>)>,
     /// The working replica has moved since the last synchronization (its parameters and moments are
     /// not `synced`'s).
     moved: bool,
@@ -76,18 +88,19 @@ impl<T: Transport> PeriodicReplica<T> {
     /// Takes the rank's committed state (a fresh job's step 0, a checkpoint's, or the last
     /// synchronization's); refuses a layout it cannot train, naming the keys.
     pub fn adopt(state: CommittedState, comm: Communicator<T>) -> Result<Self, String> {
-        let (trainer, momentum) = match state.materialised().map_err(|e| e.to_string())? {
-            CommittedState::Full(trainer) => (*trainer, Vec::new()),
-            CommittedState::Periodic { trainer, outer_momentum } => (*trainer, outer_momentum),
+        let (trainer, momentum, global) = match state.materialised().map_err(|e| e.to_string())? {
+            CommittedState::Full(trainer) => (*trainer, Vec::new(), Vec::new()),
+            CommittedState::Periodic { trainer, outer_momentum, global } => (*trainer, outer_momentum, global),
             _ => return Err("a periodically synchronizing job was handed a sharded state; dropped".into()),
         };
         let sync = PeriodicSync::of(&trainer.config.parallel)
             .ok_or("the periodic engine runs parallel.sync = \"local_sgd\" or \"diloco\" only")?;
         let share = replica_share(trainer.config.train.global_batch, comm.rank(), comm.world());
-        let global = flat_params(&trainer);
+        let fragments = fragment_ranges(trainer.model.specs(), sync.fragments).map_err(|e| e.to_string())?;
+        let global = if global.is_empty() { flat_params(&trainer) } else { global };
         let synced = TrainingState::snapshot(&trainer);
         let (pending, moved, flat) = (None, false, Vec::new());
-        Ok(Self { trainer, comm, sync, share, global, momentum, synced, pending, moved, flat })
+        Ok(Self { trainer, comm, sync, share, global, fragments, momentum, synced, pending, moved, flat })
     }
 
     /// Makes a joiner's state the source's (see the module's doc). Every rank takes part.
@@ -108,27 +121,34 @@ impl<T: Transport> PeriodicReplica<T> {
             self.momentum.resize(self.global.len(), 0.0);
             self.comm.broadcast(&mut self.momentum[..], source).await?;
         }
-        self.global = flat_params(&self.trainer);
+        if self.fragments.len() > 1 {
+            // Each fragment's last synchronized values: the trainer's parameters are not them.
+            self.comm.broadcast(&mut self.global[..], source).await?;
+        } else {
+            self.global = flat_params(&self.trainer);
+        }
         self.synced = TrainingState::snapshot(&self.trainer);
         self.moved = false;
         Ok(())
     }
 
-    /// The synchronization's all-reduce: the new (global parameters, outer momentum), not yet installed.
-    async fn synchronize(&mut self) -> Result<(Vec<f32>, Vec<f32>), ClusterError> {
-        let mut contribution = flat_params(&self.trainer);
-        self.sync.rule.contribute(&self.global, &mut contribution);
+    /// The synchronization of fragments `due`, one all-reduce of their contributions: (their ranges, the
+    /// new global parameters, outer momentum), not yet installed.
+    async fn synchronize(&mut self, due: &[usize]) -> Result<(Vec<Range<usize>>, Vec<f32>, Vec<f32>), ClusterError> {
+        let ranges: Vec<Range<usize>> = due.iter().map(|&p| self.fragments[p].clone()).collect();
+        let mut contribution = self.sync.contributions(&ranges, &self.global, &flat_params(&self.trainer));
         self.comm.all_reduce(&mut contribution[..], ReduceOp::Sum).await?;
         let (mut global, mut momentum) = (self.global.clone(), self.momentum.clone());
-        self.sync.rule.conclude(&contribution, self.comm.world(), &mut global, &mut momentum);
-        Ok((global, momentum))
+        self.sync.conclude(&ranges, &contribution, self.comm.world(), &mut global, &mut momentum);
+        Ok((ranges, global, momentum))
     }
 
     /// The validation loss of the last synchronization's parameters (put in place of the working ones
     /// for the forward, then put back).
     async fn evaluate_synced(&mut self) -> Result<Option<Evaluation>, ClusterError> {
-        let working = self.moved.then(|| flat_params(&self.trainer));
-        if self.moved {
+        let swap = self.moved || self.fragments.len() > 1;
+        let working = swap.then(|| flat_params(&self.trainer));
+        if swap {
             load_flat_params(&self.trainer, &self.global);
         }
         let (rank, world) = (self.comm.rank(), self.comm.world());
@@ -176,8 +196,9 @@ impl<T: Transport> StepEngine for PeriodicReplica<T> {
         let compute_seconds = started.elapsed().as_secs_f64();
         let mut figures = [report.loss as f32, (report.grad_norm * report.grad_norm) as f32];
         self.comm.all_reduce(&mut figures[..], ReduceOp::Sum).await?;
-        if self.sync.syncs_after(step, self.trainer.config.train.steps) {
-            self.pending = Some(self.synchronize().await?);
+        let due = self.sync.due_after(step, self.trainer.config.train.steps);
+        if !due.is_empty() {
+            self.pending = Some(self.synchronize(&due).await?);
         }
         let grad_norm = (f64::from(figures[1]) / self.comm.world() as f64).sqrt();
         Ok(ReducedStep { loss: f64::from(figures[0]), grad_norm, compute_seconds })
@@ -185,20 +206,24 @@ impl<T: Transport> StepEngine for PeriodicReplica<T> {
 
     async fn apply(&mut self, _reduced: ReducedStep) {
         self.trainer.step += 1;
-        if let Some((global, momentum)) = self.pending.take() {
+        if let Some((ranges, global, momentum)) = self.pending.take() {
             (self.global, self.momentum) = (global, momentum);
-            load_flat_params(&self.trainer, &self.global);
+            load_flat_ranges(&self.trainer, &self.global, &ranges);
             self.synced.refresh(&self.trainer);
             self.moved = false;
         }
     }
 
     /// The last synchronization's state (rank 0's AdamW moments), tagged with its own step: a durable
-    /// checkpoint never holds a replica's unsynchronized progress. (DiLoCo's outer momentum is not in the
+    /// checkpoint never holds a replica's unsynchronized progress — with fragments, its parameters are
+    /// the global ones (each fragment's last synchronized values). (DiLoCo's outer momentum is not in the
     /// checkpoint format: a job restored from disk restarts it at zero.)
     async fn checkpoint(&mut self, writer: Option<&CheckpointWriter>, tag: u64) -> Result<(), EngineError> {
         let Some(writer) = writer else { return Ok(()) };
-        let state = Box::new(self.synced.clone());
+        let mut state = Box::new(self.synced.clone());
+        if self.fragments.len() > 1 && state.values[0].len() == self.global.len() {
+            state.values[0].copy_from_slice(&self.global);
+        }
         writer.submit(SaveRequest { state, layout: Layout::ddp(self.comm.world()), tag });
         Ok(())
     }
@@ -222,6 +247,7 @@ impl<T: Transport> StepEngine for PeriodicReplica<T> {
             }
         }
         let outer_momentum = self.momentum;
-        Some(CommittedState::Periodic { trainer: Box::new(self.trainer), outer_momentum })
+        let global = if self.fragments.len() > 1 { self.global } else { Vec::new() };
+        Some(CommittedState::Periodic { trainer: Box::new(self.trainer), outer_momentum, global })
     }
 }

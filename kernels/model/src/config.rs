@@ -277,6 +277,13 @@ impl JobConfig {
                 ),
             ));
         }
+        if p.periodic_sync() && p.fragments > self.model.n_layers.max(1) {
+            let why = format!(
+                "must be at most model.n_layers ({}): every fragment holds at least one block",
+                self.model.n_layers
+            );
+            return Err(invalid("parallel.fragments", p.fragments, why));
+        }
         let replicas = if p.pp > 1 { p.dp.max(1) } else { 1 };
         if replicas > t.global_batch {
             return Err(invalid(

@@ -13,7 +13,17 @@
 //!   replicas' deltas (global − local); the outer optimizer is SGD with Nesterov momentum, as PyTorch's
 //!   `SGD(nesterov=True)`: `m = μ·m + Δ`, `global −= lr·(Δ + μ·m)` (paper: lr 0.7, μ 0.9).
 //!
-//! Every replica then continues from the new global parameters. The arithmetic of a synchronization is
+//! Every replica then continues from the new global parameters.
+//!
+//! Streaming DiLoCo (`parallel.fragments` = P > 1; Douillard et al. 2025): the flat parameter order is cut
+//! into P fragments, each a contiguous group of blocks (the embeddings with the first, the final norm and
+//! head with the last; [`fragment_ranges`] balances their sizes), and fragment p synchronizes on its own
+//! schedule — after step s when `(s + 1) mod H = offset_p = p·H/P` ([`PeriodicSync::due_after`]) and
+//! after the job's last step — so the syncs spread over the H steps and each moves about 1/P of the model.
+//! Only the due fragments' parameters are replaced by their new global values; the others keep their
+//! local progress. Each fragment has its own slice of the global parameters and of the outer momentum.
+//! The all-reduce is synchronous (the paper's overlap, τ > 0, is not in this build). With P = 1 every
+//! step of the arithmetic is the plain DiLoCo's, bit for bit. The arithmetic of a synchronization is
 //! [`OuterRule::contribute`] (what each replica adds to the sum) and [`OuterRule::conclude`] (the new
 //! global parameters from the sum), shared by this reference and the distributed engine: the two differ
 //! only in the order the sum is added up.
@@ -28,6 +38,9 @@
 //! synchronization — a lost replica loses the interval's local progress, and so do the others, which redo
 //! the interval from the last synchronization with the new set — and a new replica starts from the state
 //! of the replica it copies (the distributed runtime's source rank).
+//! With fragments, "the last synchronization" is the last step after which any fragment synchronized
+//! ([`PeriodicSync::last_sync`]): each replica's whole state then — its other fragments' local progress
+//! included — is what it goes back to.
 
 use std::ops::Range;
 use std::path::Path;
@@ -37,8 +50,9 @@ use tch::Tensor;
 use crate::checkpoint::TrainingState;
 use crate::config::JobConfig;
 use crate::data::rank_slice;
+use crate::model::ParamSpec;
 use crate::optim::scale_grads;
-use crate::sections::ParallelConfig;
+use crate::sections::{invalid, ConfigError, ParallelConfig};
 use crate::{StepReport, TrainError, Trainer};
 
 /// How the replicas' parameters are combined at a synchronization.
@@ -50,11 +64,13 @@ pub enum OuterRule {
     Nesterov { lr: f32, momentum: f32 },
 }
 
-/// A job's periodic synchronization: every `every` local steps, by `rule`.
+/// A job's periodic synchronization: every `every` local steps, by `rule`, one fragment of the model at a
+/// time when `fragments` > 1 (Streaming DiLoCo).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PeriodicSync {
     pub every: u64,
     pub rule: OuterRule,
+    pub fragments: usize,
 }
 
 impl PeriodicSync {
@@ -65,23 +81,154 @@ impl PeriodicSync {
             "diloco" => OuterRule::Nesterov { lr: parallel.outer_lr as f32, momentum: parallel.outer_momentum as f32 },
             _ => return None,
         };
-        Some(Self { every: parallel.sync_every.max(1), rule })
+        Some(Self { every: parallel.sync_every.max(1), rule, fragments: parallel.fragments.max(1) })
     }
 
-    /// Whether the replicas synchronize after step `step` (counted from 0) of a job of `steps` steps: after
-    /// every `every`-th step and after the last.
+    /// Fragment `fragment`'s offset in the interval: it synchronizes after the steps `s` with
+    /// `(s + 1) mod every` equal to it (`fragment · every / fragments`: 0 for the first).
+    pub fn offset(&self, fragment: usize) -> u64 {
+        fragment as u64 * self.every / self.fragments as u64
+    }
+
+    /// The fragments that synchronize after step `step` (counted from 0) of a job of `steps` steps: those
+    /// whose offset `(step + 1) mod every` is, and all of them after the last step.
+    pub fn due_after(&self, step: u64, steps: u64) -> Vec<usize> {
+        if step + 1 == steps {
+            return (0..self.fragments).collect();
+        }
+        (0..self.fragments).filter(|&p| (step + 1) % self.every == self.offset(p)).collect()
+    }
+
+    /// Whether any fragment synchronizes after step `step` (one fragment: after every `every`-th step and
+    /// after the last).
     pub fn syncs_after(&self, step: u64, steps: u64) -> bool {
-        (step + 1).is_multiple_of(self.every) || step + 1 == steps
+        !self.due_after(step, steps).is_empty()
     }
 
-    /// The step of the last synchronization when `committed` steps are done (of a job of `steps`): what
-    /// a rank lost after it rolls the job back to.
+    /// The step of the last synchronization (of any fragment) when `committed` steps are done (of a job
+    /// of `steps`): what a rank lost after it rolls the job back to.
     pub fn last_sync(&self, committed: u64, steps: u64) -> u64 {
         if committed >= steps {
             return committed;
         }
-        committed / self.every * self.every
+        (1..=committed).rev().find(|&c| self.syncs_after(c - 1, steps)).unwrap_or(0)
     }
+
+    /// The contributions of a replica's `local` parameters (flat) to the synchronization of `ranges`,
+    /// concatenated in their order: what is summed over the replicas.
+    pub fn contributions(&self, ranges: &[Range<usize>], global: &[f32], local: &[f32]) -> Vec<f32> {
+        let mut out = Vec::with_capacity(ranges.iter().map(Range::len).sum());
+        for range in ranges {
+            let at = out.len();
+            out.extend_from_slice(&local[range.clone()]);
+            self.rule.contribute(&global[range.clone()], &mut out[at..]);
+        }
+        out
+    }
+
+    /// Concludes the synchronization of `ranges` from `sum` (their contributions summed over `world`
+    /// replicas, concatenated): those ranges of `global` and of DiLoCo's `momentum` (allocated, zeros, at
+    /// the first synchronization) move on; the rest stay.
+    pub fn conclude(
+        &self,
+        ranges: &[Range<usize>],
+        sum: &[f32],
+        world: usize,
+        global: &mut [f32],
+        momentum: &mut Vec<f32>,
+    ) {
+        if matches!(self.rule, OuterRule::Nesterov { .. }) && momentum.is_empty() {
+            momentum.resize(global.len(), 0.0);
+        }
+        let mut at = 0;
+        for range in ranges {
+            let n = range.len();
+            let m = if momentum.is_empty() { &mut [][..] } else { &mut momentum[range.clone()] };
+            self.rule.conclude(&sum[at..at + n], world, &mut global[range.clone()], m);
+            at += n;
+        }
+        assert_eq!(at, sum.len(), "synchronized length");
+    }
+}
+
+/// The fragments of a model of parameters `specs` (in the flat order) as ranges of that order: `fragments`
+/// contiguous groups of blocks — a parameter outside the blocks goes with the nearest block before it, or
+/// the first (the embeddings with the first, the final norm and head with the last) — cut to make the
+/// largest as small as it can be. Refuses more fragments than blocks, naming the keys.
+pub fn fragment_ranges(specs: &[ParamSpec], fragments: usize) -> Result<Vec<Range<usize>>, ConfigError> {
+    let total: usize = specs.iter().map(ParamSpec::numel).sum();
+    if fragments <= 1 {
+        return Ok(vec![0..total]);
+    }
+    let mut sizes: Vec<usize> = Vec::new();
+    let mut current: Option<usize> = None;
+    for spec in specs {
+        let block = block_of(&spec.name);
+        if let (Some(b), Some(c)) = (block, current) {
+            if b < c {
+                let why = format!("parameter {} comes after block {c}'s: the blocks are not contiguous in the flat order; set parallel.fragments = 1", spec.name);
+                return Err(invalid("parallel.fragments", fragments, why));
+            }
+        }
+        let next_block = matches!((block, current), (Some(b), Some(c)) if b != c);
+        if next_block || sizes.is_empty() {
+            sizes.push(0);
+        }
+        current = block.or(current);
+        *sizes.last_mut().expect("a unit") += spec.numel();
+    }
+    if fragments > sizes.len() {
+        let why = format!(
+            "is more than the model's {} blocks (model.n_layers): every fragment holds at least one block; lower parallel.fragments",
+            sizes.len()
+        );
+        return Err(invalid("parallel.fragments", fragments, why));
+    }
+    let cuts = balanced_cuts(&sizes, fragments);
+    let mut ranges = Vec::with_capacity(fragments);
+    let (mut start, mut unit) = (0, 0);
+    for cut in cuts {
+        let len: usize = sizes[unit..cut].iter().sum();
+        ranges.push(start..start + len);
+        (start, unit) = (start + len, cut);
+    }
+    Ok(ranges)
+}
+
+/// The block a parameter belongs to, from its name (`h.3.…` for GPT-2, `model.layers.3.…` for Llama).
+fn block_of(name: &str) -> Option<usize> {
+    let parts: Vec<&str> = name.split('.').collect();
+    parts.windows(2).find(|w| w[0] == "h" || w[0] == "layers").and_then(|w| w[1].parse().ok())
+}
+
+/// The ends of `groups` contiguous groups of `sizes` (each non-empty) whose largest sum is least
+/// (dynamic programming over the prefix sums; the models' block counts are small).
+fn balanced_cuts(sizes: &[usize], groups: usize) -> Vec<usize> {
+    let n = sizes.len();
+    let prefix: Vec<usize> = std::iter::once(0).chain(sizes.iter().scan(0, |s, &x| Some(*s + x))).collect();
+    // best[g][i]: the least largest sum of the first i units in g groups; from[g][i]: where the last starts.
+    let mut best = vec![vec![usize::MAX; n + 1]; groups + 1];
+    let mut from = vec![vec![0; n + 1]; groups + 1];
+    best[0][0] = 0;
+    for g in 1..=groups {
+        for i in g..=n {
+            for j in (g - 1)..i {
+                if best[g - 1][j] == usize::MAX {
+                    continue;
+                }
+                let worst = best[g - 1][j].max(prefix[i] - prefix[j]);
+                if worst < best[g][i] {
+                    (best[g][i], from[g][i]) = (worst, j);
+                }
+            }
+        }
+    }
+    let mut cuts = vec![n];
+    for g in (2..=groups).rev() {
+        cuts.push(from[g][*cuts.last().expect("a cut")]);
+    }
+    cuts.reverse();
+    cuts
 }
 
 impl OuterRule {
@@ -97,8 +244,8 @@ impl OuterRule {
     }
 
     /// The new global parameters, in place, from `sum` (the contributions summed over `world` replicas);
-    /// DiLoCo's `momentum` (empty before the first synchronization: zeros) moves on.
-    pub fn conclude(&self, sum: &[f32], world: usize, global: &mut [f32], momentum: &mut Vec<f32>) {
+    /// DiLoCo's `momentum` (as long as `global`; ignored by local SGD) moves on.
+    pub fn conclude(&self, sum: &[f32], world: usize, global: &mut [f32], momentum: &mut [f32]) {
         assert_eq!(global.len(), sum.len(), "flat parameter length");
         let inv = 1.0 / world as f32;
         match *self {
@@ -108,7 +255,7 @@ impl OuterRule {
                 }
             }
             OuterRule::Nesterov { lr, momentum: mu } => {
-                momentum.resize(global.len(), 0.0);
+                assert_eq!(momentum.len(), global.len(), "outer momentum length");
                 for ((g, s), m) in global.iter_mut().zip(sum).zip(momentum.iter_mut()) {
                     let delta = s * inv;
                     *m = mu * *m + delta;
@@ -166,6 +313,19 @@ pub fn load_flat_params(trainer: &Trainer, flat: &[f32]) {
     assert_eq!(at, flat.len(), "flat parameter length");
 }
 
+/// Sets `ranges` of the trainer's parameters (flat, in the parameter order) to those of `flat`; the rest
+/// stay. One range covering the whole order is [`load_flat_params`].
+pub fn load_flat_ranges(trainer: &Trainer, flat: &[f32], ranges: &[Range<usize>]) {
+    if ranges.len() == 1 && ranges[0] == (0..flat.len()) {
+        return load_flat_params(trainer, flat);
+    }
+    let mut mixed = flat_params(trainer);
+    for range in ranges {
+        mixed[range.clone()].copy_from_slice(&flat[range.clone()]);
+    }
+    load_flat_params(trainer, &mixed);
+}
+
 /// The reference: `world` replicas of one job in one process.
 pub struct ReplicaSet {
     config: JobConfig,
@@ -175,6 +335,8 @@ pub struct ReplicaSet {
     global: Vec<f32>,
     /// DiLoCo's outer momentum (flat; empty before the first synchronization).
     momentum: Vec<f32>,
+    /// The fragments (ranges of the flat order; one covering it all without Streaming DiLoCo).
+    fragments: Vec<Range<usize>>,
     /// Each replica's whole state at the last synchronization.
     synced: Vec<TrainingState>,
 }
@@ -184,10 +346,11 @@ impl ReplicaSet {
     pub fn new(config: &JobConfig, world: usize) -> Result<Self, TrainError> {
         let sync = PeriodicSync::of(&config.parallel).expect("parallel.sync = \"local_sgd\" or \"diloco\"");
         let first = Trainer::new(config.clone())?;
+        let fragments = fragment_ranges(first.model.specs(), sync.fragments).map_err(TrainError::Config)?;
         let global = flat_params(&first);
         let synced = vec![TrainingState::snapshot(&first); world];
-        let mut set =
-            Self { config: config.clone(), sync, replicas: vec![first], global, momentum: Vec::new(), synced };
+        let (config, replicas, momentum) = (config.clone(), vec![first], Vec::new());
+        let mut set = Self { config, sync, replicas, global, momentum, fragments, synced };
         set.regroup(&(0..world).map(|_| 0).collect::<Vec<_>>())?;
         Ok(set)
     }
@@ -211,24 +374,26 @@ impl ReplicaSet {
             let share = replica_share(global_batch, rank, world).unwrap_or_else(|e| panic!("{e}"));
             loss += local_step(replica, share).loss;
         }
-        if self.sync.syncs_after(step, steps) {
-            self.synchronize();
+        let due = self.sync.due_after(step, steps);
+        if !due.is_empty() {
+            self.synchronize(&due);
         }
         loss
     }
 
-    fn synchronize(&mut self) {
-        let mut sum = vec![0f32; self.global.len()];
+    /// The synchronization of fragments `due`.
+    fn synchronize(&mut self, due: &[usize]) {
+        let ranges: Vec<Range<usize>> = due.iter().map(|&p| self.fragments[p].clone()).collect();
+        let mut sum = vec![0f32; ranges.iter().map(Range::len).sum()];
         for replica in &self.replicas {
-            let mut local = flat_params(replica);
-            self.sync.rule.contribute(&self.global, &mut local);
+            let local = self.sync.contributions(&ranges, &self.global, &flat_params(replica));
             for (s, l) in sum.iter_mut().zip(&local) {
                 *s += l;
             }
         }
-        self.sync.rule.conclude(&sum, self.world(), &mut self.global, &mut self.momentum);
+        self.sync.conclude(&ranges, &sum, self.world(), &mut self.global, &mut self.momentum);
         for (replica, synced) in self.replicas.iter().zip(&mut self.synced) {
-            load_flat_params(replica, &self.global);
+            load_flat_ranges(replica, &self.global, &ranges);
             synced.refresh(replica);
         }
     }
@@ -313,7 +478,9 @@ mod tests {
         check(&|p| p.sync_every = 0, &["parallel.sync_every", "must be in 1..="]);
         check(&|p| p.outer_lr = 0.0, &["parallel.outer_lr", "0.7"]);
         check(&|p| p.outer_momentum = 1.0, &["parallel.outer_momentum", "[0, 1)"]);
-        check(&|p| p.fragments = 4, &["parallel.fragments", "Streaming DiLoCo", "= 1"]);
+        check(&|p| p.fragments = 4, &[]);
+        check(&|p| p.fragments = 0, &["parallel.fragments", "1..=parallel.sync_every (8)"]);
+        check(&|p| p.fragments = 9, &["parallel.fragments", "1..=parallel.sync_every (8)"]);
         check(&|p| p.shard = "zero2".into(), &["parallel.shard", "plain data-parallel", "\"none\""]);
         check(&|p| p.pp = 2, &["parallel.pp", "parallel.pp = 1"]);
         check(&|p| p.tp = 2, &["parallel.tp", "parallel.tp = 1"]);
@@ -323,18 +490,133 @@ mod tests {
     }
 
     #[test]
+    fn more_fragments_than_blocks_are_refused_naming_both_keys() {
+        let mut config = job("diloco", 8, 10);
+        (config.model.n_layers, config.parallel.fragments) = (2, 4);
+        let message = config.validate().unwrap_err().to_string();
+        assert!(message.contains("parallel.fragments") && message.contains("model.n_layers (2)"), "{message}");
+        config.parallel.fragments = 2;
+        config.validate().unwrap();
+    }
+
+    #[test]
     fn sync_points_are_every_h_steps_and_the_last() {
-        let sync = PeriodicSync { every: 4, rule: OuterRule::Average };
+        let sync = PeriodicSync { every: 4, rule: OuterRule::Average, fragments: 1 };
         let points: Vec<u64> = (0..10).filter(|&s| sync.syncs_after(s, 10)).collect();
         assert_eq!(points, vec![3, 7, 9]);
         assert_eq!([0, 3, 4, 7, 8, 9, 10].map(|c| sync.last_sync(c, 10)), [0, 0, 4, 4, 8, 8, 10]);
     }
 
     #[test]
+    fn fragments_sync_on_staggered_offsets_and_all_after_the_last_step() {
+        let sync = PeriodicSync { every: 8, rule: OuterRule::Average, fragments: 4 };
+        assert_eq!((0..4).map(|p| sync.offset(p)).collect::<Vec<_>>(), vec![0, 2, 4, 6]);
+        let due: Vec<(u64, Vec<usize>)> =
+            (0..20).map(|s| (s, sync.due_after(s, 20))).filter(|(_, d)| !d.is_empty()).collect();
+        let expected = [(1, vec![1]), (3, vec![2]), (5, vec![3]), (7, vec![0]), (9, vec![1]), (11, vec![2])];
+        assert_eq!(due[..6], expected);
+        assert_eq!(due.last().unwrap(), &(19, vec![0, 1, 2, 3]), "every fragment after the last step");
+        // A rollback goes to the last step after which any fragment synchronized.
+        assert_eq!([0, 1, 2, 3, 5, 8, 9, 20].map(|c| sync.last_sync(c, 20)), [0, 0, 2, 2, 4, 8, 8, 20]);
+    }
+
+    #[test]
+    fn fragments_are_contiguous_groups_of_blocks_with_the_embeddings_first_and_the_head_last() {
+        let config = JobConfig { model: crate::model::ModelConfig::gpt_tiny(), ..JobConfig::default() };
+        let specs = crate::model::param_specs(&config.model);
+        let total: usize = specs.iter().map(ParamSpec::numel).sum();
+        assert_eq!(fragment_ranges(&specs, 1).unwrap(), vec![0..total]);
+        let ranges = fragment_ranges(&specs, 4).unwrap();
+        assert_eq!(ranges.len(), 4);
+        assert_eq!((ranges[0].start, ranges[3].end), (0, total));
+        assert!(ranges.windows(2).all(|w| w[0].end == w[1].start && !w[1].is_empty()));
+        // Which fragment each parameter falls in: blocks in order, h.0 with the embeddings, h.3 with ln_f.
+        let mut at = 0;
+        let mut fragment_of = std::collections::BTreeMap::new();
+        for spec in &specs {
+            fragment_of.insert(spec.name.clone(), ranges.iter().position(|r| r.contains(&at)).unwrap());
+            let end = at + spec.numel();
+            assert!(ranges.iter().any(|r| r.start <= at && end <= r.end), "{} is cut", spec.name);
+            at = end;
+        }
+        let first = |prefix: &str| fragment_of.iter().find(|(n, _)| n.starts_with(prefix)).map(|(_, f)| *f).unwrap();
+        assert_eq!([first("wte"), first("wpe"), first("h.0."), first("h.1."), first("h.2.")], [0, 0, 0, 1, 2]);
+        assert_eq!([first("h.3."), first("ln_f"), first("lm_head")], [3, 3, 3]);
+        let err = fragment_ranges(&specs, 5).unwrap_err().to_string();
+        assert!(err.contains("parallel.fragments") && err.contains("4 blocks"), "{err}");
+    }
+
+    #[test]
+    fn the_peak_bytes_of_a_sync_drop_with_the_fragments() {
+        // gpt-tiny: four blocks of 790k parameters, 98k of embeddings, a 66k head. The largest fragment,
+        // the most one synchronization moves, is within 10% of 1/P of the model.
+        let specs = crate::model::param_specs(&crate::model::ModelConfig::gpt_tiny());
+        let total: usize = specs.iter().map(ParamSpec::numel).sum();
+        for fragments in [2, 4] {
+            let largest = fragment_ranges(&specs, fragments).unwrap().iter().map(Range::len).max().unwrap();
+            let ratio = largest as f64 * fragments as f64 / total as f64;
+            assert!(ratio < 1.1, "{fragments} fragments: the largest is {ratio:.2}× its share");
+        }
+    }
+
+    #[test]
+    fn synchronizing_all_fragments_at_once_is_the_one_fragment_sync_bit_for_bit() {
+        let rule = OuterRule::Nesterov { lr: 0.7, momentum: 0.9 };
+        let whole = PeriodicSync { every: 4, rule, fragments: 1 };
+        let global: Vec<f32> = (0..10).map(|i| (i as f32 * 0.37).sin()).collect();
+        let locals: Vec<Vec<f32>> =
+            (0..3).map(|r| global.iter().map(|g| g - 0.01 * (r as f32 + g).cos()).collect()).collect();
+        let run = |ranges: &[Range<usize>]| {
+            let (mut g, mut m) = (global.clone(), Vec::new());
+            for _ in 0..2 {
+                let mut sum = vec![0f32; 10];
+                for local in &locals {
+                    let c = whole.contributions(ranges, &g, local);
+                    let mut at = 0;
+                    for range in ranges {
+                        for (s, v) in sum[range.clone()].iter_mut().zip(&c[at..at + range.len()]) {
+                            *s += v;
+                        }
+                        at += range.len();
+                    }
+                }
+                let packed: Vec<f32> = ranges.iter().flat_map(|r| sum[r.clone()].to_vec()).collect();
+                whole.conclude(ranges, &packed, 3, &mut g, &mut m);
+            }
+            (g, m)
+        };
+        assert_eq!(run(&[0..10]), run(&[0..3, 3..4, 4..10]));
+    }
+
+    #[test]
+    fn streaming_replaces_only_the_due_fragment_and_keeps_the_others_local_progress() {
+        let mut config = job("diloco", 4, 12);
+        config.model.n_layers = 2;
+        config.parallel.fragments = 2;
+        let mut set = ReplicaSet::new(&config, 2).unwrap();
+        let ranges = set.fragments.clone();
+        set.train_step();
+        set.train_step(); // after step 1: fragment 1 (offset 2) synchronizes, fragment 0 does not
+        let (a, b) = (flat_params(&set.replicas[0]), flat_params(&set.replicas[1]));
+        assert_eq!(a[ranges[1].clone()], set.global[ranges[1].clone()], "the synchronized fragment is the global one");
+        assert_eq!(a[ranges[1].clone()], b[ranges[1].clone()]);
+        assert_ne!(a[ranges[0].clone()], b[ranges[0].clone()], "the other fragment keeps each replica's progress");
+        assert_eq!(set.momentum[ranges[0].clone()].iter().map(|m| m.abs()).sum::<f32>(), 0.0);
+        for _ in 2..12 {
+            assert!(set.train_step().is_finite());
+        }
+        config.parallel.fragments = 1;
+        let plain = run(&config, 2).1;
+        let cmp = compare_params(set.first().model.specs(), &set.params(), &plain.params());
+        assert!(!cmp.within(1e-4), "streaming is another schedule than plain DiLoCo: {cmp:?}");
+        assert_eq!(flat_params(&set.replicas[0]), set.global, "after the last step the replicas are the global model");
+    }
+
+    #[test]
     fn nesterov_outer_step_is_pytorchs_sgd_with_nesterov() {
         // Two replicas, one parameter at 1.0: deltas 0.2 and 0.4 → Δ = 0.3.
         let rule = OuterRule::Nesterov { lr: 0.5, momentum: 0.9 };
-        let (mut global, mut momentum) = (vec![1.0f32], Vec::new());
+        let (mut global, mut momentum) = (vec![1.0f32], vec![0.0f32]);
         let mut a = vec![0.8f32];
         let mut b = vec![0.6f32];
         rule.contribute(&global, &mut a);

@@ -315,7 +315,9 @@ pub struct ParallelConfig {
     pub outer_lr: f64,
     /// `diloco`: the outer Nesterov momentum (the DiLoCo paper's 0.9).
     pub outer_momentum: f64,
-    /// Streaming DiLoCo's fragments (the model synced one fragment at a time); only 1 in this build.
+    /// `local_sgd` / `diloco`: Streaming DiLoCo's fragments — the model cut into this many contiguous
+    /// groups of blocks, each synchronized on its own offset in the interval (1: the whole model at once).
+    /// At most `sync_every` and `model.n_layers`.
     pub fragments: usize,
 }
 
@@ -440,11 +442,14 @@ impl ParallelConfig {
         if !(self.outer_momentum.is_finite() && (0.0..1.0).contains(&self.outer_momentum)) {
             return Err(invalid("parallel.outer_momentum", self.outer_momentum, "must be in [0, 1) (DiLoCo: 0.9)"));
         }
-        if self.fragments != 1 {
+        if !(1..=self.sync_every).contains(&(self.fragments as u64)) {
             return Err(invalid(
                 "parallel.fragments",
                 self.fragments,
-                "Streaming DiLoCo (more than one fragment) is not in this build: set parallel.fragments = 1",
+                format!(
+                    "must be in 1..=parallel.sync_every ({}): Streaming DiLoCo syncs one fragment at a time, spread over the interval (e.g. 4 with sync_every = 32; 1 syncs the whole model at once)",
+                    self.sync_every
+                ),
             ));
         }
         let sync = &self.sync;

@@ -356,6 +356,19 @@ async fn run_job(
     threads: usize,
     variant: Variant,
 ) -> anyhow::Result<(f64, f64, f64, Option<f64>)> {
+    run_job_with(cluster, model, world, steps, threads, variant, 1).await
+}
+
+/// [`run_job`] with Streaming DiLoCo's `parallel.fragments`.
+pub(super) async fn run_job_with(
+    cluster: &LocalCluster,
+    model: &ModelConfig,
+    world: usize,
+    steps: u64,
+    threads: usize,
+    variant: Variant,
+    fragments: usize,
+) -> anyhow::Result<(f64, f64, f64, Option<f64>)> {
     let replicas = world / variant.tp;
     let mut config = JobConfig { model: model.clone(), ..JobConfig::default() };
     config.train.steps = steps + WARMUP_STEPS;
@@ -370,6 +383,7 @@ async fn run_job(
     config.parallel.sp = variant.sp;
     config.parallel.sync = variant.sync.into();
     config.parallel.sync_every = variant.sync_every;
+    config.parallel.fragments = fragments;
     if variant.counted {
         config.data.val_fraction = 0.1;
         config.train.eval_every = config.train.steps;
