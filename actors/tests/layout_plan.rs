@@ -180,14 +180,20 @@ fn each_bad_input_names_its_numbers_and_the_nearest_valid_choice() {
     let hosts = |n| Host::uniform(1, n);
     check(&refusal(request(3, 1, 1, hosts(3), gpt_tiny())), &["--tp 3", "model.n_heads = 4", "nearest valid: --tp 2"]);
     let llama = preset("llama-tiny").unwrap();
-    check(&refusal(request(4, 1, 1, hosts(4), llama)), &["--tp 4", "model.n_kv_heads = 2", "nearest valid: --tp 2"]);
+    let kv_heads = ModelConfig { n_heads: 12, n_kv_heads: 4, ffn_hidden: 96, ..llama.clone() };
+    let mut kv_refused = request(6, 1, 1, hosts(6), kv_heads);
+    kv_refused.sp = false;
+    check(&refusal(kv_refused), &["--tp 6", "model.n_kv_heads = 4", "model.n_heads = 12", "nearest valid: --tp 4"]);
+    let replicated = plan_layout(&request(4, 1, 1, hosts(4), llama.clone())).expect("tp 4 over 2 key/value heads");
+    assert!(replicated.why.iter().any(|w| w.contains("replicated on the 2 tensor ranks")), "{:?}", replicated.why);
     let odd_ffn = ModelConfig { n_heads: 8, ffn_hidden: 1020, ..gpt_tiny() };
     check(
         &refusal(request(8, 1, 1, hosts(8), odd_ffn)),
         &["--tp 8", "model.ffn_hidden = 1020", "nearest valid: --tp 4"],
     );
     let gpt2 = preset("gpt2").unwrap();
-    check(&refusal(request(2, 1, 1, hosts(2), gpt2)), &["model.vocab_size = 50257", "padded to 50258", "--tp 1"]);
+    let padded = plan_layout(&request(2, 1, 1, hosts(2), gpt2)).expect("gpt2's 50257 tokens at tp 2, padded");
+    assert!(padded.why.iter().any(|w| w.contains("50257 is padded to 50258")), "{:?}", padded.why);
     let odd_context = ModelConfig { context: 126, ..gpt_tiny() };
     check(
         &refusal(request(4, 1, 1, hosts(4), odd_context.clone())),

@@ -90,6 +90,12 @@ impl Mode {
     }
 
     fn describe(&self, world: usize) -> String {
+        if self.tp > world {
+            return format!(
+                "a tensor degree below parallel.tp = {} (no whole tensor group left; the change names it)",
+                self.tp
+            );
+        }
         if self.tp > 1 {
             let sp = if self.sp { " with sequence parallelism" } else { "" };
             return format!("{} tensor-parallel group(s) of {}{sp}", world / self.tp, self.tp);

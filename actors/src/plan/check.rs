@@ -1,6 +1,8 @@
 //! The refusals: every input the planner cannot place, checked before anything is placed, each with the
 //! nearest valid choice.
 
+use troupe_model::tensor_parallel::splits_kv_heads;
+
 use super::error::LayoutError;
 use super::request::LayoutRequest;
 
@@ -8,12 +10,12 @@ use super::request::LayoutRequest;
 const TP_SEARCH_MAX: usize = 1024;
 
 /// The model dimensions a tensor degree must divide, as (config key, value, what is split); the
-/// vocabulary is checked apart (it could be padded).
+/// key/value heads are checked apart (a degree that is a multiple of them replicates each), and the
+/// vocabulary is padded to a multiple of the degree (the model's `TpLayout::padded_vocab`).
 fn tp_divisors(request: &LayoutRequest) -> Vec<(&'static str, usize, &'static str)> {
     let model = &request.model;
     let mut dims = vec![
         ("model.n_heads", model.n_heads, "the attention heads (q, k, v are column-parallel by heads)"),
-        ("model.n_kv_heads", model.kv_heads(), "the key/value heads (grouped-query attention)"),
         ("model.ffn_hidden", model.ffn_hidden(), "the MLP's inner width (fc1 column-, fc2 row-parallel)"),
     ];
     if request.sp {
@@ -22,13 +24,13 @@ fn tp_divisors(request: &LayoutRequest) -> Vec<(&'static str, usize, &'static st
     dims
 }
 
-/// The tensor degree nearest `tp` (the smaller on a tie) that divides every dimension and the
-/// vocabulary and is at most `limit`; 1 always qualifies.
+/// The tensor degree nearest `tp` (the smaller on a tie) that divides every dimension, splits the
+/// key/value heads and is at most `limit`; 1 always qualifies.
 pub(super) fn nearest_tp(request: &LayoutRequest, tp: usize, limit: usize) -> usize {
     let dims = tp_divisors(request);
     let valid = |t: usize| {
         dims.iter().all(|(_, value, _)| value.is_multiple_of(t))
-            && request.model.vocab_size.is_multiple_of(t)
+            && splits_kv_heads(t, request.model.kv_heads())
             && t <= limit
     };
     (1..=TP_SEARCH_MAX.min(limit.max(1))).filter(|&t| valid(t)).min_by_key(|&t| (t.abs_diff(tp), t)).unwrap_or(1)
@@ -87,10 +89,10 @@ fn check_tp(request: &LayoutRequest) -> Result<(), LayoutError> {
             return Err(LayoutError::TpDoesNotDivide { tp, key, value, what, nearest });
         }
     }
-    let vocab = request.model.vocab_size;
-    if !vocab.is_multiple_of(tp) {
-        let (padded, nearest) = (vocab.next_multiple_of(tp), nearest_tp(request, tp, usize::MAX));
-        return Err(LayoutError::VocabNeedsPadding { tp, vocab, padded, nearest });
+    let kv_heads = request.model.kv_heads();
+    if !splits_kv_heads(tp, kv_heads) {
+        let nearest = nearest_tp(request, tp, usize::MAX);
+        return Err(LayoutError::KvHeads { tp, kv_heads, n_heads: request.model.n_heads, nearest });
     }
     Ok(())
 }

@@ -21,11 +21,11 @@ pub enum LayoutError {
     )]
     TpDoesNotDivide { tp: usize, key: &'static str, value: usize, what: &'static str, nearest: usize },
     #[error(
-        "--tp {tp} (parallel.tp) does not divide model.vocab_size = {vocab}: vocab-parallel embeddings \
-         would need the vocabulary padded to {padded} (set model.vocab_size = {padded}); nearest valid \
-         without padding: --tp {nearest}"
+        "--tp {tp} (parallel.tp) neither divides model.n_kv_heads = {kv_heads} nor is a multiple of it \
+         (model.n_heads = {n_heads}): each tensor rank holds whole key/value heads, or one replicated over \
+         tp / n_kv_heads ranks; nearest valid: --tp {nearest}"
     )]
-    VocabNeedsPadding { tp: usize, vocab: usize, padded: usize, nearest: usize },
+    KvHeads { tp: usize, kv_heads: usize, n_heads: usize, nearest: usize },
     #[error(
         "--tp {tp} (parallel.tp) with --sp (parallel.sp) does not divide the sequence, model.context = \
          {context}: sequence parallelism shards it over the tensor ranks; nearest valid: --tp {nearest}, \

@@ -191,6 +191,23 @@ fn why(plan: &LayoutPlan, request: &LayoutRequest) -> Vec<String> {
             plan.tp
         ));
     }
+    let (vocab, kv_heads) = (request.model.vocab_size, request.model.kv_heads());
+    if !vocab.is_multiple_of(plan.tp) {
+        out.push(format!(
+            "model.vocab_size = {vocab} is padded to {} rows, {} per tensor rank; the padded logits are left out of \
+             the cross-entropy and the padded rows out of checkpoints and exports",
+            vocab.next_multiple_of(plan.tp),
+            vocab.next_multiple_of(plan.tp) / plan.tp
+        ));
+    }
+    if plan.tp > kv_heads {
+        out.push(format!(
+            "--tp {} exceeds model.n_kv_heads = {kv_heads}: each key/value head is replicated on the {} tensor ranks \
+             whose query heads use it, its gradient summed over them",
+            plan.tp,
+            plan.tp / kv_heads
+        ));
+    }
     if plan.pp > 1 {
         let split = plan.groups.pipeline.iter().filter(|g| hosts_of(g).len() == plan.pp).count();
         out.push(format!(

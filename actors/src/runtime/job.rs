@@ -105,6 +105,9 @@ pub struct JobDriver {
     /// A restarted controller's job until its first attempt starts: the last recorded commit may have
     /// reached no rank that survived (the controller died between recording it and sending it).
     commit_maybe_undelivered: bool,
+    /// The tensor degree of the running (or next) attempt: `parallel.tp`, or a smaller one after a loss
+    /// left no whole tensor group ([`JobDriver::plan_degree`]).
+    tp: usize,
     actions: VecDeque<DriverAction>,
 }
 
@@ -176,6 +179,7 @@ pub fn plan_ranks(
 
 impl JobDriver {
     pub fn new(id: JobId, spec: JobSpec) -> Self {
+        let tp = spec.config.parallel.tp.max(1);
         JobDriver {
             id,
             spec,
@@ -198,6 +202,7 @@ impl JobDriver {
             resume: None,
             restored: false,
             commit_maybe_undelivered: false,
+            tp,
             actions: VecDeque::new(),
         }
     }
@@ -332,10 +337,14 @@ impl JobDriver {
             }
             return;
         }
-        let max_nodes = self.spec.config.elastic.max_nodes;
-        let (max_ranks, stages) = (self.max_ranks(), self.replica_ranks());
-        let mut wanted = plan_ranks(view, members, max_nodes, max_ranks, stages, self.ranks());
-        if !matches!(self.phase, Phase::Idle) && wanted == self.ranks() {
+        let (mut wanted, degree) = self.plan_degree(view, members);
+        let mut changes = changes;
+        if degree != self.tp {
+            changes.push(crate::engine::degree_change(&self.spec.config, self.tp, degree));
+        }
+        let same_degree = degree == self.tp;
+        self.tp = degree;
+        if !matches!(self.phase, Phase::Idle) && wanted == self.ranks() && same_degree {
             match self.ranks_with_a_more_advanced_spare(self.committed, &wanted) {
                 Some(better) => wanted = better,
                 None => return,
@@ -351,6 +360,24 @@ impl JobDriver {
             self.abort(&survivors, "membership changed");
         }
         self.start_attempt(wanted);
+    }
+
+    /// The ranks of the next attempt on `view` and its tensor degree: at `parallel.tp` when the view
+    /// holds a whole tensor group; after a loss (an attempt ran) that left none, at the largest smaller
+    /// degree the model splits into that the slots hold (`tensor_parallel::degrees_to_try`). The ranks
+    /// of the lost group kept no state (a tensor group lives or dies together, and keeps no buddy
+    /// copies), so that attempt starts from the newest checkpoint.
+    fn plan_degree(&self, view: &View, members: &[MemberInfo]) -> (Vec<RankSlot>, usize) {
+        let (max_nodes, parallel) = (self.spec.config.elastic.max_nodes, &self.spec.config.parallel);
+        let mut planned = (Vec::new(), parallel.tp.max(1));
+        for tp in crate::engine::degrees_to_try(&self.spec.config) {
+            let (max_ranks, stages) = (parallel.dp * parallel.pp * tp, parallel.pp.max(1) * tp);
+            planned = (plan_ranks(view, members, max_nodes, max_ranks, stages, self.ranks()), tp);
+            if !planned.0.is_empty() || self.attempt == 0 {
+                break;
+            }
+        }
+        planned
     }
 
     /// A restored job resumes on the newest view: every expected node rejoined, or the grace is over.
@@ -387,10 +414,12 @@ impl JobDriver {
         }
         self.waiting = None;
         self.attempt += 1;
+        let mut spec = self.spec.clone();
+        spec.config.parallel.tp = self.tp;
         let msg = ToNode::Prepare {
             job: self.id,
             attempt: self.attempt,
-            spec: Box::new(self.spec.clone()),
+            spec: Box::new(spec),
             ranks: ranks.clone(),
             discard_from: self.discard_from,
         };
@@ -1449,5 +1478,49 @@ pub(super) mod tests {
         d.on_tick(Duration::ZERO);
         d.on_tick(Duration::from_secs(1 << 30));
         assert_eq!(d.info().state, JobState::Waiting);
+    }
+
+    /// A tp = 2 job on two one-slot nodes that loses one: no tensor group of 2 is left, so the next
+    /// attempt runs at tensor degree 1 on the survivor (its Prepare's spec says tp = 1, the membership
+    /// change says so); when a node joins again it goes back to tp = 2. Before any attempt the degree is
+    /// not lowered: a job submitted with too few slots waits.
+    #[test]
+    fn a_tensor_group_with_no_whole_replica_left_goes_on_at_a_smaller_degree() {
+        let mut s = spec(10);
+        s.config = troupe_model::config::JobConfig::small_llama(10);
+        (s.config.parallel.tp, s.config.parallel.dp, s.config.elastic.min_nodes) = (2, 1, 1);
+        s.config.checkpoint.dir = Some("ckpt".into());
+        let prepared_tp = |actions: &[DriverAction]| -> Vec<(String, usize)> {
+            sent(actions)
+                .into_iter()
+                .filter_map(|(n, m)| match m {
+                    ToNode::Prepare { spec, .. } => Some((n, spec.config.parallel.tp)),
+                    _ => None,
+                })
+                .collect()
+        };
+        let mut waiting = JobDriver::new(1, s.clone());
+        let (v, m) = view(1, &["a"]);
+        waiting.on_view(&v, &m, vec![]);
+        assert!(prepared_tp(&drain(&mut waiting)).is_empty(), "no attempt yet: the job waits for 2 slots");
+
+        let mut d = JobDriver::new(1, s);
+        started(&mut d, 1, &["a", "b"], &[0, 0]);
+        drain(&mut d);
+        let (v, m) = view(2, &["a"]);
+        d.on_view(&v, &m, vec!["b failed".into()]);
+        let actions = drain(&mut d);
+        assert_eq!(prepared_tp(&actions), vec![("a".to_string(), 1)], "{actions:?}");
+        let Some(JobEvent::Membership { world: 1, changes, .. }) = events(&actions).first().copied() else {
+            panic!("{actions:?}")
+        };
+        assert!(changes.iter().any(|c| c.contains("tensor degree 2 → 1") && c.contains("checkpoint")), "{changes:?}");
+
+        let (v, m) = view(3, &["a", "b"]);
+        d.on_view(&v, &m, vec!["b joined".into()]);
+        let actions = drain(&mut d);
+        let mut back = prepared_tp(&actions);
+        back.sort();
+        assert_eq!(back, vec![("a".to_string(), 2), ("b".to_string(), 2)], "{actions:?}");
     }
 }

@@ -623,13 +623,15 @@ async fn train_over<T: Transport>(
             }
             Err(reason) => return (None, AttemptOutcome::Failed { step: 0, reason }),
         },
-        (_, state) if spec.config.parallel.tp > 1 => match TensorParallelReplica::adopt(state, comm, collective) {
-            Ok(mut engine) => {
-                let outcome = drive(ctx, spec, &mut engine, ctl).await;
-                (engine.into_state().await, outcome)
+        (_, state) if spec.config.parallel.tp > 1 => {
+            match TensorParallelReplica::adopt(state, comm, collective, spec.config.parallel.tp) {
+                Ok(mut engine) => {
+                    let outcome = drive(ctx, spec, &mut engine, ctl).await;
+                    (engine.into_state().await, outcome)
+                }
+                Err(reason) => return (None, AttemptOutcome::Failed { step: 0, reason }),
             }
-            Err(reason) => return (None, AttemptOutcome::Failed { step: 0, reason }),
-        },
+        }
         (Some(mode), state) => {
             let replicas = spec.config.checkpoint.replicas;
             let mut engine = ShardedReplica::adopt(state, comm, mode, replicas, Some(ctx.worker.clone()));

@@ -18,6 +18,7 @@
 //! fenced the attempt's, so that a computation left waiting on a peer that broke off (the attempt failed
 //! elsewhere) fails at once instead of holding the shards for a collective timeout.
 
+mod degree;
 mod group;
 
 use std::any::Any;
@@ -41,6 +42,7 @@ use troupe_model::Trainer;
 use super::committed::CommittedState;
 use super::flat::{append_flat, broadcast_state, copy_from_flat, counter_words};
 use super::step_engine::{EngineError, ReducedStep, StepEngine};
+pub use degree::{degree_change, degrees_to_try};
 use group::CommGroup;
 
 /// Collective group ids of the engine's subgroups (distinct from the attempt's and the other engines').
@@ -82,13 +84,21 @@ pub struct TensorParallelReplica<T: Transport> {
 }
 
 impl<T: Transport> TensorParallelReplica<T> {
-    /// Takes the rank's committed state (layout-free); the shards are cut at [`StepEngine::sync`].
-    pub fn adopt(state: CommittedState, comm: Communicator<T>, collective: CollectiveConfig) -> Result<Self, String> {
-        let trainer = match state.materialised().map_err(|e| e.to_string())? {
+    /// Takes the rank's committed state (layout-free) for an attempt at tensor degree `degree` (the
+    /// attempt's `parallel.tp`: the job's, or a smaller one after a loss; the state may come from an
+    /// attempt at another); the shards are cut at [`StepEngine::sync`].
+    pub fn adopt(
+        state: CommittedState,
+        comm: Communicator<T>,
+        collective: CollectiveConfig,
+        degree: usize,
+    ) -> Result<Self, String> {
+        let mut trainer = match state.materialised().map_err(|e| e.to_string())? {
             CommittedState::Full(trainer) => *trainer,
             _ => return Err("a tensor-parallel job was handed a sharded state; dropped".into()),
         };
-        let (degree, sp) = (trainer.config.parallel.tp.max(1), trainer.config.parallel.sp);
+        trainer.config.parallel.tp = degree.max(1);
+        let (degree, sp) = (degree.max(1), trainer.config.parallel.sp);
         Ok(Self { trainer, comm, collective, degree, sp, parts: None, pending: None, lost: false, sharded: false })
     }
 
@@ -418,7 +428,7 @@ mod tests {
         let replica = |rank: usize| {
             let trainer = Trainer::new(config.clone()).expect("a trainer");
             let comm = Communicator::new(mesh[rank].clone(), 0, 3, collective.clone());
-            TensorParallelReplica::adopt(CommittedState::Full(Box::new(trainer)), comm, collective.clone())
+            TensorParallelReplica::adopt(CommittedState::Full(Box::new(trainer)), comm, collective.clone(), 2)
                 .expect("adopted")
         };
         let (mut r0, mut r1) = (replica(0), replica(1));
