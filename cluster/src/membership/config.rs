@@ -52,12 +52,20 @@ impl MembershipConfig {
     pub fn silence_allowed(&self, arrivals: &Arrivals) -> Duration {
         match self.failure_detector {
             DetectorKind::Fixed => self.failure_timeout(),
-            DetectorKind::PhiAccrual => {
-                let min_std_dev = Duration::from_millis(self.phi_min_std_deviation_ms);
-                let adaptive = arrivals.silence_at_phi(f64::from(self.phi_threshold), min_std_dev);
-                adaptive.clamp(Duration::from_millis(self.failure_timeout_min_ms), self.failure_timeout())
-            }
+            DetectorKind::PhiAccrual => self.adaptive_silence_allowed(arrivals),
         }
+    }
+
+    /// The silence `phi_accrual` allows a member heard as `arrivals`, whichever detector is configured
+    /// (the soak reports what it would have decided beside the fixed detector).
+    pub fn adaptive_silence_allowed(&self, arrivals: &Arrivals) -> Duration {
+        let adaptive = arrivals.silence_at_phi(f64::from(self.phi_threshold), self.phi_min_std_deviation());
+        adaptive.clamp(Duration::from_millis(self.failure_timeout_min_ms), self.failure_timeout())
+    }
+
+    /// `phi_min_std_deviation_ms` as a duration.
+    pub fn phi_min_std_deviation(&self) -> Duration {
+        Duration::from_millis(self.phi_min_std_deviation_ms)
     }
 
     /// Checks the values; the message names the key and what is allowed.

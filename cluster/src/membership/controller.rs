@@ -4,6 +4,10 @@ use std::time::Duration;
 use super::detector::Arrivals;
 use super::{Epoch, MembershipConfig, NodeId, View};
 
+/// The log target of every member's heartbeat arrivals at the controller (debug level): the silence
+/// it ended, φ then, and the silence allowed (`troupe bench soak` enables it on the controller).
+pub const ARRIVALS_TARGET: &str = "troupe_cluster::membership::arrivals";
+
 /// What the controller's membership machine is told.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MembershipEvent {
@@ -215,7 +219,27 @@ impl Membership {
     /// A member was heard at `now`: one more arrival in its detector's history.
     fn heard(&mut self, node: NodeId, now: Duration) {
         let interval = self.config.heartbeat_interval();
+        if let Some(arrivals) = self.last_seen.get(&node).filter(|a| a.heard()) {
+            if tracing::enabled!(target: ARRIVALS_TARGET, tracing::Level::DEBUG) {
+                self.trace_arrival(&node, arrivals, now);
+            }
+        }
         self.last_seen.entry(node).and_modify(|a| a.record(now)).or_insert_with(|| Arrivals::new(now, interval));
+    }
+
+    /// Logs (target [`ARRIVALS_TARGET`], debug) the silence a heartbeat of `node` ended, the suspicion φ
+    /// it had reached and the silence each detector allowed then: what `troupe bench soak` reads.
+    fn trace_arrival(&self, node: &NodeId, arrivals: &Arrivals, now: Duration) {
+        let silence = now.saturating_sub(arrivals.last());
+        tracing::debug!(
+            target: ARRIVALS_TARGET,
+            node = %node.0,
+            silence_us = silence.as_micros() as u64,
+            phi = arrivals.phi(silence, self.config.phi_min_std_deviation()),
+            phi_allowed_us = self.config.adaptive_silence_allowed(arrivals).as_micros() as u64,
+            allowed_us = self.config.silence_allowed(arrivals).as_micros() as u64,
+            "heartbeat arrival"
+        );
     }
 
     pub fn poll_action(&mut self) -> Option<MembershipAction> {

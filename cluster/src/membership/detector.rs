@@ -74,6 +74,12 @@ impl Arrivals {
         }
     }
 
+    /// Whether a heartbeat has arrived since admission (then the silence since [`Self::last`] ends an
+    /// interval of the history; before, it ends at an arbitrary instant).
+    pub fn heard(&self) -> bool {
+        self.heard
+    }
+
     /// When the member was last heard.
     pub fn last(&self) -> Duration {
         self.last

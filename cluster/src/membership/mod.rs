@@ -22,7 +22,7 @@ mod member;
 mod view;
 
 pub use config::MembershipConfig;
-pub use controller::{Change, Membership, MembershipAction, MembershipEvent};
+pub use controller::{Change, Membership, MembershipAction, MembershipEvent, ARRIVALS_TARGET};
 pub use detector::DetectorKind;
 pub use member::{MemberAction, MemberState};
 pub use view::{Epoch, NodeId, View};
