@@ -22,6 +22,7 @@ use troupe_model::config::JobConfig;
 use troupe_model::oracle::compare_params;
 use troupe_model::Trainer;
 
+pub mod soak;
 mod takeover;
 
 use super::bench_train::{peer_python, peer_script};
@@ -158,13 +159,23 @@ fn repeated(args: &RecoveryArgs, runtime: &tokio::runtime::Runtime) -> anyhow::R
 }
 
 /// Nearest-rank p50 and p99 (and min, max) of `values`, in seconds; null without values.
-fn quantiles(mut values: Vec<f64>) -> Value {
+fn quantiles(values: Vec<f64>) -> Value {
+    quantiles_with(values, &[0.5, 0.99])
+}
+
+/// Nearest-rank quantiles `qs` of `values` (keys `p50`, `p99`, `p99.9`, …), with min, max and n; null
+/// without values.
+fn quantiles_with(mut values: Vec<f64>, qs: &[f64]) -> Value {
     if values.is_empty() {
         return Value::Null;
     }
     values.sort_by(f64::total_cmp);
     let rank = |q: f64| values[((q * values.len() as f64).ceil() as usize).clamp(1, values.len()) - 1];
-    json!({ "p50": rank(0.5), "p99": rank(0.99), "min": values[0], "max": values[values.len() - 1], "n": values.len() })
+    let mut out = json!({ "min": values[0], "max": values[values.len() - 1], "n": values.len() });
+    for &q in qs {
+        out[format!("p{}", q * 100.0)] = json!(rank(q));
+    }
+    out
 }
 
 /// The peer's figures beside troupe's in a one-run report.

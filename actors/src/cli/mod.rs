@@ -101,6 +101,9 @@ enum BenchCommand {
     /// Time to detect a SIGKILLed daemon and to commit the next step without it, checked against the
     /// reference.
     Recovery(bench_recovery::RecoveryArgs),
+    /// No false detection under load: a job on a cluster per failure detector while every core is busy
+    /// and daemons pause (SIGSTOP) below the floor; false detections and φ's distribution.
+    Soak(bench_recovery::soak::SoakArgs),
     /// Checkpoint write throughput beside dd to the same disk, and the snapshot's share of a step.
     Checkpoint(bench_checkpoint::CheckpointArgs),
     /// Greedy decoding tokens/s through the key/value cache, optionally beside transformers' generate (--peer).
@@ -136,6 +139,7 @@ pub fn main() -> ExitCode {
         Command::Bench(BenchCommand::Crypto(args)) => bench_crypto::run(args),
         Command::Bench(BenchCommand::AllreduceRank) => bench_allreduce::run_rank(),
         Command::Bench(BenchCommand::Recovery(args)) => bench_recovery::run(args),
+        Command::Bench(BenchCommand::Soak(args)) => bench_recovery::soak::run(args),
         Command::Bench(BenchCommand::Checkpoint(args)) => bench_checkpoint::run(args),
         Command::Bench(BenchCommand::Pipeline(args)) => bench_pipeline::run(args),
         Command::Bench(BenchCommand::Generate(args)) => bench_generate::run(args),
