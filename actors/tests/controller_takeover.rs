@@ -92,14 +92,26 @@ impl Controllers {
     /// the three controllers' ranks) and its Raft endpoint at the returned address (`raft_listen`), so
     /// that it can be made a controller at run time.
     fn spawn_standby(&mut self, i: usize) -> SocketAddr {
-        let certs = self.dir.path().join("certs");
-        add_node(&format!("node-{i}"), &certs).unwrap();
         let raft: SocketAddr = format!("127.0.0.1:{}", free_udp_port()).parse().unwrap();
-        let extra = format!("slots = 0\njoin = \"{}\"\nraft_listen = \"{raft}\"\n{}", self.addrs[0], self.controllers);
-        let (child, addr) = spawn(self.dir.path(), &certs, i, &extra);
-        self.children.push(child);
-        self.addrs.push(addr);
+        self.spawn_member(i, &format!("raft_listen = \"{raft}\"\n"));
         raft
+    }
+
+    /// Starts daemon `node-{i}` (i ≥ 3; again if it ran), not a controller, joining node-0, with no slots
+    /// and the node.toml lines `extra`.
+    fn spawn_member(&mut self, i: usize, extra: &str) {
+        let certs = self.dir.path().join("certs");
+        if !certs.join("nodes").join(format!("node-{i}.pem")).exists() {
+            add_node(&format!("node-{i}"), &certs).unwrap();
+        }
+        let extra = format!("slots = 0\njoin = \"{}\"\n{extra}{}", self.addrs[0], self.controllers);
+        let (child, addr) = spawn(self.dir.path(), &certs, i, &extra);
+        if i < self.children.len() {
+            (self.children[i], self.addrs[i]) = (child, addr);
+        } else {
+            self.children.push(child);
+            self.addrs.push(addr);
+        }
     }
 
     async fn status(&self, i: usize) -> Option<ClusterStatus> {
@@ -605,4 +617,25 @@ async fn removing_the_leader_hands_over_and_bad_changes_change_nothing() {
     let err = c.change_controllers(&all, &["remove", &name(new_leader)]).unwrap_err();
     assert!(err.contains(&format!("{} is the last controller", name(new_leader))), "{err}");
     assert_eq!(names(&c.controllers_cli(new_leader)), [name(new_leader).as_str()]);
+}
+
+/// A member (not a controller) restarted after the controller its `join` names is gone for good finds
+/// the cluster: it kept the daemons of its last view in its data dir and tries them — any redirects it
+/// to the controller. Before, it knew no other to dial.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_restarted_after_its_join_is_gone_finds_the_controller() {
+    let mut c = Controllers::start();
+    c.spawn_member(3, "");
+    let all: Vec<usize> = (0..4).collect();
+    c.leader_of(&all, Duration::from_secs(30)).await;
+    for i in [3, 0] {
+        common::signal(c.children[i].id(), "KILL");
+        let _ = c.children[i].wait();
+    }
+    // node-3 restarted, its `join` (node-0's address) gone for good; it must still land in the view.
+    let known = std::fs::read_to_string(c.dir.path().join("node-3").join("known-daemons.json")).unwrap();
+    assert!(known.contains("node-1") && known.contains("node-2"), "{known}");
+    c.spawn_member(3, "");
+    let rejoined = c.leader_of(&[1, 2, 3], Duration::from_secs(30)).await;
+    assert!(rejoined == 1 || rejoined == 2, "{}", c.log());
 }
