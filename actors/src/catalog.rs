@@ -40,6 +40,11 @@ pub struct StoredView {
     /// other controllers find a new leader's address, and which node a take-over does not wait for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recorded_by: Option<(String, std::net::SocketAddr)>,
+    /// Nodes of an earlier view that a controller which took over was still waiting for when it
+    /// recorded this one (not in `members`): they may hold a job's state in memory, so the next
+    /// controller waits for them too (within `RESUME_GRACE`), not only for `members`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub expecting: Vec<String>,
 }
 
 /// A job as the controller last recorded it.

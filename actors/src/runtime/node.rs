@@ -68,8 +68,6 @@ pub struct NodeState {
     metrics: Arc<NodeMetrics>,
     catalog: Catalog,
     group: Arc<ControllerGroup>,
-    /// The leader the Raft group named whose control address is not known yet (looked up each tick).
-    unresolved_leader: Option<String>,
     /// The workers' attempt threads, which a drain waits for.
     attempts: AttemptThreads,
     /// The member's dashboard pages waiting for the controller's fragment, and when it was last asked.
@@ -220,6 +218,7 @@ impl NodeState {
                         let _ = waiter.send(Ok(fragment.clone()));
                     }
                 }
+                NodeAction::TakeOver { term } => self.take_over(term).await,
                 NodeAction::StopJobs => {
                     for (_, job) in std::mem::take(&mut self.jobs) {
                         job.stop(Some("this node is no longer the controller".into()));
@@ -256,31 +255,28 @@ impl NodeState {
         Ok(())
     }
 
-    /// The Raft group's leadership changed: this node becomes the controller (restoring the replicated
-    /// catalog once it applied everything committed), or stops being it and follows the new leader.
-    async fn on_leadership(&mut self, leadership: Leadership) {
-        let now = self.now();
-        let me = self.core.id().0.clone();
-        match leadership.leader {
-            Some(leader) if leader == me => {
-                self.unresolved_leader = None;
-                if self.core.is_controller() {
-                    return;
-                }
-                match self.group.state().await {
-                    Ok((view, jobs)) => {
-                        tracing::info!(node = %me, term = leadership.term, "elected: taking over as the controller");
-                        self.core.become_controller(self.now(), view, jobs);
-                    }
-                    Err(e) => tracing::warn!(node = %me, "elected, but reading the replicated catalog failed: {e}"),
-                }
+    /// Elected in `term`: the node becomes the controller from the replicated catalog, read once this
+    /// node applied everything committed before (`ControllerGroup::state`). A read that fails is tried
+    /// again at the next tick, while the group still names this node.
+    async fn take_over(&mut self, term: u64) {
+        match self.group.state().await {
+            Ok((view, jobs)) => {
+                tracing::info!(node = %self.core.id(), term, "elected: taking over as the controller");
+                let now = self.now();
+                self.core.become_controller(now, view, jobs);
             }
-            leader => {
-                let why = format!("Raft term {}: {} leads", leadership.term, leader.as_deref().unwrap_or("no one yet"));
-                self.step_down(now, &why);
-                self.unresolved_leader = leader;
-                self.resolve_leader();
-            }
+            Err(e) => tracing::warn!(node = %self.core.id(), "elected, but reading the replicated catalog failed: {e}"),
+        }
+    }
+
+    /// The Raft group's leadership changed (what it means is [`NodeCore::on_leadership`]'s); a node
+    /// that stepped down disconnects its jobs' watchers (see [`Self::step_down`]).
+    fn on_leadership(&mut self, leadership: Leadership) {
+        let watchers = self.core.watchers();
+        let (was_controller, now, catalog) = (self.core.is_controller(), self.now(), &self.catalog);
+        self.core.on_leadership(now, leadership.term, leadership.leader.as_deref(), || catalog.view().ok().flatten());
+        if was_controller && !self.core.is_controller() {
+            self.disconnect(watchers);
         }
     }
 
@@ -290,6 +286,11 @@ impl NodeState {
     fn step_down(&mut self, now: Duration, why: &str) {
         let watchers = self.core.watchers();
         self.core.step_down(now, why);
+        self.disconnect(watchers);
+    }
+
+    /// Disconnects the clients among `watchers` (a controller's jobs' watchers, after it stepped down).
+    fn disconnect(&self, watchers: Vec<String>) {
         let endpoint = self.endpoint.clone();
         let clients =
             endpoint.peers().into_iter().filter(|(name, role)| *role == PeerRole::Client && watchers.contains(name));
@@ -299,19 +300,6 @@ impl NodeState {
                 endpoint.disconnect(&client).await;
             }
         });
-    }
-
-    /// Follows the leader the Raft group named once its control address is known: from the replicated
-    /// catalog's last view if the leader recorded it (its address now: a leader restarted on another
-    /// address records a view before anything else), else from a view this node holds.
-    fn resolve_leader(&mut self) {
-        let Some(leader) = self.unresolved_leader.clone() else { return };
-        let recorded = || self.catalog.view().ok().flatten()?.recorded_by.filter(|(name, _)| *name == leader);
-        let addr = recorded().map(|(_, addr)| addr).or_else(|| self.core.known_addr(&leader));
-        if let Some(addr) = addr {
-            self.core.follow(&leader, addr);
-            self.unresolved_leader = None;
-        }
     }
 
     /// The controller's page fragment for a member's page: rendered at most once per
@@ -440,7 +428,6 @@ impl Actor for NodeActor {
             metrics,
             catalog,
             group,
-            unresolved_leader: None,
             attempts: AttemptThreads::default(),
             dashboard_waiters: Vec::new(),
             dashboard_asked: None,
@@ -476,30 +463,21 @@ impl Actor for NodeActor {
         match msg {
             NodeMsg::Control(event) => state.on_control(event).await,
             NodeMsg::Tick => {
-                // A member without its controller looks the leader up again: one that kept leading
-                // across a restart on another address raises no leadership change.
-                let leader = state.group.leadership().borrow().leader.clone();
-                let lost =
-                    state.group.is_replicated() && !state.core.is_controller() && !state.core.has_controller_peer();
-                if lost && leader.as_deref().is_some_and(|l| l != state.core.id().0) {
-                    state.unresolved_leader = state.unresolved_leader.take().or(leader.clone());
-                }
-                if lost && leader.is_none() && !state.group.controllers().contains(&state.core.id().0) {
-                    // Removed from the voters: no leader will be named to it; the others redirect it.
-                    state.core.look_for_controller();
-                }
-                state.resolve_leader();
                 if state.group.is_replicated() {
                     state.core.set_voters(state.group.controllers());
-                }
-                if state.group.is_leader() && !state.core.is_controller() && state.group.is_replicated() {
-                    // Elected, but reading the replicated catalog failed: tried again.
-                    let leadership = state.group.leadership().borrow().clone();
-                    state.on_leadership(leadership).await;
+                    // The leader looked up again, an election won but not acted on: NodeCore decides.
+                    let Leadership { term, leader } = state.group.leadership().borrow().clone();
+                    let lost = !state.core.is_controller() && !state.core.has_controller_peer();
+                    if lost && leader.is_none() && !state.group.controllers().contains(&state.core.id().0) {
+                        // Removed from the voters: no leader will be named to it; the others redirect it.
+                        state.core.look_for_controller();
+                    }
+                    let catalog = &state.catalog;
+                    state.core.leadership_tick(term, leader.as_deref(), || catalog.view().ok().flatten());
                 }
                 state.core.tick(now);
             }
-            NodeMsg::Leadership(leadership) => state.on_leadership(leadership).await,
+            NodeMsg::Leadership(leadership) => state.on_leadership(leadership),
             NodeMsg::NotCommitted(why) => state.step_down(now, &why),
             NodeMsg::FromWorker(wire) => state.core.send_to_controller(wire),
             NodeMsg::Outgoing { node, msg } => state.core.job_outgoing(&node, msg),

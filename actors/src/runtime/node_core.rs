@@ -23,7 +23,7 @@ use troupe_cluster::membership::{
 };
 
 use super::event_log::EventLog;
-use super::job::JobDriver;
+use super::job::{JobDriver, RESUME_GRACE};
 use super::messages::{JobMsg, WorkerMsg};
 use crate::catalog::{StoredJob, StoredView};
 use crate::node_config::restart::{Decision, RestartPolicy, RestartTracker};
@@ -104,6 +104,13 @@ pub enum NodeAction {
     },
     /// Stop every job controller at once: this node is no longer the controller.
     StopJobs,
+    /// Replicated controllers: this node's Raft group elected it in `term`. Read the replicated
+    /// catalog once this node applied everything committed (openraft's `ensure_linearizable`) and hand
+    /// it to [`NodeCore::become_controller`]; a read that fails is tried again at the next
+    /// [`NodeCore::leadership_tick`].
+    TakeOver {
+        term: u64,
+    },
     /// Answer `client`'s `ControllersRequest` with the Raft group's status (which the shell holds),
     /// after making `change` (`ChangeControllers`, on the controller) if one is asked for.
     AnswerControllers {
@@ -179,6 +186,12 @@ struct Controller {
     members: BTreeMap<NodeId, MemberInfo>,
     jobs: BTreeMap<JobId, JobEntry>,
     next_job: JobId,
+    /// After a take-over or restart: the nodes of the last recorded view (and those its recorder still
+    /// waited for) that the restored jobs wait for, recorded with every view until `expecting_until`
+    /// (the jobs' [`RESUME_GRACE`]), so that a controller replacing this one before they rejoined
+    /// waits for them too ([`StoredView::expecting`]).
+    expecting: Vec<NodeId>,
+    expecting_until: Duration,
 }
 
 /// The node's state and decisions (see the module docs).
@@ -195,6 +208,12 @@ pub struct NodeCore {
     leader_addr: Option<SocketAddr>,
     /// Which controller of the list a member tries next (replicated controllers).
     next_candidate: usize,
+    /// The leader the Raft group named whose control address is not known yet, with the term it was
+    /// named in (looked up again each tick: [`NodeCore::leadership_tick`]).
+    unresolved_leader: Option<(u64, String)>,
+    /// The newest Raft term this node's group reported: a leadership report of an older term (one that
+    /// waited in the shell's mailbox while the group moved on) is stale and ignored.
+    newest_term: u64,
     /// The address of the dial under way, if any. A new target (a new leader named meanwhile) is
     /// dialed at once, without waiting for a dial to a dead one to time out; a dial that ends for an
     /// address other than this one is not taken for the controller's connection.
@@ -252,6 +271,8 @@ impl NodeCore {
             target: settings.join,
             leader_addr: None,
             next_candidate: 0,
+            unresolved_leader: None,
+            newest_term: 0,
             dialing: None,
             dialing_since: Duration::ZERO,
             members: Vec::new(),
@@ -273,7 +294,8 @@ impl NodeCore {
     }
 
     /// Becomes the controller at `now`: its view starts past `stored_view`'s epoch with only itself in
-    /// it (recorded first), and every job of `stored_jobs` is restored (see [`Self::restore_job`]).
+    /// it (recorded first), and every job of `stored_jobs` is restored (see [`Self::restore_job`]),
+    /// waiting for the nodes [`expected_after`] the last view names.
     fn take_control(
         &mut self,
         now: Duration,
@@ -285,32 +307,33 @@ impl NodeCore {
         let epoch = Epoch(stored_view.as_ref().map_or(1, |v| v.epoch + 1));
         let membership = Membership::starting_at(config.clone(), now, vec![id.clone()], epoch);
         let view = membership.view().clone();
-        // Recorded before it is announced (a `Fenced` names it): a second restart starts past it too.
-        let record = self.stored_view(epoch.0, vec![id.0.clone()]);
-        self.actions.push_back(NodeAction::RecordView(record));
         let (addr, slots, dashboard) = (self.settings.addr, self.settings.slots, self.settings.dashboard.clone());
         let info = MemberInfo { name: id.0.clone(), addr, slots, dashboard };
+        let (previous, expect) = stored_view.as_ref().map_or((None, Vec::new()), |last| expected_after(last, &id));
         self.members = vec![info.clone()];
         self.controller = Some(Controller {
             membership,
             members: BTreeMap::from([(id.clone(), info)]),
             jobs: BTreeMap::new(),
             next_job: stored_jobs.iter().map(|j| j.info.id + 1).max().unwrap_or(1),
+            expecting: expect.iter().filter(|n| **n != id).cloned().collect(),
+            expecting_until: now + RESUME_GRACE,
         });
+        // Recorded before it is announced (a `Fenced` names it): a second restart starts past it too,
+        // and a controller replacing this one before the nodes it expects rejoined still expects them.
+        let record = self.stored_view(epoch.0, vec![id.0.clone()]);
+        self.actions.push_back(NodeAction::RecordView(record));
         self.member = MemberState::member(id.clone(), config, now, view, incarnation);
         let Some(last) = stored_view else { return };
-        // A take-over does not wait for the controller it replaces: that one lost its majority.
-        let previous = last.recorded_by.map(|(name, _)| name).filter(|name| *name != id.0);
-        let expect: Vec<NodeId> =
-            last.members.into_iter().filter(|m| Some(m) != previous.as_ref()).map(NodeId).collect();
         let open = stored_jobs.iter().filter(|j| !j.info.state.is_terminal()).count();
         let how = match &previous {
             Some(old) => format!("took over from {old} as the controller"),
             None => "restarted as the controller".to_owned(),
         };
         self.record_change(format!(
-            "{id} {how} at epoch {epoch} (last view: epoch {}, {} members); resuming {open} job(s)",
+            "{id} {how} at epoch {epoch} (last view: epoch {}, {} members; waiting for {} node(s)); resuming {open} job(s)",
             last.epoch,
+            last.members.len(),
             expect.len()
         ));
         for job in stored_jobs {
@@ -318,9 +341,13 @@ impl NodeCore {
         }
     }
 
-    /// A view as recorded: with who recorded it and where it listens.
+    /// A view as recorded: with who recorded it, where it listens, and (within the grace after a
+    /// take-over) the nodes this controller still waits for that are not in it.
     fn stored_view(&self, epoch: u64, members: Vec<String>) -> StoredView {
-        StoredView { epoch, members, recorded_by: Some((self.settings.id.0.clone(), self.settings.addr)) }
+        let expecting = self.controller.as_ref().map_or(Vec::new(), |c| {
+            c.expecting.iter().filter(|n| !members.contains(&n.0)).map(|n| n.0.clone()).collect()
+        });
+        StoredView { epoch, members, recorded_by: Some((self.settings.id.0.clone(), self.settings.addr)), expecting }
     }
 
     /// Whether the controller is replicated (two or more controller-eligible nodes).
@@ -426,6 +453,80 @@ impl NodeCore {
         }
         self.controller_peer = None;
         self.target = Some(addr);
+    }
+
+    /// The Raft group's leadership watch changed (replicated controllers): `term`, and the leader it
+    /// names (none during an election). Named itself, this node takes over ([`NodeAction::TakeOver`]);
+    /// otherwise it steps down if it was the controller, and follows the leader named once it knows
+    /// its address. A report of a term older than one already seen is stale (it waited in the shell's
+    /// mailbox while the group moved on) and changes nothing: a deposed node follows the newest
+    /// leader, not the one it heard of first. `recorded`: the replicated catalog's last view, read
+    /// only to look the leader's address up.
+    pub fn on_leadership(
+        &mut self,
+        now: Duration,
+        term: u64,
+        leader: Option<&str>,
+        recorded: impl FnOnce() -> Option<StoredView>,
+    ) {
+        if term < self.newest_term {
+            return tracing::debug!(node = %self.settings.id, term, newest = self.newest_term, "a stale leadership report");
+        }
+        self.newest_term = term;
+        match leader {
+            Some(leader) if leader == self.settings.id.0 => {
+                self.unresolved_leader = None;
+                self.take_over(term);
+            }
+            leader => {
+                let why = format!("Raft term {term}: {} leads", leader.unwrap_or("no one yet"));
+                self.step_down(now, &why);
+                self.unresolved_leader = leader.map(|l| (term, l.to_owned()));
+                self.resolve_leader(recorded);
+            }
+        }
+    }
+
+    /// The node's timer with replicated controllers, given what the group's watch says now: a node
+    /// without its controller looks the leader up again (one that kept leading across a restart on
+    /// another address raises no leadership change), prefers it to a leader named in an older term
+    /// that it could not resolve yet, follows it once its address is known; and an election won but
+    /// not acted on (the catalog's read failed) is acted on.
+    pub fn leadership_tick(&mut self, term: u64, leader: Option<&str>, recorded: impl FnOnce() -> Option<StoredView>) {
+        let me = leader == Some(self.settings.id.0.as_str());
+        self.newest_term = self.newest_term.max(term);
+        let lost = self.controller.is_none() && self.controller_peer.is_none();
+        if let Some(leader) = leader.filter(|_| lost && !me) {
+            let older = self.unresolved_leader.as_ref().is_none_or(|(named_in, _)| *named_in <= term);
+            if older {
+                self.unresolved_leader = Some((term, leader.to_owned()));
+            }
+        }
+        self.resolve_leader(recorded);
+        if me {
+            self.take_over(term);
+        }
+    }
+
+    /// Elected in `term`: the shell reads the replicated catalog for [`Self::become_controller`] (once:
+    /// not while a read is queued, nor once this node is the controller).
+    fn take_over(&mut self, term: u64) {
+        let queued = self.actions.iter().any(|a| matches!(a, NodeAction::TakeOver { .. }));
+        if self.controller.is_none() && !queued && !self.draining && self.eligible() {
+            self.actions.push_back(NodeAction::TakeOver { term });
+        }
+    }
+
+    /// Follows the leader the Raft group named once its control address is known: from the replicated
+    /// catalog's last view if the leader recorded it (its address now: a leader restarted on another
+    /// address records a view before anything else), else from a view this node holds.
+    fn resolve_leader(&mut self, recorded: impl FnOnce() -> Option<StoredView>) {
+        let Some((_, leader)) = self.unresolved_leader.clone() else { return };
+        let by_leader = recorded().and_then(|v| v.recorded_by).filter(|(name, _)| *name == leader);
+        if let Some(addr) = by_leader.map(|(_, addr)| addr).or_else(|| self.known_addr(&leader)) {
+            self.follow(&leader, addr);
+            self.unresolved_leader = None;
+        }
     }
 
     /// The control address of the node called `name`, if a view this node knows lists it.
@@ -1196,6 +1297,10 @@ impl NodeCore {
             let idle = !self.any_job_running();
             let me = self.settings.id.clone();
             let c = self.controller.as_mut().expect("controller");
+            if now >= c.expecting_until {
+                // The restored jobs resumed without whoever did not rejoin: nobody waits for them now.
+                c.expecting.clear();
+            }
             // The controller is alive by definition while it ticks: it never times itself out, however
             // late a tick runs on a loaded machine.
             let epoch = c.membership.epoch();
@@ -1245,4 +1350,20 @@ impl NodeCore {
             self.send_to_controller(ToController::Leave);
         }
     }
+}
+
+/// What a controller taking over after `last` (recorded by another, or by itself before a restart)
+/// waits for: the controller that recorded it if that was another one (it lost its majority: presumed
+/// gone; if it was only cut off it rejoins later as a member), and the nodes the restored jobs wait for
+/// — `last`'s members and those its recorder still expected (a controller deposed before the nodes it
+/// waited for rejoined recorded a view without them, yet they may hold the jobs' state in memory).
+fn expected_after(last: &StoredView, me: &NodeId) -> (Option<String>, Vec<NodeId>) {
+    let previous = last.recorded_by.as_ref().map(|(name, _)| name.clone()).filter(|name| *name != me.0);
+    let mut expect: Vec<NodeId> = Vec::new();
+    for name in last.members.iter().chain(&last.expecting) {
+        if Some(name) != previous.as_ref() && !expect.iter().any(|n| n.0 == *name) {
+            expect.push(NodeId(name.clone()));
+        }
+    }
+    (previous, expect)
 }

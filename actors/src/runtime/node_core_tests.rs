@@ -9,6 +9,7 @@ use std::time::Duration;
 use troupe_cluster::control::PeerRole;
 use troupe_cluster::membership::{MembershipConfig, NodeId};
 
+use super::job::RESUME_GRACE;
 use super::messages::WorkerMsg;
 use super::node_core::{NodeAction, NodeCore, NodeSettings};
 use crate::catalog::{StoredJob, StoredView};
@@ -61,6 +62,7 @@ fn elected_b() -> NodeCore {
         epoch: 5,
         members: vec!["a".into(), "b".into(), "c".into()],
         recorded_by: Some(("a".into(), addr(1))),
+        expecting: Vec::new(),
     };
     b.become_controller(T, Some(view), vec![running_job(3, 7)]);
     b
@@ -77,7 +79,7 @@ fn an_elected_node_restores_the_jobs_past_the_last_epoch_without_waiting_for_the
         .position(|a| matches!(a, NodeAction::Worker { msg: WorkerMsg::AbortAll { keep }, .. } if *keep == vec![3]));
     let recorded = actions.iter().position(|a| {
         matches!(a, NodeAction::RecordView(v) if v.epoch == 6 && v.members == ["b"]
-            && v.recorded_by == Some(("b".into(), addr(2))))
+            && v.recorded_by == Some(("b".into(), addr(2))) && v.expecting == ["c"])
     });
     let started = actions.iter().position(|a| {
         matches!(a, NodeAction::StartJob { id: 3, restored: Some((info, _, expect)), .. }
@@ -182,4 +184,103 @@ fn a_members_dashboard_url_reaches_the_controllers_status_and_its_page_is_fetche
         .collect();
     assert_eq!(got, ["<section>cluster</section>"]);
     assert!(w.ask_controller_dashboard(), "the answer is no refusal: still connected to b");
+}
+
+fn recorded_views(actions: &[NodeAction]) -> Vec<StoredView> {
+    actions.iter().filter_map(|a| if let NodeAction::RecordView(v) = a { Some(v.clone()) } else { None }).collect()
+}
+
+fn restored_expect(actions: &[NodeAction]) -> Vec<String> {
+    let expect = actions.iter().find_map(|a| match a {
+        NodeAction::StartJob { restored: Some((_, _, expect)), .. } => Some(expect.clone()),
+        _ => None,
+    });
+    expect.expect("a job restored").into_iter().map(|n| n.0).collect()
+}
+
+fn join(core: &mut NodeCore, name: &str, port: u16) {
+    let msg =
+        ToController::Join { slots: 1, addr: addr(port), incarnation: Some(1), dashboard: None, controllers: None };
+    core.message(T, name, PeerRole::Node, 0, Wire::ToController(msg));
+}
+
+/// A controller that took over (or restarted) and lost the leadership before the nodes of the last
+/// view rejoined recorded a view of itself alone: the next one still waits for those nodes — they may
+/// hold the job's state in memory (its buddy copies, DDP replicas) — instead of resuming without them
+/// and falling back to a checkpoint or failing (found by `rolling-restart-three-controllers`, seed 44).
+#[test]
+fn a_controller_deposed_before_the_members_rejoined_hands_them_over_to_the_next() {
+    // "a" led with a, b, c and the worker w; it restarted and took the leadership back: it records
+    // itself alone, expecting b, c and w.
+    let mut a = node("a", 1, None);
+    let last = StoredView {
+        epoch: 5,
+        members: ["a", "b", "c", "w"].map(String::from).to_vec(),
+        recorded_by: Some(("a".into(), addr(1))),
+        expecting: Vec::new(),
+    };
+    a.become_controller(T, Some(last), vec![running_job(3, 7)]);
+    let first = actions(&mut a);
+    assert_eq!(restored_expect(&first), ["a", "b", "c", "w"], "a restarted controller waits for all");
+    let recorded = recorded_views(&first);
+    assert_eq!(recorded.len(), 1);
+    assert_eq!(
+        (recorded[0].members.clone(), recorded[0].expecting.clone()),
+        (vec!["a".into()], ["b", "c", "w"].map(String::from).to_vec())
+    );
+    // c rejoins before "a" is deposed: the view it records names c, and still expects b and w.
+    join(&mut a, "c", 3);
+    a.step_boundary(T);
+    let second = recorded_views(&actions(&mut a));
+    let second = second.last().expect("c's admission recorded");
+    assert_eq!(second.members, ["a", "c"]);
+    assert_eq!(second.expecting, ["b", "w"]);
+    // "a" is deposed; b is elected from that view: it does not wait for a (it lost its majority), it
+    // waits for c and for the nodes a still expected.
+    let mut b = node("b", 2, None);
+    b.become_controller(T, Some(second.clone()), vec![running_job(3, 7)]);
+    let taken = actions(&mut b);
+    assert_eq!(restored_expect(&taken), ["c", "b", "w"]);
+    assert_eq!(recorded_views(&taken)[0].expecting, ["c", "w"], "and hands them over in turn");
+    // Once the grace is over the job resumed without whoever did not come back: nobody waits for them.
+    b.tick(T + RESUME_GRACE);
+    actions(&mut b);
+    join(&mut b, "x", 7);
+    b.step_boundary(T + RESUME_GRACE);
+    let after = recorded_views(&actions(&mut b));
+    assert_eq!(
+        after.last().map(|v| (v.members.clone(), v.expecting.clone())),
+        Some((vec!["b".into(), "x".into()], vec![]))
+    );
+}
+
+fn takeovers(actions: &[NodeAction]) -> Vec<u64> {
+    actions.iter().filter_map(|a| if let NodeAction::TakeOver { term } = a { Some(*term) } else { None }).collect()
+}
+
+/// The Raft group's leadership, decided in the core for node.rs and the simulation alike: named, the
+/// node takes over once; named in an older term than one already seen, a leader is not followed; a
+/// leader whose address is not known yet is looked up each tick, the newest term's first.
+#[test]
+fn the_leader_of_the_newest_term_is_followed_and_an_election_won_is_taken_once() {
+    let mut a = node("a", 1, None);
+    a.on_leadership(T, 3, Some("a"), || None);
+    a.leadership_tick(3, Some("a"), || None);
+    assert_eq!(takeovers(&actions(&mut a)), vec![3], "one read of the replicated catalog, however many ticks");
+    a.become_controller(T, None, Vec::new());
+    actions(&mut a);
+    // Deposed: term 5 names b, whose address nobody recorded yet.
+    a.on_leadership(T, 5, Some("b"), || None);
+    assert!(!a.is_controller());
+    a.tick(T);
+    assert!(dials(&actions(&mut a)).is_empty(), "b's address is not known yet");
+    // A report of term 4 that waited in the mailbox: stale, not followed.
+    let c_recorded = StoredView { epoch: 9, recorded_by: Some(("c".into(), addr(3))), ..Default::default() };
+    a.on_leadership(T, 4, Some("c"), || Some(c_recorded.clone()));
+    a.tick(T);
+    assert!(dials(&actions(&mut a)).is_empty(), "term 4's leader is not followed after term 5's");
+    // The watch moved on to term 6, led by c, which recorded the last view: c is followed, not b.
+    a.leadership_tick(6, Some("c"), || Some(c_recorded.clone()));
+    a.tick(T);
+    assert_eq!(dials(&actions(&mut a)), vec![addr(3)]);
 }

@@ -287,7 +287,7 @@ impl World<'_> {
         self.act(n);
     }
 
-    fn job_event(&mut self, n: usize, event: JobEvent) {
+    pub(super) fn job_event(&mut self, n: usize, event: JobEvent) {
         trace!(self, "JOB {event:?}");
         match event {
             JobEvent::Step { step, .. } => {

@@ -51,11 +51,12 @@
 //! stands in rising terms and, back, deposes the leader — the simulation shows the cost, one more
 //! take-over).
 //!
-//! What is real: every node's `NodeCore` with its `controllers` list — `become_controller` when its
-//! group names it (from the state the model's committed log rebuilds), `step_down` when the group names
-//! another or a write is not committed, `follow`, `Redirect`s, the next controller tried — exactly as
-//! node.rs calls them ([`replicated`] is that shell: node.rs `on_leadership`, `resolve_leader`,
-//! `record_view`; controller.rs `flush`). A view waits for its commit with the node actor blocked (node.rs
+//! What is real: every node's `NodeCore` with its `controllers` list, leadership included — the
+//! group's watch goes to `NodeCore::on_leadership` and, each tick, `NodeCore::leadership_tick`, which
+//! decide to take over (`become_controller` from the state the model's committed log rebuilds), to
+//! `step_down` when the group names another or a write is not committed, which leader to `follow`;
+//! `Redirect`s, the next controller tried — the same calls node.rs makes ([`replicated`] is that
+//! shell: node.rs `on_leadership`, `take_over`, `record_view`; controller.rs `flush`). A view waits for its commit with the node actor blocked (node.rs
 //! awaits `propose` in `act`), a job controller's batch with that actor blocked; neither goes out
 //! unless committed. Controllers' connections are the same modelled QUIC connections, now with any
 //! node at the accepting end (a member dials the leader, or a controller that redirects it).
@@ -70,9 +71,12 @@
 //! announces that step after resuming, once a new leader has redone it — harmless (members fence it by
 //! epoch; its own workers apply the same bits), counted as `Stats::late_commits`. Not handled by the
 //! runtime, so left out of the schedules: a node that is not a controller restarted after node 0 (its
-//! only `join`) is gone for good knows no controller to dial. Open: 3 of 1000 random replicated
-//! seeds still break an invariant (two jobs that committed every step never finish across take-overs,
-//! one node not back in the view; tests/simulation.rs, the ignored property, names them).
+//! only `join`) is gone for good before it was ever admitted into a view knows no controller to
+//! dial (one that was keeps the last view's daemons across the restart: `NodeCore::remember`, as
+//! node.rs keeps them in the data dir). A job's record committed although its leader heard `NotLeader` (Raft commits
+//! it with the next leader's first entry) is announced by no one: the watcher re-watches the new
+//! leader, as `JobHandle` does, and gets the job's end from the replicated log
+//! (`World::rewatch_end`; tests/simulation.rs, the replicated property, says which seeds found both).
 //!
 //! # Order and duplicates
 //!

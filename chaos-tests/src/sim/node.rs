@@ -121,6 +121,7 @@ impl World<'_> {
                     // Recorded before anyone hears of it: a restarted controller starts past this epoch.
                     self.ctl.catalog.view_epoch = view.epoch;
                     self.ctl.catalog.view_members = view.members.into_iter().map(NodeId).collect();
+                    self.ctl.catalog.view_expecting = view.expecting;
                 }
                 NodeAction::RecordView(view) => {
                     if self.record_view(n, view) {
@@ -138,6 +139,7 @@ impl World<'_> {
                 NodeAction::Dial { addr } => self.dial(n, addr),
                 NodeAction::AnswerControllers { .. } => {}
                 NodeAction::AnswerDashboard { .. } | NodeAction::ControllerDashboard { .. } => {}
+                NodeAction::TakeOver { term } => self.take_over(n, term),
                 NodeAction::StopJobs => {
                     trace!(self, "{} stepped down: its job controller stops", self.nodes[n].id);
                     self.stats.step_downs += 1;
@@ -151,7 +153,16 @@ impl World<'_> {
                 NodeAction::Stop { reason } => {
                     self.check.fail(self.now, format!("{} stopped: {reason}", self.nodes[n].id))
                 }
-                NodeAction::Note(note) => self.note(n, note),
+                NodeAction::Note(note) => {
+                    let adopted = matches!(note, NodeNote::AdoptedView(_) | NodeNote::ViewChanged { .. });
+                    if adopted && self.ctl.raft.is_some() {
+                        // node.rs `keep_known`: written to the data dir, kept across a restart.
+                        let members = self.nodes[n].core.status().members;
+                        self.nodes[n].core.remember(members.clone());
+                        self.nodes[n].known = members;
+                    }
+                    self.note(n, note)
+                }
             }
         }
     }
@@ -546,7 +557,7 @@ impl World<'_> {
         node.up = false;
         node.paused_until = None;
         node.held.clear();
-        (node.busy, node.unresolved_leader, node.took_over_at) = (false, None, None);
+        (node.busy, node.took_over_at) = (false, None);
         node.busy_held.clear();
         if let Some(conn) = node.conn.take() {
             self.conns[conn].open_node = false;
@@ -605,7 +616,8 @@ impl World<'_> {
             0 if self.ctl.raft.is_none() => {
                 let catalog = &self.ctl.catalog;
                 let members = catalog.view_members.iter().map(|m| m.0.clone()).collect();
-                let view = StoredView { epoch: catalog.view_epoch, members, recorded_by: None };
+                let expecting = catalog.view_expecting.clone();
+                let view = StoredView { epoch: catalog.view_epoch, members, recorded_by: None, expecting };
                 let job = catalog.job.clone().map(|info| StoredJob {
                     spec: super::job_spec(self.sc),
                     info,
@@ -625,6 +637,8 @@ impl World<'_> {
             trace!(self, "controller restarted at epoch {epoch} from its catalog; expects {:?}", view);
         }
         self.nodes[n].core = new_core(self, n, inc, view, jobs);
+        let known = self.nodes[n].known.clone();
+        self.nodes[n].core.remember(known);
         self.act(n);
         let phase = self.rng.below(self.cfg.tick_ms);
         self.push(self.now + phase, Ev::Tick { node: n, inc });

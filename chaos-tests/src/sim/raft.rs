@@ -357,11 +357,6 @@ impl RaftModel {
     pub fn leader_of(&self, c: usize) -> Option<usize> {
         self.watch(c).leader
     }
-
-    /// Whether controller `c` leads and its watch names it.
-    pub fn leads(&self, c: usize) -> bool {
-        self.watch(c).leader == Some(c)
-    }
 }
 
 /// A log's last entry as `(term, index)`: Raft's "at least as up to date" order.

@@ -1,15 +1,18 @@
 //! The replicated controller in the simulation: the shell around the Raft model ([`super::raft`]) as
 //! node.rs and controller.rs are around openraft's `ControllerGroup` — proposals that the node actor
-//! (a view) or its job controller (a batch) wait for, the leadership watch (node.rs `on_leadership`:
-//! the elected node becomes the controller from the replicated catalog with `NodeCore::become_controller`,
-//! the others `NodeCore::step_down` and follow the leader), and a job controller's `NotCommitted`.
-//! What each node decides is `NodeCore`'s; what the group guarantees is the model's.
+//! (a view) or its job controller (a batch) wait for, the leadership watch handed to
+//! `NodeCore::on_leadership` and, each tick, to `NodeCore::leadership_tick` (the core decides: take
+//! over, step down, which leader to follow; the shell reads the replicated catalog for
+//! `NodeCore::become_controller` when the core asks with `NodeAction::TakeOver`), and a job
+//! controller's `NotCommitted`. What each node decides is `NodeCore`'s, the same code node.rs runs;
+//! what the group guarantees is the model's.
 
 use troupe_actors::catalog::{StoredJob, StoredView};
+use troupe_actors::protocol::{JobEvent, JobInfo, JobState};
 
 use super::node::dur;
 use super::raft::{Net, Proposer, RaftOut, Watch, Write};
-use super::world::{trace, Ev, World};
+use super::world::{trace, Ev, JobEnd, World};
 
 impl World<'_> {
     /// Which controllers run now, and which pairs reach each other.
@@ -123,65 +126,33 @@ impl World<'_> {
         self.act(n);
     }
 
-    /// node.rs `on_leadership`: elected, the node becomes the controller from the replicated catalog it
-    /// applied; otherwise it steps down (if it was the controller) and follows the leader named.
+    /// node.rs `on_leadership`: what the watch means is `NodeCore::on_leadership`'s (elected: a
+    /// [`NodeAction::TakeOver`](troupe_actors::runtime::node_core::NodeAction::TakeOver); otherwise step
+    /// down and follow the leader named); the replicated catalog this node applied names the leader's
+    /// address if the leader recorded the last view.
     pub(super) fn on_leadership(&mut self, n: usize, watch: Watch) {
-        match watch.leader {
-            Some(leader) if leader == n => {
-                self.nodes[n].unresolved_leader = None;
-                if !self.nodes[n].core.is_controller() {
-                    self.take_over(n, watch.term);
-                }
-            }
-            leader => {
-                let name = leader.map(|l| self.nodes[l].id.0.clone());
-                let why = format!("Raft term {}: {} leads", watch.term, name.as_deref().unwrap_or("no one yet"));
-                self.nodes[n].core.step_down(dur(self.now), &why);
-                self.nodes[n].unresolved_leader = name;
-                self.resolve_leader(n);
-                self.act(n);
-            }
-        }
+        let leader = watch.leader.map(|l| self.nodes[l].id.0.clone());
+        let raft = self.ctl.raft.as_ref().expect("replicated controllers");
+        self.nodes[n].core.on_leadership(dur(self.now), watch.term, leader.as_deref(), || raft.state(n).0);
+        self.act(n);
     }
 
-    /// node.rs `Tick` with replicated controllers: a member without its controller looks the leader up
-    /// again, the leader named is followed once its address is known, and an election won but not
-    /// acted on is acted on.
+    /// node.rs `Tick` with replicated controllers: `NodeCore::leadership_tick` with what the watch says
+    /// now (the leader looked up again, an election won but not acted on).
     pub(super) fn leadership_tick(&mut self, n: usize) {
         if self.ctl.raft.is_none() || n >= self.sc.controllers || self.nodes[n].busy {
             return;
         }
-        let leader = self.ctl.raft.as_ref().expect("replicated controllers").leader_of(n);
-        let core = &self.nodes[n].core;
-        if !core.is_controller() && !core.has_controller_peer() && leader.is_some_and(|l| l != n) {
-            let name = leader.map(|l| self.nodes[l].id.0.clone());
-            self.nodes[n].unresolved_leader = self.nodes[n].unresolved_leader.take().or(name);
-        }
-        self.resolve_leader(n);
         let raft = self.ctl.raft.as_ref().expect("replicated controllers");
-        if raft.leads(n) && !self.nodes[n].core.is_controller() {
-            let term = raft.peers[n].term;
-            self.take_over(n, term);
-        }
+        let leader = raft.leader_of(n).map(|l| self.nodes[l].id.0.clone());
+        let term = raft.peers[n].term;
+        self.nodes[n].core.leadership_tick(term, leader.as_deref(), || raft.state(n).0);
     }
 
-    /// node.rs `resolve_leader`: the leader's control address from the replicated catalog's last view if
-    /// the leader recorded it, else from a view this node holds.
-    fn resolve_leader(&mut self, n: usize) {
-        let Some(leader) = self.nodes[n].unresolved_leader.clone() else { return };
-        let recorded = || {
-            let (view, _) = self.ctl.raft.as_ref()?.state(n);
-            view?.recorded_by.filter(|(name, _)| *name == leader).map(|(_, addr)| addr)
-        };
-        if let Some(addr) = recorded().or_else(|| self.nodes[n].core.known_addr(&leader)) {
-            self.nodes[n].core.follow(&leader, addr);
-            self.nodes[n].unresolved_leader = None;
-        }
-    }
-
-    /// Elected in `term`: `NodeCore::become_controller` with the state this node applied (everything
-    /// committed, its blank entry included).
-    fn take_over(&mut self, n: usize, term: u64) {
+    /// node.rs `take_over` ([`NodeAction::TakeOver`](troupe_actors::runtime::node_core::NodeAction::TakeOver)):
+    /// `NodeCore::become_controller` with the state this node applied (everything committed, its blank
+    /// entry included). Its actions follow in the caller's loop.
+    pub(super) fn take_over(&mut self, n: usize, term: u64) {
         let (view, info) = self.ctl.raft.as_ref().expect("replicated controllers").state(n);
         let epoch = view.as_ref().map_or(1, |v| v.epoch + 1);
         let jobs: Vec<StoredJob> = info
@@ -194,12 +165,31 @@ impl World<'_> {
             self.nodes[n].id,
             view
         );
+        let ended = jobs.first().map(|j| j.info.clone()).filter(|info| info.state.is_terminal());
         self.nodes[n].core.become_controller(dur(self.now), view, jobs);
         if self.nodes[n].core.is_controller() {
             self.stats.takeovers += 1;
             self.nodes[n].generation += 1;
             self.nodes[n].took_over_at = Some(epoch);
+            if let Some(info) = ended.filter(|_| self.end == JobEnd::Unfinished) {
+                self.rewatch_end(n, &info);
+            }
         }
-        self.act(n);
+    }
+
+    /// The job ended in a record that was committed but never announced: its proposer heard `NotLeader`
+    /// (deposed while the record was on a majority's logs, which the next leader's first entry then
+    /// committed — Raft's rule, seeds 130 and 340 of the random schedules). The new controller restores
+    /// the job as it ended, and the watcher, following the controller across the take-over, re-watches
+    /// from the next event number (`JobHandle`, `Watch { since }`): the end is replayed from the
+    /// replicated event log. Modelled for the end only: the checker follows steps by their commits.
+    fn rewatch_end(&mut self, n: usize, info: &JobInfo) {
+        let event = match info.state {
+            JobState::Finished => JobEvent::Finished { steps: info.step, final_loss: info.last_loss },
+            JobState::Cancelled => JobEvent::Cancelled,
+            _ => JobEvent::Failed { reason: info.reason.clone().unwrap_or_default() },
+        };
+        trace!(self, "the watcher re-watches at {}: the job ended in a record it was never told of", self.nodes[n].id);
+        self.job_event(n, event);
     }
 }

@@ -323,12 +323,13 @@ pub(super) struct Node {
     /// `propose`); what reaches the actor meanwhile waits here, in order.
     pub busy: bool,
     pub busy_held: Vec<Item>,
-    /// The leader the Raft group named whose address is not known yet (node.rs `unresolved_leader`).
-    pub unresolved_leader: Option<String>,
     /// Elected: the epoch of the first view, checked once it is committed.
     pub took_over_at: Option<u64>,
     /// The epoch of the view the node actor waits to see committed.
     pub pending_view: Option<u64>,
+    /// Replicated controllers: the daemons of the last view this node knew, which node.rs keeps in
+    /// the data dir (raft::known) and hands to a restarted core (`NodeCore::remember`).
+    pub known: Vec<MemberInfo>,
 }
 
 /// A node's JobController actor around the runtime's own `JobDriver` (controller.rs).
@@ -374,6 +375,8 @@ pub(super) struct Controller {
 pub(super) struct Catalog {
     pub view_epoch: u64,
     pub view_members: Vec<NodeId>,
+    /// The nodes the controller that recorded the view still waited for (`StoredView::expecting`).
+    pub view_expecting: Vec<String>,
     pub job: Option<JobInfo>,
 }
 
@@ -540,7 +543,7 @@ impl<'a> World<'a> {
                 submitted: false,
                 attempt_ranks: BTreeMap::new(),
                 early: BTreeSet::new(),
-                catalog: Catalog { view_epoch: 0, view_members: Vec::new(), job: None },
+                catalog: Catalog { view_epoch: 0, view_members: Vec::new(), view_expecting: Vec::new(), job: None },
                 raft: None,
             },
             delivering: None,
@@ -569,9 +572,9 @@ impl<'a> World<'a> {
                 job: JobCtl::new(JobDriver::new(JOB, job_spec.clone())),
                 busy: false,
                 busy_held: Vec::new(),
-                unresolved_leader: None,
                 took_over_at: None,
                 pending_view: None,
+                known: Vec::new(),
             });
         }
         if sc.controllers > 1 {
