@@ -133,6 +133,42 @@ async fn local_sgd_and_diloco_on_daemon_processes_equal_the_reference_for_h_1_an
     cluster.shutdown().await;
 }
 
+/// Streaming DiLoCo (`parallel.fragments` = 2 and 4; each fragment synchronized on its own offset in
+/// the interval, the others keeping their local progress) on two daemons equals the reference replaying
+/// the same schedule, and with one fragment it is the plain DiLoCo above.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_diloco_on_daemon_processes_equals_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cluster = common::processes(2).await;
+    for (blocks, fragments, every, steps) in [(2, 2, 4, 10), (4, 4, 8, 14)] {
+        let mut config = job("diloco", every, steps);
+        (config.model.n_layers, config.parallel.fragments) = (blocks, fragments);
+        let out = dir.path().join(format!("streaming-{fragments}.safetensors"));
+        let seen = run(&mut cluster, &config, 2, &out, Fault::None).await;
+        assert!(seen.regroups.is_empty(), "no fault, no recovery");
+        check(&config, 2, &seen, &out, &format!("streaming diloco P={fragments} H={every} on 2 ranks"));
+    }
+    cluster.shutdown().await;
+}
+
+/// Streaming DiLoCo (H = 4, 2 fragments: one synchronizes after every second step) on three daemons, one
+/// SIGKILLed after step 5: the job rolls back to the last step after which a fragment synchronized (an
+/// even step), the survivors keep their own unsynchronized fragment, and the run equals the reference
+/// regrouped at the same step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_diloco_with_a_rank_killed_rolls_back_to_the_last_fragment_sync_and_equals_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = job("diloco", 4, 16);
+    config.parallel.fragments = 2;
+    let mut cluster = common::processes(3).await;
+    let out = dir.path().join("final.safetensors");
+    let seen = run(&mut cluster, &config, 3, &out, Fault::Kill { node: 2, after: 5 }).await;
+    let resumed: Vec<u64> = seen.regroups.iter().map(|r| r.1).collect();
+    assert!(!resumed.is_empty() && resumed.iter().all(|s| s % 2 == 0), "resumed at fragment syncs: {resumed:?}");
+    check(&config, 3, &seen, &out, "streaming diloco P=2 H=4, 3 ranks then 2");
+    cluster.shutdown().await;
+}
+
 /// DiLoCo (H = 4) on three daemons, one SIGKILLed after step 5: the survivors give back the state of
 /// step 4 (their last synchronization), the job rolls back to it — no checkpoint needed — and the two
 /// ranks redo the interval; the whole run equals the reference regrouped at the same step.
