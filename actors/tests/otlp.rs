@@ -327,7 +327,9 @@ async fn spans_of_a_two_node_job_with_a_failure_reach_an_otlp_receiver() {
             })
             .count();
         let job_steps = seen.iter().filter(|s| s.name == "job_step").count();
-        ["job", "recovery", "failure_detection"].iter().all(|n| seen.iter().any(|s| &s.name == n))
+        ["job", "recovery", "failure_detection", "mesh_rebuild", "state_restore"]
+            .iter()
+            .all(|n| seen.iter().any(|s| &s.name == n))
             && steps_on_a >= 8
             && job_steps >= 8
     };
@@ -396,9 +398,18 @@ async fn spans_of_a_two_node_job_with_a_failure_reach_an_otlp_receiver() {
         (job_span.attrs["troupe.outcome"].as_str(), job_span.attrs["troupe.job.name"].as_str()),
         ("finished", "otlp")
     );
+    // node-a's rank resumed: its mesh rebuild, then its state restore, each a span of its own name.
+    let resumed = |name: &str| {
+        seen.iter()
+            .find(|s| s.name == name && s.instance == "node-a" && s.attrs.contains_key("troupe.rank"))
+            .unwrap_or_else(|| panic!("node-a's rank's {name} span"))
+    };
+    let (rebuild, restore) = (resumed("mesh_rebuild"), resumed("state_restore"));
+    assert_eq!(rebuild.attrs["troupe.attempt"], restore.attrs["troupe.attempt"]);
+    assert!(rebuild.attrs["troupe.attempt"].parse::<u64>().unwrap() > 1, "a resumed attempt's");
     assert!(
-        seen.iter().any(|s| s.name == "recovery" && s.instance == "node-a" && s.attrs.contains_key("troupe.rank")),
-        "node-a's rank recovered"
+        !seen.iter().any(|s| s.name == "recovery" && s.attrs.contains_key("troupe.rank")),
+        "a rank's resume is no longer exported as `recovery`"
     );
 
     // The job metrics, as /metrics has them, from the controller (metrics go out every 300 ms here).

@@ -307,8 +307,8 @@ fn span_of(s: &PhaseSpan) -> (&str, Vec<KeyValue>) {
 /// pipeline's `forward`/`backward`/`weight`/`send`/`recv` ops, `collective`, `commit_wait`, `optimizer`,
 /// `checkpoint`), with `troupe.step_outcome` committed, aborted (by a view change) or failed (a lost
 /// peer), as a child of the controller's `job_step` span of the step (in its trace, [`step_ids`]); a
-/// set-up, recovery or checkpoint restore phase is a span of its own. Nothing happens unless export is
-/// installed.
+/// set-up, a resumed attempt's `mesh_rebuild` and `state_restore`, or a checkpoint restore is a span of
+/// its own. Nothing happens unless export is installed.
 pub fn export_step(attrs: &RankAttrs, step: u64, spans: &[PhaseSpan]) {
     let Some(tracer) = TRACER.get() else { return };
     let (setup, phases): (Vec<&PhaseSpan>, Vec<&PhaseSpan>) =
@@ -317,6 +317,10 @@ pub fn export_step(attrs: &RankAttrs, step: u64, spans: &[PhaseSpan]) {
         let name = match s.name.as_str() {
             "setup" => "setup",
             "checkpoint restore" => "checkpoint_restore",
+            // A resumed attempt's set-up: the worker's start to its engine over the rebuilt mesh, then
+            // the state brought to the committed step (a buddy's copy or a reshard).
+            "mesh rebuild" => "mesh_rebuild",
+            "state restore" => "state_restore",
             _ => "recovery",
         };
         export_span(tracer, name, s.start_us, s.start_us + s.dur_us, attrs.key_values(step), &Context::new());
