@@ -19,7 +19,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub seed: Option<u64>,
     /// The optimizer (train.optimizer): adamw, or adafactor (its hyper-parameters in the config's
-    /// `[train.adafactor]`; on one process and under DDP).
+    /// `[train.adafactor]`; on one process, under DDP and ZeRO-1/2/3).
     #[arg(long, value_parser = ["adamw", "adafactor"])]
     pub optimizer: Option<String>,
     /// Daemons of the embedded local cluster.

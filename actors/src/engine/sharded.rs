@@ -14,6 +14,13 @@
 //! oracle holds (DESIGN.md §4); and every shard's state lives on 1 + `replicas` ranks. ZeRO-3 differs
 //! only in how the step's gradient shard is computed; sync, buddies, the update and checkpoints are
 //! these.
+//!
+//! With Adafactor (`train.optimizer = "adafactor"`) every rank also keeps the whole model's factored
+//! statistics (`R + C` values per `R × C` matrix, replicated: [`troupe_model::optim::adafactor_shard`]),
+//! put together at `sync` by one all-reduce of every owner's part of its slots. Before the vote two
+//! small all-reduces complete what is per matrix: the row and column sums of the squared gradient and
+//! each parameter's Σ master² ride with the loss and the norm; each parameter's Σ update² (update
+//! clipping) follows once the clipping factor is known. The update after the commit stays local.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -26,6 +33,7 @@ use troupe_cluster::ClusterError;
 use troupe_model::checkpoint::{CheckpointWriter, Layout, SaveRequest, TrainingState};
 use troupe_model::data::rank_slice;
 use troupe_model::generate::Evaluation;
+use troupe_model::optim::adafactor_shard::ShardLayout;
 use troupe_model::optim::learning_rate;
 use troupe_model::precision::Update;
 use troupe_model::trainer::scaler_of;
@@ -36,7 +44,7 @@ use super::flat::{append_flat, broadcast_params, copy_from_flat, materialise_gra
 use super::memory::PersistentState;
 use super::reshard::{reshard, Held};
 use super::segments::plan_segments;
-use super::shard_owner::{OwnerArgs, OwnerUpdate, ShardOwnerActor, ShardOwnerMsg};
+use super::shard_owner::{OwnerAdafactor, OwnerArgs, OwnerUpdate, ShardOwnerActor, ShardOwnerMsg, Staged};
 use super::shard_plan::{buddies, held_ranges, shadow_holders, ShardMode, REPLICAS_MAX};
 use super::step_engine::{EngineError, ReducedStep, StepEngine};
 use super::zero3;
@@ -81,6 +89,10 @@ pub struct ShardedReplica<T: Transport> {
     /// `sync` found the state of the most advanced step incomplete, or the owner died: this rank's state
     /// is dropped.
     lost: bool,
+    /// With `train.optimizer = "adafactor"`: where the factored statistics are.
+    adafactor: Option<Arc<ShardLayout>>,
+    /// Adafactor: the step in flight's Σ update² per parameter (reduced before the vote).
+    update_sq: Vec<f32>,
 }
 
 impl<T: Transport> ShardedReplica<T> {
@@ -125,6 +137,10 @@ impl<T: Transport> ShardedReplica<T> {
         trainer.optimizer.clear_state();
         let numels: Vec<usize> = trainer.model.specs().iter().map(|s| s.numel()).collect();
         let decays: Vec<bool> = trainer.model.specs().iter().map(|s| s.decays()).collect();
+        let adafactor = (trainer.config.train.optimizer == "adafactor").then(|| {
+            let shapes: Vec<Vec<i64>> = trainer.model.specs().iter().map(|s| s.shape.clone()).collect();
+            Arc::new(ShardLayout::new(&shapes, &decays))
+        });
         if mode == ShardMode::Zero3 {
             zero3::release_params(&mut trainer);
         } else {
@@ -148,6 +164,8 @@ impl<T: Transport> ShardedReplica<T> {
             params_stale: true,
             synced: false,
             lost: false,
+            adafactor,
+            update_sq: Vec::new(),
         }
     }
 
@@ -175,15 +193,28 @@ impl<T: Transport> ShardedReplica<T> {
         let held: usize = self.held().iter().map(Range::len).sum();
         let mut state = PersistentState::of_model(&self.trainer);
         state.masters = held;
-        state.moments = 2 * held;
+        state.moments = self.moment_elements();
         state.grads += held;
         state.buffers = self.flat.capacity();
         state
     }
 
-    /// Elements of optimizer state (master params + two moments) this rank holds, buddy copies included.
+    /// Elements of optimizer state (master params + moments) this rank holds, buddy copies included.
     pub fn optimizer_state_elements(&self) -> usize {
-        3 * self.held().iter().map(Range::len).sum::<usize>()
+        self.held().iter().map(Range::len).sum::<usize>() + self.moment_elements()
+    }
+
+    /// Elements of the optimizer's moments this rank holds, buddy copies included: AdamW's two per
+    /// element; Adafactor's first moment (with `beta1`), the vectors' second moment, and the whole
+    /// model's factored statistics (replicated).
+    fn moment_elements(&self) -> usize {
+        let held = self.held();
+        let Some(layout) = &self.adafactor else {
+            return 2 * held.iter().map(Range::len).sum::<usize>();
+        };
+        let first = self.trainer.config.train.adafactor.beta1.is_some();
+        let per_piece: usize = held.iter().map(|r| layout.vector_elements(r) + if first { r.len() } else { 0 }).sum();
+        per_piece + layout.stats_len()
     }
 
     /// The flat ranges this rank holds (own shard first).
@@ -248,7 +279,12 @@ impl<T: Transport> ShardedReplica<T> {
         let needed = held_ranges(total, rank, world, replicas);
         let segments = needed.iter().map(|r| plan_segments(&self.numels, &self.decays, r)).collect();
         self.grads = needed.iter().map(|r| vec![0.0; r.len()]).collect();
-        let args = OwnerArgs { pieces: resharded.pieces, segments, train: self.trainer.config.train.clone() };
+        let adafactor = match &self.adafactor {
+            Some(layout) => Some(self.gather_statistics(layout.clone(), &resharded.pieces[0]).await?),
+            None => None,
+        };
+        let args =
+            OwnerArgs { pieces: resharded.pieces, segments, train: self.trainer.config.train.clone(), adafactor };
         let spawned = match self.supervisor.clone() {
             Some(worker) => Actor::spawn_linked(None, ShardOwnerActor, args, worker).await,
             None => Actor::spawn(None, ShardOwnerActor, args).await,
@@ -266,6 +302,20 @@ impl<T: Transport> ShardedReplica<T> {
         self.params_stale = true;
         self.synced = true;
         Ok(())
+    }
+
+    /// Adafactor: the whole model's factored statistics, from every rank's own piece's second slot (the
+    /// own pieces tile the flat order, so each statistic comes from exactly one rank; an all-reduce of
+    /// `stats_len` values puts them together on every rank).
+    async fn gather_statistics(
+        &mut self,
+        layout: Arc<ShardLayout>,
+        own: &ShardPiece,
+    ) -> Result<OwnerAdafactor, ClusterError> {
+        let mut stats = vec![0f32; layout.stats_len()];
+        layout.import_stats(&own.range, &own.exp_avg_sq, &mut stats);
+        self.comm.all_reduce(&mut stats[..], ReduceOp::Sum).await?;
+        Ok(OwnerAdafactor { layout, config: self.trainer.config.train.adafactor.clone(), stats })
     }
 
     /// Overwrites the replica's parameters with the masters of every rank (all-gather). A ZeRO-3 rank's
@@ -400,11 +450,44 @@ impl<T: Transport> ShardedReplica<T> {
     /// (sum of the own shards' squared norms, each from its owner) over ranks.
     async fn reduce_totals(&mut self, local_loss: f64, compute_seconds: f64) -> Result<ReducedStep, EngineError> {
         let (step, grads) = (self.trainer.step, std::mem::take(&mut self.grads));
-        let local_sum_sq =
+        let Staged { sum_sq, sums } =
             self.ask("staging the gradients", |reply| ShardOwnerMsg::Stage { step, grads, reply }).await?;
-        let mut totals = [local_loss as f32, local_sum_sq as f32];
+        let mut totals = vec![local_loss as f32, sum_sq as f32];
+        totals.extend(sums);
         self.comm.all_reduce(&mut totals[..], ReduceOp::Sum).await?;
-        Ok(ReducedStep { loss: f64::from(totals[0]), grad_norm: f64::from(totals[1]).sqrt(), compute_seconds })
+        let reduced =
+            ReducedStep { loss: f64::from(totals[0]), grad_norm: f64::from(totals[1]).sqrt(), compute_seconds };
+        if self.adafactor.is_some() {
+            self.prepare_adafactor(reduced.grad_norm, totals.split_off(2)).await?;
+        }
+        Ok(reduced)
+    }
+
+    /// Adafactor, before the vote: the update this step will apply if committed (the loss scaler's
+    /// verdict on `grad_norm`, previewed) readied by the owner from the reduced per-matrix `sums`, and its
+    /// Σ update² per parameter all-reduced. Nothing when the step will be skipped (fp16 overflow: every
+    /// rank sees the same norm).
+    async fn prepare_adafactor(&mut self, grad_norm: f64, sums: Vec<f32>) -> Result<(), EngineError> {
+        let (train, parallel) = (&self.trainer.config.train, &self.trainer.config.parallel);
+        let mut scaler = self.trainer.loss_scale;
+        let verdict =
+            scaler.conclude(self.trainer.model.precision, grad_norm, train.grad_clip, parallel.loss_scale_window);
+        let Update::Apply { grad_factor, .. } = verdict else {
+            return Ok(());
+        };
+        let (step, lr, t) =
+            (self.trainer.step, learning_rate(train, self.trainer.step), self.trainer.optimizer.step() + 1);
+        let grad_factor = grad_factor as f32;
+        let prepared = self
+            .ask("preparing the update", |reply| ShardOwnerMsg::Prepare { step, grad_factor, lr, t, sums, reply })
+            .await?;
+        let mut update_sq = match prepared {
+            Ok(update_sq) => update_sq,
+            Err(refused) => return Err(self.owner_lost("preparing the update", &refused)),
+        };
+        self.comm.all_reduce(&mut update_sq[..], ReduceOp::Sum).await?;
+        self.update_sq = update_sq;
+        Ok(())
     }
 
     /// The second half, once the step is committed: the owner unscales and clips the staged gradients by
@@ -424,7 +507,8 @@ impl<T: Transport> ShardedReplica<T> {
             return Ok(self.trainer.report(step, reduced.loss, lr, &update, loss_scale));
         };
         let t = self.trainer.optimizer.step() + 1;
-        let update_of = OwnerUpdate { grad_factor: grad_factor as f32, lr, t };
+        let update_sq = std::mem::take(&mut self.update_sq);
+        let update_of = OwnerUpdate { grad_factor: grad_factor as f32, lr, t, update_sq };
         let applied = self.ask("the update", |reply| ShardOwnerMsg::Apply { step, update: update_of, reply }).await?;
         match applied {
             Ok(buffers) => self.grads = buffers,

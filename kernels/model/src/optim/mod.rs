@@ -8,9 +8,10 @@
 //! [`adafactor`]). So an AdamW checkpoint keeps its format, and an Adafactor one uses the same.
 //!
 //! Where Adafactor runs (checked at config time, [`validate`]): the reference trainer and DDP, whose
-//! ranks each hold the whole optimizer state and apply the same update. ZeRO-1/2/3, pipelines and tensor
-//! parallelism update flat shards with AdamW's elementwise kernel, and periodic synchronization is not
-//! tested with it: all are refused with Adafactor.
+//! ranks each hold the whole optimizer state and apply the same update, and ZeRO-1/2/3, whose owners
+//! update their flat ranges with [`adafactor_shard`] (the per-matrix statistics replicated, their sums
+//! all-reduced). Pipelines and tensor parallelism update flat shards with AdamW's elementwise kernel,
+//! and periodic synchronization is not tested with it: those are refused with Adafactor.
 
 use tch::Tensor;
 
@@ -69,7 +70,7 @@ impl Optimizer {
         }
     }
 
-    /// The AdamW inside, for the engines that run AdamW only (ZeRO, pipelines, tensor parallelism: an
+    /// The AdamW inside, for the engines that run AdamW only (pipelines, tensor parallelism: an
     /// Adafactor job never reaches them, [`validate`]).
     pub fn adamw(&self) -> &AdamW {
         match self {
@@ -144,7 +145,7 @@ fn adamw_only() -> String {
 
 /// The `train.optimizer` keys: a known optimizer, Adafactor's hyper-parameters in range, its state
 /// packable for every parameter (`shapes`: the model's names and shapes), and a parallel layout that
-/// runs it (the reference trainer and DDP).
+/// runs it (the reference trainer, DDP and ZeRO-1/2/3).
 pub fn validate<'a>(
     train: &TrainConfig,
     parallel: &ParallelConfig,
@@ -163,15 +164,12 @@ pub fn validate<'a>(
             "train.optimizer",
             "\"adafactor\"".into(),
             format!(
-                "with {key} = {value} ({what}) is not supported yet: Adafactor runs on one process and under DDP \
-                 (parallel.shard = \"none\", parallel.pp = 1, parallel.tp = 1, parallel.sync = \"every_step\"); use \
+                "with {key} = {value} ({what}) is not supported yet: Adafactor runs on one process, under DDP and \
+                 ZeRO-1/2/3 (parallel.pp = 1, parallel.tp = 1, parallel.sync = \"every_step\"); use \
                  train.optimizer = \"adamw\" there"
             ),
         )
     };
-    if parallel.shard != "none" {
-        return Err(refuse("parallel.shard", format!("{:?}", parallel.shard), "ZeRO"));
-    }
     if parallel.pp > 1 {
         return Err(refuse("parallel.pp", parallel.pp.to_string(), "a pipeline"));
     }
@@ -238,7 +236,9 @@ mod tests {
         check("adamw", ddp.clone(), matrix, Ok(()));
         check("adafactor", ddp.clone(), matrix, Ok(()));
         check("adam", ddp.clone(), matrix, Err("train.optimizer"));
-        check("adafactor", ParallelConfig { shard: "zero1".into(), ..ddp.clone() }, matrix, Err("parallel.shard"));
+        for shard in ["zero1", "zero2", "zero3"] {
+            check("adafactor", ParallelConfig { shard: shard.into(), ..ddp.clone() }, matrix, Ok(()));
+        }
         check("adafactor", ParallelConfig { pp: 2, ..ddp.clone() }, matrix, Err("parallel.pp"));
         check("adafactor", ParallelConfig { tp: 2, ..ddp.clone() }, matrix, Err("parallel.tp"));
         check("adafactor", ParallelConfig { sync: "diloco".into(), ..ddp.clone() }, matrix, Err("parallel.sync"));
