@@ -175,13 +175,15 @@ async fn job_submit_status_and_cancel_from_the_command_line() {
 /// A watcher starved for longer than the QUIC idle timeout (here: SIGSTOPped, as a loaded laptop might
 /// starve it) loses its connection to the controller; it reconnects and the controller replays the events
 /// it missed, so it prints every step exactly once, in order, and exits 0 with the job.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_watcher_that_loses_its_connection_reconnects_and_misses_no_event() {
-    const STEPS: u64 = 200;
-    let cluster = common::processes(2).await;
-    let dir = tempfile::tempdir().unwrap();
-    let job = dir.path().join("watched.toml");
-    std::fs::write(&job, format!("{SMALL_JOB}steps = {STEPS}\n")).unwrap();
+/// `troupe job submit --json` of a `steps`-step job as the cluster's "client" certificate, its stdout
+/// read on a thread (a message on the channel at each step); the thread returns every line.
+fn submit_following(
+    cluster: &troupe_actors::api::LocalCluster,
+    dir: &std::path::Path,
+    steps: u64,
+) -> (Child, std::sync::mpsc::Receiver<()>, std::thread::JoinHandle<Vec<String>>) {
+    let job = dir.join("watched.toml");
+    std::fs::write(&job, format!("{SMALL_JOB}steps = {steps}\n")).unwrap();
     let mut child = Command::new(common::binary())
         .args(["job", "submit", "--json", job.to_str().unwrap(), "--cluster", &cluster.addr().to_string()])
         .args(["--as", "client", "--certs"])
@@ -202,21 +204,62 @@ async fn a_watcher_that_loses_its_connection_reconnects_and_misses_no_event() {
         }
         lines
     });
-    rx.recv_timeout(Duration::from_secs(60)).expect("the first step within 60 s");
-    common::signal(child.id(), "STOP");
-    std::thread::sleep(Duration::from_millis(3_500)); // past the 2 s idle timeout
-    common::signal(child.id(), "CONT");
-    let status = common::wait_child(&mut child, Duration::from_secs(120), "troupe job submit after SIGCONT");
+    (child, rx, reader)
+}
+
+/// Waits for the follower's end; returns its stderr after checking it succeeded and printed every one of
+/// `steps` steps once, in order, then its summary.
+fn followed_every_step(mut child: Child, reader: std::thread::JoinHandle<Vec<String>>, steps: u64) -> String {
+    let status = common::wait_child(&mut child, Duration::from_secs(120), "troupe job submit");
     let lines = reader.join().unwrap();
     let mut stderr = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
     assert!(status.success(), "{status:?}: {stderr}");
-    assert!(stderr.contains("reconnected to the controller"), "the connection was lost and re-made: {stderr}");
     let events: Vec<Value> = lines.iter().filter_map(|l| serde_json::from_str(l).ok()).collect();
-    let steps: Vec<u64> = events.iter().filter(|e| e["event"] == "step").map(|e| e["step"].as_u64().unwrap()).collect();
-    assert_eq!(steps, (1..=STEPS).collect::<Vec<_>>(), "every step once, in order");
+    let seen: Vec<u64> = events.iter().filter(|e| e["event"] == "step").map(|e| e["step"].as_u64().unwrap()).collect();
+    assert_eq!(seen, (1..=steps).collect::<Vec<_>>(), "every step once, in order");
     assert_eq!(events.last().unwrap()["event"], "summary", "{lines:?}");
-    assert_eq!(events.last().unwrap()["steps"], STEPS, "{lines:?}");
+    assert_eq!(events.last().unwrap()["steps"], steps, "{lines:?}");
+    stderr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watcher_that_loses_its_connection_reconnects_and_misses_no_event() {
+    const STEPS: u64 = 200;
+    let cluster = common::processes(2).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (child, steps, reader) = submit_following(&cluster, dir.path(), STEPS);
+    steps.recv_timeout(Duration::from_secs(60)).expect("the first step within 60 s");
+    common::signal(child.id(), "STOP");
+    std::thread::sleep(Duration::from_millis(3_500)); // past the 2 s idle timeout
+    common::signal(child.id(), "CONT");
+    let stderr = followed_every_step(child, reader, STEPS);
+    assert!(stderr.contains("reconnected to the controller"), "the connection was lost and re-made: {stderr}");
+    cluster.shutdown().await;
+}
+
+/// A user's `troupe status` beside the `troupe job submit` that follows a job, under the same
+/// certificate: each command keeps its own connection — the follower is not disconnected (no
+/// reconnection, no stall) and the status gets its own reply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_beside_a_follower_under_the_same_certificate_disturbs_nothing() {
+    const STEPS: u64 = 200;
+    let cluster = common::processes(2).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (child, steps, reader) = submit_following(&cluster, dir.path(), STEPS);
+    steps.recv_timeout(Duration::from_secs(60)).expect("the first step within 60 s");
+    for _ in 0..3 {
+        let status = Command::new(common::binary())
+            .args(["status", "--json", "--cluster", &cluster.addr().to_string(), "--as", "client", "--certs"])
+            .arg(cluster.certs_dir())
+            .output()
+            .unwrap();
+        assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
+        let reply: Value = serde_json::from_slice(&status.stdout).expect("troupe status --json prints JSON");
+        assert_eq!(reply["members"].as_array().map(Vec::len), Some(2), "{reply}");
+    }
+    let stderr = followed_every_step(child, reader, STEPS);
+    assert!(!stderr.contains("lost the connection"), "the follower kept its connection: {stderr}");
     cluster.shutdown().await;
 }
 

@@ -262,29 +262,70 @@ async fn a_silent_dialer_is_refused_after_the_connect_timeout() {
     assert!(closed.to_string().contains("no introduction"), "{closed}");
 }
 
+/// Client `cli` dials node `node`: returns the name the node knows this connection by
+/// (`<certificate name>#<n>`).
+async fn dial_in(cli: &ControlEndpoint, rc: &mut Events, node: &ControlEndpoint, rn: &mut Events) -> String {
+    assert_eq!(cli.connect(node.local_addr()).await.unwrap(), node.name());
+    assert!(connected(node.name(), PeerRole::Node)(&next(rc).await));
+    match next(rn).await {
+        ControlEvent::Connected { peer, role: PeerRole::Client, .. } => {
+            assert!(peer.starts_with(&format!("{}#", cli.name())), "{peer}");
+            peer
+        }
+        e => panic!("expected the client's connection, got {e:?}"),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_talks_to_a_node() {
     let dir = tempfile::tempdir().unwrap();
     let ids = cluster(dir.path(), &["node-a", "node-b", "cli-1"]);
     let (a, mut ra) = bind(&ids[0]);
     let (cli, mut rc) = bind_with(&ids[2], PeerRole::Client, &config());
-    pair(&cli, &mut rc, &a, &mut ra).await;
-    assert_eq!(a.peers(), vec![("cli-1".to_string(), PeerRole::Client)]);
+    let key = dial_in(&cli, &mut rc, &a, &mut ra).await;
+    assert_eq!(a.peers(), vec![(key.clone(), PeerRole::Client)]);
     cli.send("node-a", 0, Bytes::from_static(b"status?")).await.unwrap();
-    assert_eq!(next(&mut ra).await, message("cli-1", PeerRole::Client, 0, b"status?"));
-    a.send("cli-1", 4, Bytes::from_static(b"healthy")).await.unwrap();
+    assert_eq!(next(&mut ra).await, message(&key, PeerRole::Client, 0, b"status?"));
+    a.send(&key, 4, Bytes::from_static(b"healthy")).await.unwrap();
     assert_eq!(next(&mut rc).await, message("node-a", PeerRole::Node, 4, b"healthy"));
 
     // A client may present its own daemon's certificate...
     let (own, mut ro) = bind_with(&ids[0], PeerRole::Client, &config());
-    pair(&own, &mut ro, &a, &mut ra).await;
-    // ...but not take over the connection of a node that is connected.
+    dial_in(&own, &mut ro, &a, &mut ra).await;
+    // ...and a node's certificate used by a client while the node is connected is a client of its own: it
+    // takes nothing over, the node's connection and its messages are untouched.
     let (b, mut rb) = bind(&ids[1]);
     pair(&b, &mut rb, &a, &mut ra).await;
-    let (fake, _rf) = bind_with(&ids[1], PeerRole::Client, &config());
-    assert!(fake.connect(a.local_addr()).await.is_err());
-    wait_refusal(&a, "already connected as Node").await;
+    let (fake, mut rf) = bind_with(&ids[1], PeerRole::Client, &config());
+    let fake_key = dial_in(&fake, &mut rf, &a, &mut ra).await;
+    assert_ne!(fake_key, "node-b");
     assert!(a.peers().contains(&("node-b".to_string(), PeerRole::Node)));
+    b.send("node-a", 1, Bytes::from_static(b"still here")).await.unwrap();
+    assert_eq!(next(&mut ra).await, message("node-b", PeerRole::Node, 1, b"still here"));
+}
+
+/// Two commands under one certificate (`troupe train` following its job, `troupe status` beside it)
+/// each keep their own connection: the second neither closes the first nor receives its replies, and
+/// the end of one is reported for that one alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_clients_with_one_certificate_each_get_their_own_replies() {
+    let dir = tempfile::tempdir().unwrap();
+    let ids = cluster(dir.path(), &["node-a", "cli-1"]);
+    let (a, mut ra) = bind(&ids[0]);
+    let (first, mut r1) = bind_with(&ids[1], PeerRole::Client, &config());
+    let (second, mut r2) = bind_with(&ids[1], PeerRole::Client, &config());
+    let k1 = dial_in(&first, &mut r1, &a, &mut ra).await;
+    let k2 = dial_in(&second, &mut r2, &a, &mut ra).await;
+    assert_ne!(k1, k2);
+    a.send(&k1, 0, Bytes::from_static(b"to the first")).await.unwrap();
+    a.send(&k2, 0, Bytes::from_static(b"to the second")).await.unwrap();
+    assert_eq!(next(&mut r1).await, message("node-a", PeerRole::Node, 0, b"to the first"));
+    assert_eq!(next(&mut r2).await, message("node-a", PeerRole::Node, 0, b"to the second"));
+    quiet(&mut r1).await;
+    second.close().await;
+    assert_eq!(next(&mut ra).await, ControlEvent::Departed { peer: k2 });
+    a.send(&k1, 0, Bytes::from_static(b"still yours")).await.unwrap();
+    assert_eq!(next(&mut r1).await, message("node-a", PeerRole::Node, 0, b"still yours"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

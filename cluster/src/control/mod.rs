@@ -24,7 +24,9 @@
 //!   ([`ControlEndpoint::disconnect`], [`ControlEndpoint::close`], replacement) emit nothing locally.
 //! - **Replacement.** A newer connection with the same peer name replaces the older one (a restarted
 //!   daemon dialing again); the older one is closed with [`CLOSE_REPLACED`] and emits no event, on
-//!   either side. Limitation: two nodes dialing each other at the same moment may each keep the
+//!   either side. Clients are not replaced: a node endpoint names each client connection
+//!   `<certificate name>#<n>` (unique for the endpoint's life) in its events and [`ControlEndpoint::send`],
+//!   so two commands under one certificate each keep their own connection and replies. Limitation: two nodes dialing each other at the same moment may each keep the
 //!   connection the other replaced; both then see `Lost` within `connect_timeout_ms`. Let one side
 //!   dial (e.g. the joiner dials the seed).
 //! - **Goodbye.** Saying goodbye writes [`Goodbye`](crate::wire::ControlMessage::Goodbye) (its `rank` is unused: 0) after

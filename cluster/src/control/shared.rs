@@ -70,22 +70,30 @@ impl Shared {
     /// Makes an introduced connection the current one to its peer, reports it, and starts reading it.
     pub fn admit(self: &Arc<Self>, conn: quinn::Connection, intro: Introduced) -> Result<Arc<Link>, String> {
         let Introduced { name, role, outgoing, incoming } = intro;
-        let link = Arc::new(Link::new(name.clone(), role, conn.clone(), outgoing));
-        let id = {
+        let (id, link) = {
             let mut peers = self.peers();
             if self.closed.load(Ordering::SeqCst) {
                 return Err("this endpoint is closing".into());
             }
+            // A node's name is its identity: its newer connection replaces the older (it restarted, or
+            // its link broke). Clients are told apart by connection: two commands under one certificate
+            // (`troupe train` following a job, `troupe status` beside it) each keep their connection
+            // and their replies.
+            let name = match role {
+                PeerRole::Client if self.role == PeerRole::Node => format!("{name}#{}", peers.next_id()),
+                _ => name,
+            };
             if let Some(other) = peers.get(&name).filter(|l| l.role != role) {
                 return Err(format!("{name:?} is already connected as {:?}; refusing it as {role:?}", other.role));
             }
+            let link = Arc::new(Link::new(name.clone(), role, conn.clone(), outgoing));
             let (id, replaced) = peers.insert(&name, link.clone());
             if let Some(old) = replaced {
                 tracing::info!(node = %self.name, peer = %name, "a newer connection replaces the older one");
                 old.conn.close(CLOSE_REPLACED, b"replaced by a newer connection");
             }
             self.emit(ControlEvent::Connected { peer: name, role, addr: conn.remote_address() });
-            id
+            (id, link)
         };
         self.admitted.notify_waiters();
         tokio::spawn(self.clone().serve(id, link.clone(), incoming));

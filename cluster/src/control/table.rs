@@ -16,6 +16,11 @@ impl<L> Default for PeerTable<L> {
 }
 
 impl<L: Clone> PeerTable<L> {
+    /// The id the next inserted connection gets.
+    pub fn next_id(&self) -> u64 {
+        self.next_id
+    }
+
     /// Makes `link` the current connection to `name`; returns its id and the one it replaces.
     pub fn insert(&mut self, name: &str, link: L) -> (u64, Option<L>) {
         let id = self.next_id;
