@@ -202,8 +202,8 @@ fn an_unknown_optimizer_or_an_unsupported_layout_names_the_key() {
     let err = |toml: &str| JobConfig::from_toml(toml, "bad.toml").unwrap_err().to_string();
     let unknown = err("[train]\noptimizer = \"adam\"\n");
     assert!(unknown.contains("train.optimizer") && unknown.contains("adafactor"), "{unknown}");
-    let zero = err("[train]\noptimizer = \"adafactor\"\n[parallel]\nshard = \"zero1\"\n");
-    assert!(zero.contains("train.optimizer") && zero.contains("parallel.shard"), "{zero}");
+    let pipeline = err("[train]\noptimizer = \"adafactor\"\n[parallel]\npp = 2\n");
+    assert!(pipeline.contains("train.optimizer") && pipeline.contains("parallel.pp"), "{pipeline}");
     let beta = err("[train]\noptimizer = \"adafactor\"\n[train.adafactor]\nbeta1 = 1.5\n");
     assert!(beta.contains("train.adafactor.beta1"), "{beta}");
 }
