@@ -539,7 +539,10 @@ async fn controllers_added_at_run_time_vote_and_keep_a_majority_past_two_losses(
     let rafts = [c.spawn_standby(3), c.spawn_standby(4)];
     let mut alive: Vec<usize> = (0..5).collect();
     let leader = c.leader_of(&alive, Duration::from_secs(30)).await;
-    let config = common::two_block_job(40);
+    // Long enough to outlast the two additions and both kills on a quiet machine (40 steps ended before
+    // the first kill in CI).
+    const STEPS: u64 = 400;
+    let config = common::two_block_job(STEPS);
     let out = c.dir.path().join("final.safetensors");
     let mut seen = Seen::default();
     let mut handle = submit_and_follow_to(&c, &config, &out, 3, &mut seen).await;
@@ -559,7 +562,8 @@ async fn controllers_added_at_run_time_vote_and_keep_a_majority_past_two_losses(
     alive.retain(|&i| i != leader);
     while !seen.resumed {
         let next = tokio::time::timeout(Duration::from_secs(60), handle.next_numbered()).await;
-        let (seq, event) = next.expect("the new controller's events").expect("the stream").expect("not over");
+        let next = next.expect("the new controller's events").expect("the stream");
+        let (seq, event) = next.unwrap_or_else(|| panic!("the job ended before the take-over: {:?}", seen.log.last()));
         seen.saw(seq, &event);
     }
     let reattached = killed.elapsed();
@@ -572,7 +576,7 @@ async fn controllers_added_at_run_time_vote_and_keep_a_majority_past_two_losses(
     common::signal(c.children[second].id(), "KILL");
     alive.retain(|&i| i != second);
     let end = seen.until_end(handle).await;
-    assert!(matches!(end, JobEvent::Finished { steps: 40, .. }), "{end:?}\n{}", c.log());
+    assert!(matches!(end, JobEvent::Finished { steps: STEPS, .. }), "{end:?}\n{}", c.log());
     let leader = c.leader_of(&alive, Duration::from_secs(30)).await;
     let group = c.controllers_cli(leader);
     assert_eq!(group.leader, Some(format!("node-{leader}")), "{group:?}");
