@@ -88,18 +88,10 @@ pub async fn run(scenario: &Scenario, options: &RunOptions) -> anyhow::Result<Re
 
     let client_identity =
         NodeIdentity::load(&cluster.certs_dir(), "client").context("the local cluster's client certificate")?;
-    // The nemesis's questions to the daemons (who leads, which epoch) go under a name of their own: a daemon
-    // sends replies and events to the newest connection of a peer name, so a probe under the job client's
-    // name would take over the job's event stream.
-    // Only with replicated controllers, whose client follows the leader itself: a one-controller run keeps
-    // the client's name for the probes (partition-one-way never regrew with probes under a name of their
-    // own — not yet understood, reported in the session's closing note).
-    let identity = if scenario.controllers > 1 {
-        add_node("nemesis", &cluster.certs_dir()).context("a certificate for the nemesis's probes")?;
-        NodeIdentity::load(&cluster.certs_dir(), "nemesis").context("the nemesis's certificate")?
-    } else {
-        NodeIdentity::load(&cluster.certs_dir(), "client").context("the local cluster's client certificate")?
-    };
+    // The nemesis's questions to the daemons (who leads, which epoch) go under the client's certificate
+    // too: a daemon keeps each client connection apart, so they take nothing from the job's event stream.
+    let identity =
+        NodeIdentity::load(&cluster.certs_dir(), "client").context("the local cluster's client certificate")?;
     let (progress_tx, progress_rx) = watch::channel(Progress::default());
     let (ckpt_tx, ckpt_rx) = watch::channel(None);
     let cluster = Arc::new(Mutex::new(cluster));
