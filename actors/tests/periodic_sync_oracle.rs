@@ -224,3 +224,63 @@ fn troupe_train_with_sync_diloco_on_an_embedded_cluster_equals_the_reference() {
     (config.parallel.nodes, config.parallel.sync, config.parallel.sync_every) = (2, "diloco".into(), 4);
     check(&config, 2, &seen, &out, "troupe train --nodes 2 --sync diloco --sync-every 4");
 }
+
+/// A checkpointed job continued by a second run (`checkpoint.dir` shared; DiLoCo and local SGD, H = 4):
+/// the first job trains 8 steps on two daemons and checkpoints every 4, the second continues it to 16
+/// from the checkpoint of step 8. On the same world every rank resumes its own inner AdamW moments and
+/// DiLoCo its outer momentum, so the run equals the uninterrupted reference; on three daemons the third
+/// rank resumes as saved rank 0 (`rank mod 2`), as the reference regrouped to [0, 1, 0] at step 8.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpointed_job_resumed_on_daemons_equals_the_uninterrupted_reference_and_a_larger_world_copies_rank_mod_n()
+{
+    let dir = tempfile::tempdir().unwrap();
+    let (mut cluster, mut nodes) = (common::processes(2).await, 2);
+    for (sync, world) in [("diloco", 2), ("local_sgd", 2), ("diloco", 3)] {
+        let what = format!("{sync} H=4 checkpointed at step 8 on 2 ranks, resumed on {world}");
+        let mut config = job(sync, 4, 16);
+        // A schedule that does not depend on `train.steps`, so the 8-step first run follows the 16-step one.
+        config.train.decay_steps = 16;
+        config.checkpoint.dir = Some(dir.path().join(format!("ckpt-{sync}-{world}")));
+        config.checkpoint.every_steps = 4;
+        let mut first = config.clone();
+        first.train.steps = 8;
+        run(&mut cluster, &first, 2, &dir.path().join("first.safetensors"), Fault::None).await;
+        // `troupe checkpoint list` shows the ranks' part and the outer momentum.
+        let listed = std::process::Command::new(common::binary())
+            .args(["checkpoint", "list", "--json"])
+            .arg(config.checkpoint.dir.as_ref().unwrap())
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&listed.stdout);
+        let last: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        let outer = sync == "diloco";
+        assert_eq!((last["step"].as_u64(), last["version"].as_u64()), (Some(8), Some(3)), "{what}: {stdout}");
+        assert_eq!(last["periodic"], serde_json::json!({ "ranks": 2, "outer_momentum": outer }), "{what}: {stdout}");
+        while nodes < world {
+            cluster.add_node().unwrap();
+            nodes += 1;
+        }
+        let out = dir.path().join(format!("{sync}-{world}.safetensors"));
+        let seen = run(&mut cluster, &config, world, &out, Fault::None).await;
+        assert_eq!(seen.losses.keys().next(), Some(&9), "{what}: the second run continued from step 8");
+
+        tch::set_num_threads(1);
+        let mut reference = ReplicaSet::new(&config, 2).unwrap();
+        while reference.step() < 8 {
+            reference.train_step();
+        }
+        reference.regroup(&(0..world).map(|r| r % 2).collect::<Vec<_>>()).unwrap();
+        let mut expected = Vec::new();
+        while reference.step() < 16 {
+            expected.push(reference.train_step());
+        }
+        let actual: Vec<f64> = seen.losses.values().copied().collect();
+        let loss_diff = worst_loss_diff(&actual, &expected);
+        let params = common::saved_params(&out, reference.first());
+        let comparison = compare_params(reference.first().model.specs(), &params, &reference.params());
+        eprintln!("{what}: loss diff {loss_diff:.1e}, params {comparison:?}");
+        assert!(loss_diff <= TOLERANCE, "{what}: losses differ by {loss_diff:e}");
+        assert!(comparison.within(TOLERANCE), "{what}: {comparison:?}");
+    }
+    cluster.shutdown().await;
+}

@@ -164,6 +164,15 @@ fn layout_text(layout: &Layout) -> String {
     format!("dp={} pp={} {mode}, {} shard(s)", layout.dp, layout.pp, layout.shards)
 }
 
+/// A periodically synchronizing job's part of a checkpoint, in words (empty without one).
+fn periodic_text(manifest: &Manifest) -> String {
+    match &manifest.periodic {
+        Some(p) if p.outer_momentum.is_empty() => format!(" + {} ranks' inner state", p.ranks),
+        Some(p) => format!(" + {} ranks' inner state, outer momentum", p.ranks),
+        None => String::new(),
+    }
+}
+
 /// Checks every file of `dir` against its manifest, advancing `bar` by each file's bytes.
 fn verify_dir(dir: &Path, bar: Option<&ProgressBar>) -> Result<Manifest, String> {
     let manifest = read_manifest(dir).map_err(|e| e.to_string())?;
@@ -193,6 +202,10 @@ fn list(root: &Path, verify: bool, json: bool) -> anyhow::Result<()> {
                 Ok(m) => {
                     line["step"] = json!(m.step);
                     line["layout"] = json!(m.layout);
+                    line["version"] = json!(m.version);
+                    if let Some(p) = &m.periodic {
+                        line["periodic"] = json!({ "ranks": p.ranks, "outer_momentum": !p.outer_momentum.is_empty() });
+                    }
                     line["files"] = json!(m.files.len());
                     line["bytes"] = json!(manifest_bytes(m));
                 }
@@ -206,7 +219,7 @@ fn list(root: &Path, verify: bool, json: bool) -> anyhow::Result<()> {
         match &checked {
             Ok(m) => table.row(vec![
                 m.step.to_string(),
-                layout_text(&m.layout),
+                layout_text(&m.layout) + &periodic_text(m),
                 m.files.len().to_string(),
                 format!("{:.1} MiB", manifest_bytes(m) as f64 / (1 << 20) as f64),
                 if verify { "verified" } else { "manifest ok" }.into(),

@@ -43,16 +43,34 @@ use std::time::Instant;
 use troupe_cluster::collective::{Collective, Communicator, ReduceOp};
 use troupe_cluster::transport::Transport;
 use troupe_cluster::ClusterError;
-use troupe_model::checkpoint::{CheckpointWriter, Layout, SaveRequest, TrainingState};
+use troupe_model::checkpoint::{
+    load_state, CheckpointWriter, Layout, PeriodicState, RankState, SaveRequest, TrainingState,
+};
+use troupe_model::config::JobConfig;
 use troupe_model::generate::Evaluation;
 use troupe_model::periodic::{
-    flat_params, fragment_ranges, load_flat_params, load_flat_ranges, local_step, replica_share, PeriodicSync,
+    flat_params, fragment_ranges, load_flat_params, load_flat_ranges, local_step, own_part, replica_share, PeriodicSync,
 };
 use troupe_model::Trainer;
 
 use super::committed::CommittedState;
 use super::flat::{broadcast_state, counter_of, counter_words};
 use super::step_engine::{EngineError, ReducedStep, StepEngine};
+
+/// Rank `rank`'s committed state from checkpoint `dir` of a periodically synchronizing job: the
+/// checkpoint's state with the inner optimizer state (and with fragments the parameters) of saved rank
+/// `rank mod n` — its own on the same world — and the outer momentum and global parameters as saved. A
+/// checkpoint without the periodic part (version 2 and older, or saved by an every-step job) gives every
+/// rank its one trainer state, rank 0's moments, and the outer momentum starts at zero.
+pub(crate) fn resume_rank(config: JobConfig, dir: &Path, rank: usize) -> Result<CommittedState, String> {
+    let fail = |e: &dyn std::fmt::Display| format!("restoring checkpoint {}: {e}", dir.display());
+    let mut state = load_state(dir).map_err(|e| fail(&e))?;
+    let resumed = state.take_rank(rank);
+    let mut trainer = Trainer::new(config).map_err(|e| fail(&e))?;
+    state.restore_into(&mut trainer, dir).map_err(|e| fail(&e))?;
+    let (outer_momentum, global) = (resumed.outer_momentum, resumed.global);
+    Ok(CommittedState::Periodic { trainer: Box::new(trainer), outer_momentum, global })
+}
 
 /// Where an error names the rank's last synchronization as a "checkpoint".
 const SYNCED: &str = "the last synchronization";
@@ -214,16 +232,42 @@ impl<T: Transport> StepEngine for PeriodicReplica<T> {
         }
     }
 
-    /// The last synchronization's state (rank 0's AdamW moments), tagged with its own step: a durable
-    /// checkpoint never holds a replica's unsynchronized progress — with fragments, its parameters are
-    /// the global ones (each fragment's last synchronized values). (DiLoCo's outer momentum is not in the
-    /// checkpoint format: a job restored from disk restarts it at zero.)
+    /// The last synchronization's state, tagged with its own step: a durable checkpoint never holds a
+    /// replica's unsynchronized progress. Every rank sends its own part — its inner optimizer state, with
+    /// fragments its own parameters — to rank 0, which saves them beside the global parameters (each
+    /// fragment's last synchronized values) and DiLoCo's outer momentum (format version 3, see
+    /// `troupe_model::checkpoint`). Rank 0 receives even without a writer, so the ranks' point-to-point
+    /// sequences stay matched.
     async fn checkpoint(&mut self, writer: Option<&CheckpointWriter>, tag: u64) -> Result<(), EngineError> {
+        let fragmented = self.fragments.len() > 1;
+        let mine = own_part(&self.synced, fragmented);
+        if self.comm.rank() != 0 {
+            for part in [&mine.slots[0], &mine.slots[1], &mine.params] {
+                if !part.is_empty() {
+                    self.comm.send(0, &part[..]).await?;
+                }
+            }
+            return Ok(());
+        }
+        let total = self.global.len();
+        let mut ranks = vec![mine];
+        for rank in 1..self.comm.world() {
+            let params = if fragmented { vec![0f32; total] } else { Vec::new() };
+            let mut theirs = RankState { slots: [vec![0f32; total], vec![0f32; total]], params };
+            let [first, second] = &mut theirs.slots;
+            for part in [first, second, &mut theirs.params] {
+                if !part.is_empty() {
+                    self.comm.recv(rank, &mut part[..]).await?;
+                }
+            }
+            ranks.push(theirs);
+        }
         let Some(writer) = writer else { return Ok(()) };
         let mut state = Box::new(self.synced.clone());
-        if self.fragments.len() > 1 && state.values[0].len() == self.global.len() {
+        if fragmented && state.values[0].len() == total {
             state.values[0].copy_from_slice(&self.global);
         }
+        state.periodic = Some(PeriodicState { ranks, outer_momentum: self.momentum.clone() });
         writer.submit(SaveRequest { state, layout: Layout::ddp(self.comm.world()), tag });
         Ok(())
     }

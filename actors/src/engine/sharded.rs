@@ -545,6 +545,7 @@ impl<T: Transport> ShardedReplica<T> {
                 tensors: tensor_specs(&self.trainer),
                 values: [0, 1, 2].map(|_| vec![0f32; self.total]),
                 loss_scale: None,
+                periodic: None,
             })
         });
         let mut state = self.ask("copying the shard", |reply| ShardOwnerMsg::Fill(state, reply)).await?;

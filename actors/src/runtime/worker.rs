@@ -253,7 +253,7 @@ impl WorkerState {
         let mut restored = None;
         if slot.state.is_none() {
             let t0 = Instant::now();
-            match fresh_state(&spec) {
+            match fresh_state(&spec, rank) {
                 Ok((state, from_checkpoint)) => {
                     restored = from_checkpoint.then(|| (t0, Instant::now()));
                     slot.state = Some(state);
@@ -351,8 +351,9 @@ impl WorkerState {
 /// from it), else step 0. Checkpoints that do not verify are skipped for the previous one (`latest_valid`
 /// logs each, with why). Step 0 of an engine that keeps parts of the model (ZeRO-3, pipelines) is
 /// [`CommittedState::Initial`]: nothing is drawn or read until the attempt knows which parts this rank
-/// holds.
-fn fresh_state(spec: &JobSpec) -> Result<(CommittedState, bool), String> {
+/// holds. A periodically synchronizing job's rank `rank` resumes its own inner optimizer state
+/// (`engine::resume_rank`).
+fn fresh_state(spec: &JobSpec, rank: usize) -> Result<(CommittedState, bool), String> {
     let config = spec.config.clone();
     if let Some(dir) = &config.checkpoint.dir {
         let (latest, skipped) = checkpoint::latest_valid(dir);
@@ -360,6 +361,9 @@ fn fresh_state(spec: &JobSpec) -> Result<(CommittedState, bool), String> {
             tracing::warn!(checkpoint = %latest.display(), skipped = skipped.len(), "restoring from an older checkpoint: the newer ones do not verify");
         }
         if let Some(latest) = latest {
+            if troupe_model::periodic::PeriodicSync::of(&config.parallel).is_some() {
+                return crate::engine::resume_rank(config, &latest, rank).map(|state| (state, true));
+            }
             return Trainer::resume(config, &latest)
                 .map(|t| (CommittedState::Full(Box::new(t)), true))
                 .map_err(|e| format!("restoring checkpoint {}: {e}", latest.display()));

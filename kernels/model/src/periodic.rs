@@ -34,6 +34,13 @@
 //! average). What holds instead, and is tested: with one replica, local SGD is the plain trainer for any
 //! H; and DiLoCo with `outer_lr = 1`, `outer_momentum = 0` is local SGD for any H and R.
 //!
+//! Checkpoints ([`ReplicaSet::checkpoint_state`], [`ReplicaSet::resume`]; the distributed engine saves
+//! the same): the state of the last synchronization — the global parameters, every replica's own inner
+//! optimizer state (and with fragments its own parameters) and the outer momentum, so a resume on the
+//! same world is the uninterrupted run. A resume on another world gives replica `r` saved replica
+//! `r mod n`'s state: what a membership change at that synchronization gives ([`ReplicaSet::regroup`]
+//! with members `r mod n`).
+//!
 //! Membership changes ([`ReplicaSet::regroup`]): every replica goes back to its state at the last
 //! synchronization — a lost replica loses the interval's local progress, and so do the others, which redo
 //! the interval from the last synchronization with the new set — and a new replica starts from the state
@@ -47,7 +54,7 @@ use std::path::Path;
 
 use tch::Tensor;
 
-use crate::checkpoint::TrainingState;
+use crate::checkpoint::{PeriodicState, RankState, TrainingState};
 use crate::config::JobConfig;
 use crate::data::rank_slice;
 use crate::model::ParamSpec;
@@ -326,6 +333,13 @@ pub fn load_flat_ranges(trainer: &Trainer, flat: &[f32], ranges: &[Range<usize>]
     load_flat_params(trainer, &mixed);
 }
 
+/// A rank's own part of a checkpoint of a periodically synchronizing job, from its state at the last
+/// synchronization `synced`: the optimizer's two slots, and with fragments (`fragmented`) its parameters.
+pub fn own_part(synced: &TrainingState, fragmented: bool) -> RankState {
+    let params = if fragmented { synced.values[0].clone() } else { Vec::new() };
+    RankState { slots: [synced.values[1].clone(), synced.values[2].clone()], params }
+}
+
 /// The reference: `world` replicas of one job in one process.
 pub struct ReplicaSet {
     config: JobConfig,
@@ -353,6 +367,38 @@ impl ReplicaSet {
         let mut set = Self { config, sync, replicas, global, momentum, fragments, synced };
         set.regroup(&(0..world).map(|_| 0).collect::<Vec<_>>())?;
         Ok(set)
+    }
+
+    /// The job's state at the last synchronization as a checkpoint holds it: the global parameters with
+    /// replica 0's inner optimizer state, and the periodic part — every replica's inner state (with
+    /// fragments, its own parameters too) and the outer momentum.
+    pub fn checkpoint_state(&self) -> TrainingState {
+        let fragmented = self.fragments.len() > 1;
+        let ranks = self.synced.iter().map(|synced| own_part(synced, fragmented)).collect();
+        let mut state = self.synced[0].clone();
+        state.values[0].clone_from(&self.global);
+        state.periodic = Some(PeriodicState { ranks, outer_momentum: self.momentum.clone() });
+        state
+    }
+
+    /// `world` replicas of `config` resumed from a checkpoint's `state`: replica `r` as saved rank
+    /// `r mod n` ([`PeriodicState::source_of`]; all as the saved state's one trainer when it has no
+    /// periodic part), the global parameters and outer momentum as saved.
+    pub fn resume(config: &JobConfig, state: &TrainingState, world: usize) -> Result<Self, TrainError> {
+        let sync = PeriodicSync::of(&config.parallel).expect("parallel.sync = \"local_sgd\" or \"diloco\"");
+        let (mut replicas, mut synced, mut momentum) =
+            (Vec::with_capacity(world), Vec::with_capacity(world), Vec::new());
+        for rank in 0..world {
+            let mut own = state.clone();
+            momentum = own.take_rank(rank).outer_momentum;
+            let mut trainer = Trainer::new(config.clone())?;
+            own.restore_into(&mut trainer, Path::new("the checkpoint"))?;
+            synced.push(TrainingState::snapshot(&trainer));
+            replicas.push(trainer);
+        }
+        let fragments = fragment_ranges(replicas[0].model.specs(), sync.fragments).map_err(TrainError::Config)?;
+        let (config, global) = (config.clone(), state.values[0].clone());
+        Ok(Self { config, sync, replicas, global, momentum, fragments, synced })
     }
 
     /// Steps taken.

@@ -337,6 +337,7 @@ impl<T: Transport> PipelineReplica<T> {
             tensors: tensor_specs(trainer),
             values,
             loss_scale: scaler_of(trainer),
+            periodic: None,
         }))
     }
 

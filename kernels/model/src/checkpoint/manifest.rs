@@ -17,7 +17,13 @@ use crate::precision::LossScale;
 pub const MANIFEST: &str = "manifest.json";
 pub const FORMAT: &str = "troupe-checkpoint";
 /// Version 1: `model.safetensors` + `optimizer.safetensors` (still loaded, see `v1`). Version 2: shards.
-pub const FORMAT_VERSION: u32 = 2;
+/// Version 3: version 2 and a periodically synchronizing job's per-rank and outer state ([`Manifest::
+/// periodic`]); only checkpoints that hold that part are written as version 3, so every other checkpoint
+/// stays readable by a version-2 reader, and a version-2 reader refuses a version-3 one as too new rather
+/// than resuming it without the ranks' states.
+pub const FORMAT_VERSION: u32 = 3;
+/// The version of a checkpoint without a periodic part.
+pub const FORMAT_VERSION_PLAIN: u32 = 2;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -44,6 +50,37 @@ pub struct Manifest {
     /// full-model checkpoints and older ones).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base: Option<BaseRef>,
+    /// Version 3: a periodically synchronizing job's per-rank and outer state (absent for every other job
+    /// and in older checkpoints).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub periodic: Option<PeriodicEntry>,
+}
+
+/// Where a periodically synchronizing job's own parts are ([`super::state::PeriodicState`]). Each is a
+/// flat vector over the whole parameter order, its pieces element ranges of that order (so any shard
+/// count reads them back). Each rank's vectors are one file of their own, `rank-RRRRR-of-NNNNN.
+/// safetensors` (a resuming rank reads one); the outer momentum is cut like the parameters, one
+/// `outer-SSSSS-of-SSSSS.safetensors` per parameter shard.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeriodicEntry {
+    /// Ranks whose state is saved: the world at the synchronization saved.
+    pub ranks: usize,
+    /// Every rank's `exp_avg` and `exp_avg_sq` (the optimizer's two slots), and with Streaming DiLoCo its
+    /// `param`s.
+    pub rank_vectors: Vec<FlatVector>,
+    /// DiLoCo's outer momentum (empty: none, it starts at zero).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub outer_momentum: Vec<Piece>,
+}
+
+/// A flat vector of rank `rank`, `state` saying which: its pieces tile the flat order.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FlatVector {
+    pub rank: usize,
+    pub state: StateKind,
+    pub pieces: Vec<Piece>,
 }
 
 /// The base model a `[peft]` checkpoint trains on: `model.from_hf` and the checksum of its weights
@@ -201,6 +238,16 @@ pub struct FileEntry {
     pub bytes: u64,
     /// XXH3-64 of the whole file (`troupe_kernels::checksum64`).
     pub checksum: u64,
+}
+
+/// The file of rank `rank`'s own state, of `ranks`.
+pub fn rank_file_name(rank: usize, ranks: usize) -> String {
+    format!("rank-{rank:05}-of-{ranks:05}.safetensors")
+}
+
+/// The file of shard `index` of `count` of the outer momentum.
+pub fn outer_file_name(index: usize, count: usize) -> String {
+    format!("outer-{index:05}-of-{count:05}.safetensors")
 }
 
 /// The file name of shard `index` of `count`.

@@ -1,4 +1,4 @@
-//! Durable, sharded checkpoints of the whole training state (format version 2).
+//! Durable, sharded checkpoints of the whole training state (format version 3; 2 without a periodic part).
 //!
 //! A checkpoint is a directory `step-NNNNNNNN` under a checkpoint root holding one safetensors file per
 //! shard (`shard-00000-of-00002.safetensors`: a contiguous range of the flat parameter order, with the
@@ -7,6 +7,12 @@
 //! file, the sampler and RNG state and the optimizer step. The manifest describes every piece explicitly,
 //! so a reader needs no layout rule to reassemble the state: any layout (DDP today; ZeRO shards and
 //! pipeline stages later) loads into any other ([`read`]).
+//!
+//! A periodically synchronizing job (`parallel.sync = "local_sgd" | "diloco"`) adds a part (version 3,
+//! [`manifest::PeriodicEntry`]): every rank's own inner optimizer state, one `rank-R-of-N` file each, and
+//! DiLoCo's outer momentum, cut like the parameters (`outer-S-of-S`); the shards then hold the global
+//! parameters and rank 0's moments, so a reader that ignores the part still gets one consistent state. A
+//! rank resumes as saved rank `rank mod N` ([`state::PeriodicState::source_of`]).
 //!
 //! The commit ([`write`], [`store`]): shards written and fsynced in a temporary directory → manifest
 //! written and fsynced → directory renamed into place and the root fsynced → recorded in the catalog
@@ -39,9 +45,9 @@ pub mod writer;
 use std::path::{Path, PathBuf};
 
 pub use catalog::{Catalog, CatalogEntry, MemoryCatalog, RedbCatalog};
-pub use manifest::{Layout, Manifest, ShardMode, StateKind, FORMAT, FORMAT_VERSION, MANIFEST};
+pub use manifest::{Layout, Manifest, ShardMode, StateKind, FORMAT, FORMAT_VERSION, FORMAT_VERSION_PLAIN, MANIFEST};
 pub use read::{load_shard, load_state, verify};
-pub use state::{crash_state, synthetic_state, TrainingState};
+pub use state::{crash_state, synthetic_state, PeriodicState, RankState, ResumedPeriodic, TrainingState};
 pub use store::{CheckpointStore, Saved};
 pub use writer::{CheckpointWriter, SaveRequest, WriteReport};
 

@@ -10,9 +10,9 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::path::Path;
 
-use super::manifest::{Manifest, StateKind, TensorEntry, FORMAT, FORMAT_VERSION, MANIFEST};
+use super::manifest::{Manifest, Piece, StateKind, TensorEntry, FORMAT, FORMAT_VERSION, MANIFEST};
 use super::shards::intersect;
-use super::state::{TensorSpec, TrainingState};
+use super::state::{PeriodicState, RankState, TensorSpec, TrainingState};
 use super::tensor_file::{copy_f32, parse, read_verified};
 use super::{io, v1, CheckpointError};
 
@@ -29,7 +29,7 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, CheckpointError> {
     let version = value.get("version").and_then(serde_json::Value::as_u64).unwrap_or(0);
     let manifest = match version {
         1 => v1::upgrade(dir, value)?,
-        2 => serde_json::from_value(value).map_err(|e| bad(e.to_string()))?,
+        2 | 3 => serde_json::from_value(value).map_err(|e| bad(e.to_string()))?,
         v if v > u64::from(FORMAT_VERSION) => {
             return Err(CheckpointError::TooNew { path: dir.to_owned(), version: v as u32 });
         }
@@ -57,6 +57,7 @@ pub fn load_state(dir: &Path) -> Result<TrainingState, CheckpointError> {
     let tensors = param_specs(&manifest);
     let total = tensors.iter().map(TensorSpec::numel).sum();
     let values = assemble(dir, &manifest, 0..total)?;
+    let periodic = load_periodic(dir, &manifest, total)?;
     Ok(TrainingState {
         config: manifest.config,
         step: manifest.step,
@@ -65,7 +66,51 @@ pub fn load_state(dir: &Path) -> Result<TrainingState, CheckpointError> {
         tensors,
         values,
         loss_scale: manifest.loss_scale,
+        periodic,
     })
+}
+
+/// The periodic part of checkpoint `dir`, whole (every rank's vectors and the outer momentum); None if
+/// it has none.
+fn load_periodic(dir: &Path, manifest: &Manifest, total: usize) -> Result<Option<PeriodicState>, CheckpointError> {
+    let Some(entry) = &manifest.periodic else { return Ok(None) };
+    let mut buffers = HashMap::new();
+    let mut periodic = PeriodicState { ranks: vec![RankState::default(); entry.ranks], outer_momentum: Vec::new() };
+    for vector in &entry.rank_vectors {
+        let values = read_flat(dir, manifest, &vector.pieces, total, &mut buffers)?;
+        let own = &mut periodic.ranks[vector.rank];
+        match vector.state {
+            StateKind::Param => own.params = values,
+            StateKind::ExpAvg => own.slots[0] = values,
+            StateKind::ExpAvgSq => own.slots[1] = values,
+        }
+    }
+    if !entry.outer_momentum.is_empty() {
+        periodic.outer_momentum = read_flat(dir, manifest, &entry.outer_momentum, total, &mut buffers)?;
+    }
+    Ok(Some(periodic))
+}
+
+/// A flat vector of `total` elements from its `pieces` (each file read and verified once, kept in
+/// `buffers`).
+fn read_flat(
+    dir: &Path,
+    manifest: &Manifest,
+    pieces: &[Piece],
+    total: usize,
+    buffers: &mut HashMap<String, Vec<u8>>,
+) -> Result<Vec<f32>, CheckpointError> {
+    let mut out = vec![0f32; total];
+    for piece in pieces {
+        if !buffers.contains_key(&piece.file) {
+            let file = manifest.files.iter().find(|f| f.name == piece.file).expect("checked consistent");
+            buffers.insert(piece.file.clone(), read_verified(dir, &file.name, file.bytes, file.checksum)?);
+        }
+        let path = dir.join(&piece.file);
+        let parsed = parse(&path, &buffers[&piece.file])?;
+        copy_f32(&path, &parsed, &piece.key, 0..piece.elements.len(), &mut out[piece.elements.clone()])?;
+    }
+    Ok(out)
 }
 
 /// Shard `index` of `shards` of the state saved in `dir`: the range of the flat order it covers and the
@@ -159,6 +204,9 @@ fn check_consistent(dir: &Path, manifest: &Manifest) -> Result<(), CheckpointErr
     if let Some(f) = manifest.files.iter().find(|f| Path::new(&f.name).file_name() != Some(f.name.as_ref())) {
         return Err(bad(format!("file name {:?} is not a plain file name", f.name)));
     }
+    if let Some(periodic) = &manifest.periodic {
+        check_periodic(manifest, periodic, model.iter().map(|m| m.numel()).sum()).map_err(bad)?;
+    }
     for entry in &manifest.tensors {
         if entry.dtype != "F32" {
             return Err(bad(format!(
@@ -186,6 +234,56 @@ fn check_consistent(dir: &Path, manifest: &Manifest) -> Result<(), CheckpointErr
         if let Some(p) = entry.pieces.iter().find(|p| !manifest.files.iter().any(|f| f.name == p.file)) {
             return Err(bad(format!("{} names file {}, which is not listed", entry.param, p.file)));
         }
+    }
+    Ok(())
+}
+
+/// The periodic part describes every saved rank's two optimizer slots (and its parameters for all ranks
+/// or none), each vector and the outer momentum tiling the `total` elements of the flat order from
+/// listed files; only version 3 has one.
+fn check_periodic(manifest: &Manifest, periodic: &super::manifest::PeriodicEntry, total: usize) -> Result<(), String> {
+    if manifest.version < 3 {
+        return Err(format!("version {} with a periodic part (version 3 has it)", manifest.version));
+    }
+    if periodic.ranks == 0 {
+        return Err("a periodic part of 0 ranks".into());
+    }
+    let tiles = |what: &str, pieces: &[Piece]| -> Result<(), String> {
+        let mut ranges: Vec<&Range<usize>> = pieces.iter().map(|p| &p.elements).collect();
+        ranges.sort_by_key(|r| r.start);
+        let mut next = 0;
+        for r in ranges {
+            if r.start != next || r.end < r.start {
+                return Err(format!("the pieces of {what} do not tile the parameters' {total} elements"));
+            }
+            next = r.end;
+        }
+        if next != total {
+            return Err(format!("the pieces of {what} cover {next} of the parameters' {total} elements"));
+        }
+        match pieces.iter().find(|p| !manifest.files.iter().any(|f| f.name == p.file)) {
+            Some(p) => Err(format!("{what} names file {}, which is not listed", p.file)),
+            None => Ok(()),
+        }
+    };
+    let mut seen = std::collections::HashSet::new();
+    for vector in &periodic.rank_vectors {
+        let what = format!("rank {}'s {:?}", vector.rank, vector.state);
+        if vector.rank >= periodic.ranks || !seen.insert((vector.rank, vector.state)) {
+            return Err(format!("{what}: not one of {} ranks, or listed twice", periodic.ranks));
+        }
+        tiles(&what, &vector.pieces)?;
+    }
+    let count = |kind: StateKind| seen.iter().filter(|(_, k)| *k == kind).count();
+    let params = count(StateKind::Param);
+    if count(StateKind::ExpAvg) != periodic.ranks || count(StateKind::ExpAvgSq) != periodic.ranks {
+        return Err(format!("the periodic part lacks optimizer slots of some of its {} ranks", periodic.ranks));
+    }
+    if params != 0 && params != periodic.ranks {
+        return Err(format!("parameters of {params} of the periodic part's {} ranks (all or none)", periodic.ranks));
+    }
+    if !periodic.outer_momentum.is_empty() {
+        tiles("the outer momentum", &periodic.outer_momentum)?;
     }
     Ok(())
 }

@@ -66,5 +66,6 @@ pub fn upgrade(dir: &Path, value: serde_json::Value) -> Result<Manifest, Checkpo
         files,
         loss_scale: None,
         base: None,
+        periodic: None,
     })
 }

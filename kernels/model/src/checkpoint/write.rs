@@ -17,11 +17,11 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::manifest::{
-    shard_file_name, BaseRef, FileEntry, Layout, Manifest, Piece, RngState, StateKind, TensorEntry, FORMAT,
-    FORMAT_VERSION, MANIFEST,
+    outer_file_name, rank_file_name, shard_file_name, BaseRef, FileEntry, FlatVector, Layout, Manifest, PeriodicEntry,
+    Piece, RngState, StateKind, TensorEntry, FORMAT, FORMAT_VERSION, FORMAT_VERSION_PLAIN, MANIFEST,
 };
 use super::shards::{pieces_in, shard_range, FlatPiece};
-use super::state::TrainingState;
+use super::state::{PeriodicState, TrainingState};
 use super::tensor_file::{write_f32_file, write_synced, FileTensor};
 use super::{io, read, step_dir_name, sync_dir, CheckpointError};
 
@@ -76,7 +76,12 @@ fn write_into(state: &TrainingState, tmp: &Path, layout: &Layout) -> Result<(Man
             (range, pieces)
         })
         .collect();
-    let files = write_shards(state, tmp, &plans)?;
+    let mut files = write_shards(state, tmp, &plans)?;
+    let ranges: Vec<Range<usize>> = plans.iter().map(|(range, _)| range.clone()).collect();
+    let periodic = match &state.periodic {
+        Some(periodic) => Some(write_periodic(state, periodic, tmp, &ranges, &mut files)?),
+        None => None,
+    };
     let bytes = files.iter().map(|f| f.bytes).sum();
 
     let mut tensors = Vec::new();
@@ -103,7 +108,7 @@ fn write_into(state: &TrainingState, tmp: &Path, layout: &Layout) -> Result<(Man
     }
     let manifest = Manifest {
         format: FORMAT.into(),
-        version: FORMAT_VERSION,
+        version: if periodic.is_some() { FORMAT_VERSION } else { FORMAT_VERSION_PLAIN },
         step: state.step,
         optimizer_step: state.optimizer_step,
         config: state.config.clone(),
@@ -117,6 +122,7 @@ fn write_into(state: &TrainingState, tmp: &Path, layout: &Layout) -> Result<(Man
             path: tmp.to_owned(),
             message: format!("the [peft] base: {e}"),
         })?,
+        periodic,
     };
     let json = serde_json::to_vec_pretty(&manifest).expect("the manifest serialises");
     write_synced(&tmp.join(MANIFEST), &json)?;
@@ -172,6 +178,71 @@ fn write_shards(
         (0..shards).map(|i| by_thread[i % threads].next().expect("one result per shard")).collect()
     });
     results.into_iter().collect()
+}
+
+/// The periodic part's files (see [`PeriodicEntry`]): one per rank, and the outer momentum cut by the
+/// parameter shards' flat `ranges`; their entries are appended to `files`.
+fn write_periodic(
+    state: &TrainingState,
+    periodic: &PeriodicState,
+    tmp: &Path,
+    ranges: &[Range<usize>],
+    files: &mut Vec<FileEntry>,
+) -> Result<PeriodicEntry, CheckpointError> {
+    let (total, ranks) = (state.flat_len(), periodic.ranks.len());
+    let bad = |message: String| CheckpointError::Manifest { path: tmp.to_owned(), message };
+    let metadata = |what: String| {
+        BTreeMap::from([
+            ("format".to_owned(), FORMAT.to_owned()),
+            ("step".to_owned(), state.step.to_string()),
+            ("part".to_owned(), what),
+        ])
+    };
+    let mut rank_vectors = Vec::new();
+    for (rank, own) in periodic.ranks.iter().enumerate() {
+        let name = rank_file_name(rank, ranks);
+        let kinds =
+            [(StateKind::ExpAvg, &own.slots[0]), (StateKind::ExpAvgSq, &own.slots[1]), (StateKind::Param, &own.params)];
+        let mut tensors = Vec::new();
+        for (kind, values) in kinds.into_iter().filter(|(kind, v)| *kind != StateKind::Param || !v.is_empty()) {
+            if values.len() != total {
+                return Err(bad(format!(
+                    "rank {rank}'s {kind:?} has {} elements, the parameters {total}",
+                    values.len()
+                )));
+            }
+            let key = kind.key("flat");
+            rank_vectors.push(FlatVector {
+                rank,
+                state: kind,
+                pieces: vec![Piece { file: name.clone(), key: key.clone(), elements: 0..total }],
+            });
+            tensors.push(FileTensor { key, shape: vec![total], data: values });
+        }
+        let written = write_f32_file(&tmp.join(&name), &tensors, &metadata(format!("rank {rank} of {ranks}")), 1)?;
+        files.push(FileEntry { name, shard: rank, stage: 0, bytes: written.bytes, checksum: written.checksum });
+    }
+    let mut outer_momentum = Vec::new();
+    if !periodic.outer_momentum.is_empty() {
+        if periodic.outer_momentum.len() != total {
+            let n = periodic.outer_momentum.len();
+            return Err(bad(format!("the outer momentum has {n} elements, the parameters {total}")));
+        }
+        for (index, range) in ranges.iter().enumerate() {
+            let name = outer_file_name(index, ranges.len());
+            let key = "outer_momentum".to_owned();
+            let tensor = FileTensor {
+                key: key.clone(),
+                shape: vec![range.len()],
+                data: &periodic.outer_momentum[range.clone()],
+            };
+            let what = format!("outer momentum {}..{}", range.start, range.end);
+            let written = write_f32_file(&tmp.join(&name), &[tensor], &metadata(what), 1)?;
+            outer_momentum.push(Piece { file: name.clone(), key, elements: range.clone() });
+            files.push(FileEntry { name, shard: index, stage: 0, bytes: written.bytes, checksum: written.checksum });
+        }
+    }
+    Ok(PeriodicEntry { ranks, rank_vectors, outer_momentum })
 }
 
 /// Step 3: renames the finished temporary directory into place. Returns the step directory and whether an

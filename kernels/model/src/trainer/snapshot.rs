@@ -50,6 +50,7 @@ impl TrainingState {
             tensors,
             values,
             loss_scale: scaler_of(trainer),
+            periodic: None,
         }
     }
 
@@ -73,6 +74,7 @@ impl TrainingState {
         self.optimizer_step = trainer.optimizer.step();
         self.sampler = trainer.sampler.state(trainer.step, trainer.config.train.global_batch);
         self.loss_scale = scaler_of(trainer);
+        self.periodic = None;
     }
 
     /// Loads this state into `trainer` (freshly built from the config to continue with). `dir` names the
