@@ -24,6 +24,11 @@ pub struct MembershipConfig {
     pub phi_threshold: u32,
     /// `phi_accrual`: the least standard deviation assumed of heartbeat intervals.
     pub phi_min_std_deviation_ms: u64,
+    /// The controller's own stall: when its timer (every 50 ms) runs this much later than the previous
+    /// tick, the controller was not running (SIGSTOP, a saturated machine) — nobody is declared dead on
+    /// that tick, and the gap beyond this is not counted as any member's silence (Cassandra's
+    /// `max_local_pause_in_ms`). Either detector.
+    pub max_local_pause_ms: u64,
 }
 
 impl Default for MembershipConfig {
@@ -35,11 +40,23 @@ impl Default for MembershipConfig {
             failure_timeout_min_ms: 750,
             phi_threshold: 8,
             phi_min_std_deviation_ms: 50,
+            max_local_pause_ms: MAX_LOCAL_PAUSE_MS,
         }
     }
 }
 
+/// The default `max_local_pause_ms`: four ticks of the daemon's 50 ms timer.
+pub const MAX_LOCAL_PAUSE_MS: u64 = 200;
+/// The least `max_local_pause_ms`: twice the daemon's 50 ms timer, so an ordinary tick is never a pause
+/// (were every tick one, a dead member's silence would never count).
+const MIN_LOCAL_PAUSE_MS: u64 = 100;
+
 impl MembershipConfig {
+    /// `max_local_pause_ms` as a duration.
+    pub fn max_local_pause(&self) -> Duration {
+        Duration::from_millis(self.max_local_pause_ms)
+    }
+
     pub fn heartbeat_interval(&self) -> Duration {
         Duration::from_millis(self.heartbeat_interval_ms)
     }
@@ -77,6 +94,16 @@ impl MembershipConfig {
             return Err(format!(
                 "failure_timeout_ms ({}) must be at least twice heartbeat_interval_ms ({}), or one late heartbeat kills a healthy node",
                 self.failure_timeout_ms, self.heartbeat_interval_ms
+            ));
+        }
+        let floor = match self.failure_detector {
+            DetectorKind::Fixed => ("failure_timeout_ms", self.failure_timeout_ms),
+            DetectorKind::PhiAccrual => ("failure_timeout_min_ms", self.failure_timeout_min_ms),
+        };
+        if self.max_local_pause_ms < MIN_LOCAL_PAUSE_MS || self.max_local_pause_ms >= floor.1 {
+            return Err(format!(
+                "max_local_pause_ms ({}) must be at least {MIN_LOCAL_PAUSE_MS} (twice the daemon's 50 ms timer) and below {} ({}): a longer stall of the controller is not its members' silence",
+                self.max_local_pause_ms, floor.0, floor.1
             ));
         }
         if self.failure_detector == DetectorKind::PhiAccrual {
@@ -122,6 +149,9 @@ mod tests {
         check(MembershipConfig { failure_timeout_min_ms: 499, ..phi.clone() }, Err("failure_timeout_min_ms (499)"));
         check(MembershipConfig { failure_timeout_min_ms: 1600, ..phi.clone() }, Err("ceiling"));
         check(MembershipConfig { phi_threshold: 0, ..phi.clone() }, Err("phi_threshold"));
+        check(MembershipConfig { max_local_pause_ms: 50, ..phi.clone() }, Err("max_local_pause_ms (50)"));
+        check(MembershipConfig { max_local_pause_ms: 750, ..phi.clone() }, Err("failure_timeout_min_ms (750)"));
+        check(MembershipConfig { max_local_pause_ms: 1500, ..MembershipConfig::default() }, Err("failure_timeout_ms"));
         // The fixed detector ignores the adaptive keys.
         check(MembershipConfig { failure_timeout_min_ms: 0, phi_threshold: 0, ..MembershipConfig::default() }, Ok(()));
         let parsed: MembershipConfig =

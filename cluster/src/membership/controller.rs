@@ -79,6 +79,9 @@ pub struct Membership {
     admitted_at: BTreeMap<NodeId, Epoch>,
     /// Nodes asking to join.
     joining: BTreeMap<NodeId, Joiner>,
+    /// When [`Self::handle_timeout`] last ran: a longer gap than `max_local_pause_ms` before the next is
+    /// the controller's own stall.
+    last_tick: Option<Duration>,
     changes: Vec<Change>,
     admitted: BTreeSet<NodeId>,
     actions: VecDeque<MembershipAction>,
@@ -105,6 +108,7 @@ impl Membership {
             incarnations: BTreeMap::new(),
             admitted_at,
             joining: BTreeMap::new(),
+            last_tick: None,
             changes: Vec::new(),
             admitted: BTreeSet::new(),
             actions: VecDeque::new(),
@@ -183,15 +187,41 @@ impl Membership {
         self.commit();
     }
 
-    /// Declares dead every member silent for as long as its failure detector allows, all in one view
-    /// change.
+    /// The controller's timer, called every tick (node.rs: 50 ms): declares dead every member silent for
+    /// as long as its failure detector allows, all in one view change.
+    ///
+    /// A local pause is not the members' silence. When this call comes more than `max_local_pause_ms`
+    /// after the previous one, the controller itself was stalled (SIGSTOP, a saturated machine, swap): the
+    /// heartbeats of that time wait unread in its sockets and mailbox, and its timer runs before it reads
+    /// them. Cassandra's answer (`max_local_pause_in_ms`) is ours: nobody is declared dead on the tick that
+    /// ends a local pause, and the pause — the gap beyond `max_local_pause_ms` — is excused from every
+    /// member's silence, so the queued heartbeats are read before anyone's silence counts again. A dead
+    /// member is found later by at most the controller's own stall.
     pub fn handle_timeout(&mut self, now: Duration) {
+        let gap = self.last_tick.map_or(Duration::ZERO, |t| now.saturating_sub(t));
+        self.last_tick = Some(self.last_tick.map_or(now, |t| t.max(now)));
+        let pause = gap.saturating_sub(self.config.max_local_pause());
+        if pause > Duration::ZERO {
+            tracing::warn!(
+                gap_ms = gap.as_millis() as u64,
+                max_local_pause_ms = self.config.max_local_pause_ms,
+                "the controller was stalled: nobody is declared dead on this tick, and {} ms of the stall are not the members' silence",
+                pause.as_millis()
+            );
+            for arrivals in self.last_seen.values_mut() {
+                arrivals.excuse(pause);
+            }
+            for joiner in self.joining.values_mut() {
+                joiner.asked += pause;
+            }
+            return;
+        }
         let timeout = self.config.failure_timeout();
         let silent: Vec<(NodeId, Duration)> = self
             .last_seen
             .iter()
             .filter(|(_, a)| now >= self.deadline(a))
-            .map(|(n, a)| (n.clone(), now - a.last()))
+            .map(|(n, a)| (n.clone(), a.silence(now)))
             .collect();
         for (node, silence) in silent {
             self.remove(&node, Change::Failed { node: node.clone(), silent_ms: silence.as_millis() as u64 });
@@ -213,7 +243,7 @@ impl Membership {
 
     /// When a member heard as `arrivals` is declared dead, if it stays silent.
     fn deadline(&self, arrivals: &Arrivals) -> Duration {
-        arrivals.last() + self.config.silence_allowed(arrivals)
+        arrivals.silent_until(self.config.silence_allowed(arrivals))
     }
 
     /// A member was heard at `now`: one more arrival in its detector's history.
@@ -230,7 +260,7 @@ impl Membership {
     /// Logs (target [`ARRIVALS_TARGET`], debug) the silence a heartbeat of `node` ended, the suspicion φ
     /// it had reached and the silence each detector allowed then: what `troupe bench soak` reads.
     fn trace_arrival(&self, node: &NodeId, arrivals: &Arrivals, now: Duration) {
-        let silence = now.saturating_sub(arrivals.last());
+        let silence = arrivals.silence(now);
         tracing::debug!(
             target: ARRIVALS_TARGET,
             node = %node.0,
@@ -282,13 +312,18 @@ impl Membership {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{MemberAction, MemberState};
+    use super::super::{DetectorKind, MemberAction, MemberState};
     use super::*;
 
     const MS: fn(u64) -> Duration = Duration::from_millis;
 
+    /// The fixed detector (1.5 s), whatever the default: these tests count its timeouts.
+    fn fixed() -> MembershipConfig {
+        MembershipConfig { failure_detector: DetectorKind::Fixed, ..MembershipConfig::default() }
+    }
+
     fn three() -> Membership {
-        Membership::new(MembershipConfig::default(), MS(0), vec!["a".into(), "b".into(), "c".into()])
+        Membership::new(fixed(), MS(0), vec!["a".into(), "b".into(), "c".into()])
     }
 
     fn view_change(m: &mut Membership) -> (View, Vec<Change>) {
@@ -485,6 +520,96 @@ mod tests {
         assert_eq!(m.admitted_at(&"b".into()), Some(view.epoch), "restarted, then admitted again");
         let restarted = Membership::starting_at(MembershipConfig::default(), MS(0), vec!["a".into()], Epoch(9));
         assert_eq!(restarted.admitted_at(&"a".into()), Some(Epoch(9)));
+    }
+
+    /// What the controller's node actor is told, in the order it is told: its 50 ms timer, or a member's
+    /// heartbeat (read off the connection).
+    #[derive(Clone, Copy)]
+    enum Told {
+        Tick(u64),
+        Heard(&'static str, u64),
+    }
+
+    /// Replays `told` (times in ms) into a controller of a, b and c: the view changes it made.
+    fn replay(config: MembershipConfig, told: &[Told]) -> Vec<Change> {
+        let mut m = Membership::new(config, MS(0), vec!["a".into(), "b".into(), "c".into()]);
+        let mut changes = Vec::new();
+        for &event in told {
+            match event {
+                Told::Tick(t) => m.handle_timeout(MS(t)),
+                Told::Heard(from, t) => {
+                    m.handle(MS(t), MembershipEvent::Heartbeat { from: from.into(), epoch: m.epoch() })
+                }
+            }
+            while let Some(action) = m.poll_action() {
+                if let MembershipAction::ViewChanged { changes: c, .. } = action {
+                    changes.extend(c);
+                }
+            }
+        }
+        changes
+    }
+
+    /// Heartbeats of a, b and c every 250 ms (b's each 40 ms late: a loaded member) and the controller's
+    /// timer every 50 ms, for 1 s past `wake`; the controller is SIGSTOPped from `stop_at` to `wake`. On
+    /// waking, as in the soak, its timer runs first, then it reads the heartbeats queued meanwhile.
+    fn stalled_controller(stop_at: u64, wake: u64) -> Vec<Told> {
+        let end = wake + 1000;
+        let stopped = |t: u64| (stop_at..=wake).contains(&t);
+        // (when it is told, order at that instant, what)
+        let mut told: Vec<(u64, u8, Told)> = vec![(wake, 0, Told::Tick(wake))];
+        for (n, late) in [("a", 0), ("b", 40), ("c", 0)] {
+            for sent in (250 + late..end).step_by(250) {
+                let queued = stopped(sent);
+                told.push(if queued { (wake, 1, Told::Heard(n, wake)) } else { (sent, 2, Told::Heard(n, sent)) });
+            }
+        }
+        told.extend((0..end).step_by(50).filter(|t| !stopped(*t)).map(|t| (t, 3, Told::Tick(t))));
+        told.sort_by_key(|&(t, order, _)| (t, order));
+        told.into_iter().map(|(_, _, told)| told).collect()
+    }
+
+    /// The soak's false detections (`troupe bench soak`, 2026-11-27: 5 under `phi_accrual`, at 752–757
+    /// ms): b was last heard at 1040 ms; the controller is stopped from 1260 to 1800 ms, b's heartbeat of
+    /// 1290 ms waits unread, and the controller's timer at 1800 ms finds b silent for 760 ms, past the
+    /// 750 ms floor. Counted as silence, the stall fails b; discounted, nobody fails.
+    #[test]
+    fn the_controllers_own_stall_is_not_its_members_silence() {
+        let phi = MembershipConfig { failure_detector: DetectorKind::PhiAccrual, ..MembershipConfig::default() };
+        let not_discounted = |c: &MembershipConfig| MembershipConfig { max_local_pause_ms: u64::MAX, ..c.clone() };
+        let told = stalled_controller(1260, 1800);
+        assert_eq!(replay(not_discounted(&phi), &told), vec![Change::Failed { node: "b".into(), silent_ms: 760 }]);
+        assert_eq!(replay(phi, &told), vec![], "discounted, nobody fails");
+        // The fixed detector: a stall of 1.4 s, shorter than its 1.5 s, fatal once b's 220 ms before it count.
+        let fixed = fixed();
+        let told = stalled_controller(1260, 2660);
+        assert_eq!(replay(not_discounted(&fixed), &told), vec![Change::Failed { node: "b".into(), silent_ms: 1620 }]);
+        assert_eq!(replay(fixed, &told), vec![]);
+    }
+
+    /// A member that died is still found after a stall of the controller: later by the stall beyond
+    /// `max_local_pause_ms`, its silence reported without it.
+    #[test]
+    fn a_dead_member_is_found_after_a_stall_later_by_the_stall() {
+        let mut m = three();
+        let mut failed = None;
+        for t in (0..=3000).step_by(50) {
+            if t == 1000 {
+                continue; // the timer misses a tick (a gap of 100 ms: no pause) ...
+            }
+            if (1300..1700).contains(&t) {
+                continue; // ... and the controller is stopped from 1260 to 1700 ms (a gap of 450 ms: 250 excused)
+            }
+            for n in ["a", "b"] {
+                m.handle(MS(t), MembershipEvent::Heartbeat { from: n.into(), epoch: m.epoch() });
+            }
+            m.handle_timeout(MS(t));
+            if let Some(MembershipAction::ViewChanged { changes, .. }) = m.poll_action() {
+                failed.get_or_insert((t, changes));
+            }
+        }
+        // c, last heard at 0 (admitted), fails at 1500 + 250 ms.
+        assert_eq!(failed, Some((1750, vec![Change::Failed { node: "c".into(), silent_ms: 1500 }])));
     }
 
     #[test]

@@ -48,6 +48,9 @@ pub struct Arrivals {
     /// Whether `last` is a heartbeat's arrival (not the admission's instant, which begins no interval:
     /// the controller's start or a step boundary, unrelated to when the member sends).
     heard: bool,
+    /// How much of the time since `last` the controller itself was stalled (a local pause, see
+    /// [`super::Membership::handle_timeout`]): not the member's silence, which it adds to.
+    excused: Duration,
     intervals_us: VecDeque<u64>,
     sum_us: u128,
     sum_sq_us: u128,
@@ -59,19 +62,46 @@ impl Arrivals {
     /// heartbeats are judged by what they should be rather than by nothing.
     pub fn new(now: Duration, interval: Duration) -> Self {
         let us = interval.as_micros() as u64;
-        let mut arrivals = Self { last: now, heard: false, intervals_us: VecDeque::new(), sum_us: 0, sum_sq_us: 0 };
+        let mut arrivals = Self {
+            last: now,
+            heard: false,
+            excused: Duration::ZERO,
+            intervals_us: VecDeque::new(),
+            sum_us: 0,
+            sum_sq_us: 0,
+        };
         arrivals.push(us + us / 4);
         arrivals.push(us - us / 4);
         arrivals
     }
 
-    /// The member was heard at `now`. The first arrival after admission only starts the history.
+    /// The member was heard at `now`. The first arrival after admission only starts the history, and an
+    /// interval during which the controller itself was stalled is no sample of the member's: its
+    /// heartbeats waited, unread, and arrive together once the controller runs again.
     pub fn record(&mut self, now: Duration) {
         let interval = now.saturating_sub(self.last);
         self.last = self.last.max(now);
-        if std::mem::replace(&mut self.heard, true) {
+        let stalled = std::mem::take(&mut self.excused) > Duration::ZERO;
+        if std::mem::replace(&mut self.heard, true) && !stalled {
             self.push(interval.as_micros() as u64);
         }
+    }
+
+    /// The controller was stalled for `pause` since the member was last heard: that time is not the
+    /// member's silence (nothing could be heard).
+    pub fn excuse(&mut self, pause: Duration) {
+        self.excused += pause;
+    }
+
+    /// The member's silence at `now`: the time since it was last heard, less the controller's own
+    /// stalls since then.
+    pub fn silence(&self, now: Duration) -> Duration {
+        now.saturating_sub(self.last).saturating_sub(self.excused)
+    }
+
+    /// When a silence of `allowed` since the member was last heard ends (its stalls excused).
+    pub fn silent_until(&self, allowed: Duration) -> Duration {
+        self.last + self.excused + allowed
     }
 
     /// Whether a heartbeat has arrived since admission (then the silence since [`Self::last`] ends an
