@@ -95,6 +95,13 @@ impl Job {
         self
     }
 
+    /// Where a device rank keeps its optimizer (`parallel.offload`): `none`, or `host` (fp32 masters,
+    /// optimizer state and the update in host memory; a CPU rank's are there already).
+    pub fn offload(mut self, offload: &str) -> Self {
+        self.spec.config.parallel.offload = offload.into();
+        self
+    }
+
     /// Durable checkpoints every `every_steps` steps under `dir`, keeping the last `keep_last`.
     pub fn checkpoints(mut self, dir: impl Into<PathBuf>, every_steps: u64, keep_last: usize) -> Self {
         let checkpoint = &mut self.spec.config.checkpoint;

@@ -12,6 +12,7 @@
 
 mod data_parallel;
 mod netns;
+mod offload;
 mod optimizer;
 mod periodic;
 mod tensor_parallel;
@@ -114,6 +115,11 @@ pub struct BenchTrainArgs {
     /// the ratios; see `optimizer`.
     #[arg(long, value_parser = ["adamw", "adafactor"], default_value = "adamw")]
     pub optimizer: String,
+    /// With `host`: the model trained with the optimizer offloaded to the host (parallel.offload) and
+    /// without, in the same repetitions (`--world 1`; `--device cuda` for the device's figure, the CPU
+    /// runs the emulated staging): tokens/s of each, the ratio and the device bytes saved; see `offload`.
+    #[arg(long, value_parser = ["none", "host"], default_value = "none")]
+    pub offload: String,
     /// With `--world N`: every daemon in its own network namespace (N of them), and the series DDP,
     /// DiLoCo H = 8 and 32, Streaming DiLoCo (4 fragments) trained in turn: tokens/s and bytes on the
     /// wire per step; see `netns`. Needs root and iproute2.
@@ -167,6 +173,10 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         bail!("--micro-batch is for --world 1; data-parallel runs use {MICRO_BATCH} per rank");
     }
     let model = bench_model(&args.model, args.context)?;
+    if args.offload != "none" {
+        offload::check(&args)?;
+        return offload::run(args, model);
+    }
     if args.optimizer != "adamw" {
         optimizer::check(&args)?;
         return optimizer::run(args, model);

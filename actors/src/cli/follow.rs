@@ -59,6 +59,8 @@ pub struct Mode {
     pub sp: bool,
     pub schedule: String,
     pub shard: String,
+    /// `parallel.offload` ("" when unknown).
+    pub offload: String,
     pub total_steps: u64,
 }
 
@@ -71,13 +73,22 @@ impl Mode {
             sp: parallel.sp,
             schedule: parallel.schedule.clone(),
             shard: parallel.shard.clone(),
+            offload: parallel.offload.clone(),
             total_steps: config.train.steps,
         }
     }
 
     /// A job watched from elsewhere, whose layout this command does not know (`pp` 0).
     pub fn unknown(total_steps: u64) -> Self {
-        Self { pp: 0, tp: 1, sp: false, schedule: String::new(), shard: String::new(), total_steps }
+        Self {
+            pp: 0,
+            tp: 1,
+            sp: false,
+            schedule: String::new(),
+            shard: String::new(),
+            offload: String::new(),
+            total_steps,
+        }
     }
 
     /// What else a job needs to run, for the waiting line.
@@ -261,10 +272,16 @@ impl EventReport<'_> {
         self.reporter.event(
             "start",
             json!({ "world": world, "pp": mode.pp, "epoch": epoch, "from_step": from_step, "attempt": attempt,
-                    "steps": total, "nodes": self.nodes, "job": job, "data_plane": data_plane }),
+                    "steps": total, "nodes": self.nodes, "job": job, "data_plane": data_plane,
+                    "offload": mode.offload, "offloaded_state_bytes": 0 }),
             &format!(
-                "troupe: job {job} running {} on {world} rank(s), epoch {epoch}, data plane {data_plane}",
-                mode.describe(world)
+                "troupe: job {job} running {} on {world} rank(s), epoch {epoch}, data plane {data_plane}{}",
+                mode.describe(world),
+                if mode.offload == "host" {
+                    format!("; {}", troupe_model::optim::offload::CPU_RANK_NOTE)
+                } else {
+                    String::new()
+                }
             ),
         );
     }

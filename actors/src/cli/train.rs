@@ -80,15 +80,28 @@ fn report_start(reporter: &Reporter, config: &JobConfig, trainer: &Trainer, thre
         "start",
         json!({ "params": params, "trainable_params": trainable, "steps": total, "from_step": trainer.step,
                 "global_batch": batch, "micro_batch": config.train.micro_batch, "context": config.model.context,
-                "data": corpus, "world": 1, "torch_threads": threads }),
+                "data": corpus, "world": 1, "torch_threads": threads, "offload": config.parallel.offload,
+                "offloaded_state_bytes": trainer.offloaded_state_bytes() }),
         &format!(
-            "troupe: training {} ({what}) on {corpus}, steps {}..{total}, batch {batch} × {} tokens, {threads} torch thread(s)",
+            "troupe: training {} ({what}) on {corpus}, steps {}..{total}, batch {batch} × {} tokens, {threads} torch thread(s){}",
             config.model.arch.as_str(),
             trainer.step + 1,
-            config.model.context
+            config.model.context,
+            offload_note(config, trainer)
         ),
     );
     params
+}
+
+/// What `parallel.offload = "host"` did, for the start line ("" without it).
+fn offload_note(config: &JobConfig, trainer: &Trainer) -> String {
+    match (config.parallel.offload.as_str(), &trainer.offload) {
+        ("host", Some(_)) => {
+            format!("; optimizer offloaded to the host ({} bytes off the device)", trainer.offloaded_state_bytes())
+        }
+        ("host", None) => format!("; {}", troupe_model::optim::offload::CPU_RANK_NOTE),
+        _ => String::new(),
+    }
 }
 
 /// The losses and tokens of the steps trained, for the summary.

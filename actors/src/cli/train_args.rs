@@ -60,6 +60,11 @@ pub struct TrainArgs {
     /// Compute precision.
     #[arg(long, value_parser = ["fp32", "bf16", "fp16"])]
     pub precision: Option<String>,
+    /// Where a device rank keeps its optimizer (parallel.offload): beside the parameters, or on the host
+    /// (fp32 masters, optimizer state and the update; ZeRO-Offload). CPU ranks have it on the host
+    /// already: accepted, nothing changes.
+    #[arg(long, value_parser = ["none", "host"])]
+    pub offload: Option<String>,
     /// Recompute activations in backward instead of keeping them.
     #[arg(long)]
     pub recompute: bool,
@@ -147,6 +152,7 @@ impl TrainArgs {
             (&mut parallel.shard, &self.shard),
             (&mut parallel.precision, &self.precision),
             (&mut parallel.sync, &self.sync),
+            (&mut parallel.offload, &self.offload),
         ] {
             if let Some(v) = value {
                 flag.clone_from(v);

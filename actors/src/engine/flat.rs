@@ -83,6 +83,7 @@ pub(crate) async fn broadcast_state<T: Transport>(
     trainer.optimizer.set_step(counter_of(counters[2], counters[3]));
     let [_, _, _, _, scaler @ ..] = counters;
     trainer.loss_scale = LossScale::from_words(scaler);
+    trainer.state_replaced();
     Ok(())
 }
 

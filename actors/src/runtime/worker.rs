@@ -614,6 +614,10 @@ async fn train_over<T: Transport>(
         }
     }
     let collective = CollectiveConfig::from(&ctx.transport);
+    if spec.config.parallel.offload == "host" {
+        let rank = transport.rank();
+        tracing::info!(job = ctx.job, attempt = ctx.attempt, rank, "{}", troupe_model::optim::offload::CPU_RANK_NOTE);
+    }
     let (state, outcome) = match (ShardMode::of_config(&spec.config.parallel.shard), state) {
         (_, state) if spec.config.parallel.pp > 1 => {
             let mut engine = PipelineReplica::adopt(state, comm, collective, Some(ctx.worker.clone()));

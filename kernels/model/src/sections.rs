@@ -319,6 +319,10 @@ pub struct ParallelConfig {
     /// groups of blocks, each synchronized on its own offset in the interval (1: the whole model at once).
     /// At most `sync_every` and `model.n_layers`.
     pub fragments: usize,
+    /// Where a device rank keeps its optimizer: `none` (beside the parameters) or `host` (ZeRO-Offload:
+    /// the fp32 masters, the optimizer state and the update in host memory, see `optim::offload`). A CPU
+    /// rank's are on the host already: `host` is accepted there and changes nothing.
+    pub offload: String,
 }
 
 impl Default for ParallelConfig {
@@ -345,6 +349,7 @@ impl Default for ParallelConfig {
             outer_lr: 0.7,
             outer_momentum: 0.9,
             fragments: 1,
+            offload: "none".into(),
         }
     }
 }
@@ -404,6 +409,7 @@ impl ParallelConfig {
         one_of("parallel.shard", &self.shard, &["none", "zero1", "zero2", "zero3"])?;
         one_of("parallel.schedule", &self.schedule, &["gpipe", "1f1b", "interleaved", "zb-h1"])?;
         one_of("parallel.precision", &self.precision, &["fp32", "bf16", "fp16"])?;
+        one_of("parallel.offload", &self.offload, &crate::optim::offload::OFFLOADS)?;
         let init = self.loss_scale_init;
         if !(init.is_finite() && init >= 1.0 && init.log2().fract() == 0.0 && init <= 2f64.powi(64)) {
             return Err(invalid(

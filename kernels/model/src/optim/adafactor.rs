@@ -58,6 +58,12 @@ impl Adafactor {
     /// One update of every parameter from its `.grad()`; `lr` is the schedule's rate, used only without
     /// `relative_step`. Parameters without a gradient are left alone.
     pub fn apply(&mut self, params: &mut [Tensor], lr: f64) {
+        self.apply_then(params, lr, &mut |_, _| {});
+    }
+
+    /// [`Self::apply`], calling `each(i, param)` as soon as parameter `i` is updated (see
+    /// [`crate::optim::offload`]).
+    pub fn apply_then(&mut self, params: &mut [Tensor], lr: f64, each: &mut dyn FnMut(usize, &Tensor)) {
         self.step += 1;
         let beta2t = 1.0 - (self.step as f64).powf(self.config.decay_rate);
         tch::no_grad(|| {
@@ -65,6 +71,7 @@ impl Adafactor {
                 let grad = param.grad();
                 if grad.defined() {
                     self.update(i, param, &grad, lr, beta2t);
+                    each(i, param);
                 }
             }
         });

@@ -49,6 +49,12 @@ impl AdamW {
     /// kernel on their own storage; any other tensor (another device or kind) through libtorch ops with
     /// the same formula.
     pub fn apply(&mut self, params: &mut [Tensor], lr: f64) {
+        self.apply_then(params, lr, &mut |_, _| {});
+    }
+
+    /// [`Self::apply`], calling `each(i, param)` as soon as parameter `i` is updated (an offloaded
+    /// update starts copying it back to the device while the next one computes).
+    pub fn apply_then(&mut self, params: &mut [Tensor], lr: f64, each: &mut dyn FnMut(usize, &Tensor)) {
         self.step += 1;
         let step = self.step;
         for (i, param) in params.iter_mut().enumerate() {
@@ -74,6 +80,7 @@ impl AdamW {
                     self.apply_reference_to(i, param, &grad, lr);
                 }
             }
+            each(i, param);
         }
     }
 

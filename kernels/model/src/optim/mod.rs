@@ -21,6 +21,7 @@ pub mod adafactor;
 pub mod adafactor_shard;
 pub mod adamw;
 mod clipping;
+pub mod offload;
 mod schedule;
 
 pub use adafactor::Adafactor;
@@ -52,6 +53,14 @@ impl Optimizer {
         match self {
             Self::AdamW(o) => o.apply(params, lr),
             Self::Adafactor(o) => o.apply(params, lr),
+        }
+    }
+
+    /// [`Self::apply`], calling `each(i, param)` as soon as parameter `i` is updated.
+    pub fn apply_then(&mut self, params: &mut [Tensor], lr: f64, each: &mut dyn FnMut(usize, &Tensor)) {
+        match self {
+            Self::AdamW(o) => o.apply_then(params, lr, each),
+            Self::Adafactor(o) => o.apply_then(params, lr, each),
         }
     }
 

@@ -14,6 +14,7 @@ use crate::config::{ConfigError, JobConfig};
 use crate::data::{load_corpora, micro_batch_ranges, Corpus, DataError, EvalWindows, GlobalSampler};
 use crate::generate::{window_loss_sum, Evaluation};
 use crate::model::{Model, Samples};
+use crate::optim::offload::{HostOffload, Staging};
 use crate::optim::{grad_norm, learning_rate, scale_grads, Optimizer};
 use crate::precision::{backward_weight, LossScale, Precision, Update};
 
@@ -68,6 +69,10 @@ pub struct Trainer {
     /// The held-out windows `train.eval_every` evaluates (`data.val_fraction` or `data.val_path`);
     /// None when the job holds none out.
     pub validation: Option<EvalWindows>,
+    /// `parallel.offload = "host"` on a device: the host masters the optimizer (whose state is on the
+    /// host too) updates, each committed update copied back into the device parameters
+    /// ([`crate::optim::offload`]). None: the update runs on the parameters where they are.
+    pub offload: Option<HostOffload>,
 }
 
 impl Trainer {
@@ -83,7 +88,8 @@ impl Trainer {
 
     /// A fresh run on `device` (e.g. `Device::Cuda(0)`): the same initial bits as on the CPU, the
     /// model, its gradients and the optimizer's moments on the device. The fused AdamW kernel takes CPU
-    /// tensors; on another device the update runs as libtorch ops with the same formula.
+    /// tensors; on another device the update runs as libtorch ops with the same formula — or, with
+    /// `parallel.offload = "host"`, the moments and the update (the fused kernel) are on the host.
     pub fn new_on(config: JobConfig, device: Device) -> Result<Self, TrainError> {
         config.validate()?;
         crate::hf::check_weights(&config.model)?;
@@ -116,7 +122,44 @@ impl Trainer {
         let optimizer = Optimizer::new(&config.train, model.params(), decays);
         let sampler = GlobalSampler::new(config.train.seed, corpus, config.model.context);
         let loss_scale = LossScale::initial(&config.parallel);
-        Self { config, model, optimizer, sampler, step: 0, loss_scale, device, validation: None }
+        let trainer =
+            Self { config, model, optimizer, sampler, step: 0, loss_scale, device, validation: None, offload: None };
+        match Staging::of(&trainer.config.parallel.offload, device) {
+            Some(staging) => trainer.with_offload(staging),
+            None => trainer,
+        }
+    }
+
+    /// The fresh trainer with its optimizer offloaded through `staging` (what `parallel.offload =
+    /// "host"` does on a device; [`Staging::Emulated`] for tests on the CPU): host masters of the
+    /// parameters, and the optimizer's state created beside them.
+    pub fn with_offload(mut self, staging: Staging) -> Self {
+        assert!(
+            self.step == 0 && self.optimizer.step() == 0,
+            "the optimizer is offloaded on a fresh trainer (a restored state is loaded after)"
+        );
+        let offload = HostOffload::new(staging, self.model.params(), self.step);
+        let decays = self.model.specs().iter().map(|s| s.decays()).collect();
+        self.optimizer = Optimizer::new(&self.config.train, offload.masters(), decays);
+        self.offload = Some(offload);
+        self
+    }
+
+    /// The parameters and optimizer state were overwritten from elsewhere (a rank synced from another):
+    /// offloaded masters are read back from the parameters before the next update.
+    pub fn state_replaced(&mut self) {
+        if let Some(offload) = &mut self.offload {
+            offload.invalidate();
+        }
+    }
+
+    /// Bytes of optimizer state kept off the device by `parallel.offload = "host"` (0 without offload):
+    /// what the device would otherwise hold beside its parameters.
+    pub fn offloaded_state_bytes(&self) -> usize {
+        match self.offload {
+            Some(_) => self.optimizer.state_numel() * 4,
+            None => 0,
+        }
     }
 
     /// Evaluates on `corpus`'s first `train.eval_samples` windows ([`Self::evaluate`]); None: nothing.
@@ -206,7 +249,12 @@ impl Trainer {
         if let Update::Apply { grad_factor, .. } = update {
             let params = self.model.params_mut();
             scale_grads(params, grad_factor);
-            self.optimizer.apply(params, lr);
+            match &mut self.offload {
+                Some(offload) => offload.apply(&mut self.optimizer, params, lr, step),
+                None => self.optimizer.apply(params, lr),
+            }
+        } else if let Some(offload) = &mut self.offload {
+            offload.carry_over(step);
         }
         self.step += 1;
         self.report(step, loss, lr, &update, loss_scale)
