@@ -161,7 +161,7 @@ fn bad_checkpoints_are_refused_with_what_is_wrong_and_the_previous_one_is_found(
     let text = std::fs::read_to_string(&manifest).unwrap();
     std::fs::write(&manifest, &text[..text.len() / 2]).unwrap();
     check("manifest is not valid");
-    std::fs::write(&manifest, text.replace("\"version\": 2", "\"version\": 3")).unwrap();
+    std::fs::write(&manifest, text.replace("\"version\": 2", "\"version\": 4")).unwrap();
     check("upgrade troupe");
     let tampered = text.replacen("\"step\":", "\"unknown_key\": 1, \"step\":", 1);
     std::fs::write(&manifest, tampered).unwrap();
