@@ -55,8 +55,8 @@ pub(crate) async fn ask_actor<M: ractor::Message, R: Send + 'static>(
 }
 pub use data_parallel::{plan_buckets, CommTiming, DataParallelReplica, DEFAULT_BUCKET_BYTES};
 pub use memory::PersistentState;
-pub use periodic::PeriodicReplica;
 pub(crate) use periodic::resume_rank;
+pub use periodic::PeriodicReplica;
 pub use segments::{plan_segments, plan_shard, ShardSegment};
 pub use shard_owner::{OwnerArgs, OwnerUpdate, ShardOwnerActor, ShardOwnerMsg};
 pub use shard_plan::ShardMode;

@@ -409,7 +409,7 @@ impl ParallelConfig {
         one_of("parallel.shard", &self.shard, &["none", "zero1", "zero2", "zero3"])?;
         one_of("parallel.schedule", &self.schedule, &["gpipe", "1f1b", "interleaved", "zb-h1"])?;
         one_of("parallel.precision", &self.precision, &["fp32", "bf16", "fp16"])?;
-        one_of("parallel.offload", &self.offload, &crate::optim::offload::OFFLOADS)?;
+        one_of("parallel.offload", &self.offload, &OFFLOADS)?;
         let init = self.loss_scale_init;
         if !(init.is_finite() && init >= 1.0 && init.log2().fract() == 0.0 && init <= 2f64.powi(64)) {
             return Err(invalid(
@@ -483,6 +483,8 @@ impl ParallelConfig {
 
 /// Most local steps between two synchronizations (`parallel.sync_every`).
 pub const SYNC_EVERY_MAX: u64 = 1 << 20;
+/// `parallel.offload`'s values (optim::offload carries out `host`).
+pub const OFFLOADS: [&str; 2] = ["none", "host"];
 
 pub(crate) fn invalid(key: &'static str, value: impl fmt::Display, allowed: impl Into<String>) -> ConfigError {
     ConfigError::Invalid { key, value: value.to_string(), allowed: allowed.into() }

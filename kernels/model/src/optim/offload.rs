@@ -27,9 +27,6 @@ use tch::{Device, Kind, Tensor};
 
 use super::Optimizer;
 
-/// `parallel.offload`'s values.
-pub const OFFLOADS: [&str; 2] = ["none", "host"];
-
 /// Where the parameters the forward reads live, apart from the host masters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Staging {
