@@ -135,8 +135,11 @@ fn one_micro_batch_of_8_equals_4_of_2() {
         let (la, lb) = (whole.accumulate_gradients(step), split.accumulate_gradients(step));
         assert!((la - lb).abs() <= 1e-6 * la.abs(), "step {step}: loss {la} vs {lb}");
         for (spec, (a, b)) in whole.model.specs().iter().zip(whole.model.params().iter().zip(split.model.params())) {
+            // After the first update the two runs' parameters differ by rounding (another summation
+            // order), and the CPU's kernels set how much: 1.1e-6 at step 2 on an AMD EPYC without
+            // AVX-512 (2026-11-27), under 1e-6 on the AVX-512 machines before. The oracle's 1e-5.
             let d = rel_diff(&a.grad(), &b.grad());
-            assert!(d <= 1e-6, "step {step}: gradient of {} differs by {d:e} relative", spec.name);
+            assert!(d <= 1e-5, "step {step}: gradient of {} differs by {d:e} relative", spec.name);
         }
         whole.train_step();
         split.train_step();
