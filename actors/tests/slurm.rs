@@ -1,4 +1,4 @@
-//! troupe on a real Slurm: Debian's slurmctld, two slurmd (nodes n1 on 127.0.0.1 and n2 on 127.0.0.2,
+//! troupe on a real Slurm: Debian's slurmctld, three slurmd (nodes n1, n2 and n3 on 127.0.0.1-3,
 //! Slurm's multiple-slurmd mode) and a private munged, configured and started by each test in a
 //! temporary directory and stopped at its end. The batch script is the one `troupe slurm sbatch` writes,
 //! submitted with the real `sbatch`. Skipped, saying why, where Slurm is not installed or the tests do
@@ -17,9 +17,9 @@ use troupe_model::Trainer;
 const TOLERANCE: f64 = 1e-5;
 /// slurm.conf's KillWait: scancel's SIGTERM, then SIGKILL this much later.
 const KILL_WAIT_S: u64 = 30;
-const NODES: [(&str, &str); 2] = [("n1", "127.0.0.1"), ("n2", "127.0.0.2")];
+const NODES: [(&str, &str); 3] = [("n1", "127.0.0.1"), ("n2", "127.0.0.2"), ("n3", "127.0.0.3")];
 
-/// A Slurm cluster of two nodes on this machine, stopped when dropped.
+/// A Slurm cluster of three nodes on this machine, stopped when dropped.
 struct Slurm {
     dir: tempfile::TempDir,
     conf: PathBuf,
@@ -27,7 +27,7 @@ struct Slurm {
 }
 
 impl Slurm {
-    /// Starts munged, slurmctld and two slurmd; None (with the reason on stderr) where it cannot.
+    /// Starts munged, slurmctld and three slurmd; None (with the reason on stderr) where it cannot.
     fn start() -> Option<Slurm> {
         let root = Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.trim_ascii() == b"0");
         let tools = ["munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue", "sinfo"];
@@ -126,12 +126,18 @@ impl Slurm {
 
     /// `troupe slurm sbatch job.toml --nodes 2 ...` for a job of `config`: the script's path.
     fn script(&self, config: &str, extra: &[&str]) -> PathBuf {
+        self.script_on(2, config, extra)
+    }
+
+    /// `troupe slurm sbatch job.toml --nodes NODES ...` for a job of `config`: the script's path.
+    fn script_on(&self, nodes: usize, config: &str, extra: &[&str]) -> PathBuf {
         let submit = self.submit_dir();
         std::fs::write(submit.join("job.toml"), config).unwrap();
         let script = submit.join("job.sh");
         let out = Command::new(common::binary())
             .current_dir(&submit)
-            .args(["slurm", "sbatch", "job.toml", "--nodes", "2", "--output", "out-%j.txt", "--json", "--out"])
+            .args(["slurm", "sbatch", "job.toml", "--nodes", &nodes.to_string(), "--output", "out-%j.txt", "--json"])
+            .arg("--out")
             .arg(&script)
             .args(extra)
             .output()
@@ -252,7 +258,7 @@ AccountingStorageType=accounting_storage/none
         conf +=
             &format!("NodeName={node} NodeHostname={host} NodeAddr={addr} Port={} CPUs=1 RealMemory=2000\n", port());
     }
-    conf += "PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP\n";
+    conf += "PartitionName=debug Nodes=n1,n2,n3 Default=YES MaxTime=INFINITE State=UP\n";
     conf
 }
 
@@ -289,6 +295,16 @@ fn troupe_tasks() -> Vec<u32> {
         }
     }
     pids
+}
+
+/// The process id of the `troupe slurm run` task on Slurm node `node` (SLURMD_NODENAME in its
+/// environment).
+fn task_on(node: &str) -> Option<u32> {
+    let wanted = format!("SLURMD_NODENAME={node}");
+    troupe_tasks().into_iter().find(|pid| {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        environ.split(|b| *b == 0).any(|var| var == wanted.as_bytes())
+    })
 }
 
 /// The JSON events named `name` in a job's output (the first task's `--json` lines).
@@ -337,6 +353,21 @@ fn check_on_the_reference(job_toml: &Path, losses: &[(u64, f64)], output: &str, 
 /// Each step's world size.
 fn worlds(output: &str) -> Vec<u64> {
     events(output, "step").iter().map(|e| e["world"].as_u64().unwrap()).collect()
+}
+
+/// The step events of an output two tasks printed in turn (the first node's, then the task that followed
+/// the job in its place, from the event the first had last been seen at): each step once, in order — a
+/// step both printed must be the same (loss and world) — with its loss and world size.
+fn steps_once(output: &str) -> (Vec<(u64, f64)>, Vec<u64>) {
+    let mut seen: std::collections::BTreeMap<u64, (f64, u64)> = Default::default();
+    for event in events(output, "step") {
+        let (step, loss, world) =
+            (event["step"].as_u64().unwrap(), event["loss"].as_f64().unwrap(), event["world"].as_u64().unwrap());
+        if let Some(first) = seen.insert(step, (loss, world)) {
+            assert_eq!(first, (loss, world), "step {step} printed twice, differently:\n{output}");
+        }
+    }
+    (seen.iter().map(|(step, (loss, _))| (*step, *loss)).collect(), seen.values().map(|(_, world)| *world).collect())
 }
 
 #[test]
@@ -402,6 +433,35 @@ fn a_node_slurm_takes_away_is_a_node_loss_the_job_survives_on_the_reference() {
     assert!(output.contains("n2: task 1: Killed"), "srun says Slurm killed n2's task:\n{output}");
     let submit = slurm.submit_dir();
     check_on_the_reference(&submit.join("job.toml"), &losses(&output), &output, &submit.join("final.safetensors"));
+    assert!(troupe_tasks().is_empty(), "no task is left: {:?}", troupe_tasks());
+}
+
+#[test]
+fn with_three_controllers_losing_the_first_node_is_survived_and_the_next_task_follows_the_job() {
+    let Some(slurm) = Slurm::start() else { return };
+    const STEPS: u64 = 80;
+    let script = slurm.script_on(3, &job(STEPS), &["--save-final", "final.safetensors"]);
+    let text = std::fs::read_to_string(&script).unwrap();
+    assert!(!text.contains("--controllers"), "three nodes get three controllers by default:\n{text}");
+    let (id, child) = slurm.sbatch(&script, true);
+    slurm.wait_for_step(id, 4);
+    // n1's task submitted the job, streams its events and is a controller (the Raft leader or not): it
+    // dies as a process does on a GPU fault or the OOM killer. (Setting n1 DOWN would end the Slurm job
+    // itself: the batch script runs there.)
+    let task = task_on("n1").expect("n1's troupe task");
+    assert!(Command::new("kill").args(["-KILL", &task.to_string()]).status().unwrap().success());
+    let status = common::wait_child(&mut child.unwrap(), Duration::from_secs(300), "sbatch --wait");
+    let output = slurm.output(id);
+    // The script's exit status is the job's outcome, which n2's task recorded in n1's place.
+    assert!(status.success(), "the batch job failed ({status}):\n{output}{}", slurm.logs());
+    assert!(output.contains("3 controllers (Raft) n1 (127.0.0.1:"), "every task names the controllers:\n{output}");
+    let follows = "troupe slurm: the first node n1 left the cluster; node n2 follows job ";
+    assert!(output.contains(follows), "n2's task follows the job once n1 is gone:\n{output}");
+    let (losses, worlds) = steps_once(&output);
+    assert_eq!((worlds.first(), worlds.last()), (Some(&3), Some(&2)), "3 ranks, then n2's and n3's: {worlds:?}");
+    let submit = slurm.submit_dir();
+    check_on_the_reference(&submit.join("job.toml"), &losses, &output, &submit.join("final.safetensors"));
+    assert_eq!(losses.len() as u64, STEPS, "every step printed, by n1's task or n2's:\n{output}");
     assert!(troupe_tasks().is_empty(), "no task is left: {:?}", troupe_tasks());
 }
 

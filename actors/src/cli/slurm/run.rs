@@ -1,6 +1,8 @@
 //! `troupe slurm run job.toml`: one task per node of a Slurm job step. Each task is its node's daemon
-//! (in this process); the first node's is the controller, and its task also submits the job, follows it
-//! and ends the step with the job's outcome. The other tasks end when the job does.
+//! (in this process). The first `--controllers` nodes are controller-eligible (one: the first node is the
+//! controller; three or five: a Raft group whose leader is). The first node's task also submits the job,
+//! follows it and ends the step with the job's outcome. The other tasks end when the job does; if the
+//! first node is gone before that, the first task still alive follows the job in its place.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -13,14 +15,18 @@ use troupe_model::config::JobConfig;
 
 use super::env::SlurmTask;
 use super::{certs, nodes};
-use crate::api::{Client, DataPlane, Job, JobState};
+use crate::api::{Client, DataPlane, Job, JobId, JobState};
 use crate::cli::follow::{conclude, follow, Mode, OnInterrupt, GOODBYE};
 use crate::daemon::{Daemon, NodeConfig};
+use crate::node_config::controllers::CONTROLLERS_MAX;
 use crate::progress::Reporter;
 use crate::telemetry::RunDir;
 
 /// How often a task that is not the first asks the controller about the job.
 const POLL_MS: u64 = 1_000;
+/// A controller-eligible node's Raft endpoint listens this many ports above its daemon: the default
+/// daemon ports of two allocations sharing a node (7400 + SLURM_JOB_ID % 1000) never meet a Raft port.
+const RAFT_PORT_OFFSET: u16 = 1000;
 /// How long the first task waits, after the job ended, for the other tasks to see it and leave.
 const FAREWELL_MS: u64 = 10_000;
 
@@ -40,9 +46,15 @@ pub struct RunOptions {
     /// first task when it has no CA [default: $SLURM_SUBMIT_DIR/.troupe/slurm-$SLURM_JOB_ID].
     #[arg(long, value_name = "DIR")]
     pub cluster_dir: Option<PathBuf>,
-    /// UDP port of every node's daemon [default: 7400 + SLURM_JOB_ID % 1000].
+    /// UDP port of every node's daemon [default: 7400 + SLURM_JOB_ID % 1000]; a controller-eligible node's
+    /// Raft endpoint listens 1000 ports higher.
     #[arg(long)]
     pub port: Option<u16>,
+    /// How many of the allocation's first nodes are controller-eligible: 1 (the first node is the
+    /// controller, and losing it ends the job), or 3 or 5 (a Raft group: the job survives losing any
+    /// minority of them, the first node included) [default: 3 with 3 or more nodes, else 1].
+    #[arg(long, value_name = "N")]
+    pub controllers: Option<usize>,
     /// Device slots per node [default: SLURM_GPUS_ON_NODE, or 1 on a node without GPUs].
     #[arg(long)]
     pub slots: Option<u32>,
@@ -85,14 +97,15 @@ struct Placement {
     task: SlurmTask,
     hosts: Vec<String>,
     names: Vec<String>,
-    /// This node's index in `hosts`; 0 runs the controller.
+    /// This node's index in `hosts`; 0 submits the job.
     index: usize,
-    controller: SocketAddr,
+    /// The daemon addresses of the controller-eligible nodes, `hosts[..controllers.len()]`.
+    controllers: Vec<SocketAddr>,
     listen: SocketAddr,
 }
 
 impl Placement {
-    fn of(task: SlurmTask, port: Option<u16>) -> anyhow::Result<Self> {
+    fn of(task: SlurmTask, port: Option<u16>, controllers: Option<usize>) -> anyhow::Result<Self> {
         let hosts = nodes::expand(&task.node_list)?;
         if hosts.len() != task.nodes {
             bail!(
@@ -107,9 +120,44 @@ impl Placement {
             format!("SLURMD_NODENAME={} is not in SLURM_JOB_NODELIST={:?} ({hosts:?})", task.node_name, task.node_list)
         })?;
         let port = port.unwrap_or(task.default_port());
-        let controller = nodes::address(&hosts[0], port)?;
-        let listen = if index == 0 { controller } else { nodes::address(&hosts[index], port)? };
-        Ok(Placement { task, hosts, names, index, controller, listen })
+        let count = controller_count(controllers, hosts.len())?;
+        if count > 1 && port.checked_add(RAFT_PORT_OFFSET).is_none() {
+            bail!(
+                "--port {port}: a controller's Raft endpoint listens {RAFT_PORT_OFFSET} ports higher; choose a port \
+                 below {}",
+                u16::MAX - RAFT_PORT_OFFSET + 1
+            );
+        }
+        let controllers = hosts[..count].iter().map(|h| nodes::address(h, port)).collect::<anyhow::Result<Vec<_>>>()?;
+        let listen = match controllers.get(index) {
+            Some(addr) => *addr,
+            None => nodes::address(&hosts[index], port)?,
+        };
+        Ok(Placement { task, hosts, names, index, controllers, listen })
+    }
+
+    /// node.toml's `controllers` entries (`NAME@HOST:PORT+1000`), with two or more controller-eligible nodes.
+    fn raft_entries(&self) -> Vec<String> {
+        if self.controllers.len() < 2 {
+            return Vec::new();
+        }
+        let raft = |addr: &SocketAddr| SocketAddr::new(addr.ip(), addr.port() + RAFT_PORT_OFFSET);
+        self.names.iter().zip(&self.controllers).map(|(name, addr)| format!("{name}@{}", raft(addr))).collect()
+    }
+
+    /// A client of the cluster, at whichever controller-eligible node answers (a follower redirects).
+    async fn client(&self, identity: &NodeIdentity) -> crate::api::Result<Client> {
+        Client::connect_any(&self.controllers, identity).await
+    }
+
+    /// The controller-eligible nodes, for people: `n1 (10.0.0.1:7400)`, or three of them.
+    fn describe_controllers(&self) -> String {
+        let each: Vec<String> =
+            self.hosts.iter().zip(&self.controllers).map(|(host, addr)| format!("{host} ({addr})")).collect();
+        match each.len() {
+            1 => format!("controller {}", each[0]),
+            n => format!("{n} controllers (Raft) {}", each.join(", ")),
+        }
     }
 
     fn name(&self) -> &str {
@@ -121,13 +169,31 @@ impl Placement {
     }
 }
 
+/// How many of `hosts` nodes are controller-eligible: `asked` (--controllers), or 3 with 3 nodes or more.
+fn controller_count(asked: Option<usize>, hosts: usize) -> anyhow::Result<usize> {
+    let count = asked.unwrap_or(if hosts >= 3 { 3 } else { 1 });
+    if count == 0 || count > hosts || count > CONTROLLERS_MAX {
+        bail!(
+            "--controllers {count}: give 1, 3 or 5 (at most {CONTROLLERS_MAX}, and no more than the allocation's \
+             {hosts} node(s))"
+        );
+    }
+    if count % 2 == 0 {
+        tracing::warn!(
+            "--controllers {count}: an even number of controllers tolerates no more lost ones than {} would",
+            count - 1
+        );
+    }
+    Ok(count)
+}
+
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
     crate::daemon::init_logging();
     let task = SlurmTask::from_vars(|k| std::env::var(k).ok())?;
     // Every task reads the job, so a bad one fails the whole step at once with the same message.
     let config = JobConfig::from_file(&args.config)?;
     let options = args.options;
-    let placement = Placement::of(task, options.port)?;
+    let placement = Placement::of(task, options.port, options.controllers)?;
     let dir = match &options.cluster_dir {
         Some(dir) => std::path::absolute(dir).with_context(|| format!("--cluster-dir {}", dir.display()))?,
         None => placement.task.submit_dir.join(".troupe").join(placement.job_name()),
@@ -153,8 +219,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         .context("creating the daemon's data directory under $TMPDIR")?;
     let node = node_config(&placement, &options, &dir, data_dir.path())?;
     println!(
-        "troupe slurm: node {} (Slurm node {}) at {} with {} slot(s); controller {} at {}",
-        node.name, placement.task.node_name, node.listen, node.slots, placement.hosts[0], placement.controller
+        "troupe slurm: node {} (Slurm node {}) at {} with {} slot(s); {}",
+        node.name,
+        placement.task.node_name,
+        node.listen,
+        node.slots,
+        placement.describe_controllers()
     );
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(3)
@@ -167,7 +237,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         let result = if placement.index == 0 {
             lead(&placement, &options, config, &identity, &mut term, bound).await
         } else {
-            accompany(&placement, &identity, &daemon, &mut term, bound).await
+            accompany(&placement, &options, &config, &identity, &daemon, &mut term, bound).await
         };
         tracing::info!(node = daemon.name(), "draining");
         let _ = daemon.drain().await;
@@ -204,10 +274,19 @@ fn node_config(
     for (key, value) in set {
         table.insert(key.into(), value);
     }
-    if placement.index > 0 {
-        table.insert("join".into(), placement.controller.to_string().into());
+    // Controller-eligible nodes find each other through Raft; the others join the first node, which
+    // redirects them to the leader (and they keep every member's address for a later rejoin).
+    if placement.index >= placement.controllers.len() {
+        table.insert("join".into(), placement.controllers[0].to_string().into());
     } else {
         table.remove("join");
+    }
+    table.remove("raft_listen");
+    let entries = placement.raft_entries();
+    if entries.is_empty() {
+        table.remove("controllers");
+    } else {
+        table.insert("controllers".into(), entries.into());
     }
     if !table.contains_key("torch_threads") {
         let threads = (placement.task.cpus_on_node / slots.max(1) as usize).max(1);
@@ -245,7 +324,7 @@ async fn lead(
     if let Some(path) = &options.save_final {
         job = job.save_final(std::path::absolute(path)?);
     }
-    let client = Client::connect(placement.controller, identity).await?;
+    let client = placement.client(identity).await?;
     let mut handle = client.submit(job).await?;
     let id = handle.id();
     let reporter = Reporter::new(options.json, 0, total, options.log_every).with_run_dir(run_dir);
@@ -254,48 +333,61 @@ async fn lead(
     let followed = follow(&mut handle, &reporter, &mode, Some(placement.hosts.len()), OnInterrupt::Cancel).await;
     let _ = tokio::time::timeout(GOODBYE, handle.close()).await;
     let result = conclude(reporter, followed?, started, Some(placement.hosts.len()), id, false);
-    if let Some(file) = &options.exit_code_file {
-        let code = if result.is_ok() { "0\n" } else { "1\n" };
-        std::fs::write(file, code).with_context(|| format!("--exit-code-file {}", file.display()))?;
-    }
+    record_exit_code(options, &result)?;
     // The others see the job's end on their next poll and leave; then this daemon drains.
-    let farewell = async {
-        while members(placement, identity).await.is_some_and(|n| n > 1) {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    };
-    tokio::select! {
-        _ = tokio::time::timeout(Duration::from_millis(FAREWELL_MS), farewell) => {}
-        _ = term.recv() => {}
-    }
+    farewell(placement, identity, term).await;
     result
 }
 
 async fn members(placement: &Placement, identity: &NodeIdentity) -> Option<usize> {
-    let mut client = Client::connect(placement.controller, identity).await.ok()?;
+    let mut client = placement.client(identity).await.ok()?;
     let status = client.status().await.ok();
     client.close().await;
     status.map(|s| s.members.len())
 }
 
-/// Waits until every node of the allocation is a member, naming the ones missing after `bound`.
+/// Waits until every node of the allocation is a member, naming the ones missing after `bound`. With
+/// several controllers there is no controller to answer until a majority of them has started and
+/// elected a leader: an unanswered question is asked again.
 async fn wait_for_members(placement: &Placement, identity: &NodeIdentity, bound: Duration) -> anyhow::Result<()> {
     let started = Instant::now();
-    let mut client = Client::connect(placement.controller, identity).await?;
+    let mut client: Option<Client> = None;
+    let mut missing: Vec<&String> = placement.names.iter().collect();
+    let mut unanswered = None;
     loop {
-        let status = client.status().await?;
-        let missing: Vec<&String> =
-            placement.names.iter().filter(|n| !status.members.iter().any(|m| &m.name == *n)).collect();
-        if missing.is_empty() {
-            client.close().await;
-            return Ok(());
+        if client.is_none() {
+            client = placement.client(identity).await.map_err(|e| unanswered = Some(e.to_string())).ok();
+        }
+        if let Some(c) = client.as_mut() {
+            match c.status().await {
+                Ok(status) => {
+                    missing =
+                        placement.names.iter().filter(|n| !status.members.iter().any(|m| &m.name == *n)).collect();
+                    if missing.is_empty() {
+                        client.take().expect("asked").close().await;
+                        return Ok(());
+                    }
+                    unanswered = None;
+                }
+                Err(e) => {
+                    unanswered = Some(e.to_string());
+                    client = None;
+                }
+            }
         }
         if started.elapsed() >= bound {
+            if let Some(error) = unanswered {
+                bail!(
+                    "no controller answered within {} s (--wait-s; {}): {error}",
+                    bound.as_secs(),
+                    placement.describe_controllers()
+                );
+            }
             bail!(
                 "node(s) {missing:?} did not join within {} s (--wait-s); their task's output in the job's output \
                  says why (a firewall on UDP port {}? a certificate?)",
                 bound.as_secs(),
-                placement.controller.port()
+                placement.listen.port()
             );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -303,17 +395,25 @@ async fn wait_for_members(placement: &Placement, identity: &NodeIdentity, bound:
 }
 
 /// Another task: serves as a node until the job ends (its outcome is this task's), SIGTERM, the
-/// daemon stopping, or the controller silent for `bound`.
+/// daemon stopping, or no controller answering for `bound`. If the first node leaves the cluster before
+/// the job ended, the first task still alive follows the job in its place (with several controllers the
+/// job outlives the first node).
 async fn accompany(
     placement: &Placement,
+    options: &RunOptions,
+    config: &JobConfig,
     identity: &NodeIdentity,
     daemon: &Daemon,
     term: &mut Signal,
     bound: Duration,
 ) -> anyhow::Result<()> {
     let name = placement.job_name();
+    let first = &placement.names[0];
     let mut heard = Instant::now();
     let mut client: Option<Client> = None;
+    // Whether the first node was seen in the cluster, and how many of the job's events had been
+    // streamed (to its task) when it last was: where a task following in its place starts.
+    let (mut first_seen, mut streamed) = (false, 0);
     loop {
         tokio::select! {
             _ = term.recv() => bail!("stopped by SIGTERM (scancel?): node {} left the cluster", placement.name()),
@@ -323,7 +423,7 @@ async fn accompany(
             bail!("node {} stopped: {}", placement.name(), daemon.stop_reason().unwrap_or_default());
         }
         if client.is_none() {
-            client = Client::connect(placement.controller, identity).await.ok();
+            client = placement.client(identity).await.ok();
         }
         let status = match client.as_mut() {
             Some(c) => c.status().await.ok(),
@@ -332,19 +432,48 @@ async fn accompany(
         let Some(status) = status else {
             client = None;
             if heard.elapsed() >= bound {
+                let why = if placement.controllers.len() == 1 {
+                    "its node is gone, and the job with it (the first node runs the only controller; \
+                     --controllers 3 survives losing it)"
+                } else {
+                    "a majority of them is gone, and the job with it"
+                };
                 bail!(
-                    "the controller on {} ({}) has not answered for {} s: its node is gone, and the job with it \
-                     (the first node runs the controller); with checkpoint.dir set, submit the script again and the \
-                     job continues from its newest checkpoint",
-                    placement.hosts[0],
-                    placement.controller,
-                    bound.as_secs()
+                    "no controller has answered for {} s ({}): {why}; with checkpoint.dir set, submit the script \
+                     again and the job continues from its newest checkpoint",
+                    bound.as_secs(),
+                    placement.describe_controllers()
                 );
             }
             continue;
         };
         heard = Instant::now();
-        let Some(job) = status.jobs.iter().filter(|j| j.name == name).max_by_key(|j| j.id) else { continue };
+        if !status.controller {
+            // Only the controller knows the jobs (with several controllers, any of them may have
+            // answered): ask it from the next poll on.
+            client = match status.controller_addr {
+                Some(addr) => Client::connect(addr, identity).await.ok(),
+                None => None,
+            };
+            continue;
+        }
+        let member = |n: &String| status.members.iter().any(|m| &m.name == n);
+        let job = status.jobs.iter().filter(|j| j.name == name).max_by_key(|j| j.id);
+        if member(first) {
+            first_seen = true;
+            // How many events the controller has streamed (a status's job list does not count them).
+            if let (Some(job), Some(c)) = (job, client.as_mut()) {
+                streamed = c.job_status(job.id).await.map_or(streamed, |info| info.events);
+            }
+        } else if first_seen && !placement.names[..placement.index].iter().any(member) {
+            // The first node's task is gone and this one is the first alive: it speaks for the job.
+            let Some(job) = job else {
+                bail!("the first node {} left the cluster before it submitted the job", placement.hosts[0]);
+            };
+            let client = client.take().expect("a client that just answered");
+            return follow_in_place(placement, options, config, identity, client, (job.id, streamed), term).await;
+        }
+        let Some(job) = job else { continue };
         match job.state {
             JobState::Finished => return Ok(()),
             JobState::Failed | JobState::Cancelled => bail!(
@@ -355,5 +484,144 @@ async fn accompany(
             ),
             _ => {}
         }
+    }
+}
+
+/// The first task alive once the first node is gone: follows the job from the event its task had
+/// streamed up to (events streamed since may be printed twice, none is skipped), records the outcome
+/// and waits for the others as the first task would have.
+async fn follow_in_place(
+    placement: &Placement,
+    options: &RunOptions,
+    config: &JobConfig,
+    identity: &NodeIdentity,
+    client: Client,
+    (job, since): (JobId, u64),
+    term: &mut Signal,
+) -> anyhow::Result<()> {
+    println!(
+        "troupe slurm: the first node {} left the cluster; node {} follows job {job} from its event {since}",
+        placement.hosts[0],
+        placement.name()
+    );
+    let mut handle = client.watch_from(job, since).await?;
+    let total = config.train.steps;
+    let reporter = Reporter::new(options.json, 0, total, options.log_every);
+    let started = Instant::now();
+    let nodes = Some(placement.hosts.len());
+    let followed = follow(&mut handle, &reporter, &Mode::of(config), nodes, OnInterrupt::Cancel).await;
+    let _ = tokio::time::timeout(GOODBYE, handle.close()).await;
+    let result = conclude(reporter, followed?, started, nodes, job, false);
+    record_exit_code(options, &result)?;
+    farewell(placement, identity, term).await;
+    result
+}
+
+/// Writes the job's outcome to --exit-code-file (0 finished, 1 failed or cancelled), if given.
+fn record_exit_code(options: &RunOptions, result: &anyhow::Result<()>) -> anyhow::Result<()> {
+    if let Some(file) = &options.exit_code_file {
+        let code = if result.is_ok() { "0\n" } else { "1\n" };
+        std::fs::write(file, code).with_context(|| format!("--exit-code-file {}", file.display()))?;
+    }
+    Ok(())
+}
+
+/// Waits (up to FAREWELL_MS, or SIGTERM) until this node is the cluster's last: the others see the
+/// job's end on their next poll and leave.
+async fn farewell(placement: &Placement, identity: &NodeIdentity, term: &mut Signal) {
+    let others_left = async {
+        while members(placement, identity).await.is_some_and(|n| n > 1) {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
+    tokio::select! {
+        _ = tokio::time::timeout(Duration::from_millis(FAREWELL_MS), others_left) => {}
+        _ = term.recv() => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Task `index` of an allocation of `hosts` nodes n1, n2, … at 10.0.0.1, 10.0.0.2, …, port 7400.
+    fn placement(hosts: usize, index: usize, controllers: Option<usize>) -> anyhow::Result<Placement> {
+        let host_names: Vec<String> = (1..=hosts).map(|i| format!("n{i}")).collect();
+        let addr = |i: usize| SocketAddr::from(([10, 0, 0, i as u8 + 1], 7400));
+        let task = SlurmTask {
+            job_id: 0,
+            node_list: format!("n[1-{hosts}]"),
+            nodes: hosts,
+            node_name: host_names[index].clone(),
+            proc_id: index,
+            tasks: hosts,
+            cpus_on_node: 2,
+            gpus_on_node: 0,
+            submit_dir: PathBuf::from("/shared"),
+        };
+        let count = controller_count(controllers, hosts)?;
+        Ok(Placement {
+            task,
+            names: host_names.clone(),
+            hosts: host_names,
+            index,
+            controllers: (0..count).map(addr).collect(),
+            listen: addr(index),
+        })
+    }
+
+    fn config_of(placement: &Placement) -> NodeConfig {
+        let options = RunOptions {
+            cluster_dir: None,
+            port: None,
+            controllers: None,
+            slots: None,
+            node_template: None,
+            wait_s: RunOptions::WAIT_S,
+            data_plane: "auto".into(),
+            save_final: None,
+            exit_code_file: None,
+            run_dir: None,
+            log_every: 0,
+            json: false,
+        };
+        let certs = tempfile::tempdir().unwrap();
+        certs::prepare(certs.path(), &placement.names).unwrap();
+        node_config(placement, &options, certs.path(), Path::new("/tmp/data")).unwrap()
+    }
+
+    #[test]
+    fn three_nodes_or_more_get_three_controllers_and_fewer_one() {
+        assert_eq!(controller_count(None, 1).unwrap(), 1);
+        assert_eq!(controller_count(None, 2).unwrap(), 1);
+        assert_eq!(controller_count(None, 3).unwrap(), 3);
+        assert_eq!(controller_count(None, 64).unwrap(), 3);
+        assert_eq!(controller_count(Some(5), 8).unwrap(), 5);
+        assert_eq!(controller_count(Some(1), 8).unwrap(), 1);
+        for (asked, hosts) in [(0, 4), (5, 4), (9, 16)] {
+            let error = controller_count(Some(asked), hosts).unwrap_err().to_string();
+            assert!(error.starts_with(&format!("--controllers {asked}: give 1, 3 or 5")), "{error}");
+            assert!(error.contains(&format!("the allocation's {hosts} node(s)")), "{error}");
+        }
+    }
+
+    #[test]
+    fn controller_eligible_nodes_list_each_others_raft_ports_and_the_others_join_the_first() {
+        let entries = ["n1@10.0.0.1:8400", "n2@10.0.0.2:8400", "n3@10.0.0.3:8400"];
+        for index in 0..3 {
+            let node = config_of(&placement(4, index, None).unwrap());
+            assert_eq!(node.controllers, entries, "node {index}");
+            assert_eq!(node.join, None, "a controller-eligible node finds the others through Raft");
+        }
+        let worker = config_of(&placement(4, 3, None).unwrap());
+        assert_eq!(worker.controllers, entries);
+        assert_eq!(worker.join, Some("10.0.0.1:7400".parse().unwrap()));
+        // One controller: today's cluster, the first node the controller and no Raft.
+        let first = config_of(&placement(4, 0, Some(1)).unwrap());
+        let second = config_of(&placement(4, 1, Some(1)).unwrap());
+        assert!(first.controllers.is_empty() && first.join.is_none());
+        assert_eq!((second.controllers.len(), second.join), (0, Some("10.0.0.1:7400".parse().unwrap())));
+        let described = placement(4, 3, None).unwrap().describe_controllers();
+        assert_eq!(described, "3 controllers (Raft) n1 (10.0.0.1:7400), n2 (10.0.0.2:7400), n3 (10.0.0.3:7400)");
     }
 }

@@ -169,6 +169,7 @@ fn srun_command(args: &SbatchArgs, troupe: &Path, config: &Path) -> String {
     };
     let absolute = |p: &PathBuf| std::path::absolute(p).unwrap_or(p.clone()).display().to_string();
     pass("--port", run.port.map(|p| p.to_string()));
+    pass("--controllers", run.controllers.map(|n| n.to_string()));
     pass("--slots", run.slots.map(|s| s.to_string()));
     pass("--node-template", run.node_template.as_ref().map(absolute));
     pass("--wait-s", (run.wait_s != RunOptions::WAIT_S).then(|| run.wait_s.to_string()));
