@@ -4,8 +4,8 @@
 //! not divide refused naming `parallel.tp`; a checkpoint written at tp = 2 resumed at tp = 1 ends where
 //! one uninterrupted reference run ends; fine-tuning (`[peft]`) at tp = 2 in [`peft`]. Real model shapes:
 //! tp = 4 over a Llama's 2 key/value heads (replicated) and an odd vocabulary (padded). A tensor group
-//! that loses a rank with no other replica left: the job goes on at a smaller tensor degree from the
-//! checkpoint.
+//! of 2 that loses a rank with no other replica left: the survivor's buddy copy holds the lost shard, and
+//! the job goes on from the last committed step (at tp = 1, or at tp = 2 with a spare), nothing rolled back.
 
 mod common;
 #[path = "tensor_parallel_job/peft.rs"]
@@ -148,7 +148,7 @@ async fn a_checkpoint_written_at_tp2_resumes_at_tp1_on_the_reference_trajectory(
 }
 
 /// A tensor group lives or dies together: tp = 2 × dp = 2 on four daemon processes, the last one
-/// SIGKILLed after step 5 — its group's surviving rank gives up its shards, the other group's ranks keep
+/// SIGKILLed after step 5 — the other group's ranks (and the lost rank's partner, from its buddy copy) keep
 /// the full state, and the job goes on as one tensor group of two (dp = 1) on the reference's trajectory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tensor_group_that_loses_a_rank_to_sigkill_drops_out_and_the_job_stays_on_the_reference() {
@@ -202,52 +202,82 @@ async fn tp4_over_two_key_value_heads_and_an_odd_vocabulary_equal_the_reference(
     cluster.shutdown().await;
 }
 
-/// No whole tensor group survives: tp = 2 × dp = 1 on two daemon processes, one SIGKILLed after step 5.
-/// The survivor keeps no state (a tensor group lives or dies together, with no buddy copies), so the job
-/// re-plans at tensor degree 1 and re-shards the newest checkpoint onto it: it rolls back to that
-/// checkpoint and ends on the reference's trajectory (every step's last committed loss and the final
-/// parameters within 1e-5).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tp2_job_that_loses_a_rank_goes_on_at_tp1_from_the_checkpoint_on_the_reference() {
-    let dir = tempfile::tempdir().unwrap();
-    let cluster = common::processes(2).await;
-    let mut config = with_tp(JobConfig::small_llama(12), 2, true);
-    config.parallel.dp = 1;
-    config.checkpoint.dir = Some(dir.path().join("ckpt"));
-    config.checkpoint.every_steps = 3;
-    let out = dir.path().join("final.safetensors");
-    let job = Job::new(config.clone()).save_final(&out).elastic(1, 2, 10);
+/// Every committed step once, in order — none redone after a loss — and the whole run on the reference's
+/// trajectory (per-step losses and the final parameters within 1e-5).
+fn assert_no_step_redone_and_on_the_reference(events: &[JobEvent], config: &JobConfig, out: &Path, what: &str) {
+    assert!(
+        !events.iter().any(|e| matches!(e, JobEvent::RolledBack { .. })),
+        "{what}: nothing rolled back: {events:?}"
+    );
+    let steps: Vec<u64> =
+        events.iter().filter_map(|e| if let JobEvent::Step { step, .. } = e { Some(*step) } else { None }).collect();
+    assert!(steps.windows(2).all(|w| w[1] == w[0] + 1), "{what}: each step after the one before: {steps:?}");
+    let (losses, _) = losses_and_worlds(events);
+    let (ref_losses, reference) = reference(config);
+    assert_eq!(losses.len(), ref_losses.len(), "{what}: one committed loss per step: {events:?}");
+    let diff = worst_loss_diff(&losses, &ref_losses);
+    let comparison =
+        compare_params(reference.model.specs(), &common::saved_params(out, &reference), &reference.param_values());
+    eprintln!("{what}: loss diff {diff:.1e}, params {comparison:?}");
+    assert!(diff <= TOLERANCE, "{what}: losses differ by {diff:e}");
+    assert!(comparison.within(TOLERANCE), "{what}: {comparison:?}");
+}
+
+/// Runs `job` on `cluster`, SIGKILLing daemon `victim` once a step at or after 5 is committed.
+async fn run_killing(cluster: &LocalCluster, job: Job, victim: usize) -> Vec<JobEvent> {
     let mut handle = cluster.client().await.unwrap().submit(job).await.unwrap();
     let (mut events, mut killed) = (Vec::new(), false);
     while let Some(e) = tokio::time::timeout(Duration::from_secs(90), handle.next_event()).await.unwrap().unwrap() {
         if !killed && matches!(e, JobEvent::Step { step, .. } if step >= 5) {
-            common::signal(cluster.pid(1).unwrap(), "KILL");
+            common::signal(cluster.pid(victim).unwrap(), "KILL");
             killed = true;
         }
         events.push(e);
     }
+    events
+}
+
+/// No whole tensor group survives: tp = 2 × dp = 1 on two daemon processes, one SIGKILLed after step 5,
+/// and no checkpoint at all. The survivor holds its own shard and its buddy copy of the lost rank's
+/// (updated in lockstep), so it keeps the whole state of the last committed step: the job re-plans at
+/// tensor degree 1 and goes on from that step — nothing rolled back, no step redone — on the reference's
+/// trajectory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tp2_job_that_loses_a_rank_goes_on_at_tp1_from_the_buddy_copy_with_nothing_rolled_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = common::processes(2).await;
+    let mut config = with_tp(JobConfig::small_llama(12), 2, true);
+    config.parallel.dp = 1;
+    let out = dir.path().join("final.safetensors");
+    let events = run_killing(&cluster, Job::new(config.clone()).save_final(&out).elastic(1, 2, 10), 1).await;
     assert!(matches!(events.last(), Some(JobEvent::Finished { steps: 12, .. })), "{events:?}");
     let (_, worlds) = losses_and_worlds(&events);
     assert_eq!((worlds.first(), worlds.last()), (Some(&2), Some(&1)), "tp 2, then tp 1: {worlds:?}");
     let said = events.iter().any(|e| {
-        matches!(e, JobEvent::Membership { changes, .. } if changes.iter().any(|c| c.contains("tensor degree 2 → 1")))
+        matches!(e, JobEvent::Membership { changes, .. } if changes.iter().any(|c| c.contains("tensor degree 2 → 1") && c.contains("buddy copy")))
     });
-    assert!(said, "the membership change names the new tensor degree: {events:?}");
-    assert!(events.iter().any(|e| matches!(e, JobEvent::RolledBack { .. })), "from the checkpoint: {events:?}");
-    let mut last_loss = std::collections::BTreeMap::new();
-    for e in &events {
-        if let JobEvent::Step { step, loss, .. } = e {
-            last_loss.insert(*step, *loss);
-        }
-    }
-    let (ref_losses, reference) = reference(&config);
-    let losses: Vec<f64> = last_loss.values().copied().collect();
-    assert_eq!(losses.len(), ref_losses.len(), "every step committed: {events:?}");
-    let diff = worst_loss_diff(&losses, &ref_losses);
-    let comparison =
-        compare_params(reference.model.specs(), &common::saved_params(&out, &reference), &reference.param_values());
-    eprintln!("tp=2 x dp=1 losing a rank, on at tp=1: loss diff {diff:.1e}, params {comparison:?}");
-    assert!(diff <= TOLERANCE, "losses differ by {diff:e}");
-    assert!(comparison.within(TOLERANCE), "{comparison:?}");
+    assert!(said, "the membership change names the new tensor degree and the buddy copy: {events:?}");
+    assert_no_step_redone_and_on_the_reference(&events, &config, &out, "tp=2 x dp=1 losing a rank, on at tp=1");
+    cluster.shutdown().await;
+}
+
+/// tp = 2 × dp = 1 on three daemon processes (two ranks and a spare), no checkpoint: a rank's daemon
+/// SIGKILLed after step 5. The survivor keeps the whole committed state from its buddy copy, the spare
+/// takes it, and the job goes on at tp = 2 from the last committed step — nothing rolled back, no step
+/// redone — on the reference's trajectory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tp2_job_on_three_daemons_that_loses_a_rank_goes_on_at_tp2_with_the_spare_from_the_buddy_copy() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = common::processes(3).await;
+    let mut config = with_tp(JobConfig::small_llama(12), 2, true);
+    config.parallel.dp = 1;
+    let out = dir.path().join("final.safetensors");
+    let events = run_killing(&cluster, Job::new(config.clone()).save_final(&out).elastic(1, 3, 10), 1).await;
+    assert!(matches!(events.last(), Some(JobEvent::Finished { steps: 12, .. })), "{events:?}");
+    let (_, worlds) = losses_and_worlds(&events);
+    assert!(worlds.iter().all(|&w| w == 2), "tp 2 throughout: {worlds:?}");
+    let recovered = events.iter().any(|e| matches!(e, JobEvent::Recovered { world: 2, .. }));
+    assert!(recovered, "the killed daemon held a rank: the job recovered on the survivor and the spare: {events:?}");
+    assert_no_step_redone_and_on_the_reference(&events, &config, &out, "tp=2 on 3 daemons losing a rank");
     cluster.shutdown().await;
 }

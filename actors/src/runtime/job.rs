@@ -364,9 +364,10 @@ impl JobDriver {
 
     /// The ranks of the next attempt on `view` and its tensor degree: at `parallel.tp` when the view
     /// holds a whole tensor group; after a loss (an attempt ran) that left none, at the largest smaller
-    /// degree the model splits into that the slots hold (`tensor_parallel::degrees_to_try`). The ranks
-    /// of the lost group kept no state (a tensor group lives or dies together, and keeps no buddy
-    /// copies), so that attempt starts from the newest checkpoint.
+    /// degree the model splits into that the slots hold (`tensor_parallel::degrees_to_try`). A survivor
+    /// of a lost group of 2 holds the whole committed state (its shard and its buddy copy of the other's)
+    /// and that attempt goes on from it; a larger group's survivors keep nothing, and it starts from the
+    /// newest checkpoint.
     fn plan_degree(&self, view: &View, members: &[MemberInfo]) -> (Vec<RankSlot>, usize) {
         let (max_nodes, parallel) = (self.spec.config.elastic.max_nodes, &self.spec.config.parallel);
         let mut planned = (Vec::new(), parallel.tp.max(1));
@@ -1514,7 +1515,7 @@ pub(super) mod tests {
         let Some(JobEvent::Membership { world: 1, changes, .. }) = events(&actions).first().copied() else {
             panic!("{actions:?}")
         };
-        assert!(changes.iter().any(|c| c.contains("tensor degree 2 → 1") && c.contains("checkpoint")), "{changes:?}");
+        assert!(changes.iter().any(|c| c.contains("tensor degree 2 → 1") && c.contains("buddy copy")), "{changes:?}");
 
         let (v, m) = view(3, &["a", "b"]);
         d.on_view(&v, &m, vec!["b joined".into()]);

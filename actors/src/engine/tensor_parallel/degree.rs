@@ -21,11 +21,14 @@ pub fn degrees_to_try(config: &JobConfig) -> Vec<usize> {
 pub fn degree_change(config: &JobConfig, from: usize, to: usize) -> String {
     let tp = config.parallel.tp.max(1);
     if to < from {
-        format!(
-            "tensor degree {from} → {to} (parallel.tp = {tp}): no whole tensor group of {from} is left; its survivors \
-             keep no state (tensor parallelism keeps no buddy copies), so the job re-shards the newest checkpoint \
-             over {to} rank(s)"
-        )
+        let whence = if from == 2 {
+            "a survivor of a tensor group of 2 holds the whole state of the last committed step (its own shard and \
+             its buddy copy of the other's), so the job goes on from that step"
+        } else {
+            "its survivors hold only their own shards and buddy copies, not every shard, so the job re-shards the \
+             newest checkpoint"
+        };
+        format!("tensor degree {from} → {to} (parallel.tp = {tp}): no whole tensor group of {from} is left; {whence} over {to} rank(s)")
     } else {
         format!("tensor degree {from} → {to} (parallel.tp = {tp}): enough slots for a tensor group of {to} again")
     }

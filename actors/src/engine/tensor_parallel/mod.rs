@@ -52,12 +52,30 @@ const DATA_GROUP: u32 = 0x5450_0002;
 /// still meet.
 const FINAL_GROUP: u32 = 0x5450_0003;
 
-/// What the blocking thread owns while it computes: the rank's shards, its groups and its AdamW.
+/// What the blocking thread owns while it computes: the rank's shards, its groups, its AdamW and its
+/// buddy copy.
 struct Parts<T: Transport> {
     rank: TpRank,
     tp: CommGroup<T>,
     dp: Option<Communicator<Subgroup<T>>>,
     optimizer: AdamW,
+    buddy: Option<Buddy>,
+}
+
+/// This rank's copy of the previous rank's shard in its tensor group (tensor index `index`): its
+/// parameters and AdamW moments, updated in lockstep — the owner sends it its gradients (after the
+/// data-parallel average) in every step, and this rank applies the same update with the same factor,
+/// so the copy and the owner's shard are the same bits at every committed step.
+struct Buddy {
+    index: usize,
+    params: Vec<Tensor>,
+    optimizer: AdamW,
+}
+
+impl Buddy {
+    fn numel(&self) -> usize {
+        self.params.iter().map(Tensor::numel).sum()
+    }
 }
 
 /// One micro-batch: tokens, targets, weight in the global batch.
@@ -143,15 +161,43 @@ impl<T: Transport> TensorParallelReplica<T> {
         let shards = layout.shard(&full, t);
         let exp_avg = layout.shard(&self.trainer.optimizer.adamw().exp_avg, t);
         let exp_avg_sq = layout.shard(&self.trainer.optimizer.adamw().exp_avg_sq, t);
+        let buddy = (self.degree > 1).then(|| {
+            let index = (t + self.degree - 1) % self.degree;
+            let params: Vec<Tensor> =
+                layout.shard(&full, index).iter().map(|s| s.detach().copy().set_requires_grad(true)).collect();
+            let moments = [&self.trainer.optimizer.adamw().exp_avg, &self.trainer.optimizer.adamw().exp_avg_sq];
+            let [exp_avg, exp_avg_sq] = moments.map(|m| layout.shard(m, index));
+            let optimizer = self.adamw(&params, &exp_avg, &exp_avg_sq);
+            Buddy { index, params, optimizer }
+        });
         let rank = TpRank::new(layout, t, shards);
+        let optimizer = self.adamw(rank.params(), &exp_avg, &exp_avg_sq);
+        if let Some(buddy) = &buddy {
+            let (own, copy) = (rank.params().iter().map(Tensor::numel).sum::<usize>(), buddy.numel());
+            tracing::info!(
+                rank = self.comm.rank(),
+                tensor_rank = t,
+                buddy_of = buddy.index,
+                own_shard_elements = own,
+                buddy_copy_bytes = 4 * 4 * copy,
+                "buddy copy of tensor rank {}'s shard: parameters, AdamW moments and gradients ({} elements, 4 × fp32 each)",
+                buddy.index,
+                copy
+            );
+        }
+        self.parts = Some(Parts { rank, tp: CommGroup { comm: tp, handle }, dp, optimizer, buddy });
+        self.sharded = true;
+        Ok(())
+    }
+
+    /// An AdamW over `params` at the trainer's step, with the given moments (copied).
+    fn adamw(&self, params: &[Tensor], exp_avg: &[Tensor], exp_avg_sq: &[Tensor]) -> AdamW {
         let decays = self.trainer.model.specs().iter().map(|s| s.decays()).collect();
-        let mut optimizer = AdamW::new(AdamWConfig::from(&self.trainer.config.train), rank.params(), decays);
+        let mut optimizer = AdamW::new(AdamWConfig::from(&self.trainer.config.train), params, decays);
         optimizer.step = self.trainer.optimizer.step();
         optimizer.exp_avg = exp_avg.iter().map(Tensor::copy).collect();
         optimizer.exp_avg_sq = exp_avg_sq.iter().map(Tensor::copy).collect();
-        self.parts = Some(Parts { rank, tp: CommGroup { comm: tp, handle }, dp, optimizer });
-        self.sharded = true;
-        Ok(())
+        optimizer
     }
 
     /// Gets the parts back from a blocking computation whose caller was dropped.
@@ -220,6 +266,40 @@ impl<T: Transport> TensorParallelReplica<T> {
         let adamw = self.trainer.optimizer.adamw_mut();
         (adamw.exp_avg, adamw.exp_avg_sq, adamw.step) = (exp_avg, exp_avg_sq, counters[1]);
         Ok(())
+    }
+}
+
+impl<T: Transport> TensorParallelReplica<T> {
+    /// The whole state put together from this rank's own shard and its buddy copy into the trainer,
+    /// when the two are every shard of the tensor group (tp = 2) at the same AdamW step — what the
+    /// survivor of a tensor group that lost its other rank keeps. False (the trainer untouched) when
+    /// they are not.
+    fn reassemble(&mut self) -> bool {
+        let Some(Parts { rank, optimizer, buddy: Some(buddy), .. }) = &self.parts else { return false };
+        if self.degree != 2 || optimizer.step != buddy.optimizer.step {
+            return false;
+        }
+        let own = [
+            rank.params().iter().map(Tensor::detach).collect::<Vec<_>>(),
+            optimizer.exp_avg.iter().map(Tensor::shallow_clone).collect(),
+            optimizer.exp_avg_sq.iter().map(Tensor::shallow_clone).collect(),
+        ];
+        let copy = [
+            buddy.params.iter().map(Tensor::detach).collect::<Vec<_>>(),
+            buddy.optimizer.exp_avg.iter().map(Tensor::shallow_clone).collect(),
+            buddy.optimizer.exp_avg_sq.iter().map(Tensor::shallow_clone).collect(),
+        ];
+        let (own_first, step) = (rank.rank < buddy.index, optimizer.step);
+        let mut whole = own.into_iter().zip(copy).map(|(own, copy)| {
+            let per_rank = if own_first { [own, copy] } else { [copy, own] };
+            rank.layout.gather(&per_rank)
+        });
+        let mut next = || whole.next().expect("three lists");
+        let (params, exp_avg, exp_avg_sq) = (next(), next(), next());
+        copy_tensors(self.trainer.model.params(), &params);
+        let adamw = self.trainer.optimizer.adamw_mut();
+        (adamw.exp_avg, adamw.exp_avg_sq, adamw.step) = (exp_avg, exp_avg_sq, step);
+        true
     }
 }
 
@@ -309,8 +389,50 @@ fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -> Result<(f
         }
         offset += n;
     }
+    flat.truncate(offset);
+    refresh_buddy(parts, flat)?;
     let norm = parts.rank.grad_norm(&mut parts.tp).map_err(e)?;
     Ok((loss, norm))
+}
+
+/// The buddy exchange of a step: this rank sends its shard's gradients (`grads`, flat, after the
+/// data-parallel average; with one word per parameter saying whether it has one) to the next rank of
+/// its tensor group and takes the previous rank's, which become its copy's gradients.
+fn refresh_buddy<T: Transport>(parts: &mut Parts<T>, mut grads: Vec<f32>) -> Result<(), String> {
+    let Some(buddy) = &parts.buddy else { return Ok(()) };
+    let n = parts.tp.size();
+    let me = parts.tp.rank();
+    grads.extend(parts.rank.params().iter().map(|p| if p.grad().defined() { 1.0f32 } else { 0.0 }));
+    let mut theirs = vec![0.0f32; buddy.numel() + buddy.params.len()];
+    let handle = parts.tp.handle.clone();
+    handle.block_on(parts.tp.comm.send((me + 1) % n, &grads[..])).map_err(|e| e.to_string())?;
+    handle.block_on(parts.tp.comm.recv(buddy.index, &mut theirs[..])).map_err(|e| e.to_string())?;
+    let (values, defined) = theirs.split_at(buddy.numel());
+    let mut offset = 0;
+    for (p, &has) in buddy.params.iter().zip(defined) {
+        let numel = p.numel();
+        let g = Tensor::from_slice(&values[offset..offset + numel]).view(p.size().as_slice());
+        offset += numel;
+        set_grad(p, if has == 1.0 { Some(&g) } else { None });
+    }
+    Ok(())
+}
+
+/// Makes `grad` the gradient of the leaf `p` (or leaves it none). A leaf's gradient is only ever
+/// written by a backward: the first one of `Σ p·grad` gives it `grad` exactly (the sum's backward is
+/// ones, the product's `ones · grad`).
+fn set_grad(p: &Tensor, grad: Option<&Tensor>) {
+    let mut current = p.grad();
+    match (grad, current.defined()) {
+        (Some(g), true) => tch::no_grad(|| {
+            let _ = current.copy_(g);
+        }),
+        (Some(g), false) => (p * g).sum(tch::Kind::Float).backward(),
+        (None, true) => tch::no_grad(|| {
+            let _ = current.zero_();
+        }),
+        (None, false) => {}
+    }
 }
 
 impl<T: Transport> StepEngine for TensorParallelReplica<T> {
@@ -351,6 +473,10 @@ impl<T: Transport> StepEngine for TensorParallelReplica<T> {
         if let (Update::Apply { grad_factor, .. }, Some(parts)) = (update, self.parts.as_mut()) {
             scale_grads(parts.rank.params(), grad_factor);
             parts.optimizer.apply(parts.rank.params_mut(), lr);
+            if let Some(buddy) = &mut parts.buddy {
+                scale_grads(&buddy.params, grad_factor);
+                buddy.optimizer.apply(&mut buddy.params, lr);
+            }
         }
         self.trainer.step += 1;
     }
@@ -395,8 +521,12 @@ impl<T: Transport> StepEngine for TensorParallelReplica<T> {
         }
         match self.gather(true).await {
             Ok(()) => Some(CommittedState::Full(Box::new(self.trainer))),
+            Err(e) if self.reassemble() => {
+                tracing::warn!(rank = self.comm.rank(), error = %e, step = self.trainer.step, "the tensor group's state could not be gathered; this rank keeps the whole state of its last step from its own shard and its buddy copy");
+                Some(CommittedState::Full(Box::new(self.trainer)))
+            }
             Err(e) => {
-                tracing::warn!(rank = self.comm.rank(), error = %e, "the tensor group's state could not be gathered; this rank keeps nothing");
+                tracing::warn!(rank = self.comm.rank(), error = %e, "the tensor group's state could not be gathered, and this rank's own shard and buddy copy are not all of it; it keeps nothing");
                 None
             }
         }
