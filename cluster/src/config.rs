@@ -39,6 +39,11 @@ pub struct TransportConfig {
     /// Same-host transport: each rank's shared-memory slot for collectives (two per rank, in
     /// /dev/shm); 0 runs collectives over the sockets instead. Every rank must use the same value.
     pub shared_memory_slot_bytes: usize,
+    /// Beside each node-to-node control connection, a TLS-over-TCP companion on the QUIC port's number:
+    /// its end without `close_notify` is the peer process's kernel saying the process died, reported at
+    /// once. `false`: no listener, no companion; a dead peer is found by heartbeats and the QUIC idle
+    /// timeout only (for networks where that TCP port is closed).
+    pub companion_tcp: bool,
 }
 
 impl Default for TransportConfig {
@@ -60,6 +65,7 @@ impl Default for TransportConfig {
             small_message_bytes_max: 64 << 10,
             pipeline_slice_bytes: 4 << 20,
             shared_memory_slot_bytes: 1 << 20,
+            companion_tcp: true,
         }
     }
 }

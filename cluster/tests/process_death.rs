@@ -28,8 +28,9 @@ type Events = UnboundedReceiver<ControlEvent>;
 const CHILD_DIR: &str = "TROUPE_TEST_CHILD_DIR";
 const CHILD_NAME: &str = "TROUPE_TEST_CHILD_NAME";
 const CHILD_DIAL: &str = "TROUPE_TEST_CHILD_DIAL";
-/// The bound the tests assert (the measured figures are printed); the goal is < 100 ms.
-const LOST_WITHIN: Duration = Duration::from_millis(500);
+/// The bound the tests assert, issue 38's: a SIGKILLed peer is `Lost` by its connection's end in under
+/// 100 ms (measured p50 0.7 ms, max 2.1 ms; the figures are printed).
+const LOST_WITHIN: Duration = Duration::from_millis(100);
 /// Kills measured in the latency test.
 const KILLS: usize = 10;
 
@@ -225,4 +226,29 @@ async fn the_old_process_of_a_replaced_connection_dying_means_nothing() {
     // A graceful end of the new one is a departure, not a loss.
     new.close().await;
     assert_eq!(next(&mut events).await, ControlEvent::Departed { peer: "node-b".into() });
+}
+
+/// `[transport] companion_tcp = false` (a network that closes TCP on the control port): no listener on
+/// the port's TCP number, no companion between two nodes, and the control connection works as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn companion_tcp_off_binds_no_listener_and_watches_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let ids = cluster(dir.path(), &["node-a", "node-b"]);
+    let off = TransportConfig { companion_tcp: false, ..config() };
+    let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let (a, mut a_events) = ControlEndpoint::bind(&ids[0], addr, PeerRole::Node, &off).unwrap();
+    let (b, _b_events) = ControlEndpoint::bind(&ids[1], addr, PeerRole::Node, &off).unwrap();
+    let refused = tokio::net::TcpStream::connect(a.local_addr()).await;
+    assert!(refused.is_err(), "a TCP listener on {} although companion_tcp = false", a.local_addr());
+    assert_eq!(b.connect(a.local_addr()).await.unwrap(), "node-a");
+    assert!(matches!(next(&mut a_events).await, ControlEvent::Connected { peer, .. } if peer == "node-b"));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!a.watches_process("node-b") && !b.watches_process("node-a"), "a companion although it is off");
+    b.send("node-a", 1, Bytes::from_static(b"still works")).await.unwrap();
+    match next(&mut a_events).await {
+        ControlEvent::Message { from, body, .. } => {
+            assert_eq!((from.as_str(), &body[..]), ("node-b", &b"still works"[..]))
+        }
+        other => panic!("expected the message, got {other:?}"),
+    }
 }

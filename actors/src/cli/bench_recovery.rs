@@ -52,7 +52,7 @@ pub struct RecoveryArgs {
     pub shard: String,
     /// The controller's failure detector (node.toml `[membership] failure_detector`): fixed
     /// (`failure_timeout_ms`) or phi_accrual (adaptive, floor `failure_timeout_min_ms`).
-    #[arg(long, value_parser = ["fixed", "phi_accrual"], default_value = "fixed")]
+    #[arg(long, value_parser = ["fixed", "phi_accrual"], default_value = "phi_accrual")]
     pub failure_detector: String,
     /// Cut the last daemon's machine off (iptables DROP both ways, every daemon in its own network
     /// namespace: no reset, no FIN) instead of SIGKILLing its process: a machine gone silent, which only
@@ -239,8 +239,8 @@ async fn measure(args: &RecoveryArgs) -> anyhow::Result<Value> {
     options.torch_threads = 1;
     options.hosts = namespaces.as_ref().map(node_hosts).unwrap_or_default();
     options.membership.failure_detector = match args.failure_detector.as_str() {
-        "phi_accrual" => DetectorKind::PhiAccrual,
-        _ => DetectorKind::Fixed,
+        "fixed" => DetectorKind::Fixed,
+        _ => DetectorKind::PhiAccrual,
     };
     let membership = options.membership.clone();
     let binary = std::env::current_exe().context("locating the troupe binary")?;

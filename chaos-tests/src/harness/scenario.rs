@@ -23,8 +23,8 @@
 //! schedule = "1f1b"         # pipeline schedule with pp > 1: gpipe | 1f1b | interleaved | zb-h1
 //!
 //! [membership]              # every daemon's [membership] (node.toml's table; defaults as there), e.g.
-//! failure_detector = "phi_accrual"   # the adaptive detector (floor failure_timeout_min_ms, ceiling
-//!                                    # failure_timeout_ms) instead of the fixed timeout
+//! failure_detector = "fixed"         # the fixed timeout instead of the adaptive detector (the default,
+//!                                    # floor failure_timeout_min_ms, ceiling failure_timeout_ms)
 //!
 //! [[faults]]
 //! kind = "kill"             # kill | pause | partition | flaky-link | reorder | corrupt-checkpoint |

@@ -63,6 +63,7 @@ impl ControlEndpoint {
             limits: FrameLimits::from(cfg),
             connect_timeout_ms: cfg.connect_timeout_ms,
             idle_timeout_ms: cfg.idle_timeout_ms,
+            companion_tcp: cfg.companion_tcp,
             endpoint,
             local_addr,
             events,
@@ -73,7 +74,7 @@ impl ControlEndpoint {
             companions: Companions::new(id)?,
         });
         tokio::spawn(shared.clone().accept());
-        if role == PeerRole::Node {
+        if role == PeerRole::Node && cfg.companion_tcp {
             companion::listen(&shared);
         }
         Ok((ControlEndpoint { handle: Arc::new(Handle { shared }) }, receiver))
@@ -128,7 +129,7 @@ impl ControlEndpoint {
         };
         let name = intro.name.clone();
         match shared.admit(conn.clone(), intro) {
-            Ok(link) if link.role == PeerRole::Node && shared.role == PeerRole::Node => {
+            Ok(link) if link.role == PeerRole::Node && shared.role == PeerRole::Node && shared.companion_tcp => {
                 tokio::spawn(companion::dial(shared.clone(), link, conn.remote_address()));
             }
             Ok(_) => {}

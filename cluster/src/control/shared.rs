@@ -23,6 +23,8 @@ pub(super) struct Shared {
     pub limits: FrameLimits,
     pub connect_timeout_ms: u64,
     pub idle_timeout_ms: u64,
+    /// [`crate::TransportConfig::companion_tcp`]: listen for and dial companion connections.
+    pub companion_tcp: bool,
     pub endpoint: quinn::Endpoint,
     pub local_addr: SocketAddr,
     pub events: mpsc::UnboundedSender<ControlEvent>,

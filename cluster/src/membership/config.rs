@@ -36,8 +36,8 @@ impl Default for MembershipConfig {
         Self {
             heartbeat_interval_ms: 250,
             failure_timeout_ms: 1500,
-            failure_detector: DetectorKind::Fixed,
-            failure_timeout_min_ms: 750,
+            failure_detector: DetectorKind::PhiAccrual,
+            failure_timeout_min_ms: 1000,
             phi_threshold: 8,
             phi_min_std_deviation_ms: 50,
             max_local_pause_ms: MAX_LOCAL_PAUSE_MS,
@@ -115,7 +115,9 @@ impl MembershipConfig {
             }
             if self.failure_timeout_min_ms > self.failure_timeout_ms {
                 return Err(format!(
-                    "failure_timeout_min_ms ({}) is the floor of the adaptive timeout: at most failure_timeout_ms ({}), its ceiling",
+                    "failure_timeout_min_ms ({}) is the floor of the adaptive timeout (failure_detector = \"phi_accrual\", \
+                     the default): at most failure_timeout_ms ({}), its ceiling; lower failure_timeout_min_ms, or set \
+                     failure_detector = \"fixed\" to be declared dead after exactly failure_timeout_ms",
                     self.failure_timeout_min_ms, self.failure_timeout_ms
                 ));
             }
@@ -142,6 +144,17 @@ mod tests {
         }
     }
 
+    /// What a node gets without a `[membership]` section: the adaptive detector with the floor the
+    /// CPU-saturation soak passed at (docs/benchmarks.md), within the fixed timeout as its ceiling.
+    #[test]
+    fn the_default_is_phi_accrual_between_one_second_and_the_fixed_timeout() {
+        let config: MembershipConfig = serde_json::from_str("{}").unwrap();
+        assert_eq!(config, MembershipConfig::default());
+        assert_eq!(config.failure_detector, DetectorKind::PhiAccrual);
+        assert_eq!((config.failure_timeout_min_ms, config.failure_timeout_ms), (1000, 1500));
+        check(config, Ok(()));
+    }
+
     #[test]
     fn the_adaptive_detector_needs_a_floor_between_two_intervals_and_the_ceiling() {
         let phi = MembershipConfig { failure_detector: DetectorKind::PhiAccrual, ..MembershipConfig::default() };
@@ -150,10 +163,17 @@ mod tests {
         check(MembershipConfig { failure_timeout_min_ms: 1600, ..phi.clone() }, Err("ceiling"));
         check(MembershipConfig { phi_threshold: 0, ..phi.clone() }, Err("phi_threshold"));
         check(MembershipConfig { max_local_pause_ms: 50, ..phi.clone() }, Err("max_local_pause_ms (50)"));
-        check(MembershipConfig { max_local_pause_ms: 750, ..phi.clone() }, Err("failure_timeout_min_ms (750)"));
-        check(MembershipConfig { max_local_pause_ms: 1500, ..MembershipConfig::default() }, Err("failure_timeout_ms"));
+        check(MembershipConfig { max_local_pause_ms: 1000, ..phi.clone() }, Err("failure_timeout_min_ms (1000)"));
+        let fixed = MembershipConfig { failure_detector: DetectorKind::Fixed, ..MembershipConfig::default() };
+        check(MembershipConfig { max_local_pause_ms: 1500, ..fixed.clone() }, Err("failure_timeout_ms"));
         // The fixed detector ignores the adaptive keys.
-        check(MembershipConfig { failure_timeout_min_ms: 0, phi_threshold: 0, ..MembershipConfig::default() }, Ok(()));
+        check(MembershipConfig { failure_timeout_min_ms: 0, phi_threshold: 0, ..fixed }, Ok(()));
+        // A ceiling below the default floor (a node.toml written for the fixed detector's faster timeout):
+        // the error names both keys and both ways out.
+        let low = MembershipConfig { failure_timeout_ms: 800, ..MembershipConfig::default() };
+        check(low.clone(), Err("failure_timeout_min_ms (1000)"));
+        check(low.clone(), Err("failure_detector = \"fixed\""));
+        check(MembershipConfig { failure_detector: DetectorKind::Fixed, ..low }, Ok(()));
         let parsed: MembershipConfig =
             serde_json::from_str(r#"{"failure_detector": "phi_accrual", "failure_timeout_min_ms": 600}"#).unwrap();
         assert_eq!(parsed, MembershipConfig { failure_timeout_min_ms: 600, ..phi });

@@ -575,7 +575,12 @@ mod tests {
     /// 750 ms floor. Counted as silence, the stall fails b; discounted, nobody fails.
     #[test]
     fn the_controllers_own_stall_is_not_its_members_silence() {
-        let phi = MembershipConfig { failure_detector: DetectorKind::PhiAccrual, ..MembershipConfig::default() };
+        // The soak ran at the 750 ms floor of the time (1000 ms by default since).
+        let phi = MembershipConfig {
+            failure_detector: DetectorKind::PhiAccrual,
+            failure_timeout_min_ms: 750,
+            ..MembershipConfig::default()
+        };
         let not_discounted = |c: &MembershipConfig| MembershipConfig { max_local_pause_ms: u64::MAX, ..c.clone() };
         let told = stalled_controller(1260, 1800);
         assert_eq!(replay(not_discounted(&phi), &told), vec![Change::Failed { node: "b".into(), silent_ms: 760 }]);

@@ -172,8 +172,14 @@ mod tests {
 
     const MS: fn(u64) -> Duration = Duration::from_millis;
 
+    /// The detector's maths at the 750 ms floor these recorded sequences were written for (the default
+    /// floor is 1000 ms since the second soak).
     fn phi_config() -> MembershipConfig {
-        MembershipConfig { failure_detector: DetectorKind::PhiAccrual, ..MembershipConfig::default() }
+        MembershipConfig {
+            failure_detector: DetectorKind::PhiAccrual,
+            failure_timeout_min_ms: 750,
+            ..MembershipConfig::default()
+        }
     }
 
     /// The history of a member heard at each of `arrivals_ms` (the first is when it was admitted).
@@ -257,8 +263,7 @@ mod tests {
     /// The fixed detector allows `failure_timeout_ms` whatever the history.
     #[test]
     fn the_fixed_detector_ignores_the_history() {
-        let config = MembershipConfig::default();
-        assert_eq!(config.failure_detector, DetectorKind::Fixed);
+        let config = MembershipConfig { failure_detector: DetectorKind::Fixed, ..MembershipConfig::default() };
         for history in [vec![0, 250, 500], vec![0, 1200, 1300]] {
             assert_eq!(config.silence_allowed(&recorded(&history, 250)), MS(1500));
         }

@@ -238,7 +238,8 @@ fn crashes_found_within(
 }
 
 fn reliable() -> Sim {
-    Sim { config: MembershipConfig::default(), max_delay_ms: 100, drop_per_mille: 0, step_ms: 100 }
+    let config = MembershipConfig { failure_detector: DetectorKind::Fixed, ..MembershipConfig::default() };
+    Sim { config, max_delay_ms: 100, drop_per_mille: 0, step_ms: 100 }
 }
 
 proptest! {
@@ -297,7 +298,7 @@ proptest! {
     }
 }
 
-/// The reliable network with the adaptive detector (`phi_accrual`, floor 750 ms, ceiling 1500 ms).
+/// The reliable network with the default detector (`phi_accrual`, floor 1000 ms, ceiling 1500 ms).
 fn adaptive() -> Sim {
     let config = MembershipConfig { failure_detector: DetectorKind::PhiAccrual, ..MembershipConfig::default() };
     Sim { config, ..reliable() }
@@ -306,8 +307,8 @@ fn adaptive() -> Sim {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 200, failure_persistence: None, ..ProptestConfig::default() })]
 
-    /// Under `phi_accrual` on a steady network (delays 0–100 ms), a crash is detected by the floor — half
-    /// the fixed timeout — and no live node is ever removed.
+    /// Under `phi_accrual` on a steady network (delays 0–100 ms), a crash is detected by the floor — two
+    /// thirds of the fixed timeout — and no live node is ever removed.
     #[test]
     fn the_adaptive_detector_finds_crashes_by_the_floor_and_nothing_else(seed in any::<u64>(), nodes in 2usize..7) {
         let sim = adaptive();
