@@ -237,6 +237,20 @@ async fn run_killing(cluster: &LocalCluster, job: Job, victim: usize) -> Vec<Job
     events
 }
 
+/// A 12-step tp = 2 × dp = 1 Llama job with no checkpoint on `daemons` daemon processes, the second
+/// SIGKILLed once step 5 is committed, run to its end (`final.safetensors` in the returned directory).
+async fn tp2_dp1_losing_rank_1(daemons: usize) -> (tempfile::TempDir, LocalCluster, JobConfig, Vec<JobEvent>) {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = common::processes(daemons).await;
+    let mut config = with_tp(JobConfig::small_llama(12), 2, true);
+    config.parallel.dp = 1;
+    let out = dir.path().join("final.safetensors");
+    let job = Job::new(config.clone()).save_final(&out).elastic(1, daemons, 10);
+    let events = run_killing(&cluster, job, 1).await;
+    assert!(matches!(events.last(), Some(JobEvent::Finished { steps: 12, .. })), "{events:?}");
+    (dir, cluster, config, events)
+}
+
 /// No whole tensor group survives: tp = 2 × dp = 1 on two daemon processes, one SIGKILLed after step 5,
 /// and no checkpoint at all. The survivor holds its own shard and its buddy copy of the lost rank's
 /// (updated in lockstep), so it keeps the whole state of the last committed step: the job re-plans at
@@ -244,19 +258,14 @@ async fn run_killing(cluster: &LocalCluster, job: Job, victim: usize) -> Vec<Job
 /// trajectory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tp2_job_that_loses_a_rank_goes_on_at_tp1_from_the_buddy_copy_with_nothing_rolled_back() {
-    let dir = tempfile::tempdir().unwrap();
-    let cluster = common::processes(2).await;
-    let mut config = with_tp(JobConfig::small_llama(12), 2, true);
-    config.parallel.dp = 1;
-    let out = dir.path().join("final.safetensors");
-    let events = run_killing(&cluster, Job::new(config.clone()).save_final(&out).elastic(1, 2, 10), 1).await;
-    assert!(matches!(events.last(), Some(JobEvent::Finished { steps: 12, .. })), "{events:?}");
+    let (dir, cluster, config, events) = tp2_dp1_losing_rank_1(2).await;
     let (_, worlds) = losses_and_worlds(&events);
     assert_eq!((worlds.first(), worlds.last()), (Some(&2), Some(&1)), "tp 2, then tp 1: {worlds:?}");
     let said = events.iter().any(|e| {
         matches!(e, JobEvent::Membership { changes, .. } if changes.iter().any(|c| c.contains("tensor degree 2 → 1") && c.contains("buddy copy")))
     });
     assert!(said, "the membership change names the new tensor degree and the buddy copy: {events:?}");
+    let out = dir.path().join("final.safetensors");
     assert_no_step_redone_and_on_the_reference(&events, &config, &out, "tp=2 x dp=1 losing a rank, on at tp=1");
     cluster.shutdown().await;
 }
@@ -267,17 +276,12 @@ async fn a_tp2_job_that_loses_a_rank_goes_on_at_tp1_from_the_buddy_copy_with_not
 /// redone — on the reference's trajectory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tp2_job_on_three_daemons_that_loses_a_rank_goes_on_at_tp2_with_the_spare_from_the_buddy_copy() {
-    let dir = tempfile::tempdir().unwrap();
-    let cluster = common::processes(3).await;
-    let mut config = with_tp(JobConfig::small_llama(12), 2, true);
-    config.parallel.dp = 1;
-    let out = dir.path().join("final.safetensors");
-    let events = run_killing(&cluster, Job::new(config.clone()).save_final(&out).elastic(1, 3, 10), 1).await;
-    assert!(matches!(events.last(), Some(JobEvent::Finished { steps: 12, .. })), "{events:?}");
+    let (dir, cluster, config, events) = tp2_dp1_losing_rank_1(3).await;
     let (_, worlds) = losses_and_worlds(&events);
     assert!(worlds.iter().all(|&w| w == 2), "tp 2 throughout: {worlds:?}");
     let recovered = events.iter().any(|e| matches!(e, JobEvent::Recovered { world: 2, .. }));
     assert!(recovered, "the killed daemon held a rank: the job recovered on the survivor and the spare: {events:?}");
+    let out = dir.path().join("final.safetensors");
     assert_no_step_redone_and_on_the_reference(&events, &config, &out, "tp=2 on 3 daemons losing a rank");
     cluster.shutdown().await;
 }
