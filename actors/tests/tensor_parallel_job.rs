@@ -5,7 +5,9 @@
 //! one uninterrupted reference run ends; fine-tuning (`[peft]`) at tp = 2 in [`peft`]. Real model shapes:
 //! tp = 4 over a Llama's 2 key/value heads (replicated) and an odd vocabulary (padded). A tensor group
 //! of 2 that loses a rank with no other replica left: the survivor's buddy copy holds the lost shard, and
-//! the job goes on from the last committed step (at tp = 1, or at tp = 2 with a spare), nothing rolled back.
+//! the job goes on from the last committed step (at tp = 1, or at tp = 2 with a spare), nothing rolled back;
+//! a tensor group of 4 that loses one: its three survivors put the state together from their shards and
+//! buddy copies, and the job goes on at tp = 2; one that loses two neighbours rolls back to its checkpoint.
 
 mod common;
 #[path = "tensor_parallel_job/peft.rs"]
@@ -223,13 +225,15 @@ fn assert_no_step_redone_and_on_the_reference(events: &[JobEvent], config: &JobC
     assert!(comparison.within(TOLERANCE), "{what}: {comparison:?}");
 }
 
-/// Runs `job` on `cluster`, SIGKILLing daemon `victim` once a step at or after 5 is committed.
-async fn run_killing(cluster: &LocalCluster, job: Job, victim: usize) -> Vec<JobEvent> {
+/// Runs `job` on `cluster`, SIGKILLing the daemons `victims` at once when a step at or after 5 is committed.
+async fn run_killing(cluster: &LocalCluster, job: Job, victims: &[usize]) -> Vec<JobEvent> {
     let mut handle = cluster.client().await.unwrap().submit(job).await.unwrap();
     let (mut events, mut killed) = (Vec::new(), false);
     while let Some(e) = tokio::time::timeout(Duration::from_secs(90), handle.next_event()).await.unwrap().unwrap() {
         if !killed && matches!(e, JobEvent::Step { step, .. } if step >= 5) {
-            common::signal(cluster.pid(victim).unwrap(), "KILL");
+            for &victim in victims {
+                common::signal(cluster.pid(victim).unwrap(), "KILL");
+            }
             killed = true;
         }
         events.push(e);
@@ -237,18 +241,32 @@ async fn run_killing(cluster: &LocalCluster, job: Job, victim: usize) -> Vec<Job
     events
 }
 
-/// A 12-step tp = 2 × dp = 1 Llama job with no checkpoint on `daemons` daemon processes, the second
-/// SIGKILLed once step 5 is committed, run to its end (`final.safetensors` in the returned directory).
-async fn tp2_dp1_losing_rank_1(daemons: usize) -> (tempfile::TempDir, LocalCluster, JobConfig, Vec<JobEvent>) {
+/// A 12-step tp = `tp` × dp = 1 Llama job with no checkpoint on `daemons` daemon processes, daemon
+/// `victim` (tensor rank `victim`) SIGKILLed once step 5 is committed, run to its end (`final.safetensors`
+/// in the returned directory).
+async fn dp1_losing_a_rank(
+    tp: usize,
+    daemons: usize,
+    victim: usize,
+) -> (tempfile::TempDir, LocalCluster, JobConfig, Vec<JobEvent>) {
     let dir = tempfile::tempdir().unwrap();
     let cluster = common::processes(daemons).await;
-    let mut config = with_tp(JobConfig::small_llama(12), 2, true);
+    let mut config = with_tp(JobConfig::small_llama(12), tp, true);
     config.parallel.dp = 1;
     let out = dir.path().join("final.safetensors");
     let job = Job::new(config.clone()).save_final(&out).elastic(1, daemons, 10);
-    let events = run_killing(&cluster, job, 1).await;
+    let events = run_killing(&cluster, job, &[victim]).await;
     assert!(matches!(events.last(), Some(JobEvent::Finished { steps: 12, .. })), "{events:?}");
     (dir, cluster, config, events)
+}
+
+/// Whether a `Membership` event names the tensor degree change `degrees` ("4 → 2") and what the state
+/// comes from (`whence`).
+fn said_degree_change(events: &[JobEvent], degrees: &str, whence: &str) -> bool {
+    let change = format!("tensor degree {degrees}");
+    events.iter().any(|e| {
+        matches!(e, JobEvent::Membership { changes, .. } if changes.iter().any(|c| c.contains(&change) && c.contains(whence)))
+    })
 }
 
 /// No whole tensor group survives: tp = 2 × dp = 1 on two daemon processes, one SIGKILLed after step 5,
@@ -258,12 +276,10 @@ async fn tp2_dp1_losing_rank_1(daemons: usize) -> (tempfile::TempDir, LocalClust
 /// trajectory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tp2_job_that_loses_a_rank_goes_on_at_tp1_from_the_buddy_copy_with_nothing_rolled_back() {
-    let (dir, cluster, config, events) = tp2_dp1_losing_rank_1(2).await;
+    let (dir, cluster, config, events) = dp1_losing_a_rank(2, 2, 1).await;
     let (_, worlds) = losses_and_worlds(&events);
     assert_eq!((worlds.first(), worlds.last()), (Some(&2), Some(&1)), "tp 2, then tp 1: {worlds:?}");
-    let said = events.iter().any(|e| {
-        matches!(e, JobEvent::Membership { changes, .. } if changes.iter().any(|c| c.contains("tensor degree 2 → 1") && c.contains("buddy copy")))
-    });
+    let said = said_degree_change(&events, "2 → 1", "buddy copy");
     assert!(said, "the membership change names the new tensor degree and the buddy copy: {events:?}");
     let out = dir.path().join("final.safetensors");
     assert_no_step_redone_and_on_the_reference(&events, &config, &out, "tp=2 x dp=1 losing a rank, on at tp=1");
@@ -276,12 +292,79 @@ async fn a_tp2_job_that_loses_a_rank_goes_on_at_tp1_from_the_buddy_copy_with_not
 /// redone — on the reference's trajectory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tp2_job_on_three_daemons_that_loses_a_rank_goes_on_at_tp2_with_the_spare_from_the_buddy_copy() {
-    let (dir, cluster, config, events) = tp2_dp1_losing_rank_1(3).await;
+    let (dir, cluster, config, events) = dp1_losing_a_rank(2, 3, 1).await;
     let (_, worlds) = losses_and_worlds(&events);
     assert!(worlds.iter().all(|&w| w == 2), "tp 2 throughout: {worlds:?}");
     let recovered = events.iter().any(|e| matches!(e, JobEvent::Recovered { world: 2, .. }));
     assert!(recovered, "the killed daemon held a rank: the job recovered on the survivor and the spare: {events:?}");
     let out = dir.path().join("final.safetensors");
     assert_no_step_redone_and_on_the_reference(&events, &config, &out, "tp=2 on 3 daemons losing a rank");
+    cluster.shutdown().await;
+}
+
+/// tp = 4 × dp = 1 on four daemon processes, no checkpoint: tensor rank 2's daemon SIGKILLed after step 5.
+/// No survivor holds the whole state alone — ranks 0, 1 and 3 hold their own shards, and 3 its buddy copy
+/// of 2's — so they all-gather their shards and copies among themselves. The three slots hold no tensor
+/// group of 4, so the job goes on at tp = 2 over two of the survivors from the last committed step —
+/// nothing rolled back, no step redone — on the reference's trajectory. (Before the survivors' gather the
+/// job failed here: "the state of step … was lost … no checkpoint.dir".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tp4_job_that_loses_a_rank_goes_on_at_tp2_from_its_survivors_buddy_copies_with_nothing_rolled_back() {
+    let (dir, cluster, config, events) = dp1_losing_a_rank(4, 4, 2).await;
+    let (_, worlds) = losses_and_worlds(&events);
+    assert_eq!((worlds.first(), worlds.last()), (Some(&4), Some(&2)), "tp 4, then tp 2: {worlds:?}");
+    let said = said_degree_change(&events, "4 → 2", "buddy copies");
+    assert!(said, "the membership change names the new tensor degree and the survivors' buddy copies: {events:?}");
+    let out = dir.path().join("final.safetensors");
+    assert_no_step_redone_and_on_the_reference(&events, &config, &out, "tp=4 x dp=1 losing rank 2, on at tp=2");
+    cluster.shutdown().await;
+}
+
+/// tp = 4 × dp = 1 on four daemon processes with a checkpoint every 4 steps: tensor ranks 1 and 2 SIGKILLed
+/// together after step 5. Rank 1's shard was only on ranks 1 and 2 (its buddy), so the survivors (0 and 3)
+/// keep nothing rather than a partial state; the job goes on at tp = 2 from the newest checkpoint
+/// (`RolledBack`), re-sharded at the new degree, and ends where the reference ends: each step's last
+/// committed loss and the final parameters within 1e-5.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tp4_job_that_loses_two_neighbouring_ranks_rolls_back_to_its_checkpoint_at_tp2_on_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = common::processes(4).await;
+    let mut config = with_tp(JobConfig::small_llama(12), 4, true);
+    config.parallel.dp = 1;
+    config.checkpoint.dir = Some(dir.path().join("ckpt"));
+    config.checkpoint.every_steps = 4;
+    let out = dir.path().join("final.safetensors");
+    let job = Job::new(config.clone()).save_final(&out).elastic(1, 4, 10);
+    let events = run_killing(&cluster, job, &[1, 2]).await;
+    assert!(matches!(events.last(), Some(JobEvent::Finished { steps: 12, .. })), "{events:?}");
+    let rolled: Vec<(u64, u64)> = events
+        .iter()
+        .filter_map(|e| {
+            if let JobEvent::RolledBack { from_step, to_step } = e {
+                Some((*from_step, *to_step))
+            } else {
+                None
+            }
+        })
+        .collect();
+    let one_rollback_to_a_checkpoint = matches!(rolled[..], [(from, to)] if to >= 4 && to % 4 == 0 && from > to);
+    assert!(one_rollback_to_a_checkpoint, "one rollback, to a checkpoint (every 4 steps): {events:?}");
+    assert!(said_degree_change(&events, "4 → 2", ""), "tp 4 → 2, named: {events:?}");
+    let mut last_loss = std::collections::BTreeMap::new();
+    for e in &events {
+        if let JobEvent::Step { step, loss, world, .. } = e {
+            last_loss.insert(*step, (*loss, *world));
+        }
+    }
+    let (losses, worlds): (Vec<f64>, Vec<usize>) = last_loss.values().copied().unzip();
+    assert_eq!(worlds.last(), Some(&2), "on at tp 2: {worlds:?}");
+    let (ref_losses, reference) = reference(&config);
+    assert_eq!(losses.len(), ref_losses.len(), "every step committed: {events:?}");
+    let diff = worst_loss_diff(&losses, &ref_losses);
+    let comparison =
+        compare_params(reference.model.specs(), &common::saved_params(&out, &reference), &reference.param_values());
+    eprintln!("tp=4 losing ranks 1 and 2, rolled back to step 4 at tp=2: loss diff {diff:.1e}, params {comparison:?}");
+    assert!(diff <= TOLERANCE, "losses differ by {diff:e}");
+    assert!(comparison.within(TOLERANCE), "{comparison:?}");
     cluster.shutdown().await;
 }

@@ -364,10 +364,10 @@ impl JobDriver {
 
     /// The ranks of the next attempt on `view` and its tensor degree: at `parallel.tp` when the view
     /// holds a whole tensor group; after a loss (an attempt ran) that left none, at the largest smaller
-    /// degree the model splits into that the slots hold (`tensor_parallel::degrees_to_try`). A survivor
-    /// of a lost group of 2 holds the whole committed state (its shard and its buddy copy of the other's)
-    /// and that attempt goes on from it; a larger group's survivors keep nothing, and it starts from the
-    /// newest checkpoint.
+    /// degree the model splits into that the slots hold (`tensor_parallel::degrees_to_try`). The
+    /// survivors of a lost group hold the whole committed state (each rank's shard and its buddy copy of
+    /// the previous rank's, put together among them) and that attempt goes on from it; when two
+    /// neighbouring ranks were lost they keep nothing, and it starts from the newest checkpoint.
     fn plan_degree(&self, view: &View, members: &[MemberInfo]) -> (Vec<RankSlot>, usize) {
         let (max_nodes, parallel) = (self.spec.config.elastic.max_nodes, &self.spec.config.parallel);
         let mut planned = (Vec::new(), parallel.tp.max(1));

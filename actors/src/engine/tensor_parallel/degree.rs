@@ -25,8 +25,9 @@ pub fn degree_change(config: &JobConfig, from: usize, to: usize) -> String {
             "a survivor of a tensor group of 2 holds the whole state of the last committed step (its own shard and \
              its buddy copy of the other's), so the job goes on from that step"
         } else {
-            "its survivors hold only their own shards and buddy copies, not every shard, so the job re-shards the \
-             newest checkpoint"
+            "its survivors put the whole state of the last committed step together from their own shards and buddy \
+             copies (each rank holds the previous one's), so the job goes on from that step — from the newest \
+             checkpoint if two neighbouring ranks were lost"
         };
         format!("tensor degree {from} → {to} (parallel.tp = {tp}): no whole tensor group of {from} is left; {whence} over {to} rank(s)")
     } else {

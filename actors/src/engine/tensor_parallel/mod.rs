@@ -10,9 +10,13 @@
 //! State between attempts is [`CommittedState::Full`], layout-free: at the start of an attempt each rank
 //! cuts its shards (parameters and AdamW moments) from the whole state with `TpLayout::shard`; at its
 //! end (and for a checkpoint, an evaluation or `--save-final`) the tensor group all-gathers them back
-//! with `TpLayout::gather`. A tensor group lives or dies together: when a rank of it is lost, the
-//! others' final gather fails and they keep nothing; the other groups' ranks hold the whole committed
-//! state, so the next attempt (fewer replicas) starts from them, or from the checkpoint. Their
+//! with `TpLayout::gather`. Each rank also holds a buddy copy of the previous tensor rank's shard and
+//! moments, updated in lockstep ([`Buddy`]). When a rank of a group is lost, the others' final gather
+//! fails; the survivors then put the whole committed state together from their own shards and buddy
+//! copies (a group of 2: the survivor alone, [`TensorParallelReplica::reassemble`]; larger: over a
+//! subgroup of the survivors, [`TensorParallelReplica::gather_survivors`]) — every shard is there unless
+//! two neighbouring ranks were lost, in which case they keep nothing and the next attempt starts from
+//! another replica's ranks (which hold the whole committed state) or from the checkpoint. Their
 //! collectives run over [`Subgroup`]s, whose receives fail on the loss of a member only, so a group
 //! that lost no one completes its final gather; that gather runs in the next epoch, after this rank
 //! fenced the attempt's, so that a computation left waiting on a peer that broke off (the attempt failed
@@ -51,6 +55,8 @@ const DATA_GROUP: u32 = 0x5450_0002;
 /// The final gather's group: a fresh sequence, so ranks whose attempt failed at different collectives
 /// still meet.
 const FINAL_GROUP: u32 = 0x5450_0003;
+/// The survivors' gather, after the final one failed for a lost rank ([`TensorParallelReplica::gather_survivors`]).
+const SURVIVOR_GROUP: u32 = 0x5450_0004;
 
 /// What the blocking thread owns while it computes: the rank's shards, its groups, its AdamW and its
 /// buddy copy.
@@ -261,11 +267,53 @@ impl<T: Transport> TensorParallelReplica<T> {
                 gather_parts(parts, counters)
             })
             .await?;
-        let [params, exp_avg, exp_avg_sq] = gathered.map_err(EngineError::TensorParallel)?;
+        self.keep(gathered.map_err(EngineError::TensorParallel)?, counters[1]);
+        Ok(())
+    }
+
+    /// The whole state (parameters, exp_avg, exp_avg_sq; AdamW at `optimizer_step`) into the trainer.
+    fn keep(&mut self, [params, exp_avg, exp_avg_sq]: [Vec<Tensor>; 3], optimizer_step: u64) {
         copy_tensors(self.trainer.model.params(), &params);
         let adamw = self.trainer.optimizer.adamw_mut();
-        (adamw.exp_avg, adamw.exp_avg_sq, adamw.step) = (exp_avg, exp_avg_sq, counters[1]);
-        Ok(())
+        (adamw.exp_avg, adamw.exp_avg_sq, adamw.step) = (exp_avg, exp_avg_sq, optimizer_step);
+    }
+
+    /// After the final gather failed: the ranks of this rank's tensor group the transport saw lost (a
+    /// failed connection, not a goodbye) put the whole state together among the others from their own
+    /// shards and buddy copies, over a subgroup of the survivors, into the trainer. Every shard is held
+    /// by a survivor unless two neighbouring ranks were lost (rank t's copy is on t + 1). The survivors
+    /// first all-gather their steps and the survivor set they saw: any difference (or a survivor that
+    /// never comes) fails it, and they keep nothing. Gives the survivors' tensor ranks.
+    async fn gather_survivors(&mut self) -> Result<Vec<usize>, String> {
+        use futures::FutureExt;
+        let (me, replica) = self.coordinates();
+        let degree = self.degree;
+        let global = |t: usize| replica * degree + t;
+        let transport = self.comm.transport().clone();
+        let lost: Vec<usize> =
+            (0..degree).filter(|&t| t != me && transport.loss_among(&[global(t)]).now_or_never().is_some()).collect();
+        if lost.is_empty() {
+            return Err("no rank of the tensor group was lost".into());
+        }
+        if let Some(t) = lost.iter().find(|&&t| lost.contains(&((t + 1) % degree))) {
+            return Err(format!(
+                "tensor ranks {t} and {} were both lost: rank {t}'s shard was only on them",
+                (t + 1) % degree
+            ));
+        }
+        let survivors: Vec<usize> = (0..degree).filter(|t| !lost.contains(t)).collect();
+        let members = survivors.iter().map(|&t| global(t)).collect();
+        let group = Subgroup::new(transport, members).map_err(|e| e.to_string())?;
+        let comm = Communicator::new(Arc::new(group), SURVIVOR_GROUP, self.comm.epoch() + 1, self.collective.clone());
+        let optimizer_step = self.parts.as_ref().map_or(0, |p| p.optimizer.step);
+        let counters = [self.trainer.step, optimizer_step];
+        let held = survivors.clone();
+        let gathered = self
+            .blocking(move |parts| gather_from_survivors(parts, comm, &held, counters))
+            .await
+            .map_err(|e| e.to_string())??;
+        self.keep(gathered, optimizer_step);
+        Ok(survivors)
     }
 }
 
@@ -295,10 +343,7 @@ impl<T: Transport> TensorParallelReplica<T> {
             rank.layout.gather(&per_rank)
         });
         let mut next = || whole.next().expect("three lists");
-        let (params, exp_avg, exp_avg_sq) = (next(), next(), next());
-        copy_tensors(self.trainer.model.params(), &params);
-        let adamw = self.trainer.optimizer.adamw_mut();
-        (adamw.exp_avg, adamw.exp_avg_sq, adamw.step) = (exp_avg, exp_avg_sq, step);
+        self.keep([next(), next(), next()], step);
         true
     }
 }
@@ -335,15 +380,74 @@ fn gather_parts<T: Transport>(parts: &mut Parts<T>, counters: [u64; 2]) -> Resul
         append_flat(&list.iter().map(Tensor::contiguous).collect::<Vec<_>>(), &mut flat);
         let mut everyone = vec![0.0f32; flat.len() * n];
         handle.block_on(parts.tp.comm.all_gather(&flat[..], &mut everyone[..])).map_err(|e| e.to_string())?;
-        let per_rank: Vec<Vec<Tensor>> = everyone
-            .chunks(flat.len())
-            .map(|chunk| {
-                let shards: Vec<Tensor> =
-                    shapes.iter().map(|s| Tensor::zeros(s.as_slice(), tch::kind::FLOAT_CPU)).collect();
-                copy_from_flat(&shards, chunk);
-                shards
-            })
-            .collect();
+        let per_rank: Vec<Vec<Tensor>> = everyone.chunks(flat.len()).map(|chunk| unflatten(chunk, &shapes)).collect();
+        out.push(layout.gather(&per_rank));
+    }
+    let [a, b, c]: [Vec<Tensor>; 3] = out.try_into().map_err(|_| "three lists".to_string())?;
+    Ok([a, b, c])
+}
+
+/// One rank's shard list (of `shapes`) from its flat values.
+fn unflatten(flat: &[f32], shapes: &[Vec<i64>]) -> Vec<Tensor> {
+    let shards: Vec<Tensor> = shapes.iter().map(|s| Tensor::zeros(s.as_slice(), tch::kind::FLOAT_CPU)).collect();
+    copy_from_flat(&shards, flat);
+    shards
+}
+
+/// The whole lists (parameters, exp_avg, exp_avg_sq) all-gathered over `comm`, the subgroup of the tensor
+/// group's survivors (tensor ranks `survivors`, this rank among them): each gives its own shard and its
+/// buddy copy. An error when the survivors saw different survivor sets, hold different steps, or some
+/// shard is in none of them.
+fn gather_from_survivors<T: Transport>(
+    parts: &mut Parts<T>,
+    mut comm: Communicator<Subgroup<T>>,
+    survivors: &[usize],
+    counters: [u64; 2],
+) -> Result<[Vec<Tensor>; 3], String> {
+    let Some(buddy) = &parts.buddy else { return Err("this rank holds no buddy copy".into()) };
+    let (degree, handle) = (parts.tp.size(), parts.tp.handle.clone());
+    let mut mine: Vec<f32> = counters.iter().chain([&buddy.optimizer.step]).flat_map(|&c| counter_words(c)).collect();
+    mine.extend((0..degree).map(|t| if survivors.contains(&t) { 1.0 } else { 0.0 }));
+    let mut all = vec![0.0f32; mine.len() * survivors.len()];
+    handle.block_on(comm.all_gather(&mine[..], &mut all[..])).map_err(|e| e.to_string())?;
+    if all.chunks(mine.len()).any(|c| c != &mine[..]) || counters[1] != buddy.optimizer.step {
+        return Err(format!(
+            "the survivors saw different survivors or hold different steps ({all:?}, buddy copy at AdamW step {});              their state is dropped",
+            buddy.optimizer.step
+        ));
+    }
+    let layout = &parts.rank.layout;
+    let shapes = layout.shard_shapes();
+    let own = [
+        parts.rank.params().iter().map(Tensor::detach).collect::<Vec<_>>(),
+        parts.optimizer.exp_avg.iter().map(Tensor::shallow_clone).collect(),
+        parts.optimizer.exp_avg_sq.iter().map(Tensor::shallow_clone).collect(),
+    ];
+    let copy = [
+        buddy.params.iter().map(Tensor::detach).collect::<Vec<_>>(),
+        buddy.optimizer.exp_avg.iter().map(Tensor::shallow_clone).collect(),
+        buddy.optimizer.exp_avg_sq.iter().map(Tensor::shallow_clone).collect(),
+    ];
+    let mut out: Vec<Vec<Tensor>> = Vec::with_capacity(3);
+    for (own, copy) in own.into_iter().zip(copy) {
+        let mut flat = Vec::new();
+        append_flat(&own.iter().map(Tensor::contiguous).collect::<Vec<_>>(), &mut flat);
+        let half = flat.len();
+        append_flat(&copy.iter().map(Tensor::contiguous).collect::<Vec<_>>(), &mut flat);
+        if flat.len() != 2 * half {
+            return Err("a buddy copy's shapes differ from the rank's own shard's".into());
+        }
+        let mut everyone = vec![0.0f32; flat.len() * survivors.len()];
+        handle.block_on(comm.all_gather(&flat[..], &mut everyone[..])).map_err(|e| e.to_string())?;
+        let mut per_rank: Vec<Option<Vec<Tensor>>> = (0..degree).map(|_| None).collect();
+        for (held, &t) in everyone.chunks(flat.len()).zip(survivors) {
+            let (shard, previous) = held.split_at(half);
+            per_rank[t] = Some(unflatten(shard, &shapes));
+            per_rank[(t + degree - 1) % degree].get_or_insert_with(|| unflatten(previous, &shapes));
+        }
+        let Some(per_rank) = per_rank.into_iter().collect::<Option<Vec<_>>>() else {
+            return Err("a tensor rank's shard is on no survivor".into());
+        };
         out.push(layout.gather(&per_rank));
     }
     let [a, b, c]: [Vec<Tensor>; 3] = out.try_into().map_err(|_| "three lists".to_string())?;
@@ -525,10 +629,16 @@ impl<T: Transport> StepEngine for TensorParallelReplica<T> {
                 tracing::warn!(rank = self.comm.rank(), error = %e, step = self.trainer.step, "the tensor group's state could not be gathered; this rank keeps the whole state of its last step from its own shard and its buddy copy");
                 Some(CommittedState::Full(Box::new(self.trainer)))
             }
-            Err(e) => {
-                tracing::warn!(rank = self.comm.rank(), error = %e, "the tensor group's state could not be gathered, and this rank's own shard and buddy copy are not all of it; it keeps nothing");
-                None
-            }
+            Err(e) => match self.gather_survivors().await {
+                Ok(survivors) => {
+                    tracing::warn!(rank = self.comm.rank(), error = %e, step = self.trainer.step, ?survivors, "the tensor group's state could not be gathered; its survivors put the whole state of its last step together from their own shards and buddy copies");
+                    Some(CommittedState::Full(Box::new(self.trainer)))
+                }
+                Err(why) => {
+                    tracing::warn!(rank = self.comm.rank(), error = %e, survivors = %why, "the tensor group's state could not be gathered, nor put together from its survivors' shards and buddy copies; this rank keeps nothing");
+                    None
+                }
+            },
         }
     }
 }
