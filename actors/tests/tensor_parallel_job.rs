@@ -8,6 +8,7 @@
 //! the job goes on from the last committed step (at tp = 1, or at tp = 2 with a spare), nothing rolled back;
 //! a tensor group of 4 that loses one: its three survivors put the state together from their shards and
 //! buddy copies, and the job goes on at tp = 2; one that loses two neighbours rolls back to its checkpoint.
+//! 16-bit products (bf16, fp16 with an injected overflow) track the reference in their precision.
 
 mod common;
 #[path = "tensor_parallel_job/peft.rs"]
@@ -366,5 +367,68 @@ async fn a_tp4_job_that_loses_two_neighbouring_ranks_rolls_back_to_its_checkpoin
     eprintln!("tp=4 losing ranks 1 and 2, rolled back to step 4 at tp=2: loss diff {diff:.1e}, params {comparison:?}");
     assert!(diff <= TOLERANCE, "losses differ by {diff:e}");
     assert!(comparison.within(TOLERANCE), "{comparison:?}");
+    cluster.shutdown().await;
+}
+
+/// The single-process run of `config` (tp = 1) in its own precision: each step's (loss, skipped), and the
+/// trainer at the end.
+fn reference_steps(config: &JobConfig) -> (Vec<(f64, bool)>, Trainer) {
+    tch::set_num_threads(1);
+    let mut reference = config.clone();
+    reference.parallel.tp = 1;
+    let mut trainer = Trainer::new(reference).unwrap();
+    let mut steps = Vec::new();
+    while trainer.step < config.train.steps {
+        let report = trainer.train_step();
+        steps.push((report.loss, report.skipped));
+    }
+    (steps, trainer)
+}
+
+/// 16-bit products in a tp = 2 × dp = 2 job (SP on): bf16, and fp16 with an overflow injected at step 3.
+/// Each tracks the single-process run in its own precision — per-step losses and the final parameters
+/// within the bounds below, its losses apart from the fp32 run's (the products really ran in 16 bits) —
+/// and fp16's overflowing step is skipped on every rank, as the reference skips it, and only it. It
+/// cannot equal the reference to the bit: a row-parallel product is each rank's partial sum rounded to
+/// 16 bits, then summed, where the whole product rounds once (the model crate's
+/// `sixteen_bit_products_under_tensor_parallelism_track_the_single_process_run`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixteen_bit_tp_jobs_track_the_reference_in_their_precision_and_fp16_skips_an_overflow_everywhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = LocalCluster::in_process(4).await.unwrap();
+    // Measured here (2026-11-28): bf16 losses 3.0e-5 relative, parameters 6.5e-4 (whole model); fp16
+    // 5.5e-6 and 1.3e-4. The bounds allow about 4× that.
+    for (precision, loss_bound, param_bound) in [("bf16", 1.5e-4, 2.6e-3), ("fp16", 2.5e-5, 5.5e-4)] {
+        let mut config = with_tp(JobConfig::small_llama(8), 2, true);
+        config.parallel.precision = precision.into();
+        if precision == "fp16" {
+            config.train.inject_overflow_at = vec![3];
+        }
+        let out = dir.path().join(format!("{precision}.safetensors"));
+        let events = run_to_end(&cluster, Job::new(config.clone()).save_final(&out)).await;
+        assert!(matches!(events.last(), Some(JobEvent::Finished { steps: 8, .. })), "{precision}: {events:?}");
+        let got: Vec<(f64, bool)> = events
+            .iter()
+            .filter_map(|e| if let JobEvent::Step { loss, skipped, .. } = e { Some((*loss, *skipped)) } else { None })
+            .collect();
+        let (want, reference) = reference_steps(&config);
+        let skipped = |steps: &[(f64, bool)]| -> Vec<usize> { (0..steps.len()).filter(|&i| steps[i].1).collect() };
+        let expected_skips = if precision == "fp16" { vec![3] } else { vec![] };
+        assert_eq!(skipped(&want), expected_skips, "{precision}: the reference skips the injected overflow");
+        assert_eq!(skipped(&got), expected_skips, "{precision}: the job skips what the reference skips: {events:?}");
+        let losses: Vec<f64> = got.iter().map(|s| s.0).collect();
+        let diff = worst_loss_diff(&losses, &want.iter().map(|s| s.0).collect::<Vec<_>>());
+        let params = common::saved_params(&out, &reference);
+        let comparison = compare_params(reference.model.specs(), &params, &reference.param_values());
+        let mut fp32 = config.clone();
+        (fp32.parallel.precision, fp32.train.inject_overflow_at) = ("fp32".into(), vec![]);
+        let (fp32, _) = reference_steps(&fp32);
+        // Before the skipped step (which fp32 applies), so that the difference is the products' alone.
+        let from_fp32 = worst_loss_diff(&losses[..3], &fp32[..3].iter().map(|s| s.0).collect::<Vec<_>>());
+        eprintln!("{precision} tp=2 x dp=2: loss diff {diff:.1e} (from fp32's {from_fp32:.1e}), params {comparison:?}");
+        assert!(diff <= loss_bound, "{precision}: losses differ by {diff:e}");
+        assert!(comparison.global <= param_bound, "{precision}: {comparison:?}");
+        assert!(from_fp32 > 5e-7, "{precision}: the losses are fp32's ({from_fp32:e}): the products ran in fp32");
+    }
     cluster.shutdown().await;
 }

@@ -141,8 +141,8 @@ impl JobConfig {
     }
 
     /// `parallel.tp` and `parallel.sp`: a degree the model's split tables accept (the layout's own
-    /// refusal, naming the model key and the nearest valid degree), fp32, and — this build — neither a
-    /// pipeline nor ZeRO beside it.
+    /// refusal, naming the model key and the nearest valid degree), and — this build — neither a pipeline
+    /// nor ZeRO beside it (fp32, bf16 and fp16 all run).
     fn validate_tensor_parallel(&self) -> Result<(), ConfigError> {
         let p = &self.parallel;
         if p.tp == 0 || p.tp > crate::sections::RANKS_MAX {
@@ -166,13 +166,6 @@ impl JobConfig {
         }
         if p.shard != "none" {
             return Err(not_yet("parallel.shard", format!("{:?}", p.shard), "ZeRO: set parallel.shard = \"none\""));
-        }
-        if p.precision != "fp32" {
-            return Err(not_yet(
-                "parallel.precision",
-                format!("{:?}", p.precision),
-                "16-bit matrices: set parallel.precision = \"fp32\"",
-            ));
         }
         Ok(())
     }
@@ -484,7 +477,6 @@ mod tests {
             ("[parallel]\ntp = 0\n", &["parallel.tp", "1..=4096"]),
             ("[parallel]\ntp = 2\npp = 2\n", &["parallel.pp", "not supported yet"]),
             ("[parallel]\ntp = 2\nshard = \"zero1\"\n", &["parallel.shard", "not supported yet"]),
-            ("[parallel]\ntp = 2\nprecision = \"bf16\"\n", &["parallel.precision", "not supported yet"]),
             ("[train]\nsteps = \"many\"\n", &["invalid type", "steps"]),
             ("[elastic]\nmin_nodes = 0\n", &["elastic.min_nodes", "1..=4096"]),
             ("[elastic]\nmin_nodes = 3\nmax_nodes = 2\n", &["elastic.max_nodes", "at least elastic.min_nodes (3)"]),
@@ -495,6 +487,15 @@ mod tests {
             for needle in *needles {
                 assert!(message.contains(needle), "error for {toml:?} lacks {needle:?}: {message}");
             }
+        }
+    }
+
+    #[test]
+    fn tensor_parallel_jobs_take_every_precision() {
+        for precision in ["fp32", "bf16", "fp16"] {
+            let toml = format!("[parallel]\ntp = 2\nprecision = \"{precision}\"\n");
+            let config = JobConfig::from_toml(&toml, "t").unwrap_or_else(|e| panic!("{precision}: {e}"));
+            assert_eq!((config.parallel.tp, config.parallel.precision.as_str()), (2, precision));
         }
     }
 

@@ -45,7 +45,7 @@ pub(super) fn check(args: &BenchTrainArgs, model: &ModelConfig, tp: usize) -> an
         (
             args.precision != "fp32",
             format!("--precision {}", args.precision),
-            "tensor parallelism trains in fp32 in this build; drop --precision",
+            "the tensor-parallel benchmark and its PyTorch peer train in fp32 (jobs take parallel.precision); drop --precision",
         ),
         (
             args.peft != "none",

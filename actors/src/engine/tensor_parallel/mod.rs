@@ -38,8 +38,9 @@ use troupe_cluster::ClusterError;
 use troupe_model::checkpoint::{CheckpointWriter, Layout, SaveRequest, TrainingState};
 use troupe_model::data::{micro_batch_ranges, rank_slice};
 use troupe_model::generate::Evaluation;
+use troupe_model::model::Samples;
 use troupe_model::optim::{learning_rate, scale_grads, AdamW, AdamWConfig};
-use troupe_model::precision::Update;
+use troupe_model::precision::{backward_weight, Update};
 use troupe_model::tensor_parallel::{TpError, TpGroup, TpLayout, TpRank};
 use troupe_model::Trainer;
 
@@ -84,8 +85,10 @@ impl Buddy {
     }
 }
 
-/// One micro-batch: tokens, targets, weight in the global batch.
-type Batch = (Tensor, Tensor, f64);
+/// One micro-batch: tokens, targets, its weight in the global batch's loss, its backward's weight (that
+/// times fp16's loss scale: `precision::backward_weight`), and which samples of the step they are (LoRA's
+/// dropout mask is a function of them).
+type Batch = (Tensor, Tensor, f64, f64, Samples);
 
 /// A blocking computation: it gives back the parts and its result.
 type Pending<T> = JoinHandle<(Parts<T>, Box<dyn Any + Send>)>;
@@ -176,7 +179,8 @@ impl<T: Transport> TensorParallelReplica<T> {
             let optimizer = self.adamw(&params, &exp_avg, &exp_avg_sq);
             Buddy { index, params, optimizer }
         });
-        let rank = TpRank::new(layout, t, shards);
+        let mut rank = TpRank::new(layout, t, shards);
+        rank.precision = self.trainer.model.precision;
         let optimizer = self.adamw(rank.params(), &exp_avg, &exp_avg_sq);
         if let Some(buddy) = &buddy {
             let (own, copy) = (rank.params().iter().map(Tensor::numel).sum::<usize>(), buddy.numel());
@@ -245,9 +249,12 @@ impl<T: Transport> TensorParallelReplica<T> {
             .into_iter()
             .map(|range| {
                 let weight = range.len() as f64 / train.global_batch as f64;
-                let (tokens, targets) = self.trainer.sampler.batch(self.trainer.step, range);
+                let step = self.trainer.step;
+                let backward = backward_weight(train, &self.trainer.loss_scale, step, &range);
+                let samples = Samples::new(train.seed, step, range.start);
+                let (tokens, targets) = self.trainer.sampler.batch(step, range);
                 let device = self.trainer.device;
-                (tokens.to_device(device), targets.to_device(device), weight)
+                (tokens.to_device(device), targets.to_device(device), weight, backward, samples)
             })
             .collect()
     }
@@ -454,25 +461,27 @@ fn gather_from_survivors<T: Transport>(
     Ok([a, b, c])
 }
 
-/// The forward and backward of the rank's micro-batches (weighted as the reference weights them), the
-/// gradients averaged over the data-parallel group, and the global gradient norm: (loss, norm).
+/// The forward and backward of the rank's micro-batches (each backward weighted as the reference weights
+/// it: its share of the batch times fp16's loss scale), the gradients averaged over the data-parallel
+/// group, and the global norm of those (scaled) gradients: (loss, norm).
 fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -> Result<(f64, f64), String> {
     let e = |e: TpError| e.to_string();
     let params: Vec<Tensor> = parts.rank.params().iter().map(Tensor::shallow_clone).collect();
     let mut sum: Vec<Tensor> = params.iter().map(|p| p.detach().zeros_like()).collect();
     let mut loss = 0.0;
-    for (tokens, targets, weight) in batches {
+    for (tokens, targets, weight, backward, samples) in batches {
         for p in &params {
             let mut g = p.grad();
             if g.defined() {
                 let _ = g.zero_();
             }
         }
-        loss += parts.rank.loss_and_backward(&mut parts.tp, &tokens, &targets).map_err(e)? * weight;
+        let rank = &parts.rank;
+        loss += rank.loss_and_backward(&mut parts.tp, &tokens, &targets, Some(samples), backward).map_err(e)? * weight;
         tch::no_grad(|| {
             for (acc, p) in sum.iter_mut().zip(&params) {
                 if p.grad().defined() {
-                    *acc += p.grad() * weight;
+                    *acc += p.grad();
                 }
             }
         });

@@ -643,6 +643,10 @@ pub struct Weights {
     slots: Option<Vec<peft::Slot>>,
     /// Training: LoRA's dropout on the adapters' input, keyed by the samples and this part.
     dropout: Option<(f64, Samples, usize)>,
+    /// Per family parameter: the input columns a weight sees when they are a slice of its whole input
+    /// (offset, whole width) — a tensor-parallel rank's row-parallel weight — for the dropout mask.
+    /// Empty: every input whole.
+    columns: Vec<Option<(i64, i64)>>,
 }
 
 struct Lora {
@@ -668,7 +672,7 @@ impl Weights {
         if config.peft.is_none() {
             let params = trainable.iter().map(Tensor::shallow_clone).collect::<Vec<_>>();
             let lora = params.iter().map(|_| None).collect();
-            return Self { params, lora, slots: None, dropout: None };
+            return Self { params, lora, slots: None, dropout: None, columns: Vec::new() };
         }
         let base = peft::Base::of(config);
         Self::with_frozen(config, part, trainable, |index| base.tensor(config, index, device))
@@ -679,6 +683,19 @@ impl Weights {
         let p = config.peft.as_ref().map_or(0.0, |peft| peft.dropout);
         self.dropout = samples.filter(|_| p > 0.0).map(|samples| (p, samples, part));
         self
+    }
+
+    /// [`Self::training`] where family parameter `i`'s input is the columns `columns[i] = Some((offset,
+    /// whole width))` of its whole input (a tensor-parallel rank's row-parallel weight): its dropout
+    /// mask is those columns of the whole input's mask, as the single-process forward draws it.
+    pub fn training_on_columns(
+        self,
+        config: &ModelConfig,
+        part: usize,
+        samples: Option<Samples>,
+        columns: Vec<Option<(i64, i64)>>,
+    ) -> Self {
+        Self { columns, ..self.training(config, part, samples) }
     }
 
     /// Records `output` as the operation of the family parameters `family` (the trainable ones).
@@ -707,7 +724,8 @@ impl Weights {
         let dropped;
         let input = match self.dropout {
             Some((p, samples, part)) => {
-                dropped = x * peft::dropout_mask(x, p, samples, part, weight);
+                let columns = self.columns.get(weight).copied().flatten();
+                dropped = x * peft::dropout_mask_of_columns(x, p, samples, part, weight, columns);
                 &dropped
             }
             None => x,

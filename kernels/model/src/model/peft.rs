@@ -533,7 +533,7 @@ impl super::Weights {
                 })
             })
             .collect();
-        Self { params, lora, slots: Some(layout.slots), dropout: None }
+        Self { params, lora, slots: Some(layout.slots), dropout: None, columns: Vec::new() }
     }
 
     /// `x · weightᵀ` of family parameter `weight`, plus its LoRA update when it has adapters, without
@@ -550,11 +550,35 @@ impl super::Weights {
 /// sample, computed with tensor operations on `x`'s device (32-bit lanes in int64, no overflow), so the
 /// same sample gets the same mask on any rank, in any micro-batch, on any device, in a recomputation.
 pub fn dropout_mask(x: &Tensor, p: f64, samples: super::Samples, part: usize, weight: usize) -> Tensor {
+    dropout_mask_of_columns(x, p, samples, part, weight, None)
+}
+
+/// [`dropout_mask`] for `x` that is the columns `offset..` of an input `width` wide (`columns =
+/// Some((offset, width))`; its last dimension the columns it holds): the mask is those columns of the
+/// whole input's — what a tensor-parallel rank's slice of a row-parallel weight's input gets.
+pub fn dropout_mask_of_columns(
+    x: &Tensor,
+    p: f64,
+    samples: super::Samples,
+    part: usize,
+    weight: usize,
+    columns: Option<(i64, i64)>,
+) -> Tensor {
     use tch::Kind;
     let size = x.size();
     let (batch, per_sample) = (size[0], size[1..].iter().product::<i64>());
-    assert!(per_sample <= 1 << 32, "a sample of {per_sample} elements exceeds the dropout hash's 32-bit positions");
     let device = x.device();
+    let positions = match columns {
+        None => Tensor::arange(per_sample, (Kind::Int64, device)),
+        Some((offset, width)) => {
+            let held = *size.last().expect("x has a last dimension");
+            let rows = per_sample / held;
+            let starts = Tensor::arange(rows, (Kind::Int64, device)).view([rows, 1]) * width + offset;
+            (starts + Tensor::arange(held, (Kind::Int64, device)).view([1, held])).view([per_sample])
+        }
+    };
+    let whole = columns.map_or(per_sample, |(_, width)| per_sample / size.last().copied().unwrap_or(1) * width);
+    assert!(whole <= 1 << 32, "a sample of {whole} elements exceeds the dropout hash's 32-bit positions");
     let salts: Vec<i64> = (0..batch as usize)
         .map(|b| {
             let sample = (samples.first + b) as u64;
@@ -565,8 +589,7 @@ pub fn dropout_mask(x: &Tensor, p: f64, samples: super::Samples, part: usize, we
     let salts = Tensor::from_slice(&salts).to_device(device).view([batch, 1]);
     let mask32 = |t: Tensor| t.bitwise_and(0xffff_ffffi64);
     // A 32-bit integer hash (two xor-shift-multiply rounds); every product is below 2^63.
-    let mut h =
-        mask32(Tensor::arange(per_sample, (Kind::Int64, device)).view([1, per_sample]).bitwise_xor_tensor(&salts));
+    let mut h = mask32(positions.view([1, per_sample]).bitwise_xor_tensor(&salts));
     for _ in 0..2 {
         h = mask32((h.bitwise_right_shift_tensor_scalar(16).bitwise_xor_tensor(&h)) * 0x045d_9f3bi64);
     }

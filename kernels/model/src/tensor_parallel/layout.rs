@@ -155,14 +155,6 @@ impl TpLayout {
     /// nor is a multiple of them, naming the numbers and the nearest valid degree. A vocabulary the
     /// degree does not divide is padded ([`Self::padded_vocab`]).
     pub fn new(config: &ModelConfig, degree: usize, sp: bool) -> Result<Self, TpError> {
-        if let Some(peft) = config.peft.as_ref().filter(|p| p.dropout > 0.0 && degree > 1) {
-            return Err(TpError::Unsupported(format!(
-                "peft.dropout = {} with tensor parallelism (tp = {degree}): a rank's forward does not know which \
-                 samples it computes, which LoRA's dropout mask is keyed on; set peft.dropout = 0, or train with \
-                 tp = 1",
-                peft.dropout
-            )));
-        }
         if degree == 0 {
             return Err(TpError::Degree { key: "tp", value: 0, degree, nearest: 1 });
         }

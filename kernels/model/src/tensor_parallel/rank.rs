@@ -9,7 +9,7 @@ use super::layout::{nearest_degree, Split, TpLayout};
 use super::tape::{Conjugate, Tape};
 use super::TpError;
 use crate::model::{
-    block_attention, block_mlp_hidden, block_norm, final_norm, head_params, Arch, ModelConfig, Weights,
+    block_attention, block_mlp_hidden, block_norm, final_norm, head_params, Arch, ModelConfig, Samples, Weights,
 };
 use crate::optim::{clip_coefficient, scale_grads};
 use crate::precision::Precision;
@@ -25,6 +25,9 @@ pub struct TpRank {
     /// With `[peft]`: the rank's shards of the frozen base, by position in
     /// [`crate::model::base_specs`] (None for what trains).
     frozen: Vec<Option<Tensor>>,
+    /// With `[peft]`, per part and family parameter: a row-parallel weight's input columns on this rank
+    /// (offset, whole width), for LoRA's dropout mask ([`Weights::training_on_columns`]).
+    input_columns: Vec<Vec<Option<(i64, i64)>>>,
 }
 
 impl TpRank {
@@ -39,18 +42,21 @@ impl TpRank {
         let params = shards.into_iter().map(|s| s.detach().set_requires_grad(true)).collect();
         let local = layout.local_config();
         let frozen = frozen_shards(&layout, rank, device);
-        Self { layout, rank, precision: Precision::Fp32, local, params, frozen }
+        let input_columns = input_columns(&layout, rank);
+        Self { layout, rank, precision: Precision::Fp32, local, params, frozen, input_columns }
     }
 
     /// Part `part`'s weights on its trainable slice `trainable`: with `[peft]`, the frozen family
-    /// parameters are this rank's shards of the base.
-    fn weights(&self, part: usize, trainable: &[Tensor], device: tch::Device) -> Weights {
+    /// parameters are this rank's shards of the base, and a training forward of `samples` applies LoRA's
+    /// dropout with the single-process forward's mask (a row-parallel weight's input: its columns of it).
+    fn weights(&self, part: usize, trainable: &[Tensor], device: tch::Device, samples: Option<Samples>) -> Weights {
         if self.layout.config.peft.is_none() {
             return Weights::of(&self.local, part, trainable, device);
         }
-        Weights::with_frozen(&self.layout.config, part, trainable, |index| {
+        let weights = Weights::with_frozen(&self.layout.config, part, trainable, |index| {
             self.frozen[index].as_ref().expect("a frozen parameter's shard").shallow_clone()
-        })
+        });
+        weights.training_on_columns(&self.layout.config, part, samples, self.input_columns[part].clone())
     }
 
     pub fn params(&self) -> &[Tensor] {
@@ -71,18 +77,24 @@ impl TpRank {
     pub fn loss(&self, group: &mut dyn TpGroup, tokens: &Tensor, targets: &Tensor) -> Result<f64, TpError> {
         tch::no_grad(|| {
             let mut tape = Tape::default();
-            let loss = self.forward(&mut tape, group, tokens, targets)?;
+            let loss = self.forward(&mut tape, group, tokens, targets, None)?;
             Ok(tape.value(loss).double_value(&[]))
         })
     }
 
-    /// The loss of `tokens` against `targets` and its backward: the gradients accumulate into the shards'
-    /// `.grad` (micro-batches add up), those of replicated parameters identical on every rank.
+    /// The loss of `tokens` against `targets` and its backward from `backward_weight` (the trainer's
+    /// [`crate::precision::backward_weight`]: the micro-batch's share of the batch times fp16's loss
+    /// scale; 1 for the plain gradient): the gradients accumulate into the shards' `.grad` (micro-batches
+    /// add up), those of replicated parameters identical on every rank. `samples` names the batch's rows
+    /// (the trainer's [`Samples`]) for LoRA's dropout (`peft.dropout`), which then drops what the
+    /// single-process forward of those samples drops. The products run in [`Self::precision`].
     pub fn loss_and_backward(
         &self,
         group: &mut dyn TpGroup,
         tokens: &Tensor,
         targets: &Tensor,
+        samples: Option<Samples>,
+        backward_weight: f64,
     ) -> Result<f64, TpError> {
         // With SP a replicated parameter's gradient of this call is partial (its rank's positions), and so
         // is a whole LoRA factor's beside a split one (its rank's rows or columns of the weight,
@@ -92,10 +104,10 @@ impl TpRank {
         let partial: Vec<usize> = (0..self.params.len()).filter(|&i| self.grad_is_partial(i)).collect();
         let earlier: Vec<Option<Tensor>> = partial.iter().map(|&i| take_grad(&self.params[i])).collect();
         let mut tape = Tape::default();
-        let loss = self.forward(&mut tape, group, tokens, targets)?;
+        let loss = self.forward(&mut tape, group, tokens, targets, samples)?;
         let value = tape.value(loss).double_value(&[]);
-        let one = Tensor::ones([], (Kind::Float, tokens.device()));
-        tape.backward(group, vec![(loss, one)])?;
+        let seed = Tensor::full([], backward_weight, (Kind::Float, tokens.device()));
+        tape.backward(group, vec![(loss, seed)])?;
         for (&i, earlier) in partial.iter().zip(earlier) {
             let p = &self.params[i];
             let mine = if p.grad().defined() { p.grad() } else { p.zeros_like() };
@@ -149,7 +161,7 @@ impl TpRank {
     ) -> Result<(usize, usize), TpError> {
         tch::no_grad(|| {
             let mut tape = Tape::default();
-            self.forward(&mut tape, group, tokens, targets)?;
+            self.forward(&mut tape, group, tokens, targets, None)?;
             Ok(tape.held_bytes())
         })
     }
@@ -187,6 +199,7 @@ impl TpRank {
         group: &mut dyn TpGroup,
         tokens: &Tensor,
         targets: &Tensor,
+        samples: Option<Samples>,
     ) -> Result<usize, TpError> {
         assert_eq!(tokens.size(), targets.size(), "tokens and targets are both [batch, time]");
         let time = tokens.size()[1] as usize;
@@ -198,7 +211,7 @@ impl TpRank {
         }
         let mut x = self.embed(tape, group, tokens)?;
         for index in 0..self.layout.config.n_layers {
-            x = self.block(tape, group, index, x)?;
+            x = self.block(tape, group, index, x, samples)?;
         }
         let logits = self.head(tape, group, x)?;
         self.cross_entropy(tape, group, logits, targets)
@@ -226,7 +239,7 @@ impl TpRank {
     fn embed(&self, tape: &mut Tape, group: &mut dyn TpGroup, tokens: &Tensor) -> Result<usize, TpError> {
         let cfg = &self.layout.config;
         let range = self.layout.vocab_range(self.rank);
-        let w = self.weights(0, &self.params[cfg.embed_range()], tokens.device());
+        let w = self.weights(0, &self.params[cfg.embed_range()], tokens.device(), None);
         let partial = tape.segment1(&[], |_| {
             let (ids, mask) = local_ids(tokens, &range);
             Tensor::embedding(&w[0], &ids, -1, false, false) * mask.unsqueeze(-1)
@@ -243,9 +256,16 @@ impl TpRank {
 
     /// One block: norm → f → the rank's heads and its piece of the output projection → g → residual (and
     /// the bias, once) → norm → f → its columns of the MLP and rows of its last matrix → g → residual.
-    fn block(&self, tape: &mut Tape, group: &mut dyn TpGroup, index: usize, x: usize) -> Result<usize, TpError> {
+    fn block(
+        &self,
+        tape: &mut Tape,
+        group: &mut dyn TpGroup,
+        index: usize,
+        x: usize,
+        samples: Option<Samples>,
+    ) -> Result<usize, TpError> {
         let (cfg, local, precision) = (&self.layout.config, &self.local, self.precision);
-        let w = self.weights(1 + index, &self.params[cfg.block_range(index)], tape.value(x).device());
+        let w = self.weights(1 + index, &self.params[cfg.block_range(index)], tape.value(x).device(), samples);
         let b = cfg.block_layout();
         let bias = |y: &Tensor, at: Option<usize>| match at {
             Some(at) => y + &w[at],
@@ -275,7 +295,7 @@ impl TpRank {
     fn head(&self, tape: &mut Tape, group: &mut dyn TpGroup, x: usize) -> Result<usize, TpError> {
         let cfg = &self.layout.config;
         let params = head_params(cfg, &self.params);
-        let w = self.weights(1 + cfg.n_layers, &params, tape.value(x).device());
+        let w = self.weights(1 + cfg.n_layers, &params, tape.value(x).device(), None);
         // The family's head list: the final norm, then the matrix (the tied embedding, appended, when tied).
         let matrix = cfg.params_after_blocks() - usize::from(!cfg.tie_word_embeddings);
         let h = tape.segment1(&[x], |v| final_norm(cfg, &w, &v[0]));
@@ -322,6 +342,27 @@ impl TpRank {
         let picked = tape.collective(group, parts[1], Conjugate::Reduce)?;
         Ok(tape.segment1(&[sum_exp, picked], |v| (v[0].log() - &v[1]).mean(Kind::Float)))
     }
+}
+
+/// With `[peft]`, per part and family parameter: (offset, whole width) of this rank's columns of a
+/// row-parallel weight's input (`T` contiguous pieces, as the weight's columns), None for the others.
+fn input_columns(layout: &TpLayout, rank: usize) -> Vec<Vec<Option<(i64, i64)>>> {
+    let config = &layout.config;
+    if config.peft.is_none() {
+        return Vec::new();
+    }
+    let base = crate::model::base_specs(config);
+    let piece = |width: i64| {
+        let held = width / layout.degree as i64;
+        (rank as i64 * held, width)
+    };
+    crate::model::peft::parts(config)
+        .iter()
+        .map(|part| {
+            let row = |&index: &usize| layout.base_splits[index] == Split::Row;
+            part.base.iter().map(|index| row(index).then(|| piece(base[*index].shape[1]))).collect()
+        })
+        .collect()
 }
 
 /// Rank `rank`'s shards of `layout`'s frozen base on `device`, read from `model.from_hf` and cut (the files
