@@ -334,16 +334,7 @@ impl<T: Transport> TensorParallelReplica<T> {
         if self.degree != 2 || optimizer.step != buddy.optimizer.step {
             return false;
         }
-        let own = [
-            rank.params().iter().map(Tensor::detach).collect::<Vec<_>>(),
-            optimizer.exp_avg.iter().map(Tensor::shallow_clone).collect(),
-            optimizer.exp_avg_sq.iter().map(Tensor::shallow_clone).collect(),
-        ];
-        let copy = [
-            buddy.params.iter().map(Tensor::detach).collect::<Vec<_>>(),
-            buddy.optimizer.exp_avg.iter().map(Tensor::shallow_clone).collect(),
-            buddy.optimizer.exp_avg_sq.iter().map(Tensor::shallow_clone).collect(),
-        ];
+        let (own, copy) = (state_lists(rank.params(), optimizer), state_lists(&buddy.params, &buddy.optimizer));
         let (own_first, step) = (rank.rank < buddy.index, optimizer.step);
         let mut whole = own.into_iter().zip(copy).map(|(own, copy)| {
             let per_rank = if own_first { [own, copy] } else { [copy, own] };
@@ -353,6 +344,15 @@ impl<T: Transport> TensorParallelReplica<T> {
         self.keep([next(), next(), next()], step);
         true
     }
+}
+
+/// A shard's state as three lists (handles, not copies): parameters (detached), exp_avg, exp_avg_sq.
+fn state_lists(params: &[Tensor], optimizer: &AdamW) -> [Vec<Tensor>; 3] {
+    [
+        params.iter().map(Tensor::detach).collect(),
+        optimizer.exp_avg.iter().map(Tensor::shallow_clone).collect(),
+        optimizer.exp_avg_sq.iter().map(Tensor::shallow_clone).collect(),
+    ]
 }
 
 fn copy_tensors(dst: &[Tensor], src: &[Tensor]) {
@@ -376,11 +376,7 @@ fn gather_parts<T: Transport>(parts: &mut Parts<T>, counters: [u64; 2]) -> Resul
     }
     let layout = &parts.rank.layout;
     let shapes = layout.shard_shapes();
-    let lists = [
-        parts.rank.params().iter().map(Tensor::detach).collect::<Vec<_>>(),
-        parts.optimizer.exp_avg.iter().map(Tensor::shallow_clone).collect(),
-        parts.optimizer.exp_avg_sq.iter().map(Tensor::shallow_clone).collect(),
-    ];
+    let lists = state_lists(parts.rank.params(), &parts.optimizer);
     let mut out: Vec<Vec<Tensor>> = Vec::with_capacity(3);
     for list in lists {
         let mut flat = Vec::new();
@@ -419,22 +415,15 @@ fn gather_from_survivors<T: Transport>(
     handle.block_on(comm.all_gather(&mine[..], &mut all[..])).map_err(|e| e.to_string())?;
     if all.chunks(mine.len()).any(|c| c != &mine[..]) || counters[1] != buddy.optimizer.step {
         return Err(format!(
-            "the survivors saw different survivors or hold different steps ({all:?}, buddy copy at AdamW step {});              their state is dropped",
+            "the survivors saw different survivors or hold different steps ({all:?}, buddy copy at AdamW step {}); \
+             their state is dropped",
             buddy.optimizer.step
         ));
     }
     let layout = &parts.rank.layout;
     let shapes = layout.shard_shapes();
-    let own = [
-        parts.rank.params().iter().map(Tensor::detach).collect::<Vec<_>>(),
-        parts.optimizer.exp_avg.iter().map(Tensor::shallow_clone).collect(),
-        parts.optimizer.exp_avg_sq.iter().map(Tensor::shallow_clone).collect(),
-    ];
-    let copy = [
-        buddy.params.iter().map(Tensor::detach).collect::<Vec<_>>(),
-        buddy.optimizer.exp_avg.iter().map(Tensor::shallow_clone).collect(),
-        buddy.optimizer.exp_avg_sq.iter().map(Tensor::shallow_clone).collect(),
-    ];
+    let (own, copy) =
+        (state_lists(parts.rank.params(), &parts.optimizer), state_lists(&buddy.params, &buddy.optimizer));
     let mut out: Vec<Vec<Tensor>> = Vec::with_capacity(3);
     for (own, copy) in own.into_iter().zip(copy) {
         let mut flat = Vec::new();
