@@ -125,6 +125,19 @@ fn pipeline_kill_stage() {
     assert_eq!(r["steps_redone"], 0, "restored from the other replica, not a checkpoint: {r}");
 }
 
+/// tp = 2 × dp = 2 with every daemon in its own network namespace (each tensor group's collectives
+/// between hosts) loses a worker's daemon mid-step: the survivors go on from the other group's state and
+/// the victim's partner's buddy copy — nothing redone — and land on the reference.
+#[test]
+fn tensor_group_across_hosts_kill() {
+    let r = run("tensor-group-across-hosts-kill", 23);
+    if !skipped(&r) {
+        assert_eq!(faults(&r, "kill"), 1);
+        assert!(r["recoveries"].as_u64().unwrap() >= 1, "{r}");
+        assert_eq!(r["steps_redone"], 0, "restored from the survivors' memory, not a checkpoint: {r}");
+    }
+}
+
 #[test]
 fn kill_and_return() {
     let r = run("kill-and-return", 13);

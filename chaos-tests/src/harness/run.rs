@@ -39,7 +39,8 @@ pub struct RunOptions {
 
 /// The job a scenario trains: its job config file when it names one; else the small test model, so
 /// that runs take seconds, in the scenario's precision with its injected overflows, as pipelines of `pp`
-/// stages when it says so. The checker's reference trains the same config.
+/// stages or tensor groups of `tp` ranks when it says so. The checker's reference trains the same config
+/// on one rank.
 pub fn job_config(scenario: &Scenario) -> JobConfig {
     if let Some(config) = &scenario.job_config {
         return config.clone();
@@ -49,6 +50,7 @@ pub fn job_config(scenario: &Scenario) -> JobConfig {
     config.train.inject_overflow_at.clone_from(&scenario.inject_overflow_at);
     config.parallel.pp = scenario.pp;
     config.parallel.schedule.clone_from(&scenario.schedule);
+    config.parallel.tp = scenario.tp;
     // Every stage runs at least one block.
     config.model.n_layers = config.model.n_layers.max(scenario.pp);
     config
@@ -396,8 +398,9 @@ async fn follow(
 /// evaluations.
 type Reference = (Vec<f64>, Trainer, Vec<(u64, f64)>);
 
-fn train_reference(config: JobConfig) -> anyhow::Result<Reference> {
+fn train_reference(mut config: JobConfig) -> anyhow::Result<Reference> {
     tch::set_num_threads(1);
+    config.parallel.tp = 1;
     let mut trainer = Trainer::new(config)?;
     let (mut losses, mut evals) = (Vec::new(), Vec::new());
     while trainer.step < trainer.config.train.steps {

@@ -10,7 +10,7 @@
 //! controller_slots = 1      # 0: a dedicated controller node without a worker (one controller only)
 //! steps = 30                # training steps of the small test model (JobConfig::small)
 //! job = "job.toml"          # or train this job config (the TOML `troupe train --config` takes; relative
-//!                           # to the scenario file): steps, precision, pp, schedule and
+//!                           # to the scenario file): steps, precision, pp, tp, schedule and
 //!                           # inject_overflow_at then come from it and may not be set here
 //! checkpoint_every = 0      # durable checkpoints every N steps (0: none)
 //! progress_bound_s = 30     # after each fault heals, a step commits within this bound
@@ -21,6 +21,7 @@
 //!                           # be committed as skipped, every time it is committed
 //! pp = 1                    # pipeline stages (one rank each; the world is whole pipelines)
 //! schedule = "1f1b"         # pipeline schedule with pp > 1: gpipe | 1f1b | interleaved | zb-h1
+//! tp = 1                    # tensor parallelism (parallel.tp): the world is whole tensor groups
 //!
 //! [membership]              # every daemon's [membership] (node.toml's table; defaults as there), e.g.
 //! failure_detector = "fixed"         # the fixed timeout instead of the adaptive detector (the default,
@@ -94,10 +95,11 @@ pub const SHIPPED: &[(&str, &str)] = &[
     ("partition-controller-minority", include_str!("../../scenarios/partition-controller-minority.toml")),
     ("pause-controller-beyond-election", include_str!("../../scenarios/pause-controller-beyond-election.toml")),
     ("rolling-restart-three-controllers", include_str!("../../scenarios/rolling-restart-three-controllers.toml")),
+    ("tensor-group-across-hosts-kill", include_str!("../../scenarios/tensor-group-across-hosts-kill.toml")),
 ];
 
 /// The scenario keys a job config file sets instead.
-const JOB_KEYS: [&str; 5] = ["steps", "precision", "pp", "schedule", "inject_overflow_at"];
+const JOB_KEYS: [&str; 6] = ["steps", "precision", "pp", "tp", "schedule", "inject_overflow_at"];
 
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -145,6 +147,9 @@ pub struct Scenario {
     pub pp: usize,
     #[serde(default = "one_f_one_b")]
     pub schedule: String,
+    /// Tensor-parallel degree (`parallel.tp`): the world is whole tensor groups of `tp` ranks.
+    #[serde(default = "one")]
+    pub tp: usize,
     /// Every daemon's `[membership]`: the failure detector and its timeouts (node.toml's table).
     #[serde(default)]
     pub membership: MembershipConfig,
@@ -468,6 +473,7 @@ impl Scenario {
         self.steps = config.train.steps;
         self.precision.clone_from(&config.parallel.precision);
         self.pp = config.parallel.pp;
+        self.tp = config.parallel.tp;
         self.schedule.clone_from(&config.parallel.schedule);
         self.inject_overflow_at.clone_from(&config.train.inject_overflow_at);
         self.job_config = Some(config);
