@@ -163,6 +163,21 @@ fn replicated_seeds_130_340_585_break_no_invariant() {
     }
 }
 
+/// `Submitted` only once the job's first record was committed by a majority (controller.rs
+/// `pre_start`, `not_started`). In these loaded seeds the leader was paused 6 ms after a submission and
+/// the record never committed; the client was told `Submitted` all the same, and no controller ever ran
+/// the job. Now the client is told that the controller lost its leadership, and submits again to the
+/// next one (the checker fails any `Submitted` answered before a majority held the job).
+#[test]
+fn a_submission_not_committed_is_refused_and_submitted_again() {
+    let config = SimConfig::loaded();
+    for seed in [155, 242] {
+        let scenario = Scenario::random_replicated(seed);
+        let outcome = sim::run(seed, &scenario, &config, 0);
+        assert!(outcome.ok(), "{}", sim::run(seed, &scenario, &config, 300).report());
+    }
+}
+
 /// The replicated schedules do reach take-overs: leaders killed for good and replaced, deposed leaders
 /// stepping down, jobs finishing after them.
 #[test]

@@ -55,10 +55,11 @@ pub struct JobController;
 impl JobControllerState {
     /// Records this batch of actions (with any waiting phase reports) in the catalog, then carries them
     /// out. A batch of phase reports alone waits for the next batch, or the next tick: an fsync per
-    /// report would cost traced jobs a disk flush per rank per step.
-    async fn flush(&mut self, force: bool) {
+    /// report would cost traced jobs a disk flush per rank per step. Fails when the batch was not
+    /// committed (replicated controllers): the job controller has stopped.
+    async fn flush(&mut self, force: bool) -> Result<(), String> {
         if self.stopped {
-            return;
+            return Ok(());
         }
         let mut batch = std::mem::take(&mut self.pending);
         while let Some(action) = self.driver.poll_action() {
@@ -69,7 +70,7 @@ impl JobControllerState {
         let phases_only = batch.iter().all(|a| matches!(a, DriverAction::Event(JobEvent::Phases { .. })));
         if phases_only && !batch.is_empty() && !force && !unrecorded {
             self.pending = batch;
-            return;
+            return Ok(());
         }
         let events: Vec<JobEvent> = batch
             .iter()
@@ -88,10 +89,9 @@ impl JobControllerState {
                     // Not committed by a majority: none of this batch may go out.
                     tracing::warn!(job = self.id, "{e}; this node stops acting as the controller");
                     self.stopped = true;
-                    let _ = self
-                        .node
-                        .cast(NodeMsg::NotCommitted(format!("job {}'s record was not committed: {e}", self.id)));
-                    return;
+                    let why = format!("job {}'s record was not committed: {e}", self.id);
+                    let _ = self.node.cast(NodeMsg::NotCommitted(why.clone()));
+                    return Err(why);
                 }
                 Err(e) => tracing::error!(job = self.id, "{e:#}; a controller restart would not find this"),
             }
@@ -107,6 +107,7 @@ impl JobControllerState {
             let _ = self.node.cast(msg);
         }
         let _ = self.node.cast(NodeMsg::JobInfo(info));
+        Ok(())
     }
 }
 
@@ -135,7 +136,11 @@ impl Actor for JobController {
             pending: Vec::new(),
         };
         state.driver.on_view(&args.view, &args.members, Vec::new());
-        state.flush(true).await;
+        // A job whose first record was not committed never started: its submitter is told so (the node
+        // answers `job_started` with this error), not `Submitted`.
+        if let Err(why) = state.flush(true).await {
+            return Err(not_started(state.id, &why).into());
+        }
         me.send_interval(std::time::Duration::from_secs(1), || JobMsg::Tick);
         Ok(state)
     }
@@ -164,7 +169,8 @@ impl Actor for JobController {
             JobMsg::Cancel => d.cancel(),
             JobMsg::Tick => {
                 d.on_tick(now);
-                state.flush(true).await;
+                // A batch not committed stopped this job controller (see `flush`): its node steps down.
+                let _ = state.flush(true).await;
                 return Ok(());
             }
             JobMsg::Phases { node, attempt, rank, step, spans, stage } => {
@@ -172,7 +178,18 @@ impl Actor for JobController {
                 state.pending.push(DriverAction::Event(event));
             }
         }
-        state.flush(false).await;
+        let _ = state.flush(false).await;
         Ok(())
     }
+}
+
+/// What the submitter of job `id` is told when the job's first record was not committed by a majority:
+/// this controller lost its leadership, so the job did not start here. The Raft log may still hold the
+/// record uncommitted; a new leader commits it (and runs the job) only if it reached that leader.
+pub fn not_started(id: JobId, why: &str) -> String {
+    format!(
+        "the controller lost its leadership before a majority recorded job {id} ({why}); submit it again \
+         to the current controller (`troupe job status {id}` there first: the new leader runs the job only \
+         if the record reached it)"
+    )
 }

@@ -177,6 +177,8 @@ impl NodeState {
                             self.jobs.insert(id, actor);
                             Ok(())
                         }
+                        // pre_start's own error (the job's first record not committed) as it is.
+                        Err(ractor::SpawnErr::StartupFailed(e)) => Err(e.to_string()),
                         Err(e) => Err(e.to_string()),
                     };
                     self.core.job_started(id, started);

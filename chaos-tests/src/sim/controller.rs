@@ -4,6 +4,7 @@
 //! members' connections, and the checks of what the job did.
 
 use troupe_actors::protocol::{JobEvent, JobInfo, StepFigures, ToController, ToNode, Wire};
+use troupe_actors::runtime::controller::not_started;
 use troupe_actors::runtime::job::{DriverAction, FAILED_ATTEMPTS_MAX};
 use troupe_cluster::control::PeerRole;
 use troupe_cluster::membership::NodeId;
@@ -176,6 +177,16 @@ impl World<'_> {
             }
             Err(e) => self.not_recorded(n, batch, e),
         }
+        if std::mem::take(&mut self.nodes[n].job.starting) {
+            // pre_start returns: the node actor answers `job_started` and goes on.
+            let started = self.job_start_result(n);
+            self.nodes[n].core.job_started(JOB, started);
+            self.nodes[n].busy = false;
+            self.act(n);
+            if !self.nodes[n].busy {
+                self.release_actor(n);
+            }
+        }
         while self.nodes[n].job.waiting_batch.is_none() && !self.nodes[n].job.stopped {
             let Some(input) = self.nodes[n].job.waiting.pop_front() else { break };
             self.job_input(n, input);
@@ -190,11 +201,21 @@ impl World<'_> {
             trace!(self, "PLANTED BUG: {} announces an uncommitted batch", self.nodes[n].id);
             return self.carry_out(n, batch);
         }
+        let (inc, why) = (self.nodes[n].inc, format!("job {JOB}'s record was not committed: {why}"));
         let job = &mut self.nodes[n].job;
         job.stopped = true;
         job.waiting.clear();
-        let (inc, why) = (self.nodes[n].inc, format!("job {JOB}'s record was not committed: {why}"));
+        job.not_committed = Some(why.clone());
         self.local(Local::JobToNode, Ev::NotCommitted { node: n, inc, why });
+    }
+
+    /// What controller.rs `pre_start` returns: a job whose first record was not committed did not start
+    /// (its submitter is told to submit again), whatever the planted bug carried out.
+    pub(super) fn job_start_result(&self, n: usize) -> Result<(), String> {
+        match &self.nodes[n].job.not_committed {
+            Some(why) => Err(not_started(JOB, why)),
+            None => Ok(()),
+        }
     }
 
     /// Carries out a recorded batch: the driver's messages and events go to the node actor.

@@ -12,13 +12,14 @@ use std::time::Duration;
 
 use troupe_actors::catalog::{StoredJob, StoredView};
 use troupe_actors::node_config::restart::RestartPolicy;
-use troupe_actors::protocol::{JobSpec, Request, ToController, ToNode, Wire};
+use troupe_actors::protocol::{JobSpec, Reply, Request, ToController, ToNode, Wire};
 use troupe_actors::runtime::job::JobDriver;
 use troupe_actors::runtime::messages::{JobMsg, WorkerMsg};
 use troupe_actors::runtime::node_core::{NodeAction, NodeCore, NodeNote, NodeSettings, Restored};
 use troupe_cluster::control::PeerRole;
 use troupe_cluster::membership::{Change, NodeId};
 
+use super::raft::Write;
 use super::scenario::Fault;
 use super::world::{addr, trace, Envelope, Ev, JobCtl, JobInput, Local, Stall, Worker, World, JOB};
 
@@ -35,6 +36,10 @@ pub(super) fn first_incarnation(process: u32) -> u64 {
 /// The peer name of the client that submits the job: what the core says to it (the answer, the job's
 /// events) is not modelled.
 pub(super) const CLIENT: &str = "client";
+
+/// How long the client waits before it submits again a job the controller refused (it lost its
+/// leadership before a majority recorded the job).
+const CLIENT_RETRY_MS: u64 = 500;
 
 /// The core of process `inc` of node `n` starting at `now_ms`, as node.rs builds it from node.toml.
 /// Workers restart however often they panic: the simulation leaves escalation (the node stopping) to
@@ -109,12 +114,15 @@ impl World<'_> {
     }
 
     /// node.rs `act`: carries out node `n`'s actions in order, each before the next. With replicated
-    /// controllers a view waits for its commit: the rest (and the actor's mailbox) wait with it.
+    /// controllers a view waits for its commit: the rest (and the actor's mailbox) wait with it. An
+    /// action may run `act` again within (a worker's report goes straight to the core): once that made
+    /// the node wait, this loop stops too — it carried on, a take-over's restored job started (and its
+    /// first record's commit could free the actor) before its view was committed (found with the
+    /// submission's fix: seeds 15 and 19 of the replicated schedules).
     pub(super) fn act(&mut self, n: usize) {
-        if self.nodes[n].busy {
-            return; // carried on once the commit it waits for is decided
-        }
-        while let Some(action) = self.nodes[n].core.poll_action() {
+        while !self.nodes[n].busy {
+            // Carried on once the commit it waits for is decided.
+            let Some(action) = self.nodes[n].core.poll_action() else { break };
             match action {
                 NodeAction::Send { peer, epoch, msg } => self.send(n, &peer, epoch, msg),
                 NodeAction::RecordView(view) if self.ctl.raft.is_none() => {
@@ -131,10 +139,18 @@ impl World<'_> {
                 NodeAction::Worker { slot, msg } => self.to_worker(n, slot, msg),
                 NodeAction::Job { msg, .. } => self.to_job(n, msg),
                 NodeAction::StartJob { spec, view, members, restored, .. } => {
+                    // controller.rs `pre_start`: the first flush, awaited by the node actor (node.rs
+                    // awaits the spawn) — answered by `job_decided` once the record's commit is decided.
                     self.start_job(n, *spec, restored);
                     self.nodes[n].job.driver.on_view(&view, &members, Vec::new());
                     self.job_flush(n);
-                    self.nodes[n].core.job_started(JOB, Ok(()));
+                    if self.nodes[n].job.waiting_batch.is_some() {
+                        self.nodes[n].job.starting = true;
+                        self.nodes[n].busy = true;
+                        return;
+                    }
+                    let started = self.job_start_result(n);
+                    self.nodes[n].core.job_started(JOB, started);
                 }
                 NodeAction::Dial { addr } => self.dial(n, addr),
                 NodeAction::AnswerControllers { .. } => {}
@@ -212,6 +228,12 @@ impl World<'_> {
             return self.push(self.now + 100, Ev::Submit);
         };
         self.ctl.submitted = true;
+        if self.nodes[c].core.status().jobs.iter().any(|j| j.id == JOB) {
+            // The client looks before it submits again (`troupe job status`): the record of the refused
+            // submission reached the new leader, which committed it and runs the job.
+            trace!(self, "{} holds the job already: not submitted again", self.nodes[c].id);
+            return;
+        }
         let members = self.nodes[c].core.membership().map(|m| m.view().members().to_vec()).unwrap_or_default();
         trace!(self, "job submitted to {} on {members:?}", self.nodes[c].id);
         let spec = Box::new(super::job_spec(self.sc));
@@ -219,10 +241,36 @@ impl World<'_> {
         self.act(c);
     }
 
+    /// The controller's answer to the submitting client: `Submitted` only once the job's first record
+    /// was committed; an error (the controller lost its leadership first) and the client submits again,
+    /// to the controller then.
+    fn client_reply(&mut self, n: usize, msg: Wire) {
+        match msg {
+            Wire::Reply(Reply::Submitted { job }) => {
+                trace!(self, "client <- Submitted job {job} from {}", self.nodes[n].id);
+                // "Committed by a majority before announce", for the submission too.
+                let recorded = self.ctl.raft.as_ref().is_none_or(|r| r.in_majority(|w| matches!(w, Write::Job(_))));
+                if !recorded {
+                    let why = format!("{} answered Submitted before a majority held the job", self.nodes[n].id);
+                    self.check.fail(self.now, why);
+                }
+            }
+            Wire::Reply(Reply::Error { message }) if self.ctl.submitted => {
+                trace!(self, "client <- error from {}: {message}", self.nodes[n].id);
+                self.ctl.submitted = false;
+                self.push(self.now + CLIENT_RETRY_MS, Ev::Submit);
+            }
+            _ => {}
+        }
+    }
+
     /// node.rs `send`: a node to itself through its mailbox; the controller to a node on that node's
     /// current connection to it; a node to its controller on its own connection. Without one the
     /// message is lost.
     fn send(&mut self, n: usize, peer: &str, epoch: u64, msg: Wire) {
+        if peer == CLIENT {
+            return self.client_reply(n, msg);
+        }
         let env = Envelope::new(epoch, self.nodes[n].generation, msg);
         if peer == self.nodes[n].id.0 {
             return self.local(Local::ToSelf, Ev::SelfMsg { node: n, env });

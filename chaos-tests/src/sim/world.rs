@@ -349,6 +349,10 @@ pub(super) struct JobCtl {
     pub waiting: VecDeque<JobInput>,
     /// A write was not committed: nothing more goes out (controller.rs `stopped`).
     pub stopped: bool,
+    /// Why the write was not committed (what `pre_start` fails with, for the job's first record).
+    pub not_committed: Option<String>,
+    /// The job controller's `pre_start` awaits its first record's commit, and its node actor with it.
+    pub starting: bool,
 }
 
 /// What the controllers share: the job's submission, the attempts prepared, the single controller's
@@ -514,6 +518,8 @@ impl JobCtl {
             waiting_batch: None,
             waiting: VecDeque::new(),
             stopped: false,
+            not_committed: None,
+            starting: false,
         }
     }
 }
