@@ -230,6 +230,10 @@ impl NodeState {
                     *self.stop_reason.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.clone());
                     return Err(reason.into());
                 }
+                NodeAction::Note(NodeNote::HeardOfDaemons { daemons }) => {
+                    // Remembered by the core already; kept for a restart before a view admits this node.
+                    super::raft::known::save(&self.config.data_dir, &daemons);
+                }
                 NodeAction::Note(note) => {
                     if matches!(note, NodeNote::AdoptedView(_) | NodeNote::ViewChanged { .. }) {
                         self.keep_known();
@@ -360,7 +364,10 @@ impl NodeState {
             NodeNote::ViewChanged { epoch, changes } => self.metrics.on_view_change(epoch, &changes),
             NodeNote::JobEvent { job, event } => self.metrics.on_job_event(job, &event, Instant::now()),
             NodeNote::WorkerFailed { .. } => self.metrics.on_worker_failure(),
-            NodeNote::AdoptedView(_) | NodeNote::Fenced { .. } | NodeNote::RefusedStale => {}
+            NodeNote::AdoptedView(_)
+            | NodeNote::Fenced { .. }
+            | NodeNote::RefusedStale
+            | NodeNote::HeardOfDaemons { .. } => {}
         }
     }
 

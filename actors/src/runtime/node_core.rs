@@ -161,6 +161,12 @@ pub enum NodeNote {
     },
     /// A message was refused: its sender is not a member, or it is of an earlier membership or epoch.
     RefusedStale,
+    /// Replicated controllers: the daemons a controller (or the daemon this node took for one) named
+    /// in its status, remembered ([`NodeCore::remember`]) for the shell to keep in the data dir as it
+    /// keeps a view's.
+    HeardOfDaemons {
+        daemons: Vec<MemberInfo>,
+    },
 }
 
 struct WorkerSlot {
@@ -384,6 +390,30 @@ impl NodeCore {
         watchers.sort();
         watchers.dedup();
         watchers
+    }
+
+    /// Replicated controllers: with each `Join`, this node asks the daemon it took for the controller
+    /// for its status, whose members it remembers ([`Self::heard_of_daemons`]). Until a view admits
+    /// it, its `join` is the only address it knows; were that controller gone for good before the
+    /// view came (killed, or cut off while its successor is elected), it would know no other to dial
+    /// and never find the cluster (found by the simulation: loaded replicated seed 242, a worker whose
+    /// `Join` reached node-a 10 ms before node-a was cut off, then killed). The status answered
+    /// names the view's daemons, the controllers among them, each of which redirects to the leader.
+    fn ask_for_daemons(&mut self) {
+        let Some(peer) = self.controller_peer.clone() else { return };
+        if self.replicated() && self.controller.is_none() {
+            self.send(&peer, Request::StatusRequest);
+        }
+    }
+
+    /// A daemon's status named `daemons` (see [`Self::ask_for_daemons`]): remembered, and noted for
+    /// the shell to keep across a restart, unless they are what this node remembers already.
+    fn heard_of_daemons(&mut self, daemons: Vec<MemberInfo>) {
+        if daemons.is_empty() || daemons == self.remembered {
+            return;
+        }
+        self.remembered = daemons.clone();
+        self.actions.push_back(NodeAction::Note(NodeNote::HeardOfDaemons { daemons }));
     }
 
     /// The daemons of the last view this node knew, or an earlier run's (the shell keeps them in the
@@ -736,6 +766,7 @@ impl NodeCore {
                     let incarnation = Some(incarnation);
                     let controllers = Some(self.settings.controllers.clone());
                     self.send_to_controller(ToController::Join { slots, addr, incarnation, dashboard, controllers });
+                    self.ask_for_daemons();
                 }
                 MemberAction::AdoptView(view) => {
                     tracing::info!(node = %self.settings.id, epoch = view.epoch.0, members = view.len(), "adopted view");
@@ -1152,6 +1183,11 @@ impl NodeCore {
             Wire::Request(request) => self.client_message(from, request),
             Wire::Reply(Reply::Dashboard { fragment }) if self.controller_peer.as_deref() == Some(from) => {
                 self.actions.push_back(NodeAction::ControllerDashboard { fragment });
+            }
+            // The answer to [`Self::ask_for_daemons`], from whichever daemon was asked (one that
+            // redirected this node since answers too): no refusal.
+            Wire::Reply(Reply::Status(status)) if role == PeerRole::Node && self.controller.is_none() => {
+                self.heard_of_daemons(status.members)
             }
             Wire::Reply(reply) if self.controller_peer.as_deref() == Some(from) && self.replicated() => {
                 self.refused_by_controller(from, reply)

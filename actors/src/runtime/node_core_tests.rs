@@ -11,7 +11,7 @@ use troupe_cluster::membership::{MembershipConfig, NodeId};
 
 use super::job::RESUME_GRACE;
 use super::messages::WorkerMsg;
-use super::node_core::{NodeAction, NodeCore, NodeSettings};
+use super::node_core::{NodeAction, NodeCore, NodeNote, NodeSettings};
 use crate::catalog::{StoredJob, StoredView};
 use crate::node_config::restart::RestartPolicy;
 use crate::protocol::{Reply, Request, ToController, Wire};
@@ -184,6 +184,57 @@ fn a_members_dashboard_url_reaches_the_controllers_status_and_its_page_is_fetche
         .collect();
     assert_eq!(got, ["<section>cluster</section>"]);
     assert!(w.ask_controller_dashboard(), "the answer is no refusal: still connected to b");
+}
+
+/// A member whose `join` names a controller that is gone for good before any view admitted it still
+/// finds the cluster: with its `Join` it asked that controller's status, and tries the daemons named
+/// there — any of them redirects it to the leader. Before, it knew no address but its `join`'s and
+/// dialed it forever (found by the simulation: loaded replicated seed 242).
+#[test]
+fn a_member_never_admitted_tries_the_daemons_its_join_named_once_that_one_is_gone() {
+    let mut a = node("a", 1, None);
+    a.become_controller(T, None, Vec::new());
+    join(&mut a, "b", 2);
+    join(&mut a, "c", 3);
+    a.step_boundary(T);
+    assert_eq!(a.status().members.len(), 3);
+    actions(&mut a);
+
+    let mut w = node("w", 9, Some(addr(1)));
+    w.tick(T);
+    assert_eq!(dials(&actions(&mut w)), vec![addr(1)]);
+    w.dialed(T, addr(1), Ok("a".into()), true);
+    actions(&mut w);
+    w.tick(T + Duration::from_millis(250)); // the heartbeat interval: the next `Join`
+    let sent: Vec<Wire> = actions(&mut w)
+        .into_iter()
+        .filter_map(|x| match x {
+            NodeAction::Send { peer, msg, .. } if peer == "a" => Some(msg),
+            _ => None,
+        })
+        .collect();
+    assert!(matches!(sent[..], [Wire::ToController(ToController::Join { .. }), Wire::Request(Request::StatusRequest)]));
+    a.message(T, "w", PeerRole::Node, 0, Wire::Request(Request::StatusRequest));
+    let answer = actions(&mut a).into_iter().find_map(|x| match x {
+        NodeAction::Send { peer, msg: msg @ Wire::Reply(Reply::Status(_)), .. } if peer == "w" => Some(msg),
+        _ => None,
+    });
+    w.message(T, "a", PeerRole::Node, 0, answer.expect("a answers with its status"));
+    let heard = actions(&mut w).into_iter().find_map(|x| match x {
+        NodeAction::Note(NodeNote::HeardOfDaemons { daemons }) => Some(daemons),
+        _ => None,
+    });
+    let names: Vec<String> = heard.expect("noted for the data dir").into_iter().map(|m| m.name).collect();
+    assert_eq!(names, ["a", "b", "c"]);
+    assert!(w.has_controller_peer(), "a status is no refusal");
+
+    // a is gone before it admitted w: w tries b, then c, instead of dialing a forever.
+    w.lost(T, "a");
+    w.tick(T);
+    assert_eq!(dials(&actions(&mut w)), vec![addr(2)]);
+    w.dialed(T, addr(2), Err("unreachable".into()), false);
+    w.tick(T);
+    assert_eq!(dials(&actions(&mut w)), vec![addr(3)]);
 }
 
 fn recorded_views(actions: &[NodeAction]) -> Vec<StoredView> {

@@ -73,8 +73,11 @@
 //! runtime, so left out of the schedules: a node that is not a controller restarted after node 0 (its
 //! only `join`) is gone for good before it was ever admitted into a view knows no controller to
 //! dial (one that was keeps the last view's daemons across the restart: `NodeCore::remember`, as
-//! node.rs keeps them in the data dir). A job's record committed although its leader heard `NotLeader` (Raft commits
-//! it with the next leader's first entry) is announced by no one: the watcher re-watches the new
+//! node.rs keeps them in the data dir; one never admitted remembers the daemons named in the status it
+//! asks with each `Join`, which the simulation keeps too — found by loaded seed 242, a node whose join
+//! reached node 0 just before node 0 was cut off and then killed, and which dialed it forever). A
+//! job's record committed although its leader heard `NotLeader` (Raft commits it with the next
+//! leader's first entry) is announced by no one: the watcher re-watches the new
 //! leader, as `JobHandle` does, and gets the job's end from the replicated log
 //! (`World::rewatch_end`; tests/simulation.rs, the replicated property, says which seeds found both).
 //!

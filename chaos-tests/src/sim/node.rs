@@ -169,6 +169,12 @@ impl World<'_> {
                 NodeAction::Stop { reason } => {
                     self.check.fail(self.now, format!("{} stopped: {reason}", self.nodes[n].id))
                 }
+                NodeAction::Note(NodeNote::HeardOfDaemons { daemons }) => {
+                    // node.rs: written to the data dir (the core remembered them already).
+                    let names: Vec<&str> = daemons.iter().map(|d| d.name.as_str()).collect();
+                    trace!(self, "{} heard of {names:?}", self.nodes[n].id);
+                    self.nodes[n].known = daemons;
+                }
                 NodeAction::Note(note) => {
                     let adopted = matches!(note, NodeNote::AdoptedView(_) | NodeNote::ViewChanged { .. });
                     if adopted && self.ctl.raft.is_some() {
@@ -213,7 +219,7 @@ impl World<'_> {
             }
             NodeNote::RefusedStale if self.nodes[n].core.is_controller() => self.stats.refused_stale += 1,
             NodeNote::RefusedStale => self.stats.node_refused_stale += 1,
-            NodeNote::JobEvent { .. } | NodeNote::WorkerFailed { .. } => {}
+            NodeNote::JobEvent { .. } | NodeNote::WorkerFailed { .. } | NodeNote::HeardOfDaemons { .. } => {}
         }
     }
 
@@ -777,6 +783,7 @@ pub(super) fn kind(msg: &Wire) -> String {
     match msg {
         Wire::ToController(msg) => to_controller_kind(msg),
         Wire::ToNode(msg) => to_node_kind(msg),
+        Wire::Reply(Reply::Status(status)) => format!("Status({} members)", status.members.len()),
         other => format!("{other:?}"),
     }
 }
