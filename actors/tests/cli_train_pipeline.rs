@@ -1,5 +1,5 @@
-//! `troupe train --pp [--dp] [--nodes]` as a user runs it: pipelines of in-process stage actors, and of
-//! stages on the daemons of a local cluster, report the same JSON events as the single-process trainer, and its losses and --save-final parameters equal the reference's
+//! `troupe train --pp [--dp] [--tp] [--nodes]` as a user runs it: pipelines of in-process stage actors, and
+//! of stages on the daemons of a local cluster (tensor-parallel stages among them), report the same JSON events as the single-process trainer, and its losses and --save-final parameters equal the reference's
 //! (the oracle, DESIGN.md §4, through the command line).
 
 use std::process::{Command, Output};
@@ -50,12 +50,15 @@ fn pipelines_through_the_cli_equal_the_single_process_run() {
         &["--pp", "2", "--nodes", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--recompute"][..],
         // Cut by measured time: rank 0 times the parts and broadcasts the figures to the other daemon.
         &["--pp", "2", "--nodes", "2", "--balance", "measured"][..],
+        // Tensor × pipeline × data parallelism: 8 ranks on 4 daemons of 2 slots (one tensor group each).
+        &["--tp", "2", "--pp", "2", "--dp", "2", "--nodes", "4"][..],
     ] {
         let (events, params) = run(args);
         let start = &events[0];
         assert_eq!(start["event"], "start");
         assert_eq!(start["pp"], 2, "{start}");
-        let world = if args.contains(&"--dp") { 4 } else { 2 };
+        let degree = |flag: &str| args.iter().position(|a| *a == flag).map_or(1, |i| args[i + 1].parse().unwrap());
+        let world: u64 = degree("--tp") * degree("--pp") * degree("--dp");
         assert_eq!(start["world"], world, "{start}");
         let steps: Vec<&Value> = events.iter().filter(|e| e["event"] == "step").collect();
         for (i, step) in steps.iter().enumerate() {

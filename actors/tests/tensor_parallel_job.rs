@@ -8,11 +8,14 @@
 //! the job goes on from the last committed step (at tp = 1, or at tp = 2 with a spare), nothing rolled back;
 //! a tensor group of 4 that loses one: its three survivors put the state together from their shards and
 //! buddy copies, and the job goes on at tp = 2; one that loses two neighbours rolls back to its checkpoint.
-//! 16-bit products (bf16, fp16 with an injected overflow) track the reference in their precision.
+//! 16-bit products (bf16, fp16 with an injected overflow) track the reference in their precision. With a
+//! pipeline (tp × pp × dp, every schedule, a killed daemon): [`pipeline`].
 
 mod common;
 #[path = "tensor_parallel_job/peft.rs"]
 mod peft;
+#[path = "tensor_parallel_job/pipeline.rs"]
+mod pipeline;
 
 use std::path::Path;
 use std::time::Duration;
@@ -73,6 +76,12 @@ async fn check(cluster: &LocalCluster, config: JobConfig, out: &Path, world: usi
     assert!(comparison.within(TOLERANCE), "{what}: {comparison:?}");
 }
 
+/// `config` with activation recomputation over 2 blocks (each block's forward run again at its backward).
+fn recomputed(mut config: JobConfig) -> JobConfig {
+    (config.parallel.recompute, config.model.n_layers) = (true, 2);
+    config
+}
+
 fn with_tp(mut config: JobConfig, tp: usize, sp: bool) -> JobConfig {
     config.parallel.tp = tp;
     config.parallel.sp = sp;
@@ -98,6 +107,7 @@ async fn tp2_jobs_of_gpt2_and_llama_equal_the_reference_and_a_bad_degree_is_refu
         ("gpt2 tp=2 sp", with_tp(JobConfig::small(12), 2, true)),
         ("gpt2 tp=2 no sp", with_tp(JobConfig::small(12), 2, false)),
         ("llama tp=2 sp", with_tp(JobConfig::small_llama(12), 2, true)),
+        ("llama tp=2 sp recompute", recomputed(with_tp(JobConfig::small_llama(12), 2, true))),
     ];
     for (what, config) in cases {
         let out = dir.path().join(format!("{}.safetensors", what.replace(' ', "-")));
@@ -113,6 +123,21 @@ async fn tp2_by_dp2_equals_the_reference() {
     let mut config = with_tp(JobConfig::small_llama(10), 2, true);
     config.parallel.dp = 2;
     check(&cluster, config, &dir.path().join("final.safetensors"), 4, "llama tp=2 x dp=2").await;
+    cluster.shutdown().await;
+}
+
+/// ZeRO-1, -2 and -3 inside the data-parallel groups of tp = 2 × dp = 2: each replica owns half of its
+/// tensor rank's shard list (masters and moments), and the run equals the reference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_inside_the_data_parallel_groups_of_tp2_by_dp2_equals_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = LocalCluster::in_process(4).await.unwrap();
+    for shard in ["zero1", "zero2", "zero3"] {
+        let mut config = with_tp(JobConfig::small_llama(8), 2, true);
+        (config.parallel.dp, config.parallel.shard) = (2, shard.into());
+        let what = format!("llama tp=2 x dp=2 {shard}");
+        check(&cluster, config, &dir.path().join(format!("{shard}.safetensors")), 4, &what).await;
+    }
     cluster.shutdown().await;
 }
 

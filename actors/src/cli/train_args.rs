@@ -25,6 +25,11 @@ pub struct TrainArgs {
     /// Daemons of the embedded local cluster.
     #[arg(long)]
     pub nodes: Option<usize>,
+    /// Slots (ranks) per daemon of the embedded cluster. Default: 1, or — when --tp × --pp × --dp names
+    /// more ranks than --nodes — that world divided over the daemons (`--tp 2 --pp 2 --dp 2 --nodes 4`:
+    /// 2 slots each, one tensor group per daemon on its shared-memory arena, as `troupe plan` places it).
+    #[arg(long)]
+    pub slots: Option<usize>,
     /// Data-parallel degree (with --pp: replicas of the whole pipeline).
     #[arg(long)]
     pub dp: Option<usize>,
@@ -32,7 +37,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub pp: Option<usize>,
     /// Tensor-parallel degree: every block's matrices split over this many ranks (Megatron); the world
-    /// is tp × dp. Needs --nodes (or --cluster).
+    /// is tp × pp × dp. Needs --nodes (or --cluster).
     #[arg(long)]
     pub tp: Option<usize>,
     /// Sequence parallelism with --tp (the default): the norms and the residual stream split along the
@@ -165,13 +170,18 @@ impl TrainArgs {
         checkpoint.every_steps = self.checkpoint_every.unwrap_or(checkpoint.every_steps);
         config.validate()?;
         let (nodes, dp) = (config.parallel.nodes, config.parallel.dp);
-        if self.cluster.is_none() && config.parallel.pp == 1 && dp > nodes {
-            bail!("--dp {dp} needs at least {dp} ranks, and --nodes {nodes} gives {nodes} (one slot each); raise --nodes or lower --dp");
+        let slots = self.slots_per_daemon(&config);
+        if slots == 0 {
+            bail!("--slots 0: each daemon needs at least one slot");
         }
-        let pp = config.parallel.pp;
-        if self.cluster.is_none() && pp > 1 && nodes > 1 && pp * dp.max(1) > nodes {
-            let ranks = pp * dp.max(1);
-            bail!("--pp {pp} --dp {} on --nodes {nodes}: the pipelines need pp × dp = {ranks} ranks (one stage per daemon), and --nodes {nodes} gives {nodes}; raise --nodes or lower --pp / --dp", dp.max(1));
+        let (ranks, given) = (nodes * slots, slots_phrase(nodes, slots));
+        if self.cluster.is_none() && config.parallel.pp == 1 && config.parallel.tp <= 1 && dp > ranks {
+            bail!("--dp {dp} needs at least {dp} ranks, and {given}; raise --nodes or lower --dp (or add --slots)");
+        }
+        let (pp, tp) = (config.parallel.pp, config.parallel.tp.max(1));
+        if self.cluster.is_none() && pp > 1 && nodes > 1 && pp * tp * dp.max(1) > ranks {
+            let needed = pp * tp * dp.max(1);
+            bail!("--pp {pp} --dp {} on --nodes {nodes}: the pipelines need tp × pp × dp = {needed} ranks, and {given}; raise --nodes or lower --pp / --dp (or add --slots)", dp.max(1));
         }
         self.check_tensor_world(&config)?;
         let distributed = self.cluster.is_some() || nodes > 1;
@@ -184,24 +194,45 @@ impl TrainArgs {
         Ok(config)
     }
 
-    /// `--tp` on the embedded cluster (one slot per daemon): the world is tp × dp ranks.
+    /// The embedded cluster's slots per daemon: `--slots`, or 1 — unless the layout names more ranks
+    /// (tp × pp × dp, dp given) than there are daemons (`--nodes` > 1) and they divide evenly: that many
+    /// per daemon.
+    pub fn slots_per_daemon(&self, config: &JobConfig) -> usize {
+        let p = &config.parallel;
+        let (world, nodes) = (p.tp.max(1) * p.pp.max(1) * p.dp, p.nodes);
+        let spread = nodes > 1 && world > nodes && world.is_multiple_of(nodes);
+        self.slots.unwrap_or(if spread { world / nodes } else { 1 })
+    }
+
+    /// `--tp` on the embedded cluster: the world is tp × pp × dp ranks of `--nodes` × slots.
     fn check_tensor_world(&self, config: &JobConfig) -> anyhow::Result<()> {
         let (tp, dp, nodes) = (config.parallel.tp, config.parallel.dp, config.parallel.nodes);
+        let group = tp * config.parallel.pp.max(1);
         if tp <= 1 || self.cluster.is_some() {
             return Ok(());
         }
         if nodes == 1 {
             bail!(
-                "--tp {tp} runs its ranks on daemons: add --nodes {} (tp × dp ranks, one per daemon)",
-                tp * dp.max(1)
+                "--tp {tp} runs its ranks on daemons: add --nodes {} (tp × pp × dp ranks, one per daemon; or fewer daemons with --slots)",
+                group * dp.max(1)
             );
         }
-        if dp == 0 && nodes % tp != 0 {
-            bail!("--tp {tp} on --nodes {nodes}: the world must be tp × dp ranks, and {tp} does not divide {nodes}; use --nodes {} or set --dp", (nodes / tp).max(1) * tp);
+        let slots = self.slots_per_daemon(config);
+        let (ranks, given) = (nodes * slots, slots_phrase(nodes, slots));
+        if dp == 0 && !ranks.is_multiple_of(group) {
+            bail!("--tp {tp} on {given}: the world must be whole model replicas of tp × pp = {group} ranks, and {group} does not divide {ranks}; set --dp {} (or change --nodes / --slots)", (ranks / group).max(1));
         }
-        if dp > 0 && tp * dp > nodes {
-            bail!("--tp {tp} --dp {dp} needs tp × dp = {} ranks, and --nodes {nodes} gives {nodes}; raise --nodes or lower --tp / --dp", tp * dp);
+        if dp > 0 && group * dp > ranks {
+            bail!("--tp {tp} --dp {dp} needs tp × pp × dp = {} ranks, and {given}; raise --nodes or lower --tp / --dp (or add --slots)", group * dp);
         }
         Ok(())
+    }
+}
+
+/// "--nodes N gives N ranks" / "--nodes N × --slots S gives N·S ranks", for the world checks' errors.
+fn slots_phrase(nodes: usize, slots: usize) -> String {
+    match slots {
+        1 => format!("--nodes {nodes} gives {nodes} (one slot each)"),
+        _ => format!("--nodes {nodes} × {slots} slots give {}", nodes * slots),
     }
 }

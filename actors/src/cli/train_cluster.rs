@@ -48,6 +48,7 @@ async fn train(args: TrainArgs, mut config: JobConfig) -> anyhow::Result<()> {
             let binary = std::env::current_exe().context("locating the troupe binary")?;
             let started = Instant::now();
             let mut options = LocalClusterOptions::new(nodes);
+            options.slots_per_node = args.slots_per_daemon(&config) as u32;
             options.torch_threads = config.train.torch_threads;
             options.telemetry.metrics_listen = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
             let starting = spinner(args.json, format!("starting a local cluster of {nodes} daemons on loopback"));

@@ -581,8 +581,8 @@ async fn between_hosts<T: Transport>(
 /// same-host transport among this rank's host's ranks (`None` when it is alone there).
 type HostTier = (HostLayout, Option<Arc<SameHostTransport>>);
 
-/// Runs the attempt over `transport` with the job's engine: a pipeline device (`parallel.pp` > 1), a
-/// tensor-parallel rank (`parallel.tp` > 1), a periodically synchronizing replica (`parallel.sync`), DDP
+/// Runs the attempt over `transport` with the job's engine: a tensor-parallel rank (`parallel.tp` > 1,
+/// of a pipeline stage when `parallel.pp` > 1 too), a pipeline device (`parallel.pp` > 1), a periodically synchronizing replica (`parallel.sync`), DDP
 /// (`parallel.shard = "none"`) or ZeRO-1/2/3 with `checkpoint.replicas` buddy copies of each shard.
 async fn train_over<T: Transport>(
     ctx: &AttemptCtx,
@@ -619,6 +619,15 @@ async fn train_over<T: Transport>(
         tracing::info!(job = ctx.job, attempt = ctx.attempt, rank, "{}", troupe_model::optim::offload::CPU_RANK_NOTE);
     }
     let (state, outcome) = match (ShardMode::of_config(&spec.config.parallel.shard), state) {
+        (_, state) if spec.config.parallel.tp > 1 => {
+            match TensorParallelReplica::adopt(state, comm, collective, spec.config.parallel.tp) {
+                Ok(mut engine) => {
+                    let outcome = drive(ctx, spec, &mut engine, ctl).await;
+                    (engine.into_state().await, outcome)
+                }
+                Err(reason) => return (None, AttemptOutcome::Failed { step: 0, reason }),
+            }
+        }
         (_, state) if spec.config.parallel.pp > 1 => {
             let mut engine = PipelineReplica::adopt(state, comm, collective, Some(ctx.worker.clone()));
             let outcome = drive(ctx, spec, &mut engine, ctl).await;
@@ -631,15 +640,6 @@ async fn train_over<T: Transport>(
             }
             Err(reason) => return (None, AttemptOutcome::Failed { step: 0, reason }),
         },
-        (_, state) if spec.config.parallel.tp > 1 => {
-            match TensorParallelReplica::adopt(state, comm, collective, spec.config.parallel.tp) {
-                Ok(mut engine) => {
-                    let outcome = drive(ctx, spec, &mut engine, ctl).await;
-                    (engine.into_state().await, outcome)
-                }
-                Err(reason) => return (None, AttemptOutcome::Failed { step: 0, reason }),
-            }
-        }
         (Some(mode), state) => {
             let replicas = spec.config.checkpoint.replicas;
             let mut engine = ShardedReplica::adopt(state, comm, mode, replicas, Some(ctx.worker.clone()));

@@ -141,8 +141,9 @@ impl JobConfig {
     }
 
     /// `parallel.tp` and `parallel.sp`: a degree the model's split tables accept (the layout's own
-    /// refusal, naming the model key and the nearest valid degree), and — this build — neither a pipeline
-    /// nor ZeRO beside it (fp32, bf16 and fp16 all run).
+    /// refusal, naming the model key and the nearest valid degree), and — this build — a pipeline's
+    /// stages cut by parameter count (every schedule, recomputation, ZeRO-1/2/3 inside the data-parallel
+    /// groups, fp32, bf16 and fp16 run).
     fn validate_tensor_parallel(&self) -> Result<(), ConfigError> {
         let p = &self.parallel;
         if p.tp == 0 || p.tp > crate::sections::RANKS_MAX {
@@ -161,11 +162,10 @@ impl JobConfig {
                 format!("tensor parallelism (parallel.tp = {}) with {what} is not supported yet in this build", p.tp),
             )
         };
-        if p.pp > 1 {
-            return Err(not_yet("parallel.pp", p.pp.to_string(), "a pipeline: set parallel.pp = 1"));
-        }
-        if p.shard != "none" {
-            return Err(not_yet("parallel.shard", format!("{:?}", p.shard), "ZeRO: set parallel.shard = \"none\""));
+        if p.pp > 1 && p.balance != "params" {
+            let fix =
+                "stages balanced by measured time: set parallel.balance = \"params\" (stages cut by parameter count)";
+            return Err(not_yet("parallel.balance", format!("{:?}", p.balance), fix));
         }
         Ok(())
     }
@@ -475,8 +475,10 @@ mod tests {
             ("[parallel]\nbucket_mib = 4096\n", &["parallel.bucket_mib", "at most 1024"]),
             ("[parallel]\ntp = 3\n", &["parallel.tp", "model.n_heads (4)", "nearest valid degree is 2"]),
             ("[parallel]\ntp = 0\n", &["parallel.tp", "1..=4096"]),
-            ("[parallel]\ntp = 2\npp = 2\n", &["parallel.pp", "not supported yet"]),
-            ("[parallel]\ntp = 2\nshard = \"zero1\"\n", &["parallel.shard", "not supported yet"]),
+            (
+                "[parallel]\ntp = 2\npp = 2\nbalance = \"measured\"\n",
+                &["parallel.balance", "not supported yet", "\"params\""],
+            ),
             ("[train]\nsteps = \"many\"\n", &["invalid type", "steps"]),
             ("[elastic]\nmin_nodes = 0\n", &["elastic.min_nodes", "1..=4096"]),
             ("[elastic]\nmin_nodes = 3\nmax_nodes = 2\n", &["elastic.max_nodes", "at least elastic.min_nodes (3)"]),
@@ -496,6 +498,15 @@ mod tests {
             let toml = format!("[parallel]\ntp = 2\nprecision = \"{precision}\"\n");
             let config = JobConfig::from_toml(&toml, "t").unwrap_or_else(|e| panic!("{precision}: {e}"));
             assert_eq!((config.parallel.tp, config.parallel.precision.as_str()), (2, precision));
+        }
+    }
+
+    #[test]
+    fn tensor_parallel_jobs_take_a_pipeline_with_every_schedule() {
+        for schedule in ["gpipe", "1f1b", "zb-h1"] {
+            let toml = format!("[parallel]\ntp = 2\npp = 2\nschedule = \"{schedule}\"\nrecompute = true\n");
+            let config = JobConfig::from_toml(&toml, "t").unwrap_or_else(|e| panic!("{schedule}: {e}"));
+            assert_eq!((config.parallel.tp, config.parallel.pp), (2, 2));
         }
     }
 

@@ -2,10 +2,13 @@
 //! holding only its shards, over the in-process group; the loss, the gathered gradients and, after a few
 //! AdamW steps with clipping, the gathered parameters equal the reference's within 1e-5 relative. With
 //! `[peft]` (LoRA adapters split with their layers, frozen layers): [`peft`]. Key/value heads replicated
-//! when the degree exceeds them, and a vocabulary padded to a multiple of the degree: [`shapes`].
+//! when the degree exceeds them, and a vocabulary padded to a multiple of the degree: [`shapes`]. Tensor
+//! groups as the stages of a pipeline (tp × pp): [`pipeline`].
 
 #[path = "tensor_parallel/peft.rs"]
 mod peft;
+#[path = "tensor_parallel/pipeline.rs"]
+mod pipeline;
 #[path = "tensor_parallel/shapes.rs"]
 mod shapes;
 

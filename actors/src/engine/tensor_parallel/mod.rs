@@ -24,6 +24,8 @@
 
 mod degree;
 mod group;
+mod pipeline;
+mod zero;
 
 use std::any::Any;
 use std::sync::Arc;
@@ -46,6 +48,7 @@ use troupe_model::Trainer;
 
 use super::committed::CommittedState;
 use super::flat::{append_flat, broadcast_state, copy_from_flat, counter_words};
+use super::shard_plan::ShardMode;
 use super::step_engine::{EngineError, ReducedStep, StepEngine};
 pub use degree::{degree_change, degrees_to_try};
 use group::CommGroup;
@@ -58,6 +61,13 @@ const DATA_GROUP: u32 = 0x5450_0002;
 const FINAL_GROUP: u32 = 0x5450_0003;
 /// The survivors' gather, after the final one failed for a lost rank ([`TensorParallelReplica::gather_survivors`]).
 const SURVIVOR_GROUP: u32 = 0x5450_0004;
+/// With a pipeline: tensor rank t of every stage (activations, gradients, the stages' gather), and every
+/// rank of the model replica (the norm and the loss); the final gather's chain.
+const CHAIN_GROUP: u32 = 0x5450_0005;
+const MODEL_GROUP: u32 = 0x5450_0006;
+const FINAL_CHAIN_GROUP: u32 = 0x5450_0007;
+/// The final gather's data-parallel group under ZeRO (its ranges of the moments and masters).
+const FINAL_DATA_GROUP: u32 = 0x5450_0008;
 
 /// What the blocking thread owns while it computes: the rank's shards, its groups, its AdamW and its
 /// buddy copy.
@@ -67,6 +77,12 @@ struct Parts<T: Transport> {
     dp: Option<Communicator<Subgroup<T>>>,
     optimizer: AdamW,
     buddy: Option<Buddy>,
+    /// With a pipeline (`parallel.pp` > 1): the stage's place in it.
+    pipe: Option<pipeline::Pipe<T>>,
+    /// `parallel.recompute`: each block's forward runs again at its backward.
+    recompute: bool,
+    /// `parallel.shard` (ZeRO) inside the data-parallel group: this rank's owned range of its shards.
+    zero: Option<zero::Zero>,
 }
 
 /// This rank's copy of the previous rank's shard in its tensor group (tensor index `index`): its
@@ -131,46 +147,111 @@ impl<T: Transport> TensorParallelReplica<T> {
 
     /// This rank's index in its tensor group and its model replica (data-parallel index).
     fn coordinates(&self) -> (usize, usize) {
-        (self.comm.rank() % self.degree, self.comm.rank() / self.degree)
+        let (t, d, _) = self.coords();
+        (t, d)
+    }
+
+    /// This rank's (tensor index, model replica, pipeline stage): the planner's order, rank = t + T·(d +
+    /// D·p) (`plan::placement`).
+    fn coords(&self) -> (usize, usize, usize) {
+        let (r, block) = (self.comm.rank(), self.degree * self.replicas());
+        (r % self.degree, r / self.degree % self.replicas(), r / block)
+    }
+
+    /// The rank at (tensor index, model replica, pipeline stage).
+    fn global(&self, t: usize, d: usize, p: usize) -> usize {
+        t + self.degree * (d + self.replicas() * p)
+    }
+
+    fn stages(&self) -> usize {
+        self.trainer.config.parallel.pp.max(1)
     }
 
     fn replicas(&self) -> usize {
-        self.comm.world() / self.degree
+        (self.comm.world() / (self.degree * self.stages())).max(1)
     }
 
-    /// The tensor group's transport (the ranks of this rank's model replica).
-    fn tensor_transport(&self) -> Result<Arc<Subgroup<T>>, ClusterError> {
-        let (_, replica) = self.coordinates();
-        let members = (0..self.degree).map(|t| replica * self.degree + t).collect();
+    fn subgroup(&self, members: Vec<usize>) -> Result<Arc<Subgroup<T>>, ClusterError> {
         Subgroup::new(self.comm.transport().clone(), members).map(Arc::new)
+    }
+
+    /// The tensor group's transport (the ranks of this rank's stage of its model replica).
+    fn tensor_transport(&self) -> Result<Arc<Subgroup<T>>, ClusterError> {
+        let (_, d, p) = self.coords();
+        self.subgroup((0..self.degree).map(|t| self.global(t, d, p)).collect())
+    }
+
+    /// The data-parallel group's transport: the ranks of this rank's tensor index and stage, by replica.
+    fn data_transport(&self) -> Result<Arc<Subgroup<T>>, ClusterError> {
+        let (t, _, p) = self.coords();
+        self.subgroup((0..self.replicas()).map(|d| self.global(t, d, p)).collect())
+    }
+
+    /// Whether ZeRO splits this rank's state over its data-parallel group.
+    fn zero_sharded(&self) -> bool {
+        self.parts.as_ref().is_some_and(|p| p.zero.is_some())
+    }
+
+    /// With a pipeline: tensor rank t of every stage of this rank's model replica, by stage.
+    fn chain_transport(&self) -> Result<Arc<Subgroup<T>>, ClusterError> {
+        let (t, d, _) = self.coords();
+        self.subgroup((0..self.stages()).map(|p| self.global(t, d, p)).collect())
     }
 
     /// Cuts this rank's shards and AdamW moments from the trainer's whole state.
     fn shard(&mut self) -> Result<(), EngineError> {
-        let world = self.comm.world();
-        if !world.is_multiple_of(self.degree) {
+        let (world, model_ranks) = (self.comm.world(), self.degree * self.stages());
+        if !world.is_multiple_of(model_ranks) {
             return Err(EngineError::Setup(format!(
-                "parallel.tp = {} does not divide the attempt's {world} ranks: the world must be tp × data-parallel replicas",
-                self.degree
+                "parallel.tp × parallel.pp = {model_ranks} does not divide the attempt's {world} ranks: the world must be \
+                 tp × pp × data-parallel replicas",
             )));
         }
         let layout = TpLayout::new(&self.trainer.config.model, self.degree, self.sp)
             .map_err(|e| EngineError::Setup(format!("parallel.tp: {e}")))?;
-        let (t, _) = self.coordinates();
-        let (epoch, handle) = (self.comm.epoch(), Handle::current());
-        let tp = Communicator::new(self.tensor_transport()?, TENSOR_GROUP, epoch, self.collective.clone());
+        let (t, d, p) = self.coords();
+        let (epoch, handle, collective) = (self.comm.epoch(), Handle::current(), self.collective.clone());
+        let tp = Communicator::new(self.tensor_transport()?, TENSOR_GROUP, epoch, collective.clone());
         let dp = if self.replicas() > 1 {
-            let members = (0..self.replicas()).map(|d| d * self.degree + t).collect();
-            let peers = Arc::new(Subgroup::new(self.comm.transport().clone(), members)?);
-            Some(Communicator::new(peers, DATA_GROUP, epoch, self.collective.clone()))
+            Some(Communicator::new(self.data_transport()?, DATA_GROUP, epoch, collective.clone()))
         } else {
             None
         };
+        let config = &self.trainer.config;
+        let (pipe, runs) = if self.stages() > 1 {
+            let geometry = pipeline::Geometry::of(config, self.replicas()).map_err(EngineError::Setup)?;
+            let runs = geometry.runs(config, p);
+            let chain = Communicator::new(self.chain_transport()?, CHAIN_GROUP, epoch, collective.clone());
+            let mut replica: Vec<usize> = (0..self.stages())
+                .flat_map(|p| (0..self.degree).map(move |t| (t, p)))
+                .map(|(t, p)| self.global(t, d, p))
+                .collect();
+            replica.sort_unstable();
+            let model = Communicator::new(self.subgroup(replica)?, MODEL_GROUP, epoch, collective.clone());
+            (Some(pipeline::Pipe::new(config, geometry, p, chain, model, &layout)), runs)
+        } else {
+            (None, vec![true; config.model.n_layers + 2])
+        };
+        let held = troupe_model::tensor_parallel::held_params(&config.model, &runs);
         let full: Vec<Tensor> = self.trainer.model.params().iter().map(Tensor::detach).collect();
-        let shards = layout.shard(&full, t);
-        let exp_avg = layout.shard(&self.trainer.optimizer.adamw().exp_avg, t);
-        let exp_avg_sq = layout.shard(&self.trainer.optimizer.adamw().exp_avg_sq, t);
-        let buddy = (self.degree > 1).then(|| {
+        let shards = layout.shard_held(&full, t, &held);
+        let exp_avg = layout.shard_held(&self.trainer.optimizer.adamw().exp_avg, t, &held);
+        let exp_avg_sq = layout.shard_held(&self.trainer.optimizer.adamw().exp_avg_sq, t, &held);
+        let decays: Vec<bool> = self.trainer.model.specs().iter().map(|s| s.decays()).collect();
+        let zero = match (ShardMode::of_config(&config.parallel.shard), &dp) {
+            (Some(mode), Some(_)) => {
+                let moments = [exp_avg.as_slice(), exp_avg_sq.as_slice()];
+                let zero = zero::Zero::new(mode, (d, self.replicas()), &shards, moments, &decays);
+                let (owned, of) = zero.owned();
+                tracing::info!(rank = self.comm.rank(), tensor_rank = t, replica = d, owned, of, "{mode:?} inside the data-parallel group: this replica owns {owned} of its tensor rank's {of} elements (masters and AdamW moments)");
+                Some(zero)
+            }
+            _ => None,
+        };
+        // A buddy copy lets a tensor group that lost a rank go on alone; a pipeline's replica is lost
+        // whole instead (its other stages' state is on no survivor), and under ZeRO no replica holds the
+        // whole state: none there.
+        let buddy = (self.degree > 1 && pipe.is_none() && zero.is_none()).then(|| {
             let index = (t + self.degree - 1) % self.degree;
             let params: Vec<Tensor> =
                 layout.shard(&full, index).iter().map(|s| s.detach().copy().set_requires_grad(true)).collect();
@@ -179,9 +260,13 @@ impl<T: Transport> TensorParallelReplica<T> {
             let optimizer = self.adamw(&params, &exp_avg, &exp_avg_sq);
             Buddy { index, params, optimizer }
         });
-        let mut rank = TpRank::new(layout, t, shards);
+        let mut rank = TpRank::running(layout, t, shards, runs);
         rank.precision = self.trainer.model.precision;
-        let optimizer = self.adamw(rank.params(), &exp_avg, &exp_avg_sq);
+        let mut optimizer = self.adamw(rank.params(), &exp_avg, &exp_avg_sq);
+        if zero.is_some() {
+            // The moments live in the owned range; the optimizer only counts the steps.
+            (optimizer.exp_avg, optimizer.exp_avg_sq) = (Vec::new(), Vec::new());
+        }
         if let Some(buddy) = &buddy {
             let (own, copy) = (rank.params().iter().map(Tensor::numel).sum::<usize>(), buddy.numel());
             tracing::info!(
@@ -195,7 +280,9 @@ impl<T: Transport> TensorParallelReplica<T> {
                 copy
             );
         }
-        self.parts = Some(Parts { rank, tp: CommGroup { comm: tp, handle }, dp, optimizer, buddy });
+        let recompute = self.trainer.config.parallel.recompute;
+        let tp = CommGroup { comm: tp, handle };
+        self.parts = Some(Parts { rank, tp, dp, optimizer, buddy, pipe, recompute, zero });
         self.sharded = true;
         Ok(())
     }
@@ -240,12 +327,17 @@ impl<T: Transport> TensorParallelReplica<T> {
         Ok(*out.downcast::<R>().expect("the computation's own result type"))
     }
 
-    /// The step's micro-batches of this rank's model replica.
+    /// The step's micro-batches of this rank's model replica: of `train.micro_batch` samples, or with a
+    /// pipeline its plan's count.
     fn batches(&self) -> Vec<Batch> {
         let (_, replica) = self.coordinates();
         let train = &self.trainer.config.train;
         let slice = rank_slice(train.global_batch, replica, self.replicas());
-        micro_batch_ranges(slice, train.micro_batch)
+        let ranges = match self.parts.as_ref().and_then(|p| p.pipe.as_ref()) {
+            Some(pipe) => super::pipeline::microbatch_ranges(slice, pipe.microbatches()),
+            None => micro_batch_ranges(slice, train.micro_batch),
+        };
+        ranges
             .into_iter()
             .map(|range| {
                 let weight = range.len() as f64 / train.global_batch as f64;
@@ -264,14 +356,41 @@ impl<T: Transport> TensorParallelReplica<T> {
     /// after the attempt's (see [`StepEngine::into_state`]).
     async fn gather(&mut self, fresh: bool) -> Result<(), EngineError> {
         let counters = [self.trainer.step, self.parts.as_ref().map_or(0, |p| p.optimizer.step)];
-        let fresh = if fresh { Some(self.tensor_transport()?) } else { None };
+        let fresh = match fresh {
+            true => Some((
+                self.tensor_transport()?,
+                (self.stages() > 1).then(|| self.chain_transport()).transpose()?,
+                self.zero_sharded().then(|| self.data_transport()).transpose()?,
+            )),
+            false => None,
+        };
         let (epoch, collective) = (self.comm.epoch() + 1, self.collective.clone());
+        let specs = self.trainer.model.specs().to_vec();
         let gathered = self
             .blocking(move |parts| {
-                if let Some(transport) = fresh {
-                    parts.tp.comm = Communicator::new(transport, FINAL_GROUP, epoch, collective);
+                if let Some((transport, chain, data)) = fresh {
+                    parts.tp.comm = Communicator::new(transport, FINAL_GROUP, epoch, collective.clone());
+                    if let (Some(pipe), Some(chain)) = (parts.pipe.as_mut(), chain) {
+                        pipe.chain = Communicator::new(chain, FINAL_CHAIN_GROUP, epoch, collective.clone());
+                    }
+                    if let Some(data) = data {
+                        parts.dp = Some(Communicator::new(data, FINAL_DATA_GROUP, epoch, collective));
+                    }
                 }
-                gather_parts(parts, counters)
+                let handle = parts.tp.handle.clone();
+                if let (Some(zero), Some(dp)) = (parts.zero.as_mut(), parts.dp.as_mut()) {
+                    zero.refresh(&mut parts.rank, dp, &handle)?;
+                    [parts.optimizer.exp_avg, parts.optimizer.exp_avg_sq] = zero.gather_moments(dp, &handle)?;
+                }
+                let stage = gather_parts(parts, counters);
+                if parts.zero.is_some() {
+                    (parts.optimizer.exp_avg, parts.optimizer.exp_avg_sq) = (Vec::new(), Vec::new());
+                }
+                let stage = stage?;
+                match parts.pipe.as_mut() {
+                    Some(pipe) => pipe.gather_stages(&parts.tp.handle, stage, counters, &specs),
+                    None => Ok(stage),
+                }
             })
             .await?;
         self.keep(gathered.map_err(EngineError::TensorParallel)?, counters[1]);
@@ -293,9 +412,9 @@ impl<T: Transport> TensorParallelReplica<T> {
     /// never comes) fails it, and they keep nothing. Gives the survivors' tensor ranks.
     async fn gather_survivors(&mut self) -> Result<Vec<usize>, String> {
         use futures::FutureExt;
-        let (me, replica) = self.coordinates();
-        let degree = self.degree;
-        let global = |t: usize| replica * degree + t;
+        let (me, replica, stage) = self.coords();
+        let (degree, replicas) = (self.degree, self.replicas());
+        let global = move |t: usize| t + degree * (replica + replicas * stage);
         let transport = self.comm.transport().clone();
         let lost: Vec<usize> =
             (0..degree).filter(|&t| t != me && transport.loss_among(&[global(t)]).now_or_never().is_some()).collect();
@@ -375,7 +494,8 @@ fn gather_parts<T: Transport>(parts: &mut Parts<T>, counters: [u64; 2]) -> Resul
         return Err(format!("the tensor group's ranks hold different steps ({all:?}); its state is dropped"));
     }
     let layout = &parts.rank.layout;
-    let shapes = layout.shard_shapes();
+    // The shards' shapes (a pipeline stage's: empty for the parameters it does not hold).
+    let shapes: Vec<Vec<i64>> = parts.rank.params().iter().map(Tensor::size).collect();
     let lists = state_lists(parts.rank.params(), &parts.optimizer);
     let mut out: Vec<Vec<Tensor>> = Vec::with_capacity(3);
     for list in lists {
@@ -455,6 +575,10 @@ fn gather_from_survivors<T: Transport>(
 /// group, and the global norm of those (scaled) gradients: (loss, norm).
 fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -> Result<(f64, f64), String> {
     let e = |e: TpError| e.to_string();
+    let handle = parts.tp.handle.clone();
+    if let (Some(zero), Some(dp)) = (parts.zero.as_mut(), parts.dp.as_mut()) {
+        zero.refresh(&mut parts.rank, dp, &handle)?;
+    }
     let params: Vec<Tensor> = parts.rank.params().iter().map(Tensor::shallow_clone).collect();
     let mut sum: Vec<Tensor> = params.iter().map(|p| p.detach().zeros_like()).collect();
     let mut loss = 0.0;
@@ -465,8 +589,9 @@ fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -> Result<(f
                 let _ = g.zero_();
             }
         }
-        let rank = &parts.rank;
-        loss += rank.loss_and_backward(&mut parts.tp, &tokens, &targets, Some(samples), backward).map_err(e)? * weight;
+        let (rank, samples) = (&parts.rank, Some(samples));
+        let loss_of = if parts.recompute { TpRank::loss_and_backward_recomputed } else { TpRank::loss_and_backward };
+        loss += loss_of(rank, &mut parts.tp, &tokens, &targets, samples, backward).map_err(e)? * weight;
         tch::no_grad(|| {
             for (acc, p) in sum.iter_mut().zip(&params) {
                 if p.grad().defined() {
@@ -477,6 +602,15 @@ fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -> Result<(f
     }
     let mut flat = Vec::new();
     append_flat(&sum, &mut flat);
+    if let (Some(zero), Some(dp)) = (parts.zero.as_mut(), parts.dp.as_mut()) {
+        zero.reduce(flat, dp, &handle)?;
+        let held = parts.rank.held().to_vec();
+        let [split, replicated] = zero.squares(&parts.rank.layout, &held, parts.tp.comm.rank() == 0);
+        let mut words = [split as f32, replicated as f32, loss as f32];
+        handle.block_on(dp.all_reduce(&mut words[..], ReduceOp::Sum)).map_err(|e| e.to_string())?;
+        handle.block_on(parts.tp.comm.all_reduce(&mut words[..2], ReduceOp::Sum)).map_err(|e| e.to_string())?;
+        return Ok((f64::from(words[2]), (f64::from(words[0]) + f64::from(words[1])).sqrt()));
+    }
     flat.push(loss as f32);
     if let Some(dp) = &mut parts.dp {
         parts.tp.handle.block_on(dp.all_reduce(&mut flat[..], ReduceOp::Sum)).map_err(|e| e.to_string())?;
@@ -562,8 +696,11 @@ impl<T: Transport> StepEngine for TensorParallelReplica<T> {
     async fn reduce(&mut self) -> Result<ReducedStep, EngineError> {
         let started = std::time::Instant::now();
         let batches = self.batches();
-        let (loss, grad_norm) =
-            self.blocking(move |parts| compute(parts, batches)).await?.map_err(EngineError::TensorParallel)?;
+        let step = move |parts: &mut Parts<T>| match parts.pipe.is_some() {
+            true => pipeline::compute(parts, batches),
+            false => compute(parts, batches),
+        };
+        let (loss, grad_norm) = self.blocking(step).await?.map_err(EngineError::TensorParallel)?;
         Ok(ReducedStep { loss, grad_norm, compute_seconds: started.elapsed().as_secs_f64() })
     }
 
@@ -572,7 +709,14 @@ impl<T: Transport> StepEngine for TensorParallelReplica<T> {
         let step = self.trainer.step;
         let update = self.trainer.conclude_step(reduced.grad_norm);
         let lr = learning_rate(&self.trainer.config.train, step);
+        let train = &self.trainer.config.train;
         if let (Update::Apply { grad_factor, .. }, Some(parts)) = (update, self.parts.as_mut()) {
+            if let Some(zero) = parts.zero.as_mut() {
+                parts.optimizer.step += 1;
+                zero.apply(&mut parts.rank, train, lr, parts.optimizer.step, grad_factor);
+                self.trainer.step += 1;
+                return;
+            }
             scale_grads(parts.rank.params(), grad_factor);
             parts.optimizer.apply(parts.rank.params_mut(), lr);
             if let Some(buddy) = &mut parts.buddy {
@@ -585,7 +729,8 @@ impl<T: Transport> StepEngine for TensorParallelReplica<T> {
 
     /// The tensor group of replica 0 gathers the whole state; rank 0 submits it (layout-free).
     async fn checkpoint(&mut self, writer: Option<&CheckpointWriter>, tag: u64) -> Result<(), EngineError> {
-        if self.coordinates().1 != 0 {
+        // Under ZeRO every replica holds part of the moments: all gather.
+        if self.coordinates().1 != 0 && !self.zero_sharded() {
             return Ok(());
         }
         self.gather(false).await?;

@@ -272,6 +272,18 @@ impl TpLayout {
         full.iter().zip(&self.splits).map(|(x, &split)| self.shard_one(x, split, rank)).collect()
     }
 
+    /// Rank `rank`'s shards of the parameters of `full` marked in `held` (a pipeline stage's,
+    /// [`super::held_params`]), an empty tensor for each of the others.
+    pub fn shard_held(&self, full: &[Tensor], rank: usize, held: &[bool]) -> Vec<Tensor> {
+        assert_eq!((full.len(), held.len()), (self.specs.len(), self.specs.len()), "the full list's length");
+        let empty = |x: &Tensor| Tensor::zeros([0], (x.kind(), x.device()));
+        let shard = |(x, (&split, &held)): (&Tensor, (&Split, &bool))| match held {
+            true => self.shard_one(x, split, rank),
+            false => empty(x),
+        };
+        full.iter().zip(self.splits.iter().zip(held)).map(shard).collect()
+    }
+
     /// Rank `rank`'s shard of the frozen base's parameter `index` ([`base_specs`] order), `full` as read.
     pub fn shard_base(&self, full: &Tensor, index: usize, rank: usize) -> Tensor {
         self.shard_one(full, self.base_splits[index], rank)
@@ -311,12 +323,16 @@ impl TpLayout {
 
     /// The full list from every rank's shards (`shards[r]` is rank r's, in [`param_specs`] order);
     /// replicated tensors are rank 0's, a replicated key/value head its first holder's, the padded
-    /// vocabulary rows dropped.
+    /// vocabulary rows dropped; a parameter the ranks do not hold (empty shards: another pipeline stage's)
+    /// stays empty.
     pub fn gather(&self, shards: &[Vec<Tensor>]) -> Vec<Tensor> {
         assert_eq!(shards.len(), self.degree, "one shard list per rank");
         (0..self.specs.len())
             .map(|i| {
                 let of_ranks: Vec<Tensor> = shards.iter().map(|s| s[i].detach()).collect();
+                if of_ranks[0].numel() == 0 && self.specs[i].numel() > 0 {
+                    return of_ranks[0].copy();
+                }
                 match self.splits[i] {
                     Replicated => of_ranks[0].copy(),
                     Row => Tensor::cat(&of_ranks, 1),

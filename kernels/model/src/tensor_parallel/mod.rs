@@ -6,18 +6,24 @@
 //! - [`group`]: the collectives a rank needs ([`TpGroup`]) and an in-process group for tests.
 //! - [`tape`]: the computation cut at every collective into autograd segments.
 //! - [`rank`]: a rank's forward, backward and gradient clipping.
+//! - [`parts`]: the model parts a rank runs (all, or a pipeline stage's) and the parameters it holds.
+//! - [`stage`]: a rank's share of one pipeline stage (tensor × pipeline parallelism).
 //!
 //! AdamW is elementwise, so a rank updates its shards with [`crate::optim::AdamW`] as they are: a shard's
 //! update is the shard of the full update. See docs/ARCHITECTURE.md, "Tensor and sequence parallelism".
 
 pub mod group;
 pub mod layout;
+pub mod parts;
 pub mod rank;
+pub mod stage;
 pub mod tape;
 
 pub use group::{LocalGroup, TpGroup};
 pub use layout::{splits_kv_heads, Split, TpLayout};
+pub use parts::{held_params, StageParts};
 pub use rank::TpRank;
+pub use stage::StageForward;
 
 /// What tensor parallelism refuses.
 #[derive(Debug, thiserror::Error)]

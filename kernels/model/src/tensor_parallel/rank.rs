@@ -6,6 +6,7 @@ use tch::{Kind, Tensor};
 
 use super::group::TpGroup;
 use super::layout::{nearest_degree, Split, TpLayout};
+use super::parts::{held_params, StageParts};
 use super::tape::{Conjugate, Tape};
 use super::TpError;
 use crate::model::{
@@ -28,22 +29,42 @@ pub struct TpRank {
     /// With `[peft]`, per part and family parameter: a row-parallel weight's input columns on this rank
     /// (offset, whole width), for LoRA's dropout mask ([`Weights::training_on_columns`]).
     input_columns: Vec<Vec<Option<(i64, i64)>>>,
+    /// Per parameter: whether this rank holds its shard (a parameter of a part it runs, or a tied head's
+    /// embedding matrix); the others are empty tensors.
+    held: Vec<bool>,
 }
 
 impl TpRank {
     /// Rank `rank` of `layout` holding `shards` (from [`TpLayout::shard`]).
     pub fn new(layout: TpLayout, rank: usize, shards: Vec<Tensor>) -> Self {
+        let runs = vec![true; layout.config.n_layers + 2];
+        Self::running(layout, rank, shards, runs)
+    }
+
+    /// Rank `rank` of `layout` running only the model parts `runs` (by part: 0 the embeddings, 1 + b
+    /// block b, 1 + `n_layers` the head; a pipeline stage's, [`super::stage`]) and holding only their
+    /// shards ([`held_params`]): `shards` has an empty tensor for every other parameter.
+    pub fn running(layout: TpLayout, rank: usize, shards: Vec<Tensor>, runs: Vec<bool>) -> Self {
         let shapes = layout.shard_shapes();
+        let held = held_params(&layout.config, &runs);
         assert_eq!(shards.len(), shapes.len(), "rank {rank}'s shard count");
-        for ((shard, shape), spec) in shards.iter().zip(&shapes).zip(&layout.specs) {
-            assert_eq!(&shard.size(), shape, "rank {rank}'s shard of {}", spec.name);
+        for (((shard, shape), spec), &held) in shards.iter().zip(&shapes).zip(&layout.specs).zip(&held) {
+            match held {
+                true => assert_eq!(&shard.size(), shape, "rank {rank}'s shard of {}", spec.name),
+                false => assert_eq!(shard.numel(), 0, "rank {rank} does not hold {}", spec.name),
+            }
         }
         let device = shards.first().map_or(tch::Device::Cpu, Tensor::device);
         let params = shards.into_iter().map(|s| s.detach().set_requires_grad(true)).collect();
         let local = layout.local_config();
-        let frozen = frozen_shards(&layout, rank, device);
+        let frozen = frozen_shards(&layout, rank, device, &runs);
         let input_columns = input_columns(&layout, rank);
-        Self { layout, rank, precision: Precision::Fp32, local, params, frozen, input_columns }
+        Self { layout, rank, precision: Precision::Fp32, local, params, frozen, input_columns, held }
+    }
+
+    /// Per parameter: whether this rank holds its shard.
+    pub fn held(&self) -> &[bool] {
+        &self.held
     }
 
     /// Part `part`'s weights on its trainable slice `trainable`: with `[peft]`, the frozen family
@@ -96,18 +117,34 @@ impl TpRank {
         samples: Option<Samples>,
         backward_weight: f64,
     ) -> Result<f64, TpError> {
+        let mut tape = Tape::default();
+        let loss = self.forward(&mut tape, group, tokens, targets, samples)?;
+        let value = tape.value(loss).double_value(&[]);
+        let seed = Tensor::full([], backward_weight, (Kind::Float, tokens.device()));
+        self.backward(group, tape, (loss, seed), None, &self.held)?;
+        Ok(value)
+    }
+
+    /// The backward of `tape` from `seed` (value, gradient), accumulating into the `.grad` of the
+    /// parameters marked in `params` (those the tape's parts use); gives the gradient of the value
+    /// `input` (a pipeline stage's input activation).
+    pub(super) fn backward(
+        &self,
+        group: &mut dyn TpGroup,
+        tape: Tape,
+        seed: (usize, Tensor),
+        input: Option<usize>,
+        params: &[bool],
+    ) -> Result<Option<Tensor>, TpError> {
         // With SP a replicated parameter's gradient of this call is partial (its rank's positions), and so
         // is a whole LoRA factor's beside a split one (its rank's rows or columns of the weight,
         // `TpLayout::partial_grads`), and a replicated key/value head's (its rank's query heads' share):
         // after the tape's backward, the earlier calls' sum is put aside, this call's summed over the
         // ranks that hold it, then the two added.
-        let partial: Vec<usize> = (0..self.params.len()).filter(|&i| self.grad_is_partial(i)).collect();
+        let partial: Vec<usize> = (0..self.params.len()).filter(|&i| params[i] && self.grad_is_partial(i)).collect();
         let earlier: Vec<Option<Tensor>> = partial.iter().map(|&i| take_grad(&self.params[i])).collect();
-        let mut tape = Tape::default();
-        let loss = self.forward(&mut tape, group, tokens, targets, samples)?;
-        let value = tape.value(loss).double_value(&[]);
-        let seed = Tensor::full([], backward_weight, (Kind::Float, tokens.device()));
-        tape.backward(group, vec![(loss, seed)])?;
+        let wanted: Vec<usize> = input.into_iter().collect();
+        let mut grads = tape.backward(group, vec![seed], &wanted)?;
         for (&i, earlier) in partial.iter().zip(earlier) {
             let p = &self.params[i];
             let mine = if p.grad().defined() { p.grad() } else { p.zeros_like() };
@@ -119,7 +156,7 @@ impl TpRank {
                 p.grad().copy_(&total);
             });
         }
-        Ok(value)
+        Ok(grads.pop().flatten())
     }
 
     /// Whether parameter `i`'s gradient after a backward is this rank's share of a sum over the ranks
@@ -169,19 +206,30 @@ impl TpRank {
     /// The global gradient norm: the split parameters' squares summed over the group (a key/value head
     /// held by several ranks counted once), the replicated ones' counted once.
     pub fn grad_norm(&self, group: &mut dyn TpGroup) -> Result<f64, TpError> {
+        let [sharded, replicated] = self.grad_squares(&self.held);
+        let sharded = group.all_reduce(&Tensor::from(sharded))?.double_value(&[]);
+        Ok((sharded + replicated).sqrt())
+    }
+
+    /// This rank's sums of squared gradients of the parameters marked in `counted`: [of its split
+    /// parameters' shards, each divided by how many ranks hold it; of its replicated ones]. The global
+    /// norm's square is the first summed over every rank plus the second counted once per tensor group.
+    pub fn grad_squares(&self, counted: &[bool]) -> [f64; 2] {
         let squares = |replicated: bool| -> f64 {
             self.params
                 .iter()
                 .zip(&self.layout.splits)
-                .filter(|(p, split)| (**split == Split::Replicated) == replicated && p.grad().defined())
-                .map(|(p, &split)| {
+                .zip(counted)
+                .filter(|((p, split), &counted)| {
+                    counted && (**split == Split::Replicated) == replicated && p.grad().defined()
+                })
+                .map(|((p, &split), _)| {
                     let holders = if replicated { 1 } else { self.layout.holders(split) };
                     p.grad().square().sum(Kind::Double).double_value(&[]) / holders as f64
                 })
                 .sum()
         };
-        let sharded = group.all_reduce(&Tensor::from(squares(false)))?.double_value(&[]);
-        Ok((sharded + squares(true)).sqrt())
+        [squares(false), squares(true)]
     }
 
     /// Scales the gradients so the global norm is at most `max_norm` (0: no clipping), as
@@ -202,19 +250,44 @@ impl TpRank {
         samples: Option<Samples>,
     ) -> Result<usize, TpError> {
         assert_eq!(tokens.size(), targets.size(), "tokens and targets are both [batch, time]");
-        let time = tokens.size()[1] as usize;
-        let degree = self.layout.degree;
-        if self.layout.sp && !time.is_multiple_of(degree) {
-            let c = &self.layout.config;
-            let nearest = nearest_degree(degree, &[time, c.n_heads, c.ffn_hidden()], c.kv_heads());
-            return Err(TpError::Degree { key: "the batch's sequence length", value: time, degree, nearest });
-        }
-        let mut x = self.embed(tape, group, tokens)?;
-        for index in 0..self.layout.config.n_layers {
+        let whole = StageParts::whole(&self.layout.config);
+        self.run_parts(tape, group, &whole, tokens, Some(targets), samples).map(|(loss, _)| loss)
+    }
+
+    /// The forward of `parts` on the tape from `input` — token ids `[batch, time]` when they start with
+    /// the embeddings, else the previous part's output (an input value of the tape) — to the loss of
+    /// `targets` when they end with the head, else their output. Gives (output, input value).
+    pub(super) fn run_parts(
+        &self,
+        tape: &mut Tape,
+        group: &mut dyn TpGroup,
+        parts: &StageParts,
+        input: &Tensor,
+        targets: Option<&Tensor>,
+        samples: Option<Samples>,
+    ) -> Result<(usize, Option<usize>), TpError> {
+        let (mut x, input) = if parts.embed {
+            let time = input.size()[1] as usize;
+            let degree = self.layout.degree;
+            if self.layout.sp && !time.is_multiple_of(degree) {
+                let c = &self.layout.config;
+                let nearest = nearest_degree(degree, &[time, c.n_heads, c.ffn_hidden()], c.kv_heads());
+                return Err(TpError::Degree { key: "the batch's sequence length", value: time, degree, nearest });
+            }
+            (self.embed(tape, group, input)?, None)
+        } else {
+            let id = tape.input(input);
+            (id, Some(id))
+        };
+        for index in parts.blocks.clone() {
             x = self.block(tape, group, index, x, samples)?;
         }
-        let logits = self.head(tape, group, x)?;
-        self.cross_entropy(tape, group, logits, targets)
+        if parts.head {
+            let targets = targets.expect("the head's stage has the targets");
+            let logits = self.head(tape, group, x)?;
+            x = self.cross_entropy(tape, group, logits, targets)?;
+        }
+        Ok((x, input))
     }
 
     /// f and g: the conjugate operators, or their sequence-parallel forms (along the sequence, dim 1).
@@ -365,17 +438,18 @@ fn input_columns(layout: &TpLayout, rank: usize) -> Vec<Vec<Option<(i64, i64)>>>
         .collect()
 }
 
-/// Rank `rank`'s shards of `layout`'s frozen base on `device`, read from `model.from_hf` and cut (the files
+/// Rank `rank`'s shards of `layout`'s frozen base on `device` for the parts it `runs`, read from `model.from_hf` and cut (the files
 /// hold whole tensors: each is read, sliced, and the whole dropped), by position in
 /// [`crate::model::base_specs`]; empty without `[peft]`.
-fn frozen_shards(layout: &TpLayout, rank: usize, device: tch::Device) -> Vec<Option<Tensor>> {
+fn frozen_shards(layout: &TpLayout, rank: usize, device: tch::Device, runs: &[bool]) -> Vec<Option<Tensor>> {
     let config = &layout.config;
     if config.peft.is_none() {
         return Vec::new();
     }
     let base = crate::model::peft::Base::of(config);
     let mut frozen: Vec<Option<Tensor>> = layout.base_splits.iter().map(|_| None).collect();
-    for part in crate::model::peft::parts(config) {
+    let parts = crate::model::peft::parts(config);
+    for part in parts.iter().zip(runs).filter(|(_, &runs)| runs).map(|(part, _)| part) {
         for (&index, slot) in part.base.iter().zip(&part.slots) {
             if slot.trained.is_none() && frozen[index].is_none() {
                 frozen[index] = Some(layout.shard_base(&base.read(config, index, device), index, rank));

@@ -76,6 +76,13 @@ impl Tape {
         (region, self.values.iter().map(bytes).sum())
     }
 
+    /// A value that comes from outside the tape (a pipeline stage's input activation): its gradient is
+    /// what [`Self::backward`] gives back when asked for it.
+    pub fn input(&mut self, value: &Tensor) -> usize {
+        self.values.push(value.detach());
+        self.values.len() - 1
+    }
+
     /// Runs `f` on leaf copies of the values `inputs` (requiring grad) and records its outputs as new values.
     pub fn segment(&mut self, inputs: &[usize], f: impl FnOnce(&[Tensor]) -> Vec<Tensor>) -> Vec<usize> {
         let leaves: Vec<Tensor> = inputs.iter().map(|&id| self.values[id].detach().set_requires_grad(true)).collect();
@@ -104,8 +111,14 @@ impl Tape {
     }
 
     /// Back-propagates `seeds` (value, gradient) through the steps in reverse, accumulating the
-    /// parameters' `.grad`. Every rank runs the same collectives (a value without a gradient sends zeros).
-    pub fn backward(self, group: &mut dyn TpGroup, seeds: Vec<(usize, Tensor)>) -> Result<(), TpError> {
+    /// parameters' `.grad`, and gives back the gradients of the values `wanted` (None where nothing
+    /// flowed to one). Every rank runs the same collectives (a value without a gradient sends zeros).
+    pub fn backward(
+        self,
+        group: &mut dyn TpGroup,
+        seeds: Vec<(usize, Tensor)>,
+        wanted: &[usize],
+    ) -> Result<Vec<Option<Tensor>>, TpError> {
         let mut grads: Vec<Option<Tensor>> = self.values.iter().map(|_| None).collect();
         for (id, grad) in seeds {
             add(&mut grads[id], grad);
@@ -135,7 +148,7 @@ impl Tape {
                 }
             }
         }
-        Ok(())
+        Ok(wanted.iter().map(|&id| grads[id].take()).collect())
     }
 }
 

@@ -1,0 +1,97 @@
+//! Tensor × pipeline (× data) parallelism as a job: `parallel.tp` and `parallel.pp` together, every
+//! schedule (GPipe, 1F1B, interleaved, ZB-H1), recomputation, a tied and an untied head, sequence
+//! parallelism on and off, ZeRO-3 inside the data-parallel groups — each equal to the single-process
+//! reference; tp = 2 × pp = 2 × dp = 2 on four
+//! two-slot daemon processes (each tensor group on one host's arena) that loses a daemon to SIGKILL: the
+//! replica that lost it drops out and the job goes on from the other's state, on the reference.
+
+use std::time::Duration;
+
+use troupe_actors::api::{Job, JobEvent, LocalCluster, LocalClusterOptions};
+use troupe_model::config::JobConfig;
+
+use super::{check, common, losses_and_worlds, reference, with_tp, TOLERANCE};
+
+/// `config` at tp = 2 (sequence parallelism `sp`) × pp = 2 with `schedule`, over `layers` blocks.
+fn pipelined(mut config: JobConfig, sp: bool, schedule: &str, layers: usize) -> JobConfig {
+    config = with_tp(config, 2, sp);
+    config.model.n_layers = layers;
+    config.parallel.pp = 2;
+    config.parallel.schedule = schedule.into();
+    config
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tp2_by_pp2_jobs_equal_the_reference_with_every_schedule() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = LocalCluster::in_process(4).await.unwrap();
+    let mut tied_llama = pipelined(JobConfig::small_llama(8), true, "1f1b", 2);
+    tied_llama.model.tie_word_embeddings = true;
+    let mut recomputed = pipelined(JobConfig::small(8), false, "gpipe", 2);
+    recomputed.parallel.recompute = true;
+    let mut interleaved = pipelined(JobConfig::small(8), true, "interleaved", 4);
+    (interleaved.parallel.virtual_stages, interleaved.model.tie_word_embeddings) = (2, true);
+    let cases = [
+        ("tied llama tp=2 pp=2 1f1b sp", tied_llama),
+        ("gpt2 tp=2 pp=2 gpipe recompute", recomputed),
+        ("llama tp=2 pp=2 zb-h1 sp", pipelined(JobConfig::small_llama(8), true, "zb-h1", 2)),
+        ("tied gpt2 tp=2 pp=2 interleaved v=2 sp", interleaved),
+    ];
+    for (what, config) in cases {
+        let out = dir.path().join(format!("{}.safetensors", what.replace(' ', "-")));
+        check(&cluster, config, &out, 4, what).await;
+    }
+    cluster.shutdown().await;
+}
+
+/// tp = 2 × pp = 2 × dp = 2, and the same with ZeRO-3 inside the data-parallel groups (each stage's
+/// shards split over its two replicas, gathered for the step and dropped after it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tp2_by_pp2_by_dp2_with_and_without_zero3_equals_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = LocalCluster::in_process(8).await.unwrap();
+    for shard in ["none", "zero3"] {
+        let mut config = pipelined(JobConfig::small_llama(8), true, "1f1b", 2);
+        (config.parallel.dp, config.model.tie_word_embeddings, config.parallel.shard) = (2, true, shard.into());
+        let what = format!("tied llama tp=2 x pp=2 x dp=2 shard={shard}");
+        check(&cluster, config, &dir.path().join(format!("{shard}.safetensors")), 8, &what).await;
+    }
+    cluster.shutdown().await;
+}
+
+/// tp = 2 × pp = 2 × dp = 2 on four daemon processes of two slots: rank t + 2·(d + 2·p) puts each tensor
+/// group on one daemon. Daemon 3 (stage 1 of replica 1) is SIGKILLed after step 5: replica 1 is lost
+/// whole, replica 0 holds the whole committed state, and the job goes on at dp = 1 (world 4) from the
+/// last committed step, on the reference's trajectory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tp2_by_pp2_by_dp2_job_that_loses_a_daemon_goes_on_from_the_other_replica() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut options = LocalClusterOptions::new(4);
+    (options.slots_per_node, options.torch_threads) = (2, 1);
+    let cluster = LocalCluster::processes(common::binary(), options).await.expect("local cluster starts");
+    let mut config = pipelined(JobConfig::small_llama(12), true, "1f1b", 2);
+    (config.parallel.dp, config.model.tie_word_embeddings) = (2, true);
+    let out = dir.path().join("final.safetensors");
+    let job = Job::new(config.clone()).save_final(&out).elastic(2, 4, 10);
+    let mut handle = cluster.client().await.unwrap().submit(job).await.unwrap();
+    let (mut events, mut killed) = (Vec::new(), false);
+    while let Some(e) = tokio::time::timeout(Duration::from_secs(120), handle.next_event()).await.unwrap().unwrap() {
+        if !killed && matches!(e, JobEvent::Step { step, .. } if step >= 5) {
+            common::signal(cluster.pid(3).unwrap(), "KILL");
+            killed = true;
+        }
+        events.push(e);
+    }
+    assert!(matches!(events.last(), Some(JobEvent::Finished { steps: 12, .. })), "{events:?}");
+    let (losses, worlds) = losses_and_worlds(&events);
+    assert_eq!((worlds.first(), worlds.last()), (Some(&8), Some(&4)), "two replicas, then one: {worlds:?}");
+    let (ref_losses, reference) = reference(&config);
+    assert_eq!(losses.len(), ref_losses.len(), "one committed loss per step: {events:?}");
+    let diff = troupe_model::oracle::worst_loss_diff(&losses, &ref_losses);
+    let params = common::saved_params(&out, &reference);
+    let comparison = troupe_model::oracle::compare_params(reference.model.specs(), &params, &reference.param_values());
+    eprintln!("tp=2 x pp=2 x dp=2 losing a daemon: loss diff {diff:.1e}, params {comparison:?}");
+    assert!(diff <= TOLERANCE, "losses differ by {diff:e}");
+    assert!(comparison.within(TOLERANCE), "{comparison:?}");
+    cluster.shutdown().await;
+}
