@@ -138,6 +138,18 @@ fn tensor_group_across_hosts_kill() {
     }
 }
 
+/// tp = 2 × pp = 2 × dp = 2, a daemon per namespace: a killed worker takes its model replica with it; the
+/// other replica holds the whole committed state, so nothing is redone.
+#[test]
+fn tensor_pipeline_across_hosts_kill() {
+    let r = run("tensor-pipeline-across-hosts-kill", 29);
+    if !skipped(&r) {
+        assert_eq!(faults(&r, "kill"), 1);
+        assert!(r["recoveries"].as_u64().unwrap() >= 1, "{r}");
+        assert_eq!(r["steps_redone"], 0, "restored from the other replica's memory, not a checkpoint: {r}");
+    }
+}
+
 #[test]
 fn kill_and_return() {
     let r = run("kill-and-return", 13);

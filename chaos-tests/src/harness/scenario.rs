@@ -96,6 +96,7 @@ pub const SHIPPED: &[(&str, &str)] = &[
     ("pause-controller-beyond-election", include_str!("../../scenarios/pause-controller-beyond-election.toml")),
     ("rolling-restart-three-controllers", include_str!("../../scenarios/rolling-restart-three-controllers.toml")),
     ("tensor-group-across-hosts-kill", include_str!("../../scenarios/tensor-group-across-hosts-kill.toml")),
+    ("tensor-pipeline-across-hosts-kill", include_str!("../../scenarios/tensor-pipeline-across-hosts-kill.toml")),
 ];
 
 /// The scenario keys a job config file sets instead.
