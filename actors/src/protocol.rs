@@ -262,7 +262,11 @@ pub struct RankInfo {
     pub rank: Option<usize>,
     /// The pipeline stage it runs (pipeline jobs only).
     pub stage: Option<usize>,
-    /// Which data-parallel replica it is: of the model (data-parallel jobs) or of the pipeline.
+    /// Its index in its tensor group (tensor-parallel jobs only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensor: Option<usize>,
+    /// Which data-parallel replica it is: of the model (data-parallel jobs), of the pipeline, or of the
+    /// tensor group (× pipeline).
     pub replica: Option<usize>,
     pub state: RankState,
     /// The last committed step it holds, as far as the controller knows (it said so when it last got
@@ -354,6 +358,16 @@ pub enum JobEvent {
         world: usize,
         changes: Vec<String>,
     },
+    /// Where the ranks of an attempt of a tensor- or pipeline-parallel job run (after its `Started` or
+    /// `Recovered`): its degrees and, by rank, the node and slot. Rank r is tensor rank r mod tp of
+    /// replica (r div tp) mod dp of stage r div (tp × dp), so a tensor group is `tp` consecutive ranks.
+    Placed {
+        attempt: u64,
+        tp: usize,
+        pp: usize,
+        dp: usize,
+        ranks: Vec<RankSlot>,
+    },
     /// Training resumed after a membership change, from the last committed step.
     Recovered {
         step: u64,
@@ -411,6 +425,30 @@ pub enum JobEvent {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         stage: Option<usize>,
     },
+}
+
+/// A [`JobEvent::Placed`] in words: the degrees, then each tensor group as its ranks and where they run
+/// — `[0 1]@node-0:0-1` when the group is on one node, each rank's node otherwise.
+pub fn describe_placement(tp: usize, pp: usize, dp: usize, ranks: &[RankSlot]) -> String {
+    let groups: Vec<String> = ranks
+        .chunks(tp.max(1))
+        .enumerate()
+        .map(|(g, group)| {
+            let first = g * tp.max(1);
+            let ids: Vec<String> = (first..first + group.len()).map(|r| r.to_string()).collect();
+            let node = &group[0].node;
+            if group.iter().all(|r| &r.node == node) {
+                let (lo, hi) = (group[0].slot, group[group.len() - 1].slot);
+                let slots = if lo == hi { lo.to_string() } else { format!("{lo}-{hi}") };
+                format!("[{}]@{}:{slots}", ids.join(" "), node.0)
+            } else {
+                let at: Vec<String> =
+                    group.iter().zip(&ids).map(|(r, id)| format!("{id}@{}:{}", r.node.0, r.slot)).collect();
+                format!("[{}]", at.join(" "))
+            }
+        })
+        .collect();
+    format!("placed tp {tp} × pp {pp} × dp {dp}; tensor groups (stage-major): {}", groups.join(" "))
 }
 
 impl JobEvent {

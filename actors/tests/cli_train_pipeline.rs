@@ -56,6 +56,17 @@ fn pipelines_through_the_cli_equal_the_single_process_run() {
         let (events, params) = run(args);
         let start = &events[0];
         assert_eq!(start["event"], "start");
+        if args.contains(&"--tp") {
+            // Where the ranks run: 8 ranks as "node:slot", each tensor group (2 consecutive) on one daemon.
+            let placed = events.iter().find(|e| e["event"] == "placed").unwrap_or_else(|| panic!("{events:?}"));
+            assert_eq!(
+                (placed["tp"].as_u64(), placed["pp"].as_u64(), placed["dp"].as_u64()),
+                (Some(2), Some(2), Some(2))
+            );
+            let ranks: Vec<&str> = placed["ranks"].as_array().unwrap().iter().map(|r| r.as_str().unwrap()).collect();
+            let node = |r: &str| r.rsplit_once(':').unwrap().0.to_string();
+            assert!(ranks.len() == 8 && ranks.chunks(2).all(|g| node(g[0]) == node(g[1])), "{placed}");
+        }
         assert_eq!(start["pp"], 2, "{start}");
         let degree = |flag: &str| args.iter().position(|a| *a == flag).map_or(1, |i| args[i + 1].parse().unwrap());
         let world: u64 = degree("--tp") * degree("--pp") * degree("--dp");

@@ -150,9 +150,13 @@ fn render_jobs(jobs: &[JobInfo]) -> String {
     let dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
     for j in jobs.iter().filter(|j| !j.ranks.is_empty()) {
         let pipeline = j.ranks.iter().any(|r| r.stage.is_some());
+        let tensor = j.ranks.iter().any(|r| r.tensor.is_some());
         let mut header = vec!["RANK", "NODE", "SLOT"];
         if pipeline {
             header.push("STAGE");
+        }
+        if tensor {
+            header.push("TENSOR");
         }
         header.extend(["REPLICA", "STATE", "STEP"]);
         let mut ranks = Table::new(&header);
@@ -160,6 +164,9 @@ fn render_jobs(jobs: &[JobInfo]) -> String {
             let mut row = vec![dash(r.rank.map(|x| x.to_string())), r.node.clone(), r.slot.to_string()];
             if pipeline {
                 row.push(dash(r.stage.map(|x| x.to_string())));
+            }
+            if tensor {
+                row.push(dash(r.tensor.map(|x| x.to_string())));
             }
             row.extend([
                 dash(r.replica.map(|x| x.to_string())),
@@ -323,6 +330,7 @@ mod tests {
             slot: 0,
             rank,
             stage,
+            tensor: None,
             replica: rank.map(|_| 0),
             state,
             step,

@@ -241,6 +241,14 @@ impl EventReport<'_> {
                 json!({ "path": path }),
                 &format!("saved final parameters to {}", path.display()),
             ),
+            JobEvent::Placed { attempt, tp, pp, dp, ranks } => {
+                let nodes: Vec<String> = ranks.iter().map(|r| format!("{}:{}", r.node.0, r.slot)).collect();
+                reporter.event(
+                    "placed",
+                    json!({ "attempt": attempt, "tp": tp, "pp": pp, "dp": dp, "ranks": nodes }),
+                    &format!("troupe: {}", crate::protocol::describe_placement(tp, pp, dp, &ranks)),
+                );
+            }
             JobEvent::Phases { rank, node, attempt, step, spans, stage } => reporter.record_only(
                 "phases",
                 json!({ "rank": rank, "node": node, "attempt": attempt, "step": step, "spans": spans, "stage": stage }),

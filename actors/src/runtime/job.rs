@@ -177,6 +177,28 @@ pub fn plan_ranks(
     ranks
 }
 
+/// A tensor-parallel job's ranks (`wanted`, from [`plan_ranks`]) re-picked so that every tensor group —
+/// `tp` consecutive ranks — shares a node, its collectives on the node's shared memory as the planner
+/// places them: whole groups of slots of the same nodes, in node-id order, as many ranks as before.
+/// `wanted` as it was when those nodes cannot hold that many whole groups.
+fn tensor_groups_within_nodes(members: &[MemberInfo], wanted: Vec<RankSlot>, tp: usize) -> Vec<RankSlot> {
+    if tp <= 1 || wanted.is_empty() {
+        return wanted;
+    }
+    let mut nodes: Vec<&NodeId> = wanted.iter().map(|r| &r.node).collect();
+    nodes.dedup();
+    let mut picked = Vec::with_capacity(wanted.len());
+    for node in nodes {
+        let slots = members.iter().find(|m| m.name == node.0).map_or(1, |m| m.slots as usize);
+        let whole = (slots / tp * tp).min(wanted.len() - picked.len());
+        picked.extend((0..whole / tp * tp).map(|slot| RankSlot { node: node.clone(), slot: slot as u32 }));
+    }
+    if picked.len() < wanted.len() {
+        return wanted;
+    }
+    picked
+}
+
 impl JobDriver {
     pub fn new(id: JobId, spec: JobSpec) -> Self {
         let tp = spec.config.parallel.tp.max(1);
@@ -256,8 +278,9 @@ impl JobDriver {
             return Vec::new();
         }
         let ranks = self.ranks();
-        let (pp, replicas) =
-            (self.spec.config.parallel.pp.max(1), (ranks.len() / self.spec.config.parallel.pp.max(1)).max(1));
+        // The planner's order: rank = t + tp·(d + replicas·p).
+        let (pp, tp) = (self.spec.config.parallel.pp.max(1), self.tp.max(1));
+        let replicas = (ranks.len() / (pp * tp)).max(1);
         let state = match (&self.phase, self.committed > self.attempt_from, self.attempt) {
             (Phase::Running { .. }, true, _) => RankState::Training,
             (_, _, 1) => RankState::Starting,
@@ -267,8 +290,9 @@ impl JobDriver {
             node: slot.node.0.clone(),
             slot: slot.slot,
             rank,
-            stage: rank.filter(|_| pp > 1).map(|r| (r / replicas).min(pp - 1)),
-            replica: rank.map(|r| if pp > 1 { r % replicas } else { r }),
+            stage: rank.filter(|_| pp > 1).map(|r| (r / (tp * replicas)).min(pp - 1)),
+            tensor: rank.filter(|_| tp > 1).map(|r| r % tp),
+            replica: rank.map(|r| r / tp % replicas),
             state,
             step: self.held.get(slot).copied(),
         };
@@ -373,7 +397,8 @@ impl JobDriver {
         let mut planned = (Vec::new(), parallel.tp.max(1));
         for tp in crate::engine::degrees_to_try(&self.spec.config) {
             let (max_ranks, stages) = (parallel.dp * parallel.pp * tp, parallel.pp.max(1) * tp);
-            planned = (plan_ranks(view, members, max_nodes, max_ranks, stages, self.ranks()), tp);
+            let wanted = plan_ranks(view, members, max_nodes, max_ranks, stages, self.ranks());
+            planned = (tensor_groups_within_nodes(members, wanted, tp), tp);
             if !planned.0.is_empty() || self.attempt == 0 {
                 break;
             }
@@ -558,6 +583,11 @@ impl JobDriver {
             JobEvent::Recovered { step, epoch, world }
         };
         self.actions.push_back(DriverAction::Event(event));
+        let (tp, pp) = (self.tp.max(1), self.spec.config.parallel.pp.max(1));
+        if tp > 1 || pp > 1 {
+            let (attempt, dp, ranks) = (self.attempt, world / (tp * pp), ranks.clone());
+            self.actions.push_back(DriverAction::Event(JobEvent::Placed { attempt, tp, pp, dp, ranks }));
+        }
         self.phase = Phase::Running { votes: vec![None; world], ended: vec![None; world], ranks };
     }
 
@@ -1035,6 +1065,48 @@ pub(super) mod tests {
         started(&mut d, 1, &["a", "b"], &[0, 0]);
         let ddp: Vec<_> = rows(&d).into_iter().map(|r| (r.1, r.2, r.3)).collect();
         assert_eq!(ddp, [(Some(0), None, Some(0)), (Some(1), None, Some(1))]);
+
+        // Tensor × pipeline × data: tensor ranks innermost, then replicas, then stages (the planner's
+        // rank = t + 2·(d + 2·p)); the attempt's `Placed` event names each rank's node and slot.
+        let mut s = spec(10);
+        (s.config.parallel.tp, s.config.parallel.pp, s.config.parallel.dp) = (2, 2, 2);
+        let mut d = JobDriver::new(3, s);
+        let nodes = ["a", "b", "c", "d", "e", "f", "g", "h"];
+        started(&mut d, 1, &nodes, &[0; 8]);
+        let actions = drain(&mut d);
+        let coords: Vec<_> = d.info().ranks.iter().map(|r| (r.tensor, r.replica, r.stage)).collect();
+        let want: Vec<_> = (0..8).map(|r| (Some(r % 2), Some(r / 2 % 2), Some(r / 4))).collect();
+        assert_eq!(coords, want);
+        let placed = events(&actions).into_iter().find_map(|e| match e {
+            JobEvent::Placed { tp: 2, pp: 2, dp: 2, ranks, .. } => {
+                Some(ranks.iter().map(|r| r.node.0.clone()).collect::<Vec<_>>())
+            }
+            _ => None,
+        });
+        assert_eq!(placed, Some(nodes.map(String::from).to_vec()), "{actions:?}");
+    }
+
+    /// tp 2 × pp 2 × dp 2 on four two-slot nodes loses d: the replica left (4 ranks) is planned as whole
+    /// tensor groups of the nodes kept — a's two slots and b's — not a slot each of b and c, which would
+    /// put a tensor group across two hosts.
+    #[test]
+    fn a_tensor_parallel_re_plan_keeps_each_tensor_group_on_one_node() {
+        let two_slots = |nodes: &[&str]| {
+            let (view, mut members) = view(1, nodes);
+            members.iter_mut().for_each(|m| m.slots = 2);
+            (view, members)
+        };
+        let (v, m) = two_slots(&["a", "b", "c", "d"]);
+        let all = plan_ranks(&v, &m, 0, 8, 4, &[]);
+        let (v, m) = two_slots(&["a", "b", "c"]);
+        let wanted = plan_ranks(&v, &m, 0, 4, 4, &all);
+        let at = |r: &[RankSlot]| r.iter().map(|r| format!("{}:{}", r.node.0, r.slot)).collect::<Vec<_>>();
+        assert_eq!(at(&wanted), ["a:0", "a:1", "b:0", "c:0"], "plan_ranks alone keeps one rank of each old stage");
+        assert_eq!(at(&tensor_groups_within_nodes(&m, wanted.clone(), 2)), ["a:0", "a:1", "b:0", "b:1"]);
+        // One slot per node: no whole group fits a node, so the ranks stay as planned.
+        let (v1, m1) = view(1, &["a", "b"]);
+        let single = plan_ranks(&v1, &m1, 0, 2, 2, &[]);
+        assert_eq!(tensor_groups_within_nodes(&m1, single.clone(), 2), single);
     }
 
     /// Found by the deterministic simulation (troupe-chaos): with `max_ranks` 1, a restarted

@@ -85,6 +85,19 @@ async fn a_tp2_by_pp2_by_dp2_job_that_loses_a_daemon_goes_on_from_the_other_repl
     assert!(matches!(events.last(), Some(JobEvent::Finished { steps: 12, .. })), "{events:?}");
     let (losses, worlds) = losses_and_worlds(&events);
     assert_eq!((worlds.first(), worlds.last()), (Some(&8), Some(&4)), "two replicas, then one: {worlds:?}");
+    // Each attempt says where its ranks run: every tensor group on one daemon, dp 2 and then dp 1.
+    let placed: Vec<(usize, &Vec<troupe_actors::protocol::RankSlot>)> = events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::Placed { tp: 2, pp: 2, dp, ranks, .. } => Some((*dp, ranks)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(placed.first().map(|p| (p.0, p.1.len())), Some((2, 8)), "{events:?}");
+    assert_eq!(placed.last().map(|p| (p.0, p.1.len())), Some((1, 4)), "{events:?}");
+    for (_, ranks) in &placed {
+        assert!(ranks.chunks(2).all(|g| g[0].node == g[1].node), "a tensor group spans daemons: {ranks:?}");
+    }
     let (ref_losses, reference) = reference(&config);
     assert_eq!(losses.len(), ref_losses.len(), "one committed loss per step: {events:?}");
     let diff = troupe_model::oracle::worst_loss_diff(&losses, &ref_losses);

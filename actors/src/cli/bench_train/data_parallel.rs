@@ -425,6 +425,7 @@ pub(super) async fn run_job_with(
                 break Err(anyhow::anyhow!("the job recovered after step {step}: a rank failed during the benchmark"));
             }
             JobEvent::Started { .. }
+            | JobEvent::Placed { .. }
             | JobEvent::Waiting { .. }
             | JobEvent::Saved { .. }
             | JobEvent::Checkpoint { .. }

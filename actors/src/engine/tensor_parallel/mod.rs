@@ -612,23 +612,37 @@ fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -> Result<(f
         return Ok((f64::from(words[2]), (f64::from(words[0]) + f64::from(words[1])).sqrt()));
     }
     flat.push(loss as f32);
-    if let Some(dp) = &mut parts.dp {
-        parts.tp.handle.block_on(dp.all_reduce(&mut flat[..], ReduceOp::Sum)).map_err(|e| e.to_string())?;
-        loss = f64::from(flat[flat.len() - 1]);
+    let (flat, summed) = sum_over_replicas(&params, flat, parts.dp.as_mut(), &handle)?;
+    if parts.dp.is_some() {
+        loss = f64::from(summed);
     }
+    refresh_buddy(parts, flat)?;
+    let norm = parts.rank.grad_norm(&mut parts.tp).map_err(e)?;
+    Ok((loss, norm))
+}
+
+/// `flat` (the rank's gradients, flat, then the loss word) summed over the data-parallel group when there
+/// is one and copied back into `params`' gradients (a parameter that took no part in the forward keeps
+/// none, and AdamW leaves it alone); gives the gradients, flat, and the summed loss word.
+fn sum_over_replicas<T: Transport>(
+    params: &[Tensor],
+    mut flat: Vec<f32>,
+    dp: Option<&mut Communicator<Subgroup<T>>>,
+    handle: &Handle,
+) -> Result<(Vec<f32>, f32), String> {
+    if let Some(dp) = dp {
+        handle.block_on(dp.all_reduce(&mut flat[..], ReduceOp::Sum)).map_err(|e| e.to_string())?;
+    }
+    let loss = flat.pop().expect("the loss word");
     let mut offset = 0;
-    for p in &params {
+    for p in params {
         let n = p.numel();
-        // A parameter that took no part in the forward keeps no gradient (AdamW leaves it alone).
         if p.grad().defined() {
             copy_from_flat(&[p.grad()], &flat[offset..offset + n]);
         }
         offset += n;
     }
-    flat.truncate(offset);
-    refresh_buddy(parts, flat)?;
-    let norm = parts.rank.grad_norm(&mut parts.tp).map_err(e)?;
-    Ok((loss, norm))
+    Ok((flat, loss))
 }
 
 /// The buddy exchange of a step: this rank sends its shard's gradients (`grads`, flat, after the

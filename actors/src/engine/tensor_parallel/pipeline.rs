@@ -25,7 +25,7 @@ use super::super::pipeline::{check, partition, plan, OpKind, Plan, PlanShape, Sc
 use super::{Batch, Parts};
 use troupe_model::model::ParamSpec;
 
-use crate::engine::flat::{append_flat, copy_from_flat, counter_words};
+use crate::engine::flat::{append_flat, counter_words};
 
 /// A rank's place in the pipeline and the groups it talks to beyond its tensor group.
 pub(super) struct Pipe<T: Transport> {
@@ -341,18 +341,7 @@ pub(super) fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -
         return model_norm_and_loss(pipe, &handle, words, first);
     }
     flat.push(loss as f32);
-    if let Some(dp) = dp {
-        handle.block_on(dp.all_reduce(&mut flat[..], ReduceOp::Sum)).map_err(|e| e.to_string())?;
-    }
-    let loss = flat.pop().expect("the loss word");
-    let mut offset = 0;
-    for p in &params {
-        let n = p.numel();
-        if p.grad().defined() {
-            copy_from_flat(&[p.grad()], &flat[offset..offset + n]);
-        }
-        offset += n;
-    }
+    let (_, loss) = super::sum_over_replicas(&params, flat, dp.as_mut(), &handle)?;
     let [sharded, replicated] = rank.grad_squares(&counted);
     model_norm_and_loss(pipe, &handle, [sharded as f32, if first { replicated as f32 } else { 0.0 }, loss], first)
 }

@@ -108,6 +108,9 @@ impl JobHistory {
                 self.log("waiting", format!("waiting: {nodes} node(s) offer ranks, at least {min_nodes} needed"))
             }
             JobEvent::Saved { path } => self.log("saved", format!("final parameters saved to {}", path.display())),
+            JobEvent::Placed { tp, pp, dp, ranks, .. } => {
+                self.log("placed", crate::protocol::describe_placement(*tp, *pp, *dp, ranks))
+            }
             JobEvent::Finished { steps, .. } => self.log("finished", format!("finished after {steps} steps")),
             JobEvent::Failed { reason } => self.log("failed", format!("failed: {reason}")),
             JobEvent::Cancelled => self.log("cancelled", "cancelled".to_owned()),
