@@ -18,7 +18,8 @@ pub struct CommGroup<T: Transport> {
     pub handle: Handle,
 }
 
-fn values(t: &Tensor) -> Vec<f32> {
+/// `t`'s values as f32, flat (a detached contiguous copy).
+pub(super) fn values(t: &Tensor) -> Vec<f32> {
     let t = t.detach().to_kind(Kind::Float).contiguous().view(-1);
     let mut out = vec![0.0f32; t.numel()];
     t.copy_data(&mut out, t.numel());

@@ -22,6 +22,7 @@ use troupe_model::config::JobConfig;
 use troupe_model::tensor_parallel::{held_params, StageForward, StageParts, TpLayout};
 
 use super::super::pipeline::{check, partition, plan, OpKind, Plan, PlanShape, ScheduleKind};
+use super::group::values;
 use super::{Batch, Parts};
 use troupe_model::model::ParamSpec;
 
@@ -207,13 +208,6 @@ struct Run {
     to_previous: HashMap<(usize, usize), Tensor>,
     saved: HashMap<(usize, usize), Saved>,
     loss: f64,
-}
-
-fn values(t: &Tensor) -> Vec<f32> {
-    let t = t.detach().to_kind(Kind::Float).contiguous().view(-1);
-    let mut out = vec![0.0f32; t.numel()];
-    t.copy_data(&mut out, t.numel());
-    out
 }
 
 /// The rank's ops of the step's plan over `batches` (one per micro-batch), then the reductions: (the
