@@ -23,7 +23,7 @@ pub use group::{LocalGroup, TpGroup};
 pub use layout::{splits_kv_heads, Split, TpLayout};
 pub use parts::{held_params, StageParts};
 pub use rank::TpRank;
-pub use stage::StageForward;
+pub use stage::{PendingWeights, StageForward};
 
 /// What tensor parallelism refuses.
 #[derive(Debug, thiserror::Error)]

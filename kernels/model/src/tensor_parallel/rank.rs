@@ -2,6 +2,8 @@
 //! embed → blocks → head → loss on them (Megatron-LM's layers, Shoeybi et al. 2019; with sequence
 //! parallelism, Korthikanti et al. 2022), and the gradient clipping that counts every shard.
 
+use std::cell::Cell;
+
 use tch::{Kind, Tensor};
 
 use super::group::TpGroup;
@@ -32,6 +34,9 @@ pub struct TpRank {
     /// Per parameter: whether this rank holds its shard (a parameter of a part it runs, or a tied head's
     /// embedding matrix); the others are empty tensors.
     held: Vec<bool>,
+    /// The most bytes of activations held for a backward at once since the last
+    /// [`Self::take_activation_peak`].
+    activation_peak: Cell<usize>,
 }
 
 impl TpRank {
@@ -59,12 +64,25 @@ impl TpRank {
         let local = layout.local_config();
         let frozen = frozen_shards(&layout, rank, device, &runs);
         let input_columns = input_columns(&layout, rank);
-        Self { layout, rank, precision: Precision::Fp32, local, params, frozen, input_columns, held }
+        let activation_peak = Cell::new(0);
+        Self { layout, rank, precision: Precision::Fp32, local, params, frozen, input_columns, held, activation_peak }
     }
 
     /// Per parameter: whether this rank holds its shard.
     pub fn held(&self) -> &[bool] {
         &self.held
+    }
+
+    /// Notes that `bytes` of activations are held for backwards at once (a tape's values, and what a
+    /// caller keeps beside it: a pipeline's micro-batches in flight, a recomputation's block inputs).
+    pub fn hold_activations(&self, bytes: usize) {
+        self.activation_peak.set(self.activation_peak.get().max(bytes));
+    }
+
+    /// The most bytes of activations held at once since the last call (the step's peak), and starts
+    /// counting again.
+    pub fn take_activation_peak(&self) -> usize {
+        self.activation_peak.replace(0)
     }
 
     /// Part `part`'s weights on its trainable slice `trainable`: with `[peft]`, the frozen family
@@ -119,6 +137,7 @@ impl TpRank {
     ) -> Result<f64, TpError> {
         let mut tape = Tape::default();
         let loss = self.forward(&mut tape, group, tokens, targets, samples)?;
+        self.hold_activations(tape.held_bytes().1);
         let value = tape.value(loss).double_value(&[]);
         let seed = Tensor::full([], backward_weight, (Kind::Float, tokens.device()));
         self.backward(group, tape, (loss, seed), None, &self.held)?;
@@ -136,15 +155,26 @@ impl TpRank {
         input: Option<usize>,
         params: &[bool],
     ) -> Result<Option<Tensor>, TpError> {
-        // With SP a replicated parameter's gradient of this call is partial (its rank's positions), and so
-        // is a whole LoRA factor's beside a split one (its rank's rows or columns of the weight,
-        // `TpLayout::partial_grads`), and a replicated key/value head's (its rank's query heads' share):
-        // after the tape's backward, the earlier calls' sum is put aside, this call's summed over the
-        // ranks that hold it, then the two added.
+        let wanted: Vec<usize> = input.into_iter().collect();
+        let mut grads = self.summing_partial_grads(group, params, |group| tape.backward(group, vec![seed], &wanted))?;
+        Ok(grads.pop().flatten())
+    }
+
+    /// Runs `pass`, which adds this call's gradients to the parameters marked in `params`, and makes the
+    /// partial ones whole. With SP a replicated parameter's gradient of this call is partial (its rank's
+    /// positions), and so is a whole LoRA factor's beside a split one (its rank's rows or columns of the
+    /// weight, `TpLayout::partial_grads`), and a replicated key/value head's (its rank's query heads'
+    /// share): the earlier calls' sum is put aside, this call's summed over the ranks that hold it, then
+    /// the two added.
+    pub(super) fn summing_partial_grads<R>(
+        &self,
+        group: &mut dyn TpGroup,
+        params: &[bool],
+        pass: impl FnOnce(&mut dyn TpGroup) -> Result<R, TpError>,
+    ) -> Result<R, TpError> {
         let partial: Vec<usize> = (0..self.params.len()).filter(|&i| params[i] && self.grad_is_partial(i)).collect();
         let earlier: Vec<Option<Tensor>> = partial.iter().map(|&i| take_grad(&self.params[i])).collect();
-        let wanted: Vec<usize> = input.into_iter().collect();
-        let mut grads = tape.backward(group, vec![seed], &wanted)?;
+        let out = pass(group)?;
         for (&i, earlier) in partial.iter().zip(earlier) {
             let p = &self.params[i];
             let mine = if p.grad().defined() { p.grad() } else { p.zeros_like() };
@@ -156,7 +186,7 @@ impl TpRank {
                 p.grad().copy_(&total);
             });
         }
-        Ok(grads.pop().flatten())
+        Ok(out)
     }
 
     /// Whether parameter `i`'s gradient after a backward is this rank's share of a sum over the ranks

@@ -13,7 +13,7 @@ use tch::Tensor;
 use super::group::TpGroup;
 use super::parts::{held_params, StageParts};
 use super::rank::TpRank;
-use super::tape::Tape;
+use super::tape::{Tape, WeightPass};
 use super::TpError;
 use crate::model::Samples;
 
@@ -26,10 +26,22 @@ pub struct StageForward {
     params: Vec<bool>,
 }
 
+/// What a stage's input pass ([`TpRank::stage_backward_input`]) left for its weight pass: each segment's
+/// graph, and the parameters its parts use.
+pub struct PendingWeights {
+    pass: WeightPass,
+    params: Vec<bool>,
+}
+
 impl StageForward {
     /// The output: the activation for the next stage, or for the last the micro-batch's mean loss.
     pub fn output(&self) -> &Tensor {
         self.tape.value(self.output)
+    }
+
+    /// Bytes of the values its tape holds for the backward.
+    pub fn held_bytes(&self) -> usize {
+        self.tape.held_bytes().1
     }
 }
 
@@ -65,6 +77,32 @@ impl TpRank {
         self.backward(group, tape, (output, seed), input, &params)
     }
 
+    /// A zero-bubble schedule's B: [`Self::stage_backward`]'s gradient of the input, computing no
+    /// parameter's; what the weight pass needs is kept in the [`PendingWeights`].
+    pub fn stage_backward_input(
+        &self,
+        group: &mut dyn TpGroup,
+        forward: StageForward,
+        seed: Tensor,
+    ) -> Result<(Option<Tensor>, PendingWeights), TpError> {
+        let StageForward { tape, input, output, params } = forward;
+        let wanted: Vec<usize> = input.into_iter().collect();
+        let (mut grads, pass) = tape.backward_inputs(group, vec![(output, seed)], &wanted)?;
+        Ok((grads.pop().flatten(), PendingWeights { pass, params }))
+    }
+
+    /// The weight pass (W) of a [`Self::stage_backward_input`]: the parameters' gradients accumulate into
+    /// their `.grad` (partial ones summed over the group, as [`Self::stage_backward`] does).
+    pub fn stage_backward_weight(&self, group: &mut dyn TpGroup, pending: PendingWeights) -> Result<(), TpError> {
+        let PendingWeights { pass, params } = pending;
+        let used: Vec<Tensor> =
+            self.params().iter().zip(&params).filter(|(_, &used)| used).map(|(p, _)| p.shallow_clone()).collect();
+        self.summing_partial_grads(group, &params, |_| {
+            pass.run(&used);
+            Ok(())
+        })
+    }
+
     /// [`Self::loss_and_backward`] with activation recomputation (`parallel.recompute`): the forward runs
     /// block by block without a graph, keeping only each block's input; the backward runs each block's
     /// forward again on the tape, the last block first, and back-propagates it from its output's gradient
@@ -82,14 +120,21 @@ impl TpRank {
             (0..n).map(|b| StageParts { embed: b == 0, blocks: b..b + 1, head: b + 1 == n }).collect();
         let mut inputs = Vec::with_capacity(n);
         let mut x = tokens.shallow_clone();
+        // The activations held at once: the block inputs kept so far, and the tape of the block that runs.
+        let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
+        let mut kept = 0;
         for chunk in &chunks {
             let forward = tch::no_grad(|| self.stage_forward(group, chunk, &x, Some(targets), samples))?;
+            self.hold_activations(kept + forward.held_bytes());
+            kept += bytes(&x);
             inputs.push(std::mem::replace(&mut x, forward.output().shallow_clone()));
         }
         let value = x.double_value(&[]);
         let mut seed = Tensor::full([], backward_weight, (tch::Kind::Float, tokens.device()));
         for (chunk, input) in chunks.iter().zip(inputs).rev() {
             let forward = self.stage_forward(group, chunk, &input, Some(targets), samples)?;
+            self.hold_activations(kept + forward.held_bytes());
+            kept -= bytes(&input);
             if let Some(grad) = self.stage_backward(group, forward, seed.shallow_clone())? {
                 seed = grad;
             }

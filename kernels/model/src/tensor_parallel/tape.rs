@@ -5,6 +5,10 @@
 //! steps in reverse: a segment back-propagates its outputs' gradients with one `backward` of
 //! `Σ sum(output · gradient)` (parameters, leaves of the whole model, accumulate their `.grad` there), and
 //! its input leaves' gradients become the gradients of the values they were copied from.
+//!
+//! A zero-bubble schedule splits that walk ([`Tape::backward_inputs`]): B back-propagates each segment to
+//! its input leaves only (autograd skips the weight-gradient products) and keeps the segment's graph; W
+//! ([`WeightPass::run`]) later back-propagates each kept segment to the parameters only.
 
 use tch::{Kind, Tensor};
 
@@ -119,6 +123,30 @@ impl Tape {
         seeds: Vec<(usize, Tensor)>,
         wanted: &[usize],
     ) -> Result<Vec<Option<Tensor>>, TpError> {
+        self.walk(group, seeds, wanted, None)
+    }
+
+    /// [`Self::backward`]'s input pass (a zero-bubble schedule's B): the collectives and every value's
+    /// gradient as there, but no parameter's: each segment's graph is kept for the [`WeightPass`].
+    pub fn backward_inputs(
+        self,
+        group: &mut dyn TpGroup,
+        seeds: Vec<(usize, Tensor)>,
+        wanted: &[usize],
+    ) -> Result<(Vec<Option<Tensor>>, WeightPass), TpError> {
+        let mut weights = WeightPass { scalars: Vec::new() };
+        let grads = self.walk(group, seeds, wanted, Some(&mut weights))?;
+        Ok((grads, weights))
+    }
+
+    /// The backward walk; with `split`, the input pass only, each segment's Σ output · gradient kept there.
+    fn walk(
+        self,
+        group: &mut dyn TpGroup,
+        seeds: Vec<(usize, Tensor)>,
+        wanted: &[usize],
+        mut split: Option<&mut WeightPass>,
+    ) -> Result<Vec<Option<Tensor>>, TpError> {
         let mut grads: Vec<Option<Tensor>> = self.values.iter().map(|_| None).collect();
         for (id, grad) in seeds {
             add(&mut grads[id], grad);
@@ -138,7 +166,22 @@ impl Tape {
                     if terms.is_empty() {
                         continue;
                     }
-                    Tensor::stack(&terms, 0).sum(Kind::Float).backward();
+                    let scalar = Tensor::stack(&terms, 0).sum(Kind::Float);
+                    if let Some(weights) = split.as_deref_mut() {
+                        if !inputs.is_empty() {
+                            let leaves: Vec<&Tensor> = inputs.iter().map(|(_, leaf)| leaf).collect();
+                            for ((id, _), grad) in
+                                inputs.iter().zip(Tensor::run_backward(&[&scalar], &leaves, true, false))
+                            {
+                                if grad.defined() {
+                                    add(&mut grads[*id], grad);
+                                }
+                            }
+                        }
+                        weights.scalars.push(scalar);
+                        continue;
+                    }
+                    scalar.backward();
                     for (id, leaf) in inputs {
                         let grad = leaf.grad();
                         if grad.defined() {
@@ -149,6 +192,43 @@ impl Tape {
             }
         }
         Ok(wanted.iter().map(|&id| grads[id].take()).collect())
+    }
+}
+
+/// What an input pass ([`Tape::backward_inputs`]) left for the weight pass: each segment's
+/// Σ output · gradient, its graph kept, last segment first.
+pub struct WeightPass {
+    scalars: Vec<Tensor>,
+}
+
+impl WeightPass {
+    /// The weight gradients: each kept segment back-propagated to `params` (the leaves that require a
+    /// gradient; others are left alone), added to their `.grad` in the order a whole backward adds them.
+    pub fn run(self, params: &[Tensor]) {
+        let wrt: Vec<&Tensor> = params.iter().filter(|p| p.requires_grad() && p.numel() > 0).collect();
+        if wrt.is_empty() {
+            return;
+        }
+        for scalar in self.scalars {
+            for (p, grad) in wrt.iter().zip(Tensor::run_backward(&[&scalar], &wrt, false, false)) {
+                if grad.defined() {
+                    accumulate_grad(p, &grad);
+                }
+            }
+        }
+    }
+}
+
+/// Adds `grad` to the leaf `p`'s gradient, as autograd's accumulation does (the first one becomes it).
+fn accumulate_grad(p: &Tensor, grad: &Tensor) {
+    let mut current = p.grad();
+    if current.defined() {
+        tch::no_grad(|| {
+            let _ = current.g_add_(grad);
+        });
+    } else {
+        // Only a backward writes a leaf's first gradient: that of Σ p · grad is `grad` exactly.
+        (p * grad).sum(Kind::Float).backward();
     }
 }
 

@@ -34,7 +34,9 @@ struct RankRun {
 
 /// Tensor rank `t`'s share of every stage, one thread: `groups[s]` is its member of stage s's tensor
 /// group, the stages run in pipeline order (every rank of a stage runs the same collectives).
-fn rank_run(layout: TpLayout, t: usize, mut groups: Vec<LocalGroup>, parts: Vec<StageParts>) -> RankRun {
+/// With `split`, each backward is a zero-bubble schedule's B (the input's gradient only) and the weight
+/// passes (W) run after the step's last micro-batch.
+fn rank_run(layout: TpLayout, t: usize, mut groups: Vec<LocalGroup>, parts: Vec<StageParts>, split: bool) -> RankRun {
     tch::set_num_threads(1);
     let cfg = layout.config.clone();
     let full = initial_model(&cfg);
@@ -54,6 +56,7 @@ fn rank_run(layout: TpLayout, t: usize, mut groups: Vec<LocalGroup>, parts: Vec<
         let (tokens, targets) = batch(&cfg, step);
         ranks.iter_mut().for_each(|r| r.params_mut().iter_mut().for_each(Tensor::zero_grad));
         let mut loss = 0.0;
+        let mut weight_passes = Vec::new();
         for mb in 0..MICROBATCHES {
             let (tokens, targets) = (tokens.narrow(0, mb, 1), targets.narrow(0, mb, 1));
             let samples = Some(Samples::new(SEED, step as u64, mb as usize));
@@ -67,11 +70,29 @@ fn rank_run(layout: TpLayout, t: usize, mut groups: Vec<LocalGroup>, parts: Vec<
             loss += x.double_value(&[]) / MICROBATCHES as f64;
             let mut seed = Tensor::from(1.0f32 / MICROBATCHES as f32);
             for (s, forward) in forwards.into_iter().enumerate().rev() {
-                match ranks[s].stage_backward(&mut groups[s], forward, seed.shallow_clone()).unwrap() {
+                let grad = match split {
+                    true => {
+                        let (grad, pending) =
+                            ranks[s].stage_backward_input(&mut groups[s], forward, seed.shallow_clone()).unwrap();
+                        weight_passes.push((s, pending));
+                        grad
+                    }
+                    false => ranks[s].stage_backward(&mut groups[s], forward, seed.shallow_clone()).unwrap(),
+                };
+                match grad {
                     Some(grad) => seed = grad,
                     None => assert_eq!(s, 0, "only the first stage's input is token ids"),
                 }
             }
+        }
+        let untouched =
+            |p: &Tensor| p.numel() == 0 || !p.grad().defined() || p.grad().abs().max().double_value(&[]) == 0.0;
+        assert!(
+            !split || ranks.iter().all(|r| r.params().iter().all(untouched)),
+            "the input passes computed a parameter's gradient"
+        );
+        for (s, pending) in weight_passes {
+            ranks[s].stage_backward_weight(&mut groups[s], pending).unwrap();
         }
         if tied {
             // The head's copy of the embedding matrix and the first stage's: one gradient, summed.
@@ -124,8 +145,8 @@ fn whole(layout: &TpLayout, per_rank: &[&Vec<Vec<Tensor>>]) -> Vec<Tensor> {
         .collect()
 }
 
-fn assert_pipelined_equals_reference(cfg: &ModelConfig, degree: usize, sp: bool, p: usize) {
-    let case = format!("{} tp={degree} sp={sp} pp={p}", cfg.arch.as_str());
+fn assert_pipelined_equals_reference(cfg: &ModelConfig, degree: usize, sp: bool, p: usize, split: bool) {
+    let case = format!("{} tp={degree} sp={sp} pp={p} split={split}", cfg.arch.as_str());
     let layout = TpLayout::new(cfg, degree, sp).unwrap();
     let parts = stages(cfg, p);
     let mut groups: Vec<Vec<LocalGroup>> = (0..degree).map(|_| Vec::new()).collect();
@@ -140,7 +161,7 @@ fn assert_pipelined_equals_reference(cfg: &ModelConfig, degree: usize, sp: bool,
             .enumerate()
             .map(|(t, groups)| {
                 let (layout, parts) = (layout.clone(), parts.clone());
-                s.spawn(move || rank_run(layout, t, groups, parts))
+                s.spawn(move || rank_run(layout, t, groups, parts, split))
             })
             .collect();
         handles.into_iter().map(|h| h.join().expect("a rank panicked")).collect()
@@ -182,12 +203,26 @@ fn tensor_parallel_stages_of_a_pipeline_equal_the_reference() {
     let tied_gpt2 = ModelConfig { n_layers: 3, tie_word_embeddings: true, ..gpt2() };
     assert!(tied_gpt2.head_takes_embedding() && llama().head_takes_embedding(), "both heads tied");
     for sp in [true, false] {
-        assert_pipelined_equals_reference(&tied_gpt2, 2, sp, 3);
-        assert_pipelined_equals_reference(&llama(), 2, sp, 2);
+        assert_pipelined_equals_reference(&tied_gpt2, 2, sp, 3, false);
+        assert_pipelined_equals_reference(&llama(), 2, sp, 2, false);
     }
-    assert_pipelined_equals_reference(&llama(), 4, true, 2);
+    assert_pipelined_equals_reference(&llama(), 4, true, 2, false);
     assert!(!gpt2().head_takes_embedding(), "an untied head");
-    assert_pipelined_equals_reference(&gpt2(), 2, true, 2);
+    assert_pipelined_equals_reference(&gpt2(), 2, true, 2, false);
+}
+
+/// A zero-bubble schedule's split backward: B gives each stage's input gradient and computes no
+/// parameter's, W adds the parameters' later (here after the step's last micro-batch, so a W runs after
+/// the next micro-batch's B) — the same gradients, partial ones (SP's replicated norms, key/value heads
+/// shared by ranks) summed over the group in W.
+#[test]
+fn split_input_and_weight_passes_equal_the_reference() {
+    let tied_gpt2 = ModelConfig { n_layers: 3, tie_word_embeddings: true, ..gpt2() };
+    for sp in [true, false] {
+        assert_pipelined_equals_reference(&tied_gpt2, 2, sp, 3, true);
+        assert_pipelined_equals_reference(&llama(), 2, sp, 2, true);
+    }
+    assert_pipelined_equals_reference(&llama(), 4, true, 2, true);
 }
 
 /// A stage holds its parts' shards only: the parameters of the other stages are empty tensors.
