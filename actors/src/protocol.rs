@@ -31,7 +31,7 @@ pub struct PhaseSpan {
 }
 
 /// What a rank reports of a reduced step when it votes (every rank reduced the same loss and norm).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StepFigures {
     /// The global batch's mean loss.
     #[serde(with = "non_finite_as_null")]
@@ -51,13 +51,115 @@ pub struct StepFigures {
     /// A pipeline rank's schedule of the step: how long it ran and how much of it computed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stage_time: Option<StageTime>,
+    /// What the rank held and sent in the step (engines that count it: tensor parallelism).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<RankUsage>,
 }
 
 impl StepFigures {
     /// An fp32 step's figures (no loss scale, not skipped, no memory figure).
     pub fn new(loss: f64, grad_norm: f64) -> Self {
-        Self { loss, grad_norm, skipped: false, loss_scale: 1.0, peak_rss_bytes: 0, stage_time: None }
+        Self { loss, grad_norm, skipped: false, loss_scale: 1.0, peak_rss_bytes: 0, stage_time: None, usage: None }
     }
+}
+
+/// Which group a collective runs in (the planner's `plan::traffic` and the engines' measured traffic).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GroupKind {
+    Tensor,
+    Pipeline,
+    Data,
+}
+
+/// What a collective does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CollectiveKind {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    /// Point-to-point: a stage sending activations forward or gradients backward.
+    Send,
+}
+
+impl GroupKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GroupKind::Tensor => "tensor",
+            GroupKind::Pipeline => "pipeline",
+            GroupKind::Data => "data",
+        }
+    }
+}
+
+impl CollectiveKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CollectiveKind::AllReduce => "all_reduce",
+            CollectiveKind::AllGather => "all_gather",
+            CollectiveKind::ReduceScatter => "reduce_scatter",
+            CollectiveKind::Send => "send",
+        }
+    }
+}
+
+/// What one rank held and sent in one step, measured by its engine ([`JobEvent::Usage`]). Bytes are of
+/// the tensors themselves (fp32 state; activations in the step's precision), not of the process.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RankUsage {
+    /// Its parameters during the step: its shards of its stage's parameters (under ZeRO-3 gathered for
+    /// the step and dropped after it).
+    pub param_bytes: u64,
+    /// Its gradients after the backward (and under ZeRO its reduced range of them).
+    pub grad_bytes: u64,
+    /// Its optimizer state: AdamW's moments (under ZeRO its range of them and of the fp32 masters).
+    pub optimizer_bytes: u64,
+    /// Its buddy copy of a neighbour's shard: parameters, moments and gradients.
+    pub buddy_bytes: u64,
+    /// The most activation bytes it held for backwards at once (a pipeline's micro-batches in flight
+    /// together).
+    pub activation_bytes: u64,
+    /// How long the step's forward, backward and reductions took on the rank.
+    pub step_seconds: f64,
+    /// What it sent in the step, by group and collective.
+    pub sent: Vec<SentBytes>,
+}
+
+impl RankUsage {
+    /// Everything it holds: parameters, gradients, optimizer state, buddy copy and peak activations.
+    pub fn memory_bytes(&self) -> u64 {
+        self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.buddy_bytes + self.activation_bytes
+    }
+
+    /// Bytes sent in the step, over every group.
+    pub fn sent_bytes(&self) -> u64 {
+        self.sent.iter().map(|s| s.bytes).sum()
+    }
+
+    /// Seconds spent in collectives and sends (a receive's wait included) in the step.
+    pub fn comm_seconds(&self) -> f64 {
+        self.sent.iter().map(|s| s.seconds).sum()
+    }
+
+    /// Bytes sent in `group` by `collective` in the step.
+    pub fn sent_by(&self, group: GroupKind, collective: CollectiveKind) -> u64 {
+        self.sent.iter().filter(|s| s.group == group && s.collective == collective).map(|s| s.bytes).sum()
+    }
+}
+
+/// One group's collective of one kind, over a step as one rank saw it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SentBytes {
+    /// The tensor group; the pipeline (activations, gradients, a tied embedding's gradient, the
+    /// replica's norm and loss); the data-parallel group.
+    pub group: GroupKind,
+    pub collective: CollectiveKind,
+    pub calls: u64,
+    /// Payload bytes this rank handed its transport (a receive sends none).
+    pub bytes: u64,
+    /// Seconds in those calls.
+    pub seconds: f64,
 }
 
 /// Where a pipeline rank's time went in one step's schedule, measured from the step's start on the
@@ -272,6 +374,12 @@ pub struct RankInfo {
     /// The last committed step it holds, as far as the controller knows (it said so when it last got
     /// ready, raised by every commit since while it is a rank); None: it never held the job's state.
     pub step: Option<u64>,
+    /// What it holds (parameters, gradients, optimizer state, buddy copy, peak activations), in bytes,
+    /// and what it sends per step, as its attempt's [`JobEvent::Usage`] said (engines that count it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sent_bytes_per_step: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -368,6 +476,14 @@ pub enum JobEvent {
         dp: usize,
         ranks: Vec<RankSlot>,
     },
+    /// What each rank of a tensor-parallel attempt held and sent in one of its steps (its second, the
+    /// first that runs as every later one does; its first when that ends the job), by rank. Once per
+    /// attempt.
+    Usage {
+        attempt: u64,
+        step: u64,
+        ranks: Vec<RankUsage>,
+    },
     /// Training resumed after a membership change, from the last committed step.
     Recovered {
         step: u64,
@@ -425,6 +541,47 @@ pub enum JobEvent {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         stage: Option<usize>,
     },
+}
+
+/// The rank order of every layout (the planner's `plan::placement`, the tensor-parallel engine,
+/// [`JobEvent::Placed`]): rank = t + tp·(d + dp·p) for tensor index t, data-parallel replica d and
+/// pipeline stage p. Gives (t, d, p) of `rank`; the inverse of [`rank_at`].
+pub fn rank_coords(rank: usize, tp: usize, dp: usize) -> (usize, usize, usize) {
+    (rank % tp, rank / tp % dp, rank / (tp * dp))
+}
+
+/// The rank at tensor index t, replica d, stage p ([`rank_coords`]' order).
+pub fn rank_at((t, d, p): (usize, usize, usize), tp: usize, dp: usize) -> usize {
+    t + tp * (d + dp * p)
+}
+
+/// A [`JobEvent::Usage`] in words: the ranks' memory and traffic per step (the range over ranks), rank
+/// 0's memory by kind, and the communication's share of the step.
+pub fn describe_usage(step: u64, ranks: &[RankUsage]) -> String {
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let range = |values: Vec<u64>| {
+        let (lo, hi) = (values.iter().copied().min().unwrap_or(0), values.iter().copied().max().unwrap_or(0));
+        match lo == hi {
+            true => format!("{:.1} MiB", mib(lo)),
+            false => format!("{:.1}-{:.1} MiB", mib(lo), mib(hi)),
+        }
+    };
+    let memory = range(ranks.iter().map(RankUsage::memory_bytes).collect());
+    let sent = range(ranks.iter().map(RankUsage::sent_bytes).collect());
+    let (comm, total) = ranks.iter().fold((0.0, 0.0), |(c, t), u| (c + u.comm_seconds(), t + u.step_seconds));
+    let share =
+        if total > 0.0 { format!(", communication {:.0}% of the step", 100.0 * comm / total) } else { String::new() };
+    let first = ranks.first().map_or(String::new(), |u| {
+        format!(
+            " (rank 0: parameters {:.1}, gradients {:.1}, optimizer {:.1}, buddy copy {:.1}, activations {:.1} MiB)",
+            mib(u.param_bytes),
+            mib(u.grad_bytes),
+            mib(u.optimizer_bytes),
+            mib(u.buddy_bytes),
+            mib(u.activation_bytes)
+        )
+    });
+    format!("step {step}: each rank holds {memory}{first} and sends {sent} per step{share}")
 }
 
 /// A [`JobEvent::Placed`] in words: the degrees, then each tensor group as its ranks and where they run

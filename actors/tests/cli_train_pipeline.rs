@@ -66,6 +66,19 @@ fn pipelines_through_the_cli_equal_the_single_process_run() {
             let ranks: Vec<&str> = placed["ranks"].as_array().unwrap().iter().map(|r| r.as_str().unwrap()).collect();
             let node = |r: &str| r.rsplit_once(':').unwrap().0.to_string();
             assert!(ranks.len() == 8 && ranks.chunks(2).all(|g| node(g[0]) == node(g[1])), "{placed}");
+            // What each rank holds and sends, once: its shards and buddy copy, bytes per step by group.
+            let usage = events.iter().find(|e| e["event"] == "usage").unwrap_or_else(|| panic!("{events:?}"));
+            let per_rank = usage["ranks"].as_array().unwrap();
+            assert_eq!(per_rank.len(), 8, "{usage}");
+            for r in per_rank {
+                assert!(
+                    r["param_bytes"].as_u64() > Some(0) && r["buddy_bytes"] == 4 * r["param_bytes"].as_u64().unwrap(),
+                    "{r}"
+                );
+                let groups: Vec<&str> =
+                    r["sent"].as_array().unwrap().iter().map(|l| l["group"].as_str().unwrap()).collect();
+                assert!(["tensor", "pipeline", "data"].iter().all(|g| groups.contains(g)), "{r}");
+            }
         }
         assert_eq!(start["pp"], 2, "{start}");
         let degree = |flag: &str| args.iter().position(|a| *a == flag).map_or(1, |i| args[i + 1].parse().unwrap());

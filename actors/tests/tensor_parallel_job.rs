@@ -9,13 +9,16 @@
 //! a tensor group of 4 that loses one: its three survivors put the state together from their shards and
 //! buddy copies, and the job goes on at tp = 2; one that loses two neighbours rolls back to its checkpoint.
 //! 16-bit products (bf16, fp16 with an injected overflow) track the reference in their precision. With a
-//! pipeline (tp × pp × dp, every schedule, a killed daemon): [`pipeline`].
+//! pipeline (tp × pp × dp, every schedule, a killed daemon): [`pipeline`]. What each rank holds and sends
+//! (the `Usage` event) against the planner and Megatron's volume: [`usage`].
 
 mod common;
 #[path = "tensor_parallel_job/peft.rs"]
 mod peft;
 #[path = "tensor_parallel_job/pipeline.rs"]
 mod pipeline;
+#[path = "tensor_parallel_job/usage.rs"]
+mod usage;
 
 use std::path::Path;
 use std::time::Duration;

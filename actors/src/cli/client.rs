@@ -159,6 +159,10 @@ fn render_jobs(jobs: &[JobInfo]) -> String {
             header.push("TENSOR");
         }
         header.extend(["REPLICA", "STATE", "STEP"]);
+        let usage = j.ranks.iter().any(|r| r.memory_bytes.is_some());
+        if usage {
+            header.extend(["MEMORY", "SENT/STEP"]);
+        }
         let mut ranks = Table::new(&header);
         for r in &j.ranks {
             let mut row = vec![dash(r.rank.map(|x| x.to_string())), r.node.clone(), r.slot.to_string()];
@@ -173,6 +177,10 @@ fn render_jobs(jobs: &[JobInfo]) -> String {
                 r.state.name().into(),
                 dash(r.step.map(|x| x.to_string())),
             ]);
+            if usage {
+                let mib = |b: Option<u64>| dash(b.map(|b| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)));
+                row.extend([mib(r.memory_bytes), mib(r.sent_bytes_per_step)]);
+            }
             ranks.row(row);
         }
         out.push_str(&format!("\njob {} ({}) ranks:\n{}", j.id, j.name, ranks.render()));
@@ -334,8 +342,10 @@ mod tests {
             replica: rank.map(|_| 0),
             state,
             step,
+            memory_bytes: None,
+            sent_bytes_per_step: None,
         };
-        let job = JobInfo {
+        let job_with = |ranks: Vec<RankInfo>| JobInfo {
             id: 3,
             name: "pipe".into(),
             state: JobState::Running,
@@ -348,12 +358,13 @@ mod tests {
             reason: None,
             events: 40,
             data_plane: DataPlane::EncryptedTcp,
-            ranks: vec![
-                rank("node-a", Some(0), Some(0), RankState::Training, Some(12)),
-                rank("node-b", Some(1), Some(1), RankState::Training, Some(12)),
-                rank("node-c", None, None, RankState::Spare, None),
-            ],
+            ranks,
         };
+        let job = job_with(vec![
+            rank("node-a", Some(0), Some(0), RankState::Training, Some(12)),
+            rank("node-b", Some(1), Some(1), RankState::Training, Some(12)),
+            rank("node-c", None, None, RankState::Spare, None),
+        ]);
         let text = render_jobs(&[job]);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(
@@ -365,5 +376,17 @@ mod tests {
         assert_eq!(cells(lines[4]), ["RANK", "NODE", "SLOT", "STAGE", "REPLICA", "STATE", "STEP"]);
         assert_eq!(cells(lines[6]), ["1", "node-b", "0", "1", "0", "training", "12"]);
         assert_eq!(cells(lines[7]), ["-", "node-c", "0", "-", "-", "spare", "-"]);
+
+        // A tensor-parallel job whose attempt reported its usage: each rank's memory and bytes per step.
+        let mut tensor = job_with(vec![rank("node-a", Some(0), None, RankState::Training, Some(12))]);
+        tensor.ranks[0].tensor = Some(0);
+        (tensor.ranks[0].memory_bytes, tensor.ranks[0].sent_bytes_per_step) = (Some(3 << 20), Some(5 << 19));
+        let text = render_jobs(&[tensor]);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            cells(lines[4]),
+            ["RANK", "NODE", "SLOT", "TENSOR", "REPLICA", "STATE", "STEP", "MEMORY", "SENT/STEP"]
+        );
+        assert!(lines[5].ends_with("3.0 MiB  2.5 MiB"), "{text}");
     }
 }

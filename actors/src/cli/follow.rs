@@ -249,6 +249,11 @@ impl EventReport<'_> {
                     &format!("troupe: {}", crate::protocol::describe_placement(tp, pp, dp, &ranks)),
                 );
             }
+            JobEvent::Usage { attempt, step, ranks } => reporter.event(
+                "usage",
+                json!({ "attempt": attempt, "step": step, "ranks": ranks }),
+                &crate::protocol::describe_usage(step, &ranks),
+            ),
             JobEvent::Phases { rank, node, attempt, step, spans, stage } => reporter.record_only(
                 "phases",
                 json!({ "rank": rank, "node": node, "attempt": attempt, "step": step, "spans": spans, "stage": stage }),

@@ -88,6 +88,11 @@ pub trait StepEngine {
     fn gradient_collective(&self) -> &'static str {
         "all-reduce"
     }
+    /// What the rank held and sent in the last [`Self::reduce`] (its memory by kind, its traffic by group
+    /// and collective), for engines that count it; None (the default) for the others.
+    fn usage(&mut self) -> Option<crate::protocol::RankUsage> {
+        None
+    }
     /// The update of a committed step: local, cannot fail half-way (a pipeline device's runs in its stage
     /// actor; if that actor died, the rank's state is gone and the next step fails).
     async fn apply(&mut self, reduced: ReducedStep);

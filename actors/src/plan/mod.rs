@@ -197,7 +197,7 @@ fn why(plan: &LayoutPlan, request: &LayoutRequest) -> Vec<String> {
             "model.vocab_size = {vocab} is padded to {} rows, {} per tensor rank; the padded logits are left out of \
              the cross-entropy and the padded rows out of checkpoints and exports",
             vocab.next_multiple_of(plan.tp),
-            vocab.next_multiple_of(plan.tp) / plan.tp
+            vocab.div_ceil(plan.tp)
         ));
     }
     if plan.tp > kv_heads {

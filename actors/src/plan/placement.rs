@@ -23,14 +23,14 @@ pub struct Coords {
 /// The coordinates of `rank`; the inverse of [`rank_of`].
 pub fn coords_of(degrees: Degrees, rank: usize) -> Coords {
     assert!(rank < degrees.world(), "rank {rank} of a world of {}", degrees.world());
-    let Degrees { tp, dp, .. } = degrees;
-    Coords { tp: rank % tp, dp: rank / tp % dp, pp: rank / (tp * dp) }
+    let (tp, dp, pp) = crate::protocol::rank_coords(rank, degrees.tp, degrees.dp);
+    Coords { tp, dp, pp }
 }
 
 /// The rank at `coords`; the inverse of [`coords_of`].
 pub fn rank_of(degrees: Degrees, coords: Coords) -> usize {
     assert!(coords.tp < degrees.tp && coords.dp < degrees.dp && coords.pp < degrees.pp, "{coords:?} in {degrees:?}");
-    coords.tp + degrees.tp * (coords.dp + degrees.dp * coords.pp)
+    crate::protocol::rank_at((coords.tp, coords.dp, coords.pp), degrees.tp, degrees.dp)
 }
 
 /// The process groups as lists of ranks, each sorted.

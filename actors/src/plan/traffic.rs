@@ -10,36 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::memory::FP32_BYTES;
 
-/// Which group a collective runs in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum GroupKind {
-    Tensor,
-    Pipeline,
-    Data,
-}
-
-/// What a collective does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CollectiveKind {
-    AllReduce,
-    AllGather,
-    ReduceScatter,
-    /// Point-to-point: a stage sending activations forward or gradients backward.
-    Send,
-}
-
-impl CollectiveKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            CollectiveKind::AllReduce => "all_reduce",
-            CollectiveKind::AllGather => "all_gather",
-            CollectiveKind::ReduceScatter => "reduce_scatter",
-            CollectiveKind::Send => "send",
-        }
-    }
-}
+pub use crate::protocol::{CollectiveKind, GroupKind};
 
 /// One kind of traffic of one step, seen from one rank.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -132,8 +103,11 @@ pub fn stage_traffic(s: &StageStep) -> Vec<Traffic> {
         }
     }
     if last {
-        // Vocab-parallel cross-entropy: the max, the sum of exponentials and the target's logit per token.
-        push(Tensor, AllReduce, "vocab-parallel cross-entropy", 3 * m, 3 * s.samples * s.context, s.tp);
+        // Vocab-parallel cross-entropy: every rank's maximum per token gathered (a max over them is the
+        // shift), then the sum of exponentials and the target's logit per token summed.
+        let tokens = s.samples * s.context;
+        push(Tensor, AllGather, "vocab-parallel cross-entropy (maxima)", m, tokens * s.tp as u64, s.tp);
+        push(Tensor, AllReduce, "vocab-parallel cross-entropy (sums)", 2 * m, 2 * tokens, s.tp);
     }
     pipeline_traffic(s, act, &mut push);
     data_traffic(s, &mut push);
@@ -203,8 +177,13 @@ mod tests {
         }
     }
 
+    /// The tensor group's bytes of `kind`, the cross-entropy's left out.
     fn bytes(lines: &[Traffic], kind: CollectiveKind) -> u64 {
-        lines.iter().filter(|t| t.group == GroupKind::Tensor && t.collective == kind).map(|t| t.bytes_per_rank).sum()
+        lines
+            .iter()
+            .filter(|t| t.group == GroupKind::Tensor && t.collective == kind && !t.what.contains("cross-entropy"))
+            .map(|t| t.bytes_per_rank)
+            .sum()
     }
 
     #[test]
@@ -225,8 +204,18 @@ mod tests {
         let (plain, sp) = (stage_traffic(&step(false)), stage_traffic(&step(true)));
         let gathered = bytes(&sp, CollectiveKind::AllGather);
         assert_eq!(gathered, bytes(&sp, CollectiveKind::ReduceScatter), "one all-gather per reduce-scatter");
-        let loss = 3 * 8 * 128 * 4; // the cross-entropy's all-reduces stay
-        assert_eq!(bytes(&sp, CollectiveKind::AllReduce), loss);
-        assert_eq!(2 * gathered + loss, bytes(&plain, CollectiveKind::AllReduce));
+        assert_eq!(bytes(&sp, CollectiveKind::AllReduce), 0);
+        assert_eq!(2 * gathered, bytes(&plain, CollectiveKind::AllReduce));
+        // The cross-entropy is the same with and without SP: the maxima gathered (T per token), two sums.
+        let loss = |lines: &[Traffic]| -> Vec<(CollectiveKind, u64)> {
+            lines
+                .iter()
+                .filter(|t| t.what.contains("cross-entropy"))
+                .map(|t| (t.collective, t.bytes_per_rank))
+                .collect()
+        };
+        let tokens = 8 * 128;
+        assert_eq!(loss(&sp), [(CollectiveKind::AllGather, tokens * 4), (CollectiveKind::AllReduce, 2 * tokens * 4)]);
+        assert_eq!(loss(&sp), loss(&plain));
     }
 }

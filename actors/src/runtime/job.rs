@@ -18,8 +18,8 @@ use troupe_model::optim::learning_rate;
 use troupe_model::periodic::PeriodicSync;
 
 use crate::protocol::{
-    AttemptOutcome, EvalFigures, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, RankInfo, RankSlot,
-    RankState, StageTime, StepFigures, ToNode,
+    rank_coords, AttemptOutcome, EvalFigures, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, RankInfo,
+    RankSlot, RankState, RankUsage, StageTime, StepFigures, ToNode,
 };
 
 /// Attempts in a row that fail without committing a step before the job is declared failed.
@@ -108,6 +108,9 @@ pub struct JobDriver {
     /// The tensor degree of the running (or next) attempt: `parallel.tp`, or a smaller one after a loss
     /// left no whole tensor group ([`JobDriver::plan_degree`]).
     tp: usize,
+    /// What each rank of the running attempt held and sent in a step, by rank, once its
+    /// [`JobEvent::Usage`] was told (empty before, and for engines that do not count it).
+    usage: Vec<RankUsage>,
     actions: VecDeque<DriverAction>,
 }
 
@@ -225,6 +228,7 @@ impl JobDriver {
             restored: false,
             commit_maybe_undelivered: false,
             tp,
+            usage: Vec::new(),
             actions: VecDeque::new(),
         }
     }
@@ -290,11 +294,13 @@ impl JobDriver {
             node: slot.node.0.clone(),
             slot: slot.slot,
             rank,
-            stage: rank.filter(|_| pp > 1).map(|r| (r / (tp * replicas)).min(pp - 1)),
-            tensor: rank.filter(|_| tp > 1).map(|r| r % tp),
-            replica: rank.map(|r| r / tp % replicas),
+            stage: rank.filter(|_| pp > 1).map(|r| rank_coords(r, tp, replicas).2.min(pp - 1)),
+            tensor: rank.filter(|_| tp > 1).map(|r| rank_coords(r, tp, replicas).0),
+            replica: rank.map(|r| rank_coords(r, tp, replicas).1),
             state,
             step: self.held.get(slot).copied(),
+            memory_bytes: rank.and_then(|r| self.usage.get(r)).map(RankUsage::memory_bytes),
+            sent_bytes_per_step: rank.and_then(|r| self.usage.get(r)).map(RankUsage::sent_bytes),
         };
         let mut infos: Vec<RankInfo> = ranks.iter().enumerate().map(|(r, slot)| info(slot, Some(r), state)).collect();
         if let Some((view, members)) = &self.view {
@@ -589,6 +595,7 @@ impl JobDriver {
             self.actions.push_back(DriverAction::Event(JobEvent::Placed { attempt, tp, pp, dp, ranks }));
         }
         self.phase = Phase::Running { votes: vec![None; world], ended: vec![None; world], ranks };
+        self.usage.clear();
     }
 
     /// A rank's vote for `step`: its loss and gradient norm (identical on every rank after the
@@ -605,8 +612,9 @@ impl JobDriver {
         if votes.iter().any(Option::is_none) {
             return;
         }
-        let StepFigures { loss, grad_norm, skipped, loss_scale, .. } = votes[0].expect("all voted");
-        let stage_times: Vec<_> = votes.iter().map(|v| v.and_then(|v| v.stage_time)).collect();
+        let StepFigures { loss, grad_norm, skipped, loss_scale, .. } = votes[0].clone().expect("all voted");
+        let stage_times: Vec<_> = votes.iter().map(|v| v.as_ref().and_then(|v| v.stage_time)).collect();
+        let usage: Option<Vec<RankUsage>> = votes.iter_mut().map(|v| v.as_mut().and_then(|v| v.usage.take())).collect();
         let bubble = StageTime::bubble(&stage_times);
         let peak_rss_bytes: Vec<u64> = votes.iter_mut().map(|v| v.take().map_or(0, |v| v.peak_rss_bytes)).collect();
         let seconds = now.saturating_sub(self.last_commit_at).as_secs_f64();
@@ -636,6 +644,13 @@ impl JobDriver {
             peak_rss_bytes,
             bubble,
         }));
+        // Once per attempt: its second step, the first that runs as every later one does (a first step
+        // may skip a gather: ZeRO's parameters are fresh), or its first when that ends the job.
+        let (nth, last) = (self.committed - self.attempt_from, self.committed >= self.spec.config.train.steps);
+        if let (Some(ranks), true) = (usage, nth == 2 || (nth == 1 && last)) {
+            self.usage.clone_from(&ranks);
+            self.actions.push_back(DriverAction::Event(JobEvent::Usage { attempt, step: step + 1, ranks }));
+        }
         if self.committed < self.spec.config.train.steps {
             self.actions.push_back(DriverAction::StepBoundary);
         }
@@ -1353,6 +1368,45 @@ pub(super) mod tests {
         assert!(matches!(events(&end).last(), Some(JobEvent::Finished { steps: 2, final_loss: Some(3.0) })));
         assert!(sent(&end).iter().all(|(_, w)| matches!(w, ToNode::Release { job: 7 })));
         assert_eq!(d.info().state, JobState::Finished);
+    }
+
+    /// Ranks that count what they hold and send: the attempt says it once, at its second step (its first
+    /// may skip a gather), by rank, and `troupe status` shows each rank's figures from then on.
+    #[test]
+    fn an_attempt_that_counts_its_usage_says_it_once_at_its_second_step_and_each_rank_shows_it() {
+        use crate::protocol::{CollectiveKind, GroupKind, SentBytes};
+        let mut d = JobDriver::new(1, spec(10));
+        started(&mut d, 1, &["a", "b"], &[0, 0]);
+        drain(&mut d);
+        let counted = |param_bytes: u64| {
+            let line = SentBytes {
+                group: GroupKind::Tensor,
+                collective: CollectiveKind::AllReduce,
+                calls: 4,
+                bytes: 1000,
+                seconds: 0.1,
+            };
+            let usage = RankUsage { param_bytes, step_seconds: 1.0, sent: vec![line], ..RankUsage::default() };
+            StepFigures { usage: Some(usage), ..figures(5.0, 1.0, 0) }
+        };
+        for step in 0..3 {
+            assert!(d.info().ranks.iter().all(|r| r.memory_bytes.is_none() == (step < 2)), "step {step}");
+            for (n, bytes) in [("a", 100), ("b", 200)] {
+                d.on_vote(T, &n.into(), 1, 0, step, counted(bytes));
+            }
+            let actions = drain(&mut d);
+            let told: Vec<&JobEvent> =
+                events(&actions).into_iter().filter(|e| matches!(e, JobEvent::Usage { .. })).collect();
+            match (step, told.as_slice()) {
+                (1, [JobEvent::Usage { attempt: 1, step: 2, ranks }]) => {
+                    assert_eq!(ranks.iter().map(|r| r.param_bytes).collect::<Vec<_>>(), [100, 200]);
+                }
+                (1, _) => panic!("one usage event at the attempt's second step: {told:?}"),
+                _ => assert!(told.is_empty(), "step {step}: {told:?}"),
+            }
+        }
+        let shown: Vec<_> = d.info().ranks.iter().map(|r| (r.memory_bytes, r.sent_bytes_per_step)).collect();
+        assert_eq!(shown, [(Some(100), Some(1000)), (Some(200), Some(1000))]);
     }
 
     #[test]

@@ -30,7 +30,9 @@ use crate::engine::{
     CommittedState, DataParallelReplica, EngineError, OpTiming, PeriodicReplica, ReducedStep, ShardMode,
     ShardedReplica, StepEngine, TensorParallelReplica, DEFAULT_BUCKET_BYTES,
 };
-use crate::protocol::{AttemptOutcome, DataPlane, EvalFigures, JobId, JobSpec, StageTime, StepFigures, ToController};
+use crate::protocol::{
+    AttemptOutcome, DataPlane, EvalFigures, JobId, JobSpec, RankUsage, StageTime, StepFigures, ToController,
+};
 use crate::telemetry::link_bytes::Counted;
 use crate::telemetry::{otel, NodeMetrics, PhaseRecorder};
 
@@ -934,7 +936,8 @@ fn vote<E: StepEngine>(
     let (grad_norm, skipped) = loss_scale.preview(trainer.model.precision, reduced.grad_norm);
     let peak_rss_bytes = crate::telemetry::memory::peak_rss_bytes();
     let (loss, loss_scale) = (reduced.loss, loss_scale.scale);
-    let figures = StepFigures { loss, grad_norm, skipped, loss_scale, peak_rss_bytes, stage_time };
+    let usage = engine.usage().map(|usage| RankUsage { step_seconds: reduced.compute_seconds, ..usage });
+    let figures = StepFigures { loss, grad_norm, skipped, loss_scale, peak_rss_bytes, stage_time, usage };
     let (job, attempt, slot) = (ctx.job, ctx.attempt, ctx.slot);
     let vote = ToController::Vote { job, attempt, slot, step, figures, seconds };
     let _ = ctx.node.cast(NodeMsg::FromWorker(vote));

@@ -141,9 +141,8 @@ impl JobConfig {
     }
 
     /// `parallel.tp` and `parallel.sp`: a degree the model's split tables accept (the layout's own
-    /// refusal, naming the model key and the nearest valid degree), and — this build — a pipeline's
-    /// stages cut by parameter count (every schedule, recomputation, ZeRO-1/2/3 inside the data-parallel
-    /// groups, fp32, bf16 and fp16 run).
+    /// refusal, naming the model key and the nearest valid degree). Every schedule, both balances,
+    /// recomputation, ZeRO-1/2/3 inside the data-parallel groups, fp32, bf16 and fp16 run with it.
     fn validate_tensor_parallel(&self) -> Result<(), ConfigError> {
         let p = &self.parallel;
         if p.tp == 0 || p.tp > crate::sections::RANKS_MAX {
@@ -154,18 +153,6 @@ impl JobConfig {
         }
         if let Err(e) = crate::tensor_parallel::TpLayout::new(&self.model, p.tp, p.sp) {
             return Err(invalid("parallel.tp", p.tp, e.to_string()));
-        }
-        let not_yet = |key: &'static str, value: String, what: &str| {
-            invalid(
-                key,
-                value,
-                format!("tensor parallelism (parallel.tp = {}) with {what} is not supported yet in this build", p.tp),
-            )
-        };
-        if p.pp > 1 && p.balance != "params" {
-            let fix =
-                "stages balanced by measured time: set parallel.balance = \"params\" (stages cut by parameter count)";
-            return Err(not_yet("parallel.balance", format!("{:?}", p.balance), fix));
         }
         Ok(())
     }
@@ -475,10 +462,6 @@ mod tests {
             ("[parallel]\nbucket_mib = 4096\n", &["parallel.bucket_mib", "at most 1024"]),
             ("[parallel]\ntp = 3\n", &["parallel.tp", "model.n_heads (4)", "nearest valid degree is 2"]),
             ("[parallel]\ntp = 0\n", &["parallel.tp", "1..=4096"]),
-            (
-                "[parallel]\ntp = 2\npp = 2\nbalance = \"measured\"\n",
-                &["parallel.balance", "not supported yet", "\"params\""],
-            ),
             ("[train]\nsteps = \"many\"\n", &["invalid type", "steps"]),
             ("[elastic]\nmin_nodes = 0\n", &["elastic.min_nodes", "1..=4096"]),
             ("[elastic]\nmin_nodes = 3\nmax_nodes = 2\n", &["elastic.max_nodes", "at least elastic.min_nodes (3)"]),

@@ -24,6 +24,7 @@ use super::{
     WARMUP_STEPS,
 };
 use crate::api::{Job, JobEvent, LocalCluster, LocalClusterOptions};
+use crate::protocol::RankUsage;
 
 const MIB: f64 = 1048576.0;
 /// Silence after which the benchmark's cluster declares a daemon dead. Raised from the default (1.5 s):
@@ -46,6 +47,20 @@ pub(super) struct ClusterRun {
     pub(super) bytes_sent: Option<u64>,
     /// The validation loss of the final model (with `Variant::counted`).
     pub(super) eval_loss: Option<f64>,
+    /// What each rank held and sent in a step, by rank (engines that count it: tensor parallelism).
+    pub(super) usage: Option<Vec<RankUsage>>,
+}
+
+/// One job followed to its end.
+pub(super) struct JobRun {
+    /// Steady tokens/s after the warm-up.
+    pub(super) tokens_per_s: f64,
+    pub(super) first_loss: f64,
+    pub(super) final_loss: f64,
+    /// The last validation loss, when the job evaluates.
+    pub(super) eval_loss: Option<f64>,
+    /// Its `Usage` event's ranks.
+    pub(super) usage: Option<Vec<RankUsage>>,
 }
 
 pub(super) fn run(
@@ -342,12 +357,11 @@ pub(super) async fn measure_cluster(
         })
         .collect();
     cluster.shutdown().await;
-    let (tokens_per_s, first_loss, final_loss, eval_loss) = outcome?;
-    Ok(ClusterRun { tokens_per_s, final_loss, first_loss, peak_rss_bytes: peaks?, bytes_sent, eval_loss })
+    let JobRun { tokens_per_s, first_loss, final_loss, eval_loss, usage } = outcome?;
+    Ok(ClusterRun { tokens_per_s, final_loss, first_loss, peak_rss_bytes: peaks?, bytes_sent, eval_loss, usage })
 }
 
-/// Submits the job and follows it to the end; (steady tokens/s, first loss, last loss, the last validation
-/// loss when the job evaluates).
+/// Submits the job and follows it to the end.
 async fn run_job(
     cluster: &LocalCluster,
     model: &ModelConfig,
@@ -355,7 +369,7 @@ async fn run_job(
     steps: u64,
     threads: usize,
     variant: Variant,
-) -> anyhow::Result<(f64, f64, f64, Option<f64>)> {
+) -> anyhow::Result<JobRun> {
     run_job_with(cluster, model, world, steps, threads, variant, 1).await
 }
 
@@ -368,7 +382,7 @@ pub(super) async fn run_job_with(
     threads: usize,
     variant: Variant,
     fragments: usize,
-) -> anyhow::Result<(f64, f64, f64, Option<f64>)> {
+) -> anyhow::Result<JobRun> {
     let replicas = world / variant.tp;
     let mut config = JobConfig { model: model.clone(), ..JobConfig::default() };
     config.train.steps = steps + WARMUP_STEPS;
@@ -393,7 +407,7 @@ pub(super) async fn run_job_with(
     let mut handle = cluster.client().await?.submit(job).await?;
     let started = Instant::now();
     let mut commits = Vec::new();
-    let (mut first_loss, mut loss, mut eval_loss) = (f64::NAN, f64::NAN, None);
+    let (mut first_loss, mut loss, mut eval_loss, mut usage) = (f64::NAN, f64::NAN, None, None);
     let outcome = loop {
         let next = tokio::time::timeout(Duration::from_millis(EVENT_WAIT_MS_MAX), handle.next_event()).await;
         let Ok(event) = next else {
@@ -424,6 +438,7 @@ pub(super) async fn run_job_with(
             JobEvent::Recovered { step, .. } => {
                 break Err(anyhow::anyhow!("the job recovered after step {step}: a rank failed during the benchmark"));
             }
+            JobEvent::Usage { ranks, .. } => usage = Some(ranks),
             JobEvent::Started { .. }
             | JobEvent::Placed { .. }
             | JobEvent::Waiting { .. }
@@ -443,7 +458,7 @@ pub(super) async fn run_job_with(
         .with_context(|| {
             format!("the commits of steps {WARMUP_STEPS} and {} were not both seen", steps + WARMUP_STEPS)
         })?;
-    Ok((tokens_per_s, first_loss, loss, eval_loss))
+    Ok(JobRun { tokens_per_s, first_loss, final_loss: loss, eval_loss, usage })
 }
 
 /// Tokens per second from the commit of step `from` to the commit of step `to`, given each committed

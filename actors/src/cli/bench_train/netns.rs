@@ -115,8 +115,12 @@ async fn measure(
     let outcome = run_job_with(&cluster, model, args.world, args.steps, threads, variant, setting.fragments).await;
     let after = wire_bytes(net);
     cluster.shutdown().await;
-    let (tokens_per_s, _, final_loss, _) = outcome?;
-    Ok(Figures { tokens_per_s, final_loss, wire_bytes: after?.saturating_sub(before) })
+    let run = outcome?;
+    Ok(Figures {
+        tokens_per_s: run.tokens_per_s,
+        final_loss: run.final_loss,
+        wire_bytes: after?.saturating_sub(before),
+    })
 }
 
 /// The bytes all nodes' link interfaces have transmitted.

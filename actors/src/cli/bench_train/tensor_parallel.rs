@@ -11,6 +11,11 @@
 //! Gloo) with the same world, degree, per-replica micro-batch, context, threads and steps. Both report the
 //! loss of their first step: different draws of the same model shape on the same data, so the two are
 //! close (about ln 256 for gpt-tiny), which is the check that the peer trains the same thing.
+//!
+//! The report also gives what troupe's rank 0 held and sent in a step, as its engine measured it (the
+//! job's `Usage` event): memory by kind, bytes sent by group and collective beside the theoretical
+//! volume of Megatron's scheme for the same layout (`plan::traffic`), and the communication's share of
+//! the step on every rank.
 
 use anyhow::{anyhow, bail, Context};
 use serde_json::{json, Value};
@@ -20,6 +25,8 @@ use troupe_model::ModelConfig;
 
 use super::data_parallel::{measure_cluster, mib_list, peer_peak_bytes, per_rank_max_mib, ClusterRun, Variant};
 use super::{extend_report, median, run_peer, BenchDevice, BenchTrainArgs, MICRO_BATCH, WARMUP_STEPS};
+use crate::plan::{plan_layout, Degrees, Host, LayoutRequest, Traffic};
+use crate::protocol::RankUsage;
 
 /// Refuses what the tensor-parallel benchmark cannot run, before anything starts: a degree that does not
 /// divide the world or the model (the layout's own refusal), and flags that do not go with `--tp`.
@@ -150,6 +157,7 @@ impl Repetitions {
             "first_loss": self.ours.first().map(|r| r.first_loss), "final_loss": self.ours.last().map(|r| r.final_loss),
             "peak_rss_mib_per_rank": per_rank_max_mib(self.ours.iter().map(|r| r.peak_rss_bytes.clone())),
         });
+        extend_report(&mut report, self.usage_report(model, world, tp, sp));
         if !self.dp.is_empty() {
             let dp_runs: Vec<f64> = self.dp.iter().map(|r| r.tokens_per_s).collect();
             let dp_tps = median(dp_runs.clone());
@@ -177,6 +185,61 @@ impl Repetitions {
     }
 }
 
+impl Repetitions {
+    /// Rank 0's memory by kind and its bytes sent per step by group and collective (the last run's), beside
+    /// the theoretical volume; the communication's share of the step (median over runs of the ranks' mean).
+    fn usage_report(&self, model: &ModelConfig, world: usize, tp: usize, sp: bool) -> Value {
+        let Some(usage) = self.ours.iter().rev().find_map(|r| r.usage.as_ref()) else { return json!({}) };
+        let mib = |b: u64| (b as f64 / (1u64 << 20) as f64 * 100.0).round() / 100.0;
+        let key = |group: &str, collective: &str| format!("{group}/{collective}");
+        let Some(rank0) = usage.first() else { return json!({}) };
+        let sent: serde_json::Map<String, Value> =
+            rank0.sent.iter().map(|s| (key(s.group.as_str(), s.collective.as_str()), json!(s.bytes))).collect();
+        let mut theory = serde_json::Map::new();
+        for t in theoretical(model, world, tp, sp) {
+            let k = key(t.group.as_str(), t.collective.as_str());
+            let total = theory.get(&k).and_then(Value::as_u64).unwrap_or(0) + t.bytes_per_rank;
+            theory.insert(k, json!(total));
+        }
+        let shares: Vec<f64> = self
+            .ours
+            .iter()
+            .filter_map(|r| r.usage.as_ref())
+            .map(|ranks| ranks.iter().map(comm_share).sum::<f64>() / ranks.len().max(1) as f64)
+            .collect();
+        json!({
+            "memory_mib_rank0": {
+                "params": mib(rank0.param_bytes), "grads": mib(rank0.grad_bytes),
+                "optimizer": mib(rank0.optimizer_bytes), "buddy": mib(rank0.buddy_bytes),
+                "activations": mib(rank0.activation_bytes),
+            },
+            "memory_mib_per_rank": usage.iter().map(|u| mib(u.memory_bytes())).collect::<Vec<_>>(),
+            "sent_bytes_per_step_rank0": sent,
+            "theoretical_bytes_per_step_rank0": theory,
+            "comm_share": median(shares.clone()),
+            "comm_share_runs": shares,
+        })
+    }
+}
+
+/// The share of a rank's step spent in collectives and sends.
+fn comm_share(u: &RankUsage) -> f64 {
+    if u.step_seconds > 0.0 {
+        u.comm_seconds() / u.step_seconds
+    } else {
+        f64::NAN
+    }
+}
+
+/// What Megatron's scheme moves per step from rank 0 of this benchmark's layout (`plan::traffic`): one
+/// stage, `world / tp` replicas of `MICRO_BATCH` samples in one micro-batch, all ranks on one host.
+fn theoretical(model: &ModelConfig, world: usize, tp: usize, sp: bool) -> Vec<Traffic> {
+    let degrees = Degrees { tp, pp: 1, dp: world / tp };
+    let mut request = LayoutRequest::new(degrees, Host::uniform(1, world), model.clone());
+    (request.sp, request.global_batch, request.micro_batch) = (sp, MICRO_BATCH * degrees.dp, MICRO_BATCH);
+    plan_layout(&request).map(|plan| plan.stages[0].traffic.clone()).unwrap_or_default()
+}
+
 /// The human lines, from the report.
 fn print_lines(report: &Value) {
     let f = |key: &str| report[key].as_f64().unwrap_or(f64::NAN);
@@ -187,6 +250,27 @@ fn print_lines(report: &Value) {
         f("tokens_per_s"), report["model"].as_str().unwrap_or_default(), u("context"), u("world"), u("dp"), u("tp"),
         u("torch_threads"), f("first_loss"), mib_list(&report["peak_rss_mib_per_rank"])
     );
+    if let Some(memory) = report.get("memory_mib_rank0") {
+        let m = |k: &str| memory[k].as_f64().unwrap_or(f64::NAN);
+        println!(
+            "         rank 0 holds {:.2} MiB parameters, {:.2} gradients, {:.2} optimizer state, {:.2} buddy copy, {:.2} activations at peak",
+            m("params"), m("grads"), m("optimizer"), m("buddy"), m("activations")
+        );
+        let theory = &report["theoretical_bytes_per_step_rank0"];
+        for (key, bytes) in report["sent_bytes_per_step_rank0"].as_object().into_iter().flatten() {
+            let b = |v: &Value| v.as_u64().map_or("-".into(), |b| format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64));
+            println!(
+                "         rank 0 sends {:<24} {:>11} per step (Megatron's scheme: {})",
+                key,
+                b(bytes),
+                b(&theory[key])
+            );
+        }
+        println!(
+            "         communication {:.0}% of the step (mean over the ranks, median over runs)",
+            100.0 * f("comm_share")
+        );
+    }
     if report.get("dp_tokens_per_s").is_some() {
         println!(
             "troupe   {:>9.0} tokens/s  (the same world data-parallel, tp 1, peak RSS per rank {} MiB); tp / dp = {:.3}",

@@ -69,6 +69,19 @@ pub struct PlanShape {
 }
 
 impl PlanShape {
+    /// The schedule and shape of `config`'s pipeline for `replicas` replicas: its micro-batches
+    /// (`parallel.microbatches`, or the default from the batch) bounded by the smallest replica's samples
+    /// — an explicit count too, the world may have grown since the config was checked.
+    pub fn of(config: &troupe_model::config::JobConfig, replicas: usize) -> Result<(ScheduleKind, Self), String> {
+        let parallel = &config.parallel;
+        let kind = ScheduleKind::parse(&parallel.schedule).map_err(|e| format!("parallel.schedule: {e}"))?;
+        let samples = config.train.global_batch / replicas.max(1);
+        let mut sized = parallel.clone();
+        sized.dp = replicas;
+        let microbatches = sized.pipeline_microbatches(&config.train).min(samples).max(1);
+        Ok((kind, Self::new(parallel.pp, microbatches, parallel.virtual_stages)))
+    }
+
     pub fn new(stages: usize, microbatches: usize, virtual_stages: usize) -> Self {
         Self { stages, microbatches, virtual_stages }
     }

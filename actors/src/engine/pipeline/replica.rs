@@ -78,14 +78,7 @@ impl Geometry {
             return Err(format!("{world} ranks do not make whole pipelines of parallel.pp = {stages} stages"));
         }
         let replicas = world / stages;
-        let kind = ScheduleKind::parse(&parallel.schedule).map_err(|e| format!("parallel.schedule: {e}"))?;
-        let samples = config.train.global_batch / replicas;
-        let mut sized = parallel.clone();
-        sized.dp = replicas;
-        // The smallest replica's samples bound the micro-batches (an explicit count too: the world may
-        // have grown since the config was checked).
-        let microbatches = sized.pipeline_microbatches(&config.train).min(samples).max(1);
-        let shape = PlanShape::new(stages, microbatches, parallel.virtual_stages);
+        let (kind, shape) = PlanShape::of(config, replicas)?;
         let layouts = partition(&config.model, shape.chunks()).map_err(|e| e.to_string())?;
         let total = layouts.iter().map(|l| l.numel).sum();
         let sharded = replicas > 1 && parallel.shard != "none";

@@ -1,20 +1,21 @@
-//! [`TpGroup`] over the attempt's collectives: the tensor group's ranks as a [`Subgroup`] of the
+//! [`TpGroup`] over the attempt's collectives: the tensor group's ranks as a `Subgroup` of the
 //! attempt's mesh, each call a `Communicator` collective driven to completion with `Handle::block_on`.
 //! The model's tensor-parallel code is synchronous, so it runs on a blocking thread of the runtime
 //! (`tokio::task::spawn_blocking`) that owns this group; the attempt's task awaits that thread.
 
 use tch::{Kind, Tensor};
 use tokio::runtime::Handle;
-use troupe_cluster::collective::{Collective, Communicator, ReduceOp};
-use troupe_cluster::transport::subgroup::Subgroup;
+use troupe_cluster::collective::ReduceOp;
 use troupe_cluster::transport::Transport;
 use troupe_cluster::ClusterError;
 use troupe_model::tensor_parallel::{TpError, TpGroup};
 
-/// One rank's tensor group over `Communicator` (f32 on the wire; an f64 tensor, the norm's sum of
-/// squares, travels as f32 and comes back as f64).
+use super::meter::Metered;
+
+/// One rank's tensor group over a metered `Communicator` (f32 on the wire; an f64 tensor, the norm's sum
+/// of squares, travels as f32 and comes back as f64).
 pub struct CommGroup<T: Transport> {
-    pub comm: Communicator<Subgroup<T>>,
+    pub comm: Metered<T>,
     pub handle: Handle,
 }
 

@@ -24,6 +24,7 @@
 
 mod degree;
 mod group;
+mod meter;
 mod pipeline;
 mod zero;
 
@@ -48,10 +49,13 @@ use troupe_model::Trainer;
 
 use super::committed::CommittedState;
 use super::flat::{append_flat, broadcast_state, copy_from_flat, counter_words};
+use super::pipeline::{costs_for, ModelCosts, PlanShape};
 use super::shard_plan::ShardMode;
 use super::step_engine::{EngineError, ReducedStep, StepEngine};
+use crate::protocol::{rank_at, rank_coords, GroupKind, RankUsage};
 pub use degree::{degree_change, degrees_to_try};
 use group::CommGroup;
+use meter::{Meter, Metered};
 
 /// Collective group ids of the engine's subgroups (distinct from the attempt's and the other engines').
 const TENSOR_GROUP: u32 = 0x5450_0001;
@@ -74,7 +78,7 @@ const FINAL_DATA_GROUP: u32 = 0x5450_0008;
 struct Parts<T: Transport> {
     rank: TpRank,
     tp: CommGroup<T>,
-    dp: Option<Communicator<Subgroup<T>>>,
+    dp: Option<Metered<T>>,
     optimizer: AdamW,
     buddy: Option<Buddy>,
     /// With a pipeline (`parallel.pp` > 1): the stage's place in it.
@@ -124,6 +128,8 @@ pub struct TensorParallelReplica<T: Transport> {
     lost: bool,
     /// The shards were cut: from then on they, not the trainer's parameters, are the state.
     sharded: bool,
+    /// What the rank's groups sent in the current step.
+    meter: Meter,
 }
 
 impl<T: Transport> TensorParallelReplica<T> {
@@ -142,7 +148,19 @@ impl<T: Transport> TensorParallelReplica<T> {
         };
         trainer.config.parallel.tp = degree.max(1);
         let (degree, sp) = (degree.max(1), trainer.config.parallel.sp);
-        Ok(Self { trainer, comm, collective, degree, sp, parts: None, pending: None, lost: false, sharded: false })
+        let meter = Meter::default();
+        Ok(Self {
+            trainer,
+            comm,
+            collective,
+            degree,
+            sp,
+            parts: None,
+            pending: None,
+            lost: false,
+            sharded: false,
+            meter,
+        })
     }
 
     /// This rank's index in its tensor group and its model replica (data-parallel index).
@@ -154,13 +172,12 @@ impl<T: Transport> TensorParallelReplica<T> {
     /// This rank's (tensor index, model replica, pipeline stage): the planner's order, rank = t + T·(d +
     /// D·p) (`plan::placement`).
     fn coords(&self) -> (usize, usize, usize) {
-        let (r, block) = (self.comm.rank(), self.degree * self.replicas());
-        (r % self.degree, r / self.degree % self.replicas(), r / block)
+        rank_coords(self.comm.rank(), self.degree, self.replicas())
     }
 
     /// The rank at (tensor index, model replica, pipeline stage).
     fn global(&self, t: usize, d: usize, p: usize) -> usize {
-        t + self.degree * (d + self.replicas() * p)
+        rank_at((t, d, p), self.degree, self.replicas())
     }
 
     fn stages(&self) -> usize {
@@ -198,8 +215,32 @@ impl<T: Transport> TensorParallelReplica<T> {
         self.subgroup((0..self.stages()).map(|p| self.global(t, d, p)).collect())
     }
 
-    /// Cuts this rank's shards and AdamW moments from the trainer's whole state.
-    fn shard(&mut self) -> Result<(), EngineError> {
+    /// `parallel.balance = "measured"` with a pipeline: rank 0 times the whole model's parts on one
+    /// micro-batch (the pipeline engine's `costs_for`; a part's share of a tensor rank's time is its share
+    /// of the whole, its matrices split alike) and broadcasts the figures, so every rank cuts the chunks
+    /// the same way. None: cut by parameter count.
+    async fn measured_costs(&mut self) -> Result<Option<ModelCosts>, EngineError> {
+        let config = &self.trainer.config;
+        if self.stages() == 1 || config.parallel.balance != "measured" {
+            return Ok(None);
+        }
+        let layers = config.model.n_layers;
+        let mut flat = match self.comm.rank() {
+            0 => {
+                let microbatches = PlanShape::of(config, self.replicas()).map_err(EngineError::Setup)?.1.microbatches;
+                let costs = costs_for(config, self.replicas(), microbatches);
+                tracing::info!(?costs, "pipeline balance under tensor parallelism: measured seconds per part");
+                costs.to_flat()
+            }
+            _ => vec![0.0; layers + 2],
+        };
+        self.comm.broadcast(&mut flat, 0).await?;
+        Ok(Some(ModelCosts::from_flat(&flat, layers).expect("broadcast keeps the length")))
+    }
+
+    /// Cuts this rank's shards and AdamW moments from the trainer's whole state (a pipeline's chunks by
+    /// `costs` when measured).
+    fn shard(&mut self, costs: Option<ModelCosts>) -> Result<(), EngineError> {
         let (world, model_ranks) = (self.comm.world(), self.degree * self.stages());
         if !world.is_multiple_of(model_ranks) {
             return Err(EngineError::Setup(format!(
@@ -211,23 +252,40 @@ impl<T: Transport> TensorParallelReplica<T> {
             .map_err(|e| EngineError::Setup(format!("parallel.tp: {e}")))?;
         let (t, d, p) = self.coords();
         let (epoch, handle, collective) = (self.comm.epoch(), Handle::current(), self.collective.clone());
-        let tp = Communicator::new(self.tensor_transport()?, TENSOR_GROUP, epoch, collective.clone());
+        let meter = &self.meter;
+        let tp =
+            Metered::new(self.tensor_transport()?, TENSOR_GROUP, epoch, collective.clone(), GroupKind::Tensor, meter);
         let dp = if self.replicas() > 1 {
-            Some(Communicator::new(self.data_transport()?, DATA_GROUP, epoch, collective.clone()))
+            Some(Metered::new(self.data_transport()?, DATA_GROUP, epoch, collective.clone(), GroupKind::Data, meter))
         } else {
             None
         };
         let config = &self.trainer.config;
         let (pipe, runs) = if self.stages() > 1 {
-            let geometry = pipeline::Geometry::of(config, self.replicas()).map_err(EngineError::Setup)?;
+            let geometry =
+                pipeline::Geometry::of(config, self.replicas(), costs.as_ref()).map_err(EngineError::Setup)?;
             let runs = geometry.runs(config, p);
-            let chain = Communicator::new(self.chain_transport()?, CHAIN_GROUP, epoch, collective.clone());
+            let chain = Metered::new(
+                self.chain_transport()?,
+                CHAIN_GROUP,
+                epoch,
+                collective.clone(),
+                GroupKind::Pipeline,
+                meter,
+            );
             let mut replica: Vec<usize> = (0..self.stages())
                 .flat_map(|p| (0..self.degree).map(move |t| (t, p)))
                 .map(|(t, p)| self.global(t, d, p))
                 .collect();
             replica.sort_unstable();
-            let model = Communicator::new(self.subgroup(replica)?, MODEL_GROUP, epoch, collective.clone());
+            let model = Metered::new(
+                self.subgroup(replica)?,
+                MODEL_GROUP,
+                epoch,
+                collective.clone(),
+                GroupKind::Pipeline,
+                meter,
+            );
             (Some(pipeline::Pipe::new(config, geometry, p, chain, model, &layout)), runs)
         } else {
             (None, vec![true; config.model.n_layers + 2])
@@ -248,15 +306,17 @@ impl<T: Transport> TensorParallelReplica<T> {
             }
             _ => None,
         };
-        // A buddy copy lets a tensor group that lost a rank go on alone; a pipeline's replica is lost
-        // whole instead (its other stages' state is on no survivor), and under ZeRO no replica holds the
-        // whole state: none there.
-        let buddy = (self.degree > 1 && pipe.is_none() && zero.is_none()).then(|| {
+        // A buddy copy lets a tensor group that lost a rank put its stage together from its survivors (a
+        // pipeline's other stages are whole); under ZeRO no replica holds the whole state: none there.
+        let buddy = (self.degree > 1 && zero.is_none()).then(|| {
             let index = (t + self.degree - 1) % self.degree;
-            let params: Vec<Tensor> =
-                layout.shard(&full, index).iter().map(|s| s.detach().copy().set_requires_grad(true)).collect();
+            let params: Vec<Tensor> = layout
+                .shard_held(&full, index, &held)
+                .iter()
+                .map(|s| s.detach().copy().set_requires_grad(true))
+                .collect();
             let moments = [&self.trainer.optimizer.adamw().exp_avg, &self.trainer.optimizer.adamw().exp_avg_sq];
-            let [exp_avg, exp_avg_sq] = moments.map(|m| layout.shard(m, index));
+            let [exp_avg, exp_avg_sq] = moments.map(|m| layout.shard_held(m, index, &held));
             let optimizer = self.adamw(&params, &exp_avg, &exp_avg_sq);
             Buddy { index, params, optimizer }
         });
@@ -364,17 +424,21 @@ impl<T: Transport> TensorParallelReplica<T> {
             )),
             false => None,
         };
-        let (epoch, collective) = (self.comm.epoch() + 1, self.collective.clone());
+        let (epoch, collective, meter) = (self.comm.epoch() + 1, self.collective.clone(), self.meter.clone());
         let specs = self.trainer.model.specs().to_vec();
+        // With a pipeline, a stage whose tensor group lost a rank is put together by its survivors from
+        // their shards and buddy copies, and they go on to the chain's gather.
+        let survivors = (fresh.is_some() && self.stages() > 1).then(|| self.survivors_of_group()).flatten();
         let gathered = self
             .blocking(move |parts| {
                 if let Some((transport, chain, data)) = fresh {
-                    parts.tp.comm = Communicator::new(transport, FINAL_GROUP, epoch, collective.clone());
+                    let metered = |transport, id, group| Metered::new(transport, id, epoch, collective.clone(), group, &meter);
+                    parts.tp.comm = metered(transport, FINAL_GROUP, GroupKind::Tensor);
                     if let (Some(pipe), Some(chain)) = (parts.pipe.as_mut(), chain) {
-                        pipe.chain = Communicator::new(chain, FINAL_CHAIN_GROUP, epoch, collective.clone());
+                        pipe.chain = metered(chain, FINAL_CHAIN_GROUP, GroupKind::Pipeline);
                     }
                     if let Some(data) = data {
-                        parts.dp = Some(Communicator::new(data, FINAL_DATA_GROUP, epoch, collective));
+                        parts.dp = Some(metered(data, FINAL_DATA_GROUP, GroupKind::Data));
                     }
                 }
                 let handle = parts.tp.handle.clone();
@@ -386,7 +450,15 @@ impl<T: Transport> TensorParallelReplica<T> {
                 if parts.zero.is_some() {
                     (parts.optimizer.exp_avg, parts.optimizer.exp_avg_sq) = (Vec::new(), Vec::new());
                 }
-                let stage = stage?;
+                let stage = match (stage, survivors) {
+                    (Ok(stage), _) => stage,
+                    (Err(e), Some(survivors)) => {
+                        let (held, comm) = survivors.now()?;
+                        tracing::warn!(error = %e, survivors = ?held, "the stage's tensor group lost a rank: its survivors put the stage together from their shards and buddy copies");
+                        gather_from_survivors(parts, comm, &held, counters)?
+                    }
+                    (Err(e), None) => return Err(e),
+                };
                 match parts.pipe.as_mut() {
                     Some(pipe) => pipe.gather_stages(&parts.tp.handle, stage, counters, &specs),
                     None => Ok(stage),
@@ -404,6 +476,20 @@ impl<T: Transport> TensorParallelReplica<T> {
         (adamw.exp_avg, adamw.exp_avg_sq, adamw.step) = (exp_avg, exp_avg_sq, optimizer_step);
     }
 
+    /// What the survivors of this rank's tensor group need to put its stage together after it lost a
+    /// rank (with a pipeline: the final gather of [`Self::gather`]); None without a buddy copy.
+    fn survivors_of_group(&self) -> Option<GroupSurvivors<T>> {
+        self.parts.as_ref()?.buddy.as_ref()?;
+        let (me, replica, stage) = self.coords();
+        Some(GroupSurvivors {
+            transport: self.comm.transport().clone(),
+            members: (0..self.degree).map(|t| rank_at((t, replica, stage), self.degree, self.replicas())).collect(),
+            me,
+            epoch: self.comm.epoch() + 1,
+            collective: self.collective.clone(),
+        })
+    }
+
     /// After the final gather failed: the ranks of this rank's tensor group the transport saw lost (a
     /// failed connection, not a goodbye) put the whole state together among the others from their own
     /// shards and buddy copies, over a subgroup of the survivors, into the trainer. Every shard is held
@@ -411,26 +497,8 @@ impl<T: Transport> TensorParallelReplica<T> {
     /// first all-gather their steps and the survivor set they saw: any difference (or a survivor that
     /// never comes) fails it, and they keep nothing. Gives the survivors' tensor ranks.
     async fn gather_survivors(&mut self) -> Result<Vec<usize>, String> {
-        use futures::FutureExt;
-        let (me, replica, stage) = self.coords();
-        let (degree, replicas) = (self.degree, self.replicas());
-        let global = move |t: usize| t + degree * (replica + replicas * stage);
-        let transport = self.comm.transport().clone();
-        let lost: Vec<usize> =
-            (0..degree).filter(|&t| t != me && transport.loss_among(&[global(t)]).now_or_never().is_some()).collect();
-        if lost.is_empty() {
-            return Err("no rank of the tensor group was lost".into());
-        }
-        if let Some(t) = lost.iter().find(|&&t| lost.contains(&((t + 1) % degree))) {
-            return Err(format!(
-                "tensor ranks {t} and {} were both lost: rank {t}'s shard was only on them",
-                (t + 1) % degree
-            ));
-        }
-        let survivors: Vec<usize> = (0..degree).filter(|t| !lost.contains(t)).collect();
-        let members = survivors.iter().map(|&t| global(t)).collect();
-        let group = Subgroup::new(transport, members).map_err(|e| e.to_string())?;
-        let comm = Communicator::new(Arc::new(group), SURVIVOR_GROUP, self.comm.epoch() + 1, self.collective.clone());
+        let Some(group) = self.survivors_of_group() else { return Err("this rank holds no buddy copy".into()) };
+        let (survivors, comm) = group.now()?;
         let optimizer_step = self.parts.as_ref().map_or(0, |p| p.optimizer.step);
         let counters = [self.trainer.step, optimizer_step];
         let held = survivors.clone();
@@ -449,7 +517,7 @@ impl<T: Transport> TensorParallelReplica<T> {
     /// survivor of a tensor group that lost its other rank keeps. False (the trainer untouched) when
     /// they are not.
     fn reassemble(&mut self) -> bool {
-        let Some(Parts { rank, optimizer, buddy: Some(buddy), .. }) = &self.parts else { return false };
+        let Some(Parts { rank, optimizer, buddy: Some(buddy), pipe: None, .. }) = &self.parts else { return false };
         if self.degree != 2 || optimizer.step != buddy.optimizer.step {
             return false;
         }
@@ -462,6 +530,42 @@ impl<T: Transport> TensorParallelReplica<T> {
         let mut next = || whole.next().expect("three lists");
         self.keep([next(), next(), next()], step);
         true
+    }
+}
+
+/// A tensor group's ranks as the survivors of a loss see them: the group's global ranks by tensor index,
+/// this rank's index, and the epoch and collective settings of their gather.
+struct GroupSurvivors<T: Transport> {
+    transport: Arc<T>,
+    members: Vec<usize>,
+    me: usize,
+    epoch: u64,
+    collective: CollectiveConfig,
+}
+
+impl<T: Transport> GroupSurvivors<T> {
+    /// The tensor ranks the transport saw lost (a failed connection, not a goodbye) left out: the
+    /// survivors' tensor ranks and their communicator; an error when none was lost or two neighbouring
+    /// ranks were (rank t's shard was only on t and t + 1).
+    fn now(self) -> Result<(Vec<usize>, Communicator<Subgroup<T>>), String> {
+        use futures::FutureExt;
+        let degree = self.members.len();
+        let lost: Vec<usize> = (0..degree)
+            .filter(|&t| t != self.me && self.transport.loss_among(&[self.members[t]]).now_or_never().is_some())
+            .collect();
+        if lost.is_empty() {
+            return Err("no rank of the tensor group was lost".into());
+        }
+        if let Some(t) = lost.iter().find(|&&t| lost.contains(&((t + 1) % degree))) {
+            return Err(format!(
+                "tensor ranks {t} and {} were both lost: rank {t}'s shard was only on them",
+                (t + 1) % degree
+            ));
+        }
+        let survivors: Vec<usize> = (0..degree).filter(|t| !lost.contains(t)).collect();
+        let members = survivors.iter().map(|&t| self.members[t]).collect();
+        let group = Subgroup::new(self.transport, members).map_err(|e| e.to_string())?;
+        Ok((survivors, Communicator::new(Arc::new(group), SURVIVOR_GROUP, self.epoch, self.collective)))
     }
 }
 
@@ -541,7 +645,9 @@ fn gather_from_survivors<T: Transport>(
         ));
     }
     let layout = &parts.rank.layout;
-    let shapes = layout.shard_shapes();
+    // The shards' shapes (a pipeline stage's: empty for the parameters it does not hold; the buddy copy
+    // holds the same ones of its neighbour).
+    let shapes: Vec<Vec<i64>> = parts.rank.params().iter().map(Tensor::size).collect();
     let (own, copy) =
         (state_lists(parts.rank.params(), &parts.optimizer), state_lists(&buddy.params, &buddy.optimizer));
     let mut out: Vec<Vec<Tensor>> = Vec::with_capacity(3);
@@ -616,7 +722,7 @@ fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -> Result<(f
     if parts.dp.is_some() {
         loss = f64::from(summed);
     }
-    refresh_buddy(parts, flat)?;
+    refresh_buddy(parts.buddy.as_ref(), &parts.rank, &mut parts.tp, flat)?;
     let norm = parts.rank.grad_norm(&mut parts.tp).map_err(e)?;
     Ok((loss, norm))
 }
@@ -627,7 +733,7 @@ fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -> Result<(f
 fn sum_over_replicas<T: Transport>(
     params: &[Tensor],
     mut flat: Vec<f32>,
-    dp: Option<&mut Communicator<Subgroup<T>>>,
+    dp: Option<&mut Metered<T>>,
     handle: &Handle,
 ) -> Result<(Vec<f32>, f32), String> {
     if let Some(dp) = dp {
@@ -648,15 +754,20 @@ fn sum_over_replicas<T: Transport>(
 /// The buddy exchange of a step: this rank sends its shard's gradients (`grads`, flat, after the
 /// data-parallel average; with one word per parameter saying whether it has one) to the next rank of
 /// its tensor group and takes the previous rank's, which become its copy's gradients.
-fn refresh_buddy<T: Transport>(parts: &mut Parts<T>, mut grads: Vec<f32>) -> Result<(), String> {
-    let Some(buddy) = &parts.buddy else { return Ok(()) };
-    let n = parts.tp.size();
-    let me = parts.tp.rank();
-    grads.extend(parts.rank.params().iter().map(|p| if p.grad().defined() { 1.0f32 } else { 0.0 }));
+fn refresh_buddy<T: Transport>(
+    buddy: Option<&Buddy>,
+    rank: &TpRank,
+    tp: &mut CommGroup<T>,
+    mut grads: Vec<f32>,
+) -> Result<(), String> {
+    let Some(buddy) = buddy else { return Ok(()) };
+    let n = tp.size();
+    let me = tp.rank();
+    grads.extend(rank.params().iter().map(|p| if p.grad().defined() { 1.0f32 } else { 0.0 }));
     let mut theirs = vec![0.0f32; buddy.numel() + buddy.params.len()];
-    let handle = parts.tp.handle.clone();
-    handle.block_on(parts.tp.comm.send((me + 1) % n, &grads[..])).map_err(|e| e.to_string())?;
-    handle.block_on(parts.tp.comm.recv(buddy.index, &mut theirs[..])).map_err(|e| e.to_string())?;
+    let handle = tp.handle.clone();
+    handle.block_on(tp.comm.send((me + 1) % n, &grads[..])).map_err(|e| e.to_string())?;
+    handle.block_on(tp.comm.recv(buddy.index, &mut theirs[..])).map_err(|e| e.to_string())?;
     let (values, defined) = theirs.split_at(buddy.numel());
     let mut offset = 0;
     for (p, &has) in buddy.params.iter().zip(defined) {
@@ -668,6 +779,26 @@ fn refresh_buddy<T: Transport>(parts: &mut Parts<T>, mut grads: Vec<f32>) -> Res
     Ok(())
 }
 
+/// What the rank holds after a step's reduction (see [`RankUsage`]), and `sent`, its groups' traffic.
+fn usage_of<T: Transport>(parts: &Parts<T>, sent: Vec<crate::protocol::SentBytes>) -> RankUsage {
+    let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+    let all = |list: &[Tensor]| list.iter().map(bytes).sum::<u64>();
+    let grads = |list: &[Tensor]| list.iter().map(Tensor::grad).filter(Tensor::defined).map(|g| bytes(&g)).sum::<u64>();
+    let moments = |o: &AdamW| all(&o.exp_avg) + all(&o.exp_avg_sq);
+    let params = parts.rank.params();
+    let (zero_grad, zero_state) = parts.zero.as_ref().map_or((0, 0), zero::Zero::held_bytes);
+    let buddy = parts.buddy.as_ref().map_or(0, |b| all(&b.params) + grads(&b.params) + moments(&b.optimizer));
+    RankUsage {
+        param_bytes: all(params),
+        grad_bytes: grads(params) + zero_grad,
+        optimizer_bytes: moments(&parts.optimizer) + zero_state,
+        buddy_bytes: buddy,
+        activation_bytes: parts.rank.take_activation_peak() as u64,
+        step_seconds: 0.0,
+        sent,
+    }
+}
+
 /// Makes `grad` the gradient of the leaf `p` (or leaves it none). A leaf's gradient is only ever
 /// written by a backward: the first one of `Σ p·grad` gives it `grad` exactly (the sum's backward is
 /// ones, the product's `ones · grad`).
@@ -675,7 +806,7 @@ fn set_grad(p: &Tensor, grad: Option<&Tensor>) {
     let mut current = p.grad();
     match (grad, current.defined()) {
         (Some(g), true) => tch::no_grad(|| {
-            let _ = current.copy_(g);
+            current.copy_(g);
         }),
         (Some(g), false) => (p * g).sum(tch::Kind::Float).backward(),
         (None, true) => tch::no_grad(|| {
@@ -704,18 +835,30 @@ impl<T: Transport> StepEngine for TensorParallelReplica<T> {
             broadcast_state(&mut self.comm, &mut self.trainer, &mut Vec::new(), source).await?;
             self.lost = false;
         }
-        self.shard()
+        let costs = self.measured_costs().await?;
+        self.shard(costs)
     }
 
     async fn reduce(&mut self) -> Result<ReducedStep, EngineError> {
         let started = std::time::Instant::now();
         let batches = self.batches();
-        let step = move |parts: &mut Parts<T>| match parts.pipe.is_some() {
-            true => pipeline::compute(parts, batches),
-            false => compute(parts, batches),
+        self.meter.take();
+        let step = move |parts: &mut Parts<T>| {
+            parts.rank.take_activation_peak();
+            match parts.pipe.is_some() {
+                true => pipeline::compute(parts, batches),
+                false => compute(parts, batches),
+            }
         };
         let (loss, grad_norm) = self.blocking(step).await?.map_err(EngineError::TensorParallel)?;
         Ok(ReducedStep { loss, grad_norm, compute_seconds: started.elapsed().as_secs_f64() })
+    }
+
+    /// The rank's shards, gradients, AdamW state and buddy copy, its peak activations and what its groups
+    /// sent, of the step just reduced.
+    fn usage(&mut self) -> Option<RankUsage> {
+        let parts = self.parts.as_ref()?;
+        Some(usage_of(parts, self.meter.take()))
     }
 
     async fn apply(&mut self, reduced: ReducedStep) {
@@ -785,6 +928,10 @@ impl<T: Transport> StepEngine for TensorParallelReplica<T> {
             Err(e) if self.reassemble() => {
                 tracing::warn!(rank = self.comm.rank(), error = %e, step = self.trainer.step, "the tensor group's state could not be gathered; this rank keeps the whole state of its last step from its own shard and its buddy copy");
                 Some(CommittedState::Full(Box::new(self.trainer)))
+            }
+            Err(e) if self.stages() > 1 => {
+                tracing::warn!(rank = self.comm.rank(), error = %e, step = self.trainer.step, "the pipeline's state could not be gathered along this rank's chain (a rank of it was lost); this rank keeps nothing");
+                None
             }
             Err(e) => match self.gather_survivors().await {
                 Ok(survivors) => {

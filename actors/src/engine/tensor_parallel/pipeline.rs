@@ -4,25 +4,28 @@
 //! ZB-H1); each rank runs its device's ops with its shards of the chunks' parts
 //! (`TpRank::stage_forward` / `stage_backward`), its tensor group's collectives inside each op, and
 //! sends activations and gradients to tensor rank t of the neighbouring stages — the whole residual
-//! stream without sequence parallelism, its slice of the sequence with it. Under tensor parallelism a
-//! zero-bubble B computes the weight gradients too and W is empty: the same update, 1F1B's bubble.
+//! stream without sequence parallelism, its slice of the sequence with it. A zero-bubble schedule's B
+//! gives the input's gradient only (`TpRank::stage_backward_input`: autograd skips the weight products,
+//! each segment's graph is kept) and its W computes the parameters' gradients later
+//! (`stage_backward_weight`, partial ones summed over the tensor group there).
 //!
 //! After the ops: a tied head's copy of the embedding matrix and the first stage's sum their gradients;
-//! the data-parallel group sums every gradient; one all-reduce over the replica's P × T ranks gives the
-//! global gradient norm and the loss.
+//! the data-parallel group sums every gradient; each rank sends its gradients to the next rank of its
+//! tensor group, which keeps a buddy copy of its shard of the stage (without ZeRO); one all-reduce over
+//! the replica's P × T ranks gives the global gradient norm and the loss.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use tch::{Kind, Tensor};
-use troupe_cluster::collective::{Collective, Communicator, ReduceOp};
-use troupe_cluster::transport::subgroup::Subgroup;
+use troupe_cluster::collective::ReduceOp;
 use troupe_cluster::transport::Transport;
 use troupe_model::config::JobConfig;
-use troupe_model::tensor_parallel::{held_params, StageForward, StageParts, TpLayout};
+use troupe_model::tensor_parallel::{held_params, PendingWeights, StageForward, StageParts, TpLayout};
 
-use super::super::pipeline::{check, partition, plan, OpKind, Plan, PlanShape, ScheduleKind};
+use super::super::pipeline::{check, partition, partition_by, plan, ModelCosts, OpKind, Plan, PlanShape};
 use super::group::values;
+use super::meter::Metered;
 use super::{Batch, Parts};
 use troupe_model::model::ParamSpec;
 
@@ -37,9 +40,9 @@ pub(super) struct Pipe<T: Transport> {
     chunks: Vec<StageParts>,
     /// Tensor rank t of every stage of this replica, member p = stage p: activations, gradients, a tied
     /// embedding's gradient and the final gather.
-    pub(super) chain: Communicator<Subgroup<T>>,
+    pub(super) chain: Metered<T>,
     /// Every rank of this replica: the norm and the loss.
-    model: Communicator<Subgroup<T>>,
+    model: Metered<T>,
     /// The head's stage keeps a copy of the embedding matrix (tied, and more than one stage).
     tied: bool,
     recompute: bool,
@@ -56,17 +59,15 @@ pub(super) struct Geometry {
 }
 
 impl Geometry {
-    /// The plan of `config`'s schedule for `replicas` model replicas, and the chunks cut by parameter
-    /// count (as the pipeline engine cuts them).
-    pub fn of(config: &JobConfig, replicas: usize) -> Result<Self, String> {
-        let parallel = &config.parallel;
-        let kind = ScheduleKind::parse(&parallel.schedule).map_err(|e| format!("parallel.schedule: {e}"))?;
-        let samples = config.train.global_batch / replicas.max(1);
-        let mut sized = parallel.clone();
-        sized.dp = replicas;
-        let microbatches = sized.pipeline_microbatches(&config.train).min(samples).max(1);
-        let shape = PlanShape::new(parallel.pp, microbatches, parallel.virtual_stages);
-        let layouts = partition(&config.model, shape.chunks()).map_err(|e| e.to_string())?;
+    /// The plan of `config`'s schedule for `replicas` model replicas, and the chunks cut as the pipeline
+    /// engine cuts them: by parameter count, or by `costs` (`parallel.balance = "measured"`).
+    pub fn of(config: &JobConfig, replicas: usize, costs: Option<&ModelCosts>) -> Result<Self, String> {
+        let (kind, shape) = PlanShape::of(config, replicas)?;
+        let layouts = match costs {
+            Some(costs) => partition_by(&config.model, costs, shape.chunks()),
+            None => partition(&config.model, shape.chunks()),
+        }
+        .map_err(|e| e.to_string())?;
         let chunks =
             layouts.into_iter().map(|l| StageParts { embed: l.embed, blocks: l.blocks, head: l.head }).collect();
         let plan = plan(kind, shape).map_err(|e| e.to_string())?;
@@ -103,8 +104,8 @@ impl<T: Transport> Pipe<T> {
         config: &JobConfig,
         geometry: Geometry,
         device: usize,
-        chain: Communicator<Subgroup<T>>,
-        model: Communicator<Subgroup<T>>,
+        chain: Metered<T>,
+        model: Metered<T>,
         layout: &TpLayout,
     ) -> Self {
         let tied = config.model.head_takes_embedding() && geometry.plan.shape.stages > 1;
@@ -199,6 +200,16 @@ enum Saved {
     Again(Tensor),
 }
 
+impl Saved {
+    /// Bytes it keeps until its backward.
+    fn held_bytes(&self) -> usize {
+        match self {
+            Saved::Tape(forward) => forward.held_bytes(),
+            Saved::Again(input) => input.numel() * input.kind().elt_size_in_bytes(),
+        }
+    }
+}
+
 /// The step's tensors in flight on this rank, by (chunk, micro-batch).
 #[derive(Default)]
 struct Run {
@@ -207,6 +218,8 @@ struct Run {
     to_next: HashMap<(usize, usize), Tensor>,
     to_previous: HashMap<(usize, usize), Tensor>,
     saved: HashMap<(usize, usize), Saved>,
+    /// A zero-bubble B's weight pass, until its W; with the activation bytes it keeps.
+    weights: HashMap<(usize, usize), (PendingWeights, usize)>,
     loss: f64,
 }
 
@@ -214,7 +227,7 @@ struct Run {
 /// global batch's loss, the global gradient norm). The gradients are left summed over the data-parallel
 /// group, ready for the update.
 pub(super) fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -> Result<(f64, f64), String> {
-    let Parts { rank, tp, dp, pipe, zero, .. } = parts;
+    let Parts { rank, tp, dp, pipe, zero, buddy, .. } = parts;
     let pipe = pipe.as_mut().expect("a pipelined tensor-parallel rank has its pipe");
     let handle = tp.handle.clone();
     if let (Some(zero), Some(dp)) = (zero.as_mut(), dp.as_mut()) {
@@ -225,6 +238,8 @@ pub(super) fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -
     }
     let e = |e: troupe_model::tensor_parallel::TpError| e.to_string();
     let mut run = Run::default();
+    // Bytes of activations kept for backwards (the micro-batches in flight), for the rank's peak.
+    let mut live = 0;
     let ops = pipe.plan.devices[pipe.device].clone();
     for op in ops {
         let (c, mb) = (op.chunk, op.microbatch);
@@ -244,6 +259,8 @@ pub(super) fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -
                     let forward = forward(&input).map_err(e)?;
                     (forward.output().shallow_clone(), Saved::Tape(forward))
                 };
+                live += saved.held_bytes();
+                rank.hold_activations(live);
                 if chunk.head {
                     run.loss += output.double_value(&[]) * weight;
                 } else if pipe.is_local(c + 1) {
@@ -259,13 +276,28 @@ pub(super) fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -
                     true => Tensor::full([], *backward, (Kind::Float, tokens.device())),
                     false => run.gradients.remove(&(c, mb)).ok_or("the plan ran a backward before its gradient")?,
                 };
-                let forward = match run.saved.remove(&(c, mb)).ok_or("the plan ran a backward before its forward")? {
+                let saved = run.saved.remove(&(c, mb)).ok_or("the plan ran a backward before its forward")?;
+                let kept = saved.held_bytes();
+                let forward = match saved {
                     Saved::Tape(forward) => forward,
                     Saved::Again(input) => {
-                        rank.stage_forward(tp, chunk, &input, Some(targets), Some(*samples)).map_err(e)?
+                        let forward =
+                            rank.stage_forward(tp, chunk, &input, Some(targets), Some(*samples)).map_err(e)?;
+                        rank.hold_activations(live + forward.held_bytes());
+                        forward
                     }
                 };
-                let grad = rank.stage_backward(tp, forward, seed).map_err(e)?;
+                let grad = match op.kind {
+                    OpKind::BackwardInput => {
+                        let (grad, pending) = rank.stage_backward_input(tp, forward, seed).map_err(e)?;
+                        run.weights.insert((c, mb), (pending, kept));
+                        grad
+                    }
+                    _ => {
+                        live -= kept;
+                        rank.stage_backward(tp, forward, seed).map_err(e)?
+                    }
+                };
                 if let (Some(grad), true) = (grad, c > 0) {
                     match pipe.is_local(c - 1) {
                         true => run.gradients.insert((c - 1, mb), grad),
@@ -273,8 +305,11 @@ pub(super) fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -
                     };
                 }
             }
-            // Under tensor parallelism B computed the weight gradients too.
-            OpKind::BackwardWeight => {}
+            OpKind::BackwardWeight => {
+                let (pending, kept) = run.weights.remove(&(c, mb)).ok_or("the plan ran a W before its B")?;
+                rank.stage_backward_weight(tp, pending).map_err(e)?;
+                live -= kept;
+            }
             OpKind::SendActivation | OpKind::SendGradient => {
                 let (map, to) = match op.kind {
                     OpKind::SendActivation => (&mut run.to_next, c + 1),
@@ -297,7 +332,7 @@ pub(super) fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -
             }
         }
     }
-    if !run.saved.is_empty() || !run.to_next.is_empty() || !run.to_previous.is_empty() {
+    if !run.saved.is_empty() || !run.weights.is_empty() || !run.to_next.is_empty() || !run.to_previous.is_empty() {
         return Err("the plan left work undone".into());
     }
     let device = pipe.device;
@@ -335,7 +370,8 @@ pub(super) fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -
         return model_norm_and_loss(pipe, &handle, words, first);
     }
     flat.push(loss as f32);
-    let (_, loss) = super::sum_over_replicas(&params, flat, dp.as_mut(), &handle)?;
+    let (flat, loss) = super::sum_over_replicas(&params, flat, dp.as_mut(), &handle)?;
+    super::refresh_buddy(buddy.as_ref(), rank, tp, flat)?;
     let [sharded, replicated] = rank.grad_squares(&counted);
     model_norm_and_loss(pipe, &handle, [sharded as f32, if first { replicated as f32 } else { 0.0 }, loss], first)
 }

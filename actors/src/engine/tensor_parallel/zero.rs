@@ -15,8 +15,7 @@ use std::ops::Range;
 
 use tch::Tensor;
 use tokio::runtime::Handle;
-use troupe_cluster::collective::{chunk_range, Communicator, ReduceOp};
-use troupe_cluster::transport::subgroup::Subgroup;
+use troupe_cluster::collective::{chunk_range, ReduceOp};
 use troupe_cluster::transport::Transport;
 use troupe_model::config::TrainConfig;
 use troupe_model::tensor_parallel::{Split, TpLayout, TpRank};
@@ -24,6 +23,7 @@ use troupe_model::tensor_parallel::{Split, TpLayout, TpRank};
 use super::super::flat::{append_flat, copy_from_flat};
 use super::super::segments::{adamw_on_segments, plan_segments, ShardSegment};
 use super::super::shard_plan::ShardMode;
+use super::meter::Metered;
 
 fn comm_error(e: troupe_cluster::ClusterError) -> String {
     e.to_string()
@@ -86,12 +86,19 @@ impl Zero {
         (self.own.len(), self.total)
     }
 
+    /// Bytes it keeps beside the rank's shards: (the owned range's reduced gradient, its fp32 masters and
+    /// AdamW moments).
+    pub fn held_bytes(&self) -> (u64, u64) {
+        let bytes = |v: &Vec<f32>| (v.len() * std::mem::size_of::<f32>()) as u64;
+        (bytes(&self.grad), bytes(&self.master) + bytes(&self.exp_avg) + bytes(&self.exp_avg_sq))
+    }
+
     /// Before a forward (or a gather of the state): the group's masters all-gathered into the rank's
     /// parameters when they lag (fresh leaves requiring grad under ZeRO-3, which dropped them).
     pub fn refresh<T: Transport>(
         &mut self,
         rank: &mut TpRank,
-        dp: &mut Communicator<Subgroup<T>>,
+        dp: &mut Metered<T>,
         handle: &Handle,
     ) -> Result<(), String> {
         if !self.stale {
@@ -118,7 +125,7 @@ impl Zero {
     pub fn reduce<T: Transport>(
         &mut self,
         mut flat: Vec<f32>,
-        dp: &mut Communicator<Subgroup<T>>,
+        dp: &mut Metered<T>,
         handle: &Handle,
     ) -> Result<(), String> {
         match self.mode {
@@ -172,7 +179,7 @@ impl Zero {
     /// shapes), all-gathered over the group.
     pub fn gather_moments<T: Transport>(
         &self,
-        dp: &mut Communicator<Subgroup<T>>,
+        dp: &mut Metered<T>,
         handle: &Handle,
     ) -> Result<[Vec<Tensor>; 2], String> {
         let mut out = [Vec::new(), Vec::new()];

@@ -111,6 +111,7 @@ impl JobHistory {
             JobEvent::Placed { tp, pp, dp, ranks, .. } => {
                 self.log("placed", crate::protocol::describe_placement(*tp, *pp, *dp, ranks))
             }
+            JobEvent::Usage { step, ranks, .. } => self.log("usage", crate::protocol::describe_usage(*step, ranks)),
             JobEvent::Finished { steps, .. } => self.log("finished", format!("finished after {steps} steps")),
             JobEvent::Failed { reason } => self.log("failed", format!("failed: {reason}")),
             JobEvent::Cancelled => self.log("cancelled", "cancelled".to_owned()),
