@@ -158,6 +158,7 @@ fn stage_plan(request: &LayoutRequest, layout: &TpLayout, stage: usize, chunk: &
         context: request.model.context as u64,
         d_model: request.model.d_model as u64,
         grad_elements: memory.sharded_elements + memory.replicated_elements,
+        replicated_elements: if request.sp { memory.replicated_elements } else { 0 },
         tied_elements: if tied { memory::tensor_share(layout, 0..1).0 } else { 0 },
     };
     StagePlan {

@@ -45,6 +45,9 @@ pub struct StageStep {
     pub d_model: u64,
     /// Gradient elements this rank holds (its tensor share of the stage's parameters).
     pub grad_elements: u64,
+    /// Of them, those every tensor rank holds whole (norms, biases of row-parallel layers, GPT-2's
+    /// positions): under SP each rank's backward gives its positions' share, summed over the group.
+    pub replicated_elements: u64,
     /// The tied head's embedding share, summed between the first and last stage (0 when not tied).
     pub tied_elements: u64,
 }
@@ -92,6 +95,10 @@ pub fn stage_traffic(s: &StageStep) -> Vec<Traffic> {
         if last {
             push(Tensor, AllGather, "head input (forward)", m, act, s.tp);
             push(Tensor, ReduceScatter, "head input (backward)", m, act, s.tp);
+        }
+        if s.replicated_elements > 0 {
+            let what = "replicated parameters' gradients (SP: each rank's positions)";
+            push(Tensor, AllReduce, what, m, m * s.replicated_elements, s.tp);
         }
     } else {
         push(Tensor, AllReduce, "blocks (2 forward, 2 backward per block)", 4 * s.layers * m, 4 * s.layers * act, s.tp);
@@ -173,6 +180,7 @@ mod tests {
             context: 128,
             d_model: 256,
             grad_elements: 1000,
+            replicated_elements: 0,
             tied_elements: 0,
         }
     }
@@ -206,6 +214,11 @@ mod tests {
         assert_eq!(gathered, bytes(&sp, CollectiveKind::ReduceScatter), "one all-gather per reduce-scatter");
         assert_eq!(bytes(&sp, CollectiveKind::AllReduce), 0);
         assert_eq!(2 * gathered, bytes(&plain, CollectiveKind::AllReduce));
+        // With SP a replicated parameter's gradient is each rank's positions' share: summed per micro-batch.
+        let norms = stage_traffic(&StageStep { replicated_elements: 100, ..step(true) });
+        assert_eq!(bytes(&norms, CollectiveKind::AllReduce), 2 * 100 * 4, "2 micro-batches, 2(n−1)/n = 1");
+        let plain = stage_traffic(&StageStep { replicated_elements: 100, ..step(false) });
+        assert_eq!(bytes(&plain, CollectiveKind::AllReduce), 2 * gathered, "without SP they are whole");
         // The cross-entropy is the same with and without SP: the maxima gathered (T per token), two sums.
         let loss = |lines: &[Traffic]| -> Vec<(CollectiveKind, u64)> {
             lines

@@ -3,7 +3,8 @@
 //! the engine's tensors and the planner's table), its buddy copy is its neighbour's shard four times over
 //! (parameters, gradients, two moments), sequence parallelism holds fewer activation bytes than without,
 //! and the bytes it hands its transport per step are Megatron's volume for the layout (`plan::traffic`):
-//! all-gathers and reduce-scatters with SP, the data-parallel gradient all-reduce, a pipeline's sends.
+//! all-gathers and reduce-scatters with SP (and the all-reduce of the replicated parameters' gradients),
+//! the data-parallel gradient all-reduce, a pipeline's sends.
 
 use troupe_actors::api::{Job, JobEvent, LocalCluster};
 use troupe_actors::plan::{plan_layout, CollectiveKind, Degrees, GroupKind, Host, LayoutPlan, LayoutRequest};
@@ -70,6 +71,14 @@ async fn each_rank_reports_the_planners_memory_and_megatrons_traffic() {
                 "rank {rank} {kind:?}: sent {measured}, Megatron's scheme {theory}"
             );
         }
+        // The all-reduces: the replicated parameters' gradients and the cross-entropy's sums, and the
+        // norm's one word beyond the scheme.
+        let reduced = u.sent_by(GroupKind::Tensor, CollectiveKind::AllReduce);
+        let theory = planned_bytes(&plan, rank, GroupKind::Tensor, CollectiveKind::AllReduce);
+        assert!(
+            theory > 0 && (theory..=theory + 8).contains(&reduced),
+            "rank {rank}: all-reduced {reduced}, scheme {theory}"
+        );
         let data = u.sent_by(GroupKind::Data, CollectiveKind::AllReduce);
         let theory = planned_bytes(&plan, rank, GroupKind::Data, CollectiveKind::AllReduce);
         assert_eq!(data, theory + 4, "rank {rank}: the gradients' all-reduce carries the loss word too");
