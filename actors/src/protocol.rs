@@ -623,6 +623,10 @@ pub struct MemberInfo {
     /// announced it. Absent when it serves none (and from daemons that predate it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dashboard: Option<String>,
+    /// Where the member's Raft endpoint listens if it may be made a controller at run time (its
+    /// node.toml `raft_listen`), as its `Join` announced it: `troupe cluster controllers add NODE` uses it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub raft_listen: Option<SocketAddr>,
 }
 
 /// `troupe status`.
@@ -674,8 +678,13 @@ pub struct ControllersStatus {
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum ControllersChange {
     /// Make the member `node`, whose Raft endpoint listens at `raft_addr` (its node.toml `raft_listen`),
-    /// a voting controller: it catches up as a learner first.
-    Add { node: String, raft_addr: SocketAddr },
+    /// a voting controller: it catches up as a learner first. Without `raft_addr`, the address the
+    /// member's `Join` announced ([`MemberInfo::raft_listen`]).
+    Add {
+        node: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        raft_addr: Option<SocketAddr>,
+    },
     /// Remove the controller `node` from the voters (the leader itself included: another takes over).
     Remove { node: String },
 }
@@ -737,6 +746,10 @@ pub enum ToController {
         /// that lists others refuses the join (`ToNode::Refused`). Absent from older nodes: not compared.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         controllers: Option<Vec<String>>,
+        /// The node's node.toml `raft_listen`, if it may be made a controller at run time
+        /// (`MemberInfo::raft_listen`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        raft_listen: Option<SocketAddr>,
     },
     Heartbeat,
     /// Clean departure (SIGTERM drain).
@@ -969,7 +982,8 @@ mod tests {
     fn a_join_without_an_incarnation_still_decodes() {
         let addr: SocketAddr = "10.0.0.1:7000".parse().unwrap();
         let join = |incarnation| {
-            Wire::ToController(ToController::Join { slots: 2, addr, incarnation, dashboard: None, controllers: None })
+            let (dashboard, controllers, raft_listen) = (None, None, None);
+            Wire::ToController(ToController::Join { slots: 2, addr, incarnation, dashboard, controllers, raft_listen })
         };
         assert_eq!(Wire::decode(&join(Some(7)).encode()), Ok(join(Some(7))));
         let old = br#"{"type":"join","slots":2,"addr":"10.0.0.1:7000"}"#;
@@ -989,14 +1003,49 @@ mod tests {
             incarnation: None,
             dashboard: url.clone(),
             controllers: None,
+            raft_listen: None,
         });
         assert_eq!(Wire::decode(&join.encode()), Ok(join));
-        let member = MemberInfo { name: "node-1".into(), addr, slots: 1, dashboard: url };
+        let member = MemberInfo { name: "node-1".into(), addr, slots: 1, dashboard: url, raft_listen: None };
         let json = serde_json::to_value(&member).unwrap();
         assert_eq!(json["dashboard"], "http://10.0.0.1:9400/");
         let old: MemberInfo = serde_json::from_str(r#"{"name":"node-1","addr":"10.0.0.1:7000","slots":1}"#).unwrap();
         assert_eq!(old, MemberInfo { dashboard: None, ..member });
         assert!(!serde_json::to_string(&old).unwrap().contains("dashboard"));
+    }
+
+    /// A joiner that may be made a controller announces its Raft address, which `controllers add`
+    /// uses when none is given; a join, member or change without one (an older daemon's or client's)
+    /// still decodes, and none is written when there is none.
+    #[test]
+    fn a_members_raft_address_is_optional_on_the_wire() {
+        let addr: SocketAddr = "10.0.0.4:7000".parse().unwrap();
+        let raft: SocketAddr = "10.0.0.4:7401".parse().unwrap();
+        let join = Wire::ToController(ToController::Join {
+            slots: 1,
+            addr,
+            incarnation: None,
+            dashboard: None,
+            controllers: None,
+            raft_listen: Some(raft),
+        });
+        assert_eq!(Wire::decode(&join.encode()), Ok(join));
+        let member = MemberInfo { name: "node-d".into(), addr, slots: 1, dashboard: None, raft_listen: Some(raft) };
+        assert_eq!(serde_json::to_value(&member).unwrap()["raft_listen"], "10.0.0.4:7401");
+        let old: MemberInfo = serde_json::from_str(r#"{"name":"node-d","addr":"10.0.0.4:7000","slots":1}"#).unwrap();
+        assert_eq!(old, MemberInfo { raft_listen: None, ..member });
+        let change = |raft_addr| {
+            Wire::Request(Request::ChangeControllers {
+                change: ControllersChange::Add { node: "node-d".into(), raft_addr },
+            })
+        };
+        for given in [Some(raft), None] {
+            assert_eq!(Wire::decode(&change(given).encode()), Ok(change(given)));
+        }
+        let older =
+            br#"{"type":"change_controllers","change":{"op":"add","node":"node-d","raft_addr":"10.0.0.4:7401"}}"#;
+        assert_eq!(Wire::decode(older), Ok(change(Some(raft))));
+        assert!(!String::from_utf8_lossy(&change(None).encode()).contains("raft_addr"));
     }
 
     /// A body's type names its direction: each message comes back as the direction it was sent as,

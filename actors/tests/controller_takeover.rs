@@ -525,7 +525,8 @@ fn names(group: &ControllersStatus) -> Vec<&str> {
 }
 
 /// Controllers changed at run time: three controllers and a job; two members (`raft_listen` in their
-/// node.toml, no slots) made controllers with `troupe cluster controllers add` while it trains — five
+/// node.toml, no slots) made controllers with `troupe cluster controllers add` while it trains (one
+/// with `--address`, one by name alone: the address its `Join` announced) — five
 /// voters, a majority is three. Then the leader is SIGKILLed and, once the job resumed, another of the
 /// first three: three of five remain, a majority only thanks to the two added (one of the first three
 /// would be left). The job finishes equal to the reference. The submitter's handle, connected to the
@@ -548,7 +549,10 @@ async fn controllers_added_at_run_time_vote_and_keep_a_majority_past_two_losses(
     let mut handle = submit_and_follow_to(&c, &config, &out, 3, &mut seen).await;
     for (i, raft) in [3, 4].into_iter().zip(rafts) {
         let node = format!("node-{i}");
-        let group = c.change_controllers(&first, &["add", &node, "--address", &raft.to_string()]);
+        // node-3 named with its address; node-4 by name alone: the `raft_listen` its `Join` announced.
+        let raft = raft.to_string();
+        let args: &[&str] = if i == 3 { &["add", &node, "--address", &raft] } else { &["add", &node] };
+        let group = c.change_controllers(&first, args);
         let group = group.unwrap_or_else(|e| panic!("adding {node}: {e}\n{}", c.log()));
         assert!(names(&group).contains(&node.as_str()), "{node} votes: {group:?}");
     }

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use troupe_actors::catalog::{Catalog, CatalogWrite, StoredView};
-use troupe_actors::protocol::{JobEvent, JobInfo, JobSpec, JobState};
+use troupe_actors::protocol::{ControllersChange, JobEvent, JobInfo, JobSpec, JobState};
 use troupe_actors::runtime::raft::store::LogStore;
 use troupe_actors::runtime::raft::{
     Controller, ControllerGroup, GroupConfig, ProposeError, RaftEndpoint, RaftTimeouts,
@@ -266,6 +266,16 @@ async fn the_group_grows_from_three_controllers_to_four_and_back() {
     let leader = agreed_leader(&first, Duration::from_secs(10)).await;
     let g = &groups[leader];
     g.propose(view(1)).await.unwrap();
+    wait_controllers(g, &["n0", "n1", "n2"]).await;
+
+    // `controllers add` with no address and none announced by the member's `Join`: refused naming the
+    // fix, or, for a voter, as one; nothing changed.
+    let members: Vec<String> = (0..4).map(|i| format!("n{i}")).collect();
+    let add = |node: &str| ControllersChange::Add { node: node.into(), raft_addr: None };
+    let err = g.change(add("n3"), &members).await.unwrap_err().to_string();
+    assert!(err.contains("n3's daemon announced no Raft address") && err.contains("raft_listen"), "{err}");
+    let err = g.change(add("n1"), &members).await.unwrap_err().to_string();
+    assert!(err.contains("n1 is already a controller"), "{err}");
     wait_controllers(g, &["n0", "n1", "n2"]).await;
 
     g.add_controller(cluster.controllers[3].clone()).await.unwrap();

@@ -1,4 +1,4 @@
-//! `troupe cluster controllers [add NODE --address HOST:PORT | remove NODE]`: the replicated
+//! `troupe cluster controllers [add NODE [--address HOST:PORT] | remove NODE]`: the replicated
 //! controller's Raft group of a running cluster — shown, or changed by joint consensus (issue 32;
 //! docs/runtime-semantics.md, "Changing the controllers").
 
@@ -16,9 +16,10 @@ pub enum ControllersCommand {
     Add {
         /// The node's name (as in its certificate).
         node: String,
-        /// NODE's Raft address: its node.toml `raft_listen`.
+        /// NODE's Raft address, its node.toml `raft_listen` (default: the one NODE's daemon announced
+        /// when it joined).
         #[arg(long, value_name = "HOST:PORT")]
-        address: SocketAddr,
+        address: Option<SocketAddr>,
         #[command(flatten)]
         cluster: ClusterArgs,
     },

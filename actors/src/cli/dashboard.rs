@@ -104,6 +104,7 @@ mod tests {
                 addr: format!("10.0.0.{}:7000", i + 1).parse().unwrap(),
                 slots: 1,
                 dashboard: d.map(str::to_owned),
+                raft_listen: None,
             })
             .collect();
         ClusterStatus {

@@ -774,7 +774,13 @@ pub(super) mod tests {
     fn view(epoch: u64, nodes: &[&str]) -> (View, Vec<MemberInfo>) {
         let members = nodes
             .iter()
-            .map(|n| MemberInfo { name: (*n).into(), addr: "127.0.0.1:1".parse().unwrap(), slots: 1, dashboard: None })
+            .map(|n| MemberInfo {
+                name: (*n).into(),
+                addr: "127.0.0.1:1".parse().unwrap(),
+                slots: 1,
+                dashboard: None,
+                raft_listen: None,
+            })
             .collect();
         (View::new(Epoch(epoch), nodes.iter().map(|n| NodeId::from(*n)).collect()), members)
     }

@@ -9,7 +9,7 @@
 //! a node that is not in its view, or that acts on an older epoch, and answers a non-member with
 //! `Fenced`; the fenced node drops all job state and rejoins as a new member.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -75,6 +75,8 @@ pub struct NodeState {
     dashboard_asked: Option<Instant>,
     /// The controller's last rendering of its page fragment for members, and when.
     dashboard_rendered: Option<(Instant, String)>,
+    /// The dials in flight ([`NodeAction::Dial`]), to be aborted by [`NodeAction::CancelDial`].
+    dials: HashMap<SocketAddr, tokio::task::AbortHandle>,
 }
 
 /// Dashboard pages of a member that may wait on the controller's fragment at once; more are refused.
@@ -185,10 +187,18 @@ impl NodeState {
                 }
                 NodeAction::Dial { addr } => {
                     let (endpoint, me) = (self.endpoint.clone(), me.clone());
-                    tokio::spawn(async move {
+                    let dial = tokio::spawn(async move {
                         let result = endpoint.connect(addr).await.map_err(|e| e.to_string());
                         let _ = me.cast(NodeMsg::Connected(addr, result));
                     });
+                    if let Some(earlier) = self.dials.insert(addr, dial.abort_handle()) {
+                        earlier.abort();
+                    }
+                }
+                NodeAction::CancelDial { addr } => {
+                    if let Some(dial) = self.dials.remove(&addr) {
+                        dial.abort();
+                    }
                 }
                 NodeAction::RestartWorker { slot } => {
                     let worker = self.spawn_worker(me, slot as u32).await?;
@@ -413,6 +423,7 @@ impl Actor for NodeActor {
             restart: config.restart,
             controllers: config.controller_names(),
             dashboard,
+            raft_listen: config.raft_listen,
         };
         let mut core = NodeCore::new(settings, Duration::ZERO, new_incarnation()?, stored_view, stored_jobs);
         core.remember(super::raft::known::load(&config.data_dir));
@@ -441,6 +452,7 @@ impl Actor for NodeActor {
             dashboard_waiters: Vec::new(),
             dashboard_asked: None,
             dashboard_rendered: None,
+            dials: HashMap::new(),
         };
         if state.group.is_replicated() {
             let (mut leadership, pump) = (state.group.leadership(), me.clone());
@@ -494,6 +506,10 @@ impl Actor for NodeActor {
             NodeMsg::JobInfo(info) => state.core.job_info(info),
             NodeMsg::StepBoundary => state.core.step_boundary(now),
             NodeMsg::Connected(addr, result) => {
+                // This dial's handle (a later dial to the same address keeps its own).
+                if state.dials.get(&addr).is_some_and(|d| d.is_finished()) {
+                    state.dials.remove(&addr);
+                }
                 let still_up = result.as_ref().is_ok_and(|peer| state.endpoint.is_connected(peer));
                 state.core.dialed(now, addr, result, still_up);
             }

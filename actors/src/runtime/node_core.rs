@@ -28,12 +28,16 @@ use super::messages::{JobMsg, WorkerMsg};
 use crate::catalog::{StoredJob, StoredView};
 use crate::node_config::restart::{Decision, RestartPolicy, RestartTracker};
 use crate::protocol::{
-    AttemptOutcome, ClusterStatus, DataPlane, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, Reply, Request,
-    ToController, ToNode, Wire,
+    AttemptOutcome, ClusterStatus, ControllersChange, DataPlane, JobEvent, JobId, JobInfo, JobSpec, JobState,
+    MemberInfo, Reply, Request, ToController, ToNode, Wire,
 };
 
 /// Membership changes kept for `troupe status`.
 const CHANGES_KEPT: usize = 64;
+
+/// Replicated controllers: how often a node not yet admitted asks the daemon it joins for its status
+/// again ([`NodeCore::ask_for_daemons`]); its `Join` goes every heartbeat interval.
+const ASK_DAEMONS_EVERY: Duration = Duration::from_secs(5);
 
 /// Replicated controllers: how long a member waits for a controller of the list it tries (no leader
 /// named) to answer its dial before it tries the next. A live one answers in milliseconds; one gone for
@@ -62,6 +66,9 @@ pub struct NodeSettings {
     /// The URL of this node's dashboard, if it serves one: announced in its `Join`
     /// (`MemberInfo::dashboard`).
     pub dashboard: Option<String>,
+    /// node.toml's `raft_listen` (a node that may be made a controller at run time): announced in its
+    /// `Join` (`MemberInfo::raft_listen`), so `troupe cluster controllers add NODE` needs no address.
+    pub raft_listen: Option<SocketAddr>,
 }
 
 /// What the node does, in order (see the module docs).
@@ -98,6 +105,14 @@ pub enum NodeAction {
     Dial {
         addr: SocketAddr,
     },
+    /// Give up the dial to `addr` before it ends ([`NodeCore::dialed`] is not called for it): the node
+    /// turned to another controller, or became the controller. Left running, a dial to a daemon that is
+    /// down retries up to `connect_timeout_ms`; when that daemon comes back it lands, and its connection
+    /// replaces the live one between the two nodes (the endpoint keeps one per peer) — a member's
+    /// connection to this node, once it is the controller, found by rolling-restart-three-controllers.
+    CancelDial {
+        addr: SocketAddr,
+    },
     /// Start a new worker in `slot` (its predecessor failed).
     RestartWorker {
         slot: usize,
@@ -115,7 +130,7 @@ pub enum NodeAction {
     /// after making `change` (`ChangeControllers`, on the controller) if one is asked for.
     AnswerControllers {
         client: String,
-        change: Option<crate::protocol::ControllersChange>,
+        change: Option<ControllersChange>,
     },
     /// Answer `client`'s `DashboardRequest` (a member's daemon) with this controller's page fragment,
     /// which the shell draws from its metrics.
@@ -226,6 +241,8 @@ pub struct NodeCore {
     dialing: Option<SocketAddr>,
     /// When that dial started.
     dialing_since: Duration,
+    /// The daemon last asked for its status while joining, and when ([`Self::ask_for_daemons`]).
+    daemons_asked: Option<(String, Duration)>,
     /// The members of the last view this node heard of (non-controllers).
     members: Vec<MemberInfo>,
     workers: Vec<WorkerSlot>,
@@ -281,6 +298,7 @@ impl NodeCore {
             newest_term: 0,
             dialing: None,
             dialing_since: Duration::ZERO,
+            daemons_asked: None,
             members: Vec::new(),
             workers,
             refused_stale: 0,
@@ -314,7 +332,8 @@ impl NodeCore {
         let membership = Membership::starting_at(config.clone(), now, vec![id.clone()], epoch);
         let view = membership.view().clone();
         let (addr, slots, dashboard) = (self.settings.addr, self.settings.slots, self.settings.dashboard.clone());
-        let info = MemberInfo { name: id.0.clone(), addr, slots, dashboard };
+        let raft_listen = self.settings.raft_listen;
+        let info = MemberInfo { name: id.0.clone(), addr, slots, dashboard, raft_listen };
         let (previous, expect) = stored_view.as_ref().map_or((None, Vec::new()), |last| expected_after(last, &id));
         self.members = vec![info.clone()];
         self.controller = Some(Controller {
@@ -392,17 +411,24 @@ impl NodeCore {
         watchers
     }
 
-    /// Replicated controllers: with each `Join`, this node asks the daemon it took for the controller
+    /// Replicated controllers: with its `Join`, this node asks the daemon it took for the controller
     /// for its status, whose members it remembers ([`Self::heard_of_daemons`]). Until a view admits
     /// it, its `join` is the only address it knows; were that controller gone for good before the
     /// view came (killed, or cut off while its successor is elected), it would know no other to dial
     /// and never find the cluster (found by the simulation: loaded replicated seed 242, a worker whose
     /// `Join` reached node-a 10 ms before node-a was cut off, then killed). The status answered
     /// names the view's daemons, the controllers among them, each of which redirects to the leader.
-    fn ask_for_daemons(&mut self) {
+    /// Asked with the first `Join` to a daemon, then every [`ASK_DAEMONS_EVERY`] while not admitted
+    /// (not with every `Join`, sent each heartbeat interval: a status names every member).
+    fn ask_for_daemons(&mut self, now: Duration) {
         let Some(peer) = self.controller_peer.clone() else { return };
-        if self.replicated() && self.controller.is_none() {
+        if !self.replicated() || self.controller.is_some() {
+            return;
+        }
+        let fresh = |(asked, at): &(String, Duration)| *asked == peer && now.saturating_sub(*at) < ASK_DAEMONS_EVERY;
+        if !self.daemons_asked.as_ref().is_some_and(fresh) {
             self.send(&peer, Request::StatusRequest);
+            self.daemons_asked = Some((peer, now));
         }
     }
 
@@ -435,6 +461,7 @@ impl NodeCore {
         let keep: Vec<JobId> = stored_jobs.iter().filter(|j| !j.info.state.is_terminal()).map(|j| j.info.id).collect();
         self.each_worker(|| WorkerMsg::AbortAll { keep: keep.clone() });
         self.workers.iter_mut().for_each(|w| w.attempts.clear());
+        self.cancel_dial();
         (self.controller_peer, self.leader_addr) = (None, None);
         let incarnation = self.member.incarnation() + 1;
         self.take_control(now, incarnation, stored_view, stored_jobs);
@@ -756,7 +783,7 @@ impl NodeCore {
 
     // ---- the node's side of membership ----
 
-    fn drive_member(&mut self) {
+    fn drive_member(&mut self, now: Duration) {
         while let Some(action) = self.member.poll_action() {
             match action {
                 MemberAction::SendHeartbeat { .. } => self.send_to_controller(ToController::Heartbeat),
@@ -764,9 +791,11 @@ impl NodeCore {
                     let (slots, addr) = (self.settings.slots, self.settings.addr);
                     let dashboard = self.settings.dashboard.clone();
                     let incarnation = Some(incarnation);
-                    let controllers = Some(self.settings.controllers.clone());
-                    self.send_to_controller(ToController::Join { slots, addr, incarnation, dashboard, controllers });
-                    self.ask_for_daemons();
+                    let (controllers, raft_listen) =
+                        (Some(self.settings.controllers.clone()), self.settings.raft_listen);
+                    let join = ToController::Join { slots, addr, incarnation, dashboard, controllers, raft_listen };
+                    self.send_to_controller(join);
+                    self.ask_for_daemons(now);
                 }
                 MemberAction::AdoptView(view) => {
                     tracing::info!(node = %self.settings.id, epoch = view.epoch.0, members = view.len(), "adopted view");
@@ -882,7 +911,7 @@ impl NodeCore {
 
     fn controller_message(&mut self, now: Duration, from: NodeId, epoch: u64, msg: ToController) {
         let job_msg = match msg {
-            ToController::Join { slots, addr, incarnation, dashboard, controllers } => {
+            ToController::Join { slots, addr, incarnation, dashboard, controllers, raft_listen } => {
                 let ours = &self.settings.controllers;
                 let (me, theirs) = (&self.settings.id.0, controllers.unwrap_or_else(|| ours.clone()));
                 let mismatch = |ours| crate::node_config::controllers::join_mismatch(&from.0, &theirs, me, ours);
@@ -892,7 +921,7 @@ impl NodeCore {
                     tracing::error!(node = %me, joiner = %from, "refused a join: {reason}");
                     return self.send(&from.0, ToNode::Refused { reason });
                 }
-                let info = MemberInfo { name: from.0.clone(), addr, slots, dashboard };
+                let info = MemberInfo { name: from.0.clone(), addr, slots, dashboard, raft_listen };
                 self.controller.as_mut().expect("controller").members.insert(from.clone(), info);
                 return self.membership_event(now, MembershipEvent::JoinRequest { from, incarnation });
             }
@@ -1001,7 +1030,7 @@ impl NodeCore {
             Request::ControllersRequest => Some(not_controller),
             Request::ChangeControllers { .. } if self.controller.is_none() => Some(not_controller),
             Request::ChangeControllers { change } => {
-                let change = Some(change);
+                let change = Some(self.raft_address_of(change));
                 self.actions.push_back(NodeAction::AnswerControllers { client: from.to_owned(), change });
                 None
             }
@@ -1129,7 +1158,7 @@ impl NodeCore {
             ToNode::View { view, members, jobs } => {
                 self.members = members;
                 self.member.handle_view(now, view);
-                self.drive_member();
+                self.drive_member(now);
                 // A job that ended while its `Release` could not reach this node (paused, cut off, or
                 // fenced with a list that still named it) leaves no state behind.
                 self.each_worker(|| WorkerMsg::Retain { jobs: jobs.clone() });
@@ -1142,7 +1171,7 @@ impl NodeCore {
             ToNode::Fenced { current, jobs } => {
                 self.keep_on_fence = jobs;
                 self.member.handle_fence(now, current);
-                self.drive_member();
+                self.drive_member(now);
                 // Used by the fence just driven, if any; a node already rejoining keeps no stale list.
                 self.keep_on_fence.clear();
             }
@@ -1299,7 +1328,7 @@ impl NodeCore {
                 tracing::info!(node = %self.settings.id, %peer, "connected to the controller");
                 self.controller_peer = Some(peer);
                 self.member.handle_timeout(now);
-                self.drive_member();
+                self.drive_member(now);
             }
             Err(e) => {
                 tracing::debug!(node = %self.settings.id, error = %e, "controller not reachable yet");
@@ -1307,6 +1336,23 @@ impl NodeCore {
                     self.try_next_controller(None);
                 }
             }
+        }
+    }
+
+    /// `controllers add NODE` without an address: the Raft address NODE's `Join` announced (its node.toml
+    /// `raft_listen`). Without one the group refuses the change, naming the fix.
+    fn raft_address_of(&self, change: ControllersChange) -> ControllersChange {
+        let ControllersChange::Add { node, raft_addr: None } = change else { return change };
+        let members = &self.controller.as_ref().expect("controller").members;
+        let raft_addr = members.get(&NodeId(node.clone())).and_then(|m| m.raft_listen);
+        ControllersChange::Add { node, raft_addr }
+    }
+
+    /// Gives up the dial in flight, if any ([`NodeAction::CancelDial`]).
+    fn cancel_dial(&mut self) {
+        if let Some(addr) = self.dialing.take() {
+            tracing::debug!(node = %self.settings.id, %addr, "giving up the dial");
+            self.actions.push_back(NodeAction::CancelDial { addr });
         }
     }
 
@@ -1319,6 +1365,7 @@ impl NodeCore {
                 self.try_next_controller(None);
             }
             if let Some(addr) = self.target.filter(|t| self.dialing != Some(*t)) {
+                self.cancel_dial();
                 (self.dialing, self.dialing_since) = (Some(addr), now);
                 self.actions.push_back(NodeAction::Dial { addr });
             }
@@ -1328,7 +1375,7 @@ impl NodeCore {
             self.member.heard_from_controller(now);
         }
         self.member.handle_timeout(now);
-        self.drive_member();
+        self.drive_member(now);
         if self.controller.is_some() {
             let idle = !self.any_job_running();
             let me = self.settings.id.clone();

@@ -14,7 +14,7 @@ use super::messages::WorkerMsg;
 use super::node_core::{NodeAction, NodeCore, NodeNote, NodeSettings};
 use crate::catalog::{StoredJob, StoredView};
 use crate::node_config::restart::RestartPolicy;
-use crate::protocol::{Reply, Request, ToController, Wire};
+use crate::protocol::{ControllersChange, Reply, Request, ToController, Wire};
 
 const T: Duration = Duration::from_secs(1);
 
@@ -23,7 +23,11 @@ fn addr(port: u16) -> SocketAddr {
 }
 
 fn node(name: &str, port: u16, join: Option<SocketAddr>) -> NodeCore {
-    let settings = NodeSettings {
+    NodeCore::new(settings(name, port, join), Duration::ZERO, 1, None, Vec::new())
+}
+
+fn settings(name: &str, port: u16, join: Option<SocketAddr>) -> NodeSettings {
+    NodeSettings {
         id: NodeId(name.into()),
         addr: addr(port),
         join,
@@ -33,8 +37,8 @@ fn node(name: &str, port: u16, join: Option<SocketAddr>) -> NodeCore {
         restart: RestartPolicy::default(),
         controllers: vec!["a".into(), "b".into(), "c".into()],
         dashboard: Some(format!("http://{name}:9400/")),
-    };
-    NodeCore::new(settings, Duration::ZERO, 1, None, Vec::new())
+        raft_listen: None,
+    }
 }
 
 fn running_job(id: u64, step: u64) -> StoredJob {
@@ -149,13 +153,87 @@ fn a_member_whose_dial_goes_unanswered_tries_the_next_controller_after_a_second(
     assert!(actions(&mut w).is_empty() && !w.has_controller_peer(), "the abandoned dial's end changes nothing");
 }
 
+fn cancels(actions: &[NodeAction]) -> Vec<SocketAddr> {
+    actions.iter().filter_map(|a| if let NodeAction::CancelDial { addr } = a { Some(*addr) } else { None }).collect()
+}
+
+/// A dial the node turned away from is given up before the next one starts: left running, a dial to a
+/// daemon that is down lands when it comes back, and its connection replaces the live one between the
+/// two (rolling-restart-three-controllers: a member's connection to the node elected meanwhile, which
+/// then saw that member lost). Elected while dialing, the node gives its dial up too.
+#[test]
+fn a_dial_the_node_turned_from_is_given_up() {
+    let mut a = node("a", 1, None);
+    a.follow("b", addr(2));
+    a.tick(T);
+    let first = actions(&mut a);
+    assert_eq!((dials(&first), cancels(&first)), (vec![addr(2)], vec![]));
+    a.tick(T + T);
+    assert!(actions(&mut a).is_empty(), "the dial in flight is left to run");
+    a.follow("c", addr(3));
+    a.tick(T + T);
+    let turned = actions(&mut a);
+    assert!(
+        matches!(turned[..], [NodeAction::CancelDial { addr: b }, NodeAction::Dial { addr: c }] if b == addr(2) && c == addr(3))
+    );
+    a.dialed(T + T, addr(2), Ok("b".into()), true);
+    assert!(actions(&mut a).is_empty() && !a.has_controller_peer(), "a given-up dial's end changes nothing");
+
+    a.become_controller(T + T, None, Vec::new());
+    assert_eq!(cancels(&actions(&mut a)), vec![addr(3)], "elected while dialing c");
+    a.dialed(T + T, addr(3), Ok("c".into()), true);
+    assert!(!a.has_controller_peer());
+}
+
+/// `troupe cluster controllers add NODE` with no address takes the Raft address NODE's `Join`
+/// announced (its node.toml `raft_listen`); an address given wins; a joiner's own setting is announced.
+#[test]
+fn adding_a_controller_by_name_takes_the_raft_address_its_join_announced() {
+    let mut d = NodeCore::new(
+        NodeSettings { raft_listen: Some(addr(7401)), ..settings("d", 4, Some(addr(2))) },
+        Duration::ZERO,
+        1,
+        None,
+        Vec::new(),
+    );
+    d.tick(T);
+    d.dialed(T, addr(2), Ok("b".into()), true);
+    d.tick(T + Duration::from_millis(250)); // the heartbeat interval: its `Join`
+    let sent = actions(&mut d).into_iter().find_map(|a| match a {
+        NodeAction::Send { msg: Wire::ToController(join @ ToController::Join { .. }), .. } => Some(join),
+        _ => None,
+    });
+    let Some(join) = sent else { panic!("d sent no join") };
+    assert!(matches!(join, ToController::Join { raft_listen: Some(a), .. } if a == addr(7401)), "{join:?}");
+
+    let mut b = node("b", 2, None);
+    b.become_controller(T, None, Vec::new());
+    b.message(T, "d", PeerRole::Node, 0, Wire::ToController(join));
+    b.step_boundary(T);
+    actions(&mut b);
+    let asked = |b: &mut NodeCore, node: &str, raft_addr| {
+        let change = ControllersChange::Add { node: node.into(), raft_addr };
+        b.message(T, "admin#1", PeerRole::Client, b.epoch(), Wire::Request(Request::ChangeControllers { change }));
+        actions(b).into_iter().find_map(|a| match a {
+            NodeAction::AnswerControllers { change: Some(ControllersChange::Add { raft_addr, .. }), .. } => {
+                Some(raft_addr)
+            }
+            _ => None,
+        })
+    };
+    assert_eq!(asked(&mut b, "d", None), Some(Some(addr(7401))), "the announced address");
+    assert_eq!(asked(&mut b, "d", Some(addr(7500))), Some(Some(addr(7500))), "the given address wins");
+    assert_eq!(asked(&mut b, "x", None), Some(None), "not a member: the group refuses it, naming the fix");
+}
+
 #[test]
 fn a_members_dashboard_url_reaches_the_controllers_status_and_its_page_is_fetched_from_the_controller() {
     let mut b = node("b", 2, None);
     b.become_controller(T, None, Vec::new());
     let url = |n: &str| Some(format!("http://{n}:9400/"));
+    let (dashboard, controllers, raft_listen) = (url("w"), None, None);
     let join =
-        ToController::Join { slots: 1, addr: addr(9), incarnation: Some(1), dashboard: url("w"), controllers: None };
+        ToController::Join { slots: 1, addr: addr(9), incarnation: Some(1), dashboard, controllers, raft_listen };
     b.message(T, "w", PeerRole::Node, 0, Wire::ToController(join));
     b.step_boundary(T);
     let members: Vec<_> = b.status().members.into_iter().map(|m| (m.name, m.dashboard)).collect();
@@ -204,15 +282,28 @@ fn a_member_never_admitted_tries_the_daemons_its_join_named_once_that_one_is_gon
     w.tick(T);
     assert_eq!(dials(&actions(&mut w)), vec![addr(1)]);
     w.dialed(T, addr(1), Ok("a".into()), true);
+    let to_a = |actions: Vec<NodeAction>| -> Vec<Wire> {
+        actions
+            .into_iter()
+            .filter_map(|x| match x {
+                NodeAction::Send { peer, msg, .. } if peer == "a" => Some(msg),
+                _ => None,
+            })
+            .collect()
+    };
     actions(&mut w);
-    w.tick(T + Duration::from_millis(250)); // the heartbeat interval: the next `Join`
-    let sent: Vec<Wire> = actions(&mut w)
-        .into_iter()
-        .filter_map(|x| match x {
-            NodeAction::Send { peer, msg, .. } if peer == "a" => Some(msg),
-            _ => None,
-        })
-        .collect();
+    w.tick(T + Duration::from_millis(250)); // the heartbeat interval: the first `Join`
+    let sent = to_a(actions(&mut w));
+    assert!(matches!(sent[..], [Wire::ToController(ToController::Join { .. }), Wire::Request(Request::StatusRequest)]));
+    // The next `Join`s (each heartbeat interval) do not ask again until 5 s passed.
+    let join_only = |sent: &[Wire]| matches!(sent, [Wire::ToController(ToController::Join { .. })]);
+    for ms in [500, 750, 5_000] {
+        w.tick(T + Duration::from_millis(ms));
+        let sent = to_a(actions(&mut w));
+        assert!(join_only(&sent), "{ms} ms: {sent:?}");
+    }
+    w.tick(T + Duration::from_millis(5_250));
+    let sent = to_a(actions(&mut w));
     assert!(matches!(sent[..], [Wire::ToController(ToController::Join { .. }), Wire::Request(Request::StatusRequest)]));
     a.message(T, "w", PeerRole::Node, 0, Wire::Request(Request::StatusRequest));
     let answer = actions(&mut a).into_iter().find_map(|x| match x {
@@ -250,8 +341,9 @@ fn restored_expect(actions: &[NodeAction]) -> Vec<String> {
 }
 
 fn join(core: &mut NodeCore, name: &str, port: u16) {
+    let (dashboard, controllers, raft_listen) = (None, None, None);
     let msg =
-        ToController::Join { slots: 1, addr: addr(port), incarnation: Some(1), dashboard: None, controllers: None };
+        ToController::Join { slots: 1, addr: addr(port), incarnation: Some(1), dashboard, controllers, raft_listen };
     core.message(T, name, PeerRole::Node, 0, Wire::ToController(msg));
 }
 

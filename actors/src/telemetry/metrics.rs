@@ -677,6 +677,7 @@ mod tests {
             addr: "127.0.0.1:1".parse().unwrap(),
             slots: 1,
             dashboard: None,
+            raft_listen: None,
         };
         ClusterStatus {
             node: "a".into(),

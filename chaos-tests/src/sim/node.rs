@@ -66,6 +66,7 @@ pub(super) fn new_core(
         restart: RestartPolicy { max_restarts: u32::MAX, window_ms: 1 },
         controllers,
         dashboard: None,
+        raft_listen: None,
     };
     NodeCore::new(settings, dur(w.now), first_incarnation(inc), stored_view, stored_jobs)
 }
@@ -153,6 +154,12 @@ impl World<'_> {
                     self.nodes[n].core.job_started(JOB, started);
                 }
                 NodeAction::Dial { addr } => self.dial(n, addr),
+                NodeAction::CancelDial { addr: to } => {
+                    if let Some(server) = (0..self.nodes.len()).find(|&s| addr(s, 0) == to) {
+                        trace!(self, "{} gives up its dial to {}", self.nodes[n].id, self.nodes[server].id);
+                        self.nodes[n].dials.remove(&server);
+                    }
+                }
                 NodeAction::AnswerControllers { .. } => {}
                 NodeAction::AnswerDashboard { .. } | NodeAction::ControllerDashboard { .. } => {}
                 NodeAction::TakeOver { term } => self.take_over(n, term),
@@ -375,7 +382,11 @@ impl World<'_> {
             None => (self.now + handshake, true),
         };
         trace!(self, "{} dials {}", self.nodes[n].id, self.nodes[server].id);
-        self.push(at, Ev::DialDone { node: n, inc, server, ok });
+        let node = &mut self.nodes[n];
+        node.dial_seq += 1;
+        let seq = node.dial_seq;
+        node.dials.insert(server, seq);
+        self.push(at, Ev::DialDone { node: n, inc, server, ok, seq });
     }
 
     /// A dial ended. A new connection replaces the older one on both sides, and what was in flight on
@@ -386,7 +397,12 @@ impl World<'_> {
     /// then the server still counts the node as connected the old way and may send it messages meant
     /// for that membership, which go out on the newer connection. A node that turns to another server
     /// (replicated controllers) leaves its connection to the earlier one, which that one sees lost.
-    pub(super) fn dial_done(&mut self, n: usize, server: usize, ok: bool) {
+    pub(super) fn dial_done(&mut self, n: usize, server: usize, ok: bool, seq: u64) {
+        if self.nodes[n].dials.get(&server) != Some(&seq) {
+            // Given up (node.rs aborted its task): no connection, and the core hears nothing of it.
+            return trace!(self, "{}'s given-up dial to {} ends unseen", self.nodes[n].id, self.nodes[server].id);
+        }
+        self.nodes[n].dials.remove(&server);
         if !ok || !self.nodes[server].up {
             trace!(self, "{} could not reach {}", self.nodes[n].id, self.nodes[server].id);
             self.nodes[n].core.dialed(dur(self.now), addr(server, 0), Err("unreachable".into()), false);

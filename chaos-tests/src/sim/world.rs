@@ -174,6 +174,7 @@ pub(super) enum Ev {
         inc: u32,
         server: usize,
         ok: bool,
+        seq: u64,
     },
     Computed {
         at: RankAt,
@@ -330,6 +331,11 @@ pub(super) struct Node {
     /// Replicated controllers: the daemons of the last view this node knew, which node.rs keeps in
     /// the data dir (raft::known) and hands to a restarted core (`NodeCore::remember`).
     pub known: Vec<MemberInfo>,
+    /// The dials in flight, by server, each with its number (node.rs keeps their tasks to abort them
+    /// on `CancelDial`); a dial's end that is not here was given up and reaches nothing.
+    pub dials: BTreeMap<usize, u64>,
+    /// Numbers the dials.
+    pub dial_seq: u64,
 }
 
 /// A node's JobController actor around the runtime's own `JobDriver` (controller.rs).
@@ -581,6 +587,8 @@ impl<'a> World<'a> {
                 took_over_at: None,
                 pending_view: None,
                 known: Vec::new(),
+                dials: BTreeMap::new(),
+                dial_seq: 0,
             });
         }
         if sc.controllers > 1 {
@@ -723,7 +731,7 @@ impl<'a> World<'a> {
                     self.nodes[server].served[node] = None;
                 }
             }
-            Ev::DialDone { node, server, ok, .. } => self.dial_done(node, server, ok),
+            Ev::DialDone { node, server, ok, seq, .. } => self.dial_done(node, server, ok, seq),
             Ev::Computed { at, step } => self.computed(at, step),
             Ev::OpDone { at, op } => self.op_done(at, op),
             Ev::OpTimeout { at, op, since } => self.op_timeout(at, op, since),

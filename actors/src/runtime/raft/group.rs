@@ -268,17 +268,38 @@ impl ControllerGroup {
         match change {
             ControllersChange::Add { node, raft_addr } => {
                 if !members.contains(&node) {
+                    let shown = raft_addr.map_or("HOST:PORT".to_owned(), |a| a.to_string());
                     return Err(ProposeError::Membership(format!(
                         "{node} is not a member of the cluster (members: {}): issue it a certificate \
                          (`troupe cluster add-node {node}`), start its daemon with `join` and `raft_listen = \
-                         \"{raft_addr}\"` in its node.toml, then add it",
+                         \"{shown}\"` in its node.toml, then add it",
                         members.join(", ")
                     )));
                 }
+                let Some(raft_addr) = raft_addr else {
+                    self.not_voting(&node)?;
+                    return Err(ProposeError::Membership(format!(
+                        "{node}'s daemon announced no Raft address: start it with `raft_listen = \"HOST:PORT\"` \
+                         (a port of its own) in its node.toml, or give the address as `--address HOST:PORT`. \
+                         Nothing changed"
+                    )));
+                };
                 self.add_controller(Controller { name: node, addr: raft_addr.to_string() }).await
             }
             ControllersChange::Remove { node } => self.remove_controller(&node).await,
         }
+    }
+
+    /// Refuses a node that votes already, naming the voters.
+    fn not_voting(&self, name: &str) -> Result<(), ProposeError> {
+        let (voters, _) = self.membership(self.raft_group()?);
+        if !voters.iter().any(|v| v == name) {
+            return Ok(());
+        }
+        Err(ProposeError::Membership(format!(
+            "{name} is already a controller (the controllers are {})",
+            voters.join(", ")
+        )))
     }
 
     /// Adds `controller` as a voter by joint consensus: it catches up as a learner first, then votes.
@@ -287,14 +308,8 @@ impl ControllerGroup {
     pub async fn add_controller(&self, controller: Controller) -> Result<(), ProposeError> {
         let r = self.raft_group()?;
         let id = node_id(&controller.name);
-        let (voters, nodes) = self.membership(r);
-        if voters.contains(&controller.name) {
-            return Err(ProposeError::Membership(format!(
-                "{} is already a controller (the controllers are {})",
-                controller.name,
-                voters.join(", ")
-            )));
-        }
+        self.not_voting(&controller.name)?;
+        let (_, nodes) = self.membership(r);
         if let Some(other) = nodes.iter().find(|n| n.addr == controller.addr && n.name != controller.name) {
             return Err(ProposeError::Membership(format!(
                 "{} is the Raft address of {}; give {} its own (its node.toml `raft_listen`)",

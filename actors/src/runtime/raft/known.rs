@@ -54,8 +54,20 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         assert!(load(dir.path()).is_empty(), "a first start knows none");
         let members = vec![
-            MemberInfo { name: "node-1".into(), addr: "127.0.0.1:7001".parse().unwrap(), slots: 1, dashboard: None },
-            MemberInfo { name: "node-2".into(), addr: "127.0.0.1:7002".parse().unwrap(), slots: 0, dashboard: None },
+            MemberInfo {
+                name: "node-1".into(),
+                addr: "127.0.0.1:7001".parse().unwrap(),
+                slots: 1,
+                dashboard: None,
+                raft_listen: None,
+            },
+            MemberInfo {
+                name: "node-2".into(),
+                addr: "127.0.0.1:7002".parse().unwrap(),
+                slots: 0,
+                dashboard: None,
+                raft_listen: None,
+            },
         ];
         save(dir.path(), &members);
         assert_eq!(load(dir.path()), members);

@@ -296,6 +296,7 @@ mod tests {
             addr: ([10, 0, 0, 1], port).into(),
             slots: 1,
             dashboard: dashboard.map(str::to_owned),
+            raft_listen: None,
         };
         ClusterStatus {
             node: "node-1".into(),
