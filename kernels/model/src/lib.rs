@@ -49,3 +49,8 @@ pub mod trainer;
 pub use config::{ConfigError, JobConfig};
 pub use model::{Model, ModelConfig};
 pub use trainer::{StepReport, TrainError, Trainer};
+
+/// The bytes a tensor's elements take (elements × element size): what the memory reports count.
+pub fn tensor_bytes(t: &tch::Tensor) -> usize {
+    t.numel() * t.kind().elt_size_in_bytes()
+}

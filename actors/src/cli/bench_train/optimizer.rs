@@ -131,7 +131,7 @@ fn state_bytes(trainer: &Trainer) -> (u64, u64) {
         index.is_some_and(|i| specs.get(i).is_some_and(|s| s.shape.len() >= 2))
     };
     let state = trainer.optimizer.state_tensors();
-    let bytes = |t: &tch::Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+    let bytes = |t: &tch::Tensor| troupe_model::tensor_bytes(t) as u64;
     let all = state.iter().map(|(_, t)| bytes(t)).sum();
     let matrices = state.iter().filter(|(n, _)| matrix(n)).map(|(_, t)| bytes(t)).sum();
     (all, matrices)

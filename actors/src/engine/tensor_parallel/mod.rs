@@ -781,7 +781,7 @@ fn refresh_buddy<T: Transport>(
 
 /// What the rank holds after a step's reduction (see [`RankUsage`]), and `sent`, its groups' traffic.
 fn usage_of<T: Transport>(parts: &Parts<T>, sent: Vec<crate::protocol::SentBytes>) -> RankUsage {
-    let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+    let bytes = |t: &Tensor| troupe_model::tensor_bytes(t) as u64;
     let all = |list: &[Tensor]| list.iter().map(bytes).sum::<u64>();
     let grads = |list: &[Tensor]| list.iter().map(Tensor::grad).filter(Tensor::defined).map(|g| bytes(&g)).sum::<u64>();
     let moments = |o: &AdamW| all(&o.exp_avg) + all(&o.exp_avg_sq);

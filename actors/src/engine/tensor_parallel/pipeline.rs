@@ -205,7 +205,7 @@ impl Saved {
     fn held_bytes(&self) -> usize {
         match self {
             Saved::Tape(forward) => forward.held_bytes(),
-            Saved::Again(input) => input.numel() * input.kind().elt_size_in_bytes(),
+            Saved::Again(input) => troupe_model::tensor_bytes(input),
         }
     }
 }

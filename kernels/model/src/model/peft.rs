@@ -493,7 +493,7 @@ impl Base {
     /// Bytes of base tensors kept between uses.
     pub fn held_bytes(&self) -> usize {
         let tensors = self.tensors.lock().expect("base tensors");
-        tensors.values().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum()
+        tensors.values().map(crate::tensor_bytes).sum()
     }
 }
 

@@ -121,12 +121,11 @@ impl TpRank {
         let mut inputs = Vec::with_capacity(n);
         let mut x = tokens.shallow_clone();
         // The activations held at once: the block inputs kept so far, and the tape of the block that runs.
-        let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
         let mut kept = 0;
         for chunk in &chunks {
             let forward = tch::no_grad(|| self.stage_forward(group, chunk, &x, Some(targets), samples))?;
             self.hold_activations(kept + forward.held_bytes());
-            kept += bytes(&x);
+            kept += crate::tensor_bytes(&x);
             inputs.push(std::mem::replace(&mut x, forward.output().shallow_clone()));
         }
         let value = x.double_value(&[]);
@@ -134,7 +133,7 @@ impl TpRank {
         for (chunk, input) in chunks.iter().zip(inputs).rev() {
             let forward = self.stage_forward(group, chunk, &input, Some(targets), samples)?;
             self.hold_activations(kept + forward.held_bytes());
-            kept -= bytes(&input);
+            kept -= crate::tensor_bytes(&input);
             if let Some(grad) = self.stage_backward(group, forward, seed.shallow_clone())? {
                 seed = grad;
             }

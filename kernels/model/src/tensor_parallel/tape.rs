@@ -75,9 +75,8 @@ impl Tape {
 
     /// Bytes of the values the tape holds until the backward: (of the norm/residual region, of all).
     pub fn held_bytes(&self) -> (usize, usize) {
-        let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
-        let region = self.sequence_region.iter().map(|&id| bytes(&self.values[id])).sum();
-        (region, self.values.iter().map(bytes).sum())
+        let region = self.sequence_region.iter().map(|&id| crate::tensor_bytes(&self.values[id])).sum();
+        (region, self.values.iter().map(crate::tensor_bytes).sum())
     }
 
     /// A value that comes from outside the tape (a pipeline stage's input activation): its gradient is
