@@ -185,6 +185,26 @@ async fn a_lost_stage_with_no_other_replica_restores_from_the_checkpoint() {
     cluster.shutdown().await;
 }
 
+/// Adafactor in a pipeline (the small Llama, as every Adafactor oracle), one pipeline of two stages on
+/// three daemons: a stage's daemon SIGKILLed, the spare restores the stage from the checkpoint, whose
+/// slots hold Adafactor's state packed as the single process packs it, and the run lands on the
+/// single-process Adafactor run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adafactor_pipeline_restores_a_lost_stage_from_the_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = common::processes(3).await;
+    let mut config = JobConfig::small_llama(40);
+    config.model.n_layers = 2;
+    (config.parallel.pp, config.parallel.schedule) = (2, "1f1b".into());
+    config.train.optimizer = "adafactor".into();
+    config.checkpoint.dir = Some(dir.path().join("ckpt"));
+    config.checkpoint.every_steps = 5;
+    let out = dir.path().join("final.safetensors");
+    kill_after_a_checkpoint(&cluster, &config, &out, 1).await;
+    check(&config, None, &out, "adafactor pp=2 on 3 daemons, a stage lost, restored from the checkpoint");
+    cluster.shutdown().await;
+}
+
 /// Issue 7's resharding across `pp`: one checkpoint directory continued by a pp=2 job, a DDP job, a ZB-H1
 /// pp=2 job and a ZeRO-2 job in turn, each starting where the previous one stopped, lands where one
 /// uninterrupted run lands.

@@ -187,6 +187,26 @@ async fn a_rank_killed_mid_interval_rolls_the_job_back_to_the_last_sync_and_equa
     cluster.shutdown().await;
 }
 
+/// Adafactor as the inner optimizer (each replica's factored statistics its own): DiLoCo (H = 4) on
+/// three daemons, one SIGKILLed after step 5; the survivors roll back to step 4 with their own
+/// statistics and the run equals the Adafactor reference regrouped at the same step. The small Llama,
+/// as every Adafactor oracle (runtime-semantics, "The oracle and GPT-2's key bias").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adafactor_inside_diloco_with_a_rank_killed_equals_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = JobConfig::small_llama(12);
+    (config.train.global_batch, config.train.micro_batch, config.train.torch_threads) = (8, 2, 1);
+    (config.parallel.sync, config.parallel.sync_every) = ("diloco".into(), 4);
+    config.train.optimizer = "adafactor".into();
+    let mut cluster = common::processes(3).await;
+    let out = dir.path().join("final.safetensors");
+    let seen = run(&mut cluster, &config, 3, &out, Fault::Kill { node: 2, after: 5 }).await;
+    let resumed: Vec<u64> = seen.regroups.iter().map(|r| r.1).collect();
+    assert!(!resumed.is_empty() && resumed.iter().all(|s| s % 4 == 0), "resumed at synchronizations: {resumed:?}");
+    check(&config, 3, &seen, &out, "adafactor in diloco H=4, 3 ranks then 2");
+    cluster.shutdown().await;
+}
+
 /// DiLoCo (H = 3) on two daemons, a third joining after step 4: the job resumes from the last
 /// synchronization, the joiner with rank 0's state (parameters, AdamW moments, outer momentum), the
 /// others with their own moments; the run equals the reference with the same third replica.
@@ -260,9 +280,12 @@ async fn a_checkpointed_job_resumed_on_daemons_equals_the_uninterrupted_referenc
             cluster.add_node().unwrap();
             nodes += 1;
         }
+        // In the view before the job is submitted: a node joining after would regroup it at a later step.
+        cluster.wait_for_members(world).await.unwrap();
         let out = dir.path().join(format!("{sync}-{world}.safetensors"));
         let seen = run(&mut cluster, &config, world, &out, Fault::None).await;
         assert_eq!(seen.losses.keys().next(), Some(&9), "{what}: the second run continued from step 8");
+        assert!(seen.regroups.is_empty(), "{what}: trained on {world} ranks throughout: {:?}", seen.regroups);
 
         tch::set_num_threads(1);
         let mut reference = ReplicaSet::new(&config, 2).unwrap();

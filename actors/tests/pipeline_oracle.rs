@@ -192,6 +192,41 @@ fn tied_heads_with_recomputation_and_replicas_equal_the_reference() {
     }
 }
 
+/// Adafactor (HF's defaults, and with a first moment, a fixed rate and weight decay) on each device's
+/// whole parameters: the tied small Llama (the Adafactor oracles run Llama: runtime-semantics, "The
+/// oracle and GPT-2's key bias") in 1F1B, ZB-H1 at P = 4 and interleaved, and pp = 2 × dp = 2, equals
+/// the single-process Adafactor run; the head's copy of the embedding matrix, updated by its own
+/// Adafactor, stays bit-identical to the first device's. AdamW's run differs (Adafactor really ran).
+#[test]
+fn adafactor_pipelines_equal_the_reference() {
+    tch::set_num_threads(1);
+    for first_moment in [false, true] {
+        let mut config = tied("llama");
+        config.train.optimizer = "adafactor".into();
+        if first_moment {
+            config.train.adafactor.beta1 = Some(0.9);
+            config.train.adafactor.relative_step = false;
+            config.train.adafactor.weight_decay = 0.01;
+        }
+        troupe_model::optim::validate(&config.train, &config.parallel, std::iter::empty()).unwrap();
+        let adamw = reference(&tied("llama"));
+        let reference = reference(&config);
+        let specs = troupe_model::model::param_specs(&config.model);
+        assert!(!compare_params(&specs, &adamw.1, &reference.1).within(1e-3), "Adafactor is not AdamW");
+        for (kind, stages, microbatches, virtual_stages) in
+            [(ScheduleKind::OneFOneB, 2, 4, 1), (ScheduleKind::ZbH1, 4, 4, 1), (ScheduleKind::Interleaved, 2, 4, 2)]
+        {
+            let options = PipelineOptions::new(kind, stages, microbatches, virtual_stages);
+            let what =
+                format!("adafactor (beta1: {first_moment}) {kind} P={stages} M={microbatches} V={virtual_stages}");
+            run_and_compare(&config, &options, &reference, &what);
+        }
+        let mut options = PipelineOptions::new(ScheduleKind::OneFOneB, 2, 2, 1);
+        options.data_parallel = 2;
+        run_and_compare(&config, &options, &reference, &format!("adafactor (beta1: {first_moment}) pp=2 × dp=2"));
+    }
+}
+
 #[test]
 fn gpipe_equals_the_reference() {
     check(ScheduleKind::GPipe, 1);

@@ -79,6 +79,32 @@ fn a_periodic_checkpoint_resumed_on_the_same_world_is_the_uninterrupted_run_bit_
     }
 }
 
+/// Adafactor as the inner optimizer: each replica's factored statistics (packed in the optimizer's two
+/// slots) are its own part of the checkpoint, as AdamW's moments are; resumed, the run is the
+/// uninterrupted one bit for bit, and without the ranks' own states it is not.
+#[test]
+fn an_adafactor_periodic_checkpoint_resumes_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    for (sync, fragments) in [("local_sgd", 1), ("diloco", 2)] {
+        let what = format!("{sync} P={fragments} with Adafactor");
+        let mut config = job(sync, fragments);
+        config.train.optimizer = "adafactor".into();
+        troupe_model::optim::validate(&config.train, &config.parallel, std::iter::empty()).unwrap();
+        let uninterrupted = finish(trained(&config, 2, STEPS));
+        let adamw = finish(trained(&job(sync, fragments), 2, STEPS));
+        assert!(worst(&uninterrupted, &adamw) > 1e-3, "{what}: Adafactor trained, not AdamW");
+        let saved = trained(&config, 2, SAVED).checkpoint_state();
+        let (loaded, _) = through_disk(&saved, &dir.path().join(&what), 2);
+        assert_eq!(loaded, saved, "{what}: the periodic part round-trips");
+        let resumed = finish(ReplicaSet::resume(&config, &loaded, 2).unwrap());
+        assert_eq!(worst(&resumed, &uninterrupted), 0.0, "{what}: resumed vs uninterrupted");
+        let mut without = loaded.clone();
+        without.periodic = None;
+        let off = worst(&finish(ReplicaSet::resume(&config, &without, 2).unwrap()), &uninterrupted);
+        assert!(off > 1e-6, "{what}: without the ranks' own states the resume is another run ({off:e})");
+    }
+}
+
 #[test]
 fn a_resume_on_another_world_gives_replica_r_the_state_of_saved_replica_r_mod_n() {
     let dir = tempfile::tempdir().unwrap();

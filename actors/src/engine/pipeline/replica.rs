@@ -16,7 +16,8 @@
 //! hears of it as a supervision event, the pending call fails, the attempt fails, and this rank's state is
 //! gone (a stage's other replicas or a checkpoint restore it, as for a lost node).
 //!
-//! State between attempts is [`CommittedState::Sharded`]: the masters and AdamW moments of the device's
+//! State between attempts is [`CommittedState::Sharded`]: the masters and optimizer slots (AdamW's
+//! moments, or Adafactor's state packed as a checkpoint packs it) of the device's
 //! chunks as pieces of the flat parameter order, with the trainer carrying only the counters, the config
 //! and the sampler. At the start of an attempt [`reshard`] gives every rank its device's chunks at the
 //! most advanced committed step, from whichever rank holds them — a stage's other replicas, a rank of

@@ -1,7 +1,7 @@
 //! One pipeline device's share of training: the parameters of its chunks (one per virtual stage), their
-//! AdamW state, and the execution of its ops of a [`Plan`] over a [`Transport`] — activations out to the
+//! optimizer state (AdamW's or Adafactor's), and the execution of its ops of a [`Plan`] over a [`Transport`] — activations out to the
 //! next chunk's device, gradients back to the previous one — followed by the synchronous flush: the
-//! gradient norm and the loss summed across devices, clipping and AdamW on the local parameters.
+//! gradient norm and the loss summed across devices, clipping and the optimizer on the local parameters.
 //!
 //! Gradients accumulate over the step's micro-batches, each micro-batch's loss weighted by its share of
 //! the global batch, exactly as the reference trainer does, so the pipeline computes the reference's
@@ -29,7 +29,7 @@ use troupe_model::init::initial_values;
 use troupe_model::model::{
     block_recorded, cross_entropy, embed_recorded, head_recorded, param_specs, ParamOp, ParamSpec, Samples,
 };
-use troupe_model::optim::{learning_rate, scale_grads, AdamW, AdamWConfig};
+use troupe_model::optim::{learning_rate, scale_grads, Optimizer};
 use troupe_model::precision::{backward_weight, LossScale, Precision, Update};
 use troupe_model::TrainError;
 
@@ -121,7 +121,9 @@ pub struct PipelineStage<T: Transport> {
     /// Per chunk: its flat element range in the canonical parameter order ([`chunk_ranges`]).
     ranges: Vec<Range<usize>>,
     params: Vec<Tensor>,
-    optimizer: AdamW,
+    /// `train.optimizer` on the device's parameters (AdamW only with ZeRO inside the stage's group,
+    /// where the moments live in the shard and this one keeps only the step counter).
+    optimizer: Optimizer,
     /// A tied model's embedding matrix where this device holds the first or the last chunk.
     tied: Option<Tied>,
     /// ZeRO-1/2/3 within the stage's group; None: every replica holds the whole state of its chunks.
@@ -371,15 +373,14 @@ impl<T: Transport> PipelineStage<T> {
         }
         let (chunks, specs, params) = init_chunks(&config, shape, layouts, device)?;
         let decays = specs.iter().map(ParamSpec::decays).collect();
-        let mut optimizer = AdamW::new(AdamWConfig::from(&config.train), &params, decays);
+        let mut optimizer = Optimizer::new(&config.train, &params, decays);
         let shard = match (ShardMode::of_config(&config.parallel.shard), &data_parallel) {
             (Some(mode), Some(group)) if group.comm.world() > 1 => {
                 let (replica, replicas) = (group.comm.rank(), group.comm.world());
                 let kept = copies_kept(config.checkpoint.replicas, shape.virtual_stages).min(replicas - 1);
                 let shard = StageShard::new(mode, (replica, replicas), kept, &params, &specs);
                 // The moments live in the shard: the optimizer's per-parameter ones are dropped.
-                optimizer.exp_avg.clear();
-                optimizer.exp_avg_sq.clear();
+                optimizer.clear_state();
                 Some(shard)
             }
             _ => None,
@@ -458,8 +459,12 @@ impl<T: Transport> PipelineStage<T> {
             let local = chunk.local.clone();
             let params: Vec<Tensor> = self.params[local.clone()].iter().map(Tensor::detach).collect();
             append_flat(&params, &mut piece.master);
-            append_flat(&self.optimizer.exp_avg[local.clone()], &mut piece.exp_avg);
-            append_flat(&self.optimizer.exp_avg_sq[local], &mut piece.exp_avg_sq);
+            // Each parameter's two state slots as a checkpoint packs them (AdamW: its moments).
+            for (i, param) in local.zip(&params) {
+                let [first, second] = self.optimizer.packed(i, param);
+                append_flat(&[first], &mut piece.exp_avg);
+                append_flat(&[second], &mut piece.exp_avg_sq);
+            }
             debug_assert_eq!(piece.master.len(), range.len());
             piece.range = range;
             piece
@@ -472,7 +477,7 @@ impl<T: Transport> PipelineStage<T> {
     /// loss scaler.
     pub fn load_state(&mut self, pieces: &[ShardPiece], step: u64, optimizer_step: u64, loss_scale: LossScale) {
         self.step = step;
-        self.optimizer.step = optimizer_step;
+        self.optimizer.set_step(optimizer_step);
         self.loss_scale = loss_scale;
         self.load_tied_copy(pieces);
         let containing = |range: &Range<usize>| {
@@ -502,8 +507,13 @@ impl<T: Transport> PipelineStage<T> {
             piece.read(&range, [&mut master, &mut exp_avg, &mut exp_avg_sq]);
             let local = chunk.local.clone();
             copy_from_flat(&self.params[local.clone()], &master);
-            copy_from_flat(&self.optimizer.exp_avg[local.clone()], &exp_avg);
-            copy_from_flat(&self.optimizer.exp_avg_sq[local], &exp_avg_sq);
+            let mut at = 0;
+            for i in local {
+                let param = &self.params[i];
+                let slot = |flat: &[f32]| Tensor::from_slice(&flat[at..at + param.numel()]).view_as(param);
+                self.optimizer.unpack(i, [slot(&exp_avg), slot(&exp_avg_sq)]);
+                at += param.numel();
+            }
         }
     }
 
@@ -548,9 +558,9 @@ impl<T: Transport> PipelineStage<T> {
         shard.params_stale = true;
     }
 
-    /// AdamW updates applied so far.
+    /// Optimizer updates applied so far.
     pub fn optimizer_step(&self) -> u64 {
-        self.optimizer.step
+        self.optimizer.step()
     }
 
     /// fp16's loss scaler (every device holds the same).
@@ -645,8 +655,9 @@ impl<T: Transport> PipelineStage<T> {
         Ok(ReducedStage { loss, grad_norm, spans: run.spans })
     }
 
-    /// The second half, once the step is committed: unscale and clip by the global norm, AdamW on the
-    /// local parameters (or, when fp16 overflowed, no update), advance the step counter.
+    /// The second half, once the step is committed: unscale and clip by the global norm, the optimizer
+    /// (AdamW or Adafactor; AdamW's kernel on the shard with ZeRO inside the group) on the local
+    /// parameters (or, when fp16 overflowed, no update), advance the step counter.
     pub fn apply_update(&mut self, reduced: ReducedStage) -> StageStep {
         let step = self.step;
         let (train, parallel) = (&self.config.train, &self.config.parallel);
@@ -660,13 +671,13 @@ impl<T: Transport> PipelineStage<T> {
                     let factor = grad_factor as f32;
                     shard.parts.iter_mut().flat_map(|p| p.grad.iter_mut()).for_each(|g| *g *= factor);
                 }
-                let t = self.optimizer.step + 1;
+                let t = self.optimizer.step() + 1;
                 // Each copy gets the bits its owner gets: same gradient, same coefficient, same kernel.
                 for part in &mut shard.parts {
                     let state = [&mut part.master, &mut part.exp_avg, &mut part.exp_avg_sq];
                     adamw_on_segments(state, &part.segments, &part.grad, train, lr, t);
                 }
-                self.optimizer.step = t;
+                self.optimizer.set_step(t);
                 shard.params_stale = true; // gathered before the next step's forward
             }
             (Update::Apply { grad_factor, .. }, None) => {
@@ -676,7 +687,7 @@ impl<T: Transport> PipelineStage<T> {
             (Update::Skip { .. }, _) => {}
         }
         if let Update::Apply { grad_factor, .. } = update {
-            self.apply_tied_copy(grad_factor, lr, self.optimizer.step);
+            self.apply_tied_copy(grad_factor, lr, self.optimizer.step());
         }
         self.step += 1;
         let (grad_norm, skipped) = (update.grad_norm(), update.skipped());

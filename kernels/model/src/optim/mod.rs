@@ -154,7 +154,8 @@ fn adamw_only() -> String {
 
 /// The `train.optimizer` keys: a known optimizer, Adafactor's hyper-parameters in range, its state
 /// packable for every parameter (`shapes`: the model's names and shapes), and a parallel layout that
-/// runs it (the reference trainer, DDP and ZeRO-1/2/3).
+/// runs it (the reference trainer, DDP, ZeRO-1/2/3, pipelines whose stages hold whole parameters, and
+/// as the inner optimizer of local SGD and DiLoCo, which each replica runs whole on its own parameters).
 pub fn validate<'a>(
     train: &TrainConfig,
     parallel: &ParallelConfig,
@@ -173,20 +174,18 @@ pub fn validate<'a>(
             "train.optimizer",
             "\"adafactor\"".into(),
             format!(
-                "with {key} = {value} ({what}) is not supported yet: Adafactor runs on one process, under DDP and \
-                 ZeRO-1/2/3 (parallel.pp = 1, parallel.tp = 1, parallel.sync = \"every_step\"); use \
+                "with {key} = {value} ({what}) is not supported yet: Adafactor runs on one process, under DDP, \
+                 ZeRO-1/2/3, pipelines without ZeRO and periodic synchronization (parallel.tp = 1); use \
                  train.optimizer = \"adamw\" there"
             ),
         )
     };
-    if parallel.pp > 1 {
-        return Err(refuse("parallel.pp", parallel.pp.to_string(), "a pipeline"));
+    if parallel.pp > 1 && parallel.shard != "none" {
+        let value = format!("{:?} with parallel.pp = {}", parallel.shard, parallel.pp);
+        return Err(refuse("parallel.shard", value, "ZeRO inside a pipeline's stage groups"));
     }
     if parallel.tp > 1 {
         return Err(refuse("parallel.tp", parallel.tp.to_string(), "tensor parallelism"));
-    }
-    if parallel.sync != "every_step" {
-        return Err(refuse("parallel.sync", format!("{:?}", parallel.sync), "periodic synchronization"));
     }
     for (param, shape) in shapes {
         if let Err(why) = adafactor::check_packable(shape) {
@@ -248,9 +247,13 @@ mod tests {
         for shard in ["zero1", "zero2", "zero3"] {
             check("adafactor", ParallelConfig { shard: shard.into(), ..ddp.clone() }, matrix, Ok(()));
         }
-        check("adafactor", ParallelConfig { pp: 2, ..ddp.clone() }, matrix, Err("parallel.pp"));
+        check("adafactor", ParallelConfig { pp: 2, ..ddp.clone() }, matrix, Ok(()));
+        let zero_in_stages = ParallelConfig { pp: 2, shard: "zero1".into(), ..ddp.clone() };
+        check("adafactor", zero_in_stages, matrix, Err("parallel.shard"));
         check("adafactor", ParallelConfig { tp: 2, ..ddp.clone() }, matrix, Err("parallel.tp"));
-        check("adafactor", ParallelConfig { sync: "diloco".into(), ..ddp.clone() }, matrix, Err("parallel.sync"));
+        for sync in ["local_sgd", "diloco"] {
+            check("adafactor", ParallelConfig { sync: sync.into(), ..ddp.clone() }, matrix, Ok(()));
+        }
         check("adamw", ParallelConfig { shard: "zero1".into(), ..ddp.clone() }, matrix, Ok(()));
         check("adafactor", ddp, &[("lora_b", &[8, 1])], Err("lora_b"));
     }

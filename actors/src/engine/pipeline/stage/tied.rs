@@ -8,7 +8,8 @@
 //! reduced among the stage's data-parallel replicas (so the reduction sums both uses), and after that
 //! reduction sends the summed gradient back, which the head's device takes as its copy's. The norm
 //! counts the matrix once (the copy is outside the device's parameters), and both devices apply the same
-//! AdamW update to the same gradient bits by the same kernel, so the copies stay bit-identical. The flat
+//! optimizer update (AdamW's or Adafactor's, from the same state) to the same gradient bits by the same
+//! kernel, so the copies stay bit-identical. The flat
 //! state — checkpoints, shard pieces, resharding, buddy copies — holds the matrix once, as parameter 0;
 //! the head's device reports its copy as one more piece of that range (a source as good as the
 //! original, since the bits are the same) and drops it from what it writes to checkpoints.
@@ -24,7 +25,7 @@ use troupe_cluster::transport::Transport;
 use troupe_model::config::JobConfig;
 use troupe_model::init::initial_values;
 use troupe_model::model::{param_specs, ModelConfig};
-use troupe_model::optim::{scale_grads, AdamW, AdamWConfig};
+use troupe_model::optim::{scale_grads, Optimizer};
 
 use super::super::super::committed::ShardPiece;
 use super::super::super::flat::{append_flat, copy_from_flat, materialise_grads};
@@ -54,8 +55,8 @@ pub(super) enum Tied {
 pub(super) struct TiedCopy {
     /// A leaf requiring grad, its gradient accumulated into over the step's micro-batches.
     param: Tensor,
-    /// Its AdamW moments (the optimizer's step counter is set to the stage's before each update).
-    optimizer: AdamW,
+    /// Its optimizer state (the step counter is set to the stage's before each update).
+    optimizer: Optimizer,
     /// Its range of the flat order.
     range: Range<usize>,
 }
@@ -74,8 +75,7 @@ impl Tied {
             let spec = &param_specs(&config.model)[0];
             let param = Tensor::from_slice(&values[0]).view(spec.shape.as_slice()).set_requires_grad(true);
             materialise_grads(std::slice::from_ref(&param));
-            let optimizer =
-                AdamW::new(AdamWConfig::from(&config.train), std::slice::from_ref(&param), vec![spec.decays()]);
+            let optimizer = Optimizer::new(&config.train, std::slice::from_ref(&param), vec![spec.decays()]);
             return Ok(Some(Self::Head { embed, copy: TiedCopy { param, optimizer, range } }));
         }
         Ok(match (device == embed, device == head) {
@@ -206,7 +206,7 @@ impl<T: Transport> PipelineStage<T> {
         Ok(grad)
     }
 
-    /// The copy's AdamW update, the step's `t`-th, with the gradient multiplied by `grad_factor` the way
+    /// The copy's optimizer update, the step's `t`-th, with the gradient multiplied by `grad_factor` the way
     /// the embeddings' device multiplies parameter 0's (the flat f32 product with ZeRO inside the groups,
     /// libtorch's otherwise) and the same fused kernel: the same bits as parameter 0.
     pub(super) fn apply_tied_copy(&mut self, grad_factor: f64, lr: f64, t: u64) {
@@ -222,7 +222,7 @@ impl<T: Transport> PipelineStage<T> {
                 scale_grads(std::slice::from_ref(&copy.param), grad_factor);
             }
         }
-        copy.optimizer.step = t - 1;
+        copy.optimizer.set_step(t - 1);
         copy.optimizer.apply(std::slice::from_mut(&mut copy.param), lr);
     }
 
@@ -231,8 +231,9 @@ impl<T: Transport> PipelineStage<T> {
         let Some(Tied::Head { copy, .. }) = &self.tied else { return None };
         let mut piece = ShardPiece::zeros(0..0);
         append_flat(&[copy.param.detach()], &mut piece.master);
-        append_flat(&copy.optimizer.exp_avg, &mut piece.exp_avg);
-        append_flat(&copy.optimizer.exp_avg_sq, &mut piece.exp_avg_sq);
+        let [first, second] = copy.optimizer.packed(0, &copy.param.detach());
+        append_flat(&[first], &mut piece.exp_avg);
+        append_flat(&[second], &mut piece.exp_avg_sq);
         piece.range = copy.range.clone();
         Some(piece)
     }
@@ -249,8 +250,9 @@ impl<T: Transport> PipelineStage<T> {
         let (mut master, mut exp_avg, mut exp_avg_sq) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
         piece.read(&range, [&mut master, &mut exp_avg, &mut exp_avg_sq]);
         copy_from_flat(std::slice::from_ref(&copy.param), &master);
-        copy_from_flat(&copy.optimizer.exp_avg, &exp_avg);
-        copy_from_flat(&copy.optimizer.exp_avg_sq, &exp_avg_sq);
+        let slot = |flat: &[f32]| Tensor::from_slice(flat).view_as(&copy.param);
+        let slots = [slot(&exp_avg), slot(&exp_avg_sq)];
+        copy.optimizer.unpack(0, slots);
     }
 }
 
