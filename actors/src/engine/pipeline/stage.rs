@@ -1,6 +1,7 @@
 //! One pipeline device's share of training: the parameters of its chunks (one per virtual stage), their
-//! optimizer state (AdamW's or Adafactor's), and the execution of its ops of a [`Plan`] over a [`Transport`] — activations out to the
-//! next chunk's device, gradients back to the previous one — followed by the synchronous flush: the
+//! optimizer state (AdamW's or Adafactor's), and the execution of its ops of a [`Plan`] over a
+//! [`Transport`] — activations out to the next chunk's device, gradients back to the previous one —
+//! followed by the synchronous flush: the
 //! gradient norm and the loss summed across devices, clipping and the optimizer on the local parameters.
 //!
 //! Gradients accumulate over the step's micro-batches, each micro-batch's loss weighted by its share of
