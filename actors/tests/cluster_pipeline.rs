@@ -205,6 +205,57 @@ async fn an_adafactor_pipeline_restores_a_lost_stage_from_the_checkpoint() {
     cluster.shutdown().await;
 }
 
+/// Adafactor with ZeRO inside the stages' groups (pp=2 × dp=2 on 4 daemons): a checkpoint written by a
+/// ZeRO-2 job — each owner's range of its device's Adafactor state, the factored statistics packed as
+/// the single process packs them — is continued by a ZeRO-3 job, whose replicas read their ranges back
+/// and complete the device's statistics among themselves; then a daemon is SIGKILLed and its half comes
+/// back from the buddy's copy as the job goes on as one unsharded pipeline. Each lands on the
+/// single-process Adafactor run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adafactor_with_zero_inside_the_stages_resumes_through_a_checkpoint_and_loses_an_owner() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let cluster = common::processes(4).await;
+    let job = |steps: u64, shard: &str| {
+        let mut config = JobConfig::small_llama(steps);
+        config.model.n_layers = 2;
+        (config.parallel.pp, config.parallel.schedule, config.parallel.shard) = (2, "1f1b".into(), shard.into());
+        config.train.optimizer = "adafactor".into();
+        config.train.adafactor.beta1 = Some(0.9);
+        config.train.decay_steps = 40; // the same learning rates whatever `steps` is
+        config.checkpoint.dir = Some(ckpt.clone());
+        config
+    };
+    let first = job(6, "zero2");
+    let out = dir.path().join("6.safetensors");
+    let mut handle = cluster.client().await.unwrap().submit(Job::new(first.clone()).save_final(&out)).await.unwrap();
+    let mut events = Vec::new();
+    while let Some(event) = next(&mut handle).await {
+        events.push(event);
+    }
+    assert!(matches!(events.last(), Some(JobEvent::Finished { steps: 6, .. })), "{events:#?}");
+    check(&first, None, &out, "adafactor pp=2 × dp=2 zero2, 6 steps");
+
+    let second = job(40, "zero3");
+    let out = dir.path().join("40.safetensors");
+    let mut handle = cluster.client().await.unwrap().submit(Job::new(second.clone()).save_final(&out)).await.unwrap();
+    let (mut events, mut killed) = (Vec::new(), false);
+    while let Some(event) = next(&mut handle).await {
+        if matches!(event, JobEvent::Step { step, world: 4, .. } if step >= 10) && !killed {
+            common::signal(cluster.pid(3).unwrap(), "KILL");
+            killed = true;
+        }
+        events.push(event);
+    }
+    assert!(matches!(events.first(), Some(JobEvent::Started { from_step: 6, world: 4, .. })), "{events:#?}");
+    assert!(killed, "{events:#?}");
+    assert!(matches!(events.last(), Some(JobEvent::Finished { steps: 40, .. })), "{events:#?}");
+    assert!(!events.iter().any(|e| matches!(e, JobEvent::RolledBack { .. })), "no rollback: {events:#?}");
+    assert!(events.iter().any(|e| matches!(e, JobEvent::Recovered { world: 2, .. })), "{events:#?}");
+    check(&second, None, &out, "adafactor pp=2 × dp=2 zero2 → zero3 from the checkpoint, an owner lost");
+    cluster.shutdown().await;
+}
+
 /// Issue 7's resharding across `pp`: one checkpoint directory continued by a pp=2 job, a DDP job, a ZB-H1
 /// pp=2 job and a ZeRO-2 job in turn, each starting where the previous one stopped, lands where one
 /// uninterrupted run lands.

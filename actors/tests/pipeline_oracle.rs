@@ -227,6 +227,36 @@ fn adafactor_pipelines_equal_the_reference() {
     }
 }
 
+/// Adafactor with ZeRO inside the stages' groups: each replica owns a range of its device's flat
+/// parameters that cuts matrices anywhere, keeps its first moment and its vectors' second moment, and
+/// all replicas keep the device's factored statistics, advanced from sums all-reduced in the group — the
+/// tied small Llama at pp = 2 × dp = 2 and 3 under ZeRO-1, -2 and -3 (with and without `beta1`) equals
+/// the single-process Adafactor run.
+#[test]
+fn adafactor_with_zero_inside_the_stage_groups_equals_the_reference() {
+    tch::set_num_threads(1);
+    for first_moment in [false, true] {
+        let mut config = tied("llama");
+        config.train.global_batch = 12;
+        config.train.micro_batch = 12;
+        config.train.optimizer = "adafactor".into();
+        if first_moment {
+            config.train.adafactor.beta1 = Some(0.9);
+            config.train.adafactor.relative_step = false;
+            config.train.adafactor.weight_decay = 0.01;
+        }
+        let reference = reference(&config);
+        for (shard, replicas) in [("zero1", 2), ("zero2", 3), ("zero3", 2)] {
+            config.parallel.shard = shard.into();
+            troupe_model::optim::validate(&config.train, &config.parallel, std::iter::empty()).unwrap();
+            let mut options = PipelineOptions::new(ScheduleKind::OneFOneB, 2, 2, 1);
+            options.data_parallel = replicas;
+            let what = format!("adafactor (beta1: {first_moment}) pp=2 × dp={replicas} {shard}");
+            run_and_compare(&config, &options, &reference, &what);
+        }
+    }
+}
+
 #[test]
 fn gpipe_equals_the_reference() {
     check(ScheduleKind::GPipe, 1);

@@ -24,14 +24,17 @@ use tch::{Kind, Tensor};
 use troupe_cluster::collective::{chunk_range, Collective, Communicator, ReduceOp};
 use troupe_cluster::transport::{LossScope, Transport};
 use troupe_cluster::wire::Tag;
+use troupe_cluster::ClusterError;
 use troupe_model::config::JobConfig;
 use troupe_model::data::{load_corpus, rank_slice, GlobalSampler};
 use troupe_model::init::initial_values;
 use troupe_model::model::{
     block_recorded, cross_entropy, embed_recorded, head_recorded, param_specs, ParamOp, ParamSpec, Samples,
 };
+use troupe_model::optim::adafactor_shard::{Prepared, ShardLayout, ShardSlots};
 use troupe_model::optim::{learning_rate, scale_grads, Optimizer};
 use troupe_model::precision::{backward_weight, LossScale, Precision, Update};
+use troupe_model::sections::AdafactorConfig;
 use troupe_model::TrainError;
 
 use super::super::committed::ShardPiece;
@@ -236,11 +239,14 @@ pub struct DataParallelGroup<T: Transport> {
 /// each step's flush (the device's chunks are its one unit: gathered for the step's ops, none between).
 /// With `checkpoint.replicas = k` it also keeps a copy of the owned ranges of its `k` buddies in the group
 /// (replicas `d + 1 … d + k` mod `D`), updated with the same gradient bits as the owner's, so a lost
-/// replica's part is restored from memory.
+/// replica's part is restored from memory. With Adafactor the parts keep its first moment and the
+/// vectors' second moment, and every replica the device's factored statistics ([`StageAdafactor`]).
 struct StageShard {
     mode: ShardMode,
     /// The owned part first, then the copies of the buddies' parts, nearest buddy first.
     parts: Vec<HeldPart>,
+    /// `train.optimizer = "adafactor"`: what its update needs beyond the parts.
+    adafactor: Option<StageAdafactor>,
     /// The parameters lag the masters (an update was applied, or a state loaded, since the last gather).
     params_stale: bool,
     /// ZeRO-3: the specs of the device's parameters, which are empty tensors between steps (dropped
@@ -248,18 +254,51 @@ struct StageShard {
     released_specs: Option<Vec<ParamSpec>>,
 }
 
+/// Adafactor on a sharded stage, as ZeRO's owners run it ([`troupe_model::optim::adafactor_shard`]) over
+/// the device's flat order: the parts keep the first moment (`exp_avg`, zeros without `beta1`) and the
+/// vectors' elementwise second moment (`exp_avg_sq` in its compact form); every replica of the group keeps
+/// the device's matrices' row and column statistics whole. The flush all-reduces the owners' terms of the
+/// per-matrix sums beside the loss and norm, then — once the global norm fixes the clipping factor — of
+/// each parameter's Σ update², so the update after the commit is local to each replica, as AdamW's is.
+struct StageAdafactor {
+    layout: ShardLayout,
+    config: AdafactorConfig,
+    /// The device's factored statistics (replicated in the group).
+    stats: Vec<f32>,
+    /// A state was loaded: `stats` holds only the owned part's statistics, completed by an all-reduce
+    /// in the group (each statistic lies in exactly one owner's range) before the next step.
+    stats_partial: bool,
+    /// The flush's preparation of the step's update, with the group's Σ update² per parameter; None when
+    /// the step will be skipped (fp16 overflow).
+    prepared: Option<(Prepared, Vec<f32>)>,
+}
+
+/// A step's Adafactor update as the flush readied it: the coefficients and the group's reduced sums.
+pub(super) struct Readied {
+    sums: Vec<f32>,
+    grad_factor: f32,
+    lr: f64,
+    t: u64,
+}
+
 impl StageShard {
     /// Replica `replica` of `replicas`' shard of the device's `params` (in flat order, described by
     /// `specs`): its owned part, then its copies of `kept` buddies' parts, each with the parameters'
-    /// values as masters and zero moments and gradient.
+    /// values as masters and zero optimizer state and gradient; `adafactor` for that optimizer.
     fn new(
         mode: ShardMode,
         (replica, replicas): (usize, usize),
         kept: usize,
-        params: &[Tensor],
-        specs: &[ParamSpec],
+        (params, specs): (&[Tensor], &[ParamSpec]),
+        adafactor: Option<&AdafactorConfig>,
     ) -> Self {
         let (numels, decays): (Vec<usize>, Vec<bool>) = specs.iter().map(|s| (s.numel(), s.decays())).unzip();
+        let adafactor = adafactor.map(|config| {
+            let shapes: Vec<Vec<i64>> = specs.iter().map(|s| s.shape.clone()).collect();
+            let layout = ShardLayout::new(&shapes, &decays);
+            let stats = vec![0.0; layout.stats_len()];
+            StageAdafactor { layout, config: config.clone(), stats, stats_partial: false, prepared: None }
+        });
         let total = numels.iter().sum();
         let mut all = Vec::with_capacity(total);
         append_flat(params, &mut all);
@@ -268,12 +307,13 @@ impl StageShard {
             .map(|owner| {
                 let range = chunk_range(total, replicas, owner);
                 let n = range.len();
+                let second = adafactor.as_ref().map_or(n, |a| a.layout.vector_elements(&range));
                 HeldPart {
                     owner,
                     segments: plan_segments(&numels, &decays, &range),
                     master: all[range.clone()].to_vec(),
                     exp_avg: vec![0.0; n],
-                    exp_avg_sq: vec![0.0; n],
+                    exp_avg_sq: vec![0.0; second],
                     grad: vec![0.0; n],
                     range,
                 }
@@ -282,6 +322,7 @@ impl StageShard {
         StageShard {
             mode,
             parts,
+            adafactor,
             params_stale: false,
             released_specs: (mode == ShardMode::Zero3).then(|| specs.to_vec()),
         }
@@ -291,10 +332,20 @@ impl StageShard {
     fn own(&self) -> &HeldPart {
         &self.parts[0]
     }
+
+    /// `part`'s second slot as checkpoints pack it: AdamW's `exp_avg_sq`, or Adafactor's expanded from
+    /// the compact form and the statistics.
+    fn second_slot<'a>(&self, part: &'a HeldPart) -> std::borrow::Cow<'a, [f32]> {
+        match &self.adafactor {
+            Some(a) => std::borrow::Cow::Owned(a.layout.expand(&part.range, &part.exp_avg_sq, &a.stats)),
+            None => std::borrow::Cow::Borrowed(&part.exp_avg_sq),
+        }
+    }
 }
 
 /// An owned range of the device's flat order held by a replica — its own, or its copy of a buddy's: the
-/// masters, moments and the step's reduced gradient.
+/// masters, the optimizer's state (AdamW's moments; Adafactor's first moment and compact second moment,
+/// [`StageAdafactor`]) and the step's reduced gradient.
 struct HeldPart {
     /// The replica of the group that owns the range.
     owner: usize,
@@ -379,7 +430,8 @@ impl<T: Transport> PipelineStage<T> {
             (Some(mode), Some(group)) if group.comm.world() > 1 => {
                 let (replica, replicas) = (group.comm.rank(), group.comm.world());
                 let kept = copies_kept(config.checkpoint.replicas, shape.virtual_stages).min(replicas - 1);
-                let shard = StageShard::new(mode, (replica, replicas), kept, &params, &specs);
+                let adafactor = (config.train.optimizer == "adafactor").then_some(&config.train.adafactor);
+                let shard = StageShard::new(mode, (replica, replicas), kept, (&params, &specs), adafactor);
                 // The moments live in the shard: the optimizer's per-parameter ones are dropped.
                 optimizer.clear_state();
                 Some(shard)
@@ -389,7 +441,8 @@ impl<T: Transport> PipelineStage<T> {
         let sampler = load_sampler(&config, &chunks)?;
         // Every parameter gets a gradient tensor, accumulated into in place.
         materialise_grads(&params);
-        let tied = Tied::of(&config, shape, device)?;
+        let sharded_adafactor = shard.as_ref().is_some_and(|s| s.adafactor.is_some());
+        let tied = Tied::of(&config, shape, device, sharded_adafactor)?;
         let microbatches = microbatch_ranges(slice, shape.microbatches);
         let (precision, loss_scale) = (Precision::of_config(&config.parallel), LossScale::initial(&config.parallel));
         Ok(Self {
@@ -443,12 +496,13 @@ impl<T: Transport> PipelineStage<T> {
             // into flat-order ranges (the order of `held_ranges`).
             let mut pieces = Vec::new();
             for part in &shard.parts {
+                let second = shard.second_slot(part);
                 for (local, range) in self.owned_pieces(&part.range) {
                     pieces.push(ShardPiece {
                         range,
                         master: part.master[local.clone()].to_vec(),
                         exp_avg: part.exp_avg[local.clone()].to_vec(),
-                        exp_avg_sq: part.exp_avg_sq[local].to_vec(),
+                        exp_avg_sq: second[local].to_vec(),
                     });
                 }
             }
@@ -488,14 +542,25 @@ impl<T: Transport> PipelineStage<T> {
                 .expect("load_state: a piece holds each range this device needs")
         };
         if let Some(shard) = self.shard.as_mut() {
-            for part in &mut shard.parts {
+            if let Some(a) = shard.adafactor.as_mut() {
+                a.stats.iter_mut().for_each(|v| *v = 0.0);
+                a.stats_partial = true; // completed in the group at the next step
+                a.prepared = None;
+            }
+            for (index, part) in shard.parts.iter_mut().enumerate() {
+                let mut second = vec![0f32; part.range.len()];
                 for (local, range) in owned_pieces(&self.ranges, &part.range) {
-                    let out = [
-                        &mut part.master[local.clone()],
-                        &mut part.exp_avg[local.clone()],
-                        &mut part.exp_avg_sq[local],
-                    ];
+                    let out = [&mut part.master[local.clone()], &mut part.exp_avg[local.clone()], &mut second[local]];
                     containing(&range).read(&range, out);
+                }
+                match shard.adafactor.as_mut() {
+                    Some(a) => {
+                        part.exp_avg_sq = a.layout.compact(&part.range, &second);
+                        if index == 0 {
+                            a.layout.import_stats(&part.range, &second, &mut a.stats);
+                        }
+                    }
+                    None => part.exp_avg_sq = second,
                 }
             }
             shard.params_stale = true; // the group's masters, at the next step
@@ -529,15 +594,18 @@ impl<T: Transport> PipelineStage<T> {
         if !shard.params_stale {
             return Ok(());
         }
+        let device = self.device;
+        let flush = |source| PipelineError::Flush { device, step, source };
+        // A loaded state's statistics: each replica has its owned part's, the sum is the device's. Every
+        // replica of the group loads the state of an attempt, so every one takes part.
+        if let Some(a) = shard.adafactor.as_mut().filter(|a| a.stats_partial) {
+            group.comm.all_reduce(&mut a.stats[..], ReduceOp::Sum).await.map_err(flush)?;
+            a.stats_partial = false;
+        }
         let total: usize = self.ranges.iter().map(Range::len).sum();
         self.flat.clear();
         self.flat.resize(total, 0.0);
-        let device = self.device;
-        group.comm.all_gather(&shard.own().master, &mut self.flat).await.map_err(|source| PipelineError::Flush {
-            device,
-            step,
-            source,
-        })?;
+        group.comm.all_gather(&shard.own().master, &mut self.flat).await.map_err(flush)?;
         match &shard.released_specs {
             // ZeRO-3: fresh leaves of the right shapes (the released ones are empty), with gradients.
             Some(specs) => {
@@ -607,6 +675,7 @@ impl<T: Transport> PipelineStage<T> {
         let device = self.device;
         let flush = |source| PipelineError::Flush { device, step, source };
         let grads: Vec<Tensor> = self.params.iter().map(Tensor::grad).collect();
+        let mut adafactor_sums = None;
         let sum_sq = match (&mut self.data_parallel, &mut self.shard) {
             (Some(group), Some(shard)) => {
                 // ZeRO-1: all-reduce, keep the owned range; ZeRO-2: reduce-scatter, only the owned range
@@ -630,11 +699,16 @@ impl<T: Transport> PipelineStage<T> {
                         part.grad.copy_from_slice(&self.flat[part.range.clone()]);
                     }
                 }
-                let own_sq: f64 = shard.own().grad.iter().map(|&g| f64::from(g) * f64::from(g)).sum();
-                let mut pair = [own_sq as f32, loss as f32];
-                group.comm.all_reduce(&mut pair[..], ReduceOp::Sum).await.map_err(flush)?;
-                loss = f64::from(pair[1]);
-                f64::from(pair[0])
+                let own = shard.own();
+                let own_sq: f64 = own.grad.iter().map(|&g| f64::from(g) * f64::from(g)).sum();
+                let mut totals = vec![own_sq as f32, loss as f32];
+                if let Some(a) = &shard.adafactor {
+                    totals.extend(a.layout.partial_sums(&own.range, &own.master, &own.grad));
+                }
+                group.comm.all_reduce(&mut totals[..], ReduceOp::Sum).await.map_err(flush)?;
+                loss = f64::from(totals[1]);
+                adafactor_sums = shard.adafactor.is_some().then(|| totals.split_off(2));
+                f64::from(totals[0])
             }
             (Some(group), None) => {
                 // The replicas' weighted gradients (and losses) sum to the whole batch's.
@@ -652,12 +726,38 @@ impl<T: Transport> PipelineStage<T> {
         let mut totals = [sum_sq as f32, loss as f32];
         self.comm.all_reduce(&mut totals[..], ReduceOp::Sum).await.map_err(flush)?;
         let (grad_norm, loss) = (f64::from(totals[0]).sqrt(), f64::from(totals[1]));
+        if let Some(sums) = adafactor_sums {
+            let prepared = self.prepare_adafactor(grad_norm, sums).await.map_err(flush)?;
+            self.share_tied_adafactor(step, prepared).await?;
+        }
         self.release_params();
         Ok(ReducedStage { loss, grad_norm, spans: run.spans })
     }
 
+    /// Adafactor under ZeRO, at the end of the flush (before the vote): the update the step will apply
+    /// if committed — the loss scaler's verdict on `grad_norm` previewed, the statistics advanced from
+    /// the group's reduced per-matrix `sums` — and its Σ update² per parameter all-reduced in the group.
+    /// Nothing when the step will be skipped (fp16 overflow: every device sees the same norm). Returns
+    /// what a tied head's copy needs to follow: the step's coefficients and the group's reduced sums.
+    async fn prepare_adafactor(&mut self, grad_norm: f64, sums: Vec<f32>) -> Result<Option<Readied>, ClusterError> {
+        let (Some(group), Some(shard)) = (&mut self.data_parallel, &mut self.shard) else { return Ok(None) };
+        let StageShard { parts, adafactor: Some(a), .. } = shard else { return Ok(None) };
+        let (train, parallel) = (&self.config.train, &self.config.parallel);
+        let mut scaler = self.loss_scale;
+        a.prepared = None;
+        let verdict = scaler.conclude(self.precision, grad_norm, train.grad_clip, parallel.loss_scale_window);
+        let Update::Apply { grad_factor, .. } = verdict else { return Ok(None) };
+        let (grad_factor, lr, t) = (grad_factor as f32, learning_rate(train, self.step), self.optimizer.step() + 1);
+        let prepared = Prepared::new(&a.layout, &a.config, &a.stats, &sums, grad_factor, lr, t);
+        let own = &parts[0];
+        let mut update_sq = prepared.partial_update_sq(&a.layout, &own.range, &own.grad, &own.exp_avg_sq);
+        group.comm.all_reduce(&mut update_sq[..], ReduceOp::Sum).await?;
+        a.prepared = Some((prepared, update_sq));
+        Ok(Some(Readied { sums, grad_factor, lr, t }))
+    }
+
     /// The second half, once the step is committed: unscale and clip by the global norm, the optimizer
-    /// (AdamW or Adafactor; AdamW's kernel on the shard with ZeRO inside the group) on the local
+    /// (AdamW or Adafactor; on the owned part and the buddy copies with ZeRO inside the group) on the local
     /// parameters (or, when fp16 overflowed, no update), advance the step counter.
     pub fn apply_update(&mut self, reduced: ReducedStage) -> StageStep {
         let step = self.step;
@@ -668,15 +768,30 @@ impl<T: Transport> PipelineStage<T> {
         let lr = learning_rate(train, step);
         match (update, &mut self.shard) {
             (Update::Apply { grad_factor, .. }, Some(shard)) => {
-                if grad_factor != 1.0 {
-                    let factor = grad_factor as f32;
-                    shard.parts.iter_mut().flat_map(|p| p.grad.iter_mut()).for_each(|g| *g *= factor);
-                }
                 let t = self.optimizer.step() + 1;
                 // Each copy gets the bits its owner gets: same gradient, same coefficient, same kernel.
-                for part in &mut shard.parts {
-                    let state = [&mut part.master, &mut part.exp_avg, &mut part.exp_avg_sq];
-                    adamw_on_segments(state, &part.segments, &part.grad, train, lr, t);
+                if let Some(a) = shard.adafactor.as_mut() {
+                    // The flush prepared this step's update (the factor applied inside it).
+                    let (prepared, update_sq) = a.prepared.take().expect("the flush prepared the committed update");
+                    for part in &mut shard.parts {
+                        let slots = ShardSlots {
+                            master: &mut part.master,
+                            exp_avg: &mut part.exp_avg,
+                            compact: &mut part.exp_avg_sq,
+                            grad: &part.grad,
+                        };
+                        prepared.apply(&a.layout, &part.range, slots, &update_sq);
+                    }
+                    a.stats = prepared.stats;
+                } else {
+                    if grad_factor != 1.0 {
+                        let factor = grad_factor as f32;
+                        shard.parts.iter_mut().flat_map(|p| p.grad.iter_mut()).for_each(|g| *g *= factor);
+                    }
+                    for part in &mut shard.parts {
+                        let state = [&mut part.master, &mut part.exp_avg, &mut part.exp_avg_sq];
+                        adamw_on_segments(state, &part.segments, &part.grad, train, lr, t);
+                    }
                 }
                 self.optimizer.set_step(t);
                 shard.params_stale = true; // gathered before the next step's forward

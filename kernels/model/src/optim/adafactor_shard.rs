@@ -107,6 +107,16 @@ impl ShardLayout {
         self.params.len()
     }
 
+    /// Where parameter `index`'s factored statistics lie in the replicated statistics (empty for a
+    /// vector): its terms of [`Self::partial_sums`] are at `param_count() + ` this range.
+    pub fn stats_of(&self, index: usize) -> Range<usize> {
+        let param = &self.params[index];
+        match param.moment {
+            Moment::Full => 0..0,
+            Moment::Factored { stats_at, .. } => stats_at..stats_at + param.prefix(),
+        }
+    }
+
     /// The parameters a flat range covers.
     fn overlaps<'a>(&'a self, range: &'a Range<usize>) -> impl Iterator<Item = Overlap<'a>> + 'a {
         self.params.iter().enumerate().filter_map(move |(index, param)| {

@@ -10,8 +10,9 @@
 //! Where Adafactor runs (checked at config time, [`validate`]): the reference trainer and DDP, whose
 //! ranks each hold the whole optimizer state and apply the same update, and ZeRO-1/2/3, whose owners
 //! update their flat ranges with [`adafactor_shard`] (the per-matrix statistics replicated, their sums
-//! all-reduced). Pipelines and tensor parallelism update flat shards with AdamW's elementwise kernel,
-//! and periodic synchronization is not tested with it: those are refused with Adafactor.
+//! all-reduced) — in a data-parallel group, or in a pipeline stage's group over the device's flat order.
+//! Tensor parallelism updates its flat shards with AdamW's elementwise kernel (a matrix's statistics
+//! would need sums over the tensor group): refused with Adafactor.
 
 use tch::Tensor;
 
@@ -154,8 +155,8 @@ fn adamw_only() -> String {
 
 /// The `train.optimizer` keys: a known optimizer, Adafactor's hyper-parameters in range, its state
 /// packable for every parameter (`shapes`: the model's names and shapes), and a parallel layout that
-/// runs it (the reference trainer, DDP, ZeRO-1/2/3, pipelines whose stages hold whole parameters, and
-/// as the inner optimizer of local SGD and DiLoCo, which each replica runs whole on its own parameters).
+/// runs it (the reference trainer, DDP, ZeRO-1/2/3, pipelines with or without ZeRO in their stage
+/// groups, and as the inner optimizer of local SGD and DiLoCo, which each replica runs whole on its own parameters).
 pub fn validate<'a>(
     train: &TrainConfig,
     parallel: &ParallelConfig,
@@ -175,15 +176,11 @@ pub fn validate<'a>(
             "\"adafactor\"".into(),
             format!(
                 "with {key} = {value} ({what}) is not supported yet: Adafactor runs on one process, under DDP, \
-                 ZeRO-1/2/3, pipelines without ZeRO and periodic synchronization (parallel.tp = 1); use \
-                 train.optimizer = \"adamw\" there"
+                 ZeRO-1/2/3, pipelines (ZeRO inside their stage groups too) and periodic synchronization \
+                 (parallel.tp = 1); use train.optimizer = \"adamw\" there"
             ),
         )
     };
-    if parallel.pp > 1 && parallel.shard != "none" {
-        let value = format!("{:?} with parallel.pp = {}", parallel.shard, parallel.pp);
-        return Err(refuse("parallel.shard", value, "ZeRO inside a pipeline's stage groups"));
-    }
     if parallel.tp > 1 {
         return Err(refuse("parallel.tp", parallel.tp.to_string(), "tensor parallelism"));
     }

@@ -14,6 +14,11 @@
 //! the head's device reports its copy as one more piece of that range (a source as good as the
 //! original, since the bits are the same) and drops it from what it writes to checkpoints.
 //!
+//! With Adafactor and ZeRO inside the stage groups, the embeddings' replicas update their ranges of the
+//! matrix with the sharded Adafactor, whose per-matrix terms are sums over the group; the copy then
+//! follows with the same elementwise math on the whole matrix ([`CopyAdafactor`]), from the matrix's
+//! reduced terms the embeddings' device sends once its group has them — the same bits again.
+//!
 //! A device that holds both the first and the last chunk (a one-device pipeline, with or without
 //! virtual stages) runs its head on parameter 0 itself: autograd sums both uses, nothing is exchanged.
 
@@ -25,13 +30,14 @@ use troupe_cluster::transport::Transport;
 use troupe_model::config::JobConfig;
 use troupe_model::init::initial_values;
 use troupe_model::model::{param_specs, ModelConfig};
+use troupe_model::optim::adafactor_shard::{Prepared, ShardLayout, ShardSlots};
 use troupe_model::optim::{scale_grads, Optimizer};
 
 use super::super::super::committed::ShardPiece;
 use super::super::super::flat::{append_flat, copy_from_flat, materialise_grads};
 use super::super::super::shard_plan::ShardMode;
 use super::super::{PipelineError, PlanShape};
-use super::PipelineStage;
+use super::{PipelineStage, Readied};
 
 /// The flat range (the token-embedding matrix, parameter 0) that `device` keeps a copy of: the device of
 /// the last chunk of a tied model, when the first chunk is on another device. Pure.
@@ -59,12 +65,32 @@ pub(super) struct TiedCopy {
     optimizer: Optimizer,
     /// Its range of the flat order.
     range: Range<usize>,
+    /// Adafactor with ZeRO inside the stage groups: the state the copy is updated with instead of
+    /// `optimizer`'s.
+    adafactor: Option<CopyAdafactor>,
+}
+
+/// The copy's Adafactor when the embeddings' owners run the sharded one: the matrix as a one-parameter
+/// [`ShardLayout`] held whole — its first moment (zeros without `beta1`), its factored statistics (a
+/// matrix has no elementwise second moment) — and the step's update readied from the embeddings'
+/// device's terms.
+pub(super) struct CopyAdafactor {
+    layout: ShardLayout,
+    exp_avg: Vec<f32>,
+    stats: Vec<f32>,
+    prepared: Option<(Prepared, Vec<f32>)>,
 }
 
 impl Tied {
     /// The role of `device` in `shape`'s pipeline for `config`'s model (None: untied, or neither end),
-    /// the copy initialised to parameter 0's initial values.
-    pub(super) fn of(config: &JobConfig, shape: PlanShape, device: usize) -> Result<Option<Self>, PipelineError> {
+    /// the copy initialised to parameter 0's initial values; `sharded_adafactor` when the stages run
+    /// Adafactor on ZeRO shards (the copy then follows them, [`CopyAdafactor`]).
+    pub(super) fn of(
+        config: &JobConfig,
+        shape: PlanShape,
+        device: usize,
+        sharded_adafactor: bool,
+    ) -> Result<Option<Self>, PipelineError> {
         if !config.model.head_takes_embedding() {
             return Ok(None);
         }
@@ -75,8 +101,14 @@ impl Tied {
             let spec = &param_specs(&config.model)[0];
             let param = Tensor::from_slice(&values[0]).view(spec.shape.as_slice()).set_requires_grad(true);
             materialise_grads(std::slice::from_ref(&param));
-            let optimizer = Optimizer::new(&config.train, std::slice::from_ref(&param), vec![spec.decays()]);
-            return Ok(Some(Self::Head { embed, copy: TiedCopy { param, optimizer, range } }));
+            let mut optimizer = Optimizer::new(&config.train, std::slice::from_ref(&param), vec![spec.decays()]);
+            let adafactor = sharded_adafactor.then(|| {
+                optimizer.clear_state(); // only its step counter is used
+                let layout = ShardLayout::new(std::slice::from_ref(&spec.shape), &[spec.decays()]);
+                let stats = vec![0.0; layout.stats_len()];
+                CopyAdafactor { layout, exp_avg: vec![0.0; spec.numel()], stats, prepared: None }
+            });
+            return Ok(Some(Self::Head { embed, copy: TiedCopy { param, optimizer, range, adafactor } }));
         }
         Ok(match (device == embed, device == head) {
             (true, true) => Some(Self::Local),
@@ -206,12 +238,63 @@ impl<T: Transport> PipelineStage<T> {
         Ok(grad)
     }
 
+    /// Adafactor under ZeRO, once the flush readied the step's update (`readied`: None when the step will
+    /// be skipped — on every device alike): the embeddings' device sends the head's device the matrix's
+    /// terms its group reduced (Σ master², the row and column sums of g², Σ update²), and the head's
+    /// device readies its copy's update from them with the same coefficients.
+    pub(super) async fn share_tied_adafactor(
+        &mut self,
+        step: u64,
+        readied: Option<Readied>,
+    ) -> Result<(), PipelineError> {
+        let Some(Readied { sums, grad_factor, lr, t }) = readied else { return Ok(()) };
+        let device = self.device;
+        let failed = |peer, source| PipelineError::Tied { device, peer, step, source };
+        match &mut self.tied {
+            Some(Tied::Embed { head }) => {
+                let (head, local) = (*head, self.embedding_local());
+                let Some(a) = self.shard.as_ref().and_then(|s| s.adafactor.as_ref()) else { return Ok(()) };
+                let Some((_, update_sq)) = &a.prepared else { return Ok(()) };
+                let stats = a.layout.stats_of(local);
+                let p = a.layout.param_count();
+                let mut terms = vec![sums[local]];
+                terms.extend_from_slice(&sums[p + stats.start..p + stats.end]);
+                terms.push(update_sq[local]);
+                self.comm.send(head, &terms).await.map_err(|e| failed(head, e))
+            }
+            Some(Tied::Head { embed, copy }) => {
+                let embed = *embed;
+                let Some(a) = copy.adafactor.as_mut() else { return Ok(()) };
+                let mut terms = vec![0f32; 2 + a.layout.stats_len()];
+                self.comm.recv(embed, &mut terms).await.map_err(|e| failed(embed, e))?;
+                let update_sq = vec![terms.pop().expect("Σ update²")];
+                let config = &self.config.train.adafactor;
+                let prepared = Prepared::new(&a.layout, config, &a.stats, &terms, grad_factor, lr, t);
+                a.prepared = Some((prepared, update_sq));
+                Ok(())
+            }
+            Some(Tied::Local) | None => Ok(()),
+        }
+    }
+
     /// The copy's optimizer update, the step's `t`-th, with the gradient multiplied by `grad_factor` the way
     /// the embeddings' device multiplies parameter 0's (the flat f32 product with ZeRO inside the groups,
     /// libtorch's otherwise) and the same fused kernel: the same bits as parameter 0.
     pub(super) fn apply_tied_copy(&mut self, grad_factor: f64, lr: f64, t: u64) {
         let sharded = self.shard.is_some();
         let Some(Tied::Head { copy, .. }) = &mut self.tied else { return };
+        if let Some(a) = copy.adafactor.as_mut() {
+            // As the owners apply the matrix's ranges: the factor inside the readied update.
+            let (prepared, update_sq) = a.prepared.take().expect("the flush readied the copy's update");
+            let (mut master, grad) = (flat_of(&copy.param.detach()), flat_of(&copy.param.grad()));
+            let whole = 0..master.len();
+            let slots = ShardSlots { master: &mut master, exp_avg: &mut a.exp_avg, compact: &mut [], grad: &grad };
+            prepared.apply(&a.layout, &whole, slots, &update_sq);
+            copy_from_flat(std::slice::from_ref(&copy.param), &master);
+            a.stats = prepared.stats;
+            copy.optimizer.set_step(t);
+            return;
+        }
         if grad_factor != 1.0 {
             if sharded {
                 let grad = copy.param.grad();
@@ -231,9 +314,15 @@ impl<T: Transport> PipelineStage<T> {
         let Some(Tied::Head { copy, .. }) = &self.tied else { return None };
         let mut piece = ShardPiece::zeros(0..0);
         append_flat(&[copy.param.detach()], &mut piece.master);
-        let [first, second] = copy.optimizer.packed(0, &copy.param.detach());
-        append_flat(&[first], &mut piece.exp_avg);
-        append_flat(&[second], &mut piece.exp_avg_sq);
+        if let Some(a) = &copy.adafactor {
+            let whole = 0..piece.master.len();
+            piece.exp_avg.clone_from(&a.exp_avg);
+            piece.exp_avg_sq = a.layout.expand(&whole, &[], &a.stats);
+        } else {
+            let [first, second] = copy.optimizer.packed(0, &copy.param.detach());
+            append_flat(&[first], &mut piece.exp_avg);
+            append_flat(&[second], &mut piece.exp_avg_sq);
+        }
         piece.range = copy.range.clone();
         Some(piece)
     }
@@ -250,6 +339,13 @@ impl<T: Transport> PipelineStage<T> {
         let (mut master, mut exp_avg, mut exp_avg_sq) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
         piece.read(&range, [&mut master, &mut exp_avg, &mut exp_avg_sq]);
         copy_from_flat(std::slice::from_ref(&copy.param), &master);
+        if let Some(a) = copy.adafactor.as_mut() {
+            // The whole matrix: its statistics complete, its first moment as it is.
+            a.layout.import_stats(&(0..n), &exp_avg_sq, &mut a.stats);
+            a.exp_avg = exp_avg;
+            a.prepared = None;
+            return;
+        }
         let slot = |flat: &[f32]| Tensor::from_slice(flat).view_as(&copy.param);
         let slots = [slot(&exp_avg), slot(&exp_avg_sq)];
         copy.optimizer.unpack(0, slots);
