@@ -9,6 +9,8 @@
 //! ranks and kill step, and ratio = peer_recovery_s / recovery_s. With `--runs N`, N measurements on fresh
 //! clusters summarised as p50/p99 (and the peer `--peer-runs` times). With `--controller`, the
 //! controller is what is lost: the Raft leader's take-over beside a restart in place ([`takeover`]).
+//! With `--peft lora`, the same loss in a LoRA fine-tuning beside full fine-tuning of the same base
+//! ([`peft`]): what a recovery costs when only the adapters are trained state.
 
 use std::path::PathBuf;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -22,10 +24,11 @@ use troupe_model::config::JobConfig;
 use troupe_model::oracle::compare_params;
 use troupe_model::Trainer;
 
+mod peft;
 pub mod soak;
 mod takeover;
 
-use super::bench_train::{peer_python, peer_script};
+use super::bench_train::{bench_model, peer_python, peer_script};
 use crate::api::{Job, JobEvent, LocalCluster, LocalClusterOptions, NodeHost};
 
 /// Why `--silent --peer` has no torchrun figure (in the report as `peer_note`).
@@ -79,6 +82,24 @@ pub struct RecoveryArgs {
     /// quoted as the peer's floor; then gpt-tiny's tokens/s with three controllers over one.
     #[arg(long, conflicts_with_all = ["silent", "peer", "shard"])]
     pub controller: bool,
+    /// The model: a preset (`gpt-tiny`, `llama-tiny`, `gpt2`, `smollm2-135m`, …) at `--context`
+    /// (default: the job's default model, gpt-tiny).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Tokens per sample with `--model`.
+    #[arg(long, default_value_t = 128, requires = "model")]
+    pub context: usize,
+    /// Samples per step over all ranks (train.global_batch; default: the job's, 8).
+    #[arg(long)]
+    pub global_batch: Option<usize>,
+    /// With `lora`: the preset's model, drawn once and written as a Hugging Face directory, is
+    /// fine-tuned twice per run, every parameter trained and LoRA (r `--lora-r`, alpha 2r, the family's
+    /// default targets), and the same daemon lost in each: the report has both and the ratios.
+    #[arg(long, value_parser = ["none", "lora"], default_value = "none", conflicts_with_all = ["controller", "peer"])]
+    pub peft: String,
+    /// LoRA's rank with `--peft lora`.
+    #[arg(long, default_value_t = 8)]
+    pub lora_r: usize,
     /// Python with torch for the peer (default: $TROUPE_PYTHON, else the provisioned venv).
     #[arg(long)]
     pub python: Option<PathBuf>,
@@ -93,8 +114,10 @@ pub fn run(args: RecoveryArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let report = if args.controller {
         takeover::run(&args, &runtime)?
+    } else if args.peft == "lora" {
+        peft::run(&args, &runtime)?
     } else if args.runs == 1 {
-        let mut report = runtime.block_on(measure(&args))?;
+        let mut report = runtime.block_on(measure(&args, &job_config(&args)?))?;
         if args.peer && args.silent {
             report["peer"] = json!("torchrun");
             report["peer_note"] = json!(TORCHRUN_SILENT);
@@ -116,31 +139,15 @@ pub fn run(args: RecoveryArgs) -> anyhow::Result<()> {
 
 /// `--runs` measurements, each on a fresh cluster, summarised as p50/p99; then the peer's.
 fn repeated(args: &RecoveryArgs, runtime: &tokio::runtime::Runtime) -> anyhow::Result<Value> {
+    let config = job_config(args)?;
     let mut runs = Vec::new();
     for run in 0..args.runs {
-        let report = runtime.block_on(measure(args)).with_context(|| format!("run {} of {}", run + 1, args.runs))?;
+        let report =
+            runtime.block_on(measure(args, &config)).with_context(|| format!("run {} of {}", run + 1, args.runs))?;
         eprintln!("run {}/{}: recovery_s {}, phases {}", run + 1, args.runs, report["recovery_s"], report["phases"]);
         runs.push(report);
     }
-    let of = |pick: &dyn Fn(&Value) -> &Value| quantiles(runs.iter().filter_map(|r| pick(r).as_f64()).collect());
-    let mut summary = json!({
-        "bench": "recovery", "nodes": args.nodes, "kill_at_step": args.kill_at_step, "shard": args.shard,
-        "failure_detector": args.failure_detector, "fault": fault_name(args), "runs_count": runs.len(),
-        "recovery_s": of(&|r| &r["recovery_s"]),
-        "detect_s": of(&|r| &r["detect_s"]),
-        "phases": {
-            "detect_s": of(&|r| &r["phases"]["detect_s"]),
-            "decide_s": of(&|r| &r["phases"]["decide_s"]),
-            "resume_s": of(&|r| &r["phases"]["resume_s"]),
-            "resume": {
-                "rebuild_s": of(&|r| &r["phases"]["resume"]["rebuild_s"]),
-                "restore_s": of(&|r| &r["phases"]["resume"]["restore_s"]),
-                "first_commit_s": of(&|r| &r["phases"]["resume"]["first_commit_s"]),
-            },
-        },
-        "steps_redone_max": runs.iter().filter_map(|r| r["steps_redone"].as_u64()).max(),
-        "max_param_rel_diff_max": runs.iter().filter_map(|r| r["max_param_rel_diff"].as_f64()).reduce(f64::max),
-    });
+    let mut summary = summarise(args, &runs);
     if args.peer && args.silent {
         summary["peer"] = json!("torchrun");
         summary["peer_note"] = json!(TORCHRUN_SILENT);
@@ -156,6 +163,32 @@ fn repeated(args: &RecoveryArgs, runtime: &tokio::runtime::Runtime) -> anyhow::R
     }
     summary["runs"] = json!(runs);
     Ok(summary)
+}
+
+/// `runs`' figures as p50/p99 (and min, max): the summary of `--runs` measurements.
+fn summarise(args: &RecoveryArgs, runs: &[Value]) -> Value {
+    let of = |pick: &dyn Fn(&Value) -> &Value| quantiles(runs.iter().filter_map(|r| pick(r).as_f64()).collect());
+    json!({
+        "bench": "recovery", "nodes": args.nodes, "kill_at_step": args.kill_at_step, "shard": args.shard,
+        "failure_detector": args.failure_detector, "fault": fault_name(args), "runs_count": runs.len(),
+        "model": runs.first().map_or(Value::Null, |r| r["model"].clone()),
+        "trainable_params": runs.first().map_or(Value::Null, |r| r["trainable_params"].clone()),
+        "recovery_s": of(&|r| &r["recovery_s"]),
+        "detect_s": of(&|r| &r["detect_s"]),
+        "phases": {
+            "detect_s": of(&|r| &r["phases"]["detect_s"]),
+            "decide_s": of(&|r| &r["phases"]["decide_s"]),
+            "resume_s": of(&|r| &r["phases"]["resume_s"]),
+            "resume": {
+                "rebuild_s": of(&|r| &r["phases"]["resume"]["rebuild_s"]),
+                "restore_s": of(&|r| &r["phases"]["resume"]["restore_s"]),
+                "first_commit_s": of(&|r| &r["phases"]["resume"]["first_commit_s"]),
+            },
+        },
+        "step_s_median": of(&|r| &r["step_s_median"]),
+        "steps_redone_max": runs.iter().filter_map(|r| r["steps_redone"].as_u64()).max(),
+        "max_param_rel_diff_max": runs.iter().filter_map(|r| r["max_param_rel_diff"].as_f64()).reduce(f64::max),
+    })
 }
 
 /// Nearest-rank p50 and p99 (and min, max) of `values`, in seconds; null without values.
@@ -226,14 +259,29 @@ fn node_hosts(net: &Namespaces) -> Vec<NodeHost> {
     (0..net.nodes()).map(|i| NodeHost { prefix: net.exec_prefix(i), ip: net.addr(i).into() }).collect()
 }
 
-/// One measurement on a fresh local cluster (in network namespaces with `--silent`): troupe's report.
-async fn measure(args: &RecoveryArgs) -> anyhow::Result<Value> {
-    let dir = tempfile::tempdir()?;
-    let out = dir.path().join("final.safetensors");
+/// The job every measurement runs: `--model` at `--context` (the default job's model without it),
+/// `--global-batch`, `--shard`, the kill step and the steps after, one torch thread per rank.
+fn job_config(args: &RecoveryArgs) -> anyhow::Result<JobConfig> {
     let mut config = JobConfig::default();
+    if let Some(name) = &args.model {
+        config.model = bench_model(name, args.context)?;
+    }
+    if let Some(batch) = args.global_batch {
+        config.train.global_batch = batch;
+        config.train.micro_batch = config.train.micro_batch.min(batch);
+    }
     config.train.steps = args.kill_at_step + args.steps_after;
     config.train.torch_threads = 1;
     config.parallel.shard.clone_from(&args.shard);
+    config.validate().context("the benchmark's job")?;
+    Ok(config)
+}
+
+/// One measurement of `config` on a fresh local cluster (in network namespaces with `--silent`):
+/// troupe's report.
+async fn measure(args: &RecoveryArgs, config: &JobConfig) -> anyhow::Result<Value> {
+    let dir = tempfile::tempdir()?;
+    let out = dir.path().join("final.safetensors");
     let namespaces = if args.silent { Some(silent_namespaces(args.nodes)?) } else { None };
     let mut options = LocalClusterOptions::new(args.nodes);
     options.torch_threads = 1;
@@ -265,11 +313,13 @@ async fn measure(args: &RecoveryArgs) -> anyhow::Result<Value> {
     drop(namespaces);
     let steps_redone =
         seen.steps.len() as u64 - seen.steps.iter().collect::<std::collections::BTreeSet<_>>().len() as u64;
-    let diff = if args.no_check { None } else { Some(reference_diff(&config, &out)?) };
+    let diff = if args.no_check { None } else { Some(reference_diff(config, &out)?) };
     seen.step_s.sort_by(f64::total_cmp);
     let step_median = seen.step_s.get(seen.step_s.len() / 2).copied();
     Ok(json!({
         "bench": "recovery", "nodes": args.nodes, "kill_at_step": args.kill_at_step, "shard": args.shard,
+        "model": config.model.preset.as_deref().unwrap_or("custom"),
+        "trainable_params": config.model.param_count(), "global_batch": config.train.global_batch,
         "fault": fault_name(args), "rolled_back": seen.rolled_back,
         "detect_s": seen.detect, "recovery_s": seen.recovery, "steps_redone": steps_redone,
         "steps_committed": seen.steps.len(), "step_s_median": step_median, "max_param_rel_diff": diff,

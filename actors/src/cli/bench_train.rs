@@ -364,7 +364,7 @@ fn known_peak_tflops(device_name: &str, precision: &str) -> Option<f64> {
 }
 
 /// The preset `name` at `context` tokens per sample.
-fn bench_model(name: &str, context: usize) -> anyhow::Result<ModelConfig> {
+pub(crate) fn bench_model(name: &str, context: usize) -> anyhow::Result<ModelConfig> {
     let Some(model) = troupe_model::model::presets::preset(name) else {
         bail!("--model {name:?}: not a preset; one of {}", troupe_model::model::presets::names());
     };
