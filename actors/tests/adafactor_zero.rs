@@ -6,6 +6,8 @@
 //! its buddy's copy and the survivors go on to the same trajectory. A small Llama: see
 //! data_parallel_oracle.rs's `adafactor_job` for why not GPT-2's attention biases.
 
+mod common;
+
 use std::future::Future;
 use std::path::Path;
 use std::sync::Arc;
@@ -28,15 +30,9 @@ const MODES: [ShardMode; 3] = [ShardMode::Zero1, ShardMode::Zero2, ShardMode::Ze
 /// The small Llama with Adafactor: with `first_moment`, `beta1` = 0.9, the schedule's rate and weight
 /// decay; without, HF's defaults (relative step scaled by the parameter's RMS, no decay).
 fn job(first_moment: bool) -> JobConfig {
-    let mut config = JobConfig::small_llama(STEPS);
+    let mut config = common::with_adafactor(JobConfig::small_llama(STEPS), first_moment);
     config.train.global_batch = 8;
     config.train.micro_batch = 2;
-    config.train.optimizer = "adafactor".into();
-    if first_moment {
-        config.train.adafactor.beta1 = Some(0.9);
-        config.train.adafactor.relative_step = false;
-        config.train.adafactor.weight_decay = 0.01;
-    }
     config
 }
 

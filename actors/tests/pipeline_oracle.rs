@@ -10,6 +10,8 @@
 //! schedule, with recomputation, 16-bit precisions and data-parallel replicas of the pipeline, the head's
 //! device keeping a copy of the embedding matrix that stays bit-identical to the first device's.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -192,18 +194,6 @@ fn tied_heads_with_recomputation_and_replicas_equal_the_reference() {
     }
 }
 
-/// `config` with Adafactor: HF's defaults, or with `first_moment` a first moment (`beta1` 0.9), the
-/// schedule's rate and weight decay.
-fn adafactor(mut config: JobConfig, first_moment: bool) -> JobConfig {
-    config.train.optimizer = "adafactor".into();
-    if first_moment {
-        config.train.adafactor.beta1 = Some(0.9);
-        config.train.adafactor.relative_step = false;
-        config.train.adafactor.weight_decay = 0.01;
-    }
-    config
-}
-
 /// Adafactor (HF's defaults, and with a first moment, a fixed rate and weight decay) on each device's
 /// whole parameters: the tied small Llama (the Adafactor oracles run Llama: runtime-semantics, "The
 /// oracle and GPT-2's key bias") in 1F1B, ZB-H1 at P = 4 and interleaved, and pp = 2 × dp = 2, equals
@@ -213,7 +203,7 @@ fn adafactor(mut config: JobConfig, first_moment: bool) -> JobConfig {
 fn adafactor_pipelines_equal_the_reference() {
     tch::set_num_threads(1);
     for first_moment in [false, true] {
-        let config = adafactor(tied("llama"), first_moment);
+        let config = common::with_adafactor(tied("llama"), first_moment);
         troupe_model::optim::validate(&config.train, &config.parallel, std::iter::empty()).unwrap();
         let adamw = reference(&tied("llama"));
         let reference = reference(&config);
@@ -242,7 +232,7 @@ fn adafactor_pipelines_equal_the_reference() {
 fn adafactor_with_zero_inside_the_stage_groups_equals_the_reference() {
     tch::set_num_threads(1);
     for first_moment in [false, true] {
-        let mut config = adafactor(tied("llama"), first_moment);
+        let mut config = common::with_adafactor(tied("llama"), first_moment);
         config.train.global_batch = 12;
         config.train.micro_batch = 12;
         let reference = reference(&config);

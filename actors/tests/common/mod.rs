@@ -113,3 +113,18 @@ pub fn two_block_job(steps: u64) -> troupe_model::config::JobConfig {
     config.train.torch_threads = 1;
     config
 }
+
+/// `config` with Adafactor: HF's defaults (a relative step scaled by the parameter's RMS, no decay), or
+/// with `first_moment` a first moment (`beta1` 0.9), the schedule's rate and weight decay 0.01.
+pub fn with_adafactor(
+    mut config: troupe_model::config::JobConfig,
+    first_moment: bool,
+) -> troupe_model::config::JobConfig {
+    config.train.optimizer = "adafactor".into();
+    if first_moment {
+        config.train.adafactor.beta1 = Some(0.9);
+        config.train.adafactor.relative_step = false;
+        config.train.adafactor.weight_decay = 0.01;
+    }
+    config
+}

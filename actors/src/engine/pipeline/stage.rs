@@ -34,7 +34,6 @@ use troupe_model::model::{
 use troupe_model::optim::adafactor_shard::{Prepared, ShardLayout, ShardSlots};
 use troupe_model::optim::{learning_rate, scale_grads, Optimizer};
 use troupe_model::precision::{backward_weight, LossScale, Precision, Update};
-use troupe_model::sections::AdafactorConfig;
 use troupe_model::TrainError;
 
 use super::super::committed::ShardPiece;
@@ -262,7 +261,6 @@ struct StageShard {
 /// each parameter's Σ update², so the update after the commit is local to each replica, as AdamW's is.
 struct StageAdafactor {
     layout: ShardLayout,
-    config: AdafactorConfig,
     /// The device's factored statistics (replicated in the group).
     stats: Vec<f32>,
     /// A state was loaded: `stats` holds only the owned part's statistics, completed by an all-reduce
@@ -284,20 +282,21 @@ pub(super) struct Readied {
 impl StageShard {
     /// Replica `replica` of `replicas`' shard of the device's `params` (in flat order, described by
     /// `specs`): its owned part, then its copies of `kept` buddies' parts, each with the parameters'
-    /// values as masters and zero optimizer state and gradient; `adafactor` for that optimizer.
+    /// values as masters and zero optimizer state and gradient; `adafactor` for `train.optimizer =
+    /// "adafactor"`.
     fn new(
         mode: ShardMode,
         (replica, replicas): (usize, usize),
         kept: usize,
         (params, specs): (&[Tensor], &[ParamSpec]),
-        adafactor: Option<&AdafactorConfig>,
+        adafactor: bool,
     ) -> Self {
         let (numels, decays): (Vec<usize>, Vec<bool>) = specs.iter().map(|s| (s.numel(), s.decays())).unzip();
-        let adafactor = adafactor.map(|config| {
+        let adafactor = adafactor.then(|| {
             let shapes: Vec<Vec<i64>> = specs.iter().map(|s| s.shape.clone()).collect();
             let layout = ShardLayout::new(&shapes, &decays);
             let stats = vec![0.0; layout.stats_len()];
-            StageAdafactor { layout, config: config.clone(), stats, stats_partial: false, prepared: None }
+            StageAdafactor { layout, stats, stats_partial: false, prepared: None }
         });
         let total = numels.iter().sum();
         let mut all = Vec::with_capacity(total);
@@ -430,7 +429,7 @@ impl<T: Transport> PipelineStage<T> {
             (Some(mode), Some(group)) if group.comm.world() > 1 => {
                 let (replica, replicas) = (group.comm.rank(), group.comm.world());
                 let kept = copies_kept(config.checkpoint.replicas, shape.virtual_stages).min(replicas - 1);
-                let adafactor = (config.train.optimizer == "adafactor").then_some(&config.train.adafactor);
+                let adafactor = config.train.optimizer == "adafactor";
                 let shard = StageShard::new(mode, (replica, replicas), kept, (&params, &specs), adafactor);
                 // The moments live in the shard: the optimizer's per-parameter ones are dropped.
                 optimizer.clear_state();
@@ -748,7 +747,7 @@ impl<T: Transport> PipelineStage<T> {
         let verdict = scaler.conclude(self.precision, grad_norm, train.grad_clip, parallel.loss_scale_window);
         let Update::Apply { grad_factor, .. } = verdict else { return Ok(None) };
         let (grad_factor, lr, t) = (grad_factor as f32, learning_rate(train, self.step), self.optimizer.step() + 1);
-        let prepared = Prepared::new(&a.layout, &a.config, &a.stats, &sums, grad_factor, lr, t);
+        let prepared = Prepared::new(&a.layout, &train.adafactor, &a.stats, &sums, grad_factor, lr, t);
         let own = &parts[0];
         let mut update_sq = prepared.partial_update_sq(&a.layout, &own.range, &own.grad, &own.exp_avg_sq);
         group.comm.all_reduce(&mut update_sq[..], ReduceOp::Sum).await?;
