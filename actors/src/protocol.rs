@@ -113,7 +113,8 @@ pub struct RankUsage {
     pub param_bytes: u64,
     /// Its gradients after the backward (and under ZeRO its reduced range of them).
     pub grad_bytes: u64,
-    /// Its optimizer state: AdamW's moments (under ZeRO its range of them and of the fp32 masters).
+    /// Its optimizer state: AdamW's moments (under ZeRO its range of them and of the fp32 masters), or
+    /// Adafactor's (its shard's first moment and vectors' second moment, the replicated statistics).
     pub optimizer_bytes: u64,
     /// Its buddy copy of a neighbour's shard: parameters, moments and gradients.
     pub buddy_bytes: u64,

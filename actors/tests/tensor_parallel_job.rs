@@ -10,8 +10,11 @@
 //! buddy copies, and the job goes on at tp = 2; one that loses two neighbours rolls back to its checkpoint.
 //! 16-bit products (bf16, fp16 with an injected overflow) track the reference in their precision. With a
 //! pipeline (tp × pp × dp, every schedule, a killed daemon): [`pipeline`]. What each rank holds and sends
-//! (the `Usage` event) against the planner and Megatron's volume: [`usage`].
+//! (the `Usage` event) against the planner and Megatron's volume: [`usage`]. Adafactor under tensor
+//! parallelism (tp × dp, checkpoints across degrees, a killed rank): [`adafactor`].
 
+#[path = "tensor_parallel_job/adafactor.rs"]
+mod adafactor;
 mod common;
 #[path = "tensor_parallel_job/peft.rs"]
 mod peft;

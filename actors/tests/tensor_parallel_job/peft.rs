@@ -4,7 +4,8 @@
 //! the head) of a GPT-2 (sequence parallelism off) each equal the single-process fine-tuning reference —
 //! per-step losses and the final trained parameters (the adapters, or the unfrozen modules) within 1e-5
 //! relative, fp32 — and LoRA with dropout (`peft.dropout` = 0.1), whose masks each rank draws for the
-//! samples of its micro-batches as the reference does.
+//! samples of its micro-batches as the reference does; LoRA trained with Adafactor (its factored
+//! statistics of each adapter all-reduced over the tensor group).
 
 use std::path::Path;
 
@@ -39,9 +40,19 @@ async fn tp2_lora_and_freeze_jobs_equal_the_fine_tuning_reference() {
     let dropout = PeftConfig { dropout: 0.1, ..all_linears.clone() };
     let freeze = PeftConfig { method: Method::Freeze, last_blocks: 1, ..PeftConfig::default() };
     let cases = [
-        ("llama LoRA tp=2 sp", fine_tuned(JobConfig::small_llama(STEPS), all_linears, true, &dir.path().join("l"))),
+        (
+            "llama LoRA tp=2 sp",
+            fine_tuned(JobConfig::small_llama(STEPS), all_linears.clone(), true, &dir.path().join("l")),
+        ),
         ("llama LoRA dropout tp=2 sp", fine_tuned(JobConfig::small_llama(STEPS), dropout, true, &dir.path().join("d"))),
         ("gpt2 freeze tp=2 no sp", fine_tuned(JobConfig::small(STEPS), freeze, false, &dir.path().join("g"))),
+        (
+            "llama LoRA adafactor tp=2 sp",
+            super::common::with_adafactor(
+                fine_tuned(JobConfig::small_llama(STEPS), all_linears, true, &dir.path().join("a")),
+                true,
+            ),
+        ),
     ];
     let with_dropout = troupe_model::Trainer::new(cases[1].1.clone()).unwrap();
     let out = |what: &str| dir.path().join(format!("{}.safetensors", what.replace(' ', "-")));

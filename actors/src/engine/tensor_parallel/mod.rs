@@ -8,7 +8,8 @@
 //! tensor index) run over [`Subgroup`]s of the attempt's mesh.
 //!
 //! State between attempts is [`CommittedState::Full`], layout-free: at the start of an attempt each rank
-//! cuts its shards (parameters and AdamW moments) from the whole state with `TpLayout::shard`; at its
+//! cuts its shards (parameters and the optimizer's state: AdamW's moments, or Adafactor's, see
+//! [`adafactor`]) from the whole state with `TpLayout::shard`; at its
 //! end (and for a checkpoint, an evaluation or `--save-final`) the tensor group all-gathers them back
 //! with `TpLayout::gather`. Each rank also holds a buddy copy of the previous tensor rank's shard and
 //! moments, updated in lockstep ([`Buddy`]). When a rank of a group is lost, the others' final gather
@@ -22,6 +23,7 @@
 //! fenced the attempt's, so that a computation left waiting on a peer that broke off (the attempt failed
 //! elsewhere) fails at once instead of holding the shards for a collective timeout.
 
+mod adafactor;
 mod degree;
 mod group;
 mod meter;
@@ -42,7 +44,7 @@ use troupe_model::checkpoint::{CheckpointWriter, Layout, SaveRequest, TrainingSt
 use troupe_model::data::{micro_batch_ranges, rank_slice};
 use troupe_model::generate::Evaluation;
 use troupe_model::model::Samples;
-use troupe_model::optim::{learning_rate, scale_grads, AdamW, AdamWConfig};
+use troupe_model::optim::{learning_rate, scale_grads, AdamW, AdamWConfig, Optimizer};
 use troupe_model::precision::{backward_weight, Update};
 use troupe_model::tensor_parallel::{TpError, TpGroup, TpLayout, TpRank};
 use troupe_model::Trainer;
@@ -53,6 +55,7 @@ use super::pipeline::{costs_for, ModelCosts, PlanShape};
 use super::shard_plan::ShardMode;
 use super::step_engine::{EngineError, ReducedStep, StepEngine};
 use crate::protocol::{rank_at, rank_coords, GroupKind, RankUsage};
+use adafactor::{Preview, TpAdafactor};
 pub use degree::{degree_change, degrees_to_try};
 use group::CommGroup;
 use meter::{Meter, Metered};
@@ -87,6 +90,9 @@ struct Parts<T: Transport> {
     recompute: bool,
     /// `parallel.shard` (ZeRO) inside the data-parallel group: this rank's owned range of its shards.
     zero: Option<zero::Zero>,
+    /// `train.optimizer = "adafactor"`: its state for the shards and the buddy copy (`optimizer` and
+    /// the buddy's then only count the steps).
+    adafactor: Option<TpAdafactor>,
 }
 
 /// This rank's copy of the previous rank's shard in its tensor group (tensor index `index`): its
@@ -293,10 +299,27 @@ impl<T: Transport> TensorParallelReplica<T> {
         let held = troupe_model::tensor_parallel::held_params(&config.model, &runs);
         let full: Vec<Tensor> = self.trainer.model.params().iter().map(Tensor::detach).collect();
         let shards = layout.shard_held(&full, t, &held);
-        let exp_avg = layout.shard_held(&self.trainer.optimizer.adamw().exp_avg, t, &held);
-        let exp_avg_sq = layout.shard_held(&self.trainer.optimizer.adamw().exp_avg_sq, t, &held);
+        // With Adafactor its own state stands beside an AdamW that only counts the steps.
+        let whole_adafactor = match &self.trainer.optimizer {
+            Optimizer::Adafactor(whole) => Some(whole),
+            Optimizer::AdamW(_) => None,
+        };
+        let (exp_avg, exp_avg_sq) = match whole_adafactor {
+            Some(_) => (Vec::new(), Vec::new()),
+            None => {
+                let adamw = self.trainer.optimizer.adamw();
+                (layout.shard_held(&adamw.exp_avg, t, &held), layout.shard_held(&adamw.exp_avg_sq, t, &held))
+            }
+        };
         let decays: Vec<bool> = self.trainer.model.specs().iter().map(|s| s.decays()).collect();
-        let zero = match (ShardMode::of_config(&config.parallel.shard), &dp) {
+        let zero_mode = ShardMode::of_config(&config.parallel.shard).filter(|_| dp.is_some());
+        if whole_adafactor.is_some() && (zero_mode.is_some() || pipe.is_some()) {
+            return Err(EngineError::Setup(
+                "train.optimizer = \"adafactor\" under tensor parallelism runs with parallel.pp = 1 and parallel.shard = \"none\""
+                    .into(),
+            ));
+        }
+        let zero = match (zero_mode, &dp) {
             (Some(mode), Some(_)) => {
                 let moments = [exp_avg.as_slice(), exp_avg_sq.as_slice()];
                 let zero = zero::Zero::new(mode, (d, self.replicas()), &shards, moments, &decays);
@@ -315,11 +338,19 @@ impl<T: Transport> TensorParallelReplica<T> {
                 .iter()
                 .map(|s| s.detach().copy().set_requires_grad(true))
                 .collect();
-            let moments = [&self.trainer.optimizer.adamw().exp_avg, &self.trainer.optimizer.adamw().exp_avg_sq];
-            let [exp_avg, exp_avg_sq] = moments.map(|m| layout.shard_held(m, index, &held));
-            let optimizer = self.adamw(&params, &exp_avg, &exp_avg_sq);
+            let optimizer = match whole_adafactor {
+                Some(_) => self.adamw(&params, &[], &[]),
+                None => {
+                    let adamw = self.trainer.optimizer.adamw();
+                    let [exp_avg, exp_avg_sq] =
+                        [&adamw.exp_avg, &adamw.exp_avg_sq].map(|m| layout.shard_held(m, index, &held));
+                    self.adamw(&params, &exp_avg, &exp_avg_sq)
+                }
+            };
             Buddy { index, params, optimizer }
         });
+        let adafactor = whole_adafactor
+            .map(|whole| TpAdafactor::new(whole, &full, &decays, &layout, t, &held, buddy.as_ref().map(|b| b.index)));
         let mut rank = TpRank::running(layout, t, shards, runs);
         rank.precision = self.trainer.model.precision;
         let mut optimizer = self.adamw(rank.params(), &exp_avg, &exp_avg_sq);
@@ -342,7 +373,7 @@ impl<T: Transport> TensorParallelReplica<T> {
         }
         let recompute = self.trainer.config.parallel.recompute;
         let tp = CommGroup { comm: tp, handle };
-        self.parts = Some(Parts { rank, tp, dp, optimizer, buddy, pipe, recompute, zero });
+        self.parts = Some(Parts { rank, tp, dp, optimizer, buddy, pipe, recompute, zero, adafactor });
         self.sharded = true;
         Ok(())
     }
@@ -411,7 +442,7 @@ impl<T: Transport> TensorParallelReplica<T> {
             .collect()
     }
 
-    /// The whole state (parameters, AdamW moments and counters) gathered from the tensor group into the
+    /// The whole state (parameters, the optimizer's state and counters) gathered from the tensor group into the
     /// trainer, on every rank of the group. With `fresh`, over a new sequence of collectives in the epoch
     /// after the attempt's (see [`StepEngine::into_state`]).
     async fn gather(&mut self, fresh: bool) -> Result<(), EngineError> {
@@ -469,11 +500,19 @@ impl<T: Transport> TensorParallelReplica<T> {
         Ok(())
     }
 
-    /// The whole state (parameters, exp_avg, exp_avg_sq; AdamW at `optimizer_step`) into the trainer.
-    fn keep(&mut self, [params, exp_avg, exp_avg_sq]: [Vec<Tensor>; 3], optimizer_step: u64) {
+    /// The whole state (parameters and the optimizer's two slots — AdamW's exp_avg and exp_avg_sq,
+    /// Adafactor's packed ones — at `optimizer_step`) into the trainer.
+    fn keep(&mut self, [params, first, second]: [Vec<Tensor>; 3], optimizer_step: u64) {
         copy_tensors(self.trainer.model.params(), &params);
-        let adamw = self.trainer.optimizer.adamw_mut();
-        (adamw.exp_avg, adamw.exp_avg_sq, adamw.step) = (exp_avg, exp_avg_sq, optimizer_step);
+        match &mut self.trainer.optimizer {
+            Optimizer::AdamW(adamw) => (adamw.exp_avg, adamw.exp_avg_sq, adamw.step) = (first, second, optimizer_step),
+            Optimizer::Adafactor(adafactor) => {
+                for (i, slots) in first.into_iter().zip(second).enumerate() {
+                    adafactor.unpack(i, slots.into());
+                }
+                adafactor.step = optimizer_step;
+            }
+        }
     }
 
     /// What the survivors of this rank's tensor group need to put its stage together after it lost a
@@ -517,11 +556,13 @@ impl<T: Transport> TensorParallelReplica<T> {
     /// survivor of a tensor group that lost its other rank keeps. False (the trainer untouched) when
     /// they are not.
     fn reassemble(&mut self) -> bool {
-        let Some(Parts { rank, optimizer, buddy: Some(buddy), pipe: None, .. }) = &self.parts else { return false };
+        let Some(parts @ Parts { rank, optimizer, buddy: Some(buddy), pipe: None, .. }) = &self.parts else {
+            return false;
+        };
         if self.degree != 2 || optimizer.step != buddy.optimizer.step {
             return false;
         }
-        let (own, copy) = (state_lists(rank.params(), optimizer), state_lists(&buddy.params, &buddy.optimizer));
+        let (own, copy) = (own_lists(parts), buddy_lists(parts).expect("a buddy copy"));
         let (own_first, step) = (rank.rank < buddy.index, optimizer.step);
         let mut whole = own.into_iter().zip(copy).map(|(own, copy)| {
             let per_rank = if own_first { [own, copy] } else { [copy, own] };
@@ -578,6 +619,23 @@ fn state_lists(params: &[Tensor], optimizer: &AdamW) -> [Vec<Tensor>; 3] {
     ]
 }
 
+/// The rank's own shard's state as three lists (AdamW's or Adafactor's two slots).
+fn own_lists<T: Transport>(parts: &Parts<T>) -> [Vec<Tensor>; 3] {
+    match &parts.adafactor {
+        Some(adafactor) => adafactor.lists(false, parts.rank.params()),
+        None => state_lists(parts.rank.params(), &parts.optimizer),
+    }
+}
+
+/// The buddy copy's state as three lists; None without one.
+fn buddy_lists<T: Transport>(parts: &Parts<T>) -> Option<[Vec<Tensor>; 3]> {
+    let buddy = parts.buddy.as_ref()?;
+    Some(match &parts.adafactor {
+        Some(adafactor) => adafactor.lists(true, &buddy.params),
+        None => state_lists(&buddy.params, &buddy.optimizer),
+    })
+}
+
 fn copy_tensors(dst: &[Tensor], src: &[Tensor]) {
     tch::no_grad(|| {
         for (d, s) in dst.iter().zip(src) {
@@ -600,7 +658,7 @@ fn gather_parts<T: Transport>(parts: &mut Parts<T>, counters: [u64; 2]) -> Resul
     let layout = &parts.rank.layout;
     // The shards' shapes (a pipeline stage's: empty for the parameters it does not hold).
     let shapes: Vec<Vec<i64>> = parts.rank.params().iter().map(Tensor::size).collect();
-    let lists = state_lists(parts.rank.params(), &parts.optimizer);
+    let lists = own_lists(parts);
     let mut out: Vec<Vec<Tensor>> = Vec::with_capacity(3);
     for list in lists {
         let mut flat = Vec::new();
@@ -648,8 +706,7 @@ fn gather_from_survivors<T: Transport>(
     // The shards' shapes (a pipeline stage's: empty for the parameters it does not hold; the buddy copy
     // holds the same ones of its neighbour).
     let shapes: Vec<Vec<i64>> = parts.rank.params().iter().map(Tensor::size).collect();
-    let (own, copy) =
-        (state_lists(parts.rank.params(), &parts.optimizer), state_lists(&buddy.params, &buddy.optimizer));
+    let (own, copy) = (own_lists(parts), buddy_lists(parts).expect("a buddy copy"));
     let mut out: Vec<Vec<Tensor>> = Vec::with_capacity(3);
     for (own, copy) in own.into_iter().zip(copy) {
         let mut flat = Vec::new();
@@ -679,7 +736,13 @@ fn gather_from_survivors<T: Transport>(
 /// The forward and backward of the rank's micro-batches (each backward weighted as the reference weights
 /// it: its share of the batch times fp16's loss scale), the gradients averaged over the data-parallel
 /// group, and the global norm of those (scaled) gradients: (loss, norm).
-fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -> Result<(f64, f64), String> {
+///
+/// With Adafactor (`preview`), its update is readied over the tensor group once the norm is known.
+fn compute<T: Transport>(
+    parts: &mut Parts<T>,
+    batches: Vec<Batch>,
+    preview: Option<Preview>,
+) -> Result<(f64, f64), String> {
     let e = |e: TpError| e.to_string();
     let handle = parts.tp.handle.clone();
     if let (Some(zero), Some(dp)) = (parts.zero.as_mut(), parts.dp.as_mut()) {
@@ -724,6 +787,9 @@ fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -> Result<(f
     }
     refresh_buddy(parts.buddy.as_ref(), &parts.rank, &mut parts.tp, flat)?;
     let norm = parts.rank.grad_norm(&mut parts.tp).map_err(e)?;
+    if let (Some(adafactor), Some(preview)) = (parts.adafactor.as_mut(), preview) {
+        adafactor.prepare(parts.rank.params(), &mut parts.tp, preview, norm, parts.optimizer.step + 1)?;
+    }
     Ok((loss, norm))
 }
 
@@ -787,11 +853,13 @@ fn usage_of<T: Transport>(parts: &Parts<T>, sent: Vec<crate::protocol::SentBytes
     let moments = |o: &AdamW| all(&o.exp_avg) + all(&o.exp_avg_sq);
     let params = parts.rank.params();
     let (zero_grad, zero_state) = parts.zero.as_ref().map_or((0, 0), zero::Zero::held_bytes);
-    let buddy = parts.buddy.as_ref().map_or(0, |b| all(&b.params) + grads(&b.params) + moments(&b.optimizer));
+    let (adafactor, adafactor_buddy) = parts.adafactor.as_ref().map_or((0, 0), TpAdafactor::bytes);
+    let buddy =
+        parts.buddy.as_ref().map_or(0, |b| all(&b.params) + grads(&b.params) + moments(&b.optimizer) + adafactor_buddy);
     RankUsage {
         param_bytes: all(params),
         grad_bytes: grads(params) + zero_grad,
-        optimizer_bytes: moments(&parts.optimizer) + zero_state,
+        optimizer_bytes: moments(&parts.optimizer) + zero_state + adafactor,
         buddy_bytes: buddy,
         activation_bytes: parts.rank.take_activation_peak() as u64,
         step_seconds: 0.0,
@@ -843,11 +911,19 @@ impl<T: Transport> StepEngine for TensorParallelReplica<T> {
         let started = std::time::Instant::now();
         let batches = self.batches();
         self.meter.take();
+        let (train, trainer) = (&self.trainer.config.train, &self.trainer);
+        let preview = Preview {
+            scaler: trainer.loss_scale,
+            precision: trainer.model.precision,
+            grad_clip: train.grad_clip,
+            window: trainer.config.parallel.loss_scale_window,
+            lr: learning_rate(train, trainer.step),
+        };
         let step = move |parts: &mut Parts<T>| {
             parts.rank.take_activation_peak();
             match parts.pipe.is_some() {
                 true => pipeline::compute(parts, batches),
-                false => compute(parts, batches),
+                false => compute(parts, batches, Some(preview)),
             }
         };
         let (loss, grad_norm) = self.blocking(step).await?.map_err(EngineError::TensorParallel)?;
@@ -871,6 +947,17 @@ impl<T: Transport> StepEngine for TensorParallelReplica<T> {
             if let Some(zero) = parts.zero.as_mut() {
                 parts.optimizer.step += 1;
                 zero.apply(&mut parts.rank, train, lr, parts.optimizer.step, grad_factor);
+                self.trainer.step += 1;
+                return;
+            }
+            if let Some(adafactor) = parts.adafactor.as_mut() {
+                // Readied before the vote: the factor is applied inside it.
+                parts.optimizer.step += 1;
+                let buddy = parts.buddy.as_mut().map(|b| {
+                    b.optimizer.step += 1;
+                    b.params.as_mut_slice()
+                });
+                adafactor.apply(parts.rank.params_mut(), buddy);
                 self.trainer.step += 1;
                 return;
             }

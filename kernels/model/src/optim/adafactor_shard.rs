@@ -18,6 +18,11 @@
 //! [`ShardLayout::import_stats`] reads the statistics back from an owner's slot, [`ShardLayout::expand`]
 //! writes them. An owner keeps of its range only the first moment (with `beta1`) and the elementwise
 //! second moment of vectors (its *compact* slot, [`ShardLayout::compact`]).
+//!
+//! A rank need not hold a contiguous range: under tensor parallelism it holds each parameter's shard
+//! (a block of rows or of columns, several blocks of a fused matrix, a padded vocabulary range), whose
+//! elements are [`Runs`] of positions in the whole parameter; [`Held`] places them in the rank's flat
+//! buffer, and the `*_held` functions are the range functions' counterparts over it.
 
 use std::ops::Range;
 
@@ -66,6 +71,146 @@ struct Overlap<'a> {
     param: &'a Param,
     local: Range<usize>,
     at: usize,
+}
+
+/// Which elements of one parameter a rank holds, in its local order: runs of consecutive positions in
+/// the whole parameter (row-major), `None` for padding the whole parameter does not have (a vocabulary
+/// padded to a multiple of the tensor degree).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Runs(Vec<(Option<usize>, usize)>);
+
+impl Runs {
+    /// The runs of `positions` (in local order).
+    pub fn from_positions(positions: impl IntoIterator<Item = Option<usize>>) -> Self {
+        let mut runs: Vec<(Option<usize>, usize)> = Vec::new();
+        for position in positions {
+            match runs.last_mut() {
+                Some((Some(start), n)) if position == Some(*start + *n) => *n += 1,
+                Some((None, n)) if position.is_none() => *n += 1,
+                _ => runs.push((position, 1)),
+            }
+        }
+        Self(runs)
+    }
+
+    /// Local elements (padding included).
+    pub fn len(&self) -> usize {
+        self.0.iter().map(|&(_, n)| n).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Every local element's position in the whole parameter (`None`: padding).
+    fn positions(runs: &[(Option<usize>, usize)]) -> impl Iterator<Item = Option<usize>> + '_ {
+        runs.iter().flat_map(|&(start, n)| (0..n).map(move |k| start.map(|s| s + k)))
+    }
+}
+
+/// Where a rank's elements of every parameter lie in its flat buffer (parameters in the layout's order,
+/// each shard's elements in its local order), and where its vectors' elements lie in its compact
+/// second moment.
+#[derive(Clone, Debug)]
+pub struct Held {
+    parts: Vec<(Runs, usize, usize)>,
+    len: usize,
+    compact_len: usize,
+}
+
+impl Held {
+    /// `runs[i]`: the rank's elements of parameter `i` (empty: not held).
+    pub fn new(layout: &ShardLayout, runs: Vec<Runs>) -> Self {
+        assert_eq!(runs.len(), layout.params.len(), "one run list per parameter");
+        let (mut len, mut compact_len) = (0, 0);
+        let parts = runs
+            .into_iter()
+            .zip(&layout.params)
+            .map(|(runs, param)| {
+                let n = runs.len();
+                let part = (runs, len, compact_len);
+                len += n;
+                if param.moment == Moment::Full {
+                    compact_len += n;
+                }
+                part
+            })
+            .collect();
+        Self { parts, len, compact_len }
+    }
+
+    /// Elements of the flat buffer.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Elements of the compact second moment (the vectors').
+    pub fn compact_len(&self) -> usize {
+        self.compact_len
+    }
+
+    /// Parameter `index`'s elements in the flat buffer.
+    pub fn range_of(&self, index: usize) -> Range<usize> {
+        let (runs, at, _) = &self.parts[index];
+        *at..at + runs.len()
+    }
+
+    /// Parameter `index`'s elements in the compact second moment (empty for a matrix).
+    pub fn compact_range_of(&self, layout: &ShardLayout, index: usize) -> Range<usize> {
+        let (runs, _, compact_at) = &self.parts[index];
+        match layout.params[index].moment {
+            Moment::Full => *compact_at..compact_at + runs.len(),
+            Moment::Factored { .. } => *compact_at..*compact_at,
+        }
+    }
+
+    /// Parameter `index`'s part of its packed second slot (as [`super::adafactor`] packs it) at the
+    /// positions this rank holds: a vector's compact moment, a matrix's statistics packed (zeros past
+    /// them), zeros for padding — what the group's gather puts together into the whole slot.
+    pub fn slot1_of(&self, layout: &ShardLayout, index: usize, compact: &[f32], stats: &[f32]) -> Vec<f32> {
+        let (runs, ..) = &self.parts[index];
+        let param = &layout.params[index];
+        match param.moment {
+            Moment::Full => compact[self.compact_range_of(layout, index)].to_vec(),
+            Moment::Factored { stats_at, .. } => Runs::positions(&runs.0)
+                .map(|e| match e {
+                    Some(e) if e < param.prefix() => stats[stats_at + e],
+                    _ => 0.0,
+                })
+                .collect(),
+        }
+    }
+
+    /// The spans of the parameters `select` marks.
+    fn spans<'a>(&'a self, layout: &'a ShardLayout, select: &'a [bool]) -> Vec<Span<'a>> {
+        self.parts
+            .iter()
+            .zip(&layout.params)
+            .enumerate()
+            .filter(|&(index, ((runs, ..), _))| select[index] && !runs.is_empty())
+            .map(|(index, ((runs, at, compact_at), param))| Span {
+                index,
+                param,
+                runs: &runs.0,
+                at: *at,
+                compact_at: *compact_at,
+            })
+            .collect()
+    }
+}
+
+/// A rank's elements of one parameter: at `at` in its flat buffer (and, for a vector, at `compact_at` in
+/// its compact second moment), their positions in the parameter as `runs`.
+struct Span<'a> {
+    index: usize,
+    param: &'a Param,
+    runs: &'a [(Option<usize>, usize)],
+    at: usize,
+    compact_at: usize,
 }
 
 impl ShardLayout {
@@ -130,6 +275,37 @@ impl ShardLayout {
         })
     }
 
+    /// Whether parameter `index`'s second moment is factored (two or more dimensions).
+    pub fn is_factored(&self, index: usize) -> bool {
+        self.params[index].moment != Moment::Full
+    }
+
+    /// The spans of a flat range: each overlap's positions as one run (the owned runs live in `runs`).
+    fn range_spans<'a>(
+        &'a self,
+        range: &Range<usize>,
+        runs: &'a mut Vec<[(Option<usize>, usize); 1]>,
+    ) -> Vec<Span<'a>> {
+        let overlaps: Vec<(usize, usize, Range<usize>)> =
+            self.overlaps(range).map(|o| (o.index, o.at, o.local)).collect();
+        runs.clear();
+        runs.extend(overlaps.iter().map(|(_, _, local)| [(Some(local.start), local.len())]));
+        let runs: &'a Vec<_> = runs;
+        let mut compact_at = 0;
+        overlaps
+            .into_iter()
+            .zip(runs)
+            .map(|((index, at, _), run)| {
+                let param = &self.params[index];
+                let span = Span { index, param, runs: run.as_slice(), at, compact_at };
+                if param.moment == Moment::Full {
+                    compact_at += run[0].1;
+                }
+                span
+            })
+            .collect()
+    }
+
     /// Elements of vectors in `range`: the length of its compact second-moment slot.
     pub fn vector_elements(&self, range: &Range<usize>) -> usize {
         self.overlaps(range).filter(|o| o.param.moment == Moment::Full).map(|o| o.local.len()).sum()
@@ -182,14 +358,32 @@ impl ShardLayout {
     /// unclipped) gradient: per parameter Σ master², then per statistic Σ g² over the row or column's
     /// elements in the range. Summed over the owners (all-reduce), they are the whole model's.
     pub fn partial_sums(&self, range: &Range<usize>, master: &[f32], grad: &[f32]) -> Vec<f32> {
+        let mut runs = Vec::new();
+        self.sums_of(&self.range_spans(range, &mut runs), master, grad)
+    }
+
+    /// [`Self::partial_sums`] of a rank's held elements of the parameters `select` marks (its flat
+    /// `master` and `grad`); a parameter several ranks hold must be selected on one of them only.
+    pub fn partial_sums_held(&self, held: &Held, select: &[bool], master: &[f32], grad: &[f32]) -> Vec<f32> {
+        self.sums_of(&held.spans(self, select), master, grad)
+    }
+
+    fn sums_of(&self, spans: &[Span<'_>], master: &[f32], grad: &[f32]) -> Vec<f32> {
         let mut sums = vec![0f64; self.sums_len()];
         let p = self.params.len();
-        for o in self.overlaps(range) {
-            let shard = o.at..o.at + o.local.len();
-            sums[o.index] = master[shard].iter().map(|&w| f64::from(w) * f64::from(w)).sum();
+        for o in spans {
+            let positions = Runs::positions(o.runs);
+            for (k, e) in positions.enumerate() {
+                if e.is_some() {
+                    let w = master[o.at + k];
+                    sums[o.index] += f64::from(w) * f64::from(w);
+                }
+            }
             let Moment::Factored { rows, cols, row_len, stats_at } = o.param.moment else { continue };
             let (row_sums, col_sums) = sums[p + stats_at..].split_at_mut(row_len);
-            for (e, &g) in o.local.clone().zip(&grad[o.at..]) {
+            for (k, e) in Runs::positions(o.runs).enumerate() {
+                let Some(e) = e else { continue };
+                let g = grad[o.at + k];
                 let g2 = f64::from(g) * f64::from(g);
                 let (b, i, j) = (e / (rows * cols), e / cols % rows, e % cols);
                 if row_len > 0 {
@@ -290,16 +484,31 @@ impl Prepared {
         grad: &[f32],
         compact: &[f32],
     ) -> Vec<f32> {
+        let mut runs = Vec::new();
+        self.update_sq_of(layout, &layout.range_spans(range, &mut runs), grad, compact)
+    }
+
+    /// [`Self::partial_update_sq`] of a rank's held elements of the parameters `select` marks (one
+    /// holder of each, as for [`ShardLayout::partial_sums_held`]).
+    pub fn partial_update_sq_held(
+        &self,
+        layout: &ShardLayout,
+        held: &Held,
+        select: &[bool],
+        grad: &[f32],
+        compact: &[f32],
+    ) -> Vec<f32> {
+        self.update_sq_of(layout, &held.spans(layout, select), grad, compact)
+    }
+
+    fn update_sq_of(&self, layout: &ShardLayout, spans: &[Span<'_>], grad: &[f32], compact: &[f32]) -> Vec<f32> {
         let mut sums = vec![0f64; layout.params.len()];
-        let mut next = 0;
-        for o in layout.overlaps(range) {
-            for (k, e) in o.local.clone().enumerate() {
-                let mut v = if o.param.moment == Moment::Full { compact[next + k] } else { 0.0 };
+        for o in spans {
+            for (k, e) in Runs::positions(o.runs).enumerate() {
+                let Some(e) = e else { continue };
+                let mut v = if o.param.moment == Moment::Full { compact[o.compact_at + k] } else { 0.0 };
                 let u = self.unclipped(o.param, e, grad[o.at + k], &mut v);
                 sums[o.index] += f64::from(u) * f64::from(u);
-            }
-            if o.param.moment == Moment::Full {
-                next += o.local.len();
             }
         }
         sums.into_iter().map(|s| s as f32).collect()
@@ -309,17 +518,35 @@ impl Prepared {
     /// compact second moment, with the staged gradient `grad` (not yet multiplied by the factor) and the
     /// reduced Σ update² per parameter.
     pub fn apply(&self, layout: &ShardLayout, range: &Range<usize>, slots: ShardSlots<'_>, update_sq: &[f32]) {
+        let mut runs = Vec::new();
+        self.apply_to(&layout.range_spans(range, &mut runs), slots, update_sq);
+    }
+
+    /// [`Self::apply`] to a rank's held elements of the parameters `select` marks (every holder applies
+    /// it to its own copy); padding is left alone.
+    pub fn apply_held(
+        &self,
+        layout: &ShardLayout,
+        held: &Held,
+        select: &[bool],
+        slots: ShardSlots<'_>,
+        update_sq: &[f32],
+    ) {
+        self.apply_to(&held.spans(layout, select), slots, update_sq);
+    }
+
+    fn apply_to(&self, spans: &[Span<'_>], slots: ShardSlots<'_>, update_sq: &[f32]) {
         let ShardSlots { master, exp_avg, compact, grad } = slots;
-        let mut next = 0;
-        for o in layout.overlaps(range) {
+        for o in spans {
             let rms = (f64::from(update_sq[o.index]) / o.param.numel as f64).sqrt();
             let clip = (rms / self.config.clip_threshold).max(1.0);
             let step = self.step_sizes[o.index];
             let decay = if o.param.decays { self.config.weight_decay * step } else { 0.0 };
-            for (k, e) in o.local.clone().enumerate() {
+            for (k, e) in Runs::positions(o.runs).enumerate() {
+                let Some(e) = e else { continue };
                 let s = o.at + k;
                 let mut scratch = 0.0;
-                let v = if o.param.moment == Moment::Full { &mut compact[next + k] } else { &mut scratch };
+                let v = if o.param.moment == Moment::Full { &mut compact[o.compact_at + k] } else { &mut scratch };
                 let mut u = ((f64::from(self.unclipped(o.param, e, grad[s], v)) / clip) * step) as f32;
                 if let (Some(beta1), false) = (self.config.beta1, exp_avg.is_empty()) {
                     exp_avg[s] = (beta1 * f64::from(exp_avg[s]) + (1.0 - beta1) * f64::from(u)) as f32;
@@ -330,10 +557,14 @@ impl Prepared {
                 }
                 master[s] -= u;
             }
-            if o.param.moment == Moment::Full {
-                next += o.local.len();
-            }
         }
+    }
+
+    /// Keeps parameter `index`'s statistics as they were before this step (a parameter no rank updates
+    /// this step: one without a gradient, which the whole-tensor Adafactor leaves alone).
+    pub fn keep_stats(&mut self, layout: &ShardLayout, index: usize, before: &[f32]) {
+        let at = layout.stats_of(index);
+        self.stats[at.clone()].copy_from_slice(&before[at]);
     }
 }
 
@@ -393,16 +624,7 @@ mod tests {
         let layout = ShardLayout::new(&shapes, &decays);
         let total: usize = shapes.iter().map(|s| s.iter().product::<i64>() as usize).sum();
         let init: Vec<f32> = (0..total).map(|k| noise(k as u64)).collect();
-        let mut params: Vec<Tensor> = Vec::new();
-        let mut at = 0;
-        for s in &shapes {
-            let n = s.iter().product::<i64>() as usize;
-            let p = Tensor::from_slice(&init[at..at + n]).view(s.as_slice()).set_requires_grad(true);
-            (&p * 0.0).sum(Kind::Float).backward();
-            params.push(p);
-            at += n;
-        }
-        let mut reference = Adafactor::new(config.clone(), &params, decays.clone());
+        let (mut params, mut reference) = reference_of(&config, &shapes, &decays, &init);
         let ranges = [0..40, 40..101, 101..total];
         let mut owners: Vec<Owner> = ranges
             .iter()
@@ -417,14 +639,7 @@ mod tests {
         for t in 1..=6u64 {
             let grad: Vec<f32> = (0..total).map(|k| noise(1000 * t + k as u64) * t as f32).collect();
             let factor = 0.5f32;
-            let mut at = 0;
-            for p in &params {
-                let n = p.numel();
-                let g: Vec<f32> = grad[at..at + n].iter().map(|g| g * factor).collect();
-                let _ = p.grad().copy_(&Tensor::from_slice(&g).view(p.size().as_slice()));
-                at += n;
-            }
-            reference.apply(&mut params, 0.05);
+            reference_step(&mut reference, &mut params, &grad, factor);
             let mut sums = vec![0f32; layout.sums_len()];
             for o in &owners {
                 let part = layout.partial_sums(&o.range, &o.master, &grad[o.range.clone()]);
@@ -467,6 +682,144 @@ mod tests {
             assert_eq!(layout.compact(&o.range, slot), o.compact);
         }
         assert_eq!(restored, stats);
+    }
+
+    /// The whole-tensor Adafactor's parameters of `shapes` from the flat `init`, gradients defined.
+    fn reference_of(
+        config: &AdafactorConfig,
+        shapes: &[Vec<i64>],
+        decays: &[bool],
+        init: &[f32],
+    ) -> (Vec<Tensor>, Adafactor) {
+        let mut params: Vec<Tensor> = Vec::new();
+        let mut at = 0;
+        for s in shapes {
+            let n = s.iter().product::<i64>() as usize;
+            let p = Tensor::from_slice(&init[at..at + n]).view(s.as_slice()).set_requires_grad(true);
+            (&p * 0.0).sum(Kind::Float).backward();
+            params.push(p);
+            at += n;
+        }
+        let reference = Adafactor::new(config.clone(), &params, decays.to_vec());
+        (params, reference)
+    }
+
+    /// One whole-tensor step with the flat gradient `grad` times `factor`, at lr 0.05.
+    fn reference_step(reference: &mut Adafactor, params: &mut [Tensor], grad: &[f32], factor: f32) {
+        let mut at = 0;
+        for p in params.iter() {
+            let n = p.numel();
+            let g: Vec<f32> = grad[at..at + n].iter().map(|g| g * factor).collect();
+            let _ = p.grad().copy_(&Tensor::from_slice(&g).view(p.size().as_slice()));
+            at += n;
+        }
+        reference.apply(params, 0.05);
+    }
+
+    /// Two tensor ranks, each holding of every parameter a block of rows, a block of columns (one run per
+    /// row), the whole (a replicated vector: its sums from rank 0 only) or rows with padding after them,
+    /// against the whole-tensor Adafactor over steps: the same parameters within 1e-6 relative, padding
+    /// untouched, and each rank's statistics the reference's.
+    #[test]
+    fn holders_of_row_and_column_blocks_and_padding_equal_the_whole_tensor_adafactor() {
+        let config = AdafactorConfig { beta1: Some(0.9), weight_decay: 0.01, ..AdafactorConfig::default() };
+        let shapes: Vec<Vec<i64>> = vec![vec![6, 4], vec![5], vec![3, 4], vec![2, 3, 4]];
+        let decays: Vec<bool> = shapes.iter().map(|s| s.len() >= 2).collect();
+        let layout = ShardLayout::new(&shapes, &decays);
+        let total: usize = shapes.iter().map(|s| s.iter().product::<i64>() as usize).sum();
+        let init: Vec<f32> = (0..total).map(|k| noise(7 + k as u64)).collect();
+        let (mut params, mut reference) = reference_of(&config, &shapes, &decays, &init);
+        let starts: Vec<usize> = shapes
+            .iter()
+            .scan(0, |at, s| {
+                let start = *at;
+                *at += s.iter().product::<i64>() as usize;
+                Some(start)
+            })
+            .collect();
+        // Rank r's positions of each parameter: rows 3r..3r+3 of [6, 4]; the whole [5]; columns 2r..2r+2
+        // of [3, 4]; of [2, 3, 4] rank 0 its first block, rank 1 its second and 4 padding elements.
+        let positions = |r: usize| -> Vec<Vec<Option<usize>>> {
+            vec![
+                (12 * r..12 * r + 12).map(Some).collect(),
+                (0..5).map(Some).collect(),
+                (0..3).flat_map(|i| (2 * r..2 * r + 2).map(move |j| Some(4 * i + j))).collect(),
+                match r {
+                    0 => (0..12).map(Some).collect(),
+                    _ => (12..24).map(Some).chain([None; 4]).collect(),
+                },
+            ]
+        };
+        struct Rank {
+            held: Held,
+            select: Vec<bool>,
+            master: Vec<f32>,
+            exp_avg: Vec<f32>,
+            compact: Vec<f32>,
+            positions: Vec<Option<usize>>,
+        }
+        let mut ranks: Vec<Rank> = (0..2)
+            .map(|r| {
+                let parts = positions(r);
+                let held = Held::new(&layout, parts.iter().map(|p| Runs::from_positions(p.iter().copied())).collect());
+                let flat: Vec<Option<usize>> = parts
+                    .iter()
+                    .zip(&starts)
+                    .flat_map(|(p, &start)| p.iter().map(move |e| e.map(|e| start + e)))
+                    .collect();
+                let master = flat.iter().map(|e| e.map_or(0.0, |e| init[e])).collect();
+                let exp_avg = vec![0.0; held.len()];
+                let compact = vec![0.0; held.compact_len()];
+                Rank { held, select: vec![true, r == 0, true, true], master, exp_avg, compact, positions: flat }
+            })
+            .collect();
+        assert_eq!(ranks[1].held.range_of(3), 23..39);
+        let mut stats = vec![0f32; layout.stats_len()];
+        for t in 1..=5u64 {
+            let grad: Vec<f32> = (0..total).map(|k| noise(500 * t + k as u64) * t as f32).collect();
+            reference_step(&mut reference, &mut params, &grad, 0.5);
+            let local =
+                |rank: &Rank| -> Vec<f32> { rank.positions.iter().map(|e| e.map_or(0.0, |e| grad[e])).collect() };
+            let mut sums = vec![0f32; layout.sums_len()];
+            for rank in &ranks {
+                let part = layout.partial_sums_held(&rank.held, &rank.select, &rank.master, &local(rank));
+                sums.iter_mut().zip(part).for_each(|(s, p)| *s += p);
+            }
+            let prepared = Prepared::new(&layout, &config, &stats, &sums, 0.5, 0.05, t);
+            let mut update_sq = vec![0f32; layout.param_count()];
+            for rank in &ranks {
+                let part =
+                    prepared.partial_update_sq_held(&layout, &rank.held, &rank.select, &local(rank), &rank.compact);
+                update_sq.iter_mut().zip(part).for_each(|(s, p)| *s += p);
+            }
+            for rank in &mut ranks {
+                let grad = local(rank);
+                let slots = ShardSlots {
+                    master: &mut rank.master,
+                    exp_avg: &mut rank.exp_avg,
+                    compact: &mut rank.compact,
+                    grad: &grad,
+                };
+                prepared.apply_held(&layout, &rank.held, &[true; 4], slots, &update_sq);
+            }
+            stats = prepared.stats;
+        }
+        let want: Vec<f32> =
+            Vec::try_from(Tensor::cat(&params.iter().map(|p| p.detach().flatten(0, -1)).collect::<Vec<_>>(), 0))
+                .unwrap();
+        let scale = want.iter().map(|a| a.abs()).fold(0f32, f32::max);
+        for rank in &ranks {
+            for (e, &got) in rank.positions.iter().zip(&rank.master) {
+                match e {
+                    Some(e) => assert!((want[*e] - got).abs() <= 1e-6 * scale, "element {e}: {got} vs {}", want[*e]),
+                    None => assert_eq!(got, 0.0, "padding is left alone"),
+                }
+            }
+        }
+        let packed = reference.packed(0, &params[0]);
+        let row_col: Vec<f32> = Vec::try_from(packed[1].flatten(0, -1).narrow(0, 0, 10)).unwrap();
+        let close = row_col.iter().zip(&stats[layout.stats_of(0)]).all(|(a, b)| (a - b).abs() <= 1e-6 * a.abs());
+        assert!(close, "the statistics of [6, 4] differ: {row_col:?} vs {:?}", &stats[layout.stats_of(0)]);
     }
 
     #[test]

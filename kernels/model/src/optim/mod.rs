@@ -156,7 +156,8 @@ fn adamw_only() -> String {
 /// The `train.optimizer` keys: a known optimizer, Adafactor's hyper-parameters in range, its state
 /// packable for every parameter (`shapes`: the model's names and shapes), and a parallel layout that
 /// runs it (the reference trainer, DDP, ZeRO-1/2/3, pipelines with or without ZeRO in their stage
-/// groups, and as the inner optimizer of local SGD and DiLoCo, which each replica runs whole on its own parameters).
+/// groups, tensor parallelism with data parallelism, and as the inner optimizer of local SGD and DiLoCo,
+/// which each replica runs whole on its own parameters).
 pub fn validate<'a>(
     train: &TrainConfig,
     parallel: &ParallelConfig,
@@ -176,13 +177,17 @@ pub fn validate<'a>(
             "\"adafactor\"".into(),
             format!(
                 "with {key} = {value} ({what}) is not supported yet: Adafactor runs on one process, under DDP, \
-                 ZeRO-1/2/3, pipelines (ZeRO inside their stage groups too) and periodic synchronization \
-                 (parallel.tp = 1); use train.optimizer = \"adamw\" there"
+                 ZeRO-1/2/3, pipelines (ZeRO inside their stage groups too), periodic synchronization and \
+                 tensor parallelism with data parallelism (parallel.tp > 1 with parallel.pp = 1 and \
+                 parallel.shard = \"none\"); use train.optimizer = \"adamw\" there"
             ),
         )
     };
-    if parallel.tp > 1 {
-        return Err(refuse("parallel.tp", parallel.tp.to_string(), "tensor parallelism"));
+    if parallel.tp > 1 && parallel.pp > 1 {
+        return Err(refuse("parallel.tp", parallel.tp.to_string(), "tensor parallelism inside a pipeline"));
+    }
+    if parallel.tp > 1 && parallel.shard != "none" {
+        return Err(refuse("parallel.shard", format!("{:?}", parallel.shard), "ZeRO under tensor parallelism"));
     }
     for (param, shape) in shapes {
         if let Err(why) = adafactor::check_packable(shape) {
@@ -247,7 +252,10 @@ mod tests {
         check("adafactor", ParallelConfig { pp: 2, ..ddp.clone() }, matrix, Ok(()));
         let zero_in_stages = ParallelConfig { pp: 2, shard: "zero1".into(), ..ddp.clone() };
         check("adafactor", zero_in_stages, matrix, Ok(()));
-        check("adafactor", ParallelConfig { tp: 2, ..ddp.clone() }, matrix, Err("parallel.tp"));
+        check("adafactor", ParallelConfig { tp: 2, ..ddp.clone() }, matrix, Ok(()));
+        check("adafactor", ParallelConfig { tp: 2, pp: 2, ..ddp.clone() }, matrix, Err("parallel.tp"));
+        let zero_under_tp = ParallelConfig { tp: 2, shard: "zero1".into(), ..ddp.clone() };
+        check("adafactor", zero_under_tp, matrix, Err("parallel.shard"));
         for sync in ["local_sgd", "diloco"] {
             check("adafactor", ParallelConfig { sync: sync.into(), ..ddp.clone() }, matrix, Ok(()));
         }

@@ -2,10 +2,11 @@
 //! per family ([`rules`]), and the functions that cut a full parameter list into rank `r`'s shards and
 //! put shards back together (checkpoints stay layout-free: they hold the gathered list).
 
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 use super::TpError;
 use crate::model::{base_specs, param_specs, Arch, ModelConfig, ParamSpec};
+use crate::optim::adafactor_shard::Runs;
 
 /// How one parameter splits over the group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -282,6 +283,36 @@ impl TpLayout {
             false => empty(x),
         };
         full.iter().zip(self.splits.iter().zip(held)).map(shard).collect()
+    }
+
+    /// Where rank `rank`'s shard elements of each parameter marked in `held` lie in the whole parameter
+    /// (row-major positions in its local order; `None` for vocabulary padding), empty for the others:
+    /// the shards of each parameter's positions, cut as [`Self::shard_held`] cuts its values.
+    pub fn held_runs(&self, rank: usize, held: &[bool]) -> Vec<Runs> {
+        assert_eq!(held.len(), self.specs.len(), "one flag per parameter");
+        self.specs
+            .iter()
+            .zip(self.splits.iter().zip(held))
+            .map(|(spec, (&split, &held))| {
+                if !held {
+                    return Runs::default();
+                }
+                // Position + 1, so that the zeros of padding stand apart.
+                let numel = spec.numel() as i64;
+                let positions =
+                    Tensor::arange_start(1, numel + 1, (Kind::Int64, tch::Device::Cpu)).view(spec.shape.as_slice());
+                let shard = Vec::<i64>::try_from(self.shard_one(&positions, split, rank).flatten(0, -1))
+                    .expect("an int64 tensor");
+                Runs::from_positions(shard.into_iter().map(|p| (p > 0).then(|| p as usize - 1)))
+            })
+            .collect()
+    }
+
+    /// Whether rank `rank` is the first of the ranks holding parameter `index`'s shard (every rank holds a
+    /// replicated one; `kv_replicas` ranks a replicated key/value head): the one that counts it once in a
+    /// sum over the group.
+    pub fn first_holder(&self, index: usize, rank: usize) -> bool {
+        rank.is_multiple_of(self.holders(self.splits[index]))
     }
 
     /// Rank `rank`'s shard of the frozen base's parameter `index` ([`base_specs`] order), `full` as read.
