@@ -1,7 +1,8 @@
 //! `troupe bench train --world N` as a user runs it: the JSON report of a data-parallel run on a local
 //! cluster of daemon processes, a ZeRO-3 run beside DDP, a Llama preset beside transformers' model under
-//! PyTorch DDP, and the errors for sharding one rank and for a model that is not a preset. Speed is not
-//! asserted (the machine is shared); only that every figure is there and positive.
+//! PyTorch DDP, Adafactor beside AdamW at tp = 2, and the errors for sharding one rank and for a model
+//! that is not a preset. Speed is not asserted (the machine is shared); only that every figure is there
+//! and positive.
 
 use std::process::{Command, Output};
 
@@ -299,4 +300,31 @@ fn tensor_parallel_bad_combinations_are_refused_before_anything_starts() {
         assert!(!output.status.success(), "{args:?} was accepted");
         assert!(expected.iter().all(|e| stderr.contains(e)), "{args:?}: {stderr}");
     }
+}
+
+/// `--optimizer adafactor` at tp = 2: AdamW's and Adafactor's jobs in one report, each rank's optimizer
+/// state as the engine reports it; Adafactor's is under a tenth of AdamW's (its matrices keep `R + C`
+/// statistics instead of two `R × C` moments). With one rank, `--tp` is refused.
+#[test]
+fn adafactor_under_tensor_parallelism_is_measured_beside_adamw_with_its_state_per_rank() {
+    let refused = troupe(&["bench", "train", "--world", "1", "--tp", "2", "--optimizer", "adafactor"]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && stderr.contains("use --world 2"), "{stderr}");
+
+    let args = ["bench", "train", "--world", "2", "--tp", "2", "--optimizer", "adafactor", "--steps", "2"];
+    let output = troupe(&[&args[..], &["--repeats", "1", "--json"]].concat());
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let report: Value = serde_json::from_slice(&output.stdout).expect("one JSON object");
+    let runs = report["runs"].as_array().unwrap_or_else(|| panic!("no runs in {report}"));
+    let names: Vec<_> = runs.iter().map(|r| r["optimizer"].as_str()).collect();
+    assert_eq!(names, [Some("adamw"), Some("adafactor")], "{report}");
+    for run in runs {
+        positive(run, "tokens_per_s");
+        positive(run, "final_loss");
+        assert_eq!(run["optimizer_bytes_per_rank"].as_array().map(Vec::len), Some(2), "{report}");
+        assert_eq!(run["peak_mib_per_rank"].as_array().map(Vec::len), Some(2), "{report}");
+    }
+    positive(&report, "tokens_per_s_ratio");
+    let ratio = positive(&report, "optimizer_bytes_ratio");
+    assert!(ratio < 0.1, "Adafactor's state per rank is {ratio}× AdamW's: {report}");
 }

@@ -110,9 +110,10 @@ pub struct BenchTrainArgs {
     /// Local steps between synchronizations with `--sync local_sgd | diloco` (parallel.sync_every).
     #[arg(long, value_name = "H", default_value_t = 8)]
     pub sync_every: u64,
-    /// The optimizer: with `adafactor`, Adafactor and AdamW are trained in the same repetitions
-    /// (`--world 1`) and the report carries each one's tokens/s and optimizer state bytes per rank, and
-    /// the ratios; see `optimizer`.
+    /// The optimizer: with `adafactor`, Adafactor and AdamW are trained in the same repetitions — in
+    /// this process (`--world 1`), or as jobs on local clusters (`--world N`, with `--shard` or `--tp`)
+    /// — and the report carries each one's tokens/s and optimizer state bytes per rank, and the ratios;
+    /// see `optimizer`.
     #[arg(long, value_parser = ["adamw", "adafactor"], default_value = "adamw")]
     pub optimizer: String,
     /// With `host`: the model trained with the optimizer offloaded to the host (parallel.offload) and
@@ -140,6 +141,11 @@ const WARMUP_STEPS: u64 = 2;
 pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     if args.world == 0 {
         bail!("--world 0: a benchmark needs at least one rank");
+    }
+    if args.optimizer != "adamw" && args.world > 1 {
+        let model = bench_model(&args.model, args.context)?;
+        optimizer::check(&args)?;
+        return optimizer::run(args, model);
     }
     if let Some(tp) = args.tp {
         let model = bench_model(&args.model, args.context)?;

@@ -79,17 +79,7 @@ pub(super) fn run(
         .enable_all()
         .build()
         .context("starting the tokio runtime")?;
-    let shard: &'static str = match args.shard.as_str() {
-        "zero1" => "zero1",
-        "zero2" => "zero2",
-        "zero3" => "zero3",
-        _ => "none",
-    };
-    let precision: &'static str = match args.precision.as_str() {
-        "bf16" => "bf16",
-        "fp16" => "fp16",
-        _ => "fp32",
-    };
+    let (shard, precision) = (shard_name(&args.shard), precision_name(&args.precision));
     let (model, peer_config) = peer_model(model, base)?;
     let sync: &'static str = match args.sync.as_str() {
         "local_sgd" => "local_sgd",
@@ -295,7 +285,26 @@ fn print_lines(
     }
 }
 
-/// How the job all-reduces its gradients, and its tensor-parallel degree.
+/// `--shard`'s value (as clap checked it) as a variant's.
+pub(super) fn shard_name(shard: &str) -> &'static str {
+    match shard {
+        "zero1" => "zero1",
+        "zero2" => "zero2",
+        "zero3" => "zero3",
+        _ => "none",
+    }
+}
+
+/// `--precision`'s value (as clap checked it) as a variant's.
+pub(super) fn precision_name(precision: &str) -> &'static str {
+    match precision {
+        "bf16" => "bf16",
+        "fp16" => "fp16",
+        _ => "fp32",
+    }
+}
+
+/// How the job all-reduces its gradients, its tensor-parallel degree and its optimizer.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Variant {
     /// `parallel.overlap_comm`.
@@ -312,6 +321,8 @@ pub(super) struct Variant {
     pub(super) sp: bool,
     /// `parallel.sync` and `parallel.sync_every`.
     pub(super) sync: &'static str,
+    /// `train.optimizer`.
+    pub(super) optimizer: &'static str,
     pub(super) sync_every: u64,
     /// The figures a periodic synchronization is compared by: the bytes the ranks send (the daemons
     /// serve `/metrics`, read after the job) and the validation loss of the final model (a tenth of the
@@ -320,10 +331,22 @@ pub(super) struct Variant {
 }
 
 impl Variant {
-    /// DDP, overlapped, default buckets, in `precision`.
+    /// DDP, overlapped, default buckets, AdamW, in `precision`.
     pub(super) fn ddp(precision: &'static str) -> Self {
         let (sync, sync_every, counted) = ("every_step", 1, false);
-        Self { overlap: true, bucket_mib: 0, shard: "none", precision, tp: 1, sp: false, sync, sync_every, counted }
+        let optimizer = "adamw";
+        Self {
+            overlap: true,
+            bucket_mib: 0,
+            shard: "none",
+            precision,
+            tp: 1,
+            sp: false,
+            sync,
+            sync_every,
+            optimizer,
+            counted,
+        }
     }
 }
 
@@ -398,6 +421,7 @@ pub(super) async fn run_job_with(
     config.parallel.sync = variant.sync.into();
     config.parallel.sync_every = variant.sync_every;
     config.parallel.fragments = fragments;
+    config.train.optimizer = variant.optimizer.into();
     if variant.counted {
         config.data.val_fraction = 0.1;
         config.train.eval_every = config.train.steps;

@@ -82,7 +82,7 @@ pub(super) fn check(args: &BenchTrainArgs, model: &ModelConfig, tp: usize) -> an
 }
 
 /// Sequence parallelism: on unless `--no-sp`.
-fn sp(args: &BenchTrainArgs) -> bool {
+pub(super) fn sp(args: &BenchTrainArgs) -> bool {
     !args.no_sp
 }
 
