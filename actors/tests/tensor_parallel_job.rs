@@ -170,15 +170,32 @@ async fn a_checkpoint_written_at_tp2_resumes_at_tp1_on_the_reference_trajectory(
     assert_eq!(checkpoints, vec![3, 6], "{first:?}");
 
     let out = dir.path().join("final.safetensors");
-    let second = run_to_end(&cluster, Job::new(config(10, 1)).save_final(&out)).await;
-    assert!(matches!(second[0], JobEvent::Started { from_step: 6, .. }), "{second:?}");
-    assert!(matches!(second.last(), Some(JobEvent::Finished { steps: 10, .. })), "{second:?}");
-    let (_, reference) = reference(&config(10, 1));
-    let comparison =
-        compare_params(reference.model.specs(), &common::saved_params(&out, &reference), &reference.param_values());
-    eprintln!("tp=2 checkpoint resumed at tp=1: params {comparison:?}");
-    assert!(comparison.within(TOLERANCE), "{comparison:?}");
+    resumed_on_the_reference(&cluster, config(10, 1), &config(10, 1), &out, 6, "tp=2 checkpoint resumed at tp=1").await;
     cluster.shutdown().await;
+}
+
+/// Runs `config` (which resumes from its checkpoint) to its end, saving the final model at `out`: it
+/// starts at step `from`, finishes, and its parameters equal those of one uninterrupted run of
+/// `reference_config` within 1e-5. Gives its events.
+async fn resumed_on_the_reference(
+    cluster: &LocalCluster,
+    config: JobConfig,
+    reference_config: &JobConfig,
+    out: &Path,
+    from: u64,
+    what: &str,
+) -> Vec<JobEvent> {
+    let steps = config.train.steps;
+    let events = run_to_end(cluster, Job::new(config).save_final(out)).await;
+    assert!(matches!(events[0], JobEvent::Started { from_step, .. } if from_step == from), "{what}: {events:?}");
+    let finished = matches!(events.last(), Some(JobEvent::Finished { steps: s, .. }) if *s == steps);
+    assert!(finished, "{what}: {events:?}");
+    let (_, reference) = reference(reference_config);
+    let comparison =
+        compare_params(reference.model.specs(), &common::saved_params(out, &reference), &reference.param_values());
+    eprintln!("{what}: params {comparison:?}");
+    assert!(comparison.within(TOLERANCE), "{what}: {comparison:?}");
+    events
 }
 
 /// A tensor group lives or dies together: tp = 2 × dp = 2 on four daemon processes, the last one

@@ -112,14 +112,9 @@ async fn a_checkpoint_written_at_tp2_by_pp2_resumes_at_tp2_by_dp2_on_the_referen
     assert!(matches!(first.last(), Some(JobEvent::Finished { steps: 4, .. })), "{first:?}");
     assert!(first.iter().any(|e| matches!(e, JobEvent::Checkpoint { step: 4, .. })), "{first:?}");
     let out = dir.path().join("final.safetensors");
-    let second = super::run_to_end(&cluster, Job::new(config(8, 1, 2)).save_final(&out)).await;
-    assert!(matches!(second[0], JobEvent::Started { from_step: 4, world: 4, .. }), "{second:?}");
-    assert!(matches!(second.last(), Some(JobEvent::Finished { steps: 8, .. })), "{second:?}");
-    let (_, reference) = reference(&config(8, 1, 1));
-    let params = common::saved_params(&out, &reference);
-    let comparison = troupe_model::oracle::compare_params(reference.model.specs(), &params, &reference.param_values());
-    eprintln!("tp=2 x pp=2 checkpoint resumed at tp=2 x dp=2: params {comparison:?}");
-    assert!(comparison.within(TOLERANCE), "{comparison:?}");
+    let what = "tp=2 x pp=2 checkpoint resumed at tp=2 x dp=2";
+    let second = super::resumed_on_the_reference(&cluster, config(8, 1, 2), &config(8, 1, 1), &out, 4, what).await;
+    assert!(matches!(second[0], JobEvent::Started { world: 4, .. }), "{second:?}");
     cluster.shutdown().await;
 }
 

@@ -72,13 +72,7 @@ pub(super) fn run(
     if world > NODES_MAX {
         bail!("--world {world}: a local cluster has at most {NODES_MAX} daemons");
     }
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = if args.threads > 0 { args.threads } else { (cores / world).max(1) };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")?;
+    let (threads, runtime) = job_runtime(&args)?;
     let (shard, precision) = (shard_name(&args.shard), precision_name(&args.precision));
     let (model, peer_config) = peer_model(model, base)?;
     let sync: &'static str = match args.sync.as_str() {
@@ -283,6 +277,19 @@ fn print_lines(
         );
         println!("ratio    {:>9.3}", tokens_per_s / peer_tps);
     }
+}
+
+/// The torch threads per daemon (`--threads`, else the cores divided by `--world`, at least 1) and the
+/// runtime that follows the jobs.
+pub(super) fn job_runtime(args: &BenchTrainArgs) -> anyhow::Result<(usize, tokio::runtime::Runtime)> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = if args.threads > 0 { args.threads } else { (cores / args.world).max(1) };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    Ok((threads, runtime))
 }
 
 /// `--shard`'s value (as clap checked it) as a variant's.

@@ -11,13 +11,15 @@
 
 use std::time::Instant;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use serde_json::{json, Value};
 use troupe_model::config::{JobConfig, NODES_MAX};
 use troupe_model::trainer::configure_torch_threads;
 use troupe_model::{ModelConfig, Trainer};
 
-use super::data_parallel::{measure_cluster, per_rank_max_mib, precision_name, shard_name, ClusterRun, Variant};
+use super::data_parallel::{
+    job_runtime, measure_cluster, per_rank_max_mib, precision_name, shard_name, ClusterRun, Variant,
+};
 use super::{median, BenchDevice, BenchTrainArgs, MICRO_BATCH, WARMUP_STEPS};
 
 /// One timed run: tokens/s, final loss, and the optimizer's state bytes (all, matrices).
@@ -160,13 +162,7 @@ fn state_bytes(trainer: &Trainer) -> (u64, u64) {
 /// `--world N`: AdamW's and the other optimizer's jobs on fresh local clusters, alternating.
 fn run_jobs(args: BenchTrainArgs, model: ModelConfig) -> anyhow::Result<()> {
     let world = args.world;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = if args.threads > 0 { args.threads } else { (cores / world).max(1) };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")?;
+    let (threads, runtime) = job_runtime(&args)?;
     let optimizer: &'static str = if args.optimizer == "adafactor" { "adafactor" } else { "adamw" };
     let tp = args.tp.unwrap_or(1);
     let base = Variant {

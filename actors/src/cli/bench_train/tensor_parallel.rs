@@ -17,13 +17,15 @@
 //! volume of Megatron's scheme for the same layout (`plan::traffic`), and the communication's share of
 //! the step on every rank.
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::{anyhow, bail};
 use serde_json::{json, Value};
 use troupe_model::config::NODES_MAX;
 use troupe_model::tensor_parallel::TpLayout;
 use troupe_model::ModelConfig;
 
-use super::data_parallel::{measure_cluster, mib_list, peer_peak_bytes, per_rank_max_mib, ClusterRun, Variant};
+use super::data_parallel::{
+    job_runtime, measure_cluster, mib_list, peer_peak_bytes, per_rank_max_mib, ClusterRun, Variant,
+};
 use super::{extend_report, median, run_peer, BenchDevice, BenchTrainArgs, MICRO_BATCH, WARMUP_STEPS};
 use crate::plan::{plan_layout, Degrees, Host, LayoutRequest, Traffic};
 use crate::protocol::RankUsage;
@@ -96,13 +98,8 @@ struct Repetitions {
 pub(super) fn run(args: BenchTrainArgs, model: ModelConfig, tp: usize) -> anyhow::Result<()> {
     let world = args.world;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = if args.threads > 0 { args.threads } else { (cores / world).max(1) };
     let load = load_average();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")?;
+    let (threads, runtime) = job_runtime(&args)?;
     let base = Variant { tp: 1, ..Variant::ddp("fp32") };
     let tensor = Variant { tp, sp: sp(&args), ..base };
     let mut runs = Repetitions { ours: Vec::new(), dp: Vec::new(), peers: Vec::new() };
