@@ -213,6 +213,38 @@ struct Span<'a> {
     compact_at: usize,
 }
 
+/// An element's (batch, row, column) in its parameter's `[batch…, rows, cols]` view.
+type Coord = (usize, usize, usize);
+
+impl Span<'_> {
+    /// The span's local elements as segments that stay within one row of the parameter's
+    /// `[batch…, rows, cols]` view (a vector is one row): (first local index, the first element's
+    /// [`Coord`] — `None` for padding —, length). One division per segment, not per element.
+    fn segments(&self) -> Vec<(usize, Option<Coord>, usize)> {
+        let (rows, cols) = match self.param.moment {
+            Moment::Factored { rows, cols, .. } => (rows, cols),
+            Moment::Full => (1, self.param.numel.max(1)),
+        };
+        let mut out = Vec::new();
+        let mut k = 0;
+        for &(start, n) in self.runs {
+            let Some(mut e) = start else {
+                out.push((k, None, n));
+                k += n;
+                continue;
+            };
+            let end = k + n;
+            while k < end {
+                let (b, i, j) = (e / (rows * cols), e / cols % rows, e % cols);
+                let len = (cols - j).min(end - k);
+                out.push((k, Some((b, i, j)), len));
+                (k, e) = (k + len, e + len);
+            }
+        }
+        out
+    }
+}
+
 impl ShardLayout {
     /// The layout of parameters of `shapes` (flat order), `decays` saying which take weight decay.
     pub fn new(shapes: &[Vec<i64>], decays: &[bool]) -> Self {
@@ -381,15 +413,19 @@ impl ShardLayout {
             }
             let Moment::Factored { rows, cols, row_len, stats_at } = o.param.moment else { continue };
             let (row_sums, col_sums) = sums[p + stats_at..].split_at_mut(row_len);
-            for (k, e) in Runs::positions(o.runs).enumerate() {
-                let Some(e) = e else { continue };
-                let g = grad[o.at + k];
-                let g2 = f64::from(g) * f64::from(g);
-                let (b, i, j) = (e / (rows * cols), e / cols % rows, e % cols);
-                if row_len > 0 {
-                    row_sums[b * rows + i] += g2;
+            for (k, c, len) in o.segments() {
+                let Some((b, i, j)) = c else { continue };
+                let grad = &grad[o.at + k..o.at + k + len];
+                let columns = &mut col_sums[b * cols + j..b * cols + j + len];
+                let mut row = if row_len > 0 { row_sums[b * rows + i] } else { 0.0 };
+                for (column, &g) in columns.iter_mut().zip(grad) {
+                    let g2 = f64::from(g) * f64::from(g);
+                    row += g2;
+                    *column += g2;
                 }
-                col_sums[b * cols + j] += g2;
+                if row_len > 0 {
+                    row_sums[b * rows + i] = row;
+                }
             }
         }
         sums.into_iter().map(|s| s as f32).collect()
@@ -456,21 +492,24 @@ impl Prepared {
         Self { stats: new, factors, step_sizes, beta2t, grad_factor, config: config.clone() }
     }
 
-    /// The update before clipping and the step size of element `e` of `param` with (unclipped)
-    /// gradient `g`; a vector's second moment `v` is advanced in place.
-    fn unclipped(&self, param: &Param, e: usize, g: f32, v: &mut f32) -> f32 {
+    /// The update before clipping of a vector's element with (unclipped) gradient `g`; its second moment
+    /// `v` is advanced in place.
+    fn unclipped_vector(&self, g: f32, v: &mut f32) -> f32 {
         let g = g * self.grad_factor;
-        match param.moment {
-            Moment::Full => {
-                let squared = f64::from(g) * f64::from(g) + self.config.eps1;
-                *v = (self.beta2t * f64::from(*v) + (1.0 - self.beta2t) * squared) as f32;
-                g / v.sqrt()
-            }
-            Moment::Factored { rows, cols, row_len, stats_at } => {
-                let (b, i, j) = (e / (rows * cols), e / cols % rows, e % cols);
-                let r = if row_len > 0 { self.factors[stats_at + b * rows + i] } else { 1.0 };
-                r * self.factors[stats_at + row_len + b * cols + j] * g
-            }
+        let squared = f64::from(g) * f64::from(g) + self.config.eps1;
+        *v = (self.beta2t * f64::from(*v) + (1.0 - self.beta2t) * squared) as f32;
+        g / v.sqrt()
+    }
+
+    /// The updates before clipping of a matrix's segment from `(b, i, j)` along its row, of (unclipped)
+    /// gradients `grad`, each given to `each` with its index in the segment: the row's factor times each
+    /// column's times the gradient.
+    fn unclipped_row(&self, param: &Param, (b, i, j): Coord, grad: &[f32], mut each: impl FnMut(usize, f32)) {
+        let Moment::Factored { rows, cols, row_len, stats_at } = param.moment else { unreachable!("a matrix") };
+        let r = if row_len > 0 { self.factors[stats_at + b * rows + i] } else { 1.0 };
+        let columns = &self.factors[stats_at + row_len + b * cols + j..][..grad.len()];
+        for (t, (&c, &g)) in columns.iter().zip(grad).enumerate() {
+            each(t, r * c * (g * self.grad_factor));
         }
     }
 
@@ -504,11 +543,20 @@ impl Prepared {
     fn update_sq_of(&self, layout: &ShardLayout, spans: &[Span<'_>], grad: &[f32], compact: &[f32]) -> Vec<f32> {
         let mut sums = vec![0f64; layout.params.len()];
         for o in spans {
-            for (k, e) in Runs::positions(o.runs).enumerate() {
-                let Some(e) = e else { continue };
-                let mut v = if o.param.moment == Moment::Full { compact[o.compact_at + k] } else { 0.0 };
-                let u = self.unclipped(o.param, e, grad[o.at + k], &mut v);
-                sums[o.index] += f64::from(u) * f64::from(u);
+            let sum = &mut sums[o.index];
+            for (k, c, len) in o.segments() {
+                let Some(c) = c else { continue };
+                let grad = &grad[o.at + k..o.at + k + len];
+                if o.param.moment == Moment::Full {
+                    for (t, &g) in grad.iter().enumerate() {
+                        // The advanced moment is thrown away: the update applies it.
+                        let mut v = compact[o.compact_at + k + t];
+                        let u = self.unclipped_vector(g, &mut v);
+                        *sum += f64::from(u) * f64::from(u);
+                    }
+                } else {
+                    self.unclipped_row(o.param, c, grad, |_, u| *sum += f64::from(u) * f64::from(u));
+                }
             }
         }
         sums.into_iter().map(|s| s as f32).collect()
@@ -542,13 +590,11 @@ impl Prepared {
             let clip = (rms / self.config.clip_threshold).max(1.0);
             let step = self.step_sizes[o.index];
             let decay = if o.param.decays { self.config.weight_decay * step } else { 0.0 };
-            for (k, e) in Runs::positions(o.runs).enumerate() {
-                let Some(e) = e else { continue };
-                let s = o.at + k;
-                let mut scratch = 0.0;
-                let v = if o.param.moment == Moment::Full { &mut compact[o.compact_at + k] } else { &mut scratch };
-                let mut u = ((f64::from(self.unclipped(o.param, e, grad[s], v)) / clip) * step) as f32;
-                if let (Some(beta1), false) = (self.config.beta1, exp_avg.is_empty()) {
+            let beta1 = self.config.beta1.filter(|_| !exp_avg.is_empty());
+            // Element `s` of the range takes the update `u` (before clipping).
+            let mut finish = |s: usize, u: f32| {
+                let mut u = ((f64::from(u) / clip) * step) as f32;
+                if let Some(beta1) = beta1 {
                     exp_avg[s] = (beta1 * f64::from(exp_avg[s]) + (1.0 - beta1) * f64::from(u)) as f32;
                     u = exp_avg[s];
                 }
@@ -556,6 +602,17 @@ impl Prepared {
                     master[s] += (f64::from(master[s]) * -decay) as f32;
                 }
                 master[s] -= u;
+            };
+            for (k, c, len) in o.segments() {
+                let Some(c) = c else { continue };
+                let at = o.at + k;
+                if o.param.moment == Moment::Full {
+                    for t in 0..len {
+                        finish(at + t, self.unclipped_vector(grad[at + t], &mut compact[o.compact_at + k + t]));
+                    }
+                } else {
+                    self.unclipped_row(o.param, c, &grad[at..at + len], |t, u| finish(at + t, u));
+                }
             }
         }
     }
