@@ -1,6 +1,6 @@
 //! `troupe bench train --world N` as a user runs it: the JSON report of a data-parallel run on a local
 //! cluster of daemon processes, a ZeRO-3 run beside DDP, a Llama preset beside transformers' model under
-//! PyTorch DDP, Adafactor beside AdamW at tp = 2, and the errors for sharding one rank and for a model
+//! PyTorch DDP, Adafactor beside AdamW at tp = 2, ZeRO-1 inside tp = 2 × dp = 2, and the errors for sharding one rank and for a model
 //! that is not a preset. Speed is not asserted (the machine is shared); only that every figure is there
 //! and positive.
 
@@ -291,7 +291,7 @@ fn tensor_parallel_bad_combinations_are_refused_before_anything_starts() {
     let cases: [(&[&str], &[&str]); 4] = [
         (&["--world", "3", "--tp", "2"], &["--tp 2 does not divide --world 3", "use --world 2"]),
         (&["--world", "3", "--tp", "3"], &["model.n_heads (4)", "nearest valid degree is 2"]),
-        (&["--world", "2", "--tp", "2", "--shard", "zero1"], &["--shard zero1 with --tp 2", "drop --shard"]),
+        (&["--world", "2", "--tp", "2", "--shard", "zero1"], &["--shard zero1 with --tp 2", "one tensor group"]),
         (&["--world", "2", "--no-sp"], &["--sp / --no-sp go with --tp"]),
     ];
     for (args, expected) in cases {
@@ -327,4 +327,16 @@ fn adafactor_under_tensor_parallelism_is_measured_beside_adamw_with_its_state_pe
     positive(&report, "tokens_per_s_ratio");
     let ratio = positive(&report, "optimizer_bytes_ratio");
     assert!(ratio < 0.1, "Adafactor's state per rank is {ratio}× AdamW's: {report}");
+}
+
+/// `--tp 2 --shard zero1` over two tensor groups: ZeRO-1 inside the data-parallel groups of the tensor
+/// ranks, its data-parallel baseline sharded alike, both measured.
+#[test]
+fn tensor_parallel_with_zero_inside_its_data_parallel_groups_is_measured() {
+    let args = ["--world", "4", "--tp", "2", "--shard", "zero1", "--context", "32", "--steps", "2", "--repeats", "1"];
+    let report = report_of(troupe(&[&["bench", "train"][..], &args, &["--json"]].concat()));
+    assert_eq!((report["shard"].as_str(), report["dp"].as_u64()), (Some("zero1"), Some(2)), "{report}");
+    for key in ["tokens_per_s", "dp_tokens_per_s", "final_loss"] {
+        positive(&report, key);
+    }
 }

@@ -3,7 +3,9 @@
 //! data-parallel replica of `MICRO_BATCH` samples per step), timed as `data_parallel` times a job (the
 //! wall time between committed step events after the warm-up, each daemon's VmHWM, a fresh cluster per
 //! repetition). With T > 1 each repetition also runs the same world purely data-parallel (tp = 1, DDP), so
-//! the report says what splitting the layers costs or gains against replicating them.
+//! the report says what splitting the layers costs or gains against replicating them. `--shard zeroK`
+//! (with two tensor groups or more) runs ZeRO inside the tensor ranks' data-parallel groups, and the
+//! baseline sharded alike.
 //!
 //! With `--peer`, PyTorch's own tensor parallelism of gpt-tiny trains between troupe's runs
 //! (bench/peers/tp_gpt_tiny.py: DTensor's `parallelize_module` with ColwiseParallel / RowwiseParallel,
@@ -24,7 +26,7 @@ use troupe_model::tensor_parallel::TpLayout;
 use troupe_model::ModelConfig;
 
 use super::data_parallel::{
-    job_runtime, measure_cluster, mib_list, peer_peak_bytes, per_rank_max_mib, ClusterRun, Variant,
+    job_runtime, measure_cluster, mib_list, peer_peak_bytes, per_rank_max_mib, shard_name, ClusterRun, Variant,
 };
 use super::{extend_report, median, run_peer, BenchDevice, BenchTrainArgs, MICRO_BATCH, WARMUP_STEPS};
 use crate::plan::{plan_layout, Degrees, Host, LayoutRequest, Traffic};
@@ -47,9 +49,16 @@ pub(super) fn check(args: &BenchTrainArgs, model: &ModelConfig, tp: usize) -> an
     TpLayout::new(model, tp, sp(args)).map_err(|e| anyhow!("--tp {tp} with --model {}: {e}", args.model))?;
     let refused = [
         (
-            args.shard != "none",
+            args.shard != "none" && world / tp < 2,
             format!("--shard {}", args.shard),
-            "ZeRO inside the data-parallel groups of a tensor-parallel job is not supported yet; drop --shard",
+            "ZeRO splits the state over the data-parallel replicas and this world has one tensor group; use a \
+             --world of two groups or more (e.g. twice --tp), or drop --shard",
+        ),
+        (
+            args.shard != "none" && args.peer,
+            format!("--shard {}", args.shard),
+            "the PyTorch tensor-parallel peer replicates its state over the data-parallel replicas; drop --peer or \
+             --shard",
         ),
         (
             args.precision != "fp32",
@@ -100,7 +109,8 @@ pub(super) fn run(args: BenchTrainArgs, model: ModelConfig, tp: usize) -> anyhow
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let load = load_average();
     let (threads, runtime) = job_runtime(&args)?;
-    let base = Variant { tp: 1, ..Variant::ddp("fp32") };
+    // The data-parallel baseline shards as the tensor groups' replicas do.
+    let base = Variant { tp: 1, shard: shard_name(&args.shard), ..Variant::ddp("fp32") };
     let tensor = Variant { tp, sp: sp(&args), ..base };
     let mut runs = Repetitions { ours: Vec::new(), dp: Vec::new(), peers: Vec::new() };
     for _ in 0..args.repeats.max(1) {
@@ -145,7 +155,7 @@ impl Repetitions {
         let tokens_per_s = median(runs.clone());
         let (sharded, replicated) = TpLayout::new(model, tp, sp).map(|l| l.rank_numel()).unwrap_or_default();
         let mut report = json!({
-            "bench": "train", "world": world, "tp": tp, "sp": sp, "dp": replicas, "shard": "none", "precision": "fp32",
+            "bench": "train", "world": world, "tp": tp, "sp": sp, "dp": replicas, "shard": args.shard, "precision": "fp32",
             "steps": args.steps, "warmup_steps": WARMUP_STEPS, "model": args.model, "arch": model.arch.as_str(),
             "params": model.param_count(), "rank_params": sharded + replicated,
             "micro_batch": MICRO_BATCH, "global_batch": MICRO_BATCH * replicas, "context": model.context,
