@@ -152,15 +152,7 @@ async fn a_checkpoint_written_at_tp2_resumes_at_tp1_on_the_reference_trajectory(
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
     let cluster = LocalCluster::in_process(2).await.unwrap();
-    let config = |steps: u64, tp: usize| {
-        let mut config = with_tp(JobConfig::small(steps), tp, true);
-        // A schedule that does not depend on `steps`: the run extended from 6 to 10 steps follows the
-        // learning rates of one of 10.
-        config.train.decay_steps = 10;
-        config.checkpoint.dir = Some(ckpt.clone());
-        config.checkpoint.every_steps = 3;
-        config
-    };
+    let config = |steps: u64, tp: usize| checkpointed(with_tp(JobConfig::small(steps), tp, true), &ckpt);
     let first = run_to_end(&cluster, Job::new(config(6, 2))).await;
     assert!(matches!(first.last(), Some(JobEvent::Finished { steps: 6, .. })), "{first:?}");
     let checkpoints: Vec<u64> = first
@@ -172,6 +164,15 @@ async fn a_checkpoint_written_at_tp2_resumes_at_tp1_on_the_reference_trajectory(
     let out = dir.path().join("final.safetensors");
     resumed_on_the_reference(&cluster, config(10, 1), &config(10, 1), &out, 6, "tp=2 checkpoint resumed at tp=1").await;
     cluster.shutdown().await;
+}
+
+/// `config` checkpointed every 3 steps into `dir`, on a learning-rate schedule that does not depend on its
+/// `train.steps` (a run extended from 6 to 10 steps follows the rates of one of 10).
+fn checkpointed(mut config: JobConfig, dir: &Path) -> JobConfig {
+    config.train.decay_steps = 10;
+    config.checkpoint.dir = Some(dir.to_path_buf());
+    config.checkpoint.every_steps = 3;
+    config
 }
 
 /// Runs `config` (which resumes from its checkpoint) to its end, saving the final model at `out`: it

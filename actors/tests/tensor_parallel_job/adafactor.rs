@@ -11,7 +11,7 @@ use troupe_actors::api::{Job, JobEvent, LocalCluster};
 use troupe_model::config::JobConfig;
 
 use super::common::with_adafactor;
-use super::{check, resumed_on_the_reference, run_to_end, with_tp};
+use super::{check, checkpointed, resumed_on_the_reference, run_to_end, with_tp};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn adafactor_at_tp2_and_tp4_equals_the_single_process_adafactor() {
@@ -50,11 +50,7 @@ async fn an_adafactor_checkpoint_written_at_tp2_resumes_at_tp1_and_tp4_on_the_re
     for resumed_at in [1, 4] {
         let ckpt = dir.path().join(format!("ckpt-{resumed_at}"));
         let config = |steps: u64, tp: usize| {
-            let mut config = with_adafactor(with_tp(JobConfig::small_llama(steps), tp, true), true);
-            config.train.decay_steps = 10;
-            config.checkpoint.dir = Some(ckpt.clone());
-            config.checkpoint.every_steps = 3;
-            config
+            checkpointed(with_adafactor(with_tp(JobConfig::small_llama(steps), tp, true), true), &ckpt)
         };
         let first = run_to_end(&cluster, Job::new(config(6, 2))).await;
         assert!(matches!(first.last(), Some(JobEvent::Finished { steps: 6, .. })), "{first:?}");
