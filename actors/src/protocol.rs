@@ -51,7 +51,8 @@ pub struct StepFigures {
     /// A pipeline rank's schedule of the step: how long it ran and how much of it computed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stage_time: Option<StageTime>,
-    /// What the rank held and sent in the step (engines that count it: tensor parallelism).
+    /// What the rank held and sent in the step (engines that count it: DDP, ZeRO, periodic
+    /// synchronization and tensor parallelism; not yet a pipeline stage's device).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<RankUsage>,
 }
@@ -79,8 +80,13 @@ pub enum CollectiveKind {
     AllReduce,
     AllGather,
     ReduceScatter,
-    /// Point-to-point: a stage sending activations forward or gradients backward.
+    /// Point-to-point: a stage sending activations forward or gradients backward; a ZeRO owner's
+    /// gradient shard to its buddies.
     Send,
+    /// From one rank to all (a tree): ZeRO-3's owners handing out a unit's parameters.
+    Broadcast,
+    /// From all ranks to one (a tree): ZeRO-3's gradients summed onto their owner.
+    Reduce,
 }
 
 impl GroupKind {
@@ -100,6 +106,8 @@ impl CollectiveKind {
             CollectiveKind::AllGather => "all_gather",
             CollectiveKind::ReduceScatter => "reduce_scatter",
             CollectiveKind::Send => "send",
+            CollectiveKind::Broadcast => "broadcast",
+            CollectiveKind::Reduce => "reduce",
         }
     }
 }
@@ -119,8 +127,9 @@ pub struct RankUsage {
     /// Its buddy copy of a neighbour's shard: parameters, moments and gradients.
     pub buddy_bytes: u64,
     /// The most activation bytes it held for backwards at once (a pipeline's micro-batches in flight
-    /// together).
-    pub activation_bytes: u64,
+    /// together), where the engine keeps them itself (tensor parallelism's tape). None where autograd
+    /// holds them out of sight (DDP, ZeRO): the step's peak RSS is the process's figure there.
+    pub activation_bytes: Option<u64>,
     /// How long the step's forward, backward and reductions took on the rank.
     pub step_seconds: f64,
     /// What it sent in the step, by group and collective.
@@ -128,9 +137,11 @@ pub struct RankUsage {
 }
 
 impl RankUsage {
-    /// Everything it holds: parameters, gradients, optimizer state, buddy copy and peak activations.
+    /// Everything it holds: parameters, gradients, optimizer state, buddy copy and peak activations
+    /// (where measured).
     pub fn memory_bytes(&self) -> u64 {
-        self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.buddy_bytes + self.activation_bytes
+        let activations = self.activation_bytes.unwrap_or(0);
+        self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.buddy_bytes + activations
     }
 
     /// Bytes sent in the step, over every group.
@@ -573,13 +584,13 @@ pub fn describe_usage(step: u64, ranks: &[RankUsage]) -> String {
     let share =
         if total > 0.0 { format!(", communication {:.0}% of the step", 100.0 * comm / total) } else { String::new() };
     let first = ranks.first().map_or(String::new(), |u| {
+        let activations = u.activation_bytes.map_or(String::new(), |a| format!(", activations {:.1}", mib(a)));
         format!(
-            " (rank 0: parameters {:.1}, gradients {:.1}, optimizer {:.1}, buddy copy {:.1}, activations {:.1} MiB)",
+            " (rank 0: parameters {:.1}, gradients {:.1}, optimizer {:.1}, buddy copy {:.1}{activations} MiB)",
             mib(u.param_bytes),
             mib(u.grad_bytes),
             mib(u.optimizer_bytes),
             mib(u.buddy_bytes),
-            mib(u.activation_bytes)
         )
     });
     format!("step {step}: each rank holds {memory}{first} and sends {sent} per step{share}")

@@ -1,7 +1,8 @@
 //! ZeRO-1/2/3 jobs on the daemon runtime: the oracle (DESIGN.md §4) on daemon processes; a SIGKILLed daemon
 //! costs no state because every shard has a buddy copy in memory (no rollback, same trajectory); losing a
 //! rank and its buddy rolls back to the checkpoint (or fails, naming the cause, without one); checkpoints
-//! of sharded jobs hold the whole state and load in DDP jobs and back.
+//! of sharded jobs hold the whole state and load in DDP jobs and back; each rank's `Usage` (what it holds
+//! and sends) agrees with an independent count.
 
 mod common;
 
@@ -9,6 +10,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use troupe_actors::api::{Job, JobEvent, JobHandle, LocalCluster};
+use troupe_actors::protocol::{CollectiveKind, GroupKind, RankUsage};
 use troupe_actors::runtime::worker::WorkerMsg;
 use troupe_model::checkpoint::{Manifest, ShardMode};
 use troupe_model::config::JobConfig;
@@ -209,5 +211,87 @@ async fn checkpoints_of_zero_and_ddp_jobs_load_in_each_other() {
     }
     let (config, out) = last.unwrap();
     check(&config, None, &out, "zero2 → ddp → zero3 → ddp → zero1 through checkpoints");
+    cluster.shutdown().await;
+}
+
+/// The one `Usage` event of a job run to its end on `cluster` (its attempt's second step), by rank.
+async fn usage_of(cluster: &LocalCluster, config: &JobConfig) -> Vec<RankUsage> {
+    let events = run_to_end(cluster, Job::new(config.clone())).await;
+    assert!(matches!(events.last(), Some(JobEvent::Finished { .. })), "{events:?}");
+    let mut told = events.into_iter().filter_map(|e| match e {
+        JobEvent::Usage { attempt: 1, step: 2, ranks } => Some(ranks),
+        JobEvent::Usage { .. } => panic!("one usage event, at the attempt's second step: {e:?}"),
+        _ => None,
+    });
+    let ranks = told.next().expect("a usage event");
+    assert!(told.next().is_none(), "one usage event");
+    ranks
+}
+
+/// What each rank of a DDP or ZeRO job says it holds and sends, against an independent count: the
+/// model's parameter count cut into the balanced shards, and a two-rank group's traffic (an all-reduce
+/// of N values sends N from each rank, an all-gather this rank's chunk, a reduce-scatter the other's).
+/// Adafactor's state is at most a tenth of AdamW's moments, the target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_rank_reports_what_it_holds_and_sends_under_ddp_and_every_zero_stage() {
+    use CollectiveKind::*;
+    let cluster = LocalCluster::in_process(2).await.unwrap();
+    let n = JobConfig::small(1).model.param_count();
+    let f32s = |elements: usize| 4 * elements as u64;
+    let chunk = |rank| troupe_kernels::balanced_range(n, 2, rank).len();
+    let sent = |u: &RankUsage, kind| u.sent_by(GroupKind::Data, kind);
+    for shard in ["none", "zero1", "zero2", "zero3"] {
+        let usage = usage_of(&cluster, &config(3, shard)).await;
+        eprintln!("{shard}: {}", troupe_actors::protocol::describe_usage(2, &usage));
+        assert_eq!(usage.len(), 2, "{shard}");
+        for (rank, u) in usage.iter().enumerate() {
+            let (own, other) = (chunk(rank), chunk(1 - rank));
+            let what = format!("{shard} rank {rank}: {u:?}");
+            assert!(u.activation_bytes.is_none() && u.step_seconds > 0.0 && u.comm_seconds() > 0.0, "{what}");
+            assert!(u.sent.iter().all(|line| line.group == GroupKind::Data && line.calls > 0), "{what}");
+            let model = if shard == "zero3" { 0 } else { f32s(n) };
+            let expected = match shard {
+                // The whole model, its gradients and AdamW's two moments.
+                "none" => (model, model, f32s(2 * n), 0),
+                // The replica (none under ZeRO-3), its gradients and the own shard's reduced gradient; the
+                // own shard's masters and two moments; the other rank's (its buddy's) masters, moments
+                // and gradient shard.
+                _ => (model, model + f32s(own), f32s(3 * own), f32s(4 * other)),
+            };
+            assert_eq!((u.param_bytes, u.grad_bytes, u.optimizer_bytes, u.buddy_bytes), expected, "{what}");
+            match shard {
+                // The gradients' buckets and the loss's word.
+                "none" => assert_eq!(u.sent_bytes(), f32s(n + 1), "{what}"),
+                // The masters gathered into the replica, the gradient all-reduced; loss and norm.
+                "zero1" => {
+                    assert_eq!((sent(u, AllGather), sent(u, AllReduce)), (f32s(own), f32s(n + 2)), "{what}");
+                    assert_eq!(u.sent_bytes(), f32s(own + n + 2), "{what}");
+                }
+                // The other rank's chunk of the gradient to it, the own shard to the buddy that shadows it.
+                "zero2" => {
+                    let lines = [sent(u, AllGather), sent(u, ReduceScatter), sent(u, Send), sent(u, AllReduce)];
+                    assert_eq!(lines, [f32s(own), f32s(other), f32s(own), f32s(2)], "{what}");
+                    assert_eq!(u.sent_bytes(), lines.iter().sum::<u64>(), "{what}");
+                }
+                // Each unit's parameters handed out by their owners, its gradients summed onto them.
+                _ => {
+                    let broadcast = sent(u, Broadcast);
+                    assert!(broadcast >= f32s(own) && broadcast % f32s(own) == 0, "{what}");
+                    assert!(sent(u, Reduce) > 0 && sent(u, Send) == f32s(own), "{what}");
+                    assert_eq!(sent(u, AllReduce), f32s(2), "{what}");
+                }
+            }
+        }
+    }
+    // Adafactor: the factored statistics instead of AdamW's moments, whole under DDP and beside the own
+    // shard's masters under ZeRO.
+    for shard in ["none", "zero1"] {
+        let usage = usage_of(&cluster, &common::with_adafactor(config(3, shard), false)).await;
+        for (rank, u) in usage.iter().enumerate() {
+            let (elements, masters) = if shard == "none" { (n, 0) } else { (chunk(rank), f32s(chunk(rank))) };
+            let state = u.optimizer_bytes - masters;
+            assert!(state > 0 && 10 * state <= f32s(2 * elements), "{shard} rank {rank}: {state} bytes: {u:?}");
+        }
+    }
     cluster.shutdown().await;
 }

@@ -34,6 +34,8 @@ struct Run {
     losses: BTreeMap<u64, f64>,
     regroups: Vec<(u64, u64, Vec<usize>)>,
     rolled_back: Vec<(u64, u64)>,
+    /// The first attempt's `Usage` event (its second step), by rank.
+    usage: Vec<troupe_actors::protocol::RankUsage>,
 }
 
 /// The fault a test injects once `after` steps are committed.
@@ -75,6 +77,7 @@ async fn run(cluster: &mut LocalCluster, config: &JobConfig, world: usize, out: 
                 }
             }
             JobEvent::RolledBack { from_step, to_step } => seen.rolled_back.push((*from_step, *to_step)),
+            JobEvent::Usage { attempt: 1, step: 2, ranks } => seen.usage.clone_from(ranks),
             JobEvent::Recovered { step, world: new, .. } => {
                 let members: Vec<usize> = match fault {
                     Fault::Kill { node, .. } if *new < world => (0..world).filter(|&r| r != node).collect(),
@@ -129,6 +132,15 @@ async fn local_sgd_and_diloco_on_daemon_processes_equal_the_reference_for_h_1_an
         let seen = run(&mut cluster, &config, 2, &out, Fault::None).await;
         assert!(seen.regroups.is_empty(), "no fault, no recovery");
         check(&config, 2, &seen, &out, &format!("{sync} H={every} on 2 ranks"));
+        // What a step moves: the loss and norm, and at an interval's end (after step 2 only when H = 1)
+        // every parameter — H times fewer bytes per step than DDP's gradients over an interval.
+        let n = config.model.param_count() as u64;
+        let sent = if every == 1 { 4 * (n + 2) } else { 4 * 2 };
+        assert_eq!(seen.usage.len(), 2, "{sync} H={every}: a usage event of both ranks");
+        for u in &seen.usage {
+            assert_eq!((u.param_bytes, u.grad_bytes), (4 * n, 4 * n), "{sync} H={every}: {u:?}");
+            assert_eq!(u.sent_bytes(), sent, "{sync} H={every}: {u:?}");
+        }
     }
     cluster.shutdown().await;
 }

@@ -32,6 +32,7 @@ use super::committed::CommittedState;
 use super::flat::{append_flat, broadcast_params, broadcast_state, copy_from_flat, materialise_grads};
 use super::overlap::{BackwardJob, BackwardWork, MicroBatch, Progress};
 use super::step_engine::{EngineError, ReducedStep, StepEngine};
+use crate::protocol::RankUsage;
 
 /// DDP's default bucket size (PyTorch uses 25 MB too).
 pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
@@ -173,6 +174,7 @@ impl<T: Transport> DataParallelReplica<T> {
     /// step cleanly.
     pub async fn reduce_gradients(&mut self) -> Result<ReducedStep, ClusterError> {
         let started = Instant::now();
+        self.comm.take_calls(); // what the step sends is metered from here
         self.grad_sum_sq = 0.0;
         // One bucket is complete only when the whole backward is: nothing could overlap, and the
         // block-wise backward and its thread would cost ~5% of a step for nothing (measured on gpt-tiny,
@@ -307,6 +309,11 @@ impl<T: Transport> StepEngine for DataParallelReplica<T> {
 
     async fn reduce(&mut self) -> Result<ReducedStep, EngineError> {
         Ok(self.reduce_gradients().await?)
+    }
+
+    /// The whole model, its gradients and AdamW's (or Adafactor's) state, and the step's all-reduces.
+    fn usage(&mut self) -> Option<RankUsage> {
+        Some(super::memory::whole_replica_usage(&self.trainer, 0, self.comm.take_calls()))
     }
 
     async fn apply(&mut self, reduced: ReducedStep) {

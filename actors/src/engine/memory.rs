@@ -1,8 +1,13 @@
 //! What a rank keeps between steps, counted in elements — the persistent model state whose size ZeRO
 //! divides by the world (activations, gathered units and other buffers of a step in flight are not
-//! counted: they are freed when the step ends).
+//! counted: they are freed when the step ends) — and, for a step's [`RankUsage`], what a data-parallel
+//! rank's communicator sent.
 
+use tch::Tensor;
+use troupe_cluster::collective::CallTally;
 use troupe_model::Trainer;
+
+use crate::protocol::{CollectiveKind, GroupKind, RankUsage, SentBytes};
 
 /// Elements (fp32) a rank holds between steps, by kind.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -32,4 +37,60 @@ impl PersistentState {
     pub fn total(&self) -> usize {
         self.params + self.grads + self.masters + self.moments + self.buffers
     }
+}
+
+/// Bytes of `tensors`, and of their defined gradients.
+pub(super) fn tensor_and_grad_bytes(tensors: &[Tensor]) -> (u64, u64) {
+    let bytes = |t: &Tensor| troupe_model::tensor_bytes(t) as u64;
+    let grads = tensors.iter().map(Tensor::grad).filter(Tensor::defined).map(|g| bytes(&g)).sum();
+    (tensors.iter().map(bytes).sum(), grads)
+}
+
+/// A replica holding the whole model and optimizer (DDP, a periodically synchronizing replica): its
+/// parameters, gradients and optimizer state as the tensors are, `extra_state` elements beside them
+/// (an outer optimizer's), and what its communicator sent in the step (`calls`).
+pub(super) fn whole_replica_usage(trainer: &Trainer, extra_state: usize, calls: Vec<CallTally>) -> RankUsage {
+    let (param_bytes, grad_bytes) = tensor_and_grad_bytes(trainer.model.params());
+    RankUsage {
+        param_bytes,
+        grad_bytes,
+        optimizer_bytes: ((trainer.optimizer.state_numel() + extra_state) * std::mem::size_of::<f32>()) as u64,
+        buddy_bytes: 0,
+        activation_bytes: None,
+        step_seconds: 0.0,
+        sent: data_group_sent(calls),
+    }
+}
+
+/// A step's calls of a data-parallel group's communicator as [`RankUsage`] lines: one per collective
+/// (a receive's wait with the sends; a barrier moves nothing worth a line).
+pub(super) fn data_group_sent(calls: Vec<CallTally>) -> Vec<SentBytes> {
+    let mut lines: Vec<SentBytes> = Vec::new();
+    for call in calls {
+        let collective = match call.op {
+            "all_reduce" => CollectiveKind::AllReduce,
+            "all_gather" => CollectiveKind::AllGather,
+            "reduce_scatter" => CollectiveKind::ReduceScatter,
+            "broadcast" => CollectiveKind::Broadcast,
+            "reduce" => CollectiveKind::Reduce,
+            "send" | "recv" => CollectiveKind::Send,
+            _ => continue,
+        };
+        match lines.iter_mut().find(|l| l.collective == collective) {
+            Some(line) => {
+                line.calls += call.calls;
+                line.bytes += call.bytes;
+                line.seconds += call.seconds;
+            }
+            None => lines.push(SentBytes {
+                group: GroupKind::Data,
+                collective,
+                calls: call.calls,
+                bytes: call.bytes,
+                seconds: call.seconds,
+            }),
+        }
+    }
+    lines.sort_by_key(|l| l.collective);
+    lines
 }

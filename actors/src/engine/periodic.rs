@@ -56,6 +56,7 @@ use troupe_model::Trainer;
 use super::committed::CommittedState;
 use super::flat::{broadcast_state, counter_of, counter_words};
 use super::step_engine::{EngineError, ReducedStep, StepEngine};
+use crate::protocol::RankUsage;
 
 /// Rank `rank`'s committed state from checkpoint `dir` of a periodically synchronizing job: the
 /// checkpoint's state with the inner optimizer state (and with fragments the parameters) of saved rank
@@ -206,6 +207,7 @@ impl<T: Transport> StepEngine for PeriodicReplica<T> {
     async fn reduce(&mut self) -> Result<ReducedStep, EngineError> {
         let share = self.share.clone().map_err(EngineError::Setup)?;
         let started = Instant::now();
+        self.comm.take_calls(); // what the step sends is metered from here
         let step = self.trainer.step;
         self.pending = None;
         self.moved = true;
@@ -220,6 +222,15 @@ impl<T: Transport> StepEngine for PeriodicReplica<T> {
         }
         let grad_norm = (f64::from(figures[1]) / self.comm.world() as f64).sqrt();
         Ok(ReducedStep { loss: f64::from(figures[0]), grad_norm, compute_seconds })
+    }
+
+    /// The working replica, its gradients and inner optimizer state; beside that state, what the
+    /// engine keeps to synchronize and to roll back: the global parameters, DiLoCo's outer momentum and
+    /// the last synchronization's snapshot. What it sent: the loss's all-reduce, and at an interval's end
+    /// the synchronization's.
+    fn usage(&mut self) -> Option<RankUsage> {
+        let kept = self.global.len() + self.momentum.len() + self.synced.bytes() as usize / std::mem::size_of::<f32>();
+        Some(super::memory::whole_replica_usage(&self.trainer, kept, self.comm.take_calls()))
     }
 
     async fn apply(&mut self, _reduced: ReducedStep) {

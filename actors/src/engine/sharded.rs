@@ -41,13 +41,14 @@ use troupe_model::{StepReport, Trainer};
 
 use super::committed::{full_piece, tensor_specs, CommittedState, ShardPiece};
 use super::flat::{append_flat, broadcast_params, copy_from_flat, materialise_grads};
-use super::memory::PersistentState;
+use super::memory::{data_group_sent, tensor_and_grad_bytes, PersistentState};
 use super::reshard::{reshard, Held};
 use super::segments::plan_segments;
 use super::shard_owner::{OwnerAdafactor, OwnerArgs, OwnerUpdate, ShardOwnerActor, ShardOwnerMsg, Staged};
 use super::shard_plan::{buddies, held_ranges, shadow_holders, ShardMode, REPLICAS_MAX};
 use super::step_engine::{EngineError, ReducedStep, StepEngine};
 use super::zero3;
+use crate::protocol::RankUsage;
 
 /// One rank of a ZeRO-1/2/3 job: the engine that runs its share of each step's compute and
 /// communication, its [`ShardOwnerActor`] — which holds its own shard of the masters and moments and its
@@ -209,12 +210,39 @@ impl<T: Transport> ShardedReplica<T> {
     /// model's factored statistics (replicated).
     fn moment_elements(&self) -> usize {
         let held = self.held();
+        let per_piece: usize = held.iter().map(|r| self.piece_moment_elements(r)).sum();
+        per_piece + self.adafactor.as_ref().map_or(0, |layout| layout.stats_len())
+    }
+
+    /// Elements of moments a held piece `range` carries (the replicated factored statistics aside).
+    fn piece_moment_elements(&self, range: &Range<usize>) -> usize {
         let Some(layout) = &self.adafactor else {
-            return 2 * held.iter().map(Range::len).sum::<usize>();
+            return 2 * range.len();
         };
-        let first = self.trainer.config.train.adafactor.beta1.is_some();
-        let per_piece: usize = held.iter().map(|r| layout.vector_elements(r) + if first { r.len() } else { 0 }).sum();
-        per_piece + layout.stats_len()
+        let first = if self.trainer.config.train.adafactor.beta1.is_some() { range.len() } else { 0 };
+        layout.vector_elements(range) + first
+    }
+
+    /// What the rank held after the step's reduction, by kind (bytes), and what its communicator sent in
+    /// the step. Parameters and their gradients: the replica's model tensors (ZeRO-3: none, its units
+    /// are gathered one at a time inside the step). Optimizer: the own shard's fp32 masters and moments,
+    /// and Adafactor's replicated statistics. Gradients also count the own shard's reduced gradient;
+    /// the buddy copy is each buddy's masters, moments and gradient shard.
+    fn step_usage(&mut self) -> Option<RankUsage> {
+        let (own, buddies) = self.held.split_first()?;
+        let f32s = |elements: usize| (elements * std::mem::size_of::<f32>()) as u64;
+        let (param_bytes, model_grads) = tensor_and_grad_bytes(self.trainer.model.params());
+        let stats = self.adafactor.as_ref().map_or(0, |layout| layout.stats_len());
+        let buddy = buddies.iter().map(|r| 2 * r.len() + self.piece_moment_elements(r)).sum();
+        Some(RankUsage {
+            param_bytes,
+            grad_bytes: model_grads + f32s(own.len()),
+            optimizer_bytes: f32s(own.len() + self.piece_moment_elements(own) + stats),
+            buddy_bytes: f32s(buddy),
+            activation_bytes: None,
+            step_seconds: 0.0,
+            sent: data_group_sent(self.comm.take_calls()),
+        })
     }
 
     /// The flat ranges this rank holds (own shard first).
@@ -361,6 +389,7 @@ impl<T: Transport> ShardedReplica<T> {
     /// Nothing is applied: dropping it now abandons the step cleanly.
     pub async fn reduce_gradients(&mut self) -> Result<ReducedStep, EngineError> {
         assert!(self.synced, "ShardedReplica::sync before the first step");
+        self.comm.take_calls(); // what the step sends is metered from here
         if self.grads.is_empty() {
             // The last step's buffers stayed with the owner (that step was abandoned after staging).
             self.grads = self.held.iter().map(|r| vec![0.0; r.len()]).collect();
@@ -613,6 +642,10 @@ impl<T: Transport> StepEngine for ShardedReplica<T> {
 
     async fn reduce(&mut self) -> Result<ReducedStep, EngineError> {
         self.reduce_gradients().await
+    }
+
+    fn usage(&mut self) -> Option<RankUsage> {
+        self.step_usage()
     }
 
     fn gradient_collective(&self) -> &'static str {

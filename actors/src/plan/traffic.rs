@@ -61,6 +61,9 @@ pub fn ring_bytes(kind: CollectiveKind, n: usize, elements: u64) -> u64 {
         CollectiveKind::AllReduce => 2 * (n64 - 1) * bytes / n64,
         CollectiveKind::AllGather | CollectiveKind::ReduceScatter => (n64 - 1) * bytes / n64,
         CollectiveKind::Send => bytes,
+        // A tree's sends vary with the rank's place in it; each byte reaches (or leaves) each of the
+        // n − 1 others once, so this is the mean over ranks.
+        CollectiveKind::Broadcast | CollectiveKind::Reduce => (n64 - 1) * bytes / n64,
     }
 }
 

@@ -46,17 +46,20 @@ impl LinkBytes {
 pub struct Counted<T> {
     inner: Arc<T>,
     links: Vec<Arc<LinkCounters>>,
+    /// Everything this wrapper sent, to any peer ([`Transport::sent_bytes`]: what a communicator over it
+    /// attributes to each of its calls).
+    sent: AtomicU64,
 }
 
 impl<T: Transport> Counted<T> {
     pub fn new(inner: Arc<T>, peers: &[String], registry: &LinkBytes) -> Self {
-        Counted { inner, links: peers.iter().map(|p| registry.link(p)).collect() }
+        Counted { inner, links: peers.iter().map(|p| registry.link(p)).collect(), sent: AtomicU64::new(0) }
     }
 
     /// A transport whose traffic to and from every peer adds up in one pair of counters, `total`.
     pub fn total(inner: Arc<T>, total: Arc<LinkCounters>) -> Self {
         let links = (0..inner.world()).map(|_| total.clone()).collect();
-        Counted { inner, links }
+        Counted { inner, links, sent: AtomicU64::new(0) }
     }
 }
 
@@ -70,6 +73,7 @@ impl<T: Transport> Transport for Counted<T> {
     }
 
     fn send(&self, to: usize, tag: Tag, payload: Bytes) -> impl Future<Output = Result<(), ClusterError>> + Send {
+        self.sent.fetch_add(payload.len() as u64, Ordering::Relaxed);
         if let Some(link) = self.links.get(to) {
             link.sent.fetch_add(payload.len() as u64, Ordering::Relaxed);
         }
@@ -81,6 +85,7 @@ impl<T: Transport> Transport for Counted<T> {
     }
 
     fn send_slice(&self, to: usize, tag: Tag, data: &[u8]) -> impl Future<Output = Result<(), ClusterError>> + Send {
+        self.sent.fetch_add(data.len() as u64, Ordering::Relaxed);
         if let Some(link) = self.links.get(to) {
             link.sent.fetch_add(data.len() as u64, Ordering::Relaxed);
         }
@@ -115,7 +120,12 @@ impl<T: Transport> Transport for Counted<T> {
         self.inner.arena()
     }
 
+    fn sent_bytes(&self) -> Option<u64> {
+        Some(self.sent.load(Ordering::Relaxed))
+    }
+
     fn arena_traffic(&self, peer: usize, sent_bytes: u64, received_bytes: u64) {
+        self.sent.fetch_add(sent_bytes, Ordering::Relaxed);
         if let Some(link) = self.links.get(peer) {
             link.sent.fetch_add(sent_bytes, Ordering::Relaxed);
             link.received.fetch_add(received_bytes, Ordering::Relaxed);

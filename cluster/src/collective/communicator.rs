@@ -4,6 +4,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Instant;
 
 use troupe_kernels::reduce::{finish_avg, ReduceOp};
 
@@ -76,6 +77,22 @@ impl From<&TransportConfig> for CollectiveConfig {
 /// Tag step used by point-to-point messages (collective steps count up from 0).
 const P2P_STEP: u32 = u32::MAX;
 
+/// What a communicator's calls of one kind did since the last [`Communicator::take_calls`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct CallTally {
+    /// `all_reduce`, `broadcast`, `reduce`, `all_gather`, `reduce_scatter`, `barrier`, `send` or `recv`.
+    pub op: &'static str,
+    pub calls: u64,
+    /// Payload bytes the calls handed the transport ([`Transport::sent_bytes`]; 0 when it does not
+    /// count them, and for a receive).
+    pub bytes: u64,
+    /// Their duration, waits included.
+    pub seconds: f64,
+}
+
+/// When a call began: the time and the transport's byte count.
+type CallMark = (Instant, Option<u64>);
+
 pub struct Communicator<T: Transport> {
     transport: Arc<T>,
     group: u32,
@@ -92,6 +109,8 @@ pub struct Communicator<T: Transport> {
     /// Two-tier all-reduce ([`Self::with_host_tier`]): within hosts in their arenas, across hosts
     /// over this communicator's transport.
     hosts: Option<HostTier>,
+    /// The calls since the last [`Self::take_calls`], by op.
+    calls: Vec<CallTally>,
 }
 
 /// This rank's part in two-tier collectives.
@@ -129,7 +148,36 @@ impl<T: Transport> Communicator<T> {
             arena,
             send_buffers: SendBuffers::default(),
             hosts: None,
+            calls: Vec::new(),
         }
+    }
+
+    /// The calls since the last time (or since the communicator was made), one line per op in the order
+    /// first called, and starts again from none: how a step's collectives are metered.
+    pub fn take_calls(&mut self) -> Vec<CallTally> {
+        std::mem::take(&mut self.calls)
+    }
+
+    fn mark(&self) -> CallMark {
+        (Instant::now(), self.transport.sent_bytes())
+    }
+
+    /// Notes a call of `op` begun at `mark`; passes its result on.
+    fn note<R>(&mut self, op: &'static str, (at, before): CallMark, result: R) -> R {
+        let bytes = match (before, self.transport.sent_bytes()) {
+            (Some(before), Some(now)) => now.saturating_sub(before),
+            _ => 0,
+        };
+        let seconds = at.elapsed().as_secs_f64();
+        match self.calls.iter_mut().find(|c| c.op == op) {
+            Some(c) => {
+                c.calls += 1;
+                c.bytes += bytes;
+                c.seconds += seconds;
+            }
+            None => self.calls.push(CallTally { op, calls: 1, bytes, seconds }),
+        }
+        result
     }
 
     /// Whether collectives run in the transport's shared-memory arena.
@@ -433,24 +481,36 @@ impl<T: Transport> Communicator<T> {
 
     /// Every rank ends with `op` over all ranks' `data`.
     pub async fn all_reduce<E: Element>(&mut self, data: &mut [E], op: ReduceOp) -> Result<(), ClusterError> {
-        self.with_acc(data, op, CollectiveKind::AllReduce).await
+        let mark = self.mark();
+        let result = self.with_acc(data, op, CollectiveKind::AllReduce).await;
+        self.note("all_reduce", mark, result)
     }
 
     /// Every rank ends with `root`'s `data`.
     pub async fn broadcast<E: Element>(&mut self, data: &mut [E], root: Rank) -> Result<(), ClusterError> {
         self.check_root(root, "broadcast")?;
-        self.with_acc(data, ReduceOp::Sum, CollectiveKind::Broadcast(root)).await
+        let mark = self.mark();
+        let result = self.with_acc(data, ReduceOp::Sum, CollectiveKind::Broadcast(root)).await;
+        self.note("broadcast", mark, result)
     }
 
     /// `root` ends with `op` over all ranks' `data`; other ranks' buffers hold partial results.
     pub async fn reduce<E: Element>(&mut self, data: &mut [E], op: ReduceOp, root: Rank) -> Result<(), ClusterError> {
         self.check_root(root, "reduce")?;
-        self.with_acc(data, op, CollectiveKind::Reduce(root)).await
+        let mark = self.mark();
+        let result = self.with_acc(data, op, CollectiveKind::Reduce(root)).await;
+        self.note("reduce", mark, result)
     }
 
     /// `input` is this rank's chunk `chunk_range(output.len(), world, rank)`; every rank ends with the
     /// concatenation of all chunks in `output`.
     pub async fn all_gather<E: Element>(&mut self, input: &[E], output: &mut [E]) -> Result<(), ClusterError> {
+        let mark = self.mark();
+        let result = self.gather_all(input, output).await;
+        self.note("all_gather", mark, result)
+    }
+
+    async fn gather_all<E: Element>(&mut self, input: &[E], output: &mut [E]) -> Result<(), ClusterError> {
         let (rank, n) = (self.transport.rank(), self.transport.world());
         let own = chunk_range(output.len(), n, rank);
         if input.len() != own.len() {
@@ -494,6 +554,17 @@ impl<T: Transport> Communicator<T> {
         output: &mut [E],
         op: ReduceOp,
     ) -> Result<(), ClusterError> {
+        let mark = self.mark();
+        let result = self.scatter_reduced(input, output, op).await;
+        self.note("reduce_scatter", mark, result)
+    }
+
+    async fn scatter_reduced<E: Element>(
+        &mut self,
+        input: &[E],
+        output: &mut [E],
+        op: ReduceOp,
+    ) -> Result<(), ClusterError> {
         let (rank, n) = (self.transport.rank(), self.transport.world());
         let own = chunk_range(input.len(), n, rank);
         if output.len() != own.len() {
@@ -530,6 +601,12 @@ impl<T: Transport> Communicator<T> {
 
     /// Returns once every rank has entered the barrier.
     pub async fn barrier(&mut self) -> Result<(), ClusterError> {
+        let mark = self.mark();
+        let result = self.enter_barrier().await;
+        self.note("barrier", mark, result)
+    }
+
+    async fn enter_barrier(&mut self) -> Result<(), ClusterError> {
         if let Some(done) = self.in_arena(ShmOp::Barrier, &mut []).await {
             return done;
         }
@@ -543,10 +620,18 @@ impl<T: Transport> Communicator<T> {
     pub async fn send<E: Element>(&mut self, to: Rank, data: &[E]) -> Result<(), ClusterError> {
         let tag = Tag { group: self.group, epoch: self.epoch, seq: self.p2p_sent[to], step: P2P_STEP };
         self.p2p_sent[to] += 1;
-        self.transport.send(to, tag, bytes::Bytes::copy_from_slice(bytemuck::cast_slice(data))).await
+        let mark = self.mark();
+        let result = self.transport.send(to, tag, bytes::Bytes::copy_from_slice(bytemuck::cast_slice(data))).await;
+        self.note("send", mark, result)
     }
 
     pub async fn recv<E: Element>(&mut self, from: Rank, out: &mut [E]) -> Result<(), ClusterError> {
+        let mark = self.mark();
+        let result = self.receive(from, out).await;
+        self.note("recv", mark, result)
+    }
+
+    async fn receive<E: Element>(&mut self, from: Rank, out: &mut [E]) -> Result<(), ClusterError> {
         let tag = Tag { group: self.group, epoch: self.epoch, seq: self.p2p_received[from], step: P2P_STEP };
         self.p2p_received[from] += 1;
         let payload = self.transport.recv(from, tag, LossScope::Peer, self.config.collective_timeout_ms).await?;

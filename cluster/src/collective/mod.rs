@@ -13,7 +13,7 @@ pub mod shm;
 pub mod simulate;
 
 pub use chunks::chunk_range;
-pub use communicator::{Collective, CollectiveConfig, Communicator};
+pub use communicator::{CallTally, Collective, CollectiveConfig, Communicator};
 pub use element::{Dtype, Element};
 pub use hosts::HostLayout;
 pub use troupe_kernels::reduce::ReduceOp;

@@ -113,6 +113,13 @@ pub trait Transport: Send + Sync + 'static {
     /// segment, what we read from its): for transports that count traffic per link.
     fn arena_traffic(&self, _peer: Rank, _sent_bytes: u64, _received_bytes: u64) {}
 
+    /// Payload bytes this transport has handed on since it was made — messages, and what its arena's
+    /// collectives moved ([`Self::arena_traffic`]) — for transports that count them (None otherwise):
+    /// what [`crate::collective::Communicator::take_calls`] attributes to each call.
+    fn sent_bytes(&self) -> Option<u64> {
+        None
+    }
+
     /// Graceful shutdown: waits (bounded) until what was sent is delivered, then says goodbye to every
     /// peer, so they see a departure rather than a loss.
     fn shutdown(&self) -> impl Future<Output = ()> + Send;

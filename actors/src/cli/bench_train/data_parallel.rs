@@ -47,7 +47,7 @@ pub(super) struct ClusterRun {
     pub(super) bytes_sent: Option<u64>,
     /// The validation loss of the final model (with `Variant::counted`).
     pub(super) eval_loss: Option<f64>,
-    /// What each rank held and sent in a step, by rank (engines that count it: tensor parallelism).
+    /// What each rank held and sent in a step, by rank (engines that count it: all but pipelines).
     pub(super) usage: Option<Vec<RankUsage>>,
 }
 

@@ -6,8 +6,8 @@
 //!   the bytes of its state tensors, whole and for the matrices alone (the factored ones).
 //! - `--world N` with `--shard zero1|2|3` or `--tp T` (or neither: DDP): each optimizer's job on a fresh
 //!   local cluster of N daemons per repetition, timed as `data_parallel` times a job. The state per rank
-//!   is what the engine reports in the job's `Usage` event where it reports one (tensor parallelism);
-//!   every run also reports each daemon's peak resident memory (VmHWM).
+//!   is what the engine reports in the job's `Usage` event (under ZeRO its shard's fp32 masters
+//!   included); every run also reports each daemon's peak resident memory (VmHWM).
 
 use std::time::Instant;
 

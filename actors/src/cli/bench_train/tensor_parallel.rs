@@ -218,7 +218,7 @@ impl Repetitions {
             "memory_mib_rank0": {
                 "params": mib(rank0.param_bytes), "grads": mib(rank0.grad_bytes),
                 "optimizer": mib(rank0.optimizer_bytes), "buddy": mib(rank0.buddy_bytes),
-                "activations": mib(rank0.activation_bytes),
+                "activations": mib(rank0.activation_bytes.unwrap_or(0)),
             },
             "memory_mib_per_rank": usage.iter().map(|u| mib(u.memory_bytes())).collect::<Vec<_>>(),
             "sent_bytes_per_step_rank0": sent,

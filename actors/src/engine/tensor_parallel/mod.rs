@@ -861,7 +861,7 @@ fn usage_of<T: Transport>(parts: &Parts<T>, sent: Vec<crate::protocol::SentBytes
         grad_bytes: grads(params) + zero_grad,
         optimizer_bytes: moments(&parts.optimizer) + zero_state + adafactor,
         buddy_bytes: buddy,
-        activation_bytes: parts.rank.take_activation_peak() as u64,
+        activation_bytes: Some(parts.rank.take_activation_peak() as u64),
         step_seconds: 0.0,
         sent,
     }
