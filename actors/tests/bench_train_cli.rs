@@ -288,11 +288,12 @@ fn tensor_parallel_runs_beside_pytorch_tensor_parallelism_and_data_parallelism()
 
 #[test]
 fn tensor_parallel_bad_combinations_are_refused_before_anything_starts() {
-    let cases: [(&[&str], &[&str]); 4] = [
+    let cases: [(&[&str], &[&str]); 5] = [
         (&["--world", "3", "--tp", "2"], &["--tp 2 does not divide --world 3", "use --world 2"]),
         (&["--world", "3", "--tp", "3"], &["model.n_heads (4)", "nearest valid degree is 2"]),
         (&["--world", "2", "--tp", "2", "--shard", "zero1"], &["--shard zero1 with --tp 2", "one tensor group"]),
         (&["--world", "2", "--no-sp"], &["--sp / --no-sp go with --tp"]),
+        (&["--world", "2", "--tp", "2", "--peer", "--precision", "bf16"], &["--precision bf16 with --tp 2", "fp32"]),
     ];
     for (args, expected) in cases {
         let output = troupe(&[&["bench", "train"][..], args].concat());
@@ -327,6 +328,21 @@ fn adafactor_under_tensor_parallelism_is_measured_beside_adamw_with_its_state_pe
     positive(&report, "tokens_per_s_ratio");
     let ratio = positive(&report, "optimizer_bytes_ratio");
     assert!(ratio < 0.1, "Adafactor's state per rank is {ratio}× AdamW's: {report}");
+}
+
+/// `--tp 2 --precision bf16`: the tensor group and its data-parallel baseline both train in bf16 (the
+/// loss starts near ln 256 as in fp32).
+#[test]
+fn tensor_parallel_in_bf16_is_measured_beside_data_parallelism_in_bf16() {
+    let args =
+        ["--world", "2", "--tp", "2", "--precision", "bf16", "--context", "32", "--steps", "2", "--repeats", "1"];
+    let report = report_of(troupe(&[&["bench", "train"][..], &args, &["--json"]].concat()));
+    assert_eq!((report["precision"].as_str(), report["tp"].as_u64()), (Some("bf16"), Some(2)), "{report}");
+    for key in ["tokens_per_s", "dp_tokens_per_s", "ratio_vs_dp", "final_loss"] {
+        positive(&report, key);
+    }
+    let first = positive(&report, "first_loss");
+    assert!((first - 256f64.ln()).abs() < 0.3, "first loss {first}: {report}");
 }
 
 /// `--tp 2 --shard zero1` over two tensor groups: ZeRO-1 inside the data-parallel groups of the tensor

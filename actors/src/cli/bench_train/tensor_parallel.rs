@@ -5,7 +5,7 @@
 //! repetition). With T > 1 each repetition also runs the same world purely data-parallel (tp = 1, DDP), so
 //! the report says what splitting the layers costs or gains against replicating them. `--shard zeroK`
 //! (with two tensor groups or more) runs ZeRO inside the tensor ranks' data-parallel groups, and the
-//! baseline sharded alike.
+//! baseline sharded alike; `--precision bf16|fp16` trains both in that precision (not with `--peer`).
 //!
 //! With `--peer`, PyTorch's own tensor parallelism of gpt-tiny trains between troupe's runs
 //! (bench/peers/tp_gpt_tiny.py: DTensor's `parallelize_module` with ColwiseParallel / RowwiseParallel,
@@ -26,7 +26,8 @@ use troupe_model::tensor_parallel::TpLayout;
 use troupe_model::ModelConfig;
 
 use super::data_parallel::{
-    job_runtime, measure_cluster, mib_list, peer_peak_bytes, per_rank_max_mib, shard_name, ClusterRun, Variant,
+    job_runtime, measure_cluster, mib_list, peer_peak_bytes, per_rank_max_mib, precision_name, shard_name, ClusterRun,
+    Variant,
 };
 use super::{extend_report, median, run_peer, BenchDevice, BenchTrainArgs, MICRO_BATCH, WARMUP_STEPS};
 use crate::plan::{plan_layout, Degrees, Host, LayoutRequest, Traffic};
@@ -61,9 +62,9 @@ pub(super) fn check(args: &BenchTrainArgs, model: &ModelConfig, tp: usize) -> an
              --shard",
         ),
         (
-            args.precision != "fp32",
+            args.precision != "fp32" && args.peer,
             format!("--precision {}", args.precision),
-            "the tensor-parallel benchmark and its PyTorch peer train in fp32 (jobs take parallel.precision); drop --precision",
+            "the PyTorch tensor-parallel peer (bench/peers/tp_gpt_tiny.py) trains in fp32; drop --peer or --precision",
         ),
         (
             args.peft != "none",
@@ -110,7 +111,7 @@ pub(super) fn run(args: BenchTrainArgs, model: ModelConfig, tp: usize) -> anyhow
     let load = load_average();
     let (threads, runtime) = job_runtime(&args)?;
     // The data-parallel baseline shards as the tensor groups' replicas do.
-    let base = Variant { tp: 1, shard: shard_name(&args.shard), ..Variant::ddp("fp32") };
+    let base = Variant { tp: 1, shard: shard_name(&args.shard), ..Variant::ddp(precision_name(&args.precision)) };
     let tensor = Variant { tp, sp: sp(&args), ..base };
     let mut runs = Repetitions { ours: Vec::new(), dp: Vec::new(), peers: Vec::new() };
     for _ in 0..args.repeats.max(1) {
@@ -155,7 +156,7 @@ impl Repetitions {
         let tokens_per_s = median(runs.clone());
         let (sharded, replicated) = TpLayout::new(model, tp, sp).map(|l| l.rank_numel()).unwrap_or_default();
         let mut report = json!({
-            "bench": "train", "world": world, "tp": tp, "sp": sp, "dp": replicas, "shard": args.shard, "precision": "fp32",
+            "bench": "train", "world": world, "tp": tp, "sp": sp, "dp": replicas, "shard": args.shard, "precision": args.precision,
             "steps": args.steps, "warmup_steps": WARMUP_STEPS, "model": args.model, "arch": model.arch.as_str(),
             "params": model.param_count(), "rank_params": sharded + replicated,
             "micro_batch": MICRO_BATCH, "global_batch": MICRO_BATCH * replicas, "context": model.context,
