@@ -104,6 +104,21 @@ fn a_model_that_is_not_a_preset_is_refused_naming_the_presets() {
     assert!(!output.status.success() && stderr.contains("--context 0"), "{stderr}");
 }
 
+/// `--netns` (root, namespaces) refuses what it cannot run before creating anything: its PyTorch peer
+/// trains gpt-tiny only, and H = 32 needs 64 steps to synchronize more than once.
+#[test]
+fn namespace_series_refuses_a_peer_of_another_model_and_too_few_steps() {
+    let cases: [(&[&str], &str); 2] = [
+        (&["--peer", "--model", "llama-tiny", "--steps", "64"], "drop --peer or --model llama-tiny"),
+        (&["--peer", "--steps", "8"], "--steps 8 with --netns: at least 64"),
+    ];
+    for (args, expected) in cases {
+        let output = troupe(&[&["bench", "train", "--world", "2", "--netns", "2"][..], args].concat());
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success() && stderr.contains(expected), "{args:?}: {stderr}");
+    }
+}
+
 #[test]
 fn world_zero_is_refused() {
     let output = troupe(&["bench", "train", "--world", "0"]);

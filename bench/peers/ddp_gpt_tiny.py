@@ -6,6 +6,9 @@ DistributedDataParallel over Gloo, N processes on loopback (torch.multiprocessin
 transformers' own of DIR/config.json instead, built as train_hf_model.py builds it (AutoModelForCausalLM,
 SDPA attention, fp32), the byte corpus taken modulo its vocabulary as there.
 
+With --rank R --master-addr A the script runs rank R alone (the others started elsewhere: `troupe bench
+train --netns N --peer` starts one per network namespace) and prints that rank's JSON line.
+
 Each rank: --micro-batch samples of --context tokens per step from its own generator, --threads torch
 threads, --warmup untimed steps, a barrier, then --steps timed steps. Printed (one JSON line): tokens_per_s,
 the global tokens (all ranks) of the timed steps over rank 0's wall time, and each rank's peak RSS
@@ -42,9 +45,9 @@ def build(args):
     return model, corpus() % config.vocab_size, config.model_type
 
 
-def rank_main(rank, args, port, results):
+def rank_main(rank, args, port, results, master_addr="127.0.0.1"):
     torch.set_num_threads(args.threads)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_ADDR"] = master_addr
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=args.world)
     torch.manual_seed(0)
@@ -85,7 +88,22 @@ def main():
     ap.add_argument("--lora-r", type=int, default=0, help="fine-tune with PEFT's LoRA of this rank")
     ap.add_argument("--lora-alpha", type=float, default=16.0)
     ap.add_argument("--lora-targets", default="")
+    ap.add_argument("--rank", type=int, help="run only this rank (the others are started elsewhere, e.g. in other "
+                    "network namespaces); it prints its own JSON line")
+    ap.add_argument("--master-addr", default="127.0.0.1", help="with --rank: rank 0's address")
+    ap.add_argument("--master-port", type=int, default=29500, help="with --rank: rank 0's rendezvous port")
     args = ap.parse_args()
+    if args.rank is not None:
+        results = {}
+        rank_main(args.rank, args, args.master_port, results, args.master_addr)
+        mine = results[args.rank]
+        tokens = args.steps * args.micro_batch * args.context * args.world
+        print(json.dumps({
+            "peer": "pytorch-ddp-gloo", "torch": torch.__version__, "rank": args.rank, "world": args.world,
+            "steps": args.steps, "params": mine["params"], "tokens_per_s": tokens / mine["seconds"],
+            "final_loss": mine["loss"], "peak_mem_bytes": mine["peak_mem_bytes"],
+        }))
+        return
     manager = mp.Manager()
     results = manager.dict()
     mp.spawn(rank_main, args=(args, free_port(), results), nprocs=args.world, join=True)

@@ -123,7 +123,8 @@ pub struct BenchTrainArgs {
     pub offload: String,
     /// With `--world N`: every daemon in its own network namespace (N of them), and the series DDP,
     /// DiLoCo H = 8 and 32, Streaming DiLoCo (4 fragments) trained in turn: tokens/s and bytes on the
-    /// wire per step; see `netns`. Needs root and iproute2.
+    /// wire per step (with `--peer`, PyTorch DDP over Gloo in the same namespaces too); see `netns`.
+    /// Needs root and iproute2.
     #[arg(long, default_value_t = 0)]
     pub netns: usize,
     /// With `--netns`: each namespace's egress shaped to this many Gbit/s (tc tbf).

@@ -15,7 +15,7 @@ pub use args::AllreduceArgs;
 pub use crypto::{run_crypto_bench, CryptoArgs, CryptoReport};
 pub use launch::{launch_ranks, launch_ranks_netns, LaunchedRanks, Placement, RANK_SPEC_ENV};
 pub use netns::NetnsHosts;
-pub use peer::{run_gloo_peer, run_gloo_peer_netns, GlooJob, PeerReport};
+pub use peer::{kill_children, run_gloo_peer, run_gloo_peer_netns, wait_json_line, GlooJob, PeerReport};
 pub use rank::{run_rank, run_rank_from_env};
 pub use spec::{AllreduceReport, BenchTransport, RankMode, RankReport, RankSpec};
 

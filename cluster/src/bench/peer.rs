@@ -75,19 +75,19 @@ pub fn run_gloo_peer_netns(
         match c.spawn() {
             Ok(child) => children.push(child),
             Err(e) => {
-                kill_all(&mut children);
+                kill_children(&mut children);
                 return Err(e).with_context(|| format!("starting gloo rank {rank} with {}", job.python.display()));
             }
         }
     }
     let mut seconds = 0f64;
     for rank in 0..children.len() {
-        let line = wait_line(&mut children[rank], deadline);
+        let line = wait_json_line(&mut children[rank], deadline);
         let parsed = line.as_deref().and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok());
         match parsed.and_then(|v| v["seconds_per_iter"].as_f64()) {
             Some(s) => seconds = seconds.max(s),
             None => {
-                kill_all(&mut children);
+                kill_children(&mut children);
                 let ns = net.namespace(super::launch::host_of_rank(rank, job.world, net.hosts()));
                 anyhow::bail!("gloo rank {rank} in namespace {ns} gave no report (its stderr above)");
             }
@@ -107,7 +107,8 @@ pub struct GlooJob<'a> {
     pub warmup: usize,
 }
 
-fn kill_all(children: &mut [std::process::Child]) {
+/// Kills and reaps every one of `children`.
+pub fn kill_children(children: &mut [std::process::Child]) {
     for c in children {
         let _ = c.kill();
         let _ = c.wait();
@@ -116,7 +117,7 @@ fn kill_all(children: &mut [std::process::Child]) {
 
 /// The last JSON line `child` printed once it exited successfully; `None` if it failed, or is still
 /// running at `deadline` or after an interrupt (then it is killed).
-fn wait_line(child: &mut std::process::Child, deadline: std::time::Instant) -> Option<String> {
+pub fn wait_json_line(child: &mut std::process::Child, deadline: std::time::Instant) -> Option<String> {
     use std::io::Read;
     loop {
         match child.try_wait() {

@@ -7,10 +7,17 @@
 //! wire per step — every node's link interface's transmitted bytes (`ip -s link`, headers and the
 //! control plane included) over the job, divided by its steps — the largest burst a synchronization
 //! sends (the peak bytes a step moved), and the final training loss; then each one's ratio to DDP.
-//! No PyTorch peer runs here (its DDP over Gloo is measured on loopback by `--peer`).
+//!
+//! With `--peer` (gpt-tiny), PyTorch's DistributedDataParallel over Gloo trains the same model, per-rank
+//! micro-batch, context, threads and steps in the same namespaces after troupe's runs: one process per
+//! namespace (bench/peers/ddp_gpt_tiny.py `--rank`), rank 0's address the rendezvous, Gloo bound to the
+//! namespace's link; its tokens/s (rank 0's timed steps), bytes on the wire per step (measured as ours,
+//! over the whole run: the rendezvous and the parameters' broadcast included) and final loss, and troupe
+//! DDP's tokens/s ratio to it.
 
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
+use troupe_cluster::bench::{kill_children, wait_json_line};
 use troupe_cluster::netns::{run_command, Layout, Namespaces, Subnet, IFNAME};
 use troupe_model::ModelConfig;
 
@@ -41,8 +48,11 @@ pub(super) fn check(args: &BenchTrainArgs) -> anyhow::Result<()> {
     if args.world != args.netns || args.world < 2 {
         bail!("--netns {}: one daemon per namespace; pass --world {} (at least 2)", args.netns, args.netns.max(2));
     }
-    if args.shard != "none" || args.tp.is_some() || args.peer || args.precision != "fp32" {
-        bail!("--netns runs DDP and DiLoCo in fp32 with no --shard, --tp or --peer; drop them");
+    if args.shard != "none" || args.tp.is_some() || args.precision != "fp32" {
+        bail!("--netns runs DDP and DiLoCo in fp32 with no --shard or --tp; drop them");
+    }
+    if args.peer && args.model != "gpt-tiny" {
+        bail!("--peer with --netns: the PyTorch DDP peer trains gpt-tiny there; drop --peer or --model {}", args.model);
     }
     if args.steps < 64 {
         bail!("--steps {} with --netns: at least 64, so that H = 32 synchronizes more than once", args.steps);
@@ -79,7 +89,14 @@ pub(super) fn run(args: BenchTrainArgs, model: ModelConfig) -> anyhow::Result<()
         }
         runs.push((setting, run));
     }
-    let report = report(&args, &model, threads, &runs);
+    let peer = if args.peer { Some(measure_peer(&net, &model, &args, threads)?) } else { None };
+    if let (Some(peer), false) = (&peer, args.json) {
+        println!(
+            "{:<26} {:>8.0} tokens/s, {:>12.0} bytes on the wire, final loss {:.4}",
+            "PyTorch DDP (Gloo)", peer.tokens_per_s, peer.wire_bytes, peer.final_loss
+        );
+    }
+    let report = report(&args, &model, threads, &runs, peer.as_ref());
     if args.json {
         println!("{report}");
     } else {
@@ -123,6 +140,64 @@ async fn measure(
     })
 }
 
+/// Longest a PyTorch peer run may take (it trains the same steps as one of ours).
+const PEER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1800);
+
+/// PyTorch DDP over Gloo (bench/peers/ddp_gpt_tiny.py), one rank per namespace: rank 0's address the
+/// rendezvous, Gloo's sockets on the namespace's link. Rank 0's tokens/s and final loss.
+fn measure_peer(
+    net: &Namespaces,
+    model: &ModelConfig,
+    args: &BenchTrainArgs,
+    threads: usize,
+) -> anyhow::Result<Figures> {
+    let python = super::peer_python(args.python.as_ref());
+    let script = super::peer_script("ddp_gpt_tiny.py")?;
+    let flags = [
+        ("--world", args.world.to_string()),
+        ("--steps", args.steps.to_string()),
+        ("--warmup", WARMUP_STEPS.to_string()),
+        ("--micro-batch", super::MICRO_BATCH.to_string()),
+        ("--context", model.context.to_string()),
+        ("--threads", threads.to_string()),
+        ("--master-addr", net.addr(0).to_string()),
+        ("--master-port", "29512".to_string()),
+    ];
+    let before = wire_bytes(net)?;
+    let deadline = std::time::Instant::now() + PEER_TIMEOUT;
+    let mut children = Vec::new();
+    for rank in 0..args.world {
+        let mut command = net.command(rank, &python);
+        command.arg(&script).args(flags.iter().flat_map(|(flag, value)| [*flag, value.as_str()]));
+        command.args(["--rank", &rank.to_string()]).env("GLOO_SOCKET_IFNAME", IFNAME);
+        match command.stdout(std::process::Stdio::piped()).spawn() {
+            Ok(child) => children.push(child),
+            Err(e) => {
+                kill_children(&mut children);
+                return Err(e)
+                    .with_context(|| format!("starting the DDP peer's rank {rank} with {}", python.display()));
+            }
+        }
+    }
+    let mut reports = Vec::new();
+    for rank in 0..children.len() {
+        let line = wait_json_line(&mut children[rank], deadline);
+        match line.as_deref().and_then(|l| serde_json::from_str::<Value>(l).ok()) {
+            Some(report) => reports.push(report),
+            None => {
+                kill_children(&mut children);
+                bail!(
+                    "the DDP peer's rank {rank} in namespace {} gave no report (its stderr above)",
+                    net.namespace(rank)
+                );
+            }
+        }
+    }
+    let wire = wire_bytes(net)?.saturating_sub(before);
+    let figure = |key: &str| reports[0][key].as_f64().with_context(|| format!("the DDP peer's {key}: {}", reports[0]));
+    Ok(Figures { tokens_per_s: figure("tokens_per_s")?, final_loss: figure("final_loss")?, wire_bytes: wire })
+}
+
 /// The bytes all nodes' link interfaces have transmitted.
 fn wire_bytes(net: &Namespaces) -> anyhow::Result<u64> {
     let mut total = 0;
@@ -139,7 +214,13 @@ fn tx_bytes_of(json: &str) -> Option<u64> {
     value.get(0)?.get("stats64")?.get("tx")?.get("bytes")?.as_u64()
 }
 
-fn report(args: &BenchTrainArgs, model: &ModelConfig, threads: usize, runs: &[(&Setting, Figures)]) -> Value {
+fn report(
+    args: &BenchTrainArgs,
+    model: &ModelConfig,
+    threads: usize,
+    runs: &[(&Setting, Figures)],
+    peer: Option<&Figures>,
+) -> Value {
     let steps = args.steps + WARMUP_STEPS;
     let ddp = &runs[0].1;
     let ddp_per_step = ddp.wire_bytes as f64 / steps as f64;
@@ -155,11 +236,19 @@ fn report(args: &BenchTrainArgs, model: &ModelConfig, threads: usize, runs: &[(&
             })
         })
         .collect();
+    let peer = peer.map(|p| {
+        let per_step = p.wire_bytes as f64 / steps as f64;
+        json!({
+            "name": "pytorch-ddp-gloo", "tokens_per_s": p.tokens_per_s, "wire_bytes_per_step": per_step,
+            "final_loss": p.final_loss, "ddp_ratio_vs_peer": ddp.tokens_per_s / p.tokens_per_s,
+            "ddp_bytes_ratio_vs_peer": ddp_per_step / per_step,
+        })
+    });
     json!({
         "bench": "train", "netns": args.netns, "rate_gbit": args.rate_gbit, "world": args.world,
         "model": args.model, "params": model.param_count(), "context": model.context,
         "global_batch": super::MICRO_BATCH * args.world, "steps": args.steps, "warmup_steps": WARMUP_STEPS,
-        "torch_threads": threads, "runs": rows,
+        "torch_threads": threads, "runs": rows, "peer": peer,
     })
 }
 
@@ -171,6 +260,13 @@ fn print_run(setting: &Setting, run: &Figures) {
 }
 
 fn print_ratios(report: &Value) {
+    let peer = &report["peer"];
+    if let Some(ratio) = peer["ddp_ratio_vs_peer"].as_f64() {
+        println!(
+            "troupe DDP: tokens/s × {ratio:.3} of PyTorch DDP over Gloo, bytes per step × {:.3} of its",
+            peer["ddp_bytes_ratio_vs_peer"].as_f64().unwrap_or(f64::NAN)
+        );
+    }
     for row in report["runs"].as_array().into_iter().flatten() {
         println!(
             "{:<26} tokens/s × {:.3} of DDP, bytes per step {:.0} (× {:.4} of DDP)",
