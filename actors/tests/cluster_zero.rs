@@ -247,7 +247,9 @@ async fn each_rank_reports_what_it_holds_and_sends_under_ddp_and_every_zero_stag
         for (rank, u) in usage.iter().enumerate() {
             let (own, other) = (chunk(rank), chunk(1 - rank));
             let what = format!("{shard} rank {rank}: {u:?}");
-            assert!(u.activation_bytes.is_none() && u.step_seconds > 0.0 && u.comm_seconds() > 0.0, "{what}");
+            assert!(u.activation_bytes.is_none() && u.comm_seconds() > 0.0, "{what}");
+            // The step's collectives run inside it: their share is at most all of it.
+            assert!(u.comm_seconds() <= u.step_seconds, "{what}");
             assert!(u.sent.iter().all(|line| line.group == GroupKind::Data && line.calls > 0), "{what}");
             let model = if shard == "zero3" { 0 } else { f32s(n) };
             let expected = match shard {

@@ -386,9 +386,13 @@ async fn a_daemon_serves_prometheus_metrics_and_the_status_json_of_troupe_status
     let table = ok(&troupe(&args, WAIT), "status");
     let after = table.split("job 2 (long) ranks:").nth(1).unwrap_or_else(|| panic!("no rank table: {table}"));
     let header: Vec<&str> = after.lines().nth(1).unwrap().split_whitespace().collect();
-    assert_eq!(header, ["RANK", "NODE", "SLOT", "REPLICA", "STATE", "STEP"], "no STAGE column for data parallelism");
+    // No STAGE or TENSOR column for data parallelism; what each rank holds and sends, as DDP measured it.
+    let expected = ["RANK", "NODE", "SLOT", "REPLICA", "STATE", "STEP", "MEMORY", "SENT/STEP"];
+    assert_eq!(header, expected, "{table}");
     let row: Vec<&str> = after.lines().nth(3).unwrap().split_whitespace().collect();
     assert_eq!(row[..5], ["1", "node-b", "0", "1", "training"], "{table}");
+    let mib = |at: usize| row[at].parse::<f64>().is_ok_and(|m| m > 0.0) && row[at + 1] == "MiB";
+    assert!(mib(6) && mib(8), "memory and traffic in MiB: {table}");
     job.cancel().await.unwrap();
     job.close().await;
 }

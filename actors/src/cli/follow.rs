@@ -252,7 +252,7 @@ impl EventReport<'_> {
             JobEvent::Usage { attempt, step, ranks } => reporter.event(
                 "usage",
                 json!({ "attempt": attempt, "step": step, "ranks": ranks }),
-                &crate::protocol::describe_usage(step, &ranks),
+                &format!("troupe: {}", crate::protocol::describe_usage(step, &ranks)),
             ),
             JobEvent::Phases { rank, node, attempt, step, spans, stage } => reporter.record_only(
                 "phases",

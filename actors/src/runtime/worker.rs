@@ -936,7 +936,8 @@ fn vote<E: StepEngine>(
     let (grad_norm, skipped) = loss_scale.preview(trainer.model.precision, reduced.grad_norm);
     let peak_rss_bytes = crate::telemetry::memory::peak_rss_bytes();
     let (loss, loss_scale) = (reduced.loss, loss_scale.scale);
-    let usage = engine.usage().map(|usage| RankUsage { step_seconds: reduced.compute_seconds, ..usage });
+    // The whole reduce, its collectives included (an engine's `compute_seconds` may end before them).
+    let usage = engine.usage().map(|usage| RankUsage { step_seconds: seconds, ..usage });
     let figures = StepFigures { loss, grad_norm, skipped, loss_scale, peak_rss_bytes, stage_time, usage };
     let (job, attempt, slot) = (ctx.job, ctx.attempt, ctx.slot);
     let vote = ToController::Vote { job, attempt, slot, step, figures, seconds };
