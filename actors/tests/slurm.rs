@@ -17,6 +17,8 @@ use troupe_model::Trainer;
 const TOLERANCE: f64 = 1e-5;
 /// slurm.conf's KillWait: scancel's SIGTERM, then SIGKILL this much later.
 const KILL_WAIT_S: u64 = 30;
+/// Longest a batch job of these tests may run before `sbatch --wait` is given up on.
+const BATCH_TIMEOUT: Duration = Duration::from_secs(300);
 const NODES: [(&str, &str); 3] = [("n1", "127.0.0.1"), ("n2", "127.0.0.2"), ("n3", "127.0.0.3")];
 
 /// A Slurm cluster of three nodes on this machine, stopped when dropped.
@@ -164,6 +166,39 @@ impl Slurm {
             assert!(child.wait().unwrap().success());
             (id, None)
         }
+    }
+
+    /// Waits for `sbatch --wait` of `job` (`child`) to end, at most [`BATCH_TIMEOUT`]. Past it, kills
+    /// it and fails with what says why it hung: Slurm's view of the job, the troupe tasks still running,
+    /// the job's output (every task's events and logs) and the Slurm daemons' logs.
+    fn wait_batch(&self, job: u64, child: Option<Child>) -> std::process::ExitStatus {
+        let mut child = child.expect("sbatch --wait");
+        let started = Instant::now();
+        loop {
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                return status;
+            }
+            if started.elapsed() > BATCH_TIMEOUT {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let shown = |args: &[&str]| match self.cmd(args[0]).args(&args[1..]).output() {
+            Ok(out) => String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+            Err(e) => format!("({} failed: {e})", args[0]),
+        };
+        let job_text = shown(&["scontrol", "show", "job", &job.to_string()]);
+        let queue = shown(&["squeue", "--all"]);
+        let tasks = troupe_tasks();
+        let _ = child.kill();
+        let _ = child.wait();
+        let output = self.output(job);
+        let logs = self.logs();
+        panic!(
+            "sbatch --wait of job {job} still running after {BATCH_TIMEOUT:?}; killed it.\n--- scontrol show job\n\
+             {job_text}\n--- squeue\n{queue}\n--- troupe tasks still running: {tasks:?}\n--- the job's output\n\
+             {output}{logs}"
+        );
     }
 
     fn output(&self, job: u64) -> String {
@@ -375,7 +410,7 @@ fn an_sbatch_of_the_generated_script_trains_on_two_nodes_and_equals_the_referenc
     let Some(slurm) = Slurm::start() else { return };
     let script = slurm.script(&job(8), &["--save-final", "final.safetensors"]);
     let (id, child) = slurm.sbatch(&script, true);
-    let status = common::wait_child(&mut child.unwrap(), Duration::from_secs(300), "sbatch --wait");
+    let status = slurm.wait_batch(id, child);
     let output = slurm.output(id);
     assert!(status.success(), "the batch job failed ({status}):\n{output}{}", slurm.logs());
     assert_eq!(worlds(&output), vec![2; 8], "both nodes trained every step:\n{output}");
@@ -424,7 +459,7 @@ fn a_node_slurm_takes_away_is_a_node_loss_the_job_survives_on_the_reference() {
     // Slurm SIGKILLs the step's task on a node set DOWN; with --no-kill the job keeps its other node.
     let down = slurm.cmd("scontrol").args(["update", "nodename=n2", "state=down", "reason=troupe-test"]).status();
     assert!(down.unwrap().success());
-    let status = common::wait_child(&mut child.unwrap(), Duration::from_secs(300), "sbatch --wait");
+    let status = slurm.wait_batch(id, child);
     let output = slurm.output(id);
     assert!(status.success(), "the batch job failed ({status}):\n{output}{}", slurm.logs());
     let worlds = worlds(&output);
@@ -450,7 +485,7 @@ fn with_three_controllers_losing_the_first_node_is_survived_and_the_next_task_fo
     // itself: the batch script runs there.)
     let task = task_on("n1").expect("n1's troupe task");
     assert!(Command::new("kill").args(["-KILL", &task.to_string()]).status().unwrap().success());
-    let status = common::wait_child(&mut child.unwrap(), Duration::from_secs(300), "sbatch --wait");
+    let status = slurm.wait_batch(id, child);
     let output = slurm.output(id);
     // The script's exit status is the job's outcome, which n2's task recorded in n1's place.
     assert!(status.success(), "the batch job failed ({status}):\n{output}{}", slurm.logs());

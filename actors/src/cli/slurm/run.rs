@@ -459,6 +459,10 @@ async fn accompany(
         }
         let member = |n: &String| status.members.iter().any(|m| &m.name == n);
         let job = status.jobs.iter().filter(|j| j.name == name).max_by_key(|j| j.id);
+        // The job exists only once the first node's task submitted it: the first node was there.
+        first_seen |= job.is_some();
+        // A task before this one is alive while the first node is gone: it speaks for the job (or will).
+        let speaker_before = !member(first) && placement.names[..placement.index].iter().any(member);
         if member(first) {
             first_seen = true;
             // How many events the controller has streamed (a status's job list does not count them).
@@ -474,6 +478,13 @@ async fn accompany(
             return follow_in_place(placement, options, config, identity, client, (job.id, streamed), term).await;
         }
         let Some(job) = job else { continue };
+        let ended = matches!(job.state, JobState::Finished | JobState::Failed | JobState::Cancelled);
+        if ended && first_seen && speaker_before {
+            // The task speaking for the job needs a controller until it has streamed the outcome: with
+            // several controllers, this node leaving could take their majority with it. Stay until
+            // that task has left (it waits at most FAREWELL_MS for the others first).
+            continue;
+        }
         match job.state {
             JobState::Finished => return Ok(()),
             JobState::Failed | JobState::Cancelled => bail!(
