@@ -414,6 +414,8 @@ async fn accompany(
     // Whether the first node was seen in the cluster, and how many of the job's events had been
     // streamed (to its task) when it last was: where a task following in its place starts.
     let (mut first_seen, mut streamed) = (false, 0);
+    // The job's end, once seen while a task before this one spoke for it (this task stays for it).
+    let mut ended_seen: Option<anyhow::Result<()>> = None;
     loop {
         tokio::select! {
             _ = term.recv() => bail!("stopped by SIGTERM (scancel?): node {} left the cluster", placement.name()),
@@ -431,6 +433,10 @@ async fn accompany(
         };
         let Some(status) = status else {
             client = None;
+            if let Some(outcome) = ended_seen.take() {
+                // The speaking task has left with the controllers' majority: the job's end is known.
+                return outcome;
+            }
             if heard.elapsed() >= bound {
                 let why = if placement.controllers.len() == 1 {
                     "its node is gone, and the job with it (the first node runs the only controller; \
@@ -482,7 +488,12 @@ async fn accompany(
         if ended && first_seen && speaker_before {
             // The task speaking for the job needs a controller until it has streamed the outcome: with
             // several controllers, this node leaving could take their majority with it. Stay until
-            // that task has left (it waits at most FAREWELL_MS for the others first).
+            // that task has left (it waits at most FAREWELL_MS for the others first); then no
+            // controller may answer this one, and the end seen here is its outcome.
+            ended_seen = Some(match job.state {
+                JobState::Finished => Ok(()),
+                state => Err(anyhow::anyhow!("job {} ({name}) ended {state:?}", job.id)),
+            });
             continue;
         }
         match job.state {
