@@ -204,7 +204,7 @@ fn adafactor_pipelines_equal_the_reference() {
     tch::set_num_threads(1);
     for first_moment in [false, true] {
         let config = common::with_adafactor(tied("llama"), first_moment);
-        troupe_model::optim::validate(&config.train, &config.parallel, std::iter::empty()).unwrap();
+        troupe_model::optim::validate(&config.train, std::iter::empty()).unwrap();
         let adamw = reference(&tied("llama"));
         let reference = reference(&config);
         let specs = troupe_model::model::param_specs(&config.model);
@@ -238,7 +238,7 @@ fn adafactor_with_zero_inside_the_stage_groups_equals_the_reference() {
         let reference = reference(&config);
         for (shard, replicas) in [("zero1", 2), ("zero2", 3), ("zero3", 2)] {
             config.parallel.shard = shard.into();
-            troupe_model::optim::validate(&config.train, &config.parallel, std::iter::empty()).unwrap();
+            troupe_model::optim::validate(&config.train, std::iter::empty()).unwrap();
             let mut options = PipelineOptions::new(ScheduleKind::OneFOneB, 2, 2, 1);
             options.data_parallel = replicas;
             let what = format!("adafactor (beta1: {first_moment}) pp=2 × dp={replicas} {shard}");

@@ -2,8 +2,9 @@
 //! the other tensor-parallel jobs are against the single-process Adafactor run: tp = 2 with sequence
 //! parallelism on and off, with and without the first moment; tp = 4 over the small Llama's 2
 //! key/value heads (each held by 2 ranks: its statistics counted once) and over a vocabulary tp does not
-//! divide (padded rows); tp = 2 × dp = 2; a checkpoint written at tp = 2 × dp = 2 resumed at tp = 1 and
-//! at tp = 4; and on daemon processes a tensor rank SIGKILLed, the job going on at tp = 1 from the
+//! divide (padded rows); tp = 2 × dp = 2, with ZeRO-1/2/3 inside its data-parallel groups; tp = 2 inside
+//! a pipeline (with data parallelism and ZeRO too); a checkpoint written at tp = 2 × dp = 2 (with and
+//! without ZeRO) resumed at tp = 1 and at tp = 4; and on daemon processes a tensor rank SIGKILLed, the job going on at tp = 1 from the
 //! survivor's buddy copy with nothing rolled back. The small Llama throughout, as every Adafactor oracle (GPT-2's key
 //! biases have near-zero gradients, whose Adafactor updates amplify rounding).
 
@@ -40,22 +41,62 @@ async fn adafactor_at_tp2_and_tp4_equals_the_single_process_adafactor() {
     }
 }
 
+/// Adafactor with ZeRO-1, -2 and -3 inside the data-parallel groups of tp = 2 × dp = 2 (each replica owns
+/// half of its tensor rank's shard list, matrices cut between owners: their row and column sums summed
+/// over both groups), and inside a pipeline: tp = 2 × pp = 2 with a tied head (its two copies, on the
+/// first and last stage, updated alike), and tp = 2 × pp = 2 × dp = 2 with ZeRO-2 — each equal to the
+/// single-process Adafactor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adafactor_with_zero_under_tp_and_inside_a_pipeline_equals_the_single_process_adafactor() {
+    let dir = tempfile::tempdir().unwrap();
+    let llama = |steps, first_moment| with_adafactor(with_tp(JobConfig::small_llama(steps), 2, true), first_moment);
+    let zero = |shard: &str, first_moment| {
+        let mut config = llama(8, first_moment);
+        (config.parallel.dp, config.parallel.shard) = (2, shard.into());
+        config
+    };
+    let piped = |dp: usize, shard: &str| {
+        let mut config = llama(8, true);
+        (config.parallel.pp, config.parallel.schedule, config.model.n_layers) = (2, "1f1b".into(), 2);
+        (config.parallel.dp, config.parallel.shard, config.model.tie_word_embeddings) = (dp, shard.into(), true);
+        config
+    };
+    let on_four = [
+        ("tp=2 x dp=2 zero1 beta1", zero("zero1", true)),
+        ("tp=2 x dp=2 zero2", zero("zero2", false)),
+        ("tp=2 x dp=2 zero3 beta1", zero("zero3", true)),
+        ("tied tp=2 x pp=2 1f1b beta1", piped(1, "none")),
+    ];
+    let on_eight = [("tied tp=2 x pp=2 x dp=2 zero2 beta1", piped(2, "zero2"))];
+    for (world, cases) in [(4, on_four.to_vec()), (8, on_eight.to_vec())] {
+        let cluster = LocalCluster::in_process(world).await.unwrap();
+        for (what, config) in cases {
+            let what = format!("llama adafactor {what}");
+            let out = dir.path().join(format!("{}.safetensors", what.replace(' ', "-")));
+            check(&cluster, config, &out, world, &what).await;
+        }
+        cluster.shutdown().await;
+    }
+}
+
 /// The Adafactor state is layout-free: written at tp = 2 × dp = 2 (each rank's shard of the packed slots
-/// gathered), resumed at tp = 1 (dp = 4) and at tp = 4, each continuation ends where one uninterrupted
-/// reference run ends.
+/// gathered; under ZeRO-2 each owner's range of them first), resumed at tp = 1 (dp = 4) and at tp = 4,
+/// each continuation ends where one uninterrupted reference run ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_adafactor_checkpoint_written_at_tp2_resumes_at_tp1_and_tp4_on_the_reference_trajectory() {
     let dir = tempfile::tempdir().unwrap();
     let cluster = LocalCluster::in_process(4).await.unwrap();
-    for resumed_at in [1, 4] {
-        let ckpt = dir.path().join(format!("ckpt-{resumed_at}"));
+    for (shard, resumed_at) in [("none", 1), ("none", 4), ("zero2", 1)] {
+        let ckpt = dir.path().join(format!("ckpt-{shard}-{resumed_at}"));
         let config = |steps: u64, tp: usize| {
             checkpointed(with_adafactor(with_tp(JobConfig::small_llama(steps), tp, true), true), &ckpt)
         };
-        let first = run_to_end(&cluster, Job::new(config(6, 2))).await;
+        let mut written = config(6, 2);
+        written.parallel.shard = shard.into();
+        let first = run_to_end(&cluster, Job::new(written)).await;
         assert!(matches!(first.last(), Some(JobEvent::Finished { steps: 6, .. })), "{first:?}");
-        let out = dir.path().join(format!("final-{resumed_at}.safetensors"));
-        let what = format!("adafactor tp=2 checkpoint resumed at tp={resumed_at}");
+        let out = dir.path().join(format!("final-{shard}-{resumed_at}.safetensors"));
+        let what = format!("adafactor tp=2 shard={shard} checkpoint resumed at tp={resumed_at}");
         resumed_on_the_reference(&cluster, config(10, resumed_at), &config(10, 1), &out, 6, &what).await;
     }
     cluster.shutdown().await;

@@ -137,7 +137,7 @@ impl JobConfig {
         self.validate_parallel_fits()?;
         self.validate_tensor_parallel()?;
         let specs = crate::model::param_specs(&self.model);
-        crate::optim::validate(&self.train, &self.parallel, specs.iter().map(|s| (s.name.as_str(), s.shape.as_slice())))
+        crate::optim::validate(&self.train, specs.iter().map(|s| (s.name.as_str(), s.shape.as_slice())))
     }
 
     /// `parallel.tp` and `parallel.sp`: a degree the model's split tables accept (the layout's own

@@ -89,7 +89,7 @@ fn an_adafactor_periodic_checkpoint_resumes_bit_for_bit() {
         let what = format!("{sync} P={fragments} with Adafactor");
         let mut config = job(sync, fragments);
         config.train.optimizer = "adafactor".into();
-        troupe_model::optim::validate(&config.train, &config.parallel, std::iter::empty()).unwrap();
+        troupe_model::optim::validate(&config.train, std::iter::empty()).unwrap();
         let uninterrupted = finish(trained(&config, 2, STEPS));
         let adamw = finish(trained(&job(sync, fragments), 2, STEPS));
         assert!(worst(&uninterrupted, &adamw) > 1e-3, "{what}: Adafactor trained, not AdamW");

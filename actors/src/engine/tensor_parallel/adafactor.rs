@@ -13,10 +13,19 @@
 //!   local to each rank.
 //! - Checkpoints and the state between attempts stay layout-free: a rank's shard of Adafactor's two
 //!   packed slots (first moment; `row`, `col` packed, zeros) is cut and gathered as AdamW's moments are.
+//! - With ZeRO inside the data-parallel groups ([`ZeroAdafactor`], which [`super::zero::Zero`] holds):
+//!   replica d owns range d of its tensor rank's flat shard list ([`Held::within`]: each parameter's
+//!   runs cut to the range, so a matrix's rows and columns may be split between owners); the sums and
+//!   each parameter's Σ update² are all-reduced over the data-parallel group, then the tensor group,
+//!   and each owner updates its range's masters, first moment and vectors' second moment. The
+//!   statistics stay whole and replicated on every rank of both groups.
 
+use std::ops::Range;
 use tch::Tensor;
 use troupe_cluster::collective::ReduceOp;
 use troupe_cluster::transport::Transport;
+
+use tokio::runtime::Handle;
 use troupe_model::optim::adafactor_shard::{Held, Prepared, ShardLayout, ShardSlots};
 use troupe_model::optim::Adafactor;
 use troupe_model::precision::{LossScale, Precision, Update};
@@ -25,6 +34,7 @@ use troupe_model::tensor_parallel::TpLayout;
 
 use super::super::flat::{append_flat, copy_from_flat};
 use super::group::CommGroup;
+use super::meter::Metered;
 
 /// One shard's Adafactor state (the rank's own, or its buddy copy of the previous rank's).
 struct ShardState {
@@ -117,14 +127,7 @@ impl TpAdafactor {
         held: &[bool],
         buddy: Option<usize>,
     ) -> Self {
-        let shapes: Vec<Vec<i64>> = full.iter().map(Tensor::size).collect();
-        let layout = ShardLayout::new(&shapes, decays);
-        let packed: Vec<[Tensor; 2]> = full.iter().enumerate().map(|(i, p)| whole.packed(i, p)).collect();
-        let slots = [0, 1].map(|k| packed.iter().map(|s| s[k].shallow_clone()).collect::<Vec<_>>());
-        let mut second = Vec::new();
-        append_flat(&slots[1], &mut second);
-        let mut stats = vec![0.0; layout.stats_len()];
-        layout.import_stats(&(0..second.len()), &second, &mut stats);
+        let Whole { layout, slots, stats } = Whole::of(whole, full, decays);
         let beta1 = whole.config.beta1.is_some();
         let own = ShardState::cut(&layout, beta1, tp, rank, held, &slots);
         let buddy = buddy.map(|index| ShardState::cut(&layout, beta1, tp, index, held, &slots));
@@ -214,5 +217,143 @@ impl TpAdafactor {
             .map(|(i, p)| shaped(state.held.slot1_of(&self.layout, i, &state.compact, &self.stats), p))
             .collect();
         [params.iter().map(Tensor::detach).collect(), first, second]
+    }
+}
+
+/// The whole-tensor Adafactor's state laid out for shards: the layout, its two packed slots (as
+/// checkpoints hold them) and the statistics of every matrix.
+struct Whole {
+    layout: ShardLayout,
+    slots: [Vec<Tensor>; 2],
+    stats: Vec<f32>,
+}
+
+impl Whole {
+    fn of(whole: &Adafactor, full: &[Tensor], decays: &[bool]) -> Self {
+        let shapes: Vec<Vec<i64>> = full.iter().map(Tensor::size).collect();
+        let layout = ShardLayout::new(&shapes, decays);
+        let packed: Vec<[Tensor; 2]> = full.iter().enumerate().map(|(i, p)| whole.packed(i, p)).collect();
+        let slots = [0, 1].map(|k| packed.iter().map(|s| s[k].shallow_clone()).collect::<Vec<_>>());
+        let mut second = Vec::new();
+        append_flat(&slots[1], &mut second);
+        let mut stats = vec![0.0; layout.stats_len()];
+        layout.import_stats(&(0..second.len()), &second, &mut stats);
+        Self { layout, slots, stats }
+    }
+}
+
+/// Adafactor on a ZeRO owner's range of its tensor rank's flat shard list (see the module's notes): the
+/// range's first moment and vectors' second moment, the replicated statistics, and the step readied
+/// before the vote. The masters and the reduced gradient of the range are [`super::zero::Zero`]'s.
+pub(super) struct ZeroAdafactor {
+    layout: ShardLayout,
+    config: AdafactorConfig,
+    stats: Vec<f32>,
+    /// The owned elements of each parameter, positions in the whole parameter.
+    held: Held,
+    /// Per parameter: whether this tensor rank's terms enter the tensor group's sums.
+    counted: Vec<bool>,
+    exp_avg: Vec<f32>,
+    compact: Vec<f32>,
+    /// The readied step, each parameter's reduced Σ update², and which parameters had a gradient.
+    prepared: Option<(Prepared, Vec<f32>, Vec<bool>)>,
+}
+
+impl ZeroAdafactor {
+    /// Tensor rank `rank`'s owner of `own` (of its flat shard list of the parameters `held`), from the
+    /// whole state `whole` of the parameters `full`.
+    pub fn new(
+        whole: &Adafactor,
+        (full, decays): (&[Tensor], &[bool]),
+        tp: &TpLayout,
+        rank: usize,
+        held: &[bool],
+        own: &Range<usize>,
+    ) -> Self {
+        let Whole { layout, slots, stats } = Whole::of(whole, full, decays);
+        let shard = |list: &[Tensor]| {
+            let mut flat = Vec::new();
+            append_flat(&tp.shard_held(list, rank, held), &mut flat);
+            flat[own.clone()].to_vec()
+        };
+        let owned = Held::new(&layout, tp.held_runs(rank, held)).within(&layout, own);
+        let second = shard(&slots[1]);
+        let compact = (0..held.len())
+            .filter(|&i| !layout.is_factored(i))
+            .flat_map(|i| second[owned.range_of(i)].to_vec())
+            .collect();
+        Self {
+            counted: (0..held.len()).map(|i| held[i] && tp.first_holder(i, rank)).collect(),
+            exp_avg: if whole.config.beta1.is_some() { shard(&slots[0]) } else { Vec::new() },
+            config: whole.config.clone(),
+            compact,
+            held: owned,
+            layout,
+            stats,
+            prepared: None,
+        }
+    }
+
+    /// Bytes of optimizer state besides the masters: the range's moments and the replicated statistics.
+    pub fn bytes(&self) -> u64 {
+        4 * (self.exp_avg.len() + self.compact.len() + self.stats.len()) as u64
+    }
+
+    /// Readies the step before the vote from the range's masters and reduced gradient and the global
+    /// norm (as [`TpAdafactor::prepare`], the sums over the data-parallel group first); `active`: the
+    /// parameters with a gradient. Nothing when the step will be skipped (fp16 overflow).
+    #[allow(clippy::too_many_arguments)]
+    pub fn prepare<T: Transport>(
+        &mut self,
+        (master, grad): (&[f32], &[f32]),
+        active: Vec<bool>,
+        dp: &mut Metered<T>,
+        tp: &mut Metered<T>,
+        handle: &Handle,
+        (preview, grad_norm): (Preview, f64),
+        t: u64,
+    ) -> Result<(), String> {
+        self.prepared = None;
+        let Preview { mut scaler, precision, grad_clip, window, lr } = preview;
+        let Update::Apply { grad_factor, .. } = scaler.conclude(precision, grad_norm, grad_clip, window) else {
+            return Ok(());
+        };
+        let mut sum = |values: &mut Vec<f32>| -> Result<(), String> {
+            handle.block_on(dp.all_reduce(&mut values[..], ReduceOp::Sum)).map_err(|e| e.to_string())?;
+            handle.block_on(tp.all_reduce(&mut values[..], ReduceOp::Sum)).map_err(|e| e.to_string())
+        };
+        let select: Vec<bool> = self.counted.iter().zip(&active).map(|(&c, &a)| c && a).collect();
+        let mut sums = self.layout.partial_sums_held(&self.held, &select, master, grad);
+        sum(&mut sums)?;
+        let mut prepared = Prepared::new(&self.layout, &self.config, &self.stats, &sums, grad_factor as f32, lr, t);
+        for index in (0..active.len()).filter(|&i| !active[i]) {
+            prepared.keep_stats(&self.layout, index, &self.stats);
+        }
+        let mut update_sq = prepared.partial_update_sq_held(&self.layout, &self.held, &select, grad, &self.compact);
+        sum(&mut update_sq)?;
+        self.prepared = Some((prepared, update_sq, active));
+        Ok(())
+    }
+
+    /// Applies the readied step to the range's masters with its gradient (the factor applied inside);
+    /// nothing when none was readied.
+    pub fn apply(&mut self, master: &mut [f32], grad: &[f32]) {
+        let Some((prepared, update_sq, active)) = self.prepared.take() else { return };
+        let slots = ShardSlots { master, exp_avg: &mut self.exp_avg, compact: &mut self.compact, grad };
+        prepared.apply_held(&self.layout, &self.held, &active, slots, &update_sq);
+        self.stats = prepared.stats;
+    }
+
+    /// The range's two packed slots, flat (the first moment, zeros without `beta1`; the second slot at the
+    /// owned positions), for the data-parallel group's gather.
+    pub fn slots(&self) -> [Vec<f32>; 2] {
+        let first = match self.exp_avg.is_empty() {
+            true => vec![0.0; self.held.len()],
+            false => self.exp_avg.clone(),
+        };
+        let second = (0..self.counted.len())
+            .flat_map(|i| self.held.slot1_of(&self.layout, i, &self.compact, &self.stats))
+            .collect();
+        [first, second]
     }
 }

@@ -55,7 +55,7 @@ use super::pipeline::{costs_for, ModelCosts, PlanShape};
 use super::shard_plan::ShardMode;
 use super::step_engine::{EngineError, ReducedStep, StepEngine};
 use crate::protocol::{rank_at, rank_coords, GroupKind, RankUsage};
-use adafactor::{Preview, TpAdafactor};
+use adafactor::{Preview, TpAdafactor, ZeroAdafactor};
 pub use degree::{degree_change, degrees_to_try};
 use group::CommGroup;
 use meter::{Meter, Metered};
@@ -313,18 +313,18 @@ impl<T: Transport> TensorParallelReplica<T> {
         };
         let decays: Vec<bool> = self.trainer.model.specs().iter().map(|s| s.decays()).collect();
         let zero_mode = ShardMode::of_config(&config.parallel.shard).filter(|_| dp.is_some());
-        if whole_adafactor.is_some() && (zero_mode.is_some() || pipe.is_some()) {
-            return Err(EngineError::Setup(
-                "train.optimizer = \"adafactor\" under tensor parallelism runs with parallel.pp = 1 and parallel.shard = \"none\""
-                    .into(),
-            ));
-        }
         let zero = match (zero_mode, &dp) {
             (Some(mode), Some(_)) => {
                 let moments = [exp_avg.as_slice(), exp_avg_sq.as_slice()];
-                let zero = zero::Zero::new(mode, (d, self.replicas()), &shards, moments, &decays);
+                let mut zero = zero::Zero::new(mode, (d, self.replicas()), &shards, moments, &decays);
+                let mut state = "AdamW moments";
+                if let Some(whole) = whole_adafactor {
+                    let params = (full.as_slice(), decays.as_slice());
+                    zero = zero.with_adafactor(|own| ZeroAdafactor::new(whole, params, &layout, t, &held, own));
+                    state = "Adafactor's moments, its matrices' statistics replicated";
+                }
                 let (owned, of) = zero.owned();
-                tracing::info!(rank = self.comm.rank(), tensor_rank = t, replica = d, owned, of, "{mode:?} inside the data-parallel group: this replica owns {owned} of its tensor rank's {of} elements (masters and AdamW moments)");
+                tracing::info!(rank = self.comm.rank(), tensor_rank = t, replica = d, owned, of, "{mode:?} inside the data-parallel group: this replica owns {owned} of its tensor rank's {of} elements (masters and {state})");
                 Some(zero)
             }
             _ => None,
@@ -350,6 +350,7 @@ impl<T: Transport> TensorParallelReplica<T> {
             Buddy { index, params, optimizer }
         });
         let adafactor = whole_adafactor
+            .filter(|_| zero.is_none())
             .map(|whole| TpAdafactor::new(whole, &full, &decays, &layout, t, &held, buddy.as_ref().map(|b| b.index)));
         let mut rank = TpRank::running(layout, t, shards, runs);
         rank.precision = self.trainer.model.precision;
@@ -736,13 +737,7 @@ fn gather_from_survivors<T: Transport>(
 /// The forward and backward of the rank's micro-batches (each backward weighted as the reference weights
 /// it: its share of the batch times fp16's loss scale), the gradients averaged over the data-parallel
 /// group, and the global norm of those (scaled) gradients: (loss, norm).
-///
-/// With Adafactor (`preview`), its update is readied over the tensor group once the norm is known.
-fn compute<T: Transport>(
-    parts: &mut Parts<T>,
-    batches: Vec<Batch>,
-    preview: Option<Preview>,
-) -> Result<(f64, f64), String> {
+fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -> Result<(f64, f64), String> {
     let e = |e: TpError| e.to_string();
     let handle = parts.tp.handle.clone();
     if let (Some(zero), Some(dp)) = (parts.zero.as_mut(), parts.dp.as_mut()) {
@@ -787,10 +782,23 @@ fn compute<T: Transport>(
     }
     refresh_buddy(parts.buddy.as_ref(), &parts.rank, &mut parts.tp, flat)?;
     let norm = parts.rank.grad_norm(&mut parts.tp).map_err(e)?;
-    if let (Some(adafactor), Some(preview)) = (parts.adafactor.as_mut(), preview) {
-        adafactor.prepare(parts.rank.params(), &mut parts.tp, preview, norm, parts.optimizer.step + 1)?;
-    }
     Ok((loss, norm))
+}
+
+/// With Adafactor, readies its update once the global norm `norm` is known (whatever the layout: with or
+/// without a pipeline, with or without ZeRO): over the tensor group, after the data-parallel group
+/// under ZeRO. Nothing with AdamW.
+fn prepare_adafactor<T: Transport>(parts: &mut Parts<T>, preview: Preview, norm: f64) -> Result<(), String> {
+    let t = parts.optimizer.step + 1;
+    if let Some(adafactor) = parts.adafactor.as_mut() {
+        return adafactor.prepare(parts.rank.params(), &mut parts.tp, preview, norm, t);
+    }
+    if let (Some(zero), Some(dp)) = (parts.zero.as_mut(), parts.dp.as_mut()) {
+        let active = parts.rank.params().iter().map(|p| p.grad().defined()).collect();
+        let handle = parts.tp.handle.clone();
+        zero.prepare(active, [dp, &mut parts.tp.comm], &handle, (preview, norm), t)?;
+    }
+    Ok(())
 }
 
 /// `flat` (the rank's gradients, flat, then the loss word) summed over the data-parallel group when there
@@ -921,10 +929,11 @@ impl<T: Transport> StepEngine for TensorParallelReplica<T> {
         };
         let step = move |parts: &mut Parts<T>| {
             parts.rank.take_activation_peak();
-            match parts.pipe.is_some() {
-                true => pipeline::compute(parts, batches),
-                false => compute(parts, batches, Some(preview)),
-            }
+            let (loss, norm) = match parts.pipe.is_some() {
+                true => pipeline::compute(parts, batches)?,
+                false => compute(parts, batches)?,
+            };
+            prepare_adafactor(parts, preview, norm).map(|()| (loss, norm))
         };
         let (loss, grad_norm) = self.blocking(step).await?.map_err(EngineError::TensorParallel)?;
         Ok(ReducedStep { loss, grad_norm, compute_seconds: started.elapsed().as_secs_f64() })

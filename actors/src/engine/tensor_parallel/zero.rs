@@ -1,7 +1,8 @@
 //! ZeRO inside the data-parallel groups of a tensor-parallel job (`parallel.shard` with `tp` > 1 and more
 //! than one model replica): the D ranks that hold the same shards (one tensor index of one stage, over
 //! the replicas) split the flat list of those shards with `chunk_range`; replica d owns range d — the
-//! fp32 masters and both AdamW moments of it — and applies AdamW there only. ZeRO-1 all-reduces the
+//! fp32 masters and both AdamW moments of it, or Adafactor's state of it ([`ZeroAdafactor`]) — and
+//! applies the optimizer there only. ZeRO-1 all-reduces the
 //! gradients and keeps its range of them, ZeRO-2 reduce-scatters them; both all-gather the masters into
 //! the parameters before the next forward. ZeRO-3 also drops the parameters after each update (the shard
 //! list is the one unit: gathered for the step, none between). The global norm is the owned ranges'
@@ -23,6 +24,7 @@ use troupe_model::tensor_parallel::{Split, TpLayout, TpRank};
 use super::super::flat::{append_flat, copy_from_flat};
 use super::super::segments::{adamw_on_segments, plan_segments, ShardSegment};
 use super::super::shard_plan::ShardMode;
+use super::adafactor::{Preview, ZeroAdafactor};
 use super::meter::Metered;
 
 fn comm_error(e: troupe_cluster::ClusterError) -> String {
@@ -37,8 +39,11 @@ pub(super) struct Zero {
     total: usize,
     segments: Vec<ShardSegment>,
     master: Vec<f32>,
+    /// AdamW's moments of the range (empty with Adafactor).
     exp_avg: Vec<f32>,
     exp_avg_sq: Vec<f32>,
+    /// `train.optimizer = "adafactor"`: its state of the range.
+    adafactor: Option<ZeroAdafactor>,
     /// The step's reduced gradient of the owned range.
     grad: Vec<f32>,
     /// The parameters' shapes (empty for those the rank does not hold), to rebuild them under ZeRO-3.
@@ -48,8 +53,9 @@ pub(super) struct Zero {
 }
 
 impl Zero {
-    /// Replica `replica` of `replicas`' range of `params` (the rank's shards) with the moments
-    /// `exp_avg` / `exp_avg_sq` of the same shapes; `decays` by parameter.
+    /// Replica `replica` of `replicas`' range of `params` (the rank's shards) with the AdamW moments
+    /// `exp_avg` / `exp_avg_sq` of the same shapes (empty lists with Adafactor: see
+    /// [`Self::with_adafactor`]); `decays` by parameter.
     pub fn new(
         mode: ShardMode,
         (replica, replicas): (usize, usize),
@@ -62,6 +68,9 @@ impl Zero {
         let own = chunk_range(total, replicas, replica);
         let segments = plan_segments(&numels, decays, &own);
         let range = |list: &[Tensor]| {
+            if list.is_empty() {
+                return Vec::new();
+            }
             let mut flat = Vec::with_capacity(total);
             append_flat(&list.iter().map(Tensor::detach).collect::<Vec<_>>(), &mut flat);
             flat[own.clone()].to_vec()
@@ -72,6 +81,7 @@ impl Zero {
             master: range(params),
             exp_avg,
             exp_avg_sq,
+            adafactor: None,
             grad: vec![0.0; own.len()],
             shapes: params.iter().map(Tensor::size).collect(),
             segments,
@@ -81,16 +91,40 @@ impl Zero {
         }
     }
 
+    /// The owner running Adafactor on its range, its state made by `make` from the range.
+    pub fn with_adafactor(mut self, make: impl FnOnce(&Range<usize>) -> ZeroAdafactor) -> Self {
+        self.adafactor = Some(make(&self.own));
+        self
+    }
+
     /// (elements owned, of the rank's shard list).
     pub fn owned(&self) -> (usize, usize) {
         (self.own.len(), self.total)
     }
 
     /// Bytes it keeps beside the rank's shards: (the owned range's reduced gradient, its fp32 masters and
-    /// AdamW moments).
+    /// the optimizer's state).
     pub fn held_bytes(&self) -> (u64, u64) {
         let bytes = |v: &Vec<f32>| (v.len() * std::mem::size_of::<f32>()) as u64;
-        (bytes(&self.grad), bytes(&self.master) + bytes(&self.exp_avg) + bytes(&self.exp_avg_sq))
+        let state =
+            bytes(&self.exp_avg) + bytes(&self.exp_avg_sq) + self.adafactor.as_ref().map_or(0, ZeroAdafactor::bytes);
+        (bytes(&self.grad), bytes(&self.master) + state)
+    }
+
+    /// With Adafactor, readies its step before the vote from the reduced range and the global norm
+    /// (`active`: the parameters with a gradient); nothing with AdamW.
+    pub fn prepare<T: Transport>(
+        &mut self,
+        active: Vec<bool>,
+        [dp, tp]: [&mut Metered<T>; 2],
+        handle: &Handle,
+        preview: (Preview, f64),
+        t: u64,
+    ) -> Result<(), String> {
+        match self.adafactor.as_mut() {
+            Some(adafactor) => adafactor.prepare((&self.master, &self.grad), active, dp, tp, handle, preview, t),
+            None => Ok(()),
+        }
     }
 
     /// Before a forward (or a gather of the state): the group's masters all-gathered into the rank's
@@ -159,14 +193,19 @@ impl Zero {
         sums
     }
 
-    /// AdamW update `t` at `lr` on the owned range, its gradient scaled by `grad_factor` (the clip);
-    /// the parameters lag until the next [`Self::refresh`]; ZeRO-3 drops them now.
+    /// AdamW update `t` at `lr` on the owned range, its gradient scaled by `grad_factor` (the clip), or
+    /// Adafactor's step readied by [`Self::prepare`] (the factor inside it); the parameters lag until the
+    /// next [`Self::refresh`]; ZeRO-3 drops them now.
     pub fn apply(&mut self, rank: &mut TpRank, train: &TrainConfig, lr: f64, t: u64, grad_factor: f64) {
-        if grad_factor != 1.0 {
-            self.grad.iter_mut().for_each(|g| *g = (f64::from(*g) * grad_factor) as f32);
+        if let Some(adafactor) = self.adafactor.as_mut() {
+            adafactor.apply(&mut self.master, &self.grad);
+        } else {
+            if grad_factor != 1.0 {
+                self.grad.iter_mut().for_each(|g| *g = (f64::from(*g) * grad_factor) as f32);
+            }
+            let state = [&mut self.master, &mut self.exp_avg, &mut self.exp_avg_sq];
+            adamw_on_segments(state, &self.segments, &self.grad, train, lr, t);
         }
-        let state = [&mut self.master, &mut self.exp_avg, &mut self.exp_avg_sq];
-        adamw_on_segments(state, &self.segments, &self.grad, train, lr, t);
         self.stale = true;
         if self.mode == ShardMode::Zero3 {
             for param in rank.params_mut() {
@@ -175,15 +214,19 @@ impl Zero {
         }
     }
 
-    /// The whole moments of the rank's shard list (exp_avg, exp_avg_sq, as tensors of the parameters'
-    /// shapes), all-gathered over the group.
+    /// The optimizer's two slots of the rank's shard list (AdamW's exp_avg and exp_avg_sq, or
+    /// Adafactor's packed ones, as tensors of the parameters' shapes), all-gathered over the group.
     pub fn gather_moments<T: Transport>(
         &self,
         dp: &mut Metered<T>,
         handle: &Handle,
     ) -> Result<[Vec<Tensor>; 2], String> {
+        let slots = match &self.adafactor {
+            Some(adafactor) => adafactor.slots(),
+            None => [self.exp_avg.clone(), self.exp_avg_sq.clone()],
+        };
         let mut out = [Vec::new(), Vec::new()];
-        for (moment, list) in [&self.exp_avg, &self.exp_avg_sq].into_iter().zip(out.iter_mut()) {
+        for (moment, list) in slots.iter().zip(out.iter_mut()) {
             let mut flat = vec![0.0f32; self.total];
             handle.block_on(dp.all_gather(&moment[..], &mut flat[..])).map_err(comm_error)?;
             let mut at = 0;

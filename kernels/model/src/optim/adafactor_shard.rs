@@ -102,6 +102,20 @@ impl Runs {
         self.len() == 0
     }
 
+    /// The runs of local elements `from..to`.
+    fn cut(&self, from: usize, to: usize) -> Self {
+        let mut out = Vec::new();
+        let mut k = 0;
+        for &(start, n) in &self.0 {
+            let (lo, hi) = (from.max(k), to.min(k + n));
+            if lo < hi {
+                out.push((start.map(|s| s + lo - k), hi - lo));
+            }
+            k += n;
+        }
+        Self(out)
+    }
+
     /// Every local element's position in the whole parameter (`None`: padding).
     fn positions(runs: &[(Option<usize>, usize)]) -> impl Iterator<Item = Option<usize>> + '_ {
         runs.iter().flat_map(|&(start, n)| (0..n).map(move |k| start.map(|s| s + k)))
@@ -137,6 +151,25 @@ impl Held {
             })
             .collect();
         Self { parts, len, compact_len }
+    }
+
+    /// The elements of `range` of the flat buffer, held apart (a ZeRO owner's range of a tensor rank's
+    /// shard list): each parameter's runs cut to the elements there, the flat buffer starting at
+    /// `range.start`.
+    pub fn within(&self, layout: &ShardLayout, range: &Range<usize>) -> Held {
+        let runs = self
+            .parts
+            .iter()
+            .map(|(runs, at, _)| {
+                let (lo, hi) = (range.start.max(*at), range.end.min(at + runs.len()));
+                if lo < hi {
+                    runs.cut(lo - at, hi - at)
+                } else {
+                    Runs::default()
+                }
+            })
+            .collect();
+        Held::new(layout, runs)
     }
 
     /// Elements of the flat buffer.
@@ -777,8 +810,10 @@ mod tests {
     /// row), the whole (a replicated vector: its sums from rank 0 only) or rows with padding after them,
     /// against the whole-tensor Adafactor over steps: the same parameters within 1e-6 relative, padding
     /// untouched, and each rank's statistics the reference's.
-    #[test]
-    fn holders_of_row_and_column_blocks_and_padding_equal_the_whole_tensor_adafactor() {
+    /// Two holders of row blocks, column blocks and padding, each one holder whole or (`split`) two owners
+    /// of halves of its flat buffer (cut inside a row: [`Held::within`], as ZeRO under tensor parallelism
+    /// cuts them), against the whole-tensor Adafactor.
+    fn check_holders(split: bool) {
         let config = AdafactorConfig { beta1: Some(0.9), weight_decay: 0.01, ..AdafactorConfig::default() };
         let shapes: Vec<Vec<i64>> = vec![vec![6, 4], vec![5], vec![3, 4], vec![2, 3, 4]];
         let decays: Vec<bool> = shapes.iter().map(|s| s.len() >= 2).collect();
@@ -831,6 +866,28 @@ mod tests {
             })
             .collect();
         assert_eq!(ranks[1].held.range_of(3), 23..39);
+        if split {
+            ranks = ranks
+                .into_iter()
+                .flat_map(|rank| {
+                    // Local element 1 of the [3, 4] shard: inside its first row.
+                    let (cut, len) = (18, rank.held.len());
+                    [0..cut, cut..len].map(|range| {
+                        let held = rank.held.within(&layout, &range);
+                        Rank {
+                            select: rank.select.clone(),
+                            master: rank.master[range.clone()].to_vec(),
+                            exp_avg: vec![0.0; range.len()],
+                            compact: vec![0.0; held.compact_len()],
+                            positions: rank.positions[range.clone()].to_vec(),
+                            held,
+                        }
+                    })
+                })
+                .collect();
+            assert_eq!((ranks[0].held.range_of(2), ranks[1].held.range_of(2)), (17..18, 0..5));
+            assert_eq!((ranks[1].held.compact_len(), ranks[3].held.range_of(3)), (0, 5..21));
+        }
         let mut stats = vec![0f32; layout.stats_len()];
         for t in 1..=5u64 {
             let grad: Vec<f32> = (0..total).map(|k| noise(500 * t + k as u64) * t as f32).collect();
@@ -877,6 +934,16 @@ mod tests {
         let row_col: Vec<f32> = Vec::try_from(packed[1].flatten(0, -1).narrow(0, 0, 10)).unwrap();
         let close = row_col.iter().zip(&stats[layout.stats_of(0)]).all(|(a, b)| (a - b).abs() <= 1e-6 * a.abs());
         assert!(close, "the statistics of [6, 4] differ: {row_col:?} vs {:?}", &stats[layout.stats_of(0)]);
+    }
+
+    #[test]
+    fn holders_of_row_and_column_blocks_and_padding_equal_the_whole_tensor_adafactor() {
+        check_holders(false);
+    }
+
+    #[test]
+    fn owners_of_halves_of_each_holders_elements_equal_the_whole_tensor_adafactor() {
+        check_holders(true);
     }
 
     #[test]

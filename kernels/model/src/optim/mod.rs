@@ -16,7 +16,7 @@
 
 use tch::Tensor;
 
-use crate::sections::{ConfigError, ParallelConfig, TrainConfig};
+use crate::sections::{ConfigError, TrainConfig};
 
 pub mod adafactor;
 pub mod adafactor_shard;
@@ -154,13 +154,12 @@ fn adamw_only() -> String {
 }
 
 /// The `train.optimizer` keys: a known optimizer, Adafactor's hyper-parameters in range, its state
-/// packable for every parameter (`shapes`: the model's names and shapes), and a parallel layout that
-/// runs it (the reference trainer, DDP, ZeRO-1/2/3, pipelines with or without ZeRO in their stage
-/// groups, tensor parallelism with data parallelism, and as the inner optimizer of local SGD and DiLoCo,
-/// which each replica runs whole on its own parameters).
+/// packable for every parameter (`shapes`: the model's names and shapes). Every parallel layout runs it:
+/// the reference trainer, DDP, ZeRO-1/2/3, pipelines with or without ZeRO in their stage groups, tensor
+/// parallelism with data parallelism, inside a pipeline and with ZeRO, and as the inner optimizer of
+/// local SGD and DiLoCo, which each replica runs whole on its own parameters.
 pub fn validate<'a>(
     train: &TrainConfig,
-    parallel: &ParallelConfig,
     shapes: impl IntoIterator<Item = (&'a str, &'a [i64])>,
 ) -> Result<(), ConfigError> {
     let name = train.optimizer.as_str();
@@ -171,24 +170,6 @@ pub fn validate<'a>(
         return Ok(());
     }
     validate_adafactor(&train.adafactor)?;
-    let refuse = |key: &'static str, value: String, what: &str| {
-        invalid(
-            "train.optimizer",
-            "\"adafactor\"".into(),
-            format!(
-                "with {key} = {value} ({what}) is not supported yet: Adafactor runs on one process, under DDP, \
-                 ZeRO-1/2/3, pipelines (ZeRO inside their stage groups too), periodic synchronization and \
-                 tensor parallelism with data parallelism (parallel.tp > 1 with parallel.pp = 1 and \
-                 parallel.shard = \"none\"); use train.optimizer = \"adamw\" there"
-            ),
-        )
-    };
-    if parallel.tp > 1 && parallel.pp > 1 {
-        return Err(refuse("parallel.tp", parallel.tp.to_string(), "tensor parallelism inside a pipeline"));
-    }
-    if parallel.tp > 1 && parallel.shard != "none" {
-        return Err(refuse("parallel.shard", format!("{:?}", parallel.shard), "ZeRO under tensor parallelism"));
-    }
     for (param, shape) in shapes {
         if let Err(why) = adafactor::check_packable(shape) {
             return Err(invalid("train.optimizer", "\"adafactor\"".into(), format!("parameter {param}: {why}")));
@@ -229,9 +210,9 @@ fn invalid(key: &'static str, value: String, allowed: String) -> ConfigError {
 mod tests {
     use super::*;
 
-    fn check(optimizer: &str, parallel: ParallelConfig, shapes: &[(&str, &[i64])], expected: Result<(), &str>) {
+    fn check(optimizer: &str, shapes: &[(&str, &[i64])], expected: Result<(), &str>) {
         let train = TrainConfig { optimizer: optimizer.into(), ..TrainConfig::default() };
-        let got = validate(&train, &parallel, shapes.iter().copied()).map_err(|e| e.to_string());
+        let got = validate(&train, shapes.iter().copied()).map_err(|e| e.to_string());
         match (got, expected) {
             (Ok(()), Ok(())) => {}
             (Err(e), Err(want)) => assert!(e.contains(want), "{e:?} should name {want:?}"),
@@ -240,27 +221,12 @@ mod tests {
     }
 
     #[test]
-    fn config_names_a_known_optimizer_on_a_layout_that_runs_it() {
-        let ddp = ParallelConfig::default();
+    fn config_names_a_known_optimizer_whose_state_packs() {
         let matrix: &[(&str, &[i64])] = &[("w", &[4, 3]), ("b", &[3])];
-        check("adamw", ddp.clone(), matrix, Ok(()));
-        check("adafactor", ddp.clone(), matrix, Ok(()));
-        check("adam", ddp.clone(), matrix, Err("train.optimizer"));
-        for shard in ["zero1", "zero2", "zero3"] {
-            check("adafactor", ParallelConfig { shard: shard.into(), ..ddp.clone() }, matrix, Ok(()));
-        }
-        check("adafactor", ParallelConfig { pp: 2, ..ddp.clone() }, matrix, Ok(()));
-        let zero_in_stages = ParallelConfig { pp: 2, shard: "zero1".into(), ..ddp.clone() };
-        check("adafactor", zero_in_stages, matrix, Ok(()));
-        check("adafactor", ParallelConfig { tp: 2, ..ddp.clone() }, matrix, Ok(()));
-        check("adafactor", ParallelConfig { tp: 2, pp: 2, ..ddp.clone() }, matrix, Err("parallel.tp"));
-        let zero_under_tp = ParallelConfig { tp: 2, shard: "zero1".into(), ..ddp.clone() };
-        check("adafactor", zero_under_tp, matrix, Err("parallel.shard"));
-        for sync in ["local_sgd", "diloco"] {
-            check("adafactor", ParallelConfig { sync: sync.into(), ..ddp.clone() }, matrix, Ok(()));
-        }
-        check("adamw", ParallelConfig { shard: "zero1".into(), ..ddp.clone() }, matrix, Ok(()));
-        check("adafactor", ddp, &[("lora_b", &[8, 1])], Err("lora_b"));
+        check("adamw", matrix, Ok(()));
+        check("adafactor", matrix, Ok(()));
+        check("adam", matrix, Err("train.optimizer"));
+        check("adafactor", &[("lora_b", &[8, 1])], Err("lora_b"));
     }
 
     #[test]
@@ -272,7 +238,7 @@ mod tests {
             (crate::sections::AdafactorConfig { decay_rate: 0.5, ..base.clone() }, "train.adafactor.decay_rate"),
             (crate::sections::AdafactorConfig { clip_threshold: 0.0, ..base }, "train.adafactor.clip_threshold"),
         ] {
-            let e = validate(&train(a), &ParallelConfig::default(), []).unwrap_err().to_string();
+            let e = validate(&train(a), []).unwrap_err().to_string();
             assert!(e.contains(key), "{e}");
         }
     }
