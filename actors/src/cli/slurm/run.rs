@@ -4,6 +4,7 @@
 //! follows it and ends the step with the job's outcome. The other tasks end when the job does; if the
 //! first node is gone before that, the first task still alive follows the job in its place.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -29,6 +30,11 @@ const POLL_MS: u64 = 1_000;
 const RAFT_PORT_OFFSET: u16 = 1000;
 /// How long the first task waits, after the job ended, for the other tasks to see it and leave.
 const FAREWELL_MS: u64 = 10_000;
+/// The task that follows the job in the first task's place prints again the events the controller had
+/// streamed in this window (or four failure timeouts, if longer) before the first node was missed: the
+/// first task may have died with some of them unprinted (in flight, or sent while its node was not yet
+/// declared dead), and a repeated line is harmless where a missing one is not.
+const REPLAY_MS: u64 = 30_000;
 
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
@@ -218,6 +224,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         .tempdir()
         .context("creating the daemon's data directory under $TMPDIR")?;
     let node = node_config(&placement, &options, &dir, data_dir.path())?;
+    let failure_timeout_ms = node.membership.failure_timeout_ms;
     println!(
         "troupe slurm: node {} (Slurm node {}) at {} with {} slot(s); {}",
         node.name,
@@ -237,7 +244,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         let result = if placement.index == 0 {
             lead(&placement, &options, config, &identity, &mut term, bound).await
         } else {
-            accompany(&placement, &options, &config, &identity, &daemon, &mut term, bound).await
+            let replay = Duration::from_millis(REPLAY_MS.max(4 * failure_timeout_ms));
+            let waits = Waits { bound, replay };
+            accompany(&placement, &options, &config, &identity, &daemon, &mut term, waits).await
         };
         tracing::info!(node = daemon.name(), "draining");
         let _ = daemon.drain().await;
@@ -394,6 +403,14 @@ async fn wait_for_members(placement: &Placement, identity: &NodeIdentity, bound:
     }
 }
 
+/// How long a task that is not the first waits for a controller to answer (`bound`), and how far back
+/// from the moment the first node was missed a task following in its place starts printing (`replay`).
+#[derive(Clone, Copy, Debug)]
+struct Waits {
+    bound: Duration,
+    replay: Duration,
+}
+
 /// Another task: serves as a node until the job ends (its outcome is this task's), SIGTERM, the
 /// daemon stopping, or no controller answering for `bound`. If the first node leaves the cluster before
 /// the job ended, the first task still alive follows the job in its place (with several controllers the
@@ -405,15 +422,16 @@ async fn accompany(
     identity: &NodeIdentity,
     daemon: &Daemon,
     term: &mut Signal,
-    bound: Duration,
+    Waits { bound, replay }: Waits,
 ) -> anyhow::Result<()> {
     let name = placement.job_name();
     let first = &placement.names[0];
     let mut heard = Instant::now();
     let mut client: Option<Client> = None;
-    // Whether the first node was seen in the cluster, and how many of the job's events had been
-    // streamed (to its task) when it last was: where a task following in its place starts.
-    let (mut first_seen, mut streamed) = (false, 0);
+    // Whether the first node was seen in the cluster; how many events the job had streamed at each poll
+    // that saw it (the last `replay` of them), and when it was first missed: a task following in its
+    // place starts from the count of the newest poll made `replay` before it was missed.
+    let (mut first_seen, mut streamed, mut missed) = (false, VecDeque::<(Instant, u64)>::new(), None);
     // The job's end, once seen while a task before this one spoke for it (this task stays for it).
     let mut ended_seen: Option<anyhow::Result<()>> = None;
     loop {
@@ -470,18 +488,34 @@ async fn accompany(
         // A task before this one is alive while the first node is gone: it speaks for the job (or will).
         let speaker_before = !member(first) && placement.names[..placement.index].iter().any(member);
         if member(first) {
-            first_seen = true;
+            (first_seen, missed) = (true, None);
             // How many events the controller has streamed (a status's job list does not count them).
             if let (Some(job), Some(c)) = (job, client.as_mut()) {
-                streamed = c.job_status(job.id).await.map_or(streamed, |info| info.events);
+                if let Ok(info) = c.job_status(job.id).await {
+                    streamed.push_back((Instant::now(), info.events));
+                }
             }
-        } else if first_seen && !placement.names[..placement.index].iter().any(member) {
-            // The first node's task is gone and this one is the first alive: it speaks for the job.
-            let Some(job) = job else {
-                bail!("the first node {} left the cluster before it submitted the job", placement.hosts[0]);
-            };
-            let client = client.take().expect("a client that just answered");
-            return follow_in_place(placement, options, config, identity, client, (job.id, streamed), term).await;
+            // Keep the newest poll older than `replay`, and those since.
+            while streamed.get(1).is_some_and(|(at, _)| at.elapsed() > replay) {
+                streamed.pop_front();
+            }
+        } else if first_seen {
+            let missed = *missed.get_or_insert_with(Instant::now);
+            if !placement.names[..placement.index].iter().any(member) {
+                if let Some(outcome) = ended_seen.take() {
+                    // The task that spoke for the job saw it end and has left (it waited for this one
+                    // at most FAREWELL_MS): that end is this task's too, nothing is followed again.
+                    return outcome;
+                }
+                // The first node's task is gone and this one is the first alive: it speaks for the job.
+                let Some(job) = job else {
+                    bail!("the first node {} left the cluster before it submitted the job", placement.hosts[0]);
+                };
+                let since =
+                    streamed.iter().rev().find(|(at, _)| missed.duration_since(*at) >= replay).map_or(0, |p| p.1);
+                let client = client.take().expect("a client that just answered");
+                return follow_in_place(placement, options, config, identity, client, (job.id, since), term).await;
+            }
         }
         let Some(job) = job else { continue };
         let ended = matches!(job.state, JobState::Finished | JobState::Failed | JobState::Cancelled);
@@ -509,9 +543,9 @@ async fn accompany(
     }
 }
 
-/// The first task alive once the first node is gone: follows the job from the event its task had
-/// streamed up to (events streamed since may be printed twice, none is skipped), records the outcome
-/// and waits for the others as the first task would have.
+/// The first task alive once the first node is gone: follows the job from event `since`, which the
+/// first task had printed (the events after it that it had printed too are printed again, none is
+/// skipped), records the outcome and waits for the others as the first task would have.
 async fn follow_in_place(
     placement: &Placement,
     options: &RunOptions,
@@ -522,7 +556,8 @@ async fn follow_in_place(
     term: &mut Signal,
 ) -> anyhow::Result<()> {
     println!(
-        "troupe slurm: the first node {} left the cluster; node {} follows job {job} from its event {since}",
+        "troupe slurm: the first node {} left the cluster; node {} follows job {job} from its event {since} \
+         (lines the first task printed after it are printed again)",
         placement.hosts[0],
         placement.name()
     );
