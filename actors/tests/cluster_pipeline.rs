@@ -364,3 +364,59 @@ async fn zero3_inside_the_stages_without_copies_loses_an_owner_and_rolls_back_to
     check(&config, None, &out, "pp=2 × dp=2 zero3 tied, an owner lost, rolled back");
     cluster.shutdown().await;
 }
+
+/// What each device of a pp = 2 × dp = 2 job (untied, four daemons) says it holds and sends at step 2,
+/// against an independent count: the two stages' parameters add up to the model's; without ZeRO each
+/// device keeps its parameters, their gradients and AdamW's two moments, and all-reduces its gradients
+/// with the loss word in its stage's group; with ZeRO-1 it keeps its own half's masters and moments, a
+/// buddy copy of the other half (masters, moments, gradient), and the owned half's reduced gradient.
+/// Each device sends its replica's activations (forward) or their gradients (backward) once per step —
+/// a replica's samples × context × d_model floats — and the flush's two words along the chain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_pipeline_device_reports_what_it_holds_and_sends() {
+    use troupe_actors::protocol::{CollectiveKind, GroupKind, RankUsage};
+    let cluster = LocalCluster::in_process(4).await.unwrap();
+    let f32s = |elements: usize| 4 * elements as u64;
+    for shard in ["none", "zero1"] {
+        let mut config = config(3, "1f1b");
+        (config.model.tie_word_embeddings, config.parallel.dp, config.parallel.shard) = (false, 2, shard.into());
+        let mut handle = cluster.client().await.unwrap().submit(Job::new(config.clone())).await.unwrap();
+        let mut usage: Vec<RankUsage> = Vec::new();
+        while let Some(event) = next(&mut handle).await {
+            match event {
+                JobEvent::Usage { attempt: 1, step: 2, ranks } => usage = ranks,
+                JobEvent::Failed { .. } | JobEvent::Cancelled { .. } => panic!("{shard}: {event:?}"),
+                _ => {}
+            }
+        }
+        eprintln!("{shard}: {}", troupe_actors::protocol::describe_usage(2, &usage));
+        assert_eq!(usage.len(), 4, "{shard}: a usage line per rank");
+        // Rank r is replica r mod 2 of device r div 2.
+        let stage_params = [usage[0].param_bytes, usage[2].param_bytes];
+        assert_eq!(stage_params.iter().sum::<u64>(), f32s(config.model.param_count()), "{shard}: {usage:?}");
+        let model = &config.model;
+        let activations = f32s(config.train.global_batch / 2 * model.context * model.d_model);
+        for (rank, u) in usage.iter().enumerate() {
+            let what = format!("{shard} rank {rank}: {u:?}");
+            let n = (u.param_bytes / 4) as usize;
+            assert_eq!(u.param_bytes, stage_params[rank / 2], "{what}");
+            let own = troupe_kernels::balanced_range(n, 2, rank % 2).len();
+            let other = n - own;
+            let expected = match shard {
+                "none" => (f32s(n), f32s(2 * n), 0),
+                _ => (f32s(n + own), f32s(3 * own), f32s(4 * other)),
+            };
+            assert_eq!((u.grad_bytes, u.optimizer_bytes, u.buddy_bytes), expected, "{what}");
+            assert_eq!(u.sent_by(GroupKind::Pipeline, CollectiveKind::Send), activations, "{what}");
+            assert_eq!(u.sent_by(GroupKind::Pipeline, CollectiveKind::AllReduce), f32s(2), "{what}");
+            let data = u.sent_by(GroupKind::Data, CollectiveKind::AllReduce);
+            match shard {
+                "none" => assert_eq!(data, f32s(n + 1), "{what}"),
+                // ZeRO-1: the gradients all-reduced; the owners' squared norm and loss.
+                _ => assert_eq!(data, f32s(n + 2), "{what}"),
+            }
+            assert!(u.comm_seconds() > 0.0 && u.activation_bytes.is_none(), "{what}");
+        }
+    }
+    cluster.shutdown().await;
+}

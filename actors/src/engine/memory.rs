@@ -1,7 +1,7 @@
 //! What a rank keeps between steps, counted in elements — the persistent model state whose size ZeRO
 //! divides by the world (activations, gathered units and other buffers of a step in flight are not
-//! counted: they are freed when the step ends) — and, for a step's [`RankUsage`], what a data-parallel
-//! rank's communicator sent.
+//! counted: they are freed when the step ends) — and, for a step's [`RankUsage`], what a rank's
+//! communicators sent.
 
 use tch::Tensor;
 use troupe_cluster::collective::CallTally;
@@ -58,13 +58,13 @@ pub(super) fn whole_replica_usage(trainer: &Trainer, extra_state: usize, calls: 
         buddy_bytes: 0,
         activation_bytes: None,
         step_seconds: 0.0,
-        sent: data_group_sent(calls),
+        sent: group_sent(GroupKind::Data, calls),
     }
 }
 
-/// A step's calls of a data-parallel group's communicator as [`RankUsage`] lines: one per collective
-/// (a receive's wait with the sends; a barrier moves nothing worth a line).
-pub(super) fn data_group_sent(calls: Vec<CallTally>) -> Vec<SentBytes> {
+/// A step's calls of a `group`'s communicator as [`RankUsage`] lines: one per collective (a receive's
+/// wait with the sends; a barrier moves nothing worth a line).
+pub(super) fn group_sent(group: GroupKind, calls: Vec<CallTally>) -> Vec<SentBytes> {
     let mut lines: Vec<SentBytes> = Vec::new();
     for call in calls {
         let collective = match call.op {
@@ -82,13 +82,9 @@ pub(super) fn data_group_sent(calls: Vec<CallTally>) -> Vec<SentBytes> {
                 line.bytes += call.bytes;
                 line.seconds += call.seconds;
             }
-            None => lines.push(SentBytes {
-                group: GroupKind::Data,
-                collective,
-                calls: call.calls,
-                bytes: call.bytes,
-                seconds: call.seconds,
-            }),
+            None => {
+                lines.push(SentBytes { group, collective, calls: call.calls, bytes: call.bytes, seconds: call.seconds })
+            }
         }
     }
     lines.sort_by_key(|l| l.collective);

@@ -41,14 +41,14 @@ use troupe_model::{StepReport, Trainer};
 
 use super::committed::{full_piece, tensor_specs, CommittedState, ShardPiece};
 use super::flat::{append_flat, broadcast_params, copy_from_flat, materialise_grads};
-use super::memory::{data_group_sent, tensor_and_grad_bytes, PersistentState};
+use super::memory::{group_sent, tensor_and_grad_bytes, PersistentState};
 use super::reshard::{reshard, Held};
 use super::segments::plan_segments;
 use super::shard_owner::{OwnerAdafactor, OwnerArgs, OwnerUpdate, ShardOwnerActor, ShardOwnerMsg, Staged};
 use super::shard_plan::{buddies, held_ranges, shadow_holders, ShardMode, REPLICAS_MAX};
 use super::step_engine::{EngineError, ReducedStep, StepEngine};
 use super::zero3;
-use crate::protocol::RankUsage;
+use crate::protocol::{GroupKind, RankUsage};
 
 /// One rank of a ZeRO-1/2/3 job: the engine that runs its share of each step's compute and
 /// communication, its [`ShardOwnerActor`] — which holds its own shard of the masters and moments and its
@@ -241,7 +241,7 @@ impl<T: Transport> ShardedReplica<T> {
             buddy_bytes: f32s(buddy),
             activation_bytes: None,
             step_seconds: 0.0,
-            sent: data_group_sent(self.comm.take_calls()),
+            sent: group_sent(GroupKind::Data, self.comm.take_calls()),
         })
     }
 

@@ -12,6 +12,7 @@
 //! Errors name the inner transport's ranks (the attempt's), which is what a log reader can map to a node;
 //! [`Transport::any_loss`] names the subgroup's, as every transport names its own.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -26,6 +27,8 @@ pub struct Subgroup<T: Transport> {
     inner: Arc<T>,
     members: Arc<[Rank]>,
     rank: Rank,
+    /// Payload bytes sent through this subgroup (each group of a mesh counts its own traffic).
+    sent: AtomicU64,
 }
 
 impl<T: Transport> Subgroup<T> {
@@ -51,7 +54,7 @@ impl<T: Transport> Subgroup<T> {
         let Some(rank) = members.iter().position(|&m| m == me) else {
             return Err(invalid(format!("this rank ({me}) is not a member")));
         };
-        Ok(Self { inner, members: members.into(), rank })
+        Ok(Self { inner, members: members.into(), rank, sent: AtomicU64::new(0) })
     }
 
     /// The inner rank of local rank `local`.
@@ -96,8 +99,10 @@ impl<T: Transport> Transport for Subgroup<T> {
     }
 
     async fn send(&self, to: Rank, tag: Tag, payload: Bytes) -> Result<(), ClusterError> {
-        let to = self.inner_rank(to)?;
-        self.inner.send(to, tag, payload).await
+        let (to, len) = (self.inner_rank(to)?, payload.len() as u64);
+        self.inner.send(to, tag, payload).await?;
+        self.sent.fetch_add(len, Ordering::Relaxed);
+        Ok(())
     }
 
     fn copies_on_send(&self, to: Rank) -> bool {
@@ -106,7 +111,14 @@ impl<T: Transport> Transport for Subgroup<T> {
 
     async fn send_slice(&self, to: Rank, tag: Tag, data: &[u8]) -> Result<(), ClusterError> {
         let to = self.inner_rank(to)?;
-        self.inner.send_slice(to, tag, data).await
+        self.inner.send_slice(to, tag, data).await?;
+        self.sent.fetch_add(data.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// This subgroup's own sends (never an arena's: a subgroup has none).
+    fn sent_bytes(&self) -> Option<u64> {
+        Some(self.sent.load(Ordering::Relaxed))
     }
 
     /// With [`LossScope::Group`] the loss of a member of this subgroup fails the receive, not that of
@@ -170,14 +182,17 @@ mod tests {
             async move {
                 let mut data = vec![rank as f32 + 1.0; 5];
                 comm.all_reduce(&mut data[..], ReduceOp::Sum).await.expect("all-reduce");
-                data
+                (data, comm.take_calls())
             }
         });
         let results = futures::future::join_all(tasks).await;
         // {0, 2}: 1 + 3; {1, 3}: 2 + 4.
-        for (rank, data) in results.iter().enumerate() {
+        for (rank, (data, calls)) in results.iter().enumerate() {
             let expected = if rank % 2 == 0 { 4.0 } else { 6.0 };
             assert!(data.iter().all(|&x| x == expected), "rank {rank}: {data:?}");
+            // Each subgroup counts its own sends: a member of two sends the other its 5 values.
+            let sent: Vec<(&str, u64)> = calls.iter().map(|c| (c.op, c.bytes)).collect();
+            assert_eq!(sent, vec![("all_reduce", 20)], "rank {rank}");
         }
     }
 

@@ -146,6 +146,8 @@ pub struct PipelineReplica<T: Transport> {
     origin: Instant,
     /// The ops of the last `reduce`, for [`StepEngine::op_spans`].
     last_ops: Vec<OpSpan>,
+    /// The device's usage in the step just reduced, for the step's usage report.
+    last_usage: Option<crate::protocol::RankUsage>,
     /// `sync` found the state of the most advanced step incomplete, or the stage actor died: this
     /// rank's state is dropped.
     lost: bool,
@@ -205,6 +207,7 @@ impl<T: Transport> PipelineReplica<T> {
             geometry: None,
             origin: Instant::now(),
             last_ops: Vec::new(),
+            last_usage: None,
             lost: false,
         }
     }
@@ -410,7 +413,14 @@ impl<T: Transport> StepEngine for PipelineReplica<T> {
         let reduced = self.ask("step", |reply| StageMsg::Reduce { abandon, reply }).await??;
         let ops_end = reduced.spans.last().map_or(started, |s| s.end_s);
         self.last_ops = reduced.spans;
+        self.last_usage = reduced.usage;
         Ok(ReducedStep { loss: reduced.loss, grad_norm: reduced.grad_norm, compute_seconds: ops_end - started })
+    }
+
+    /// The device's parameters, gradients, optimizer state, buddy parts and traffic (see
+    /// `PipelineStage::usage`), of the step just reduced.
+    fn usage(&mut self) -> Option<crate::protocol::RankUsage> {
+        self.last_usage.take()
     }
 
     fn op_spans(&mut self) -> Option<Vec<OpTiming>> {
@@ -433,7 +443,7 @@ impl<T: Transport> StepEngine for PipelineReplica<T> {
     /// The update runs in the stage actor. If the actor died since the vote, the rank's state is gone
     /// (`into_state` gives None) and the next step fails the attempt.
     async fn apply(&mut self, reduced: ReducedStep) {
-        let reduced = ReducedStage { loss: reduced.loss, grad_norm: reduced.grad_norm, spans: Vec::new() };
+        let reduced = ReducedStage { loss: reduced.loss, grad_norm: reduced.grad_norm, spans: Vec::new(), usage: None };
         if let Ok(counters) = self.ask("update", |reply| StageMsg::Apply(reduced, reply)).await {
             self.mirror_counters(counters);
         }

@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use tch::{Kind, Tensor};
-use troupe_cluster::collective::{chunk_range, Collective, Communicator, ReduceOp};
+use troupe_cluster::collective::{chunk_range, CallTally, Collective, Communicator, ReduceOp};
 use troupe_cluster::transport::{LossScope, Transport};
 use troupe_cluster::wire::Tag;
 use troupe_cluster::ClusterError;
@@ -38,11 +38,13 @@ use troupe_model::TrainError;
 
 use super::super::committed::ShardPiece;
 use super::super::flat::{append_flat, copy_from_flat, materialise_grads};
+use super::super::memory::{group_sent, tensor_and_grad_bytes};
 use super::super::segments::{adamw_on_segments, plan_segments, ShardSegment};
 use super::super::shard_plan::{buddies, shadow_holders, ShardMode, HOLDING_RANGES_MAX, REPLICAS_MAX};
 use super::super::zero3::unit_tensors;
 use super::error::PipelineError;
 use super::{ChunkLayout, Op, OpKind, Plan, PlanShape};
+use crate::protocol::{GroupKind, RankUsage};
 
 mod eval;
 mod tied;
@@ -88,6 +90,8 @@ pub struct ReducedStage {
     pub loss: f64,
     pub grad_norm: f64,
     pub spans: Vec<OpSpan>,
+    /// What the device held and sent in the step (None where it is not asked: an update's input).
+    pub usage: Option<RankUsage>,
 }
 
 /// A chunk held by this device.
@@ -141,6 +145,8 @@ pub struct PipelineStage<T: Transport> {
     /// Committed steps; the next step to run.
     pub step: u64,
     origin: Instant,
+    /// Activations and gradients sent to the pipeline's neighbours since the last usage report.
+    neighbours_sent: CallTally,
 }
 
 /// The `microbatches` balanced contiguous micro-batches of `slice` (a data-parallel rank's share of the
@@ -465,6 +471,7 @@ impl<T: Transport> PipelineStage<T> {
             microbatches,
             step: 0,
             origin,
+            neighbours_sent: CallTally { op: "send", calls: 0, bytes: 0, seconds: 0.0 },
         })
     }
 
@@ -729,8 +736,45 @@ impl<T: Transport> PipelineStage<T> {
             let prepared = self.prepare_adafactor(grad_norm, sums).await.map_err(flush)?;
             self.share_tied_adafactor(step, prepared).await?;
         }
+        let usage = Some(self.usage());
         self.release_params();
-        Ok(ReducedStage { loss, grad_norm, spans: run.spans })
+        Ok(ReducedStage { loss, grad_norm, spans: run.spans, usage })
+    }
+
+    /// What the device holds and sent in the step just reduced (taken before ZeRO-3 drops the
+    /// parameters): its chunks' parameters and gradients, a tied head's copy with its gradient and
+    /// optimizer state, the optimizer's state (with ZeRO inside the stage's group: the owned part's
+    /// fp32 masters and moments, Adafactor's statistics; its reduced gradient counted with the
+    /// gradients), the buddies' parts; and the bytes sent to its neighbours (activations forward,
+    /// gradients back) and by the flush along the chain (pipeline group), and in the stage's group of
+    /// replicas (data group).
+    fn usage(&mut self) -> RankUsage {
+        let f32s = |n: usize| (n * std::mem::size_of::<f32>()) as u64;
+        let (mut param_bytes, mut grad_bytes) = tensor_and_grad_bytes(&self.params);
+        let mut optimizer_bytes = f32s(self.optimizer.state_numel());
+        let mut buddy_bytes = 0;
+        if let Some(Tied::Head { copy, .. }) = &self.tied {
+            let [param, grad, state] = copy.bytes();
+            (param_bytes, grad_bytes, optimizer_bytes) =
+                (param_bytes + param, grad_bytes + grad, optimizer_bytes + state);
+        }
+        if let Some(shard) = &self.shard {
+            let (own, copies) = shard.parts.split_first().expect("the owned part");
+            grad_bytes += f32s(own.grad.len());
+            optimizer_bytes += f32s(own.master.len() + own.exp_avg.len() + own.exp_avg_sq.len());
+            optimizer_bytes += shard.adafactor.as_ref().map_or(0, |a| f32s(a.stats.len()));
+            let part = |c: &HeldPart| f32s(c.master.len() + c.exp_avg.len() + c.exp_avg_sq.len() + c.grad.len());
+            buddy_bytes = copies.iter().map(part).sum();
+        }
+        let mut chain = self.comm.take_calls();
+        let neighbours = CallTally { op: "send", calls: 0, bytes: 0, seconds: 0.0 };
+        chain.push(std::mem::replace(&mut self.neighbours_sent, neighbours));
+        let mut sent = group_sent(GroupKind::Pipeline, chain);
+        if let Some(group) = &mut self.data_parallel {
+            sent.extend(group_sent(GroupKind::Data, group.comm.take_calls()));
+        }
+        let activation_bytes = None;
+        RankUsage { param_bytes, grad_bytes, optimizer_bytes, buddy_bytes, activation_bytes, step_seconds: 0.0, sent }
     }
 
     /// Adafactor under ZeRO, at the end of the flush (before the vote): the update the step will apply
@@ -1027,12 +1071,12 @@ impl<T: Transport> PipelineStage<T> {
 
     async fn send(&mut self, op: Op, to: usize, bytes: Bytes, step: u64) -> Result<(), PipelineError> {
         let (transport, tag) = (self.transport.clone(), self.tag(op.kind, op.chunk, op.microbatch, step));
-        transport.send(to, tag, bytes).await.map_err(|source| PipelineError::Message {
-            device: self.device,
-            step,
-            op,
-            source,
-        })
+        let (device, len, started) = (self.device, bytes.len() as u64, Instant::now());
+        transport.send(to, tag, bytes).await.map_err(|source| PipelineError::Message { device, step, op, source })?;
+        let sent = &mut self.neighbours_sent;
+        (sent.calls, sent.bytes, sent.seconds) =
+            (sent.calls + 1, sent.bytes + len, sent.seconds + started.elapsed().as_secs_f64());
+        Ok(())
     }
 
     async fn recv(&mut self, op: Op, from: usize, step: u64) -> Result<Tensor, PipelineError> {

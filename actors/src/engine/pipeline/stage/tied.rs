@@ -81,6 +81,16 @@ pub(super) struct CopyAdafactor {
     prepared: Option<(Prepared, Vec<f32>)>,
 }
 
+impl TiedCopy {
+    /// Bytes of the copy, of its gradient, and of its optimizer state (Adafactor's when it follows
+    /// sharded owners).
+    pub(super) fn bytes(&self) -> [u64; 3] {
+        let (param, grad) = super::super::super::memory::tensor_and_grad_bytes(std::slice::from_ref(&self.param));
+        let adafactor = self.adafactor.as_ref().map_or(0, |a| a.exp_avg.len() + a.stats.len());
+        [param, grad, (4 * (self.optimizer.state_numel() + adafactor)) as u64]
+    }
+}
+
 impl Tied {
     /// The role of `device` in `shape`'s pipeline for `config`'s model (None: untied, or neither end),
     /// the copy initialised to parameter 0's initial values; `sharded_adafactor` when the stages run
