@@ -30,11 +30,17 @@ async fn adafactor_at_tp2_and_tp4_equals_the_single_process_adafactor() {
         ("tp=4 vocab 259 beta1", odd_vocab),
         ("tp=2 x dp=2 beta1", by_dp),
     ];
-    for (world, cases) in [(2, on_two.to_vec()), (4, on_four.to_vec())] {
+    check_on_clusters(dir.path(), [(2, on_two.to_vec()), (4, on_four.to_vec())]).await;
+}
+
+/// Each case (name, config) of each (world, cases) checked against the single-process Adafactor on a
+/// fresh in-process cluster of `world` daemons (a job takes every daemon of its cluster).
+async fn check_on_clusters<const N: usize>(dir: &std::path::Path, sets: [(usize, Vec<(&str, JobConfig)>); N]) {
+    for (world, cases) in sets {
         let cluster = LocalCluster::in_process(world).await.unwrap();
         for (what, config) in cases {
             let what = format!("llama adafactor {what}");
-            let out = dir.path().join(format!("{}.safetensors", what.replace(' ', "-")));
+            let out = dir.join(format!("{}.safetensors", what.replace(' ', "-")));
             check(&cluster, config, &out, world, &what).await;
         }
         cluster.shutdown().await;
@@ -68,15 +74,7 @@ async fn adafactor_with_zero_under_tp_and_inside_a_pipeline_equals_the_single_pr
         ("tied tp=2 x pp=2 1f1b beta1", piped(1, "none")),
     ];
     let on_eight = [("tied tp=2 x pp=2 x dp=2 zero2 beta1", piped(2, "zero2"))];
-    for (world, cases) in [(4, on_four.to_vec()), (8, on_eight.to_vec())] {
-        let cluster = LocalCluster::in_process(world).await.unwrap();
-        for (what, config) in cases {
-            let what = format!("llama adafactor {what}");
-            let out = dir.path().join(format!("{}.safetensors", what.replace(' ', "-")));
-            check(&cluster, config, &out, world, &what).await;
-        }
-        cluster.shutdown().await;
-    }
+    check_on_clusters(dir.path(), [(4, on_four.to_vec()), (8, on_eight.to_vec())]).await;
 }
 
 /// The Adafactor state is layout-free: written at tp = 2 × dp = 2 (each rank's shard of the packed slots

@@ -36,7 +36,8 @@ use super::super::flat::{append_flat, copy_from_flat};
 use super::group::CommGroup;
 use super::meter::Metered;
 
-/// One shard's Adafactor state (the rank's own, or its buddy copy of the previous rank's).
+/// One shard's Adafactor state (the rank's own, or its buddy copy of the previous rank's; under ZeRO a
+/// replica's owned range of its rank's shard).
 struct ShardState {
     held: Held,
     /// Per parameter: whether this rank's terms enter the group's sums (it is the shard's first holder).
@@ -48,21 +49,27 @@ struct ShardState {
 }
 
 impl ShardState {
-    /// Tensor rank `rank`'s shard of the whole packed slots `slots`.
+    /// Tensor rank `rank`'s shard of the whole packed slots `slots` (with `own`, that range of its flat
+    /// shard list).
     fn cut(
-        layout: &ShardLayout,
-        beta1: bool,
+        (layout, beta1): (&ShardLayout, bool),
         tp: &TpLayout,
-        rank: usize,
-        held: &[bool],
+        (rank, held): (usize, &[bool]),
         slots: &[Vec<Tensor>; 2],
+        own: Option<&Range<usize>>,
     ) -> Self {
         let shard = |list: &[Tensor]| {
             let mut flat = Vec::new();
             append_flat(&tp.shard_held(list, rank, held), &mut flat);
-            flat
+            match own {
+                Some(own) => flat[own.clone()].to_vec(),
+                None => flat,
+            }
         };
-        let state = Held::new(layout, tp.held_runs(rank, held));
+        let mut state = Held::new(layout, tp.held_runs(rank, held));
+        if let Some(own) = own {
+            state = state.within(layout, own);
+        }
         let second = shard(&slots[1]);
         let compact = (0..held.len())
             .filter(|&i| !layout.is_factored(i))
@@ -129,8 +136,8 @@ impl TpAdafactor {
     ) -> Self {
         let Whole { layout, slots, stats } = Whole::of(whole, full, decays);
         let beta1 = whole.config.beta1.is_some();
-        let own = ShardState::cut(&layout, beta1, tp, rank, held, &slots);
-        let buddy = buddy.map(|index| ShardState::cut(&layout, beta1, tp, index, held, &slots));
+        let own = ShardState::cut((&layout, beta1), tp, (rank, held), &slots, None);
+        let buddy = buddy.map(|index| ShardState::cut((&layout, beta1), tp, (index, held), &slots, None));
         Self { config: whole.config.clone(), layout, stats, own, buddy, prepared: None }
     }
 
@@ -249,12 +256,8 @@ pub(super) struct ZeroAdafactor {
     layout: ShardLayout,
     config: AdafactorConfig,
     stats: Vec<f32>,
-    /// The owned elements of each parameter, positions in the whole parameter.
-    held: Held,
-    /// Per parameter: whether this tensor rank's terms enter the tensor group's sums.
-    counted: Vec<bool>,
-    exp_avg: Vec<f32>,
-    compact: Vec<f32>,
+    /// The owned elements of each parameter (positions in the whole parameter) and their state.
+    state: ShardState,
     /// The readied step, each parameter's reduced Σ update², and which parameters had a gradient.
     prepared: Option<(Prepared, Vec<f32>, Vec<bool>)>,
 }
@@ -271,32 +274,14 @@ impl ZeroAdafactor {
         own: &Range<usize>,
     ) -> Self {
         let Whole { layout, slots, stats } = Whole::of(whole, full, decays);
-        let shard = |list: &[Tensor]| {
-            let mut flat = Vec::new();
-            append_flat(&tp.shard_held(list, rank, held), &mut flat);
-            flat[own.clone()].to_vec()
-        };
-        let owned = Held::new(&layout, tp.held_runs(rank, held)).within(&layout, own);
-        let second = shard(&slots[1]);
-        let compact = (0..held.len())
-            .filter(|&i| !layout.is_factored(i))
-            .flat_map(|i| second[owned.range_of(i)].to_vec())
-            .collect();
-        Self {
-            counted: (0..held.len()).map(|i| held[i] && tp.first_holder(i, rank)).collect(),
-            exp_avg: if whole.config.beta1.is_some() { shard(&slots[0]) } else { Vec::new() },
-            config: whole.config.clone(),
-            compact,
-            held: owned,
-            layout,
-            stats,
-            prepared: None,
-        }
+        let beta1 = whole.config.beta1.is_some();
+        let state = ShardState::cut((&layout, beta1), tp, (rank, held), &slots, Some(own));
+        Self { config: whole.config.clone(), state, layout, stats, prepared: None }
     }
 
     /// Bytes of optimizer state besides the masters: the range's moments and the replicated statistics.
     pub fn bytes(&self) -> u64 {
-        4 * (self.exp_avg.len() + self.compact.len() + self.stats.len()) as u64
+        self.state.bytes() + 4 * self.stats.len() as u64
     }
 
     /// Readies the step before the vote from the range's masters and reduced gradient and the global
@@ -322,14 +307,15 @@ impl ZeroAdafactor {
             handle.block_on(dp.all_reduce(&mut values[..], ReduceOp::Sum)).map_err(|e| e.to_string())?;
             handle.block_on(tp.all_reduce(&mut values[..], ReduceOp::Sum)).map_err(|e| e.to_string())
         };
-        let select: Vec<bool> = self.counted.iter().zip(&active).map(|(&c, &a)| c && a).collect();
-        let mut sums = self.layout.partial_sums_held(&self.held, &select, master, grad);
+        let state = &self.state;
+        let select: Vec<bool> = state.counted.iter().zip(&active).map(|(&c, &a)| c && a).collect();
+        let mut sums = self.layout.partial_sums_held(&state.held, &select, master, grad);
         sum(&mut sums)?;
         let mut prepared = Prepared::new(&self.layout, &self.config, &self.stats, &sums, grad_factor as f32, lr, t);
         for index in (0..active.len()).filter(|&i| !active[i]) {
             prepared.keep_stats(&self.layout, index, &self.stats);
         }
-        let mut update_sq = prepared.partial_update_sq_held(&self.layout, &self.held, &select, grad, &self.compact);
+        let mut update_sq = prepared.partial_update_sq_held(&self.layout, &state.held, &select, grad, &state.compact);
         sum(&mut update_sq)?;
         self.prepared = Some((prepared, update_sq, active));
         Ok(())
@@ -339,20 +325,22 @@ impl ZeroAdafactor {
     /// nothing when none was readied.
     pub fn apply(&mut self, master: &mut [f32], grad: &[f32]) {
         let Some((prepared, update_sq, active)) = self.prepared.take() else { return };
-        let slots = ShardSlots { master, exp_avg: &mut self.exp_avg, compact: &mut self.compact, grad };
-        prepared.apply_held(&self.layout, &self.held, &active, slots, &update_sq);
+        let state = &mut self.state;
+        let slots = ShardSlots { master, exp_avg: &mut state.exp_avg, compact: &mut state.compact, grad };
+        prepared.apply_held(&self.layout, &state.held, &active, slots, &update_sq);
         self.stats = prepared.stats;
     }
 
     /// The range's two packed slots, flat (the first moment, zeros without `beta1`; the second slot at the
     /// owned positions), for the data-parallel group's gather.
     pub fn slots(&self) -> [Vec<f32>; 2] {
-        let first = match self.exp_avg.is_empty() {
-            true => vec![0.0; self.held.len()],
-            false => self.exp_avg.clone(),
+        let state = &self.state;
+        let first = match state.exp_avg.is_empty() {
+            true => vec![0.0; state.held.len()],
+            false => state.exp_avg.clone(),
         };
-        let second = (0..self.counted.len())
-            .flat_map(|i| self.held.slot1_of(&self.layout, i, &self.compact, &self.stats))
+        let second = (0..state.counted.len())
+            .flat_map(|i| state.held.slot1_of(&self.layout, i, &state.compact, &self.stats))
             .collect();
         [first, second]
     }
