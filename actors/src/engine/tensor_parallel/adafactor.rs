@@ -99,6 +99,18 @@ pub(super) struct Preview {
     pub lr: f64,
 }
 
+impl Preview {
+    /// The factor the step's gradients take (unscaling and clipping) if the loss scaler applies it;
+    /// None when it will skip the step (fp16 overflow).
+    fn grad_factor(self, grad_norm: f64) -> Option<f64> {
+        let Preview { mut scaler, precision, grad_clip, window, .. } = self;
+        match scaler.conclude(precision, grad_norm, grad_clip, window) {
+            Update::Apply { grad_factor, .. } => Some(grad_factor),
+            _ => None,
+        }
+    }
+}
+
 /// A tensor rank's Adafactor: its shard's state and its buddy copy's, the replicated statistics, and
 /// the step readied before the vote.
 pub(super) struct TpAdafactor {
@@ -159,10 +171,7 @@ impl TpAdafactor {
         t: u64,
     ) -> Result<(), String> {
         self.prepared = None;
-        let Preview { mut scaler, precision, grad_clip, window, lr } = preview;
-        let Update::Apply { grad_factor, .. } = scaler.conclude(precision, grad_norm, grad_clip, window) else {
-            return Ok(());
-        };
+        let (Some(grad_factor), lr) = (preview.grad_factor(grad_norm), preview.lr) else { return Ok(()) };
         let (master, grad, active) = flat_of(params);
         let select: Vec<bool> = self.own.counted.iter().zip(&active).map(|(&c, &a)| c && a).collect();
         let mut sums = self.layout.partial_sums_held(&self.own.held, &select, &master, &grad);
@@ -299,10 +308,7 @@ impl ZeroAdafactor {
         t: u64,
     ) -> Result<(), String> {
         self.prepared = None;
-        let Preview { mut scaler, precision, grad_clip, window, lr } = preview;
-        let Update::Apply { grad_factor, .. } = scaler.conclude(precision, grad_norm, grad_clip, window) else {
-            return Ok(());
-        };
+        let (Some(grad_factor), lr) = (preview.grad_factor(grad_norm), preview.lr) else { return Ok(()) };
         let mut sum = |values: &mut Vec<f32>| -> Result<(), String> {
             handle.block_on(dp.all_reduce(&mut values[..], ReduceOp::Sum)).map_err(|e| e.to_string())?;
             handle.block_on(tp.all_reduce(&mut values[..], ReduceOp::Sum)).map_err(|e| e.to_string())
