@@ -58,6 +58,10 @@ fn encrypted_tcp_between_two_namespaces_beside_gloo_over_the_same_veth() {
     assert_eq!(peer["name"], "gloo", "{r}");
     assert_eq!(peer["world"], 2);
     assert!(peer["busbw_GBps"].as_f64().unwrap() > 0.0, "{r}");
+    // CPU per all-reduce, ours beside Gloo's, both measured by the processes over their timed loops.
+    let (ours, theirs) = (r["cpu_seconds_per_iter"].as_f64().unwrap(), peer["cpu_seconds_per_iter"].as_f64().unwrap());
+    assert!(ours > 0.0 && theirs > 0.0, "{r}");
+    assert!((r["cpu_ratio_vs_peer"].as_f64().unwrap() - ours / theirs).abs() <= 1e-9 * ours / theirs, "{r}");
 }
 
 #[test]

@@ -3,7 +3,9 @@
 
 N processes on loopback (or, with --rank, this process is one rank of N started elsewhere, e.g. each
 in its own network namespace by `troupe bench allreduce --netns`, meeting at --master-addr), an f32 tensor of --mib MiB, --warmup untimed iterations, a barrier, then
---iters timed all-reduces (sum). Per rank: seconds per iteration; reported: the slowest rank.
+--iters timed all-reduces (sum). Per rank: seconds per iteration and the CPU time (user and system, every
+thread: time.process_time) its process used per iteration; reported: the slowest rank's seconds and the
+ranks' CPU summed (cpu_seconds_per_iter), as `troupe bench allreduce` reports its own.
 busbw_GBps = bytes / seconds / 1e9 * 2 (n - 1) / n (nccl-tests' definition).
 
 Run with the provisioned torch: /root/.cache/troupe/venv-torch-2.11.0/bin/python gloo_allreduce.py --world 2
@@ -47,10 +49,11 @@ def rank_main(rank, world, port, mib, iters, warmup, threads, results, master_ad
     for _ in range(warmup):
         dist.all_reduce(t)
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(iters):
         dist.all_reduce(t)
-    results[rank] = (time.perf_counter() - t0) / max(iters, 1)
+    n = max(iters, 1)
+    results[rank] = ((time.perf_counter() - t0) / n, (time.process_time() - cpu0) / n)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -70,15 +73,19 @@ def main():
     if a.rank is not None:
         results = {}
         rank_main(a.rank, a.world, a.master_port, a.mib, a.iters, a.warmup, a.threads, results, a.master_addr)
-        print(json.dumps({"name": "gloo", "rank": a.rank, "world": a.world, "seconds_per_iter": results[a.rank]}))
+        seconds, cpu = results[a.rank]
+        print(json.dumps({"name": "gloo", "rank": a.rank, "world": a.world, "seconds_per_iter": seconds,
+                          "cpu_seconds_per_iter": cpu}))
         return
     manager = mp.Manager()
     results = manager.dict()
     mp.spawn(rank_main, args=(a.world, free_port(), a.mib, a.iters, a.warmup, a.threads, results), nprocs=a.world, join=True)
-    seconds = max(results.values())
+    seconds = max(s for s, _ in results.values())
+    cpu = sum(c for _, c in results.values())
     nbytes = a.mib * (1 << 20)
     busbw = nbytes / seconds / 1e9 * 2 * (a.world - 1) / a.world if a.world > 1 else 0.0
-    report = {"name": "gloo", "world": a.world, "mib": a.mib, "busbw_GBps": busbw, "seconds_per_iter": seconds}
+    report = {"name": "gloo", "world": a.world, "mib": a.mib, "busbw_GBps": busbw, "seconds_per_iter": seconds,
+              "cpu_seconds_per_iter": cpu}
     print(json.dumps(report) if a.json else f"gloo world={a.world} {a.mib} MiB: busbw {busbw:.3f} GB/s ({seconds*1e3:.1f} ms/iter)")
 
 

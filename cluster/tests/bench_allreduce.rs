@@ -44,6 +44,20 @@ fn reports_bandwidth_and_how_the_ranks_ran() {
     assert_eq!(one_each["same_host_routes"], false, "no host holds two ranks: {one_each}");
 }
 
+/// The CPU figure is what the ranks' processes used over the timed all-reduces: more than nothing, no
+/// more than every core for the whole time, and per payload byte what it is per all-reduce.
+#[test]
+fn reports_the_cpu_the_ranks_used_per_all_reduce() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    for transport in ["quic", "encrypted-tcp", "local"] {
+        let r = report(&["--world", "2", "--transport", transport]);
+        let (cpu, seconds) = (r["cpu_seconds_per_iter"].as_f64().unwrap(), r["seconds_per_iter"].as_f64().unwrap());
+        assert!(cpu > 0.0 && cpu <= cores * seconds * 1.5, "{transport}: {cores} cores: {r}");
+        let per_byte = cpu * 1e9 / (1 << 20) as f64;
+        assert!((r["cpu_ns_per_byte"].as_f64().unwrap() - per_byte).abs() <= 1e-9 * per_byte, "{transport}: {r}");
+    }
+}
+
 #[test]
 fn placements_and_overrides_it_cannot_honour_are_refused_by_name() {
     assert!(error(&["--world", "2", "--hosts", "3"], &[]).contains("--hosts 3 with --world 2: use 1 to 2 hosts"));

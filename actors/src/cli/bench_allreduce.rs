@@ -37,8 +37,18 @@ pub fn run(args: AllreduceArgs) -> anyhow::Result<()> {
         if report.verified {
             println!("  result checked: one more all-reduce gave exactly the sum on every rank");
         }
+        if report.cpu_seconds_per_iter > 0.0 {
+            println!(
+                "  CPU {:.1} ms per all-reduce, all ranks together ({:.2} ns per payload byte)",
+                report.cpu_seconds_per_iter * 1e3,
+                report.cpu_ns_per_byte
+            );
+        }
         if let (Some(p), Some(r)) = (&report.peer, report.ratio_vs_peer) {
             println!("  {} busbw {:.3} GB/s -> ratio {:.2}x", p.name, p.busbw_gbps, r);
+            if let (Some(cpu), Some(ratio)) = (p.cpu_seconds_per_iter, report.cpu_ratio_vs_peer) {
+                println!("  {} CPU {:.1} ms per all-reduce -> ours {:.2}x its CPU", p.name, cpu * 1e3, ratio);
+            }
         }
     }
     Ok(())

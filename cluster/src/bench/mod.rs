@@ -162,6 +162,8 @@ pub fn run_allreduce_bench(
         (None, true) => Some(run_gloo_peer(job.python, job.script, job.world, job.mib, job.iters, job.warmup)?),
     };
     let ratio = peer.as_ref().map(|p| if p.busbw_gbps > 0.0 { busbw / p.busbw_gbps } else { 0.0 });
+    let cpu: f64 = reports.iter().map(|r| r.cpu_seconds_per_iter).sum();
+    let cpu_ratio = peer.as_ref().and_then(|p| p.cpu_seconds_per_iter.filter(|&c| c > 0.0)).map(|c| cpu / c);
     Ok(AllreduceReport {
         bench: "allreduce".into(),
         transport: bench.transport,
@@ -174,11 +176,14 @@ pub fn run_allreduce_bench(
         seconds_per_iter: seconds,
         algbw_gbps: if seconds > 0.0 { bytes as f64 / seconds / 1e9 } else { 0.0 },
         busbw_gbps: busbw,
+        cpu_seconds_per_iter: cpu,
+        cpu_ns_per_byte: cpu * 1e9 / bytes as f64,
         shared_memory: reports.iter().all(|r| r.shared_memory),
         netns: bench.netns,
         rate_gbit: bench.rate_gbit.filter(|_| bench.netns > 0),
         verified: reports.iter().all(|r| r.verified),
         peer,
         ratio_vs_peer: ratio,
+        cpu_ratio_vs_peer: cpu_ratio,
     })
 }

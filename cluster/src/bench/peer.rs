@@ -14,6 +14,10 @@ pub struct PeerReport {
     #[serde(rename = "busbw_GBps")]
     pub busbw_gbps: f64,
     pub seconds_per_iter: f64,
+    /// CPU time (user and system, every thread) its ranks' processes used together per timed
+    /// all-reduce (Python's `time.process_time`); `None` from a script that does not report it.
+    #[serde(default)]
+    pub cpu_seconds_per_iter: Option<f64>,
 }
 
 pub fn run_gloo_peer(
@@ -80,12 +84,15 @@ pub fn run_gloo_peer_netns(
             }
         }
     }
-    let mut seconds = 0f64;
+    let (mut seconds, mut cpu) = (0f64, Some(0f64));
     for rank in 0..children.len() {
         let line = wait_json_line(&mut children[rank], deadline);
         let parsed = line.as_deref().and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok());
-        match parsed.and_then(|v| v["seconds_per_iter"].as_f64()) {
-            Some(s) => seconds = seconds.max(s),
+        match parsed.as_ref().and_then(|v| v["seconds_per_iter"].as_f64()) {
+            Some(s) => {
+                seconds = seconds.max(s);
+                cpu = cpu.zip(parsed.as_ref().and_then(|v| v["cpu_seconds_per_iter"].as_f64())).map(|(a, b)| a + b);
+            }
             None => {
                 kill_children(&mut children);
                 let ns = net.namespace(super::launch::host_of_rank(rank, job.world, net.hosts()));
@@ -94,7 +101,14 @@ pub fn run_gloo_peer_netns(
         }
     }
     let busbw = super::busbw_gbps(job.mib << 20, seconds, job.world);
-    Ok(PeerReport { name: "gloo".into(), world: job.world, mib: job.mib, busbw_gbps: busbw, seconds_per_iter: seconds })
+    Ok(PeerReport {
+        name: "gloo".into(),
+        world: job.world,
+        mib: job.mib,
+        busbw_gbps: busbw,
+        seconds_per_iter: seconds,
+        cpu_seconds_per_iter: cpu,
+    })
 }
 
 /// What the Gloo peer runs.

@@ -80,6 +80,10 @@ pub struct RankSpec {
 pub struct RankReport {
     pub rank: usize,
     pub seconds_per_iter: f64,
+    /// Bench mode: the CPU time (user and system, every thread) the rank's process used per timed
+    /// all-reduce.
+    #[serde(default)]
+    pub cpu_seconds_per_iter: f64,
     pub iterations: usize,
     /// The error, if the rank failed, and its variant name (e.g. `PeerLost`).
     pub error: Option<String>,
@@ -123,6 +127,12 @@ pub struct AllreduceReport {
     pub algbw_gbps: f64,
     #[serde(rename = "busbw_GBps")]
     pub busbw_gbps: f64,
+    /// CPU time (user and system) all ranks' processes used together per timed all-reduce, and per
+    /// byte of the payload (nanoseconds): the cost of moving it, whatever the cores' count.
+    #[serde(default)]
+    pub cpu_seconds_per_iter: f64,
+    #[serde(default)]
+    pub cpu_ns_per_byte: f64,
     /// Whether every rank's collectives ran in the shared-memory arena (`local` transport only).
     pub shared_memory: bool,
     /// Network namespaces the ranks ran in (`--netns`; 0: none, loopback).
@@ -136,4 +146,7 @@ pub struct AllreduceReport {
     pub verified: bool,
     pub peer: Option<PeerReport>,
     pub ratio_vs_peer: Option<f64>,
+    /// Our CPU per byte over the peer's (below 1: we spend less CPU to move the same bytes).
+    #[serde(default)]
+    pub cpu_ratio_vs_peer: Option<f64>,
 }
