@@ -50,6 +50,10 @@ CHECKS = [
 ]
 
 
+def as_text(output):
+    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
+
+
 def tail(text, lines=15):
     return "\n".join(text.strip().splitlines()[-lines:])
 
@@ -63,9 +67,10 @@ def run(check, bin_dir):
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=check["limit_s"])
         out, err, code = done.stdout, done.stderr, done.returncode
     except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        code = None
+        # What it printed before the limit (bytes here, even with text=True).
+        out, err, code = as_text(e.stdout), as_text(e.stderr), None
+    except OSError as e:  # not carried, not executable
+        return {"check": check["check"], "status": "failed", "seconds": 0.0, "detail": f"{cmd[0]}: {e}"}
     line = {"check": check["check"], "seconds": round(time.monotonic() - started, 1)}
     both = out + "\n" + err
     if code is None:
