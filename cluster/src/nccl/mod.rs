@@ -58,13 +58,63 @@ pub fn nccl_available() -> Result<usize, ClusterError> {
     }
     // SAFETY: as above.
     if !unsafe { cudarc::nccl::sys::is_culib_present() } {
-        return Err(ClusterError::Nccl("the NCCL library (libnccl) is not installed".into()));
+        return Err(ClusterError::Nccl(missing_nccl(raw::nccl_soname_path())));
     }
     match CudaContext::device_count() {
         Ok(0) => Err(ClusterError::NoCuda("the driver reports 0 devices".into())),
         Ok(n) => Ok(n as usize),
         Err(e) => Err(ClusterError::NoCuda(format!("the driver failed to initialise ({e})"))),
     }
+}
+
+/// Why NCCL cannot be used when cudarc finds no NCCL library, given where the dynamic linker finds
+/// `libnccl.so.2` (if it does). cudarc 0.19 looks for `libnccl.so` and `libnccl.so.<CUDA major>`, never
+/// the soname `libnccl.so.2` that NCCL's packages and pip wheel (torch's dependency) install alone.
+pub fn missing_nccl(soname_path: Option<String>) -> String {
+    match soname_path {
+        Some(path) => {
+            let dir = std::path::Path::new(&path).parent().map_or(".".to_owned(), |d| d.display().to_string());
+            format!(
+                "NCCL is installed only as {path} (its soname libnccl.so.2), a name the NCCL loader (cudarc) does not try; \
+                 give it the name it looks for: `ln -s {path} DIR/libnccl.so` in a directory DIR of your choice (or {dir}), \
+                 and start the daemon with DIR on LD_LIBRARY_PATH"
+            )
+        }
+        None => "the NCCL library (libnccl.so.2) is not installed: install NCCL (e.g. `pip install nvidia-nccl-cu12` \
+                 or the libnccl2 package) and put its lib directory on LD_LIBRARY_PATH"
+            .to_owned(),
+    }
+}
+
+/// One CUDA device as the driver reports it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CudaDeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub memory_bytes: u64,
+}
+
+/// The CUDA devices this process sees (`CUDA_VISIBLE_DEVICES` applies), without creating a context on
+/// any; an error says why there are none to see.
+pub fn cuda_devices() -> Result<Vec<CudaDeviceInfo>, ClusterError> {
+    use cudarc::driver::result;
+    // SAFETY: only tries to dlopen the driver library (see `nccl_available`).
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(ClusterError::NoCuda("the CUDA driver library (libcuda) is not installed".into()));
+    }
+    let failed = |what: &str, e: cudarc::driver::DriverError| ClusterError::NoCuda(format!("{what}: {e}"));
+    result::init().map_err(|e| failed("the driver failed to initialise", e))?;
+    let count = result::device::get_count().map_err(|e| failed("counting devices", e))?;
+    (0..count)
+        .map(|ordinal| {
+            let device = result::device::get(ordinal).map_err(|e| failed(&format!("device {ordinal}"), e))?;
+            let name = result::device::get_name(device).map_err(|e| failed(&format!("device {ordinal}'s name"), e))?;
+            // SAFETY: `device` is a handle the driver just returned.
+            let memory = unsafe { result::device::total_mem(device) }
+                .map_err(|e| failed(&format!("device {ordinal}'s memory"), e))?;
+            Ok(CudaDeviceInfo { ordinal: ordinal as usize, name, memory_bytes: memory as u64 })
+        })
+        .collect()
 }
 
 fn nccl_op(op: ReduceOp) -> ncclRedOp_t {
@@ -232,6 +282,34 @@ impl NcclCommunicator {
         }
     }
 
+    /// Sums `count` f32, bf16 or f16 elements (`dtype`) at device address `ptr` over the ranks, in
+    /// place — a buffer another allocator owns (a libtorch tensor's), enqueued on the communicator's
+    /// stream (the device's legacy default stream, which libtorch computes on unless told otherwise, so
+    /// the operation runs after what wrote the buffer and before what reads it). Waits like every call.
+    ///
+    /// # Safety
+    /// `ptr` must address `count` contiguous elements of `dtype` on this communicator's device, and
+    /// stay allocated until the call returns (or, if its future is dropped, until the communicator is
+    /// aborted or its stream has passed the operation).
+    pub async unsafe fn all_reduce_in_place(
+        &mut self,
+        ptr: u64,
+        count: usize,
+        dtype: crate::collective::Dtype,
+        op: ReduceOp,
+    ) -> Result<(), ClusterError> {
+        use crate::collective::Dtype;
+        let datatype = match dtype {
+            Dtype::F32 => cudarc::nccl::sys::ncclDataType_t::ncclFloat32,
+            Dtype::Bf16 => cudarc::nccl::sys::ncclDataType_t::ncclBfloat16,
+            Dtype::F16 => cudarc::nccl::sys::ncclDataType_t::ncclFloat16,
+        };
+        // SAFETY: the caller's contract is `all_reduce_ptr`'s.
+        let enqueued =
+            unsafe { self.live("all_reduce")?.all_reduce_ptr(ptr, count, datatype, nccl_op(op), &self.stream) };
+        self.wait("all_reduce", enqueued).await
+    }
+
     /// Aborts after a failed call and returns the call's error.
     fn fail(&mut self, op: &'static str, reason: &str) -> ClusterError {
         let aborted = match self.abort() {
@@ -350,6 +428,18 @@ mod tests {
                 assert_eq!(got.unwrap(), id, "world {world}, rank {rank}");
             }
         }
+    }
+
+    /// NCCL found only under its soname: the message names the file and the link that fixes it; not
+    /// found at all: how to install it.
+    #[test]
+    fn a_missing_nccl_is_explained_with_the_fix() {
+        let only_soname = missing_nccl(Some("/venv/nvidia/nccl/lib/libnccl.so.2".into()));
+        assert!(only_soname.contains("installed only as /venv/nvidia/nccl/lib/libnccl.so.2"), "{only_soname}");
+        assert!(only_soname.contains("ln -s /venv/nvidia/nccl/lib/libnccl.so.2 DIR/libnccl.so"), "{only_soname}");
+        assert!(only_soname.contains("LD_LIBRARY_PATH"), "{only_soname}");
+        let absent = missing_nccl(None);
+        assert!(absent.contains("not installed") && absent.contains("nvidia-nccl-cu12"), "{absent}");
     }
 
     #[test]

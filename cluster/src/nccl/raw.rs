@@ -117,6 +117,26 @@ impl RawComm {
         status.map(drop).map_err(describe)
     }
 
+    /// Enqueues an in-place all-reduce of `count` elements of `datatype` at device address `ptr` on
+    /// `stream` (memory another allocator owns: a libtorch tensor's).
+    ///
+    /// # Safety
+    /// `ptr` must address `count` contiguous elements of `datatype` on this communicator's device, and
+    /// stay allocated until the operation completed on `stream` (or was aborted).
+    pub(super) unsafe fn all_reduce_ptr(
+        &self,
+        ptr: u64,
+        count: usize,
+        datatype: sys::ncclDataType_t,
+        op: sys::ncclRedOp_t,
+        stream: &CudaStream,
+    ) -> Result<(), String> {
+        // SAFETY: the caller's contract covers the buffer; the handle is live.
+        let status =
+            unsafe { result::all_reduce(ptr as _, ptr as _, count, datatype, op, self.comm, stream.cu_stream() as _) };
+        status.map(drop).map_err(describe)
+    }
+
     /// An error NCCL's background threads found (a lost peer, a network error), if any.
     pub(super) fn async_error(&self) -> Result<(), String> {
         let mut state = sys::ncclResult_t::ncclSuccess;
@@ -142,5 +162,29 @@ impl Drop for RawComm {
         if let Err(e) = unsafe { result::comm_abort(self.comm) } {
             tracing::warn!(error = ?e.0, "ncclCommAbort failed while dropping a communicator");
         }
+    }
+}
+
+/// The file NCCL is loaded from under its soname `libnccl.so.2` (what NCCL's packages and its pip wheel
+/// install), when the dynamic linker finds it; None when it does not.
+pub(super) fn nccl_soname_path() -> Option<String> {
+    const SONAME: &std::ffi::CStr = c"libnccl.so.2";
+    const SYMBOL: &std::ffi::CStr = c"ncclGetVersion";
+    // SAFETY: dlopen/dlsym/dladdr with valid NUL-terminated names; the handle is closed once the path
+    // is copied out, and nothing of the library is called.
+    unsafe {
+        let handle = libc::dlopen(SONAME.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
+        if handle.is_null() {
+            return None;
+        }
+        let symbol = libc::dlsym(handle, SYMBOL.as_ptr());
+        let mut info: libc::Dl_info = std::mem::zeroed();
+        let path = if !symbol.is_null() && libc::dladdr(symbol, &mut info) != 0 && !info.dli_fname.is_null() {
+            std::ffi::CStr::from_ptr(info.dli_fname).to_string_lossy().into_owned()
+        } else {
+            "libnccl.so.2".to_owned()
+        };
+        libc::dlclose(handle);
+        Some(path)
     }
 }
