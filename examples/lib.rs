@@ -18,9 +18,9 @@ pub fn small_config(steps: u64) -> JobConfig {
 /// One line per event, as the demo prints them.
 pub fn describe(event: &JobEvent) -> String {
     match event {
-        JobEvent::Started { world, epoch, from_step, attempt, data_plane } => {
+        JobEvent::Started { world, epoch, from_step, attempt, data_plane, plane, .. } => {
             format!(
-                "started    on {world} ranks at epoch {epoch}, from step {from_step} (attempt {attempt}, data plane {data_plane})"
+                "started    on {world} ranks at epoch {epoch}, from step {from_step} (attempt {attempt}, data plane {data_plane}, gradients on the {plane} plane)"
             )
         }
         JobEvent::Step { step, loss, lr, tokens_per_s, world, .. } => {

@@ -32,7 +32,7 @@ prepare() {
   # The test binaries' paths, from cargo's own report of what it built.
   local tests
   # --workspace: the features `make test` builds with, so nothing already built is built again.
-  tests=$(cargo test --release --locked --workspace --test cuda_trainer --test nccl --no-run --message-format=json |
+  tests=$(cargo test --release --locked --workspace --test cuda_trainer --test nccl --test gpu_slots --no-run --message-format=json |
     python3 -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line)
@@ -75,7 +75,8 @@ run() {
   nccl=$(IFS=:; for d in $dirs; do ls "$d"/libnccl.so.2* 2>/dev/null || true; done | head -1)
   if [ -n "$nccl" ]; then ln -sf "$nccl" "$bin/libnccl.so"; fi
   if [ -f "$lib/libtorch_cuda.so" ]; then export LD_PRELOAD="$lib/libtorch_cuda.so"; fi
-  export TROUPE_TORCH_PYTHON="$python" TROUPE_PYTHON="$python"
+  # The daemon-level tests (gpu_slots) start daemons from the carried troupe binary.
+  export TROUPE_TORCH_PYTHON="$python" TROUPE_PYTHON="$python" TROUPE_BIN="$bin/troupe"
   "$python" scripts/gpu_check.py --bin "$bin" --commit "$(cat "$CARRY/commit")"
 }
 

@@ -39,14 +39,20 @@ CHECKS = [
                "the_trainer_on_cuda_follows_the_cpu_and_trains_in_bf16", 120),
     test_check("nccl_world1_collectives_abort_rebuild", "nccl",
                "one_rank_communicator_runs_every_collective_aborts_and_rebuilds", 60),
-    not_built("two_ranks_share_the_gpu_over_the_host_plane",
-              "daemon slots are CPU slots: node.toml `devices` (issue 31, item 1) is not built yet"),
+    test_check("ddp_on_a_gpu_slot_over_nccl", "gpu_slots",
+               "a_ddp_rank_on_a_gpu_slot_sums_over_nccl_and_follows_the_reference", 120),
+    test_check("two_ranks_share_the_gpu_over_the_host_plane", "gpu_slots",
+               "two_daemons_sharing_a_gpu_sum_through_host_memory_and_follow_the_reference", 120),
     bench_check("fused_kernels_beside_device_copy", ["bench", "kernels", "--device", "cuda", "--json"], 90),
     bench_check("smollm2_135m_bf16_beside_pytorch_eager",
                 ["bench", "train", "--device", "cuda", "--precision", "bf16", "--model", "smollm2-135m",
                  "--context", "1024", "--micro-batch", "8", "--steps", "20", "--repeats", "1", "--peer", "--json"],
                 200),
-    not_built("smollm2_135m_bf16_beside_torch_compile", "the PyTorch peer has no torch.compile mode yet"),
+    bench_check("smollm2_135m_bf16_beside_torch_compile",
+                ["bench", "train", "--device", "cuda", "--precision", "bf16", "--model", "smollm2-135m",
+                 "--context", "1024", "--micro-batch", "8", "--steps", "20", "--repeats", "1", "--peer",
+                 "--peer-compile", "--json"],
+                180),
 ]
 
 

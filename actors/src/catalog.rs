@@ -294,6 +294,8 @@ mod tests {
             events: 0,
             ranks: vec![],
             data_plane: Default::default(),
+            plane: Default::default(),
+            plane_reason: String::new(),
         }
     }
 

@@ -67,6 +67,8 @@ pub struct StepEvent {
     pub loss_scale: f64,
     /// Pipelines: the step's bubble (idle over device time in its schedule).
     pub bubble: Option<f64>,
+    /// Model FLOPs utilisation, when every rank's device peak is known (`JobEvent::Step::mfu`).
+    pub mfu: Option<f64>,
 }
 
 #[derive(Debug)]
@@ -175,6 +177,9 @@ impl Reporter {
         if let (Some(bubble), Some(fields)) = (e.bubble, object.as_object_mut()) {
             fields.insert("bubble".into(), json!(bubble));
         }
+        if let (Some(mfu), Some(fields)) = (e.mfu, object.as_object_mut()) {
+            fields.insert("mfu".into(), json!(mfu));
+        }
         if e.skipped {
             self.skipped.fetch_add(1, Ordering::Relaxed);
         }
@@ -197,8 +202,9 @@ impl Reporter {
                 e.peak_rss_bytes.iter().copied().max().map_or(String::new(), |b| format!("  peak {:.0} MiB", mib(b)));
             let scale = if e.loss_scale != 1.0 { format!("  loss-scale {}", e.loss_scale) } else { String::new() };
             let bubble = e.bubble.map_or(String::new(), |b| format!("  bubble {:.0}%", b * 100.0));
+            let mfu = e.mfu.map_or(String::new(), |m| format!("  MFU {:.1}%", m * 100.0));
             self.say(&format!(
-                "step {:>6}/{}  loss {:.4}  lr {:.2e}  grad-norm {:.3}  {:.0} tokens/s{bubble}{peak}{scale}",
+                "step {:>6}/{}  loss {:.4}  lr {:.2e}  grad-norm {:.3}  {:.0} tokens/s{mfu}{bubble}{peak}{scale}",
                 e.step, self.total_steps, e.loss, e.lr, e.grad_norm, e.tokens_per_s
             ));
         }

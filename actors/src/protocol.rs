@@ -55,12 +55,25 @@ pub struct StepFigures {
     /// synchronization and tensor parallelism; not yet a pipeline stage's device).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<RankUsage>,
+    /// The peak FLOP/s of the rank's device in the job's compute precision, when known
+    /// (`telemetry::peak`): the denominator of the step's MFU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_flops: Option<f64>,
 }
 
 impl StepFigures {
     /// An fp32 step's figures (no loss scale, not skipped, no memory figure).
     pub fn new(loss: f64, grad_norm: f64) -> Self {
-        Self { loss, grad_norm, skipped: false, loss_scale: 1.0, peak_rss_bytes: 0, stage_time: None, usage: None }
+        Self {
+            loss,
+            grad_norm,
+            skipped: false,
+            loss_scale: 1.0,
+            peak_rss_bytes: 0,
+            stage_time: None,
+            usage: None,
+            peak_flops: None,
+        }
     }
 }
 
@@ -290,6 +303,67 @@ impl DataPlane {
     }
 }
 
+/// What one slot of a node computes on (node.toml `devices`), as its `Join` announced it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum SlotDevice {
+    Cpu,
+    Cuda {
+        ordinal: u32,
+        /// The driver's name for it (e.g. "NVIDIA H200").
+        name: String,
+        memory_bytes: u64,
+        /// Why this node cannot run NCCL (None: it can).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        nccl_missing: Option<String>,
+    },
+}
+
+impl SlotDevice {
+    /// `cpu` or `cuda:N`.
+    pub fn label(&self) -> String {
+        match self {
+            SlotDevice::Cpu => "cpu".to_owned(),
+            SlotDevice::Cuda { ordinal, .. } => format!("cuda:{ordinal}"),
+        }
+    }
+
+    /// The libtorch device a rank on this slot computes on.
+    pub fn torch(&self) -> tch::Device {
+        match self {
+            SlotDevice::Cpu => tch::Device::Cpu,
+            SlotDevice::Cuda { ordinal, .. } => tch::Device::Cuda(*ordinal as usize),
+        }
+    }
+}
+
+/// The slot `slot` of a member that announced `devices` (empty: every slot is a CPU slot, as before
+/// devices were announced).
+pub fn slot_device(devices: &[SlotDevice], slot: u32) -> &SlotDevice {
+    devices.get(slot as usize).unwrap_or(&SlotDevice::Cpu)
+}
+
+/// Where a collective group's gradients are summed, decided once per attempt by the controller
+/// (`crate::plan::plane`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GradientPlane {
+    /// Staged through host memory over the attempt's data plane (arena, QUIC, TCP).
+    #[default]
+    Host,
+    /// On the GPUs, by NCCL: every rank of the group has a GPU of its own.
+    Nccl,
+}
+
+impl std::fmt::Display for GradientPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            GradientPlane::Host => "host",
+            GradientPlane::Nccl => "nccl",
+        })
+    }
+}
+
 /// The command line's spelling, as `troupe status` shows it.
 impl std::fmt::Display for DataPlane {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -365,6 +439,11 @@ pub struct JobInfo {
     /// How the job's tensors travel between hosts (`auto` from older controllers).
     #[serde(default)]
     pub data_plane: DataPlane,
+    /// Where the running (or last) attempt summed its gradients, and why.
+    #[serde(default)]
+    pub plane: GradientPlane,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub plane_reason: String,
 }
 
 /// A slot of a job as the controller sees it (`troupe status`, `/status`).
@@ -437,6 +516,11 @@ pub enum JobEvent {
         /// controllers).
         #[serde(default)]
         data_plane: DataPlane,
+        /// Where the gradients are summed in this attempt, and why (`crate::plan::plane`).
+        #[serde(default)]
+        plane: GradientPlane,
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        plane_reason: String,
     },
     /// Fewer than `min_nodes` members offer the job ranks: it holds its last committed step and waits
     /// for members, at most `wait_s` seconds (0: forever) before it fails.
@@ -471,6 +555,10 @@ pub enum JobEvent {
         /// ([`StageTime::bubble`]).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         bubble: Option<f64>,
+        /// Model FLOPs utilisation: the step's model FLOP/s (3 × the forward's per token) over the sum
+        /// of its ranks' device peaks; absent unless every rank's peak is known.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mfu: Option<f64>,
     },
     /// The cluster's membership changed under the job; the running attempt (if any) was aborted.
     Membership {
@@ -639,6 +727,9 @@ pub struct MemberInfo {
     /// node.toml `raft_listen`), as its `Join` announced it: `troupe cluster controllers add NODE` uses it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub raft_listen: Option<SocketAddr>,
+    /// What each slot computes on, by slot, as the member's `Join` announced it (empty: CPU slots).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<SlotDevice>,
 }
 
 /// `troupe status`.
@@ -762,6 +853,9 @@ pub enum ToController {
         /// (`MemberInfo::raft_listen`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         raft_listen: Option<SocketAddr>,
+        /// What each slot computes on (`MemberInfo::devices`).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        devices: Vec<SlotDevice>,
     },
     Heartbeat,
     /// Clean departure (SIGTERM drain).
@@ -861,7 +955,15 @@ pub enum ToNode {
     },
     /// Every rank is ready: connect the data plane over `roster`, make state equal to rank `source`'s
     /// (None: every rank already holds the same committed step), train.
-    Start { job: JobId, attempt: u64, roster: Vec<PeerInfo>, source: Option<usize> },
+    Start {
+        job: JobId,
+        attempt: u64,
+        roster: Vec<PeerInfo>,
+        source: Option<usize>,
+        /// Where the attempt sums its gradients (`host` from older controllers).
+        #[serde(default)]
+        plane: GradientPlane,
+    },
     /// Apply step `step`: every rank voted.
     Commit { job: JobId, attempt: u64, step: u64, lr_hint: f64 },
     /// Abandon the attempt; keep the committed state.
@@ -995,7 +1097,16 @@ mod tests {
         let addr: SocketAddr = "10.0.0.1:7000".parse().unwrap();
         let join = |incarnation| {
             let (dashboard, controllers, raft_listen) = (None, None, None);
-            Wire::ToController(ToController::Join { slots: 2, addr, incarnation, dashboard, controllers, raft_listen })
+            let devices = Vec::new();
+            Wire::ToController(ToController::Join {
+                slots: 2,
+                addr,
+                incarnation,
+                dashboard,
+                controllers,
+                raft_listen,
+                devices,
+            })
         };
         assert_eq!(Wire::decode(&join(Some(7)).encode()), Ok(join(Some(7))));
         let old = br#"{"type":"join","slots":2,"addr":"10.0.0.1:7000"}"#;
@@ -1016,14 +1127,59 @@ mod tests {
             dashboard: url.clone(),
             controllers: None,
             raft_listen: None,
+            devices: Vec::new(),
         });
         assert_eq!(Wire::decode(&join.encode()), Ok(join));
-        let member = MemberInfo { name: "node-1".into(), addr, slots: 1, dashboard: url, raft_listen: None };
+        let member = MemberInfo {
+            name: "node-1".into(),
+            addr,
+            slots: 1,
+            dashboard: url,
+            raft_listen: None,
+            devices: Vec::new(),
+        };
         let json = serde_json::to_value(&member).unwrap();
         assert_eq!(json["dashboard"], "http://10.0.0.1:9400/");
         let old: MemberInfo = serde_json::from_str(r#"{"name":"node-1","addr":"10.0.0.1:7000","slots":1}"#).unwrap();
         assert_eq!(old, MemberInfo { dashboard: None, ..member });
         assert!(!serde_json::to_string(&old).unwrap().contains("dashboard"));
+    }
+
+    /// A member's slot devices travel in its `Join` and in `troupe status --json` (each GPU's ordinal,
+    /// name, memory and a missing NCCL); an older daemon's join or member, without them, decodes as CPU
+    /// slots, and a CPU node writes none.
+    #[test]
+    fn a_members_devices_are_optional_on_the_wire() {
+        let addr: SocketAddr = "10.0.0.5:7000".parse().unwrap();
+        let gpu = SlotDevice::Cuda {
+            ordinal: 1,
+            name: "NVIDIA H200".into(),
+            memory_bytes: 150_000_000_000,
+            nccl_missing: Some("no libnccl".into()),
+        };
+        let join = Wire::ToController(ToController::Join {
+            slots: 1,
+            addr,
+            incarnation: None,
+            dashboard: None,
+            controllers: None,
+            raft_listen: None,
+            devices: vec![gpu.clone()],
+        });
+        assert_eq!(Wire::decode(&join.encode()), Ok(join));
+        let member =
+            MemberInfo { name: "g".into(), addr, slots: 1, dashboard: None, raft_listen: None, devices: vec![gpu] };
+        let json = serde_json::to_value(&member).unwrap();
+        assert_eq!(json["devices"][0]["kind"], "cuda");
+        assert_eq!(json["devices"][0]["ordinal"], 1);
+        assert_eq!(json["devices"][0]["nccl_missing"], "no libnccl");
+        let old: MemberInfo = serde_json::from_str(r#"{"name":"g","addr":"10.0.0.5:7000","slots":1}"#).unwrap();
+        assert!(old.devices.is_empty());
+        assert_eq!(slot_device(&old.devices, 0), &SlotDevice::Cpu);
+        assert!(!serde_json::to_string(&old).unwrap().contains("devices"));
+        let start: ToNode =
+            serde_json::from_str(r#"{"type":"start","job":1,"attempt":2,"roster":[],"source":null}"#).unwrap();
+        assert!(matches!(start, ToNode::Start { plane: GradientPlane::Host, .. }), "an older controller's Start");
     }
 
     /// A joiner that may be made a controller announces its Raft address, which `controllers add`
@@ -1040,9 +1196,17 @@ mod tests {
             dashboard: None,
             controllers: None,
             raft_listen: Some(raft),
+            devices: Vec::new(),
         });
         assert_eq!(Wire::decode(&join.encode()), Ok(join));
-        let member = MemberInfo { name: "node-d".into(), addr, slots: 1, dashboard: None, raft_listen: Some(raft) };
+        let member = MemberInfo {
+            name: "node-d".into(),
+            addr,
+            slots: 1,
+            dashboard: None,
+            raft_listen: Some(raft),
+            devices: Vec::new(),
+        };
         assert_eq!(serde_json::to_value(&member).unwrap()["raft_listen"], "10.0.0.4:7401");
         let old: MemberInfo = serde_json::from_str(r#"{"name":"node-d","addr":"10.0.0.4:7000","slots":1}"#).unwrap();
         assert_eq!(old, MemberInfo { raft_listen: None, ..member });

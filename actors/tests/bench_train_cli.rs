@@ -47,6 +47,22 @@ fn world_two_reports_throughput_and_peak_memory_of_each_rank() {
     assert!(report.get("peer_tokens_per_s").is_none(), "no peer was asked for: {report}");
 }
 
+/// `--peer-compile`: the same peer under `torch.compile`, its report named so; refused without a peer.
+#[test]
+fn the_peer_runs_compiled_beside_troupe_when_asked() {
+    let python = venv_python();
+    let python = python.to_str().expect("a UTF-8 path");
+    let args = ["bench", "train", "--context", "32", "--steps", "2", "--repeats", "1", "--threads", "1"];
+    let report = report_of(troupe(&[&args[..], &["--peer", "--peer-compile", "--python", python, "--json"]].concat()));
+    assert_eq!(report["peer"], "pytorch-compile", "{report}");
+    for key in ["tokens_per_s", "peer_tokens_per_s", "ratio_vs_peer"] {
+        positive(&report, key);
+    }
+    let output = troupe(&[&args[..], &["--peer-compile"]].concat());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("add --peer"), "{stderr}");
+}
+
 #[test]
 fn one_rank_sharding_is_refused_with_a_clear_message() {
     let output = troupe(&["bench", "train", "--world", "1", "--shard", "zero2"]);

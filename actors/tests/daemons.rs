@@ -218,7 +218,17 @@ fn daemon_config_errors_name_the_key_and_the_fix() {
             &["failure_timeout_ms", "twice heartbeat_interval_ms"],
         ),
         (base.replace("127.0.0.1:0", "not-an-address"), &["listen", "invalid socket address"]),
+        (format!("{base}devices = \"gpu\"\n"), &["`devices`", "not a device kind", "\"cuda\""]),
+        (format!("{base}devices = [0, 0]\n"), &["`devices`", "device 0 twice"]),
     ];
+    // CUDA asked for where there is none: refused at start, naming the key and the fix.
+    let no_cuda = troupe_cluster::nccl::cuda_devices().map_or(true, |d| d.is_empty());
+    let cases: Vec<(String, &[&str])> = if no_cuda {
+        let refused: &[&str] = &["`devices`", "none can be used on this machine", "set `slots`"];
+        cases.into_iter().chain([(format!("{base}devices = \"cuda\"\n"), refused)]).collect()
+    } else {
+        cases
+    };
     for (config, needles) in &cases {
         let (ok, stderr) = daemon_with(config);
         assert!(!ok, "{config:?} should fail");

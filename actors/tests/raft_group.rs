@@ -118,6 +118,8 @@ fn job(step: u64) -> CatalogWrite {
         events: 1,
         ranks: vec![],
         data_plane: Default::default(),
+        plane: Default::default(),
+        plane_reason: String::new(),
     };
     let event = JobEvent::Checkpoint { step, path: format!("step-{step}").into(), seconds: 0.0, bytes: 0 };
     CatalogWrite::Job { spec, info, first: step, events: vec![event] }

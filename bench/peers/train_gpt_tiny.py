@@ -137,6 +137,7 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (troupe bench train --device cuda --peer)")
+    ap.add_argument("--compile", type=int, default=0, help="1: torch.compile the model (the compiled peer)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -146,11 +147,14 @@ def main():
     gen = torch.Generator().manual_seed(0)
     scaler = make_scaler(args.precision, args.device)
 
+    # Compiled: the warm-up steps (untimed) include the compilation.
+    runner = torch.compile(model) if args.compile else model
+
     def step():
         batch = (t.to(args.device) for t in sample_batch(data, gen, args.micro_batch, args.context))
-        return train_step(model, opt, *batch, precision=args.precision, scaler=scaler)
+        return train_step(runner, opt, *batch, precision=args.precision, scaler=scaler)
 
-    report(step, args, model, peer="pytorch-eager")
+    report(step, args, model, peer="pytorch-compile" if args.compile else "pytorch-eager")
 
 
 def report(step, args, model, **extra):

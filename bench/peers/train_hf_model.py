@@ -67,6 +67,7 @@ def main():
     ap.add_argument("--lora-r", type=int, default=0, help="fine-tune with PEFT's LoRA of this rank")
     ap.add_argument("--lora-alpha", type=float, default=16.0)
     ap.add_argument("--lora-targets", default="")
+    ap.add_argument("--compile", type=int, default=0, help="1: torch.compile the model (the compiled peer)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -77,12 +78,15 @@ def main():
     gen = torch.Generator().manual_seed(0)
     scaler = make_scaler(args.precision, args.device)
 
+    # Compiled: the warm-up steps (untimed) include the compilation.
+    runner = torch.compile(model) if args.compile else model
+
     def step():
         batch = (t.to(args.device) for t in sample_batch(data, gen, args.micro_batch, args.context))
-        return train_step(model, opt, *batch, precision=args.precision, scaler=scaler)
+        return train_step(runner, opt, *batch, precision=args.precision, scaler=scaler)
 
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    peer = "transformers-peft-eager" if lora else "transformers-eager"
+    peer = ("transformers-peft" if lora else "transformers") + ("-compile" if args.compile else "-eager")
     report(step, args, model, peer=peer, model_type=config.model_type, trainable_params=trainable)
 
 

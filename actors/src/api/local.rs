@@ -51,6 +51,9 @@ pub struct LocalClusterOptions {
     /// Controller-eligible daemons: nodes `0..controllers` are listed in every node's node.toml
     /// `controllers`, each with a Raft port of its own; 0 or 1: node 0 is the single controller.
     pub controllers: usize,
+    /// Every daemon's node.toml `devices` (None: CPU slots, `slots_per_node` of them). On one machine,
+    /// daemons given the same GPU share it (their ranks then sum gradients through host memory).
+    pub devices: Option<crate::node_config::devices::Devices>,
 }
 
 impl LocalClusterOptions {
@@ -68,6 +71,7 @@ impl LocalClusterOptions {
             telemetry: TelemetryConfig::default(),
             allow_plaintext_tcp: true,
             controllers: 0,
+            devices: None,
         }
     }
 }
@@ -280,11 +284,12 @@ impl LocalCluster {
             join: (i > 0).then_some(self.controller),
             data_dir: self.dir.path().join(node_name(i)),
             certs: self.dir.path().join("certs"),
-            slots: if i == 0 {
+            slots: options.devices.is_none().then_some(if i == 0 {
                 options.controller_slots.unwrap_or(options.slots_per_node)
             } else {
                 options.slots_per_node
-            },
+            }),
+            devices: options.devices.clone(),
             torch_threads: if options.torch_threads > 0 { options.torch_threads } else { (cores / ranks).max(1) },
             membership: options.membership.clone(),
             restart: options.restart,

@@ -22,4 +22,6 @@ pub use client::{Client, JobHandle};
 pub use job::Job;
 pub use local::{LocalCluster, LocalClusterOptions, NodeHost};
 
-pub use crate::protocol::{ClusterStatus, DataPlane, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo};
+pub use crate::protocol::{
+    ClusterStatus, DataPlane, GradientPlane, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, SlotDevice,
+};

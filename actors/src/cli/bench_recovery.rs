@@ -526,6 +526,7 @@ mod tests {
             world: 3,
             peak_rss_bytes: Vec::new(),
             bubble: None,
+            mfu: None,
         }
     }
 

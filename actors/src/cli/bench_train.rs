@@ -50,6 +50,10 @@ pub struct BenchTrainArgs {
     /// Also run the PyTorch peer script and report the ratio.
     #[arg(long)]
     pub peer: bool,
+    /// The `--world 1` peer's model under `torch.compile` (its compilation in the untimed warm-up
+    /// steps) instead of eager.
+    #[arg(long)]
+    pub peer_compile: bool,
     /// DDP gradient bucket size in MiB for `--world N ≥ 2` (0: the default, 25). Both the overlapped and
     /// the sequential all-reduce are measured with it.
     #[arg(long, default_value_t = 0)]
@@ -179,6 +183,9 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     if args.world != 1 && args.micro_batch != MICRO_BATCH {
         bail!("--micro-batch is for --world 1; data-parallel runs use {MICRO_BATCH} per rank");
     }
+    if args.peer_compile && (!args.peer || args.world != 1) {
+        bail!("--peer-compile compiles the --world 1 peer: add --peer (and --world 1), or drop --peer-compile");
+    }
     let model = bench_model(&args.model, args.context)?;
     if args.offload != "none" {
         offload::check(&args)?;
@@ -252,7 +259,7 @@ fn bench_device(args: &BenchTrainArgs) -> anyhow::Result<(tch::Device, Option<f6
                 bail!("no CUDA device: libtorch sees none");
             }
             let name = cuda.device_name()?;
-            let peak = args.peak_tflops.or_else(|| known_peak_tflops(&name, &args.precision));
+            let peak = args.peak_tflops.or_else(|| crate::telemetry::peak::known_peak_tflops(&name, &args.precision));
             (tch::Device::Cuda(0), peak, name)
         }
     })
@@ -272,6 +279,7 @@ fn single_peer(
         ("--threads", threads.to_string()),
         ("--precision", args.precision.clone()),
         ("--device", if args.device == BenchDevice::Cuda { "cuda".into() } else { "cpu".into() }),
+        ("--compile", u8::from(args.peer_compile).to_string()),
     ];
     let peer_script = match peer_config {
         None => "train_gpt_tiny.py",
@@ -318,10 +326,11 @@ impl SingleRun {
             let peers = &self.peers;
             let peer_tps = median(peers.iter().map(|p| p["tokens_per_s"].as_f64().unwrap_or(f64::NAN)).collect());
             let peer_name = match (args.model.as_str(), args.peft.as_str()) {
-                (_, "lora") => "transformers-peft-eager",
-                ("gpt-tiny", _) => "pytorch-eager",
-                _ => "transformers-eager",
+                (_, "lora") => "transformers-peft",
+                ("gpt-tiny", _) => "pytorch",
+                _ => "transformers",
             };
+            let peer_name = format!("{peer_name}-{}", if args.peer_compile { "compile" } else { "eager" });
             let extra = json!({
                 "peer": peer_name, "peer_tokens_per_s": peer_tps,
                 "peer_tokens_per_s_runs": peers.iter().map(|p| p["tokens_per_s"].clone()).collect::<Vec<_>>(),
@@ -353,20 +362,10 @@ impl SingleRun {
         }
         if let Some(peer) = report.get("peer_tokens_per_s").and_then(Value::as_f64) {
             let peer_name = if args.model == "gpt-tiny" { "pytorch " } else { "transformers" };
-            println!("{peer_name} {peer:>9.0} tokens/s  (eager, same model and batch)");
+            let how = if args.peer_compile { "torch.compile" } else { "eager" };
+            println!("{peer_name} {peer:>9.0} tokens/s  ({how}, same model and batch)");
             println!("ratio    {:>9.3}", ours_tps / peer);
         }
-    }
-}
-
-/// A device's dense peak TFLOP/s in `precision`, for the ones whose figure is known (NVIDIA's data
-/// sheets, SXM parts: H100 and H200 989 in bf16/fp16 tensor cores, 67 in fp32).
-fn known_peak_tflops(device_name: &str, precision: &str) -> Option<f64> {
-    let hopper_sxm = (device_name.contains("H100") && !device_name.contains("PCIe")) || device_name.contains("H200");
-    match (hopper_sxm, precision) {
-        (true, "bf16" | "fp16") => Some(989.0),
-        (true, _) => Some(67.0),
-        _ => None,
     }
 }
 

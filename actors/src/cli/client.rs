@@ -99,17 +99,8 @@ fn print_status(s: &ClusterStatus) {
     let role = if s.controller { "the controller" } else { "a member" };
     println!("cluster at epoch {}: {} member(s); answered by {} ({role})", s.epoch, s.members.len(), s.node);
     println!();
-    let mut members = Table::new(&["NODE", "ADDRESS", "SLOTS", "ROLE", "DASHBOARD"]);
+    print!("{}", render_members(s));
     let controller = s.controller_addr;
-    for m in &s.members {
-        let role = if Some(m.addr) == controller { "controller" } else { "member" };
-        let dashboard = m.dashboard.clone().unwrap_or_else(|| "-".into());
-        members.row(vec![m.name.clone(), m.addr.to_string(), m.slots.to_string(), role.into(), dashboard]);
-    }
-    for name in &s.joining {
-        members.row(vec![name.clone(), "-".into(), "-".into(), "joining".into()]);
-    }
-    print!("{}", members.render());
     if !s.jobs.is_empty() {
         println!();
         print_jobs(&s.jobs);
@@ -121,6 +112,45 @@ fn print_status(s: &ClusterStatus) {
     }
 }
 
+/// The members table: each member's address, slots and what they compute on, role and dashboard.
+fn render_members(s: &ClusterStatus) -> String {
+    let mut members = Table::new(&["NODE", "ADDRESS", "SLOTS", "DEVICES", "ROLE", "DASHBOARD"]);
+    for m in &s.members {
+        let role = if Some(m.addr) == s.controller_addr { "controller" } else { "member" };
+        let dashboard = m.dashboard.clone().unwrap_or_else(|| "-".into());
+        let row = vec![m.name.clone(), m.addr.to_string(), m.slots.to_string(), devices_cell(&m.devices), role.into()];
+        members.row(row.into_iter().chain([dashboard]).collect());
+    }
+    for name in &s.joining {
+        members.row(vec![name.clone(), "-".into(), "-".into(), "-".into(), "joining".into()]);
+    }
+    let mut out = members.render();
+    for m in &s.members {
+        let missing = m.devices.iter().find_map(|d| match d {
+            crate::protocol::SlotDevice::Cuda { nccl_missing: Some(why), .. } => Some(why),
+            _ => None,
+        });
+        if let Some(why) = missing {
+            out.push_str(&format!("{}: no NCCL, gradients go through host memory: {why}\n", m.name));
+        }
+    }
+    out
+}
+
+/// A member's slots' devices: `cpu`, or each GPU as `cuda:N NAME (GiB)` (slots in order).
+fn devices_cell(devices: &[crate::protocol::SlotDevice]) -> String {
+    use crate::protocol::SlotDevice;
+    if devices.iter().all(|d| *d == SlotDevice::Cpu) {
+        return "cpu".into();
+    }
+    let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+    let each = devices.iter().map(|d| match d {
+        SlotDevice::Cpu => "cpu".to_owned(),
+        SlotDevice::Cuda { name, memory_bytes, .. } => format!("{} {name} ({:.0} GiB)", d.label(), gib(*memory_bytes)),
+    });
+    each.collect::<Vec<_>>().join(", ")
+}
+
 fn print_jobs(jobs: &[JobInfo]) {
     print!("{}", render_jobs(jobs));
 }
@@ -128,7 +158,8 @@ fn print_jobs(jobs: &[JobInfo]) {
 /// The jobs table, then for each job that is not over a table of its slots: rank, node, slot, stage
 /// (pipelines), replica, state and last committed step.
 fn render_jobs(jobs: &[JobInfo]) -> String {
-    let mut table = Table::new(&["JOB", "NAME", "STATE", "STEP", "WORLD", "EPOCH", "ATTEMPTS", "LOSS", "DATA PLANE"]);
+    let header = ["JOB", "NAME", "STATE", "STEP", "WORLD", "EPOCH", "ATTEMPTS", "LOSS", "DATA PLANE", "GRADIENTS"];
+    let mut table = Table::new(&header);
     for j in jobs {
         let state = serde_json::to_value(j.state).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
         table.row(vec![
@@ -141,9 +172,13 @@ fn render_jobs(jobs: &[JobInfo]) -> String {
             j.attempts.to_string(),
             j.last_loss.map_or("-".into(), |l| format!("{l:.4}")),
             j.data_plane.to_string(),
+            j.plane.to_string(),
         ]);
     }
     let mut out = table.render();
+    for j in jobs.iter().filter(|j| !j.plane_reason.is_empty() && !j.state.is_terminal()) {
+        out.push_str(&format!("job {}: gradients on the {} plane: {}\n", j.id, j.plane, j.plane_reason));
+    }
     for j in jobs.iter().filter(|j| j.reason.is_some()) {
         out.push_str(&format!("job {}: {}\n", j.id, j.reason.as_deref().unwrap_or_default()));
     }
@@ -358,6 +393,8 @@ mod tests {
             reason: None,
             events: 40,
             data_plane: DataPlane::EncryptedTcp,
+            plane: Default::default(),
+            plane_reason: String::new(),
             ranks,
         };
         let job = job_with(vec![
@@ -369,7 +406,7 @@ mod tests {
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(
             lines[1].split_whitespace().collect::<Vec<_>>(),
-            ["3", "pipe", "running", "12/100", "2", "2", "1", "3.2500", "encrypted-tcp"]
+            ["3", "pipe", "running", "12/100", "2", "2", "1", "3.2500", "encrypted-tcp", "host"]
         );
         assert_eq!(lines[3], "job 3 (pipe) ranks:");
         let cells = |l: &str| l.split_whitespace().map(str::to_owned).collect::<Vec<_>>();
@@ -388,5 +425,57 @@ mod tests {
             ["RANK", "NODE", "SLOT", "TENSOR", "REPLICA", "STATE", "STEP", "MEMORY", "SENT/STEP"]
         );
         assert!(lines[5].ends_with("3.0 MiB  2.5 MiB"), "{text}");
+
+        // A job on GPUs says where its gradients are summed, and why.
+        let mut gpus = job_with(Vec::new());
+        gpus.plane = crate::protocol::GradientPlane::Nccl;
+        gpus.plane_reason = "every rank of the 2 ranks has a GPU of its own".into();
+        let text = render_jobs(&[gpus]);
+        assert!(text.lines().nth(1).is_some_and(|l| l.ends_with("encrypted-tcp  nccl")), "{text}");
+        assert!(text.contains("job 3: gradients on the nccl plane: every rank of the 2 ranks has a GPU"), "{text}");
+    }
+
+    #[test]
+    fn the_members_table_shows_each_slots_device_and_a_missing_nccl() {
+        use crate::protocol::{ClusterStatus, MemberInfo, SlotDevice};
+        let h100 = |ordinal, nccl_missing: Option<&str>| SlotDevice::Cuda {
+            ordinal,
+            name: "NVIDIA H100 80GB HBM3".into(),
+            memory_bytes: 80 << 30,
+            nccl_missing: nccl_missing.map(str::to_owned),
+        };
+        let member = |name: &str, port: u16, slots, devices| MemberInfo {
+            name: name.into(),
+            addr: ([10, 0, 0, 1], port).into(),
+            slots,
+            dashboard: None,
+            raft_listen: None,
+            devices,
+        };
+        let status = ClusterStatus {
+            node: "gpu-a".into(),
+            controller: true,
+            controller_addr: Some(([10, 0, 0, 1], 7400).into()),
+            epoch: 3,
+            members: vec![
+                member("gpu-a", 7400, 2, vec![h100(0, None), h100(1, None)]),
+                member("gpu-b", 7401, 1, vec![h100(3, Some("NCCL is installed only as /x/libnccl.so.2"))]),
+                member("cpu-c", 7402, 2, Vec::new()),
+            ],
+            joining: Vec::new(),
+            jobs: Vec::new(),
+            refused_stale: 0,
+            changes: Vec::new(),
+        };
+        let text = render_members(&status);
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[0].split_whitespace().eq(["NODE", "ADDRESS", "SLOTS", "DEVICES", "ROLE", "DASHBOARD"]), "{text}");
+        assert!(
+            lines[1].contains("cuda:0 NVIDIA H100 80GB HBM3 (80 GiB), cuda:1 NVIDIA H100 80GB HBM3 (80 GiB)"),
+            "{text}"
+        );
+        assert!(lines[2].contains("cuda:3 NVIDIA H100"), "{text}");
+        assert!(lines[3].split_whitespace().eq(["cpu-c", "10.0.0.1:7402", "2", "cpu", "member", "-"]), "{text}");
+        assert!(text.contains("gpu-b: no NCCL, gradients go through host memory: NCCL is installed only as"), "{text}");
     }
 }

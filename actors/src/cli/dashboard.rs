@@ -105,6 +105,7 @@ mod tests {
                 slots: 1,
                 dashboard: d.map(str::to_owned),
                 raft_listen: None,
+                devices: Vec::new(),
             })
             .collect();
         ClusterStatus {

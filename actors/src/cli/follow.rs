@@ -11,6 +11,7 @@ use troupe_model::config::JobConfig;
 
 use crate::api::{DataPlane, JobEvent, JobHandle, JobId};
 use crate::progress::{Reporter, StepEvent};
+use crate::protocol::GradientPlane;
 
 /// How long an interrupted follower waits for the controller to confirm a cancellation.
 pub const GOODBYE: Duration = Duration::from_secs(5);
@@ -179,9 +180,9 @@ impl EventReport<'_> {
     fn event(&self, tally: &mut Tally, event: JobEvent) -> Option<End> {
         let (reporter, total) = (self.reporter, self.mode.total_steps);
         match event {
-            JobEvent::Started { world, epoch, from_step, attempt, data_plane } => {
+            JobEvent::Started { world, epoch, from_step, attempt, data_plane, plane, plane_reason } => {
                 tally.world = world;
-                self.started(world, epoch, from_step, attempt, data_plane);
+                self.started(world, epoch, from_step, attempt, data_plane, (plane, &plane_reason));
             }
             JobEvent::Step {
                 step,
@@ -195,6 +196,7 @@ impl EventReport<'_> {
                 world,
                 peak_rss_bytes,
                 bubble,
+                mfu,
             } => {
                 tally.record_step(step, loss, tokens_per_s, world);
                 reporter.step(&StepEvent {
@@ -209,6 +211,7 @@ impl EventReport<'_> {
                     skipped,
                     loss_scale,
                     bubble,
+                    mfu,
                 });
             }
             JobEvent::Membership { epoch, world, changes } => reporter.event(
@@ -280,16 +283,26 @@ impl EventReport<'_> {
     }
 
     /// An attempt started on `world` ranks.
-    fn started(&self, world: usize, epoch: u64, from_step: u64, attempt: u64, data_plane: DataPlane) {
+    fn started(
+        &self,
+        world: usize,
+        epoch: u64,
+        from_step: u64,
+        attempt: u64,
+        data_plane: DataPlane,
+        (plane, plane_reason): (GradientPlane, &str),
+    ) {
         let (job, mode, total) = (self.job, self.mode, self.mode.total_steps);
         self.reporter.event(
             "start",
             json!({ "world": world, "pp": mode.pp, "epoch": epoch, "from_step": from_step, "attempt": attempt,
                     "steps": total, "nodes": self.nodes, "job": job, "data_plane": data_plane,
+                    "plane": plane, "plane_reason": plane_reason,
                     "offload": mode.offload, "offloaded_state_bytes": 0 }),
             &format!(
-                "troupe: job {job} running {} on {world} rank(s), epoch {epoch}, data plane {data_plane}{}",
+                "troupe: job {job} running {} on {world} rank(s), epoch {epoch}, data plane {data_plane}, gradients on the {plane} plane{}{}",
                 mode.describe(world),
+                if plane_reason.is_empty() { String::new() } else { format!(" ({plane_reason})") },
                 if mode.offload == "host" {
                     format!("; {}", troupe_model::optim::offload::CPU_RANK_NOTE)
                 } else {

@@ -140,6 +140,7 @@ fn train_step(trainer: &mut Trainer, reporter: &Reporter, phases: &mut PhaseReco
         skipped: report.skipped,
         loss_scale: report.loss_scale,
         bubble: None,
+        mfu: None,
     });
 }
 

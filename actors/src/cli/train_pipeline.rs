@@ -53,6 +53,7 @@ pub fn run(args: TrainArgs, config: JobConfig) -> anyhow::Result<()> {
             skipped: step.skipped,
             loss_scale: step.loss_scale,
             bubble: Some(measure_bubble(std::slice::from_ref(step)).bubble),
+            mfu: None,
         });
         if let Some(eval) = &step.eval {
             reporter.eval(step.step + 1, eval.loss, eval.perplexity, eval.windows, eval.tokens);

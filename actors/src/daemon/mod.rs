@@ -53,7 +53,15 @@ impl Daemon {
             Error::start_because(what, e)
         })?;
         let catalog = Catalog::open(&config.data_dir).map_err(catalog_error)?;
-        troupe_model::trainer::configure_torch_threads(config.torch_threads, config.slots as usize);
+        let devices = config.slot_devices("node config")?;
+        for (slot, device) in devices.iter().enumerate() {
+            if let crate::protocol::SlotDevice::Cuda { name, memory_bytes, nccl_missing, .. } = device {
+                let gib = *memory_bytes as f64 / f64::from(1u32 << 30);
+                let nccl = nccl_missing.as_deref().unwrap_or("available");
+                tracing::info!(slot, device = %device.label(), "{name}, {gib:.0} GiB; NCCL: {nccl}");
+            }
+        }
+        troupe_model::trainer::configure_torch_threads(config.torch_threads, devices.len());
         let incarnation = catalog.next_incarnation().map_err(catalog_error)?;
         tracing::info!(node = %config.name, incarnation, "starting");
         let (endpoint, events) = ControlEndpoint::bind(&identity, config.listen, PeerRole::Node, &config.transport)
@@ -97,6 +105,7 @@ impl Daemon {
             catalog,
             group: group.clone(),
             dashboard,
+            devices,
         };
         let (node, handle) = Actor::spawn(Some(format!("{}/node", actor_scope(&name, addr))), NodeActor, args)
             .await

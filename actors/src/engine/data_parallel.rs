@@ -11,6 +11,13 @@
 //! runtime, while the remaining blocks' backward computes. Without overlap — or with a single bucket,
 //! which is complete only when the backward is — the whole backward runs first, then the buckets are
 //! all-reduced one after the other. Both give the same bits.
+//!
+//! On a GPU of its own (the attempt's plane is NCCL: `crate::plan::plane`), a rank sums its buckets on
+//! the device through a [`DevicePlane`]: each bucket is flattened on the device, all-reduced there and
+//! copied back into the gradients, the norm's sum of squares accumulated on the device and read once
+//! per step; the buckets go one after the other once the backward is done (the backward and NCCL share
+//! the device's stream). Otherwise the buckets are staged through host memory over the attempt's
+//! communicator, wherever the model lives.
 
 use std::ops::Range;
 
@@ -29,6 +36,7 @@ use troupe_model::precision::backward_weight;
 use troupe_model::{StepReport, Trainer};
 
 use super::committed::CommittedState;
+use super::device_plane::DevicePlane;
 use super::flat::{append_flat, broadcast_params, broadcast_state, copy_from_flat, materialise_grads};
 use super::overlap::{BackwardJob, BackwardWork, MicroBatch, Progress};
 use super::step_engine::{EngineError, ReducedStep, StepEngine};
@@ -71,6 +79,8 @@ pub struct DataParallelReplica<T: Transport> {
     bucket_buffers: Vec<Vec<f32>>,
     /// How the last step's gradient all-reduce and compute overlapped.
     comm_timing: CommTiming,
+    /// The gradients' all-reduce on the rank's device (NCCL), when the attempt's plane is on the GPUs.
+    device_plane: Option<Box<dyn DevicePlane>>,
 }
 
 /// How much of a step's gradient all-reduce the backward hid.
@@ -121,14 +131,29 @@ impl<T: Transport> DataParallelReplica<T> {
             overlap,
             bucket_buffers,
             comm_timing: CommTiming::default(),
+            device_plane: None,
         };
         materialise_grads(replica.trainer.model.params());
         replica
     }
 
-    /// Chooses the overlapped (`true`) or sequential path for the next steps, whatever the job said.
+    /// Chooses the overlapped (`true`) or sequential path for the next steps, whatever the job said
+    /// (a device plane always takes the sequential one).
     pub fn set_overlap(&mut self, overlap: bool) {
-        self.overlap = overlap;
+        self.overlap = overlap && self.device_plane.is_none();
+    }
+
+    /// Sums the gradients on the device through `plane` from the next step on (module docs).
+    pub fn with_device_plane(mut self, plane: Box<dyn DevicePlane>) -> Self {
+        self.device_plane = Some(plane);
+        self.overlap = false;
+        self
+    }
+
+    /// The device plane's name (`nccl`, `fake-nccl`), or None when the buckets are staged through host
+    /// memory.
+    pub fn device_plane(&self) -> Option<&'static str> {
+        self.device_plane.as_ref().map(|p| p.name())
     }
 
     /// How the last step's all-reduce overlapped its backward.
@@ -142,13 +167,22 @@ impl<T: Transport> DataParallelReplica<T> {
         broadcast_state(&mut self.comm, &mut self.trainer, &mut self.flat, source).await
     }
 
-    /// Gives the trainer back (its state is the last committed step's).
-    pub fn into_trainer(self) -> Trainer {
+    /// Gives the trainer back (its state is the last committed step's). A device plane is aborted
+    /// first: a collective still queued on the device returns, and the communicator is not reused.
+    pub fn into_trainer(mut self) -> Trainer {
+        if let Some(plane) = &mut self.device_plane {
+            plane.abort();
+        }
         self.trainer
     }
 
     pub fn rank(&self) -> usize {
         self.comm.rank()
+    }
+
+    /// The attempt's (host) communicator: what a device plane's communicator is built over.
+    pub fn communicator(&mut self) -> &mut Communicator<T> {
+        &mut self.comm
     }
 
     pub fn world(&self) -> usize {
@@ -196,8 +230,12 @@ impl<T: Transport> DataParallelReplica<T> {
         let local_loss = self.trainer.accumulate_slice(step, slice);
         let compute_seconds = started.elapsed().as_secs_f64();
         let comm_started = Instant::now();
-        for b in 0..self.buckets.len() {
-            self.all_reduce_bucket(self.buckets[b].clone()).await?;
+        if self.device_plane.is_some() {
+            self.all_reduce_on_device().await?;
+        } else {
+            for b in 0..self.buckets.len() {
+                self.all_reduce_bucket(self.buckets[b].clone()).await?;
+            }
         }
         let comm_seconds = comm_started.elapsed().as_secs_f64();
         self.comm_timing = CommTiming { comm_seconds, exposed_seconds: comm_seconds };
@@ -276,6 +314,34 @@ impl<T: Transport> DataParallelReplica<T> {
         self.trainer.apply_update_with_norm(reduced.loss, Some(reduced.grad_norm))
     }
 
+    /// Every bucket summed on the device by the device plane (module docs); the norm's sum of squares
+    /// read back once, at the end.
+    async fn all_reduce_on_device(&mut self) -> Result<(), ClusterError> {
+        let plane = self.device_plane.as_mut().expect("called with a device plane");
+        let mut sum_sq: Option<Tensor> = None;
+        for bucket in &self.buckets {
+            let grads: Vec<Tensor> = self.trainer.model.params()[bucket.clone()].iter().map(Tensor::grad).collect();
+            let flat_grads: Vec<Tensor> = grads.iter().map(|g| g.reshape([-1])).collect();
+            let mut flat = Tensor::cat(&flat_grads, 0);
+            plane.all_reduce_sum(&mut flat).await?;
+            let sq = flat.to_kind(tch::Kind::Double).square().sum(tch::Kind::Double);
+            sum_sq = Some(match sum_sq {
+                Some(s) => s + sq,
+                None => sq,
+            });
+            tch::no_grad(|| {
+                let mut offset = 0;
+                for g in &grads {
+                    let n = g.numel() as i64;
+                    g.shallow_clone().copy_(&flat.narrow(0, offset, n).view_as(g));
+                    offset += n;
+                }
+            });
+        }
+        self.grad_sum_sq += sum_sq.map_or(0.0, |s| s.double_value(&[]));
+        Ok(())
+    }
+
     async fn all_reduce_bucket(&mut self, bucket: Range<usize>) -> Result<(), ClusterError> {
         let grads: Vec<Tensor> = self.trainer.model.params()[bucket].iter().map(Tensor::grad).collect();
         self.flat.clear();
@@ -314,6 +380,13 @@ impl<T: Transport> StepEngine for DataParallelReplica<T> {
     /// The whole model, its gradients and AdamW's (or Adafactor's) state, and the step's all-reduces.
     fn usage(&mut self) -> Option<RankUsage> {
         Some(super::memory::whole_replica_usage(&self.trainer, 0, self.comm.take_calls()))
+    }
+
+    fn gradient_collective(&self) -> &'static str {
+        match self.device_plane() {
+            Some(_) => "all-reduce (device)",
+            None => "all-reduce",
+        }
     }
 
     async fn apply(&mut self, reduced: ReducedStep) {

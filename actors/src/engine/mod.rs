@@ -22,6 +22,7 @@
 
 mod committed;
 mod data_parallel;
+pub mod device_plane;
 mod eval;
 mod flat;
 mod memory;

@@ -10,9 +10,12 @@ use troupe_cluster::membership::MembershipConfig;
 use troupe_cluster::TransportConfig;
 
 pub mod controllers;
+pub mod devices;
 pub mod restart;
 
+use crate::protocol::SlotDevice;
 use crate::telemetry::TelemetryConfig;
+use devices::Devices;
 use restart::RestartPolicy;
 
 /// Most device slots one node may offer.
@@ -32,9 +35,14 @@ pub struct NodeConfig {
     pub data_dir: PathBuf,
     /// The cluster directory made by `troupe cluster init` / `add-node` (ca.pem, nodes/NAME.pem).
     pub certs: PathBuf,
-    /// Device slots this node offers (one worker each): CPU slots on a machine without GPUs.
-    #[serde(default = "one")]
-    pub slots: u32,
+    /// CPU slots this node offers (one worker each; absent: 1). With `devices`, the slots are the
+    /// devices: leave `slots` out (or give their number).
+    #[serde(default)]
+    pub slots: Option<u32>,
+    /// The CUDA devices this node offers, one slot each: `"cuda"` (every visible GPU) or ordinals
+    /// (`[0, 1]`); absent: CPU slots (`devices`).
+    #[serde(default)]
+    pub devices: Option<Devices>,
     /// libtorch threads of this daemon (0: the machine's cores shared by its slots).
     #[serde(default)]
     pub torch_threads: usize,
@@ -63,10 +71,6 @@ pub struct NodeConfig {
     pub raft_listen: Option<SocketAddr>,
 }
 
-fn one() -> u32 {
-    1
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum NodeConfigError {
     #[error("cannot read node config {path}: {source}")]
@@ -82,6 +86,13 @@ impl NodeConfig {
     /// Unparseable entries are left out too: [`NodeConfig::validate`] refuses them.
     pub fn controller_names(&self) -> Vec<String> {
         self.controllers.iter().filter_map(|c| controllers::ControllerEntry::parse(c).ok()).map(|e| e.name).collect()
+    }
+
+    /// The slots this node offers on this machine (`devices::resolve`): CPU slots, or the CUDA devices
+    /// `devices` names as the driver finds them. An error names the key and the fix.
+    pub fn slot_devices(&self, origin: &str) -> Result<Vec<SlotDevice>, NodeConfigError> {
+        devices::resolve(self.devices.as_ref(), self.slots, devices::Probe::machine)
+            .map_err(|(key, message)| NodeConfigError::Invalid { path: origin.into(), key, message })
     }
 
     pub fn load(path: &Path) -> Result<Self, NodeConfigError> {
@@ -100,8 +111,11 @@ impl NodeConfig {
     pub fn validate(&self, origin: &str) -> Result<(), NodeConfigError> {
         let bad = |key, message: String| NodeConfigError::Invalid { path: origin.into(), key, message };
         validate_node_name(&self.name).map_err(|m| bad("name", m))?;
-        if self.slots > SLOTS_MAX {
-            return Err(bad("slots", format!("{} is not in 0..={SLOTS_MAX}", self.slots)));
+        if let Some(slots) = self.slots.filter(|s| *s > SLOTS_MAX) {
+            return Err(bad("slots", format!("{slots} is not in 0..={SLOTS_MAX}")));
+        }
+        if let Some(devices) = &self.devices {
+            devices.validate().map_err(|m| bad("devices", m))?;
         }
         if self.join == Some(self.listen) {
             return Err(bad("join", "is this node's own `listen` address; leave `join` out on the controller".into()));

@@ -12,6 +12,7 @@ mod check;
 mod error;
 pub mod memory;
 pub mod placement;
+pub mod plane;
 mod request;
 pub mod traffic;
 

@@ -18,8 +18,8 @@ use troupe_model::optim::learning_rate;
 use troupe_model::periodic::PeriodicSync;
 
 use crate::protocol::{
-    rank_coords, AttemptOutcome, EvalFigures, JobEvent, JobId, JobInfo, JobSpec, JobState, MemberInfo, RankInfo,
-    RankSlot, RankState, RankUsage, StageTime, StepFigures, ToNode,
+    rank_coords, slot_device, AttemptOutcome, EvalFigures, GradientPlane, JobEvent, JobId, JobInfo, JobSpec, JobState,
+    MemberInfo, RankInfo, RankSlot, RankState, RankUsage, SlotDevice, StageTime, StepFigures, ToNode,
 };
 
 /// Attempts in a row that fail without committing a step before the job is declared failed.
@@ -111,6 +111,8 @@ pub struct JobDriver {
     /// What each rank of the running attempt held and sent in a step, by rank, once its
     /// [`JobEvent::Usage`] was told (empty before, and for engines that do not count it).
     usage: Vec<RankUsage>,
+    /// Where the running (or last) attempt sums its gradients, and why (`crate::plan::plane`).
+    plane: (GradientPlane, String),
     actions: VecDeque<DriverAction>,
 }
 
@@ -229,6 +231,7 @@ impl JobDriver {
             commit_maybe_undelivered: false,
             tp,
             usage: Vec::new(),
+            plane: (GradientPlane::Host, String::new()),
             actions: VecDeque::new(),
         }
     }
@@ -272,6 +275,8 @@ impl JobDriver {
             reason: self.reason.clone(),
             ranks: self.rank_infos(),
             data_plane: self.spec.data_plane,
+            plane: self.plane.0,
+            plane_reason: self.plane.1.clone(),
         }
     }
 
@@ -573,7 +578,9 @@ impl JobDriver {
         let source = (!all_equal).then(|| ready.iter().position(|r| r.1.unwrap_or(0) == best).unwrap_or(0));
         let roster =
             ranks.iter().zip(&ready).map(|(r, (addr, _))| PeerInfo { name: r.node.0.clone(), addr: *addr }).collect();
-        let msg = ToNode::Start { job: self.id, attempt: self.attempt, roster, source };
+        let (plane, plane_reason) = self.choose_plane(&ranks, &ready);
+        self.plane = (plane, plane_reason.clone());
+        let msg = ToNode::Start { job: self.id, attempt: self.attempt, roster, source, plane };
         self.send_all(&ranks, &msg);
         for r in &ranks {
             self.held.insert(r.clone(), best);
@@ -584,7 +591,8 @@ impl JobDriver {
         self.last_commit_at = now;
         let (world, epoch, step) = (ranks.len(), self.epoch, self.committed);
         let event = if self.attempt == 1 {
-            JobEvent::Started { world, epoch, from_step: step, attempt: self.attempt, data_plane: self.spec.data_plane }
+            let (attempt, data_plane) = (self.attempt, self.spec.data_plane);
+            JobEvent::Started { world, epoch, from_step: step, attempt, data_plane, plane, plane_reason }
         } else {
             JobEvent::Recovered { step, epoch, world }
         };
@@ -616,6 +624,7 @@ impl JobDriver {
         let stage_times: Vec<_> = votes.iter().map(|v| v.as_ref().and_then(|v| v.stage_time)).collect();
         let usage: Option<Vec<RankUsage>> = votes.iter_mut().map(|v| v.as_mut().and_then(|v| v.usage.take())).collect();
         let bubble = StageTime::bubble(&stage_times);
+        let peaks: Option<Vec<f64>> = votes.iter().map(|v| v.as_ref().and_then(|v| v.peak_flops)).collect();
         let peak_rss_bytes: Vec<u64> = votes.iter_mut().map(|v| v.take().map_or(0, |v| v.peak_rss_bytes)).collect();
         let seconds = now.saturating_sub(self.last_commit_at).as_secs_f64();
         self.last_commit_at = now;
@@ -623,6 +632,10 @@ impl JobDriver {
         let train = &self.spec.config.train;
         let lr = learning_rate(train, step);
         let tokens = (train.global_batch * self.spec.config.model.context) as f64;
+        let tokens_per_s = tokens / seconds.max(1e-9);
+        // DESIGN.md's MFU convention: training ≈ 3 × the forward's FLOPs per token.
+        let model_flops = tokens_per_s * 3.0 * self.spec.config.model.forward_flops_per_token();
+        let mfu = peaks.map(|p| p.iter().sum::<f64>()).filter(|p| *p > 0.0).map(|peak| model_flops / peak);
         self.send_all(&ranks, &ToNode::Commit { job: self.id, attempt, step, lr_hint: lr });
         self.committed = step + 1;
         for r in &ranks {
@@ -638,11 +651,12 @@ impl JobDriver {
             grad_norm,
             skipped,
             loss_scale,
-            tokens_per_s: tokens / seconds.max(1e-9),
+            tokens_per_s,
             epoch: self.epoch,
             world: ranks.len(),
             peak_rss_bytes,
             bubble,
+            mfu,
         }));
         // Once per attempt: its second step, the first that runs as every later one does (a first step
         // may skip a gather: ZeRO's parameters are fresh), or its first when that ends the job.
@@ -654,6 +668,25 @@ impl JobDriver {
         if self.committed < self.spec.config.train.steps {
             self.actions.push_back(DriverAction::StepBoundary);
         }
+    }
+
+    /// The attempt's plane (`crate::plan::plane`) from what each rank's slot computes on, as its member
+    /// announced it, and the host of its data-plane address.
+    fn choose_plane(&self, ranks: &[RankSlot], ready: &[(SocketAddr, Option<u64>)]) -> (GradientPlane, String) {
+        use crate::plan::plane::{choose, RankDevice};
+        let members = self.view.as_ref().map_or(&[][..], |(_, m)| m.as_slice());
+        let cpu = SlotDevice::Cpu;
+        let ranks: Vec<RankDevice> = ranks
+            .iter()
+            .zip(ready)
+            .map(|(r, (addr, _))| RankDevice {
+                node: &r.node.0,
+                slot: r.slot,
+                host: addr.ip(),
+                device: members.iter().find(|m| m.name == r.node.0).map_or(&cpu, |m| slot_device(&m.devices, r.slot)),
+            })
+            .collect();
+        choose(&self.spec.config, &ranks)
     }
 
     /// A rank failed the attempt: abort it everywhere and start the next, up to the limit.
@@ -780,6 +813,7 @@ pub(super) mod tests {
                 slots: 1,
                 dashboard: None,
                 raft_listen: None,
+                devices: Vec::new(),
             })
             .collect();
         (View::new(Epoch(epoch), nodes.iter().map(|n| NodeId::from(*n)).collect()), members)
@@ -1374,6 +1408,54 @@ pub(super) mod tests {
         assert!(matches!(events(&end).last(), Some(JobEvent::Finished { steps: 2, final_loss: Some(3.0) })));
         assert!(sent(&end).iter().all(|(_, w)| matches!(w, ToNode::Release { job: 7 })));
         assert_eq!(d.info().state, JobState::Finished);
+    }
+
+    /// Members that announced a GPU per slot: the controller picks the NCCL plane, sends it with `Start`
+    /// and reports it (start event, status); a member on the CPU turns the next attempt to the host
+    /// plane, saying why. Every rank's known device peak gives the step its MFU.
+    #[test]
+    fn the_plane_follows_the_announced_devices_and_known_peaks_give_the_mfu() {
+        let gpu = |ordinal| SlotDevice::Cuda {
+            ordinal,
+            name: "NVIDIA H200".into(),
+            memory_bytes: 1 << 37,
+            nccl_missing: None,
+        };
+        let mut d = JobDriver::new(7, spec(2));
+        let (v, mut m) = view(3, &["a", "b"]);
+        m[0].devices = vec![gpu(0)];
+        m[1].devices = vec![gpu(0)];
+        d.on_view(&v, &m, vec![]);
+        drain(&mut d);
+        d.on_ready(T, &"a".into(), 1, 0, addr(1), Some(0));
+        d.on_ready(T, &"b".into(), 1, 0, "10.0.0.2:9".parse().unwrap(), Some(0));
+        let start = drain(&mut d);
+        assert!(sent(&start).iter().all(|(_, w)| matches!(w, ToNode::Start { plane: GradientPlane::Nccl, .. })));
+        let JobEvent::Started { plane, plane_reason, .. } = events(&start)[0] else { panic!("{start:?}") };
+        assert_eq!(*plane, GradientPlane::Nccl, "{plane_reason}");
+        assert_eq!(d.info().plane, GradientPlane::Nccl);
+
+        let peak = |loss| StepFigures { peak_flops: Some(989e12), ..figures(loss, 1.0, 0) };
+        d.on_vote(T * 2, &"a".into(), 1, 0, 0, peak(4.0));
+        d.on_vote(T * 2, &"b".into(), 1, 0, 0, peak(4.0));
+        let commit = drain(&mut d);
+        let JobEvent::Step { tokens_per_s, mfu: Some(mfu), .. } = events(&commit)[0] else { panic!("{commit:?}") };
+        let flops = tokens_per_s * 3.0 * spec(2).config.model.forward_flops_per_token();
+        assert!((mfu - flops / (2.0 * 989e12)).abs() < 1e-15, "{mfu}");
+        // A rank whose peak is unknown: no MFU rather than a wrong one.
+        d.on_vote(T * 3, &"a".into(), 1, 0, 1, peak(3.0));
+        d.on_vote(T * 3, &"b".into(), 1, 0, 1, figures(3.0, 1.0, 0));
+        assert!(matches!(events(&drain(&mut d))[0], JobEvent::Step { mfu: None, .. }));
+
+        // Two ranks on one host's cuda:0 cannot both be NCCL ranks.
+        let mut d = JobDriver::new(8, spec(2));
+        d.on_view(&v, &m, vec![]);
+        drain(&mut d);
+        d.on_ready(T, &"a".into(), 1, 0, addr(1), Some(0));
+        d.on_ready(T, &"b".into(), 1, 0, addr(2), Some(0));
+        let start = drain(&mut d);
+        assert!(sent(&start).iter().all(|(_, w)| matches!(w, ToNode::Start { plane: GradientPlane::Host, .. })));
+        assert!(d.info().plane_reason.contains("share cuda:0 of host 127.0.0.1"), "{}", d.info().plane_reason);
     }
 
     /// Ranks that count what they hold and send: the attempt says it once, at its second step (its first

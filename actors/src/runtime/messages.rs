@@ -11,8 +11,8 @@ use troupe_cluster::transport::quic::PeerInfo;
 use super::raft::Leadership;
 use crate::engine::CommittedState;
 use crate::protocol::{
-    AttemptOutcome, ClusterStatus, EvalFigures, JobEvent, JobId, JobInfo, JobSpec, MemberInfo, PhaseSpan, StepFigures,
-    ToController, ToNode,
+    AttemptOutcome, ClusterStatus, EvalFigures, GradientPlane, JobEvent, JobId, JobInfo, JobSpec, MemberInfo,
+    PhaseSpan, StepFigures, ToController, ToNode,
 };
 
 pub enum NodeMsg {
@@ -63,6 +63,8 @@ pub enum WorkerMsg {
         attempt: u64,
         roster: Vec<PeerInfo>,
         source: Option<usize>,
+        /// Where the attempt sums its gradients (`ToNode::Start`).
+        plane: GradientPlane,
     },
     Commit {
         job: JobId,

@@ -28,7 +28,7 @@ use super::raft::{CatalogWrite, ControllerGroup, Leadership};
 use super::worker::{AttemptThreads, WorkerActor, WorkerArgs};
 use crate::catalog::{Catalog, StoredView};
 use crate::node_config::NodeConfig;
-use crate::protocol::{JobId, Reply, Wire};
+use crate::protocol::{JobId, Reply, SlotDevice, Wire};
 use crate::telemetry::NodeMetrics;
 
 /// How often the node drives its timers (heartbeats, failure detection, reconnection).
@@ -51,6 +51,8 @@ pub struct NodeArgs {
     pub group: Arc<ControllerGroup>,
     /// The URL of this daemon's dashboard, if it serves one: announced to the controller in its `Join`.
     pub dashboard: Option<String>,
+    /// What each slot computes on (node.toml `devices` resolved on this machine): one worker each.
+    pub devices: Vec<SlotDevice>,
 }
 
 pub struct NodeState {
@@ -61,6 +63,8 @@ pub struct NodeState {
     /// Control messages to peers, queued per peer and written by a task each: sends never wait here.
     outboxes: std::sync::Mutex<Outboxes>,
     started: Instant,
+    /// What each slot computes on, by slot.
+    devices: Vec<SlotDevice>,
     workers: Vec<ActorRef<WorkerMsg>>,
     /// The running job controllers (on the controller).
     jobs: BTreeMap<JobId, ActorRef<JobMsg>>,
@@ -136,6 +140,8 @@ impl NodeState {
     ) -> Result<ActorRef<WorkerMsg>, ActorProcessingErr> {
         let args = WorkerArgs {
             slot,
+            device: self.devices.get(slot as usize).cloned().unwrap_or(SlotDevice::Cpu),
+            peak_tflops: self.config.telemetry.peak_tflops_per_slot,
             node: me.clone(),
             identity: self.identity.clone(),
             host: self.config.listen.ip(),
@@ -407,7 +413,18 @@ impl Actor for NodeActor {
     type Arguments = NodeArgs;
 
     async fn pre_start(&self, me: ActorRef<NodeMsg>, args: NodeArgs) -> Result<NodeState, ActorProcessingErr> {
-        let NodeArgs { config, identity, endpoint, mut events, stop_reason, metrics, catalog, group, dashboard } = args;
+        let NodeArgs {
+            config,
+            identity,
+            endpoint,
+            mut events,
+            stop_reason,
+            metrics,
+            catalog,
+            group,
+            dashboard,
+            devices,
+        } = args;
         let started = Instant::now();
         // A controller that ran before on this data dir starts past its last epoch and resumes its jobs
         // (with replicated controllers, a node does so when its Raft group elects it).
@@ -417,7 +434,8 @@ impl Actor for NodeActor {
             id: NodeId(config.name.clone()),
             addr: endpoint.local_addr(),
             join: config.join,
-            slots: config.slots,
+            slots: devices.len() as u32,
+            devices: devices.clone(),
             allow_plaintext_tcp: config.allow_plaintext_tcp,
             membership: config.membership.clone(),
             restart: config.restart,
@@ -442,6 +460,7 @@ impl Actor for NodeActor {
             identity,
             endpoint,
             started,
+            devices,
             workers: Vec::new(),
             jobs: BTreeMap::new(),
             stop_reason,
@@ -466,7 +485,7 @@ impl Actor for NodeActor {
             });
         }
         state.act(&me, true).await?;
-        for slot in 0..state.config.slots {
+        for slot in 0..state.devices.len() as u32 {
             let actor = state.spawn_worker(&me, slot).await?;
             state.workers.push(actor);
         }

@@ -29,7 +29,7 @@ use crate::catalog::{StoredJob, StoredView};
 use crate::node_config::restart::{Decision, RestartPolicy, RestartTracker};
 use crate::protocol::{
     AttemptOutcome, ClusterStatus, ControllersChange, DataPlane, JobEvent, JobId, JobInfo, JobSpec, JobState,
-    MemberInfo, Reply, Request, ToController, ToNode, Wire,
+    MemberInfo, Reply, Request, SlotDevice, ToController, ToNode, Wire,
 };
 
 /// Membership changes kept for `troupe status`.
@@ -55,6 +55,8 @@ pub struct NodeSettings {
     /// controller-eligible node: it learns the leader from its Raft group).
     pub join: Option<SocketAddr>,
     pub slots: u32,
+    /// What each slot computes on (announced in the `Join`: `MemberInfo::devices`).
+    pub devices: Vec<SlotDevice>,
     pub allow_plaintext_tcp: bool,
     pub membership: MembershipConfig,
     pub restart: RestartPolicy,
@@ -333,7 +335,8 @@ impl NodeCore {
         let view = membership.view().clone();
         let (addr, slots, dashboard) = (self.settings.addr, self.settings.slots, self.settings.dashboard.clone());
         let raft_listen = self.settings.raft_listen;
-        let info = MemberInfo { name: id.0.clone(), addr, slots, dashboard, raft_listen };
+        let devices = self.settings.devices.clone();
+        let info = MemberInfo { name: id.0.clone(), addr, slots, dashboard, raft_listen, devices };
         let (previous, expect) = stored_view.as_ref().map_or((None, Vec::new()), |last| expected_after(last, &id));
         self.members = vec![info.clone()];
         self.controller = Some(Controller {
@@ -793,7 +796,9 @@ impl NodeCore {
                     let incarnation = Some(incarnation);
                     let (controllers, raft_listen) =
                         (Some(self.settings.controllers.clone()), self.settings.raft_listen);
-                    let join = ToController::Join { slots, addr, incarnation, dashboard, controllers, raft_listen };
+                    let devices = self.settings.devices.clone();
+                    let join =
+                        ToController::Join { slots, addr, incarnation, dashboard, controllers, raft_listen, devices };
                     self.send_to_controller(join);
                     self.ask_for_daemons(now);
                 }
@@ -911,7 +916,7 @@ impl NodeCore {
 
     fn controller_message(&mut self, now: Duration, from: NodeId, epoch: u64, msg: ToController) {
         let job_msg = match msg {
-            ToController::Join { slots, addr, incarnation, dashboard, controllers, raft_listen } => {
+            ToController::Join { slots, addr, incarnation, dashboard, controllers, raft_listen, devices } => {
                 let ours = &self.settings.controllers;
                 let (me, theirs) = (&self.settings.id.0, controllers.unwrap_or_else(|| ours.clone()));
                 let mismatch = |ours| crate::node_config::controllers::join_mismatch(&from.0, &theirs, me, ours);
@@ -921,7 +926,7 @@ impl NodeCore {
                     tracing::error!(node = %me, joiner = %from, "refused a join: {reason}");
                     return self.send(&from.0, ToNode::Refused { reason });
                 }
-                let info = MemberInfo { name: from.0.clone(), addr, slots, dashboard, raft_listen };
+                let info = MemberInfo { name: from.0.clone(), addr, slots, dashboard, raft_listen, devices };
                 self.controller.as_mut().expect("controller").members.insert(from.clone(), info);
                 return self.membership_event(now, MembershipEvent::JoinRequest { from, incarnation });
             }
@@ -1186,8 +1191,8 @@ impl NodeCore {
                     }
                 }
             }
-            ToNode::Start { job, attempt, roster, source } => {
-                self.each_worker(|| WorkerMsg::Start { job, attempt, roster: roster.clone(), source })
+            ToNode::Start { job, attempt, roster, source, plane } => {
+                self.each_worker(|| WorkerMsg::Start { job, attempt, roster: roster.clone(), source, plane })
             }
             ToNode::Commit { job, attempt, step, .. } => self.each_worker(|| WorkerMsg::Commit { job, attempt, step }),
             ToNode::Abort { job, attempt, .. } => self.each_worker(|| WorkerMsg::Abort { job, attempt }),

@@ -14,7 +14,7 @@ use super::messages::WorkerMsg;
 use super::node_core::{NodeAction, NodeCore, NodeNote, NodeSettings};
 use crate::catalog::{StoredJob, StoredView};
 use crate::node_config::restart::RestartPolicy;
-use crate::protocol::{ControllersChange, Reply, Request, ToController, Wire};
+use crate::protocol::{ControllersChange, Reply, Request, SlotDevice, ToController, Wire};
 
 const T: Duration = Duration::from_secs(1);
 
@@ -38,6 +38,7 @@ fn settings(name: &str, port: u16, join: Option<SocketAddr>) -> NodeSettings {
         controllers: vec!["a".into(), "b".into(), "c".into()],
         dashboard: Some(format!("http://{name}:9400/")),
         raft_listen: None,
+        devices: vec![SlotDevice::Cpu],
     }
 }
 
@@ -232,8 +233,15 @@ fn a_members_dashboard_url_reaches_the_controllers_status_and_its_page_is_fetche
     b.become_controller(T, None, Vec::new());
     let url = |n: &str| Some(format!("http://{n}:9400/"));
     let (dashboard, controllers, raft_listen) = (url("w"), None, None);
-    let join =
-        ToController::Join { slots: 1, addr: addr(9), incarnation: Some(1), dashboard, controllers, raft_listen };
+    let join = ToController::Join {
+        slots: 1,
+        addr: addr(9),
+        incarnation: Some(1),
+        dashboard,
+        controllers,
+        raft_listen,
+        devices: Vec::new(),
+    };
     b.message(T, "w", PeerRole::Node, 0, Wire::ToController(join));
     b.step_boundary(T);
     let members: Vec<_> = b.status().members.into_iter().map(|m| (m.name, m.dashboard)).collect();
@@ -342,8 +350,15 @@ fn restored_expect(actions: &[NodeAction]) -> Vec<String> {
 
 fn join(core: &mut NodeCore, name: &str, port: u16) {
     let (dashboard, controllers, raft_listen) = (None, None, None);
-    let msg =
-        ToController::Join { slots: 1, addr: addr(port), incarnation: Some(1), dashboard, controllers, raft_listen };
+    let msg = ToController::Join {
+        slots: 1,
+        addr: addr(port),
+        incarnation: Some(1),
+        dashboard,
+        controllers,
+        raft_listen,
+        devices: Vec::new(),
+    };
     core.message(T, name, PeerRole::Node, 0, Wire::ToController(msg));
 }
 

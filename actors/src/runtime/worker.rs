@@ -1,6 +1,11 @@
 //! WorkerActor: one per device slot (a GPU ordinal, or a CPU slot). Holds, per job, the committed
 //! training state of its rank, and runs attempts of the job's step protocol as a task it can abort.
 //!
+//! On a CUDA slot, a DDP rank's model, gradients and optimizer state live on the slot's GPU
+//! (`plan::plane::runs_on_device`; the other engines compute on the host for now), and when the
+//! controller chose the NCCL plane for the attempt, its gradients are summed there by NCCL
+//! (`engine::device_plane`), the communicator built for the attempt's epoch over the attempt's mesh.
+//!
 //! What a restart loses and keeps: a restarted worker starts empty — the committed state of its jobs is
 //! gone, and the next attempt copies it from another rank (`Start.source`). Nothing else is lost: the
 //! controller holds the job, and the attempt that was running is reported failed by the node.
@@ -31,13 +36,18 @@ use crate::engine::{
     ShardedReplica, StepEngine, TensorParallelReplica, DEFAULT_BUCKET_BYTES,
 };
 use crate::protocol::{
-    AttemptOutcome, DataPlane, EvalFigures, JobId, JobSpec, RankUsage, StageTime, StepFigures, ToController,
+    AttemptOutcome, DataPlane, EvalFigures, GradientPlane, JobId, JobSpec, RankUsage, SlotDevice, StageTime,
+    StepFigures, ToController,
 };
 use crate::telemetry::link_bytes::Counted;
 use crate::telemetry::{otel, NodeMetrics, PhaseRecorder};
 
 pub struct WorkerArgs {
     pub slot: u32,
+    /// What this slot computes on (node.toml `devices`).
+    pub device: SlotDevice,
+    /// The node's `telemetry.peak_tflops_per_slot`: the MFU denominator when set.
+    pub peak_tflops: Option<f64>,
     pub node: ActorRef<NodeMsg>,
     pub identity: Arc<NodeIdentity>,
     pub host: IpAddr,
@@ -146,7 +156,9 @@ impl Actor for WorkerActor {
                 }
                 state.prepare(msg);
             }
-            WorkerMsg::Start { job, attempt, roster, source } => state.start(&me, job, attempt, roster, source),
+            WorkerMsg::Start { job, attempt, roster, source, plane } => {
+                state.start(&me, job, attempt, roster, source, plane)
+            }
             WorkerMsg::Commit { job, attempt, step } => state.control(job, attempt, AttemptSignal::Commit(step)),
             WorkerMsg::Abort { job, attempt } => {
                 state.control(job, attempt, AttemptSignal::Abort);
@@ -255,7 +267,7 @@ impl WorkerState {
         let mut restored = None;
         if slot.state.is_none() {
             let t0 = Instant::now();
-            match fresh_state(&spec, rank) {
+            match fresh_state(&spec, rank, &self.args.device) {
                 Ok((state, from_checkpoint)) => {
                     restored = from_checkpoint.then(|| (t0, Instant::now()));
                     slot.state = Some(state);
@@ -284,6 +296,7 @@ impl WorkerState {
         attempt: u64,
         roster: Vec<PeerInfo>,
         source: Option<usize>,
+        plane: GradientPlane,
     ) {
         let Some(slot) = self.jobs.get_mut(&job) else { return };
         let Some(prepared) = slot.prepared.take_if(|p| p.attempt == attempt) else { return };
@@ -312,9 +325,18 @@ impl WorkerState {
             source,
             writer,
             restored: prepared.restored,
+            plane,
+            device: self.args.device.clone(),
+            peak_flops: crate::telemetry::peak::peak_flops(
+                &self.args.device,
+                &prepared.spec.config.parallel.precision,
+                self.args.peak_tflops,
+            ),
         };
         let me = me.clone();
-        let attempt_task = async move {
+        // Made on the attempt's thread: an engine on a GPU holds an NCCL communicator, which stays on
+        // the thread that made it.
+        let attempt_task = move || async move {
             let run = std::panic::AssertUnwindSafe(run_attempt(ctx, prepared, state, rx)).catch_unwind();
             let (state, outcome) = match run.await {
                 Ok(result) => result,
@@ -330,7 +352,7 @@ impl WorkerState {
         let counted = self.args.attempts.started();
         let spawned = std::thread::Builder::new().name(format!("troupe-attempt-{job}-{attempt}")).spawn(move || {
             match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-                Ok(runtime) => runtime.block_on(attempt_task),
+                Ok(runtime) => runtime.block_on(attempt_task()),
                 Err(e) => tracing::error!("cannot start the attempt's runtime: {e}"),
             }
             drop(counted);
@@ -355,8 +377,10 @@ impl WorkerState {
 /// [`CommittedState::Initial`]: nothing is drawn or read until the attempt knows which parts this rank
 /// holds. A periodically synchronizing job's rank `rank` resumes its own inner optimizer state
 /// (`engine::resume_rank`).
-fn fresh_state(spec: &JobSpec, rank: usize) -> Result<(CommittedState, bool), String> {
+fn fresh_state(spec: &JobSpec, rank: usize, device: &SlotDevice) -> Result<(CommittedState, bool), String> {
     let config = spec.config.clone();
+    // Where a whole replica lives: the slot's device for an engine that computes there.
+    let on = if crate::plan::plane::runs_on_device(&config) { device.torch() } else { tch::Device::Cpu };
     if let Some(dir) = &config.checkpoint.dir {
         let (latest, skipped) = checkpoint::latest_valid(dir);
         if let (Some(latest), false) = (&latest, skipped.is_empty()) {
@@ -366,7 +390,7 @@ fn fresh_state(spec: &JobSpec, rank: usize) -> Result<(CommittedState, bool), St
             if troupe_model::periodic::PeriodicSync::of(&config.parallel).is_some() {
                 return crate::engine::resume_rank(config, &latest, rank).map(|state| (state, true));
             }
-            return Trainer::resume(config, &latest)
+            return Trainer::resume_on(config, &latest, on)
                 .map(|t| (CommittedState::Full(Box::new(t)), true))
                 .map_err(|e| format!("restoring checkpoint {}: {e}", latest.display()));
         }
@@ -375,7 +399,7 @@ fn fresh_state(spec: &JobSpec, rank: usize) -> Result<(CommittedState, bool), St
     let fresh = if in_parts {
         Trainer::new_unmaterialised(config).map(|t| CommittedState::Initial(Box::new(t)))
     } else {
-        Trainer::new(config).map(|t| CommittedState::Full(Box::new(t)))
+        Trainer::new_on(config, on).map(|t| CommittedState::Full(Box::new(t)))
     };
     fresh.map(|state| (state, false)).map_err(|e| format!("building the model on this node: {e}"))
 }
@@ -408,6 +432,12 @@ struct AttemptCtx {
     writer: Option<Arc<CheckpointWriter>>,
     /// When the preparation restored the rank's state from a durable checkpoint.
     restored: Option<(Instant, Instant)>,
+    /// Where the attempt sums its gradients (the controller's choice, the same on every rank).
+    plane: GradientPlane,
+    /// What this rank's slot computes on.
+    device: SlotDevice,
+    /// The device's peak FLOP/s in the job's precision, when known (the step's MFU).
+    peak_flops: Option<f64>,
 }
 
 /// Rank 0's asynchronous checkpoint writer for `spec`'s `checkpoint.dir`, reporting each durable save to
@@ -649,7 +679,31 @@ async fn train_over<T: Transport>(
             (StepEngine::into_state(engine).await, outcome)
         }
         (None, CommittedState::Full(trainer)) => {
+            let rank = transport.rank();
             let mut engine = DataParallelReplica::without_sync(*trainer, comm, DEFAULT_BUCKET_BYTES);
+            if let (GradientPlane::Nccl, SlotDevice::Cuda { ordinal, .. }) = (ctx.plane, &ctx.device) {
+                match nccl_plane(&mut engine, *ordinal as usize, ctl).await {
+                    Ok(Some(plane)) => {
+                        tracing::info!(
+                            job = ctx.job,
+                            attempt = ctx.attempt,
+                            rank,
+                            "gradients summed on cuda:{ordinal} by NCCL"
+                        );
+                        engine = engine.with_device_plane(plane);
+                    }
+                    Ok(None) => {
+                        let step = engine.trainer().step;
+                        let state = CommittedState::Full(Box::new(engine.into_trainer()));
+                        return (Some(state), AttemptOutcome::Aborted { step });
+                    }
+                    Err(reason) => {
+                        let step = engine.trainer().step;
+                        let state = CommittedState::Full(Box::new(engine.into_trainer()));
+                        return (Some(state), AttemptOutcome::Failed { step, reason });
+                    }
+                }
+            }
             let outcome = drive(ctx, spec, &mut engine, ctl).await;
             (engine.into_state().await, outcome)
         }
@@ -668,6 +722,21 @@ async fn train_over<T: Transport>(
         transport.shutdown().await;
     }
     (state, outcome)
+}
+
+/// The NCCL communicator of a DDP rank on CUDA device `ordinal` for the attempt's epoch, its unique id
+/// exchanged over the engine's (host) communicator; None when the attempt was aborted first.
+async fn nccl_plane<T: Transport>(
+    engine: &mut DataParallelReplica<T>,
+    ordinal: usize,
+    ctl: &mut mpsc::UnboundedReceiver<AttemptSignal>,
+) -> Result<Option<Box<dyn crate::engine::device_plane::DevicePlane>>, String> {
+    use crate::engine::device_plane::NcclPlane;
+    let connect = troupe_cluster::nccl::NcclCommunicator::connect(engine.communicator(), ordinal);
+    tokio::select! {
+        r = connect => r.map(|c| Some(Box::new(NcclPlane::new(c)) as Box<_>)).map_err(|e| format!("building the NCCL communicator on cuda:{ordinal}: {e}")),
+        _ = wait_abort(ctl) => Ok(None),
+    }
 }
 
 /// A directory private to this attempt's ranks: named by a hash of the job, the attempt and the roster
@@ -938,7 +1007,8 @@ fn vote<E: StepEngine>(
     let (loss, loss_scale) = (reduced.loss, loss_scale.scale);
     // The whole reduce, its collectives included (an engine's `compute_seconds` may end before them).
     let usage = engine.usage().map(|usage| RankUsage { step_seconds: seconds, ..usage });
-    let figures = StepFigures { loss, grad_norm, skipped, loss_scale, peak_rss_bytes, stage_time, usage };
+    let peak_flops = ctx.peak_flops;
+    let figures = StepFigures { loss, grad_norm, skipped, loss_scale, peak_rss_bytes, stage_time, usage, peak_flops };
     let (job, attempt, slot) = (ctx.job, ctx.attempt, ctx.slot);
     let vote = ToController::Vote { job, attempt, slot, step, figures, seconds };
     let _ = ctx.node.cast(NodeMsg::FromWorker(vote));

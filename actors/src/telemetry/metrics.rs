@@ -678,6 +678,7 @@ mod tests {
             slots: 1,
             dashboard: None,
             raft_listen: None,
+            devices: Vec::new(),
         };
         ClusterStatus {
             node: "a".into(),
@@ -700,6 +701,8 @@ mod tests {
                 events: 0,
                 ranks: vec![],
                 data_plane: Default::default(),
+                plane: Default::default(),
+                plane_reason: String::new(),
             }],
             refused_stale: 1,
             changes: vec![],
@@ -751,6 +754,7 @@ mod tests {
             epoch: 3,
             world,
             bubble: (step == 2).then_some(0.25),
+            mfu: None,
         };
         let t0 = Instant::now();
         metrics.on_job_event(7, &step(1, tokens / 0.2, 2), t0);

@@ -16,6 +16,7 @@ pub mod memory;
 pub mod metrics;
 pub mod otel;
 pub mod otel_metrics;
+pub mod peak;
 pub mod phases;
 pub mod plot;
 pub mod prometheus;

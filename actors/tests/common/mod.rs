@@ -21,8 +21,11 @@ pub fn saved_params(path: &Path, reference: &troupe_model::Trainer) -> Vec<tch::
         .collect()
 }
 
+/// The `troupe` binary: `TROUPE_BIN` when set (a test binary carried to another machine, as
+/// scripts/gpu-check.sh does), else the one cargo built beside this test.
 pub fn binary() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_troupe"))
+    static BIN: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| std::env::var_os("TROUPE_BIN").map_or_else(|| env!("CARGO_BIN_EXE_troupe").into(), Into::into))
 }
 
 /// A cluster of `n` daemon processes with one slot and one torch thread each.

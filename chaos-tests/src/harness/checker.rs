@@ -583,6 +583,7 @@ mod tests {
             world: 2,
             peak_rss_bytes: vec![],
             bubble: None,
+            mfu: None,
         };
         (t0 + Duration::from_millis(ms), e)
     }

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use troupe_actors::catalog::{StoredJob, StoredView};
 use troupe_actors::node_config::restart::RestartPolicy;
-use troupe_actors::protocol::{JobSpec, Reply, Request, ToController, ToNode, Wire};
+use troupe_actors::protocol::{JobSpec, Reply, Request, SlotDevice, ToController, ToNode, Wire};
 use troupe_actors::runtime::job::JobDriver;
 use troupe_actors::runtime::messages::{JobMsg, WorkerMsg};
 use troupe_actors::runtime::node_core::{NodeAction, NodeCore, NodeNote, NodeSettings, Restored};
@@ -67,6 +67,7 @@ pub(super) fn new_core(
         controllers,
         dashboard: None,
         raft_listen: None,
+        devices: vec![SlotDevice::Cpu; spec.slots as usize],
     };
     NodeCore::new(settings, dur(w.now), first_incarnation(inc), stored_view, stored_jobs)
 }

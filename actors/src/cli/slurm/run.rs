@@ -230,7 +230,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         node.name,
         placement.task.node_name,
         node.listen,
-        node.slots,
+        node.slots.unwrap_or(1),
         placement.describe_controllers()
     );
     let runtime = tokio::runtime::Builder::new_multi_thread()

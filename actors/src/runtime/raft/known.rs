@@ -60,6 +60,7 @@ mod tests {
                 slots: 1,
                 dashboard: None,
                 raft_listen: None,
+                devices: Vec::new(),
             },
             MemberInfo {
                 name: "node-2".into(),
@@ -67,6 +68,7 @@ mod tests {
                 slots: 0,
                 dashboard: None,
                 raft_listen: None,
+                devices: Vec::new(),
             },
         ];
         save(dir.path(), &members);

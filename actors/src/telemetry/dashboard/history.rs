@@ -153,6 +153,7 @@ mod tests {
             world: 1,
             peak_rss_bytes: vec![step],
             bubble: None,
+            mfu: None,
         };
         for s in 1..=(CHART_EVENTS_MAX as u64 + 10) {
             h.record(&step(s));

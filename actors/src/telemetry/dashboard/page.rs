@@ -297,6 +297,7 @@ mod tests {
             slots: 1,
             dashboard: dashboard.map(str::to_owned),
             raft_listen: None,
+            devices: Vec::new(),
         };
         ClusterStatus {
             node: "node-1".into(),

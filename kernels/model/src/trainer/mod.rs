@@ -172,7 +172,13 @@ impl Trainer {
     /// Continues the run saved in checkpoint directory `dir`. `config` must describe the same model, data
     /// and batch; `train.steps` (and so the schedule's end) may differ.
     pub fn resume(config: JobConfig, dir: &Path) -> Result<Self, TrainError> {
-        let mut trainer = Self::new(config)?;
+        Self::resume_on(config, dir, Device::Cpu)
+    }
+
+    /// [`Self::resume`] on `device`: the checkpoint's values copied into the model and optimizer state
+    /// there.
+    pub fn resume_on(config: JobConfig, dir: &Path, device: Device) -> Result<Self, TrainError> {
+        let mut trainer = Self::new_on(config, device)?;
         trainer.restore_checkpoint(dir)?;
         Ok(trainer)
     }

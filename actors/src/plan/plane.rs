@@ -1,0 +1,175 @@
+//! Where an attempt's gradients are summed — on the GPUs by NCCL, or staged through host memory over
+//! the attempt's data plane — decided once per attempt by the controller from what each rank's slot
+//! computes on (`MemberInfo::devices`), and sent with `Start` to every rank, so all ranks of the group
+//! take the same path. Pure: the same inputs give the same choice on any controller.
+//!
+//! NCCL is chosen when the job's engine keeps its model on the slot's device (DDP today:
+//! [`runs_on_device`]), every rank computes on a CUDA device, every rank's node can load NCCL, and no two
+//! ranks share a GPU (NCCL refuses two ranks of one communicator on one device). Otherwise the host
+//! plane, with the first reason found.
+
+use std::net::IpAddr;
+
+use troupe_model::config::JobConfig;
+
+use crate::protocol::{GradientPlane, SlotDevice};
+
+/// Whether the engine `config` selects keeps a rank's model, gradients and optimizer state on its slot's
+/// device: DDP (no ZeRO, pipeline, tensor parallelism or periodic synchronization). The other engines
+/// compute on the host for now, whatever the slot.
+pub fn runs_on_device(config: &JobConfig) -> bool {
+    let p = &config.parallel;
+    p.tp <= 1 && p.pp <= 1 && p.shard == "none" && !p.periodic_sync()
+}
+
+/// One rank of the attempt as the controller knows it.
+#[derive(Clone, Debug)]
+pub struct RankDevice<'a> {
+    pub node: &'a str,
+    pub slot: u32,
+    /// The host it runs on (its data-plane address's IP): ranks of one host may share a GPU ordinal only
+    /// if they are on different hosts.
+    pub host: IpAddr,
+    pub device: &'a SlotDevice,
+}
+
+/// The plane of an attempt of `config` on `ranks`, and why.
+pub fn choose(config: &JobConfig, ranks: &[RankDevice]) -> (GradientPlane, String) {
+    let host = |why: String| (GradientPlane::Host, why);
+    if let Some(r) = ranks.iter().find(|r| matches!(r.device, SlotDevice::Cpu)) {
+        return host(format!("rank on {} slot {} computes on the CPU", r.node, r.slot));
+    }
+    if !runs_on_device(config) {
+        return host(format!(
+            "ranks on CUDA slots, but this engine ({}) computes on the host; DDP (shard = \"none\", no tp, pp or periodic sync) runs on the GPUs",
+            engine_name(config)
+        ));
+    }
+    for r in ranks {
+        if let SlotDevice::Cuda { nccl_missing: Some(why), .. } = r.device {
+            return host(format!("node {} cannot run NCCL: {why}", r.node));
+        }
+    }
+    for (i, a) in ranks.iter().enumerate() {
+        if let Some(b) = ranks[i + 1..].iter().find(|b| b.host == a.host && b.device.label() == a.device.label()) {
+            return host(format!(
+                "ranks on {} slot {} and {} slot {} share {} of host {}: NCCL needs a GPU per rank",
+                a.node,
+                a.slot,
+                b.node,
+                b.slot,
+                a.device.label(),
+                a.host
+            ));
+        }
+    }
+    if ranks.is_empty() {
+        return host("no ranks".into());
+    }
+    (GradientPlane::Nccl, format!("every rank of the {} has a GPU of its own", plural(ranks.len())))
+}
+
+fn plural(n: usize) -> String {
+    if n == 1 {
+        "1 rank".into()
+    } else {
+        format!("{n} ranks")
+    }
+}
+
+fn engine_name(config: &JobConfig) -> String {
+    let p = &config.parallel;
+    let mut parts = Vec::new();
+    if p.tp > 1 {
+        parts.push(format!("tp = {}", p.tp));
+    }
+    if p.pp > 1 {
+        parts.push(format!("pp = {}", p.pp));
+    }
+    if p.shard != "none" {
+        parts.push(format!("shard = {:?}", p.shard));
+    }
+    if p.periodic_sync() {
+        parts.push(format!("sync = {:?}", p.sync));
+    }
+    parts.join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu(ordinal: u32) -> SlotDevice {
+        SlotDevice::Cuda { ordinal, name: "NVIDIA H100 80GB HBM3".into(), memory_bytes: 80 << 30, nccl_missing: None }
+    }
+
+    fn ip(last: u8) -> IpAddr {
+        IpAddr::from([10, 0, 0, last])
+    }
+
+    fn ddp() -> JobConfig {
+        JobConfig::default()
+    }
+
+    #[test]
+    fn nccl_when_every_rank_has_a_gpu_of_its_own() {
+        let (g0, g1) = (gpu(0), gpu(1));
+        let ranks = [
+            RankDevice { node: "a", slot: 0, host: ip(1), device: &g0 },
+            RankDevice { node: "a", slot: 1, host: ip(1), device: &g1 },
+            RankDevice { node: "b", slot: 0, host: ip(2), device: &g0 },
+        ];
+        let (plane, why) = choose(&ddp(), &ranks);
+        assert_eq!(plane, GradientPlane::Nccl, "{why}");
+        assert!(why.contains("3 ranks"), "{why}");
+        assert_eq!(choose(&ddp(), &ranks[..1]).0, GradientPlane::Nccl, "one rank: a world-1 communicator");
+    }
+
+    #[test]
+    fn the_host_plane_says_which_rank_or_node_forced_it() {
+        let (g0, cpu) = (gpu(0), SlotDevice::Cpu);
+        let mixed = [
+            RankDevice { node: "a", slot: 0, host: ip(1), device: &g0 },
+            RankDevice { node: "b", slot: 2, host: ip(2), device: &cpu },
+        ];
+        let (plane, why) = choose(&ddp(), &mixed);
+        assert_eq!(plane, GradientPlane::Host);
+        assert!(why.contains("b slot 2 computes on the CPU"), "{why}");
+
+        let shared = [
+            RankDevice { node: "a", slot: 0, host: ip(1), device: &g0 },
+            RankDevice { node: "a2", slot: 0, host: ip(1), device: &g0 },
+        ];
+        let (plane, why) = choose(&ddp(), &shared);
+        assert_eq!(plane, GradientPlane::Host);
+        assert!(why.contains("share cuda:0 of host 10.0.0.1"), "{why}");
+
+        let no_nccl = SlotDevice::Cuda {
+            ordinal: 1,
+            name: "NVIDIA H100".into(),
+            memory_bytes: 1,
+            nccl_missing: Some("NCCL is installed only as /x/libnccl.so.2".into()),
+        };
+        let missing = [
+            RankDevice { node: "a", slot: 0, host: ip(1), device: &g0 },
+            RankDevice { node: "c", slot: 0, host: ip(3), device: &no_nccl },
+        ];
+        let (plane, why) = choose(&ddp(), &missing);
+        assert_eq!(plane, GradientPlane::Host);
+        assert!(why.starts_with("node c cannot run NCCL") && why.contains("libnccl.so.2"), "{why}");
+    }
+
+    #[test]
+    fn engines_that_compute_on_the_host_keep_the_host_plane() {
+        let g0 = gpu(0);
+        let ranks = [RankDevice { node: "a", slot: 0, host: ip(1), device: &g0 }];
+        let mut zero = ddp();
+        zero.parallel.shard = "zero2".into();
+        let (plane, why) = choose(&zero, &ranks);
+        assert_eq!(plane, GradientPlane::Host);
+        assert!(why.contains("shard = \"zero2\"") && why.contains("computes on the host"), "{why}");
+        let mut pipeline = ddp();
+        pipeline.parallel.pp = 2;
+        assert!(!runs_on_device(&pipeline) && runs_on_device(&ddp()));
+    }
+}

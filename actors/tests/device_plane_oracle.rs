@@ -1,0 +1,172 @@
+//! The oracle for DDP's "every rank has a GPU of its own" path (issue 31): the engine flattens each
+//! bucket on the rank's device and sums it through a device plane — NCCL on GPUs; here the in-memory
+//! stand-in with NCCL's contract (`FakeNccl`), so CI runs the same engine code on CPU tensors. Per-step
+//! losses and final parameters equal the single-process reference within 1e-5 (fp32), replicas stay
+//! bit-identical; a rank lost mid-step fails its peers' calls at once (not after the collective
+//! timeout), and the survivors, rebuilt on a fresh communicator for the next epoch, stay on the
+//! reference's trajectory.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tch::Tensor;
+use troupe_actors::engine::device_plane::FakeNccl;
+use troupe_actors::engine::DataParallelReplica;
+use troupe_cluster::collective::{CollectiveConfig, Communicator};
+use troupe_cluster::transport::memory::MemoryTransport;
+use troupe_cluster::TransportConfig;
+use troupe_model::config::JobConfig;
+use troupe_model::oracle::{compare_params, worst_loss_diff};
+use troupe_model::Trainer;
+
+const STEPS: u64 = 12;
+const TOLERANCE: f64 = 1e-5;
+/// Small buckets, so each step sums several on the device.
+const BUCKET_BYTES: usize = 64 << 10;
+
+fn job() -> JobConfig {
+    let mut config = JobConfig::default();
+    config.train.steps = STEPS;
+    config.train.global_batch = 8;
+    config.train.micro_batch = 2;
+    config
+}
+
+fn reference(config: &JobConfig) -> (Vec<f64>, Vec<Tensor>) {
+    tch::set_num_threads(1);
+    let mut trainer = Trainer::new(config.clone()).unwrap();
+    let losses = (0..config.train.steps).map(|_| trainer.train_step().loss).collect();
+    (losses, trainer.param_values())
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    let values: Vec<f32> = Vec::try_from(t.flatten(0, -1)).unwrap();
+    values.into_iter().map(f32::to_bits).collect()
+}
+
+fn comm(transport: MemoryTransport, epoch: u64) -> Communicator<MemoryTransport> {
+    Communicator::new(Arc::new(transport), 0, epoch, CollectiveConfig::from(&TransportConfig::default()))
+}
+
+fn on_thread<R: Send + 'static>(body: impl FnOnce() -> R + Send + 'static) -> std::thread::JoinHandle<R> {
+    std::thread::spawn(move || {
+        tch::set_num_threads(1);
+        body()
+    })
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+/// `world` DDP ranks summing their gradients through a fake-NCCL group: each rank's losses and final
+/// parameters, and the name of the plane its engine used.
+fn ddp_on_devices(config: &JobConfig, world: usize) -> Vec<(Vec<f64>, Vec<Tensor>, Option<&'static str>)> {
+    let planes = FakeNccl::group(world, Duration::from_secs(60));
+    let handles: Vec<_> = MemoryTransport::mesh(world, 4096)
+        .into_iter()
+        .zip(planes)
+        .map(|(transport, plane)| {
+            let config = config.clone();
+            on_thread(move || {
+                runtime().block_on(async move {
+                    let trainer = Trainer::new(config.clone()).unwrap();
+                    let replica = DataParallelReplica::new(trainer, comm(transport, 1), BUCKET_BYTES).await.unwrap();
+                    let mut replica = replica.with_device_plane(Box::new(plane));
+                    assert!(replica.buckets().len() > 1, "several buckets per step");
+                    let mut losses = Vec::new();
+                    for _ in 0..config.train.steps {
+                        losses.push(replica.train_step().await.unwrap().loss);
+                    }
+                    (losses, replica.trainer().param_values(), replica.device_plane())
+                })
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn ddp_through_the_device_plane_equals_the_reference_at_2_and_3_ranks() {
+    let config = job();
+    let (ref_losses, ref_params) = reference(&config);
+    let specs = troupe_model::model::param_specs(&config.model);
+    for world in [2, 3] {
+        let ranks = ddp_on_devices(&config, world);
+        let (losses, params, plane) = &ranks[0];
+        assert_eq!(*plane, Some("fake-nccl"), "the engine summed on the device plane");
+        let loss_diff = worst_loss_diff(losses, &ref_losses);
+        assert!(loss_diff <= TOLERANCE, "dp={world}: losses differ by {loss_diff:e}");
+        let comparison = compare_params(&specs, params, &ref_params);
+        assert!(comparison.within(TOLERANCE), "dp={world}: {comparison:?}");
+        for (rank, (other_losses, other_params, _)) in ranks.iter().enumerate().skip(1) {
+            assert_eq!(other_losses, losses, "rank {rank}'s losses");
+            for (a, b) in other_params.iter().zip(params) {
+                assert_eq!(bits(a), bits(b), "rank {rank}'s replica diverged from rank 0's");
+            }
+        }
+        println!("dp={world} on the device plane: loss diff {loss_diff:.1e}, params worst {:.1e}", comparison.worst);
+    }
+}
+
+/// Two ranks; rank 1 dies (its communicator dropped, as a killed process's) during step `lost_at`.
+/// Rank 0's all-reduce fails at once, well before the 60 s timeout; the attempt ends, rank 0 keeps its
+/// committed state and continues alone on a fresh communicator (the next epoch's): the whole run equals
+/// the reference, since DDP's update does not depend on how the batch is split.
+#[test]
+fn a_lost_rank_fails_the_device_all_reduce_at_once_and_the_survivor_stays_on_the_reference() {
+    let config = job();
+    let lost_at = 5;
+    let (ref_losses, ref_params) = reference(&config);
+    let mut planes = FakeNccl::group(2, Duration::from_secs(60));
+    let (plane1, plane0) = (planes.pop().unwrap(), planes.pop().unwrap());
+    let mut transports = MemoryTransport::mesh(2, 4096);
+    let (t1, t0) = (transports.pop().unwrap(), transports.pop().unwrap());
+    let config1 = config.clone();
+    let doomed = on_thread(move || {
+        runtime().block_on(async move {
+            let trainer = Trainer::new(config1).unwrap();
+            let replica = DataParallelReplica::new(trainer, comm(t1, 1), BUCKET_BYTES).await.unwrap();
+            let mut replica = replica.with_device_plane(Box::new(plane1));
+            for _ in 0..lost_at {
+                replica.train_step().await.unwrap();
+            }
+            // Dies during the next step: after its backward, before its first bucket's all-reduce.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            drop(replica);
+        })
+    });
+    let survivor = on_thread(move || {
+        runtime().block_on(async move {
+            let trainer = Trainer::new(config.clone()).unwrap();
+            let replica = DataParallelReplica::new(trainer, comm(t0, 1), BUCKET_BYTES).await.unwrap();
+            let mut replica = replica.with_device_plane(Box::new(plane0));
+            let mut losses = Vec::new();
+            for _ in 0..lost_at {
+                losses.push(replica.train_step().await.unwrap().loss);
+            }
+            let failing = Instant::now();
+            let error = replica.train_step().await.unwrap_err().to_string();
+            let failed_after = failing.elapsed();
+            // The next epoch: one rank, its own communicator and a fresh plane, from the committed state.
+            let trainer = replica.into_trainer();
+            assert_eq!(trainer.step, lost_at, "the failed step was not applied");
+            let alone = comm(MemoryTransport::mesh(1, 4096).remove(0), 2);
+            let mut replica = DataParallelReplica::without_sync(trainer, alone, BUCKET_BYTES)
+                .with_device_plane(Box::new(FakeNccl::group(1, Duration::from_secs(60)).remove(0)));
+            while replica.trainer().step < config.train.steps {
+                losses.push(replica.train_step().await.unwrap().loss);
+            }
+            (losses, replica.trainer().param_values(), error, failed_after)
+        })
+    });
+    doomed.join().unwrap();
+    let (losses, params, error, failed_after) = survivor.join().unwrap();
+    assert!(error.contains("aborted") && error.contains("rank 1 is gone"), "{error}");
+    assert!(failed_after < Duration::from_secs(10), "failed after {failed_after:?}, not at once");
+    let loss_diff = worst_loss_diff(&losses, &ref_losses);
+    assert!(loss_diff <= TOLERANCE, "losses differ by {loss_diff:e}");
+    let specs = troupe_model::model::param_specs(&job().model);
+    let comparison = compare_params(&specs, &params, &ref_params);
+    assert!(comparison.within(TOLERANCE), "{comparison:?}");
+}

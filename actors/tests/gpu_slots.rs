@@ -1,0 +1,102 @@
+//! Daemon slots on CUDA devices (issue 31), end to end through daemon processes: a DDP job on a GPU slot
+//! sums its gradients over NCCL, two daemons sharing one GPU sum theirs through host memory, and both
+//! follow the single-process reference. They need a GPU: elsewhere each says "skipped: no CUDA device"
+//! and passes (scripts/gpu-check.sh runs them on a lent device, `TROUPE_BIN` pointing at the carried
+//! `troupe`). Without a GPU the device path runs in `device_plane_oracle.rs` (fake NCCL), and the
+//! refusal of `devices = "cuda"` in `daemons.rs`.
+
+mod common;
+
+use std::time::Duration;
+
+use troupe_actors::api::{GradientPlane, Job, JobEvent, LocalCluster, LocalClusterOptions};
+use troupe_actors::node_config::devices::Devices;
+use troupe_model::config::JobConfig;
+use troupe_model::oracle::worst_loss_diff;
+use troupe_model::Trainer;
+
+/// A GPU's fp32 sums differ from the CPU's in order: the CUDA trainer's own check uses the same bound.
+const TOLERANCE: f64 = 1e-4;
+
+/// Whether a CUDA device is visible; if not, says why the test is skipped.
+fn cuda(test: &str) -> bool {
+    match troupe_cluster::nccl::cuda_devices() {
+        Ok(devices) if !devices.is_empty() => true,
+        Ok(_) => {
+            println!("{test}: skipped: no CUDA device (the driver reports none)");
+            false
+        }
+        Err(e) => {
+            println!("{test}: skipped: no CUDA device ({e})");
+            false
+        }
+    }
+}
+
+fn reference(config: &JobConfig) -> Vec<f64> {
+    let mut trainer = Trainer::new(config.clone()).unwrap();
+    (0..config.train.steps).map(|_| trainer.train_step().loss).collect()
+}
+
+/// Runs `config` on `cluster`: the started event's plane and reason, each step's loss and MFU.
+async fn run(cluster: &LocalCluster, config: &JobConfig) -> ((GradientPlane, String), Vec<f64>, Vec<Option<f64>>) {
+    let mut job = cluster.client().await.unwrap().submit(Job::new(config.clone())).await.unwrap();
+    let (mut plane, mut losses, mut mfus) = (None, Vec::new(), Vec::new());
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(120), job.next_event()).await.expect("progress").unwrap();
+        match event {
+            Some(JobEvent::Started { plane: p, plane_reason, .. }) => plane = Some((p, plane_reason)),
+            Some(JobEvent::Step { loss, mfu, .. }) => {
+                losses.push(loss);
+                mfus.push(mfu);
+            }
+            Some(JobEvent::Finished { .. }) => break,
+            Some(e) if e.is_terminal() => panic!("the job ended: {e:?}"),
+            Some(_) => {}
+            None => panic!("the event stream ended early"),
+        }
+    }
+    (plane.expect("a started event"), losses, mfus)
+}
+
+async fn cluster(nodes: usize) -> LocalCluster {
+    let mut options = LocalClusterOptions::new(nodes);
+    options.torch_threads = 1;
+    options.devices = Some(Devices::List(vec![0]));
+    LocalCluster::processes(common::binary(), options).await.expect("local cluster starts")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ddp_rank_on_a_gpu_slot_sums_over_nccl_and_follows_the_reference() {
+    if !cuda("a_ddp_rank_on_a_gpu_slot_sums_over_nccl_and_follows_the_reference") {
+        return;
+    }
+    let config = common::two_block_job(10);
+    let cluster = cluster(1).await;
+    let ((plane, why), losses, mfus) = run(&cluster, &config).await;
+    cluster.shutdown().await;
+    assert_eq!(plane, GradientPlane::Nccl, "{why}");
+    let diff = worst_loss_diff(&losses, &reference(&config));
+    println!("1 GPU rank over NCCL: loss diff {diff:.1e}; MFU {:?}", mfus.last());
+    assert!(diff <= TOLERANCE, "losses differ by {diff:e}");
+    let name = troupe_cluster::nccl::cuda_devices().unwrap()[0].name.clone();
+    if troupe_actors::telemetry::peak::known_peak_tflops(&name, "fp32").is_some() {
+        assert!(mfus.iter().all(Option::is_some), "{name}'s peak is known: every step has an MFU");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_daemons_sharing_a_gpu_sum_through_host_memory_and_follow_the_reference() {
+    if !cuda("two_daemons_sharing_a_gpu_sum_through_host_memory_and_follow_the_reference") {
+        return;
+    }
+    let config = common::two_block_job(10);
+    let cluster = cluster(2).await;
+    let ((plane, why), losses, _) = run(&cluster, &config).await;
+    cluster.shutdown().await;
+    assert_eq!(plane, GradientPlane::Host, "{why}");
+    assert!(why.contains("share cuda:0"), "{why}");
+    let diff = worst_loss_diff(&losses, &reference(&config));
+    println!("2 ranks sharing one GPU over the host plane: loss diff {diff:.1e}");
+    assert!(diff <= TOLERANCE, "losses differ by {diff:e}");
+}
