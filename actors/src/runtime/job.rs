@@ -1411,8 +1411,8 @@ pub(super) mod tests {
     }
 
     /// Members that announced a GPU per slot: the controller picks the NCCL plane, sends it with `Start`
-    /// and reports it (start event, status); a member on the CPU turns the next attempt to the host
-    /// plane, saying why. Every rank's known device peak gives the step its MFU.
+    /// and reports it (start event, status). Every rank's known device peak gives the step its MFU, one
+    /// unknown peak none. Two ranks on one host's GPU take the host plane, saying why.
     #[test]
     fn the_plane_follows_the_announced_devices_and_known_peaks_give_the_mfu() {
         let gpu = |ordinal| SlotDevice::Cuda {

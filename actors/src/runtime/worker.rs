@@ -327,8 +327,13 @@ impl WorkerState {
             restored: prepared.restored,
             plane,
             device: self.args.device.clone(),
+            // The peak of where the rank computes: an engine that stays on the host has no GPU peak.
             peak_flops: crate::telemetry::peak::peak_flops(
-                &self.args.device,
+                if crate::plan::plane::runs_on_device(&prepared.spec.config) {
+                    &self.args.device
+                } else {
+                    &SlotDevice::Cpu
+                },
                 &prepared.spec.config.parallel.precision,
                 self.args.peak_tflops,
             ),
