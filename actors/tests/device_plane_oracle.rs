@@ -1,6 +1,7 @@
-//! The oracle for DDP's "every rank has a GPU of its own" path (issue 31): the engine flattens each
-//! bucket on the rank's device and sums it through a device plane — NCCL on GPUs; here the in-memory
-//! stand-in with NCCL's contract (`FakeNccl`), so CI runs the same engine code on CPU tensors. Per-step
+//! The oracle for the "every rank has a GPU of its own" paths (issue 31): DDP flattens each bucket on
+//! the rank's device and sums it through a device plane, ZeRO-1/2 reduce the flat gradient and gather
+//! the masters there — NCCL on GPUs; here the in-memory stand-in with NCCL's contract (`FakeNccl`), so
+//! CI runs the same engine code on CPU tensors. Per-step
 //! losses and final parameters equal the single-process reference within 1e-5 (fp32), replicas stay
 //! bit-identical; a rank lost mid-step fails its peers' calls at once (not after the collective
 //! timeout), and the survivors, rebuilt on a fresh communicator for the next epoch, stay on the
@@ -11,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use tch::Tensor;
 use troupe_actors::engine::device_plane::FakeNccl;
-use troupe_actors::engine::DataParallelReplica;
+use troupe_actors::engine::{CommittedState, DataParallelReplica, ShardMode, ShardedReplica, StepEngine};
 use troupe_cluster::collective::{CollectiveConfig, Communicator};
 use troupe_cluster::transport::memory::MemoryTransport;
 use troupe_cluster::TransportConfig;
@@ -57,6 +58,20 @@ fn on_thread<R: Send + 'static>(body: impl FnOnce() -> R + Send + 'static) -> st
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+/// What the survivor of a lost peer saw — its losses and final parameters over the whole run, the error
+/// of the step that failed and how long that took — checked: the call failed at once because the peer
+/// was gone (not after the 60 s timeout), and the run stayed on the reference's trajectory.
+fn survived(run: (Vec<f64>, Vec<Tensor>, String, Duration), (ref_losses, ref_params): (&[f64], &[Tensor])) {
+    let (losses, params, error, failed_after) = run;
+    assert!(error.contains("aborted") && error.contains("rank 1 is gone"), "{error}");
+    assert!(failed_after < Duration::from_secs(10), "failed after {failed_after:?}, not at once");
+    let loss_diff = worst_loss_diff(&losses, ref_losses);
+    assert!(loss_diff <= TOLERANCE, "losses differ by {loss_diff:e}");
+    let specs = troupe_model::model::param_specs(&job().model);
+    let comparison = compare_params(&specs, &params, ref_params);
+    assert!(comparison.within(TOLERANCE), "{comparison:?}");
 }
 
 /// `world` DDP ranks summing their gradients through a fake-NCCL group: each rank's losses and final
@@ -161,12 +176,128 @@ fn a_lost_rank_fails_the_device_all_reduce_at_once_and_the_survivor_stays_on_the
         })
     });
     doomed.join().unwrap();
-    let (losses, params, error, failed_after) = survivor.join().unwrap();
-    assert!(error.contains("aborted") && error.contains("rank 1 is gone"), "{error}");
-    assert!(failed_after < Duration::from_secs(10), "failed after {failed_after:?}, not at once");
-    let loss_diff = worst_loss_diff(&losses, &ref_losses);
-    assert!(loss_diff <= TOLERANCE, "losses differ by {loss_diff:e}");
-    let specs = troupe_model::model::param_specs(&job().model);
-    let comparison = compare_params(&specs, &params, &ref_params);
-    assert!(comparison.within(TOLERANCE), "{comparison:?}");
+    survived(survivor.join().unwrap(), (&ref_losses, &ref_params));
+}
+
+/// One rank's run: its losses, final parameters, gradient collective and device plane.
+type RankRun = (Vec<f64>, Vec<Tensor>, &'static str, Option<&'static str>);
+
+/// `world` ZeRO-1/2 ranks (`mode`) reducing their gradients and gathering their masters through a
+/// fake-NCCL group: each rank's run.
+fn zero_on_devices(config: &JobConfig, world: usize, mode: ShardMode) -> Vec<RankRun> {
+    let planes = FakeNccl::group(world, Duration::from_secs(60));
+    let handles: Vec<_> = MemoryTransport::mesh(world, 4096)
+        .into_iter()
+        .zip(planes)
+        .map(|(transport, plane)| {
+            let config = config.clone();
+            on_thread(move || {
+                runtime().block_on(async move {
+                    let trainer = Trainer::new(config.clone()).unwrap();
+                    let mut replica = ShardedReplica::new(trainer, comm(transport, 1), mode).await.unwrap();
+                    replica.set_device_plane(Box::new(plane)).unwrap();
+                    let mut losses = Vec::new();
+                    for _ in 0..config.train.steps {
+                        losses.push(replica.train_step().await.unwrap().loss);
+                    }
+                    let collective = StepEngine::gradient_collective(&replica);
+                    (losses, replica.trainer().param_values(), collective, replica.device_plane())
+                })
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// ZeRO-1 (all-reduce) and ZeRO-2 (reduce-scatter) on the device plane, at 2 and 3 ranks — 3 does not
+/// divide the model's length, so the balanced shards go through NCCL's equal pieces padded — equal the
+/// single-process reference, and every rank's replica (its parameters all-gathered on the device)
+/// matches rank 0's bit for bit.
+#[test]
+fn zero1_and_zero2_through_the_device_plane_equal_the_reference_at_2_and_3_ranks() {
+    let config = job();
+    let (ref_losses, ref_params) = reference(&config);
+    let specs = troupe_model::model::param_specs(&config.model);
+    let total: usize = specs.iter().map(|s| s.numel()).sum();
+    assert_ne!(total % 3, 0, "the model's length is not a multiple of 3: the padded path runs");
+    for (mode, collective) in [(ShardMode::Zero1, "all-reduce (device)"), (ShardMode::Zero2, "reduce-scatter (device)")]
+    {
+        for world in [2, 3] {
+            let ranks = zero_on_devices(&config, world, mode);
+            let (losses, params, used, plane) = &ranks[0];
+            assert_eq!((*used, *plane), (collective, Some("fake-nccl")), "{mode:?}: reduced on the device plane");
+            let loss_diff = worst_loss_diff(losses, &ref_losses);
+            assert!(loss_diff <= TOLERANCE, "{mode:?} dp={world}: losses differ by {loss_diff:e}");
+            let comparison = compare_params(&specs, params, &ref_params);
+            assert!(comparison.within(TOLERANCE), "{mode:?} dp={world}: {comparison:?}");
+            for (rank, (other_losses, other_params, _, _)) in ranks.iter().enumerate().skip(1) {
+                assert_eq!(other_losses, losses, "{mode:?}: rank {rank}'s losses");
+                for (a, b) in other_params.iter().zip(params) {
+                    assert_eq!(bits(a), bits(b), "{mode:?}: rank {rank}'s replica diverged from rank 0's");
+                }
+            }
+            println!(
+                "{mode:?} dp={world} on the device plane: loss diff {loss_diff:.1e}, params worst {:.1e}",
+                comparison.worst
+            );
+        }
+    }
+}
+
+/// ZeRO-2 on two ranks; rank 1 dies during step `lost_at`. Rank 0's reduce-scatter fails at once; its
+/// committed state (its owner's shard and its copy of rank 1's: one buddy) is kept, and it continues
+/// alone on a fresh communicator — the state resharded to a world of one from what it holds — on the
+/// reference's trajectory.
+#[test]
+fn zero2_on_the_device_plane_survives_a_lost_rank_from_its_buddy_copy() {
+    let config = job();
+    let lost_at = 5;
+    let (ref_losses, ref_params) = reference(&config);
+    let mut planes = FakeNccl::group(2, Duration::from_secs(60));
+    let (plane1, plane0) = (planes.pop().unwrap(), planes.pop().unwrap());
+    let mut transports = MemoryTransport::mesh(2, 4096);
+    let (t1, t0) = (transports.pop().unwrap(), transports.pop().unwrap());
+    let start = |config: JobConfig, transport: MemoryTransport, plane: FakeNccl| async move {
+        let trainer = Trainer::new(config).unwrap();
+        let state = CommittedState::Full(Box::new(trainer));
+        let mut replica = ShardedReplica::adopt(state, comm(transport, 1), ShardMode::Zero2, 1, None);
+        replica.sync().await.unwrap();
+        replica.set_device_plane(Box::new(plane)).unwrap();
+        replica
+    };
+    let config1 = config.clone();
+    let doomed = on_thread(move || {
+        runtime().block_on(async move {
+            let mut replica = start(config1, t1, plane1).await;
+            for _ in 0..lost_at {
+                replica.train_step().await.unwrap();
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            drop(replica);
+        })
+    });
+    let survivor = on_thread(move || {
+        runtime().block_on(async move {
+            let mut replica = start(config.clone(), t0, plane0).await;
+            let mut losses = Vec::new();
+            for _ in 0..lost_at {
+                losses.push(replica.train_step().await.unwrap().loss);
+            }
+            let failing = Instant::now();
+            let error = replica.train_step().await.unwrap_err().to_string();
+            let failed_after = failing.elapsed();
+            let state = replica.into_state().await.expect("the committed state is kept");
+            assert_eq!(state.step(), lost_at, "the failed step was not applied");
+            let alone = comm(MemoryTransport::mesh(1, 4096).remove(0), 2);
+            let mut replica = ShardedReplica::adopt(state, alone, ShardMode::Zero2, 1, None);
+            replica.sync().await.unwrap();
+            replica.set_device_plane(Box::new(FakeNccl::group(1, Duration::from_secs(60)).remove(0))).unwrap();
+            while replica.trainer().step < config.train.steps {
+                losses.push(replica.train_step().await.unwrap().loss);
+            }
+            (losses, replica.trainer().param_values(), error, failed_after)
+        })
+    });
+    doomed.join().unwrap();
+    survived(survivor.join().unwrap(), (&ref_losses, &ref_params));
 }

@@ -1,6 +1,6 @@
 //! Daemon slots on CUDA devices (issue 31), end to end through daemon processes: a DDP job on a GPU slot
-//! sums its gradients over NCCL, two daemons sharing one GPU sum theirs through host memory, and both
-//! follow the single-process reference. They need a GPU: elsewhere each says "skipped: no CUDA device"
+//! sums its gradients over NCCL, two daemons sharing one GPU sum theirs through host memory, ZeRO-1/2
+//! ranks do either, and all follow the single-process reference. They need a GPU: elsewhere each says "skipped: no CUDA device"
 //! and passes (scripts/gpu-check.sh runs them on a lent device, `TROUPE_BIN` pointing at the carried
 //! `troupe`). Without a GPU the device path runs in `device_plane_oracle.rs` (fake NCCL), and the
 //! refusal of `devices = "cuda"` in `daemons.rs`.
@@ -99,4 +99,26 @@ async fn two_daemons_sharing_a_gpu_sum_through_host_memory_and_follow_the_refere
     let diff = worst_loss_diff(&losses, &reference(&config));
     println!("2 ranks sharing one GPU over the host plane: loss diff {diff:.1e}");
     assert!(diff <= TOLERANCE, "losses differ by {diff:e}");
+}
+
+/// ZeRO on GPU slots: ZeRO-2 on one slot reduce-scatters and all-gathers over NCCL (world 1: NCCL's
+/// pointer calls on libtorch's tensors), then ZeRO-1 on two daemons sharing the GPU keeps the model on
+/// it and reduces through host memory; both follow the single-process reference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_ranks_on_gpu_slots_reduce_over_nccl_or_host_memory_and_follow_the_reference() {
+    if !cuda("zero_ranks_on_gpu_slots_reduce_over_nccl_or_host_memory_and_follow_the_reference") {
+        return;
+    }
+    let mut config = common::two_block_job(10);
+    let reference = reference(&config);
+    for (shard, nodes, expected) in [("zero2", 1, GradientPlane::Nccl), ("zero1", 2, GradientPlane::Host)] {
+        config.parallel.shard = shard.into();
+        let cluster = cluster(nodes).await;
+        let ((plane, why), losses, _) = run(&cluster, &config).await;
+        cluster.shutdown().await;
+        assert_eq!(plane, expected, "{shard} on {nodes} daemon(s): {why}");
+        let diff = worst_loss_diff(&losses, &reference);
+        println!("{shard} on {nodes} GPU slot(s) over the {plane} plane: loss diff {diff:.1e}");
+        assert!(diff <= TOLERANCE, "{shard}: losses differ by {diff:e}");
+    }
 }

@@ -79,7 +79,11 @@ esac"#,
     assert_eq!(train["status"], "failed", "{train}");
     let detail = train["detail"].as_str().unwrap();
     assert!(detail.contains("exit 3") && detail.contains("loss is NaN at step 3"), "{train}");
-    for check in ["ddp_on_a_gpu_slot_over_nccl", "two_ranks_share_the_gpu_over_the_host_plane"] {
+    for check in [
+        "ddp_on_a_gpu_slot_over_nccl",
+        "two_ranks_share_the_gpu_over_the_host_plane",
+        "zero_on_gpu_slots_over_nccl_and_host",
+    ] {
         let l = line(&lines, check);
         assert_eq!(l["status"], "skipped", "{l}");
         assert!(l["detail"].as_str().unwrap().contains("no CUDA device"), "{l}");
@@ -98,7 +102,7 @@ fn a_benchmark_that_fails_for_want_of_cuda_is_skipped_and_the_run_passes() {
     let (code, lines) = run_checks(bin.path());
     assert_eq!(code, Some(0), "{lines:?}");
     let statuses: Vec<&str> = lines[1..].iter().map(|l| l["status"].as_str().unwrap()).collect();
-    assert_eq!(statuses, ["skipped"; 7], "{lines:?}");
+    assert_eq!(statuses, ["skipped"; 8], "{lines:?}");
 }
 
 #[test]

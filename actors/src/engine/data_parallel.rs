@@ -37,7 +37,10 @@ use troupe_model::{StepReport, Trainer};
 
 use super::committed::CommittedState;
 use super::device_plane::DevicePlane;
-use super::flat::{append_flat, broadcast_params, broadcast_state, copy_from_flat, materialise_grads};
+use super::flat::{
+    append_flat, broadcast_params, broadcast_state, copy_from_device_flat, copy_from_flat, flatten_on_device,
+    materialise_grads,
+};
 use super::overlap::{BackwardJob, BackwardWork, MicroBatch, Progress};
 use super::step_engine::{EngineError, ReducedStep, StepEngine};
 use crate::protocol::RankUsage;
@@ -321,22 +324,14 @@ impl<T: Transport> DataParallelReplica<T> {
         let mut sum_sq: Option<Tensor> = None;
         for bucket in &self.buckets {
             let grads: Vec<Tensor> = self.trainer.model.params()[bucket.clone()].iter().map(Tensor::grad).collect();
-            let flat_grads: Vec<Tensor> = grads.iter().map(|g| g.reshape([-1])).collect();
-            let mut flat = Tensor::cat(&flat_grads, 0);
+            let mut flat = flatten_on_device(&grads);
             plane.all_reduce_sum(&mut flat).await?;
             let sq = flat.to_kind(tch::Kind::Double).square().sum(tch::Kind::Double);
             sum_sq = Some(match sum_sq {
                 Some(s) => s + sq,
                 None => sq,
             });
-            tch::no_grad(|| {
-                let mut offset = 0;
-                for g in &grads {
-                    let n = g.numel() as i64;
-                    g.shallow_clone().copy_(&flat.narrow(0, offset, n).view_as(g));
-                    offset += n;
-                }
-            });
+            copy_from_device_flat(&grads, &flat);
         }
         self.grad_sum_sq += sum_sq.map_or(0.0, |s| s.double_value(&[]));
         Ok(())

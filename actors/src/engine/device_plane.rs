@@ -1,12 +1,19 @@
-//! The gradient all-reduce of a rank whose model lives on a GPU of its own: each bucket is flattened on
-//! the device and summed there, never staged through host memory — by NCCL ([`NcclPlane`]) on GPUs.
-//! [`FakeNccl`], an in-memory stand-in with NCCL's contract, runs the same engine path on CPU tensors
-//! in CI: every rank of a group calls in the same order, a call completes when every rank has made it,
-//! every rank gets the same bits (summed in rank order), an abort by any rank fails every call in flight
-//! and every later one at once, and a call that waits longer than the timeout aborts the group.
+//! The collectives of ranks whose models live on GPUs of their own: each rank's buffers are flattened
+//! on its device and reduced or gathered there, never staged through host memory — by NCCL
+//! ([`NcclPlane`]) on GPUs. [`FakeNccl`], an in-memory stand-in with NCCL's contract, runs the same
+//! engine paths on CPU tensors in CI: every rank of a group makes the same calls in the same order, a
+//! call completes when every rank has made it, every rank gets the same bits (sums in rank order), an
+//! abort by any rank fails every call in flight and every later one at once, and a call that waits
+//! longer than the timeout aborts the group.
+//!
+//! DDP sums its buckets ([`DevicePlane::all_reduce_sum`]); ZeRO-1/2 reduce-scatter the flat gradient
+//! and all-gather the updated masters over the shard layout's balanced pieces
+//! ([`reduce_scatter_balanced`], [`all_gather_balanced`]: NCCL's pieces are equal, so each balanced
+//! piece is laid out in a padded buffer on the device).
 //!
 //! Which plane an attempt uses is the controller's choice (`crate::plan::plane`); the worker builds
-//! the plane for the epoch and hands it to the engine (`DataParallelReplica::with_device_plane`).
+//! the plane for the epoch and hands it to the engine (`DataParallelReplica::with_device_plane`,
+//! `ShardedReplica::with_device_plane`).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -14,18 +21,99 @@ use std::time::Duration;
 
 use futures::future::LocalBoxFuture;
 use tch::{Device, Kind, Tensor};
-use troupe_cluster::collective::{Collective as _, Dtype, ReduceOp};
+use troupe_cluster::collective::{chunk_range, Collective as _, Dtype, ReduceOp};
 use troupe_cluster::nccl::NcclCommunicator;
 use troupe_cluster::ClusterError;
 
-/// A collective group's all-reduce on device tensors.
+/// A collective group's operations on device tensors (contiguous f32 on the plane's device).
 pub trait DevicePlane {
     /// `nccl` or `fake-nccl` (logs and the step's collective span).
     fn name(&self) -> &'static str;
-    /// Sums `flat` (contiguous f32 on the plane's device) over the group's ranks, in place.
+    fn rank(&self) -> usize;
+    fn world(&self) -> usize;
+    /// Sums `flat` over the group's ranks, in place.
     fn all_reduce_sum<'a>(&'a mut self, flat: &'a mut Tensor) -> LocalBoxFuture<'a, Result<(), ClusterError>>;
+    /// NCCL's reduce-scatter: `input` (world × `out.numel()` elements) summed over the ranks, this
+    /// rank's piece (the rank-th of equal pieces) into `out`.
+    fn reduce_scatter_equal<'a>(
+        &'a mut self,
+        input: &'a Tensor,
+        out: &'a mut Tensor,
+    ) -> LocalBoxFuture<'a, Result<(), ClusterError>>;
+    /// NCCL's all-gather: every rank's `input` (equal lengths) into `out`, rank r's at r ×
+    /// `input.numel()`.
+    fn all_gather_equal<'a>(
+        &'a mut self,
+        input: &'a Tensor,
+        out: &'a mut Tensor,
+    ) -> LocalBoxFuture<'a, Result<(), ClusterError>>;
     /// Fails every call in flight and every later call (the attempt is over). Idempotent.
     fn abort(&mut self);
+}
+
+/// The length of each equal piece the balanced pieces of `total` elements are padded to.
+fn padded_piece(total: usize, world: usize) -> usize {
+    total.div_ceil(world).max(1)
+}
+
+/// Reduce-scatter over the balanced pieces the host collectives and the shard layout use
+/// (`chunk_range`): `flat` summed over the ranks, this rank's piece `chunk_range(total, world, rank)`
+/// into `own` (same device, that many elements).
+pub async fn reduce_scatter_balanced(
+    plane: &mut dyn DevicePlane,
+    flat: &Tensor,
+    own: &mut Tensor,
+) -> Result<(), ClusterError> {
+    let (rank, world, total) = (plane.rank(), plane.world(), flat.numel());
+    let mine = chunk_range(total, world, rank);
+    check_piece(plane, "reduce_scatter", own, mine.len())?;
+    let piece = padded_piece(total, world);
+    let padded = Tensor::zeros([(world * piece) as i64], (Kind::Float, flat.device()));
+    tch::no_grad(|| {
+        for r in 0..world {
+            let range = chunk_range(total, world, r);
+            let len = range.len() as i64;
+            padded.narrow(0, (r * piece) as i64, len).copy_(&flat.narrow(0, range.start as i64, len));
+        }
+    });
+    let mut out = Tensor::zeros([piece as i64], (Kind::Float, flat.device()));
+    plane.reduce_scatter_equal(&padded, &mut out).await?;
+    tch::no_grad(|| own.copy_(&out.narrow(0, 0, mine.len() as i64)));
+    Ok(())
+}
+
+/// All-gather over balanced pieces: every rank's `own` (its piece `chunk_range(total, world, rank)`)
+/// into `flat` (`total` elements, same device).
+pub async fn all_gather_balanced(
+    plane: &mut dyn DevicePlane,
+    own: &Tensor,
+    flat: &mut Tensor,
+) -> Result<(), ClusterError> {
+    let (rank, world, total) = (plane.rank(), plane.world(), flat.numel());
+    let mine = chunk_range(total, world, rank);
+    check_piece(plane, "all_gather", own, mine.len())?;
+    let piece = padded_piece(total, world);
+    let input = Tensor::zeros([piece as i64], (Kind::Float, flat.device()));
+    tch::no_grad(|| input.narrow(0, 0, mine.len() as i64).copy_(own));
+    let mut out = Tensor::zeros([(world * piece) as i64], (Kind::Float, flat.device()));
+    plane.all_gather_equal(&input, &mut out).await?;
+    tch::no_grad(|| {
+        for r in 0..world {
+            let range = chunk_range(total, world, r);
+            let len = range.len() as i64;
+            flat.narrow(0, range.start as i64, len).copy_(&out.narrow(0, (r * piece) as i64, len));
+        }
+    });
+    Ok(())
+}
+
+fn check_piece(plane: &dyn DevicePlane, op: &'static str, own: &Tensor, len: usize) -> Result<(), ClusterError> {
+    if own.numel() == len {
+        return Ok(());
+    }
+    let (rank, world) = (plane.rank(), plane.world());
+    let reason = format!("rank {rank} of {world}'s piece holds {} elements; its balanced piece is {len}", own.numel());
+    Err(ClusterError::InvalidArgument { rank, op, reason })
 }
 
 /// NCCL on the rank's GPU, for one epoch (`NcclCommunicator`: its unique id exchanged over the epoch's
@@ -41,32 +129,84 @@ impl NcclPlane {
         let ordinal = comm.stream().context().ordinal();
         NcclPlane { comm, ordinal }
     }
+
+    /// Refuses a tensor NCCL cannot be handed: not contiguous f32 on this plane's GPU.
+    fn check(&self, op: &'static str, t: &Tensor) -> Result<(), ClusterError> {
+        let ordinal = self.ordinal;
+        if t.device() == Device::Cuda(ordinal) && t.kind() == Kind::Float && t.is_contiguous() {
+            return Ok(());
+        }
+        let reason = format!(
+            "a buffer on {:?} ({:?}, contiguous: {}); NCCL takes contiguous f32 on cuda:{ordinal}",
+            t.device(),
+            t.kind(),
+            t.is_contiguous()
+        );
+        Err(ClusterError::InvalidArgument { rank: self.comm.rank(), op, reason })
+    }
+
+    /// Refuses an `input`/`out` pair whose lengths are not world × each other.
+    fn check_pieces(&self, op: &'static str, long: &Tensor, short: &Tensor) -> Result<(), ClusterError> {
+        self.check(op, long)?;
+        self.check(op, short)?;
+        if long.numel() == short.numel() * self.comm.world() {
+            return Ok(());
+        }
+        let reason =
+            format!("{} elements are not world ({}) × {} elements", long.numel(), self.comm.world(), short.numel());
+        Err(ClusterError::InvalidArgument { rank: self.comm.rank(), op, reason })
+    }
 }
 
+// SAFETY (every call below): each tensor was checked to be contiguous f32 on the communicator's
+// device and is borrowed until the call returns; libtorch computes on the same legacy default stream
+// the call is enqueued on, so the memory is neither reused nor freed before the operation ran, even if
+// the future is dropped (the communicator is then aborted with the attempt).
 impl DevicePlane for NcclPlane {
     fn name(&self) -> &'static str {
         "nccl"
     }
 
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn world(&self) -> usize {
+        self.comm.world()
+    }
+
     fn all_reduce_sum<'a>(&'a mut self, flat: &'a mut Tensor) -> LocalBoxFuture<'a, Result<(), ClusterError>> {
         Box::pin(async move {
-            let (rank, ordinal) = (self.comm.rank(), self.ordinal);
-            if flat.device() != Device::Cuda(ordinal) || flat.kind() != Kind::Float || !flat.is_contiguous() {
-                let reason = format!(
-                    "a bucket on {:?} ({:?}, contiguous: {}); NCCL sums contiguous f32 on cuda:{ordinal}",
-                    flat.device(),
-                    flat.kind(),
-                    flat.is_contiguous()
-                );
-                return Err(ClusterError::InvalidArgument { rank, op: "all_reduce", reason });
-            }
+            self.check("all_reduce", flat)?;
             let (ptr, count) = (flat.data_ptr() as u64, flat.numel());
-            // SAFETY: `flat` is a contiguous f32 tensor of `count` elements on the communicator's device
-            // (checked above), borrowed mutably until the call returns; libtorch computes on the same
-            // legacy default stream the call is enqueued on, so the tensor's memory is neither reused
-            // nor freed before the operation ran, even if this future is dropped (the communicator is
-            // then aborted with the attempt).
+            // SAFETY: see the impl's comment.
             unsafe { self.comm.all_reduce_in_place(ptr, count, Dtype::F32, ReduceOp::Sum).await }
+        })
+    }
+
+    fn reduce_scatter_equal<'a>(
+        &'a mut self,
+        input: &'a Tensor,
+        out: &'a mut Tensor,
+    ) -> LocalBoxFuture<'a, Result<(), ClusterError>> {
+        Box::pin(async move {
+            self.check_pieces("reduce_scatter", input, out)?;
+            let ptrs = (input.data_ptr() as u64, out.data_ptr() as u64);
+            // SAFETY: see the impl's comment; `input` and `out` are distinct tensors.
+            unsafe { self.comm.reduce_scatter_ptrs(ptrs, out.numel(), Dtype::F32, ReduceOp::Sum).await }
+        })
+    }
+
+    fn all_gather_equal<'a>(
+        &'a mut self,
+        input: &'a Tensor,
+        out: &'a mut Tensor,
+    ) -> LocalBoxFuture<'a, Result<(), ClusterError>> {
+        Box::pin(async move {
+            self.check_pieces("all_gather", out, input)?;
+            let ptrs = (input.data_ptr() as u64, out.data_ptr() as u64);
+            // SAFETY: see the impl's comment; `input` and `out` are distinct tensors.
+            unsafe { self.comm.all_gather_ptrs(ptrs, input.numel(), Dtype::F32).await }
         })
     }
 
@@ -77,11 +217,30 @@ impl DevicePlane for NcclPlane {
     }
 }
 
-/// One call of a [`FakeNccl`] group: each rank's contribution, then the sum every rank copies out.
+/// What a [`FakeNccl`] call computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FakeOp {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+}
+
+impl FakeOp {
+    fn name(self) -> &'static str {
+        match self {
+            FakeOp::AllReduce => "all_reduce",
+            FakeOp::ReduceScatter => "reduce_scatter",
+            FakeOp::AllGather => "all_gather",
+        }
+    }
+}
+
+/// One call of a [`FakeNccl`] group: each rank's operation and contribution, then the result every
+/// rank copies its output from (the sum, or the rank-ordered concatenation for an all-gather).
 #[derive(Default)]
 struct FakeCall {
-    parts: BTreeMap<usize, Vec<f32>>,
-    sum: Option<Arc<Result<Vec<f32>, String>>>,
+    parts: BTreeMap<usize, (FakeOp, Vec<f32>)>,
+    result: Option<Arc<Result<Vec<f32>, String>>>,
     taken: usize,
 }
 
@@ -109,8 +268,28 @@ impl FakeGroup {
     }
 }
 
-/// One rank of an in-memory NCCL stand-in (module docs): what lets CI run the engine's "every rank has
-/// its own device" path. Dropping a rank aborts its group, as a killed process's peers see NCCL fail.
+/// The result of a call whose every rank posted `parts` (in rank order): refused when the ranks made
+/// different calls or gave different lengths (NCCL would hang or read out of bounds).
+fn fake_result(parts: &BTreeMap<usize, (FakeOp, Vec<f32>)>) -> Result<Vec<f32>, String> {
+    let (op, first) = &parts[&0];
+    if let Some((rank, (other, _))) = parts.iter().find(|(_, (o, _))| o != op) {
+        return Err(format!("rank {rank} called {} where rank 0 called {}", other.name(), op.name()));
+    }
+    if let Some((rank, (_, p))) = parts.iter().find(|(_, (_, p))| p.len() != first.len()) {
+        return Err(format!("rank {rank} gave {} elements where rank 0 gave {}", p.len(), first.len()));
+    }
+    if *op == FakeOp::AllGather {
+        return Ok(parts.values().flat_map(|(_, p)| p.iter().copied()).collect());
+    }
+    let mut sum = vec![0f32; first.len()];
+    for (_, part) in parts.values() {
+        sum.iter_mut().zip(part).for_each(|(s, v)| *s += v);
+    }
+    Ok(sum)
+}
+
+/// One rank of an in-memory NCCL stand-in (module docs): what lets CI run the engines' "every rank has
+/// its own device" paths. Dropping a rank aborts its group, as a killed process's peers see NCCL fail.
 pub struct FakeNccl {
     rank: usize,
     group: Arc<FakeGroup>,
@@ -125,36 +304,26 @@ impl FakeNccl {
         (0..world).map(|rank| FakeNccl { rank, group: group.clone(), calls: 0, timeout }).collect()
     }
 
-    fn error(&self, reason: String) -> ClusterError {
-        ClusterError::Nccl(format!("rank {} of {} (fake NCCL): all_reduce: {reason}", self.rank, self.group.world))
+    fn error(&self, op: FakeOp, reason: String) -> ClusterError {
+        ClusterError::Nccl(format!("rank {} of {} (fake NCCL): {}: {reason}", self.rank, self.group.world, op.name()))
     }
 
-    /// Posts this rank's part of call `seq`; sums the call when it is the last part.
-    fn post(&self, seq: u64, part: Vec<f32>) {
+    /// Posts this rank's part of call `seq`; computes the call's result when it is the last part.
+    fn post(&self, seq: u64, op: FakeOp, part: Vec<f32>) {
         let mut state = self.group.lock();
         let world = self.group.world;
         let call = state.calls.entry(seq).or_default();
-        call.parts.insert(self.rank, part);
+        call.parts.insert(self.rank, (op, part));
         if call.parts.len() == world {
-            let len = call.parts[&0].len();
-            let sum = if let Some((rank, p)) = call.parts.iter().find(|(_, p)| p.len() != len) {
-                Err(format!("rank {rank} gave {} elements where rank 0 gave {len}", p.len()))
-            } else {
-                let mut sum = vec![0f32; len];
-                for part in call.parts.values() {
-                    sum.iter_mut().zip(part).for_each(|(s, v)| *s += v);
-                }
-                Ok(sum)
-            };
-            call.sum = Some(Arc::new(sum));
+            call.result = Some(Arc::new(fake_result(&call.parts)));
             call.parts.clear();
             drop(state);
             self.group.changed.notify_waiters();
         }
     }
 
-    /// Waits for call `seq`'s sum (or the group's abort, or the timeout, which aborts the group).
-    async fn wait_sum(&self, seq: u64) -> Result<Arc<Result<Vec<f32>, String>>, ClusterError> {
+    /// Waits for call `seq`'s result (or the group's abort, or the timeout, which aborts the group).
+    async fn wait_result(&self, seq: u64, op: FakeOp) -> Result<Arc<Result<Vec<f32>, String>>, ClusterError> {
         let deadline = tokio::time::Instant::now() + self.timeout;
         loop {
             let notified = self.group.changed.notified();
@@ -165,26 +334,41 @@ impl FakeNccl {
                 let mut state = self.group.lock();
                 let world = self.group.world;
                 if let Some(call) = state.calls.get_mut(&seq) {
-                    if let Some(sum) = call.sum.clone() {
+                    if let Some(result) = call.result.clone() {
                         call.taken += 1;
                         if call.taken == world {
                             state.calls.remove(&seq);
                         }
-                        return Ok(sum);
+                        return Ok(result);
                     }
                 }
                 if let Some(why) = &state.aborted {
-                    return Err(self.error(format!("the communicator was aborted ({why})")));
+                    return Err(self.error(op, format!("the communicator was aborted ({why})")));
                 }
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
                 let why = format!("rank {} waited {} ms for its peers", self.rank, self.timeout.as_millis());
                 self.group.abort(why.clone());
-                return Err(
-                    self.error(format!("not complete after {} ms; communicator aborted", self.timeout.as_millis()))
-                );
+                let ms = self.timeout.as_millis();
+                return Err(self.error(op, format!("not complete after {ms} ms; communicator aborted")));
             }
         }
+    }
+
+    /// One call: this rank's `input` in, the whole result out (every rank's the same).
+    async fn call(&mut self, op: FakeOp, input: &Tensor) -> Result<Tensor, ClusterError> {
+        if let Some(why) = &self.group.lock().aborted {
+            return Err(self.error(op, format!("the communicator was aborted ({why})")));
+        }
+        let seq = self.calls;
+        self.calls += 1;
+        let n = input.numel();
+        let mut part = vec![0f32; n];
+        input.to_kind(Kind::Float).copy_data(&mut part, n);
+        self.post(seq, op, part);
+        let result = self.wait_result(seq, op).await?;
+        let result = result.as_ref().as_ref().map_err(|e| self.error(op, e.clone()))?;
+        Ok(Tensor::from_slice(result).to_device(input.device()))
     }
 }
 
@@ -193,21 +377,51 @@ impl DevicePlane for FakeNccl {
         "fake-nccl"
     }
 
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.group.world
+    }
+
     fn all_reduce_sum<'a>(&'a mut self, flat: &'a mut Tensor) -> LocalBoxFuture<'a, Result<(), ClusterError>> {
         Box::pin(async move {
-            if let Some(why) = &self.group.lock().aborted {
-                return Err(self.error(format!("the communicator was aborted ({why})")));
+            let summed = self.call(FakeOp::AllReduce, flat).await?;
+            tch::no_grad(|| flat.copy_(&summed.view_as(flat)));
+            Ok(())
+        })
+    }
+
+    fn reduce_scatter_equal<'a>(
+        &'a mut self,
+        input: &'a Tensor,
+        out: &'a mut Tensor,
+    ) -> LocalBoxFuture<'a, Result<(), ClusterError>> {
+        Box::pin(async move {
+            let piece = out.numel() as i64;
+            if input.numel() as i64 != piece * self.group.world as i64 {
+                let reason = format!("{} elements are not world × {piece}", input.numel());
+                return Err(self.error(FakeOp::ReduceScatter, reason));
             }
-            let seq = self.calls;
-            self.calls += 1;
-            let n = flat.numel();
-            let mut part = vec![0f32; n];
-            flat.to_kind(Kind::Float).copy_data(&mut part, n);
-            self.post(seq, part);
-            let sum = self.wait_sum(seq).await?;
-            let sum = sum.as_ref().as_ref().map_err(|e| self.error(e.clone()))?;
-            let summed = Tensor::from_slice(sum).to_device(flat.device()).view_as(flat);
-            tch::no_grad(|| flat.copy_(&summed));
+            let summed = self.call(FakeOp::ReduceScatter, input).await?;
+            tch::no_grad(|| out.copy_(&summed.narrow(0, self.rank as i64 * piece, piece).view_as(out)));
+            Ok(())
+        })
+    }
+
+    fn all_gather_equal<'a>(
+        &'a mut self,
+        input: &'a Tensor,
+        out: &'a mut Tensor,
+    ) -> LocalBoxFuture<'a, Result<(), ClusterError>> {
+        Box::pin(async move {
+            if out.numel() != input.numel() * self.group.world {
+                let reason = format!("{} elements are not world × {}", out.numel(), input.numel());
+                return Err(self.error(FakeOp::AllGather, reason));
+            }
+            let gathered = self.call(FakeOp::AllGather, input).await?;
+            tch::no_grad(|| out.copy_(&gathered.view_as(out)));
             Ok(())
         })
     }
@@ -303,5 +517,62 @@ mod tests {
         let mut v = Tensor::from_slice(&[2f32]);
         rt.block_on(fresh[0].all_reduce_sum(&mut v)).unwrap();
         assert_eq!(Vec::<f32>::try_from(&v).unwrap(), vec![2.0]);
+    }
+
+    /// Balanced pieces of a length the world does not divide (7 over 3: 3, 2, 2) go through the equal
+    /// padded pieces and come back where the host collectives put them.
+    #[test]
+    fn reduce_scatter_and_all_gather_follow_the_balanced_pieces() {
+        for world in [1, 2, 3, 4] {
+            let got = run_ranks(FakeNccl::group(world, Duration::from_secs(10)), move |rank, mut plane| {
+                Box::pin(async move {
+                    let total = 7;
+                    let flat = Tensor::from_slice(&(0..total).map(|i| (i * 10 + rank) as f32).collect::<Vec<_>>());
+                    let mine = chunk_range(total, world, rank);
+                    let mut own = Tensor::zeros([mine.len() as i64], (Kind::Float, Device::Cpu));
+                    reduce_scatter_balanced(&mut plane, &flat, &mut own).await.unwrap();
+                    let mut whole = Tensor::zeros([total as i64], (Kind::Float, Device::Cpu));
+                    all_gather_balanced(&mut plane, &own, &mut whole).await.unwrap();
+                    (mine, Vec::<f32>::try_from(&own).unwrap(), Vec::<f32>::try_from(&whole).unwrap())
+                })
+            });
+            // Σ over ranks of (i·10 + rank) = world·i·10 + world(world−1)/2.
+            let expected: Vec<f32> = (0..7).map(|i| (world * i * 10 + world * (world - 1) / 2) as f32).collect();
+            for (rank, (mine, own, whole)) in got.iter().enumerate() {
+                assert_eq!(own[..], expected[mine.clone()], "world {world}: rank {rank}'s piece");
+                assert_eq!(whole, &expected, "world {world}: rank {rank}'s gathered whole");
+            }
+        }
+    }
+
+    #[test]
+    fn ranks_that_make_different_calls_are_refused_not_mixed() {
+        let got = run_ranks(FakeNccl::group(2, Duration::from_secs(10)), |rank, mut plane| {
+            Box::pin(async move {
+                let mut t = Tensor::from_slice(&[1f32, 2.0]);
+                if rank == 0 {
+                    plane.all_reduce_sum(&mut t).await.map_err(|e| e.to_string())
+                } else {
+                    let mut out = Tensor::zeros([1], (Kind::Float, Device::Cpu));
+                    plane.reduce_scatter_equal(&t, &mut out).await.map_err(|e| e.to_string())
+                }
+            })
+        });
+        for r in &got {
+            let err = r.as_ref().unwrap_err();
+            assert!(err.contains("rank 1 called reduce_scatter where rank 0 called all_reduce"), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_piece_of_the_wrong_length_is_refused_before_anything_is_sent() {
+        let mut ranks = FakeNccl::group(2, Duration::from_millis(100));
+        let mut plane = ranks.remove(0);
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let flat = Tensor::from_slice(&[1f32, 2.0, 3.0]);
+        let mut own = Tensor::zeros([1], (Kind::Float, Device::Cpu));
+        let err = rt.block_on(reduce_scatter_balanced(&mut plane, &flat, &mut own)).unwrap_err().to_string();
+        assert!(err.contains("holds 1 elements; its balanced piece is 2"), "{err}");
+        assert_eq!(plane.calls, 0, "nothing was posted");
     }
 }

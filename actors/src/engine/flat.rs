@@ -33,6 +33,27 @@ pub fn copy_from_flat(tensors: &[Tensor], flat: &[f32]) {
     });
 }
 
+/// `tensors` (f32) as one flat tensor on their device, in order: what a device plane reduces.
+pub fn flatten_on_device(tensors: &[Tensor]) -> Tensor {
+    let flat: Vec<Tensor> = tensors.iter().map(|t| t.reshape([-1])).collect();
+    Tensor::cat(&flat, 0)
+}
+
+/// Overwrites `tensors`, in order, with consecutive values of `flat` (on their device, holding exactly
+/// their elements): [`copy_from_flat`] without leaving the device.
+pub fn copy_from_device_flat(tensors: &[Tensor], flat: &Tensor) {
+    let total: usize = tensors.iter().map(Tensor::numel).sum();
+    assert_eq!(total, flat.numel(), "flat tensor length");
+    let mut offset = 0;
+    tch::no_grad(|| {
+        for t in tensors {
+            let n = t.numel() as i64;
+            t.shallow_clone().copy_(&flat.narrow(0, offset, n).view_as(t));
+            offset += n;
+        }
+    });
+}
+
 /// Overwrites every rank's parameters with rank 0's, one tensor at a time.
 pub(crate) async fn broadcast_params<T: Transport>(
     trainer: &Trainer,

@@ -15,6 +15,14 @@
 //! only in how the step's gradient shard is computed; sync, buddies, the update and checkpoints are
 //! these.
 //!
+//! On GPUs of their own (the attempt's plane is NCCL: `crate::plan::plane`), ZeRO-1/2 ranks keep the
+//! model and compute on the device and reduce there: the flat gradient is flattened on the device and
+//! all-reduced (ZeRO-1) or reduce-scattered (ZeRO-2) through the [`DevicePlane`], and only the held
+//! pieces cross to the host for the owner; the updated masters go up once and are all-gathered on the
+//! device into the parameters. The owner — masters, moments and the update — stays in host memory
+//! (ZeRO-Offload's split: per step each rank moves its held gradient pieces down and its own masters
+//! up). ZeRO-3 computes on the host.
+//!
 //! With Adafactor (`train.optimizer = "adafactor"`) every rank also keeps the whole model's factored
 //! statistics (`R + C` values per `R × C` matrix, replicated: [`troupe_model::optim::adafactor_shard`]),
 //! put together at `sync` by one all-reduce of every owner's part of its slots. Before the vote two
@@ -40,7 +48,10 @@ use troupe_model::trainer::scaler_of;
 use troupe_model::{StepReport, Trainer};
 
 use super::committed::{full_piece, tensor_specs, CommittedState, ShardPiece};
-use super::flat::{append_flat, broadcast_params, copy_from_flat, materialise_grads};
+use super::device_plane::{all_gather_balanced, reduce_scatter_balanced, DevicePlane};
+use super::flat::{
+    append_flat, broadcast_params, copy_from_device_flat, copy_from_flat, flatten_on_device, materialise_grads,
+};
 use super::memory::{group_sent, tensor_and_grad_bytes, PersistentState};
 use super::reshard::{reshard, Held};
 use super::segments::plan_segments;
@@ -94,6 +105,8 @@ pub struct ShardedReplica<T: Transport> {
     adafactor: Option<Arc<ShardLayout>>,
     /// Adafactor: the step in flight's Σ update² per parameter (reduced before the vote).
     update_sq: Vec<f32>,
+    /// ZeRO-1/2 on GPUs of their own: the gradients reduced and the masters gathered on the device.
+    device_plane: Option<Box<dyn DevicePlane>>,
 }
 
 impl<T: Transport> ShardedReplica<T> {
@@ -167,7 +180,29 @@ impl<T: Transport> ShardedReplica<T> {
             lost: false,
             adafactor,
             update_sq: Vec::new(),
+            device_plane: None,
         }
+    }
+
+    /// Reduces the gradients and gathers the masters on the device through `plane` from the next step
+    /// on (module docs). ZeRO-1/2 only: a ZeRO-3 rank computes on the host and refuses it.
+    pub fn set_device_plane(&mut self, plane: Box<dyn DevicePlane>) -> Result<(), String> {
+        if self.mode == ShardMode::Zero3 {
+            return Err("ZeRO-3 computes on the host: it takes no device plane".into());
+        }
+        self.device_plane = Some(plane);
+        Ok(())
+    }
+
+    /// The device plane's name (`nccl`, `fake-nccl`), or None when the collectives go through host
+    /// memory.
+    pub fn device_plane(&self) -> Option<&'static str> {
+        self.device_plane.as_ref().map(|p| p.name())
+    }
+
+    /// The attempt's (host) communicator: what a device plane's communicator is built over.
+    pub fn communicator(&mut self) -> &mut Communicator<T> {
+        &mut self.comm
     }
 
     pub fn rank(&self) -> usize {
@@ -354,8 +389,18 @@ impl<T: Transport> ShardedReplica<T> {
         Ok(())
     }
 
-    /// [`Self::refresh_params`] with the own shard's masters at hand.
+    /// [`Self::refresh_params`] with the own shard's masters at hand. With a device plane the own
+    /// masters go up to the device and are all-gathered there.
     async fn refresh_from(&mut self, masters: &[f32]) -> Result<(), ClusterError> {
+        if let Some(plane) = self.device_plane.as_deref_mut() {
+            let device = self.trainer.device;
+            let own = Tensor::from_slice(masters).to_device(device);
+            let mut flat = Tensor::zeros([self.total as i64], (tch::Kind::Float, device));
+            all_gather_balanced(plane, &own, &mut flat).await?;
+            copy_from_device_flat(self.trainer.model.params(), &flat);
+            self.params_stale = false;
+            return Ok(());
+        }
         self.flat.clear();
         self.flat.resize(self.total, 0.0);
         self.comm.all_gather(masters, &mut self.flat).await?;
@@ -419,6 +464,10 @@ impl<T: Transport> ShardedReplica<T> {
         let compute_seconds = started.elapsed().as_secs_f64();
 
         let grads: Vec<Tensor> = self.trainer.model.params().iter().map(Tensor::grad).collect();
+        if self.device_plane.is_some() {
+            self.reduce_on_device(&grads).await?;
+            return self.reduce_totals(local_loss, compute_seconds).await;
+        }
         self.flat.clear();
         append_flat(&grads, &mut self.flat);
         match self.mode {
@@ -461,6 +510,31 @@ impl<T: Transport> ShardedReplica<T> {
             super::eval::replicated_share(&self.trainer, self.rank(), self.world()).expect("checked above")
         };
         Ok(Some(super::eval::reduce_shares(&mut self.comm, local, &windows).await?))
+    }
+
+    /// ZeRO-1/2 with a device plane: the flat gradient all-reduced (ZeRO-1) or reduce-scattered (ZeRO-2)
+    /// on the device; only the held pieces come down to the host for the owner (ZeRO-2's buddy pieces
+    /// then travel from the shards' owners as on the host path).
+    async fn reduce_on_device(&mut self, grads: &[Tensor]) -> Result<(), ClusterError> {
+        let plane = self.device_plane.as_deref_mut().expect("called with a device plane");
+        let mut flat = flatten_on_device(grads);
+        match self.mode {
+            ShardMode::Zero1 => {
+                plane.all_reduce_sum(&mut flat).await?;
+                for (range, grad) in self.held.iter().zip(&mut self.grads) {
+                    flat.narrow(0, range.start as i64, range.len() as i64).copy_data(grad, range.len());
+                }
+            }
+            ShardMode::Zero2 => {
+                let len = self.held[0].len();
+                let mut own = Tensor::zeros([len as i64], (tch::Kind::Float, flat.device()));
+                reduce_scatter_balanced(plane, &flat, &mut own).await?;
+                own.copy_data(&mut self.grads[0], len);
+                self.share_grad_shard().await?;
+            }
+            ShardMode::Zero3 => unreachable!("ZeRO-3 takes no device plane"),
+        }
+        Ok(())
     }
 
     /// ZeRO-2/3: the owner's gradient shard to the ranks that shadow it; the buddies' shards from them.
@@ -606,6 +680,9 @@ impl<T: Transport> ShardedReplica<T> {
     /// `sync` found it lost or the owner died. A ZeRO-3 rank's parameters (rebuilt for `--save-final`)
     /// are dropped again.
     pub async fn into_state(mut self) -> Option<CommittedState> {
+        if let Some(plane) = &mut self.device_plane {
+            plane.abort();
+        }
         if self.mode == ShardMode::Zero3 {
             zero3::release_params(&mut self.trainer);
         }
@@ -649,9 +726,11 @@ impl<T: Transport> StepEngine for ShardedReplica<T> {
     }
 
     fn gradient_collective(&self) -> &'static str {
-        match self.mode() {
-            ShardMode::Zero2 => "reduce-scatter",
-            ShardMode::Zero1 | ShardMode::Zero3 => "all-reduce",
+        match (self.mode(), self.device_plane.is_some()) {
+            (ShardMode::Zero2, false) => "reduce-scatter",
+            (ShardMode::Zero2, true) => "reduce-scatter (device)",
+            (_, false) => "all-reduce",
+            (_, true) => "all-reduce (device)",
         }
     }
 

@@ -113,6 +113,9 @@ pub struct JobDriver {
     usage: Vec<RankUsage>,
     /// Where the running (or last) attempt sums its gradients, and why (`crate::plan::plane`).
     plane: (GradientPlane, String),
+    /// A rank's NCCL could not start (`plane::nccl_unusable`): why. The job's later attempts take the
+    /// host plane rather than fail the same way until the retries run out.
+    nccl_unusable: Option<String>,
     actions: VecDeque<DriverAction>,
 }
 
@@ -232,6 +235,7 @@ impl JobDriver {
             tp,
             usage: Vec::new(),
             plane: (GradientPlane::Host, String::new()),
+            nccl_unusable: None,
             actions: VecDeque::new(),
         }
     }
@@ -686,7 +690,12 @@ impl JobDriver {
                 device: members.iter().find(|m| m.name == r.node.0).map_or(&cpu, |m| slot_device(&m.devices, r.slot)),
             })
             .collect();
-        choose(&self.spec.config, &ranks)
+        match (choose(&self.spec.config, &ranks), &self.nccl_unusable) {
+            ((GradientPlane::Nccl, _), Some(why)) => {
+                (GradientPlane::Host, format!("NCCL failed to start in an earlier attempt ({why})"))
+            }
+            (chosen, _) => chosen,
+        }
     }
 
     /// A rank failed the attempt: abort it everywhere and start the next, up to the limit.
@@ -707,7 +716,12 @@ impl JobDriver {
         let Some(rank) = self.rank_of(node, slot) else { return };
         match outcome {
             AttemptOutcome::Aborted { .. } => {}
-            AttemptOutcome::Failed { reason, .. } => self.retry(rank, &reason),
+            AttemptOutcome::Failed { reason, .. } => {
+                if self.plane.0 == GradientPlane::Nccl && crate::plan::plane::nccl_unusable(&reason) {
+                    self.nccl_unusable.get_or_insert_with(|| format!("rank {rank}: {reason}"));
+                }
+                self.retry(rank, &reason)
+            }
             AttemptOutcome::StateLost { step, reason } => {
                 // Every rank reaches the same verdict, but a rank aborted before it would keep its
                 // partial state: the next attempts tell every rank to drop it.
@@ -1456,6 +1470,53 @@ pub(super) mod tests {
         let start = drain(&mut d);
         assert!(sent(&start).iter().all(|(_, w)| matches!(w, ToNode::Start { plane: GradientPlane::Host, .. })));
         assert!(d.info().plane_reason.contains("share cuda:0 of host 127.0.0.1"), "{}", d.info().plane_reason);
+    }
+
+    /// A rank whose NCCL could not start (the library or the device failed) fails its attempt; the next
+    /// attempts take the host plane, saying why, instead of failing the same way until the retries run
+    /// out. A rank that failed for another reason (a peer lost while the communicator was being built)
+    /// leaves NCCL chosen.
+    #[test]
+    fn a_rank_whose_nccl_cannot_start_sends_the_job_to_the_host_plane() {
+        let gpu =
+            SlotDevice::Cuda { ordinal: 0, name: "NVIDIA H200".into(), memory_bytes: 1 << 37, nccl_missing: None };
+        let mut d = JobDriver::new(7, spec(4));
+        let (v, mut m) = view(3, &["a", "b"]);
+        m[0].devices = vec![gpu.clone()];
+        m[1].devices = vec![gpu];
+        d.on_view(&v, &m, vec![]);
+        drain(&mut d);
+        let start = |d: &mut JobDriver| {
+            let attempt = d.info().attempts;
+            d.on_ready(T, &"a".into(), attempt, 0, addr(1), Some(0));
+            d.on_ready(T, &"b".into(), attempt, 0, "10.0.0.2:9".parse().unwrap(), Some(0));
+            let actions = drain(d);
+            let planes: Vec<GradientPlane> = sent(&actions)
+                .iter()
+                .filter_map(|(_, w)| match w {
+                    ToNode::Start { plane, .. } => Some(*plane),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(planes.len(), 2, "{actions:?}");
+            (attempt, planes[0])
+        };
+        let (attempt, plane) = start(&mut d);
+        assert_eq!(plane, GradientPlane::Nccl);
+        let lost = "building the NCCL communicator on cuda:0: peer 1 lost".to_string();
+        d.on_ended(&"b".into(), attempt, 0, AttemptOutcome::Failed { step: 0, reason: lost });
+        drain(&mut d);
+        let (attempt, plane) = start(&mut d);
+        assert_eq!(plane, GradientPlane::Nccl, "a lost peer is no reason to leave NCCL");
+
+        let reason = format!("{} (cuda:0): NCCL error: ncclSystemError", crate::plan::plane::NCCL_UNUSABLE);
+        d.on_ended(&"b".into(), attempt, 0, AttemptOutcome::Failed { step: 0, reason });
+        drain(&mut d);
+        let (_, plane) = start(&mut d);
+        assert_eq!(plane, GradientPlane::Host);
+        let why = d.info().plane_reason;
+        assert!(why.starts_with("NCCL failed to start in an earlier attempt (rank 1: "), "{why}");
+        assert!(why.contains("ncclSystemError"), "{why}");
     }
 
     /// Ranks that count what they hold and send: the attempt says it once, at its second step (its first

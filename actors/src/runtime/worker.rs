@@ -1,10 +1,11 @@
 //! WorkerActor: one per device slot (a GPU ordinal, or a CPU slot). Holds, per job, the committed
 //! training state of its rank, and runs attempts of the job's step protocol as a task it can abort.
 //!
-//! On a CUDA slot, a DDP rank's model, gradients and optimizer state live on the slot's GPU
+//! On a CUDA slot, a DDP or ZeRO-1/2 rank's model and gradients live on the slot's GPU
 //! (`plan::plane::runs_on_device`; the other engines compute on the host for now), and when the
-//! controller chose the NCCL plane for the attempt, its gradients are summed there by NCCL
-//! (`engine::device_plane`), the communicator built for the attempt's epoch over the attempt's mesh.
+//! controller chose the NCCL plane for the attempt, its gradients are reduced (and ZeRO's masters
+//! gathered) there by NCCL (`engine::device_plane`), the communicator built for the attempt's epoch
+//! over the attempt's mesh.
 //!
 //! What a restart loses and keeps: a restarted worker starts empty — the committed state of its jobs is
 //! gone, and the next attempt copies it from another rank (`Start.source`). Nothing else is lost: the
@@ -651,7 +652,8 @@ async fn train_over<T: Transport>(
         }
     }
     let collective = CollectiveConfig::from(&ctx.transport);
-    if spec.config.parallel.offload == "host" {
+    let on_device = ctx.device.torch().is_cuda() && crate::plan::plane::runs_on_device(&spec.config);
+    if spec.config.parallel.offload == "host" && !on_device {
         let rank = transport.rank();
         tracing::info!(job = ctx.job, attempt = ctx.attempt, rank, "{}", troupe_model::optim::offload::CPU_RANK_NOTE);
     }
@@ -680,6 +682,24 @@ async fn train_over<T: Transport>(
         (Some(mode), state) => {
             let replicas = spec.config.checkpoint.replicas;
             let mut engine = ShardedReplica::adopt(state, comm, mode, replicas, Some(ctx.worker.clone()));
+            if let (GradientPlane::Nccl, SlotDevice::Cuda { ordinal, .. }, false) =
+                (ctx.plane, &ctx.device, mode == ShardMode::Zero3)
+            {
+                let built = nccl_plane(engine.communicator(), *ordinal as usize, ctl).await;
+                let step = engine.trainer().step;
+                match built.and_then(|plane| plane.map(|p| engine.set_device_plane(p)).transpose()) {
+                    Ok(Some(())) => tracing::info!(
+                        job = ctx.job,
+                        attempt = ctx.attempt,
+                        rank = transport.rank(),
+                        "gradients reduced and masters gathered on cuda:{ordinal} by NCCL; the shard owner updates in host memory"
+                    ),
+                    Ok(None) => return (StepEngine::into_state(engine).await, AttemptOutcome::Aborted { step }),
+                    Err(reason) => {
+                        return (StepEngine::into_state(engine).await, AttemptOutcome::Failed { step, reason })
+                    }
+                }
+            }
             let outcome = drive(ctx, spec, &mut engine, ctl).await;
             (StepEngine::into_state(engine).await, outcome)
         }
@@ -687,7 +707,7 @@ async fn train_over<T: Transport>(
             let rank = transport.rank();
             let mut engine = DataParallelReplica::without_sync(*trainer, comm, DEFAULT_BUCKET_BYTES);
             if let (GradientPlane::Nccl, SlotDevice::Cuda { ordinal, .. }) = (ctx.plane, &ctx.device) {
-                match nccl_plane(&mut engine, *ordinal as usize, ctl).await {
+                match nccl_plane(engine.communicator(), *ordinal as usize, ctl).await {
                     Ok(Some(plane)) => {
                         tracing::info!(
                             job = ctx.job,
@@ -729,17 +749,25 @@ async fn train_over<T: Transport>(
     (state, outcome)
 }
 
-/// The NCCL communicator of a DDP rank on CUDA device `ordinal` for the attempt's epoch, its unique id
-/// exchanged over the engine's (host) communicator; None when the attempt was aborted first.
+/// The NCCL communicator of a rank on CUDA device `ordinal` for the attempt's epoch, its unique id
+/// exchanged over the engine's (host) communicator `comm`; None when the attempt was aborted first.
 async fn nccl_plane<T: Transport>(
-    engine: &mut DataParallelReplica<T>,
+    comm: &mut Communicator<T>,
     ordinal: usize,
     ctl: &mut mpsc::UnboundedReceiver<AttemptSignal>,
 ) -> Result<Option<Box<dyn crate::engine::device_plane::DevicePlane>>, String> {
     use crate::engine::device_plane::NcclPlane;
-    let connect = troupe_cluster::nccl::NcclCommunicator::connect(engine.communicator(), ordinal);
+    use troupe_cluster::ClusterError;
+    let connect = troupe_cluster::nccl::NcclCommunicator::connect(comm, ordinal);
+    let failed = |e: ClusterError| match e {
+        // NCCL or the device itself: the controller takes the host plane from the next attempt on.
+        ClusterError::NoCuda(_) | ClusterError::Nccl(_) => {
+            format!("{} (cuda:{ordinal}): {e}", crate::plan::plane::NCCL_UNUSABLE)
+        }
+        e => format!("building the NCCL communicator on cuda:{ordinal}: {e}"),
+    };
     tokio::select! {
-        r = connect => r.map(|c| Some(Box::new(NcclPlane::new(c)) as Box<_>)).map_err(|e| format!("building the NCCL communicator on cuda:{ordinal}: {e}")),
+        r = connect => r.map(|c| Some(Box::new(NcclPlane::new(c)) as Box<_>)).map_err(failed),
         _ = wait_abort(ctl) => Ok(None),
     }
 }

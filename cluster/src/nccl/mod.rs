@@ -117,6 +117,16 @@ pub fn cuda_devices() -> Result<Vec<CudaDeviceInfo>, ClusterError> {
         .collect()
 }
 
+fn nccl_dtype(dtype: crate::collective::Dtype) -> cudarc::nccl::sys::ncclDataType_t {
+    use crate::collective::Dtype;
+    use cudarc::nccl::sys::ncclDataType_t;
+    match dtype {
+        Dtype::F32 => ncclDataType_t::ncclFloat32,
+        Dtype::Bf16 => ncclDataType_t::ncclBfloat16,
+        Dtype::F16 => ncclDataType_t::ncclFloat16,
+    }
+}
+
 fn nccl_op(op: ReduceOp) -> ncclRedOp_t {
     match op {
         ReduceOp::Sum => ncclRedOp_t::ncclSum,
@@ -298,16 +308,51 @@ impl NcclCommunicator {
         dtype: crate::collective::Dtype,
         op: ReduceOp,
     ) -> Result<(), ClusterError> {
-        use crate::collective::Dtype;
-        let datatype = match dtype {
-            Dtype::F32 => cudarc::nccl::sys::ncclDataType_t::ncclFloat32,
-            Dtype::Bf16 => cudarc::nccl::sys::ncclDataType_t::ncclBfloat16,
-            Dtype::F16 => cudarc::nccl::sys::ncclDataType_t::ncclFloat16,
-        };
         // SAFETY: the caller's contract is `all_reduce_ptr`'s.
-        let enqueued =
-            unsafe { self.live("all_reduce")?.all_reduce_ptr(ptr, count, datatype, nccl_op(op), &self.stream) };
+        let enqueued = unsafe {
+            self.live("all_reduce")?.all_reduce_ptr(ptr, count, nccl_dtype(dtype), nccl_op(op), &self.stream)
+        };
         self.wait("all_reduce", enqueued).await
+    }
+
+    /// Reduce-scatter between buffers another allocator owns (libtorch tensors'): `send` holds world ×
+    /// `recv_count` elements of `dtype`, reduced over the ranks; rank r's piece (the r-th of equal
+    /// pieces) lands in `recv`. Enqueued and waited for as [`NcclCommunicator::all_reduce_in_place`].
+    ///
+    /// # Safety
+    /// `send` and `recv` must address that many contiguous elements of `dtype` on this communicator's
+    /// device, must not overlap, and must stay allocated as `all_reduce_in_place` requires.
+    pub async unsafe fn reduce_scatter_ptrs(
+        &mut self,
+        (send, recv): (u64, u64),
+        recv_count: usize,
+        dtype: crate::collective::Dtype,
+        op: ReduceOp,
+    ) -> Result<(), ClusterError> {
+        let (datatype, op) = (nccl_dtype(dtype), nccl_op(op));
+        // SAFETY: the caller's contract is `reduce_scatter_ptr`'s.
+        let enqueued = unsafe {
+            self.live("reduce_scatter")?.reduce_scatter_ptr((send, recv), recv_count, datatype, op, &self.stream)
+        };
+        self.wait("reduce_scatter", enqueued).await
+    }
+
+    /// All-gather between buffers another allocator owns: every rank's `send` (`send_count` elements of
+    /// `dtype`) into `recv` (world × `send_count`), rank r's at r × `send_count`.
+    ///
+    /// # Safety
+    /// As [`NcclCommunicator::reduce_scatter_ptrs`]'s.
+    pub async unsafe fn all_gather_ptrs(
+        &mut self,
+        (send, recv): (u64, u64),
+        send_count: usize,
+        dtype: crate::collective::Dtype,
+    ) -> Result<(), ClusterError> {
+        // SAFETY: the caller's contract is `all_gather_ptr`'s.
+        let enqueued = unsafe {
+            self.live("all_gather")?.all_gather_ptr((send, recv), send_count, nccl_dtype(dtype), &self.stream)
+        };
+        self.wait("all_gather", enqueued).await
     }
 
     /// Aborts after a failed call and returns the call's error.

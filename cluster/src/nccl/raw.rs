@@ -137,6 +137,47 @@ impl RawComm {
         status.map(drop).map_err(describe)
     }
 
+    /// Enqueues a reduce-scatter from device address `send` (world × `recv_count` elements of
+    /// `datatype`) into `recv` (`recv_count`), rank r keeping piece r, on `stream` (memory another
+    /// allocator owns).
+    ///
+    /// # Safety
+    /// `send` and `recv` must address that many contiguous elements on this communicator's device,
+    /// not overlap, and stay allocated until the operation completed on `stream` (or was aborted).
+    pub(super) unsafe fn reduce_scatter_ptr(
+        &self,
+        (send, recv): (u64, u64),
+        recv_count: usize,
+        datatype: sys::ncclDataType_t,
+        op: sys::ncclRedOp_t,
+        stream: &CudaStream,
+    ) -> Result<(), String> {
+        // SAFETY: the caller's contract covers both buffers; the handle is live.
+        let status = unsafe {
+            result::reduce_scatter(send as _, recv as _, recv_count, datatype, op, self.comm, stream.cu_stream() as _)
+        };
+        status.map(drop).map_err(describe)
+    }
+
+    /// Enqueues an all-gather from device address `send` (`send_count` elements of `datatype`) into
+    /// `recv` (world × `send_count`), rank r's at r × `send_count`, on `stream`.
+    ///
+    /// # Safety
+    /// As [`RawComm::reduce_scatter_ptr`]'s.
+    pub(super) unsafe fn all_gather_ptr(
+        &self,
+        (send, recv): (u64, u64),
+        send_count: usize,
+        datatype: sys::ncclDataType_t,
+        stream: &CudaStream,
+    ) -> Result<(), String> {
+        // SAFETY: the caller's contract covers both buffers; the handle is live.
+        let status = unsafe {
+            result::all_gather(send as _, recv as _, send_count, datatype, self.comm, stream.cu_stream() as _)
+        };
+        status.map(drop).map_err(describe)
+    }
+
     /// An error NCCL's background threads found (a lost peer, a network error), if any.
     pub(super) fn async_error(&self) -> Result<(), String> {
         let mut state = sys::ncclResult_t::ncclSuccess;
