@@ -303,6 +303,35 @@ impl DataPlane {
     }
 }
 
+/// What a member's machine is using, sampled by its daemon at most once a second and carried by its
+/// heartbeats (`MemberInfo::load`, `troupe status`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeLoad {
+    /// The daemon process's resident memory: its CPU slots' models and state, its host buffers.
+    pub rss_bytes: u64,
+    /// The share of the machine's cores the daemon's process kept busy since the previous sample, in
+    /// percent (none at the first sample).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_percent: Option<u32>,
+    /// Each CUDA slot's device, in slot order (empty on a node of CPU slots).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<DeviceLoad>,
+    /// Why the CUDA slots' figures are missing (NVML could not be loaded or asked).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub devices_unavailable: Option<String>,
+}
+
+/// One GPU's figures, from NVML: memory in use by every process on it, and how busy it was.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceLoad {
+    /// The CUDA ordinal.
+    pub ordinal: u32,
+    pub memory_used_bytes: u64,
+    pub memory_total_bytes: u64,
+    /// The share of NVML's last sample period in which a kernel ran, in percent.
+    pub busy_percent: u32,
+}
+
 /// What one slot of a node computes on (node.toml `devices`), as its `Join` announced it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -730,6 +759,10 @@ pub struct MemberInfo {
     /// What each slot computes on, by slot, as the member's `Join` announced it (empty: CPU slots).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub devices: Vec<SlotDevice>,
+    /// What the member's machine is using, as its last heartbeat said (none before its first, and from
+    /// daemons that predate it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load: Option<NodeLoad>,
 }
 
 /// `troupe status`.
@@ -857,34 +890,20 @@ pub enum ToController {
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         devices: Vec<SlotDevice>,
     },
-    Heartbeat,
+    /// The node is alive, with what its machine is using (older daemons send none).
+    Heartbeat {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        load: Option<NodeLoad>,
+    },
     /// Clean departure (SIGTERM drain).
     Leave,
     /// A worker is ready for `attempt`: its data-plane address and the step its state has committed
     /// (None: no state for this job yet).
-    Ready {
-        job: JobId,
-        attempt: u64,
-        slot: u32,
-        data_addr: SocketAddr,
-        committed: Option<u64>,
-    },
+    Ready { job: JobId, attempt: u64, slot: u32, data_addr: SocketAddr, committed: Option<u64> },
     /// A rank finished the compute and all-reduce of `step` and votes to commit it.
-    Vote {
-        job: JobId,
-        attempt: u64,
-        slot: u32,
-        step: u64,
-        figures: StepFigures,
-        seconds: f64,
-    },
+    Vote { job: JobId, attempt: u64, slot: u32, step: u64, figures: StepFigures, seconds: f64 },
     /// A rank's part of an attempt ended.
-    Ended {
-        job: JobId,
-        attempt: u64,
-        slot: u32,
-        outcome: AttemptOutcome,
-    },
+    Ended { job: JobId, attempt: u64, slot: u32, outcome: AttemptOutcome },
     /// Rank 0 committed a durable checkpoint.
     Checkpointed {
         job: JobId,
@@ -897,12 +916,7 @@ pub enum ToController {
         bytes: u64,
     },
     /// Rank 0's validation loss of the model after `step` committed steps (every rank reduced the same).
-    Evaluated {
-        job: JobId,
-        attempt: u64,
-        step: u64,
-        figures: EvalFigures,
-    },
+    Evaluated { job: JobId, attempt: u64, step: u64, figures: EvalFigures },
     /// Where a rank's time went in `step` (jobs with `trace` only).
     Phases {
         job: JobId,
@@ -1137,12 +1151,37 @@ mod tests {
             dashboard: url,
             raft_listen: None,
             devices: Vec::new(),
+            load: None,
         };
         let json = serde_json::to_value(&member).unwrap();
         assert_eq!(json["dashboard"], "http://10.0.0.1:9400/");
         let old: MemberInfo = serde_json::from_str(r#"{"name":"node-1","addr":"10.0.0.1:7000","slots":1}"#).unwrap();
         assert_eq!(old, MemberInfo { dashboard: None, ..member });
         assert!(!serde_json::to_string(&old).unwrap().contains("dashboard"));
+    }
+
+    /// A heartbeat carries its node's load; an older daemon's heartbeat (no load) still decodes, and an
+    /// older controller, which knew a heartbeat without fields, still reads a newer one.
+    #[test]
+    fn a_heartbeats_load_is_optional_on_the_wire() {
+        let load = NodeLoad {
+            rss_bytes: 5 << 30,
+            cpu_percent: Some(40),
+            devices: vec![DeviceLoad { ordinal: 1, memory_used_bytes: 7, memory_total_bytes: 9, busy_percent: 93 }],
+            devices_unavailable: None,
+        };
+        let beat = Wire::ToController(ToController::Heartbeat { load: Some(load) });
+        assert_eq!(Wire::decode(&beat.encode()), Ok(beat.clone()));
+        let old = br#"{"type":"heartbeat"}"#;
+        assert_eq!(Wire::decode(old), Ok(Wire::ToController(ToController::Heartbeat { load: None })));
+        assert_eq!(&Wire::ToController(ToController::Heartbeat { load: None }).encode()[..], &old[..]);
+        #[derive(Debug, PartialEq, Deserialize)]
+        #[serde(tag = "type", rename_all = "snake_case")]
+        enum OlderToController {
+            Heartbeat,
+        }
+        let read: OlderToController = serde_json::from_slice(&beat.encode()).unwrap();
+        assert_eq!(read, OlderToController::Heartbeat);
     }
 
     /// A member's slot devices travel in its `Join` and in `troupe status --json` (each GPU's ordinal,
@@ -1167,8 +1206,15 @@ mod tests {
             devices: vec![gpu.clone()],
         });
         assert_eq!(Wire::decode(&join.encode()), Ok(join));
-        let member =
-            MemberInfo { name: "g".into(), addr, slots: 1, dashboard: None, raft_listen: None, devices: vec![gpu] };
+        let member = MemberInfo {
+            name: "g".into(),
+            addr,
+            slots: 1,
+            dashboard: None,
+            raft_listen: None,
+            devices: vec![gpu],
+            load: None,
+        };
         let json = serde_json::to_value(&member).unwrap();
         assert_eq!(json["devices"][0]["kind"], "cuda");
         assert_eq!(json["devices"][0]["ordinal"], 1);
@@ -1206,6 +1252,7 @@ mod tests {
             dashboard: None,
             raft_listen: Some(raft),
             devices: Vec::new(),
+            load: None,
         };
         assert_eq!(serde_json::to_value(&member).unwrap()["raft_listen"], "10.0.0.4:7401");
         let old: MemberInfo = serde_json::from_str(r#"{"name":"node-d","addr":"10.0.0.4:7000","slots":1}"#).unwrap();
@@ -1240,7 +1287,7 @@ mod tests {
             changes: Vec::new(),
         };
         let messages = [
-            Wire::ToController(ToController::Heartbeat),
+            Wire::ToController(ToController::Heartbeat { load: None }),
             Wire::ToNode(ToNode::Alive),
             Wire::ToNode(ToNode::Release { job: 4 }),
             Wire::Request(Request::StatusRequest),

@@ -107,6 +107,44 @@ async fn status_json_lists_members_epoch_slots_and_jobs() {
     cluster.shutdown().await;
 }
 
+/// `troupe status` shows what each member's machine is using, from its heartbeats: the daemon's
+/// resident memory and CPU share (CPU slots: no GPU figures and no NVML asked), in the JSON and in the
+/// members table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_shows_what_each_members_machine_is_using() {
+    let cluster = processes(2).await;
+    converged(&cluster, &[0, 1], &["node-0", "node-1"], Duration::from_secs(10)).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let members = loop {
+        let members = cluster.client().await.unwrap().status().await.unwrap().members;
+        // A CPU share needs two samples (a second apart) to have reached the controller.
+        if members.iter().all(|m| m.load.as_ref().is_some_and(|l| l.cpu_percent.is_some())) {
+            break members;
+        }
+        assert!(std::time::Instant::now() < deadline, "no load from every member: {members:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    for m in &members {
+        let load = m.load.as_ref().unwrap();
+        assert!(load.rss_bytes > 10 << 20, "{}: a daemon holds more than 10 MiB: {load:?}", m.name);
+        assert!(load.cpu_percent.unwrap() <= 100, "{}: {load:?}", m.name);
+        assert!(load.devices.is_empty() && load.devices_unavailable.is_none(), "{}: CPU slots: {load:?}", m.name);
+    }
+    let output = Command::new(common::binary())
+        .args(["status", "--cluster", &cluster.addr().to_string(), "--as", "client", "--certs"])
+        .arg(cluster.certs_dir())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(text.lines().any(|l| l.starts_with("NODE") && l.contains("DEVICES  IN USE")), "{text}");
+    for name in ["node-0", "node-1"] {
+        let row = text.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("no row for {name}: {text}"));
+        assert!(row.contains(" cpu ") && row.contains(" host ") && row.contains("% cpu"), "{row}");
+    }
+    cluster.shutdown().await;
+}
+
 /// A job asking for the plaintext TCP data plane (`troupe job submit --data-plane plaintext-tcp`) is
 /// refused — with the key to set — by a controller whose node.toml does not allow it (the default);
 /// nothing of it is recorded, and the cluster goes on taking jobs.

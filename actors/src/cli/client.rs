@@ -114,11 +114,12 @@ fn print_status(s: &ClusterStatus) {
 
 /// The members table: each member's address, slots and what they compute on, role and dashboard.
 fn render_members(s: &ClusterStatus) -> String {
-    let mut members = Table::new(&["NODE", "ADDRESS", "SLOTS", "DEVICES", "ROLE", "DASHBOARD"]);
+    let mut members = Table::new(&["NODE", "ADDRESS", "SLOTS", "DEVICES", "IN USE", "ROLE", "DASHBOARD"]);
     for m in &s.members {
         let role = if Some(m.addr) == s.controller_addr { "controller" } else { "member" };
         let dashboard = m.dashboard.clone().unwrap_or_else(|| "-".into());
-        let row = vec![m.name.clone(), m.addr.to_string(), m.slots.to_string(), devices_cell(&m.devices), role.into()];
+        let (slots, devices, load) = (m.slots.to_string(), devices_cell(&m.devices), load_cell(m.load.as_ref()));
+        let row = vec![m.name.clone(), m.addr.to_string(), slots, devices, load, role.into()];
         members.row(row.into_iter().chain([dashboard]).collect());
     }
     for name in &s.joining {
@@ -132,6 +133,9 @@ fn render_members(s: &ClusterStatus) -> String {
         });
         if let Some(why) = missing {
             out.push_str(&format!("{}: no NCCL, gradients go through host memory: {why}\n", m.name));
+        }
+        if let Some(why) = m.load.as_ref().and_then(|l| l.devices_unavailable.as_ref()) {
+            out.push_str(&format!("{}: no GPU figures: {why}\n", m.name));
         }
     }
     out
@@ -149,6 +153,25 @@ fn devices_cell(devices: &[crate::protocol::SlotDevice]) -> String {
         SlotDevice::Cuda { name, memory_bytes, .. } => format!("{} {name} ({:.0} GiB)", d.label(), gib(*memory_bytes)),
     });
     each.collect::<Vec<_>>().join(", ")
+}
+
+/// What a member's machine is using, as its last heartbeat said: each GPU's memory in use of its total
+/// and how busy it was (`cuda:0 12.3/80 GiB 87%`), then the daemon's resident memory and CPU share
+/// (`host 2.1 GiB 45% cpu`); `-` before the first heartbeat that carried it.
+fn load_cell(load: Option<&crate::protocol::NodeLoad>) -> String {
+    let Some(load) = load else { return "-".into() };
+    let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+    let mut parts: Vec<String> = load
+        .devices
+        .iter()
+        .map(|d| {
+            let (used, total, busy) = (gib(d.memory_used_bytes), gib(d.memory_total_bytes), d.busy_percent);
+            format!("cuda:{} {used:.1}/{total:.0} GiB {busy}%", d.ordinal)
+        })
+        .collect();
+    let cpu = load.cpu_percent.map_or(String::new(), |c| format!(" {c}% cpu"));
+    parts.push(format!("host {:.1} GiB{cpu}", gib(load.rss_bytes)));
+    parts.join(", ")
 }
 
 fn print_jobs(jobs: &[JobInfo]) {
@@ -436,8 +459,8 @@ mod tests {
     }
 
     #[test]
-    fn the_members_table_shows_each_slots_device_and_a_missing_nccl() {
-        use crate::protocol::{ClusterStatus, MemberInfo, SlotDevice};
+    fn the_members_table_shows_each_slots_device_what_it_uses_and_a_missing_nccl() {
+        use crate::protocol::{ClusterStatus, DeviceLoad, MemberInfo, NodeLoad, SlotDevice};
         let h100 = |ordinal, nccl_missing: Option<&str>| SlotDevice::Cuda {
             ordinal,
             name: "NVIDIA H100 80GB HBM3".into(),
@@ -451,6 +474,7 @@ mod tests {
             dashboard: None,
             raft_listen: None,
             devices,
+            load: None,
         };
         let status = ClusterStatus {
             node: "gpu-a".into(),
@@ -467,15 +491,38 @@ mod tests {
             refused_stale: 0,
             changes: Vec::new(),
         };
+        let mut status = status;
+        let gpu = |ordinal, used: u64, busy_percent| DeviceLoad {
+            ordinal,
+            memory_used_bytes: used,
+            memory_total_bytes: 80 << 30,
+            busy_percent,
+        };
+        status.members[0].load = Some(NodeLoad {
+            rss_bytes: 3 << 29,
+            cpu_percent: Some(25),
+            devices: vec![gpu(0, 41 << 29, 87), gpu(1, 1 << 30, 0)],
+            devices_unavailable: None,
+        });
+        status.members[1].load = Some(NodeLoad {
+            rss_bytes: 1 << 30,
+            cpu_percent: None,
+            devices: Vec::new(),
+            devices_unavailable: Some("NVML (libnvidia-ml.so.1) could not be loaded: a library error".into()),
+        });
         let text = render_members(&status);
         let lines: Vec<&str> = text.lines().collect();
-        assert!(lines[0].split_whitespace().eq(["NODE", "ADDRESS", "SLOTS", "DEVICES", "ROLE", "DASHBOARD"]), "{text}");
+        let header = ["NODE", "ADDRESS", "SLOTS", "DEVICES", "IN", "USE", "ROLE", "DASHBOARD"];
+        assert!(lines[0].split_whitespace().eq(header), "{text}");
         assert!(
             lines[1].contains("cuda:0 NVIDIA H100 80GB HBM3 (80 GiB), cuda:1 NVIDIA H100 80GB HBM3 (80 GiB)"),
             "{text}"
         );
-        assert!(lines[2].contains("cuda:3 NVIDIA H100"), "{text}");
-        assert!(lines[3].split_whitespace().eq(["cpu-c", "10.0.0.1:7402", "2", "cpu", "member", "-"]), "{text}");
+        assert!(lines[1].contains("cuda:0 20.5/80 GiB 87%, cuda:1 1.0/80 GiB 0%, host 1.5 GiB 25% cpu"), "{text}");
+        assert!(lines[2].contains("cuda:3 NVIDIA H100") && lines[2].contains(" host 1.0 GiB "), "{text}");
+        assert!(!lines[2].contains("% cpu"), "no CPU share before a second sample: {text}");
+        assert!(lines[3].split_whitespace().eq(["cpu-c", "10.0.0.1:7402", "2", "cpu", "-", "member", "-"]), "{text}");
         assert!(text.contains("gpu-b: no NCCL, gradients go through host memory: NCCL is installed only as"), "{text}");
+        assert!(text.contains("gpu-b: no GPU figures: NVML (libnvidia-ml.so.1) could not be loaded"), "{text}");
     }
 }

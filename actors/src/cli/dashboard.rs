@@ -106,6 +106,7 @@ mod tests {
                 dashboard: d.map(str::to_owned),
                 raft_listen: None,
                 devices: Vec::new(),
+                load: None,
             })
             .collect();
         ClusterStatus {

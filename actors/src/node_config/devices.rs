@@ -140,7 +140,12 @@ mod tests {
     fn h200s(n: usize) -> impl FnOnce() -> Probe {
         move || Probe {
             cuda: Ok((0..n)
-                .map(|ordinal| CudaDeviceInfo { ordinal, name: "NVIDIA H200".into(), memory_bytes: 150_000_000_000 })
+                .map(|ordinal| CudaDeviceInfo {
+                    ordinal,
+                    name: "NVIDIA H200".into(),
+                    memory_bytes: 150_000_000_000,
+                    uuid: None,
+                })
                 .collect()),
             nccl: Ok(()),
         }

@@ -828,6 +828,7 @@ pub(super) mod tests {
                 dashboard: None,
                 raft_listen: None,
                 devices: Vec::new(),
+                load: None,
             })
             .collect();
         (View::new(Epoch(epoch), nodes.iter().map(|n| NodeId::from(*n)).collect()), members)

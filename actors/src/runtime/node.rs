@@ -65,6 +65,8 @@ pub struct NodeState {
     started: Instant,
     /// What each slot computes on, by slot.
     devices: Vec<SlotDevice>,
+    /// What the machine is using, sampled on the tick for the heartbeats (`troupe status`).
+    load: crate::telemetry::load::LoadSampler,
     workers: Vec<ActorRef<WorkerMsg>>,
     /// The running job controllers (on the controller).
     jobs: BTreeMap<JobId, ActorRef<JobMsg>>,
@@ -461,6 +463,7 @@ impl Actor for NodeActor {
             endpoint,
             started,
             devices,
+            load: crate::telemetry::load::LoadSampler::default(),
             workers: Vec::new(),
             jobs: BTreeMap::new(),
             stop_reason,
@@ -514,6 +517,9 @@ impl Actor for NodeActor {
                     }
                     let catalog = &state.catalog;
                     state.core.leadership_tick(term, leader.as_deref(), || catalog.view().ok().flatten());
+                }
+                if let Some(load) = state.load.sample(Instant::now(), &state.devices) {
+                    state.core.set_load(load);
                 }
                 state.core.tick(now);
             }

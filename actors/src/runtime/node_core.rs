@@ -29,7 +29,7 @@ use crate::catalog::{StoredJob, StoredView};
 use crate::node_config::restart::{Decision, RestartPolicy, RestartTracker};
 use crate::protocol::{
     AttemptOutcome, ClusterStatus, ControllersChange, DataPlane, JobEvent, JobId, JobInfo, JobSpec, JobState,
-    MemberInfo, Reply, Request, SlotDevice, ToController, ToNode, Wire,
+    MemberInfo, NodeLoad, Reply, Request, SlotDevice, ToController, ToNode, Wire,
 };
 
 /// Membership changes kept for `troupe status`.
@@ -251,6 +251,9 @@ pub struct NodeCore {
     refused_stale: u64,
     changes: VecDeque<String>,
     draining: bool,
+    /// What this node's machine is using, as the shell last sampled it ([`NodeCore::set_load`]): sent
+    /// with each heartbeat.
+    load: Option<NodeLoad>,
     /// The jobs whose state a `Fenced` just received says to keep.
     keep_on_fence: Vec<JobId>,
     /// The voting controllers of the Raft group's committed membership, which may differ from node.toml's
@@ -306,6 +309,7 @@ impl NodeCore {
             refused_stale: 0,
             changes: VecDeque::new(),
             draining: false,
+            load: None,
             keep_on_fence: Vec::new(),
             voters: Vec::new(),
             remembered: Vec::new(),
@@ -336,7 +340,7 @@ impl NodeCore {
         let (addr, slots, dashboard) = (self.settings.addr, self.settings.slots, self.settings.dashboard.clone());
         let raft_listen = self.settings.raft_listen;
         let devices = self.settings.devices.clone();
-        let info = MemberInfo { name: id.0.clone(), addr, slots, dashboard, raft_listen, devices };
+        let info = MemberInfo { name: id.0.clone(), addr, slots, dashboard, raft_listen, devices, load: None };
         let (previous, expect) = stored_view.as_ref().map_or((None, Vec::new()), |last| expected_after(last, &id));
         self.members = vec![info.clone()];
         self.controller = Some(Controller {
@@ -694,6 +698,12 @@ impl NodeCore {
         }
     }
 
+    /// What this node's machine is using now (the shell samples it): the next heartbeats carry it to
+    /// the controller, whose `troupe status` shows it.
+    pub fn set_load(&mut self, load: NodeLoad) {
+        self.load = Some(load);
+    }
+
     /// `troupe status` as this node sees it.
     pub fn status(&self) -> ClusterStatus {
         let (members, joining, jobs) = match &self.controller {
@@ -789,7 +799,9 @@ impl NodeCore {
     fn drive_member(&mut self, now: Duration) {
         while let Some(action) = self.member.poll_action() {
             match action {
-                MemberAction::SendHeartbeat { .. } => self.send_to_controller(ToController::Heartbeat),
+                MemberAction::SendHeartbeat { .. } => {
+                    self.send_to_controller(ToController::Heartbeat { load: self.load.clone() })
+                }
                 MemberAction::SendJoinRequest { incarnation } => {
                     let (slots, addr) = (self.settings.slots, self.settings.addr);
                     let dashboard = self.settings.dashboard.clone();
@@ -926,12 +938,18 @@ impl NodeCore {
                     tracing::error!(node = %me, joiner = %from, "refused a join: {reason}");
                     return self.send(&from.0, ToNode::Refused { reason });
                 }
-                let info = MemberInfo { name: from.0.clone(), addr, slots, dashboard, raft_listen, devices };
+                let info =
+                    MemberInfo { name: from.0.clone(), addr, slots, dashboard, raft_listen, devices, load: None };
                 self.controller.as_mut().expect("controller").members.insert(from.clone(), info);
                 return self.membership_event(now, MembershipEvent::JoinRequest { from, incarnation });
             }
-            ToController::Heartbeat => {
+            ToController::Heartbeat { load } => {
                 let member = self.membership().expect("controller").view().contains(&from);
+                if let (Some(load), Some(info)) =
+                    (load, self.controller.as_mut().and_then(|c| c.members.get_mut(&from)))
+                {
+                    info.load = Some(load);
+                }
                 if member && from != self.settings.id {
                     self.send(&from.0, ToNode::Alive);
                 }

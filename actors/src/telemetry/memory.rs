@@ -4,10 +4,20 @@
 
 /// VmHWM (peak resident set size) from a /proc/PID/status file, in bytes; None if unreadable.
 pub fn vm_hwm_bytes(status_path: &str) -> Option<u64> {
+    status_bytes(status_path, "VmHWM:")
+}
+
+/// This process's resident set size now (VmRSS) in bytes; None where /proc is unavailable.
+pub fn rss_bytes() -> Option<u64> {
+    status_bytes("/proc/self/status", "VmRSS:")
+}
+
+/// A `kB` field (`key` with its colon) of a /proc/PID/status file, in bytes.
+fn status_bytes(status_path: &str, key: &str) -> Option<u64> {
     std::fs::read_to_string(status_path)
         .ok()?
         .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .find_map(|l| l.strip_prefix(key))
         .and_then(|rest| rest.split_whitespace().next())
         .and_then(|kb| kb.parse::<u64>().ok())
         .map(|kb| kb * 1024)

@@ -679,6 +679,7 @@ mod tests {
             dashboard: None,
             raft_listen: None,
             devices: Vec::new(),
+            load: None,
         };
         ClusterStatus {
             node: "a".into(),

@@ -12,6 +12,7 @@ pub mod dashboard;
 pub mod endpoint;
 pub mod http;
 pub mod link_bytes;
+pub mod load;
 pub mod memory;
 pub mod metrics;
 pub mod otel;

@@ -808,7 +808,7 @@ pub(super) fn kind(msg: &Wire) -> String {
 fn to_controller_kind(msg: &ToController) -> String {
     match msg {
         ToController::Join { .. } => "Join".into(),
-        ToController::Heartbeat => "Heartbeat".into(),
+        ToController::Heartbeat { .. } => "Heartbeat".into(),
         ToController::Leave => "Leave".into(),
         ToController::Ready { attempt, slot, committed, .. } => format!("Ready(a{attempt} s{slot} c{committed:?})"),
         ToController::Vote { attempt, slot, step, .. } => format!("Vote(a{attempt} s{slot} step {step})"),

@@ -92,6 +92,9 @@ pub struct CudaDeviceInfo {
     pub ordinal: usize,
     pub name: String,
     pub memory_bytes: u64,
+    /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as NVML and `nvidia-smi` name the device (CUDA's
+    /// ordinals and NVML's indices may differ); None if the driver would not say.
+    pub uuid: Option<String>,
 }
 
 /// The CUDA devices this process sees (`CUDA_VISIBLE_DEVICES` applies), without creating a context on
@@ -112,9 +115,16 @@ pub fn cuda_devices() -> Result<Vec<CudaDeviceInfo>, ClusterError> {
             // SAFETY: `device` is a handle the driver just returned.
             let memory = unsafe { result::device::total_mem(device) }
                 .map_err(|e| failed(&format!("device {ordinal}'s memory"), e))?;
-            Ok(CudaDeviceInfo { ordinal: ordinal as usize, name, memory_bytes: memory as u64 })
+            let uuid = result::device::get_uuid(device).ok().map(|id| uuid_text(&id.bytes.map(|b| b as u8)));
+            Ok(CudaDeviceInfo { ordinal: ordinal as usize, name, memory_bytes: memory as u64, uuid })
         })
         .collect()
+}
+
+/// A device's 16-byte UUID as NVML writes it: `GPU-` and hex digits grouped 8-4-4-4-12.
+fn uuid_text(bytes: &[u8; 16]) -> String {
+    let hex = |range: std::ops::Range<usize>| bytes[range].iter().map(|b| format!("{b:02x}")).collect::<String>();
+    format!("GPU-{}-{}-{}-{}-{}", hex(0..4), hex(4..6), hex(6..8), hex(8..10), hex(10..16))
 }
 
 fn nccl_dtype(dtype: crate::collective::Dtype) -> cudarc::nccl::sys::ncclDataType_t {
@@ -449,6 +459,12 @@ mod tests {
             pipeline_slice_bytes: 16 << 10,
             collective_timeout_ms: 10_000,
         }
+    }
+
+    #[test]
+    fn a_device_uuid_reads_as_nvml_and_nvidia_smi_write_it() {
+        let bytes: [u8; 16] = std::array::from_fn(|i| (i * 17) as u8);
+        assert_eq!(uuid_text(&bytes), "GPU-00112233-4455-6677-8899-aabbccddeeff");
     }
 
     /// Rank 0's id reaches every rank byte for byte (every byte value, NaN-like f32 patterns included),

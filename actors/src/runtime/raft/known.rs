@@ -61,6 +61,7 @@ mod tests {
                 dashboard: None,
                 raft_listen: None,
                 devices: Vec::new(),
+                load: None,
             },
             MemberInfo {
                 name: "node-2".into(),
@@ -69,6 +70,7 @@ mod tests {
                 dashboard: None,
                 raft_listen: None,
                 devices: Vec::new(),
+                load: None,
             },
         ];
         save(dir.path(), &members);

@@ -298,6 +298,7 @@ mod tests {
             dashboard: dashboard.map(str::to_owned),
             raft_listen: None,
             devices: Vec::new(),
+            load: None,
         };
         ClusterStatus {
             node: "node-1".into(),
