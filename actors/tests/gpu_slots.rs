@@ -1,6 +1,7 @@
 //! Daemon slots on CUDA devices (issue 31), end to end through daemon processes: a DDP job on a GPU slot
-//! sums its gradients over NCCL, two daemons sharing one GPU sum theirs through host memory, ZeRO-1/2
-//! ranks do either, and all follow the single-process reference. They need a GPU: elsewhere each says "skipped: no CUDA device"
+//! sums its gradients over NCCL (and `troupe status` shows the GPU's memory in use from NVML), two
+//! daemons sharing one GPU sum theirs through host memory, ZeRO-1/2 ranks do either, and all follow the
+//! single-process reference. They need a GPU: elsewhere each says "skipped: no CUDA device"
 //! and passes (scripts/gpu-check.sh runs them on a lent device, `TROUPE_BIN` pointing at the carried
 //! `troupe`). Without a GPU the device path runs in `device_plane_oracle.rs` (fake NCCL), and the
 //! refusal of `devices = "cuda"` in `daemons.rs`.
@@ -59,6 +60,23 @@ async fn run(cluster: &LocalCluster, config: &JobConfig) -> ((GradientPlane, Str
     (plane.expect("a started event"), losses, mfus)
 }
 
+/// The GPU slot's figures in `troupe status` (NVML, through the member's heartbeats), once there.
+async fn gpu_load(cluster: &LocalCluster) -> troupe_actors::protocol::DeviceLoad {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let members = cluster.client().await.unwrap().status().await.unwrap().members;
+        let load = members[0].load.clone();
+        if let Some(why) = load.as_ref().and_then(|l| l.devices_unavailable.clone()) {
+            panic!("no GPU figures in troupe status: {why}");
+        }
+        if let Some(device) = load.and_then(|l| l.devices.into_iter().next()) {
+            return device;
+        }
+        assert!(std::time::Instant::now() < deadline, "no GPU figures in troupe status: {members:?}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
 async fn cluster(nodes: usize) -> LocalCluster {
     let mut options = LocalClusterOptions::new(nodes);
     options.torch_threads = 1;
@@ -74,8 +92,11 @@ async fn a_ddp_rank_on_a_gpu_slot_sums_over_nccl_and_follows_the_reference() {
     let config = common::two_block_job(10);
     let cluster = cluster(1).await;
     let ((plane, why), losses, mfus) = run(&cluster, &config).await;
+    let load = gpu_load(&cluster).await;
     cluster.shutdown().await;
     assert_eq!(plane, GradientPlane::Nccl, "{why}");
+    println!("troupe status on the GPU slot: {load:?}");
+    assert!(load.memory_total_bytes > 0 && load.memory_used_bytes > 0, "NVML's figures: {load:?}");
     let diff = worst_loss_diff(&losses, &reference(&config));
     println!("1 GPU rank over NCCL: loss diff {diff:.1e}; MFU {:?}", mfus.last());
     assert!(diff <= TOLERANCE, "losses differ by {diff:e}");

@@ -25,8 +25,9 @@ pub fn runs_on_device(config: &JobConfig) -> bool {
     p.tp <= 1 && p.pp <= 1 && matches!(p.shard.as_str(), "none" | "zero1" | "zero2") && !p.periodic_sync()
 }
 
-/// How a rank's failed attempt begins when NCCL itself could not start on its GPU (the library, the
-/// driver or `ncclCommInitRank` failed; not a peer lost while the communicator was being set up).
+/// How a rank's failed attempt begins when NCCL itself could not start on its GPU: the library, the
+/// driver or `ncclCommInitRank` failed (a peer lost while the unique id travels over the attempt's
+/// transport is a plain failure; one lost inside `ncclCommInitRank` reads as NCCL failing too).
 pub const NCCL_UNUSABLE: &str = "NCCL could not start on this rank's GPU";
 
 /// Whether a failed attempt's `reason` says NCCL could not start ([`NCCL_UNUSABLE`]).
