@@ -44,7 +44,7 @@ CHECKS = [
     test_check("two_ranks_share_the_gpu_over_the_host_plane", "gpu_slots",
                "two_daemons_sharing_a_gpu_sum_through_host_memory_and_follow_the_reference", 120),
     test_check("zero_on_gpu_slots_over_nccl_and_host", "gpu_slots",
-               "zero_ranks_on_gpu_slots_reduce_over_nccl_or_host_memory_and_follow_the_reference", 120),
+               "zero_ranks_on_gpu_slots_reduce_over_nccl_or_host_memory_and_follow_the_reference", 180),
     bench_check("fused_kernels_beside_device_copy", ["bench", "kernels", "--device", "cuda", "--json"], 90),
     bench_check("smollm2_135m_bf16_beside_pytorch_eager",
                 ["bench", "train", "--device", "cuda", "--precision", "bf16", "--model", "smollm2-135m",

@@ -124,7 +124,9 @@ async fn two_daemons_sharing_a_gpu_sum_through_host_memory_and_follow_the_refere
 
 /// ZeRO on GPU slots: ZeRO-2 on one slot reduce-scatters and all-gathers over NCCL (world 1: NCCL's
 /// pointer calls on libtorch's tensors), then ZeRO-1 on two daemons sharing the GPU keeps the model on
-/// it and reduces through host memory; both follow the single-process reference.
+/// it and reduces through host memory; ZeRO-3 the same two ways (its units gathered by grouped NCCL
+/// broadcasts and reduced by grouped NCCL reductions on one slot, through host memory on two); all
+/// follow the single-process reference.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zero_ranks_on_gpu_slots_reduce_over_nccl_or_host_memory_and_follow_the_reference() {
     if !cuda("zero_ranks_on_gpu_slots_reduce_over_nccl_or_host_memory_and_follow_the_reference") {
@@ -132,7 +134,12 @@ async fn zero_ranks_on_gpu_slots_reduce_over_nccl_or_host_memory_and_follow_the_
     }
     let mut config = common::two_block_job(10);
     let reference = reference(&config);
-    for (shard, nodes, expected) in [("zero2", 1, GradientPlane::Nccl), ("zero1", 2, GradientPlane::Host)] {
+    for (shard, nodes, expected) in [
+        ("zero2", 1, GradientPlane::Nccl),
+        ("zero1", 2, GradientPlane::Host),
+        ("zero3", 1, GradientPlane::Nccl),
+        ("zero3", 2, GradientPlane::Host),
+    ] {
         config.parallel.shard = shard.into();
         let cluster = cluster(nodes).await;
         let ((plane, why), losses, _) = run(&cluster, &config).await;

@@ -53,6 +53,11 @@ pub enum ClusterError {
 
     #[error("nccl: {0}")]
     Nccl(String),
+
+    /// Not every rank joined an NCCL communicator in time: a peer lost or stalled during the join
+    /// (NCCL itself worked, as far as this rank can tell).
+    #[error("rank {rank} of {world} (epoch {epoch}): ncclCommInitRank: not every rank joined within {waited_ms} ms")]
+    NcclJoinTimeout { rank: Rank, world: usize, epoch: u64, waited_ms: u64 },
 }
 
 impl ClusterError {
@@ -74,6 +79,7 @@ impl ClusterError {
             ClusterError::Io { .. } => "Io",
             ClusterError::NoCuda(_) => "NoCuda",
             ClusterError::Nccl(_) => "Nccl",
+            ClusterError::NcclJoinTimeout { .. } => "NcclJoinTimeout",
         }
     }
 

@@ -1,14 +1,15 @@
 //! The NCCL backend. On a machine without CUDA or NCCL: the probe says so as a typed error (never a
 //! panic or a build failure) and the GPU test skips with that message. On a machine with them: a
 //! one-rank NCCL communicator built from a unique id exchanged over the epoch's communicator (the
-//! in-memory transport), every collective of the `Collective` trait on CUDA buffers, abort (later
+//! in-memory transport), every collective of the `Collective` trait on CUDA buffers, grouped broadcasts
+//! and reductions of a buffer's pieces by device address, abort (later
 //! calls fail, a second abort is harmless), and a rebuild for the next epoch that works again.
 
 use std::sync::Arc;
 
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, DevicePtr};
 use half::bf16;
-use troupe_cluster::collective::{Collective, CollectiveConfig, Communicator, ReduceOp};
+use troupe_cluster::collective::{Collective, CollectiveConfig, Communicator, Dtype, ReduceOp};
 use troupe_cluster::nccl::{nccl_available, NcclCommunicator};
 use troupe_cluster::transport::memory::MemoryTransport;
 use troupe_cluster::ClusterError;
@@ -68,6 +69,23 @@ fn one_rank_communicator_runs_every_collective_aborts_and_rebuilds() {
         let err = nccl.all_gather(&input, &mut short).await.unwrap_err();
         assert!(err.to_string().contains("equal pieces"), "{err}");
         nccl.barrier().await.expect("barrier");
+
+        // Grouped broadcasts and reductions of pieces of one buffer (ZeRO-3's gathers and reductions on
+        // libtorch's memory), by device address: one rank, so each is the identity; a piece outside the
+        // buffer or a root outside the world is refused before anything is enqueued.
+        let whole = stream.clone_htod(&values).unwrap();
+        let (ptr, len) = (whole.device_ptr(&stream).0, values.len());
+        let pieces = [(0, 400, 0), (400, 601, 0)];
+        for reduce in [None, Some(ReduceOp::Sum)] {
+            // SAFETY: `whole` holds `len` f32 on device 0 and outlives the call.
+            unsafe { nccl.rooted_in_place((ptr, len), &pieces, Dtype::F32, reduce) }.await.expect("rooted");
+            assert_eq!(stream.clone_dtoh(&whole).unwrap(), values, "{reduce:?}");
+        }
+        for bad in [[(900, 200, 0)], [(0, 10, 1)]] {
+            // SAFETY: as above; refused before NCCL is called.
+            let err = unsafe { nccl.rooted_in_place((ptr, len), &bad, Dtype::F32, None) }.await.unwrap_err();
+            assert!(matches!(err, ClusterError::InvalidArgument { .. }), "{err}");
+        }
 
         nccl.abort().expect("abort");
         assert!(nccl.is_aborted());

@@ -9,13 +9,16 @@
 //! DDP sums its buckets ([`DevicePlane::all_reduce_sum`]); ZeRO-1/2 reduce-scatter the flat gradient
 //! and all-gather the updated masters over the shard layout's balanced pieces
 //! ([`reduce_scatter_balanced`], [`all_gather_balanced`]: NCCL's pieces are equal, so each balanced
-//! piece is laid out in a padded buffer on the device).
+//! piece is laid out in a padded buffer on the device); ZeRO-3 gathers each unit's parameters from
+//! their owners and reduces its gradient to them by grouped broadcasts and reductions of the owners'
+//! pieces ([`DevicePlane::broadcast_pieces`], [`DevicePlane::reduce_pieces`]).
 //!
 //! Which plane an attempt uses is the controller's choice (`crate::plan::plane`); the worker builds
 //! the plane for the epoch and hands it to the engine (`DataParallelReplica::with_device_plane`,
 //! `ShardedReplica::with_device_plane`).
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -46,6 +49,21 @@ pub trait DevicePlane {
         &'a mut self,
         input: &'a Tensor,
         out: &'a mut Tensor,
+    ) -> LocalBoxFuture<'a, Result<(), ClusterError>>;
+    /// NCCL's broadcasts as one group: for each piece `(range, root)`, rank `root`'s `buf[range]` into
+    /// every rank's. Every rank passes the same pieces (ZeRO-3's gather of a unit from its owners).
+    fn broadcast_pieces<'a>(
+        &'a mut self,
+        buf: &'a mut Tensor,
+        pieces: &'a [(Range<usize>, usize)],
+    ) -> LocalBoxFuture<'a, Result<(), ClusterError>>;
+    /// NCCL's reductions (sums) as one group: for each piece `(range, root)`, `buf[range]` summed over
+    /// the ranks into rank `root`'s; the other ranks' `buf[range]` is left as it was (ZeRO-3's
+    /// reduction of a unit's gradient to its owners).
+    fn reduce_pieces<'a>(
+        &'a mut self,
+        buf: &'a mut Tensor,
+        pieces: &'a [(Range<usize>, usize)],
     ) -> LocalBoxFuture<'a, Result<(), ClusterError>>;
     /// Fails every call in flight and every later call (the attempt is over). Idempotent.
     fn abort(&mut self);
@@ -156,6 +174,22 @@ impl NcclPlane {
             format!("{} elements are not world ({}) × {} elements", long.numel(), self.comm.world(), short.numel());
         Err(ClusterError::InvalidArgument { rank: self.comm.rank(), op, reason })
     }
+
+    /// [`DevicePlane::broadcast_pieces`] (`reduce` None) or [`DevicePlane::reduce_pieces`].
+    async fn rooted(
+        &mut self,
+        op: &'static str,
+        buf: &Tensor,
+        pieces: &[(Range<usize>, usize)],
+        reduce: Option<ReduceOp>,
+    ) -> Result<(), ClusterError> {
+        self.check(op, buf)?;
+        let pieces: Vec<(usize, usize, usize)> = pieces.iter().map(|(r, root)| (r.start, r.len(), *root)).collect();
+        let buffer = (buf.data_ptr() as u64, buf.numel());
+        // SAFETY: see the impl's comment below; the communicator checks every piece against the
+        // buffer's length.
+        unsafe { self.comm.rooted_in_place(buffer, &pieces, Dtype::F32, reduce).await }
+    }
 }
 
 // SAFETY (every call below): each tensor was checked to be contiguous f32 on the communicator's
@@ -210,6 +244,22 @@ impl DevicePlane for NcclPlane {
         })
     }
 
+    fn broadcast_pieces<'a>(
+        &'a mut self,
+        buf: &'a mut Tensor,
+        pieces: &'a [(Range<usize>, usize)],
+    ) -> LocalBoxFuture<'a, Result<(), ClusterError>> {
+        Box::pin(self.rooted("broadcast", buf, pieces, None))
+    }
+
+    fn reduce_pieces<'a>(
+        &'a mut self,
+        buf: &'a mut Tensor,
+        pieces: &'a [(Range<usize>, usize)],
+    ) -> LocalBoxFuture<'a, Result<(), ClusterError>> {
+        Box::pin(self.rooted("reduce", buf, pieces, Some(ReduceOp::Sum)))
+    }
+
     fn abort(&mut self) {
         if let Err(e) = self.comm.abort() {
             tracing::warn!(error = %e, "aborting the NCCL communicator failed");
@@ -223,6 +273,8 @@ enum FakeOp {
     AllReduce,
     ReduceScatter,
     AllGather,
+    Broadcast,
+    Reduce,
 }
 
 impl FakeOp {
@@ -231,15 +283,26 @@ impl FakeOp {
             FakeOp::AllReduce => "all_reduce",
             FakeOp::ReduceScatter => "reduce_scatter",
             FakeOp::AllGather => "all_gather",
+            FakeOp::Broadcast => "broadcast",
+            FakeOp::Reduce => "reduce",
         }
     }
 }
 
-/// One call of a [`FakeNccl`] group: each rank's operation and contribution, then the result every
-/// rank copies its output from (the sum, or the rank-ordered concatenation for an all-gather).
+/// What one rank posts to a [`FakeNccl`] call.
+struct Posted {
+    op: FakeOp,
+    /// The pieces of a broadcast or reduction, `(range, root)` (empty for the others).
+    pieces: Vec<(Range<usize>, usize)>,
+    data: Vec<f32>,
+}
+
+/// One call of a [`FakeNccl`] group: each rank's post, then the result every rank copies its output
+/// from (the sum, the rank-ordered concatenation for an all-gather, each piece's root's values for a
+/// broadcast).
 #[derive(Default)]
 struct FakeCall {
-    parts: BTreeMap<usize, (FakeOp, Vec<f32>)>,
+    parts: BTreeMap<usize, Posted>,
     result: Option<Arc<Result<Vec<f32>, String>>>,
     taken: usize,
 }
@@ -269,23 +332,36 @@ impl FakeGroup {
 }
 
 /// The result of a call whose every rank posted `parts` (in rank order): refused when the ranks made
-/// different calls or gave different lengths (NCCL would hang or read out of bounds).
-fn fake_result(parts: &BTreeMap<usize, (FakeOp, Vec<f32>)>) -> Result<Vec<f32>, String> {
-    let (op, first) = &parts[&0];
-    if let Some((rank, (other, _))) = parts.iter().find(|(_, (o, _))| o != op) {
-        return Err(format!("rank {rank} called {} where rank 0 called {}", other.name(), op.name()));
+/// different calls or gave different lengths or pieces (NCCL would hang or read out of bounds).
+fn fake_result(parts: &BTreeMap<usize, Posted>) -> Result<Vec<f32>, String> {
+    let first = &parts[&0];
+    let op = first.op;
+    if let Some((rank, other)) = parts.iter().find(|(_, p)| p.op != op) {
+        return Err(format!("rank {rank} called {} where rank 0 called {}", other.op.name(), op.name()));
     }
-    if let Some((rank, (_, p))) = parts.iter().find(|(_, (_, p))| p.len() != first.len()) {
-        return Err(format!("rank {rank} gave {} elements where rank 0 gave {}", p.len(), first.len()));
+    if let Some((rank, p)) = parts.iter().find(|(_, p)| p.data.len() != first.data.len()) {
+        return Err(format!("rank {rank} gave {} elements where rank 0 gave {}", p.data.len(), first.data.len()));
     }
-    if *op == FakeOp::AllGather {
-        return Ok(parts.values().flat_map(|(_, p)| p.iter().copied()).collect());
+    if let Some((rank, p)) = parts.iter().find(|(_, p)| p.pieces != first.pieces) {
+        return Err(format!("rank {rank} gave pieces {:?} where rank 0 gave {:?}", p.pieces, first.pieces));
     }
-    let mut sum = vec![0f32; first.len()];
-    for (_, part) in parts.values() {
-        sum.iter_mut().zip(part).for_each(|(s, v)| *s += v);
+    match op {
+        FakeOp::AllGather => Ok(parts.values().flat_map(|p| p.data.iter().copied()).collect()),
+        FakeOp::Broadcast => {
+            let mut out = vec![0f32; first.data.len()];
+            for (range, root) in &first.pieces {
+                out[range.clone()].copy_from_slice(&parts[root].data[range.clone()]);
+            }
+            Ok(out)
+        }
+        FakeOp::AllReduce | FakeOp::ReduceScatter | FakeOp::Reduce => {
+            let mut sum = vec![0f32; first.data.len()];
+            for part in parts.values() {
+                sum.iter_mut().zip(&part.data).for_each(|(s, v)| *s += v);
+            }
+            Ok(sum)
+        }
     }
-    Ok(sum)
 }
 
 /// One rank of an in-memory NCCL stand-in (module docs): what lets CI run the engines' "every rank has
@@ -309,11 +385,11 @@ impl FakeNccl {
     }
 
     /// Posts this rank's part of call `seq`; computes the call's result when it is the last part.
-    fn post(&self, seq: u64, op: FakeOp, part: Vec<f32>) {
+    fn post(&self, seq: u64, part: Posted) {
         let mut state = self.group.lock();
         let world = self.group.world;
         let call = state.calls.entry(seq).or_default();
-        call.parts.insert(self.rank, (op, part));
+        call.parts.insert(self.rank, part);
         if call.parts.len() == world {
             call.result = Some(Arc::new(fake_result(&call.parts)));
             call.parts.clear();
@@ -357,15 +433,31 @@ impl FakeNccl {
 
     /// One call: this rank's `input` in, the whole result out (every rank's the same).
     async fn call(&mut self, op: FakeOp, input: &Tensor) -> Result<Tensor, ClusterError> {
+        self.call_pieces(op, input, Vec::new()).await
+    }
+
+    /// [`Self::call`] of a broadcast or reduction of `pieces`.
+    async fn call_pieces(
+        &mut self,
+        op: FakeOp,
+        input: &Tensor,
+        pieces: Vec<(Range<usize>, usize)>,
+    ) -> Result<Tensor, ClusterError> {
         if let Some(why) = &self.group.lock().aborted {
             return Err(self.error(op, format!("the communicator was aborted ({why})")));
         }
+        let n = input.numel();
+        if let Some((range, root)) = pieces.iter().find(|(r, root)| r.end > n || *root >= self.group.world) {
+            let world = self.group.world;
+            let reason =
+                format!("piece {range:?} from root {root}: the buffer holds {n} elements, the world is {world}");
+            return Err(self.error(op, reason));
+        }
         let seq = self.calls;
         self.calls += 1;
-        let n = input.numel();
-        let mut part = vec![0f32; n];
-        input.to_kind(Kind::Float).copy_data(&mut part, n);
-        self.post(seq, op, part);
+        let mut data = vec![0f32; n];
+        input.to_kind(Kind::Float).copy_data(&mut data, n);
+        self.post(seq, Posted { op, pieces, data });
         let result = self.wait_result(seq, op).await?;
         let result = result.as_ref().as_ref().map_err(|e| self.error(op, e.clone()))?;
         Ok(Tensor::from_slice(result).to_device(input.device()))
@@ -426,9 +518,44 @@ impl DevicePlane for FakeNccl {
         })
     }
 
+    fn broadcast_pieces<'a>(
+        &'a mut self,
+        buf: &'a mut Tensor,
+        pieces: &'a [(Range<usize>, usize)],
+    ) -> LocalBoxFuture<'a, Result<(), ClusterError>> {
+        Box::pin(async move {
+            let result = self.call_pieces(FakeOp::Broadcast, buf, pieces.to_vec()).await?;
+            copy_pieces(buf, &result, pieces.iter().map(|(r, _)| r));
+            Ok(())
+        })
+    }
+
+    fn reduce_pieces<'a>(
+        &'a mut self,
+        buf: &'a mut Tensor,
+        pieces: &'a [(Range<usize>, usize)],
+    ) -> LocalBoxFuture<'a, Result<(), ClusterError>> {
+        Box::pin(async move {
+            let summed = self.call_pieces(FakeOp::Reduce, buf, pieces.to_vec()).await?;
+            let rank = self.rank;
+            copy_pieces(buf, &summed, pieces.iter().filter(|(_, root)| *root == rank).map(|(r, _)| r));
+            Ok(())
+        })
+    }
+
     fn abort(&mut self) {
         self.group.abort(format!("rank {} aborted", self.rank));
     }
+}
+
+/// `from`'s elements of each of `ranges` into `buf` (both flat, same length).
+fn copy_pieces<'r>(buf: &Tensor, from: &Tensor, ranges: impl Iterator<Item = &'r Range<usize>>) {
+    tch::no_grad(|| {
+        for range in ranges {
+            let (start, len) = (range.start as i64, range.len() as i64);
+            buf.narrow(0, start, len).copy_(&from.narrow(0, start, len));
+        }
+    });
 }
 
 impl Drop for FakeNccl {
@@ -542,6 +669,59 @@ mod tests {
                 assert_eq!(own[..], expected[mine.clone()], "world {world}: rank {rank}'s piece");
                 assert_eq!(whole, &expected, "world {world}: rank {rank}'s gathered whole");
             }
+        }
+    }
+
+    /// ZeRO-3's pieces: each range from (or onto) its root, the ranges of one call meeting different
+    /// roots. A broadcast gives every rank each root's values; a reduction gives each root the sum of
+    /// its ranges and leaves every other rank's buffer as it was.
+    #[test]
+    fn grouped_broadcasts_and_reductions_follow_each_pieces_root() {
+        let pieces = vec![(0..3, 2), (3..4, 0), (4..7, 1)];
+        let got = run_ranks(FakeNccl::group(3, Duration::from_secs(10)), move |rank, mut plane| {
+            let pieces = pieces.clone();
+            Box::pin(async move {
+                let mine = |base: usize| Tensor::from_slice(&(0..7).map(|i| (base + i) as f32).collect::<Vec<_>>());
+                let mut sent = mine(rank * 100);
+                plane.broadcast_pieces(&mut sent, &pieces).await.unwrap();
+                let mut summed = mine(rank * 100);
+                plane.reduce_pieces(&mut summed, &pieces).await.unwrap();
+                (Vec::<f32>::try_from(&sent).unwrap(), Vec::<f32>::try_from(&summed).unwrap())
+            })
+        });
+        let broadcast = [200.0, 201.0, 202.0, 3.0, 104.0, 105.0, 106.0];
+        for (rank, (sent, summed)) in got.iter().enumerate() {
+            assert_eq!(sent, &broadcast, "rank {rank}: each range is its root's");
+            for (i, v) in summed.iter().enumerate() {
+                let root = if i < 3 {
+                    2
+                } else if i < 4 {
+                    0
+                } else {
+                    1
+                };
+                // Σ over ranks r of (100 r + i) = 300 + 3 i at the root; the rank's own values elsewhere.
+                let want = if rank == root { 300 + 3 * i } else { rank * 100 + i };
+                assert_eq!(*v, want as f32, "rank {rank}, element {i} (root {root})");
+            }
+        }
+    }
+
+    #[test]
+    fn ranks_that_give_different_pieces_or_a_piece_outside_the_buffer_are_refused() {
+        let got = run_ranks(FakeNccl::group(2, Duration::from_secs(10)), |rank, mut plane| {
+            Box::pin(async move {
+                let mut t = Tensor::from_slice(&[1f32, 2.0, 3.0]);
+                let outside = plane.broadcast_pieces(&mut t, &[(2..4, 0)]).await.unwrap_err().to_string();
+                let pieces = if rank == 0 { vec![(0..2, 0), (2..3, 1)] } else { vec![(0..1, 0), (1..3, 1)] };
+                let differ = plane.reduce_pieces(&mut t, &pieces).await.unwrap_err().to_string();
+                (outside, differ, Vec::<f32>::try_from(&t).unwrap())
+            })
+        });
+        for (outside, differ, t) in &got {
+            assert!(outside.contains("piece 2..4 from root 0: the buffer holds 3 elements"), "{outside}");
+            assert!(differ.contains("rank 1 gave pieces [(0..1, 0), (1..3, 1)] where rank 0 gave"), "{differ}");
+            assert_eq!(t, &vec![1.0, 2.0, 3.0], "nothing written");
         }
     }
 

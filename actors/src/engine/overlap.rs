@@ -140,7 +140,7 @@ fn run(work: BackwardWork, tx: &mpsc::UnboundedSender<Progress>, stop: &AtomicBo
             activations,
             &mut on_final,
         );
-        loss += micro_loss * micro.weight;
+        loss += micro_loss.double_value(&[]) * micro.weight;
     }
     // A rank whose slice is empty contributes its zero gradients.
     send_ready(0, &mut buffers);

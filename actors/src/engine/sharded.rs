@@ -21,7 +21,9 @@
 //! pieces cross to the host for the owner; the updated masters go up once and are all-gathered on the
 //! device into the parameters. The owner — masters, moments and the update — stays in host memory
 //! (ZeRO-Offload's split: per step each rank moves its held gradient pieces down and its own masters
-//! up). ZeRO-3 computes on the host.
+//! up). ZeRO-3 ranks compute each unit on the device too: its parameters gathered there from the
+//! owners by grouped NCCL broadcasts (each owner's masters going up first) and its gradient reduced
+//! there, only the own pieces coming down ([`super::zero3`]).
 //!
 //! With Adafactor (`train.optimizer = "adafactor"`) every rank also keeps the whole model's factored
 //! statistics (`R + C` values per `R × C` matrix, replicated: [`troupe_model::optim::adafactor_shard`]),
@@ -184,11 +186,17 @@ impl<T: Transport> ShardedReplica<T> {
         }
     }
 
-    /// Reduces the gradients and gathers the masters on the device through `plane` from the next step
-    /// on (module docs). ZeRO-1/2 only: a ZeRO-3 rank computes on the host and refuses it.
+    /// Reduces the gradients and gathers the masters (ZeRO-3: each unit's parameters) on the device
+    /// through `plane` from the next step on (module docs). The plane's group must be this attempt's
+    /// ranks, in the communicator's order.
     pub fn set_device_plane(&mut self, plane: Box<dyn DevicePlane>) -> Result<(), String> {
-        if self.mode == ShardMode::Zero3 {
-            return Err("ZeRO-3 computes on the host: it takes no device plane".into());
+        let (rank, world) = (self.rank(), self.world());
+        if (plane.rank(), plane.world()) != (rank, world) {
+            return Err(format!(
+                "the device plane's group is rank {} of {}, the attempt's rank {rank} of {world}",
+                plane.rank(),
+                plane.world()
+            ));
         }
         self.device_plane = Some(plane);
         Ok(())
@@ -397,7 +405,11 @@ impl<T: Transport> ShardedReplica<T> {
             let own = Tensor::from_slice(masters).to_device(device);
             let mut flat = Tensor::zeros([self.total as i64], (tch::Kind::Float, device));
             all_gather_balanced(plane, &own, &mut flat).await?;
-            copy_from_device_flat(self.trainer.model.params(), &flat);
+            if self.mode == ShardMode::Zero3 {
+                zero3::restore_params_from(&mut self.trainer, &flat);
+            } else {
+                copy_from_device_flat(self.trainer.model.params(), &flat);
+            }
             self.params_stale = false;
             return Ok(());
         }
@@ -445,8 +457,9 @@ impl<T: Transport> ShardedReplica<T> {
             }
             let (own, masters) = self.lease().await?;
             let started = std::time::Instant::now();
+            let planes = (&mut self.comm, self.device_plane.as_deref_mut());
             let local_loss =
-                zero3::accumulate(&mut self.comm, &mut self.trainer, (own, &masters[..]), &mut self.grads[0]).await?;
+                zero3::accumulate(planes, &mut self.trainer, (own, &masters[..]), &mut self.grads[0]).await?;
             let compute_seconds = started.elapsed().as_secs_f64();
             drop(masters); // the update runs in place
             self.share_grad_shard().await?;
@@ -499,9 +512,11 @@ impl<T: Transport> ShardedReplica<T> {
         let (local, windows) = if self.mode == ShardMode::Zero3 {
             let (own, masters) = self.lease().await?;
             let windows = self.trainer.validation.clone().expect("checked above");
+            let trainer = &self.trainer;
             let model =
-                (self.trainer.config.clone(), self.trainer.model.precision, self.trainer.model.specs().to_vec());
-            (zero3::evaluate_share(&mut self.comm, model, (own, &masters[..]), &windows).await?, windows)
+                (trainer.config.clone(), trainer.model.precision, trainer.model.specs().to_vec(), trainer.device);
+            let planes = (&mut self.comm, self.device_plane.as_deref_mut());
+            (zero3::evaluate_share(planes, model, (own, &masters[..]), &windows).await?, windows)
         } else {
             if self.params_stale {
                 let (_, masters) = self.lease().await?;
@@ -532,7 +547,7 @@ impl<T: Transport> ShardedReplica<T> {
                 own.copy_data(&mut self.grads[0], len);
                 self.share_grad_shard().await?;
             }
-            ShardMode::Zero3 => unreachable!("ZeRO-3 takes no device plane"),
+            ShardMode::Zero3 => unreachable!("ZeRO-3 reduces unit by unit in `zero3::accumulate`"),
         }
         Ok(())
     }

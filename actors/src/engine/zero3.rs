@@ -19,10 +19,17 @@
 //!
 //! The compute of each unit runs on a blocking-pool thread while the attempt's runtime prefetches the next
 //! unit's parameters and reduces the previous unit's gradient (see [`micro_batch`]).
+//!
+//! The units compute on the trainer's device. On GPUs of their own (a [`DevicePlane`]: NCCL), a unit's
+//! gather is one group of NCCL broadcasts into a buffer on the device — each owner's piece put there
+//! from its host masters first — whose views are the unit's parameters, and its reduction one group of
+//! NCCL reductions of the flat gradient on the device, each owner copying only its own pieces down to
+//! its gradient shard. Without one the same broadcasts and reductions run over the attempt's (host)
+//! communicator, the parameters going up to the device and the gradients down.
 
 use std::ops::Range;
 
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 use troupe_cluster::collective::{Collective, Communicator, ReduceOp};
 use troupe_cluster::transport::Transport;
 use troupe_cluster::ClusterError;
@@ -32,6 +39,7 @@ use troupe_model::model::{self, ModelConfig, ParamSpec};
 use troupe_model::precision::{backward_weight, Precision};
 use troupe_model::Trainer;
 
+use super::device_plane::DevicePlane;
 use super::shard_plan::owner_pieces;
 
 mod eval;
@@ -98,13 +106,38 @@ pub fn release_params(trainer: &mut Trainer) {
     }
 }
 
-/// Rebuilds every parameter of the model from `flat` (the whole flat order), whatever its shape was.
+/// Rebuilds every parameter of the model from `flat` (the whole flat order), whatever its shape was, on
+/// the trainer's device.
 pub fn restore_params(trainer: &mut Trainer, flat: &[f32]) {
-    let specs = trainer.model.specs().to_vec();
-    let tensors = unit_tensors(&specs, flat);
-    for (p, t) in trainer.model.params_mut().iter_mut().zip(tensors) {
-        *p = t;
+    restore_params_from(trainer, &Tensor::from_slice(flat));
+}
+
+/// [`restore_params`] from a flat tensor on any device: each parameter a tensor of its own (not a view
+/// of `flat`) on the trainer's device.
+pub fn restore_params_from(trainer: &mut Trainer, flat: &Tensor) {
+    let (specs, device) = (trainer.model.specs().to_vec(), trainer.device);
+    let mut offset = 0;
+    for (p, spec) in trainer.model.params_mut().iter_mut().zip(&specs) {
+        let n = spec.numel() as i64;
+        let values = flat.narrow(0, offset, n).view(spec.shape.as_slice());
+        *p = values.to_device_(device, Kind::Float, false, true).set_requires_grad(true);
+        offset += n;
     }
+}
+
+/// Leaves requiring grad shaped by `specs`, views of consecutive elements of `buf` (a flat f32 tensor
+/// that nothing else writes while they live): a gathered unit's parameters, without a copy.
+fn leaves_of(specs: &[ParamSpec], buf: &Tensor) -> Vec<Tensor> {
+    let mut offset = 0;
+    specs
+        .iter()
+        .map(|spec| {
+            let n = spec.numel() as i64;
+            let t = buf.narrow(0, offset, n).view(spec.shape.as_slice()).detach().set_requires_grad(true);
+            offset += n;
+            t
+        })
+        .collect()
 }
 
 /// Fresh leaves requiring grad, shaped by `specs`, from consecutive values of `flat`.
@@ -121,9 +154,22 @@ pub(crate) fn unit_tensors(specs: &[ParamSpec], flat: &[f32]) -> Vec<Tensor> {
         .collect()
 }
 
+/// One owner's piece of a unit.
+struct Piece {
+    /// Its elements in the unit's buffer (the unit's segments one after another).
+    at: Range<usize>,
+    owner: usize,
+    /// Its elements in the flat order (inside the owner's shard).
+    flat: Range<usize>,
+}
+
 /// One rank's side of a ZeRO-3 step's gathers and reductions.
 struct Exchange<'a, T: Transport> {
     comm: &'a mut Communicator<T>,
+    /// On GPUs of their own: the gathers and reductions on the device (module docs); None: over `comm`.
+    plane: Option<&'a mut (dyn DevicePlane + 'static)>,
+    /// Where the units compute: the gathered parameters are made there.
+    device: Device,
     specs: Vec<ParamSpec>,
     total: usize,
     /// This rank's own shard: its range of the flat order and its masters.
@@ -135,42 +181,79 @@ struct Exchange<'a, T: Transport> {
 }
 
 impl<T: Transport> Exchange<'_, T> {
-    /// The full parameters of `unit`: for each of its segments, each owner broadcasts its part, in rank
-    /// order.
-    async fn gather(&mut self, unit: &Unit) -> Result<Vec<Tensor>, ClusterError> {
-        let (rank, world) = (self.comm.rank(), self.comm.world());
-        self.buf.clear();
-        self.buf.resize(unit.len(), 0.0);
+    /// Each owner's piece of `unit`, segment by segment, in rank order.
+    fn pieces(&self, unit: &Unit) -> Vec<Piece> {
+        let world = self.comm.world();
+        let mut pieces = Vec::new();
         let mut at = 0;
         for segment in unit.segments() {
-            for (owner, piece) in owner_pieces(self.total, world, segment) {
-                let dst = &mut self.buf[at + piece.start - segment.start..at + piece.end - segment.start];
-                if owner == rank {
-                    dst.copy_from_slice(&self.masters[piece.start - self.own.start..piece.end - self.own.start]);
-                }
-                self.comm.broadcast(dst, owner).await?;
+            for (owner, flat) in owner_pieces(self.total, world, segment) {
+                let start = at + flat.start - segment.start;
+                pieces.push(Piece { at: start..start + flat.len(), owner, flat });
             }
             at += segment.len();
         }
-        Ok(unit_tensors(&unit.specs(&self.specs), &self.buf))
+        pieces
+    }
+
+    /// The full parameters of `unit`, on the device: each owner broadcasts its pieces — as one group
+    /// on the device plane, else one by one in rank order over the host communicator.
+    async fn gather(&mut self, unit: &Unit) -> Result<Vec<Tensor>, ClusterError> {
+        let rank = self.comm.rank();
+        let (pieces, specs) = (self.pieces(unit), unit.specs(&self.specs));
+        let own = |flat: &Range<usize>| flat.start - self.own.start..flat.end - self.own.start;
+        if let Some(plane) = self.plane.as_deref_mut() {
+            let mut buf = Tensor::zeros([unit.len() as i64], (Kind::Float, self.device));
+            tch::no_grad(|| {
+                for p in pieces.iter().filter(|p| p.owner == rank) {
+                    let masters = Tensor::from_slice(&self.masters[own(&p.flat)]);
+                    buf.narrow(0, p.at.start as i64, p.at.len() as i64).copy_(&masters);
+                }
+            });
+            let rooted: Vec<(Range<usize>, usize)> = pieces.iter().map(|p| (p.at.clone(), p.owner)).collect();
+            plane.broadcast_pieces(&mut buf, &rooted).await?;
+            return Ok(leaves_of(&specs, &buf));
+        }
+        self.buf.clear();
+        self.buf.resize(unit.len(), 0.0);
+        for p in &pieces {
+            let dst = &mut self.buf[p.at.clone()];
+            if p.owner == rank {
+                dst.copy_from_slice(&self.masters[own(&p.flat)]);
+            }
+            self.comm.broadcast(dst, p.owner).await?;
+        }
+        Ok(leaves_of(&specs, &Tensor::from_slice(&self.buf).to_device(self.device)))
     }
 
     /// Sums `params`' gradients (zeros for `None`: nothing computed this round) over the ranks onto
-    /// their owners, who add their part to the gradient shard.
+    /// their owners, who add their part to the gradient shard — one group of reductions on the device
+    /// plane (only the own pieces come down), else one reduction per piece over the host communicator.
     async fn reduce(&mut self, unit: &Unit, params: Option<Vec<Tensor>>) -> Result<(), ClusterError> {
-        self.load_grads(unit, params);
-        let (rank, world) = (self.comm.rank(), self.comm.world());
-        let mut at = 0;
-        for segment in unit.segments() {
-            for (owner, piece) in owner_pieces(self.total, world, segment) {
-                let part = &mut self.buf[at + piece.start - segment.start..at + piece.end - segment.start];
-                self.comm.reduce(part, ReduceOp::Sum, owner).await?;
-                if owner == rank {
-                    let acc = &mut self.grad[piece.start - self.own.start..piece.end - self.own.start];
-                    acc.iter_mut().zip(part.iter()).for_each(|(a, g)| *a += g);
-                }
+        let rank = self.comm.rank();
+        let pieces = self.pieces(unit);
+        if self.plane.is_some() {
+            let mut flat = grads_on(self.device, unit.len(), params);
+            let rooted: Vec<(Range<usize>, usize)> = pieces.iter().map(|p| (p.at.clone(), p.owner)).collect();
+            let plane = self.plane.as_deref_mut().expect("checked above");
+            plane.reduce_pieces(&mut flat, &rooted).await?;
+            for p in pieces.iter().filter(|p| p.owner == rank) {
+                self.buf.clear();
+                self.buf.resize(p.at.len(), 0.0);
+                flat.narrow(0, p.at.start as i64, p.at.len() as i64).copy_data(&mut self.buf, p.at.len());
+                let acc = &mut self.grad[p.flat.start - self.own.start..p.flat.end - self.own.start];
+                acc.iter_mut().zip(&self.buf).for_each(|(a, g)| *a += g);
             }
-            at += segment.len();
+            return Ok(());
+        }
+        self.load_grads(unit, params);
+        for p in &pieces {
+            let part = &mut self.buf[p.at.clone()];
+            self.comm.reduce(part, ReduceOp::Sum, p.owner).await?;
+            if p.owner == rank {
+                let acc = &mut self.grad[p.flat.start - self.own.start..p.flat.end - self.own.start];
+                acc.iter_mut().zip(part.iter()).for_each(|(a, g)| *a += g);
+            }
         }
         Ok(())
     }
@@ -193,6 +276,23 @@ impl<T: Transport> Exchange<'_, T> {
     }
 }
 
+/// `params`' gradients as one flat tensor of `len` elements on `device` (zeros where a parameter has
+/// none, or for `None`); the parameters are dropped.
+fn grads_on(device: Device, len: usize, params: Option<Vec<Tensor>>) -> Tensor {
+    let flat = Tensor::zeros([len as i64], (Kind::Float, device));
+    tch::no_grad(|| {
+        let mut offset = 0;
+        for p in params.iter().flatten() {
+            let (n, g) = (p.numel() as i64, p.grad());
+            if g.defined() {
+                flat.narrow(0, offset, n).copy_(&g.reshape([-1]));
+            }
+            offset += n;
+        }
+    });
+    flat
+}
+
 /// One micro-batch of this rank: tokens, targets, its weight (its share of the global batch) and the
 /// factor its backward multiplies the loss by (the share times fp16's loss scale).
 struct Batch {
@@ -207,9 +307,10 @@ struct Batch {
 /// The forward and backward of `step`'s slice of this rank, unit by unit: zeroes `grad` (the own
 /// shard's gradient), then accumulates into it the global batch's gradient of the own range (every
 /// rank's slice, reduced). Returns this rank's weighted loss (the batch's mean loss when summed over
-/// ranks). `own` must be this rank's own shard: its range of the flat order and its masters.
+/// ranks). `own` must be this rank's own shard: its range of the flat order and its masters. The units
+/// compute on the trainer's device; `plane` gathers and reduces there (module docs).
 pub(super) async fn accumulate<T: Transport>(
-    comm: &mut Communicator<T>,
+    (comm, plane): (&mut Communicator<T>, Option<&mut (dyn DevicePlane + 'static)>),
     trainer: &mut Trainer,
     (own, masters): (Range<usize>, &[f32]),
     grad: &mut [f32],
@@ -227,21 +328,25 @@ pub(super) async fn accumulate<T: Transport>(
         .unwrap_or(0);
     let mine = micro_batch_ranges(rank_slice(train.global_batch, rank, world), train.micro_batch);
     let activations = Activations::from_recompute(config.parallel.recompute);
-    let mut exchange = Exchange { comm, specs, total, own, masters, grad, buf: Vec::new() };
-    let mut loss = 0.0;
+    let device = trainer.device;
+    let mut exchange = Exchange { comm, plane, device, specs, total, own, masters, grad, buf: Vec::new() };
+    let mut losses = Vec::new();
     for round in 0..rounds {
         let batch = mine.get(round).map(|micro| {
             let weight = micro.len() as f64 / train.global_batch as f64;
             let backward_weight = backward_weight(train, &trainer.loss_scale, trainer.step, micro);
             let samples = model::Samples::new(train.seed, trainer.step, micro.start);
             let (tokens, targets) = trainer.sampler.batch(trainer.step, micro.clone());
+            let (tokens, targets) = (tokens.to_device(device), targets.to_device(device));
             Batch { tokens, targets, weight, backward_weight, samples }
         });
         let weight = batch.as_ref().map_or(0.0, |b| b.weight);
         let model = (&config.model, trainer.model.precision);
-        loss += weight * micro_batch(&mut exchange, model, &units, batch, activations).await?;
+        if let Some(loss) = micro_batch(&mut exchange, model, &units, batch, activations).await? {
+            losses.push((loss, weight));
+        }
     }
-    Ok(loss)
+    Ok(troupe_model::trainer::weighted_losses(&losses))
 }
 
 /// What the forward keeps of a unit for its backward.
@@ -313,8 +418,8 @@ struct BodyForward {
 
 /// What the head leaves for the backward through the blocks and the embeddings.
 struct HeadDone {
-    /// The micro-batch's mean loss (0 without one).
-    loss: f64,
+    /// The micro-batch's mean loss, a scalar where the model computes (None without a micro-batch).
+    loss: Option<Tensor>,
     /// The gradient of the head's input (None without a micro-batch).
     grad: Option<Tensor>,
     /// The head's parameters holding their gradients, to reduce (None without a micro-batch).
@@ -324,7 +429,7 @@ struct HeadDone {
 }
 
 /// One micro-batch round (`batch` None: this rank has no micro-batch left and only takes part in the
-/// collectives). Returns the micro-batch's mean loss (0 without one).
+/// collectives). Returns the micro-batch's mean loss (None without one), not yet read to the host.
 ///
 /// Communication overlaps compute: each unit's forward (and backward) runs on a blocking-pool thread
 /// while the attempt's runtime gathers the next unit's parameters — and, in the backward, reduces the
@@ -338,7 +443,7 @@ async fn micro_batch<T: Transport>(
     units: &[Unit],
     batch: Option<Batch>,
     activations: Activations,
-) -> Result<f64, ClusterError> {
+) -> Result<Option<Tensor>, ClusterError> {
     let model = Model { config: config.clone(), precision };
     let recompute = activations == Activations::Recompute;
     let (head, body) = units.split_last().expect("the model has a head");
@@ -346,7 +451,7 @@ async fn micro_batch<T: Transport>(
     let (BodyForward { kept, output, head_params }, batch) =
         forward_body(ex, &model, (body, head), batch, activations).await?;
     let (head_done, batch) = forward_head(ex, &model, last, (output, head_params), batch, recompute).await?;
-    let loss = head_done.loss;
+    let loss = head_done.loss.as_ref().map(Tensor::shallow_clone);
     backward_body(ex, &model, (body, head), kept, head_done, batch, recompute).await?;
     Ok(loss)
 }
@@ -410,7 +515,7 @@ async fn forward_head<T: Transport>(
             let logits = model::head(&model.config, model.precision, &head_params, &input);
             let micro_loss = model::cross_entropy(&logits, &targets);
             (&micro_loss * scale).backward();
-            (micro_loss.double_value(&[]), input.grad(), head_params)
+            (micro_loss.detach(), input.grad(), head_params)
         })
     });
     let prefetch_last = async {
@@ -421,8 +526,8 @@ async fn forward_head<T: Transport>(
     };
     let (head_done, prefetched) = alongside(head_compute, prefetch_last).await?;
     let done = match head_done {
-        Some((loss, grad, params)) => HeadDone { loss, grad: Some(grad), params: Some(params), prefetched },
-        None => HeadDone { loss: 0.0, grad: None, params: None, prefetched },
+        Some((loss, grad, params)) => HeadDone { loss: Some(loss), grad: Some(grad), params: Some(params), prefetched },
+        None => HeadDone { loss: None, grad: None, params: None, prefetched },
     };
     Ok((done, batch))
 }

@@ -1,11 +1,11 @@
 //! WorkerActor: one per device slot (a GPU ordinal, or a CPU slot). Holds, per job, the committed
 //! training state of its rank, and runs attempts of the job's step protocol as a task it can abort.
 //!
-//! On a CUDA slot, a DDP or ZeRO-1/2 rank's model and gradients live on the slot's GPU
-//! (`plan::plane::runs_on_device`; the other engines compute on the host for now), and when the
-//! controller chose the NCCL plane for the attempt, its gradients are reduced (and ZeRO's masters
-//! gathered) there by NCCL (`engine::device_plane`), the communicator built for the attempt's epoch
-//! over the attempt's mesh.
+//! On a CUDA slot, a DDP or ZeRO-1/2/3 rank's model and gradients live on the slot's GPU
+//! (`plan::plane::runs_on_device`; ZeRO-3's units one at a time; the other engines compute on the host
+//! for now), and when the controller chose the NCCL plane for the attempt, its gradients are reduced
+//! (and ZeRO's masters or units gathered) there by NCCL (`engine::device_plane`), the communicator
+//! built for the attempt's epoch over the attempt's mesh.
 //!
 //! What a restart loses and keeps: a restarted worker starts empty — the committed state of its jobs is
 //! gone, and the next attempt copies it from another rank (`Start.source`). Nothing else is lost: the
@@ -387,6 +387,9 @@ fn fresh_state(spec: &JobSpec, rank: usize, device: &SlotDevice) -> Result<(Comm
     let config = spec.config.clone();
     // Where a whole replica lives: the slot's device for an engine that computes there.
     let on = if crate::plan::plane::runs_on_device(&config) { device.torch() } else { tch::Device::Cpu };
+    // An engine that keeps parts of the model never holds the whole of it on the device: a ZeRO-3 rank
+    // resumes in host memory (its shard taken, the rest dropped) and gathers its units on the device.
+    let in_parts = config.parallel.pp > 1 || config.parallel.shard == "zero3";
     if let Some(dir) = &config.checkpoint.dir {
         let (latest, skipped) = checkpoint::latest_valid(dir);
         if let (Some(latest), false) = (&latest, skipped.is_empty()) {
@@ -396,14 +399,20 @@ fn fresh_state(spec: &JobSpec, rank: usize, device: &SlotDevice) -> Result<(Comm
             if troupe_model::periodic::PeriodicSync::of(&config.parallel).is_some() {
                 return crate::engine::resume_rank(config, &latest, rank).map(|state| (state, true));
             }
-            return Trainer::resume_on(config, &latest, on)
-                .map(|t| (CommittedState::Full(Box::new(t)), true))
+            return Trainer::resume_on(config, &latest, if in_parts { tch::Device::Cpu } else { on })
+                .map(|mut t| {
+                    t.device = on;
+                    (CommittedState::Full(Box::new(t)), true)
+                })
                 .map_err(|e| format!("restoring checkpoint {}: {e}", latest.display()));
         }
     }
-    let in_parts = config.parallel.pp > 1 || config.parallel.shard == "zero3";
     let fresh = if in_parts {
-        Trainer::new_unmaterialised(config).map(|t| CommittedState::Initial(Box::new(t)))
+        // Nothing is materialised; a ZeRO-3 rank on a GPU gathers its units there.
+        Trainer::new_unmaterialised(config).map(|mut t| {
+            t.device = on;
+            CommittedState::Initial(Box::new(t))
+        })
     } else {
         Trainer::new_on(config, on).map(|t| CommittedState::Full(Box::new(t)))
     };
@@ -682,9 +691,7 @@ async fn train_over<T: Transport>(
         (Some(mode), state) => {
             let replicas = spec.config.checkpoint.replicas;
             let mut engine = ShardedReplica::adopt(state, comm, mode, replicas, Some(ctx.worker.clone()));
-            if let (GradientPlane::Nccl, SlotDevice::Cuda { ordinal, .. }, false) =
-                (ctx.plane, &ctx.device, mode == ShardMode::Zero3)
-            {
+            if let (GradientPlane::Nccl, SlotDevice::Cuda { ordinal, .. }) = (ctx.plane, &ctx.device) {
                 let built = nccl_plane(engine.communicator(), *ordinal as usize, ctl).await;
                 let step = engine.trainer().step;
                 match built.and_then(|plane| plane.map(|p| engine.set_device_plane(p)).transpose()) {
@@ -692,7 +699,8 @@ async fn train_over<T: Transport>(
                         job = ctx.job,
                         attempt = ctx.attempt,
                         rank = transport.rank(),
-                        "gradients reduced and masters gathered on cuda:{ordinal} by NCCL; the shard owner updates in host memory"
+                        "gradients reduced and {} gathered on cuda:{ordinal} by NCCL; the shard owner updates in host memory",
+                        if mode == ShardMode::Zero3 { "each unit's parameters" } else { "masters" }
                     ),
                     Ok(None) => return (StepEngine::into_state(engine).await, AttemptOutcome::Aborted { step }),
                     Err(reason) => {

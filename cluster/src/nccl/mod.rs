@@ -7,8 +7,9 @@
 //! - **Creation.** [`NcclCommunicator::connect`] takes the epoch's data-plane [`Communicator`] (same
 //!   ranks, same order): rank 0 creates a fresh NCCL unique id and sends its 128 bytes to every other
 //!   rank point-to-point on that communicator, so the id travels tagged with the epoch and a stale
-//!   epoch's id can never be used; then every rank joins with `ncclCommInitRank`, which blocks the
-//!   calling thread until all ranks have joined (NCCL's own bootstrap). Why not the control plane
+//!   epoch's id can never be used; then every rank joins with `ncclCommInitRank`, which blocks until
+//!   all ranks have joined (NCCL's own bootstrap) — on a helper thread, the caller waiting at most the
+//!   collective timeout without blocking its own thread ([`ClusterError::NcclJoinTimeout`]). Why not the control plane
 //!   (`crate::control`): it connects daemons by node name and has no notion of a job's ranks; carrying
 //!   the id there would need the controller to relay rank 0's id to each member as a new message kind,
 //!   where the epoch's communicator already holds exactly these ranks, fenced by exactly this epoch.
@@ -204,12 +205,36 @@ impl NcclCommunicator {
     }
 
     /// Exchanges a fresh unique id over `control` and joins its communicator.
+    ///
+    /// `ncclCommInitRank` blocks its thread until every rank has joined, so it runs on a helper
+    /// thread: the calling task waits without blocking its own thread, at most the collective timeout
+    /// (then [`ClusterError::NcclJoinTimeout`]), and can be dropped meanwhile (an aborted attempt). A
+    /// join that completes after its waiter gave up is aborted on the helper thread; one that never
+    /// completes keeps only that thread, until NCCL's bootstrap gives up.
     async fn join<T: Transport>(&mut self, control: &mut Communicator<T>) -> Result<(), ClusterError> {
         let (rank, world, epoch) = (self.rank, self.world, self.epoch);
         let make = || raw::unique_id().map_err(|e| self.error("ncclGetUniqueId", &e));
         let id = exchange_unique_id(control, make).await?;
+        // The calls come from this thread: the device's context current here too, as before the join.
         self.stream.context().bind_to_thread().map_err(|e| self.error("binding the device", &e.to_string()))?;
-        let comm = RawComm::init_rank(id, rank, world).map_err(|e| {
+        let context = self.stream.context().clone();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let spawned = std::thread::Builder::new().name(format!("troupe-nccl-join-{rank}")).spawn(move || {
+            let joined = match context.bind_to_thread() {
+                Ok(()) => RawComm::init_rank(id, rank, world).map(raw::Joined),
+                Err(e) => Err(format!("binding the device: {e}")),
+            };
+            // A waiter that gave up dropped `rx`: the communicator comes back and is dropped (aborted).
+            let _ = tx.send(joined);
+        });
+        spawned.map_err(|e| self.error("ncclCommInitRank", &format!("starting its thread: {e}")))?;
+        let waited_ms = self.timeout_ms;
+        let joined = match tokio::time::timeout(Duration::from_millis(waited_ms), rx).await {
+            Ok(Ok(joined)) => joined,
+            Ok(Err(_)) => Err("its thread ended without an answer".to_owned()),
+            Err(_) => return Err(ClusterError::NcclJoinTimeout { rank, world, epoch, waited_ms }),
+        };
+        let raw::Joined(comm) = joined.map_err(|e| {
             ClusterError::Nccl(format!("rank {rank} of {world} (epoch {epoch}): ncclCommInitRank: {e}"))
         })?;
         self.comm = Some(comm);
@@ -363,6 +388,44 @@ impl NcclCommunicator {
             self.live("all_gather")?.all_gather_ptr((send, recv), send_count, nccl_dtype(dtype), &self.stream)
         };
         self.wait("all_gather", enqueued).await
+    }
+
+    /// Broadcasts from their roots (`reduce` None) or reduces onto their roots (`reduce` Some(op)) pieces
+    /// of one buffer another allocator owns, in place, as one NCCL group (one launch, one wait): piece
+    /// `(offset, count, root)` covers elements `offset..offset + count` of the `len` elements of `dtype`
+    /// at device address `ptr`. Every rank passes the same pieces. A reduction leaves the buffer of a
+    /// rank that is not a piece's root as it was there (NCCL writes only the root's). Enqueued and waited
+    /// for as [`NcclCommunicator::all_reduce_in_place`].
+    ///
+    /// # Safety
+    /// `ptr` must address `len` contiguous elements of `dtype` on this communicator's device and stay
+    /// allocated as `all_reduce_in_place` requires.
+    pub async unsafe fn rooted_in_place(
+        &mut self,
+        (ptr, len): (u64, usize),
+        pieces: &[(usize, usize, usize)],
+        dtype: crate::collective::Dtype,
+        reduce: Option<ReduceOp>,
+    ) -> Result<(), ClusterError> {
+        let op = if reduce.is_some() { "reduce" } else { "broadcast" };
+        let bad = pieces.iter().find(|&&(offset, count, root)| offset + count > len || root >= self.world);
+        if let Some((offset, count, root)) = bad {
+            let reason = format!(
+                "piece {offset}..{} from root {root}: the buffer holds {len} elements, the world is {}",
+                offset + count,
+                self.world
+            );
+            return Err(ClusterError::InvalidArgument { rank: self.rank, op, reason });
+        }
+        let elem_bytes = match dtype {
+            crate::collective::Dtype::F32 => 4,
+            crate::collective::Dtype::Bf16 | crate::collective::Dtype::F16 => 2,
+        };
+        let (datatype, reduce) = (nccl_dtype(dtype), reduce.map(nccl_op));
+        // SAFETY: the caller's contract is `rooted_ptr`'s; every piece lies inside the buffer and every
+        // root inside the world (checked above).
+        let enqueued = unsafe { self.live(op)?.rooted_ptr((ptr, elem_bytes), pieces, datatype, reduce, &self.stream) };
+        self.wait(op, enqueued).await
     }
 
     /// Aborts after a failed call and returns the call's error.

@@ -21,6 +21,13 @@ pub(super) struct RawComm {
     comm: sys::ncclComm_t,
 }
 
+/// A communicator just joined on a helper thread, on its way to the thread that will use it.
+pub(super) struct Joined(pub(super) RawComm);
+
+// SAFETY: NCCL lets a communicator be used from any thread as long as no two use it at once; `Joined`
+// moves the only handle (nothing else refers to it), so the joining thread no longer can.
+unsafe impl Send for Joined {}
+
 fn describe(e: result::NcclError) -> String {
     format!("{:?}", e.0)
 }
@@ -176,6 +183,47 @@ impl RawComm {
             result::all_gather(send as _, recv as _, send_count, datatype, self.comm, stream.cu_stream() as _)
         };
         status.map(drop).map_err(describe)
+    }
+
+    /// Enqueues, as one NCCL group, an in-place broadcast (`reduce` None) or reduction onto the root
+    /// (`reduce` Some(op)) of each piece `(offset, count, root)` of the buffer at device address `ptr`
+    /// (offsets and counts in elements of `datatype`, `elem_bytes` each), on `stream` (memory another
+    /// allocator owns). The group is closed even when a piece fails to enqueue.
+    ///
+    /// # Safety
+    /// `ptr` must address, for every piece, `offset + count` contiguous elements of `datatype` on this
+    /// communicator's device, staying allocated until the operations completed on `stream` (or were
+    /// aborted); every root must be a rank of the communicator.
+    pub(super) unsafe fn rooted_ptr(
+        &self,
+        (ptr, elem_bytes): (u64, usize),
+        pieces: &[(usize, usize, usize)],
+        datatype: sys::ncclDataType_t,
+        reduce: Option<sys::ncclRedOp_t>,
+        stream: &CudaStream,
+    ) -> Result<(), String> {
+        let roots: Vec<i32> =
+            pieces.iter().map(|p| i32::try_from(p.2).map_err(|e| e.to_string())).collect::<Result<_, _>>()?;
+        result::group_start().map_err(describe)?;
+        let mut enqueued = Ok(());
+        for (&(offset, count, _), &root) in pieces.iter().zip(&roots) {
+            let at = (ptr + (offset * elem_bytes) as u64) as *mut std::ffi::c_void;
+            let cu = stream.cu_stream() as _;
+            // SAFETY: the caller's contract covers each piece (in place: send == receive buffer, which
+            // NCCL allows for both operations); the handle is live.
+            let status = unsafe {
+                match reduce {
+                    None => result::broadcast(at, at, count, datatype, root, self.comm, cu),
+                    Some(op) => result::reduce(at, at, count, datatype, op, root, self.comm, cu),
+                }
+            };
+            if let Err(e) = status {
+                enqueued = Err(describe(e));
+                break;
+            }
+        }
+        let closed = result::group_end().map(drop).map_err(describe);
+        enqueued.and(closed)
     }
 
     /// An error NCCL's background threads found (a lost peer, a network error), if any.

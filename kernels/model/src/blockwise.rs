@@ -70,7 +70,8 @@ pub fn backward_from(output: &Tensor, grad: &Tensor) {
 /// monolithic model would, and calls `on_final(range)` after each of [`backward_stages`]' ranges has its
 /// gradient for this micro-batch complete. The products compute in `precision`; a loss scale is part of
 /// `weight`. `samples` names the micro-batch's samples (LoRA's dropout is a function of them). Returns the
-/// micro-batch's mean loss (unweighted).
+/// micro-batch's mean loss (unweighted) as a scalar tensor where the model computes — reading it on a
+/// GPU waits for the device, so a caller reads the losses of a step together.
 #[allow(clippy::too_many_arguments)]
 pub fn micro_batch_backward(
     config: &ModelConfig,
@@ -82,7 +83,7 @@ pub fn micro_batch_backward(
     samples: Option<model::Samples>,
     activations: Activations,
     on_final: &mut dyn FnMut(Range<usize>),
-) -> f64 {
+) -> Tensor {
     assert_eq!(params.len(), config.param_tensors(), "parameter list length");
     let blocks = Blocks { config, precision, params, samples };
     let BlockForward { embedded, mut inputs, outputs } = blocks.forward(tokens, activations);
@@ -102,7 +103,7 @@ pub fn micro_batch_backward(
         backward_from(&embedded, &grad);
     }
     on_final(config.embed_range());
-    loss.double_value(&[])
+    loss.detach()
 }
 
 /// The embeddings and blocks of the model on `params`, as one micro-batch runs them.
@@ -277,17 +278,20 @@ mod tests {
                 let (tokens, targets) = sampler.batch(3, range);
                 let params = model.params();
                 let mut on_final = |r: Range<usize>| reported.push(r);
-                losses.push(micro_batch_backward(
-                    &config.model,
-                    Precision::Fp32,
-                    params,
-                    &tokens,
-                    &targets,
-                    weight,
-                    None,
-                    activations,
-                    &mut on_final,
-                ));
+                losses.push(
+                    micro_batch_backward(
+                        &config.model,
+                        Precision::Fp32,
+                        params,
+                        &tokens,
+                        &targets,
+                        weight,
+                        None,
+                        activations,
+                        &mut on_final,
+                    )
+                    .double_value(&[]),
+                );
             }
             let worst = worst_relative(&grads(&model), &reference);
             assert!(worst <= 1e-6, "{activations:?}: gradients differ by {worst:e} relative");
@@ -315,7 +319,7 @@ mod tests {
             let copies = params[r.clone()].iter().map(|p| p.grad().copy()).collect();
             snapshots.push((r, copies));
         };
-        micro_batch_backward(
+        let _loss = micro_batch_backward(
             &config.model,
             Precision::Fp32,
             &params,

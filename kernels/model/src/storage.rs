@@ -153,7 +153,7 @@ fn region(
 fn regions<const M: usize, const S: usize>(
     mutable: &[(&str, &mut Tensor); M],
     shared: &[(&str, &Tensor); S],
-    check: impl Fn(&str, &Tensor) -> Result<Region, StorageError>,
+    check: &impl Fn(&str, &Tensor) -> Result<Region, StorageError>,
 ) -> Result<([Region; M], [Region; S]), StorageError> {
     let mut mutable_regions = [Region::EMPTY; M];
     for (slot, (operand, tensor)) in mutable_regions.iter_mut().zip(mutable) {
@@ -188,7 +188,7 @@ pub fn lend<'a, T: LendElement, const M: usize, const S: usize>(
     shared: [(&str, &'a Tensor); S],
 ) -> Result<Lent<'a, T, M, S>, StorageError> {
     let check = |operand: &str, tensor: &Tensor| region(operand, tensor, Device::Cpu, T::KIND, T::NAME, T::FIX);
-    let (mutable_regions, shared_regions) = regions(&mutable, &shared, check)?;
+    let (mutable_regions, shared_regions) = regions(&mutable, &shared, &check)?;
     let slice = |r: Region| if r.len == 0 { std::ptr::NonNull::<T>::dangling().as_ptr() } else { r.addr as *mut T };
     // SAFETY: each region was checked above to be a defined, strided, contiguous CPU tensor of kind T,
     // so its address points to `len` initialised, properly aligned T in host memory (libtorch allocates
@@ -212,21 +212,41 @@ pub fn lend_f32<'a, const M: usize, const S: usize>(
     lend::<f32, M, S>(mutable, shared)
 }
 
-/// CUDA tensors' storage lent to troupe-kernels' CUDA backend as device buffers (see [`lend_cuda`]).
-/// Ending the lend (dropping it) synchronises the backend's stream, so libtorch's later work sees
-/// every write the kernels made.
+/// One group of a lend: its mutable tensors and its shared ones, each labelled for error messages.
+pub type LendGroup<'a, const M: usize, const S: usize> = ([(&'a str, &'a mut Tensor); M], [(&'a str, &'a Tensor); S]);
+
+/// CUDA tensors' storage lent to troupe-kernels' CUDA backend as device buffers (see [`lend_cuda`],
+/// [`lend_cuda_groups`]). Ending the lend (dropping it) synchronises the backend's stream, so
+/// libtorch's later work sees every write the kernels made.
 pub struct CudaLent<'a, const M: usize, const S: usize> {
     backend: &'a CudaBackend,
-    mutable: [BorrowedDeviceBuffer; M],
-    shared: [BorrowedDeviceBuffer; S],
+    groups: Vec<([BorrowedDeviceBuffer; M], [BorrowedDeviceBuffer; S])>,
     _tensors: PhantomData<&'a mut Tensor>,
 }
 
 impl<const M: usize, const S: usize> CudaLent<'_, M, S> {
-    /// The buffers: the mutable ones (written in place), then the shared ones, in the order asked for —
-    /// what `Backend::Cuda(..)`'s kernels take.
+    /// The buffers of the first group: the mutable ones (written in place), then the shared ones, in
+    /// the order asked for — what `Backend::Cuda(..)`'s kernels take.
     pub fn buffers(&mut self) -> ([&mut Buffer; M], [&Buffer; S]) {
-        (self.mutable.each_mut().map(|b| b.buffer_mut()), self.shared.each_ref().map(|b| b.buffer()))
+        self.group(0)
+    }
+
+    /// The buffers of group `i`, as [`Self::buffers`].
+    ///
+    /// # Panics
+    /// If the lend has no group `i`.
+    pub fn group(&mut self, i: usize) -> ([&mut Buffer; M], [&Buffer; S]) {
+        let (mutable, shared) = &mut self.groups[i];
+        (mutable.each_mut().map(|b| b.buffer_mut()), shared.each_ref().map(|b| b.buffer()))
+    }
+
+    /// How many groups the lend holds.
+    pub fn len(&self) -> usize {
+        self.groups.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.groups.is_empty()
     }
 }
 
@@ -263,11 +283,22 @@ fn cuda_region(operand: &str, tensor: &Tensor, device: Device) -> Result<Region,
 /// (module docs: tch exposes no handle to libtorch's current stream).
 pub fn lend_cuda<'a, const M: usize, const S: usize>(
     backend: &'a CudaBackend,
-    mutable: [(&str, &'a mut Tensor); M],
-    shared: [(&str, &'a Tensor); S],
+    mutable: [(&'a str, &'a mut Tensor); M],
+    shared: [(&'a str, &'a Tensor); S],
+) -> Result<CudaLent<'a, M, S>, StorageError> {
+    lend_cuda_groups(backend, vec![(mutable, shared)])
+}
+
+/// [`lend_cuda`] of many groups at once — e.g. each parameter with its gradient and moments — for
+/// the price of one lend: one device synchronisation before, one of troupe's stream after. Every
+/// tensor is checked as [`lend_cuda`] checks it, and a mutable tensor may overlap no other tensor of
+/// any group.
+pub fn lend_cuda_groups<'a, const M: usize, const S: usize>(
+    backend: &'a CudaBackend,
+    groups: Vec<LendGroup<'a, M, S>>,
 ) -> Result<CudaLent<'a, M, S>, StorageError> {
     let device = Device::Cuda(backend.ordinal());
-    let (mutable_regions, shared_regions) = regions(&mutable, &shared, |o, t| cuda_region(o, t, device))?;
+    let checked = group_regions(&groups, |o, t| cuda_region(o, t, device))?;
     tch::Cuda::synchronize(backend.ordinal() as i64);
     let borrow = |r: Region| {
         // SAFETY: the region was checked to be a defined, strided, contiguous tensor of its kind on the
@@ -279,12 +310,37 @@ pub fn lend_cuda<'a, const M: usize, const S: usize>(
         // (module docs).
         unsafe { backend.borrow_device_memory(device_dtype(r.kind), r.addr as u64, r.len) }
     };
-    Ok(CudaLent {
-        backend,
-        mutable: mutable_regions.map(borrow),
-        shared: shared_regions.map(borrow),
-        _tensors: PhantomData,
-    })
+    let groups = checked.into_iter().map(|(mutable, shared)| (mutable.map(borrow), shared.map(borrow))).collect();
+    Ok(CudaLent { backend, groups, _tensors: PhantomData })
+}
+
+/// The regions of every group (each checked with `check`, each group as [`regions`] checks it),
+/// refusing a mutable region that overlaps any region of another group too.
+#[allow(clippy::type_complexity)]
+fn group_regions<const M: usize, const S: usize>(
+    groups: &[LendGroup<'_, M, S>],
+    check: impl Fn(&str, &Tensor) -> Result<Region, StorageError>,
+) -> Result<Vec<([Region; M], [Region; S])>, StorageError> {
+    let checked: Vec<([Region; M], [Region; S])> =
+        groups.iter().map(|(mutable, shared)| regions(mutable, shared, &check)).collect::<Result<_, _>>()?;
+    // Across groups: sweep the regions in address order, each against those still open.
+    let mut all: Vec<(Region, &str, bool)> = Vec::new();
+    for ((mutable, shared), (m, s)) in checked.iter().zip(groups) {
+        all.extend(mutable.iter().zip(m).map(|(r, (name, _))| (*r, *name, true)));
+        all.extend(shared.iter().zip(s).map(|(r, (name, _))| (*r, *name, false)));
+    }
+    all.retain(|(r, _, _)| r.len > 0);
+    all.sort_by_key(|(r, _, _)| r.addr);
+    let mut open: Vec<(Region, &str, bool)> = Vec::new();
+    for (r, name, mutable) in all {
+        open.retain(|(o, _, _)| o.bytes().end > r.addr);
+        if let Some((_, other, other_mutable)) = open.iter().find(|(o, _, m)| (*m || mutable) && o.overlaps(&r)) {
+            let (mutable, other) = if *other_mutable { (*other, name) } else { (name, *other) };
+            return Err(StorageError::Aliased { mutable: mutable.to_owned(), other: other.to_owned() });
+        }
+        open.push((r, name, mutable));
+    }
+    Ok(checked)
 }
 
 #[cfg(test)]
@@ -318,6 +374,30 @@ mod tests {
         t[0] = 30.0;
         let ([f], []) = lend_f32([("flat", &mut flat)], []).unwrap();
         assert_eq!(f, &[0.0, 1.0, 2.0, 30.0, 4.0, 5.0]);
+    }
+
+    /// The checks of a grouped lend (what `lend_cuda_groups` runs before touching any storage), on
+    /// CPU tensors: groups of separate tensors pass; a tensor shared read-only by two groups passes; a
+    /// mutable tensor of one group that another group's tensor overlaps is refused, both named.
+    #[test]
+    fn a_grouped_lend_refuses_a_mutable_tensor_another_group_overlaps() {
+        let cpu = |o: &str, t: &Tensor| region(o, t, Device::Cpu, Kind::Float, "f32", "Kind::Float");
+        let zeros = |n: i64| Tensor::zeros([n], (Kind::Float, Device::Cpu));
+        let (mut a, mut b, shared) = (zeros(4), zeros(4), zeros(4));
+        let groups: Vec<LendGroup<1, 1>> =
+            vec![([("a", &mut a)], [("lr", &shared)]), ([("b", &mut b)], [("lr", &shared)])];
+        assert_eq!(group_regions(&groups, cpu).unwrap().len(), 2);
+
+        let flat = zeros(8);
+        let (mut head, tail) = (flat.narrow(0, 0, 4), flat.narrow(0, 2, 6));
+        let mut other = zeros(3);
+        let groups: Vec<LendGroup<1, 1>> =
+            vec![([("head", &mut head)], [("lr", &shared)]), ([("other", &mut other)], [("tail", &tail)])];
+        let err = group_regions(&groups, cpu).unwrap_err();
+        assert_eq!(err, StorageError::Aliased { mutable: "head".into(), other: "tail".into() });
+        let mut apart = flat.narrow(0, 4, 4);
+        let groups: Vec<LendGroup<1, 0>> = vec![([("low", &mut head)], []), ([("high", &mut apart)], [])];
+        assert!(group_regions(&groups, cpu).is_ok(), "views of one storage that do not overlap");
     }
 
     #[test]

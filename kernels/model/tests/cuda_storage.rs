@@ -1,9 +1,11 @@
 //! troupe-kernels' CUDA kernels on libtorch CUDA tensors' own storage (`lend_cuda`): the fused AdamW
 //! with its bf16 copy-out and the casts give, on the tensors in place, the CPU path's bits on the same
-//! values. Skips with `no CUDA device` where libtorch or troupe-kernels sees no GPU.
+//! values; so does the optimizer a trainer on a GPU steps with (`AdamW` on CUDA parameters, every
+//! parameter lent at once). Skips with `no CUDA device` where libtorch or troupe-kernels sees no GPU.
 
 use tch::{Device, Kind, Tensor};
 use troupe_kernels::{AdamWConfig, Backend, CudaBackend};
+use troupe_model::optim::adamw::{AdamW, AdamWConfig as OptimizerConfig};
 use troupe_model::storage::{lend, lend_cuda, lend_f32};
 
 fn backend_or_skip(test: &str) -> Option<CudaBackend> {
@@ -87,4 +89,40 @@ fn a_cuda_lend_refuses_a_tensor_on_another_device() {
     let mut on_cpu = Tensor::zeros([4], (Kind::Float, Device::Cpu));
     let err = lend_cuda(&cuda, [("p", &mut on_cpu)], []).map(drop).unwrap_err();
     assert!(err.to_string().contains("lend_cuda"), "{err}");
+}
+
+/// A trainer's optimizer on a GPU runs troupe's fused CUDA kernel, not libtorch's formula: over three
+/// steps its parameters and moments are the CPU kernel's bits exactly (the libtorch formula rounds
+/// differently), parameters without a gradient untouched, the decay flag honoured per parameter.
+#[test]
+fn adamw_on_cuda_parameters_runs_the_fused_kernel_with_the_cpu_bits() {
+    let Some(cuda) = backend_or_skip("adamw_on_cuda_parameters_runs_the_fused_kernel_with_the_cpu_bits") else {
+        return;
+    };
+    let gpu = Device::Cuda(cuda.ordinal());
+    let shapes: [&[i64]; 3] = [&[64, 33], &[33], &[7, 5]];
+    let initial: Vec<Tensor> = shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, Device::Cpu)) * 0.1).collect();
+    let config = OptimizerConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
+    let decays = vec![true, false, true];
+    let run = |device: Device| {
+        let mut params: Vec<Tensor> =
+            initial.iter().map(|t| t.to_device(device).detach().set_requires_grad(true)).collect();
+        let mut opt = AdamW::new(config, &params, decays.clone());
+        for step in 0..3 {
+            // The first two get gradients (defined by a backward, then set); the third none.
+            (params[0].sum(Kind::Float) + params[1].sum(Kind::Float)).backward();
+            for (i, p) in params.iter().enumerate().take(2) {
+                let g = Tensor::full(p.size(), 0.01 * (step + i + 1) as f64, (Kind::Float, device));
+                tch::no_grad(|| p.grad().copy_(&g));
+            }
+            opt.apply(&mut params, 1e-2);
+        }
+        let moments = opt.exp_avg.iter().chain(&opt.exp_avg_sq).map(bits).collect::<Vec<_>>();
+        (params.iter().map(bits).collect::<Vec<_>>(), moments)
+    };
+    let (cpu_params, cpu_moments) = run(Device::Cpu);
+    let (gpu_params, gpu_moments) = run(gpu);
+    assert_eq!(gpu_params, cpu_params, "parameters");
+    assert_eq!(gpu_moments, cpu_moments, "moments");
+    assert_eq!(gpu_params[2], bits(&initial[2]), "a parameter without a gradient is left alone");
 }

@@ -8,7 +8,7 @@
 
 use std::ops::Range;
 
-use tch::Tensor;
+use tch::{Device, Tensor};
 use troupe_cluster::collective::{Collective, Communicator};
 use troupe_cluster::transport::Transport;
 use troupe_cluster::ClusterError;
@@ -17,16 +17,16 @@ use troupe_model::data::{micro_batch_ranges, EvalWindows};
 use troupe_model::model::{self, ParamSpec};
 use troupe_model::precision::Precision;
 
-use super::{on_thread, plan_units, Exchange, Model};
+use super::{on_thread, plan_units, DevicePlane, Exchange, Model};
 
 /// The sum of this rank's windows' mean losses ([`crate::engine::eval::share`] of `windows`, in
 /// micro-batches of `train.micro_batch`) under the model of `config` computing in `precision` (its
 /// parameters `specs`), the parameters gathered unit by unit from their owners. `own` must be this
 /// rank's own shard: its range of the flat order and its masters. A collective: every rank calls it,
-/// with windows or without.
+/// with windows or without. The units compute on `device`; `plane` gathers there (as a step's).
 pub(crate) async fn evaluate_share<T: Transport>(
-    comm: &mut Communicator<T>,
-    (config, precision, specs): (JobConfig, Precision, Vec<ParamSpec>),
+    (comm, plane): (&mut Communicator<T>, Option<&mut (dyn DevicePlane + 'static)>),
+    (config, precision, specs, device): (JobConfig, Precision, Vec<ParamSpec>, Device),
     (own, masters): (Range<usize>, &[f32]),
     windows: &EvalWindows,
 ) -> Result<f64, ClusterError> {
@@ -38,11 +38,12 @@ pub(crate) async fn evaluate_share<T: Transport>(
         .map(|range| {
             let count = range.len() as f64;
             let (tokens, targets) = windows.batch(range);
-            (tokens, targets, count)
+            (tokens.to_device(device), targets.to_device(device), count)
         })
         .collect();
     let mut no_grad_shard: [f32; 0] = [];
-    let mut ex = Exchange { comm, specs, total, own, masters, grad: &mut no_grad_shard, buf: Vec::new() };
+    let grad = &mut no_grad_shard;
+    let mut ex = Exchange { comm, plane, device, specs, total, own, masters, grad, buf: Vec::new() };
     let model = Model { config: config.model.clone(), precision };
     let (head, body) = units.split_last().expect("the model has a head");
 

@@ -1,14 +1,17 @@
 //! AdamW on the parameter list. Its state is plain tensors that checkpoints save and shards can split;
 //! the update itself is troupe-kernels' fused AdamW run on each tensor's own storage (one pass over
-//! parameter, gradient and both moments, no temporaries), with libtorch's per-tensor ops kept only for
-//! tensors the kernel cannot take.
+//! parameter, gradient and both moments, no temporaries) — the CPU kernel on host tensors, the CUDA
+//! kernel on a GPU's (every parameter of the step lent at once: one device synchronisation before the
+//! launches and one after) — with libtorch's per-tensor ops kept only for tensors the kernels cannot
+//! take, or where troupe's CUDA kernels cannot load.
 
 use serde::{Deserialize, Serialize};
-use tch::Tensor;
+use tch::{Device, Tensor};
 use troupe_kernels::adamw::{adamw_step, AdamWConfig as KernelConfig, AdamWShard};
+use troupe_kernels::{Backend, CudaBackend};
 
 use crate::sections::TrainConfig;
-use crate::storage::lend_f32;
+use crate::storage::{lend_cuda_groups, lend_f32, LendGroup};
 
 /// AdamW hyper-parameters (torch.optim.AdamW semantics: decoupled decay, bias correction).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -35,19 +38,23 @@ pub struct AdamW {
     pub exp_avg_sq: Vec<Tensor>,
     /// Per parameter: whether weight decay applies.
     decays: Vec<bool>,
+    /// Why troupe's CUDA kernels could not run here, once they could not (logged once; the libtorch
+    /// formula from then on).
+    cuda_refused: Option<String>,
 }
 
 impl AdamW {
     pub fn new(config: AdamWConfig, params: &[Tensor], decays: Vec<bool>) -> Self {
         assert_eq!(params.len(), decays.len());
         let zeros = || params.iter().map(|p| Tensor::zeros_like(&p.detach())).collect();
-        Self { config, step: 0, exp_avg: zeros(), exp_avg_sq: zeros(), decays }
+        Self { config, step: 0, exp_avg: zeros(), exp_avg_sq: zeros(), decays, cuda_refused: None }
     }
 
     /// One update of every parameter from its `.grad()`, at learning rate `lr`; parameters without a
-    /// gradient are left alone. CPU f32 contiguous tensors (all of troupe's today) go through the fused
-    /// kernel on their own storage; any other tensor (another device or kind) through libtorch ops with
-    /// the same formula.
+    /// gradient are left alone. f32 contiguous tensors go through the fused kernel on their own storage
+    /// — the CPU kernel on the host, the CUDA kernel when the parameters are on a GPU (all of them lent
+    /// at once, [`Self::apply_on_cuda`]) — and any other tensor through libtorch ops with the same
+    /// formula.
     pub fn apply(&mut self, params: &mut [Tensor], lr: f64) {
         self.apply_then(params, lr, &mut |_, _| {});
     }
@@ -57,6 +64,20 @@ impl AdamW {
     pub fn apply_then(&mut self, params: &mut [Tensor], lr: f64, each: &mut dyn FnMut(usize, &Tensor)) {
         self.step += 1;
         let step = self.step;
+        if let Some(Device::Cuda(ordinal)) = params.first().map(Tensor::device) {
+            if self.cuda_refused.is_none() {
+                match self.apply_on_cuda(ordinal, params, lr) {
+                    Ok(()) => {
+                        params.iter().enumerate().filter(|(_, p)| p.grad().defined()).for_each(|(i, p)| each(i, p));
+                        return;
+                    }
+                    Err(why) => {
+                        tracing::warn!(%why, "AdamW: troupe's CUDA kernel cannot run on these tensors; libtorch ops instead");
+                        self.cuda_refused = Some(why);
+                    }
+                }
+            }
+        }
         for (i, param) in params.iter_mut().enumerate() {
             let grad = param.grad();
             if !grad.defined() {
@@ -82,6 +103,38 @@ impl AdamW {
             }
             each(i, param);
         }
+    }
+
+    /// The fused CUDA kernel on every parameter with a gradient (on device `ordinal`), the step counter
+    /// already advanced: the parameters, moments and gradients lent at once, one launch per parameter.
+    /// An error before anything was launched (troupe's kernels cannot load, a tensor the kernel cannot
+    /// take) leaves every tensor as it was; a launch that fails after others ran is a broken device, and
+    /// panics (the attempt fails and the rank's state is restored from its peers).
+    fn apply_on_cuda(&mut self, ordinal: usize, params: &mut [Tensor], lr: f64) -> Result<(), String> {
+        let backend = CudaBackend::new(ordinal).map_err(|e| e.to_string())?;
+        let grads: Vec<Tensor> = params.iter().map(Tensor::grad).collect();
+        let trained: Vec<usize> = (0..params.len()).filter(|&i| grads[i].defined()).collect();
+        let configs: Vec<KernelConfig> = trained.iter().map(|&i| self.kernel_config(lr, self.decays[i])).collect();
+        let step = self.step;
+        let groups: Vec<LendGroup<3, 1>> = params
+            .iter_mut()
+            .zip(self.exp_avg.iter_mut().zip(self.exp_avg_sq.iter_mut()))
+            .zip(&grads)
+            .filter(|(_, g)| g.defined())
+            .map(|((p, (m, v)), g)| ([("parameter", p), ("exp_avg", m), ("exp_avg_sq", v)], [("gradient", g)]))
+            .collect();
+        let mut lent = lend_cuda_groups(&backend, groups).map_err(|e| e.to_string())?;
+        let kernels = Backend::Cuda(backend.clone());
+        for (k, config) in configs.iter().enumerate() {
+            let ([p, m, v], [g]) = lent.group(k);
+            if let Err(e) = kernels.adamw_step(p, g, m, v, None, config, step) {
+                panic!(
+                    "the fused AdamW kernel failed on cuda:{ordinal} after {k} of {} parameters: {e}",
+                    configs.len()
+                );
+            }
+        }
+        Ok(())
     }
 
     /// The kernel's hyper-parameters for one parameter: its decay flag decides the weight decay.

@@ -2,14 +2,21 @@
 
 use tch::Tensor;
 
-/// The global L2 norm of all gradients.
+/// The global L2 norm of all gradients: each gradient's Σ g² in f64 where it lives, the sums summed on
+/// the host in parameter order — brought over in one copy, so on a GPU the norm costs one
+/// synchronisation, not one per tensor.
 pub fn grad_norm(params: &[Tensor]) -> f64 {
-    let sum_sq: f64 = params
-        .iter()
-        .map(|p| p.grad())
-        .filter(Tensor::defined)
-        .map(|g| g.square().sum(tch::Kind::Double).double_value(&[]))
-        .sum();
+    let sums: Vec<Tensor> =
+        params.iter().map(|p| p.grad()).filter(Tensor::defined).map(|g| g.square().sum(tch::Kind::Double)).collect();
+    if sums.is_empty() {
+        return 0.0;
+    }
+    let host = match sums.iter().all(|s| s.device() == sums[0].device()) {
+        true => Tensor::stack(&sums, 0).to_device(tch::Device::Cpu),
+        false => Tensor::stack(&sums.iter().map(|s| s.to_device(tch::Device::Cpu)).collect::<Vec<_>>(), 0),
+    };
+    let sums: Vec<f64> = Vec::try_from(&host).expect("a flat f64 tensor");
+    let sum_sq: f64 = sums.into_iter().sum();
     sum_sq.sqrt()
 }
 

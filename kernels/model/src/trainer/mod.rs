@@ -6,7 +6,7 @@
 use std::ops::Range;
 use std::path::Path;
 
-use tch::{Device, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use crate::blockwise::{micro_batch_backward, Activations};
 use crate::checkpoint::{self, CheckpointError};
@@ -199,7 +199,8 @@ impl Trainer {
     /// micro-batches, each micro-batch's mean loss weighted by its share of the *global* batch. Summing
     /// the results of slices that partition the batch — over ranks, over micro-batches — gives the
     /// gradient of the batch's mean loss, whatever the partition. Returns the slice's weighted loss (the
-    /// batch's mean loss when summed likewise).
+    /// batch's mean loss when summed likewise). The micro-batches' losses are read together at the end
+    /// (on a GPU one synchronisation, not one per micro-batch), and summed in order.
     pub fn accumulate_slice(&mut self, step: u64, slice: Range<usize>) -> f64 {
         for p in self.model.params_mut() {
             p.zero_grad();
@@ -207,7 +208,7 @@ impl Trainer {
         let train = &self.config.train;
         let global_batch = train.global_batch;
         let recompute = self.config.parallel.recompute;
-        let mut loss = 0.0;
+        let mut losses: Vec<(Tensor, f64)> = Vec::new();
         for micro in micro_batch_ranges(slice, train.micro_batch) {
             let weight = micro.len() as f64 / global_batch as f64;
             let scaled = backward_weight(train, &self.loss_scale, step, &micro);
@@ -232,11 +233,11 @@ impl Trainer {
             } else {
                 let micro_loss = self.model.loss_training(&inputs, &targets, samples);
                 (&micro_loss * scaled).backward();
-                micro_loss.double_value(&[])
+                micro_loss.detach()
             };
-            loss += micro_loss * weight;
+            losses.push((micro_loss, weight));
         }
-        loss
+        weighted_losses(&losses)
     }
 
     /// Finishes the step whose gradients (of the whole global batch) are in place: unscale and clip by
@@ -314,6 +315,18 @@ impl Trainer {
     pub fn param_values(&self) -> Vec<Tensor> {
         self.model.params().iter().map(|p| p.detach().copy()).collect()
     }
+}
+
+/// Σ loss × weight over `losses` (scalar tensors, each with its weight), in order, the losses read to the
+/// host in one copy: one synchronisation for a step's micro-batches on a GPU, where reading each would
+/// wait for the device once per micro-batch. The same bits as reading each (`double_value`) in turn.
+pub fn weighted_losses(losses: &[(Tensor, f64)]) -> f64 {
+    if losses.is_empty() {
+        return 0.0;
+    }
+    let read = Tensor::stack(&losses.iter().map(|(l, _)| l.to_kind(Kind::Double)).collect::<Vec<_>>(), 0);
+    let values: Vec<f64> = Vec::try_from(&read.to_device(Device::Cpu)).expect("the losses as f64");
+    values.iter().zip(losses).fold(0.0, |sum, (value, (_, weight))| sum + value * weight)
 }
 
 /// Sets the CPU threads one rank's compute may use — libtorch's intra-op threads and troupe-kernels'
