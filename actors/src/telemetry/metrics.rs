@@ -31,6 +31,9 @@ struct JobMetrics {
     commits: u64,
     step_seconds: Histogram,
     tokens_per_s: Option<f64>,
+    /// The last committed step's MFU as its step event reported it (the controller's, over each rank's
+    /// own peak), when every rank's peak was known.
+    mfu: Option<f64>,
     world: usize,
     checkpoint_seconds: Histogram,
     /// Bytes of the durable checkpoints written, and the last one's write throughput.
@@ -149,6 +152,7 @@ impl NodeMetrics {
             commits: 0,
             step_seconds: Histogram::seconds(),
             tokens_per_s: None,
+            mfu: None,
             world: 0,
             checkpoint_seconds: Histogram::seconds(),
             checkpoint_bytes: 0,
@@ -208,7 +212,8 @@ impl NodeMetrics {
     /// A committed step (`event`, a [`JobEvent::Step`]): its span, the job's figures, the end of the
     /// interruption in progress (its recovery span) and the OpenTelemetry instruments.
     fn record_step(&self, job: JobId, m: &mut JobMetrics, event: &JobEvent, now: Instant) {
-        let JobEvent::Step { step, loss, tokens_per_s, world, epoch, skipped, loss_scale, bubble, .. } = *event else {
+        let JobEvent::Step { step, loss, tokens_per_s, world, epoch, skipped, loss_scale, bubble, mfu, .. } = *event
+        else {
             return;
         };
         if otel::enabled() {
@@ -219,6 +224,7 @@ impl NodeMetrics {
         m.loss_scale = Some(loss_scale);
         m.world = world;
         m.tokens_per_s = Some(tokens_per_s);
+        m.mfu = mfu;
         m.bubble = bubble;
         let step_seconds = (tokens_per_s > 0.0).then(|| m.tokens_per_step / tokens_per_s);
         if let Some(seconds) = step_seconds {
@@ -295,8 +301,13 @@ impl NodeMetrics {
         }
     }
 
-    /// A job's model FLOPs utilisation at its last step (only with the peak configured).
+    /// A job's model FLOPs utilisation at its last step: the step event's (what `troupe train` and the
+    /// dashboard show), else — the controller did not know every rank's peak — over world × this
+    /// node's configured peak.
     fn mfu(&self, m: &JobMetrics) -> Option<f64> {
+        if m.mfu.is_some() {
+            return m.mfu;
+        }
         let peak = self.peak_flops_per_slot?;
         (m.world > 0).then_some(())?;
         m.tokens_per_s.map(|t| t * m.train_flops_per_token / (peak * m.world as f64))
@@ -476,7 +487,7 @@ impl<'a> JobFamilies<'a> {
         );
     }
 
-    /// How fast each job trains: tokens/s, model FLOP/s, MFU (with `metrics`' peak) and bubble.
+    /// How fast each job trains: tokens/s, model FLOP/s, MFU (where known) and bubble.
     fn render_throughput(&self, e: &mut Exposition, metrics: &NodeMetrics) {
         let job = |i| self.job(i);
         self.each(
@@ -493,15 +504,13 @@ impl<'a> JobFamilies<'a> {
             "Achieved model FLOP/s: 3 x forward FLOPs per token x tokens/s.",
             &|i| job(i).and_then(|m| m.tokens_per_s.map(|t| t * m.train_flops_per_token)),
         );
-        if metrics.peak_flops_per_slot.is_some() {
-            self.each(
-                e,
-                "troupe_job_mfu",
-                MetricKind::Gauge,
-                "Model FLOPs utilisation: achieved FLOP/s over world x peak_tflops_per_slot.",
-                &|i| job(i).and_then(|m| metrics.mfu(m)),
-            );
-        }
+        self.each(
+            e,
+            "troupe_job_mfu",
+            MetricKind::Gauge,
+            "Model FLOPs utilisation of the last committed step: achieved FLOP/s over the sum of the ranks' peaks (the step event's mfu), else over world x peak_tflops_per_slot.",
+            &|i| job(i).and_then(|m| metrics.mfu(m)),
+        );
         self.each(
             e,
             "troupe_job_bubble_fraction",
@@ -801,6 +810,18 @@ mod tests {
         let flops = value(&samples, "troupe_job_model_flops_per_second", &job);
         assert!((flops - tokens / 0.05 * 3.0 * spec.config.model.forward_flops_per_token()).abs() < 1e-6 * flops);
         assert!((value(&samples, "troupe_job_mfu", &job) - flops / 1e12).abs() < 1e-12, "one rank × 1 TFLOP/s");
+        // A step whose event carries the controller's MFU (each rank's own peak) is reported as it is,
+        // on any node, with or without a peak configured there.
+        let mut reported = step(3, tokens / 0.05, 1);
+        if let JobEvent::Step { mfu, .. } = &mut reported {
+            *mfu = Some(0.375);
+        }
+        for node in [&metrics, &NodeMetrics::new(None)] {
+            node.on_submit(7, &spec);
+            node.on_job_event(7, &reported, t0);
+            let samples = parse(&node.render(&status(2))).unwrap();
+            assert_eq!(value(&samples, "troupe_job_mfu", &job), 0.375, "the step event's");
+        }
         assert_eq!(value(&samples, "troupe_job_state", &[("state", "running")]), 1.0);
 
         // Every family rendered is in the metrics table of docs/runtime-semantics.md.
