@@ -32,7 +32,7 @@ prepare() {
   # The test binaries' paths, from cargo's own report of what it built.
   local tests
   # --workspace: the features `make test` builds with, so nothing already built is built again.
-  tests=$(cargo test --release --locked --workspace --test cuda_trainer --test nccl --test gpu_slots --no-run --message-format=json |
+  tests=$(cargo test --release --locked --workspace --test cuda_trainer --test cuda_storage --test nccl --test gpu_slots --no-run --message-format=json |
     python3 -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line)

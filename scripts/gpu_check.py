@@ -37,6 +37,8 @@ def not_built(name, why):
 CHECKS = [
     test_check("cuda_trainer_follows_the_cpu", "cuda_trainer",
                "the_trainer_on_cuda_follows_the_cpu_and_trains_in_bf16", 120),
+    test_check("fused_adamw_on_cuda_parameters", "cuda_storage",
+               "adamw_on_cuda_parameters_runs_the_fused_kernel_with_the_cpu_bits", 60),
     test_check("nccl_world1_collectives_abort_rebuild", "nccl",
                "one_rank_communicator_runs_every_collective_aborts_and_rebuilds", 60),
     test_check("ddp_on_a_gpu_slot_over_nccl", "gpu_slots",
