@@ -38,16 +38,16 @@ pub struct AdamW {
     pub exp_avg_sq: Vec<Tensor>,
     /// Per parameter: whether weight decay applies.
     decays: Vec<bool>,
-    /// Why troupe's CUDA kernels could not run here, once they could not (logged once; the libtorch
-    /// formula from then on).
-    cuda_refused: Option<String>,
+    /// Troupe's CUDA kernels on the parameters' device once opened, or why they could not run there
+    /// (logged once; the libtorch formula from then on).
+    cuda: Option<Result<CudaBackend, String>>,
 }
 
 impl AdamW {
     pub fn new(config: AdamWConfig, params: &[Tensor], decays: Vec<bool>) -> Self {
         assert_eq!(params.len(), decays.len());
         let zeros = || params.iter().map(|p| Tensor::zeros_like(&p.detach())).collect();
-        Self { config, step: 0, exp_avg: zeros(), exp_avg_sq: zeros(), decays, cuda_refused: None }
+        Self { config, step: 0, exp_avg: zeros(), exp_avg_sq: zeros(), decays, cuda: None }
     }
 
     /// One update of every parameter from its `.grad()`, at learning rate `lr`; parameters without a
@@ -65,7 +65,7 @@ impl AdamW {
         self.step += 1;
         let step = self.step;
         if let Some(Device::Cuda(ordinal)) = params.first().map(Tensor::device) {
-            if self.cuda_refused.is_none() {
+            if !matches!(self.cuda, Some(Err(_))) {
                 match self.apply_on_cuda(ordinal, params, lr) {
                     Ok(()) => {
                         params.iter().enumerate().filter(|(_, p)| p.grad().defined()).for_each(|(i, p)| each(i, p));
@@ -73,7 +73,7 @@ impl AdamW {
                     }
                     Err(why) => {
                         tracing::warn!(%why, "AdamW: troupe's CUDA kernel cannot run on these tensors; libtorch ops instead");
-                        self.cuda_refused = Some(why);
+                        self.cuda = Some(Err(why));
                     }
                 }
             }
@@ -111,7 +111,11 @@ impl AdamW {
     /// take) leaves every tensor as it was; a launch that fails after others ran is a broken device, and
     /// panics (the attempt fails and the rank's state is restored from its peers).
     fn apply_on_cuda(&mut self, ordinal: usize, params: &mut [Tensor], lr: f64) -> Result<(), String> {
-        let backend = CudaBackend::new(ordinal).map_err(|e| e.to_string())?;
+        let backend = match &self.cuda {
+            Some(Ok(backend)) if backend.ordinal() == ordinal => backend.clone(),
+            _ => CudaBackend::new(ordinal).map_err(|e| e.to_string())?,
+        };
+        self.cuda = Some(Ok(backend.clone()));
         let grads: Vec<Tensor> = params.iter().map(Tensor::grad).collect();
         let trained: Vec<usize> = (0..params.len()).filter(|&i| grads[i].defined()).collect();
         let configs: Vec<KernelConfig> = trained.iter().map(|&i| self.kernel_config(lr, self.decays[i])).collect();
