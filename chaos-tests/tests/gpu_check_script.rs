@@ -95,14 +95,14 @@ esac"#,
 #[test]
 fn a_benchmark_that_fails_for_want_of_cuda_is_skipped_and_the_run_passes() {
     let bin = tempfile::tempdir().unwrap();
-    for test in ["cuda_trainer", "nccl", "gpu_slots"] {
+    for test in ["cuda_trainer", "cuda_storage", "nccl", "gpu_slots"] {
         stand_in(bin.path(), test, "echo 'the_test: skipped, no CUDA device: libtorch sees none'");
     }
     stand_in(bin.path(), "troupe", "echo 'troupe: error: no CUDA device: libtorch sees none' >&2; exit 1");
     let (code, lines) = run_checks(bin.path());
     assert_eq!(code, Some(0), "{lines:?}");
     let statuses: Vec<&str> = lines[1..].iter().map(|l| l["status"].as_str().unwrap()).collect();
-    assert_eq!(statuses, ["skipped"; 8], "{lines:?}");
+    assert_eq!(statuses, ["skipped"; 9], "{lines:?}");
 }
 
 #[test]
@@ -110,6 +110,7 @@ fn a_test_binary_that_ran_no_test_fails_the_check() {
     // libtest exits 0 when `--exact` matches nothing: a renamed test must not read as a pass.
     let bin = tempfile::tempdir().unwrap();
     stand_in(bin.path(), "cuda_trainer", "echo 'running 0 tests'; echo 'test result: ok. 0 passed; 0 failed'");
+    stand_in(bin.path(), "cuda_storage", "echo 'test result: ok. 1 passed; 0 failed'");
     stand_in(bin.path(), "nccl", "echo 'test result: ok. 1 passed; 0 failed'");
     stand_in(bin.path(), "gpu_slots", "echo 'test result: ok. 1 passed; 0 failed'");
     stand_in(bin.path(), "troupe", "echo '{}'");
