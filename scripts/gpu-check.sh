@@ -6,7 +6,7 @@
 #
 #   scripts/gpu-check.sh prepare     here: build troupe and the CUDA test binaries, strip and pack them
 #                                    into gpu-carry/ (well under the 64 MiB a call may carry)
-#   scripts/gpu-check.sh run         on the device (or here: every GPU check then says "skipped, no CUDA
+#   scripts/gpu-check.sh run [--only A,B]  on the device (or here: every GPU check then says "skipped, no CUDA
 #                                    device"): the checks below, one JSON line each, also written to
 #                                    $OUT/gpu-check.jsonl when OUT is set
 #
@@ -79,12 +79,12 @@ run() {
   if [ -f "$lib/libtorch_cuda.so" ]; then export LD_PRELOAD="$lib/libtorch_cuda.so"; fi
   # The daemon-level tests (gpu_slots) start daemons from the carried troupe binary.
   export TROUPE_TORCH_PYTHON="$python" TROUPE_PYTHON="$python" TROUPE_BIN="$bin/troupe"
-  "$python" scripts/gpu_check.py --bin "$bin" --commit "$(cat "$CARRY/commit")"
+  "$python" scripts/gpu_check.py --bin "$bin" --commit "$(cat "$CARRY/commit")" "$@"
 }
 
 case "${1:-}" in
   prepare) prepare ;;
-  run) run ;;
+  run) shift; run "$@" ;;
   -h | --help | "") sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; [ -n "${1:-}" ] ;;
   *) echo "gpu-check: unknown command $1 (prepare or run; see --help)" >&2; exit 2 ;;
 esac

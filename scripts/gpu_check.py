@@ -132,12 +132,19 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--bin", required=True, help="directory of the unpacked binaries")
     p.add_argument("--commit", default="?")
+    p.add_argument("--only", default="", help="comma-separated check names: run these alone (a rerun)")
     a = p.parse_args()
+    only = [name for name in a.only.split(",") if name]
+    unknown = sorted(set(only) - {c["check"] for c in CHECKS})
+    if unknown:
+        sys.exit(f"gpu_check: no check named {', '.join(unknown)}; the checks: {', '.join(c['check'] for c in CHECKS)}")
     out_dir = os.environ.get("OUT")
     sink = open(os.path.join(out_dir, "gpu-check.jsonl"), "w") if out_dir else None
     failed = False
     emit(device(a.commit), sink)
     for check in CHECKS:
+        if only and check["check"] not in only:
+            continue
         line = run(check, a.bin)
         failed |= line["status"] == "failed"
         emit(line, sink)

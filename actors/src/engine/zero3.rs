@@ -37,6 +37,7 @@ use troupe_model::blockwise::{backward_from, backward_stages, leaf, Activations}
 use troupe_model::data::{micro_batch_ranges, rank_slice};
 use troupe_model::model::{self, ModelConfig, ParamSpec};
 use troupe_model::precision::{backward_weight, Precision};
+use troupe_model::transfer::upload;
 use troupe_model::Trainer;
 
 use super::device_plane::DevicePlane;
@@ -337,7 +338,7 @@ pub(super) async fn accumulate<T: Transport>(
             let backward_weight = backward_weight(train, &trainer.loss_scale, trainer.step, micro);
             let samples = model::Samples::new(train.seed, trainer.step, micro.start);
             let (tokens, targets) = trainer.sampler.batch(trainer.step, micro.clone());
-            let (tokens, targets) = (tokens.to_device(device), targets.to_device(device));
+            let (tokens, targets) = (upload(&tokens, device), upload(&targets, device));
             Batch { tokens, targets, weight, backward_weight, samples }
         });
         let weight = batch.as_ref().map_or(0.0, |b| b.weight);

@@ -14,6 +14,7 @@ use tch::{Kind, Tensor};
 use crate::data::{micro_batch_ranges, Corpus, EvalWindows};
 use crate::model::{cross_entropy, KvCache, Model};
 use crate::rng::SplitMix64;
+use crate::transfer::upload;
 
 /// How the next token is chosen.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -228,7 +229,7 @@ pub fn window_loss_sum(model: &Model, windows: &EvalWindows, range: Range<usize>
             .map(|part| {
                 let count = part.len() as f64;
                 let (inputs, targets) = windows.batch(part);
-                let (inputs, targets) = (inputs.to_device(device), targets.to_device(device));
+                let (inputs, targets) = (upload(&inputs, device), upload(&targets, device));
                 cross_entropy(&model.forward(&inputs), &targets).double_value(&[]) * count
             })
             .sum()

@@ -20,6 +20,7 @@
 //! precision                              compute precision, the loss scaler
 //! optim                                  AdamW, its schedule, clipping
 //! sections    hf_weights  rng  storage   the plain config sections and ConfigError; HF tensors by name
+//! transfer                               host-to-device uploads that do not stall the host
 //! ```
 //!
 //! So the model never reads `config.json` or a PEFT adapter directory, the plain sections never name the
@@ -45,6 +46,7 @@ pub mod sections;
 pub mod storage;
 pub mod tensor_parallel;
 pub mod trainer;
+pub mod transfer;
 
 pub use config::{ConfigError, JobConfig};
 pub use model::{Model, ModelConfig};

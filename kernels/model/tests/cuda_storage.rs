@@ -105,8 +105,9 @@ fn adamw_on_cuda_parameters_runs_the_fused_kernel_with_the_cpu_bits() {
     let config = OptimizerConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
     let decays = vec![true, false, true];
     let run = |device: Device| {
+        // A copy: on the CPU `to_device` would alias `initial`, and the CPU run would move the GPU run's start.
         let mut params: Vec<Tensor> =
-            initial.iter().map(|t| t.to_device(device).detach().set_requires_grad(true)).collect();
+            initial.iter().map(|t| t.copy().to_device(device).set_requires_grad(true)).collect();
         let mut opt = AdamW::new(config, &params, decays.clone());
         for step in 0..3 {
             // The first two get gradients (defined by a backward, then set); the third none.

@@ -47,6 +47,7 @@ use troupe_model::model::Samples;
 use troupe_model::optim::{learning_rate, scale_grads, AdamW, AdamWConfig, Optimizer};
 use troupe_model::precision::{backward_weight, Update};
 use troupe_model::tensor_parallel::{TpError, TpGroup, TpLayout, TpRank};
+use troupe_model::transfer::upload;
 use troupe_model::Trainer;
 
 use super::committed::CommittedState;
@@ -438,7 +439,7 @@ impl<T: Transport> TensorParallelReplica<T> {
                 let samples = Samples::new(train.seed, step, range.start);
                 let (tokens, targets) = self.trainer.sampler.batch(step, range);
                 let device = self.trainer.device;
-                (tokens.to_device(device), targets.to_device(device), weight, backward, samples)
+                (upload(&tokens, device), upload(&targets, device), weight, backward, samples)
             })
             .collect()
     }

@@ -16,6 +16,7 @@ use troupe_model::config::JobConfig;
 use troupe_model::data::{micro_batch_ranges, EvalWindows};
 use troupe_model::model::{self, ParamSpec};
 use troupe_model::precision::Precision;
+use troupe_model::transfer::upload;
 
 use super::{on_thread, plan_units, DevicePlane, Exchange, Model};
 
@@ -38,7 +39,7 @@ pub(crate) async fn evaluate_share<T: Transport>(
         .map(|range| {
             let count = range.len() as f64;
             let (tokens, targets) = windows.batch(range);
-            (tokens.to_device(device), targets.to_device(device), count)
+            (upload(&tokens, device), upload(&targets, device), count)
         })
         .collect();
     let mut no_grad_shard: [f32; 0] = [];

@@ -5,6 +5,8 @@
 //! residual; a final RMSNorm; the head (untied, or tied to the embedding). No biases but Qwen2's, no
 //! dropout. Names are Hugging Face's as they are, so Llama weights need no renaming.
 
+use std::sync::Mutex;
+
 use tch::{Kind, Tensor};
 
 use super::kv_cache::LayerCache;
@@ -116,7 +118,8 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
 pub fn inv_freq(cfg: &ModelConfig, device: tch::Device) -> Tensor {
     let dim = cfg.head_dim() as i64;
     let exponents = Tensor::arange_start_step(0, dim, 2, (Kind::Int64, device)).to_kind(Kind::Float) / dim as f64;
-    let base = Tensor::from(cfg.rope_theta as f32).to_device(device);
+    // Filled on the device: a host scalar copied there would make the host wait for the device.
+    let base = Tensor::scalar_tensor(cfg.rope_theta as f32 as f64, (Kind::Float, device));
     let inv = base.pow(&exponents).reciprocal();
     match &cfg.rope_scaling {
         None => inv,
@@ -145,13 +148,34 @@ pub fn rotary(cfg: &ModelConfig, start: i64, time: i64, device: tch::Device) -> 
     (angles.cos(), angles.sin())
 }
 
-/// Rotates `x` (`[batch, heads, time, head_dim]`) by the angles: `x·cos + rotate_half(x)·sin`, where
-/// `rotate_half` maps the halves (x₁, x₂) to (−x₂, x₁).
+/// [`rotary`] cast to `kind`, computed once per model shape, positions, device and kind and then kept:
+/// every block of every step of a run uses the same angles, which would otherwise cost each block a
+/// dozen small kernels. The few most recent sets are kept (decoding asks for one position at a time).
+fn rotary_kept(cfg: &ModelConfig, start: i64, time: i64, device: tch::Device, kind: Kind) -> (Tensor, Tensor) {
+    type Key = (u64, usize, Option<RopeScaling>, i64, i64, tch::Device, Kind);
+    const KEPT: usize = 8;
+    static KEPT_SETS: Mutex<Vec<(Key, Tensor, Tensor)>> = Mutex::new(Vec::new());
+    let key: Key = (cfg.rope_theta.to_bits(), cfg.head_dim(), cfg.rope_scaling.clone(), start, time, device, kind);
+    let mut kept = KEPT_SETS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some((_, cos, sin)) = kept.iter().find(|(k, ..)| *k == key) {
+        return (cos.shallow_clone(), sin.shallow_clone());
+    }
+    let (cos, sin) = rotary(cfg, start, time, device);
+    let (cos, sin) = (cos.to_kind(kind), sin.to_kind(kind));
+    if kept.len() == KEPT {
+        drop(kept.remove(0));
+    }
+    kept.push((key, cos.shallow_clone(), sin.shallow_clone()));
+    (cos, sin)
+}
+
+/// Rotates `x` (`[batch, heads, time, head_dim]`) by the angles (in `x`'s kind): `x·cos +
+/// rotate_half(x)·sin`, where `rotate_half` maps the halves (x₁, x₂) to (−x₂, x₁).
 fn apply_rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
     let half = x.size()[3] / 2;
     let halves = x.split(half, -1);
     let rotated = Tensor::cat(&[&(-&halves[1]), &halves[0]], -1);
-    x * cos.to_kind(x.kind()) + rotated * sin.to_kind(x.kind())
+    x * cos + rotated * sin
 }
 
 /// Where a block's pieces are in its [`params_per_block`] parameters.
@@ -183,13 +207,14 @@ pub(super) fn block(
     let attended = attention(cfg, precision, p, &h, ops, cache);
     let o = layout.attn_out;
     let projected = p.linear(precision, &attended, o, None, ops);
-    let x = x + projected.to_kind(x.kind());
+    // fp32 residual + a 16-bit product: type promotion casts inside the add (as Hugging Face's `+`).
+    let x = x + projected;
 
     let h = rms_norm(&x, &p[o + 1], cfg.norm_eps);
     p.record(ops, &h, o + 1..o + 2);
     let hidden = mlp_hidden(precision, p, &h, o + 2, ops);
     let out = p.linear(precision, &hidden, o + 4, None, ops);
-    x + out.to_kind(Kind::Float)
+    x + out
 }
 
 /// Grouped-query causal self-attention of `cfg.n_heads` query heads sharing `cfg.kv_heads()` key/value
@@ -215,7 +240,8 @@ pub(super) fn attention(
     let (q, k, v) = (project(ops), project(ops), project(ops));
     let heads_of = |t: &Tensor, n: i64| t.view([batch, time, n, head_dim]).transpose(1, 2);
     let start = cache.as_ref().map_or(0, |c| c.len());
-    let (cos, sin) = rotary(cfg, start, time, h.device());
+    let (cos, sin) = rotary_kept(cfg, start, time, h.device(), q.kind());
+    debug_assert_eq!(k.kind(), q.kind(), "q and k come from the same precision");
     let q = apply_rotary(&heads_of(&q, heads), &cos, &sin);
     let k = apply_rotary(&heads_of(&k, kv_heads), &cos, &sin);
     let v = heads_of(&v, kv_heads);

@@ -586,7 +586,7 @@ pub fn dropout_mask_of_columns(
                 & 0xffff_ffff) as i64
         })
         .collect();
-    let salts = Tensor::from_slice(&salts).to_device(device).view([batch, 1]);
+    let salts = crate::transfer::upload(&Tensor::from_slice(&salts), device).view([batch, 1]);
     let mask32 = |t: Tensor| t.bitwise_and(0xffff_ffffi64);
     // A 32-bit integer hash (two xor-shift-multiply rounds); every product is below 2^63.
     let mut h = mask32(positions.view([1, per_sample]).bitwise_xor_tensor(&salts));

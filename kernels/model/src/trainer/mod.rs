@@ -17,6 +17,7 @@ use crate::model::{Model, Samples};
 use crate::optim::offload::{HostOffload, Staging};
 use crate::optim::{grad_norm, learning_rate, scale_grads, Optimizer};
 use crate::precision::{backward_weight, LossScale, Precision, Update};
+use crate::transfer::upload;
 
 mod snapshot;
 
@@ -214,7 +215,7 @@ impl Trainer {
             let scaled = backward_weight(train, &self.loss_scale, step, &micro);
             let samples = Some(Samples::new(train.seed, step, micro.start));
             let (inputs, targets) = self.sampler.batch(step, micro);
-            let (inputs, targets) = (inputs.to_device(self.device), targets.to_device(self.device));
+            let (inputs, targets) = (upload(&inputs, self.device), upload(&targets, self.device));
             let micro_loss = if recompute {
                 let model = &self.model;
                 let (config, params) = (&model.config, model.params());
@@ -295,7 +296,7 @@ impl Trainer {
             let total: f64 = (0..batches)
                 .map(|b| {
                     let (inputs, targets) = self.sampler.batch(u64::MAX - b, 0..self.config.train.global_batch);
-                    let (inputs, targets) = (inputs.to_device(self.device), targets.to_device(self.device));
+                    let (inputs, targets) = (upload(&inputs, self.device), upload(&targets, self.device));
                     self.model.loss(&inputs, &targets).double_value(&[])
                 })
                 .sum();
