@@ -8,7 +8,7 @@ clipping at 1.0; micro-batch 8 of context 128 on random byte windows of a synthe
 
 The model, optimizer, data and step are also the ones bench/peers/ddp_gpt_tiny.py trains under DDP.
 """
-import argparse, json, math, os, resource, time
+import argparse, json, math, os, resource, sys, time
 
 import torch
 import torch.nn as nn
@@ -174,7 +174,28 @@ def report(step, args, model, **extra):
         "params": sum(p.numel() for p in model.parameters()),
         "tokens_per_s": tokens / elapsed, "final_loss": loss,
         "peak_mem_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "device_mem_bytes": device_memory(args.device),
     }))
+
+
+def device_memory(device):
+    """On a GPU, the device memory this process holds (NVML, as troupe bench train reads its own: the CUDA
+    context and the allocator's cached blocks included); None on the CPU or where NVML cannot say."""
+    if not str(device).startswith("cuda"):
+        return None
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        # The peer trains on one GPU: its entry on whichever device lists this process.
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if p.pid == os.getpid():
+                    return p.usedGpuMemory
+        print(f"device memory not reported: NVML lists no process {os.getpid()}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 — the figure is optional; say why it is missing
+        print(f"device memory not reported: {e}", file=sys.stderr)
+    return None
 
 
 if __name__ == "__main__":

@@ -226,6 +226,17 @@ fn run_single(
     let tokens_per_s_runs: Vec<f64> = ours.iter().map(|r| r.0).collect();
     let tokens_per_s = median(tokens_per_s_runs.clone());
     let peak_mem = peak_rss_bytes();
+    // On a GPU what counts is the device's memory: NVML's figure for this process, read after training
+    // (libtorch's allocator keeps the blocks it reserved, so this is the run's peak reserve).
+    let device_mem = match device {
+        tch::Device::Cuda(ordinal) => {
+            Some(crate::telemetry::load::process_device_memory(ordinal as u32).map_err(|why| {
+                tracing::warn!(%why, "bench train: the GPU memory used is not reported");
+            }))
+        }
+        _ => None,
+    }
+    .and_then(Result::ok);
     // Training ≈ 3 × the forward's FLOPs per token (DESIGN.md's MFU convention, gpt.rs).
     let achieved_tflops = 3.0 * model.forward_flops_per_token() * tokens_per_s / 1e12;
     let run = SingleRun {
@@ -235,6 +246,7 @@ fn run_single(
         tokens_per_s_runs,
         tokens_per_s,
         peak_mem,
+        device_mem,
         achieved_tflops,
         peak_tflops,
         peers,
@@ -301,6 +313,8 @@ struct SingleRun {
     /// Their median.
     tokens_per_s: f64,
     peak_mem: u64,
+    /// On a GPU: the device memory the process held after training (NVML), where it could be read.
+    device_mem: Option<u64>,
     achieved_tflops: f64,
     peak_tflops: Option<f64>,
     /// The peer's report of each repetition (with `--peer`).
@@ -319,6 +333,7 @@ impl SingleRun {
             "device": self.device_name, "micro_batch": args.micro_batch, "context": args.context, "torch_threads": self.threads,
             "repeats": self.tokens_per_s_runs.len(), "tokens_per_s": ours_tps, "peak_mem_is_training_only": self.setup_peak,
             "tokens_per_s_runs": self.tokens_per_s_runs, "peak_mem_bytes": self.peak_mem,
+            "device_mem_bytes": self.device_mem,
             "achieved_tflops": achieved_tflops, "peak_tflops": peak_tflops,
             "mfu": peak_tflops.map(|peak| achieved_tflops / peak),
         });
@@ -335,6 +350,7 @@ impl SingleRun {
                 "peer": peer_name, "peer_tokens_per_s": peer_tps,
                 "peer_tokens_per_s_runs": peers.iter().map(|p| p["tokens_per_s"].clone()).collect::<Vec<_>>(),
                 "peer_peak_mem_bytes": peers.last().map(|p| p["peak_mem_bytes"].clone()),
+                "peer_device_mem_bytes": peers.last().map(|p| p["device_mem_bytes"].clone()),
                 "peer_params": peers.last().map(|p| p["params"].clone()),
                 "peer_trainable_params": peers.last().map(|p| p["trainable_params"].clone()),
                 "ratio_vs_peer": ours_tps / peer_tps,
@@ -354,6 +370,12 @@ impl SingleRun {
             self.threads,
             self.peak_mem as f64 / 1048576.0
         );
+        if let Some(bytes) = self.device_mem {
+            println!(
+                "GPU mem  {:>9.0} MiB  (held after training: context and cached blocks, NVML)",
+                bytes as f64 / 1048576.0
+            );
+        }
         match self.peak_tflops {
             Some(peak) => {
                 println!("MFU      {:>9.4}  ({achieved_tflops:.3} of {peak} TFLOP/s)", achieved_tflops / peak)

@@ -95,6 +95,23 @@ impl LoadSampler {
     }
 }
 
+/// The GPU memory this process holds on `cuda:ordinal`, as NVML counts it (its CUDA context and
+/// everything its allocators reserved, libtorch's cached blocks included), or why it cannot be read.
+pub fn process_device_memory(ordinal: u32) -> Result<u64, String> {
+    let (nvml, uuids) = open_nvml(&[ordinal])?;
+    let uuid = uuids[0].1.as_deref().ok_or_else(|| format!("the CUDA driver gave no UUID for cuda:{ordinal}"))?;
+    let device = nvml.device_by_uuid(uuid).map_err(|e| format!("NVML has no device {uuid} (cuda:{ordinal}): {e}"))?;
+    let processes = device.running_compute_processes().map_err(|e| format!("NVML on cuda:{ordinal}: {e}"))?;
+    let pid = std::process::id();
+    match processes.iter().find(|p| p.pid == pid).map(|p| &p.used_gpu_memory) {
+        Some(nvml_wrapper::enums::device::UsedGpuMemory::Used(bytes)) => Ok(*bytes),
+        Some(nvml_wrapper::enums::device::UsedGpuMemory::Unavailable) => {
+            Err(format!("NVML does not say what process {pid} uses on cuda:{ordinal}"))
+        }
+        None => Err(format!("NVML lists no process {pid} on cuda:{ordinal}")),
+    }
+}
+
 /// NVML, and the UUID of each of `ordinals` (from the CUDA driver, no context created).
 fn open_nvml(ordinals: &[u32]) -> Result<LoadedNvml, String> {
     let nvml = Nvml::init().map_err(|e| format!("NVML (libnvidia-ml.so.1) could not be loaded: {e}"))?;
