@@ -6,9 +6,10 @@
 #
 #   scripts/gpu-check.sh prepare     here: build troupe and the CUDA test binaries, strip and pack them
 #                                    into gpu-carry/ (well under the 64 MiB a call may carry)
-#   scripts/gpu-check.sh run [--only A,B]  on the device (or here: every GPU check then says "skipped, no CUDA
+#   scripts/gpu-check.sh run         on the device (or here: every GPU check then says "skipped, no CUDA
 #                                    device"): the checks below, one JSON line each, also written to
-#                                    $OUT/gpu-check.jsonl when OUT is set
+#                                    $OUT/gpu-check.jsonl when OUT is set; `run --only A,B` runs the
+#                                    checks named A and B alone (a rerun within the device's time)
 #
 # The device call: command "bash scripts/gpu-check.sh run", carry ["gpu-carry"], timeout_s 540; the
 # checks keep to about 8 minutes together (each has its own limit, scripts/gpu_check.py).
