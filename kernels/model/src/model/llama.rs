@@ -270,3 +270,52 @@ pub(super) fn mlp_hidden(precision: Precision, p: &Weights, h: &Tensor, gate: us
     let up = p.linear(precision, h, gate + 1, None, ops);
     g.silu() * up
 }
+
+#[cfg(test)]
+mod tests {
+    use tch::Device;
+
+    use super::*;
+
+    /// The values' bits, read through fp32 (exact for a 16-bit kind).
+    fn bits(t: &Tensor) -> Vec<u32> {
+        let values: Vec<f32> = Vec::try_from(t.to_kind(Kind::Float).contiguous().view([-1])).expect("f32 values");
+        values.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// The kept angles are the ones computed afresh, in the kind asked for, for the shape and positions
+    /// asked for; a set asked for again after more than the kept number of others is still right.
+    #[test]
+    fn kept_rotary_angles_equal_fresh_ones_for_each_shape_positions_and_kind() {
+        let cfg = super::super::presets::preset("llama-tiny").expect("a preset");
+        let other = ModelConfig { rope_theta: cfg.rope_theta * 2.0, ..cfg.clone() };
+        let asks = [
+            (&cfg, 0, 16, Kind::BFloat16),
+            (&cfg, 0, 16, Kind::Float),
+            (&cfg, 3, 16, Kind::BFloat16),
+            (&cfg, 0, 9, Kind::BFloat16),
+            (&other, 0, 16, Kind::BFloat16),
+        ];
+        // Twice round, with more distinct sets than are kept in between.
+        let fillers: Vec<i64> = (100..100 + 10).collect();
+        for _ in 0..2 {
+            for &(config, start, time, kind) in &asks {
+                let (cos, sin) = rotary_kept(config, start, time, Device::Cpu, kind);
+                let (fresh_cos, fresh_sin) = rotary(config, start, time, Device::Cpu);
+                assert_eq!((cos.kind(), cos.size()), (kind, vec![time, config.head_dim() as i64]));
+                assert_eq!(bits(&cos), bits(&fresh_cos.to_kind(kind)), "cos at {start}+{time} in {kind:?}");
+                assert_eq!(bits(&sin), bits(&fresh_sin.to_kind(kind)), "sin at {start}+{time} in {kind:?}");
+                if kind == Kind::Float {
+                    assert!(cos.allclose(&fresh_cos, 0.0, 0.0, false), "fp32 angles are the fresh ones exactly");
+                }
+            }
+            for &start in &fillers {
+                let _ = rotary_kept(&cfg, start, 1, Device::Cpu, Kind::Float);
+            }
+        }
+        // Another theta gives other angles (the key holds the model's rotary settings).
+        let (a, _) = rotary_kept(&cfg, 0, 16, Device::Cpu, Kind::Float);
+        let (b, _) = rotary_kept(&other, 0, 16, Device::Cpu, Kind::Float);
+        assert!(!a.allclose(&b, 0.0, 0.0, false));
+    }
+}
