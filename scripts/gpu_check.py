@@ -62,6 +62,13 @@ CHECKS = [
                 ["bench", "train", "--device", "cuda", "--precision", "bf16", "--model", "tinyllama-1.1b",
                  "--context", "1024", "--micro-batch", "8", "--steps", "10", "--repeats", "1", "--peer", "--json"],
                 150),
+    # LoRA fine-tuning of the same 1.1B base beside transformers + PEFT (issue 30's GPU figure): the base is
+    # written once as a Hugging Face directory, and both sides read it.
+    bench_check("tinyllama_1.1b_lora_bf16_beside_peft",
+                ["bench", "train", "--device", "cuda", "--precision", "bf16", "--model", "tinyllama-1.1b",
+                 "--peft", "lora", "--context", "1024", "--micro-batch", "8", "--steps", "10", "--repeats", "1",
+                 "--peer", "--json"],
+                150),
 ]
 
 

@@ -191,6 +191,29 @@ fn cuda_training_runs_on_the_gpu_or_says_no_cuda_device() {
     assert!(report["device"].as_str().unwrap().contains("NVIDIA") || report["device"].is_string(), "{report}");
 }
 
+/// Without a GPU, `--device cuda` is refused before any setup: a LoRA run of a billion parameters would
+/// otherwise write its base first (gigabytes, a minute here) only to fail after. The temporary directory
+/// the base goes to does not exist, so a run that began the setup would fail on that instead.
+#[test]
+fn without_a_gpu_cuda_is_refused_before_the_fine_tuning_base_is_written() {
+    if troupe_kernels::cuda::cuda_device_count().is_ok() {
+        println!("without_a_gpu_...: skipped, this machine has a CUDA device");
+        return;
+    }
+    let missing = tempfile::tempdir().unwrap().path().join("not-there");
+    let args = ["bench", "train", "--device", "cuda", "--precision", "bf16", "--model", "tinyllama-1.1b"];
+    let output = Command::new(env!("CARGO_BIN_EXE_troupe"))
+        .args(args)
+        .args(["--peft", "lora", "--steps", "1", "--json"])
+        .env_clear()
+        .env("TMPDIR", &missing)
+        .output()
+        .expect("troupe runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("no CUDA device"), "{stderr}");
+    assert!(!missing.exists());
+}
+
 #[test]
 fn cuda_training_is_for_one_rank() {
     let output = troupe(&["bench", "train", "--device", "cuda", "--world", "2"]);

@@ -187,6 +187,11 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         bail!("--peer-compile compiles the --world 1 peer: add --peer (and --world 1), or drop --peer-compile");
     }
     let model = bench_model(&args.model, args.context)?;
+    if args.device == BenchDevice::Cuda {
+        // Before any setup (a fine-tuning base of a billion parameters takes a minute to write): a machine
+        // without a GPU is told so at once.
+        bench_device(&args)?;
+    }
     if args.offload != "none" {
         offload::check(&args)?;
         return offload::run(args, model);
