@@ -30,6 +30,14 @@ def bench_check(name, args, limit_s):
     return {"check": name, "cmd": ["troupe", *args], "limit_s": limit_s, "kind": "bench"}
 
 
+def train_check(name, model, steps, *flags, limit_s=150):
+    """`troupe bench train` of `model` in bf16 on the GPU beside its transformers peer (the same command
+    times both): context 1024, micro-batch 8, one repeat of `steps` steps, plus `flags`."""
+    return bench_check(name, ["bench", "train", "--device", "cuda", "--precision", "bf16", "--model", model,
+                              "--context", "1024", "--micro-batch", "8", "--steps", str(steps), "--repeats", "1",
+                              "--peer", *flags, "--json"], limit_s)
+
+
 def not_built(name, why):
     return {"check": name, "kind": "not_built", "why": why}
 
@@ -48,27 +56,13 @@ CHECKS = [
     test_check("zero_on_gpu_slots_over_nccl_and_host", "gpu_slots",
                "zero_ranks_on_gpu_slots_reduce_over_nccl_or_host_memory_and_follow_the_reference", 120),
     bench_check("fused_kernels_beside_device_copy", ["bench", "kernels", "--device", "cuda", "--json"], 60),
-    bench_check("smollm2_135m_bf16_beside_pytorch_eager",
-                ["bench", "train", "--device", "cuda", "--precision", "bf16", "--model", "smollm2-135m",
-                 "--context", "1024", "--micro-batch", "8", "--steps", "20", "--repeats", "1", "--peer", "--json"],
-                150),
-    bench_check("smollm2_135m_bf16_beside_torch_compile",
-                ["bench", "train", "--device", "cuda", "--precision", "bf16", "--model", "smollm2-135m",
-                 "--context", "1024", "--micro-batch", "8", "--steps", "20", "--repeats", "1", "--peer",
-                 "--peer-compile", "--json"],
-                150),
+    train_check("smollm2_135m_bf16_beside_pytorch_eager", "smollm2-135m", 20),
+    train_check("smollm2_135m_bf16_beside_torch_compile", "smollm2-135m", 20, "--peer-compile"),
     # The largest preset: the MFU target is set on it (the 135M model is too small to fill an H100).
-    bench_check("tinyllama_1.1b_bf16_beside_pytorch_eager",
-                ["bench", "train", "--device", "cuda", "--precision", "bf16", "--model", "tinyllama-1.1b",
-                 "--context", "1024", "--micro-batch", "8", "--steps", "10", "--repeats", "1", "--peer", "--json"],
-                150),
+    train_check("tinyllama_1.1b_bf16_beside_pytorch_eager", "tinyllama-1.1b", 10),
     # LoRA fine-tuning of the same 1.1B base beside transformers + PEFT (issue 30's GPU figure): the base is
     # written once as a Hugging Face directory, and both sides read it.
-    bench_check("tinyllama_1.1b_lora_bf16_beside_peft",
-                ["bench", "train", "--device", "cuda", "--precision", "bf16", "--model", "tinyllama-1.1b",
-                 "--peft", "lora", "--context", "1024", "--micro-batch", "8", "--steps", "10", "--repeats", "1",
-                 "--peer", "--json"],
-                150),
+    train_check("tinyllama_1.1b_lora_bf16_beside_peft", "tinyllama-1.1b", 10, "--peft", "lora"),
 ]
 
 
