@@ -234,14 +234,11 @@ fn run_single(
     // On a GPU what counts is the device's memory: NVML's figure for this process, read after training
     // (libtorch's allocator keeps the blocks it reserved, so this is the run's peak reserve).
     let device_mem = match device {
-        tch::Device::Cuda(ordinal) => {
-            Some(crate::telemetry::load::process_device_memory(ordinal as u32).map_err(|why| {
-                tracing::warn!(%why, "bench train: the GPU memory used is not reported");
-            }))
-        }
+        tch::Device::Cuda(ordinal) => crate::telemetry::load::process_device_memory(ordinal as u32)
+            .map_err(|why| tracing::warn!(%why, "bench train: the GPU memory used is not reported"))
+            .ok(),
         _ => None,
-    }
-    .and_then(Result::ok);
+    };
     // Training ≈ 3 × the forward's FLOPs per token (DESIGN.md's MFU convention, gpt.rs).
     let achieved_tflops = 3.0 * model.forward_flops_per_token() * tokens_per_s / 1e12;
     let run = SingleRun {

@@ -74,12 +74,9 @@ impl LoadSampler {
         };
         let mut loads = Vec::new();
         for (ordinal, uuid) in uuids.iter() {
-            let Some(uuid) = uuid else {
-                return (loads, Some(format!("the CUDA driver gave no UUID for cuda:{ordinal}")));
-            };
-            let device = match nvml.device_by_uuid(uuid.as_str()) {
+            let device = match nvml_device(nvml, *ordinal, uuid.as_deref()) {
                 Ok(device) => device,
-                Err(e) => return (loads, Some(format!("NVML has no device {uuid} (cuda:{ordinal}): {e}"))),
+                Err(why) => return (loads, Some(why)),
             };
             match (device.memory_info(), device.utilization_rates()) {
                 (Ok(memory), Ok(busy)) => loads.push(DeviceLoad {
@@ -99,8 +96,7 @@ impl LoadSampler {
 /// everything its allocators reserved, libtorch's cached blocks included), or why it cannot be read.
 pub fn process_device_memory(ordinal: u32) -> Result<u64, String> {
     let (nvml, uuids) = open_nvml(&[ordinal])?;
-    let uuid = uuids[0].1.as_deref().ok_or_else(|| format!("the CUDA driver gave no UUID for cuda:{ordinal}"))?;
-    let device = nvml.device_by_uuid(uuid).map_err(|e| format!("NVML has no device {uuid} (cuda:{ordinal}): {e}"))?;
+    let device = nvml_device(&nvml, ordinal, uuids[0].1.as_deref())?;
     let processes = device.running_compute_processes().map_err(|e| format!("NVML on cuda:{ordinal}: {e}"))?;
     let pid = std::process::id();
     match processes.iter().find(|p| p.pid == pid).map(|p| &p.used_gpu_memory) {
@@ -110,6 +106,12 @@ pub fn process_device_memory(ordinal: u32) -> Result<u64, String> {
         }
         None => Err(format!("NVML lists no process {pid} on cuda:{ordinal}")),
     }
+}
+
+/// NVML's handle of `cuda:ordinal`, found by the UUID the CUDA driver gave it (None: it gave none).
+fn nvml_device<'n>(nvml: &'n Nvml, ordinal: u32, uuid: Option<&str>) -> Result<nvml_wrapper::Device<'n>, String> {
+    let uuid = uuid.ok_or_else(|| format!("the CUDA driver gave no UUID for cuda:{ordinal}"))?;
+    nvml.device_by_uuid(uuid).map_err(|e| format!("NVML has no device {uuid} (cuda:{ordinal}): {e}"))
 }
 
 /// NVML, and the UUID of each of `ordinals` (from the CUDA driver, no context created).
