@@ -6,7 +6,10 @@
 //! losses and final parameters equal the single-process reference within 1e-5 (fp32), replicas stay
 //! bit-identical; a rank lost mid-step fails its peers' calls at once (not after the collective
 //! timeout), and the survivors, rebuilt on a fresh communicator for the next epoch, stay on the
-//! reference's trajectory.
+//! reference's trajectory. Tensor parallelism (× data parallelism) runs its tensor group's
+//! collectives and its data-parallel gradient sum through device planes the same way, for both model
+//! families; a tensor rank lost mid-step fails its peer's plane call at once, and the survivor keeps
+//! the whole committed state from its own shard and its buddy copy.
 
 use std::collections::BTreeSet;
 use std::future::Future;
@@ -15,7 +18,9 @@ use std::time::{Duration, Instant};
 
 use tch::Tensor;
 use troupe_actors::engine::device_plane::FakeNccl;
-use troupe_actors::engine::{CommittedState, DataParallelReplica, ShardMode, ShardedReplica, StepEngine};
+use troupe_actors::engine::{
+    CommittedState, DataParallelReplica, ShardMode, ShardedReplica, StepEngine, TensorParallelReplica,
+};
 use troupe_actors::protocol::CollectiveKind;
 use troupe_cluster::collective::{CollectiveConfig, Communicator};
 use troupe_cluster::transport::memory::MemoryTransport;
@@ -397,4 +402,192 @@ fn zero3_through_the_device_plane_equals_the_reference() {
             );
         }
     }
+}
+
+/// `config` at tensor degree `tp` with `dp` model replicas (sequence parallelism on), 8 steps.
+fn tensor_job(mut config: JobConfig, tp: usize, dp: usize) -> JobConfig {
+    config.train.steps = 8;
+    config.train.global_batch = 8;
+    config.train.micro_batch = 2;
+    (config.parallel.tp, config.parallel.dp, config.parallel.sp) = (tp, dp, true);
+    config
+}
+
+/// The single-process reference of a tensor-parallel `config` (tp = 1).
+fn tensor_reference(config: &JobConfig) -> (Vec<f64>, Vec<Tensor>) {
+    let mut single = config.clone();
+    (single.parallel.tp, single.parallel.dp) = (1, 1);
+    reference(&single)
+}
+
+/// Rank `rank`'s engine of a `config` job (its tensor degree) on `transport`, its tensor group's
+/// collectives on `tensor` and its data-parallel sum on `data`, sharded for the attempt.
+async fn tensor_rank(
+    config: &JobConfig,
+    transport: Arc<MemoryTransport>,
+    tensor: FakeNccl,
+    data: Option<FakeNccl>,
+) -> TensorParallelReplica<MemoryTransport> {
+    let collective = CollectiveConfig::from(&TransportConfig::default());
+    let state = CommittedState::Full(Box::new(Trainer::new(config.clone()).unwrap()));
+    let (tp, comm) = (config.parallel.tp, Communicator::new(transport, 0, 1, collective.clone()));
+    let mut engine = TensorParallelReplica::adopt(state, comm, collective, tp).unwrap();
+    engine.set_device_planes(Box::new(tensor), data.map(|d| Box::new(d) as Box<_>)).unwrap();
+    engine.sync(None).await.unwrap();
+    engine
+}
+
+/// One step of a tensor rank: reduce, then apply (every rank commits it); the step's loss.
+async fn tensor_step(engine: &mut TensorParallelReplica<MemoryTransport>) -> Result<f64, String> {
+    let reduced = engine.reduce().await.map_err(|e| e.to_string())?;
+    engine.apply(reduced).await;
+    Ok(reduced.loss)
+}
+
+/// Every rank of a tp × dp job through fake-NCCL planes (rank t + tp·d is tensor rank t of replica d:
+/// one tensor group per replica, one data-parallel group per tensor index): each rank's losses, the
+/// whole parameters its group gathers at the end, and its plane's name.
+fn tensor_parallel_on_devices(config: &JobConfig) -> Vec<(Vec<f64>, Vec<Tensor>, Option<&'static str>)> {
+    let (tp, dp) = (config.parallel.tp, config.parallel.dp);
+    let timeout = Duration::from_secs(60);
+    let mut tensor: Vec<Vec<Option<FakeNccl>>> =
+        (0..dp).map(|_| FakeNccl::group(tp, timeout).into_iter().map(Some).collect()).collect();
+    let mut data: Vec<Vec<Option<FakeNccl>>> =
+        (0..tp).map(|_| FakeNccl::group(dp, timeout).into_iter().map(Some).collect()).collect();
+    let handles: Vec<_> = MemoryTransport::mesh(tp * dp, 4096)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, transport)| {
+            let (t, d) = (rank % tp, rank / tp);
+            let tensor_plane = tensor[d][t].take().unwrap();
+            let data_plane = (dp > 1).then(|| data[t][d].take().unwrap());
+            let config = config.clone();
+            on_thread(move || {
+                runtime().block_on(async move {
+                    let mut engine = tensor_rank(&config, Arc::new(transport), tensor_plane, data_plane).await;
+                    let mut losses = Vec::new();
+                    for _ in 0..config.train.steps {
+                        losses.push(tensor_step(&mut engine).await.unwrap());
+                    }
+                    let plane = engine.device_plane();
+                    engine.finish().await.unwrap();
+                    (losses, engine.trainer().param_values(), plane)
+                })
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn tensor_parallelism_through_device_planes_equals_the_reference_for_both_families() {
+    let cases = [
+        ("llama tp=2", tensor_job(JobConfig::small_llama(8), 2, 1)),
+        ("llama tp=2 x dp=2", tensor_job(JobConfig::small_llama(8), 2, 2)),
+        ("gpt2 tp=2 x dp=2, no sp", {
+            let mut config = tensor_job(JobConfig::small(8), 2, 2);
+            config.parallel.sp = false;
+            config
+        }),
+    ];
+    for (what, config) in cases {
+        let (ref_losses, ref_params) = tensor_reference(&config);
+        let specs = troupe_model::model::param_specs(&config.model);
+        let ranks = tensor_parallel_on_devices(&config);
+        for (rank, (losses, params, plane)) in ranks.iter().enumerate() {
+            assert_eq!(*plane, Some("fake-nccl"), "{what}: rank {rank}'s collectives ran on its device planes");
+            let loss_diff = worst_loss_diff(losses, &ref_losses);
+            assert!(loss_diff <= TOLERANCE, "{what}: rank {rank}'s losses differ by {loss_diff:e}");
+            let comparison = compare_params(&specs, params, &ref_params);
+            assert!(comparison.within(TOLERANCE), "{what}: rank {rank}: {comparison:?}");
+            if rank > 0 {
+                for (a, b) in params.iter().zip(&ranks[0].1) {
+                    assert_eq!(bits(a), bits(b), "{what}: rank {rank}'s gathered state differs from rank 0's");
+                }
+            }
+        }
+        println!("{what} on device planes: loss diff {:.1e}", worst_loss_diff(&ranks[0].0, &ref_losses));
+    }
+}
+
+/// A tensor group of 2 whose rank 1 is dropped (its plane aborts, as a killed process's NCCL peers see)
+/// after 3 steps: rank 0's next step fails at once on its plane, not after the 60 s timeout, and rank
+/// 0 ends the attempt holding the whole state of step 3 from its own shard and its buddy copy — on
+/// the reference's trajectory, which it then follows alone to the end.
+#[test]
+fn a_lost_tensor_rank_fails_its_peers_plane_call_at_once_and_the_survivor_keeps_the_whole_state() {
+    let config = tensor_job(JobConfig::small_llama(8), 2, 1);
+    let lost_at = 3;
+    let (ref_losses, ref_params) = tensor_reference(&config);
+    let mut planes = FakeNccl::group(2, Duration::from_secs(60));
+    let (plane1, plane0) = (planes.pop().unwrap(), planes.pop().unwrap());
+    let mut transports: Vec<Arc<MemoryTransport>> = MemoryTransport::mesh(2, 4096).into_iter().map(Arc::new).collect();
+    let (t1, t0) = (transports.pop().unwrap(), transports.pop().unwrap());
+    let (config0, config1) = (config.clone(), config.clone());
+    let doomed = on_thread(move || {
+        runtime().block_on(async move {
+            let mut engine = tensor_rank(&config1, t1.clone(), plane1, None).await;
+            for _ in 0..lost_at {
+                tensor_step(&mut engine).await.unwrap();
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            // Killed: its NCCL peer's call aborts, its host peer sees the connection lost.
+            t1.kill();
+            drop(engine);
+        })
+    });
+    let survivor = on_thread(move || {
+        runtime().block_on(async move {
+            let mut engine = tensor_rank(&config0, t0, plane0, None).await;
+            let mut losses = Vec::new();
+            for _ in 0..lost_at {
+                losses.push(tensor_step(&mut engine).await.unwrap());
+            }
+            let failing = Instant::now();
+            let error = tensor_step(&mut engine).await.unwrap_err();
+            let failed_after = failing.elapsed();
+            let Some(CommittedState::Full(mut trainer)) = engine.into_state().await else {
+                panic!("the survivor kept nothing")
+            };
+            let ended_after = failing.elapsed();
+            assert!(ended_after < Duration::from_secs(10), "the attempt ended after {ended_after:?}, not at once");
+            assert_eq!(trainer.step, lost_at, "the failed step was not applied");
+            trainer.config.parallel.tp = 1;
+            while trainer.step < config0.train.steps {
+                losses.push(trainer.train_step().loss);
+            }
+            (losses, trainer.param_values(), error, failed_after)
+        })
+    });
+    doomed.join().unwrap();
+    let (losses, params, error, failed_after) = survivor.join().unwrap();
+    assert!(error.contains("fake NCCL") && error.contains("aborted"), "the plane's call failed: {error}");
+    assert!(failed_after < Duration::from_secs(10), "failed after {failed_after:?}, not at once");
+    let loss_diff = worst_loss_diff(&losses, &ref_losses);
+    assert!(loss_diff <= TOLERANCE, "losses differ by {loss_diff:e}");
+    let specs = troupe_model::model::param_specs(&config.model);
+    let comparison = compare_params(&specs, &params, &ref_params);
+    assert!(comparison.within(TOLERANCE), "{comparison:?}");
+}
+
+#[test]
+fn device_planes_that_are_not_the_ranks_groups_are_refused() {
+    let config = tensor_job(JobConfig::small_llama(8), 2, 2);
+    let collective = CollectiveConfig::from(&TransportConfig::default());
+    let adopt = |config: &JobConfig| {
+        let state = CommittedState::Full(Box::new(Trainer::new(config.clone()).unwrap()));
+        let transport = MemoryTransport::mesh(4, 64).remove(0);
+        TensorParallelReplica::adopt(state, comm(transport, 1), collective.clone(), 2).unwrap()
+    };
+    let plane = |world: usize, rank: usize| Box::new(FakeNccl::group(world, Duration::from_secs(1)).remove(rank));
+    let refused = |config: &JobConfig, tensor, data| adopt(config).set_device_planes(tensor, data).unwrap_err();
+    let why = refused(&config, plane(4, 0), Some(plane(2, 0)));
+    assert!(why.contains("tensor group's device plane is rank 0 of 4; this rank is 0 of 2"), "{why}");
+    let why = refused(&config, plane(2, 0), None);
+    assert!(why.contains("no data-parallel device plane for 2 model replica(s)"), "{why}");
+    let mut zero = config.clone();
+    zero.parallel.shard = "zero1".into();
+    let why = refused(&zero, plane(2, 0), Some(plane(2, 0)));
+    assert!(why.contains("computes on the host") && why.contains("zero1"), "{why}");
+    adopt(&config).set_device_planes(plane(2, 0), Some(plane(2, 0))).expect("rank 0's own groups' planes");
 }

@@ -1,7 +1,7 @@
 //! Daemon slots on CUDA devices (issue 31), end to end through daemon processes: a DDP job on a GPU slot
 //! sums its gradients over NCCL (and `troupe status` shows the GPU's memory in use from NVML), two
-//! daemons sharing one GPU sum theirs through host memory, ZeRO-1/2 ranks do either, and all follow the
-//! single-process reference. They need a GPU: elsewhere each says "skipped: no CUDA device"
+//! daemons sharing one GPU sum theirs through host memory, ZeRO-1/2 ranks do either, a tensor group of
+//! two daemons sharing the GPU keeps its shards there, and all follow the single-process reference. They need a GPU: elsewhere each says "skipped: no CUDA device"
 //! and passes (scripts/gpu-check.sh runs them on a lent device, `TROUPE_BIN` pointing at the carried
 //! `troupe`). Without a GPU the device path runs in `device_plane_oracle.rs` (fake NCCL), and the
 //! refusal of `devices = "cuda"` in `daemons.rs`.
@@ -149,4 +149,30 @@ async fn zero_ranks_on_gpu_slots_reduce_over_nccl_or_host_memory_and_follow_the_
         println!("{shard} on {nodes} GPU slot(s) over the {plane} plane: loss diff {diff:.1e}");
         assert!(diff <= TOLERANCE, "{shard}: losses differ by {diff:e}");
     }
+}
+
+/// Tensor parallelism on GPU slots (issues 29 and 31): a tensor group of two daemons sharing the one GPU
+/// computes its shards there and runs its collectives through host memory (NCCL needs a GPU per rank:
+/// on a machine with two, the same job takes the NCCL plane, whose engine path `device_plane_oracle.rs`
+/// runs on fake NCCL), for a Llama model with sequence parallelism; it follows the single-process
+/// reference, and NVML sees the GPU's memory in use while the daemons hold their state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tensor_group_sharing_a_gpu_computes_its_shards_there_and_follows_the_reference() {
+    if !cuda("a_tensor_group_sharing_a_gpu_computes_its_shards_there_and_follows_the_reference") {
+        return;
+    }
+    let mut config = JobConfig::small_llama(10);
+    (config.parallel.tp, config.parallel.sp) = (2, true);
+    let mut single = config.clone();
+    single.parallel.tp = 1;
+    let cluster = cluster(2).await;
+    let ((plane, why), losses, mfus) = run(&cluster, &config).await;
+    let load = gpu_load(&cluster).await;
+    cluster.shutdown().await;
+    assert_eq!(plane, GradientPlane::Host, "{why}");
+    assert!(why.contains("share cuda:0"), "the host plane because the ranks share the GPU: {why}");
+    assert!(load.memory_used_bytes > 0, "NVML's figures: {load:?}");
+    let diff = worst_loss_diff(&losses, &reference(&single));
+    println!("tp = 2 on one shared GPU over the host plane: loss diff {diff:.1e}; MFU {:?}", mfus.last());
+    assert!(diff <= TOLERANCE, "losses differ by {diff:e}");
 }

@@ -63,4 +63,6 @@ pub use shard_owner::{OwnerArgs, OwnerUpdate, ShardOwnerActor, ShardOwnerMsg};
 pub use shard_plan::ShardMode;
 pub use sharded::ShardedReplica;
 pub use step_engine::{EngineError, OpTiming, ReducedStep, StepEngine};
-pub use tensor_parallel::{degree_change, degrees_to_try, TensorParallelReplica};
+pub use tensor_parallel::{
+    degree_change, degrees_to_try, tensor_parallel_on_device, PlaneControls, TensorParallelReplica,
+};

@@ -3,26 +3,36 @@
 //! computes on (`MemberInfo::devices`), and sent with `Start` to every rank, so all ranks of the group
 //! take the same path. Pure: the same inputs give the same choice on any controller.
 //!
-//! NCCL is chosen when the job's engine keeps its model on the slot's device (DDP and ZeRO-1/2/3:
-//! [`runs_on_device`]), every rank computes on a CUDA device, every rank's node can load NCCL, and no two
-//! ranks share a GPU (NCCL refuses two ranks of one communicator on one device). Otherwise the host
-//! plane, with the first reason found. A job one of whose ranks could not start NCCL at all (the
-//! library or the device failed, [`nccl_unusable`]) takes the host plane for its later attempts.
+//! NCCL is chosen when the job's engine keeps its model on the slot's device (DDP, ZeRO-1/2/3 and
+//! tensor parallelism: [`runs_on_device`]), every rank computes on a CUDA device, every rank's node can
+//! load NCCL, and no two ranks share a GPU (NCCL refuses two ranks of one communicator on one device).
+//! Otherwise the host plane, with the first reason found. A job one of whose ranks could not start
+//! NCCL at all (the library or the device failed, [`nccl_unusable`]) takes the host plane for its later
+//! attempts.
 
 use std::net::IpAddr;
 
 use troupe_model::config::JobConfig;
 
+use crate::engine::tensor_parallel_on_device;
 use crate::protocol::{GradientPlane, SlotDevice};
 
 /// Whether the engine `config` selects keeps a rank's model and gradients on its slot's device and
-/// reduces them there: DDP (its optimizer state there too, unless `parallel.offload = "host"`) and
+/// reduces them there: DDP (its optimizer state there too, unless `parallel.offload = "host"`),
 /// ZeRO-1/2/3 (their shard owners keep the masters, moments and the update in host memory; ZeRO-3
-/// gathers each unit's parameters on the device). Pipelines, tensor parallelism and periodic
-/// synchronization compute on the host for now, whatever the slot.
+/// gathers each unit's parameters on the device) and tensor parallelism with AdamW and data
+/// parallelism over its groups ([`tensor_parallel_on_device`]). Pipelines (with or without tensor
+/// parallelism), ZeRO or Adafactor under tensor parallelism, and periodic synchronization compute on
+/// the host for now, whatever the slot.
 pub fn runs_on_device(config: &JobConfig) -> bool {
     let p = &config.parallel;
-    p.tp <= 1 && p.pp <= 1 && matches!(p.shard.as_str(), "none" | "zero1" | "zero2" | "zero3") && !p.periodic_sync()
+    if p.pp > 1 || p.periodic_sync() {
+        return false;
+    }
+    if p.tp > 1 {
+        return tensor_parallel_on_device(config);
+    }
+    matches!(p.shard.as_str(), "none" | "zero1" | "zero2" | "zero3")
 }
 
 /// How a rank's failed attempt begins when NCCL itself could not start on its GPU: the library, the
@@ -55,7 +65,7 @@ pub fn choose(config: &JobConfig, ranks: &[RankDevice]) -> (GradientPlane, Strin
     }
     if !runs_on_device(config) {
         return host(format!(
-            "ranks on CUDA slots, but this engine ({}) computes on the host; DDP and ZeRO-1/2/3 (no tp, pp or periodic sync) run on the GPUs",
+            "ranks on CUDA slots, but this engine ({}) computes on the host; DDP, ZeRO-1/2/3 and tensor parallelism with AdamW (no pp, periodic sync, or ZeRO under tp) run on the GPUs",
             engine_name(config)
         ));
     }
@@ -105,6 +115,9 @@ fn engine_name(config: &JobConfig) -> String {
     }
     if p.periodic_sync() {
         parts.push(format!("sync = {:?}", p.sync));
+    }
+    if p.tp > 1 && config.train.optimizer != "adamw" {
+        parts.push(format!("optimizer = {:?}", config.train.optimizer));
     }
     parts.join(", ")
 }
@@ -190,5 +203,35 @@ mod tests {
             zero.parallel.pp = 2;
             assert_eq!(choose(&zero, &ranks).0, GradientPlane::Host, "{shard} under a pipeline");
         }
+    }
+
+    #[test]
+    fn tensor_parallelism_runs_on_the_gpus_without_a_pipeline_zero_or_adafactor() {
+        let (g0, g1) = (gpu(0), gpu(1));
+        let ranks = [
+            RankDevice { node: "a", slot: 0, host: ip(1), device: &g0 },
+            RankDevice { node: "a", slot: 1, host: ip(1), device: &g1 },
+        ];
+        let mut tp = ddp();
+        tp.parallel.tp = 2;
+        assert!(runs_on_device(&tp) && tensor_parallel_on_device(&tp));
+        let (plane, why) = choose(&tp, &ranks);
+        assert_eq!(plane, GradientPlane::Nccl, "{why}");
+        let host = |config: &JobConfig, says: &str| {
+            assert!(!runs_on_device(config) && !tensor_parallel_on_device(config), "{says}");
+            let (plane, why) = choose(config, &ranks);
+            assert_eq!(plane, GradientPlane::Host, "{why}");
+            assert!(why.contains("computes on the host") && why.contains(says), "{why}");
+        };
+        let mut piped = tp.clone();
+        piped.parallel.pp = 2;
+        host(&piped, "tp = 2, pp = 2");
+        let mut zero = tp.clone();
+        zero.parallel.shard = "zero1".into();
+        host(&zero, "shard = \"zero1\"");
+        let mut adafactor = tp.clone();
+        adafactor.train.optimizer = "adafactor".into();
+        host(&adafactor, "optimizer = \"adafactor\"");
+        assert!(!tensor_parallel_on_device(&ddp()), "tp = 1 is not tensor parallelism");
     }
 }

@@ -1,11 +1,13 @@
 //! WorkerActor: one per device slot (a GPU ordinal, or a CPU slot). Holds, per job, the committed
 //! training state of its rank, and runs attempts of the job's step protocol as a task it can abort.
 //!
-//! On a CUDA slot, a DDP or ZeRO-1/2/3 rank's model and gradients live on the slot's GPU
-//! (`plan::plane::runs_on_device`; ZeRO-3's units one at a time; the other engines compute on the host
-//! for now), and when the controller chose the NCCL plane for the attempt, its gradients are reduced
-//! (and ZeRO's masters or units gathered) there by NCCL (`engine::device_plane`), the communicator
-//! built for the attempt's epoch over the attempt's mesh.
+//! On a CUDA slot, a DDP, ZeRO-1/2/3 or tensor-parallel rank's model and gradients live on the slot's
+//! GPU (`plan::plane::runs_on_device`; ZeRO-3's units one at a time; a tensor rank's shards; the other
+//! engines compute on the host for now), and when the controller chose the NCCL plane for the attempt,
+//! its gradients are reduced (and ZeRO's masters or units gathered, a tensor group's activations
+//! reduced and gathered) there by NCCL (`engine::device_plane`), the communicator built for the
+//! attempt's epoch over the attempt's mesh (a tensor-parallel rank: one over its tensor group and one
+//! over its data-parallel group).
 //!
 //! What a restart loses and keeps: a restarted worker starts empty — the committed state of its jobs is
 //! gone, and the next attempt copies it from another rank (`Start.source`). Nothing else is lost: the
@@ -665,11 +667,29 @@ async fn train_over<T: Transport>(
     if spec.config.parallel.offload == "host" && !on_device {
         let rank = transport.rank();
         tracing::info!(job = ctx.job, attempt = ctx.attempt, rank, "{}", troupe_model::optim::offload::CPU_RANK_NOTE);
+    } else if spec.config.parallel.offload == "host" && spec.config.parallel.tp > 1 {
+        let rank = transport.rank();
+        tracing::warn!(job = ctx.job, attempt = ctx.attempt, rank, "parallel.offload = \"host\" under tensor parallelism: not offloaded yet, the shards' AdamW state and update stay on the GPU");
     }
     let (state, outcome) = match (ShardMode::of_config(&spec.config.parallel.shard), state) {
         (_, state) if spec.config.parallel.tp > 1 => {
             match TensorParallelReplica::adopt(state, comm, collective, spec.config.parallel.tp) {
                 Ok(mut engine) => {
+                    if let (GradientPlane::Nccl, SlotDevice::Cuda { ordinal, .. }) = (ctx.plane, &ctx.device) {
+                        let step = engine.trainer().step;
+                        match tensor_planes(&mut engine, *ordinal as usize, ctl).await {
+                            Ok(true) => tracing::info!(
+                                job = ctx.job,
+                                attempt = ctx.attempt,
+                                rank = transport.rank(),
+                                "the tensor group's collectives and the data-parallel gradient sum on cuda:{ordinal} by NCCL"
+                            ),
+                            Ok(false) => return (engine.into_state().await, AttemptOutcome::Aborted { step }),
+                            Err(reason) => {
+                                return (engine.into_state().await, AttemptOutcome::Failed { step, reason })
+                            }
+                        }
+                    }
                     let outcome = drive(ctx, spec, &mut engine, ctl).await;
                     (engine.into_state().await, outcome)
                 }
@@ -778,6 +798,26 @@ async fn nccl_plane<T: Transport>(
         r = connect => r.map(|c| Some(Box::new(NcclPlane::new(c)) as Box<_>)).map_err(failed),
         _ = wait_abort(ctl) => Ok(None),
     }
+}
+
+/// The NCCL communicators of a tensor-parallel rank on CUDA device `ordinal`: its tensor group's and,
+/// with several model replicas, its data-parallel group's, each built over a host communicator of the
+/// group; false when the attempt was aborted first.
+async fn tensor_planes<T: Transport>(
+    engine: &mut TensorParallelReplica<T>,
+    ordinal: usize,
+    ctl: &mut mpsc::UnboundedReceiver<AttemptSignal>,
+) -> Result<bool, String> {
+    let (mut tensor, data) = engine.plane_controls().map_err(|e| format!("the tensor group's NCCL: {e}"))?;
+    let Some(tensor) = nccl_plane(&mut tensor, ordinal, ctl).await? else { return Ok(false) };
+    let data = match data {
+        Some(mut control) => match nccl_plane(&mut control, ordinal, ctl).await? {
+            Some(plane) => Some(plane),
+            None => return Ok(false),
+        },
+        None => None,
+    };
+    engine.set_device_planes(tensor, data).map(|()| true)
 }
 
 /// A directory private to this attempt's ranks: named by a hash of the job, the attempt and the roster

@@ -20,7 +20,7 @@ use crate::telemetry::link_bytes::{Counted, LinkCounters};
 pub(super) struct Meter(Arc<Mutex<Vec<SentBytes>>>);
 
 impl Meter {
-    fn add(&self, group: GroupKind, collective: CollectiveKind, bytes: u64, seconds: f64) {
+    pub(super) fn add(&self, group: GroupKind, collective: CollectiveKind, bytes: u64, seconds: f64) {
         let mut lines = self.0.lock().unwrap_or_else(|p| p.into_inner());
         match lines.iter_mut().find(|l| l.group == group && l.collective == collective) {
             Some(line) => {

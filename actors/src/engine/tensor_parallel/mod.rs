@@ -25,6 +25,7 @@
 
 mod adafactor;
 mod degree;
+mod device;
 mod group;
 mod meter;
 mod pipeline;
@@ -51,14 +52,16 @@ use troupe_model::transfer::upload;
 use troupe_model::Trainer;
 
 use super::committed::CommittedState;
+use super::device_plane::DevicePlane;
 use super::flat::{append_flat, broadcast_state, copy_from_flat, counter_words};
 use super::pipeline::{costs_for, ModelCosts, PlanShape};
 use super::shard_plan::ShardMode;
 use super::step_engine::{EngineError, ReducedStep, StepEngine};
-use crate::protocol::{rank_at, rank_coords, GroupKind, RankUsage};
+use crate::protocol::{rank_at, rank_coords, CollectiveKind, GroupKind, RankUsage};
 use adafactor::{Preview, TpAdafactor, ZeroAdafactor};
 pub use degree::{degree_change, degrees_to_try};
-use group::CommGroup;
+use device::{DevicePlanes, PlaneClient, Which};
+use group::{values, CommGroup};
 use meter::{Meter, Metered};
 
 /// Collective group ids of the engine's subgroups (distinct from the attempt's and the other engines').
@@ -76,6 +79,10 @@ const MODEL_GROUP: u32 = 0x5450_0006;
 const FINAL_CHAIN_GROUP: u32 = 0x5450_0007;
 /// The final gather's data-parallel group under ZeRO (its ranges of the moments and masters).
 const FINAL_DATA_GROUP: u32 = 0x5450_0008;
+/// The host communicators over which the tensor and data-parallel groups build their device planes
+/// (NCCL's unique id travels on them).
+const TENSOR_PLANE_GROUP: u32 = 0x5450_0009;
+const DATA_PLANE_GROUP: u32 = 0x5450_000A;
 
 /// What the blocking thread owns while it computes: the rank's shards, its groups, its AdamW and its
 /// buddy copy.
@@ -94,6 +101,9 @@ struct Parts<T: Transport> {
     /// `train.optimizer = "adafactor"`: its state for the shards and the buddy copy (`optimizer` and
     /// the buddy's then only count the steps).
     adafactor: Option<TpAdafactor>,
+    /// The data-parallel group's device plane (with several replicas on GPUs of their own): the
+    /// gradient sum runs there instead of on `dp`.
+    data_plane: Option<PlaneClient>,
 }
 
 /// This rank's copy of the previous rank's shard in its tensor group (tensor index `index`): its
@@ -117,8 +127,35 @@ impl Buddy {
 /// dropout mask is a function of them).
 type Batch = (Tensor, Tensor, f64, f64, Samples);
 
+/// Whether a tensor-parallel job (`parallel.tp` > 1) keeps its shards, their gradients, AdamW moments
+/// and buddy copies on the slot's device, its tensor group's collectives (and the data-parallel
+/// gradient sum) on NCCL when the attempt's plane is NCCL: without a pipeline, without ZeRO inside the
+/// data-parallel group and with AdamW (`plan::plane::runs_on_device` for the other engines).
+pub fn tensor_parallel_on_device(config: &troupe_model::config::JobConfig) -> bool {
+    let p = &config.parallel;
+    p.tp > 1 && p.pp <= 1 && p.shard == "none" && config.train.optimizer == "adamw" && !p.periodic_sync()
+}
+
 /// A blocking computation: it gives back the parts and its result.
 type Pending<T> = JoinHandle<(Parts<T>, Box<dyn Any + Send>)>;
+
+/// Host communicators over a rank's tensor group and (with several model replicas) its data-parallel
+/// group ([`TensorParallelReplica::plane_controls`]).
+pub type PlaneControls<T> = (Communicator<Subgroup<T>>, Option<Communicator<Subgroup<T>>>);
+
+/// Awaits `job`, serving the device planes' calls it makes meanwhile (see [`device`]).
+async fn serving<T: Transport>(
+    job: &mut Pending<T>,
+    planes: Option<&mut DevicePlanes>,
+) -> Result<(Parts<T>, Box<dyn Any + Send>), tokio::task::JoinError> {
+    match planes {
+        Some(planes) => tokio::select! {
+            joined = job => joined,
+            never = planes.serve() => match never {},
+        },
+        None => job.await,
+    }
+}
 
 /// One rank of a tensor-parallel (× data-parallel) job.
 pub struct TensorParallelReplica<T: Transport> {
@@ -137,6 +174,9 @@ pub struct TensorParallelReplica<T: Transport> {
     sharded: bool,
     /// What the rank's groups sent in the current step.
     meter: Meter,
+    /// The tensor and data-parallel groups' device planes, when the attempt runs on NCCL
+    /// ([`Self::set_device_planes`]); served while a computation runs.
+    planes: Option<DevicePlanes>,
 }
 
 impl<T: Transport> TensorParallelReplica<T> {
@@ -167,7 +207,75 @@ impl<T: Transport> TensorParallelReplica<T> {
             lost: false,
             sharded: false,
             meter,
+            planes: None,
         })
+    }
+
+    /// Host communicators over this rank's tensor group and, with several model replicas, its
+    /// data-parallel group: what their device planes are built over (NCCL's unique id travels on them;
+    /// the worker's `nccl_plane`).
+    pub fn plane_controls(&self) -> Result<PlaneControls<T>, ClusterError> {
+        let (epoch, collective) = (self.comm.epoch(), self.collective.clone());
+        let tensor = Communicator::new(self.tensor_transport()?, TENSOR_PLANE_GROUP, epoch, collective.clone());
+        let data = match self.replicas() > 1 {
+            true => Some(Communicator::new(self.data_transport()?, DATA_PLANE_GROUP, epoch, collective)),
+            false => None,
+        };
+        Ok((tensor, data))
+    }
+
+    /// Runs the tensor group's collectives on `tensor` and, with several model replicas, the
+    /// data-parallel gradient sum on `data` (each this rank's member of its group's plane, as
+    /// [`Self::plane_controls`] names the groups) instead of staging them through host memory. Refused
+    /// for a layout whose shards stay on the host ([`tensor_parallel_on_device`]) or planes
+    /// that are not this rank's groups.
+    pub fn set_device_planes(
+        &mut self,
+        tensor: Box<dyn DevicePlane>,
+        data: Option<Box<dyn DevicePlane>>,
+    ) -> Result<(), String> {
+        let config = &self.trainer.config;
+        if !tensor_parallel_on_device(config) {
+            return Err(format!(
+                "tensor parallelism with pp = {}, shard = {:?} and optimizer = {:?} computes on the host: no device plane",
+                config.parallel.pp, config.parallel.shard, config.train.optimizer
+            ));
+        }
+        let (t, d) = self.coordinates();
+        let mismatch = |what: &str, plane: &dyn DevicePlane, rank: usize, world: usize| {
+            (plane.rank() != rank || plane.world() != world).then(|| {
+                format!(
+                    "the {what} group's device plane is rank {} of {}; this rank is {rank} of {world} there",
+                    plane.rank(),
+                    plane.world()
+                )
+            })
+        };
+        if let Some(why) = mismatch("tensor", tensor.as_ref(), t, self.degree) {
+            return Err(why);
+        }
+        match (&data, self.replicas()) {
+            (None, 1) => {}
+            (Some(plane), replicas) if replicas > 1 => {
+                if let Some(why) = mismatch("data-parallel", plane.as_ref(), d, replicas) {
+                    return Err(why);
+                }
+            }
+            (data, replicas) => {
+                return Err(format!(
+                    "{} data-parallel device plane for {replicas} model replica(s)",
+                    if data.is_some() { "a" } else { "no" }
+                ))
+            }
+        }
+        self.planes = Some(DevicePlanes::new(tensor, data, self.trainer.device, &self.meter));
+        Ok(())
+    }
+
+    /// The name of the device plane the groups' collectives run on (`nccl`, `fake-nccl`); None when
+    /// they stage through host memory.
+    pub fn device_plane(&self) -> Option<&'static str> {
+        self.planes.as_ref().map(DevicePlanes::name)
     }
 
     /// This rank's index in its tensor group and its model replica (data-parallel index).
@@ -374,8 +482,10 @@ impl<T: Transport> TensorParallelReplica<T> {
             );
         }
         let recompute = self.trainer.config.parallel.recompute;
-        let tp = CommGroup { comm: tp, handle };
-        self.parts = Some(Parts { rank, tp, dp, optimizer, buddy, pipe, recompute, zero, adafactor });
+        let client = |which| self.planes.as_ref().and_then(|p| p.client(which));
+        let (device, data_plane) = (client(Which::Tensor), client(Which::Data));
+        let tp = CommGroup { comm: tp, handle, device };
+        self.parts = Some(Parts { rank, tp, dp, optimizer, buddy, pipe, recompute, zero, adafactor, data_plane });
         self.sharded = true;
         Ok(())
     }
@@ -390,10 +500,11 @@ impl<T: Transport> TensorParallelReplica<T> {
         optimizer
     }
 
-    /// Gets the parts back from a blocking computation whose caller was dropped.
+    /// Gets the parts back from a blocking computation whose caller was dropped (serving its device
+    /// planes' calls meanwhile: aborted ones fail at once).
     async fn reclaim(&mut self) {
-        if let Some(job) = self.pending.take() {
-            if let Ok((parts, _)) = job.await {
+        if let Some(mut job) = self.pending.take() {
+            if let Ok((parts, _)) = serving(&mut job, self.planes.as_mut()).await {
                 self.parts = Some(parts);
             }
         }
@@ -413,7 +524,7 @@ impl<T: Transport> TensorParallelReplica<T> {
             (parts, Box::new(out) as Box<dyn Any + Send>)
         }));
         let job = self.pending.as_mut().expect("just set");
-        let joined = job.await;
+        let joined = serving(job, self.planes.as_mut()).await;
         self.pending = None;
         let (parts, out) = joined.map_err(|e| EngineError::Setup(format!("the tensor-parallel computation: {e}")))?;
         self.parts = Some(parts);
@@ -467,6 +578,7 @@ impl<T: Transport> TensorParallelReplica<T> {
                 if let Some((transport, chain, data)) = fresh {
                     let metered = |transport, id, group| Metered::new(transport, id, epoch, collective.clone(), group, &meter);
                     parts.tp.comm = metered(transport, FINAL_GROUP, GroupKind::Tensor);
+                    (parts.tp.device, parts.data_plane) = (None, None);
                     if let (Some(pipe), Some(chain)) = (parts.pipe.as_mut(), chain) {
                         pipe.chain = metered(chain, FINAL_CHAIN_GROUP, GroupKind::Pipeline);
                     }
@@ -503,9 +615,12 @@ impl<T: Transport> TensorParallelReplica<T> {
     }
 
     /// The whole state (parameters and the optimizer's two slots — AdamW's exp_avg and exp_avg_sq,
-    /// Adafactor's packed ones — at `optimizer_step`) into the trainer.
+    /// Adafactor's packed ones — at `optimizer_step`) into the trainer, on its device.
     fn keep(&mut self, [params, first, second]: [Vec<Tensor>; 3], optimizer_step: u64) {
         copy_tensors(self.trainer.model.params(), &params);
+        let device = self.trainer.device;
+        let on_device = |list: Vec<Tensor>| list.into_iter().map(|t| t.to_device(device)).collect::<Vec<_>>();
+        let (first, second) = (on_device(first), on_device(second));
         match &mut self.trainer.optimizer {
             Optimizer::AdamW(adamw) => (adamw.exp_avg, adamw.exp_avg_sq, adamw.step) = (first, second, optimizer_step),
             Optimizer::Adafactor(adafactor) => {
@@ -765,9 +880,9 @@ fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -> Result<(f
             }
         });
     }
-    let mut flat = Vec::new();
-    append_flat(&sum, &mut flat);
     if let (Some(zero), Some(dp)) = (parts.zero.as_mut(), parts.dp.as_mut()) {
+        let mut flat = Vec::new();
+        append_flat(&sum, &mut flat);
         zero.reduce(flat, dp, &handle)?;
         let held = parts.rank.held().to_vec();
         let [split, replicated] = zero.squares(&parts.rank.layout, &held, parts.tp.comm.rank() == 0);
@@ -776,8 +891,15 @@ fn compute<T: Transport>(parts: &mut Parts<T>, batches: Vec<Batch>) -> Result<(f
         handle.block_on(parts.tp.comm.all_reduce(&mut words[..2], ReduceOp::Sum)).map_err(|e| e.to_string())?;
         return Ok((f64::from(words[2]), (f64::from(words[0]) + f64::from(words[1])).sqrt()));
     }
-    flat.push(loss as f32);
-    let (flat, summed) = sum_over_replicas(&params, flat, parts.dp.as_mut(), &handle)?;
+    let (flat, summed) = match (parts.data_plane.as_ref(), parts.dp.as_mut()) {
+        (Some(plane), Some(_)) => sum_on_device(&params, &sum, loss, plane, parts.buddy.is_some())?,
+        (_, dp) => {
+            let mut flat = Vec::new();
+            append_flat(&sum, &mut flat);
+            flat.push(loss as f32);
+            sum_over_replicas(&params, flat, dp, &handle)?
+        }
+    };
     if parts.dp.is_some() {
         loss = f64::from(summed);
     }
@@ -826,6 +948,38 @@ fn sum_over_replicas<T: Transport>(
     Ok((flat, loss))
 }
 
+/// [`sum_over_replicas`] on the data-parallel group's device plane: the rank's gradient sums `sum` and
+/// its loss word summed over the group on the device and copied into `params`' gradients where they
+/// have one; gives the summed gradients flat in host memory only `for_buddy` (the buddy copy's
+/// exchange runs on the host communicator), and the summed loss word.
+fn sum_on_device(
+    params: &[Tensor],
+    sum: &[Tensor],
+    loss: f64,
+    plane: &PlaneClient,
+    for_buddy: bool,
+) -> Result<(Vec<f32>, f32), String> {
+    let device = sum.first().map_or(tch::Device::Cpu, Tensor::device);
+    let mut pieces: Vec<Tensor> = sum.iter().map(|t| t.reshape([-1])).collect();
+    pieces.push(Tensor::from_slice(&[loss as f32]).to_device(device));
+    let flat = plane.call(CollectiveKind::AllReduce, &Tensor::cat(&pieces, 0)).map_err(|e| e.to_string())?;
+    let total = flat.numel() as i64 - 1;
+    let mut offset = 0;
+    tch::no_grad(|| {
+        for p in params {
+            let n = p.numel() as i64;
+            let mut grad = p.grad();
+            if grad.defined() {
+                grad.copy_(&flat.narrow(0, offset, n).view_as(p));
+            }
+            offset += n;
+        }
+    });
+    let loss = flat.double_value(&[total]) as f32;
+    let grads = if for_buddy { values(&flat.narrow(0, 0, total)) } else { Vec::new() };
+    Ok((grads, loss))
+}
+
 /// The buddy exchange of a step: this rank sends its shard's gradients (`grads`, flat, after the
 /// data-parallel average; with one word per parameter saying whether it has one) to the next rank of
 /// its tensor group and takes the previous rank's, which become its copy's gradients.
@@ -847,7 +1001,7 @@ fn refresh_buddy<T: Transport>(
     let mut offset = 0;
     for (p, &has) in buddy.params.iter().zip(defined) {
         let numel = p.numel();
-        let g = Tensor::from_slice(&values[offset..offset + numel]).view(p.size().as_slice());
+        let g = Tensor::from_slice(&values[offset..offset + numel]).view(p.size().as_slice()).to_device(p.device());
         offset += numel;
         set_grad(p, if has == 1.0 { Some(&g) } else { None });
     }
@@ -1015,7 +1169,12 @@ impl<T: Transport> StepEngine for TensorParallelReplica<T> {
             return None;
         }
         self.comm.transport().fence(self.comm.epoch() + 1);
+        // The attempt's device planes end with it: a call still in flight fails at once.
+        if let Some(planes) = self.planes.as_mut() {
+            planes.abort();
+        }
         self.reclaim().await;
+        self.planes = None;
         if !self.sharded {
             // The trainer still holds the attempt's starting state.
             return Some(CommittedState::Full(Box::new(self.trainer)));
