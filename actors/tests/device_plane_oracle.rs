@@ -444,10 +444,13 @@ async fn tensor_step(engine: &mut TensorParallelReplica<MemoryTransport>) -> Res
     Ok(reduced.loss)
 }
 
+/// A tensor rank's run: its losses, the whole parameters its group gathers at the end, its plane's name
+/// and the bytes of its buddy copy.
+type TensorRun = (Vec<f64>, Vec<Tensor>, Option<&'static str>, u64);
+
 /// Every rank of a tp × dp job through fake-NCCL planes (rank t + tp·d is tensor rank t of replica d:
-/// one tensor group per replica, one data-parallel group per tensor index): each rank's losses, the
-/// whole parameters its group gathers at the end, and its plane's name.
-fn tensor_parallel_on_devices(config: &JobConfig) -> Vec<(Vec<f64>, Vec<Tensor>, Option<&'static str>)> {
+/// one tensor group per replica, one data-parallel group per tensor index).
+fn tensor_parallel_on_devices(config: &JobConfig) -> Vec<TensorRun> {
     let (tp, dp) = (config.parallel.tp, config.parallel.dp);
     let timeout = Duration::from_secs(60);
     let mut tensor: Vec<Vec<Option<FakeNccl>>> =
@@ -465,13 +468,14 @@ fn tensor_parallel_on_devices(config: &JobConfig) -> Vec<(Vec<f64>, Vec<Tensor>,
             on_thread(move || {
                 runtime().block_on(async move {
                     let mut engine = tensor_rank(&config, Arc::new(transport), tensor_plane, data_plane).await;
-                    let mut losses = Vec::new();
+                    let (mut losses, mut buddy) = (Vec::new(), None);
                     for _ in 0..config.train.steps {
                         losses.push(tensor_step(&mut engine).await.unwrap());
+                        buddy = buddy.or_else(|| engine.usage().map(|u| u.buddy_bytes));
                     }
                     let plane = engine.device_plane();
                     engine.finish().await.unwrap();
-                    (losses, engine.trainer().param_values(), plane)
+                    (losses, engine.trainer().param_values(), plane, buddy.expect("a step's usage"))
                 })
             })
         })
@@ -489,13 +493,22 @@ fn tensor_parallelism_through_device_planes_equals_the_reference_for_both_famili
             config.parallel.sp = false;
             config
         }),
+        // No buddy copies: a shard's worth of device memory per rank (×4: parameters, gradients, moments)
+        // given back for recovery from another replica or the checkpoint.
+        ("llama tp=2 x dp=2, checkpoint.replicas = 0", {
+            let mut config = tensor_job(JobConfig::small_llama(8), 2, 2);
+            config.checkpoint.replicas = 0;
+            config
+        }),
     ];
     for (what, config) in cases {
         let (ref_losses, ref_params) = tensor_reference(&config);
         let specs = troupe_model::model::param_specs(&config.model);
         let ranks = tensor_parallel_on_devices(&config);
-        for (rank, (losses, params, plane)) in ranks.iter().enumerate() {
+        for (rank, (losses, params, plane, buddy)) in ranks.iter().enumerate() {
             assert_eq!(*plane, Some("fake-nccl"), "{what}: rank {rank}'s collectives ran on its device planes");
+            let copies = config.checkpoint.replicas > 0;
+            assert_eq!(*buddy > 0, copies, "{what}: rank {rank}'s buddy copy holds {buddy} bytes");
             let loss_diff = worst_loss_diff(losses, &ref_losses);
             assert!(loss_diff <= TOLERANCE, "{what}: rank {rank}'s losses differ by {loss_diff:e}");
             let comparison = compare_params(&specs, params, &ref_params);

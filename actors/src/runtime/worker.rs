@@ -387,8 +387,10 @@ impl WorkerState {
 /// (`engine::resume_rank`).
 fn fresh_state(spec: &JobSpec, rank: usize, device: &SlotDevice) -> Result<(CommittedState, bool), String> {
     let config = spec.config.clone();
-    // Where a whole replica lives: the slot's device for an engine that computes there.
-    let on = if crate::plan::plane::runs_on_device(&config) { device.torch() } else { tch::Device::Cpu };
+    // Where a whole replica lives: the slot's device for an engine that computes there. A tensor-parallel
+    // rank's whole state stays in host memory: each attempt cuts its shards onto the device.
+    let whole_on_device = crate::plan::plane::runs_on_device(&config) && config.parallel.tp <= 1;
+    let on = if whole_on_device { device.torch() } else { tch::Device::Cpu };
     // An engine that keeps parts of the model never holds the whole of it on the device: a ZeRO-3 rank
     // resumes in host memory (its shard taken, the rest dropped) and gathers its units on the device.
     let in_parts = config.parallel.pp > 1 || config.parallel.shard == "zero3";
@@ -675,6 +677,9 @@ async fn train_over<T: Transport>(
         (_, state) if spec.config.parallel.tp > 1 => {
             match TensorParallelReplica::adopt(state, comm, collective, spec.config.parallel.tp) {
                 Ok(mut engine) => {
+                    if crate::engine::tensor_parallel_on_device(&spec.config) {
+                        engine.place_on(ctx.device.torch());
+                    }
                     if let (GradientPlane::Nccl, SlotDevice::Cuda { ordinal, .. }) = (ctx.plane, &ctx.device) {
                         let step = engine.trainer().step;
                         match tensor_planes(&mut engine, *ordinal as usize, ctl).await {

@@ -191,7 +191,8 @@ pub struct CheckpointConfig {
     pub keep_last: usize,
     /// Sharded jobs (`parallel.shard = "zero1" | "zero2" | "zero3"`): how many other ranks keep a last-committed
     /// copy of each rank's shard in memory (0..=3), so that losing that many neighbouring ranks loses no
-    /// state. DDP ranks all hold the whole state and ignore it.
+    /// state. A tensor-parallel job keeps one copy of each tensor rank's shard on the next rank, none at 0.
+    /// DDP ranks all hold the whole state and ignore it.
     pub replicas: usize,
 }
 

@@ -177,6 +177,9 @@ pub struct TensorParallelReplica<T: Transport> {
     /// The tensor and data-parallel groups' device planes, when the attempt runs on NCCL
     /// ([`Self::set_device_planes`]); served while a computation runs.
     planes: Option<DevicePlanes>,
+    /// Where the rank's shards, their gradients, its optimizer state and buddy copy live (its slot's GPU:
+    /// [`Self::place_on`]); the layout-free committed state stays in the trainer, in host memory.
+    device: tch::Device,
 }
 
 impl<T: Transport> TensorParallelReplica<T> {
@@ -194,7 +197,7 @@ impl<T: Transport> TensorParallelReplica<T> {
             _ => return Err("a tensor-parallel job was handed a sharded state; dropped".into()),
         };
         trainer.config.parallel.tp = degree.max(1);
-        let (degree, sp) = (degree.max(1), trainer.config.parallel.sp);
+        let (degree, sp, device) = (degree.max(1), trainer.config.parallel.sp, trainer.device);
         let meter = Meter::default();
         Ok(Self {
             trainer,
@@ -208,7 +211,15 @@ impl<T: Transport> TensorParallelReplica<T> {
             sharded: false,
             meter,
             planes: None,
+            device,
         })
+    }
+
+    /// Puts the rank's shards, their gradients, its AdamW state and its buddy copy on `device` (its slot's
+    /// GPU) when they are cut; the trainer's whole state stays where it is (host memory): the device
+    /// never holds the whole model.
+    pub fn place_on(&mut self, device: tch::Device) {
+        self.device = device;
     }
 
     /// Host communicators over this rank's tensor group and, with several model replicas, its
@@ -268,7 +279,7 @@ impl<T: Transport> TensorParallelReplica<T> {
                 ))
             }
         }
-        self.planes = Some(DevicePlanes::new(tensor, data, self.trainer.device, &self.meter));
+        self.planes = Some(DevicePlanes::new(tensor, data, self.device, &self.meter));
         Ok(())
     }
 
@@ -407,7 +418,10 @@ impl<T: Transport> TensorParallelReplica<T> {
         };
         let held = troupe_model::tensor_parallel::held_params(&config.model, &runs);
         let full: Vec<Tensor> = self.trainer.model.params().iter().map(Tensor::detach).collect();
-        let shards = layout.shard_held(&full, t, &held);
+        // The shards go to the rank's device (aliases of the trainer's tensors where that is theirs).
+        let device = self.device;
+        let placed = move |list: Vec<Tensor>| -> Vec<Tensor> { list.iter().map(|t| t.to_device(device)).collect() };
+        let shards = placed(layout.shard_held(&full, t, &held));
         // With Adafactor its own state stands beside an AdamW that only counts the steps.
         let whole_adafactor = match &self.trainer.optimizer {
             Optimizer::Adafactor(whole) => Some(whole),
@@ -417,7 +431,9 @@ impl<T: Transport> TensorParallelReplica<T> {
             Some(_) => (Vec::new(), Vec::new()),
             None => {
                 let adamw = self.trainer.optimizer.adamw();
-                (layout.shard_held(&adamw.exp_avg, t, &held), layout.shard_held(&adamw.exp_avg_sq, t, &held))
+                let [exp_avg, exp_avg_sq] =
+                    [&adamw.exp_avg, &adamw.exp_avg_sq].map(|m| placed(layout.shard_held(m, t, &held)));
+                (exp_avg, exp_avg_sq)
             }
         };
         let decays: Vec<bool> = self.trainer.model.specs().iter().map(|s| s.decays()).collect();
@@ -439,11 +455,12 @@ impl<T: Transport> TensorParallelReplica<T> {
             _ => None,
         };
         // A buddy copy lets a tensor group that lost a rank put its stage together from its survivors (a
-        // pipeline's other stages are whole); under ZeRO no replica holds the whole state: none there.
-        let buddy = (self.degree > 1 && zero.is_none()).then(|| {
+        // pipeline's other stages are whole); under ZeRO no replica holds the whole state: none there,
+        // nor with `checkpoint.replicas = 0` (recovery from another replica or the checkpoint instead).
+        let copies = self.trainer.config.checkpoint.replicas > 0;
+        let buddy = (self.degree > 1 && zero.is_none() && copies).then(|| {
             let index = (t + self.degree - 1) % self.degree;
-            let params: Vec<Tensor> = layout
-                .shard_held(&full, index, &held)
+            let params: Vec<Tensor> = placed(layout.shard_held(&full, index, &held))
                 .iter()
                 .map(|s| s.detach().copy().set_requires_grad(true))
                 .collect();
@@ -452,7 +469,7 @@ impl<T: Transport> TensorParallelReplica<T> {
                 None => {
                     let adamw = self.trainer.optimizer.adamw();
                     let [exp_avg, exp_avg_sq] =
-                        [&adamw.exp_avg, &adamw.exp_avg_sq].map(|m| layout.shard_held(m, index, &held));
+                        [&adamw.exp_avg, &adamw.exp_avg_sq].map(|m| placed(layout.shard_held(m, index, &held)));
                     self.adamw(&params, &exp_avg, &exp_avg_sq)
                 }
             };
@@ -549,7 +566,7 @@ impl<T: Transport> TensorParallelReplica<T> {
                 let backward = backward_weight(train, &self.trainer.loss_scale, step, &range);
                 let samples = Samples::new(train.seed, step, range.start);
                 let (tokens, targets) = self.trainer.sampler.batch(step, range);
-                let device = self.trainer.device;
+                let device = self.device;
                 (upload(&tokens, device), upload(&targets, device), weight, backward, samples)
             })
             .collect()
