@@ -18,7 +18,7 @@
 # losses within 1e-4 relative, bf16 trains); AdamW on CUDA parameters through troupe's fused kernel; the
 # NCCL world-1 communicator (create, every collective, abort, rebuild); daemons' GPU slots (DDP over NCCL,
 # two ranks sharing the GPU over host memory, ZeRO over NCCL and host memory, a tensor group of two
-# sharing the GPU); the fused kernels' bandwidth beside the device's own copy; tokens/s and MFU of SmolLM2-135M in bf16 beside PyTorch eager
+# and DiLoCo replicas sharing the GPU); the fused kernels' bandwidth beside the device's own copy; tokens/s and MFU of SmolLM2-135M in bf16 beside PyTorch eager
 # and torch.compile (transformers) on the same GPU in the same command, and of TinyLlama-1.1B beside eager
 # and, fine-tuned with LoRA, beside transformers + PEFT.
 # Checks whose runtime support is not built yet say "not_built" and why, rather than being left out.

@@ -57,6 +57,8 @@ CHECKS = [
                "zero_ranks_on_gpu_slots_reduce_over_nccl_or_host_memory_and_follow_the_reference", 120),
     test_check("tensor_group_on_a_shared_gpu", "gpu_slots",
                "a_tensor_group_sharing_a_gpu_computes_its_shards_there_and_follows_the_reference", 90),
+    test_check("periodic_sync_on_a_shared_gpu", "gpu_slots",
+               "periodic_replicas_on_a_shared_gpu_step_there_and_follow_the_reference", 90),
     bench_check("fused_kernels_beside_device_copy", ["bench", "kernels", "--device", "cuda", "--json"], 60),
     train_check("smollm2_135m_bf16_beside_pytorch_eager", "smollm2-135m", 20),
     train_check("smollm2_135m_bf16_beside_torch_compile", "smollm2-135m", 20, "--peer-compile"),

@@ -1,7 +1,8 @@
 //! Daemon slots on CUDA devices (issue 31), end to end through daemon processes: a DDP job on a GPU slot
 //! sums its gradients over NCCL (and `troupe status` shows the GPU's memory in use from NVML), two
 //! daemons sharing one GPU sum theirs through host memory, ZeRO-1/2 ranks do either, a tensor group of
-//! two daemons sharing the GPU keeps its shards there, and all follow the single-process reference. They need a GPU: elsewhere each says "skipped: no CUDA device"
+//! two daemons sharing the GPU keeps its shards there, periodically synchronizing replicas step there,
+//! and all follow the single-process reference. They need a GPU: elsewhere each says "skipped: no CUDA device"
 //! and passes (scripts/gpu-check.sh runs them on a lent device, `TROUPE_BIN` pointing at the carried
 //! `troupe`). Without a GPU the device path runs in `device_plane_oracle.rs` (fake NCCL), and the
 //! refusal of `devices = "cuda"` in `daemons.rs`.
@@ -174,5 +175,27 @@ async fn a_tensor_group_sharing_a_gpu_computes_its_shards_there_and_follows_the_
     assert!(load.memory_used_bytes > 0, "NVML's figures: {load:?}");
     let diff = worst_loss_diff(&losses, &reference(&single));
     println!("tp = 2 on one shared GPU over the host plane: loss diff {diff:.1e}; MFU {:?}", mfus.last());
+    assert!(diff <= TOLERANCE, "losses differ by {diff:e}");
+}
+
+/// Periodic synchronization on GPU slots (issues 31 and 37): two daemons sharing the GPU each take their
+/// local steps there (DiLoCo, H = 4) and synchronize through host memory, as the plane's reason says;
+/// the losses follow the single-process reference of the same algorithm (two replicas in one process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn periodic_replicas_on_a_shared_gpu_step_there_and_follow_the_reference() {
+    if !cuda("periodic_replicas_on_a_shared_gpu_step_there_and_follow_the_reference") {
+        return;
+    }
+    let mut config = common::two_block_job(12);
+    (config.parallel.sync, config.parallel.sync_every) = ("diloco".into(), 4);
+    let mut reference = troupe_model::periodic::ReplicaSet::new(&config, 2).unwrap();
+    let expected: Vec<f64> = (0..config.train.steps).map(|_| reference.train_step()).collect();
+    let cluster = cluster(2).await;
+    let ((plane, why), losses, mfus) = run(&cluster, &config).await;
+    cluster.shutdown().await;
+    assert_eq!(plane, GradientPlane::Host, "{why}");
+    assert!(why.contains("local steps run on the GPUs"), "{why}");
+    let diff = worst_loss_diff(&losses, &expected);
+    println!("DiLoCo (H = 4) on one shared GPU: loss diff {diff:.1e}; MFU {:?}", mfus.last());
     assert!(diff <= TOLERANCE, "losses differ by {diff:e}");
 }

@@ -84,6 +84,7 @@ esac"#,
         "two_ranks_share_the_gpu_over_the_host_plane",
         "zero_on_gpu_slots_over_nccl_and_host",
         "tensor_group_on_a_shared_gpu",
+        "periodic_sync_on_a_shared_gpu",
     ] {
         let l = line(&lines, check);
         assert_eq!(l["status"], "skipped", "{l}");
@@ -103,7 +104,7 @@ fn a_benchmark_that_fails_for_want_of_cuda_is_skipped_and_the_run_passes() {
     let (code, lines) = run_checks(bin.path());
     assert_eq!(code, Some(0), "{lines:?}");
     let statuses: Vec<&str> = lines[1..].iter().map(|l| l["status"].as_str().unwrap()).collect();
-    assert_eq!(statuses, ["skipped"; 12], "{lines:?}");
+    assert_eq!(statuses, ["skipped"; 13], "{lines:?}");
 }
 
 #[test]

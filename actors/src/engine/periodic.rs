@@ -3,6 +3,10 @@
 //! every batch, and the replicas' parameters meet every H steps — averaged (local SGD) or moved by an
 //! outer Nesterov step on the averaged delta (DiLoCo). The algorithm and its arithmetic are
 //! [`troupe_model::periodic`]'s, whose `ReplicaSet` is the single-process reference this engine equals.
+//! On a GPU slot (without `parallel.offload`) the working replica, its AdamW state and the last
+//! synchronization's snapshot live on the device and the local steps run there; a synchronization copies
+//! the parameters down and back through host memory (`flat_params`, `load_flat_ranges`), once every H
+//! steps, over the attempt's host plane.
 //!
 //! Why a module of its own rather than a mode of `data_parallel`: DDP's step is a gradient all-reduce in
 //! buckets overlapped with the backward, and its committed state is the trainer after the step; here a
@@ -62,12 +66,18 @@ use crate::protocol::RankUsage;
 /// checkpoint's state with the inner optimizer state (and with fragments the parameters) of saved rank
 /// `rank mod n` — its own on the same world — and the outer momentum and global parameters as saved. A
 /// checkpoint without the periodic part (version 2 and older, or saved by an every-step job) gives every
-/// rank its one trainer state, rank 0's moments, and the outer momentum starts at zero.
-pub(crate) fn resume_rank(config: JobConfig, dir: &Path, rank: usize) -> Result<CommittedState, String> {
+/// rank its one trainer state, rank 0's moments, and the outer momentum starts at zero. The trainer is
+/// built on `device` (the slot's GPU when the replicas step there).
+pub(crate) fn resume_rank(
+    config: JobConfig,
+    dir: &Path,
+    rank: usize,
+    device: tch::Device,
+) -> Result<CommittedState, String> {
     let fail = |e: &dyn std::fmt::Display| format!("restoring checkpoint {}: {e}", dir.display());
     let mut state = load_state(dir).map_err(|e| fail(&e))?;
     let resumed = state.take_rank(rank);
-    let mut trainer = Trainer::new(config).map_err(|e| fail(&e))?;
+    let mut trainer = Trainer::new_on(config, device).map_err(|e| fail(&e))?;
     state.restore_into(&mut trainer, dir).map_err(|e| fail(&e))?;
     let (outer_momentum, global) = (resumed.outer_momentum, resumed.global);
     Ok(CommittedState::Periodic { trainer: Box::new(trainer), outer_momentum, global })

@@ -17,22 +17,33 @@ use troupe_model::config::JobConfig;
 use crate::engine::tensor_parallel_on_device;
 use crate::protocol::{GradientPlane, SlotDevice};
 
-/// Whether the engine `config` selects keeps a rank's model and gradients on its slot's device and
-/// reduces them there: DDP (its optimizer state there too, unless `parallel.offload = "host"`),
-/// ZeRO-1/2/3 (their shard owners keep the masters, moments and the update in host memory; ZeRO-3
-/// gathers each unit's parameters on the device) and tensor parallelism with AdamW and data
-/// parallelism over its groups ([`tensor_parallel_on_device`]). Pipelines (with or without tensor
-/// parallelism), ZeRO or Adafactor under tensor parallelism, and periodic synchronization compute on
-/// the host for now, whatever the slot.
+/// Whether the engine `config` selects keeps a rank's model and gradients on its slot's device: DDP (its
+/// optimizer state there too, unless `parallel.offload = "host"`), ZeRO-1/2/3 (their shard owners keep
+/// the masters, moments and the update in host memory; ZeRO-3 gathers each unit's parameters on the
+/// device), tensor parallelism with AdamW and data parallelism over its groups
+/// ([`tensor_parallel_on_device`]), and periodic synchronization's replicas without offload (their local
+/// steps on the device; the synchronization, every `sync_every` steps, through host memory:
+/// [`reduces_on_device`] is false). Pipelines (with or without tensor parallelism) and ZeRO or Adafactor
+/// under tensor parallelism compute on the host for now, whatever the slot.
 pub fn runs_on_device(config: &JobConfig) -> bool {
     let p = &config.parallel;
-    if p.pp > 1 || p.periodic_sync() {
+    if p.pp > 1 {
         return false;
+    }
+    if p.periodic_sync() {
+        return p.tp <= 1 && p.shard == "none" && p.offload == "none";
     }
     if p.tp > 1 {
         return tensor_parallel_on_device(config);
     }
     matches!(p.shard.as_str(), "none" | "zero1" | "zero2" | "zero3")
+}
+
+/// Whether the engine also reduces on the device, so that NCCL can carry its collectives: every engine
+/// that [`runs_on_device`] but periodic synchronization, which moves whole parameters only every
+/// `sync_every` steps and does it through host memory.
+pub fn reduces_on_device(config: &JobConfig) -> bool {
+    runs_on_device(config) && !config.parallel.periodic_sync()
 }
 
 /// How a rank's failed attempt begins when NCCL itself could not start on its GPU: the library, the
@@ -65,8 +76,15 @@ pub fn choose(config: &JobConfig, ranks: &[RankDevice]) -> (GradientPlane, Strin
     }
     if !runs_on_device(config) {
         return host(format!(
-            "ranks on CUDA slots, but this engine ({}) computes on the host; DDP, ZeRO-1/2/3 and tensor parallelism with AdamW (no pp, periodic sync, or ZeRO under tp) run on the GPUs",
+            "ranks on CUDA slots, but this engine ({}) computes on the host; DDP, ZeRO-1/2/3, tensor parallelism with AdamW and periodic sync without offload (no pp, or ZeRO under tp) run on the GPUs",
             engine_name(config)
+        ));
+    }
+    if !reduces_on_device(config) {
+        return host(format!(
+            "the local steps run on the GPUs; periodic synchronization ({}) averages whole parameters every {} steps through host memory",
+            engine_name(config),
+            config.parallel.sync_every
         ));
     }
     for r in ranks {
@@ -115,6 +133,9 @@ fn engine_name(config: &JobConfig) -> String {
     }
     if p.periodic_sync() {
         parts.push(format!("sync = {:?}", p.sync));
+        if p.offload != "none" {
+            parts.push(format!("offload = {:?}", p.offload));
+        }
     }
     if p.tp > 1 && config.train.optimizer != "adamw" {
         parts.push(format!("optimizer = {:?}", config.train.optimizer));
@@ -136,6 +157,14 @@ mod tests {
 
     fn ddp() -> JobConfig {
         JobConfig::default()
+    }
+
+    /// Node "a"'s slots 0 and 1 on `g0` and `g1`.
+    fn two_gpus_of_one_host<'a>(g0: &'a SlotDevice, g1: &'a SlotDevice) -> [RankDevice<'a>; 2] {
+        [
+            RankDevice { node: "a", slot: 0, host: ip(1), device: g0 },
+            RankDevice { node: "a", slot: 1, host: ip(1), device: g1 },
+        ]
     }
 
     #[test]
@@ -208,10 +237,7 @@ mod tests {
     #[test]
     fn tensor_parallelism_runs_on_the_gpus_without_a_pipeline_zero_or_adafactor() {
         let (g0, g1) = (gpu(0), gpu(1));
-        let ranks = [
-            RankDevice { node: "a", slot: 0, host: ip(1), device: &g0 },
-            RankDevice { node: "a", slot: 1, host: ip(1), device: &g1 },
-        ];
+        let ranks = two_gpus_of_one_host(&g0, &g1);
         let mut tp = ddp();
         tp.parallel.tp = 2;
         assert!(runs_on_device(&tp) && tensor_parallel_on_device(&tp));
@@ -233,5 +259,23 @@ mod tests {
         adafactor.train.optimizer = "adafactor".into();
         host(&adafactor, "optimizer = \"adafactor\"");
         assert!(!tensor_parallel_on_device(&ddp()), "tp = 1 is not tensor parallelism");
+    }
+
+    #[test]
+    fn periodic_sync_steps_on_the_gpus_and_synchronizes_through_host_memory() {
+        let (g0, g1) = (gpu(0), gpu(1));
+        let ranks = two_gpus_of_one_host(&g0, &g1);
+        let mut diloco = ddp();
+        (diloco.parallel.sync, diloco.parallel.sync_every) = ("diloco".into(), 8);
+        assert!(runs_on_device(&diloco) && !reduces_on_device(&diloco));
+        let (plane, why) = choose(&diloco, &ranks);
+        assert_eq!(plane, GradientPlane::Host, "{why}");
+        assert!(why.contains("local steps run on the GPUs") && why.contains("every 8 steps"), "{why}");
+        let mut offloaded = diloco.clone();
+        offloaded.parallel.offload = "host".into();
+        assert!(!runs_on_device(&offloaded));
+        let (_, why) = choose(&offloaded, &ranks);
+        assert!(why.contains("computes on the host") && why.contains("offload = \"host\""), "{why}");
+        assert!(reduces_on_device(&ddp()), "DDP reduces on the GPUs");
     }
 }

@@ -401,7 +401,7 @@ fn fresh_state(spec: &JobSpec, rank: usize, device: &SlotDevice) -> Result<(Comm
         }
         if let Some(latest) = latest {
             if troupe_model::periodic::PeriodicSync::of(&config.parallel).is_some() {
-                return crate::engine::resume_rank(config, &latest, rank).map(|state| (state, true));
+                return crate::engine::resume_rank(config, &latest, rank, on).map(|state| (state, true));
             }
             return Trainer::resume_on(config, &latest, if in_parts { tch::Device::Cpu } else { on })
                 .map(|mut t| {
