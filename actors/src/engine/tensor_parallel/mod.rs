@@ -53,7 +53,7 @@ use troupe_model::Trainer;
 
 use super::committed::CommittedState;
 use super::device_plane::DevicePlane;
-use super::flat::{append_flat, broadcast_state, copy_from_flat, counter_words};
+use super::flat::{append_flat, broadcast_state, copy_from_flat, counter_words, flatten_on_device};
 use super::pipeline::{costs_for, ModelCosts, PlanShape};
 use super::shard_plan::ShardMode;
 use super::step_engine::{EngineError, ReducedStep, StepEngine};
@@ -976,10 +976,9 @@ fn sum_on_device(
     plane: &PlaneClient,
     for_buddy: bool,
 ) -> Result<(Vec<f32>, f32), String> {
-    let device = sum.first().map_or(tch::Device::Cpu, Tensor::device);
-    let mut pieces: Vec<Tensor> = sum.iter().map(|t| t.reshape([-1])).collect();
-    pieces.push(Tensor::from_slice(&[loss as f32]).to_device(device));
-    let flat = plane.call(CollectiveKind::AllReduce, &Tensor::cat(&pieces, 0)).map_err(|e| e.to_string())?;
+    let grads = flatten_on_device(sum);
+    let word = Tensor::from_slice(&[loss as f32]).to_device(grads.device());
+    let flat = plane.call(CollectiveKind::AllReduce, &Tensor::cat(&[grads, word], 0)).map_err(|e| e.to_string())?;
     let total = flat.numel() as i64 - 1;
     let mut offset = 0;
     tch::no_grad(|| {
